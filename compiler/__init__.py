@@ -1,0 +1,1 @@
+"""Front door and orchestration: capture, plan, pass manager, cost model."""

@@ -1,0 +1,113 @@
+"""fxpar.parallelize and ParallelModel: capture -> passes -> Program -> runtime."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fxpar.compiler import capture as cap
+from fxpar.compiler import ir
+from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.plan import Plan, resolve
+from fxpar.runtime import dist as rdist
+from fxpar.runtime import executor, optim
+
+log = logging.getLogger("fxpar")
+
+
+def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable | None = None,
+                optimizer: Callable | None = None, plan: Any = "auto") -> "ParallelModel":
+    """Compile `model` + `loss_fn` into a training step that runs across `devices`.
+
+    See DESIGN.md section 1. Every rank calls this with the same arguments.
+    """
+    world_size = devices.size() if hasattr(devices, "get_group") else (
+        devices if isinstance(devices, int) else len(devices))
+    resolved = resolve(plan, world_size)
+    world = rdist.setup(devices, dims=[("dp", resolved.dp)])
+    model.to(world.device)
+    if world.size > 1:  # start from rank 0's weights, as DDP does
+        with torch.no_grad():
+            for t in (*model.parameters(), *model.buffers()):
+                dist.broadcast(t.data, src=0)
+    example_batch = _to_device(example_batch, world.device)
+    return ParallelModel(model, world, resolved, example_batch, loss_fn, optimizer)
+
+
+def _to_device(batch, device):
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+class ParallelModel:
+    """A model compiled for a Plan; `step(batch)` is one full training step."""
+
+    def __init__(self, model, world, plan: Plan, example_batch, loss_fn, optimizer):
+        self.model, self.world, self.plan = model, world, plan
+        self.loss_fn = loss_fn
+        self.stage_graphs: dict[str, dict[str, torch.fx.GraphModule]] = {}
+        t0 = time.perf_counter()
+        self.program, self.compile_times = self._compile(example_batch, joint=True,
+                                                         snapshots=self.stage_graphs)
+        self.compile_times.insert(0, ("capture", self._capture_time, None))
+        log.info("compiled in %.2f s", time.perf_counter() - t0)
+        self._eval_program = None
+        self._example_batch = example_batch
+        self.optimizer = optim.build(optimizer, model)
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        sig = self.program.signature
+        self._params = [params[n] for n in sig.param_names]
+        self._buffers = [buffers[n] for n in sig.buffer_names]
+
+    def _compile(self, example_batch, joint, snapshots):
+        t0 = time.perf_counter()
+        gm, sig = cap.capture(self.model, example_batch, self.loss_fn, joint=joint)
+        self._capture_time = time.perf_counter() - t0
+        ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp"})
+        gm = run_passes(gm, self.plan, ctx, role="dp", snapshots=snapshots)
+        program = ir.Program(graph=gm, signature=sig, dp=self.plan.dp,
+                             batch_shard_dims=ctx.batch_shard_dims,
+                             group_name=ctx.group_names["dp"])
+        return program, ctx.timings
+
+    # --- training ---------------------------------------------------------------------------
+    def _run(self, program, batch):
+        leaves = cap.flatten_batch(_to_device(batch, self.world.device), program.signature)
+        local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
+                                     self.world.device)
+        return executor.run_graph(program, program.graph, self._params, self._buffers, local)
+
+    def step(self, batch) -> torch.Tensor:
+        """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
+        outs = self._run(self.program, batch)
+        n_p = len(self._params)
+        loss, grads, new_bufs = outs[0], outs[1:1 + n_p], outs[1 + n_p:]
+        optim.apply_gradients(self.optimizer, self._params, grads)
+        self._update_buffers(new_bufs)
+        return loss.detach()
+
+    def _update_buffers(self, new_bufs):
+        if not new_bufs:
+            return
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, val in zip(self.program.signature.mutated_buffers, new_bufs):
+                buffers[name].copy_(val)
+
+    def evaluate(self, batch) -> torch.Tensor:
+        """Forward only, no parameter or buffer update: the mean loss of the global batch."""
+        if self._eval_program is None:
+            self._eval_program, _ = self._compile(self._example_batch, joint=False, snapshots={})
+        outs = self._run(self._eval_program, batch)
+        return outs[0].detach()
+
+    # --- state ------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def __repr__(self):
+        return f"ParallelModel(plan={self.plan}, world={self.world.size})"

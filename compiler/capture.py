@@ -1,0 +1,323 @@
+"""Model + loss_fn + example batch -> one joint forward+backward functional ATen graph.
+
+We use AOTAutograd's joint export (`aot_export_module(trace_joint=True)`): it functionalizes
+(BatchNorm's in-place running-stat updates become explicit outputs), traces with fake tensors
+(no real memory is touched), and hands back the graph signature we reorder into the fxpar
+contract: placeholders (params, buffers, batch leaves), outputs (loss, grads, updated buffers).
+
+A few ops are decomposed while tracing so that every later pass sees only ops whose
+sharding is well defined: BatchNorm (its batch statistics must become reductions the
+data-parallel pass can all-reduce), var_mean (rewritten as sums, which are linear), and the
+CPU-only fused attention kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._decomp import get_decompositions
+
+from fxpar.compiler import ir
+from fxpar.compiler.errors import TraceError
+
+log = logging.getLogger("fxpar.capture")
+aten = torch.ops.aten
+
+
+def _var_mean_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    """var_mean via sums: linear reductions shard exactly (Partial -> all-reduce)."""
+    correction = 1 if correction is None else correction
+    dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    mean = aten.sum.dim_IntList(x, dims, True) / n
+    dev = x - mean
+    var = aten.sum.dim_IntList(dev * dev, dims, keepdim) / max(n - correction, 0)
+    if not keepdim:
+        mean = aten.squeeze.dims(mean, dims)
+    return var, mean
+
+
+def decomposition_table() -> dict:
+    """Decompose ops with no sharding rule (e.g. mse_loss) into ops that have one, plus the
+    few we always want decomposed (see module docstring)."""
+    from torch._decomp import core_aten_decompositions
+    from fxpar.compiler.sharding import has_sharding_rule
+    table = {op: fn for op, fn in core_aten_decompositions().items()
+             if isinstance(op, torch._ops.OpOverload) and not has_sharding_rule(op)}
+    table.update(get_decompositions([
+        aten._native_batch_norm_legit_functional,
+        aten._native_batch_norm_legit,
+        aten._native_batch_norm_legit_no_training,
+        aten.native_batch_norm,
+        aten.native_batch_norm_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+    ]))
+    table[aten.var_mean.correction] = _var_mean_as_sums
+    return table
+
+
+def default_loss_fn(model: torch.nn.Module, batch: Any):
+    """DESIGN section 1: model(**batch) for a dict, model(batch) otherwise."""
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def _as_scalar_loss(out: Any) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+        out = out.loss
+    if not isinstance(out, torch.Tensor):
+        raise TraceError(
+            f"loss_fn returned {type(out).__name__}, not a tensor. Return a scalar loss tensor "
+            "(or an object with a `.loss` tensor, as Hugging Face models do when given labels).")
+    if out.numel() != 1:
+        raise TraceError(
+            f"loss_fn returned a tensor of shape {tuple(out.shape)}; fxpar needs a scalar loss. "
+            "Reduce it, e.g. `loss.mean()` (or `.sum()`), inside loss_fn.")
+    return out.reshape(())
+
+
+class _LossModule(torch.nn.Module):
+    """Wraps model + loss_fn so AOTAutograd sees one module returning one scalar."""
+
+    def __init__(self, model, loss_fn, batch_spec, const_leaves):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.batch_spec = batch_spec
+        self.const_leaves = const_leaves  # {leaf index: python value} for non-tensor leaves
+
+    def forward(self, *tensor_leaves):
+        leaves, it = [], iter(tensor_leaves)
+        for i in range(self.batch_spec.num_leaves):
+            leaves.append(self.const_leaves[i] if i in self.const_leaves else next(it))
+        batch = pytree.tree_unflatten(leaves, self.batch_spec)
+        return (_as_scalar_loss(self.loss_fn(self.model, batch)),)
+
+
+class _ModuleTagger:
+    """Tags every forward node with the innermost module that created it.
+
+    Forward hooks mark module entry/exit; nodes appended to the graph being traced between two
+    events belong to the module on top of the stack. (aot_export_module does not record
+    nn_module_stack, so we observe the tracer's graph directly.)
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.stack: list[str] = [""]
+        self.handles = []
+        self.last = None
+        self.tags: dict[str, str] = {}  # node name -> module path
+        for name, mod in model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(mod.register_forward_hook(self._exit()))
+
+    def _graph(self):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        mode = get_proxy_mode()
+        return None if mode is None else mode.tracer.graph
+
+    def _flush(self):
+        g = self._graph()
+        if g is None:
+            return
+        nodes = list(g.nodes)
+        start = 0
+        if self.last is not None:
+            for i in range(len(nodes) - 1, -1, -1):
+                if nodes[i] is self.last:
+                    start = i + 1
+                    break
+        for n in nodes[start:]:
+            self.tags.setdefault(n.name, self.stack[-1])
+        if nodes:
+            self.last = nodes[-1]
+
+    def _enter(self, name):
+        def hook(mod, args):
+            self._flush()
+            self.stack.append(name)
+        return hook
+
+    def _exit(self):
+        def hook(mod, args, out):
+            self._flush()
+            self.stack.pop()
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _trace_error(exc: BaseException, module_path: str) -> TraceError:
+    op = getattr(exc, "func", None)
+    opname = str(op) if op is not None else type(exc).__name__
+    # the innermost frame of user code (outside torch/fxpar) is where the branch is
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/fxpar/" not in f.filename
+              and "/compiler/capture.py" not in f.filename]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+    return TraceError(
+        f"cannot trace module '{module_path or '<root>'}': operation {opname} needs the value of a "
+        f"tensor (data-dependent Python control flow such as `if tensor:`, `.item()`, "
+        f"`.tolist()` or a data-dependent shape) at {where}. fxpar compiles one static graph for "
+        "every step. Fix: express the branch with tensor ops (`torch.where`, masking, "
+        "`torch.cond`) or compute it outside the model and pass it in the batch.")
+
+
+def capture(model: torch.nn.Module, example_batch: Any,
+            loss_fn: Callable | None = None, *, joint: bool = True
+            ) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
+    """Trace loss_fn(model, batch) and d loss / d params into one joint ATen graph.
+
+    joint=False traces the forward only (for evaluate): outputs (loss, updated buffers).
+    """
+    from torch._functorch.aot_autograd import aot_export_module
+
+    loss_fn = loss_fn or default_loss_fn
+    leaves, spec = pytree.tree_flatten(example_batch)
+    const_leaves = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+    tensor_leaves = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if not tensor_leaves:
+        raise TraceError("example_batch holds no tensors; pass one global batch: a tensor, "
+                         "a tuple or a dict of tensors.")
+    wrapper = _LossModule(model, loss_fn, spec, const_leaves)
+    tagger = _ModuleTagger(model)
+    try:
+        with contextlib.nullcontext() if joint else torch.no_grad():
+            gm, sig = aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
+                                        output_loss_index=0 if joint else None,
+                                        decompositions=decomposition_table())
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the cause named
+        data_dep = ("DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower()
+                    or "data dependent" in str(e).lower() or "GuardOnDataDependent" in str(e))
+        cause = e
+        while cause.__cause__ is not None and not data_dep:
+            cause = cause.__cause__
+            data_dep = "DataDependent" in type(cause).__name__
+        if data_dep:
+            raise _trace_error(e, tagger.stack[-1]) from e
+        raise TraceError(
+            f"cannot trace module '{tagger.stack[-1] or '<root>'}': {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}. fxpar traces loss_fn(model, batch) with "
+            "fake tensors into one ATen graph; the model must run on any tensor values of the "
+            "example batch's shapes (no data-dependent control flow, no tensor-to-Python "
+            "conversions, no mutation of Python state).") from e
+    finally:
+        tagger.close()
+    return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint)
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint):
+    """Reorder outputs to (loss, grads, updated buffers); tag role/region/module on every node."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+
+    param_names = [_strip(p) for p in sig.parameters]
+    buffer_names = [_strip(b) for b in sig.buffers]
+    n_mut = len(sig.buffers_to_mutate)
+    mutated = [_strip(sig.buffers_to_mutate[o.name]) for o in outs[:n_mut]]
+    loss = outs[n_mut]
+    grads = []
+    if joint:
+        name_to_grad = {v: k for k, v in sig.backward_signature.gradients_to_parameters.items()}
+        node_by_name = {n.name: n for n in graph.nodes}
+        grads = [node_by_name.get(name_to_grad.get(p)) if name_to_grad.get(p) else None
+                 for p in sig.parameters]
+    out_node.args = ((loss, *grads, *outs[:n_mut]),)
+    out_node.meta["n_grads"] = len(grads)
+    graph._codegen = torch.fx.graph.CodeGen()  # plain positional inputs and outputs
+
+    n_p, n_b = len(param_names), len(buffer_names)
+    for i, ph in enumerate(placeholders):
+        if i < n_p:
+            ph.meta[ir.ROLE], ph.meta["fqn"] = "param", param_names[i]
+            ph.meta[ir.MODULE] = param_names[i].rpartition(".")[0]
+        elif i < n_p + n_b:
+            ph.meta[ir.ROLE], ph.meta["fqn"] = "buffer", buffer_names[i - n_p]
+            ph.meta[ir.MODULE] = buffer_names[i - n_p].rpartition(".")[0]
+        else:
+            ph.meta[ir.ROLE], ph.meta["fqn"] = "batch", f"batch[{i - n_p - n_b}]"
+            ph.meta[ir.MODULE] = ""
+        ph.meta[ir.REGION] = ir.FORWARD
+
+    # forward = everything the loss or a buffer update depends on
+    fwd: set[torch.fx.Node] = set()
+    todo = [loss, *outs[:n_mut]]
+    while todo:
+        n = todo.pop()
+        if n in fwd or n.op == "placeholder":
+            continue
+        fwd.add(n)
+        todo.extend(n.all_input_nodes)
+    for n in graph.nodes:
+        if n.op == "call_function":
+            n.meta[ir.REGION] = ir.FORWARD if n in fwd else ir.BACKWARD
+            if n in fwd:
+                n.meta[ir.MODULE] = _strip(tags.get(n.name, "")) if tags.get(n.name) else ""
+    # backward nodes: the module of the most recently computed forward value (or parameter)
+    # they consume, else that of the gradient flowing into them
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.meta[ir.REGION] != ir.BACKWARD:
+            continue
+        fwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.FORWARD
+                  and a.meta.get(ir.ROLE) != "batch"]
+        bwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.BACKWARD]
+        src = max(fwd_in or bwd_in, key=order.__getitem__, default=None)
+        n.meta[ir.MODULE] = src.meta.get(ir.MODULE, "") if src is not None else ""
+    out_node.meta[ir.REGION], out_node.meta[ir.MODULE] = ir.BACKWARD, ""
+
+    # drop autograd's no-op detach nodes: they only alias
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target is aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+    leaf_meta = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves]
+    signature = ir.GraphSignature(param_names=param_names, buffer_names=buffer_names,
+                                  batch_spec=spec, batch_leaf_meta=leaf_meta,
+                                  mutated_buffers=mutated)
+    log.debug("captured %d nodes (%d params, %d buffers, %d batch leaves)",
+              len(graph.nodes), n_p, n_b, len(tensor_leaves))
+    return gm, signature
+
+
+def flatten_batch(batch: Any, signature: ir.GraphSignature) -> list[torch.Tensor]:
+    """Batch -> its tensor leaves, checking it has the example batch's structure and shapes."""
+    from fxpar.compiler.errors import BatchError
+    leaves, spec = pytree.tree_flatten(batch)
+    if spec != signature.batch_spec:
+        raise BatchError(f"batch structure {spec} differs from the example_batch's "
+                         f"{signature.batch_spec}; give step() batches shaped like example_batch "
+                         "(or call parallelize again with a matching example_batch).")
+    out = []
+    for i, (v, m) in enumerate(zip(leaves, signature.batch_leaf_meta)):
+        if isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.dtype):
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m[0] or v.dtype != m[1]:
+                got = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise BatchError(f"batch leaf {i} is {got}, but example_batch had {m}; the graph "
+                                 "was compiled for the example batch's shapes and dtypes. Pad or "
+                                 "re-parallelize with a matching example_batch.")
+            out.append(v)
+        elif v != m:
+            raise BatchError(f"non-tensor batch leaf {i} is {v!r} but example_batch had {m!r}; "
+                             "non-tensor values are baked into the graph at trace time.")
+    return out

@@ -1,0 +1,21 @@
+"""User-facing exceptions. Each message names the cause and the fix."""
+
+
+class FxparError(Exception):
+    """Base class of every error fxpar raises on bad input."""
+
+
+class TraceError(FxparError):
+    """The model (or its loss) cannot be captured as one static joint graph."""
+
+
+class PlanError(FxparError, ValueError):
+    """The Plan is invalid or does not match the devices / batch."""
+
+
+class ShardingError(FxparError):
+    """No sharding could be decided for an op of the graph."""
+
+
+class BatchError(FxparError, ValueError):
+    """A batch given to step()/evaluate() does not match the example batch."""

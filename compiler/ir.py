@@ -1,0 +1,59 @@
+"""Names shared by capture, passes and runtime: node.meta keys and the Program.
+
+Passes talk to each other only through the graph and these meta keys; the runtime only
+through `Program`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx
+
+# node.meta keys (DESIGN.md section 3)
+VAL = "val"              # fake tensor: shape, dtype, device
+REGION = "region"        # "forward" | "backward" | "optimizer" | "comm"
+MODULE = "module"        # source module path, e.g. "transformer.h.3.mlp.c_fc"
+RECOMPUTE = "recompute"  # set by remat
+STAGE = "stage"          # set by pipeline_split
+SHARD = "shard"          # placements of the value, tuple of Placement (one per mesh dim)
+FUSED_GROUP = "fused_group"
+COST = "cost"            # {"flops": int, "bytes": int}
+ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
+
+FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
+
+
+@dataclasses.dataclass
+class GraphSignature:
+    """Which placeholders/outputs of the joint graph are what.
+
+    Placeholders: params (in `param_names` order), buffers, then batch leaves.
+    Outputs: (loss, *grads in param order, *updated buffers in `mutated_buffers` order).
+    """
+    param_names: list[str]
+    buffer_names: list[str]
+    batch_spec: Any                 # pytree spec of the batch
+    batch_leaf_meta: list[Any]      # per leaf: (shape, dtype) for tensors, the value otherwise
+    mutated_buffers: list[str]
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_names)
+
+
+@dataclasses.dataclass
+class Program:
+    """What the runtime executes on one rank.
+
+    `graph` takes (params, buffers, local batch leaves) and returns
+    (loss, grads, updated buffers) with every collective as an explicit node.
+    `batch_shard_dims[i]` is the dim along which batch leaf i is split over the dp group
+    (None = replicated). `param_shards` is per parameter None (whole) for now.
+    """
+    graph: torch.fx.GraphModule
+    signature: GraphSignature
+    dp: int
+    batch_shard_dims: list[int | None]
+    group_name: str | None = None
+    eval_graph: torch.fx.GraphModule | None = None

@@ -1,0 +1,137 @@
+"""The ordered pass list and the checks run after every pass.
+
+Each pass is `run(gm, plan, ctx) -> gm`. After every pass: `graph.lint()`, a fake-tensor
+re-propagation that checks every node's meta["val"] (shape, dtype), a snapshot for
+`pm.stage_graphs`, and one log line (set FXPAR_DEBUG=1 to see them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpar.compiler import ir
+from fxpar.compiler.errors import FxparError
+
+log = logging.getLogger("fxpar.passes")
+if os.environ.get("FXPAR_DEBUG"):
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("fxpar").setLevel(logging.DEBUG)
+
+
+class PassError(FxparError):
+    """A pass produced an inconsistent graph (a bug in fxpar: please report it)."""
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What passes may know besides the graph: the signature and the process-group names."""
+    signature: ir.GraphSignature
+    group_names: dict[str, str] = dataclasses.field(default_factory=dict)  # mesh dim -> group
+    batch_shard_dims: list[int | None] = dataclasses.field(default_factory=list)
+    timings: list[tuple[str, float, int]] = dataclasses.field(default_factory=list)
+
+
+def _pass_list() -> list[tuple[str, Callable]]:
+    # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
+    # overlap, fusion. Only implemented passes are listed; Plan.validate refuses the rest.
+    from fxpar.passes import data_parallel
+    return [("data_parallel", data_parallel.run)]
+
+
+PASSES = _pass_list
+
+
+def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A cheap copy of a graph (node meta dicts are copied shallowly)."""
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    out_node = next(n for n in g.nodes if n.op == "output")
+    old_out = next(n for n in gm.graph.nodes if n.op == "output")
+    out_node.meta = dict(old_out.meta)
+    return torch.fx.GraphModule(gm, g)
+
+
+def fake_inputs(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> list:
+    vals = []
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta[ir.VAL]
+                vals.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                                device=v.device))
+    return vals
+
+
+def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
+    """Re-run the graph on fake tensors. check=True: every meta["val"] must match (shape,
+    dtype); check=False: store the fresh values (used by passes that change shapes)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = fake_inputs(gm, mode)
+
+    class Prop(torch.fx.Interpreter):
+        def run_node(self, n):
+            with mode:
+                res = super().run_node(n)
+            if n.op in ("placeholder", "output"):
+                return res
+            if check:
+                old = n.meta.get(ir.VAL)
+                _compare(n, old, res)
+            else:
+                n.meta[ir.VAL] = res
+            return res
+
+    Prop(gm).run(*args)
+
+
+def _compare(n, old, new):
+    if isinstance(new, torch.Tensor):
+        if not isinstance(old, torch.Tensor) or old.shape != new.shape or old.dtype != new.dtype:
+            raise PassError(f"node {n.name} ({n.target}): meta['val'] says "
+                            f"{getattr(old, 'shape', old)}/{getattr(old, 'dtype', '')} but the "
+                            f"graph computes {tuple(new.shape)}/{new.dtype}")
+    elif isinstance(new, (tuple, list)) and isinstance(old, (tuple, list)):
+        for o, v in zip(old, new):
+            _compare(n, o, v)
+
+
+def verify(gm: torch.fx.GraphModule) -> None:
+    gm.graph.lint()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and (ir.REGION not in n.meta or ir.MODULE not in n.meta):
+            raise PassError(f"node {n.name} ({n.target}) lacks meta['region'] or meta['module']")
+    fake_propagate(gm, check=True)
+
+
+def _count(gm):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
+               snapshots: dict[str, dict[str, torch.fx.GraphModule]]) -> torch.fx.GraphModule:
+    """Run the pass list in order, verifying and snapshotting after each."""
+    verify(gm)
+    snapshots["capture"] = {"joint": snapshot(gm)}
+    for name, fn in PASSES():
+        before = _count(gm)
+        t0 = time.perf_counter()
+        gm = fn(gm, plan, ctx)
+        gm.recompile()
+        verify(gm)
+        dt = time.perf_counter() - t0
+        ctx.timings.append((name, dt, _count(gm)))
+        snapshots[name] = {role: snapshot(gm)}
+        log.debug("pass %-15s %7.1f ms  nodes %d -> %d", name, dt * 1e3, before, _count(gm))
+    return gm
+
+
+def count_ops(gm: torch.fx.GraphModule, target: Any) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)

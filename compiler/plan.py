@@ -1,0 +1,121 @@
+"""fxpar.Plan: how to parallelize; validation with messages that say how to fix the plan."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fxpar.compiler.errors import PlanError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+REMATS = ("none", "sqrt", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Parallelization plan. Degrees multiply to the world size: dp * tp * pp == world.
+
+    dp, tp, pp:     data / tensor / pipeline parallel degrees (None = decided by "auto").
+    microbatches:   pipeline microbatches per step.
+    schedule:       pipeline schedule: "gpipe" | "1f1b" | "interleaved" | "zero-bubble".
+    remat:          "none" | "sqrt" | "auto" | memory budget in bytes.
+    zero:           ZeRO stage 0..3 over the dp group.
+    precision:      "fp32" | "bf16" | "fp16".
+    fuse:           Triton fusion pass on/off.
+    overlap:        communication/computation overlap pass on/off.
+    bucket_mb:      gradient all-reduce bucket size in MiB (DDP's default: 25).
+    """
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    remat: Any = "none"
+    zero: int = 0
+    precision: str = "fp32"
+    fuse: bool = False
+    overlap: bool = False
+    bucket_mb: float = 25.0
+
+    @classmethod
+    def from_any(cls, plan: Any) -> "Plan | str":
+        if plan is None or plan == "auto":
+            return "auto"
+        if isinstance(plan, Plan):
+            return dataclasses.replace(plan)
+        if isinstance(plan, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(plan) - known)
+            if unknown:
+                raise PlanError(f"unknown Plan field(s) {unknown}; valid fields are "
+                                f"{sorted(known)}.")
+            return cls(**plan)
+        raise PlanError(f"plan must be 'auto', a fxpar.Plan or a dict of Plan fields, "
+                        f"not {type(plan).__name__}.")
+
+    def validate(self, world_size: int) -> "Plan":
+        for name in ("dp", "tp", "pp", "microbatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"Plan.{name} must be a positive integer, got {v!r}.")
+        if self.dp * self.tp * self.pp != world_size:
+            raise PlanError(
+                f"world size {world_size} does not match the plan: dp*tp*pp = "
+                f"{self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp}. Launch "
+                f"{self.dp * self.tp * self.pp} ranks (torchrun --nproc-per-node "
+                f"{self.dp * self.tp * self.pp}) or change the degrees so their product is "
+                f"{world_size}.")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"Plan.schedule {self.schedule!r} unknown; choose one of {SCHEDULES}.")
+        if not (self.remat in REMATS or (isinstance(self.remat, (int, float))
+                                         and not isinstance(self.remat, bool) and self.remat > 0)):
+            raise PlanError(f"Plan.remat must be one of {REMATS} or a memory budget in bytes, "
+                            f"got {self.remat!r}.")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}.")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"Plan.precision must be one of {PRECISIONS}, got {self.precision!r}.")
+        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise PlanError(f"Plan.bucket_mb must be a positive number, got {self.bucket_mb!r}.")
+        # Features whose passes have not landed yet: refuse instead of silently ignoring.
+        missing = []
+        if self.tp != 1:
+            missing.append(f"tp={self.tp} (tensor parallelism)")
+        if self.pp != 1:
+            missing.append(f"pp={self.pp} (pipeline parallelism)")
+        if self.microbatches != 1:
+            missing.append(f"microbatches={self.microbatches}")
+        if self.remat != "none":
+            missing.append(f"remat={self.remat!r}")
+        if self.zero != 0:
+            missing.append(f"zero={self.zero}")
+        if self.precision != "fp32":
+            missing.append(f"precision={self.precision!r}")
+        if self.fuse:
+            missing.append("fuse=True")
+        if self.overlap:
+            missing.append("overlap=True")
+        if missing:
+            raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
+                            " yet; use tp=1, pp=1, microbatches=1, remat='none', zero=0, "
+                            "precision='fp32', fuse=False, overlap=False (pure data parallelism).")
+        return self
+
+
+def resolve(plan: Any, world_size: int) -> Plan:
+    """'auto' / dict / Plan -> a validated Plan for this world size.
+
+    Until the planner lands, "auto" (and unset degrees) means pure data parallelism.
+    """
+    p = Plan.from_any(plan)
+    if p == "auto":
+        p = Plan()
+    if p.tp is None:
+        p.tp = 1
+    if p.pp is None:
+        p.pp = 1
+    if p.dp is None:
+        if world_size % (p.tp * p.pp):
+            raise PlanError(f"world size {world_size} is not divisible by tp*pp = {p.tp * p.pp}.")
+        p.dp = world_size // (p.tp * p.pp)
+    return p.validate(world_size)

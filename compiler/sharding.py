@@ -1,0 +1,265 @@
+"""Sharding propagation: placements per value, op by op, with explicit collectives.
+
+The graph is written in *global* semantics (traced on the global batch). Given placements
+for the placeholders (Replicate / Shard(d) / Partial, one per mesh dim), we walk the graph
+in order and ask DTensor's own per-op sharding rules (`ShardingPropagator`) what each op
+produces and what it needs of its inputs. Where an input's placement differs from what the
+op needs, we insert the redistribution as explicit graph nodes (functional collectives, or
+a local slice), and rewrite shape arguments (view/expand/...) to local sizes. The result is
+an SPMD graph in local semantics: the same graph runs on every rank of the mesh.
+
+DTensor's rules are reused rather than re-written: they cover ~all ATen ops and are what
+PyTorch's own tensor parallelism uses. We only need a mesh object for them, which we build
+without a process group (`_init_backend=False`): placement decisions need no communication.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Placement
+
+from fxpar.compiler import ir
+from fxpar.compiler.errors import ShardingError
+
+__all__ = ["Replicate", "Shard", "Partial", "make_mesh", "shard_graph", "redistribute",
+           "local_shape"]
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+# --- custom ops for the rank-dependent pieces, so one graph serves every rank -------------
+
+def _group_rank_size(group_name: str) -> tuple[int, int]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    pg = _resolve_process_group(group_name)
+    return pg.rank(), pg.size()
+
+
+@torch.library.custom_op("fxpar::local_chunk", mutates_args=())
+def local_chunk(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's chunk of a replicated tensor (Replicate -> Shard(dim)); no communication."""
+    rank, _ = _group_rank_size(group_name)
+    return x.chunk(group_size, dim)[rank].clone()
+
+
+@local_chunk.register_fake
+def _(x, dim, group_size, group_name):
+    shape = list(x.shape)
+    shape[dim] = -(-shape[dim] // group_size)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("fxpar::partial_from_replicate", mutates_args=())
+def partial_from_replicate(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Replicate -> Partial(sum): rank 0 keeps the value, the others contribute zeros."""
+    rank, _ = _group_rank_size(group_name)
+    return x.clone() if rank == 0 else torch.zeros_like(x)
+
+
+@partial_from_replicate.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+# --- mesh and specs -----------------------------------------------------------------------
+
+def make_mesh(size: int, device_type: str = "cpu"):
+    """A DeviceMesh used only to ask DTensor's rules; it owns no process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh(device_type, torch.arange(size), _init_backend=False, _rank=0)
+
+
+def _spec(mesh, placements, val) -> DTensorSpec:
+    meta = TensorMeta(val.shape, val.stride(), val.dtype) if isinstance(val, torch.Tensor) else None
+    return DTensorSpec(mesh, tuple(placements), meta)
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_sizes: Sequence[int]):
+    shape = list(shape)
+    for p, n in zip(placements, mesh_sizes):
+        if isinstance(p, Shard):
+            if shape[p.dim] % n:
+                raise ShardingError(f"dimension {p.dim} of size {shape[p.dim]} cannot be split "
+                                    f"evenly over {n} ranks")
+            shape[p.dim] //= n
+    return shape
+
+
+# --- redistribution as graph nodes --------------------------------------------------------
+
+def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placement],
+                 dst: Sequence[Placement], group_names: Sequence[str],
+                 mesh_sizes: Sequence[int], meta: dict) -> torch.fx.Node:
+    """Insert nodes turning `x` (placed `src`) into `dst`; returns the new value.
+
+    One mesh dim at a time. gloo has no AVG reduction, so avg = sum then divide.
+    """
+    cur = x
+    placements = list(src)
+    for d, (s, t) in enumerate(zip(src, dst)):
+        if s == t:
+            continue
+        group, n = group_names[d], mesh_sizes[d]
+
+        def emit(target, args, region=ir.COMM):
+            node = graph.call_function(target, args)
+            node.meta.update(meta)
+            node.meta[ir.REGION] = region
+            return node
+
+        if isinstance(s, Partial):
+            op = "sum" if s.reduce_op in ("sum", "avg") else s.reduce_op
+            cur = emit(c10d.wait_tensor.default, (emit(c10d.all_reduce.default, (cur, op, group)),))
+            if s.reduce_op == "avg":
+                cur = emit(aten.div.Scalar, (cur, n), meta.get(ir.REGION, ir.FORWARD))
+            s = Replicate()
+        if isinstance(s, Shard) and not isinstance(t, Shard) or (
+                isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim):
+            gathered = emit(c10d.wait_tensor.default,
+                            (emit(c10d.all_gather_into_tensor.default, (cur, n, group)),))
+            if s.dim != 0:
+                chunks = emit(aten.chunk.default, (gathered, n, 0), meta.get(ir.REGION))
+                parts = [emit(operator.getitem, (chunks, i), meta.get(ir.REGION)) for i in range(n)]
+                gathered = emit(aten.cat.default, (parts, s.dim), meta.get(ir.REGION))
+            cur, s = gathered, Replicate()
+        if isinstance(s, Replicate) and isinstance(t, Shard):
+            cur = emit(torch.ops.fxpar.local_chunk.default, (cur, t.dim, n, group),
+                       meta.get(ir.REGION))
+        elif isinstance(s, Replicate) and isinstance(t, Partial):
+            if t.reduce_op not in ("sum", "avg"):
+                raise ShardingError(f"cannot create Partial({t.reduce_op}) from a replicated value")
+            cur = emit(torch.ops.fxpar.partial_from_replicate.default, (cur, group),
+                       meta.get(ir.REGION))
+            if t.reduce_op == "avg":  # avg over n of (x, 0, ..., 0) must equal x
+                cur = emit(aten.mul.Scalar, (cur, n), meta.get(ir.REGION))
+        placements[d] = t
+    return cur
+
+
+# --- propagation --------------------------------------------------------------------------
+
+def has_sharding_rule(op) -> bool:
+    return _registered(DTensor._op_dispatcher.sharding_propagator, op)
+
+
+def _registered(prop, op) -> bool:
+    return (op in prop.op_strategy_funcs or op in prop.op_to_rules
+            or op in getattr(prop, "op_single_dim_strategy_funcs", {}))
+
+
+def _placements(spec) -> tuple | None:
+    return None if spec is None else tuple(spec.placements)
+
+
+def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
+                group_names: Sequence[str]) -> dict[torch.fx.Node, Any]:
+    """Propagate placements through `gm` in place, inserting redistributions.
+
+    `placeholder_placements` maps placeholder name -> placements (default Replicate).
+    Sets node.meta["shard"] on every value (a tuple per output for multi-output ops) and
+    returns {node: placements}. Outputs are left as they are: the caller decides what each
+    output must be (e.g. the data-parallel pass all-reduces gradients in buckets).
+    meta["val"] still holds GLOBAL shapes; refresh with fake propagation afterwards.
+    """
+    prop = DTensor._op_dispatcher.sharding_propagator
+    mesh_sizes = list(mesh.mesh.shape)
+    graph = gm.graph
+    specs: dict[torch.fx.Node, Any] = {}
+    replicate = tuple(Replicate() for _ in mesh_sizes)
+
+    def spec_of(n):
+        return specs[n]
+
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            pl = tuple(placeholder_placements.get(node.name, replicate))
+            specs[node] = _spec(mesh, pl, node.meta[ir.VAL])
+        elif node.op == "output":
+            continue
+        elif node.target is operator.getitem:
+            src = specs[node.args[0]]
+            specs[node] = src[node.args[1]] if isinstance(src, (tuple, list)) else src
+        else:
+            specs[node] = _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names,
+                                          replicate, graph)
+        s = specs[node]
+        node.meta[ir.SHARD] = (tuple(_placements(x) for x in s) if isinstance(s, (tuple, list))
+                               else _placements(s))
+    return {n: n.meta[ir.SHARD] for n in graph.nodes if ir.SHARD in n.meta}
+
+
+def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate, graph):
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
+                            "shards only ATen graphs.")
+    args_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a], node.args)
+    kwargs_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
+                                                      node.kwargs)
+    in_nodes = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+                if isinstance(a, torch.fx.Node)]
+    all_replicated = all(_placements(specs[a]) == replicate for a in in_nodes)
+    val = node.meta.get(ir.VAL)
+
+    if not _registered(prop, op) or op._schema.is_mutable:
+        if all_replicated:
+            return _out_spec(mesh, replicate, val)
+        raise ShardingError(
+            f"cannot decide the sharding of {op} (node {node.name}, module "
+            f"'{node.meta.get(ir.MODULE, '')}'): DTensor has no sharding rule for it and its "
+            f"inputs are sharded ({[_placements(specs[a]) for a in in_nodes]}). Fix: rewrite that "
+            "code with ops that have rules (most ATen ops do), or report the op to fxpar.")
+    try:
+        out = prop.propagate_op_sharding(OpSchema(op, tuple(args_schema), dict(kwargs_schema)))
+    except Exception as e:  # noqa: BLE001
+        raise ShardingError(f"DTensor's sharding rule for {op} (node {node.name}, module "
+                            f"'{node.meta.get(ir.MODULE, '')}') failed: {e}") from e
+    if out.output_spec is None and val is not None and not isinstance(val, (int, float)):
+        raise ShardingError(f"DTensor's sharding rule for {op} gave no output placement "
+                            f"(node {node.name}).")
+    if out.redistribute_schema is not None:
+        want = out.redistribute_schema
+        new_args = _rewrite_args(node, node.args, want.args_schema, specs, group_names,
+                                 mesh_sizes, graph)
+        new_kwargs = dict(node.kwargs)
+        for k, v in want.kwargs_schema.items():
+            if k in new_kwargs:
+                new_kwargs[k] = _rewrite_args(node, new_kwargs[k], v, specs, group_names,
+                                              mesh_sizes, graph)
+        node.args, node.kwargs = tuple(new_args), new_kwargs
+    return out.output_spec
+
+
+def _rewrite_args(node, orig, want, specs, group_names, mesh_sizes, graph):
+    """Map node args to what the rule wants: redistribute Nodes, take local shape args."""
+    if isinstance(orig, torch.fx.Node):
+        have = _placements(specs[orig])
+        need = _placements(want) if isinstance(want, DTensorSpec) else have
+        if have == need:
+            return orig
+        with graph.inserting_before(node):
+            meta = {ir.MODULE: node.meta.get(ir.MODULE, ""), ir.REGION: node.meta.get(ir.REGION)}
+            new = redistribute(graph, orig, have, need, group_names, mesh_sizes, meta)
+        specs[new] = DTensorSpec(specs[orig].mesh, tuple(need), specs[orig].tensor_meta)
+        new.meta[ir.SHARD] = tuple(need)
+        return new
+    if isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) and len(orig) == len(want):
+        return type(orig)(_rewrite_args(node, o, w, specs, group_names, mesh_sizes, graph)
+                          for o, w in zip(orig, want))
+    if isinstance(want, DTensorSpec):
+        return orig
+    return want  # non-tensor argument: the rule's local version (e.g. a local view shape)
+
+
+def _out_spec(mesh, placements, val):
+    if isinstance(val, (tuple, list)):
+        return tuple(_spec(mesh, placements, v) if isinstance(v, torch.Tensor) else None
+                     for v in val)
+    return _spec(mesh, placements, val)

@@ -1,0 +1,144 @@
+"""Data parallelism as a graph transformation, exact.
+
+The batch leaves become Shard(0) over the dp group; the sharding engine propagates that
+through the joint graph (DTensor's per-op rules) and inserts the collectives that anything
+coupling samples needs: BatchNorm's batch statistics (sums -> all-reduce), a loss that
+averages (Partial(avg) -> all-reduce / dp), or sums (Partial(sum) -> all-reduce).
+Gradients come out Partial(sum) and are all-reduced in buckets, as DDP does: reverse
+parameter order, `Plan.bucket_mb` MiB each (DDP's default 25), one flat all-reduce per
+bucket issued right after its last gradient is computed and waited on just before the
+output, so it runs while the rest of the backward computes.
+
+Because the graph is traced at the global batch, constants like the 1/N of a mean are
+already global: no rescaling of gradients is needed, which is what makes this exact.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from fxpar.compiler import ir
+from fxpar.compiler.errors import BatchError
+from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    dp = plan.dp
+    if dp == 1:
+        ctx.batch_shard_dims = [None] * sum(1 for n in gm.graph.nodes
+                                            if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
+        return gm
+    group = ctx.group_names["dp"]
+    placements, shard_dims = {}, []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.meta[ir.ROLE] == "batch":
+            v = n.meta[ir.VAL]
+            if v.dim() == 0:
+                shard_dims.append(None)
+                continue
+            if v.shape[0] % dp:
+                raise BatchError(
+                    f"the global batch does not divide over dp={dp} ranks: {n.meta['fqn']} has "
+                    f"{v.shape[0]} rows on its batch dimension (dim 0). Use a global batch size "
+                    f"that is a multiple of {dp}, or a plan with a dp that divides {v.shape[0]}.")
+            placements[n.name] = (Shard(0),)
+            shard_dims.append(0)
+    ctx.batch_shard_dims = shard_dims
+
+    mesh = make_mesh(dp)
+    shard_graph(gm, mesh, placements, [group])
+    _reduce_outputs(gm, ctx, group, dp, int(plan.bucket_mb * 2**20))
+    for n in gm.graph.nodes:  # batch placeholders now hold local shards
+        if n.name in placements:
+            v = n.meta[ir.VAL]
+            n.meta[ir.VAL] = v.new_empty((v.shape[0] // dp, *v.shape[1:]))
+    from fxpar.compiler.passes import fake_propagate
+    fake_propagate(gm, check=False)
+    return gm
+
+
+def _reduce_outputs(gm, ctx, group, dp, bucket_bytes):
+    """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate."""
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    n_p = out.meta["n_grads"]
+    loss, grads, bufs = outs[0], outs[1:1 + n_p], outs[1 + n_p:]
+
+    def to_replicate(v):
+        if v is None or v.meta.get(ir.SHARD) in (None, (Replicate(),)):
+            return v
+        with graph.inserting_before(out):
+            r = redistribute(graph, v, v.meta[ir.SHARD], (Replicate(),), [group], [dp],
+                             {ir.MODULE: v.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM})
+        r.meta[ir.SHARD] = (Replicate(),)
+        return r
+
+    loss = to_replicate(loss)
+    bufs = [to_replicate(b) for b in bufs]
+
+    # gradients: Partial(sum) ones go in buckets; anything else is redistributed on its own
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    bucketable = [i for i, g in enumerate(grads)
+                  if g is not None and g.meta.get(ir.SHARD) == (Partial("sum"),)]
+    for i, g in enumerate(grads):
+        if i not in bucketable:
+            grads[i] = to_replicate(g)
+    for bucket in assign_buckets([grads[i] for i in bucketable], bucket_bytes):
+        idx = [bucketable[j] for j in bucket]
+        reduced = _all_reduce_bucket(graph, [grads[i] for i in idx], group, order, out)
+        for i, r in zip(idx, reduced):
+            grads[i] = r
+    out.args = ((loss, *grads, *bufs),)
+
+
+def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[int]]:
+    """DDP-style buckets over gradient nodes: reverse order (the backward produces the last
+    parameters' gradients first), one dtype per bucket, closed once it holds >= bucket_bytes."""
+    buckets: list[list[int]] = []
+    open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
+    for j in reversed(range(len(grads))):
+        v = grads[j].meta[ir.VAL]
+        cur, size = open_by_dtype.get(v.dtype, ([], 0))
+        cur.append(j)
+        size += v.numel() * v.element_size()
+        if size >= bucket_bytes:
+            buckets.append(cur)
+            open_by_dtype.pop(v.dtype, None)
+        else:
+            open_by_dtype[v.dtype] = (cur, size)
+    buckets.extend(cur for cur, _ in open_by_dtype.values())
+    return buckets
+
+
+def _all_reduce_bucket(graph, grads, group, order, out):
+    last = max(grads, key=order.__getitem__)
+
+    def emit(target, args, region=ir.COMM):
+        node = graph.call_function(target, args)
+        node.meta[ir.REGION], node.meta[ir.MODULE] = region, ""
+        node.meta["bucket"] = True
+        return node
+
+    with graph.inserting_before(last.next):
+        flats = [emit(aten.reshape.default, (g, [-1])) for g in grads]
+        flat = emit(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
+        started = emit(c10d.all_reduce.default, (flat, "sum", group))
+    with graph.inserting_before(out):
+        done = emit(c10d.wait_tensor.default, (started,))
+        sizes = [g.meta[ir.VAL].numel() for g in grads]
+        pieces = emit(aten.split_with_sizes.default, (done, sizes))
+        result = []
+        for k, g in enumerate(grads):
+            piece = emit(operator.getitem, (pieces, k))
+            r = emit(aten.view.default, (piece, list(g.meta[ir.VAL].shape)))
+            r.meta[ir.SHARD] = (Replicate(),)
+            result.append(r)
+    for n in (*flats, flat, started, done):
+        n.meta[ir.SHARD] = (Partial("sum"),) if n is not done else (Replicate(),)
+    return result

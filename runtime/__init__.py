@@ -1,0 +1,1 @@
+"""Runs one rank's Program on torch.distributed. Never imports fxpar.passes."""

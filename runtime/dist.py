@@ -1,0 +1,140 @@
+"""Process groups, device mesh, backend choice (NCCL for CUDA, gloo for CPU), launch.
+
+Every group gets a timeout (FXPAR_TIMEOUT seconds, default 600) so a dead rank ends the job
+with an error instead of a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import uuid
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpar.compiler.errors import FxparError, PlanError
+
+
+def timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("FXPAR_TIMEOUT", "600")))
+
+
+@dataclasses.dataclass
+class World:
+    size: int
+    rank: int
+    device: torch.device
+    mesh: Any = None  # torch DeviceMesh when size > 1
+
+    def group_name(self, dim: str) -> str | None:
+        return None if self.mesh is None else self.mesh.get_group(dim).group_name
+
+    def coordinate(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+
+def _device_type(devices) -> str:
+    if isinstance(devices, int):
+        return "cuda" if torch.cuda.is_available() and os.environ.get("FXPAR_DEVICE") != "cpu" \
+            else "cpu"
+    if hasattr(devices, "device_type"):
+        return devices.device_type
+    return torch.device(devices[0]).type
+
+
+def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
+    """Resolve `devices` (int | device strings | DeviceMesh) into this rank's World.
+
+    `dims` = [(name, degree)] for the mesh (e.g. [("dp", 2)]); product = world size.
+    """
+    if hasattr(devices, "mesh") and hasattr(devices, "get_group"):  # a DeviceMesh
+        size = devices.size()
+        dev_type = devices.device_type
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        size, dev_type = devices, _device_type(devices)
+    elif isinstance(devices, (list, tuple)) and devices and all(isinstance(d, (str, torch.device))
+                                                                  for d in devices):
+        size, dev_type = len(devices), _device_type(devices)
+    else:
+        raise PlanError(f"devices must be an int (world size), a sequence of device strings or a "
+                        f"torch DeviceMesh, not {devices!r}.")
+    if size < 1:
+        raise PlanError(f"devices must name at least one device, got {devices!r}.")
+    if size == 1:
+        dev = torch.device(devices[0]) if isinstance(devices, (list, tuple)) else torch.device(
+            dev_type)
+        return World(1, 0, dev)
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise PlanError(
+                f"devices={devices!r} asks for {size} ranks but this is a single process. Run the "
+                f"script with `torchrun --nproc-per-node {size} script.py`, or call "
+                f"fxpar.launch(fn, {size}) to spawn local ranks.")
+        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo", timeout=timeout())
+    world = dist.get_world_size()
+    if world != size:
+        raise PlanError(f"devices asks for {size} ranks but the job has world size {world}; "
+                        f"launch with --nproc-per-node {size} or pass devices={world}.")
+    rank = dist.get_rank()
+    if isinstance(devices, (list, tuple)):
+        dev = torch.device(devices[rank])
+    elif dev_type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    mesh = None
+    if dims:
+        from torch.distributed.device_mesh import init_device_mesh
+        names = tuple(n for n, _ in dims)
+        shape = tuple(d for _, d in dims)
+        mesh = devices if hasattr(devices, "get_group") and devices.mesh_dim_names == names \
+            else init_device_mesh(dev.type, shape, mesh_dim_names=names)
+    return World(world, rank, dev, mesh)
+
+
+# --- launching local ranks ------------------------------------------------------------------
+
+class LaunchError(FxparError):
+    """A spawned rank failed; the message names the rank and its error."""
+
+
+def _entry(fn, args):
+    from torch.distributed.elastic.multiprocessing.errors import record
+    return record(_run)(fn, args)
+
+
+def _run(fn, args):
+    os.environ.setdefault("FXPAR_DEVICE", "cpu")
+    try:
+        return fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
+    """Run fn(*args) on `nprocs` local ranks (torchrun's elastic launcher, standalone mode).
+
+    Returns {rank: return value}. fn must be importable (defined at module level). If a rank
+    fails, the others are stopped and LaunchError names the failing rank and its error.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
+                          run_id=f"fxpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    try:
+        return elastic_launch(config, _entry)(fn, args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        msg = failure.message if isinstance(failure.message, str) else \
+            failure.message.get("message", str(failure.message)) if failure.message else ""
+        raise LaunchError(f"rank {rank} failed (exit code {failure.exitcode}): "
+                          f"{msg or 'see its log above'}") from None

@@ -1,0 +1,26 @@
+"""Runs one rank's Program: slice the global batch to this rank's shard, run the graph.
+
+The graph holds every collective as a node; functional collectives return at once and
+`wait_tensor` blocks, so a bucket's all-reduce runs while later backward nodes compute.
+"""
+from __future__ import annotations
+
+import torch
+
+from fxpar.compiler.ir import Program
+
+
+def local_batch(leaves: list[torch.Tensor], program: Program, dp_rank: int,
+                device: torch.device) -> list[torch.Tensor]:
+    out = []
+    for leaf, dim in zip(leaves, program.batch_shard_dims):
+        if dim is not None:
+            leaf = leaf.chunk(program.dp, dim)[dp_rank]
+        out.append(leaf.to(device, non_blocking=True))
+    return out
+
+
+def run_graph(program: Program, gm: torch.fx.GraphModule, params, buffers, batch):
+    """Run the rank's graph once; returns its outputs (loss, grads..., updated buffers...)."""
+    with torch.no_grad():
+        return gm(*params, *buffers, *batch)
