@@ -56,8 +56,8 @@ class ParallelModel:
         self._eval_program = None
         self._example_batch = example_batch
         self.optimizer = optim.build(optimizer, model)
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+        params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
+        buffers = dict(model.named_buffers(remove_duplicate=False))
         sig = self.program.signature
         self._params = [params[n] for n in sig.param_names]
         self._buffers = [buffers[n] for n in sig.buffer_names]
@@ -92,7 +92,7 @@ class ParallelModel:
     def _update_buffers(self, new_bufs):
         if not new_bufs:
             return
-        buffers = dict(self.model.named_buffers())
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name, val in zip(self.program.signature.mutated_buffers, new_bufs):
                 buffers[name].copy_(val)

@@ -7,8 +7,9 @@ contract: placeholders (params, buffers, batch leaves), outputs (loss, grads, up
 
 A few ops are decomposed while tracing so that every later pass sees only ops whose
 sharding is well defined: BatchNorm (its batch statistics must become reductions the
-data-parallel pass can all-reduce), var_mean (rewritten as sums, which are linear), and the
-CPU-only fused attention kernel.
+data-parallel pass can all-reduce), var_mean (rewritten as sums, which are linear), and nothing
+else that has a sharding rule (decomposing a fused forward whose backward stays fused would
+hand the backward values it does not expect).
 """
 from __future__ import annotations
 
@@ -57,7 +58,6 @@ def decomposition_table() -> dict:
         aten._native_batch_norm_legit_no_training,
         aten.native_batch_norm,
         aten.native_batch_norm_backward,
-        aten._scaled_dot_product_flash_attention_for_cpu,
     ]))
     table[aten.var_mean.correction] = _var_mean_as_sums
     return table
@@ -213,14 +213,14 @@ def capture(model: torch.nn.Module, example_batch: Any,
             "conversions, no mutation of Python state).") from e
     finally:
         tagger.close()
-    return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint)
+    return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint, model)
 
 
 def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint):
+def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
     """Reorder outputs to (loss, grads, updated buffers); tag role/region/module on every node."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -238,6 +238,8 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint):
         node_by_name = {n.name: n for n in graph.nodes}
         grads = [node_by_name.get(name_to_grad.get(p)) if name_to_grad.get(p) else None
                  for p in sig.parameters]
+    placeholders, param_names, grads = _merge_tied_params(
+        graph, placeholders, param_names, grads, len(sig.parameters), model, joint)
     out_node.args = ((loss, *grads, *outs[:n_mut]),)
     out_node.meta["n_grads"] = len(grads)
     graph._codegen = torch.fx.graph.CodeGen()  # plain positional inputs and outputs
@@ -282,10 +284,12 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint):
         n.meta[ir.MODULE] = src.meta.get(ir.MODULE, "") if src is not None else ""
     out_node.meta[ir.REGION], out_node.meta[ir.MODULE] = ir.BACKWARD, ""
 
-    # drop autograd's no-op detach nodes: they only alias
+    # drop no-op nodes: autograd's detach (an alias) and trace-time metadata asserts
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target is aten.detach.default:
+        if n.op == "call_function" and n.target in (aten.detach.default, aten.alias.default):
             n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+        elif n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
             graph.erase_node(n)
     graph.eliminate_dead_code()
     graph.lint()
@@ -298,6 +302,38 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint):
     log.debug("captured %d nodes (%d params, %d buffers, %d batch leaves)",
               len(graph.nodes), n_p, n_b, len(tensor_leaves))
     return gm, signature
+
+
+def _merge_tied_params(graph, placeholders, names, grads, n_params, model, joint):
+    """AOTAutograd lists a tied weight once per name; keep one placeholder per tensor and
+    sum the per-name gradients (the gradient of a shared weight is the sum over its uses)."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, int] = {}
+    keep = []
+    for i in range(n_params):
+        key = id(tensors[names[i]])
+        if key not in first:
+            first[key] = i
+            keep.append(i)
+            continue
+        j = first[key]
+        placeholders[i].replace_all_uses_with(placeholders[j])
+        if joint and grads[i] is not None:
+            if grads[j] is None:
+                grads[j] = grads[i]
+            else:
+                with graph.inserting_after(max(grads[i], grads[j], key=_position(graph))):
+                    grads[j] = graph.call_function(aten.add.Tensor, (grads[j], grads[i]))
+                    grads[j].meta["val"] = grads[i].meta["val"]
+        graph.erase_node(placeholders[i])
+    dropped = set(range(n_params)) - set(keep)
+    placeholders = [p for k, p in enumerate(placeholders) if k not in dropped]
+    return placeholders, [names[k] for k in keep], [grads[k] for k in keep] if joint else grads
+
+
+def _position(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
 
 
 def flatten_batch(batch: Any, signature: ir.GraphSignature) -> list[torch.Tensor]:

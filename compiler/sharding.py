@@ -145,8 +145,34 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
 
 # --- propagation --------------------------------------------------------------------------
 
+# --- rules DTensor lacks --------------------------------------------------------------------
+# Attention kernels whose tensors are all (batch, heads, ...): any placement that splits the
+# batch or the heads of q/k/v splits every other operand and result the same way.
+_BATCH_HEAD_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
+def _batch_head_rule(node, specs, replicate):
+    """-> (wanted placements per tensor arg, output placements)."""
+    tensors = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+               if isinstance(a, torch.fx.Node)]
+    first = specs[tensors[0]]
+    lead = first.placements[0] if len(first.placements) == 1 else None
+    want_p = lead if isinstance(lead, Shard) and lead.dim in (0, 1) else Replicate()
+    ref_shape = tensors[0].meta[ir.VAL].shape
+    wanted = {}
+    for a in tensors:
+        shape = a.meta[ir.VAL].shape
+        ok = isinstance(want_p, Shard) and len(shape) == len(ref_shape) and \
+            shape[want_p.dim] == ref_shape[want_p.dim]
+        wanted[a] = (want_p,) if ok else replicate
+    return wanted, (want_p,)
+
+
 def has_sharding_rule(op) -> bool:
-    return _registered(DTensor._op_dispatcher.sharding_propagator, op)
+    return op in _BATCH_HEAD_OPS or _registered(DTensor._op_dispatcher.sharding_propagator, op)
 
 
 def _registered(prop, op) -> bool:
@@ -183,13 +209,15 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
             specs[node] = _spec(mesh, pl, node.meta[ir.VAL])
         elif node.op == "output":
             continue
+        elif node.op == "get_attr":  # constants baked into the graph are the same everywhere
+            specs[node] = _spec(mesh, replicate, getattr(gm, node.target))
         elif node.target is operator.getitem:
             src = specs[node.args[0]]
             specs[node] = src[node.args[1]] if isinstance(src, (tuple, list)) else src
         else:
             specs[node] = _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names,
                                           replicate, graph)
-        s = specs[node]
+        s = specs[node] = _with_meta(specs[node], node.meta.get(ir.VAL), mesh)
         node.meta[ir.SHARD] = (tuple(_placements(x) for x in s) if isinstance(s, (tuple, list))
                                else _placements(s))
     return {n: n.meta[ir.SHARD] for n in graph.nodes if ir.SHARD in n.meta}
@@ -208,6 +236,13 @@ def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate,
     all_replicated = all(_placements(specs[a]) == replicate for a in in_nodes)
     val = node.meta.get(ir.VAL)
 
+    if op in _BATCH_HEAD_OPS and len(mesh_sizes) == 1:
+        wanted, out_pl = _batch_head_rule(node, specs, replicate)
+        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, lambda a: _rewrite_args(node, a, _spec(mesh, wanted[a], a.meta[ir.VAL]),
+                                                   specs, group_names, mesh_sizes, graph),
+            (node.args, node.kwargs))
+        return _out_spec(mesh, out_pl, val)
     if not _registered(prop, op) or op._schema.is_mutable:
         if all_replicated:
             return _out_spec(mesh, replicate, val)
@@ -217,7 +252,9 @@ def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate,
             f"inputs are sharded ({[_placements(specs[a]) for a in in_nodes]}). Fix: rewrite that "
             "code with ops that have rules (most ATen ops do), or report the op to fxpar.")
     try:
-        out = prop.propagate_op_sharding(OpSchema(op, tuple(args_schema), dict(kwargs_schema)))
+        # the cached entry point can conflate view ops that differ only in their shape argument
+        out = prop.propagate_op_sharding_non_cached(
+            OpSchema(op, tuple(args_schema), dict(kwargs_schema)))
     except Exception as e:  # noqa: BLE001
         raise ShardingError(f"DTensor's sharding rule for {op} (node {node.name}, module "
                             f"'{node.meta.get(ir.MODULE, '')}') failed: {e}") from e
@@ -256,6 +293,16 @@ def _rewrite_args(node, orig, want, specs, group_names, mesh_sizes, graph):
     if isinstance(want, DTensorSpec):
         return orig
     return want  # non-tensor argument: the rule's local version (e.g. a local view shape)
+
+
+def _with_meta(spec, val, mesh):
+    """Pin each spec's tensor meta to the traced (global) value: rules may leave it unset."""
+    if isinstance(spec, (tuple, list)):
+        vals = val if isinstance(val, (tuple, list)) else [None] * len(spec)
+        return tuple(_with_meta(s, v, mesh) for s, v in zip(spec, vals))
+    if isinstance(spec, DTensorSpec) and isinstance(val, torch.Tensor):
+        return _spec(mesh, spec.placements, val)
+    return spec
 
 
 def _out_spec(mesh, placements, val):

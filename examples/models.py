@@ -1,0 +1,158 @@
+"""Small models used by the demo, the tests and the benchmarks (nanoGPT-style GPT included)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """batch = (x, y); mean-squared-error loss."""
+
+    def __init__(self, d_in=16, d_hidden=32, d_out=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.fc3 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, batch):
+        x, y = batch
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return F.mse_loss(self.fc3(h), y)
+
+
+class SumLossMLP(MLP):
+    """Same MLP, loss = sum over the batch (not a mean)."""
+
+    def forward(self, batch):
+        x, y = batch
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return ((self.fc3(h) - y) ** 2).sum()
+
+
+class ConvBN(nn.Module):
+    """A small conv net with BatchNorm (batch statistics couple the samples)."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)  # BN follows: a bias has ~0 grad
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, batch):
+        x, y = batch
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        return F.cross_entropy(self.head(h.mean(dim=(2, 3))), y)
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab_size: int = 128
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT in miniature. batch = (idx, targets), both (B, T) int64; returns the loss."""
+
+    def __init__(self, cfg: GPTConfig | None = None):
+        super().__init__()
+        cfg = cfg or GPTConfig()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, batch):
+        idx, targets = batch
+        T = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def gpt_batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+# --- Hugging Face transformers models from small configs (no downloads) ---------------------
+
+def hf_gpt2(vocab=128, n_embd=32, n_layer=2, n_head=4, n_positions=32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                     n_positions=n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def hf_llama(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, max_pos=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=max_pos)
+    return LlamaForCausalLM(cfg)
+
+
+def hf_bert(vocab=128, hidden=32, layers=2, heads=4, max_pos=64, labels=3):
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=2 * hidden,
+                     max_position_embeddings=max_pos, num_labels=labels,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def hf_lm_batch(vocab: int, batch_size: int, seq: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}

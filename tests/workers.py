@@ -1,0 +1,99 @@
+"""Model zoo and rank functions for the multi-process tests (importable by spawned ranks)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import fxpar
+from fxpar.examples import models as M
+
+GLOBAL_BATCH = 8
+STEPS = 5
+
+
+def _lm(vocab=128, seq=16):
+    def batches(step):
+        return M.hf_lm_batch(vocab, GLOBAL_BATCH, seq, seed=step)
+    return batches
+
+
+def zoo():
+    """name -> (model factory, batch_for_step(step), loss_fn or None)."""
+    cfg = M.GPTConfig()
+    return {
+        "mlp": (M.MLP, lambda s: _xy(s, (16,), (4,)), None),
+        "sum_loss": (M.SumLossMLP, lambda s: _xy(s, (16,), (4,)), None),
+        "gpt": (lambda: M.GPT(cfg), lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s), None),
+        "convbn": (M.ConvBN, lambda s: _img(s), None),
+        "hf_gpt2": (M.hf_gpt2, _lm(), None),
+        "hf_llama": (M.hf_llama, _lm(), None),
+    }
+
+
+def _xy(step, xs, ys):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, *xs, generator=g), torch.randn(GLOBAL_BATCH, *ys, generator=g)
+
+
+def _img(step):
+    g = torch.Generator().manual_seed(200 + step)
+    return (torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g),
+            torch.randint(0, 5, (GLOBAL_BATCH,), generator=g))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+}
+
+
+def build(name):
+    torch.manual_seed(1234)
+    factory, batch_fn, loss_fn = zoo()[name]
+    return factory(), batch_fn, loss_fn
+
+
+def eager_reference(name, opt_name, steps=STEPS):
+    model, batch_fn, loss_fn = build(name)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        b = batch_fn(s)
+        out = loss_fn(model, b) if loss_fn else (model(**b) if isinstance(b, dict) else model(b))
+        loss = out.loss if hasattr(out, "loss") else out
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fxpar_train(name, opt_name, devices, steps=STEPS):
+    model, batch_fn, loss_fn = build(name)
+    pm = fxpar.parallelize(model, devices, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS[opt_name])
+    losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
+    return losses, pm.full_state_dict()
+
+
+def parity_rank(cases, dp):
+    """Runs on every rank: train each (model, optimizer) case; rank 0 returns the states."""
+    rank = int(os.environ.get("RANK", 0))
+    out = {}
+    for name, opt_name in cases:
+        losses, state = fxpar_train(name, opt_name, dp)
+        out[(name, opt_name)] = (losses, state if rank == 0 else None)
+    return out
+
+
+def failing_rank(fail_rank, fail_step):
+    """Trains the MLP; `fail_rank` raises at `fail_step` mid-training."""
+    model, batch_fn, _ = build("mlp")
+    world = int(os.environ["WORLD_SIZE"])
+    pm = fxpar.parallelize(model, world, example_batch=batch_fn(0))
+    for s in range(5):
+        if int(os.environ["RANK"]) == fail_rank and s == fail_step:
+            raise RuntimeError(f"injected failure at step {s}")
+        pm.step(batch_fn(s))
+    return "done"
