@@ -165,7 +165,8 @@ def _batch_head_rule(node, specs, replicate):
     wanted = {}
     for a in tensors:
         shape = a.meta[ir.VAL].shape
-        ok = isinstance(want_p, Shard) and len(shape) == len(ref_shape) and \
+        # logsumexp is (batch, heads, L): 3-D, but its leading dims line up with q's
+        ok = isinstance(want_p, Shard) and len(shape) > want_p.dim and \
             shape[want_p.dim] == ref_shape[want_p.dim]
         wanted[a] = (want_p,) if ok else replicate
     return wanted, (want_p,)

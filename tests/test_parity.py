@@ -7,6 +7,11 @@ from workers import OPTIMIZERS, eager_reference, fxpar_train, parity_rank, zoo
 
 CASES = [(m, o) for m in zoo() for o in OPTIMIZERS]
 RTOL, ATOL = 1e-5, 1e-6
+# Adam's update is m / (sqrt(v) + eps): elements whose gradient is near zero (tokens rare in
+# the batch, biases the loss barely sees) turn summation-order differences of 1e-9 into
+# relative changes of their step. We observed at most 2e-6 after 5 steps at lr 1e-3, so the
+# AdamW *parameters* are held to atol 1e-5; losses keep rtol 1e-5 / atol 1e-6.
+PARAM_ATOL = {"sgd": ATOL, "adamw": 1e-5}
 
 
 def _check(name, opt_name, losses, state):
@@ -15,7 +20,7 @@ def _check(name, opt_name, losses, state):
                                msg=lambda m: f"{name}/{opt_name} losses: {m}")
     assert state.keys() == ref_state.keys()
     for k in ref_state:
-        torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=PARAM_ATOL[opt_name],
                                    msg=lambda m: f"{name}/{opt_name} {k}: {m}")
 
 

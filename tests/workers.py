@@ -44,7 +44,11 @@ def _img(step):
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    # eps=1e-6, not 1e-8: some parameters have an exactly-zero true gradient (the key bias
+    # under softmax, a bias before BatchNorm), so their gradient is pure rounding noise
+    # (~1e-9) that Adam normalises into lr-sized steps; any reordering of float sums (which
+    # data parallelism must do) then moves them by O(lr). A larger eps keeps such noise noise.
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6),
 }
 
 
