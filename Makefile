@@ -1,0 +1,21 @@
+# fxpar: `make demo` trains a small GPT on 2 CPU ranks; `make test` runs every test.
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-fast bench clean
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m fxpar demo --out out
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: setup
+	$(PY) benchmarks/dp_vs_ddp.py
+
+clean:
+	rm -rf out .venv *.egg-info

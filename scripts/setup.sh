@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up fxpar on a fresh machine: .venv with torch (CPU build when there is no GPU),
+# fxpar in editable mode with its test deps, and graphviz's `dot`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+
+if [ ! -x "$VENV/bin/python" ]; then
+  # Reuse an already-installed torch (system or user site) instead of downloading one.
+  if "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+PIP="$VENV/bin/python -m pip"
+
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  TORCH_VERSION=${FXPAR_TORCH_VERSION:-2.13.0}
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    $PIP install "torch==$TORCH_VERSION"
+  elif $PIP install --dry-run --no-index --no-deps "torch==$TORCH_VERSION" >/dev/null 2>&1; then
+    # No GPU, and a local CPU wheel is on pip's find-links: it wins (2.13.0+cpu > 2.13.0).
+    $PIP install "torch==$TORCH_VERSION"
+  else
+    # No GPU: never pull the CUDA wheels; take PyTorch's CPU build.
+    $PIP install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+      --extra-index-url https://pypi.org/simple
+  fi
+fi
+
+# fxpar + runtime/test deps; torch is already satisfied so nothing CUDA is pulled.
+$PIP install -q -e ".[test]"
+
+if ! command -v dot >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq graphviz >/dev/null
+  else
+    echo "warning: graphviz 'dot' not found; install graphviz to render SVGs" >&2
+  fi
+fi
+echo "fxpar set up in $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
