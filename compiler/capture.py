@@ -280,7 +280,9 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
         fwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.FORWARD
                   and a.meta.get(ir.ROLE) != "batch"]
         bwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.BACKWARD]
-        src = max(fwd_in or bwd_in, key=order.__getitem__, default=None)
+        named = ([a for a in fwd_in if a.meta.get(ir.MODULE)]
+                 or [a for a in bwd_in if a.meta.get(ir.MODULE)])
+        src = max(named or fwd_in or bwd_in, key=order.__getitem__, default=None)
         n.meta[ir.MODULE] = src.meta.get(ir.MODULE, "") if src is not None else ""
     out_node.meta[ir.REGION], out_node.meta[ir.MODULE] = ir.BACKWARD, ""
 

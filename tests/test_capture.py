@@ -1,0 +1,140 @@
+"""Capture: one joint graph with region/module/val on every node; buffers; tied weights;
+HF models; clear errors for untraceable models."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpar
+from fxpar.compiler import ir
+from fxpar.compiler.capture import capture
+from fxpar.examples import models as M
+
+aten = torch.ops.aten
+
+
+def _run(gm, sig, model, batch):
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    return gm(*[params[n] for n in sig.param_names], *[buffers[n] for n in sig.buffer_names],
+              *[x for x in leaves if isinstance(x, torch.Tensor)])
+
+
+def test_mlp_regions_modules_and_signature():
+    model = M.MLP()
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    gm, sig = capture(model, batch)
+    assert sig.param_names == [n for n, _ in model.named_parameters()]
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        assert n.meta[ir.REGION] in (ir.FORWARD, ir.BACKWARD)
+        assert ir.MODULE in n.meta
+        if n.op == "call_function":
+            assert isinstance(n.meta[ir.VAL], (torch.Tensor, tuple, list))
+    roles = [n.meta[ir.ROLE] for n in nodes if n.op == "placeholder"]
+    assert roles == ["param"] * 6 + ["batch"] * 2
+    addmms = [n for n in nodes if n.target is aten.addmm.default]
+    assert [n.meta[ir.MODULE] for n in addmms] == ["fc1", "fc2", "fc3"]
+    assert all(n.meta[ir.REGION] == ir.FORWARD for n in addmms)
+    mms = [n for n in nodes if n.target is aten.mm.default]  # weight/input grads
+    assert mms and all(n.meta[ir.REGION] == ir.BACKWARD for n in mms)
+    # backward nodes inherit the module of the forward values they differentiate
+    assert {n.meta[ir.MODULE] for n in mms} <= {"", "fc1", "fc2", "fc3"}
+    assert len({n.meta[ir.MODULE] for n in mms} & {"fc1", "fc2", "fc3"}) >= 2
+    out = next(n for n in nodes if n.op == "output")
+    assert len(out.args[0]) == 1 + 6 and out.meta["n_grads"] == 6
+
+    outs = _run(gm, sig, model, batch)
+    ref = model(batch)
+    ref.backward()
+    torch.testing.assert_close(outs[0], ref.detach())
+    for (name, p), g in zip(model.named_parameters(), outs[1:]):
+        torch.testing.assert_close(g, p.grad, msg=name)
+
+
+def test_batchnorm_running_stats_update_as_in_eager():
+    torch.manual_seed(0)
+    model = M.ConvBN()
+    ref = copy.deepcopy(model)
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    gm, sig = capture(model, batch)
+    assert sig.mutated_buffers == ["bn1.running_mean", "bn1.running_var",
+                                   "bn1.num_batches_tracked", "bn2.running_mean",
+                                   "bn2.running_var", "bn2.num_batches_tracked"]
+    outs = _run(gm, sig, model, batch)
+    ref(batch)
+    new = dict(zip(sig.mutated_buffers, outs[1 + sig.num_params:]))
+    for name, buf in ref.named_buffers():
+        torch.testing.assert_close(new[name], buf, msg=name)
+    # running stats are forward-region values
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert all(v.meta[ir.REGION] == ir.FORWARD for v in out.args[0][1 + sig.num_params:])
+
+
+def test_tied_weights_are_one_placeholder_with_summed_grad():
+    model = M.GPT()
+    batch = M.gpt_batch(model.cfg, 2)
+    gm, sig = capture(model, batch)
+    assert len(sig.param_names) == len(list(model.parameters()))
+    assert "lm_head.weight" not in sig.param_names and "wte.weight" in sig.param_names
+    outs = _run(gm, sig, model, batch)
+    model(batch).backward()
+    g = outs[1 + sig.param_names.index("wte.weight")]
+    torch.testing.assert_close(g, model.wte.weight.grad)
+
+
+@pytest.mark.parametrize("factory,batch", [
+    (M.hf_gpt2, M.hf_lm_batch(128, 2, 16)),
+    (M.hf_llama, M.hf_lm_batch(128, 2, 16)),
+    (M.hf_bert, {"input_ids": torch.randint(0, 128, (2, 16)), "labels": torch.tensor([0, 2])}),
+])
+def test_hf_models_capture_and_match_eager(factory, batch):
+    torch.manual_seed(0)
+    model = factory()
+    gm, sig = capture(model, batch)
+    modules = {n.meta[ir.MODULE] for n in gm.graph.nodes if n.op == "call_function"}
+    assert any(".attn" in m or "attention" in m for m in modules)
+    outs = _run(gm, sig, model, batch)
+    ref = model(**batch).loss
+    ref.backward()
+    torch.testing.assert_close(outs[0], ref.detach(), rtol=1e-5, atol=1e-6)
+    params = dict(model.named_parameters())
+    for name, g in zip(sig.param_names, outs[1:1 + sig.num_params]):
+        if params[name].grad is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.ModuleDict({"gate": Gate()})
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner["gate"](self.fc(x)).mean()
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent Python branch
+            return x * 2
+        return x
+
+
+def test_data_dependent_control_flow_raises_trace_error():
+    with pytest.raises(fxpar.TraceError) as e:
+        capture(DataDependent(), torch.randn(4, 4))
+    msg = str(e.value)
+    assert "inner.gate" in msg                      # the module path
+    assert "_local_scalar_dense" in msg or "item" in msg  # the failing operation
+    assert "torch.where" in msg                     # how to fix it
+
+
+def test_non_scalar_loss_raises_trace_error():
+    model = nn.Linear(4, 2)
+    with pytest.raises(fxpar.TraceError, match="scalar"):
+        capture(model, torch.randn(3, 4), loss_fn=lambda m, b: m(b))

@@ -1,0 +1,109 @@
+"""The data-parallel pass on small graphs: which collectives appear, buckets, placements."""
+
+import pytest
+import torch
+
+from fxpar.compiler import ir
+from fxpar.compiler.capture import capture
+from fxpar.compiler.errors import BatchError
+from fxpar.compiler.passes import PassContext, count_ops, run_passes
+from fxpar.compiler.plan import resolve
+from fxpar.compiler.sharding import Partial, Replicate, Shard
+from fxpar.examples import models as M
+from fxpar.passes import data_parallel
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def compile_dp(model, batch, dp, **plan):
+    gm, sig = capture(model, batch)
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group"})
+    snaps = {}
+    gm = run_passes(gm, resolve({"dp": dp, **plan}, dp), ctx, "dp", snaps)
+    return gm, sig, ctx, snaps
+
+
+def _mlp_batch(n=8):
+    return torch.randn(n, 16), torch.randn(n, 4)
+
+
+def test_mlp_dp2_collectives_and_placements():
+    gm, sig, ctx, snaps = compile_dp(M.MLP(), _mlp_batch(), 2)
+    assert set(snaps) == {"capture", "data_parallel"}
+    # one bucket for all gradients (tiny model < 25 MiB) + one for the mean loss
+    assert count_ops(gm, c10d.all_reduce.default) == 2
+    assert count_ops(gm, c10d.wait_tensor.default) == 2
+    assert count_ops(gm, c10d.all_gather_into_tensor.default) == 0
+    batch = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
+    assert [tuple(n.meta[ir.VAL].shape) for n in batch] == [(4, 16), (4, 4)]
+    assert all(n.meta[ir.SHARD] == (Shard(0),) for n in batch)
+    assert ctx.batch_shard_dims == [0, 0]
+    # weight gradients are Partial(sum) before the bucket all-reduce, replicated after
+    grads_partial = [n for n in gm.graph.nodes if n.target is aten.mm.default
+                     and n.meta[ir.REGION] == ir.BACKWARD and n.meta[ir.SHARD] == (Partial("sum"),)]
+    assert len(grads_partial) == 3
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert all(v.meta[ir.SHARD] == (Replicate(),) for v in out)
+    # the mean loss: all-reduce(sum) then divide by dp
+    loss = out[0]
+    assert loss.target is aten.div.Scalar and loss.args[1] == 2
+    assert loss.args[0].target is c10d.wait_tensor.default
+
+
+def test_sum_loss_is_all_reduced_without_division():
+    gm, *_ = compile_dp(M.SumLossMLP(), _mlp_batch(), 2)
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert loss.target is c10d.wait_tensor.default
+
+
+def test_bucket_count_follows_bucket_size():
+    model = M.MLP()
+    n_params = len(list(model.parameters()))
+    gm, *_ = compile_dp(model, _mlp_batch(), 2, bucket_mb=1e-9)  # every grad its own bucket
+    assert count_ops(gm, c10d.all_reduce.default) == n_params + 1
+    # bucket all-reduces start right after their gradient is computed, not at the end
+    nodes = list(gm.graph.nodes)
+    first_ar = next(i for i, n in enumerate(nodes) if n.target is c10d.all_reduce.default)
+    last_bwd = max(i for i, n in enumerate(nodes) if n.meta.get(ir.REGION) == ir.BACKWARD)
+    assert first_ar < last_bwd
+
+
+def test_assign_buckets_reverse_order_and_cap():
+    g = torch.fx.Graph()
+    nodes = []
+    for numel in (100, 100, 100, 100):
+        n = g.placeholder(f"g{len(nodes)}")
+        n.meta[ir.VAL] = torch.empty(numel)
+        nodes.append(n)
+    # 400-byte gradients, 800-byte cap: buckets close once they reach the cap
+    assert data_parallel.assign_buckets(nodes, 800) == [[3, 2], [1, 0]]
+    assert data_parallel.assign_buckets(nodes, 10**9) == [[3, 2, 1, 0]]
+
+
+def test_batchnorm_statistics_are_all_reduced_in_forward():
+    gm, *_ = compile_dp(M.ConvBN(), (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))), 2)
+    fwd_waits = [n for n in gm.graph.nodes if n.target is c10d.wait_tensor.default
+                 and any(u.meta.get(ir.REGION) == ir.FORWARD for u in n.users)]
+    assert fwd_waits, "BatchNorm batch statistics need a forward all-reduce"
+    assert {w.meta[ir.MODULE] for w in fwd_waits} & {"bn1", "bn2"}
+
+
+def test_gpt_dp_has_no_activation_gathers():
+    cfg = M.GPTConfig()
+    gm, *_ = compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2)
+    assert count_ops(gm, c10d.all_gather_into_tensor.default) == 0
+    assert count_ops(gm, torch.ops.fxpar.local_chunk.default) == 0
+
+
+def test_batch_not_divisible_by_dp_is_a_clear_error():
+    with pytest.raises(BatchError, match="multiple of 2"):
+        compile_dp(M.MLP(), _mlp_batch(5), 2)
+
+
+def test_dp1_is_identity():
+    gm, sig = capture(M.MLP(), _mlp_batch())
+    before = len(gm.graph.nodes)
+    ctx = PassContext(signature=sig, group_names={"dp": "g"})
+    gm = data_parallel.run(gm, resolve({"dp": 1}, 1), ctx)
+    assert len(gm.graph.nodes) == before and ctx.batch_shard_dims == [None, None]
