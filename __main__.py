@@ -1,0 +1,69 @@
+"""Command line: `python -m fxpar demo|viz ...` (also installed as `fxpar`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _example(name: str):
+    import torch
+    from fxpar.examples import models as M
+    cfg = M.GPTConfig()
+    table = {
+        "mlp": (M.MLP, lambda b: (torch.randn(b, 16), torch.randn(b, 4))),
+        "gpt": (lambda: M.GPT(cfg), lambda b: M.gpt_batch(cfg, b)),
+        "convbn": (M.ConvBN, lambda b: (torch.randn(b, 3, 8, 8), torch.randint(0, 5, (b,)))),
+        "hf_gpt2": (M.hf_gpt2, lambda b: M.hf_lm_batch(128, b, 16)),
+        "hf_llama": (M.hf_llama, lambda b: M.hf_lm_batch(128, b, 16)),
+        "hf_bert": (M.hf_bert, lambda b: {"input_ids": torch.randint(0, 128, (b, 16)),
+                                          "labels": torch.randint(0, 3, (b,))}),
+    }
+    if name not in table:
+        sys.exit(f"unknown example {name!r}; choose one of {sorted(table)}")
+    factory, batch = table[name]
+    return factory(), batch
+
+
+def cmd_viz(args):
+    """Compile an example for a plan (no processes needed) and write one SVG per pass."""
+    from fxpar.compiler.capture import capture
+    from fxpar.compiler.passes import PassContext, run_passes
+    from fxpar.compiler.plan import resolve
+    from fxpar.viz.graph import summary, write_snapshots
+    model, batch_fn = _example(args.example)
+    gm, sig = capture(model, batch_fn(args.batch))
+    snaps = {}
+    ctx = PassContext(signature=sig, group_names={"dp": "dp"})
+    gm = run_passes(gm, resolve({"dp": args.dp}, args.dp), ctx, "dp", snaps)
+    for p in write_snapshots(snaps, args.out):
+        print(p)
+    print(summary(gm))
+
+
+def cmd_demo(args):
+    from fxpar.examples.demo import main
+    main(args.out, args.nprocs, args.steps, args.batch)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="fxpar")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train the small GPT on CPU ranks, write the graph SVGs")
+    d.add_argument("--out", default="out")
+    d.add_argument("--nprocs", type=int, default=2)
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--batch", type=int, default=8)
+    d.set_defaults(fn=cmd_demo)
+    v = sub.add_parser("viz", help="write the graph SVG after every pass for an example")
+    v.add_argument("--example", default="gpt")
+    v.add_argument("--dp", type=int, default=2)
+    v.add_argument("--batch", type=int, default=8)
+    v.add_argument("--out", default=os.path.join("out", "viz"))
+    v.set_defaults(fn=cmd_viz)
+    args = ap.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
