@@ -234,8 +234,33 @@ def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate,
                                                       node.kwargs)
     in_nodes = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
                 if isinstance(a, torch.fx.Node)]
-    all_replicated = all(_placements(specs[a]) == replicate for a in in_nodes)
     val = node.meta.get(ir.VAL)
+    # Reduce a Partial before it is broadcast: all-reducing the small input is cheaper than
+    # letting the partial sum flow into a bigger value (DTensor's rules decide op by op and
+    # would keep it Partial through an expand, then gather activations to combine it).
+    out_numel = max((v.numel() for v in torch.utils._pytree.tree_leaves(val)
+                     if isinstance(v, torch.Tensor)), default=0)
+    small_partials = {a for a in in_nodes
+                      if any(isinstance(p, Partial) for p in specs[a].placements)
+                      and isinstance(a.meta.get(ir.VAL), torch.Tensor)
+                      and a.meta[ir.VAL].numel() < out_numel}
+    if small_partials:
+        def _reduce(a):
+            if a not in small_partials:
+                return a
+            want = tuple(Replicate() if isinstance(p, Partial) else p
+                         for p in specs[a].placements)
+            return _rewrite_args(node, a, _spec(mesh, want, a.meta[ir.VAL]), specs, group_names,
+                                 mesh_sizes, graph)
+        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, _reduce, (node.args, node.kwargs))
+        args_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
+                                                        node.args)
+        kwargs_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
+                                                          node.kwargs)
+        in_nodes = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+                    if isinstance(a, torch.fx.Node)]
+    all_replicated = all(_placements(specs[a]) == replicate for a in in_nodes)
 
     if op in _BATCH_HEAD_OPS and len(mesh_sizes) == 1:
         wanted, out_pl = _batch_head_rule(node, specs, replicate)
@@ -259,6 +284,21 @@ def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate,
     except Exception as e:  # noqa: BLE001
         raise ShardingError(f"DTensor's sharding rule for {op} (node {node.name}, module "
                             f"'{node.meta.get(ir.MODULE, '')}') failed: {e}") from e
+    if out.redistribute_schema is not None and _partializes_replicate(node, specs,
+                                                                      out.redistribute_schema):
+        # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
+        # buffer with a batch statistic) is legal but odd; reduce the partial input instead.
+        partials = {a for a in in_nodes if any(isinstance(p, Partial) for p in specs[a].placements)}
+        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, lambda a: a if a not in partials else _rewrite_args(
+                node, a, _spec(mesh, replicate, a.meta[ir.VAL]), specs, group_names, mesh_sizes,
+                graph), (node.args, node.kwargs))
+        args_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
+                                                        node.args)
+        kwargs_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
+                                                          node.kwargs)
+        out = prop.propagate_op_sharding_non_cached(
+            OpSchema(op, tuple(args_schema), dict(kwargs_schema)))
     if out.output_spec is None and val is not None and not isinstance(val, (int, float)):
         raise ShardingError(f"DTensor's sharding rule for {op} gave no output placement "
                             f"(node {node.name}).")
@@ -275,6 +315,14 @@ def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate,
     return out.output_spec
 
 
+def _partializes_replicate(node, specs, want_schema) -> bool:
+    have = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    want = [w for a, w in zip(node.args, want_schema.args_schema) if isinstance(a, torch.fx.Node)]
+    return any(isinstance(w, DTensorSpec) and any(isinstance(p, Partial) for p in w.placements)
+               and not any(isinstance(p, Partial) for p in specs[a].placements)
+               for a, w in zip(have, want))
+
+
 def _rewrite_args(node, orig, want, specs, group_names, mesh_sizes, graph):
     """Map node args to what the rule wants: redistribute Nodes, take local shape args."""
     if isinstance(orig, torch.fx.Node):
@@ -282,11 +330,15 @@ def _rewrite_args(node, orig, want, specs, group_names, mesh_sizes, graph):
         need = _placements(want) if isinstance(want, DTensorSpec) else have
         if have == need:
             return orig
+        memo = graph.__dict__.setdefault("_fxpar_redistributed", {})
+        if (orig, need) in memo:  # one collective per (value, placement), shared by users
+            return memo[(orig, need)]
         with graph.inserting_before(node):
             meta = {ir.MODULE: node.meta.get(ir.MODULE, ""), ir.REGION: node.meta.get(ir.REGION)}
             new = redistribute(graph, orig, have, need, group_names, mesh_sizes, meta)
         specs[new] = DTensorSpec(specs[orig].mesh, tuple(need), specs[orig].tensor_meta)
         new.meta[ir.SHARD] = tuple(need)
+        memo[(orig, need)] = new
         return new
     if isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) and len(orig) == len(want):
         return type(orig)(_rewrite_args(node, o, w, specs, group_names, mesh_sizes, graph)

@@ -1,0 +1,90 @@
+"""Pictures, the CLI, evaluate() and the optimizer contract."""
+import copy
+import os
+
+import torch
+
+import fxpar
+from fxpar.compiler.capture import capture
+from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.plan import resolve
+from fxpar.examples import models as M
+from fxpar.viz.graph import is_collective, summary, to_dot, write_snapshots
+
+
+def _dp_graphs(dp=2):
+    gm, sig = capture(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)))
+    snaps = {}
+    run_passes(gm, resolve({"dp": dp}, dp), PassContext(sig, group_names={"dp": "g"}), "dp", snaps)
+    return snaps
+
+
+def test_dot_colours_regions_highlights_collectives_and_clusters_modules():
+    snaps = _dp_graphs()
+    gm = snaps["data_parallel"]["dp"]
+    src = to_dot(gm, "t").source
+    assert "cluster_fc1" in src and "cluster_fc3" in src
+    assert "#cfe8ff" in src and "#ffe3c4" in src       # forward / backward colours
+    n_coll = sum(is_collective(n) for n in gm.graph.nodes)
+    assert n_coll == 4 and src.count("penwidth=3") == n_coll
+    assert "S(0)" in src and "P(sum)" in src            # placements are labelled
+    assert summary(gm)["collective"] == 4
+
+
+def test_write_snapshots_renders_svg(tmp_path):
+    paths = write_snapshots(_dp_graphs(), str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["00_capture_joint.svg",
+                                                    "01_data_parallel_dp.svg"]
+    for p in paths:
+        assert open(p).read().lstrip().startswith(("<?xml", "<svg"))
+        assert os.path.exists(p[:-4] + ".dot")
+
+
+def test_cli_viz(tmp_path):
+    from fxpar.__main__ import main
+    main(["viz", "--example", "convbn", "--dp", "2", "--batch", "4", "--out", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["00_capture_joint.dot", "00_capture_joint.svg",
+                                            "01_data_parallel_dp.dot", "01_data_parallel_dp.svg"]
+
+
+def test_evaluate_is_forward_only_and_does_not_update():
+    torch.manual_seed(0)
+    model = M.ConvBN()
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)))
+    ref = copy.deepcopy(model)
+    pm = fxpar.parallelize(model, 1, example_batch=batch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = pm.evaluate(batch)
+    with torch.no_grad():
+        torch.testing.assert_close(loss, ref(batch))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_default_optimizer_and_lr_changes_behave_as_in_eager():
+    torch.manual_seed(0)
+    model = M.MLP()
+    ref = copy.deepcopy(model)
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    pm = fxpar.parallelize(model, 1, example_batch=batch,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        if step == 2:  # a user lowering the lr mid-training
+            pm.optimizer.param_groups[0]["lr"] = 0.01
+            opt.param_groups[0]["lr"] = 0.01
+        pm.step(batch)
+        opt.zero_grad()
+        ref(batch).backward()
+        opt.step()
+    for (k, v), (_, r) in zip(pm.full_state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(v, r, msg=k)
+    # the default optimizer is SGD(lr=1e-3)
+    pm2 = fxpar.parallelize(M.MLP(), 1, example_batch=batch)
+    assert isinstance(pm2.optimizer, torch.optim.SGD)
+    assert pm2.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_plan_auto_is_pure_data_parallel():
+    assert resolve("auto", 4) == fxpar.Plan(dp=4, tp=1, pp=1)
+    assert resolve({"dp": 2}, 2).dp == 2
