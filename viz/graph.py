@@ -10,7 +10,8 @@ import torch.fx
 from fxpar.compiler import ir
 
 REGION_COLORS = {ir.FORWARD: "#cfe8ff", ir.BACKWARD: "#ffe3c4", ir.OPTIMIZER: "#e0f5d0",
-                 ir.COMM: "#ff6b6b"}
+                 ir.COMM: "#ffd0d0"}  # comm: bucket packing etc.; collectives are bold red
+COLLECTIVE_COLOR = "#d62728"
 COLLECTIVE_PREFIXES = ("_c10d_functional.", "c10d_functional.", "fxpar.")
 
 
@@ -24,7 +25,9 @@ def _label(n: torch.fx.Node) -> str:
     elif n.op == "output":
         title = "output"
     else:
-        title = str(n.target).replace("aten.", "").replace(".default", "")
+        title = getattr(n.target, "__name__", None) if not isinstance(
+            n.target, torch._ops.OpOverload) else None
+        title = title or str(n.target).replace("aten.", "").replace(".default", "")
     val = n.meta.get(ir.VAL)
     shape = "x".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else ""
     shard = n.meta.get(ir.SHARD)
@@ -59,7 +62,7 @@ def to_dot(gm: torch.fx.GraphModule, title: str = ""):
         region = n.meta.get(ir.REGION, ir.FORWARD)
         attrs = {"fillcolor": REGION_COLORS.get(region, "#eeeeee")}
         if is_collective(n):
-            attrs.update(fillcolor=REGION_COLORS[ir.COMM], penwidth="3", color="#b00000",
+            attrs.update(fillcolor=COLLECTIVE_COLOR, penwidth="3", color="#7a0000",
                          fontcolor="white")
         if n.op == "placeholder":
             attrs["shape"] = "ellipse"
