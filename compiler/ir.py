@@ -49,11 +49,10 @@ class Program:
     `graph` takes (params, buffers, local batch leaves) and returns
     (loss, grads, updated buffers) with every collective as an explicit node.
     `batch_shard_dims[i]` is the dim along which batch leaf i is split over the dp group
-    (None = replicated). `param_shards` is per parameter None (whole) for now.
+    (None = replicated). Parameters are whole on every rank (no ZeRO/tp yet).
     """
     graph: torch.fx.GraphModule
     signature: GraphSignature
     dp: int
     batch_shard_dims: list[int | None]
     group_name: str | None = None
-    eval_graph: torch.fx.GraphModule | None = None
