@@ -51,7 +51,6 @@ class ParallelModel:
         t0 = time.perf_counter()
         self.program, self.compile_times = self._compile(example_batch, joint=True,
                                                          snapshots=self.stage_graphs)
-        self.compile_times.insert(0, ("capture", self._capture_time, None))
         log.info("compiled in %.2f s", time.perf_counter() - t0)
         self._eval_program = None
         self._example_batch = example_batch
@@ -61,24 +60,25 @@ class ParallelModel:
         sig = self.program.signature
         self._params = [params[n] for n in sig.param_names]
         self._buffers = [buffers[n] for n in sig.buffer_names]
+        self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
 
     def _compile(self, example_batch, joint, snapshots):
         t0 = time.perf_counter()
         gm, sig = cap.capture(self.model, example_batch, self.loss_fn, joint=joint)
-        self._capture_time = time.perf_counter() - t0
+        capture_time = time.perf_counter() - t0
         ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp"})
         gm = run_passes(gm, self.plan, ctx, role="dp", snapshots=snapshots)
         program = ir.Program(graph=gm, signature=sig, dp=self.plan.dp,
                              batch_shard_dims=ctx.batch_shard_dims,
                              group_name=ctx.group_names["dp"])
-        return program, ctx.timings
+        return program, [("capture", capture_time, None), *ctx.timings]
 
     # --- training ---------------------------------------------------------------------------
     def _run(self, program, batch):
         leaves = cap.flatten_batch(_to_device(batch, self.world.device), program.signature)
         local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
                                      self.world.device)
-        return executor.run_graph(program, program.graph, self._params, self._buffers, local)
+        return executor.run_graph(program.graph, self._params, self._buffers, local)
 
     def step(self, batch) -> torch.Tensor:
         """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
@@ -90,12 +90,9 @@ class ParallelModel:
         return loss.detach()
 
     def _update_buffers(self, new_bufs):
-        if not new_bufs:
-            return
-        buffers = dict(self.model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
-            for name, val in zip(self.program.signature.mutated_buffers, new_bufs):
-                buffers[name].copy_(val)
+            for buf, val in zip(self._mutated_buffers, new_bufs):
+                buf.copy_(val)
 
     def evaluate(self, batch) -> torch.Tensor:
         """Forward only, no parameter or buffer update: the mean loss of the global batch."""

@@ -45,8 +45,6 @@ def _pass_list() -> list[tuple[str, Callable]]:
     return [("data_parallel", data_parallel.run)]
 
 
-PASSES = _pass_list
-
 
 def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A cheap copy of a graph (node meta dicts are copied shallowly)."""
@@ -120,7 +118,7 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     """Run the pass list in order, verifying and snapshotting after each."""
     verify(gm)
     snapshots["capture"] = {"joint": snapshot(gm)}
-    for name, fn in PASSES():
+    for name, fn in _pass_list():
         before = _count(gm)
         t0 = time.perf_counter()
         gm = fn(gm, plan, ctx)

@@ -195,157 +195,144 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     output must be (e.g. the data-parallel pass all-reduces gradients in buckets).
     meta["val"] still holds GLOBAL shapes; refresh with fake propagation afterwards.
     """
-    prop = DTensor._op_dispatcher.sharding_propagator
-    mesh_sizes = list(mesh.mesh.shape)
-    graph = gm.graph
-    specs: dict[torch.fx.Node, Any] = {}
-    replicate = tuple(Replicate() for _ in mesh_sizes)
-
-    def spec_of(n):
-        return specs[n]
-
-    for node in list(graph.nodes):
+    sh = _Sharder(gm.graph, mesh, list(group_names))
+    for node in list(gm.graph.nodes):
         if node.op == "placeholder":
-            pl = tuple(placeholder_placements.get(node.name, replicate))
-            specs[node] = _spec(mesh, pl, node.meta[ir.VAL])
+            spec = _spec(mesh, placeholder_placements.get(node.name, sh.replicate),
+                         node.meta[ir.VAL])
         elif node.op == "output":
             continue
         elif node.op == "get_attr":  # constants baked into the graph are the same everywhere
-            specs[node] = _spec(mesh, replicate, getattr(gm, node.target))
+            spec = _spec(mesh, sh.replicate, getattr(gm, node.target))
         elif node.target is operator.getitem:
-            src = specs[node.args[0]]
-            specs[node] = src[node.args[1]] if isinstance(src, (tuple, list)) else src
+            src = sh.specs[node.args[0]]
+            spec = src[node.args[1]] if isinstance(src, (tuple, list)) else src
         else:
-            specs[node] = _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names,
-                                          replicate, graph)
-        s = specs[node] = _with_meta(specs[node], node.meta.get(ir.VAL), mesh)
+            spec = sh.propagate(node)
+        s = sh.specs[node] = _with_meta(spec, node.meta.get(ir.VAL), mesh)
         node.meta[ir.SHARD] = (tuple(_placements(x) for x in s) if isinstance(s, (tuple, list))
                                else _placements(s))
-    return {n: n.meta[ir.SHARD] for n in graph.nodes if ir.SHARD in n.meta}
+    return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
 
 
-def _propagate_node(node, prop, mesh, mesh_sizes, specs, group_names, replicate, graph):
-    op = node.target
-    if not isinstance(op, torch._ops.OpOverload):
-        raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
-                            "shards only ATen graphs.")
-    args_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a], node.args)
-    kwargs_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
-                                                      node.kwargs)
-    in_nodes = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+def _is_partial(placements) -> bool:
+    return any(isinstance(p, Partial) for p in placements)
+
+
+class _Sharder:
+    """Per-graph propagation state: the specs so far and the redistributions already made."""
+
+    def __init__(self, graph: torch.fx.Graph, mesh, group_names: list[str]):
+        self.graph, self.mesh, self.group_names = graph, mesh, group_names
+        self.mesh_sizes = list(mesh.mesh.shape)
+        self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
+        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self.specs: dict[torch.fx.Node, Any] = {}
+        self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
+
+    # -- inputs ----------------------------------------------------------------------------
+    def inputs(self, node) -> list[torch.fx.Node]:
+        return [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
                 if isinstance(a, torch.fx.Node)]
-    val = node.meta.get(ir.VAL)
-    # Reduce a Partial before it is broadcast: all-reducing the small input is cheaper than
-    # letting the partial sum flow into a bigger value (DTensor's rules decide op by op and
-    # would keep it Partial through an expand, then gather activations to combine it).
-    out_numel = max((v.numel() for v in torch.utils._pytree.tree_leaves(val)
-                     if isinstance(v, torch.Tensor)), default=0)
-    small_partials = {a for a in in_nodes
-                      if any(isinstance(p, Partial) for p in specs[a].placements)
-                      and isinstance(a.meta.get(ir.VAL), torch.Tensor)
-                      and a.meta[ir.VAL].numel() < out_numel}
-    if small_partials:
-        def _reduce(a):
-            if a not in small_partials:
-                return a
-            want = tuple(Replicate() if isinstance(p, Partial) else p
-                         for p in specs[a].placements)
-            return _rewrite_args(node, a, _spec(mesh, want, a.meta[ir.VAL]), specs, group_names,
-                                 mesh_sizes, graph)
-        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
-            torch.fx.Node, _reduce, (node.args, node.kwargs))
-        args_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
-                                                        node.args)
-        kwargs_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
-                                                          node.kwargs)
-        in_nodes = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-                    if isinstance(a, torch.fx.Node)]
-    all_replicated = all(_placements(specs[a]) == replicate for a in in_nodes)
 
-    if op in _BATCH_HEAD_OPS and len(mesh_sizes) == 1:
-        wanted, out_pl = _batch_head_rule(node, specs, replicate)
-        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
-            torch.fx.Node, lambda a: _rewrite_args(node, a, _spec(mesh, wanted[a], a.meta[ir.VAL]),
-                                                   specs, group_names, mesh_sizes, graph),
-            (node.args, node.kwargs))
-        return _out_spec(mesh, out_pl, val)
-    if not _registered(prop, op) or op._schema.is_mutable:
-        if all_replicated:
-            return _out_spec(mesh, replicate, val)
-        raise ShardingError(
-            f"cannot decide the sharding of {op} (node {node.name}, module "
-            f"'{node.meta.get(ir.MODULE, '')}'): DTensor has no sharding rule for it and its "
-            f"inputs are sharded ({[_placements(specs[a]) for a in in_nodes]}). Fix: rewrite that "
-            "code with ops that have rules (most ATen ops do), or report the op to fxpar.")
-    try:
-        # the cached entry point can conflate view ops that differ only in their shape argument
-        out = prop.propagate_op_sharding_non_cached(
-            OpSchema(op, tuple(args_schema), dict(kwargs_schema)))
-    except Exception as e:  # noqa: BLE001
-        raise ShardingError(f"DTensor's sharding rule for {op} (node {node.name}, module "
-                            f"'{node.meta.get(ir.MODULE, '')}') failed: {e}") from e
-    if out.redistribute_schema is not None and _partializes_replicate(node, specs,
-                                                                      out.redistribute_schema):
-        # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
-        # buffer with a batch statistic) is legal but odd; reduce the partial input instead.
-        partials = {a for a in in_nodes if any(isinstance(p, Partial) for p in specs[a].placements)}
-        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
-            torch.fx.Node, lambda a: a if a not in partials else _rewrite_args(
-                node, a, _spec(mesh, replicate, a.meta[ir.VAL]), specs, group_names, mesh_sizes,
-                graph), (node.args, node.kwargs))
-        args_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
-                                                        node.args)
-        kwargs_schema = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: specs[a],
-                                                          node.kwargs)
-        out = prop.propagate_op_sharding_non_cached(
-            OpSchema(op, tuple(args_schema), dict(kwargs_schema)))
-    if out.output_spec is None and val is not None and not isinstance(val, (int, float)):
-        raise ShardingError(f"DTensor's sharding rule for {op} gave no output placement "
-                            f"(node {node.name}).")
-    if out.redistribute_schema is not None:
-        want = out.redistribute_schema
-        new_args = _rewrite_args(node, node.args, want.args_schema, specs, group_names,
-                                 mesh_sizes, graph)
-        new_kwargs = dict(node.kwargs)
-        for k, v in want.kwargs_schema.items():
-            if k in new_kwargs:
-                new_kwargs[k] = _rewrite_args(node, new_kwargs[k], v, specs, group_names,
-                                              mesh_sizes, graph)
-        node.args, node.kwargs = tuple(new_args), new_kwargs
-    return out.output_spec
-
-
-def _partializes_replicate(node, specs, want_schema) -> bool:
-    have = [a for a in node.args if isinstance(a, torch.fx.Node)]
-    want = [w for a, w in zip(node.args, want_schema.args_schema) if isinstance(a, torch.fx.Node)]
-    return any(isinstance(w, DTensorSpec) and any(isinstance(p, Partial) for p in w.placements)
-               and not any(isinstance(p, Partial) for p in specs[a].placements)
-               for a, w in zip(have, want))
-
-
-def _rewrite_args(node, orig, want, specs, group_names, mesh_sizes, graph):
-    """Map node args to what the rule wants: redistribute Nodes, take local shape args."""
-    if isinstance(orig, torch.fx.Node):
-        have = _placements(specs[orig])
-        need = _placements(want) if isinstance(want, DTensorSpec) else have
+    def to(self, node, value, placements) -> torch.fx.Node:
+        """`value` placed as `placements`, redistributed before `node` at most once."""
+        have, need = _placements(self.specs[value]), tuple(placements)
         if have == need:
-            return orig
-        memo = graph.__dict__.setdefault("_fxpar_redistributed", {})
-        if (orig, need) in memo:  # one collective per (value, placement), shared by users
-            return memo[(orig, need)]
-        with graph.inserting_before(node):
-            meta = {ir.MODULE: node.meta.get(ir.MODULE, ""), ir.REGION: node.meta.get(ir.REGION)}
-            new = redistribute(graph, orig, have, need, group_names, mesh_sizes, meta)
-        specs[new] = DTensorSpec(specs[orig].mesh, tuple(need), specs[orig].tensor_meta)
-        new.meta[ir.SHARD] = tuple(need)
-        memo[(orig, need)] = new
-        return new
-    if isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) and len(orig) == len(want):
-        return type(orig)(_rewrite_args(node, o, w, specs, group_names, mesh_sizes, graph)
-                          for o, w in zip(orig, want))
-    if isinstance(want, DTensorSpec):
-        return orig
-    return want  # non-tensor argument: the rule's local version (e.g. a local view shape)
+            return value
+        if (value, need) not in self.made:  # one collective per (value, placement)
+            with self.graph.inserting_before(node):
+                meta = {ir.MODULE: node.meta.get(ir.MODULE, ""),
+                        ir.REGION: node.meta.get(ir.REGION)}
+                new = redistribute(self.graph, value, have, need, self.group_names,
+                                   self.mesh_sizes, meta)
+            self.specs[new] = DTensorSpec(self.mesh, need, self.specs[value].tensor_meta)
+            new.meta[ir.SHARD] = need
+            self.made[(value, need)] = new
+        return self.made[(value, need)]
+
+    def place(self, node, want: dict[torch.fx.Node, tuple]) -> None:
+        """Rewrite node's tensor inputs to the placements in `want` (others untouched)."""
+        node.args, node.kwargs = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, lambda a: self.to(node, a, want[a]) if a in want else a,
+            (node.args, node.kwargs))
+
+    def ask_dtensor(self, node):
+        op = node.target
+        schema = OpSchema(op, *torch.utils._pytree.tree_map_only(
+            torch.fx.Node, self.specs.__getitem__, (tuple(node.args), dict(node.kwargs))))
+        try:
+            # the cached entry point conflates view ops that differ only in their shape arg
+            return self.prop.propagate_op_sharding_non_cached(schema)
+        except Exception as e:  # noqa: BLE001
+            raise ShardingError(f"DTensor's sharding rule for {op} (node {node.name}, module "
+                                f"'{node.meta.get(ir.MODULE, '')}') failed: {e}") from e
+
+    # -- one op ----------------------------------------------------------------------------
+    def propagate(self, node):
+        op, val = node.target, node.meta.get(ir.VAL)
+        if not isinstance(op, torch._ops.OpOverload):
+            raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
+                                "shards only ATen graphs.")
+        # Reduce a Partial before it is broadcast: all-reducing the small input is cheaper than
+        # letting the partial sum flow into a bigger value (DTensor's rules decide op by op and
+        # would keep it Partial through an expand, then gather activations to combine it).
+        out_numel = max((v.numel() for v in torch.utils._pytree.tree_leaves(val)
+                         if isinstance(v, torch.Tensor)), default=0)
+        self.place(node, {a: tuple(Replicate() if isinstance(p, Partial) else p
+                                   for p in self.specs[a].placements)
+                          for a in self.inputs(node)
+                          if _is_partial(self.specs[a].placements)
+                          and isinstance(a.meta.get(ir.VAL), torch.Tensor)
+                          and a.meta[ir.VAL].numel() < out_numel})
+
+        if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
+            wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)
+            self.place(node, wanted)
+            return _out_spec(self.mesh, out_pl, val)
+        if not _registered(self.prop, op) or op._schema.is_mutable:
+            ins = self.inputs(node)
+            if all(_placements(self.specs[a]) == self.replicate for a in ins):
+                return _out_spec(self.mesh, self.replicate, val)
+            raise ShardingError(
+                f"cannot decide the sharding of {op} (node {node.name}, module "
+                f"'{node.meta.get(ir.MODULE, '')}'): DTensor has no sharding rule for it and its "
+                f"inputs are sharded ({[_placements(self.specs[a]) for a in ins]}). Fix: rewrite "
+                "that code with ops that have rules (most ATen ops do), or report the op to fxpar.")
+        out = self.ask_dtensor(node)
+        if out.redistribute_schema is not None and self._partializes_replicate(node, out):
+            # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
+            # buffer with a batch statistic) is legal but odd; reduce the partial input instead.
+            self.place(node, {a: self.replicate for a in self.inputs(node)
+                              if _is_partial(self.specs[a].placements)})
+            out = self.ask_dtensor(node)
+        if out.output_spec is None and val is not None and not isinstance(val, (int, float)):
+            raise ShardingError(f"DTensor's sharding rule for {op} gave no output placement "
+                                f"(node {node.name}).")
+        if out.redistribute_schema is not None:
+            want = out.redistribute_schema
+            kwargs = dict(node.kwargs)
+            for k, v in want.kwargs_schema.items():
+                if k in kwargs:
+                    kwargs[k] = self.rewrite(node, kwargs[k], v)
+            node.args, node.kwargs = tuple(self.rewrite(node, node.args, want.args_schema)), kwargs
+        return out.output_spec
+
+    def _partializes_replicate(self, node, out) -> bool:
+        pairs = [(a, w) for a, w in zip(node.args, out.redistribute_schema.args_schema)
+                 if isinstance(a, torch.fx.Node) and isinstance(w, DTensorSpec)]
+        return any(_is_partial(w.placements) and not _is_partial(self.specs[a].placements)
+                   for a, w in pairs)
+
+    def rewrite(self, node, orig, want):
+        """Map node args to what DTensor's rule wants: redistribute tensors, take its local
+        versions of non-tensor args (e.g. a view's local shape)."""
+        if isinstance(orig, torch.fx.Node):
+            return self.to(node, orig, want.placements) if isinstance(want, DTensorSpec) else orig
+        if isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) \
+                and len(orig) == len(want):
+            return type(orig)(self.rewrite(node, o, w) for o, w in zip(orig, want))
+        return orig if isinstance(want, DTensorSpec) else want
 
 
 def _with_meta(spec, val, mesh):

@@ -20,7 +20,7 @@ def local_batch(leaves: list[torch.Tensor], program: Program, dp_rank: int,
     return out
 
 
-def run_graph(program: Program, gm: torch.fx.GraphModule, params, buffers, batch):
+def run_graph(gm: torch.fx.GraphModule, params, buffers, batch):
     """Run the rank's graph once; returns its outputs (loss, grads..., updated buffers...)."""
     with torch.no_grad():
         return gm(*params, *buffers, *batch)
