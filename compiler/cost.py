@@ -1,0 +1,200 @@
+"""Static cost analysis of a graph: FLOPs and bytes per node, and a liveness memory simulator.
+
+FLOPs come from torch's own FlopCounterMode formulas (`torch.utils.flop_counter.flop_registry`),
+applied to the fake values recorded in meta["val"], so a graph is costed without running it
+and the numbers equal what FlopCounterMode reports for a real run (matmul-family ops count,
+pointwise ops count 0 FLOPs there; they cost bytes, which we count separately).
+
+The simulator replays the graph in its execution order the way the executor runs it: an op's
+outputs are allocated while its inputs are still alive, and every value is freed right after
+its last use (FX's generated code drops each variable at its last use). It works on storages,
+not values: a view shares its base's storage and keeps it alive, so live bytes match what a
+real run allocates (checked against `fxpar.runtime.memtrack` in the tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Iterable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+from fxpar.compiler import ir
+
+aten = torch.ops.aten
+# ops whose schema says "new tensor" but whose result shares the input's storage
+_ALIASING_NON_VIEWS = {aten._unsafe_view.default}
+
+
+def tensor_bytes(v) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(v)
+               if isinstance(t, torch.Tensor))
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """True if the node's (every) tensor result aliases an input's storage."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t is operator.getitem:
+        return True  # aliases an element of its tuple input
+    if t in _ALIASING_NON_VIEWS:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        rets = t._schema.returns
+        return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write
+                                  for r in rets)
+    return False
+
+
+def _val(a):
+    return a.meta.get(ir.VAL) if isinstance(a, torch.fx.Node) else a
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one node by FlopCounterMode's formula for its op (0 if it has none)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    fn = flop_registry.get(node.target.overloadpacket)
+    if fn is None:
+        return 0
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, _val, (node.args, node.kwargs))
+    return int(fn(*args, **kwargs, out_val=node.meta.get(ir.VAL)))
+
+
+def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
+    """(bytes read, bytes written): tensor inputs once each, new outputs (views write 0)."""
+    if node.op != "call_function":
+        return 0, 0
+    ins = {a for a in node.all_input_nodes}
+    read = sum(tensor_bytes(a.meta.get(ir.VAL)) for a in ins if not is_view(node))
+    written = 0 if is_view(node) else tensor_bytes(node.meta.get(ir.VAL))
+    return read, written
+
+
+def annotate(gm: torch.fx.GraphModule) -> None:
+    """Set meta["cost"] = {"flops", "bytes_read", "bytes_written"} on every call node."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            r, w = node_bytes(n)
+            n.meta[ir.COST] = {"flops": node_flops(n), "bytes_read": r, "bytes_written": w}
+
+
+def total_flops(nodes: Iterable[torch.fx.Node]) -> int:
+    return sum(node_flops(n) for n in nodes)
+
+
+# --- memory simulation ---------------------------------------------------------------------
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+@dataclasses.dataclass
+class MemoryTimeline:
+    """Live bytes per category after every node (index = position in execution order).
+
+    `peak[c]` is the peak of category c while a node runs (its inputs and outputs both live);
+    `peak_total` the peak of the sum. params/optimizer are constant over the step; grads grow
+    as the backward produces them; activations are everything else the step allocates
+    (batch inputs included)."""
+    nodes: list[str]
+    live: dict[str, list[int]]
+    peak: dict[str, int]
+    peak_total: int
+    peak_node: str
+
+    @property
+    def activation_peak(self) -> int:
+        return self.peak["activations"]
+
+
+def simulate(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 0,
+             count_inputs: bool = True) -> MemoryTimeline:
+    """Live memory of one run of `gm` in graph order, freeing storages after their last use.
+
+    optimizer_state_bytes: what the optimizer keeps per step (e.g. 2x params for Adam); it is
+    not in the graph, so the caller says. count_inputs=False leaves batch placeholders out of
+    activations (what a tracker that only sees allocations made by the run measures).
+    """
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    out_node = nodes[-1]
+    n_grads = out_node.meta.get("n_grads", 0)
+    out_args = list(pytree.tree_leaves(out_node.args[0]))
+    grad_outs = {a for a in out_args[1:1 + n_grads] if isinstance(a, torch.fx.Node)}
+
+    # storages each value keeps alive: a view -> its base's; a multi-output op allocates one
+    # storage per element, (node, i), and a getitem of it refers to that element
+    keys: dict[torch.fx.Node, list] = {}
+    size: dict[object, int] = {}
+    owner: dict[object, torch.fx.Node] = {}
+    for n in nodes:
+        val = n.meta.get(ir.VAL)
+        if n.op == "call_function" and n.target is operator.getitem:
+            src = n.args[0]
+            k = keys.get(src, [])
+            keys[n] = [(src, n.args[1])] if (src, n.args[1]) in size else list(k)
+        elif is_view(n) and n.all_input_nodes:
+            base = n.args[0] if isinstance(n.args[0], torch.fx.Node) else n.all_input_nodes[0]
+            keys[n] = list(keys.get(base, []))
+        elif isinstance(val, (tuple, list)):
+            keys[n] = []
+            for i, v in enumerate(val):
+                if isinstance(v, torch.Tensor) and tensor_bytes(v):
+                    size[(n, i)], owner[(n, i)] = tensor_bytes(v), n
+                    keys[n].append((n, i))
+        elif isinstance(val, torch.Tensor) and n.op != "output":
+            size[n], owner[n] = tensor_bytes(val), n
+            keys[n] = [n]
+        else:
+            keys[n] = []
+
+    last = {k: index[owner[k]] for k in size}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            for k in keys.get(a, []):
+                last[k] = max(last[k], index[n])
+    grad_storages = {k for a in grad_outs for k in keys.get(a, [])}
+
+    def category(k):
+        o = owner[k]
+        if o.op == "placeholder":
+            role = o.meta.get(ir.ROLE)
+            if role in ("param", "buffer"):
+                return "params"
+            return "activations" if count_inputs else None
+        if k in grad_storages:
+            return "grads"
+        return "activations"
+
+    frees: dict[int, list] = {}
+    for k, i in last.items():
+        frees.setdefault(i, []).append(k)
+    allocs: dict[int, list] = {}
+    for k, o in owner.items():
+        allocs.setdefault(index[o], []).append(k)
+    cur = {c: 0 for c in CATEGORIES}
+    cur["optimizer"] = optimizer_state_bytes
+    live = {c: [] for c in CATEGORIES}
+    peak = dict(cur)
+    peak_total, peak_node = sum(cur.values()), ""
+    for i, n in enumerate(nodes):
+        for k in allocs.get(i, []):
+            c = category(k)
+            if c:
+                cur[c] += size[k]
+        tot = sum(cur.values())
+        for c in CATEGORIES:
+            peak[c] = max(peak[c], cur[c])
+        if tot > peak_total:
+            peak_total, peak_node = tot, n.name
+        for k in frees.get(i, []):
+            c = category(k)
+            if c and owner[k].op != "placeholder" and i < len(nodes) - 1:
+                cur[c] -= size[k]
+        for c in CATEGORIES:
+            live[c].append(cur[c])
+    return MemoryTimeline([n.name for n in nodes], live, peak, peak_total, peak_node)

@@ -1,0 +1,89 @@
+"""Measured memory: what a real run allocates, to check the simulator against reality.
+
+On CPU a TorchDispatchMode sees every op's outputs; an output whose storage is not one of the
+op's inputs' storages is a new allocation, and a weakref finalizer on that storage marks it
+freed. Events are kept so peaks can be taken afterwards with some storages left out (e.g. the
+gradients, to get activation memory alone). On CUDA, `torch.cuda.max_memory_allocated` is the
+ground truth and `measure()` uses it.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _storages(tree) -> list:
+    return [t.untyped_storage() for t in pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and not t.is_meta]
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Records every storage an op allocates and when it dies.
+
+    with MemoryTracker() as mt:
+        out = fn()
+    mt.peak()                       # peak live bytes allocated inside the block
+    mt.peak(exclude=[grads...])     # same, leaving out the storages of these tensors
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[int, int]] = []   # (+bytes | -bytes, storage key)
+        self._live: dict[int, int] = {}
+        self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {s.data_ptr() for s in _storages((args, kwargs))}
+        for st in _storages(out):
+            if st.nbytes() == 0 or st.data_ptr() in seen or st in self._keys:
+                continue
+            key = self._next
+            self._next += 1
+            self._keys[st] = key
+            self._live[key] = st.nbytes()
+            self.events.append((st.nbytes(), key))
+            weakref.finalize(st, self._free, key)
+        return out
+
+    def _free(self, key):
+        nbytes = self._live.pop(key, None)
+        if nbytes is not None:
+            self.events.append((-nbytes, key))
+
+    def key(self, t: torch.Tensor) -> int | None:
+        return self._keys.get(t.untyped_storage())
+
+    def peak(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        skip = {self.key(t) for t in exclude}
+        cur = best = 0
+        for nbytes, key in self.events:
+            if key in skip:
+                continue
+            cur += nbytes
+            best = max(best, cur)
+        return best
+
+
+def measure(fn: Callable, *, exclude: Callable | None = None) -> tuple[object, int]:
+    """Run fn(); return (its result, peak bytes it allocated). `exclude(result)` lists tensors
+    whose storages are not counted (CPU only; on CUDA the allocator's peak is total)."""
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else None
+    if dev is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        if exclude is not None:
+            peak -= sum(t.untyped_storage().nbytes() for t in exclude(out))
+        return out, peak
+    with MemoryTracker() as mt:
+        out = fn()
+    return out, mt.peak(exclude(out) if exclude is not None else ())
