@@ -11,6 +11,7 @@ import torch.distributed as dist
 from fxpar.compiler import capture as cap
 from fxpar.compiler import ir
 from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import executor, optim
@@ -66,12 +67,29 @@ class ParallelModel:
         t0 = time.perf_counter()
         gm, sig = cap.capture(self.model, example_batch, self.loss_fn, joint=joint)
         capture_time = time.perf_counter() - t0
-        ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp"})
+        ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp"},
+                          memory_budget=self._activation_budget() if joint else None)
         gm = run_passes(gm, self.plan, ctx, role="dp", snapshots=snapshots)
         program = ir.Program(graph=gm, signature=sig, dp=self.plan.dp,
                              batch_shard_dims=ctx.batch_shard_dims,
                              group_name=ctx.group_names["dp"])
         return program, [("capture", capture_time, None), *ctx.timings]
+
+    def _activation_budget(self) -> int | None:
+        """For remat="auto": device memory (90%) less parameters, gradients and optimizer
+        state (Adam's two moments assumed: the optimizer is built after compiling)."""
+        if self.plan.remat != "auto":
+            return None
+        total = int(0.9 * rdist.device_memory(self.world.device))
+        p_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        fixed = 4 * p_bytes  # params + grads + 2 Adam moments
+        if fixed >= total:
+            raise PlanError(
+                f"the model does not fit: parameters, gradients and optimizer state need "
+                f"{fixed / 2**30:.2f} GiB per device but {total / 2**30:.2f} GiB is available. "
+                "Fix: more devices with tensor/pipeline parallelism or ZeRO (when available), "
+                "or a smaller model.")
+        return total - fixed
 
     # --- training ---------------------------------------------------------------------------
     def _run(self, program, batch):

@@ -14,6 +14,7 @@ hand the backward values it does not expect).
 from __future__ import annotations
 
 import contextlib
+import operator
 import logging
 import traceback
 from typing import Any, Callable
@@ -268,8 +269,11 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
         todo.extend(n.all_input_nodes)
     for n in graph.nodes:
         if n.op == "call_function":
-            n.meta[ir.REGION] = ir.FORWARD if n in fwd else ir.BACKWARD
-            if n in fwd:
+            # an element of a forward op's result (e.g. LayerNorm's saved mean) is forward too,
+            # even when only the backward reads it
+            is_fwd = n in fwd or (n.target is operator.getitem and n.args[0] in fwd)
+            n.meta[ir.REGION] = ir.FORWARD if is_fwd else ir.BACKWARD
+            if is_fwd:
                 n.meta[ir.MODULE] = _strip(tags.get(n.name, "")) if tags.get(n.name) else ""
     # backward nodes: the module of the most recently computed forward value (or parameter)
     # they consume, else that of the gradient flowing into them

@@ -75,6 +75,29 @@ def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
     return read, written
 
 
+@dataclasses.dataclass
+class DeviceProfile:
+    """Peak compute and memory bandwidth, for time estimates (a roofline per node).
+
+    Rough defaults until the planner calibrates them (issue 8); only ratios matter to remat."""
+    name: str
+    flops: float       # FLOP/s (fp32)
+    bandwidth: float   # bytes/s
+
+    @classmethod
+    def for_device(cls, device) -> "DeviceProfile":
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls("cuda", 400e12, 3.0e12)
+        return cls("cpu", 100e9, 20e9)
+
+
+def node_time(node: torch.fx.Node, profile: DeviceProfile) -> float:
+    """Roofline estimate: the slower of compute and memory traffic."""
+    r, w = node_bytes(node)
+    return max(node_flops(node) / profile.flops, (r + w) / profile.bandwidth)
+
+
 def annotate(gm: torch.fx.GraphModule) -> None:
     """Set meta["cost"] = {"flops", "bytes_read", "bytes_written"} on every call node."""
     for n in gm.graph.nodes:

@@ -36,13 +36,14 @@ class PassContext:
     group_names: dict[str, str] = dataclasses.field(default_factory=dict)  # mesh dim -> group
     batch_shard_dims: list[int | None] = dataclasses.field(default_factory=list)
     timings: list[tuple[str, float, int]] = dataclasses.field(default_factory=list)
+    memory_budget: int | None = None  # activation bytes per device for remat="auto"
 
 
 def _pass_list() -> list[tuple[str, Callable]]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
     # overlap, fusion. Only implemented passes are listed; Plan.validate refuses the rest.
-    from fxpar.passes import data_parallel
-    return [("data_parallel", data_parallel.run)]
+    from fxpar.passes import data_parallel, remat
+    return [("remat", remat.run), ("data_parallel", data_parallel.run)]
 
 
 
@@ -54,7 +55,9 @@ def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out_node = next(n for n in g.nodes if n.op == "output")
     old_out = next(n for n in gm.graph.nodes if n.op == "output")
     out_node.meta = dict(old_out.meta)
-    return torch.fx.GraphModule(gm, g)
+    new = torch.fx.GraphModule(gm, g)
+    new.meta = dict(gm.meta)
+    return new
 
 
 def fake_inputs(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> list:

@@ -85,8 +85,6 @@ class Plan:
             missing.append(f"pp={self.pp} (pipeline parallelism)")
         if self.microbatches != 1:
             missing.append(f"microbatches={self.microbatches}")
-        if self.remat != "none":
-            missing.append(f"remat={self.remat!r}")
         if self.zero != 0:
             missing.append(f"zero={self.zero}")
         if self.precision != "fp32":
@@ -97,7 +95,7 @@ class Plan:
             missing.append("overlap=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use tp=1, pp=1, microbatches=1, remat='none', zero=0, "
+                            " yet; use tp=1, pp=1, microbatches=1, zero=0, "
                             "precision='fp32', fuse=False, overlap=False (pure data parallelism).")
         return self
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
@@ -210,9 +211,14 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
         else:
             spec = sh.propagate(node)
         s = sh.specs[node] = _with_meta(spec, node.meta.get(ir.VAL), mesh)
-        node.meta[ir.SHARD] = (tuple(_placements(x) for x in s) if isinstance(s, (tuple, list))
-                               else _placements(s))
+        node.meta[ir.SHARD] = _placements_tree(s)
     return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
+
+
+def _placements_tree(s):
+    if isinstance(s, (tuple, list)):
+        return tuple(_placements_tree(x) for x in s)
+    return _placements(s)
 
 
 def _is_partial(placements) -> bool:
@@ -270,6 +276,8 @@ class _Sharder:
 
     # -- one op ----------------------------------------------------------------------------
     def propagate(self, node):
+        if node.target in (run_and_save_rng_state, run_with_rng_state):
+            return self.propagate_rng_replay(node)
         op, val = node.target, node.meta.get(ir.VAL)
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
@@ -317,6 +325,24 @@ class _Sharder:
                     kwargs[k] = self.rewrite(node, kwargs[k], v)
             node.args, node.kwargs = tuple(self.rewrite(node, node.args, want.args_schema)), kwargs
         return out.output_spec
+
+    def propagate_rng_replay(self, node):
+        """remat's RNG replay wrappers shard like the random op they wrap; the saved RNG state
+        is each rank's own (never communicated), marked Replicate."""
+        saving = node.target is run_and_save_rng_state
+        hop, val = node.target, node.meta.get(ir.VAL)
+        k = 0 if saving else 1                      # position of the wrapped op in args
+        head = node.args[:k + 1]
+        node.target, node.args = node.args[k], node.args[k + 1:]
+        node.meta[ir.VAL] = val[1] if saving else val
+        try:
+            spec = self.propagate(node)
+        finally:
+            node.target, node.args = hop, (*head, *node.args)
+            node.meta[ir.VAL] = val
+        if saving:
+            return (_spec(self.mesh, self.replicate, val[0]), spec)
+        return spec
 
     def _partializes_replicate(self, node, out) -> bool:
         pairs = [(a, w) for a, w in zip(node.args, out.redistribute_schema.args_schema)

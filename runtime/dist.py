@@ -97,6 +97,15 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     return World(world, rank, dev, mesh)
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes one rank may use: the GPU's memory, or this host's RAM shared by its local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return ram // max(local, 1)
+
+
 # --- launching local ranks ------------------------------------------------------------------
 
 class LaunchError(FxparError):

@@ -30,6 +30,8 @@ class MemoryTracker(TorchDispatchMode):
     mt.peak(exclude=[grads...])     # same, leaving out the storages of these tensors
     """
 
+    supports_higher_order_operators = True  # rng replay ops (remat) pass through here
+
     def __init__(self):
         super().__init__()
         self.events: list[tuple[int, int]] = []   # (+bytes | -bytes, storage key)

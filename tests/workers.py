@@ -31,6 +31,13 @@ def zoo():
     }
 
 
+def dropout_zoo():
+    """Models with dropout > 0 (not comparable to eager: masks are drawn per rank)."""
+    cfg = M.GPTConfig(dropout=0.1)
+    return {"gpt_dropout": (lambda: M.GPT(cfg), lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s),
+                            None)}
+
+
 def _xy(step, xs, ys):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(GLOBAL_BATCH, *xs, generator=g), torch.randn(GLOBAL_BATCH, *ys, generator=g)
@@ -54,7 +61,7 @@ OPTIMIZERS = {
 
 def build(name):
     torch.manual_seed(1234)
-    factory, batch_fn, loss_fn = zoo()[name]
+    factory, batch_fn, loss_fn = {**zoo(), **dropout_zoo()}[name]
     return factory(), batch_fn, loss_fn
 
 
@@ -73,12 +80,24 @@ def eager_reference(name, opt_name, steps=STEPS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def fxpar_train(name, opt_name, devices, steps=STEPS):
+def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None):
     model, batch_fn, loss_fn = build(name)
     pm = fxpar.parallelize(model, devices, example_batch=batch_fn(0), loss_fn=loss_fn,
-                           optimizer=OPTIMIZERS[opt_name])
+                           optimizer=OPTIMIZERS[opt_name], plan=plan or "auto")
+    torch.manual_seed(99)  # dropout masks: the same stream for every plan
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
     return losses, pm.full_state_dict()
+
+
+def plans_rank(cases):
+    """Runs on every rank: train each (model, optimizer, plan dict) case; rank 0 returns."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    out = {}
+    for name, opt_name, plan in cases:
+        losses, state = fxpar_train(name, opt_name, world, plan=plan)
+        out[(name, opt_name, repr(plan))] = (losses, state if rank == 0 else None)
+    return out
 
 
 def parity_rank(cases, dp):

@@ -1,0 +1,464 @@
+"""Rematerialization: choose which forward values the backward keeps and which it recomputes.
+
+Every mode ends in the same two steps, as in PyTorch's AOTAutograd partitioner:
+  1. a min-cut on the forward graph (networkx max-flow): each forward value costs its bytes to
+     save; values the backward reads must be saved or recomputed from saved ones; ops that may
+     not be recomputed (collectives, mutations, and -- per mode -- expensive ops) are pinned to
+     the forward. The cut is the cheapest saved set; everything behind it is recomputed. This is
+     what makes views and cheap pointwise ops recompute instead of being saved when that is
+     smaller (e.g. keep x, not gelu(x) and x).
+  2. the rewrite: each recomputed node is copied once into the backward, just before its first
+     use there (meta["recompute"] = True), so a segment is rebuilt only when its backward runs.
+
+The modes differ only in what the min-cut may recompute:
+  "sqrt"  Chen et al. 2016. Checkpoint candidates are the cut vertices of the forward graph on
+          the path from the input to the loss (found with networkx's biconnected components,
+          not module names): values every path from input to loss goes through. Chen's greedy
+          walks them keeping one whenever the bytes since the last kept one exceed b, with b
+          chosen to minimise (kept bytes + largest segment) -- about every sqrt(N)-th layer
+          boundary for N uniform layers. Kept checkpoints are forced saved; everything else may
+          be recomputed.
+  budget  (bytes, or "auto" = what fits the device): a 0/1 knapsack over Chen's segments. Each
+          segment is either stored (only cheap ops recomputed) or recomputed whole from its
+          checkpoint. Storing costs its saved bytes and saves its recompute time (FLOPs and
+          bytes against the device profile in compiler/cost.py). We take segments in order of
+          recompute-time saved per byte and find the longest prefix whose simulated peak fits,
+          for each of a few segment sizes b, and keep the cheapest plan that fits. A knapsack
+          rather than the full min-cut ILP because the chain structure makes segments
+          independent, the simulator checks each candidate exactly (the budget is enforced on
+          the simulated peak, not on an estimate), and it solves in well under a second.
+
+Random ops (dropout) are recomputable: the forward op is wrapped in torch's
+`run_and_save_rng_state` and the recompute in `run_with_rng_state`, so the mask is replayed
+bit for bit (the saved RNG state is a few KB).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import networkx as nx
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+from fxpar.compiler import cost, ir
+from fxpar.compiler.errors import PlanError
+
+SAVED = "saved"  # node.meta key: forward value kept for the backward (set on remat'd graphs)
+_NO_RECOMPUTE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor", "fxpar")
+
+
+@dataclasses.dataclass
+class Decision:
+    """What the pass decided; stored on gm.meta["remat"] for tests, viz and reports."""
+    mode: str
+    checkpoints: list[str]
+    saved: list[str]
+    recomputed: list[str]
+    recompute_flops: int
+    peak_before: int          # simulated activation peak, bytes
+    peak_after: int
+    budget: int | None = None
+
+
+# --- graph facts --------------------------------------------------------------------------
+
+def _region(n):
+    return n.meta.get(ir.REGION)
+
+
+def _forward_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and _region(n) == ir.FORWARD]
+
+
+def _needed_by_backward(fwd):
+    return {n for n in fwd if any(_region(u) == ir.BACKWARD for u in n.users)}
+
+
+def _is_random(n) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _recomputable(n) -> bool:
+    t = n.target
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+        return False
+    return t.namespace not in _NO_RECOMPUTE_NAMESPACES
+
+
+def _cheap(n) -> bool:
+    """Cheap to recompute: views, getitems, pointwise ops, input-free factories."""
+    t = n.target
+    if t is operator.getitem or cost.is_view(n) or _is_random(n):
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in t.tags or not n.all_input_nodes
+
+
+def _owns_storage(n) -> bool:
+    if n.target is operator.getitem:
+        return not cost.is_view(n.args[0]) and isinstance(n.args[0].meta.get(ir.VAL), (tuple, list))
+    return not cost.is_view(n) and isinstance(n.meta.get(ir.VAL), torch.Tensor)
+
+
+def _view_of_placeholder(n) -> bool:
+    while cost.is_view(n) and n.all_input_nodes:
+        n = n.args[0] if isinstance(n.args[0], torch.fx.Node) else n.all_input_nodes[0]
+    return n.op == "placeholder"
+
+
+def _loss_node(gm):
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return out.args[0][0]
+
+
+def chain_candidates(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Forward values every input->loss path goes through (cut vertices), in forward order."""
+    fwd = _forward_nodes(gm)
+    fwd_set = set(fwd)
+    batch = {n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch"}
+    data = set()  # forward nodes that depend on the batch (the activation chain)
+    for n in fwd:
+        if any(a in batch or a in data for a in n.all_input_nodes):
+            data.add(n)
+    loss = _loss_node(gm)
+    if loss not in data:
+        return []
+    U = nx.Graph()
+    U.add_nodes_from(data)
+    U.add_edges_from((a, n) for n in data for a in n.all_input_nodes if a in data)
+    comp = U.subgraph(nx.node_connected_component(U, loss))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    src = min(comp, key=order.__getitem__)
+    arts = set(nx.articulation_points(comp))
+    tree = nx.Graph()  # block-cut tree
+    block_of = {}
+    for i, block in enumerate(nx.biconnected_components(comp)):
+        tree.add_node(("block", i))
+        for v in block:
+            block_of.setdefault(v, ("block", i))
+            if v in arts:
+                tree.add_edge(("block", i), v)
+    if len(comp) == 1:
+        path = [loss]
+    else:
+        a = src if src in arts else block_of[src]
+        b = loss if loss in arts else block_of[loss]
+        path = [src, *nx.shortest_path(tree, a, b), loss]
+    cands = {v for v in path if isinstance(v, torch.fx.Node) and v in fwd_set and _owns_storage(v)}
+    return sorted(cands, key=order.__getitem__)
+
+
+# --- min-cut --------------------------------------------------------------------------------
+
+def min_cut_saved(gm, *, pinned: set, forced: set) -> tuple[set, set]:
+    """(saved, recomputed) forward nodes: the cheapest saved set (bytes) given that `pinned`
+    nodes must run in the forward and `forced` nodes must be saved."""
+    fwd = _forward_nodes(gm)
+    fwd_set = set(fwd)
+    needed = _needed_by_backward(fwd)
+    G = nx.DiGraph()
+    for n in fwd:
+        if cost.is_view(n) and not _owns_storage(n):
+            # saving a view keeps its base alive: cut at the base instead (free if a param)
+            cap = 0 if _view_of_placeholder(n) else None
+        elif not _owns_storage(n):
+            cap = None  # tuples: save their elements
+        else:
+            cap = cost.tensor_bytes(n.meta.get(ir.VAL)) + (0 if n in needed else 1)
+        if cap is None:
+            G.add_edge((n, "in"), (n, "out"))
+        else:
+            G.add_edge((n, "in"), (n, "out"), capacity=cap)
+        for a in n.all_input_nodes:
+            if a in fwd_set:
+                G.add_edge((a, "out"), (n, "in"))
+            else:  # placeholders and other free values
+                G.add_edge("source", (n, "in"))
+        if n in pinned or n in forced or not _recomputable(n):
+            G.add_edge("source", (n, "in"))
+        if n in needed or n in forced:
+            G.add_edge((n, "out"), "sink")
+    if "sink" not in G or "source" not in G:
+        return set(), set()
+    try:
+        _, (reach, _) = nx.minimum_cut(G, "source", "sink",
+                                       flow_func=nx.algorithms.flow.boykov_kolmogorov)
+    except nx.NetworkXUnbounded as e:
+        raise PlanError("remat: a value the backward needs can neither be saved nor "
+                        "recomputed (infinite cut); please report this graph to fxpar.") from e
+    saved = {n for n in fwd if (n, "in") in reach and (n, "out") not in reach}
+    recompute_side = {n for n in fwd if (n, "in") not in reach}
+    # only what the backward actually reaches is recomputed
+    recomputed, stack = set(), [n for n in needed if n in recompute_side]
+    while stack:
+        n = stack.pop()
+        if n in recomputed:
+            continue
+        recomputed.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in recompute_side)
+    return saved, recomputed
+
+
+# --- rewrite --------------------------------------------------------------------------------
+
+def rewrite(gm: torch.fx.GraphModule, recomputed: set) -> list[torch.fx.Node]:
+    """Copy each recomputed node into the backward just before its first use there."""
+    graph = gm.graph
+    recomputed = set(recomputed)
+    # random ops: run_and_save_rng_state in the forward, run_with_rng_state in the backward
+    rng_state = {}
+    for n in [n for n in graph.nodes if n in recomputed and _is_random(n)]:
+        with graph.inserting_before(n):
+            wrapped = graph.call_function(run_and_save_rng_state, (n.target, *n.args), n.kwargs)
+            state = graph.call_function(operator.getitem, (wrapped, 0))
+            out = graph.call_function(operator.getitem, (wrapped, 1))
+        st_val = _rng_state_like(n)
+        for new, val in ((wrapped, (st_val, n.meta[ir.VAL])), (state, st_val),
+                         (out, n.meta[ir.VAL])):
+            new.meta.update({k: v for k, v in n.meta.items() if k != ir.VAL})
+            new.meta[ir.VAL] = val
+        n.replace_all_uses_with(out)
+        graph.erase_node(n)
+        recomputed.discard(n)
+        recomputed.add(out)
+        rng_state[out] = state
+
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def ensure(n, before):
+        if n not in recomputed:
+            return n
+        if n not in copies:
+            with graph.inserting_before(before):
+                if n in rng_state:
+                    src = n.args[0]  # the run_and_save_rng_state node
+                    args = tuple(ensure(a, before) if isinstance(a, torch.fx.Node) else a
+                                 for a in src.args[1:])
+                    kwargs = {k: ensure(v, before) if isinstance(v, torch.fx.Node) else v
+                              for k, v in src.kwargs.items()}
+                    new = graph.call_function(run_with_rng_state,
+                                              (rng_state[n], src.args[0], *args), kwargs)
+                else:
+                    new = graph.node_copy(n, lambda a: ensure(a, before))
+            new.meta = dict(n.meta)
+            new.meta[ir.RECOMPUTE] = True
+            new.meta[ir.REGION] = ir.BACKWARD
+            copies[n] = new
+        return copies[n]
+
+    for b in [n for n in graph.nodes if _region(n) == ir.BACKWARD]:
+        if b.meta.get(ir.RECOMPUTE):
+            continue
+        if any(a in recomputed for a in b.all_input_nodes):
+            b.args, b.kwargs = torch.fx.node.map_arg((b.args, b.kwargs),
+                                                     lambda a: ensure(a, b))
+    graph.eliminate_dead_code()
+    return list(copies.values())
+
+
+def _rng_state_like(n):
+    dev = next(v for v in torch.utils._pytree.tree_leaves(n.meta[ir.VAL])
+               if isinstance(v, torch.Tensor)).device
+    n_bytes = 16 if dev.type == "cuda" else torch.get_rng_state().numel()  # philox / mt19937
+    global _FAKE
+    _FAKE = _FAKE or FakeTensorMode()
+    with _FAKE:
+        return torch.empty(n_bytes, dtype=torch.uint8)
+
+
+_FAKE = None
+
+
+# --- policies -------------------------------------------------------------------------------
+
+def _segments(gm, cands):
+    """Per candidate: saved bytes of the forward span ending at it (without remat)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    needed = sorted((n for n in _needed_by_backward(_forward_nodes(gm)) if _owns_storage(n)),
+                    key=order.__getitem__)
+    seg, j = [0] * len(cands), 0
+    for n in needed:
+        while j < len(cands) - 1 and order[n] > order[cands[j]]:
+            j += 1
+        seg[j] += cost.tensor_bytes(n.meta[ir.VAL])
+    return seg
+
+
+def chen_checkpoints(cands, seg, b) -> list[int]:
+    """Chen's greedy: keep a candidate whenever the bytes since the last kept one exceed b."""
+    kept, acc = [], 0
+    for j in range(len(cands)):
+        acc += seg[j]
+        if acc > b:
+            kept.append(j)
+            acc = 0
+    return kept
+
+
+def _thresholds(seg, k=12):
+    total = sum(seg) or 1
+    lo = max(min(s for s in seg if s) if any(seg) else 1, 1)
+    return sorted({lo * (total / lo) ** (i / (k - 1)) for i in range(k)})
+
+
+def sqrt_checkpoints(cands, seg) -> list[int]:
+    """Chen et al.: the threshold b minimising kept bytes + the largest recomputed segment."""
+    sizes = [0] * len(cands)
+    best = None
+    for b in _thresholds(seg, 24):
+        kept = chen_checkpoints(cands, seg, b)
+        groups, acc = [], 0
+        for j in range(len(cands)):
+            acc += seg[j]
+            if j in kept:
+                groups.append(acc)
+                acc = 0
+        groups.append(acc)
+        score = sum(cost.tensor_bytes(cands[j].meta[ir.VAL]) for j in kept) + max(groups)
+        if best is None or score < best[0]:
+            best = (score, kept)
+    del sizes
+    return best[1] if best else []
+
+
+def _activation_peak(gm) -> int:
+    return cost.simulate(gm, count_inputs=False).peak["activations"]
+
+
+def _apply(gm, pinned, forced):
+    g = _copy(gm)
+    m = {a: b for a, b in zip(gm.graph.nodes, g.graph.nodes)}
+    saved, recomputed = min_cut_saved(g, pinned={m[n] for n in pinned},
+                                      forced={m[n] for n in forced})
+    copies = rewrite(g, recomputed)
+    return g, saved, copies
+
+
+class _Draft:
+    """A graph being tried (no GraphModule: no code generation until one is chosen)."""
+    def __init__(self, graph):
+        self.graph = graph
+
+
+def _copy(gm):
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    new_out = next(n for n in reversed(g.nodes) if n.op == "output")
+    new_out.meta = dict(old_out.meta)
+    return _Draft(g)
+
+
+def _recompute_time(nodes, profile) -> float:
+    return sum(cost.node_time(n, profile) for n in nodes)
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    mode = plan.remat
+    if mode == "none" or not any(_region(n) == ir.BACKWARD for n in gm.graph.nodes):
+        return gm
+    dp = max(plan.dp or 1, 1)
+    fwd = _forward_nodes(gm)
+    expensive = {n for n in fwd if not _cheap(n)}
+    cands = chain_candidates(gm)
+    seg = _segments(gm, cands) if cands else []
+    peak_before = _activation_peak(gm)
+    profile = cost.DeviceProfile.for_device(_device_of(gm))
+
+    if mode == "sqrt":
+        kept = [cands[j] for j in sqrt_checkpoints(cands, seg)] if cands else []
+        new, saved, copies = _apply(gm, pinned=set(), forced=set(kept))
+        budget = None
+    else:
+        budget = ctx.memory_budget if mode == "auto" else int(mode)
+        if budget is None:
+            raise PlanError("remat='auto' needs the device memory, which is unknown here; "
+                            "give Plan.remat a budget in bytes.")
+        new, saved, copies, kept = _solve_budget(gm, cands, seg, expensive, budget * dp,
+                                                 profile, peak_before)
+    new = torch.fx.GraphModule(gm, new.graph)
+    peak_after = _activation_peak(new)
+    live = set(new.graph.nodes)
+    for n in saved:
+        if n in live:
+            n.meta[SAVED] = True
+    names = {n.name for n in saved if n in live}
+    new.meta["remat"] = Decision(
+        mode=str(mode), checkpoints=[c.name for c in kept], saved=sorted(names),
+        recomputed=[c.name for c in copies],
+        recompute_flops=sum(cost.node_flops(c) for c in copies),
+        peak_before=peak_before // dp, peak_after=peak_after // dp, budget=budget)
+    return new
+
+
+def _solve_budget(gm, cands, seg, expensive, budget, profile, peak_before):
+    """Knapsack over Chen segments (see module docstring); budget on the simulated peak."""
+    tried = []
+
+    def attempt(pinned, forced):
+        new, saved, copies = _apply(gm, pinned, forced)
+        return _activation_peak(new), _recompute_time(copies, profile), new, saved, copies
+
+    # no recompute of expensive ops at all: the min-cut only recomputes cheap ones
+    base = attempt(expensive, set())
+    if base[0] <= budget:
+        return base[2], base[3], base[4], []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    seen = set()
+    for b in _thresholds(seg, 5) if cands else []:
+        kept = chen_checkpoints(cands, seg, b)
+        if tuple(kept) in seen:
+            continue
+        seen.add(tuple(kept))
+        bounds = [-1, *kept, len(cands) - 1] if (not kept or kept[-1] != len(cands) - 1) \
+            else [-1, *kept]
+        groups = []  # (expensive nodes of the segment, its saved bytes, its recompute time)
+        for lo, hi in zip(bounds, bounds[1:]):
+            lo_i = order[cands[lo]] if lo >= 0 else -1
+            hi_i = order[cands[hi]]
+            nodes = {n for n in expensive if lo_i < order[n] <= hi_i}
+            groups.append((nodes, sum(seg[lo + 1:hi + 1]) or 1, _recompute_time(nodes, profile)))
+        ranked = sorted(groups, key=lambda g: -g[2] / g[1])
+        forced = {cands[j] for j in kept}
+        lo, hi = 0, len(ranked)  # store the first k ranked segments; find the largest that fits
+        best_k = None
+        while lo <= hi:
+            k = (lo + hi) // 2
+            pinned = set().union(*(g[0] for g in ranked[:k])) if k else set()
+            res = attempt(pinned, forced)
+            if res[0] <= budget:
+                best_k, lo = res, k + 1
+            else:
+                hi = k - 1
+        if best_k is not None:
+            tried.append((best_k[1], best_k, kept))
+    if not tried:
+        floor = _min_peak(gm, cands, seg)
+        raise PlanError(
+            f"remat budget {budget} bytes of activations is below what fxpar can reach for this "
+            f"model and batch (smallest simulated activation peak: {floor} bytes). Fix: raise "
+            "the budget, use more devices (dp/pp) or a smaller batch.")
+    _, res, kept = min(tried, key=lambda t: t[0])
+    return res[2], res[3], res[4], [cands[j] for j in kept]
+
+
+def _min_peak(gm, cands, seg):
+    kept = [cands[j] for j in sqrt_checkpoints(cands, seg)] if cands else []
+    return _activation_peak(_apply(gm, set(), set(kept))[0])
+
+
+def _device_of(gm):
+    for n in gm.graph.nodes:
+        v = n.meta.get(ir.VAL)
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
