@@ -39,12 +39,16 @@ class PassContext:
     memory_budget: int | None = None  # activation bytes per device for remat="auto"
 
 
-def _pass_list() -> list[tuple[str, Callable]]:
+def _pass_list(plan) -> list[tuple[str, Callable]]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
     # overlap, fusion. Only implemented passes are listed; Plan.validate refuses the rest.
+    # A pass the plan switches off is left out (no empty snapshot for it).
     from fxpar.passes import data_parallel, remat
-    return [("remat", remat.run), ("data_parallel", data_parallel.run)]
-
+    passes = []
+    if plan.remat != "none":
+        passes.append(("remat", remat.run))
+    passes.append(("data_parallel", data_parallel.run))
+    return passes
 
 
 def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -121,7 +125,7 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     """Run the pass list in order, verifying and snapshotting after each."""
     verify(gm)
     snapshots["capture"] = {"joint": snapshot(gm)}
-    for name, fn in _pass_list():
+    for name, fn in _pass_list(plan):
         before = _count(gm)
         t0 = time.perf_counter()
         gm = fn(gm, plan, ctx)

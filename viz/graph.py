@@ -12,6 +12,8 @@ from fxpar.compiler import ir
 REGION_COLORS = {ir.FORWARD: "#cfe8ff", ir.BACKWARD: "#ffe3c4", ir.OPTIMIZER: "#e0f5d0",
                  ir.COMM: "#ffd0d0"}  # comm: bucket packing etc.; collectives are bold red
 COLLECTIVE_COLOR = "#d62728"
+RECOMPUTE_COLOR = "#e4d4ff"   # nodes remat copied into the backward
+SAVED_BORDER = "#1f4fd6"      # forward values kept for the backward (thick blue border)
 COLLECTIVE_PREFIXES = ("_c10d_functional.", "c10d_functional.", "fxpar.")
 
 
@@ -34,6 +36,10 @@ def _label(n: torch.fx.Node) -> str:
     place = ""
     if isinstance(shard, tuple) and shard and not isinstance(shard[0], tuple):
         place = ",".join(_short(p) for p in shard)
+    if n.meta.get(ir.RECOMPUTE):
+        title += " (recompute)"
+    elif n.meta.get("saved"):
+        title += " [saved]"
     parts = [f"<b>{html.escape(title)}</b>"]
     if shape or place:
         parts.append(html.escape(" ".join(x for x in (shape, place) if x)))
@@ -64,6 +70,10 @@ def to_dot(gm: torch.fx.GraphModule, title: str = ""):
         if is_collective(n):
             attrs.update(fillcolor=COLLECTIVE_COLOR, penwidth="3", color="#7a0000",
                          fontcolor="white")
+        if n.meta.get(ir.RECOMPUTE):
+            attrs.update(fillcolor=RECOMPUTE_COLOR, style="rounded,filled,dashed")
+        if n.meta.get("saved"):
+            attrs.update(penwidth="3", color=SAVED_BORDER)
         if n.op == "placeholder":
             attrs["shape"] = "ellipse"
         return attrs
