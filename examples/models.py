@@ -24,6 +24,26 @@ class MLP(nn.Module):
         return F.mse_loss(self.fc3(h), y)
 
 
+class DeepMLP(nn.Module):
+    """`n_blocks` residual blocks x + W2 gelu(W1 x); batch = (x, y); MSE loss. For remat:
+    activation memory grows linearly in n_blocks without it."""
+
+    def __init__(self, n_blocks=8, width=64, d_in=16, d_out=4):
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                                  nn.Linear(2 * width, width))
+                                    for _ in range(n_blocks))
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, batch):
+        x, y = batch
+        h = self.inp(x)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return F.mse_loss(self.out(h), y)
+
+
 class SumLossMLP(MLP):
     """Same MLP, loss = sum over the batch (not a mean)."""
 
