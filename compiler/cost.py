@@ -112,6 +112,11 @@ def total_flops(nodes: Iterable[torch.fx.Node]) -> int:
 
 # --- memory simulation ---------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class _Storage:
+    path: tuple  # (producing node, index, index, ...) of one allocated tensor
+
+
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 
@@ -149,31 +154,34 @@ def simulate(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 0,
     out_args = list(pytree.tree_leaves(out_node.args[0]))
     grad_outs = {a for a in out_args[1:1 + n_grads] if isinstance(a, torch.fx.Node)}
 
-    # storages each value keeps alive: a view -> its base's; a multi-output op allocates one
-    # storage per element, (node, i), and a getitem of it refers to that element
-    keys: dict[torch.fx.Node, list] = {}
+    # storages each value keeps alive, as a tree mirroring its value: a view -> its base's; a
+    # multi-output op allocates one storage per tensor leaf, keyed (node, i, j, ...), and a
+    # getitem of it refers to that element's subtree
     size: dict[object, int] = {}
     owner: dict[object, torch.fx.Node] = {}
+
+    def build(n, val, path):
+        if isinstance(val, (tuple, list)):
+            return tuple(build(n, v, (*path, i)) for i, v in enumerate(val))
+        if isinstance(val, torch.Tensor) and tensor_bytes(val):
+            key = _Storage(path)
+            size[key], owner[key] = tensor_bytes(val), n
+            return key
+        return None
+
+    tree: dict[torch.fx.Node, object] = {}
     for n in nodes:
         val = n.meta.get(ir.VAL)
         if n.op == "call_function" and n.target is operator.getitem:
-            src = n.args[0]
-            k = keys.get(src, [])
-            keys[n] = [(src, n.args[1])] if (src, n.args[1]) in size else list(k)
+            src = tree.get(n.args[0])
+            tree[n] = src[n.args[1]] if isinstance(src, tuple) else src
         elif is_view(n) and n.all_input_nodes:
             base = n.args[0] if isinstance(n.args[0], torch.fx.Node) else n.all_input_nodes[0]
-            keys[n] = list(keys.get(base, []))
-        elif isinstance(val, (tuple, list)):
-            keys[n] = []
-            for i, v in enumerate(val):
-                if isinstance(v, torch.Tensor) and tensor_bytes(v):
-                    size[(n, i)], owner[(n, i)] = tensor_bytes(v), n
-                    keys[n].append((n, i))
-        elif isinstance(val, torch.Tensor) and n.op != "output":
-            size[n], owner[n] = tensor_bytes(val), n
-            keys[n] = [n]
-        else:
-            keys[n] = []
+            tree[n] = tree.get(base)
+        elif n.op != "output":
+            tree[n] = build(n, val, (n,))
+    keys = {n: [k for k in pytree.tree_leaves(t) if isinstance(k, _Storage)]
+            for n, t in tree.items()}
 
     last = {k: index[owner[k]] for k in size}
     for n in nodes:

@@ -1,0 +1,104 @@
+"""compiler/cost.py: FLOPs equal FlopCounterMode's, bytes per node, and the liveness simulator
+against the measured tracker (runtime/memtrack.py)."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpar.compiler import capture as cap
+from fxpar.compiler import cost, ir
+from fxpar.compiler.passes import PassContext
+from fxpar.compiler.plan import Plan
+from fxpar.examples import models as M
+from fxpar.passes import remat
+from fxpar.runtime.memtrack import MemoryTracker, measure
+
+aten = torch.ops.aten
+
+
+def _case(name):
+    torch.manual_seed(0)
+    if name == "mlp":
+        return M.MLP(), (torch.randn(8, 16), torch.randn(8, 4))
+    if name == "deep_mlp":
+        return M.DeepMLP(6), (torch.randn(8, 16), torch.randn(8, 4))
+    if name == "gpt":
+        cfg = M.GPTConfig(dropout=0.1)
+        return M.GPT(cfg), M.gpt_batch(cfg, 8, seed=0)
+    if name == "convbn":
+        return M.ConvBN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,)))
+    if name == "hf_llama":
+        return M.hf_llama(), M.hf_lm_batch(128, 8, 16, seed=0)
+
+
+def _args(model, sig, batch):
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    return ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
+            + list(cap.flatten_batch(batch, sig)))
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "convbn"])
+def test_flops_equal_flop_counter_mode(name):
+    model, batch = _case(name)
+    gm, sig = cap.capture(model, batch)
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        gm(*_args(model, sig, batch))
+    assert sum(cost.node_flops(n) for n in gm.graph.nodes) == fc.get_total_flops() > 0
+
+
+def test_bytes_of_a_matmul_and_a_view():
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    mm = g.call_function(aten.mm.default, (a, b))
+    v = g.call_function(aten.view.default, (mm, [6, 5]))
+    g.output(v)
+    a.meta[ir.VAL], b.meta[ir.VAL] = torch.empty(3, 4), torch.empty(4, 10)
+    mm.meta[ir.VAL], v.meta[ir.VAL] = torch.empty(3, 10), torch.empty(6, 5)
+    assert cost.node_bytes(mm) == ((12 + 40) * 4, 30 * 4)
+    assert cost.node_flops(mm) == 2 * 3 * 4 * 10
+    assert cost.is_view(v) and cost.node_bytes(v) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "convbn", "hf_llama"])
+@pytest.mark.parametrize("mode", ["none", "sqrt"])
+def test_simulator_matches_tracker(name, mode):
+    """Peak within 5% (in practice: equal) and the same live bytes after every node."""
+    model, batch = _case(name)
+    gm, sig = cap.capture(model, batch)
+    if mode != "none":
+        gm = remat.run(gm, Plan(dp=1, tp=1, pp=1, remat=mode), PassContext(signature=sig))
+        gm.recompile()
+    args = _args(model, sig, batch)
+    with torch.no_grad():
+        _, measured = measure(lambda: gm(*args))
+    tl = cost.simulate(gm, count_inputs=False)
+    simulated = tl.peak_total - tl.peak["params"]
+    assert abs(simulated - measured) <= 0.05 * measured, (simulated, measured)
+
+    # node by node: run with an interpreter that frees at last use, as FX's code does
+    interp = torch.fx.Interpreter(gm, garbage_collect_values=True)
+    interp.args_iter, interp.env = iter(args), {}
+    live = []
+    with torch.no_grad(), MemoryTracker() as mt:
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                break
+            interp.env[n] = interp.run_node(n)
+            for dead in interp.user_to_last_uses.get(n, []):
+                del interp.env[dead]
+            live.append(sum(b for b, _ in mt.events))
+    sim_live = [tl.live["activations"][i] + tl.live["grads"][i] for i in range(len(live))]
+    assert live == sim_live
+
+
+def test_simulator_categories():
+    model, batch = _case("mlp")
+    gm, sig = cap.capture(model, batch)
+    p_bytes = sum(p.numel() * 4 for p in model.parameters())
+    tl = cost.simulate(gm, optimizer_state_bytes=2 * p_bytes)
+    assert tl.peak["params"] == p_bytes
+    assert tl.peak["grads"] == p_bytes           # every gradient is alive at the end
+    assert tl.peak["optimizer"] == 2 * p_bytes
+    assert tl.live["grads"][0] == 0              # none before the backward
+    assert tl.peak["activations"] > 0
+    assert tl.peak_total <= sum(tl.peak.values())
