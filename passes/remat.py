@@ -177,11 +177,9 @@ def min_cut_saved(gm, *, pinned: set, forced: set) -> tuple[set, set]:
             G.add_edge((n, "in"), (n, "out"))
         else:
             G.add_edge((n, "in"), (n, "out"), capacity=cap)
-        for a in n.all_input_nodes:
+        for a in n.all_input_nodes:  # placeholders are free on both sides: no edge
             if a in fwd_set:
                 G.add_edge((a, "out"), (n, "in"))
-            else:  # placeholders and other free values
-                G.add_edge("source", (n, "in"))
         if n in pinned or n in forced or not _recomputable(n):
             G.add_edge("source", (n, "in"))
         if n in needed or n in forced:

@@ -1,0 +1,219 @@
+"""The remat pass on small graphs: checkpoints, recomputed nodes, budgets, RNG replay, and the
+sqrt(N) memory law measured with the tracker."""
+import math
+import operator
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.compiler import capture as cap
+from fxpar.compiler import cost, ir
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.passes import PassContext, verify
+from fxpar.compiler.plan import Plan
+from fxpar.examples import models as M
+from fxpar.passes import remat
+from fxpar.runtime.memtrack import measure
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+aten = torch.ops.aten
+
+
+def _deep_mlp(n, width=64, batch=32):
+    torch.manual_seed(0)
+    return M.DeepMLP(n, width), (torch.randn(batch, 16), torch.randn(batch, 4))
+
+
+def _gpt(n_layer, dropout=0.0, n_embd=32, batch=8):
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(n_layer=n_layer, dropout=dropout, n_embd=n_embd)
+    return M.GPT(cfg), M.gpt_batch(cfg, batch, seed=0)
+
+
+def _capture(model, batch):
+    gm, sig = cap.capture(model, batch)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
+            + list(cap.flatten_batch(batch, sig)))
+    return gm, sig, args
+
+
+def _remat(gm, sig, mode):
+    new = remat.run(gm, Plan(dp=1, tp=1, pp=1, remat=mode), PassContext(signature=sig))
+    new.recompile()
+    verify(new)
+    return new
+
+
+def _run(gm, args, n_params, seed=7):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return measure(lambda: gm(*args), exclude=lambda o: o[1:1 + n_params])
+
+
+def test_chain_candidates_are_the_residual_stream():
+    model, batch = _deep_mlp(4)
+    gm, sig, _ = _capture(model, batch)
+    cands = remat.chain_candidates(gm)
+    modules = {c.meta[ir.MODULE] for c in cands}
+    # every block's output (h + blk(h), an add outside any block) is a cut vertex ...
+    adds = [c for c in cands if c.target == aten.add.Tensor]
+    assert len(adds) == 4
+    # ... and nothing inside a block's branch is (the residual edge bypasses it)
+    assert not any(m.startswith("blocks.") for m in modules), modules
+    assert all(c.meta[ir.REGION] == ir.FORWARD for c in cands)
+
+
+def test_sqrt_checkpoints_and_recompute_placement():
+    model, batch = _deep_mlp(16)
+    gm, sig, args = _capture(model, batch)
+    new = _remat(gm, sig, "sqrt")
+    d = new.meta["remat"]
+    cand_names = {c.name for c in remat.chain_candidates(gm)}
+    assert set(d.checkpoints) <= cand_names
+    assert 2 <= len(d.checkpoints) <= 8            # about sqrt(16) of the 16 block outputs
+    nodes = list(new.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    last_fwd = max(index[n] for n in nodes if n.meta.get(ir.REGION) == ir.FORWARD)
+    copies = [n for n in nodes if n.meta.get(ir.RECOMPUTE)]
+    assert len(copies) == len(d.recomputed) > 0
+    for c in copies:  # in the backward, each before all of its users
+        assert c.meta[ir.REGION] == ir.BACKWARD and index[c] > last_fwd
+        assert all(index[u] > index[c] for u in c.users)
+    # expensive ops are recomputed only inside segments, never the checkpoints themselves
+    assert not any(c.name in d.checkpoints for c in copies)
+    assert {n.name for n in nodes if n.meta.get("saved")} >= set(d.checkpoints)
+    # same values, bit for bit
+    ref, _ = _run(gm, args, len(sig.param_names))
+    out, _ = _run(new, args, len(sig.param_names))
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
+def test_cheap_ops_recomputed_not_saved():
+    """With a budget that fits everything, no matmul is recomputed, but GELU is (saving its
+    input alone is smaller than saving input and output)."""
+    model, batch = _deep_mlp(4)
+    gm, sig, args = _capture(model, batch)
+    new = _remat(gm, sig, 10**12)
+    copies = [n for n in new.graph.nodes if n.meta.get(ir.RECOMPUTE)]
+    targets = {c.target for c in copies}
+    assert aten.gelu.default in targets
+    assert not targets & {aten.mm.default, aten.addmm.default}
+    assert new.meta["remat"].recompute_flops == 0
+    assert new.meta["remat"].peak_after < new.meta["remat"].peak_before
+
+
+def test_budget_respected_and_monotone():
+    model, batch = _gpt(4)
+    gm, sig, args = _capture(model, batch)
+    full = cost.simulate(gm, count_inputs=False).peak["activations"]
+    floor = _remat(gm, sig, "sqrt").meta["remat"].peak_after
+    flops = []
+    for frac in (0.95, 0.8, 0.65):
+        budget = int(floor + frac * (full - floor))
+        new = _remat(gm, sig, budget)
+        d = new.meta["remat"]
+        assert d.peak_after <= budget
+        _, measured = _run(new, args, len(sig.param_names))
+        assert measured <= budget  # the tracker agrees
+        flops.append(d.recompute_flops)
+    assert flops == sorted(flops)  # less memory -> no less recompute
+
+
+def test_budget_below_floor_is_a_clear_error():
+    model, batch = _gpt(2)
+    gm, sig, _ = _capture(model, batch)
+    with pytest.raises(PlanError, match="remat budget 1000 bytes.*smallest simulated"):
+        _remat(gm, sig, 1000)
+
+
+def test_dropout_mask_replayed_bit_for_bit():
+    model, batch = _gpt(4, dropout=0.1)
+    gm, sig, args = _capture(model, batch)
+    new = _remat(gm, sig, "sqrt")
+    targets = [n.target for n in new.graph.nodes]
+    assert run_and_save_rng_state in targets and run_with_rng_state in targets
+    ref, _ = _run(gm, args, len(sig.param_names))
+    out, _ = _run(new, args, len(sig.param_names))
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))  # loss and every gradient
+    # and the RNG stream after the step is where it would be without remat
+    torch.manual_seed(3)
+    with torch.no_grad():
+        gm(*args)
+    after_ref = torch.rand(4)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        new(*args)
+    assert torch.equal(torch.rand(4), after_ref)
+
+
+def test_collectives_and_mutations_are_never_recomputed():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "g"))
+    add_ = g.call_function(aten.add_.Tensor, (x, x))
+    relu = g.call_function(aten.relu.default, (x,))
+    assert not remat._recomputable(ar)
+    assert not remat._recomputable(add_)
+    assert remat._recomputable(relu) and remat._cheap(relu)
+
+
+def _fit_exponent(ns, ys):
+    lx = [math.log(n) for n in ns]
+    ly = [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def _law(make, ns):
+    none, sqrt, extra = [], [], []
+    for n in ns:
+        model, batch = make(n)
+        gm, sig, args = _capture(model, batch)
+        new = _remat(gm, sig, "sqrt")
+        none.append(_run(gm, args, len(sig.param_names))[1])
+        sqrt.append(_run(new, args, len(sig.param_names))[1])
+        fwd_flops = sum(cost.node_flops(x) for x in gm.graph.nodes
+                        if x.meta.get(ir.REGION) == ir.FORWARD)
+        extra.append(new.meta["remat"].recompute_flops / fwd_flops)
+    return _fit_exponent(ns, none), _fit_exponent(ns, sqrt), max(extra)
+
+
+def test_sqrt_law_deep_mlp():
+    a_none, a_sqrt, extra = _law(lambda n: _deep_mlp(n, width=128, batch=64), [4, 8, 16, 32, 64])
+    assert a_none > 0.9, a_none
+    assert a_sqrt <= 0.6, a_sqrt
+    assert extra <= 1.0, extra  # at most one extra forward
+
+
+@pytest.mark.slow
+def test_sqrt_law_gpt():
+    a_none, a_sqrt, extra = _law(lambda n: _gpt(n, n_embd=64, batch=8), [4, 8, 16, 32, 64])
+    assert a_none > 0.8, a_none
+    assert a_sqrt <= 0.6, a_sqrt
+    assert extra <= 1.0, extra
+
+
+def test_evaluate_runs_in_constant_memory():
+    """pm.evaluate frees every value at its last use: flat in depth (within 10%)."""
+    peaks = []
+    for n in (4, 16, 64):
+        model, batch = _deep_mlp(n, width=128, batch=64)
+        pm = fxpar.parallelize(model, 1, example_batch=batch, plan={"dp": 1})
+        pm.evaluate(batch)  # compile first
+        _, peak = measure(lambda: pm.evaluate(batch))
+        peaks.append(peak)
+    assert max(peaks) <= 1.10 * min(peaks), peaks
+
+
+def test_plan_remat_runs_end_to_end_and_snapshots():
+    model, batch = _gpt(2, dropout=0.1)
+    pm = fxpar.parallelize(model, 1, example_batch=batch, plan={"remat": "sqrt"})
+    assert list(pm.stage_graphs) == ["capture", "remat", "data_parallel"]
+    g = pm.stage_graphs["remat"]["dp"]
+    assert g.meta["remat"].mode == "sqrt"
+    assert any(n.meta.get(ir.RECOMPUTE) for n in g.graph.nodes)
+    loss = pm.step(batch)
+    assert torch.isfinite(loss)
