@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fxpar
-from workers import OPTIMIZERS, eager_reference, fxpar_train, parity_rank, zoo
+from workers import OPTIMIZERS, eager_reference, fxpar_train, parity_rank, plans_rank, zoo
 
 CASES = [(m, o) for m in zoo() for o in OPTIMIZERS]
 RTOL, ATOL = 1e-5, 1e-6
@@ -38,3 +38,24 @@ def test_dp_multiprocess(dp):
         for r in range(1, dp):  # every rank reports the same global loss
             assert results[r][(name, opt_name)][0] == losses
         _check(name, opt_name, losses, state)
+
+
+REMAT_PLANS = [{"remat": "sqrt"}, {"remat": 400_000}, {"remat": "auto"}]
+
+
+@pytest.mark.slow
+def test_remat_dp2_equals_no_remat():
+    """dp=2 training with each remat mode equals training without remat: bit for bit here
+    (recompute replays the same ops on the same inputs, dropout masks included)."""
+    models = ["gpt", "hf_llama", "gpt_dropout"]
+    cases = [(m, "adamw", p) for m in models for p in [None, *REMAT_PLANS]]
+    res = fxpar.launch(plans_rank, 2, cases)[0]
+    for m in models:
+        ref_losses, ref_state, _ = res[(m, "adamw", repr(None))]
+        for p in REMAT_PLANS:
+            losses, state, info = res[(m, "adamw", repr(p))]
+            if p["remat"] != "auto":  # auto fits this RAM: only cheap ops may be recomputed
+                assert info["recomputed"] > 0, (m, p)
+            assert losses == ref_losses, (m, p)
+            for k in ref_state:
+                assert torch.equal(state[k], ref_state[k]), (m, p, k)

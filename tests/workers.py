@@ -80,10 +80,12 @@ def eager_reference(name, opt_name, steps=STEPS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None):
+def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     model, batch_fn, loss_fn = build(name)
     pm = fxpar.parallelize(model, devices, example_batch=batch_fn(0), loss_fn=loss_fn,
                            optimizer=OPTIMIZERS[opt_name], plan=plan or "auto")
+    if info is not None and "remat" in pm.stage_graphs:
+        info["recomputed"] = len(pm.stage_graphs["remat"]["dp"].meta["remat"].recomputed)
     torch.manual_seed(99)  # dropout masks: the same stream for every plan
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
     return losses, pm.full_state_dict()
@@ -95,8 +97,9 @@ def plans_rank(cases):
     world = int(os.environ.get("WORLD_SIZE", 1))
     out = {}
     for name, opt_name, plan in cases:
-        losses, state = fxpar_train(name, opt_name, world, plan=plan)
-        out[(name, opt_name, repr(plan))] = (losses, state if rank == 0 else None)
+        info = {}
+        losses, state = fxpar_train(name, opt_name, world, plan=plan, info=info)
+        out[(name, opt_name, repr(plan))] = (losses, state if rank == 0 else None, info)
     return out
 
 
