@@ -35,15 +35,23 @@ def cmd_viz(args):
     gm, sig = capture(model, batch_fn(args.batch))
     snaps = {}
     ctx = PassContext(signature=sig, group_names={"dp": "dp"})
-    gm = run_passes(gm, resolve({"dp": args.dp}, args.dp), ctx, "dp", snaps)
+    remat = int(args.remat) if args.remat.isdigit() else args.remat
+    gm = run_passes(gm, resolve({"dp": args.dp, "remat": remat}, args.dp), ctx, "dp", snaps)
     for p in write_snapshots(snaps, args.out):
         print(p)
+    if "remat" in snaps:
+        from fxpar.compiler.cost import simulate
+        from fxpar.viz.memory import plot_memory
+        print(plot_memory({"no remat": simulate(snaps["capture"]["joint"]),
+                           f"remat={args.remat}": simulate(snaps["remat"]["dp"])},
+                          os.path.join(args.out, "memory_remat.png")))
     print(summary(gm))
 
 
 def cmd_demo(args):
     from fxpar.examples.demo import main
-    main(args.out, args.nprocs, args.steps, args.batch)
+    remat = int(args.remat) if args.remat.isdigit() else args.remat
+    main(args.out, args.nprocs, args.steps, args.batch, remat)
 
 
 def main(argv=None):
@@ -54,12 +62,14 @@ def main(argv=None):
     d.add_argument("--nprocs", type=int, default=2)
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--remat", default="sqrt", help='"none" | "sqrt" | "auto" | budget bytes')
     d.set_defaults(fn=cmd_demo)
     v = sub.add_parser("viz", help="write the graph SVG after every pass for an example")
     v.add_argument("--example", default="gpt")
     v.add_argument("--dp", type=int, default=2)
     v.add_argument("--batch", type=int, default=8)
     v.add_argument("--out", default=os.path.join("out", "viz"))
+    v.add_argument("--remat", default="none", help='"none" | "sqrt" | "auto" | budget bytes')
     v.set_defaults(fn=cmd_viz)
     args = ap.parse_args(argv)
     args.fn(args)

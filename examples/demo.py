@@ -1,7 +1,7 @@
 """The demo: train the small GPT on 2 CPU ranks for 20 steps with fxpar.
 
 Prints the plan, the compile time per pass and the loss per step; writes the graph SVGs
-of every pass under --out. Run: `make demo` or `python -m fxpar demo --out out`.
+of every pass and the memory timeline before/after rematerialization (PNG) under --out. Run: `make demo` or `python -m fxpar demo --out out`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import fxpar
 from fxpar.examples import models as M
 
 
-def train(out_dir: str, steps: int, global_batch: int):
+def train(out_dir: str, steps: int, global_batch: int, remat="sqrt"):
     rank = int(os.environ.get("RANK", 0))
     cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
@@ -22,7 +22,8 @@ def train(out_dir: str, steps: int, global_batch: int):
     data = [M.gpt_batch(cfg, global_batch, seed=s % 4) for s in range(steps)]
     t0 = time.perf_counter()
     pm = fxpar.parallelize(model, int(os.environ.get("WORLD_SIZE", 1)), example_batch=data[0],
-                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                           plan={"remat": remat})
     if rank == 0:
         print(f"plan: {pm.plan}")
         print(f"compiled in {time.perf_counter() - t0:.2f} s:")
@@ -40,12 +41,30 @@ def train(out_dir: str, steps: int, global_batch: int):
         paths = write_snapshots(pm.stage_graphs, out_dir)
         final = pm.stage_graphs["data_parallel"]["dp"]
         print(f"graph after data_parallel: {summary(final)}")
+        if "remat" in pm.stage_graphs:
+            paths.append(write_remat_memory(pm, os.path.join(out_dir, "memory_remat.png")))
         print("wrote " + ", ".join(paths))
     return losses
 
 
-def main(out_dir: str = "out", nprocs: int = 2, steps: int = 20, global_batch: int = 8):
-    res = fxpar.launch(train, nprocs, os.path.abspath(out_dir), steps, global_batch)
+def write_remat_memory(pm, path: str) -> str:
+    """Simulated live memory per node of the joint graph before and after remat, and what
+    remat decided."""
+    from fxpar.compiler.cost import simulate
+    from fxpar.viz.memory import plot_memory
+    after = pm.stage_graphs["remat"]["dp"]
+    d = after.meta["remat"]
+    print(f"remat {d.mode}: {len(d.checkpoints)} checkpoints, {len(d.recomputed)} nodes "
+          f"recomputed ({d.recompute_flops / 1e6:.1f} MFLOP), activation peak "
+          f"{d.peak_before / 2**20:.2f} -> {d.peak_after / 2**20:.2f} MiB per rank")
+    return plot_memory({"no remat": simulate(pm.stage_graphs["capture"]["joint"]),
+                        f"remat={d.mode}": simulate(after)}, path,
+                       title="joint graph, global batch: live activations + gradients")
+
+
+def main(out_dir: str = "out", nprocs: int = 2, steps: int = 20, global_batch: int = 8,
+         remat="sqrt"):
+    res = fxpar.launch(train, nprocs, os.path.abspath(out_dir), steps, global_batch, remat)
     first, last = res[0][0], res[0][-1]
     assert all(r == res[0] for r in res.values()), "ranks disagree on the loss"
     print(f"loss {first:.4f} -> {last:.4f} over {steps} steps on {nprocs} ranks "
