@@ -79,8 +79,16 @@ def _needed_by_backward(fwd):
 
 
 def _is_random(n) -> bool:
+    """Draws random numbers (so a recompute must replay the RNG). Attention kernels carry the
+    seeded tag for their dropout_p argument: with dropout_p == 0 they are deterministic."""
     t = n.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags):
+        return False
+    for i, arg in enumerate(t._schema.arguments):
+        if arg.name == "dropout_p":
+            p = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else arg.default_value)
+            return p != 0
+    return True
 
 
 def _recomputable(n) -> bool:
@@ -95,8 +103,10 @@ def _recomputable(n) -> bool:
 def _cheap(n) -> bool:
     """Cheap to recompute: views, getitems, pointwise ops, input-free factories."""
     t = n.target
-    if t is operator.getitem or cost.is_view(n) or _is_random(n):
+    if t is operator.getitem or cost.is_view(n):
         return True
+    if _is_random(n):  # dropout, rand_like: cheap; attention with dropout: not
+        return cost.node_flops(n) == 0
     if not isinstance(t, torch._ops.OpOverload):
         return False
     return torch.Tag.pointwise in t.tags or not n.all_input_nodes
@@ -307,24 +317,33 @@ def _thresholds(seg, k=12):
     return sorted({lo * (total / lo) ** (i / (k - 1)) for i in range(k)})
 
 
-def sqrt_checkpoints(cands, seg) -> list[int]:
-    """Chen et al.: the threshold b minimising kept bytes + the largest recomputed segment."""
-    sizes = [0] * len(cands)
-    best = None
+def _chen_estimate(cands, seg, kept) -> int:
+    """Chen's cost of a checkpoint set: kept bytes + the largest segment between them."""
+    groups, acc = [], 0
+    for j in range(len(cands)):
+        acc += seg[j]
+        if j in kept:
+            groups.append(acc)
+            acc = 0
+    groups.append(acc)
+    return sum(cost.tensor_bytes(cands[j].meta[ir.VAL]) for j in kept) + max(groups)
+
+
+def sqrt_checkpoints(gm, cands, seg, tries: int = 6):
+    """Chen et al.'s greedy over thresholds b; the few best by Chen's estimate are rewritten
+    and simulated, and the lowest simulated peak wins (fewest recompute FLOPs on ties): the
+    estimate ignores what a segment's backward holds, e.g. attention's T x T scores."""
+    options = {}
     for b in _thresholds(seg, 24):
-        kept = chen_checkpoints(cands, seg, b)
-        groups, acc = [], 0
-        for j in range(len(cands)):
-            acc += seg[j]
-            if j in kept:
-                groups.append(acc)
-                acc = 0
-        groups.append(acc)
-        score = sum(cost.tensor_bytes(cands[j].meta[ir.VAL]) for j in kept) + max(groups)
-        if best is None or score < best[0]:
-            best = (score, kept)
-    del sizes
-    return best[1] if best else []
+        kept = tuple(chen_checkpoints(cands, seg, b))
+        options.setdefault(kept, _chen_estimate(cands, seg, kept))
+    best = None
+    for kept in sorted(options, key=options.__getitem__)[:tries]:
+        draft, saved, copies = _apply(gm, set(), {cands[j] for j in kept})
+        key = (_activation_peak(draft), sum(cost.node_flops(c) for c in copies))
+        if best is None or key < best[0]:
+            best = (key, [cands[j] for j in kept], (draft, saved, copies))
+    return best[1], best[2]
 
 
 def _activation_peak(gm) -> int:
@@ -373,8 +392,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     profile = cost.DeviceProfile.for_device(_device_of(gm))
 
     if mode == "sqrt":
-        kept = [cands[j] for j in sqrt_checkpoints(cands, seg)] if cands else []
-        new, saved, copies = _apply(gm, pinned=set(), forced=set(kept))
+        if cands:
+            kept, (new, saved, copies) = sqrt_checkpoints(gm, cands, seg)
+        else:
+            kept, (new, saved, copies) = [], _apply(gm, pinned=set(), forced=set())
         budget = None
     else:
         budget = ctx.memory_budget if mode == "auto" else int(mode)
@@ -402,9 +423,13 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile, peak_before):
     """Knapsack over Chen segments (see module docstring); budget on the simulated peak."""
     tried = []
 
+    lowest = []
+
     def attempt(pinned, forced):
         new, saved, copies = _apply(gm, pinned, forced)
-        return _activation_peak(new), _recompute_time(copies, profile), new, saved, copies
+        peak = _activation_peak(new)
+        lowest.append(peak)
+        return peak, _recompute_time(copies, profile), new, saved, copies
 
     # no recompute of expensive ops at all: the min-cut only recomputes cheap ones
     base = attempt(expensive, set())
@@ -439,19 +464,35 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile, peak_before):
                 hi = k - 1
         if best_k is not None:
             tried.append((best_k[1], best_k, kept))
+    # op-level knapsack (PyTorch's memory-budget formulation): free the expensive ops that
+    # cost least recompute time per byte first; the fewest that fit wins
+    per_byte = sorted(expensive, key=lambda n: _recompute_time([n], profile)
+                      / max(cost.tensor_bytes(n.meta.get(ir.VAL)), 1))
+    lo, hi, best_k = 1, len(per_byte), None
+    while lo <= hi:
+        k = (lo + hi) // 2
+        res = attempt(set(per_byte[k:]), set())
+        if res[0] <= budget:
+            best_k, hi = res, k - 1
+        else:
+            lo = k + 1
+    if best_k is not None:
+        tried.append((best_k[1], best_k, []))
+    if cands:  # Chen's sqrt checkpoints: the lowest peak, at up to one forward of recompute
+        kept, (new, saved, copies) = sqrt_checkpoints(gm, cands, seg)
+        peak = _activation_peak(new)
+        lowest.append(peak)
+        if peak <= budget:
+            tried.append((_recompute_time(copies, profile), (peak, 0, new, saved, copies),
+                          [order_c for order_c, c in enumerate(cands) if c in kept]))
     if not tried:
-        floor = _min_peak(gm, cands, seg)
+        floor = min(lowest)
         raise PlanError(
             f"remat budget {budget} bytes of activations is below what fxpar can reach for this "
             f"model and batch (smallest simulated activation peak: {floor} bytes). Fix: raise "
             "the budget, use more devices (dp/pp) or a smaller batch.")
     _, res, kept = min(tried, key=lambda t: t[0])
     return res[2], res[3], res[4], [cands[j] for j in kept]
-
-
-def _min_peak(gm, cands, seg):
-    kept = [cands[j] for j in sqrt_checkpoints(cands, seg)] if cands else []
-    return _activation_peak(_apply(gm, set(), set(kept))[0])
 
 
 def _device_of(gm):
