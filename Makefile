@@ -16,6 +16,7 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/dp_vs_ddp.py
+	$(PY) benchmarks/remat.py
 
 clean:
 	rm -rf out .venv *.egg-info

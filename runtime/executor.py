@@ -2,6 +2,12 @@
 
 The graph holds every collective as a node; functional collectives return at once and
 `wait_tensor` blocks, so a bucket's all-reduce runs while later backward nodes compute.
+
+Memory: FX's generated code drops every value right after its last use (`x = None`), so a
+forward-only program (`pm.evaluate`) holds only the values still needed: a chain of N blocks
+runs in constant activation memory (measured in tests/test_remat.py), and a remat'd joint
+graph frees recomputed segments as its backward consumes them. compiler/cost.simulate models
+exactly this order.
 """
 from __future__ import annotations
 

@@ -88,3 +88,13 @@ def test_default_optimizer_and_lr_changes_behave_as_in_eager():
 def test_plan_auto_is_pure_data_parallel():
     assert resolve("auto", 4) == fxpar.Plan(dp=4, tp=1, pp=1)
     assert resolve({"dp": 2}, 2).dp == 2
+
+
+def test_cli_viz_remat_marks_recompute_and_plots_memory(tmp_path):
+    from fxpar.__main__ import main
+    main(["viz", "--example", "gpt", "--dp", "2", "--remat", "sqrt", "--out", str(tmp_path)])
+    files = sorted(os.listdir(tmp_path))
+    assert "01_remat_dp.svg" in files and "memory_remat.png" in files
+    svg = open(tmp_path / "01_remat_dp.svg").read()
+    assert "(recompute)" in svg and "[saved]" in svg
+    assert open(tmp_path / "memory_remat.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
