@@ -18,15 +18,20 @@ The modes differ only in what the min-cut may recompute:
           chosen to minimise (kept bytes + largest segment) -- about every sqrt(N)-th layer
           boundary for N uniform layers. Kept checkpoints are forced saved; everything else may
           be recomputed.
-  budget  (bytes, or "auto" = what fits the device): a 0/1 knapsack over Chen's segments. Each
-          segment is either stored (only cheap ops recomputed) or recomputed whole from its
-          checkpoint. Storing costs its saved bytes and saves its recompute time (FLOPs and
-          bytes against the device profile in compiler/cost.py). We take segments in order of
-          recompute-time saved per byte and find the longest prefix whose simulated peak fits,
-          for each of a few segment sizes b, and keep the cheapest plan that fits. A knapsack
-          rather than the full min-cut ILP because the chain structure makes segments
-          independent, the simulator checks each candidate exactly (the budget is enforced on
-          the simulated peak, not on an estimate), and it solves in well under a second.
+  budget  (bytes per device, or "auto" = what fits the device): the least recompute time whose
+          *simulated* peak fits (the budget is enforced on the simulator, which matches real
+          runs, not on an estimate). Candidate plans come from two knapsacks:
+          - over Chen's segments (for 5 segment sizes b): each segment is stored (only cheap
+            ops recomputed) or recomputed whole from its checkpoint; segments are stored in
+            order of recompute time saved per byte, and a binary search finds the longest
+            prefix that fits;
+          - over single expensive ops, as PyTorch's memory-budget partitioner does: ops are
+            freed for recompute cheapest-per-byte first, and the fewest that fit win;
+          plus the "sqrt" plan (the lowest peak). A knapsack rather than an exact ILP because
+          on a chain segments are independent, each candidate is checked exactly by the
+          simulator, and it solves in about a second for small models (an ILP solver is not
+          a dependency). Recompute time is the roofline estimate of compiler/cost.py.
+          Below the lowest peak any plan reaches: a PlanError that says the floor.
 
 Random ops (dropout) are recomputable: the forward op is wrapped in torch's
 `run_and_save_rng_state` and the recompute in `run_with_rng_state`, so the mask is replayed
@@ -403,7 +408,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             raise PlanError("remat='auto' needs the device memory, which is unknown here; "
                             "give Plan.remat a budget in bytes.")
         new, saved, copies, kept = _solve_budget(gm, cands, seg, expensive, budget * dp,
-                                                 profile, peak_before)
+                                                 profile)
     new = torch.fx.GraphModule(gm, new.graph)
     peak_after = _activation_peak(new)
     live = set(new.graph.nodes)
@@ -419,8 +424,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     return new
 
 
-def _solve_budget(gm, cands, seg, expensive, budget, profile, peak_before):
-    """Knapsack over Chen segments (see module docstring); budget on the simulated peak."""
+def _solve_budget(gm, cands, seg, expensive, budget, profile):
+    """The cheapest candidate plan whose simulated peak fits `budget` (module docstring)."""
     tried = []
 
     lowest = []
@@ -484,7 +489,7 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile, peak_before):
         lowest.append(peak)
         if peak <= budget:
             tried.append((_recompute_time(copies, profile), (peak, 0, new, saved, copies),
-                          [order_c for order_c, c in enumerate(cands) if c in kept]))
+                          [j for j, c in enumerate(cands) if c in kept]))
     if not tried:
         floor = min(lowest)
         raise PlanError(
