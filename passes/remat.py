@@ -334,7 +334,7 @@ def _chen_estimate(cands, seg, kept) -> int:
     return sum(cost.tensor_bytes(cands[j].meta[ir.VAL]) for j in kept) + max(groups)
 
 
-def sqrt_checkpoints(gm, cands, seg, tries: int = 6):
+def sqrt_checkpoints(gm, cands, seg, tries: int = 6, cache=None):
     """Chen et al.'s greedy over thresholds b; the few best by Chen's estimate are rewritten
     and simulated, and the lowest simulated peak wins (fewest recompute FLOPs on ties): the
     estimate ignores what a segment's backward holds, e.g. attention's T x T scores."""
@@ -344,7 +344,7 @@ def sqrt_checkpoints(gm, cands, seg, tries: int = 6):
         options.setdefault(kept, _chen_estimate(cands, seg, kept))
     best = None
     for kept in sorted(options, key=options.__getitem__)[:tries]:
-        draft, saved, copies = _apply(gm, set(), {cands[j] for j in kept})
+        draft, saved, copies = _apply(gm, set(), {cands[j] for j in kept}, cache)
         key = (_activation_peak(draft), sum(cost.node_flops(c) for c in copies))
         if best is None or key < best[0]:
             best = (key, [cands[j] for j in kept], (draft, saved, copies))
@@ -355,13 +355,20 @@ def _activation_peak(gm) -> int:
     return cost.simulate(gm, count_inputs=False).peak["activations"]
 
 
-def _apply(gm, pinned, forced):
+def _apply(gm, pinned, forced, cache=None):
+    """Min-cut on `gm`, then the rewrite on a copy (reused when the cut was seen before:
+    different pinned sets often give the same cut)."""
+    saved, recomputed = min_cut_saved(gm, pinned=pinned, forced=forced)
+    key = (frozenset(saved), frozenset(recomputed))
+    if cache is not None and key in cache:
+        return cache[key]
     g = _copy(gm)
     m = {a: b for a, b in zip(gm.graph.nodes, g.graph.nodes)}
-    saved, recomputed = min_cut_saved(g, pinned={m[n] for n in pinned},
-                                      forced={m[n] for n in forced})
-    copies = rewrite(g, recomputed)
-    return g, saved, copies
+    copies = rewrite(g, {m[n] for n in recomputed})
+    out = (g, {m[n] for n in saved}, copies)
+    if cache is not None:
+        cache[key] = out
+    return out
 
 
 class _Draft:
@@ -428,10 +435,10 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile):
     """The cheapest candidate plan whose simulated peak fits `budget` (module docstring)."""
     tried = []
 
-    lowest = []
+    lowest, cache = [], {}
 
     def attempt(pinned, forced):
-        new, saved, copies = _apply(gm, pinned, forced)
+        new, saved, copies = _apply(gm, pinned, forced, cache)
         peak = _activation_peak(new)
         lowest.append(peak)
         return peak, _recompute_time(copies, profile), new, saved, copies
@@ -484,7 +491,7 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile):
     if best_k is not None:
         tried.append((best_k[1], best_k, []))
     if cands:  # Chen's sqrt checkpoints: the lowest peak, at up to one forward of recompute
-        kept, (new, saved, copies) = sqrt_checkpoints(gm, cands, seg)
+        kept, (new, saved, copies) = sqrt_checkpoints(gm, cands, seg, cache=cache)
         peak = _activation_peak(new)
         lowest.append(peak)
         if peak <= budget:
