@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar.compiler import capture as cap
+from fxpar.compiler import cost
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.passes import PassContext
 from fxpar.compiler.plan import Plan
@@ -47,15 +48,7 @@ from fxpar.runtime.memtrack import measure
 aten = torch.ops.aten
 
 
-def _as_is(formula):  # torch's formulas are already shape-wrapped: tell FlopCounterMode
-    f = lambda *args, **kwargs: formula(*args, **kwargs)  # noqa: E731
-    f._get_raw = True
-    return f
-
-
-CPU_SDPA_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu: _as_is(sdpa_flop),
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                      _as_is(sdpa_backward_flop)}
+CPU_SDPA_FLOPS = cost.EXTRA_FLOP_FORMULAS  # torch's flash formulas for CPU attention
 MiB = 2 ** 20
 
 

@@ -3,7 +3,8 @@
 FLOPs come from torch's own FlopCounterMode formulas (`torch.utils.flop_counter.flop_registry`),
 applied to the fake values recorded in meta["val"], so a graph is costed without running it
 and the numbers equal what FlopCounterMode reports for a real run (matmul-family ops count,
-pointwise ops count 0 FLOPs there; they cost bytes, which we count separately).
+pointwise ops count 0 FLOPs there; they cost bytes, which we count separately). CPU flash
+attention, which FlopCounterMode leaves at 0, gets torch's flash formulas (EXTRA_FLOP_FORMULAS).
 
 The simulator replays the graph in its execution order the way the executor runs it: an op's
 outputs are allocated while its inputs are still alive, and every value is freed right after
@@ -20,11 +21,27 @@ from typing import Iterable
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fxpar.compiler import ir
 
 aten = torch.ops.aten
+
+
+def _shape_wrapped(formula):
+    """torch's registered formulas already take tensors; tell FlopCounterMode not to wrap."""
+    def f(*args, **kwargs):
+        return formula(*args, **kwargs)
+    f._get_raw = True
+    return f
+
+
+# FlopCounterMode has no formula for CPU flash attention (it counts 0); we use torch's own
+# flash-attention formulas for it. Pass as FlopCounterMode(custom_mapping=...) to compare.
+EXTRA_FLOP_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _shape_wrapped(sdpa_flop),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _shape_wrapped(sdpa_backward_flop),
+}
 # ops whose schema says "new tensor" but whose result shares the input's storage
 _ALIASING_NON_VIEWS = {aten._unsafe_view.default}
 
@@ -58,7 +75,8 @@ def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of one node by FlopCounterMode's formula for its op (0 if it has none)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
-    fn = flop_registry.get(node.target.overloadpacket)
+    packet = node.target.overloadpacket
+    fn = flop_registry.get(packet) or EXTRA_FLOP_FORMULAS.get(packet)
     if fn is None:
         return 0
     args, kwargs = pytree.tree_map_only(torch.fx.Node, _val, (node.args, node.kwargs))
