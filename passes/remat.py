@@ -490,6 +490,18 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile):
             lo = k + 1
     if best_k is not None:
         tried.append((best_k[1], best_k, []))
+    if cands:  # every segment recomputed, for the finer segmentations Chen's estimate says fit
+        options = {}
+        strided = [tuple(range(o, len(cands), k)) for k in (2, 3) for o in range(k)]
+        for kept in [tuple(chen_checkpoints(cands, seg, b)) for b in _thresholds(seg, 24)] \
+                + strided:  # strides: every k-th boundary (e.g. block inputs, not mid-block)
+            options.setdefault(kept, _chen_estimate(cands, seg, kept))
+        fitting = sorted((k for k, est in options.items() if est <= budget),
+                         key=lambda k: -len(k))[:6]  # finest first: least recompute per segment
+        for kept in fitting:
+            res = attempt(set(), {cands[j] for j in kept})
+            if res[0] <= budget:
+                tried.append((res[1], res, list(kept)))
     if cands:  # Chen's sqrt checkpoints: the lowest peak, at up to one forward of recompute
         kept, (new, saved, copies) = sqrt_checkpoints(gm, cands, seg, cache=cache)
         peak = _activation_peak(new)
