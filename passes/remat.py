@@ -52,7 +52,9 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
 
+aten = torch.ops.aten
 SAVED = "saved"  # node.meta key: forward value kept for the backward (set on remat'd graphs)
+_PIN = "remat_pinned"  # transient: never recompute this node (removed before the pass returns)
 _NO_RECOMPUTE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor", "fxpar")
 
 
@@ -134,15 +136,40 @@ def _loss_node(gm):
     return out.args[0][0]
 
 
+def _batch_dependent(gm, fwd) -> set:
+    """Forward nodes that depend on the batch (the activation chain)."""
+    batch = {n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch"}
+    data = set()
+    for n in fwd:
+        if any(a in batch or a in data for a in n.all_input_nodes):
+            data.add(n)
+    return data
+
+
+_REDUCTIONS = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.prod,
+               aten.var_mean, aten.std_mean, aten.logsumexp, aten.max, aten.min}
+
+
+def _reduces_over_batch(n) -> bool:
+    """A reduction that includes dim 0 (or all dims): under data parallelism it becomes an
+    all-reduce, so recomputing it would communicate again in the backward."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or t.overloadpacket not in _REDUCTIONS:
+        return False
+    dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    if dims is None or dims == [] or dims == ():
+        return True
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    ndim = n.args[0].meta[ir.VAL].dim() if isinstance(n.args[0], torch.fx.Node) else 1
+    return any(d % max(ndim, 1) == 0 for d in dims if isinstance(d, int))
+
+
 def chain_candidates(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Forward values every input->loss path goes through (cut vertices), in forward order."""
     fwd = _forward_nodes(gm)
     fwd_set = set(fwd)
     batch = {n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch"}
-    data = set()  # forward nodes that depend on the batch (the activation chain)
-    for n in fwd:
-        if any(a in batch or a in data for a in n.all_input_nodes):
-            data.add(n)
+    data = _batch_dependent(gm, fwd)
     loss = _loss_node(gm)
     if loss not in data:
         return []
@@ -195,7 +222,7 @@ def min_cut_saved(gm, *, pinned: set, forced: set) -> tuple[set, set]:
         for a in n.all_input_nodes:  # placeholders are free on both sides: no edge
             if a in fwd_set:
                 G.add_edge((a, "out"), (n, "in"))
-        if n in pinned or n in forced or not _recomputable(n):
+        if n in pinned or n in forced or not _recomputable(n) or n.meta.get(_PIN):
             G.add_edge("source", (n, "in"))
         if n in needed or n in forced:
             G.add_edge((n, "out"), "sink")
@@ -397,6 +424,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         return gm
     dp = max(plan.dp or 1, 1)
     fwd = _forward_nodes(gm)
+    if dp > 1:  # batch statistics (BatchNorm, a mean loss) would be all-reduced again
+        for n in _batch_dependent(gm, fwd):
+            if _reduces_over_batch(n):
+                n.meta[_PIN] = True
     expensive = {n for n in fwd if not _cheap(n)}
     cands = chain_candidates(gm)
     seg = _segments(gm, cands) if cands else []
@@ -417,6 +448,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         new, saved, copies, kept = _solve_budget(gm, cands, seg, expensive, budget * dp,
                                                  profile)
     new = torch.fx.GraphModule(gm, new.graph)
+    for n in (*gm.graph.nodes, *new.graph.nodes):
+        n.meta.pop(_PIN, None)
     peak_after = _activation_peak(new)
     live = set(new.graph.nodes)
     for n in saved:

@@ -231,3 +231,24 @@ def test_every_zoo_model_trains_identically_with_remat(name):
         assert info["recomputed"] > 0
     assert got[0] == ref[0]
     assert all(torch.equal(got[1][k], ref[1][k]) for k in ref[1])
+
+
+def test_batch_statistics_are_not_recomputed_under_dp():
+    """Recomputing BatchNorm's batch sums at dp > 1 would all-reduce them again in the
+    backward; remat keeps them (they are tiny), so remat adds no collective."""
+    from fxpar.compiler.passes import run_passes
+    from fxpar.compiler.plan import resolve
+
+    def all_reduces(remat_mode):
+        torch.manual_seed(0)
+        gm, sig = cap.capture(M.ConvBN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))))
+        ctx = PassContext(signature=sig, group_names={"dp": "g"})
+        gm = run_passes(gm, resolve({"dp": 2, "remat": remat_mode}, 2), ctx, "dp", {})
+        n_rec = sum(1 for n in gm.graph.nodes if n.meta.get(ir.RECOMPUTE))
+        n_ar = sum(1 for n in gm.graph.nodes
+                   if n.target == torch.ops._c10d_functional.all_reduce.default)
+        return n_ar, n_rec
+
+    base, _ = all_reduces("none")
+    n_ar, n_rec = all_reduces("sqrt")
+    assert n_rec > 0 and n_ar == base
