@@ -104,7 +104,18 @@ def _recomputable(n) -> bool:
         return True
     if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
         return False
+    if _is_random(n) and _device_type(n) not in _RNG_REPLAY_DEVICES:
+        return False  # torch's RNG replay ops exist for these devices only
     return t.namespace not in _NO_RECOMPUTE_NAMESPACES
+
+
+_RNG_REPLAY_DEVICES = ("cpu", "cuda")
+
+
+def _device_type(n) -> str:
+    vals = [v for v in torch.utils._pytree.tree_leaves(n.meta.get(ir.VAL))
+            if isinstance(v, torch.Tensor)]
+    return vals[0].device.type if vals else "cpu"
 
 
 def _cheap(n) -> bool:

@@ -158,6 +158,12 @@ def test_collectives_and_mutations_are_never_recomputed():
     assert not remat._recomputable(ar)
     assert not remat._recomputable(add_)
     assert remat._recomputable(relu) and remat._cheap(relu)
+    # dropout replays its mask on CPU/CUDA; elsewhere torch has no RNG replay: never recompute
+    drop = g.call_function(aten.native_dropout.default, (x, 0.1, True))
+    drop.meta[ir.VAL] = (torch.empty(2, device="meta"), torch.empty(2, device="meta"))
+    assert not remat._recomputable(drop)
+    drop.meta[ir.VAL] = (torch.empty(2), torch.empty(2, dtype=torch.bool))
+    assert remat._recomputable(drop) and remat._is_random(drop)
 
 
 def _fit_exponent(ns, ys):
