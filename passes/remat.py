@@ -14,8 +14,9 @@ The modes differ only in what the min-cut may recompute:
   "sqrt"  Chen et al. 2016. Checkpoint candidates are the cut vertices of the forward graph on
           the path from the input to the loss (found with networkx's biconnected components,
           not module names): values every path from input to loss goes through. Chen's greedy
-          walks them keeping one whenever the bytes since the last kept one exceed b, with b
-          chosen to minimise (kept bytes + largest segment) -- about every sqrt(N)-th layer
+          walks them keeping one whenever the bytes since the last kept one exceed b; the few
+          best thresholds by Chen's estimate (kept bytes + largest segment) are rewritten and
+          simulated, and the lowest simulated peak wins -- about every sqrt(N)-th layer
           boundary for N uniform layers. Kept checkpoints are forced saved; everything else may
           be recomputed.
   budget  (bytes per device, or "auto" = what fits the device): the least recompute time whose
@@ -27,11 +28,16 @@ The modes differ only in what the min-cut may recompute:
             prefix that fits;
           - over single expensive ops, as PyTorch's memory-budget partitioner does: ops are
             freed for recompute cheapest-per-byte first, and the fewest that fit win;
-          plus the "sqrt" plan (the lowest peak). A knapsack rather than an exact ILP because
+          plus every segment recomputed for the finest segmentations that fit (Chen's, and
+          every k-th boundary, which finds per-block checkpointing), plus the "sqrt" plan
+          (the lowest peak). A knapsack rather than an exact ILP because
           on a chain segments are independent, each candidate is checked exactly by the
           simulator, and it solves in about a second for small models (an ILP solver is not
           a dependency). Recompute time is the roofline estimate of compiler/cost.py.
           Below the lowest peak any plan reaches: a PlanError that says the floor.
+
+Under data parallelism, reductions over the batch (BatchNorm statistics, a mean loss) are
+never recomputed: they become all-reduces, and recomputing them would communicate again.
 
 Random ops (dropout) are recomputable: the forward op is wrapped in torch's
 `run_and_save_rng_state` and the recompute in `run_with_rng_state`, so the mask is replayed
@@ -40,7 +46,6 @@ bit for bit (the saved RNG state is a few KB).
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 
 import networkx as nx

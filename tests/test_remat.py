@@ -1,7 +1,6 @@
 """The remat pass on small graphs: checkpoints, recomputed nodes, budgets, RNG replay, and the
 sqrt(N) memory law measured with the tracker."""
 import math
-import operator
 
 import pytest
 import torch
