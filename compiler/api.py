@@ -15,6 +15,7 @@ from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import executor, optim
+from fxpar.runtime.zero import ShardedOptimizer
 
 log = logging.getLogger("fxpar")
 
@@ -55,11 +56,24 @@ class ParallelModel:
         log.info("compiled in %.2f s", time.perf_counter() - t0)
         self._eval_program = None
         self._example_batch = example_batch
-        self.optimizer = optim.build(optimizer, model)
         params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
         buffers = dict(model.named_buffers(remove_duplicate=False))
         sig = self.program.signature
         self._params = [params[n] for n in sig.param_names]
+        self._zero = None
+        if self.program.zero:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise PlanError(
+                    f"Plan.zero={plan.zero} shards the optimizer state, so fxpar must build the "
+                    "optimizer over this rank's shards: pass a factory, e.g. "
+                    "`optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)`, not an instance.")
+            factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
+            self._zero = ShardedOptimizer(lambda ps: optim.build(factory, ps), self._params,
+                                          self.program.zero_buckets, plan.dp,
+                                          world.coordinate("dp"), world.mesh.get_group("dp"))
+            self.optimizer = self._zero.optimizer
+        else:
+            self.optimizer = optim.build(optimizer, model)
         self._buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
 
@@ -72,7 +86,9 @@ class ParallelModel:
         gm = run_passes(gm, self.plan, ctx, role="dp", snapshots=snapshots)
         program = ir.Program(graph=gm, signature=sig, dp=self.plan.dp,
                              batch_shard_dims=ctx.batch_shard_dims,
-                             group_name=ctx.group_names["dp"])
+                             group_name=ctx.group_names["dp"],
+                             zero=self.plan.zero if ctx.zero_buckets else 0,
+                             zero_buckets=ctx.zero_buckets)
         return program, [("capture", capture_time, None), *ctx.timings]
 
     def _activation_budget(self) -> int | None:
@@ -101,9 +117,12 @@ class ParallelModel:
     def step(self, batch) -> torch.Tensor:
         """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
         outs = self._run(self.program, batch)
-        n_p = len(self._params)
-        loss, grads, new_bufs = outs[0], outs[1:1 + n_p], outs[1 + n_p:]
-        optim.apply_gradients(self.optimizer, self._params, grads)
+        n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
+        loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
+        if self._zero:
+            self._zero.step(grads)
+        else:
+            optim.apply_gradients(self.optimizer, self._params, grads)
         self._update_buffers(new_bufs)
         return loss.detach()
 

@@ -49,10 +49,16 @@ class Program:
     `graph` takes (params, buffers, local batch leaves) and returns
     (loss, grads, updated buffers) with every collective as an explicit node.
     `batch_shard_dims[i]` is the dim along which batch leaf i is split over the dp group
-    (None = replicated). Parameters are whole on every rank (no ZeRO/tp yet).
+    (None = replicated). Parameters are whole on every rank (no ZeRO-3/tp yet).
     """
     graph: torch.fx.GraphModule
     signature: GraphSignature
     dp: int
     batch_shard_dims: list[int | None]
     group_name: str | None = None
+    # ZeRO (stage 1/2, dp > 1): the gradient outputs are one flat shard per bucket instead of
+    # one tensor per parameter; bucket k holds the parameters zero_buckets[k] (indices into
+    # signature.param_names) flattened in that order, padded to a multiple of dp, and this
+    # rank owns the k-th 1/dp slice. Parameters with no gradient are in no bucket.
+    zero: int = 0
+    zero_buckets: list[list[int]] = dataclasses.field(default_factory=list)

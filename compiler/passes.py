@@ -37,6 +37,7 @@ class PassContext:
     batch_shard_dims: list[int | None] = dataclasses.field(default_factory=list)
     timings: list[tuple[str, float, int]] = dataclasses.field(default_factory=list)
     memory_budget: int | None = None  # activation bytes per device for remat="auto"
+    zero_buckets: list[list[int]] = dataclasses.field(default_factory=list)  # set by DP (ZeRO)
 
 
 def _pass_list(plan) -> list[tuple[str, Callable]]:

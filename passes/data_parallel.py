@@ -52,7 +52,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
 
     mesh = make_mesh(dp)
     shard_graph(gm, mesh, placements, [group])
-    _reduce_outputs(gm, ctx, group, dp, int(plan.bucket_mb * 2**20))
+    _reduce_outputs(gm, ctx, group, dp, int(plan.bucket_mb * 2**20), plan.zero)
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
             v = n.meta[ir.VAL]
@@ -62,8 +62,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-def _reduce_outputs(gm, ctx, group, dp, bucket_bytes):
-    """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate."""
+def _reduce_outputs(gm, ctx, group, dp, bucket_bytes, zero=0):
+    """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
+    With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     outs = list(out.args[0])
@@ -82,8 +83,13 @@ def _reduce_outputs(gm, ctx, group, dp, bucket_bytes):
     loss = to_replicate(loss)
     bufs = [to_replicate(b) for b in bufs]
 
-    # gradients: Partial(sum) ones go in buckets; anything else is redistributed on its own
     order = {n: i for i, n in enumerate(graph.nodes)}
+    if zero:
+        grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, ctx)
+        out.meta["n_grads"] = len(grads)
+        out.args = ((loss, *grads, *bufs),)
+        return
+    # gradients: Partial(sum) ones go in buckets; anything else is redistributed on its own
     bucketable = [i for i, g in enumerate(grads)
                   if g is not None and g.meta.get(ir.SHARD) == (Partial("sum"),)]
     for i, g in enumerate(grads):
@@ -95,6 +101,52 @@ def _reduce_outputs(gm, ctx, group, dp, bucket_bytes):
         for i, r in zip(idx, reduced):
             grads[i] = r
     out.args = ((loss, *grads, *bufs),)
+
+
+def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, ctx):
+    """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/dp slice. ZeRO-2:
+    reduce-scatter it (each rank receives only its summed slice: half the bytes of an
+    all-reduce, and no full-size reduced gradient). Returns one shard node per bucket and
+    records the bucket layout in ctx.zero_buckets."""
+    with_grad = [i for i, g in enumerate(grads) if g is not None]
+    for i in with_grad:  # everything in a bucket must be a partial sum
+        pl = grads[i].meta.get(ir.SHARD)
+        if pl != (Partial("sum"),):
+            with graph.inserting_before(out):
+                grads[i] = redistribute(graph, grads[i], pl, (Partial("sum"),), [group], [dp],
+                                        {ir.MODULE: grads[i].meta.get(ir.MODULE, ""),
+                                         ir.REGION: ir.COMM})
+    shards = []
+    ctx.zero_buckets = []
+    for bucket in assign_buckets([grads[i] for i in with_grad], bucket_bytes):
+        idx = [with_grad[j] for j in bucket]
+        ctx.zero_buckets.append(idx)
+        members = [grads[i] for i in idx]
+        last = max(members, key=lambda n: order.get(n, len(order)))
+
+        def emit(target, args):
+            node = graph.call_function(target, args)
+            node.meta[ir.REGION], node.meta[ir.MODULE], node.meta["bucket"] = ir.COMM, "", True
+            return node
+
+        numel = sum(g.meta[ir.VAL].numel() for g in members)
+        pad = -numel % dp
+        with graph.inserting_before(last.next):
+            flats = [emit(aten.reshape.default, (g, [-1])) for g in members]
+            flat = emit(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
+            if pad:
+                flat = emit(aten.constant_pad_nd.default, (flat, [0, pad]))
+            if zero >= 2:
+                started = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", dp, group))
+            else:
+                started = emit(c10d.all_reduce.default, (flat, "sum", group))
+        with graph.inserting_before(out):
+            done = emit(c10d.wait_tensor.default, (started,))
+            shard = done if zero >= 2 else emit(torch.ops.fxpar.local_chunk.default,
+                                                (done, 0, dp, group))
+        shard.meta[ir.SHARD] = (Shard(0),)
+        shards.append(shard)
+    return shards
 
 
 def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[int]]:

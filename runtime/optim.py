@@ -10,13 +10,15 @@ from typing import Callable, Sequence
 import torch
 
 
-def build(optimizer: Callable | torch.optim.Optimizer | None, model: torch.nn.Module):
+def build(optimizer: Callable | torch.optim.Optimizer | None, model):
+    """The user's optimizer over `model`'s parameters (or over a list of tensors: ZeRO shards)."""
+    params = model.parameters() if isinstance(model, torch.nn.Module) else list(model)
     if optimizer is None:
-        return torch.optim.SGD(model.parameters(), lr=1e-3)
+        return torch.optim.SGD(params, lr=1e-3)
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
-        opt = optimizer(model.parameters())
+        opt = optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a callable(params) -> torch.optim.Optimizer; it "
                             f"returned {type(opt).__name__}.")

@@ -107,3 +107,26 @@ def test_dp1_is_identity():
     ctx = PassContext(signature=sig, group_names={"dp": "g"})
     gm = data_parallel.run(gm, resolve({"dp": 1}, 1), ctx)
     assert len(gm.graph.nodes) == before and ctx.batch_shard_dims == [None, None]
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_gradient_outputs_are_bucket_shards(zero):
+    """ZeRO-1: each flat bucket all-reduced, then this rank's slice; ZeRO-2: reduce-scattered.
+    The outputs are one 1/dp shard per bucket and ctx.zero_buckets records the layout."""
+    model = M.MLP()
+    n_params = len(list(model.parameters()))
+    gm, sig, ctx, _ = compile_dp(model, _mlp_batch(), 2, zero=zero, bucket_mb=1e-3)
+    buckets = ctx.zero_buckets
+    assert sorted(i for b in buckets for i in b) == list(range(n_params))
+    rs, ar = count_ops(gm, c10d.reduce_scatter_tensor.default), count_ops(gm, c10d.all_reduce.default)
+    if zero == 2:
+        assert (rs, ar) == (len(buckets), 1)              # the loss is the only all-reduce
+    else:
+        assert (rs, ar) == (0, len(buckets) + 1)
+        assert count_ops(gm, torch.ops.fxpar.local_chunk.default) == len(buckets)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.meta["n_grads"] == len(buckets)
+    params = dict(model.named_parameters())
+    for b, shard in zip(buckets, out.args[0][1:1 + len(buckets)]):
+        numel = sum(params[sig.param_names[i]].numel() for i in b)
+        assert shard.meta[ir.VAL].numel() == -(-numel // 2)  # padded, halved

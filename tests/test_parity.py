@@ -59,3 +59,24 @@ def test_remat_dp2_equals_no_remat():
             assert losses == ref_losses, (m, p)
             for k in ref_state:
                 assert torch.equal(state[k], ref_state[k]), (m, p, k)
+
+
+ZERO_PLANS = [{"zero": 1}, {"zero": 2}, {"zero": 2, "remat": "sqrt"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_equals_single_process(dp):
+    """ZeRO-1/2 (optimizer state sharded; gradients reduce-scattered at 2) with AdamW, also
+    combined with remat: equal to single-process eager training."""
+    models = ["gpt", "hf_llama"]
+    cases = [(m, "adamw", p) for m in models for p in ZERO_PLANS]
+    results = fxpar.launch(plans_rank, dp, cases)
+    for m in models:
+        for p in ZERO_PLANS:
+            losses, state, info = results[0][(m, "adamw", repr(p))]
+            for r in range(1, dp):
+                assert results[r][(m, "adamw", repr(p))][0] == losses
+            _check(m, "adamw", losses, state)
+            if dp == 4:  # each rank keeps a quarter of Adam's state (+ padding)
+                assert info["opt_state_fraction"] <= 0.30, info

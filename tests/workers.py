@@ -88,6 +88,9 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
         info["recomputed"] = len(pm.stage_graphs["remat"]["dp"].meta["remat"].recomputed)
     torch.manual_seed(99)  # dropout masks: the same stream for every plan
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
+    if info is not None and pm._zero is not None:
+        full = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # Adam m, v
+        info["opt_state_fraction"] = pm._zero.state_bytes() / full
     return losses, pm.full_state_dict()
 
 
