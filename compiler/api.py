@@ -70,7 +70,8 @@ class ParallelModel:
             factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
             self._zero = ShardedOptimizer(lambda ps: optim.build(factory, ps), self._params,
                                           self.program.zero_buckets, plan.dp,
-                                          world.coordinate("dp"), world.mesh.get_group("dp"))
+                                          world.coordinate("dp"), world.mesh.get_group("dp"),
+                                          shard_params=self.program.params_sharded)
             self.optimizer = self._zero.optimizer
         else:
             self.optimizer = optim.build(optimizer, model)
@@ -88,7 +89,7 @@ class ParallelModel:
                              batch_shard_dims=ctx.batch_shard_dims,
                              group_name=ctx.group_names["dp"],
                              zero=self.plan.zero if ctx.zero_buckets else 0,
-                             zero_buckets=ctx.zero_buckets)
+                             zero_buckets=ctx.zero_buckets, params_sharded=ctx.params_sharded)
         return program, [("capture", capture_time, None), *ctx.timings]
 
     def _activation_budget(self) -> int | None:
@@ -112,7 +113,8 @@ class ParallelModel:
         leaves = cap.flatten_batch(_to_device(batch, self.world.device), program.signature)
         local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
                                      self.world.device)
-        return executor.run_graph(program.graph, self._params, self._buffers, local)
+        params = self._zero.param_shards if program.params_sharded else self._params
+        return executor.run_graph(program.graph, params, self._buffers, local)
 
     def step(self, batch) -> torch.Tensor:
         """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
@@ -134,14 +136,27 @@ class ParallelModel:
     def evaluate(self, batch) -> torch.Tensor:
         """Forward only, no parameter or buffer update: the mean loss of the global batch."""
         if self._eval_program is None:
+            if self._zero is not None and self._zero.shard_params:  # tracing needs the weights
+                with torch.no_grad():
+                    for p, full in zip(self._params, self._zero.full_params()):
+                        p.data = full
             self._eval_program, _ = self._compile(self._example_batch, joint=False, snapshots={})
+            if self._zero is not None and self._zero.shard_params:
+                for p in self._params:
+                    p.data = p.data.new_empty(0)
         outs = self._run(self._eval_program, batch)
         return outs[0].detach()
 
     # --- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank
+        (with ZeRO-3 this all-gathers: call it on every rank)."""
+        state = self.model.state_dict(keep_vars=True)
+        if self._zero is not None and self._zero.shard_params:
+            full = dict(zip(map(id, self._params), self._zero.full_params()))
+            return {k: full[id(v)] if id(v) in full else v.detach().clone()
+                    for k, v in state.items()}
+        return {k: v.detach().clone() for k, v in state.items()}
 
     def __repr__(self):
         return f"ParallelModel(plan={self.plan}, world={self.world.size})"

@@ -62,3 +62,5 @@ class Program:
     # rank owns the k-th 1/dp slice. Parameters with no gradient are in no bucket.
     zero: int = 0
     zero_buckets: list[list[int]] = dataclasses.field(default_factory=list)
+    # ZeRO-3: every parameter input is this rank's slice of the flat, padded parameter
+    params_sharded: bool = False

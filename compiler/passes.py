@@ -38,6 +38,7 @@ class PassContext:
     timings: list[tuple[str, float, int]] = dataclasses.field(default_factory=list)
     memory_budget: int | None = None  # activation bytes per device for remat="auto"
     zero_buckets: list[list[int]] = dataclasses.field(default_factory=list)  # set by DP (ZeRO)
+    params_sharded: bool = False  # ZeRO-3: parameter placeholders are flat 1/dp shards
 
 
 def _pass_list(plan) -> list[tuple[str, Callable]]:

@@ -85,8 +85,6 @@ class Plan:
             missing.append(f"pp={self.pp} (pipeline parallelism)")
         if self.microbatches != 1:
             missing.append(f"microbatches={self.microbatches}")
-        if self.zero == 3:
-            missing.append("zero=3 (parameter sharding; zero=1 and 2 work)")
         if self.precision != "fp32":
             missing.append(f"precision={self.precision!r}")
         if self.fuse:
@@ -95,7 +93,7 @@ class Plan:
             missing.append("overlap=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use tp=1, pp=1, microbatches=1, zero<=2, "
+                            " yet; use tp=1, pp=1, microbatches=1, "
                             "precision='fp32', fuse=False, overlap=False (pure data parallelism).")
         return self
 

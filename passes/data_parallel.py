@@ -52,7 +52,12 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
 
     mesh = make_mesh(dp)
     shard_graph(gm, mesh, placements, [group])
-    _reduce_outputs(gm, ctx, group, dp, int(plan.bucket_mb * 2**20), plan.zero)
+    # ZeRO-3 buckets hold one parameter each: the gradient shard is that parameter's shard
+    bucket_bytes = 0 if plan.zero == 3 else int(plan.bucket_mb * 2**20)
+    _reduce_outputs(gm, ctx, group, dp, bucket_bytes, plan.zero)
+    if plan.zero == 3:
+        _gather_params_before_use(gm, group, dp)
+        ctx.params_sharded = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
             v = n.meta[ir.VAL]
@@ -147,6 +152,82 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         shard.meta[ir.SHARD] = (Shard(0),)
         shards.append(shard)
     return shards
+
+
+def _gather_params_before_use(gm, group, dp):
+    """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
+    shard; the full weight is all-gathered just before its first use in the forward and again
+    before its first use in the backward, so each gathered copy dies after its last use there.
+    Views of a weight made in the forward (e.g. its transpose) that the backward reads are
+    re-made from the backward's gather, so no forward copy is kept alive for the backward."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for p in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]:
+        val = p.meta[ir.VAL]
+        numel, shape = val.numel(), list(val.shape)
+        size = -(-numel // dp)
+        p.meta[ir.VAL] = val.new_empty((size,))
+        p.meta[ir.SHARD] = (Shard(0),)
+        views = _forward_views_of(p)              # p and its forward views, in graph order
+        bwd_uses = [(u, v) for v in views for u in v.users
+                    if u.meta.get(ir.REGION) == ir.BACKWARD]
+        fwd_users = sorted((u for u in p.users if u.meta.get(ir.REGION) != ir.BACKWARD),
+                           key=order.__getitem__)
+        fwd_full = None
+        if fwd_users:
+            fwd_full = _gather(graph, p, dp, group, numel, shape, fwd_users[0])
+            for u in fwd_users:
+                u.replace_input_with(p, fwd_full)
+        if bwd_uses:
+            first = min((u for u, _ in bwd_uses), key=order.__getitem__)
+            env = {p: _gather(graph, p, dp, group, numel, shape, first)}
+            env[fwd_full] = env[p]
+            for v in views[1:]:
+                with graph.inserting_before(first):
+                    env[v] = graph.node_copy(v, lambda a: env.get(a, a))
+                env[v].meta.update({ir.REGION: ir.BACKWARD, ir.SHARD: (Replicate(),)})
+            for u, v in bwd_uses:
+                u.replace_input_with(v, env[v])
+            for v in reversed(views[1:]):  # forward views the backward no longer reads
+                if not v.users:
+                    graph.erase_node(v)
+
+
+def _forward_views_of(p):
+    """p followed by the forward view ops reachable from it through views only."""
+    out, frontier = [p], [p]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for u in v.users:
+                if (u.meta.get(ir.REGION) != ir.BACKWARD and u.op == "call_function"
+                        and u not in out and _is_view_op(u)):
+                    out.append(u)
+                    nxt.append(u)
+        frontier = nxt
+    order = {n: i for i, n in enumerate(p.graph.nodes)}
+    return [p] + sorted(out[1:], key=order.__getitem__)
+
+
+def _is_view_op(n) -> bool:
+    t = n.target
+    return (isinstance(t, torch._ops.OpOverload) and bool(t._schema.returns)
+            and all(r.alias_info is not None for r in t._schema.returns))
+
+
+def _gather(graph, shard, dp, group, numel, shape, before):
+    """all-gather + wait (+ unpad) + view to the parameter's shape, inserted before `before`."""
+    meta = {ir.REGION: before.meta.get(ir.REGION, ir.FORWARD),
+            ir.MODULE: before.meta.get(ir.MODULE, ""), ir.SHARD: (Replicate(),)}
+    with graph.inserting_before(before):
+        nodes = [graph.call_function(c10d.all_gather_into_tensor.default, (shard, dp, group))]
+        nodes.append(graph.call_function(c10d.wait_tensor.default, (nodes[-1],)))
+        if -(-numel // dp) * dp != numel:
+            nodes.append(graph.call_function(aten.slice.Tensor, (nodes[-1], 0, 0, numel)))
+        nodes.append(graph.call_function(aten.view.default, (nodes[-1], shape)))
+    for n in nodes:
+        n.meta.update(meta)
+    return nodes[-1]
 
 
 def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[int]]:

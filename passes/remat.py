@@ -436,7 +436,8 @@ def _recompute_time(nodes, profile) -> float:
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     mode = plan.remat
-    if mode == "none" or not any(_region(n) == ir.BACKWARD for n in gm.graph.nodes):
+    if mode == "none" or not any(_region(n) == ir.BACKWARD for n in gm.graph.nodes
+                                 if n.op == "call_function"):  # forward-only: nothing to do
         return gm
     dp = max(plan.dp or 1, 1)
     fwd = _forward_nodes(gm)

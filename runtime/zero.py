@@ -18,17 +18,30 @@ import torch.distributed as dist
 
 
 class ShardedOptimizer:
+    """shard_params=False: stages 1/2 (one shard per bucket; parameters stay whole).
+    shard_params=True: stage 3 (one single-parameter bucket each; every parameter is replaced
+    by its shard, which the graph all-gathers before use; the full tensors are freed)."""
+
     def __init__(self, factory: Callable, params: Sequence[torch.Tensor],
-                 buckets: list[list[int]], dp: int, rank: int, group):
+                 buckets: list[list[int]], dp: int, rank: int, group, shard_params=False):
         self.dp, self.rank, self.group = dp, rank, group
-        self.buckets = [[params[i] for i in idx] for idx in buckets]
-        self.shards = []
+        self.shard_params = shard_params
+        self.shapes = [p.shape for p in params]
         with torch.no_grad():
-            for members in self.buckets:
-                flat = self._flat(members)
-                size = flat.numel() // dp
-                self.shards.append(flat[rank * size:(rank + 1) * size].clone())
+            if shard_params:
+                self.param_shards = [self._slice(self._flat([p])) for p in params]
+                self.buckets = [[params[i] for i in idx] for idx in buckets]
+                self.shards = [self.param_shards[idx[0]] for idx in buckets]
+                for p in params:  # the graph gathers what it needs; keep only the shards
+                    p.data = p.data.new_empty(0)
+            else:
+                self.buckets = [[params[i] for i in idx] for idx in buckets]
+                self.shards = [self._slice(self._flat(members)) for members in self.buckets]
         self.optimizer = factory(self.shards)
+
+    def _slice(self, flat):
+        size = flat.numel() // self.dp
+        return flat[self.rank * size:(self.rank + 1) * size].clone()
 
     def _flat(self, members):
         flat = torch.cat([p.detach().reshape(-1) for p in members])
@@ -40,15 +53,27 @@ class ShardedOptimizer:
         for s, g in zip(self.shards, grad_shards):
             s.grad = g.to(s.dtype)
         self.optimizer.step()
+        for s in self.shards:
+            s.grad = None
+        if self.shard_params:
+            return
         with torch.no_grad():
             for members, s in zip(self.buckets, self.shards):
-                s.grad = None
                 full = torch.empty(s.numel() * self.dp, dtype=s.dtype, device=s.device)
                 dist.all_gather_single(full, s, group=self.group)
                 off = 0
                 for p in members:
                     p.copy_(full[off:off + p.numel()].view_as(p))
                     off += p.numel()
+
+    def full_params(self) -> list[torch.Tensor]:
+        """Stage 3: every parameter all-gathered from the shards (collective: all ranks)."""
+        out = []
+        for shard, shape in zip(self.param_shards, self.shapes):
+            full = torch.empty(shard.numel() * self.dp, dtype=shard.dtype, device=shard.device)
+            dist.all_gather_single(full, shard, group=self.group)
+            out.append(full[:shape.numel()].view(shape).clone())
+        return out
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (for memory reports and tests)."""

@@ -130,3 +130,36 @@ def test_zero_gradient_outputs_are_bucket_shards(zero):
     for b, shard in zip(buckets, out.args[0][1:1 + len(buckets)]):
         numel = sum(params[sig.param_names[i]].numel() for i in b)
         assert shard.meta[ir.VAL].numel() == -(-numel // 2)  # padded, halved
+
+
+def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
+    model = M.MLP()
+    params = dict(model.named_parameters())
+    gm, sig, ctx, _ = compile_dp(model, _mlp_batch(), 2, zero=3)
+    assert ctx.params_sharded
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
+    for ph, name in zip(phs, sig.param_names):
+        assert tuple(ph.meta[ir.VAL].shape) == (-(-params[name].numel() // 2),)
+        gathers = [u for u in ph.users if u.target is c10d.all_gather_into_tensor.default]
+        regions = sorted(g.meta[ir.REGION] for g in gathers)
+        # fc2/fc3 weights are read by the forward and by the backward (input gradient):
+        # gathered once for each; fc1's weight (no input gradient needed) and the biases only
+        # by the forward
+        both = name in ("fc2.weight", "fc3.weight")
+        assert regions == ([ir.BACKWARD, ir.FORWARD] if both else [ir.FORWARD]), name
+        assert len(ph.users) == len(gathers)  # nothing reads the shard but the gathers
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == len(phs)
+    assert ctx.zero_buckets == [[i] for i in reversed(range(len(phs)))]
+    # nothing the backward reads comes from a forward gather (the full weight is freed after
+    # the forward and gathered again): walk each forward gather's users
+    for g in [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default
+              and n.meta[ir.REGION] == ir.FORWARD]:
+        stack, seen = [g], set()
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                assert u.meta[ir.REGION] != ir.BACKWARD, (g.name, u.name)
+                if u not in seen and u.target in (c10d.wait_tensor.default, aten.view.default,
+                                                  aten.slice.Tensor, aten.t.default):
+                    seen.add(u)
+                    stack.append(u)

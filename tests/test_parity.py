@@ -61,14 +61,28 @@ def test_remat_dp2_equals_no_remat():
                 assert torch.equal(state[k], ref_state[k]), (m, p, k)
 
 
-ZERO_PLANS = [{"zero": 1}, {"zero": 2}, {"zero": 2, "remat": "sqrt"}]
+def _eager_eval(name, state):
+    """Loss of the trained weights on batch 0, in plain PyTorch (what pm.evaluate must give)."""
+    from workers import build
+    model, batch_fn, loss_fn = build(name)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        b = batch_fn(0)
+        out = loss_fn(model, b) if loss_fn else (model(**b) if isinstance(b, dict) else model(b))
+    return (out.loss if hasattr(out, "loss") else out).item()
+
+
+ZERO_PLANS = [{"zero": 1}, {"zero": 2}, {"zero": 2, "remat": "sqrt"}, {"zero": 3},
+              {"zero": 3, "remat": "sqrt"}]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_equals_single_process(dp):
-    """ZeRO-1/2 (optimizer state sharded; gradients reduce-scattered at 2) with AdamW, also
-    combined with remat: equal to single-process eager training."""
+    """ZeRO-1/2/3 (optimizer state; + gradients reduce-scattered; + parameters sharded and
+    gathered before use) with AdamW, also combined with remat: equal to single-process eager
+    training. Memory held per rank at dp=4: Adam state, and at zero=3 params + grads + Adam
+    state, <= 30% of unsharded (ideal 25%; the rest is padding to a multiple of dp)."""
     models = ["gpt", "hf_llama"]
     cases = [(m, "adamw", p) for m in models for p in ZERO_PLANS]
     results = fxpar.launch(plans_rank, dp, cases)
@@ -78,5 +92,8 @@ def test_zero_equals_single_process(dp):
             for r in range(1, dp):
                 assert results[r][(m, "adamw", repr(p))][0] == losses
             _check(m, "adamw", losses, state)
-            if dp == 4:  # each rank keeps a quarter of Adam's state (+ padding)
+            torch.testing.assert_close(info["eval"], _eager_eval(m, state), rtol=RTOL, atol=ATOL)
+            if dp == 4:  # each rank keeps a quarter (+ padding)
                 assert info["opt_state_fraction"] <= 0.30, info
+                if p["zero"] == 3:
+                    assert info["model_state_fraction"] <= 0.30, info

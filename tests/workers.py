@@ -88,9 +88,15 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
         info["recomputed"] = len(pm.stage_graphs["remat"]["dp"].meta["remat"].recomputed)
     torch.manual_seed(99)  # dropout masks: the same stream for every plan
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
+    if info is not None:
+        info["eval"] = pm.evaluate(batch_fn(0)).item()  # forward-only program, same plan
     if info is not None and pm._zero is not None:
-        full = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # Adam m, v
-        info["opt_state_fraction"] = pm._zero.state_bytes() / full
+        z = pm._zero
+        full = 2 * sum(shape.numel() for shape in z.shapes) * z.shards[0].element_size()  # m, v
+        info["opt_state_fraction"] = z.state_bytes() / full
+        if z.shard_params:  # ZeRO-3: what this rank holds of params + grads + Adam state
+            held = sum(s.numel() * s.element_size() for s in z.param_shards) * 2 + z.state_bytes()
+            info["model_state_fraction"] = held / (2 * full)  # full: params + grads + m + v
     return losses, pm.full_state_dict()
 
 
