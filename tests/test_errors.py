@@ -29,8 +29,8 @@ def test_unknown_plan_field():
 
 def test_unimplemented_plan_feature_is_refused_not_ignored():
     model, batch = _mlp()
-    with pytest.raises(fxpar.PlanError, match="does not implement zero=3"):
-        fxpar.parallelize(model, 1, example_batch=batch, plan=fxpar.Plan(zero=3))
+    with pytest.raises(fxpar.PlanError, match="does not implement fuse=True"):
+        fxpar.parallelize(model, 1, example_batch=batch, plan=fxpar.Plan(fuse=True))
 
 
 def test_multi_rank_devices_without_launcher():
@@ -104,3 +104,9 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_zero_refuses_an_optimizer_instance():
+    from workers import zero_with_optimizer_instance
+    with pytest.raises(fxpar.runtime.dist.LaunchError, match="pass a factory"):
+        fxpar.launch(zero_with_optimizer_instance, 2)

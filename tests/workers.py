@@ -132,3 +132,11 @@ def failing_rank(fail_rank, fail_step):
             raise RuntimeError(f"injected failure at step {s}")
         pm.step(batch_fn(s))
     return "done"
+
+
+def zero_with_optimizer_instance():
+    """ZeRO needs an optimizer factory; an instance over the full parameters is refused."""
+    model, batch_fn, _ = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0),
+                      optimizer=opt, plan={"zero": 1})
