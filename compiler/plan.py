@@ -94,7 +94,8 @@ class Plan:
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
                             " yet; use tp=1, pp=1, microbatches=1, "
-                            "precision='fp32', fuse=False, overlap=False (pure data parallelism).")
+                            "precision='fp32', fuse=False, overlap=False (data parallelism, with remat "
+                            "and ZeRO 1-3 if wanted).")
         return self
 
 
