@@ -11,6 +11,11 @@ output, so it runs while the rest of the backward computes.
 
 Because the graph is traced at the global batch, constants like the 1/N of a mean are
 already global: no rescaling of gradients is needed, which is what makes this exact.
+
+ZeRO (`Plan.zero`) changes only what the gradients become: 1 = each bucket all-reduced and
+this rank's 1/dp slice output; 2 = reduce-scattered instead; 3 = additionally every
+parameter input is this rank's flat shard, all-gathered just before its forward use and again
+before its backward use. runtime/zero.py steps the optimizer on the shards.
 """
 from __future__ import annotations
 
