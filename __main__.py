@@ -36,7 +36,8 @@ def cmd_viz(args):
     snaps = {}
     ctx = PassContext(signature=sig, group_names={"dp": "dp"})
     remat = int(args.remat) if args.remat.isdigit() else args.remat
-    gm = run_passes(gm, resolve({"dp": args.dp, "remat": remat}, args.dp), ctx, "dp", snaps)
+    plan = resolve({"dp": args.dp, "remat": remat, "zero": args.zero}, args.dp)
+    gm = run_passes(gm, plan, ctx, "dp", snaps)
     for p in write_snapshots(snaps, args.out):
         print(p)
     if "remat" in snaps:
@@ -70,6 +71,7 @@ def main(argv=None):
     v.add_argument("--batch", type=int, default=8)
     v.add_argument("--out", default=os.path.join("out", "viz"))
     v.add_argument("--remat", default="none", help='"none" | "sqrt" | "auto" | budget bytes')
+    v.add_argument("--zero", type=int, default=0, help="ZeRO stage 0..3")
     v.set_defaults(fn=cmd_viz)
     args = ap.parse_args(argv)
     args.fn(args)

@@ -98,3 +98,10 @@ def test_cli_viz_remat_marks_recompute_and_plots_memory(tmp_path):
     svg = open(tmp_path / "01_remat_dp.svg").read()
     assert "(recompute)" in svg and "[saved]" in svg
     assert open(tmp_path / "memory_remat.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_viz_zero3_shows_gathers_and_reduce_scatters(tmp_path):
+    from fxpar.__main__ import main
+    main(["viz", "--example", "mlp", "--dp", "2", "--zero", "3", "--out", str(tmp_path)])
+    svg = open(tmp_path / "01_data_parallel_dp.svg").read()
+    assert "all_gather_into_tensor" in svg and "reduce_scatter_tensor" in svg
