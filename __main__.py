@@ -41,11 +41,8 @@ def cmd_viz(args):
     for p in write_snapshots(snaps, args.out):
         print(p)
     if "remat" in snaps:
-        from fxpar.compiler.cost import simulate
-        from fxpar.viz.memory import plot_memory
-        print(plot_memory({"no remat": simulate(snaps["capture"]["joint"]),
-                           f"remat={args.remat}": simulate(snaps["remat"]["dp"])},
-                          os.path.join(args.out, "memory_remat.png")))
+        from fxpar.viz.memory import plot_remat
+        print(plot_remat(snaps, os.path.join(args.out, "memory_remat.png")))
     print(summary(gm))
 
 

@@ -53,15 +53,18 @@ def _pass_list(plan) -> list[tuple[str, Callable]]:
     return passes
 
 
-def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A cheap copy of a graph (node meta dicts are copied shallowly)."""
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of a graph, output node meta included (node meta dicts are copied shallowly)."""
     g = torch.fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    out_node = next(n for n in g.nodes if n.op == "output")
-    old_out = next(n for n in gm.graph.nodes if n.op == "output")
-    out_node.meta = dict(old_out.meta)
-    new = torch.fx.GraphModule(gm, g)
+    g.output(g.graph_copy(graph, {}))
+    old_out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    next(n for n in reversed(g.nodes) if n.op == "output").meta = dict(old_out.meta)
+    return g
+
+
+def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A cheap copy of a graph module, for pm.stage_graphs."""
+    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     new.meta = dict(gm.meta)
     return new
 

@@ -24,7 +24,7 @@ import operator
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import BatchError
 from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
 
@@ -132,28 +132,16 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         idx = [with_grad[j] for j in bucket]
         ctx.zero_buckets.append(idx)
         members = [grads[i] for i in idx]
-        last = max(members, key=lambda n: order.get(n, len(order)))
-
-        def emit(target, args):
-            node = graph.call_function(target, args)
-            node.meta[ir.REGION], node.meta[ir.MODULE], node.meta["bucket"] = ir.COMM, "", True
-            return node
-
-        numel = sum(g.meta[ir.VAL].numel() for g in members)
-        pad = -numel % dp
-        with graph.inserting_before(last.next):
-            flats = [emit(aten.reshape.default, (g, [-1])) for g in members]
-            flat = emit(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
-            if pad:
-                flat = emit(aten.constant_pad_nd.default, (flat, [0, pad]))
+        with graph.inserting_before(_after_last(members, order)):
+            flat = _flat_bucket(graph, members, multiple_of=dp)
             if zero >= 2:
-                started = emit(c10d.reduce_scatter_tensor.default, (flat, "sum", dp, group))
+                started = _emit(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", dp, group))
             else:
-                started = emit(c10d.all_reduce.default, (flat, "sum", group))
+                started = _emit(graph, c10d.all_reduce.default, (flat, "sum", group))
         with graph.inserting_before(out):
-            done = emit(c10d.wait_tensor.default, (started,))
-            shard = done if zero >= 2 else emit(torch.ops.fxpar.local_chunk.default,
-                                                (done, 0, dp, group))
+            done = _emit(graph, c10d.wait_tensor.default, (started,))
+            shard = done if zero >= 2 else _emit(graph, torch.ops.fxpar.local_chunk.default,
+                                                 (done, 0, dp, group))
         shard.meta[ir.SHARD] = (Shard(0),)
         shards.append(shard)
     return shards
@@ -206,18 +194,12 @@ def _forward_views_of(p):
         for v in frontier:
             for u in v.users:
                 if (u.meta.get(ir.REGION) != ir.BACKWARD and u.op == "call_function"
-                        and u not in out and _is_view_op(u)):
+                        and u not in out and cost.is_view(u)):
                     out.append(u)
                     nxt.append(u)
         frontier = nxt
     order = {n: i for i, n in enumerate(p.graph.nodes)}
     return [p] + sorted(out[1:], key=order.__getitem__)
-
-
-def _is_view_op(n) -> bool:
-    t = n.target
-    return (isinstance(t, torch._ops.OpOverload) and bool(t._schema.returns)
-            and all(r.alias_info is not None for r in t._schema.returns))
 
 
 def _gather(graph, shard, dp, group, numel, shape, before):
@@ -254,29 +236,43 @@ def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[i
     return buckets
 
 
+def _emit(graph, target, args):
+    """A node of a gradient bucket's packing or communication (region comm)."""
+    node = graph.call_function(target, args)
+    node.meta[ir.REGION], node.meta[ir.MODULE], node.meta["bucket"] = ir.COMM, "", True
+    return node
+
+
+def _after_last(grads, order):
+    """Where a bucket's collective goes: right after its last gradient is computed."""
+    return max(grads, key=lambda n: order.get(n, len(order))).next
+
+
+def _flat_bucket(graph, grads, multiple_of=1):
+    """The gradients flattened into one vector (zero-padded to a multiple of `multiple_of`)."""
+    flats = [_emit(graph, aten.reshape.default, (g, [-1])) for g in grads]
+    flat = _emit(graph, aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
+    pad = -sum(g.meta[ir.VAL].numel() for g in grads) % multiple_of
+    if pad:
+        flat = _emit(graph, aten.constant_pad_nd.default, (flat, [0, pad]))
+    for n in (*flats, flat):
+        n.meta[ir.SHARD] = (Partial("sum"),)
+    return flat
+
+
 def _all_reduce_bucket(graph, grads, group, order, out):
-    last = max(grads, key=order.__getitem__)
-
-    def emit(target, args, region=ir.COMM):
-        node = graph.call_function(target, args)
-        node.meta[ir.REGION], node.meta[ir.MODULE] = region, ""
-        node.meta["bucket"] = True
-        return node
-
-    with graph.inserting_before(last.next):
-        flats = [emit(aten.reshape.default, (g, [-1])) for g in grads]
-        flat = emit(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
-        started = emit(c10d.all_reduce.default, (flat, "sum", group))
+    with graph.inserting_before(_after_last(grads, order)):
+        flat = _flat_bucket(graph, grads)
+        started = _emit(graph, c10d.all_reduce.default, (flat, "sum", group))
     with graph.inserting_before(out):
-        done = emit(c10d.wait_tensor.default, (started,))
+        done = _emit(graph, c10d.wait_tensor.default, (started,))
         sizes = [g.meta[ir.VAL].numel() for g in grads]
-        pieces = emit(aten.split_with_sizes.default, (done, sizes))
+        pieces = _emit(graph, aten.split_with_sizes.default, (done, sizes))
         result = []
         for k, g in enumerate(grads):
-            piece = emit(operator.getitem, (pieces, k))
-            r = emit(aten.view.default, (piece, list(g.meta[ir.VAL].shape)))
+            piece = _emit(graph, operator.getitem, (pieces, k))
+            r = _emit(graph, aten.view.default, (piece, list(g.meta[ir.VAL].shape)))
             r.meta[ir.SHARD] = (Replicate(),)
             result.append(r)
-    for n in (*flats, flat, started, done):
-        n.meta[ir.SHARD] = (Partial("sum"),) if n is not done else (Replicate(),)
+    started.meta[ir.SHARD], done.meta[ir.SHARD] = (Partial("sum"),), (Replicate(),)
     return result

@@ -51,11 +51,11 @@ import operator
 import networkx as nx
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.passes import copy_graph
 
 aten = torch.ops.aten
 SAVED = "saved"  # node.meta key: forward value kept for the backward (set on remat'd graphs)
@@ -321,16 +321,10 @@ def rewrite(gm: torch.fx.GraphModule, recomputed: set) -> list[torch.fx.Node]:
 
 
 def _rng_state_like(n):
-    dev = next(v for v in torch.utils._pytree.tree_leaves(n.meta[ir.VAL])
-               if isinstance(v, torch.Tensor)).device
-    n_bytes = 16 if dev.type == "cuda" else torch.get_rng_state().numel()  # philox / mt19937
-    global _FAKE
-    _FAKE = _FAKE or FakeTensorMode()
-    with _FAKE:
-        return torch.empty(n_bytes, dtype=torch.uint8)
-
-
-_FAKE = None
+    """The saved RNG state's value (shape and dtype only): philox seed+offset on CUDA, the
+    mt19937 state on CPU."""
+    n_bytes = 16 if _device_type(n) == "cuda" else torch.get_rng_state().numel()
+    return torch.empty(n_bytes, dtype=torch.uint8, device="meta")
 
 
 # --- policies -------------------------------------------------------------------------------
@@ -421,13 +415,7 @@ class _Draft:
 
 
 def _copy(gm):
-    g = torch.fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    new_out = next(n for n in reversed(g.nodes) if n.op == "output")
-    new_out.meta = dict(old_out.meta)
-    return _Draft(g)
+    return _Draft(copy_graph(gm.graph))
 
 
 def _recompute_time(nodes, profile) -> float:
@@ -570,8 +558,4 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile):
 
 
 def _device_of(gm):
-    for n in gm.graph.nodes:
-        v = n.meta.get(ir.VAL)
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
+    return next((_device_type(n) for n in gm.graph.nodes if n.op == "placeholder"), "cpu")

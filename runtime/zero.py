@@ -27,15 +27,14 @@ class ShardedOptimizer:
         self.dp, self.rank, self.group = dp, rank, group
         self.shard_params = shard_params
         self.shapes = [p.shape for p in params]
+        self.buckets = [[params[i] for i in idx] for idx in buckets]
         with torch.no_grad():
             if shard_params:
                 self.param_shards = [self._slice(self._flat([p])) for p in params]
-                self.buckets = [[params[i] for i in idx] for idx in buckets]
                 self.shards = [self.param_shards[idx[0]] for idx in buckets]
                 for p in params:  # the graph gathers what it needs; keep only the shards
                     p.data = p.data.new_empty(0)
             else:
-                self.buckets = [[params[i] for i in idx] for idx in buckets]
                 self.shards = [self._slice(self._flat(members)) for members in self.buckets]
         self.optimizer = factory(self.shards)
 

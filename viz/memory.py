@@ -30,3 +30,12 @@ def plot_memory(timelines: dict[str, MemoryTimeline], path: str,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_remat(stage_graphs: dict, path: str) -> str:
+    """Simulated live memory of the joint graph before ("capture") and after the remat pass."""
+    from fxpar.compiler.cost import simulate
+    after = stage_graphs["remat"]["dp"]
+    return plot_memory({"no remat": simulate(stage_graphs["capture"]["joint"]),
+                        f"remat={after.meta['remat'].mode}": simulate(after)}, path,
+                       title="joint graph, global batch: live activations + gradients")
