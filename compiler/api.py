@@ -14,7 +14,8 @@ from fxpar.compiler.passes import PassContext, run_passes
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
-from fxpar.runtime import executor, optim
+from fxpar.runtime import comm, executor, optim
+from fxpar.runtime import trace as rtrace
 from fxpar.runtime.zero import ShardedOptimizer
 
 log = logging.getLogger("fxpar")
@@ -55,6 +56,8 @@ class ParallelModel:
                                                          snapshots=self.stage_graphs)
         log.info("compiled in %.2f s", time.perf_counter() - t0)
         self._eval_program = None
+        self._lowered: dict[int, torch.fx.GraphModule] = {}
+        self.recorder = rtrace.Recorder(world.rank)
         self._example_batch = example_batch
         params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
         buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -114,19 +117,47 @@ class ParallelModel:
         local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
                                      self.world.device)
         params = self._zero.param_shards if program.params_sharded else self._params
-        return executor.run_graph(program.graph, params, self._buffers, local)
+        gm = self._lowered.get(id(program))
+        if gm is None:
+            gm = self._lowered[id(program)] = comm.lower(program.graph)
+        return executor.run_graph(gm, params, self._buffers, local)
 
     def step(self, batch) -> torch.Tensor:
         """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
-        outs = self._run(self.program, batch)
-        n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
-        loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
-        if self._zero:
-            self._zero.step(grads)
-        else:
-            optim.apply_gradients(self.optimizer, self._params, grads)
-        self._update_buffers(new_bufs)
+        with executor.recording(self.recorder) as rec:
+            outs = self._run(self.program, batch)
+            n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
+            loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
+            rec.segment("optimizer")
+            if self._zero:
+                self._zero.step(grads)
+            else:
+                optim.apply_gradients(self.optimizer, self._params, grads)
+            self._update_buffers(new_bufs)
         return loss.detach()
+
+    # --- timeline -------------------------------------------------------------------------
+    @property
+    def step_stats(self) -> list[rtrace.StepStats]:
+        """The last steps' time, communication time and exposed (non-overlapped) communication
+        time on this rank, oldest first (up to 20)."""
+        return list(self.recorder.stats)
+
+    def trace(self, path: str) -> str | None:
+        """Write the last steps' timeline of ALL ranks as one Chrome-trace JSON (open it in
+        https://ui.perfetto.dev): per rank a compute and a comm track. Collective: call it on
+        every rank; rank 0 writes the file and returns its path (other ranks return None)."""
+        if self.world.size == 1:
+            rtrace.write_chrome_trace(path, self.recorder.events())
+            return path
+        dist.barrier()  # ranks leave the barrier together: a common time origin
+        offset = -time.perf_counter()
+        gathered = [None] * self.world.size
+        dist.all_gather_object(gathered, self.recorder.events(offset))
+        if self.world.rank != 0:
+            return None
+        rtrace.write_chrome_trace(path, [e for ev in gathered for e in ev])
+        return path
 
     def _update_buffers(self, new_bufs):
         with torch.no_grad():

@@ -43,7 +43,13 @@ EXTRA_FLOP_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _shape_wrapped(sdpa_backward_flop),
 }
 # ops whose schema says "new tensor" but whose result shares the input's storage
-_ALIASING_NON_VIEWS = {aten._unsafe_view.default}
+# (wait_tensor returns the very tensor its collective produced)
+_ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default}
+c10d = torch.ops._c10d_functional
+# collectives that read their input asynchronously: it stays alive until their wait_tensor
+# (an all-reduce runs in place on a buffer it owns, or copies at start)
+ASYNC_INPUT_COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
+COLLECTIVES = {c10d.all_reduce.default, *ASYNC_INPUT_COLLECTIVES}
 
 
 def tensor_bytes(v) -> int:
@@ -95,19 +101,35 @@ def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
 
 @dataclasses.dataclass
 class DeviceProfile:
-    """Peak compute and memory bandwidth, for time estimates (a roofline per node).
+    """Peak compute and memory bandwidth, for time estimates (a roofline per node), and the
+    alpha-beta model of the link between ranks (alpha = latency per message step, seconds;
+    link_bandwidth = bytes/s per direction).
 
-    Rough defaults until the planner calibrates them (issue 8); only ratios matter to remat."""
+    Rough defaults until the planner calibrates them (issue 8); only ratios matter to remat
+    and to bucket sizing. CPU: gloo over loopback TCP; CUDA: NVLink within a node."""
     name: str
     flops: float       # FLOP/s (fp32)
     bandwidth: float   # bytes/s
+    alpha: float = 50e-6
+    link_bandwidth: float = 2e9
 
     @classmethod
     def for_device(cls, device) -> "DeviceProfile":
         device = torch.device(device)
         if device.type == "cuda":
-            return cls("cuda", 400e12, 3.0e12)
-        return cls("cpu", 100e9, 20e9)
+            return cls("cuda", 400e12, 3.0e12, alpha=10e-6, link_bandwidth=150e9)
+        return cls("cpu", 100e9, 20e9, alpha=50e-6, link_bandwidth=2e9)
+
+
+def comm_time(target, nbytes: int, group_size: int, profile: DeviceProfile) -> float:
+    """Alpha-beta time of one ring collective on `nbytes` (the full, unsharded buffer):
+    all-reduce moves 2(n-1)/n of it in 2(n-1) steps, all-gather and reduce-scatter (n-1)/n
+    in n-1 steps."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if target is c10d.all_reduce.default else n - 1
+    return steps * profile.alpha + steps / n * nbytes / profile.link_bandwidth
 
 
 def node_time(node: torch.fx.Node, profile: DeviceProfile) -> float:
@@ -203,7 +225,10 @@ def simulate(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 0,
 
     last = {k: index[owner[k]] for k in size}
     for n in nodes:
-        for a in n.all_input_nodes:
+        reads = list(n.all_input_nodes)
+        if n.target is c10d.wait_tensor.default and n.args[0].target in ASYNC_INPUT_COLLECTIVES:
+            reads += n.args[0].all_input_nodes  # the collective reads its input until done
+        for a in reads:
             for k in keys.get(a, []):
                 last[k] = max(last[k], index[n])
     grad_storages = {k for a in grad_outs for k in keys.get(a, [])}

@@ -22,8 +22,10 @@ class Plan:
     zero:           ZeRO stage 0..3 over the dp group.
     precision:      "fp32" | "bf16" | "fp16".
     fuse:           Triton fusion pass on/off.
-    overlap:        communication/computation overlap pass on/off.
-    bucket_mb:      gradient all-reduce bucket size in MiB (DDP's default: 25).
+    overlap:        communication/computation overlap pass on/off (on: collectives start as
+                    early and are waited on as late as dependencies and memory allow).
+    bucket_mb:      gradient bucket size in MiB; None = sized by the cost model's alpha-beta
+                    estimate against the backward's compute time.
     """
     dp: int | None = None
     tp: int | None = None
@@ -34,8 +36,8 @@ class Plan:
     zero: int = 0
     precision: str = "fp32"
     fuse: bool = False
-    overlap: bool = False
-    bucket_mb: float = 25.0
+    overlap: bool = True
+    bucket_mb: float | None = None
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -75,8 +77,12 @@ class Plan:
             raise PlanError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}.")
         if self.precision not in PRECISIONS:
             raise PlanError(f"Plan.precision must be one of {PRECISIONS}, got {self.precision!r}.")
-        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
-            raise PlanError(f"Plan.bucket_mb must be a positive number, got {self.bucket_mb!r}.")
+        if self.bucket_mb is not None and not (
+                isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise PlanError(f"Plan.bucket_mb must be a positive number of MiB or None (sized by "
+                            f"the cost model), got {self.bucket_mb!r}.")
+        if not isinstance(self.overlap, bool):
+            raise PlanError(f"Plan.overlap must be True or False, got {self.overlap!r}.")
         # Features whose passes have not landed yet: refuse instead of silently ignoring.
         missing = []
         if self.tp != 1:
@@ -89,13 +95,11 @@ class Plan:
             missing.append(f"precision={self.precision!r}")
         if self.fuse:
             missing.append("fuse=True")
-        if self.overlap:
-            missing.append("overlap=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
                             " yet; use tp=1, pp=1, microbatches=1, "
-                            "precision='fp32', fuse=False, overlap=False (data parallelism, with remat "
-                            "and ZeRO 1-3 if wanted).")
+                            "precision='fp32', fuse=False (data parallelism, with remat, ZeRO 1-3 "
+                            "and overlap if wanted).")
         return self
 
 

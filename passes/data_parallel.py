@@ -4,10 +4,14 @@ The batch leaves become Shard(0) over the dp group; the sharding engine propagat
 through the joint graph (DTensor's per-op rules) and inserts the collectives that anything
 coupling samples needs: BatchNorm's batch statistics (sums -> all-reduce), a loss that
 averages (Partial(avg) -> all-reduce / dp), or sums (Partial(sum) -> all-reduce).
-Gradients come out Partial(sum) and are all-reduced in buckets, as DDP does: reverse
-parameter order, `Plan.bucket_mb` MiB each (DDP's default 25), one flat all-reduce per
-bucket issued right after its last gradient is computed and waited on just before the
-output, so it runs while the rest of the backward computes.
+Gradients come out Partial(sum) and are all-reduced in buckets, as DDP does: one flat
+all-reduce per bucket, issued right after its last gradient is computed. Buckets follow the
+order the backward produces gradients and are sized by the cost model's alpha-beta estimate
+(few large buckets when latency dominates, small ones when the backward left after a bucket
+is short), or by a fixed `Plan.bucket_mb`.
+
+Every collective is emitted with its wait right after it (blocking); passes/overlap.py then
+moves waits to their first use and starts as early as inputs and memory allow.
 
 Because the graph is traced at the global batch, constants like the 1/N of a mean are
 already global: no rescaling of gradients is needed, which is what makes this exact.
@@ -57,8 +61,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
 
     mesh = make_mesh(dp)
     shard_graph(gm, mesh, placements, [group])
-    # ZeRO-3 buckets hold one parameter each: the gradient shard is that parameter's shard
-    bucket_bytes = 0 if plan.zero == 3 else int(plan.bucket_mb * 2**20)
+    # ZeRO-3 buckets hold one parameter each: the gradient shard is that parameter's shard;
+    # otherwise a fixed size if the plan gives one, else the cost model sizes them (None)
+    bucket_bytes = 0 if plan.zero == 3 else (
+        None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20))
     _reduce_outputs(gm, ctx, group, dp, bucket_bytes, plan.zero)
     if plan.zero == 3:
         _gather_params_before_use(gm, group, dp)
@@ -105,7 +111,8 @@ def _reduce_outputs(gm, ctx, group, dp, bucket_bytes, zero=0):
     for i, g in enumerate(grads):
         if i not in bucketable:
             grads[i] = to_replicate(g)
-    for bucket in assign_buckets([grads[i] for i in bucketable], bucket_bytes):
+    for bucket in _buckets(graph, [grads[i] for i in bucketable], bucket_bytes, dp,
+                           c10d.all_reduce.default):
         idx = [bucketable[j] for j in bucket]
         reduced = _all_reduce_bucket(graph, [grads[i] for i in idx], group, order, out)
         for i, r in zip(idx, reduced):
@@ -128,20 +135,23 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
                                          ir.REGION: ir.COMM})
     shards = []
     ctx.zero_buckets = []
-    for bucket in assign_buckets([grads[i] for i in with_grad], bucket_bytes):
+    target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
+    for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, dp, target):
         idx = [with_grad[j] for j in bucket]
         ctx.zero_buckets.append(idx)
         members = [grads[i] for i in idx]
         with graph.inserting_before(_after_last(members, order)):
             flat = _flat_bucket(graph, members, multiple_of=dp)
             if zero >= 2:
-                started = _emit(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", dp, group))
+                started = _emit(graph, target, (flat, "sum", dp, group))
             else:
-                started = _emit(graph, c10d.all_reduce.default, (flat, "sum", group))
-        with graph.inserting_before(out):
+                started = _emit(graph, target, (flat, "sum", group))
             done = _emit(graph, c10d.wait_tensor.default, (started,))
-            shard = done if zero >= 2 else _emit(graph, torch.ops.fxpar.local_chunk.default,
-                                                 (done, 0, dp, group))
+        if zero >= 2:
+            shard = done
+        else:
+            with graph.inserting_before(out):
+                shard = _emit(graph, torch.ops.fxpar.local_chunk.default, (done, 0, dp, group))
         shard.meta[ir.SHARD] = (Shard(0),)
         shards.append(shard)
     return shards
@@ -217,6 +227,55 @@ def _gather(graph, shard, dp, group, numel, shape, before):
     return nodes[-1]
 
 
+def _buckets(graph, grads, bucket_bytes, dp, target):
+    if bucket_bytes is not None:
+        return assign_buckets(grads, bucket_bytes)
+    nodes = list(graph.nodes)
+    profile = cost.DeviceProfile.for_device(next(
+        n.meta[ir.VAL].device for n in nodes if n.op == "placeholder"))
+    clock, ready = 0.0, {}
+    for n in nodes:  # when each gradient exists, by the cost model, in execution order
+        clock += cost.node_time(n, profile) if n.op == "call_function" else 0.0
+        ready[n] = clock
+    return assign_buckets_by_cost(grads, [ready[g] for g in grads], profile, dp, target)
+
+
+def assign_buckets_by_cost(grads: list[torch.fx.Node], ready: list[float], profile, dp: int,
+                           target) -> list[list[int]]:
+    """Buckets that minimise when the last one finishes communicating, by the alpha-beta model.
+
+    Gradients are taken in the order they become ready; a bucket (contiguous run, one dtype)
+    starts when its last gradient exists and the link is free, and takes
+    cost.comm_time(bytes). Dynamic program over prefixes: finish[j] = min over i of
+    max(ready[j], finish[i]) + time(bytes of i+1..j); the earliest finish of a prefix is
+    also the best start for what follows, so the minimum is exact. Large alpha -> few big
+    buckets; a long backward after a gradient -> small buckets that start early."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for j in sorted(range(len(grads)), key=lambda j: (ready[j], -j)):
+        by_dtype.setdefault(grads[j].meta[ir.VAL].dtype, []).append(j)
+    buckets = []
+    for order in by_dtype.values():
+        sizes = [cost.tensor_bytes(grads[j].meta[ir.VAL]) for j in order]
+        prefix = [0]
+        for b in sizes:
+            prefix.append(prefix[-1] + b)
+        m = len(order)
+        finish, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
+        for j in range(1, m + 1):
+            r = ready[order[j - 1]]
+            for i in range(j):
+                t = max(r, finish[i]) + cost.comm_time(target, prefix[j] - prefix[i], dp,
+                                                       profile)
+                if t < finish[j]:
+                    finish[j], cut[j] = t, i
+        j, found = m, []
+        while j:
+            found.append(order[cut[j]:j])
+            j = cut[j]
+        buckets.extend(reversed(found))
+    return buckets
+
+
 def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[int]]:
     """DDP-style buckets over gradient nodes: reverse order (the backward produces the last
     parameters' gradients first), one dtype per bucket, closed once it holds >= bucket_bytes."""
@@ -264,8 +323,8 @@ def _all_reduce_bucket(graph, grads, group, order, out):
     with graph.inserting_before(_after_last(grads, order)):
         flat = _flat_bucket(graph, grads)
         started = _emit(graph, c10d.all_reduce.default, (flat, "sum", group))
-    with graph.inserting_before(out):
         done = _emit(graph, c10d.wait_tensor.default, (started,))
+    with graph.inserting_before(out):
         sizes = [g.meta[ir.VAL].numel() for g in grads]
         pieces = _emit(graph, aten.split_with_sizes.default, (done, sizes))
         result = []

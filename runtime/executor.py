@@ -1,7 +1,9 @@
 """Runs one rank's Program: slice the global batch to this rank's shard, run the graph.
 
-The graph holds every collective as a node; functional collectives return at once and
-`wait_tensor` blocks, so a bucket's all-reduce runs while later backward nodes compute.
+The graph holds every collective as a node; runtime/comm.lower turns them into calls that
+issue the collective on a work handle and block only at the matching wait, so a bucket's
+all-reduce runs while later backward nodes compute. A trace.Recorder (always on, cheap)
+timestamps compute segments and collectives for `pm.trace` and per-step statistics.
 
 Memory: FX's generated code drops every value right after its last use (`x = None`), so a
 forward-only program (`pm.evaluate`) holds only the values still needed: a chain of N blocks
@@ -11,9 +13,13 @@ exactly this order.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fxpar.compiler.ir import Program
+from fxpar.runtime import comm
+from fxpar.runtime.trace import Recorder
 
 
 def local_batch(leaves: list[torch.Tensor], program: Program, dp_rank: int,
@@ -27,6 +33,19 @@ def local_batch(leaves: list[torch.Tensor], program: Program, dp_rank: int,
 
 
 def run_graph(gm: torch.fx.GraphModule, params, buffers, batch):
-    """Run the rank's graph once; returns its outputs (loss, grads..., updated buffers...)."""
+    """Run the rank's (comm.lower'ed) graph once; returns its outputs (loss, grads...,
+    updated buffers...). Collectives record on the recorder set by `recording`."""
     with torch.no_grad():
         return gm(*params, *buffers, *batch)
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder, first_segment: str = "forward"):
+    """Record one step: compute segments and collectives, then its StepStats."""
+    recorder.begin_step(first_segment)
+    comm.set_recorder(recorder)
+    try:
+        yield recorder
+    finally:
+        comm.set_recorder(None)
+        recorder.end_step()

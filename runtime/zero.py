@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from fxpar.runtime import comm
+
 
 class ShardedOptimizer:
     """shard_params=False: stages 1/2 (one shard per bucket; parameters stay whole).
@@ -56,10 +58,18 @@ class ShardedOptimizer:
             s.grad = None
         if self.shard_params:
             return
-        with torch.no_grad():
-            for members, s in zip(self.buckets, self.shards):
-                full = torch.empty(s.numel() * self.dp, dtype=s.dtype, device=s.device)
-                dist.all_gather_single(full, s, group=self.group)
+        with torch.no_grad():  # all buckets' gathers in flight at once, then unpacked
+            fulls = [torch.empty(s.numel() * self.dp, dtype=s.dtype, device=s.device)
+                     for s in self.shards]
+
+            def gather_all():
+                works = [dist.all_gather_single(full, s, group=self.group, async_op=True)
+                         for full, s in zip(fulls, self.shards)]
+                for w in works:
+                    w.wait()
+            comm.timed("all_gather params (ZeRO)", sum(f.numel() * f.element_size()
+                                                       for f in fulls), gather_all)
+            for members, full in zip(self.buckets, fulls):
                 off = 0
                 for p in members:
                     p.copy_(full[off:off + p.numel()].view_as(p))

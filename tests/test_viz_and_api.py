@@ -34,7 +34,8 @@ def test_dot_colours_regions_highlights_collectives_and_clusters_modules():
 def test_write_snapshots_renders_svg(tmp_path):
     paths = write_snapshots(_dp_graphs(), str(tmp_path))
     assert [os.path.basename(p) for p in paths] == ["00_capture_joint.svg",
-                                                    "01_data_parallel_dp.svg"]
+                                                    "01_data_parallel_dp.svg",
+                                                    "02_overlap_dp.svg"]
     for p in paths:
         assert open(p).read().lstrip().startswith(("<?xml", "<svg"))
         assert os.path.exists(p[:-4] + ".dot")
@@ -44,7 +45,8 @@ def test_cli_viz(tmp_path):
     from fxpar.__main__ import main
     main(["viz", "--example", "convbn", "--dp", "2", "--batch", "4", "--out", str(tmp_path)])
     assert sorted(os.listdir(tmp_path)) == ["00_capture_joint.dot", "00_capture_joint.svg",
-                                            "01_data_parallel_dp.dot", "01_data_parallel_dp.svg"]
+                                            "01_data_parallel_dp.dot", "01_data_parallel_dp.svg",
+                                            "02_overlap_dp.dot", "02_overlap_dp.svg"]
 
 
 def test_evaluate_is_forward_only_and_does_not_update():

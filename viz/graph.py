@@ -40,6 +40,8 @@ def _label(n: torch.fx.Node) -> str:
         title += " (recompute)"
     elif n.meta.get("saved"):
         title += " [saved]"
+    if n.meta.get("moved"):  # set by the overlap pass
+        title += f" ({n.meta['moved']})"
     parts = [f"<b>{html.escape(title)}</b>"]
     if shape or place:
         parts.append(html.escape(" ".join(x for x in (shape, place) if x)))

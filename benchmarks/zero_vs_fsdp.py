@@ -1,0 +1,309 @@
+"""fxpar ZeRO-3 vs torch FSDP2, and fxpar ZeRO-0 (plain dp) vs torch DDP: time, memory, loss.
+
+    .venv/bin/python benchmarks/zero_vs_fsdp.py [--steps 30] [--warmup 3] [--layers 4]
+        [--embd 256] [--batch 16] [--nprocs 2]
+
+One launch of `--nprocs` gloo CPU ranks runs four trainings, pair by pair, in the same
+ranks, each from the same initial weights (torch.manual_seed(0) before building the GPT), on
+the same batches, with the same optimizer (AdamW, lr 1e-3, built by a factory):
+
+    fxpar Plan(dp=world, zero=3)   vs  FSDP2: fully_shard(block) for every transformer block,
+                                       then fully_shard(model) (defaults: reshard_after_forward
+                                       =True, fp32, no CPU offload)
+    fxpar Plan(dp=world, zero=0)   vs  DDP(bucket_cap_mb=25)
+
+fxpar's `pm.step` takes the GLOBAL batch; FSDP2 and DDP get this rank's 1/world slice of it
+and report the all-reduced mean loss, so all sides report the mean loss of the same batch.
+
+FSDP2 on CPU/gloo (torch 2.13): it needs no special option. With a CPU DeviceMesh (the
+default mesh when no accelerator is present) FSDP2 takes the CPU device
+(`_get_device_from_mesh`), its streams/events are no-ops, and gloo supports the all-gather
+and the reduce-scatter it issues, including ReduceOp.AVG (fp32 gradients use AVG; checked
+by the loss agreement printed below). The tied embedding / lm_head weight lives in the root
+group.
+
+Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
+step; a dist.barrier() before each step; each step includes the loss all-reduce of the peers.
+The two sides of a pair are both built first, then their timed steps alternate (step s of
+fxpar and of its peer back to back, the first of the two alternating), so a change in the
+machine's load during the run hits both sides alike; times and the ratio fxpar / peer are
+rank 0's (the barrier keeps the ranks in step).
+
+Memory (per rank, CPU, measured, the same way for all four sides): a MemoryTracker
+(fxpar.runtime.memtrack's TorchDispatchMode) is entered right after the plain GPT is built
+and stays on through the wrapping (fxpar.parallelize / fully_shard / DDP(...)), the warm-up
+steps and one measured step. It starts from the storages of the fresh model's parameters
+and buffers and adds every storage any op allocates from then on (C++ allocations too: DDP's
+reducer buckets, FSDP2's all-gather buffers, optimizer state), each held by weak reference
+until it dies. During the measured step, after every op, it sums the *current* nbytes of all
+live tracked storages (current, not at allocation: FSDP2 frees and re-allocates unsharded
+parameters by resizing their storages in place, which no dispatcher op shows). Reported:
+  held   = live bytes just before the step (parameters, gradients kept between steps,
+           optimizer state, communication buckets: everything persistent),
+  peak   = the maximum over the step, held state included (params + grads + optimizer state
+           + activations + communication buffers),
+both the maximum over ranks (peak is the number to compare: torch keeps .grad between steps
+until the next zero_grad(set_to_none) frees it at the step's start, so DDP's and FSDP2's held
+include gradients, fxpar's gradients are graph outputs freed after the update). Outputs of tensor subclasses (FSDP2's DTensor parameters and
+optimizer state) are counted through their local tensors; fake / meta tensors (fxpar's
+tracing) have no memory and are skipped. Python cyclic garbage is collected before the
+measured step. The tracker slows that one step; it is not among the timed steps.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+import fxpar
+from fxpar.examples import models as M
+from fxpar.runtime import dist as rdist
+from fxpar.runtime.memtrack import MemoryTracker
+
+
+def _cfg(args):
+    return M.GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4,
+                       n_embd=args.embd)
+
+
+# --- memory -------------------------------------------------------------------------------
+
+def _real_storage(t: torch.Tensor):
+    """t's storage if it holds real memory; None for meta / fake tensors and for wrappers
+    without a storage of their own."""
+    if t.is_meta:
+        return None
+    try:
+        st = t.untyped_storage()
+        st.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None if st.device.type == "meta" else st
+
+
+def _storages(tree) -> list:
+    """Real storages of the tensors in tree; tensor subclasses (DTensor) by their parts."""
+    out = []
+    for t in pytree.tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            out += _storages([getattr(t, a) for a in attrs])
+        elif (st := _real_storage(t)) is not None:
+            out.append(st)
+    return out
+
+
+class StepMemory(MemoryTracker):
+    """MemoryTracker that also sees subclass outputs and samples live bytes during a window.
+
+    with StepMemory(initial_tensors) as sm:
+        ... build, warm up ...
+        with sm.window():
+            step()
+    sm.held, sm.peak_live
+    """
+
+    def __init__(self, initial: list[torch.Tensor]):
+        super().__init__()
+        for st in _storages(initial):
+            self._register(st)
+        self._sampling = False
+        self.held = self.peak_live = 0
+
+    def _register(self, st):
+        if st in self._keys:
+            return
+        key = self._next
+        self._next += 1
+        self._keys[st] = key
+        self._live[key] = st.nbytes()
+        self.events.append((st.nbytes(), key))
+        weakref.finalize(st, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {s._cdata for s in _storages((args, kwargs))}
+        for st in _storages(out):
+            if st._cdata not in seen:
+                self._register(st)
+        if self._sampling:
+            self.peak_live = max(self.peak_live, self.live_bytes())
+        return out
+
+    def live_bytes(self) -> int:
+        """Current bytes of every tracked storage still alive (resizes included)."""
+        return sum(st.nbytes() for st in list(self._keys.keys()))
+
+    def window(self):
+        tracker = self
+
+        class _Window:
+            def __enter__(self):
+                gc.collect()
+                tracker.held = tracker.peak_live = tracker.live_bytes()
+                tracker._sampling = True
+
+            def __exit__(self, *exc):
+                tracker._sampling = False
+                tracker.peak_live = max(tracker.peak_live, tracker.live_bytes())
+
+        return _Window()
+
+
+# --- the four trainings -------------------------------------------------------------------
+
+def _local(batch, rank, world):
+    per = batch[0].shape[0] // world
+    return tuple(t[rank * per:(rank + 1) * per] for t in batch)
+
+
+def _peer_step(module, opt, rank, world):
+    def step(batch):
+        opt.zero_grad()
+        loss = module(_local(batch, rank, world))
+        loss.backward()
+        opt.step()
+        red = loss.detach().clone()
+        dist.all_reduce(red)
+        return (red / world).item()
+    return step
+
+
+def _build(kind, cfg, data, world, rank, opt_factory):
+    """Wrap a fresh GPT (seed 0) for `kind`; return (step(global_batch) -> float loss)."""
+    torch.manual_seed(0)
+    model = M.GPT(cfg)
+    initial = [*model.parameters(), *model.buffers()]
+    tracker = StepMemory(initial)
+    del initial
+    tracker.__enter__()
+    if kind.startswith("fxpar"):
+        zero = int(kind[-1])
+        pm = fxpar.parallelize(model, world, example_batch=data[0], optimizer=opt_factory,
+                               plan=fxpar.Plan(dp=world, zero=zero))
+        step = lambda b: pm.step(b).item()  # noqa: E731
+    elif kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+        step = _peer_step(model, opt_factory(model.parameters()), rank, world)
+    elif kind == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+        step = _peer_step(ddp, opt_factory(ddp.parameters()), rank, world)
+    else:
+        raise ValueError(kind)
+    return step, tracker
+
+
+def _prepare(kind, args, cfg, data, world, rank, opt_factory):
+    """Build `kind`, run the warm-up steps and the memory step (all under its tracker)."""
+    step, tracker = _build(kind, cfg, data, world, rank, opt_factory)
+    losses = []
+    for s in range(args.warmup + 1):
+        batch = data[s % len(data)]
+        if s < args.warmup:
+            losses.append(step(batch))
+        else:  # the memory step, under the tracker's window
+            dist.barrier()
+            with tracker.window():
+                losses.append(step(batch))
+    tracker.__exit__(None, None, None)
+    return step, {"losses": losses, "times": [], "held": tracker.held, "peak": tracker.peak_live}
+
+
+def _pair(kinds, args, cfg, data, world, rank, opt_factory):
+    """Both sides of a pair built and warmed up, then timed steps interleaved: step s runs
+    the same batch on each side, the side that goes first alternating (ABBA...), so a change
+    in the machine's load hits both alike."""
+    sides = [_prepare(k, args, cfg, data, world, rank, opt_factory) for k in kinds]
+    for s in range(args.warmup + 1, args.warmup + 1 + args.steps):
+        batch = data[s % len(data)]
+        for step, res in (sides if s % 2 else sides[::-1]):
+            dist.barrier()
+            t = time.perf_counter()
+            res["losses"].append(step(batch))
+            res["times"].append(time.perf_counter() - t)
+    out = {}
+    for kind, (_, res) in zip(kinds, sides):
+        res["time"] = statistics.median(res.pop("times"))
+        out[kind] = res
+    del sides
+    gc.collect()
+    return out
+
+
+PAIRS = (("fxpar zero=3", "fxpar3", "FSDP2", "fsdp2"), ("fxpar zero=0", "fxpar0", "DDP", "ddp"))
+
+
+def bench(args):
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if not dist.is_initialized():  # the peers need the group even before fxpar makes it
+        dist.init_process_group("gloo", timeout=rdist.timeout())
+    cfg = _cfg(args)
+    data = [M.gpt_batch(cfg, args.batch, seed=s) for s in range(4)]
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    out = {}
+    for _, a, _, b in PAIRS:
+        out.update(_pair((a, b), args, cfg, data, world, rank, opt))
+    return out
+
+
+def _mib(n):
+    return n / 2**20
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--nprocs", type=int, default=2)
+    args = ap.parse_args()
+    if args.batch % args.nprocs:
+        ap.error(f"--batch {args.batch} must be a multiple of --nprocs {args.nprocs}")
+    res = fxpar.launch(bench, args.nprocs, args)
+    ranks = sorted(res)
+    n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
+    p_mib = _mib(4 * n_params)
+    print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params = {p_mib:.1f} MiB fp32),"
+          f" global batch {args.batch}, dp={args.nprocs}, gloo/CPU, AdamW, {args.steps} timed "
+          f"steps")
+    print("memory per rank (max over ranks): held = live before a step (params, grads, "
+          "optimizer state, buckets); peak = max during the step, held included")
+    print(f"{'':14s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s}   "
+          f"peak per rank MiB")
+    ratios = []
+    for fx_name, fx, peer_name, peer in PAIRS:
+        for name, kind in ((fx_name, fx), (peer_name, peer)):
+            r = [res[k][kind] for k in ranks]
+            print(f"{name:14s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
+                  f"{_mib(max(x['peak'] for x in r)):9.1f}   "
+                  + " ".join(f"{_mib(x['peak']):.1f}" for x in r))
+        diff = max(abs(a - b) for k in ranks
+                   for a, b in zip(res[k][fx]["losses"], res[k][peer]["losses"]))
+        t = res[0][fx]["time"] / res[0][peer]["time"]
+        m = max(res[k][fx]["peak"] for k in ranks) / max(res[k][peer]["peak"] for k in ranks)
+        fl = res[0][fx]["losses"]
+        ratios.append((fx_name, peer_name, t, m, diff, fl[0], fl[-1]))
+    print()
+    for fx_name, peer_name, t, m, diff, first, last in ratios:
+        print(f"{fx_name} / {peer_name:5s}: time ratio {t:.3f}   peak-memory ratio {m:.3f}   "
+              f"(loss {first:.4f} -> {last:.4f}, max |loss diff| = {diff:.2e})")
+
+
+if __name__ == "__main__":
+    main()

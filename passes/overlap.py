@@ -1,0 +1,141 @@
+"""Communication/computation overlap: start each collective early, wait for it late.
+
+Earlier passes emit every collective as a start (`_c10d_functional.*`) immediately followed
+by its `wait_tensor`: correct, but the compute thread idles while the bytes move. This pass
+reorders the graph so that
+  - each wait sinks to just before the first node that reads its result (gradient buckets:
+    to the end of the backward, so they travel while the rest of the backward computes), and
+  - each start rises to just after the nodes that produce its input (ZeRO-3 parameter
+    all-gathers: prefetched while the previous layer computes),
+under a memory limit: at no point may the reordered graph hold more than `slack` bytes beyond
+the blocking schedule. A hoisted start holds its output buffer earlier; a sunk wait holds the
+input of an all-gather / reduce-scatter longer (the backend reads it until done). By default
+`slack` is two "units" (FSDP's prefetch of one to two layers): a unit is the parameters
+of one layer (module path up to its first numeric index, e.g. `transformer.h.3`) for
+all-gathers, or one gradient bucket for reduce-scatters. Starts keep their relative order, so
+the backend's first-in-first-out channel serves collectives in the order they are needed.
+
+The runtime (runtime/comm.py) runs starts and waits on real work handles, so the reordering is
+what makes communication and computation overlap. `gm.meta["overlap"]` records what moved.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from fxpar.compiler import cost, ir
+
+c10d = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass
+class Decision:
+    slack: int                        # bytes the reordered graph may hold beyond the blocking one
+    hoisted: dict[str, int]           # start node -> nodes it moved above
+    sunk: dict[str, int]              # wait node -> nodes it moved below
+    limited: list[str]                # collectives the memory limit stopped short
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    graph = gm.graph
+    pairs = collective_pairs(graph)
+    if not pairs:
+        return gm
+    slack = ctx.overlap_memory_bytes
+    if slack is None:
+        slack = default_slack(pairs)
+    order = list(graph.nodes)
+    extra = dict.fromkeys(order, 0)
+    n_inputs = sum(1 for n in order if n.op == "placeholder")
+    hoisted, sunk, limited = {}, {}, []
+
+    # 1. waits sink to their first use (latest collectives first: they have the least backward
+    #    left to hide behind, and the memory they hold is the shortest)
+    for start, wait in reversed(pairs):
+        held = _input_bytes_held(start)
+        pos = order.index(wait)
+        first_use = min(order.index(u) for u in wait.users)
+        new = pos
+        for k in range(pos + 1, first_use):
+            if extra[order[k]] + held > slack:
+                limited.append(wait.name)
+                break
+            new = k
+        for k in range(pos + 1, new + 1):
+            extra[order[k]] += held
+        if new != pos:
+            order.insert(new, order.pop(pos))
+            sunk[wait.name] = new - pos
+            wait.meta["moved"] = f"waited {new - pos} nodes later"
+
+    # 2. starts rise to just after their inputs (and after the previous start)
+    floor = n_inputs - 1
+    for start, _ in pairs:
+        pos = order.index(start)
+        lo = max([floor] + [order.index(a) for a in start.all_input_nodes])
+        size = cost.tensor_bytes(start.meta.get(ir.VAL))
+        new = pos
+        for k in range(pos - 1, lo, -1):
+            if extra[order[k]] + size > slack:
+                limited.append(start.name)
+                break
+            new = k
+        for k in range(new, pos):
+            extra[order[k]] += size
+        if new != pos:
+            order.insert(new, order.pop(pos))
+            hoisted[start.name] = pos - new
+            start.meta["moved"] = f"started {pos - new} nodes earlier"
+        floor = new
+
+    for prev, n in zip(order, order[1:]):
+        if prev.next is not n:
+            prev.append(n)
+    gm.meta["overlap"] = Decision(slack, hoisted, sunk, sorted(set(limited)))
+    return gm
+
+
+def collective_pairs(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(start, wait) of every collective whose result only its wait reads, in graph order."""
+    pairs = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in cost.COLLECTIVES:
+            users = list(n.users)
+            if len(users) == 1 and users[0].target is c10d.wait_tensor.default:
+                pairs.append((n, users[0]))
+    return pairs
+
+
+def _input_bytes_held(start: torch.fx.Node) -> int:
+    """Bytes a later wait keeps alive: the input of a collective that reads it asynchronously
+    (parameters are alive anyway)."""
+    if start.target not in cost.ASYNC_INPUT_COLLECTIVES:
+        return 0
+    x = start.args[0]
+    return 0 if x.op == "placeholder" else cost.tensor_bytes(x.meta.get(ir.VAL))
+
+
+def layer_of(module_path: str) -> str:
+    """The layer a module belongs to: its path up to the first numeric index."""
+    parts = module_path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return module_path
+
+
+def default_slack(pairs) -> int:
+    """Two units: all-gathered bytes of the largest layer, or the largest reduce-scatter
+    bucket, whichever is more."""
+    units: dict[tuple, int] = {}
+    for start, wait in pairs:
+        if start.target is c10d.all_gather_into_tensor.default:
+            key = ("gather", wait.meta.get(ir.REGION), layer_of(wait.meta.get(ir.MODULE, "")))
+            units[key] = units.get(key, 0) + cost.tensor_bytes(start.meta.get(ir.VAL))
+        elif start.target is c10d.reduce_scatter_tensor.default:
+            units[("bucket", start.name)] = _input_bytes_held(start)
+        else:  # an all-reduce: its buffer, held from the start
+            units[("bucket", start.name)] = cost.tensor_bytes(start.meta.get(ir.VAL))
+    return 2 * max(units.values(), default=0)

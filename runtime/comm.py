@@ -1,0 +1,199 @@
+"""Collectives with real work handles, and the lowering that makes a Program's graph use them.
+
+Passes write communication as functional collectives (`_c10d_functional.all_reduce` ...)
+followed by `wait_tensor`, placed where passes/overlap.py wants them. `lower` turns each
+collective node into `start_*` (issues `torch.distributed.*(async_op=True)` and returns a
+`Pending` holding the work handle) and each `wait_tensor` into `wait` (blocks on the handle),
+so the collective runs in the backend (gloo's worker threads, NCCL's stream) while the
+nodes between start and wait compute. Why not run the functional ops as they are: they are
+asynchronous too, but hide their work handle, so the runtime could not timestamp completion
+for the timeline nor reuse an owned buffer in place.
+
+Every start/wait records on the current trace.Recorder: the collective's flight on the comm
+track, and the time the compute thread was blocked (issue + wait) as exposed communication.
+On CUDA, `wait` only orders the streams (the host does not block), so the exposed time it
+records is host-side only.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from fxpar.compiler import cost
+from fxpar.runtime.trace import Recorder
+
+c10d = torch.ops._c10d_functional
+_recorder: Recorder | None = None
+_groups: dict[str, dist.ProcessGroup] = {}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+
+
+def set_recorder(rec: Recorder | None) -> None:
+    global _recorder
+    _recorder = rec
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    pg = _groups.get(name)
+    if pg is None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        pg = _groups[name] = _resolve_process_group(name)
+    return pg
+
+
+class Pending:
+    """An issued collective: its work handle, output buffer, and what must stay alive."""
+    __slots__ = ("work", "out", "keep", "divide", "name", "nbytes", "t_issue", "t_done")
+
+    def __init__(self, name, nbytes):
+        self.name, self.nbytes = name, nbytes
+        self.work = self.out = self.keep = self.divide = self.t_done = None
+        self.t_issue = time.perf_counter()
+
+    def _finished(self, _fut):
+        self.t_done = time.perf_counter()
+
+
+def _reduce_op(op: str, group_size: int):
+    if op == "avg":  # gloo has no AVG: sum, then divide at the wait
+        return dist.ReduceOp.SUM, group_size
+    return _OPS[op], None
+
+
+class _Watcher:
+    """One daemon thread that waits on works whose backend offers no future (gloo's
+    all-gather / reduce-scatter), in issue order, and stamps when each completed."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="fxpar-comm-watch").start()
+
+    def _loop(self):
+        while True:
+            p, work = self.queue.get()
+            try:
+                work.wait()  # releases the GIL
+            except Exception:  # the compute thread's own wait reports the error
+                pass
+            p.t_done = p.t_done or time.perf_counter()
+
+
+_watcher: _Watcher | None = None
+
+
+def _issued(p: Pending, work, seg: str) -> Pending:
+    """Completion time comes from the work's future where the backend has one (gloo's
+    all-reduce, NCCL), else from the watcher thread."""
+    global _watcher
+    p.work = work
+    rec = _recorder
+    if rec is not None and rec.recording:
+        try:
+            work.get_future().then(p._finished)
+        except RuntimeError:  # "Work::getFuture not implemented"
+            if _watcher is None:
+                _watcher = _Watcher()
+            _watcher.queue.put((p, work))
+        rec.blocked(p.t_issue, time.perf_counter(), "issue " + p.name, seg)
+    return p
+
+
+def start_all_reduce(x: torch.Tensor, op: str, group_name: str, owned: bool, name: str,
+                     seg: str) -> Pending:
+    """All-reduce, in place on `x` when the graph says nothing else reads it (owned)."""
+    p = Pending(name, x.numel() * x.element_size())
+    pg = _group(group_name)
+    buf = x if owned and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+    red, p.divide = _reduce_op(op, pg.size())
+    p.out = buf
+    return _issued(p, dist.all_reduce(buf, op=red, group=pg, async_op=True), seg)
+
+
+def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: str,
+                     seg: str) -> Pending:
+    p = Pending(name, x.numel() * x.element_size() * group_size)
+    x = x.contiguous()
+    p.keep, p.out = x, x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
+    return _issued(p, dist.all_gather_single(p.out, x, group=_group(group_name), async_op=True),
+                   seg)
+
+
+def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str, name: str,
+                         seg: str) -> Pending:
+    p = Pending(name, x.numel() * x.element_size())
+    x = x.contiguous()
+    red, p.divide = _reduce_op(op, group_size)
+    p.keep, p.out = x, x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
+    return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=_group(group_name),
+                                                 async_op=True), seg)
+
+
+def wait(p, seg: str) -> torch.Tensor:
+    """Block until the collective is done; its result."""
+    if isinstance(p, torch.Tensor):  # a functional collective's result
+        return c10d.wait_tensor(p)
+    t0 = time.perf_counter()
+    p.work.wait()
+    t1 = time.perf_counter()
+    out = p.out
+    if p.divide:
+        out = out.div_(p.divide)
+    rec = _recorder
+    if rec is not None and rec.recording:
+        rec.blocked(t0, t1, "wait " + p.name, seg)
+        rec.comm(p.name, p.t_issue, p.t_done or t1, p.nbytes)
+    p.keep = p.out = p.work = None
+    return out
+
+
+def timed(name: str, nbytes: int, fn):
+    """Run a blocking collective outside the graph (e.g. ZeRO's parameter all-gather after
+    the optimizer step) and record it as fully exposed communication."""
+    t0 = time.perf_counter()
+    res = fn()
+    t1 = time.perf_counter()
+    rec = _recorder
+    if rec is not None and rec.recording:
+        rec.blocked(t0, t1, name, "optimizer")
+        rec.comm(name, t0, t1, nbytes)
+    return res
+
+
+_STARTS = {c10d.all_reduce.default: start_all_reduce,
+           c10d.all_gather_into_tensor.default: start_all_gather,
+           c10d.reduce_scatter_tensor.default: start_reduce_scatter}
+_SHORT = {start_all_reduce: "all_reduce", start_all_gather: "all_gather",
+          start_reduce_scatter: "reduce_scatter"}
+
+
+def lower(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` whose collectives are start_*/wait calls on work handles."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    nodes = list(g.nodes)
+    for i, n in enumerate(nodes):
+        if n.op != "call_function":
+            continue
+        nxt = next((m for m in nodes[i + 1:] if m.op == "call_function"), None)
+        seg = nxt.meta.get("region", "compute") if nxt is not None else "compute"
+        if n.target in _STARTS:
+            fn = _STARTS[n.target]
+            name = f"{_SHORT[fn]} {n.meta.get('module') or n.name}"
+            if fn is start_all_reduce:
+                x = n.args[0]
+                owned = (isinstance(x, torch.fx.Node) and x.op == "call_function"
+                         and len(x.users) == 1 and not cost.is_view(x))
+                n.args = (*n.args, owned, name, seg)
+            else:
+                n.args = (*n.args, name, seg)
+            n.target = fn
+        elif n.target is c10d.wait_tensor.default:
+            n.target, n.args = wait, (n.args[0], seg)
+    g.lint()
+    return torch.fx.GraphModule(gm, g)

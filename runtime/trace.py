@@ -1,0 +1,145 @@
+"""Per-rank timeline of a training step: compute and communication as separate tracks.
+
+The executor and runtime/comm.py record spans (name, track, start, end) with
+`time.perf_counter` while a step runs; `chrome_trace` turns the spans of every rank into one
+Chrome-trace JSON (open it in https://ui.perfetto.dev or chrome://tracing): one process per
+rank, one thread per track ("compute", "comm"). `StepStats` is what one step cost: its time,
+the time a collective was in flight, and the *exposed* part — the time the compute thread sat
+blocked issuing or waiting for a collective, i.e. communication nothing overlapped.
+
+Recording costs two clock reads per collective and per compute segment, so it is always on;
+only the last `keep_steps` steps are kept.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+
+COMPUTE, COMM = "compute", "comm"
+TRACKS = (COMPUTE, COMM)
+
+
+@dataclasses.dataclass
+class Span:
+    name: str
+    track: str
+    start: float  # perf_counter seconds
+    end: float
+    args: dict | None = None
+
+
+@dataclasses.dataclass
+class StepStats:
+    step: int
+    time_s: float
+    comm_s: float          # union of the intervals during which some collective was in flight
+    exposed_comm_s: float  # compute thread blocked on communication (issue + wait)
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.exposed_comm_s / self.time_s if self.time_s else 0.0
+
+
+class Recorder:
+    """Spans of the last `keep_steps` steps of one rank."""
+
+    def __init__(self, rank: int = 0, keep_steps: int = 20):
+        self.rank = rank
+        self.steps: collections.deque = collections.deque(maxlen=keep_steps)
+        self.stats: collections.deque = collections.deque(maxlen=keep_steps)
+        self._spans: list[Span] | None = None
+        self._seg_start = 0.0
+        self._seg_name = ""
+        self._exposed = 0.0
+        self._step_no = 0
+        self._t0 = 0.0
+
+    # --- step boundaries -----------------------------------------------------------------
+    def begin_step(self, name: str = "step") -> None:
+        self._spans = []
+        self._exposed = 0.0
+        self._t0 = self._seg_start = time.perf_counter()
+        self._seg_name = name
+
+    def end_step(self) -> StepStats:
+        t = time.perf_counter()
+        spans = self._spans or []
+        self._close_segment(t)
+        self._spans = None
+        comm = _union([(s.start, s.end) for s in spans if s.track == COMM])
+        st = StepStats(self._step_no, t - self._t0, comm, self._exposed)
+        self.steps.append((self._step_no, self._t0, t, spans))
+        self.stats.append(st)
+        self._step_no += 1
+        return st
+
+    @property
+    def recording(self) -> bool:
+        return self._spans is not None
+
+    # --- compute segments: closed whenever the compute thread turns to communication ------
+    def _close_segment(self, t: float) -> None:
+        if self._spans is not None and t > self._seg_start:
+            self._spans.append(Span(self._seg_name, COMPUTE, self._seg_start, t))
+
+    def segment(self, name: str) -> None:
+        """The compute thread starts on something else (e.g. "optimizer")."""
+        if self._spans is not None:
+            t = time.perf_counter()
+            self._close_segment(t)
+            self._seg_start, self._seg_name = t, name
+
+    def blocked(self, t0: float, t1: float, name: str, next_segment: str) -> None:
+        """The compute thread spent [t0, t1] on communication `name` (issuing or waiting)."""
+        if self._spans is None:
+            return
+        self._close_segment(t0)
+        self._exposed += t1 - t0
+        if t1 - t0 > 2e-6:
+            self._spans.append(Span(name, COMPUTE, t0, t1, {"blocked_on": "comm"}))
+        self._seg_start, self._seg_name = t1, next_segment
+
+    def comm(self, name: str, t0: float, t1: float, nbytes: int) -> None:
+        """A collective in flight from issue (t0) to completion (t1), on the comm track."""
+        if self._spans is not None:
+            self._spans.append(Span(name, COMM, t0, t1, {"bytes": nbytes}))
+
+    def span(self, name: str, track: str, t0: float, t1: float, args: dict | None = None):
+        if self._spans is not None:
+            self._spans.append(Span(name, track, t0, t1, args))
+
+    def events(self, offset: float = 0.0) -> list[dict]:
+        """This rank's spans as Chrome-trace events (microseconds; `offset` aligns ranks)."""
+        pid = self.rank
+        ev = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}}]
+        for tid, track in enumerate(TRACKS):
+            ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                       "args": {"name": track}})
+        for step, t0, t1, spans in self.steps:
+            ev.append({"name": f"step {step}", "ph": "X", "pid": pid, "tid": TRACKS.index(COMPUTE),
+                       "ts": (t0 + offset) * 1e6, "dur": (t1 - t0) * 1e6, "cat": "step"})
+            for s in spans:
+                e = {"name": s.name, "ph": "X", "pid": pid, "tid": TRACKS.index(s.track),
+                     "ts": (s.start + offset) * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
+                     "cat": s.track}
+                if s.args:
+                    e["args"] = s.args
+                ev.append(e)
+        return ev
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def write_chrome_trace(path: str, events: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
