@@ -61,6 +61,10 @@ class MemoryTracker(TorchDispatchMode):
     def key(self, t: torch.Tensor) -> int | None:
         return self._keys.get(t.untyped_storage())
 
+    def live_bytes(self) -> int:
+        """Bytes allocated inside the block that are still alive."""
+        return sum(self._live.values())
+
     def peak(self, exclude: Iterable[torch.Tensor] = ()) -> int:
         skip = {self.key(t) for t in exclude}
         cur = best = 0

@@ -112,6 +112,29 @@ def plans_rank(cases):
     return out
 
 
+def zero_memory_rank(zero):
+    """Measured with the tracker on this rank: parameters + gradients + optimizer state.
+    Optimizer state = what the first step allocates and leaves alive (AdamW's moments are
+    created lazily); gradients = the storages of the graph's gradient outputs; parameters =
+    the storages the step reads (full weights, or ZeRO-3 shards)."""
+    from fxpar.runtime.memtrack import MemoryTracker
+    model, batch_fn, loss_fn = build("gpt")
+    pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0),
+                           loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], plan={"zero": zero})
+    with MemoryTracker() as mt:
+        pm.step(batch_fn(0))
+    opt_state = mt.live_bytes()
+    with MemoryTracker() as mt:
+        outs = pm._run(pm.program, batch_fn(1))
+        n_g = len(pm.program.zero_buckets) if pm._zero else len(pm._params)
+        grad_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                         for t in outs[1:1 + n_g] if t is not None and mt.key(t) is not None}
+    held = pm._zero.param_shards if pm.program.params_sharded else pm._params
+    params = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in held}.values())
+    return {"params": params, "grads": sum(grad_storages.values()), "optimizer": opt_state}
+
+
 def parity_rank(cases, dp):
     """Runs on every rank: train each (model, optimizer) case; rank 0 returns the states."""
     rank = int(os.environ.get("RANK", 0))
@@ -140,3 +163,31 @@ def zero_with_optimizer_instance():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0),
                       optimizer=opt, plan={"zero": 1})
+
+
+def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8):
+    """overlap off vs on, same model and batches: losses and the median exposed-communication
+    fraction of the steps after two warm-up steps (measured by the runtime's recorder)."""
+    import statistics
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    cfg = M.GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=embd)
+    data = M.gpt_batch(cfg, batch)
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(cfg), int(os.environ["WORLD_SIZE"]), example_batch=data,
+                               optimizer=OPTIMIZERS["adamw"],
+                               plan={"zero": zero, "overlap": overlap})
+        losses = []
+        for _ in range(steps):
+            dist.barrier()
+            losses.append(pm.step(data).item())
+        stats = pm.step_stats[2:]
+        out[overlap] = {"losses": losses,
+                        "exposed": statistics.median(s.exposed_fraction for s in stats),
+                        "comm_s": statistics.median(s.comm_s for s in stats),
+                        "time_s": statistics.median(s.time_s for s in stats)}
+        if overlap:
+            pm.trace(trace_path)
+    return out

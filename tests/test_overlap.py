@@ -1,0 +1,196 @@
+"""The overlap pass on small graphs (order of starts and waits, the memory limit), alpha-beta
+bucket sizing, and, under real processes, exposed communication measured from the timeline."""
+
+import json
+import types
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.compiler import cost, ir
+from fxpar.compiler.capture import capture
+from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.plan import resolve
+from fxpar.examples import models as M
+from fxpar.passes import data_parallel, overlap
+from workers import overlap_rank, zero_memory_rank
+
+c10d = torch.ops._c10d_functional
+CFG = M.GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+
+
+def compile_plan(model, batch, dp=2, memory=None, **plan):
+    gm, sig = capture(model, batch)
+    ctx = PassContext(signature=sig, group_names={"dp": "g"}, overlap_memory_bytes=memory)
+    snaps = {}
+    gm = run_passes(gm, resolve({"dp": dp, **plan}, dp), ctx, "dp", snaps)
+    return gm, snaps
+
+
+def _pos(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _first_compute_user(node, pos):
+    return min(node.users, key=pos.__getitem__)
+
+
+def test_without_overlap_every_wait_follows_its_start():
+    gm, snaps = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), zero=3, overlap=False)
+    assert "overlap" not in snaps
+    for start, wait in overlap.collective_pairs(gm.graph):
+        assert start.next is wait
+
+
+def test_gradient_bucket_waits_sink_to_the_end_and_starts_follow_their_last_gradient():
+    gm, snaps = compile_plan(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)))
+    pos = _pos(gm)
+    buckets = [(s, w) for s, w in overlap.collective_pairs(gm.graph) if s.meta.get("bucket")]
+    assert buckets
+    last_backward = max(pos[n] for n in gm.graph.nodes
+                        if n.meta.get(ir.REGION) == ir.BACKWARD and n.op == "call_function")
+    for start, wait in buckets:
+        # start: right after the packing of its inputs; wait: after every backward node
+        assert pos[start] == max(pos[a] for a in start.all_input_nodes) + 1
+        assert pos[wait] > last_backward
+        assert pos[wait] == min(pos[u] for u in wait.users) - 1
+    decision = gm.meta["overlap"]
+    assert all(w.name in decision.sunk for _, w in buckets)
+
+
+def test_zero3_gathers_are_prefetched_within_the_memory_limit():
+    model, batch = M.GPT(CFG), M.gpt_batch(CFG, 4)
+    gm_off, _ = compile_plan(model, batch, zero=3, overlap=False)
+    gm, _ = compile_plan(model, batch, zero=3)
+    decision = gm.meta["overlap"]
+    pos = _pos(gm)
+    gathers = [(s, w) for s, w in overlap.collective_pairs(gm.graph)
+               if s.target is c10d.all_gather_into_tensor.default]
+    assert len(gathers) > 10
+    prefetched = 0
+    for start, wait in gathers:
+        first_use = min(pos[u] for u in wait.users)
+        assert pos[wait] == first_use - 1                    # waited on just before use
+        assert pos[start] > max(pos[a] for a in start.all_input_nodes)  # after its input
+        compute_between = [n for n in list(gm.graph.nodes)[pos[start]:pos[wait]]
+                           if n.op == "call_function" and cost.node_flops(n) > 0]
+        prefetched += bool(compute_between)
+    assert prefetched >= len(gathers) // 2                  # most hide behind a matmul or more
+    # the limit: never more than `slack` bytes beyond the blocking schedule
+    peak_off = cost.simulate(gm_off).peak_total
+    peak_on = cost.simulate(gm).peak_total
+    assert peak_on <= peak_off + decision.slack
+    assert decision.slack == 2 * max(_layer_gather_bytes(gm).values())
+
+
+def _layer_gather_bytes(gm):
+    units = {}
+    for s, w in overlap.collective_pairs(gm.graph):
+        if s.target is c10d.all_gather_into_tensor.default:
+            key = (w.meta[ir.REGION], overlap.layer_of(w.meta[ir.MODULE]))
+            units[key] = units.get(key, 0) + cost.tensor_bytes(s.meta[ir.VAL])
+    return units
+
+
+def test_zero_memory_limit_stops_prefetch_and_keeps_reduce_scatter_inputs_short():
+    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), zero=3, memory=0)
+    decision = gm.meta["overlap"]
+    for start, wait in overlap.collective_pairs(gm.graph):
+        if start.target is c10d.all_gather_into_tensor.default:
+            assert start.name not in decision.hoisted
+        if start.target is c10d.reduce_scatter_tensor.default:
+            assert wait.name not in decision.sunk            # would hold the full gradient
+            assert start.next is wait
+    assert decision.limited
+
+
+def test_moved_collectives_are_labelled_for_the_graph_picture():
+    gm, snaps = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), zero=3)
+    labels = [n.meta["moved"] for n in snaps["overlap"]["dp"].graph.nodes if "moved" in n.meta]
+    assert any(m.startswith("started") for m in labels)
+    assert any(m.startswith("waited") for m in labels)
+
+
+def _fake_grads(nbytes):
+    return [types.SimpleNamespace(meta={ir.VAL: torch.empty(b // 4)}) for b in nbytes]
+
+
+def test_alpha_beta_buckets_follow_latency_and_backward_time():
+    profile = cost.DeviceProfile("t", 1e12, 1e12, alpha=1e-3, link_bandwidth=1e9)
+    target = c10d.all_reduce.default
+    grads = _fake_grads([4_000] * 8)
+    # latency-bound, gradients all ready at once: one bucket
+    assert data_parallel.assign_buckets_by_cost(grads, [0.0] * 8, profile, 2, target) == \
+        [list(reversed(range(8)))]  # ties: reverse parameter order, as DDP
+    # gradients 10 ms apart, cheap messages: each goes as soon as it exists
+    ready = [0.01 * (8 - j) for j in range(8)]  # the last parameter's gradient comes first
+    b = data_parallel.assign_buckets_by_cost(grads, ready, profile, 2, target)
+    assert b == [[j] for j in reversed(range(8))]
+    # the optimum is what the alpha-beta model says is fastest (brute force on 6 gradients)
+    grads = _fake_grads([400_000, 4_000, 4_000, 800_000, 4_000, 40_000])
+    ready = [0.0012, 0.0010, 0.0008, 0.0006, 0.0003, 0.0001]
+    best = data_parallel.assign_buckets_by_cost(grads, ready, profile, 2, target)
+    assert _finish(best, grads, ready, profile) == pytest.approx(
+        min(_finish(c, grads, ready, profile) for c in _contiguous_splits([5, 4, 3, 2, 1, 0])))
+
+
+def _finish(buckets, grads, ready, profile):
+    t = 0.0
+    for b in buckets:
+        nbytes = sum(cost.tensor_bytes(grads[j].meta[ir.VAL]) for j in b)
+        t = max(t, max(ready[j] for j in b)) + cost.comm_time(c10d.all_reduce.default, nbytes,
+                                                             2, profile)
+    return t
+
+
+def _contiguous_splits(seq):
+    if not seq:
+        yield []
+        return
+    for k in range(1, len(seq) + 1):
+        for rest in _contiguous_splits(seq[k:]):
+            yield [seq[:k], *rest]
+
+
+def test_alpha_beta_comm_time_factors():
+    p = cost.DeviceProfile("t", 1, 1, alpha=0.0, link_bandwidth=1.0)
+    assert cost.comm_time(c10d.all_reduce.default, 1000, 4, p) == pytest.approx(1500)
+    assert cost.comm_time(c10d.all_gather_into_tensor.default, 1000, 4, p) == pytest.approx(750)
+    assert cost.comm_time(c10d.all_reduce.default, 1000, 1, p) == 0
+
+
+def test_fixed_bucket_size_still_honoured():
+    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), bucket_mb=0.01)
+    n_fixed = sum(1 for s, _ in overlap.collective_pairs(gm.graph) if s.meta.get("bucket"))
+    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), bucket_mb=100)
+    assert n_fixed > sum(1 for s, _ in overlap.collective_pairs(gm.graph) if s.meta.get("bucket"))
+
+
+@pytest.mark.slow
+def test_overlap_halves_exposed_communication_and_trace_has_both_tracks(tmp_path):
+    """dp=2 on gloo, a GPT with 3.3 M parameters (13 MB of gradients per step): the fraction
+    of step time the compute thread is blocked on communication, overlap on vs off."""
+    path = str(tmp_path / "trace.json")
+    res = fxpar.launch(overlap_rank, 2, path)
+    for r in res.values():
+        assert r[True]["losses"] == r[False]["losses"]      # reordering changes no number
+        assert r[True]["exposed"] < 0.5 * r[False]["exposed"], r
+    events = json.load(open(path))["traceEvents"]
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert tracks == {(0, "compute"), (0, "comm"), (1, "compute"), (1, "comm")}
+    comm = [e for e in events if e.get("cat") == "comm"]
+    assert comm and all(e["dur"] > 0 and e["args"]["bytes"] > 0 for e in comm)
+    assert {e["pid"] for e in comm} == {0, 1}
+
+
+@pytest.mark.slow
+def test_zero3_dp4_model_state_measured_with_tracker():
+    """params + gradients + optimizer state per rank (tracker) at zero=3 <= 30% of zero=0."""
+    full = fxpar.launch(zero_memory_rank, 4, 0)
+    sharded = fxpar.launch(zero_memory_rank, 4, 3)
+    for r in range(4):
+        total = sum(full[r].values())
+        assert sum(sharded[r].values()) <= 0.30 * total, (sharded[r], full[r])
+        for k in ("params", "grads", "optimizer"):
+            assert sharded[r][k] <= 0.30 * full[r][k], (k, sharded[r], full[r])
