@@ -150,10 +150,8 @@ class ParallelModel:
         if self.world.size == 1:
             rtrace.write_chrome_trace(path, self.recorder.events())
             return path
-        dist.barrier()  # ranks leave the barrier together: a common time origin
-        offset = -time.perf_counter()
         gathered = [None] * self.world.size
-        dist.all_gather_object(gathered, self.recorder.events(offset))
+        dist.all_gather_object(gathered, self.recorder.events())
         if self.world.rank != 0:
             return None
         rtrace.write_chrome_trace(path, [e for ev in gathered for e in ev])

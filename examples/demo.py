@@ -1,7 +1,9 @@
 """The demo: train the small GPT on 2 CPU ranks for 20 steps with fxpar.
 
-Prints the plan, the compile time per pass and the loss per step; writes the graph SVGs
-of every pass and the memory timeline before/after rematerialization (PNG) under --out. Run: `make demo` or `python -m fxpar demo --out out`.
+Prints the plan, the compile time per pass, the loss per step and how much communication the
+overlap pass hid; writes the graph SVGs of every pass, the memory timeline before/after
+rematerialization (PNG), and the timeline of the last steps of every rank (Chrome trace JSON
+for Perfetto, and a PNG) under --out. Run: `make demo` or `python -m fxpar demo --out out`.
 """
 from __future__ import annotations
 
@@ -36,13 +38,26 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt"):
         losses.append(loss)
         if rank == 0:
             print(f"step {s:2d}  loss {loss:.4f}  ({(time.perf_counter() - t) * 1e3:.0f} ms)")
+    os.makedirs(out_dir, exist_ok=True)
+    trace = pm.trace(os.path.join(out_dir, "trace.json"))  # every rank takes part
     if rank == 0:
         from fxpar.viz.graph import summary, write_snapshots
+        from fxpar.viz.timeline import plot_timeline
         paths = write_snapshots(pm.stage_graphs, out_dir)
         final = pm.stage_graphs["data_parallel"]["dp"]
         print(f"graph after data_parallel: {summary(final)}")
+        if "overlap" in pm.stage_graphs:
+            d = pm.stage_graphs["overlap"]["dp"].meta.get("overlap")
+            if d is not None:
+                print(f"overlap: {len(d.hoisted)} collectives started earlier, {len(d.sunk)} "
+                      f"waits moved later (memory limit {d.slack / 2**10:.0f} KiB)")
+        st = pm.step_stats[-5:]
+        print("last steps: communication in flight {:.1f} ms, exposed {:.1f} ms of {:.1f} ms"
+              .format(*(1e3 * sum(getattr(x, k) for x in st) / len(st)
+                        for k in ("comm_s", "exposed_comm_s", "time_s"))))
         if "remat" in pm.stage_graphs:
             paths.append(write_remat_memory(pm, os.path.join(out_dir, "memory_remat.png")))
+        paths += [trace, plot_timeline(trace, os.path.join(out_dir, "timeline.png"))]
         print("wrote " + ", ".join(paths))
     return losses
 

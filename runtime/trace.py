@@ -55,6 +55,9 @@ class Recorder:
         self._exposed = 0.0
         self._step_no = 0
         self._t0 = 0.0
+        # wall-clock anchor: ranks' spans line up through time.time() (the same clock on one
+        # host, NTP-synced across hosts), while spans are measured with perf_counter
+        self._wall0, self._perf0 = time.time(), time.perf_counter()
 
     # --- step boundaries -----------------------------------------------------------------
     def begin_step(self, name: str = "step") -> None:
@@ -110,8 +113,9 @@ class Recorder:
         if self._spans is not None:
             self._spans.append(Span(name, track, t0, t1, args))
 
-    def events(self, offset: float = 0.0) -> list[dict]:
-        """This rank's spans as Chrome-trace events (microseconds; `offset` aligns ranks)."""
+    def events(self) -> list[dict]:
+        """This rank's spans as Chrome-trace events (wall-clock microseconds)."""
+        offset = self._wall0 - self._perf0
         pid = self.rank
         ev = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}}]
         for tid, track in enumerate(TRACKS):
