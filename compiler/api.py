@@ -9,13 +9,14 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import ir
+from fxpar.compiler import ir, stages
 from fxpar.compiler.passes import PassContext, run_passes
-from fxpar.compiler.errors import PlanError
+from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
-from fxpar.runtime import comm, executor, optim
+from fxpar.runtime import comm, executor, optim, schedules
 from fxpar.runtime import trace as rtrace
+from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
 
 log = logging.getLogger("fxpar")
@@ -30,7 +31,8 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     world_size = devices.size() if hasattr(devices, "get_group") else (
         devices if isinstance(devices, int) else len(devices))
     resolved = resolve(plan, world_size)
-    world = rdist.setup(devices, dims=[("dp", resolved.dp)])
+    dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else [])
+    world = rdist.setup(devices, dims=dims)
     model.to(world.device)
     if world.size > 1:  # start from rank 0's weights, as DDP does
         with torch.no_grad():
@@ -42,6 +44,26 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
 
 def _to_device(batch, device):
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def _check_microbatches(n_rows, m, dp, where):
+    if n_rows % (m * dp):
+        raise BatchError(
+            f"the global batch does not split into {m} microbatches over dp={dp}: {where} has "
+            f"{n_rows} rows on dim 0, not a multiple of microbatches*dp = {m * dp}. Use a "
+            f"global batch that is a multiple of {m * dp}, or fewer microbatches.")
+
+
+def _microbatches(batch, m, dp):
+    """The global batch as m microbatches along dim 0 of every tensor leaf (0-dim leaves
+    repeat)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            _check_microbatches(x.shape[0], m, dp, f"a batch tensor of shape {tuple(x.shape)}")
+    return [torch.utils._pytree.tree_unflatten(
+        [x.chunk(m, 0)[j] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+         for x in leaves], spec) for j in range(m)]
 
 
 class ParallelModel:
@@ -64,6 +86,10 @@ class ParallelModel:
         sig = self.program.signature
         self._params = [params[n] for n in sig.param_names]
         self._zero = None
+        self._runner = self._eval_runner = None
+        if self.program.pipeline is not None:
+            self._runner = PipelineRunner(self.program, world.coordinate("pp"),
+                                          self.program.pp_group_name)
         if self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
@@ -76,23 +102,46 @@ class ParallelModel:
                                           world.coordinate("dp"), world.mesh.get_group("dp"),
                                           shard_params=self.program.params_sharded)
             self.optimizer = self._zero.optimizer
+        elif self._runner is not None:  # this rank's stages' parameters only
+            held = [self._params[i] for i in self._runner.held_params]
+            self.optimizer = optim.build(optimizer, held if not isinstance(
+                optimizer, torch.optim.Optimizer) else model)
         else:
             self.optimizer = optim.build(optimizer, model)
         self._buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
 
     def _compile(self, example_batch, joint, snapshots):
+        plan = self.plan
+        m = plan.microbatches if joint else 1
         t0 = time.perf_counter()
-        gm, sig = cap.capture(self.model, example_batch, self.loss_fn, joint=joint)
+        example = _microbatches(example_batch, m, plan.dp)[0] if m > 1 else example_batch
+        gm, sig = cap.capture(self.model, example, self.loss_fn, joint=joint)
         capture_time = time.perf_counter() - t0
+        virtual = 2 if plan.schedule == "interleaved" else 1
         ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp"},
-                          memory_budget=self._activation_budget() if joint else None)
-        gm = run_passes(gm, self.plan, ctx, role="dp", snapshots=snapshots)
-        program = ir.Program(graph=gm, signature=sig, dp=self.plan.dp,
+                          memory_budget=self._activation_budget() if joint else None,
+                          virtual_stages=virtual, device=self.world.device)
+        if m > 1 and sig.mutated_buffers:
+            raise PlanError(
+                f"microbatches={m} would update the buffers {sig.mutated_buffers[:3]} once per "
+                "microbatch (e.g. BatchNorm running statistics), which is not what one step on "
+                "the whole batch does. Use microbatches=1, or a model without batch-statistics "
+                "buffers (LayerNorm/GroupNorm).")
+        gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)
+        program = ir.Program(graph=gm, signature=sig, dp=plan.dp,
                              batch_shard_dims=ctx.batch_shard_dims,
                              group_name=ctx.group_names["dp"],
-                             zero=self.plan.zero if ctx.zero_buckets else 0,
+                             zero=plan.zero if ctx.zero_buckets else 0,
                              zero_buckets=ctx.zero_buckets, params_sharded=ctx.params_sharded)
+        if plan.pp > 1 or m > 1:
+            t1 = time.perf_counter()
+            program.pipeline = stages.split(gm, sig, plan.pp * virtual)
+            program.pp, program.microbatches = plan.pp, m
+            program.schedule = plan.schedule if joint else "gpipe"
+            program.virtual = virtual
+            program.pp_group_name = self.world.group_name("pp") if plan.pp > 1 else None
+            ctx.timings.append(("stages", time.perf_counter() - t1, len(program.pipeline.parts)))
         return program, [("capture", capture_time, None), *ctx.timings]
 
     def _activation_budget(self) -> int | None:
@@ -122,8 +171,38 @@ class ParallelModel:
             gm = self._lowered[id(program)] = comm.lower(program.graph)
         return executor.run_graph(gm, params, self._buffers, local)
 
+    def _run_pipeline(self, program, runner, batch, rec=None):
+        """All microbatches through this rank's stages; the loss on every rank."""
+        batch = _to_device(batch, self.world.device)
+        trees = _microbatches(batch, program.microbatches, program.dp) \
+            if program.microbatches > 1 else [batch]
+        mbs = [executor.local_batch(cap.flatten_batch(t, program.signature), program,
+                                    self.world.coordinate("dp"), self.world.device)
+               for t in trees]
+        loss, grads, new_bufs = runner.run(self._params, self._buffers, mbs, self.world.device,
+                                           rec)
+        if program.pp > 1:  # the last stage has the loss: every rank returns it
+            last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
+            if loss is None:
+                loss = torch.empty((), device=self.world.device)
+            dist.broadcast(loss, src=last, group=runner.group)
+        return loss, grads, new_bufs
+
     def step(self, batch) -> torch.Tensor:
         """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
+        if self._runner is not None:
+            with executor.recording(self.recorder) as rec:
+                loss, grads, new_bufs = self._run_pipeline(self.program, self._runner, batch,
+                                                           rec)
+                rec.segment("optimizer")
+                held = self._runner.held_params
+                optim.apply_gradients(self.optimizer, [self._params[i] for i in held],
+                                      [grads[i] for i in held])
+                with torch.no_grad():
+                    for buf, val in zip(self._mutated_buffers, new_bufs):
+                        if val is not None:
+                            buf.copy_(val)
+            return loss.detach()
         with executor.recording(self.recorder) as rec:
             outs = self._run(self.program, batch)
             n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
@@ -173,19 +252,46 @@ class ParallelModel:
             if self._zero is not None and self._zero.shard_params:
                 for p in self._params:
                     p.data = p.data.new_empty(0)
+        if self._eval_program.pipeline is not None:
+            if self._eval_runner is None:
+                self._eval_runner = PipelineRunner(self._eval_program, self.world.coordinate("pp"),
+                                                   self._eval_program.pp_group_name)
+            return self._run_pipeline(self._eval_program, self._eval_runner, batch)[0].detach()
         outs = self._run(self._eval_program, batch)
         return outs[0].detach()
 
     # --- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank
-        (with ZeRO-3 this all-gathers: call it on every rank)."""
+        (with ZeRO-3 or pipeline stages this gathers: call it on every rank)."""
         state = self.model.state_dict(keep_vars=True)
+        if self._runner is not None and self.plan.pp > 1:
+            return self._gather_stages(state)
         if self._zero is not None and self._zero.shard_params:
             full = dict(zip(map(id, self._params), self._zero.full_params()))
             return {k: full[id(v)] if id(v) in full else v.detach().clone()
                     for k, v in state.items()}
         return {k: v.detach().clone() for k, v in state.items()}
+
+    def _gather_stages(self, state):
+        """Each weight from the first stage that holds it (copies on other stages are equal)."""
+        r = self._runner
+        owned = {}
+        ids = {id(p): i for i, p in enumerate(self._params)}
+        bids = {id(b): j for j, b in enumerate(self._buffers)}
+        for k, v in state.items():
+            if id(v) in ids:
+                stages_ = r.p.param_stages.get(ids[id(v)], {0})
+            elif id(v) in bids:
+                stages_ = r.p.buffer_stages.get(bids[id(v)], {0})
+            else:
+                stages_ = {0}
+            if r.rank_of(min(stages_)) == r.rank:
+                owned[k] = v.detach().cpu().clone()
+        gathered = [None] * self.plan.pp
+        dist.all_gather_object(gathered, owned, group=r.group)
+        merged = {k: v for d in gathered for k, v in d.items()}
+        return {k: merged[k].to(v.device) for k, v in state.items()}
 
     def __repr__(self):
         return f"ParallelModel(plan={self.plan}, world={self.world.size})"

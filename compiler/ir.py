@@ -64,3 +64,13 @@ class Program:
     zero_buckets: list[list[int]] = dataclasses.field(default_factory=list)
     # ZeRO-3: every parameter input is this rank's slice of the flat, padded parameter
     params_sharded: bool = False
+    # Pipeline (pp > 1 or microbatches > 1): the graph cut into parts per (phase, stage)
+    # (compiler/stages.PipelineProgram), run per microbatch in the order of `schedule`
+    # (runtime/schedules.py) over the pp group; `graph` is then the whole joint graph, for
+    # pictures only. Batch leaves are split into `microbatches` along dim 0 first.
+    pipeline: Any = None
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    pp_group_name: str | None = None

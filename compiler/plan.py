@@ -69,6 +69,14 @@ class Plan:
                 f"{world_size}.")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"Plan.schedule {self.schedule!r} unknown; choose one of {SCHEDULES}.")
+        if self.pp > 1 or self.microbatches > 1:
+            from fxpar.runtime import schedules
+            try:  # e.g. interleaved needs microbatches to be a multiple of pp
+                schedules.build(self.schedule, self.pp, self.microbatches,
+                                2 if self.schedule == "interleaved" else 1)
+            except ValueError as e:
+                raise PlanError(f"Plan.schedule={self.schedule!r} with pp={self.pp}, "
+                                f"microbatches={self.microbatches}: {e}") from None
         if not (self.remat in REMATS or (isinstance(self.remat, (int, float))
                                          and not isinstance(self.remat, bool) and self.remat > 0)):
             raise PlanError(f"Plan.remat must be one of {REMATS} or a memory budget in bytes, "
@@ -87,19 +95,18 @@ class Plan:
         missing = []
         if self.tp != 1:
             missing.append(f"tp={self.tp} (tensor parallelism)")
-        if self.pp != 1:
-            missing.append(f"pp={self.pp} (pipeline parallelism)")
-        if self.microbatches != 1:
-            missing.append(f"microbatches={self.microbatches}")
+        if self.pp != 1 and self.zero:
+            missing.append(f"zero={self.zero} with pp={self.pp}")
         if self.precision != "fp32":
             missing.append(f"precision={self.precision!r}")
         if self.fuse:
             missing.append("fuse=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use tp=1, pp=1, microbatches=1, "
-                            "precision='fp32', fuse=False (data parallelism, with remat, ZeRO 1-3 "
-                            "and overlap if wanted).")
+                            " yet; use tp=1, precision='fp32', fuse=False, and ZeRO only "
+                            "without pipeline stages (data and pipeline parallelism with "
+                            "microbatches and any schedule, remat, ZeRO 1-3 and overlap are "
+                            "available).")
         return self
 
 

@@ -1,0 +1,222 @@
+"""Pipeline split: cut the joint graph into `n_stages` balanced stages, automatically.
+
+The forward nodes, in graph (topological) order, are cut into contiguous ranges. Each backward
+node goes with the forward work it differentiates: the latest forward value (or parameter) it
+reads, but never later than the backward values it reads (gradients flow from the last stage
+to the first), so every backward edge points from a stage to an earlier one. A stage's cost is
+its forward and backward compute (cost.node_time) plus the point-to-point time of the bytes
+crossing its two cuts (activation forward, its gradient backward; cost.DeviceProfile's
+alpha-beta link). The cuts minimise the slowest stage: a dynamic program over cut positions
+(the positions whose crossing bytes are at most twice the smallest, e.g. between blocks where
+only the residual stream crosses), so stages also cut where little has to be sent.
+
+Every node gets meta["stage"] and meta["pipe_phase"]: "F", "B" (or, for the zero-bubble
+schedule, "I" = what the input gradients sent to the previous stage need, "W" = the rest:
+weight gradients). Every edge between stages gets an explicit transfer node (an `aten.alias`
+with meta["transfer"] = (src stage, dst stage), placed in the consuming stage): activations
+forward, gradients backward, and values that skip stages (residual streams, a tied
+embedding's weight gradient). The runtime turns these into send/recv between the stages'
+ranks. `gm.meta["pipeline"]` records cuts, stage costs and bytes sent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from fxpar.compiler import cost, ir
+
+aten = torch.ops.aten
+PHASE = "pipe_phase"
+TRANSFER = "transfer"
+
+
+@dataclasses.dataclass
+class Split:
+    n_stages: int
+    cuts: list[str]               # the last forward node of every stage but the last
+    stage_costs: list[float]      # seconds per microbatch (compute + send/recv), by the model
+    compute: list[float]          # the compute part
+    cut_bytes: list[int]          # bytes crossing each cut (forward direction)
+    transfers: list[tuple[str, int, int]]  # (transfer node, src stage, dst stage)
+
+    @property
+    def imbalance(self) -> float:
+        """slowest stage / mean stage."""
+        return max(self.stage_costs) / (sum(self.stage_costs) / len(self.stage_costs))
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    n_stages = plan.pp * ctx.virtual_stages
+    if n_stages == 1:
+        return gm
+    split = partition(gm, n_stages, ctx.device, split_weight_grads=plan.schedule == "zero-bubble")
+    gm.meta["pipeline"] = split
+    return gm
+
+
+def _device(gm):
+    return next(n.meta[ir.VAL].device for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
+              split_weight_grads: bool = False) -> Split:
+    graph = gm.graph
+    profile = cost.DeviceProfile.for_device(device or _device(gm))
+    nodes = list(graph.nodes)
+    fwd = [n for n in nodes if n.op == "call_function" and n.meta.get(ir.REGION) != ir.BACKWARD]
+    bwd = [n for n in nodes if n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD]
+    if len(fwd) < n_stages:
+        raise _error(f"the forward has only {len(fwd)} operations, fewer than the {n_stages} "
+                     "pipeline stages asked for. Use a smaller pp.")
+    fidx = {n: i for i, n in enumerate(fwd)}
+    param_anchor = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            users = [fidx[u] for u in n.users if u in fidx]
+            if users:
+                param_anchor[n] = min(users)
+
+    # each backward node's anchor: the forward index whose stage it joins
+    anchor: dict[torch.fx.Node, int] = {}
+    for b in bwd:
+        reads = [fidx[a] for a in b.all_input_nodes if a in fidx]
+        reads += [param_anchor[a] for a in b.all_input_nodes if a in param_anchor]
+        grads_in = [anchor[a] for a in b.all_input_nodes if a in anchor]
+        a = max(reads) if reads else (min(grads_in) if grads_in else len(fwd) - 1)
+        anchor[b] = min([a] + grads_in)
+
+    # work per forward index (its forward op and the backward anchored to it)
+    work = [cost.node_time(n, profile) for n in fwd]
+    for b, a in anchor.items():
+        work[a] += cost.node_time(b, profile)
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+
+    # bytes crossing the cut after forward index i
+    cross = [0] * len(fwd)
+    for n in fwd:
+        if cost.is_view(n) and n.target is not operator.getitem:
+            continue  # a view crosses as its base does
+        uses = [fidx[u] if u in fidx else anchor.get(u, -1) for u in n.users]
+        last = max(uses, default=-1)
+        size = cost.tensor_bytes(n.meta.get(ir.VAL))
+        for i in range(fidx[n], last):
+            cross[i] += size
+
+    cuts = _min_max_cuts(prefix, cross, n_stages, profile)
+    stage_of_index = []
+    for s, (lo, hi) in enumerate(zip([0] + [c + 1 for c in cuts], cuts + [len(fwd) - 1])):
+        stage_of_index += [s] * (hi - lo + 1)
+
+    def p2p(c):
+        return 2 * (profile.alpha + cross[c] / profile.link_bandwidth)
+
+    compute = [prefix[hi + 1] - prefix[lo] for lo, hi in
+               zip([0] + [c + 1 for c in cuts], cuts + [len(fwd) - 1])]
+    costs = [compute[s] + (p2p(cuts[s - 1]) if s else 0) + (p2p(cuts[s]) if s < n_stages - 1
+                                                              else 0) for s in range(n_stages)]
+
+    for n in fwd:
+        n.meta[ir.STAGE], n.meta[PHASE] = stage_of_index[fidx[n]], "F"
+    for b in bwd:
+        b.meta[ir.STAGE], b.meta[PHASE] = stage_of_index[anchor[b]], "B"
+    _getitems_follow_producer(fwd + bwd)
+    if split_weight_grads:
+        _split_input_and_weight_grads(bwd)
+    transfers = _insert_transfers(graph)
+    return Split(n_stages, [fwd[c].name for c in cuts], costs, compute,
+                 [cross[c] for c in cuts], transfers)
+
+
+def _min_max_cuts(prefix, cross, n_stages, profile) -> list[int]:
+    """Cut positions (last forward index of each stage but the last) minimising the slowest
+    stage; among candidates whose crossing bytes are <= 2x the smallest (all if too few)."""
+    n = len(prefix) - 1
+    inner = range(n - 1)
+    floor = min(cross[i] for i in inner)
+    cand = [i for i in inner if cross[i] <= 2 * floor]
+    if len(cand) < 4 * n_stages:
+        cand = list(inner)
+    if len(cand) > 600:
+        cand = sorted(sorted(cand, key=lambda i: cross[i])[:600])
+
+    def p2p(i):
+        return 2 * (profile.alpha + cross[i] / profile.link_bandwidth)
+
+    # best[k][j]: slowest stage when the first k+1 stages end at candidate j
+    inf = float("inf")
+    best = [[inf] * len(cand) for _ in range(n_stages - 1)]
+    back = [[-1] * len(cand) for _ in range(n_stages - 1)]
+    for j, c in enumerate(cand):
+        best[0][j] = prefix[c + 1] + p2p(c)
+    for k in range(1, n_stages - 1):
+        for j, c in enumerate(cand):
+            for i in range(j):
+                b = cand[i]
+                t = max(best[k - 1][i], prefix[c + 1] - prefix[b + 1] + p2p(b) + p2p(c))
+                if t < best[k][j]:
+                    best[k][j], back[k][j] = t, i
+    last = n_stages - 2
+    total = [max(best[last][j], prefix[n] - prefix[c + 1] + p2p(c)) for j, c in enumerate(cand)]
+    j = min(range(len(cand)), key=total.__getitem__)
+    if total[j] == inf:
+        raise _error(f"cannot cut the forward into {n_stages} stages; use a smaller pp.")
+    cuts = []
+    for k in range(last, -1, -1):
+        cuts.append(cand[j])
+        j = back[k][j]
+    return cuts[::-1]
+
+
+def _getitems_follow_producer(nodes):
+    for n in nodes:
+        if n.target is operator.getitem:
+            src = n.args[0]
+            n.meta[ir.STAGE], n.meta[PHASE] = src.meta[ir.STAGE], src.meta[PHASE]
+
+
+def _split_input_and_weight_grads(bwd):
+    """Zero-bubble: in each stage's backward, the nodes that the gradients sent to earlier
+    stages need form "I"; the rest (weight gradients) "W", run later to fill bubbles."""
+    need_i = set()
+    for b in reversed(bwd):
+        s = b.meta[ir.STAGE]
+        sends_down = any(u.meta.get(ir.STAGE, s) < s for u in b.users if u.op == "call_function")
+        if sends_down or any(u in need_i for u in b.users if u.meta.get(ir.STAGE) == s):
+            need_i.add(b)
+    for b in bwd:
+        b.meta[PHASE] = "I" if b in need_i else "W"
+
+
+def _insert_transfers(graph) -> list[tuple[str, int, int]]:
+    """One transfer node per (value, consuming stage) for every edge between stages."""
+    transfers = []
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        if n.op != "call_function" or ir.STAGE not in n.meta:
+            continue
+        by_stage: dict[int, list] = {}
+        for u in list(n.users):
+            s = u.meta.get(ir.STAGE)
+            if u.op == "call_function" and s is not None and s != n.meta[ir.STAGE]:
+                by_stage.setdefault(s, []).append(u)
+        for s, users in sorted(by_stage.items()):
+            first = min(users, key=order.__getitem__)
+            with graph.inserting_before(first):
+                t = graph.call_function(aten.alias.default, (n,))
+            t.meta.update({ir.VAL: n.meta[ir.VAL], ir.MODULE: n.meta.get(ir.MODULE, ""),
+                           ir.REGION: first.meta.get(ir.REGION), ir.STAGE: s,
+                           PHASE: first.meta[PHASE], TRANSFER: (n.meta[ir.STAGE], s)})
+            for u in users:
+                u.replace_input_with(n, t)
+            transfers.append((t.name, n.meta[ir.STAGE], s))
+    return transfers
+
+
+def _error(msg):
+    from fxpar.compiler.errors import PlanError
+    return PlanError(msg)

@@ -1,0 +1,158 @@
+"""Runs one rank's pipeline stages for one training step, in its schedule's order.
+
+The schedule (runtime/schedules.py) gives this rank's compute actions: F / B (or I / W) of a
+stage on a microbatch. For each, the executor gathers the part's inputs — parameters, the
+microbatch's batch leaves, values this rank made earlier (a forward's stash waiting for its
+backward), or values another stage made, received from its rank — runs the part's graph, and
+hands each output to the parts that read it: kept locally, or sent (non-blocking `isend`) to
+the rank of each other stage that reads it, skip connections included. A receive blocks only
+when the value is needed, so sends never wait on receives and the schedule's order cannot
+deadlock (the contract runtime/schedules.simulate checks). Gradients accumulate over
+microbatches and are divided by their number (the loss of a microbatch is its mean); a
+weight read by several stages (tied embeddings) receives its summed gradient on every rank
+that holds it, so each copy takes the same optimizer step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from fxpar.runtime import comm, schedules
+from fxpar.runtime.trace import Recorder
+
+_GRAD_TAG = 1 << 24
+
+
+class PipelineRunner:
+    def __init__(self, program, pp_rank: int, pp_group_name: str | None):
+        self.p = program.pipeline
+        self.pp, self.rank, self.m = program.pp, pp_rank, program.microbatches
+        self.group = comm._group(pp_group_name) if pp_group_name else None
+        self.global_rank = [dist.get_global_rank(self.group, r) if self.group else 0
+                            for r in range(self.pp)]
+        self.actions = [a for a in schedules.build(program.schedule, self.pp, self.m,
+                                                   program.virtual)[pp_rank] if a.is_compute]
+        self.parts = {k: part for k, part in self.p.parts.items() if self.rank_of(part.stage)
+                      == pp_rank}
+        self.lowered = {k: comm.lower(part.graph) for k, part in self.parts.items()}
+        self.tag = {name: i for i, name in enumerate(sorted(self.p.producer))}
+        self.meta = {}  # value name -> (shape, dtype) for receives
+        for part in self.p.parts.values():
+            for (kind, ref), ph in zip(part.inputs, (n for n in part.graph.graph.nodes
+                                                     if n.op == "placeholder")):
+                if kind == "value":
+                    v = ph.meta["val"]
+                    self.meta[ref] = (tuple(v.shape), v.dtype)
+        self.grad_of = {name: i for i, name in enumerate(self.p.grads) if name is not None}
+        self.buffer_of = {name: j for j, name in enumerate(self.p.buffer_updates) if name}
+        self.held_params = sorted(i for i, st in self.p.param_stages.items()
+                                  if any(self.rank_of(s) == pp_rank for s in st))
+
+    def rank_of(self, stage: int) -> int:
+        return schedules.stage_to_rank(stage, self.pp)
+
+    def run(self, params, buffers, microbatches, device, rec: Recorder | None = None):
+        """One step. Returns (mean loss or None on ranks without the last stage, grads per
+        parameter (None where this rank holds no copy), buffer updates (None if not here))."""
+        store, refs, sends = {}, {}, []
+        grads: list = [None] * len(params)
+        new_bufs: list = [None] * len(self.p.buffer_updates)
+        losses = []
+        for a in self.actions:
+            key = f"{a.kind}{a.stage}"
+            part = self.parts.get(key)
+            if part is None:  # e.g. the first stage has no input-gradient (I) part
+                continue
+            mb = a.microbatch
+            args = []
+            for kind, ref in part.inputs:
+                if kind == "param":
+                    args.append(params[ref])
+                elif kind == "buffer":
+                    args.append(buffers[ref])
+                elif kind == "batch":
+                    args.append(microbatches[mb][ref])
+                else:
+                    if (ref, mb) not in store:
+                        store[(ref, mb)] = self._recv(ref, mb, device, rec)
+                        refs[(ref, mb)] = self._local_consumers(ref)
+                    args.append(store[(ref, mb)])
+                    refs[(ref, mb)] -= 1
+                    if refs[(ref, mb)] == 0:
+                        del store[(ref, mb)], refs[(ref, mb)]
+            if rec is not None:
+                rec.segment(f"{a.kind}{mb} s{a.stage}")
+            with torch.no_grad():
+                outs = self.lowered[key](*args)
+            for name, t in zip(part.outputs, outs):
+                local = self._local_consumers(name)
+                if local:
+                    store[(name, mb)], refs[(name, mb)] = t, local
+                for r in sorted({self.rank_of(self.p.parts[c].stage)
+                                 for c in self.p.consumers.get(name, [])} - {self.rank}):
+                    sends.append(self._send(t, r, self.tag[name] * self.m + mb, name, rec))
+                if name == self.p.loss:
+                    losses.append(t)
+                i = self.grad_of.get(name)
+                if i is not None:
+                    grads[i] = t.clone() if grads[i] is None else grads[i].add_(t)
+                j = self.buffer_of.get(name)
+                if j is not None:
+                    new_bufs[j] = t
+        for w in sends:
+            w.wait()
+        if self.m > 1:
+            grads = [None if g is None else g.div_(self.m) for g in grads]
+        grads = self._share_grads(grads, params, rec)
+        loss = None
+        if losses:
+            loss = losses[0] if self.m == 1 else torch.stack(losses).mean()
+        return loss, grads, new_bufs
+
+    def _local_consumers(self, name) -> int:
+        return sum(1 for c in self.p.consumers.get(name, [])
+                   if self.rank_of(self.p.parts[c].stage) == self.rank)
+
+    def _send(self, t, rank, tag, name, rec):
+        t = t.contiguous()
+        t0 = time.perf_counter()
+        w = dist.isend(t, dst=self.global_rank[rank], tag=tag)
+        if rec is not None and rec.recording:
+            rec.blocked(t0, time.perf_counter(), f"send {name}", "compute")
+        return w
+
+    def _recv(self, name, mb, device, rec):
+        shape, dtype = self.meta[name]
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        src = self.rank_of(self.p.parts[self.p.producer[name]].stage)
+        t0 = time.perf_counter()
+        dist.irecv(buf, src=self.global_rank[src], tag=self.tag[name] * self.m + mb).wait()
+        if rec is not None and rec.recording:
+            t1 = time.perf_counter()
+            rec.blocked(t0, t1, f"recv {name}", "compute")
+            rec.comm(f"recv {name}", t0, t1, buf.numel() * buf.element_size())
+        return buf
+
+    def _share_grads(self, grads, params, rec):
+        """A weight several stages read: its summed gradient goes from the rank that made it
+        to every other rank holding a copy."""
+        works = []
+        for i, stages in sorted(self.p.param_stages.items()):
+            name = self.p.grads[i] if i < len(self.p.grads) else None
+            if name is None or name not in self.p.producer:
+                continue
+            src = self.rank_of(self.p.parts[self.p.producer[name]].stage)
+            holders = {self.rank_of(s) for s in stages} - {src}
+            if self.rank == src:
+                for r in sorted(holders):
+                    works.append(dist.isend(grads[i].contiguous(), dst=self.global_rank[r],
+                                            tag=_GRAD_TAG + i))
+            elif self.rank in holders:
+                grads[i] = torch.empty_like(params[i])
+                works.append(dist.irecv(grads[i], src=self.global_rank[src], tag=_GRAD_TAG + i))
+        for w in works:
+            w.wait()
+        held = set(self.held_params)
+        return [g if i in held else None for i, g in enumerate(grads)]
