@@ -86,7 +86,7 @@ class ParallelModel:
         sig = self.program.signature
         self._params = [params[n] for n in sig.param_names]
         self._zero = None
-        self._runner = self._eval_runner = None
+        self._runner = None
         if self.program.pipeline is not None:
             self._runner = PipelineRunner(self.program, world.coordinate("pp"),
                                           self.program.pp_group_name)
@@ -104,8 +104,8 @@ class ParallelModel:
             self.optimizer = self._zero.optimizer
         elif self._runner is not None:  # this rank's stages' parameters only
             held = [self._params[i] for i in self._runner.held_params]
-            self.optimizer = optim.build(optimizer, held if not isinstance(
-                optimizer, torch.optim.Optimizer) else model)
+            self.optimizer = None if not held else optim.build(optimizer, held if not isinstance(
+                optimizer, torch.optim.Optimizer) else model)  # None: stages without weights
         else:
             self.optimizer = optim.build(optimizer, model)
         self._buffers = [buffers[n] for n in sig.buffer_names]
@@ -171,7 +171,7 @@ class ParallelModel:
             gm = self._lowered[id(program)] = comm.lower(program.graph)
         return executor.run_graph(gm, params, self._buffers, local)
 
-    def _run_pipeline(self, program, runner, batch, rec=None):
+    def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
         """All microbatches through this rank's stages; the loss on every rank."""
         batch = _to_device(batch, self.world.device)
         trees = _microbatches(batch, program.microbatches, program.dp) \
@@ -180,7 +180,7 @@ class ParallelModel:
                                     self.world.coordinate("dp"), self.world.device)
                for t in trees]
         loss, grads, new_bufs = runner.run(self._params, self._buffers, mbs, self.world.device,
-                                           rec)
+                                           rec, forward_only)
         if program.pp > 1:  # the last stage has the loss: every rank returns it
             last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
             if loss is None:
@@ -196,8 +196,9 @@ class ParallelModel:
                                                            rec)
                 rec.segment("optimizer")
                 held = self._runner.held_params
-                optim.apply_gradients(self.optimizer, [self._params[i] for i in held],
-                                      [grads[i] for i in held])
+                if self.optimizer is not None:
+                    optim.apply_gradients(self.optimizer, [self._params[i] for i in held],
+                                          [grads[i] for i in held])
                 with torch.no_grad():
                     for buf, val in zip(self._mutated_buffers, new_bufs):
                         if val is not None:
@@ -243,6 +244,10 @@ class ParallelModel:
 
     def evaluate(self, batch) -> torch.Tensor:
         """Forward only, no parameter or buffer update: the mean loss of the global batch."""
+        if self._runner is not None:
+            # the training program's forward parts: the same stages hold the same weights
+            return self._run_pipeline(self.program, self._runner, batch,
+                                      forward_only=True)[0].detach()
         if self._eval_program is None:
             if self._zero is not None and self._zero.shard_params:  # tracing needs the weights
                 with torch.no_grad():
@@ -252,11 +257,6 @@ class ParallelModel:
             if self._zero is not None and self._zero.shard_params:
                 for p in self._params:
                     p.data = p.data.new_empty(0)
-        if self._eval_program.pipeline is not None:
-            if self._eval_runner is None:
-                self._eval_runner = PipelineRunner(self._eval_program, self.world.coordinate("pp"),
-                                                   self._eval_program.pp_group_name)
-            return self._run_pipeline(self._eval_program, self._eval_runner, batch)[0].detach()
         outs = self._run(self._eval_program, batch)
         return outs[0].detach()
 

@@ -228,6 +228,17 @@ def _gather(graph, shard, dp, group, numel, shape, before):
 
 
 def _buckets(graph, grads, bucket_bytes, dp, target):
+    """Bucket index lists over `grads`; never mixing pipeline stages (a bucket is one
+    collective, run by the stage that made its gradients)."""
+    by_stage: dict = {}
+    for j, g in enumerate(grads):
+        by_stage.setdefault(g.meta.get(ir.STAGE), []).append(j)
+    if len(by_stage) > 1:
+        out = []
+        for idx in by_stage.values():
+            out += [[idx[k] for k in b] for b in _buckets(graph, [grads[j] for j in idx],
+                                                          bucket_bytes, dp, target)]
+        return out
     if bucket_bytes is not None:
         return assign_buckets(grads, bucket_bytes)
     nodes = list(graph.nodes)

@@ -127,6 +127,7 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
     _getitems_follow_producer(fwd + bwd)
     if split_weight_grads:
         _split_input_and_weight_grads(bwd)
+        _getitems_follow_producer(bwd)
     transfers = _insert_transfers(graph)
     return Split(n_stages, [fwd[c].name for c in cuts], costs, compute,
                  [cross[c] for c in cuts], transfers)
@@ -188,33 +189,69 @@ def _split_input_and_weight_grads(bwd):
         sends_down = any(u.meta.get(ir.STAGE, s) < s for u in b.users if u.op == "call_function")
         if sends_down or any(u in need_i for u in b.users if u.meta.get(ir.STAGE) == s):
             need_i.add(b)
+            if b.target is operator.getitem:  # the whole multi-output op goes with it
+                need_i.add(b.args[0])
     for b in bwd:
         b.meta[PHASE] = "I" if b in need_i else "W"
 
 
 def _insert_transfers(graph) -> list[tuple[str, int, int]]:
-    """One transfer node per (value, consuming stage) for every edge between stages."""
+    """One transfer node per (value, consuming stage) for every edge between stages. A view
+    (a slice of q/k/v, a transpose) is not sent as such: its base is, and the view ops are
+    re-made in the consuming stage, so every value there has the layout the graph was traced
+    with (later views and kernels depend on strides)."""
     transfers = []
     order = {n: i for i, n in enumerate(graph.nodes)}
+    sent: dict[tuple, torch.fx.Node] = {}
     for n in list(graph.nodes):
         if n.op != "call_function" or ir.STAGE not in n.meta:
             continue
         by_stage: dict[int, list] = {}
         for u in list(n.users):
             s = u.meta.get(ir.STAGE)
-            if u.op == "call_function" and s is not None and s != n.meta[ir.STAGE]:
+            if u.op == "call_function" and s is not None and s != n.meta[ir.STAGE] \
+                    and TRANSFER not in u.meta:
                 by_stage.setdefault(s, []).append(u)
         for s, users in sorted(by_stage.items()):
             first = min(users, key=order.__getitem__)
-            with graph.inserting_before(first):
-                t = graph.call_function(aten.alias.default, (n,))
-            t.meta.update({ir.VAL: n.meta[ir.VAL], ir.MODULE: n.meta.get(ir.MODULE, ""),
-                           ir.REGION: first.meta.get(ir.REGION), ir.STAGE: s,
-                           PHASE: first.meta[PHASE], TRANSFER: (n.meta[ir.STAGE], s)})
+            chain = _view_chain(n)
+            base = chain[0]
+            if (base, s) not in sent:
+                with graph.inserting_before(first):
+                    t = graph.call_function(aten.alias.default, (base,))
+                t.meta.update({ir.VAL: base.meta[ir.VAL], ir.MODULE: base.meta.get(ir.MODULE, ""),
+                               ir.REGION: first.meta.get(ir.REGION), ir.STAGE: s,
+                               PHASE: first.meta[PHASE], TRANSFER: (base.meta[ir.STAGE], s)})
+                sent[(base, s)] = t
+                order[t] = order[first] - 0.5
+                transfers.append((t.name, base.meta[ir.STAGE], s))
+            value = sent[(base, s)]
+            if order.get(value, -1) > order[first] or value not in order:
+                first.prepend(value)  # an earlier user of the same base in this stage
+                order[value] = order[first] - 0.5
+            env = {base: value}
+            for v in chain[1:]:
+                with graph.inserting_before(first):
+                    copy = graph.node_copy(v, lambda a: env.get(a, a))
+                copy.meta.update({ir.STAGE: s, PHASE: first.meta[PHASE],
+                                  ir.REGION: first.meta.get(ir.REGION)})
+                env[v] = copy
+                value = copy
             for u in users:
-                u.replace_input_with(n, t)
-            transfers.append((t.name, n.meta[ir.STAGE], s))
+                u.replace_input_with(n, value)
     return transfers
+
+
+def _view_chain(n) -> list:
+    """[base, view, view, ..., n]: n's chain of view ops back to the value owning its memory,
+    within n's stage (just [n] if n is not a view)."""
+    chain = [n]
+    while (cost.is_view(chain[0]) and chain[0].all_input_nodes
+           and isinstance(chain[0].args[0], torch.fx.Node)
+           and chain[0].args[0].meta.get(ir.STAGE) == n.meta[ir.STAGE]
+           and chain[0].args[0].op == "call_function"):
+        chain.insert(0, chain[0].args[0])
+    return chain
 
 
 def _error(msg):

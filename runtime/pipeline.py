@@ -17,12 +17,24 @@ from __future__ import annotations
 import time
 
 import torch
+import torch._prims_common
 import torch.distributed as dist
 
 from fxpar.runtime import comm, schedules
 from fxpar.runtime.trace import Recorder
 
 _GRAD_TAG = 1 << 24
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire: a dense tensor's memory as one flat contiguous vector, so a value
+    keeps the layout (strides) the graph was traced with (later views depend on it); anything
+    else, contiguous."""
+    if t.is_contiguous():
+        return t
+    if torch._prims_common.is_non_overlapping_and_dense_or_false(t):
+        return t.as_strided((t.numel(),), (1,), t.storage_offset())
+    return t.contiguous()
 
 
 class PipelineRunner:
@@ -44,23 +56,34 @@ class PipelineRunner:
                                                      if n.op == "placeholder")):
                 if kind == "value":
                     v = ph.meta["val"]
-                    self.meta[ref] = (tuple(v.shape), v.dtype)
+                    dense = torch._prims_common.is_non_overlapping_and_dense_or_false(v)
+                    self.meta[ref] = (tuple(v.shape), v.dtype,
+                                      tuple(v.stride()) if dense else None)
         self.grad_of = {name: i for i, name in enumerate(self.p.grads) if name is not None}
         self.buffer_of = {name: j for j, name in enumerate(self.p.buffer_updates) if name}
+        self._forward_only = False
         self.held_params = sorted(i for i, st in self.p.param_stages.items()
                                   if any(self.rank_of(s) == pp_rank for s in st))
 
     def rank_of(self, stage: int) -> int:
         return schedules.stage_to_rank(stage, self.pp)
 
-    def run(self, params, buffers, microbatches, device, rec: Recorder | None = None):
+    def run(self, params, buffers, microbatches, device, rec: Recorder | None = None,
+            forward_only: bool = False):
         """One step. Returns (mean loss or None on ranks without the last stage, grads per
-        parameter (None where this rank holds no copy), buffer updates (None if not here))."""
+        parameter (None where this rank holds no copy), buffer updates (None if not here)).
+        forward_only: the forward parts alone, every microbatch (evaluation: same stages and
+        weights as training, nothing kept for a backward)."""
         store, refs, sends = {}, {}, []
         grads: list = [None] * len(params)
         new_bufs: list = [None] * len(self.p.buffer_updates)
         losses = []
-        for a in self.actions:
+        actions = self.actions
+        self._forward_only = forward_only
+        if forward_only:
+            mine = sorted({p.stage for p in self.parts.values()})
+            actions = [schedules.Action("F", s, mb) for s in mine for mb in range(self.m)]
+        for a in actions:
             key = f"{a.kind}{a.stage}"
             part = self.parts.get(key)
             if part is None:  # e.g. the first stage has no input-gradient (I) part
@@ -84,25 +107,31 @@ class PipelineRunner:
                         del store[(ref, mb)], refs[(ref, mb)]
             if rec is not None:
                 rec.segment(f"{a.kind}{mb} s{a.stage}")
-            with torch.no_grad():
-                outs = self.lowered[key](*args)
+            try:
+                with torch.no_grad():
+                    outs = self.lowered[key](*args)
+            except RuntimeError as e:
+                raise RuntimeError(f"pipeline stage {a.stage} ({a.kind}), microbatch {mb}, on "
+                                   f"pp rank {self.rank}: {e}") from e
             for name, t in zip(part.outputs, outs):
                 local = self._local_consumers(name)
                 if local:
                     store[(name, mb)], refs[(name, mb)] = t, local
                 for r in sorted({self.rank_of(self.p.parts[c].stage)
-                                 for c in self.p.consumers.get(name, [])} - {self.rank}):
+                                 for c in self._consumers(name)} - {self.rank}):
                     sends.append(self._send(t, r, self.tag[name] * self.m + mb, name, rec))
                 if name == self.p.loss:
                     losses.append(t)
-                i = self.grad_of.get(name)
+                i = None if forward_only else self.grad_of.get(name)
                 if i is not None:
                     grads[i] = t.clone() if grads[i] is None else grads[i].add_(t)
-                j = self.buffer_of.get(name)
+                j = None if forward_only else self.buffer_of.get(name)
                 if j is not None:
                     new_bufs[j] = t
         for w in sends:
             w.wait()
+        if forward_only:
+            return (None if not losses else torch.stack(losses).mean()), None, None
         if self.m > 1:
             grads = [None if g is None else g.div_(self.m) for g in grads]
         grads = self._share_grads(grads, params, rec)
@@ -111,24 +140,32 @@ class PipelineRunner:
             loss = losses[0] if self.m == 1 else torch.stack(losses).mean()
         return loss, grads, new_bufs
 
+    def _consumers(self, name) -> list[str]:
+        cs = self.p.consumers.get(name, [])
+        return [c for c in cs if c[0] == "F"] if self._forward_only else cs
+
     def _local_consumers(self, name) -> int:
-        return sum(1 for c in self.p.consumers.get(name, [])
+        return sum(1 for c in self._consumers(name)
                    if self.rank_of(self.p.parts[c].stage) == self.rank)
 
     def _send(self, t, rank, tag, name, rec):
-        t = t.contiguous()
+        shape, dtype, stride = self.meta[name]
+        if stride is not None and t.stride() != stride:
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=t.device).copy_(t)
         t0 = time.perf_counter()
-        w = dist.isend(t, dst=self.global_rank[rank], tag=tag)
+        w = dist.isend(_wire(t), dst=self.global_rank[rank], tag=tag)
         if rec is not None and rec.recording:
             rec.blocked(t0, time.perf_counter(), f"send {name}", "compute")
         return w
 
     def _recv(self, name, mb, device, rec):
-        shape, dtype = self.meta[name]
-        buf = torch.empty(shape, dtype=dtype, device=device)
+        shape, dtype, stride = self.meta[name]
+        buf = torch.empty(shape, dtype=dtype, device=device) if stride is None else \
+            torch.empty_strided(shape, stride, dtype=dtype, device=device)
         src = self.rank_of(self.p.parts[self.p.producer[name]].stage)
         t0 = time.perf_counter()
-        dist.irecv(buf, src=self.global_rank[src], tag=self.tag[name] * self.m + mb).wait()
+        dist.irecv(_wire(buf), src=self.global_rank[src],
+                   tag=self.tag[name] * self.m + mb).wait()
         if rec is not None and rec.recording:
             t1 = time.perf_counter()
             rec.blocked(t0, t1, f"recv {name}", "compute")
