@@ -122,6 +122,17 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
 
     for n in fwd:
         n.meta[ir.STAGE], n.meta[PHASE] = stage_of_index[fidx[n]], "F"
+    # work on parameters alone (a weight's transpose) goes where it is used, not sent there
+    weight_only = set()
+    for n in fwd:
+        if all(a.op == "placeholder" and a.meta.get(ir.ROLE) in ("param", "buffer")
+               or a in weight_only for a in n.all_input_nodes):
+            weight_only.add(n)
+    for n in reversed(fwd):
+        if n in weight_only:
+            users = [u.meta[ir.STAGE] for u in n.users if u in fidx]
+            if users:
+                n.meta[ir.STAGE] = min(users)
     for b in bwd:
         b.meta[ir.STAGE], b.meta[PHASE] = stage_of_index[anchor[b]], "B"
     _getitems_follow_producer(fwd + bwd)
@@ -249,7 +260,8 @@ def _view_chain(n) -> list:
     while (cost.is_view(chain[0]) and chain[0].all_input_nodes
            and isinstance(chain[0].args[0], torch.fx.Node)
            and chain[0].args[0].meta.get(ir.STAGE) == n.meta[ir.STAGE]
-           and chain[0].args[0].op == "call_function"):
+           and chain[0].args[0].op == "call_function"
+           and isinstance(chain[0].args[0].meta.get(ir.VAL), torch.Tensor)):
         chain.insert(0, chain[0].args[0])
     return chain
 

@@ -311,8 +311,8 @@ def rewrite(gm: torch.fx.GraphModule, recomputed: set) -> list[torch.fx.Node]:
         return copies[n]
 
     for b in [n for n in graph.nodes if _region(n) == ir.BACKWARD]:
-        if b.meta.get(ir.RECOMPUTE):
-            continue
+        if b.meta.get(ir.RECOMPUTE) or b.op == "output":
+            continue  # the step's outputs (loss, buffer updates) are the forward's own values
         if any(a in recomputed for a in b.all_input_nodes):
             b.args, b.kwargs = torch.fx.node.map_arg((b.args, b.kwargs),
                                                      lambda a: ensure(a, b))

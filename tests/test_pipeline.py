@@ -1,0 +1,235 @@
+"""Pipeline split on small graphs (where stages cut, balance, transfers, tied weights, skip
+connections), the parts each rank runs, and — in one process — that running the parts in
+pipeline order computes exactly what the unsplit graph does."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpar.compiler import ir, stages
+from fxpar.compiler.capture import capture, flatten_batch
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.plan import resolve
+from fxpar.examples import models as M
+from fxpar.passes import pipeline_split
+from fxpar.passes.pipeline_split import PHASE, TRANSFER
+
+
+def compile_pp(model, batch, pp, **plan):
+    gm, sig = capture(model, batch)
+    virtual = 2 if plan.get("schedule") == "interleaved" else 1
+    ctx = PassContext(signature=sig, group_names={"dp": "g"}, virtual_stages=virtual)
+    p = resolve({"pp": pp, "dp": 1, **plan}, pp)
+    gm = run_passes(gm, p, ctx, "pp", {})
+    return gm, sig, stages.split(gm, sig, pp * virtual)
+
+
+def run_parts(prog, model, sig, batch):
+    """All parts in pipeline order in this process: F0..Fn-1, then Bn-1..B0 (I before W)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params = [params[k] for k in sig.param_names]
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    buffers = [buffers[k] for k in sig.buffer_names]
+    leaves = flatten_batch(batch, sig)
+    rank = {"F": 0, "B": 1, "I": 1, "W": 2}
+    order = sorted(prog.parts, key=lambda k: (k[0] != "F", (1 if k[0] == "F" else -1) *
+                                              int(k[1:]), rank[k[0]]))
+    store = {}
+    for k in order:
+        part = prog.parts[k]
+        args = [params[r] if t == "param" else buffers[r] if t == "buffer" else
+                leaves[r] if t == "batch" else store[r] for t, r in part.inputs]
+        with torch.no_grad():
+            store.update(zip(part.outputs, part.graph(*args)))
+    return store[prog.loss], [store.get(g) if g else None for g in prog.grads]
+
+
+def eager(model, batch):
+    model.zero_grad()
+    loss = model(batch)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+CFG8 = M.GPTConfig(vocab_size=128, block_size=16, n_layer=8, n_head=2, n_embd=32)
+
+
+def _stage_of_blocks(gm):
+    """stage of each transformer block's attention matmul (from the module path)."""
+    out = {}
+    for n in gm.graph.nodes:
+        mod = n.meta.get(ir.MODULE, "")
+        if n.meta.get(PHASE) == "F" and ".attn.c_attn" in mod:
+            out[int(mod.split(".")[1])] = n.meta[ir.STAGE]
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_gpt_stages_are_contiguous_balanced_and_cut_between_blocks(pp):
+    model = M.GPT(CFG8)
+    gm, sig, prog = compile_pp(model, M.gpt_batch(CFG8, 4), pp)
+    split = gm.meta["pipeline"]
+    assert split.n_stages == pp and len(split.cuts) == pp - 1
+    assert split.imbalance <= 1.05, split.stage_costs
+    # forward stages are non-decreasing along the graph; every node has a stage and a phase
+    fwd = [n.meta[ir.STAGE] for n in gm.graph.nodes if n.meta.get(PHASE) == "F"]
+    assert fwd == sorted(fwd) and set(fwd) == set(range(pp))
+    blocks = _stage_of_blocks(gm)
+    assert list(blocks.values()) == sorted(blocks.values())
+    # every cut sends about one residual stream (B*T*C floats), not q/k/v or the MLP hidden
+    residual = 4 * CFG8.block_size * CFG8.n_embd * 4
+    assert all(b <= 2 * residual for b in split.cut_bytes), split.cut_bytes
+    # backward edges only go to earlier stages; forward edges only to later ones
+    for n in gm.graph.nodes:
+        for u in n.users:
+            if ir.STAGE in n.meta and ir.STAGE in u.meta and n.meta[PHASE] != "F" \
+                    and u.meta[PHASE] != "F":
+                assert u.meta[ir.STAGE] <= n.meta[ir.STAGE]
+            if n.meta.get(PHASE) == "F" and u.meta.get(PHASE) == "F":
+                assert u.meta[ir.STAGE] >= n.meta[ir.STAGE]
+
+
+class HeavyHead(nn.Module):
+    """Cheap blocks and an expensive output projection: balance must not split evenly by
+    layer count."""
+
+    def __init__(self, width=32, n=6, vocab=2048):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, batch):
+        x, y = batch
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_heavy_head_gets_a_stage_of_its_own():
+    model = HeavyHead()
+    batch = (torch.randn(64, 32), torch.randint(0, 2048, (64,)))
+    gm, sig, prog = compile_pp(model, batch, 2)
+    split = gm.meta["pipeline"]
+    head_stage = {n.meta[ir.STAGE] for n in gm.graph.nodes
+                  if n.meta.get(ir.MODULE) == "head" and n.meta.get(PHASE) == "F"}
+    block_stages = {n.meta[ir.STAGE] for n in gm.graph.nodes
+                    if n.meta.get(ir.MODULE, "").startswith("blocks") and n.meta.get(PHASE) == "F"}
+    assert head_stage == {1} and block_stages == {0}   # all 6 blocks together before the head
+    assert split.compute[1] > split.compute[0]          # the head alone outweighs six blocks
+
+
+class Skip(nn.Module):
+    """The first layer's output feeds the loss directly: a value that skips stages."""
+
+    def __init__(self, width=256):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, batch):
+        x, y = batch
+        h = first = torch.relu(self.layers[0](x))
+        for lin in self.layers[1:]:
+            h = torch.relu(lin(h))
+        return F.mse_loss(h + first, y)
+
+
+def test_skip_connection_is_sent_from_first_to_last_stage():
+    model = Skip()  # big enough that compute, not per-message latency, decides the cuts
+    batch = (torch.randn(128, 256), torch.randn(128, 256))
+    gm, sig, prog = compile_pp(model, batch, 4)
+    transfers = gm.meta["pipeline"].transfers
+    # layers.0's output goes from stage 0 to stage 3 directly, and its gradient back
+    assert (0, 3) in {(src, dst) for _, src, dst in transfers}
+    assert (3, 0) in {(src, dst) for _, src, dst in transfers}
+    loss, grads = run_parts(prog, model, sig, batch)
+    ref_loss, ref_grads = eager(model, batch)
+    torch.testing.assert_close(loss, ref_loss)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_transfers_pair_up_between_parts_with_matching_shape_and_dtype():
+    model = M.GPT(CFG8)
+    gm, sig, prog = compile_pp(model, M.gpt_batch(CFG8, 4), 4)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, src, dst in gm.meta["pipeline"].transfers:
+        t = nodes[name]
+        assert t.meta[TRANSFER] == (src, dst) and t.meta[ir.STAGE] == dst != src
+        base = t.args[0]
+        assert base.meta[ir.STAGE] == src
+        # producer part outputs it, a part of the consuming stage takes it as an input
+        assert prog.producer[base.name][1:] == str(src)
+        consumers = prog.consumers[base.name]
+        assert any(prog.parts[c].stage == dst for c in consumers)
+        for c in consumers:
+            part = prog.parts[c]
+            ph = [n for n in part.graph.graph.nodes if n.op == "placeholder"]
+            v = ph[part.inputs.index(("value", base.name))].meta[ir.VAL]
+            assert v.shape == base.meta[ir.VAL].shape and v.dtype == base.meta[ir.VAL].dtype
+
+
+def test_tied_embedding_is_held_by_first_and_last_stage():
+    model = M.GPT(CFG8)  # lm_head.weight is transformer.wte.weight
+    gm, sig, prog = compile_pp(model, M.gpt_batch(CFG8, 4), 2)
+    i = sig.param_names.index(next(n for n in sig.param_names if "wte" in n))
+    assert prog.param_stages[i] == {0, 1}
+    loss, grads = run_parts(prog, model, sig, M.gpt_batch(CFG8, 4))
+    ref_loss, ref_grads = eager(model, M.gpt_batch(CFG8, 4))
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grads[i], ref_grads[i])   # both uses' gradients summed
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
+def test_parts_in_pipeline_order_equal_the_unsplit_step(schedule):
+    model = M.GPT(CFG8)
+    batch = M.gpt_batch(CFG8, 4)
+    gm, sig, prog = compile_pp(model, batch, 2, schedule=schedule, microbatches=2)
+    phases = {p.phase for p in prog.parts.values()}
+    assert phases == ({"F", "I", "W"} if schedule == "zero-bubble" else {"F", "B"})
+    assert prog.n_stages == (4 if schedule == "interleaved" else 2)
+    loss, grads = run_parts(prog, model, sig, batch)
+    ref_loss, ref_grads = eager(model, batch)
+    torch.testing.assert_close(loss, ref_loss)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_zero_bubble_weight_grads_are_separate_from_input_grads():
+    gm, sig, prog = compile_pp(M.GPT(CFG8), M.gpt_batch(CFG8, 4), 2, schedule="zero-bubble")
+    # W parts produce weight gradients and send nothing to earlier stages
+    for k, part in prog.parts.items():
+        if part.phase == "W":
+            for name in part.outputs:
+                assert all(prog.parts[c].stage == part.stage for c in prog.consumers.get(name, []))
+    assert any(g and prog.producer[g][0] == "W" for g in prog.grads)
+
+
+def test_too_many_stages_is_a_clear_error():
+    with pytest.raises(PlanError, match="pipeline stages"):
+        compile_pp(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), 64)
+
+
+def test_balance_on_twelve_blocks():
+    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=12, n_head=2, n_embd=32)
+    gm, *_ = compile_pp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)
+    assert gm.meta["pipeline"].imbalance <= 1.05
+
+
+def test_partition_direct_min_max():
+    """The cut search on a synthetic prefix: the optimum of a brute force."""
+    import itertools
+    w = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    prefix = [0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    cross = [0] * len(w)
+    prof = type("P", (), {"alpha": 0.0, "link_bandwidth": 1.0})()
+    cuts = pipeline_split._min_max_cuts(prefix, cross, 3, prof)
+
+    def worst(cs):
+        bounds = [0] + [c + 1 for c in cs] + [len(w)]
+        return max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:]))
+    best = min(worst(c) for c in itertools.combinations(range(len(w) - 1), 2))
+    assert worst(cuts) == best
