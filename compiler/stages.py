@@ -93,6 +93,8 @@ def split(gm: torch.fx.GraphModule, signature: ir.GraphSignature, n_stages: int)
     for n in graph.nodes:
         if n in key:
             for a in n.all_input_nodes:
+                if a.op == "get_attr":  # a constant: each part reads it from the module
+                    continue
                 if (a.op == "placeholder" or key[a] != key[n]) and a not in ext[key[n]]:
                     ext[key[n]].append(a)
     consumers: dict[str, list[str]] = {}
@@ -110,10 +112,16 @@ def split(gm: torch.fx.GraphModule, signature: ir.GraphSignature, n_stages: int)
             ph.meta = dict(a.meta)
             env[k][a] = ph
             inputs[k].append(source[a] if a.op == "placeholder" else ("value", a.name))
+    def lookup(a, k):
+        if a not in env[k] and a.op == "get_attr":
+            env[k][a] = graphs[k].get_attr(a.target)
+            env[k][a].meta = dict(a.meta)
+        return env[k][a]
+
     for n in graph.nodes:
         if n in key:
             k = key[n]
-            env[k][n] = graphs[k].node_copy(n, lambda a, k=k: env[k][a])
+            env[k][n] = graphs[k].node_copy(n, lambda a, k=k: lookup(a, k))
     step_outputs = {a for a in out_node.all_input_nodes}
     parts, producer = {}, {}
     for k in keys:

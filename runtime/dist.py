@@ -28,11 +28,15 @@ class World:
     device: torch.device
     mesh: Any = None  # torch DeviceMesh when size > 1
 
+    def _has(self, dim: str) -> bool:
+        return self.mesh is not None and dim in (self.mesh.mesh_dim_names or ())
+
     def group_name(self, dim: str) -> str | None:
-        return None if self.mesh is None else self.mesh.get_group(dim).group_name
+        return self.mesh.get_group(dim).group_name if self._has(dim) else None
 
     def coordinate(self, dim: str) -> int:
-        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+        """This rank's index along mesh dim `dim` (0 for a dim the mesh does not have)."""
+        return self.mesh.get_local_rank(dim) if self._has(dim) else 0
 
 
 def _device_type(devices) -> str:
