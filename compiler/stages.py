@@ -50,6 +50,13 @@ class PipelineProgram:
         return [k for k, p in self.parts.items() if p.stage == stage]
 
 
+def run_order(key: str) -> tuple:
+    """Order in which a rank's parts of one microbatch run: forwards by stage, then
+    backwards from the last stage, input gradients (I) before weight gradients (W)."""
+    phase, stage = key[0], int(key[1:])
+    return (0, stage, 0) if phase == "F" else (1, -stage, 1 if phase == "W" else 0)
+
+
 def part_key(node: torch.fx.Node) -> str:
     return f"{node.meta[PHASE]}{node.meta[ir.STAGE]}"
 
@@ -65,10 +72,10 @@ def _fill_keys(graph: torch.fx.Graph, n_stages: int) -> dict[torch.fx.Node, str]
             key[n] = part_key(n)
         elif n_stages == 1 and n.meta.get(ir.REGION) in (ir.FORWARD, ir.BACKWARD):
             key[n] = "B0" if n.meta[ir.REGION] == ir.BACKWARD else "F0"
-        else:
-            k = next((key[a] for a in n.all_input_nodes if a in key), None)
-            if k is not None:
-                key[n] = k
+        else:  # the part, among its inputs', that runs last
+            ks = [key[a] for a in n.all_input_nodes if a in key]
+            if ks:
+                key[n] = max(ks, key=run_order)
     for n in reversed(calls):
         if n not in key:
             k = next((key[u] for u in n.users if u in key), None)

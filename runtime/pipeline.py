@@ -163,6 +163,9 @@ class PipelineRunner:
         buf = torch.empty(shape, dtype=dtype, device=device) if stride is None else \
             torch.empty_strided(shape, stride, dtype=dtype, device=device)
         src = self.rank_of(self.p.parts[self.p.producer[name]].stage)
+        if src == self.rank:
+            raise RuntimeError(f"fxpar bug: value {name} (microbatch {mb}) is read on pp rank "
+                               f"{self.rank} before the part making it ran; please report it")
         t0 = time.perf_counter()
         dist.irecv(_wire(buf), src=self.global_rank[src],
                    tag=self.tag[name] * self.m + mb).wait()
