@@ -147,3 +147,37 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 def write_chrome_trace(path: str, events: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def last_step_actions(events: list[dict]) -> dict[tuple, float]:
+    """(kind, stage, microbatch) -> seconds, of every stage computation in the last step."""
+    import re
+    starts = {}
+    for e in events:
+        if e.get("cat") == "step":
+            starts[e["pid"]] = max(starts.get(e["pid"], e["ts"]), e["ts"])
+    out = {}
+    for e in events:
+        m = re.match(r"([FBIW])(\d+) s(\d+)$", e["name"]) if e.get("cat") == COMPUTE else None
+        if m and e["ts"] >= starts[e["pid"]]:
+            out[(m[1], int(m[3]), int(m[2]))] = e["dur"] / 1e6
+    return out
+
+
+def pipeline_bubble(events: list[dict]) -> float:
+    """Idle fraction of the last step's pipeline, from a Chrome trace's events (all ranks):
+    1 - (time in stage computations F/B/I/W, summed over ranks) / (ranks x span), the span
+    running from the earliest rank's step start to the latest end of a stage computation —
+    the quantity (p-1)/(m+p-1) predicts for GPipe and 1F1B with equal stages."""
+    import re
+    steps = {}
+    for e in events:
+        if e.get("cat") == "step":
+            if e["pid"] not in steps or e["ts"] > steps[e["pid"]]["ts"]:
+                steps[e["pid"]] = e
+    start = min(e["ts"] for e in steps.values())
+    work = [e for e in events if e.get("cat") == COMPUTE and e["ts"] >= start
+            and re.match(r"[FBIW]\d+ s\d+$", e["name"])]
+    end = max(e["ts"] + e["dur"] for e in work)
+    busy = sum(e["dur"] for e in work)
+    return 1 - busy / (len(steps) * (end - start))

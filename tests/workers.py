@@ -191,3 +191,52 @@ def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8):
         if overlap:
             pm.trace(trace_path)
     return out
+
+
+class MatChain(torch.nn.Module):
+    """8 equal matmul layers: stage times the roofline model predicts well on a CPU."""
+
+    def __init__(self, n=8, width=512):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False)
+                                          for _ in range(n))
+
+    def forward(self, batch):
+        x, y = batch
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatches=4, steps=4):
+    """pp = world, equal stages (DeepMLP, wide blocks): the idle fraction of the last step
+    measured from the trace, per schedule."""
+    import torch.distributed as dist
+    from fxpar.runtime.trace import pipeline_bubble
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    batch = (torch.randn(512, 512), torch.randn(512, 512))
+    out = {}
+    for schedule in schedules:
+        model = MatChain()
+        pm = fxpar.parallelize(model, world, example_batch=batch, optimizer=OPTIMIZERS["sgd"],
+                               plan={"pp": world, "microbatches": microbatches,
+                                     "schedule": schedule})
+        for _ in range(steps):
+            dist.barrier()
+            pm.step(batch)
+        path = os.path.join(trace_dir, f"{schedule}.json")
+        pm.trace(path)
+        dist.barrier()
+        import json
+        from fxpar.runtime import schedules
+        from fxpar.runtime.trace import last_step_actions
+        events = json.load(open(path))["traceEvents"]
+        took = last_step_actions(events)
+        sim = schedules.simulate(schedules.build(schedule, world, microbatches),
+                                 lambda a: took.get((a.kind, a.stage, a.microbatch), 0.0))
+        out[schedule] = {"measured": pipeline_bubble(events), "simulated": sim.bubble_fraction,
+                         "imbalance": pm.stage_graphs["pipeline_split"]["dp"].meta[
+                             "pipeline"].imbalance}
+    return out

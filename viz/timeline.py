@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
-COLORS = {"forward": "#7fb3e6", "backward": "#f5a35c", "optimizer": "#9bd39b",
-          "blocked": "#d62728", "comm": "#8c564b"}
+COLORS = {"forward": "#7fb3e6", "backward": "#f5a35c", "weight grad": "#f7d08a",
+          "optimizer": "#9bd39b", "blocked": "#d62728", "comm": "#8c564b"}
+# pipeline actions are named "F3 s1" (forward of microbatch 3 on stage 1), "B..", "I..", "W.."
+_ACTION = {"F": "forward", "B": "backward", "I": "backward", "W": "weight grad"}
 
 
 def _color(e) -> str:
@@ -14,7 +16,10 @@ def _color(e) -> str:
         return COLORS["comm"]
     if e.get("args", {}).get("blocked_on"):
         return COLORS["blocked"]
-    return COLORS.get(e["name"], "#cccccc")
+    name = e["name"]
+    if name[:1] in _ACTION and " s" in name:
+        return COLORS[_ACTION[name[0]]]
+    return COLORS.get(name, "#cccccc")
 
 
 def plot_timeline(trace_path: str, path: str, last_steps: int = 2) -> str:
