@@ -27,16 +27,24 @@ def _example(name: str):
 
 def cmd_viz(args):
     """Compile an example for a plan (no processes needed) and write one SVG per pass."""
+    import torch
     from fxpar.compiler.capture import capture
     from fxpar.compiler.passes import PassContext, run_passes
     from fxpar.compiler.plan import resolve
     from fxpar.viz.graph import summary, write_snapshots
     model, batch_fn = _example(args.example)
-    gm, sig = capture(model, batch_fn(args.batch))
+    batch = batch_fn(args.batch)
+    if args.microbatches > 1:  # the graph of one microbatch, as parallelize traces it
+        batch = torch.utils._pytree.tree_map(
+            lambda t: t.chunk(args.microbatches)[0] if isinstance(t, torch.Tensor) else t, batch)
+    gm, sig = capture(model, batch)
     snaps = {}
-    ctx = PassContext(signature=sig, group_names={"dp": "dp"})
+    ctx = PassContext(signature=sig, group_names={"dp": "dp"},
+                      virtual_stages=2 if args.schedule == "interleaved" else 1)
     remat = int(args.remat) if args.remat.isdigit() else args.remat
-    plan = resolve({"dp": args.dp, "remat": remat, "zero": args.zero}, args.dp)
+    plan = resolve({"dp": args.dp, "pp": args.pp, "remat": remat, "zero": args.zero,
+                    "microbatches": args.microbatches, "schedule": args.schedule},
+                   args.dp * args.pp)
     gm = run_passes(gm, plan, ctx, "dp", snaps)
     for p in write_snapshots(snaps, args.out):
         print(p)
@@ -69,6 +77,10 @@ def main(argv=None):
     v.add_argument("--out", default=os.path.join("out", "viz"))
     v.add_argument("--remat", default="none", help='"none" | "sqrt" | "auto" | budget bytes')
     v.add_argument("--zero", type=int, default=0, help="ZeRO stage 0..3")
+    v.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    v.add_argument("--microbatches", type=int, default=1)
+    v.add_argument("--schedule", default="1f1b",
+                   help="gpipe | 1f1b | interleaved | zero-bubble")
     v.set_defaults(fn=cmd_viz)
     args = ap.parse_args(argv)
     args.fn(args)

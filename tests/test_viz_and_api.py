@@ -2,10 +2,12 @@
 import copy
 import os
 
+import pytest
 import torch
 
 import fxpar
 from fxpar.compiler.capture import capture
+from fxpar.compiler.errors import PlanError
 from fxpar.compiler.passes import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.examples import models as M
@@ -107,3 +109,21 @@ def test_cli_viz_zero3_shows_gathers_and_reduce_scatters(tmp_path):
     main(["viz", "--example", "mlp", "--dp", "2", "--zero", "3", "--out", str(tmp_path)])
     svg = open(tmp_path / "01_data_parallel_dp.svg").read()
     assert "all_gather_into_tensor" in svg and "reduce_scatter_tensor" in svg
+
+
+def test_cli_viz_pipeline_colours_stages_and_shows_transfers(tmp_path):
+    from fxpar.__main__ import main
+    from fxpar.viz.graph import STAGE_COLORS
+    main(["viz", "--example", "gpt", "--dp", "1", "--pp", "2", "--microbatches", "2",
+          "--schedule", "zero-bubble", "--out", str(tmp_path)])
+    svg = open(tmp_path / "01_pipeline_split_dp.svg").read()
+    assert "send s0 &#45;&gt; recv s1" in svg and "send s1 &#45;&gt; recv s0" in svg
+    assert STAGE_COLORS[0] in svg and STAGE_COLORS[1] in svg
+    assert "[W1]" in svg and "[I1]" in svg and "[F0]" in svg
+
+
+def test_plan_errors_for_pipeline():
+    with pytest.raises(PlanError, match="multiple of pp"):
+        resolve({"pp": 2, "dp": 1, "schedule": "interleaved", "microbatches": 3}, 2)
+    with pytest.raises(PlanError, match="zero=1 with pp=2"):
+        resolve({"pp": 2, "dp": 1, "zero": 1}, 2)

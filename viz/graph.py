@@ -17,6 +17,11 @@ SAVED_BORDER = "#1f4fd6"      # forward values kept for the backward (thick blue
 COLLECTIVE_PREFIXES = ("_c10d_functional.", "c10d_functional.", "fxpar.")
 
 
+# one colour per pipeline stage (forward and backward of a stage share it)
+STAGE_COLORS = ["#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#fb9a99", "#ffff99", "#8dd3c7",
+                "#bebada"]
+
+
 def is_collective(n: torch.fx.Node) -> bool:
     return n.op == "call_function" and str(n.target).startswith(COLLECTIVE_PREFIXES)
 
@@ -40,6 +45,11 @@ def _label(n: torch.fx.Node) -> str:
         title += " (recompute)"
     elif n.meta.get("saved"):
         title += " [saved]"
+    if "transfer" in n.meta:  # a pipeline stage boundary
+        src, dst = n.meta["transfer"]
+        title = f"send s{src} -> recv s{dst}"
+    elif ir.STAGE in n.meta and "pipe_phase" in n.meta:
+        title += f" [{n.meta['pipe_phase']}{n.meta[ir.STAGE]}]"
     if n.meta.get("moved"):  # set by the overlap pass
         title += f" ({n.meta['moved']})"
     parts = [f"<b>{html.escape(title)}</b>"]
@@ -76,6 +86,12 @@ def to_dot(gm: torch.fx.GraphModule, title: str = ""):
             attrs.update(fillcolor=RECOMPUTE_COLOR, style="rounded,filled,dashed")
         if n.meta.get("saved"):
             attrs.update(penwidth="3", color=SAVED_BORDER)
+        if ir.STAGE in n.meta and not is_collective(n):  # pipeline: colour by stage
+            attrs["fillcolor"] = STAGE_COLORS[n.meta[ir.STAGE] % len(STAGE_COLORS)]
+            if n.meta.get(ir.REGION) == ir.BACKWARD:
+                attrs["style"] = "rounded,filled,bold"
+        if "transfer" in n.meta:
+            attrs.update(shape="cds", penwidth="3", color="#000000")
         if n.op == "placeholder":
             attrs["shape"] = "ellipse"
         return attrs
