@@ -16,6 +16,8 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/dp_vs_ddp.py
+	$(PY) benchmarks/zero_vs_fsdp.py
+	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/remat.py
 
 clean:

@@ -57,7 +57,7 @@ def cmd_viz(args):
 def cmd_demo(args):
     from fxpar.examples.demo import main
     remat = int(args.remat) if args.remat.isdigit() else args.remat
-    main(args.out, args.nprocs, args.steps, args.batch, remat)
+    main(args.out, args.nprocs, args.steps, args.batch, remat, args.pp, args.schedule)
 
 
 def main(argv=None):
@@ -69,6 +69,9 @@ def main(argv=None):
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--remat", default="sqrt", help='"none" | "sqrt" | "auto" | budget bytes')
+    d.add_argument("--pp", type=int, default=1, help="pipeline stages (4 microbatches)")
+    d.add_argument("--schedule", default="1f1b",
+                   help="gpipe | 1f1b | interleaved | zero-bubble")
     d.set_defaults(fn=cmd_demo)
     v = sub.add_parser("viz", help="write the graph SVG after every pass for an example")
     v.add_argument("--example", default="gpt")

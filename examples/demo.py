@@ -16,7 +16,8 @@ import fxpar
 from fxpar.examples import models as M
 
 
-def train(out_dir: str, steps: int, global_batch: int, remat="sqrt"):
+def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1,
+          schedule: str = "1f1b"):
     rank = int(os.environ.get("RANK", 0))
     cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
@@ -25,7 +26,8 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt"):
     t0 = time.perf_counter()
     pm = fxpar.parallelize(model, int(os.environ.get("WORLD_SIZE", 1)), example_batch=data[0],
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                           plan={"remat": remat})
+                           plan={"remat": remat, "pp": pp, "schedule": schedule,
+                                 "microbatches": 4 if pp > 1 else 1})
     if rank == 0:
         print(f"plan: {pm.plan}")
         print(f"compiled in {time.perf_counter() - t0:.2f} s:")
@@ -46,6 +48,11 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt"):
         paths = write_snapshots(pm.stage_graphs, out_dir)
         final = pm.stage_graphs["data_parallel"]["dp"]
         print(f"graph after data_parallel: {summary(final)}")
+        if "pipeline_split" in pm.stage_graphs:
+            sp = pm.stage_graphs["pipeline_split"]["dp"].meta["pipeline"]
+            print(f"pipeline: {sp.n_stages} stages cut after {sp.cuts}, slowest/mean stage "
+                  f"{sp.imbalance:.3f}, {len(sp.transfers)} transfers, schedule "
+                  f"{pm.plan.schedule} with {pm.plan.microbatches} microbatches")
         if "overlap" in pm.stage_graphs:
             d = pm.stage_graphs["overlap"]["dp"].meta.get("overlap")
             if d is not None:
@@ -73,8 +80,9 @@ def write_remat_memory(pm, path: str) -> str:
 
 
 def main(out_dir: str = "out", nprocs: int = 2, steps: int = 20, global_batch: int = 8,
-         remat="sqrt"):
-    res = fxpar.launch(train, nprocs, os.path.abspath(out_dir), steps, global_batch, remat)
+         remat="sqrt", pp: int = 1, schedule: str = "1f1b"):
+    res = fxpar.launch(train, nprocs, os.path.abspath(out_dir), steps, global_batch, remat, pp,
+                       schedule)
     first, last = res[0][0], res[0][-1]
     assert all(r == res[0] for r in res.values()), "ranks disagree on the loss"
     print(f"loss {first:.4f} -> {last:.4f} over {steps} steps on {nprocs} ranks "
