@@ -164,11 +164,37 @@ def last_step_actions(events: list[dict]) -> dict[tuple, float]:
     return out
 
 
+def transfer_latency(events: list[dict]) -> float:
+    """Median seconds from a stage's send to the arrival at a receiver that was already
+    waiting (the last step; k-th send of a value paired with its k-th receive)."""
+    import statistics
+    starts = {}
+    for e in events:
+        if e.get("cat") == "step":
+            starts[e["pid"]] = max(starts.get(e["pid"], e["ts"]), e["ts"])
+    t0 = min(starts.values())
+    sends, recvs = {}, {}
+    for e in events:
+        if e.get("ph") != "X" or e["ts"] < t0:
+            continue
+        if e["name"].startswith("send ") and e.get("cat") == COMPUTE:
+            sends.setdefault(e["name"][5:], []).append(e)
+        elif e["name"].startswith("recv ") and e.get("cat") == COMM:
+            recvs.setdefault(e["name"][5:], []).append(e)
+    lat = []
+    for name, rs in recvs.items():
+        for s, r in zip(sorted(sends.get(name, []), key=lambda e: e["ts"]),
+                        sorted(rs, key=lambda e: e["ts"])):
+            if r["ts"] <= s["ts"]:
+                lat.append((r["ts"] + r["dur"] - s["ts"]) / 1e6)
+    return statistics.median(lat) if lat else 0.0
+
+
 def pipeline_bubble(events: list[dict]) -> float:
     """Idle fraction of the last step's pipeline, from a Chrome trace's events (all ranks):
     1 - (time in stage computations F/B/I/W, summed over ranks) / (ranks x span), the span
-    running from the earliest rank's step start to the latest end of a stage computation —
-    the quantity (p-1)/(m+p-1) predicts for GPipe and 1F1B with equal stages."""
+    running from the first stage computation's start to the last one's end — the quantity
+    (p-1)/(m+p-1) predicts for GPipe and 1F1B with equal stages."""
     import re
     steps = {}
     for e in events:
@@ -178,6 +204,7 @@ def pipeline_bubble(events: list[dict]) -> float:
     start = min(e["ts"] for e in steps.values())
     work = [e for e in events if e.get("cat") == COMPUTE and e["ts"] >= start
             and re.match(r"[FBIW]\d+ s\d+$", e["name"])]
+    start = min(e["ts"] for e in work)
     end = max(e["ts"] + e["dur"] for e in work)
     busy = sum(e["dur"] for e in work)
     return 1 - busy / (len(steps) * (end - start))

@@ -231,12 +231,25 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
         dist.barrier()
         import json
         from fxpar.runtime import schedules
-        from fxpar.runtime.trace import last_step_actions
+        from fxpar.runtime.trace import last_step_actions, transfer_latency
         events = json.load(open(path))["traceEvents"]
         took = last_step_actions(events)
         sim = schedules.simulate(schedules.build(schedule, world, microbatches),
-                                 lambda a: took.get((a.kind, a.stage, a.microbatch), 0.0))
+                                 lambda a: took.get((a.kind, a.stage, a.microbatch), 0.0),
+                                 p2p_latency=transfer_latency(events))
+        rank = int(os.environ["RANK"])
+        order = sorted(((e["ts"], e["name"]) for e in events if e.get("pid") == rank
+                        and e.get("cat") == "compute" and e["name"][:1] in "FBIW"
+                        and " s" in e["name"] and e["ts"] >= min(
+                            x["ts"] for x in events if x.get("cat") == "step"
+                            and x["pid"] == rank and x["name"] == f"step {steps - 1}")))
         out[schedule] = {"measured": pipeline_bubble(events), "simulated": sim.bubble_fraction,
+                         "ran": [name for _, name in order],
+                         "planned": [f"{a.kind}{a.microbatch} s{a.stage}" for a in
+                                     schedules.build(schedule, world, microbatches)[rank]
+                                     if a.is_compute and took.get((a.kind, a.stage,
+                                                                   a.microbatch))],
+                         "latency": transfer_latency(events),
                          "imbalance": pm.stage_graphs["pipeline_split"]["dp"].meta[
                              "pipeline"].imbalance}
     return out
