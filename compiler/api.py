@@ -97,8 +97,10 @@ class ParallelModel:
                     "optimizer over this rank's shards: pass a factory, e.g. "
                     "`optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)`, not an instance.")
             factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
+            buckets = self.program.zero_buckets if self._runner is None else [
+                self.program.zero_buckets[k] for k in self._runner.held_buckets]
             self._zero = ShardedOptimizer(lambda ps: optim.build(factory, ps), self._params,
-                                          self.program.zero_buckets, plan.dp,
+                                          buckets, plan.dp,
                                           world.coordinate("dp"), world.mesh.get_group("dp"),
                                           shard_params=self.program.params_sharded)
             self.optimizer = self._zero.optimizer
@@ -196,7 +198,10 @@ class ParallelModel:
                                                            rec)
                 rec.segment("optimizer")
                 held = self._runner.held_params
-                if self.optimizer is not None:
+                if self._zero is not None:
+                    self._zero.step([grads[k] for k in self._runner.held_buckets])
+                    self._runner.sync_tied_params(self._params, self.program.zero_buckets)
+                elif self.optimizer is not None:
                     optim.apply_gradients(self.optimizer, [self._params[i] for i in held],
                                           [grads[i] for i in held])
                 with torch.no_grad():

@@ -95,17 +95,17 @@ class Plan:
         missing = []
         if self.tp != 1:
             missing.append(f"tp={self.tp} (tensor parallelism)")
-        if self.pp != 1 and self.zero:
-            missing.append(f"zero={self.zero} with pp={self.pp}")
+        if self.pp != 1 and self.zero == 3:
+            missing.append(f"zero=3 with pp={self.pp}")
         if self.precision != "fp32":
             missing.append(f"precision={self.precision!r}")
         if self.fuse:
             missing.append("fuse=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use tp=1, precision='fp32', fuse=False, and ZeRO only "
-                            "without pipeline stages (data and pipeline parallelism with "
-                            "microbatches and any schedule, remat, ZeRO 1-3 and overlap are "
+                            " yet; use tp=1, precision='fp32', fuse=False, and zero <= 2 with "
+                            "pipeline stages (data and pipeline parallelism with microbatches "
+                            "and any schedule, remat, ZeRO 1-3 (1-2 with pp) and overlap are "
                             "available).")
         return self
 

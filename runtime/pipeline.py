@@ -62,6 +62,9 @@ class PipelineRunner:
         self.grad_of = {name: i for i, name in enumerate(self.p.grads) if name is not None}
         self.buffer_of = {name: j for j, name in enumerate(self.p.buffer_updates) if name}
         self._forward_only = False
+        self.zero = program.zero  # ZeRO 1/2: the gradient outputs are flat bucket shards
+        self.held_buckets = [k for k, name in enumerate(self.p.grads) if name and self.rank_of(
+            self.p.parts[self.p.producer[name]].stage) == pp_rank] if self.zero else []
         self.held_params = sorted(i for i, st in self.p.param_stages.items()
                                   if any(self.rank_of(s) == pp_rank for s in st))
 
@@ -75,7 +78,7 @@ class PipelineRunner:
         forward_only: the forward parts alone, every microbatch (evaluation: same stages and
         weights as training, nothing kept for a backward)."""
         store, refs, sends = {}, {}, []
-        grads: list = [None] * len(params)
+        grads: list = [None] * len(self.p.grads)
         new_bufs: list = [None] * len(self.p.buffer_updates)
         losses = []
         actions = self.actions
@@ -134,7 +137,8 @@ class PipelineRunner:
             return (None if not losses else torch.stack(losses).mean()), None, None
         if self.m > 1:
             grads = [None if g is None else g.div_(self.m) for g in grads]
-        grads = self._share_grads(grads, params, rec)
+        if not self.zero:  # (under ZeRO, tied weights are synced after the step instead)
+            grads = self._share_grads(grads, params, rec)
         loss = None
         if losses:
             loss = losses[0] if self.m == 1 else torch.stack(losses).mean()
@@ -174,6 +178,33 @@ class PipelineRunner:
             rec.blocked(t0, t1, f"recv {name}", "compute")
             rec.comm(f"recv {name}", t0, t1, buf.numel() * buf.element_size())
         return buf
+
+    def sync_tied_params(self, params, buckets):
+        """ZeRO: a weight is updated by the rank whose stage owns its gradient bucket, which
+        is not always the (only) rank that reads it (a tied embedding; a bias whose gradient
+        is computed past a cut): send the new value to every other rank holding a copy."""
+        owner = {}
+        for k, idx in enumerate(buckets):
+            name = self.p.grads[k]
+            if name:
+                for i in idx:
+                    owner[i] = self.rank_of(self.p.parts[self.p.producer[name]].stage)
+        works = []
+        with torch.no_grad():
+            for i, stages in sorted(self.p.param_stages.items()):
+                holders = {self.rank_of(s) for s in stages}
+                if i not in owner or holders <= {owner[i]}:
+                    continue
+                src = owner[i]
+                if self.rank == src:
+                    works += [dist.isend(params[i].detach().contiguous(),
+                                         dst=self.global_rank[r], tag=_GRAD_TAG + i)
+                              for r in sorted(holders - {src})]
+                elif self.rank in holders:
+                    works.append(dist.irecv(params[i].data, src=self.global_rank[src],
+                                            tag=_GRAD_TAG + i))
+        for w in works:
+            w.wait()
 
     def _share_grads(self, grads, params, rec):
         """A weight several stages read: its summed gradient goes from the rank that made it

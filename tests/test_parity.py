@@ -119,13 +119,17 @@ PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"],
                        {"pp": 4})
              + _pp_cases(["hf_llama"], ["1f1b"], [4], {"pp": 4})
              + _pp_cases(["gpt", "hf_gpt2", "hf_llama"], ["1f1b", "zero-bubble"], [2],
-                         {"pp": 2, "dp": 2}))
+                         {"pp": 2, "dp": 2})
+             + [("gpt", "adamw", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}),  # ZeRO x pp
+                ("hf_llama", "adamw", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 2,
+                                       "schedule": "zero-bubble"})])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [(2, PP2_CASES), (4, PP4_CASES)], ids=["pp2", "pp4"])
 def test_pipeline_equals_single_process(world, cases):
-    """Every schedule, microbatches 1..8, pp = 2 and 4, pp=2 x dp=2, with remat; small GPT,
+    """Every schedule, microbatches 1..8, pp = 2 and 4, pp=2 x dp=2 (also with ZeRO 1 and 2),
+    with remat; small GPT,
     HF GPT-2 and HF Llama: loss per step and final parameters equal single-process eager
     training (rtol 1e-5), on every rank; evaluate() too."""
     results = fxpar.launch(plans_rank, world, cases)
