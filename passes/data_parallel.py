@@ -260,7 +260,11 @@ def assign_buckets_by_cost(grads: list[torch.fx.Node], ready: list[float], profi
     cost.comm_time(bytes). Dynamic program over prefixes: finish[j] = min over i of
     max(ready[j], finish[i]) + time(bytes of i+1..j); the earliest finish of a prefix is
     also the best start for what follows, so the minimum is exact. Large alpha -> few big
-    buckets; a long backward after a gradient -> small buckets that start early."""
+    buckets; a long backward after a gradient -> smaller buckets that start early, but none
+    below 4 alpha x bandwidth bytes (except the last)."""
+    # a bucket's transfer time should dominate its latency: at least 4 alpha of bytes
+    # (>= 80% of link bandwidth), else per-message costs the model only roughly knows add up
+    floor = 4 * profile.alpha * profile.link_bandwidth
     by_dtype: dict[torch.dtype, list[int]] = {}
     for j in sorted(range(len(grads)), key=lambda j: (ready[j], -j)):
         by_dtype.setdefault(grads[j].meta[ir.VAL].dtype, []).append(j)
@@ -275,6 +279,8 @@ def assign_buckets_by_cost(grads: list[torch.fx.Node], ready: list[float], profi
         for j in range(1, m + 1):
             r = ready[order[j - 1]]
             for i in range(j):
+                if j < m and prefix[j] - prefix[i] < floor:
+                    continue  # latency-dominated bucket (only the last may be that small)
                 t = max(r, finish[i]) + cost.comm_time(target, prefix[j] - prefix[i], dp,
                                                        profile)
                 if t < finish[j]:

@@ -124,6 +124,7 @@ def test_alpha_beta_buckets_follow_latency_and_backward_time():
     assert data_parallel.assign_buckets_by_cost(grads, [0.0] * 8, profile, 2, target) == \
         [list(reversed(range(8)))]  # ties: reverse parameter order, as DDP
     # gradients 10 ms apart, cheap messages: each goes as soon as it exists
+    profile = cost.DeviceProfile("t", 1e12, 1e12, alpha=1e-6, link_bandwidth=1e9)
     ready = [0.01 * (8 - j) for j in range(8)]  # the last parameter's gradient comes first
     b = data_parallel.assign_buckets_by_cost(grads, ready, profile, 2, target)
     assert b == [[j] for j in reversed(range(8))]
@@ -133,6 +134,16 @@ def test_alpha_beta_buckets_follow_latency_and_backward_time():
     best = data_parallel.assign_buckets_by_cost(grads, ready, profile, 2, target)
     assert _finish(best, grads, ready, profile) == pytest.approx(
         min(_finish(c, grads, ready, profile) for c in _contiguous_splits([5, 4, 3, 2, 1, 0])))
+
+
+def test_alpha_beta_buckets_never_latency_dominated():
+    """No bucket but the last holds fewer than 4 alpha x bandwidth bytes."""
+    profile = cost.DeviceProfile("t", 1e12, 1e12, alpha=1e-5, link_bandwidth=1e9)  # 40 kB
+    grads = _fake_grads([4_000] * 40)
+    ready = [0.01 * (40 - j) for j in range(40)]
+    b = data_parallel.assign_buckets_by_cost(grads, ready, profile, 2, c10d.all_reduce.default)
+    sizes = [4_000 * len(x) for x in b]
+    assert all(s >= 40_000 for s in sizes[:-1]) and 1 < len(b) <= 4
 
 
 def _finish(buckets, grads, ready, profile):
