@@ -165,8 +165,9 @@ def zero_with_optimizer_instance():
                       optimizer=opt, plan={"zero": 1})
 
 
-def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8):
-    """overlap off vs on, same model and batches: losses and the median exposed-communication
+def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8, bucket_mb=0.25):
+    """overlap off vs on, same model and batches (fixed 0.25 MiB buckets: communication spread
+    over the backward, where overlap has something to hide behind): losses and the median exposed-communication
     fraction of the steps after two warm-up steps (measured by the runtime's recorder)."""
     import statistics
     import torch.distributed as dist
@@ -178,7 +179,7 @@ def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8):
         torch.manual_seed(0)
         pm = fxpar.parallelize(M.GPT(cfg), int(os.environ["WORLD_SIZE"]), example_batch=data,
                                optimizer=OPTIMIZERS["adamw"],
-                               plan={"zero": zero, "overlap": overlap})
+                               plan={"zero": zero, "overlap": overlap, "bucket_mb": bucket_mb})
         losses = []
         for _ in range(steps):
             dist.barrier()
