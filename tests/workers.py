@@ -165,8 +165,8 @@ def zero_with_optimizer_instance():
                       optimizer=opt, plan={"zero": 1})
 
 
-def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8, bucket_mb=0.25):
-    """overlap off vs on, same model and batches (fixed 0.25 MiB buckets: communication spread
+def overlap_rank(trace_path, zero=0, steps=8, layers=4, embd=256, batch=8, bucket_mb=1e-6):
+    """overlap off vs on, same model and batches (one bucket per gradient: communication spread
     over the backward, where overlap has something to hide behind): losses and the median exposed-communication
     fraction of the steps after two warm-up steps (measured by the runtime's recorder)."""
     import statistics
