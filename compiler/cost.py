@@ -106,12 +106,12 @@ class DeviceProfile:
     link_bandwidth = bytes/s per direction).
 
     Rough defaults until the planner calibrates them (issue 8); only ratios matter to remat
-    and to bucket sizing. CPU: gloo over loopback TCP (a small all-reduce costs about
-    0.5 ms on a 2-core VM, measured); CUDA: NVLink within a node."""
+    and to bucket sizing. CPU: gloo over loopback TCP (a small all-reduce measured nearer
+    0.5 ms on a 2-core VM: to calibrate, issue 8); CUDA: NVLink within a node."""
     name: str
     flops: float       # FLOP/s (fp32)
     bandwidth: float   # bytes/s
-    alpha: float = 500e-6
+    alpha: float = 50e-6
     link_bandwidth: float = 2e9
 
     @classmethod
@@ -119,7 +119,7 @@ class DeviceProfile:
         device = torch.device(device)
         if device.type == "cuda":
             return cls("cuda", 400e12, 3.0e12, alpha=10e-6, link_bandwidth=150e9)
-        return cls("cpu", 100e9, 20e9, alpha=500e-6, link_bandwidth=2e9)
+        return cls("cpu", 100e9, 20e9, alpha=50e-6, link_bandwidth=2e9)
 
 
 def comm_time(target, nbytes: int, group_size: int, profile: DeviceProfile) -> float:

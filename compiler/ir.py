@@ -19,6 +19,8 @@ STAGE = "stage"          # set by pipeline_split
 SHARD = "shard"          # placements of the value, tuple of Placement (one per mesh dim)
 FUSED_GROUP = "fused_group"
 COST = "cost"            # {"flops": int, "bytes": int}
+PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage)
+TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"

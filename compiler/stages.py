@@ -21,7 +21,7 @@ import torch.fx
 
 from fxpar.compiler import ir
 
-PHASE = "pipe_phase"  # = passes.pipeline_split.PHASE (the runtime and compiler don't import passes)
+PHASE = ir.PHASE
 
 
 @dataclasses.dataclass

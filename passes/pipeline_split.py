@@ -29,8 +29,7 @@ import torch.fx
 from fxpar.compiler import cost, ir
 
 aten = torch.ops.aten
-PHASE = "pipe_phase"
-TRANSFER = "transfer"
+PHASE, TRANSFER = ir.PHASE, ir.TRANSFER
 
 
 @dataclasses.dataclass

@@ -109,10 +109,6 @@ class Recorder:
         if self._spans is not None:
             self._spans.append(Span(name, COMM, t0, t1, {"bytes": nbytes}))
 
-    def span(self, name: str, track: str, t0: float, t1: float, args: dict | None = None):
-        if self._spans is not None:
-            self._spans.append(Span(name, track, t0, t1, args))
-
     def events(self) -> list[dict]:
         """This rank's spans as Chrome-trace events (wall-clock microseconds)."""
         offset = self._wall0 - self._perf0

@@ -45,11 +45,11 @@ def _label(n: torch.fx.Node) -> str:
         title += " (recompute)"
     elif n.meta.get("saved"):
         title += " [saved]"
-    if "transfer" in n.meta:  # a pipeline stage boundary
-        src, dst = n.meta["transfer"]
+    if ir.TRANSFER in n.meta:  # a pipeline stage boundary
+        src, dst = n.meta[ir.TRANSFER]
         title = f"send s{src} -> recv s{dst}"
-    elif ir.STAGE in n.meta and "pipe_phase" in n.meta:
-        title += f" [{n.meta['pipe_phase']}{n.meta[ir.STAGE]}]"
+    elif ir.STAGE in n.meta and ir.PHASE in n.meta:
+        title += f" [{n.meta[ir.PHASE]}{n.meta[ir.STAGE]}]"
     if n.meta.get("moved"):  # set by the overlap pass
         title += f" ({n.meta['moved']})"
     parts = [f"<b>{html.escape(title)}</b>"]
@@ -90,7 +90,7 @@ def to_dot(gm: torch.fx.GraphModule, title: str = ""):
             attrs["fillcolor"] = STAGE_COLORS[n.meta[ir.STAGE] % len(STAGE_COLORS)]
             if n.meta.get(ir.REGION) == ir.BACKWARD:
                 attrs["style"] = "rounded,filled,bold"
-        if "transfer" in n.meta:
+        if ir.TRANSFER in n.meta:
             attrs.update(shape="cds", penwidth="3", color="#000000")
         if n.op == "placeholder":
             attrs["shape"] = "ellipse"
