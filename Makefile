@@ -19,6 +19,7 @@ bench: setup
 	$(PY) benchmarks/zero_vs_fsdp.py
 	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/remat.py
+	$(PY) benchmarks/pipeline_vs_torch.py
 
 clean:
 	rm -rf out .venv *.egg-info

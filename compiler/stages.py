@@ -1,8 +1,11 @@
 """Cut a pipeline-split joint graph into one GraphModule per (stage, phase): what a rank runs.
 
 After the passes, every node carries meta["stage"] and meta["pipe_phase"] (F, B, or I/W) from
-passes/pipeline_split.py; nodes later passes added (collectives, gradient buckets) join the
-part of the value they read. Each part becomes a graph whose inputs are parameters, buffers,
+passes/pipeline_split.py; nodes later passes added (collectives) join the part of the value
+they read — except the data-parallel gradient reduction (bucket packing, all-reduce /
+reduce-scatter and what follows it): that goes into a per-stage "R" part which the runtime
+runs once per step on the gradients summed over the microbatches, so a step communicates the
+gradient bytes once, not once per microbatch (Megatron and DeepSpeed reduce once too). Each part becomes a graph whose inputs are parameters, buffers,
 batch leaves, or values made by other parts, and whose outputs are the values other parts (or
 the step's outputs) read. Values move between parts on one rank through the executor's store
 (a forward's saved activations wait there for the backward: the per-microbatch stash), and
@@ -26,7 +29,7 @@ PHASE = ir.PHASE
 
 @dataclasses.dataclass
 class Part:
-    key: str                          # "F0", "B1", "I1", "W1"
+    key: str                          # "F0", "B1", "I1", "W1", "R1"
     stage: int
     phase: str
     graph: torch.fx.GraphModule
@@ -52,8 +55,11 @@ class PipelineProgram:
 
 def run_order(key: str) -> tuple:
     """Order in which a rank's parts of one microbatch run: forwards by stage, then
-    backwards from the last stage, input gradients (I) before weight gradients (W)."""
+    backwards from the last stage, input gradients (I) before weight gradients (W); the
+    once-per-step gradient reduction (R) of a stage after all of them."""
     phase, stage = key[0], int(key[1:])
+    if phase == "R":
+        return (2, -stage, 0)
     return (0, stage, 0) if phase == "F" else (1, -stage, 1 if phase == "W" else 0)
 
 
@@ -64,7 +70,9 @@ def part_key(node: torch.fx.Node) -> str:
 def _fill_keys(graph: torch.fx.Graph, n_stages: int) -> dict[torch.fx.Node, str]:
     """Part of every call node: its own, else that of the first input that has one (a
     collective goes with the value it reduces), else that of its first user. With one stage
-    (gradient accumulation only) the region decides: F0 or B0."""
+    (gradient accumulation only) the region decides: F0 or B0. A gradient bucket node
+    (meta[ir.BUCKET], from the data-parallel pass) and everything computed from one go to the
+    R part of their stage."""
     key: dict[torch.fx.Node, str] = {}
     calls = [n for n in graph.nodes if n.op == "call_function"]
     for n in calls:
@@ -75,7 +83,8 @@ def _fill_keys(graph: torch.fx.Graph, n_stages: int) -> dict[torch.fx.Node, str]
         else:  # the part, among its inputs', that runs last
             ks = [key[a] for a in n.all_input_nodes if a in key]
             if ks:
-                key[n] = max(ks, key=run_order)
+                k = max(ks, key=run_order)
+                key[n] = f"R{k[1:]}" if n.meta.get(ir.BUCKET) or k[0] == "R" else k
     for n in reversed(calls):
         if n not in key:
             k = next((key[u] for u in n.users if u in key), None)

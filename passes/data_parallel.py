@@ -315,7 +315,7 @@ def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[i
 def _emit(graph, target, args):
     """A node of a gradient bucket's packing or communication (region comm)."""
     node = graph.call_function(target, args)
-    node.meta[ir.REGION], node.meta[ir.MODULE], node.meta["bucket"] = ir.COMM, "", True
+    node.meta[ir.REGION], node.meta[ir.MODULE], node.meta[ir.BUCKET] = ir.COMM, "", True
     return node
 
 

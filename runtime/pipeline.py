@@ -8,9 +8,12 @@ hands each output to the parts that read it: kept locally, or sent (non-blocking
 the rank of each other stage that reads it, skip connections included. A receive blocks only
 when the value is needed, so sends never wait on receives and the schedule's order cannot
 deadlock (the contract runtime/schedules.simulate checks). Gradients accumulate over
-microbatches and are divided by their number (the loss of a microbatch is its mean); a
-weight read by several stages (tied embeddings) receives its summed gradient on every rank
-that holds it, so each copy takes the same optimizer step.
+microbatches and are divided by their number (the loss of a microbatch is its mean); the
+data-parallel reduction of a stage (its "R" part) runs once, on the accumulated gradients,
+right after the stage's last backward. A weight read by several stages (tied embeddings)
+receives its summed gradient on every rank that holds it, so each copy takes the same
+optimizer step. The next action's receives are posted before the current action computes,
+so a transfer overlaps compute instead of starting when the value is needed.
 """
 from __future__ import annotations
 
@@ -48,6 +51,15 @@ class PipelineRunner:
                                                    program.virtual)[pp_rank] if a.is_compute]
         self.parts = {k: part for k, part in self.p.parts.items() if self.rank_of(part.stage)
                       == pp_rank}
+        # gradient reduction parts (R): run once per step, after the stage's last backward
+        last = {a.stage: i for i, a in enumerate(self.actions) if a.kind != "F"}
+        self.reduce_after: dict[int, list[str]] = {}
+        for k, part in sorted(self.parts.items()):
+            if part.phase == "R":
+                self.reduce_after.setdefault(last.get(part.stage, len(self.actions) - 1),
+                                             []).append(k)
+        self.reduced_inputs = {ref for k, part in self.parts.items() if part.phase == "R"
+                               for kind, ref in part.inputs if kind == "value"}
         self.lowered = {k: comm.lower(part.graph) for k, part in self.parts.items()}
         self.tag = {name: i for i, name in enumerate(sorted(self.p.producer))}
         self.meta = {}  # value name -> (shape, dtype) for receives
@@ -80,13 +92,14 @@ class PipelineRunner:
         store, refs, sends = {}, {}, []
         grads: list = [None] * len(self.p.grads)
         new_bufs: list = [None] * len(self.p.buffer_updates)
-        losses = []
+        losses, summed = [], {}  # summed: R inputs accumulated over microbatches
+        self._pending = {}       # (value, microbatch) -> (buffer, work, posted at)
         actions = self.actions
         self._forward_only = forward_only
         if forward_only:
-            mine = sorted({p.stage for p in self.parts.values()})
+            mine = sorted({p.stage for p in self.parts.values() if p.phase == "F"})
             actions = [schedules.Action("F", s, mb) for s in mine for mb in range(self.m)]
-        for a in actions:
+        for n, a in enumerate(actions):
             key = f"{a.kind}{a.stage}"
             part = self.parts.get(key)
             if part is None:  # e.g. the first stage has no input-gradient (I) part
@@ -108,14 +121,8 @@ class PipelineRunner:
                     refs[(ref, mb)] -= 1
                     if refs[(ref, mb)] == 0:
                         del store[(ref, mb)], refs[(ref, mb)]
-            if rec is not None:
-                rec.segment(f"{a.kind}{mb} s{a.stage}")
-            try:
-                with torch.no_grad():
-                    outs = self.lowered[key](*args)
-            except RuntimeError as e:
-                raise RuntimeError(f"pipeline stage {a.stage} ({a.kind}), microbatch {mb}, on "
-                                   f"pp rank {self.rank}: {e}") from e
+            self._prefetch(actions[n + 1:n + 2], store, device)
+            outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec)
             for name, t in zip(part.outputs, outs):
                 local = self._local_consumers(name)
                 if local:
@@ -125,18 +132,29 @@ class PipelineRunner:
                     sends.append(self._send(t, r, self.tag[name] * self.m + mb, name, rec))
                 if name == self.p.loss:
                     losses.append(t)
-                i = None if forward_only else self.grad_of.get(name)
+                if forward_only:
+                    continue
+                if name in self.reduced_inputs:
+                    summed[name] = t.clone() if name not in summed else summed[name].add_(t)
+                i = self.grad_of.get(name)
                 if i is not None:
                     grads[i] = t.clone() if grads[i] is None else grads[i].add_(t)
-                j = None if forward_only else self.buffer_of.get(name)
+                j = self.buffer_of.get(name)
                 if j is not None:
                     new_bufs[j] = t
+            if forward_only:
+                continue
+            for rkey in self.reduce_after.get(n, ()):
+                self._reduce(rkey, summed, grads, rec)
         for w in sends:
             w.wait()
         if forward_only:
             return (None if not losses else torch.stack(losses).mean()), None, None
-        if self.m > 1:
-            grads = [None if g is None else g.div_(self.m) for g in grads]
+        if self.m > 1:  # gradients the R parts made are reduced from the mean already
+            made_by_r = {self.grad_of[n] for k in self.parts if k[0] == "R"
+                         for n in self.parts[k].outputs if n in self.grad_of}
+            grads = [g if g is None or i in made_by_r else g.div_(self.m)
+                     for i, g in enumerate(grads)]
         if not self.zero:  # (under ZeRO, tied weights are synced after the step instead)
             grads = self._share_grads(grads, params, rec)
         loss = None
@@ -144,9 +162,62 @@ class PipelineRunner:
             loss = losses[0] if self.m == 1 else torch.stack(losses).mean()
         return loss, grads, new_bufs
 
+    def _compute(self, key, label, args, rec):
+        if rec is not None:
+            rec.segment(label)
+        try:
+            with torch.no_grad():
+                return self.lowered[key](*args)
+        except RuntimeError as e:
+            part = self.parts[key]
+            raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "
+                               f"{e}") from e
+
+    def _reduce(self, key, summed, grads, rec):
+        """Run a stage's gradient reduction once, on the microbatch-mean gradients."""
+        part = self.parts[key]
+        args = []
+        for kind, ref in part.inputs:
+            if kind != "value" or ref not in summed:
+                raise RuntimeError(f"fxpar bug: gradient reduction {key} reads {kind} {ref}, "
+                                   "which no backward on this rank produced; please report it")
+            g = summed.pop(ref)
+            args.append(g.div_(self.m) if self.m > 1 else g)
+        outs = self._compute(key, f"R s{part.stage}", args, rec)
+        for name, t in zip(part.outputs, outs):
+            i = self.grad_of.get(name)
+            if i is not None:
+                grads[i] = t
+
+    def _prefetch(self, upcoming, store, device):
+        """Post the receives of the next action now (non-blocking), so the transfer runs
+        while this action computes."""
+        for a in upcoming:
+            part = self.parts.get(f"{a.kind}{a.stage}")
+            if part is None:
+                continue
+            for kind, ref in part.inputs:
+                k = (ref, a.microbatch)
+                if kind == "value" and k not in store and k not in self._pending and \
+                        self._src_rank(ref) != self.rank:
+                    buf = self._buffer(ref, device)
+                    src = self.global_rank[self._src_rank(ref)]
+                    self._pending[k] = (buf, dist.irecv(_wire(buf), src=src,
+                                        tag=self.tag[ref] * self.m + a.microbatch),
+                                        time.perf_counter())
+
     def _consumers(self, name) -> list[str]:
-        cs = self.p.consumers.get(name, [])
+        """Parts reading `name` per microbatch (R parts read the step's sum instead)."""
+        cs = [c for c in self.p.consumers.get(name, []) if c[0] != "R"]
         return [c for c in cs if c[0] == "F"] if self._forward_only else cs
+
+    def _src_rank(self, name) -> int:
+        return self.rank_of(self.p.parts[self.p.producer[name]].stage)
+
+    def _buffer(self, name, device):
+        shape, dtype, stride = self.meta[name]
+        return torch.empty(shape, dtype=dtype, device=device) if stride is None else \
+            torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
     def _local_consumers(self, name) -> int:
         return sum(1 for c in self._consumers(name)
@@ -163,20 +234,22 @@ class PipelineRunner:
         return w
 
     def _recv(self, name, mb, device, rec):
-        shape, dtype, stride = self.meta[name]
-        buf = torch.empty(shape, dtype=dtype, device=device) if stride is None else \
-            torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        src = self.rank_of(self.p.parts[self.p.producer[name]].stage)
+        src = self._src_rank(name)
         if src == self.rank:
             raise RuntimeError(f"fxpar bug: value {name} (microbatch {mb}) is read on pp rank "
                                f"{self.rank} before the part making it ran; please report it")
         t0 = time.perf_counter()
-        dist.irecv(_wire(buf), src=self.global_rank[src],
-                   tag=self.tag[name] * self.m + mb).wait()
+        if (name, mb) in self._pending:
+            buf, work, posted = self._pending.pop((name, mb))
+        else:
+            buf, posted = self._buffer(name, device), t0
+            work = dist.irecv(_wire(buf), src=self.global_rank[src],
+                              tag=self.tag[name] * self.m + mb)
+        work.wait()
         if rec is not None and rec.recording:
             t1 = time.perf_counter()
             rec.blocked(t0, t1, f"recv {name}", "compute")
-            rec.comm(f"recv {name}", t0, t1, buf.numel() * buf.element_size())
+            rec.comm(f"recv {name}", posted, t1, buf.numel() * buf.element_size())
         return buf
 
     def sync_tied_params(self, params, buckets):

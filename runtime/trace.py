@@ -186,21 +186,26 @@ def transfer_latency(events: list[dict]) -> float:
     return statistics.median(lat) if lat else 0.0
 
 
-def pipeline_bubble(events: list[dict]) -> float:
-    """Idle fraction of the last step's pipeline, from a Chrome trace's events (all ranks):
-    1 - (time in stage computations F/B/I/W, summed over ranks) / (ranks x span), the span
-    running from the first stage computation's start to the last one's end — the quantity
-    (p-1)/(m+p-1) predicts for GPipe and 1F1B with equal stages."""
+def pipeline_bubble(events: list[dict], step: int = -1) -> float:
+    """Idle fraction of one step's pipeline (default the last recorded step; -2 the one
+    before...), from a Chrome trace's events (all ranks): 1 - (time in stage computations
+    F/B/I/W, summed over ranks) / (ranks x span), the span running from the first stage
+    computation's start to the last one's end — the quantity (p-1)/(m+p-1) predicts for GPipe
+    and 1F1B with equal stages."""
     import re
-    steps = {}
+    starts: dict[int, list[float]] = {}
     for e in events:
         if e.get("cat") == "step":
-            if e["pid"] not in steps or e["ts"] > steps[e["pid"]]["ts"]:
-                steps[e["pid"]] = e
-    start = min(e["ts"] for e in steps.values())
-    work = [e for e in events if e.get("cat") == COMPUTE and e["ts"] >= start
+            starts.setdefault(e["pid"], []).append(e["ts"])
+    window = {}
+    for pid, ts in starts.items():
+        ts.sort()
+        k = step % len(ts)
+        window[pid] = (ts[k], ts[k + 1] if k + 1 < len(ts) else float("inf"))
+    work = [e for e in events if e.get("cat") == COMPUTE and e.get("pid") in window
+            and window[e["pid"]][0] <= e["ts"] < window[e["pid"]][1]
             and re.match(r"[FBIW]\d+ s\d+$", e["name"])]
     start = min(e["ts"] for e in work)
     end = max(e["ts"] + e["dur"] for e in work)
     busy = sum(e["dur"] for e in work)
-    return 1 - busy / (len(steps) * (end - start))
+    return 1 - busy / (len(window) * (end - start))

@@ -208,6 +208,35 @@ def test_zero_bubble_weight_grads_are_separate_from_input_grads():
     assert any(g and prog.producer[g][0] == "W" for g in prog.grads)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(schedule):
+    """pp=2 x dp=2, 4 microbatches: every gradient collective sits in a per-stage R part
+    (run once per step on the summed gradients), none in the per-microbatch parts."""
+    model = M.GPT(CFG8)
+    batch = M.gpt_batch(CFG8, 8)
+    gm, sig = capture(model, M.gpt_batch(CFG8, 2))     # traced at the microbatch size
+    ctx = PassContext(signature=sig, group_names={"dp": "g"})
+    gm = run_passes(gm, resolve({"pp": 2, "dp": 2, "microbatches": 4, "schedule": schedule},
+                                4), ctx, "pp", {})
+    prog = stages.split(gm, sig, 2)
+    c10d = torch.ops._c10d_functional
+    collectives = {k: [n for n in p.graph.graph.nodes if n.target in
+                       (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)]
+                   for k, p in prog.parts.items()}
+    assert sorted(k for k, p in prog.parts.items() if p.phase == "R") == ["R0", "R1"]
+    for k, nodes in collectives.items():
+        if k[0] == "R":
+            assert nodes, k
+        else:  # only the loss's all-reduce (a scalar per microbatch) stays per microbatch
+            assert all(n.meta[ir.VAL].numel() == 1 for n in nodes), (k, nodes)
+    for g in prog.grads:
+        assert g is None or prog.producer[g][0] == "R", g
+    for k, p in prog.parts.items():  # R reads only its own stage's backward values
+        if p.phase == "R":
+            assert all(kind == "value" and prog.parts[prog.producer[ref]].stage == p.stage
+                       and prog.producer[ref][0] in "BIW" for kind, ref in p.inputs), p.inputs
+
+
 def test_too_many_stages_is_a_clear_error():
     with pytest.raises(PlanError, match="pipeline stages"):
         compile_pp(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), 64)
@@ -239,20 +268,25 @@ def test_partition_direct_min_max():
 
 @pytest.mark.slow
 def test_bubble_measured_from_traces(tmp_path):
-    """pp=2, 4 microbatches, 8 equal matmul layers, from each rank's Chrome trace: the
-    executor runs exactly its schedule's actions in order; with the measured duration of
-    every action, the schedule's simulated idle fraction is lower for zero-bubble than for
-    1F1B; the measured idle stays near the simulated one. (The exact (p-1)/(m+p-1) with
-    equal stage times is tests/test_schedules.py's. On this 2-core machine the measured
-    idle is 0.1-0.2 above the simulation — figures in docs/benchmarks.md — so the bound
-    here is loose.)"""
+    """pp=2, 4 microbatches, 8 equal matmul layers (global batch 2048), from each rank's
+    Chrome trace: the executor runs exactly its schedule's actions in order; the measured
+    idle fraction of GPipe and 1F1B is near (p-1)/(m+p-1) = 0.2 and zero-bubble idles less
+    than 1F1B. (The exact (p-1)/(m+p-1) with equal stage times is tests/test_schedules.py's.)
+    The bound is the issue's 5 points plus 2 of slack for this 2-core VM, where two ranks
+    computing at once slow each other's actions by ~10%: measured 1F1B 0.22-0.26, GPipe
+    0.24-0.27, zero-bubble 0.12-0.18, and the schedule simulated with every action's measured
+    duration gives the same within ~0.03 (figures in docs/benchmarks.md)."""
     from workers import bubble_rank
     res = fxpar.launch(bubble_rank, 2, str(tmp_path))
     for rank, per in res.items():
         for schedule, r in per.items():
             assert r["ran"] == r["planned"], (rank, schedule)
     res = res[0]
+    ideal = (2 - 1) / (4 + 2 - 1)
     for schedule, r in res.items():
         assert r["imbalance"] <= 1.05
-        assert r["measured"] <= r["simulated"] + 0.3, (schedule, r)
+        assert r["measured"] <= r["simulated"] + 0.1, (schedule, r)
+    for schedule in ("gpipe", "1f1b"):
+        assert abs(res[schedule]["measured"] - ideal) <= 0.07, (schedule, res[schedule])
+    assert res["zero-bubble"]["measured"] < res["1f1b"]["measured"], res
     assert res["zero-bubble"]["simulated"] < res["1f1b"]["simulated"], res

@@ -209,15 +209,17 @@ class MatChain(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
-def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatches=4, steps=4):
-    """pp = world, equal stages (DeepMLP, wide blocks): the idle fraction of the last step
-    measured from the trace, per schedule."""
+def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatches=4, steps=6,
+                rows=2048):
+    """pp = world, equal stages (8 equal matmul layers): the idle fraction measured from the
+    trace, per schedule: the median over the last three steps (one step on this 2-core VM
+    can be off by a few points when a thread is descheduled)."""
     import torch.distributed as dist
     from fxpar.runtime.trace import pipeline_bubble
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    batch = (torch.randn(512, 512), torch.randn(512, 512))
+    batch = (torch.randn(rows, 512), torch.randn(rows, 512))
     out = {}
     for schedule in schedules:
         model = MatChain()
@@ -244,7 +246,8 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
                         and " s" in e["name"] and e["ts"] >= min(
                             x["ts"] for x in events if x.get("cat") == "step"
                             and x["pid"] == rank and x["name"] == f"step {steps - 1}")))
-        out[schedule] = {"measured": pipeline_bubble(events), "simulated": sim.bubble_fraction,
+        measured = sorted(pipeline_bubble(events, k) for k in (-1, -2, -3))[1]
+        out[schedule] = {"measured": measured, "simulated": sim.bubble_fraction,
                          "ran": [name for _, name in order],
                          "planned": [f"{a.kind}{a.microbatch} s{a.stage}" for a in
                                      schedules.build(schedule, world, microbatches)[rank]
