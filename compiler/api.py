@@ -15,6 +15,7 @@ from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import comm, executor, optim, schedules
+from fxpar.runtime import tp as rtp
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
@@ -31,7 +32,8 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     world_size = devices.size() if hasattr(devices, "get_group") else (
         devices if isinstance(devices, int) else len(devices))
     resolved = resolve(plan, world_size)
-    dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else [])
+    dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
+        [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
     world = rdist.setup(devices, dims=dims)
     model.to(world.device)
     if world.size > 1:  # start from rank 0's weights, as DDP does
@@ -85,6 +87,11 @@ class ParallelModel:
         buffers = dict(model.named_buffers(remove_duplicate=False))
         sig = self.program.signature
         self._params = [params[n] for n in sig.param_names]
+        self._tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
+        with torch.no_grad():  # tp: each parameter becomes this rank's slice of it
+            for p, layout in zip(self._params, self.program.tp_layouts):
+                if layout is not None:
+                    p.data = rtp.local_param(p.data, layout, plan.tp, world.coordinate("tp"))
         self._zero = None
         self._runner = None
         if self.program.pipeline is not None:
@@ -121,7 +128,8 @@ class ParallelModel:
         gm, sig = cap.capture(self.model, example, self.loss_fn, joint=joint)
         capture_time = time.perf_counter() - t0
         virtual = 2 if plan.schedule == "interleaved" else 1
-        ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp"},
+        ctx = PassContext(signature=sig, group_names={"dp": self.world.group_name("dp") or "dp",
+                                                      "tp": self.world.group_name("tp") or "tp"},
                           memory_budget=self._activation_budget() if joint else None,
                           virtual_stages=virtual, device=self.world.device)
         if m > 1 and sig.mutated_buffers:
@@ -135,7 +143,9 @@ class ParallelModel:
                              batch_shard_dims=ctx.batch_shard_dims,
                              group_name=ctx.group_names["dp"],
                              zero=plan.zero if ctx.zero_buckets else 0,
-                             zero_buckets=ctx.zero_buckets, params_sharded=ctx.params_sharded)
+                             zero_buckets=ctx.zero_buckets, params_sharded=ctx.params_sharded,
+                             tp=plan.tp, tp_layouts=ctx.tp_layouts or [None] * sig.num_params,
+                             tp_group_name=self.world.group_name("tp"))
         if plan.pp > 1 or m > 1:
             t1 = time.perf_counter()
             program.pipeline = stages.split(gm, sig, plan.pp * virtual)
@@ -258,28 +268,66 @@ class ParallelModel:
                 with torch.no_grad():
                     for p, full in zip(self._params, self._zero.full_params()):
                         p.data = full
+            local = self._tp_unshard()
             self._eval_program, _ = self._compile(self._example_batch, joint=False, snapshots={})
+            self._tp_reshard(local)
+            if self._eval_program.tp_layouts != self.program.tp_layouts:
+                raise PlanError(
+                    "evaluate() under tensor parallelism: the forward-only graph was sharded "
+                    f"differently from the training graph ({self._eval_program.tp_layouts} vs "
+                    f"{self.program.tp_layouts}); please report this model to fxpar.")
             if self._zero is not None and self._zero.shard_params:
                 for p in self._params:
                     p.data = p.data.new_empty(0)
         outs = self._run(self._eval_program, batch)
         return outs[0].detach()
 
+    # --- tensor-parallel shards ------------------------------------------------------------
+    def _tp_full(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> the user's full weight, for every tp-sharded one (collective)."""
+        if self._tp_group is None:
+            return {}
+        return {id(p): rtp.full_param(p.data, layout, self.plan.tp, self._tp_group)
+                for p, layout in zip(self._params, self.program.tp_layouts)
+                if layout is not None}
+
+    def _tp_unshard(self) -> dict[int, torch.Tensor]:
+        """Put the full weights back into the model (for tracing); returns the shards."""
+        full = self._tp_full()
+        local = {}
+        with torch.no_grad():
+            for p in self._params:
+                if id(p) in full:
+                    local[id(p)], p.data = p.data, full[id(p)]
+        return local
+
+    def _tp_reshard(self, local):
+        for p in self._params:
+            if id(p) in local:
+                p.data = local[id(p)]
+
     # --- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank
-        (with ZeRO-3 or pipeline stages this gathers: call it on every rank)."""
+        (with ZeRO-3, tensor parallelism or pipeline stages this gathers: call it on every
+        rank)."""
         state = self.model.state_dict(keep_vars=True)
+        tp_full = self._tp_full()
         if self._runner is not None and self.plan.pp > 1:
-            return self._gather_stages(state)
+            return self._gather_stages(state, tp_full)
+        if tp_full:
+            return {k: tp_full[id(v)] if id(v) in tp_full else v.detach().clone()
+                    for k, v in state.items()}
         if self._zero is not None and self._zero.shard_params:
             full = dict(zip(map(id, self._params), self._zero.full_params()))
             return {k: full[id(v)] if id(v) in full else v.detach().clone()
                     for k, v in state.items()}
         return {k: v.detach().clone() for k, v in state.items()}
 
-    def _gather_stages(self, state):
-        """Each weight from the first stage that holds it (copies on other stages are equal)."""
+    def _gather_stages(self, state, tp_full=None):
+        """Each weight from the first stage that holds it (copies on other stages are equal);
+        `tp_full`: id -> full weight where this rank holds a tp shard."""
+        tp_full = tp_full or {}
         r = self._runner
         owned = {}
         ids = {id(p): i for i, p in enumerate(self._params)}
@@ -292,7 +340,7 @@ class ParallelModel:
             else:
                 stages_ = {0}
             if r.rank_of(min(stages_)) == r.rank:
-                owned[k] = v.detach().cpu().clone()
+                owned[k] = tp_full.get(id(v), v.detach()).cpu().clone()
         gathered = [None] * self.plan.pp
         dist.all_gather_object(gathered, owned, group=r.group)
         merged = {k: v for d in gathered for k, v in d.items()}

@@ -76,4 +76,10 @@ class Program:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual: int = 1
+    # Tensor parallelism (tp > 1): per parameter None (whole) or a layout (shard_dim,
+    # interleave_dim, k) saying which slice of the user's weight this tp rank's program reads
+    # (runtime/tp.py); gradient outputs are placed the same way.
+    tp: int = 1
+    tp_layouts: list = dataclasses.field(default_factory=list)
+    tp_group_name: str | None = None
     pp_group_name: str | None = None

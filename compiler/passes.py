@@ -42,18 +42,21 @@ class PassContext:
     overlap_memory_bytes: int | None = None  # overlap: extra bytes allowed (None: 2 layers)
     virtual_stages: int = 1  # pipeline stages per rank (interleaved schedule: 2)
     device: Any = None       # the rank's device (cost model profile)
+    tp_layouts: list | None = None  # set by tensor_parallel: per parameter, see runtime/tp.py
 
 
 def _pass_list(plan) -> list[tuple[str, Callable]]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
     # overlap, fusion. Only implemented passes are listed; Plan.validate refuses the rest.
     # A pass the plan switches off is left out (no empty snapshot for it).
-    from fxpar.passes import data_parallel, overlap, pipeline_split, remat
+    from fxpar.passes import data_parallel, overlap, pipeline_split, remat, tensor_parallel
     passes = []
     if plan.remat != "none":
         passes.append(("remat", remat.run))
     if plan.pp > 1:
         passes.append(("pipeline_split", pipeline_split.run))
+    if plan.tp > 1:
+        passes.append(("tensor_parallel", tensor_parallel.run))
     passes.append(("data_parallel", data_parallel.run))
     if plan.overlap and plan.dp * plan.tp * plan.pp > 1:
         passes.append(("overlap", overlap.run))

@@ -93,8 +93,8 @@ class Plan:
             raise PlanError(f"Plan.overlap must be True or False, got {self.overlap!r}.")
         # Features whose passes have not landed yet: refuse instead of silently ignoring.
         missing = []
-        if self.tp != 1:
-            missing.append(f"tp={self.tp} (tensor parallelism)")
+        if self.tp != 1 and self.zero == 3:
+            missing.append(f"zero=3 with tp={self.tp}")
         if self.pp != 1 and self.zero == 3:
             missing.append(f"zero=3 with pp={self.pp}")
         if self.precision != "fp32":
@@ -103,10 +103,10 @@ class Plan:
             missing.append("fuse=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use tp=1, precision='fp32', fuse=False, and zero <= 2 with "
-                            "pipeline stages (data and pipeline parallelism with microbatches "
-                            "and any schedule, remat, ZeRO 1-3 (1-2 with pp) and overlap are "
-                            "available).")
+                            " yet; use precision='fp32', fuse=False, and zero <= 2 with "
+                            "pipeline stages or tensor parallelism (data, tensor and pipeline "
+                            "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
+                            "(1-2 with pp or tp) and overlap are available).")
         return self
 
 

@@ -146,6 +146,21 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
 
 # --- propagation --------------------------------------------------------------------------
 
+# ops that act over a process group: the position of the group-name argument, and where the
+# dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
+_GROUP_ARG = {
+    c10d.all_reduce.default: 2,
+    c10d.all_gather_into_tensor.default: 2,
+    c10d.reduce_scatter_tensor.default: 3,
+    torch.ops.fxpar.local_chunk.default: 3,
+    torch.ops.fxpar.partial_from_replicate.default: 1,
+}
+_AXIS_DIM = {
+    c10d.all_gather_into_tensor.default: 0,
+    c10d.reduce_scatter_tensor.default: 0,
+    torch.ops.fxpar.local_chunk.default: 1,
+}
+
 # --- rules DTensor lacks --------------------------------------------------------------------
 # Attention kernels whose tensors are all (batch, heads, ...): any placement that splits the
 # batch or the heads of q/k/v splits every other operand and result the same way.
@@ -164,13 +179,21 @@ def _batch_head_rule(node, specs, replicate):
     want_p = lead if isinstance(lead, Shard) and lead.dim in (0, 1) else Replicate()
     ref_shape = tensors[0].meta[ir.VAL].shape
     wanted = {}
+    n = _mesh_size(specs[tensors[0]])
     for a in tensors:
         shape = a.meta[ir.VAL].shape
-        # logsumexp is (batch, heads, L): 3-D, but its leading dims line up with q's
-        ok = isinstance(want_p, Shard) and len(shape) > want_p.dim and \
-            shape[want_p.dim] == ref_shape[want_p.dim]
+        # logsumexp is (batch, heads, L): 3-D, but its leading dims line up with q's. With
+        # grouped-query attention k/v have fewer heads than q: splitting both head dims
+        # contiguously keeps every q head with its kv head (the group ratio is unchanged).
+        ok = isinstance(want_p, Shard) and len(shape) > want_p.dim and (
+            shape[want_p.dim] == ref_shape[want_p.dim] or (
+                want_p.dim == 1 and shape[1] % n == 0 and ref_shape[1] % shape[1] == 0))
         wanted[a] = (want_p,) if ok else replicate
     return wanted, (want_p,)
+
+
+def _mesh_size(spec) -> int:
+    return int(spec.mesh.mesh.numel())
 
 
 def has_sharding_rule(op) -> bool:
@@ -187,7 +210,8 @@ def _placements(spec) -> tuple | None:
 
 
 def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
-                group_names: Sequence[str]) -> dict[torch.fx.Node, Any]:
+                group_names: Sequence[str], reduce_shared_partials: bool = False
+                ) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -195,6 +219,9 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     returns {node: placements}. Outputs are left as they are: the caller decides what each
     output must be (e.g. the data-parallel pass all-reduces gradients in buckets).
     meta["val"] still holds GLOBAL shapes; refresh with fake propagation afterwards.
+    reduce_shared_partials: a partial sum read by several ops is all-reduced once, right
+    where it is made (Megatron's placement), instead of each reader's chain of linear ops
+    carrying it on and reducing its own, smaller, results (more collectives).
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
     for node in list(gm.graph.nodes):
@@ -212,6 +239,9 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
             spec = sh.propagate(node)
         s = sh.specs[node] = _with_meta(spec, node.meta.get(ir.VAL), mesh)
         node.meta[ir.SHARD] = _placements_tree(s)
+        if reduce_shared_partials and isinstance(s, DTensorSpec) and \
+                _is_partial(s.placements) and len(node.users) > 1:
+            sh.reduce_now(node)
     return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
 
 
@@ -225,16 +255,121 @@ def _is_partial(placements) -> bool:
     return any(isinstance(p, Partial) for p in placements)
 
 
+def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
+            group_names: Sequence[str], region: str | None = ir.FORWARD, decide=None):
+    """What shard_graph would do, without changing `gm` (it shards a copy of the graph).
+
+    Returns (specs, requests): the placements of every visited node of `gm`, and every
+    redistribution the real run would insert, as (node, input, have, need) in `gm`'s nodes.
+    Only nodes of `region` are visited (None: all). `decide(node, specs)` is called before
+    each call node and may return {placeholder name: placements} to place values left
+    pending (placeholders mapped to None in `placeholder_placements`): lazy decisions, e.g.
+    a weight's placement chosen when its matmul sees how the activation arrives. A pending
+    placeholder left undecided blocks the nodes that read it (they are not visited)."""
+    g2 = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    g2.output(g2.graph_copy(gm.graph, val_map))
+    back = {v: k for k, v in val_map.items()}
+    gm2 = torch.fx.GraphModule(gm, g2)
+    sh = _Sharder(g2, mesh, list(group_names))
+    phs = {n.name: n for n in g2.nodes if n.op == "placeholder"}
+    pending = set()
+    for n in phs.values():
+        pl = placeholder_placements.get(n.name, sh.replicate)
+        if pl is None:
+            pending.add(n)
+        else:
+            sh.specs[n] = _spec(mesh, pl, n.meta[ir.VAL])
+    specs_view = _Translated(sh.specs, val_map)
+
+    def ready(a) -> bool:  # can `a` be placed now (no pending value upstream)?
+        if a in sh.specs:
+            return True
+        if a in pending or a.op == "placeholder":
+            return False
+        return all(ready(b) for b in sh.inputs(a))
+
+    def settle(a):
+        for b in sh.inputs(a):
+            if b not in sh.specs:
+                settle(b)
+        _visit(sh, gm2, a)
+
+    for node in list(g2.nodes):
+        if node.op in ("placeholder", "output") or node not in back:
+            continue
+        if region is not None and node.meta.get(ir.REGION) != region:
+            continue
+        if decide is not None and node.op == "call_function":
+            for name, pl in (decide(back[node], specs_view) or {}).items():
+                ph = phs[name]
+                if ph in pending:
+                    sh.specs[ph] = _spec(mesh, pl, ph.meta[ir.VAL])
+                    pending.discard(ph)
+        if ready(node):
+            settle(node)
+    specs = {back[n]: s for n, s in sh.specs.items() if n in back}
+    requests = [(back.get(n), back.get(v), have, need) for n, v, have, need in sh.requests]
+    return specs, requests
+
+
+class _Translated:
+    """Read-only view of a copy's specs keyed by the original graph's nodes."""
+
+    def __init__(self, specs, val_map):
+        self.specs, self.val_map = specs, val_map
+
+    def get(self, node, default=None):
+        return self.specs.get(self.val_map.get(node), default)
+
+    def __contains__(self, node):
+        return self.val_map.get(node) in self.specs
+
+    def __getitem__(self, node):
+        return self.specs[self.val_map[node]]
+
+
+def _visit(sh, gm, node):
+    if node in sh.specs:
+        return
+    if node.op == "get_attr":
+        spec = _spec(sh.mesh, sh.replicate, getattr(gm, node.target))
+    elif node.target is operator.getitem:
+        src = sh.specs[node.args[0]]
+        spec = src[node.args[1]] if isinstance(src, (tuple, list)) else src
+    else:
+        spec = sh.propagate(node)
+    sh.specs[node] = _with_meta(spec, node.meta.get(ir.VAL), sh.mesh)
+
+
 class _Sharder:
-    """Per-graph propagation state: the specs so far and the redistributions already made."""
+    """Per-graph propagation state: the specs so far, the redistributions already made, and
+    the list of them (`requests`: (node, value, have, need))."""
 
     def __init__(self, graph: torch.fx.Graph, mesh, group_names: list[str]):
         self.graph, self.mesh, self.group_names = graph, mesh, group_names
+        self.requests: list[tuple] = []
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.specs: dict[torch.fx.Node, Any] = {}
         self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
+
+    def reduce_now(self, node) -> None:
+        """Replace every use of partial `node` by its all-reduced value, made right after it."""
+        users = list(node.users)
+        need = tuple(Replicate() if isinstance(p, Partial) else p
+                     for p in self.specs[node].placements)
+        with self.graph.inserting_before(node.next):
+            meta = {ir.MODULE: node.meta.get(ir.MODULE, ""), ir.REGION: node.meta.get(ir.REGION)}
+            new = redistribute(self.graph, node, self.specs[node].placements, need,
+                               self.group_names, self.mesh_sizes, meta)
+        self.requests.append((users[0], node, tuple(self.specs[node].placements), need))
+        self.specs[new] = DTensorSpec(self.mesh, need, self.specs[node].tensor_meta)
+        new.meta[ir.SHARD] = need
+        self.made[(node, need)] = new
+        for u in users:
+            u.replace_input_with(node, new)
 
     # -- inputs ----------------------------------------------------------------------------
     def inputs(self, node) -> list[torch.fx.Node]:
@@ -246,6 +381,7 @@ class _Sharder:
         have, need = _placements(self.specs[value]), tuple(placements)
         if have == need:
             return value
+        self.requests.append((node, value, have, need))
         if (value, need) not in self.made:  # one collective per (value, placement)
             with self.graph.inserting_before(node):
                 meta = {ir.MODULE: node.meta.get(ir.MODULE, ""),
@@ -294,6 +430,10 @@ class _Sharder:
                           and isinstance(a.meta.get(ir.VAL), torch.Tensor)
                           and a.meta[ir.VAL].numel() < out_numel})
 
+        if op is c10d.wait_tensor.default:
+            return _out_spec(self.mesh, self.specs[node.args[0]].placements, val)
+        if self._other_axis(node):
+            return self.propagate_other_axis(node)
         if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
             wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)
             self.place(node, wanted)
@@ -325,6 +465,31 @@ class _Sharder:
                     kwargs[k] = self.rewrite(node, kwargs[k], v)
             node.args, node.kwargs = tuple(self.rewrite(node, node.args, want.args_schema)), kwargs
         return out.output_spec
+
+    def _other_axis(self, node) -> bool:
+        """A collective (or rank-dependent fxpar op) over a process group that is not one of
+        this mesh's: inserted by an earlier pass for another mesh dimension (e.g. tensor
+        parallelism's all-reduces, seen by the data-parallel pass)."""
+        if node.target not in _GROUP_ARG:
+            return False
+        group = node.args[_GROUP_ARG[node.target]]
+        return isinstance(group, str) and group not in self.group_names
+
+    def propagate_other_axis(self, node):
+        """Such an op acts independently on each of this mesh's shards (sums, gathers and
+        chunks along another axis), so its result is placed like its input, unless it
+        gathers/scatters/chunks along the very dim this mesh shards."""
+        x = node.args[0]
+        pl = self.specs[x].placements
+        dim = _AXIS_DIM.get(node.target)
+        if dim is not None:
+            d = node.args[dim] if isinstance(dim, int) and dim > 0 else 0
+            if any(isinstance(p, Shard) and p.dim == d for p in pl):
+                raise ShardingError(
+                    f"{node.target} (node {node.name}) gathers/splits dim {d} over another "
+                    f"mesh dimension, which this mesh also shards ({pl}); fxpar cannot "
+                    "compose these two shardings of one dimension.")
+        return _out_spec(self.mesh, pl, node.meta.get(ir.VAL))
 
     def propagate_rng_replay(self, node):
         """remat's RNG replay wrappers shard like the random op they wrap; the saved RNG state

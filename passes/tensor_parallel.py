@@ -1,0 +1,402 @@
+"""Tensor parallelism found on the graph: Megatron-style column -> row pairs, no module names.
+
+Why this way: peers need a plan per model (Megatron's layers, DTensor's `parallelize_module`
+keyed by module names, DeepSpeed AutoTP's name rules). Here the plan is read off the ATen
+graph. A linear (mm/addmm whose weight is a parameter) whose activation arrives replicated is
+split column-wise (its output features sharded); one whose activation arrives sharded on the
+features it contracts is split row-wise (its output is a partial sum). Whether a column
+split pays off is checked by propagating the placements through the forward (DTensor's own
+per-op rules, compiler/sharding.dry_run): if the sharded features reach an op that needs them
+whole (a LayerNorm, a residual add, the loss) before a row partner contracts them, the
+column split is dropped and that weight stays replicated. On a transformer block this finds
+QKV -> attention (heads split) -> output projection, and up/gate -> down projection: two
+all-reduces in the forward and two in the backward, as Megatron.
+
+A projection whose output is split into k equal pieces (nanoGPT's and GPT-2's fused QKV) is
+rewritten first so each rank's contiguous slice of the weight holds its share of every
+piece: the weight is stored interleaved (rank r holds rows [q_r; k_r; v_r]) and the split
+becomes view/select ops that DTensor's rules shard without communication. The runtime keeps
+the weight in that layout (ctx.tp_layouts) and undoes it in full_state_dict().
+
+Then compiler/sharding.shard_graph propagates the chosen placements through the whole joint
+graph on the tp mesh and inserts the collectives; the gradients come out placed like their
+weights (local shards), the loss and buffers replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from fxpar.compiler import ir
+from fxpar.compiler.errors import PlanError, ShardingError
+from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh,
+                                     redistribute, shard_graph)
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: one per matmul node
+class Linear:
+    mm: torch.fx.Node           # aten.mm / aten.addmm in the forward
+    weight: torch.fx.Node       # the weight's parameter placeholder
+    act: torch.fx.Node          # the activation (mat1)
+    transposed: bool            # weight stored [out, in] and read through t() (nn.Linear)
+    bias: torch.fx.Node | None  # addmm's bias, if a parameter placeholder
+
+    @property
+    def out_dim(self) -> int:   # weight dim of the output features
+        return 0 if self.transposed else 1
+
+    @property
+    def in_dim(self) -> int:    # weight dim contracted with the activation
+        return 1 if self.transposed else 0
+
+
+@dataclasses.dataclass
+class Decision:
+    """gm.meta["tensor_parallel"]: what the pass chose (for tests, viz and the report)."""
+    tp: int
+    column: list[str]           # weight names split by output features
+    row: list[str]              # weight names split by input features
+    replicated: list[str]       # linear weights left whole (no row partner found)
+    interleaved: dict[str, int]  # weight/bias name -> pieces of its fused output
+    placements: dict[str, tuple]  # parameter name -> placements on the tp mesh
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    tp = plan.tp
+    if tp == 1:
+        return gm
+    group = ctx.group_names["tp"]
+    sig = ctx.signature
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {n: sig.param_names[i] for i, n in enumerate(phs[:sig.num_params])}
+    linears = find_linears(gm, params)
+    interleaved = {}  # placeholder -> (dim holding the fused pieces, number of pieces)
+    for lin in linears:
+        k = _rewrite_fused_split(gm, lin, tp)
+        if k:
+            interleaved[lin.weight] = (lin.out_dim, k)
+            if lin.bias is not None:
+                interleaved[lin.bias] = (0, k)
+
+    mesh = make_mesh(tp)
+    roles, placements = choose_placements(gm, linears, params, mesh, group, tp)
+    _check_divisible(placements, tp)
+    shard_graph(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
+                reduce_shared_partials=True)
+    _place_outputs(gm, placements, sig, group, tp)
+    for n, pl in placements.items():  # parameter placeholders now hold local shards
+        v = n.meta[ir.VAL]
+        shape = list(v.shape)
+        for p in pl:
+            if isinstance(p, Shard):
+                shape[p.dim] //= tp
+        n.meta[ir.VAL] = v.new_empty(shape)
+    from fxpar.compiler.passes import fake_propagate
+    fake_propagate(gm, check=False)
+
+    ctx.tp_layouts = [None] * sig.num_params
+    for n in set(placements) | set(interleaved):
+        shard = next((p for p in placements.get(n, ()) if isinstance(p, Shard)), None)
+        il_dim, k = interleaved.get(n, (None, 1))
+        ctx.tp_layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
+    gm.meta["tensor_parallel"] = Decision(
+        tp, [params[lin.weight] for lin, r in roles.items() if r == "column"],
+        [params[lin.weight] for lin, r in roles.items() if r == "row"],
+        [params[lin.weight] for lin, r in roles.items() if r == "replicated"],
+        {params[n]: k for n, (_, k) in interleaved.items()},
+        {params[n]: pl for n, pl in placements.items()})
+    if not roles or all(r == "replicated" for r in roles.values()):
+        import warnings
+        warnings.warn(f"tp={tp}: no column->row linear pair was found in this model's graph, "
+                      "so every tp rank computes the whole model (replication only).")
+    return gm
+
+
+# --- finding the linears ------------------------------------------------------------------
+
+def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
+    """Forward mm/addmm nodes whose weight is a 2-D parameter, in graph order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get(ir.REGION) != ir.FORWARD:
+            continue
+        if n.target is aten.mm.default:
+            act, w, bias = n.args[0], n.args[1], None
+        elif n.target is aten.addmm.default and not n.kwargs:
+            bias, act, w = n.args[0], n.args[1], n.args[2]
+        else:
+            continue
+        transposed = isinstance(w, torch.fx.Node) and w.target is aten.t.default
+        src = w.args[0] if transposed else w
+        if src in params and src.meta[ir.VAL].dim() == 2:
+            out.append(Linear(n, src, act, transposed, bias if bias in params else None))
+    return out
+
+
+def _reads(node, target) -> bool:
+    """node is `target` or a chain of views/transposes of it."""
+    while node is not target:
+        if not (isinstance(node, torch.fx.Node) and node.target in (*_VIEWS, aten.t.default)):
+            return False
+        node = node.args[0]
+    return True
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+# --- fused projections ----------------------------------------------------------------------
+
+def _rewrite_fused_split(gm, lin: Linear, tp: int) -> int:
+    """If lin's output is split into k equal pieces along its features (a fused QKV),
+    rewrite the split and its backward cat for the interleaved layout; returns k (0: no)."""
+    graph = gm.graph
+    splits = [u for v in _views_of(lin.mm) for u in v.users
+              if u.target in (aten.split.Tensor, aten.split_with_sizes.default)
+              and u.meta.get(ir.REGION) == ir.FORWARD]
+    if len(splits) != 1:
+        return 0
+    split = splits[0]
+    y = split.args[0]
+    shape = list(y.meta[ir.VAL].shape)
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    dim %= len(shape)
+    if dim != len(shape) - 1:
+        return 0
+    if split.target is aten.split.Tensor:
+        size = split.args[1]
+        k = shape[dim] // size if shape[dim] % size == 0 else 0
+    else:
+        sizes = split.args[1]
+        size, k = sizes[0], len(sizes) if len(set(sizes)) == 1 else 0
+    if k < 2 or size % tp:
+        return 0
+    lead = shape[:-1]
+    meta = {ir.MODULE: split.meta.get(ir.MODULE, ""), ir.REGION: ir.FORWARD}
+
+    def emit(target, args, region_meta, like):
+        node = graph.call_function(target, args)
+        node.meta.update(region_meta)
+        node.meta[ir.VAL] = like
+        return node
+
+    getitems = [u for u in split.users if u.target is operator.getitem]
+    with graph.inserting_before(split):
+        v = emit(aten.view.default, (y, [*lead, tp, k, size // tp]), meta, None)
+        for g in sorted(getitems, key=lambda n: n.args[1]):
+            sel = emit(aten.select.int, (v, -2, g.args[1]), meta, None)
+            cont = emit(aten.clone.default, (sel,), meta, None)
+            cont.kwargs = {"memory_format": torch.contiguous_format}
+            piece = emit(aten.view.default, (cont, [*lead, size]), meta, None)
+            g.replace_all_uses_with(piece)
+    for g in getitems:
+        graph.erase_node(g)
+    graph.erase_node(split)
+
+    # the split's backward: cat(grads of the pieces, dim) feeding the weight-gradient mm
+    has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
+                       for n in graph.nodes)
+    for cat in [n for n in graph.nodes if n.target is aten.cat.default
+                and n.meta.get(ir.REGION) == ir.BACKWARD]:
+        pieces, cdim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0)
+        if len(pieces) != k or cdim % len(shape) != dim or \
+                list(cat.meta[ir.VAL].shape) != shape or not _feeds_weight_grad(cat, lin):
+            continue
+        bmeta = {ir.MODULE: cat.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD}
+        with graph.inserting_before(cat):
+            parts = [emit(aten.view.default, (p, [*lead, tp, 1, size // tp]), bmeta, None)
+                     for p in pieces]
+            joined = emit(aten.cat.default, (parts, len(lead) + 1), bmeta, None)
+            flat = emit(aten.view.default, (joined, shape), bmeta, None)
+        cat.replace_all_uses_with(flat)
+        graph.erase_node(cat)
+        break
+    else:
+        if not has_backward:  # a forward-only graph (evaluate): nothing to rewrite
+            return _finish(gm, k)
+        raise ShardingError(
+            f"tensor parallelism: the fused projection '{lin.mm.meta.get(ir.MODULE, '')}' "
+            "splits its output into pieces, but the matching gradient concatenation was not "
+            "found in the backward; fxpar cannot shard it. Please report the model.")
+    return _finish(gm, k)
+
+
+def _finish(gm, k):
+    from fxpar.compiler.passes import fake_propagate
+    gm.recompile()
+    fake_propagate(gm, check=False)
+    return k
+
+
+def _views_of(node):
+    out, todo = [node], [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.target in _VIEWS:
+                out.append(u)
+                todo.append(u)
+    return out
+
+
+def _feeds_weight_grad(cat, lin) -> bool:
+    """cat's value (through views/transposes) is multiplied with lin's activation."""
+    for v in _views_of(cat):
+        for u in v.users:
+            us = [u] + ([w for w in u.users] if u.target is aten.t.default else [])
+            for m in us:
+                if m.target is aten.mm.default and any(_reads(a, lin.act) for a in m.args):
+                    return True
+    return False
+
+
+# --- choosing placements --------------------------------------------------------------------
+
+def choose_placements(gm, linears, params, mesh, group, tp):
+    """-> ({Linear: "column" | "row" | "replicated"}, {param placeholder: placements})."""
+    by_mm = {lin.mm: lin for lin in linears}
+    weight_uses = _weight_uses(gm, linears)
+    eligible = {lin.weight for lin in linears
+                if all(u in weight_uses[lin.weight] for u in _forward_users(lin.weight))}
+    failed: set = set()
+    for _ in range(len(linears) + 1):
+        roles: dict[Linear, str] = {}
+        decided: dict[torch.fx.Node, tuple] = {}
+
+        def decide(node, specs):
+            lin = by_mm.get(node)
+            if lin is not None and lin.weight not in decided:
+                act = specs.get(lin.act)
+                pl = act.placements[0] if act is not None else Replicate()
+                last = lin.act.meta[ir.VAL].dim() - 1
+                if lin.weight not in eligible:
+                    role, w = "replicated", Replicate()
+                elif isinstance(pl, Shard) and pl.dim == last:
+                    role, w = "row", Shard(lin.in_dim)
+                elif pl == Replicate() and lin not in failed:
+                    role, w = "column", Shard(lin.out_dim)
+                else:
+                    role, w = "replicated", Replicate()
+                roles[lin] = role
+                decided[lin.weight] = (w,)
+                return {lin.weight.name: (w,)}
+            # any other forward use of a still-undecided weight: it stays whole
+            return {a.name: (Replicate(),) for a in node.all_input_nodes
+                    if a in eligible and a not in decided and node not in weight_uses[a]}
+
+        pending = {w.name: None for w in eligible}  # placed when their matmul is reached
+        specs, requests = dry_run(gm, mesh, pending, [group], decide=decide)
+        new_failed = _failed_columns(gm, roles, specs, requests)
+        if not new_failed:
+            break
+        failed |= new_failed
+    placements = {w: pl for w, pl in decided.items() if pl != (Replicate(),)}
+    # a bias (or any parameter) every forward use of which wants the same shard: store it so
+    placements.update(_absorbed_shards(gm, params, placements, mesh, group))
+    return roles, placements
+
+
+def _weight_uses(gm, linears):
+    """Per weight: the forward nodes that read it as a linear's weight (the mm, its t())."""
+    uses: dict = {}
+    for lin in linears:
+        s = uses.setdefault(lin.weight, set())
+        s.add(lin.mm)
+        if lin.transposed:
+            s.add(lin.mm.args[-1])
+    return uses
+
+
+def _forward_users(n):
+    return [u for u in n.users if u.meta.get(ir.REGION) == ir.FORWARD]
+
+
+def _failed_columns(gm, roles, specs, requests) -> set:
+    """Column linears whose sharded output reaches an op that needs it gathered."""
+    col = {lin.mm: lin for lin, r in roles.items() if r == "column"}
+    row = {lin.mm for lin, r in roles.items() if r == "row"}
+    origin: dict[torch.fx.Node, set] = {}
+    for n in gm.graph.nodes:
+        if n not in specs or n.op != "call_function":
+            continue
+        if n in col:
+            origin[n] = {col[n]}
+        elif n not in row:
+            o = set().union(*(origin.get(a, set()) for a in n.all_input_nodes))
+            if o:
+                origin[n] = o
+    failed = set()
+    for node, value, have, need in requests:
+        if any(isinstance(h, Shard) for h in have) and have != need:
+            failed |= origin.get(value, set())
+    return failed
+
+
+def _absorbed_shards(gm, params, placements, mesh, group):
+    """Parameters left replicated whose every forward use chunks them the same way (a column
+    linear's bias): shard them at rest instead (1/tp of the memory, no chunking)."""
+    specs, requests = dry_run(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group])
+    wants: dict = {}
+    for node, value, have, need in requests:
+        if value in params and value not in placements:
+            wants.setdefault(value, []).append((node, need))
+    out = {}
+    for p, ws in wants.items():
+        needs = {need for _, need in ws}
+        users = {node for node, _ in ws}
+        if len(needs) == 1 and isinstance(next(iter(needs))[0], Shard) and \
+                users == set(_forward_users(p)):
+            out[p] = next(iter(needs))
+    return out
+
+
+def _check_divisible(placements, tp):
+    for n, pl in placements.items():
+        for p in pl:
+            if isinstance(p, Shard) and n.meta[ir.VAL].shape[p.dim] % tp:
+                raise PlanError(
+                    f"tp={tp} does not divide dimension {p.dim} (size "
+                    f"{n.meta[ir.VAL].shape[p.dim]}) of parameter {n.name}: choose a tp that "
+                    "divides the hidden size, the number of heads and the MLP width.")
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+def _place_outputs(gm, placements, sig, group, tp):
+    """Gradients placed like their weights (this rank's shard), loss and buffers whole."""
+    graph = gm.graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    n_g = out.meta.get("n_grads", sig.num_params)
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+
+    def place(v, want):
+        if not isinstance(v, torch.fx.Node):
+            return v
+        have = v.meta.get(ir.SHARD)
+        if have is None or tuple(have) == tuple(want):
+            return v
+        with graph.inserting_before(out):
+            r = redistribute(graph, v, have, want, [group], [tp],
+                             {ir.MODULE: v.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM})
+        r.meta[ir.SHARD] = tuple(want)
+        return r
+
+    rep = (Replicate(),)
+    new = [place(outs[0], rep)]
+    for i, g in enumerate(outs[1:1 + n_g]):
+        new.append(place(g, placements.get(phs[i], rep)))
+    new += [place(b, rep) for b in outs[1 + n_g:]]
+    out.args = (tuple(new),)
+    # a Partial that was summed into a replicated value is not left anywhere
+    for n in graph.nodes:
+        if n.op == "output":
+            for v in n.args[0]:
+                if isinstance(v, torch.fx.Node) and any(
+                        isinstance(p, Partial) for p in (v.meta.get(ir.SHARD) or ())):
+                    raise ShardingError(f"fxpar bug: output {v.name} is still a partial sum")
