@@ -138,16 +138,20 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
     return out
 
 
-def _reads(node, target) -> bool:
-    """node is `target` or a chain of views/transposes of it."""
-    while node is not target:
-        if not (isinstance(node, torch.fx.Node) and node.target in (*_VIEWS, aten.t.default)):
-            return False
+def _root(node):
+    """The value `node` is a chain of views/transposes/transfers of."""
+    while isinstance(node, torch.fx.Node) and node.target in (*_VIEWS, aten.t.default):
         node = node.args[0]
-    return True
+    return node
 
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+def _reads(node, target) -> bool:
+    """node and `target` are views of one value (a pipeline cut may have sent one copy)."""
+    return _root(node) is _root(target)
+
+
+# value-preserving reshapes; aten.alias is a pipeline transfer (passes/pipeline_split.py)
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 
 
 # --- fused projections ----------------------------------------------------------------------
