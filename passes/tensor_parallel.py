@@ -294,7 +294,13 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                     if a in eligible and a not in decided and node not in weight_uses[a]}
 
         pending = {w.name: None for w in eligible}  # placed when their matmul is reached
-        specs, requests = dry_run(gm, mesh, pending, [group], decide=decide)
+        try:
+            specs, requests = dry_run(gm, mesh, pending, [group], decide=decide)
+        except ShardingError as e:
+            raise PlanError(
+                f"tp={tp} cannot split this model evenly: {e} Choose a tp that divides the "
+                "number of attention heads (and of key/value heads), the hidden size and the "
+                "MLP width.") from None
         new_failed = _failed_columns(gm, roles, specs, requests)
         if not new_failed:
             break

@@ -1,0 +1,185 @@
+"""The tensor-parallel pass on small graphs: which weights split how, which collectives appear
+(Megatron's 2 + 2 all-reduces per block), fused QKV layouts, GQA, composition with dp."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpar.compiler import ir
+from fxpar.compiler.capture import capture
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.plan import resolve
+from fxpar.compiler.sharding import Replicate, Shard
+from fxpar.examples import models as M
+from fxpar.runtime import tp as rtp
+
+c10d = torch.ops._c10d_functional
+
+
+def compile_tp(model, batch, tp, **plan):
+    gm, sig = capture(model, batch)
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group", "tp": "tp-group"})
+    world = tp * plan.get("dp", 1) * plan.get("pp", 1)
+    gm = run_passes(gm, resolve({"tp": tp, "dp": 1, **plan}, world), ctx, "rank", {})
+    return gm, sig, ctx
+
+
+def all_reduces(gm, group="tp-group"):
+    """(forward, backward) counts of all-reduces over `group`, by the region of their reader."""
+    fwd = bwd = 0
+    for n in gm.graph.nodes:
+        if n.target is c10d.all_reduce.default and n.args[2] == group:
+            wait = next(iter(n.users))
+            readers = [u for u in wait.users if u.op == "call_function"]
+            region = readers[0].meta.get(ir.REGION) if readers else ir.BACKWARD
+            fwd += region == ir.FORWARD
+            bwd += region != ir.FORWARD
+    return fwd, bwd
+
+
+class Block(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear, residual; MSE loss."""
+
+    def __init__(self, d=32, hidden=None):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden or 4 * d)
+        self.down = nn.Linear(hidden or 4 * d, d)
+
+    def forward(self, batch):
+        x, y = batch
+        x = x + self.down(F.gelu(self.up(self.ln(x))))
+        return F.mse_loss(x, y)
+
+
+def test_mlp_block_column_then_row_and_one_all_reduce_each_way():
+    gm, sig, ctx = compile_tp(Block(), (torch.randn(8, 32), torch.randn(8, 32)), 2)
+    d = gm.meta["tensor_parallel"]
+    assert d.column == ["up.weight"] and d.row == ["down.weight"]
+    assert d.placements["up.weight"] == (Shard(0),) and d.placements["up.bias"] == (Shard(0),)
+    assert d.placements["down.weight"] == (Shard(1),)
+    assert "down.bias" not in d.placements and "ln.weight" not in d.placements  # whole
+    assert all_reduces(gm) == (1, 1)
+    # local shapes: half the hidden units on this rank
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    shapes = [tuple(n.meta[ir.VAL].shape) for n in list(phs.values())[:sig.num_params]]
+    assert (64, 32) in shapes and (32, 64) in shapes and (64,) in shapes
+    assert ctx.tp_layouts[sig.param_names.index("up.weight")] == (0, None, 1)
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_gpt_block_has_megatron_collective_count_and_fused_qkv_interleaved(n_layer):
+    cfg = M.GPTConfig(n_layer=n_layer)
+    gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2)
+    d = gm.meta["tensor_parallel"]
+    for i in range(n_layer):
+        assert f"h.{i}.attn.c_attn.weight" in d.column and f"h.{i}.mlp.0.weight" in d.column
+        assert f"h.{i}.attn.c_proj.weight" in d.row and f"h.{i}.mlp.2.weight" in d.row
+        assert d.interleaved[f"h.{i}.attn.c_attn.weight"] == 3  # q, k, v
+    assert all_reduces(gm) == (2 * n_layer, 2 * n_layer)
+    assert not any(n.target in (c10d.all_gather_into_tensor.default,
+                                c10d.reduce_scatter_tensor.default) for n in gm.graph.nodes)
+    # the tied embedding / LM head stays whole (the loss needs every logit)
+    assert "wte.weight" in d.replicated
+
+
+def test_hf_llama_gqa_heads_split_with_fewer_kv_heads():
+    model = M.hf_llama(layers=1, heads=4, kv_heads=2)
+    gm, sig, ctx = compile_tp(model, M.hf_lm_batch(128, 4, 16), 2)
+    d = gm.meta["tensor_parallel"]
+    attn = "model.layers.0.self_attn."
+    assert {attn + p + ".weight" for p in ("q_proj", "k_proj", "v_proj")} <= set(d.column)
+    assert attn + "o_proj.weight" in d.row
+    mlp = "model.layers.0.mlp."
+    assert {mlp + "gate_proj.weight", mlp + "up_proj.weight"} <= set(d.column)
+    assert mlp + "down_proj.weight" in d.row
+    assert all_reduces(gm) == (2, 2)  # RMSNorm's backward reads the gradient once, reduced
+    # k/v projections: 2 kv heads x 8 -> one head per rank
+    k = next(n for n in gm.graph.nodes if n.op == "placeholder"
+             and n.name == [p.name for p in gm.graph.nodes if p.op == "placeholder"][
+                 sig.param_names.index(attn + "k_proj.weight")])
+    assert tuple(k.meta[ir.VAL].shape) == (8, 32)
+
+
+def test_hf_gpt2_conv1d_weights_split_on_their_output_dim():
+    model = M.hf_gpt2(n_layer=1)
+    gm, sig, ctx = compile_tp(model, M.hf_lm_batch(128, 4, 16), 2)
+    d = gm.meta["tensor_parallel"]
+    # Conv1D stores (in, out): a column split shards dim 1, a row split dim 0
+    assert d.placements["transformer.h.0.attn.c_attn.weight"] == (Shard(1),)
+    assert d.placements["transformer.h.0.attn.c_proj.weight"] == (Shard(0),)
+    assert ctx.tp_layouts[sig.param_names.index("transformer.h.0.attn.c_attn.weight")] == \
+        (1, 1, 3)
+    assert all_reduces(gm) == (2, 2)
+
+
+def test_untied_lm_head_column_split_dropped_when_the_loss_needs_whole_logits():
+    cfg = M.GPTConfig(n_layer=1)
+    model = M.GPT(cfg)
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    gm, sig, ctx = compile_tp(model, M.gpt_batch(cfg, 4), 2)
+    d = gm.meta["tensor_parallel"]
+    assert "lm_head.weight" in d.replicated and "lm_head.weight" not in d.placements
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parameter_bytes_per_rank_are_one_tp_th_of_the_sharded_layers(tp):
+    cfg = M.GPTConfig(n_layer=2, n_embd=64, n_head=4)
+    model = M.GPT(cfg)
+    gm, sig, ctx = compile_tp(model, M.gpt_batch(cfg, 4), tp)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"][:sig.num_params]
+    full = dict(model.named_parameters())
+    sharded = [i for i, lay in enumerate(ctx.tp_layouts) if lay and lay[0] is not None]
+    local = sum(phs[i].meta[ir.VAL].numel() for i in sharded)
+    whole = sum(full[sig.param_names[i]].numel() for i in sharded)
+    assert local * tp == whole
+    assert whole > 0.9 * sum(p.numel() for n, p in full.items() if n.startswith("h."))
+
+
+def test_interleaved_layout_round_trip():
+    w = torch.arange(12 * 5.).reshape(12, 5)  # 3 pieces of 4 rows
+    shards = [rtp.local_param(w, (0, 0, 3), 2, r) for r in range(2)]
+    # rank r holds rows [q_r; k_r; v_r]
+    assert torch.equal(shards[0], torch.cat([w[0:2], w[4:6], w[8:10]]))
+    assert torch.equal(shards[1], torch.cat([w[2:4], w[6:8], w[10:12]]))
+    back = rtp._interleave(torch.cat(shards), 0, 3, 2, inverse=True)
+    assert torch.equal(back, w)
+
+
+def test_tp_that_does_not_divide_the_hidden_size_is_a_clear_error():
+    with pytest.raises(PlanError, match="does not divide dimension 0 .size 6. of parameter"):
+        compile_tp(Block(d=8, hidden=6), (torch.randn(8, 8), torch.randn(8, 8)), 4)
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_clear_error():
+    cfg = M.GPTConfig(n_layer=1, n_head=2)
+    with pytest.raises(PlanError, match="tp=4 cannot split this model evenly.*size 2.*heads"):
+        compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)
+
+
+def test_nothing_shardable_warns_and_replicates():
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, batch):
+            x, y = batch
+            return F.mse_loss(torch.softmax(self.lin(x), -1), y)  # needs every feature
+
+    with pytest.warns(UserWarning, match="no column->row"):
+        gm, sig, ctx = compile_tp(One(), (torch.randn(4, 8), torch.randn(4, 8)), 2)
+    assert gm.meta["tensor_parallel"].placements == {}
+
+
+def test_dp_by_tp_has_both_kinds_of_collectives():
+    """The data-parallel pass sees tp's collectives as acting on each batch shard alike."""
+    cfg = M.GPTConfig(n_layer=1)
+    gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 8), 2, dp=2)
+    assert all_reduces(gm, "tp-group") == (2, 2)
+    assert any(n.target is c10d.all_reduce.default and n.args[2] == "dp-group"
+               and n.meta.get(ir.BUCKET) for n in gm.graph.nodes)
+    batch = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
+    assert all(tuple(n.meta[ir.VAL].shape)[0] == 4 for n in batch)
