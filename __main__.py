@@ -39,12 +39,12 @@ def cmd_viz(args):
             lambda t: t.chunk(args.microbatches)[0] if isinstance(t, torch.Tensor) else t, batch)
     gm, sig = capture(model, batch)
     snaps = {}
-    ctx = PassContext(signature=sig, group_names={"dp": "dp"},
+    ctx = PassContext(signature=sig, group_names={"dp": "dp", "tp": "tp"},
                       virtual_stages=2 if args.schedule == "interleaved" else 1)
     remat = int(args.remat) if args.remat.isdigit() else args.remat
-    plan = resolve({"dp": args.dp, "pp": args.pp, "remat": remat, "zero": args.zero,
-                    "microbatches": args.microbatches, "schedule": args.schedule},
-                   args.dp * args.pp)
+    plan = resolve({"dp": args.dp, "pp": args.pp, "tp": args.tp, "remat": remat,
+                    "zero": args.zero, "microbatches": args.microbatches,
+                    "schedule": args.schedule}, args.dp * args.pp * args.tp)
     gm = run_passes(gm, plan, ctx, "dp", snaps)
     for p in write_snapshots(snaps, args.out):
         print(p)
@@ -81,6 +81,7 @@ def main(argv=None):
     v.add_argument("--remat", default="none", help='"none" | "sqrt" | "auto" | budget bytes')
     v.add_argument("--zero", type=int, default=0, help="ZeRO stage 0..3")
     v.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    v.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     v.add_argument("--microbatches", type=int, default=1)
     v.add_argument("--schedule", default="1f1b",
                    help="gpipe | 1f1b | interleaved | zero-bubble")
