@@ -20,6 +20,7 @@ bench: setup
 	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/remat.py
 	$(PY) benchmarks/pipeline_vs_torch.py
+	$(PY) benchmarks/tp_vs_dtensor.py
 
 clean:
 	rm -rf out .venv *.egg-info
