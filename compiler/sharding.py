@@ -148,7 +148,10 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
 
 # ops that act over a process group: the position of the group-name argument, and where the
 # dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
+from fxpar.compiler import vocab_parallel  # noqa: E402  (registers fxpar::localize)
+
 _GROUP_ARG = {
+    torch.ops.fxpar.localize.default: 2,
     c10d.all_reduce.default: 2,
     c10d.all_gather_into_tensor.default: 2,
     c10d.reduce_scatter_tensor.default: 3,
@@ -256,7 +259,8 @@ def _is_partial(placements) -> bool:
 
 
 def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
-            group_names: Sequence[str], region: str | None = ir.FORWARD, decide=None):
+            group_names: Sequence[str], region: str | None = ir.FORWARD, decide=None,
+            reduce_shared_partials: bool = False):
     """What shard_graph would do, without changing `gm` (it shards a copy of the graph).
 
     Returns (specs, requests): the placements of every visited node of `gm`, and every
@@ -294,6 +298,10 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
             if b not in sh.specs:
                 settle(b)
         _visit(sh, gm2, a)
+        s = sh.specs[a]
+        if reduce_shared_partials and isinstance(s, DTensorSpec) and \
+                _is_partial(s.placements) and len(a.users) > 1:
+            sh.reduce_now(a)
 
     for node in list(g2.nodes):
         if node.op in ("placeholder", "output") or node not in back:
@@ -367,6 +375,7 @@ class _Sharder:
         self.requests.append((users[0], node, tuple(self.specs[node].placements), need))
         self.specs[new] = DTensorSpec(self.mesh, need, self.specs[node].tensor_meta)
         new.meta[ir.SHARD] = need
+        new.meta.setdefault(ir.VAL, node.meta.get(ir.VAL))
         self.made[(node, need)] = new
         for u in users:
             u.replace_input_with(node, new)
@@ -390,6 +399,7 @@ class _Sharder:
                                    self.mesh_sizes, meta)
             self.specs[new] = DTensorSpec(self.mesh, need, self.specs[value].tensor_meta)
             new.meta[ir.SHARD] = need
+            new.meta.setdefault(ir.VAL, value.meta.get(ir.VAL))  # global shape, like the rest
             self.made[(value, need)] = new
         return self.made[(value, need)]
 
@@ -434,6 +444,9 @@ class _Sharder:
             return _out_spec(self.mesh, self.specs[node.args[0]].placements, val)
         if self._other_axis(node):
             return self.propagate_other_axis(node)
+        spec = vocab_parallel.rule(self, node)
+        if spec is not None:
+            return spec
         if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
             wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)
             self.place(node, wanted)

@@ -262,18 +262,36 @@ def _feeds_weight_grad(cat, lin) -> bool:
 # --- choosing placements --------------------------------------------------------------------
 
 def choose_placements(gm, linears, params, mesh, group, tp):
-    """-> ({Linear: "column" | "row" | "replicated"}, {param placeholder: placements})."""
+    """-> ({Linear: "column" | "row" | "replicated"}, {param placeholder: placements}).
+
+    Embedding tables of token ids are split over the vocabulary (Shard(0): each rank looks
+    up the ids it holds, one all-reduce of the result); a table tied to the LM head decides
+    at its lookup, and the head then is a column split whose logits stay split through the
+    vocab-parallel cross-entropy (compiler/vocab_parallel.py)."""
     by_mm = {lin.mm: lin for lin in linears}
     weight_uses = _weight_uses(gm, linears)
-    eligible = {lin.weight for lin in linears
-                if all(u in weight_uses[lin.weight] for u in _forward_users(lin.weight))}
-    failed: set = set()
-    for _ in range(len(linears) + 1):
+    lookups = _token_lookups(gm, params)
+    for w, nodes in lookups.items():
+        weight_uses.setdefault(w, set()).update(nodes)
+    eligible = {w for w in weight_uses if all(u in weight_uses[w] for u in _forward_users(w))}
+    failed: set = set()  # weights whose split does not pay off
+    for _ in range(len(linears) + len(lookups) + 1):
         roles: dict[Linear, str] = {}
         decided: dict[torch.fx.Node, tuple] = {}
 
         def decide(node, specs):
+            if node.target is aten.embedding.default and node.args[0] in eligible and \
+                    node.args[0] not in decided and node in lookups.get(node.args[0], ()):
+                w = node.args[0]
+                pl = (Replicate(),) if w in failed else (Shard(0),)
+                decided[w] = pl
+                return {w.name: pl}
             lin = by_mm.get(node)
+            if lin is not None and lin.weight in decided and lin not in roles:
+                pl = decided[lin.weight][0]
+                roles[lin] = "column" if pl == Shard(lin.out_dim) else \
+                    "row" if pl == Shard(lin.in_dim) else "replicated"
+                return None
             if lin is not None and lin.weight not in decided:
                 act = specs.get(lin.act)
                 pl = act.placements[0] if act is not None else Replicate()
@@ -282,7 +300,7 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                     role, w = "replicated", Replicate()
                 elif isinstance(pl, Shard) and pl.dim == last:
                     role, w = "row", Shard(lin.in_dim)
-                elif pl == Replicate() and lin not in failed:
+                elif pl == Replicate() and lin.weight not in failed:
                     role, w = "column", Shard(lin.out_dim)
                 else:
                     role, w = "replicated", Replicate()
@@ -295,17 +313,19 @@ def choose_placements(gm, linears, params, mesh, group, tp):
 
         pending = {w.name: None for w in eligible}  # placed when their matmul is reached
         try:
-            specs, requests = dry_run(gm, mesh, pending, [group], decide=decide)
+            specs, requests = dry_run(gm, mesh, pending, [group], decide=decide,
+                                      reduce_shared_partials=True)
         except ShardingError as e:
             raise PlanError(
                 f"tp={tp} cannot split this model evenly: {e} Choose a tp that divides the "
                 "number of attention heads (and of key/value heads), the hidden size and the "
                 "MLP width.") from None
-        new_failed = _failed_columns(gm, roles, specs, requests)
+        new_failed = _failed_columns(gm, linears, decided, specs, requests) - failed
         if not new_failed:
             break
         failed |= new_failed
     placements = {w: pl for w, pl in decided.items() if pl != (Replicate(),)}
+    _mark_vocab_backward(gm, lookups, placements)
     # a bias (or any parameter) every forward use of which wants the same shard: store it so
     placements.update(_absorbed_shards(gm, params, placements, mesh, group))
     return roles, placements
@@ -326,10 +346,37 @@ def _forward_users(n):
     return [u for u in n.users if u.meta.get(ir.REGION) == ir.FORWARD]
 
 
-def _failed_columns(gm, roles, specs, requests) -> set:
-    """Column linears whose sharded output reaches an op that needs it gathered."""
-    col = {lin.mm: lin for lin, r in roles.items() if r == "column"}
-    row = {lin.mm for lin, r in roles.items() if r == "row"}
+def _token_lookups(gm, params) -> dict:
+    """Parameter -> its forward embedding lookups whose ids are (views of) a batch input."""
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if n.target is aten.embedding.default and n.meta.get(ir.REGION) == ir.FORWARD and \
+                n.args[0] in params and len(n.args) < 3:
+            ids = _root(n.args[1])
+            if ids.op == "placeholder" and ids.meta.get(ir.ROLE) == "batch":
+                out.setdefault(n.args[0], set()).add(n)
+    return out
+
+
+def _mark_vocab_backward(gm, lookups, placements):
+    """The backward of a split table's lookup accumulates only this rank's rows."""
+    from fxpar.compiler.vocab_parallel import VOCAB_SHARD
+    for w, nodes in lookups.items():
+        if placements.get(w) != (Shard(0),):
+            continue
+        ids = {_root(n.args[1]) for n in nodes}
+        for n in gm.graph.nodes:
+            if n.target is aten.embedding_dense_backward.default and \
+                    _root(n.args[1]) in ids and n.args[2] == w.meta[ir.VAL].shape[0]:
+                n.meta[VOCAB_SHARD] = True
+
+
+def _failed_columns(gm, linears, decided, specs, requests) -> set:
+    """Weights split by output features whose sharded output reaches an op that needs it
+    gathered."""
+    col = {lin.mm: lin.weight for lin in linears
+           if decided.get(lin.weight) == (Shard(lin.out_dim),)}
+    row = {lin.mm for lin in linears if decided.get(lin.weight) == (Shard(lin.in_dim),)}
     origin: dict[torch.fx.Node, set] = {}
     for n in gm.graph.nodes:
         if n not in specs or n.op != "call_function":
@@ -350,7 +397,8 @@ def _failed_columns(gm, roles, specs, requests) -> set:
 def _absorbed_shards(gm, params, placements, mesh, group):
     """Parameters left replicated whose every forward use chunks them the same way (a column
     linear's bias): shard them at rest instead (1/tp of the memory, no chunking)."""
-    specs, requests = dry_run(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group])
+    specs, requests = dry_run(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
+                              reduce_shared_partials=True)
     wants: dict = {}
     for node, value, have, need in requests:
         if value in params and value not in placements:
