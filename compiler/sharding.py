@@ -141,6 +141,8 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
             if t.reduce_op == "avg":  # avg over n of (x, 0, ..., 0) must equal x
                 cur = emit(aten.mul.Scalar, (cur, n), meta.get(ir.REGION))
         placements[d] = t
+    if cur is not x:  # meta["val"] holds global shapes until the caller re-propagates
+        cur.meta.setdefault(ir.VAL, x.meta.get(ir.VAL))
     return cur
 
 

@@ -26,11 +26,13 @@ def compile_tp(model, batch, tp, **plan):
     return gm, sig, ctx
 
 
-def all_reduces(gm, group="tp-group"):
-    """(forward, backward) counts of all-reduces over `group`, by the region of their reader."""
+def all_reduces(gm, group="tp-group", module=""):
+    """(forward, backward) counts of all-reduces over `group` made for modules under
+    `module`, by the region of their reader."""
     fwd = bwd = 0
     for n in gm.graph.nodes:
-        if n.target is c10d.all_reduce.default and n.args[2] == group:
+        if n.target is c10d.all_reduce.default and n.args[2] == group and \
+                n.meta.get(ir.MODULE, "").startswith(module):
             wait = next(iter(n.users))
             readers = [u for u in wait.users if u.op == "call_function"]
             region = readers[0].meta.get(ir.REGION) if readers else ir.BACKWARD
@@ -78,11 +80,11 @@ def test_gpt_block_has_megatron_collective_count_and_fused_qkv_interleaved(n_lay
         assert f"h.{i}.attn.c_attn.weight" in d.column and f"h.{i}.mlp.0.weight" in d.column
         assert f"h.{i}.attn.c_proj.weight" in d.row and f"h.{i}.mlp.2.weight" in d.row
         assert d.interleaved[f"h.{i}.attn.c_attn.weight"] == 3  # q, k, v
-    assert all_reduces(gm) == (2 * n_layer, 2 * n_layer)
+    assert all_reduces(gm, module="h.") == (2 * n_layer, 2 * n_layer)
     assert not any(n.target in (c10d.all_gather_into_tensor.default,
                                 c10d.reduce_scatter_tensor.default) for n in gm.graph.nodes)
-    # the tied embedding / LM head stays whole (the loss needs every logit)
-    assert "wte.weight" in d.replicated
+    # the tied embedding / LM head is split over the vocabulary
+    assert d.placements["wte.weight"] == (Shard(0),) and "wpe.weight" not in d.placements
 
 
 def test_hf_llama_gqa_heads_split_with_fewer_kv_heads():
@@ -95,7 +97,8 @@ def test_hf_llama_gqa_heads_split_with_fewer_kv_heads():
     mlp = "model.layers.0.mlp."
     assert {mlp + "gate_proj.weight", mlp + "up_proj.weight"} <= set(d.column)
     assert mlp + "down_proj.weight" in d.row
-    assert all_reduces(gm) == (2, 2)  # RMSNorm's backward reads the gradient once, reduced
+    # RMSNorm's backward reads the gradient once, reduced
+    assert all_reduces(gm, module="layers.0") == (2, 2)
     # k/v projections: 2 kv heads x 8 -> one head per rank
     k = next(n for n in gm.graph.nodes if n.op == "placeholder"
              and n.name == [p.name for p in gm.graph.nodes if p.op == "placeholder"][
@@ -112,16 +115,45 @@ def test_hf_gpt2_conv1d_weights_split_on_their_output_dim():
     assert d.placements["transformer.h.0.attn.c_proj.weight"] == (Shard(0),)
     assert ctx.tp_layouts[sig.param_names.index("transformer.h.0.attn.c_attn.weight")] == \
         (1, 1, 3)
-    assert all_reduces(gm) == (2, 2)
+    assert all_reduces(gm, module="transformer.h.") == (2, 2)
 
 
-def test_untied_lm_head_column_split_dropped_when_the_loss_needs_whole_logits():
-    cfg = M.GPTConfig(n_layer=1)
+def test_vocab_parallel_embedding_head_and_cross_entropy_never_gather_logits():
+    """Untied embedding and LM head both split over the vocabulary; the loss is computed
+    from split logits: all-reduces of [N, 1] (max, sum of exp, the picked target logit)
+    and one [N, 1] in the backward, one [B, T, C] for the lookup, nothing [N, V]-sized."""
+    cfg = M.GPTConfig(n_layer=1, vocab_size=96)
     model = M.GPT(cfg)
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
     gm, sig, ctx = compile_tp(model, M.gpt_batch(cfg, 4), 2)
     d = gm.meta["tensor_parallel"]
-    assert "lm_head.weight" in d.replicated and "lm_head.weight" not in d.placements
+    assert d.placements["wte.weight"] == (Shard(0),) and "lm_head.weight" in d.column
+    n_tokens, vocab = 4 * cfg.block_size, cfg.vocab_size
+    shapes = [tuple(n.meta[ir.VAL].shape) for n in gm.graph.nodes
+              if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default)]
+    assert shapes.count((n_tokens, 1)) == 4
+    assert shapes.count((4, cfg.block_size, cfg.n_embd)) == 1 + 1 + 2 + 2  # lookup, ln_f, block
+    assert not any(s[-1] in (vocab, vocab // 2) for s in shapes)
+    logits = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
+              and n.meta.get(ir.MODULE) == "lm_head" and n.meta[ir.REGION] == ir.FORWARD]
+    assert tuple(logits[0].meta[ir.VAL].shape) == (n_tokens, vocab // 2)
+
+
+def test_lm_head_split_dropped_when_the_loss_needs_whole_logits():
+    """softmax + MSE over the vocabulary (no vocab-parallel rule): the head stays whole."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+        def forward(self, batch):
+            idx, y = batch
+            return F.mse_loss(torch.softmax(self.head(self.emb(idx)), -1), y)
+
+    gm, sig, ctx = compile_tp(Head(), (torch.randint(0, 64, (4, 8)), torch.rand(4, 8, 64)), 2)
+    d = gm.meta["tensor_parallel"]
+    assert "head.weight" in d.replicated and "head.weight" not in d.placements
+    assert d.placements["emb.weight"] == (Shard(0),)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -178,7 +210,7 @@ def test_dp_by_tp_has_both_kinds_of_collectives():
     """The data-parallel pass sees tp's collectives as acting on each batch shard alike."""
     cfg = M.GPTConfig(n_layer=1)
     gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 8), 2, dp=2)
-    assert all_reduces(gm, "tp-group") == (2, 2)
+    assert all_reduces(gm, "tp-group", "h.") == (2, 2)
     assert any(n.target is c10d.all_reduce.default and n.args[2] == "dp-group"
                and n.meta.get(ir.BUCKET) for n in gm.graph.nodes)
     batch = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
