@@ -33,7 +33,10 @@ def test_dp1_single_process(name, opt_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 4])
 def test_dp_multiprocess(dp):
-    results = fxpar.launch(parity_rank, dp, CASES, dp)
+    """Every zoo model at dp=2 with SGD and AdamW; dp=4 repeats them with AdamW only (keeps
+    the suite under its time budget)."""
+    cases = CASES if dp == 2 else [c for c in CASES if c[1] == "adamw"]
+    results = fxpar.launch(parity_rank, dp, cases, dp)
     for (name, opt_name), (losses, state) in results[0].items():
         for r in range(1, dp):  # every rank reports the same global loss
             assert results[r][(name, opt_name)][0] == losses
@@ -101,6 +104,18 @@ def test_zero_equals_single_process(dp):
                     assert info["model_state_fraction"] <= 0.30, info
 
 
+def _check_plans(world, cases):
+    """Train every (model, optimizer, plan) case on `world` ranks: every rank's losses agree
+    and equal eager training, final parameters too; evaluate() equals eager."""
+    results = fxpar.launch(plans_rank, world, cases)
+    for name, opt_name, plan in cases:
+        losses, state, info = results[0][(name, opt_name, repr(plan))]
+        for r in range(1, world):
+            assert results[r][(name, opt_name, repr(plan))][0] == losses, (name, plan)
+        _check(name, opt_name, losses, state)
+        torch.testing.assert_close(info["eval"], _eager_eval(name, state), rtol=RTOL, atol=ATOL)
+
+
 def _pp_cases(models, schedules, microbatches, extra=None):
     cases = []
     for m in models:
@@ -135,13 +150,7 @@ def test_pipeline_equals_single_process(world, cases):
     with remat; small GPT,
     HF GPT-2 and HF Llama: loss per step and final parameters equal single-process eager
     training (rtol 1e-5), on every rank; evaluate() too."""
-    results = fxpar.launch(plans_rank, world, cases)
-    for name, opt_name, plan in cases:
-        losses, state, info = results[0][(name, opt_name, repr(plan))]
-        for r in range(1, world):
-            assert results[r][(name, opt_name, repr(plan))][0] == losses, (name, plan)
-        _check(name, opt_name, losses, state)
-        torch.testing.assert_close(info["eval"], _eager_eval(name, state), rtol=RTOL, atol=ATOL)
+    _check_plans(world, cases)
 
 
 TP2_CASES = [(m, "adamw", {"tp": 2}) for m in ("gpt", "hf_gpt2", "hf_llama")]
@@ -162,10 +171,4 @@ def test_tensor_parallel_equals_single_process(world, cases):
     ZeRO-1), pp=2 x tp=2, and dp=2 x pp=2 x tp=2 on 8 CPU ranks: loss per step and final
     parameters (full_state_dict gathers the tp shards and undoes the fused-QKV interleave)
     equal single-process eager training (rtol 1e-5); evaluate() too."""
-    results = fxpar.launch(plans_rank, world, cases)
-    for name, opt_name, plan in cases:
-        losses, state, info = results[0][(name, opt_name, repr(plan))]
-        for r in range(1, world):
-            assert results[r][(name, opt_name, repr(plan))][0] == losses, (name, plan)
-        _check(name, opt_name, losses, state)
-        torch.testing.assert_close(info["eval"], _eager_eval(name, state), rtol=RTOL, atol=ATOL)
+    _check_plans(world, cases)
