@@ -26,6 +26,10 @@ class Plan:
                     early and are waited on as late as dependencies and memory allow).
     bucket_mb:      gradient bucket size in MiB; None = sized by the cost model's alpha-beta
                     estimate against the backward's compute time.
+    sequence_parallel: with tp > 1, the activations between the split matmuls (norms,
+                    dropout, residual adds) are split over the sequence dimension too: each
+                    all-reduce becomes a reduce-scatter + all-gather (same bytes, 1/tp of
+                    those activations per rank).
     """
     dp: int | None = None
     tp: int | None = None
@@ -38,6 +42,7 @@ class Plan:
     fuse: bool = False
     overlap: bool = True
     bucket_mb: float | None = None
+    sequence_parallel: bool = False
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -91,6 +96,12 @@ class Plan:
                             f"the cost model), got {self.bucket_mb!r}.")
         if not isinstance(self.overlap, bool):
             raise PlanError(f"Plan.overlap must be True or False, got {self.overlap!r}.")
+        if self.sequence_parallel not in (True, False):
+            raise PlanError("Plan.sequence_parallel must be True or False, got "
+                            f"{self.sequence_parallel!r}.")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("Plan.sequence_parallel splits the activations between tensor-"
+                            "parallel matmuls over the sequence: it needs tp > 1.")
         # Features whose passes have not landed yet: refuse instead of silently ignoring.
         missing = []
         if self.tp != 1 and self.zero == 3:

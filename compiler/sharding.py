@@ -115,6 +115,11 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
             node.meta[ir.REGION] = region
             return node
 
+        if isinstance(s, Partial) and isinstance(t, Shard) and s.reduce_op == "sum":
+            # reduce-scatter: each rank receives only its summed slice (half an all-reduce)
+            cur = _reduce_scatter(emit, cur, t.dim, n, group, meta)
+            placements[d] = t
+            continue
         if isinstance(s, Partial):
             op = "sum" if s.reduce_op in ("sum", "avg") else s.reduce_op
             cur = emit(c10d.wait_tensor.default, (emit(c10d.all_reduce.default, (cur, op, group)),))
@@ -146,11 +151,30 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
     return cur
 
 
+def _reduce_scatter(emit, x, dim, n, group, meta):
+    """Partial(sum) -> Shard(dim): reduce_scatter_tensor splits dim 0, so move `dim` there
+    and back (a copy only when dim != 0)."""
+    ndim = x.meta[ir.VAL].dim() if ir.VAL in x.meta else None
+    region = meta.get(ir.REGION, ir.FORWARD)
+    if dim % (ndim or 1) != 0:
+        perm = [dim] + [i for i in range(ndim) if i != dim]
+        inv = [perm.index(i) for i in range(ndim)]
+        x = emit(aten.clone.default, (emit(aten.permute.default, (x, perm), region),), region)
+        x.kwargs = {"memory_format": torch.contiguous_format}
+        out = emit(c10d.wait_tensor.default,
+                   (emit(c10d.reduce_scatter_tensor.default, (x, "sum", n, group)),))
+        return emit(aten.permute.default, (out, inv), region)
+    return emit(c10d.wait_tensor.default,
+                (emit(c10d.reduce_scatter_tensor.default, (x, "sum", n, group)),))
+
+
 # --- propagation --------------------------------------------------------------------------
 
 # ops that act over a process group: the position of the group-name argument, and where the
 # dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
 from fxpar.compiler import vocab_parallel  # noqa: E402  (registers fxpar::localize)
+
+_POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 
 _GROUP_ARG = {
     torch.ops.fxpar.localize.default: 2,
@@ -215,8 +239,9 @@ def _placements(spec) -> tuple | None:
 
 
 def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
-                group_names: Sequence[str], reduce_shared_partials: bool = False
-                ) -> dict[torch.fx.Node, Any]:
+                group_names: Sequence[str], reduce_shared_partials: bool = False,
+                prefer: dict[torch.fx.Node, tuple] | None = None,
+                gather_first: dict | None = None) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -227,8 +252,15 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     reduce_shared_partials: a partial sum read by several ops is all-reduced once, right
     where it is made (Megatron's placement), instead of each reader's chain of linear ops
     carrying it on and reducing its own, smaller, results (more collectives).
+    prefer: node -> placements it should have (sequence parallelism: the residual stream
+    split over the sequence); a whole or partial value there is split / reduce-scattered
+    right where it is made, and a partial input meeting a split one is reduce-scattered to
+    match it instead of all-reduced. gather_first: node -> dim; inputs split on that dim are
+    gathered (made whole) before the node runs (the sequence-parallel all-gather before a
+    matmul).
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
+    sh.prefer_split, sh.prefer = bool(prefer), prefer or {}
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":
             spec = _spec(mesh, placeholder_placements.get(node.name, sh.replicate),
@@ -241,10 +273,18 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
             src = sh.specs[node.args[0]]
             spec = src[node.args[1]] if isinstance(src, (tuple, list)) else src
         else:
+            if gather_first and node in gather_first:
+                sh.place(node, {a: sh.replicate for a in sh.inputs(node)
+                                if isinstance(sh.specs[a], DTensorSpec) and any(
+                                    p == Shard(gather_first[node]) for p in sh.specs[a].placements)})
             spec = sh.propagate(node)
         s = sh.specs[node] = _with_meta(spec, node.meta.get(ir.VAL), mesh)
         node.meta[ir.SHARD] = _placements_tree(s)
-        if reduce_shared_partials and isinstance(s, DTensorSpec) and \
+        want = (prefer or {}).get(node)
+        if want is not None and isinstance(s, DTensorSpec) and tuple(s.placements) != want \
+                and not any(isinstance(p, Shard) for p in s.placements):
+            sh.reduce_now(node, want)
+        elif reduce_shared_partials and isinstance(s, DTensorSpec) and \
                 _is_partial(s.placements) and len(node.users) > 1:
             sh.reduce_now(node)
     return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
@@ -359,17 +399,19 @@ class _Sharder:
     def __init__(self, graph: torch.fx.Graph, mesh, group_names: list[str]):
         self.graph, self.mesh, self.group_names = graph, mesh, group_names
         self.requests: list[tuple] = []
+        self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.specs: dict[torch.fx.Node, Any] = {}
         self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
 
-    def reduce_now(self, node) -> None:
-        """Replace every use of partial `node` by its all-reduced value, made right after it."""
+    def reduce_now(self, node, need=None) -> None:
+        """Replace every use of `node` by its redistributed value (default: partial sums
+        all-reduced), made right after it."""
         users = list(node.users)
-        need = tuple(Replicate() if isinstance(p, Partial) else p
-                     for p in self.specs[node].placements)
+        need = need or tuple(Replicate() if isinstance(p, Partial) else p
+                             for p in self.specs[node].placements)
         with self.graph.inserting_before(node.next):
             meta = {ir.MODULE: node.meta.get(ir.MODULE, ""), ir.REGION: node.meta.get(ir.REGION)}
             new = redistribute(self.graph, node, self.specs[node].placements, need,
@@ -442,13 +484,27 @@ class _Sharder:
                           and isinstance(a.meta.get(ir.VAL), torch.Tensor)
                           and a.meta[ir.VAL].numel() < out_numel})
 
-        if op is c10d.wait_tensor.default:
+        if op is c10d.wait_tensor.default or op is aten.clone.default:
+            # identities: any placement passes through (DTensor's clone rule would reduce a
+            # partial sum, e.g. at a dropout(p=0) between a row split and the residual add)
             return _out_spec(self.mesh, self.specs[node.args[0]].placements, val)
         if self._other_axis(node):
             return self.propagate_other_axis(node)
         spec = vocab_parallel.rule(self, node)
         if spec is not None:
             return spec
+        if self.prefer_split and op in _POINTWISE_BINARY:
+            # split full-size operands the way the result should be split (a partial one by
+            # reduce-scatter) rather than making them whole
+            ins = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)
+                   and isinstance(a.meta.get(ir.VAL), torch.Tensor)]
+            split = self.prefer.get(node) or next(
+                (self.specs[a].placements for a in ins
+                 if isinstance(self.specs[a].placements[0], Shard)), None)
+            all_partial = all(_is_partial(self.specs[a].placements) for a in ins)
+            if split is not None and not all_partial:  # partial + partial stays partial
+                self.place(node, {a: split for a in ins if a.meta[ir.VAL].shape == val.shape
+                                  and not isinstance(self.specs[a].placements[0], Shard)})
         if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
             wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)
             self.place(node, wanted)

@@ -86,8 +86,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     mesh = make_mesh(tp)
     roles, placements = choose_placements(gm, linears, params, mesh, group, tp)
     _check_divisible(placements, tp)
+    prefer, gather = _residual_stream(gm, linears, roles, tp) if plan.sequence_parallel \
+        else (None, None)
     shard_graph(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
-                reduce_shared_partials=True)
+                reduce_shared_partials=True, prefer=prefer, gather_first=gather)
     _place_outputs(gm, placements, sig, group, tp)
     for n, pl in placements.items():  # parameter placeholders now hold local shards
         v = n.meta[ir.VAL]
@@ -421,6 +423,31 @@ def _check_divisible(placements, tp):
                     f"tp={tp} does not divide dimension {p.dim} (size "
                     f"{n.meta[ir.VAL].shape[p.dim]}) of parameter {n.name}: choose a tp that "
                     "divides the hidden size, the number of heads and the MLP width.")
+
+
+def _residual_stream(gm, linears, roles, tp) -> dict:
+    """Sequence parallelism: the residual adds (forward and backward) of the activations the
+    column splits read, to be split over the sequence (dim 1 of [batch, seq, hidden]); and
+    the flattening views that feed matmuls, where the sequence is gathered first."""
+    shapes = set()
+    for lin in linears:
+        if roles.get(lin) == "column":
+            src = lin.act.args[0] if lin.act.target in _VIEWS else lin.act
+            v = src.meta.get(ir.VAL)
+            if isinstance(v, torch.Tensor) and v.dim() == 3 and v.shape[1] % tp == 0:
+                shapes.add(tuple(v.shape))
+    if not shapes:
+        raise PlanError("Plan.sequence_parallel: no [batch, sequence, hidden] activation "
+                        f"divisible by tp={tp} feeds the split matmuls of this model; use "
+                        "sequence_parallel=False (or a sequence length divisible by tp).")
+    prefer = {n: (Shard(1),) for n in gm.graph.nodes
+              if n.target in (aten.add.Tensor, aten.embedding.default)
+              and isinstance(n.meta.get(ir.VAL), torch.Tensor)
+              and tuple(n.meta[ir.VAL].shape) in shapes}
+    gather = {n: 1 for n in gm.graph.nodes if n.target in _VIEWS and isinstance(
+        n.args[0], torch.fx.Node) and isinstance(n.args[0].meta.get(ir.VAL), torch.Tensor)
+        and tuple(n.args[0].meta[ir.VAL].shape) in shapes and n.meta[ir.VAL].dim() == 2}
+    return prefer, gather
 
 
 # --- outputs ---------------------------------------------------------------------------------
