@@ -128,13 +128,7 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
             s = Replicate()
         if isinstance(s, Shard) and not isinstance(t, Shard) or (
                 isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim):
-            gathered = emit(c10d.wait_tensor.default,
-                            (emit(c10d.all_gather_into_tensor.default, (cur, n, group)),))
-            if s.dim != 0:
-                chunks = emit(aten.chunk.default, (gathered, n, 0), meta.get(ir.REGION))
-                parts = [emit(operator.getitem, (chunks, i), meta.get(ir.REGION)) for i in range(n)]
-                gathered = emit(aten.cat.default, (parts, s.dim), meta.get(ir.REGION))
-            cur, s = gathered, Replicate()
+            cur, s = _all_gather(emit, cur, s.dim, n, group, meta), Replicate()
         if isinstance(s, Replicate) and isinstance(t, Shard):
             cur = emit(torch.ops.fxpar.local_chunk.default, (cur, t.dim, n, group),
                        meta.get(ir.REGION))
@@ -151,19 +145,46 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
     return cur
 
 
+def _moved_to_front(emit, x, dim, region):
+    """(x with `dim` moved to the front, made contiguous; the permutation back)."""
+    ndim = x.meta[ir.VAL].dim()
+    perm = [dim] + [i for i in range(ndim) if i != dim]
+    y = _contiguous(emit, emit(aten.permute.default, (x, perm), region), region)
+    return y, [perm.index(i) for i in range(ndim)]
+
+
+def _all_gather(emit, x, dim, n, group, meta):
+    """Shard(dim) -> Replicate. all_gather_into_tensor concatenates along dim 0, so another
+    dim is moved there and back: the gathered dim is never dim 0 unless it is the split one
+    (a batch dim split by another mesh dimension stays out of the way)."""
+    region = meta.get(ir.REGION, ir.FORWARD)
+    dim %= x.meta[ir.VAL].dim()
+    if dim == 0:
+        return emit(c10d.wait_tensor.default,
+                    (emit(c10d.all_gather_into_tensor.default, (x, n, group)),))
+    y, inv = _moved_to_front(emit, x, dim, region)
+    out = emit(c10d.wait_tensor.default,
+               (emit(c10d.all_gather_into_tensor.default, (y, n, group)),))
+    return _contiguous(emit, emit(aten.permute.default, (out, inv), region), region)
+
+
+def _contiguous(emit, x, region):
+    """A dense copy: later views in the graph expect the layout the value was traced with."""
+    y = emit(aten.clone.default, (x,), region)
+    y.kwargs = {"memory_format": torch.contiguous_format}
+    return y
+
+
 def _reduce_scatter(emit, x, dim, n, group, meta):
     """Partial(sum) -> Shard(dim): reduce_scatter_tensor splits dim 0, so move `dim` there
     and back (a copy only when dim != 0)."""
-    ndim = x.meta[ir.VAL].dim() if ir.VAL in x.meta else None
     region = meta.get(ir.REGION, ir.FORWARD)
-    if dim % (ndim or 1) != 0:
-        perm = [dim] + [i for i in range(ndim) if i != dim]
-        inv = [perm.index(i) for i in range(ndim)]
-        x = emit(aten.clone.default, (emit(aten.permute.default, (x, perm), region),), region)
-        x.kwargs = {"memory_format": torch.contiguous_format}
+    dim %= x.meta[ir.VAL].dim()
+    if dim != 0:
+        x, inv = _moved_to_front(emit, x, dim, region)
         out = emit(c10d.wait_tensor.default,
                    (emit(c10d.reduce_scatter_tensor.default, (x, "sum", n, group)),))
-        return emit(aten.permute.default, (out, inv), region)
+        return _contiguous(emit, emit(aten.permute.default, (out, inv), region), region)
     return emit(c10d.wait_tensor.default,
                 (emit(c10d.reduce_scatter_tensor.default, (x, "sum", n, group)),))
 

@@ -14,16 +14,25 @@ aten = torch.ops.aten
 def test_redistribute_emits_the_right_collectives():
     g = torch.fx.Graph()
     x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(4, 6, 8)
     meta = {ir.MODULE: "", ir.REGION: ir.FORWARD}
     r1 = redistribute(g, x, (Shard(1),), (Replicate(),), ["g"], [2], meta)
     r2 = redistribute(g, x, (Partial("avg"),), (Replicate(),), ["g"], [2], meta)
     r3 = redistribute(g, x, (Replicate(),), (Shard(0),), ["g"], [2], meta)
-    g.output((r1, r2, r3))
+    r4 = redistribute(g, x, (Partial("sum"),), (Shard(1),), ["g"], [2], meta)
+    g.output((r1, r2, r3, r4))
     gm = torch.fx.GraphModule({}, g)
     assert count_ops(gm, c10d.all_gather_into_tensor.default) == 1
-    assert r1.target is aten.cat.default and r1.args[1] == 1       # gathered back on dim 1
+    # dim 1 is gathered by moving it to the front (all_gather concatenates dim 0) and back
+    gather = next(n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default)
+    assert gather.args[0].args[0].target is aten.permute.default
+    assert gather.args[0].args[0].args[1] == [1, 0, 2]
+    assert r1.target is aten.clone.default and r1.args[0].args[1] == [1, 0, 2]
     assert r2.target is aten.div.Scalar and r2.args[1] == 2        # avg = sum / n (gloo has no AVG)
     assert r3.target is torch.ops.fxpar.local_chunk.default        # no communication
+    # a partial sum to a split value: one reduce-scatter, no all-reduce for it
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 1
+    assert count_ops(gm, c10d.all_reduce.default) == 1             # (r2's)
 
 
 def test_view_shapes_become_local_and_distinct_views_stay_distinct():

@@ -215,3 +215,42 @@ def test_dp_by_tp_has_both_kinds_of_collectives():
                and n.meta.get(ir.BUCKET) for n in gm.graph.nodes)
     batch = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
     assert all(tuple(n.meta[ir.VAL].shape)[0] == 4 for n in batch)
+
+
+def _collectives(gm, module):
+    """Per (region of first reader, collective name): counts, over tp, for `module`."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+                        c10d.reduce_scatter_tensor.default) and "tp-group" in n.args and \
+                n.meta.get(ir.MODULE, "").startswith(module):
+            wait = next(iter(n.users))
+            readers = [u for u in wait.users if u.op == "call_function"]
+            region = readers[0].meta.get(ir.REGION) if readers else ir.BACKWARD
+            key = ("fwd" if region == ir.FORWARD else "bwd", n.target.__name__.split(".")[0])
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gather():
+    """Megatron-SP on a GPT block: per block 2 all-gathers (before the column splits) and 2
+    reduce-scatters (after the row splits) forward, the same backward, no all-reduce of
+    activations; norms and residual adds see 1/tp of the sequence."""
+    cfg = M.GPTConfig(n_layer=1)
+    gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, sequence_parallel=True)
+    allc = _collectives(gm, "h.0")  # the backward ones are made for the norms' inputs
+    assert allc.get(("fwd", "all_gather_into_tensor")) == 2
+    assert allc.get(("fwd", "reduce_scatter_tensor")) == 2
+    assert allc.get(("bwd", "all_gather_into_tensor")) == 2
+    assert allc.get(("bwd", "reduce_scatter_tensor")) == 2
+    big = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default
+           and n.meta[ir.VAL].numel() >= 4 * cfg.block_size * cfg.n_embd // 2]
+    assert not big, [n.meta.get(ir.MODULE) for n in big]  # only small weight-gradient sums
+    ln = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.native_layer_norm.default
+              and n.meta.get(ir.MODULE) == "h.0.ln_1")
+    assert tuple(ln.args[0].meta[ir.VAL].shape) == (4, cfg.block_size // 2, cfg.n_embd)
+
+
+def test_sequence_parallel_needs_tp():
+    with pytest.raises(PlanError, match="needs tp > 1"):
+        resolve({"sequence_parallel": True}, 2)
