@@ -4,8 +4,10 @@ Model: HF Llama (GQA) from a small config. DTensor gets the plan a torchtitan us
 hand: q/k/v/gate/up ColwiseParallel, o/down RowwiseParallel, per decoder layer; fxpar finds
 its plan on the graph (it picks the same weights). Both train with AdamW on the same batches
 on the same spawned gloo ranks, one after the other. Prints the median step time of each,
-the ratio fxpar / DTensor, the bytes each rank sends into collectives per step (counted by a
-dispatch mode on the collective ops both issue), and the largest loss difference.
+the ratio fxpar / DTensor, the bytes each rank sends per step on a ring for the collectives
+it issues (a dispatch mode sees both sides' collective ops), and the largest loss
+difference; fxpar with
+sequence parallelism as a third row.
 
     .venv/bin/python benchmarks/tp_vs_dtensor.py [--steps 20] [--hidden 256] [--layers 4]
 """
@@ -30,20 +32,28 @@ COLLECTIVES = ("_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_
 
 
 class CommBytes(TorchDispatchMode):
-    """Bytes of the tensors handed to collective ops (per rank), and how many calls."""
+    """Bytes each rank sends on a ring for the collective ops it issues (all-reduce of S:
+    2(n-1)/n S; all-gather of a shard s: (n-1) s; reduce-scatter of S: (n-1)/n S), and the
+    number of calls."""
 
-    def __init__(self):
+    def __init__(self, n):
         super().__init__()
-        self.bytes = self.calls = 0
+        self.n, self.bytes, self.calls = n, 0.0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         if any(name.startswith(c) for c in COLLECTIVES):
-            first = args[0]
-            ts = first if isinstance(first, (list, tuple)) else [first]
+            # the tensor handed in: functional ops take it first; c10d's in-place ops take
+            # (outputs, inputs) for gathers/scatters and the tensors themselves for all-reduce
+            src = args[1] if ("allgather" in name or "reduce_scatter_" in name) and \
+                name.startswith("c10d.") else args[0]
+            ts = src if isinstance(src, (list, tuple)) else [src]
             ts = [t for x in ts for t in (x if isinstance(x, (list, tuple)) else [x])]
-            self.bytes += sum(t.numel() * t.element_size() for t in ts
-                              if isinstance(t, torch.Tensor))
+            size = sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+            n = self.n
+            factor = 2 * (n - 1) / n if "all_reduce" in name or "allreduce" in name else \
+                (n - 1) if "gather" in name else (n - 1) / n
+            self.bytes += factor * size
             self.calls += 1
         return func(*args, **(kwargs or {}))
 
@@ -62,7 +72,7 @@ def _run(step, args):
         losses.append(step(s))
         if s >= args.warmup:
             times.append(time.perf_counter() - t)
-    with CommBytes() as cb:
+    with CommBytes(int(os.environ["WORLD_SIZE"])) as cb:
         step(0)
     return statistics.median(times), losses, cb.bytes, cb.calls
 
@@ -79,6 +89,10 @@ def bench(args):
                            plan={"tp": 2})
     found = pm.stage_graphs["tensor_parallel"]["dp"].meta["tensor_parallel"]
     fx = _run(lambda s: pm.step(data[s % 4]).item(), args)
+    del pm
+    pm = fxpar.parallelize(_model(args), 2, example_batch=data[0], optimizer=opt,
+                           plan={"tp": 2, "sequence_parallel": True})
+    fx_sp = _run(lambda s: pm.step(data[s % 4]).item(), args)
     del pm
 
     model = _model(args)
@@ -98,7 +112,7 @@ def bench(args):
         o.step()
         return loss.item()
 
-    return fx, _run(dtensor_step, args), (len(found.column), len(found.row))
+    return fx, fx_sp, _run(dtensor_step, args), (len(found.column), len(found.row))
 
 
 def main():
@@ -111,7 +125,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     res = fxpar.launch(bench, 2, args)
-    (fx_t, fx_l, fx_b, fx_c), (dt_t, dt_l, dt_b, dt_c), (n_col, n_row) = res[0]
+    (fx_t, fx_l, fx_b, fx_c), sp, (dt_t, dt_l, dt_b, dt_c), (n_col, n_row) = res[0]
     n_params = sum(p.numel() for p in _model(args).parameters())
     print(f"HF Llama {args.layers} layers x {args.hidden} (8 heads, 4 kv heads, "
           f"{n_params / 1e6:.2f} M params), batch {args.batch} x {args.seq}, tp=2, gloo, "
@@ -120,6 +134,8 @@ def main():
           f"(hand plan: {5 * args.layers} + {2 * args.layers})")
     print(f"{'':8s} {'median step ms':>15s} {'collective calls':>17s} {'MiB sent/step':>14s}")
     print(f"{'fxpar':8s} {fx_t * 1e3:15.1f} {fx_c:17d} {fx_b / 2**20:14.2f}")
+    print(f"{'fxpar SP':8s} {sp[0] * 1e3:15.1f} {sp[3]:17d} {sp[2] / 2**20:14.2f}   "
+          "(sequence_parallel=True)")
     print(f"{'DTensor':8s} {dt_t * 1e3:15.1f} {dt_c:17d} {dt_b / 2**20:14.2f}")
     print(f"ratio fxpar/DTensor: time {fx_t / dt_t:.3f}, bytes {fx_b / max(dt_b, 1):.3f}   "
           f"(max |loss diff| = {max(abs(a - b) for a, b in zip(fx_l, dt_l)):.2e})")
