@@ -9,6 +9,7 @@ from fxpar.compiler.errors import PlanError
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 REMATS = ("none", "sqrt", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
+TP_STYLES = ("auto", "all-reduce", "all-gather")
 
 
 @dataclasses.dataclass
@@ -30,6 +31,11 @@ class Plan:
                     dropout, residual adds) are split over the sequence dimension too: each
                     all-reduce becomes a reduce-scatter + all-gather (same bytes, 1/tp of
                     those activations per rank).
+    tp_style:       "all-reduce": column -> row pairs (the row output all-reduced), other
+                    linears whole; "all-gather": every linear split by output features and its
+                    output all-gathered right away (no row splits); "auto" (default): pairs,
+                    and a linear without a row partner split + gathered where the cost model
+                    says that beats computing it whole on every rank.
     """
     dp: int | None = None
     tp: int | None = None
@@ -43,6 +49,7 @@ class Plan:
     overlap: bool = True
     bucket_mb: float | None = None
     sequence_parallel: bool = False
+    tp_style: str = "auto"
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -99,6 +106,12 @@ class Plan:
         if self.sequence_parallel not in (True, False):
             raise PlanError("Plan.sequence_parallel must be True or False, got "
                             f"{self.sequence_parallel!r}.")
+        if self.tp_style not in TP_STYLES:
+            raise PlanError(f"Plan.tp_style must be one of {TP_STYLES}, got {self.tp_style!r}.")
+        if self.sequence_parallel and self.tp_style == "all-gather":
+            raise PlanError("Plan.sequence_parallel splits the activations between a row split "
+                            "and the next column split; tp_style='all-gather' has no row "
+                            "splits. Use tp_style='auto' or 'all-reduce' with it.")
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("Plan.sequence_parallel splits the activations between tensor-"
                             "parallel matmuls over the sequence: it needs tp > 1.")

@@ -274,8 +274,9 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     where it is made (Megatron's placement), instead of each reader's chain of linear ops
     carrying it on and reducing its own, smaller, results (more collectives).
     prefer: node -> placements it should have (sequence parallelism: the residual stream
-    split over the sequence); a whole or partial value there is split / reduce-scattered
-    right where it is made, and a partial input meeting a split one is reduce-scattered to
+    split over the sequence; the all-gather tp style: a column split's output, Replicate); a
+    value there is redistributed right where it is made (a split value is only ever made
+    whole, never re-split), and a partial input meeting a split one is reduce-scattered to
     match it instead of all-reduced. gather_first: node -> dim; inputs split on that dim are
     gathered (made whole) before the node runs (the sequence-parallel all-gather before a
     matmul).
@@ -303,7 +304,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
         node.meta[ir.SHARD] = _placements_tree(s)
         want = (prefer or {}).get(node)
         if want is not None and isinstance(s, DTensorSpec) and tuple(s.placements) != want \
-                and not any(isinstance(p, Shard) for p in s.placements):
+                and (want == sh.replicate or not any(isinstance(p, Shard) for p in s.placements)):
             sh.reduce_now(node, want)
         elif reduce_shared_partials and isinstance(s, DTensorSpec) and \
                 _is_partial(s.placements) and len(node.users) > 1:

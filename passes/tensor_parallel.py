@@ -64,6 +64,7 @@ class Decision:
     replicated: list[str]       # linear weights left whole (no row partner found)
     interleaved: dict[str, int]  # weight/bias name -> pieces of its fused output
     placements: dict[str, tuple]  # parameter name -> placements on the tp mesh
+    gathered: list[str] = dataclasses.field(default_factory=list)  # column outputs all-gathered
 
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
@@ -84,10 +85,18 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                 interleaved[lin.bias] = (0, k)
 
     mesh = make_mesh(tp)
-    roles, placements = choose_placements(gm, linears, params, mesh, group, tp)
+    if plan.tp_style == "all-gather":
+        roles, placements = all_gather_placements(gm, linears, params, tp)
+    else:
+        roles, placements = choose_placements(gm, linears, params, mesh, group, tp)
+        if plan.tp_style == "auto":
+            _gather_where_cheaper(roles, placements, tp, ctx)
     _check_divisible(placements, tp)
     prefer, gather = _residual_stream(gm, linears, roles, tp) if plan.sequence_parallel \
         else (None, None)
+    gathered = {lin.mm: (Replicate(),) for lin, r in roles.items() if r == "column+gather"}
+    if gathered:
+        prefer = {**(prefer or {}), **gathered}
     shard_graph(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
                 reduce_shared_partials=True, prefer=prefer, gather_first=gather)
     _place_outputs(gm, placements, sig, group, tp)
@@ -107,11 +116,12 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         il_dim, k = interleaved.get(n, (None, 1))
         ctx.tp_layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
     gm.meta["tensor_parallel"] = Decision(
-        tp, [params[lin.weight] for lin, r in roles.items() if r == "column"],
+        tp, [params[lin.weight] for lin, r in roles.items() if r.startswith("column")],
         [params[lin.weight] for lin, r in roles.items() if r == "row"],
         [params[lin.weight] for lin, r in roles.items() if r == "replicated"],
         {params[n]: k for n, (_, k) in interleaved.items()},
-        {params[n]: pl for n, pl in placements.items()})
+        {params[n]: pl for n, pl in placements.items()},
+        [params[lin.weight] for lin, r in roles.items() if r == "column+gather"])
     if not roles or all(r == "replicated" for r in roles.values()):
         import warnings
         warnings.warn(f"tp={tp}: no column->row linear pair was found in this model's graph, "
@@ -331,6 +341,47 @@ def choose_placements(gm, linears, params, mesh, group, tp):
     # a bias (or any parameter) every forward use of which wants the same shard: store it so
     placements.update(_absorbed_shards(gm, params, placements, mesh, group))
     return roles, placements
+
+
+def all_gather_placements(gm, linears, params, tp):
+    """tp_style="all-gather": every linear split by output features, output gathered."""
+    roles, placements = {}, {}
+    uses = _weight_uses(gm, linears)
+    for lin in linears:
+        w = lin.weight
+        ok = all(u in uses[w] for u in _forward_users(w)) and \
+            w.meta[ir.VAL].shape[lin.out_dim] % tp == 0 and \
+            placements.get(w, (Shard(lin.out_dim),)) == (Shard(lin.out_dim),)
+        roles[lin] = "column+gather" if ok else "replicated"
+        if ok:
+            placements[w] = (Shard(lin.out_dim),)
+            if lin.bias is not None:
+                placements[lin.bias] = (Shard(0),)
+    return roles, placements
+
+
+def _gather_where_cheaper(roles, placements, tp, ctx):
+    """tp_style="auto": a linear left whole (no row partner) is split by output features and
+    its output all-gathered if the cost model says 1/tp of its FLOPs plus the gather beat
+    computing it whole on every rank."""
+    from fxpar.compiler import cost
+    profile = cost.DeviceProfile.for_device(ctx.device or "cpu")
+    c10d = torch.ops._c10d_functional
+    for lin, r in list(roles.items()):
+        w = lin.weight
+        if r != "replicated" or w in placements or \
+                w.meta[ir.VAL].shape[lin.out_dim] % tp:
+            continue
+        if any(other.weight is w and rr != "replicated" for other, rr in roles.items()):
+            continue
+        whole = cost.node_time(lin.mm, profile)
+        split = whole / tp + cost.comm_time(c10d.all_gather_into_tensor.default,
+                                            cost.tensor_bytes(lin.mm.meta[ir.VAL]), tp, profile)
+        if split < whole:
+            roles[lin] = "column+gather"
+            placements[w] = (Shard(lin.out_dim),)
+            if lin.bias is not None:
+                placements[lin.bias] = (Shard(0),)
 
 
 def _weight_uses(gm, linears):

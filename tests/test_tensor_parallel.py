@@ -1,6 +1,8 @@
 """The tensor-parallel pass on small graphs: which weights split how, which collectives appear
 (Megatron's 2 + 2 all-reduces per block), fused QKV layouts, GQA, composition with dp."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -254,3 +256,45 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
 def test_sequence_parallel_needs_tp():
     with pytest.raises(PlanError, match="needs tp > 1"):
         resolve({"sequence_parallel": True}, 2)
+
+
+def test_all_gather_style_splits_every_linear_and_gathers_its_output():
+    cfg = M.GPTConfig(n_layer=1)
+    gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, tp_style="all-gather")
+    d = gm.meta["tensor_parallel"]
+    linears = ["h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight", "h.0.mlp.0.weight",
+               "h.0.mlp.2.weight"]
+    assert sorted(d.gathered) == sorted(linears) and d.row == []
+    c = _collectives(gm, "h.0")
+    assert c.get(("fwd", "all_gather_into_tensor")) == 4 and ("fwd", "all_reduce") not in c
+
+
+class LoneLinear(nn.Module):
+    """One linear whose output the loss needs whole (softmax over its features)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, batch):
+        x, y = batch
+        return F.mse_loss(torch.softmax(self.lin(x), -1), y)
+
+
+@pytest.mark.parametrize("n,d,gathered", [(8, 8, False), (1024, 2048, True)])
+def test_auto_style_gathers_a_lone_linear_only_where_the_cost_model_says_it_pays(n, d, gathered):
+    """No row partner: split + all-gather if 1/tp of the matmul plus the gather is cheaper
+    than the whole matmul on every rank (a big one), else keep it whole (a tiny one)."""
+    with pytest.warns(UserWarning) if not gathered else contextlib.nullcontext():
+        gm, sig, ctx = compile_tp(LoneLinear(d, d), (torch.randn(n, d), torch.rand(n, d)), 2)
+    dec = gm.meta["tensor_parallel"]
+    assert (dec.gathered == ["lin.weight"]) is gathered
+    assert any(n.target is c10d.all_gather_into_tensor.default
+               for n in gm.graph.nodes) is gathered
+
+
+def test_bad_tp_style_is_a_clear_error():
+    with pytest.raises(PlanError, match="tp_style must be one of"):
+        resolve({"tp": 2, "tp_style": "rowwise"}, 2)
+    with pytest.raises(PlanError, match="has no row splits"):
+        resolve({"tp": 2, "tp_style": "all-gather", "sequence_parallel": True}, 2)
