@@ -193,6 +193,7 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
 
 # ops that act over a process group: the position of the group-name argument, and where the
 # dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
+from fxpar.compiler import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
 from fxpar.compiler import vocab_parallel  # noqa: E402  (registers fxpar::localize)
 
 _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
@@ -262,7 +263,8 @@ def _placements(spec) -> tuple | None:
 def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
                 group_names: Sequence[str], reduce_shared_partials: bool = False,
                 prefer: dict[torch.fx.Node, tuple] | None = None,
-                gather_first: dict | None = None) -> dict[torch.fx.Node, Any]:
+                gather_first: dict | None = None, split_random_ops: bool = False
+                ) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -279,10 +281,12 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     whole, never re-split), and a partial input meeting a split one is reduce-scattered to
     match it instead of all-reduced. gather_first: node -> dim; inputs split on that dim are
     gathered (made whole) before the node runs (the sequence-parallel all-gather before a
-    matmul).
+    matmul). split_random_ops: a dropout on a split value draws the whole mask and keeps
+    its slice (compiler/split_random.py), as tensor parallelism needs.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
     sh.prefer_split, sh.prefer = bool(prefer), prefer or {}
+    sh.split_random = split_random_ops
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":
             spec = _spec(mesh, placeholder_placements.get(node.name, sh.replicate),
@@ -422,6 +426,7 @@ class _Sharder:
         self.graph, self.mesh, self.group_names = graph, mesh, group_names
         self.requests: list[tuple] = []
         self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
+        self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
         self.prop = DTensor._op_dispatcher.sharding_propagator
@@ -513,8 +518,14 @@ class _Sharder:
         if self._other_axis(node):
             return self.propagate_other_axis(node)
         spec = vocab_parallel.rule(self, node)
+        if spec is None and self.split_random:
+            spec = split_random.rule(self, node)
         if spec is not None:
             return spec
+        if op is torch.ops.fxpar.dropout_with_mask.default:  # elementwise, mask placed like x
+            pl = self.specs[node.args[0]].placements
+            self.place(node, {node.args[1]: tuple(pl)})
+            return _out_spec(self.mesh, pl, val)
         if self.prefer_split and op in _POINTWISE_BINARY:
             # split full-size operands the way the result should be split (a partial one by
             # reduce-scatter) rather than making them whole

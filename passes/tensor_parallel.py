@@ -98,7 +98,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     if gathered:
         prefer = {**(prefer or {}), **gathered}
     shard_graph(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
-                reduce_shared_partials=True, prefer=prefer, gather_first=gather)
+                reduce_shared_partials=True, prefer=prefer, gather_first=gather,
+                split_random_ops=True)
     _place_outputs(gm, placements, sig, group, tp)
     for n, pl in placements.items():  # parameter placeholders now hold local shards
         v = n.meta[ir.VAL]

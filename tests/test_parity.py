@@ -175,3 +175,15 @@ def test_tensor_parallel_equals_single_process(world, cases):
     parameters (full_state_dict gathers the tp shards and undoes the fused-QKV interleave)
     equal single-process eager training (rtol 1e-5); evaluate() too."""
     _check_plans(world, cases)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_dropout_draws_the_single_process_masks():
+    """Dropout 0.1 (embeddings, attention probabilities with the heads split, residuals):
+    at tp=2 a split dropout draws the whole mask and keeps its slice, a replicated one the
+    same mask on both ranks, so training equals single-process fxpar training with the same
+    seed (same masks), step for step."""
+    ref, _ = fxpar_train("gpt_dropout", "adamw", 1)
+    res = fxpar.launch(plans_rank, 2, [("gpt_dropout", "adamw", {"tp": 2})])
+    got = res[0][("gpt_dropout", "adamw", repr({"tp": 2}))][0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=ATOL)
