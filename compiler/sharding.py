@@ -427,6 +427,7 @@ class _Sharder:
         self.requests: list[tuple] = []
         self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
         self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
+        self.replaying = False     # inside remat's RNG replay wrapper
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
         self.prop = DTensor._op_dispatcher.sharding_propagator
@@ -518,7 +519,7 @@ class _Sharder:
         if self._other_axis(node):
             return self.propagate_other_axis(node)
         spec = vocab_parallel.rule(self, node)
-        if spec is None and self.split_random:
+        if spec is None and self.split_random and not self.replaying:
             spec = split_random.rule(self, node)
         if spec is not None:
             return spec
@@ -604,9 +605,11 @@ class _Sharder:
         head = node.args[:k + 1]
         node.target, node.args = node.args[k], node.args[k + 1:]
         node.meta[ir.VAL] = val[1] if saving else val
+        self.replaying = True  # the wrapped op is not rewritten (split_random's rule)
         try:
             spec = self.propagate(node)
         finally:
+            self.replaying = False
             node.target, node.args = hop, (*head, *node.args)
             node.meta[ir.VAL] = val
         if saving:

@@ -77,8 +77,11 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     params = {n: sig.param_names[i] for i, n in enumerate(phs[:sig.num_params])}
     linears = find_linears(gm, params)
     interleaved = {}  # placeholder -> (dim holding the fused pieces, number of pieces)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    grads = list(out.args[0])[1:1 + sig.num_params]
     for lin in linears:
-        k = _rewrite_fused_split(gm, lin, tp)
+        i = phs.index(lin.weight)
+        k = _rewrite_fused_split(gm, lin, tp, grads[i] if i < len(grads) else None)
         if k:
             interleaved[lin.weight] = (lin.out_dim, k)
             if lin.bias is not None:
@@ -169,9 +172,10 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 
 # --- fused projections ----------------------------------------------------------------------
 
-def _rewrite_fused_split(gm, lin: Linear, tp: int) -> int:
+def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight=None) -> int:
     """If lin's output is split into k equal pieces along its features (a fused QKV),
-    rewrite the split and its backward cat for the interleaved layout; returns k (0: no)."""
+    rewrite the split (and remat's recomputed copies of it) and its backward cat for the
+    interleaved layout; returns k (0: no)."""
     graph = gm.graph
     splits = [u for v in _views_of(lin.mm) for u in v.users
               if u.target in (aten.split.Tensor, aten.split_with_sizes.default)
@@ -194,7 +198,6 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int) -> int:
     if k < 2 or size % tp:
         return 0
     lead = shape[:-1]
-    meta = {ir.MODULE: split.meta.get(ir.MODULE, ""), ir.REGION: ir.FORWARD}
 
     def emit(target, args, region_meta, like):
         node = graph.call_function(target, args)
@@ -202,18 +205,26 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int) -> int:
         node.meta[ir.VAL] = like
         return node
 
-    getitems = [u for u in split.users if u.target is operator.getitem]
-    with graph.inserting_before(split):
-        v = emit(aten.view.default, (y, [*lead, tp, k, size // tp]), meta, None)
-        for g in sorted(getitems, key=lambda n: n.args[1]):
-            sel = emit(aten.select.int, (v, -2, g.args[1]), meta, None)
-            cont = emit(aten.clone.default, (sel,), meta, None)
-            cont.kwargs = {"memory_format": torch.contiguous_format}
-            piece = emit(aten.view.default, (cont, [*lead, size]), meta, None)
-            g.replace_all_uses_with(piece)
-    for g in getitems:
-        graph.erase_node(g)
-    graph.erase_node(split)
+    # remat may recompute the projection and its split in the backward: rewrite those too
+    copies = [n for n in graph.nodes if n.target is split.target and n is not split
+              and n.args[1:] == split.args[1:] and n.meta.get(ir.RECOMPUTE)
+              and _reads_weight(n.args[0], lin.weight)]
+    for sp in [split, *copies]:
+        meta = {ir.MODULE: sp.meta.get(ir.MODULE, ""), ir.REGION: sp.meta.get(ir.REGION)}
+        if sp.meta.get(ir.RECOMPUTE):
+            meta[ir.RECOMPUTE] = sp.meta[ir.RECOMPUTE]
+        getitems = [u for u in sp.users if u.target is operator.getitem]
+        with graph.inserting_before(sp):
+            v = emit(aten.view.default, (sp.args[0], [*lead, tp, k, size // tp]), meta, None)
+            for g in sorted(getitems, key=lambda n: n.args[1]):
+                sel = emit(aten.select.int, (v, -2, g.args[1]), meta, None)
+                cont = emit(aten.clone.default, (sel,), meta, None)
+                cont.kwargs = {"memory_format": torch.contiguous_format}
+                piece = emit(aten.view.default, (cont, [*lead, size]), meta, None)
+                g.replace_all_uses_with(piece)
+        for g in getitems:
+            graph.erase_node(g)
+        graph.erase_node(sp)
 
     # the split's backward: cat(grads of the pieces, dim) feeding the weight-gradient mm
     has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
@@ -222,7 +233,8 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int) -> int:
                 and n.meta.get(ir.REGION) == ir.BACKWARD]:
         pieces, cdim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0)
         if len(pieces) != k or cdim % len(shape) != dim or \
-                list(cat.meta[ir.VAL].shape) != shape or not _feeds_weight_grad(cat, lin):
+                list(cat.meta[ir.VAL].shape) != shape or not (
+                    _feeds_weight_grad(cat, lin) or _feeds(cat, grad_of_weight)):
             continue
         bmeta = {ir.MODULE: cat.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD}
         with graph.inserting_before(cat):
@@ -248,6 +260,24 @@ def _finish(gm, k):
     gm.recompile()
     fake_propagate(gm, check=False)
     return k
+
+
+def _reads_weight(node, weight) -> bool:
+    """node is (a view of) a matmul whose weight operand is (a transpose of) `weight`."""
+    node = _root(node)
+    if not isinstance(node, torch.fx.Node) or node.target not in (aten.mm.default,
+                                                                   aten.addmm.default):
+        return False
+    return any(_root(a) is weight for a in node.args if isinstance(a, torch.fx.Node))
+
+
+def _feeds(cat, grad) -> bool:
+    """The weight's gradient output is (a view/transpose of) a matmul reading `cat`."""
+    if grad is None:
+        return False
+    mm = _root(grad)
+    return isinstance(mm, torch.fx.Node) and mm.target is aten.mm.default and any(
+        _root(a) is cat for a in mm.args if isinstance(a, torch.fx.Node))
 
 
 def _views_of(node):

@@ -154,7 +154,9 @@ def test_pipeline_equals_single_process(world, cases):
 
 
 TP2_CASES = [(m, "adamw", {"tp": 2, **sp}) for m in ("gpt", "hf_gpt2", "hf_llama")
-             for sp in ({}, {"sequence_parallel": True}, {"tp_style": "all-gather"})]
+             for sp in ({}, {"sequence_parallel": True}, {"tp_style": "all-gather"})] + [
+    ("gpt", "adamw", {"tp": 2, "remat": "sqrt"}),       # recomputed fused QKV split
+    ("hf_llama", "adamw", {"tp": 2, "remat": "sqrt", "sequence_parallel": True})]
 TP4_CASES = [("gpt", "adamw", {"tp": 4}),
              ("hf_llama", "adamw", {"dp": 2, "tp": 2}),
              ("gpt", "adamw", {"dp": 2, "tp": 2, "zero": 1}),
@@ -170,7 +172,7 @@ TP8_CASES = [("gpt", "adamw", {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2})]
                          ids=["tp2", "tp4-dp-pp", "dp2-pp2-tp2"])
 def test_tensor_parallel_equals_single_process(world, cases):
     """tp = 2 and 4 (small GPT, HF GPT-2 with fused QKV, HF Llama with GQA; all-reduce form,
-    with sequence parallelism, and the all-gather form), dp=2 x tp=2 (also ZeRO-1, also sequence-parallel), pp=2 x tp=2, and
+    with sequence parallelism, and the all-gather form; with remat), dp=2 x tp=2 (also ZeRO-1, also sequence-parallel), pp=2 x tp=2, and
     dp=2 x pp=2 x tp=2 on 8 CPU ranks: loss per step and final
     parameters (full_state_dict gathers the tp shards and undoes the fused-QKV interleave)
     equal single-process eager training (rtol 1e-5); evaluate() too."""

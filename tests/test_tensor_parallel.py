@@ -298,3 +298,13 @@ def test_bad_tp_style_is_a_clear_error():
         resolve({"tp": 2, "tp_style": "rowwise"}, 2)
     with pytest.raises(PlanError, match="has no row splits"):
         resolve({"tp": 2, "tp_style": "all-gather", "sequence_parallel": True}, 2)
+
+
+def test_remat_recomputed_fused_split_is_rewritten_too():
+    """remat runs first and may recompute the QKV projection and its split in the backward:
+    every split of a c_attn output is replaced by the interleaved view/select pieces."""
+    cfg = M.GPTConfig(n_layer=4)
+    gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, remat="sqrt")
+    assert gm.meta["remat"].recomputed
+    splits = [n for n in gm.graph.nodes if n.target is torch.ops.aten.split.Tensor]
+    assert not splits, [n.meta.get(ir.MODULE) for n in splits]
