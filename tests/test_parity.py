@@ -153,10 +153,12 @@ def test_pipeline_equals_single_process(world, cases):
     _check_plans(world, cases)
 
 
-TP2_CASES = [(m, "adamw", {"tp": 2, **sp}) for m in ("gpt", "hf_gpt2", "hf_llama")
-             for sp in ({}, {"sequence_parallel": True}, {"tp_style": "all-gather"})] + [
-    ("gpt", "adamw", {"tp": 2, "remat": "sqrt"}),       # recomputed fused QKV split
-    ("hf_llama", "adamw", {"tp": 2, "remat": "sqrt", "sequence_parallel": True})]
+TP2_CASES = ([("gpt", "adamw", {"tp": 2, **sp}) for sp in (
+    {}, {"sequence_parallel": True}, {"tp_style": "all-gather"})]
+    + [("hf_gpt2", "adamw", {"tp": 2}), ("hf_gpt2", "adamw", {"tp": 2, "tp_style": "all-gather"}),
+       ("hf_llama", "adamw", {"tp": 2}), ("hf_llama", "adamw", {"tp": 2, "sequence_parallel": True}),
+       ("gpt", "adamw", {"tp": 2, "remat": "sqrt"}),       # recomputed fused QKV split
+       ("hf_llama", "adamw", {"tp": 2, "remat": "sqrt", "sequence_parallel": True})])
 TP4_CASES = [("gpt", "adamw", {"tp": 4}),
              ("hf_llama", "adamw", {"dp": 2, "tp": 2}),
              ("gpt", "adamw", {"dp": 2, "tp": 2, "zero": 1}),
