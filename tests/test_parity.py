@@ -160,6 +160,7 @@ TP2_CASES = ([("gpt", "adamw", {"tp": 2, **sp}) for sp in (
        ("gpt", "adamw", {"tp": 2, "remat": "sqrt"}),       # recomputed fused QKV split
        ("hf_llama", "adamw", {"tp": 2, "remat": "sqrt", "sequence_parallel": True})])
 TP4_CASES = [("gpt", "adamw", {"tp": 4}),
+             ("hf_gpt2", "adamw", {"tp": 4}),
              ("hf_llama", "adamw", {"dp": 2, "tp": 2}),
              ("gpt", "adamw", {"dp": 2, "tp": 2, "zero": 1}),
              ("gpt", "adamw", {"dp": 2, "tp": 2, "sequence_parallel": True}),

@@ -308,3 +308,10 @@ def test_remat_recomputed_fused_split_is_rewritten_too():
     assert gm.meta["remat"].recomputed
     splits = [n for n in gm.graph.nodes if n.target is torch.ops.aten.split.Tensor]
     assert not splits, [n.meta.get(ir.MODULE) for n in splits]
+
+
+def test_tp_that_does_not_divide_the_kv_heads_is_a_clear_error():
+    """HF Llama with 2 KV heads cannot split 4 ways (q heads could): named in the error."""
+    model = M.hf_llama(layers=1, heads=4, kv_heads=2)
+    with pytest.raises(PlanError, match="tp=4 cannot split this model evenly.*key/value heads"):
+        compile_tp(model, M.hf_lm_batch(128, 4, 16), 4)
