@@ -133,8 +133,9 @@ PP2_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"],
              + [("gpt", "adamw", {"pp": 2, "microbatches": 2, "remat": "sqrt"}),
                 ("gpt", "sgd", {"pp": 1, "microbatches": 4}),           # gradient accumulation
                 ("gpt", "adamw", {"dp": 2, "microbatches": 4})])  # ... reduced once over dp
-PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"], [4, 8],
+PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"], [4],
                        {"pp": 4})
+             + _pp_cases(["gpt"], ["interleaved", "zero-bubble"], [8], {"pp": 4})
              + _pp_cases(["hf_llama"], ["1f1b"], [4], {"pp": 4})
              + _pp_cases(["gpt", "hf_gpt2", "hf_llama"], ["1f1b", "zero-bubble"], [2],
                          {"pp": 2, "dp": 2})
