@@ -21,6 +21,7 @@ FUSED_GROUP = "fused_group"
 COST = "cost"            # {"flops": int, "bytes": int}
 PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage)
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
+VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
 BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (packing, collective)
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
 

@@ -191,13 +191,13 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
 
 # --- propagation --------------------------------------------------------------------------
 
-# ops that act over a process group: the position of the group-name argument, and where the
-# dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
 from fxpar.compiler import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
 from fxpar.compiler import vocab_parallel  # noqa: E402  (registers fxpar::localize)
 
 _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 
+# ops that act over a process group: the position of the group-name argument, and where the
+# dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
 _GROUP_ARG = {
     torch.ops.fxpar.localize.default: 2,
     c10d.all_reduce.default: 2,
@@ -310,9 +310,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
         if want is not None and isinstance(s, DTensorSpec) and tuple(s.placements) != want \
                 and (want == sh.replicate or not any(isinstance(p, Shard) for p in s.placements)):
             sh.reduce_now(node, want)
-        elif reduce_shared_partials and isinstance(s, DTensorSpec) and \
-                _is_partial(s.placements) and len(node.users) > 1:
-            sh.reduce_now(node)
+        elif reduce_shared_partials:
+            sh.reduce_if_shared(node)
     return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
 
 
@@ -366,10 +365,8 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
             if b not in sh.specs:
                 settle(b)
         _visit(sh, gm2, a)
-        s = sh.specs[a]
-        if reduce_shared_partials and isinstance(s, DTensorSpec) and \
-                _is_partial(s.placements) and len(a.users) > 1:
-            sh.reduce_now(a)
+        if reduce_shared_partials:
+            sh.reduce_if_shared(a)
 
     for node in list(g2.nodes):
         if node.op in ("placeholder", "output") or node not in back:
@@ -433,6 +430,12 @@ class _Sharder:
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.specs: dict[torch.fx.Node, Any] = {}
         self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
+
+    def reduce_if_shared(self, node) -> None:
+        """A partial sum read by several ops: all-reduce it once, here."""
+        s = self.specs[node]
+        if isinstance(s, DTensorSpec) and _is_partial(s.placements) and len(node.users) > 1:
+            self.reduce_now(node)
 
     def reduce_now(self, node, need=None) -> None:
         """Replace every use of `node` by its redistributed value (default: partial sums

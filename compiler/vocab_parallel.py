@@ -26,7 +26,6 @@ from fxpar.compiler import ir
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-VOCAB_SHARD = "vocab_shard"  # meta flag (set by the tensor_parallel pass) on embedding backward
 
 
 @torch.library.custom_op("fxpar::localize", mutates_args=())
@@ -49,7 +48,7 @@ def rule(sh, node):
     op = node.target
     if op is aten.embedding.default and _shard_dim(sh, node.args[0]) == 0:
         return _embedding(sh, node)
-    if op is aten.embedding_dense_backward.default and node.meta.get(VOCAB_SHARD):
+    if op is aten.embedding_dense_backward.default and node.meta.get(ir.VOCAB_SHARD):
         return _embedding_backward(sh, node)
     if op is aten._log_softmax.default and _is_split_on(sh, node.args[0], node.args[1]):
         return _log_softmax(sh, node)
@@ -147,19 +146,20 @@ def _log_softmax(sh, node):
                 Shard(dim % x.meta[ir.VAL].dim()))
 
 
-def _picked_column(sh, node, logp, target, ignore_index):
-    """([N, 1] log-prob of each row's target (summed over ranks), the target for it: 0, or
-    ignore_index where the row is ignored), plus this rank's (ids, mask) of the targets."""
-    e = _Emitter(sh, node)
+def _picked_column(e, logp, target, ignore_index):
+    """[N, 1] log-prob of each row's target (summed over ranks: only its holder picks it)."""
     rows = logp.meta[ir.VAL].shape[1] // e.n
     safe, mask = e.local_ids(target, rows)
-    idx = e(aten.unsqueeze.default, safe, 1)
-    picked = e(aten.masked_fill.Scalar, e(aten.gather.default, logp, 1, idx),
+    picked = e(aten.masked_fill.Scalar, e(aten.gather.default, logp, 1,
+                                          e(aten.unsqueeze.default, safe, 1)),
                e(aten.unsqueeze.default, mask, 1), 0.0)
-    picked = e.all_reduce(picked, "sum")
+    return e.all_reduce(picked, "sum")
+
+
+def _column_target(e, target, ignore_index):
+    """The target for the [N, 1] column: 0, or ignore_index where the row is ignored."""
     ignored = e(aten.eq.Scalar, target, ignore_index)
-    target1 = e(aten.masked_fill.Scalar, e(aten.mul.Scalar, target, 0), ignored, ignore_index)
-    return picked, target1, idx, mask
+    return e(aten.masked_fill.Scalar, e(aten.mul.Scalar, target, 0), ignored, ignore_index)
 
 
 def _nll_loss(sh, node):
@@ -167,10 +167,10 @@ def _nll_loss(sh, node):
     if weight is not None or logp.meta[ir.VAL].dim() != 2:
         return None
     target = sh.to(node, target, (Replicate(),))
-    picked, target1, _, _ = _picked_column(sh, node, logp, target, ignore_index)
-    node.args = (picked, target1, None, reduction, ignore_index)
-    from fxpar.compiler.sharding import _out_spec
-    return _out_spec(sh.mesh, (Replicate(),), node.meta.get(ir.VAL))
+    e = _Emitter(sh, node)
+    node.args = (_picked_column(e, logp, target, ignore_index),
+                 _column_target(e, target, ignore_index), None, reduction, ignore_index)
+    return _spec(sh, Replicate(), node)
 
 
 def _nll_loss_backward(sh, node):
@@ -183,11 +183,9 @@ def _nll_loss_backward(sh, node):
     e = _Emitter(sh, node)
     rows = logp.meta[ir.VAL].shape[1] // e.n
     safe, mask = e.local_ids(target, rows)
-    ignored = e(aten.eq.Scalar, target, ignore_index)
-    target1 = e(aten.masked_fill.Scalar, e(aten.mul.Scalar, target, 0), ignored, ignore_index)
     column = e(aten.slice.Tensor, logp, 1, 0, 1)
-    g1 = e(aten.nll_loss_backward.default, grad, column, target1, None, reduction,
-           ignore_index, total)
+    g1 = e(aten.nll_loss_backward.default, grad, column, _column_target(e, target, ignore_index),
+           None, reduction, ignore_index, total)
     g1 = e(aten.masked_fill.Scalar, g1, e(aten.unsqueeze.default, mask, 1), 0.0)
     return _set(sh, node, aten.scatter.src,
                 (e(aten.zeros_like.default, logp), 1, e(aten.unsqueeze.default, safe, 1), g1),

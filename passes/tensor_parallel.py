@@ -78,7 +78,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     linears = find_linears(gm, params)
     interleaved = {}  # placeholder -> (dim holding the fused pieces, number of pieces)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    grads = list(out.args[0])[1:1 + sig.num_params]
+    grads = list(out.args[0])[1:1 + sig.num_params]  # empty in a forward-only graph
     for lin in linears:
         i = phs.index(lin.weight)
         k = _rewrite_fused_split(gm, lin, tp, grads[i] if i < len(grads) else None)
@@ -86,6 +86,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             interleaved[lin.weight] = (lin.out_dim, k)
             if lin.bias is not None:
                 interleaved[lin.bias] = (0, k)
+    from fxpar.compiler.passes import fake_propagate
+    if interleaved:  # the rewritten nodes' meta["val"], once for all of them
+        gm.recompile()
+        fake_propagate(gm, check=False)
 
     mesh = make_mesh(tp)
     if plan.tp_style == "all-gather":
@@ -111,7 +115,6 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             if isinstance(p, Shard):
                 shape[p.dim] //= tp
         n.meta[ir.VAL] = v.new_empty(shape)
-    from fxpar.compiler.passes import fake_propagate
     fake_propagate(gm, check=False)
 
     ctx.tp_layouts = [None] * sig.num_params
@@ -161,21 +164,17 @@ def _root(node):
     return node
 
 
-def _reads(node, target) -> bool:
-    """node and `target` are views of one value (a pipeline cut may have sent one copy)."""
-    return _root(node) is _root(target)
-
-
 # value-preserving reshapes; aten.alias is a pipeline transfer (passes/pipeline_split.py)
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 
 
 # --- fused projections ----------------------------------------------------------------------
 
-def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight=None) -> int:
+def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
     """If lin's output is split into k equal pieces along its features (a fused QKV),
-    rewrite the split (and remat's recomputed copies of it) and its backward cat for the
-    interleaved layout; returns k (0: no)."""
+    rewrite the split (and remat's recomputed copies of it) and its backward cat (the one
+    the weight's gradient is computed from) for the interleaved layout; returns k (0: no).
+    The new nodes' meta["val"] is left to the caller's fake propagation."""
     graph = gm.graph
     splits = [u for v in _views_of(lin.mm) for u in v.users
               if u.target in (aten.split.Tensor, aten.split_with_sizes.default)
@@ -226,15 +225,14 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight=None) -> int:
             graph.erase_node(g)
         graph.erase_node(sp)
 
-    # the split's backward: cat(grads of the pieces, dim) feeding the weight-gradient mm
+    # the split's backward: cat(grads of the pieces, dim) that the weight's gradient reads
     has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
                        for n in graph.nodes)
     for cat in [n for n in graph.nodes if n.target is aten.cat.default
                 and n.meta.get(ir.REGION) == ir.BACKWARD]:
         pieces, cdim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0)
         if len(pieces) != k or cdim % len(shape) != dim or \
-                list(cat.meta[ir.VAL].shape) != shape or not (
-                    _feeds_weight_grad(cat, lin) or _feeds(cat, grad_of_weight)):
+                list(cat.meta[ir.VAL].shape) != shape or not _feeds(cat, grad_of_weight):
             continue
         bmeta = {ir.MODULE: cat.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD}
         with graph.inserting_before(cat):
@@ -247,18 +245,11 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight=None) -> int:
         break
     else:
         if not has_backward:  # a forward-only graph (evaluate): nothing to rewrite
-            return _finish(gm, k)
+            return k
         raise ShardingError(
             f"tensor parallelism: the fused projection '{lin.mm.meta.get(ir.MODULE, '')}' "
             "splits its output into pieces, but the matching gradient concatenation was not "
             "found in the backward; fxpar cannot shard it. Please report the model.")
-    return _finish(gm, k)
-
-
-def _finish(gm, k):
-    from fxpar.compiler.passes import fake_propagate
-    gm.recompile()
-    fake_propagate(gm, check=False)
     return k
 
 
@@ -272,7 +263,9 @@ def _reads_weight(node, weight) -> bool:
 
 
 def _feeds(cat, grad) -> bool:
-    """The weight's gradient output is (a view/transpose of) a matmul reading `cat`."""
+    """The weight's gradient output is (a view/transpose/transfer of) a matmul reading
+    `cat` (directly or through views: with remat or pipeline cuts the activation it is
+    multiplied with may be a recomputed or received copy, so the gradient is the anchor)."""
     if grad is None:
         return False
     mm = _root(grad)
@@ -289,17 +282,6 @@ def _views_of(node):
                 out.append(u)
                 todo.append(u)
     return out
-
-
-def _feeds_weight_grad(cat, lin) -> bool:
-    """cat's value (through views/transposes) is multiplied with lin's activation."""
-    for v in _views_of(cat):
-        for u in v.users:
-            us = [u] + ([w for w in u.users] if u.target is aten.t.default else [])
-            for m in us:
-                if m.target is aten.mm.default and any(_reads(a, lin.act) for a in m.args):
-                    return True
-    return False
 
 
 # --- choosing placements --------------------------------------------------------------------
@@ -444,7 +426,6 @@ def _token_lookups(gm, params) -> dict:
 
 def _mark_vocab_backward(gm, lookups, placements):
     """The backward of a split table's lookup accumulates only this rank's rows."""
-    from fxpar.compiler.vocab_parallel import VOCAB_SHARD
     for w, nodes in lookups.items():
         if placements.get(w) != (Shard(0),):
             continue
@@ -452,7 +433,7 @@ def _mark_vocab_backward(gm, lookups, placements):
         for n in gm.graph.nodes:
             if n.target is aten.embedding_dense_backward.default and \
                     _root(n.args[1]) in ids and n.args[2] == w.meta[ir.VAL].shape[0]:
-                n.meta[VOCAB_SHARD] = True
+                n.meta[ir.VOCAB_SHARD] = True
 
 
 def _failed_columns(gm, linears, decided, specs, requests) -> set:
@@ -507,7 +488,7 @@ def _check_divisible(placements, tp):
                     "divides the hidden size, the number of heads and the MLP width.")
 
 
-def _residual_stream(gm, linears, roles, tp) -> dict:
+def _residual_stream(gm, linears, roles, tp) -> tuple[dict, dict]:
     """Sequence parallelism: the residual adds (forward and backward) of the activations the
     column splits read, to be split over the sequence (dim 1 of [batch, seq, hidden]); and
     the flattening views that feed matmuls, where the sequence is gathered first."""

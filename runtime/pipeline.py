@@ -72,6 +72,9 @@ class PipelineRunner:
                     self.meta[ref] = (tuple(v.shape), v.dtype,
                                       tuple(v.stride()) if dense else None)
         self.grad_of = {name: i for i, name in enumerate(self.p.grads) if name is not None}
+        # gradients an R part makes: reduced from the microbatch mean already (not divided)
+        self.grads_from_r = {self.grad_of[n] for part in self.parts.values()
+                             if part.phase == "R" for n in part.outputs if n in self.grad_of}
         self.buffer_of = {name: j for j, name in enumerate(self.p.buffer_updates) if name}
         self._forward_only = False
         self.zero = program.zero  # ZeRO 1/2: the gradient outputs are flat bucket shards
@@ -150,10 +153,8 @@ class PipelineRunner:
             w.wait()
         if forward_only:
             return (None if not losses else torch.stack(losses).mean()), None, None
-        if self.m > 1:  # gradients the R parts made are reduced from the mean already
-            made_by_r = {self.grad_of[n] for k in self.parts if k[0] == "R"
-                         for n in self.parts[k].outputs if n in self.grad_of}
-            grads = [g if g is None or i in made_by_r else g.div_(self.m)
+        if self.m > 1:
+            grads = [g if g is None or i in self.grads_from_r else g.div_(self.m)
                      for i, g in enumerate(grads)]
         if not self.zero:  # (under ZeRO, tied weights are synced after the step instead)
             grads = self._share_grads(grads, params, rec)

@@ -48,6 +48,15 @@ def run_parts(prog, model, sig, batch):
     return store[prog.loss], [store.get(g) if g else None for g in prog.grads]
 
 
+def assert_parts_equal_eager(prog, model, sig, batch):
+    """The parts run in pipeline order give eager's loss and every gradient."""
+    loss, grads = run_parts(prog, model, sig, batch)
+    ref_loss, ref_grads = eager(model, batch)
+    torch.testing.assert_close(loss, ref_loss)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
 def eager(model, batch):
     model.zero_grad()
     loss = model(batch)
@@ -145,11 +154,7 @@ def test_skip_connection_is_sent_from_first_to_last_stage():
     # layers.0's output goes from stage 0 to stage 3 directly, and its gradient back
     assert (0, 3) in {(src, dst) for _, src, dst in transfers}
     assert (3, 0) in {(src, dst) for _, src, dst in transfers}
-    loss, grads = run_parts(prog, model, sig, batch)
-    ref_loss, ref_grads = eager(model, batch)
-    torch.testing.assert_close(loss, ref_loss)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r)
+    assert_parts_equal_eager(prog, model, sig, batch)
 
 
 def test_transfers_pair_up_between_parts_with_matching_shape_and_dtype():
@@ -191,11 +196,7 @@ def test_parts_in_pipeline_order_equal_the_unsplit_step(schedule):
     phases = {p.phase for p in prog.parts.values()}
     assert phases == ({"F", "I", "W"} if schedule == "zero-bubble" else {"F", "B"})
     assert prog.n_stages == (4 if schedule == "interleaved" else 2)
-    loss, grads = run_parts(prog, model, sig, batch)
-    ref_loss, ref_grads = eager(model, batch)
-    torch.testing.assert_close(loss, ref_loss)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r)
+    assert_parts_equal_eager(prog, model, sig, batch)
 
 
 def test_zero_bubble_weight_grads_are_separate_from_input_grads():
