@@ -1,0 +1,94 @@
+"""Where Triton kernels can run, and a lazily compiled `@kernel` decorator.
+
+Triton compiles for NVIDIA/AMD GPUs; on a CPU it can only run its interpreter
+(TRITON_INTERPRET=1, numpy under the hood: exact but slow). `triton.jit` decides between
+compiled and interpreted when it decorates, so a kernel decorated at import time would be
+stuck with whatever the environment said then. `kernel` defers that choice to the first
+launch and keeps one variant per mode.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # pragma: no cover - triton is a dependency
+        return f"triton cannot be imported ({e})"
+    return None
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """None if Triton kernels can run on `device`, else why not (for logs and errors)."""
+    err = _triton_import_error()
+    if err:
+        return err
+    device = torch.device(device)
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if interpreting():
+            return None
+        return ("Triton compiles for GPUs only; on CPU set TRITON_INTERPRET=1 to run the "
+                "kernels in Triton's interpreter (slow, for testing)")
+    return f"Triton kernels do not run on {device.type} devices"
+
+
+class kernel:
+    """`@kernel` instead of `@triton.jit`: compiled (or interpreted) at first launch.
+
+    Usage is the same: `my_kernel[grid](*args, BLOCK=...)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._variants: dict[bool, object] = {}
+        functools.update_wrapper(self, fn)
+
+    def _get(self):
+        mode = interpreting()
+        k = self._variants.get(mode)
+        if k is None:
+            import triton
+            k = self._variants[mode] = triton.jit(self.fn)
+        return k
+
+    def __getitem__(self, grid):
+        launch = self._get()[grid]
+        if not interpreting():
+            return launch
+
+        def run(*args, **kwargs):
+            # the interpreter evaluates masked-off lanes too (e.g. -inf - -inf): harmless
+            import numpy as np
+            with np.errstate(all="ignore"):
+                return launch(*args, **kwargs)
+        return run
+
+
+@contextlib.contextmanager
+def interpreter():
+    """Run Triton kernels in the interpreter inside this block (tests on CPU)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
