@@ -79,6 +79,8 @@ def _val(a):
 
 def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of one node by FlopCounterMode's formula for its op (0 if it has none)."""
+    if ir.FUSED_GROUP in node.meta:
+        return node.meta[ir.FUSED_GROUP].get("flops", 0)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
     packet = node.target.overloadpacket

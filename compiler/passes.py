@@ -47,9 +47,10 @@ class PassContext:
 
 def _pass_list(plan) -> list[tuple[str, Callable]]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
-    # overlap, fusion. Only implemented passes are listed; Plan.validate refuses the rest.
+    # overlap, fusion.
     # A pass the plan switches off is left out (no empty snapshot for it).
-    from fxpar.passes import data_parallel, overlap, pipeline_split, remat, tensor_parallel
+    from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, remat,
+                              tensor_parallel)
     passes = []
     if plan.remat != "none":
         passes.append(("remat", remat.run))
@@ -60,6 +61,8 @@ def _pass_list(plan) -> list[tuple[str, Callable]]:
     passes.append(("data_parallel", data_parallel.run))
     if plan.overlap and plan.dp * plan.tp * plan.pp > 1:
         passes.append(("overlap", overlap.run))
+    if plan.fuse:
+        passes.append(("fusion", fusion.run))
     return passes
 
 

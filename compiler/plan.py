@@ -22,7 +22,9 @@ class Plan:
     remat:          "none" | "sqrt" | "auto" | memory budget in bytes.
     zero:           ZeRO stage 0..3 over the dp group.
     precision:      "fp32" | "bf16" | "fp16".
-    fuse:           Triton fusion pass on/off.
+    fuse:           Triton fusion pass on/off (default on: pointwise/reduction chains and
+                    softmax, norms, cross-entropy, attention as Triton kernels on GPUs; on CPU
+                    only under TRITON_INTERPRET=1, otherwise the pass logs why and fuses nothing).
     overlap:        communication/computation overlap pass on/off (on: collectives start as
                     early and are waited on as late as dependencies and memory allow).
     bucket_mb:      gradient bucket size in MiB; None = sized by the cost model's alpha-beta
@@ -45,7 +47,7 @@ class Plan:
     remat: Any = "none"
     zero: int = 0
     precision: str = "fp32"
-    fuse: bool = False
+    fuse: bool = True
     overlap: bool = True
     bucket_mb: float | None = None
     sequence_parallel: bool = False
@@ -123,11 +125,9 @@ class Plan:
             missing.append(f"zero=3 with pp={self.pp}")
         if self.precision != "fp32":
             missing.append(f"precision={self.precision!r}")
-        if self.fuse:
-            missing.append("fuse=True")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use precision='fp32', fuse=False, and zero <= 2 with "
+                            " yet; use precision='fp32', and zero <= 2 with "
                             "pipeline stages or tensor parallelism (data, tensor and pipeline "
                             "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
                             "(1-2 with pp or tp) and overlap are available).")

@@ -71,9 +71,37 @@ class kernel:
         def run(*args, **kwargs):
             # the interpreter evaluates masked-off lanes too (e.g. -inf - -inf): harmless
             import numpy as np
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), _interpretable_stdlib():
                 return launch(*args, **kwargs)
         return run
+
+
+_INTERPRETED: dict = {}
+
+
+@contextlib.contextmanager
+def _interpretable_stdlib():
+    """triton.language's own helpers (tl.sum, tl.max, ...) are `@triton.jit` functions bound
+    when triton was imported; if that happened before TRITON_INTERPRET=1 was set (torch
+    imports triton early), the interpreter refuses to call them. Swap in interpreted twins
+    for the duration of a launch."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    saved = []
+    for mod in (tl, tl.standard, tl.math, tl.core):
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction):
+                twin = _INTERPRETED.get(obj)
+                if twin is None:
+                    twin = _INTERPRETED[obj] = InterpretedFunction(obj.fn)
+                saved.append((mod, name, obj))
+                setattr(mod, name, twin)
+    try:
+        yield
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import fxpar
-from workers import OPTIMIZERS, eager_reference, fxpar_train, parity_rank, plans_rank, zoo
+from workers import (OPTIMIZERS, eager_reference, fusion_rank, fxpar_train, parity_rank,
+                     plans_rank, zoo)
 
 CASES = [(m, o) for m in zoo() for o in OPTIMIZERS]
 RTOL, ATOL = 1e-5, 1e-6
@@ -193,3 +194,25 @@ def test_tensor_parallel_dropout_draws_the_single_process_masks():
     res = fxpar.launch(plans_rank, 2, [("gpt_dropout", "adamw", {"tp": 2})])
     got = res[0][("gpt_dropout", "adamw", repr({"tp": 2}))][0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=ATOL)
+
+
+FUSION_CASES = [("gpt", "adamw", {"dp": 2}),
+                ("gpt", "adamw", {"pp": 2, "microbatches": 2})]
+
+
+@pytest.mark.slow
+def test_fusion_equals_unfused_training():
+    """dp=2 and pp=2 training of the small GPT with the fusion pass on (Triton interpreter on
+    CPU) equals the same plans with fusion off (rtol 1e-5), and the fused program really has
+    the hand-written and generated kernels."""
+    res = fxpar.launch(fusion_rank, 2, FUSION_CASES)[0]
+    for m, o, p in FUSION_CASES:
+        (ref_losses, ref_state, ref_info), (losses, state, info) = res[(m, o, repr(p))]
+        assert "fused_kernels" not in ref_info
+        kinds = set(info["fused_kernels"])
+        assert {"generated", "layer_norm", "layer_norm_backward", "flash_attention",
+                "flash_attention_backward", "cross_entropy"} <= kinds, kinds
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
+                                   atol=ATOL)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=PARAM_ATOL[o])

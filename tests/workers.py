@@ -84,6 +84,9 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     model, batch_fn, loss_fn = build(name)
     pm = fxpar.parallelize(model, devices, example_batch=batch_fn(0), loss_fn=loss_fn,
                            optimizer=OPTIMIZERS[opt_name], plan=plan or "auto")
+    if info is not None and "fusion" in pm.stage_graphs:
+        d = next(iter(pm.stage_graphs["fusion"].values())).meta["fusion"]
+        info["fused_kernels"] = [g.kind for g in d.groups]
     if info is not None and "remat" in pm.stage_graphs:
         info["recomputed"] = len(pm.stage_graphs["remat"]["dp"].meta["remat"].recomputed)
     torch.manual_seed(99)  # dropout masks: the same stream for every plan
@@ -109,6 +112,24 @@ def plans_rank(cases):
         info = {}
         losses, state = fxpar_train(name, opt_name, world, plan=plan, info=info)
         out[(name, opt_name, repr(plan))] = (losses, state if rank == 0 else None, info)
+    return out
+
+
+def fusion_rank(cases, steps=3):
+    """Each case twice in one launch: fusion off, then on with Triton's interpreter (so the
+    fusion pass fuses on CPU). Rank 0 returns {case: (off, on)}."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    out = {}
+    for name, opt_name, plan in cases:
+        runs = []
+        for fuse in (False, True):
+            os.environ["TRITON_INTERPRET"] = "1" if fuse else "0"
+            info = {}
+            losses, state = fxpar_train(name, opt_name, world, steps=steps,
+                                        plan={**plan, "fuse": fuse}, info=info)
+            runs.append((losses, state if rank == 0 else None, info))
+        out[(name, opt_name, repr(plan))] = runs
     return out
 
 

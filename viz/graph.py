@@ -14,6 +14,7 @@ REGION_COLORS = {ir.FORWARD: "#cfe8ff", ir.BACKWARD: "#ffe3c4", ir.OPTIMIZER: "#
 COLLECTIVE_COLOR = "#d62728"
 RECOMPUTE_COLOR = "#e4d4ff"   # nodes remat copied into the backward
 SAVED_BORDER = "#1f4fd6"      # forward values kept for the backward (thick blue border)
+FUSED_BORDER = "#2ca02c"      # one Triton kernel (fusion pass): green 3-D box
 COLLECTIVE_PREFIXES = ("_c10d_functional.", "c10d_functional.", "fxpar.")
 
 
@@ -52,10 +53,24 @@ def _label(n: torch.fx.Node) -> str:
         title += f" [{n.meta[ir.PHASE]}{n.meta[ir.STAGE]}]"
     if n.meta.get("moved"):  # set by the overlap pass
         title += f" ({n.meta['moved']})"
+    group = n.meta.get(ir.FUSED_GROUP)
+    if group:  # one box per fused kernel: its ops and the bytes it saves
+        title = ("fused kernel" if group["kind"] == "generated" else group["kind"]) + \
+            title[title.find(" ["):] * (" [" in title)
     parts = [f"<b>{html.escape(title)}</b>"]
-    if shape or place:
+    if group:
+        ops = group["ops"]
+        for i in range(0, len(ops), 4):
+            parts.append(html.escape(", ".join(ops[i:i + 4])))
+        parts.append(html.escape(f"bytes {_mb(group['bytes_unfused'])} -> "
+                                 f"{_mb(group['bytes_fused'])}"))
+    elif shape or place:
         parts.append(html.escape(" ".join(x for x in (shape, place) if x)))
     return "<" + "<br/>".join(parts) + ">"
+
+
+def _mb(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 1024:.1f} KiB"
 
 
 def _short(p) -> str:
@@ -92,6 +107,8 @@ def to_dot(gm: torch.fx.GraphModule, title: str = ""):
                 attrs["style"] = "rounded,filled,bold"
         if ir.TRANSFER in n.meta:
             attrs.update(shape="cds", penwidth="3", color="#000000")
+        if ir.FUSED_GROUP in n.meta:
+            attrs.update(shape="box3d", penwidth="2", color=FUSED_BORDER, style="filled")
         if n.op == "placeholder":
             attrs["shape"] = "ellipse"
         return attrs

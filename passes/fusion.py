@@ -1,0 +1,424 @@
+"""Fusion: chains of pointwise ops and trailing-dim reductions become one Triton kernel each.
+
+The last pass, on the partitioned, sharded and scheduled joint graph. Each op of an eager
+step reads its inputs from memory and writes its output back; a chain of k such ops moves
+~k times the bytes one kernel would. Two rewrites:
+
+1. Hand-written kernels (fxpar/kernels/) where an op or pattern matches: softmax and its
+   backward, layer norm forward/backward, the RMSNorm forward, log-softmax + nll-loss as one
+   cross-entropy forward/backward (never materialising the [N, V] log-probabilities), and
+   CPU flash attention forward/backward (FlashAttention-2 in Triton).
+2. Generated kernels (kernels/codegen.py) for what is left: greedy groups of pointwise ops
+   plus reductions over the trailing dims (bias + GeLU, residual adds, RMSNorm backward, ...).
+
+Groups never cross what the schedule relies on: a collective, its wait, or a pipeline
+transfer (a group lies between two such nodes in program order), a pipeline stage or part, the
+forward/backward boundary, or remat's recompute boundary (recomputed and saved values are not
+mixed). Random ops stay unfused (their masks come from torch's generator: fused and unfused
+runs draw the same numbers).
+
+Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
+(TRITON_INTERPRET=1). Otherwise the pass changes nothing and says why in the log and in
+`gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import logging
+import operator
+
+import torch
+import torch.fx
+
+from fxpar.compiler import cost, ir
+from fxpar.kernels import codegen
+from fxpar.kernels.jit import unavailable_reason
+
+log = logging.getLogger("fxpar.fusion")
+aten = torch.ops.aten
+MAX_GROUP = 64  # nodes per generated kernel
+
+
+@dataclasses.dataclass
+class Group:
+    """One fused node: what it replaced and the memory traffic before/after (bytes)."""
+    name: str
+    kind: str                    # "generated" or the hand-written kernel's name
+    ops: list[str]
+    nodes: list[str]
+    bytes_unfused: int           # sum over the replaced ops of (bytes read + bytes written)
+    bytes_fused: int             # the fused kernel: inputs read once + outputs written once
+
+
+@dataclasses.dataclass
+class Decision:
+    groups: list[Group]
+    skipped: str | None = None   # why nothing was fused (no Triton on this device)
+
+    @property
+    def bytes_unfused(self) -> int:
+        return sum(g.bytes_unfused for g in self.groups)
+
+    @property
+    def bytes_fused(self) -> int:
+        return sum(g.bytes_fused for g in self.groups)
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    reason = unavailable_reason(ctx.device if ctx.device is not None else "cpu")
+    if reason:
+        log.info("fusion: keeping the unfused ops: %s", reason)
+        gm.meta["fusion"] = Decision([], skipped=reason)
+        return gm
+    groups = hand_written(gm) + generated(gm)
+    _restore_topological_order(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.meta["fusion"] = Decision(groups)
+    log.info("fusion: %d kernels (%d hand-written), bytes moved %d -> %d", len(groups),
+             sum(g.kind != "generated" for g in groups),
+             sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups))
+    return gm
+
+
+# --- hand-written kernels ---------------------------------------------------------------------
+
+def _traffic(nodes) -> int:
+    return sum(sum(cost.node_bytes(n)) for n in nodes)
+
+
+def _record(node, kind, ops, names, before, flops) -> Group:
+    """meta["fused_group"] on the fused node (viz and the cost model read it)."""
+    g = Group(node.name, kind, list(ops), list(names), before, sum(cost.node_bytes(node)))
+    node.meta[ir.FUSED_GROUP] = dataclasses.asdict(g) | {"flops": flops}
+    return g
+
+
+def _op_name(n) -> str:
+    return str(n.target).replace("aten.", "").replace(".default", "")
+
+
+def hand_written(gm: torch.fx.GraphModule) -> list[Group]:
+    """Swap ops (and two patterns) for the kernels in fxpar/kernels/ where they apply."""
+    from fxpar.kernels import library
+    groups = []
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.graph is not graph:
+            continue
+        if n.target in library.SINGLE_OP:
+            call = library.SINGLE_OP[n.target]
+            why = call.supports(*n.args, **n.kwargs)
+            if why:
+                log.debug("fusion: %s stays unfused: %s", n.name, why)
+                continue
+            before, flops, old = _traffic([n]), cost.node_flops(n), _op_name(n)
+            n.target = call
+            groups.append(_record(n, call.name, [old], [n.name], before, flops))
+        elif n.target is aten.nll_loss_forward.default:
+            g = _cross_entropy(graph, n)
+            groups += g
+        elif n.target is aten.rsqrt.default:
+            g = _rms_norm(graph, n)
+            groups += g
+    return groups
+
+
+def _cross_entropy(graph, nll) -> list[Group]:
+    """log_softmax -> nll_loss (forward) and nll_loss_backward -> log_softmax_backward
+    become one kernel each; the backward reads the logits and the row logsumexp instead of
+    the [N, V] log-probabilities."""
+    ls, target, weight, reduction, ignore = nll.args[:5]
+    if not (isinstance(ls, torch.fx.Node) and ls.target is aten._log_softmax.default
+            and weight is None and ls.args[1] in (1, -1) and not ls.args[2]):
+        return []
+    logits = ls.args[0]
+    users = set(ls.users) - {nll}
+    nll_bw = [u for u in users if u.target is aten.nll_loss_backward.default]
+    ls_bw = [u for u in users if u.target is aten._log_softmax_backward_data.default]
+    if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
+        return []
+    if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1):
+        return []
+    from fxpar.kernels import library
+    why = library.cross_entropy_forward.supports(logits, target, reduction, ignore)
+    if why:
+        log.debug("fusion: %s stays unfused: %s", nll.name, why)
+        return []
+    before = _traffic([ls, nll])
+    with graph.inserting_after(nll):
+        fwd = graph.call_function(library.cross_entropy_forward, (logits, target, reduction, ignore))
+    fwd.meta = dict(nll.meta)
+    lv, tw = nll.meta[ir.VAL]
+    lse_val = logits.meta[ir.VAL].new_empty(logits.meta[ir.VAL].shape[:1], dtype=torch.float32)
+    fwd.meta[ir.VAL] = (lv, tw, lse_val)
+    nll.replace_all_uses_with(fwd)
+    groups = [_record(fwd, "cross_entropy", ["_log_softmax", "nll_loss_forward"],
+                      [ls.name, nll.name], before, 0)]
+    if nll_bw:
+        nb, lb = nll_bw[0], ls_bw[0]
+        grad_loss, total_weight = nb.args[0], nb.args[6]
+        with graph.inserting_after(fwd):
+            lse = graph.call_function(operator.getitem, (fwd, 2))
+        lse.meta = {k: v for k, v in fwd.meta.items() if k != ir.FUSED_GROUP}
+        lse.meta[ir.VAL] = lse_val
+        before_b = _traffic([nb, lb])
+        with graph.inserting_after(lb):
+            bwd = graph.call_function(library.cross_entropy_backward,
+                                      (grad_loss, logits, lse, target, reduction, ignore,
+                                       total_weight))
+        bwd.meta = dict(lb.meta)
+        lb.replace_all_uses_with(bwd)
+        groups.append(_record(bwd, "cross_entropy_backward",
+                              ["nll_loss_backward", "_log_softmax_backward_data"],
+                              [nb.name, lb.name], before_b, 0))
+        graph.erase_node(lb)
+        graph.erase_node(nb)
+    graph.erase_node(nll)
+    graph.erase_node(ls)
+    return groups
+
+
+def _rms_norm(graph, rs) -> list[Group]:
+    """x * rsqrt(mean(x^2, -1) + eps) * w (Llama's RMSNorm in fp32) -> one kernel that also
+    returns rsqrt(...) (the backward reads it)."""
+    add = rs.args[0]
+    if not (add.op == "call_function" and add.target in (aten.add.Tensor, aten.add.Scalar)
+            and isinstance(add.args[1], float)):
+        return []
+    mean = add.args[0]
+    if not (mean.op == "call_function" and mean.target is aten.mean.dim
+            and list(mean.args[1]) in ([-1], [mean.args[0].meta[ir.VAL].dim() - 1])
+            and (mean.args[2] if len(mean.args) > 2 else False)):
+        return []
+    pw = mean.args[0]
+    if not (pw.op == "call_function" and pw.target is aten.pow.Tensor_Scalar and pw.args[1] == 2):
+        return []
+    x = pw.args[0]
+    if any(len(n.users) != 1 for n in (pw, mean, add)):
+        return []
+    norm = [u for u in rs.users if u.target is aten.mul.Tensor and x in u.args]
+    if len(norm) != 1:
+        return []
+    norm = norm[0]
+    xv = x.meta[ir.VAL]
+
+    def weight_of(u):  # the multiply by a [C] weight (not the backward's use of norm)
+        if u.target is not aten.mul.Tensor or u.meta.get(ir.REGION) != norm.meta.get(ir.REGION):
+            return None
+        w = u.args[0] if u.args[1] is norm else u.args[1]
+        wv = w.meta.get(ir.VAL) if isinstance(w, torch.fx.Node) else None
+        return w if isinstance(wv, torch.Tensor) and wv.shape == xv.shape[-1:] else None
+    outs = [u for u in norm.users if weight_of(u) is not None]
+    if len(outs) != 1:
+        return []
+    out = outs[0]
+    w = weight_of(out)
+    from fxpar.kernels import library
+    if library.rms_norm_forward.supports(x, w, add.args[1]):
+        return []
+    before = _traffic([pw, mean, add, rs, norm, out])
+    with graph.inserting_after(out):
+        k = graph.call_function(library.rms_norm_forward, (x, w, add.args[1]))
+        y = graph.call_function(operator.getitem, (k, 0))
+        r = graph.call_function(operator.getitem, (k, 1))
+    k.meta = dict(out.meta)
+    k.meta[ir.VAL] = (out.meta[ir.VAL], rs.meta[ir.VAL])
+    y.meta, r.meta = dict(out.meta), dict(rs.meta)
+    for old, new in ((out, y), (rs, r)):
+        for key in (ir.STAGE, ir.PHASE, ir.REGION):
+            if key in out.meta:
+                new.meta[key] = out.meta[key]
+        old.replace_all_uses_with(new)
+    graph.erase_node(out)
+    replaced = [pw, mean, add, rs, norm, out]
+    if norm.users:  # read by the backward too: stays, fed by the kernel's rsqrt
+        replaced.remove(norm)
+        before -= sum(cost.node_bytes(norm))
+    else:
+        graph.erase_node(norm)
+    for n in (rs, add, mean, pw):
+        graph.erase_node(n)
+    return [_record(k, "rms_norm", [_op_name(n) for n in replaced], [n.name for n in replaced],
+                    before, 0)]
+
+
+# --- generated kernels ------------------------------------------------------------------------
+
+def _barriers(graph) -> dict[torch.fx.Node, int]:
+    """Segment index of every node: groups stay between two collectives/waits/transfers."""
+    seg, k = {}, 0
+    for n in graph.nodes:
+        if _is_barrier(n):
+            k += 1
+        seg[n] = k
+    return seg
+
+
+def _is_barrier(n) -> bool:
+    if n.op != "call_function":
+        return False
+    ns = getattr(n.target, "namespace", "")
+    return (ns in ("_c10d_functional", "c10d", "_dtensor") or ir.TRANSFER in n.meta
+            or ir.BUCKET in n.meta)
+
+
+def _key(n, seg):
+    m = n.meta
+    return (seg[n], m.get(ir.STAGE), m.get(ir.PHASE), m.get(ir.REGION), bool(m.get(ir.RECOMPUTE)))
+
+
+def _candidate(n) -> bool:
+    return (n.op == "call_function" and codegen.fusible_op(n) and ir.BUCKET not in n.meta
+            and ir.TRANSFER not in n.meta and n.meta.get(ir.REGION) in (ir.FORWARD, ir.BACKWARD))
+
+
+def _depends_on(a, members, lo, order) -> bool:
+    """Is there a path from a member to `a` (nodes before position lo cannot be on it)?"""
+    stack, seen = [a], set()
+    while stack:
+        x = stack.pop()
+        if x in members:
+            return True
+        if x in seen or order[x] < lo:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+    return False
+
+
+def _acyclic(members_list, order) -> bool:
+    """One kernel for these nodes keeps the graph acyclic: no outside node they read depends
+    on one of them."""
+    members = set(members_list)
+    lo = order[members_list[0]]
+    return not any(b not in members and _depends_on(b, members, lo, order)
+                   for m in members_list for b in m.all_input_nodes)
+
+
+def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+    """Greedy grouping in program order: a node joins a producer's group when the result is
+    still one kernel (codegen.analyze) and no outside path leads from the group back to it."""
+    seg = _barriers(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    group_of: dict = {}
+    groups: list[list] = []
+    for n in graph.nodes:
+        if not _candidate(n):
+            continue
+        key = _key(n, seg)
+        joined = None
+        for a in n.all_input_nodes:  # join a producer's group (then merge any others)
+            g = group_of.get(a)
+            if g is None or g is joined or _key(g[0], seg) != key:
+                continue
+            merged = sorted(set(g) | set(joined or [n]), key=order.__getitem__)
+            if len(merged) > MAX_GROUP or not _acyclic(merged, order):
+                continue
+            try:
+                codegen.analyze(merged)
+            except codegen.Unsupported:
+                continue
+            if joined is not None:
+                groups.remove(joined)
+            groups[groups.index(g)] = merged
+            for m in merged:
+                group_of[m] = merged
+            joined = merged
+        if joined is None:
+            if n.target in codegen.RESHAPES:
+                continue  # a view of an unfused value stays a free view
+            joined = [n]
+            groups.append(joined)
+            group_of[n] = joined
+    result = []
+    for g in groups:
+        g = _trim_views(g)
+        if sum(n.target not in codegen.RESHAPES for n in g) >= 2:
+            result.append(g)
+    return result
+
+
+def _trim_views(g):
+    """Views no member reads are left outside (free aliases of a group output)."""
+    g = list(g)
+    changed = True
+    while changed:
+        changed = False
+        members = set(g)
+        for n in reversed(g):
+            if n.target in codegen.RESHAPES and not any(u in members for u in n.users):
+                g.remove(n)
+                changed = True
+                break
+    return g
+
+
+def generated(gm: torch.fx.GraphModule) -> list[Group]:
+    graph = gm.graph
+    out = []
+    for nodes in find_groups(graph):
+        out.append(_replace(graph, nodes))
+    return out
+
+
+def _common_module(nodes) -> str:
+    mods = [n.meta.get(ir.MODULE, "") for n in nodes]
+    return collections.Counter(mods).most_common(1)[0][0]
+
+
+def _replace(graph, nodes) -> Group:
+    members = set(nodes)
+    k = codegen.fuse_nodes(nodes)
+    inputs, outputs = [], [n for n in nodes if any(u not in members for u in n.users)]
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    before = _traffic(nodes)
+    last = nodes[-1]
+    with graph.inserting_after(last):
+        fused = graph.call_function(k, tuple(inputs))
+    meta = {key: last.meta[key] for key in (ir.REGION, ir.STAGE, ir.PHASE, ir.RECOMPUTE)
+            if key in last.meta}
+    fused.meta.update(meta)
+    fused.meta[ir.MODULE] = _common_module(nodes)
+    fused.meta[ir.VAL] = tuple(o.meta[ir.VAL] for o in outputs)
+    prev = fused
+    for j, o in enumerate(outputs):
+        with graph.inserting_after(prev):
+            gi = graph.call_function(operator.getitem, (fused, j))
+        gi.meta = dict(o.meta)
+        o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in members)
+        prev = gi
+    names = [n.name for n in nodes]
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    # pointwise ops and reductions count 0 FLOPs in FlopCounterMode: the fused node too
+    return _record(fused, "generated", k.ops, names, before, 0)
+
+
+def _restore_topological_order(graph: torch.fx.Graph) -> None:
+    """A fused node sits where its last member was; an outside user of an earlier member
+    that ran in between moves after it. Stable: everything else keeps its place."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    if all(pos[a] < pos[n] for n in graph.nodes for a in n.all_input_nodes):
+        return
+    indeg = {n: len(set(n.all_input_nodes)) for n in graph.nodes}
+    ready = [(pos[n], n.name, n) for n in graph.nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    new = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        new.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (pos[u], u.name, u))
+    placeholders = [n for n in new if n.op == "placeholder"]
+    rest = [n for n in new if n.op != "placeholder"]
+    anchor = placeholders[-1]
+    for n in rest:
+        anchor.append(n)
+        anchor = n

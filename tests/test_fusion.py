@@ -1,0 +1,319 @@
+"""Fusion pass: which groups form (and which must not), generated-kernel numerics under the
+Triton interpreter, memory traffic from the cost model, and the pass on whole models."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxpar
+from fxpar.compiler import capture, cost, ir
+from fxpar.compiler.passes import PassContext
+from fxpar.examples.models import GPT, GPTConfig, gpt_batch, hf_llama, hf_lm_batch
+from fxpar.kernels import codegen
+from fxpar.kernels.jit import interpreter
+from fxpar.passes import fusion
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _graph(fn, *args, region=ir.FORWARD):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[ir.REGION] = region
+            n.meta[ir.MODULE] = ""
+    return gm
+
+
+def _ops(group):
+    return [str(n.target).replace("aten.", "").replace(".default", "") for n in group]
+
+
+def _softmax(x):  # what a decomposed softmax looks like in a graph
+    m = aten.amax(x, [-1], True)
+    e = aten.exp(aten.sub(x, m))
+    return aten.div(e, aten.sum(e, [-1], True))
+
+
+# --- which groups form ------------------------------------------------------------------------
+
+def test_pointwise_chain_is_one_group():
+    gm = _graph(lambda x, b: torch.nn.functional.gelu(x + b) * 2.0, torch.randn(4, 8),
+                torch.randn(8))
+    assert [_ops(g) for g in fusion.find_groups(gm.graph)] == [["add.Tensor", "gelu", "mul.Tensor"]]
+
+
+def test_softmax_is_one_reduction_group():
+    gm = _graph(_softmax, torch.randn(6, 10))
+    groups = fusion.find_groups(gm.graph)
+    assert [_ops(g) for g in groups] == [["amax", "sub.Tensor", "exp", "sum.dim_IntList",
+                                          "div.Tensor"]]
+    assert codegen.analyze(groups[0]).reduction
+
+
+def test_no_group_across_a_collective():
+    def f(x):
+        y = torch.relu(x) * 2
+        z = c10d.wait_tensor(c10d.all_reduce(y, "sum", "0"))
+        return torch.exp(z) + 1
+    gm = _graph(f, torch.randn(4, 8))
+    groups = [_ops(g) for g in fusion.find_groups(gm.graph)]
+    assert groups == [["relu", "mul.Tensor"], ["exp", "add.Tensor"]]
+
+
+def test_no_group_across_a_collective_it_does_not_touch():
+    # the collective reads x, not the chain: still a barrier (the schedule placed it there)
+    def f(x, w):
+        a = torch.relu(x)
+        s = c10d.all_reduce(w, "sum", "0")
+        b = a * 2
+        return b + 1, c10d.wait_tensor(s)
+    gm = _graph(f, torch.randn(4, 8), torch.randn(3))
+    groups = [_ops(g) for g in fusion.find_groups(gm.graph)]
+    assert ["relu", "mul.Tensor", "add.Tensor"] not in groups
+    assert ["mul.Tensor", "add.Tensor"] in groups
+
+
+def test_no_group_across_a_pipeline_transfer_or_stage():
+    gm = _graph(lambda x: torch.exp(torch.relu(x) * 2) + 1, torch.randn(4, 8))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for n in nodes:
+        n.meta[ir.STAGE] = 0 if n.target in (aten.relu.default, aten.mul.Tensor) else 1
+    assert [_ops(g) for g in fusion.find_groups(gm.graph)] == [["relu", "mul.Tensor"],
+                                                                 ["exp", "add.Tensor"]]
+    # a transfer node (send/recv) between the two halves: also a barrier
+    gm = _graph(lambda x: torch.exp(aten.alias(torch.relu(x) * 2)) + 1, torch.randn(4, 8))
+    alias = next(n for n in gm.graph.nodes if n.target is aten.alias.default)
+    alias.meta[ir.TRANSFER] = (0, 1)
+    assert [_ops(g) for g in fusion.find_groups(gm.graph)] == [["relu", "mul.Tensor"],
+                                                                 ["exp", "add.Tensor"]]
+
+
+def test_no_group_across_recompute_boundary_or_forward_backward():
+    gm = _graph(lambda x: torch.exp(torch.relu(x) * 2) + 1, torch.randn(4, 8))
+    for n in gm.graph.nodes:
+        if n.target in (aten.exp.default, aten.add.Tensor):
+            n.meta[ir.RECOMPUTE] = True
+    assert [_ops(g) for g in fusion.find_groups(gm.graph)] == [["relu", "mul.Tensor"],
+                                                                 ["exp", "add.Tensor"]]
+    for n in gm.graph.nodes:
+        n.meta.pop(ir.RECOMPUTE, None)
+        if n.target is aten.exp.default or n.target is aten.add.Tensor:
+            n.meta[ir.REGION] = ir.BACKWARD
+    assert len(fusion.find_groups(gm.graph)) == 2
+
+
+def test_random_ops_and_leading_dim_reductions_stay_unfused():
+    def f(x):
+        y, mask = aten.native_dropout(torch.relu(x), 0.1, True)
+        return y * 2, aten.sum(torch.exp(x), [0])
+    gm = _graph(f, torch.randn(4, 8))
+    groups = [_ops(g) for g in fusion.find_groups(gm.graph)]
+    assert all("native_dropout" not in g for g in groups)
+    assert all("sum.dim_IntList" not in g for g in groups)
+
+
+def test_no_cycle_through_an_outside_node():
+    # mm reads relu's output and its result feeds the chain again: relu and add cannot be one
+    # kernel (the kernel would have to run both before and after the mm)
+    def f(x, w):
+        a = torch.relu(x)
+        return torch.exp(a + a @ w)
+    gm = _graph(f, torch.randn(4, 4), torch.randn(4, 4))
+    for g in fusion.find_groups(gm.graph):
+        assert not ({"relu", "add.Tensor"} <= set(_ops(g)))
+
+
+# --- generated kernels: numerics under the interpreter ----------------------------------------
+
+def _run_group(fn, *args, dtype=torch.float32):
+    gm = _graph(fn, *args)
+    groups = fusion.find_groups(gm.graph)
+    assert len(groups) == 1, [_ops(g) for g in groups]
+    k = codegen.fuse_nodes(groups[0])
+    ins = [args[[n for n in gm.graph.nodes if n.op == "placeholder"].index(a)] for a in
+           _inputs(groups[0])]
+    with interpreter():
+        got = k(*ins)
+    want = k.reference(*ins)
+    return got, want, k
+
+
+def _inputs(group):
+    members, out = set(group), []
+    for n in group:
+        for a in n.all_input_nodes:
+            if a not in members and a not in out:
+                out.append(a)
+    return out
+
+
+CASES = {
+    "softmax": (_softmax, lambda: (torch.randn(37, 129),)),
+    "softmax_transposed_input": (_softmax, lambda: (torch.randn(129, 37).t(),)),
+    "bias_gelu": (lambda x, b: torch.nn.functional.gelu(x + b) * 0.5,
+                  lambda: (torch.randn(5, 7, 33), torch.randn(33))),
+    "gelu_tanh_backward": (lambda g, x: aten.gelu_backward(g, x, approximate="tanh") + x,
+                           lambda: (torch.randn(3, 31), torch.randn(3, 31))),
+    "rmsnorm": (lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),
+                lambda: (torch.randn(3, 11, 40), torch.randn(40))),
+    "layernorm_by_hand": (
+        lambda x, g: ((x - x.mean(-1, keepdim=True))
+                      * torch.rsqrt(((x - x.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True)
+                                    + 1e-5)) * g,
+        lambda: (torch.randn(4, 6, 20), torch.randn(4, 6, 1))),
+    "where_and_compare": (lambda x, y: torch.where(x > 0, torch.sigmoid(x), y * x) - y,
+                          lambda: (torch.randn(9, 17), torch.randn(1, 17))),
+    "silu_mul": (lambda a, b: torch.nn.functional.silu(a) * b,
+                 lambda: (torch.randn(2, 5, 23), torch.randn(2, 5, 23))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generated_kernel_equals_unfused_ops_fp32(case):
+    fn, make = CASES[case]
+    torch.manual_seed(0)
+    got, want, _ = _run_group(fn, *make())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["softmax", "rmsnorm", "bias_gelu"])
+def test_generated_kernel_bf16_bound(case):
+    # bf16: every node is rounded to bf16 as eager rounds each op; what differs is fp32
+    # arithmetic inside an op (exp, a row sum in another order). One flipped rounding of a
+    # row statistic (RMSNorm's mean) moves the row by 1-2 ulps: bound 3 bf16 ulps
+    # (3 * 2**-7 relative), 1e-2 absolute near zero
+    fn, make = CASES[case]
+    torch.manual_seed(0)
+    args = [a.to(torch.bfloat16) for a in make()]
+    got, want, _ = _run_group(fn, *args)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w.float(), rtol=3 * 2 ** -7, atol=1e-2)
+
+
+def test_kernels_compile_once_per_graph_shape_dtype():
+    fn, make = CASES["bias_gelu"]
+    x, b = make()
+    _, _, k1 = _run_group(fn, x, b)
+    n = codegen.cache_size()
+    _, _, k2 = _run_group(fn, x, b)           # same group elsewhere: cached
+    assert codegen.cache_size() == n
+    _run_group(fn, torch.randn(5, 7, 65), torch.randn(65))  # new shape: one more
+    assert codegen.cache_size() == n + 1
+
+
+def test_fake_tensors_run_the_reference_not_a_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gm = _graph(_softmax, torch.randn(6, 10))
+    k = codegen.fuse_nodes(fusion.find_groups(gm.graph)[0])
+    with FakeTensorMode():
+        out = k(torch.empty(6, 10))
+    assert out[0].shape == (6, 10)
+
+
+# --- memory traffic (cost model) --------------------------------------------------------------
+
+def test_softmax_traffic_fused_vs_op_by_op():
+    M, N = 64, 100
+    gm = _graph(_softmax, torch.randn(M, N))
+    reads = sum(cost.node_bytes(n)[0] for n in gm.graph.nodes)
+    writes = sum(cost.node_bytes(n)[1] for n in gm.graph.nodes)
+    assert (reads, writes) == (4 * (5 * M * N + 2 * M), 4 * (3 * M * N + 2 * M))
+    with interpreter():
+        fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+    fused = [n for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta]
+    assert len(fused) == 1
+    assert cost.node_bytes(fused[0]) == (4 * M * N, 4 * M * N)
+    g = gm.meta["fusion"].groups[0]
+    assert (g.bytes_unfused, g.bytes_fused) == (reads + writes, 8 * M * N)
+
+
+# --- the pass on whole models -----------------------------------------------------------------
+
+def _fused_model(model, batch):
+    gm, sig = capture.capture(model, batch)
+    params = [p.detach() for p in model.parameters()]
+    leaves = capture.flatten_batch(batch, sig)
+    want = gm(*params, *model.buffers(), *leaves)
+    before = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
+    with interpreter():
+        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
+        gm.graph.lint()
+        gm.recompile()
+        got = gm(*params, *model.buffers(), *leaves)
+    after = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
+    return gm, got, want, before, after
+
+
+def test_gpt_step_fused_equals_unfused_and_moves_fewer_bytes():
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    gm, got, want, before, after = _fused_model(GPT(cfg), gpt_batch(cfg, 4))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    kinds = [n.meta[ir.FUSED_GROUP]["kind"] for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta]
+    # every block: 2 layer norms + their backwards; the head's cross-entropy; softmax
+    assert kinds.count("layer_norm") == 2 * cfg.n_layer + 1
+    assert kinds.count("layer_norm_backward") == 2 * cfg.n_layer + 1
+    assert kinds.count("cross_entropy") == 1 and kinds.count("cross_entropy_backward") == 1
+    assert "generated" in kinds
+    assert not any(n.target in (aten._log_softmax.default, aten.native_layer_norm.default)
+                   for n in gm.graph.nodes)
+    assert after < before
+    d = gm.meta["fusion"]
+    assert d.bytes_fused < d.bytes_unfused
+
+
+def test_llama_step_fused_equals_unfused():
+    torch.manual_seed(0)
+    gm, got, want, before, after = _fused_model(hf_llama(), hf_lm_batch(128, 2, 16))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    kinds = [n.meta[ir.FUSED_GROUP]["kind"] for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta]
+    assert kinds.count("rms_norm") == 5          # 2 per layer + the final norm
+    assert kinds.count("flash_attention") == 2 and kinds.count("flash_attention_backward") == 2
+    assert after < before
+
+
+def test_without_triton_device_the_pass_changes_nothing_and_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gm = _graph(_softmax, torch.randn(6, 10))
+    n_before = len(gm.graph.nodes)
+    gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+    assert len(gm.graph.nodes) == n_before
+    assert "TRITON_INTERPRET=1" in gm.meta["fusion"].skipped
+
+
+def test_fused_nodes_drawn_as_one_box_with_ops_and_bytes():
+    from fxpar.viz.graph import _label
+    gm = _graph(_softmax, torch.randn(6, 10))
+    with interpreter():
+        fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+    node = next(n for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta)
+    label = _label(node)
+    assert "fused kernel" in label and "amax" in label and "exp" in label and "bytes" in label
+
+
+def test_parallelize_with_fusion_records_groups(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    ref = GPT(cfg)
+    ref.load_state_dict(model.state_dict())
+    batch = gpt_batch(cfg, 4)
+    pm = fxpar.parallelize(model, 1, example_batch=batch,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                           plan=fxpar.Plan(fuse=True))
+    assert "fusion" in pm.stage_graphs
+    opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    for _ in range(2):
+        loss = pm.step(batch)
+        opt.zero_grad()
+        want = ref(batch)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
