@@ -139,6 +139,8 @@ class ParallelModel:
                 "the whole batch does. Use microbatches=1, or a model without batch-statistics "
                 "buffers (LayerNorm/GroupNorm).")
         gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)
+        if joint:
+            self.fusion_skipped = ctx.fusion_skipped  # why Plan.fuse fused nothing, if so
         program = ir.Program(graph=gm, signature=sig, dp=plan.dp,
                              batch_shard_dims=ctx.batch_shard_dims,
                              group_name=ctx.group_names["dp"],

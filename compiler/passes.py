@@ -43,9 +43,10 @@ class PassContext:
     virtual_stages: int = 1  # pipeline stages per rank (interleaved schedule: 2)
     device: Any = None       # the rank's device (cost model profile)
     tp_layouts: list | None = None  # set by tensor_parallel: per parameter, see runtime/tp.py
+    fusion_skipped: str | None = None  # Plan.fuse but no Triton on this device: why
 
 
-def _pass_list(plan) -> list[tuple[str, Callable]]:
+def _pass_list(plan, ctx: PassContext | None = None) -> list[tuple[str, Callable]]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
     # overlap, fusion.
     # A pass the plan switches off is left out (no empty snapshot for it).
@@ -62,7 +63,15 @@ def _pass_list(plan) -> list[tuple[str, Callable]]:
     if plan.overlap and plan.dp * plan.tp * plan.pp > 1:
         passes.append(("overlap", overlap.run))
     if plan.fuse:
-        passes.append(("fusion", fusion.run))
+        from fxpar.kernels.jit import unavailable_reason
+        device = ctx.device if ctx is not None and ctx.device is not None else "cpu"
+        why = unavailable_reason(device)
+        if why is None:
+            passes.append(("fusion", fusion.run))
+        else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
+            log.info("fusion left out: %s", why)
+            if ctx is not None:
+                ctx.fusion_skipped = why
     return passes
 
 
@@ -143,7 +152,7 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     """Run the pass list in order, verifying and snapshotting after each."""
     verify(gm)
     snapshots["capture"] = {"joint": snapshot(gm)}
-    for name, fn in _pass_list(plan):
+    for name, fn in _pass_list(plan, ctx):
         before = _count(gm)
         t0 = time.perf_counter()
         gm = fn(gm, plan, ctx)

@@ -58,6 +58,13 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
             if d is not None:
                 print(f"overlap: {len(d.hoisted)} collectives started earlier, {len(d.sunk)} "
                       f"waits moved later (memory limit {d.slack / 2**10:.0f} KiB)")
+        if "fusion" in pm.stage_graphs:
+            d = pm.stage_graphs["fusion"]["dp"].meta["fusion"]
+            hand = sum(g.kind != "generated" for g in d.groups)
+            print(f"fusion: {len(d.groups)} Triton kernels ({hand} hand-written), bytes moved "
+                  f"{d.bytes_unfused / 2**20:.1f} -> {d.bytes_fused / 2**20:.1f} MiB")
+        elif pm.plan.fuse:
+            print(f"fusion: off ({pm.fusion_skipped})")
         st = pm.step_stats[-5:]
         print("last steps: communication in flight {:.1f} ms, exposed {:.1f} ms of {:.1f} ms"
               .format(*(1e3 * sum(getattr(x, k) for x in st) / len(st)

@@ -30,7 +30,8 @@ def _mlp_batch(n=8):
 
 def test_mlp_dp2_collectives_and_placements():
     gm, sig, ctx, snaps = compile_dp(M.MLP(), _mlp_batch(), 2)
-    assert set(snaps) == {"capture", "data_parallel", "overlap"}
+    assert set(snaps) == {"capture", "data_parallel", "overlap"}  # no fusion on CPU (no Triton)
+    assert "TRITON_INTERPRET" in ctx.fusion_skipped
     # one bucket for all gradients (tiny model < 25 MiB) + one for the mean loss
     assert count_ops(gm, c10d.all_reduce.default) == 2
     assert count_ops(gm, c10d.wait_tensor.default) == 2

@@ -1,0 +1,110 @@
+"""Cross-entropy (log_softmax + nll_loss) forward and backward, one Triton kernel each.
+
+ATen writes the [N, V] log-probabilities and reads them back for the loss and again in the
+backward; with a large vocabulary that tensor dominates the memory of a language model's
+last layer. Here the forward reads each row of logits once and keeps only its logsumexp
+(N floats); the backward reads the logits once more and writes the gradient once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxpar.kernels.jit import kernel, next_pow2
+
+MAX_V = 65536
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(logits, target) -> str | None:
+    if logits.dtype not in DTYPES:
+        return f"dtype {logits.dtype} (only float32/bfloat16/float16)"
+    if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        return "needs [N, V] logits and [N] targets"
+    if target.dtype not in (torch.int64, torch.int32):
+        return f"target dtype {target.dtype}"
+    if logits.numel() == 0:
+        return "empty input"
+    if logits.shape[1] > MAX_V:
+        return f"vocabulary of {logits.shape[1]} is longer than one block ({MAX_V})"
+    return None
+
+
+def _blocks(rows, n):
+    block_n = next_pow2(n)
+    block_m = max(1, min(next_pow2(rows), 4096 // block_n))
+    return block_m, block_n, min(16, max(4, block_m * block_n // 1024))
+
+
+@kernel
+def _ce_fwd(X, T, Loss, Lse, rows, V, ignore_index, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    rmask = r < rows
+    mask = rmask[:, None] & (c[None, :] < V)
+    x = tl.load(X + r[:, None].to(tl.int64) * V + c[None, :], mask=mask,
+                other=-float("inf")).to(tl.float32)
+    t = tl.load(T + r, mask=rmask, other=ignore_index)
+    m = tl.max(x, 1)
+    lse = m + tl.log(tl.sum(tl.exp(x - m[:, None]), 1))
+    x_t = tl.sum(tl.where(c[None, :] == t[:, None], x, 0.0), 1)
+    loss = tl.where(t != ignore_index, lse - x_t, 0.0)
+    tl.store(Loss + r, loss, mask=rmask)
+    tl.store(Lse + r, lse, mask=rmask)
+
+
+@kernel
+def _ce_bwd(X, T, Lse, G, stride_g, DX, rows, V, ignore_index,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    rmask = r < rows
+    mask = rmask[:, None] & (c[None, :] < V)
+    offs = r[:, None].to(tl.int64) * V + c[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(T + r, mask=rmask, other=ignore_index)
+    lse = tl.load(Lse + r, mask=rmask, other=0.0)
+    g = tl.load(G + r * stride_g, mask=rmask, other=0.0)
+    dx = (tl.exp(x - lse[:, None]) - tl.where(c[None, :] == t[:, None], 1.0, 0.0)) * g[:, None]
+    dx = tl.where((t != ignore_index)[:, None], dx, 0.0)
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_forward(logits, target, reduction, ignore_index):
+    """-> (loss, total_weight, lse) as aten.nll_loss_forward(aten._log_softmax(logits, 1),
+    target, None, reduction, ignore_index) plus lse = logsumexp(logits, 1) in fp32.
+
+    reduction: 0 none (loss [N]), 1 mean, 2 sum (0-d loss); total_weight is 0-d in the
+    logits dtype: the number of targets != ignore_index, or 0 with reduction none."""
+    x, t = logits.contiguous(), target.contiguous()
+    n, v = x.shape
+    loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    bm, bn, warps = _blocks(n, v)
+    _ce_fwd[(triton.cdiv(n, bm),)](x, t, loss, lse, n, v, ignore_index,
+                                   BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    if reduction == 0:
+        return loss.to(x.dtype), x.new_zeros(()), lse
+    total_weight = (t != ignore_index).sum().to(torch.float32)
+    loss = loss.sum()
+    if reduction == 1:
+        loss = loss / total_weight
+    return loss.to(x.dtype), total_weight.to(x.dtype), lse
+
+
+def cross_entropy_backward(grad_loss, logits, lse, target, reduction, ignore_index,
+                           total_weight):
+    """-> grad_logits = (softmax - onehot(target)) * grad_loss (/ total_weight for mean),
+    0 on ignored rows; in the logits dtype."""
+    x, t = logits.contiguous(), target.contiguous()
+    n, v = x.shape
+    g = grad_loss.float()
+    if reduction == 1:
+        g = g / total_weight.float()
+    g = g.contiguous() if reduction == 0 else g.reshape(1)
+    dx = torch.empty_like(x)
+    bm, bn, warps = _blocks(n, v)
+    _ce_bwd[(triton.cdiv(n, bm),)](x, t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx,
+                                   n, v, ignore_index, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return dx
