@@ -21,6 +21,7 @@ bench: setup
 	$(PY) benchmarks/remat.py
 	$(PY) benchmarks/pipeline_vs_torch.py
 	$(PY) benchmarks/tp_vs_dtensor.py
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf out .venv *.egg-info
