@@ -52,11 +52,13 @@ def test_remat_dp2_equals_no_remat():
     """dp=2 training with each remat mode equals training without remat: bit for bit here
     (recompute replays the same ops on the same inputs, dropout masks included)."""
     models = ["gpt", "hf_llama", "gpt_dropout"]
-    cases = [(m, "adamw", p) for m in models for p in [None, *REMAT_PLANS]]
+    # the fixed budget on the GPT only (its search is the slow one; suite time)
+    plans = {m: [p for p in REMAT_PLANS if m == "gpt" or p["remat"] != 400_000] for m in models}
+    cases = [(m, "adamw", p) for m in models for p in [None, *plans[m]]]
     res = fxpar.launch(plans_rank, 2, cases)[0]
     for m in models:
         ref_losses, ref_state, _ = res[(m, "adamw", repr(None))]
-        for p in REMAT_PLANS:
+        for p in plans[m]:
             losses, state, info = res[(m, "adamw", repr(p))]
             if p["remat"] != "auto":  # auto fits this RAM: only cheap ops may be recomputed
                 assert info["recomputed"] > 0, (m, p)
