@@ -28,7 +28,6 @@ import importlib.util
 import itertools
 import logging
 import math
-import operator
 import os
 import tempfile
 from typing import Callable
@@ -524,11 +523,12 @@ class FusedKernel:
         k = compile_source(src)
         outs = [_val(o) for o in self._outputs]
         bm, bn, grid = _blocks(gs)
+        warps = min(16, max(4, bm * bn // 1024))
 
         def launch(args):
             res = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=args[0].device)
                    for v in outs]
-            k[(grid,)](*args, *res, BM=bm, BN=bn)
+            k[(grid,)](*args, *res, BM=bm, BN=bn, num_warps=warps)
             return tuple(res)
         return launch
 
@@ -569,4 +569,4 @@ def fuse_nodes(nodes: list[torch.fx.Node], inputs=None, outputs=None) -> FusedKe
 
 
 __all__ = ["FusedKernel", "Unsupported", "analyze", "generate", "fusible_op", "fuse_nodes",
-           "compile_source", "operator"]
+           "compile_source"]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxpar.kernels.jit import kernel, next_pow2
+from fxpar.kernels.jit import kernel, row_blocks
 
 MAX_V = 65536
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,12 +29,6 @@ def supports(logits, target) -> str | None:
     if logits.shape[1] > MAX_V:
         return f"vocabulary of {logits.shape[1]} is longer than one block ({MAX_V})"
     return None
-
-
-def _blocks(rows, n):
-    block_n = next_pow2(n)
-    block_m = max(1, min(next_pow2(rows), 4096 // block_n))
-    return block_m, block_n, min(16, max(4, block_m * block_n // 1024))
 
 
 @kernel
@@ -81,7 +75,7 @@ def cross_entropy_forward(logits, target, reduction, ignore_index):
     n, v = x.shape
     loss = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
-    bm, bn, warps = _blocks(n, v)
+    bm, bn, warps = row_blocks(n, v)
     _ce_fwd[(triton.cdiv(n, bm),)](x, t, loss, lse, n, v, ignore_index,
                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     if reduction == 0:
@@ -104,7 +98,7 @@ def cross_entropy_backward(grad_loss, logits, lse, target, reduction, ignore_ind
         g = g / total_weight.float()
     g = g.contiguous() if reduction == 0 else g.reshape(1)
     dx = torch.empty_like(x)
-    bm, bn, warps = _blocks(n, v)
+    bm, bn, warps = row_blocks(n, v)
     _ce_bwd[(triton.cdiv(n, bm),)](x, t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx,
                                    n, v, ignore_index, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return dx

@@ -120,3 +120,11 @@ def interpreter():
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def row_blocks(rows: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N >= n columns, num_warps) for a kernel holding whole rows of n:
+    about 4096 elements per program."""
+    block_n = next_pow2(n)
+    block_m = max(1, min(next_pow2(rows), 4096 // block_n))
+    return block_m, block_n, min(16, max(4, block_m * block_n // 1024))

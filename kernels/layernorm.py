@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxpar.kernels.jit import kernel, next_pow2
+from fxpar.kernels.jit import kernel, row_blocks
 
 MAX_N = 65536
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,12 +31,6 @@ def supports(x, normalized_shape) -> str | None:
     if math.prod(normalized_shape) > MAX_N:
         return f"rows of {math.prod(normalized_shape)} elements are longer than one block ({MAX_N})"
     return None
-
-
-def _blocks(rows, n):
-    block_n = next_pow2(n)
-    block_m = max(1, min(next_pow2(rows), 4096 // block_n))
-    return block_m, block_n, min(16, max(4, block_m * block_n // 1024))
 
 
 @kernel
@@ -108,7 +102,7 @@ def layer_norm_forward(x, normalized_shape, weight, bias, eps):
     stat_shape = tuple(x.shape[:x.dim() - k]) + (1,) * k
     mean = torch.empty(stat_shape, dtype=_stat_dtype(x), device=x.device)
     rstd = torch.empty_like(mean)
-    bm, bn, warps = _blocks(rows, n)
+    bm, bn, warps = row_blocks(rows, n)
     _ln_fwd[(triton.cdiv(rows, bm),)](
         x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd,
         rows, n, eps, HAS_W=weight is not None, HAS_B=bias is not None,
@@ -121,7 +115,7 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias,
     n = math.prod(normalized_shape)
     x, dy = x.contiguous(), grad_out.contiguous()
     rows = x.numel() // n
-    bm, bn, warps = _blocks(rows, n)
+    bm, bn, warps = row_blocks(rows, n)
     programs = min(triton.cdiv(rows, bm), MAX_PROGRAMS)
     per_program = triton.cdiv(triton.cdiv(rows, programs), bm) * bm
     programs = triton.cdiv(rows, per_program)

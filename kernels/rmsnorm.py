@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxpar.kernels.jit import kernel, next_pow2
+from fxpar.kernels.jit import kernel, row_blocks
 
 MAX_N = 65536
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,12 +30,6 @@ def supports(x, weight=None) -> str | None:
     if x.shape[-1] > MAX_N:
         return f"rows of {x.shape[-1]} elements are longer than one block ({MAX_N})"
     return None
-
-
-def _blocks(rows, n):
-    block_n = next_pow2(n)
-    block_m = max(1, min(next_pow2(rows), 4096 // block_n))
-    return block_m, block_n, min(16, max(4, block_m * block_n // 1024))
 
 
 @kernel
@@ -89,7 +83,7 @@ def rms_norm_forward(x, weight, eps):
     dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty_like(x, dtype=dtype)
     rstd = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
-    bm, bn, warps = _blocks(rows, n)
+    bm, bn, warps = row_blocks(rows, n)
     _rms_fwd[(triton.cdiv(rows, bm),)](x, weight if weight is not None else x, y, rstd,
                                         rows, n, eps, HAS_W=weight is not None,
                                         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
@@ -101,7 +95,7 @@ def rms_norm_backward(grad_y, x, rstd, weight):
     x, dy = x.contiguous(), grad_y.contiguous()
     n = x.shape[-1]
     rows = x.numel() // n
-    bm, bn, warps = _blocks(rows, n)
+    bm, bn, warps = row_blocks(rows, n)
     programs = min(triton.cdiv(rows, bm), MAX_PROGRAMS)
     per_program = triton.cdiv(triton.cdiv(rows, programs), bm) * bm
     programs = triton.cdiv(rows, per_program)
