@@ -359,6 +359,8 @@ class _Emitter:
             return "1" if a else "0"
         if isinstance(a, (int, float)):
             return _lit(a)
+        if isinstance(a, str):  # an op's mode argument, e.g. gelu's approximate="tanh"
+            return a
         raise Unsupported(f"argument {a!r} of {consumer.name}")
 
     def _float(self, e):
@@ -514,7 +516,14 @@ class FusedKernel:
         key = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device.type) for a in args)
         launch = self._launch.get(key)
         if launch is None:
-            launch = self._launch[key] = self._build(args)
+            try:
+                launch = self._launch[key] = self._build(args)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot be built must not
+                # end the training run: its ops run unfused, and we say so (once per group)
+                self.fallback = f"{type(e).__name__}: {e}"
+                log.warning("fused kernel %s (%s) could not be built, running its ops "
+                            "unfused: %s", self.__name__, ", ".join(self.ops), self.fallback)
+                return tuple(self.reference(*args))
         return launch(args)
 
     def _build(self, args) -> Callable:

@@ -74,7 +74,6 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         return gm
     groups = hand_written(gm) + generated(gm)
     _restore_topological_order(gm.graph)
-    gm.graph.eliminate_dead_code()
     gm.meta["fusion"] = Decision(groups)
     log.info("fusion: %d kernels (%d hand-written), bytes moved %d -> %d", len(groups),
              sum(g.kind != "generated" for g in groups),
@@ -335,9 +334,25 @@ def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
     result = []
     for g in groups:
         g = _trim_views(g)
-        if sum(n.target not in codegen.RESHAPES for n in g) >= 2:
+        if sum(n.target not in codegen.RESHAPES for n in g) >= 2 and _generates(g):
             result.append(g)
     return result
+
+
+def _generates(group) -> bool:
+    """The generator accepts the group (checked with the traced strides; at run time the
+    kernel is specialised to the real ones)."""
+    members = set(group)
+    inputs = list(dict.fromkeys(a for n in group for a in n.all_input_nodes if a not in members))
+    outputs = [n for n in group if any(u not in members for u in n.users)]
+    meta = [(tuple(v.shape), tuple(v.stride()), v.dtype) for v in
+            (a.meta[ir.VAL] for a in inputs)]
+    try:
+        codegen.generate(group, inputs, outputs, meta)
+    except codegen.Unsupported as e:
+        log.debug("fusion: group %s not generated: %s", [n.name for n in group], e)
+        return False
+    return True
 
 
 def _trim_views(g):

@@ -317,3 +317,18 @@ def test_parallelize_with_fusion_records_groups(monkeypatch):
         want.backward()
         opt.step()
         torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_kernel_that_cannot_be_built_runs_its_ops_unfused_and_says_so(monkeypatch, caplog):
+    gm = _graph(_softmax, torch.randn(6, 10))
+    k = codegen.fuse_nodes(fusion.find_groups(gm.graph)[0])
+
+    def broken(src):
+        raise RuntimeError("ptxas: out of registers")
+    monkeypatch.setattr(codegen, "compile_source", broken)
+    x = torch.randn(6, 10)
+    with interpreter():
+        out = k(x)
+    torch.testing.assert_close(out[0], torch.softmax(x, -1))
+    assert "out of registers" in k.fallback
+    assert "running its ops unfused" in caplog.text
