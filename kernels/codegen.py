@@ -29,6 +29,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import tempfile
 from typing import Callable
 
@@ -156,6 +157,8 @@ REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.defa
               aten.amin.default: "min"}
 RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
             aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+EXPAND = aten.expand.default   # a row value broadcast over its row (e.g. mean's backward)
+VIEWS = RESHAPES | {EXPAND}    # free outside a kernel: never a group's only reason to exist
 
 
 def _val(n):
@@ -165,7 +168,7 @@ def _val(n):
 def fusible_op(node: torch.fx.Node) -> bool:
     """An op the generator can emit (the pass also checks dtypes and graph position)."""
     t = node.target
-    if t not in POINTWISE and t not in REDUCTIONS and t not in RESHAPES:
+    if t not in POINTWISE and t not in REDUCTIONS and t not in VIEWS:
         return False
     v = _val(node)
     if not isinstance(v, torch.Tensor) or v.numel() == 0:
@@ -210,8 +213,8 @@ def analyze(nodes: list[torch.fx.Node]) -> GroupShape:
     """Check a group can be one kernel and find its iteration space; raise Unsupported."""
     members = set(nodes)
     for n in nodes:
-        if n.target in RESHAPES and n.args[0] not in members:
-            raise Unsupported(f"{n.name} reshapes a group input (left outside: a free view)")
+        if n.target in VIEWS and n.args[0] not in members:
+            raise Unsupported(f"{n.name} views a group input (left outside: a free view)")
     reds = [n for n in nodes if n.target in REDUCTIONS]
     if not reds:
         ns = {_val(n).numel() for n in nodes}
@@ -251,6 +254,8 @@ def analyze(nodes: list[torch.fx.Node]) -> GroupShape:
         for a in n.all_input_nodes:
             if a in members and kinds[a] == "full" and kind == "row":
                 raise Unsupported(f"{n.name} shrinks a full value without reducing it")
+            if n.target is EXPAND and kinds[a] == "full" and kind == "full":
+                continue  # expanding nothing (same number of elements): an alias
             if a in members and kinds[a] == "row" and kind == "full":
                 if n.target in RESHAPES:
                     raise Unsupported(f"{n.name} reshapes a row value into a full one")
@@ -327,11 +332,18 @@ class _Emitter:
             return _offset("lin", sizes, strides), "mask"
         if kind == "row":
             return _offset("r", sizes, strides), "rmask"
+        off = _offset(f"(r * {gs.cols} + c)", sizes, strides)
         for j in range(len(sizes) + 1):  # split at the row boundary: r and c separately
             if math.prod(sizes[:j]) == gs.rows and math.prod(sizes[j:]) == gs.cols:
                 a, b = _offset("r", sizes[:j], strides[:j]), _offset("c", sizes[j:], strides[j:])
-                return f"{a} + {b}", "fmask"
-        return _offset(f"(r * {gs.cols} + c)", sizes, strides), "fmask"
+                off = b if a == "0" else a if b == "0" else f"{a} + {b}"
+                break
+        if off == "0":
+            return off, "fmask"
+        # Triton broadcasts a mask to the pointer's shape, not the reverse: a [BM, BN] mask
+        # needs a [BM, BN] pointer (a weight's "c" alone is [1, BN])
+        names = set(re.findall(r"\b[rc]\b", off))
+        return off + "".join(f" + 0 * {v}" for v in "rc" if v not in names), "fmask"
 
     def load(self, i, kind, out_shape):
         key = (i, kind, tuple(out_shape))
@@ -373,8 +385,13 @@ class _Emitter:
         gs = self.gs
         for k, n in enumerate(self.nodes):
             name, t = f"v{k}", n.target
-            if t in RESHAPES:
+            if t in RESHAPES or t is EXPAND and gs.kinds[n] == gs.kinds[n.args[0]]:
                 self.names[n] = self.names[n.args[0]]
+                continue
+            if t is EXPAND:  # a [BM, 1] row value broadcast to [BM, BN]
+                self.lines.append(f"{name} = {self.names[n.args[0]]} + tl.zeros((BM, BN), "
+                                  "tl.float32)")
+                self.names[n] = name
                 continue
             if t in REDUCTIONS:
                 src = n.args[0]
@@ -404,6 +421,8 @@ class _Emitter:
         for j, o in enumerate(self.outputs):
             v = _val(o)
             off, mask = self._address(gs.kinds[o], list(v.shape), list(v.stride()))
+            if off == "0":  # a one-element output: a block of lanes (one unmasked) at offset 0
+                off = "0 * r" if gs.reduction else "0 * lin"
             self.lines.append(f"tl.store(out{j} + ({off}), {self.names[o]}.to({_TL[v.dtype]}), "
                               f"mask={mask})")
         return self._source()
@@ -499,7 +518,7 @@ class FusedKernel:
         self.__name__ = name or f"fused_{next(_ids)}"
         self.__module__ = "fxpar.kernels.codegen"
         self.ops = [str(n.target).replace("aten.", "").replace(".default", "") for n in nodes
-                    if n.target not in RESHAPES]
+                    if n.target not in VIEWS]
         self.reference = _subgraph(nodes, inputs, outputs)
         # what the generator needs, detached from the big graph (kept in the reference copy)
         self._nodes, self._inputs, self._outputs = _members(self.reference)

@@ -128,3 +128,56 @@ def row_blocks(rows: int, n: int) -> tuple[int, int, int]:
     block_n = next_pow2(n)
     block_m = max(1, min(next_pow2(rows), 4096 // block_n))
     return block_m, block_n, min(16, max(4, block_m * block_n // 1024))
+
+
+_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+       torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Launches inside the block are recorded, not run: yields a list of
+    (kernel, grid, args, kwargs). With `compile_for_gpu` this checks on a machine without a
+    GPU that what the wrappers would launch compiles for one."""
+    launches = []
+    old = kernel.__getitem__
+
+    def record(self, grid):
+        return lambda *args, **kwargs: launches.append((self, grid, args, kwargs))
+    kernel.__getitem__ = record
+    try:
+        yield launches
+    finally:
+        kernel.__getitem__ = old
+
+
+def compile_for_gpu(k: "kernel", args, kwargs, arch: int = 90):
+    """Compile one recorded launch for an NVIDIA target (sm_90 = H100/H200) through ptxas,
+    without a GPU. Returns Triton's compiled kernel (its metadata has registers/shared memory)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = triton.jit(k.fn)
+    kw = dict(kwargs)
+    opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
+    vals = dict(zip(fn.arg_names, args))
+    vals.update(kw)
+    sig, consts = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = vals[name]
+        if fn.params[i].is_constexpr:
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + _TY[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32" if abs(v) < 2 ** 31 else "i64"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif v is None:
+            sig[name], consts[name] = "constexpr", None
+        else:
+            raise TypeError(f"cannot type argument {name}={v!r}")
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                          options=opts)

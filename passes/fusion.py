@@ -326,7 +326,7 @@ def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
                 group_of[m] = merged
             joined = merged
         if joined is None:
-            if n.target in codegen.RESHAPES:
+            if n.target in codegen.VIEWS:
                 continue  # a view of an unfused value stays a free view
             joined = [n]
             groups.append(joined)
@@ -334,7 +334,7 @@ def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
     result = []
     for g in groups:
         g = _trim_views(g)
-        if sum(n.target not in codegen.RESHAPES for n in g) >= 2 and _generates(g):
+        if sum(n.target not in codegen.VIEWS for n in g) >= 2 and _generates(g):
             result.append(g)
     return result
 
@@ -363,7 +363,7 @@ def _trim_views(g):
         changed = False
         members = set(g)
         for n in reversed(g):
-            if n.target in codegen.RESHAPES and not any(u in members for u in n.users):
+            if n.target in codegen.VIEWS and not any(u in members for u in n.users):
                 g.remove(n)
                 changed = True
                 break

@@ -332,3 +332,68 @@ def test_a_kernel_that_cannot_be_built_runs_its_ops_unfused_and_says_so(monkeypa
     torch.testing.assert_close(out[0], torch.softmax(x, -1))
     assert "out of registers" in k.fallback
     assert "running its ops unfused" in caplog.text
+
+
+class _RMSNormNet(torch.nn.Module):
+    def __init__(self, d=40):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.w = torch.nn.Parameter(torch.randn(d))
+
+    def forward(self, batch):
+        x, t = batch
+        h = self.lin(x)
+        y = self.w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return (y * t).sum()
+
+
+def test_rmsnorm_backward_is_one_kernel_through_means_expand():
+    # mean's backward broadcasts a row value over its row (expand): inside one kernel that is
+    # a register broadcast, so the whole input-gradient computation is one generated kernel
+    torch.manual_seed(0)
+    model, batch = _RMSNormNet(), (torch.randn(3, 7, 40), torch.randn(3, 7, 40))
+    gm, sig = capture.capture(model, batch)
+    groups = [g for g in fusion.find_groups(gm.graph) if "expand" in _ops(g)]
+    assert len(groups) == 1, [_ops(g) for g in fusion.find_groups(gm.graph)]
+    assert {"sum.dim_IntList", "div.Scalar", "add.Tensor"} <= set(_ops(groups[0]))
+    gm2, got, want, before, after = _fused_model(model, batch)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    kinds = [n.meta[ir.FUSED_GROUP]["kind"] for n in gm2.graph.nodes if ir.FUSED_GROUP in n.meta]
+    assert kinds.count("rms_norm") == 1 and after < before
+
+
+def _nvidia_backend_reason():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001
+        return f"Triton's NVIDIA backend/ptxas is not usable here: {e}"
+    return None
+
+
+@pytest.mark.skipif(_nvidia_backend_reason() is not None, reason="no ptxas")
+def test_generated_kernels_compile_for_h100():
+    """No GPU here: compile every generated kernel of the GPT and HF Llama training steps for
+    sm_90 (H100/H200) through ptxas (the interpreter accepts programs the compiler rejects,
+    e.g. a mask shaped unlike its pointer)."""
+    from fxpar.kernels.jit import compile_for_gpu, recording_launches
+    seen = set()
+    for model, batch in ((GPT(GPTConfig()), gpt_batch(GPTConfig(), 4)),
+                         (hf_llama(), hf_lm_batch(128, 2, 16))):
+        gm, sig = capture.capture(model, batch)
+        with interpreter():
+            gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
+        for n in gm.graph.nodes:
+            if isinstance(n.target, codegen.FusedKernel):
+                args = [torch.empty_strided(a.meta[ir.VAL].shape, a.meta[ir.VAL].stride(),
+                                            dtype=a.meta[ir.VAL].dtype) for a in n.args]
+                src = n.target.source(*args)
+                if src in seen:
+                    continue
+                seen.add(src)
+                with recording_launches() as launches:
+                    n.target._build(args)(args)
+                (k, _, a, kw), = launches
+                compile_for_gpu(k, a, kw)
+    assert len(seen) >= 5
