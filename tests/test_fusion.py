@@ -372,6 +372,7 @@ def _nvidia_backend_reason():
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_nvidia_backend_reason() is not None, reason="no ptxas")
 def test_generated_kernels_compile_for_h100():
     """No GPU here: compile every generated kernel of the GPT and HF Llama training steps for

@@ -288,3 +288,56 @@ def test_supports():
     assert attention.supports(q[0], q[0], q[0]) is not None
     big = torch.empty(1, 1, 4, 512, device="meta")
     assert "head dim" in attention.supports(big, big, big)
+
+
+def _ptxas_missing():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_ptxas_missing() is not None, reason="Triton's NVIDIA ptxas not usable")
+def test_every_hand_written_kernel_compiles_for_h100(monkeypatch):
+    """No GPU here: every kernel launch the wrappers make (fp32 and bf16, causal or not, GQA,
+    head dims 8..128) compiles for sm_90 through ptxas, and fits the H100's 227 KiB of
+    shared memory."""
+    from fxpar.kernels.jit import compile_for_gpu, recording_launches
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU launch configurations
+    with recording_launches() as launches:
+        for dt in (torch.float32, torch.bfloat16):
+            x, y, w = torch.randn(37, 129, dtype=dt), torch.randn(37, 129, dtype=dt), \
+                torch.randn(129, dtype=dt)
+            softmax.softmax_forward(x, 1)
+            softmax.softmax_forward(x, 0, safe=True)
+            softmax.softmax_backward(x, y, 1, dt)
+            m = torch.zeros(37, 1, dtype=dt)
+            layernorm.layer_norm_forward(x, [129], w, w, 1e-5)
+            layernorm.layer_norm_backward(x, x, [129], m, m, w, w, [True] * 3)
+            rmsnorm.rms_norm_forward(x, w, 1e-6)
+            rmsnorm.rms_norm_backward(x, x, torch.ones(37, 1), w)
+            t = torch.zeros(37, dtype=torch.long)
+            ce.cross_entropy_forward(x, t, 1, -100)
+            ce.cross_entropy_backward(torch.tensor(1.0), x, torch.zeros(37), t, 1, -100,
+                                      torch.tensor(3.0))
+            for d in (8, 128):
+                q = torch.randn(2, 4, 70, d, dtype=dt)
+                kv = q[:, :2]
+                for causal in (False, True):
+                    attention.flash_attention_forward(q, kv, kv, causal)
+                    attention.flash_attention_backward(q, q, kv, kv, q,
+                                                       torch.zeros(2, 4, 70), causal)
+    seen = set()
+    for k, _, args, kwargs in launches:
+        key = (k.fn.__name__, tuple(a.dtype if isinstance(a, torch.Tensor) else
+                                    a if not isinstance(a, (int, float)) else type(a)
+                                    for a in args), tuple(sorted(map(str, kwargs.items()))))
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = compile_for_gpu(k, args, kwargs)
+        assert compiled.metadata.shared <= 227 * 1024, (k.fn.__name__, compiled.metadata.shared)
+    assert len(seen) >= 20
