@@ -133,6 +133,7 @@ POINTWISE: dict = {
     aten.sigmoid_backward.default: lambda g, y: f"({g} * {y} * (1.0 - {y}))",
     aten.tanh_backward.default: lambda g, y: f"({g} * (1.0 - {y} * {y}))",
     aten.threshold_backward.default: lambda g, x, t: f"tl.where({x} <= {t}, 0.0, {g})",
+    aten.native_dropout_backward.default: lambda g, mask, scale: f"({g} * {mask} * {scale})",
     aten.pow.Tensor_Scalar: _pow,
     aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b})",
     aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b})",

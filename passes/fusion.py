@@ -14,8 +14,8 @@ step reads its inputs from memory and writes its output back; a chain of k such 
 Groups never cross what the schedule relies on: a collective, its wait, or a pipeline
 transfer (a group lies between two such nodes in program order), a pipeline stage or part, the
 forward/backward boundary, or remat's recompute boundary (recomputed and saved values are not
-mixed). Random ops stay unfused (their masks come from torch's generator: fused and unfused
-runs draw the same numbers).
+mixed). Dropout's mask draw stays an ATen op (torch's generator: on CPU fused and unfused
+runs draw the same numbers); its multiply fuses with the residual add.
 
 Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
 (TRITON_INTERPRET=1). Otherwise the pass changes nothing and says why in the log and in
@@ -72,7 +72,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         log.info("fusion: keeping the unfused ops: %s", reason)
         gm.meta["fusion"] = Decision([], skipped=reason)
         return gm
-    groups = hand_written(gm) + generated(gm)
+    groups = hand_written(gm)
+    split_dropout(gm.graph)
+    groups += generated(gm)
     _restore_topological_order(gm.graph)
     gm.meta["fusion"] = Decision(groups)
     log.info("fusion: %d kernels (%d hand-written), bytes moved %d -> %d", len(groups),
@@ -241,6 +243,47 @@ def _rms_norm(graph, rs) -> list[Group]:
         graph.erase_node(n)
     return [_record(k, "rms_norm", [_op_name(n) for n in replaced], [n.name for n in replaced],
                     before, 0)]
+
+
+# --- dropout ---------------------------------------------------------------------------------
+
+def split_dropout(graph: torch.fx.Graph) -> int:
+    """native_dropout(x, p) = (x * mask * 1/(1-p), mask) with mask = bernoulli(1-p): drawing
+    the mask stays an ATen op (torch's generator), the multiply joins its neighbours'
+    kernel (dropout + residual add is one pass). On CPU this draws exactly native_dropout's
+    numbers (its own implementation is bernoulli_ on a bool tensor, then two multiplies); on
+    CUDA ATen's fused dropout kernel uses its own Philox offsets, so the masks differ from an
+    unfused run (same distribution)."""
+    count = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.native_dropout.default:
+            continue
+        x, p = n.args[0], float(n.args[1])
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
+        if train is False or not 0.0 < p < 1.0 or not all(
+                u.target is operator.getitem for u in n.users):
+            continue
+        out_val, mask_val = n.meta[ir.VAL]
+        keep = {k: v for k, v in n.meta.items() if k not in (ir.VAL, ir.FUSED_GROUP)}
+        with graph.inserting_before(n):
+            # the mask's buffer from x's shape and strides, not empty_like(x): no data
+            # dependence on x, so x's producer can join the same kernel as the multiply
+            xv = x.meta[ir.VAL]
+            empty = graph.call_function(aten.empty_strided.default,
+                                        (list(xv.shape), list(xv.stride())),
+                                        {"dtype": torch.bool, "device": xv.device})
+            mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
+            kept = graph.call_function(aten.mul.Tensor, (x, mask))
+            out = graph.call_function(aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+        for node, val in ((empty, mask_val), (mask, mask_val), (kept, out_val), (out, out_val)):
+            node.meta = dict(keep)
+            node.meta[ir.VAL] = val
+        for u in list(n.users):
+            u.replace_all_uses_with(out if u.args[1] == 0 else mask)
+            graph.erase_node(u)
+        graph.erase_node(n)
+        count += 1
+    return count
 
 
 # --- generated kernels ------------------------------------------------------------------------

@@ -398,3 +398,28 @@ def test_generated_kernels_compile_for_h100():
                 (k, _, a, kw), = launches
                 compile_for_gpu(k, a, kw)
     assert len(seen) >= 5
+
+
+def test_dropout_residual_is_one_kernel_with_torchs_masks():
+    """native_dropout splits into torch's own mask draw (bernoulli, the same numbers on CPU)
+    and a multiply that fuses with the residual add; the backward's dropout multiply fuses
+    with the gradient add. Same seed: fused == unfused training graph."""
+    cfg = GPTConfig(dropout=0.1)
+    torch.manual_seed(0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 4)
+    gm, sig = capture.capture(model, batch)
+    params, leaves = [p.detach() for p in model.parameters()], capture.flatten_batch(batch, sig)
+    torch.manual_seed(5)
+    want = gm(*params, *leaves)
+    with interpreter():
+        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
+        gm.recompile()
+        torch.manual_seed(5)
+        got = gm(*params, *leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    ops = [n.meta[ir.FUSED_GROUP]["ops"] for n in gm.graph.nodes
+           if ir.FUSED_GROUP in n.meta and n.meta[ir.FUSED_GROUP]["kind"] == "generated"]
+    assert ops.count(["mul.Tensor", "mul.Tensor", "add.Tensor"]) == 2 * cfg.n_layer  # residuals
+    assert sum("native_dropout_backward" in o for o in ops) >= 2 * cfg.n_layer
+    assert not any(n.target is aten.native_dropout.default for n in gm.graph.nodes)
