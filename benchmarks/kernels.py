@@ -31,10 +31,8 @@ aten = torch.ops.aten
 MiB = 2 ** 20
 
 
-def traffic(cfg: M.GPTConfig, batch: int):
-    torch.manual_seed(0)
-    model = M.GPT(cfg)
-    gm, sig = cap.capture(model, M.gpt_batch(cfg, batch))
+def traffic(name: str, model, batch):
+    gm, sig = cap.capture(model, batch)
     before = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
     with interpreter():  # lets the pass run on CPU; it only rewrites the graph
         gm = fusion.run(gm, Plan(), PassContext(signature=sig, device="cpu"))
@@ -46,9 +44,8 @@ def traffic(cfg: M.GPTConfig, batch: int):
         k[0] += 1
         k[1] += g.bytes_unfused
         k[2] += g.bytes_fused
-    print(f"\nGPT {cfg.n_layer}x{cfg.n_embd}, T={cfg.block_size}, batch {batch}: bytes moved per "
-          f"training step (cost model) {before / MiB:.1f} MiB op by op -> {after / MiB:.1f} MiB "
-          f"fused = {after / before:.3f}x ({len(d.groups)} kernels)")
+    print(f"\n{name}: bytes moved per training step (cost model) {before / MiB:.1f} MiB op by "
+          f"op -> {after / MiB:.1f} MiB fused = {after / before:.3f}x ({len(d.groups)} kernels)")
     print(f"  {'kernel':<26}{'count':>6}{'unfused MiB':>13}{'fused MiB':>11}{'ratio':>8}")
     for kind, (n, b, a) in sorted(per_kind.items(), key=lambda kv: -kv[1][1]):
         print(f"  {kind:<26}{n:>6}{b / MiB:>13.2f}{a / MiB:>11.2f}{a / b:>8.3f}")
@@ -152,10 +149,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    small = traffic(M.GPTConfig(), 4)
-    bigger = traffic(M.GPTConfig(vocab_size=8192, block_size=256, n_layer=4, n_head=8,
-                                 n_embd=512), 8)
-    print(f"\nfused/unfused bytes: small GPT {small:.3f}, GPT 4x512 {bigger:.3f}")
+    torch.manual_seed(0)
+    ratios = {}
+    for name, cfg, batch in (("small GPT 2x32, T=32, batch 4", M.GPTConfig(), 4),
+                             ("GPT 4x512, T=256, batch 8", M.GPTConfig(
+                                 vocab_size=8192, block_size=256, n_layer=4, n_head=8,
+                                 n_embd=512), 8),
+                             ("GPT 4x512 with dropout 0.1", M.GPTConfig(
+                                 vocab_size=8192, block_size=256, n_layer=4, n_head=8,
+                                 n_embd=512, dropout=0.1), 8)):
+        ratios[name] = traffic(name, M.GPT(cfg), M.gpt_batch(cfg, batch))
+    name = "HF Llama 4x512 (GQA 8/4 heads), T=256, batch 8"
+    ratios[name] = traffic(name, M.hf_llama(vocab=8192, hidden=512, layers=4, heads=8,
+                                            kv_heads=4, max_pos=256),
+                           M.hf_lm_batch(8192, 8, 256))
+    print("\nfused/unfused bytes per step: " + ", ".join(f"{k}: {v:.3f}" for k, v in
+                                                       ratios.items()))
     if torch.cuda.is_available() and os.environ.get("FXPAR_DEVICE") != "cpu":
         gpu_kernels(args.quick)
         gpu_training_step(args.quick)
