@@ -46,10 +46,11 @@ class PassContext:
     fusion_skipped: str | None = None  # Plan.fuse but no Triton on this device: why
 
 
-def _pass_list(plan, ctx: PassContext | None = None) -> list[tuple[str, Callable]]:
+def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
     # overlap, fusion.
-    # A pass the plan switches off is left out (no empty snapshot for it).
+    # A pass the plan switches off is left out (no empty snapshot for it). Returns the list
+    # and, if Plan.fuse asked for fusion that cannot run on this device, why.
     from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, remat,
                               tensor_parallel)
     passes = []
@@ -62,17 +63,15 @@ def _pass_list(plan, ctx: PassContext | None = None) -> list[tuple[str, Callable
     passes.append(("data_parallel", data_parallel.run))
     if plan.overlap and plan.dp * plan.tp * plan.pp > 1:
         passes.append(("overlap", overlap.run))
+    fusion_skipped = None
     if plan.fuse:
         from fxpar.kernels.jit import unavailable_reason
-        device = ctx.device if ctx is not None and ctx.device is not None else "cpu"
-        why = unavailable_reason(device)
-        if why is None:
+        fusion_skipped = unavailable_reason(device if device is not None else "cpu")
+        if fusion_skipped is None:
             passes.append(("fusion", fusion.run))
         else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
-            log.info("fusion left out: %s", why)
-            if ctx is not None:
-                ctx.fusion_skipped = why
-    return passes
+            log.info("fusion left out: %s", fusion_skipped)
+    return passes, fusion_skipped
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -152,7 +151,8 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     """Run the pass list in order, verifying and snapshotting after each."""
     verify(gm)
     snapshots["capture"] = {"joint": snapshot(gm)}
-    for name, fn in _pass_list(plan, ctx):
+    passes, ctx.fusion_skipped = _pass_list(plan, ctx.device)
+    for name, fn in passes:
         before = _count(gm)
         t0 = time.perf_counter()
         gm = fn(gm, plan, ctx)

@@ -14,7 +14,9 @@ Reshapes (view, unsqueeze, squeeze) of a group value keep its row-major element 
 they are free inside a group. Inputs of any strides and broadcasts are loaded through index
 arithmetic on the consumer's shape (adjacent dims merged where the strides allow).
 Arithmetic is fp32; a node whose dtype is bf16/fp16 is rounded to it, as eager rounds each
-op's result, so a fused bf16 chain matches eager op-by-op to the last bit in most cases.
+op's result, so a fused bf16 chain tracks eager op by op (in the interpreter it differs only
+where an op's own fp32 arithmetic does; Triton's GPU exp/div are approximate). NaN
+propagates as in eager (relu, maximum/minimum, amax/amin).
 
 The kernel is specialised to the runtime inputs' shapes, strides and dtypes and compiled once
 per distinct source (cache shared by all groups); `FusedKernel` runs the original subgraph
@@ -125,8 +127,7 @@ POINTWISE: dict = {
     aten.cos.default: lambda a: f"tl.cos({a})",
     aten.erf.default: lambda a: f"tl.math.erf({a})",
     aten.sigmoid.default: lambda a: _sigmoid(a),
-    aten.tanh.default: lambda a: f"(2.0 * {_sigmoid('2.0 * ' + a)} - 1.0)",
-    aten.relu.default: lambda a: f"tl.maximum({a}, 0.0)",
+    aten.relu.default: lambda a: f"tl.where({a} < 0.0, 0.0, {a})",  # keeps NaN, as eager
     aten.silu.default: lambda a: f"({a} / (1.0 + tl.exp(-{a})))",
     aten.gelu.default: _gelu,
     aten.gelu_backward.default: _gelu_backward,
@@ -135,8 +136,8 @@ POINTWISE: dict = {
     aten.threshold_backward.default: lambda g, x, t: f"tl.where({x} <= {t}, 0.0, {g})",
     aten.native_dropout_backward.default: lambda g, mask, scale: f"({g} * {mask} * {scale})",
     aten.pow.Tensor_Scalar: _pow,
-    aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b})",
-    aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b})",
+    aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+    aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
     aten.where.self: lambda c, a, b: f"tl.where({c}, {a}, {b})",
     aten.clone.default: lambda a, memory_format=None: a,
     aten._to_copy.default: lambda a, **kw: a,          # the rounding is applied per dtype
@@ -182,7 +183,8 @@ def fusible_op(node: torch.fx.Node) -> bool:
         return False
     for a in node.all_input_nodes:
         av = _val(a)
-        if not isinstance(av, torch.Tensor) or av.dtype not in _FLOAT + (torch.bool,):
+        if not isinstance(av, torch.Tensor) or av.dtype not in _FLOAT + (torch.bool,) \
+                or av.device != v.device:
             return False
     return v.dtype in _FLOAT + (torch.bool,)
 
@@ -195,10 +197,6 @@ def _reduced_dims(node) -> list[int]:
     if isinstance(dims, int):
         dims = [dims]
     return sorted(d % max(len(shape), 1) for d in dims)
-
-
-def _keepdim(node) -> bool:
-    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
 
 
 @dataclasses.dataclass
@@ -376,6 +374,15 @@ class _Emitter:
             return a
         raise Unsupported(f"argument {a!r} of {consumer.name}")
 
+    def _rounded_scalar(self, a, n):
+        """A Python scalar compared with a half-precision tensor is rounded to its dtype first
+        (eager compares in that dtype)."""
+        if n.target in _BOOL_RESULT and isinstance(a, float):
+            dts = [_val(b).dtype for b in n.all_input_nodes]
+            if dts and dts[0] in (torch.bfloat16, torch.float16):
+                a = torch.tensor(a, dtype=dts[0]).item()
+        return self.arg(a, n)
+
     def _float(self, e):
         return f"{e}.to(tl.float32)" if e in self.bools else e
 
@@ -401,17 +408,23 @@ class _Emitter:
                 op = REDUCTIONS[t]
                 neutral = {"max": '-float("inf")', "min": 'float("inf")'}.get(op, "0.0")
                 fn = {"max": "tl.max", "min": "tl.min"}.get(op, "tl.sum")
-                e = f"{fn}(tl.where(fmask, {self._float(x)}, {neutral}), 1)[:, None]"
+                x = self._float(x)
+                e = f"{fn}(tl.where(fmask, {x}, {neutral}), 1)[:, None]"
                 if op == "mean":
                     e = f"({e} / {float(gs.cols)!r})"
+                if op in ("max", "min"):  # NaN wins, as in eager
+                    e = (f"tl.where(tl.max(tl.where(fmask & ({x} != {x}), 1, 0), 1)[:, None] > 0, "
+                         f'float("nan"), {e})')
             else:
-                args = [self.arg(a, n) for a in n.args]
+                args = [self._rounded_scalar(a, n) for a in n.args]
                 args = [(self._bool(e) if t in _BOOL_ARG0 and i == 0 else self._float(e))
                         if isinstance(a, torch.fx.Node) else e
                         for i, (e, a) in enumerate(zip(args, n.args))]
                 kwargs = {k2: (self._float(self.arg(v, n)) if isinstance(v, torch.fx.Node) else v)
                           for k2, v in n.kwargs.items() if k2 not in ("dtype", "memory_format")}
                 e = POINTWISE[t](*args, **kwargs)
+                if _val(n).dtype == torch.bool and t not in _BOOL_RESULT:
+                    e = f"({e} != 0)"  # e.g. a cast to bool, bool + bool (logical or)
             self.lines.append(f"{name} = {e}")
             dt = _val(n).dtype
             if dt == torch.bool:
@@ -437,7 +450,7 @@ class _Emitter:
         i64 = ".to(tl.int64)" if self.big else ""
         if gs.reduction:
             head += [f"    r = (pid * BM + tl.arange(0, BM)[:, None]){i64}",
-                     "    c = tl.arange(0, BN)[None, :]",
+                     f"    c = tl.arange(0, BN)[None, :]{i64}",
                      f"    rmask = r < {gs.rows}",
                      f"    fmask = rmask & (c < {gs.cols})"]
         else:
@@ -535,16 +548,24 @@ class FusedKernel:
             return tuple(self.reference(*args))
         key = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device.type) for a in args)
         launch = self._launch.get(key)
-        if launch is None:
-            try:
-                launch = self._launch[key] = self._build(args)
-            except Exception as e:  # noqa: BLE001 - a kernel that cannot be built must not
-                # end the training run: its ops run unfused, and we say so (once per group)
-                self.fallback = f"{type(e).__name__}: {e}"
-                log.warning("fused kernel %s (%s) could not be built, running its ops "
-                            "unfused: %s", self.__name__, ", ".join(self.ops), self.fallback)
-                return tuple(self.reference(*args))
-        return launch(args)
+        if launch is not None:
+            return launch(args)
+        shapes = [tuple(_val(p).shape) for p in self._inputs]
+        if [tuple(a.shape) for a in args] != shapes:
+            raise RuntimeError(f"{self.__name__} was traced for inputs {shapes}, called with "
+                               f"{[tuple(a.shape) for a in args]} (a bug in fxpar: please "
+                               "report it)")
+        try:  # generating, loading and (on a GPU) compiling happen here, once per layout
+            launch = self._build(args)
+            out = launch(args)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot be built must not
+            # end the training run: its ops run unfused, and we say so (once per group)
+            self.fallback = f"{type(e).__name__}: {e}"
+            log.warning("fused kernel %s (%s) could not be built, running its ops "
+                        "unfused: %s", self.__name__, ", ".join(self.ops), self.fallback)
+            return tuple(self.reference(*args))
+        self._launch[key] = launch
+        return out
 
     def _build(self, args) -> Callable:
         meta = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in args]
@@ -583,19 +604,21 @@ def _members(gm: torch.fx.GraphModule):
     return nodes, ins, list(out)
 
 
-def fuse_nodes(nodes: list[torch.fx.Node], inputs=None, outputs=None) -> FusedKernel:
-    """A FusedKernel for members `nodes` of a graph (inputs/outputs found from the graph)."""
+def group_io(nodes: list[torch.fx.Node]) -> tuple[list, list]:
+    """(inputs, outputs) of a group: outside nodes it reads (first-use order) and members
+    something outside reads (program order): the fused call's arguments and results."""
     members = set(nodes)
-    if inputs is None:
-        inputs = []
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a not in members and a not in inputs:
-                    inputs.append(a)
-    if outputs is None:
-        outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    return inputs, outputs
+
+
+def fuse_nodes(nodes: list[torch.fx.Node], inputs=None, outputs=None) -> FusedKernel:
+    """A FusedKernel for members `nodes` of a graph (inputs/outputs: `group_io`)."""
+    if inputs is None or outputs is None:
+        inputs, outputs = group_io(nodes)
     return FusedKernel(nodes, inputs, outputs)
 
 
-__all__ = ["FusedKernel", "Unsupported", "analyze", "generate", "fusible_op", "fuse_nodes",
+__all__ = ["FusedKernel", "Unsupported", "analyze", "generate", "fusible_op", "fuse_nodes", "group_io",
            "compile_source"]

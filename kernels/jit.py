@@ -79,6 +79,22 @@ class kernel:
 _INTERPRETED: dict = {}
 
 
+def _twin(fn):
+    """An interpreted copy of a triton.language helper. Triton's own InterpretedFunction
+    patches triton.language.core for a nested call and never restores it, which breaks later
+    GPU compilation in the same process; this one restores what it patched."""
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+
+    class Twin(InterpretedFunction):
+        def __call__(self, *args, **kwargs):
+            scope = _patch_lang(self.fn)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            finally:
+                scope.restore()
+    return Twin(fn)
+
+
 @contextlib.contextmanager
 def _interpretable_stdlib():
     """triton.language's own helpers (tl.sum, tl.max, ...) are `@triton.jit` functions bound
@@ -86,7 +102,6 @@ def _interpretable_stdlib():
     imports triton early), the interpreter refuses to call them. Swap in interpreted twins
     for the duration of a launch."""
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
     saved = []
     for mod in (tl, tl.standard, tl.math, tl.core):
@@ -94,7 +109,7 @@ def _interpretable_stdlib():
             if isinstance(obj, JITFunction):
                 twin = _INTERPRETED.get(obj)
                 if twin is None:
-                    twin = _INTERPRETED[obj] = InterpretedFunction(obj.fn)
+                    twin = _INTERPRETED[obj] = _twin(obj.fn)
                 saved.append((mod, name, obj))
                 setattr(mod, name, twin)
     try:

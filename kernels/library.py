@@ -7,6 +7,8 @@ not apply (None when it does), so the fusion pass can leave such ops alone.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -15,6 +17,7 @@ from fxpar.kernels import attention, cross_entropy as ce, layernorm, rmsnorm, so
 from fxpar.kernels.codegen import is_fake
 
 aten = torch.ops.aten
+log = logging.getLogger("fxpar.kernels")
 
 
 def _vals(args, kwargs):
@@ -26,6 +29,8 @@ class KernelCall:
         self.name = self.__name__ = name
         self.__module__ = "fxpar.kernels.library"
         self.kernel, self.reference, self._supports = kernel_fn, reference_fn, supports_fn
+        self.launched: set = set()       # (shapes, dtypes, device) that ran fine once
+        self.fallback: str | None = None  # why this kernel runs as its ATen ops instead
 
     def supports(self, *args, **kwargs) -> str | None:
         args, kwargs = _vals(args, kwargs)
@@ -33,9 +38,20 @@ class KernelCall:
 
     def __call__(self, *args, **kwargs):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(is_fake(t) for t in tensors):
+        if any(is_fake(t) for t in tensors) or self.fallback:
             return self.reference(*args, **kwargs)
-        return self.kernel(*args, **kwargs)
+        key = tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors)
+        if key in self.launched:
+            return self.kernel(*args, **kwargs)
+        try:  # the first launch per layout compiles (on a GPU): a failure must not end training
+            out = self.kernel(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            self.fallback = f"{type(e).__name__}: {e}"
+            log.warning("kernel %s could not be built, running ATen instead: %s", self.name,
+                        self.fallback)
+            return self.reference(*args, **kwargs)
+        self.launched.add(key)
+        return out
 
     def __repr__(self):
         return f"<kernel {self.name}>"

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fxpar.kernels.jit import kernel, next_pow2
+from fxpar.kernels.jit import kernel, row_blocks
 
 MAX_N = 65536
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -34,9 +34,7 @@ def _launch(x, dim):
     dim = dim % x.dim()
     n, inner = x.shape[dim], math.prod(x.shape[dim + 1:])
     rows = x.numel() // n
-    block_n = next_pow2(n)
-    block_m = max(1, min(next_pow2(rows), 4096 // block_n))
-    warps = min(16, max(4, block_m * block_n // 1024))
+    block_m, block_n, warps = row_blocks(rows, n)
     return n, inner, rows, block_m, block_n, warps
 
 

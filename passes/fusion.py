@@ -73,7 +73,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         gm.meta["fusion"] = Decision([], skipped=reason)
         return gm
     groups = hand_written(gm)
-    split_dropout(gm.graph)
+    _restore_topological_order(gm.graph)  # a kept RMSNorm multiply now reads the kernel
+    if ctx.device is None or torch.device(ctx.device).type == "cpu":
+        split_dropout(gm.graph)  # exact on CPU only (see its docstring)
     groups += generated(gm)
     _restore_topological_order(gm.graph)
     gm.meta["fusion"] = Decision(groups)
@@ -106,7 +108,7 @@ def hand_written(gm: torch.fx.GraphModule) -> list[Group]:
     groups = []
     graph = gm.graph
     for n in list(graph.nodes):
-        if n.op != "call_function" or n.graph is not graph:
+        if n.op != "call_function" or n._erased:  # erased by an earlier pattern rewrite
             continue
         if n.target in library.SINGLE_OP:
             call = library.SINGLE_OP[n.target]
@@ -190,6 +192,7 @@ def _rms_norm(graph, rs) -> list[Group]:
         return []
     mean = add.args[0]
     if not (mean.op == "call_function" and mean.target is aten.mean.dim
+            and isinstance(mean.args[1], (list, tuple))
             and list(mean.args[1]) in ([-1], [mean.args[0].meta[ir.VAL].dim() - 1])
             and (mean.args[2] if len(mean.args) > 2 else False)):
         return []
@@ -197,8 +200,8 @@ def _rms_norm(graph, rs) -> list[Group]:
     if not (pw.op == "call_function" and pw.target is aten.pow.Tensor_Scalar and pw.args[1] == 2):
         return []
     x = pw.args[0]
-    if any(len(n.users) != 1 for n in (pw, mean, add)):
-        return []
+    if any(len(n.users) != 1 for n in (pw, mean, add)) or rs.meta[ir.VAL].dtype != torch.float32:
+        return []  # fp32 only: the kernel's rstd is fp32 (a bf16 graph would change dtype)
     norm = [u for u in rs.users if u.target is aten.mul.Tensor and x in u.args]
     if len(norm) != 1:
         return []
@@ -263,6 +266,8 @@ def split_dropout(graph: torch.fx.Graph) -> int:
         if train is False or not 0.0 < p < 1.0 or not all(
                 u.target is operator.getitem for u in n.users):
             continue
+        if not x.meta[ir.VAL].is_contiguous():
+            continue  # bernoulli would fill the mask in another order than native_dropout
         out_val, mask_val = n.meta[ir.VAL]
         keep = {k: v for k, v in n.meta.items() if k not in (ir.VAL, ir.FUSED_GROUP)}
         with graph.inserting_before(n):
@@ -299,11 +304,21 @@ def _barriers(graph) -> dict[torch.fx.Node, int]:
 
 
 def _is_barrier(n) -> bool:
+    """Nodes whose place in program order the step relies on: communication, and random ops
+    (their order is the order numbers are drawn from torch's generator)."""
     if n.op != "call_function":
         return False
     ns = getattr(n.target, "namespace", "")
     return (ns in ("_c10d_functional", "c10d", "_dtensor") or ir.TRANSFER in n.meta
-            or ir.BUCKET in n.meta)
+            or ir.BUCKET in n.meta or _is_random(n))
+
+
+def _is_random(n) -> bool:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return (torch.Tag.nondeterministic_seeded in t.tags
+                or t.namespace == "fxpar" and "dropout" in t.name())  # split_random's draw
+    return "rng" in getattr(t, "__name__", "")  # remat's run_and_save_rng_state / run_with_...
 
 
 def _key(n, seg):
@@ -379,15 +394,36 @@ def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
         g = _trim_views(g)
         if sum(n.target not in codegen.VIEWS for n in g) >= 2 and _generates(g):
             result.append(g)
-    return result
+    return _break_cycles(graph, result)
+
+
+def _break_cycles(graph, groups):
+    """Each join kept its own group acyclic, but two groups can still read each other
+    (A -> B -> A through different members): contract every group to one vertex and
+    dissolve the smallest group on any cycle until the graph is a DAG."""
+    import networkx as nx
+    groups = list(groups)
+    while True:
+        vertex = {n: ("g", i) for i, g in enumerate(groups) for n in g}
+        dag = nx.DiGraph()
+        for n in graph.nodes:
+            for a in n.all_input_nodes:
+                u, v = vertex.get(a, a), vertex.get(n, n)
+                if u != v:
+                    dag.add_edge(u, v)
+        try:
+            cycle = nx.find_cycle(dag)
+        except nx.NetworkXNoCycle:
+            return groups
+        in_cycle = {i for edge in cycle for x in edge[:2] if isinstance(x, tuple)
+                    for i in [x[1]]}
+        groups.pop(min(in_cycle, key=lambda i: len(groups[i])))
 
 
 def _generates(group) -> bool:
     """The generator accepts the group (checked with the traced strides; at run time the
     kernel is specialised to the real ones)."""
-    members = set(group)
-    inputs = list(dict.fromkeys(a for n in group for a in n.all_input_nodes if a not in members))
-    outputs = [n for n in group if any(u not in members for u in n.users)]
+    inputs, outputs = codegen.group_io(group)
     meta = [(tuple(v.shape), tuple(v.stride()), v.dtype) for v in
             (a.meta[ir.VAL] for a in inputs)]
     try:
@@ -428,12 +464,8 @@ def _common_module(nodes) -> str:
 
 def _replace(graph, nodes) -> Group:
     members = set(nodes)
-    k = codegen.fuse_nodes(nodes)
-    inputs, outputs = [], [n for n in nodes if any(u not in members for u in n.users)]
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
+    inputs, outputs = codegen.group_io(nodes)
+    k = codegen.fuse_nodes(nodes, inputs, outputs)
     before = _traffic(nodes)
     last = nodes[-1]
     with graph.inserting_after(last):
@@ -474,6 +506,8 @@ def _restore_topological_order(graph: torch.fx.Graph) -> None:
             indeg[u] -= 1
             if indeg[u] == 0:
                 heapq.heappush(ready, (pos[u], u.name, u))
+    if len(new) != len(graph.nodes):
+        raise RuntimeError("fusion made the graph cyclic (a bug in fxpar: please report it)")
     placeholders = [n for n in new if n.op == "placeholder"]
     rest = [n for n in new if n.op != "placeholder"]
     anchor = placeholders[-1]

@@ -423,3 +423,67 @@ def test_dropout_residual_is_one_kernel_with_torchs_masks():
     assert ops.count(["mul.Tensor", "mul.Tensor", "add.Tensor"]) == 2 * cfg.n_layer  # residuals
     assert sum("native_dropout_backward" in o for o in ops) >= 2 * cfg.n_layer
     assert not any(n.target is aten.native_dropout.default for n in gm.graph.nodes)
+
+
+# --- regressions found in review --------------------------------------------------------------
+
+def _fused_equals_unfused(fn, *args, seed=None):
+    gm = _graph(fn, *args)
+    if seed is not None:
+        torch.manual_seed(seed)
+    want = gm(*args)
+    with interpreter():
+        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        gm.graph.lint()
+        gm.recompile()
+        if seed is not None:
+            torch.manual_seed(seed)
+        got = gm(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert any(ir.FUSED_GROUP in n.meta for n in gm.graph.nodes), "nothing was fused"
+    return gm
+
+
+def test_two_groups_reading_each_other_are_not_both_fused():
+    # [amax_x, add] and [amax_y, mul] would each read the other: a cycle once contracted
+    def f(x, y):
+        a1, b1 = aten.amax(x, [-1], True), aten.amax(y, [-1], True)
+        return a1 + b1, b1 * a1
+    _fused_equals_unfused(f, torch.randn(4, 6), torch.randn(4, 10))
+
+
+def test_bool_values_stay_bool_inside_a_kernel():
+    _fused_equals_unfused(lambda x, y: (x.exp() - 1).to(torch.bool).to(torch.float32) * y,
+                          torch.tensor([0.5, -0.25, 0.0, 2.0]), torch.randn(4))
+    _fused_equals_unfused(lambda x, y: ((x > 0) + (y > 0)).float() * 3,
+                          torch.randn(16), torch.randn(16))
+
+
+def test_nan_propagates_like_eager():
+    x = torch.tensor([[float("nan"), 1.0, -2.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
+    _fused_equals_unfused(lambda x: torch.relu(x * 2) + 1, x)
+    _fused_equals_unfused(lambda x: aten.amax(x * 2, [-1], True) + 1, x)
+    _fused_equals_unfused(lambda x, y: torch.maximum(x * 2, y) - 1, x, torch.zeros(2, 4))
+
+
+def test_random_ops_keep_their_order():
+    def f(x, y):
+        a = torch.relu(x)
+        n1 = torch.rand_like(a)
+        n2 = torch.rand_like(y)
+        return a * 2 + 1, n1, n2
+    _fused_equals_unfused(f, torch.randn(8), torch.randn(8), seed=3)
+
+
+def test_half_precision_compare_with_a_scalar_rounds_the_scalar():
+    x = torch.tensor([0.1, 0.2, 0.3], dtype=torch.bfloat16)
+    gm = _graph(lambda x: (x == 0.1).to(torch.bfloat16) * 2 + x, x)
+    want = gm(x)
+    with interpreter():
+        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        gm.recompile()
+        got = gm(x)
+    assert any(ir.FUSED_GROUP in n.meta for n in gm.graph.nodes)
+    assert torch.equal(got[0] if isinstance(got, (tuple, list)) else got,
+                       want[0] if isinstance(want, (tuple, list)) else want)
