@@ -56,6 +56,39 @@ class KernelCall:
     def __repr__(self):
         return f"<kernel {self.name}>"
 
+    def for_node(self, node: torch.fx.Node) -> "KernelCall":
+        """A copy bound to one graph node: its tensor results are given the shapes and
+        strides the node's meta["val"] promises (later views and transfers rely on them)."""
+        bound = KernelCall(self.name, self.kernel, self.reference, self._supports)
+        bound.launched, bound.layouts = self.launched, [
+            (tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else None
+            for v in (node.meta["val"] if isinstance(node.meta["val"], (tuple, list))
+                      else [node.meta["val"]])]
+        inner = bound.kernel
+
+        def conformed(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            many = isinstance(out, (tuple, list))
+            fixed = [_conform(t, lay) for t, lay in zip(out if many else [out], bound.layouts)]
+            return tuple(fixed) if many else fixed[0]
+        bound.kernel = conformed
+        return bound
+
+
+def _conform(t, layout):
+    """t with the promised (shape, stride): copied if its strides differ, zero-padded if the
+    op promises a longer buffer (efficient attention pads its logsumexp to 32 queries)."""
+    if not isinstance(t, torch.Tensor) or layout is None:
+        return t
+    shape, stride = layout
+    if tuple(t.shape) == shape and tuple(t.stride()) == stride:
+        return t
+    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    if tuple(t.shape) != shape:
+        out.zero_()
+    out[tuple(slice(0, n) for n in t.shape)].copy_(t)
+    return out
+
 
 # --- single ops: same signature as the ATen op ------------------------------------------------
 
@@ -89,6 +122,56 @@ def _safe_softmax_supports(x, dim, dtype=None):
     return "dtype conversion" if dtype is not None else softmax.supports(x, dim)
 
 
+# CUDA's attention ops (what a trace on a GPU records): the same kernels, the op's signature.
+# Forward and backward are swapped together (the same supports() conditions), so the
+# logsumexp only ever travels between our own two kernels.
+def _flash_cuda(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                scale=None):
+    out, lse = attention.flash_attention_forward(q, k, v, is_causal, scale)
+    u64 = dict(dtype=torch.uint64, device=q.device)
+    return (out, lse, None, None, q.shape[2], k.shape[2], torch.empty(2, **u64),
+            torch.empty((), **u64), torch.empty(0, dtype=q.dtype, device=q.device))
+
+
+def _flash_cuda_supports(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                         scale=None):
+    return "debug mask" if return_debug_mask else _sdpa_supports(q, k, v, dropout_p, is_causal)
+
+
+def _flash_cuda_bw(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
+                   is_causal, seed, offset, *, scale=None):
+    return attention.flash_attention_backward(grad_out, q, k, v, out, lse, is_causal, scale)
+
+
+def _flash_cuda_bw_supports(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
+                            is_causal, seed, offset, *, scale=None):
+    return _sdpa_supports(q, k, v, dropout_p, is_causal)
+
+
+def _efficient_cuda(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
+                    scale=None):
+    out, lse = attention.flash_attention_forward(q, k, v, is_causal, scale)
+    i64 = dict(dtype=torch.int64, device=q.device)
+    return out, lse, torch.zeros((), **i64), torch.zeros((), **i64)
+
+
+def _efficient_cuda_supports(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                             is_causal=False, *, scale=None):
+    return _sdpa_supports(q, k, v, dropout_p, is_causal, attn_mask=attn_bias)
+
+
+def _efficient_cuda_bw(grad_out, q, k, v, attn_bias, out, lse, seed, offset, dropout_p,
+                       grad_input_mask, is_causal=False, *, scale=None):
+    lse = lse[..., :q.shape[2]]  # the op's buffer is padded to a multiple of 32 queries
+    return (*attention.flash_attention_backward(grad_out, q, k, v, out, lse, is_causal, scale),
+            None)
+
+
+def _efficient_cuda_bw_supports(grad_out, q, k, v, attn_bias, out, lse, seed, offset,
+                                dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+    return _sdpa_supports(q, k, v, dropout_p, is_causal, attn_mask=attn_bias)
+
+
 SINGLE_OP = {
     aten._softmax.default: KernelCall(
         "softmax", softmax.softmax_forward, aten._softmax.default,
@@ -111,6 +194,19 @@ SINGLE_OP = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: KernelCall(
         "flash_attention_backward", _sdpa_bw,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default, _sdpa_bw_supports),
+    aten._scaled_dot_product_flash_attention.default: KernelCall(
+        "flash_attention", _flash_cuda, aten._scaled_dot_product_flash_attention.default,
+        _flash_cuda_supports),
+    aten._scaled_dot_product_flash_attention_backward.default: KernelCall(
+        "flash_attention_backward", _flash_cuda_bw,
+        aten._scaled_dot_product_flash_attention_backward.default, _flash_cuda_bw_supports),
+    aten._scaled_dot_product_efficient_attention.default: KernelCall(
+        "flash_attention", _efficient_cuda, aten._scaled_dot_product_efficient_attention.default,
+        _efficient_cuda_supports),
+    aten._scaled_dot_product_efficient_attention_backward.default: KernelCall(
+        "flash_attention_backward", _efficient_cuda_bw,
+        aten._scaled_dot_product_efficient_attention_backward.default,
+        _efficient_cuda_bw_supports),
 }
 
 

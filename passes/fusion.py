@@ -117,7 +117,7 @@ def hand_written(gm: torch.fx.GraphModule) -> list[Group]:
                 log.debug("fusion: %s stays unfused: %s", n.name, why)
                 continue
             before, flops, old = _traffic([n]), cost.node_flops(n), _op_name(n)
-            n.target = call
+            n.target = call.for_node(n)
             groups.append(_record(n, call.name, [old], [n.name], before, flops))
         elif n.target is aten.nll_loss_forward.default:
             g = _cross_entropy(graph, n)

@@ -487,3 +487,38 @@ def test_half_precision_compare_with_a_scalar_rounds_the_scalar():
     assert any(ir.FUSED_GROUP in n.meta for n in gm.graph.nodes)
     assert torch.equal(got[0] if isinstance(got, (tuple, list)) else got,
                        want[0] if isinstance(want, (tuple, list)) else want)
+
+
+@pytest.mark.parametrize("op", ["flash", "efficient"])
+def test_cuda_attention_ops_use_the_flash_kernels(op):
+    """A trace on a GPU records CUDA's flash / memory-efficient attention ops: the pass swaps
+    forward and backward for the Triton flash kernels with the ops' signatures and output
+    layouts (efficient attention's padded logsumexp included). Traced here on fake tensors,
+    run on CPU tensors in the interpreter against eager attention's autograd."""
+    def step(q, k, v, g):
+        if op == "flash":
+            o = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=0.3)
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                g, q, k, v, o[0], o[1], o[2], o[3], o[4], o[5], 0.0, True, o[6], o[7], scale=0.3)
+        else:
+            o = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
+                                                             scale=0.3)
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                g, q, k, v, None, o[0], o[1], o[2], o[3], 0.0, [True, True, True, False], True,
+                scale=0.3)
+        return o[0], dq, dk, dv
+    args = [torch.randn(2, 3, 33, 16) for _ in range(4)]
+    gm = _graph(step, *args)
+    with interpreter():
+        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        gm.graph.lint()
+        gm.recompile()
+        out, dq, dk, dv = gm(*args)
+    kinds = {n.meta[ir.FUSED_GROUP]["kind"] for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta}
+    assert {"flash_attention", "flash_attention_backward"} <= kinds
+    q, k, v = (a.clone().requires_grad_() for a in args[:3])
+    g = args[3]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    want.backward(g)
+    for got, ref in ((out, want), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=2e-6)
