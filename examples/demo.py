@@ -2,18 +2,21 @@
 
 Prints the plan, the compile time per pass, the loss per step and how much communication the
 overlap pass hid; writes the graph SVGs of every pass, the memory timeline before/after
-rematerialization (PNG), and the timeline of the last steps of every rank (Chrome trace JSON
-for Perfetto, and a PNG) under --out. Run: `make demo` or `python -m fxpar demo --out out`.
+rematerialization (PNG), the timeline of the last steps of every rank (Chrome trace JSON
+for Perfetto, and a PNG), and report.html (all of it on one page, with the cost model's
+predicted step time and memory next to the measured ones) under --out. Run: `make demo` or `python -m fxpar demo --out out`.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
 
 import fxpar
 from fxpar.examples import models as M
+from fxpar.runtime.memtrack import measure
 
 
 def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1,
@@ -72,7 +75,16 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
         if "remat" in pm.stage_graphs:
             paths.append(write_remat_memory(pm, os.path.join(out_dir, "memory_remat.png")))
         paths += [trace, plot_timeline(trace, os.path.join(out_dir, "timeline.png"))]
-        print("wrote " + ", ".join(paths))
+    # one more step under the memory tracker (every rank takes part), for the report
+    step_s = statistics.median(s.time_s for s in pm.step_stats[-5:])
+    _, peak = measure(lambda: pm.step(data[0]))
+    if rank == 0:
+        from fxpar.viz.report import write_report
+        svgs = [p for p in paths if p.endswith(".svg")]
+        report = write_report(pm, out_dir, svgs=svgs,
+                              images=[p for p in paths if p.endswith(".png")],
+                              measured_step_s=step_s, measured_memory=peak)
+        print("wrote " + ", ".join(paths + [report]))
     return losses
 
 
