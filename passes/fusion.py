@@ -411,10 +411,9 @@ def _break_cycles(graph, groups):
                 u, v = vertex.get(a, a), vertex.get(n, n)
                 if u != v:
                     dag.add_edge(u, v)
-        try:
-            cycle = nx.find_cycle(dag)
-        except nx.NetworkXNoCycle:
+        if nx.is_directed_acyclic_graph(dag):  # the usual case (find_cycle is slow)
             return groups
+        cycle = nx.find_cycle(dag)
         in_cycle = {i for edge in cycle for x in edge[:2] if isinstance(x, tuple)
                     for i in [x[1]]}
         groups.pop(min(in_cycle, key=lambda i: len(groups[i])))
