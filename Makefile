@@ -1,18 +1,23 @@
-# fxpar: `make demo` trains a small GPT on 2 CPU ranks; `make test` runs every test.
+# fxpar: `make demo` trains a small GPT on 2 CPU ranks; `make test` runs the tests.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-slow test-all bench clean
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m fxpar demo --out out
 
+# every test not marked slow (unit tests of each pass, in-process parity): a few minutes
 test: setup
-	$(PY) -m pytest -q tests
-
-test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests
+
+# the multi-process parity / timing / large-model tests (CI runs them after `make test`)
+test-slow: setup
+	$(PY) -m pytest -q -m slow tests
+
+test-all: setup
+	$(PY) -m pytest -q tests
 
 bench: setup
 	$(PY) benchmarks/dp_vs_ddp.py
