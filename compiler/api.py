@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,10 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
     world = rdist.setup(devices, dims=dims)
+    if resolved.offload and world.device.type == "cpu":
+        warnings.warn("Plan.offload on a CPU device copies saved activations between two "
+                      "buffers of the same host memory: it saves nothing there (it is meant "
+                      "for GPUs; on CPU it only exercises the schedule).", stacklevel=2)
     model.to(world.device)
     if world.size > 1:  # start from rank 0's weights, as DDP does
         with torch.no_grad():
@@ -154,6 +159,7 @@ class ParallelModel:
             program.pp, program.microbatches = plan.pp, m
             program.schedule = plan.schedule if joint else "gpipe"
             program.virtual = virtual
+            program.offload = plan.offload and joint
             program.pp_group_name = self.world.group_name("pp") if plan.pp > 1 else None
             ctx.timings.append(("stages", time.perf_counter() - t1, len(program.pipeline.parts)))
         return program, [("capture", capture_time, None), *ctx.timings]

@@ -77,6 +77,7 @@ class Program:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual: int = 1
+    offload: bool = False  # Plan.offload: waiting microbatches' saved values to host memory
     # Tensor parallelism (tp > 1): per parameter None (whole) or a layout (shard_dim,
     # interleave_dim, k) saying which slice of the user's weight this tp rank's program reads
     # (runtime/tp.py); gradient outputs are placed the same way.

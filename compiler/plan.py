@@ -38,6 +38,9 @@ class Plan:
                     output all-gathered right away (no row splits); "auto" (default): pairs,
                     and a linear without a row partner split + gathered where the cost model
                     says that beats computing it whole on every rank.
+    offload:        with pp > 1 or microbatches > 1: the activations a microbatch keeps for
+                    its backward move to host memory while other microbatches run, and come
+                    back one action before that backward (runtime/offload.py).
     """
     dp: int | None = None
     tp: int | None = None
@@ -52,6 +55,7 @@ class Plan:
     bucket_mb: float | None = None
     sequence_parallel: bool = False
     tp_style: str = "auto"
+    offload: bool = False
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -108,6 +112,13 @@ class Plan:
         if self.sequence_parallel not in (True, False):
             raise PlanError("Plan.sequence_parallel must be True or False, got "
                             f"{self.sequence_parallel!r}.")
+        if self.offload not in (True, False):
+            raise PlanError(f"Plan.offload must be True or False, got {self.offload!r}.")
+        if self.offload and self.pp == 1 and self.microbatches == 1:
+            raise PlanError("Plan.offload moves the saved activations of microbatches that wait "
+                            "for their backward to host memory; with pp=1 and microbatches=1 "
+                            "none wait. Use microbatches > 1 (e.g. with schedule='gpipe') or "
+                            "pp > 1, or remat to save activation memory instead.")
         if self.tp_style not in TP_STYLES:
             raise PlanError(f"Plan.tp_style must be one of {TP_STYLES}, got {self.tp_style!r}.")
         if self.sequence_parallel and self.tp_style == "all-gather":

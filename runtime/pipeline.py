@@ -24,6 +24,7 @@ import torch._prims_common
 import torch.distributed as dist
 
 from fxpar.runtime import comm, schedules
+from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 
 _GRAD_TAG = 1 << 24
@@ -82,6 +83,8 @@ class PipelineRunner:
             self.p.parts[self.p.producer[name]].stage) == pp_rank] if self.zero else []
         self.held_params = sorted(i for i, st in self.p.param_stages.items()
                                   if any(self.rank_of(s) == pp_rank for s in st))
+        self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
+        self.stash: HostStash | None = None
 
     def rank_of(self, stage: int) -> int:
         return schedules.stage_to_rank(stage, self.pp)
@@ -102,6 +105,14 @@ class PipelineRunner:
         if forward_only:
             mine = sorted({p.stage for p in self.parts.values() if p.phase == "F"})
             actions = [schedules.Action("F", s, mb) for s in mine for mb in range(self.m)]
+        elif self.offload:
+            if self.stash is None:
+                self.stash = HostStash(device)
+            self.stash.new_step()
+            # values aliasing a weight or the batch stay: moving them frees nothing
+            self._resident = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.
+                              tree_leaves((params, buffers, microbatches))
+                              if isinstance(t, torch.Tensor)}
         for n, a in enumerate(actions):
             key = f"{a.kind}{a.stage}"
             part = self.parts.get(key)
@@ -120,6 +131,8 @@ class PipelineRunner:
                     if (ref, mb) not in store:
                         store[(ref, mb)] = self._recv(ref, mb, device, rec)
                         refs[(ref, mb)] = self._local_consumers(ref)
+                    if isinstance(store[(ref, mb)], OnHost):  # offloaded: back on the device
+                        store[(ref, mb)] = self.stash.back(store[(ref, mb)])
                     args.append(store[(ref, mb)])
                     refs[(ref, mb)] -= 1
                     if refs[(ref, mb)] == 0:
@@ -147,6 +160,10 @@ class PipelineRunner:
                     new_bufs[j] = t
             if forward_only:
                 continue
+            if self.stash is not None and a.kind == "F":
+                self._offload(part, outs, mb, actions[n + 1] if n + 1 < len(actions) else None,
+                              store)
+            outs = t = args = None  # drop this action's references (offloaded values free)
             for rkey in self.reduce_after.get(n, ()):
                 self._reduce(rkey, summed, grads, rec)
         for w in sends:
@@ -199,6 +216,9 @@ class PipelineRunner:
                 continue
             for kind, ref in part.inputs:
                 k = (ref, a.microbatch)
+                if kind == "value" and isinstance(store.get(k), OnHost) and \
+                        self.stash.prefetches:
+                    self.stash.prefetch(store[k])  # offloaded: start the copy back
                 if kind == "value" and k not in store and k not in self._pending and \
                         self._src_rank(ref) != self.rank:
                     buf = self._buffer(ref, device)
@@ -206,6 +226,32 @@ class PipelineRunner:
                     self._pending[k] = (buf, dist.irecv(_wire(buf), src=src,
                                         tag=self.tag[ref] * self.m + a.microbatch),
                                         time.perf_counter())
+
+    def _offload(self, part, outs, mb, nxt, store):
+        """Move the values this forward keeps for its own backward to host memory, unless
+        the next action on this rank is that backward. A storage moves only if nothing else
+        holds it: not a weight or the batch, not a value sent to another rank (the send holds
+        it), not a value kept here for another forward."""
+        move = []
+        for name in part.outputs:
+            k = (name, mb)
+            cs = self._consumers(name)
+            local = [c for c in cs if self.rank_of(self.p.parts[c].stage) == self.rank]
+            if k not in store or not isinstance(store[k], torch.Tensor) or not local or \
+                    len(local) < len(cs) or any(c[0] == "F" for c in local):
+                continue
+            if nxt is not None and nxt.microbatch == mb and f"{nxt.kind}{nxt.stage}" in local:
+                continue
+            move.append(k)
+        moving = set(move)
+        pinned = self._resident | {v.untyped_storage().data_ptr() for k, v in store.items()
+                                   if isinstance(v, torch.Tensor) and k not in moving} | {
+            t.untyped_storage().data_ptr() for name, t in zip(part.outputs, outs)
+            if isinstance(t, torch.Tensor) and any(
+                self.rank_of(self.p.parts[c].stage) != self.rank for c in self._consumers(name))}
+        move = [k for k in move if store[k].untyped_storage().data_ptr() not in pinned]
+        for k, v in zip(move, self.stash.out([store[k] for k in move])):
+            store[k] = v
 
     def _consumers(self, name) -> list[str]:
         """Parts reading `name` per microbatch (R parts read the step's sum instead)."""

@@ -278,3 +278,43 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
                          "imbalance": pm.stage_graphs["pipeline_split"]["dp"].meta[
                              "pipeline"].imbalance}
     return out
+
+
+def offload_rank(plans, steps=3, layers=4, embd=64, batch=16):
+    """Per plan: losses, final params, this rank's peak memory during a step measured with the
+    tracker (device memory: host copies are not counted) and the bytes held on host when that
+    peak was reached, plus the step's offload statistics."""
+    import warnings
+    from fxpar.runtime.memtrack import MemoryTracker
+
+    class Tracker(MemoryTracker):  # notes the host-resident bytes at each new device peak
+        def __init__(self, stash):
+            super().__init__()
+            self.stash, self.best, self.host_at_peak = stash, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.live_bytes() > self.best:
+                self.best = self.live_bytes()
+                self.host_at_peak = self.stash._host_bytes if self.stash else 0
+            return out
+
+    out = []
+    for plan in plans:
+        torch.manual_seed(0)
+        cfg = M.GPTConfig(n_layer=layers, n_embd=embd, block_size=32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = fxpar.parallelize(M.GPT(cfg), int(os.environ.get("WORLD_SIZE", 1)),
+                                   example_batch=M.gpt_batch(cfg, batch, seed=0),
+                                   optimizer=OPTIMIZERS["adamw"], plan=plan)
+        losses = [pm.step(M.gpt_batch(cfg, batch, seed=0))]  # AdamW state made here
+        stash = pm._runner.stash
+        with Tracker(stash) as mt:
+            losses.append(pm.step(M.gpt_batch(cfg, batch, seed=1)))
+        losses += [pm.step(M.gpt_batch(cfg, batch, seed=s)) for s in range(2, steps)]
+        out.append({"losses": torch.stack(losses), "peak": mt.peak(),
+                    "host_at_peak": mt.host_at_peak,
+                    "stats": dict(stash.stats) if stash is not None else None,
+                    "params": {k: v.clone() for k, v in pm.full_state_dict().items()}})
+    return out
