@@ -239,6 +239,13 @@ class ParallelModel:
             self._update_buffers(new_bufs)
         return loss.detach()
 
+    @property
+    def offload_stats(self) -> dict | None:
+        """Plan.offload: this rank's last step - bytes_out (copied to host), host_peak (most
+        bytes on host at once), copies (storages moved), values; None without offloading."""
+        stash = self._runner.stash if self._runner is not None else None
+        return dict(stash.stats) if stash is not None else None
+
     # --- timeline -------------------------------------------------------------------------
     @property
     def step_stats(self) -> list[rtrace.StepStats]:
