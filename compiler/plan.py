@@ -123,11 +123,9 @@ class Plan:
             missing.append(f"zero=3 with tp={self.tp}")
         if self.pp != 1 and self.zero == 3:
             missing.append(f"zero=3 with pp={self.pp}")
-        if self.precision != "fp32":
-            missing.append(f"precision={self.precision!r}")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use precision='fp32', and zero <= 2 with "
+                            " yet; use zero <= 2 with "
                             "pipeline stages or tensor parallelism (data, tensor and pipeline "
                             "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
                             "(1-2 with pp or tp) and overlap are available).")
