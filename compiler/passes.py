@@ -44,6 +44,7 @@ class PassContext:
     device: Any = None       # the rank's device (cost model profile)
     tp_layouts: list | None = None  # set by tensor_parallel: per parameter, see runtime/tp.py
     fusion_skipped: str | None = None  # Plan.fuse but no Triton on this device: why
+    loss_scale: bool = False  # set by precision (fp16): the last batch input is the loss scale
 
 
 def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:

@@ -38,6 +38,8 @@ class Plan:
                     output all-gathered right away (no row splits); "auto" (default): pairs,
                     and a linear without a row partner split + gathered where the cost model
                     says that beats computing it whole on every rank.
+    max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
+                    ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
     """
     dp: int | None = None
     tp: int | None = None
@@ -52,6 +54,7 @@ class Plan:
     bucket_mb: float | None = None
     sequence_parallel: bool = False
     tp_style: str = "auto"
+    max_grad_norm: float | None = None
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -108,6 +111,12 @@ class Plan:
         if self.sequence_parallel not in (True, False):
             raise PlanError("Plan.sequence_parallel must be True or False, got "
                             f"{self.sequence_parallel!r}.")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and
+                not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):
+            raise PlanError(f"Plan.max_grad_norm must be a positive number (clip the gradients' "
+                            f"global norm to it) or None (no clipping), got "
+                            f"{self.max_grad_norm!r}.")
         if self.tp_style not in TP_STYLES:
             raise PlanError(f"Plan.tp_style must be one of {TP_STYLES}, got {self.tp_style!r}.")
         if self.sequence_parallel and self.tp_style == "all-gather":

@@ -215,8 +215,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     want = [torch.float32] + [env[ph].dtype for ph in phs[:n_p]] + [
         env[bufs[b]].dtype if b in bufs else torch.float32 for b in sig.mutated_buffers]
     scale = inv = None
-    if plan.precision == "fp16":
+    if plan.precision == "fp16" and any(n.meta.get(ir.REGION) == ir.BACKWARD
+                                        for n in graph.nodes):  # (not for evaluate's graph)
         scale, inv = _loss_scale_input(graph, phs, out, env, mode, info)
+        ctx.loss_scale = True
     for i, (o, d) in enumerate(zip(outs, want)):
         if not isinstance(o, torch.fx.Node):
             continue
@@ -261,9 +263,10 @@ def _loss_scale_input(graph, phs, out, env, mode, info):
         env[scale] = torch.empty((), dtype=torch.float32, device=env[phs[-1]].device)
     scale.meta[ir.VAL] = env[scale]
     seed = seeds[0]
-    with graph.inserting_before(seed):
-        new_seed = graph.call_function(aten.mul.Tensor, (seed, scale))
+    with graph.inserting_after(seed):
         r = graph.call_function(aten.reciprocal.default, (scale,))
+    with graph.inserting_after(seed):
+        new_seed = graph.call_function(aten.mul.Tensor, (seed, scale))
     for m in (new_seed, r):
         m.meta.update({ir.REGION: ir.BACKWARD, ir.MODULE: seed.meta.get(ir.MODULE, "")})
     seed.replace_all_uses_with(new_seed, delete_user_cb=lambda u: u is not new_seed)
