@@ -150,16 +150,16 @@ def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
     """Same op policy as torch.autocast: the first loss is bit-identical; afterwards fxpar's
     gradients differ slightly because it accumulates bias-gradient sums and norm backwards
     in fp32, where autocast runs backward ops in their inputs' (bf16) dtype."""
-    for name in ("gpt", "hf_llama"):
+    for name in ("gpt",):  # (HF Llama too, in the slow curve test)
         model, batch_fn, loss_fn = build(name)
         pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
                                optimizer=OPTIMIZERS["adamw"], plan={"precision": "bf16"})
         assert pm.scaler is None
-        got = [pm.step(batch_fn(s)).item() for s in range(3)]
+        got = [pm.step(batch_fn(s)).item() for s in range(2)]
         model, batch_fn, loss_fn = build(name)
         opt = OPTIMIZERS["adamw"](model.parameters())
         ref = []
-        for s in range(3):
+        for s in range(2):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=BF16):
                 loss = model(**batch_fn(s)) if name != "gpt" else model(batch_fn(s))
@@ -172,8 +172,8 @@ def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
 
 
 def test_clipping_equals_clip_grad_norm_single_process():
-    losses, state, norms = clip_eager_reference("gpt", "sgd", max_norm=0.1, steps=3)
-    model, batch_fn, loss_fn = build("gpt")
+    losses, state, norms = clip_eager_reference("mlp", "sgd", max_norm=0.1, steps=3)
+    model, batch_fn, loss_fn = build("mlp")
     pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
                            optimizer=OPTIMIZERS["sgd"], plan={"max_grad_norm": 0.1})
     got, got_norms = [], []
