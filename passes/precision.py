@@ -26,8 +26,8 @@ keep their buffer's dtype; the loss is fp32.
 
 fp16 (loss scaling): one more input, a 0-dim fp32 placeholder (role "batch", last, fqn
 "loss_scale"), replaces the backward's seed `ones_like(loss)`: every gradient comes out scaled
-by it, and is multiplied by its reciprocal right after the fp32 cast (unscaled in fp32, where
-1/scale cannot underflow). The runtime (runtime/amp.py) feeds the scale and checks the
+by it, and is divided by it right after the fp32 cast (unscaled in fp32, where the small
+gradients fp16 would flush to zero survive). The runtime (runtime/amp.py) feeds the scale and checks the
 gradients for inf/NaN. `gm.meta["precision"]` records what the pass did.
 """
 from __future__ import annotations
@@ -214,10 +214,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     bufs = {ph.meta.get("fqn"): ph for ph in phs if ph.meta.get(ir.ROLE) == "buffer"}
     want = [torch.float32] + [env[ph].dtype for ph in phs[:n_p]] + [
         env[bufs[b]].dtype if b in bufs else torch.float32 for b in sig.mutated_buffers]
-    scale = inv = None
+    scale = None
     if plan.precision == "fp16" and any(n.meta.get(ir.REGION) == ir.BACKWARD
                                         for n in graph.nodes):  # (not for evaluate's graph)
-        scale, inv = _loss_scale_input(graph, phs, out, env, mode, info)
+        scale = _loss_scale_input(graph, phs, out, env, mode, info)
         ctx.loss_scale = True
     for i, (o, d) in enumerate(zip(outs, want)):
         if not isinstance(o, torch.fx.Node):
@@ -230,9 +230,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             propagate(c)
             info.casts += 1
             o = c
-        if inv is not None and 1 <= i <= n_p:  # unscale the gradient, in fp32
-            with graph.inserting_after(o):
-                u = graph.call_function(aten.mul.Tensor, (o, inv))
+        if scale is not None and 1 <= i <= n_p:  # unscale the gradient, in fp32 (exact:
+            with graph.inserting_after(o):      # the scale is a power of 2)
+                u = graph.call_function(aten.div.Tensor, (o, scale))
             u.meta.update({ir.REGION: o.meta[ir.REGION], ir.MODULE: o.meta[ir.MODULE]})
             propagate(u)
             o = u
@@ -248,8 +248,10 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
 
 
 def _loss_scale_input(graph, phs, out, env, mode, info):
-    """fp16: a 0-dim fp32 'loss_scale' placeholder replaces the backward's seed ones_like(loss)
-    (so every gradient is scaled by it); returns (scale, 1/scale) nodes."""
+    """fp16: a 0-dim fp32 'loss_scale' placeholder multiplies the backward's seed
+    ones_like(loss) (so every gradient is scaled by it); returns the placeholder. Each gradient
+    divides by the placeholder itself (no shared 1/scale node: under pipeline parallelism that
+    would be a transfer from the last stage to every other)."""
     loss = out.args[0][0]
     seeds = [u for u in loss.users if u.target is aten.ones_like.default]
     if len(seeds) != 1:
@@ -264,16 +266,11 @@ def _loss_scale_input(graph, phs, out, env, mode, info):
     scale.meta[ir.VAL] = env[scale]
     seed = seeds[0]
     with graph.inserting_after(seed):
-        r = graph.call_function(aten.reciprocal.default, (scale,))
-    with graph.inserting_after(seed):
         new_seed = graph.call_function(aten.mul.Tensor, (seed, scale))
-    for m in (new_seed, r):
-        m.meta.update({ir.REGION: ir.BACKWARD, ir.MODULE: seed.meta.get(ir.MODULE, "")})
+    new_seed.meta.update({ir.REGION: ir.BACKWARD, ir.MODULE: seed.meta.get(ir.MODULE, "")})
     seed.replace_all_uses_with(new_seed, delete_user_cb=lambda u: u is not new_seed)
-    for m in (new_seed, r):
-        args = torch.fx.node.map_arg(m.args, env.__getitem__)
-        with mode:
-            env[m] = m.target(*args)
-        m.meta[ir.VAL] = env[m]
+    with mode:
+        env[new_seed] = env[seed] * env[scale]
+    new_seed.meta[ir.VAL] = env[new_seed]
     info.loss_scale = scale.name
-    return scale, r
+    return scale

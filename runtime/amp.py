@@ -2,7 +2,7 @@
 
 fp16 has 5 exponent bits: small gradients underflow to zero. As torch.amp.GradScaler does,
 the backward runs on loss * scale (the graph's "loss_scale" input multiplies the backward's
-seed; passes/precision.py), the gradients come out already multiplied by 1/scale in fp32, and
+seed; passes/precision.py), the gradients come out already divided by it in fp32, and
 a step whose gradients hold an inf/NaN on ANY rank is skipped by every rank, the scale halved;
 after `growth_interval` good steps in a row it doubles. The found-inf flag and the squared
 gradient norm travel in one all-reduce over the whole world (dp, tp and pp ranks, ZeRO
