@@ -15,7 +15,7 @@ from fxpar.compiler.passes import PassContext, run_passes
 from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
-from fxpar.runtime import comm, executor, optim, schedules
+from fxpar.runtime import amp, comm, executor, optim, schedules
 from fxpar.runtime import tp as rtp
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.pipeline import PipelineRunner
@@ -124,6 +124,9 @@ class ParallelModel:
             self.optimizer = optim.build(optimizer, model)
         self._buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
+        # fp16: the dynamic loss scale (runtime/amp.py); None for fp32 / bf16
+        self.scaler = amp.GradScaler() if self.program.loss_scale else None
+        self._norm_plan = None  # which gradient elements this rank counts (built on use)
 
     def _compile(self, example_batch, joint, snapshots):
         plan = self.plan
@@ -152,7 +155,8 @@ class ParallelModel:
                              zero=plan.zero if ctx.zero_buckets else 0,
                              zero_buckets=ctx.zero_buckets, params_sharded=ctx.params_sharded,
                              tp=plan.tp, tp_layouts=ctx.tp_layouts or [None] * sig.num_params,
-                             tp_group_name=self.world.group_name("tp"))
+                             tp_group_name=self.world.group_name("tp"),
+                             loss_scale=ctx.loss_scale)
         if plan.pp > 1 or m > 1:
             t1 = time.perf_counter()
             program.pipeline = stages.split(gm, sig, plan.pp * virtual)
@@ -185,6 +189,8 @@ class ParallelModel:
         leaves = cap.flatten_batch(_to_device(batch, self.world.device), program.signature)
         local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
                                      self.world.device)
+        if program.loss_scale:
+            local.append(self.scaler.scale_tensor(self.world.device))
         params = self._zero.param_shards if program.params_sharded else self._params
         gm = self._lowered.get(id(program))
         if gm is None:
@@ -199,6 +205,9 @@ class ParallelModel:
         mbs = [executor.local_batch(cap.flatten_batch(t, program.signature), program,
                                     self.world.coordinate("dp"), self.world.device)
                for t in trees]
+        if program.loss_scale:
+            for leaves in mbs:
+                leaves.append(self.scaler.scale_tensor(self.world.device))
         loss, grads, new_bufs = runner.run(self._params, self._buffers, mbs, self.world.device,
                                            rec, forward_only)
         if program.pp > 1:  # the last stage has the loss: every rank returns it
@@ -217,8 +226,12 @@ class ParallelModel:
                 rec.segment("optimizer")
                 held = self._runner.held_params
                 if self._zero is not None:
-                    self._zero.step([grads[k] for k in self._runner.held_buckets])
+                    shards = [grads[k] for k in self._runner.held_buckets]
+                    if self._finish_grads(shards):
+                        self._zero.step(shards)
                     self._runner.sync_tied_params(self._params, self.program.zero_buckets)
+                elif not self._finish_grads(grads):
+                    pass  # fp16 overflow on some rank: every rank skips this update
                 elif self.optimizer is not None:
                     optim.apply_gradients(self.optimizer, [self._params[i] for i in held],
                                           [grads[i] for i in held])
@@ -232,7 +245,9 @@ class ParallelModel:
             n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
             rec.segment("optimizer")
-            if self._zero:
+            if not self._finish_grads(grads):
+                pass  # fp16 overflow on some rank: every rank skips this update
+            elif self._zero:
                 self._zero.step(grads)
             else:
                 optim.apply_gradients(self.optimizer, self._params, grads)
@@ -245,6 +260,55 @@ class ParallelModel:
         bytes on host at once), copies (storages moved), values; None without offloading."""
         stash = self._runner.stash if self._runner is not None else None
         return dict(stash.stats) if stash is not None else None
+    # --- loss scaling and gradient clipping (runtime/amp.py) --------------------------------
+    def _finish_grads(self, grads) -> bool:
+        """Plan.max_grad_norm: clip this rank's gradients (list of per-parameter gradients, or
+        of ZeRO bucket shards) by the global norm over all ranks; fp16: check every rank's
+        gradients for inf/NaN and update the loss scale. False = skip the optimizer step (the
+        same answer on every rank: one all-reduce over the world)."""
+        max_norm = self.plan.max_grad_norm
+        if max_norm is None and self.scaler is None:
+            return True
+        if self._norm_plan is None:
+            self._norm_plan = self._grad_norm_plan()
+        norm, found_inf = amp.grad_stats(grads, self._norm_plan, max_norm is not None)
+        self.last_grad_norm = norm
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False
+        if max_norm is not None:
+            amp.clip_(grads, norm, max_norm)
+        return True
+
+    def _grad_norm_plan(self) -> amp.GradNormPlan:
+        """Which of this rank's gradients (or ZeRO shard elements) count toward the global
+        norm, so that the sum over the world counts every element of the model once."""
+        layouts = self.program.tp_layouts
+        tp0 = self.world.coordinate("tp") == 0 if self.plan.tp > 1 else True
+        r = self._runner
+        if self._zero is None:  # whole gradients, equal on every dp rank: dp rank 0 counts
+            first = self.world.coordinate("dp") == 0
+
+            def owner(i):  # a weight several pipeline stages hold: its first stage counts it
+                return r is None or self.plan.pp == 1 or r.rank_of(
+                    min(r.p.param_stages.get(i, {0}))) == r.rank
+            return amp.GradNormPlan([first and owner(i) and (layouts[i] is not None or tp0)
+                                     for i in range(len(self._params))])
+        buckets = self.program.zero_buckets if r is None else [
+            self.program.zero_buckets[k] for k in r.held_buckets]
+        dp, dp_r = self.plan.dp, self.world.coordinate("dp")
+        counted = []
+        for idx, shard in zip(buckets, self._zero.shards):  # each rank counts its own shard
+            mask = torch.zeros(shard.numel() * dp, device=shard.device)
+            off = 0
+            for i in idx:
+                n = self._zero.shapes[i].numel()
+                mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0
+                off += n
+            mask = mask[dp_r * shard.numel():(dp_r + 1) * shard.numel()]
+            counted.append(True if bool(mask.all()) else (False if not mask.any() else mask))
+        return amp.GradNormPlan(counted)
 
     # --- timeline -------------------------------------------------------------------------
     @property

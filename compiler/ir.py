@@ -85,3 +85,6 @@ class Program:
     tp_layouts: list = dataclasses.field(default_factory=list)
     tp_group_name: str | None = None
     pp_group_name: str | None = None
+    # Mixed precision (passes/precision.py): fp16's graph takes one more batch input after
+    # the batch leaves, the 0-dim fp32 loss scale (runtime/amp.GradScaler feeds it).
+    loss_scale: bool = False

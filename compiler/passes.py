@@ -44,16 +44,20 @@ class PassContext:
     device: Any = None       # the rank's device (cost model profile)
     tp_layouts: list | None = None  # set by tensor_parallel: per parameter, see runtime/tp.py
     fusion_skipped: str | None = None  # Plan.fuse but no Triton on this device: why
+    loss_scale: bool = False  # set by precision (fp16): the last batch input is the loss scale
 
 
 def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
-    # overlap, fusion.
+    # overlap, fusion; precision (mixed precision) before them all, so every later pass
+    # sees the half-precision dtypes and sizes.
     # A pass the plan switches off is left out (no empty snapshot for it). Returns the list
     # and, if Plan.fuse asked for fusion that cannot run on this device, why.
-    from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, remat,
-                              tensor_parallel)
+    from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precision,
+                              remat, tensor_parallel)
     passes = []
+    if plan.precision != "fp32":
+        passes.append(("precision", precision.run))
     if plan.remat != "none":
         passes.append(("remat", remat.run))
     if plan.pp > 1:

@@ -41,6 +41,8 @@ class Plan:
     offload:        with pp > 1 or microbatches > 1: the activations a microbatch keeps for
                     its backward move to host memory while other microbatches run, and come
                     back one action before that backward (runtime/offload.py).
+    max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
+                    ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
     """
     dp: int | None = None
     tp: int | None = None
@@ -56,6 +58,7 @@ class Plan:
     sequence_parallel: bool = False
     tp_style: str = "auto"
     offload: bool = False
+    max_grad_norm: float | None = None
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -119,6 +122,12 @@ class Plan:
                             "for their backward to host memory; with pp=1 and microbatches=1 "
                             "none wait. Use microbatches > 1 (e.g. with schedule='gpipe') or "
                             "pp > 1, or remat to save activation memory instead.")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and
+                not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):
+            raise PlanError(f"Plan.max_grad_norm must be a positive number (clip the gradients' "
+                            f"global norm to it) or None (no clipping), got "
+                            f"{self.max_grad_norm!r}.")
         if self.tp_style not in TP_STYLES:
             raise PlanError(f"Plan.tp_style must be one of {TP_STYLES}, got {self.tp_style!r}.")
         if self.sequence_parallel and self.tp_style == "all-gather":
@@ -134,11 +143,9 @@ class Plan:
             missing.append(f"zero=3 with tp={self.tp}")
         if self.pp != 1 and self.zero == 3:
             missing.append(f"zero=3 with pp={self.pp}")
-        if self.precision != "fp32":
-            missing.append(f"precision={self.precision!r}")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use precision='fp32', and zero <= 2 with "
+                            " yet; use zero <= 2 with "
                             "pipeline stages or tensor parallelism (data, tensor and pipeline "
                             "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
                             "(1-2 with pp or tp) and overlap are available).")

@@ -151,15 +151,27 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
         else:
             continue
         transposed = isinstance(w, torch.fx.Node) and w.target is aten.t.default
-        src = w.args[0] if transposed else w
+        src = _uncast(w.args[0] if transposed else w)
+        bias = _uncast(bias)
         if src in params and src.meta[ir.VAL].dim() == 2:
             out.append(Linear(n, src, act, transposed, bias if bias in params else None))
     return out
 
 
+def _uncast(node):
+    """The parameter behind a mixed-precision pass's dtype cast of it (passes/precision.py
+    casts a weight once for its half-precision matmuls), else `node`."""
+    if isinstance(node, torch.fx.Node) and node.target is aten._to_copy.default and \
+            set(node.kwargs) == {"dtype"} and node.args[0].op == "placeholder":
+        return node.args[0]
+    return node
+
+
 def _root(node):
-    """The value `node` is a chain of views/transposes/transfers of."""
-    while isinstance(node, torch.fx.Node) and node.target in (*_VIEWS, aten.t.default):
+    """The value `node` is a chain of views/transposes/transfers (and mixed-precision dtype
+    casts) of."""
+    while isinstance(node, torch.fx.Node) and (node.target in (*_VIEWS, aten.t.default) or (
+            node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"})):
         node = node.args[0]
     return node
 
@@ -403,8 +415,12 @@ def _weight_uses(gm, linears):
     for lin in linears:
         s = uses.setdefault(lin.weight, set())
         s.add(lin.mm)
+        w = lin.mm.args[-1]
         if lin.transposed:
-            s.add(lin.mm.args[-1])
+            s.add(w)
+            w = w.args[0]
+        if w is not lin.weight:  # its half-precision cast
+            s.add(w)
     return uses
 
 

@@ -317,4 +317,108 @@ def offload_rank(plans, steps=3, layers=4, embd=64, batch=16):
                     "host_at_peak": mt.host_at_peak,
                     "stats": dict(stash.stats) if stash is not None else None,
                     "params": {k: v.clone() for k, v in pm.full_state_dict().items()}})
+# --- mixed precision, loss scaling, clipping (tests/test_precision.py) -----------------------
+
+CURVE_LR = 3e-3
+
+
+def _curve_optimizer(ps):
+    return torch.optim.AdamW(ps, lr=CURVE_LR, eps=1e-6)
+
+
+def _loss_of(model, loss_fn, b):
+    out = loss_fn(model, b) if loss_fn else (model(**b) if isinstance(b, dict) else model(b))
+    return out.loss if hasattr(out, "loss") else out
+
+
+def precision_eager_curve(name, steps):
+    """fp32 single-process losses over `steps` steps cycling over 4 batches (so the loss
+    falls: a learning curve to track, not noise)."""
+    model, batch_fn, loss_fn = build(name)
+    opt = _curve_optimizer(model.parameters())
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = _loss_of(model, loss_fn, batch_fn(s % 4))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def precision_curve_rank(cases, steps):
+    """Runs on every rank: each (model, plan) trained like precision_eager_curve; returns
+    {(model, repr(plan)): losses} (every rank)."""
+    out = {}
+    for name, plan in cases:
+        model, batch_fn, loss_fn = build(name)
+        pm = fxpar.parallelize(model, int(os.environ.get("WORLD_SIZE", 1)),
+                               example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=_curve_optimizer, plan=plan)
+        out[(name, repr(plan))] = [pm.step(batch_fn(s % 4)).item() for s in range(steps)]
+    return out
+
+
+def clip_eager_reference(name, opt_name, max_norm, steps=STEPS):
+    """Single-process training with torch.nn.utils.clip_grad_norm_ before each step:
+    (losses, final state, norms)."""
+    model, batch_fn, loss_fn = build(name)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    losses, norms = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = _loss_of(model, loss_fn, batch_fn(s))
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def fp16_overflow_rank(cases, inject_step, steps):
+    """fp16 training; at `inject_step` the LAST rank's gradients are made inf (an overflow on
+    one rank only, injected where the program hands its gradients to the optimizer step).
+    Returns {repr(plan): per step: skipped?, scale after, parameters unchanged?, loss}."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    out = {}
+    for name, plan in cases:
+        model, batch_fn, loss_fn = build(name)
+        pm = fxpar.parallelize(model, world, example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS["adamw"],
+                               plan={"precision": "fp16", **plan})
+        state = {"step": 0}
+
+        def poison(grads):
+            if state["step"] == inject_step and rank == world - 1:
+                g = next(g for g in grads if g is not None)
+                g.fill_(float("inf"))
+
+        if pm._runner is not None:
+            run_pipeline = pm._run_pipeline
+
+            def patched(*a, **k):
+                loss, grads, bufs = run_pipeline(*a, **k)
+                poison(grads)
+                return loss, grads, bufs
+            pm._run_pipeline = patched
+        else:
+            run = pm._run
+
+            def patched(program, batch):
+                outs = run(program, batch)
+                if program is pm.program:
+                    poison(outs[1:])
+                return outs
+            pm._run = patched
+        rec = {"skipped": [], "scales": [], "unchanged": [], "losses": []}
+        for s in range(steps):
+            state["step"] = s
+            before = [p.detach().clone() for p in pm._params]
+            skipped = pm.scaler.skipped_steps
+            rec["losses"].append(pm.step(batch_fn(s)).item())
+            rec["skipped"].append(pm.scaler.skipped_steps > skipped)
+            rec["scales"].append(pm.scaler.scale)
+            rec["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, pm._params)))
+        out[repr(plan)] = rec
     return out

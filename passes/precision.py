@@ -1,0 +1,276 @@
+"""Mixed precision (Plan.precision = "bf16" | "fp16"): the fp32 joint graph rewritten to compute
+in half precision with fp32 master weights, the first pass (so remat, pipeline cuts, tensor
+and data parallelism and fusion all see the half-precision sizes).
+
+The op policy is torch.autocast's (aten/src/ATen/autocast_mode.cpp, the CUDA lists):
+- HALF: matmuls, convolutions and attention run in half: their floating inputs are cast down
+  (attention's fp32 logsumexp, an output of the forward kept for the backward, stays fp32);
+- FP32: softmax / log-softmax, norms (their statistics), reductions (sum / mean accumulate in
+  fp32), exp / log / pow / rsqrt and the losses cast their inputs up;
+- everything else follows its inputs: type-promoting ops (add, mul, where, ...) promote as in
+  eager; other ops with mixed float inputs (gelu_backward, cat, ...) get their inputs cast to
+  the widest of them, as autograd under autocast would hand them.
+Because the joint graph already holds the backward, the backward ops get the same policy: a
+matmul's backward matmuls run in half, a norm's backward in fp32, exactly the dtypes autograd
+produces under autocast (the backward of a cast is the opposite cast).
+
+Parameters stay fp32 placeholders (the master weights). A parameter a half op reads is cast
+once, right before its first use, and the cast is reused by every later use, forward and
+backward (autocast's weight cache); views of it (its transpose) are re-made on the cast. With
+ZeRO-3 the backward casts its own copy (the backward re-gathers the weight, so keeping the
+forward's cast alive would hold a whole half weight between forward and backward). Gradients
+are cast to fp32 right where they are made: they leave the graph (and are all-reduced / reduce-
+scattered by the data-parallel pass) in fp32, like DDP under autocast, whose .grad is the fp32
+parameter's: one rounding per gradient, and the sum over ranks exact to fp32. Buffer updates
+keep their buffer's dtype; the loss is fp32.
+
+fp16 (loss scaling): one more input, a 0-dim fp32 placeholder (role "batch", last, fqn
+"loss_scale"), replaces the backward's seed `ones_like(loss)`: every gradient comes out scaled
+by it, and is divided by it right after the fp32 cast (unscaled in fp32, where the small
+gradients fp16 would flush to zero survive). The runtime (runtime/amp.py) feeds the scale and checks the
+gradients for inf/NaN. `gm.meta["precision"]` records what the pass did.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpar.compiler import ir
+
+aten = torch.ops.aten
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# autocast's lower_precision_fp list, as the ATen overloads a joint graph holds (+ backwards)
+_HALF_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.addbmm.default, aten.addmv.default, aten.addr.default, aten.mv.default,
+    aten.convolution.default, aten._convolution.default, aten.convolution_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+}
+# half ops' inputs that are fp32 by the op's own definition (attention's log-sum-exp)
+_KEEP_FP32_ARGS = {"logsumexp"}
+
+# autocast's fp32 and fp32_set_opt_dtype lists (+ the backwards of those ops)
+_FP32_OPS = {
+    aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default,
+    aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+    aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
+    aten.native_group_norm.default, aten.native_group_norm_backward.default,
+    aten.nll_loss_forward.default, aten.nll_loss_backward.default,
+    aten.nll_loss2d_forward.default, aten.nll_loss2d_backward.default,
+    aten.mse_loss.default, aten.mse_loss_backward.default,
+    aten.binary_cross_entropy_with_logits.default, aten.smooth_l1_loss.default,
+    aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+    aten.prod.default, aten.prod.dim_int, aten.cumsum.default, aten.logsumexp.default,
+    aten.var.correction, aten.std.correction, aten.linalg_vector_norm.default,
+    aten.norm.ScalarOpt_dim,
+    aten.exp.default, aten.expm1.default, aten.log.default, aten.log1p.default,
+    aten.log2.default, aten.log10.default, aten.reciprocal.default, aten.rsqrt.default,
+    aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
+    aten.acos.default, aten.asin.default, aten.cosh.default, aten.sinh.default,
+    aten.tan.default, aten.erfinv.default, aten.softplus.default,
+}
+# ops that promote mixed dtypes themselves (TensorIterator): no explicit cast needed
+_PROMOTING = {
+    aten.add.Tensor, aten.sub.Tensor, aten.rsub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+    aten.div.Tensor_mode, aten.where.self, aten.maximum.default, aten.minimum.default,
+    aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor,
+    aten.ge.Tensor, aten.addcmul.default, aten.addcdiv.default,
+}
+# views re-made on a parameter's cast (so `t(w)` becomes `t(cast(w))`, one cast per weight)
+_VIEWS = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+          aten.transpose.int, aten.permute.default, aten.expand.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.slice.Tensor}
+
+
+@dataclasses.dataclass
+class PrecisionInfo:
+    dtype: torch.dtype
+    half_nodes: list[str]          # nodes that compute in half
+    fp32_nodes: list[str]          # nodes forced to fp32 (softmax, norms, reductions, loss)
+    param_casts: dict[str, str]    # parameter placeholder -> its cast node (forward)
+    casts: int                     # cast nodes inserted in all
+    loss_scale: str | None         # fp16: the loss-scale placeholder's name
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    """Rewrite the fp32 joint graph to plan.precision (see the module docstring)."""
+    if plan.precision == "fp32":
+        return gm
+    half = HALF_DTYPES[plan.precision]
+    graph = gm.graph
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    env: dict[torch.fx.Node, object] = {}
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    with mode:
+        for ph in phs:
+            v = ph.meta[ir.VAL]
+            env[ph] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    params = {ph for ph in phs if ph.meta.get(ir.ROLE) == "param"}
+    casts: dict[tuple, torch.fx.Node] = {}
+    info = PrecisionInfo(half, [], [], {}, 0, None)
+
+    def dtype_of(x):
+        v = env.get(x) if isinstance(x, torch.fx.Node) else None
+        return v.dtype if isinstance(v, torch.Tensor) else None
+
+    def param_rooted(x):
+        while x.op == "call_function" and x.target in _VIEWS:
+            x = x.args[0]
+        return x in params
+
+    def cast(x, dtype, user):
+        """x as `dtype`: one cast per (value, region); a parameter's (and its views') cast is
+        shared by all its users (per region only under ZeRO-3)."""
+        if dtype_of(x) == dtype or not dtype_of(x).is_floating_point:
+            return x
+        on_param = param_rooted(x)
+        scope = "param" if on_param and plan.zero != 3 else user.meta[ir.REGION]
+        key = (x, dtype, scope)
+        if key in casts:
+            return casts[key]
+        if on_param and x not in params:  # a view of a weight: re-make it on the cast weight
+            base = cast(x.args[0], dtype, user)
+            with graph.inserting_before(user):
+                new = graph.call_function(x.target, (base, *x.args[1:]), dict(x.kwargs))
+        else:
+            with graph.inserting_before(user):
+                new = graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
+            info.casts += 1
+            if x in params:
+                info.param_casts.setdefault(x.name, new.name)
+        new.meta.update({ir.REGION: user.meta[ir.REGION], ir.MODULE: user.meta[ir.MODULE]})
+        propagate(new)
+        casts[key] = new
+        return new
+
+    def propagate(n):
+        args = torch.fx.node.map_arg(n.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+        with mode:
+            env[n] = n.target(*args, **kwargs)
+        n.meta[ir.VAL] = env[n]
+
+    def recast_inputs(n, want):
+        """Replace n's floating tensor inputs by casts to want(arg name, dtype) (None: keep)."""
+        schema = getattr(n.target, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema else []
+
+        def fix(a, name):
+            if isinstance(a, (list, tuple)):
+                return type(a)(fix(x, name) for x in a)
+            if isinstance(a, torch.fx.Node) and isinstance(env.get(a), torch.Tensor) \
+                    and env[a].dtype.is_floating_point:
+                d = want(name, env[a].dtype)
+                return a if d is None else cast(a, d, n)
+            return a
+        n.args = tuple(fix(a, names[i] if i < len(names) else None)
+                       for i, a in enumerate(n.args))
+        n.kwargs = {k: fix(v, k) for k, v in n.kwargs.items()}
+
+    def float_inputs(n):
+        return [env[a] for a in n.all_input_nodes
+                if isinstance(env.get(a), torch.Tensor) and env[a].dtype.is_floating_point]
+
+    for n in list(graph.nodes):
+        if n.op == "get_attr":  # a constant the trace kept (e.g. rotary inv_freq)
+            env[n] = mode.from_tensor(operator.attrgetter(n.target)(gm))
+            continue
+        if n.op != "call_function" or n in env:
+            continue
+        if n.target is operator.getitem:
+            env[n] = env[n.args[0]][n.args[1]]
+            n.meta[ir.VAL] = env[n]
+            continue
+        if n.target in _HALF_OPS:
+            recast_inputs(n, lambda name, d: None if name in _KEEP_FP32_ARGS else half)
+            info.half_nodes.append(n.name)
+        elif n.target in _FP32_OPS:
+            recast_inputs(n, lambda name, d: torch.float32)
+            info.fp32_nodes.append(n.name)
+        elif n.target not in _PROMOTING:
+            dts = {v.dtype for v in float_inputs(n)}
+            if len(dts) > 1:  # mixed: as autograd under autocast would hand them, the widest
+                widest = max(dts, key=lambda d: torch.finfo(d).bits)
+                recast_inputs(n, lambda name, d: widest)
+        propagate(n)
+
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    sig = ctx.signature
+    n_p = sig.num_params
+    bufs = {ph.meta.get("fqn"): ph for ph in phs if ph.meta.get(ir.ROLE) == "buffer"}
+    want = [torch.float32] + [env[ph].dtype for ph in phs[:n_p]] + [
+        env[bufs[b]].dtype if b in bufs else torch.float32 for b in sig.mutated_buffers]
+    scale = None
+    if plan.precision == "fp16" and any(n.meta.get(ir.REGION) == ir.BACKWARD
+                                        for n in graph.nodes):  # (not for evaluate's graph)
+        scale = _loss_scale_input(graph, phs, out, env, mode, info)
+        ctx.loss_scale = True
+    for i, (o, d) in enumerate(zip(outs, want)):
+        if not isinstance(o, torch.fx.Node):
+            continue
+        if dtype_of(o) != d:
+            with graph.inserting_after(o):
+                c = graph.call_function(aten._to_copy.default, (o,), {"dtype": d})
+            c.meta.update({ir.REGION: o.meta.get(ir.REGION, ir.BACKWARD),
+                           ir.MODULE: o.meta.get(ir.MODULE, "")})
+            propagate(c)
+            info.casts += 1
+            o = c
+        if scale is not None and 1 <= i <= n_p:  # unscale the gradient, in fp32 (exact:
+            with graph.inserting_after(o):      # the scale is a power of 2)
+                u = graph.call_function(aten.div.Tensor, (o, scale))
+            u.meta.update({ir.REGION: o.meta[ir.REGION], ir.MODULE: o.meta[ir.MODULE]})
+            propagate(u)
+            o = u
+        outs[i] = o
+    out.args = (tuple(outs),)
+    for n in reversed(list(graph.nodes)):  # the fp32 views of weights the casts replaced
+        if n.op == "call_function" and not n.users and n.target in _VIEWS:
+            graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    gm.meta["precision"] = info
+    return gm
+
+
+def _loss_scale_input(graph, phs, out, env, mode, info):
+    """fp16: a 0-dim fp32 'loss_scale' placeholder multiplies the backward's seed
+    ones_like(loss) (so every gradient is scaled by it); returns the placeholder. Each gradient
+    divides by the placeholder itself (no shared 1/scale node: under pipeline parallelism that
+    would be a transfer from the last stage to every other)."""
+    loss = out.args[0][0]
+    seeds = [u for u in loss.users if u.target is aten.ones_like.default]
+    if len(seeds) != 1:
+        raise NotImplementedError(
+            "precision='fp16' scales the backward's seed ones_like(loss); this graph has "
+            f"{len(seeds)} such seeds. Use precision='bf16' (no loss scaling needed).")
+    with graph.inserting_after(phs[-1]):
+        scale = graph.placeholder("loss_scale")
+    scale.meta.update({ir.ROLE: "batch", "fqn": "loss_scale"})
+    with mode:
+        env[scale] = torch.empty((), dtype=torch.float32, device=env[phs[-1]].device)
+    scale.meta[ir.VAL] = env[scale]
+    seed = seeds[0]
+    with graph.inserting_after(seed):
+        new_seed = graph.call_function(aten.mul.Tensor, (seed, scale))
+    new_seed.meta.update({ir.REGION: ir.BACKWARD, ir.MODULE: seed.meta.get(ir.MODULE, "")})
+    seed.replace_all_uses_with(new_seed, delete_user_cb=lambda u: u is not new_seed)
+    with mode:
+        env[new_seed] = env[seed] * env[scale]
+    new_seed.meta[ir.VAL] = env[new_seed]
+    info.loss_scale = scale.name
+    return scale

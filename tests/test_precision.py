@@ -1,0 +1,320 @@
+"""Mixed precision (passes/precision.py), loss scaling and gradient clipping (runtime/amp.py):
+the transformation itself on small graphs, the scaler's logic, single-process numerics against
+torch.autocast / clip_grad_norm_, and (slow) bf16 / fp16 / clipping under dp, tp, pp and ZeRO
+on real processes."""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.compiler import ir
+from fxpar.compiler.capture import capture, flatten_batch
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.passes import PassContext, run_passes, verify
+from fxpar.compiler.plan import resolve
+from fxpar.examples import models as M
+from fxpar.passes import precision
+from fxpar.runtime import amp
+from workers import (OPTIMIZERS, build, clip_eager_reference, fp16_overflow_rank,
+                     precision_curve_rank, precision_eager_curve, plans_rank)
+
+aten = torch.ops.aten
+BF16 = torch.bfloat16
+
+
+def _compile(model, batch, **plan):
+    gm, sig = capture(model, batch)
+    world = plan.get("dp", 1) * plan.get("tp", 1) * plan.get("pp", 1)
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group", "tp": "tp-group"})
+    gm = run_passes(gm, resolve({"dp": 1, **plan}, world), ctx, "rank", {})
+    return gm, sig, ctx
+
+
+def _dtype(n):
+    v = n.meta[ir.VAL]
+    return v.dtype if isinstance(v, torch.Tensor) else v[0].dtype
+
+
+def _casts_of(gm, node):
+    return [u for u in node.users if u.target is aten._to_copy.default]
+
+
+def test_mlp_matmuls_in_bf16_loss_in_fp32_one_cast_per_weight_fp32_grads():
+    torch.manual_seed(0)
+    model = M.MLP()
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    gm, sig, _ = _compile(model, batch, precision="bf16")
+    info = gm.meta["precision"]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = phs[:sig.num_params]
+    mms = [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    assert len(mms) == 3 + 5  # forward 3 linears; backward: 3 weight grads + 2 input grads
+    assert all(_dtype(n) == BF16 for n in mms), [(n.name, _dtype(n)) for n in mms]
+    # relu follows its (bf16) input; the MSE loss (decomposed: sub, pow, mean) runs in fp32
+    assert all(_dtype(n) == BF16 for n in gm.graph.nodes if n.target is aten.relu.default)
+    fp32 = [n for n in gm.graph.nodes if n.target in (aten.mean.dim, aten.mean.default,
+                                                       aten.pow.Tensor_Scalar, aten.sum.dim_IntList)]
+    assert fp32 and all(_dtype(n) == torch.float32 for n in fp32)
+    assert all(_dtype(a) == torch.float32 for n in fp32 for a in n.all_input_nodes)
+    # parameters stay fp32 placeholders; each read by a half op is cast exactly once, and
+    # that one cast is reused by the backward (autocast's weight cache)
+    assert all(p.meta[ir.VAL].dtype == torch.float32 for p in params)
+    for p in params:
+        casts = _casts_of(gm, p)
+        assert len(casts) == 1 and casts[0].kwargs["dtype"] == BF16, p.name
+        assert casts[0].meta[ir.REGION] == ir.FORWARD
+    weights = [p for p in params if p.meta[ir.VAL].dim() == 2]
+    for w in weights[1:]:  # the cast feeds the forward and the backward's input-grad matmul
+        regions = {u.meta[ir.REGION] for t in _casts_of(gm, w)[0].users for u in t.users}
+        assert regions == {ir.FORWARD, ir.BACKWARD}, w.name
+    assert len(info.param_casts) == sig.num_params
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out[0].meta[ir.VAL].dtype == torch.float32  # the loss
+    assert all(g.meta[ir.VAL].dtype == torch.float32 for g in out[1:1 + sig.num_params])
+    verify(gm)  # meta["val"] true, region / module on every new node
+
+
+def test_gpt_softmax_norms_loss_reductions_fp32_attention_bf16():
+    torch.manual_seed(0)
+    cfg = M.GPTConfig()
+    gm, sig, _ = _compile(M.GPT(cfg), M.gpt_batch(cfg, 4), precision="bf16")
+    by = lambda *ts: [n for n in gm.graph.nodes if n.target in ts]  # noqa: E731
+    attn = by(aten._scaled_dot_product_flash_attention_for_cpu.default,
+              aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    assert len(attn) == 2 * cfg.n_layer and all(_dtype(n) == BF16 for n in attn)
+    fwd = by(aten._scaled_dot_product_flash_attention_for_cpu.default)[0]
+    assert fwd.meta[ir.VAL][1].dtype == torch.float32  # the log-sum-exp stays fp32 ...
+    bwd = by(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)[0]
+    assert bwd.args[5].meta[ir.VAL].dtype == torch.float32  # ... and is read as such
+    for n in by(aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
+                aten._log_softmax.default, aten._log_softmax_backward_data.default,
+                aten.nll_loss_forward.default, aten.nll_loss_backward.default,
+                aten.sum.dim_IntList):
+        ins = [a for a in n.all_input_nodes if a.meta[ir.VAL].dtype.is_floating_point]
+        assert all(a.meta[ir.VAL].dtype == torch.float32 for a in ins), n.name
+        assert _dtype(n) == torch.float32, n.name
+    # the embeddings are read by lookups (fp32, as under autocast): the residual stream is fp32
+    assert all(_dtype(n) == torch.float32 for n in by(aten.embedding.default))
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for p in phs[:sig.num_params]:
+        assert len(_casts_of(gm, p)) <= 1, p.name
+    # the tied embedding: one fp32 lookup and one bf16 cast for the LM head
+    assert len(_casts_of(gm, phs[0])) == 1
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert all(g.meta[ir.VAL].dtype == torch.float32 for g in out[:1 + sig.num_params])
+
+
+def test_fp16_adds_a_loss_scale_input_and_unscales_gradients_in_fp32():
+    torch.manual_seed(0)
+    model = M.MLP()
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    gm, sig, ctx = _compile(model, batch, precision="fp16")
+    assert ctx.loss_scale
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    assert ph.name == gm.meta["precision"].loss_scale and ph.meta[ir.ROLE] == "batch"
+    assert ph.meta[ir.VAL].shape == () and ph.meta[ir.VAL].dtype == torch.float32
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    for g in out[1:1 + sig.num_params]:  # grad = fp32(grad_scaled) / scale
+        assert g.target is aten.div.Tensor and g.args[1] is ph
+        assert g.args[0].meta[ir.VAL].dtype == torch.float32
+    # run it: the gradients do not depend on the scale (up to fp16 rounding of the scaled ones)
+    gm.recompile()
+    params = [p.detach() for p in model.parameters()]
+    lo = gm(*params, *batch, torch.tensor(1024.0))
+    hi = gm(*params, *batch, torch.tensor(65536.0))
+    assert lo[0] == hi[0]  # the loss is never scaled
+    for a, b in zip(lo[1:], hi[1:]):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-5)
+
+
+def test_tensor_parallel_on_the_bf16_graph_keeps_megatrons_collectives_and_splits_the_casts():
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(n_layer=1)
+    gm, sig, ctx = _compile(M.GPT(cfg), M.gpt_batch(cfg, 4), tp=2, precision="bf16")
+    decision = gm.meta["tensor_parallel"]
+    assert decision.column and decision.row
+    c10d = torch.ops._c10d_functional
+    ars = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default
+           and n.args[2] == "tp-group" and n.meta.get(ir.MODULE, "").startswith("h.0")]
+    assert len(ars) == 4  # 2 forward + 2 backward, as in fp32
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for p in phs[:sig.num_params]:  # a split weight's cast has the local (half) shape
+        for c in _casts_of(gm, p):
+            assert c.meta[ir.VAL].shape == p.meta[ir.VAL].shape and _dtype(c) == BF16
+
+
+def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
+    """Same op policy as torch.autocast: the first loss is bit-identical; afterwards fxpar's
+    gradients differ slightly because it accumulates bias-gradient sums and norm backwards
+    in fp32, where autocast runs backward ops in their inputs' (bf16) dtype."""
+    for name in ("gpt",):  # (HF Llama too, in the slow curve test)
+        model, batch_fn, loss_fn = build(name)
+        pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS["adamw"], plan={"precision": "bf16"})
+        assert pm.scaler is None
+        got = [pm.step(batch_fn(s)).item() for s in range(2)]
+        model, batch_fn, loss_fn = build(name)
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        ref = []
+        for s in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16):
+                loss = model(**batch_fn(s)) if name != "gpt" else model(batch_fn(s))
+            loss = getattr(loss, "loss", loss)
+            loss.backward()
+            opt.step()
+            ref.append(loss.item())
+        assert got[0] == ref[0], name
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
+
+
+def test_clipping_equals_clip_grad_norm_single_process():
+    losses, state, norms = clip_eager_reference("mlp", "sgd", max_norm=0.1, steps=3)
+    model, batch_fn, loss_fn = build("mlp")
+    pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["sgd"], plan={"max_grad_norm": 0.1})
+    got, got_norms = [], []
+    for s in range(3):
+        got.append(pm.step(batch_fn(s)).item())
+        got_norms.append(pm.last_grad_norm.item())
+    assert min(norms) > 0.1  # the clip is active on every step
+    torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(norms), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    full = pm.full_state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_scaler_grows_after_interval_and_halves_on_overflow():
+    s = amp.GradScaler(init_scale=8.0, growth_interval=3)
+    for found_inf, want in [(False, 8), (False, 8), (False, 16), (True, 8), (False, 8),
+                            (False, 8), (True, 4), (False, 4), (False, 4), (False, 8)]:
+        s.update(found_inf)
+        assert s.scale == want
+    assert s.skipped_steps == 2
+    t = amp.GradScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+    # the defaults and keys of torch.amp.GradScaler
+    ref = torch.amp.GradScaler("cpu")
+    assert (ref.get_scale(), ref.get_growth_factor(), ref.get_backoff_factor(),
+            ref.get_growth_interval()) == (amp.GradScaler().scale, 2.0, 0.5, 2000)
+    t.load_state_dict(ref.state_dict())
+    assert t.scale == 2.0 ** 16
+    with pytest.raises(KeyError, match="scale"):
+        t.load_state_dict({})
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale_single_process():
+    res = fp16_overflow_rank([("mlp", {})], inject_step=1, steps=4)[repr({})]
+    assert res["skipped"] == [False, True, False, False]
+    assert res["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 15]
+    assert res["unchanged"] == [False, True, False, False]
+
+
+def test_plan_rejects_bad_clipping_and_precision():
+    for bad in (0, -1.0, "1", True):
+        with pytest.raises(PlanError, match="max_grad_norm"):
+            resolve({"max_grad_norm": bad}, 1)
+    with pytest.raises(PlanError, match="precision"):
+        resolve({"precision": "fp8"}, 1)
+    assert resolve({"precision": "bf16", "max_grad_norm": 1.0}, 1).precision == "bf16"
+
+
+# --- multi-process ---------------------------------------------------------------------------
+
+PARITY_PLANS = [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}]
+
+
+@pytest.mark.slow
+def test_bf16_tracks_fp32_over_50_steps_dp_tp_pp():
+    """bf16 training of the small GPT and HF Llama at dp=2, tp=2, pp=2 (2 ranks each) tracks
+    fp32 eager training over 50 steps: every step's loss within 2% (the loss falls by about
+    half over the run, so this is a real curve, not a flat line); every rank agrees."""
+    cases = [(m, {"precision": "bf16", **p}) for m in ("gpt", "hf_llama") for p in PARITY_PLANS]
+    res = fxpar.launch(precision_curve_rank, 2, cases, 50)
+    for name in ("gpt", "hf_llama"):
+        ref = torch.tensor(precision_eager_curve(name, 50))
+        assert ref[-1] < 0.85 * ref[0], ref  # it learns
+        for p in PARITY_PLANS:
+            key = (name, repr({"precision": "bf16", **p}))
+            got = torch.tensor(res[0][key])
+            assert res[1][key] == res[0][key]
+            rel = ((got - ref).abs() / ref).max().item()
+            assert rel < 0.02, (name, p, rel)
+
+
+CLIP_CASES_2 = [("gpt", {"dp": 2}), ("gpt", {"tp": 2}), ("gpt", {"pp": 2, "microbatches": 2}),
+                ("gpt", {"dp": 2, "zero": 2}), ("hf_llama", {"tp": 2})]
+CLIP_CASES_4 = [("gpt", {"dp": 2, "tp": 2, "zero": 1}), ("gpt", {"pp": 2, "tp": 2}),
+                ("hf_llama", {"dp": 2, "zero": 3})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,cases", [(2, CLIP_CASES_2), (4, CLIP_CASES_4)])
+def test_clipping_by_global_norm_across_shards_equals_clip_grad_norm(world, cases):
+    """Plan.max_grad_norm under dp, tp (split and replicated weights), pp (a tied embedding on
+    two stages), ZeRO 1/2/3 shards and combinations: the norm and the training equal
+    single-process training with torch.nn.utils.clip_grad_norm_ (fp32, rtol 1e-5)."""
+    full = [(m, "sgd", {**p, "max_grad_norm": 0.1}) for m, p in cases]
+    res = fxpar.launch(plans_rank, world, full)
+    for name, opt_name, plan in full:
+        losses, state, _ = res[0][(name, opt_name, repr(plan))]
+        for r in range(1, world):
+            assert res[r][(name, opt_name, repr(plan))][0] == losses
+        ref_losses, ref_state, _ = clip_eager_reference(name, opt_name, 0.1)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{name} {plan}: {m}")
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} {plan} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_fp16_injected_overflow_skips_exactly_that_step_on_every_rank():
+    """fp16 at dp=2, tp=2, pp=2 and dp=2 + ZeRO-2: rank 1's gradients are made inf at step 2
+    (an overflow on one rank only). Every rank skips that step (its parameters unchanged),
+    halves the scale, and then trains on (parameters change, losses finite): the same on
+    all ranks."""
+    cases = [("gpt", {"precision": "fp16", **p}) for p in
+             [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "zero": 2}]]
+    res = fxpar.launch(fp16_overflow_rank, 2, cases, 2, 5)
+    for _, plan in cases:
+        r0, r1 = res[0][repr(plan)], res[1][repr(plan)]
+        assert r0 == r1, plan
+        assert r0["skipped"] == [False, False, True, False, False], plan
+        assert r0["unchanged"] == [False, False, True, False, False], plan
+        assert r0["scales"] == [2.0 ** 16] * 2 + [2.0 ** 15] * 3, plan
+        assert all(torch.isfinite(torch.tensor(r0["losses"]))), plan
+
+
+def test_fusion_runs_on_the_bf16_graph():
+    """Precision x fusion: under Triton's interpreter the fusion pass fuses the bf16 GPT
+    training graph (half matmul outputs feeding fp32 norms / softmax / cross-entropy) and the
+    fused program equals the unfused bf16 one (bf16 values rounded per op as eager: loss and
+    fp32 gradients within bf16 rounding)."""
+    from fxpar.kernels.jit import interpreter
+    from fxpar.passes import fusion
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(n_layer=1)
+    model, batch = M.GPT(cfg), M.gpt_batch(cfg, 2)
+    gm, sig = capture(model, batch)
+    ctx = PassContext(signature=sig, device="cpu")
+    gm = precision.run(gm, resolve({"precision": "bf16"}, 1), ctx)
+    gm.recompile()
+    args = [*(p.detach() for p in model.parameters()), *model.buffers(),
+            *flatten_batch(batch, sig)]
+    want = gm(*args)
+    with interpreter():
+        gm = fusion.run(gm, resolve({"precision": "bf16"}, 1), ctx)
+        gm.graph.lint()
+        gm.recompile()
+        verify(gm)
+        got = gm(*args)
+    kinds = [n.meta[ir.FUSED_GROUP]["kind"] for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta]
+    assert "layer_norm" in kinds and "generated" in kinds, kinds
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-3)
