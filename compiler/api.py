@@ -260,6 +260,7 @@ class ParallelModel:
         bytes on host at once), copies (storages moved), values; None without offloading."""
         stash = self._runner.stash if self._runner is not None else None
         return dict(stash.stats) if stash is not None else None
+
     # --- loss scaling and gradient clipping (runtime/amp.py) --------------------------------
     def _finish_grads(self, grads) -> bool:
         """Plan.max_grad_norm: clip this rank's gradients (list of per-parameter gradients, or
