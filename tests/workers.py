@@ -317,6 +317,9 @@ def offload_rank(plans, steps=3, layers=4, embd=64, batch=16):
                     "host_at_peak": mt.host_at_peak,
                     "stats": dict(stash.stats) if stash is not None else None,
                     "params": {k: v.clone() for k, v in pm.full_state_dict().items()}})
+    return out
+
+
 # --- mixed precision, loss scaling, clipping (tests/test_precision.py) -----------------------
 
 CURVE_LR = 3e-3
