@@ -129,10 +129,11 @@ def test_fp16_adds_a_loss_scale_input_and_unscales_gradients_in_fp32():
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-5)
 
 
-def test_tensor_parallel_on_the_bf16_graph_keeps_megatrons_collectives_and_splits_the_casts():
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_tensor_parallel_on_the_half_graph_keeps_megatrons_collectives_and_splits_the_casts(prec):
     torch.manual_seed(0)
     cfg = M.GPTConfig(n_layer=1)
-    gm, sig, ctx = _compile(M.GPT(cfg), M.gpt_batch(cfg, 4), tp=2, precision="bf16")
+    gm, sig, ctx = _compile(M.GPT(cfg), M.gpt_batch(cfg, 4), tp=2, precision=prec)
     decision = gm.meta["tensor_parallel"]
     assert decision.column and decision.row
     c10d = torch.ops._c10d_functional
@@ -142,7 +143,8 @@ def test_tensor_parallel_on_the_bf16_graph_keeps_megatrons_collectives_and_split
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for p in phs[:sig.num_params]:  # a split weight's cast has the local (half) shape
         for c in _casts_of(gm, p):
-            assert c.meta[ir.VAL].shape == p.meta[ir.VAL].shape and _dtype(c) == BF16
+            assert c.meta[ir.VAL].shape == p.meta[ir.VAL].shape
+            assert _dtype(c) == precision.HALF_DTYPES[prec]
 
 
 def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
@@ -212,6 +214,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_single_process():
     assert res["skipped"] == [False, True, False, False]
     assert res["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 15]
     assert res["unchanged"] == [False, True, False, False]
+    assert torch.isfinite(torch.tensor(res["eval"]))  # the forward-only program: no scale input
 
 
 def test_plan_rejects_bad_clipping_and_precision():
@@ -249,7 +252,7 @@ def test_bf16_tracks_fp32_over_50_steps_dp_tp_pp():
 CLIP_CASES_2 = [("gpt", {"dp": 2}), ("gpt", {"tp": 2}), ("gpt", {"pp": 2, "microbatches": 2}),
                 ("gpt", {"dp": 2, "zero": 2}), ("hf_llama", {"tp": 2})]
 CLIP_CASES_4 = [("gpt", {"dp": 2, "tp": 2, "zero": 1}), ("gpt", {"pp": 2, "tp": 2}),
-                ("hf_llama", {"dp": 2, "zero": 3})]
+                ("hf_llama", {"dp": 4, "zero": 3})]
 
 
 @pytest.mark.slow
@@ -274,12 +277,13 @@ def test_clipping_by_global_norm_across_shards_equals_clip_grad_norm(world, case
 
 @pytest.mark.slow
 def test_fp16_injected_overflow_skips_exactly_that_step_on_every_rank():
-    """fp16 at dp=2, tp=2, pp=2 and dp=2 + ZeRO-2: rank 1's gradients are made inf at step 2
+    """fp16 at dp=2, tp=2, pp=2 and dp=2 + ZeRO-2 / ZeRO-3: rank 1's gradients are made inf at step 2
     (an overflow on one rank only). Every rank skips that step (its parameters unchanged),
     halves the scale, and then trains on (parameters change, losses finite): the same on
     all ranks."""
     cases = [("gpt", {"precision": "fp16", **p}) for p in
-             [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "zero": 2}]]
+             [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "zero": 2},
+              {"dp": 2, "zero": 3}]]
     res = fxpar.launch(fp16_overflow_rank, 2, cases, 2, 5)
     for _, plan in cases:
         r0, r1 = res[0][repr(plan)], res[1][repr(plan)]
@@ -287,7 +291,7 @@ def test_fp16_injected_overflow_skips_exactly_that_step_on_every_rank():
         assert r0["skipped"] == [False, False, True, False, False], plan
         assert r0["unchanged"] == [False, False, True, False, False], plan
         assert r0["scales"] == [2.0 ** 16] * 2 + [2.0 ** 15] * 3, plan
-        assert all(torch.isfinite(torch.tensor(r0["losses"]))), plan
+        assert all(torch.isfinite(torch.tensor(r0["losses"] + [r0["eval"]]))), plan
 
 
 def test_fusion_runs_on_the_bf16_graph():

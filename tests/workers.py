@@ -383,5 +383,6 @@ def fp16_overflow_rank(cases, inject_step, steps):
             rec["skipped"].append(pm.scaler.skipped_steps > skipped)
             rec["scales"].append(pm.scaler.scale)
             rec["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, pm._params)))
+        rec["eval"] = pm.evaluate(batch_fn(0)).item()
         out[repr(plan)] = rec
     return out
