@@ -375,14 +375,16 @@ def fp16_overflow_rank(cases, inject_step, steps):
                 return outs
             pm._run = patched
         rec = {"skipped": [], "scales": [], "unchanged": [], "losses": []}
+        held = pm._zero.param_shards if pm._zero is not None and pm._zero.shard_params \
+            else pm._params  # ZeRO-3: this rank's parameter shards
         for s in range(steps):
             state["step"] = s
-            before = [p.detach().clone() for p in pm._params]
+            before = [p.detach().clone() for p in held]
             skipped = pm.scaler.skipped_steps
             rec["losses"].append(pm.step(batch_fn(s)).item())
             rec["skipped"].append(pm.scaler.skipped_steps > skipped)
             rec["scales"].append(pm.scaler.scale)
-            rec["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, pm._params)))
+            rec["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, held)))
         rec["eval"] = pm.evaluate(batch_fn(0)).item()
         out[repr(plan)] = rec
     return out
