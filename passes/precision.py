@@ -215,8 +215,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     want = [torch.float32] + [env[ph].dtype for ph in phs[:n_p]] + [
         env[bufs[b]].dtype if b in bufs else torch.float32 for b in sig.mutated_buffers]
     scale = None
-    if plan.precision == "fp16" and any(n.meta.get(ir.REGION) == ir.BACKWARD
-                                        for n in graph.nodes):  # (not for evaluate's graph)
+    if plan.precision == "fp16" and any(n.op == "call_function" and n.meta.get(
+            ir.REGION) == ir.BACKWARD for n in graph.nodes):  # (not for evaluate's graph)
         scale = _loss_scale_input(graph, phs, out, env, mode, info)
         ctx.loss_scale = True
     for i, (o, d) in enumerate(zip(outs, want)):

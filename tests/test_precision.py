@@ -172,6 +172,21 @@ def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
 
 
+def test_remat_on_the_bf16_graph_equals_no_remat():
+    """remat runs after precision and sees the half-precision graph (its casts are cheap to
+    recompute): bf16 training with remat="sqrt" equals bf16 without, bit for bit."""
+    runs = []
+    for remat in ("none", "sqrt"):
+        model, batch_fn, loss_fn = build("gpt")
+        pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS["adamw"],
+                               plan={"precision": "bf16", "remat": remat})
+        runs.append([pm.step(batch_fn(s)).item() for s in range(2)])
+        if remat == "sqrt":
+            assert pm.stage_graphs["remat"]["dp"].meta["remat"].recomputed
+    assert runs[0] == runs[1]
+
+
 def test_clipping_equals_clip_grad_norm_single_process():
     losses, state, norms = clip_eager_reference("mlp", "sgd", max_norm=0.1, steps=3)
     model, batch_fn, loss_fn = build("mlp")
