@@ -17,8 +17,8 @@ from fxpar.compiler.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import precision
 from fxpar.runtime import amp
-from workers import (OPTIMIZERS, build, clip_eager_reference, fp16_overflow_rank,
-                     precision_curve_rank, precision_eager_curve, plans_rank)
+from workers import (OPTIMIZERS, build, clip_eager_reference, clip_rank,
+                     fp16_overflow_rank, precision_curve_rank, precision_eager_curve)
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -274,15 +274,18 @@ CLIP_CASES_4 = [("gpt", {"dp": 2, "tp": 2, "zero": 1}), ("gpt", {"pp": 2, "tp": 
 @pytest.mark.parametrize("world,cases", [(2, CLIP_CASES_2), (4, CLIP_CASES_4)])
 def test_clipping_by_global_norm_across_shards_equals_clip_grad_norm(world, cases):
     """Plan.max_grad_norm under dp, tp (split and replicated weights), pp (a tied embedding on
-    two stages), ZeRO 1/2/3 shards and combinations: the norm and the training equal
-    single-process training with torch.nn.utils.clip_grad_norm_ (fp32, rtol 1e-5)."""
-    full = [(m, "sgd", {**p, "max_grad_norm": 0.1}) for m, p in cases]
-    res = fxpar.launch(plans_rank, world, full)
-    for name, opt_name, plan in full:
-        losses, state, _ = res[0][(name, opt_name, repr(plan))]
+    two stages), ZeRO 1/2/3 shards and combinations: the norm of every step (on every rank),
+    the losses and the final parameters equal single-process training with
+    torch.nn.utils.clip_grad_norm_ (fp32, rtol 1e-5); the clip is active on every step."""
+    res = fxpar.launch(clip_rank, world, cases, 0.1, 3)
+    for name, plan in cases:
+        losses, norms, state = res[0][(name, repr(plan))]
         for r in range(1, world):
-            assert res[r][(name, opt_name, repr(plan))][0] == losses
-        ref_losses, ref_state, _ = clip_eager_reference(name, opt_name, 0.1)
+            assert res[r][(name, repr(plan))][:2] == (losses, norms), (name, plan)
+        ref_losses, ref_state, ref_norms = clip_eager_reference(name, "sgd", 0.1, steps=3)
+        assert min(ref_norms) > 0.1
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"{name} {plan} norms: {m}")
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{name} {plan}: {m}")
         for k, v in ref_state.items():
