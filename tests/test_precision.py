@@ -74,6 +74,8 @@ def test_mlp_matmuls_in_bf16_loss_in_fp32_one_cast_per_weight_fp32_grads():
     assert out[0].meta[ir.VAL].dtype == torch.float32  # the loss
     assert all(g.meta[ir.VAL].dtype == torch.float32 for g in out[1:1 + sig.num_params])
     verify(gm)  # meta["val"] true, region / module on every new node
+    from fxpar.viz.report import _decision_line  # the report's one-line summary of the pass
+    assert _decision_line("precision", gm).startswith("bfloat16: 8 ops in half")
 
 
 def test_gpt_softmax_norms_loss_reductions_fp32_attention_bf16():
