@@ -127,6 +127,7 @@ class ParallelModel:
         # fp16: the dynamic loss scale (runtime/amp.py); None for fp32 / bf16
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
+        self.last_grad_norm = None  # the last step's global gradient norm (when computed)
 
     def _compile(self, example_batch, joint, snapshots):
         plan = self.plan

@@ -11,8 +11,9 @@ The op policy is torch.autocast's (aten/src/ATen/autocast_mode.cpp, the CUDA lis
   eager; other ops with mixed float inputs (gelu_backward, cat, ...) get their inputs cast to
   the widest of them, as autograd under autocast would hand them.
 Because the joint graph already holds the backward, the backward ops get the same policy: a
-matmul's backward matmuls run in half, a norm's backward in fp32, exactly the dtypes autograd
-produces under autocast (the backward of a cast is the opposite cast).
+matmul's backward matmuls run in half, a norm's backward in fp32: the dtypes autograd
+produces under autocast (the backward of a cast is the opposite cast), except that backward
+reductions (a bias's gradient sum) accumulate in fp32 here, where eager runs them in half.
 
 Parameters stay fp32 placeholders (the master weights). A parameter a half op reads is cast
 once, right before its first use, and the cast is reused by every later use, forward and
@@ -21,14 +22,14 @@ ZeRO-3 the backward casts its own copy (the backward re-gathers the weight, so k
 forward's cast alive would hold a whole half weight between forward and backward). Gradients
 are cast to fp32 right where they are made: they leave the graph (and are all-reduced / reduce-
 scattered by the data-parallel pass) in fp32, like DDP under autocast, whose .grad is the fp32
-parameter's: one rounding per gradient, and the sum over ranks exact to fp32. Buffer updates
+parameter's: one rounding per gradient, and the sum over ranks adds fp32 rounding only. Buffer updates
 keep their buffer's dtype; the loss is fp32.
 
 fp16 (loss scaling): one more input, a 0-dim fp32 placeholder (role "batch", last, fqn
-"loss_scale"), replaces the backward's seed `ones_like(loss)`: every gradient comes out scaled
-by it, and is divided by it right after the fp32 cast (unscaled in fp32, where the small
-gradients fp16 would flush to zero survive). The runtime (runtime/amp.py) feeds the scale and checks the
-gradients for inf/NaN. `gm.meta["precision"]` records what the pass did.
+"loss_scale"), multiplies the backward's seed `ones_like(loss)`: every gradient comes out
+scaled by it, and is divided by it right after the fp32 cast (unscaled in fp32, where the
+small gradients fp16 would flush to zero survive). The runtime (runtime/amp.py) feeds the
+scale and checks the gradients for inf/NaN. `gm.meta["precision"]` records what the pass did.
 """
 from __future__ import annotations
 
@@ -215,8 +216,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     want = [torch.float32] + [env[ph].dtype for ph in phs[:n_p]] + [
         env[bufs[b]].dtype if b in bufs else torch.float32 for b in sig.mutated_buffers]
     scale = None
-    if plan.precision == "fp16" and any(n.meta.get(ir.REGION) == ir.BACKWARD
-                                        for n in graph.nodes):  # (not for evaluate's graph)
+    if plan.precision == "fp16" and any(n.op == "call_function" and n.meta.get(
+            ir.REGION) == ir.BACKWARD for n in graph.nodes):  # (not for evaluate's graph)
         scale = _loss_scale_input(graph, phs, out, env, mode, info)
         ctx.loss_scale = True
     for i, (o, d) in enumerate(zip(outs, want)):

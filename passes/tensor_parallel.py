@@ -280,6 +280,9 @@ def _feeds(cat, grad) -> bool:
     multiplied with may be a recomputed or received copy, so the gradient is the anchor)."""
     if grad is None:
         return False
+    if grad.target is aten.div.Tensor and isinstance(grad.args[1], torch.fx.Node) and \
+            grad.args[1].meta[ir.VAL].dim() == 0:  # fp16: the gradient unscaled by the loss
+        grad = grad.args[0]                      # scale (passes/precision.py)
     mm = _root(grad)
     return isinstance(mm, torch.fx.Node) and mm.target is aten.mm.default and any(
         _root(a) is cat for a in mm.args if isinstance(a, torch.fx.Node))

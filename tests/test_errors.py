@@ -28,9 +28,8 @@ def test_unknown_plan_field():
 
 
 def test_unimplemented_plan_feature_is_refused_not_ignored():
-    model, batch = _mlp()
-    with pytest.raises(fxpar.PlanError, match="does not implement precision='bf16'"):
-        fxpar.parallelize(model, 1, example_batch=batch, plan=fxpar.Plan(precision="bf16"))
+    with pytest.raises(fxpar.PlanError, match="does not implement zero=3 with tp=2"):
+        fxpar.Plan(dp=1, tp=2, pp=1, zero=3).validate(2)
 
 
 def test_multi_rank_devices_without_launcher():

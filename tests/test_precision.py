@@ -17,8 +17,8 @@ from fxpar.compiler.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import precision
 from fxpar.runtime import amp
-from workers import (OPTIMIZERS, build, clip_eager_reference, fp16_overflow_rank,
-                     precision_curve_rank, precision_eager_curve, plans_rank)
+from workers import (OPTIMIZERS, build, clip_eager_reference, clip_rank,
+                     fp16_overflow_rank, precision_curve_rank, precision_eager_curve)
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -74,6 +74,8 @@ def test_mlp_matmuls_in_bf16_loss_in_fp32_one_cast_per_weight_fp32_grads():
     assert out[0].meta[ir.VAL].dtype == torch.float32  # the loss
     assert all(g.meta[ir.VAL].dtype == torch.float32 for g in out[1:1 + sig.num_params])
     verify(gm)  # meta["val"] true, region / module on every new node
+    from fxpar.viz.report import _decision_line  # the report's one-line summary of the pass
+    assert _decision_line("precision", gm).startswith("bfloat16: 8 ops in half")
 
 
 def test_gpt_softmax_norms_loss_reductions_fp32_attention_bf16():
@@ -129,10 +131,11 @@ def test_fp16_adds_a_loss_scale_input_and_unscales_gradients_in_fp32():
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-5)
 
 
-def test_tensor_parallel_on_the_bf16_graph_keeps_megatrons_collectives_and_splits_the_casts():
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_tensor_parallel_on_the_half_graph_keeps_megatrons_collectives_and_splits_the_casts(prec):
     torch.manual_seed(0)
     cfg = M.GPTConfig(n_layer=1)
-    gm, sig, ctx = _compile(M.GPT(cfg), M.gpt_batch(cfg, 4), tp=2, precision="bf16")
+    gm, sig, ctx = _compile(M.GPT(cfg), M.gpt_batch(cfg, 4), tp=2, precision=prec)
     decision = gm.meta["tensor_parallel"]
     assert decision.column and decision.row
     c10d = torch.ops._c10d_functional
@@ -142,7 +145,8 @@ def test_tensor_parallel_on_the_bf16_graph_keeps_megatrons_collectives_and_split
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for p in phs[:sig.num_params]:  # a split weight's cast has the local (half) shape
         for c in _casts_of(gm, p):
-            assert c.meta[ir.VAL].shape == p.meta[ir.VAL].shape and _dtype(c) == BF16
+            assert c.meta[ir.VAL].shape == p.meta[ir.VAL].shape
+            assert _dtype(c) == precision.HALF_DTYPES[prec]
 
 
 def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
@@ -168,6 +172,21 @@ def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
             ref.append(loss.item())
         assert got[0] == ref[0], name
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
+
+
+def test_remat_on_the_bf16_graph_equals_no_remat():
+    """remat runs after precision and sees the half-precision graph (its casts are cheap to
+    recompute): bf16 training with remat="sqrt" equals bf16 without, bit for bit."""
+    runs = []
+    for remat in ("none", "sqrt"):
+        model, batch_fn, loss_fn = build("gpt")
+        pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS["adamw"],
+                               plan={"precision": "bf16", "remat": remat})
+        runs.append([pm.step(batch_fn(s)).item() for s in range(2)])
+        if remat == "sqrt":
+            assert pm.stage_graphs["remat"]["dp"].meta["remat"].recomputed
+    assert runs[0] == runs[1]
 
 
 def test_clipping_equals_clip_grad_norm_single_process():
@@ -212,6 +231,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_single_process():
     assert res["skipped"] == [False, True, False, False]
     assert res["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 15]
     assert res["unchanged"] == [False, True, False, False]
+    assert torch.isfinite(torch.tensor(res["eval"]))  # the forward-only program: no scale input
 
 
 def test_plan_rejects_bad_clipping_and_precision():
@@ -249,22 +269,25 @@ def test_bf16_tracks_fp32_over_50_steps_dp_tp_pp():
 CLIP_CASES_2 = [("gpt", {"dp": 2}), ("gpt", {"tp": 2}), ("gpt", {"pp": 2, "microbatches": 2}),
                 ("gpt", {"dp": 2, "zero": 2}), ("hf_llama", {"tp": 2})]
 CLIP_CASES_4 = [("gpt", {"dp": 2, "tp": 2, "zero": 1}), ("gpt", {"pp": 2, "tp": 2}),
-                ("hf_llama", {"dp": 2, "zero": 3})]
+                ("hf_llama", {"dp": 4, "zero": 3})]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [(2, CLIP_CASES_2), (4, CLIP_CASES_4)])
 def test_clipping_by_global_norm_across_shards_equals_clip_grad_norm(world, cases):
     """Plan.max_grad_norm under dp, tp (split and replicated weights), pp (a tied embedding on
-    two stages), ZeRO 1/2/3 shards and combinations: the norm and the training equal
-    single-process training with torch.nn.utils.clip_grad_norm_ (fp32, rtol 1e-5)."""
-    full = [(m, "sgd", {**p, "max_grad_norm": 0.1}) for m, p in cases]
-    res = fxpar.launch(plans_rank, world, full)
-    for name, opt_name, plan in full:
-        losses, state, _ = res[0][(name, opt_name, repr(plan))]
+    two stages), ZeRO 1/2/3 shards and combinations: the norm of every step (on every rank),
+    the losses and the final parameters equal single-process training with
+    torch.nn.utils.clip_grad_norm_ (fp32, rtol 1e-5); the clip is active on every step."""
+    res = fxpar.launch(clip_rank, world, cases, 0.1, 3)
+    for name, plan in cases:
+        losses, norms, state = res[0][(name, repr(plan))]
         for r in range(1, world):
-            assert res[r][(name, opt_name, repr(plan))][0] == losses
-        ref_losses, ref_state, _ = clip_eager_reference(name, opt_name, 0.1)
+            assert res[r][(name, repr(plan))][:2] == (losses, norms), (name, plan)
+        ref_losses, ref_state, ref_norms = clip_eager_reference(name, "sgd", 0.1, steps=3)
+        assert min(ref_norms) > 0.1
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"{name} {plan} norms: {m}")
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{name} {plan}: {m}")
         for k, v in ref_state.items():
@@ -274,12 +297,13 @@ def test_clipping_by_global_norm_across_shards_equals_clip_grad_norm(world, case
 
 @pytest.mark.slow
 def test_fp16_injected_overflow_skips_exactly_that_step_on_every_rank():
-    """fp16 at dp=2, tp=2, pp=2 and dp=2 + ZeRO-2: rank 1's gradients are made inf at step 2
+    """fp16 at dp=2, tp=2, pp=2 and dp=2 + ZeRO-2 / ZeRO-3: rank 1's gradients are made inf at step 2
     (an overflow on one rank only). Every rank skips that step (its parameters unchanged),
     halves the scale, and then trains on (parameters change, losses finite): the same on
     all ranks."""
     cases = [("gpt", {"precision": "fp16", **p}) for p in
-             [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "zero": 2}]]
+             [{"dp": 2}, {"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "zero": 2},
+              {"dp": 2, "zero": 3}]]
     res = fxpar.launch(fp16_overflow_rank, 2, cases, 2, 5)
     for _, plan in cases:
         r0, r1 = res[0][repr(plan)], res[1][repr(plan)]
@@ -287,7 +311,7 @@ def test_fp16_injected_overflow_skips_exactly_that_step_on_every_rank():
         assert r0["skipped"] == [False, False, True, False, False], plan
         assert r0["unchanged"] == [False, False, True, False, False], plan
         assert r0["scales"] == [2.0 ** 16] * 2 + [2.0 ** 15] * 3, plan
-        assert all(torch.isfinite(torch.tensor(r0["losses"]))), plan
+        assert all(torch.isfinite(torch.tensor(r0["losses"] + [r0["eval"]]))), plan
 
 
 def test_fusion_runs_on_the_bf16_graph():

@@ -415,13 +415,36 @@ def fp16_overflow_rank(cases, inject_step, steps):
                 return outs
             pm._run = patched
         rec = {"skipped": [], "scales": [], "unchanged": [], "losses": []}
+        held = pm._zero.param_shards if pm._zero is not None and pm._zero.shard_params \
+            else pm._params  # ZeRO-3: this rank's parameter shards
         for s in range(steps):
             state["step"] = s
-            before = [p.detach().clone() for p in pm._params]
+            before = [p.detach().clone() for p in held]
             skipped = pm.scaler.skipped_steps
             rec["losses"].append(pm.step(batch_fn(s)).item())
             rec["skipped"].append(pm.scaler.skipped_steps > skipped)
             rec["scales"].append(pm.scaler.scale)
-            rec["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, pm._params)))
+            rec["unchanged"].append(all(torch.equal(a, p) for a, p in zip(before, held)))
+        rec["eval"] = pm.evaluate(batch_fn(0)).item()
         out[repr(plan)] = rec
+    return out
+
+
+def clip_rank(cases, max_norm, steps):
+    """Runs on every rank: each (model, plan) trained with SGD and Plan.max_grad_norm;
+    returns {(model, repr(plan)): (losses, norms, full state on rank 0)}."""
+    rank = int(os.environ.get("RANK", 0))
+    out = {}
+    for name, plan in cases:
+        model, batch_fn, loss_fn = build(name)
+        pm = fxpar.parallelize(model, int(os.environ.get("WORLD_SIZE", 1)),
+                               example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS["sgd"],
+                               plan={**plan, "max_grad_norm": max_norm})
+        losses, norms = [], []
+        for s in range(steps):
+            losses.append(pm.step(batch_fn(s)).item())
+            norms.append(pm.last_grad_norm.item())
+        state = pm.full_state_dict()
+        out[(name, repr(plan))] = (losses, norms, state if rank == 0 else None)
     return out

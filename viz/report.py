@@ -66,6 +66,11 @@ def _decision_line(name: str, gm) -> str:
         d = m["overlap"]
         return (f"{len(d.hoisted)} collectives started earlier, {len(d.sunk)} waits moved "
                 f"later (memory limit {d.slack / 1024:.0f} KiB)")
+    if name == "precision" and "precision" in m:
+        d = m["precision"]
+        return (f"{str(d.dtype).replace('torch.', '')}: {len(d.half_nodes)} ops in half, "
+                f"{len(d.fp32_nodes)} kept in fp32, {len(d.param_casts)} weights cast once, "
+                f"{d.casts} casts" + (", loss scale input" if d.loss_scale else ""))
     if name == "fusion" and "fusion" in m:
         d = m["fusion"]
         hand = sum(g.kind != "generated" for g in d.groups)
