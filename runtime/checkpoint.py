@@ -345,7 +345,7 @@ def save(pm, path: str, extra: dict | None = None) -> str:
     per_rank = _all_gather_json(pm, {"param_groups": _param_groups(pm), "other": optim_other})
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     with _quiet(distributed):
-        dcp.save(tensors, storage_writer=FileSystemWriter(path), no_dist=not distributed)
+        dcp.save(tensors, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=not distributed)
     if rank == 0:
         groups, seen, other = [], set(), {}
         for d in per_rank:  # pipeline ranks each know their stages' groups; dp copies repeat

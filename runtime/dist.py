@@ -143,11 +143,30 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
                           run_id=f"fxpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
+    import signal
+    import tempfile
+    progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
+    old_env = os.environ.get("FXPAR_PROGRESS_DIR")
+    os.environ["FXPAR_PROGRESS_DIR"] = progress
     try:
         return elastic_launch(config, _entry)(fn, args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         msg = failure.message if isinstance(failure.message, str) else \
             failure.message.get("message", str(failure.message)) if failure.message else ""
-        raise LaunchError(f"rank {rank} failed (exit code {failure.exitcode}): "
-                          f"{msg or 'see its log above'}") from None
+        code = failure.exitcode
+        how = f"exit code {code}" if code is None or code >= 0 else \
+            f"killed by {signal.Signals(-code).name}"
+        try:
+            with open(os.path.join(progress, f"rank{rank}")) as f:
+                how += f", its last pm.step begun: step {f.read().strip()}"
+        except OSError:
+            how += ", before any pm.step"
+        raise LaunchError(f"rank {rank} failed ({how}): {msg or 'see its log above'}") from None
+    finally:
+        import shutil
+        shutil.rmtree(progress, ignore_errors=True)
+        if old_env is None:
+            os.environ.pop("FXPAR_PROGRESS_DIR", None)
+        else:
+            os.environ["FXPAR_PROGRESS_DIR"] = old_env

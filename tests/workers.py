@@ -278,3 +278,117 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
                          "imbalance": pm.stage_graphs["pipeline_split"]["dp"].meta[
                              "pipeline"].imbalance}
     return out
+
+
+# --- checkpoints (tests/test_checkpoint.py) ---------------------------------------------------
+
+RESUME_STEPS, SAVE_AT = 10, 5
+
+
+def _resume_pm(name, plan, world):
+    model, batch_fn, loss_fn = build(name)
+    pm = fxpar.parallelize(model, world, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["adamw"], plan={**plan, "fuse": False})
+    return pm, batch_fn
+
+
+def resume_save_rank(cases, root):
+    """The uninterrupted runs: RESUME_STEPS steps, saving at step SAVE_AT into root/<case>.
+    Rank 0 returns {case: (losses, full state after SAVE_AT + 1 steps, final full state)}."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    out = {}
+    for case, name, plan in cases:
+        pm, batch_fn = _resume_pm(name, plan, world)
+        torch.manual_seed(99)
+        losses, after_next = [], None
+        for s in range(RESUME_STEPS):
+            losses.append(pm.step(batch_fn(s)))
+            if pm.step_count == SAVE_AT:
+                pm.save(os.path.join(root, case), extra={"case": case, "seen": torch.tensor(s)})
+            if pm.step_count == SAVE_AT + 1:
+                after_next = pm.full_state_dict()
+        final = pm.full_state_dict()
+        out[case] = (torch.stack(losses), after_next, final) if rank == 0 else None
+    return out if rank == 0 else None
+
+
+def resume_load_rank(cases, root):
+    """New processes: build, load root/<source>, train to RESUME_STEPS. Rank 0 returns
+    {case: (losses of the steps after the checkpoint, full state after one step, final state,
+    extra, step_count after loading)}."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    out = {}
+    for case, source, name, plan in cases:
+        pm, batch_fn = _resume_pm(name, plan, world)
+        torch.manual_seed(12345)  # overwritten by the checkpoint's RNG states
+        extra = pm.load(os.path.join(root, source))
+        start = pm.step_count
+        losses, after_next = [], None
+        for s in range(start, RESUME_STEPS):
+            losses.append(pm.step(batch_fn(s)))
+            if pm.step_count == start + 1:
+                after_next = pm.full_state_dict()
+        final = pm.full_state_dict()
+        out[case] = (torch.stack(losses), after_next, final, extra, start) if rank == 0 else None
+    return out if rank == 0 else None
+
+
+# --- faults (tests/test_errors.py) -------------------------------------------------------------
+
+def fault_rank(mode, bad_rank=1, at_step=3, steps=400, plan=None):
+    """Trains the small GPT at dp = world; on `bad_rank` at pm.step number `at_step`:
+    "kill": a timer SIGKILLs this process 5 ms into the step (mid-step);
+    "raise": the step raises (a failing collective input: the batch is the wrong shape);
+    "hang": the rank sleeps before the step (a stuck rank: the others hit FXPAR_TIMEOUT)."""
+    import signal
+    import sys
+    import threading
+    import time
+    model, batch_fn, _ = build("gpt")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    pm = fxpar.parallelize(model, world, example_batch=batch_fn(0),
+                           plan={"fuse": False, **(plan or {})})
+    for s in range(steps):
+        if rank == bad_rank and pm.step_count + 1 == at_step:
+            if mode == "kill":
+                threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            elif mode == "hang":
+                time.sleep(3600)
+            elif mode == "raise":
+                pm.step(batch_fn(s)[:, :3])
+        pm.step(batch_fn(s))
+        if s == 0:
+            print("fxpar-test: first step done", flush=True, file=sys.stderr)
+    return "done"
+
+
+def nan_rank():
+    """dp = world: one rank's half of the batch makes log() of a negative number: every rank
+    raises NonFiniteLossError at step 2 naming the node (FXPAR_DEBUG_NAN=1)."""
+    os.environ["FXPAR_DEBUG_NAN"] = "1"
+    model = LogNet()
+    x = torch.ones(8, 4)
+    pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=x)
+    pm.step(x)
+    x = x.clone()
+    x[-1] = -100.0  # the last rank's shard
+    pm.step(x)
+
+
+class _Log(torch.nn.Module):
+    def forward(self, h):
+        return torch.log(h)
+
+
+class LogNet(torch.nn.Module):
+    """A loss that is NaN for inputs below zero: log of a positive linear map."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        torch.nn.init.eye_(self.fc.weight)
+        torch.nn.init.constant_(self.fc.bias, 1.0)
+        self.act = _Log()
+
+    def forward(self, x):
+        return self.act(self.fc(x)).mean()
