@@ -417,7 +417,8 @@ def _read(path, reader, md, keys, distributed) -> dict[str, torch.Tensor]:
 
 def _state_keys(md, name) -> list[str]:
     prefix = f"optim.state.{name}."
-    return [k[len(prefix):] for k in md if k.startswith(prefix) and "." not in k[len(prefix):]]
+    return sorted(k[len(prefix):] for k in md
+                  if k.startswith(prefix) and "." not in k[len(prefix):])
 
 
 def load(pm, path: str) -> dict:

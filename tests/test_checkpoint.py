@@ -121,26 +121,31 @@ def test_metadata_unpickler_refuses_code(tmp_path):
 RESUME_CASES = [  # (case, model, plan) at 4 ranks
     ("dp", "gpt_dropout", {"dp": 4, "zero": 2}),
     ("pp", "gpt", {"dp": 2, "pp": 2, "microbatches": 2}),
-    ("tp", "gpt_dropout", {"dp": 2, "tp": 2}),
+    ("tp", "gpt", {"dp": 2, "tp": 2, "zero": 1}),
 ]
-RESHARD = ("pp_to_tp", "pp", "gpt", {"dp": 2, "tp": 2, "zero": 1})
 
 
 @pytest.mark.slow
 def test_resume_and_reshard_real_processes(tmp_path):
+    """Launch 1 trains each case 10 steps, saving at 5. Launch 2 (new processes): the dp and
+    pp cases load their own checkpoint; the tp=2 x dp=2 (ZeRO-1) model first loads the
+    dp=2 x pp=2 checkpoint (resharded) and takes the next step, then loads its own checkpoint
+    into the same model and continues."""
     saved = fxpar.launch(workers.resume_save_rank, 4, RESUME_CASES, str(tmp_path))[0]
-    loads = [(c, c, name, plan) for c, name, plan in RESUME_CASES] + [RESHARD]
+    loads = [("dp", ["dp"], "gpt_dropout", RESUME_CASES[0][2]),
+             ("pp", ["pp"], "gpt", RESUME_CASES[1][2]),
+             ("tp", ["pp", "tp"], "gpt", RESUME_CASES[2][2])]
     resumed = fxpar.launch(workers.resume_load_rank, 4, loads, str(tmp_path))[0]
     k = workers.SAVE_AT
     for case, _, _ in RESUME_CASES:  # same plan: steps 6-10 bit-identical
         ref_losses, _, ref_final = saved[case]
-        losses, _, final, extra, start = resumed[case]
+        losses, _, final, extra, start = resumed[(case, case)]
         assert start == k and extra["case"] == case and int(extra["seen"]) == k - 1
         assert torch.equal(losses, ref_losses[k:]), (case, losses, ref_losses[k:])
         assert all(torch.equal(final[n], ref_final[n]) for n in ref_final), case
     # resharded: dp2 x pp2 -> tp2 x dp2 (ZeRO-1): the next step equals the saved run's next step
     ref_losses, ref_next, _ = saved["pp"]
-    losses, after_next, _, _, _ = resumed["pp_to_tp"]
+    losses, after_next, _, _, _ = resumed[("tp", "pp")]
     torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
     for n, v in ref_next.items():
         torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)

@@ -313,23 +313,25 @@ def resume_save_rank(cases, root):
 
 
 def resume_load_rank(cases, root):
-    """New processes: build, load root/<source>, train to RESUME_STEPS. Rank 0 returns
-    {case: (losses of the steps after the checkpoint, full state after one step, final state,
-    extra, step_count after loading)}."""
+    """New processes: build, then for each source checkpoint in turn load it into the same
+    model and train to RESUME_STEPS. Rank 0 returns {(case, source): (losses of the steps after
+    the checkpoint, full state after one step, final state, extra, step_count after loading)}."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     out = {}
-    for case, source, name, plan in cases:
+    for case, sources, name, plan in cases:
         pm, batch_fn = _resume_pm(name, plan, world)
-        torch.manual_seed(12345)  # overwritten by the checkpoint's RNG states
-        extra = pm.load(os.path.join(root, source))
-        start = pm.step_count
-        losses, after_next = [], None
-        for s in range(start, RESUME_STEPS):
-            losses.append(pm.step(batch_fn(s)))
-            if pm.step_count == start + 1:
-                after_next = pm.full_state_dict()
-        final = pm.full_state_dict()
-        out[case] = (torch.stack(losses), after_next, final, extra, start) if rank == 0 else None
+        for source in sources:
+            torch.manual_seed(12345)  # overwritten by the checkpoint's RNG states
+            extra = pm.load(os.path.join(root, source))
+            start = pm.step_count
+            losses, after_next = [], None
+            for s in range(start, RESUME_STEPS):
+                losses.append(pm.step(batch_fn(s)))
+                if pm.step_count == start + 1:
+                    after_next = pm.full_state_dict()
+            final = pm.full_state_dict()
+            out[(case, source)] = (torch.stack(losses), after_next, final, extra, start) \
+                if rank == 0 else None
     return out if rank == 0 else None
 
 
