@@ -114,16 +114,20 @@ def test_zero_refuses_an_optimizer_instance():
 
 # --- faults under real processes (runtime/faults.py) -------------------------------------------
 
-def _spawn_raw(code, world, timeout_s, token):
+def _spawn_raw(code, world, timeout_s, token, logs):
     """`world` raw rank processes (no launcher watching them), as torchrun's workers run."""
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), FXPAR_TIMEOUT=str(timeout_s), FXPAR_DEVICE="cpu",
                OMP_NUM_THREADS="1")
     tests_dir = os.path.dirname(__file__)
     src = f"import sys; sys.path.insert(0, {tests_dir!r}); import workers; {code}  # {token}"
-    return [subprocess.Popen([sys.executable, "-c", src], env=dict(env, RANK=str(r),
-                             LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for r in range(world)]
+    procs = []
+    for r in range(world):  # output to files: a full pipe would block a rank that is exiting
+        log = open(f"{logs}.rank{r}.log", "w+")
+        procs.append(subprocess.Popen([sys.executable, "-c", src], env=dict(
+            env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT))
+        procs[-1].log = log
+    return procs
 
 
 def _leftovers(token):
@@ -142,7 +146,7 @@ def _leftovers(token):
 
 
 @pytest.mark.slow
-def test_faults_under_real_processes():
+def test_faults_under_real_processes(tmp_path):
     """Raw rank processes with FXPAR_TIMEOUT=20 (all three jobs at once):
     - kill: rank 1 is SIGKILLed 5 ms into step 3 -> rank 0 raises RankFailure naming rank 1,
       its death and the step, within the timeout;
@@ -154,7 +158,8 @@ def test_faults_under_real_processes():
     import uuid
     timeout_s = 20
     token = f"fxpar-fault-{uuid.uuid4().hex[:8]}"
-    jobs = {mode: _spawn_raw(f"workers.fault_rank({mode!r}, plan={plan!r})", 2, timeout_s, token)
+    jobs = {mode: _spawn_raw(f"workers.fault_rank({mode!r}, plan={plan!r})", 2, timeout_s, token,
+                             tmp_path / mode)
             for mode, plan in (("kill", {}), ("raise", {}), ("hang", {"pp": 2}))}
     t0 = time.time()
     results = {}
@@ -168,8 +173,12 @@ def test_faults_under_real_processes():
                 procs[1].kill()
             for p in procs:
                 p.wait(timeout=60)
-        results[mode] = ([p.returncode for p in procs], procs[0].stderr.read(),
-                         procs[1].stderr.read(), t_end - t0)
+        logs = []
+        for p in procs:
+            p.log.seek(0)
+            logs.append(p.log.read())
+            p.log.close()
+        results[mode] = ([p.returncode for p in procs], *logs, t_end - t0)
     codes, err0, _, _ = results["kill"]
     assert codes[0] != 0 and codes[1] == -9, codes
     assert "fxpar.compiler.errors.RankFailure: step 3 stopped on rank 0 of 2: rank 1 died" in err0, err0[-3000:]

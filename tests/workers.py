@@ -357,7 +357,7 @@ def fault_rank(mode, bad_rank=1, at_step=3, steps=400, plan=None):
             elif mode == "hang":
                 time.sleep(3600)
             elif mode == "raise":
-                pm.step(batch_fn(s)[:, :3])
+                pm.step(tuple(t[:, :3] for t in batch_fn(s)))
         pm.step(batch_fn(s))
         if s == 0:
             print("fxpar-test: first step done", flush=True, file=sys.stderr)
