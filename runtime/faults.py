@@ -13,9 +13,12 @@ What the user sees. `pm.step` runs inside `step_context`:
   published an error, or a rank whose process is gone (each rank records its host and pid in
   the store at its first step; same-host processes are checked), else "no rank reported an
   error" (a hung rank or one on another host).
-- `fxpar.launch` (torch's elastic launcher) stops the remaining ranks as soon as one fails
-  and raises LaunchError with the failing rank, its exit code or signal and the step it was
-  in (ranks write their step to a progress file the launcher reads: FXPAR_PROGRESS_DIR).
+- `fxpar.launch` and torchrun (torch's elastic agent) stop the remaining ranks with SIGTERM
+  as soon as one fails; torchrun's report names the root-cause rank and its signal or exit
+  code, each stopped rank prints the step it was in (a SIGTERM handler installed at the
+  first step when none is set), and fxpar.launch raises LaunchError with the failing rank,
+  its signal/exit code and its step (ranks write their step to a progress file the launcher
+  reads: FXPAR_PROGRESS_DIR).
 
 NaN/inf loss (fp32/bf16; fp16's loss scaler skips such steps instead): `check_loss` runs
 after the forward and backward, before the optimizer step, and raises NonFiniteLossError
@@ -29,7 +32,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import socket
+import sys
+import threading
 import time
 
 import torch
@@ -116,17 +122,33 @@ def _register(world) -> None:
     process from a hung one."""
     if world.size == 1 or world.rank in _registered:
         return
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     store = _store()
     if store is not None:
         store.set(f"fxpar/proc/{world.rank}", f"{socket.gethostname()} {os.getpid()}")
     _registered.add(world.rank)
 
 
+def _on_sigterm(signum, frame):
+    """torchrun / fxpar.launch end the other ranks with SIGTERM when one fails: say where this
+    rank was, then die of SIGTERM as before (the launcher's report stays the same)."""
+    rank = os.environ.get("RANK", "?")
+    sys.stderr.write(f"fxpar: rank {rank} stopped by SIGTERM in or after step {_current} (the "
+                     "launcher ends every rank when one fails: see its root-cause rank).\n")
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _progress(world, step) -> None:
     d = os.environ.get("FXPAR_PROGRESS_DIR")
     if d:
-        with open(os.path.join(d, f"rank{world.rank}"), "w") as f:
+        path = os.path.join(d, f"rank{world.rank}")
+        with open(path + ".tmp", "w") as f:  # atomic: a rank killed meanwhile leaves the last
             f.write(str(step))
+        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager

@@ -338,22 +338,27 @@ def resume_load_rank(cases, root):
 # --- faults (tests/test_errors.py) -------------------------------------------------------------
 
 def fault_rank(mode, bad_rank=1, at_step=3, steps=400, plan=None):
-    """Trains the small GPT at dp = world; on `bad_rank` at pm.step number `at_step`:
-    "kill": a timer SIGKILLs this process 5 ms into the step (mid-step);
+    """Trains a 4-layer MLP (plan: dp = world by default); on `bad_rank` at pm.step number
+    `at_step`: "kill": a timer SIGKILLs this process 2 ms into the step (mid-step);
     "raise": the step raises (a failing collective input: the batch is the wrong shape);
     "hang": the rank sleeps before the step (a stuck rank: the others hit FXPAR_TIMEOUT)."""
     import signal
     import sys
     import threading
     import time
-    model, batch_fn, _ = build("gpt")
+    torch.manual_seed(0)
+    model = MatChain(n=4, width=256)  # compiles fast; a step takes milliseconds
+
+    def batch_fn(s):
+        g = torch.Generator().manual_seed(s)
+        return torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     pm = fxpar.parallelize(model, world, example_batch=batch_fn(0),
                            plan={"fuse": False, **(plan or {})})
     for s in range(steps):
         if rank == bad_rank and pm.step_count + 1 == at_step:
             if mode == "kill":
-                threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
             elif mode == "hang":
                 time.sleep(3600)
             elif mode == "raise":
