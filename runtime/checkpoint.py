@@ -394,8 +394,10 @@ def _read_meta(path: str):
 
 @contextlib.contextmanager
 def _quiet(distributed):
-    """DCP warns that it 'assumes' one process when there is no process group: we asked."""
+    """DCP warns that it 'assumes' one process when there is no process group (we asked for
+    that), and about overwriting (pm.save replaces a checkpoint on purpose)."""
     with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # we clear
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
