@@ -67,9 +67,10 @@ class _Watch(torch.fx.Interpreter):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and \
                         not bool(torch.isfinite(t).all()):
-                    _first = {"node": n.name, "op": str(n.target) if n.op != "placeholder"
-                              else f"input {n.meta.get('fqn') or n.name}",
-                              "module": n.meta.get("module") or "?",
+                    op = f"input {n.meta.get('fqn') or n.name}" if n.op == "placeholder" \
+                        else str(n.target) if isinstance(n.target, torch._ops.OpOverload) \
+                        else getattr(n.target, "__name__", str(n.target))
+                    _first = {"node": n.name, "op": op, "module": n.meta.get("module") or "-",
                               "region": n.meta.get("region") or n.meta.get("role") or "?",
                               "value": "nan" if bool(torch.isnan(t).any()) else "inf"}
                     break
