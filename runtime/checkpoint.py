@@ -443,6 +443,11 @@ def load(pm, path: str) -> dict:
         if tuple(got) != tuple(want):
             raise CheckpointError(f"checkpoint {path!r}: {k} has shape {tuple(got)}, the model's "
                                   f"is {tuple(want)}: saved from a differently configured model.")
+    saved_opt = meta.get("optimizer")
+    if pm.optimizer is not None and saved_opt not in (None, type(pm.optimizer).__name__):
+        raise CheckpointError(f"checkpoint {path!r} holds {saved_opt} state, but this model's "
+                              f"optimizer is {type(pm.optimizer).__name__}: build the same "
+                              "optimizer type to resume (or use load_plain for the weights).")
     slots = _slots(pm)
     okeys = {i: _state_keys(md, names[i]) for _, members, _ in slots for i, _, _ in members}
     keys = [f"model.{k}" for k in state] + [f"optim.state.{names[i]}.{s}"

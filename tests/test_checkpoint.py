@@ -1,8 +1,8 @@
 """Checkpoints (runtime/checkpoint.py): pm.save / pm.load with torch DCP, plan-independent.
 
 Slow tests run real gloo processes: the uninterrupted run saves at step 5; new processes load
-it and continue: steps 6-10 bit-identical for dp (with ZeRO-2 and dropout), pp and tp (with
-dropout: the RNG state is restored) plans; a dp=2 x pp=2 checkpoint loaded at tp=2 x dp=2
+it and continue: steps 6-10 bit-identical for dp (ZeRO-2, with dropout: the RNG state is
+restored), pp and tp plans; a dp=2 x pp=2 checkpoint loaded at tp=2 x dp=2
 (ZeRO-1) and into plain single-process PyTorch takes the same next step (rtol 1e-6, AdamW
 moments included)."""
 import json
@@ -19,26 +19,7 @@ import workers
 from workers import OPTIMIZERS, build
 
 
-class DropMLP(torch.nn.Module):
-    """An MLP with dropout: resuming must replay the same masks (RNG state restored)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
-                                       torch.nn.Dropout(0.3), torch.nn.Linear(32, 4))
-
-    def forward(self, batch):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-
 def _pm(name="mlp", plan=None):
-    if name == "drop_mlp":
-        torch.manual_seed(0)
-        model, batch_fn = DropMLP(), build("mlp")[1]
-        pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0),
-                               optimizer=OPTIMIZERS["adamw"], plan={"fuse": False})
-        return pm, batch_fn
     model, batch_fn, loss_fn = build(name)
     pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
                            optimizer=OPTIMIZERS["adamw"], plan={"fuse": False, **(plan or {})})
@@ -48,7 +29,7 @@ def _pm(name="mlp", plan=None):
 def test_resume_single_process_bit_identical(tmp_path):
     """devices=1 (no process group): save at 5, a new model loads and continues: identical,
     dropout masks included (RNG restored); extra and step_count come back."""
-    for name in ("mlp", "drop_mlp"):
+    for name in ("mlp", "mlp_dropout"):
         pm, batch_fn = _pm(name)
         torch.manual_seed(99)
         ref = []
@@ -117,6 +98,11 @@ def test_bad_checkpoints_are_refused(tmp_path):
     other.model.fc9 = torch.nn.Linear(2, 2)  # not in the checkpoint
     with pytest.raises(fxpar.CheckpointError, match="different model"):
         ck.load(other, tmp_path / "c")
+    sgd = fxpar.parallelize(build("mlp")[0], 1, example_batch=batch_fn(0),
+                            optimizer=OPTIMIZERS["sgd"], plan={"fuse": False})
+    with pytest.raises(fxpar.CheckpointError, match="holds AdamW state, but this model's "
+                                                    "optimizer is SGD"):
+        sgd.load(tmp_path / "c")
     with pytest.raises(fxpar.CheckpointError, match="JSON values"):
         pm.save(tmp_path / "d", extra={"loader": object()})
 
@@ -138,7 +124,7 @@ def test_metadata_unpickler_refuses_code(tmp_path):
 
 
 RESUME_CASES = [  # (case, model, plan) at 4 ranks
-    ("dp", "gpt_dropout", {"dp": 4, "zero": 2}),
+    ("dp", "mlp_dropout", {"dp": 4, "zero": 2}),
     ("pp", "gpt", {"dp": 2, "pp": 2, "microbatches": 2}),
     ("tp", "gpt", {"dp": 2, "tp": 2, "zero": 1}),
 ]
@@ -151,7 +137,7 @@ def test_resume_and_reshard_real_processes(tmp_path):
     dp=2 x pp=2 checkpoint (resharded) and takes the next step, then loads its own checkpoint
     into the same model and continues."""
     saved = fxpar.launch(workers.resume_save_rank, 4, RESUME_CASES, str(tmp_path))[0]
-    loads = [("dp", ["dp"], "gpt_dropout", RESUME_CASES[0][2]),
+    loads = [("dp", ["dp"], "mlp_dropout", RESUME_CASES[0][2]),
              ("pp", ["pp"], "gpt", RESUME_CASES[1][2]),
              ("tp", ["pp", "tp"], "gpt", RESUME_CASES[2][2])]
     resumed = fxpar.launch(workers.resume_load_rank, 4, loads, str(tmp_path))[0]

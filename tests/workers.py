@@ -35,7 +35,21 @@ def dropout_zoo():
     """Models with dropout > 0 (not comparable to eager: masks are drawn per rank)."""
     cfg = M.GPTConfig(dropout=0.1)
     return {"gpt_dropout": (lambda: M.GPT(cfg), lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s),
-                            None)}
+                            None),
+            "mlp_dropout": (DropMLP, lambda s: _xy(s, (16,), (4,)), None)}
+
+
+class DropMLP(torch.nn.Module):
+    """An MLP with dropout 0.3 (resuming must replay the same masks: RNG state restored)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.3), torch.nn.Linear(32, 4))
+
+    def forward(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
 
 
 def _xy(step, xs, ys):
