@@ -224,8 +224,9 @@ def _explain(world, step: int, e: BaseException) -> str:
                     elif store.check([f"fxpar/proc/{r}"]):
                         hp = store.get(f"fxpar/proc/{r}").decode()
                         if _gone(hp):
-                            culprits[r] = (f"died (its process {hp.split()[1]} is gone: killed, "
-                                           "e.g. SIGKILL or out of memory)")
+                            culprits[r] = (f"died (its process {hp.split()[1]} is gone: it "
+                                           "exited, or was killed, e.g. by SIGKILL or the "
+                                           "out-of-memory killer; see its log)")
                 if culprits or time.time() > deadline:
                     break
                 time.sleep(0.2)
