@@ -16,6 +16,8 @@ from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import amp, comm, executor, optim, schedules
+from fxpar.runtime import checkpoint as rckpt
+from fxpar.runtime import faults
 from fxpar.runtime import tp as rtp
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.pipeline import PipelineRunner
@@ -128,6 +130,7 @@ class ParallelModel:
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
+        self.step_count = 0  # steps done = global batches consumed (saved by `save`)
 
     def _compile(self, example_batch, joint, snapshots):
         plan = self.plan
@@ -219,11 +222,22 @@ class ParallelModel:
         return loss, grads, new_bufs
 
     def step(self, batch) -> torch.Tensor:
-        """One training step on the GLOBAL batch; returns its mean loss (same on every rank)."""
+        """One training step on the GLOBAL batch; returns its mean loss (same on every rank).
+        `pm.step_count` counts the steps done (restored by `load`). A rank that fails makes
+        every rank raise (RankFailure naming the rank and the step); a NaN/inf loss raises
+        NonFiniteLossError before the optimizer applies it (runtime/faults.py)."""
+        n = getattr(self, "step_count", 0) + 1
+        with faults.step_context(self.world, n):
+            loss = self._train_step(batch)
+        self.step_count = n
+        return loss
+
+    def _train_step(self, batch) -> torch.Tensor:
         if self._runner is not None:
             with executor.recording(self.recorder) as rec:
                 loss, grads, new_bufs = self._run_pipeline(self.program, self._runner, batch,
                                                            rec)
+                faults.check_loss(loss, self.plan)
                 rec.segment("optimizer")
                 held = self._runner.held_params
                 if self._zero is not None:
@@ -245,6 +259,7 @@ class ParallelModel:
             outs = self._run(self.program, batch)
             n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
+            faults.check_loss(loss, self.plan)
             rec.segment("optimizer")
             if not self._finish_grads(grads):
                 pass  # fp16 overflow on some rank: every rank skips this update
@@ -426,6 +441,18 @@ class ParallelModel:
         dist.all_gather_object(gathered, owned, group=r.group)
         merged = {k: v for d in gathered for k, v in d.items()}
         return {k: merged[k].to(v.device) for k, v in state.items()}
+
+    # --- checkpoints (runtime/checkpoint.py) -----------------------------------------------
+    def save(self, path: str, extra: dict | None = None) -> str:
+        """Write a plan-independent checkpoint directory (torch DCP): model, optimizer state,
+        fp16 loss scaler, `step_count`, every rank's RNG state and `extra` (a dict of tensors
+        and JSON values, e.g. your data loader's position). Collective: call on every rank."""
+        return rckpt.save(self, path, extra)
+
+    def load(self, path: str) -> dict:
+        """Restore a checkpoint written by `save` under any plan (same model and optimizer
+        type); returns its `extra`. Collective: call on every rank. Loading never unpickles."""
+        return rckpt.load(self, path)
 
     def __repr__(self):
         return f"ParallelModel(plan={self.plan}, world={self.world.size})"

@@ -19,3 +19,16 @@ class ShardingError(FxparError):
 
 class BatchError(FxparError, ValueError):
     """A batch given to step()/evaluate() does not match the example batch."""
+
+
+class CheckpointError(FxparError):
+    """A checkpoint is missing, incomplete, unsafe, or does not fit the model being loaded."""
+
+
+class RankFailure(FxparError, RuntimeError):
+    """A training step failed because a rank died, raised, or stopped answering; the message
+    names the rank(s) and the step."""
+
+
+class NonFiniteLossError(FxparError, FloatingPointError):
+    """The loss of a step was NaN or inf (before the optimizer applied it)."""

@@ -1,7 +1,8 @@
 """Process groups, device mesh, backend choice (NCCL for CUDA, gloo for CPU), launch.
 
-Every group gets a timeout (FXPAR_TIMEOUT seconds, default 600) so a dead rank ends the job
-with an error instead of a hang.
+Every group gets a timeout (FXPAR_TIMEOUT seconds, default 600), the mesh's sub-groups too
+(`_timed_groups`), so a dead or hung rank ends the job with an error instead of a hang: it
+bounds every collective and every send/recv wait (gloo applies it to P2P waits as well).
 """
 from __future__ import annotations
 
@@ -97,8 +98,20 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         names = tuple(n for n, _ in dims)
         shape = tuple(d for _, d in dims)
         mesh = devices if hasattr(devices, "get_group") and devices.mesh_dim_names == names \
-            else init_device_mesh(dev.type, shape, mesh_dim_names=names)
+            else init_device_mesh(dev.type, shape, mesh_dim_names=names,
+                                  backend_override=_timed_groups(dev.type, names))
     return World(world, rank, dev, mesh)
+
+
+def _timed_groups(device_type: str, names) -> dict:
+    """Options giving every mesh sub-group the FXPAR_TIMEOUT too: DeviceMesh creates its groups
+    with torch's default timeout (30 min), not the default group's."""
+    from torch._C._distributed_c10d import Backend as C10dBackend
+    if device_type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout()
+        return {n: ("nccl", opts) for n in names}
+    return {n: ("gloo", C10dBackend.Options("gloo", timeout())) for n in names}
 
 
 def device_memory(device: torch.device) -> int:
@@ -143,11 +156,30 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
                           run_id=f"fxpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
+    import signal
+    import tempfile
+    progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
+    old_env = os.environ.get("FXPAR_PROGRESS_DIR")
+    os.environ["FXPAR_PROGRESS_DIR"] = progress
     try:
         return elastic_launch(config, _entry)(fn, args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         msg = failure.message if isinstance(failure.message, str) else \
             failure.message.get("message", str(failure.message)) if failure.message else ""
-        raise LaunchError(f"rank {rank} failed (exit code {failure.exitcode}): "
-                          f"{msg or 'see its log above'}") from None
+        code = failure.exitcode
+        how = f"exit code {code}" if code is None or code >= 0 else \
+            f"killed by {signal.Signals(-code).name}"
+        try:
+            with open(os.path.join(progress, f"rank{rank}")) as f:
+                how += f", its last pm.step begun: step {f.read().strip()}"
+        except OSError:
+            how += ", before any pm.step"
+        raise LaunchError(f"rank {rank} failed ({how}): {msg or 'see its log above'}") from None
+    finally:
+        import shutil
+        shutil.rmtree(progress, ignore_errors=True)
+        if old_env is None:
+            os.environ.pop("FXPAR_PROGRESS_DIR", None)
+        else:
+            os.environ["FXPAR_PROGRESS_DIR"] = old_env

@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from fxpar.compiler.ir import Program
-from fxpar.runtime import comm
+from fxpar.runtime import comm, faults
 from fxpar.runtime.trace import Recorder
 
 
@@ -36,7 +36,7 @@ def run_graph(gm: torch.fx.GraphModule, params, buffers, batch):
     """Run the rank's (comm.lower'ed) graph once; returns its outputs (loss, grads...,
     updated buffers...). Collectives record on the recorder set by `recording`."""
     with torch.no_grad():
-        return gm(*params, *buffers, *batch)
+        return faults.run(gm, *params, *buffers, *batch)  # FXPAR_DEBUG_NAN: node by node
 
 
 @contextlib.contextmanager

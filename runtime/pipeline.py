@@ -23,7 +23,7 @@ import torch
 import torch._prims_common
 import torch.distributed as dist
 
-from fxpar.runtime import comm, schedules
+from fxpar.runtime import comm, faults, schedules
 from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 
@@ -185,7 +185,7 @@ class PipelineRunner:
             rec.segment(label)
         try:
             with torch.no_grad():
-                return self.lowered[key](*args)
+                return faults.run(self.lowered[key], *args)  # FXPAR_DEBUG_NAN: node by node
         except RuntimeError as e:
             part = self.parts[key]
             raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "

@@ -1,5 +1,6 @@
 """Bad input gets a clear exception; a failing rank ends every rank, never a hang."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -109,3 +110,149 @@ def test_zero_refuses_an_optimizer_instance():
     from workers import zero_with_optimizer_instance
     with pytest.raises(fxpar.runtime.dist.LaunchError, match="pass a factory"):
         fxpar.launch(zero_with_optimizer_instance, 2)
+
+
+# --- faults under real processes (runtime/faults.py) -------------------------------------------
+
+def _spawn_raw(code, world, timeout_s, token, logs):
+    """`world` raw rank processes (no launcher watching them), as torchrun's workers run."""
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), FXPAR_TIMEOUT=str(timeout_s), FXPAR_DEVICE="cpu",
+               OMP_NUM_THREADS="1")
+    tests_dir = os.path.dirname(__file__)
+    src = f"import sys; sys.path.insert(0, {tests_dir!r}); import workers; {code}  # {token}"
+    procs = []
+    for r in range(world):  # output to files: a full pipe would block a rank that is exiting
+        log = open(f"{logs}.rank{r}.log", "w+")
+        procs.append(subprocess.Popen([sys.executable, "-c", src], env=dict(
+            env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT))
+        procs[-1].log = log
+    return procs
+
+
+def _live_children():
+    """This process's children still running (multiprocessing's resource tracker aside)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmd:
+            out.append((int(pid), cmd[:200]))
+    return out
+
+
+def _leftovers(token):
+    """Processes still running whose command line carries `token`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_faults_under_real_processes(tmp_path):
+    """Raw rank processes with FXPAR_TIMEOUT=10 (all four jobs at once):
+    - kill: rank 1 is SIGKILLed 5 ms into step 3 -> rank 0 raises RankFailure naming rank 1,
+      its death and the step, within the timeout;
+    - raise: rank 1's step 3 raises (BatchError) -> it exits with that error (noted with its
+      rank and step), rank 0 raises RankFailure quoting it;
+    - hang: rank 1 stops answering before step 3 -> at pp=2 rank 0's pipeline transfer (P2P),
+      at dp=2 x tp=2 its tp sub-group all-reduce times out after FXPAR_TIMEOUT, and every other
+      rank raises RankFailure ("no other rank reported an error").
+    No process is left running."""
+    import uuid
+    timeout_s = 10
+    token = f"fxpar-fault-{uuid.uuid4().hex[:8]}"
+    jobs = {case: _spawn_raw(f"workers.fault_rank({case.split('-')[0]!r}, plan={plan!r})", world,
+                             timeout_s, token, tmp_path / case)
+            for case, plan, world in (("kill", {}, 2), ("raise", {}, 2), ("hang-pp", {"pp": 2}, 2),
+                                      ("hang-tp", {"dp": 2, "tp": 2}, 4))}
+    t0 = time.time()
+    results = {}
+    for mode, procs in jobs.items():
+        rank0 = procs[0]
+        try:
+            rank0.wait(timeout=300 - (time.time() - t0))
+        finally:
+            t_end = time.time()
+            if mode.startswith("hang"):  # the hung rank sleeps on: the job's supervisor ends it
+                procs[1].kill()
+            for p in procs:
+                p.wait(timeout=60)
+        logs = []
+        for p in procs:
+            p.log.seek(0)
+            logs.append(p.log.read())
+            p.log.close()
+        results[mode] = ([p.returncode for p in procs], *logs, t_end - t0)
+    codes, err0, _, _ = results["kill"]
+    assert codes[0] != 0 and codes[1] == -9, codes
+    # (the kill lands 2 ms into step 3: rank 0 is in step 3, or 4 if rank 1's step was quicker)
+    assert re.search(r"fxpar.compiler.errors.RankFailure: step [34] stopped on rank 0 of 2: "
+                     r"rank 1 died \(its process \d+ is gone", err0), err0[-3000:]
+    codes, err0, err1, _ = results["raise"]
+    assert codes[0] != 0 and codes[1] != 0
+    assert "BatchError" in err1 and "raised on rank 1 at step 3" in err1, err1[-3000:]
+    assert "RankFailure: step 3 stopped on rank 0 of 2: rank 1 raised at step 3: BatchError" in err0, err0[-3000:]
+    codes, err0, _, _ = results["hang-pp"]  # a pipeline recv (P2P) timed out
+    assert codes[0] != 0
+    assert "RankFailure: step 3 stopped on rank 0 of 2: no other rank reported an error" in err0, err0[-3000:]
+    assert "FXPAR_TIMEOUT=10" in err0 and "Timed out waiting 10000ms for recv" in err0
+    codes, err0, _, err2, err3, _ = results["hang-tp"]  # a tp sub-group collective timed out
+    assert codes[0] != 0 and codes[2] != 0 and codes[3] != 0, codes
+    assert "RankFailure: step 3 stopped on rank 0 of 4: no other rank reported an error" in err0, err0[-3000:]
+    assert "Timed out waiting 10000ms" in err0
+    assert "RankFailure: step 3 stopped on rank 2 of 4" in err2 and "RankFailure" in err3
+    assert not _leftovers(token)
+
+
+@pytest.mark.slow
+def test_launch_names_killed_rank_and_step_and_nan_loss():
+    """fxpar.launch (torch's elastic agent): a SIGKILLed rank ends the job with LaunchError
+    naming the rank, the signal and the step; a NaN loss (FXPAR_DEBUG_NAN=1) raises on every
+    rank with the step and the first non-finite node."""
+    from workers import fault_rank, nan_rank
+    t0 = time.time()
+    with pytest.raises(fxpar.runtime.dist.LaunchError,
+                       match=r"rank 1 failed \(killed by SIGKILL, its last pm.step begun: step [34]\)"):
+        fxpar.launch(fault_rank, 2, "kill")
+    assert time.time() - t0 < 120
+    assert not _live_children()  # the agent ended rank 0 too
+    with pytest.raises(fxpar.runtime.dist.LaunchError,
+                       match=r"NonFiniteLossError: step 2: the loss is nan.*rank 1: node log "
+                             r"\(aten.log.default, module 'act', forward\) made nan"):
+        fxpar.launch(nan_rank, 2)
+
+
+def test_nan_loss_raises_with_step_and_first_node(monkeypatch):
+    from workers import LogNet
+    pm = fxpar.parallelize(LogNet(), 1, example_batch=torch.ones(4, 4))
+    pm.step(torch.ones(4, 4))
+    before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    bad = torch.ones(4, 4)
+    bad[0] = -5.0
+    with pytest.raises(fxpar.NonFiniteLossError, match=r"step 2: the loss is nan.*FXPAR_DEBUG_NAN"):
+        pm.step(bad)
+    assert all(torch.equal(before[k], v) for k, v in pm.full_state_dict().items())  # not applied
+    monkeypatch.setenv("FXPAR_DEBUG_NAN", "1")
+    with pytest.raises(fxpar.NonFiniteLossError,
+                       match=r"step 2: .*rank 0: node log \(aten.log.default, module 'act', "
+                             r"forward\) made nan"):
+        pm.step(bad)
+    bad = torch.ones(4, 4)
+    with torch.no_grad():
+        pm.model.fc.weight[0, 0] = float("inf")
+    with pytest.raises(fxpar.NonFiniteLossError, match=r"input fc.weight"):
+        pm.step(bad)

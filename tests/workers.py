@@ -35,7 +35,21 @@ def dropout_zoo():
     """Models with dropout > 0 (not comparable to eager: masks are drawn per rank)."""
     cfg = M.GPTConfig(dropout=0.1)
     return {"gpt_dropout": (lambda: M.GPT(cfg), lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s),
-                            None)}
+                            None),
+            "mlp_dropout": (DropMLP, lambda s: _xy(s, (16,), (4,)), None)}
+
+
+class DropMLP(torch.nn.Module):
+    """An MLP with dropout 0.3 (resuming must replay the same masks: RNG state restored)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.3), torch.nn.Linear(32, 4))
+
+    def forward(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
 
 
 def _xy(step, xs, ys):
@@ -448,3 +462,124 @@ def clip_rank(cases, max_norm, steps):
         state = pm.full_state_dict()
         out[(name, repr(plan))] = (losses, norms, state if rank == 0 else None)
     return out
+
+
+# --- checkpoints (tests/test_checkpoint.py) ---------------------------------------------------
+
+RESUME_STEPS, SAVE_AT = 10, 5
+
+
+def _resume_pm(name, plan, world):
+    model, batch_fn, loss_fn = build(name)
+    pm = fxpar.parallelize(model, world, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["adamw"], plan={**plan, "fuse": False})
+    return pm, batch_fn
+
+
+def resume_save_rank(cases, root):
+    """The uninterrupted runs: RESUME_STEPS steps, saving at step SAVE_AT into root/<case>.
+    Rank 0 returns {case: (losses, full state after SAVE_AT + 1 steps, final full state)}."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    out = {}
+    for case, name, plan in cases:
+        pm, batch_fn = _resume_pm(name, plan, world)
+        torch.manual_seed(99)
+        losses, after_next = [], None
+        for s in range(RESUME_STEPS):
+            losses.append(pm.step(batch_fn(s)))
+            if pm.step_count == SAVE_AT:
+                pm.save(os.path.join(root, case), extra={"case": case, "seen": torch.tensor(s)})
+            if pm.step_count == SAVE_AT + 1:
+                after_next = pm.full_state_dict()
+        final = pm.full_state_dict()
+        out[case] = (torch.stack(losses), after_next, final) if rank == 0 else None
+    return out if rank == 0 else None
+
+
+def resume_load_rank(cases, root):
+    """New processes: build, then for each source checkpoint in turn load it into the same
+    model and train to RESUME_STEPS. Rank 0 returns {(case, source): (losses of the steps after
+    the checkpoint, full state after one step, final state, extra, step_count after loading)}."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    out = {}
+    for case, sources, name, plan in cases:
+        pm, batch_fn = _resume_pm(name, plan, world)
+        for source in sources:
+            torch.manual_seed(12345)  # overwritten by the checkpoint's RNG states
+            extra = pm.load(os.path.join(root, source))
+            start = pm.step_count
+            losses, after_next = [], None
+            for s in range(start, RESUME_STEPS):
+                losses.append(pm.step(batch_fn(s)))
+                if pm.step_count == start + 1:
+                    after_next = pm.full_state_dict()
+            final = pm.full_state_dict()
+            out[(case, source)] = (torch.stack(losses), after_next, final, extra, start) \
+                if rank == 0 else None
+    return out if rank == 0 else None
+
+
+# --- faults (tests/test_errors.py) -------------------------------------------------------------
+
+def fault_rank(mode, bad_rank=1, at_step=3, steps=400, plan=None):
+    """Trains a 4-layer MLP (plan: dp = world by default); on `bad_rank` at pm.step number
+    `at_step`: "kill": a timer SIGKILLs this process 2 ms into the step (mid-step);
+    "raise": the step raises (a failing collective input: the batch is the wrong shape);
+    "hang": the rank sleeps before the step (a stuck rank: the others hit FXPAR_TIMEOUT)."""
+    import signal
+    import sys
+    import threading
+    import time
+    torch.manual_seed(0)
+    model = MatChain(n=4, width=256)  # compiles fast; a step takes milliseconds
+
+    def batch_fn(s):
+        g = torch.Generator().manual_seed(s)
+        return torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    pm = fxpar.parallelize(model, world, example_batch=batch_fn(0),
+                           plan={"fuse": False, **(plan or {})})
+    for s in range(steps):
+        if rank == bad_rank and pm.step_count + 1 == at_step:
+            if mode == "kill":
+                threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            elif mode == "hang":
+                time.sleep(3600)
+            elif mode == "raise":
+                pm.step(tuple(t[:, :3] for t in batch_fn(s)))
+        pm.step(batch_fn(s))
+        if s == 0:
+            print("fxpar-test: first step done", flush=True, file=sys.stderr)
+    return "done"
+
+
+def nan_rank():
+    """dp = world: one rank's half of the batch makes log() of a negative number: every rank
+    raises NonFiniteLossError at step 2 naming the node (FXPAR_DEBUG_NAN=1)."""
+    os.environ["FXPAR_DEBUG_NAN"] = "1"
+    model = LogNet()
+    x = torch.ones(8, 4)
+    pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=x)
+    pm.step(x)
+    x = x.clone()
+    x[-1] = -100.0  # the last rank's shard
+    pm.step(x)
+
+
+class _Log(torch.nn.Module):
+    def forward(self, h):
+        return torch.log(h)
+
+
+class LogNet(torch.nn.Module):
+    """A loss that is NaN for inputs below zero: log of a positive linear map."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        torch.nn.init.eye_(self.fc.weight)
+        torch.nn.init.constant_(self.fc.bias, 1.0)
+        self.act = _Log()
+
+    def forward(self, x):
+        return self.act(self.fc(x)).mean()
