@@ -166,3 +166,23 @@ def test_resume_and_reshard_real_processes(tmp_path):
     for n, v in ref_next.items():
         torch.testing.assert_close(model.state_dict()[n], v, rtol=1e-6, atol=1e-7, msg=n)
     assert json.load(open(tmp_path / "pp" / "fxpar.json"))["plan"]["pp"] == 2
+
+
+def test_fp16_loss_scaler_state_round_trips(tmp_path):
+    """precision="fp16": the dynamic loss scale, its growth counter and the skipped steps are
+    saved and restored, so a resumed run scales (and skips) exactly as the saved one would."""
+    pm, batch_fn = _pm("mlp", {"precision": "fp16"})
+    pm.scaler.growth_interval = 2           # make the scale move within a few steps
+    for s in range(3):
+        pm.step(batch_fn(s))
+    pm.scaler.scale /= 4                     # a state the defaults would not give
+    saved = pm.scaler.state_dict()
+    pm.save(tmp_path / "fp16")
+    ref = [pm.step(batch_fn(s)) for s in range(3, 5)]
+    pm2, _ = _pm("mlp", {"precision": "fp16"})
+    assert pm2.scaler.state_dict() != saved
+    pm2.load(tmp_path / "fp16")
+    assert pm2.scaler.state_dict() == saved
+    got = [pm2.step(batch_fn(s)) for s in range(3, 5)]
+    assert pm2.scaler.state_dict() == pm.scaler.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
