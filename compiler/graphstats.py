@@ -90,6 +90,7 @@ class GraphStats:
     traced_layers: int
     note: str = ""
     heads: int | None = None     # attention heads, if found (tp must divide them)
+    mutated_buffers: bool = False  # e.g. BatchNorm statistics: one microbatch per step only
 
     @property
     def layers(self) -> list[Segment]:

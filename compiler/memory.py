@@ -67,8 +67,8 @@ class MemoryEstimate:
         return self.grads + self.activations + self.buffers
 
     def describe(self) -> str:
-        g = 2 ** 30
-        return (f"{self.total / g:.2f} GiB (params {self.params / g:.2f}, grads "
+        g, u = (2 ** 30, "GiB") if self.total >= 2 ** 28 else (2 ** 20, "MiB")
+        return (f"{self.total / g:.2f} {u} (params {self.params / g:.2f}, grads "
                 f"{self.grads / g:.2f}, optimizer {self.optimizer / g:.2f}, activations "
                 f"{self.activations / g:.2f}, buffers {self.buffers / g:.2f}; stage {self.stage})")
 

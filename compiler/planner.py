@@ -53,12 +53,16 @@ class Candidate:
         sched = p.schedule if p.pp > 1 else "-"
         return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
                 f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s} "
-                f"{self.step_s * 1e3:10.2f} ms  {self.memory.total / GiB:8.2f} GiB  "
+                f"{self.step_s * 1e3:10.2f} ms  {_bytes(self.memory.total):>11s}  "
                 f"MFU {self.mfu * 100:5.1f}%  bubble {self.bubble * 100:5.1f}%")
 
 
+def _bytes(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 4 else f"{b / 2 ** 20:.2f} MiB"
+
+
 def _remat_str(r):
-    return f"{r / GiB:.1f}GiB" if isinstance(r, (int, float)) and not isinstance(r, bool) else r
+    return _bytes(r).replace(" ", "") if isinstance(r, (int, float)) and not isinstance(r, bool) else r
 
 
 @dataclasses.dataclass
@@ -268,8 +272,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             mbs_opts = [rows_dp // m]
         for mbs in mbs_opts:
             m = rows_dp // mbs
-            if pp == 1 and m > 1 and "microbatches" not in constraints and m > 64:
-                continue
+            if m > 1 and stats.mutated_buffers:
+                continue  # per-microbatch buffer updates (BatchNorm) differ from one step
             scheds = [constraints["schedule"]] if "schedule" in constraints else (
                 list(schedules_) if pp > 1 else ["1f1b"])
             for sched in scheds:
@@ -289,6 +293,11 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                                precision, optimizer, constraints, budget)
                     if c is None:
                         continue
+                    if executable:
+                        try:
+                            c.plan.validate(world)
+                        except PlanError:
+                            continue
                     if c.memory.total <= budget:
                         cands.append(c)
                     elif smallest is None or c.memory.total < smallest[0]:
@@ -307,7 +316,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     # simulate the pipeline schedules of the best candidates and re-rank
     for c in cands[:SIMULATE_TOP]:
         _simulate(c, stats, hw, stage_cache, precision)
-    cands.sort(key=lambda c: c.step_s)
+    cands.sort(key=_rank_key)
     note = stats.note
     return PlanResult(cands[0], cands, n_legal, len(cands), hw, note,
                       time.perf_counter() - t0, world)
@@ -347,6 +356,14 @@ def _rank_aggregates(stages, pp, v):
     return out
 
 
+def _rank_key(c: Candidate):
+    """Fastest first; within 0.5% of each other the simpler plan (less ZeRO, fewer
+    microbatches, plain 1F1B, no remat) wins, as the prediction cannot tell them apart."""
+    simple = (c.plan.zero, c.plan.microbatches, c.plan.schedule != "1f1b",
+              c.plan.remat != "none", c.plan.pp, c.plan.tp)
+    return (math.floor(math.log(c.step_s) / math.log(1.005)), simple, c.step_s)
+
+
 def _links(hw, dp, tp, pp):
     """Ranks are laid out tp innermost, then pp, then dp (as parallelize builds the mesh)."""
     return hw.link(tp), hw.link(tp * 2 if pp > 1 else 1), hw.link(tp * pp * dp)
@@ -384,6 +401,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             new.append((mem2, rec2))
         mems = new
         remat = int(max(budget - (mems[worst][0].total - mems[worst][0].activations), 1))
+        worst = max(range(pp), key=lambda r: mems[r][0].total)
+    for r, (m_, _) in enumerate(mems):
+        m_.stage = r
+    mems[worst][0].per_stage = [m_ for m_, _ in mems]
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
@@ -475,10 +496,16 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
 def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
     """Capture model+loss once and reduce it to the planner's statistics."""
     from fxpar.compiler import capture as cap
-    gm, _ = cap.capture(model, example_batch, loss_fn)
+    gm, sig = cap.capture(model, example_batch, loss_fn)
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return analyze(gm, int(leaves[0].shape[0]) if leaves else 1)
+    stats = analyze(gm, int(leaves[0].shape[0]) if leaves else 1)
+    stats.mutated_buffers = bool(sig.mutated_buffers)
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if isinstance(heads, int):
+        stats.heads = heads
+    return stats
 
 
 def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
@@ -514,12 +541,13 @@ GPT_CONFIGS = {
 }
 
 
+@functools.lru_cache(maxsize=8)
 def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str = "bf16",
               traced_layers: int = 2, dropout: float = 0.1) -> GraphStats:
     """Statistics of a built-in GPT config: a `traced_layers`-deep copy is traced on fake
     tensors (nothing is allocated) in `precision`, with Megatron-style attention (softmax and
     attention dropout written out) and one row per microbatch; the repeated block is scaled
-    to the full depth."""
+    to the full depth. Cached per process (treat the result as read-only)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from fxpar.examples import models as M
     if name == "small":
@@ -546,3 +574,46 @@ def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str 
     stats = analyze(gm, 1)
     stats.heads = cfg.n_head
     return stats.with_depth(layers) if layers != cfg.n_layer else stats
+
+
+def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
+    """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
+    measured on rank 0's machine and broadcast; the search is deterministic) and gets the
+    same Plan. Returns (Plan, PlanResult)."""
+    import torch.distributed as dist
+    from fxpar.runtime import dist as rdist
+    if isinstance(plan, Plan):
+        constraints = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)
+                       if getattr(plan, f.name) != getattr(Plan(), f.name)}
+    elif isinstance(plan, dict):
+        Plan.from_any(plan)  # unknown fields: a clear error before any work
+        constraints = dict(plan)
+    else:
+        constraints = {}
+    world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
+    device = world_obj.device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        hw = dataclasses.replace(cost.HARDWARE[next((k for k in cost.HARDWARE if k in name),
+                                                    "h100")])
+    else:
+        if dist.is_initialized():  # all ranks measure at once: each sees its share of the CPU
+            dist.barrier()
+        hw = cost.cpu_hardware()
+        if dist.is_initialized():
+            link = cost.measure_link()
+            v = torch.tensor([hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead],
+                             dtype=torch.float64)
+            dist.broadcast(v, src=0)
+            hw = dataclasses.replace(hw, peak_flops={"fp32": float(v[0]), "bf16": float(v[0]) / 4,
+                                                     "fp16": float(v[0]) / 8},
+                                     mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
+                                     intra=link, inter=link)
+    hw.memory = rdist.device_memory(device)
+    if dist.is_initialized():
+        mem = torch.tensor([hw.memory], dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MIN)
+        hw.memory = int(mem.item())
+    result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
+                       constraints=constraints, hw=hw)
+    return result.best.plan, result
