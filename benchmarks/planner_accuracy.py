@@ -19,6 +19,7 @@ import time
 import torch
 
 import fxpar
+import fxpar.runtime.dist
 from fxpar.examples import models as M
 
 
@@ -26,7 +27,7 @@ def _cfg():
     return M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
 
-def worker(steps: int, batch_rows: int, limit: int | None, out: str | None):
+def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, state: str):
     import torch.distributed as dist
     from fxpar.compiler import planner
     world = int(os.environ["WORLD_SIZE"])
@@ -36,9 +37,16 @@ def worker(steps: int, batch_rows: int, limit: int | None, out: str | None):
     data = M.gpt_batch(cfg, batch_rows)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     plan, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
-    rows = []
     cands = result.table if limit is None else result.table[:limit]
-    for c in cands:
+    done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
+    start = len(done["rows"]) + len(done["failed"])
+    if rank == 0 and start == 0:
+        done["hardware"] = str(result.hardware)
+        done["n"] = len(cands)
+    for i, c in enumerate(cands[start:], start):
+        if rank == 0:  # a plan that crashes the job is recorded as failed by main()
+            done["current"] = c.row()
+            json.dump(done, open(state, "w"))
         torch.manual_seed(0)
         pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
                                plan=c.plan)
@@ -50,25 +58,31 @@ def worker(steps: int, batch_rows: int, limit: int | None, out: str | None):
             times.append(time.perf_counter() - t0)
         t = torch.tensor([statistics.median(times[2:])], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        rows.append((c.row(), c.step_s, float(t)))
+        done["rows"].append((c.row(), c.step_s, float(t), i == 0))
         del pm
     if rank == 0:
-        print(result.hardware)
-        errs = []
-        for row, pred, meas in rows:
-            err = (pred - meas) / meas
-            errs.append(abs(err))
-            print(f"{row}   measured {meas * 1e3:8.2f} ms   error {err * 100:+6.1f}%")
-        best = min(m for _, _, m in rows)
-        chosen = rows[0][2]
-        print(f"plans: {len(rows)}; |error| median {statistics.median(errs) * 100:.1f}%, worst "
-              f"{max(errs) * 100:.1f}%; the planner's choice measured {chosen * 1e3:.2f} ms, "
-              f"the fastest measured plan {best * 1e3:.2f} ms ({(chosen / best - 1) * 100:+.1f}%)")
-        if out:
-            with open(out, "w") as f:
-                json.dump({"rows": rows, "median_err": statistics.median(errs),
-                           "worst_err": max(errs), "chosen": chosen, "best": best}, f)
-    return rows
+        done.pop("current", None)
+        json.dump(done, open(state, "w"))
+
+
+def report(state):
+    done = json.load(open(state))
+    print(done.get("hardware"))
+    errs = []
+    for row, pred, meas, _ in done["rows"]:
+        err = (pred - meas) / meas
+        errs.append(abs(err))
+        print(f"{row}   measured {meas * 1e3:8.2f} ms   error {err * 100:+6.1f}%")
+    for row, why in done["failed"]:
+        print(f"{row}   FAILED: {why}")
+    best = min(m for _, _, m, _ in done["rows"])
+    chosen = next((m for _, _, m, first in done["rows"] if first), None)
+    print(f"plans: {len(done['rows'])} measured, {len(done['failed'])} failed; |error| median "
+          f"{statistics.median(errs) * 100:.1f}%, worst {max(errs) * 100:.1f}%; the fastest "
+          f"measured plan {best * 1e3:.2f} ms" + (
+              f", the planner's choice {chosen * 1e3:.2f} ms ({(chosen / best - 1) * 100:+.1f}%)"
+              if chosen else ""))
+    return done
 
 
 def main(argv=None):
@@ -77,9 +91,20 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="only the planner's top N plans")
-    ap.add_argument("--out", default=None, help="write the numbers as JSON here")
+    ap.add_argument("--out", default=None, help="JSON with the numbers (also the progress)")
     a = ap.parse_args(argv)
-    fxpar.launch(worker, a.nprocs, a.steps, a.batch, a.limit, a.out)
+    state = a.out or f"planner_accuracy_{a.nprocs}.json"
+    if os.path.exists(state):
+        os.remove(state)
+    while True:
+        try:
+            fxpar.launch(worker, a.nprocs, a.steps, a.batch, a.limit, state, state)
+            break
+        except fxpar.runtime.dist.LaunchError as e:  # record the plan that crashed, go on
+            done = json.load(open(state))
+            done["failed"].append((done.pop("current"), str(e)[:300]))
+            json.dump(done, open(state, "w"))
+    report(state)
 
 
 if __name__ == "__main__":

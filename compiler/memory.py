@@ -14,6 +14,9 @@ Per rank of pipeline stage s:
                less the saved bytes: e.g. the logits at the loss) on the stage that has it
   buffers      gradient buckets (2 in flight), ZeRO-3's gathered parameters of two layers,
                pipeline send/receive buffers of the boundary activation and its gradient.
+The step's peak: activations + gradients + buffers with several microbatches (gradients
+accumulate while later microbatches' activations live), max(activations, gradients + buffers)
+with one (the backward frees activations as it makes gradients).
 """
 from __future__ import annotations
 
@@ -55,16 +58,22 @@ class MemoryEstimate:
     buffers: float
     stage: int = 0
     per_stage: list = dataclasses.field(default_factory=list)
+    accumulate: bool = True  # gradients live while activations do (microbatches > 1)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.optimizer + self.step_allocated
 
     @property
     def step_allocated(self) -> float:
-        """What one training step allocates once the optimizer state exists (a tracker on a
-        later step sees this): gradients, activations and buffers."""
-        return self.grads + self.activations + self.buffers
+        """What one training step allocates once the optimizer state exists (what a tracker
+        sees on a later step). With one microbatch the backward frees activations as it makes
+        gradients: the peak is the larger of the activations (start of the backward) and the
+        gradients with the reduction buckets (its end). With several, the gradients of the
+        first microbatches are held while later ones' activations live: the sum."""
+        if self.accumulate:
+            return self.grads + self.activations + self.buffers
+        return max(self.activations, self.grads + self.buffers)
 
     def describe(self) -> str:
         g, u = (2 ** 30, "GiB") if self.total >= 2 ** 28 else (2 ** 20, "MiB")
@@ -111,8 +120,8 @@ def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
 
 def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zero: int,
                  rows: float, in_flight: int, precision: str, optimizer: str, remat="none",
-                 transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1
-                 ) -> tuple[MemoryEstimate, float]:
+                 transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
+                 microbatches: int = 1) -> tuple[MemoryEstimate, float]:
     """Memory of one rank of the stage holding `segs`, and its recompute fraction."""
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
@@ -134,4 +143,5 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     if pp > 1:
         f = rows / stats.rows * act_scale
         buffers += 2 * max((s.boundary for s in segs), default=0.0) * f
-    return MemoryEstimate(params, grads, opt, acts, buffers), recompute
+    return MemoryEstimate(params, grads, opt, acts, buffers,
+                          accumulate=microbatches > 1), recompute

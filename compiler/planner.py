@@ -382,7 +382,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         last = segs[0].has_post
         mem, rec = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                 in_flight=held[r], precision=precision,
-                                optimizer=optimizer, remat=remat, transient=last, pp=pp)
+                                optimizer=optimizer, remat=remat, transient=last, pp=pp,
+                                microbatches=m)
         mems.append((mem, rec))
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and "remat" not in constraints:
@@ -390,17 +391,19 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         new = []
         for r in range(pp):
             mem, _ = mems[r]
-            left = budget - (mem.total - mem.activations)
+            left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
             segs = rank_segs[r]
             last = segs[0].has_post
             trans = stats.transient * mbs / stats.rows if last else 0.0
             rb = max(left - trans, 1.0)
             mem2, rec2 = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                       in_flight=held[r], precision=precision,
-                                      optimizer=optimizer, remat=rb, transient=last, pp=pp)
+                                      optimizer=optimizer, remat=rb, transient=last, pp=pp,
+                                      microbatches=m)
             new.append((mem2, rec2))
         mems = new
-        remat = int(max(budget - (mems[worst][0].total - mems[worst][0].activations), 1))
+        w = mems[worst][0]
+        remat = int(max(budget - (w.params + w.optimizer + w.grads + w.buffers), 1))
         worst = max(range(pp), key=lambda r: mems[r][0].total)
     for r, (m_, _) in enumerate(mems):
         m_.stage = r
