@@ -46,7 +46,8 @@ def layer_key(module: str) -> str | None:
 
 FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
-          "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b")
+          "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
+          "transient")
 
 
 @dataclasses.dataclass
@@ -70,12 +71,13 @@ class Segment:
     params_split: int = 0
     tp_comm_f: float = 0.0       # bytes all-reduced over tp in the forward (row outputs)
     tp_comm_b: float = 0.0       # ... in the backward (column inputs' gradients)
+    transient: float = 0.0       # working bytes beyond the saved values while it runs
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
     column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
 
     def key(self):
-        return tuple(round(float(getattr(self, f)), 3) for f in FIELDS)
+        return tuple(round(float(getattr(self, f)), 3) for f in FIELDS if f != "transient")
 
 
 @dataclasses.dataclass
@@ -107,7 +109,7 @@ class GraphStats:
         if not layers:
             raise ValueError("no repeated blocks found in the graph to scale")
         mid = layers[len(layers) // 2]
-        inner = layers[1:-1] or layers
+        inner = layers[1:-1]  # the first and last blocks may differ (what feeds them)
         if any(s.key() != inner[0].key() for s in inner):
             raise ValueError("the traced blocks differ; trace the full depth instead")
         new = [self.segments[0]] + [dataclasses.replace(mid, name=f"{mid.name}#{i}")
@@ -284,8 +286,29 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
             if p in split_params:
                 segs[seg].params_split += v.numel()
 
+    # working memory per segment: the simulated live activations while its nodes run, less
+    # the saved values that may still be alive then (every segment's up to its own)
     tl = cost.simulate(gm, count_inputs=False)
     transient = max(0.0, tl.peak["activations"] - sum(s.saved for s in segs.values()))
+    idx = {n: i for i, n in enumerate(gm.graph.nodes)}
+    size = {k: cost.tensor_bytes(k[0].meta.get(ir.VAL)[k[1]] if k[1] is not None
+                                 else k[0].meta.get(ir.VAL)) for k in saved}
+    last = {k: idx[k[0]] for k in saved}
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            k = _storage(a) if a.op == "call_function" else None
+            if k in last:
+                last[k] = max(last[k], idx[n])
+    delta = [0.0] * (len(idx) + 1)
+    for k, b in size.items():
+        delta[idx[k[0]]] += b
+        delta[last[k] + 1] -= b
+    alive = 0.0
+    for n, i in idx.items():
+        alive += delta[i]
+        if n in seg_of:
+            segs[seg_of[n]].transient = max(segs[seg_of[n]].transient,
+                                            tl.live["activations"][i] - alive)
     layers = [s for s in order if s not in ("pre", "post")]
     return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
                       len(layers), heads=heads)

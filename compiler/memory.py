@@ -10,10 +10,12 @@ Per rank of pipeline stage s:
   activations  the saved activations of the stage's layers (the graph's forward values read by
                its backward) x the microbatches the schedule holds in flight on that stage
                (1F1B: stage i holds min(pp - i, m); GPipe: m), after remat; plus the working
-               memory of one microbatch beyond the saved values (the liveness simulator's peak
-               less the saved bytes: e.g. the logits at the loss) on the stage that has it
+               memory of one microbatch beyond the saved values (per segment: the liveness
+               simulator's live bytes while it runs less the saved values alive then; e.g.
+               the logits at the loss), the largest of the stage's segments
   buffers      gradient buckets (2 in flight), ZeRO-3's gathered parameters of two layers,
-               pipeline send/receive buffers of the boundary activation and its gradient.
+               pipeline send/receive buffers of the boundary activation and its gradient,
+               and with microbatches one microbatch's gradients beside the accumulated sum.
 The step's peak: activations + gradients + buffers with several microbatches (gradients
 accumulate while later microbatches' activations live), max(activations, gradients + buffers)
 with one (the backward frees activations as it makes gradients).
@@ -131,8 +133,8 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     opt = n * per / (dp if zero >= 1 else 1)
     act_scale = elem / stats.param_bytes_per_elem
     acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale)
-    if transient:
-        acts += stats.transient * rows / stats.rows * act_scale
+    if transient:  # the largest working memory of one of its segments, one microbatch
+        acts += max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
     buffers = 0.0
     if dp > 1 and zero < 3:
         buffers += 2 * min(bucket_bytes, grads)
@@ -143,5 +145,7 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     if pp > 1:
         f = rows / stats.rows * act_scale
         buffers += 2 * max((s.boundary for s in segs), default=0.0) * f
+    if microbatches > 1:  # accumulating: a microbatch's gradients next to the running sum
+        buffers += grads
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1), recompute

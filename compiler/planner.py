@@ -339,6 +339,7 @@ def _rank_aggregates(stages, pp, v):
                 agg.n_row += s.n_row
                 agg.n_param_tensors += s.n_param_tensors
         agg.boundary = 0.0
+        agg.transient = max((s.transient for s in segs if s not in layers), default=0.0)
         group = []
         if layers:
             big = max(layers, key=lambda s: s.saved)
@@ -346,6 +347,7 @@ def _rank_aggregates(stages, pp, v):
             for f in FIELDS:
                 setattr(rest, f, sum(getattr(s, f) for s in layers) - getattr(big, f))
             rest.boundary = 0.0
+            rest.transient = max(s.transient for s in layers)
             rest.n_row = sum(s.n_row for s in layers) - big.n_row
             rest.n_param_tensors = sum(s.n_param_tensors for s in layers) - big.n_param_tensors
             rest.column_out = [c for s in layers for c in s.column_out][len(big.column_out):]
@@ -377,16 +379,19 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
     fwd, bwd, mems, recs = [], [], [], []
     remat = constraints.get("remat", "none")
+    fixed_remat = "remat" in constraints and remat != "auto"  # "auto": the pass sizes it
+    if remat == "auto":
+        remat = "none"
     for r in range(pp):
         segs = rank_segs[r]
         last = segs[0].has_post
         mem, rec = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                 in_flight=held[r], precision=precision,
-                                optimizer=optimizer, remat=remat, transient=last, pp=pp,
+                                optimizer=optimizer, remat=remat, transient=True, pp=pp,
                                 microbatches=m)
         mems.append((mem, rec))
     worst = max(range(pp), key=lambda r: mems[r][0].total)
-    if mems[worst][0].total > budget and "remat" not in constraints:
+    if mems[worst][0].total > budget and not fixed_remat:
         # the least recompute that fits: give each rank the activation budget that is left
         new = []
         for r in range(pp):
@@ -394,11 +399,11 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
             segs = rank_segs[r]
             last = segs[0].has_post
-            trans = stats.transient * mbs / stats.rows if last else 0.0
+            trans = max(s.transient for s in segs) * mbs / stats.rows
             rb = max(left - trans, 1.0)
             mem2, rec2 = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                       in_flight=held[r], precision=precision,
-                                      optimizer=optimizer, remat=rb, transient=last, pp=pp,
+                                      optimizer=optimizer, remat=rb, transient=True, pp=pp,
                                       microbatches=m)
             new.append((mem2, rec2))
         mems = new
@@ -457,7 +462,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     model_flops = sum(s.flops_f + s.flops_b for s in stats.segments) * batch_scale(
         stats, mbs * m * dp)
     mfu = model_flops / (step * dp * tp * pp * hw.flops(precision))
-    plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, remat=remat, zero=zero,
+    plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
+                remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision)
     for k2 in ("overlap", "fuse", "bucket_mb", "sequence_parallel", "tp_style"):
         if k2 in constraints:
