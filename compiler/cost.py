@@ -310,6 +310,7 @@ class Hardware:
     node_overhead: float = 5e-6
     step_overhead: float = 0.0
     calibrated: str = "data sheet"
+    optimizer_s: float | None = None  # measured optimizer step over all parameters (CPU)
 
     def flops(self, precision: str) -> float:
         return self.peak_flops.get(precision, self.peak_flops["fp32"])

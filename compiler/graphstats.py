@@ -93,6 +93,7 @@ class GraphStats:
     note: str = ""
     heads: int | None = None     # attention heads, if found (tp must divide them)
     mutated_buffers: bool = False  # e.g. BatchNorm statistics: one microbatch per step only
+    graph: object = None         # (GraphModule, GraphSignature) when captured from a model
 
     @property
     def layers(self) -> list[Segment]:

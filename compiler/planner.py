@@ -445,8 +445,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         else:
             dpc = (cost.collective_time("reduce_scatter", n_elem * elem, dp, dp_link)
                    + cost.collective_time("all_gather", n_elem * elem, dp, dp_link))
-        if zero >= 3:
-            dpc += 2 * m * cost.collective_time("all_gather", n_elem * elem, dp, dp_link)
+        if zero >= 3:  # every parameter gathered before its forward and backward use
+            n_t = sum(s.n_param_tensors for s in rank_segs[worst])
+            dpc += 2 * m * (cost.collective_time("all_gather", n_elem * elem, dp, dp_link)
+                            + (n_t - 1) * (dp - 1) * dp_link.alpha)
     window = bwd[0] if constraints.get("overlap", True) else 0.0
     dp_exposed = max(dpc - window, dpc * 0.05) if dp > 1 else 0.0
     from fxpar.compiler.memory import OPTIMIZER_STATES
@@ -454,6 +456,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4
     n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])
     opt_t = touched / hw.mem_bandwidth + n_tensors * (3 + 2 * k) * hw.node_overhead
+    if hw.optimizer_s is not None:  # measured on this machine for the whole model
+        opt_t = hw.optimizer_s * n_elem / (dp if zero >= 1 else 1) / max(stats.total_params, 1)
     step = pipe + dp_exposed + opt_t + hw.step_overhead
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
     compute_only = m * max(f + b for f, b in zip(fwd, bwd))
@@ -510,6 +514,7 @@ def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     stats = analyze(gm, int(leaves[0].shape[0]) if leaves else 1)
     stats.mutated_buffers = bool(sig.mutated_buffers)
+    stats.graph = (gm, sig)  # for calibrate_on_model
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     if isinstance(heads, int):
@@ -517,12 +522,55 @@ def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
     return stats
 
 
+def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
+                       optimizer) -> cost.Hardware:
+    """CPU: time the model's own joint graph once on the example batch (one process, real
+    tensors) and its optimizer step; the time the roofline does not explain is the dispatch
+    overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
+    this at once, so each measures its share of the cores."""
+    import time as _time
+    from fxpar.compiler import capture as cap
+    from fxpar.compiler.memory import optimizer_kind  # noqa: F401  (same factory contract)
+    gm, sig = stats.graph
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
+            + list(cap.flatten_batch(example_batch, sig)))
+
+    def timed(fn, reps=3):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = _time.perf_counter()
+            fn()
+            ts.append(_time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+    with torch.no_grad():
+        t_graph = timed(lambda: gm(*args))
+    base = dataclasses.replace(hw, node_overhead=0.0)
+    roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
+                   for s in stats.segments for part in ("f", "b"))
+    nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
+    hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
+                                                   (t_graph - roofline) / max(nodes, 1)))
+    ps = [torch.nn.Parameter(params[n].detach().clone()) for n in sig.param_names]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
+        with torch.no_grad():
+            hw.optimizer_s = timed(opt.step)
+    hw.calibrated += f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node"
+    return hw
+
+
 def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
-              constraints: dict | None = None, hw: cost.Hardware | None = None) -> PlanResult:
+              constraints: dict | None = None, hw: cost.Hardware | None = None,
+              stats: GraphStats | None = None) -> PlanResult:
     """plan="auto" (or a dict with unset degrees) inside fxpar.parallelize."""
     from fxpar.compiler.memory import optimizer_kind
     from fxpar.runtime.dist import device_memory
-    stats = graph_stats(model, example_batch, loss_fn)
+    stats = stats or graph_stats(model, example_batch, loss_fn)
     if hw is None:
         if torch.device(device).type == "cuda":
             name = torch.cuda.get_device_name(device).lower()
@@ -623,6 +671,14 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         mem = torch.tensor([hw.memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MIN)
         hw.memory = int(mem.item())
+    stats = graph_stats(model, example_batch, loss_fn)
+    if device.type == "cpu":
+        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
+        if dist.is_initialized():
+            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)
+            dist.broadcast(v, src=0)
+            hw.node_overhead = float(v[0])
+            hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
     result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
-                       constraints=constraints, hw=hw)
+                       constraints=constraints, hw=hw, stats=stats)
     return result.best.plan, result
