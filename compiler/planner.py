@@ -62,7 +62,9 @@ def _bytes(b: float) -> str:
 
 
 def _remat_str(r):
-    return _bytes(r).replace(" ", "") if isinstance(r, (int, float)) and not isinstance(r, bool) else r
+    if isinstance(r, (int, float)) and not isinstance(r, bool):
+        return _bytes(r).replace(" ", "")
+    return r
 
 
 @dataclasses.dataclass
@@ -283,8 +285,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
                 for zero in zeros:
-                    if executable and zero == 3 and (tp > 1 or pp > 1):
-                        continue
+                    if executable and zero == 3 and (tp > 1 or pp > 1 or m > 1):
+                        continue  # not implemented (ZeRO-3 with microbatches crashes the
+                        # pipeline runner: its parameters are shards there)
                     key = (pp, v)
                     if key not in stage_cache:
                         stage_cache[key] = _rank_aggregates(stages_of(stats, pp, v), pp, v)
@@ -310,7 +313,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             f"the model fits no legal plan on {world} x {hw.name} with "
             f"{hw.memory / GiB:.1f} GiB each ({memory_fraction:.0%} usable): the smallest "
             f"need is {need / GiB:.2f} GiB per device, by the nearest plan {near.row()} "
-            f"({near.memory.describe()}). Use devices with at least {need / memory_fraction / GiB:.1f} "
+            f"({near.memory.describe()}). Use devices with at least "
+            f"{need / memory_fraction / GiB:.1f} "
             f"GiB, more devices, or a smaller batch / model.")
     cands.sort(key=lambda c: c.step_s)
     # simulate the pipeline schedules of the best candidates and re-rank
@@ -530,7 +534,6 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     this at once, so each measures its share of the cores."""
     import time as _time
     from fxpar.compiler import capture as cap
-    from fxpar.compiler.memory import optimizer_kind  # noqa: F401  (same factory contract)
     gm, sig = stats.graph
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = dict(model.named_buffers(remove_duplicate=False))
