@@ -52,13 +52,19 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
 
 
 def _needs_search(plan) -> bool:
-    """plan="auto", or a dict / Plan that leaves a parallel degree unset: the planner searches
-    the unset fields (the given ones constrain it). One device has nothing to search."""
+    """plan="auto", or a dict / Plan that fixes some parallel degrees but not all: the planner
+    searches the unset fields (the given ones constrain it). A dict / Plan that sets no degree
+    keeps its meaning of pure data parallelism over every device (e.g. {"zero": 1}: ZeRO is a
+    data-parallel technique). One device has nothing to search."""
     if plan is None or plan == "auto":
         return True
     if isinstance(plan, dict):
-        return any(plan.get(k) is None for k in ("dp", "tp", "pp"))
-    return isinstance(plan, Plan) and any(getattr(plan, k) is None for k in ("dp", "tp", "pp"))
+        degrees = [plan.get(k) for k in ("dp", "tp", "pp")]
+    elif isinstance(plan, Plan):
+        degrees = [getattr(plan, k) for k in ("dp", "tp", "pp")]
+    else:
+        return False
+    return any(d is None for d in degrees) and any(d is not None for d in degrees)
 
 
 def _to_device(batch, device):
