@@ -1,7 +1,8 @@
-"""Command line: `python -m fxpar demo|viz ...` (also installed as `fxpar`)."""
+"""Command line: `python -m fxpar demo|viz|plan ...` (also installed as `fxpar`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -60,6 +61,58 @@ def cmd_demo(args):
     main(args.out, args.nprocs, args.steps, args.batch, remat, args.pp, args.schedule)
 
 
+def cmd_plan(args):
+    """Rank the plans for a model on N devices (nothing is allocated: fake tensors)."""
+    import json
+    import torch
+    from fxpar.compiler import cost, planner
+    from fxpar.compiler.errors import FxparError
+    dev = args.device_type
+    precision = args.precision or ("fp32" if dev == "cpu" else "bf16")
+    if dev == "cpu":
+        hw = cost.cpu_hardware()
+    else:
+        hw = cost.HARDWARE[dev]
+    hw = dataclasses.replace(hw)
+    if args.memory_per_device:
+        hw.memory = int(float(args.memory_per_device) * 2 ** 30)
+    if args.gpus_per_node:
+        hw.devices_per_node = args.gpus_per_node
+    try:
+        if ":" in args.model:
+            stats, rows = _factory_stats(args.model)
+        else:
+            stats = planner.gpt_stats(args.model, seq=args.seq, precision=precision)
+            rows = args.batch
+        constraints = json.loads(args.fix) if args.fix else {}
+        result = planner.search(stats, args.devices, hw, batch_rows=args.batch or rows,
+                                precision=precision, optimizer=args.optimizer,
+                                constraints=constraints, executable=False)
+    except FxparError as e:
+        sys.exit(f"fxpar plan: {e}")
+    print(result.format(args.top))
+    if args.explain:
+        print(result.explain())
+
+
+def _factory_stats(spec):
+    """pkg.module:factory -> factory() returning (model, example_batch[, loss_fn]), built on
+    fake tensors."""
+    import importlib
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxpar.compiler import planner
+    mod, _, fn = spec.partition(":")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = getattr(importlib.import_module(mod), fn)()
+    model, batch, *rest = out if isinstance(out, tuple) else (out, None)
+    if batch is None:
+        sys.exit(f"{spec} must return (model, example_batch[, loss_fn])")
+    stats = planner.graph_stats(model, batch, rest[0] if rest else None)
+    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return stats, int(leaves[0].shape[0])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="fxpar")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -86,7 +139,26 @@ def main(argv=None):
     v.add_argument("--schedule", default="1f1b",
                    help="gpipe | 1f1b | interleaved | zero-bubble")
     v.set_defaults(fn=cmd_viz)
+    p = sub.add_parser("plan", help="rank the parallel plans of a model on N devices "
+                                    "(cost model; nothing is run)")
+    p.add_argument("--model", default="gpt-175b",
+                   help="small | gpt-1.7b ... gpt-175b | gpt-1t (Narayanan et al. 2021 "
+                        "configs) | pkg.module:factory returning (model, example_batch)")
+    p.add_argument("--devices", type=int, default=1024)
+    p.add_argument("--device-type", default="a100", choices=["a100", "h100", "h200", "cpu"])
+    p.add_argument("--memory-per-device", default=None, help="GiB (default: the data sheet)")
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="global batch (rows)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (GPUs: bf16)")
+    p.add_argument("--optimizer", default="adamw", help="sgd | sgd_momentum | adam | adamw")
+    p.add_argument("--fix", default=None, help='Plan fields to keep fixed, JSON: \'{"tp": 8}\'')
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--explain", action="store_true", help="say why the best plan won")
+    p.set_defaults(fn=cmd_plan)
     args = ap.parse_args(argv)
+    if args.cmd == "plan" and args.batch is None and ":" not in args.model:
+        args.batch = 8 if args.model == "small" else 1536
     args.fn(args)
 
 

@@ -34,6 +34,11 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     """
     world_size = devices.size() if hasattr(devices, "get_group") else (
         devices if isinstance(devices, int) else len(devices))
+    plan_report = None
+    if world_size > 1 and _needs_search(plan):  # plan="auto" / unset degrees: the planner
+        from fxpar.compiler import planner
+        plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
+                                                    example_batch, loss_fn, optimizer)
     resolved = resolve(plan, world_size)
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
@@ -48,7 +53,25 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
             for t in (*model.parameters(), *model.buffers()):
                 dist.broadcast(t.data, src=0)
     example_batch = _to_device(example_batch, world.device)
-    return ParallelModel(model, world, resolved, example_batch, loss_fn, optimizer)
+    pm = ParallelModel(model, world, resolved, example_batch, loss_fn, optimizer)
+    pm.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
+    return pm
+
+
+def _needs_search(plan) -> bool:
+    """plan="auto", or a dict / Plan that fixes some parallel degrees but not all: the planner
+    searches the unset fields (the given ones constrain it). A dict / Plan that sets no degree
+    keeps its meaning of pure data parallelism over every device (e.g. {"zero": 1}: ZeRO is a
+    data-parallel technique). One device has nothing to search."""
+    if plan is None or plan == "auto":
+        return True
+    if isinstance(plan, dict):
+        degrees = [plan.get(k) for k in ("dp", "tp", "pp")]
+    elif isinstance(plan, Plan):
+        degrees = [getattr(plan, k) for k in ("dp", "tp", "pp")]
+    else:
+        return False
+    return any(d is None for d in degrees) and any(d is not None for d in degrees)
 
 
 def _to_device(batch, device):

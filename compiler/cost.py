@@ -15,6 +15,7 @@ real run allocates (checked against `fxpar.runtime.memtrack` in the tests).
 from __future__ import annotations
 
 import dataclasses
+import os
 import operator
 from typing import Iterable
 
@@ -275,3 +276,134 @@ def simulate(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 0,
         for c in CATEGORIES:
             live[c].append(cur[c])
     return MemoryTimeline([n.name for n in nodes], live, peak, peak_total, peak_node)
+
+
+# --- calibrated hardware model (the planner's; the passes above keep DeviceProfile) ---------
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """alpha-beta model of one link class: alpha = seconds per message step, bandwidth =
+    bytes/s per direction per device."""
+    alpha: float
+    bandwidth: float
+
+
+@dataclasses.dataclass
+class Hardware:
+    """What the planner prices a plan against: one device's compute and memory, and the links
+    between devices (intra-node, inter-node).
+
+    peak_flops: dense FLOP/s per compute dtype from the data sheet (CPU: measured matmul rate);
+    matmul_efficiency: the fraction of peak large GEMMs reach in practice (cuBLAS reaches about
+    80% of the A100/H100 dense peak on the large matmuls of a GPT layer; the CPU number is
+    measured, so 1.0); node_overhead: seconds per executed graph node (the Python/dispatcher
+    cost of launching one op: dominant for the small CPU models, about 5 us on GPUs);
+    step_overhead: seconds per step outside the graphs (the runtime's own bookkeeping)."""
+    name: str
+    peak_flops: dict
+    mem_bandwidth: float
+    memory: int
+    intra: Link
+    inter: Link
+    devices_per_node: int = 8
+    matmul_efficiency: float = 0.8
+    node_overhead: float = 5e-6
+    step_overhead: float = 0.0
+    calibrated: str = "data sheet"
+    optimizer_s: float | None = None  # measured optimizer step over all parameters (CPU)
+
+    def flops(self, precision: str) -> float:
+        return self.peak_flops.get(precision, self.peak_flops["fp32"])
+
+    def link(self, span: int) -> Link:
+        """The bottleneck link of a group whose members lie `span` consecutive ranks apart at
+        most (ranks fill a node before the next)."""
+        return self.intra if span <= self.devices_per_node else self.inter
+
+
+GiB = 2 ** 30
+# Data sheets (SXM parts, dense tensor-core rates; fp32 = the TF32 tensor-core rate, which
+# torch uses for fp32 matmuls when allowed). NVLink: A100 600 GB/s, H100/H200 900 GB/s total
+# = half each way; inter-node: one HDR (200 Gb/s, A100 / Selene) or NDR (400 Gb/s, H100/H200)
+# InfiniBand NIC per GPU. Latencies: NCCL's ~10 us per ring step in a node, ~20 us across.
+HARDWARE = {
+    "a100": Hardware("A100-80GB-SXM", {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
+                     2.039e12, 80 * GiB, Link(10e-6, 300e9), Link(20e-6, 25e9)),
+    "h100": Hardware("H100-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
+                     3.35e12, 80 * GiB, Link(8e-6, 450e9), Link(15e-6, 50e9)),
+    "h200": Hardware("H200-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
+                     4.8e12, 141 * GiB, Link(8e-6, 450e9), Link(15e-6, 50e9)),
+}
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Ring algorithms' alpha-beta time on `nbytes` (the full, unsharded buffer):
+    all_reduce 2(n-1) steps moving 2(n-1)/n of it; all_gather / reduce_scatter n-1 steps,
+    (n-1)/n; p2p one message of nbytes."""
+    if kind == "p2p":
+        return link.alpha + nbytes / link.bandwidth
+    if n <= 1:
+        return 0.0
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}[kind]
+    return steps * link.alpha + steps / n * nbytes / link.bandwidth
+
+
+_CPU_CACHE: dict = {}
+
+
+def cpu_hardware(link: Link | None = None) -> Hardware:
+    """This CPU, measured once per process in well under a second: fp32 matmul FLOP/s (a
+    512x512 matmul), memory bandwidth (copying 32 MiB) and the cost of dispatching one small
+    op (what every graph node pays in the executor). `link`: gloo's alpha-beta, measured by
+    `measure_link` when a process group exists; else loopback defaults measured on a 2-core VM
+    (0.25 ms per step, 1 GB/s)."""
+    import time
+    if "hw" not in _CPU_CACHE:
+        torch.manual_seed(0)
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+
+        def rate(fn, work, budget=0.15):
+            fn()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < budget:
+                fn()
+                n += 1
+            return work * n / (time.perf_counter() - t0)
+        mm = rate(lambda: torch.mm(a, b), 2 * 512 ** 3)
+        src = torch.empty(8 * 2 ** 20)
+        dst = torch.empty_like(src)
+        bw = rate(lambda: dst.copy_(src), 2 * src.numel() * 4)
+        x = torch.ones(4)
+        per_op = 1 / rate(lambda: [x.add(1) for _ in range(100)], 100, 0.1)
+        threads = torch.get_num_threads()
+        _CPU_CACHE["hw"] = (mm, bw, per_op, threads)
+    mm, bw, per_op, threads = _CPU_CACHE["hw"]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware("cpu", {"fp32": mm, "bf16": mm / 4, "fp16": mm / 8}, bw, ram,
+                    link or Link(250e-6, 1e9), link or Link(250e-6, 1e9),
+                    devices_per_node=1 << 30, matmul_efficiency=1.0, node_overhead=per_op,
+                    calibrated=f"measured ({threads} threads)")
+
+
+def measure_link(group=None) -> Link:
+    """alpha and bandwidth of `group`'s backend, from all-reduces of 4 B and 4 MiB
+    (averaged over the ranks so every rank gets the same numbers)."""
+    import time
+    import torch.distributed as dist
+    n = dist.get_world_size(group)
+
+    def t(numel, reps):
+        x = torch.zeros(numel)
+        dist.all_reduce(x, group=group)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x, group=group)
+        return (time.perf_counter() - t0) / reps
+    small, big = t(1, 20), t(2 ** 20, 3)
+    steps = 2 * (n - 1)
+    alpha = small / steps
+    bw = (steps / n * 4 * 2 ** 20) / max(big - small, 1e-9)
+    v = torch.tensor([alpha, bw], dtype=torch.float64)
+    dist.all_reduce(v, group=group)
+    return Link(float(v[0]) / n, float(v[1]) / n)

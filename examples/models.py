@@ -79,6 +79,10 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 32
     dropout: float = 0.0
+    # "sdpa": F.scaled_dot_product_attention (flash kernels); "manual": softmax(QK^T/sqrt(d))V
+    # written out with attention dropout, as in Megatron-LM (whose activation-memory formula
+    # the planner's tests check against this form)
+    attention: str = "sdpa"
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,13 +92,22 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.manual = cfg.attention == "manual"
+        self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.manual:  # the causal mask is added (an add's backward saves nothing)
+            pos = torch.arange(T, device=x.device)
+            bias = torch.zeros(T, T, device=x.device, dtype=q.dtype).masked_fill(
+                pos[None, :] > pos[:, None], float("-inf"))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1))) + bias
+            y = self.attn_dropout(att.softmax(dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 

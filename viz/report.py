@@ -47,6 +47,37 @@ def predict(gm: torch.fx.GraphModule, device, group_size: int) -> Prediction:
     return Prediction(compute + comm, compute, comm, memory)
 
 
+def _planner_candidate(pm):
+    result = getattr(pm, "plan_report", None)
+    if result is None:
+        return None
+    return next((c for c in result.table if c.plan == pm.plan), result.best)
+
+
+def _planner_rows(pm, measured_s, measured_memory) -> list:
+    """The planner's calibrated prediction for the plan that runs, if the planner chose it."""
+    c = _planner_candidate(pm)
+    if c is None:
+        return []
+    parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.parts.items())
+    err = f" ({(c.step_s / measured_s - 1) * 100:+.0f}%)" if measured_s else ""
+    mem_err = (f" ({(c.memory.step_allocated / measured_memory - 1) * 100:+.0f}%)"
+               if measured_memory else "")
+    return [("step time (planner, calibrated)", f"{c.step_s * 1e3:.2f} ms{err}: {parts}",
+             f"{measured_s * 1e3:.2f} ms" if measured_s else "-"),
+            ("memory a step allocates (planner: gradients + activations + buffers, fullest "
+             "stage)", f"{c.memory.step_allocated / MiB:.2f} MiB{mem_err}",
+             f"{measured_memory / MiB:.2f} MiB" if measured_memory else "-")]
+
+
+def _explain_block(pm) -> str:
+    result = getattr(pm, "plan_report", None)
+    if result is None:
+        return ""
+    return (f"<h3>Why this plan (planner)</h3><pre>{html.escape(result.explain())}</pre>"
+            f"<pre>{html.escape(result.format(8))}</pre>")
+
+
 def _decision_line(name: str, gm) -> str:
     m = gm.meta
     if name == "remat" and "remat" in m:
@@ -117,6 +148,10 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
     cmp_rows.append(("memory the step allocates (gradients + activations)",
                      f"{pred.memory_bytes / MiB:.2f} MiB",
                      f"{measured_memory / MiB:.2f} MiB" if measured_memory else "-"))
+    calibrated = _planner_rows(pm, measured_s, measured_memory)
+    if calibrated:
+        cmp_rows = calibrated + [(f"{a} (uncalibrated roofline, this rank's graph)", b, c)
+                                 for a, b, c in cmp_rows]
     cmp = "".join(f"<tr><td>{a}</td><td>{b}</td><td>{c}</td></tr>" for a, b, c in cmp_rows)
     imgs = "".join(f'<h3>{html.escape(os.path.basename(p))}</h3><img src="{os.path.basename(p)}"'
                    ' class="plot">' for p in images)
@@ -134,8 +169,9 @@ img.graph{{max-width:100%;max-height:500px;border:1px solid #ddd}}img.plot{{max-
 <h2>Predicted vs measured (rank 0)</h2>
 <p>Prediction: the cost model on the final graph (roofline per node against the
 {html.escape(cost.DeviceProfile.for_device(pm.world.device).name)} profile, alpha-beta
-collectives; liveness simulation for memory). The profile is not calibrated to this machine
-yet{html.escape(pp_note)}.</p>
+collectives; liveness simulation for memory){html.escape(pp_note)}. When the planner chose the
+plan, its calibrated prediction comes first: measured hardware, schedule simulation, memory
+estimator (compiler/planner.py).</p>{_explain_block(pm)}
 <table><tr><th></th><th>predicted</th><th>measured</th></tr>{cmp}</table>
 <h2>Timeline and memory</h2>{imgs}
 </body></html>"""

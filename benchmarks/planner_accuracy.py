@@ -1,0 +1,111 @@
+"""Predicted vs measured step time for every legal plan of the small GPT on N CPU ranks.
+
+Every rank plans (the planner's hardware numbers measured at start-up, gloo's alpha-beta
+measured on the job's process group), then every legal plan is compiled and timed (median of
+the last steps). Prints one row per plan and the median / worst relative error; with
+--check-best, also how far the planner's choice is from the fastest measured plan.
+
+Run: python benchmarks/planner_accuracy.py --nprocs 4 [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import fxpar
+import fxpar.runtime.dist
+from fxpar.examples import models as M
+
+
+def _cfg():
+    return M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+
+
+def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, state: str):
+    import torch.distributed as dist
+    from fxpar.compiler import planner
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    cfg = _cfg()
+    torch.manual_seed(0)
+    data = M.gpt_batch(cfg, batch_rows)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    plan, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
+    cands = result.table if limit is None else result.table[:limit]
+    done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
+    start = len(done["rows"]) + len(done["failed"])
+    if rank == 0 and start == 0:
+        done["hardware"] = str(result.hardware)
+        done["n"] = len(cands)
+    for i, c in enumerate(cands[start:], start):
+        if rank == 0:  # a plan that crashes the job is recorded as failed by main()
+            done["current"] = c.row()
+            json.dump(done, open(state, "w"))
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
+                               plan=c.plan)
+        times = []
+        for s in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(data)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times[2:])], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        done["rows"].append((c.row(), c.step_s, float(t), i == 0))
+        del pm
+    if rank == 0:
+        done.pop("current", None)
+        json.dump(done, open(state, "w"))
+
+
+def report(state):
+    done = json.load(open(state))
+    print(done.get("hardware"))
+    errs = []
+    for row, pred, meas, _ in done["rows"]:
+        err = (pred - meas) / meas
+        errs.append(abs(err))
+        print(f"{row}   measured {meas * 1e3:8.2f} ms   error {err * 100:+6.1f}%")
+    for row, why in done["failed"]:
+        print(f"{row}   FAILED: {why}")
+    best = min(m for _, _, m, _ in done["rows"])
+    chosen = next((m for _, _, m, first in done["rows"] if first), None)
+    print(f"plans: {len(done['rows'])} measured, {len(done['failed'])} failed; |error| median "
+          f"{statistics.median(errs) * 100:.1f}%, worst {max(errs) * 100:.1f}%; the fastest "
+          f"measured plan {best * 1e3:.2f} ms" + (
+              f", the planner's choice {chosen * 1e3:.2f} ms ({(chosen / best - 1) * 100:+.1f}%)"
+              if chosen else ""))
+    return done
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nprocs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--limit", type=int, default=None, help="only the planner's top N plans")
+    ap.add_argument("--out", default=None, help="JSON with the numbers (also the progress)")
+    a = ap.parse_args(argv)
+    state = a.out or f"planner_accuracy_{a.nprocs}.json"
+    if os.path.exists(state):
+        os.remove(state)
+    while True:
+        try:
+            fxpar.launch(worker, a.nprocs, a.steps, a.batch, a.limit, state, state)
+            break
+        except fxpar.runtime.dist.LaunchError as e:  # record the plan that crashed, go on
+            done = json.load(open(state))
+            done["failed"].append((done.pop("current"), str(e)[:300]))
+            json.dump(done, open(state, "w"))
+    report(state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

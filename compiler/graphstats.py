@@ -1,0 +1,320 @@
+"""Per-layer statistics of a joint graph, for the planner: captured once, priced per plan.
+
+The planner never runs the pass pipeline per candidate. It reads, from the one joint graph
+(traced on fake tensors, so a 175B-parameter model costs no memory), what every plan's price
+depends on, per *segment*: the layers of the model's repeated blocks (a module path with an
+integer component, e.g. `h.3` or `model.layers.3`), plus `pre` (what runs before the first
+block: embeddings) and `post` (after the last: final norm, head, loss).
+
+Per segment: forward / backward FLOPs (torch's FlopCounterMode formulas), bytes moved, graph
+nodes (each pays the dispatch overhead), parameter elements, the bytes of forward values the
+backward reads (the saved activations: storages, so a view counts as its base), the bytes
+that cross to the next segment (a pipeline cut there sends them), and what tensor
+parallelism splits: every statistic has a `_split` part that Megatron-style column->row
+pairs divide by tp, and the bytes of the all-reduces those pairs need.
+
+Tensor-parallel split, found on the graph (no module names): walking the forward in order, a
+matmul with a weight operand and a whole (replicated) input is a *column* linear: its output
+is split; values computed from split values stay split; a matmul that reads a split value
+and a weight is the *row* linear closing the pair: its output is a partial sum, all-reduced
+(forward), whole afterwards. The backward mirrors it: the gradient of a column linear's input
+is all-reduced. Backward nodes are split when they produce a value shaped like a split
+forward value (and not like a whole one), or are matmuls reading a split value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from fxpar.compiler import cost, ir
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def layer_key(module: str) -> str | None:
+    """`transformer.h.3.mlp.c_fc` -> `transformer.h.3` (the repeated block it belongs to)."""
+    parts = module.split(".") if module else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
+          "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
+          "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
+          "transient")
+
+
+@dataclasses.dataclass
+class Segment:
+    """Statistics of one segment for the traced batch (rows = the batch rows traced)."""
+    name: str
+    flops_f: float = 0.0         # FLOPs of the matmul-family ops
+    flops_b: float = 0.0
+    bytes_f: float = 0.0         # bytes read + written by the ops without FLOPs
+    bytes_b: float = 0.0
+    nodes_f: int = 0
+    nodes_b: int = 0
+    saved: float = 0.0           # bytes of forward values the backward reads
+    boundary: float = 0.0        # bytes crossing to the next segment (forward; grads back)
+    params: int = 0              # parameter elements
+    flops_f_split: float = 0.0
+    flops_b_split: float = 0.0
+    bytes_f_split: float = 0.0
+    bytes_b_split: float = 0.0
+    saved_split: float = 0.0
+    params_split: int = 0
+    tp_comm_f: float = 0.0       # bytes all-reduced over tp in the forward (row outputs)
+    tp_comm_b: float = 0.0       # ... in the backward (column inputs' gradients)
+    transient: float = 0.0       # working bytes beyond the saved values while it runs
+    n_row: int = 0               # row linears (one tp all-reduce each, forward)
+    n_param_tensors: int = 0
+    column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
+
+    def key(self):
+        return tuple(round(float(getattr(self, f)), 3) for f in FIELDS if f != "transient")
+
+
+@dataclasses.dataclass
+class GraphStats:
+    """What the planner knows about a model. Per-row fields scale with the batch rows of a
+    microbatch (`rows` were traced); params and nodes do not."""
+    segments: list[Segment]
+    rows: int                    # batch rows of the traced graph
+    param_bytes_per_elem: float  # dtype size of the parameters as traced
+    transient: float             # activation peak beyond the saved values (working memory)
+    n_layers: int
+    traced_layers: int
+    note: str = ""
+    heads: int | None = None     # attention heads, if found (tp must divide them)
+    mutated_buffers: bool = False  # e.g. BatchNorm statistics: one microbatch per step only
+    graph: object = None         # (GraphModule, GraphSignature) when captured from a model
+
+    @property
+    def layers(self) -> list[Segment]:
+        return [s for s in self.segments if s.name not in ("pre", "post")]
+
+    @property
+    def total_params(self) -> int:
+        return sum(s.params for s in self.segments)
+
+    def with_depth(self, n_layers: int) -> "GraphStats":
+        """The statistics of the same model with `n_layers` repeated blocks: the middle traced
+        block stands for every block (they must be identical: checked)."""
+        layers = self.layers
+        if not layers:
+            raise ValueError("no repeated blocks found in the graph to scale")
+        mid = layers[len(layers) // 2]
+        inner = layers[1:-1]  # the first and last blocks may differ (what feeds them)
+        if any(s.key() != inner[0].key() for s in inner):
+            raise ValueError("the traced blocks differ; trace the full depth instead")
+        new = [self.segments[0]] + [dataclasses.replace(mid, name=f"{mid.name}#{i}")
+                                    for i in range(n_layers)] + [self.segments[-1]]
+        return dataclasses.replace(
+            self, segments=new, n_layers=n_layers,
+            note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
+                 f"stands for each of the {n_layers}")
+
+
+def _storage_base(n):
+    while cost.is_view(n) and n.all_input_nodes and isinstance(n.args[0], torch.fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _storage(n):
+    """(allocating node, element index or None) of the memory value n lives in; None for
+    inputs (parameters, batch)."""
+    idx = None
+    while n.op == "call_function" and cost.is_view(n) and isinstance(n.args[0], torch.fx.Node):
+        if n.target is operator.getitem and isinstance(n.args[0].meta.get(ir.VAL), (tuple, list)):
+            idx = n.args[1]
+            n = n.args[0]
+            break
+        n = n.args[0]
+    return (n, idx) if n.op == "call_function" else None
+
+
+def _is_param(n) -> bool:
+    return n.op == "placeholder" and n.meta.get(ir.ROLE) in ("param", "buffer")
+
+
+def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
+    """Segment statistics of a captured joint graph whose batch has `rows` rows."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    fwd = [n for n in nodes if n.meta.get(ir.REGION) == ir.FORWARD]
+    bwd = [n for n in nodes if n.meta.get(ir.REGION) != ir.FORWARD]
+
+    # segments of forward nodes in execution order: pre, layers..., post
+    order: list[str] = ["pre"]
+    seg_of: dict[torch.fx.Node, str] = {}
+    module_seg: dict[str, str] = {}
+    seen_layer = False
+    for n in fwd:
+        k = layer_key(n.meta.get(ir.MODULE, ""))
+        if k is not None:
+            seen_layer = True
+            if k not in order:
+                order.append(k)
+        seg = k or ("post" if seen_layer else "pre")
+        seg_of[n] = seg
+        module_seg.setdefault(n.meta.get(ir.MODULE, ""), seg)
+    order.append("post")
+    segs = {s: Segment(s) for s in order}
+    for b in bwd:
+        m = b.meta.get(ir.MODULE, "")
+        seg_of[b] = layer_key(m) or module_seg.get(m) or "post"
+
+    # weight-derived values (a weight's transpose/view) and the tp split
+    roots: dict = {}  # weight-derived node (a weight's transpose/view) -> its parameters
+    for n in nodes:
+        ins = n.all_input_nodes
+        if ins and all(_is_param(a) or a in roots for a in ins):
+            roots[n] = [r for a in ins for r in ([a] if _is_param(a) else roots[a])]
+    weightish = roots
+
+    def _param_roots(ins):
+        return [r for a in ins for r in ([a] if _is_param(a) else roots.get(a, []))]
+    split: set = set()
+    split_params: set = set()
+    heads = None
+    for n in fwd:
+        ins = n.all_input_nodes
+        w = [a for a in ins if _is_param(a) or a in weightish]
+        data = [a for a in ins if a not in w]
+        if n in weightish:
+            continue
+        if n.target in _MATMULS and w:
+            base_w = [a for a in _param_roots(w)]
+            if any(a in split for a in data):          # row linear: output all-reduced
+                split_params.update(p for p in base_w if _val_dim(p) >= 2)
+                segs[seg_of[n]].tp_comm_f += cost.tensor_bytes(n.meta.get(ir.VAL))
+                segs[seg_of[n]].n_row += 1
+            else:                                      # column linear: output split
+                split.add(n)
+                split_params.update(base_w)
+                segs[seg_of[n]].tp_comm_b += sum(cost.tensor_bytes(a.meta.get(ir.VAL))
+                                                 for a in data if a.op != "placeholder"
+                                                 or a.meta.get(ir.ROLE) == "batch")
+                segs[seg_of[n]].column_out.append(int(n.meta[ir.VAL].shape[-1]))
+        elif any(a in split for a in data) and n.meta.get(ir.VAL) is not None:
+            split.add(n)
+            v = n.meta[ir.VAL]
+            if heads is None and n.target in (aten.view.default, aten._unsafe_view.default) \
+                    and isinstance(v, torch.Tensor) and v.dim() == 4:
+                heads = int(v.shape[2])                # (b, s, heads, head_dim)
+    split_shapes = {tuple(n.meta[ir.VAL].shape) for n in split
+                    if isinstance(n.meta.get(ir.VAL), torch.Tensor)}
+    whole_shapes = {tuple(n.meta[ir.VAL].shape) for n in fwd if n not in split
+                    and isinstance(n.meta.get(ir.VAL), torch.Tensor)}
+    split_only = split_shapes - whole_shapes
+    split_work = set()  # split work whose result is whole (a partial sum, all-reduced)
+    for b in bwd:
+        v = b.meta.get(ir.VAL)
+        reads_split = any(a in split for a in b.all_input_nodes)
+        if isinstance(v, torch.Tensor) and tuple(v.shape) in split_only:
+            split.add(b)
+        elif reads_split and (isinstance(v, (tuple, list)) or b.target is operator.getitem
+                              or (cost.is_view(b) and b.args[0] in split)):
+            split.add(b)  # a multi-output op (attention backward) on split values, its parts
+        elif reads_split and b.target in _MATMULS:
+            split_work.add(b)
+
+    for n in nodes:
+        s = segs[seg_of[n]]
+        f, (r, w) = cost.node_flops(n), cost.node_bytes(n)
+        if f:  # priced by FLOPs (compute-bound); bytes price the FLOP-less (memory-bound) ops
+            r = w = 0
+        is_f = n.meta.get(ir.REGION) == ir.FORWARD
+        sp = n in split or n in split_work or (n.target in _MATMULS and any(
+            p in split_params for p in _param_roots(n.all_input_nodes)))
+        if is_f:
+            s.flops_f += f
+            s.bytes_f += r + w
+            s.nodes_f += 1
+            if sp:
+                s.flops_f_split += f
+                s.bytes_f_split += r + w
+        else:
+            s.flops_b += f
+            s.bytes_b += r + w
+            s.nodes_b += 1
+            if sp:
+                s.flops_b_split += f
+                s.bytes_b_split += r + w
+
+    # saved activations: storages of forward values read by the backward, by producer (an
+    # element of a multi-output op is its own storage: dropout's mask, not its output)
+    saved: dict = {}
+    for n in fwd:
+        if any(u.meta.get(ir.REGION) != ir.FORWARD for u in n.users):
+            key = _storage(n)
+            if key is not None:
+                saved[key] = n
+    for (base, idx), n in saved.items():
+        v = base.meta.get(ir.VAL)
+        b = cost.tensor_bytes(v[idx] if idx is not None else v)
+        segs[seg_of[base]].saved += b
+        if base in split or n in split:
+            segs[seg_of[base]].saved_split += b
+    # values crossing from a segment to a later one (forward)
+    pos = {s: i for i, s in enumerate(order)}
+    for n in fwd:
+        base = _storage_base(n)
+        if base is not n or base.op != "call_function":
+            continue
+        users = [u for u in n.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]
+        later = [pos[seg_of[u]] for u in users if pos[seg_of[u]] > pos[seg_of[n]]]
+        if later:
+            for i in range(pos[seg_of[n]], max(later)):
+                segs[order[i]].boundary += cost.tensor_bytes(n.meta.get(ir.VAL))
+    # parameters: the segment of their first forward use
+    elem = 4.0
+    for p in gm.graph.nodes:
+        if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param":
+            users = [u for u in p.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]
+            seg = layer_key(p.meta.get("fqn", "")) or (seg_of[users[0]] if users else "pre")
+            seg = seg if seg in segs else "pre"
+            v = p.meta[ir.VAL]
+            segs[seg].params += v.numel()
+            segs[seg].n_param_tensors += 1
+            elem = v.element_size()
+            if p in split_params:
+                segs[seg].params_split += v.numel()
+
+    # working memory per segment: the simulated live activations while its nodes run, less
+    # the saved values that may still be alive then (every segment's up to its own)
+    tl = cost.simulate(gm, count_inputs=False)
+    transient = max(0.0, tl.peak["activations"] - sum(s.saved for s in segs.values()))
+    idx = {n: i for i, n in enumerate(gm.graph.nodes)}
+    size = {k: cost.tensor_bytes(k[0].meta.get(ir.VAL)[k[1]] if k[1] is not None
+                                 else k[0].meta.get(ir.VAL)) for k in saved}
+    last = {k: idx[k[0]] for k in saved}
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            k = _storage(a) if a.op == "call_function" else None
+            if k in last:
+                last[k] = max(last[k], idx[n])
+    delta = [0.0] * (len(idx) + 1)
+    for k, b in size.items():
+        delta[idx[k[0]]] += b
+        delta[last[k] + 1] -= b
+    alive = 0.0
+    for n, i in idx.items():
+        alive += delta[i]
+        if n in seg_of:
+            segs[seg_of[n]].transient = max(segs[seg_of[n]].transient,
+                                            tl.live["activations"][i] - alive)
+    layers = [s for s in order if s not in ("pre", "post")]
+    return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
+                      len(layers), heads=heads)
+
+
+def _val_dim(n) -> int:
+    v = n.meta.get(ir.VAL)
+    return v.dim() if isinstance(v, torch.Tensor) else 0

@@ -1,0 +1,151 @@
+"""Memory per device of a plan, from the graph statistics (compiler/graphstats.py).
+
+Per rank of pipeline stage s:
+  parameters   elements held (tp divides the split ones) x bytes per element; / dp under ZeRO-3
+  gradients    the same elements x gradient bytes; / dp under ZeRO-2 and -3
+  optimizer    per element: SGD 0, SGD with momentum 4 B, Adam/AdamW 8 B (two fp32 moments),
+               + 4 B of fp32 master weights when training in 16 bits; / dp under ZeRO >= 1
+               (EleutherAI's "Transformer Math 101": 2 + 2 + 12 = 16 B per parameter for
+               mixed-precision Adam)
+  activations  the saved activations of the stage's layers (the graph's forward values read by
+               its backward) x the microbatches the schedule holds in flight on that stage
+               (1F1B: stage i holds min(pp - i, m); GPipe: m), after remat; plus the working
+               memory of one microbatch beyond the saved values (per segment: the liveness
+               simulator's live bytes while it runs less the saved values alive then; e.g.
+               the logits at the loss), the largest of the stage's segments
+  buffers      gradient buckets (2 in flight), ZeRO-3's gathered parameters of two layers,
+               pipeline send/receive buffers of the boundary activation and its gradient,
+               and with microbatches one microbatch's gradients beside the accumulated sum.
+The step's peak: activations + gradients + buffers with several microbatches (gradients
+accumulate while later microbatches' activations live), max(activations, gradients + buffers)
+with one (the backward frees activations as it makes gradients).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from fxpar.compiler.graphstats import GraphStats, Segment
+
+# fp32 values kept per parameter by each optimizer (besides the parameter itself)
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
+                    "rmsprop": 1}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_kind(factory) -> str:
+    """'sgd' | 'sgd_momentum' | 'adam' | 'adamw' | ... of an optimizer factory (built once on a
+    one-element parameter to look), or of an optimizer instance; default SGD as fxpar's."""
+    if factory is None:
+        return "sgd"
+    opt = factory if isinstance(factory, torch.optim.Optimizer) else factory(
+        [torch.nn.Parameter(torch.zeros(1))])
+    name = type(opt).__name__.lower()
+    if name == "sgd":
+        return "sgd_momentum" if opt.defaults.get("momentum", 0) else "sgd"
+    if name not in OPTIMIZER_STATES:
+        return "adam"  # unknown: assume the common worst case (two states)
+    return name
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Bytes per device on the fullest stage (and the total of every stage in `per_stage`)."""
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    stage: int = 0
+    per_stage: list = dataclasses.field(default_factory=list)
+    accumulate: bool = True  # gradients live while activations do (microbatches > 1)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.step_allocated
+
+    @property
+    def step_allocated(self) -> float:
+        """What one training step allocates once the optimizer state exists (what a tracker
+        sees on a later step). With one microbatch the backward frees activations as it makes
+        gradients: the peak is the larger of the activations (start of the backward) and the
+        gradients with the reduction buckets (its end). With several, the gradients of the
+        first microbatches are held while later ones' activations live: the sum."""
+        if self.accumulate:
+            return self.grads + self.activations + self.buffers
+        return max(self.activations, self.grads + self.buffers)
+
+    def describe(self) -> str:
+        g, u = (2 ** 30, "GiB") if self.total >= 2 ** 28 else (2 ** 20, "MiB")
+        return (f"{self.total / g:.2f} {u} (params {self.params / g:.2f}, grads "
+                f"{self.grads / g:.2f}, optimizer {self.optimizer / g:.2f}, activations "
+                f"{self.activations / g:.2f}, buffers {self.buffers / g:.2f}; stage {self.stage})")
+
+
+def activation_bytes(segs: list[Segment], stats: GraphStats, rows: float, tp: int,
+                     act_scale: float = 1.0) -> float:
+    """Saved activation bytes of one microbatch of `rows` rows through these segments."""
+    f = rows / stats.rows * act_scale
+    return sum((s.saved - s.saved_split) + s.saved_split / tp for s in segs) * f
+
+
+def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
+    """(activation bytes, fraction of the forward recomputed) under a remat choice.
+
+    "none": everything saved for every microbatch in flight. "sqrt" (Chen et al.): checkpoints
+    every sqrt(n) layers kept per microbatch in flight, one segment rebuilt at a time; the
+    whole forward recomputed. A byte budget: the remat pass recomputes the least that fits,
+    between "none" and per-layer checkpointing (keep each layer's input, rebuild one layer).
+    """
+    full = activation_bytes(segs, stats, rows, tp, act_scale) * in_flight
+    layers = [s for s in segs if s.name not in ("pre", "post", "ends")]
+    f = rows / stats.rows * act_scale
+    one_layer = max((activation_bytes([s], stats, rows, tp, act_scale) for s in layers
+                     if not getattr(s, "layer_count", 0)), default=0.0)
+    boundary = max((s.boundary for s in layers), default=0.0) * f
+    n = sum(getattr(s, "layer_count", 1) for s in layers)  # an aggregate stands for several
+    if remat == "none" or not layers:
+        return full, 0.0
+    if remat == "sqrt":
+        k = max(1, round(math.sqrt(n)))
+        return in_flight * math.ceil(n / k) * boundary + k * one_layer, 1.0
+    floor = in_flight * n * boundary + one_layer
+    budget = float(remat)
+    if budget >= full:
+        return full, 0.0
+    if budget <= floor:
+        return floor, 1.0
+    return budget, (full - budget) / max(full - floor, 1.0)
+
+
+def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zero: int,
+                 rows: float, in_flight: int, precision: str, optimizer: str, remat="none",
+                 transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
+                 microbatches: int = 1) -> tuple[MemoryEstimate, float]:
+    """Memory of one rank of the stage holding `segs`, and its recompute fraction."""
+    elem = DTYPE_BYTES[precision]
+    n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
+    params = n * elem / (dp if zero >= 3 else 1)
+    grads = n * elem / (dp if zero >= 2 else 1)
+    per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
+    opt = n * per / (dp if zero >= 1 else 1)
+    act_scale = elem / stats.param_bytes_per_elem
+    acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale)
+    if transient:  # the largest working memory of one of its segments, one microbatch
+        acts += max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
+    buffers = 0.0
+    if dp > 1 and zero < 3:
+        buffers += 2 * min(bucket_bytes, grads)
+    if dp > 1 and zero >= 3:
+        layer = max(((s.params - s.params_split) + s.params_split / tp
+                     for s in segs if not getattr(s, "layer_count", 0)), default=0)
+        buffers += 2 * layer * elem
+    if pp > 1:
+        f = rows / stats.rows * act_scale
+        buffers += 2 * max((s.boundary for s in segs), default=0.0) * f
+    if microbatches > 1:  # accumulating: a microbatch's gradients next to the running sum
+        buffers += grads
+    return MemoryEstimate(params, grads, opt, acts, buffers,
+                          accumulate=microbatches > 1), recompute

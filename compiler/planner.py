@@ -1,0 +1,687 @@
+"""Plan search for plan="auto": dp x tp x pp, microbatches, schedule, remat and ZeRO.
+
+The joint graph is captured once (on fake tensors for big models) and reduced to per-layer
+statistics (compiler/graphstats.py); every candidate plan is then priced analytically, never
+by running the passes:
+  compute   per stage and microbatch: matmul FLOPs at the device's achievable rate, the other
+            ops' bytes at its memory bandwidth, and a dispatch overhead per graph node
+            (compiler/cost.Hardware; the CPU's numbers are measured at start-up);
+  tp        Megatron's all-reduces (per block 2 forward + 2 backward of b*s*h) with the
+            alpha-beta ring model of the link the tp group spans;
+  pp        the schedule's makespan from runtime/schedules.simulate with those stage times and
+            the p2p time of the cut activations (the best candidates are simulated; the rest
+            priced by the closed form (m + pp - 1) x slowest stage first);
+  dp        gradient all-reduce or ZeRO's reduce-scatter + all-gather (ZeRO-3 also gathers the
+            parameters per microbatch), overlapped with the last backward when Plan.overlap;
+  optimizer the bytes the update reads and writes;
+  memory    compiler/memory.py; a plan that does not fit is pruned (remat budgets are tried
+            before a plan is given up).
+The best plan wins; `PlanResult.table` has the runner-ups and `explain()` says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import torch
+
+from fxpar.compiler import cost
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.graphstats import GraphStats, Segment, analyze
+from fxpar.compiler.memory import MemoryEstimate, stage_memory
+from fxpar.compiler.plan import Plan
+
+GiB = 2 ** 30
+SIMULATE_TOP = 12
+
+
+@dataclasses.dataclass
+class Candidate:
+    plan: Plan
+    step_s: float
+    memory: MemoryEstimate
+    mfu: float
+    bubble: float
+    parts: dict            # seconds per component: compute, tp, pipeline bubble, dp, optimizer
+    simulated: bool = False
+    recompute: float = 0.0
+
+    def row(self) -> str:
+        p = self.plan
+        sched = p.schedule if p.pp > 1 else "-"
+        return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
+                f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s} "
+                f"{self.step_s * 1e3:10.2f} ms  {_bytes(self.memory.total):>11s}  "
+                f"MFU {self.mfu * 100:5.1f}%  bubble {self.bubble * 100:5.1f}%")
+
+
+def _bytes(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 4 else f"{b / 2 ** 20:.2f} MiB"
+
+
+def _remat_str(r):
+    if isinstance(r, (int, float)) and not isinstance(r, bool):
+        return _bytes(r).replace(" ", "")
+    return r
+
+
+@dataclasses.dataclass
+class PlanResult:
+    best: Candidate
+    table: list            # best first
+    n_legal: int
+    n_fit: int
+    hardware: cost.Hardware
+    note: str
+    seconds: float
+    devices: int
+
+    def format(self, top: int = 10) -> str:
+        lines = [f"{self.n_legal} legal plans for {self.devices} x {self.hardware.name} "
+                 f"({self.hardware.memory / GiB:.0f} GiB each, {self.hardware.calibrated}); "
+                 f"{self.n_fit} fit in memory; searched in {self.seconds:.1f} s"]
+        if self.note:
+            lines.append(self.note)
+        lines.append("rank  plan" + " " * 66 + "step time    memory")
+        lines += [f"{i + 1:4d}  {c.row()}" for i, c in enumerate(self.table[:top])]
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        b = self.best
+        ms = {k: v * 1e3 for k, v in b.parts.items()}
+        out = [f"chosen: {b.row()}",
+               "  step time = " + " + ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
+               f"  memory per device: {b.memory.describe()}"]
+        if b.recompute:
+            out.append(f"  remat recomputes {b.recompute * 100:.0f}% of the forward to fit")
+        if len(self.table) > 1:
+            r = self.table[1]
+            diffs = sorted(((r.parts.get(k, 0) - b.parts.get(k, 0), k)
+                            for k in set(b.parts) | set(r.parts)), reverse=True)
+            why = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs[:2] if d > 0)
+            out.append(f"  runner-up {r.row()}\n  is {(r.step_s / b.step_s - 1) * 100:.1f}% "
+                       f"slower: {why or 'the sum of small differences'}")
+        if self.n_fit < self.n_legal:
+            out.append(f"  {self.n_legal - self.n_fit} legal plans were pruned: they do not "
+                       f"fit in {self.hardware.memory / GiB:.1f} GiB per device")
+        return "\n".join(out)
+
+
+# --- the model's layers and the stages -------------------------------------------------------
+
+def _seg_time(s: Segment, stats, rows, tp, hw, precision, part):
+    """Seconds of one segment's forward ("f") or backward ("b") for `rows` rows."""
+    f = rows / stats.rows
+    flops = getattr(s, f"flops_{part}")
+    fs = getattr(s, f"flops_{part}_split")
+    by = getattr(s, f"bytes_{part}")
+    bs = getattr(s, f"bytes_{part}_split")
+    compute = ((flops - fs) + fs / tp) * f / (hw.flops(precision) * hw.matmul_efficiency)
+    memory = ((by - bs) + bs / tp) * f / hw.mem_bandwidth
+    return compute + memory + getattr(s, f"nodes_{part}") * hw.node_overhead
+
+
+def partition(weights: list[float], k: int) -> list[int]:
+    """Contiguous split of `weights` into k parts minimising the largest part: the start index
+    of every part (binary search on the answer with a greedy fill)."""
+    lo, hi = max(weights), sum(weights)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        parts, acc = 1, 0.0
+        for w in weights:
+            if acc + w > mid:
+                parts, acc = parts + 1, w
+            else:
+                acc += w
+        lo, hi = (mid, hi) if parts > k else (lo, mid)
+    starts, acc = [0], 0.0
+    for i, w in enumerate(weights):
+        if acc + w > hi and len(starts) < k:
+            starts.append(i)
+            acc = w
+        else:
+            acc += w
+    while len(starts) < k:  # too few parts: split the largest (needs len(weights) >= k)
+        starts.append(next(i for i in range(1, len(weights)) if i not in starts))
+        starts.sort()
+    return starts
+
+
+def stages_of(stats: GraphStats, pp: int, v: int = 1) -> list[list[Segment]]:
+    """The model's segments cut into pp*v contiguous stages balanced by compute (pre joins the
+    first stage, post the last, as pipeline_split's cost model would weigh them)."""
+    n = pp * v
+    segs = stats.segments
+    layers = segs[1:-1]
+    if n == 1:
+        return [segs]
+    w = [s.flops_f + s.flops_b + 1e3 * (s.nodes_f + s.nodes_b) for s in layers]
+    w[0] += segs[0].flops_f + segs[0].flops_b
+    w[-1] += segs[-1].flops_f + segs[-1].flops_b
+    starts = partition(w, n) + [len(layers)]
+    out = [layers[a:b] for a, b in zip(starts, starts[1:])]
+    out[0] = [segs[0]] + out[0]
+    out[-1] = out[-1] + [segs[-1]]
+    return out
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
+    """Peak microbatches whose activations rank r holds, in units of its whole stage, by the
+    schedules' construction (runtime/schedules.py; equal to its simulator's peak_in_flight,
+    tested): GPipe m; 1F1B min(pp - r, m); ZB-H1 min(pp, m) (its W's wait r steps);
+    interleaved: Megatron's warmup 2(pp - r - 1) + (v - 1)pp chunk forwards plus one, in
+    chunks of 1/v of the stage."""
+    if schedule == "gpipe":
+        return [m] * pp
+    if schedule == "1f1b":
+        return [min(pp - r, m) for r in range(pp)]
+    if schedule == "zero-bubble":
+        return [min(pp, m) if m > r else m for r in range(pp)]
+    return [math.ceil(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v) for r in range(pp)]
+
+
+def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
+    """Pipeline makespan by simulation; for m > 4pp the steady state is extrapolated linearly
+    from two simulations (every extra microbatch adds the same period)."""
+    from fxpar.runtime import schedules
+
+    def run(mm):
+        def dur(a):
+            s = a.stage // pp if v > 1 else 0
+            r = a.stage % pp
+            t = (fwd if a.kind == "F" else bwd)[r] / v
+            return t if a.kind in ("F", "B") else t / 2
+        return schedules.simulate(schedules.build(schedule, pp, mm, v), dur,
+                                  p2p_latency=p2p).makespan
+    cap = 4 * pp
+    if m <= cap + pp:
+        return run(m)
+    a, b = run(cap), run(cap + pp)
+    return a + (m - cap) * (b - a) / pp
+
+
+# --- search ------------------------------------------------------------------------------------
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(world):
+    return [(dp, tp, world // (dp * tp)) for dp in _divisors(world)
+            for tp in _divisors(world // dp)]
+
+
+def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
+           precision: str = "fp32", optimizer: str = "adamw", constraints: dict | None = None,
+           executable: bool = True, schedules_: tuple = ("1f1b", "gpipe", "interleaved",
+                                                          "zero-bubble"),
+           memory_fraction: float = 0.9) -> PlanResult:
+    """Every legal plan for `world` devices, pruned by memory, ranked by predicted step time.
+
+    constraints: Plan fields fixed by the user (e.g. {"pp": 2}). executable: only plans this
+    fxpar version runs (Plan.validate); False for what-if planning at scale (e.g. bf16).
+    """
+    t0 = time.perf_counter()
+    constraints = {k: v for k, v in (constraints or {}).items() if v is not None}
+    budget = hw.memory * memory_fraction
+    reasons: dict[str, str] = {}
+    legal: list[tuple] = []
+    n_layers = len(stats.layers)
+    cols = sorted({c for s in stats.segments for c in s.column_out})
+    for dp, tp, pp in _factorizations(world):
+        if any(constraints.get(k, v) != v for k, v in (("dp", dp), ("tp", tp), ("pp", pp))):
+            continue
+        if batch_rows % dp:
+            reasons.setdefault("dp", f"the batch of {batch_rows} rows does not split over "
+                                     f"dp={dp}")
+            continue
+        if tp > 1 and stats.heads and stats.heads % tp:
+            reasons.setdefault("tp", f"tp={tp} does not divide the {stats.heads} attention "
+                                     "heads")
+            continue
+        if tp > 1 and (not cols or any(c % tp for c in cols)):
+            reasons.setdefault("tp", f"tp={tp}: " + (
+                "the graph has no column/row linear pairs to split" if not cols else
+                f"does not divide the split linears' {sorted(set(c for c in cols if c % tp))} "
+                "output features"))
+            continue
+        if pp > 1 and pp > n_layers:
+            reasons.setdefault("pp", f"pp={pp} is more than the {n_layers} repeated blocks "
+                                     "found in the graph" if n_layers else
+                               f"pp={pp}: no repeated blocks (layers) found to cut into stages")
+            continue
+        legal.append((dp, tp, pp))
+    if not legal:
+        raise PlanError(
+            f"no legal factorization of {world} devices into dp x tp x pp for this model"
+            + (f" with {constraints}" if constraints else "") + ": " +
+            "; ".join(reasons.values()) + ". Use a device count whose factors fit (e.g. a "
+            "multiple of the batch's divisors, tp dividing the heads), or change the batch.")
+
+    cands: list[Candidate] = []
+    n_legal = 0
+    smallest: tuple[float, Candidate] | None = None
+    stage_cache = {}
+    for dp, tp, pp in legal:
+        rows_dp = batch_rows // dp
+        mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
+        if "microbatches" in constraints:
+            m = constraints["microbatches"]
+            if rows_dp % m:
+                continue
+            mbs_opts = [rows_dp // m]
+        for mbs in mbs_opts:
+            m = rows_dp // mbs
+            if m > 1 and stats.mutated_buffers:
+                continue  # per-microbatch buffer updates (BatchNorm) differ from one step
+            scheds = [constraints["schedule"]] if "schedule" in constraints else (
+                list(schedules_) if pp > 1 else ["1f1b"])
+            for sched in scheds:
+                v = 2 if sched == "interleaved" else 1
+                if sched == "interleaved" and (m % pp or n_layers < pp * v):
+                    continue
+                zeros = [constraints["zero"]] if "zero" in constraints else (
+                    [0, 1, 2, 3] if dp > 1 else [0])
+                for zero in zeros:
+                    if executable and zero == 3 and (tp > 1 or pp > 1 or m > 1):
+                        continue  # not implemented (ZeRO-3 with microbatches crashes the
+                        # pipeline runner: its parameters are shards there)
+                    key = (pp, v)
+                    if key not in stage_cache:
+                        stage_cache[key] = _rank_aggregates(stages_of(stats, pp, v), pp, v)
+                    n_legal += 1
+                    c = _price(stats, hw, stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
+                               precision, optimizer, constraints, budget)
+                    if c is None:
+                        continue
+                    if executable:
+                        try:
+                            c.plan.validate(world)
+                        except PlanError:
+                            continue
+                    if c.memory.total <= budget:
+                        cands.append(c)
+                    elif smallest is None or c.memory.total < smallest[0]:
+                        smallest = (c.memory.total, c)
+    if not cands:
+        if smallest is None:
+            raise PlanError(f"no plan could be priced for {world} devices with {constraints}.")
+        need, near = smallest
+        raise PlanError(
+            f"the model fits no legal plan on {world} x {hw.name} with "
+            f"{hw.memory / GiB:.1f} GiB each ({memory_fraction:.0%} usable): the smallest "
+            f"need is {need / GiB:.2f} GiB per device, by the nearest plan {near.row()} "
+            f"({near.memory.describe()}). Use devices with at least "
+            f"{need / memory_fraction / GiB:.1f} "
+            f"GiB, more devices, or a smaller batch / model.")
+    cands.sort(key=lambda c: c.step_s)
+    # simulate the pipeline schedules of the best candidates and re-rank
+    for c in cands[:SIMULATE_TOP]:
+        _simulate(c, stats, hw, stage_cache, precision)
+    cands.sort(key=_rank_key)
+    note = stats.note
+    return PlanResult(cands[0], cands, n_legal, len(cands), hw, note,
+                      time.perf_counter() - t0, world)
+
+
+def _rank_aggregates(stages, pp, v):
+    """Per rank (its v chunks), the segments summed into one `pre`/`post`-free aggregate plus
+    a stand-in for its largest layer, so pricing a plan costs O(pp), not O(layers)."""
+    from fxpar.compiler.graphstats import FIELDS
+    out = []
+    for r in range(pp):
+        segs = [s for k in range(v) for s in stages[k * pp + r]]
+        layers = [s for s in segs if s.name not in ("pre", "post")]
+        agg = Segment("ends")
+        for s in segs:
+            if s not in layers:
+                for f in FIELDS:
+                    setattr(agg, f, getattr(agg, f) + getattr(s, f))
+                agg.column_out = agg.column_out + s.column_out
+                agg.n_row += s.n_row
+                agg.n_param_tensors += s.n_param_tensors
+        agg.boundary = 0.0
+        agg.transient = max((s.transient for s in segs if s not in layers), default=0.0)
+        group = []
+        if layers:
+            big = max(layers, key=lambda s: s.saved)
+            rest = Segment("layers")
+            for f in FIELDS:
+                setattr(rest, f, sum(getattr(s, f) for s in layers) - getattr(big, f))
+            rest.boundary = 0.0
+            rest.transient = max(s.transient for s in layers)
+            rest.n_row = sum(s.n_row for s in layers) - big.n_row
+            rest.n_param_tensors = sum(s.n_param_tensors for s in layers) - big.n_param_tensors
+            rest.column_out = [c for s in layers for c in s.column_out][len(big.column_out):]
+            rest.layer_count = len(layers) - 1
+            group = [big, rest]
+        agg.has_post = any(s.name == "post" for s in segs)
+        out.append([agg] + group)
+    return out
+
+
+def _rank_key(c: Candidate):
+    """Fastest first; within 0.5% of each other the simpler plan (less ZeRO, fewer
+    microbatches, plain 1F1B, no remat) wins, as the prediction cannot tell them apart."""
+    simple = (c.plan.zero, c.plan.microbatches, c.plan.schedule != "1f1b",
+              c.plan.remat != "none", c.plan.pp, c.plan.tp)
+    return (math.floor(math.log(c.step_s) / math.log(1.005)), simple, c.step_s)
+
+
+def _links(hw, dp, tp, pp):
+    """Ranks are laid out tp innermost, then pp, then dp (as parallelize builds the mesh)."""
+    return hw.link(tp), hw.link(tp * 2 if pp > 1 else 1), hw.link(tp * pp * dp)
+
+
+def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
+           constraints, budget) -> Candidate | None:
+    tp_link, pp_link, dp_link = _links(hw, dp, tp, pp)
+    held = in_flight(sched, pp, m, v)
+    n_st = len(stages)
+    rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
+    fwd, bwd, mems, recs = [], [], [], []
+    remat = constraints.get("remat", "none")
+    fixed_remat = "remat" in constraints and remat != "auto"  # "auto": the pass sizes it
+    if remat == "auto":
+        remat = "none"
+    for r in range(pp):
+        segs = rank_segs[r]
+        last = segs[0].has_post
+        mem, rec = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
+                                in_flight=held[r], precision=precision,
+                                optimizer=optimizer, remat=remat, transient=True, pp=pp,
+                                microbatches=m)
+        mems.append((mem, rec))
+    worst = max(range(pp), key=lambda r: mems[r][0].total)
+    if mems[worst][0].total > budget and not fixed_remat:
+        # the least recompute that fits: give each rank the activation budget that is left
+        new = []
+        for r in range(pp):
+            mem, _ = mems[r]
+            left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
+            segs = rank_segs[r]
+            last = segs[0].has_post
+            trans = max(s.transient for s in segs) * mbs / stats.rows
+            rb = max(left - trans, 1.0)
+            mem2, rec2 = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
+                                      in_flight=held[r], precision=precision,
+                                      optimizer=optimizer, remat=rb, transient=True, pp=pp,
+                                      microbatches=m)
+            new.append((mem2, rec2))
+        mems = new
+        w = mems[worst][0]
+        remat = int(max(budget - (w.params + w.optimizer + w.grads + w.buffers), 1))
+        worst = max(range(pp), key=lambda r: mems[r][0].total)
+    for r, (m_, _) in enumerate(mems):
+        m_.stage = r
+    mems[worst][0].per_stage = [m_ for m_, _ in mems]
+    for r in range(pp):
+        segs = rank_segs[r]
+        rec = mems[r][1]
+        tf = sum(_seg_time(s, stats, mbs, tp, hw, precision, "f") for s in segs)
+        tb = sum(_seg_time(s, stats, mbs, tp, hw, precision, "b") for s in segs)
+        f = mbs / stats.rows
+        tpc_f = sum(_all_reduce(s.tp_comm_f * f, s.n_row, tp, tp_link) for s in segs)
+        tpc_b = sum(_all_reduce(s.tp_comm_b * f, len(s.column_out), tp, tp_link) for s in segs)
+        fwd.append(tf + tpc_f)
+        bwd.append(tb + tpc_b + rec * tf)
+    boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
+    p2p = cost.collective_time("p2p", boundary, 2, pp_link) if pp > 1 else 0.0
+    slow = max(f + b for f, b in zip(fwd, bwd))
+    if pp == 1:
+        pipe = m * (fwd[0] + bwd[0])
+    elif sched == "interleaved":
+        pipe = m * slow + (pp - 1) * slow / v + 2 * (pp - 1) * p2p
+    elif sched == "zero-bubble":
+        pipe = m * slow + (pp - 1) * max(f + b / 2 for f, b in zip(fwd, bwd)) + 2 * (pp - 1) * p2p
+    else:
+        pipe = (m - 1) * slow + sum(fwd) + sum(bwd) + 2 * (pp - 1) * p2p
+    # data parallel: this rank's gradients
+    mem = mems[worst][0]
+    elem = 4 if precision == "fp32" else 2
+    n_elem = mem.params * (dp if zero >= 3 else 1) / elem  # this rank's parameter elements
+    dpc = 0.0
+    if dp > 1:
+        if zero == 0:
+            dpc = cost.collective_time("all_reduce", n_elem * elem, dp, dp_link)
+        else:
+            dpc = (cost.collective_time("reduce_scatter", n_elem * elem, dp, dp_link)
+                   + cost.collective_time("all_gather", n_elem * elem, dp, dp_link))
+        if zero >= 3:  # every parameter gathered before its forward and backward use
+            n_t = sum(s.n_param_tensors for s in rank_segs[worst])
+            dpc += 2 * m * (cost.collective_time("all_gather", n_elem * elem, dp, dp_link)
+                            + (n_t - 1) * (dp - 1) * dp_link.alpha)
+    window = bwd[0] if constraints.get("overlap", True) else 0.0
+    dp_exposed = max(dpc - window, dpc * 0.05) if dp > 1 else 0.0
+    from fxpar.compiler.memory import OPTIMIZER_STATES
+    k = OPTIMIZER_STATES.get(optimizer, 2)
+    touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4
+    n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])
+    opt_t = touched / hw.mem_bandwidth + n_tensors * (3 + 2 * k) * hw.node_overhead
+    if hw.optimizer_s is not None:  # measured on this machine for the whole model
+        opt_t = hw.optimizer_s * n_elem / (dp if zero >= 1 else 1) / max(stats.total_params, 1)
+    step = pipe + dp_exposed + opt_t + hw.step_overhead
+    busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
+    compute_only = m * max(f + b for f, b in zip(fwd, bwd))
+    parts = {"compute": compute_only, "pipeline bubble": max(pipe - compute_only, 0.0),
+             "dp communication": dp_exposed, "optimizer": opt_t}
+    model_flops = sum(s.flops_f + s.flops_b for s in stats.segments) * batch_scale(
+        stats, mbs * m * dp)
+    mfu = model_flops / (step * dp * tp * pp * hw.flops(precision))
+    plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
+                remat="auto" if constraints.get("remat") == "auto" else remat,
+                precision=precision)
+    for k2 in ("overlap", "fuse", "bucket_mb", "sequence_parallel", "tp_style"):
+        if k2 in constraints:
+            setattr(plan, k2, constraints[k2])
+    c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
+                  recompute=max(r for _, r in mems))
+    c._ctx = (fwd, bwd, p2p, pipe, v)
+    return c
+
+
+def _all_reduce(nbytes, calls, n, link):
+    """`calls` ring all-reduces moving `nbytes` in total."""
+    if n <= 1 or not calls:
+        return 0.0
+    return calls * 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def batch_scale(stats, rows):
+    return rows / stats.rows
+
+
+def _simulate(c: Candidate, stats, hw, stage_cache, precision):
+    p = c.plan
+    if p.pp == 1:
+        c.simulated = True
+        return
+    fwd, bwd, p2p, pipe, v = c._ctx
+    ms = _makespan(p.schedule, p.pp, p.microbatches, v, fwd, bwd, p2p)
+    c.step_s += ms - pipe
+    busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
+    c.bubble = 1 - busy / ms
+    c.parts["pipeline bubble"] = max(ms - c.parts["compute"], 0.0)
+    c.mfu *= (c.step_s - ms + pipe) / c.step_s
+    c.simulated = True
+
+
+# --- front doors ---------------------------------------------------------------------------------
+
+def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
+    """Capture model+loss once and reduce it to the planner's statistics."""
+    from fxpar.compiler import capture as cap
+    gm, sig = cap.capture(model, example_batch, loss_fn)
+    leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    stats = analyze(gm, int(leaves[0].shape[0]) if leaves else 1)
+    stats.mutated_buffers = bool(sig.mutated_buffers)
+    stats.graph = (gm, sig)  # for calibrate_on_model
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if isinstance(heads, int):
+        stats.heads = heads
+    return stats
+
+
+def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
+                       optimizer) -> cost.Hardware:
+    """CPU: time the model's own joint graph once on the example batch (one process, real
+    tensors) and its optimizer step; the time the roofline does not explain is the dispatch
+    overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
+    this at once, so each measures its share of the cores."""
+    import time as _time
+    from fxpar.compiler import capture as cap
+    gm, sig = stats.graph
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
+            + list(cap.flatten_batch(example_batch, sig)))
+
+    def timed(fn, reps=3):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = _time.perf_counter()
+            fn()
+            ts.append(_time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2]
+    with torch.no_grad():
+        t_graph = timed(lambda: gm(*args))
+    base = dataclasses.replace(hw, node_overhead=0.0)
+    roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
+                   for s in stats.segments for part in ("f", "b"))
+    nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
+    hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
+                                                   (t_graph - roofline) / max(nodes, 1)))
+    ps = [torch.nn.Parameter(params[n].detach().clone()) for n in sig.param_names]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
+        with torch.no_grad():
+            hw.optimizer_s = timed(opt.step)
+    hw.calibrated += f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node"
+    return hw
+
+
+def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
+              constraints: dict | None = None, hw: cost.Hardware | None = None,
+              stats: GraphStats | None = None) -> PlanResult:
+    """plan="auto" (or a dict with unset degrees) inside fxpar.parallelize."""
+    from fxpar.compiler.memory import optimizer_kind
+    from fxpar.runtime.dist import device_memory
+    stats = stats or graph_stats(model, example_batch, loss_fn)
+    if hw is None:
+        if torch.device(device).type == "cuda":
+            name = torch.cuda.get_device_name(device).lower()
+            key = next((k for k in cost.HARDWARE if k in name), "h100")
+            hw = dataclasses.replace(cost.HARDWARE[key])
+        else:
+            hw = cost.cpu_hardware()
+        hw.memory = device_memory(torch.device(device))
+    leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    rows = int(leaves[0].shape[0]) if leaves else 1
+    return search(stats, world, hw, batch_rows=rows, optimizer=optimizer_kind(optimizer),
+                  constraints=constraints, executable=True,
+                  precision=(constraints or {}).get("precision") or "fp32")
+
+
+# --- built-in GPT configurations (Narayanan et al. 2021, Table 1; GPT-3) ----------------------
+
+# name: (layers, hidden, heads); sequence 2048, vocabulary 51200 as in the paper
+GPT_CONFIGS = {
+    "gpt-1.7b": (24, 2304, 24), "gpt-3.6b": (30, 3072, 32), "gpt-7.5b": (36, 4096, 32),
+    "gpt-18b": (40, 6144, 48), "gpt-39b": (48, 8192, 64), "gpt-76b": (60, 10240, 80),
+    "gpt-145b": (80, 12288, 96), "gpt-175b": (96, 12288, 96), "gpt-310b": (96, 16384, 128),
+    "gpt-530b": (105, 20480, 128), "gpt-1t": (128, 25600, 160),
+}
+
+
+@functools.lru_cache(maxsize=8)
+def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str = "bf16",
+              traced_layers: int = 2, dropout: float = 0.1) -> GraphStats:
+    """Statistics of a built-in GPT config: a `traced_layers`-deep copy is traced on fake
+    tensors (nothing is allocated) in `precision`, with Megatron-style attention (softmax and
+    attention dropout written out) and one row per microbatch; the repeated block is scaled
+    to the full depth. Cached per process (treat the result as read-only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxpar.examples import models as M
+    if name == "small":
+        cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+        layers, traced_layers = 2, 2
+    else:
+        if name not in GPT_CONFIGS:
+            raise PlanError(f"unknown model {name!r}; built-in GPT configs: "
+                            f"{', '.join(['small', *GPT_CONFIGS])}, or pass pkg.module:factory")
+        layers, h, a = GPT_CONFIGS[name]
+        cfg = M.GPTConfig(vocab_size=vocab, block_size=seq, n_layer=min(traced_layers, layers),
+                          n_head=a, n_embd=h, dropout=dropout, attention="manual")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    old = torch.get_default_dtype()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(dtype)
+        try:
+            model = M.GPT(cfg)
+        finally:
+            torch.set_default_dtype(old)
+        idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
+    from fxpar.compiler import capture as cap
+    gm, _ = cap.capture(model, (idx, idx))
+    stats = analyze(gm, 1)
+    stats.heads = cfg.n_head
+    return stats.with_depth(layers) if layers != cfg.n_layer else stats
+
+
+def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
+    """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
+    measured on rank 0's machine and broadcast; the search is deterministic) and gets the
+    same Plan. Returns (Plan, PlanResult)."""
+    import torch.distributed as dist
+    from fxpar.runtime import dist as rdist
+    if isinstance(plan, Plan):
+        constraints = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)
+                       if getattr(plan, f.name) != getattr(Plan(), f.name)}
+    elif isinstance(plan, dict):
+        Plan.from_any(plan)  # unknown fields: a clear error before any work
+        constraints = dict(plan)
+    else:
+        constraints = {}
+    world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
+    device = world_obj.device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        hw = dataclasses.replace(cost.HARDWARE[next((k for k in cost.HARDWARE if k in name),
+                                                    "h100")])
+    else:
+        if dist.is_initialized():  # all ranks measure at once: each sees its share of the CPU
+            dist.barrier()
+        hw = cost.cpu_hardware()
+        if dist.is_initialized():
+            link = cost.measure_link()
+            v = torch.tensor([hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead],
+                             dtype=torch.float64)
+            dist.broadcast(v, src=0)
+            hw = dataclasses.replace(hw, peak_flops={"fp32": float(v[0]), "bf16": float(v[0]) / 4,
+                                                     "fp16": float(v[0]) / 8},
+                                     mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
+                                     intra=link, inter=link)
+    hw.memory = rdist.device_memory(device)
+    if dist.is_initialized():
+        mem = torch.tensor([hw.memory], dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MIN)
+        hw.memory = int(mem.item())
+    stats = graph_stats(model, example_batch, loss_fn)
+    if device.type == "cpu":
+        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
+        if dist.is_initialized():
+            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)
+            dist.broadcast(v, src=0)
+            hw.node_overhead = float(v[0])
+            hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
+    result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
+                       constraints=constraints, hw=hw, stats=stats)
+    return result.best.plan, result
