@@ -41,6 +41,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import ir
+from fxpar.compiler.errors import PlanError
 
 aten = torch.ops.aten
 
@@ -256,7 +257,7 @@ def _loss_scale_input(graph, phs, out, env, mode, info):
     loss = out.args[0][0]
     seeds = [u for u in loss.users if u.target is aten.ones_like.default]
     if len(seeds) != 1:
-        raise NotImplementedError(
+        raise PlanError(
             "precision='fp16' scales the backward's seed ones_like(loss); this graph has "
             f"{len(seeds)} such seeds. Use precision='bf16' (no loss scaling needed).")
     with graph.inserting_after(phs[-1]):
