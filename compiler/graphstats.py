@@ -166,9 +166,16 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
         module_seg.setdefault(n.meta.get(ir.MODULE, ""), seg)
     order.append("post")
     segs = {s: Segment(s) for s in order}
+    def match(k):
+        """The segment of layer key k; module paths may differ by a wrapper prefix (capture
+        strips a leading "model." from forward tags, not from parameter names)."""
+        if k is None or k in segs:
+            return k
+        return next((s for s in segs if k.endswith("." + s) or s.endswith("." + k)), None)
+
     for b in bwd:
         m = b.meta.get(ir.MODULE, "")
-        seg_of[b] = layer_key(m) or module_seg.get(m) or "post"
+        seg_of[b] = match(layer_key(m)) or module_seg.get(m) or "post"
 
     # weight-derived values (a weight's transpose/view) and the tp split
     roots: dict = {}  # weight-derived node (a weight's transpose/view) -> its parameters
@@ -278,7 +285,8 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     for p in gm.graph.nodes:
         if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param":
             users = [u for u in p.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]
-            seg = layer_key(p.meta.get("fqn", "")) or (seg_of[users[0]] if users else "pre")
+            seg = match(layer_key(p.meta.get("fqn", ""))) or (seg_of[users[0]] if users
+                                                               else "pre")
             seg = seg if seg in segs else "pre"
             v = p.meta[ir.VAL]
             segs[seg].params += v.numel()

@@ -47,6 +47,7 @@ class Candidate:
     parts: dict            # seconds per component: compute, tp, pipeline bubble, dp, optimizer
     simulated: bool = False
     recompute: float = 0.0
+    ctx: tuple = ()        # (stage forward times, backward times, p2p, closed-form pipe, v)
 
     def row(self) -> str:
         p = self.plan
@@ -189,7 +190,6 @@ def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
 
     def run(mm):
         def dur(a):
-            s = a.stage // pp if v > 1 else 0
             r = a.stage % pp
             t = (fwd if a.kind == "F" else bwd)[r] / v
             return t if a.kind in ("F", "B") else t / 2
@@ -478,7 +478,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             setattr(plan, k2, constraints[k2])
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))
-    c._ctx = (fwd, bwd, p2p, pipe, v)
+    c.ctx = (fwd, bwd, p2p, pipe, v)
     return c
 
 
@@ -498,7 +498,7 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
     if p.pp == 1:
         c.simulated = True
         return
-    fwd, bwd, p2p, pipe, v = c._ctx
+    fwd, bwd, p2p, pipe, v = c.ctx
     ms = _makespan(p.schedule, p.pp, p.microbatches, v, fwd, bwd, p2p)
     c.step_s += ms - pipe
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp

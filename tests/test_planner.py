@@ -207,3 +207,13 @@ def test_memory_estimate_vs_tracker_on_cpu_ranks():
     bad = [(rank, p, measured, est) for rank, rows in res.items()
            for p, (measured, est) in zip(plans, rows) if abs(est - measured) > 0.10 * measured]
     assert not bad, bad
+
+
+def test_layers_of_a_hugging_face_model():
+    """HF Llama: blocks found on the graph; every block's parameters and backward belong to
+    it although forward tags and parameter names differ by the 'model.' wrapper prefix."""
+    stats = planner.graph_stats(M.hf_llama(), M.hf_lm_batch(128, 8, 16))
+    assert [s.name for s in stats.layers] == ["layers.0", "layers.1"]
+    a, b = stats.layers
+    assert a.params == b.params > 0 and a.flops_b == b.flops_b > 0
+    assert stats.heads == 4 and a.n_row == 2
