@@ -59,19 +59,18 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
 
 
 def _needs_search(plan) -> bool:
-    """plan="auto", or a dict / Plan that fixes some parallel degrees but not all: the planner
-    searches the unset fields (the given ones constrain it). A dict / Plan that sets no degree
-    keeps its meaning of pure data parallelism over every device (e.g. {"zero": 1}: ZeRO is a
-    data-parallel technique). One device has nothing to search."""
+    """plan="auto" (or None), or a dict / Plan with "auto" as a parallel degree (e.g.
+    {"pp": 2, "dp": "auto", "tp": "auto"}): the planner searches, the fields given (not "auto")
+    constrain it. Any other dict / Plan is taken as written (unset degrees: tp = pp = 1, dp =
+    the rest), so a plan never changes with the machine it is compiled on. One device has
+    nothing to search."""
     if plan is None or plan == "auto":
         return True
     if isinstance(plan, dict):
-        degrees = [plan.get(k) for k in ("dp", "tp", "pp")]
-    elif isinstance(plan, Plan):
-        degrees = [getattr(plan, k) for k in ("dp", "tp", "pp")]
-    else:
-        return False
-    return any(d is None for d in degrees) and any(d is not None for d in degrees)
+        return any(plan.get(k) == "auto" for k in ("dp", "tp", "pp"))
+    if isinstance(plan, Plan):
+        return any(getattr(plan, k) == "auto" for k in ("dp", "tp", "pp"))
+    return False
 
 
 def _to_device(batch, device):

@@ -153,13 +153,16 @@ class Plan:
 
 
 def resolve(plan: Any, world_size: int) -> Plan:
-    """'auto' / dict / Plan -> a validated Plan for this world size.
-
-    Until the planner lands, "auto" (and unset degrees) means pure data parallelism.
-    """
+    """'auto' / dict / Plan -> a validated Plan for this world size, without searching:
+    unset (or "auto") degrees mean tp = pp = 1 and dp = the rest. fxpar.parallelize asks the
+    planner (compiler/planner.py) first when the plan is "auto" or has "auto" degrees; this is
+    what a plan means when no search runs (one device, or `fxpar viz`)."""
     p = Plan.from_any(plan)
     if p == "auto":
         p = Plan()
+    for name in ("dp", "tp", "pp"):
+        if getattr(p, name) == "auto":
+            setattr(p, name, None)
     if p.tp is None:
         p.tp = 1
     if p.pp is None:

@@ -650,6 +650,9 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         constraints = dict(plan)
     else:
         constraints = {}
+    # a degree given as "auto" is searched like an unset one
+    constraints = {k: v for k, v in constraints.items()
+                   if not (k in ("dp", "tp", "pp") and v == "auto")}
     world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
     device = world_obj.device
     if device.type == "cuda":
