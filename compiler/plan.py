@@ -143,6 +143,8 @@ class Plan:
             missing.append(f"zero=3 with tp={self.tp}")
         if self.pp != 1 and self.zero == 3:
             missing.append(f"zero=3 with pp={self.pp}")
+        elif self.microbatches != 1 and self.zero == 3:
+            missing.append(f"zero=3 with microbatches={self.microbatches}")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
                             " yet; use zero <= 2 with "

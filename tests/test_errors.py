@@ -256,3 +256,9 @@ def test_nan_loss_raises_with_step_and_first_node(monkeypatch):
         pm.model.fc.weight[0, 0] = float("inf")
     with pytest.raises(fxpar.NonFiniteLossError, match=r"input fc.weight"):
         pm.step(bad)
+
+
+def test_zero3_with_microbatches_is_refused_not_crashing():
+    from fxpar.compiler.errors import PlanError
+    with pytest.raises(PlanError, match="zero=3 with microbatches=2"):
+        fxpar.Plan(dp=2, tp=1, pp=1, zero=3, microbatches=2).validate(2)

@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+
+import fxpar
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
@@ -217,3 +219,17 @@ def test_layers_of_a_hugging_face_model():
     a, b = stats.layers
     assert a.params == b.params > 0 and a.flops_b == b.flops_b > 0
     assert stats.heads == 4 and a.n_row == 2
+
+
+def test_only_auto_searches_and_auto_degrees_are_the_searched_ones():
+    """A plan never depends on the machine compiling it unless it asks for a search: "auto",
+    or "auto" as a degree (the other fields given constrain the search)."""
+    from fxpar.compiler.api import _needs_search
+    from fxpar.compiler.plan import resolve
+    assert _needs_search("auto") and _needs_search(None)
+    assert _needs_search({"pp": 2, "dp": "auto", "tp": "auto"})
+    assert _needs_search(fxpar.Plan(pp=2, dp="auto"))
+    assert not _needs_search({"pp": 2}) and not _needs_search({"zero": 1})
+    assert not _needs_search(fxpar.Plan(dp=2))
+    p = resolve({"pp": 2, "dp": "auto", "tp": "auto"}, 4)   # without a search: dp = the rest
+    assert (p.dp, p.tp, p.pp) == (2, 1, 2)
