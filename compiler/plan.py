@@ -147,7 +147,7 @@ class Plan:
             missing.append(f"zero=3 with microbatches={self.microbatches}")
         if missing:
             raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use zero <= 2 with "
+                            " yet; use zero <= 2 with microbatches, "
                             "pipeline stages or tensor parallelism (data, tensor and pipeline "
                             "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
                             "(1-2 with pp or tp) and overlap are available).")
