@@ -97,7 +97,8 @@ def eager_reference(name, opt_name, steps=STEPS):
 def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     model, batch_fn, loss_fn = build(name)
     pm = fxpar.parallelize(model, devices, example_batch=batch_fn(0), loss_fn=loss_fn,
-                           optimizer=OPTIMIZERS[opt_name], plan=plan or "auto")
+                           optimizer=OPTIMIZERS[opt_name],
+                           plan="auto" if plan is None else plan)
     if info is not None and "fusion" in pm.stage_graphs:
         d = next(iter(pm.stage_graphs["fusion"].values())).meta["fusion"]
         info["fused_kernels"] = [g.kind for g in d.groups]
