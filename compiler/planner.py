@@ -601,6 +601,24 @@ GPT_CONFIGS = {
 }
 
 
+def fake_gpt_stats(cfg, rows: int, dtype=torch.float32) -> GraphStats:
+    """Statistics of the example GPT built and traced on fake tensors in `dtype` (nothing
+    is allocated), with a batch of `rows` sequences."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxpar.compiler import capture as cap
+    from fxpar.examples import models as M
+    old = torch.get_default_dtype()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(dtype)
+        try:
+            model = M.GPT(cfg)
+        finally:
+            torch.set_default_dtype(old)
+        idx = torch.zeros(rows, cfg.block_size, dtype=torch.long)
+    gm, _ = cap.capture(model, (idx, idx))
+    return analyze(gm, rows)
+
+
 @functools.lru_cache(maxsize=8)
 def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str = "bf16",
               traced_layers: int = 2, dropout: float = 0.1) -> GraphStats:
@@ -608,7 +626,6 @@ def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str 
     tensors (nothing is allocated) in `precision`, with Megatron-style attention (softmax and
     attention dropout written out) and one row per microbatch; the repeated block is scaled
     to the full depth. Cached per process (treat the result as read-only)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from fxpar.examples import models as M
     if name == "small":
         cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -621,17 +638,7 @@ def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str 
         cfg = M.GPTConfig(vocab_size=vocab, block_size=seq, n_layer=min(traced_layers, layers),
                           n_head=a, n_embd=h, dropout=dropout, attention="manual")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    old = torch.get_default_dtype()
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.set_default_dtype(dtype)
-        try:
-            model = M.GPT(cfg)
-        finally:
-            torch.set_default_dtype(old)
-        idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
-    from fxpar.compiler import capture as cap
-    gm, _ = cap.capture(model, (idx, idx))
-    stats = analyze(gm, 1)
+    stats = fake_gpt_stats(cfg, 1, dtype)
     stats.heads = cfg.n_head
     return stats.with_depth(layers) if layers != cfg.n_layer else stats
 

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 import fxpar
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import capture as cap
-from fxpar.compiler import cost, graphstats, planner
+from fxpar.compiler import cost, planner
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory import stage_memory
 from fxpar.examples import models as M
@@ -22,16 +20,7 @@ GiB = 2 ** 30
 
 
 def _fake_gpt(cfg, rows, dtype=torch.float32):
-    old = torch.get_default_dtype()
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.set_default_dtype(dtype)
-        try:
-            model = M.GPT(cfg)
-        finally:
-            torch.set_default_dtype(old)
-        idx = torch.zeros(rows, cfg.block_size, dtype=torch.long)
-    gm, _ = cap.capture(model, (idx, idx))
-    return graphstats.analyze(gm, rows)
+    return planner.fake_gpt_stats(cfg, rows, dtype)
 
 
 @pytest.mark.parametrize("b,s,h,a", [(2, 128, 256, 4), (1, 64, 384, 6)])
