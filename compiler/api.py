@@ -442,23 +442,25 @@ class ParallelModel:
                     for k, v in state.items()}
         return {k: v.detach().clone() for k, v in state.items()}
 
+    def _state_stages(self, state) -> dict[str, set[int]]:
+        """Pipeline: the stages holding each model.state_dict() entry (parameters and buffers
+        by the stage split; anything else: stage 0)."""
+        r = self._runner
+        ids = {id(p): i for i, p in enumerate(self._params)}
+        bids = {id(b): j for j, b in enumerate(self._buffers)}
+        return {k: r.p.param_stages.get(ids[id(v)], {0}) if id(v) in ids else
+                r.p.buffer_stages.get(bids[id(v)], {0}) if id(v) in bids else {0}
+                for k, v in state.items()}
+
     def _gather_stages(self, state, tp_full=None):
         """Each weight from the first stage that holds it (copies on other stages are equal);
         `tp_full`: id -> full weight where this rank holds a tp shard."""
         tp_full = tp_full or {}
         r = self._runner
         owned = {}
-        ids = {id(p): i for i, p in enumerate(self._params)}
-        bids = {id(b): j for j, b in enumerate(self._buffers)}
-        for k, v in state.items():
-            if id(v) in ids:
-                stages_ = r.p.param_stages.get(ids[id(v)], {0})
-            elif id(v) in bids:
-                stages_ = r.p.buffer_stages.get(bids[id(v)], {0})
-            else:
-                stages_ = {0}
+        for k, stages_ in self._state_stages(state).items():
             if r.rank_of(min(stages_)) == r.rank:
-                owned[k] = tp_full.get(id(v), v.detach()).cpu().clone()
+                owned[k] = tp_full.get(id(state[k]), state[k].detach()).cpu().clone()
         gathered = [None] * self.plan.pp
         dist.all_gather_object(gathered, owned, group=r.group)
         merged = {k: v for d in gathered for k, v in d.items()}

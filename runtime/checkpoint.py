@@ -228,19 +228,8 @@ def _held(pm):
     state = pm.model.state_dict(keep_vars=True)
     if r is None or pm.plan.pp == 1:
         return state
-    pidx = {id(p): i for i, p in enumerate(pm._params)}
-    bidx = {id(b): j for j, b in enumerate(pm._buffers)}
-    out = {}
-    for k, v in state.items():
-        if id(v) in pidx:
-            stages = r.p.param_stages.get(pidx[id(v)], {0})
-        elif id(v) in bidx:
-            stages = r.p.buffer_stages.get(bidx[id(v)], {0})
-        else:
-            stages = {0}
-        if any(r.rank_of(s) == r.rank for s in stages):
-            out[k] = v
-    return out
+    return {k: state[k] for k, stages in pm._state_stages(state).items()
+            if any(r.rank_of(s) == r.rank for s in stages)}
 
 
 def _names(pm):
