@@ -125,6 +125,12 @@ class DeviceProfile:
         return cls("cpu", 100e9, 20e9, alpha=50e-6, link_bandwidth=2e9)
 
 
+def min_bucket_bytes(profile: DeviceProfile) -> float:
+    """Gradient buckets smaller than this are latency-bound: 4 alpha of bytes (a bucket's
+    transfer then takes >= 80% of the time at link bandwidth)."""
+    return 4 * profile.alpha * profile.link_bandwidth
+
+
 def comm_time(target, nbytes: int, group_size: int, profile: DeviceProfile) -> float:
     """Alpha-beta time of one ring collective on `nbytes` (the full, unsharded buffer):
     all-reduce moves 2(n-1)/n of it in 2(n-1) steps, all-gather and reduce-scatter (n-1)/n
@@ -311,9 +317,30 @@ class Hardware:
     step_overhead: float = 0.0
     calibrated: str = "data sheet"
     optimizer_s: float | None = None  # measured optimizer step over all parameters (CPU)
+    # measured per collective: {(kind, group size): (seconds per call, seconds per byte of
+    # the full buffer)} (`measure_collectives`); kinds the table lacks use the ring model
+    collectives: dict | None = None
+    # fraction of the gradient communication that hides behind the backward: NCCL runs on
+    # its own stream (1.0); gloo ranks sharing a few CPU cores measured none (0.0)
+    overlap: float = 1.0
 
     def flops(self, precision: str) -> float:
         return self.peak_flops.get(precision, self.peak_flops["fp32"])
+
+    def comm(self, kind: str, nbytes: float, n: int, span: int, calls: int = 1) -> float:
+        """Seconds of `calls` collectives of `kind` ("all_reduce", "all_gather",
+        "reduce_scatter", "p2p") moving `nbytes` in all over a group of n ranks that spans
+        `span` consecutive ranks: the measured table where it has the entry, else the ring
+        alpha-beta model of the link the group crosses."""
+        if calls <= 0 or (n <= 1 and kind != "p2p"):
+            return 0.0
+        known = (self.collectives or {}).get((kind, 2 if kind == "p2p" else n))
+        if known:
+            return calls * known[0] + nbytes * known[1]
+        link = self.link(span)
+        one = collective_time(kind, nbytes, n, link)
+        steps = 1 if kind == "p2p" else (2 * (n - 1) if kind == "all_reduce" else n - 1)
+        return one + (calls - 1) * steps * link.alpha
 
     def link(self, span: int) -> Link:
         """The bottleneck link of a group whose members lie `span` consecutive ranks apart at
@@ -383,6 +410,87 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
                     link or Link(250e-6, 1e9), link or Link(250e-6, 1e9),
                     devices_per_node=1 << 30, matmul_efficiency=1.0, node_overhead=per_op,
                     calibrated=f"measured ({threads} threads)")
+
+
+def _in_context(fn, reps: int, barrier) -> float:
+    """Seconds one call of the collective `fn` adds to a step: timed between bursts of about
+    a millisecond of compute, as collectives run inside a step, less the bursts alone. On a
+    host whose cores the ranks share, ranks reach a collective out of step and wait for each
+    other; back-to-back calls hide that and measured about 1.45x less than the collectives
+    inside real steps (GPT, 4 gloo ranks on 2 cores)."""
+    import time
+    a = torch.ones(96, 96)
+
+    def burst():
+        for _ in range(8):
+            torch.mm(a, a)
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        burst()
+        fn()
+    with_fn = time.perf_counter() - t0
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        burst()
+    return max(with_fn - (time.perf_counter() - t0), 0.0) / reps
+
+
+def measure_collectives(reps: int = 8) -> dict:
+    """Time every collective kind the runtime issues, on groups of every size that divides the
+    world (consecutive ranks, all groups of a size at once, as a plan's tp or dp groups run),
+    at 4 B and 256 KiB per rank, and the pipeline's send/recv between rank pairs. Returns
+    {(kind, n): (seconds per call, seconds per byte of the full buffer)}, averaged over the
+    ranks so every rank plans with the same numbers. Gloo on a shared CPU is far from the
+    ring model (a 4-rank reduce-scatter of 16 B took 4.9 ms on 2 cores, an all-reduce 2.2 ms),
+    so the planner prices these measured costs, per call. Collective: every rank must call."""
+    import torch.distributed as dist
+    c10d = torch.ops._c10d_functional
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [n for n in range(2, world + 1) if world % n == 0]
+    rows = []
+    for n in sizes:
+        made = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)] \
+            if n < world else []
+        group = made[rank // n] if made else dist.group.WORLD
+        name = group.group_name
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            ts = []
+            for per_rank in (1, 64 * 1024):
+                x = torch.ones(per_rank * n)
+                call = {
+                    "all_reduce": lambda: c10d.all_reduce(x, "sum", name),
+                    "all_gather": lambda: c10d.all_gather_into_tensor(x[:per_rank], n, name),
+                    "reduce_scatter": lambda: c10d.reduce_scatter_tensor(x, "sum", n, name),
+                }[kind]
+                c10d.wait_tensor(call())
+                ts.append((_in_context(lambda: c10d.wait_tensor(call()), reps,
+                                       lambda: dist.barrier(group=group)), per_rank * n * 4))
+            (t_small, b_small), (t_big, b_big) = ts
+            rows.append((kind, n, t_small, max(t_big - t_small, 0.0) / (b_big - b_small)))
+        for g in made:
+            dist.destroy_process_group(g)
+    if world % 2 == 0:  # one-way send/recv time between pairs (2i, 2i+1), by ping-pong
+        peer = rank ^ 1
+        ts = []
+        for numel in (1, 64 * 1024):
+            x = torch.ones(numel)
+
+            def ping_pong():
+                if rank % 2 == 0:
+                    dist.send(x, peer)
+                    dist.recv(x, peer)
+                else:
+                    dist.recv(x, peer)
+                    dist.send(x, peer)
+            ts.append((_in_context(ping_pong, reps, dist.barrier) / 2, numel * 4))
+        (t_small, b_small), (t_big, b_big) = ts
+        rows.append(("p2p", 2, t_small, max(t_big - t_small, 0.0) / (b_big - b_small)))
+    v = torch.tensor([[t, b] for _, _, t, b in rows], dtype=torch.float64)
+    dist.all_reduce(v)
+    v /= world
+    return {(k, n): (float(a), float(b)) for (k, n, _, _), (a, b) in zip(rows, v.tolist())}
 
 
 def measure_link(group=None) -> Link:

@@ -47,7 +47,7 @@ def layer_key(module: str) -> str | None:
 FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
-          "transient")
+          "transient", "tp_calls_extra")
 
 
 @dataclasses.dataclass
@@ -72,6 +72,8 @@ class Segment:
     tp_comm_f: float = 0.0       # bytes all-reduced over tp in the forward (row outputs)
     tp_comm_b: float = 0.0       # ... in the backward (column inputs' gradients)
     transient: float = 0.0       # working bytes beyond the saved values while it runs
+    tp_calls_extra: float = 0.0  # tp collectives beyond one per row/column linear (a
+    #                              vocab-parallel loss's): counted by running the tp pass
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
     column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
@@ -94,6 +96,12 @@ class GraphStats:
     heads: int | None = None     # attention heads, if found (tp must divide them)
     mutated_buffers: bool = False  # e.g. BatchNorm statistics: one microbatch per step only
     graph: object = None         # (GraphModule, GraphSignature) when captured from a model
+    # nodes the passes add (counted by planner.graph_stats running them once): tensor
+    # parallelism's per microbatch, data parallelism's per parameter tensor by ZeRO stage
+    # (0 stands for 0-2, 3 for 3)
+    tp_nodes_extra: float = 0.0
+    dp_nodes_per_param: dict = dataclasses.field(default_factory=dict)
+    zero3_gathers_per_param: float = 2.0  # before the forward use and the backward use
 
     @property
     def layers(self) -> list[Segment]:

@@ -370,14 +370,8 @@ def _rank_key(c: Candidate):
     return (math.floor(math.log(c.step_s) / math.log(1.005)), simple, c.step_s)
 
 
-def _links(hw, dp, tp, pp):
-    """Ranks are laid out tp innermost, then pp, then dp (as parallelize builds the mesh)."""
-    return hw.link(tp), hw.link(tp * 2 if pp > 1 else 1), hw.link(tp * pp * dp)
-
-
 def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
            constraints, budget) -> Candidate | None:
-    tp_link, pp_link, dp_link = _links(hw, dp, tp, pp)
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
@@ -417,18 +411,24 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     for r, (m_, _) in enumerate(mems):
         m_.stage = r
     mems[worst][0].per_stage = [m_ for m_, _ in mems]
+    total_nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
         tf = sum(_seg_time(s, stats, mbs, tp, hw, precision, "f") for s in segs)
         tb = sum(_seg_time(s, stats, mbs, tp, hw, precision, "b") for s in segs)
         f = mbs / stats.rows
-        tpc_f = sum(_all_reduce(s.tp_comm_f * f, s.n_row, tp, tp_link) for s in segs)
-        tpc_b = sum(_all_reduce(s.tp_comm_b * f, len(s.column_out), tp, tp_link) for s in segs)
-        fwd.append(tf + tpc_f)
-        bwd.append(tb + tpc_b + rec * tf)
+        tpc_f = sum(hw.comm("all_reduce", s.tp_comm_f * f, tp, tp,
+                            calls=s.n_row + int(s.tp_calls_extra)) for s in segs)
+        tpc_b = sum(hw.comm("all_reduce", s.tp_comm_b * f, tp, tp, calls=len(s.column_out))
+                    for s in segs)
+        # the nodes the tp pass adds (redistributions, collectives), this rank's share
+        share = sum(s.nodes_f + s.nodes_b for s in segs) / total_nodes
+        tp_nodes = stats.tp_nodes_extra * share * hw.node_overhead / 2 if tp > 1 else 0.0
+        fwd.append(tf + tpc_f + tp_nodes)
+        bwd.append(tb + tpc_b + tp_nodes + rec * tf)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
-    p2p = cost.collective_time("p2p", boundary, 2, pp_link) if pp > 1 else 0.0
+    p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     slow = max(f + b for f, b in zip(fwd, bwd))
     if pp == 1:
         pipe = m * (fwd[0] + bwd[0])
@@ -442,19 +442,32 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     mem = mems[worst][0]
     elem = 4 if precision == "fp32" else 2
     n_elem = mem.params * (dp if zero >= 3 else 1) / elem  # this rank's parameter elements
-    dpc = 0.0
+    n_t = sum(s.n_param_tensors for s in rank_segs[worst])
+    dpc = dp_fixed = 0.0
     if dp > 1:
-        if zero == 0:
-            dpc = cost.collective_time("all_reduce", n_elem * elem, dp, dp_link)
+        # as passes/data_parallel.py emits them: gradients in buckets of at least the cost
+        # model's floor (ZeRO-3: one per parameter); ZeRO-1 all-reduces each, ZeRO-2
+        # reduce-scatters, and the runtime all-gathers the updated shards; ZeRO-3 gathers
+        # every parameter before its forward and again before its backward use
+        grad_bytes = n_elem * elem
+        span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
+        buckets = n_t if zero >= 3 else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw))))
+        if zero == 0 or zero == 1:
+            dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
         else:
-            dpc = (cost.collective_time("reduce_scatter", n_elem * elem, dp, dp_link)
-                   + cost.collective_time("all_gather", n_elem * elem, dp, dp_link))
-        if zero >= 3:  # every parameter gathered before its forward and backward use
-            n_t = sum(s.n_param_tensors for s in rank_segs[worst])
-            dpc += 2 * m * (cost.collective_time("all_gather", n_elem * elem, dp, dp_link)
-                            + (n_t - 1) * (dp - 1) * dp_link.alpha)
-    window = bwd[0] if constraints.get("overlap", True) else 0.0
-    dp_exposed = max(dpc - window, dpc * 0.05) if dp > 1 else 0.0
+            dpc = hw.comm("reduce_scatter", grad_bytes, dp, span, calls=buckets)
+        if zero in (1, 2):
+            dpc += hw.comm("all_gather", grad_bytes, dp, span, calls=buckets)
+        if zero >= 3:
+            dpc += 2 * m * hw.comm("all_gather", grad_bytes, dp, span, calls=round(
+                n_t * stats.zero3_gathers_per_param / 2))
+        dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m)  # the loss, per microbatch
+        # the nodes the dp pass adds per parameter (packing, shard views; ZeRO-3's gathers
+        # per microbatch): dispatch time, not hidden by the backward
+        dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
+            m if zero >= 3 else 1) * hw.node_overhead
+    window = bwd[0] * hw.overlap if constraints.get("overlap", True) else 0.0
+    dp_exposed = (max(dpc - window, dpc * 0.05) + dp_fixed) if dp > 1 else 0.0
     from fxpar.compiler.memory import OPTIMIZER_STATES
     k = OPTIMIZER_STATES.get(optimizer, 2)
     touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4
@@ -482,11 +495,11 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     return c
 
 
-def _all_reduce(nbytes, calls, n, link):
-    """`calls` ring all-reduces moving `nbytes` in total."""
-    if n <= 1 or not calls:
-        return 0.0
-    return calls * 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes / link.bandwidth
+def _bucket_floor(hw) -> float:
+    """The smallest gradient bucket passes/data_parallel.py makes on this device kind (it sizes
+    buckets with compiler/cost.DeviceProfile, not the planner's calibrated numbers)."""
+    return cost.min_bucket_bytes(cost.DeviceProfile.for_device(
+        "cpu" if hw.name == "cpu" else "cuda"))
 
 
 def batch_scale(stats, rows):
@@ -510,8 +523,9 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
 
 # --- front doors ---------------------------------------------------------------------------------
 
-def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
-    """Capture model+loss once and reduce it to the planner's statistics."""
+def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False) -> GraphStats:
+    """Capture model+loss once and reduce it to the planner's statistics. pass_extras: also
+    count what the tp and dp passes add (`_pass_extras`; a few seconds; CPU planning)."""
     from fxpar.compiler import capture as cap
     gm, sig = cap.capture(model, example_batch, loss_fn)
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
@@ -519,6 +533,8 @@ def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
     stats = analyze(gm, int(leaves[0].shape[0]) if leaves else 1)
     stats.mutated_buffers = bool(sig.mutated_buffers)
     stats.graph = (gm, sig)  # for calibrate_on_model
+    if pass_extras:
+        _pass_extras(gm, sig, stats)
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     if isinstance(heads, int):
@@ -526,12 +542,60 @@ def graph_stats(model, example_batch, loss_fn=None) -> GraphStats:
     return stats
 
 
+def _pass_extras(gm, sig, stats) -> None:
+    """What the passes add to the graph that the planner prices per plan, counted by running
+    them once on copies of the graph: tensor_parallel at tp=2 (collectives beyond one per
+    row/column linear -- a vocab-parallel loss's max, sum of exponentials, target logit --
+    and the nodes it adds), data_parallel at dp=2 with ZeRO-0 and ZeRO-3 (nodes it adds per
+    parameter: bucket packing, shard views, gathers). Neither count depends on the degree.
+    On a small CPU job every collective costs a millisecond and every node tens of
+    microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
+    graph adds nothing here (the planner then keeps its structural counts)."""
+    import copy
+    from fxpar.compiler.passes import PassContext
+    from fxpar.compiler.plan import resolve
+    from fxpar.passes import data_parallel, tensor_parallel
+    c10d = torch.ops._c10d_functional
+    kinds = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+             c10d.reduce_scatter_tensor.default}
+
+    def calls(g):
+        return [n for n in g.graph.nodes if n.op == "call_function"]
+
+    def run(pass_, plan):
+        g = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        try:
+            return pass_.run(g, resolve(plan, 2), PassContext(
+                signature=sig, group_names={"tp": "tp", "dp": "dp"}))
+        except Exception:  # noqa: BLE001 - a model this pass cannot transform: no extras
+            return None
+    base = len(calls(gm))
+    if any(s.n_row or s.column_out for s in stats.segments):
+        g = run(tensor_parallel, {"tp": 2, "dp": 1})
+        if g is not None:
+            modeled = sum(s.n_row + len(s.column_out) for s in stats.segments)
+            n = calls(g)
+            stats.segments[-1].tp_calls_extra = max(
+                sum(1 for x in n if x.target in kinds) - modeled, 0)
+            stats.tp_nodes_extra = max(len(n) - base, 0)
+    n_params = max(sum(s.n_param_tensors for s in stats.segments), 1)
+    for zero in (0, 3):
+        g = run(data_parallel, {"dp": 2, "zero": zero})
+        if g is not None:
+            stats.dp_nodes_per_param[zero] = max(len(calls(g)) - base, 0) / n_params
+            if zero == 3:  # a parameter the backward does not read is gathered once
+                stats.zero3_gathers_per_param = sum(
+                    1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default
+                ) / n_params
+
+
 def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
                        optimizer) -> cost.Hardware:
     """CPU: time the model's own joint graph once on the example batch (one process, real
     tensors) and its optimizer step; the time the roofline does not explain is the dispatch
     overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
-    this at once, so each measures its share of the cores."""
+    this at once, each repetition started together (a barrier), so each measures its share
+    of the cores (collective when a process group exists)."""
     import time as _time
     from fxpar.compiler import capture as cap
     gm, sig = stats.graph
@@ -540,10 +604,14 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
             + list(cap.flatten_batch(example_batch, sig)))
 
-    def timed(fn, reps=3):
+    import torch.distributed as dist
+    sync = dist.barrier if dist.is_initialized() else (lambda: None)
+
+    def timed(fn, reps=5):  # every rank at once, in lock step: each sees its share of cores
         fn()
         ts = []
         for _ in range(reps):
+            sync()
             t0 = _time.perf_counter()
             fn()
             ts.append(_time.perf_counter() - t0)
@@ -678,13 +746,14 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             hw = dataclasses.replace(hw, peak_flops={"fp32": float(v[0]), "bf16": float(v[0]) / 4,
                                                      "fp16": float(v[0]) / 8},
                                      mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
-                                     intra=link, inter=link)
+                                     intra=link, inter=link,
+                                     collectives=cost.measure_collectives(), overlap=0.0)
     hw.memory = rdist.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MIN)
         hw.memory = int(mem.item())
-    stats = graph_stats(model, example_batch, loss_fn)
+    stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu")
     if device.type == "cpu":
         hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
         if dist.is_initialized():

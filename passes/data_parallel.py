@@ -264,7 +264,7 @@ def assign_buckets_by_cost(grads: list[torch.fx.Node], ready: list[float], profi
     below 4 alpha x bandwidth bytes (except the last)."""
     # a bucket's transfer time should dominate its latency: at least 4 alpha of bytes
     # (>= 80% of link bandwidth), else per-message costs the model only roughly knows add up
-    floor = 4 * profile.alpha * profile.link_bandwidth
+    floor = cost.min_bucket_bytes(profile)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for j in sorted(range(len(grads)), key=lambda j: (ready[j], -j)):
         by_dtype.setdefault(grads[j].meta[ir.VAL].dtype, []).append(j)

@@ -3,6 +3,12 @@
 Every group gets a timeout (FXPAR_TIMEOUT seconds, default 600), the mesh's sub-groups too
 (`_timed_groups`), so a dead or hung rank ends the job with an error instead of a hang: it
 bounds every collective and every send/recv wait (gloo applies it to P2P waits as well).
+
+CPU ranks share the host's cores: each gets cores / local ranks intra-op threads unless
+OMP_NUM_THREADS says otherwise (`_share_cores`). torch's default (every core per process)
+oversubscribes the host, and OpenMP's spinning threads then make a 4-rank step 5-15x slower
+on 2 cores (measured: dp=4 GPT step 604 ms -> 44 ms); torchrun sets OMP_NUM_THREADS=1 for
+the same reason, but fxpar.launch and hand-spawned ranks do not go through it.
 """
 from __future__ import annotations
 
@@ -84,6 +90,8 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         raise PlanError(f"devices asks for {size} ranks but the job has world size {world}; "
                         f"launch with --nproc-per-node {size} or pass devices={world}.")
     rank = dist.get_rank()
+    if dev_type == "cpu":
+        _share_cores()
     if isinstance(devices, (list, tuple)):
         dev = torch.device(devices[rank])
     elif dev_type == "cuda":
@@ -101,6 +109,15 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
             else init_device_mesh(dev.type, shape, mesh_dim_names=names,
                                   backend_override=_timed_groups(dev.type, names))
     return World(world, rank, dev, mesh)
+
+
+def _share_cores() -> None:
+    """Give this CPU rank its share of the host's cores (see the module docstring)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return  # the user's (or torchrun's) choice
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(local, 1)))
 
 
 def _timed_groups(device_type: str, names) -> dict:

@@ -35,3 +35,59 @@ def memory_rank(plans: list[dict]):
         est = c.memory.per_stage[pm.world.coordinate("pp")]
         out.append((peak, est.step_allocated))
     return out
+
+
+CHOICE_CFG = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+CHOICE_ROWS = 8
+
+
+def choice_rank(per_class: int = 2, rounds: int = 4, steps: int = 3):
+    """The planner's choice on this job, and the measured step time of it and of the
+    `per_class` best-predicted plans of every dp x tp x pp factorization (every legal degree
+    split is represented). All plans are compiled first, then timed in `rounds` interleaved
+    rounds of `steps` steps (the first round warms up), median per plan, so that load
+    changes on the shared host hit every plan alike. Returns (choice row, {row: (predicted
+    s, measured s)})."""
+    import os
+    import statistics
+    import time
+
+    import torch.distributed as dist
+    from fxpar.compiler import planner
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    data = M.gpt_batch(CHOICE_CFG, CHOICE_ROWS)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    _, result = planner.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", data, None,
+                                        opt)
+    picked, seen = [result.best], {}
+    for c in result.table:
+        key = (c.plan.dp, c.plan.tp, c.plan.pp)
+        if seen.get(key, 0) < per_class and c is not result.best:
+            picked.append(c)
+        seen[key] = seen.get(key, 0) + (c is not result.best)
+    models = []
+    for c in picked:
+        torch.manual_seed(0)
+        models.append(fxpar.parallelize(M.GPT(CHOICE_CFG), world, example_batch=data,
+                                        optimizer=opt, plan=c.plan))
+    times = [[] for _ in picked]
+    for r in range(rounds):
+        for i, pm in enumerate(models):
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                pm.step(data)
+                if r:
+                    times[i].append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    return picked[0].row(), {c.row(): (c.step_s, float(t)) for c, t in zip(picked, med)}
+
+
+def collectives_rank():
+    """The measured collective table on this rank (needs a process group)."""
+    import torch.distributed as dist
+    from fxpar.compiler import cost
+    dist.init_process_group("gloo")
+    return cost.measure_collectives(reps=3)
