@@ -5,7 +5,7 @@ measured on the job's process group), then every legal plan is compiled and time
 the last steps). Prints one row per plan and the median / worst relative error; with
 --check-best, also how far the planner's choice is from the fastest measured plan.
 
-Run: python benchmarks/planner_accuracy.py --nprocs 4 [--steps 8]
+Run: python benchmarks/planner_accuracy.py --nprocs 4 [--steps 8] [--limit N] [--check-best]
 """
 from __future__ import annotations
 
@@ -92,6 +92,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="only the planner's top N plans")
     ap.add_argument("--out", default=None, help="JSON with the numbers (also the progress)")
+    ap.add_argument("--check-best", action="store_true",
+                    help="exit 1 unless the planner's choice is within 10%% of the fastest")
     a = ap.parse_args(argv)
     state = a.out or f"planner_accuracy_{a.nprocs}.json"
     if os.path.exists(state):
@@ -104,7 +106,14 @@ def main(argv=None):
             done = json.load(open(state))
             done["failed"].append((done.pop("current"), str(e)[:300]))
             json.dump(done, open(state, "w"))
-    report(state)
+    done = report(state)
+    if a.check_best:
+        best = min(m for _, _, m, _ in done["rows"])
+        chosen = next((m for _, _, m, first in done["rows"] if first), None)
+        if chosen is None or chosen > 1.10 * best:
+            print("FAIL: the planner's choice is not within 10% of the fastest measured plan")
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
