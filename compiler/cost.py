@@ -381,9 +381,9 @@ _CPU_CACHE: dict = {}
 def cpu_hardware(link: Link | None = None) -> Hardware:
     """This CPU, measured once per process in well under a second: fp32 matmul FLOP/s (a
     512x512 matmul), memory bandwidth (copying 32 MiB) and the cost of dispatching one small
-    op (what every graph node pays in the executor). `link`: gloo's alpha-beta, measured by
-    `measure_link` when a process group exists; else loopback defaults measured on a 2-core VM
-    (0.25 ms per step, 1 GB/s)."""
+    op (what every graph node pays in the executor). `link`: gloo's alpha-beta
+    (`link_from_table` of `measure_collectives`) when a process group exists; else loopback
+    defaults measured on a 2-core VM (0.25 ms per step, 1 GB/s)."""
     import time
     if "hw" not in _CPU_CACHE:
         torch.manual_seed(0)
@@ -425,23 +425,15 @@ def _in_context(fn, reps: int, barrier) -> float:
     def burst():
         for _ in range(8):
             torch.mm(a, a)
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        burst()
-        fn()
-    with_fn = time.perf_counter() - t0
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        burst()
-    in_step = with_fn - (time.perf_counter() - t0)
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    alone = time.perf_counter() - t0
-    return max(in_step, alone) / reps  # noise can make the difference small; not below alone
+    def loop(*body):  # every rank starts together
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for f in body:
+                f()
+        return time.perf_counter() - t0
+    in_step = loop(burst, fn) - loop(burst)
+    return max(in_step, loop(fn)) / reps  # noise can make the difference small; not below alone
 
 
 def measure_collectives(reps: int = 8) -> dict:
@@ -500,25 +492,12 @@ def measure_collectives(reps: int = 8) -> dict:
     return {(k, n): (float(a), float(b)) for (k, n, _, _), (a, b) in zip(rows, v.tolist())}
 
 
-def measure_link(group=None) -> Link:
-    """alpha and bandwidth of `group`'s backend, from all-reduces of 4 B and 4 MiB
-    (averaged over the ranks so every rank gets the same numbers)."""
-    import time
-    import torch.distributed as dist
-    n = dist.get_world_size(group)
-
-    def t(numel, reps):
-        x = torch.zeros(numel)
-        dist.all_reduce(x, group=group)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(x, group=group)
-        return (time.perf_counter() - t0) / reps
-    small, big = t(1, 20), t(2 ** 20, 3)
+def link_from_table(table: dict, n: int) -> Link | None:
+    """The ring alpha-beta link that reproduces the table's measured n-rank all-reduce (what
+    prices the collectives the table lacks); None if it was not measured."""
+    known = table.get(("all_reduce", n))
+    if not known:
+        return None
     steps = 2 * (n - 1)
-    alpha = small / steps
-    bw = (steps / n * 4 * 2 ** 20) / max(big - small, 1e-9)
-    v = torch.tensor([alpha, bw], dtype=torch.float64)
-    dist.all_reduce(v, group=group)
-    return Link(float(v[0]) / n, float(v[1]) / n)
+    latency, per_byte = known
+    return Link(latency / steps, steps / (n * per_byte) if per_byte > 0 else float("inf"))

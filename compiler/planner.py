@@ -556,8 +556,6 @@ def _pass_extras(gm, sig, stats) -> None:
     from fxpar.compiler.plan import resolve
     from fxpar.passes import data_parallel, tensor_parallel
     c10d = torch.ops._c10d_functional
-    kinds = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
-             c10d.reduce_scatter_tensor.default}
 
     def calls(g):
         return [n for n in g.graph.nodes if n.op == "call_function"]
@@ -576,7 +574,7 @@ def _pass_extras(gm, sig, stats) -> None:
             modeled = sum(s.n_row + len(s.column_out) for s in stats.segments)
             n = calls(g)
             stats.segments[-1].tp_calls_extra = max(
-                sum(1 for x in n if x.target in kinds) - modeled, 0)
+                sum(1 for x in n if x.target in cost.COLLECTIVES) - modeled, 0)
             stats.tp_nodes_extra = max(len(n) - base, 0)
     n_params = max(sum(s.n_param_tensors for s in stats.segments), 1)
     for zero in (0, 3):
@@ -739,7 +737,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             dist.barrier()
         hw = cost.cpu_hardware()
         if dist.is_initialized():
-            link = cost.measure_link()
+            table = cost.measure_collectives()
+            link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
             v = torch.tensor([hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead],
                              dtype=torch.float64)
             dist.broadcast(v, src=0)
@@ -747,7 +746,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                                      "fp16": float(v[0]) / 8},
                                      mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
                                      intra=link, inter=link,
-                                     collectives=cost.measure_collectives(), overlap=0.0)
+                                     collectives=table, overlap=0.0)
     hw.memory = rdist.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)

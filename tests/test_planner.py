@@ -313,3 +313,11 @@ def test_measured_collective_table_on_gloo_ranks():
     assert set(res[0]) == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2),
                            ("p2p", 2)}
     assert all(lat > 0 and per_byte >= 0 for lat, per_byte in res[0].values())
+
+
+def test_link_from_table_reproduces_the_measured_all_reduce():
+    table = {("all_reduce", 4): (6e-3, 2e-9)}
+    link = cost.link_from_table(table, 4)
+    assert cost.collective_time("all_reduce", 2 ** 20, 4, link) == pytest.approx(
+        6e-3 + 2 ** 20 * 2e-9)
+    assert cost.link_from_table(table, 2) is None
