@@ -102,6 +102,8 @@ class GraphStats:
     tp_nodes_extra: float = 0.0
     dp_nodes_per_param: dict = dataclasses.field(default_factory=dict)
     zero3_gathers_per_param: float = 2.0  # before the forward use and the backward use
+    dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
+    #                         (a mean over ignored targets: its sum and its count)
 
     @property
     def layers(self) -> list[Segment]:

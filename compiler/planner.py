@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from fxpar.compiler import cost
+from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphstats import GraphStats, Segment, analyze
 from fxpar.compiler.memory import MemoryEstimate, stage_memory
@@ -471,7 +471,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         if zero >= 3:
             dpc += 2 * m * hw.comm("all_gather", grad_bytes, dp, span, calls=round(
                 n_t * stats.zero3_gathers_per_param / 2))
-        dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m)  # the loss, per microbatch
+        # the loss (and the count of its targets), per microbatch
+        dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
         # the nodes the dp pass adds per parameter (packing, shard views; ZeRO-3's gathers
         # per microbatch): dispatch time, not hidden by the backward
         dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
@@ -591,6 +592,10 @@ def _pass_extras(gm, sig, stats) -> None:
         g = run(data_parallel, {"dp": 2, "zero": zero})
         if g is not None:
             stats.dp_nodes_per_param[zero] = max(len(calls(g)) - base, 0) / n_params
+            if zero == 0:  # per-microbatch all-reduces: the loss (and its target count)
+                stats.dp_loss_calls = sum(
+                    1 for x in calls(g) if x.target is c10d.all_reduce.default
+                    and not x.meta.get(ir.BUCKET))
             if zero == 3:  # a parameter the backward does not read is gathered once
                 stats.zero3_gathers_per_param = sum(
                     1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default

@@ -132,6 +132,10 @@ def _embedding_backward(sh, node):
     rows = num_weights // e.n
     safe, mask = e.local_ids(ids, rows)
     g = e(aten.masked_fill.Scalar, grad, e(aten.unsqueeze.default, mask, -1), 0.0)
+    # done: a later mesh (data parallelism) must see a plain lookup backward here (batch-split
+    # gradient -> Partial(sum) table gradient), not split the table again over its own ranks
+    # (which gathered the batch to every rank: 3 all-gathers + 1 reduce-scatter per step)
+    node.meta.pop(ir.VOCAB_SHARD, None)
     return _set(sh, node, aten.embedding_dense_backward.default,
                 (g, safe, rows, padding_idx, scale), Shard(0))
 

@@ -10,7 +10,7 @@ import torch
 
 import fxpar
 
-from fxpar.compiler import cost, planner
+from fxpar.compiler import cost, ir, planner
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory import stage_memory
 from fxpar.examples import models as M
@@ -257,7 +257,8 @@ def test_collectives_priced_per_call_from_the_measured_table():
 def test_pass_extras_count_what_the_passes_emit():
     """graph_stats(pass_extras=True) runs the tp and dp passes once: the planner's tp call
     count (one per row/column linear + the extras) equals the collectives the tp pass emits,
-    and ZeRO-3's gathers per parameter those the dp pass emits."""
+    ZeRO-3's gathers per parameter and the per-microbatch loss all-reduces those the dp pass
+    emits."""
     import copy
     from fxpar.compiler.passes import PassContext
     from fxpar.compiler.plan import resolve
@@ -287,6 +288,12 @@ def test_pass_extras_count_what_the_passes_emit():
     assert stats.zero3_gathers_per_param * n_params == pytest.approx(gathers)
     assert n_params < gathers < 2 * n_params  # weights the backward does not read: gathered once
     assert stats.dp_nodes_per_param[3] > stats.dp_nodes_per_param[0] > 0
+    # the GPT's loss is a mean over targets that are not ignored: dp all-reduces the loss
+    # and the count of its targets each microbatch, besides the gradient buckets
+    dp_g = compiled(data_parallel, {"dp": 2, "zero": 0})
+    loss_calls = [n for n in dp_g.graph.nodes if n.target is c10d.all_reduce.default
+                  and not n.meta.get(ir.BUCKET)]
+    assert stats.dp_loss_calls == len(loss_calls) == 2
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):

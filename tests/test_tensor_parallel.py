@@ -209,12 +209,20 @@ def test_nothing_shardable_warns_and_replicates():
 
 
 def test_dp_by_tp_has_both_kinds_of_collectives():
-    """The data-parallel pass sees tp's collectives as acting on each batch shard alike."""
+    """The data-parallel pass sees tp's collectives as acting on each batch shard alike; the
+    vocab-parallel table's gradient is a partial sum over dp like any other weight's (it
+    joins a gradient bucket): no batch gathered over dp, no table split again over dp."""
     cfg = M.GPTConfig(n_layer=1)
     gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 8), 2, dp=2)
     assert all_reduces(gm, "tp-group", "h.") == (2, 2)
-    assert any(n.target is c10d.all_reduce.default and n.args[2] == "dp-group"
-               and n.meta.get(ir.BUCKET) for n in gm.graph.nodes)
+    dp_calls = [n for n in gm.graph.nodes if n.target in (
+        c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+        c10d.reduce_scatter_tensor.default) and "dp-group" in n.args]
+    assert dp_calls and all(n.target is c10d.all_reduce.default for n in dp_calls)
+    assert any(n.meta.get(ir.BUCKET) for n in dp_calls)
+    assert sum(1 for n in dp_calls if not n.meta.get(ir.BUCKET)) == 2  # loss, target count
+    assert sum(1 for n in gm.graph.nodes if n.target is torch.ops.fxpar.localize.default
+               and n.args[2] == "dp-group") == 0
     batch = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
     assert all(tuple(n.meta[ir.VAL].shape)[0] == 4 for n in batch)
 
