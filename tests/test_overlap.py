@@ -183,17 +183,17 @@ def test_overlap_halves_exposed_communication_and_trace_has_both_tracks(tmp_path
     """dp=2 on gloo, a GPT with 3.3 M parameters (13 MB of gradients per step): the fraction
     of step time the compute thread is blocked on communication, overlap on vs off."""
     path = str(tmp_path / "trace.json")
-    # a timing measurement on a shared 2-core VM: best of up to three runs (on/off ratio
-    # measured ~0.4 before, 0.69 in the 2026-11-23 slow run: under investigation, see the
-    # stop-16 note; a descheduled gloo thread can spoil one run)
+    # a timing measurement on a shared 2-core VM: best of up to three runs (a descheduled
+    # gloo thread can spoil one). On/off ratio measured 0.44-0.49 alone on a quiet machine
+    # (2026-11-23, 4 runs); one slow-suite run read 0.69 three times in a row, not reproduced
     for _ in range(3):
         res = fxpar.launch(overlap_rank, 2, path)
         for r in res.values():
             assert r[True]["losses"] == r[False]["losses"]  # reordering changes no number
-        if all(r[True]["exposed"] < 0.75 * r[False]["exposed"] for r in res.values()):
+        if all(r[True]["exposed"] < 0.6 * r[False]["exposed"] for r in res.values()):
             break
     for r in res.values():
-        assert r[True]["exposed"] < 0.75 * r[False]["exposed"], r
+        assert r[True]["exposed"] < 0.6 * r[False]["exposed"], r
     events = json.load(open(path))["traceEvents"]
     tracks = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
     assert tracks == {(0, "compute"), (0, "comm"), (1, "compute"), (1, "comm")}
