@@ -254,6 +254,24 @@ def test_collectives_priced_per_call_from_the_measured_table():
     assert hw.comm("all_reduce", 2 ** 20, 1, 1) == 0.0
 
 
+def test_sends_paid_per_microbatch_where_the_device_cannot_overlap_them(small_stats):
+    """pp=2 on a device that overlaps nothing (gloo on CPU): each of the m forwards and m
+    backwards on each of the 2 ranks pays its send or receive, so the step grows by
+    2 * m * p2p per rank's critical path over the overlapping device's prediction (which
+    pays the transfers only filling and draining the pipeline)."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB,
+                             collectives={("p2p", 2): (1e-3, 0.0)})
+
+    def step(overlap, m):
+        h = dataclasses.replace(hw, overlap=overlap)
+        c = planner.search(small_stats, 2, h, batch_rows=8, constraints={
+            "dp": 1, "tp": 1, "pp": 2, "microbatches": m, "schedule": "gpipe"}).table[0]
+        return c.step_s
+    for m in (1, 4):
+        # GPipe: (m - 1) * slowest + sum over ranks; overlap 1 pays 2 fill/drain transfers
+        assert step(0.0, m) - step(1.0, m) == pytest.approx((2 * (m - 1) + 4 - 2) * 1e-3)
+
+
 def test_pass_extras_count_what_the_passes_emit():
     """graph_stats(pass_extras=True) runs the tp and dp passes once: the planner's tp call
     count (one per row/column linear + the extras) equals the collectives the tp pass emits,
