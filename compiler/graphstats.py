@@ -103,7 +103,7 @@ class GraphStats:
     dp_nodes_per_param: dict = dataclasses.field(default_factory=dict)
     zero3_gathers_per_param: float = 2.0  # before the forward use and the backward use
     dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
-    #                         (a mean over ignored targets: its sum and its count)
+    #                         (a mean over the targets not ignored: the loss and their count)
 
     @property
     def layers(self) -> list[Segment]:

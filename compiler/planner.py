@@ -429,16 +429,16 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         bwd.append(tb + tpc_b + tp_nodes + rec * tf)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
-    if pp > 1 and hw.overlap < 1:
+    if pp > 1:
         # a send / receive the device cannot overlap (gloo's threads share the CPU with the
         # compute: measured 1.5 ms per call on 2 ranks) is paid by every forward and
         # backward of a stage, once per neighbouring stage, not only filling the pipeline
-        n_st = pp * v
+        last_stage = pp * v - 1
         for r in range(pp):
-            links = sum((k * pp + r > 0) + (k * pp + r < n_st - 1) for k in range(v))
+            links = sum((k * pp + r > 0) + (k * pp + r < last_stage) for k in range(v))
             fwd[r] += links * p2p * (1 - hw.overlap)
             bwd[r] += links * p2p * (1 - hw.overlap)
-        p2p *= hw.overlap  # the fill / drain latency below: already in the stages' times
+        p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     slow = max(f + b for f, b in zip(fwd, bwd))
     if pp == 1:
         pipe = m * (fwd[0] + bwd[0])
