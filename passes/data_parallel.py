@@ -66,6 +66,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     bucket_bytes = 0 if plan.zero == 3 else (
         None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20))
     _reduce_outputs(gm, ctx, group, dp, bucket_bytes, plan.zero)
+    _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if plan.zero == 3:
         _gather_params_before_use(gm, group, dp)
         ctx.params_sharded = True
@@ -118,6 +119,71 @@ def _reduce_outputs(gm, ctx, group, dp, bucket_bytes, zero=0):
         for i, r in zip(idx, reduced):
             grads[i] = r
     out.args = ((loss, *grads, *bufs),)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
+
+
+def _all_reduce_fed_by(v, group):
+    """The one all-reduce over `group` that `v` feeds, directly or through views (which may
+    have other users: the loss's view also seeds the backward), and those views."""
+    found, views, todo = [], [], [v]
+    while todo:
+        for u in todo.pop().users:
+            if u.target is c10d.all_reduce.default and u.args[2] == group:
+                found.append(u)
+            elif u.target in _VIEWS:
+                views.append(u)
+                todo.append(u)
+    return (found[0], views) if len(found) == 1 and len(found[0].users) == 1 else None
+
+
+def _mean_losses_as_one_all_reduce(graph, group, dp):
+    """A mean cross-entropy (nll_loss_forward, reduction mean) over a batch split dp ways
+    becomes, by DTensor's rule, a loss that is Partial(avg) -- the average of each rank's mean
+    -- and a count of targets that is Partial(sum), all-reduced for the backward: two scalar
+    all-reduces per microbatch, and a loss that is not the global mean when the ranks count
+    different targets (ignore_index, class weights). One all-reduce of (this rank's sum, its
+    count) gives both exactly: the gradient already used the global count, now the loss does."""
+    for nll in [n for n in graph.nodes if n.target is aten.nll_loss_forward.default]:
+        reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
+        outs = {u.args[1]: u for u in nll.users if u.target is operator.getitem}
+        if reduction != 1 or set(outs) != {0, 1}:
+            continue
+        mean, count = outs[0], outs[1]
+        found = _all_reduce_fed_by(mean, group), _all_reduce_fed_by(count, group)
+        if None in found or mean.meta[ir.VAL].dtype != count.meta[ir.VAL].dtype:
+            continue
+        (ar_mean, views), (ar_count, _) = found
+        wait_mean, wait_count = next(iter(ar_mean.users)), next(iter(ar_count.users))
+        avg = list(wait_mean.users)
+        if not (len(avg) == 1 and avg[0].target is aten.div.Scalar and avg[0].args[1] == dp):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        region, module = nll.meta.get(ir.REGION, ir.FORWARD), nll.meta.get(ir.MODULE, "")
+
+        def emit(target, args, shard, comm=False):
+            node = graph.call_function(target, args)
+            node.meta[ir.REGION] = ir.COMM if comm else region
+            node.meta[ir.MODULE], node.meta[ir.SHARD] = module, shard
+            return node
+        with graph.inserting_before(max(mean, count, key=order.get).next):
+            total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
+            # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
+            total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
+                                                  total, 0.0), (Partial("sum"),))
+            pair = emit(aten.stack.default, ([total, count],), (Partial("sum"),))
+            done = emit(c10d.wait_tensor.default, (
+                emit(c10d.all_reduce.default, (pair, "sum", group), (Partial("sum"),), True),),
+                (Replicate(),), True)
+            count_all = emit(aten.select.int, (done, 0, 1), (Replicate(),))
+            loss = emit(aten.div.Tensor, (emit(aten.select.int, (done, 0, 0), (Replicate(),)),
+                                          count_all), (Replicate(),))
+        wait_count.replace_all_uses_with(count_all)
+        avg[0].replace_all_uses_with(loss)
+        for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views)):
+            if not n.users:
+                graph.erase_node(n)
 
 
 def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, ctx):

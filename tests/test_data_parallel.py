@@ -97,6 +97,22 @@ def test_gpt_dp_has_no_activation_gathers():
     assert count_ops(gm, torch.ops.fxpar.local_chunk.default) == 0
 
 
+def test_mean_cross_entropy_is_one_all_reduce_of_sum_and_count():
+    """The loss and its target count (the backward's divisor) travel in one [2] all-reduce,
+    and the loss is global sum / global count (exact with ignore_index), not a mean of means."""
+    cfg = M.GPTConfig()
+    gm, *_ = compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2)
+    small = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default
+             and not n.meta.get(ir.BUCKET)]
+    assert [tuple(n.args[0].meta[ir.VAL].shape) for n in small] == [(2,)]
+    assert small[0].args[0].target is aten.stack.default
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert loss.target is aten.div.Tensor
+    assert [a.target for a in loss.args] == [aten.select.int, aten.select.int]
+    backward = next(n for n in gm.graph.nodes if n.target is aten.nll_loss_backward.default)
+    assert backward.args[-1] is loss.args[1]  # the backward divides by the global count
+
+
 def test_batch_not_divisible_by_dp_is_a_clear_error():
     with pytest.raises(BatchError, match="multiple of 2"):
         compile_dp(M.MLP(), _mlp_batch(5), 2)

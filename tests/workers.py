@@ -25,6 +25,7 @@ def zoo():
         "mlp": (M.MLP, lambda s: _xy(s, (16,), (4,)), None),
         "sum_loss": (M.SumLossMLP, lambda s: _xy(s, (16,), (4,)), None),
         "gpt": (lambda: M.GPT(cfg), lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s), None),
+        "gpt_padded": (lambda: M.GPT(cfg), lambda s: _padded(cfg, s), None),
         "convbn": (M.ConvBN, lambda s: _img(s), None),
         "hf_gpt2": (M.hf_gpt2, _lm(), None),
         "hf_llama": (M.hf_llama, _lm(), None),
@@ -50,6 +51,15 @@ class DropMLP(torch.nn.Module):
     def forward(self, batch):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def _padded(cfg, step):
+    """A GPT batch whose first rows are mostly padding (targets -100, ignored by the loss):
+    data-parallel ranks count different numbers of targets, so the mean loss is exact only
+    if it divides the global sum by the global count."""
+    idx, targets = M.gpt_batch(cfg, GLOBAL_BATCH, seed=step)
+    targets[: GLOBAL_BATCH // 4, 3 + step:] = -100
+    return idx, targets
 
 
 def _xy(step, xs, ys):
