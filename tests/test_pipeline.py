@@ -228,8 +228,8 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(sc
     for k, nodes in collectives.items():
         if k[0] == "R":
             assert nodes, k
-        else:  # only the loss's all-reduce (a scalar per microbatch) stays per microbatch
-            assert all(n.meta[ir.VAL].numel() == 1 for n in nodes), (k, nodes)
+        else:  # only the loss's all-reduce (its sum and target count) stays per microbatch
+            assert all(n.meta[ir.VAL].numel() == 2 for n in nodes), (k, nodes)
     for g in prog.grads:
         assert g is None or prog.producer[g][0] == "R", g
     for k, p in prog.parts.items():  # R reads only its own stage's backward values
