@@ -147,19 +147,21 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
     count) gives both exactly: the gradient already used the global count, now the loss does."""
     for nll in [n for n in graph.nodes if n.target is aten.nll_loss_forward.default]:
         reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
-        outs = {u.args[1]: u for u in nll.users if u.target is operator.getitem}
-        if reduction != 1 or set(outs) != {0, 1}:
+        if reduction != 1 or nll.meta[ir.VAL][0].dtype != nll.meta[ir.VAL][1].dtype:
             continue
-        mean, count = outs[0], outs[1]
-        found = _all_reduce_fed_by(mean, group), _all_reduce_fed_by(count, group)
-        if None in found or mean.meta[ir.VAL].dtype != count.meta[ir.VAL].dtype:
+        # each output's all-reduce (the count's may read a copy of the getitem that remat
+        # made for the backward): exactly one of each, or this is not the pattern
+        reduced = {0: [], 1: []}
+        for u in nll.users:
+            if u.target is operator.getitem and (found := _all_reduce_fed_by(u, group)):
+                reduced[u.args[1]].append(found)
+        if len(reduced[0]) != 1 or len(reduced[1]) != 1:
             continue
-        (ar_mean, views), (ar_count, _) = found
+        (ar_mean, views), (ar_count, _) = reduced[0][0], reduced[1][0]
         wait_mean, wait_count = next(iter(ar_mean.users)), next(iter(ar_count.users))
         avg = list(wait_mean.users)
         if not (len(avg) == 1 and avg[0].target is aten.div.Scalar and avg[0].args[1] == dp):
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
         region, module = nll.meta.get(ir.REGION, ir.FORWARD), nll.meta.get(ir.MODULE, "")
 
         def emit(target, args, shard, comm=False):
@@ -167,7 +169,9 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
             node.meta[ir.REGION] = ir.COMM if comm else region
             node.meta[ir.MODULE], node.meta[ir.SHARD] = module, shard
             return node
-        with graph.inserting_before(max(mean, count, key=order.get).next):
+        with graph.inserting_before(nll.next):  # in the forward, right after the loss
+            mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
+            count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
             total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
             # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
             total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
@@ -181,8 +185,9 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
                                           count_all), (Replicate(),))
         wait_count.replace_all_uses_with(count_all)
         avg[0].replace_all_uses_with(loss)
-        for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views)):
-            if not n.users:
+        for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
+                  *[u for u in nll.users if u not in (mean, count)]):
+            if not n.users:  # (the loss's view still seeds the backward)
                 graph.erase_node(n)
 
 

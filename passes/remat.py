@@ -166,11 +166,23 @@ _REDUCTIONS = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, at
                aten.var_mean, aten.std_mean, aten.logsumexp, aten.max, aten.min}
 
 
+# losses that reduce over the batch unless reduction is "none" (0): where their reduction is
+_LOSSES = {aten.nll_loss_forward: 3, aten.nll_loss2d_forward: 3, aten.mse_loss: 2,
+           aten.l1_loss: 2, aten.smooth_l1_loss: 2, aten.huber_loss: 2,
+           aten.binary_cross_entropy: 3, aten.binary_cross_entropy_with_logits: 4}
+
+
 def _reduces_over_batch(n) -> bool:
-    """A reduction that includes dim 0 (or all dims): under data parallelism it becomes an
-    all-reduce, so recomputing it would communicate again in the backward."""
+    """A reduction that includes dim 0 (or all dims), or a loss that averages or sums over the
+    batch: under data parallelism it becomes an all-reduce, so recomputing it would
+    communicate again in the backward."""
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload) or t.overloadpacket not in _REDUCTIONS:
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    if t.overloadpacket in _LOSSES:
+        i = _LOSSES[t.overloadpacket]
+        return (n.args[i] if len(n.args) > i else n.kwargs.get("reduction", 1)) != 0
+    if t.overloadpacket not in _REDUCTIONS:
         return False
     dims = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
     if dims is None or dims == [] or dims == ():

@@ -258,3 +258,17 @@ def test_batch_statistics_are_not_recomputed_under_dp():
     base, _ = all_reduces("none")
     n_ar, n_rec = all_reduces("sqrt")
     assert n_rec > 0 and n_ar == base
+
+
+def test_the_loss_is_not_recomputed_under_dp():
+    """A mean loss reduces over the batch: under dp its value and target count are all-reduced
+    in the forward, so remat saves them instead of recomputing the loss in the backward."""
+    from fxpar.compiler.passes import run_passes
+    from fxpar.compiler.plan import resolve
+    torch.manual_seed(0)
+    gm, sig = cap.capture(M.ConvBN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))))
+    ctx = PassContext(signature=sig, group_names={"dp": "g"})
+    gm = run_passes(gm, resolve({"dp": 2, "remat": "sqrt"}, 2), ctx, "dp", {})
+    assert gm.meta["remat"].recomputed  # remat did act
+    losses = [n for n in gm.graph.nodes if n.target is torch.ops.aten.nll_loss_forward.default]
+    assert len(losses) == 1 and not losses[0].meta.get(ir.RECOMPUTE)
