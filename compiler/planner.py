@@ -603,19 +603,22 @@ def _pass_extras(gm, sig, stats) -> None:
 
 
 def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
-                       optimizer) -> cost.Hardware:
-    """CPU: time the model's own joint graph once on the example batch (one process, real
-    tensors) and its optimizer step; the time the roofline does not explain is the dispatch
-    overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
-    this at once, each repetition started together (a barrier), so each measures its share
-    of the cores (collective when a process group exists)."""
+                       optimizer, loss_fn=None) -> cost.Hardware:
+    """CPU: time the model's own joint graph (one process, real tensors) at the example batch
+    and at an eighth of its rows (captured again), and its optimizer step. The two times fit
+    t(rows) = nodes x node_overhead + s x roofline(rows): the per-node dispatch cost (Python,
+    FX, ATen: dominant for small models, and what a microbatch pays again however small) and
+    how far the rows-proportional part is from the start-up microbenchmarks' roofline (s
+    rescales the matmul efficiency and memory bandwidth). One time cannot tell the two apart;
+    a microbatched plan's price depends on exactly that split. Every rank runs this at once,
+    each repetition started together (a barrier), so each measures its share of the cores
+    (collective when a process group exists)."""
     import time as _time
     from fxpar.compiler import capture as cap
     gm, sig = stats.graph
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = dict(model.named_buffers(remove_duplicate=False))
-    args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
-            + list(cap.flatten_batch(example_batch, sig)))
+    state = [params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
 
     import torch.distributed as dist
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
@@ -629,14 +632,26 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
             fn()
             ts.append(_time.perf_counter() - t0)
         return sorted(ts)[len(ts) // 2]
+    rows, small = stats.rows, max(1, stats.rows // 8)
+    leaves = cap.flatten_batch(example_batch, sig)
+    if small < rows:
+        few = _first_rows(example_batch, rows, small)
+        gm_s, sig_s = cap.capture(model, few, loss_fn)
+        leaves_s = cap.flatten_batch(few, sig_s)
     with torch.no_grad():
-        t_graph = timed(lambda: gm(*args))
+        t_graph = timed(lambda: gm(*state, *leaves))
+        t_small = timed(lambda: gm_s(*state, *leaves_s)) if small < rows else None
     base = dataclasses.replace(hw, node_overhead=0.0)
-    roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
+
+    def roofline(r):
+        return sum(_seg_time(s, stats, r, 1, base, "fp32", part)
                    for s in stats.segments for part in ("f", "b"))
     nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
-    hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
-                                                   (t_graph - roofline) / max(nodes, 1)))
+    overhead, scale = fit_dispatch_and_roofline(t_graph, roofline(rows), t_small,
+                                                roofline(small), nodes)
+    hw = dataclasses.replace(hw, node_overhead=overhead,
+                             matmul_efficiency=hw.matmul_efficiency / scale,
+                             mem_bandwidth=hw.mem_bandwidth / scale)
     ps = [torch.nn.Parameter(params[n].detach().clone()) for n in sig.param_names]
     for p in ps:
         p.grad = torch.zeros_like(p)
@@ -644,8 +659,33 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
         opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
         with torch.no_grad():
             hw.optimizer_s = timed(opt.step)
-    hw.calibrated += f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node"
+    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms at {rows} rows" + (
+        f", {t_small * 1e3:.1f} ms at {small}" if t_small is not None else "") +
+        f" -> {hw.node_overhead * 1e6:.1f} us/node, roofline x{scale:.2f}")
     return hw
+
+
+def fit_dispatch_and_roofline(t_full: float, roof_full: float, t_small: float | None,
+                              roof_small: float, nodes: int) -> tuple[float, float]:
+    """Solve t = nodes x overhead + scale x roofline for (overhead per node, scale) from the
+    graph's time at two batch sizes. Without the second time (a one-row batch) or with times
+    that do not grow with the rows (noise), the roofline is kept (scale 1) and the rest is
+    dispatch; a fit with no fixed cost puts all of the time on the rows."""
+    nodes = max(nodes, 1)
+    scale = 1.0
+    if t_small is not None and t_full > t_small and roof_full > roof_small:
+        scale = min(max((t_full - t_small) / (roof_full - roof_small), 0.1), 10.0)
+    overhead = (t_full - scale * roof_full) / nodes
+    if overhead < 0:
+        overhead, scale = 0.0, t_full / roof_full
+    return overhead, scale
+
+
+def _first_rows(batch, rows: int, k: int):
+    """The batch cut to its first k rows (every tensor whose dim 0 is the batch's rows)."""
+    return torch.utils._pytree.tree_map(
+        lambda t: t[:k] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+        else t, batch)
 
 
 def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
@@ -769,12 +809,14 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         hw.memory = int(mem.item())
     stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu")
     if device.type == "cpu":
-        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
+        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer, loss_fn)
         if dist.is_initialized():
-            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)
+            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0, hw.matmul_efficiency,
+                              hw.mem_bandwidth], dtype=torch.float64)
             dist.broadcast(v, src=0)
             hw.node_overhead = float(v[0])
             hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
+            hw.matmul_efficiency, hw.mem_bandwidth = float(v[2]), float(v[3])
     result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                        constraints=constraints, hw=hw, stats=stats)
     return result.best.plan, result
