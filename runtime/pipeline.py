@@ -83,6 +83,8 @@ class PipelineRunner:
             self.p.parts[self.p.producer[name]].stage) == pp_rank] if self.zero else []
         self.held_params = sorted(i for i, st in self.p.param_stages.items()
                                   if any(self.rank_of(s) == pp_rank for s in st))
+        # fixed per program, cached on first use: see _local_consumers, _routes, _prefetch
+        self._local_count, self._route_cache, self._remote_inputs = {}, {}, {}
         self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
         self.stash: HostStash | None = None
 
@@ -139,12 +141,10 @@ class PipelineRunner:
                         del store[(ref, mb)], refs[(ref, mb)]
             self._prefetch(actions[n + 1:n + 2], store, device)
             outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec)
-            for name, t in zip(part.outputs, outs):
-                local = self._local_consumers(name)
+            for (name, local, remote), t in zip(self._routes(key), outs):
                 if local:
                     store[(name, mb)], refs[(name, mb)] = t, local
-                for r in sorted({self.rank_of(self.p.parts[c].stage)
-                                 for c in self._consumers(name)} - {self.rank}):
+                for r in remote:
                     sends.append(self._send(t, r, self.tag[name] * self.m + mb, name, rec))
                 if name == self.p.loss:
                     losses.append(t)
@@ -211,16 +211,20 @@ class PipelineRunner:
         """Post the receives of the next action now (non-blocking), so the transfer runs
         while this action computes."""
         for a in upcoming:
-            part = self.parts.get(f"{a.kind}{a.stage}")
+            key = f"{a.kind}{a.stage}"
+            part = self.parts.get(key)
             if part is None:
                 continue
-            for kind, ref in part.inputs:
+            if self.stash is not None and self.stash.prefetches:
+                for kind, ref in part.inputs:
+                    if kind == "value" and isinstance(store.get((ref, a.microbatch)), OnHost):
+                        self.stash.prefetch(store[(ref, a.microbatch)])  # start the copy back
+            if key not in self._remote_inputs:
+                self._remote_inputs[key] = [ref for kind, ref in part.inputs if kind == "value"
+                                            and self._src_rank(ref) != self.rank]
+            for ref in self._remote_inputs[key]:
                 k = (ref, a.microbatch)
-                if kind == "value" and isinstance(store.get(k), OnHost) and \
-                        self.stash.prefetches:
-                    self.stash.prefetch(store[k])  # offloaded: start the copy back
-                if kind == "value" and k not in store and k not in self._pending and \
-                        self._src_rank(ref) != self.rank:
+                if k not in store and k not in self._pending:
                     buf = self._buffer(ref, device)
                     src = self.global_rank[self._src_rank(ref)]
                     self._pending[k] = (buf, dist.irecv(_wire(buf), src=src,
@@ -267,8 +271,22 @@ class PipelineRunner:
             torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
     def _local_consumers(self, name) -> int:
-        return sum(1 for c in self._consumers(name)
-                   if self.rank_of(self.p.parts[c].stage) == self.rank)
+        key = (name, self._forward_only)
+        if key not in self._local_count:
+            self._local_count[key] = sum(1 for c in self._consumers(name)
+                                         if self.rank_of(self.p.parts[c].stage) == self.rank)
+        return self._local_count[key]
+
+    def _routes(self, key) -> list[tuple[str, int, list[int]]]:
+        """Per output of part `key`: (name, parts on this rank reading it, other pp ranks
+        to send it to). Fixed for a program; computed once, not per microbatch."""
+        ck = (key, self._forward_only)
+        if ck not in self._route_cache:
+            self._route_cache[ck] = [
+                (name, self._local_consumers(name),
+                 sorted({self.rank_of(self.p.parts[c].stage) for c in self._consumers(name)}
+                        - {self.rank})) for name in self.parts[key].outputs]
+        return self._route_cache[ck]
 
     def _send(self, t, rank, tag, name, rec):
         shape, dtype, stride = self.meta[name]
