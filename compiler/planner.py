@@ -425,8 +425,16 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         # the nodes the tp pass adds (redistributions, collectives), this rank's share
         share = sum(s.nodes_f + s.nodes_b for s in segs) / total_nodes
         tp_nodes = stats.tp_nodes_extra * share * hw.node_overhead / 2 if tp > 1 else 0.0
+        # the microbatch runner (pp > 1 or m > 1) adds each microbatch's gradients into the
+        # step's sum (runtime/pipeline.py): one add per parameter tensor, read two write one
+        accumulate = 0.0
+        if pp > 1 or m > 1:
+            grad_bytes = sum((s.params - s.params_split) + s.params_split / tp
+                             for s in segs) * (4 if precision == "fp32" else 2)
+            accumulate = (sum(s.n_param_tensors for s in segs) * hw.node_overhead
+                          + 3 * grad_bytes / hw.mem_bandwidth)
         fwd.append(tf + tpc_f + tp_nodes)
-        bwd.append(tb + tpc_b + tp_nodes + rec * tf)
+        bwd.append(tb + tpc_b + tp_nodes + rec * tf + accumulate)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     if pp > 1:
@@ -623,9 +631,11 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     import torch.distributed as dist
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
 
-    def timed(fn, reps=9):  # every rank at once, in lock step: each sees its share of cores
-        fn()
-        fn()
+    def timed(fn, reps=9, warm_s=0.2):  # every rank at once, in lock step
+        t_end = _time.perf_counter() + warm_s  # a core idle a moment ago runs at half speed
+        fn()                                   # for ~0.1 s on this VM: keep it busy first
+        while _time.perf_counter() < t_end:
+            fn()
         ts = []
         for _ in range(reps):
             sync()
