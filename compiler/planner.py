@@ -631,10 +631,16 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     import torch.distributed as dist
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
 
-    def timed(fn, reps=7):  # every rank at once, in lock step: each sees its share of cores
+    def timed(fn, budget_s=0.4):  # every rank at once, in lock step: each its share of cores
+        t0 = _time.perf_counter()
         fn()
+        # repetitions for ~budget_s: this VM's speed drifts +-40% over seconds, and a short
+        # window measures one moment of it; every rank runs the same count (rank 0's)
+        reps = torch.tensor([min(max(int(budget_s / (_time.perf_counter() - t0)), 5), 60)])
+        if dist.is_initialized():
+            dist.broadcast(reps, src=0)
         ts = []
-        for _ in range(reps):
+        for _ in range(int(reps)):
             sync()
             t0 = _time.perf_counter()
             fn()
