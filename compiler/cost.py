@@ -390,10 +390,7 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
         a, b = torch.randn(512, 512), torch.randn(512, 512)
 
         def rate(fn, work, budget=0.15):
-            t_end = time.perf_counter() + 0.1  # warm up: a core idle a moment ago runs at
-            fn()                               # half speed for ~0.1 s on a VM
-            while time.perf_counter() < t_end:
-                fn()
+            fn()
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < budget:
                 fn()

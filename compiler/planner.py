@@ -425,16 +425,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         # the nodes the tp pass adds (redistributions, collectives), this rank's share
         share = sum(s.nodes_f + s.nodes_b for s in segs) / total_nodes
         tp_nodes = stats.tp_nodes_extra * share * hw.node_overhead / 2 if tp > 1 else 0.0
-        # the microbatch runner (pp > 1 or m > 1) adds each microbatch's gradients into the
-        # step's sum (runtime/pipeline.py): one add per parameter tensor, read two write one
-        accumulate = 0.0
-        if pp > 1 or m > 1:
-            grad_bytes = sum((s.params - s.params_split) + s.params_split / tp
-                             for s in segs) * (4 if precision == "fp32" else 2)
-            accumulate = (sum(s.n_param_tensors for s in segs) * hw.node_overhead
-                          + 3 * grad_bytes / hw.mem_bandwidth)
         fwd.append(tf + tpc_f + tp_nodes)
-        bwd.append(tb + tpc_b + tp_nodes + rec * tf + accumulate)
+        bwd.append(tb + tpc_b + tp_nodes + rec * tf)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     if pp > 1:
@@ -611,22 +603,19 @@ def _pass_extras(gm, sig, stats) -> None:
 
 
 def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
-                       optimizer, loss_fn=None) -> cost.Hardware:
-    """CPU: time the model's own joint graph (one process, real tensors) at the example batch
-    and at an eighth of its rows (captured again), and its optimizer step. The two times fit
-    t(rows) = nodes x node_overhead + s x roofline(rows): the per-node dispatch cost (Python,
-    FX, ATen: dominant for small models, and what a microbatch pays again however small) and
-    how far the rows-proportional part is from the start-up microbenchmarks' roofline (s
-    rescales the matmul efficiency and memory bandwidth). One time cannot tell the two apart;
-    a microbatched plan's price depends on exactly that split. Every rank runs this at once,
-    each repetition started together (a barrier), so each measures its share of the cores
-    (collective when a process group exists)."""
+                       optimizer) -> cost.Hardware:
+    """CPU: time the model's own joint graph once on the example batch (one process, real
+    tensors) and its optimizer step; the time the roofline does not explain is the dispatch
+    overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
+    this at once, each repetition started together (a barrier), so each measures its share
+    of the cores (collective when a process group exists)."""
     import time as _time
     from fxpar.compiler import capture as cap
     gm, sig = stats.graph
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = dict(model.named_buffers(remove_duplicate=False))
-    state = [params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
+    args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
+            + list(cap.flatten_batch(example_batch, sig)))
 
     import torch.distributed as dist
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
@@ -649,26 +638,14 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
         # lower quartile) came out 25% faster than the graphs run inside real steps, where
         # cores idle while they wait for gloo and run slower for a while after
         return sorted(ts)[len(ts) // 2]
-    rows, small = stats.rows, max(1, stats.rows // 8)
-    leaves = cap.flatten_batch(example_batch, sig)
-    if small < rows:
-        few = _first_rows(example_batch, rows, small)
-        gm_s, sig_s = cap.capture(model, few, loss_fn)
-        leaves_s = cap.flatten_batch(few, sig_s)
     with torch.no_grad():
-        t_graph = timed(lambda: gm(*state, *leaves))
-        t_small = timed(lambda: gm_s(*state, *leaves_s)) if small < rows else None
+        t_graph = timed(lambda: gm(*args))
     base = dataclasses.replace(hw, node_overhead=0.0)
-
-    def roofline(r):
-        return sum(_seg_time(s, stats, r, 1, base, "fp32", part)
+    roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
                    for s in stats.segments for part in ("f", "b"))
     nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
-    overhead, scale = fit_dispatch_and_roofline(t_graph, roofline(rows), t_small,
-                                                roofline(small), nodes)
-    hw = dataclasses.replace(hw, node_overhead=overhead,
-                             matmul_efficiency=hw.matmul_efficiency / scale,
-                             mem_bandwidth=hw.mem_bandwidth / scale)
+    hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
+                                                   (t_graph - roofline) / max(nodes, 1)))
     ps = [torch.nn.Parameter(params[n].detach().clone()) for n in sig.param_names]
     for p in ps:
         p.grad = torch.zeros_like(p)
@@ -676,33 +653,8 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
         opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
         with torch.no_grad():
             hw.optimizer_s = timed(opt.step)
-    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms at {rows} rows" + (
-        f", {t_small * 1e3:.1f} ms at {small}" if t_small is not None else "") +
-        f" -> {hw.node_overhead * 1e6:.1f} us/node, roofline x{scale:.2f}")
+    hw.calibrated += f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node"
     return hw
-
-
-def fit_dispatch_and_roofline(t_full: float, roof_full: float, t_small: float | None,
-                              roof_small: float, nodes: int) -> tuple[float, float]:
-    """Solve t = nodes x overhead + scale x roofline for (overhead per node, scale) from the
-    graph's time at two batch sizes. Without the second time (a one-row batch) or with times
-    that do not grow with the rows (noise), the roofline is kept (scale 1) and the rest is
-    dispatch; a fit with no fixed cost puts all of the time on the rows."""
-    nodes = max(nodes, 1)
-    scale = 1.0
-    if t_small is not None and t_full > t_small and roof_full > roof_small:
-        scale = min(max((t_full - t_small) / (roof_full - roof_small), 0.1), 10.0)
-    overhead = (t_full - scale * roof_full) / nodes
-    if overhead < 0:
-        overhead, scale = 0.0, t_full / roof_full
-    return overhead, scale
-
-
-def _first_rows(batch, rows: int, k: int):
-    """The batch cut to its first k rows (every tensor whose dim 0 is the batch's rows)."""
-    return torch.utils._pytree.tree_map(
-        lambda t: t[:k] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
-        else t, batch)
 
 
 def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
@@ -826,14 +778,12 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         hw.memory = int(mem.item())
     stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu")
     if device.type == "cpu":
-        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer, loss_fn)
+        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
         if dist.is_initialized():
-            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0, hw.matmul_efficiency,
-                              hw.mem_bandwidth], dtype=torch.float64)
+            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)
             dist.broadcast(v, src=0)
             hw.node_overhead = float(v[0])
             hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
-            hw.matmul_efficiency, hw.mem_bandwidth = float(v[2]), float(v[3])
     result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                        constraints=constraints, hw=hw, stats=stats)
     return result.best.plan, result

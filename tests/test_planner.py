@@ -347,19 +347,3 @@ def test_link_from_table_reproduces_the_measured_all_reduce():
         6e-3 + 2 ** 20 * 2e-9)
     assert cost.link_from_table(table, 2) is None
 
-
-def test_calibration_splits_dispatch_from_per_row_time():
-    """Two graph timings (the example batch and an eighth of it) separate the fixed cost a
-    microbatch pays again (per-node dispatch) from the time that scales with its rows."""
-    fit = planner.fit_dispatch_and_roofline
-    nodes, o, s = 500, 20e-6, 3.0  # truth: 10 ms of dispatch, the roofline 3x optimistic
-    roof = {16: 6e-3, 2: 0.75e-3}
-    t = {r: nodes * o + s * roof[r] for r in roof}
-    assert fit(t[16], roof[16], t[2], roof[2], nodes) == (pytest.approx(o), pytest.approx(s))
-    # one time only: the roofline is trusted, the rest is dispatch
-    assert fit(t[16], roof[16], None, roof[2], nodes) == (
-        pytest.approx((t[16] - roof[16]) / nodes), 1.0)
-    # noise that makes the small batch slower: no scale is inferred from it
-    assert fit(t[16], roof[16], t[16] * 1.1, roof[2], nodes)[1] == 1.0
-    # no fixed cost in the fit: all of the time is per row
-    assert fit(12e-3, 6e-3, 0.5e-3, 0.75e-3, nodes) == (0.0, pytest.approx(2.0))
