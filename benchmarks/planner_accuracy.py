@@ -1,13 +1,11 @@
 """Predicted vs measured step time for every legal plan of the small GPT on N CPU ranks.
 
 Every rank plans (the planner's hardware numbers measured at start-up, gloo's alpha-beta
-measured on the job's process group), then every legal plan is compiled, and all of them are
-timed in interleaved rounds (median over the rounds after the first; the slowest rank).
-Prints one row per plan and the median / worst relative error; with --check-best, also how
-far the planner's choice is from the fastest measured plan.
+measured on the job's process group), then every legal plan is compiled and timed (median of
+the last steps). Prints one row per plan and the median / worst relative error; with
+--check-best, also how far the planner's choice is from the fastest measured plan.
 
-Run: python benchmarks/planner_accuracy.py --nprocs 4 [--rounds 3] [--steps 3] [--limit N]
-     [--check-best]
+Run: python benchmarks/planner_accuracy.py --nprocs 4 [--steps 8] [--limit N] [--check-best]
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ def _cfg():
     return M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
 
-def worker(steps: int, rounds: int, batch_rows: int, limit: int | None, state: str):
+def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, state: str):
     import torch.distributed as dist
     from fxpar.compiler import planner
     world = int(os.environ["WORLD_SIZE"])
@@ -41,33 +39,27 @@ def worker(steps: int, rounds: int, batch_rows: int, limit: int | None, state: s
     plan, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
     cands = result.table if limit is None else result.table[:limit]
     done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
-    failed = {key for _, _, key in done["failed"]}  # plans that crashed an earlier attempt
-    todo = [(i, c) for i, c in enumerate(cands) if repr(c.plan) not in failed]
-    done["hardware"], done["n"] = str(result.hardware), len(cands)
-
-    def mark(c):  # a plan that crashes the job is recorded as failed by main()
-        if rank == 0:
-            done["current"] = (c.row(), repr(c.plan))
+    start = len(done["rows"]) + len(done["failed"])
+    if rank == 0 and start == 0:
+        done["hardware"] = str(result.hardware)
+        done["n"] = len(cands)
+    for i, c in enumerate(cands[start:], start):
+        if rank == 0:  # a plan that crashes the job is recorded as failed by main()
+            done["current"] = c.row()
             json.dump(done, open(state, "w"))
-    models = []
-    for _, c in todo:  # every plan compiled first ...
-        mark(c)
         torch.manual_seed(0)
-        models.append(fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
-                                        plan=c.plan))
-    times = [[] for _ in todo]
-    for r in range(rounds):  # ... then timed in interleaved rounds, the first one warming up:
-        for k, pm in enumerate(models):  # this VM's speed drifts over seconds, and rounds
-            mark(todo[k][1])             # spread every plan's samples over the whole run
-            for _ in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                pm.step(data)
-                if r > 0:
-                    times[k].append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    done["rows"] = [(c.row(), c.step_s, float(tk), i == 0) for (i, c), tk in zip(todo, t)]
+        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
+                               plan=c.plan)
+        times = []
+        for s in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(data)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times[2:])], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        done["rows"].append((c.row(), c.step_s, float(t), i == 0))
+        del pm
     if rank == 0:
         done.pop("current", None)
         json.dump(done, open(state, "w"))
@@ -81,7 +73,7 @@ def report(state):
         err = (pred - meas) / meas
         errs.append(abs(err))
         print(f"{row}   measured {meas * 1e3:8.2f} ms   error {err * 100:+6.1f}%")
-    for row, why, _ in done["failed"]:
+    for row, why in done["failed"]:
         print(f"{row}   FAILED: {why}")
     best = min(m for _, _, m, _ in done["rows"])
     chosen = next((m for _, _, m, first in done["rows"] if first), None)
@@ -96,8 +88,7 @@ def report(state):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--nprocs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="steps per plan per round")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (1st: warm-up)")
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="only the planner's top N plans")
     ap.add_argument("--out", default=None, help="JSON with the numbers (also the progress)")
@@ -109,12 +100,11 @@ def main(argv=None):
         os.remove(state)
     while True:
         try:
-            fxpar.launch(worker, a.nprocs, a.steps, a.rounds, a.batch, a.limit, state)
+            fxpar.launch(worker, a.nprocs, a.steps, a.batch, a.limit, state, state)
             break
         except fxpar.runtime.dist.LaunchError as e:  # record the plan that crashed, go on
             done = json.load(open(state))
-            row, key = done.pop("current")
-            done["failed"].append((row, str(e)[:300], key))
+            done["failed"].append((done.pop("current"), str(e)[:300]))
             json.dump(done, open(state, "w"))
     done = report(state)
     if a.check_best:
