@@ -620,23 +620,14 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     import torch.distributed as dist
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
 
-    def timed(fn, budget_s=0.4):  # every rank at once, in lock step: each its share of cores
-        t0 = _time.perf_counter()
+    def timed(fn, reps=5):  # every rank at once, in lock step: each sees its share of cores
         fn()
-        # repetitions for ~budget_s: this VM's speed drifts +-40% over seconds, and a short
-        # window measures one moment of it; every rank runs the same count (rank 0's)
-        reps = torch.tensor([min(max(int(budget_s / (_time.perf_counter() - t0)), 5), 60)])
-        if dist.is_initialized():
-            dist.broadcast(reps, src=0)
         ts = []
-        for _ in range(int(reps)):
+        for _ in range(reps):
             sync()
             t0 = _time.perf_counter()
             fn()
             ts.append(_time.perf_counter() - t0)
-        # the median, as a step is measured: a warmed-up best case (a core kept busy, the
-        # lower quartile) came out 25% faster than the graphs run inside real steps, where
-        # cores idle while they wait for gloo and run slower for a while after
         return sorted(ts)[len(ts) // 2]
     with torch.no_grad():
         t_graph = timed(lambda: gm(*args))
