@@ -150,15 +150,17 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
         if reduction != 1 or nll.meta[ir.VAL][0].dtype != nll.meta[ir.VAL][1].dtype:
             continue
         # each output's all-reduce (the count's may read a copy of the getitem that remat
-        # made for the backward): exactly one of each, or this is not the pattern
+        # made for the backward; a forward-only graph does not reduce the count at all)
         reduced = {0: [], 1: []}
         for u in nll.users:
             if u.target is operator.getitem and (found := _all_reduce_fed_by(u, group)):
                 reduced[u.args[1]].append(found)
-        if len(reduced[0]) != 1 or len(reduced[1]) != 1:
+        if len(reduced[0]) != 1 or len(reduced[1]) > 1:
             continue
-        (ar_mean, views), (ar_count, _) = reduced[0][0], reduced[1][0]
-        wait_mean, wait_count = next(iter(ar_mean.users)), next(iter(ar_count.users))
+        ar_mean, views = reduced[0][0]
+        ar_count = reduced[1][0][0] if reduced[1] else None
+        wait_mean = next(iter(ar_mean.users))
+        wait_count = next(iter(ar_count.users)) if ar_count is not None else None
         avg = list(wait_mean.users)
         if not (len(avg) == 1 and avg[0].target is aten.div.Scalar and avg[0].args[1] == dp):
             continue
@@ -183,11 +185,12 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
             count_all = emit(aten.select.int, (done, 0, 1), (Replicate(),))
             loss = emit(aten.div.Tensor, (emit(aten.select.int, (done, 0, 0), (Replicate(),)),
                                           count_all), (Replicate(),))
-        wait_count.replace_all_uses_with(count_all)
+        if wait_count is not None:
+            wait_count.replace_all_uses_with(count_all)
         avg[0].replace_all_uses_with(loss)
         for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
                   *[u for u in nll.users if u not in (mean, count)]):
-            if not n.users:  # (the loss's view still seeds the backward)
+            if n is not None and not n.users:  # (the loss's view still seeds the backward)
                 graph.erase_node(n)
 
 

@@ -113,6 +113,19 @@ def test_mean_cross_entropy_is_one_all_reduce_of_sum_and_count():
     assert backward.args[-1] is loss.args[1]  # the backward divides by the global count
 
 
+def test_forward_only_mean_loss_is_global_sum_over_global_count():
+    """evaluate()'s forward-only graph has no backward to reduce the count for: the rewrite
+    reduces it with the sum anyway (one [2] all-reduce), so the loss is exact there too."""
+    cfg = M.GPTConfig()
+    gm, sig = capture(M.GPT(cfg), M.gpt_batch(cfg, 4), joint=False)
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group"})
+    gm = run_passes(gm, resolve({"dp": 2}, 2), ctx, "dp", {})
+    ars = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    assert [tuple(n.args[0].meta[ir.VAL].shape) for n in ars] == [(2,)]
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert loss.target is aten.div.Tensor
+
+
 def test_batch_not_divisible_by_dp_is_a_clear_error():
     with pytest.raises(BatchError, match="multiple of 2"):
         compile_dp(M.MLP(), _mlp_batch(5), 2)
