@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import torch
@@ -444,7 +445,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         pipe = m * (fwd[0] + bwd[0])
     elif sched == "interleaved":
         pipe = m * slow + (pp - 1) * slow / v + 2 * (pp - 1) * p2p
-    elif sched == "zero-bubble":
+    elif sched == "zero-bubble" and hw.bubble_is_idle:  # else: no faster than 1F1B
         pipe = m * slow + (pp - 1) * max(f + b / 2 for f, b in zip(fwd, bwd)) + 2 * (pp - 1) * p2p
     else:
         pipe = (m - 1) * slow + sum(fwd) + sum(bwd) + 2 * (pp - 1) * p2p
@@ -523,7 +524,8 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
         c.simulated = True
         return
     fwd, bwd, p2p, pipe, v = c.ctx
-    ms = _makespan(p.schedule, p.pp, p.microbatches, v, fwd, bwd, p2p)
+    timed_as = "1f1b" if p.schedule == "zero-bubble" and not hw.bubble_is_idle else p.schedule
+    ms = _makespan(timed_as, p.pp, p.microbatches, v, fwd, bwd, p2p)
     c.step_s += ms - pipe
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
     c.bubble = 1 - busy / ms
@@ -724,6 +726,11 @@ def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str 
     return stats.with_depth(layers) if layers != cfg.n_layer else stats
 
 
+def _local_ranks() -> int:
+    import torch.distributed as dist
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
     """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
     measured on rank 0's machine and broadcast; the search is deterministic) and gets the
@@ -761,7 +768,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                                      "fp16": float(v[0]) / 8},
                                      mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
                                      intra=link, inter=link,
-                                     collectives=table, overlap=0.0)
+                                     collectives=table, overlap=0.0,
+                                     bubble_is_idle=_local_ranks() <= (os.cpu_count() or 1))
     hw.memory = rdist.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)

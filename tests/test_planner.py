@@ -272,6 +272,22 @@ def test_sends_paid_per_microbatch_where_the_device_cannot_overlap_them(small_st
         assert step(0.0, m) - step(1.0, m) == pytest.approx((2 * (m - 1) + 4 - 2) * 1e-3)
 
 
+def test_zero_bubble_gains_nothing_where_ranks_oversubscribe_the_cores(small_stats):
+    """More CPU ranks than cores: a bubble is not idle compute (the other ranks use the core),
+    so zero-bubble is priced as 1F1B and loses the tie; with idle bubbles it is cheaper."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB)
+
+    def price(idle, schedule):
+        h = dataclasses.replace(hw, bubble_is_idle=idle)
+        return planner.search(small_stats, 2, h, batch_rows=8, constraints={
+            "dp": 1, "tp": 1, "pp": 2, "microbatches": 4, "schedule": schedule}).table[0].step_s
+    assert price(True, "zero-bubble") < price(True, "1f1b")
+    assert price(False, "zero-bubble") == pytest.approx(price(False, "1f1b"))
+    best = planner.search(small_stats, 2, dataclasses.replace(hw, bubble_is_idle=False),
+                          batch_rows=8, constraints={"dp": 1, "tp": 1, "pp": 2}).best
+    assert best.plan.schedule != "zero-bubble"
+
+
 def test_pass_extras_count_what_the_passes_emit():
     """graph_stats(pass_extras=True) runs the tp and dp passes once: the planner's tp call
     count (one per row/column linear + the extras) equals the collectives the tp pass emits,
