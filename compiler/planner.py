@@ -726,9 +726,12 @@ def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str 
     return stats.with_depth(layers) if layers != cfg.n_layer else stats
 
 
-def _local_ranks() -> int:
+def _ranks_outnumber_cores() -> bool:
+    """More ranks on this machine than cores it may use (counted as runtime/dist.py does)."""
     import torch.distributed as dist
-    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return local > (cores or 1)
 
 
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
@@ -769,7 +772,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                      mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
                                      intra=link, inter=link,
                                      collectives=table, overlap=0.0,
-                                     bubble_is_idle=_local_ranks() <= (os.cpu_count() or 1))
+                                     bubble_is_idle=not _ranks_outnumber_cores())
     hw.memory = rdist.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)
