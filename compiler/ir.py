@@ -8,7 +8,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.fx
+
+# ops that only reshape or alias a tensor (same elements, same storage): passes look through them
+RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                      torch.ops.aten.reshape.default, torch.ops.aten.alias.default})
 
 # node.meta keys (DESIGN.md section 3)
 VAL = "val"              # fake tensor: shape, dtype, device

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import time
 
 import torch
@@ -182,6 +181,12 @@ def in_flight(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
     if schedule == "zero-bubble":
         return [min(pp, m) if m > r else m for r in range(pp)]
     return [math.ceil(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v) for r in range(pp)]
+
+
+def _timed_as(schedule: str, hw: cost.Hardware) -> str:
+    """The schedule whose makespan a plan is priced with: zero-bubble only moves work into the
+    bubbles, which is no gain where they are not idle (`Hardware.bubble_is_idle`): 1F1B's."""
+    return "1f1b" if schedule == "zero-bubble" and not hw.bubble_is_idle else schedule
 
 
 def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
@@ -445,7 +450,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         pipe = m * (fwd[0] + bwd[0])
     elif sched == "interleaved":
         pipe = m * slow + (pp - 1) * slow / v + 2 * (pp - 1) * p2p
-    elif sched == "zero-bubble" and hw.bubble_is_idle:  # else: no faster than 1F1B
+    elif _timed_as(sched, hw) == "zero-bubble":
         pipe = m * slow + (pp - 1) * max(f + b / 2 for f, b in zip(fwd, bwd)) + 2 * (pp - 1) * p2p
     else:
         pipe = (m - 1) * slow + sum(fwd) + sum(bwd) + 2 * (pp - 1) * p2p
@@ -524,8 +529,7 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
         c.simulated = True
         return
     fwd, bwd, p2p, pipe, v = c.ctx
-    timed_as = "1f1b" if p.schedule == "zero-bubble" and not hw.bubble_is_idle else p.schedule
-    ms = _makespan(timed_as, p.pp, p.microbatches, v, fwd, bwd, p2p)
+    ms = _makespan(_timed_as(p.schedule, hw), p.pp, p.microbatches, v, fwd, bwd, p2p)
     c.step_s += ms - pipe
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
     c.bubble = 1 - busy / ms
@@ -726,14 +730,6 @@ def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str 
     return stats.with_depth(layers) if layers != cfg.n_layer else stats
 
 
-def _ranks_outnumber_cores() -> bool:
-    """More ranks on this machine than cores it may use (counted as runtime/dist.py does)."""
-    import torch.distributed as dist
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return local > (cores or 1)
-
-
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
     """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
     measured on rank 0's machine and broadcast; the search is deterministic) and gets the
@@ -764,6 +760,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         if dist.is_initialized():
             table = cost.measure_collectives()
             link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
+            ranks, cores = rdist.local_ranks_and_cores()
             v = torch.tensor([hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead],
                              dtype=torch.float64)
             dist.broadcast(v, src=0)
@@ -772,7 +769,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                      mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
                                      intra=link, inter=link,
                                      collectives=table, overlap=0.0,
-                                     bubble_is_idle=not _ranks_outnumber_cores())
+                                     bubble_is_idle=ranks <= cores)
     hw.memory = rdist.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)

@@ -121,9 +121,6 @@ def _reduce_outputs(gm, ctx, group, dp, bucket_bytes, zero=0):
     out.args = ((loss, *grads, *bufs),)
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
-
-
 def _all_reduce_fed_by(v, group):
     """The one all-reduce over `group` that `v` feeds, directly or through views (which may
     have other users: the loss's view also seeds the backward), and those views."""
@@ -132,7 +129,7 @@ def _all_reduce_fed_by(v, group):
         for u in todo.pop().users:
             if u.target is c10d.all_reduce.default and u.args[2] == group:
                 found.append(u)
-            elif u.target in _VIEWS:
+            elif u.target in ir.RESHAPES:
                 views.append(u)
                 todo.append(u)
     return (found[0], views) if len(found) == 1 and len(found[0].users) == 1 else None

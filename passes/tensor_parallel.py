@@ -170,14 +170,10 @@ def _uncast(node):
 def _root(node):
     """The value `node` is a chain of views/transposes/transfers (and mixed-precision dtype
     casts) of."""
-    while isinstance(node, torch.fx.Node) and (node.target in (*_VIEWS, aten.t.default) or (
+    while isinstance(node, torch.fx.Node) and (node.target in (*ir.RESHAPES, aten.t.default) or (
             node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"})):
         node = node.args[0]
     return node
-
-
-# value-preserving reshapes; aten.alias is a pipeline transfer (passes/pipeline_split.py)
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 
 
 # --- fused projections ----------------------------------------------------------------------
@@ -293,7 +289,7 @@ def _views_of(node):
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u.target in _VIEWS:
+            if u.target in ir.RESHAPES:
                 out.append(u)
                 todo.append(u)
     return out
@@ -514,7 +510,7 @@ def _residual_stream(gm, linears, roles, tp) -> tuple[dict, dict]:
     shapes = set()
     for lin in linears:
         if roles.get(lin) == "column":
-            src = lin.act.args[0] if lin.act.target in _VIEWS else lin.act
+            src = lin.act.args[0] if lin.act.target in ir.RESHAPES else lin.act
             v = src.meta.get(ir.VAL)
             if isinstance(v, torch.Tensor) and v.dim() == 3 and v.shape[1] % tp == 0:
                 shapes.add(tuple(v.shape))
@@ -526,7 +522,7 @@ def _residual_stream(gm, linears, roles, tp) -> tuple[dict, dict]:
               if n.target in (aten.add.Tensor, aten.embedding.default)
               and isinstance(n.meta.get(ir.VAL), torch.Tensor)
               and tuple(n.meta[ir.VAL].shape) in shapes}
-    gather = {n: 1 for n in gm.graph.nodes if n.target in _VIEWS and isinstance(
+    gather = {n: 1 for n in gm.graph.nodes if n.target in ir.RESHAPES and isinstance(
         n.args[0], torch.fx.Node) and isinstance(n.args[0].meta.get(ir.VAL), torch.Tensor)
         and tuple(n.args[0].meta[ir.VAL].shape) in shapes and n.meta[ir.VAL].dim() == 2}
     return prefer, gather

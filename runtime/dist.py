@@ -115,9 +115,16 @@ def _share_cores() -> None:
     """Give this CPU rank its share of the host's cores (see the module docstring)."""
     if "OMP_NUM_THREADS" in os.environ:
         return  # the user's (or torchrun's) choice
+    local, cores = local_ranks_and_cores()
+    torch.set_num_threads(max(1, cores // local))
+
+
+def local_ranks_and_cores() -> tuple[int, int]:
+    """The ranks on this host (torchrun's / fxpar.launch's LOCAL_WORLD_SIZE) and the cores
+    this process may run on."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // max(local, 1)))
+    return max(local, 1), cores or 1
 
 
 def _timed_groups(device_type: str, names) -> dict:
