@@ -100,6 +100,11 @@ def _microbatches(batch, m, dp):
 class ParallelModel:
     """A model compiled for a Plan; `step(batch)` is one full training step."""
 
+    plan_report = None  # plan="auto": the planner's PlanResult (set by parallelize)
+    # plan="auto": after this many steps the planner's cost model is re-fitted to the
+    # measured step time (`_refit_planner`); 0 turns it off
+    REFIT_AFTER = 8
+
     def __init__(self, model, world, plan: Plan, example_batch, loss_fn, optimizer):
         self.model, self.world, self.plan = model, world, plan
         self.loss_fn = loss_fn
@@ -252,7 +257,37 @@ class ParallelModel:
         with faults.step_context(self.world, n):
             loss = self._train_step(batch)
         self.step_count = n
+        if n == self.REFIT_AFTER and self.plan_report is not None:
+            self._refit_planner()
         return loss
+
+    def _refit_planner(self) -> None:
+        """plan="auto": re-price every plan with the compute speed these steps measured
+        (planner.recalibrate: the start-up calibration times one graph in under a second and
+        can be off 2x on a shared machine). pm.plan_report becomes the re-fitted result (its
+        .start_up keeps the first); where another plan is now predicted clearly faster, a
+        warning names it (the job keeps its plan: changing it needs a new parallelize)."""
+        from fxpar.compiler import planner
+        times = sorted(s.time_s for s in list(self.recorder.stats)[2:])
+        if not times:
+            return
+        t = torch.tensor([times[len(times) // 2]], dtype=torch.float64)
+        if self.world.size > 1:  # a step lasts as long as its slowest rank
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        old = self.plan_report
+        ran = next((c.plan for c in old.table if c.plan == self.plan), old.best.plan)
+        new = planner.recalibrate(old, ran, float(t))
+        self.plan_report = new
+        now = next((c for c in new.table if c.plan == ran), None)
+        log.info("fxpar planner %s", new.refit)
+        if now is not None and new.best.plan != ran and new.best.step_s < 0.9 * now.step_s \
+                and self.world.rank == 0:
+            warnings.warn(
+                f"fxpar: after {self.step_count} steps the planner, re-fitted to the measured "
+                f"step time ({new.refit}), predicts plan {planner.plan_dict(new.best.plan)} "
+                f"at {new.best.step_s * 1e3:.2f} ms a step against {now.step_s * 1e3:.2f} ms "
+                f"for the running plan: pass it as plan= to fxpar.parallelize to use it.",
+                stacklevel=3)
 
     def _train_step(self, batch) -> torch.Tensor:
         if self._runner is not None:

@@ -50,12 +50,16 @@ class Candidate:
     ctx: tuple = ()        # (stage forward times, backward times, p2p, closed-form pipe, v)
 
     def row(self) -> str:
-        p = self.plan
-        sched = p.schedule if p.pp > 1 else "-"
-        return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
-                f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s} "
+        return (f"{plan_str(self.plan)} "
                 f"{self.step_s * 1e3:10.2f} ms  {_bytes(self.memory.total):>11s}  "
                 f"MFU {self.mfu * 100:5.1f}%  bubble {self.bubble * 100:5.1f}%")
+
+
+def plan_str(p: Plan) -> str:
+    """The searched fields of a plan, in the table's columns."""
+    sched = p.schedule if p.pp > 1 else "-"
+    return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
+            f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}")
 
 
 def _bytes(b: float) -> str:
@@ -78,6 +82,9 @@ class PlanResult:
     note: str
     seconds: float
     devices: int
+    inputs: dict = dataclasses.field(default_factory=dict, repr=False)  # search()'s arguments
+    start_up: "PlanResult | None" = None   # before `recalibrate`: the start-up prediction
+    refit: str = ""                        # what `recalibrate` fitted, in words
 
     def format(self, top: int = 10) -> str:
         lines = [f"{self.n_legal} legal plans for {self.devices} x {self.hardware.name} "
@@ -95,6 +102,8 @@ class PlanResult:
         out = [f"chosen: {b.row()}",
                "  step time = " + " + ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
                f"  memory per device: {b.memory.describe()}"]
+        if self.refit:
+            out.append(f"  priced {self.refit}")
         if b.recompute:
             out.append(f"  remat recomputes {b.recompute * 100:.0f}% of the forward to fit")
         if len(self.table) > 1:
@@ -328,8 +337,74 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
         _simulate(c, stats, hw, stage_cache, precision)
     cands.sort(key=_rank_key)
     note = stats.note
+    inputs = dict(stats=stats, world=world, batch_rows=batch_rows, precision=precision,
+                  optimizer=optimizer, constraints=constraints, executable=executable,
+                  schedules_=schedules_, memory_fraction=memory_fraction)
     return PlanResult(cands[0], cands, n_legal, len(cands), hw, note,
-                      time.perf_counter() - t0, world)
+                      time.perf_counter() - t0, world, inputs)
+
+
+def _compute_scaled(hw: cost.Hardware, k: float) -> cost.Hardware:
+    """`hw` with every compute time (matmuls, memory-bound ops, per-node dispatch, the
+    optimizer step) k times longer; links and the measured collectives unchanged."""
+    return dataclasses.replace(hw, matmul_efficiency=hw.matmul_efficiency / k,
+                               mem_bandwidth=hw.mem_bandwidth / k,
+                               node_overhead=hw.node_overhead * k,
+                               optimizer_s=hw.optimizer_s * k if hw.optimizer_s else None)
+
+
+_SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "precision")
+
+
+def plan_dict(p: Plan) -> dict:
+    """The searched fields of a plan, as a dict fxpar.parallelize(plan=...) takes."""
+    return {k: getattr(p, k) for k in _SEARCHED}
+
+
+def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult:
+    """Re-price every plan after `plan` (one of result.table) ran at `measured_s` seconds
+    a step: the compute time is scaled by the one factor that makes `plan`'s prediction
+    equal the measurement, the communication keeps its measured / data-sheet prices, and
+    the search runs again (the ranking can change: plans heavy in compute move against
+    plans heavy in communication).
+
+    Why: the start-up calibration times the model's graph once, in under a second; on a
+    shared or throttling machine (CPU ranks oversubscribing the cores, a VM's speed
+    drifting) that timing varied 2x for the same graph, and every prediction followed it.
+    A few real steps of the job are the better measurement (fxpar.parallelize does this
+    after `ParallelModel.REFIT_AFTER` steps). On GPUs it fits the achieved fraction of the
+    data sheet's rates."""
+    inp = result.inputs
+    fixed = {**inp["constraints"], **{k: getattr(plan, k) for k in _SEARCHED}}
+
+    def predicted(k):
+        r = search(inp["stats"], inp["world"], _compute_scaled(result.hardware, k),
+                   batch_rows=inp["batch_rows"], precision=inp["precision"],
+                   optimizer=inp["optimizer"], constraints=fixed,
+                   executable=inp["executable"], schedules_=inp["schedules_"],
+                   memory_fraction=inp["memory_fraction"])
+        return r.best.step_s
+    lo, hi = 1 / 64, 64.0  # the step time grows with k: bisect on log k to 0.5%
+    if not predicted(lo) < measured_s < predicted(hi):
+        k = lo if measured_s <= predicted(lo) else hi
+    else:
+        while hi / lo > 1.005:
+            k = math.sqrt(lo * hi)
+            lo, hi = (k, hi) if predicted(k) < measured_s else (lo, k)
+        k = math.sqrt(lo * hi)
+    hw = _compute_scaled(result.hardware, k)
+    before = next((c.step_s for c in result.table if c.plan == plan), None)
+    hw.calibrated += f"; compute x{k:.2f} (re-fit to a measured step)"
+    new = search(inp["stats"], inp["world"], hw, batch_rows=inp["batch_rows"],
+                 precision=inp["precision"], optimizer=inp["optimizer"],
+                 constraints=inp["constraints"], executable=inp["executable"],
+                 schedules_=inp["schedules_"], memory_fraction=inp["memory_fraction"])
+    new.start_up = result.start_up or result
+    new.refit = (f"re-fit to the measured {measured_s * 1e3:.2f} ms a step of "
+                 f"{' '.join(plan_str(plan).split())}"
+                 + (f" (predicted {before * 1e3:.2f} ms)" if before else "")
+                 + f": compute x{k:.2f}")
+    return new
 
 
 def _rank_aggregates(stages, pp, v):

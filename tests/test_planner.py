@@ -363,3 +363,53 @@ def test_link_from_table_reproduces_the_measured_all_reduce():
         6e-3 + 2 ** 20 * 2e-9)
     assert cost.link_from_table(table, 2) is None
 
+
+
+def test_recalibrate_scales_compute_to_the_measured_step(small_stats):
+    """planner.recalibrate: the one compute factor that makes the plan that ran cost what it
+    measured; communication keeps its price; every plan re-priced (a fresh search with the
+    scaled hardware), the start-up result kept."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB)
+    r = planner.search(small_stats, 4, hw, batch_rows=8)
+    ran = next(c for c in r.table if c.plan.dp == 4)       # pp=1 tp=1: all compute but dp
+    for factor in (2.5, 0.6):
+        new = planner.recalibrate(r, ran.plan, factor * ran.step_s)
+        now = next(c for c in new.table if c.plan == ran.plan)
+        assert now.step_s == pytest.approx(factor * ran.step_s, rel=0.01)
+        k = now.parts["compute"] / ran.parts["compute"]
+        assert (k > factor) if factor > 1 else (k < factor)  # the dp all-reduce kept its price
+        assert new.hardware.intra == hw.intra and new.hardware.peak_flops == hw.peak_flops
+        assert new.start_up is r and "compute x" in new.refit and "priced" in new.explain()
+        fresh = planner.search(small_stats, 4, new.hardware, batch_rows=8)
+        assert [c.plan for c in fresh.table] == [c.plan for c in new.table]
+    assert new.n_legal == r.n_legal and new.inputs == r.inputs
+
+
+def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
+    """plan="auto" jobs re-fit the planner to their own measured steps (after REFIT_AFTER);
+    a plan the re-fit prices clearly worse than the best warns with the plan to use, and the
+    report shows both predictions. One process here: the planner's result is given by hand."""
+    import warnings
+    from fxpar.viz.report import write_report
+    cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    batch = M.gpt_batch(cfg, 8)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    r = planner.auto_plan(M.GPT(cfg), batch, None, opt, 1, "cpu")
+    slow = max(r.table, key=lambda c: c.step_s)               # most microbatches
+    assert slow.plan.microbatches > 1
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(M.GPT(cfg), 1, example_batch=batch, optimizer=opt, plan=slow.plan)
+    pm.plan_report, pm.REFIT_AFTER = r, 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            pm.step(batch)
+    new = pm.plan_report
+    assert new is not r and new.start_up is r and "compute x" in new.refit
+    measured = sorted(s.time_s for s in pm.step_stats[2:])[1]
+    assert next(c for c in new.table if c.plan == slow.plan).step_s == pytest.approx(
+        measured, rel=0.01)
+    said = [str(w.message) for w in caught if "re-fitted" in str(w.message)]
+    assert len(said) == 1 and str(planner.plan_dict(new.best.plan)) in said[0]
+    page = open(write_report(pm, str(tmp_path), svgs=[], images=[])).read()
+    assert "start-up calibration" in page and "re-fit to the measured" in page

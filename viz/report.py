@@ -63,8 +63,17 @@ def _planner_rows(pm, measured_s, measured_memory) -> list:
     err = f" ({(c.step_s / measured_s - 1) * 100:+.0f}%)" if measured_s else ""
     mem_err = (f" ({(c.memory.step_allocated / measured_memory - 1) * 100:+.0f}%)"
                if measured_memory else "")
-    return [("step time (planner, calibrated)", f"{c.step_s * 1e3:.2f} ms{err}: {parts}",
-             f"{measured_s * 1e3:.2f} ms" if measured_s else "-"),
+    rows = [("step time (planner, calibrated)", f"{c.step_s * 1e3:.2f} ms{err}: {parts}",
+             f"{measured_s * 1e3:.2f} ms" if measured_s else "-")]
+    result = pm.plan_report
+    first = result.start_up and next((s for s in result.start_up.table if s.plan == c.plan),
+                                     None)
+    if first is not None:  # ParallelModel._refit_planner ran: both predictions
+        rows[0] = (f"step time (planner, {result.refit})", *rows[0][1:])
+        err0 = f" ({(first.step_s / measured_s - 1) * 100:+.0f}%)" if measured_s else ""
+        rows.append(("step time (planner, start-up calibration)",
+                     f"{first.step_s * 1e3:.2f} ms{err0}", rows[0][2]))
+    return rows + [
             ("memory a step allocates (planner: gradients + activations + buffers, fullest "
              "stage)", f"{c.memory.step_allocated / MiB:.2f} MiB{mem_err}",
              f"{measured_memory / MiB:.2f} MiB" if measured_memory else "-")]
