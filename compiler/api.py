@@ -274,13 +274,17 @@ class ParallelModel:
         t = torch.tensor([times[len(times) // 2]], dtype=torch.float64)
         if self.world.size > 1:  # a step lasts as long as its slowest rank
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        old = self.plan_report
-        ran = next((c.plan for c in old.table if c.plan == self.plan), old.best.plan)
-        new = planner.recalibrate(old, ran, float(t))
+        try:
+            new = planner.recalibrate(self.plan_report, self.plan, float(t))
+        except PlanError as e:  # e.g. a plan given by hand that the planner cannot price
+            log.warning("fxpar: the planner could not be re-fitted to the measured steps: %s",
+                        e)
+            return
         self.plan_report = new
-        now = next((c for c in new.table if c.plan == ran), None)
+        ran = planner.plan_dict(self.plan)
+        now = next((c for c in new.table if planner.plan_dict(c.plan) == ran), None)
         log.info("fxpar planner %s", new.refit)
-        if now is not None and new.best.plan != ran and new.best.step_s < 0.9 * now.step_s \
+        if now is not None and new.best.step_s < 0.9 * now.step_s \
                 and self.world.rank == 0:
             warnings.warn(
                 f"fxpar: after {self.step_count} steps the planner, re-fitted to the measured "

@@ -357,7 +357,8 @@ _SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "pre
 
 
 def plan_dict(p: Plan) -> dict:
-    """The searched fields of a plan, as a dict fxpar.parallelize(plan=...) takes."""
+    """The searched fields of a plan, as a dict fxpar.parallelize(plan=...) takes (and what
+    tells a table's plan from another)."""
     return {k: getattr(p, k) for k in _SEARCHED}
 
 
@@ -393,7 +394,8 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
             lo, hi = (k, hi) if predicted(k) < measured_s else (lo, k)
         k = math.sqrt(lo * hi)
     hw = _compute_scaled(result.hardware, k)
-    before = next((c.step_s for c in result.table if c.plan == plan), None)
+    before = next((c.step_s for c in result.table if plan_dict(c.plan) == plan_dict(plan)),
+                  None)
     hw.calibrated += f"; compute x{k:.2f} (re-fit to a measured step)"
     new = search(inp["stats"], inp["world"], hw, batch_rows=inp["batch_rows"],
                  precision=inp["precision"], optimizer=inp["optimizer"],

@@ -405,11 +405,12 @@ def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
         for _ in range(4):
             pm.step(batch)
     new = pm.plan_report
-    assert new is not r and new.start_up is r and "compute x" in new.refit
+    assert new is not r and new.start_up is r and "compute x" in new.refit, new.refit
     measured = sorted(s.time_s for s in pm.step_stats[2:])[1]
-    assert next(c for c in new.table if c.plan == slow.plan).step_s == pytest.approx(
-        measured, rel=0.01)
+    now = next(c for c in new.table if c.plan == slow.plan)
+    assert now.step_s == pytest.approx(measured, rel=0.01), (new.refit, measured)
     said = [str(w.message) for w in caught if "re-fitted" in str(w.message)]
-    assert len(said) == 1 and str(planner.plan_dict(new.best.plan)) in said[0]
+    assert len(said) == 1 and str(planner.plan_dict(new.best.plan)) in said[0], (
+        [str(w.message) for w in caught], new.format(4), now.row())
     page = open(write_report(pm, str(tmp_path), svgs=[], images=[])).read()
     assert "start-up calibration" in page and "re-fit to the measured" in page

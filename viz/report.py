@@ -51,11 +51,14 @@ def _planner_candidate(pm):
     result = getattr(pm, "plan_report", None)
     if result is None:
         return None
-    return next((c for c in result.table if c.plan == pm.plan), result.best)
+    from fxpar.compiler.planner import plan_dict
+    ran = plan_dict(pm.plan)
+    return next((c for c in result.table if plan_dict(c.plan) == ran), None)
 
 
 def _planner_rows(pm, measured_s, measured_memory) -> list:
     """The planner's calibrated prediction for the plan that runs, if the planner chose it."""
+    from fxpar.compiler.planner import plan_dict
     c = _planner_candidate(pm)
     if c is None:
         return []
@@ -66,8 +69,8 @@ def _planner_rows(pm, measured_s, measured_memory) -> list:
     rows = [("step time (planner, calibrated)", f"{c.step_s * 1e3:.2f} ms{err}: {parts}",
              f"{measured_s * 1e3:.2f} ms" if measured_s else "-")]
     result = pm.plan_report
-    first = result.start_up and next((s for s in result.start_up.table if s.plan == c.plan),
-                                     None)
+    first = result.start_up and next((s for s in result.start_up.table
+                                      if plan_dict(s.plan) == plan_dict(c.plan)), None)
     if first is not None:  # ParallelModel._refit_planner ran: both predictions
         rows[0] = (f"step time (planner, {result.refit})", *rows[0][1:])
         err0 = f" ({(first.step_s / measured_s - 1) * 100:+.0f}%)" if measured_s else ""
