@@ -91,3 +91,16 @@ def collectives_rank():
     from fxpar.compiler import cost
     dist.init_process_group("gloo")
     return cost.measure_collectives(reps=3)
+
+
+def refit_rank(steps: int = 8):
+    """plan="auto" on this world: train `steps` steps; the planner's state after them."""
+    batch = M.gpt_batch(CHOICE_CFG, 8)
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(M.GPT(CHOICE_CFG), int(__import__("os").environ["WORLD_SIZE"]),
+                           example_batch=batch,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    losses = [pm.step(batch).item() for _ in range(steps)]
+    r = pm.plan_report
+    return (r.refit, r.start_up is not None, [c.step_s for c in r.table[:5]],
+            losses[-1] < losses[0])

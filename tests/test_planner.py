@@ -414,3 +414,15 @@ def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
         [str(w.message) for w in caught], new.format(4), now.row())
     page = open(write_report(pm, str(tmp_path), svgs=[], images=[])).read()
     assert "start-up calibration" in page and "re-fit to the measured" in page
+
+
+@pytest.mark.slow
+def test_plan_auto_refits_alike_on_every_rank():
+    """Two gloo ranks, plan="auto", 8 steps: every rank re-fits at the same step to the same
+    (slowest rank's) measurement and re-prices the same table, so every rank would choose
+    alike; training goes on."""
+    from planner_workers import refit_rank
+    res = fxpar.launch(refit_rank, 2)
+    (refit, kept, table, learned), other = res[0], res[1]
+    assert "compute x" in refit and kept and learned, res
+    assert other == res[0], res
