@@ -97,6 +97,19 @@ def test_partition_balances_contiguous_parts():
     assert len(planner.partition([1] * 10, 10)) == 10
 
 
+@pytest.mark.slow
+def test_1t_on_3072_fake_devices_under_a_minute():
+    """The largest configuration of Narayanan et al. 2021: 6959 legal plans (3072 = 2^10 x 3
+    devices, pp up to 128); 19 s on a quiet 2-core VM."""
+    t0 = time.perf_counter()
+    r = planner.search(planner.gpt_stats("gpt-1t"), 3072, cost.HARDWARE["a100"],
+                       batch_rows=3072, precision="bf16", executable=False)
+    assert time.perf_counter() - t0 < 60 and r.n_legal > 5000
+    b = r.best.plan
+    assert b.dp * b.tp * b.pp == 3072 and b.tp <= 8 and b.pp > 1
+    assert r.best.memory.total <= 0.9 * cost.HARDWARE["a100"].memory
+
+
 def test_175b_on_1024_fake_devices_under_a_minute():
     t0 = time.perf_counter()
     stats = planner.gpt_stats("gpt-175b")
