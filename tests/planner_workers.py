@@ -101,6 +101,8 @@ def refit_rank(steps: int = 8):
                            example_batch=batch,
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     losses = [pm.step(batch).item() for _ in range(steps)]
+    from fxpar.compiler.planner import plan_dict
     r = pm.plan_report
-    return (r.refit, r.start_up is not None, [c.step_s for c in r.table[:5]],
+    running = [c.step_s for c in r.table if plan_dict(c.plan) == plan_dict(pm.plan)]
+    return (r.refit, r.start_up is not None, [c.step_s for c in r.table[:5]], running,
             losses[-1] < losses[0])

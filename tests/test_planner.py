@@ -436,6 +436,6 @@ def test_plan_auto_refits_alike_on_every_rank():
     alike; training goes on."""
     from planner_workers import refit_rank
     res = fxpar.launch(refit_rank, 2)
-    (refit, kept, table, learned), other = res[0], res[1]
-    assert "compute x" in refit and kept and learned, res
+    (refit, kept, table, running, learned), other = res[0], res[1]
+    assert "compute x" in refit and kept and learned and len(running) == 1, res
     assert other == res[0], res
