@@ -105,7 +105,9 @@ class PlanResult:
         if self.refit:
             out.append(f"  priced {self.refit}")
         if b.recompute:
-            out.append(f"  remat recomputes {b.recompute * 100:.0f}% of the forward to fit")
+            why = (f"(remat={_remat_str(b.plan.remat)} as given)"
+                   if "remat" in self.inputs.get("constraints", {}) else "to fit")
+            out.append(f"  remat recomputes {b.recompute * 100:.0f}% of the forward {why}")
         if len(self.table) > 1:
             r = self.table[1]
             diffs = sorted(((r.parts.get(k, 0) - b.parts.get(k, 0), k)

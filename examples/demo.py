@@ -1,6 +1,7 @@
 """The demo: train the small GPT on 2 CPU ranks for 20 steps with fxpar.
 
-Prints the plan, the compile time per pass, the loss per step and how much communication the
+Plans dp x tp with the planner (remat, pp and schedule given) and prints its ranked table and
+why it chose; prints the plan, the compile time per pass, the loss per step and how much communication the
 overlap pass hid; writes the graph SVGs of every pass, the memory timeline before/after
 rematerialization (PNG), the timeline of the last steps of every rank (Chrome trace JSON
 for Perfetto, and a PNG), and report.html (all of it on one page, with the cost model's
@@ -29,9 +30,13 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
     t0 = time.perf_counter()
     pm = fxpar.parallelize(model, int(os.environ.get("WORLD_SIZE", 1)), example_batch=data[0],
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                           plan={"remat": remat, "pp": pp, "schedule": schedule,
-                                 "microbatches": 4 if pp > 1 else 1})
+                           # the planner picks dp x tp for the pp given (and re-fits its
+                           # cost model to the measured steps after 8 of them)
+                           plan={"dp": "auto", "tp": "auto", "remat": remat, "pp": pp,
+                                 "schedule": schedule, "microbatches": 4 if pp > 1 else 1})
     if rank == 0:
+        print(pm.plan_report.format(4))
+        print(pm.plan_report.explain())
         print(f"plan: {pm.plan}")
         print(f"compiled in {time.perf_counter() - t0:.2f} s:")
         for name, dt, nodes in pm.compile_times:
@@ -79,6 +84,7 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
     step_s = statistics.median(s.time_s for s in pm.step_stats[-5:])
     _, peak = measure(lambda: pm.step(data[0]))
     if rank == 0:
+        print(f"planner {pm.plan_report.refit}")
         from fxpar.viz.report import write_report
         svgs = [p for p in paths if p.endswith(".svg")]
         report = write_report(pm, out_dir, svgs=svgs,

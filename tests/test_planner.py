@@ -439,3 +439,15 @@ def test_plan_auto_refits_alike_on_every_rank():
     (refit, kept, table, running, learned), other = res[0], res[1]
     assert "compute x" in refit and kept and learned and len(running) == 1, res
     assert other == res[0], res
+
+
+@pytest.mark.slow
+def test_demo_plans_and_reports_the_refit(tmp_path):
+    """The README's demo: the planner picks dp x tp, re-fits after 8 steps, and the report
+    shows both predictions next to the measured step."""
+    from fxpar.examples.demo import main
+    losses = main(out_dir=str(tmp_path), steps=9)
+    assert losses[-1] < losses[0]
+    page = (tmp_path / "report.html").read_text()  # the ranks' prints go to their own stdout
+    assert "legal plans for 2 x cpu" in page and "chosen:" in page
+    assert "start-up calibration" in page and "re-fit to the measured" in page
