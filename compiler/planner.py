@@ -378,23 +378,40 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
     after `ParallelModel.REFIT_AFTER` steps). On GPUs it fits the achieved fraction of the
     data sheet's rates."""
     inp = result.inputs
-    fixed = {**inp["constraints"], **{k: getattr(plan, k) for k in _SEARCHED}}
+    # the plan's fields pinned; a remat budget the search derived (to fit) is derived again
+    # alike -- pinned, it would be applied to every stage and price a different plan
+    fixed = {**{k: getattr(plan, k) for k in _SEARCHED if k != "remat"}, **inp["constraints"]}
+
+    def priced(k):
+        return search(inp["stats"], inp["world"], _compute_scaled(result.hardware, k),
+                      batch_rows=inp["batch_rows"], precision=inp["precision"],
+                      optimizer=inp["optimizer"], constraints=fixed,
+                      executable=inp["executable"], schedules_=inp["schedules_"],
+                      memory_fraction=inp["memory_fraction"]).best
 
     def predicted(k):
-        r = search(inp["stats"], inp["world"], _compute_scaled(result.hardware, k),
-                   batch_rows=inp["batch_rows"], precision=inp["precision"],
-                   optimizer=inp["optimizer"], constraints=fixed,
-                   executable=inp["executable"], schedules_=inp["schedules_"],
-                   memory_fraction=inp["memory_fraction"])
-        return r.best.step_s
-    lo, hi = 1 / 64, 64.0  # the step time grows with k: bisect on log k to 0.5%
-    if not predicted(lo) < measured_s < predicted(hi):
-        k = lo if measured_s <= predicted(lo) else hi
+        return priced(k).step_s
+    # the step time grows with k, nearly linearly (compute + fixed communication): regula
+    # falsi with the Illinois fix converges in a few one-plan searches (a bisection took 20)
+    lo, hi = 1 / 64, 64.0
+    f_lo, f_hi = predicted(lo) - measured_s, predicted(hi) - measured_s
+    if f_lo >= 0 or f_hi <= 0:
+        k = lo if f_lo >= 0 else hi
     else:
-        while hi / lo > 1.005:
-            k = math.sqrt(lo * hi)
-            lo, hi = (k, hi) if predicted(k) < measured_s else (lo, k)
-        k = math.sqrt(lo * hi)
+        side = 0
+        for _ in range(60):
+            k = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+            f = predicted(k) - measured_s
+            if abs(f) <= 1e-3 * measured_s:
+                break
+            if f < 0:
+                lo, f_lo = k, f
+                f_hi = f_hi / 2 if side == -1 else f_hi
+                side = -1
+            else:
+                hi, f_hi = k, f
+                f_lo = f_lo / 2 if side == 1 else f_lo
+                side = 1
     hw = _compute_scaled(result.hardware, k)
     before = next((c.step_s for c in result.table if plan_dict(c.plan) == plan_dict(plan)),
                   None)
@@ -403,6 +420,12 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
                  precision=inp["precision"], optimizer=inp["optimizer"],
                  constraints=inp["constraints"], executable=inp["executable"],
                  schedules_=inp["schedules_"], memory_fraction=inp["memory_fraction"])
+    # the plan that ran as priced in the fit (its schedule simulated: the full search
+    # simulates only its best SIMULATE_TOP and prices the rest in closed form)
+    ran = priced(k)
+    new.table = sorted([ran if plan_dict(c.plan) == plan_dict(ran.plan) else c
+                        for c in new.table], key=_rank_key)
+    new.best = new.table[0]
     new.start_up = result.start_up or result
     new.refit = (f"re-fit to the measured {measured_s * 1e3:.2f} ms a step of "
                  f"{' '.join(plan_str(plan).split())}"

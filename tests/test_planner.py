@@ -451,3 +451,17 @@ def test_demo_plans_and_reports_the_refit(tmp_path):
     page = (tmp_path / "report.html").read_text()  # the ranks' prints go to their own stdout
     assert "legal plans for 2 x cpu" in page and "chosen:" in page
     assert "start-up calibration" in page and "re-fit to the measured" in page
+
+
+def test_recalibrate_a_derived_remat_budget_and_an_unsimulated_pipeline(small_stats):
+    """Plans whose remat budget the search derived to fit (pinning it would price another
+    plan, or none) and pipelined plans outside the simulated best: each re-fits exactly."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=int(1.75 * 2 ** 20))
+    r = planner.search(small_stats, 4, hw, batch_rows=8)
+    tight = [c for c in r.table if not isinstance(c.plan.remat, str)]
+    piped = [c for c in r.table if c.plan.pp > 1 and not c.simulated]
+    assert tight and piped
+    for c in (tight[0], tight[-1], piped[0], piped[-1]):
+        new = planner.recalibrate(r, c.plan, 2 * c.step_s)
+        now = next(x for x in new.table if planner.plan_dict(x.plan) == planner.plan_dict(c.plan))
+        assert now.step_s == pytest.approx(2 * c.step_s, rel=0.005), c.row()
