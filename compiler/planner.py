@@ -234,7 +234,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
            precision: str = "fp32", optimizer: str = "adamw", constraints: dict | None = None,
            executable: bool = True, schedules_: tuple = ("1f1b", "gpipe", "interleaved",
                                                           "zero-bubble"),
-           memory_fraction: float = 0.9) -> PlanResult:
+           memory_fraction: float = 0.9, simulate_also: Plan | None = None) -> PlanResult:
     """Every legal plan for `world` devices, pruned by memory, ranked by predicted step time.
 
     constraints: Plan fields fixed by the user (e.g. {"pp": 2}). executable: only plans this
@@ -334,14 +334,17 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             f"{need / memory_fraction / GiB:.1f} "
             f"GiB, more devices, or a smaller batch / model.")
     cands.sort(key=lambda c: c.step_s)
-    # simulate the pipeline schedules of the best candidates and re-rank
-    for c in cands[:SIMULATE_TOP]:
-        _simulate(c, stats, hw, stage_cache, precision)
+    # simulate the pipeline schedules of the best candidates (and of `simulate_also`, the
+    # plan a job runs, so its price is comparable with its measurement) and re-rank
+    also = plan_dict(simulate_also) if simulate_also is not None else None
+    for i, c in enumerate(cands):
+        if i < SIMULATE_TOP or plan_dict(c.plan) == also:
+            _simulate(c, stats, hw, stage_cache, precision)
     cands.sort(key=_rank_key)
     note = stats.note
     inputs = dict(stats=stats, world=world, batch_rows=batch_rows, precision=precision,
                   optimizer=optimizer, constraints=constraints, executable=executable,
-                  schedules_=schedules_, memory_fraction=memory_fraction)
+                  schedules_=schedules_, memory_fraction=memory_fraction)  # to search again
     return PlanResult(cands[0], cands, n_legal, len(cands), hw, note,
                       time.perf_counter() - t0, world, inputs)
 
@@ -382,15 +385,9 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
     # alike -- pinned, it would be applied to every stage and price a different plan
     fixed = {**{k: getattr(plan, k) for k in _SEARCHED if k != "remat"}, **inp["constraints"]}
 
-    def priced(k):
-        return search(inp["stats"], inp["world"], _compute_scaled(result.hardware, k),
-                      batch_rows=inp["batch_rows"], precision=inp["precision"],
-                      optimizer=inp["optimizer"], constraints=fixed,
-                      executable=inp["executable"], schedules_=inp["schedules_"],
-                      memory_fraction=inp["memory_fraction"]).best
-
     def predicted(k):
-        return priced(k).step_s
+        hw = _compute_scaled(result.hardware, k)
+        return search(**{**inp, "hw": hw, "constraints": fixed}).best.step_s
     # the step time grows with k, nearly linearly (compute + fixed communication): regula
     # falsi with the Illinois fix converges in a few one-plan searches (a bisection took 20)
     lo, hi = 1 / 64, 64.0
@@ -416,16 +413,7 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
     before = next((c.step_s for c in result.table if plan_dict(c.plan) == plan_dict(plan)),
                   None)
     hw.calibrated += f"; compute x{k:.2f} (re-fit to a measured step)"
-    new = search(inp["stats"], inp["world"], hw, batch_rows=inp["batch_rows"],
-                 precision=inp["precision"], optimizer=inp["optimizer"],
-                 constraints=inp["constraints"], executable=inp["executable"],
-                 schedules_=inp["schedules_"], memory_fraction=inp["memory_fraction"])
-    # the plan that ran as priced in the fit (its schedule simulated: the full search
-    # simulates only its best SIMULATE_TOP and prices the rest in closed form)
-    ran = priced(k)
-    new.table = sorted([ran if plan_dict(c.plan) == plan_dict(ran.plan) else c
-                        for c in new.table], key=_rank_key)
-    new.best = new.table[0]
+    new = search(**{**inp, "hw": hw}, simulate_also=plan)
     new.start_up = result.start_up or result
     new.refit = (f"re-fit to the measured {measured_s * 1e3:.2f} ms a step of "
                  f"{' '.join(plan_str(plan).split())}"
