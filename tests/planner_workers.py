@@ -41,15 +41,15 @@ CHOICE_CFG = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_e
 CHOICE_ROWS = 8
 
 
-def choice_rank(per_class: int = 2, rounds: int = 4, steps: int = 3):
-    """The planner's choice on this job, and the measured step time of it and of the
+def choice_rank(per_class: int = 2, rounds: int = 16):
+    """The planner's choice on this job, and the measured step times of it and of the
     `per_class` best-predicted plans of every dp x tp x pp factorization (every legal degree
     split is represented). All plans are compiled first, then timed in `rounds` interleaved
-    rounds of `steps` steps (the first round warms up), median per plan, so that load
-    changes on the shared host hit every plan alike. Returns (choice row, {row: (predicted
-    s, measured s)})."""
+    rounds of one step each (the first round warms up): each step's time is its slowest
+    rank's, and a round runs every plan once, so a load change on the shared host hits every
+    plan of the round alike (the test compares plans round by round). Returns (choice row,
+    {row: (predicted s, [measured s per round])})."""
     import os
-    import statistics
     import time
 
     import torch.distributed as dist
@@ -71,18 +71,16 @@ def choice_rank(per_class: int = 2, rounds: int = 4, steps: int = 3):
         torch.manual_seed(0)
         models.append(fxpar.parallelize(M.GPT(CHOICE_CFG), world, example_batch=data,
                                         optimizer=opt, plan=c.plan))
-    times = [[] for _ in picked]
+    times = torch.zeros(rounds, len(models), dtype=torch.float64)
     for r in range(rounds):
         for i, pm in enumerate(models):
-            for _ in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                pm.step(data)
-                if r:
-                    times[i].append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    return picked[0].row(), {c.row(): (c.step_s, float(t)) for c, t in zip(picked, med)}
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(data)
+            times[r, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    return picked[0].row(), {c.row(): (c.step_s, times[1:, i].tolist())
+                             for i, c in enumerate(picked)}
 
 
 def collectives_rank():

@@ -241,16 +241,23 @@ def test_only_auto_searches_and_auto_degrees_are_the_searched_ones():
 def test_choice_on_8_cpu_ranks_is_within_10_percent_of_the_best_measured():
     """Issue 8: on 8 CPU ranks the planner's choice runs within 10% of the fastest plan
     measured. Measured here: the choice and the two best-predicted plans of every dp x tp x
-    pp factorization (12 plans, interleaved rounds); benchmarks/planner_accuracy.py
-    --nprocs 8 --check-best measures every legal plan."""
+    pp factorization (12 plans, one step each per round, interleaved); benchmarks/
+    planner_accuracy.py --nprocs 8 --check-best measures every legal plan.
+
+    The comparison is paired: the VM's speed drifts by tens of percent over seconds (two
+    identical plans, GPipe and 1F1B at m=1, timed as separate medians came out 13% apart),
+    so each plan is compared with the choice step by step, round by round, and the median
+    of those ratios must be >= 1/1.1."""
+    import statistics
     from planner_workers import choice_rank
     choice, rows = fxpar.launch(choice_rank, 8)[0]
-    best = min(m for _, m in rows.values())
-    table = "\n".join(f"{r}  predicted {p * 1e3:7.1f} ms  measured {m * 1e3:7.1f} ms"
-                      for r, (p, m) in rows.items())
+    ratio = {r: statistics.median(c / t for c, t in zip(rows[choice][1], ts))
+             for r, (_, ts) in rows.items()}  # choice / plan, paired by round
+    table = "\n".join(f"{r}  predicted {p * 1e3:7.1f} ms  measured {statistics.median(ts) * 1e3:7.1f}"
+                      f" ms  choice/this {ratio[r]:.2f}" for r, (p, ts) in rows.items())
     assert len({r.split("m=")[0] for r in rows}) >= 6, table  # every factorization measured
     print(table)
-    assert rows[choice][1] <= 1.10 * best, f"choice {choice}\n{table}"
+    assert max(ratio.values()) <= 1.10, f"choice {choice}\n{table}"
 
 
 def test_collectives_priced_per_call_from_the_measured_table():
