@@ -148,9 +148,14 @@ def gpu_training_step(quick: bool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gpu-only", action="store_true", help="skip the bytes-moved tables")
     args = ap.parse_args()
     torch.manual_seed(0)
     ratios = {}
+    if args.gpu_only:
+        gpu_kernels(args.quick)
+        gpu_training_step(args.quick)
+        return
     for name, cfg, batch in (("small GPT 2x32, T=32, batch 4", M.GPTConfig(), 4),
                              ("GPT 4x512, T=256, batch 8", M.GPTConfig(
                                  vocab_size=8192, block_size=256, n_layer=4, n_head=8,

@@ -303,8 +303,12 @@ class Hardware:
     matmul_efficiency: the fraction of peak large GEMMs reach in practice (cuBLAS reaches about
     80% of the A100/H100 dense peak on the large matmuls of a GPT layer; the CPU number is
     measured, so 1.0); node_overhead: seconds per executed graph node (the Python/dispatcher
-    cost of launching one op: dominant for the small CPU models, about 5 us on GPUs);
-    step_overhead: seconds per step outside the graphs (the runtime's own bookkeeping)."""
+    cost of launching one op: dominant for the small CPU models; about 20 us per node of
+    fxpar's executor on the H100 machine's host, where a GPT-2-small bf16 step was bound by
+    it); step_overhead: seconds per step outside the graphs (the runtime's own bookkeeping);
+    async_launch: the host enqueues kernels while the device runs earlier ones (CUDA
+    streams), so a stretch of graph costs the larger of its device time and its host dispatch
+    time, not their sum (on CPU the same thread does both)."""
     name: str
     peak_flops: dict
     mem_bandwidth: float
@@ -313,7 +317,7 @@ class Hardware:
     inter: Link
     devices_per_node: int = 8
     matmul_efficiency: float = 0.8
-    node_overhead: float = 5e-6
+    node_overhead: float = 2e-5
     step_overhead: float = 0.0
     calibrated: str = "data sheet"
     optimizer_s: float | None = None  # measured optimizer step over all parameters (CPU)
@@ -328,6 +332,7 @@ class Hardware:
     # moves work into the bubbles (zero-bubble) gains nothing; it measured 10-30% slower
     # than 1F1B at m=1 on 4 and 8 ranks over 2 cores (its extra weight-gradient parts)
     bubble_is_idle: bool = True
+    async_launch: bool = True
 
     def flops(self, precision: str) -> float:
         return self.peak_flops.get(precision, self.peak_flops["fp32"])
@@ -366,6 +371,24 @@ HARDWARE = {
     "h200": Hardware("H200-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
                      4.8e12, 141 * GiB, Link(8e-6, 450e9), Link(15e-6, 50e9)),
 }
+# fp32 matmuls without TF32 (torch's default, float32_matmul_precision "highest") run on
+# the CUDA cores: the data sheets' FP32 rate. On an H100 eager fp32 GPT-2-small steps ran at
+# ~44 TFLOP/s, two thirds of this, where the TF32 figure would predict them 4x too fast.
+FP32_WITHOUT_TF32 = {"a100": 19.5e12, "h100": 67e12, "h200": 67e12}
+
+
+def gpu_hardware(device) -> Hardware:
+    """The data-sheet profile of this CUDA device (matched by name; an unknown GPU is priced
+    as an H100), its fp32 rate as torch will run fp32 matmuls (TF32 only where
+    torch.get_float32_matmul_precision() allows it) and its memory as the driver reports it."""
+    name = torch.cuda.get_device_name(device).lower()
+    key = next((k for k in HARDWARE if k in name), "h100")
+    hw = dataclasses.replace(HARDWARE[key], peak_flops=dict(HARDWARE[key].peak_flops))
+    if torch.get_float32_matmul_precision() == "highest":
+        hw.peak_flops["fp32"] = FP32_WITHOUT_TF32[key]
+        hw.calibrated += "; fp32 matmuls without TF32"
+    hw.memory = torch.cuda.get_device_properties(device).total_memory
+    return hw
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -414,7 +437,8 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
     return Hardware("cpu", {"fp32": mm, "bf16": mm / 4, "fp16": mm / 8}, bw, ram,
                     link or Link(250e-6, 1e9), link or Link(250e-6, 1e9),
                     devices_per_node=1 << 30, matmul_efficiency=1.0, node_overhead=per_op,
-                    calibrated=f"measured ({threads} threads)")
+                    calibrated=f"measured ({threads} threads)",
+                    async_launch=False)
 
 
 def _in_context(fn, reps: int, barrier) -> float:

@@ -95,6 +95,9 @@ class GraphStats:
     note: str = ""
     heads: int | None = None     # attention heads, if found (tp must divide them)
     mutated_buffers: bool = False  # e.g. BatchNorm statistics: one microbatch per step only
+    # the precision whose graph (after the precision pass) the activation statistics were
+    # measured on; "" = the traced graph's, scaled by dtype size for another precision
+    activations_precision: str = ""
     graph: object = None         # (GraphModule, GraphSignature) when captured from a model
     # nodes the passes add (counted by planner.graph_stats running them once): tensor
     # parallelism's per microbatch, data parallelism's per parameter tensor by ZeRO stage

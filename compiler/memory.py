@@ -131,7 +131,8 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     grads = n * elem / (dp if zero >= 2 else 1)
     per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
     opt = n * per / (dp if zero >= 1 else 1)
-    act_scale = elem / stats.param_bytes_per_elem
+    act_scale = (1.0 if stats.activations_precision == precision
+                 else elem / stats.param_bytes_per_elem)
     acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale)
     if transient:  # the largest working memory of one of its segments, one microbatch
         acts += max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale

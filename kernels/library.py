@@ -124,7 +124,18 @@ def _safe_softmax_supports(x, dim, dtype=None):
 
 # CUDA's attention ops (what a trace on a GPU records): the same kernels, the op's signature.
 # Forward and backward are swapped together (the same supports() conditions), so the
-# logsumexp only ever travels between our own two kernels.
+# logsumexp only ever travels between our own two kernels. On CUDA tensors they are not
+# swapped: ATen's flash / memory-efficient / cuDNN kernels are fused already (the same bytes)
+# and were faster on an H100 (docs/benchmarks.md, "GPU"): the swap is kept for traces whose
+# tensors live elsewhere (CPU tensors in Triton's interpreter, where the tests check it).
+CUDA_ATTENTION_KEPT = ("ATen's CUDA attention kernel is already fused (same bytes) and ran "
+                       "faster than fxpar's Triton flash kernel on an H100 (0.6x in bf16, "
+                       "~30x slower in fp32)")
+
+
+def _cuda_attention_kept(q):
+    return CUDA_ATTENTION_KEPT if q.device.type == "cuda" else None
+
 def _flash_cuda(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                 scale=None):
     out, lse = attention.flash_attention_forward(q, k, v, is_causal, scale)
@@ -135,7 +146,8 @@ def _flash_cuda(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False
 
 def _flash_cuda_supports(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                          scale=None):
-    return "debug mask" if return_debug_mask else _sdpa_supports(q, k, v, dropout_p, is_causal)
+    return "debug mask" if return_debug_mask else (
+        _cuda_attention_kept(q) or _sdpa_supports(q, k, v, dropout_p, is_causal))
 
 
 def _flash_cuda_bw(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
@@ -145,7 +157,7 @@ def _flash_cuda_bw(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, drop
 
 def _flash_cuda_bw_supports(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
                             is_causal, seed, offset, *, scale=None):
-    return _sdpa_supports(q, k, v, dropout_p, is_causal)
+    return _cuda_attention_kept(q) or _sdpa_supports(q, k, v, dropout_p, is_causal)
 
 
 def _efficient_cuda(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
@@ -157,7 +169,8 @@ def _efficient_cuda(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_ca
 
 def _efficient_cuda_supports(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
                              is_causal=False, *, scale=None):
-    return _sdpa_supports(q, k, v, dropout_p, is_causal, attn_mask=attn_bias)
+    return _cuda_attention_kept(q) or _sdpa_supports(q, k, v, dropout_p, is_causal,
+                                                     attn_mask=attn_bias)
 
 
 def _efficient_cuda_bw(grad_out, q, k, v, attn_bias, out, lse, seed, offset, dropout_p,
@@ -169,7 +182,8 @@ def _efficient_cuda_bw(grad_out, q, k, v, attn_bias, out, lse, seed, offset, dro
 
 def _efficient_cuda_bw_supports(grad_out, q, k, v, attn_bias, out, lse, seed, offset,
                                 dropout_p, grad_input_mask, is_causal=False, *, scale=None):
-    return _sdpa_supports(q, k, v, dropout_p, is_causal, attn_mask=attn_bias)
+    return _cuda_attention_kept(q) or _sdpa_supports(q, k, v, dropout_p, is_causal,
+                                                     attn_mask=attn_bias)
 
 
 SINGLE_OP = {

@@ -522,3 +522,19 @@ def test_cuda_attention_ops_use_the_flash_kernels(op):
     want.backward(g)
     for got, ref in ((out, want), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("op", [aten._scaled_dot_product_flash_attention.default,
+                                aten._scaled_dot_product_efficient_attention.default])
+def test_cuda_attention_stays_aten_on_cuda_tensors(op):
+    """On CUDA tensors (a trace on a GPU) the pass keeps ATen's attention: its flash /
+    memory-efficient kernels move the same bytes and ran faster than the Triton one on an
+    H100 (tests/test_gpu.py, docs/benchmarks.md). Checked on fake CUDA tensors here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxpar.kernels import library
+    with FakeTensorMode():
+        q = torch.empty(2, 3, 33, 16, device="cuda")
+    args = (q, q, q, 0.0, True) if "flash" in str(op) else (q, q, q, None, True, 0.0, True)
+    assert library.SINGLE_OP[op]._supports(*args) == library.CUDA_ATTENTION_KEPT
+    assert library.SINGLE_OP[op]._supports(*[a.to("cpu") if isinstance(a, torch.Tensor)
+                                             else a for a in args]) is None

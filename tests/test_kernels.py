@@ -4,6 +4,8 @@ fp32: rtol 1e-5, atol 1e-6 unless a comment says why not. bf16: the kernel on bf
 against the fp32 ATen op on the same values upcast, with the bound given in each test (a
 bf16 result carries a rounding error of up to 2**-8 relative, before any accumulated error).
 """
+import os
+
 import pytest
 import torch
 
@@ -16,9 +18,21 @@ FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}  # ~ 4 bf16 ulps relative
 
 
+# FXPAR_TEST_GPU=1 where an NVIDIA GPU is lent: the same tests, on CUDA tensors, with the
+# kernels compiled and launched on the GPU (tests/test_gpu.py says how)
+ON_GPU = os.environ.get("FXPAR_TEST_GPU") == "1" and torch.cuda.is_available()
+
+
 @pytest.fixture(autouse=True)
 def _interpret():
     torch.manual_seed(0)
+    if ON_GPU:
+        old = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        with torch.device("cuda"):
+            yield
+        torch.set_float32_matmul_precision(old)
+        return
     with interpreter():
         yield
 
@@ -101,8 +115,11 @@ def test_layer_norm_bf16():
     y, mean, rstd = layernorm.layer_norm_forward(x, [129], w, b, 1e-5)
     ry, rmean, rrstd = aten.native_layer_norm(x.float(), [129], w.float(), b.float(), 1e-5)
     close_bf16(y, ry)
-    close_bf16(mean, rmean)  # on CPU ATen keeps mean/rstd in the input dtype
-    close_bf16(rstd, rrstd)
+    for got, want in ((mean, rmean), (rstd, rrstd)):  # ATen keeps mean/rstd in the input
+        if got.device.type == "cpu":                  # dtype on CPU, in fp32 on CUDA
+            close_bf16(got, want)
+        else:
+            close(got, want, rtol=1e-5, atol=1e-5)
     g = torch.randn(37, 129, dtype=torch.bfloat16)
     dx, dw, db = layernorm.layer_norm_backward(g, x, [129], mean, rstd, w, b, [True] * 3)
     rdx, rdw, rdb = aten.native_layer_norm_backward(g.float(), x.float(), [129], rmean, rrstd,
@@ -201,16 +218,25 @@ def test_cross_entropy_all_ignored_and_bf16():
 
 # --- attention -------------------------------------------------------------------------------
 
+def _flash_ref(*args, backward=False, **kw):
+    """ATen's flash attention (forward or backward) as the reference: its CPU kernel, on
+    copies of the inputs where the test runs on the GPU, the results moved back."""
+    op = (aten._scaled_dot_product_flash_attention_for_cpu_backward if backward else
+          aten._scaled_dot_product_flash_attention_for_cpu)
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    out = op(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], **kw)
+    return [t.to(dev) for t in out]  # .to keeps the strides the test compares
+
+
 def _attention_check(q, k, v, causal, scale=None, fwd=FP32, bwd=FP32):
     out, lse = attention.flash_attention_forward(q, k, v, causal, scale)
-    ref = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    ref = _flash_ref(q, k, v, 0.0, causal, scale=scale)
     for got, want in zip((out, lse), ref):
         close(got, want, **fwd)
         assert got.stride() == want.stride()
     g = torch.randn_like(out)
     grads = attention.flash_attention_backward(g, q, k, v, *ref, causal, scale)
-    refs = aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, *ref, 0.0,
-                                                                     causal, scale=scale)
+    refs = _flash_ref(g, q, k, v, *ref, 0.0, causal, scale=scale, backward=True)
     for got, want in zip(grads, refs):
         close(got, want, **bwd)
         assert got.stride() == want.stride()
@@ -249,14 +275,13 @@ def test_attention_strided_and_scale():
 def test_attention_bf16():
     q, k, v = (torch.randn(2, 3, 33, 24, dtype=torch.bfloat16) for _ in range(3))
     out, lse = attention.flash_attention_forward(q, k, v, True)
-    rout, rlse = aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(),
-                                                                  v.float(), 0.0, True)
+    rout, rlse = _flash_ref(q.float(), k.float(), v.float(), 0.0, True)
     close_bf16(out, rout)
     close(lse, rlse, rtol=1e-5, atol=1e-5)  # fp32 scores from the same bf16 values
     g = torch.randn_like(out)
     grads = attention.flash_attention_backward(g, q, k, v, out, lse, True)
-    refs = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g.float(), q.float(), k.float(), v.float(), rout, rlse, 0.0, True)
+    refs = _flash_ref(g.float(), q.float(), k.float(), v.float(), rout, rlse, 0.0, True,
+                      backward=True)
     for got, want in zip(grads, refs):  # P and dS are rounded to bf16 before their matmuls
         close_bf16(got, want, rtol=5e-2, atol=5e-2)
 

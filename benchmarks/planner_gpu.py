@@ -1,0 +1,108 @@
+"""The planner on one NVIDIA GPU: predicted vs measured step time and memory, and fxpar's step
+against eager PyTorch and torch.compile of the same model, in one run.
+
+For a GPT-2-small-sized model (12 x 768, T=1024) on one GPU the planner's table holds the
+single-device plans (remat choice x microbatches); each is compiled and timed (CUDA-synchronised
+mean of --steps after 3 warm-ups) and its allocator peak read. Prints per plan the predicted
+and measured step time and step memory with their ratio, the median / worst error, and
+the chosen plan's step against eager and torch.compile (ratios, same run).
+
+Run where a GPU is lent: python benchmarks/planner_gpu.py [--precision fp32 bf16] [--limit 6]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import fxpar
+from fxpar.compiler import planner
+from fxpar.examples import models as M
+from fxpar.runtime.memtrack import measure
+
+MiB = 2 ** 20
+
+
+def _time(fn, steps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def _opt(ps):
+    return torch.optim.AdamW(ps, lr=1e-4, fused=True)
+
+
+def run(cfg, rows, precision, steps, limit):
+    data = [t.cuda() for t in M.gpt_batch(cfg, rows)]
+    torch.manual_seed(0)
+    result = planner.auto_plan(M.GPT(cfg), M.gpt_batch(cfg, rows), None, _opt, 1, "cuda",
+                               constraints={"precision": precision})
+    print(f"\n== {precision}, matmul precision {torch.get_float32_matmul_precision()!r}: "
+          f"{len(result.table)} plans, hardware {result.hardware}")
+    errs, mem_errs, chosen = [], [], None
+    for c in result.table[:limit]:
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(cfg).cuda(), 1, example_batch=data, optimizer=_opt,
+                               plan=c.plan)
+        t = _time(lambda: pm.step(data), steps)
+        _, peak = measure(lambda: pm.step(data))
+        est = c.memory.per_stage[0].step_allocated
+        errs.append(abs(c.step_s - t) / t)
+        mem_errs.append(abs(est - peak) / peak)
+        chosen = chosen or (pm, t)
+        print(f"  {c.row()}\n      step predicted {c.step_s * 1e3:8.2f} ms  measured "
+              f"{t * 1e3:8.2f} ms  ({c.step_s / t:4.2f}x)   step memory predicted "
+              f"{est / MiB:8.0f} MiB  measured {peak / MiB:8.0f} MiB ({est / peak:4.2f}x)")
+        if pm is not chosen[0]:
+            del pm
+        torch.cuda.empty_cache()
+    print(f"  step time error median {statistics.median(errs):.1%} worst {max(errs):.1%};  "
+          f"step memory error median {statistics.median(mem_errs):.1%} worst "
+          f"{max(mem_errs):.1%}")
+    # the peers: eager and torch.compile of the same model, same optimizer, same precision
+    torch.manual_seed(0)
+    model = M.GPT(cfg).cuda()
+    opt = _opt(model.parameters())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def step(m):
+        def go():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                loss = m(data)
+            loss.backward()
+            opt.step()
+        return go
+    times = {"fxpar (planner's choice)": chosen[1], "eager": _time(step(model), steps),
+             "torch.compile": _time(step(torch.compile(model)), steps)}
+    for k, t in times.items():
+        print(f"  {k:<26}{t * 1e3:9.2f} ms   {t / chosen[1]:5.2f}x fxpar's")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--limit", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
+    args = ap.parse_args()
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    cfg = M.GPTConfig(vocab_size=50304, block_size=1024, n_layer=args.layers, n_head=12,
+                      n_embd=768)
+    for p in args.precision:
+        run(cfg, 8, p, args.steps, args.limit)
+
+
+if __name__ == "__main__":
+    main()
