@@ -500,3 +500,43 @@ def test_recalibrate_a_derived_remat_budget_and_an_unsimulated_pipeline(small_st
         new = planner.recalibrate(r, c.plan, 2 * c.step_s)
         now = next(x for x in new.table if planner.plan_dict(x.plan) == planner.plan_dict(c.plan))
         assert now.step_s == pytest.approx(2 * c.step_s, rel=0.005), c.row()
+
+
+def test_gpu_profile_follows_torchs_fp32_matmul_precision(monkeypatch):
+    """On a GPU fp32 matmuls run on the tensor cores (TF32) only where torch allows it; by
+    default ("highest") they run at the data sheet's FP32 rate (an H100's fp32 GPT-2 small
+    step was priced 10x too fast at the TF32 rate). The shared profile is not changed."""
+    import types
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: types.SimpleNamespace(total_memory=80 * GiB))
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        hw = cost.gpu_hardware("cuda:0")
+        assert hw.name == "H100-SXM" and hw.async_launch and hw.memory == 80 * GiB
+        assert hw.peak_flops["fp32"] == cost.FP32_WITHOUT_TF32["h100"] == 67e12
+        assert "without TF32" in hw.calibrated
+        torch.set_float32_matmul_precision("high")
+        assert cost.gpu_hardware("cuda:0").peak_flops["fp32"] == 495e12
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert cost.HARDWARE["h100"].peak_flops["fp32"] == 495e12
+    assert not cost.cpu_hardware().async_launch
+
+
+def test_host_dispatch_overlaps_device_work_on_gpus(small_stats):
+    """A GPU's host enqueues kernels while the device runs: a segment costs the larger of its
+    device time and its dispatch time (CPU: their sum, one thread does both)."""
+    s = small_stats.layers[0]
+    slow_host = dataclasses.replace(cost.HARDWARE["a100"], node_overhead=1e-3)
+    device_only = planner._seg_time(s, small_stats, small_stats.rows, 1,
+                                    dataclasses.replace(slow_host, node_overhead=0.0), "fp32",
+                                    "f")
+    host = s.nodes_f * 1e-3
+    assert host > device_only
+    assert planner._seg_time(s, small_stats, small_stats.rows, 1, slow_host, "fp32",
+                             "f") == pytest.approx(host)
+    cpu_like = dataclasses.replace(slow_host, async_launch=False)
+    assert planner._seg_time(s, small_stats, small_stats.rows, 1, cpu_like, "fp32",
+                             "f") == pytest.approx(host + device_only)
