@@ -80,7 +80,7 @@ def cmd_plan(args):
         hw.devices_per_node = args.gpus_per_node
     try:
         if ":" in args.model:
-            stats, rows = _factory_stats(args.model)
+            stats, rows = _factory_stats(args.model, precision)
         else:
             stats = planner.gpt_stats(args.model, seq=args.seq, precision=precision)
             rows = args.batch
@@ -95,7 +95,7 @@ def cmd_plan(args):
         print(result.explain())
 
 
-def _factory_stats(spec):
+def _factory_stats(spec, precision="fp32"):
     """pkg.module:factory -> factory() returning (model, example_batch[, loss_fn]), built on
     fake tensors."""
     import importlib
@@ -108,7 +108,7 @@ def _factory_stats(spec):
     model, batch, *rest = out if isinstance(out, tuple) else (out, None)
     if batch is None:
         sys.exit(f"{spec} must return (model, example_batch[, loss_fn])")
-    stats = planner.graph_stats(model, batch, rest[0] if rest else None)
+    stats = planner.graph_stats(model, batch, rest[0] if rest else None, precision=precision)
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     return stats, int(leaves[0].shape[0])
 
