@@ -8,6 +8,8 @@ and measured step time and step memory with their ratio, the median / worst erro
 the chosen plan's step against eager and torch.compile (ratios, same run).
 
 Run where a GPU is lent: python benchmarks/planner_gpu.py [--precision fp32 bf16] [--limit 6]
+[--no-fuse] [--tf32] [--profile]   (--profile: where the chosen plan's and eager's step time
+goes, top kernels by GPU time and top ops by host time)
 """
 from __future__ import annotations
 
@@ -40,13 +42,27 @@ def _opt(ps):
     return torch.optim.AdamW(ps, lr=1e-4, fused=True)
 
 
-def run(cfg, rows, precision, steps, limit):
+def _profile(name, fn):
+    """Top kernels by GPU time and top ops by host time of one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(f"\n--- {name}: top GPU kernels")
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(f"--- {name}: top host time")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
+
+
+def run(cfg, rows, precision, steps, limit, fuse=True, profile=False):
     data = [t.cuda() for t in M.gpt_batch(cfg, rows)]
     torch.manual_seed(0)
     result = planner.auto_plan(M.GPT(cfg), M.gpt_batch(cfg, rows), None, _opt, 1, "cuda",
-                               constraints={"precision": precision})
-    print(f"\n== {precision}, matmul precision {torch.get_float32_matmul_precision()!r}: "
-          f"{len(result.table)} plans, hardware {result.hardware}")
+                               constraints={"precision": precision, "fuse": fuse})
+    print(f"\n== {precision}, fuse={fuse}, matmul precision "
+          f"{torch.get_float32_matmul_precision()!r}: {len(result.table)} plans, hardware "
+          f"{result.hardware}")
     errs, mem_errs, chosen = [], [], None
     for c in result.table[:limit]:
         torch.manual_seed(0)
@@ -85,6 +101,9 @@ def run(cfg, rows, precision, steps, limit):
              "torch.compile": _time(step(torch.compile(model)), steps)}
     for k, t in times.items():
         print(f"  {k:<26}{t * 1e3:9.2f} ms   {t / chosen[1]:5.2f}x fxpar's")
+    if profile:  # where the time goes: fxpar's chosen plan, then eager
+        _profile(f"fxpar {precision} fuse={fuse}", lambda: chosen[0].step(data))
+        _profile(f"eager {precision}", step(model))
 
 
 def main():
@@ -94,14 +113,20 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
+    ap.add_argument("--no-fuse", action="store_true", help="plans with Plan(fuse=False)")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler tables of the chosen plan's step and eager's")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/planner_gpu.py needs an NVIDIA GPU (torch.cuda is not "
+                         "available here); on CPU ranks use benchmarks/planner_accuracy.py")
     if args.tf32:
         torch.set_float32_matmul_precision("high")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     cfg = M.GPTConfig(vocab_size=50304, block_size=1024, n_layer=args.layers, n_head=12,
                       n_embd=768)
     for p in args.precision:
-        run(cfg, 8, p, args.steps, args.limit)
+        run(cfg, 8, p, args.steps, args.limit, fuse=not args.no_fuse, profile=args.profile)
 
 
 if __name__ == "__main__":

@@ -281,8 +281,9 @@ def test_choice_on_8_cpu_ranks_is_within_10_percent_of_the_best_measured():
     choice, rows = fxpar.launch(choice_rank, 8)[0]
     ratio = {r: statistics.median(c / t for c, t in zip(rows[choice][1], ts))
              for r, (_, ts) in rows.items()}  # choice / plan, paired by round
-    table = "\n".join(f"{r}  predicted {p * 1e3:7.1f} ms  measured {statistics.median(ts) * 1e3:7.1f}"
-                      f" ms  choice/this {ratio[r]:.2f}" for r, (p, ts) in rows.items())
+    table = "\n".join(f"{r}  predicted {p * 1e3:7.1f} ms  measured "
+                      f"{statistics.median(ts) * 1e3:7.1f} ms  choice/this {ratio[r]:.2f}"
+                      for r, (p, ts) in rows.items())
     assert len({r.split("m=")[0] for r in rows}) >= 6, table  # every factorization measured
     print(table)
     assert max(ratio.values()) <= 1.10, f"choice {choice}\n{table}"
