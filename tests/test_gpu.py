@@ -120,8 +120,9 @@ def test_offload_on_gpu_keeps_the_losses_and_lowers_the_peak():
 def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
     """The planner's estimate of what one step allocates on top of the resident weights and
     AdamW state (activations after remat, gradients) against torch.cuda.max_memory_allocated:
-    within 10% without remat; with remat="sqrt" never below it (the estimate checkpoints at
-    layer boundaries, the pass also inside layers: up to ~1.5x high, the safe side)."""
+    within 10% without remat; with remat="sqrt" within 0.9-1.3x (the pass picks the lowest
+    simulated peak of a few checkpoint spacings, the estimate prices one: 1.2x on this model
+    on CPU)."""
     from fxpar.compiler import cost
     from fxpar.runtime.memtrack import measure
     data = _batch()
@@ -136,4 +137,4 @@ def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
     if remat == "none":
         assert abs(est - peak) <= 0.10 * peak, (est, peak, c.memory.per_stage[0])
     else:
-        assert peak <= est <= 1.6 * peak, (est, peak)
+        assert 0.9 * peak <= est <= 1.3 * peak, (est, peak)
