@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU check in one command, for a machine with an NVIDIA GPU and torch + triton already
+# installed (no .venv needed: the repository is imported as `fxpar` through a symlink).
+#   bash benchmarks/gpu_checks.sh [LOG_DIR]      (about 8 minutes on one H100)
+# 1. tests/test_gpu.py + the hand-written kernels' tests on the GPU (FXPAR_TEST_GPU=1)
+# 2. benchmarks/planner_gpu.py: predicted vs measured step time / memory, fxpar vs eager vs
+#    torch.compile, fp32 and bf16, fused and unfused, with a profile of the bf16 step
+# 3. benchmarks/kernels.py --gpu-only: each kernel's bandwidth, fxpar vs eager vs compile
+set -u
+PY=${PYTHON:-python3}
+mkdir -p "${1:-gpu_logs}" /tmp/fxpar_import
+LOGS=$(cd "${1:-gpu_logs}" && pwd)
+ln -sfn "$(cd "$(dirname "$0")/.." && pwd)" /tmp/fxpar_import/fxpar
+export PYTHONPATH=/tmp/fxpar_import${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$LOGS/gpu.txt"
+FXPAR_TEST_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
+    tests/test_gpu.py tests/test_kernels.py 2>&1 | grep -v "registered at\|fallthrough" \
+    > "$LOGS/tests.log"; tail -15 "$LOGS/tests.log"
+timeout 240 $PY benchmarks/planner_gpu.py --limit 3 --steps 5 > "$LOGS/planner_gpu.log" 2>&1
+timeout 120 $PY benchmarks/planner_gpu.py --limit 1 --steps 5 --no-fuse --precision bf16 \
+    --profile > "$LOGS/planner_gpu_unfused.log" 2>&1
+grep -h "==\|predicted\|error\|fxpar (\|eager \|torch.compile " "$LOGS"/planner_gpu*.log
+timeout 150 $PY benchmarks/kernels.py --gpu-only 2>&1 | tee "$LOGS/kernels.log" | tail -12
