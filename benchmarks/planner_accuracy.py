@@ -9,7 +9,7 @@ first steps: the other plans are still predicted, not measured). With --check-be
 how far the planner's choice is from the fastest measured plan.
 
 Run: python benchmarks/planner_accuracy.py --nprocs 4 [--steps 8] [--window 1.0] [--limit N]
-     [--check-best]
+     [--check-best] [--rounds N]   (--rounds: all plans compiled, then timed interleaved)
 """
 from __future__ import annotations
 
@@ -84,6 +84,59 @@ def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, stat
         json.dump(done, open(state, "w"))
 
 
+def worker_interleaved(steps: int, batch_rows: int, limit: int | None, state: str,
+                       rounds: int):
+    """--rounds N: every plan compiled first, then N rounds of one step per plan (the first
+    round warms up), each step its slowest rank's; a plan's time is its median over the
+    rounds. The VM's speed drifts by tens of percent over seconds: timed one after another,
+    plans meet different speeds; interleaved, every round meets one speed (identical plans
+    came out 2% apart in the 8-rank test this way, 13% as separate medians)."""
+    import torch.distributed as dist
+    from fxpar.compiler import planner
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    cfg = _cfg()
+    torch.manual_seed(0)
+    data = M.gpt_batch(cfg, batch_rows)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    plan, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
+    cands = result.table if limit is None else result.table[:limit]
+    done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
+    failed = {row for row, _ in done["failed"]}
+    done.update(hardware=str(result.hardware), n=len(cands))
+    models = []
+    for c in cands:
+        if c.row() in failed:
+            continue
+        if rank == 0:  # a plan that crashes while compiling is recorded as failed by main()
+            done["current"] = c.row()
+            json.dump(done, open(state, "w"))
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
+                               plan=c.plan)
+        for _ in range(2):
+            pm.step(data)
+        models.append((c, pm))
+    times = torch.zeros(rounds, len(models), dtype=torch.float64)
+    for r in range(rounds):
+        for i, (_, pm) in enumerate(models):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(data)
+            times[r, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    med = times[1:].median(dim=0).values
+    choice = next(i for i, (c, _) in enumerate(models) if c is result.best)
+    new = planner.recalibrate(result, models[choice][0].plan, float(med[choice]))
+    refit = {planner.plan_str(x.plan): x.step_s for x in new.table}
+    done["refit_note"] = new.refit
+    done["rows"] = [(c.row(), c.step_s, float(med[i]), i == choice,
+                     refit.get(planner.plan_str(c.plan))) for i, (c, _) in enumerate(models)]
+    if rank == 0:
+        done.pop("current", None)
+        json.dump(done, open(state, "w"))
+
+
 def report(state):
     done = json.load(open(state))
     print(done.get("hardware"))
@@ -120,6 +173,9 @@ def main(argv=None):
     ap.add_argument("--window", type=float, default=1.0,
                     help="time each plan for at least this many seconds (after 2 warm-ups)")
     ap.add_argument("--limit", type=int, default=None, help="only the planner's top N plans")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="compile every plan, then time N interleaved rounds of one step each "
+                         "(instead of each plan in turn for --window seconds)")
     ap.add_argument("--out", default=None, help="JSON with the numbers (also the progress)")
     ap.add_argument("--check-best", action="store_true",
                     help="exit 1 unless the planner's choice is within 10%% of the fastest")
@@ -129,7 +185,12 @@ def main(argv=None):
         os.remove(state)
     while True:
         try:
-            fxpar.launch(worker, a.nprocs, a.steps, a.batch, a.limit, state, state, a.window)
+            if a.rounds:
+                fxpar.launch(worker_interleaved, a.nprocs, a.steps, a.batch, a.limit, state,
+                             a.rounds)
+            else:
+                fxpar.launch(worker, a.nprocs, a.steps, a.batch, a.limit, state, state,
+                             a.window)
             break
         except fxpar.runtime.dist.LaunchError as e:  # record the plan that crashed, go on
             done = json.load(open(state))

@@ -100,8 +100,9 @@ def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
     "none": everything saved for every microbatch in flight. "sqrt" (Chen et al.): the n
     layers are n c pieces between the pass's checkpoint candidates (c per layer, e.g. 2 in a
     transformer block); a checkpoint every sqrt(n c) pieces kept per microbatch in flight, one
-    segment rebuilt at a time; the whole forward recomputed. A byte budget: the remat pass recomputes the least that fits,
-    between "none" and per-layer checkpointing (keep each layer's input, rebuild one layer).
+    segment rebuilt at a time; the whole forward recomputed. A byte budget: the remat pass
+    recomputes the least that fits, between "none" and per-layer checkpointing (keep each
+    layer's input, rebuild one layer).
     """
     full = activation_bytes(segs, stats, rows, tp, act_scale) * in_flight
     layers = [s for s in segs if s.name not in ("pre", "post", "ends")]

@@ -462,6 +462,26 @@ def test_recalibrate_scales_compute_to_the_measured_step(small_stats):
     assert new.n_legal == r.n_legal and new.inputs == r.inputs
 
 
+def test_recalibrate_on_cpu_ranks_scales_the_gloo_collectives_alike(small_stats):
+    """CPU ranks (async_launch False): gloo's collectives are host work on the same cores,
+    measured at start-up in the same second as the compute, so the re-fit scales the measured
+    table and the links by the same factor: a plan all communication (dp=4) is then priced
+    exactly factor x its start-up price."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB, async_launch=False,
+                             collectives={("all_reduce", 4): (2e-3, 1e-9),
+                                          ("all_reduce", 2): (1e-3, 1e-9), ("p2p", 2): (1e-3, 0.0)},
+                             overlap=0.0)
+    r = planner.search(small_stats, 4, hw, batch_rows=8)
+    ran = next(c for c in r.table if c.plan.dp == 4 and c.plan.zero == 0)
+    new = planner.recalibrate(r, ran.plan, 2.5 * ran.step_s)
+    assert new.hardware.collectives[("all_reduce", 4)][0] == pytest.approx(
+        2e-3 * new.hardware.node_overhead / hw.node_overhead)
+    assert new.hardware.intra.alpha > hw.intra.alpha and "gloo collectives" in new.refit
+    now = next(c for c in new.table if c.plan == ran.plan)
+    assert now.parts["dp communication"] == pytest.approx(
+        2.5 * ran.parts["dp communication"], rel=0.02)
+
+
 def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
     """plan="auto" jobs re-fit the planner to their own measured steps (after REFIT_AFTER);
     a plan the re-fit prices clearly worse than the best warns with the plan to use, and the
