@@ -1,7 +1,7 @@
 """On a real NVIDIA GPU: training steps with the Triton kernels launched for real (fusion's
 generated kernels, layer norm, cross-entropy; ATen's attention is kept on CUDA), bf16 / fp16
-precision, activation offload to pinned host
-memory on a side stream, and the planner's memory estimate against the CUDA allocator.
+precision, activation offload to pinned host memory on a side stream, and the planner's
+memory estimate against the CUDA allocator.
 
 Skipped where no GPU is (CI has none). Where one is lent:
 
