@@ -32,9 +32,8 @@ def _cfg():
     return M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
 
-def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, state: str,
-           window: float = 1.0):
-    import torch.distributed as dist
+def _plan_job(batch_rows: int, limit: int | None, state: str):
+    """This rank's planning, as a plan="auto" job does it, and the progress so far."""
     from fxpar.compiler import planner
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -42,9 +41,17 @@ def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, stat
     torch.manual_seed(0)
     data = M.gpt_batch(cfg, batch_rows)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    plan, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
+    _, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
     cands = result.table if limit is None else result.table[:limit]
     done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
+    return world, rank, cfg, data, opt, result, cands, done
+
+
+def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, state: str,
+           window: float = 1.0):
+    import torch.distributed as dist
+    from fxpar.compiler import planner
+    world, rank, cfg, data, opt, result, cands, done = _plan_job(batch_rows, limit, state)
     start = len(done["rows"]) + len(done["failed"])
     if rank == 0 and start == 0:
         done["hardware"] = str(result.hardware)
@@ -93,15 +100,7 @@ def worker_interleaved(steps: int, batch_rows: int, limit: int | None, state: st
     came out 2% apart in the 8-rank test this way, 13% as separate medians)."""
     import torch.distributed as dist
     from fxpar.compiler import planner
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
-    cfg = _cfg()
-    torch.manual_seed(0)
-    data = M.gpt_batch(cfg, batch_rows)
-    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    plan, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
-    cands = result.table if limit is None else result.table[:limit]
-    done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
+    world, rank, cfg, data, opt, result, cands, done = _plan_job(batch_rows, limit, state)
     failed = {row for row, _ in done["failed"]}
     done.update(hardware=str(result.hardware), n=len(cands))
     models = []
