@@ -47,6 +47,17 @@ def _plan_job(batch_rows: int, limit: int | None, state: str):
     return world, rank, cfg, data, opt, result, cands, done
 
 
+def _compile(c, rank, done, state, cfg, world, data, opt):
+    """Plan c compiled; rank 0 first records it as the one in progress (a plan that crashes
+    the job is recorded as failed by main(), which starts the job again without it)."""
+    if rank == 0:
+        done["current"] = c.row()
+        json.dump(done, open(state, "w"))
+    torch.manual_seed(0)
+    return fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
+                             plan=c.plan)
+
+
 def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, state: str,
            window: float = 1.0):
     import torch.distributed as dist
@@ -57,12 +68,7 @@ def worker(steps: int, batch_rows: int, limit: int | None, out: str | None, stat
         done["hardware"] = str(result.hardware)
         done["n"] = len(cands)
     for i, c in enumerate(cands[start:], start):
-        if rank == 0:  # a plan that crashes the job is recorded as failed by main()
-            done["current"] = c.row()
-            json.dump(done, open(state, "w"))
-        torch.manual_seed(0)
-        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
-                               plan=c.plan)
+        pm = _compile(c, rank, done, state, cfg, world, data, opt)
         times = []
 
         def run(n):
@@ -107,12 +113,7 @@ def worker_interleaved(steps: int, batch_rows: int, limit: int | None, state: st
     for c in cands:
         if c.row() in failed:
             continue
-        if rank == 0:  # a plan that crashes while compiling is recorded as failed by main()
-            done["current"] = c.row()
-            json.dump(done, open(state, "w"))
-        torch.manual_seed(0)
-        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data, optimizer=opt,
-                               plan=c.plan)
+        pm = _compile(c, rank, done, state, cfg, world, data, opt)
         for _ in range(2):
             pm.step(data)
         models.append((c, pm))
