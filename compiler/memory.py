@@ -114,7 +114,7 @@ def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
     if remat == "none" or not layers:
         return full, 0.0
     if remat == "sqrt":  # over the pass's checkpoint candidates: c per layer, n c pieces
-        c = max(1, getattr(stats, "checkpoints_per_layer", 1))
+        c = max(1, stats.checkpoints_per_layer)
         k = max(1, round(math.sqrt(n * c)))
         return in_flight * math.ceil(n * c / k) * boundary + k * one_layer / c, 1.0
     floor = in_flight * n * boundary + one_layer

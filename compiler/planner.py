@@ -404,7 +404,8 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
         hw = _compute_scaled(result.hardware, k)
         return search(**{**inp, "hw": hw, "constraints": fixed}).best.step_s
     # the step time grows with k, nearly linearly (compute + fixed communication): regula
-    # falsi with the Illinois fix converges in a few one-plan searches (a bisection took 20)
+    # falsi with the Illinois fix converges in a few one-plan searches (a bisection took 20;
+    # scipy's brentq would do the same, but scipy is not a dependency)
     lo, hi = 1 / 64, 64.0
     f_lo, f_hi = predicted(lo) - measured_s, predicted(hi) - measured_s
     if f_lo >= 0 or f_hi <= 0:
@@ -696,22 +697,30 @@ def _checkpoints_per_layer(gm) -> int:
     return max(1, round(statistics.median(per.values()))) if per else 1
 
 
+def _on_copy(pass_, gm, sig, plan: dict, world: int, **ctx):
+    """`pass_` run on a copy of the captured graph (the planner counts what a pass makes
+    without compiling a job), or None where it cannot transform this model."""
+    import copy
+    from fxpar.compiler.passes import PassContext
+    from fxpar.compiler.plan import resolve
+    try:
+        return pass_.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
+                         resolve(plan, world), PassContext(signature=sig, **ctx))
+    except Exception as e:  # noqa: BLE001 - the pass itself reports it when the job runs
+        log.debug("planner: %s on a copy of the graph failed: %s", pass_.__name__, e)
+        return None
+
+
 def _in_precision(stats, gm, sig, rows, precision) -> None:
     """Replace the segments' activation and traffic statistics by those of the graph the
     precision pass makes (the residual stream, norms' statistics, softmax and the loss stay
     fp32; matmul inputs and outputs are half). Parameters keep their traced (fp32 master)
     counts. A graph the pass cannot rewrite keeps the fp32 statistics, halved later."""
-    import copy
-    from fxpar.compiler.passes import PassContext
-    from fxpar.compiler.plan import resolve
     from fxpar.passes import precision as precision_pass
-    try:
-        g = precision_pass.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
-                               resolve({"precision": precision}, 1), PassContext(signature=sig))
-        half = analyze(g, rows)
-    except Exception as e:  # noqa: BLE001 - the pass itself reports it when the job runs
-        log.debug("planner: precision %s statistics unavailable (%s); halving fp32", precision, e)
+    g = _on_copy(precision_pass, gm, sig, {"precision": precision}, 1)
+    if g is None:  # the pass itself reports why when the job runs; fp32's halved here
         return
+    half = analyze(g, rows)
     if [s.name for s in half.segments] != [s.name for s in stats.segments]:
         return
     stats.segments, stats.transient = half.segments, half.transient
@@ -727,9 +736,6 @@ def _pass_extras(gm, sig, stats) -> None:
     On a small CPU job every collective costs a millisecond and every node tens of
     microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
     graph adds nothing here (the planner then keeps its structural counts)."""
-    import copy
-    from fxpar.compiler.passes import PassContext
-    from fxpar.compiler.plan import resolve
     from fxpar.passes import data_parallel, tensor_parallel
     c10d = torch.ops._c10d_functional
 
@@ -737,12 +743,7 @@ def _pass_extras(gm, sig, stats) -> None:
         return [n for n in g.graph.nodes if n.op == "call_function"]
 
     def run(pass_, plan):
-        g = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        try:
-            return pass_.run(g, resolve(plan, 2), PassContext(
-                signature=sig, group_names={"tp": "tp", "dp": "dp"}))
-        except Exception:  # noqa: BLE001 - a model this pass cannot transform: no extras
-            return None
+        return _on_copy(pass_, gm, sig, plan, 2, group_names={"tp": "tp", "dp": "dp"})
     base = len(calls(gm))
     if any(s.n_row or s.column_out for s in stats.segments):
         g = run(tensor_parallel, {"tp": 2, "dp": 1})

@@ -1,11 +1,12 @@
 """The demo: train the small GPT on 2 CPU ranks for 20 steps with fxpar.
 
-Plans dp x tp with the planner (remat, pp and schedule given) and prints its ranked table and
-why it chose; prints the plan, the compile time per pass, the loss per step and how much communication the
-overlap pass hid; writes the graph SVGs of every pass, the memory timeline before/after
-rematerialization (PNG), the timeline of the last steps of every rank (Chrome trace JSON
-for Perfetto, and a PNG), and report.html (all of it on one page, with the cost model's
-predicted step time and memory next to the measured ones) under --out. Run: `make demo` or `python -m fxpar demo --out out`.
+Plans dp x tp with the planner (remat, pp and schedule given) and prints its ranked table
+and why it chose; prints the plan, the compile time per pass, the loss per step and how much
+communication the overlap pass hid; writes the graph SVGs of every pass, the memory timeline
+before/after rematerialization (PNG), the timeline of the last steps of every rank (Chrome
+trace JSON for Perfetto, and a PNG), and report.html (all of it on one page, with the cost
+model's predicted step time and memory next to the measured ones) under --out. Run:
+`make demo` or `python -m fxpar demo --out out`.
 """
 from __future__ import annotations
 

@@ -93,9 +93,10 @@ def collectives_rank():
 
 def refit_rank(steps: int = 8):
     """plan="auto" on this world: train `steps` steps; the planner's state after them."""
+    import os
     batch = M.gpt_batch(CHOICE_CFG, 8)
     torch.manual_seed(0)
-    pm = fxpar.parallelize(M.GPT(CHOICE_CFG), int(__import__("os").environ["WORLD_SIZE"]),
+    pm = fxpar.parallelize(M.GPT(CHOICE_CFG), int(os.environ["WORLD_SIZE"]),
                            example_batch=batch,
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     losses = [pm.step(batch).item() for _ in range(steps)]
