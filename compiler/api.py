@@ -15,7 +15,7 @@ from fxpar.compiler.passes import PassContext, run_passes
 from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.plan import Plan, resolve
 from fxpar.runtime import dist as rdist
-from fxpar.runtime import amp, comm, executor, optim, schedules
+from fxpar.runtime import amp, comm, cudagraph, executor, optim, schedules
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import faults
 from fxpar.runtime import tp as rtp
@@ -155,6 +155,8 @@ class ParallelModel:
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
         # fp16: the dynamic loss scale (runtime/amp.py); None for fp32 / bf16
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
+        self.cuda_graphs = self._cuda_graph_decision()  # runtime/cudagraph.Decision
+        self._graphed: cudagraph.GraphedStep | None = None  # built at the first step
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
@@ -215,6 +217,19 @@ class ParallelModel:
                 "or a smaller model.")
         return total - fixed
 
+    def _cuda_graph_decision(self) -> cudagraph.Decision:
+        """Plan.cuda_graphs: whether this rank's step is replayed as a CUDA graph."""
+        backend = dist.get_backend() if dist.is_initialized() else None
+        d = cudagraph.decide(self.program, self.plan.cuda_graphs, self.world.device, backend,
+                             faults.debug_nan())
+        if not d.capture and self.plan.cuda_graphs is True:
+            raise PlanError(f"Plan.cuda_graphs=True, but this rank's step cannot be captured as "
+                            f"a CUDA graph: {d.reason}. Use cuda_graphs='auto' to run it "
+                            "uncaptured (logged), or False.")
+        if not d.capture and self.world.device.type == "cuda":
+            log.info("fxpar: the step runs without CUDA graphs: %s", d.reason)
+        return d
+
     # --- training ---------------------------------------------------------------------------
     def _run(self, program, batch):
         leaves = cap.flatten_batch(_to_device(batch, self.world.device), program.signature)
@@ -223,6 +238,14 @@ class ParallelModel:
         if program.loss_scale:
             local.append(self.scaler.scale_tensor(self.world.device))
         params = self._zero.param_shards if program.params_sharded else self._params
+        if program is self.program and self.cuda_graphs.capture:
+            if self._graphed is None:  # the graph's functional collectives are capturable
+                self._graphed = cudagraph.GraphedStep(
+                    lambda *a: executor.run_graph(program.graph, a, (), ()),
+                    len(params) + len(self._buffers), self.world.device)
+            outs = list(self._graphed([*params, *self._buffers, *local]))
+            outs[0] = outs[0].clone()  # the static output is overwritten by the next replay
+            return outs
         gm = self._lowered.get(id(program))
         if gm is None:
             gm = self._lowered[id(program)] = comm.lower(program.graph)
@@ -329,6 +352,8 @@ class ParallelModel:
             else:
                 optim.apply_gradients(self.optimizer, self._params, grads)
             self._update_buffers(new_bufs)
+        if self._graphed is not None:  # the last replay's GPU time (the loss check synced)
+            self.recorder.stats[-1].device_s = self._graphed.last_device_s()
         return loss.detach()
 
     @property

@@ -43,6 +43,12 @@ class Plan:
                     back one action before that backward (runtime/offload.py).
     max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
                     ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
+    cuda_graphs:    "auto" (default) | True | False: on CUDA devices, after two warm-up steps
+                    the forward+backward graph is captured as a CUDA graph and replayed each
+                    step (one launch instead of one Python dispatch per op; runtime/cudagraph.py).
+                    "auto" captures where the program allows it (pp=1, microbatches=1, NCCL
+                    collectives, no data-dependent shapes) and logs why not elsewhere; True
+                    raises a PlanError naming what prevents it; CPU ranks never capture.
     """
     dp: int | None = None
     tp: int | None = None
@@ -59,6 +65,7 @@ class Plan:
     tp_style: str = "auto"
     offload: bool = False
     max_grad_norm: float | None = None
+    cuda_graphs: Any = "auto"
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -128,6 +135,10 @@ class Plan:
             raise PlanError(f"Plan.max_grad_norm must be a positive number (clip the gradients' "
                             f"global norm to it) or None (no clipping), got "
                             f"{self.max_grad_norm!r}.")
+        if self.cuda_graphs not in ("auto", True, False) or isinstance(self.cuda_graphs, int) \
+                and not isinstance(self.cuda_graphs, bool):
+            raise PlanError(f"Plan.cuda_graphs must be 'auto', True or False, got "
+                            f"{self.cuda_graphs!r}.")
         if self.tp_style not in TP_STYLES:
             raise PlanError(f"Plan.tp_style must be one of {TP_STYLES}, got {self.tp_style!r}.")
         if self.sequence_parallel and self.tp_style == "all-gather":

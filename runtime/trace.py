@@ -36,6 +36,7 @@ class StepStats:
     time_s: float
     comm_s: float          # union of the intervals during which some collective was in flight
     exposed_comm_s: float  # compute thread blocked on communication (issue + wait)
+    device_s: float | None = None  # GPU time of the step's CUDA-graph replay (CUDA events)
 
     @property
     def exposed_fraction(self) -> float:

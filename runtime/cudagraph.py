@@ -1,0 +1,196 @@
+"""CUDA-graph replay of a rank's step program (Plan.cuda_graphs).
+
+Why: the executor dispatches every ATen op of the joint graph from Python (~20 us a node on
+an H100's host) where eager's autograd dispatches from C++, so a GPU step was host-bound
+(GPT-2 small bf16: 54 ms of host time over 31 ms of GPU work, docs/benchmarks.md). A CUDA
+graph records the step's kernels once and replays them with one launch, as
+torch.compile(mode="reduce-overhead") and Megatron's --enable-cuda-graph do.
+
+What is captured: the forward+backward graph of a program that runs as one graph per step
+(pp = 1, microbatches = 1), with its functional collectives (NCCL collectives are capturable;
+the uncaptured path's comm.lower'ed work handles are not, so the captured graph runs the
+graph's own `_c10d_functional` ops). The optimizer stays outside: torch's optimizers read
+the learning rate as a Python float, which a capture would freeze (an lr scheduler would
+silently stop working); on CUDA they already run as a few multi-tensor kernels.
+
+How (torch.cuda.graphs' recipe): `WARMUP_STEPS` real steps run uncaptured on a side stream
+(Triton autotuning, cuBLAS workspaces, NCCL communicators initialise there), then the next
+step is captured and replayed. Parameters and buffers are static inputs by address (the
+optimizer updates them in place); batch leaves are copied into static input buffers each
+step; outputs are static buffers overwritten by the next replay (the caller clones what it
+keeps, e.g. the loss). Dropout stays random: torch registers the default CUDA generator's
+philox offsets with the graph, so each replay draws new masks.
+
+`decide` says whether a program can be captured, and why not: a pipeline program, a
+collective on a backend other than NCCL, an op whose output shape or value depends on the
+data (a host sync), a value copied to the host, remat's RNG-state replay (it reads
+torch.cuda.get_rng_state, which capture forbids). Plan.cuda_graphs="auto" falls back to the
+uncaptured executor with the reason logged; True raises a PlanError naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.fx
+
+log = logging.getLogger("fxpar")
+
+WARMUP_STEPS = 2  # uncaptured steps before the capture (torch.compile uses 1, Megatron 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether a rank's training program is replayed as a CUDA graph, and why (not)."""
+    capture: bool
+    reason: str
+
+
+def _rng_replay_ops():
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    return {run_and_save_rng_state, run_with_rng_state}
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    """The fake tensors of the nodes in `args`."""
+    nodes: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, nodes.append)
+    return [v for v in (a.meta.get("val") for a in nodes) if isinstance(v, torch.Tensor)]
+
+
+def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
+    """Why each node that a CUDA graph cannot hold cannot (empty: the graph is capturable)."""
+    rng_ops = _rng_replay_ops()
+    c10d = torch.ops._c10d_functional
+    collectives = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+                   c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default}
+    why = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if t in rng_ops:
+            why.append(f"{n.name}: remat replays a random op's RNG state, which reads "
+                       "torch.cuda.get_rng_state (forbidden while capturing); use remat='none' "
+                       "or a model without dropout to capture")
+        elif t in collectives and backend != "nccl":
+            why.append(f"{n.name}: a collective on the {backend} backend (only NCCL "
+                       "collectives can be captured)")
+        elif isinstance(t, torch._ops.OpOverload) and (
+                torch.Tag.dynamic_output_shape in t.tags or
+                torch.Tag.data_dependent_output in t.tags):
+            why.append(f"{n.name} ({t}): its output's shape or value depends on the data (a "
+                       "host sync each step; a graph replays fixed shapes)")
+        elif isinstance(t, torch._ops.OpOverload) and torch.Tag.cudagraph_unsafe in t.tags:
+            why.append(f"{n.name} ({t}): torch marks the op unsafe in CUDA graphs")
+        else:
+            val = n.meta.get("val")
+            ins = _tensors((n.args, n.kwargs))
+            if isinstance(val, torch.Tensor) and val.device.type == "cpu" and \
+                    any(v.device.type == "cuda" for v in ins):
+                why.append(f"{n.name} ({t}): copies a device value to the host")
+    return why
+
+
+def decide(program, setting, device: torch.device, backend: str | None,
+           debug_nan: bool = False) -> Decision:
+    """Whether `program` (a compiled ir.Program) is captured under Plan.cuda_graphs=`setting`."""
+    if setting is False:
+        return Decision(False, "Plan.cuda_graphs=False")
+    if device.type != "cuda":
+        return Decision(False, f"the rank runs on {device.type}: CUDA graphs need a CUDA device")
+    if program.pipeline is not None:
+        return Decision(False, "pipeline parts run one microbatch at a time with transfers "
+                               "issued by the runner between them; capturing them is not built "
+                               "yet (pp=1 with microbatches=1 is captured)")
+    if debug_nan:
+        return Decision(False, "FXPAR_DEBUG_NAN runs the graph node by node")
+    why = uncapturable(program.graph.graph, backend)
+    if why:
+        more = f" (and {len(why) - 2} more)" if len(why) > 2 else ""
+        return Decision(False, "; ".join(why[:2]) + more)
+    return Decision(True, f"forward+backward captured after {WARMUP_STEPS} warm-up steps; the "
+                          "optimizer runs outside the graph")
+
+
+class _CudaBackend:
+    """torch.cuda.CUDAGraph with a private memory pool; warm-up on a side stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.graph = None
+        self.start = self.end = None
+
+    def warm(self, fn, inputs):
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            outs = fn(*inputs)
+        cur.wait_stream(side)
+        return outs
+
+    def capture(self, fn, inputs):
+        torch.cuda.synchronize(self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog's and gloo's threads may call CUDA meanwhile
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            outs = fn(*inputs)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        return outs
+
+    def replay(self):
+        self.start.record()
+        self.graph.replay()
+        self.end.record()
+
+    def last_device_s(self) -> float | None:
+        """The last replay's GPU time, if it has finished (never blocks)."""
+        if self.end is None or not self.end.query():
+            return None
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+class GraphedStep:
+    """Runs fn(*inputs) uncaptured `warmup` times, then captures it and replays it.
+
+    inputs: the first `n_persistent` are tensors that live across steps (parameters,
+    buffers): the graph reads them where they are; the rest (batch leaves) are copied into
+    static buffers made at capture. A persistent input found at another address later
+    (a parameter replaced by `load`) is copied into the captured one. Returns the graph's
+    static outputs: valid until the next call."""
+
+    def __init__(self, fn, n_persistent: int, device: torch.device,
+                 warmup: int = WARMUP_STEPS, backend=None):
+        self.fn, self.n_persistent, self.warmup = fn, n_persistent, warmup
+        self.backend = backend if backend is not None else _CudaBackend(device)
+        self.calls = 0
+        self.static_inputs: list | None = None
+        self.static_outputs = None
+
+    @property
+    def captured(self) -> bool:
+        return self.static_outputs is not None
+
+    def __call__(self, inputs: list):
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return self.backend.warm(self.fn, inputs)
+        if self.static_inputs is None:
+            # persistent inputs by a detached alias: `p.data = new` later (load) moves the
+            # parameter, not the storage the graph reads, and the address check below sees it
+            self.static_inputs = [x if not isinstance(x, torch.Tensor) else x.detach()
+                                  if i < self.n_persistent else x.clone()
+                                  for i, x in enumerate(inputs)]
+            self.static_outputs = self.backend.capture(self.fn, self.static_inputs)
+        else:
+            for static, x in zip(self.static_inputs, inputs):
+                if isinstance(x, torch.Tensor) and x.data_ptr() != static.data_ptr():
+                    static.copy_(x, non_blocking=True)
+        self.backend.replay()  # a capture records without running: the step runs here
+        return self.static_outputs
+
+    def last_device_s(self) -> float | None:
+        return self.backend.last_device_s() if self.captured else None

@@ -1,0 +1,168 @@
+"""CUDA-graph replay (runtime/cudagraph.py): which programs are captured and why not, and the
+static-buffer plumbing of a replayed step, checked on CPU with a stand-in for the CUDA graph
+that has a real graph's semantics (a capture records, a replay recomputes into the same
+output buffers from the same input buffers). Replays on a GPU: tests/test_gpu.py."""
+
+import types
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.compiler.capture import capture
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.plan import resolve
+from fxpar.examples import models as M
+from fxpar.runtime import cudagraph
+
+CUDA = torch.device("cuda")
+
+
+def _program(model, batch, world=1, **plan):
+    gm, sig = capture(model, batch)
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group", "tp": "tp-group"})
+    gm = run_passes(gm, resolve(plan, world), ctx, "dp", {})
+    return types.SimpleNamespace(graph=gm, pipeline=None)
+
+
+def _gpt(dropout=0.0):
+    cfg = M.GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                      dropout=dropout)
+    return M.GPT(cfg), M.gpt_batch(cfg, 4)
+
+
+def test_single_device_gpt_step_is_captured_on_cuda():
+    prog = _program(*_gpt())
+    d = cudagraph.decide(prog, "auto", CUDA, None)
+    assert d.capture and "forward+backward" in d.reason
+    assert cudagraph.decide(prog, True, CUDA, None).capture
+
+
+def test_cpu_ranks_and_cuda_graphs_false_never_capture():
+    prog = _program(*_gpt())
+    assert "CUDA device" in cudagraph.decide(prog, "auto", torch.device("cpu"), "gloo").reason
+    assert not cudagraph.decide(prog, False, CUDA, "nccl").capture
+
+
+def test_collectives_are_captured_on_nccl_only():
+    prog = _program(*_gpt(), world=2, dp=2)
+    assert cudagraph.decide(prog, "auto", CUDA, "nccl").capture
+    d = cudagraph.decide(prog, "auto", CUDA, "gloo")
+    assert not d.capture and "gloo backend" in d.reason and "all_reduce" in d.reason
+
+
+def test_remat_rng_replay_falls_back_with_the_reason():
+    """remat recomputes a dropout by replaying the saved RNG state: that reads
+    torch.cuda.get_rng_state, which a capture forbids. Without dropout remat is captured."""
+    d = cudagraph.decide(_program(*_gpt(dropout=0.1), remat="sqrt"), "auto", CUDA, None)
+    assert not d.capture and "RNG state" in d.reason and "remat='none'" in d.reason
+    assert cudagraph.decide(_program(*_gpt(), remat="sqrt"), "auto", CUDA, None).capture
+    # plain dropout (no remat) is graph-safe: torch registers the generator with the graph
+    assert cudagraph.decide(_program(*_gpt(dropout=0.1)), "auto", CUDA, None).capture
+
+
+def test_pipelines_data_dependent_shapes_and_host_copies_fall_back():
+    assert "pipeline" in cudagraph.decide(types.SimpleNamespace(pipeline=object()), "auto",
+                                          CUDA, None).reason
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.nonzero.default(x))
+    d = cudagraph.decide(types.SimpleNamespace(graph=gm, pipeline=None), "auto", CUDA, None)
+    assert not d.capture and "depends on the data" in d.reason
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten._to_copy.default(x, device="cpu"))
+    with FakeTensorMode():
+        x = torch.empty(4, device="cuda")
+        out = torch.empty(4)
+    for n in gm.graph.nodes:
+        n.meta["val"] = x if n.op == "placeholder" else out
+    d = cudagraph.decide(types.SimpleNamespace(graph=gm, pipeline=None), "auto", CUDA, None)
+    assert not d.capture and "copies a device value to the host" in d.reason
+
+
+def test_cuda_graphs_true_on_cpu_is_a_clear_error():
+    model, batch = _gpt()
+    with pytest.raises(PlanError, match="cuda_graphs=True.*CUDA device.*'auto'"):
+        fxpar.parallelize(model, 1, example_batch=batch, plan=dict(cuda_graphs=True))
+    with pytest.raises(PlanError, match="cuda_graphs must be"):
+        fxpar.parallelize(model, 1, example_batch=batch, plan=dict(cuda_graphs="on"))
+
+
+class ReplayOnCPU:
+    """A CUDA graph's semantics on CPU: capture records (computes nothing that the caller may
+    use: the outputs are poisoned), replay recomputes into the captured output buffers from
+    the captured input buffers."""
+
+    def __init__(self):
+        self.captures = self.replays = self.warm_runs = 0
+
+    def warm(self, fn, inputs):
+        self.warm_runs += 1
+        return fn(*inputs)
+
+    def capture(self, fn, inputs):
+        self.captures += 1
+        self.fn, self.inputs = fn, inputs
+        self.outs = list(fn(*inputs))
+        for o in self.outs:
+            if isinstance(o, torch.Tensor) and o.is_floating_point():
+                o.fill_(float("nan"))
+        return self.outs
+
+    def replay(self):
+        self.replays += 1
+        for o, new in zip(self.outs, self.fn(*self.inputs)):
+            if isinstance(o, torch.Tensor):
+                o.copy_(new)
+
+    def last_device_s(self):
+        return 1e-3
+
+
+def test_graphed_step_copies_batches_and_follows_moved_parameters():
+    w = torch.ones(3)
+    backend = ReplayOnCPU()
+    step = cudagraph.GraphedStep(lambda w, x: (w * x, x.sum()), 1, torch.device("cpu"),
+                                 warmup=2, backend=backend)
+    for i in range(5):
+        x = torch.full((3,), float(i))
+        y, s = step([w, x])
+        assert torch.equal(y, w * x) and s.item() == 3 * i
+    assert (backend.warm_runs, backend.captures, backend.replays) == (2, 1, 3)
+    assert y is step.static_outputs[0]        # static: the next replay overwrites it
+    assert step.static_inputs[1] is not x     # the batch is copied, not read in place
+    with torch.no_grad():
+        w.mul_(2)                             # an optimizer step: in place, no copy needed
+    assert torch.equal(step([w, x])[0], 2 * x)
+    w.data = torch.full((3,), 5.0)            # load() moving the parameter: copied over
+    assert torch.equal(step([w, x])[0], 5 * x)
+    assert step.last_device_s() == 1e-3
+
+
+def test_replayed_training_matches_eager(monkeypatch):
+    """The api's captured path end to end on CPU: four warm-up/captured/replayed steps give
+    eager's losses and weights (the loss is cloned out of the static output, the gradients
+    reach the optimizer, the step statistics carry the replay's device time)."""
+    backend = ReplayOnCPU()
+    monkeypatch.setattr(cudagraph, "decide", lambda *a: cudagraph.Decision(True, "test"))
+    monkeypatch.setattr(cudagraph, "_CudaBackend", lambda device: backend)
+    model, batch = _gpt()
+    batches = [M.gpt_batch(model.cfg, 4, seed=s) for s in range(5)]
+    ref = M.GPT(model.cfg)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    pm = fxpar.parallelize(model, 1, example_batch=batch,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    losses = [pm.step(b) for b in batches]
+    want = []
+    for b in batches:
+        opt.zero_grad()
+        loss = ref(b)
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    assert backend.captures == 1 and backend.replays == 3
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=1e-6)
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=k)
+    assert pm.step_stats[-1].device_s == 1e-3
