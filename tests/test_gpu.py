@@ -1,7 +1,7 @@
 """On a real NVIDIA GPU: training steps with the Triton kernels launched for real (fusion's
 generated kernels, layer norm, cross-entropy; ATen's attention is kept on CUDA), bf16 / fp16
-precision, activation offload to pinned host memory on a side stream, and the planner's
-memory estimate against the CUDA allocator.
+precision, activation offload to pinned host memory on a side stream, the planner's
+memory estimate against the CUDA allocator, and the step replayed as a CUDA graph.
 
 Skipped where no GPU is (CI has none). Where one is lent:
 
@@ -127,7 +127,8 @@ def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
     from fxpar.compiler import cost
     from fxpar.runtime.memtrack import measure
     data = _batch()
-    pm, _ = _fxpar(fxpar.Plan(remat=remat, precision=precision, fuse=False), 2, data)
+    pm, _ = _fxpar(fxpar.Plan(remat=remat, precision=precision, fuse=False, cuda_graphs=False),
+                   2, data)
     _, peak = measure(lambda: pm.step(data))  # above the resident weights and AdamW state
     stats = planner.graph_stats(M.GPT(CFG), M.gpt_batch(CFG, ROWS), precision=precision)
     hw = dataclasses.replace(cost.HARDWARE["h100"])
@@ -139,3 +140,43 @@ def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
         assert abs(est - peak) <= 0.10 * peak, (est, peak, c.memory.per_stage[0])
     else:
         assert 0.9 * peak <= est <= 1.3 * peak, (est, peak)
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 2e-5), ("bf16", 2e-2)])
+def test_cuda_graph_replay_equals_eager(precision, tol):
+    """Plan.cuda_graphs=True: 2 warm-up steps, then the forward+backward captured and replayed;
+    6 AdamW steps give eager's losses (fp32: the same kernels; bf16: within the half-precision
+    bound above), every replay has its device time, and the replayed step is not slower than
+    the uncaptured one."""
+    import time
+    data = _batch()
+    pm, got = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=True), 6, data)
+    assert pm.cuda_graphs.capture and pm._graphed.captured, pm.cuda_graphs
+    assert all(s.device_s is not None and s.device_s > 0 for s in pm.step_stats[3:])
+    want = _eager_losses(6, data)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tol, atol=tol)
+    off, _ = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=False), 3, data)
+    times = {}
+    for name, m in (("graph", pm), ("eager-executor", off)):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            m.step(data)
+        torch.cuda.synchronize()
+        times[name] = time.perf_counter() - t
+    assert times["graph"] <= 1.05 * times["eager-executor"], times
+
+
+def test_cuda_graph_replay_draws_new_dropout_masks():
+    """Dropout inside the captured graph: torch registers the generator's philox offsets with
+    the graph, so each replay draws a new mask (lr=0: the same weights and batch give a
+    different loss every replay, as in eager)."""
+    cfg = dataclasses.replace(CFG, dropout=0.1)
+    data = _batch(cfg)
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(M.GPT(cfg).cuda(), ["cuda:0"], example_batch=data,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                           plan=fxpar.Plan(cuda_graphs=True))
+    losses = [pm.step(data).item() for _ in range(6)]
+    assert pm._graphed.captured
+    assert len(set(losses[3:])) == 3, losses
