@@ -391,6 +391,76 @@ def gpu_hardware(device) -> Hardware:
     return hw
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPrice:
+    """What one fused kernel costs against the ops it replaces, on one device (the fusion
+    pass asks before each group). Host: seconds to dispatch one ATen op from the executor and
+    to launch one fused Triton kernel (its wrapper allocates outputs and binds arguments in
+    Python: on an H100's host a launch cost more than the ATen ops it replaced, and the fused
+    bf16 GPT-2 step was 1.3x the unfused one). Device: bytes / bandwidth, at least the
+    shortest kernel. Host and device overlap (async launches), so a stretch costs the larger;
+    `replayed` (a CUDA graph replays the launches): the host cost is gone."""
+    aten_launch_s: float
+    triton_launch_s: float
+    bandwidth: float
+    kernel_min_s: float = 3e-6
+    replayed: bool = False
+
+    def pays(self, n_nodes: int, op_bytes: list[int], fused_bytes: int) -> bool:
+        """Does one kernel moving `fused_bytes` beat `n_nodes` dispatched nodes whose
+        non-view ops move `op_bytes`? Ties fuse (the kernels are measured no slower per
+        byte: docs/benchmarks.md)."""
+        dev_unfused = sum(max(b / self.bandwidth, self.kernel_min_s) for b in op_bytes)
+        dev_fused = max(fused_bytes / self.bandwidth, self.kernel_min_s)
+        if self.replayed:
+            return dev_fused <= dev_unfused
+        return max(self.triton_launch_s, dev_fused) <= max(n_nodes * self.aten_launch_s,
+                                                           dev_unfused)
+
+
+_LAUNCH_CACHE: dict = {}
+
+
+def launch_seconds(device) -> tuple[float, float]:
+    """(ATen op, fused Triton kernel) host seconds per launch on a CUDA device, measured once
+    per process (~10 ms): 200 launches each on a 1-element tensor, the ATen op called as the
+    executor calls it (an OpOverload from Python), the Triton kernel through fxpar's generated
+    -kernel wrapper (kernels/codegen.FusedKernel), no sync in between."""
+    import time
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from fxpar.kernels import codegen
+    device = torch.device(device)
+    key = str(device)
+    if key not in _LAUNCH_CACHE:
+        x = torch.zeros(1, device=device)
+        gm = make_fx(lambda a: ((a + 1) * 2,))(x)
+        fused = codegen.fuse_nodes([n for n in gm.graph.nodes if n.op == "call_function"])
+        add = aten.add.Tensor
+
+        def per_launch(fn):
+            for _ in range(20):  # compile, warm the caches
+                fn()
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            dt = (time.perf_counter() - t) / 200
+            torch.cuda.synchronize(device)
+            return dt
+        _LAUNCH_CACHE[key] = (per_launch(lambda: add(x, x)), per_launch(lambda: fused(x)))
+    return _LAUNCH_CACHE[key]
+
+
+def kernel_price(device, replayed: bool) -> KernelPrice | None:
+    """The fusion pass's KernelPrice on `device`; None where fused kernels are not compiled
+    (CPU: Triton's interpreter runs them, for tests, not for speed)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    aten_s, triton_s = launch_seconds(device)
+    return KernelPrice(aten_s, triton_s, gpu_hardware(device).mem_bandwidth, replayed=replayed)
+
+
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Ring algorithms' alpha-beta time on `nbytes` (the full, unsharded buffer):
     all_reduce 2(n-1) steps moving 2(n-1)/n of it; all_gather / reduce_scatter n-1 steps,

@@ -17,6 +17,13 @@ forward/backward boundary, or remat's recompute boundary (recomputed and saved v
 mixed). Dropout's mask draw stays an ATen op (torch's generator: on CPU fused and unfused
 runs draw the same numbers); its multiply fuses with the residual add.
 
+Fusion never makes a step slower on purpose: on a GPU each candidate (a generated group, a
+single op with a hand-written kernel) is priced with cost.KernelPrice - host seconds per ATen
+dispatch and per Triton launch, measured once on the device, against the bytes it saves at
+the device's bandwidth - and left unfused where one launch costs more than the ops it
+replaces (`meta["fusion"].unpaid`). Where the step is replayed from a CUDA graph
+(Plan.cuda_graphs, pp=1, one microbatch) launches cost no host time and only the bytes count.
+
 Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
 (TRITON_INTERPRET=1). Otherwise the pass changes nothing and says why in the log and in
 `gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
@@ -56,6 +63,8 @@ class Group:
 class Decision:
     groups: list[Group]
     skipped: str | None = None   # why nothing was fused (no Triton on this device)
+    unpaid: list[list[str]] = dataclasses.field(default_factory=list)  # groups left unfused:
+    # one kernel launch would cost more than the ops it replaces (cost.KernelPrice)
 
     @property
     def bytes_unfused(self) -> int:
@@ -72,17 +81,36 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         log.info("fusion: keeping the unfused ops: %s", reason)
         gm.meta["fusion"] = Decision([], skipped=reason)
         return gm
-    groups = hand_written(gm)
+    # a step replayed from a CUDA graph (runtime/cudagraph.py) pays no host cost per launch
+    replayed = getattr(plan, "cuda_graphs", False) is not False and \
+        getattr(plan, "pp", 1) in (None, 1) and getattr(plan, "microbatches", 1) == 1
+    price = cost.kernel_price(ctx.device, replayed)
+    unpaid: list[list[str]] = []
+    groups = hand_written(gm, price, unpaid)
     _restore_topological_order(gm.graph)  # a kept RMSNorm multiply now reads the kernel
     if ctx.device is None or torch.device(ctx.device).type == "cpu":
         split_dropout(gm.graph)  # exact on CPU only (see its docstring)
-    groups += generated(gm)
+    groups += generated(gm, price, unpaid)
     _restore_topological_order(gm.graph)
-    gm.meta["fusion"] = Decision(groups)
-    log.info("fusion: %d kernels (%d hand-written), bytes moved %d -> %d", len(groups),
+    gm.meta["fusion"] = Decision(groups, unpaid=unpaid)
+    log.info("fusion: %d kernels (%d hand-written), bytes moved %d -> %d; %d groups left "
+             "unfused (a launch would cost more than it saves)", len(groups),
              sum(g.kind != "generated" for g in groups),
-             sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups))
+             sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups),
+             len(unpaid))
     return gm
+
+
+def _pays(price, nodes, fused_bytes, unpaid) -> bool:
+    """The KernelPrice says one kernel beats `nodes` dispatched one by one (always True
+    where there is no price: Triton's interpreter on CPU, for tests); else note the group."""
+    if price is None:
+        return True
+    ops = [n for n in nodes if n.target not in codegen.VIEWS]
+    if price.pays(len(nodes), [sum(cost.node_bytes(n)) for n in ops], fused_bytes):
+        return True
+    unpaid.append([n.name for n in nodes])
+    return False
 
 
 # --- hand-written kernels ---------------------------------------------------------------------
@@ -102,8 +130,10 @@ def _op_name(n) -> str:
     return str(n.target).replace("aten.", "").replace(".default", "")
 
 
-def hand_written(gm: torch.fx.GraphModule) -> list[Group]:
-    """Swap ops (and two patterns) for the kernels in fxpar/kernels/ where they apply."""
+def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Group]:
+    """Swap ops (and two patterns) for the kernels in fxpar/kernels/ where they apply (a
+    single op only where `price` says the kernel launch pays; the cross-entropy and RMSNorm
+    patterns replace several ops and the [N, V] log-probabilities: always)."""
     from fxpar.kernels import library
     groups = []
     graph = gm.graph
@@ -117,6 +147,8 @@ def hand_written(gm: torch.fx.GraphModule) -> list[Group]:
                 log.debug("fusion: %s stays unfused: %s", n.name, why)
                 continue
             before, flops, old = _traffic([n]), cost.node_flops(n), _op_name(n)
+            if not _pays(price, [n], before, unpaid if unpaid is not None else []):
+                continue
             n.target = call.for_node(n)
             groups.append(_record(n, call.name, [old], [n.name], before, flops))
         elif n.target is aten.nll_loss_forward.default:
@@ -354,9 +386,10 @@ def _acyclic(members_list, order) -> bool:
                    for m in members_list for b in m.all_input_nodes)
 
 
-def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+def find_groups(graph: torch.fx.Graph, price=None, unpaid=None) -> list[list[torch.fx.Node]]:
     """Greedy grouping in program order: a node joins a producer's group when the result is
-    still one kernel (codegen.analyze) and no outside path leads from the group back to it."""
+    still one kernel (codegen.analyze) and no outside path leads from the group back to it.
+    A group is kept where `price` (cost.KernelPrice) says its launch pays."""
     seg = _barriers(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     group_of: dict = {}
@@ -392,7 +425,8 @@ def find_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
     result = []
     for g in groups:
         g = _trim_views(g)
-        if sum(n.target not in codegen.VIEWS for n in g) >= 2 and _generates(g):
+        if sum(n.target not in codegen.VIEWS for n in g) >= 2 and _generates(g) and \
+                _pays(price, g, _io_bytes(g), unpaid if unpaid is not None else []):
             result.append(g)
     return _break_cycles(graph, result)
 
@@ -448,10 +482,16 @@ def _trim_views(g):
     return g
 
 
-def generated(gm: torch.fx.GraphModule) -> list[Group]:
+def _io_bytes(group) -> int:
+    """A fused kernel's traffic: its inputs read once, its outputs written once."""
+    inputs, outputs = codegen.group_io(group)
+    return sum(cost.tensor_bytes(a.meta.get(ir.VAL)) for a in (*inputs, *outputs))
+
+
+def generated(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Group]:
     graph = gm.graph
     out = []
-    for nodes in find_groups(graph):
+    for nodes in find_groups(graph, price, unpaid):
         out.append(_replace(graph, nodes))
     return out
 

@@ -233,14 +233,14 @@ def test_softmax_traffic_fused_vs_op_by_op():
 
 # --- the pass on whole models -----------------------------------------------------------------
 
-def _fused_model(model, batch):
+def _fused_model(model, batch, **plan):
     gm, sig = capture.capture(model, batch)
     params = [p.detach() for p in model.parameters()]
     leaves = capture.flatten_batch(batch, sig)
     want = gm(*params, *model.buffers(), *leaves)
     before = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
     with interpreter():
-        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
+        gm = fusion.run(gm, fxpar.Plan(**plan), PassContext(signature=sig, device="cpu"))
         gm.graph.lint()
         gm.recompile()
         got = gm(*params, *model.buffers(), *leaves)
@@ -384,7 +384,7 @@ def test_generated_kernels_compile_for_h100():
                          (hf_llama(), hf_lm_batch(128, 2, 16))):
         gm, sig = capture.capture(model, batch)
         with interpreter():
-            gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
+            gm = fusion.run(gm, fxpar.Plan(**plan), PassContext(signature=sig, device="cpu"))
         for n in gm.graph.nodes:
             if isinstance(n.target, codegen.FusedKernel):
                 args = [torch.empty_strided(a.meta[ir.VAL].shape, a.meta[ir.VAL].stride(),
@@ -412,7 +412,7 @@ def test_dropout_residual_is_one_kernel_with_torchs_masks():
     torch.manual_seed(5)
     want = gm(*params, *leaves)
     with interpreter():
-        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
+        gm = fusion.run(gm, fxpar.Plan(**plan), PassContext(signature=sig, device="cpu"))
         gm.recompile()
         torch.manual_seed(5)
         got = gm(*params, *leaves)
@@ -538,3 +538,49 @@ def test_cuda_attention_stays_aten_on_cuda_tensors(op):
     assert library.SINGLE_OP[op]._supports(*args) == library.CUDA_ATTENTION_KEPT
     assert library.SINGLE_OP[op]._supports(*[a.to("cpu") if isinstance(a, torch.Tensor)
                                              else a for a in args]) is None
+
+
+# --- pricing: a group is fused only where its launch pays ---------------------------------
+
+def test_kernel_price_weighs_launches_against_bytes():
+    """Host-bound (tiny tensors, launches not replayed): one Triton launch dearer than the
+    three ATen dispatches it replaces does not pay; replayed from a CUDA graph the launch
+    cost is gone and the saved kernels pay; with large tensors the saved bytes pay."""
+    p = cost.KernelPrice(aten_launch_s=5e-6, triton_launch_s=25e-6, bandwidth=2e12)
+    assert not p.pays(3, [64, 64, 64], 96)
+    assert cost.KernelPrice(5e-6, 25e-6, 2e12, replayed=True).pays(3, [64, 64, 64], 96)
+    big = 3 * 2 ** 26  # 3 ops over 64 MiB each: 100 us of traffic each on the device
+    assert p.pays(3, [big] * 3, big)
+    assert not p.pays(1, [64], 64)                    # one op for one kernel, host-bound
+    assert p.pays(1, [big], big)                      # same bytes, device-bound: a tie fuses
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_fusion_leaves_groups_unfused_where_launches_do_not_pay(monkeypatch, replayed):
+    """The pass on a small GPT with a GPU's price: with launches dearer than the ops (not
+    replayed) only the groups that pay are fused and the rest are listed in
+    meta["fusion"].unpaid; replayed from a CUDA graph every group pays (as without a price)."""
+    calls = []
+
+    def price(device, rep):
+        calls.append(rep)
+        return cost.KernelPrice(aten_launch_s=5e-6, triton_launch_s=40e-6, bandwidth=2e12,
+                                replayed=rep)
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    base = _fused_model(GPT(cfg), gpt_batch(cfg, 4))
+    monkeypatch.setattr(cost, "kernel_price", price)
+    torch.manual_seed(0)
+    gm, got, want, _, _ = _fused_model(GPT(cfg), gpt_batch(cfg, 4), cuda_graphs=replayed)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert calls == [replayed]
+    n_base, d = len(base[0].meta["fusion"].groups), gm.meta["fusion"]
+    if replayed:
+        assert len(d.groups) == n_base and not d.unpaid
+    else:
+        assert d.unpaid and len(d.groups) < n_base
+        kept = [g for g in d.groups if g.kind == "generated"]
+        # a kept generated group replaces at least 8 dispatched nodes (40 us / 5 us)
+        assert all(len(g.nodes) >= 8 for g in kept), [len(g.nodes) for g in kept]
+        assert all(len(u) < 8 for u in d.unpaid)
