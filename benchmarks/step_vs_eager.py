@@ -1,0 +1,189 @@
+"""fxpar's training step on one device vs eager PyTorch and torch.compile, in one run.
+
+Rows, per model (Hugging Face GPT2LMHeadModel and LlamaForCausalLM from configs) and
+precision (fp32; bf16 = autocast for eager/torch.compile, Plan.precision="bf16" for fxpar):
+eager, torch.compile (default; also mode="reduce-overhead" on CUDA), fxpar with fusion on/off
+and CUDA graphs on/off (CUDA; on CPU fxpar runs unfused: Triton only interprets there, and
+never captures). Every variant trains its own copy of the same initial weights with AdamW on
+the same batches. All are built and warmed up first (the warm-up steps' peak memory above
+the resident weights is the "peak" column: it includes a CUDA-graph capture), then timed
+interleaved, one step of each per round: this machine's speed drifts, so the ratio to eager
+is the median of per-round ratios. Losses are compared with eager's, step by step.
+
+    .venv/bin/python benchmarks/step_vs_eager.py            # GPU: GPT-2 small + a small Llama
+    .venv/bin/python benchmarks/step_vs_eager.py --small    # the CPU default: tiny configs
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import contextlib
+import statistics
+import time
+
+import torch
+
+import fxpar
+from fxpar.examples import models as M
+from fxpar.runtime.memtrack import measure
+
+SIZES = {  # (model kwargs, rows, sequence length)
+    ("gpt2", False): (dict(vocab=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+                      8, 1024),
+    ("llama", False): (dict(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4,
+                            max_pos=1024), 8, 1024),
+    ("gpt2", True): (dict(vocab=512, n_embd=64, n_layer=2, n_head=4, n_positions=64), 4, 64),
+    ("llama", True): (dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, max_pos=64),
+                      4, 64),
+}
+
+
+def _opt(device):
+    fused = device.type == "cuda"
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=fused)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def variants(base, batch, device, precision, small):
+    """name -> a step() returning the loss tensor, each over its own copy of `base`."""
+    cuda = device.type == "cuda"
+    half = precision == "bf16"
+
+    def eager_like(compile_mode):
+        model = copy.deepcopy(base).to(device)
+        opt = _opt(device)(model.parameters())
+        fwd = model if compile_mode is False else torch.compile(model, mode=compile_mode)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            ctx = torch.autocast(device.type, torch.bfloat16) if half else \
+                contextlib.nullcontext()
+            with ctx:
+                loss = fwd(**batch).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    def fx(fuse, graphs):
+        def build():
+            pm = fxpar.parallelize(copy.deepcopy(base).to(device), [str(device)],
+                                   example_batch=batch, optimizer=_opt(device),
+                                   plan=dict(precision=precision, fuse=fuse,
+                                             cuda_graphs=graphs))
+            step = lambda: pm.step(batch)  # noqa: E731
+            step.pm = pm
+            return step
+        return build
+
+    out = {"eager": lambda: eager_like(False),
+           "torch.compile": lambda: eager_like(None)}
+    if cuda:
+        out["torch.compile reduce-overhead"] = lambda: eager_like("reduce-overhead")
+        for fuse in (True, False):
+            for graphs in (True, False):
+                out[f"fxpar fuse={'on' if fuse else 'off'} graphs={'on' if graphs else 'off'}"] \
+                    = fx(fuse, graphs)
+    else:
+        out["fxpar (unfused, no CUDA graphs on CPU)"] = fx(False, False)
+    return out
+
+
+def run(model_name, precision, device, small, steps, warmup):
+    kw, rows, seq = SIZES[(model_name, small)]
+    torch.manual_seed(0)
+    base = (M.hf_gpt2 if model_name == "gpt2" else M.hf_llama)(**kw)
+    vocab = kw["vocab"]
+    batch = {k: v.to(device) for k, v in M.hf_lm_batch(vocab, rows, seq).items()}
+    steps_of, peak, failed = {}, {}, {}
+    for name, build in variants(base, batch, device, precision, small).items():
+        try:
+            step = build()
+            # CPU memory is tracked with a dispatch mode, which torch.compile's code bypasses
+            # (and which makes dynamo fall back): no peak for its rows there
+            tracked = device.type == "cuda" or "torch.compile" not in name
+            p = 0
+            for _ in range(warmup):  # compiles, autotunes, captures
+                if tracked:
+                    _, used = measure(step)
+                    p = max(p, used)
+                else:
+                    step()
+            steps_of[name], peak[name] = step, p if tracked else None
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is a row, not a crash
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        _sync(device)
+    times = {n: [] for n in steps_of}
+    losses = {n: [] for n in steps_of}
+    names = list(steps_of)
+    for r in range(steps):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            _sync(device)
+            t = time.perf_counter()
+            loss = steps_of[name]()
+            losses[name].append(loss.item())  # syncs
+            times[name].append(time.perf_counter() - t)
+    return times, losses, peak, failed, steps_of
+
+
+def report(model_name, precision, device, res, small):
+    times, losses, peak, failed, steps_of = res
+    kw, rows, seq = SIZES[(model_name, small)]
+    print(f"\n{model_name} {kw} rows={rows} seq={seq} {precision} on {device}")
+    print(f"{'variant':42s} {'step ms':>9s} {'x eager':>8s} {'peak MiB':>9s} "
+          f"{'max|dloss|':>11s}  note")
+    ref = times.get("eager")
+    out = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        ratio = statistics.median(a / b for a, b in zip(ts, ref)) if ref else float("nan")
+        dl = max(abs(a - b) for a, b in zip(losses[name], losses["eager"])) \
+            if "eager" in losses else float("nan")
+        note = ""
+        pm = getattr(steps_of[name], "pm", None)
+        if pm is not None:
+            note = "captured" if pm.cuda_graphs.capture else ""
+            dev = [s.device_s for s in pm.step_stats[-len(ts):] if s.device_s]
+            if dev:
+                note += f", device busy {statistics.median(dev) / med:.0%}"
+            fused = pm.stage_graphs.get("fusion")
+            if fused:
+                d = next(iter(fused.values())).meta["fusion"]
+                note += f", {len(d.groups)} kernels, {len(d.unpaid)} groups unpaid"
+        mib = f"{peak[name] / 2**20:9.1f}" if peak[name] is not None else f"{'n/a':>9s}"
+        print(f"{name:42s} {med * 1e3:9.2f} {ratio:8.3f} {mib} "
+              f"{dl:11.2e}  {note}")
+        out[name] = dict(step_s=med, ratio=ratio, peak=peak[name], max_dloss=dl)
+    for name, why in failed.items():
+        print(f"{name:42s} {'-':>9s} {'-':>8s} {'-':>9s} {'-':>11s}  failed: {why}")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["gpt2", "llama", "both"], default="both")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    ap.add_argument("--small", action="store_true",
+                    help="tiny configs (the default without a GPU)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    small = args.small or device.type == "cpu"
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = {}
+    for model_name in (["gpt2", "llama"] if args.model == "both" else [args.model]):
+        for precision in (["fp32", "bf16"] if args.precision == "both" else [args.precision]):
+            res = run(model_name, precision, device, small, args.steps, args.warmup)
+            results[(model_name, precision)] = report(model_name, precision, device, res,
+                                                      small)
+    return results
+
+
+if __name__ == "__main__":
+    main()
