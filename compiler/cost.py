@@ -109,26 +109,38 @@ class DeviceProfile:
     link_bandwidth = bytes/s per direction).
 
     Rough defaults until the planner calibrates them (issue 8); only ratios matter to remat
-    and to bucket sizing. CPU: gloo over loopback TCP (a small all-reduce measured nearer
-    0.5 ms on a 2-core VM: to calibrate, issue 8); CUDA: NVLink within a node."""
+    and to bucket sizing. CPU: gloo over loopback TCP; CUDA: NVLink within a node.
+    `collective_alpha`: the fixed cost of one collective where it differs from a message's
+    latency - on CPU a small gloo all-reduce measured ~0.5 ms on a 2-core VM (its threads
+    share the cores with the compute), which gradient bucket sizing must see (at 50 us it
+    cut 14 buckets and made fxpar dp=2 1.03-1.09x DDP; one 25 MiB bucket: 0.98x), while the
+    pipeline cut keeps the 50 us point-to-point latency (0.5 ms there broke stage balance)."""
     name: str
     flops: float       # FLOP/s (fp32)
     bandwidth: float   # bytes/s
     alpha: float = 50e-6
     link_bandwidth: float = 2e9
+    collective_alpha: float | None = None  # None: alpha
+
+    def for_collectives(self) -> "DeviceProfile":
+        """This profile with alpha = the per-collective cost (bucket sizing)."""
+        if self.collective_alpha is None:
+            return self
+        return dataclasses.replace(self, alpha=self.collective_alpha, collective_alpha=None)
 
     @classmethod
     def for_device(cls, device) -> "DeviceProfile":
         device = torch.device(device)
         if device.type == "cuda":
             return cls("cuda", 400e12, 3.0e12, alpha=10e-6, link_bandwidth=150e9)
-        return cls("cpu", 100e9, 20e9, alpha=50e-6, link_bandwidth=2e9)
+        return cls("cpu", 100e9, 20e9, alpha=50e-6, link_bandwidth=2e9,
+                   collective_alpha=500e-6)
 
 
 def min_bucket_bytes(profile: DeviceProfile) -> float:
     """Gradient buckets smaller than this are latency-bound: 4 alpha of bytes (a bucket's
     transfer then takes >= 80% of the time at link bandwidth)."""
-    return 4 * profile.alpha * profile.link_bandwidth
+    return 4 * profile.for_collectives().alpha * profile.link_bandwidth
 
 
 def comm_time(target, nbytes: int, group_size: int, profile: DeviceProfile) -> float:

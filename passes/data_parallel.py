@@ -314,7 +314,7 @@ def _buckets(graph, grads, bucket_bytes, dp, target):
         return assign_buckets(grads, bucket_bytes)
     nodes = list(graph.nodes)
     profile = cost.DeviceProfile.for_device(next(
-        n.meta[ir.VAL].device for n in nodes if n.op == "placeholder"))
+        n.meta[ir.VAL].device for n in nodes if n.op == "placeholder")).for_collectives()
     clock, ready = 0.0, {}
     for n in nodes:  # when each gradient exists, by the cost model, in execution order
         clock += cost.node_time(n, profile) if n.op == "call_function" else 0.0
