@@ -232,7 +232,7 @@ class ParallelModel:
 
     # --- training ---------------------------------------------------------------------------
     def _run(self, program, batch):
-        leaves = cap.flatten_batch(_to_device(batch, self.world.device), program.signature)
+        leaves = cap.flatten_batch(batch, program.signature)  # local_batch moves them
         local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
                                      self.world.device)
         if program.loss_scale:

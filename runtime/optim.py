@@ -31,7 +31,7 @@ def apply_gradients(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                     grads: Sequence[torch.Tensor | None]) -> None:
     """p.grad = g, step, then drop grads (as `zero_grad(set_to_none=True)` would)."""
     for p, g in zip(params, grads):
-        p.grad = None if g is None else g.to(p.dtype)
+        p.grad = g if g is None or g.dtype == p.dtype else g.to(p.dtype)
     opt.step()
     for p in params:
         p.grad = None
