@@ -525,11 +525,16 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         m_.stage = r
     mems[worst][0].per_stage = [m_ for m_, _ in mems]
     total_nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
+    # pp = 1 with one microbatch on a GPU: the forward+backward is replayed as one CUDA graph
+    # (Plan.cuda_graphs, runtime/cudagraph.py), so its nodes cost no host dispatch
+    graphed = pp == 1 and m == 1 and hw.async_launch and \
+        constraints.get("cuda_graphs", "auto") is not False
+    hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
-        tf = sum(_seg_time(s, stats, mbs, tp, hw, precision, "f") for s in segs)
-        tb = sum(_seg_time(s, stats, mbs, tp, hw, precision, "b") for s in segs)
+        tf = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "f") for s in segs)
+        tb = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "b") for s in segs)
         f = mbs / stats.rows
         tpc_f = sum(hw.comm("all_reduce", s.tp_comm_f * f, tp, tp,
                             calls=s.n_row + int(s.tp_calls_extra)) for s in segs)
@@ -537,7 +542,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                     for s in segs)
         # the nodes the tp pass adds (redistributions, collectives), this rank's share
         share = sum(s.nodes_f + s.nodes_b for s in segs) / total_nodes
-        tp_nodes = stats.tp_nodes_extra * share * hw.node_overhead / 2 if tp > 1 else 0.0
+        tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
+            else 0.0
         fwd.append(tf + tpc_f + tp_nodes)
         bwd.append(tb + tpc_b + tp_nodes + rec * tf)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
@@ -589,7 +595,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         # the nodes the dp pass adds per parameter (packing, shard views; ZeRO-3's gathers
         # per microbatch): dispatch time, not hidden by the backward
         dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
-            m if zero >= 3 else 1) * hw.node_overhead
+            m if zero >= 3 else 1) * hw_graph.node_overhead
     window = bwd[0] * hw.overlap if constraints.get("overlap", True) else 0.0
     dp_exposed = (max(dpc - window, dpc * 0.05) + dp_fixed) if dp > 1 else 0.0
     from fxpar.compiler.memory import OPTIMIZER_STATES
@@ -613,7 +619,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision)
-    for k2 in ("overlap", "fuse", "bucket_mb", "sequence_parallel", "tp_style"):
+    for k2 in ("overlap", "fuse", "bucket_mb", "sequence_parallel", "tp_style", "cuda_graphs"):
         if k2 in constraints:
             setattr(plan, k2, constraints[k2])
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,

@@ -589,3 +589,23 @@ def test_host_dispatch_overlaps_device_work_on_gpus(small_stats):
     cpu_like = dataclasses.replace(slow_host, async_launch=False)
     assert planner._seg_time(s, small_stats, small_stats.rows, 1, cpu_like, "fp32",
                              "f") == pytest.approx(host + device_only)
+
+
+def test_cuda_graph_replay_prices_no_host_dispatch(small_stats):
+    """On a GPU a pp=1 plan with one microbatch is replayed as a CUDA graph (Plan.cuda_graphs):
+    its graph nodes cost no host dispatch, so a host-bound model is priced at its device time;
+    cuda_graphs=False and microbatched plans keep the dispatch cost; CPUs never capture."""
+    hw = dataclasses.replace(cost.HARDWARE["h100"], node_overhead=1e-3)  # host-bound
+    fixed = {"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "remat": "none"}
+
+    def step(hw, rows=small_stats.rows, **extra):
+        return planner.search(small_stats, 1, hw, batch_rows=rows,
+                              constraints={**fixed, **extra}).table[0]
+    graphed, eager = step(hw), step(hw, cuda_graphs=False)
+    nodes = sum(s.nodes_f + s.nodes_b for s in small_stats.segments)
+    assert eager.step_s >= nodes * 1e-3 > 10 * graphed.step_s
+    assert graphed.plan.cuda_graphs == "auto" and eager.plan.cuda_graphs is False
+    assert step(hw, 2 * small_stats.rows, microbatches=2,
+                schedule="gpipe").step_s >= 2 * nodes * 1e-3
+    cpu_like = dataclasses.replace(hw, async_launch=False)
+    assert step(cpu_like).step_s == pytest.approx(step(cpu_like, cuda_graphs=False).step_s)
