@@ -228,6 +228,8 @@ class ParallelModel:
                             "uncaptured (logged), or False.")
         if not d.capture and self.world.device.type == "cuda":
             log.info("fxpar: the step runs without CUDA graphs: %s", d.reason)
+        if d.capture and self._runner is not None:
+            self._runner.use_cuda_graphs(self.world.device)
         return d
 
     # --- training ---------------------------------------------------------------------------

@@ -7,7 +7,10 @@ graph records the step's kernels once and replays them with one launch, as
 torch.compile(mode="reduce-overhead") and Megatron's --enable-cuda-graph do.
 
 What is captured: the forward+backward graph of a program that runs as one graph per step
-(pp = 1, microbatches = 1), with its functional collectives (NCCL collectives are capturable;
+(pp = 1, microbatches = 1), or with cuda_graphs=True each part of a pipeline program (run
+once per microbatch: its activations are copied into the part's static inputs and its
+outputs cloned out, as the same part runs again before they are consumed; the transfers
+between stages stay outside), with their functional collectives (NCCL collectives are capturable;
 the uncaptured path's comm.lower'ed work handles are not, so the captured graph runs the
 graph's own `_c10d_functional` ops). The optimizer stays outside: torch's optimizers read
 the learning rate as a Python float, which a capture would freeze (an lr scheduler would
@@ -100,12 +103,21 @@ def decide(program, setting, device: torch.device, backend: str | None,
         return Decision(False, "Plan.cuda_graphs=False")
     if device.type != "cuda":
         return Decision(False, f"the rank runs on {device.type}: CUDA graphs need a CUDA device")
-    if program.pipeline is not None:
-        return Decision(False, "pipeline parts run one microbatch at a time with transfers "
-                               "issued by the runner between them; capturing them is not built "
-                               "yet (pp=1 with microbatches=1 is captured)")
     if debug_nan:
         return Decision(False, "FXPAR_DEBUG_NAN runs the graph node by node")
+    if program.pipeline is not None:
+        if setting == "auto":
+            return Decision(False, "a pipeline part runs once per microbatch, so a captured "
+                                   "part copies each microbatch's inputs into its graph's "
+                                   "buffers and its outputs out: not done by default until "
+                                   "measured on a GPU; cuda_graphs=True captures every part")
+        why = [w for part in program.pipeline.parts.values()
+               for w in uncapturable(part.graph.graph, backend)]
+        if why:
+            return Decision(False, "; ".join(why[:2]))
+        return Decision(True, f"each pipeline part captured after {WARMUP_STEPS} warm-up "
+                              "steps (its inputs copied in, its outputs cloned out); the "
+                              "transfers between stages and the optimizer run outside")
     why = uncapturable(program.graph.graph, backend)
     if why:
         more = f" (and {len(why) - 2} more)" if len(why) > 2 else ""
@@ -156,15 +168,15 @@ class _CudaBackend:
 class GraphedStep:
     """Runs fn(*inputs) uncaptured `warmup` times, then captures it and replays it.
 
-    inputs: the first `n_persistent` are tensors that live across steps (parameters,
-    buffers): the graph reads them where they are; the rest (batch leaves) are copied into
-    static buffers made at capture. A persistent input found at another address later
+    inputs: those marked persistent (`persistent`: a mask, or an int n = the first n) live
+    across steps (parameters, buffers): the graph reads them where they are; the rest (batch
+    leaves, a pipeline part's activations) are copied into static buffers made at capture. A persistent input found at another address later
     (a parameter replaced by `load`) is copied into the captured one. Returns the graph's
     static outputs: valid until the next call."""
 
-    def __init__(self, fn, n_persistent: int, device: torch.device,
-                 warmup: int = WARMUP_STEPS, backend=None):
-        self.fn, self.n_persistent, self.warmup = fn, n_persistent, warmup
+    def __init__(self, fn, persistent, device: torch.device, warmup: int = WARMUP_STEPS,
+                 backend=None):
+        self.fn, self.persistent, self.warmup = fn, persistent, warmup
         self.backend = backend if backend is not None else _CudaBackend(device)
         self.calls = 0
         self.static_inputs: list | None = None
@@ -181,9 +193,10 @@ class GraphedStep:
         if self.static_inputs is None:
             # persistent inputs by a detached alias: `p.data = new` later (load) moves the
             # parameter, not the storage the graph reads, and the address check below sees it
+            keep = self.persistent if not isinstance(self.persistent, int) else \
+                [i < self.persistent for i in range(len(inputs))]
             self.static_inputs = [x if not isinstance(x, torch.Tensor) else x.detach()
-                                  if i < self.n_persistent else x.clone()
-                                  for i, x in enumerate(inputs)]
+                                  if k else x.clone() for x, k in zip(inputs, keep)]
             self.static_outputs = self.backend.capture(self.fn, self.static_inputs)
         else:
             for static, x in zip(self.static_inputs, inputs):

@@ -23,7 +23,7 @@ import torch
 import torch._prims_common
 import torch.distributed as dist
 
-from fxpar.runtime import comm, faults, schedules
+from fxpar.runtime import comm, cudagraph, faults, schedules
 from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 
@@ -87,6 +87,17 @@ class PipelineRunner:
         self._local_count, self._route_cache, self._remote_inputs = {}, {}, {}
         self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
         self.stash: HostStash | None = None
+        self.graphs: dict[str, cudagraph.GraphedStep] | None = None  # Plan.cuda_graphs
+
+    def use_cuda_graphs(self, device) -> None:
+        """Replay each part as a CUDA graph (runtime/cudagraph.py) after the warm-up steps:
+        parameters and buffers read in place, activations and batch copied in."""
+        self.graphs = {
+            key: cudagraph.GraphedStep(
+                (lambda g: lambda *a: faults.run(g, *a))(part.graph),
+                [kind in ("param", "buffer") for kind, _ in part.inputs], device,
+                warmup=cudagraph.WARMUP_STEPS * (1 if part.phase == "R" else self.m))
+            for key, part in self.parts.items()}
 
     def rank_of(self, stage: int) -> int:
         return schedules.stage_to_rank(stage, self.pp)
@@ -185,6 +196,9 @@ class PipelineRunner:
             rec.segment(label)
         try:
             with torch.no_grad():
+                if self.graphs is not None:  # static outputs: the next microbatch's replay
+                    return [t.clone() if isinstance(t, torch.Tensor) else t  # overwrites them
+                            for t in self.graphs[key](args)]
                 return faults.run(self.lowered[key], *args)  # FXPAR_DEBUG_NAN: node by node
         except RuntimeError as e:
             part = self.parts[key]

@@ -62,9 +62,20 @@ def test_remat_rng_replay_falls_back_with_the_reason():
     assert cudagraph.decide(_program(*_gpt(dropout=0.1)), "auto", CUDA, None).capture
 
 
+def test_pipeline_parts_are_captured_only_when_asked():
+    """A pipeline part runs once per microbatch: capturing it copies activations in and
+    outputs out, so "auto" leaves pipelines uncaptured (until measured on a GPU) and True
+    captures every part."""
+    model, batch = _gpt()
+    pm = fxpar.parallelize(model, 1, example_batch=batch,
+                           plan=dict(microbatches=2, schedule="gpipe"))
+    d = cudagraph.decide(pm.program, "auto", CUDA, None)
+    assert not d.capture and "cuda_graphs=True" in d.reason
+    d = cudagraph.decide(pm.program, True, CUDA, None)
+    assert d.capture and "each pipeline part" in d.reason
+
+
 def test_pipelines_data_dependent_shapes_and_host_copies_fall_back():
-    assert "pipeline" in cudagraph.decide(types.SimpleNamespace(pipeline=object()), "auto",
-                                          CUDA, None).reason
     gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.nonzero.default(x))
     d = cudagraph.decide(types.SimpleNamespace(graph=gm, pipeline=None), "auto", CUDA, None)
     assert not d.capture and "depends on the data" in d.reason
@@ -88,9 +99,18 @@ def test_cuda_graphs_true_on_cpu_is_a_clear_error():
         fxpar.parallelize(model, 1, example_batch=batch, plan=dict(cuda_graphs="on"))
 
 
+def test_graphs_false_and_pipelines_under_auto_never_build_a_graph(monkeypatch):
+    monkeypatch.setattr(cudagraph, "_CudaBackend", lambda device: pytest.fail("captured"))
+    model, batch = _gpt()
+    pm = fxpar.parallelize(model, 1, example_batch=batch, plan=dict(cuda_graphs=False))
+    for _ in range(4):
+        pm.step(batch)
+    assert pm._graphed is None and not pm.cuda_graphs.capture
+
+
 class ReplayOnCPU:
     """A CUDA graph's semantics on CPU: capture records (computes nothing that the caller may
-    use: the outputs are poisoned), replay recomputes into the captured output buffers from
+    use: new outputs are poisoned), replay recomputes into the captured output buffers from
     the captured input buffers."""
 
     def __init__(self):
@@ -104,8 +124,10 @@ class ReplayOnCPU:
         self.captures += 1
         self.fn, self.inputs = fn, inputs
         self.outs = list(fn(*inputs))
-        for o in self.outs:
-            if isinstance(o, torch.Tensor) and o.is_floating_point():
+        held = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+        for o in self.outs:  # new memory holds garbage after a capture; aliases of inputs not
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and \
+                    o.untyped_storage().data_ptr() not in held:
                 o.fill_(float("nan"))
         return self.outs
 
@@ -166,3 +188,52 @@ def test_replayed_training_matches_eager(monkeypatch):
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=k)
     assert pm.step_stats[-1].device_s == 1e-3
+
+
+def _eager_losses(model, batches, lr):
+    ref = M.GPT(model.cfg)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    out = []
+    for b in batches:
+        opt.zero_grad()
+        loss = ref(b)
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+    return ref, torch.stack(out)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_replayed_pipeline_parts_match_eager(monkeypatch, schedule):
+    """cuda_graphs=True on a microbatched program: every part (forward, backward, gradient
+    reduction) is captured after its warm-up calls and replayed per microbatch; outputs are
+    cloned out of the static buffers, so microbatches in flight keep their own values, and
+    training matches eager."""
+    backends = []
+
+    def new_backend(device):
+        backends.append(ReplayOnCPU())
+        return backends[-1]
+    monkeypatch.setattr(cudagraph, "decide", lambda program, setting, *a: cudagraph.Decision(
+        program.pipeline is not None and setting is True, "test"))
+    monkeypatch.setattr(cudagraph, "_CudaBackend", new_backend)
+    model, batch = _gpt()
+    batches = [M.gpt_batch(model.cfg, 4, seed=s) for s in range(5)]
+    _, want = _eager_losses(model, batches, 1e-2)
+    plain = M.GPT(model.cfg)
+    plain.load_state_dict(model.state_dict())
+    runs = {}
+    for graphs, m in ((True, model), (False, plain)):
+        pm = fxpar.parallelize(m, 1, example_batch=batch,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                               plan=dict(microbatches=2, schedule=schedule, cuda_graphs=graphs))
+        runs[graphs] = torch.stack([pm.step(b) for b in batches])
+        assert (pm._runner.graphs is not None) == graphs
+        if graphs:
+            assert backends and all(b.captures == 1 for b in backends)
+            assert all(b.replays == (3 if b.warm_runs == 2 else 6) for b in backends)
+    torch.testing.assert_close(runs[True], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(runs[True], runs[False])  # the same arithmetic, replayed
+    for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), k
