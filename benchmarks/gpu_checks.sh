@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for a machine with an NVIDIA GPU and torch + triton already
 # installed (no .venv needed: the repository is imported as `fxpar` through a symlink).
-#   bash benchmarks/gpu_checks.sh [LOG_DIR]      (about 8 minutes on one H100)
+#   bash benchmarks/gpu_checks.sh [LOG_DIR]      (about 15 minutes on one H100)
+# 0. benchmarks/step_vs_eager.py: fxpar (fuse on/off x CUDA graphs on/off) vs eager vs
+#    torch.compile (default, reduce-overhead), GPT-2 small and a small Llama, fp32 and bf16
+#    (issue 21's targets), and benchmarks/executor_overhead.py (host cost per node)
 # 1. tests/test_gpu.py + the hand-written kernels' tests on the GPU (FXPAR_TEST_GPU=1)
 # 2. benchmarks/planner_gpu.py: predicted vs measured step time / memory, fxpar vs eager vs
 #    torch.compile, fp32 and bf16, fused and unfused, with a profile of the bf16 step
@@ -16,6 +19,9 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$LOGS/gpu.txt"
+timeout 420 $PY benchmarks/step_vs_eager.py --steps 15 2>&1 | grep -v "Warning\|transformers" \
+    | tee "$LOGS/step_vs_eager.log" | tail -40
+timeout 60 $PY benchmarks/executor_overhead.py 2>&1 | tee "$LOGS/executor_overhead.log" | tail -6
 FXPAR_TEST_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
     tests/test_gpu.py tests/test_kernels.py 2>&1 | grep -v "registered at\|fallthrough" \
     > "$LOGS/tests.log"; tail -15 "$LOGS/tests.log"
