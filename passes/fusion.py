@@ -82,8 +82,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         gm.meta["fusion"] = Decision([], skipped=reason)
         return gm
     # a step replayed from a CUDA graph (runtime/cudagraph.py) pays no host cost per launch
-    replayed = getattr(plan, "cuda_graphs", False) is not False and \
-        getattr(plan, "pp", 1) in (None, 1) and getattr(plan, "microbatches", 1) == 1
+    graphs = getattr(plan, "cuda_graphs", False)
+    replayed = graphs is True or graphs == "auto" and getattr(plan, "pp", 1) in (None, 1) \
+        and getattr(plan, "microbatches", 1) == 1
     price = cost.kernel_price(ctx.device, replayed)
     unpaid: list[list[str]] = []
     groups = hand_written(gm, price, unpaid)

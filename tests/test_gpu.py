@@ -147,7 +147,7 @@ def test_cuda_graph_replay_equals_eager(precision, tol):
     """Plan.cuda_graphs=True: 2 warm-up steps, then the forward+backward captured and replayed;
     6 AdamW steps give eager's losses (fp32: the same kernels; bf16: within the half-precision
     bound above), every replay has its device time, and the replayed step is not slower than
-    the uncaptured one."""
+    the uncaptured one (10% for timing noise)."""
     import time
     data = _batch()
     pm, got = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=True), 6, data)
@@ -164,7 +164,7 @@ def test_cuda_graph_replay_equals_eager(precision, tol):
             m.step(data)
         torch.cuda.synchronize()
         times[name] = time.perf_counter() - t
-    assert times["graph"] <= 1.05 * times["eager-executor"], times
+    assert times["graph"] <= 1.10 * times["eager-executor"], times
 
 
 def test_cuda_graph_replay_draws_new_dropout_masks():
