@@ -118,9 +118,12 @@ class Recorder:
         for tid, track in enumerate(TRACKS):
             ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                        "args": {"name": track}})
+        device_s = {st.step: st.device_s for st in self.stats if st.device_s is not None}
         for step, t0, t1, spans in self.steps:
             ev.append({"name": f"step {step}", "ph": "X", "pid": pid, "tid": TRACKS.index(COMPUTE),
                        "ts": (t0 + offset) * 1e6, "dur": (t1 - t0) * 1e6, "cat": "step"})
+            if step in device_s:  # a CUDA-graph replay: its GPU time, from CUDA events
+                ev[-1]["args"] = {"gpu_ms": device_s[step] * 1e3}
             for s in spans:
                 e = {"name": s.name, "ph": "X", "pid": pid, "tid": TRACKS.index(s.track),
                      "ts": (s.start + offset) * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,

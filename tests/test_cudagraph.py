@@ -188,6 +188,14 @@ def test_replayed_training_matches_eager(monkeypatch):
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=k)
     assert pm.step_stats[-1].device_s == 1e-3
+    assert pm.step_stats[1].device_s is None  # a warm-up step, not replayed
+    import json
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        events = json.load(open(pm.trace(f"{d}/t.json")))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps = [e for e in events if e.get("cat") == "step"]
+    assert [e.get("args", {}).get("gpu_ms") for e in steps] == [None, None, 1.0, 1.0, 1.0]
 
 
 def _eager_losses(model, batches, lr):
