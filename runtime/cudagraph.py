@@ -96,6 +96,10 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
     return why
 
 
+def _first_reasons(why: list[str]) -> str:
+    return "; ".join(why[:2]) + (f" (and {len(why) - 2} more)" if len(why) > 2 else "")
+
+
 def decide(program, setting, device: torch.device, backend: str | None,
            debug_nan: bool = False) -> Decision:
     """Whether `program` (a compiled ir.Program) is captured under Plan.cuda_graphs=`setting`."""
@@ -114,14 +118,13 @@ def decide(program, setting, device: torch.device, backend: str | None,
         why = [w for part in program.pipeline.parts.values()
                for w in uncapturable(part.graph.graph, backend)]
         if why:
-            return Decision(False, "; ".join(why[:2]))
+            return Decision(False, _first_reasons(why))
         return Decision(True, f"each pipeline part captured after {WARMUP_STEPS} warm-up "
                               "steps (its inputs copied in, its outputs cloned out); the "
                               "transfers between stages and the optimizer run outside")
     why = uncapturable(program.graph.graph, backend)
     if why:
-        more = f" (and {len(why) - 2} more)" if len(why) > 2 else ""
-        return Decision(False, "; ".join(why[:2]) + more)
+        return Decision(False, _first_reasons(why))
     return Decision(True, f"forward+backward captured after {WARMUP_STEPS} warm-up steps; the "
                           "optimizer runs outside the graph")
 

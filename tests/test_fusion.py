@@ -584,3 +584,16 @@ def test_fusion_leaves_groups_unfused_where_launches_do_not_pay(monkeypatch, rep
         # a kept generated group replaces at least 8 dispatched nodes (40 us / 5 us)
         assert all(len(g.nodes) >= 8 for g in kept), [len(g.nodes) for g in kept]
         assert all(len(u) < 8 for u in d.unpaid)
+
+
+def test_launch_costs_are_measured_once_per_device(monkeypatch):
+    """cost.launch_seconds times an ATen op and a generated Triton kernel launched through
+    fxpar's wrapper (here on CPU under the interpreter, with CUDA's sync stubbed: on a GPU
+    the same code runs for real), once per device; kernel_price is None off CUDA."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cost, "_LAUNCH_CACHE", {})
+    with interpreter():
+        aten_s, triton_s = cost.launch_seconds("cpu")
+    assert 0 < aten_s < triton_s  # the interpreter is far slower than a dispatch
+    assert cost.launch_seconds("cpu") == (aten_s, triton_s)  # cached
+    assert cost.kernel_price("cpu", replayed=False) is None
