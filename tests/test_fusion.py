@@ -384,7 +384,7 @@ def test_generated_kernels_compile_for_h100():
                          (hf_llama(), hf_lm_batch(128, 2, 16))):
         gm, sig = capture.capture(model, batch)
         with interpreter():
-            gm = fusion.run(gm, fxpar.Plan(**plan), PassContext(signature=sig, device="cpu"))
+            gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=sig, device="cpu"))
         for n in gm.graph.nodes:
             if isinstance(n.target, codegen.FusedKernel):
                 args = [torch.empty_strided(a.meta[ir.VAL].shape, a.meta[ir.VAL].stride(),
