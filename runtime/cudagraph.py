@@ -77,7 +77,7 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
             why.append(f"{n.name}: remat replays a random op's RNG state, which reads "
                        "torch.cuda.get_rng_state (forbidden while capturing); use remat='none' "
                        "or a model without dropout to capture")
-        elif t in collectives and backend != "nccl":
+        elif t in collectives and "nccl" not in (backend or ""):  # "nccl", "cuda:nccl,..."
             why.append(f"{n.name}: a collective on the {backend} backend (only NCCL "
                        "collectives can be captured)")
         elif isinstance(t, torch._ops.OpOverload) and (

@@ -48,6 +48,7 @@ def test_cpu_ranks_and_cuda_graphs_false_never_capture():
 def test_collectives_are_captured_on_nccl_only():
     prog = _program(*_gpt(), world=2, dp=2)
     assert cudagraph.decide(prog, "auto", CUDA, "nccl").capture
+    assert cudagraph.decide(prog, "auto", CUDA, "cpu:gloo,cuda:nccl").capture
     d = cudagraph.decide(prog, "auto", CUDA, "gloo")
     assert not d.capture and "gloo backend" in d.reason and "all_reduce" in d.reason
 
