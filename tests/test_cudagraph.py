@@ -246,3 +246,33 @@ def test_replayed_pipeline_parts_match_eager(monkeypatch, schedule):
     assert torch.equal(runs[True], runs[False])  # the same arithmetic, replayed
     for (k, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), k
+
+
+def test_cuda_backend_calls_torchs_graph_api_by_its_signatures(monkeypatch):
+    """No GPU here: the real backend runs against autospecced stand-ins of torch.cuda's graph,
+    stream and event API, so calls are checked against torch's own signatures where Python
+    declares them (torch.cuda.graph's keywords: a wrong one fails here, not first on a GPU;
+    Event's constructor is C and takes anything); the order is torch.cuda.graphs' recipe: warm-up on a side stream that waits for the current one, sync, capture with the
+    thread-local error mode, replay between two timing events."""
+    from unittest import mock
+    for name in ("CUDAGraph", "graph", "Stream", "Event", "current_stream", "stream",
+                 "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, mock.create_autospec(getattr(torch.cuda, name)))
+    b = cudagraph._CudaBackend(CUDA)
+    fn = lambda x: (x + 1,)  # noqa: E731
+    assert torch.equal(b.warm(fn, [torch.ones(2)])[0], torch.full((2,), 2.0))
+    side = torch.cuda.Stream.return_value
+    side.wait_stream.assert_called_once_with(torch.cuda.current_stream.return_value)
+    torch.cuda.current_stream.return_value.wait_stream.assert_called_once_with(side)
+    b.capture(fn, [torch.ones(2)])
+    torch.cuda.synchronize.assert_called_once_with(CUDA)
+    torch.cuda.graph.assert_called_once_with(torch.cuda.CUDAGraph.return_value,
+                                             capture_error_mode="thread_local")
+    b.replay()
+    torch.cuda.CUDAGraph.return_value.replay.assert_called_once_with()
+    assert torch.cuda.Event.call_args_list == [mock.call(enable_timing=True)] * 2
+    b.end.query.return_value = False
+    assert b.last_device_s() is None  # not finished: never blocks
+    b.end.query.return_value = True
+    b.start.elapsed_time.return_value = 2.5
+    assert b.last_device_s() == 2.5e-3
