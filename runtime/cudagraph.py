@@ -148,6 +148,9 @@ class _CudaBackend:
 
     def capture(self, fn, inputs):
         torch.cuda.synchronize(self.device)
+        # the graph allocates from its own pool: hand the warm-up steps' cached blocks back
+        # first, or a model near the memory limit would hold the step's activations twice
+        torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog's and gloo's threads may call CUDA meanwhile
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):

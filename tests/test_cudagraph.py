@@ -256,7 +256,7 @@ def test_cuda_backend_calls_torchs_graph_api_by_its_signatures(monkeypatch):
     thread-local error mode, replay between two timing events."""
     from unittest import mock
     for name in ("CUDAGraph", "graph", "Stream", "Event", "current_stream", "stream",
-                 "synchronize"):
+                 "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.create_autospec(getattr(torch.cuda, name)))
     b = cudagraph._CudaBackend(CUDA)
     fn = lambda x: (x + 1,)  # noqa: E731
@@ -266,6 +266,7 @@ def test_cuda_backend_calls_torchs_graph_api_by_its_signatures(monkeypatch):
     torch.cuda.current_stream.return_value.wait_stream.assert_called_once_with(side)
     b.capture(fn, [torch.ones(2)])
     torch.cuda.synchronize.assert_called_once_with(CUDA)
+    torch.cuda.empty_cache.assert_called_once_with()  # the warm-up's cache, before the pool
     torch.cuda.graph.assert_called_once_with(torch.cuda.CUDAGraph.return_value,
                                              capture_error_mode="thread_local")
     b.replay()
