@@ -109,6 +109,20 @@ def test_graphs_false_and_pipelines_under_auto_never_build_a_graph(monkeypatch):
     assert pm._graphed is None and not pm.cuda_graphs.capture
 
 
+def _eager_losses(model, batches, lr):
+    ref = M.GPT(model.cfg)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    out = []
+    for b in batches:
+        opt.zero_grad()
+        loss = ref(b)
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+    return ref, torch.stack(out)
+
+
 class ReplayOnCPU:
     """A CUDA graph's semantics on CPU: capture records (computes nothing that the caller may
     use: new outputs are poisoned), replay recomputes into the captured output buffers from
@@ -171,21 +185,12 @@ def test_replayed_training_matches_eager(monkeypatch):
     monkeypatch.setattr(cudagraph, "_CudaBackend", lambda device: backend)
     model, batch = _gpt()
     batches = [M.gpt_batch(model.cfg, 4, seed=s) for s in range(5)]
-    ref = M.GPT(model.cfg)
-    ref.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref, want = _eager_losses(model, batches, 1e-2)
     pm = fxpar.parallelize(model, 1, example_batch=batch,
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     losses = [pm.step(b) for b in batches]
-    want = []
-    for b in batches:
-        opt.zero_grad()
-        loss = ref(b)
-        loss.backward()
-        opt.step()
-        want.append(loss.detach())
     assert backend.captures == 1 and backend.replays == 3
-    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(losses), want, rtol=1e-5, atol=1e-6)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=k)
     assert pm.step_stats[-1].device_s == 1e-3
@@ -197,20 +202,6 @@ def test_replayed_training_matches_eager(monkeypatch):
     events = events["traceEvents"] if isinstance(events, dict) else events
     steps = [e for e in events if e.get("cat") == "step"]
     assert [e.get("args", {}).get("gpu_ms") for e in steps] == [None, None, 1.0, 1.0, 1.0]
-
-
-def _eager_losses(model, batches, lr):
-    ref = M.GPT(model.cfg)
-    ref.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    out = []
-    for b in batches:
-        opt.zero_grad()
-        loss = ref(b)
-        loss.backward()
-        opt.step()
-        out.append(loss.detach())
-    return ref, torch.stack(out)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
