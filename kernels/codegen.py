@@ -544,12 +544,17 @@ class FusedKernel:
         return generate(self._nodes, self._inputs, self._outputs, meta)[0]
 
     def __call__(self, *args):
-        if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)) or self.fallback:
+        # every launch of a training step comes here: the hit path reads only what can
+        # change between calls of one traced node (the inputs' strides; shapes and dtypes
+        # are the trace's) and the device, ~3x less host time than keying on everything
+        a0 = args[0]
+        if self.fallback or is_fake(a0):  # FakeTensorMode (planning, shape propagation)
             return tuple(self.reference(*args))
-        key = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device.type) for a in args)
-        launch = self._launch.get(key)
+        launch = self._launch.get((a0.device.type, *[a.stride() for a in args]))
         if launch is not None:
             return launch(args)
+        if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            return tuple(self.reference(*args))
         shapes = [tuple(_val(p).shape) for p in self._inputs]
         if [tuple(a.shape) for a in args] != shapes:
             raise RuntimeError(f"{self.__name__} was traced for inputs {shapes}, called with "
@@ -564,7 +569,7 @@ class FusedKernel:
             log.warning("fused kernel %s (%s) could not be built, running its ops "
                         "unfused: %s", self.__name__, ", ".join(self.ops), self.fallback)
             return tuple(self.reference(*args))
-        self._launch[key] = launch
+        self._launch[(a0.device.type, *[a.stride() for a in args])] = launch
         return out
 
     def _build(self, args) -> Callable:
@@ -574,11 +579,14 @@ class FusedKernel:
         outs = [_val(o) for o in self._outputs]
         bm, bn, grid = _blocks(gs)
         warps = min(16, max(4, bm * bn // 1024))
+        layouts = [(tuple(v.shape), tuple(v.stride()), v.dtype) for v in outs]  # not per call
+        run = k[(grid,)]  # bound once: the launcher for this grid
 
         def launch(args):
-            res = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=args[0].device)
-                   for v in outs]
-            k[(grid,)](*args, *res, BM=bm, BN=bn, num_warps=warps)
+            dev = args[0].device
+            res = [torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+                   for shape, stride, dtype in layouts]
+            run(*args, *res, BM=bm, BN=bn, num_warps=warps)
             return tuple(res)
         return launch
 

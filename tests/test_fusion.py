@@ -597,3 +597,21 @@ def test_launch_costs_are_measured_once_per_device(monkeypatch):
     assert 0 < aten_s < triton_s  # the interpreter is far slower than a dispatch
     assert cost.launch_seconds("cpu") == (aten_s, triton_s)  # cached
     assert cost.kernel_price("cpu", replayed=False) is None
+
+
+def test_fused_call_keys_its_launch_on_the_inputs_layout():
+    """A fused node's launch is cached per device and input strides (its shapes and dtypes
+    are the trace's): the same layout reuses it, a transposed input gets its own kernel and
+    the right values."""
+    x, b = torch.randn(16, 16), torch.randn(16)
+    gm = make_fx(lambda x, b: (torch.relu(x + b) * 2,))(x, b)
+    k = codegen.fuse_nodes([n for n in gm.graph.nodes if n.op == "call_function"])
+    with interpreter():
+        first = k(x, b)[0]
+        again = k(x.clone(), b)[0]
+        assert len(k._launch) == 1 and torch.equal(first, again)
+        xt = x.t().contiguous().t()  # same values, column-major
+        got = k(xt, b)[0]
+    assert len(k._launch) == 2
+    torch.testing.assert_close(got, torch.relu(x + b) * 2)
+    torch.testing.assert_close(first, torch.relu(x + b) * 2)
