@@ -514,8 +514,14 @@ def _blocks(gs: GroupShape) -> tuple[int, int, int]:
 
 
 def is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.device.type == "meta")
+    """A fake or meta tensor (tracing, planning): run the reference ops, never a kernel."""
+    global _FakeTensor
+    if _FakeTensor is None:  # imported on first use (an import per call cost ~1 us)
+        from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+    return isinstance(t, _FakeTensor) or (isinstance(t, torch.Tensor) and t.is_meta)
+
+
+_FakeTensor = None
 
 
 _ids = itertools.count()

@@ -31,17 +31,24 @@ class KernelCall:
         self.kernel, self.reference, self._supports = kernel_fn, reference_fn, supports_fn
         self.launched: set = set()       # (shapes, dtypes, device) that ran fine once
         self.fallback: str | None = None  # why this kernel runs as its ATen ops instead
+        self._ran_on: str | None = None  # bound to a node (fixed shapes): it ran on this device
 
     def supports(self, *args, **kwargs) -> str | None:
         args, kwargs = _vals(args, kwargs)
         return self._supports(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        a0 = args[0] if args else None
+        if self._ran_on is not None and isinstance(a0, torch.Tensor) and \
+                a0.device.type == self._ran_on and not is_fake(a0):
+            return self.kernel(*args, **kwargs)  # a node's call after its first launch
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(is_fake(t) for t in tensors) or self.fallback:
             return self.reference(*args, **kwargs)
         key = tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors)
         if key in self.launched:
+            if getattr(self, "layouts", None) is not None and isinstance(a0, torch.Tensor):
+                self._ran_on = a0.device.type
             return self.kernel(*args, **kwargs)
         try:  # the first launch per layout compiles (on a GPU): a failure must not end training
             out = self.kernel(*args, **kwargs)
@@ -51,6 +58,8 @@ class KernelCall:
                         self.fallback)
             return self.reference(*args, **kwargs)
         self.launched.add(key)
+        if getattr(self, "layouts", None) is not None and isinstance(a0, torch.Tensor):
+            self._ran_on = a0.device.type  # bound by for_node: the trace fixes its shapes
         return out
 
     def __repr__(self):

@@ -615,3 +615,25 @@ def test_fused_call_keys_its_launch_on_the_inputs_layout():
     assert len(k._launch) == 2
     torch.testing.assert_close(got, torch.relu(x + b) * 2)
     torch.testing.assert_close(first, torch.relu(x + b) * 2)
+
+
+def test_bound_kernel_call_fast_path_still_runs_references_on_fake_tensors():
+    """After a node's hand-written kernel ran once on a device, its later calls skip the
+    layout bookkeeping (its shapes are the trace's); fake tensors (planning, shape
+    propagation) still get the reference ops, never a launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxpar.kernels import library
+    x, w, b = torch.randn(8, 32), torch.randn(32), torch.randn(32)
+    gm = make_fx(lambda x, w, b: aten.native_layer_norm.default(x, [32], w, b, 1e-5))(x, w, b)
+    node = next(n for n in gm.graph.nodes if n.target is aten.native_layer_norm.default)
+    call = library.SINGLE_OP[aten.native_layer_norm.default].for_node(node)
+    want = aten.native_layer_norm.default(x, [32], w, b, 1e-5)
+    with interpreter():
+        for _ in range(2):
+            got = call(x, [32], w, b, 1e-5)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert call._ran_on == "cpu"
+    with FakeTensorMode() as mode:
+        out = call(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                     for t in (x, [32], w, b, 1e-5)])
+    assert out[0].shape == (8, 32)
