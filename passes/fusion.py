@@ -22,7 +22,8 @@ single op with a hand-written kernel) is priced with cost.KernelPrice - host sec
 dispatch and per Triton launch, measured once on the device, against the bytes it saves at
 the device's bandwidth - and left unfused where one launch costs more than the ops it
 replaces (`meta["fusion"].unpaid`). Where the step is replayed from a CUDA graph
-(Plan.cuda_graphs, pp=1, one microbatch) launches cost no host time and only the bytes count.
+(Plan.cuda_graphs: "auto" at pp=1 with one microbatch, True everywhere) launches cost no host
+time and only the bytes count.
 
 Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
 (TRITON_INTERPRET=1). Otherwise the pass changes nothing and says why in the log and in
@@ -110,7 +111,8 @@ def _pays(price, nodes, fused_bytes, unpaid) -> bool:
     ops = [n for n in nodes if n.target not in codegen.VIEWS]
     if price.pays(len(nodes), [sum(cost.node_bytes(n)) for n in ops], fused_bytes):
         return True
-    unpaid.append([n.name for n in nodes])
+    if unpaid is not None:
+        unpaid.append([n.name for n in nodes])
     return False
 
 
@@ -148,7 +150,7 @@ def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Grou
                 log.debug("fusion: %s stays unfused: %s", n.name, why)
                 continue
             before, flops, old = _traffic([n]), cost.node_flops(n), _op_name(n)
-            if not _pays(price, [n], before, unpaid if unpaid is not None else []):
+            if not _pays(price, [n], before, unpaid):
                 continue
             n.target = call.for_node(n)
             groups.append(_record(n, call.name, [old], [n.name], before, flops))
@@ -427,7 +429,7 @@ def find_groups(graph: torch.fx.Graph, price=None, unpaid=None) -> list[list[tor
     for g in groups:
         g = _trim_views(g)
         if sum(n.target not in codegen.VIEWS for n in g) >= 2 and _generates(g) and \
-                _pays(price, g, _io_bytes(g), unpaid if unpaid is not None else []):
+                _pays(price, g, _io_bytes(g), unpaid):
             result.append(g)
     return _break_cycles(graph, result)
 
