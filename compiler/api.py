@@ -244,7 +244,8 @@ class ParallelModel:
             if self._graphed is None:  # the graph's functional collectives are capturable
                 self._graphed = cudagraph.GraphedStep(
                     lambda *a: executor.run_graph(program.graph, a, (), ()),
-                    len(params) + len(self._buffers), self.world.device)
+                    [True] * (len(params) + len(self._buffers)) + [False] * len(local),
+                    self.world.device)
             outs = list(self._graphed([*params, *self._buffers, *local]))
             outs[0] = outs[0].clone()  # the static output is overwritten by the next replay
             return outs

@@ -48,7 +48,8 @@ class Plan:
                     step (one launch instead of one Python dispatch per op; runtime/cudagraph.py).
                     "auto" captures where the program allows it (pp=1, microbatches=1, NCCL
                     collectives, no data-dependent shapes) and logs why not elsewhere; True
-                    raises a PlanError naming what prevents it; CPU ranks never capture.
+                    also captures each pipeline part, and raises a PlanError naming what
+                    prevents a capture; CPU ranks never capture.
     """
     dp: int | None = None
     tp: int | None = None
@@ -135,8 +136,7 @@ class Plan:
             raise PlanError(f"Plan.max_grad_norm must be a positive number (clip the gradients' "
                             f"global norm to it) or None (no clipping), got "
                             f"{self.max_grad_norm!r}.")
-        if self.cuda_graphs not in ("auto", True, False) or isinstance(self.cuda_graphs, int) \
-                and not isinstance(self.cuda_graphs, bool):
+        if not (self.cuda_graphs == "auto" or isinstance(self.cuda_graphs, bool)):
             raise PlanError(f"Plan.cuda_graphs must be 'auto', True or False, got "
                             f"{self.cuda_graphs!r}.")
         if self.tp_style not in TP_STYLES:
@@ -163,6 +163,16 @@ class Plan:
                             "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
                             "(1-2 with pp or tp) and overlap are available).")
         return self
+
+
+def replays_step(cuda_graphs: Any, pp: int | None, microbatches: int) -> bool:
+    """Whether Plan.cuda_graphs asks for the step to be replayed as CUDA graphs on a GPU
+    (runtime/cudagraph.decide may still fall back): "auto" at pp=1 with one microbatch (a
+    pipeline part would copy each microbatch in and out), True everywhere. The one rule the
+    runtime, the planner's host cost and the fusion pass's launch price share."""
+    if cuda_graphs == "auto":
+        return (pp or 1) == 1 and microbatches == 1
+    return cuda_graphs is True
 
 
 def resolve(plan: Any, world_size: int) -> Plan:

@@ -32,7 +32,7 @@ from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphstats import GraphStats, Segment, analyze
 from fxpar.compiler.memory import MemoryEstimate, stage_memory
-from fxpar.compiler.plan import Plan
+from fxpar.compiler.plan import Plan, replays_step
 
 log = logging.getLogger(__name__)
 
@@ -525,10 +525,9 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         m_.stage = r
     mems[worst][0].per_stage = [m_ for m_, _ in mems]
     total_nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
-    # pp = 1 with one microbatch on a GPU: the forward+backward is replayed as one CUDA graph
-    # (Plan.cuda_graphs, runtime/cudagraph.py), so its nodes cost no host dispatch
-    graphed = pp == 1 and m == 1 and hw.async_launch and \
-        constraints.get("cuda_graphs", "auto") is not False
+    # on a GPU the step is replayed as CUDA graphs (Plan.cuda_graphs, runtime/cudagraph.py):
+    # its graph nodes cost no host dispatch
+    graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m)
     hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
     for r in range(pp):
         segs = rank_segs[r]

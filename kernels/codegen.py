@@ -556,7 +556,8 @@ class FusedKernel:
         a0 = args[0]
         if self.fallback or is_fake(a0):  # FakeTensorMode (planning, shape propagation)
             return tuple(self.reference(*args))
-        launch = self._launch.get((a0.device.type, *[a.stride() for a in args]))
+        key = (a0.device.type, *[a.stride() for a in args])
+        launch = self._launch.get(key)
         if launch is not None:
             return launch(args)
         if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
@@ -575,7 +576,7 @@ class FusedKernel:
             log.warning("fused kernel %s (%s) could not be built, running its ops "
                         "unfused: %s", self.__name__, ", ".join(self.ops), self.fallback)
             return tuple(self.reference(*args))
-        self._launch[(a0.device.type, *[a.stride() for a in args])] = launch
+        self._launch[key] = launch
         return out
 
     def _build(self, args) -> Callable:

@@ -31,6 +31,7 @@ class KernelCall:
         self.kernel, self.reference, self._supports = kernel_fn, reference_fn, supports_fn
         self.launched: set = set()       # (shapes, dtypes, device) that ran fine once
         self.fallback: str | None = None  # why this kernel runs as its ATen ops instead
+        self.layouts: list | None = None  # set by for_node: the node's output layouts
         self._ran_on: str | None = None  # bound to a node (fixed shapes): it ran on this device
 
     def supports(self, *args, **kwargs) -> str | None:
@@ -47,18 +48,17 @@ class KernelCall:
             return self.reference(*args, **kwargs)
         key = tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensors)
         if key in self.launched:
-            if getattr(self, "layouts", None) is not None and isinstance(a0, torch.Tensor):
-                self._ran_on = a0.device.type
-            return self.kernel(*args, **kwargs)
-        try:  # the first launch per layout compiles (on a GPU): a failure must not end training
             out = self.kernel(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            self.fallback = f"{type(e).__name__}: {e}"
-            log.warning("kernel %s could not be built, running ATen instead: %s", self.name,
-                        self.fallback)
-            return self.reference(*args, **kwargs)
-        self.launched.add(key)
-        if getattr(self, "layouts", None) is not None and isinstance(a0, torch.Tensor):
+        else:
+            try:  # the first launch per layout compiles (on a GPU): a failure must not end
+                out = self.kernel(*args, **kwargs)  # training
+            except Exception as e:  # noqa: BLE001
+                self.fallback = f"{type(e).__name__}: {e}"
+                log.warning("kernel %s could not be built, running ATen instead: %s",
+                            self.name, self.fallback)
+                return self.reference(*args, **kwargs)
+            self.launched.add(key)
+        if self.layouts is not None and isinstance(a0, torch.Tensor):
             self._ran_on = a0.device.type  # bound by for_node: the trace fixes its shapes
         return out
 

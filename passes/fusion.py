@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
+from fxpar.compiler.plan import replays_step
 from fxpar.kernels import codegen
 from fxpar.kernels.jit import unavailable_reason
 
@@ -83,9 +84,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         gm.meta["fusion"] = Decision([], skipped=reason)
         return gm
     # a step replayed from a CUDA graph (runtime/cudagraph.py) pays no host cost per launch
-    graphs = getattr(plan, "cuda_graphs", False)
-    replayed = graphs is True or graphs == "auto" and getattr(plan, "pp", 1) in (None, 1) \
-        and getattr(plan, "microbatches", 1) == 1
+    replayed = replays_step(getattr(plan, "cuda_graphs", False), getattr(plan, "pp", 1),
+                            getattr(plan, "microbatches", 1))
     price = cost.kernel_price(ctx.device, replayed)
     unpaid: list[list[str]] = []
     groups = hand_written(gm, price, unpaid)

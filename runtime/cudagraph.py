@@ -24,8 +24,8 @@ step; outputs are static buffers overwritten by the next replay (the caller clon
 keeps, e.g. the loss). Dropout stays random: torch registers the default CUDA generator's
 philox offsets with the graph, so each replay draws new masks.
 
-`decide` says whether a program can be captured, and why not: a pipeline program, a
-collective on a backend other than NCCL, an op whose output shape or value depends on the
+`decide` says whether a program can be captured, and why not: a pipeline program under
+"auto" (compiler/plan.replays_step), a collective on a backend other than NCCL, an op whose output shape or value depends on the
 data (a host sync), a value copied to the host, remat's RNG-state replay (it reads
 torch.cuda.get_rng_state, which capture forbids). Plan.cuda_graphs="auto" falls back to the
 uncaptured executor with the reason logged; True raises a PlanError naming it.
@@ -33,12 +33,11 @@ uncaptured executor with the reason logged; True raises a PlanError naming it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.fx
 
-log = logging.getLogger("fxpar")
+from fxpar.compiler.plan import replays_step
 
 WARMUP_STEPS = 2  # uncaptured steps before the capture (torch.compile uses 1, Megatron 3)
 
@@ -65,9 +64,6 @@ def _tensors(args) -> list[torch.Tensor]:
 def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
     """Why each node that a CUDA graph cannot hold cannot (empty: the graph is capturable)."""
     rng_ops = _rng_replay_ops()
-    c10d = torch.ops._c10d_functional
-    collectives = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
-                   c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default}
     why = []
     for n in graph.nodes:
         if n.op != "call_function":
@@ -77,7 +73,8 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
             why.append(f"{n.name}: remat replays a random op's RNG state, which reads "
                        "torch.cuda.get_rng_state (forbidden while capturing); use remat='none' "
                        "or a model without dropout to capture")
-        elif t in collectives and "nccl" not in (backend or ""):  # "nccl", "cuda:nccl,..."
+        elif getattr(t, "namespace", "") == "_c10d_functional" and \
+                "nccl" not in (backend or ""):  # "nccl", "cuda:nccl,cpu:gloo"
             why.append(f"{n.name}: a collective on the {backend} backend (only NCCL "
                        "collectives can be captured)")
         elif isinstance(t, torch._ops.OpOverload) and (
@@ -110,7 +107,7 @@ def decide(program, setting, device: torch.device, backend: str | None,
     if debug_nan:
         return Decision(False, "FXPAR_DEBUG_NAN runs the graph node by node")
     if program.pipeline is not None:
-        if setting == "auto":
+        if not replays_step(setting, program.pp, program.microbatches):
             return Decision(False, "a pipeline part runs once per microbatch, so a captured "
                                    "part copies each microbatch's inputs into its graph's "
                                    "buffers and its outputs out: not done by default until "
@@ -174,10 +171,10 @@ class _CudaBackend:
 class GraphedStep:
     """Runs fn(*inputs) uncaptured `warmup` times, then captures it and replays it.
 
-    inputs: those marked persistent (`persistent`: a mask, or an int n = the first n) live
-    across steps (parameters, buffers): the graph reads them where they are; the rest (batch
-    leaves, a pipeline part's activations) are copied into static buffers made at capture. A persistent input found at another address later
-    (a parameter replaced by `load`) is copied into the captured one. Returns the graph's
+    inputs: those marked in `persistent` live across steps (parameters, buffers): the graph
+    reads them where they are; the rest (batch leaves, a pipeline part's activations) are
+    copied into static buffers made at capture. A persistent input found at another address
+    later (a parameter replaced by `load`) is copied into the captured one. Returns the graph's
     static outputs: valid until the next call."""
 
     def __init__(self, fn, persistent, device: torch.device, warmup: int = WARMUP_STEPS,
@@ -199,10 +196,9 @@ class GraphedStep:
         if self.static_inputs is None:
             # persistent inputs by a detached alias: `p.data = new` later (load) moves the
             # parameter, not the storage the graph reads, and the address check below sees it
-            keep = self.persistent if not isinstance(self.persistent, int) else \
-                [i < self.persistent for i in range(len(inputs))]
             self.static_inputs = [x if not isinstance(x, torch.Tensor) else x.detach()
-                                  if k else x.clone() for x, k in zip(inputs, keep)]
+                                  if keep else x.clone()
+                                  for x, keep in zip(inputs, self.persistent)]
             self.static_outputs = self.backend.capture(self.fn, self.static_inputs)
         else:
             for static, x in zip(self.static_inputs, inputs):

@@ -17,6 +17,7 @@ so a transfer overlaps compute instead of starting when the value is needed.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -94,7 +95,7 @@ class PipelineRunner:
         parameters and buffers read in place, activations and batch copied in."""
         self.graphs = {
             key: cudagraph.GraphedStep(
-                (lambda g: lambda *a: faults.run(g, *a))(part.graph),
+                functools.partial(faults.run, part.graph),
                 [kind in ("param", "buffer") for kind, _ in part.inputs], device,
                 warmup=cudagraph.WARMUP_STEPS * (1 if part.phase == "R" else self.m))
             for key, part in self.parts.items()}

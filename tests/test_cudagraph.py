@@ -159,7 +159,8 @@ class ReplayOnCPU:
 def test_graphed_step_copies_batches_and_follows_moved_parameters():
     w = torch.ones(3)
     backend = ReplayOnCPU()
-    step = cudagraph.GraphedStep(lambda w, x: (w * x, x.sum()), 1, torch.device("cpu"),
+    step = cudagraph.GraphedStep(lambda w, x: (w * x, x.sum()), [True, False],
+                                 torch.device("cpu"),
                                  warmup=2, backend=backend)
     for i in range(5):
         x = torch.full((3,), float(i))
