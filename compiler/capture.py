@@ -190,11 +190,27 @@ def capture(model: torch.nn.Module, example_batch: Any,
                          "a tuple or a dict of tensors.")
     wrapper = _LossModule(model, loss_fn, spec, const_leaves)
     tagger = _ModuleTagger(model)
+    unused: list[torch.nn.Parameter] = []
     try:
-        with contextlib.nullcontext() if joint else torch.no_grad():
-            gm, sig = aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
-                                        output_loss_index=0 if joint else None,
-                                        decompositions=decomposition_table())
+        while True:
+            try:
+                with contextlib.nullcontext() if joint else torch.no_grad():
+                    gm, sig = aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
+                                                output_loss_index=0 if joint else None,
+                                                decompositions=decomposition_table())
+                break
+            except AssertionError as e:
+                if unused or "did not receive a gradient" not in str(e):
+                    raise
+                # eager semantics: a parameter the loss does not reach gets no gradient (its
+                # .grad stays None, the optimizer skips it); traced as if frozen
+                unused = _params_without_grad(wrapper, tensor_leaves)
+                if not unused:
+                    raise
+                for p in unused:
+                    p.requires_grad_(False)
+                tagger.close()
+                tagger = _ModuleTagger(model)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the cause named
@@ -214,7 +230,26 @@ def capture(model: torch.nn.Module, example_batch: Any,
             "conversions, no mutation of Python state).") from e
     finally:
         tagger.close()
+        for p in unused:
+            p.requires_grad_(True)
     return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint, model)
+
+
+def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.nn.Parameter]:
+    """The trainable parameters that d loss / d params does not reach (unused heads, poolers,
+    a branch the batch never takes), found by running the loss on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    named = dict(wrapper.named_parameters())
+    state = {**named, **dict(wrapper.named_buffers())}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {k: mode.from_tensor(v, static_shapes=True) for k, v in state.items()}
+        for k in named:
+            fake[k].requires_grad_(named[k].requires_grad)
+        leaves = [mode.from_tensor(t, static_shapes=True) for t in tensor_leaves]
+        (loss,) = torch.func.functional_call(wrapper, fake, tuple(leaves))
+        trainable = [k for k, p in named.items() if p.requires_grad]
+        grads = torch.autograd.grad(loss, [fake[k] for k in trainable], allow_unused=True)
+    return [named[k] for k, g in zip(trainable, grads) if g is None]
 
 
 def _strip(name: str) -> str:
@@ -297,6 +332,8 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
             graph.erase_node(n)
         elif n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
             graph.erase_node(n)
+        elif n.op == "call_function" and n.target is aten.cat.default:
+            _drop_empty_cat_inputs(graph, n)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -308,6 +345,29 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
     log.debug("captured %d nodes (%d params, %d buffers, %d batch leaves)",
               len(graph.nodes), n_p, n_b, len(tensor_leaves))
     return gm, signature
+
+
+def _drop_empty_cat_inputs(graph, n) -> None:
+    """cat([torch.tensor([]), x], dim) is x: torch's cat skips 1-D empty inputs (a legacy rule
+    that Hugging Face's KV cache relies on: it starts as an empty tensor). No sharding rule
+    can place such an input, so the cat goes without it."""
+    tensors, *rest = n.args
+    keep = [t for t in tensors if not (isinstance(t, torch.fx.Node) and _is_legacy_empty(t))]
+    if len(keep) == len(tensors) or not keep:
+        return
+    if len(keep) == 1:
+        with graph.inserting_before(n):
+            copy = graph.call_function(aten.clone.default, (keep[0],))
+        copy.meta.update(n.meta)
+        n.replace_all_uses_with(copy)
+        graph.erase_node(n)
+    else:
+        n.args = (keep, *rest)
+
+
+def _is_legacy_empty(node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
 
 
 def _merge_tied_params(graph, placeholders, names, grads, n_params, model, joint):

@@ -115,6 +115,11 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
         def run_node(self, n):
             with mode:
                 res = super().run_node(n)
+            if n.op == "get_attr" and isinstance(res, torch.Tensor):
+                # a constant baked into the graph (e.g. a lifted tensor literal) enters as a
+                # fake tensor too: fake mode would otherwise run ops on it for real, custom
+                # collectives included
+                res = mode.from_tensor(res)
             if n.op in ("placeholder", "output"):
                 return res
             if check:

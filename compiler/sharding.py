@@ -22,7 +22,7 @@ import torch.fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.compiler import ir
@@ -215,32 +215,50 @@ _AXIS_DIM = {
 # --- rules DTensor lacks --------------------------------------------------------------------
 # Attention kernels whose tensors are all (batch, heads, ...): any placement that splits the
 # batch or the heads of q/k/v splits every other operand and result the same way.
-_BATCH_HEAD_OPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
+_ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+_BATCH_HEAD_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+                   *_ATTENTION_BACKWARD}
 
 
 def _batch_head_rule(node, specs, replicate):
-    """-> (wanted placements per tensor arg, output placements)."""
+    """-> (wanted placements per tensor arg, output placements: one per output).
+
+    Split heads: q's heads split contiguously; k/v with as many heads, or fewer heads that
+    divide over the ranks (grouped-query attention: each rank keeps the kv heads of its q
+    heads), are split alike. k/v with ONE head (multi-query attention) stay whole on every
+    rank, as Megatron does with fewer kv heads than ranks; their gradients are then partial
+    sums (each rank's q heads contribute theirs). Any other kv head count cannot be split
+    consistently: everything is made whole."""
     tensors = [a for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
                if isinstance(a, torch.fx.Node)]
     first = specs[tensors[0]]
     lead = first.placements[0] if len(first.placements) == 1 else None
     want_p = lead if isinstance(lead, Shard) and lead.dim in (0, 1) else Replicate()
-    ref_shape = tensors[0].meta[ir.VAL].shape
-    wanted = {}
+    ref_shape = max((a.meta[ir.VAL].shape for a in tensors if a.meta[ir.VAL].dim() == 4),
+                    key=lambda s: s[1], default=tensors[0].meta[ir.VAL].shape)  # q's heads
     n = _mesh_size(specs[tensors[0]])
+    wanted = {}
     for a in tensors:
         shape = a.meta[ir.VAL].shape
-        # logsumexp is (batch, heads, L): 3-D, but its leading dims line up with q's. With
-        # grouped-query attention k/v have fewer heads than q: splitting both head dims
-        # contiguously keeps every q head with its kv head (the group ratio is unchanged).
-        ok = isinstance(want_p, Shard) and len(shape) > want_p.dim and (
-            shape[want_p.dim] == ref_shape[want_p.dim] or (
-                want_p.dim == 1 and shape[1] % n == 0 and ref_shape[1] % shape[1] == 0))
-        wanted[a] = (want_p,) if ok else replicate
-    return wanted, (want_p,)
+        if not isinstance(want_p, Shard) or len(shape) <= want_p.dim:
+            wanted[a] = replicate
+        elif shape[want_p.dim] == ref_shape[want_p.dim] or (
+                want_p.dim == 1 and shape[1] % n == 0 and ref_shape[1] % shape[1] == 0):
+            wanted[a] = (want_p,)  # logsumexp (batch, heads, L) lines up with q too
+        elif want_p.dim == 1 and shape[1] == 1 and len(shape) == 4:
+            wanted[a] = replicate  # the one kv head of multi-query attention
+        elif want_p.dim == 1 and len(shape) == 4 and ref_shape[1] % shape[1] == 0:
+            return {a: replicate for a in tensors}, [Replicate()] * 3  # see the docstring
+        else:
+            wanted[a] = replicate  # e.g. a mask broadcast over the batch
+    if node.target in _ATTENTION_BACKWARD:  # (grad_q, grad_k, grad_v) for args 1, 2, 3
+        outs = []
+        for a in node.args[1:4]:
+            outs.append(want_p if wanted[a] == (want_p,) else
+                        Partial() if isinstance(want_p, Shard) and want_p.dim == 1 else
+                        Replicate())
+        return wanted, outs
+    return wanted, [want_p] * 4
 
 
 def _mesh_size(spec) -> int:
@@ -486,8 +504,9 @@ class _Sharder:
 
     def ask_dtensor(self, node):
         op = node.target
-        schema = OpSchema(op, *torch.utils._pytree.tree_map_only(
-            torch.fx.Node, self.specs.__getitem__, (tuple(node.args), dict(node.kwargs))))
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, self.specs.__getitem__, (tuple(node.args), dict(node.kwargs)))
+        schema = OpSchema(op, args, kwargs, schema_info=_schema_info(self.prop, op, node.args))
         try:
             # the cached entry point conflates view ops that differ only in their shape arg
             return self.prop.propagate_op_sharding_non_cached(schema)
@@ -545,7 +564,10 @@ class _Sharder:
         if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
             wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)
             self.place(node, wanted)
-            return _out_spec(self.mesh, out_pl, val)
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            out = tuple(_spec(self.mesh, (p,), v) if isinstance(v, torch.Tensor) else None
+                        for p, v in zip(out_pl, vals))
+            return out if isinstance(val, (tuple, list)) else out[0]
         if not _registered(self.prop, op) or op._schema.is_mutable:
             ins = self.inputs(node)
             if all(_placements(self.specs[a]) == self.replicate for a in ins):
@@ -555,7 +577,20 @@ class _Sharder:
                 f"'{node.meta.get(ir.MODULE, '')}'): DTensor has no sharding rule for it and its "
                 f"inputs are sharded ({[_placements(self.specs[a]) for a in ins]}). Fix: rewrite "
                 "that code with ops that have rules (most ATen ops do), or report the op to fxpar.")
-        out = self.ask_dtensor(node)
+        try:
+            out = self.ask_dtensor(node)
+        except ShardingError:
+            # Some rules refuse a placement instead of asking for a redistribution (a view
+            # that would reshape a split dimension, e.g. one key/value head split over tp):
+            # the op then runs on whole inputs, which is always valid (the caller sees the
+            # gather as a request, as tensor parallelism's column check does).
+            split = {a: self.replicate for a in self.inputs(node)
+                     if isinstance(self.specs[a], DTensorSpec)
+                     and _placements(self.specs[a]) != self.replicate}
+            if not split:
+                raise
+            self.place(node, split)
+            out = self.ask_dtensor(node)
         if out.redistribute_schema is not None and self._partializes_replicate(node, out):
             # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
             # buffer with a batch statistic) is legal but odd; reduce the partial input instead.
@@ -571,7 +606,13 @@ class _Sharder:
             for k, v in want.kwargs_schema.items():
                 if k in kwargs:
                     kwargs[k] = self.rewrite(node, kwargs[k], v)
-            node.args, node.kwargs = tuple(self.rewrite(node, node.args, want.args_schema)), kwargs
+            want_args = want.args_schema
+            info = _schema_info(self.prop, op, node.args)
+            if info is not None and info.needs_pytree:  # DTensor hands the leaves back flat
+                want_args = torch.utils._pytree.tree_unflatten(
+                    list(want_args), torch.utils._pytree.tree_structure(tuple(node.args)))
+            node.args, node.kwargs = tuple(self.rewrite(node, node.args, want_args)), kwargs
+            node.target = _overload_for(op, node.args, node.kwargs)
         return out.output_spec
 
     def _other_axis(self, node) -> bool:
@@ -634,6 +675,60 @@ class _Sharder:
                 and len(orig) == len(want):
             return type(orig)(self.rewrite(node, o, w) for o, w in zip(orig, want))
         return orig if isinstance(want, DTensorSpec) else want
+
+
+def _schema_info(prop, op, args) -> RuntimeSchemaInfo | None:
+    """The schema info DTensor's dispatcher would give the rule: the op's registered one, with
+    needs_pytree set when a list argument holds tensors (aten.index's indices, aten.cat's
+    inputs), as the dispatcher detects; without it the rule cannot see those tensors."""
+    info = prop.op_to_schema_info.get(op) or getattr(
+        prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op)
+    in_list = any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a)
+                  for a in args)
+    if in_list and not (info is not None and info.needs_pytree):
+        info = RuntimeSchemaInfo(static_argnum=info.static_argnum if info else 100,
+                                 static_kwargkey=info.static_kwargkey if info else None,
+                                 needs_pytree=True)
+    return info
+
+
+def _overload_for(op, args, kwargs):
+    """`op`, or the overload of its packet whose schema takes `args`: DTensor's rules hand back
+    normalised arguments (squeeze.dim's int dim as a tuple of dims, which is squeeze.dims)."""
+    if _schema_takes(op._schema, args, kwargs):
+        return op
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        if other is not op and _schema_takes(other._schema, args, kwargs):
+            return other
+    raise ShardingError(f"after sharding, the arguments of {op} ({args}) fit none of the "
+                        f"overloads of {packet}; please report this to fxpar.")
+
+
+def _schema_takes(schema, args, kwargs) -> bool:
+    """Whether `schema` accepts these arguments: arity, and no list where it wants one value
+    (or one value where it wants a list) -- the differences between an op's overloads that
+    sharding rewrites can introduce."""
+    params = schema.arguments
+    if len(args) > len(params) or any(k not in {a.name for a in params} for k in kwargs):
+        return False
+    given = {**{a.name: v for a, v in zip(params, args)}, **kwargs}
+    for a in params:
+        if a.name not in given:
+            if not a.has_default_value() and not a.kwarg_only:
+                return False
+            continue
+        v = given[a.name]
+        if isinstance(v, torch.fx.Node) or v is None:
+            continue
+        wants_list = isinstance(a.real_type, torch.ListType) or (
+            isinstance(a.real_type, torch.OptionalType)
+            and isinstance(a.real_type.getElementType(), torch.ListType))
+        if isinstance(v, (list, tuple)) != wants_list and not (
+                wants_list and isinstance(v, int) and a.N is not None):
+            return False
+    return True
 
 
 def _with_meta(spec, val, mesh):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 
 import torch
 import torch.fx
@@ -129,10 +130,17 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         {params[n]: k for n, (_, k) in interleaved.items()},
         {params[n]: pl for n, pl in placements.items()},
         [params[lin.weight] for lin, r in roles.items() if r == "column+gather"])
-    if not roles or all(r == "replicated" for r in roles.values()):
-        import warnings
+    whole = [params[lin.weight] for lin, r in roles.items() if r == "replicated"]
+    if not roles or len(whole) == len(roles):
         warnings.warn(f"tp={tp}: no column->row linear pair was found in this model's graph, "
                       "so every tp rank computes the whole model (replication only).")
+    elif whole:
+        warnings.warn(
+            f"tp={tp}: {len(whole)} of {len(roles)} linear layers stay whole on every tp rank "
+            f"(e.g. {', '.join(whole[:3])}): their outputs cannot stay split until a row "
+            f"partner (e.g. a head count or width that {tp} does not divide, or a single "
+            "key/value head). They are computed redundantly; pm.stage_graphs['tensor_parallel']"
+            " lists them (meta['tensor_parallel'].replicated).")
     return gm
 
 

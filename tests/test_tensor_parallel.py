@@ -187,10 +187,15 @@ def test_tp_that_does_not_divide_the_hidden_size_is_a_clear_error():
         compile_tp(Block(d=8, hidden=6), (torch.randn(8, 8), torch.randn(8, 8)), 4)
 
 
-def test_tp_that_does_not_divide_the_heads_is_a_clear_error():
+def test_tp_that_does_not_divide_the_heads_keeps_attention_whole_and_says_so():
+    """2 heads over tp=4: the attention's projections stay whole on every rank (a warning
+    names them), the MLP is still split as a column -> row pair."""
     cfg = M.GPTConfig(n_layer=1, n_head=2)
-    with pytest.raises(PlanError, match="tp=4 cannot split this model evenly.*size 2.*heads"):
-        compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)
+    with pytest.warns(UserWarning, match="tp=4: 2 of 5 linear layers stay whole.*c_attn"):
+        gm, _, _ = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)
+    d = gm.meta["tensor_parallel"]
+    assert d.replicated == ["h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight"]
+    assert d.column[0] == "h.0.mlp.0.weight" and d.row == ["h.0.mlp.2.weight"]
 
 
 def test_nothing_shardable_warns_and_replicates():
@@ -318,8 +323,25 @@ def test_remat_recomputed_fused_split_is_rewritten_too():
     assert not splits, [n.meta.get(ir.MODULE) for n in splits]
 
 
-def test_tp_that_does_not_divide_the_kv_heads_is_a_clear_error():
-    """HF Llama with 2 KV heads cannot split 4 ways (q heads could): named in the error."""
+def test_tp_that_does_not_divide_the_kv_heads_keeps_attention_whole():
+    """HF Llama with 2 KV heads over tp=4: q heads could split but their kv heads cannot, so
+    the attention's projections stay whole on every rank (named in a warning); one KV head
+    (multi-query attention) instead stays whole while the q heads split (test below)."""
     model = M.hf_llama(layers=1, heads=4, kv_heads=2)
-    with pytest.raises(PlanError, match="tp=4 cannot split this model evenly.*key/value heads"):
-        compile_tp(model, M.hf_lm_batch(128, 4, 16), 4)
+    with pytest.warns(UserWarning, match="tp=4: 3 of 8 linear layers stay whole.*q_proj"):
+        gm, _, _ = compile_tp(model, M.hf_lm_batch(128, 4, 16), 4)
+    assert [w.split(".")[-2] for w in gm.meta["tensor_parallel"].replicated] == [
+        "q_proj", "k_proj", "v_proj"]
+
+
+def test_one_kv_head_stays_whole_while_q_heads_split():
+    """Multi-query attention at tp=2 (Megatron's rule for fewer kv heads than ranks): k/v
+    projections replicated, q split by heads, o_proj a row split; the kv gradients are
+    partial sums over the ranks' q heads, all-reduced once each per layer."""
+    model = M.hf_llama(layers=1, heads=4, kv_heads=1)
+    gm, _, _ = compile_tp(model, M.hf_lm_batch(128, 4, 16), 2)
+    d = gm.meta["tensor_parallel"]
+    short = lambda names: sorted(n.split(".")[-2] for n in names if "self_attn" in n)  # noqa
+    assert short(d.replicated) == ["k_proj", "v_proj"]
+    assert short(d.column) == ["q_proj"] and short(d.row) == ["o_proj"]
+    assert all_reduces(gm, module="layers.0") == (2, 4)  # Megatron's 2 + 2, and k, v grads

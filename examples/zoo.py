@@ -1,0 +1,393 @@
+"""The model zoo: real architectures at tiny sizes, built from configs (no downloads).
+
+Each entry is a `ZooModel`: a factory, a batch for step s (a GLOBAL batch of 8 rows, so it
+splits over dp=2 x microbatches=2), an optional loss_fn, and a family. `fxpar zoo` (and the
+tests in tests/test_zoo.py) trains every model under every plan against plain single-process
+PyTorch on the same batches; docs/zoo.md is the table it writes.
+
+Dropout is 0 everywhere: masks are drawn per rank, so a model with dropout cannot be compared
+with eager bit for bit (fxpar's dropout is tested on its own in test_remat / test_parity).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+BATCH, SEQ, VOCAB, HIDDEN = 8, 16, 128, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    name: str
+    family: str  # "causal-lm", "moe", "encoder", "encoder-decoder", "vision", "pytorch"
+    factory: Callable[[], nn.Module]
+    batch: Callable[[int], object]
+    loss_fn: Callable | None = None
+    note: str = ""  # what the model exercises
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+def lm_batch(step: int, vocab: int = VOCAB, seq: int = SEQ) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (BATCH, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def mlm_batch(step: int) -> dict:
+    """Masked LM: 1 in 4 positions carries a label, the rest -100 (ignored)."""
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.full_like(ids, -100)
+    pick = torch.rand(BATCH, SEQ, generator=g) < 0.25
+    pick[:, 0] = True  # every row has a target
+    labels[pick] = ids[pick]
+    return {"input_ids": ids, "labels": labels}
+
+
+def seq2seq_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(3000 + step)
+    return {"input_ids": torch.randint(2, VOCAB, (BATCH, SEQ), generator=g),
+            "labels": torch.randint(2, VOCAB, (BATCH, SEQ // 2), generator=g)}
+
+
+def image_batch(step: int, size: int = 32, classes: int = 5) -> dict:
+    g = torch.Generator().manual_seed(4000 + step)
+    return {"pixel_values": torch.randn(BATCH, 3, size, size, generator=g),
+            "labels": torch.randint(0, classes, (BATCH,), generator=g)}
+
+
+def xy_batch(step: int) -> tuple:
+    g = torch.Generator().manual_seed(5000 + step)
+    return torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
+
+
+def tokens_batch(step: int) -> tuple:
+    g = torch.Generator().manual_seed(6000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+# --- Hugging Face models --------------------------------------------------------------------------
+
+_DENSE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+
+
+def _hf(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
+    eager_attn = kw.pop("_eager_attn", False)
+
+    def make():
+        import transformers
+        cfg = getattr(transformers, config_cls)(**kw)
+        cfg._attn_implementation = "eager" if eager_attn else "sdpa"
+        return getattr(transformers, model_cls)(cfg)
+    return make
+
+
+def _hf_eager(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
+    """A model whose attention only has the eager implementation in transformers."""
+    def make():
+        import transformers
+        cfg = getattr(transformers, config_cls)(**kw)
+        return getattr(transformers, model_cls)(cfg)
+    return make
+
+
+def _causal_lms() -> list[ZooModel]:
+    d = _DENSE
+    lm = lm_batch
+    return [
+        ZooModel("gpt2", "causal-lm", _hf(
+            "GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4,
+            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), lm,
+            note="learned positions, fused QKV (Conv1D), tied head, biases"),
+        ZooModel("llama", "causal-lm", _hf("LlamaConfig", "LlamaForCausalLM", **d,
+                                           num_key_value_heads=2), lm, note="RoPE, GQA, SwiGLU"),
+        ZooModel("llama_mqa", "causal-lm", _hf("LlamaConfig", "LlamaForCausalLM", **d,
+                                               num_key_value_heads=1), lm,
+                 note="one KV head (multi-query attention)"),
+        ZooModel("mistral", "causal-lm", _hf("MistralConfig", "MistralForCausalLM", **d,
+                                             num_key_value_heads=2, sliding_window=8), lm,
+                 note="sliding-window attention (window 8 < seq 16)"),
+        ZooModel("qwen2", "causal-lm", _hf("Qwen2Config", "Qwen2ForCausalLM", **d,
+                                           num_key_value_heads=2, tie_word_embeddings=True), lm,
+                 note="QKV biases, tied head"),
+        ZooModel("qwen3", "causal-lm", _hf("Qwen3Config", "Qwen3ForCausalLM", **d,
+                                           num_key_value_heads=2, head_dim=8), lm,
+                 note="RMSNorm on q and k"),
+        ZooModel("gemma", "causal-lm", _hf("GemmaConfig", "GemmaForCausalLM", **d,
+                                           num_key_value_heads=1, head_dim=8), lm,
+                 note="GeGLU, scaled embeddings, (1 + w) RMSNorm, MQA, tied head"),
+        ZooModel("gemma2", "causal-lm", _hf(
+            "Gemma2Config", "Gemma2ForCausalLM", **d, num_key_value_heads=2, head_dim=8,
+            sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+            _eager_attn=True), lm, note="logit soft-capping, alternating sliding window"),
+        ZooModel("phi", "causal-lm", _hf("PhiConfig", "PhiForCausalLM", **d,
+                                         partial_rotary_factor=0.5, resid_pdrop=0.0,
+                                         embd_pdrop=0.0), lm,
+                 note="parallel attention + MLP, partial rotary, biases"),
+        ZooModel("phi3", "causal-lm", _hf("Phi3Config", "Phi3ForCausalLM", **d,
+                                          num_key_value_heads=2, pad_token_id=0), lm,
+                 note="fused QKV and gate_up projections"),
+        ZooModel("gpt_neox", "causal-lm", _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", **d,
+                                              rotary_pct=0.5, use_parallel_residual=True), lm,
+                 note="parallel residual, fused interleaved QKV, partial rotary"),
+        ZooModel("gptj", "causal-lm", _hf(
+            "GPTJConfig", "GPTJForCausalLM", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4,
+            n_positions=64, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), lm,
+            note="parallel attention + MLP, interleaved rotary"),
+        ZooModel("bloom", "causal-lm", _hf_eager(
+            "BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2,
+            n_head=4, hidden_dropout=0.0, attention_dropout=0.0), lm,
+            note="ALiBi, embedding LayerNorm"),
+        ZooModel("falcon", "causal-lm", _hf(
+            "FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            num_hidden_layers=2, num_attention_heads=4, alibi=True, multi_query=True,
+            parallel_attn=True, bias=False, hidden_dropout=0.0, attention_dropout=0.0), lm,
+            note="ALiBi, multi-query, parallel attention"),
+        ZooModel("opt", "causal-lm", _hf(
+            "OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            num_hidden_layers=2, ffn_dim=2 * HIDDEN, num_attention_heads=4,
+            max_position_embeddings=64, word_embed_proj_dim=HIDDEN, dropout=0.0,
+            attention_dropout=0.0), lm, note="learned positions with offset, ReLU MLP"),
+        ZooModel("gpt_bigcode", "causal-lm", _hf(
+            "GPTBigCodeConfig", "GPTBigCodeForCausalLM", vocab_size=VOCAB, n_embd=HIDDEN,
+            n_layer=2, n_head=4, n_positions=64, multi_query=True, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0), lm, note="multi-query attention, fused QKV"),
+        ZooModel("stablelm", "causal-lm", _hf("StableLmConfig", "StableLmForCausalLM", **d,
+                                              num_key_value_heads=2, partial_rotary_factor=0.25,
+                                              hidden_dropout=0.0, attention_dropout=0.0), lm,
+                 note="LayerNorm, partial rotary"),
+        ZooModel("olmo2", "causal-lm", _hf("Olmo2Config", "Olmo2ForCausalLM", **d,
+                                           num_key_value_heads=2, pad_token_id=0), lm,
+                 note="post-norm blocks, q/k RMSNorm over all heads"),
+    ]
+
+
+def _moes() -> list[ZooModel]:
+    d = _DENSE
+    return [
+        ZooModel("mixtral", "moe", _hf("MixtralConfig", "MixtralForCausalLM", **d,
+                                       num_key_value_heads=2, num_local_experts=4,
+                                       num_experts_per_tok=2, router_aux_loss_coef=0.0), lm_batch,
+                 note="top-2 of 4 experts"),
+        ZooModel("qwen2_moe", "moe", _hf(
+            "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **d, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            shared_expert_intermediate_size=HIDDEN, router_aux_loss_coef=0.0), lm_batch,
+            note="top-2 of 4 experts plus a gated shared expert"),
+    ]
+
+
+def _encoders() -> list[ZooModel]:
+    enc = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=2 * HIDDEN, max_position_embeddings=64,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return [
+        ZooModel("bert_mlm", "encoder", _hf("BertConfig", "BertForMaskedLM", **enc), mlm_batch,
+                 note="masked-LM head tied to the embeddings"),
+        ZooModel("bert_cls", "encoder", _hf("BertConfig", "BertForSequenceClassification", **enc,
+                                            num_labels=3),
+                 lambda s: {**lm_batch(s), "labels": torch.arange(BATCH) % 3},
+                 note="pooler + classifier"),
+        ZooModel("roberta_mlm", "encoder", _hf("RobertaConfig", "RobertaForMaskedLM", **enc,
+                                               pad_token_id=1), mlm_batch,
+                 note="position ids from the padding mask"),
+        ZooModel("albert", "encoder", _hf("AlbertConfig", "AlbertForMaskedLM", **enc,
+                                          embedding_size=16), mlm_batch,
+                 note="one layer's weights shared by every layer, factorised embedding"),
+        ZooModel("deberta_v2", "encoder", _hf_eager(
+            "DebertaV2Config", "DebertaV2ForMaskedLM", **enc, relative_attention=True,
+            position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16),
+            mlm_batch, note="disentangled attention, relative-position buckets"),
+        ZooModel("distilbert", "encoder", _hf_eager(
+            "DistilBertConfig", "DistilBertForMaskedLM", vocab_size=VOCAB, dim=HIDDEN, n_layers=2,
+            n_heads=4, hidden_dim=2 * HIDDEN, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0), mlm_batch, note="no token types"),
+        ZooModel("electra", "encoder", _hf("ElectraConfig", "ElectraForMaskedLM", **enc,
+                                           embedding_size=16), mlm_batch,
+                 note="embedding projection"),
+    ]
+
+
+def _encoder_decoders() -> list[ZooModel]:
+    return [
+        ZooModel("t5", "encoder-decoder", _hf_eager(
+            "T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN, d_kv=8,
+            d_ff=2 * HIDDEN, num_layers=2, num_heads=4, dropout_rate=0.0,
+            relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0),
+            seq2seq_batch, note="relative-position bias, tied embeddings, cross-attention"),
+        ZooModel("bart", "encoder-decoder", _hf(
+            "BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN,
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN,
+            max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0), seq2seq_batch, note="learned positions, tied head"),
+    ]
+
+
+def _visions() -> list[ZooModel]:
+    return [
+        ZooModel("vit", "vision", _hf(
+            "ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8,
+            hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=2 * HIDDEN, num_labels=5, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0), image_batch, note="patch transformer, class token"),
+        ZooModel("swin", "vision", _hf_eager(
+            "SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4,
+            embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=5,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
+            image_batch, note="shifted windows, relative-position table, patch merging"),
+        ZooModel("resnet", "vision", _hf_eager(
+            "ResNetConfig", "ResNetForImageClassification", embedding_size=8,
+            hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5),
+            image_batch, note="convolutions, BatchNorm (running stats updated)"),
+        ZooModel("convnext", "vision", _hf_eager(
+            "ConvNextConfig", "ConvNextForImageClassification", num_channels=3, patch_size=4,
+            hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5,
+            image_size=32),
+            image_batch, note="depthwise convolutions, channels-last LayerNorm, layer scale"),
+    ]
+
+
+# --- plain PyTorch models -------------------------------------------------------------------------
+
+class TorchViT(nn.Module):
+    """A ViT from nn.TransformerEncoder (norm_first, batch_first) with a class token."""
+
+    def __init__(self, size=32, patch=8, dim=HIDDEN, classes=5):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, pixel_values, labels):
+        x = self.patch(pixel_values).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return F.cross_entropy(self.head(self.encoder(x)[:, 0]), labels)
+
+
+class Seq2SeqTransformer(nn.Module):
+    """nn.Transformer with embeddings, a causal target mask and an LM head."""
+
+    def __init__(self, dim=HIDDEN):
+        super().__init__()
+        self.src = nn.Embedding(VOCAB, dim)
+        self.tgt = nn.Embedding(VOCAB, dim)
+        self.core = nn.Transformer(dim, 4, 2, 2, 2 * dim, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids, labels):
+        dec_in = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
+        mask = nn.Transformer.generate_square_subsequent_mask(dec_in.shape[1])
+        h = self.core(self.src(input_ids), self.tgt(dec_in), tgt_mask=mask, tgt_is_causal=True)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class LSTMLM(nn.Module):
+    def __init__(self, dim=HIDDEN):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.rnn = nn.LSTM(dim, dim, num_layers=2, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, batch):
+        ids, targets = batch
+        h, _ = self.rnn(self.emb(ids))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+class GRUClassifier(nn.Module):
+    def __init__(self, dim=HIDDEN):
+        super().__init__()
+        self.rnn = nn.GRU(dim, dim, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * dim, 5)
+
+    def forward(self, batch):
+        x, y = batch
+        h, _ = self.rnn(x)
+        return F.cross_entropy(self.head(h.mean(1)), y)
+
+
+class FrozenUnusedBuffers(nn.Module):
+    """A frozen embedding (requires_grad=False), a head the loss never reaches, a tied
+    alias, and buffers read by the forward (one of them updated every step)."""
+
+    def __init__(self, dim=HIDDEN):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.emb.weight.requires_grad_(False)
+        self.proj = nn.Linear(dim, dim)
+        self.unused_head = nn.Linear(dim, 7)  # e.g. a pooler or an auxiliary head
+        self.out = nn.Linear(dim, VOCAB, bias=False)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, batch):
+        ids, targets = batch
+        self.calls.add_(1)
+        h = torch.tanh(self.proj(self.emb(ids))) * self.scale
+        return F.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
+
+
+class ConvBN(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> pool -> linear (BatchNorm's batch statistics across ranks)."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, pixel_values, labels):
+        h = F.relu(self.bn(self.conv(pixel_values))).mean((2, 3))
+        return F.cross_entropy(self.fc(h), labels)
+
+
+def _pytorch() -> list[ZooModel]:
+    return [
+        ZooModel("torch_vit", "pytorch", TorchViT, image_batch,
+                 note="nn.TransformerEncoder (norm_first, batch_first), class token"),
+        ZooModel("nn_transformer", "pytorch", Seq2SeqTransformer, seq2seq_batch,
+                 note="nn.Transformer encoder-decoder, causal mask"),
+        ZooModel("lstm", "pytorch", LSTMLM, tokens_batch, note="2-layer nn.LSTM language model"),
+        ZooModel("gru", "pytorch", GRUClassifier, xy_batch, note="bidirectional nn.GRU"),
+        ZooModel("frozen_unused", "pytorch", FrozenUnusedBuffers, tokens_batch,
+                 note="frozen embedding, a parameter with no gradient, buffers"),
+        ZooModel("convbn", "pytorch", ConvBN, image_batch,
+                 note="BatchNorm statistics over the global batch"),
+    ]
+
+
+def models() -> dict[str, ZooModel]:
+    """Every zoo model by name."""
+    out = {}
+    for m in (*_causal_lms(), *_moes(), *_encoders(), *_encoder_decoders(), *_visions(),
+              *_pytorch()):
+        out[m.name] = m
+    return out
+
+
+def build(name: str, seed: int = 1234) -> tuple[nn.Module, ZooModel]:
+    """The model, initialised from `seed` (the same weights every time)."""
+    spec = models()[name]
+    torch.manual_seed(seed)
+    return spec.factory(), spec
+
+
+def loss_of(model: nn.Module, spec: ZooModel, batch) -> torch.Tensor:
+    """The loss eager PyTorch computes for `batch` (what fxpar's default loss_fn does)."""
+    if spec.loss_fn is not None:
+        out = spec.loss_fn(model, batch)
+    else:
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return out.loss if hasattr(out, "loss") else out

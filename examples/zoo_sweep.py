@@ -1,0 +1,195 @@
+"""`fxpar zoo`: every zoo model under every plan, against plain single-process PyTorch.
+
+A cell is one (model, plan): fxpar trains the model for STEPS AdamW steps on the zoo's
+global batches and its losses and final parameters are compared with eager PyTorch's on
+the same batches from the same initial weights. Its result is one of
+- "exact":   losses and parameters within the parity tolerances (tests/test_parity.py);
+- "refused": fxpar raised one of its own errors (PlanError, TraceError, ...) whose message
+             names the cause; the table prints it;
+- "mismatch": it trained but differs from eager (a bug);
+- "crash":   anything else (a bug: an error from inside a pass or from ATen).
+All two-rank plans of one model run in one `fxpar.launch` (one process group, compiled one
+after another) to keep the sweep's time down.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import traceback
+
+import torch
+
+import fxpar
+from fxpar.examples import zoo
+from fxpar.runtime.dist import LaunchError
+
+STEPS = 3
+RTOL, LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-6, 1e-5  # tests/test_parity.py's AdamW tolerances
+PLANS: dict[str, object] = {
+    "1 device": None,
+    "dp=2": {"dp": 2},
+    "tp=2": {"tp": 2},
+    "pp=2 m=2": {"pp": 2, "microbatches": 2},
+    "dp=2 zero=3": {"dp": 2, "zero": 3},
+    "auto (2)": "auto",
+}
+
+
+def optimizer(ps):
+    # eps 1e-6: see tests/workers.py OPTIMIZERS (zero-gradient elements stay noise)
+    return torch.optim.AdamW(ps, lr=1e-3, eps=1e-6)
+
+
+@dataclasses.dataclass
+class Cell:
+    model: str
+    plan: str
+    status: str  # exact | refused | mismatch | crash
+    detail: str = ""
+    seconds: float = 0.0
+    chosen: str = ""  # plan="auto": the plan the planner chose
+
+
+def eager_reference(name: str, steps: int = STEPS):
+    model, spec = zoo.build(name)
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = zoo.loss_of(model, spec, spec.batch(s))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(name: str, devices: int, plan, steps: int = STEPS):
+    """fxpar's losses and full state dict (on every rank), and the plan it ran."""
+    model, spec = zoo.build(name)
+    pm = fxpar.parallelize(model, devices, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
+                           optimizer=optimizer, plan="auto" if plan is None else plan)
+    losses = [pm.step(spec.batch(s)).item() for s in range(steps)]
+    return losses, pm.full_state_dict(), _describe(pm.plan)
+
+
+def _describe(plan) -> str:
+    d = {k: v for k, v in dataclasses.asdict(plan).items()
+         if k in ("dp", "tp", "pp", "microbatches", "zero", "remat") and v not in (1, 0, "none")}
+    return " ".join(f"{k}={v}" for k, v in d.items()) or "dp=1"
+
+
+def _failure(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, fxpar.FxparError) and not isinstance(e, LaunchError):
+        return "refused", f"{type(e).__name__}: {e}"
+    tb = traceback.extract_tb(e.__traceback__)
+    where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(tb)
+                  if "fxpar" in f.filename or "/work/" in f.filename), "")
+    return "crash", f"{type(e).__name__}: {e} [{where}]"
+
+
+def compare(losses, state, ref_losses, ref_state) -> str:
+    """'' when fxpar matches eager, else what differs."""
+    try:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
+                                   atol=LOSS_ATOL)
+    except AssertionError as e:
+        return f"losses {losses} vs eager {ref_losses}: {str(e).splitlines()[-1]}"
+    if state.keys() != ref_state.keys():
+        return f"state keys differ: {sorted(set(state) ^ set(ref_state))[:4]}"
+    for k, ref in ref_state.items():
+        got = state[k]
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            return f"{k}: {tuple(got.shape)} {got.dtype} vs eager {tuple(ref.shape)} {ref.dtype}"
+        if ref.is_floating_point():
+            if not torch.allclose(got, ref, rtol=RTOL, atol=PARAM_ATOL):
+                return f"{k}: max |diff| {(got - ref).abs().max().item():.3g}"
+        elif not torch.equal(got, ref):
+            return f"{k}: differs from eager"
+    return ""
+
+
+def sweep_rank(name: str, plan_keys: list[str]):
+    """Runs on each of 2 ranks: every plan of `plan_keys` for model `name`, one after another.
+    Rank 0 returns {plan: (status, detail, losses, state, chosen, seconds)}."""
+    rank = int(os.environ.get("RANK", 0))
+    out = {}
+    for key in plan_keys:
+        t0 = time.perf_counter()
+        try:
+            losses, state, chosen = train(name, 2, PLANS[key])
+            out[key] = ("ran", "", losses, state if rank == 0 else None, chosen)
+        except Exception as e:  # noqa: BLE001 - the sweep records every failure
+            out[key] = (*_failure(e), None, None, "")
+        out[key] = (*out[key], time.perf_counter() - t0)
+    return out if rank == 0 else None
+
+
+def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
+    ref = eager_reference(name)
+    results = {}
+    if "1 device" in plan_keys:
+        t0 = time.perf_counter()
+        try:
+            losses, state, chosen = train(name, 1, None)
+            results["1 device"] = ("ran", "", losses, state, chosen)
+        except Exception as e:  # noqa: BLE001
+            results["1 device"] = (*_failure(e), None, None, "")
+        results["1 device"] = (*results["1 device"], time.perf_counter() - t0)
+    multi = [k for k in plan_keys if k != "1 device"]
+    if multi:
+        try:
+            results.update(fxpar.launch(sweep_rank, 2, name, multi)[0])
+        except Exception as e:  # noqa: BLE001 - a rank died: every cell of the launch
+            status, detail = _failure(e)
+            results.update({k: ("crash", detail, None, None, "", 0.0) for k in multi
+                            if k not in results})
+    cells = []
+    for key in plan_keys:
+        status, detail, losses, state, chosen, secs = results[key]
+        if status == "ran":
+            diff = compare(losses, state, *ref)
+            status, detail = ("mismatch", diff) if diff else ("exact", "")
+        cells.append(Cell(name, key, status, detail, secs, chosen))
+    return cells
+
+
+def sweep(names=None, plan_keys=tuple(PLANS), log=print) -> list[Cell]:
+    cells = []
+    for name in names or zoo.models():
+        t0 = time.perf_counter()
+        got = sweep_model(name, plan_keys)
+        cells += got
+        log(f"{name:16s} " + "  ".join(f"{c.plan}: {c.status}" for c in got)
+            + f"  ({time.perf_counter() - t0:.0f} s)")
+        for c in got:
+            if c.status != "exact":
+                log(f"    {c.plan}: {c.detail[:400]}")
+    return cells
+
+
+def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
+    """The zoo table: one row per model, one column per plan; refusals listed below."""
+    models = zoo.models()
+    by = {(c.model, c.plan): c for c in cells}
+    names = list(dict.fromkeys(c.model for c in cells))
+    mark = {"exact": "exact", "refused": "refused¹", "mismatch": "**MISMATCH**",
+            "crash": "**CRASH**"}
+    lines = ["| model | family | exercises | " + " | ".join(plan_keys) + " |",
+             "|---|---|---|" + "---|" * len(plan_keys)]
+    for n in names:
+        row = []
+        for k in plan_keys:
+            c = by.get((n, k))
+            row.append("" if c is None else mark[c.status] + (
+                f" ({c.chosen})" if c.status == "exact" and k.startswith("auto") else ""))
+        lines.append(f"| {n} | {models[n].family} | {models[n].note} | " + " | ".join(row) + " |")
+    n_exact = sum(c.status == "exact" for c in cells)
+    lines += ["", f"{n_exact} of {len(cells)} cells exact, "
+              f"{sum(c.status == 'refused' for c in cells)} refused, "
+              f"{sum(c.status in ('crash', 'mismatch') for c in cells)} crashed or mismatched.",
+              "", "¹ Refusals and failures:", ""]
+    for c in cells:
+        if c.status != "exact":
+            lines.append(f"- **{c.model}, {c.plan}** ({c.status}): {c.detail.splitlines()[0][:300]}")
+    return "\n".join(lines) + "\n"
