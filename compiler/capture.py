@@ -14,8 +14,9 @@ hand the backward values it does not expect).
 from __future__ import annotations
 
 import contextlib
-import operator
 import logging
+import operator
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -84,21 +85,50 @@ def _as_scalar_loss(out: Any) -> torch.Tensor:
 
 
 class _LossModule(torch.nn.Module):
-    """Wraps model + loss_fn so AOTAutograd sees one module returning one scalar."""
+    """Wraps model + loss_fn so AOTAutograd sees one module returning one scalar.
+
+    The model's parameters and buffers are registered here once per tensor (p0, p1, ...,
+    b0, ...), and the forward puts them back under every name the model reads them by. A
+    tied weight is then one graph input whose gradient autograd sums over its uses, whatever
+    the tying: AOTAutograd swaps each *name* separately, so a tensor reached by two paths of
+    one module object (T5's shared / encoder.embed_tokens / decoder.embed_tokens) would
+    leave all but one name without a gradient."""
 
     def __init__(self, model, loss_fn, batch_spec, const_leaves):
         super().__init__()
-        self.model = model
+        object.__setattr__(self, "model", model)  # not a submodule: its names are ours
         self.loss_fn = loss_fn
         self.batch_spec = batch_spec
         self.const_leaves = const_leaves  # {leaf index: python value} for non-tensor leaves
+        self.param_names = list(dict(model.named_parameters()))  # first name per tensor
+        self.buffer_names = list(dict(model.named_buffers()))
+        self.aliases: dict[str, str] = {}  # every model name -> our p<i> / b<i>
+        for prefix, unique, every in (
+                ("p", dict(model.named_parameters()),
+                 model.named_parameters(remove_duplicate=False)),
+                ("b", dict(model.named_buffers()), model.named_buffers(remove_duplicate=False))):
+            ours = {}
+            for i, (name, t) in enumerate(unique.items()):
+                ours[id(t)] = f"{prefix}{i}"
+                if prefix == "p":
+                    self.register_parameter(ours[id(t)], t)
+                else:
+                    self.register_buffer(ours[id(t)], t)
+            for name, t in every:
+                self.aliases[name] = ours[id(t)]
+
+    def model_name(self, ours: str) -> str:
+        i = int(ours[1:])
+        return (self.param_names if ours[0] == "p" else self.buffer_names)[i]
 
     def forward(self, *tensor_leaves):
         leaves, it = [], iter(tensor_leaves)
         for i in range(self.batch_spec.num_leaves):
             leaves.append(self.const_leaves[i] if i in self.const_leaves else next(it))
         batch = pytree.tree_unflatten(leaves, self.batch_spec)
-        return (_as_scalar_loss(self.loss_fn(self.model, batch)),)
+        state = {name: getattr(self, ours) for name, ours in self.aliases.items()}
+        with torch.nn.utils.stateless._reparametrize_module(self.model, state):
+            return (_as_scalar_loss(self.loss_fn(self.model, batch)),)
 
 
 class _ModuleTagger:
@@ -179,8 +209,6 @@ def capture(model: torch.nn.Module, example_batch: Any,
 
     joint=False traces the forward only (for evaluate): outputs (loss, updated buffers).
     """
-    from torch._functorch.aot_autograd import aot_export_module
-
     loss_fn = loss_fn or default_loss_fn
     leaves, spec = pytree.tree_flatten(example_batch)
     const_leaves = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
@@ -192,18 +220,14 @@ def capture(model: torch.nn.Module, example_batch: Any,
     tagger = _ModuleTagger(model)
     unused: list[torch.nn.Parameter] = []
     try:
-        while True:
+        with _transformers_sees_tracing():
             try:
-                with contextlib.nullcontext() if joint else torch.no_grad():
-                    gm, sig = aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
-                                                output_loss_index=0 if joint else None,
-                                                decompositions=decomposition_table())
-                break
+                gm, sig = _export(wrapper, tensor_leaves, joint)
             except AssertionError as e:
-                if unused or "did not receive a gradient" not in str(e):
+                if "did not receive a gradient" not in str(e):
                     raise
                 # eager semantics: a parameter the loss does not reach gets no gradient (its
-                # .grad stays None, the optimizer skips it); traced as if frozen
+                # .grad stays None, the optimizer skips it): traced as if frozen
                 unused = _params_without_grad(wrapper, tensor_leaves)
                 if not unused:
                     raise
@@ -211,6 +235,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
                     p.requires_grad_(False)
                 tagger.close()
                 tagger = _ModuleTagger(model)
+                gm, sig = _export(wrapper, tensor_leaves, joint)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the cause named
@@ -232,7 +257,34 @@ def capture(model: torch.nn.Module, example_batch: Any,
         tagger.close()
         for p in unused:
             p.requires_grad_(True)
-    return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint, model)
+    return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint, wrapper)
+
+
+def _export(wrapper, tensor_leaves, joint):
+    from torch._functorch.aot_autograd import aot_export_module
+    with contextlib.nullcontext() if joint else torch.no_grad():
+        return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
+                                 output_loss_index=0 if joint else None,
+                                 decompositions=decomposition_table())
+
+
+@contextlib.contextmanager
+def _transformers_sees_tracing():
+    """Hugging Face models skip value checks while tracing (`if is_tracing(mask): ...`), but
+    transformers recognises a FakeTensor only as itself, not wrapped in the functional
+    tensor AOTAutograd traces with: it would read a value (a data-dependent error on BART's
+    masks, DeBERTa's padding check). While fxpar traces, a wrapped fake counts as fake."""
+    iu = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(iu, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+    iu.is_fake_tensor = lambda x: isinstance(x, torch.Tensor) and is_fake(x)
+    try:
+        yield
+    finally:
+        iu.is_fake_tensor = original
 
 
 def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.nn.Parameter]:
@@ -256,17 +308,17 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
+def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
     """Reorder outputs to (loss, grads, updated buffers); tag role/region/module on every node."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
 
-    param_names = [_strip(p) for p in sig.parameters]
-    buffer_names = [_strip(b) for b in sig.buffers]
+    param_names = [wrapper.model_name(p) for p in sig.parameters]
+    buffer_names = [wrapper.model_name(b) for b in sig.buffers]
     n_mut = len(sig.buffers_to_mutate)
-    mutated = [_strip(sig.buffers_to_mutate[o.name]) for o in outs[:n_mut]]
+    mutated = [wrapper.model_name(sig.buffers_to_mutate[o.name]) for o in outs[:n_mut]]
     loss = outs[n_mut]
     grads = []
     if joint:
@@ -274,8 +326,6 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, model):
         node_by_name = {n.name: n for n in graph.nodes}
         grads = [node_by_name.get(name_to_grad.get(p)) if name_to_grad.get(p) else None
                  for p in sig.parameters]
-    placeholders, param_names, grads = _merge_tied_params(
-        graph, placeholders, param_names, grads, len(sig.parameters), model, joint)
     out_node.args = ((loss, *grads, *outs[:n_mut]),)
     out_node.meta["n_grads"] = len(grads)
     graph._codegen = torch.fx.graph.CodeGen()  # plain positional inputs and outputs
@@ -368,38 +418,6 @@ def _drop_empty_cat_inputs(graph, n) -> None:
 def _is_legacy_empty(node) -> bool:
     v = node.meta.get("val")
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
-
-
-def _merge_tied_params(graph, placeholders, names, grads, n_params, model, joint):
-    """AOTAutograd lists a tied weight once per name; keep one placeholder per tensor and
-    sum the per-name gradients (the gradient of a shared weight is the sum over its uses)."""
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    first: dict[int, int] = {}
-    keep = []
-    for i in range(n_params):
-        key = id(tensors[names[i]])
-        if key not in first:
-            first[key] = i
-            keep.append(i)
-            continue
-        j = first[key]
-        placeholders[i].replace_all_uses_with(placeholders[j])
-        if joint and grads[i] is not None:
-            if grads[j] is None:
-                grads[j] = grads[i]
-            else:
-                with graph.inserting_after(max(grads[i], grads[j], key=_position(graph))):
-                    grads[j] = graph.call_function(aten.add.Tensor, (grads[j], grads[i]))
-                    grads[j].meta["val"] = grads[i].meta["val"]
-        graph.erase_node(placeholders[i])
-    dropped = set(range(n_params)) - set(keep)
-    placeholders = [p for k, p in enumerate(placeholders) if k not in dropped]
-    return placeholders, [names[k] for k in keep], [grads[k] for k in keep] if joint else grads
-
-
-def _position(graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 def flatten_batch(batch: Any, signature: ir.GraphSignature) -> list[torch.Tensor]:
