@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
 
 from fxpar.compiler import ir
+from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
 from fxpar.compiler.errors import TraceError
 
 log = logging.getLogger("fxpar.capture")
@@ -384,6 +385,11 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
             graph.erase_node(n)
         elif n.op == "call_function" and n.target is aten.cat.default:
             _drop_empty_cat_inputs(graph, n)
+        elif n.op == "call_function" and n.target in (aten.as_strided.default,
+                                                      aten.as_strided_scatter.default):
+            _as_strided_as_view(graph, n)
+        elif n.op == "call_function" and n.target is aten.copy.default:
+            _copy_as_clone(graph, n)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -407,12 +413,77 @@ def _drop_empty_cat_inputs(graph, n) -> None:
         return
     if len(keep) == 1:
         with graph.inserting_before(n):
-            copy = graph.call_function(aten.clone.default, (keep[0],))
+            copy = graph.call_function(aten.clone.default, (keep[0],),
+                                       {"memory_format": torch.contiguous_format})  # as cat
         copy.meta.update(n.meta)
         n.replace_all_uses_with(copy)
         graph.erase_node(n)
     else:
         n.args = (keep, *rest)
+
+
+def _as_strided_as_view(graph, n) -> None:
+    """as_strided / as_strided_scatter that only re-view a whole dense tensor (offset 0, the
+    dense strides of the new shape) become view ops. Functionalization emits them for
+    in-place view ops (squeeze_, a pooling layer's re-strided output); no sharding rule
+    exists for as_strided, while a view's is exact."""
+    if n.target is aten.as_strided.default:
+        x, size, stride, *offset = n.args
+        src = x
+    else:
+        x, src, size, stride, *offset = n.args
+    if (offset and offset[0]) or n.kwargs:
+        return
+    xv, sv = x.meta.get("val"), src.meta.get("val")
+    if not (isinstance(xv, torch.Tensor) and isinstance(sv, torch.Tensor)) or \
+            not _dense(size, stride) or xv.numel() != _numel(size) or \
+            not xv.is_contiguous() or sv.numel() != xv.numel():
+        return
+    with graph.inserting_before(n):
+        if n.target is aten.as_strided.default:
+            new = graph.call_function(aten.view.default, (x, list(size)))
+        else:  # the whole base overwritten by src, laid out densely in `size`
+            dense = graph.call_function(aten.clone.default, (src,),
+                                        {"memory_format": torch.contiguous_format})
+            dense.meta.update(n.meta)
+            dense.meta["val"] = sv.clone(memory_format=torch.contiguous_format)
+            new = graph.call_function(aten.view.default, (dense, list(xv.shape)))
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    graph.erase_node(n)
+
+
+def _copy_as_clone(graph, n) -> None:
+    """Functional copy(dst, src) of src's shape and dtype is a dense clone of src (dst only
+    gives the layout); DTensor has no rule for copy, and clone shards like its input."""
+    dst, src = n.args[:2]
+    dv, sv = dst.meta.get("val"), src.meta.get("val")
+    if n.kwargs or not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)) or \
+            dv.shape != sv.shape or dv.dtype != sv.dtype or not dv.is_contiguous():
+        return
+    with graph.inserting_before(n):
+        new = graph.call_function(aten.clone.default, (src,),
+                                  {"memory_format": torch.contiguous_format})
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    graph.erase_node(n)
+
+
+def _numel(size) -> int:
+    out = 1
+    for d in size:
+        out *= d
+    return out
+
+
+def _dense(size, stride) -> bool:
+    """Whether `stride` lays out `size` densely in row-major order (size-1 dims: any)."""
+    expect = 1
+    for d, st in zip(reversed(list(size)), reversed(list(stride))):
+        if d != 1 and st != expect:
+            return False
+        expect *= d
+    return True
 
 
 def _is_legacy_empty(node) -> bool:

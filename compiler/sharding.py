@@ -23,7 +23,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fxpar.compiler import ir
 from fxpar.compiler.errors import ShardingError
@@ -579,18 +579,25 @@ class _Sharder:
                 "that code with ops that have rules (most ATen ops do), or report the op to fxpar.")
         try:
             out = self.ask_dtensor(node)
+            strided = any(isinstance(p, _StridedShard)
+                          for spec in torch.utils._pytree.tree_leaves(out.output_spec)
+                          if isinstance(spec, DTensorSpec) for p in spec.placements)
         except ShardingError:
+            out, strided = None, False
+        if out is None or strided:
             # Some rules refuse a placement instead of asking for a redistribution (a view
-            # that would reshape a split dimension, e.g. one key/value head split over tp):
-            # the op then runs on whole inputs, which is always valid (the caller sees the
-            # gather as a request, as tensor parallelism's column check does).
+            # that would reshape a split dimension, e.g. one key/value head split over tp),
+            # or answer with a strided shard (a split dim flattened behind another: ALiBi's
+            # batch*heads), which later rules mishandle: the op then runs on whole inputs,
+            # always valid (the caller sees the gather as a request, as tensor parallelism's
+            # column check does, and keeps such a weight whole).
             split = {a: self.replicate for a in self.inputs(node)
                      if isinstance(self.specs[a], DTensorSpec)
                      and _placements(self.specs[a]) != self.replicate}
-            if not split:
-                raise
-            self.place(node, split)
-            out = self.ask_dtensor(node)
+            if split:
+                self.place(node, split)
+            if split or out is None:
+                out = self.ask_dtensor(node)  # with nothing to gather: the rule's own error
         if out.redistribute_schema is not None and self._partializes_replicate(node, out):
             # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
             # buffer with a batch statistic) is legal but odd; reduce the partial input instead.

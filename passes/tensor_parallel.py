@@ -327,7 +327,7 @@ def choose_placements(gm, linears, params, mesh, group, tp):
             if node.target is aten.embedding.default and node.args[0] in eligible and \
                     node.args[0] not in decided and node in lookups.get(node.args[0], ()):
                 w = node.args[0]
-                pl = (Replicate(),) if w in failed else (Shard(0),)
+                pl = (Replicate(),) if w in failed or not _splits(w, 0, tp) else (Shard(0),)
                 decided[w] = pl
                 return {w.name: pl}
             lin = by_mm.get(node)
@@ -342,9 +342,11 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                 last = lin.act.meta[ir.VAL].dim() - 1
                 if lin.weight not in eligible:
                     role, w = "replicated", Replicate()
-                elif isinstance(pl, Shard) and pl.dim == last:
+                elif isinstance(pl, Shard) and pl.dim == last and \
+                        _splits(lin.weight, lin.in_dim, tp):
                     role, w = "row", Shard(lin.in_dim)
-                elif pl == Replicate() and lin.weight not in failed:
+                elif pl == Replicate() and lin.weight not in failed and \
+                        _splits(lin.weight, lin.out_dim, tp):
                     role, w = "column", Shard(lin.out_dim)
                 else:
                     role, w = "replicated", Replicate()
@@ -373,6 +375,12 @@ def choose_placements(gm, linears, params, mesh, group, tp):
     # a bias (or any parameter) every forward use of which wants the same shard: store it so
     placements.update(_absorbed_shards(gm, params, placements, mesh, group))
     return roles, placements
+
+
+def _splits(weight, dim, tp) -> bool:
+    """Whether `weight` splits evenly over tp ranks along `dim` (else it stays whole: e.g. a
+    classifier with 5 labels, GPT-2's 50257-token vocabulary)."""
+    return weight.meta[ir.VAL].shape[dim] % tp == 0
 
 
 def all_gather_placements(gm, linears, params, tp):
@@ -507,8 +515,9 @@ def _check_divisible(placements, tp):
             if isinstance(p, Shard) and n.meta[ir.VAL].shape[p.dim] % tp:
                 raise PlanError(
                     f"tp={tp} does not divide dimension {p.dim} (size "
-                    f"{n.meta[ir.VAL].shape[p.dim]}) of parameter {n.name}: choose a tp that "
-                    "divides the hidden size, the number of heads and the MLP width.")
+                    f"{n.meta[ir.VAL].shape[p.dim]}) of parameter "
+                    f"{n.meta.get('fqn', n.name)}: choose a tp that divides the hidden size, "
+                    "the number of heads and the MLP width.")
 
 
 def _residual_stream(gm, linears, roles, tp) -> tuple[dict, dict]:
