@@ -189,7 +189,7 @@ class ParallelModel:
                              zero_buckets=ctx.zero_buckets, params_sharded=ctx.params_sharded,
                              tp=plan.tp, tp_layouts=ctx.tp_layouts or [None] * sig.num_params,
                              tp_group_name=self.world.group_name("tp"),
-                             loss_scale=ctx.loss_scale)
+                             loss_scale=ctx.loss_scale, loss_count=ctx.loss_count)
         if plan.pp > 1 or m > 1:
             t1 = time.perf_counter()
             program.pipeline = stages.split(gm, sig, plan.pp * virtual)
@@ -265,6 +265,12 @@ class ParallelModel:
         if program.loss_scale:
             for leaves in mbs:
                 leaves.append(self.scaler.scale_tensor(self.world.device))
+        if program.loss_count is not None:  # the whole step's target count, shared out
+            with torch.no_grad():
+                total = sum(program.loss_count(*cap.flatten_batch(t, program.signature))
+                            for t in trees)
+            for leaves in mbs:
+                leaves.append(total / program.microbatches)
         loss, grads, new_bufs = runner.run(self._params, self._buffers, mbs, self.world.device,
                                            rec, forward_only)
         if program.pp > 1:  # the last stage has the loss: every rank returns it

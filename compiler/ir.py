@@ -93,3 +93,7 @@ class Program:
     # Mixed precision (passes/precision.py): fp16's graph takes one more batch input after
     # the batch leaves, the 0-dim fp32 loss scale (runtime/amp.GradScaler feeds it).
     loss_scale: bool = False
+    # Microbatches with a mean cross-entropy (passes/data_parallel.py): a program counting a
+    # microbatch's targets; the graph takes the step's count / microbatches as its last
+    # batch input (after the loss scale), so the m microbatch means average to the batch mean.
+    loss_count: Any = None

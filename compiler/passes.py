@@ -45,6 +45,9 @@ class PassContext:
     tp_layouts: list | None = None  # set by tensor_parallel: per parameter, see runtime/tp.py
     fusion_skipped: str | None = None  # Plan.fuse but no Triton on this device: why
     loss_scale: bool = False  # set by precision (fp16): the last batch input is the loss scale
+    # set by data_parallel with microbatches and a mean cross-entropy: (microbatch batch
+    # leaves) -> its target count; the graph's last batch input is then the step's count / m
+    loss_count: Any = None
 
 
 def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:

@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import BatchError
+from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
 
 c10d = torch.ops._c10d_functional
@@ -37,6 +37,17 @@ aten = torch.ops.aten
 
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    m = plan.microbatches
+    nll = _mean_nll_loss(gm.graph) if m > 1 else None
+    # the per-microbatch count of targets, taken from the unsharded graph (see below)
+    ctx.loss_count = _target_count_program(gm, nll) if nll is not None else None
+    gm = _split_batch(gm, plan, ctx)
+    if ctx.loss_count is not None:
+        _mean_over_microbatches(gm, nll, ctx)
+    return gm
+
+
+def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     dp = plan.dp
     if dp == 1:
         ctx.batch_shard_dims = [None] * sum(1 for n in gm.graph.nodes
@@ -189,6 +200,143 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
                   *[u for u in nll.users if u not in (mean, count)]):
             if n is not None and not n.users:  # (the loss's view still seeds the backward)
                 graph.erase_node(n)
+
+
+# --- a mean loss over microbatches ----------------------------------------------------------
+# With m microbatches each run of the graph sees 1/m of the (global) batch, and the runtime
+# averages the m losses and gradients. A mean cross-entropy divides by the number of targets
+# it counts (ignore_index: padding, unmasked MLM positions): the mean of m means equals the
+# mean over the whole batch only when every microbatch counts as many targets. So the count
+# becomes an input: the runtime counts the targets of the whole step first (a small program
+# cut out of the graph: the target's batch-only computation, then != ignore_index, summed)
+# and gives every microbatch C_total / m, which the backward divides by (nll_loss_backward's
+# total_weight) and the loss is rescaled to (this microbatch's sum / (C_total / m)). The
+# average of the m results is then sum / C_total, exactly, for the loss and every gradient.
+
+def _mean_nll_loss(graph) -> torch.fx.Node | None:
+    """The forward's one mean, unweighted nll_loss_forward whose targets come from the batch
+    alone (None when there is none). A mean nll loss that cannot be counted so is refused."""
+    nlls = [n for n in graph.nodes if n.target is aten.nll_loss_forward.default
+            and n.meta.get(ir.REGION) == ir.FORWARD
+            and (n.args[3] if len(n.args) > 3 else 1) == 1]
+    if not nlls:
+        return None
+    nll = nlls[0]
+    problem = None
+    if len(nlls) > 1:
+        problem = f"it has {len(nlls)} mean cross-entropy losses"
+    elif nll.args[2] is not None:
+        problem = "its cross-entropy has class weights"
+    elif _batch_only(nll.args[1]) is None:
+        problem = "its cross-entropy's targets depend on the model's parameters"
+    if problem is not None:
+        raise PlanError(
+            f"microbatches > 1: this model's loss is a mean over the targets it counts "
+            f"(cross-entropy, node {nll.name}, module '{nll.meta.get(ir.MODULE, '')}'), and "
+            f"{problem}, so fxpar cannot weight the microbatches by their target counts (the "
+            "mean of per-microbatch means differs from the batch mean when the counts differ, "
+            "e.g. with padding or ignore_index). Use microbatches=1, or a loss_fn that "
+            "returns one mean cross-entropy over targets taken from the batch.")
+    return nll
+
+
+def _batch_only(node) -> list | None:
+    """The nodes computing `node` from batch inputs only, in graph order (None if any
+    parameter or buffer is involved)."""
+    seen, todo = {}, [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n.op == "placeholder" and n.meta.get(ir.ROLE) != "batch":
+            return None
+        if n.op not in ("placeholder", "call_function", "get_attr"):
+            return None
+        seen[n] = True
+        todo.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _target_count_program(gm, nll) -> torch.fx.GraphModule:
+    """(batch leaves of one microbatch) -> the number of its targets nll counts, as the loss's
+    dtype: the graph's own computation of the target (shifts, padding), then != ignore_index."""
+    g = torch.fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:  # every batch input, in order (the program takes all leaves)
+        if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch":
+            env[n] = g.placeholder(n.name)
+    for n in _batch_only(nll.args[1]):
+        if n not in env:
+            env[n] = g.node_copy(n, env.__getitem__)
+    ignore = nll.args[4] if len(nll.args) > 4 else -100
+    counted = g.call_function(aten.ne.Scalar, (env[nll.args[1]], ignore))
+    dtype = nll.meta[ir.VAL][1].dtype
+    total = g.call_function(aten.sum.default, (counted,))
+    g.output(g.call_function(aten._to_copy.default, (total,), {"dtype": dtype}))
+    return torch.fx.GraphModule(gm, g)
+
+
+def _mean_over_microbatches(gm, nll, ctx) -> None:
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    loss = out.args[0][0]
+    backs = [n for n in graph.nodes if n.target is aten.nll_loss_backward.default]
+    if not backs or not _only_through(loss, nll):
+        raise PlanError(
+            "microbatches > 1: this model's loss adds other terms to a mean cross-entropy "
+            f"(module '{nll.meta.get(ir.MODULE, '')}'), so fxpar cannot weight the "
+            "microbatches by their target counts (the mean of per-microbatch means differs "
+            "from the batch mean when the counts differ, e.g. with padding or ignore_index). "
+            "Use microbatches=1.")
+    count = backs[0].args[6]  # this microbatch's count (over every dp rank when dp > 1)
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(phs[-1]):
+        share = graph.placeholder("loss_count")
+    share.meta.update({ir.ROLE: "batch", "fqn": "loss_count", ir.REGION: ir.FORWARD,
+                       ir.MODULE: "", ir.VAL: count.meta[ir.VAL].new_empty(())})
+    ctx.batch_shard_dims = [*ctx.batch_shard_dims, None]
+    for b in backs:
+        b.args = (*b.args[:6], share, *b.args[7:])
+    meta = {ir.REGION: loss.meta.get(ir.REGION, ir.FORWARD), ir.MODULE: nll.meta.get(ir.MODULE, ""),
+            ir.SHARD: loss.meta.get(ir.SHARD)}
+
+    def emit(target, args, val):
+        node = graph.call_function(target, args)
+        node.meta.update(meta)
+        node.meta[ir.VAL] = val
+        return node
+    v = loss.meta[ir.VAL]
+    with graph.inserting_before(out):  # a microbatch whose targets are all ignored adds 0
+        rescaled = emit(aten.div.Tensor, (emit(aten.mul.Tensor, (loss, count), v), share), v)
+        nonzero = emit(aten.ne.Scalar, (count, 0), v.new_empty((), dtype=torch.bool))
+        new_loss = emit(aten.where.ScalarOther, (nonzero, rescaled, 0.0), v)
+    out.args = ((new_loss, *out.args[0][1:]),)
+
+
+def _only_through(loss, nll) -> bool:
+    """Whether the loss depends on the model only through `nll` (views of its mean, the
+    data-parallel pass's reduction of it): no other loss term adds to it."""
+    todo, seen = [loss], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n is nll:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.meta.get(ir.ROLE) in ("param", "buffer"):
+            return False
+        todo.extend(n.all_input_nodes)
+    return nll in _ancestors(loss)
+
+
+def _ancestors(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
 
 
 def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, ctx):

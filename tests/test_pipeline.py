@@ -25,7 +25,9 @@ def compile_pp(model, batch, pp, **plan):
     ctx = PassContext(signature=sig, group_names={"dp": "g"}, virtual_stages=virtual)
     p = resolve({"pp": pp, "dp": 1, **plan}, pp)
     gm = run_passes(gm, p, ctx, "pp", {})
-    return gm, sig, stages.split(gm, sig, pp * virtual)
+    prog = stages.split(gm, sig, pp * virtual)
+    prog.loss_count = ctx.loss_count  # microbatches and a mean cross-entropy: the counter
+    return gm, sig, prog
 
 
 def run_parts(prog, model, sig, batch):
@@ -35,6 +37,8 @@ def run_parts(prog, model, sig, batch):
     buffers = dict(model.named_buffers(remove_duplicate=False))
     buffers = [buffers[k] for k in sig.buffer_names]
     leaves = flatten_batch(batch, sig)
+    if prog.loss_count is not None:  # the whole batch as one microbatch: its whole count
+        leaves.append(prog.loss_count(*leaves))
     rank = {"F": 0, "B": 1, "I": 1, "W": 2}
     order = sorted(prog.parts, key=lambda k: (k[0] != "F", (1 if k[0] == "F" else -1) *
                                               int(k[1:]), rank[k[0]]))
