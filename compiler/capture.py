@@ -115,8 +115,13 @@ class _LossModule(torch.nn.Module):
                     self.register_parameter(ours[id(t)], t)
                 else:
                     self.register_buffer(ours[id(t)], t)
+            slots = set()  # (module, attribute): swapped once, or restoring would leak a fake
             for name, t in every:
-                self.aliases[name] = ours[id(t)]
+                owner, _, attr = name.rpartition(".")
+                slot = (id(model.get_submodule(owner)), attr)
+                if slot not in slots:
+                    slots.add(slot)
+                    self.aliases[name] = ours[id(t)]
 
     def model_name(self, ours: str) -> str:
         i = int(ours[1:])

@@ -24,8 +24,10 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return _torch_grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
 
 
-# torch's rule is a Python kernel of the op for the Meta key (torch._meta_registrations
-# register_meta), which takes precedence over a dispatcher registration: replace that one.
+# torch registers its rule twice: as the dispatcher's Meta kernel (fake tensors outside the
+# Python dispatcher) and as a Python kernel for the Meta key (taken while tracing). Both.
+_LIB = torch.library.Library("aten", "IMPL")  # kept alive: the registration lasts with it
+_LIB.impl("_grouped_mm", _grouped_mm, "Meta")
 _OP = aten._grouped_mm.default
 _OP.py_kernels.pop(torch._C.DispatchKey.Meta, None)
 _OP.py_impl(torch._C.DispatchKey.Meta)(_grouped_mm)
