@@ -459,16 +459,30 @@ def _as_strided_as_view(graph, n) -> None:
 
 
 def _copy_as_clone(graph, n) -> None:
-    """Functional copy(dst, src) of src's shape and dtype is a dense clone of src (dst only
-    gives the layout); DTensor has no rule for copy, and clone shards like its input."""
+    """A functional copy(dst, src) is src broadcast to dst's shape and cast to its dtype; dst
+    gives only the layout, which no later op depends on in a functional graph. DTensor has
+    no rule for copy; expand / clone / _to_copy shard like their input."""
     dst, src = n.args[:2]
     dv, sv = dst.meta.get("val"), src.meta.get("val")
-    if n.kwargs or not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)) or \
-            dv.shape != sv.shape or dv.dtype != sv.dtype or not dv.is_contiguous():
+    if n.kwargs or not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)):
+        return
+    try:
+        if torch.broadcast_shapes(dv.shape, sv.shape) != dv.shape:
+            return
+    except RuntimeError:
         return
     with graph.inserting_before(n):
-        new = graph.call_function(aten.clone.default, (src,),
-                                  {"memory_format": torch.contiguous_format})
+        x = src
+        if sv.shape != dv.shape:
+            x = graph.call_function(aten.expand.default, (src, list(dv.shape)))
+            x.meta.update(n.meta)
+            x.meta["val"] = sv.expand(dv.shape)
+        if sv.dtype != dv.dtype:
+            new = graph.call_function(aten._to_copy.default, (x,), {
+                "dtype": dv.dtype, "memory_format": torch.contiguous_format})
+        else:
+            new = graph.call_function(aten.clone.default, (x,),
+                                      {"memory_format": torch.contiguous_format})
     new.meta.update(n.meta)
     n.replace_all_uses_with(new)
     graph.erase_node(n)

@@ -117,7 +117,15 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
     class Prop(torch.fx.Interpreter):
         def run_node(self, n):
             with mode:
-                res = super().run_node(n)
+                try:
+                    res = super().run_node(n)
+                except Exception:  # noqa: BLE001 - repaired below or re-raised
+                    dense = None if check else _densify_view_input(n)
+                    if dense is None:
+                        raise
+                    self.env[dense] = super().run_node(dense)
+                    dense.meta[ir.VAL] = self.env[dense]
+                    res = super().run_node(n)
             if n.op == "get_attr" and isinstance(res, torch.Tensor):
                 # a constant baked into the graph (e.g. a lifted tensor literal) enters as a
                 # fake tensor too: fake mode would otherwise run ops on it for real, custom
@@ -133,6 +141,22 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
             return res
 
     Prop(gm).run(*args)
+
+
+def _densify_view_input(n: torch.fx.Node) -> torch.fx.Node | None:
+    """A view the traced layout allowed (e.g. of a transposed matmul result) that a pass made
+    impossible by giving its input another layout (a collective's dense result): the input is
+    made dense first. Returns the dense copy's node (None: `n` is no such view)."""
+    if n.target is not torch.ops.aten.view.default or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    with n.graph.inserting_before(n):
+        dense = n.graph.call_function(torch.ops.aten.clone.default, (n.args[0],),
+                                      {"memory_format": torch.contiguous_format})
+    dense.meta.update({k: v for k, v in n.args[0].meta.items() if k != ir.VAL})
+    dense.meta[ir.REGION] = n.meta.get(ir.REGION, dense.meta.get(ir.REGION))
+    dense.meta[ir.MODULE] = n.meta.get(ir.MODULE, "")
+    n.replace_input_with(n.args[0], dense)
+    return dense
 
 
 def _compare(n, old, new):

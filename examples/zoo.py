@@ -340,11 +340,14 @@ class FrozenUnusedBuffers(nn.Module):
 
 
 class ConvBN(nn.Module):
-    """Conv -> BatchNorm -> ReLU -> pool -> linear (BatchNorm's batch statistics across ranks)."""
+    """Conv -> BatchNorm -> ReLU -> pool -> linear (BatchNorm's batch statistics across ranks).
+    The conv has no bias, as before any BatchNorm: its gradient would be zero up to rounding,
+    which Adam turns into lr-sized steps that differ with any summation order (and the
+    running mean follows them), so no two correct programs agree on it."""
 
     def __init__(self, classes=5):
         super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(8)
         self.fc = nn.Linear(8, classes)
 

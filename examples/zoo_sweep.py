@@ -36,11 +36,6 @@ PLANS: dict[str, object] = {
 }
 
 
-def optimizer(ps):
-    # eps 1e-6: see tests/workers.py OPTIMIZERS (zero-gradient elements stay noise)
-    return torch.optim.AdamW(ps, lr=1e-3, eps=1e-6)
-
-
 @dataclasses.dataclass
 class Cell:
     model: str
@@ -51,17 +46,38 @@ class Cell:
     chosen: str = ""  # plan="auto": the plan the planner chose
 
 
+LR = 1e-3
+# |gradient| at or below this fraction of the model's largest, in every eager step: zero
+# up to float32 rounding of the sums that make it (~1e-7 relative, over many terms)
+QUIET_GRAD = 1e-5
+
+
+def optimizer(ps):
+    # eps 1e-6: see tests/workers.py OPTIMIZERS (zero-gradient elements stay noise)
+    return torch.optim.AdamW(ps, lr=LR, eps=1e-6)
+
+
 def eager_reference(name: str, steps: int = STEPS):
+    """(losses, final state dict, {name: elements whose gradient was numerically zero in
+    every step}). Adam divides a gradient by its own running size, so on such elements (a
+    key bias under softmax, a bias before a norm) any reordering of float sums moves the
+    parameter by up to lr a step: they are compared at that bound, the rest at rtol 1e-5."""
     model, spec = zoo.build(name)
     opt = optimizer([p for p in model.parameters() if p.requires_grad])
-    losses = []
+    losses, peak = [], {}
     for s in range(steps):
         opt.zero_grad()
         loss = zoo.loss_of(model, spec, spec.batch(s))
         loss.backward()
+        for k, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach().abs()
+                peak[k] = g if k not in peak else torch.maximum(peak[k], g)
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    top = max((float(g.max()) for g in peak.values() if g.numel()), default=0.0)
+    quiet = {k: g <= QUIET_GRAD * top for k, g in peak.items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, quiet
 
 
 def train(name: str, devices: int, plan, steps: int = STEPS):
@@ -88,8 +104,8 @@ def _failure(e: BaseException) -> tuple[str, str]:
     return "crash", f"{type(e).__name__}: {e} [{where}]"
 
 
-def compare(losses, state, ref_losses, ref_state) -> str:
-    """'' when fxpar matches eager, else what differs."""
+def compare(losses, state, ref_losses, ref_state, quiet=None) -> str:
+    """'' when fxpar matches eager, else what differs (`quiet`: see eager_reference)."""
     try:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
                                    atol=LOSS_ATOL)
@@ -102,8 +118,11 @@ def compare(losses, state, ref_losses, ref_state) -> str:
         if got.shape != ref.shape or got.dtype != ref.dtype:
             return f"{k}: {tuple(got.shape)} {got.dtype} vs eager {tuple(ref.shape)} {ref.dtype}"
         if ref.is_floating_point():
-            if not torch.allclose(got, ref, rtol=RTOL, atol=PARAM_ATOL):
-                return f"{k}: max |diff| {(got - ref).abs().max().item():.3g}"
+            close = torch.isclose(got, ref, rtol=RTOL, atol=PARAM_ATOL)
+            if quiet is not None and k in quiet:  # Adam's steps on zero gradients: <= lr each
+                close |= quiet[k] & ((got - ref).abs() <= 2 * LR * len(losses))
+            if not bool(close.all()):
+                return f"{k}: max |diff| {(got - ref)[~close].abs().max().item():.3g}"
         elif not torch.equal(got, ref):
             return f"{k}: differs from eager"
     return ""

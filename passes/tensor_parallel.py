@@ -80,7 +80,12 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     interleaved = {}  # placeholder -> (dim holding the fused pieces, number of pieces)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grads = list(out.args[0])[1:1 + sig.num_params]  # empty in a forward-only graph
+    reads = {}
     for lin in linears:
+        reads[lin.weight] = reads.get(lin.weight, 0) + 1
+    for lin in linears:
+        if reads[lin.weight] > 1:  # (an RNN's gates, read once per time step): as it is,
+            continue               # in the training and the evaluation graph alike
         i = phs.index(lin.weight)
         k = _rewrite_fused_split(gm, lin, tp, grads[i] if i < len(grads) else None)
         if k:
@@ -213,6 +218,18 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
     if k < 2 or size % tp:
         return 0
     lead = shape[:-1]
+    # the split's backward: cat(grads of the pieces, dim) that the weight's gradient reads
+    has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
+                       for n in graph.nodes)
+    cat = next((n for n in graph.nodes if n.target is aten.cat.default
+                and n.meta.get(ir.REGION) == ir.BACKWARD and len(n.args[0]) == k
+                and (n.args[1] if len(n.args) > 1 else 0) % len(shape) == dim
+                and list(n.meta[ir.VAL].shape) == shape and _feeds(n, grad_of_weight)), None)
+    if cat is None and has_backward:
+        # e.g. an RNN's gates, whose weight is read once per time step and whose gradient
+        # is a sum, not one cat: the weight is left as it is (a plain linear, which the
+        # column check then keeps whole if its split cannot stay split)
+        return 0
 
     def emit(target, args, region_meta, like):
         node = graph.call_function(target, args)
@@ -241,31 +258,15 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
             graph.erase_node(g)
         graph.erase_node(sp)
 
-    # the split's backward: cat(grads of the pieces, dim) that the weight's gradient reads
-    has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
-                       for n in graph.nodes)
-    for cat in [n for n in graph.nodes if n.target is aten.cat.default
-                and n.meta.get(ir.REGION) == ir.BACKWARD]:
-        pieces, cdim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0)
-        if len(pieces) != k or cdim % len(shape) != dim or \
-                list(cat.meta[ir.VAL].shape) != shape or not _feeds(cat, grad_of_weight):
-            continue
+    if cat is not None:  # (a forward-only graph, evaluate's, has none)
         bmeta = {ir.MODULE: cat.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD}
         with graph.inserting_before(cat):
             parts = [emit(aten.view.default, (p, [*lead, tp, 1, size // tp]), bmeta, None)
-                     for p in pieces]
+                     for p in cat.args[0]]
             joined = emit(aten.cat.default, (parts, len(lead) + 1), bmeta, None)
             flat = emit(aten.view.default, (joined, shape), bmeta, None)
         cat.replace_all_uses_with(flat)
         graph.erase_node(cat)
-        break
-    else:
-        if not has_backward:  # a forward-only graph (evaluate): nothing to rewrite
-            return k
-        raise ShardingError(
-            f"tensor parallelism: the fused projection '{lin.mm.meta.get(ir.MODULE, '')}' "
-            "splits its output into pieces, but the matching gradient concatenation was not "
-            "found in the backward; fxpar cannot shard it. Please report the model.")
     return k
 
 
