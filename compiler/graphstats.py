@@ -95,6 +95,7 @@ class GraphStats:
     note: str = ""
     heads: int | None = None     # attention heads, if found (tp must divide them)
     mutated_buffers: bool = False  # e.g. BatchNorm statistics: one microbatch per step only
+    microbatch_refusal: str | None = None  # why the loss cannot be split into microbatches
     # the precision whose graph (after the precision pass) the activation statistics were
     # measured on; "" = the traced graph's, scaled by dtype size for another precision
     activations_precision: str = ""

@@ -295,8 +295,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             mbs_opts = [rows_dp // m]
         for mbs in mbs_opts:
             m = rows_dp // mbs
-            if m > 1 and stats.mutated_buffers:
-                continue  # per-microbatch buffer updates (BatchNorm) differ from one step
+            if m > 1 and (stats.mutated_buffers or stats.microbatch_refusal):
+                continue  # per-microbatch buffer updates (BatchNorm) differ from one step;
+                # a loss whose microbatch means cannot be weighted to the batch mean
             scheds = [constraints["schedule"]] if "schedule" in constraints else (
                 list(schedules_) if pp > 1 else ["1f1b"])
             for sched in scheds:
@@ -663,6 +664,7 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
     GPT's bf16 step memory at 0.6x the CUDA allocator's peak."""
     from fxpar.compiler import capture as cap
+    from fxpar.passes import data_parallel
     gm, sig = cap.capture(model, example_batch, loss_fn)
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -671,6 +673,7 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     if precision != "fp32":
         _in_precision(stats, gm, sig, rows, precision)
     stats.mutated_buffers = bool(sig.mutated_buffers)
+    stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = _checkpoints_per_layer(gm)
     stats.graph = (gm, sig)  # for calibrate_on_model
     if pass_extras:

@@ -37,8 +37,10 @@ aten = torch.ops.aten
 
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    m = plan.microbatches
-    nll = _mean_nll_loss(gm.graph) if m > 1 else None
+    # (a forward-only graph, evaluate's, runs the whole batch at once)
+    joint = any(n.meta.get(ir.REGION) == ir.BACKWARD for n in gm.graph.nodes
+                if n.op == "call_function")
+    nll = _mean_nll_loss(gm.graph) if plan.microbatches > 1 and joint else None
     # the per-microbatch count of targets, taken from the unsharded graph (see below)
     ctx.loss_count = _target_count_program(gm, nll) if nll is not None else None
     gm = _split_batch(gm, plan, ctx)
@@ -212,6 +214,19 @@ def _mean_losses_as_one_all_reduce(graph, group, dp):
 # and gives every microbatch C_total / m, which the backward divides by (nll_loss_backward's
 # total_weight) and the loss is rescaled to (this microbatch's sum / (C_total / m)). The
 # average of the m results is then sum / C_total, exactly, for the loss and every gradient.
+
+def microbatch_refusal(gm: torch.fx.GraphModule) -> str | None:
+    """Why this joint graph cannot take microbatches > 1 exactly (None: it can). For the
+    planner, which must not propose such a plan."""
+    try:
+        nll = _mean_nll_loss(gm.graph)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        if nll is not None and not _only_through(out.args[0][0], nll):
+            raise PlanError("the loss adds other terms to a mean cross-entropy")
+    except PlanError as e:
+        return str(e)
+    return None
+
 
 def _mean_nll_loss(graph) -> torch.fx.Node | None:
     """The forward's one mean, unweighted nll_loss_forward whose targets come from the batch
