@@ -268,9 +268,10 @@ class ParallelModel:
         if program.loss_count is not None:  # the whole step's target count, shared out
             with torch.no_grad():
                 total = sum(program.loss_count(*cap.flatten_batch(t, program.signature))
-                            for t in trees)
+                            for t in trees)  # int64
+                share = (total / program.microbatches).to(program.loss_count.meta["dtype"])
             for leaves in mbs:
-                leaves.append(total / program.microbatches)
+                leaves.append(share)
         loss, grads, new_bufs = runner.run(self._params, self._buffers, mbs, self.world.device,
                                            rec, forward_only)
         if program.pp > 1:  # the last stage has the loss: every rank returns it

@@ -98,7 +98,7 @@ class _LossModule(torch.nn.Module):
     def __init__(self, model, loss_fn, batch_spec, const_leaves):
         super().__init__()
         object.__setattr__(self, "model", model)  # not a submodule: its names are ours
-        self.loss_fn = loss_fn
+        object.__setattr__(self, "loss_fn", loss_fn)  # (an nn.Module loss: not trained)
         self.batch_spec = batch_spec
         self.const_leaves = const_leaves  # {leaf index: python value} for non-tensor leaves
         self.param_names = list(dict(model.named_parameters()))  # first name per tensor
@@ -229,7 +229,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
         with _transformers_sees_tracing():
             try:
                 gm, sig = _export(wrapper, tensor_leaves, joint)
-            except AssertionError as e:
+            except AssertionError as e:  # AOTAutograd's check (its message, torch 2.5-2.13)
                 if "did not receive a gradient" not in str(e):
                     raise
                 # eager semantics: a parameter the loss does not reach gets no gradient (its
@@ -414,7 +414,9 @@ def _drop_empty_cat_inputs(graph, n) -> None:
     can place such an input, so the cat goes without it."""
     tensors, *rest = n.args
     keep = [t for t in tensors if not (isinstance(t, torch.fx.Node) and _is_legacy_empty(t))]
-    if len(keep) == len(tensors) or not keep:
+    dtype = n.meta["val"].dtype
+    if len(keep) == len(tensors) or not keep or any(  # (the empty one may promote the dtype)
+            t.meta["val"].dtype != dtype for t in keep):
         return
     if len(keep) == 1:
         with graph.inserting_before(n):
@@ -442,7 +444,7 @@ def _as_strided_as_view(graph, n) -> None:
     xv, sv = x.meta.get("val"), src.meta.get("val")
     if not (isinstance(xv, torch.Tensor) and isinstance(sv, torch.Tensor)) or \
             not _dense(size, stride) or xv.numel() != _numel(size) or \
-            not xv.is_contiguous() or sv.numel() != xv.numel():
+            not xv.is_contiguous() or xv.storage_offset() != 0 or sv.numel() != xv.numel():
         return
     with graph.inserting_before(n):
         if n.target is aten.as_strided.default:
@@ -464,7 +466,8 @@ def _copy_as_clone(graph, n) -> None:
     no rule for copy; expand / clone / _to_copy shard like their input."""
     dst, src = n.args[:2]
     dv, sv = dst.meta.get("val"), src.meta.get("val")
-    if n.kwargs or not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)):
+    if n.kwargs or not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)) or \
+            dv.device != sv.device:
         return
     try:
         if torch.broadcast_shapes(dv.shape, sv.shape) != dv.shape:

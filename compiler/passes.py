@@ -119,7 +119,7 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
             with mode:
                 try:
                     res = super().run_node(n)
-                except Exception:  # noqa: BLE001 - repaired below or re-raised
+                except (RuntimeError, ValueError):  # a view's stride error: repaired or raised
                     dense = None if check else _densify_view_input(n)
                     if dense is None:
                         raise
@@ -152,9 +152,10 @@ def _densify_view_input(n: torch.fx.Node) -> torch.fx.Node | None:
     with n.graph.inserting_before(n):
         dense = n.graph.call_function(torch.ops.aten.clone.default, (n.args[0],),
                                       {"memory_format": torch.contiguous_format})
-    dense.meta.update({k: v for k, v in n.args[0].meta.items() if k != ir.VAL})
-    dense.meta[ir.REGION] = n.meta.get(ir.REGION, dense.meta.get(ir.REGION))
-    dense.meta[ir.MODULE] = n.meta.get(ir.MODULE, "")
+    dense.meta.update({k: n.meta[k] for k in (ir.REGION, ir.MODULE, ir.STAGE, ir.PHASE,
+                                               ir.RECOMPUTE) if k in n.meta})
+    if ir.SHARD in n.args[0].meta:  # a copy is placed like what it copies
+        dense.meta[ir.SHARD] = n.args[0].meta[ir.SHARD]
     n.replace_input_with(n.args[0], dense)
     return dense
 

@@ -13,7 +13,6 @@ import torch._meta_registrations as _meta
 from torch._decomp import meta_table
 
 aten = torch.ops.aten
-_torch_grouped_mm = meta_table[aten._grouped_mm.default]
 
 
 def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -26,9 +25,13 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 # torch registers its rule twice: as the dispatcher's Meta kernel (fake tensors outside the
 # Python dispatcher) and as a Python kernel for the Meta key (taken while tracing). Both.
-_LIB = torch.library.Library("aten", "IMPL")  # kept alive: the registration lasts with it
-_LIB.impl("_grouped_mm", _grouped_mm, "Meta")
-_OP = aten._grouped_mm.default
-_OP.py_kernels.pop(torch._C.DispatchKey.Meta, None)
-_OP.py_impl(torch._C.DispatchKey.Meta)(_grouped_mm)
-_OP._dispatch_cache.clear()
+# Only shapes torch's rule rejects change (it raises for them), so other code is unaffected.
+# A torch without grouped_mm (or without the helper) keeps its own rule.
+_torch_grouped_mm = meta_table.get(getattr(getattr(aten, "_grouped_mm", None), "default", None))
+if _torch_grouped_mm is not None and hasattr(_meta, "_create_grouped_mm_output_tensor"):
+    _LIB = torch.library.Library("aten", "IMPL")  # kept alive: the registration lasts with it
+    _LIB.impl("_grouped_mm", _grouped_mm, "Meta")
+    _OP = aten._grouped_mm.default
+    _OP.py_kernels.pop(torch._C.DispatchKey.Meta, None)
+    _OP.py_impl(torch._C.DispatchKey.Meta)(_grouped_mm)
+    _OP._dispatch_cache.clear()

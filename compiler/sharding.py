@@ -14,6 +14,7 @@ without a process group (`_init_backend=False`): placement decisions need no com
 """
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, Sequence
 
@@ -33,6 +34,7 @@ __all__ = ["Replicate", "Shard", "Partial", "make_mesh", "shard_graph", "redistr
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+log = logging.getLogger("fxpar.sharding")
 
 
 # --- custom ops for the rank-dependent pieces, so one graph serves every rank -------------
@@ -248,7 +250,8 @@ def _batch_head_rule(node, specs, replicate):
         elif want_p.dim == 1 and shape[1] == 1 and len(shape) == 4:
             wanted[a] = replicate  # the one kv head of multi-query attention
         elif want_p.dim == 1 and len(shape) == 4 and ref_shape[1] % shape[1] == 0:
-            return {a: replicate for a in tensors}, [Replicate()] * 3  # see the docstring
+            want_p = Replicate()  # see the docstring
+            return {a: replicate for a in tensors}, [want_p] * _n_outputs(node)
         else:
             wanted[a] = replicate  # e.g. a mask broadcast over the batch
     if node.target in _ATTENTION_BACKWARD:  # (grad_q, grad_k, grad_v) for args 1, 2, 3
@@ -258,7 +261,12 @@ def _batch_head_rule(node, specs, replicate):
                         Partial() if isinstance(want_p, Shard) and want_p.dim == 1 else
                         Replicate())
         return wanted, outs
-    return wanted, [want_p] * 4
+    return wanted, [want_p] * _n_outputs(node)
+
+
+def _n_outputs(node) -> int:
+    val = node.meta.get(ir.VAL)
+    return len(val) if isinstance(val, (tuple, list)) else 1
 
 
 def _mesh_size(spec) -> int:
@@ -595,6 +603,9 @@ class _Sharder:
                      if isinstance(self.specs[a], DTensorSpec)
                      and _placements(self.specs[a]) != self.replicate}
             if split:
+                log.debug("%s (node %s, module '%s'): DTensor's rule refused %s; run on whole "
+                          "inputs", node.target, node.name, node.meta.get(ir.MODULE, ""),
+                          [_placements(self.specs[a]) for a in split])
                 self.place(node, split)
             if split or out is None:
                 out = self.ask_dtensor(node)  # with nothing to gather: the rule's own error

@@ -45,7 +45,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     ctx.loss_count = _target_count_program(gm, nll) if nll is not None else None
     gm = _split_batch(gm, plan, ctx)
     if ctx.loss_count is not None:
-        _mean_over_microbatches(gm, nll, ctx)
+        _mean_over_microbatches(gm, nll, ctx, plan.dp)
     return gm
 
 
@@ -278,33 +278,34 @@ def _target_count_program(gm, nll) -> torch.fx.GraphModule:
     dtype: the graph's own computation of the target (shifts, padding), then != ignore_index."""
     g = torch.fx.Graph()
     env = {}
-    for n in gm.graph.nodes:  # every batch input, in order (the program takes all leaves)
-        if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch":
+    for n in gm.graph.nodes:  # the user's batch leaves, in order (not fp16's loss scale)
+        if n.op == "placeholder" and n.meta.get("fqn", "").startswith("batch["):
             env[n] = g.placeholder(n.name)
     for n in _batch_only(nll.args[1]):
         if n not in env:
             env[n] = g.node_copy(n, env.__getitem__)
     ignore = nll.args[4] if len(nll.args) > 4 else -100
     counted = g.call_function(aten.ne.Scalar, (env[nll.args[1]], ignore))
-    dtype = nll.meta[ir.VAL][1].dtype
-    total = g.call_function(aten.sum.default, (counted,))
-    g.output(g.call_function(aten._to_copy.default, (total,), {"dtype": dtype}))
-    return torch.fx.GraphModule(gm, g)
+    g.output(g.call_function(aten.sum.default, (counted,)))  # int64: exact at any size
+    counter = torch.fx.GraphModule(gm, g)
+    counter.meta["dtype"] = nll.meta[ir.VAL][1].dtype  # the share's (total_weight's) dtype
+    return counter
 
 
-def _mean_over_microbatches(gm, nll, ctx) -> None:
+def _mean_over_microbatches(gm, nll, ctx, dp: int) -> None:
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     loss = out.args[0][0]
     backs = [n for n in graph.nodes if n.target is aten.nll_loss_backward.default]
-    if not backs or not _only_through(loss, nll):
+    count = backs[0].args[6] if backs else None  # this microbatch's (over every dp rank)
+    if count is None or not _only_through(loss, nll) or (
+            dp > 1 and count not in _ancestors(loss)):
         raise PlanError(
             "microbatches > 1: this model's loss adds other terms to a mean cross-entropy "
             f"(module '{nll.meta.get(ir.MODULE, '')}'), so fxpar cannot weight the "
             "microbatches by their target counts (the mean of per-microbatch means differs "
             "from the batch mean when the counts differ, e.g. with padding or ignore_index). "
             "Use microbatches=1.")
-    count = backs[0].args[6]  # this microbatch's count (over every dp rank when dp > 1)
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(phs[-1]):
         share = graph.placeholder("loss_count")
@@ -329,10 +330,31 @@ def _mean_over_microbatches(gm, nll, ctx) -> None:
     out.args = ((new_loss, *out.args[0][1:]),)
 
 
+# what may lie between the mean cross-entropy and the loss: views and casts of it, scaling
+# by a constant, and the data-parallel pass's exact reduction (sum and count all-reduced)
+_LINEAR = {operator.getitem, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+           aten.div.Scalar, aten.where.ScalarOther, aten.ne.Scalar, aten.stack.default,
+           aten.select.int, aten.clone.default, aten._to_copy.default,
+           c10d.all_reduce.default, c10d.wait_tensor.default}
+
+
 def _only_through(loss, nll) -> bool:
-    """Whether the loss depends on the model only through `nll` (views of its mean, the
-    data-parallel pass's reduction of it): no other loss term adds to it."""
-    todo, seen = [loss], set()
+    """Whether the loss is the mean cross-entropy `nll` alone, up to views, casts, constant
+    factors and the data-parallel reduction: no other term, nothing nonlinear (a loss**2
+    would make the rescaled microbatch losses wrong)."""
+    up = _ancestors(loss)
+    if nll not in up:
+        return False
+    down, todo = set(), [nll]
+    while todo:
+        for u in todo.pop().users:
+            if u not in down and u in up:
+                down.add(u)
+                todo.append(u)
+    if any(n.op == "call_function" and n.target not in _LINEAR and n.target not in ir.RESHAPES
+           for n in down):
+        return False
+    todo, seen = [loss], set()  # and the model reaches the loss through nll only
     while todo:
         n = todo.pop()
         if n in seen or n is nll:
@@ -341,7 +363,7 @@ def _only_through(loss, nll) -> bool:
         if n.op == "placeholder" and n.meta.get(ir.ROLE) in ("param", "buffer"):
             return False
         todo.extend(n.all_input_nodes)
-    return nll in _ancestors(loss)
+    return True
 
 
 def _ancestors(node) -> set:

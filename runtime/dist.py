@@ -118,7 +118,10 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
 
 def _destroy_at_exit() -> None:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway (e.g. after a rank failure)
+            pass
 
 
 def _share_cores() -> None:

@@ -174,6 +174,7 @@ def test_microbatches_weight_a_mean_cross_entropy_by_the_step_count():
     for nb in _nodes(gm, aten.nll_loss_backward.default):
         assert nb.args[6] is share
     assert ctx.loss_count(*mb.values()).item() == (mb["labels"] != -100).sum().item()
+    assert ctx.loss_count.meta["dtype"] == torch.float32
 
 
 def test_microbatches_train_a_padded_model_exactly():
@@ -199,6 +200,25 @@ def test_a_loss_with_other_terms_under_microbatches_is_refused():
     ids = torch.randint(0, 16, (4, 6))
     with pytest.raises(PlanError, match="adds other terms to a mean cross-entropy.*microbatches=1"):
         _compile(M(), (ids, ids), microbatches=2)
+
+    class Squared(M):  # nonlinear in the mean: the microbatch rescaling would be wrong
+        def forward(self, batch):
+            ids, targets = batch
+            return F.cross_entropy(self.out(self.emb(ids)).flatten(0, 1), targets.flatten()) ** 2
+
+    with pytest.raises(PlanError, match="microbatches=1"):
+        _compile(Squared(), (ids, ids), microbatches=2)
+
+
+def test_microbatches_with_fp16_loss_scaling_count_only_the_batch():
+    """fp16's loss-scale input is a batch-role placeholder too: the counter takes only the
+    user's batch leaves, and the share comes after the scale."""
+    model, spec = zoo.build("gpt2")
+    mb = {k: v[:4] for k, v in spec.batch(0).items()}
+    gm, ctx = _compile(model, mb, microbatches=2, precision="fp16")
+    names = [n.meta.get("fqn") for n in gm.graph.nodes if n.op == "placeholder"][-2:]
+    assert names == ["loss_scale", "loss_count"]
+    assert ctx.loss_count(*mb.values()).item() == 4 * 15  # the model's shifted labels
 
 
 # --- the sweep --------------------------------------------------------------------------------------
