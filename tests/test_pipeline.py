@@ -38,7 +38,7 @@ def run_parts(prog, model, sig, batch):
     buffers = [buffers[k] for k in sig.buffer_names]
     leaves = flatten_batch(batch, sig)
     if prog.loss_count is not None:  # the whole batch as one microbatch: its whole count
-        leaves.append(prog.loss_count(*leaves))
+        leaves.append(prog.loss_count(*leaves).to(prog.loss_count.meta["dtype"]))
     rank = {"F": 0, "B": 1, "I": 1, "W": 2}
     order = sorted(prog.parts, key=lambda k: (k[0] != "F", (1 if k[0] == "F" else -1) *
                                               int(k[1:]), rank[k[0]]))

@@ -241,6 +241,7 @@ def test_memory_estimate_vs_tracker_in_each_precision(precision):
     assert abs(est - peak) <= 0.10 * peak, (precision, est / 2**20, peak / 2**20)
 
 
+@pytest.mark.slow  # (21 s: kept out of make test's 6 minutes)
 @pytest.mark.parametrize("layers,seq", [(8, 128), (12, 64)])
 def test_sqrt_remat_memory_vs_tracker(layers, seq):
     """remat="sqrt": the pass checkpoints at cut vertices, 2 per transformer block (after each

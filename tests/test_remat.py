@@ -186,6 +186,7 @@ def _law(make, ns):
     return _fit_exponent(ns, none), _fit_exponent(ns, sqrt), max(extra)
 
 
+@pytest.mark.slow  # (12 s)
 def test_sqrt_law_deep_mlp():
     a_none, a_sqrt, extra = _law(lambda n: _deep_mlp(n, width=128, batch=64), [4, 8, 16, 32, 64])
     assert a_none > 0.9, a_none
@@ -202,6 +203,7 @@ def test_sqrt_law_gpt():
     assert extra <= 1.0, extra
 
 
+@pytest.mark.slow  # (9 s)
 def test_evaluate_runs_in_constant_memory():
     """pm.evaluate frees every value at its last use: flat in depth (within 10%)."""
     peaks = []
