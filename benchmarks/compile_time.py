@@ -43,7 +43,7 @@ def main():
         gm, sig = capture(model, batch)
         t1 = time.perf_counter()
         ctx = PassContext(signature=sig, group_names={"dp": "dp", "tp": "tp"})
-        gm = run_passes(gm, resolve({"fuse": False}, 1), ctx, "dp", None)
+        gm = run_passes(gm, resolve({"fuse": False}, 1), ctx, "dp", {})
         t2 = time.perf_counter()
         n = len(gm.graph.nodes)
         print(f"{layers:>6} {n:>6} {t1 - t0:>10.2f} {t2 - t1:>9.2f} "
