@@ -314,8 +314,19 @@ def _mean_over_microbatches(gm, nll, ctx, dp: int) -> None:
     ctx.batch_shard_dims = [*ctx.batch_shard_dims, None]
     for b in backs:
         b.args = (*b.args[:6], share, *b.args[7:])
-    meta = {ir.REGION: loss.meta.get(ir.REGION, ir.FORWARD), ir.MODULE: nll.meta.get(ir.MODULE, ""),
-            ir.SHARD: loss.meta.get(ir.SHARD)}
+    if count.meta.get(ir.REGION) != ir.FORWARD:  # (remat's copy): the loss needs the forward's
+        count = next((u for u in nll.users if u.target is operator.getitem and u.args[1] == 1
+                      and u.meta.get(ir.REGION) == ir.FORWARD), None)
+        if count is None:
+            with graph.inserting_after(nll):
+                count = graph.call_function(operator.getitem, (nll, 1))
+            count.meta.update({k: v for k, v in nll.meta.items() if k != ir.VAL})
+            count.meta[ir.VAL] = nll.meta[ir.VAL][1]
+    # the new nodes run where the loss is made (its pipeline stage and phase: a forward-only
+    # run, evaluate under a pipeline, must compute them)
+    meta = {k: loss.meta[k] for k in (ir.REGION, ir.SHARD, ir.STAGE, ir.PHASE) if k in loss.meta}
+    meta.setdefault(ir.REGION, ir.FORWARD)
+    meta[ir.MODULE] = nll.meta.get(ir.MODULE, "")
 
     def emit(target, args, val):
         node = graph.call_function(target, args)

@@ -159,7 +159,7 @@ def test_tensors_inside_list_arguments_are_seen_by_the_rule():
 def _compile(model, batch, **plan):
     gm, sig = capture(model, batch)
     ctx = PassContext(signature=sig, group_names={"dp": "g", "tp": "t"})
-    world = plan.get("dp", 1)
+    world = plan.get("dp", 1) * plan.get("pp", 1)
     return run_passes(gm, resolve(plan, world), ctx, "r", {}), ctx
 
 
@@ -183,6 +183,31 @@ def test_microbatches_train_a_padded_model_exactly():
         ref = zoo_sweep.eager_reference(name, steps=2)
         losses, state, _ = zoo_sweep.train(name, 1, {"microbatches": 2}, steps=2)
         assert zoo_sweep.compare(losses, state, *ref) == "", name
+
+
+def test_the_rescaled_loss_is_made_in_the_forward_part_of_its_stage():
+    """Under pp with remat the backward's count is a recomputed copy; the loss rescale must
+    still run in the last stage's forward part (evaluate runs forward parts only)."""
+    from fxpar.compiler import stages
+    model, spec = zoo.build("bert_mlm")
+    mb = {k: v[:4] for k, v in spec.batch(0).items()}
+    gm, ctx = _compile(model, mb, microbatches=2, pp=2, remat="sqrt")
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert loss.target is aten.where.ScalarOther
+    assert (loss.meta[ir.PHASE], loss.meta[ir.STAGE]) == ("F", 1)
+    prog = stages.split(gm, capture(model, mb)[1], 2)
+    assert prog.loss in prog.parts["F1"].outputs
+
+
+def test_evaluate_with_microbatches_gives_the_batch_mean():
+    """evaluate() runs the training program's forward parts per microbatch: the rescaled
+    losses (computed in the loss's own part) average to eager's mean over the batch."""
+    model, spec = zoo.build("bert_mlm")
+    batch = spec.batch(0)
+    pm = fxpar.parallelize(model, 1, example_batch=batch, plan={"microbatches": 2})
+    with torch.no_grad():
+        ref = zoo.loss_of(model, spec, batch)
+    torch.testing.assert_close(pm.evaluate(batch), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_a_loss_with_other_terms_under_microbatches_is_refused():
