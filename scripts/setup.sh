@@ -24,9 +24,13 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # No GPU, and a local CPU wheel is on pip's find-links: it wins (2.13.0+cpu > 2.13.0).
     $PIP install "torch==$TORCH_VERSION"
   else
-    # No GPU: never pull the CUDA wheels; take PyTorch's CPU build.
-    $PIP install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
-      --extra-index-url https://pypi.org/simple
+    # No GPU and no CPU wheel reachable through pip's own configuration: installing torch
+    # from the default index would pull gigabytes of CUDA wheels, so stop and say how.
+    echo "fxpar setup: no GPU here and pip finds no CPU build of torch==$TORCH_VERSION." >&2
+    echo "Install a CPU torch first (configure pip's index or find-links for PyTorch's CPU" >&2
+    echo "wheels, then: $PIP install torch==$TORCH_VERSION), or set PYTHON to an interpreter" >&2
+    echo "that already has torch, and run make again." >&2
+    exit 1
   fi
 fi
 
