@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for a machine with an NVIDIA GPU and torch + triton already
 # installed (no .venv needed: the repository is imported as `fxpar` through a symlink).
-#   bash benchmarks/gpu_checks.sh [LOG_DIR]      (about 15 minutes on one H100)
+#   bash benchmarks/gpu_checks.sh [LOG_DIR [PART ...]]   (about 15 minutes on one H100)
+# PARTs (default: all) pick the numbered steps below, so the checks fit a 10-minute call each.
 # 0. benchmarks/step_vs_eager.py: fxpar (fuse on/off x CUDA graphs on/off) vs eager vs
 #    torch.compile (default, reduce-overhead), GPT-2 small and a small Llama, fp32 and bf16
 #    (issue 21's targets), and benchmarks/executor_overhead.py (host cost per node)
@@ -16,17 +17,27 @@ LOGS=$(cd "${1:-gpu_logs}" && pwd)
 ln -sfn "$(cd "$(dirname "$0")/.." && pwd)" /tmp/fxpar_import/fxpar
 export PYTHONPATH=/tmp/fxpar_import${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
+shift 2>/dev/null; PARTS=" ${*:-0 1 2 3} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$LOGS/gpu.txt"
+if part 0; then
 timeout 420 $PY benchmarks/step_vs_eager.py --steps 15 2>&1 | grep -v "Warning\|transformers" \
     | tee "$LOGS/step_vs_eager.log" | tail -40
 timeout 60 $PY benchmarks/executor_overhead.py 2>&1 | tee "$LOGS/executor_overhead.log" | tail -6
+fi
+if part 1; then
 FXPAR_TEST_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short -p no:logging \
     tests/test_gpu.py tests/test_kernels.py 2>&1 | grep -v "registered at\|fallthrough" \
     > "$LOGS/tests.log"; tail -15 "$LOGS/tests.log"
+fi
+if part 2; then
 timeout 240 $PY benchmarks/planner_gpu.py --limit 3 --steps 5 > "$LOGS/planner_gpu.log" 2>&1
 timeout 120 $PY benchmarks/planner_gpu.py --limit 1 --steps 5 --no-fuse --precision bf16 \
     --profile > "$LOGS/planner_gpu_unfused.log" 2>&1
 grep -h "==\|predicted\|error\|fxpar (\|eager \|torch.compile " "$LOGS"/planner_gpu*.log
+fi
+if part 3; then
 timeout 150 $PY benchmarks/kernels.py --gpu-only 2>&1 | tee "$LOGS/kernels.log" | tail -12
+fi

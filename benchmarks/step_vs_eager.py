@@ -16,8 +16,9 @@ is the median of per-round ratios. Losses are compared with eager's, step by ste
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import copy
+import gc
 import statistics
 import time
 
@@ -182,6 +183,10 @@ def main(argv=None):
             res = run(model_name, precision, device, small, args.steps, args.warmup)
             results[(model_name, precision)] = report(model_name, precision, device, res,
                                                       small)
+            del res  # the models, optimizer states and CUDA graph pools of this row set:
+            gc.collect()  # held into the next one, they filled an 80 GB GPU (OOM)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return results
 
 

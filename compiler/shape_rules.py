@@ -30,6 +30,9 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 _torch_grouped_mm = meta_table.get(getattr(getattr(aten, "_grouped_mm", None), "default", None))
 if _torch_grouped_mm is not None and hasattr(_meta, "_create_grouped_mm_output_tensor"):
     _LIB = torch.library.Library("aten", "IMPL")  # kept alive: the registration lasts with it
+    # torch < 2.13 refuses a second Python kernel for a key it has one for (its own rule
+    # here) unless the key is forgotten first; 2.13 allows the override by default.
+    getattr(torch.library, "_impls", set()).discard("aten/_grouped_mm/Meta")
     _LIB.impl("_grouped_mm", _grouped_mm, "Meta")
     _OP = aten._grouped_mm.default
     _OP.py_kernels.pop(torch._C.DispatchKey.Meta, None)

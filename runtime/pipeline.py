@@ -250,13 +250,15 @@ class PipelineRunner:
         """Move the values this forward keeps for its own backward to host memory, unless
         the next action on this rank is that backward. A storage moves only if nothing else
         holds it: not a weight or the batch, not a value sent to another rank (the send holds
-        it), not a value kept here for another forward."""
+        it), not a value kept here for another forward; and only device values (a CUDA
+        program can keep a host tensor too: moving it frees nothing)."""
         move = []
         for name in part.outputs:
             k = (name, mb)
             cs = self._consumers(name)
             local = [c for c in cs if self.rank_of(self.p.parts[c].stage) == self.rank]
             if k not in store or not isinstance(store[k], torch.Tensor) or not local or \
+                    store[k].device != self.stash.device or \
                     len(local) < len(cs) or any(c[0] == "F" for c in local):
                 continue
             if nxt is not None and nxt.microbatch == mb and f"{nxt.kind}{nxt.stage}" in local:

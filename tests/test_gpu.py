@@ -95,7 +95,7 @@ def test_half_precision_training_on_gpu_tracks_fp32(precision):
 
 
 def test_offload_on_gpu_keeps_the_losses_and_lowers_the_peak():
-    """4 microbatches with offload: the stashed activations go to pinned host memory on a side
+    """4 microbatches under GPipe with offload: the stashed activations go to pinned host memory on a side
     stream and come back before their backward; the losses are those of the same plan
     without offload and the CUDA allocator's peak is lower (activations dominate here:
     T=512, 32 rows, a small vocabulary)."""
@@ -104,9 +104,12 @@ def test_offload_on_gpu_keeps_the_losses_and_lowers_the_peak():
     data = _batch(cfg, 32)
     peaks, losses = {}, {}
     for offload in (False, True):
-        pm, losses[offload] = _fxpar(fxpar.Plan(microbatches=4, offload=offload, fuse=False),
-                                     3, data, cfg)
+        # GPipe: all four forwards before any backward, so three microbatches' activations
+        # wait (1F1B at pp=1 runs each backward right after its forward: nothing waits)
+        pm, losses[offload] = _fxpar(fxpar.Plan(microbatches=4, schedule="gpipe",
+                                                offload=offload, fuse=False), 3, data, cfg)
         _, peaks[offload] = measure(lambda: pm.step(data))
+        assert not offload or pm.offload_stats["copies"] > 0, pm.offload_stats
         del pm
         torch.cuda.empty_cache()
     # the same arithmetic; CUDA's embedding backward accumulates with atomics (not
