@@ -1,10 +1,12 @@
 """fxpar: make any PyTorch model train on many devices without hand-written parallel code."""
-from fxpar.compiler.api import parallelize, ParallelModel  # noqa: F401
+from fxpar.compiler.api import parallelize  # noqa: F401
+from fxpar.compiler.compile import compile  # noqa: F401
 from fxpar.compiler.errors import TraceError, PlanError, ShardingError, BatchError, FxparError  # noqa: F401
 from fxpar.compiler.errors import CheckpointError, RankFailure, NonFiniteLossError  # noqa: F401
 from fxpar.compiler.plan import Plan  # noqa: F401
 from fxpar.runtime.dist import launch  # noqa: F401
+from fxpar.runtime.trainer import ParallelModel  # noqa: F401
 
-__all__ = ["parallelize", "Plan", "launch", "ParallelModel", "TraceError", "PlanError",
+__all__ = ["parallelize", "compile", "Plan", "launch", "ParallelModel", "TraceError", "PlanError",
            "ShardingError", "BatchError", "FxparError",
            "CheckpointError", "RankFailure", "NonFiniteLossError"]

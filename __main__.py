@@ -27,32 +27,21 @@ def _example(name: str):
 
 
 def cmd_viz(args):
-    """Compile an example for a plan (no processes needed) and write one SVG per pass."""
-    import torch
-    from fxpar.compiler.capture import capture
-    from fxpar.compiler.passes import PassContext, run_passes
-    from fxpar.compiler.plan import resolve
+    """Compile an example for a plan (fxpar.compile: no processes) and write one SVG per pass."""
+    import fxpar
     from fxpar.viz.graph import summary, write_snapshots
     model, batch_fn = _example(args.example)
-    batch = batch_fn(args.batch)
-    if args.microbatches > 1:  # the graph of one microbatch, as parallelize traces it
-        batch = torch.utils._pytree.tree_map(
-            lambda t: t.chunk(args.microbatches)[0] if isinstance(t, torch.Tensor) else t, batch)
-    gm, sig = capture(model, batch)
-    snaps = {}
-    ctx = PassContext(signature=sig, group_names={"dp": "dp", "tp": "tp"},
-                      virtual_stages=2 if args.schedule == "interleaved" else 1)
     remat = int(args.remat) if args.remat.isdigit() else args.remat
-    plan = resolve({"dp": args.dp, "pp": args.pp, "tp": args.tp, "remat": remat,
-                    "zero": args.zero, "microbatches": args.microbatches,
-                    "schedule": args.schedule}, args.dp * args.pp * args.tp)
-    gm = run_passes(gm, plan, ctx, "dp", snaps)
-    for p in write_snapshots(snaps, args.out):
+    prog = fxpar.compile(model, args.dp * args.pp * args.tp, example_batch=batch_fn(args.batch),
+                         plan={"dp": args.dp, "pp": args.pp, "tp": args.tp, "remat": remat,
+                               "zero": args.zero, "microbatches": args.microbatches,
+                               "schedule": args.schedule})
+    for p in write_snapshots(prog.stage_graphs, args.out):
         print(p)
-    if "remat" in snaps:
+    if "remat" in prog.stage_graphs:
         from fxpar.viz.memory import plot_remat
-        print(plot_remat(snaps, os.path.join(args.out, "memory_remat.png")))
-    print(summary(gm))
+        print(plot_remat(prog.stage_graphs, os.path.join(args.out, "memory_remat.png")))
+    print(summary(prog.graph))
 
 
 def cmd_demo(args):
@@ -66,6 +55,7 @@ def cmd_plan(args):
     import json
     import torch
     from fxpar.compiler import cost, planner
+    from fxpar.examples import gpt_stats as G
     from fxpar.compiler.errors import FxparError
     dev = args.device_type
     precision = args.precision or ("fp32" if dev == "cpu" else "bf16")
@@ -82,7 +72,7 @@ def cmd_plan(args):
         if ":" in args.model:
             stats, rows = _factory_stats(args.model, precision)
         else:
-            stats = planner.gpt_stats(args.model, seq=args.seq, precision=precision)
+            stats = G.gpt_stats(args.model, seq=args.seq, precision=precision)
             rows = args.batch
         constraints = json.loads(args.fix) if args.fix else {}
         result = planner.search(stats, args.devices, hw, batch_rows=args.batch or rows,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
@@ -25,9 +24,7 @@ def gpt2(layers: int, seq: int):
 
 
 def main():
-    from fxpar.compiler.capture import capture
-    from fxpar.compiler.passes import PassContext, run_passes
-    from fxpar.compiler.plan import resolve
+    import fxpar
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="2,12,48")
     ap.add_argument("--seq", type=int, default=128)
@@ -38,13 +35,12 @@ def main():
         model = gpt2(layers, args.seq)
         ids = torch.randint(0, 50257, (2, args.seq))
         batch = {"input_ids": ids, "labels": ids}
-        capture(model, batch)  # warm: imports, first-call caches
-        t0 = time.perf_counter()
-        gm, sig = capture(model, batch)
-        t1 = time.perf_counter()
-        ctx = PassContext(signature=sig, group_names={"dp": "dp", "tp": "tp"})
-        gm = run_passes(gm, resolve({"fuse": False}, 1), ctx, "dp", {})
-        t2 = time.perf_counter()
+        fxpar.compile(model, 1, example_batch=batch, plan={"fuse": False})  # warm: imports
+        prog = fxpar.compile(model, 1, example_batch=batch, plan={"fuse": False})
+        times = dict((name, t) for name, t, _ in prog.compile_times)
+        t0, t1 = 0.0, times.pop("capture")
+        t2 = t1 + sum(times.values())
+        gm = prog.graph
         n = len(gm.graph.nodes)
         print(f"{layers:>6} {n:>6} {t1 - t0:>10.2f} {t2 - t1:>9.2f} "
               f"{1e3 * (t2 - t0) / n:>8.2f}", flush=True)

@@ -21,7 +21,7 @@ import torch
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import cost
-from fxpar.compiler.passes import PassContext
+from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan
 from fxpar.examples import models as M
 from fxpar.kernels.jit import interpreter

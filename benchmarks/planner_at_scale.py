@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from fxpar.compiler import cost, planner
+from fxpar.examples import gpt_stats as G
 
 # name, t, p, GPUs, batch, measured TFLOP/s per GPU, % of peak (Table 1)
 PAPER = [
@@ -27,13 +28,13 @@ PAPER = [
 
 
 def paper_flops(name, batch, s=2048, V=51200):
-    L, h, _ = planner.GPT_CONFIGS[name]
+    L, h, _ = G.GPT_CONFIGS[name]
     return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 def row(name, t, p, gpus, batch, measured, pct):
     hw = cost.HARDWARE["a100"]
-    stats = planner.gpt_stats(name)
+    stats = G.gpt_stats(name)
     t0 = time.perf_counter()
     own = planner.search(stats, gpus, hw, batch_rows=batch, precision="bf16", executable=False)
     # the paper recomputes every layer's activations (its FLOP count includes it): a remat

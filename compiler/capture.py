@@ -24,10 +24,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import ir
+from fxpar.compiler.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
 from fxpar.compiler.errors import TraceError
+from fxpar.compiler.sharding import has_sharding_rule
 
 log = logging.getLogger("fxpar.capture")
 aten = torch.ops.aten
@@ -52,7 +56,6 @@ def decomposition_table() -> dict:
     """Decompose ops with no sharding rule (e.g. mse_loss) into ops that have one, plus the
     few we always want decomposed (see module docstring)."""
     from torch._decomp import core_aten_decompositions
-    from fxpar.compiler.sharding import has_sharding_rule
     table = {op: fn for op, fn in core_aten_decompositions().items()
              if isinstance(op, torch._ops.OpOverload) and not has_sharding_rule(op)}
     table.update(get_decompositions([
@@ -95,7 +98,7 @@ class _LossModule(torch.nn.Module):
     one module object (T5's shared / encoder.embed_tokens / decoder.embed_tokens) would
     leave all but one name without a gradient."""
 
-    def __init__(self, model, loss_fn, batch_spec, const_leaves):
+    def __init__(self, model, loss_fn, batch_spec, const_leaves, stand_ins):
         super().__init__()
         object.__setattr__(self, "model", model)  # not a submodule: its names are ours
         object.__setattr__(self, "loss_fn", loss_fn)  # (an nn.Module loss: not trained)
@@ -112,9 +115,9 @@ class _LossModule(torch.nn.Module):
             for i, (name, t) in enumerate(unique.items()):
                 ours[id(t)] = f"{prefix}{i}"
                 if prefix == "p":
-                    self.register_parameter(ours[id(t)], t)
+                    self.register_parameter(ours[id(t)], stand_ins.get(id(t), t))
                 else:
-                    self.register_buffer(ours[id(t)], t)
+                    self.register_buffer(ours[id(t)], stand_ins.get(id(t), t))
             slots = set()  # (module, attribute): swapped once, or restoring would leak a fake
             for name, t in every:
                 owner, _, attr = name.rpartition(".")
@@ -209,11 +212,14 @@ def _trace_error(exc: BaseException, module_path: str) -> TraceError:
 
 
 def capture(model: torch.nn.Module, example_batch: Any,
-            loss_fn: Callable | None = None, *, joint: bool = True
+            loss_fn: Callable | None = None, *, joint: bool = True,
+            stand_ins: dict[int, torch.Tensor] | None = None
             ) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
     """Trace loss_fn(model, batch) and d loss / d params into one joint ATen graph.
 
     joint=False traces the forward only (for evaluate): outputs (loss, updated buffers).
+    `stand_ins` ({id(parameter or buffer): fake tensor}, from `fake_weights`) replace model
+    tensors in the trace: a meta-device model's, or weights the runtime has sharded since.
     """
     loss_fn = loss_fn or default_loss_fn
     leaves, spec = pytree.tree_flatten(example_batch)
@@ -222,7 +228,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
     if not tensor_leaves:
         raise TraceError("example_batch holds no tensors; pass one global batch: a tensor, "
                          "a tuple or a dict of tensors.")
-    wrapper = _LossModule(model, loss_fn, spec, const_leaves)
+    wrapper = _LossModule(model, loss_fn, spec, const_leaves, stand_ins or {})
     tagger = _ModuleTagger(model)
     unused: list[torch.nn.Parameter] = []
     try:
@@ -296,10 +302,10 @@ def _transformers_sees_tracing():
 def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.nn.Parameter]:
     """The trainable parameters that d loss / d params does not reach (unused heads, poolers,
     a branch the batch never takes), found by running the loss on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     named = dict(wrapper.named_parameters())
     state = {**named, **dict(wrapper.named_buffers())}
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    mode = detect_fake_mode(tuple(state.values())) or FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
         fake = {k: mode.from_tensor(v, static_shapes=True) for k, v in state.items()}
         for k in named:
             fake[k].requires_grad_(named[k].requires_grad)
@@ -308,6 +314,23 @@ def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.
         trainable = [k for k, p in named.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [fake[k] for k in trainable], allow_unused=True)
     return [named[k] for k, g in zip(trainable, grads) if g is None]
+
+
+def fake_weights(model: torch.nn.Module, device, only_meta: bool = True
+                 ) -> dict[int, torch.Tensor]:
+    """Stand-ins for `capture`: a fake tensor on `device` (same shape, strides, dtype) for
+    each parameter and buffer of `model` on the meta device (only_meta) or for all of them,
+    keyed by id (a tied weight gets one). Tracing needs shapes, never values."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    out: dict[int, torch.Tensor] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) in out or (only_meta and not t.is_meta):
+            continue
+        with mode:
+            f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        out[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else f
+    return out
 
 
 def _strip(name: str) -> str:
@@ -511,26 +534,3 @@ def _dense(size, stride) -> bool:
 def _is_legacy_empty(node) -> bool:
     v = node.meta.get("val")
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
-
-
-def flatten_batch(batch: Any, signature: ir.GraphSignature) -> list[torch.Tensor]:
-    """Batch -> its tensor leaves, checking it has the example batch's structure and shapes."""
-    from fxpar.compiler.errors import BatchError
-    leaves, spec = pytree.tree_flatten(batch)
-    if spec != signature.batch_spec:
-        raise BatchError(f"batch structure {spec} differs from the example_batch's "
-                         f"{signature.batch_spec}; give step() batches shaped like example_batch "
-                         "(or call parallelize again with a matching example_batch).")
-    out = []
-    for i, (v, m) in enumerate(zip(leaves, signature.batch_leaf_meta)):
-        if isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.dtype):
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m[0] or v.dtype != m[1]:
-                got = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise BatchError(f"batch leaf {i} is {got}, but example_batch had {m}; the graph "
-                                 "was compiled for the example batch's shapes and dtypes. Pad or "
-                                 "re-parallelize with a matching example_batch.")
-            out.append(v)
-        elif v != m:
-            raise BatchError(f"non-tensor batch leaf {i} is {v!r} but example_batch had {m!r}; "
-                             "non-tensor values are baked into the graph at trace time.")
-    return out

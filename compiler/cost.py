@@ -15,9 +15,8 @@ real run allocates (checked against `fxpar.runtime.memtrack` in the tests).
 from __future__ import annotations
 
 import dataclasses
-import os
 import operator
-from typing import Iterable
+import os
 
 import torch
 import torch.fx
@@ -25,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fxpar.compiler import ir
+from fxpar.kernels import codegen
 
 aten = torch.ops.aten
 
@@ -158,18 +158,6 @@ def node_time(node: torch.fx.Node, profile: DeviceProfile) -> float:
     """Roofline estimate: the slower of compute and memory traffic."""
     r, w = node_bytes(node)
     return max(node_flops(node) / profile.flops, (r + w) / profile.bandwidth)
-
-
-def annotate(gm: torch.fx.GraphModule) -> None:
-    """Set meta["cost"] = {"flops", "bytes_read", "bytes_written"} on every call node."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            r, w = node_bytes(n)
-            n.meta[ir.COST] = {"flops": node_flops(n), "bytes_read": r, "bytes_written": w}
-
-
-def total_flops(nodes: Iterable[torch.fx.Node]) -> int:
-    return sum(node_flops(n) for n in nodes)
 
 
 # --- memory simulation ---------------------------------------------------------------------
@@ -440,7 +428,6 @@ def launch_seconds(device) -> tuple[float, float]:
     -kernel wrapper (kernels/codegen.FusedKernel), no sync in between."""
     import time
     from torch.fx.experimental.proxy_tensor import make_fx
-    from fxpar.kernels import codegen
     device = torch.device(device)
     key = str(device)
     if key not in _LAUNCH_CACHE:
@@ -612,3 +599,12 @@ def link_from_table(table: dict, n: int) -> Link | None:
     steps = 2 * (n - 1)
     latency, per_byte = known
     return Link(latency / steps, steps / (n * per_byte) if per_byte > 0 else float("inf"))
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes one rank may use: the GPU's memory, or this host's RAM shared by its local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return ram // max(local, 1)

@@ -32,3 +32,7 @@ class RankFailure(FxparError, RuntimeError):
 
 class NonFiniteLossError(FxparError, FloatingPointError):
     """The loss of a step was NaN or inf (before the optimizer applied it)."""
+
+
+class PassError(FxparError):
+    """A pass produced an inconsistent graph (a bug in fxpar: please report it)."""

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxpar.compiler.errors import BatchError
+
 # ops that only reshape or alias a tensor (same elements, same storage): passes look through them
 RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                       torch.ops.aten.reshape.default, torch.ops.aten.alias.default})
@@ -23,7 +25,6 @@ RECOMPUTE = "recompute"  # set by remat
 STAGE = "stage"          # set by pipeline_split
 SHARD = "shard"          # placements of the value, tuple of Placement (one per mesh dim)
 FUSED_GROUP = "fused_group"
-COST = "cost"            # {"flops": int, "bytes": int}
 PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage)
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
@@ -31,6 +32,23 @@ BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (pac
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
+
+# What a pass decides besides the graph itself: graph-module meta keys (gm.meta), written
+# only by the pass named, read by compiler/compile.py into the Program. The context a pass
+# receives (compiler/pass_manager.PassContext) is read-only input.
+BATCH_SHARD_DIMS = "batch_shard_dims"  # data_parallel: per batch leaf, the dim split over dp
+ZERO_BUCKETS = "zero_buckets"          # data_parallel (ZeRO): parameter indices per bucket
+PARAMS_SHARDED = "params_sharded"      # data_parallel (ZeRO-3): parameter inputs are shards
+TP_LAYOUTS = "tp_layouts"              # tensor_parallel: per parameter, None or a layout
+LOSS_SCALE = "loss_scale"              # precision (fp16): the last batch input is the scale
+LOSS_COUNT = "loss_count"              # data_parallel (microbatches): the target counter
+# written by the pass manager (compiler/pass_manager.run_passes):
+PASS_TIMES = "pass_times"              # [(pass name, seconds, call nodes after it)]
+FUSION_SKIPPED = "fusion_skipped"      # Plan.fuse but the device cannot run Triton: why
+
+# Symbolic process-group names the compiler writes into collectives (a Program is compiled
+# without a process group); the runtime binds them to its groups (runtime/comm.bind_groups).
+GROUPS = {"dp": "fxpar.dp", "tp": "fxpar.tp", "pp": "fxpar.pp"}
 
 
 @dataclasses.dataclass
@@ -64,7 +82,6 @@ class Program:
     signature: GraphSignature
     dp: int
     batch_shard_dims: list[int | None]
-    group_name: str | None = None
     # ZeRO (stage 1/2, dp > 1): the gradient outputs are one flat shard per bucket instead of
     # one tensor per parameter; bucket k holds the parameters zero_buckets[k] (indices into
     # signature.param_names) flattened in that order, padded to a multiple of dp, and this
@@ -88,8 +105,6 @@ class Program:
     # (runtime/tp.py); gradient outputs are placed the same way.
     tp: int = 1
     tp_layouts: list = dataclasses.field(default_factory=list)
-    tp_group_name: str | None = None
-    pp_group_name: str | None = None
     # Mixed precision (passes/precision.py): fp16's graph takes one more batch input after
     # the batch leaves, the 0-dim fp32 loss scale (runtime/amp.GradScaler feeds it).
     loss_scale: bool = False
@@ -97,3 +112,57 @@ class Program:
     # microbatch's targets; the graph takes the step's count / microbatches as its last
     # batch input (after the loss scale), so the m microbatch means average to the batch mean.
     loss_count: Any = None
+    # What compile knew and did: the resolved plan, the planner's report (plan="auto"), the
+    # graph after each pass ({pass: {role: GraphModule}}, for pictures), the compile times
+    # [(step, seconds, call nodes)], why Plan.fuse fused nothing (if so), and evaluate()'s
+    # forward-only program, built on first use by the compiler that made this one.
+    plan: Any = None
+    plan_report: Any = None
+    stage_graphs: dict = dataclasses.field(default_factory=dict)
+    compile_times: list = dataclasses.field(default_factory=list)
+    fusion_skipped: str | None = None
+    build_eval: Any = None
+
+
+# --- the batch, as the compiled graph takes it (compile and runtime alike) ---------------
+
+def flatten_batch(batch: Any, signature: GraphSignature) -> list[torch.Tensor]:
+    """Batch -> its tensor leaves, checking it has the example batch's structure and shapes."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    if spec != signature.batch_spec:
+        raise BatchError(f"batch structure {spec} differs from the example_batch's "
+                         f"{signature.batch_spec}; give step() batches shaped like example_batch "
+                         "(or call parallelize again with a matching example_batch).")
+    out = []
+    for i, (v, m) in enumerate(zip(leaves, signature.batch_leaf_meta)):
+        if isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.dtype):
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m[0] or v.dtype != m[1]:
+                got = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise BatchError(f"batch leaf {i} is {got}, but example_batch had {m}; the graph "
+                                 "was compiled for the example batch's shapes and dtypes. Pad or "
+                                 "re-parallelize with a matching example_batch.")
+            out.append(v)
+        elif v != m:
+            raise BatchError(f"non-tensor batch leaf {i} is {v!r} but example_batch had {m!r}; "
+                             "non-tensor values are baked into the graph at trace time.")
+    return out
+
+
+def check_microbatches(n_rows, m, dp, where):
+    if n_rows % (m * dp):
+        raise BatchError(
+            f"the global batch does not split into {m} microbatches over dp={dp}: {where} has "
+            f"{n_rows} rows on dim 0, not a multiple of microbatches*dp = {m * dp}. Use a "
+            f"global batch that is a multiple of {m * dp}, or fewer microbatches.")
+
+
+def microbatches(batch, m, dp):
+    """The global batch as m microbatches along dim 0 of every tensor leaf (0-dim leaves
+    repeat)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            check_microbatches(x.shape[0], m, dp, f"a batch tensor of shape {tuple(x.shape)}")
+    return [torch.utils._pytree.tree_unflatten(
+        [x.chunk(m, 0)[j] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+         for x in leaves], spec) for j in range(m)]

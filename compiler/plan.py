@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
+import torch
+
 from fxpar.compiler.errors import PlanError
+from fxpar.runtime import schedules
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 REMATS = ("none", "sqrt", "auto")
@@ -99,7 +103,6 @@ class Plan:
         if self.schedule not in SCHEDULES:
             raise PlanError(f"Plan.schedule {self.schedule!r} unknown; choose one of {SCHEDULES}.")
         if self.pp > 1 or self.microbatches > 1:
-            from fxpar.runtime import schedules
             try:  # e.g. interleaved needs microbatches to be a multiple of pp
                 schedules.build(self.schedule, self.pp, self.microbatches,
                                 2 if self.schedule == "interleaved" else 1)
@@ -195,3 +198,38 @@ def resolve(plan: Any, world_size: int) -> Plan:
             raise PlanError(f"world size {world_size} is not divisible by tp*pp = {p.tp * p.pp}.")
         p.dp = world_size // (p.tp * p.pp)
     return p.validate(world_size)
+
+
+def world_of(devices) -> tuple[int, str]:
+    """`devices` (int | device strings | DeviceMesh) -> (world size, device type), without a
+    process group: what fxpar.compile needs, and what the runtime's setup checks against."""
+    if hasattr(devices, "mesh") and hasattr(devices, "get_group"):  # a DeviceMesh
+        size, dev_type = devices.size(), devices.device_type
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        size = devices
+        dev_type = "cuda" if torch.cuda.is_available() and \
+            os.environ.get("FXPAR_DEVICE") != "cpu" else "cpu"
+    elif isinstance(devices, (list, tuple)) and devices and all(isinstance(d, (str, torch.device))
+                                                                  for d in devices):
+        size, dev_type = len(devices), torch.device(devices[0]).type
+    else:
+        raise PlanError(f"devices must be an int (world size), a sequence of device strings or a "
+                        f"torch DeviceMesh, not {devices!r}.")
+    if size < 1:
+        raise PlanError(f"devices must name at least one device, got {devices!r}.")
+    return size, dev_type
+
+
+def needs_search(plan) -> bool:
+    """plan="auto" (or None), or a dict / Plan with "auto" as a parallel degree (e.g.
+    {"pp": 2, "dp": "auto", "tp": "auto"}): the planner searches, the fields given (not "auto")
+    constrain it. Any other dict / Plan is taken as written (unset degrees: tp = pp = 1, dp =
+    the rest), so a plan never changes with the machine it is compiled on. One device has
+    nothing to search."""
+    if plan is None or plan == "auto":
+        return True
+    if isinstance(plan, dict):
+        return any(plan.get(k) == "auto" for k in ("dp", "tp", "pp"))
+    if isinstance(plan, Plan):
+        return any(getattr(plan, k) == "auto" for k in ("dp", "tp", "pp"))
+    return False

@@ -21,18 +21,24 @@ The best plan wins; `PlanResult.table` has the runner-ups and `explain()` says w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import time
 
 import torch
 
+from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphstats import GraphStats, Segment, analyze
-from fxpar.compiler.memory import MemoryEstimate, stage_memory
-from fxpar.compiler.plan import Plan, replays_step
+from fxpar.compiler.graphstats import FIELDS, GraphStats, Segment, analyze, layer_key
+from fxpar.compiler.memory import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
+                                   stage_memory)
+from fxpar.compiler.pass_manager import PassContext
+from fxpar.compiler.plan import Plan, replays_step, resolve
+from fxpar.passes import data_parallel, remat, tensor_parallel
+from fxpar.passes import precision as precision_pass
+from fxpar.runtime import dist as rdist
+from fxpar.runtime import schedules
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +213,6 @@ def _timed_as(schedule: str, hw: cost.Hardware) -> str:
 def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
     """Pipeline makespan by simulation; for m > 4pp the steady state is extrapolated linearly
     from two simulations (every extra microbatch adds the same period)."""
-    from fxpar.runtime import schedules
 
     def run(mm):
         def dur(a):
@@ -443,7 +448,6 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
 def _rank_aggregates(stages, pp, v):
     """Per rank (its v chunks), the segments summed into one `pre`/`post`-free aggregate plus
     a stand-in for its largest layer, so pricing a plan costs O(pp), not O(layers)."""
-    from fxpar.compiler.graphstats import FIELDS
     out = []
     for r in range(pp):
         segs = [s for k in range(v) for s in stages[k * pp + r]]
@@ -598,7 +602,6 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             m if zero >= 3 else 1) * hw_graph.node_overhead
     window = bwd[0] * hw.overlap if constraints.get("overlap", True) else 0.0
     dp_exposed = (max(dpc - window, dpc * 0.05) + dp_fixed) if dp > 1 else 0.0
-    from fxpar.compiler.memory import OPTIMIZER_STATES
     k = OPTIMIZER_STATES.get(optimizer, 2)
     touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4
     n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])
@@ -663,8 +666,6 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     precision "bf16"/"fp16": the segments are those of the graph after the precision pass
     (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
     GPT's bf16 step memory at 0.6x the CUDA allocator's peak."""
-    from fxpar.compiler import capture as cap
-    from fxpar.passes import data_parallel
     gm, sig = cap.capture(model, example_batch, loss_fn)
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -674,7 +675,7 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
         _in_precision(stats, gm, sig, rows, precision)
     stats.mutated_buffers = bool(sig.mutated_buffers)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
-    stats.checkpoints_per_layer = _checkpoints_per_layer(gm)
+    stats.checkpoints_per_layer = checkpoints_per_layer(gm)
     stats.graph = (gm, sig)  # for calibrate_on_model
     if pass_extras:
         _pass_extras(gm, sig, stats)
@@ -685,14 +686,12 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     return stats
 
 
-def _checkpoints_per_layer(gm) -> int:
+def checkpoints_per_layer(gm) -> int:
     """How many of remat="sqrt"'s checkpoint candidates (the forward's cut vertices on the
     input->loss path) lie in a typical layer: 2 in a pre-norm transformer block (after the
     attention's and after the MLP's residual add), so "sqrt" spaces checkpoints over 2n
     half-layers, not n layers (priced per layer it was 1.5x the measured memory)."""
     import statistics
-    from fxpar.compiler.graphstats import layer_key
-    from fxpar.passes import remat
     try:
         cands = remat.chain_candidates(gm)
     except Exception:  # noqa: BLE001 - no candidates: layer boundaries only
@@ -709,8 +708,6 @@ def _on_copy(pass_, gm, sig, plan: dict, world: int, **ctx):
     """`pass_` run on a copy of the captured graph (the planner counts what a pass makes
     without compiling a job), or None where it cannot transform this model."""
     import copy
-    from fxpar.compiler.passes import PassContext
-    from fxpar.compiler.plan import resolve
     try:
         return pass_.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
                          resolve(plan, world), PassContext(signature=sig, **ctx))
@@ -724,7 +721,6 @@ def _in_precision(stats, gm, sig, rows, precision) -> None:
     precision pass makes (the residual stream, norms' statistics, softmax and the loss stay
     fp32; matmul inputs and outputs are half). Parameters keep their traced (fp32 master)
     counts. A graph the pass cannot rewrite keeps the fp32 statistics, halved later."""
-    from fxpar.passes import precision as precision_pass
     g = _on_copy(precision_pass, gm, sig, {"precision": precision}, 1)
     if g is None:  # the pass itself reports why when the job runs; fp32's halved here
         return
@@ -744,7 +740,6 @@ def _pass_extras(gm, sig, stats) -> None:
     On a small CPU job every collective costs a millisecond and every node tens of
     microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
     graph adds nothing here (the planner then keeps its structural counts)."""
-    from fxpar.passes import data_parallel, tensor_parallel
     c10d = torch.ops._c10d_functional
 
     def calls(g):
@@ -784,7 +779,6 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     this at once, each repetition started together (a barrier), so each measures its share
     of the cores (collective when a process group exists)."""
     import time as _time
-    from fxpar.compiler import capture as cap
     gm, sig = stats.graph
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = dict(model.named_buffers(remove_duplicate=False))
@@ -826,8 +820,6 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
               constraints: dict | None = None, hw: cost.Hardware | None = None,
               stats: GraphStats | None = None) -> PlanResult:
     """plan="auto" (or a dict with unset degrees) inside fxpar.parallelize."""
-    from fxpar.compiler.memory import optimizer_kind
-    from fxpar.runtime.dist import device_memory
     stats = stats or graph_stats(model, example_batch, loss_fn,
                                  precision=(constraints or {}).get("precision") or "fp32")
     if hw is None:
@@ -835,7 +827,7 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
             hw = cost.gpu_hardware(device)
         else:
             hw = cost.cpu_hardware()
-            hw.memory = device_memory(torch.device(device))
+            hw.memory = cost.device_memory(torch.device(device))
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     rows = int(leaves[0].shape[0]) if leaves else 1
@@ -844,67 +836,9 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
                   precision=(constraints or {}).get("precision") or "fp32")
 
 
-# --- built-in GPT configurations (Narayanan et al. 2021, Table 1; GPT-3) ----------------------
-
-# name: (layers, hidden, heads); sequence 2048, vocabulary 51200 as in the paper
-GPT_CONFIGS = {
-    "gpt-1.7b": (24, 2304, 24), "gpt-3.6b": (30, 3072, 32), "gpt-7.5b": (36, 4096, 32),
-    "gpt-18b": (40, 6144, 48), "gpt-39b": (48, 8192, 64), "gpt-76b": (60, 10240, 80),
-    "gpt-145b": (80, 12288, 96), "gpt-175b": (96, 12288, 96), "gpt-310b": (96, 16384, 128),
-    "gpt-530b": (105, 20480, 128), "gpt-1t": (128, 25600, 160),
-}
-
-
-def fake_gpt_stats(cfg, rows: int, dtype=torch.float32) -> GraphStats:
-    """Statistics of the example GPT built and traced on fake tensors in `dtype` (nothing
-    is allocated), with a batch of `rows` sequences."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from fxpar.compiler import capture as cap
-    from fxpar.examples import models as M
-    old = torch.get_default_dtype()
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.set_default_dtype(dtype)
-        try:
-            model = M.GPT(cfg)
-        finally:
-            torch.set_default_dtype(old)
-        idx = torch.zeros(rows, cfg.block_size, dtype=torch.long)
-    gm, _ = cap.capture(model, (idx, idx))
-    stats = analyze(gm, rows)
-    stats.checkpoints_per_layer = _checkpoints_per_layer(gm)
-    return stats
-
-
-@functools.lru_cache(maxsize=8)
-def gpt_stats(name: str, *, seq: int = 2048, vocab: int = 51200, precision: str = "bf16",
-              traced_layers: int = 2, dropout: float = 0.1) -> GraphStats:
-    """Statistics of a built-in GPT config: a `traced_layers`-deep copy is traced on fake
-    tensors (nothing is allocated) in `precision`, with Megatron-style attention (softmax and
-    attention dropout written out) and one row per microbatch; the repeated block is scaled
-    to the full depth. Cached per process (treat the result as read-only)."""
-    from fxpar.examples import models as M
-    if name == "small":
-        cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
-        layers, traced_layers = 2, 2
-    else:
-        if name not in GPT_CONFIGS:
-            raise PlanError(f"unknown model {name!r}; built-in GPT configs: "
-                            f"{', '.join(['small', *GPT_CONFIGS])}, or pass pkg.module:factory")
-        layers, h, a = GPT_CONFIGS[name]
-        cfg = M.GPTConfig(vocab_size=vocab, block_size=seq, n_layer=min(traced_layers, layers),
-                          n_head=a, n_embd=h, dropout=dropout, attention="manual")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    stats = fake_gpt_stats(cfg, 1, dtype)
-    stats.heads = cfg.n_head
-    return stats.with_depth(layers) if layers != cfg.n_layer else stats
-
-
-def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
-    """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
-    measured on rank 0's machine and broadcast; the search is deterministic) and gets the
-    same Plan. Returns (Plan, PlanResult)."""
-    import torch.distributed as dist
-    from fxpar.runtime import dist as rdist
+def constraints_of(plan) -> dict:
+    """A plan given with "auto" parts -> the fields the search must keep (a Plan: those
+    differing from the defaults; a dict: as given); "auto" degrees are searched."""
     if isinstance(plan, Plan):
         constraints = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)
                        if getattr(plan, f.name) != getattr(Plan(), f.name)}
@@ -913,9 +847,16 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         constraints = dict(plan)
     else:
         constraints = {}
-    # a degree given as "auto" is searched like an unset one
-    constraints = {k: v for k, v in constraints.items()
-                   if not (k in ("dp", "tp", "pp") and v == "auto")}
+    return {k: v for k, v in constraints.items()
+            if not (k in ("dp", "tp", "pp") and v == "auto")}
+
+
+def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
+    """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
+    measured on rank 0's machine and broadcast; the search is deterministic) and gets the
+    same Plan. Returns (Plan, PlanResult)."""
+    import torch.distributed as dist
+    constraints = constraints_of(plan)
     world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
     device = world_obj.device
     if device.type == "cuda":
@@ -937,7 +878,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                      intra=link, inter=link,
                                      collectives=table, overlap=0.0,
                                      bubble_is_idle=ranks <= cores)
-    hw.memory = rdist.device_memory(device)
+    hw.memory = cost.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MIN)

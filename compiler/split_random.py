@@ -42,7 +42,6 @@ def rule(sh, node):
     pl = sh.specs[x].placements[0]
     if not isinstance(pl, Shard) or not train or p <= 0:
         return None
-    from fxpar.compiler.sharding import _out_spec
     val = x.meta[ir.VAL]  # global shape (meta values stay global while propagating)
     meta = {ir.MODULE: node.meta.get(ir.MODULE, ""), ir.REGION: node.meta.get(ir.REGION)}
 
@@ -58,4 +57,4 @@ def rule(sh, node):
                 sh.group_names[0])
     node.target, node.args, node.kwargs = torch.ops.fxpar.dropout_with_mask.default, \
         (x, keep, 1.0 / (1 - p)), {}
-    return _out_spec(sh.mesh, (pl,), node.meta.get(ir.VAL))
+    return sh.out_spec((pl,), node.meta.get(ir.VAL))

@@ -104,8 +104,7 @@ def _set(sh, node, target, args, placements):
 
 
 def _spec(sh, placements, node):
-    from fxpar.compiler.sharding import _out_spec
-    return _out_spec(sh.mesh, (placements,), node.meta.get(ir.VAL))
+    return sh.out_spec((placements,), node.meta.get(ir.VAL))
 
 
 def _embedding(sh, node):

@@ -30,6 +30,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import BatchError, PlanError
+from fxpar.compiler.graphs import fake_propagate
 from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
 
 c10d = torch.ops._c10d_functional
@@ -42,18 +43,19 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                 if n.op == "call_function")
     nll = _mean_nll_loss(gm.graph) if plan.microbatches > 1 and joint else None
     # the per-microbatch count of targets, taken from the unsharded graph (see below)
-    ctx.loss_count = _target_count_program(gm, nll) if nll is not None else None
+    loss_count = _target_count_program(gm, nll) if nll is not None else None
     gm = _split_batch(gm, plan, ctx)
-    if ctx.loss_count is not None:
-        _mean_over_microbatches(gm, nll, ctx, plan.dp)
+    gm.meta[ir.LOSS_COUNT] = loss_count
+    if loss_count is not None:
+        _mean_over_microbatches(gm, nll, plan.dp)
     return gm
 
 
 def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     dp = plan.dp
     if dp == 1:
-        ctx.batch_shard_dims = [None] * sum(1 for n in gm.graph.nodes
-                                            if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
+        gm.meta[ir.BATCH_SHARD_DIMS] = [None] * sum(
+            1 for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
         return gm
     group = ctx.group_names["dp"]
     placements, shard_dims = {}, []
@@ -70,7 +72,7 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                     f"that is a multiple of {dp}, or a plan with a dp that divides {v.shape[0]}.")
             placements[n.name] = (Shard(0),)
             shard_dims.append(0)
-    ctx.batch_shard_dims = shard_dims
+    gm.meta[ir.BATCH_SHARD_DIMS] = shard_dims
 
     mesh = make_mesh(dp)
     shard_graph(gm, mesh, placements, [group])
@@ -78,21 +80,20 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     # otherwise a fixed size if the plan gives one, else the cost model sizes them (None)
     bucket_bytes = 0 if plan.zero == 3 else (
         None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20))
-    _reduce_outputs(gm, ctx, group, dp, bucket_bytes, plan.zero)
+    _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if plan.zero == 3:
         _gather_params_before_use(gm, group, dp)
-        ctx.params_sharded = True
+        gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
             v = n.meta[ir.VAL]
             n.meta[ir.VAL] = v.new_empty((v.shape[0] // dp, *v.shape[1:]))
-    from fxpar.compiler.passes import fake_propagate
     fake_propagate(gm, check=False)
     return gm
 
 
-def _reduce_outputs(gm, ctx, group, dp, bucket_bytes, zero=0):
+def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
     With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket."""
     graph = gm.graph
@@ -115,7 +116,8 @@ def _reduce_outputs(gm, ctx, group, dp, bucket_bytes, zero=0):
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero:
-        grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, ctx)
+        grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
+                                    gm.meta)
         out.meta["n_grads"] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
@@ -292,7 +294,7 @@ def _target_count_program(gm, nll) -> torch.fx.GraphModule:
     return counter
 
 
-def _mean_over_microbatches(gm, nll, ctx, dp: int) -> None:
+def _mean_over_microbatches(gm, nll, dp: int) -> None:
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     loss = out.args[0][0]
@@ -311,7 +313,7 @@ def _mean_over_microbatches(gm, nll, ctx, dp: int) -> None:
         share = graph.placeholder("loss_count")
     share.meta.update({ir.ROLE: "batch", "fqn": "loss_count", ir.REGION: ir.FORWARD,
                        ir.MODULE: "", ir.VAL: count.meta[ir.VAL].new_empty(())})
-    ctx.batch_shard_dims = [*ctx.batch_shard_dims, None]
+    gm.meta[ir.BATCH_SHARD_DIMS] = [*gm.meta[ir.BATCH_SHARD_DIMS], None]
     for b in backs:
         b.args = (*b.args[:6], share, *b.args[7:])
     if count.meta.get(ir.REGION) != ir.FORWARD:  # (remat's copy): the loss needs the forward's
@@ -387,11 +389,11 @@ def _ancestors(node) -> set:
     return seen
 
 
-def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, ctx):
+def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided):
     """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/dp slice. ZeRO-2:
     reduce-scatter it (each rank receives only its summed slice: half the bytes of an
     all-reduce, and no full-size reduced gradient). Returns one shard node per bucket and
-    records the bucket layout in ctx.zero_buckets."""
+    records the bucket layout in decided[ir.ZERO_BUCKETS] (the graph module's meta)."""
     with_grad = [i for i, g in enumerate(grads) if g is not None]
     for i in with_grad:  # everything in a bucket must be a partial sum
         pl = grads[i].meta.get(ir.SHARD)
@@ -401,11 +403,11 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
                                         {ir.MODULE: grads[i].meta.get(ir.MODULE, ""),
                                          ir.REGION: ir.COMM})
     shards = []
-    ctx.zero_buckets = []
+    decided[ir.ZERO_BUCKETS] = []
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
     for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, dp, target):
         idx = [with_grad[j] for j in bucket]
-        ctx.zero_buckets.append(idx)
+        decided[ir.ZERO_BUCKETS].append(idx)
         members = [grads[i] for i in idx]
         with graph.inserting_before(_after_last(members, order)):
             flat = _flat_bucket(graph, members, multiple_of=dp)

@@ -42,7 +42,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.plan import replays_step
-from fxpar.kernels import codegen
+from fxpar.kernels import codegen, library
 from fxpar.kernels.jit import unavailable_reason
 
 log = logging.getLogger("fxpar.fusion")
@@ -137,7 +137,6 @@ def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Grou
     """Swap ops (and two patterns) for the kernels in fxpar/kernels/ where they apply (a
     single op only where `price` says the kernel launch pays; the cross-entropy and RMSNorm
     patterns replace several ops and the [N, V] log-probabilities: always)."""
-    from fxpar.kernels import library
     groups = []
     graph = gm.graph
     for n in list(graph.nodes):
@@ -179,7 +178,6 @@ def _cross_entropy(graph, nll) -> list[Group]:
         return []
     if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1):
         return []
-    from fxpar.kernels import library
     why = library.cross_entropy_forward.supports(logits, target, reduction, ignore)
     if why:
         log.debug("fusion: %s stays unfused: %s", nll.name, why)
@@ -254,7 +252,6 @@ def _rms_norm(graph, rs) -> list[Group]:
         return []
     out = outs[0]
     w = weight_of(out)
-    from fxpar.kernels import library
     if library.rms_norm_forward.supports(x, w, add.args[1]):
         return []
     before = _traffic([pw, mean, add, rs, norm, out])

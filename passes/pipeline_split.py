@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
+from fxpar.compiler.errors import PlanError
 
 aten = torch.ops.aten
 PHASE, TRANSFER = ir.PHASE, ir.TRANSFER
@@ -266,5 +267,4 @@ def _view_chain(n) -> list:
 
 
 def _error(msg):
-    from fxpar.compiler.errors import PlanError
     return PlanError(msg)

@@ -220,7 +220,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     if plan.precision == "fp16" and any(n.op == "call_function" and n.meta.get(
             ir.REGION) == ir.BACKWARD for n in graph.nodes):  # (not for evaluate's graph)
         scale = _loss_scale_input(graph, phs, out, env, mode, info)
-        ctx.loss_scale = True
+        gm.meta[ir.LOSS_SCALE] = True
     for i, (o, d) in enumerate(zip(outs, want)):
         if not isinstance(o, torch.fx.Node):
             continue

@@ -55,7 +55,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.passes import copy_graph
+from fxpar.compiler.graphs import copy_graph
 
 aten = torch.ops.aten
 SAVED = "saved"  # node.meta key: forward value kept for the backward (set on remat'd graphs)

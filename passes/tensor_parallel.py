@@ -16,7 +16,7 @@ A projection whose output is split into k equal pieces (nanoGPT's and GPT-2's fu
 rewritten first so each rank's contiguous slice of the weight holds its share of every
 piece: the weight is stored interleaved (rank r holds rows [q_r; k_r; v_r]) and the split
 becomes view/select ops that DTensor's rules shard without communication. The runtime keeps
-the weight in that layout (ctx.tp_layouts) and undoes it in full_state_dict().
+the weight in that layout (gm.meta[ir.TP_LAYOUTS]) and undoes it in full_state_dict().
 
 Then compiler/sharding.shard_graph propagates the chosen placements through the whole joint
 graph on the tp mesh and inserts the collectives; the gradients come out placed like their
@@ -31,8 +31,9 @@ import warnings
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError, ShardingError
+from fxpar.compiler.graphs import fake_propagate
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh,
                                      redistribute, shard_graph)
 
@@ -92,7 +93,6 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             interleaved[lin.weight] = (lin.out_dim, k)
             if lin.bias is not None:
                 interleaved[lin.bias] = (0, k)
-    from fxpar.compiler.passes import fake_propagate
     if interleaved:  # the rewritten nodes' meta["val"], once for all of them
         gm.recompile()
         fake_propagate(gm, check=False)
@@ -123,11 +123,11 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         n.meta[ir.VAL] = v.new_empty(shape)
     fake_propagate(gm, check=False)
 
-    ctx.tp_layouts = [None] * sig.num_params
+    layouts = gm.meta[ir.TP_LAYOUTS] = [None] * sig.num_params
     for n in set(placements) | set(interleaved):
         shard = next((p for p in placements.get(n, ()) if isinstance(p, Shard)), None)
         il_dim, k = interleaved.get(n, (None, 1))
-        ctx.tp_layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
+        layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
     gm.meta["tensor_parallel"] = Decision(
         tp, [params[lin.weight] for lin, r in roles.items() if r.startswith("column")],
         [params[lin.weight] for lin, r in roles.items() if r == "row"],
@@ -405,7 +405,6 @@ def _gather_where_cheaper(roles, placements, tp, ctx):
     """tp_style="auto": a linear left whole (no row partner) is split by output features and
     its output all-gathered if the cost model says 1/tp of its FLOPs plus the gather beat
     computing it whole on every rank."""
-    from fxpar.compiler import cost
     profile = cost.DeviceProfile.for_device(ctx.device or "cpu")
     c10d = torch.ops._c10d_functional
     for lin, r in list(roles.items()):

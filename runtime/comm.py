@@ -172,6 +172,38 @@ _SHORT = {start_all_reduce: "all_reduce", start_all_gather: "all_gather",
           start_reduce_scatter: "reduce_scatter"}
 
 
+def bind_groups(program, names: dict[str, str]) -> None:
+    """Bind a Program to this rank's process groups: every string argument naming one of
+    the compiler's symbolic groups (ir.GROUPS values, keys of `names`) becomes the real
+    group's name, in the joint graph and every pipeline part. In place, once per Program
+    (compile is pure and knows no process group; a rank runs the Program it bound)."""
+    bound = getattr(program, "_bound_groups", None)
+    if bound is not None:
+        if bound != names:
+            raise RuntimeError("fxpar: this Program is already bound to other process groups; "
+                               "compile it again for another world.")
+        return
+    graphs = [program.graph] + ([p.graph for p in program.pipeline.parts.values()]
+                                if program.pipeline is not None else [])
+
+    hits = []
+
+    def sub(a):
+        if isinstance(a, str) and a in names:
+            hits.append(a)
+            return names[a]
+        return a
+    for gm in graphs:
+        hits.clear()
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                n.args = torch.utils._pytree.tree_map(sub, n.args)
+                n.kwargs = torch.utils._pytree.tree_map(sub, n.kwargs)
+        if hits:
+            gm.recompile()
+    program._bound_groups = dict(names)
+
+
 def lower(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` whose collectives are start_*/wait calls on work handles."""
     g = torch.fx.Graph()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compiler.errors import FxparError, PlanError
+from fxpar.compiler.plan import world_of
 
 
 def timeout() -> datetime.timedelta:
@@ -47,33 +48,12 @@ class World:
         return self.mesh.get_local_rank(dim) if self._has(dim) else 0
 
 
-def _device_type(devices) -> str:
-    if isinstance(devices, int):
-        return "cuda" if torch.cuda.is_available() and os.environ.get("FXPAR_DEVICE") != "cpu" \
-            else "cpu"
-    if hasattr(devices, "device_type"):
-        return devices.device_type
-    return torch.device(devices[0]).type
-
-
 def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     """Resolve `devices` (int | device strings | DeviceMesh) into this rank's World.
 
     `dims` = [(name, degree)] for the mesh (e.g. [("dp", 2)]); product = world size.
     """
-    if hasattr(devices, "mesh") and hasattr(devices, "get_group"):  # a DeviceMesh
-        size = devices.size()
-        dev_type = devices.device_type
-    elif isinstance(devices, int) and not isinstance(devices, bool):
-        size, dev_type = devices, _device_type(devices)
-    elif isinstance(devices, (list, tuple)) and devices and all(isinstance(d, (str, torch.device))
-                                                                  for d in devices):
-        size, dev_type = len(devices), _device_type(devices)
-    else:
-        raise PlanError(f"devices must be an int (world size), a sequence of device strings or a "
-                        f"torch DeviceMesh, not {devices!r}.")
-    if size < 1:
-        raise PlanError(f"devices must name at least one device, got {devices!r}.")
+    size, dev_type = world_of(devices)
     if size == 1:
         dev = torch.device(devices[0]) if isinstance(devices, (list, tuple)) else torch.device(
             dev_type)
@@ -149,15 +129,6 @@ def _timed_groups(device_type: str, names) -> dict:
         opts._timeout = timeout()
         return {n: ("nccl", opts) for n in names}
     return {n: ("gloo", C10dBackend.Options("gloo", timeout())) for n in names}
-
-
-def device_memory(device: torch.device) -> int:
-    """Bytes one rank may use: the GPU's memory, or this host's RAM shared by its local ranks."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return ram // max(local, 1)
 
 
 # --- launching local ranks ------------------------------------------------------------------

@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir
-from fxpar.compiler.passes import PassContext
+from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan
 from fxpar.examples import models as M
 from fxpar.passes import remat

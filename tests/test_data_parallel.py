@@ -6,7 +6,8 @@ import torch
 from fxpar.compiler import ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import BatchError
-from fxpar.compiler.passes import PassContext, count_ops, run_passes
+from fxpar.compiler.pass_manager import PassContext, run_passes
+from fxpar.compiler.graphs import count_ops
 from fxpar.compiler.plan import resolve
 from fxpar.compiler.sharding import Partial, Replicate, Shard
 from fxpar.examples import models as M
@@ -31,7 +32,7 @@ def _mlp_batch(n=8):
 def test_mlp_dp2_collectives_and_placements():
     gm, sig, ctx, snaps = compile_dp(M.MLP(), _mlp_batch(), 2)
     assert set(snaps) == {"capture", "data_parallel", "overlap"}  # no fusion on CPU (no Triton)
-    assert "TRITON_INTERPRET" in ctx.fusion_skipped
+    assert "TRITON_INTERPRET" in gm.meta[ir.FUSION_SKIPPED]
     # one bucket for all gradients (tiny model < 25 MiB) + one for the mean loss
     assert count_ops(gm, c10d.all_reduce.default) == 2
     assert count_ops(gm, c10d.wait_tensor.default) == 2
@@ -39,7 +40,7 @@ def test_mlp_dp2_collectives_and_placements():
     batch = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
     assert [tuple(n.meta[ir.VAL].shape) for n in batch] == [(4, 16), (4, 4)]
     assert all(n.meta[ir.SHARD] == (Shard(0),) for n in batch)
-    assert ctx.batch_shard_dims == [0, 0]
+    assert gm.meta[ir.BATCH_SHARD_DIMS] == [0, 0]
     # weight gradients are Partial(sum) before the bucket all-reduce, replicated after
     grads_partial = [n for n in gm.graph.nodes if n.target is aten.mm.default
                      and n.meta[ir.REGION] == ir.BACKWARD and n.meta[ir.SHARD] == (Partial("sum"),)]
@@ -136,17 +137,17 @@ def test_dp1_is_identity():
     before = len(gm.graph.nodes)
     ctx = PassContext(signature=sig, group_names={"dp": "g"})
     gm = data_parallel.run(gm, resolve({"dp": 1}, 1), ctx)
-    assert len(gm.graph.nodes) == before and ctx.batch_shard_dims == [None, None]
+    assert len(gm.graph.nodes) == before and gm.meta[ir.BATCH_SHARD_DIMS] == [None, None]
 
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_gradient_outputs_are_bucket_shards(zero):
     """ZeRO-1: each flat bucket all-reduced, then this rank's slice; ZeRO-2: reduce-scattered.
-    The outputs are one 1/dp shard per bucket and ctx.zero_buckets records the layout."""
+    The outputs are one 1/dp shard per bucket and gm.meta[ir.ZERO_BUCKETS] records the layout."""
     model = M.MLP()
     n_params = len(list(model.parameters()))
     gm, sig, ctx, _ = compile_dp(model, _mlp_batch(), 2, zero=zero, bucket_mb=1e-3)
-    buckets = ctx.zero_buckets
+    buckets = gm.meta[ir.ZERO_BUCKETS]
     assert sorted(i for b in buckets for i in b) == list(range(n_params))
     rs, ar = count_ops(gm, c10d.reduce_scatter_tensor.default), count_ops(gm, c10d.all_reduce.default)
     if zero == 2:
@@ -166,7 +167,7 @@ def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
     model = M.MLP()
     params = dict(model.named_parameters())
     gm, sig, ctx, _ = compile_dp(model, _mlp_batch(), 2, zero=3)
-    assert ctx.params_sharded
+    assert gm.meta[ir.PARAMS_SHARDED]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     for ph, name in zip(phs, sig.param_names):
         assert tuple(ph.meta[ir.VAL].shape) == (-(-params[name].numel() // 2),)
@@ -179,7 +180,7 @@ def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
         assert regions == ([ir.BACKWARD, ir.FORWARD] if both else [ir.FORWARD]), name
         assert len(ph.users) == len(gathers)  # nothing reads the shard but the gathers
     assert count_ops(gm, c10d.reduce_scatter_tensor.default) == len(phs)
-    assert ctx.zero_buckets == [[i] for i in reversed(range(len(phs)))]
+    assert gm.meta[ir.ZERO_BUCKETS] == [[i] for i in reversed(range(len(phs)))]
     # nothing the backward reads comes from a forward gather (the full weight is freed after
     # the forward and gathered again): walk each forward gather's users
     for g in [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default

@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxpar
 from fxpar.compiler import capture, cost, ir
-from fxpar.compiler.passes import PassContext
+from fxpar.compiler.pass_manager import PassContext
 from fxpar.examples.models import GPT, GPTConfig, gpt_batch, hf_llama, hf_lm_batch
 from fxpar.kernels import codegen
 from fxpar.kernels.jit import interpreter

@@ -10,7 +10,7 @@ import torch
 import fxpar
 from fxpar.compiler import cost, ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import data_parallel, overlap

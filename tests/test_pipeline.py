@@ -12,7 +12,7 @@ import fxpar
 from fxpar.compiler import ir, stages
 from fxpar.compiler.capture import capture, flatten_batch
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import pipeline_split
@@ -26,7 +26,7 @@ def compile_pp(model, batch, pp, **plan):
     p = resolve({"pp": pp, "dp": 1, **plan}, pp)
     gm = run_passes(gm, p, ctx, "pp", {})
     prog = stages.split(gm, sig, pp * virtual)
-    prog.loss_count = ctx.loss_count  # microbatches and a mean cross-entropy: the counter
+    prog.loss_count = gm.meta[ir.LOSS_COUNT]  # microbatches and a mean cross-entropy: the counter
     return gm, sig, prog
 
 

@@ -13,6 +13,7 @@ import fxpar
 from fxpar.compiler import cost, ir, planner
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory import stage_memory
+from fxpar.examples import gpt_stats as G
 from fxpar.examples import models as M
 from fxpar.runtime import schedules
 
@@ -20,7 +21,7 @@ GiB = 2 ** 30
 
 
 def _fake_gpt(cfg, rows, dtype=torch.float32):
-    return planner.fake_gpt_stats(cfg, rows, dtype)
+    return G.fake_gpt_stats(cfg, rows, dtype)
 
 
 @pytest.mark.parametrize("b,s,h,a", [(2, 128, 256, 4), (1, 64, 384, 6)])
@@ -59,7 +60,7 @@ def test_transformer_math_closed_forms():
     mixed-precision AdamW holds 2 + 2 + 12 = 16 bytes per parameter; ZeRO-1/2/3 divide the
     optimizer / + gradients / + parameters by N."""
     L, h, a, V, s = 24, 2304, 24, 51200, 2048
-    stats = planner.gpt_stats("gpt-1.7b", seq=s, vocab=V)
+    stats = G.gpt_stats("gpt-1.7b", seq=s, vocab=V)
     P = 12 * L * h * h + 13 * L * h + (V + s) * h + 2 * h
     assert abs(stats.total_params - P) <= 0.02 * P
     N = 8
@@ -102,7 +103,7 @@ def test_1t_on_3072_fake_devices_under_a_minute():
     """The largest configuration of Narayanan et al. 2021: 6959 legal plans (3072 = 2^10 x 3
     devices, pp up to 128); 19 s on a quiet 2-core VM."""
     t0 = time.perf_counter()
-    r = planner.search(planner.gpt_stats("gpt-1t"), 3072, cost.HARDWARE["a100"],
+    r = planner.search(G.gpt_stats("gpt-1t"), 3072, cost.HARDWARE["a100"],
                        batch_rows=3072, precision="bf16", executable=False)
     assert time.perf_counter() - t0 < 60 and r.n_legal > 5000
     b = r.best.plan
@@ -112,7 +113,7 @@ def test_1t_on_3072_fake_devices_under_a_minute():
 
 def test_175b_on_1024_fake_devices_under_a_minute():
     t0 = time.perf_counter()
-    stats = planner.gpt_stats("gpt-175b")
+    stats = G.gpt_stats("gpt-175b")
     hw = cost.HARDWARE["a100"]
     r = planner.search(stats, 1024, hw, batch_rows=1536, precision="bf16", executable=False)
     assert time.perf_counter() - t0 < 60
@@ -129,7 +130,7 @@ def test_175b_on_1024_fake_devices_under_a_minute():
 
 @pytest.fixture(scope="module")
 def small_stats():
-    return planner.gpt_stats("small", precision="fp32")
+    return G.gpt_stats("small", precision="fp32")
 
 
 def _cpu(memory):
@@ -158,7 +159,7 @@ def test_no_legal_factorization_is_a_clear_error(small_stats):
 
 
 def test_model_that_fits_nowhere_names_its_need():
-    stats = planner.gpt_stats("gpt-175b")
+    stats = G.gpt_stats("gpt-175b")
     with pytest.raises(PlanError, match="smallest need is") as e:
         planner.search(stats, 8, cost.HARDWARE["a100"], batch_rows=8, precision="bf16",
                        executable=False)
@@ -283,7 +284,7 @@ def test_layers_of_a_hugging_face_model():
 def test_only_auto_searches_and_auto_degrees_are_the_searched_ones():
     """A plan never depends on the machine compiling it unless it asks for a search: "auto",
     or "auto" as a degree (the other fields given constrain the search)."""
-    from fxpar.compiler.api import _needs_search
+    from fxpar.compiler.plan import needs_search as _needs_search
     from fxpar.compiler.plan import resolve
     assert _needs_search("auto") and _needs_search(None)
     assert _needs_search({"pp": 2, "dp": "auto", "tp": "auto"})
@@ -372,7 +373,7 @@ def test_pass_extras_count_what_the_passes_emit():
     ZeRO-3's gathers per parameter and the per-microbatch loss all-reduces those the dp pass
     emits."""
     import copy
-    from fxpar.compiler.passes import PassContext
+    from fxpar.compiler.pass_manager import PassContext
     from fxpar.compiler.plan import resolve
     from fxpar.passes import data_parallel, tensor_parallel
     c10d = torch.ops._c10d_functional

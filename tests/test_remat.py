@@ -9,7 +9,8 @@ import fxpar
 from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.passes import PassContext, verify
+from fxpar.compiler.pass_manager import PassContext
+from fxpar.compiler.graphs import verify
 from fxpar.compiler.plan import Plan
 from fxpar.examples import models as M
 from fxpar.passes import remat
@@ -244,7 +245,7 @@ def test_every_zoo_model_trains_identically_with_remat(name):
 def test_batch_statistics_are_not_recomputed_under_dp():
     """Recomputing BatchNorm's batch sums at dp > 1 would all-reduce them again in the
     backward; remat keeps them (they are tiny), so remat adds no collective."""
-    from fxpar.compiler.passes import run_passes
+    from fxpar.compiler.pass_manager import run_passes
     from fxpar.compiler.plan import resolve
 
     def all_reduces(remat_mode):
@@ -265,7 +266,7 @@ def test_batch_statistics_are_not_recomputed_under_dp():
 def test_the_loss_is_not_recomputed_under_dp():
     """A mean loss reduces over the batch: under dp its value and target count are all-reduced
     in the forward, so remat saves them instead of recomputing the loss in the backward."""
-    from fxpar.compiler.passes import run_passes
+    from fxpar.compiler.pass_manager import run_passes
     from fxpar.compiler.plan import resolve
     torch.manual_seed(0)
     gm, sig = cap.capture(M.ConvBN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))))

@@ -4,7 +4,7 @@ import torch.fx
 
 from fxpar.compiler import ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.passes import count_ops
+from fxpar.compiler.graphs import count_ops
 from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
 
 c10d = torch.ops._c10d_functional

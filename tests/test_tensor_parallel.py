@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fxpar.compiler import ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.compiler.sharding import Replicate, Shard
 from fxpar.examples import models as M
@@ -70,7 +70,7 @@ def test_mlp_block_column_then_row_and_one_all_reduce_each_way():
     phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     shapes = [tuple(n.meta[ir.VAL].shape) for n in list(phs.values())[:sig.num_params]]
     assert (64, 32) in shapes and (32, 64) in shapes and (64,) in shapes
-    assert ctx.tp_layouts[sig.param_names.index("up.weight")] == (0, None, 1)
+    assert gm.meta[ir.TP_LAYOUTS][sig.param_names.index("up.weight")] == (0, None, 1)
 
 
 @pytest.mark.parametrize("n_layer", [1, 3])
@@ -115,7 +115,7 @@ def test_hf_gpt2_conv1d_weights_split_on_their_output_dim():
     # Conv1D stores (in, out): a column split shards dim 1, a row split dim 0
     assert d.placements["transformer.h.0.attn.c_attn.weight"] == (Shard(1),)
     assert d.placements["transformer.h.0.attn.c_proj.weight"] == (Shard(0),)
-    assert ctx.tp_layouts[sig.param_names.index("transformer.h.0.attn.c_attn.weight")] == \
+    assert gm.meta[ir.TP_LAYOUTS][sig.param_names.index("transformer.h.0.attn.c_attn.weight")] == \
         (1, 1, 3)
     assert all_reduces(gm, module="transformer.h.") == (2, 2)
 
@@ -165,7 +165,7 @@ def test_parameter_bytes_per_rank_are_one_tp_th_of_the_sharded_layers(tp):
     gm, sig, ctx = compile_tp(model, M.gpt_batch(cfg, 4), tp)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"][:sig.num_params]
     full = dict(model.named_parameters())
-    sharded = [i for i, lay in enumerate(ctx.tp_layouts) if lay and lay[0] is not None]
+    sharded = [i for i, lay in enumerate(gm.meta[ir.TP_LAYOUTS]) if lay and lay[0] is not None]
     local = sum(phs[i].meta[ir.VAL].numel() for i in sharded)
     whole = sum(full[sig.param_names[i]].numel() for i in sharded)
     assert local * tp == whole

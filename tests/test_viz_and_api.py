@@ -8,7 +8,7 @@ import torch
 import fxpar
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.examples import models as M
 from fxpar.viz.graph import is_collective, summary, to_dot, write_snapshots

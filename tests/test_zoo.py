@@ -12,7 +12,7 @@ import fxpar
 from fxpar.compiler import ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.passes import PassContext, run_passes
+from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.compiler.sharding import Shard, make_mesh, shard_graph
 from fxpar.examples import zoo, zoo_sweep
@@ -173,8 +173,8 @@ def test_microbatches_weight_a_mean_cross_entropy_by_the_step_count():
     assert share.name == "loss_count"
     for nb in _nodes(gm, aten.nll_loss_backward.default):
         assert nb.args[6] is share
-    assert ctx.loss_count(*mb.values()).item() == (mb["labels"] != -100).sum().item()
-    assert ctx.loss_count.meta["dtype"] == torch.float32
+    assert gm.meta[ir.LOSS_COUNT](*mb.values()).item() == (mb["labels"] != -100).sum().item()
+    assert gm.meta[ir.LOSS_COUNT].meta["dtype"] == torch.float32
 
 
 def test_microbatches_train_a_padded_model_exactly():
@@ -243,7 +243,7 @@ def test_microbatches_with_fp16_loss_scaling_count_only_the_batch():
     gm, ctx = _compile(model, mb, microbatches=2, precision="fp16")
     names = [n.meta.get("fqn") for n in gm.graph.nodes if n.op == "placeholder"][-2:]
     assert names == ["loss_scale", "loss_count"]
-    assert ctx.loss_count(*mb.values()).item() == 4 * 15  # the model's shifted labels
+    assert gm.meta[ir.LOSS_COUNT](*mb.values()).item() == 4 * 15  # the model's shifted labels
 
 
 # --- the sweep --------------------------------------------------------------------------------------

@@ -1,84 +1,19 @@
-"""The ordered pass list and the checks run after every pass.
+"""Graph utilities shared by the pass manager and the passes: copies, snapshots, and the
+fake-tensor re-propagation that keeps (or checks) every node's meta["val"].
 
-Each pass is `run(gm, plan, ctx) -> gm`. After every pass: `graph.lint()`, a fake-tensor
-re-propagation that checks every node's meta["val"] (shape, dtype), a snapshot for
-`pm.stage_graphs`, and one log line (set FXPAR_DEBUG=1 to see them).
+A pass imports these from here, never from the pass manager (compiler/pass_manager.py), which
+imports every pass: that way no import cycle needs hiding inside a function.
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import ir
-from fxpar.compiler.errors import FxparError
-
-log = logging.getLogger("fxpar.passes")
-if os.environ.get("FXPAR_DEBUG"):
-    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("fxpar").setLevel(logging.DEBUG)
-
-
-class PassError(FxparError):
-    """A pass produced an inconsistent graph (a bug in fxpar: please report it)."""
-
-
-@dataclasses.dataclass
-class PassContext:
-    """What passes may know besides the graph: the signature and the process-group names."""
-    signature: ir.GraphSignature
-    group_names: dict[str, str] = dataclasses.field(default_factory=dict)  # mesh dim -> group
-    batch_shard_dims: list[int | None] = dataclasses.field(default_factory=list)
-    timings: list[tuple[str, float, int]] = dataclasses.field(default_factory=list)
-    memory_budget: int | None = None  # activation bytes per device for remat="auto"
-    zero_buckets: list[list[int]] = dataclasses.field(default_factory=list)  # set by DP (ZeRO)
-    params_sharded: bool = False  # ZeRO-3: parameter placeholders are flat 1/dp shards
-    overlap_memory_bytes: int | None = None  # overlap: extra bytes allowed (None: 2 layers)
-    virtual_stages: int = 1  # pipeline stages per rank (interleaved schedule: 2)
-    device: Any = None       # the rank's device (cost model profile)
-    tp_layouts: list | None = None  # set by tensor_parallel: per parameter, see runtime/tp.py
-    fusion_skipped: str | None = None  # Plan.fuse but no Triton on this device: why
-    loss_scale: bool = False  # set by precision (fp16): the last batch input is the loss scale
-    # set by data_parallel with microbatches and a mean cross-entropy: (microbatch batch
-    # leaves) -> its target count; the graph's last batch input is then the step's count / m
-    loss_count: Any = None
-
-
-def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:
-    # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
-    # overlap, fusion; precision (mixed precision) before them all, so every later pass
-    # sees the half-precision dtypes and sizes.
-    # A pass the plan switches off is left out (no empty snapshot for it). Returns the list
-    # and, if Plan.fuse asked for fusion that cannot run on this device, why.
-    from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precision,
-                              remat, tensor_parallel)
-    passes = []
-    if plan.precision != "fp32":
-        passes.append(("precision", precision.run))
-    if plan.remat != "none":
-        passes.append(("remat", remat.run))
-    if plan.pp > 1:
-        passes.append(("pipeline_split", pipeline_split.run))
-    if plan.tp > 1:
-        passes.append(("tensor_parallel", tensor_parallel.run))
-    passes.append(("data_parallel", data_parallel.run))
-    if plan.overlap and plan.dp * plan.tp * plan.pp > 1:
-        passes.append(("overlap", overlap.run))
-    fusion_skipped = None
-    if plan.fuse:
-        from fxpar.kernels.jit import unavailable_reason
-        fusion_skipped = unavailable_reason(device if device is not None else "cpu")
-        if fusion_skipped is None:
-            passes.append(("fusion", fusion.run))
-        else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
-            log.info("fusion left out: %s", fusion_skipped)
-    return passes, fusion_skipped
+from fxpar.compiler.errors import PassError
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -177,29 +112,6 @@ def verify(gm: torch.fx.GraphModule) -> None:
         if n.op == "call_function" and (ir.REGION not in n.meta or ir.MODULE not in n.meta):
             raise PassError(f"node {n.name} ({n.target}) lacks meta['region'] or meta['module']")
     fake_propagate(gm, check=True)
-
-
-def _count(gm):
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
-
-
-def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
-               snapshots: dict[str, dict[str, torch.fx.GraphModule]]) -> torch.fx.GraphModule:
-    """Run the pass list in order, verifying and snapshotting after each."""
-    verify(gm)
-    snapshots["capture"] = {"joint": snapshot(gm)}
-    passes, ctx.fusion_skipped = _pass_list(plan, ctx.device)
-    for name, fn in passes:
-        before = _count(gm)
-        t0 = time.perf_counter()
-        gm = fn(gm, plan, ctx)
-        gm.recompile()
-        verify(gm)
-        dt = time.perf_counter() - t0
-        ctx.timings.append((name, dt, _count(gm)))
-        snapshots[name] = {role: snapshot(gm)}
-        log.debug("pass %-15s %7.1f ms  nodes %d -> %d", name, dt * 1e3, before, _count(gm))
-    return gm
 
 
 def count_ops(gm: torch.fx.GraphModule, target: Any) -> int:

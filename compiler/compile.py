@@ -1,0 +1,115 @@
+"""fxpar.compile: model + loss + example batch + plan -> Program, with no process group.
+
+Pure (DESIGN.md section 1): it opens no process group, allocates no device memory and reads
+no weight values, so a model whose parameters are on the meta device compiles (they are
+traced as fake stand-ins on the target device type; the model is left as it was). It owns
+capture -> every pass -> the stage split, and returns the Program the runtime runs: the
+graph(s), the decisions every pass recorded (compiler/ir.py), the schedule, the snapshots
+for pictures and the compile times. Collectives name the symbolic groups of ir.GROUPS; the
+runtime binds them to its process groups. fxpar.parallelize = compile + runtime/trainer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from fxpar.compiler import capture as cap
+from fxpar.compiler import ir, planner, stages
+from fxpar.compiler.cost import device_memory
+from fxpar.compiler.errors import PlanError
+from fxpar.compiler.pass_manager import PassContext, run_passes
+from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
+
+
+def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable | None = None,
+            plan: Any = "auto") -> ir.Program:
+    """Compile `model` + `loss_fn` for `devices` (int | device strings | DeviceMesh) into the
+    Program every rank runs (one graph for all ranks: a rank's coordinates are read from its
+    groups at run time). plan="auto" (or "auto" degrees) asks the planner, pricing with the
+    device type's data-sheet figures (`fxpar.parallelize` also measures the machine)."""
+    world_size, dev_type = world_of(devices)
+    report = None
+    if world_size > 1 and needs_search(plan):
+        if _has_meta(model):
+            raise PlanError(
+                "plan='auto' on a model whose weights are on the meta device: the planner's "
+                "search is not yet told that such a model never exists whole on one device. "
+                "Pass a plan, e.g. plan={'dp': 2, 'zero': 3} or {'tp': 2, 'dp': 2}.")
+        report = planner.auto_plan(model, example_batch, loss_fn, None, world_size, dev_type,
+                                   constraints=planner.constraints_of(plan))
+        plan = report.best.plan
+    program = build(model, example_batch, loss_fn, resolve(plan, world_size),
+                    torch.device(dev_type))
+    program.plan_report = report
+    return program
+
+
+def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
+          joint: bool = True, stand_ins: dict | None = None) -> ir.Program:
+    """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
+    program of `evaluate`. `stand_ins`: fake weights to trace with (default: the meta ones)."""
+    m = plan.microbatches if joint else 1
+    t0 = time.perf_counter()
+    example = ir.microbatches(example_batch, m, plan.dp)[0] if m > 1 else example_batch
+    if stand_ins is None:
+        stand_ins = cap.fake_weights(model, device)
+    gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins)
+    capture_time = time.perf_counter() - t0
+    if m > 1 and sig.mutated_buffers:
+        raise PlanError(
+            f"microbatches={m} would update the buffers {sig.mutated_buffers[:3]} once per "
+            "microbatch (e.g. BatchNorm running statistics), which is not what one step on "
+            "the whole batch does. Use microbatches=1, or a model without batch-statistics "
+            "buffers (LayerNorm/GroupNorm).")
+    virtual = 2 if plan.schedule == "interleaved" else 1
+    ctx = PassContext(signature=sig, virtual_stages=virtual, device=device,
+                      memory_budget=activation_budget(model, plan, device) if joint else None)
+    snapshots: dict[str, dict[str, torch.fx.GraphModule]] = {}
+    gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)
+    d = gm.meta
+    program = ir.Program(
+        graph=gm, signature=sig, dp=plan.dp, batch_shard_dims=d[ir.BATCH_SHARD_DIMS],
+        zero=plan.zero if d.get(ir.ZERO_BUCKETS) else 0,
+        zero_buckets=d.get(ir.ZERO_BUCKETS, []), params_sharded=d.get(ir.PARAMS_SHARDED, False),
+        tp=plan.tp, tp_layouts=d.get(ir.TP_LAYOUTS) or [None] * sig.num_params,
+        loss_scale=d.get(ir.LOSS_SCALE, False), loss_count=d.get(ir.LOSS_COUNT),
+        plan=plan, stage_graphs=snapshots, fusion_skipped=d.get(ir.FUSION_SKIPPED))
+    times = [("capture", capture_time, None), *d[ir.PASS_TIMES]]
+    if plan.pp > 1 or m > 1:
+        t1 = time.perf_counter()
+        program.pipeline = stages.split(gm, sig, plan.pp * virtual)
+        program.pp, program.microbatches = plan.pp, m
+        program.schedule = plan.schedule if joint else "gpipe"
+        program.virtual = virtual
+        program.offload = plan.offload and joint
+        times.append(("stages", time.perf_counter() - t1, len(program.pipeline.parts)))
+    program.compile_times = times
+    if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
+        # made now (the runtime shards the model's own tensors later), so it never needs the
+        # full weights back in the model
+        eval_stand_ins = {**cap.fake_weights(model, device, only_meta=False), **stand_ins}
+        program.build_eval = lambda: build(model, example_batch, loss_fn, plan, device,
+                                           joint=False, stand_ins=eval_stand_ins)
+    return program
+
+
+def _has_meta(model) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
+    """For remat="auto": device memory (90%) less parameters, gradients and optimizer state
+    (Adam's two moments assumed: the optimizer is built after compiling)."""
+    if plan.remat != "auto":
+        return None
+    total = int(0.9 * device_memory(device))
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    fixed = 4 * p_bytes  # params + grads + 2 Adam moments
+    if fixed >= total:
+        raise PlanError(
+            f"the model does not fit: parameters, gradients and optimizer state need "
+            f"{fixed / 2**30:.2f} GiB per device but {total / 2**30:.2f} GiB is available. "
+            "Fix: more devices with tensor/pipeline parallelism or ZeRO, or a smaller model.")
+    return total - fixed
