@@ -44,7 +44,7 @@ def main(argv=None):
     pm = pms[False]
     gm = pm.program.graph
     nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
-    args_ = [*pm._params, *pm._buffers, *batch]
+    args_ = [*pm.params, *pm.buffers, *batch]
 
     opt = sgd(model.parameters())
 

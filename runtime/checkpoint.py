@@ -167,7 +167,8 @@ def _layout(pm, i):
 
 
 def _local_shape(pm, i) -> torch.Size:
-    return pm._zero.shapes[i] if pm._zero is not None else pm._params[i].shape
+    z = pm.sharded_optimizer
+    return z.shapes[i] if z is not None else pm.params[i].shape
 
 
 def _full_shape(pm, i) -> torch.Size:
@@ -180,7 +181,7 @@ def _full_shape(pm, i) -> torch.Size:
 
 def _to_full(pm, i, local):
     lay = _layout(pm, i)
-    return rtp.full_param(local, lay, pm.plan.tp, pm._tp_group) if lay is not None \
+    return rtp.full_param(local, lay, pm.plan.tp, pm.tp_group) if lay is not None \
         else local.detach().clone()
 
 
@@ -196,19 +197,19 @@ def _slots(pm):
     opt = pm.optimizer
     if opt is None:
         return []
-    if pm._zero is not None:
-        buckets = pm.program.zero_buckets if pm._runner is None else [
-            pm.program.zero_buckets[k] for k in pm._runner.held_buckets]
+    if pm.sharded_optimizer is not None:
+        buckets = pm.program.zero_buckets if pm.pipeline_runner is None else [
+            pm.program.zero_buckets[k] for k in pm.pipeline_runner.held_buckets]
         out = []
-        for shard, idx in zip(pm._zero.shards, buckets):
+        for shard, idx in zip(pm.sharded_optimizer.shards, buckets):
             off, members = 0, []
             for i in idx:
-                n = pm._zero.shapes[i].numel()
+                n = pm.sharded_optimizer.shapes[i].numel()
                 members.append((i, off, n))
                 off += n
             out.append((shard, members, True))
         return out
-    index = {id(p): i for i, p in enumerate(pm._params)}
+    index = {id(p): i for i, p in enumerate(pm.params)}
     out = []
     for g in opt.param_groups:
         for t in g["params"]:
@@ -224,11 +225,11 @@ def _slots(pm):
 def _held(pm):
     """Which model.state_dict() entries this rank holds up to date: all of them, except under
     pipeline parallelism (only its stages' weights and buffers)."""
-    r = pm._runner
+    r = pm.pipeline_runner
     state = pm.model.state_dict(keep_vars=True)
     if r is None or pm.plan.pp == 1:
         return state
-    return {k: state[k] for k, stages in pm._state_stages(state).items()
+    return {k: state[k] for k, stages in pm.state_stages(state).items()
             if any(r.rank_of(s) == r.rank for s in stages)}
 
 
@@ -241,9 +242,10 @@ def _names(pm):
 def _model_state(pm) -> dict[str, torch.Tensor]:
     """{"model.<key>": full tensor} for the entries this rank holds (collective over tp / dp
     for tp slices and ZeRO-3 shards)."""
-    full = pm._tp_full()  # id(param) -> full weight (collective over the tp group)
-    if pm._zero is not None and pm._zero.shard_params:
-        full.update(zip(map(id, pm._params), pm._zero.full_params()))  # over the dp group
+    full = pm.tp_full_params()  # id(param) -> full weight (collective over the tp group)
+    if pm.sharded_optimizer is not None and pm.sharded_optimizer.shard_params:
+        # over the dp group
+        full.update(zip(map(id, pm.params), pm.sharded_optimizer.full_params()))
     return {f"model.{k}": (full[id(v)] if id(v) in full else v.detach())
             for k, v in _held(pm).items()}
 
@@ -269,9 +271,10 @@ def _optim_state(pm) -> tuple[dict[str, torch.Tensor], dict]:
                     f"{tuple(v.shape)}, not its parameter's {tuple(t.shape)}: only elementwise "
                     "optimizer state (SGD, Adam, AdamW, ...) can be saved plan-independently.")
             flat = v.detach().reshape(-1)
-            if sharded and pm._zero.dp > 1:
-                whole = flat.new_empty(flat.numel() * pm._zero.dp)
-                dist.all_gather_into_tensor(whole, flat.contiguous(), group=pm._zero.group)
+            if sharded and pm.sharded_optimizer.dp > 1:
+                whole = flat.new_empty(flat.numel() * pm.sharded_optimizer.dp)
+                dist.all_gather_into_tensor(whole, flat.contiguous(),
+                                            group=pm.sharded_optimizer.group)
                 flat = whole
             for i, off, n in members:
                 local = flat[off:off + n].view(_local_shape(pm, i))
@@ -419,7 +422,7 @@ def load(pm, path: str) -> dict:
     distributed = pm.world.size > 1
     names = _names(pm)
     state = pm.model.state_dict(keep_vars=True)
-    pidx = {id(p): i for i, p in enumerate(pm._params)}
+    pidx = {id(p): i for i, p in enumerate(pm.params)}
     # what to read: every model entry; optimizer state of this rank's parameters; RNG
     missing = [k for k in state if f"model.{k}" not in md]
     if missing:
@@ -465,8 +468,8 @@ def load(pm, path: str) -> dict:
 
 
 def _load_model(pm, state, got):
-    pidx = {id(p): i for i, p in enumerate(pm._params)}
-    z = pm._zero
+    pidx = {id(p): i for i, p in enumerate(pm.params)}
+    z = pm.sharded_optimizer
     for k, v in state.items():
         full = got[f"model.{k}"].to(v.device)
         if id(v) not in pidx:  # a buffer
@@ -510,7 +513,7 @@ def _load_optimizer(pm, slots, okeys, got, meta, path):
                 pieces.append(_to_local(pm, i, v).reshape(-1))
             flat = torch.cat(pieces)
             if sharded:
-                z = pm._zero
+                z = pm.sharded_optimizer
                 flat = z._slice(z._flat([flat]))
             entry[key] = flat.view(t.shape)
         entry.update({k: _decode(v, {}) for i, _, _ in members

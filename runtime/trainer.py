@@ -31,11 +31,17 @@ def to_device(batch, device):
 
 
 class ParallelModel:
-    """A model compiled for a Plan; `step(batch)` is one full training step."""
+    """A model compiled for a Plan; `step(batch)` is one full training step.
+
+    This rank's state, public for checkpointing (runtime/checkpoint.py) and tools: `params`
+    (the parameter tensors in `program.signature` order: tp slices; with ZeRO-3 emptied,
+    the shards live in the sharded optimizer), `buffers`, `sharded_optimizer` (ZeRO:
+    runtime/zero.ShardedOptimizer, else None), `optimizer`, `pipeline_runner` (pp > 1 or
+    microbatches: runtime/pipeline.PipelineRunner, else None), `tp_group`, `scaler`."""
 
     plan_report = None  # plan="auto": the planner's PlanResult (set by parallelize)
     # plan="auto": after this many steps the planner's cost model is re-fitted to the
-    # measured step time (`_refit_planner`); 0 turns it off
+    # measured step time (compiler/api._refit_planner, through `on_measured`)
     REFIT_AFTER = 8
 
     def __init__(self, model, world, program: ir.Program, optimizer=None,
@@ -59,17 +65,17 @@ class ParallelModel:
         params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
         buffers = dict(model.named_buffers(remove_duplicate=False))
         sig = self.program.signature
-        self._params = [params[n] for n in sig.param_names]
-        self._tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
+        self.params = [params[n] for n in sig.param_names]
+        self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
         with torch.no_grad():  # tp: each parameter becomes this rank's slice of it
-            for p, layout in zip(self._params, self.program.tp_layouts):
+            for p, layout in zip(self.params, self.program.tp_layouts):
                 if layout is not None:
                     p.data = rtp.local_param(p.data, layout, plan.tp, world.coordinate("tp"))
-        self._zero = None
-        self._runner = None
+        self.sharded_optimizer = None
+        self.pipeline_runner = None
         if self.program.pipeline is not None:
-            self._runner = PipelineRunner(self.program, world.coordinate("pp"),
-                                          world.group_name("pp"))
+            self.pipeline_runner = PipelineRunner(self.program, world.coordinate("pp"),
+                                                  world.group_name("pp"))
         if self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
@@ -77,20 +83,20 @@ class ParallelModel:
                     "optimizer over this rank's shards: pass a factory, e.g. "
                     "`optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)`, not an instance.")
             factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
-            buckets = self.program.zero_buckets if self._runner is None else [
-                self.program.zero_buckets[k] for k in self._runner.held_buckets]
-            self._zero = ShardedOptimizer(lambda ps: optim.build(factory, ps), self._params,
-                                          buckets, plan.dp,
-                                          world.coordinate("dp"), world.mesh.get_group("dp"),
-                                          shard_params=self.program.params_sharded)
-            self.optimizer = self._zero.optimizer
-        elif self._runner is not None:  # this rank's stages' parameters only
-            held = [self._params[i] for i in self._runner.held_params]
+            buckets = self.program.zero_buckets if self.pipeline_runner is None else [
+                self.program.zero_buckets[k] for k in self.pipeline_runner.held_buckets]
+            self.sharded_optimizer = ShardedOptimizer(
+                lambda ps: optim.build(factory, ps), self.params, buckets, plan.dp,
+                world.coordinate("dp"), world.mesh.get_group("dp"),
+                shard_params=self.program.params_sharded)
+            self.optimizer = self.sharded_optimizer.optimizer
+        elif self.pipeline_runner is not None:  # this rank's stages' parameters only
+            held = [self.params[i] for i in self.pipeline_runner.held_params]
             self.optimizer = None if not held else optim.build(optimizer, held if not isinstance(
                 optimizer, torch.optim.Optimizer) else model)  # None: stages without weights
         else:
             self.optimizer = optim.build(optimizer, model)
-        self._buffers = [buffers[n] for n in sig.buffer_names]
+        self.buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
         # fp16: the dynamic loss scale (runtime/amp.py); None for fp32 / bf16
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
@@ -111,8 +117,8 @@ class ParallelModel:
                             "uncaptured (logged), or False.")
         if not d.capture and self.world.device.type == "cuda":
             log.info("fxpar: the step runs without CUDA graphs: %s", d.reason)
-        if d.capture and self._runner is not None:
-            self._runner.use_cuda_graphs(self.world.device)
+        if d.capture and self.pipeline_runner is not None:
+            self.pipeline_runner.use_cuda_graphs(self.world.device)
         return d
 
     # --- training ---------------------------------------------------------------------------
@@ -122,20 +128,20 @@ class ParallelModel:
                                      self.world.device)
         if program.loss_scale:
             local.append(self.scaler.scale_tensor(self.world.device))
-        params = self._zero.param_shards if program.params_sharded else self._params
+        params = self.sharded_optimizer.param_shards if program.params_sharded else self.params
         if program is self.program and self.cuda_graphs.capture:
             if self._graphed is None:  # the graph's functional collectives are capturable
                 self._graphed = cudagraph.GraphedStep(
                     lambda *a: executor.run_graph(program.graph, a, (), ()),
-                    [True] * (len(params) + len(self._buffers)) + [False] * len(local),
+                    [True] * (len(params) + len(self.buffers)) + [False] * len(local),
                     self.world.device)
-            outs = list(self._graphed([*params, *self._buffers, *local]))
+            outs = list(self._graphed([*params, *self.buffers, *local]))
             outs[0] = outs[0].clone()  # the static output is overwritten by the next replay
             return outs
         gm = self._lowered.get(id(program))
         if gm is None:
             gm = self._lowered[id(program)] = comm.lower(program.graph)
-        return executor.run_graph(gm, params, self._buffers, local)
+        return executor.run_graph(gm, params, self.buffers, local)
 
     def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
         """All microbatches through this rank's stages; the loss on every rank."""
@@ -155,7 +161,7 @@ class ParallelModel:
                 share = (total / program.microbatches).to(program.loss_count.meta["dtype"])
             for leaves in mbs:
                 leaves.append(share)
-        loss, grads, new_bufs = runner.run(self._params, self._buffers, mbs, self.world.device,
+        loss, grads, new_bufs = runner.run(self.params, self.buffers, mbs, self.world.device,
                                            rec, forward_only)
         if program.pp > 1:  # the last stage has the loss: every rank returns it
             last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
@@ -189,22 +195,23 @@ class ParallelModel:
         self._on_measured(float(t))
 
     def _train_step(self, batch) -> torch.Tensor:
-        if self._runner is not None:
+        if self.pipeline_runner is not None:
             with executor.recording(self.recorder) as rec:
-                loss, grads, new_bufs = self._run_pipeline(self.program, self._runner, batch,
+                loss, grads, new_bufs = self._run_pipeline(self.program,
+                                                           self.pipeline_runner, batch,
                                                            rec)
                 faults.check_loss(loss, self.plan)
                 rec.segment("optimizer")
-                held = self._runner.held_params
-                if self._zero is not None:
-                    shards = [grads[k] for k in self._runner.held_buckets]
+                held = self.pipeline_runner.held_params
+                if self.sharded_optimizer is not None:
+                    shards = [grads[k] for k in self.pipeline_runner.held_buckets]
                     if self._finish_grads(shards):
-                        self._zero.step(shards)
-                    self._runner.sync_tied_params(self._params, self.program.zero_buckets)
+                        self.sharded_optimizer.step(shards)
+                    self.pipeline_runner.sync_tied_params(self.params, self.program.zero_buckets)
                 elif not self._finish_grads(grads):
                     pass  # fp16 overflow on some rank: every rank skips this update
                 elif self.optimizer is not None:
-                    optim.apply_gradients(self.optimizer, [self._params[i] for i in held],
+                    optim.apply_gradients(self.optimizer, [self.params[i] for i in held],
                                           [grads[i] for i in held])
                 with torch.no_grad():
                     for buf, val in zip(self._mutated_buffers, new_bufs):
@@ -213,16 +220,16 @@ class ParallelModel:
             return loss.detach()
         with executor.recording(self.recorder) as rec:
             outs = self._run(self.program, batch)
-            n_g = len(self.program.zero_buckets) if self._zero else len(self._params)
+            n_g = len(self.program.zero_buckets) if self.sharded_optimizer else len(self.params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
             faults.check_loss(loss, self.plan)
             rec.segment("optimizer")
             if not self._finish_grads(grads):
                 pass  # fp16 overflow on some rank: every rank skips this update
-            elif self._zero:
-                self._zero.step(grads)
+            elif self.sharded_optimizer:
+                self.sharded_optimizer.step(grads)
             else:
-                optim.apply_gradients(self.optimizer, self._params, grads)
+                optim.apply_gradients(self.optimizer, self.params, grads)
             self._update_buffers(new_bufs)
         if self._graphed is not None:  # the last replay's GPU time (the loss check synced)
             self.recorder.stats[-1].device_s = self._graphed.last_device_s()
@@ -232,7 +239,7 @@ class ParallelModel:
     def offload_stats(self) -> dict | None:
         """Plan.offload: this rank's last step - bytes_out (copied to host), host_peak (most
         bytes on host at once), copies (storages moved), values; None without offloading."""
-        stash = self._runner.stash if self._runner is not None else None
+        stash = self.pipeline_runner.stash if self.pipeline_runner is not None else None
         return dict(stash.stats) if stash is not None else None
 
     # --- loss scaling and gradient clipping (runtime/amp.py) --------------------------------
@@ -261,24 +268,26 @@ class ParallelModel:
         norm, so that the sum over the world counts every element of the model once."""
         layouts = self.program.tp_layouts
         tp0 = self.world.coordinate("tp") == 0 if self.plan.tp > 1 else True
-        r = self._runner
-        if self._zero is None:  # whole gradients, equal on every dp rank: dp rank 0 counts
+        r = self.pipeline_runner
+        if self.sharded_optimizer is None:  # whole gradients, equal on every dp rank: dp
+            # rank 0 counts
             first = self.world.coordinate("dp") == 0
 
             def owner(i):  # a weight several pipeline stages hold: its first stage counts it
                 return r is None or self.plan.pp == 1 or r.rank_of(
                     min(r.p.param_stages.get(i, {0}))) == r.rank
             return amp.GradNormPlan([first and owner(i) and (layouts[i] is not None or tp0)
-                                     for i in range(len(self._params))])
+                                     for i in range(len(self.params))])
         buckets = self.program.zero_buckets if r is None else [
             self.program.zero_buckets[k] for k in r.held_buckets]
         dp, dp_r = self.plan.dp, self.world.coordinate("dp")
         counted = []
-        for idx, shard in zip(buckets, self._zero.shards):  # each rank counts its own shard
+        # each rank counts its own shard
+        for idx, shard in zip(buckets, self.sharded_optimizer.shards):
             mask = torch.zeros(shard.numel() * dp, device=shard.device)
             off = 0
             for i in idx:
-                n = self._zero.shapes[i].numel()
+                n = self.sharded_optimizer.shapes[i].numel()
                 mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0
                 off += n
             mask = mask[dp_r * shard.numel():(dp_r + 1) * shard.numel()]
@@ -313,9 +322,9 @@ class ParallelModel:
 
     def evaluate(self, batch) -> torch.Tensor:
         """Forward only, no parameter or buffer update: the mean loss of the global batch."""
-        if self._runner is not None:
+        if self.pipeline_runner is not None:
             # the training program's forward parts: the same stages hold the same weights
-            return self._run_pipeline(self.program, self._runner, batch,
+            return self._run_pipeline(self.program, self.pipeline_runner, batch,
                                       forward_only=True)[0].detach()
         if self._eval_program is None:  # compiled from the stand-ins compile kept: the
             # model's own tensors (shards by now) are never traced
@@ -330,12 +339,12 @@ class ParallelModel:
         return outs[0].detach()
 
     # --- tensor-parallel shards ------------------------------------------------------------
-    def _tp_full(self) -> dict[int, torch.Tensor]:
+    def tp_full_params(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> the user's full weight, for every tp-sharded one (collective)."""
-        if self._tp_group is None:
+        if self.tp_group is None:
             return {}
-        return {id(p): rtp.full_param(p.data, layout, self.plan.tp, self._tp_group)
-                for p, layout in zip(self._params, self.program.tp_layouts)
+        return {id(p): rtp.full_param(p.data, layout, self.plan.tp, self.tp_group)
+                for p, layout in zip(self.params, self.program.tp_layouts)
                 if layout is not None}
 
     # --- state ------------------------------------------------------------------------------
@@ -344,24 +353,24 @@ class ParallelModel:
         (with ZeRO-3, tensor parallelism or pipeline stages this gathers: call it on every
         rank)."""
         state = self.model.state_dict(keep_vars=True)
-        tp_full = self._tp_full()
-        if self._runner is not None and self.plan.pp > 1:
+        tp_full = self.tp_full_params()
+        if self.pipeline_runner is not None and self.plan.pp > 1:
             return self._gather_stages(state, tp_full)
         if tp_full:
             return {k: tp_full[id(v)] if id(v) in tp_full else v.detach().clone()
                     for k, v in state.items()}
-        if self._zero is not None and self._zero.shard_params:
-            full = dict(zip(map(id, self._params), self._zero.full_params()))
+        if self.sharded_optimizer is not None and self.sharded_optimizer.shard_params:
+            full = dict(zip(map(id, self.params), self.sharded_optimizer.full_params()))
             return {k: full[id(v)] if id(v) in full else v.detach().clone()
                     for k, v in state.items()}
         return {k: v.detach().clone() for k, v in state.items()}
 
-    def _state_stages(self, state) -> dict[str, set[int]]:
+    def state_stages(self, state) -> dict[str, set[int]]:
         """Pipeline: the stages holding each model.state_dict() entry (parameters and buffers
         by the stage split; anything else: stage 0)."""
-        r = self._runner
-        ids = {id(p): i for i, p in enumerate(self._params)}
-        bids = {id(b): j for j, b in enumerate(self._buffers)}
+        r = self.pipeline_runner
+        ids = {id(p): i for i, p in enumerate(self.params)}
+        bids = {id(b): j for j, b in enumerate(self.buffers)}
         return {k: r.p.param_stages.get(ids[id(v)], {0}) if id(v) in ids else
                 r.p.buffer_stages.get(bids[id(v)], {0}) if id(v) in bids else {0}
                 for k, v in state.items()}
@@ -370,9 +379,9 @@ class ParallelModel:
         """Each weight from the first stage that holds it (copies on other stages are equal);
         `tp_full`: id -> full weight where this rank holds a tp shard."""
         tp_full = tp_full or {}
-        r = self._runner
+        r = self.pipeline_runner
         owned = {}
-        for k, stages_ in self._state_stages(state).items():
+        for k, stages_ in self.state_stages(state).items():
             if r.rank_of(min(stages_)) == r.rank:
                 owned[k] = tp_full.get(id(state[k]), state[k].detach()).cpu().clone()
         gathered = [None] * self.plan.pp

@@ -230,7 +230,7 @@ def test_replayed_pipeline_parts_match_eager(monkeypatch, schedule):
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
                                plan=dict(microbatches=2, schedule=schedule, cuda_graphs=graphs))
         runs[graphs] = torch.stack([pm.step(b) for b in batches])
-        assert (pm._runner.graphs is not None) == graphs
+        assert (pm.pipeline_runner.graphs is not None) == graphs
         if graphs:
             assert backends and all(b.captures == 1 for b in backends)
             assert all(b.replays == (3 if b.warm_runs == 2 else 6) for b in backends)

@@ -195,8 +195,8 @@ def test_cuda_graph_replay_of_pipeline_parts():
         pm, losses[graphs] = _fxpar(fxpar.Plan(microbatches=2, schedule="1f1b",
                                                cuda_graphs=graphs), 6, data)
         if graphs:
-            assert all(g.captured for g in pm._runner.graphs.values())
+            assert all(g.captured for g in pm.pipeline_runner.graphs.values())
         else:
-            assert pm._runner.graphs is None
+            assert pm.pipeline_runner.graphs is None
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                rtol=1e-5, atol=1e-5)

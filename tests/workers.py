@@ -118,8 +118,8 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
     if info is not None:
         info["eval"] = pm.evaluate(batch_fn(0)).item()  # forward-only program, same plan
-    if info is not None and pm._zero is not None:
-        z = pm._zero
+    if info is not None and pm.sharded_optimizer is not None:
+        z = pm.sharded_optimizer
         full = 2 * sum(shape.numel() for shape in z.shapes) * z.shards[0].element_size()  # m, v
         info["opt_state_fraction"] = z.state_bytes() / full
         if z.shard_params:  # ZeRO-3: what this rank holds of params + grads + Adam state
@@ -172,10 +172,10 @@ def zero_memory_rank(zero):
     opt_state = mt.live_bytes()
     with MemoryTracker() as mt:
         outs = pm._run(pm.program, batch_fn(1))
-        n_g = len(pm.program.zero_buckets) if pm._zero else len(pm._params)
+        n_g = len(pm.program.zero_buckets) if pm.sharded_optimizer else len(pm.params)
         grad_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                          for t in outs[1:1 + n_g] if t is not None and mt.key(t) is not None}
-    held = pm._zero.param_shards if pm.program.params_sharded else pm._params
+    held = pm.sharded_optimizer.param_shards if pm.program.params_sharded else pm.params
     params = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                   for t in held}.values())
     return {"params": params, "grads": sum(grad_storages.values()), "optimizer": opt_state}
@@ -334,7 +334,7 @@ def offload_rank(plans, steps=3, layers=4, embd=64, batch=16):
                                    example_batch=M.gpt_batch(cfg, batch, seed=0),
                                    optimizer=OPTIMIZERS["adamw"], plan=plan)
         losses = [pm.step(M.gpt_batch(cfg, batch, seed=0))]  # AdamW state made here
-        stash = pm._runner.stash
+        stash = pm.pipeline_runner.stash
         with Tracker(stash) as mt:
             losses.append(pm.step(M.gpt_batch(cfg, batch, seed=1)))
         losses += [pm.step(M.gpt_batch(cfg, batch, seed=s)) for s in range(2, steps)]
@@ -422,7 +422,7 @@ def fp16_overflow_rank(cases, inject_step, steps):
                 g = next(g for g in grads if g is not None)
                 g.fill_(float("inf"))
 
-        if pm._runner is not None:
+        if pm.pipeline_runner is not None:
             run_pipeline = pm._run_pipeline
 
             def patched(*a, **k):
@@ -440,8 +440,8 @@ def fp16_overflow_rank(cases, inject_step, steps):
                 return outs
             pm._run = patched
         rec = {"skipped": [], "scales": [], "unchanged": [], "losses": []}
-        held = pm._zero.param_shards if pm._zero is not None and pm._zero.shard_params \
-            else pm._params  # ZeRO-3: this rank's parameter shards
+        held = pm.sharded_optimizer.param_shards if pm.sharded_optimizer is not None and pm.sharded_optimizer.shard_params \
+            else pm.params  # ZeRO-3: this rank's parameter shards
         for s in range(steps):
             state["step"] = s
             before = [p.detach().clone() for p in held]
