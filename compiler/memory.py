@@ -23,8 +23,10 @@ with one (the backward frees activations as it makes gradients).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import sympy
 import torch
 
 from fxpar.compiler.graphstats import GraphStats, Segment
@@ -50,6 +52,33 @@ def optimizer_kind(factory) -> str:
     return name
 
 
+# The model state per device, kept symbolic (sympy) in the stage's sizes so that the
+# planner's explanation prints the formula next to the figure; the figures are computed from
+# the same expressions (`model_state`), so the two cannot disagree.
+N, DP, B, S = sympy.symbols("N dp b s", positive=True)
+STATE_SYMBOLS = {N: "parameters of the stage on this rank (tp splits the split ones)",
+                 DP: "data-parallel degree", B: "bytes per parameter element",
+                 S: "optimizer bytes per parameter"}
+
+
+@functools.lru_cache(maxsize=None)
+def state_formula(zero: int) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(parameters, gradients, optimizer state) bytes per device: ZeRO-1 divides the
+    optimizer state by dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters."""
+    return (N * B / (DP if zero >= 3 else 1), N * B / (DP if zero >= 2 else 1),
+            N * S / (DP if zero >= 1 else 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _state_fn(zero: int):
+    return sympy.lambdify((N, DP, B, S), state_formula(zero))
+
+
+def model_state(n: float, dp: int, elem: int, per: int, zero: int) -> tuple[float, ...]:
+    """The numbers of `state_formula(zero)` at these sizes."""
+    return tuple(float(x) for x in _state_fn(zero)(n, dp, elem, per))
+
+
 @dataclasses.dataclass
 class MemoryEstimate:
     """Bytes per device on the fullest stage (and the total of every stage in `per_stage`)."""
@@ -62,6 +91,18 @@ class MemoryEstimate:
     per_stage: list = dataclasses.field(default_factory=list)
     accumulate: bool = True  # gradients live while activations do (microbatches > 1)
     working: float = 0.0     # of `activations`: the largest segment's working memory
+    # the model state's formula and the values of its symbols (sympy), for explanations
+    state: tuple = ()
+    sizes: dict = dataclasses.field(default_factory=dict)
+
+    def formula(self) -> str:
+        """'params + grads + optimizer = <formula> with N = ..., dp = ..., ...'."""
+        if not self.state:
+            return ""
+        expr = sympy.factor(sum(self.state))
+        vals = ", ".join(f"{k} = {v:,.0f}" if k == "N" else f"{k} = {v:g}"
+                         for k, v in self.sizes.items())
+        return f"params + grads + optimizer = {expr} bytes, with {vals}"
 
     @property
     def total(self) -> float:
@@ -133,10 +174,8 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     """Memory of one rank of the stage holding `segs`, and its recompute fraction."""
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
-    params = n * elem / (dp if zero >= 3 else 1)
-    grads = n * elem / (dp if zero >= 2 else 1)
     per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
-    opt = n * per / (dp if zero >= 1 else 1)
+    params, grads, opt = model_state(n, dp, elem, per, zero)
     act_scale = (1.0 if stats.activations_precision == precision
                  else elem / stats.param_bytes_per_elem)
     acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale)
@@ -157,4 +196,6 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     if microbatches > 1:  # accumulating: a microbatch's gradients next to the running sum
         buffers += grads
     return MemoryEstimate(params, grads, opt, acts, buffers,
-                          accumulate=microbatches > 1, working=working), recompute
+                          accumulate=microbatches > 1, working=working,
+                          state=state_formula(zero),
+                          sizes={"N": n, "dp": dp, "b": elem, "s": per}), recompute

@@ -111,6 +111,8 @@ class PlanResult:
         out = [f"chosen: {b.row()}",
                "  step time = " + " + ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
                f"  memory per device: {b.memory.describe()}"]
+        if b.memory.formula():
+            out.append(f"  {b.memory.formula()}")
         if self.refit:
             out.append(f"  priced {self.refit}")
         if b.recompute:

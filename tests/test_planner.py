@@ -611,3 +611,24 @@ def test_cuda_graph_replay_prices_no_host_dispatch(small_stats):
                 schedule="gpipe").step_s >= 2 * nodes * 1e-3
     cpu_like = dataclasses.replace(hw, async_launch=False)
     assert step(cpu_like).step_s == pytest.approx(step(cpu_like, cuda_graphs=False).step_s)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_model_state_figures_come_from_the_formula_the_explanation_prints(zero, small_stats):
+    """The memory model keeps params + grads + optimizer symbolic (sympy): the figures are
+    that formula evaluated, and `explain()` prints it with the sizes substituted in."""
+    import sympy
+    from fxpar.compiler import memory
+    stats = small_stats
+    est, _ = memory.stage_memory(stats.segments, stats, tp=1, dp=4, zero=zero, rows=8,
+                                 in_flight=1, precision="bf16", optimizer="adamw")
+    subs = {memory.N: est.sizes["N"], memory.DP: 4, memory.B: 2, memory.S: 12}
+    for expr, got in zip(est.state, (est.params, est.grads, est.optimizer)):
+        assert float(expr.subs(subs)) == pytest.approx(got)
+    assert sympy.simplify(sum(est.state).subs(subs) - (est.params + est.grads + est.optimizer)) \
+        == pytest.approx(0)
+    assert ("/dp" in str(est.state[2])) == (zero >= 1)
+    assert ("/dp" in str(est.state[0])) == (zero >= 3)
+    r = planner.search(stats, 4, cost.HARDWARE["a100"], batch_rows=8, precision="bf16",
+                       constraints={"zero": zero, "dp": 4}, executable=False)
+    assert "params + grads + optimizer = N*" in r.explain()
