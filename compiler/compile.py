@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import ir, planner, stages
+from fxpar.compiler import cost, ir, planner, stages
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
@@ -65,6 +65,7 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
             "buffers (LayerNorm/GroupNorm).")
     virtual = 2 if plan.schedule == "interleaved" else 1
     ctx = PassContext(signature=sig, virtual_stages=virtual, device=device,
+                      profile=cost.DeviceProfile.for_device(device),
                       memory_budget=activation_budget(model, plan, device) if joint else None)
     snapshots: dict[str, dict[str, torch.fx.GraphModule]] = {}
     gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)

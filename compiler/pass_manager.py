@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.compiler import cost, ir
 from fxpar.compiler.graphs import snapshot, verify
 from fxpar.kernels.jit import unavailable_reason
 from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precision, remat,
@@ -39,7 +39,10 @@ class PassContext:
     memory_budget: int | None = None  # activation bytes per device for remat="auto"
     overlap_memory_bytes: int | None = None  # overlap: extra bytes allowed (None: 2 layers)
     virtual_stages: int = 1  # pipeline stages per rank (interleaved schedule: 2)
-    device: Any = None       # the rank's device (cost model profile)
+    device: Any = None       # the rank's device
+    # the cost model every pass prices with (compile makes it once for the device; None:
+    # a pass run alone takes its device's default profile)
+    profile: cost.DeviceProfile | None = None
 
 
 def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:

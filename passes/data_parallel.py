@@ -80,7 +80,7 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     # otherwise a fixed size if the plan gives one, else the cost model sizes them (None)
     bucket_bytes = 0 if plan.zero == 3 else (
         None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20))
-    _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero)
+    _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero, ctx.profile)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if plan.zero == 3:
         _gather_params_before_use(gm, group, dp)
@@ -93,7 +93,7 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0):
+def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
     With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket."""
     graph = gm.graph
@@ -117,7 +117,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0):
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero:
         grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
-                                    gm.meta)
+                                    gm.meta, profile)
         out.meta["n_grads"] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
@@ -128,7 +128,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0):
         if i not in bucketable:
             grads[i] = to_replicate(g)
     for bucket in _buckets(graph, [grads[i] for i in bucketable], bucket_bytes, dp,
-                           c10d.all_reduce.default):
+                           c10d.all_reduce.default, profile):
         idx = [bucketable[j] for j in bucket]
         reduced = _all_reduce_bucket(graph, [grads[i] for i in idx], group, order, out)
         for i, r in zip(idx, reduced):
@@ -389,7 +389,8 @@ def _ancestors(node) -> set:
     return seen
 
 
-def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided):
+def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided,
+                        profile):
     """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/dp slice. ZeRO-2:
     reduce-scatter it (each rank receives only its summed slice: half the bytes of an
     all-reduce, and no full-size reduced gradient). Returns one shard node per bucket and
@@ -405,7 +406,8 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     shards = []
     decided[ir.ZERO_BUCKETS] = []
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
-    for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, dp, target):
+    for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, dp, target,
+                           profile):
         idx = [with_grad[j] for j in bucket]
         decided[ir.ZERO_BUCKETS].append(idx)
         members = [grads[i] for i in idx]
@@ -496,7 +498,7 @@ def _gather(graph, shard, dp, group, numel, shape, before):
     return nodes[-1]
 
 
-def _buckets(graph, grads, bucket_bytes, dp, target):
+def _buckets(graph, grads, bucket_bytes, dp, target, profile=None):
     """Bucket index lists over `grads`; never mixing pipeline stages (a bucket is one
     collective, run by the stage that made its gradients)."""
     by_stage: dict = {}
@@ -506,13 +508,13 @@ def _buckets(graph, grads, bucket_bytes, dp, target):
         out = []
         for idx in by_stage.values():
             out += [[idx[k] for k in b] for b in _buckets(graph, [grads[j] for j in idx],
-                                                          bucket_bytes, dp, target)]
+                                                          bucket_bytes, dp, target, profile)]
         return out
     if bucket_bytes is not None:
         return assign_buckets(grads, bucket_bytes)
     nodes = list(graph.nodes)
-    profile = cost.DeviceProfile.for_device(next(
-        n.meta[ir.VAL].device for n in nodes if n.op == "placeholder")).for_collectives()
+    profile = (profile or cost.DeviceProfile.for_device(next(  # (a pass run alone)
+        n.meta[ir.VAL].device for n in nodes if n.op == "placeholder"))).for_collectives()
     clock, ready = 0.0, {}
     for n in nodes:  # when each gradient exists, by the cost model, in execution order
         clock += cost.node_time(n, profile) if n.op == "call_function" else 0.0

@@ -52,7 +52,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     n_stages = plan.pp * ctx.virtual_stages
     if n_stages == 1:
         return gm
-    split = partition(gm, n_stages, ctx.device, split_weight_grads=plan.schedule == "zero-bubble")
+    split = partition(gm, n_stages, ctx.device, split_weight_grads=plan.schedule == "zero-bubble",
+                      profile=ctx.profile)
     gm.meta["pipeline"] = split
     return gm
 
@@ -62,9 +63,9 @@ def _device(gm):
 
 
 def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
-              split_weight_grads: bool = False) -> Split:
+              split_weight_grads: bool = False, profile=None) -> Split:
     graph = gm.graph
-    profile = cost.DeviceProfile.for_device(device or _device(gm))
+    profile = profile or cost.DeviceProfile.for_device(device or _device(gm))
     nodes = list(graph.nodes)
     fwd = [n for n in nodes if n.op == "call_function" and n.meta.get(ir.REGION) != ir.BACKWARD]
     bwd = [n for n in nodes if n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD]

@@ -449,7 +449,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     cands = chain_candidates(gm)
     seg = _segments(gm, cands) if cands else []
     peak_before = _activation_peak(gm)
-    profile = cost.DeviceProfile.for_device(_device_of(gm))
+    profile = ctx.profile or cost.DeviceProfile.for_device(_device_of(gm))
 
     if mode == "sqrt":
         if cands:

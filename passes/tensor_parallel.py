@@ -405,7 +405,7 @@ def _gather_where_cheaper(roles, placements, tp, ctx):
     """tp_style="auto": a linear left whole (no row partner) is split by output features and
     its output all-gathered if the cost model says 1/tp of its FLOPs plus the gather beat
     computing it whole on every rank."""
-    profile = cost.DeviceProfile.for_device(ctx.device or "cpu")
+    profile = ctx.profile or cost.DeviceProfile.for_device(ctx.device or "cpu")
     c10d = torch.ops._c10d_functional
     for lin, r in list(roles.items()):
         w = lin.weight
