@@ -19,6 +19,7 @@ from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir, planner, stages
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.graphs import snapshot, verify
 from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
 
@@ -81,6 +82,9 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     if plan.pp > 1 or m > 1:
         t1 = time.perf_counter()
         program.pipeline = stages.split(gm, sig, plan.pp * virtual)
+        for part in program.pipeline.parts.values():  # checked like every pass's result
+            verify(part.graph)
+        snapshots["stages"] = {k: snapshot(p.graph) for k, p in program.pipeline.parts.items()}
         program.pp, program.microbatches = plan.pp, m
         program.schedule = plan.schedule if joint else "gpipe"
         program.virtual = virtual

@@ -101,6 +101,10 @@ def _decision_line(name: str, gm) -> str:
         d = m["pipeline"]
         return (f"{d.n_stages} stages cut after {d.cuts}; slowest/mean stage "
                 f"{d.imbalance:.3f}; {len(d.transfers)} transfers")
+    if name == "stages":
+        calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        ins = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        return f"one part of the step's schedule: {calls} ops, {ins} inputs"
     if name == "tensor_parallel" and "tensor_parallel" in m:
         d = m["tensor_parallel"]
         return (f"tp={d.tp}: {len(d.column)} column-split and {len(d.row)} row-split weights, "
@@ -146,8 +150,8 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
     if plan.fuse and skipped:
         passes.append(f"<h3>fusion</h3><p>left out: {html.escape(skipped)}</p>")
 
-    final = list(pm.stage_graphs.values())[-1]
-    gm = next(iter(final.values()))
+    final = [roles for name, roles in pm.stage_graphs.items() if name != "stages"][-1]
+    gm = next(iter(final.values()))  # the whole graph after the last pass (not a part)
     pred = predict(gm, pm.world.device, max(plan.dp, 1))
     stats = pm.step_stats
     measured_s = measured_step_s or (statistics.median(s.time_s for s in stats[-5:])
