@@ -39,7 +39,7 @@ def cmd_viz(args):
     for p in write_snapshots(prog.stage_graphs, args.out):
         print(p)
     if "remat" in prog.stage_graphs:
-        from fxpar.viz.memory import plot_remat
+        from fxpar.viz.memory_plot import plot_remat
         print(plot_remat(prog.stage_graphs, os.path.join(args.out, "memory_remat.png")))
     print(summary(prog.graph))
 

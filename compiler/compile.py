@@ -94,7 +94,7 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
         # made now (the runtime shards the model's own tensors later), so it never needs the
         # full weights back in the model
-        eval_stand_ins = {**cap.fake_weights(model, device, only_meta=False), **stand_ins}
+        eval_stand_ins = cap.fake_weights(model, device, only_meta=False)
         program.build_eval = lambda: build(model, example_batch, loss_fn, plan, device,
                                            joint=False, stand_ins=eval_stand_ins)
     return program

@@ -189,7 +189,7 @@ class MemoryTimeline:
         return self.peak["activations"]
 
 
-def simulate(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 0,
+def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 0,
              count_inputs: bool = True) -> MemoryTimeline:
     """Live memory of one run of `gm` in graph order, freeing storages after their last use.
 

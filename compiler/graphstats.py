@@ -313,7 +313,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
 
     # working memory per segment: the simulated live activations while its nodes run, less
     # the saved values that may still be alive then (every segment's up to its own)
-    tl = cost.simulate(gm, count_inputs=False)
+    tl = cost.simulate_liveness(gm, count_inputs=False)
     transient = max(0.0, tl.peak["activations"] - sum(s.saved for s in segs.values()))
     idx = {n: i for i, n in enumerate(gm.graph.nodes)}
     size = {k: cost.tensor_bytes(k[0].meta.get(ir.VAL)[k[1]] if k[1] is not None

@@ -102,7 +102,7 @@ class Program:
     offload: bool = False  # Plan.offload: waiting microbatches' saved values to host memory
     # Tensor parallelism (tp > 1): per parameter None (whole) or a layout (shard_dim,
     # interleave_dim, k) saying which slice of the user's weight this tp rank's program reads
-    # (runtime/tp.py); gradient outputs are placed the same way.
+    # (runtime/tp_slices.py); gradient outputs are placed the same way.
     tp: int = 1
     tp_layouts: list = dataclasses.field(default_factory=list)
     # Mixed precision (passes/precision.py): fp16's graph takes one more batch input after

@@ -8,13 +8,13 @@ by running the passes:
             (compiler/cost.Hardware; the CPU's numbers are measured at start-up);
   tp        Megatron's all-reduces (per block 2 forward + 2 backward of b*s*h) with the
             alpha-beta ring model of the link the tp group spans;
-  pp        the schedule's makespan from runtime/schedules.simulate with those stage times and
+  pp        the schedule's makespan from runtime/schedules.simulate_schedule with those stage times and
             the p2p time of the cut activations (the best candidates are simulated; the rest
             priced by the closed form (m + pp - 1) x slowest stage first);
   dp        gradient all-reduce or ZeRO's reduce-scatter + all-gather (ZeRO-3 also gathers the
             parameters per microbatch), overlapped with the last backward when Plan.overlap;
   optimizer the bytes the update reads and writes;
-  memory    compiler/memory.py; a plan that does not fit is pruned (remat budgets are tried
+  memory    compiler/memory_model.py; a plan that does not fit is pruned (remat budgets are tried
             before a plan is given up).
 The best plan wins; `PlanResult.table` has the runner-ups and `explain()` says why.
 """
@@ -31,7 +31,7 @@ from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphstats import FIELDS, GraphStats, Segment, analyze, layer_key
-from fxpar.compiler.memory import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
+from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
                                    stage_memory)
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan, replays_step, resolve
@@ -221,7 +221,7 @@ def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
             r = a.stage % pp
             t = (fwd if a.kind == "F" else bwd)[r] / v
             return t if a.kind in ("F", "B") else t / 2
-        return schedules.simulate(schedules.build(schedule, pp, mm, v), dur,
+        return schedules.simulate_schedule(schedules.build(schedule, pp, mm, v), dur,
                                   p2p_latency=p2p).makespan
     cap = 4 * pp
     if m <= cap + pp:

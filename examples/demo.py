@@ -97,7 +97,7 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
 
 def write_remat_memory(pm, path: str) -> str:
     """What remat decided, and the memory timeline before/after it (PNG)."""
-    from fxpar.viz.memory import plot_remat
+    from fxpar.viz.memory_plot import plot_remat
     d = pm.stage_graphs["remat"]["dp"].meta["remat"]
     print(f"remat {d.mode}: {len(d.checkpoints)} checkpoints, {len(d.recomputed)} nodes "
           f"recomputed ({d.recompute_flops / 1e6:.1f} MFLOP), activation peak "

@@ -401,7 +401,7 @@ def sqrt_checkpoints(gm, cands, seg, tries: int = 6, cache=None):
 
 
 def _activation_peak(gm) -> int:
-    return cost.simulate(gm, count_inputs=False).peak["activations"]
+    return cost.simulate_liveness(gm, count_inputs=False).peak["activations"]
 
 
 def _apply(gm, pinned, forced, cache=None):

@@ -20,7 +20,7 @@ and `fxpar.json`. What is in it does not depend on the plan that wrote it:
 
 How sharded state becomes full tensors (save) and back (load). fxpar holds parameters in its
 own layouts: tensor-parallel slices, some interleaved (a fused QKV weight: each rank's slice
-holds its share of q, k and v; runtime/tp.py), ZeRO flat bucket shards (the optimizer's
+holds its share of q, k and v; runtime/tp_slices.py), ZeRO flat bucket shards (the optimizer's
 parameters are 1/dp slices of padded flat buckets; runtime/zero.py), pipeline stages (a rank
 holds only its stages' weights). DCP could write a rank's piece as a chunk of the full
 tensor (a DTensor/ShardedTensor with offsets) only where that piece is a plain contiguous
@@ -55,7 +55,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from fxpar.compiler.errors import CheckpointError
-from fxpar.runtime import tp as rtp
+from fxpar.runtime import tp_slices as rtp
 
 FORMAT = 1
 META_FILE = "fxpar.json"

@@ -7,7 +7,7 @@ backward), or values another stage made, received from its rank — runs the par
 hands each output to the parts that read it: kept locally, or sent (non-blocking `isend`) to
 the rank of each other stage that reads it, skip connections included. A receive blocks only
 when the value is needed, so sends never wait on receives and the schedule's order cannot
-deadlock (the contract runtime/schedules.simulate checks). Gradients accumulate over
+deadlock (the contract runtime/schedules.simulate_schedule checks). Gradients accumulate over
 microbatches and are divided by their number (the loss of a microbatch is its mean); the
 data-parallel reduction of a stage (its "R" part) runs once, on the accumulated gradients,
 right after the stage's last backward. A weight read by several stages (tied embeddings)

@@ -11,7 +11,7 @@ names the stage that consumes the data), so its schedules are easy to compare ag
 Placement: `n_stages = pp * virtual` and stage s lives on rank `s % pp` (Megatron's interleaved
 placement; virtual = 1 except for "interleaved"), so rank r holds stages r, r + pp, r + 2pp, ...
 
-Communication contract (what `simulate` checks and the executor must honour): each rank runs
+Communication contract (what `simulate_schedule` checks and the executor must honour): each rank runs
 its list in order; a SEND never blocks (it is buffered or non-blocking), a RECV blocks until
 the peer has issued the matching SEND. Pairwise blocking send/recv would be stricter and is
 not what these lists promise.
@@ -178,7 +178,7 @@ def _with_comms(ops, r, pp, n_stages):
 
 @dataclass
 class Timeline:
-    """What `simulate` found. `events[rank]` = [(action, start, end)] in execution order; a RECV
+    """What `simulate_schedule` found. `events[rank]` = [(action, start, end)] in execution order; a RECV
     starts when the rank reaches it and ends when the data is there, so its length is the wait.
     peak_in_flight counts (stage, microbatch) pairs: with v chunks per rank each holds 1/v of
     the rank's layers, so divide by v to compare with a non-interleaved schedule."""
@@ -221,7 +221,7 @@ def _duration_fn(time) -> Callable[[Action], float]:
     return duration
 
 
-def simulate(actions: list[list[Action]], time, p2p_latency: float = 0.0) -> Timeline:
+def simulate_schedule(actions: list[list[Action]], time, p2p_latency: float = 0.0) -> Timeline:
     """Run every rank's list in order under the buffered-send contract (module docstring).
 
     Compute takes duration(action); a SEND takes no time on its sender; a RECV ends at

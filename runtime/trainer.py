@@ -18,7 +18,7 @@ from fxpar.compiler import ir
 from fxpar.compiler.errors import PlanError
 from fxpar.runtime import amp, comm, cudagraph, executor, faults, optim
 from fxpar.runtime import checkpoint as rckpt
-from fxpar.runtime import tp as rtp
+from fxpar.runtime import tp_slices as rtp
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer

@@ -90,3 +90,14 @@ def test_parallelize_is_compile_plus_runtime():
     torch.testing.assert_close(pm.evaluate(batch), ref)
     loss = pm.step(batch)
     torch.testing.assert_close(loss, ref)
+
+
+def test_the_eval_program_of_a_meta_model_is_sharded_like_training():
+    """evaluate()'s forward-only program is built from compile's stand-ins (a meta model's
+    too): no backward, the same tp layout as the training program."""
+    ids = torch.randint(0, 256, (8, 16))
+    prog = fxpar.compile(_meta_llama(), 4, example_batch={"input_ids": ids, "labels": ids},
+                         plan={"dp": 2, "tp": 2})
+    ev = prog.build_eval()
+    assert ev.tp_layouts == prog.tp_layouts
+    assert not any(n.meta.get(ir.REGION) == ir.BACKWARD for n in ev.graph.graph.nodes)

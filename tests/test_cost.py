@@ -73,7 +73,7 @@ def test_simulator_matches_tracker(name, mode):
     args = _args(model, sig, batch)
     with torch.no_grad():
         _, measured = measure(lambda: gm(*args))
-    tl = cost.simulate(gm, count_inputs=False)
+    tl = cost.simulate_liveness(gm, count_inputs=False)
     simulated = tl.peak_total - tl.peak["params"]
     assert abs(simulated - measured) <= 0.05 * measured, (simulated, measured)
 
@@ -97,7 +97,7 @@ def test_simulator_categories():
     model, batch = _case("mlp")
     gm, sig = cap.capture(model, batch)
     p_bytes = sum(p.numel() * 4 for p in model.parameters())
-    tl = cost.simulate(gm, optimizer_state_bytes=2 * p_bytes)
+    tl = cost.simulate_liveness(gm, optimizer_state_bytes=2 * p_bytes)
     assert tl.peak["params"] == p_bytes
     assert tl.peak["grads"] == p_bytes           # every gradient is alive at the end
     assert tl.peak["optimizer"] == 2 * p_bytes

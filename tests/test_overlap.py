@@ -78,8 +78,8 @@ def test_zero3_gathers_are_prefetched_within_the_memory_limit():
         prefetched += bool(compute_between)
     assert prefetched >= len(gathers) // 2                  # most hide behind a matmul or more
     # the limit: never more than `slack` bytes beyond the blocking schedule
-    peak_off = cost.simulate(gm_off).peak_total
-    peak_on = cost.simulate(gm).peak_total
+    peak_off = cost.simulate_liveness(gm_off).peak_total
+    peak_on = cost.simulate_liveness(gm).peak_total
     assert peak_on <= peak_off + decision.slack
     assert decision.slack == 2 * max(_layer_gather_bytes(gm).values())
 

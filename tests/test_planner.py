@@ -12,7 +12,7 @@ import fxpar
 
 from fxpar.compiler import cost, ir, planner
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.memory import stage_memory
+from fxpar.compiler.memory_model import stage_memory
 from fxpar.examples import gpt_stats as G
 from fxpar.examples import models as M
 from fxpar.runtime import schedules
@@ -87,7 +87,7 @@ def test_in_flight_equals_the_schedule_simulator(schedule):
             v = 2 if schedule == "interleaved" else 1
             if schedule == "interleaved" and (pp < 2 or m % pp):
                 continue
-            tl = schedules.simulate(schedules.build(schedule, pp, m, v), {"F": 1.0, "B": 2.0})
+            tl = schedules.simulate_schedule(schedules.build(schedule, pp, m, v), {"F": 1.0, "B": 2.0})
             assert planner.in_flight(schedule, pp, m, v) == \
                 [math.ceil(x / v) for x in tl.peak_in_flight], (pp, m)
 
@@ -618,7 +618,7 @@ def test_model_state_figures_come_from_the_formula_the_explanation_prints(zero, 
     """The memory model keeps params + grads + optimizer symbolic (sympy): the figures are
     that formula evaluated, and `explain()` prints it with the sizes substituted in."""
     import sympy
-    from fxpar.compiler import memory
+    from fxpar.compiler import memory_model as memory
     stats = small_stats
     est, _ = memory.stage_memory(stats.segments, stats, tp=1, dp=4, zero=zero, rows=8,
                                  in_flight=1, precision="bf16", optimizer="adamw")

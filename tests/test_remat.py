@@ -108,7 +108,7 @@ def test_cheap_ops_recomputed_not_saved():
 def test_budget_respected_and_monotone():
     model, batch = _gpt(4)
     gm, sig, args = _capture(model, batch)
-    full = cost.simulate(gm, count_inputs=False).peak["activations"]
+    full = cost.simulate_liveness(gm, count_inputs=False).peak["activations"]
     floor = _remat(gm, sig, "sqrt").meta["remat"].peak_after
     flops = []
     for frac in (0.95, 0.8, 0.65):

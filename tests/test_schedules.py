@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from fxpar.runtime.schedules import Action, ScheduleError, build, simulate
+from fxpar.runtime.schedules import Action, ScheduleError, build, simulate_schedule
 
 FB = {"F": 1.0, "B": 2.0}
 FIW = {"F": 1.0, "I": 1.0, "W": 1.0}
@@ -15,7 +15,7 @@ CASES = [(s, pp, m, 2 if s == "interleaved" else 1)
 
 
 def _sim(schedule, pp, m, v=1, time=FB, **kw):
-    return simulate(build(schedule, pp, m, v), time, **kw)
+    return simulate_schedule(build(schedule, pp, m, v), time, **kw)
 
 
 @pytest.mark.parametrize("schedule,pp,m,v", CASES)
@@ -35,7 +35,7 @@ def test_complete_and_deadlock_free(schedule, pp, m, v):
     assert sends["SEND_F"] == sends["RECV_F"] == (0 if pp == 1 else (pp * v - 1) * m)
     assert sends["SEND_B"] == sends["RECV_B"] == sends["SEND_F"]
     for lat in (0.0, 0.5):                                     # raises on deadlock / violation
-        tl = simulate(acts, FIW if split else FB, p2p_latency=lat)
+        tl = simulate_schedule(acts, FIW if split else FB, p2p_latency=lat)
         assert len(tl.events) == pp and 0 <= tl.bubble_fraction < 1
 
 
@@ -81,7 +81,7 @@ def test_latency_and_callable_time():
     assert tl.makespan == pytest.approx(7.0)
     recv = [e for e in tl.events[1] if e[0].kind == "RECV_F"]
     assert [(t0, t1) for _, t0, t1 in recv] == [(0.0, 1.5)]
-    slow_last = simulate(build("1f1b", 2, 2), lambda a: 2.0 if a.stage == 1 else 1.0)
+    slow_last = simulate_schedule(build("1f1b", 2, 2), lambda a: 2.0 if a.stage == 1 else 1.0)
     assert slow_last.makespan > _sim("1f1b", 2, 2).makespan
 
 
@@ -119,37 +119,37 @@ def _two_stage(rank0, rank1):
 
 
 def test_reference_two_stage_runs():
-    simulate(_two_stage("F, SEND_F, RECV_B, B", "RECV_F, F, B, SEND_B"), FB)
+    simulate_schedule(_two_stage("F, SEND_F, RECV_B, B", "RECV_F, F, B, SEND_B"), FB)
 
 
 def test_detects_deadlock():
     acts = _two_stage("RECV_B, F, SEND_F, B", "RECV_F, F, B, SEND_B")
     with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at #0 RECV_B0s0<-1; "
                                             r"rank 1 waits at #0 RECV_F0s1<-0"):
-        simulate(acts, FB)
+        simulate_schedule(acts, FB)
 
 
 def test_detects_dependency_violation():
     with pytest.raises(ScheduleError, match=r"rank 1.*F0s1: dependency violated: forward output "
                                             r"of stage 0 microbatch 0"):
-        simulate(_two_stage("F, SEND_F, RECV_B, B", "F, RECV_F, B, SEND_B"), FB)
+        simulate_schedule(_two_stage("F, SEND_F, RECV_B, B", "F, RECV_F, B, SEND_B"), FB)
     with pytest.raises(ScheduleError, match=r"W0s0: dependency violated: I \(input-grad\)"):
-        simulate([[Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0)]], FIW)
+        simulate_schedule([[Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0)]], FIW)
 
 
 def test_detects_missing_or_extra_work():
     ok0, ok1 = _two_stage("F, SEND_F, RECV_B, B", "RECV_F, F, B, SEND_B")
     with pytest.raises(ScheduleError, match=r"SEND without a matching RECV: \[\('B', 1, 0\)\]"):
-        simulate([ok0[:2], ok1], FB)
+        simulate_schedule([ok0[:2], ok1], FB)
     with pytest.raises(ScheduleError, match="sent twice"):
-        simulate([ok0 + [Action("SEND_F", 0, 0, peer=1)], ok1], FB)
+        simulate_schedule([ok0 + [Action("SEND_F", 0, 0, peer=1)], ok1], FB)
     with pytest.raises(ScheduleError, match="second RECV for one SEND"):
-        simulate([ok0, ok1 + [Action("RECV_F", 1, 0, peer=0)]], FB)
+        simulate_schedule([ok0, ok1 + [Action("RECV_F", 1, 0, peer=0)]], FB)
     with pytest.raises(ScheduleError, match="peer must be the rank of stage 1"):
-        simulate([ok0[:1] + [Action("SEND_F", 0, 0, peer=0)] + ok0[2:], ok1], FB)
+        simulate_schedule([ok0[:1] + [Action("SEND_F", 0, 0, peer=0)] + ok0[2:], ok1], FB)
     with pytest.raises(ScheduleError, match="runs twice"):
-        simulate([[Action("F", 0, 0), Action("F", 0, 0)]], FB)
+        simulate_schedule([[Action("F", 0, 0), Action("F", 0, 0)]], FB)
     with pytest.raises(ScheduleError, match=r"stage 0 microbatch 0 ran \['F'\]"):
-        simulate([[Action("F", 0, 0)]], FB)
+        simulate_schedule([[Action("F", 0, 0)]], FB)
     with pytest.raises(ScheduleError, match="lives on rank 1"):
-        simulate([[Action("F", 1, 0)], []], FB)
+        simulate_schedule([[Action("F", 1, 0)], []], FB)

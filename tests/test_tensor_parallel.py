@@ -15,7 +15,7 @@ from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import resolve
 from fxpar.compiler.sharding import Replicate, Shard
 from fxpar.examples import models as M
-from fxpar.runtime import tp as rtp
+from fxpar.runtime import tp_slices as rtp
 
 c10d = torch.ops._c10d_functional
 

@@ -283,7 +283,7 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
         from fxpar.runtime.trace import last_step_actions, transfer_latency
         events = json.load(open(path))["traceEvents"]
         took = last_step_actions(events)
-        sim = schedules.simulate(schedules.build(schedule, world, microbatches),
+        sim = schedules.simulate_schedule(schedules.build(schedule, world, microbatches),
                                  lambda a: took.get((a.kind, a.stage, a.microbatch), 0.0),
                                  p2p_latency=transfer_latency(events))
         rank = int(os.environ["RANK"])

@@ -41,7 +41,7 @@ def predict(gm: torch.fx.GraphModule, device, group_size: int) -> Prediction:
                                    group_size, profile)
         elif not is_collective(n):
             compute += cost.node_time(n, profile)
-    tl = cost.simulate(gm, count_inputs=False)
+    tl = cost.simulate_liveness(gm, count_inputs=False)
     grads, acts = tl.live.get("grads", []), tl.live.get("activations", [])
     memory = max((g + a for g, a in zip(grads, acts)), default=0)
     return Prediction(compute + comm, compute, comm, memory)

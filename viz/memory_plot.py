@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from fxpar.compiler.cost import MemoryTimeline
+from fxpar.compiler.cost import MemoryTimeline, simulate_liveness
 
 
 def plot_memory(timelines: dict[str, MemoryTimeline], path: str,
@@ -34,8 +34,7 @@ def plot_memory(timelines: dict[str, MemoryTimeline], path: str,
 
 def plot_remat(stage_graphs: dict, path: str) -> str:
     """Simulated live memory of the joint graph before ("capture") and after the remat pass."""
-    from fxpar.compiler.cost import simulate
     after = stage_graphs["remat"]["dp"]
-    return plot_memory({"no remat": simulate(stage_graphs["capture"]["joint"]),
-                        f"remat={after.meta['remat'].mode}": simulate(after)}, path,
+    return plot_memory({"no remat": simulate_liveness(stage_graphs["capture"]["joint"]),
+                        f"remat={after.meta['remat'].mode}": simulate_liveness(after)}, path,
                        title="joint graph, global batch: live activations + gradients")
