@@ -316,21 +316,36 @@ def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.
     return [named[k] for k, g in zip(trainable, grads) if g is None]
 
 
-def fake_weights(model: torch.nn.Module, device, only_meta: bool = True
-                 ) -> dict[int, torch.Tensor]:
+def fake_weights(model: torch.nn.Module, device, everything: bool = False,
+                 mode: FakeTensorMode | None = None) -> dict[int, torch.Tensor]:
     """Stand-ins for `capture`: a fake tensor on `device` (same shape, strides, dtype) for
-    each parameter and buffer of `model` on the meta device (only_meta) or for all of them,
-    keyed by id (a tied weight gets one). Tracing needs shapes, never values."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    each parameter and buffer of `model` not on `device`'s type (on the meta device, or CPU
+    weights compiled for a GPU), or for all of them (`everything`), keyed by id (a tied
+    weight gets one). Tracing needs shapes, never values."""
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+    dev_type = torch.device(device).type
     out: dict[int, torch.Tensor] = {}
     for t in (*model.parameters(), *model.buffers()):
-        if id(t) in out or (only_meta and not t.is_meta):
+        if id(t) in out or (not everything and t.device.type == dev_type):
             continue
         with mode:
             f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
         out[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) \
             if isinstance(t, torch.nn.Parameter) else f
     return out
+
+
+def fake_batch(batch: Any, device, mode: FakeTensorMode) -> Any:
+    """The batch with every tensor leaf not on `device`'s type replaced by a fake one there
+    (in `mode`, the stand-ins' mode): compiling for a GPU from a CPU batch."""
+    dev_type = torch.device(device).type
+
+    def fake(t):
+        if t.device.type == dev_type:
+            return t
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return pytree.tree_map_only(torch.Tensor, fake, batch)
 
 
 def _strip(name: str) -> str:

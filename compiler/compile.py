@@ -14,6 +14,8 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir, planner, stages
@@ -29,8 +31,14 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
     """Compile `model` + `loss_fn` for `devices` (int | device strings | DeviceMesh) into the
     Program every rank runs (one graph for all ranks: a rank's coordinates are read from its
     groups at run time). plan="auto" (or "auto" degrees) asks the planner, pricing with the
-    device type's data-sheet figures (`fxpar.parallelize` also measures the machine)."""
+    device type's data-sheet figures (on CPU: this machine's measured matmul and copy
+    speed; `fxpar.parallelize` also times the model and the collectives)."""
     world_size, dev_type = world_of(devices)
+    if dev_type == "cuda" and not torch.cuda.is_available():  # (tracing CUDA fakes aborts
+        raise PlanError(  # the process in a CPU build of torch)
+            f"devices={devices!r} are CUDA devices but this torch sees no CUDA GPU (torch "
+            f"{torch.__version__}); compile on a machine with one, or for CPU devices "
+            "(an int world size, or ['cpu', ...]).")
     report = None
     if world_size > 1 and needs_search(plan):
         if _has_meta(model):
@@ -54,8 +62,13 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     m = plan.microbatches if joint else 1
     t0 = time.perf_counter()
     example = ir.microbatches(example_batch, m, plan.dp)[0] if m > 1 else example_batch
-    if stand_ins is None:
-        stand_ins = cap.fake_weights(model, device)
+    if stand_ins is None:  # meta weights, or weights on another device type than `device`
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        stand_ins = cap.fake_weights(model, device, mode=mode)
+    else:
+        mode = detect_fake_mode(tuple(stand_ins.values())) or \
+            FakeTensorMode(allow_non_fake_inputs=True)
+    example = cap.fake_batch(example, device, mode)
     gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins)
     capture_time = time.perf_counter() - t0
     if m > 1 and sig.mutated_buffers:
@@ -94,7 +107,7 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
         # made now (the runtime shards the model's own tensors later), so it never needs the
         # full weights back in the model
-        eval_stand_ins = cap.fake_weights(model, device, only_meta=False)
+        eval_stand_ins = cap.fake_weights(model, device, everything=True)
         program.build_eval = lambda: build(model, example_batch, loss_fn, plan, device,
                                            joint=False, stand_ins=eval_stand_ins)
     return program

@@ -99,7 +99,7 @@ class GraphStats:
     # the precision whose graph (after the precision pass) the activation statistics were
     # measured on; "" = the traced graph's, scaled by dtype size for another precision
     activations_precision: str = ""
-    # remat="sqrt"'s checkpoint candidates per layer (planner._checkpoints_per_layer)
+    # remat="sqrt"'s checkpoint candidates per layer (planner.checkpoints_per_layer)
     checkpoints_per_layer: int = 1
     graph: object = None         # (GraphModule, GraphSignature) when captured from a model
     # nodes the passes add (counted by planner.graph_stats running them once): tensor

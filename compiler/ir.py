@@ -33,9 +33,10 @@ ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch"
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
 
-# What a pass decides besides the graph itself: graph-module meta keys (gm.meta), written
-# only by the pass named, read by compiler/compile.py into the Program. The context a pass
-# receives (compiler/pass_manager.PassContext) is read-only input.
+# What a pass decides that the Program carries: graph-module meta keys (gm.meta), written
+# by the pass named, read by compiler/compile.py into the Program. (Each pass also leaves
+# its report for pictures and tests under its own name, e.g. gm.meta["remat"].) The context
+# a pass receives (compiler/pass_manager.PassContext) is read-only input.
 BATCH_SHARD_DIMS = "batch_shard_dims"  # data_parallel: per batch leaf, the dim split over dp
 ZERO_BUCKETS = "zero_buckets"          # data_parallel (ZeRO): parameter indices per bucket
 PARAMS_SHARDED = "params_sharded"      # data_parallel (ZeRO-3): parameter inputs are shards
@@ -122,6 +123,8 @@ class Program:
     compile_times: list = dataclasses.field(default_factory=list)
     fusion_skipped: str | None = None
     build_eval: Any = None
+    # {symbolic group: process group name} once a runtime bound it (runtime/comm.bind_groups)
+    bound_groups: dict | None = None
 
 
 # --- the batch, as the compiled graph takes it (compile and runtime alike) ---------------

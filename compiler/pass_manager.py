@@ -102,5 +102,3 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     gm.meta[ir.PASS_TIMES] = times
     gm.meta[ir.FUSION_SKIPPED] = fusion_skipped
     return gm
-
-

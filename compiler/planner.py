@@ -821,7 +821,8 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
 def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
               constraints: dict | None = None, hw: cost.Hardware | None = None,
               stats: GraphStats | None = None) -> PlanResult:
-    """plan="auto" (or a dict with unset degrees) inside fxpar.parallelize."""
+    """The best plans for `world` devices of `device`'s type (fxpar.compile's search; hw
+    None: the data sheet's GPU, or this CPU's measured matmul and copy speed)."""
     stats = stats or graph_stats(model, example_batch, loss_fn,
                                  precision=(constraints or {}).get("precision") or "fp32")
     if hw is None:

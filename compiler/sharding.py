@@ -457,11 +457,11 @@ class _Sharder:
         self.specs: dict[torch.fx.Node, Any] = {}
         self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
 
-
     def out_spec(self, placements, val):
         """The DTensor spec of a value placed `placements` on this mesh (for the rules of
         compiler/split_random.py and vocab_parallel.py)."""
         return _out_spec(self.mesh, placements, val)
+
     def reduce_if_shared(self, node) -> None:
         """A partial sum read by several ops: all-reduce it once, here."""
         s = self.specs[node]

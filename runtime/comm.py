@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpar.compiler import cost
+from fxpar.compiler import cost, ir
+from fxpar.compiler.errors import FxparError, PlanError
 from fxpar.runtime.trace import Recorder
 
 c10d = torch.ops._c10d_functional
@@ -177,15 +178,13 @@ def bind_groups(program, names: dict[str, str]) -> None:
     the compiler's symbolic groups (ir.GROUPS values, keys of `names`) becomes the real
     group's name, in the joint graph and every pipeline part. In place, once per Program
     (compile is pure and knows no process group; a rank runs the Program it bound)."""
-    bound = getattr(program, "_bound_groups", None)
-    if bound is not None:
-        if bound != names:
-            raise RuntimeError("fxpar: this Program is already bound to other process groups; "
-                               "compile it again for another world.")
+    if program.bound_groups is not None:
+        if program.bound_groups != names:
+            raise FxparError("this Program is already bound to other process groups; "
+                             "compile it again (fxpar.compile) for another world.")
         return
     graphs = [program.graph] + ([p.graph for p in program.pipeline.parts.values()]
                                 if program.pipeline is not None else [])
-
     hits = []
 
     def sub(a):
@@ -193,15 +192,23 @@ def bind_groups(program, names: dict[str, str]) -> None:
             hits.append(a)
             return names[a]
         return a
+    unbound = set(ir.GROUPS.values()) - set(names)
     for gm in graphs:
         hits.clear()
         for n in gm.graph.nodes:
             if n.op == "call_function":
                 n.args = torch.utils._pytree.tree_map(sub, n.args)
                 n.kwargs = torch.utils._pytree.tree_map(sub, n.kwargs)
+                missing = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+                           if isinstance(a, str) and a in unbound]
+                if missing:
+                    raise PlanError(
+                        f"the Program communicates over {missing[0]!r} but this world has no "
+                        f"such mesh dimension (it has {sorted(names)}): compile for the plan "
+                        "this world was set up with.")
         if hits:
             gm.recompile()
-    program._bound_groups = dict(names)
+    program.bound_groups = dict(names)
 
 
 def lower(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

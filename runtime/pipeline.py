@@ -258,7 +258,7 @@ class PipelineRunner:
             cs = self._consumers(name)
             local = [c for c in cs if self.rank_of(self.p.parts[c].stage) == self.rank]
             if k not in store or not isinstance(store[k], torch.Tensor) or not local or \
-                    store[k].device != self.stash.device or \
+                    store[k].device.type != self.stash.device.type or \
                     len(local) < len(cs) or any(c[0] == "F" for c in local):
                 continue
             if nxt is not None and nxt.microbatch == mb and f"{nxt.kind}{nxt.stage}" in local:

@@ -39,7 +39,7 @@ class ParallelModel:
     runtime/zero.ShardedOptimizer, else None), `optimizer`, `pipeline_runner` (pp > 1 or
     microbatches: runtime/pipeline.PipelineRunner, else None), `tp_group`, `scaler`."""
 
-    plan_report = None  # plan="auto": the planner's PlanResult (set by parallelize)
+    plan_report = None  # plan="auto": the planner's PlanResult (from program.plan_report)
     # plan="auto": after this many steps the planner's cost model is re-fitted to the
     # measured step time (compiler/api._refit_planner, through `on_measured`)
     REFIT_AFTER = 8
@@ -179,7 +179,8 @@ class ParallelModel:
         with faults.step_context(self.world, n):
             loss = self._train_step(batch)
         self.step_count = n
-        if n == self.REFIT_AFTER and self._on_measured is not None:
+        if n == self.REFIT_AFTER and self._on_measured is not None \
+                and self.plan_report is not None:  # a planned job: a collective, all ranks
             self._report_measured()
         return loss
 
@@ -329,7 +330,7 @@ class ParallelModel:
         if self._eval_program is None:  # compiled from the stand-ins compile kept: the
             # model's own tensors (shards by now) are never traced
             self._eval_program = self.program.build_eval()
-            comm.bind_groups(self._eval_program, self.program._bound_groups)
+            comm.bind_groups(self._eval_program, self.program.bound_groups)
             if self._eval_program.tp_layouts != self.program.tp_layouts:
                 raise PlanError(
                     "evaluate() under tensor parallelism: the forward-only graph was sharded "

@@ -100,4 +100,21 @@ def test_the_eval_program_of_a_meta_model_is_sharded_like_training():
                          plan={"dp": 2, "tp": 2})
     ev = prog.build_eval()
     assert ev.tp_layouts == prog.tp_layouts
-    assert not any(n.meta.get(ir.REGION) == ir.BACKWARD for n in ev.graph.graph.nodes)
+    assert not any(n.meta.get(ir.REGION) == ir.BACKWARD for n in ev.graph.graph.nodes
+                   if n.op == "call_function")
+
+
+def test_compile_for_another_device_type_traces_fake_stand_ins():
+    """CPU weights and a CPU batch compiled for a GPU: the graph is traced on fake tensors of
+    the target device, the model untouched; without CUDA, a clear error (not an abort)."""
+    torch.manual_seed(0)
+    model = M.MLP()
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    if not torch.cuda.is_available():
+        with pytest.raises(fxpar.PlanError, match="no CUDA GPU"):
+            fxpar.compile(model, ["cuda:0", "cuda:1"], example_batch=batch, plan={"dp": 2})
+        return
+    prog = fxpar.compile(model, ["cuda:0", "cuda:1"], example_batch=batch, plan={"dp": 2})
+    vals = [n.meta[ir.VAL] for n in prog.graph.graph.nodes if n.op == "placeholder"]
+    assert {v.device.type for v in vals} == {"cuda"}
+    assert all(p.device.type == "cpu" for p in model.parameters())
