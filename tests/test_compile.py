@@ -28,8 +28,10 @@ def _groups(gm) -> set[str]:
             if isinstance(a, str) and a.startswith("fxpar.")}
 
 
-@pytest.mark.parametrize("plan", [{"dp": 2, "tp": 2}, {"pp": 2, "microbatches": 2, "dp": 2},
-                                  {"dp": 4, "zero": 3}], ids=["dp2tp2", "pp2m2", "zero3"])
+@pytest.mark.parametrize("plan", [
+    {"dp": 2, "tp": 2},
+    pytest.param({"pp": 2, "microbatches": 2, "dp": 2}, marks=pytest.mark.slow),
+    pytest.param({"dp": 4, "zero": 3}, marks=pytest.mark.slow)], ids=["dp2tp2", "pp2m2", "zero3"])
 def test_compile_a_meta_device_llama_without_a_process_group(plan):
     model = _meta_llama()
     ids = torch.randint(0, 256, (8, 16))
@@ -92,6 +94,7 @@ def test_parallelize_is_compile_plus_runtime():
     torch.testing.assert_close(loss, ref)
 
 
+@pytest.mark.slow
 def test_the_eval_program_of_a_meta_model_is_sharded_like_training():
     """evaluate()'s forward-only program is built from compile's stand-ins (a meta model's
     too): no backward, the same tp layout as the training program."""
