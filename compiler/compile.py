@@ -58,7 +58,8 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
           joint: bool = True, stand_ins: dict | None = None) -> ir.Program:
     """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
-    program of `evaluate`. `stand_ins`: fake weights to trace with (default: the meta ones)."""
+    program of `evaluate`. `stand_ins`: fake weights to trace with (default: for those on
+    the meta device or another device type than `device`)."""
     m = plan.microbatches if joint else 1
     t0 = time.perf_counter()
     example = ir.microbatches(example_batch, m, plan.dp)[0] if m > 1 else example_batch
