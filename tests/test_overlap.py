@@ -59,6 +59,7 @@ def test_gradient_bucket_waits_sink_to_the_end_and_starts_follow_their_last_grad
     assert all(w.name in decision.sunk for _, w in buckets)
 
 
+@pytest.mark.slow  # (moved to keep make test under 6 minutes)
 def test_zero3_gathers_are_prefetched_within_the_memory_limit():
     model, batch = M.GPT(CFG), M.gpt_batch(CFG, 4)
     gm_off, _ = compile_plan(model, batch, zero=3, overlap=False)

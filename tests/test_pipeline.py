@@ -247,6 +247,7 @@ def test_too_many_stages_is_a_clear_error():
         compile_pp(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), 64)
 
 
+@pytest.mark.slow  # (moved to keep make test under 6 minutes)
 def test_balance_on_twelve_blocks():
     cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=12, n_head=2, n_embd=32)
     gm, *_ = compile_pp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)

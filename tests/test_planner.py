@@ -111,6 +111,7 @@ def test_1t_on_3072_fake_devices_under_a_minute():
     assert r.best.memory.total <= 0.9 * cost.HARDWARE["a100"].memory
 
 
+@pytest.mark.slow  # (moved to keep make test under 6 minutes)
 def test_175b_on_1024_fake_devices_under_a_minute():
     t0 = time.perf_counter()
     stats = G.gpt_stats("gpt-175b")
@@ -367,6 +368,7 @@ def test_zero_bubble_gains_nothing_where_ranks_oversubscribe_the_cores(small_sta
     assert best.plan.schedule != "zero-bubble"
 
 
+@pytest.mark.slow  # (moved to keep make test under 6 minutes)
 def test_pass_extras_count_what_the_passes_emit():
     """graph_stats(pass_extras=True) runs the tp and dp passes once: the planner's tp call
     count (one per row/column linear + the extras) equals the collectives the tp pass emits,

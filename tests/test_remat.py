@@ -228,7 +228,8 @@ def test_plan_remat_runs_end_to_end_and_snapshots():
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("name", ["mlp", "sum_loss", "gpt", "convbn", "hf_gpt2", "hf_llama",
+@pytest.mark.parametrize("name", ["mlp", "sum_loss", "gpt", "convbn", "hf_gpt2",
+                                  pytest.param("hf_llama", marks=pytest.mark.slow),
                                   "gpt_dropout"])
 def test_every_zoo_model_trains_identically_with_remat(name):
     """In-process training, 2 steps: remat "sqrt" and a tight budget change no bit."""
