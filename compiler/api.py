@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compiler import planner
-from fxpar.compiler.compile import build
+from fxpar.compiler.compile import build, meta_tensors
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
@@ -32,7 +32,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     See DESIGN.md section 1. Every rank calls this with the same arguments.
     """
     world_size, _ = world_of(devices)
-    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    meta = meta_tensors(model)
     if meta:
         raise PlanError(
             f"{len(meta)} parameters/buffers of the model are on the meta device (e.g. "

@@ -31,6 +31,7 @@ from fxpar.compiler import ir
 from fxpar.compiler.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
 from fxpar.compiler.errors import TraceError
+from fxpar.compiler.graphs import fake_like
 from fxpar.compiler.sharding import has_sharding_rule
 
 log = logging.getLogger("fxpar.capture")
@@ -328,8 +329,7 @@ def fake_weights(model: torch.nn.Module, device, everything: bool = False,
     for t in (*model.parameters(), *model.buffers()):
         if id(t) in out or (not everything and t.device.type == dev_type):
             continue
-        with mode:
-            f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        f = fake_like(t, mode, device)
         out[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) \
             if isinstance(t, torch.nn.Parameter) else f
     return out
@@ -340,12 +340,9 @@ def fake_batch(batch: Any, device, mode: FakeTensorMode) -> Any:
     (in `mode`, the stand-ins' mode): compiling for a GPU from a CPU batch."""
     dev_type = torch.device(device).type
 
-    def fake(t):
-        if t.device.type == dev_type:
-            return t
-        with mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-    return pytree.tree_map_only(torch.Tensor, fake, batch)
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t if t.device.type == dev_type else fake_like(t, mode, device),
+        batch)
 
 
 def _strip(name: str) -> str:

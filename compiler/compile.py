@@ -41,7 +41,7 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
             "(an int world size, or ['cpu', ...]).")
     report = None
     if world_size > 1 and needs_search(plan):
-        if _has_meta(model):
+        if meta_tensors(model):
             raise PlanError(
                 "plan='auto' on a model whose weights are on the meta device: the planner's "
                 "search is not yet told that such a model never exists whole on one device. "
@@ -114,8 +114,9 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     return program
 
 
-def _has_meta(model) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+def meta_tensors(model) -> list[str]:
+    """Names of the model's parameters and buffers on the meta device."""
+    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
 
 
 def activation_budget(model, plan: Plan, device: torch.device) -> int | None:

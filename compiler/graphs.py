@@ -32,15 +32,15 @@ def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return new
 
 
-def fake_inputs(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> list:
-    vals = []
+def fake_like(t: torch.Tensor, mode: FakeTensorMode, device=None) -> torch.Tensor:
+    """A fake tensor in `mode` with t's shape, strides and dtype, on `device` (default t's)."""
     with mode:
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                v = n.meta[ir.VAL]
-                vals.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
-                                                device=v.device))
-    return vals
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                   device=t.device if device is None else device)
+
+
+def fake_inputs(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> list:
+    return [fake_like(n.meta[ir.VAL], mode) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:

@@ -55,10 +55,9 @@ def optimizer_kind(factory) -> str:
 # The model state per device, kept symbolic (sympy) in the stage's sizes so that the
 # planner's explanation prints the formula next to the figure; the figures are computed from
 # the same expressions (`model_state`), so the two cannot disagree.
+# N: parameters of the stage on this rank (tp splits the split ones), dp: data-parallel
+# degree, b: bytes per parameter element, s: optimizer bytes per parameter
 N, DP, B, S = sympy.symbols("N dp b s", positive=True)
-STATE_SYMBOLS = {N: "parameters of the stage on this rank (tp splits the split ones)",
-                 DP: "data-parallel degree", B: "bytes per parameter element",
-                 S: "optimizer bytes per parameter"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -185,28 +185,24 @@ def bind_groups(program, names: dict[str, str]) -> None:
         return
     graphs = [program.graph] + ([p.graph for p in program.pipeline.parts.values()]
                                 if program.pipeline is not None else [])
-    hits = []
+    symbolic = set(ir.GROUPS.values())
 
     def sub(a):
-        if isinstance(a, str) and a in names:
-            hits.append(a)
-            return names[a]
-        return a
-    unbound = set(ir.GROUPS.values()) - set(names)
+        if not (isinstance(a, str) and a in symbolic):
+            return a
+        if a not in names:
+            raise PlanError(f"the Program communicates over {a!r} but this world has no such "
+                            f"mesh dimension (it binds {sorted(names)}): compile for the plan "
+                            "this world was set up with.")
+        return names[a]
     for gm in graphs:
-        hits.clear()
-        for n in gm.graph.nodes:
-            if n.op == "call_function":
-                n.args = torch.utils._pytree.tree_map(sub, n.args)
-                n.kwargs = torch.utils._pytree.tree_map(sub, n.kwargs)
-                missing = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
-                           if isinstance(a, str) and a in unbound]
-                if missing:
-                    raise PlanError(
-                        f"the Program communicates over {missing[0]!r} but this world has no "
-                        f"such mesh dimension (it has {sorted(names)}): compile for the plan "
-                        "this world was set up with.")
-        if hits:
+        named = [n for n in gm.graph.nodes if n.op == "call_function" and any(
+            isinstance(a, str) and a in symbolic
+            for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))]
+        for n in named:
+            n.args = torch.fx.node.map_aggregate(n.args, sub)
+            n.kwargs = torch.fx.node.map_aggregate(n.kwargs, sub)
+        if named:
             gm.recompile()
     program.bound_groups = dict(names)
 

@@ -5,6 +5,7 @@ examples/; no import cycles, counting imports inside functions too."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import networkx as nx
@@ -41,6 +42,7 @@ def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _graph():
     files = {_module(p): p for d in LIBRARY for p in (ROOT / d).rglob("*.py")}
     g = nx.DiGraph()
