@@ -20,26 +20,32 @@ from fxpar.compiler.compile import build, meta_tensors
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
+from fxpar.runtime import weights as rweights
 from fxpar.runtime.trainer import ParallelModel, to_device
 
 log = logging.getLogger("fxpar")
 
 
 def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable | None = None,
-                optimizer: Callable | None = None, plan: Any = "auto") -> ParallelModel:
+                optimizer: Callable | None = None, plan: Any = "auto", weights=None,
+                batch: str = "global") -> ParallelModel:
     """Compile `model` + `loss_fn` into a training step that runs across `devices`.
 
     See DESIGN.md section 1. Every rank calls this with the same arguments.
+    `weights`: None, or a path (a .safetensors file, a Hugging Face save_pretrained
+    directory, a torch state-dict file, an fxpar checkpoint) each rank reads only its
+    slices from. A model on the meta device (all or some of its tensors) is never made
+    whole: each rank allocates only what its Program owns, read from `weights` or, with
+    weights=None, made by the modules' own init (runtime/weights.py).
+    `batch`: "global" (every rank passes the same global batch to step/evaluate) or
+    "local" (each rank passes its 1/dp share: pm.dp_rank, pm.dp_size; example_batch is
+    still one global batch).
     """
     world_size, _ = world_of(devices)
     meta = meta_tensors(model)
-    if meta:
-        raise PlanError(
-            f"{len(meta)} parameters/buffers of the model are on the meta device (e.g. "
-            f"{meta[0]!r}): fxpar.parallelize trains real weights and cannot yet materialise "
-            "only each rank's shards. Load or initialise the weights first (e.g. "
-            "model.to_empty(device='cpu') then your init / load_state_dict), or use "
-            "fxpar.compile(model, ...) to compile without weights.")
+    source = None
+    if meta or weights is not None:  # opened (and its keys checked) before anything runs
+        source = rweights.ModelWeights(model, weights)
     plan_report = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
@@ -52,18 +58,21 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
         warnings.warn("Plan.offload on a CPU device copies saved activations between two "
                       "buffers of the same host memory: it saves nothing there (it is meant "
                       "for GPUs; on CPU it only exercises the schedule).", stacklevel=2)
-    model.to(world.device)
-    if world.size > 1:  # start from rank 0's weights, as DDP does
-        with torch.no_grad():
+    if source is None:
+        model.to(world.device)
+    if world.size > 1 and weights is None:  # start from rank 0's weights, as DDP does
+        with torch.no_grad():  # (a meta model's init is seeded alike on every rank)
             for t in (*model.parameters(), *model.buffers()):
-                dist.broadcast(t.data, src=0)
+                if not t.is_meta:
+                    dist.broadcast(t.data, src=0)
     example_batch = to_device(example_batch, world.device)
     t0 = time.perf_counter()
     program = build(model, example_batch, loss_fn, resolved, world.device)
     program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
     log.info("compiled in %.2f s", time.perf_counter() - t0)
     pm = ParallelModel(model, world, program, optimizer,
-                       on_measured=lambda step_s: _refit_planner(pm, step_s))
+                       on_measured=lambda step_s: _refit_planner(pm, step_s),
+                       weights=source, batch=batch)
     return pm
 
 

@@ -129,8 +129,11 @@ class Program:
 
 # --- the batch, as the compiled graph takes it (compile and runtime alike) ---------------
 
-def flatten_batch(batch: Any, signature: GraphSignature) -> list[torch.Tensor]:
-    """Batch -> its tensor leaves, checking it has the example batch's structure and shapes."""
+def flatten_batch(batch: Any, signature: GraphSignature,
+                  local: tuple[list, int] | None = None) -> list[torch.Tensor]:
+    """Batch -> its tensor leaves, checking it has the example batch's structure and shapes.
+    local=(batch_shard_dims, dp): the batch is one dp rank's share (dims split over dp are
+    1/dp of the example's)."""
     leaves, spec = torch.utils._pytree.tree_flatten(batch)
     if spec != signature.batch_spec:
         raise BatchError(f"batch structure {spec} differs from the example_batch's "
@@ -139,8 +142,19 @@ def flatten_batch(batch: Any, signature: GraphSignature) -> list[torch.Tensor]:
     out = []
     for i, (v, m) in enumerate(zip(leaves, signature.batch_leaf_meta)):
         if isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.dtype):
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != m[0] or v.dtype != m[1]:
+            want = m[0]
+            dim = local[0][len(out)] if local is not None else None
+            if dim is not None:
+                want = tuple(n // local[1] if d == dim else n for d, n in enumerate(want))
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != want or v.dtype != m[1]:
                 got = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+                if local is not None:
+                    raise BatchError(
+                        f"batch leaf {i} is {got}, but with batch='local' each rank gives its "
+                        f"1/{local[1]} share of the global batch: {(want, m[1])} (example_batch "
+                        f"is the global batch, {m}). Give every rank global_batch/dp_size rows "
+                        "(e.g. a DistributedSampler with num_replicas=pm.dp_size, "
+                        "rank=pm.dp_rank).")
                 raise BatchError(f"batch leaf {i} is {got}, but example_batch had {m}; the graph "
                                  "was compiled for the example batch's shapes and dtypes. Pad or "
                                  "re-parallelize with a matching example_batch.")

@@ -242,10 +242,7 @@ def _names(pm):
 def _model_state(pm) -> dict[str, torch.Tensor]:
     """{"model.<key>": full tensor} for the entries this rank holds (collective over tp / dp
     for tp slices and ZeRO-3 shards)."""
-    full = pm.tp_full_params()  # id(param) -> full weight (collective over the tp group)
-    if pm.sharded_optimizer is not None and pm.sharded_optimizer.shard_params:
-        # over the dp group
-        full.update(zip(map(id, pm.params), pm.sharded_optimizer.full_params()))
+    full = pm.full_params()  # id(param) -> full weight (collective over the tp / dp groups)
     return {f"model.{k}": (full[id(v)] if id(v) in full else v.detach())
             for k, v in _held(pm).items()}
 

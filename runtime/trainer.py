@@ -19,6 +19,7 @@ from fxpar.compiler.errors import PlanError
 from fxpar.runtime import amp, comm, cudagraph, executor, faults, optim
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import tp_slices as rtp
+from fxpar.runtime import weights as rweights
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
@@ -28,6 +29,10 @@ log = logging.getLogger("fxpar")
 
 def to_device(batch, device):
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def _tiled(leaves, shard_dims, dp):
+    return [torch.cat([t] * dp, d) if d is not None else t for t, d in zip(leaves, shard_dims)]
 
 
 class ParallelModel:
@@ -45,11 +50,15 @@ class ParallelModel:
     REFIT_AFTER = 8
 
     def __init__(self, model, world, program: ir.Program, optimizer=None,
-                 on_measured: Callable[[float], None] | None = None):
+                 on_measured: Callable[[float], None] | None = None,
+                 weights: rweights.ModelWeights | None = None, batch: str = "global"):
         """`program` from fxpar.compile, bound here to `world`'s process groups; `model` is
         the user's module (its tensors become this rank's shards). `on_measured(step_s)` is
         called once, after REFIT_AFTER steps, with the median measured step time (the
-        slowest rank's): fxpar.parallelize re-fits the planner with it."""
+        slowest rank's): fxpar.parallelize re-fits the planner with it. `weights`
+        (runtime/weights.ModelWeights): where the tensors come from for a meta-device model
+        or weights=PATH; each rank then reads and allocates only what it owns (None: the
+        model's tensors are real and on this rank's device, and are sliced here)."""
         plan = program.plan
         self.model, self.world, self.plan, self.program = model, world, plan, program
         self.plan_report = program.plan_report
@@ -57,25 +66,37 @@ class ParallelModel:
         self.compile_times = program.compile_times
         self.fusion_skipped = program.fusion_skipped
         self._on_measured = on_measured
+        if batch not in ("global", "local"):
+            raise PlanError(f"batch={batch!r}: use 'global' (every rank passes the same global "
+                            "batch to step) or 'local' (each rank passes its 1/dp share).")
+        self.batch = batch
         comm.bind_groups(program, {ir.GROUPS[d]: world.group_name(d) for d in ir.GROUPS
                                    if world.group_name(d) is not None})
         self._eval_program = None
         self._lowered: dict[int, torch.fx.GraphModule] = {}
         self.recorder = rtrace.Recorder(world.rank)
-        params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
-        buffers = dict(model.named_buffers(remove_duplicate=False))
         sig = self.program.signature
-        self.params = [params[n] for n in sig.param_names]
+        params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
+        # the user's full shapes (checkpoints, save_pretrained: the rank holds slices)
+        self.param_shapes = [torch.Size(params[n].shape) for n in sig.param_names]
         self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
-        with torch.no_grad():  # tp: each parameter becomes this rank's slice of it
-            for p, layout in zip(self.params, self.program.tp_layouts):
-                if layout is not None:
-                    p.data = rtp.local_param(p.data, layout, plan.tp, world.coordinate("tp"))
         self.sharded_optimizer = None
         self.pipeline_runner = None
         if self.program.pipeline is not None:
             self.pipeline_runner = PipelineRunner(self.program, world.coordinate("pp"),
                                                   world.group_name("pp"))
+        zero3_shards = None
+        if weights is not None:  # only this rank's part of each tensor is read and made
+            zero3_shards = self._materialize(weights)
+            params = dict(model.named_parameters(remove_duplicate=False))
+        self.params = [params[n] for n in sig.param_names]
+        if weights is None:
+            with torch.no_grad():  # tp: each parameter becomes this rank's slice of it
+                for p, layout in zip(self.params, self.program.tp_layouts):
+                    if layout is not None:
+                        p.data = rtp.local_param(p.data, layout, plan.tp,
+                                                 world.coordinate("tp"))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
         if self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
@@ -88,7 +109,8 @@ class ParallelModel:
             self.sharded_optimizer = ShardedOptimizer(
                 lambda ps: optim.build(factory, ps), self.params, buckets, plan.dp,
                 world.coordinate("dp"), world.mesh.get_group("dp"),
-                shard_params=self.program.params_sharded)
+                shard_params=self.program.params_sharded, param_shards=zero3_shards,
+                shapes=self.local_shapes)
             self.optimizer = self.sharded_optimizer.optimizer
         elif self.pipeline_runner is not None:  # this rank's stages' parameters only
             held = [self.params[i] for i in self.pipeline_runner.held_params]
@@ -106,6 +128,68 @@ class ParallelModel:
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
 
+    @property
+    def local_shapes(self) -> list[torch.Size]:
+        """Each parameter's shape in this rank's program before ZeRO-3 (its tp slice)."""
+        tp, r = self.plan.tp, self.world.coordinate("tp")
+        return [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
+            shape, layout, tp, r)) for shape, layout in zip(self.param_shapes,
+                                                            self.program.tp_layouts)]
+
+    def needed_params(self) -> set[int]:
+        """Parameters whose values this rank needs: those its pipeline stages read or whose
+        ZeRO bucket it steps; a parameter no stage reads lives on the first stage's ranks."""
+        r = self.pipeline_runner
+        n = len(self.param_shapes)
+        if r is None or self.plan.pp == 1:
+            return set(range(n))
+        need = set(r.held_params) | {i for k in r.held_buckets
+                                     for i in self.program.zero_buckets[k]}
+        if r.rank_of(0) == r.rank:
+            need |= set(range(n)) - set(r.p.param_stages)
+        return need
+
+    def _materialize(self, weights: rweights.ModelWeights) -> dict[int, torch.Tensor] | None:
+        """A meta-device model (or weights=PATH): read this rank's tensor-parallel slice of
+        each parameter it needs (with ZeRO-3 only its 1/dp flat shard of that slice) from
+        `weights`, straight onto the device, then put them in the model; buffers whole.
+        Nothing is made whole but a module being initialised (weights=None). Returns the
+        ZeRO-3 shards by parameter index (None without ZeRO-3)."""
+        sig, dev, plan = self.program.signature, self.world.device, self.plan
+        tp_r, dp_r = self.world.coordinate("tp"), self.world.coordinate("dp")
+        model_params = dict(self.model.named_parameters(remove_duplicate=False))
+        need = self.needed_params()
+        local, shards = {}, {} if self.program.params_sharded else None
+        for i, name in enumerate(sig.param_names):
+            if i not in need:
+                continue
+            p = model_params[name]
+            runs = rweights.local_runs(tuple(p.shape), self.program.tp_layouts[i], plan.tp,
+                                       tp_r)
+            src, key = weights.locate(name)
+            if shards is not None:  # ZeRO-3: the rows covering this rank's flat slice only
+                rows, off, n, size = rweights.flat_shard_rows(runs, plan.dp, dp_r)
+                shard = torch.zeros(size, dtype=p.dtype, device=dev)
+                if n:
+                    shard[:n] = src.read_runs(key, rows).reshape(-1)[off:off + n]
+                shards[i] = shard
+            else:
+                local[i] = src.read_runs(key, runs).to(device=dev, dtype=p.dtype, copy=True)
+        bufs = {}
+        for name, b in self.model.named_buffers():  # (one name per tensor) whole
+            src, key = weights.locate(name)
+            bufs[name] = src.read(key, (...,)).to(device=dev, dtype=b.dtype, copy=True)
+        rweights.unmeta(self.model, dev)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for i, name in enumerate(sig.param_names):
+                p = params[name]
+                p.data = local[i] if i in local else torch.empty(0, dtype=p.dtype, device=dev)
+            for name, t in bufs.items():
+                buffers[name].data = t
+        return shards
+
     def _cuda_graph_decision(self) -> cudagraph.Decision:
         """Plan.cuda_graphs: whether this rank's step is replayed as a CUDA graph."""
         backend = dist.get_backend() if dist.is_initialized() else None
@@ -122,10 +206,28 @@ class ParallelModel:
         return d
 
     # --- training ---------------------------------------------------------------------------
+    def _leaves(self, tree, program) -> list[torch.Tensor]:
+        """The batch's leaves on this rank's device, cut to this dp rank's share (with
+        batch='local' the user gave that share)."""
+        if self.batch == "local":
+            leaves = ir.flatten_batch(tree, program.signature,
+                                      local=(program.batch_shard_dims, program.dp))
+            return [t.to(self.world.device, non_blocking=True) for t in leaves]
+        return executor.local_batch(ir.flatten_batch(tree, program.signature), program,
+                                    self.world.coordinate("dp"), self.world.device)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index (for a DistributedSampler's `rank`)."""
+        return self.world.coordinate("dp")
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree (a DistributedSampler's `num_replicas`)."""
+        return self.plan.dp
+
     def _run(self, program, batch):
-        leaves = ir.flatten_batch(batch, program.signature)  # local_batch moves them
-        local = executor.local_batch(leaves, program, self.world.coordinate("dp"),
-                                     self.world.device)
+        local = self._leaves(batch, program)
         if program.loss_scale:
             local.append(self.scaler.scale_tensor(self.world.device))
         params = self.sharded_optimizer.param_shards if program.params_sharded else self.params
@@ -146,18 +248,25 @@ class ParallelModel:
     def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
         """All microbatches through this rank's stages; the loss on every rank."""
         batch = to_device(batch, self.world.device)
-        trees = ir.microbatches(batch, program.microbatches, program.dp) \
+        local = self.batch == "local"
+        trees = ir.microbatches(batch, program.microbatches, 1 if local else program.dp) \
             if program.microbatches > 1 else [batch]
-        mbs = [executor.local_batch(ir.flatten_batch(t, program.signature), program,
-                                    self.world.coordinate("dp"), self.world.device)
-               for t in trees]
+        mbs = [self._leaves(t, program) for t in trees]
         if program.loss_scale:
             for leaves in mbs:
                 leaves.append(self.scaler.scale_tensor(self.world.device))
         if program.loss_count is not None:  # the whole step's target count, shared out
             with torch.no_grad():
-                total = sum(program.loss_count(*ir.flatten_batch(t, program.signature))
-                            for t in trees)  # int64
+                if not local:
+                    total = sum(program.loss_count(*ir.flatten_batch(t, program.signature))
+                                for t in trees)  # int64
+                else:  # the counter was traced at the global shape and counts row by row:
+                    # this share tiled dp times counts dp times its targets
+                    total = sum(program.loss_count(*_tiled(ir.flatten_batch(
+                        t, program.signature, (program.batch_shard_dims, program.dp)),
+                        program.batch_shard_dims, program.dp)) for t in trees) // program.dp
+                    if program.dp > 1:  # the other dp ranks' targets count too
+                        dist.all_reduce(total, group=self.world.mesh.get_group("dp"))
                 share = (total / program.microbatches).to(program.loss_count.meta["dtype"])
             for leaves in mbs:
                 leaves.append(share)
@@ -339,14 +448,30 @@ class ParallelModel:
         outs = self._run(self._eval_program, batch)
         return outs[0].detach()
 
-    # --- tensor-parallel shards ------------------------------------------------------------
-    def tp_full_params(self) -> dict[int, torch.Tensor]:
-        """id(parameter) -> the user's full weight, for every tp-sharded one (collective)."""
-        if self.tp_group is None:
+    # --- full tensors from this rank's shards ---------------------------------------------
+    def _program_param(self, i: int) -> torch.Tensor:
+        """Parameter i as this rank's program sees it whole: its tp slice (with ZeRO-3
+        all-gathered over the dp group: a collective there)."""
+        z = self.sharded_optimizer
+        if z is not None and z.shard_params:
+            return z.full_param(i)
+        return self.params[i].data
+
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> the user's full weight, for every parameter this rank's stages
+        hold in shards (tp slices, ZeRO-3 shards). Collective over the tp and dp groups."""
+        z3 = self.sharded_optimizer is not None and self.sharded_optimizer.shard_params
+        if self.tp_group is None and not z3:
             return {}
-        return {id(p): rtp.full_param(p.data, layout, self.plan.tp, self.tp_group)
-                for p, layout in zip(self.params, self.program.tp_layouts)
-                if layout is not None}
+        need = self.needed_params()
+        out = {}
+        for i, (p, layout) in enumerate(zip(self.params, self.program.tp_layouts)):
+            if i not in need or (layout is None and not z3):
+                continue
+            local = self._program_param(i)
+            out[id(p)] = rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
+                if layout is not None else local.clone()
+        return out
 
     # --- state ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -354,17 +479,11 @@ class ParallelModel:
         (with ZeRO-3, tensor parallelism or pipeline stages this gathers: call it on every
         rank)."""
         state = self.model.state_dict(keep_vars=True)
-        tp_full = self.tp_full_params()
+        full = self.full_params()
         if self.pipeline_runner is not None and self.plan.pp > 1:
-            return self._gather_stages(state, tp_full)
-        if tp_full:
-            return {k: tp_full[id(v)] if id(v) in tp_full else v.detach().clone()
-                    for k, v in state.items()}
-        if self.sharded_optimizer is not None and self.sharded_optimizer.shard_params:
-            full = dict(zip(map(id, self.params), self.sharded_optimizer.full_params()))
-            return {k: full[id(v)] if id(v) in full else v.detach().clone()
-                    for k, v in state.items()}
-        return {k: v.detach().clone() for k, v in state.items()}
+            return self._gather_stages(state, full)
+        return {k: full[id(v)] if id(v) in full else v.detach().clone()
+                for k, v in state.items()}
 
     def state_stages(self, state) -> dict[str, set[int]]:
         """Pipeline: the stages holding each model.state_dict() entry (parameters and buffers
@@ -401,6 +520,58 @@ class ParallelModel:
         """Restore a checkpoint written by `save` under any plan (same model and optimizer
         type); returns its `extra`. Collective: call on every rank. Loading never unpickles."""
         return rckpt.load(self, path)
+
+    def save_pretrained(self, directory: str, max_shard_size: int = rweights.SHARD_BYTES) -> str:
+        """Write the model's full weights as Hugging Face safetensors (sharded files of at most
+        `max_shard_size` bytes + model.safetensors.index.json, and config.json for an HF
+        model): `from_pretrained(directory)` / `load_state_dict` read it, and so does
+        parallelize(..., weights=directory). One tensor is gathered at a time, to the rank
+        writing its file. Collective: call on every rank."""
+        state = self.model.state_dict(keep_vars=True)
+        pidx = {id(p): i for i, p in enumerate(self.params)}
+        shapes = {k: tuple(self.param_shapes[pidx[id(v)]]) if id(v) in pidx else tuple(v.shape)
+                  for k, v in state.items()}
+        stages = self.state_stages(state) if self.pipeline_runner is not None \
+            and self.plan.pp > 1 else {}
+        keys = rweights.hf_keys(self.model, state)
+
+        def full_tensor(key, dst):
+            return self._full_tensor(state[key], pidx.get(id(state[key])),
+                                     min(stages.get(key, {0})), dst)
+        return rweights.save_pretrained(self.model, directory, keys, shapes,
+                                        {k: v.dtype for k, v in state.items()}, full_tensor,
+                                        self.world.rank, self.world.size, max_shard_size)
+
+    def _full_tensor(self, t, i: int | None, stage: int, dst: int) -> torch.Tensor | None:
+        """One state tensor (parameter index i, or a buffer) whole on global rank `dst`, on
+        CPU; None elsewhere. Collective: the ranks of the stage holding it gather it over
+        their tp / dp groups, its (dp 0, tp 0) rank sends it to dst."""
+        r = self.pipeline_runner
+        mine = r is None or self.plan.pp == 1 or r.rank_of(stage) == r.rank
+        full = None
+        if mine:
+            full = t.detach()
+            if i is not None:
+                layout = self.program.tp_layouts[i]
+                local = self._program_param(i)
+                full = rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
+                    if layout is not None else local
+        if self.world.size == 1:
+            return full.cpu()
+        coord = {"dp": 0, "tp": 0, "pp": r.rank_of(stage) if r is not None and self.plan.pp > 1
+                 else 0}
+        mesh = self.world.mesh
+        src = int(mesh.mesh[tuple(coord[d] for d in mesh.mesh_dim_names)])
+        if src == dst:
+            return full.cpu() if self.world.rank == dst else None
+        if self.world.rank == src:
+            dist.send(full.contiguous(), dst=dst)
+        elif self.world.rank == dst:
+            shape = self.param_shapes[i] if i is not None else t.shape
+            buf = torch.empty(shape, dtype=t.dtype, device=self.world.device)
+            dist.recv(buf, src=src)
+            return buf.cpu()
+        return None
 
     def __repr__(self):
         return f"ParallelModel(plan={self.plan}, world={self.world.size})"

@@ -25,13 +25,22 @@ class ShardedOptimizer:
     by its shard, which the graph all-gathers before use; the full tensors are freed)."""
 
     def __init__(self, factory: Callable, params: Sequence[torch.Tensor],
-                 buckets: list[list[int]], dp: int, rank: int, group, shard_params=False):
+                 buckets: list[list[int]], dp: int, rank: int, group, shard_params=False,
+                 param_shards: dict[int, torch.Tensor] | None = None,
+                 shapes: Sequence[torch.Size] | None = None):
+        """`param_shards` (stage 3): the shards already made, by parameter index (a
+        meta-device model: runtime/weights.py read only those; parameters this rank's
+        stages do not need are absent); `shapes`: each parameter's shape in the program."""
         self.dp, self.rank, self.group = dp, rank, group
         self.shard_params = shard_params
-        self.shapes = [p.shape for p in params]
+        self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
         self.buckets = [[params[i] for i in idx] for idx in buckets]
         with torch.no_grad():
-            if shard_params:
+            if shard_params and param_shards is not None:
+                self.param_shards = [param_shards.get(i, p.data.new_empty(0))
+                                     for i, p in enumerate(params)]
+                self.shards = [self.param_shards[idx[0]] for idx in buckets]
+            elif shard_params:
                 self.param_shards = [self._slice(self._flat([p])) for p in params]
                 self.shards = [self.param_shards[idx[0]] for idx in buckets]
                 for p in params:  # the graph gathers what it needs; keep only the shards
@@ -75,14 +84,12 @@ class ShardedOptimizer:
                     p.copy_(full[off:off + p.numel()].view_as(p))
                     off += p.numel()
 
-    def full_params(self) -> list[torch.Tensor]:
-        """Stage 3: every parameter all-gathered from the shards (collective: all ranks)."""
-        out = []
-        for shard, shape in zip(self.param_shards, self.shapes):
-            full = torch.empty(shard.numel() * self.dp, dtype=shard.dtype, device=shard.device)
-            dist.all_gather_single(full, shard, group=self.group)
-            out.append(full[:shape.numel()].view(shape).clone())
-        return out
+    def full_param(self, i: int) -> torch.Tensor:
+        """Stage 3: parameter i all-gathered from its shards (collective over the dp group)."""
+        shard, shape = self.param_shards[i], self.shapes[i]
+        full = torch.empty(shard.numel() * self.dp, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_single(full, shard, group=self.group)
+        return full[:shape.numel()].view(shape).clone()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (for memory reports and tests)."""

@@ -594,3 +594,32 @@ class LogNet(torch.nn.Module):
 
     def forward(self, x):
         return self.act(self.fc(x)).mean()
+
+
+def meta_weights_rank(cases, weights_dir, save_root=None, steps=3):
+    """Every rank: build each zoo model on the meta device, parallelize it with
+    weights=weights_dir/<name> (saved by save_pretrained from `build(name)`), train `steps`
+    AdamW steps; optionally pm.save_pretrained to save_root/<name>/<plan>. Rank 0 returns
+    {(name, plan): (losses, full state)}."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    out = {}
+    for name, plan, batch_mode in cases:
+        factory, batch_fn, loss_fn = {**zoo(), **dropout_zoo()}[name]
+        with torch.device("meta"):
+            model = factory()
+        pm = fxpar.parallelize(model, world, example_batch=batch_fn(0), loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS["adamw"], plan=plan,
+                               weights=os.path.join(weights_dir, name), batch=batch_mode)
+        losses = []
+        for s in range(steps):
+            b = batch_fn(s)
+            if batch_mode == "local":  # this rank's rows, as a DistributedSampler gives
+                b = torch.utils._pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.chunk(pm.dp_size)[pm.dp_rank] if t.dim() else t, b)
+            losses.append(pm.step(b).item())
+        if save_root is not None:
+            pm.save_pretrained(os.path.join(save_root, name, repr(sorted(plan.items()))))
+        state = pm.full_state_dict()
+        out[(name, repr(plan), batch_mode)] = (losses, state if rank == 0 else None)
+    return out

@@ -1,0 +1,489 @@
+"""Each rank's weights without a whole model: sliced reads, shard-wise init, HF-layout saves.
+
+A model built on the meta device has shapes and no data. The runtime gives each rank only
+what its Program owns (runtime/trainer.py): for a parameter, its tensor-parallel slice
+(runtime/tp_slices.py's layout, fused QKV interleaving included), or with ZeRO-3 the 1/dp
+flat shard of that slice; nothing for a pipeline stage the rank does not run. This module
+says which elements of the user's full tensor those are (`local_runs`, `flat_shard_rows`)
+and reads just those from a *source*:
+
+- `FileSource`: a `.safetensors` file, a Hugging Face `save_pretrained` directory
+  (`model.safetensors`, or `model.safetensors.index.json` + shards), a torch state-dict
+  file, or an fxpar checkpoint (DCP). safetensors' `get_slice` reads only the requested
+  rows/columns from the file; a torch file is opened with `mmap=True`, so slicing touches
+  only those pages; a DCP checkpoint is read one tensor at a time (DCP reads whole tensors
+  here: at most one full tensor is in memory at once).
+- `InitSource`: the modules' own initialisation (HF `_init_weights`, else
+  `reset_parameters`) run on one module's tensors at a time, with a generator seeded per
+  module, so every rank computes the same values for the elements it keeps. Same
+  distributions as a single-process init, not the same numbers: `weights=` gives those.
+- real (non-meta) tensors of the model are their own source (`tensor[index]`).
+
+`save_pretrained` writes the full state as Hugging Face safetensors shards (+ index), one
+tensor gathered at a time to the rank that writes its file: memory per rank is bounded by
+the shard size, and `from_pretrained` / `load_state_dict` read the result.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fxpar.compiler.errors import CheckpointError
+
+Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of one dim, in local order
+
+
+# --- which elements of the full tensor a rank holds ---------------------------------------
+
+def local_runs(shape, layout, tp: int, rank: int) -> list[Runs]:
+    """Per dim of the full tensor, the ranges whose concatenation is this tp rank's tensor
+    (rtp.local_param's result, without making the full tensor). layout: (shard_dim,
+    interleave_dim, k) or None."""
+    runs: list[Runs] = [[(0, n)] for n in shape]
+    if layout is None:
+        return runs
+    shard_dim, il_dim, k = layout
+    if k > 1:  # fused pieces: rank r's chunk is [piece_0 share r; piece_1 share r; ...]
+        n = shape[il_dim]
+        c = n // (k * tp)
+        runs[il_dim] = [(j * n // k + r * c, j * n // k + (r + 1) * c)
+                        for r in range(tp) for j in range(k)]
+    if shard_dim is not None:
+        n = shape[shard_dim]
+        size = -(-n // tp)  # torch.chunk's sizes
+        runs[shard_dim] = narrow(runs[shard_dim], min(n, rank * size), min(n, (rank + 1) * size))
+    return runs
+
+
+def narrow(runs: Runs, start: int, stop: int) -> Runs:
+    """The runs covering local positions [start, stop) of the concatenation of `runs`."""
+    out, pos = [], 0
+    for a, b in runs:
+        lo, hi = max(start, pos), min(stop, pos + b - a)
+        if lo < hi:
+            out.append((a + lo - pos, a + hi - pos))
+        pos += b - a
+    return out
+
+
+def run_length(runs: Runs) -> int:
+    return sum(b - a for a, b in runs)
+
+
+def flat_shard_rows(runs: list[Runs], dp: int, rank: int):
+    """ZeRO-3: this dp rank's slice of the local tensor flattened and padded to a multiple
+    of dp (runtime/zero.ShardedOptimizer's layout). Returns (runs narrowed to the dim-0 rows
+    covering it, offset of the slice in those rows' flat elements, real elements, slice
+    size): only those rows are read, never the whole tensor."""
+    shape = [run_length(r) for r in runs]
+    numel = math.prod(shape)
+    size = -(-numel // dp)
+    a, b = rank * size, min((rank + 1) * size, numel)
+    if not shape:  # 0-dim: one element, on rank 0's slice
+        return runs, 0, max(0, b - a), size
+    row = numel // shape[0] if shape[0] else 1
+    if b <= a:
+        return [[]] + runs[1:], 0, 0, size
+    r0, r1 = a // row, -(-b // row)
+    return [narrow(runs[0], r0, r1)] + runs[1:], a - r0 * row, b - a, size
+
+
+# --- sources ------------------------------------------------------------------------------
+
+class Source:
+    """Reads a block of one tensor of the user's state dict (keys as model.state_dict())."""
+
+    def shape(self, key: str) -> tuple | None:
+        """The full shape of `key`, None where the source has no such tensor."""
+        raise NotImplementedError
+
+    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_runs(self, key: str, runs: list[Runs]) -> torch.Tensor:
+        """The tensor made of `runs` (per dim): one read per block of contiguous ranges."""
+        for d, r in enumerate(runs):
+            if len(r) > 1:
+                return torch.cat([self.read_runs(key, runs[:d] + [[x]] + runs[d + 1:])
+                                  for x in r], d)
+        if any(not r for r in runs):
+            return torch.empty([run_length(r) for r in runs], dtype=self.dtype(key))
+        return self.read(key, tuple(slice(a, b) for (a, b), in runs))
+
+    def dtype(self, key: str) -> torch.dtype:
+        return torch.float32
+
+
+class TensorSource(Source):
+    """The model's own (real) tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, key):
+        t = self.tensors.get(key)
+        return None if t is None else tuple(t.shape)
+
+    def dtype(self, key):
+        return self.tensors[key].dtype
+
+    def read(self, key, index):
+        return self.tensors[key].detach()[index]
+
+
+class FileSource(Source):
+    """A weights file or directory (see the module docstring); keys as model.state_dict()."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self._files: dict[str, object] = {}
+        self._torch: dict | None = None
+        self._dcp = None
+        self.key_file: dict[str, str] = {}
+        p = self.path
+        if os.path.isdir(p):
+            index = os.path.join(p, "model.safetensors.index.json")
+            if os.path.exists(index):
+                with open(index) as f:
+                    wm = json.load(f).get("weight_map")
+                if not isinstance(wm, dict):
+                    raise CheckpointError(f"{index} has no 'weight_map': not a Hugging Face "
+                                          "safetensors index.")
+                self.key_file = {k: os.path.join(p, v) for k, v in wm.items()}
+            elif os.path.exists(os.path.join(p, "model.safetensors")):
+                self._index_safetensors(os.path.join(p, "model.safetensors"))
+            elif os.path.exists(os.path.join(p, "fxpar.json")):
+                self._open_dcp(p)
+            elif os.path.exists(os.path.join(p, "pytorch_model.bin")):
+                self._open_torch(os.path.join(p, "pytorch_model.bin"))
+            else:
+                raise CheckpointError(
+                    f"weights={p!r} is a directory with none of model.safetensors.index.json, "
+                    "model.safetensors, pytorch_model.bin (Hugging Face save_pretrained "
+                    "layouts) or fxpar.json (an fxpar checkpoint): point weights= at one of "
+                    "those, or at a .safetensors / torch state-dict file.")
+        elif os.path.isfile(p):
+            if p.endswith(".safetensors"):
+                self._index_safetensors(p)
+            else:
+                self._open_torch(p)
+        else:
+            raise CheckpointError(f"weights={p!r}: no such file or directory.")
+
+    def _index_safetensors(self, file):
+        from safetensors import safe_open
+        with safe_open(file, framework="pt") as f:
+            self.key_file.update({k: file for k in f.keys()})
+
+    def _open_torch(self, file):
+        try:
+            sd = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # not a zip-format torch file, or pickled objects
+            raise CheckpointError(f"weights={file!r} is neither a .safetensors file nor a "
+                                  f"torch state-dict file torch.load(weights_only=True, "
+                                  f"mmap=True) reads: {type(e).__name__}: {e}") from None
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise CheckpointError(f"weights={file!r} holds a {type(sd).__name__}, not a state "
+                                  "dict of tensors (keys as model.state_dict()).")
+        self._torch = sd
+
+    def _open_dcp(self, path):
+        from fxpar.runtime import checkpoint as ck
+        _, reader, md = ck._read_meta(path)
+        self._dcp = (reader, md)
+
+    def _handle(self, key):
+        from safetensors import safe_open
+        file = self.key_file[key]
+        if file not in self._files:
+            try:
+                self._files[file] = safe_open(file, framework="pt")
+            except FileNotFoundError:
+                raise CheckpointError(f"weights {self.path!r}: the index names {file!r} for "
+                                      f"{key!r}, which does not exist.") from None
+        return self._files[file].get_slice(key)
+
+    def shape(self, key):
+        if self._torch is not None:
+            t = self._torch.get(key)
+            return None if t is None else tuple(t.shape)
+        if self._dcp is not None:
+            from torch.distributed.checkpoint import metadata as dcp_md
+            m = self._dcp[1].get(f"model.{key}")
+            return tuple(m.size) if isinstance(m, dcp_md.TensorStorageMetadata) else None
+        return tuple(self._handle(key).get_shape()) if key in self.key_file else None
+
+    def read(self, key, index):
+        if self._torch is not None:
+            return self._torch[key][index]
+        if self._dcp is not None:
+            from fxpar.runtime import checkpoint as ck
+            reader, md = self._dcp
+            full = ck._read(self.path, reader, md, [f"model.{key}"], False)[f"model.{key}"]
+            return full[index]  # DCP reads whole tensors here: one at a time
+        return self._handle(key)[index]
+
+
+class InitSource(Source):
+    """The modules' own initialisation, one module's tensors at a time (whole, transiently:
+    the memory of the largest module, not of the model), on CPU. Reads the model as built
+    (its tensors still meta): the runtime swaps in the rank's tensors after every read."""
+
+    def __init__(self, model: torch.nn.Module, seed: int | None = None):
+        self.model = model
+        self.seed = torch.initial_seed() if seed is None else seed
+        self.owner: dict[str, tuple[str, str]] = {}  # key -> (module path, attribute)
+        for mname, mod in model.named_modules(remove_duplicate=False):
+            for attr, t in (*mod._parameters.items(), *mod._buffers.items()):
+                if t is not None:
+                    key = f"{mname}.{attr}" if mname else attr
+                    self.owner.setdefault(key, (mname, attr))
+        self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
+        # ancestors' init (HF inits some weights from a parent) would also overwrite the
+        # model's real tensors: run it only where there are none
+        self.all_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+    def shape(self, key):
+        if key not in self.owner:
+            return None
+        mname, attr = self.owner[key]
+        return tuple(getattr(self.model.get_submodule(mname), attr).shape)
+
+    def dtype(self, key):
+        mname, attr = self.owner[key]
+        return getattr(self.model.get_submodule(mname), attr).dtype
+
+    def read(self, key, index):
+        mname, attr = self.owner[key]
+        if self._cached is None or self._cached[0] != mname:
+            self._cached = (mname, self._init_module(mname))
+        return self._cached[1][attr][index]
+
+    def _init_module(self, mname: str) -> dict[str, torch.Tensor]:
+        """The module's direct tensors made real (on CPU), initialised by its own init (and
+        its ancestors': HF inits some weights from a parent, GPT-2's scaled c_proj), then the
+        module put back on meta. Seeded by the module's path: every rank gets the same."""
+        mod = self.model.get_submodule(mname)
+        real = {}
+        for store in (mod._parameters, mod._buffers):
+            for attr, t in store.items():
+                if t is not None and t.is_meta:
+                    fresh = torch.empty(t.shape, dtype=t.dtype)
+                    fresh.fill_(float("nan") if fresh.is_floating_point() else 0)
+                    real[attr] = fresh
+        saved = {a: getattr(mod, a) for a in real}
+        for a, t in real.items():
+            if a in mod._parameters:
+                mod._parameters[a] = torch.nn.Parameter(t, requires_grad=saved[a].requires_grad)
+            else:
+                mod._buffers[a] = t
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed((self.seed + zlib.crc32(mname.encode())) % 2**63)
+                for path in _self_and_ancestors(mname)[:None if self.all_meta else 1]:
+                    _init_one(self.model, path)
+            out = {a: getattr(mod, a).detach() for a in real}
+        finally:
+            for a, t in saved.items():
+                (mod._parameters if a in mod._parameters else mod._buffers)[a] = t
+        bad = [a for a, t in out.items() if t.is_floating_point() and bool(t.isnan().any())]
+        if bad:
+            name = f"{mname}.{bad[0]}" if mname else bad[0]
+            raise CheckpointError(
+                f"weights=None on a meta-device model: nothing initialises {name!r} (module "
+                f"{type(mod).__name__} has no reset_parameters, and no Hugging Face "
+                "_init_weights covers it). Pass weights=PATH (a safetensors file or a "
+                "save_pretrained directory), or give the module a reset_parameters().")
+        return out
+
+
+def _self_and_ancestors(mname: str) -> list[str]:
+    parts = mname.split(".") if mname else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _init_one(model: torch.nn.Module, path: str) -> None:
+    """Run the module's own init: the nearest Hugging Face PreTrainedModel's _init_weights,
+    or its reset_parameters (the module at `path`'s own tensors; the others stay meta)."""
+    mod = model.get_submodule(path)
+    hf = _nearest_pretrained(model, path)
+    if hf is not None:
+        hf._init_weights(mod)
+    elif hasattr(mod, "reset_parameters") and _has_direct_real(mod):
+        mod.reset_parameters()
+    elif isinstance(mod, torch.nn.MultiheadAttention) and _has_direct_real(mod):
+        mod._reset_parameters()
+
+
+def _has_direct_real(mod) -> bool:
+    return any(t is not None and not t.is_meta
+               for t in (*mod._parameters.values(), *mod._buffers.values()))
+
+
+def _nearest_pretrained(model, path):
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        m = model.get_submodule(".".join(parts[:i]))
+        if isinstance(m, PreTrainedModel):
+            return m
+    return None
+
+
+# --- saving in Hugging Face's layout ------------------------------------------------------
+
+SHARD_BYTES = 5 * 2**30  # Hugging Face's default max_shard_size ("5GB")
+
+
+def hf_keys(model: torch.nn.Module, state_keys: Iterable[str]) -> list[str]:
+    """The state-dict keys a save writes: every key, except for a Hugging Face model the
+    aliases of a tied tensor after its first name (from_pretrained ties them again, as
+    save_pretrained leaves them out)."""
+    keys = list(state_keys)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return keys
+    if not isinstance(model, PreTrainedModel):
+        return keys
+    state = model.state_dict(keep_vars=True)
+    seen, out = set(), []
+    for k in keys:
+        if id(state[k]) in seen:
+            continue
+        seen.add(id(state[k]))
+        out.append(k)
+    return out
+
+
+def plan_shards(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Keys (in order) packed into files of at most max_bytes (a larger tensor alone)."""
+    files, cur, size = [], [], 0
+    for k, n in entries:
+        if cur and size + n > max_bytes:
+            files.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += n
+    if cur:
+        files.append(cur)
+    return files
+
+
+def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
+                    dtypes: dict[str, torch.dtype], full_tensor, rank: int, world: int,
+                    max_shard_bytes: int = SHARD_BYTES) -> str:
+    """Write `keys` as safetensors files (+ index when several) in `directory`.
+    `full_tensor(key, dst)` is a collective every rank calls in the same key order; it
+    returns the full CPU tensor on rank `dst` (None elsewhere). File i is written by rank
+    i % world, so a rank holds at most one file's tensors at a time."""
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    sizes = [(k, math.prod(shapes[k]) * dtypes[k].itemsize) for k in keys]
+    files = plan_shards(sizes, max_shard_bytes)
+    n = len(files)
+    names = ["model.safetensors"] if n == 1 else [
+        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for i, (fname, fkeys) in enumerate(zip(names, files)):
+        dst = i % world
+        tensors, ptrs = {}, set()
+        for k in fkeys:
+            t = full_tensor(k, dst)
+            if rank == dst:  # tied names written apart must not share memory in the file
+                t = t.contiguous()
+                tensors[k] = t.clone() if t.data_ptr() in ptrs else t
+                ptrs.add(t.data_ptr())
+        if rank == dst:
+            save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+        del tensors
+    if rank == 0:
+        if n > 1:
+            index = {"metadata": {"total_size": sum(s for _, s in sizes)},
+                     "weight_map": {k: names[i] for i, fk in enumerate(files) for k in fk}}
+            with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+    if world > 1:
+        dist.barrier()
+    return str(directory)
+
+
+# --- where each tensor of a model comes from ----------------------------------------------
+
+class ModelWeights:
+    """For each parameter/buffer name of `model`: the source and key to read it from.
+    weights=PATH: every parameter and persistent buffer from the file (through any of its
+    tied names), non-persistent buffers from the model (or its init where they are meta);
+    weights=None: real tensors from the model, meta ones from the modules' init."""
+
+    def __init__(self, model: torch.nn.Module, path=None):
+        self.model, self.path = model, path
+        self.file = FileSource(path) if path is not None else None
+        tensors = dict(model.state_dict(keep_vars=True))
+        tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+        self.tensors = tensors
+        self.real = TensorSource({k: t for k, t in tensors.items() if not t.is_meta})
+        self.init = InitSource(model)
+        persistent = set(model.state_dict(keep_vars=True))
+        self.aliases: dict[int, list[str]] = {}
+        for k, t in tensors.items():
+            self.aliases.setdefault(id(t), []).append(k)
+        self.persistent = {id(tensors[k]) for k in persistent}
+
+    def locate(self, name: str) -> tuple[Source, str]:
+        """(source, key) for the model's tensor named `name`; CheckpointError naming the
+        key when the weights file lacks it or holds another shape."""
+        t = self.tensors[name]
+        names = self.aliases[id(t)]
+        if self.file is not None and id(t) in self.persistent:
+            for k in names:
+                got = self.file.shape(k)
+                if got is None:
+                    continue
+                if tuple(got) != tuple(t.shape):
+                    raise CheckpointError(
+                        f"weights {self.path!r}: {k!r} has shape {tuple(got)}, the model's is "
+                        f"{tuple(t.shape)}: the file was saved from a differently configured "
+                        "model (check the config you built the model from).")
+                return self.file, k
+            raise CheckpointError(
+                f"weights {self.path!r} has no {' / '.join(repr(k) for k in names)} (keys as "
+                "model.state_dict()): it was saved from a different model, or with other "
+                "module names. Load the file saved from this architecture.")
+        if not t.is_meta:
+            return self.real, name
+        return self.init, self.init_key(names)
+
+    def init_key(self, names: list[str]) -> str:
+        return next((k for k in names if k in self.init.owner), names[0])
+
+
+def unmeta(model: torch.nn.Module, device) -> dict[str, tuple]:
+    """Swap every meta parameter/buffer for an empty (0-element) tensor on `device`, each
+    tied alias for the same new tensor (a meta tensor's .data cannot be re-pointed at real
+    memory). Returns the full shapes by name; the runtime then fills in each rank's part."""
+    shapes, new = {}, {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for attr, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                key = f"{mname}.{attr}" if mname else attr
+                shapes[key] = tuple(t.shape)
+                if id(t) not in new:
+                    empty = torch.empty(0, dtype=t.dtype, device=device)
+                    new[id(t)] = (torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+                                  if is_param else empty, t)
+                store[attr] = new[id(t)][0]
+    return shapes
