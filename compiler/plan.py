@@ -151,20 +151,6 @@ class Plan:
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("Plan.sequence_parallel splits the activations between tensor-"
                             "parallel matmuls over the sequence: it needs tp > 1.")
-        # Features whose passes have not landed yet: refuse instead of silently ignoring.
-        missing = []
-        if self.tp != 1 and self.zero == 3:
-            missing.append(f"zero=3 with tp={self.tp}")
-        if self.pp != 1 and self.zero == 3:
-            missing.append(f"zero=3 with pp={self.pp}")
-        elif self.microbatches != 1 and self.zero == 3:
-            missing.append(f"zero=3 with microbatches={self.microbatches}")
-        if missing:
-            raise PlanError("this fxpar version does not implement " + ", ".join(missing) +
-                            " yet; use zero <= 2 with microbatches, "
-                            "pipeline stages or tensor parallelism (data, tensor and pipeline "
-                            "parallelism with microbatches and any schedule, remat, ZeRO 1-3 "
-                            "(1-2 with pp or tp) and overlap are available).")
         return self
 
 

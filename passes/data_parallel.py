@@ -433,7 +433,10 @@ def _gather_params_before_use(gm, group, dp):
     shard; the full weight is all-gathered just before its first use in the forward and again
     before its first use in the backward, so each gathered copy dies after its last use there.
     Views of a weight made in the forward (e.g. its transpose) that the backward reads are
-    re-made from the backward's gather, so no forward copy is kept alive for the backward."""
+    re-made from the backward's gather, so no forward copy is kept alive for the backward.
+    Under pipeline parallelism each stage that reads the weight gathers it itself, in its
+    own forward and backward part (never a full weight sent between stages or kept from a
+    microbatch's forward to its backward), as FSDP2 does under pipelining."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for p in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]:
@@ -447,24 +450,49 @@ def _gather_params_before_use(gm, group, dp):
                     if u.meta.get(ir.REGION) == ir.BACKWARD]
         fwd_users = sorted((u for u in p.users if u.meta.get(ir.REGION) != ir.BACKWARD),
                            key=order.__getitem__)
-        fwd_full = None
-        if fwd_users:
-            fwd_full = _gather(graph, p, dp, group, numel, shape, fwd_users[0])
-            for u in fwd_users:
-                u.replace_input_with(p, fwd_full)
-        if bwd_uses:
-            first = min((u for u, _ in bwd_uses), key=order.__getitem__)
+        fwd_fulls = []
+        for users in _by_stage(fwd_users, lambda u: u):
+            full = _gather(graph, p, dp, group, numel, shape, users[0])
+            fwd_fulls.append(full)
+            for u in users:
+                u.replace_input_with(p, full)
+        for uses in _by_stage(sorted(bwd_uses, key=lambda uv: order[uv[0]]), lambda uv: uv[0]):
+            first = uses[0][0]
             env = {p: _gather(graph, p, dp, group, numel, shape, first)}
-            env[fwd_full] = env[p]
+            env.update({f: env[p] for f in fwd_fulls})
+            copies = []
             for v in views[1:]:
                 with graph.inserting_before(first):
                     env[v] = graph.node_copy(v, lambda a: env.get(a, a))
                 env[v].meta.update({ir.REGION: ir.BACKWARD, ir.SHARD: (Replicate(),)})
-            for u, v in bwd_uses:
+                _place_like(env[v], first)
+                copies.append(env[v])
+            for u, v in uses:
                 u.replace_input_with(v, env[v])
-            for v in reversed(views[1:]):  # forward views the backward no longer reads
-                if not v.users:
-                    graph.erase_node(v)
+            for c in reversed(copies):  # views this stage's backward does not read
+                if not c.users:
+                    graph.erase_node(c)
+        for v in reversed(views[1:]):  # forward views the backward no longer reads
+            if not v.users:
+                graph.erase_node(v)
+
+
+def _by_stage(items, node_of) -> list[list]:
+    """Items (in graph order) grouped by their node's pipeline stage (one group without
+    stages)."""
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(node_of(it).meta.get(ir.STAGE), []).append(it)
+    return list(groups.values())
+
+
+def _place_like(node, like) -> None:
+    """Put a node the pass inserts into the pipeline part (stage, phase) of `like`."""
+    for k in (ir.STAGE, ir.PHASE):
+        if k in like.meta:
+            node.meta[k] = like.meta[k]
+        else:
+            node.meta.pop(k, None)
 
 
 def _forward_views_of(p):
@@ -495,6 +523,7 @@ def _gather(graph, shard, dp, group, numel, shape, before):
         nodes.append(graph.call_function(aten.view.default, (nodes[-1], shape)))
     for n in nodes:
         n.meta.update(meta)
+        _place_like(n, before)
     return nodes[-1]
 
 

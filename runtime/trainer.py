@@ -270,7 +270,8 @@ class ParallelModel:
                 share = (total / program.microbatches).to(program.loss_count.meta["dtype"])
             for leaves in mbs:
                 leaves.append(share)
-        loss, grads, new_bufs = runner.run(self.params, self.buffers, mbs, self.world.device,
+        params = self.sharded_optimizer.param_shards if program.params_sharded else self.params
+        loss, grads, new_bufs = runner.run(params, self.buffers, mbs, self.world.device,
                                            rec, forward_only)
         if program.pp > 1:  # the last stage has the loss: every rank returns it
             last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
@@ -317,7 +318,9 @@ class ParallelModel:
                     shards = [grads[k] for k in self.pipeline_runner.held_buckets]
                     if self._finish_grads(shards):
                         self.sharded_optimizer.step(shards)
-                    self.pipeline_runner.sync_tied_params(self.params, self.program.zero_buckets)
+                    self.pipeline_runner.sync_tied_params(  # ZeRO-3: the shards
+                        self.sharded_optimizer.param_shards if self.program.params_sharded
+                        else self.params, self.program.zero_buckets)
                 elif not self._finish_grads(grads):
                     pass  # fp16 overflow on some rank: every rank skips this update
                 elif self.optimizer is not None:

@@ -47,7 +47,8 @@ class ShardedOptimizer:
                     p.data = p.data.new_empty(0)
             else:
                 self.shards = [self._slice(self._flat(members)) for members in self.buckets]
-        self.optimizer = factory(self.shards)
+        # a pipeline rank whose stages make no gradient (all weights elsewhere) steps nothing
+        self.optimizer = factory(self.shards) if self.shards else None
 
     def _slice(self, flat):
         size = flat.numel() // self.dp
@@ -60,6 +61,8 @@ class ShardedOptimizer:
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         """Step the shards with this rank's gradient shards, then all-gather the parameters."""
+        if self.optimizer is None:
+            return
         for s, g in zip(self.shards, grad_shards):
             s.grad = g.to(s.dtype)
         self.optimizer.step()
@@ -93,5 +96,7 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (for memory reports and tests)."""
+        if self.optimizer is None:
+            return 0
         return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                    for t in st.values() if isinstance(t, torch.Tensor))

@@ -118,7 +118,7 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
     if info is not None:
         info["eval"] = pm.evaluate(batch_fn(0)).item()  # forward-only program, same plan
-    if info is not None and pm.sharded_optimizer is not None:
+    if info is not None and pm.sharded_optimizer is not None and pm.sharded_optimizer.shards:
         z = pm.sharded_optimizer
         full = 2 * sum(shape.numel() for shape in z.shapes) * z.shards[0].element_size()  # m, v
         info["opt_state_fraction"] = z.state_bytes() / full
