@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fxpar.compiler import planner
 from fxpar.compiler.compile import build, meta_tensors
+from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
@@ -59,6 +60,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
                       "buffers of the same host memory: it saves nothing there (it is meant "
                       "for GPUs; on CPU it only exercises the schedule).", stacklevel=2)
     if source is None:
+        _check_whole_model_fits(model, world.device)
         model.to(world.device)
     if world.size > 1 and weights is None:  # start from rank 0's weights, as DDP does
         with torch.no_grad():  # (a meta model's init is seeded alike on every rank)
@@ -74,6 +76,23 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
                        weights=source, batch=batch)
     return pm
+
+
+def _check_whole_model_fits(model, device) -> None:
+    """A model built with real weights is moved whole onto each rank's device before it is
+    sharded: say so before an out-of-memory error does (a meta-device model never is)."""
+    if device.type != "cuda":  # host memory: the model is there already
+        return
+    whole = sum(t.numel() * t.element_size() for t in {id(t): t for t in (
+        *model.parameters(), *model.buffers())}.values())
+    free = device_memory(device)
+    if whole > 0.9 * free:
+        raise PlanError(
+            f"the model's weights take {whole / 2**30:.1f} GiB and this device has "
+            f"{free / 2**30:.1f} GiB: a model built with real weights is moved whole onto "
+            "every device before sharding. Build it on the meta device (`with "
+            "torch.device('meta'): model = ...`) and pass weights=PATH (safetensors / a "
+            "save_pretrained directory): each rank then reads only its shards.")
 
 
 def _refit_planner(pm: ParallelModel, step_s: float) -> None:

@@ -40,12 +40,7 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
             f"{torch.__version__}); compile on a machine with one, or for CPU devices "
             "(an int world size, or ['cpu', ...]).")
     report = None
-    if world_size > 1 and needs_search(plan):
-        if meta_tensors(model):
-            raise PlanError(
-                "plan='auto' on a model whose weights are on the meta device: the planner's "
-                "search is not yet told that such a model never exists whole on one device. "
-                "Pass a plan, e.g. plan={'dp': 2, 'zero': 3} or {'tp': 2, 'dp': 2}.")
+    if world_size > 1 and needs_search(plan):  # (a meta model: priced from its shapes)
         report = planner.auto_plan(model, example_batch, loss_fn, None, world_size, dev_type,
                                    constraints=planner.constraints_of(plan))
         plan = report.best.plan

@@ -26,6 +26,7 @@ import math
 import time
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir
@@ -314,9 +315,6 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
                 for zero in zeros:
-                    if executable and zero == 3 and (tp > 1 or pp > 1 or m > 1):
-                        continue  # not implemented (ZeRO-3 with microbatches crashes the
-                        # pipeline runner: its parameters are shards there)
                     key = (pp, v)
                     if key not in stage_cache:
                         stage_cache[key] = _rank_aggregates(stages_of(stats, pp, v), pp, v)
@@ -668,7 +666,17 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     precision "bf16"/"fp16": the segments are those of the graph after the precision pass
     (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
     GPT's bf16 step memory at 0.6x the CUDA allocator's peak."""
-    gm, sig = cap.capture(model, example_batch, loss_fn)
+    stand_ins = None
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # a meta-device model: traced on fake stand-ins (shapes only; it may exist whole on
+        # no device), so every figure below is the shards' and nothing is timed on it
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        leaf = next((t for t in torch.utils._pytree.tree_leaves(example_batch)
+                     if isinstance(t, torch.Tensor)), None)
+        device = leaf.device if leaf is not None else torch.device("cpu")
+        stand_ins = cap.fake_weights(model, device, mode=mode)
+        example_batch = cap.fake_batch(example_batch, device, mode)
+    gm, sig = cap.capture(model, example_batch, loss_fn, stand_ins=stand_ins)
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     rows = int(leaves[0].shape[0]) if leaves else 1
@@ -888,7 +896,11 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         hw.memory = int(mem.item())
     stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu",
                         precision=constraints.get("precision") or "fp32")
-    if device.type == "cpu":
+    meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if meta:  # nothing to time: the re-fit after the first steps (api._refit_planner)
+        log.info("fxpar planner: the model is on the meta device; plans are priced with "
+                 "the measured machine, re-fitted to the first steps' time")
+    elif device.type == "cpu":
         hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
         if dist.is_initialized():
             v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)

@@ -28,9 +28,12 @@ def test_unknown_plan_field():
         fxpar.parallelize(model, 1, example_batch=batch, plan={"dpp": 1})
 
 
-def test_unimplemented_plan_feature_is_refused_not_ignored():
-    with pytest.raises(fxpar.PlanError, match="does not implement zero=3 with tp=2"):
-        fxpar.Plan(dp=1, tp=2, pp=1, zero=3).validate(2)
+def test_zero3_composes_with_tp_pp_and_microbatches():
+    """Once refused (not implemented), now plans like any other (tests/test_weights.py runs
+    them against eager)."""
+    fxpar.Plan(dp=2, tp=2, pp=1, zero=3).validate(4)
+    fxpar.Plan(dp=2, tp=1, pp=2, zero=3, microbatches=2).validate(4)
+    fxpar.Plan(dp=2, tp=1, pp=1, zero=3, microbatches=2).validate(2)
 
 
 def test_multi_rank_devices_without_launcher():
@@ -260,12 +263,6 @@ def test_nan_loss_raises_with_step_and_first_node(monkeypatch):
         pm.model.fc.weight[0, 0] = float("inf")
     with pytest.raises(fxpar.NonFiniteLossError, match=r"input fc.weight"):
         pm.step(bad)
-
-
-def test_zero3_with_microbatches_is_refused_not_crashing():
-    from fxpar.compiler.errors import PlanError
-    with pytest.raises(PlanError, match="zero=3 with microbatches=2"):
-        fxpar.Plan(dp=2, tp=1, pp=1, zero=3, microbatches=2).validate(2)
 
 
 TORCHRUN_SCRIPT = """

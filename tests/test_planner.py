@@ -173,12 +173,11 @@ def test_constraints_fix_fields(small_stats):
     r = planner.search(small_stats, 4, _cpu(GiB), batch_rows=8,
                        constraints={"tp": 2, "zero": 1})
     assert all(c.plan.tp == 2 and c.plan.zero == 1 for c in r.table)
-    # executable plans only: ZeRO-3 never with tp/pp, every plan validates
+    # every plan the search returns validates (ZeRO-3 composes with tp / pp / microbatches)
     r = planner.search(small_stats, 4, _cpu(GiB), batch_rows=8)
     for c in r.table:
         c.plan.validate(4)
-        p = c.plan
-        assert not (p.zero == 3 and (p.tp > 1 or p.pp > 1 or p.microbatches > 1))
+    assert any(c.plan.zero == 3 and (c.plan.tp > 1 or c.plan.pp > 1) for c in r.table)
 
 
 def test_fxpar_plan_command(capsys):

@@ -1,0 +1,267 @@
+"""Models bigger than one device (runtime/weights.py): which elements a rank reads, the weight
+readers, shard-wise init, save_pretrained; meta-device models trained against eager.
+
+Fast tests check the index arithmetic against the runtime's own slicing (tp_slices, ZeRO's flat
+shards), every file format, the errors, and one-process training. Slow tests run 4 gloo ranks:
+a model saved with save_pretrained, rebuilt on meta and loaded with weights= trains exactly
+like single-process eager under ZeRO-3 x tp, tp x pp x microbatches, ZeRO-3 x 4, ZeRO-3 x pp,
+with local batches; pm.save_pretrained reloads into plain from_pretrained bit for bit."""
+import json
+import os
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.compiler.errors import CheckpointError
+from fxpar.examples import models as M
+from fxpar.runtime import tp_slices as rtp
+from fxpar.runtime import weights as W
+from fxpar.runtime.zero import ShardedOptimizer
+
+import workers
+from workers import OPTIMIZERS, build, eager_reference
+
+transformers = pytest.importorskip("transformers")
+
+LAYOUTS = [None, (0, None, 1), (1, None, 1), (0, 0, 3), (1, 0, 3), (None, 0, 2)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_local_runs_pick_the_elements_local_param_keeps(layout, tp):
+    full = torch.randn(24, 12)
+    src = W.TensorSource({"w": full})
+    for rank in range(tp):
+        want = rtp.local_param(full, layout, tp, rank) if layout else full
+        runs = W.local_runs(tuple(full.shape), layout, tp, rank)
+        assert torch.equal(src.read_runs("w", runs), want)
+
+
+@pytest.mark.parametrize("shape", [(10, 3), (7,), (), (5, 2, 3), (1, 4)], ids=str)
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_flat_shard_rows_read_only_the_rows_of_zero3s_shard(shape, dp):
+    """ZeRO-3's shard (runtime/zero.py: flat, padded to a multiple of dp, 1/dp each) made
+    from the dim-0 rows that cover it, never from the whole tensor."""
+    full = torch.randn(shape)
+    src = W.TensorSource({"w": full})
+    z = ShardedOptimizer(lambda ps: None, [full], [], dp, 0, None)
+    for rank in range(dp):
+        z.rank = rank
+        want = z._slice(z._flat([full]))
+        rows, off, n, size = W.flat_shard_rows([[(0, k)] for k in shape], dp, rank)
+        got = torch.zeros(size)
+        if n:
+            block = src.read_runs("w", rows)
+            if shape:
+                assert block.shape[0] <= -(-full.numel() // dp) // max(1, full[0].numel()) + 2
+            got[:n] = block.reshape(-1)[off:off + n]
+        assert torch.equal(got, want)
+
+
+def _saved(tmp_path, fmt):
+    torch.manual_seed(0)
+    model = M.hf_llama()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    d = tmp_path / fmt
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        d.mkdir()
+        save_file({k: v for k, v in state.items() if k != "lm_head.weight"} | {
+            "lm_head.weight": state["lm_head.weight"].clone()}, d / "w.safetensors")
+        return model, state, str(d / "w.safetensors")
+    if fmt == "hf_dir":
+        model.save_pretrained(d)
+    elif fmt == "hf_sharded":
+        model.save_pretrained(d, max_shard_size="20KB")
+        assert (d / "model.safetensors.index.json").exists()
+    elif fmt == "torch":
+        d.mkdir()
+        torch.save(state, d / "sd.pt")
+        return model, state, str(d / "sd.pt")
+    elif fmt == "fxpar":
+        pm = fxpar.parallelize(model, 1, example_batch=M.hf_lm_batch(128, 8, 16),
+                               plan={"fuse": False})
+        pm.save(str(d))
+    return model, state, str(d)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf_dir", "hf_sharded", "torch", "fxpar"])
+def test_every_weights_format_reads_slices(tmp_path, fmt):
+    model, state, path = _saved(tmp_path, fmt)
+    src = W.FileSource(path)
+    k = "model.layers.0.self_attn.q_proj.weight"
+    assert src.shape(k) == tuple(state[k].shape)
+    runs = W.local_runs(tuple(state[k].shape), (0, None, 1), 2, 1)
+    assert torch.equal(src.read_runs(k, runs), state[k].chunk(2, 0)[1])
+    assert src.shape("no.such.key") is None
+
+
+def test_missing_key_and_wrong_shape_are_checkpoint_errors_naming_the_key(tmp_path):
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in M.hf_llama().state_dict().items()}
+    del state["model.norm.weight"]
+    save_file(state, tmp_path / "a.safetensors")
+    with torch.device("meta"):
+        model = M.hf_llama()
+    w = W.ModelWeights(model, str(tmp_path / "a.safetensors"))
+    with pytest.raises(CheckpointError, match="has no 'model.norm.weight'"):
+        w.locate("model.norm.weight")
+    state["model.norm.weight"] = torch.ones(7)
+    save_file(state, tmp_path / "b.safetensors")
+    w = W.ModelWeights(model, str(tmp_path / "b.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has shape \(7,\)"):
+        w.locate("model.norm.weight")
+    with pytest.raises(CheckpointError, match="no such file"):
+        W.ModelWeights(model, str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        W.ModelWeights(model, str(tmp_path / "empty"))
+
+
+def test_init_on_meta_matches_the_modules_own_distributions():
+    """weights=None: HF's _init_weights per module (normal(0, initializer_range) linears and
+    embeddings, ones for RMSNorm, the rotary inv_freq recomputed), the same values on every
+    rank (seeded per module), and plain modules' reset_parameters."""
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = M.hf_llama(hidden=64, vocab=512)
+    src = W.InitSource(model)
+    q = src.read("model.layers.0.self_attn.q_proj.weight", (...,))
+    assert abs(q.std().item() - model.config.initializer_range) < 0.003
+    assert torch.equal(src.read("model.norm.weight", (...,)), torch.ones(64))
+    real = M.hf_llama(hidden=64, vocab=512)
+    inv = src.read("model.rotary_emb.inv_freq", (...,))
+    assert torch.equal(inv, real.model.rotary_emb.inv_freq)
+    again = W.InitSource(model).read("model.layers.0.self_attn.q_proj.weight", (slice(0, 4),))
+    assert torch.equal(again, q[:4])  # what another rank computes for its slice
+    with torch.device("meta"):
+        lin = torch.nn.Linear(100, 10)
+    w = W.InitSource(lin).read("weight", (...,))
+    bound = 1 / 100 ** 0.5  # kaiming_uniform(a=sqrt(5)) of nn.Linear.reset_parameters
+    assert w.abs().max() <= bound and w.abs().max() > 0.8 * bound
+
+
+def test_init_refuses_a_parameter_nothing_initialises():
+    class Custom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.empty(4))
+
+        def forward(self, x):
+            return (x * self.scale).sum()
+    with torch.device("meta"):
+        m = Custom()
+    with pytest.raises(CheckpointError, match="nothing initialises 'scale'.*weights=PATH"):
+        W.InitSource(m).read("scale", (...,))
+
+
+def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_path):
+    """devices=1: a model saved with save_pretrained, rebuilt on meta and loaded with weights=
+    trains like eager; pm.save_pretrained reloads into plain from_pretrained bit for bit
+    (sharded, with its index); weights=None trains from the modules' init."""
+    torch.manual_seed(0)
+    ref = M.hf_llama()
+    ref.save_pretrained(tmp_path / "start")
+    with torch.device("meta"):
+        model = M.hf_llama()
+    pm = fxpar.parallelize(model, 1, example_batch=M.hf_lm_batch(128, 8, 16),
+                           optimizer=OPTIMIZERS["adamw"], plan={"fuse": False},
+                           weights=str(tmp_path / "start"))
+    assert not any(p.is_meta for p in model.parameters())
+    opt = OPTIMIZERS["adamw"](ref.parameters())
+    for s in range(3):
+        b = M.hf_lm_batch(128, 8, 16, seed=s)
+        got = pm.step(b)
+        opt.zero_grad()
+        loss = ref(**b).loss
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    pm.save_pretrained(str(tmp_path / "out"), max_shard_size=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert "lm_head.weight" in index["weight_map"]  # (untied llama: its own key)
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
+    full = pm.full_state_dict()
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, full[k]), k
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-5)
+    with torch.device("meta"):
+        fresh = M.hf_llama()
+    pm2 = fxpar.parallelize(fresh, 1, example_batch=M.hf_lm_batch(128, 8, 16),
+                            plan={"fuse": False})
+    assert 4.0 < pm2.step(M.hf_lm_batch(128, 8, 16)).item() < 6.0  # ~ln(128): a sane init
+
+
+def test_tied_hf_weights_saved_once_and_found_through_any_name(tmp_path):
+    torch.manual_seed(0)
+    ref = M.hf_gpt2()
+    assert ref.lm_head.weight is ref.transformer.wte.weight
+    with torch.device("meta"):
+        model = M.hf_gpt2()
+    ref.save_pretrained(tmp_path / "a")
+    pm = fxpar.parallelize(model, 1, example_batch=M.hf_lm_batch(128, 8, 16),
+                           plan={"fuse": False}, weights=str(tmp_path / "a"))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    pm.save_pretrained(str(tmp_path / "b"))
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "b"))
+    assert torch.equal(back.lm_head.weight, ref.lm_head.weight)
+
+
+def test_local_batch_of_the_wrong_size_says_what_to_give():
+    model, batch_fn, loss_fn = build("mlp")
+    pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), plan={"fuse": False},
+                           batch="local")
+    assert (pm.dp_rank, pm.dp_size) == (0, 1)
+    x, y = batch_fn(0)
+    with pytest.raises(fxpar.compiler.errors.BatchError, match="batch='local'.*DistributedSampler"):
+        pm.step((x[:3], y[:3]))
+    with pytest.raises(fxpar.PlanError, match="batch='shard'"):
+        fxpar.parallelize(model, 1, example_batch=batch_fn(0), batch="shard")
+
+
+# --- 4 gloo ranks ---------------------------------------------------------------------------
+
+PLANS = [({"dp": 2, "zero": 3, "tp": 2}, "global"),
+         ({"tp": 2, "pp": 2, "microbatches": 2}, "global"),
+         ({"dp": 4, "zero": 3}, "global"),
+         ({"dp": 2, "pp": 2, "microbatches": 2, "zero": 3}, "local"),
+         ({"dp": 2, "tp": 2, "zero": 1, "microbatches": 2}, "local")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_llama", "gpt"])
+def test_meta_model_loaded_shard_wise_trains_like_eager(tmp_path, name):
+    model, _, _ = build(name)
+    d = tmp_path / "w" / name
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(d)
+    else:
+        fxpar.parallelize(model, 1, example_batch=build(name)[1](0),
+                          plan={"fuse": False}).save_pretrained(str(d))
+    cases = [(name, {**plan, "fuse": False}, mode) for plan, mode in PLANS]
+    res = fxpar.launch(workers.meta_weights_rank, 4, cases, str(tmp_path / "w"),
+                       str(tmp_path / "out"))[0]
+    ref_losses, ref_state = eager_reference(name, "adamw", steps=3)
+    for (_, plan, mode), (losses, state) in res.items():
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{plan} {mode}: {m}")
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{plan} {mode} {k}: {m}")
+        saved = tmp_path / "out" / name / repr(sorted(eval(plan).items()))
+        from safetensors.torch import load_file
+        files = [f for f in os.listdir(saved) if f.endswith(".safetensors")]
+        back = {k: v for f in files for k, v in load_file(str(saved / f)).items()}
+        for k, v in back.items():  # what pm.save_pretrained wrote is the trained state
+            assert torch.equal(v, state[k]), (plan, k)
+        if hasattr(model, "save_pretrained"):
+            hf = type(model).from_pretrained(str(saved))
+            for k, v in hf.state_dict().items():
+                assert torch.equal(v, state[k]), (plan, k)
