@@ -116,23 +116,65 @@ def start_all_reduce(x: torch.Tensor, op: str, group_name: str, owned: bool, nam
     return _issued(p, dist.all_reduce(buf, op=red, group=pg, async_op=True), seg)
 
 
+class _Works:
+    """Several work handles waited on as one (gloo's in-place all-gather / reduce-scatter)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented")  # -> the watcher thread
+
+
+# gloo's all_gather_single / reduce_scatter_single copy through a second full-size buffer of
+# their own (measured: a 98 MB all-gather raised a rank's peak by 189 MB, its output 95 MB;
+# a reduce-scatter by 119 MB for a 25 MB output) and ran ~2x slower than one broadcast per
+# rank into the output's slices / one reduce per rank in place, which allocate nothing more.
+# So on gloo fxpar issues those (ZeRO-3's parameter gathers and gradient reduce-scatters),
+# the reduce-scatter only on a buffer nothing else reads and from this size up (below it
+# gloo's own was faster: 6 vs 11 ms at 2.4 MB on 4 ranks). benchmarks/meta_memory.py.
+GLOO_INPLACE_RS_BYTES = 4 * 2**20
+
+
+def _is_gloo(pg) -> bool:
+    return dist.get_backend(pg) == "gloo"
+
+
 def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: str,
                      seg: str) -> Pending:
     p = Pending(name, x.numel() * x.element_size() * group_size)
     x = x.contiguous()
+    pg = _group(group_name)
     p.keep, p.out = x, x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
-    return _issued(p, dist.all_gather_single(p.out, x, group=_group(group_name), async_op=True),
-                   seg)
+    if _is_gloo(pg):
+        parts = p.out.chunk(group_size)
+        parts[pg.rank()].copy_(x)
+        return _issued(p, _Works([dist.broadcast(t, group=pg, group_src=i, async_op=True)
+                                  for i, t in enumerate(parts)]), seg)
+    return _issued(p, dist.all_gather_single(p.out, x, group=pg, async_op=True), seg)
 
 
-def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str, name: str,
-                         seg: str) -> Pending:
+def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str,
+                         owned: bool, name: str, seg: str) -> Pending:
+    """Reduce-scatter; on gloo, in place on `x` when the graph says nothing else reads it
+    (owned) and it is large (see GLOO_INPLACE_RS_BYTES)."""
     p = Pending(name, x.numel() * x.element_size())
-    x = x.contiguous()
+    pg = _group(group_name)
     red, p.divide = _reduce_op(op, group_size)
+    if owned and x.is_contiguous() and _is_gloo(pg) and p.nbytes >= GLOO_INPLACE_RS_BYTES:
+        parts = x.chunk(group_size)
+        p.keep, p.out = x, parts[pg.rank()]  # (a view: `wait` copies it out, x dies)
+        p.divide = (p.divide, "copy")
+        return _issued(p, _Works([dist.reduce(t, group=pg, group_dst=i, op=red, async_op=True)
+                                  for i, t in enumerate(parts)]), seg)
+    x = x.contiguous()
     p.keep, p.out = x, x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
-    return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=_group(group_name),
-                                                 async_op=True), seg)
+    return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=pg, async_op=True),
+                   seg)
 
 
 def wait(p, seg: str) -> torch.Tensor:
@@ -142,9 +184,11 @@ def wait(p, seg: str) -> torch.Tensor:
     t0 = time.perf_counter()
     p.work.wait()
     t1 = time.perf_counter()
-    out = p.out
-    if p.divide:
-        out = out.div_(p.divide)
+    out, divide = p.out, p.divide
+    if isinstance(divide, tuple):  # a view of a buffer reduced in place: keep only it
+        divide, out = divide[0], out.clone()
+    if divide:
+        out = out.div_(divide)
     rec = _recorder
     if rec is not None and rec.recording:
         rec.blocked(t0, t1, "wait " + p.name, seg)
@@ -207,6 +251,16 @@ def bind_groups(program, names: dict[str, str]) -> None:
     program.bound_groups = dict(names)
 
 
+def _owned(x) -> bool:
+    """Nothing but the collective reads x's memory: x (or the chain of views it is of, each
+    read once) was computed by the graph, not a graph input, so it may be reduced in place."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and len(x.users) == 1:
+        if not cost.is_view(x):
+            return True
+        x = x.args[0]
+    return False
+
+
 def lower(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` whose collectives are start_*/wait calls on work handles."""
     g = torch.fx.Graph()
@@ -220,11 +274,8 @@ def lower(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if n.target in _STARTS:
             fn = _STARTS[n.target]
             name = f"{_SHORT[fn]} {n.meta.get('module') or n.name}"
-            if fn is start_all_reduce:
-                x = n.args[0]
-                owned = (isinstance(x, torch.fx.Node) and x.op == "call_function"
-                         and len(x.users) == 1 and not cost.is_view(x))
-                n.args = (*n.args, owned, name, seg)
+            if fn in (start_all_reduce, start_reduce_scatter):
+                n.args = (*n.args, _owned(n.args[0]), name, seg)
             else:
                 n.args = (*n.args, name, seg)
             n.target = fn

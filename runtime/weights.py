@@ -142,7 +142,7 @@ class FileSource(Source):
 
     def __init__(self, path):
         self.path = str(path)
-        self._files: dict[str, object] = {}
+        self._shapes: dict[str, tuple] = {}
         self._torch: dict | None = None
         self._dcp = None
         self.key_file: dict[str, str] = {}
@@ -198,16 +198,16 @@ class FileSource(Source):
         _, reader, md = ck._read_meta(path)
         self._dcp = (reader, md)
 
-    def _handle(self, key):
+    def _open(self, key):
+        """The safetensors file holding `key`, opened for this read only: a mapping kept
+        open would count every page read so far in the rank's resident memory."""
         from safetensors import safe_open
         file = self.key_file[key]
-        if file not in self._files:
-            try:
-                self._files[file] = safe_open(file, framework="pt")
-            except FileNotFoundError:
-                raise CheckpointError(f"weights {self.path!r}: the index names {file!r} for "
-                                      f"{key!r}, which does not exist.") from None
-        return self._files[file].get_slice(key)
+        try:
+            return safe_open(file, framework="pt")
+        except FileNotFoundError:
+            raise CheckpointError(f"weights {self.path!r}: the index names {file!r} for "
+                                  f"{key!r}, which does not exist.") from None
 
     def shape(self, key):
         if self._torch is not None:
@@ -217,7 +217,12 @@ class FileSource(Source):
             from torch.distributed.checkpoint import metadata as dcp_md
             m = self._dcp[1].get(f"model.{key}")
             return tuple(m.size) if isinstance(m, dcp_md.TensorStorageMetadata) else None
-        return tuple(self._handle(key).get_shape()) if key in self.key_file else None
+        if key not in self.key_file:
+            return None
+        if key not in self._shapes:
+            with self._open(key) as f:
+                self._shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        return self._shapes[key]
 
     def read(self, key, index):
         if self._torch is not None:
@@ -227,7 +232,8 @@ class FileSource(Source):
             reader, md = self._dcp
             full = ck._read(self.path, reader, md, [f"model.{key}"], False)[f"model.{key}"]
             return full[index]  # DCP reads whole tensors here: one at a time
-        return self._handle(key)[index]
+        with self._open(key) as f:
+            return f.get_slice(key)[index]
 
 
 class InitSource(Source):
