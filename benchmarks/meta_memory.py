@@ -64,10 +64,22 @@ def _batch(args, seed=0):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def _fixed_mmap_threshold(on: bool) -> None:
+    """glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), after
+    which freed large blocks stay in the heap: resident memory then follows the largest
+    heap the process ever had, not what it holds (measured: +250-330 MiB a rank here). A
+    fixed threshold (what MALLOC_MMAP_THRESHOLD_=65536 does) returns them; jemalloc or
+    tcmalloc do the same. --glibc-default measures without it."""
+    if on:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+
+
 def rank(args, weights, plan):
     import transformers
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    _fixed_mmap_threshold(not args.glibc_default)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(_config(args))
     base = _baseline()  # right before parallelize (the meta model holds no memory)
@@ -96,6 +108,7 @@ def estimate(args, plan, world) -> float:
 
 def eager(args, weights):
     import transformers
+    _fixed_mmap_threshold(not args.glibc_default)
     base = _baseline()
     model = transformers.LlamaForCausalLM.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -116,13 +129,15 @@ def main():
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--plans", nargs="*", default=['{"dp": 4, "zero": 3}',
                                                    '{"tp": 2, "pp": 2, "microbatches": 2}'])
     ap.add_argument("--eager", action="store_true", help="also one process holding it all")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="keep glibc's growing mmap threshold (see _fixed_mmap_threshold)")
     args = ap.parse_args()
     import transformers
     with tempfile.TemporaryDirectory(prefix="fxpar-meta-") as d:
@@ -135,7 +150,8 @@ def main():
         full = 16 * n  # fp32 weights + grads + AdamW exp_avg + exp_avg_sq
         print(f"Llama {args.layers} x {args.hidden} (vocab {args.vocab}): {n / 1e6:.1f} M "
               f"params; fp32 weights + grads + AdamW = {full / 2**30:.2f} GiB; batch "
-              f"{args.batch} x {args.seq}; {args.nprocs} gloo CPU ranks; {args.steps} steps")
+              f"{args.batch} x {args.seq}; {args.nprocs} gloo CPU ranks; {args.steps} steps; "
+              f"malloc: {'glibc default' if args.glibc_default else 'fixed mmap threshold'}")
         print(f"{'plan':42s} {'peak/rank MiB (after load)':>40s} {'max / full':>10s} "
               f"{'estimate MiB':>12s}")
         rows = []

@@ -127,15 +127,22 @@ def layer_of(module_path: str) -> str:
 
 
 def default_slack(pairs) -> int:
-    """Two units: all-gathered bytes of the largest layer, or the largest reduce-scatter
-    bucket, whichever is more."""
+    """Two units of the repeated layers (all-gathered bytes of a layer, or a reduce-scatter /
+    all-reduce bucket), and at least the largest unit of all (one collective of it may always
+    overlap). A model's one-off giants (an LLM's embedding and LM head: a third of a 150M
+    Llama's weights) would otherwise set the prefetch depth of every layer: two of them held
+    ahead cost 20% of a ZeRO-3 rank's peak (benchmarks/meta_memory.py)."""
     units: dict[tuple, int] = {}
     for start, wait in pairs:
         if start.target is c10d.all_gather_into_tensor.default:
             key = ("gather", wait.meta.get(ir.REGION), layer_of(wait.meta.get(ir.MODULE, "")))
             units[key] = units.get(key, 0) + cost.tensor_bytes(start.meta.get(ir.VAL))
         elif start.target is c10d.reduce_scatter_tensor.default:
-            units[("bucket", start.name)] = _input_bytes_held(start)
+            units[("bucket", start.name, start.meta.get(ir.MODULE, ""))] = \
+                _input_bytes_held(start)
         else:  # an all-reduce: its buffer, held from the start
-            units[("bucket", start.name)] = cost.tensor_bytes(start.meta.get(ir.VAL))
-    return 2 * max(units.values(), default=0)
+            units[("bucket", start.name, start.meta.get(ir.MODULE, ""))] = cost.tensor_bytes(
+                start.meta.get(ir.VAL))
+    repeated = [b for k, b in units.items() if any(p.isdigit() for p in k[2].split("."))]
+    largest = max(units.values(), default=0)
+    return max(2 * max(repeated), largest) if repeated else 2 * largest

@@ -86,6 +86,7 @@ class PipelineRunner:
                                   if any(self.rank_of(s) == pp_rank for s in st))
         # fixed per program, cached on first use: see _local_consumers, _routes, _prefetch
         self._local_count, self._route_cache, self._remote_inputs = {}, {}, {}
+        self._acc_graphs: dict[str, torch.fx.GraphModule] = {}  # see _accumulating
         self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
         self.stash: HostStash | None = None
         self.graphs: dict[str, cudagraph.GraphedStep] | None = None  # Plan.cuda_graphs
@@ -152,7 +153,13 @@ class PipelineRunner:
                     if refs[(ref, mb)] == 0:
                         del store[(ref, mb)], refs[(ref, mb)]
             self._prefetch(actions[n + 1:n + 2], store, device)
-            outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec)
+            sums = None if forward_only else self._running_sums(key, grads, summed)
+            if sums is not None:  # add into the sums inside the graph, as each is computed
+                args += sums
+            outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec,
+                                 accumulate=sums is not None)
+            in_place = set(self._accumulated(key)) if sums is not None else set()
+            taken: set[int] = set()
             for (name, local, remote), t in zip(self._routes(key), outs):
                 if local:
                     store[(name, mb)], refs[(name, mb)] = t, local
@@ -162,11 +169,20 @@ class PipelineRunner:
                     losses.append(t)
                 if forward_only:
                     continue
+                if name in in_place:  # t is the running sum already
+                    continue
+                # the first microbatch's output becomes the sum, copied only where something
+                # else may read it (a view, a value other parts take, an output twice)
+                shared = bool(local or remote) or t._base is not None or id(t) in taken or (
+                    name in self.reduced_inputs and name in self.grad_of)
+                taken.add(id(t))
                 if name in self.reduced_inputs:
-                    summed[name] = t.clone() if name not in summed else summed[name].add_(t)
+                    summed[name] = (t.clone() if shared else t) \
+                        if name not in summed else summed[name].add_(t)
                 i = self.grad_of.get(name)
                 if i is not None:
-                    grads[i] = t.clone() if grads[i] is None else grads[i].add_(t)
+                    grads[i] = (t.clone() if shared else t) \
+                        if grads[i] is None else grads[i].add_(t)
                 j = self.buffer_of.get(name)
                 if j is not None:
                     new_bufs[j] = t
@@ -192,7 +208,48 @@ class PipelineRunner:
             loss = losses[0] if self.m == 1 else torch.stack(losses).mean()
         return loss, grads, new_bufs
 
-    def _compute(self, key, label, args, rec):
+    def _accumulated(self, key) -> list[str]:
+        """Outputs of part `key` summed over microbatches (gradients, R inputs)."""
+        return [n for n in self.parts[key].outputs
+                if n in self.grad_of or n in self.reduced_inputs]
+
+    def _running_sums(self, key, grads, summed) -> list | None:
+        """The running sums of part `key`'s accumulated outputs, once every one exists (from
+        the second microbatch on); None: run the part as it is."""
+        names = self._accumulated(key)
+        if self.m == 1 or not names or self.graphs is not None:
+            return None
+        sums = [summed.get(n) if n in self.reduced_inputs else grads[self.grad_of[n]]
+                for n in names]
+        if any(s is None for s in sums) or len(set(map(id, sums))) != len(sums):
+            return None
+        return sums
+
+    def _accumulating(self, key) -> torch.fx.GraphModule:
+        """Part `key`'s graph taking the running sums of its accumulated outputs as extra
+        inputs and adding each output into its sum in place right after computing it (it
+        returns the sums): one microbatch's gradients never all exist next to the sums, so
+        accumulating costs the sums, not twice them."""
+        if key not in self._acc_graphs:
+            gm = self.lowered[key]
+            g = torch.fx.Graph()
+            out = g.graph_copy(gm.graph, {})
+            last = [n for n in g.nodes if n.op == "placeholder"][-1]
+            names = self._accumulated(key)
+            pos = [self.parts[key].outputs.index(n) for n in names]
+            with g.inserting_after(last):
+                phs = [g.placeholder(f"running_sum_{j}") for j in reversed(range(len(pos)))]
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            for j, ph in zip(pos, reversed(phs)):
+                node = outs[j]
+                with g.inserting_after(node):
+                    outs[j] = g.call_function(torch.ops.aten.add_.Tensor, (ph, node))
+            g.output(tuple(outs))
+            g.lint()
+            self._acc_graphs[key] = torch.fx.GraphModule(gm, g)
+        return self._acc_graphs[key]
+
+    def _compute(self, key, label, args, rec, accumulate=False):
         if rec is not None:
             rec.segment(label)
         try:
@@ -200,7 +257,8 @@ class PipelineRunner:
                 if self.graphs is not None:  # static outputs: the next microbatch's replay
                     return [t.clone() if isinstance(t, torch.Tensor) else t  # overwrites them
                             for t in self.graphs[key](args)]
-                return faults.run(self.lowered[key], *args)  # FXPAR_DEBUG_NAN: node by node
+                gm = self._accumulating(key) if accumulate else self.lowered[key]
+                return faults.run(gm, *args)  # FXPAR_DEBUG_NAN: node by node
         except RuntimeError as e:
             part = self.parts[key]
             raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "
