@@ -360,7 +360,7 @@ def save(pm, path: str, extra: dict | None = None) -> str:
 
 # --- load -------------------------------------------------------------------------------
 
-def _read_meta(path: str):
+def read_meta(path: str):
     path = os.fspath(path)
     mpath = os.path.join(path, META_FILE)
     if not os.path.isdir(path):
@@ -392,7 +392,7 @@ def _quiet(distributed):
         yield
 
 
-def _read(path, reader, md, keys, distributed) -> dict[str, torch.Tensor]:
+def read_tensors(path, reader, md, keys, distributed) -> dict[str, torch.Tensor]:
     """The tensors `keys` from the checkpoint (collective when distributed)."""
     out = {}
     for k in keys:
@@ -415,7 +415,7 @@ def _state_keys(md, name) -> list[str]:
 def load(pm, path: str) -> dict:
     """Restore what `save` wrote into pm, whatever plan wrote it (collective). Returns the
     `extra` dict given to save."""
-    meta, reader, md = _read_meta(path)
+    meta, reader, md = read_meta(path)
     distributed = pm.world.size > 1
     names = _names(pm)
     state = pm.model.state_dict(keep_vars=True)
@@ -448,7 +448,7 @@ def load(pm, path: str) -> dict:
     scaler = getattr(pm, "scaler", None)
     enc_keys = _tensor_keys(meta.get("extra")) + (
         _tensor_keys(meta.get("scaler")) if scaler is not None else [])
-    got = _read(path, reader, md, keys + rng_keys + enc_keys, distributed)
+    got = read_tensors(path, reader, md, keys + rng_keys + enc_keys, distributed)
     with torch.no_grad():
         _load_model(pm, state, got)
     if pm.optimizer is not None:
@@ -553,10 +553,10 @@ def load_plain(path: str, model: torch.nn.Module | None = None,
     (and `optimizer`, built over model.parameters() as usual) given, loads them in place:
     `model.load_state_dict(model_state)` and `optimizer.load_state_dict(...)` with the names
     mapped to the optimizer's parameter order. Never unpickles anything."""
-    meta, reader, md = _read_meta(path)
+    meta, reader, md = read_meta(path)
     mkeys = [k for k in md if k.startswith("model.")]
     okeys = [k for k in md if k.startswith("optim.state.")]
-    got = _read(path, reader, md, mkeys + okeys, distributed=False)
+    got = read_tensors(path, reader, md, mkeys + okeys, distributed=False)
     model_state = {k[len("model."):]: got[k] for k in mkeys}
     ostate: dict[str, dict] = {}
     for k in okeys:

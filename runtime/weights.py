@@ -33,8 +33,12 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import metadata as dcp_md
 
 from fxpar.compiler.errors import CheckpointError
+from fxpar.runtime import checkpoint as ck
 
 Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of one dim, in local order
 
@@ -177,7 +181,6 @@ class FileSource(Source):
             raise CheckpointError(f"weights={p!r}: no such file or directory.")
 
     def _index_safetensors(self, file):
-        from safetensors import safe_open
         with safe_open(file, framework="pt") as f:
             self.key_file.update({k: file for k in f.keys()})
 
@@ -194,14 +197,12 @@ class FileSource(Source):
         self._torch = sd
 
     def _open_dcp(self, path):
-        from fxpar.runtime import checkpoint as ck
-        _, reader, md = ck._read_meta(path)
+        _, reader, md = ck.read_meta(path)
         self._dcp = (reader, md)
 
     def _open(self, key):
         """The safetensors file holding `key`, opened for this read only: a mapping kept
         open would count every page read so far in the rank's resident memory."""
-        from safetensors import safe_open
         file = self.key_file[key]
         try:
             return safe_open(file, framework="pt")
@@ -214,7 +215,6 @@ class FileSource(Source):
             t = self._torch.get(key)
             return None if t is None else tuple(t.shape)
         if self._dcp is not None:
-            from torch.distributed.checkpoint import metadata as dcp_md
             m = self._dcp[1].get(f"model.{key}")
             return tuple(m.size) if isinstance(m, dcp_md.TensorStorageMetadata) else None
         if key not in self.key_file:
@@ -228,9 +228,8 @@ class FileSource(Source):
         if self._torch is not None:
             return self._torch[key][index]
         if self._dcp is not None:
-            from fxpar.runtime import checkpoint as ck
             reader, md = self._dcp
-            full = ck._read(self.path, reader, md, [f"model.{key}"], False)[f"model.{key}"]
+            full = ck.read_tensors(self.path, reader, md, [f"model.{key}"], False)[f"model.{key}"]
             return full[index]  # DCP reads whole tensors here: one at a time
         with self._open(key) as f:
             return f.get_slice(key)[index]
@@ -392,7 +391,6 @@ def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
     `full_tensor(key, dst)` is a collective every rank calls in the same key order; it
     returns the full CPU tensor on rank `dst` (None elsewhere). File i is written by rank
     i % world, so a rank holds at most one file's tensors at a time."""
-    from safetensors.torch import save_file
     os.makedirs(directory, exist_ok=True)
     sizes = [(k, math.prod(shapes[k]) * dtypes[k].itemsize) for k in keys]
     files = plan_shards(sizes, max_shard_bytes)

@@ -53,7 +53,7 @@ def test_checkpoint_layout_is_torch_fqn_convention(tmp_path):
     pm, batch_fn = _pm("mlp")
     pm.step(batch_fn(0))
     pm.save(tmp_path / "c")
-    meta, _, md = ck._read_meta(tmp_path / "c")
+    meta, _, md = ck.read_meta(tmp_path / "c")
     names = [n for n, _ in pm.model.named_parameters()]
     assert {f"model.{k}" for k in pm.model.state_dict()} <= set(md)
     assert {f"optim.state.{n}.{k}" for n in names for k in ("exp_avg", "exp_avg_sq", "step")} \

@@ -194,3 +194,35 @@ def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
                                                   aten.slice.Tensor, aten.t.default):
                     seen.add(u)
                     stack.append(u)
+
+
+def test_zero3_under_pp_each_stage_gathers_in_its_own_parts():
+    """ZeRO-3 x pp: every all-gather lands in the part (stage, F/B) of the node it feeds, a
+    weight read by two stages (the GPT's tied embedding / LM head) is gathered by each of
+    them, and no part reads a full weight another part gathered (no full weight is sent
+    between stages or kept from a forward to its backward)."""
+    from fxpar.compiler import stages
+    cfg = M.GPTConfig()
+    gm, sig = capture(M.GPT(cfg), M.gpt_batch(cfg, 8))
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group", "pp": "pp-group"})
+    gm = run_passes(gm, resolve({"dp": 2, "pp": 2, "zero": 3, "microbatches": 2}, 4), ctx,
+                    "dp", {})
+    prog = stages.split(gm, sig, 2)
+    gathered_in = {}
+    for key, part in prog.parts.items():
+        names = {n.name for n in part.graph.graph.nodes}
+        for n in part.graph.graph.nodes:
+            if n.target is c10d.all_gather_into_tensor.default:
+                gathered_in.setdefault(key, []).append(n.name)
+        for kind, ref in part.inputs:  # values from other parts are activations, not weights
+            if kind == "value":
+                producer = next(n for n in gm.graph.nodes if n.name == ref)
+                assert producer.target is not c10d.wait_tensor.default or \
+                    producer.args[0].target is not c10d.all_gather_into_tensor.default, \
+                    (key, ref)
+        assert names  # (a part with nodes)
+    assert {"F0", "F1", "B0", "B1"} <= set(gathered_in), gathered_in
+    wte = sig.param_names.index("wte.weight")
+    readers = {prog.parts[k].stage for k, p in prog.parts.items()
+               for kind, ref in p.inputs if kind == "param" and ref == wte}
+    assert readers == {0, 1}
