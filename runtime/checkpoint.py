@@ -172,11 +172,7 @@ def _local_shape(pm, i) -> torch.Size:
 
 
 def _full_shape(pm, i) -> torch.Size:
-    shape = list(_local_shape(pm, i))
-    lay = _layout(pm, i)
-    if lay is not None and lay[0] is not None:
-        shape[lay[0]] *= pm.plan.tp
-    return torch.Size(shape)
+    return torch.Size(pm.param_shapes[i])
 
 
 def _to_full(pm, i, local):
@@ -467,12 +463,15 @@ def load(pm, path: str) -> dict:
 def _load_model(pm, state, got):
     pidx = {id(p): i for i, p in enumerate(pm.params)}
     z = pm.sharded_optimizer
+    need = pm.needed_params()  # (a meta model's other stages' weights were never made)
     for k, v in state.items():
         full = got[f"model.{k}"].to(v.device)
         if id(v) not in pidx:  # a buffer
             v.copy_(full)
             continue
         i = pidx[id(v)]
+        if i not in need:
+            continue
         local = _to_local(pm, i, full)
         if z is not None and z.shard_params:  # ZeRO-3: the graph reads this rank's flat shard
             z.param_shards[i].copy_(z._slice(z._flat([local])))

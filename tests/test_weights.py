@@ -179,6 +179,9 @@ def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_pa
         loss.backward()
         opt.step()
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
+    b0 = M.hf_lm_batch(128, 8, 16, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(pm.evaluate(b0), ref(**b0).loss, rtol=1e-5, atol=1e-6)
     pm.save_pretrained(str(tmp_path / "out"), max_shard_size=20_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -193,6 +196,25 @@ def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_pa
     pm2 = fxpar.parallelize(fresh, 1, example_batch=M.hf_lm_batch(128, 8, 16),
                             plan={"fuse": False})
     assert 4.0 < pm2.step(M.hf_lm_batch(128, 8, 16)).item() < 6.0  # ~ln(128): a sane init
+
+
+def test_meta_model_checkpoint_round_trip(tmp_path):
+    """pm.save / pm.load on a model built on meta (weights=None): the new job, also built on
+    meta, resumes with the same weights and optimizer state (bit for bit)."""
+    b = M.hf_lm_batch(128, 8, 16)
+
+    def job():
+        with torch.device("meta"):
+            model = M.hf_llama()
+        return fxpar.parallelize(model, 1, example_batch=b, optimizer=OPTIMIZERS["adamw"],
+                                 plan={"fuse": False})
+    pm = job()
+    pm.step(b)
+    pm.save(str(tmp_path / "c"))
+    want = pm.step(M.hf_lm_batch(128, 8, 16, seed=1))
+    pm2 = job()
+    pm2.load(str(tmp_path / "c"))
+    assert torch.equal(pm2.step(M.hf_lm_batch(128, 8, 16, seed=1)), want)
 
 
 def test_tied_hf_weights_saved_once_and_found_through_any_name(tmp_path):
