@@ -27,6 +27,8 @@ bench: setup
 	$(PY) benchmarks/remat.py
 	$(PY) benchmarks/pipeline_vs_torch.py
 	$(PY) benchmarks/tp_vs_dtensor.py
+	$(PY) benchmarks/fsdp_tp_2d.py
+	$(PY) benchmarks/meta_memory.py
 	$(PY) benchmarks/kernels.py
 
 clean:
