@@ -45,8 +45,15 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     world_size, _ = world_of(devices)
     meta = meta_tensors(model)
     source = None
-    if meta or weights is not None:  # opened (and its keys checked) before anything runs
-        source = rweights.ModelWeights(model, weights)
+    if meta or weights is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise PlanError(
+                "optimizer is an instance built over the model's parameters, but with "
+                + ("a model on the meta device" if meta else "weights=") + " fxpar makes "
+                "each rank's parameters itself (only its shards), so that instance would "
+                "step tensors the model no longer uses. Pass a factory, e.g. "
+                "`optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)`.")
+        source = rweights.ModelWeights(model, weights)  # opened and checked before anything
     plan_report = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
@@ -63,10 +70,17 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
         _check_whole_model_fits(model, world.device)
         model.to(world.device)
     if world.size > 1 and weights is None:  # start from rank 0's weights, as DDP does
-        with torch.no_grad():  # (a meta model's init is seeded alike on every rank)
+        with torch.no_grad():
             for t in (*model.parameters(), *model.buffers()):
-                if not t.is_meta:
-                    dist.broadcast(t.data, src=0)
+                if not t.is_meta:  # (a partly-meta model's real tensors: on the host)
+                    buf = t.data.to(world.device)
+                    dist.broadcast(buf, src=0)
+                    if buf is not t.data:
+                        t.data.copy_(buf)
+        if source is not None:  # a meta model's init: every rank seeded as rank 0 is
+            seed = torch.tensor([source.init.seed], dtype=torch.int64, device=world.device)
+            dist.broadcast(seed, src=0)
+            source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
     t0 = time.perf_counter()
     program = build(model, example_batch, loss_fn, resolved, world.device)

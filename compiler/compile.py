@@ -115,13 +115,18 @@ def meta_tensors(model) -> list[str]:
 
 
 def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
-    """For remat="auto": device memory (90%) less parameters, gradients and optimizer state
-    (Adam's two moments assumed: the optimizer is built after compiling)."""
+    """For remat="auto": device memory (90%) less this rank's parameters, gradients and
+    optimizer state (Adam's two moments assumed: the optimizer is built after compiling)."""
     if plan.remat != "auto":
         return None
     total = int(0.9 * device_memory(device))
     p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    fixed = 4 * p_bytes  # params + grads + 2 Adam moments
+    # this rank's part of params + grads + 2 Adam moments (tp / pp split the weights, ZeRO
+    # the rest over dp: roughly; compiler/memory_model.py prices it per stage)
+    per_rank = p_bytes / (plan.tp * plan.pp)
+    fixed = int(per_rank * (1 / (plan.dp if plan.zero >= 3 else 1) +
+                            1 / (plan.dp if plan.zero >= 2 else 1) +
+                            2 / (plan.dp if plan.zero >= 1 else 1)))
     if fixed >= total:
         raise PlanError(
             f"the model does not fit: parameters, gradients and optimizer state need "

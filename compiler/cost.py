@@ -45,7 +45,9 @@ EXTRA_FLOP_FORMULAS = {
 }
 # ops whose schema says "new tensor" but whose result shares the input's storage
 # (wait_tensor returns the very tensor its collective produced)
-_ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default}
+_ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default,
+                       aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default,
+                       aten.unsafe_chunk.default}
 c10d = torch.ops._c10d_functional
 # collectives that read their input asynchronously: it stays alive until their wait_tensor
 # (an all-reduce runs in place on a buffer it owns, or copies at start)

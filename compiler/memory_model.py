@@ -192,8 +192,9 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     if pp > 1:
         f = rows / stats.rows * act_scale
         buffers += 2 * max((s.boundary for s in segs), default=0.0) * f
-    if microbatches > 1:  # accumulating: a microbatch's gradients next to the running sum,
-        # whole (the stage's tp slices): ZeRO-2/3 reduce-scatter the sum once, after the last
+    if microbatches > 1:  # accumulating: the running sum of the stage's gradients, whole
+        # (its tp slices; later microbatches add into it inside the backward): ZeRO-2/3
+        # reduce-scatter the sum once, after the last microbatch
         buffers += n * elem
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1, working=working,

@@ -434,8 +434,8 @@ def _gather_params_before_use(gm, group, dp):
     before its first use in the backward, so each gathered copy dies after its last use there.
     Views of a weight made in the forward (e.g. its transpose) that the backward reads are
     re-made from the backward's gather, so no forward copy is kept alive for the backward.
-    Under pipeline parallelism each stage that reads the weight gathers it itself, in its
-    own forward and backward part (never a full weight sent between stages or kept from a
+    Under pipeline parallelism each stage that reads the weight gathers it itself, in each
+    of its own forward and backward parts (never a full weight sent between stages or kept from a
     microbatch's forward to its backward), as FSDP2 does under pipelining."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -478,11 +478,13 @@ def _gather_params_before_use(gm, group, dp):
 
 
 def _by_stage(items, node_of) -> list[list]:
-    """Items (in graph order) grouped by their node's pipeline stage (one group without
-    stages)."""
+    """Items (in graph order) grouped by their node's pipeline part, (stage, phase): one
+    group without stages; zero-bubble's input- and weight-gradient parts of a stage gather
+    apart (neither may read what the other has not run yet)."""
     groups: dict = {}
     for it in items:
-        groups.setdefault(node_of(it).meta.get(ir.STAGE), []).append(it)
+        n = node_of(it)
+        groups.setdefault((n.meta.get(ir.STAGE), n.meta.get(ir.PHASE)), []).append(it)
     return list(groups.values())
 
 

@@ -127,11 +127,13 @@ def layer_of(module_path: str) -> str:
 
 
 def default_slack(pairs) -> int:
-    """Two units of the repeated layers (all-gathered bytes of a layer, or a reduce-scatter /
-    all-reduce bucket), and at least the largest unit of all (one collective of it may always
-    overlap). A model's one-off giants (an LLM's embedding and LM head: a third of a 150M
-    Llama's weights) would otherwise set the prefetch depth of every layer: two of them held
-    ahead cost 20% of a ZeRO-3 rank's peak (benchmarks/meta_memory.py)."""
+    """Units: the all-gathered bytes of one layer, a reduce-scatter's input, an all-reduce's
+    buffer. The slack is two units of the repeated layers (numbered module paths: ZeRO-3's
+    per-layer gathers) and at least the largest unit (one collective of it may always
+    overlap); without repeated layers (gradient buckets only), two of the largest. A model's
+    one-off giants (an LLM's embedding and LM head: a third of a 150M Llama's weights) would
+    otherwise set the prefetch depth of every layer: two of them held ahead cost 10% of a
+    ZeRO-3 rank's peak (benchmarks/meta_memory.py)."""
     units: dict[tuple, int] = {}
     for start, wait in pairs:
         if start.target is c10d.all_gather_into_tensor.default:

@@ -83,10 +83,11 @@ class GradNormPlan:
 
 
 def grad_stats(grads: Sequence[torch.Tensor | None], norm_plan: GradNormPlan,
-               need_norm: bool, group=None) -> tuple[torch.Tensor | None, bool]:
+               need_norm: bool, group=None, device=None) -> tuple[torch.Tensor | None, bool]:
     """(global gradient norm or None, any inf/NaN on any rank): one all-reduce over `group`
-    (None = the world) when there is more than one rank."""
-    dev = next((g.device for g in grads if g is not None), torch.device("cpu"))
+    (None = the world) when there is more than one rank. `device`: where the sum lives when
+    this rank has no gradient (a pipeline stage without weights): the backend's device."""
+    dev = next((g.device for g in grads if g is not None), device or torch.device("cpu"))
     acc = torch.zeros(2, dtype=torch.float32, device=dev)  # [sum of squares, non-finite]
     for g, c in zip(grads, norm_plan.counted):
         if g is None:

@@ -435,6 +435,8 @@ def load(pm, path: str) -> dict:
                               "optimizer type to resume (or use load_plain for the weights).")
     slots = _slots(pm)
     okeys = {i: _state_keys(md, names[i]) for _, members, _ in slots for i, _, _ in members}
+    need = pm.needed_params()  # (other pipeline stages' weights: not read here)
+    state = {k: v for k, v in state.items() if id(v) not in pidx or pidx[id(v)] in need}
     keys = [f"model.{k}" for k in state] + [f"optim.state.{names[i]}.{s}"
                                              for i, ss in okeys.items() for s in ss]
     saved_world = meta["world_size"]
@@ -463,15 +465,12 @@ def load(pm, path: str) -> dict:
 def _load_model(pm, state, got):
     pidx = {id(p): i for i, p in enumerate(pm.params)}
     z = pm.sharded_optimizer
-    need = pm.needed_params()  # (a meta model's other stages' weights were never made)
-    for k, v in state.items():
+    for k, v in state.items():  # (this rank's stages' weights, every buffer)
         full = got[f"model.{k}"].to(v.device)
         if id(v) not in pidx:  # a buffer
             v.copy_(full)
             continue
         i = pidx[id(v)]
-        if i not in need:
-            continue
         local = _to_local(pm, i, full)
         if z is not None and z.shard_params:  # ZeRO-3: the graph reads this rank's flat shard
             z.param_shards[i].copy_(z._slice(z._flat([local])))

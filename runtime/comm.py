@@ -134,9 +134,10 @@ class _Works:
 # their own (measured: a 98 MB all-gather raised a rank's peak by 189 MB, its output 95 MB;
 # a reduce-scatter by 119 MB for a 25 MB output) and ran ~2x slower than one broadcast per
 # rank into the output's slices / one reduce per rank in place, which allocate nothing more.
-# So on gloo fxpar issues those (ZeRO-3's parameter gathers and gradient reduce-scatters),
-# the reduce-scatter only on a buffer nothing else reads and from this size up (below it
-# gloo's own was faster: 6 vs 11 ms at 2.4 MB on 4 ranks). benchmarks/meta_memory.py.
+# So on gloo fxpar issues those from these sizes up (below them gloo's own were as fast or
+# faster: a 1 KB gather 0.27 vs 0.33 ms on 2 ranks, a 2.4 MB reduce-scatter 6 vs 11 ms on
+# 4), the reduce-scatter only on a buffer nothing else reads. benchmarks/meta_memory.py.
+GLOO_INPLACE_AG_BYTES = 64 * 2**10
 GLOO_INPLACE_RS_BYTES = 4 * 2**20
 
 
@@ -150,10 +151,11 @@ def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: st
     x = x.contiguous()
     pg = _group(group_name)
     p.keep, p.out = x, x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
-    if _is_gloo(pg):
+    if _is_gloo(pg) and p.nbytes >= GLOO_INPLACE_AG_BYTES:
         parts = p.out.chunk(group_size)
         parts[pg.rank()].copy_(x)
-        return _issued(p, _Works([dist.broadcast(t, group=pg, group_src=i, async_op=True)
+        return _issued(p, _Works([dist.broadcast(t, src=dist.get_global_rank(pg, i), group=pg,
+                                                 async_op=True)
                                   for i, t in enumerate(parts)]), seg)
     return _issued(p, dist.all_gather_single(p.out, x, group=pg, async_op=True), seg)
 
@@ -169,7 +171,8 @@ def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: 
         parts = x.chunk(group_size)
         p.keep, p.out = x, parts[pg.rank()]  # (a view: `wait` copies it out, x dies)
         p.divide = (p.divide, "copy")
-        return _issued(p, _Works([dist.reduce(t, group=pg, group_dst=i, op=red, async_op=True)
+        return _issued(p, _Works([dist.reduce(t, dst=dist.get_global_rank(pg, i), op=red,
+                                              group=pg, async_op=True)
                                   for i, t in enumerate(parts)]), seg)
     x = x.contiguous()
     p.keep, p.out = x, x.new_empty((x.shape[0] // group_size, *x.shape[1:]))

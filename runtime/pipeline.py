@@ -42,6 +42,21 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _shared_storages(outs, routes) -> set[int]:
+    """Storages (data_ptr) that two outputs of a part alias, or that an output read by
+    another part (kept locally or sent) aliases: an output there must not become a running
+    sum that later microbatches add into."""
+    seen, shared = {}, set()
+    for (name, local, remote), t in zip(routes, outs):
+        if not isinstance(t, torch.Tensor):
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or local or remote:
+            shared.add(ptr)
+        seen[ptr] = name
+    return shared
+
+
 class PipelineRunner:
     def __init__(self, program, pp_rank: int, pp_group_name: str | None):
         self.p = program.pipeline
@@ -159,7 +174,8 @@ class PipelineRunner:
             outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec,
                                  accumulate=sums is not None)
             in_place = set(self._accumulated(key)) if sums is not None else set()
-            taken: set[int] = set()
+            # storages of this part's outputs that another output or a consumer shares
+            storages = _shared_storages(outs, self._routes(key))
             for (name, local, remote), t in zip(self._routes(key), outs):
                 if local:
                     store[(name, mb)], refs[(name, mb)] = t, local
@@ -171,15 +187,16 @@ class PipelineRunner:
                     continue
                 if name in in_place:  # t is the running sum already
                     continue
-                # the first microbatch's output becomes the sum, copied only where something
-                # else may read it (a view, a value other parts take, an output twice)
-                shared = bool(local or remote) or t._base is not None or id(t) in taken or (
-                    name in self.reduced_inputs and name in self.grad_of)
-                taken.add(id(t))
+                i = self.grad_of.get(name)
+                if i is not None or name in self.reduced_inputs:
+                    # the first microbatch's output becomes the sum, copied only where
+                    # something else may read it (a value other parts take, an output
+                    # sharing its storage with another, a name summed twice)
+                    shared = t.untyped_storage().data_ptr() in storages or (
+                        name in self.reduced_inputs and i is not None)
                 if name in self.reduced_inputs:
                     summed[name] = (t.clone() if shared else t) \
                         if name not in summed else summed[name].add_(t)
-                i = self.grad_of.get(name)
                 if i is not None:
                     grads[i] = (t.clone() if shared else t) \
                         if grads[i] is None else grads[i].add_(t)
@@ -219,6 +236,9 @@ class PipelineRunner:
         names = self._accumulated(key)
         if self.m == 1 or not names or self.graphs is not None:
             return None
+        routed = {name for name, local, remote in self._routes(key) if local or remote}
+        if any(n in routed or (n in self.reduced_inputs and n in self.grad_of) for n in names):
+            return None  # the output another part reads must be this microbatch's own
         sums = [summed.get(n) if n in self.reduced_inputs else grads[self.grad_of[n]]
                 for n in names]
         if any(s is None for s in sums) or len(set(map(id, sums))) != len(sums):

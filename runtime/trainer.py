@@ -40,7 +40,8 @@ class ParallelModel:
 
     This rank's state, public for checkpointing (runtime/checkpoint.py) and tools: `params`
     (the parameter tensors in `program.signature` order: tp slices; with ZeRO-3 emptied,
-    the shards live in the sharded optimizer), `buffers`, `sharded_optimizer` (ZeRO:
+    the shards live in the sharded optimizer; for a meta-device model, 0-element tensors
+    where this rank's pipeline stages do not need the weight, see `needed_params`), `buffers`, `sharded_optimizer` (ZeRO:
     runtime/zero.ShardedOptimizer, else None), `optimizer`, `pipeline_runner` (pp > 1 or
     microbatches: runtime/pipeline.PipelineRunner, else None), `tp_group`, `scaler`."""
 
@@ -179,6 +180,7 @@ class ParallelModel:
         for name, b in self.model.named_buffers():  # (one name per tensor) whole
             src, key = weights.locate(name)
             bufs[name] = src.read(key, (...,)).to(device=dev, dtype=b.dtype, copy=True)
+        weights.init.release()  # (the last module initialised whole)
         rweights.unmeta(self.model, dev)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
@@ -366,7 +368,8 @@ class ParallelModel:
             return True
         if self._norm_plan is None:
             self._norm_plan = self._grad_norm_plan()
-        norm, found_inf = amp.grad_stats(grads, self._norm_plan, max_norm is not None)
+        norm, found_inf = amp.grad_stats(grads, self._norm_plan, max_norm is not None,
+                                         device=self.world.device)
         self.last_grad_norm = norm
         if self.scaler is not None:
             self.scaler.update(found_inf)

@@ -270,42 +270,68 @@ class InitSource(Source):
             self._cached = (mname, self._init_module(mname))
         return self._cached[1][attr][index]
 
+    def release(self) -> None:
+        """Drop the last module's initialised tensors."""
+        self._cached = None
+
     def _init_module(self, mname: str) -> dict[str, torch.Tensor]:
-        """The module's direct tensors made real (on CPU), initialised by its own init (and
-        its ancestors': HF inits some weights from a parent, GPT-2's scaled c_proj), then the
-        module put back on meta. Seeded by the module's path: every rank gets the same."""
+        """The module's direct meta tensors made real (on CPU), initialised by its own init
+        (and its ancestors': HF inits some weights from a parent, GPT-2's scaled c_proj),
+        then the module put back as it was. Seeded by the module's path: every rank gets the
+        same. An element the init did not write is an error: floats are prefilled with NaN;
+        integer / bool tensors are initialised twice from two different prefills."""
         mod = self.model.get_submodule(mname)
-        real = {}
-        for store in (mod._parameters, mod._buffers):
-            for attr, t in store.items():
-                if t is not None and t.is_meta:
-                    fresh = torch.empty(t.shape, dtype=t.dtype)
-                    fresh.fill_(float("nan") if fresh.is_floating_point() else 0)
-                    real[attr] = fresh
-        saved = {a: getattr(mod, a) for a in real}
-        for a, t in real.items():
+        meta = {a: t for store in (mod._parameters, mod._buffers) for a, t in store.items()
+                if t is not None and t.is_meta}
+        out = self._run_init(mod, mname, meta, fill=None)
+        exact = [a for a, t in out.items() if not t.is_floating_point()]
+        if exact:  # nothing to NaN-mark: what differs between two prefills was not written
+            again = self._run_init(mod, mname, meta, fill=1)
+            unset = [a for a in exact if not torch.equal(out[a], again[a])]
+        else:
+            unset = []
+        unset += [a for a, t in out.items() if t.is_floating_point() and bool(t.isnan().any())]
+        if unset:
+            a = unset[0]
+            name = f"{mname}.{a}" if mname else a
+            how = ("it is a non-persistent buffer, so no weights file has it either: build "
+                   "the model with its buffers real (e.g. accelerate's init_empty_weights("
+                   "include_buffers=False)) or give the module an init that sets it"
+                   if a in mod._buffers and a in mod._non_persistent_buffers_set else
+                   "pass weights=PATH (a safetensors file or a save_pretrained directory), or "
+                   "give the module a reset_parameters() that sets it")
+            raise CheckpointError(
+                f"weights=None on a meta-device model: nothing initialises {name!r} (module "
+                f"{type(mod).__name__}: its reset_parameters / Hugging Face _init_weights "
+                f"leave it unset): {how}.")
+        return out
+
+    def _run_init(self, mod, mname, meta, fill) -> dict[str, torch.Tensor]:
+        fresh = {}
+        for a, t in meta.items():
+            f = torch.empty(t.shape, dtype=t.dtype)
+            f.fill_(float("nan") if f.is_floating_point() and fill is None else (fill or 0))
+            fresh[a] = f
+        # the module's own real tensors (a partly-meta module) must survive its init
+        kept = {a: t.detach().clone() for store in (mod._parameters, mod._buffers)
+                for a, t in store.items() if t is not None and not t.is_meta}
+        for a, f in fresh.items():
             if a in mod._parameters:
-                mod._parameters[a] = torch.nn.Parameter(t, requires_grad=saved[a].requires_grad)
+                mod._parameters[a] = torch.nn.Parameter(f, requires_grad=meta[a].requires_grad)
             else:
-                mod._buffers[a] = t
+                mod._buffers[a] = f
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed((self.seed + zlib.crc32(mname.encode())) % 2**63)
                 for path in _self_and_ancestors(mname)[:None if self.all_meta else 1]:
                     _init_one(self.model, path)
-            out = {a: getattr(mod, a).detach() for a in real}
+            return {a: getattr(mod, a).detach() for a in fresh}
         finally:
-            for a, t in saved.items():
+            for a, t in meta.items():
                 (mod._parameters if a in mod._parameters else mod._buffers)[a] = t
-        bad = [a for a, t in out.items() if t.is_floating_point() and bool(t.isnan().any())]
-        if bad:
-            name = f"{mname}.{bad[0]}" if mname else bad[0]
-            raise CheckpointError(
-                f"weights=None on a meta-device model: nothing initialises {name!r} (module "
-                f"{type(mod).__name__} has no reset_parameters, and no Hugging Face "
-                "_init_weights covers it). Pass weights=PATH (a safetensors file or a "
-                "save_pretrained directory), or give the module a reset_parameters().")
-        return out
+            with torch.no_grad():
+                for a, t in kept.items():
+                    getattr(mod, a).copy_(t)
 
 
 def _self_and_ancestors(mname: str) -> list[str]:
@@ -346,7 +372,7 @@ def _nearest_pretrained(model, path):
 
 # --- saving in Hugging Face's layout ------------------------------------------------------
 
-SHARD_BYTES = 5 * 2**30  # Hugging Face's default max_shard_size ("5GB")
+SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 
 
 def hf_keys(model: torch.nn.Module, state_keys: Iterable[str]) -> list[str]:
@@ -392,6 +418,13 @@ def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
     returns the full CPU tensor on rank `dst` (None elsewhere). File i is written by rank
     i % world, so a rank holds at most one file's tensors at a time."""
     os.makedirs(directory, exist_ok=True)
+    if rank == 0:  # an earlier save's files would shadow these (from_pretrained prefers a
+        for f in os.listdir(directory):  # model.safetensors, FileSource the index)
+            if f.startswith("model") and (f.endswith(".safetensors") or
+                                          f == "model.safetensors.index.json"):
+                os.remove(os.path.join(directory, f))
+    if world > 1:
+        dist.barrier()
     sizes = [(k, math.prod(shapes[k]) * dtypes[k].itemsize) for k in keys]
     files = plan_shards(sizes, max_shard_bytes)
     n = len(files)

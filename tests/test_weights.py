@@ -157,6 +157,39 @@ def test_init_refuses_a_parameter_nothing_initialises():
         W.InitSource(m).read("scale", (...,))
 
 
+def test_init_catches_unset_integer_buffers_and_keeps_real_tensors():
+    """An integer / bool tensor has no NaN to mark it unset: one no init writes is found by
+    initialising twice from two prefills. A partly-meta module's real tensors survive its
+    reset_parameters; the seed is what every rank was given, not each rank's own."""
+    class Index(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("pos", torch.arange(4), persistent=False)
+
+        def forward(self, x):
+            return self.lin(x)[:, self.pos].sum()
+    with torch.device("meta"):
+        m = Index()
+    with pytest.raises(CheckpointError, match="'pos'.*non-persistent buffer"):
+        W.InitSource(m).read("pos", (...,))
+    lin = torch.nn.Linear(8, 8)
+    lin.bias = torch.nn.Parameter(torch.full((8,), 7.0))
+    lin.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"))
+    w = W.InitSource(lin, seed=3).read("weight", (...,))
+    assert torch.equal(lin.bias, torch.full((8,), 7.0)) and w.abs().max() > 0
+    torch.manual_seed(11)  # another rank's own seed: the broadcast one decides
+    assert torch.equal(W.InitSource(lin, seed=3).read("weight", (...,)), w)
+
+
+def test_meta_model_with_an_optimizer_instance_is_refused():
+    with torch.device("meta"):
+        model = M.hf_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(fxpar.PlanError, match="Pass a factory"):
+        fxpar.parallelize(model, 1, example_batch=M.hf_lm_batch(128, 8, 16), optimizer=opt)
+
+
 def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_path):
     """devices=1: a model saved with save_pretrained, rebuilt on meta and loaded with weights=
     trains like eager; pm.save_pretrained reloads into plain from_pretrained bit for bit
@@ -186,6 +219,11 @@ def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_pa
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert "lm_head.weight" in index["weight_map"]  # (untied llama: its own key)
+    pm.save_pretrained(str(tmp_path / "out"), max_shard_size=10**9)  # again, one file:
+    assert sorted(os.listdir(tmp_path / "out")) == [  # the shards and index are gone
+        "config.json", "model.safetensors"]
+    pm.save_pretrained(str(tmp_path / "out"), max_shard_size=20_000)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
     back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
     full = pm.full_state_dict()
     for k, v in back.state_dict().items():
