@@ -32,6 +32,7 @@ from fxpar.examples import models as M
 from fxpar.runtime import dist as rdist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_vs_dtensor import hand_plan  # noqa: E402
 from zero_vs_fsdp import StepMemory  # noqa: E402
 
 
@@ -47,10 +48,7 @@ def _peer(model, mesh, opt_factory):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     tp, dp = mesh["tp"], mesh["dp"]
-    layer_plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                  "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                  "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                  "mlp.down_proj": RowwiseParallel()}
+    layer_plan = hand_plan()
     for layer in model.model.layers:
         parallelize_module(layer, tp, layer_plan)
     parallelize_module(model, tp, {

@@ -64,6 +64,15 @@ def _model(args):
                       max_pos=args.seq)
 
 
+def hand_plan():
+    """The per-decoder-layer plan a torchtitan user writes for HF Llama."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+
+
 def _run(step, args):
     times, losses = [], []
     for s in range(args.warmup + args.steps):
@@ -79,8 +88,7 @@ def _run(step, args):
 
 def bench(args):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
     torch.set_num_threads(1)
     data = [M.hf_lm_batch(512, args.batch, args.seq, seed=s) for s in range(4)]
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
@@ -97,10 +105,7 @@ def bench(args):
 
     model = _model(args)
     mesh = init_device_mesh("cpu", (2,))
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()}
+    plan = hand_plan()
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     o = opt(model.parameters())

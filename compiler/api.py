@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compiler import planner
-from fxpar.compiler.compile import build, meta_tensors
+from fxpar.compiler.capture import meta_tensors
+from fxpar.compiler.compile import build
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.plan import needs_search, resolve, world_of

@@ -335,6 +335,11 @@ def fake_weights(model: torch.nn.Module, device, everything: bool = False,
     return out
 
 
+def meta_tensors(model) -> list[str]:
+    """Names of the model's parameters and buffers on the meta device."""
+    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+
+
 def fake_batch(batch: Any, device, mode: FakeTensorMode) -> Any:
     """The batch with every tensor leaf not on `device`'s type replaced by a fake one there
     (in `mode`, the stand-ins' mode): compiling for a GPU from a CPU batch."""

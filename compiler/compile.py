@@ -109,11 +109,6 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     return program
 
 
-def meta_tensors(model) -> list[str]:
-    """Names of the model's parameters and buffers on the meta device."""
-    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-
-
 def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
     """For remat="auto": device memory (90%) less this rank's parameters, gradients and
     optimizer state (Adam's two moments assumed: the optimizer is built after compiling)."""

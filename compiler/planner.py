@@ -667,7 +667,7 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
     GPT's bf16 step memory at 0.6x the CUDA allocator's peak."""
     stand_ins = None
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+    if cap.meta_tensors(model):
         # a meta-device model: traced on fake stand-ins (shapes only; it may exist whole on
         # no device), so every figure below is the shards' and nothing is timed on it
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -896,8 +896,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         hw.memory = int(mem.item())
     stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu",
                         precision=constraints.get("precision") or "fp32")
-    meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-    if meta:  # nothing to time: the re-fit after the first steps (api._refit_planner)
+    if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
         log.info("fxpar planner: the model is on the meta device; plans are priced with "
                  "the measured machine, re-fitted to the first steps' time")
     elif device.type == "cpu":

@@ -166,11 +166,6 @@ def _layout(pm, i):
     return layouts[i] if layouts and i < len(layouts) else None
 
 
-def _local_shape(pm, i) -> torch.Size:
-    z = pm.sharded_optimizer
-    return z.shapes[i] if z is not None else pm.params[i].shape
-
-
 def _full_shape(pm, i) -> torch.Size:
     return torch.Size(pm.param_shapes[i])
 
@@ -270,7 +265,7 @@ def _optim_state(pm) -> tuple[dict[str, torch.Tensor], dict]:
                                             group=pm.sharded_optimizer.group)
                 flat = whole
             for i, off, n in members:
-                local = flat[off:off + n].view(_local_shape(pm, i))
+                local = flat[off:off + n].view(pm.local_shapes[i])
                 out[f"optim.state.{names[i]}.{key}"] = _to_full(pm, i, local)
     return out, other
 

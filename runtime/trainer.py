@@ -80,6 +80,10 @@ class ParallelModel:
         params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
         # the user's full shapes (checkpoints, save_pretrained: the rank holds slices)
         self.param_shapes = [torch.Size(params[n].shape) for n in sig.param_names]
+        # each parameter's shape in this rank's program before ZeRO-3 (its tp slice)
+        self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
+            shape, layout, plan.tp, world.coordinate("tp")))
+            for shape, layout in zip(self.param_shapes, program.tp_layouts)]
         self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
         self.sharded_optimizer = None
         self.pipeline_runner = None
@@ -128,14 +132,6 @@ class ParallelModel:
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
-
-    @property
-    def local_shapes(self) -> list[torch.Size]:
-        """Each parameter's shape in this rank's program before ZeRO-3 (its tp slice)."""
-        tp, r = self.plan.tp, self.world.coordinate("tp")
-        return [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
-            shape, layout, tp, r)) for shape, layout in zip(self.param_shapes,
-                                                            self.program.tp_layouts)]
 
     def needed_params(self) -> set[int]:
         """Parameters whose values this rank needs: those its pipeline stages read or whose
@@ -463,6 +459,13 @@ class ParallelModel:
             return z.full_param(i)
         return self.params[i].data
 
+    def _full_param(self, i: int) -> torch.Tensor:
+        """The user's whole parameter i from this rank's shards (collective over the tp and
+        dp groups where it is sharded there)."""
+        layout, local = self.program.tp_layouts[i], self._program_param(i)
+        return rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
+            if layout is not None else local
+
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> the user's full weight, for every parameter this rank's stages
         hold in shards (tp slices, ZeRO-3 shards). Collective over the tp and dp groups."""
@@ -474,9 +477,8 @@ class ParallelModel:
         for i, (p, layout) in enumerate(zip(self.params, self.program.tp_layouts)):
             if i not in need or (layout is None and not z3):
                 continue
-            local = self._program_param(i)
-            out[id(p)] = rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
-                if layout is not None else local.clone()
+            full = self._full_param(i)
+            out[id(p)] = full if layout is not None else full.clone()
         return out
 
     # --- state ------------------------------------------------------------------------------
@@ -556,12 +558,7 @@ class ParallelModel:
         mine = r is None or self.plan.pp == 1 or r.rank_of(stage) == r.rank
         full = None
         if mine:
-            full = t.detach()
-            if i is not None:
-                layout = self.program.tp_layouts[i]
-                local = self._program_param(i)
-                full = rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
-                    if layout is not None else local
+            full = t.detach() if i is None else self._full_param(i)
         if self.world.size == 1:
             return full.cpu()
         coord = {"dp": 0, "tp": 0, "pp": r.rank_of(stage) if r is not None and self.plan.pp > 1

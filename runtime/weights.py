@@ -467,16 +467,14 @@ class ModelWeights:
     def __init__(self, model: torch.nn.Module, path=None):
         self.model, self.path = model, path
         self.file = FileSource(path) if path is not None else None
-        tensors = dict(model.state_dict(keep_vars=True))
-        tensors.update(dict(model.named_buffers(remove_duplicate=False)))
-        self.tensors = tensors
-        self.real = TensorSource({k: t for k, t in tensors.items() if not t.is_meta})
+        state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
+        self.persistent = {id(t) for t in state.values()}
+        self.tensors = {**state, **dict(model.named_buffers(remove_duplicate=False))}
+        self.real = TensorSource({k: t for k, t in self.tensors.items() if not t.is_meta})
         self.init = InitSource(model)
-        persistent = set(model.state_dict(keep_vars=True))
         self.aliases: dict[int, list[str]] = {}
-        for k, t in tensors.items():
+        for k, t in self.tensors.items():
             self.aliases.setdefault(id(t), []).append(k)
-        self.persistent = {id(tensors[k]) for k in persistent}
 
     def locate(self, name: str) -> tuple[Source, str]:
         """(source, key) for the model's tensor named `name`; CheckpointError naming the
