@@ -36,3 +36,8 @@ class NonFiniteLossError(FxparError, FloatingPointError):
 
 class PassError(FxparError):
     """A pass produced an inconsistent graph (a bug in fxpar: please report it)."""
+
+
+class CollectiveMisuse(FxparError, RuntimeError):
+    """Ranks called different collective methods (or one rank skipped a call): raised on
+    every rank, naming what each rank called, before any wrong answer or hang."""

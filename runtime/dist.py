@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fxpar.compiler.errors import FxparError, PlanError
 from fxpar.compiler.plan import world_of
+from fxpar.runtime import calls
 
 
 def timeout() -> datetime.timedelta:
@@ -137,44 +138,139 @@ class LaunchError(FxparError):
     """A spawned rank failed; the message names the rank and its error."""
 
 
-def _entry(fn, args):
+def _entry(payload: bytes):
     from torch.distributed.elastic.multiprocessing.errors import record
-    return record(_run)(fn, args)
+    return record(_run)(payload)
 
 
-def _run(fn, args):
+def _run(payload: bytes):
+    """A spawned rank: unpickle fn and its args (by value: cloudpickle, so functions defined in
+    a notebook or a script's __main__ work), run it, and write any exception to the progress
+    folder so the launcher can put the real cause first."""
+    import pickle
+    import traceback
     os.environ.setdefault("FXPAR_DEVICE", "cpu")
+    os.environ["FXPAR_LAUNCHED_RANK"] = os.environ.get("RANK", "0")
     try:
-        return fn(*args)
+        fn, args = pickle.loads(payload)
+        result = fn(*args)
+        calls.end_of_program()  # a peer still calling fxpar fails now, not at the timeout
+        return result
+    except BaseException as e:
+        _write_error(e, traceback.format_exc())
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _write_error(e: BaseException, tb: str) -> None:
+    folder = os.environ.get("FXPAR_PROGRESS_DIR")
+    if folder and not isinstance(e, KeyboardInterrupt):
+        line = "".join(__import__("traceback").format_exception_only(type(e), e)).strip()
+        with open(os.path.join(folder, f"error{os.environ.get('RANK', '0')}"), "w") as f:
+            f.write(line + "\n\n" + tb)
+
+
+def _guard_recursion() -> None:
+    """launch inside a spawned rank would spawn ranks from every rank."""
+    if "FXPAR_LAUNCHED_RANK" in os.environ or "FXPAR_PROGRESS_DIR" in os.environ:
+        err = LaunchError(
+            "fxpar.launch was called inside a rank it spawned (fn calls launch again, or a "
+            "module the ranks import calls it at import time): call launch once, from the "
+            "main process, e.g. under `if __name__ == \"__main__\":`.")
+        _write_error(err, "")
+        raise err
+
+
+def _main_not_imported():
+    """Spawned ranks need nothing from the caller's script (fn and args travel by value), so
+    multiprocessing is kept from re-importing it in each rank: it would run the script's
+    top-level code again (an unguarded `fxpar.launch(...)` call, model building, ...)."""
+    import contextlib
+    import sys
+
+    @contextlib.contextmanager
+    def ctx():
+        main = sys.modules.get("__main__")
+        saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+        try:
+            if main is not None and "__file__" in saved:
+                del main.__file__
+                main.__spec__ = None
+            yield
+        finally:
+            for k, v in saved.items():
+                setattr(main, k, v)
+    return ctx()
+
+
+def _silenced(names=("torch.distributed.elastic",)):
+    """torch-elastic logs every child failure as a ~40-line traceback of its own poll loop;
+    launch raises LaunchError with the child's real error instead, so those logs go quiet
+    while it runs (set FXPAR_LAUNCH_VERBOSE=1 to keep them)."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def ctx():
+        if os.environ.get("FXPAR_LAUNCH_VERBOSE"):
+            yield
+            return
+        loggers = [logging.getLogger(n) for n in names]
+        old = [lg.level for lg in loggers]
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            for lg, lv in zip(loggers, old):
+                lg.setLevel(lv)
+    return ctx()
+
+
 def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
     """Run fn(*args) on `nprocs` local ranks (torchrun's elastic launcher, standalone mode).
 
-    Returns {rank: return value}. fn must be importable (defined at module level). If a rank
-    fails, the others are stopped and LaunchError names the failing rank and its error.
+    Returns {rank: return value}. fn and args are pickled by value (cloudpickle): a function
+    defined in a notebook or in the calling script works, and the ranks do not re-import the
+    script (an unguarded top-level call works too). If a rank fails, the others are
+    stopped and LaunchError names the failing rank and its exception first, its traceback
+    after.
     """
+    import cloudpickle
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _guard_recursion()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
                           run_id=f"fxpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
     import signal
     import tempfile
+    payload = cloudpickle.dumps((fn, args))
     progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
     old_env = os.environ.get("FXPAR_PROGRESS_DIR")
     os.environ["FXPAR_PROGRESS_DIR"] = progress
     try:
-        return elastic_launch(config, _entry)(fn, args)
+        with _silenced(), _main_not_imported():
+            return elastic_launch(config, _entry)(payload)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        errors = sorted((os.path.getmtime(os.path.join(progress, f)), int(f[5:]), f)
+                        for f in os.listdir(progress) if f.startswith("error"))
+        if errors and not os.path.exists(os.path.join(progress, f"error{rank}")):
+            rank = errors[0][1]  # the first rank that raised (others were stopped after it)
+            failure = e.failures.get(rank, failure)
         msg = failure.message if isinstance(failure.message, str) else \
             failure.message.get("message", str(failure.message)) if failure.message else ""
+        try:
+            with open(os.path.join(progress, f"error{rank}")) as f:
+                line, _, tb = f.read().partition("\n\n")
+            msg = line + (f"\n\nrank {rank}'s traceback:\n{tb.strip()}" if tb.strip() else "")
+        except OSError:
+            pass
         code = failure.exitcode
         how = f"exit code {code}" if code is None or code >= 0 else \
             f"killed by {signal.Signals(-code).name}"

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxpar.compiler.errors import NonFiniteLossError, RankFailure
+from fxpar.compiler.errors import CollectiveMisuse, NonFiniteLossError, RankFailure
 
 _first: dict | None = None   # this step's first non-finite value on this rank (debug mode)
 _registered: set = set()
@@ -161,7 +161,7 @@ def step_context(world, step: int):
     _progress(world, step)
     try:
         yield
-    except NonFiniteLossError:
+    except (NonFiniteLossError, CollectiveMisuse):  # raised alike on every rank
         raise
     except Exception as e:
         if world.size == 1:

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from fxpar.compiler import ir
 from fxpar.compiler.errors import PlanError
-from fxpar.runtime import amp, comm, cudagraph, executor, faults, optim
+from fxpar.runtime import amp, calls, comm, cudagraph, executor, faults, optim
 from fxpar.runtime import checkpoint as rckpt
+from fxpar.runtime import dist as rdist
 from fxpar.runtime import tp_slices as rtp
 from fxpar.runtime import weights as rweights
 from fxpar.runtime import trace as rtrace
@@ -62,6 +63,7 @@ class ParallelModel:
         model's tensors are real and on this rank's device, and are sliced here)."""
         plan = program.plan
         self.model, self.world, self.plan, self.program = model, world, plan, program
+        self._call_id = calls.register(rdist.timeout())  # collective methods agree first (runtime/calls.py)
         self.plan_report = program.plan_report
         self.stage_graphs = program.stage_graphs
         self.compile_times = program.compile_times
@@ -285,6 +287,7 @@ class ParallelModel:
         NonFiniteLossError before the optimizer applies it (runtime/faults.py)."""
         n = getattr(self, "step_count", 0) + 1
         with faults.step_context(self.world, n):
+            calls.agree(self._call_id, "step", raw_errors=True)  # every rank steps now
             loss = self._train_step(batch)
         self.step_count = n
         if n == self.REFIT_AFTER and self._on_measured is not None \
@@ -413,6 +416,7 @@ class ParallelModel:
         time on this rank, oldest first (up to 20)."""
         return list(self.recorder.stats)
 
+    @calls.collective
     def trace(self, path: str) -> str | None:
         """Write the last steps' timeline of ALL ranks as one Chrome-trace JSON (open it in
         https://ui.perfetto.dev): per rank a compute and a comm track. Collective: call it on
@@ -432,6 +436,7 @@ class ParallelModel:
             for buf, val in zip(self._mutated_buffers, new_bufs):
                 buf.copy_(val)
 
+    @calls.collective
     def evaluate(self, batch) -> torch.Tensor:
         """Forward only, no parameter or buffer update: the mean loss of the global batch."""
         if self.pipeline_runner is not None:
@@ -482,6 +487,7 @@ class ParallelModel:
         return out
 
     # --- state ------------------------------------------------------------------------------
+    @calls.collective
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank
         (with ZeRO-3, tensor parallelism or pipeline stages this gathers: call it on every
@@ -518,17 +524,20 @@ class ParallelModel:
         return {k: merged[k].to(v.device) for k, v in state.items()}
 
     # --- checkpoints (runtime/checkpoint.py) -----------------------------------------------
+    @calls.collective
     def save(self, path: str, extra: dict | None = None) -> str:
         """Write a plan-independent checkpoint directory (torch DCP): model, optimizer state,
         fp16 loss scaler, `step_count`, every rank's RNG state and `extra` (a dict of tensors
         and JSON values, e.g. your data loader's position). Collective: call on every rank."""
         return rckpt.save(self, path, extra)
 
+    @calls.collective
     def load(self, path: str) -> dict:
         """Restore a checkpoint written by `save` under any plan (same model and optimizer
         type); returns its `extra`. Collective: call on every rank. Loading never unpickles."""
         return rckpt.load(self, path)
 
+    @calls.collective
     def save_pretrained(self, directory: str, max_shard_size: int = rweights.SHARD_BYTES) -> str:
         """Write the model's full weights as Hugging Face safetensors (sharded files of at most
         `max_shard_size` bytes + model.safetensors.index.json, and config.json for an HF

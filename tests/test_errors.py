@@ -171,9 +171,9 @@ def test_faults_under_real_processes(tmp_path):
       its death and the step, within the timeout;
     - raise: rank 1's step 3 raises (BatchError) -> it exits with that error (noted with its
       rank and step), rank 0 raises RankFailure quoting it;
-    - hang: rank 1 stops answering before step 3 -> at pp=2 rank 0's pipeline transfer (P2P),
-      at dp=2 x tp=2 its tp sub-group all-reduce times out after FXPAR_TIMEOUT, and every other
-      rank raises RankFailure ("no other rank reported an error").
+    - hang: rank 1 stops answering before step 3 -> the other ranks' step-3 call check
+      (runtime/calls.py: every rank agrees it is stepping) times out after FXPAR_TIMEOUT, and
+      every other rank raises RankFailure ("no other rank reported an error").
     No process is left running."""
     import uuid
     timeout_s = 10
@@ -209,10 +209,10 @@ def test_faults_under_real_processes(tmp_path):
     assert codes[0] != 0 and codes[1] != 0
     assert "BatchError" in err1 and "raised on rank 1 at step 3" in err1, err1[-3000:]
     assert "RankFailure: step 3 stopped on rank 0 of 2: rank 1 raised at step 3: BatchError" in err0, err0[-3000:]
-    codes, err0, _, _ = results["hang-pp"]  # a pipeline recv (P2P) timed out
+    codes, err0, _, _ = results["hang-pp"]  # step 3's call check (runtime/calls.py) timed out
     assert codes[0] != 0
     assert "RankFailure: step 3 stopped on rank 0 of 2: no other rank reported an error" in err0, err0[-3000:]
-    assert "FXPAR_TIMEOUT=10" in err0 and "Timed out waiting 10000ms for recv" in err0
+    assert "FXPAR_TIMEOUT=10" in err0 and "Timed out waiting 10000ms" in err0, err0[-2000:]
     codes, err0, _, err2, err3, _ = results["hang-tp"]  # a tp sub-group collective timed out
     assert codes[0] != 0 and codes[2] != 0 and codes[3] != 0, codes
     assert "RankFailure: step 3 stopped on rank 0 of 4: no other rank reported an error" in err0, err0[-3000:]

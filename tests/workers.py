@@ -623,3 +623,21 @@ def meta_weights_rank(cases, weights_dir, save_root=None, steps=3):
         state = pm.full_state_dict()
         out[(name, repr(plan), batch_mode)] = (losses, state if rank == 0 else None)
     return out
+
+
+def misuse_rank(mode):
+    """Rank 0 makes a collective call the other ranks do not (the everyday "print the loss on
+    rank 0" mistake); every rank returns the CollectiveMisuse message it got (None: none)."""
+    from fxpar.compiler.errors import CollectiveMisuse
+    model, batch_fn, _ = build("mlp")
+    pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0))
+    pm.step(batch_fn(0))
+    rank = int(os.environ["RANK"])
+    try:
+        if rank == 0:
+            getattr(pm, mode)(batch_fn(1)) if mode == "evaluate" else getattr(pm, mode)()
+        if mode != "full_state_dict":  # the others go on training
+            pm.step(batch_fn(1))
+    except CollectiveMisuse as e:
+        return str(e)
+    return None
