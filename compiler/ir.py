@@ -44,7 +44,8 @@ TP_LAYOUTS = "tp_layouts"              # tensor_parallel: per parameter, None or
 LOSS_SCALE = "loss_scale"              # precision (fp16): the last batch input is the scale
 LOSS_COUNT = "loss_count"              # data_parallel (microbatches): the target counter
 # written by the pass manager (compiler/pass_manager.run_passes):
-PASS_TIMES = "pass_times"              # [(pass name, seconds, call nodes after it)]
+PASS_TIMES = "pass_times"              # [(pass name, seconds, call nodes after it)], first
+#                                        ("verify capture", ...): the captured graph checked
 FUSION_SKIPPED = "fusion_skipped"      # Plan.fuse but the device cannot run Triton: why
 
 # Symbolic process-group names the compiler writes into collectives (a Program is compiled
