@@ -69,7 +69,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     resolved = resolve(plan, world_size)
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
-    with clock("process groups"):
+    with clock("device mesh"):
         world = rdist.setup(devices, dims=dims)
     if resolved.offload and world.device.type == "cpu":
         warnings.warn("Plan.offload on a CPU device copies saved activations between two "

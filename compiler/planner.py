@@ -138,8 +138,11 @@ class PlanResult:
         diffs = sorted(((r.parts.get(k, 0) - b.parts.get(k, 0), k)
                         for k in set(b.parts) | set(r.parts)), reverse=True)
         why = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs[:2] if d > 0)
-        return (f"{(r.step_s / b.step_s - 1) * 100:.1f}% slower: "
-                f"{why or 'the sum of small differences'}")
+        pct = (r.step_s / b.step_s - 1) * 100
+        if pct < 0.5:  # _rank_key's tie: the prediction cannot tell them apart
+            return (f"{pct:+.1f}%, within the cost model's resolution: the simpler plan "
+                    "wins (less ZeRO, fewer microbatches, 1F1B, no remat, smaller pp, tp)")
+        return f"{pct:.1f}% slower: {why or 'the sum of small differences'}"
 
     def summary(self) -> str:
         """The chosen plan and the runner-up with their predicted step time and memory, and
@@ -935,7 +938,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
     import torch.distributed as dist
     constraints = constraints_of(plan)
     clock = Clock(log)
-    with clock("process group"):
+    with clock("process group start"):
         world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
     device = world_obj.device
     t = time.perf_counter()
@@ -965,8 +968,11 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         hw.memory = int(mem.item())
     clock.add("planner: measure machine", time.perf_counter() - t)
     with clock("planner: trace model"):
-        stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu",
+        stats = graph_stats(model, example_batch, loss_fn,
                             precision=constraints.get("precision") or "fp32")
+    if device.type == "cpu":
+        with clock("planner: count pass extras"):
+            _pass_extras(*stats.graph, stats)
     t = time.perf_counter()
     if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
         log.info("planner: the model is on the meta device; plans are priced with "
