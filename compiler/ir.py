@@ -116,7 +116,8 @@ class Program:
     loss_count: Any = None
     # What compile knew and did: the resolved plan, the planner's report (plan="auto"), the
     # graph after each pass ({pass: {role: GraphModule}}, for pictures), the compile times
-    # [(step, seconds, call nodes)], why Plan.fuse fused nothing (if so), and evaluate()'s
+    # [(phase, seconds, call nodes or None)], adding up to compile's (in a ParallelModel:
+    # parallelize's) wall time with a last row "other", why Plan.fuse fused nothing (if so), and evaluate()'s
     # forward-only program, built on first use by the compiler that made this one.
     plan: Any = None
     plan_report: Any = None
