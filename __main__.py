@@ -1,10 +1,14 @@
-"""Command line: `python -m fxpar demo|viz|plan ...` (also installed as `fxpar`)."""
+"""Command line: `python -m fxpar demo|viz|plan|zoo ...` (also installed as `fxpar`);
+`fxpar --version`; `fxpar SUBCOMMAND --help` lists every option with its default."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 import sys
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero-bubble"]
+EXAMPLES = ["mlp", "gpt", "convbn", "hf_gpt2", "hf_llama", "hf_bert"]
 
 
 def _example(name: str):
@@ -53,28 +57,32 @@ def cmd_demo(args):
 def cmd_plan(args):
     """Rank the plans for a model on N devices (nothing is allocated: fake tensors)."""
     import json
-    import torch
     from fxpar.compiler import cost, planner
-    from fxpar.examples import gpt_stats as G
     from fxpar.compiler.errors import FxparError
+    from fxpar.examples import gpt_stats as G
     dev = args.device_type
     precision = args.precision or ("fp32" if dev == "cpu" else "bf16")
-    if dev == "cpu":
-        hw = cost.cpu_hardware()
-    else:
-        hw = cost.HARDWARE[dev]
-    hw = dataclasses.replace(hw)
+    try:
+        fix = json.loads(args.fix) if args.fix else {}
+    except json.JSONDecodeError as e:
+        args.parser.error(f"--fix {args.fix!r} is not JSON ({e}); write the Plan fields to "
+                          """keep as an object, e.g. --fix '{"tp": 8}'""")
+    if not isinstance(fix, dict):
+        args.parser.error(f"--fix {args.fix!r} must be a JSON object of Plan fields, e.g. "
+                          """'{"tp": 8, "zero": 1}'""")
+    hw = dataclasses.replace(cost.cpu_hardware() if dev == "cpu" else cost.HARDWARE[dev])
     if args.memory_per_device:
         hw.memory = int(float(args.memory_per_device) * 2 ** 30)
     if args.gpus_per_node:
         hw.devices_per_node = args.gpus_per_node
     try:
+        constraints = planner.constraints_of(fix)  # unknown fields: a clear error
         if ":" in args.model:
             stats, rows = _factory_stats(args.model, precision)
         else:
             stats = G.gpt_stats(args.model, seq=args.seq, precision=precision)
-            rows = args.batch
-        constraints = json.loads(args.fix) if args.fix else {}
+            rows = 8 if args.model == "small" else 512 if args.model.startswith("gpt2") \
+                else 1536
         result = planner.search(stats, args.devices, hw, batch_rows=args.batch or rows,
                                 precision=precision, optimizer=args.optimizer,
                                 constraints=constraints, executable=False)
@@ -87,17 +95,37 @@ def cmd_plan(args):
 
 def _factory_stats(spec, precision="fp32"):
     """pkg.module:factory -> factory() returning (model, example_batch[, loss_fn]), built on
-    fake tensors."""
+    fake tensors. Each way this fails ends the command with one line naming it."""
     import importlib
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from fxpar.compiler import planner
     mod, _, fn = spec.partition(":")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        out = getattr(importlib.import_module(mod), fn)()
+    if not mod or not fn:
+        sys.exit(f"fxpar plan: --model {spec!r}: write it as pkg.module:factory")
+    if os.getcwd() not in sys.path:  # (the `fxpar` script does not put it there; -m does)
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod)
+    except ImportError as e:
+        sys.exit(f"fxpar plan: cannot import module {mod!r} (--model {spec}): "
+                 f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - the module's own code failed on import
+        sys.exit(f"fxpar plan: importing module {mod!r} (--model {spec}) raised "
+                 f"{type(e).__name__}: {e}")
+    factory = getattr(module, fn, None)
+    if not callable(factory):
+        sys.exit(f"fxpar plan: module {mod!r} ({getattr(module, '__file__', None)}) has no "
+                 f"callable {fn!r} (--model {spec})")
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory: say which and why
+        sys.exit(f"fxpar plan: {mod}.{fn}() raised {type(e).__name__}: {e}")
     model, batch, *rest = out if isinstance(out, tuple) else (out, None)
-    if batch is None:
-        sys.exit(f"{spec} must return (model, example_batch[, loss_fn])")
+    if batch is None or not isinstance(model, torch.nn.Module):
+        sys.exit(f"fxpar plan: {mod}.{fn}() must return (model, example_batch[, loss_fn]), "
+                 f"got {type(out).__name__}")
     stats = planner.graph_stats(model, batch, rest[0] if rest else None, precision=precision)
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     return stats, int(leaves[0].shape[0])
@@ -133,59 +161,122 @@ def cmd_zoo(args):
         sys.exit(1)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="fxpar")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train the small GPT on CPU ranks, write the graph SVGs")
-    d.add_argument("--out", default="out")
-    d.add_argument("--nprocs", type=int, default=2)
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--batch", type=int, default=8)
+def version() -> str:
+    """fxpar's version (the pyproject.toml beside this package in a checkout, else the
+    installed distribution's) and torch's."""
+    import importlib.metadata
+    import tomllib
+    import torch
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                               "pyproject.toml"), "rb") as f:
+            v = tomllib.load(f)["project"]["version"]
+    except (OSError, KeyError):
+        v = importlib.metadata.version("fxpar")
+    return f"fxpar {v} (torch {torch.__version__})"
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (it imports torch)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, *_):
+        print(version())
+        parser.exit()
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless its help says it already (a None default)."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parser() -> argparse.ArgumentParser:
+    fmt = _Help
+    ap = argparse.ArgumentParser(prog="fxpar", formatter_class=fmt, description=(
+        "fxpar: compile a PyTorch training step into parallel per-rank programs. Logging: "
+        "FXPAR_LOGS=planner,+passes (see fxpar/compiler/logs.py)."))
+    ap.add_argument("--version", action=_Version, help="print fxpar's and torch's versions")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,viz,plan,zoo}")
+    d = sub.add_parser("demo", formatter_class=fmt,
+                       help="train the small GPT on CPU ranks, write the graph SVGs")
+    d.add_argument("--out", default="out", help="directory for the SVGs, trace and report")
+    d.add_argument("--nprocs", type=int, default=2, help="CPU ranks to spawn")
+    d.add_argument("--steps", type=int, default=20, help="training steps")
+    d.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     d.add_argument("--remat", default="sqrt", help='"none" | "sqrt" | "auto" | budget bytes')
     d.add_argument("--pp", type=int, default=1, help="pipeline stages (4 microbatches)")
-    d.add_argument("--schedule", default="1f1b",
-                   help="gpipe | 1f1b | interleaved | zero-bubble")
+    d.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule (with --pp > 1)")
     d.set_defaults(fn=cmd_demo)
-    v = sub.add_parser("viz", help="write the graph SVG after every pass for an example")
-    v.add_argument("--example", default="gpt")
-    v.add_argument("--dp", type=int, default=2)
-    v.add_argument("--batch", type=int, default=8)
-    v.add_argument("--out", default=os.path.join("out", "viz"))
+    v = sub.add_parser("viz", formatter_class=fmt,
+                       help="write the graph SVG after every pass for an example")
+    v.add_argument("--example", default="gpt", choices=EXAMPLES, help="the example model")
+    v.add_argument("--dp", type=int, default=2, help="data-parallel degree")
+    v.add_argument("--batch", type=int, default=8, help="example batch (rows)")
+    v.add_argument("--out", default=os.path.join("out", "viz"), help="directory for the SVGs")
     v.add_argument("--remat", default="none", help='"none" | "sqrt" | "auto" | budget bytes')
-    v.add_argument("--zero", type=int, default=0, help="ZeRO stage 0..3")
+    v.add_argument("--zero", type=int, default=0, choices=range(4), help="ZeRO stage")
     v.add_argument("--pp", type=int, default=1, help="pipeline stages")
     v.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    v.add_argument("--microbatches", type=int, default=1)
-    v.add_argument("--schedule", default="1f1b",
-                   help="gpipe | 1f1b | interleaved | zero-bubble")
+    v.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches")
+    v.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule (with --pp > 1)")
     v.set_defaults(fn=cmd_viz)
-    p = sub.add_parser("plan", help="rank the parallel plans of a model on N devices "
-                                    "(cost model; nothing is run)")
-    p.add_argument("--model", default="gpt-175b",
-                   help="small | gpt-1.7b ... gpt-175b | gpt-1t (Narayanan et al. 2021 "
-                        "configs) | pkg.module:factory returning (model, example_batch)")
-    p.add_argument("--devices", type=int, default=1024)
-    p.add_argument("--device-type", default="a100", choices=["a100", "h100", "h200", "cpu"])
-    p.add_argument("--memory-per-device", default=None, help="GiB (default: the data sheet)")
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="global batch (rows)")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (GPUs: bf16)")
-    p.add_argument("--optimizer", default="adamw", help="sgd | sgd_momentum | adam | adamw")
-    p.add_argument("--fix", default=None, help='Plan fields to keep fixed, JSON: \'{"tp": 8}\'')
-    p.add_argument("--top", type=int, default=10)
+    p = sub.add_parser("plan", formatter_class=fmt,
+                       help="rank the parallel plans of a model on N devices (cost model; "
+                            "nothing is run)")
+    p.add_argument("--model", default="gpt2",
+                   help="small | gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl | gpt-1.7b ... "
+                        "gpt-175b, gpt-1t (Narayanan et al. 2021) | pkg.module:factory "
+                        "returning (model, example_batch[, loss_fn])")
+    p.add_argument("--devices", type=int, default=8, help="number of devices to plan for")
+    p.add_argument("--device-type", default="a100", choices=["a100", "h100", "h200", "cpu"],
+                   help="device data sheet to price with (cpu: this machine, measured)")
+    p.add_argument("--memory-per-device", default=None,
+                   help="GiB per device (default: the data sheet's)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per node: groups within a node use the fast link "
+                        "(default: the data sheet's)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch in rows (default: small 8, gpt2* 512, gpt-* 1536, a "
+                        "factory's example batch)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length of the built-in GPTs (default: gpt2* 1024, gpt-* "
+                        "2048)")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="training precision (default: bf16 on GPUs, fp32 on cpu)")
+    p.add_argument("--optimizer", default="adamw",
+                   choices=["sgd", "sgd_momentum", "adam", "adamw"],
+                   help="optimizer whose state is priced")
+    p.add_argument("--fix", default=None,
+                   help='Plan fields to keep fixed, as JSON, e.g. \'{"tp": 8, "zero": 1}\'')
+    p.add_argument("--top", type=int, default=10, help="how many ranked plans to print")
     p.add_argument("--explain", action="store_true", help="say why the best plan won")
-    p.set_defaults(fn=cmd_plan)
-    z = sub.add_parser("zoo", help="train the model zoo (39 architectures) under every plan "
-                                   "against eager PyTorch and print the table")
+    p.set_defaults(fn=cmd_plan, parser=p)
+    z = sub.add_parser("zoo", formatter_class=fmt,
+                       help="train the model zoo (39 architectures) under every plan against "
+                            "eager PyTorch and print the table")
     z.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
     z.add_argument("--plans", default=None,
                    help='semicolon-separated columns, e.g. "1 device;dp=2" (default: all)')
     z.add_argument("--out", default=None, help="also write the table as markdown here")
     z.set_defaults(fn=cmd_zoo)
-    args = ap.parse_args(argv)
-    if args.cmd == "plan" and args.batch is None and ":" not in args.model:
-        args.batch = 8 if args.model == "small" else 1536
+    return ap
+
+
+def main(argv=None):
+    from fxpar.compiler import logs
+    args = parser().parse_args(argv)
+    try:
+        logs.configure()
+    except ValueError as e:  # a misspelt FXPAR_LOGS
+        sys.exit(f"fxpar: {e}")
     args.fn(args)
 
 

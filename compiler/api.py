@@ -4,11 +4,12 @@ The one place where the compiler and the runtime meet: the planner measures this
 (planner.for_parallelize), compiler/compile.py turns the model into a Program with no process
 group, and runtime/trainer.ParallelModel runs it on this rank. After REFIT_AFTER steps the
 trainer hands back the measured step time and the planner is re-fitted with it here.
+pm.compile_times itemises every second of parallelize (planning, process groups, capture,
+each pass, the runtime's set-up, "other" for the rest); phases over 2 s print a line.
 """
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from typing import Any, Callable
 
@@ -17,15 +18,16 @@ import torch.distributed as dist
 
 from fxpar.compiler import planner
 from fxpar.compiler.capture import meta_tensors
-from fxpar.compiler.compile import build
+from fxpar.compiler.compile import build, summary
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.logs import Clock, configure
 from fxpar.compiler.plan import needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import weights as rweights
 from fxpar.runtime.trainer import ParallelModel, to_device
 
-log = logging.getLogger("fxpar")
+log = logging.getLogger(__name__)
 
 
 def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable | None = None,
@@ -43,6 +45,8 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     "local" (each rank passes its 1/dp share: pm.dp_rank, pm.dp_size; example_batch is
     still one global batch).
     """
+    configure()
+    clock = Clock(log)
     world_size, _ = world_of(devices)
     meta = meta_tensors(model)
     source = None
@@ -54,24 +58,29 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
                 "each rank's parameters itself (only its shards), so that instance would "
                 "step tensors the model no longer uses. Pass a factory, e.g. "
                 "`optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)`.")
-        source = rweights.ModelWeights(model, weights)  # opened and checked before anything
+        with clock("open weights"):  # opened and checked before anything
+            source = rweights.ModelWeights(model, weights)
     plan_report = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
                                                     example_batch, loss_fn, optimizer)
+        for row in plan_report.times:  # (each logged where it was measured)
+            clock.add(*row, quiet=True)
     resolved = resolve(plan, world_size)
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
-    world = rdist.setup(devices, dims=dims)
+    with clock("device mesh"):
+        world = rdist.setup(devices, dims=dims)
     if resolved.offload and world.device.type == "cpu":
         warnings.warn("Plan.offload on a CPU device copies saved activations between two "
                       "buffers of the same host memory: it saves nothing there (it is meant "
                       "for GPUs; on CPU it only exercises the schedule).", stacklevel=2)
     if source is None:
         _check_whole_model_fits(model, world.device)
-        model.to(world.device)
+        with clock("model to device"):
+            model.to(world.device)
     if world.size > 1 and weights is None:  # start from rank 0's weights, as DDP does
-        with torch.no_grad():
+        with clock("broadcast weights"), torch.no_grad():
             for t in (*model.parameters(), *model.buffers()):
                 if not t.is_meta:  # (a partly-meta model's real tensors: on the host)
                     buf = t.data.to(world.device)
@@ -83,13 +92,17 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
             dist.broadcast(seed, src=0)
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
-    t0 = time.perf_counter()
     program = build(model, example_batch, loss_fn, resolved, world.device)
     program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
-    log.info("compiled in %.2f s", time.perf_counter() - t0)
+    for row in program.compile_times:
+        clock.add(*row, quiet=True)
     pm = ParallelModel(model, world, program, optimizer,
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
                        weights=source, batch=batch)
+    for row in pm.compile_times[len(program.compile_times):]:  # the runtime's set-up
+        clock.add(*row, quiet=True)
+    pm.compile_times = program.compile_times = clock.rows()
+    log.info("compiled in %.2f s (%s)", clock.wall(), summary(pm.compile_times))
     return pm
 
 
@@ -122,12 +135,12 @@ def _refit_planner(pm: ParallelModel, step_s: float) -> None:
     try:
         new = planner.recalibrate(pm.plan_report, pm.plan, step_s)
     except PlanError as e:  # e.g. a plan given by hand that the planner cannot price
-        log.warning("fxpar: the planner could not be re-fitted to the measured steps: %s", e)
+        log.warning("the planner could not be re-fitted to the measured steps: %s", e)
         return
     pm.plan_report = new
     ran = planner.plan_dict(pm.plan)
     now = next((c for c in new.table if planner.plan_dict(c.plan) == ran), None)
-    log.info("fxpar planner %s", new.refit)
+    log.info("planner %s", new.refit)
     if now is not None and new.best.step_s < 0.9 * now.step_s and pm.world.rank == 0:
         warnings.warn(
             f"fxpar: after {pm.step_count} steps the planner, re-fitted to the measured "

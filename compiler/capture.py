@@ -34,7 +34,7 @@ from fxpar.compiler.errors import TraceError
 from fxpar.compiler.graphs import fake_like
 from fxpar.compiler.sharding import has_sharding_rule
 
-log = logging.getLogger("fxpar.capture")
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 

@@ -5,11 +5,13 @@ no weight values, so a model whose parameters are on the meta device compiles (t
 traced as fake stand-ins on the target device type; the model is left as it was). It owns
 capture -> every pass -> the stage split, and returns the Program the runtime runs: the
 graph(s), the decisions every pass recorded (compiler/ir.py), the schedule, the snapshots
-for pictures and the compile times. Collectives name the symbolic groups of ir.GROUPS; the
+for pictures and the compile times (program.compile_times: one row per phase, "other" for
+the rest, adding up to compile's wall time). Collectives name the symbolic groups of ir.GROUPS; the
 runtime binds them to its process groups. fxpar.parallelize = compile + runtime/trainer.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -22,8 +24,11 @@ from fxpar.compiler import cost, ir, planner, stages
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import snapshot, verify
+from fxpar.compiler.logs import Clock, configure
 from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
+
+log = logging.getLogger(__name__)
 
 
 def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable | None = None,
@@ -33,6 +38,8 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
     groups at run time). plan="auto" (or "auto" degrees) asks the planner, pricing with the
     device type's data-sheet figures (on CPU: this machine's measured matmul and copy
     speed; `fxpar.parallelize` also times the model and the collectives)."""
+    configure()
+    clock = Clock(log)
     world_size, dev_type = world_of(devices)
     if dev_type == "cuda" and not torch.cuda.is_available():  # (tracing CUDA fakes aborts
         raise PlanError(  # the process in a CPU build of torch)
@@ -44,17 +51,30 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
         report = planner.auto_plan(model, example_batch, loss_fn, None, world_size, dev_type,
                                    constraints=planner.constraints_of(plan))
         plan = report.best.plan
+        for row in report.times:
+            clock.add(*row, quiet=True)
     program = build(model, example_batch, loss_fn, resolve(plan, world_size),
                     torch.device(dev_type))
+    for row in program.compile_times:
+        clock.add(*row, quiet=True)
     program.plan_report = report
+    program.compile_times = clock.rows()
+    log.info("compiled in %.2f s (%s)", clock.wall(), summary(program.compile_times))
     return program
+
+
+def summary(rows, top: int = 3) -> str:
+    """The longest phases of compile_times, in words."""
+    big = sorted(rows, key=lambda r: -r[1])[:top]
+    return ", ".join(f"{name} {s:.2f} s" for name, s, _ in big)
 
 
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
           joint: bool = True, stand_ins: dict | None = None) -> ir.Program:
     """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
     program of `evaluate`. `stand_ins`: fake weights to trace with (default: for those on
-    the meta device or another device type than `device`)."""
+    the meta device or another device type than `device`). program.compile_times: one row
+    per phase of the build (capture, each pass, the stage split, evaluate's stand-ins)."""
     m = plan.microbatches if joint else 1
     t0 = time.perf_counter()
     example = ir.microbatches(example_batch, m, plan.dp)[0] if m > 1 else example_batch
@@ -66,7 +86,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
             FakeTensorMode(allow_non_fake_inputs=True)
     example = cap.fake_batch(example, device, mode)
     gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins)
-    capture_time = time.perf_counter() - t0
+    clock = Clock(log)
+    clock.add("capture", time.perf_counter() - t0, detail=f"{len(gm.graph.nodes)} nodes")
     if m > 1 and sig.mutated_buffers:
         raise PlanError(
             f"microbatches={m} would update the buffers {sig.mutated_buffers[:3]} once per "
@@ -87,7 +108,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         tp=plan.tp, tp_layouts=d.get(ir.TP_LAYOUTS) or [None] * sig.num_params,
         loss_scale=d.get(ir.LOSS_SCALE, False), loss_count=d.get(ir.LOSS_COUNT),
         plan=plan, stage_graphs=snapshots, fusion_skipped=d.get(ir.FUSION_SKIPPED))
-    times = [("capture", capture_time, None), *d[ir.PASS_TIMES]]
+    for row in d[ir.PASS_TIMES]:  # (each logged by the pass manager)
+        clock.add(*row, quiet=True)
     if plan.pp > 1 or m > 1:
         t1 = time.perf_counter()
         program.pipeline = stages.split(gm, sig, plan.pp * virtual)
@@ -98,14 +120,15 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         program.schedule = plan.schedule if joint else "gpipe"
         program.virtual = virtual
         program.offload = plan.offload and joint
-        times.append(("stages", time.perf_counter() - t1, len(program.pipeline.parts)))
-    program.compile_times = times
+        clock.add("stages", time.perf_counter() - t1, len(program.pipeline.parts))
     if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
         # made now (the runtime shards the model's own tensors later), so it never needs the
         # full weights back in the model
-        eval_stand_ins = cap.fake_weights(model, device, everything=True)
+        with clock("evaluate stand-ins"):
+            eval_stand_ins = cap.fake_weights(model, device, everything=True)
         program.build_eval = lambda: build(model, example_batch, loss_fn, plan, device,
                                            joint=False, stand_ins=eval_stand_ins)
+    program.compile_times = clock.rows(other=False)
     return program
 
 

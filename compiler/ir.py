@@ -44,7 +44,8 @@ TP_LAYOUTS = "tp_layouts"              # tensor_parallel: per parameter, None or
 LOSS_SCALE = "loss_scale"              # precision (fp16): the last batch input is the scale
 LOSS_COUNT = "loss_count"              # data_parallel (microbatches): the target counter
 # written by the pass manager (compiler/pass_manager.run_passes):
-PASS_TIMES = "pass_times"              # [(pass name, seconds, call nodes after it)]
+PASS_TIMES = "pass_times"              # [(pass name, seconds, call nodes after it)], first
+#                                        ("verify capture", ...): the captured graph checked
 FUSION_SKIPPED = "fusion_skipped"      # Plan.fuse but the device cannot run Triton: why
 
 # Symbolic process-group names the compiler writes into collectives (a Program is compiled
@@ -115,7 +116,8 @@ class Program:
     loss_count: Any = None
     # What compile knew and did: the resolved plan, the planner's report (plan="auto"), the
     # graph after each pass ({pass: {role: GraphModule}}, for pictures), the compile times
-    # [(step, seconds, call nodes)], why Plan.fuse fused nothing (if so), and evaluate()'s
+    # [(phase, seconds, call nodes or None)], adding up to compile's (in a ParallelModel:
+    # parallelize's) wall time with a last row "other", why Plan.fuse fused nothing (if so), and evaluate()'s
     # forward-only program, built on first use by the compiler that made this one.
     plan: Any = None
     plan_report: Any = None

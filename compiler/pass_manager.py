@@ -2,13 +2,12 @@
 
 Each pass is `run(gm, plan, ctx) -> gm`. After every pass: `graph.lint()`, a fake-tensor
 re-propagation that checks every node's meta["val"] (shape, dtype), a snapshot for
-`pm.stage_graphs`, and one log line (set FXPAR_DEBUG=1 to see them).
+`pm.stage_graphs`, and one log line (DEBUG: FXPAR_LOGS=+passes; INFO when over 2 s).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any, Callable
 
@@ -17,14 +16,12 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.graphs import snapshot, verify
+from fxpar.compiler.logs import phase_done
 from fxpar.kernels.jit import unavailable_reason
 from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precision, remat,
                           tensor_parallel)
 
-log = logging.getLogger("fxpar.passes")
-if os.environ.get("FXPAR_DEBUG"):
-    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("fxpar").setLevel(logging.DEBUG)
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +66,7 @@ def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | Non
         if fusion_skipped is None:
             passes.append(("fusion", fusion.run))
         else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
-            log.info("fusion left out: %s", fusion_skipped)
+            log.debug("fusion left out: %s", fusion_skipped)
     return passes, fusion_skipped
 
 
@@ -82,10 +79,12 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     """Run the pass list in order, verifying and snapshotting after each. The result's
     gm.meta holds every pass's decisions (compiler/ir.py), the pass times
     (ir.PASS_TIMES) and, if Plan.fuse could not run here, why (ir.FUSION_SKIPPED)."""
+    t0 = time.perf_counter()
     verify(gm)
     snapshots["capture"] = {"joint": snapshot(gm)}
+    times = [("verify capture", time.perf_counter() - t0, _count(gm))]
+    phase_done(log, "verify capture", times[0][1])
     passes, fusion_skipped = _pass_list(plan, ctx.device)
-    times = []
     for name, fn in passes:
         before = _count(gm)
         t0 = time.perf_counter()
@@ -98,7 +97,7 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
         dt = time.perf_counter() - t0
         times.append((name, dt, _count(gm)))
         snapshots[name] = {role: snapshot(gm)}
-        log.debug("pass %-15s %7.1f ms  nodes %d -> %d", name, dt * 1e3, before, _count(gm))
+        phase_done(log, f"pass {name}", dt, f"nodes {before} -> {_count(gm)}")
     gm.meta[ir.PASS_TIMES] = times
     gm.meta[ir.FUSION_SKIPPED] = fusion_skipped
     return gm

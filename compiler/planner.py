@@ -32,6 +32,8 @@ from fxpar.compiler import capture as cap
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphstats import FIELDS, GraphStats, Segment, analyze, layer_key
+from fxpar.compiler.logs import Clock, Ticker, phase_done
+from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
                                    stage_memory)
 from fxpar.compiler.pass_manager import PassContext
@@ -95,6 +97,9 @@ class PlanResult:
     inputs: dict = dataclasses.field(default_factory=dict, repr=False)  # search()'s arguments
     start_up: "PlanResult | None" = None   # before `recalibrate`: the start-up prediction
     refit: str = ""                        # what `recalibrate` fitted, in words
+    # planning's phases [(name, seconds, None)] for pm.compile_times (measure, trace,
+    # calibrate, search)
+    times: list = dataclasses.field(default_factory=list, repr=False)
 
     def format(self, top: int = 10) -> str:
         lines = [f"{self.n_legal} legal plans for {self.devices} x {self.hardware.name} "
@@ -121,15 +126,40 @@ class PlanResult:
                    if "remat" in self.inputs.get("constraints", {}) else "to fit")
             out.append(f"  remat recomputes {b.recompute * 100:.0f}% of the forward {why}")
         if len(self.table) > 1:
-            r = self.table[1]
-            diffs = sorted(((r.parts.get(k, 0) - b.parts.get(k, 0), k)
-                            for k in set(b.parts) | set(r.parts)), reverse=True)
-            why = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs[:2] if d > 0)
-            out.append(f"  runner-up {r.row()}\n  is {(r.step_s / b.step_s - 1) * 100:.1f}% "
-                       f"slower: {why or 'the sum of small differences'}")
+            out.append(f"  runner-up {self.table[1].row()}\n  is {self._why()}")
         if self.n_fit < self.n_legal:
             out.append(f"  {self.n_legal - self.n_fit} legal plans were pruned: they do not "
                        f"fit in {self.hardware.memory / GiB:.1f} GiB per device")
+        return "\n".join(out)
+
+    def _why(self) -> str:
+        """Why the best plan beat the runner-up: the two parts that cost the runner-up most."""
+        b, r = self.best, self.table[1]
+        diffs = sorted(((r.parts.get(k, 0) - b.parts.get(k, 0), k)
+                        for k in set(b.parts) | set(r.parts)), reverse=True)
+        why = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs[:2] if d > 0)
+        pct = (r.step_s / b.step_s - 1) * 100
+        if pct < 0.5:  # _rank_key's tie: the prediction cannot tell them apart
+            return (f"{pct:+.1f}%, within the cost model's resolution: the simpler plan "
+                    "wins (less ZeRO, fewer microbatches, 1F1B, no remat, smaller pp, tp)")
+        return f"{pct:.1f}% slower: {why or 'the sum of small differences'}"
+
+    def summary(self) -> str:
+        """The chosen plan and the runner-up with their predicted step time and memory, and
+        why the one won (the INFO lines of plan="auto")."""
+        def short(c):
+            p = c.plan
+            pipe = f" m={p.microbatches} {p.schedule}" if p.pp > 1 or p.microbatches > 1 else ""
+            return (f"dp={p.dp} tp={p.tp} pp={p.pp}{pipe} zero={p.zero} "
+                    f"remat={_remat_str(p.remat)}: {c.step_s * 1e3:.2f} ms/step, "
+                    f"{_bytes(c.memory.total)}/device")
+        out = [f"plan chosen: {short(self.best)}"]
+        if len(self.table) > 1:
+            out.append(f"  runner-up {short(self.table[1])}, {self._why()}")
+        else:
+            out.append("  the only legal plan that fits in memory")
+        out.append(f"  ({self.n_legal} legal plans, {self.n_fit} fit; "
+                   "pm.plan_report.explain() has the breakdown)")
         return "\n".join(out)
 
 
@@ -242,6 +272,24 @@ def _factorizations(world):
             for tp in _divisors(world // dp)]
 
 
+def _misfit(fixed: dict, world: int) -> str | None:
+    """Why degrees the user fixed match no factorization of `world` (None: some do)."""
+    bad = [f"{k}={v!r}" for k, v in fixed.items()
+           if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        return f"{', '.join(bad)}: parallel degrees must be positive integers (or \"auto\")"
+    if any(all(fixed.get(k, v) == v for k, v in zip(("dp", "tp", "pp"), f))
+           for f in _factorizations(world)):
+        return None
+    names = " x ".join(f"{k}={v}" for k, v in fixed.items())
+    prod = math.prod(fixed.values())
+    if world % prod:
+        return (f"{names}{f' (= {prod})' if len(fixed) > 1 else ''} does not divide {world} "
+                f"devices; choose degrees whose product divides {world}")
+    return (f"{names} = {prod} devices, not {world}: with dp, tp and pp all fixed their "
+            f"product must be {world}")
+
+
 def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
            precision: str = "fp32", optimizer: str = "adamw", constraints: dict | None = None,
            executable: bool = True, schedules_: tuple = ("1f1b", "gpipe", "interleaved",
@@ -254,6 +302,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     """
     t0 = time.perf_counter()
     constraints = {k: v for k, v in (constraints or {}).items() if v is not None}
+    misfit = _misfit({k: constraints[k] for k in ("dp", "tp", "pp") if k in constraints}, world)
+    if misfit:
+        raise PlanError(misfit + ".")
     budget = hw.memory * memory_fraction
     reasons: dict[str, str] = {}
     legal: list[tuple] = []
@@ -293,6 +344,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     n_legal = 0
     smallest: tuple[float, Candidate] | None = None
     stage_cache = {}
+    ticker = Ticker(log)
     for dp, tp, pp in legal:
         rows_dp = batch_rows // dp
         mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
@@ -319,6 +371,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                     if key not in stage_cache:
                         stage_cache[key] = _rank_aggregates(stages_of(stats, pp, v), pp, v)
                     n_legal += 1
+                    ticker.tick("planner search: %d plans priced", n_legal)
                     c = _price(stats, hw, stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
                                precision, optimizer, constraints, budget)
                     if c is None:
@@ -347,16 +400,21 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     # simulate the pipeline schedules of the best candidates (and of `simulate_also`, the
     # plan a job runs, so its price is comparable with its measurement) and re-rank
     also = plan_dict(simulate_also) if simulate_also is not None else None
+    simulated = 0
     for i, c in enumerate(cands):
         if i < SIMULATE_TOP or plan_dict(c.plan) == also:
             _simulate(c, stats, hw, stage_cache, precision)
+            simulated += 1
     cands.sort(key=_rank_key)
     note = stats.note
     inputs = dict(stats=stats, world=world, batch_rows=batch_rows, precision=precision,
                   optimizer=optimizer, constraints=constraints, executable=executable,
                   schedules_=schedules_, memory_fraction=memory_fraction)  # to search again
-    return PlanResult(cands[0], cands, n_legal, len(cands), hw, note,
-                      time.perf_counter() - t0, world, inputs)
+    seconds = time.perf_counter() - t0
+    phase_done(log, "planner search", seconds, f"{n_legal} plans priced, {len(cands)} fit, "
+               f"{simulated} schedules simulated")
+    return PlanResult(cands[0], cands, n_legal, len(cands), hw, note, seconds, world, inputs,
+                      times=[("planner: search", seconds, None)])
 
 
 def _compute_scaled(hw: cost.Hardware, k: float) -> cost.Hardware:
@@ -798,17 +856,20 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     import torch.distributed as dist
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
 
-    def timed(fn, reps=5):  # every rank at once, in lock step: each sees its share of cores
+    ticker = Ticker(log)
+
+    def timed(fn, what, reps=5):  # every rank at once, in lock step: each its share of cores
         fn()
         ts = []
-        for _ in range(reps):
+        for i in range(reps):
             sync()
             t0 = _time.perf_counter()
             fn()
             ts.append(_time.perf_counter() - t0)
+            ticker.tick("planner calibration: %s timed %d of %d times", what, i + 1, reps)
         return sorted(ts)[len(ts) // 2]
     with torch.no_grad():
-        t_graph = timed(lambda: gm(*args))
+        t_graph = timed(lambda: gm(*args), "the model's graph")
     base = dataclasses.replace(hw, node_overhead=0.0)
     roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
                    for s in stats.segments for part in ("f", "b"))
@@ -821,7 +882,7 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
         with torch.no_grad():
-            hw.optimizer_s = timed(opt.step)
+            hw.optimizer_s = timed(opt.step, "the optimizer step")
     hw.calibrated += f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node"
     return hw
 
@@ -831,20 +892,28 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
               stats: GraphStats | None = None) -> PlanResult:
     """The best plans for `world` devices of `device`'s type (fxpar.compile's search; hw
     None: the data sheet's GPU, or this CPU's measured matmul and copy speed)."""
-    stats = stats or graph_stats(model, example_batch, loss_fn,
-                                 precision=(constraints or {}).get("precision") or "fp32")
+    clock = Clock(log)
+    if stats is None:
+        with clock("planner: trace model"):
+            stats = graph_stats(model, example_batch, loss_fn,
+                                precision=(constraints or {}).get("precision") or "fp32")
     if hw is None:
-        if torch.device(device).type == "cuda":
-            hw = cost.gpu_hardware(device)
-        else:
-            hw = cost.cpu_hardware()
-            hw.memory = cost.device_memory(torch.device(device))
+        with clock("planner: measure machine"):
+            if torch.device(device).type == "cuda":
+                hw = cost.gpu_hardware(device)
+            else:
+                hw = cost.cpu_hardware()
+                hw.memory = cost.device_memory(torch.device(device))
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     rows = int(leaves[0].shape[0]) if leaves else 1
-    return search(stats, world, hw, batch_rows=rows, optimizer=optimizer_kind(optimizer),
-                  constraints=constraints, executable=True,
-                  precision=(constraints or {}).get("precision") or "fp32")
+    result = search(stats, world, hw, batch_rows=rows, optimizer=optimizer_kind(optimizer),
+                    constraints=constraints, executable=True,
+                    precision=(constraints or {}).get("precision") or "fp32")
+    result.times = clock.rows(other=False) + result.times
+    if log_rank() == 0:
+        log.info("%s", result.summary())
+    return result
 
 
 def constraints_of(plan) -> dict:
@@ -868,8 +937,11 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
     same Plan. Returns (Plan, PlanResult)."""
     import torch.distributed as dist
     constraints = constraints_of(plan)
-    world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
+    clock = Clock(log)
+    with clock("process group start"):
+        world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
     device = world_obj.device
+    t = time.perf_counter()
     if device.type == "cuda":
         hw = cost.gpu_hardware(device)
     else:
@@ -894,10 +966,16 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         mem = torch.tensor([hw.memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MIN)
         hw.memory = int(mem.item())
-    stats = graph_stats(model, example_batch, loss_fn, pass_extras=device.type == "cpu",
-                        precision=constraints.get("precision") or "fp32")
+    clock.add("planner: measure machine", time.perf_counter() - t)
+    with clock("planner: trace model"):
+        stats = graph_stats(model, example_batch, loss_fn,
+                            precision=constraints.get("precision") or "fp32")
+    if device.type == "cpu":
+        with clock("planner: count pass extras"):
+            _pass_extras(*stats.graph, stats)
+    t = time.perf_counter()
     if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
-        log.info("fxpar planner: the model is on the meta device; plans are priced with "
+        log.info("planner: the model is on the meta device; plans are priced with "
                  "the measured machine, re-fitted to the first steps' time")
     elif device.type == "cpu":
         hw = calibrate_on_model(hw, stats, model, example_batch, optimizer)
@@ -906,6 +984,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             dist.broadcast(v, src=0)
             hw.node_overhead = float(v[0])
             hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
+    clock.add("planner: calibrate", time.perf_counter() - t)
     result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                        constraints=constraints, hw=hw, stats=stats)
+    result.times = clock.rows(other=False) + result.times
     return result.best.plan, result

@@ -34,7 +34,7 @@ __all__ = ["Replicate", "Shard", "Partial", "make_mesh", "shard_graph", "redistr
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
-log = logging.getLogger("fxpar.sharding")
+log = logging.getLogger(__name__)
 
 
 # --- custom ops for the rank-dependent pieces, so one graph serves every rank -------------

@@ -40,7 +40,7 @@ import torch.fx
 
 from fxpar.kernels.jit import interpreting, kernel, next_pow2
 
-log = logging.getLogger("fxpar.kernels")
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 MAX_ROW = 16384      # a persistent row (C elements) must fit one block

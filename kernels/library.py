@@ -17,7 +17,7 @@ from fxpar.kernels import attention, cross_entropy as ce, layernorm, rmsnorm, so
 from fxpar.kernels.codegen import is_fake
 
 aten = torch.ops.aten
-log = logging.getLogger("fxpar.kernels")
+log = logging.getLogger(__name__)
 
 
 def _vals(args, kwargs):

@@ -45,7 +45,7 @@ from fxpar.compiler.plan import replays_step
 from fxpar.kernels import codegen, library
 from fxpar.kernels.jit import unavailable_reason
 
-log = logging.getLogger("fxpar.fusion")
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 MAX_GROUP = 64  # nodes per generated kernel
 
@@ -95,7 +95,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     groups += generated(gm, price, unpaid)
     _restore_topological_order(gm.graph)
     gm.meta["fusion"] = Decision(groups, unpaid=unpaid)
-    log.info("fusion: %d kernels (%d hand-written), bytes moved %d -> %d; %d groups left "
+    log.debug("fusion: %d kernels (%d hand-written), bytes moved %d -> %d; %d groups left "
              "unfused (a launch would cost more than it saves)", len(groups),
              sum(g.kind != "generated" for g in groups),
              sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups),

@@ -9,6 +9,7 @@ pass and not the planner; fxpar.parallelize (compiler/api.py) wires the two toge
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from fxpar.compiler import ir
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.logs import Clock
 from fxpar.runtime import amp, calls, comm, cudagraph, executor, faults, optim
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import dist as rdist
@@ -25,7 +27,7 @@ from fxpar.runtime import trace as rtrace
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
 
-log = logging.getLogger("fxpar")
+log = logging.getLogger(__name__)
 
 
 def to_device(batch, device):
@@ -60,21 +62,24 @@ class ParallelModel:
         slowest rank's): fxpar.parallelize re-fits the planner with it. `weights`
         (runtime/weights.ModelWeights): where the tensors come from for a meta-device model
         or weights=PATH; each rank then reads and allocates only what it owns (None: the
-        model's tensors are real and on this rank's device, and are sliced here)."""
+        model's tensors are real and on this rank's device, and are sliced here).
+        self.compile_times: the program's rows, then this set-up's (lowering, weights,
+        shards, optimizer)."""
+        clock = Clock(log)
         plan = program.plan
         self.model, self.world, self.plan, self.program = model, world, plan, program
         self._call_id = calls.register(rdist.timeout())  # collective methods agree first (runtime/calls.py)
         self.plan_report = program.plan_report
         self.stage_graphs = program.stage_graphs
-        self.compile_times = program.compile_times
         self.fusion_skipped = program.fusion_skipped
         self._on_measured = on_measured
         if batch not in ("global", "local"):
             raise PlanError(f"batch={batch!r}: use 'global' (every rank passes the same global "
                             "batch to step) or 'local' (each rank passes its 1/dp share).")
         self.batch = batch
-        comm.bind_groups(program, {ir.GROUPS[d]: world.group_name(d) for d in ir.GROUPS
-                                   if world.group_name(d) is not None})
+        with clock("bind groups"):
+            comm.bind_groups(program, {ir.GROUPS[d]: world.group_name(d) for d in ir.GROUPS
+                                       if world.group_name(d) is not None})
         self._eval_program = None
         self._lowered: dict[int, torch.fx.GraphModule] = {}
         self.recorder = rtrace.Recorder(world.rank)
@@ -90,20 +95,23 @@ class ParallelModel:
         self.sharded_optimizer = None
         self.pipeline_runner = None
         if self.program.pipeline is not None:
-            self.pipeline_runner = PipelineRunner(self.program, world.coordinate("pp"),
-                                                  world.group_name("pp"))
+            with clock("comm lowering"):  # (of each stage's graph)
+                self.pipeline_runner = PipelineRunner(self.program, world.coordinate("pp"),
+                                                      world.group_name("pp"))
         zero3_shards = None
         if weights is not None:  # only this rank's part of each tensor is read and made
-            zero3_shards = self._materialize(weights)
+            with clock("materialise weights"):
+                zero3_shards = self._materialize(weights)
             params = dict(model.named_parameters(remove_duplicate=False))
         self.params = [params[n] for n in sig.param_names]
         if weights is None:
-            with torch.no_grad():  # tp: each parameter becomes this rank's slice of it
+            with clock("shard parameters"), torch.no_grad():  # tp: this rank's slices
                 for p, layout in zip(self.params, self.program.tp_layouts):
                     if layout is not None:
                         p.data = rtp.local_param(p.data, layout, plan.tp,
                                                  world.coordinate("tp"))
         buffers = dict(model.named_buffers(remove_duplicate=False))
+        t_opt = time.perf_counter()
         if self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
@@ -125,15 +133,20 @@ class ParallelModel:
                 optimizer, torch.optim.Optimizer) else model)  # None: stages without weights
         else:
             self.optimizer = optim.build(optimizer, model)
+        clock.add("optimizer", time.perf_counter() - t_opt)
         self.buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
         # fp16: the dynamic loss scale (runtime/amp.py); None for fp32 / bf16
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
         self.cuda_graphs = self._cuda_graph_decision()  # runtime/cudagraph.Decision
+        if self.pipeline_runner is None and not self.cuda_graphs.capture:
+            with clock("comm lowering"):  # now, not in the first step
+                self._lowered[id(program)] = comm.lower(program.graph)
         self._graphed: cudagraph.GraphedStep | None = None  # built at the first step
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
+        self.compile_times = [*program.compile_times, *clock.rows(other=False)]
 
     def needed_params(self) -> set[int]:
         """Parameters whose values this rank needs: those its pipeline stages read or whose
@@ -200,7 +213,7 @@ class ParallelModel:
                             f"a CUDA graph: {d.reason}. Use cuda_graphs='auto' to run it "
                             "uncaptured (logged), or False.")
         if not d.capture and self.world.device.type == "cuda":
-            log.info("fxpar: the step runs without CUDA graphs: %s", d.reason)
+            log.info("the step runs without CUDA graphs: %s", d.reason)
         if d.capture and self.pipeline_runner is not None:
             self.pipeline_runner.use_cuda_graphs(self.world.device)
         return d
