@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import html
 import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.fx
 
 from fxpar.compiler import ir
-
-REGION_COLORS = {ir.FORWARD: "#cfe8ff", ir.BACKWARD: "#ffe3c4", ir.OPTIMIZER: "#e0f5d0",
-                 ir.COMM: "#ffd0d0"}  # comm: bucket packing etc.; collectives are bold red
-COLLECTIVE_COLOR = "#d62728"
-RECOMPUTE_COLOR = "#e4d4ff"   # nodes remat copied into the backward
-SAVED_BORDER = "#1f4fd6"      # forward values kept for the backward (thick blue border)
-FUSED_BORDER = "#2ca02c"      # one Triton kernel (fusion pass): green 3-D box
-COLLECTIVE_PREFIXES = ("_c10d_functional.", "c10d_functional.", "fxpar.")
-
-
-# one colour per pipeline stage (forward and backward of a stage share it)
-STAGE_COLORS = ["#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#fb9a99", "#ffff99", "#8dd3c7",
-                "#bebada"]
-
-
-def is_collective(n: torch.fx.Node) -> bool:
-    return n.op == "call_function" and str(n.target).startswith(COLLECTIVE_PREFIXES)
+from fxpar.viz import layer_graph
+from fxpar.viz.layer_graph import layer_view
+from fxpar.viz.style import (COLLECTIVE_COLOR, COLLECTIVE_PREFIXES, FUSED_BORDER,  # noqa: F401
+                             RECOMPUTE_COLOR, REGION_COLORS, SAVED_BORDER, STAGE_COLORS,
+                             is_collective)
 
 
 def _label(n: torch.fx.Node) -> str:
@@ -79,16 +69,24 @@ def _short(p) -> str:
             .replace("Partial(sum)", "P(sum)").replace("Partial(avg)", "P(avg)"))
 
 
-def to_dot(gm: torch.fx.GraphModule, title: str = ""):
-    """A graphviz.Digraph of the graph (import graphviz lazily: optional at runtime)."""
+def to_dot(gm: torch.fx.GraphModule, title: str = "", nodes=None):
+    """A graphviz.Digraph of the graph (import graphviz lazily: optional at runtime).
+    nodes: draw only these (one layer box's ops) and, as small ellipses, what they read."""
     import graphviz
     dot = graphviz.Digraph(name=title or "graph", graph_attr={"rankdir": "TB", "label": title,
                                                               "labelloc": "t", "fontsize": "20",
                                                               "compound": "true"},
                            node_attr={"shape": "box", "style": "rounded,filled",
                                       "fontname": "Helvetica", "fontsize": "10"})
+    keep = set(nodes) if nodes is not None else set(gm.graph.nodes)
+    inputs = {a for n in keep for a in n.all_input_nodes} - keep
+    for a in sorted(inputs, key=lambda a: a.name):
+        dot.node(a.name, f"{a.meta.get('fqn', a.name)}\n({a.meta.get(ir.MODULE) or 'top'})",
+                 shape="ellipse", style="dashed", fontsize="8", height="0.2", color="#999999")
     clusters: dict[str, list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
+        if n not in keep:
+            continue
         clusters.setdefault(n.meta.get(ir.MODULE, "") if n.op == "call_function" else "", []).append(n)
 
     def node_attrs(n):
@@ -131,7 +129,7 @@ def to_dot(gm: torch.fx.GraphModule, title: str = ""):
 
     emit(dot, "", tree)
     for n in gm.graph.nodes:
-        for a in n.all_input_nodes:
+        for a in (n.all_input_nodes if n in keep else ()):
             dot.edge(a.name, n.name, color="#b00000" if is_collective(a) or is_collective(n)
                      else "#666666")
     return dot
@@ -148,13 +146,48 @@ def write_svg(gm: torch.fx.GraphModule, path: str, title: str = "") -> str:
     return base + ".svg"
 
 
-def write_snapshots(stage_graphs: dict, out_dir: str) -> list[str]:
-    """One SVG per (pass, rank-role) snapshot, named `<index>_<pass>_<role>.svg`."""
-    paths = []
+def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
+                    full: bool = False) -> list[str]:
+    """Per (pass, rank-role) snapshot: the layer view `<index>_<pass>_<role>.svg` (+ .dot),
+    returned in order; with details, each layer box links to the node-level drawing of its
+    ops in `<index>_<pass>_<role>/<module>.svg`. A box whose drawing is the same as in an
+    earlier pass links to that file instead of rendering it again (most passes change few
+    layers), and the drawings render in parallel: the `dot` runs are the cost. full: also
+    the whole node-level graph, `<index>_<pass>_<role>/graph.svg` (small graphs only: it
+    is thousands of points wide for a 2-layer GPT)."""
+    import graphviz
+    paths, jobs, drawn = [], {}, {}  # jobs: file -> dot source; drawn: source -> file
     for i, (pass_name, roles) in enumerate(stage_graphs.items()):
         for role, gm in roles.items():
-            paths.append(write_svg(gm, os.path.join(out_dir, f"{i:02d}_{pass_name}_{role}.svg"),
-                                   title=f"after {pass_name} ({role})"))
+            stem = f"{i:02d}_{pass_name}_{role}"
+            view = layer_view(gm)
+            href = {}
+            for b in view.boxes.values() if details else ():
+                name = (b.path or "top") + (f".s{b.stage}" if b.stage is not None else "")
+                src = to_dot(gm, f"{b.path or layer_graph.TOP} after {{pass}}",
+                             nodes=b.nodes).source
+                if src not in drawn:
+                    drawn[src] = f"{stem}/{name}.svg"
+                    jobs[drawn[src]] = src.replace("{pass}", f"{pass_name} ({role})")
+                href[b.key] = drawn[src]
+            if full:
+                jobs[f"{stem}/graph.svg"] = to_dot(gm, f"after {pass_name} ({role})").source
+            dot = layer_graph.layer_dot(view, f"after {pass_name} ({role})",
+                                        href=lambda b: href.get(b.key))
+            jobs[f"{stem}.svg"] = dot.source
+            paths.append(os.path.join(out_dir, f"{stem}.svg"))
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"{stem}.dot"), "w") as f:
+                f.write(dot.source)
+
+    def render(item):
+        rel, src = item
+        path = os.path.join(out_dir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(graphviz.pipe("dot", "svg", src.encode()))
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        list(pool.map(render, jobs.items()))
     return paths
 
 

@@ -1,0 +1,131 @@
+"""The layer-level picture (viz/layer_graph.py): one box per module at layer granularity,
+what the passes did shown on the boxes and between them, readable at page width."""
+import os
+import re
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.examples import models as M
+from fxpar.viz.graph import write_snapshots
+from fxpar.viz.layer_graph import box_of, layer_dot, layer_view, repeated_containers
+
+CFG = M.GPTConfig(n_layer=2, n_embd=32)
+GPT_BOXES = {"wte", "wpe", "drop", "", "ln_f", "lm_head"} | {
+    f"h.{i}{c}" for i in range(2) for c in ("", ".ln_1", ".attn", ".ln_2", ".mlp")}
+
+
+def _compile(plan, cfg=CFG, batch=4):
+    n = plan.get("dp", 1) * plan.get("tp", 1) * plan.get("pp", 1)
+    return fxpar.compile(M.GPT(cfg), n, example_batch=M.gpt_batch(cfg, batch), plan=plan)
+
+
+def _width(svg: str) -> float:
+    return float(re.search(r'<svg width="([\d.]+)pt"', svg).group(1))
+
+
+def test_boxes_cut_at_the_children_of_the_repeated_layer_generically():
+    paths = ["h.0.attn.c_attn", "h.0.mlp.0", "h.1.mlp.2", "wte", "ln_f", ""]
+    assert repeated_containers(paths) == ["h"]  # not h.0.mlp (its Sequential indices)
+    assert box_of("h.1.mlp.2", ["h"]) == ("h.1.mlp", "h.1")
+    assert box_of("h.1", ["h"]) == ("h.1", "h.1")
+    assert box_of("ln_f", ["h"]) == ("ln_f", None)
+    hf = ["bert.embeddings.word_embeddings", "bert.encoder.layer.0.attention.self.query",
+          "bert.encoder.layer.1.output.dense", "bert.pooler.dense", "classifier"]
+    c = repeated_containers(hf)
+    assert c == ["bert.encoder.layer"]
+    assert [box_of(p, c)[0] for p in hf] == [
+        "bert.embeddings", "bert.encoder.layer.0.attention", "bert.encoder.layer.1.output",
+        "bert.pooler", "classifier"]
+    assert box_of("model.layers.3.self_attn.q_proj", ["model.layers"])[0] == \
+        "model.layers.3.self_attn"
+    assert repeated_containers(["fc1", "fc2"]) == []
+    assert box_of("fc1", []) == ("fc1", None)
+
+
+def test_remat_and_dp_recomputed_counts_and_gradient_collectives(tmp_path):
+    prog = _compile({"dp": 2, "remat": "sqrt"})
+    gm = prog.stage_graphs["data_parallel"]["dp"]
+    view = layer_view(gm)
+    assert {b.path for b in view.boxes.values()} == GPT_BOXES
+    # the recomputed counts are the nodes remat marked, on the boxes of their modules
+    for b in view.boxes.values():
+        assert b.recomputed == sum(bool(n.meta.get("recompute")) for n in b.nodes)
+    assert sum(b.recomputed for b in view.boxes.values()) == sum(
+        bool(n.meta.get("recompute")) for n in gm.graph.nodes)
+    assert view.boxes[(None, "h.0.attn")].recomputed > 0
+    assert all(b.recomputed == 0 for b in layer_view(
+        prog.stage_graphs["capture"]["joint"]).boxes.values())
+    grads = [lk for lk in view.links if "(grads)" in lk.kind]
+    assert grads and all(lk.kind.startswith("all_reduce") and lk.nbytes > 0 for lk in grads)
+    src = layer_dot(view, "t").source
+    assert f"{view.boxes[(None, 'h.0.attn')].recomputed} recomputed" in src
+    assert "all_reduce (grads)" in src and "KiB" in src and "legend" in src
+
+
+def test_tensor_parallel_labels_column_row_and_its_all_reduces():
+    view = layer_view(_compile({"tp": 2}).stage_graphs["tensor_parallel"]["dp"])
+    assert view.boxes[(None, "h.0.attn")].tp == {"column c_attn", "row c_proj"}
+    assert view.boxes[(None, "h.1.mlp")].tp == {"column 0", "row 2"}
+    assert view.boxes[(None, "wte")].tp == {"vocab"}
+    # Megatron: row-parallel c_proj's partial sum is all-reduced into the residual add
+    fwd = [lk for lk in view.links if lk.kind == "all_reduce" and not lk.backward
+           and (None, "h.0.attn") in lk.srcs]
+    assert fwd and (None, "h.0") in fwd[0].dsts
+    assert fwd[0].nbytes == 4 * 32 * 32 * 4  # (batch, seq, n_embd) fp32
+    src = layer_dot(view).source
+    assert "tp: column c_attn, row c_proj" in src and "all_reduce" in src
+
+
+def test_pipeline_one_cluster_per_stage_and_send_recv_with_bytes():
+    gm = _compile({"pp": 2, "microbatches": 2}).stage_graphs["pipeline_split"]["dp"]
+    view = layer_view(gm)
+    assert view.staged and {b.stage for b in view.boxes.values()} == {0, 1}
+    sends = [lk for lk in view.links if lk.transfer]
+    assert {lk.kind for lk in sends} == {"send s0 -> recv s1", "send s1 -> recv s0"}
+    expect = sum(n.meta["val"].numel() * 4 for n in gm.graph.nodes if "transfer" in n.meta)
+    assert sum(lk.nbytes for lk in sends) == expect
+    src = layer_dot(view).source
+    assert src.count("subgraph cluster_stage") == 2
+    assert "send s0 -> recv s1" in src and "stage 1" in src
+
+
+def test_write_snapshots_links_every_box_to_an_existing_drawing(tmp_path):
+    prog = _compile({"dp": 2, "remat": "sqrt"})
+    paths = write_snapshots(prog.stage_graphs, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == [
+        "00_capture_joint.svg", "01_remat_dp.svg", "02_data_parallel_dp.svg",
+        "03_overlap_dp.svg"]
+    for p in paths:
+        svg = open(p).read()
+        hrefs = re.findall(r'xlink:href="([^"]+)"', svg)
+        assert len(hrefs) == len(GPT_BOXES) and "legend" in svg
+        for h in hrefs:
+            assert os.path.isfile(os.path.join(tmp_path, h)), h
+    # overlap moves no op to another module: its boxes reuse the earlier drawings
+    assert not os.path.exists(tmp_path / "03_overlap_dp")
+    detail = open(tmp_path / "01_remat_dp" / "h.0.mlp.svg").read()
+    assert "(recompute)" in detail and "h.0.mlp.0" in detail
+
+
+@pytest.mark.parametrize("plan", [{"dp": 2, "remat": "sqrt"}, {"pp": 2, "microbatches": 2}])
+def test_twelve_layers_fit_a_page(plan):
+    cfg = M.GPTConfig(n_layer=12, n_embd=32)
+    prog = _compile(plan, cfg)
+    name = "overlap" if plan.get("dp") else "pipeline_split"
+    gm = prog.stage_graphs[name]["dp"]
+    svg = layer_dot(gm, f"after {name}").pipe(format="svg").decode()
+    assert _width(svg) <= 1400, _width(svg)
+    assert svg.count("<title>h.") >= 12  # every layer row drawn
+
+
+def test_plain_models_draw_without_repeated_layers(tmp_path):
+    gm = fxpar.compile(M.MLP(), 2, example_batch=(torch.randn(8, 16), torch.randn(8, 4)),
+                       plan={"dp": 2}).stage_graphs["data_parallel"]["dp"]
+    view = layer_view(gm)
+    assert {"fc1", "fc2", "fc3"} <= {b.path for b in view.boxes.values()}
+    blocks = fxpar.compile(M.DeepMLP(n_blocks=3), 1,
+                           example_batch=(torch.randn(8, 16), torch.randn(8, 4))).graph
+    rows = {b.layer for b in layer_view(blocks).boxes.values()} - {None}
+    assert rows == {"blocks.0", "blocks.1", "blocks.2"}
