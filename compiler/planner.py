@@ -774,11 +774,15 @@ def checkpoints_per_layer(gm) -> int:
 
 def _on_copy(pass_, gm, sig, plan: dict, world: int, **ctx):
     """`pass_` run on a copy of the captured graph (the planner counts what a pass makes
-    without compiling a job), or None where it cannot transform this model."""
+    without compiling a job), or None where it cannot transform this model. The pass's
+    warnings are the chosen plan's to give (the job's own passes repeat them), not a probe's."""
     import copy
+    import warnings
     try:
-        return pass_.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
-                         resolve(plan, world), PassContext(signature=sig, **ctx))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return pass_.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
+                             resolve(plan, world), PassContext(signature=sig, **ctx))
     except Exception as e:  # noqa: BLE001 - the pass itself reports it when the job runs
         log.debug("planner: %s on a copy of the graph failed: %s", pass_.__name__, e)
         return None
