@@ -277,14 +277,16 @@ def mark(category: str) -> None:
 def lower(gm: torch.fx.GraphModule, markers: bool = True) -> torch.fx.GraphModule:
     """A copy of `gm` whose collectives are start_*/wait calls on work handles; with
     `markers`, a `mark` call before each node whose region (trace.CATEGORY) differs from the
-    last one's (a pipeline part keeps its action's label instead: markers=False)."""
+    last one's (a pipeline part keeps its action's label instead: markers=False). Collectives
+    and waits take the region they sit in: their time is recorded as blocked already."""
     g = torch.fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
     last = None
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
-        cat = trace.CATEGORY.get(n.meta.get(ir.REGION), last)
+        neutral = n.target in _STARTS or n.target is c10d.wait_tensor.default
+        cat = last if neutral else trace.CATEGORY.get(n.meta.get(ir.REGION), last)
         if markers and cat != last:
             with g.inserting_before(n):
                 g.call_function(mark, (cat,))
