@@ -11,6 +11,10 @@ for the timeline nor reuse an owned buffer in place.
 
 Every start/wait records on the current trace.Recorder: the collective's flight on the comm
 track, and the time the compute thread was blocked (issue + wait) as exposed communication.
+`lower` also puts a `mark` call where the nodes' meta["region"] changes (forward -> backward
+-> packing ...), so the timeline's compute segments say which part of the step ran: a few
+calls a step, ~1 us each. (A CUDA-graph replay runs the unlowered graph: no markers there,
+host calls are not replayed.)
 On CUDA, `wait` only orders the streams (the host does not block), so the exposed time it
 records is host-side only.
 """
@@ -26,6 +30,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import FxparError, PlanError
+from fxpar.runtime import trace
 from fxpar.runtime.trace import Recorder
 
 c10d = torch.ops._c10d_functional
@@ -88,7 +93,7 @@ class _Watcher:
 _watcher: _Watcher | None = None
 
 
-def _issued(p: Pending, work, seg: str) -> Pending:
+def _issued(p: Pending, work) -> Pending:
     """Completion time comes from the work's future where the backend has one (gloo's
     all-reduce, NCCL), else from the watcher thread."""
     global _watcher
@@ -101,19 +106,19 @@ def _issued(p: Pending, work, seg: str) -> Pending:
             if _watcher is None:
                 _watcher = _Watcher()
             _watcher.queue.put((p, work))
-        rec.blocked(p.t_issue, time.perf_counter(), "issue " + p.name, seg)
+        rec.blocked(p.t_issue, time.perf_counter(), "issue " + p.name)
     return p
 
 
-def start_all_reduce(x: torch.Tensor, op: str, group_name: str, owned: bool, name: str,
-                     seg: str) -> Pending:
+def start_all_reduce(x: torch.Tensor, op: str, group_name: str, owned: bool,
+                     name: str) -> Pending:
     """All-reduce, in place on `x` when the graph says nothing else reads it (owned)."""
     p = Pending(name, x.numel() * x.element_size())
     pg = _group(group_name)
     buf = x if owned and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     red, p.divide = _reduce_op(op, pg.size())
     p.out = buf
-    return _issued(p, dist.all_reduce(buf, op=red, group=pg, async_op=True), seg)
+    return _issued(p, dist.all_reduce(buf, op=red, group=pg, async_op=True))
 
 
 class _Works:
@@ -145,8 +150,7 @@ def _is_gloo(pg) -> bool:
     return dist.get_backend(pg) == "gloo"
 
 
-def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: str,
-                     seg: str) -> Pending:
+def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: str) -> Pending:
     p = Pending(name, x.numel() * x.element_size() * group_size)
     x = x.contiguous()
     pg = _group(group_name)
@@ -156,12 +160,12 @@ def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: st
         parts[pg.rank()].copy_(x)
         return _issued(p, _Works([dist.broadcast(t, src=dist.get_global_rank(pg, i), group=pg,
                                                  async_op=True)
-                                  for i, t in enumerate(parts)]), seg)
-    return _issued(p, dist.all_gather_single(p.out, x, group=pg, async_op=True), seg)
+                                  for i, t in enumerate(parts)]))
+    return _issued(p, dist.all_gather_single(p.out, x, group=pg, async_op=True))
 
 
 def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str,
-                         owned: bool, name: str, seg: str) -> Pending:
+                         owned: bool, name: str) -> Pending:
     """Reduce-scatter; on gloo, in place on `x` when the graph says nothing else reads it
     (owned) and it is large (see GLOO_INPLACE_RS_BYTES)."""
     p = Pending(name, x.numel() * x.element_size())
@@ -173,14 +177,13 @@ def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: 
         p.divide = (p.divide, "copy")
         return _issued(p, _Works([dist.reduce(t, dst=dist.get_global_rank(pg, i), op=red,
                                               group=pg, async_op=True)
-                                  for i, t in enumerate(parts)]), seg)
+                                  for i, t in enumerate(parts)]))
     x = x.contiguous()
     p.keep, p.out = x, x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
-    return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=pg, async_op=True),
-                   seg)
+    return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=pg, async_op=True))
 
 
-def wait(p, seg: str) -> torch.Tensor:
+def wait(p) -> torch.Tensor:
     """Block until the collective is done; its result."""
     if isinstance(p, torch.Tensor):  # a functional collective's result
         return c10d.wait_tensor(p)
@@ -194,7 +197,7 @@ def wait(p, seg: str) -> torch.Tensor:
         out = out.div_(divide)
     rec = _recorder
     if rec is not None and rec.recording:
-        rec.blocked(t0, t1, "wait " + p.name, seg)
+        rec.blocked(t0, t1, "wait " + p.name)
         rec.comm(p.name, p.t_issue, p.t_done or t1, p.nbytes)
     p.keep = p.out = p.work = None
     return out
@@ -208,7 +211,7 @@ def timed(name: str, nbytes: int, fn):
     t1 = time.perf_counter()
     rec = _recorder
     if rec is not None and rec.recording:
-        rec.blocked(t0, t1, name, "optimizer")
+        rec.blocked(t0, t1, name)
         rec.comm(name, t0, t1, nbytes)
     return res
 
@@ -264,25 +267,39 @@ def _owned(x) -> bool:
     return False
 
 
-def lower(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `gm` whose collectives are start_*/wait calls on work handles."""
+def mark(category: str) -> None:
+    """A region change in a lowered graph: the compute segment from here on is `category`."""
+    rec = _recorder
+    if rec is not None:
+        rec.segment(category)
+
+
+def lower(gm: torch.fx.GraphModule, markers: bool = True) -> torch.fx.GraphModule:
+    """A copy of `gm` whose collectives are start_*/wait calls on work handles; with
+    `markers`, a `mark` call before each node whose region (trace.CATEGORY) differs from the
+    last one's (a pipeline part keeps its action's label instead: markers=False). Collectives
+    and waits take the region they sit in: their time is recorded as blocked already."""
     g = torch.fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
-    nodes = list(g.nodes)
-    for i, n in enumerate(nodes):
+    last = None
+    for n in list(g.nodes):
         if n.op != "call_function":
             continue
-        nxt = next((m for m in nodes[i + 1:] if m.op == "call_function"), None)
-        seg = nxt.meta.get("region", "compute") if nxt is not None else "compute"
+        neutral = n.target in _STARTS or n.target is c10d.wait_tensor.default
+        cat = last if neutral else trace.CATEGORY.get(n.meta.get(ir.REGION), last)
+        if markers and cat != last:
+            with g.inserting_before(n):
+                g.call_function(mark, (cat,))
+            last = cat
         if n.target in _STARTS:
             fn = _STARTS[n.target]
             name = f"{_SHORT[fn]} {n.meta.get('module') or n.name}"
             if fn in (start_all_reduce, start_reduce_scatter):
-                n.args = (*n.args, _owned(n.args[0]), name, seg)
+                n.args = (*n.args, _owned(n.args[0]), name)
             else:
-                n.args = (*n.args, name, seg)
+                n.args = (*n.args, name)
             n.target = fn
         elif n.target is c10d.wait_tensor.default:
-            n.target, n.args = wait, (n.args[0], seg)
+            n.target = wait
     g.lint()
     return torch.fx.GraphModule(gm, g)

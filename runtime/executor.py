@@ -3,7 +3,9 @@
 The graph holds every collective as a node; runtime/comm.lower turns them into calls that
 issue the collective on a work handle and block only at the matching wait, so a bucket's
 all-reduce runs while later backward nodes compute. A trace.Recorder (always on, cheap)
-timestamps compute segments and collectives for `pm.trace` and per-step statistics.
+timestamps compute segments and collectives for `pm.trace` and per-step statistics; the
+lowered graph's markers name each compute segment by its nodes' region (forward, backward,
+packing), the trainer the optimizer's.
 
 Memory: FX's generated code drops every value right after its last use (`x = None`), so a
 forward-only program (`pm.evaluate`) holds only the values still needed: a chain of N blocks
@@ -41,7 +43,8 @@ def run_graph(gm: torch.fx.GraphModule, params, buffers, batch):
 
 @contextlib.contextmanager
 def recording(recorder: Recorder, first_segment: str = "forward"):
-    """Record one step: compute segments and collectives, then its StepStats."""
+    """Record one step: compute segments (the first named `first_segment`, until the graph's
+    first marker) and collectives, then its StepStats."""
     recorder.begin_step(first_segment)
     comm.set_recorder(recorder)
     try:

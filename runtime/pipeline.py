@@ -24,7 +24,7 @@ import torch
 import torch._prims_common
 import torch.distributed as dist
 
-from fxpar.runtime import comm, cudagraph, faults, schedules
+from fxpar.runtime import comm, cudagraph, faults, schedules, trace
 from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 
@@ -77,7 +77,8 @@ class PipelineRunner:
                                              []).append(k)
         self.reduced_inputs = {ref for k, part in self.parts.items() if part.phase == "R"
                                for kind, ref in part.inputs if kind == "value"}
-        self.lowered = {k: comm.lower(part.graph) for k, part in self.parts.items()}
+        # an action's compute segment keeps its name ("F3 s1"), its cat comes from its phase
+        self.lowered = {k: comm.lower(part.graph, markers=False) for k, part in self.parts.items()}
         self.tag = {name: i for i, name in enumerate(sorted(self.p.producer))}
         self.meta = {}  # value name -> (shape, dtype) for receives
         for part in self.p.parts.values():
@@ -172,7 +173,7 @@ class PipelineRunner:
             if sums is not None:  # add into the sums inside the graph, as each is computed
                 args += sums
             outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec,
-                                 accumulate=sums is not None)
+                                 accumulate=sums is not None, mb=mb)
             in_place = set(self._accumulated(key)) if sums is not None else set()
             # storages of this part's outputs that another output or a consumer shares
             storages = _shared_storages(outs, self._routes(key))
@@ -211,8 +212,11 @@ class PipelineRunner:
             outs = t = args = None  # drop this action's references (offloaded values free)
             for rkey in self.reduce_after.get(n, ()):
                 self._reduce(rkey, summed, grads, rec)
+        t0 = time.perf_counter()
         for w in sends:
             w.wait()
+        if rec is not None and rec.recording and sends:  # a receiver still busy: exposed
+            rec.blocked(t0, time.perf_counter(), "wait sends", trace.RUNTIME)
         if forward_only:
             return (None if not losses else torch.stack(losses).mean()), None, None
         if self.m > 1:
@@ -269,9 +273,13 @@ class PipelineRunner:
             self._acc_graphs[key] = torch.fx.GraphModule(gm, g)
         return self._acc_graphs[key]
 
-    def _compute(self, key, label, args, rec, accumulate=False):
+    def _compute(self, key, label, args, rec, accumulate=False, mb=None):
         if rec is not None:
-            rec.segment(label)
+            part = self.parts[key]
+            info = {"stage": part.stage, "phase": part.phase}
+            if mb is not None:
+                info["microbatch"] = mb
+            rec.segment(label, trace.CATEGORY[part.phase], info)
         try:
             with torch.no_grad():
                 if self.graphs is not None:  # static outputs: the next microbatch's replay
@@ -390,7 +398,7 @@ class PipelineRunner:
         t0 = time.perf_counter()
         w = dist.isend(_wire(t), dst=self.global_rank[rank], tag=tag)
         if rec is not None and rec.recording:
-            rec.blocked(t0, time.perf_counter(), f"send {name}", "compute")
+            rec.blocked(t0, time.perf_counter(), f"send {name}", trace.RUNTIME)
         return w
 
     def _recv(self, name, mb, device, rec):
@@ -408,7 +416,7 @@ class PipelineRunner:
         work.wait()
         if rec is not None and rec.recording:
             t1 = time.perf_counter()
-            rec.blocked(t0, t1, f"recv {name}", "compute")
+            rec.blocked(t0, t1, f"recv {name}", trace.RUNTIME)
             rec.comm(f"recv {name}", posted, t1, buf.numel() * buf.element_size())
         return buf
 
@@ -442,7 +450,7 @@ class PipelineRunner:
     def _share_grads(self, grads, params, rec):
         """A weight several stages read: its summed gradient goes from the rank that made it
         to every other rank holding a copy."""
-        works = []
+        works, nbytes, t0 = [], 0, time.perf_counter()
         for i, stages in sorted(self.p.param_stages.items()):
             name = self.p.grads[i] if i < len(self.p.grads) else None
             if name is None or name not in self.p.producer:
@@ -456,7 +464,13 @@ class PipelineRunner:
             elif self.rank in holders:
                 grads[i] = torch.empty_like(params[i])
                 works.append(dist.irecv(grads[i], src=self.global_rank[src], tag=_GRAD_TAG + i))
+                nbytes += grads[i].numel() * grads[i].element_size()
         for w in works:
             w.wait()
+        if works and rec is not None and rec.recording:  # waiting on the other stage
+            t1 = time.perf_counter()
+            rec.blocked(t0, t1, "share tied grads", trace.RUNTIME)
+            if nbytes:
+                rec.comm("recv tied grads", t0, t1, nbytes)
         held = set(self.held_params)
         return [g if i in held else None for i, g in enumerate(grads)]

@@ -1,14 +1,21 @@
 """Per-rank timeline of a training step: compute and communication as separate tracks.
 
 The executor and runtime/comm.py record spans (name, track, start, end) with
-`time.perf_counter` while a step runs; `chrome_trace` turns the spans of every rank into one
-Chrome-trace JSON (open it in https://ui.perfetto.dev or chrome://tracing): one process per
-rank, one thread per track ("compute", "comm"). `StepStats` is what one step cost: its time,
-the time a collective was in flight, and the *exposed* part — the time the compute thread sat
-blocked issuing or waiting for a collective, i.e. communication nothing overlapped.
+`time.perf_counter` while a step runs; `Recorder.events` turns them into Chrome-trace events
+(`pm.trace` gathers every rank's into one JSON: open it in https://ui.perfetto.dev), one
+process per rank, one thread per track ("compute", "comm"). A compute event's `cat` says
+what the compute thread was doing (CATEGORY): forward, backward, packing, optimizer, from the
+nodes' meta["region"] (runtime/comm.lower puts a marker call where the region changes); in a
+pipeline the action keeps its name ("F3 s1"), its cat comes from its phase and its args are
+{stage, microbatch, phase}; a CUDA-graph replay is one "forward+backward" segment (host
+calls are not replayed, so it has no markers). "blocked" is time spent issuing or waiting on
+communication; comm-track events have cat "comm" and their bytes. `StepStats` is what one
+step cost: its time, the time a collective was in flight, and the *exposed* part - the time
+the compute thread sat blocked issuing or waiting for a collective, i.e. communication
+nothing overlapped.
 
-Recording costs two clock reads per collective and per compute segment, so it is always on;
-only the last `keep_steps` steps are kept.
+Recording costs two clock reads per collective and per compute segment (region changes: a
+handful a step, ~1 us each), so it is always on; only the last `keep_steps` steps are kept.
 """
 from __future__ import annotations
 
@@ -17,8 +24,18 @@ import dataclasses
 import json
 import time
 
+from fxpar.compiler import ir
+
 COMPUTE, COMM = "compute", "comm"
 TRACKS = (COMPUTE, COMM)
+BLOCKED = "blocked"
+# what a compute segment is doing, keyed by its nodes' meta["region"] or a pipeline part's
+# meta["pipe_phase"]: the Chrome-trace event's cat (and the timeline PNG's colour). Region
+# "comm" on the compute thread is the packing around collectives (bucket cat/split, views).
+CATEGORY = {ir.FORWARD: "forward", ir.BACKWARD: "backward", ir.OPTIMIZER: "optimizer",
+            ir.COMM: "packing", "F": "forward", "B": "backward", "I": "backward",
+            "W": "weight grad", "R": "packing"}
+RUNTIME = "runtime"  # a pipeline's own work before and between its stage computations
 
 
 @dataclasses.dataclass
@@ -28,6 +45,7 @@ class Span:
     start: float  # perf_counter seconds
     end: float
     args: dict | None = None
+    cat: str | None = None  # compute: its category (CATEGORY, "blocked"); None: the track
 
 
 @dataclasses.dataclass
@@ -52,7 +70,7 @@ class Recorder:
         self.stats: collections.deque = collections.deque(maxlen=keep_steps)
         self._spans: list[Span] | None = None
         self._seg_start = 0.0
-        self._seg_name = ""
+        self._seg = ("", "", None)  # the open compute segment's (name, cat, args)
         self._exposed = 0.0
         self._step_no = 0
         self._t0 = 0.0
@@ -61,17 +79,16 @@ class Recorder:
         self._wall0, self._perf0 = time.time(), time.perf_counter()
 
     # --- step boundaries -----------------------------------------------------------------
-    def begin_step(self, name: str = "step") -> None:
+    def begin_step(self, name: str = "forward") -> None:
         self._spans = []
         self._exposed = 0.0
         self._t0 = self._seg_start = time.perf_counter()
-        self._seg_name = name
+        self._seg = (name, CATEGORY.get(name, name), None)
 
     def end_step(self) -> StepStats:
         t = time.perf_counter()
-        spans = self._spans or []
         self._close_segment(t)
-        self._spans = None
+        spans, self._spans = self._spans or [], None
         comm = _union([(s.start, s.end) for s in spans if s.track == COMM])
         st = StepStats(self._step_no, t - self._t0, comm, self._exposed)
         self.steps.append((self._step_no, self._t0, t, spans))
@@ -83,27 +100,34 @@ class Recorder:
     def recording(self) -> bool:
         return self._spans is not None
 
-    # --- compute segments: closed whenever the compute thread turns to communication ------
+    # --- compute segments: closed whenever the compute thread turns to something else -------
     def _close_segment(self, t: float) -> None:
         if self._spans is not None and t > self._seg_start:
-            self._spans.append(Span(self._seg_name, COMPUTE, self._seg_start, t))
+            name, cat, args = self._seg
+            self._spans.append(Span(name, COMPUTE, self._seg_start, t, args, cat))
 
-    def segment(self, name: str) -> None:
-        """The compute thread starts on something else (e.g. "optimizer")."""
-        if self._spans is not None:
-            t = time.perf_counter()
-            self._close_segment(t)
-            self._seg_start, self._seg_name = t, name
+    def segment(self, name: str, cat: str | None = None, args: dict | None = None) -> None:
+        """The compute thread starts on something else: a region ("backward", from a graph
+        marker: cat from CATEGORY), a pipeline action ("F3 s1", its cat and args)."""
+        cat = cat or CATEGORY.get(name, name)
+        if self._spans is None or (name, cat) == self._seg[:2]:
+            return
+        t = time.perf_counter()
+        self._close_segment(t)
+        self._seg_start, self._seg = t, (name, cat, args)
 
-    def blocked(self, t0: float, t1: float, name: str, next_segment: str) -> None:
-        """The compute thread spent [t0, t1] on communication `name` (issuing or waiting)."""
+    def blocked(self, t0: float, t1: float, name: str, next_segment: str | None = None) -> None:
+        """The compute thread spent [t0, t1] on communication `name` (issuing or waiting);
+        then it resumes the segment it was in, or starts `next_segment`."""
         if self._spans is None:
             return
         self._close_segment(t0)
         self._exposed += t1 - t0
         if t1 - t0 > 2e-6:
-            self._spans.append(Span(name, COMPUTE, t0, t1, {"blocked_on": "comm"}))
-        self._seg_start, self._seg_name = t1, next_segment
+            self._spans.append(Span(name, COMPUTE, t0, t1, {"blocked_on": "comm"}, BLOCKED))
+        self._seg_start = t1
+        if next_segment is not None:
+            self._seg = (next_segment, CATEGORY.get(next_segment, next_segment), None)
 
     def comm(self, name: str, t0: float, t1: float, nbytes: int) -> None:
         """A collective in flight from issue (t0) to completion (t1), on the comm track."""
@@ -127,7 +151,7 @@ class Recorder:
             for s in spans:
                 e = {"name": s.name, "ph": "X", "pid": pid, "tid": TRACKS.index(s.track),
                      "ts": (s.start + offset) * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
-                     "cat": s.track}
+                     "cat": s.cat or s.track}
                 if s.args:
                     e["args"] = s.args
                 ev.append(e)
@@ -144,6 +168,11 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def on_track(e: dict, track: str) -> bool:
+    """Whether Chrome-trace event `e` is a span on `track` (COMPUTE or COMM) of its rank."""
+    return e.get("ph") == "X" and e.get("cat") != "step" and e.get("tid") == TRACKS.index(track)
+
+
 def write_chrome_trace(path: str, events: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -158,7 +187,7 @@ def last_step_actions(events: list[dict]) -> dict[tuple, float]:
             starts[e["pid"]] = max(starts.get(e["pid"], e["ts"]), e["ts"])
     out = {}
     for e in events:
-        m = re.match(r"([FBIW])(\d+) s(\d+)$", e["name"]) if e.get("cat") == COMPUTE else None
+        m = re.match(r"([FBIW])(\d+) s(\d+)$", e["name"]) if on_track(e, COMPUTE) else None
         if m and e["ts"] >= starts[e["pid"]]:
             out[(m[1], int(m[3]), int(m[2]))] = e["dur"] / 1e6
     return out
@@ -177,9 +206,9 @@ def transfer_latency(events: list[dict]) -> float:
     for e in events:
         if e.get("ph") != "X" or e["ts"] < t0:
             continue
-        if e["name"].startswith("send ") and e.get("cat") == COMPUTE:
+        if e["name"].startswith("send ") and on_track(e, COMPUTE):
             sends.setdefault(e["name"][5:], []).append(e)
-        elif e["name"].startswith("recv ") and e.get("cat") == COMM:
+        elif e["name"].startswith("recv ") and on_track(e, COMM):
             recvs.setdefault(e["name"][5:], []).append(e)
     lat = []
     for name, rs in recvs.items():
@@ -206,7 +235,7 @@ def pipeline_bubble(events: list[dict], step: int = -1) -> float:
         ts.sort()
         k = step % len(ts)
         window[pid] = (ts[k], ts[k + 1] if k + 1 < len(ts) else float("inf"))
-    work = [e for e in events if e.get("cat") == COMPUTE and e.get("pid") in window
+    work = [e for e in events if on_track(e, COMPUTE) and e.get("pid") in window
             and window[e["pid"]][0] <= e["ts"] < window[e["pid"]][1]
             and re.match(r"[FBIW]\d+ s\d+$", e["name"])]
     start = min(e["ts"] for e in work)

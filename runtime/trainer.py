@@ -245,6 +245,8 @@ class ParallelModel:
             local.append(self.scaler.scale_tensor(self.world.device))
         params = self.sharded_optimizer.param_shards if program.params_sharded else self.params
         if program is self.program and self.cuda_graphs.capture:
+            # the unlowered graph, replayed: no region markers (host calls are not replayed)
+            self.recorder.segment("forward+backward")
             if self._graphed is None:  # the graph's functional collectives are capturable
                 self._graphed = cudagraph.GraphedStep(
                     lambda *a: executor.run_graph(program.graph, a, (), ()),
@@ -290,7 +292,8 @@ class ParallelModel:
             last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
             if loss is None:
                 loss = torch.empty((), device=self.world.device)
-            dist.broadcast(loss, src=last, group=runner.group)
+            comm.timed("broadcast loss", loss.element_size(),
+                       lambda: dist.broadcast(loss, src=last, group=runner.group))
         return loss, grads, new_bufs
 
     def step(self, batch) -> torch.Tensor:
@@ -320,8 +323,8 @@ class ParallelModel:
         self._on_measured(float(t))
 
     def _train_step(self, batch) -> torch.Tensor:
-        if self.pipeline_runner is not None:
-            with executor.recording(self.recorder) as rec:
+        if self.pipeline_runner is not None:  # (before the first action: splitting the batch)
+            with executor.recording(self.recorder, rtrace.RUNTIME) as rec:
                 loss, grads, new_bufs = self._run_pipeline(self.program,
                                                            self.pipeline_runner, batch,
                                                            rec)

@@ -203,6 +203,11 @@ def test_replayed_training_matches_eager(monkeypatch):
     events = events["traceEvents"] if isinstance(events, dict) else events
     steps = [e for e in events if e.get("cat") == "step"]
     assert [e.get("args", {}).get("gpu_ms") for e in steps] == [None, None, 1.0, 1.0, 1.0]
+    # the replayed graph is the unlowered one: no region markers, one segment (warm-up alike)
+    # after the batch's preparation ("forward")
+    compute = [e["cat"] for e in events if e.get("tid") == 0 and e.get("ph") == "X"
+               and e["cat"] not in ("step", "blocked", "forward")]
+    assert compute == ["forward+backward", "optimizer"] * 5
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -280,7 +280,7 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
         dist.barrier()
         import json
         from fxpar.runtime import schedules
-        from fxpar.runtime.trace import last_step_actions, transfer_latency
+        from fxpar.runtime.trace import COMPUTE, last_step_actions, on_track, transfer_latency
         events = json.load(open(path))["traceEvents"]
         took = last_step_actions(events)
         sim = schedules.simulate_schedule(schedules.build(schedule, world, microbatches),
@@ -288,7 +288,7 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
                                  p2p_latency=transfer_latency(events))
         rank = int(os.environ["RANK"])
         order = sorted(((e["ts"], e["name"]) for e in events if e.get("pid") == rank
-                        and e.get("cat") == "compute" and e["name"][:1] in "FBIW"
+                        and on_track(e, COMPUTE) and e["name"][:1] in "FBIW"
                         and " s" in e["name"] and e["ts"] >= min(
                             x["ts"] for x in events if x.get("cat") == "step"
                             and x["pid"] == rank and x["name"] == f"step {steps - 1}")))
@@ -641,3 +641,16 @@ def misuse_rank(mode):
     except CollectiveMisuse as e:
         return str(e)
     return None
+
+
+def timeline_rank(runs, steps=2):
+    """Per (trace path, plan): a small GPT trained `steps` steps; rank 0 writes the trace."""
+    cfg = M.GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    batch = M.gpt_batch(cfg, 4)
+    for path, plan in runs:
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(cfg), int(os.environ["WORLD_SIZE"]),
+                               example_batch=batch, plan=plan)
+        for _ in range(steps):
+            pm.step(batch)
+        pm.trace(path)
