@@ -36,6 +36,7 @@ class Decision:
     hoisted: dict[str, int]           # start node -> nodes it moved above
     sunk: dict[str, int]              # wait node -> nodes it moved below
     limited: list[str]                # collectives the memory limit stopped short
+    why: str = ""                     # nothing moved: the reason, for the report and console
 
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
@@ -93,8 +94,26 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:
             prev.append(n)
-    gm.meta["overlap"] = Decision(slack, hoisted, sunk, sorted(set(limited)))
+    why = "" if hoisted or sunk else _why_nothing_moved(pairs, limited)
+    gm.meta["overlap"] = Decision(slack, hoisted, sunk, sorted(set(limited)), why)
     return gm
+
+
+def _why_nothing_moved(pairs, limited) -> str:
+    """Every collective already starts right after its input and is waited right before its
+    first use: say so, and what would give it room (the usual case: one gradient bucket)."""
+    if limited:
+        return (f"the memory limit stopped all {len(limited)} moves (Plan overlap memory: "
+                "raise it to let collectives start earlier / wait later)")
+    grads = [s for s, _ in pairs if s.meta.get(ir.BUCKET)]
+    why = (f"each of the {len(pairs)} collectives is already issued right after its input "
+           "is made and waited right before its first use")
+    if len(grads) == 1:
+        why += ("; the gradients form one bucket, which is complete only at the end of the "
+                "backward (data_parallel's alpha-beta sizing found one bucket cheapest at this "
+                "size; a smaller Plan.bucket_mb splits them so early buckets travel while the "
+                "backward computes)")
+    return why
 
 
 def collective_pairs(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:

@@ -213,3 +213,16 @@ def test_zero3_dp4_model_state_measured_with_tracker():
         assert sum(sharded[r].values()) <= 0.30 * total, (sharded[r], full[r])
         for k in ("params", "grads", "optimizer"):
             assert sharded[r][k] <= 0.30 * full[r][k], (k, sharded[r], full[r])
+
+
+def test_overlap_says_why_nothing_moved():
+    """One gradient bucket (a tiny model: alpha-beta sizing keeps it whole) leaves the pass
+    nothing to move; its decision says so and what would change it. Split buckets move."""
+    torch.manual_seed(0)
+    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), bucket_mb=None)
+    d = gm.meta["overlap"]
+    assert not d.hoisted and not d.sunk
+    assert "one bucket" in d.why and "Plan.bucket_mb" in d.why
+    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), bucket_mb=0.01)
+    d = gm.meta["overlap"]
+    assert d.sunk and d.why == ""
