@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up fxpar on a fresh machine: .venv with torch (CPU build when there is no GPU),
-# fxpar in editable mode with its test deps, and graphviz's `dot`.
+# fxpar in editable mode with its test deps, graphviz's `dot`, and Debian's chromium (the
+# report's browser test; optional: without it that one test is skipped, saying so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,5 +45,12 @@ if ! command -v dot >/dev/null 2>&1; then
   else
     echo "warning: graphviz 'dot' not found; install graphviz to render SVGs" >&2
   fi
+fi
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ ! -e "$VENV/.chromium-tried" ]; then  # tried once per .venv
+  touch "$VENV/.chromium-tried"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null; } \
+    || echo "warning: could not install chromium; tests/test_report_browser.py will skip" >&2
 fi
 echo "fxpar set up in $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
