@@ -350,10 +350,6 @@ def fake_batch(batch: Any, device, mode: FakeTensorMode) -> Any:
         batch)
 
 
-def _strip(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
-
-
 def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
     """Reorder outputs to (loss, grads, updated buffers); tag role/region/module on every node."""
     graph = gm.graph
@@ -405,7 +401,10 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
             is_fwd = n in fwd or (n.target is operator.getitem and n.args[0] in fwd)
             n.meta[ir.REGION] = ir.FORWARD if is_fwd else ir.BACKWARD
             if is_fwd:
-                n.meta[ir.MODULE] = _strip(tags.get(n.name, "")) if tags.get(n.name) else ""
+                # the tagger hooks the user's model itself, so its paths are already those of
+                # model.named_modules() and match the parameter names: kept whole (stripping a
+                # leading "model." here once split HF Llama's `model.layers.N` in two)
+                n.meta[ir.MODULE] = tags.get(n.name, "")
     # backward nodes: the module of the most recently computed forward value (or parameter)
     # they consume, else that of the gradient flowing into them
     order = {n: i for i, n in enumerate(graph.nodes)}

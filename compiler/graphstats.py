@@ -183,11 +183,9 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     order.append("post")
     segs = {s: Segment(s) for s in order}
     def match(k):
-        """The segment of layer key k; module paths may differ by a wrapper prefix (capture
-        strips a leading "model." from forward tags, not from parameter names)."""
-        if k is None or k in segs:
-            return k
-        return next((s for s in segs if k.endswith("." + s) or s.endswith("." + k)), None)
+        """The segment of layer key k, if it is one (capture names forward and backward nodes
+        and parameters by the same full paths from the user's model)."""
+        return k if k in segs else None
 
     for b in bwd:
         m = b.meta.get(ir.MODULE, "")

@@ -108,6 +108,38 @@ def test_hf_models_capture_and_match_eager(factory, batch):
             torch.testing.assert_close(g, params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+class _Wrapped(nn.Module):
+    """A user model whose child is named `model` (as Hugging Face's *ForCausalLM)."""
+    def __init__(self):
+        super().__init__()
+        self.model = M.MLP()
+
+    def forward(self, batch):
+        return self.model(batch)
+
+
+@pytest.mark.parametrize("factory,batch", [
+    (M.hf_llama, M.hf_lm_batch(128, 2, 16)),
+    (M.hf_gpt2, M.hf_lm_batch(128, 2, 16)),
+    (M.GPT, M.gpt_batch(M.GPTConfig(), 2)),
+    (_Wrapped, (torch.randn(8, 16), torch.randn(8, 4))),
+])
+def test_module_paths_are_full_paths_from_the_users_model(factory, batch):
+    """Every node's module is a path of model.named_modules() (the one parameter names use):
+    HF Llama's blocks are `model.layers.N` in forward and backward alike, never `layers.N`."""
+    torch.manual_seed(0)
+    model = factory()
+    gm, _ = capture(model, batch)
+    names = dict(model.named_modules())
+    paths = {n.meta[ir.MODULE] for n in gm.graph.nodes if n.op == "call_function"}
+    assert paths <= set(names), sorted(paths - set(names))
+    if factory is M.hf_llama:
+        assert not any(p.startswith("layers.") or p == "norm" for p in paths), sorted(paths)
+        assert {"model.layers.0.input_layernorm", "model.norm"} <= paths
+    if factory is _Wrapped:
+        assert {"model.fc1", "model.fc2", "model.fc3"} <= paths
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()

@@ -272,10 +272,10 @@ def test_sqrt_remat_memory_vs_tracker(layers, seq):
 
 
 def test_layers_of_a_hugging_face_model():
-    """HF Llama: blocks found on the graph; every block's parameters and backward belong to
-    it although forward tags and parameter names differ by the 'model.' wrapper prefix."""
+    """HF Llama: blocks found on the graph (named by their full paths, as the parameters);
+    every block's parameters and backward belong to it."""
     stats = planner.graph_stats(M.hf_llama(), M.hf_lm_batch(128, 8, 16))
-    assert [s.name for s in stats.layers] == ["layers.0", "layers.1"]
+    assert [s.name for s in stats.layers] == ["model.layers.0", "model.layers.1"]
     a, b = stats.layers
     assert a.params == b.params > 0 and a.flops_b == b.flops_b > 0
     assert stats.heads == 4 and a.n_row == 2

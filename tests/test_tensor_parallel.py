@@ -100,7 +100,7 @@ def test_hf_llama_gqa_heads_split_with_fewer_kv_heads():
     assert {mlp + "gate_proj.weight", mlp + "up_proj.weight"} <= set(d.column)
     assert mlp + "down_proj.weight" in d.row
     # RMSNorm's backward reads the gradient once, reduced
-    assert all_reduces(gm, module="layers.0") == (2, 2)
+    assert all_reduces(gm, module="model.layers.0") == (2, 2)
     # k/v projections: 2 kv heads x 8 -> one head per rank
     k = next(n for n in gm.graph.nodes if n.op == "placeholder"
              and n.name == [p.name for p in gm.graph.nodes if p.op == "placeholder"][
@@ -347,4 +347,4 @@ def test_one_kv_head_stays_whole_while_q_heads_split():
     short = lambda names: sorted(n.split(".")[-2] for n in names if "self_attn" in n)  # noqa
     assert short(d.replicated) == ["k_proj", "v_proj"]
     assert short(d.column) == ["q_proj"] and short(d.row) == ["o_proj"]
-    assert all_reduces(gm, module="layers.0") == (2, 4)  # Megatron's 2 + 2, and k, v grads
+    assert all_reduces(gm, module="model.layers.0") == (2, 4)  # Megatron's 2 + 2, and k, v grads
