@@ -218,11 +218,12 @@ def test_zero3_dp4_model_state_measured_with_tracker():
 def test_overlap_says_why_nothing_moved():
     """One gradient bucket (a tiny model: alpha-beta sizing keeps it whole) leaves the pass
     nothing to move; its decision says so and what would change it. Split buckets move."""
+    cfg = M.GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
-    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), bucket_mb=None)
+    gm, _ = compile_plan(M.GPT(cfg), M.gpt_batch(cfg, 4), bucket_mb=None)
     d = gm.meta["overlap"]
     assert not d.hoisted and not d.sunk
     assert "one bucket" in d.why and "Plan.bucket_mb" in d.why
-    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), bucket_mb=0.01)
+    gm, _ = compile_plan(M.GPT(cfg), M.gpt_batch(cfg, 4), bucket_mb=0.001)
     d = gm.meta["overlap"]
     assert d.sunk and d.why == ""

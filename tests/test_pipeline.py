@@ -192,7 +192,8 @@ def test_tied_embedding_is_held_by_first_and_last_stage():
     torch.testing.assert_close(grads[i], ref_grads[i])   # both uses' gradients summed
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow),
+                                      "zero-bubble"])  # slow: make test's time
 def test_parts_in_pipeline_order_equal_the_unsplit_step(schedule):
     model = M.GPT(CFG8)
     batch = M.gpt_batch(CFG8, 4)
@@ -213,7 +214,8 @@ def test_zero_bubble_weight_grads_are_separate_from_input_grads():
     assert any(g and prog.producer[g][0] == "W" for g in prog.grads)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zero-bubble",
+                                                           marks=pytest.mark.slow)])
 def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(schedule):
     """pp=2 x dp=2, 4 microbatches: every gradient collective sits in a per-stage R part
     (run once per step on the summed gradients), none in the per-microbatch parts."""

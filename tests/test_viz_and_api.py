@@ -145,9 +145,14 @@ def test_report_shows_plan_passes_and_predicted_vs_measured(tmp_path):
     svgs = write_snapshots(pm.stage_graphs, str(tmp_path))
     path = write_report(pm, str(tmp_path), svgs=svgs, images=[], measured_memory=peak)
     page = open(path).read()
-    for text in ("<h2>Plan</h2>", "remat", "checkpoints", "data_parallel", "Predicted vs measured",
-                 "01_remat_dp.svg", "fusion</h3><p>left out"):
+    for text in ('<h2 id="plan">Plan</h2>', "remat", "checkpoints", "data_parallel",
+                 "Predicted vs measured", "01_remat_dp.svg", "fusion</h3><p>not run: ",
+                 "activation peak per rank", "<b>tensor_parallel</b>: not run: tp=1",
+                 "<div class=\"zoom\"><svg", "<td><b>total</b></td>"):
         assert text in page, text
+    # every graph inline once, the passes' lines say what they did
+    assert page.count('<div class="zoom">') == sum(len(r) for r in pm.stage_graphs.values())
+    assert "the model and its loss traced into one joint graph" in page
     pred = predict(pm.stage_graphs["data_parallel"]["dp"], "cpu", 1)
     assert pred.step_s > 0 and pred.comm_s == 0 and pred.memory_bytes > 0
     # the liveness simulation and the tracker see the same allocations (optimizer temporaries
