@@ -7,19 +7,26 @@ collective: every rank must call them, in the same order. An everyday mistake br
 other ranks' next `step` and return a wrong loss, or wait out FXPAR_TIMEOUT and end in a raw
 gloo timeout. So each such call first all-gathers a 16-byte fingerprint (which
 ParallelModel, which method) on a gloo side group of the whole world; if the ranks disagree,
-every rank raises CollectiveMisuse naming what each rank called.
+every rank raises CollectiveMisuse naming what each rank called. pm.step issues the exchange
+as it starts and checks it just before the step's first communication (the runtime calls
+`settle` there), so its ~0.2 ms latency hides behind the forward; the other methods check
+before they start.
 
 A rank whose program ends normally posts an "end of program" fingerprint (fxpar.launch's
 rank wrapper, and an atexit hook under torchrun), so a peer still calling fxpar fails at once
 too (a rank that ends with an exception does not: its launcher stops the others). A rank stuck elsewhere (not in fxpar) is only found by the group's FXPAR_TIMEOUT; the
 message then says which call waited. The side group is gloo even on NCCL jobs: the check is
 host-side and never syncs the GPU; its cost is one small CPU all-gather per call
-(docs/benchmarks.md: executor_overhead).
+(benchmarks/call_check.py, docs/benchmarks.md: on a 2-core VM any gloo sync point costs
+~1.3 ms, a few percent of the demo's step, more of a toy step's). FXPAR_CHECK_CALLS=0 turns
+the check off for pm.step only (the rare methods keep it), as torch keeps its own collective
+fingerprinting (TORCH_DISTRIBUTED_DEBUG) opt-in for its cost.
 """
 from __future__ import annotations
 
 import atexit
 import functools
+import os
 import sys
 
 import torch
@@ -45,25 +52,34 @@ class _Ledger:
         self.ended = False
         self.calls = 0
         self.broken = ""  # the mismatch that left the ranks out of step
+        self.pending = None  # (work, buffers, what, raw_errors) of a begun call
 
-    def agree(self, model_id: int, method: int, what: str, raw_errors: bool = False) -> None:
+    def begin(self, model_id: int, method: int, what: str, raw_errors: bool = False) -> None:
+        """Issue this call's fingerprint exchange (async); `settle` checks it."""
         if self.broken:
             raise CollectiveMisuse(f"the ranks are out of step since {self.broken}; restart "
                                    f"the job. {_HOW}")
+        self.settle()
         self.calls += 1
         mine = torch.tensor([model_id, method], dtype=torch.int64)
         got = [torch.empty_like(mine) for _ in range(self.size)]
         try:
-            dist.all_gather(got, mine, group=self.group)
+            work = dist.all_gather(got, mine, group=self.group, async_op=True)
         except RuntimeError as e:
-            self.broken = f"call #{self.calls} ({what} on rank {self.rank})"
-            if raw_errors:  # pm.step: runtime/faults.step_context names the dead/hung rank
-                raise
-            raise CollectiveMisuse(
-                f"rank {self.rank} called {what} (its fxpar call #{self.calls}) and the other "
-                f"ranks did not make a matching call ({_short(e)}): a rank that skips a "
-                f"collective call, or whose process ended or died, leaves the others waiting. "
-                f"{_HOW}") from None
+            self._failed(e, what, raw_errors)
+        self.pending = (work, got, what, raw_errors)
+
+    def settle(self) -> None:
+        """Wait for the pending exchange (done by now, mostly: it ran while this rank
+        computed) and raise CollectiveMisuse on every rank if the calls differ."""
+        if self.pending is None:
+            return
+        work, got, what, raw_errors = self.pending
+        self.pending = None
+        try:
+            work.wait()
+        except RuntimeError as e:
+            self._failed(e, what, raw_errors)
         seen = [tuple(int(x) for x in t) for t in got]
         if len(set(seen)) > 1:
             called = "; ".join(f"rank {r}: {_name(m, k)}" for r, (m, k) in enumerate(seen))
@@ -71,6 +87,16 @@ class _Ledger:
             raise CollectiveMisuse(
                 f"the ranks made different fxpar calls at call #{self.calls} ({called}). "
                 f"{_HOW}")
+
+    def _failed(self, e: RuntimeError, what: str, raw_errors: bool):
+        self.broken = f"call #{self.calls} ({what} on rank {self.rank})"
+        if raw_errors:  # pm.step: runtime/faults.step_context names the dead/hung rank
+            raise e
+        raise CollectiveMisuse(
+            f"rank {self.rank} called {what} (its fxpar call #{self.calls}) and the other "
+            f"ranks did not make a matching call ({_short(e)}): a rank that skips a "
+            f"collective call, or whose process ended or died, leaves the others waiting. "
+            f"{_HOW}") from None
 
 
 _HOW = ("pm.step, evaluate, full_state_dict, save, load, trace and save_pretrained are "
@@ -119,9 +145,30 @@ def agree(model_id: int, method: str, raw_errors: bool = False) -> None:
     """Raise CollectiveMisuse on every rank unless all ranks are calling `method` of the
     same ParallelModel now. No-op in a single process. raw_errors: a peer that does not
     answer (dead, hung) raises the collective's own error, for runtime/faults to explain."""
+    _begin(model_id, method, raw_errors)
+    settle()
+
+
+def begin(model_id: int, method: str, raw_errors: bool = False) -> None:
+    if method == "step" and os.environ.get("FXPAR_CHECK_CALLS", "1") == "0":
+        return  # opted out: see the module docstring
+    _begin(model_id, method, raw_errors)
+
+
+def _begin(model_id: int, method: str, raw_errors: bool = False) -> None:
+    """`agree`, with the check deferred to the next `settle`: pm.step begins its call and
+    computes while the fingerprints travel; the runtime settles before the step's first
+    communication (runtime/comm, the pipeline's transfers, the optimizer), so a mismatch
+    still raises before any collective of the step is issued."""
     ledger = _current()
     if ledger is not None and not ledger.ended:
-        ledger.agree(model_id, METHODS.index(method), f"pm.{method}", raw_errors)
+        ledger.begin(model_id, METHODS.index(method), f"pm.{method}", raw_errors)
+
+
+def settle() -> None:
+    """Check a begun call (no-op when none is pending: cheap enough for every collective)."""
+    if _ledger is not None and _ledger.pending is not None:
+        _ledger.settle()
 
 
 def end_of_program() -> None:
@@ -132,7 +179,8 @@ def end_of_program() -> None:
             or ledger.world is not dist.group.WORLD:
         return
     ledger.ended = True
-    ledger.agree(0, END, "the end of its program")
+    ledger.begin(0, END, "the end of its program")
+    ledger.settle()
 
 
 def _noting_failure(hook):

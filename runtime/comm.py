@@ -30,7 +30,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import FxparError, PlanError
-from fxpar.runtime import trace
+from fxpar.runtime import calls, trace
 from fxpar.runtime.trace import Recorder
 
 c10d = torch.ops._c10d_functional
@@ -46,6 +46,10 @@ def set_recorder(rec: Recorder | None) -> None:
 
 
 def _group(name: str) -> dist.ProcessGroup:
+    """The process group a collective of the graph runs on, looked up as it is issued: the
+    step's call check (runtime/calls.py) is settled first, so ranks that called different
+    methods never pair their collectives."""
+    calls.settle()
     pg = _groups.get(name)
     if pg is None:
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -206,6 +210,7 @@ def wait(p) -> torch.Tensor:
 def timed(name: str, nbytes: int, fn):
     """Run a blocking collective outside the graph (e.g. ZeRO's parameter all-gather after
     the optimizer step) and record it as fully exposed communication."""
+    calls.settle()
     t0 = time.perf_counter()
     res = fn()
     t1 = time.perf_counter()

@@ -245,6 +245,7 @@ class ParallelModel:
             local.append(self.scaler.scale_tensor(self.world.device))
         params = self.sharded_optimizer.param_shards if program.params_sharded else self.params
         if program is self.program and self.cuda_graphs.capture:
+            calls.settle()  # the replay's collectives do not pass through runtime/comm
             # the unlowered graph, replayed: no region markers (host calls are not replayed)
             self.recorder.segment("forward+backward")
             if self._graphed is None:  # the graph's functional collectives are capturable
@@ -262,6 +263,7 @@ class ParallelModel:
 
     def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
         """All microbatches through this rank's stages; the loss on every rank."""
+        calls.settle()  # the transfers and counts below are the step's first communication
         batch = to_device(batch, self.world.device)
         local = self.batch == "local"
         trees = ir.microbatches(batch, program.microbatches, 1 if local else program.dp) \
@@ -303,8 +305,10 @@ class ParallelModel:
         NonFiniteLossError before the optimizer applies it (runtime/faults.py)."""
         n = getattr(self, "step_count", 0) + 1
         with faults.step_context(self.world, n):
-            calls.agree(self._call_id, "step", raw_errors=True)  # every rank steps now
+            # every rank steps now: checked (calls.settle) before the step's first collective
+            calls.begin(self._call_id, "step", raw_errors=True)
             loss = self._train_step(batch)
+            calls.settle()
         self.step_count = n
         if n == self.REFIT_AFTER and self._on_measured is not None \
                 and self.plan_report is not None:  # a planned job: a collective, all ranks
@@ -329,6 +333,7 @@ class ParallelModel:
                                                            self.pipeline_runner, batch,
                                                            rec)
                 faults.check_loss(loss, self.plan)
+                calls.settle()
                 rec.segment("optimizer")
                 held = self.pipeline_runner.held_params
                 if self.sharded_optimizer is not None:
@@ -353,6 +358,7 @@ class ParallelModel:
             n_g = len(self.program.zero_buckets) if self.sharded_optimizer else len(self.params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
             faults.check_loss(loss, self.plan)
+            calls.settle()
             rec.segment("optimizer")
             if not self._finish_grads(grads):
                 pass  # fp16 overflow on some rank: every rank skips this update
