@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 import sys
 
@@ -164,14 +165,13 @@ def cmd_zoo(args):
 def version() -> str:
     """fxpar's version (the pyproject.toml beside this package in a checkout, else the
     installed distribution's) and torch's."""
-    import importlib.metadata
-    import tomllib
     import torch
     try:
+        import tomllib  # Python 3.11+; on 3.10 the installed metadata answers
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                "pyproject.toml"), "rb") as f:
             v = tomllib.load(f)["project"]["version"]
-    except (OSError, KeyError):
+    except (ImportError, OSError, KeyError):
         v = importlib.metadata.version("fxpar")
     return f"fxpar {v} (torch {torch.__version__})"
 

@@ -66,7 +66,8 @@ def main(argv=None):
     checked = max(r[1] for r in res.values())
     unchecked = max(r[2] for r in res.values())
     print(f"blocking call check (evaluate, save, ...): {agree * 1e6:.0f} us per call")
-    print(f"GPT {args.layers}x{args.embd} dp={args.nprocs} step: {checked * 1e3:.2f} ms checked (begun at the step's "
+    print(f"GPT {args.layers}x{args.embd} dp={args.nprocs} step: {checked * 1e3:.2f} ms checked "
+          "(begun at the step's "
           f"start, settled before its first collective), {unchecked * 1e3:.2f} ms without: "
           f"ratio {checked / unchecked:.3f}; checked before the step starts instead: "
           f"ratio {max(r[3] for r in res.values()) / unchecked:.3f}")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fxpar.compiler import planner
 from fxpar.compiler.capture import meta_tensors
-from fxpar.compiler.compile import build, summary
+from fxpar.compiler.compile import build
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.logs import Clock, configure
@@ -64,8 +64,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
                                                     example_batch, loss_fn, optimizer)
-        for row in plan_report.times:  # (each logged where it was measured)
-            clock.add(*row, quiet=True)
+        clock.extend(plan_report.times)  # (each logged where it was measured)
     resolved = resolve(plan, world_size)
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
@@ -94,15 +93,12 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     example_batch = to_device(example_batch, world.device)
     program = build(model, example_batch, loss_fn, resolved, world.device)
     program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
-    for row in program.compile_times:
-        clock.add(*row, quiet=True)
+    clock.extend(program.compile_times)
     pm = ParallelModel(model, world, program, optimizer,
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
                        weights=source, batch=batch)
-    for row in pm.compile_times[len(program.compile_times):]:  # the runtime's set-up
-        clock.add(*row, quiet=True)
-    pm.compile_times = program.compile_times = clock.rows()
-    log.info("compiled in %.2f s (%s)", clock.wall(), summary(pm.compile_times))
+    clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
+    pm.compile_times = program.compile_times = clock.finish()
     return pm
 
 

@@ -51,22 +51,13 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
         report = planner.auto_plan(model, example_batch, loss_fn, None, world_size, dev_type,
                                    constraints=planner.constraints_of(plan))
         plan = report.best.plan
-        for row in report.times:
-            clock.add(*row, quiet=True)
+        clock.extend(report.times)
     program = build(model, example_batch, loss_fn, resolve(plan, world_size),
                     torch.device(dev_type))
-    for row in program.compile_times:
-        clock.add(*row, quiet=True)
+    clock.extend(program.compile_times)
     program.plan_report = report
-    program.compile_times = clock.rows()
-    log.info("compiled in %.2f s (%s)", clock.wall(), summary(program.compile_times))
+    program.compile_times = clock.finish()
     return program
-
-
-def summary(rows, top: int = 3) -> str:
-    """The longest phases of compile_times, in words."""
-    big = sorted(rows, key=lambda r: -r[1])[:top]
-    return ", ".join(f"{name} {s:.2f} s" for name, s, _ in big)
 
 
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,

@@ -16,8 +16,10 @@ compile summary, progress of phases over 2 s -- and WARNING on the other ranks
 
 One stderr handler goes on the "fxpar" logger (never the root logger), once, and only where
 the program has not configured logging itself (handlers on "fxpar" or the root logger, or a
-level set on "fxpar"): there fxpar's records reach the program's handlers, and only
-FXPAR_LOGS's levels (or, without it, INFO on rank 0 where "fxpar" has no level) are set.
+level set on "fxpar"); with it "fxpar" stops propagating (as torch's loggers do), so a root
+handler the program adds later prints no second copy. Where the program configured logging,
+fxpar's records go to the program's handlers at the program's levels: only FXPAR_LOGS's
+levels are set (without it, nothing: `logging.basicConfig(level=WARNING)` stays quiet).
 """
 from __future__ import annotations
 
@@ -120,13 +122,17 @@ def configure(force: bool = False) -> None:
     _configured = True
     ours = _handler is not None and _handler in top.handlers
     user_level = top.level != logging.NOTSET and "fxpar" not in _levels_set
-    if not ours and not (top.handlers or logging.getLogger().handlers or user_level):
+    configured_by_program = bool(top.handlers and not ours or logging.getLogger().handlers
+                                 or user_level)
+    if not ours and not configured_by_program:
         _handler = _Stderr()
         top.addHandler(_handler)
-    if levels is None:
-        if user_level:
-            return  # the program set fxpar's level: keep it
-        levels = {"fxpar": logging.INFO if rank() == 0 else logging.WARNING}
+        ours = True
+    # as torch's loggers: with fxpar's handler, a root handler added later prints no copy
+    top.propagate = not (_handler is not None and _handler in top.handlers)
+    if levels is None:  # the program's logging config decides, else INFO on rank 0
+        levels = {} if configured_by_program else {
+            "fxpar": logging.INFO if rank() == 0 else logging.WARNING}
     for name in _levels_set - set(levels):  # set by an earlier call
         logging.getLogger(name).setLevel(logging.NOTSET)
     for name, level in levels.items():
@@ -177,6 +183,19 @@ class Clock:
         self.times.append((name, seconds, nodes))
         if not quiet:
             phase_done(self.logger, name, seconds, detail)
+
+    def extend(self, rows) -> None:
+        """Rows timed (and reported) by an inner clock: compile's within parallelize's."""
+        for row in rows:
+            self.add(*row, quiet=True)
+
+    def finish(self) -> list[tuple[str, float, int | None]]:
+        """The rows, "other" last; says "compiled in" with the longest phases at INFO."""
+        rows = self.rows()
+        big = sorted(rows, key=lambda r: -r[1])[:3]
+        self.logger.info("compiled in %.2f s (%s)", self.wall(),
+                         ", ".join(f"{name} {s:.2f} s" for name, s, _ in big))
+        return rows
 
     def wall(self) -> float:
         return time.perf_counter() - self.t0

@@ -20,10 +20,12 @@ The best plan wins; `PlanResult.table` has the runner-ups and `explain()` says w
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
 import time
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -776,8 +778,6 @@ def _on_copy(pass_, gm, sig, plan: dict, world: int, **ctx):
     """`pass_` run on a copy of the captured graph (the planner counts what a pass makes
     without compiling a job), or None where it cannot transform this model. The pass's
     warnings are the chosen plan's to give (the job's own passes repeat them), not a probe's."""
-    import copy
-    import warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

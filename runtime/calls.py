@@ -9,13 +9,14 @@ gloo timeout. So each such call first all-gathers a 16-byte fingerprint (which
 ParallelModel, which method) on a gloo side group of the whole world; if the ranks disagree,
 every rank raises CollectiveMisuse naming what each rank called. pm.step issues the exchange
 as it starts and checks it just before the step's first communication (the runtime calls
-`settle` there), so its ~0.2 ms latency hides behind the forward; the other methods check
-before they start.
+`settle` there), so its latency (one gloo round trip) overlaps the forward; the other
+methods check before they start.
 
 A rank whose program ends normally posts an "end of program" fingerprint (fxpar.launch's
 rank wrapper, and an atexit hook under torchrun), so a peer still calling fxpar fails at once
-too (a rank that ends with an exception does not: its launcher stops the others). A rank stuck elsewhere (not in fxpar) is only found by the group's FXPAR_TIMEOUT; the
-message then says which call waited. The side group is gloo even on NCCL jobs: the check is
+too (a rank that ends with an exception does not: its launcher stops the others). A rank
+stuck elsewhere (not in fxpar) is only found by the group's FXPAR_TIMEOUT; the message then
+says which call waited. The side group is gloo even on NCCL jobs: the check is
 host-side and never syncs the GPU; its cost is one small CPU all-gather per call
 (benchmarks/call_check.py, docs/benchmarks.md: on a 2-core VM any gloo sync point costs
 ~1.3 ms, a few percent of the demo's step, more of a toy step's). FXPAR_CHECK_CALLS=0 turns
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from fxpar.compiler.errors import CollectiveMisuse
 
 METHODS = ("step", "evaluate", "full_state_dict", "save", "load", "trace", "save_pretrained",
-           "end of program")
+           "full_params", "end of program")
 END = len(METHODS) - 1
 _ledger: "_Ledger | None" = None
 _raised = False  # the program is ending with an uncaught exception: no end-of-program call
@@ -99,8 +100,8 @@ class _Ledger:
             f"{_HOW}") from None
 
 
-_HOW = ("pm.step, evaluate, full_state_dict, save, load, trace and save_pretrained are "
-        "collective: call each on every rank, in the same order (e.g. "
+_HOW = ("pm.step, evaluate, full_state_dict, full_params, save, load, trace and "
+        "save_pretrained are collective: call each on every rank, in the same order (e.g. "
         "`loss = pm.evaluate(batch)` on every rank, then `if rank == 0: print(loss)`).")
 
 
@@ -168,6 +169,9 @@ def _begin(model_id: int, method: str, raw_errors: bool = False) -> None:
 def settle() -> None:
     """Check a begun call (no-op when none is pending: cheap enough for every collective)."""
     if _ledger is not None and _ledger.pending is not None:
+        if not dist.is_initialized() or _ledger.world is not dist.group.WORLD:
+            _ledger.pending = None  # begun on a process group since destroyed
+            return
         _ledger.settle()
 
 
@@ -179,8 +183,16 @@ def end_of_program() -> None:
             or ledger.world is not dist.group.WORLD:
         return
     ledger.ended = True
-    ledger.begin(0, END, "the end of its program")
-    ledger.settle()
+    try:
+        ledger.begin(0, END, "the end of its program", raw_errors=True)
+        ledger.settle()
+    except RuntimeError as e:  # CollectiveMisuse (a peer called something else) propagates
+        if isinstance(e, CollectiveMisuse):
+            raise
+        # a peer still busy outside fxpar past FXPAR_TIMEOUT, or gone: this rank's program
+        # was right, so it ends quietly (a peer that calls fxpar later fails on its own)
+        print(f"fxpar: rank {ledger.rank} ended while a peer had not ({_short(e)})",
+              file=sys.stderr)
 
 
 def _noting_failure(hook):

@@ -13,7 +13,7 @@ Every start/wait records on the current trace.Recorder: the collective's flight 
 track, and the time the compute thread was blocked (issue + wait) as exposed communication.
 `lower` also puts a `mark` call where the nodes' meta["region"] changes (forward -> backward
 -> packing ...), so the timeline's compute segments say which part of the step ran: a few
-calls a step, ~1 us each. (A CUDA-graph replay runs the unlowered graph: no markers there,
+calls a step, ~1.5 us each. (A CUDA-graph replay runs the unlowered graph: no markers there,
 host calls are not replayed.)
 On CUDA, `wait` only orders the streams (the host does not block), so the exposed time it
 records is host-side only.

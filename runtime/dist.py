@@ -13,9 +13,17 @@ the same reason, but fxpar.launch and hand-spawned ranks do not go through it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
+import logging
 import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
 import uuid
 from typing import Any, Callable, Sequence
 
@@ -147,8 +155,6 @@ def _run(payload: bytes):
     """A spawned rank: unpickle fn and its args (by value: cloudpickle, so functions defined in
     a notebook or a script's __main__ work), run it, and write any exception to the progress
     folder so the launcher can put the real cause first."""
-    import pickle
-    import traceback
     os.environ.setdefault("FXPAR_DEVICE", "cpu")
     os.environ["FXPAR_LAUNCHED_RANK"] = os.environ.get("RANK", "0")
     try:
@@ -167,14 +173,14 @@ def _run(payload: bytes):
 def _write_error(e: BaseException, tb: str) -> None:
     folder = os.environ.get("FXPAR_PROGRESS_DIR")
     if folder and not isinstance(e, KeyboardInterrupt):
-        line = "".join(__import__("traceback").format_exception_only(type(e), e)).strip()
+        line = "".join(traceback.format_exception_only(type(e), e)).strip()
         with open(os.path.join(folder, f"error{os.environ.get('RANK', '0')}"), "w") as f:
             f.write(line + "\n\n" + tb)
 
 
 def _guard_recursion() -> None:
     """launch inside a spawned rank would spawn ranks from every rank."""
-    if "FXPAR_LAUNCHED_RANK" in os.environ or "FXPAR_PROGRESS_DIR" in os.environ:
+    if "FXPAR_LAUNCHED_RANK" in os.environ:
         err = LaunchError(
             "fxpar.launch was called inside a rank it spawned (fn calls launch again, or a "
             "module the ranks import calls it at import time): call launch once, from the "
@@ -183,50 +189,38 @@ def _guard_recursion() -> None:
         raise err
 
 
+@contextlib.contextmanager
 def _main_not_imported():
     """Spawned ranks need nothing from the caller's script (fn and args travel by value), so
     multiprocessing is kept from re-importing it in each rank: it would run the script's
     top-level code again (an unguarded `fxpar.launch(...)` call, model building, ...)."""
-    import contextlib
-    import sys
-
-    @contextlib.contextmanager
-    def ctx():
-        main = sys.modules.get("__main__")
-        saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
-        try:
-            if main is not None and "__file__" in saved:
-                del main.__file__
-                main.__spec__ = None
-            yield
-        finally:
-            for k, v in saved.items():
-                setattr(main, k, v)
-    return ctx()
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    try:
+        if main is not None and "__file__" in saved:
+            del main.__file__
+            main.__spec__ = None
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
 
 
-def _silenced(names=("torch.distributed.elastic",)):
+@contextlib.contextmanager
+def _elastic_quiet():
     """torch-elastic logs every child failure as a ~40-line traceback of its own poll loop;
     launch raises LaunchError with the child's real error instead, so those logs go quiet
     while it runs (set FXPAR_LAUNCH_VERBOSE=1 to keep them)."""
-    import contextlib
-    import logging
-
-    @contextlib.contextmanager
-    def ctx():
-        if os.environ.get("FXPAR_LAUNCH_VERBOSE"):
-            yield
-            return
-        loggers = [logging.getLogger(n) for n in names]
-        old = [lg.level for lg in loggers]
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
-        try:
-            yield
-        finally:
-            for lg, lv in zip(loggers, old):
-                lg.setLevel(lv)
-    return ctx()
+    if os.environ.get("FXPAR_LAUNCH_VERBOSE"):
+        yield
+        return
+    elastic = logging.getLogger("torch.distributed.elastic")
+    old = elastic.level
+    elastic.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        elastic.setLevel(old)
 
 
 def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
@@ -247,21 +241,19 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
                           run_id=f"fxpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
-    import signal
-    import tempfile
     payload = cloudpickle.dumps((fn, args))
     progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
     old_env = os.environ.get("FXPAR_PROGRESS_DIR")
     os.environ["FXPAR_PROGRESS_DIR"] = progress
     try:
-        with _silenced(), _main_not_imported():
+        with _elastic_quiet(), _main_not_imported():
             return elastic_launch(config, _entry)(payload)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        errors = sorted((os.path.getmtime(os.path.join(progress, f)), int(f[5:]), f)
+        errors = sorted((os.path.getmtime(os.path.join(progress, f)), int(f[5:]))
                         for f in os.listdir(progress) if f.startswith("error"))
-        if errors and not os.path.exists(os.path.join(progress, f"error{rank}")):
-            rank = errors[0][1]  # the first rank that raised (others were stopped after it)
+        if errors and failure.exitcode == -signal.SIGTERM:  # a rank the agent stopped:
+            rank = errors[0][1]  # the first rank that raised is the cause
             failure = e.failures.get(rank, failure)
         msg = failure.message if isinstance(failure.message, str) else \
             failure.message.get("message", str(failure.message)) if failure.message else ""
@@ -281,7 +273,6 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
             how += ", before any pm.step"
         raise LaunchError(f"rank {rank} failed ({how}): {msg or 'see its log above'}") from None
     finally:
-        import shutil
         shutil.rmtree(progress, ignore_errors=True)
         if old_env is None:
             os.environ.pop("FXPAR_PROGRESS_DIR", None)

@@ -15,7 +15,7 @@ the compute thread sat blocked issuing or waiting for a collective, i.e. communi
 nothing overlapped.
 
 Recording costs two clock reads per collective and per compute segment (region changes: a
-handful a step, ~1 us each), so it is always on; only the last `keep_steps` steps are kept.
+handful a step, ~1.5 us each), so it is always on; only the last `keep_steps` steps are kept.
 """
 from __future__ import annotations
 

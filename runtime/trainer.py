@@ -68,7 +68,8 @@ class ParallelModel:
         clock = Clock(log)
         plan = program.plan
         self.model, self.world, self.plan, self.program = model, world, plan, program
-        self._call_id = calls.register(rdist.timeout())  # collective methods agree first (runtime/calls.py)
+        # collective methods agree first on what is called (runtime/calls.py)
+        self._call_id = calls.register(rdist.timeout())
         self.plan_report = program.plan_report
         self.stage_graphs = program.stage_graphs
         self.fusion_skipped = program.fusion_skipped
@@ -332,8 +333,8 @@ class ParallelModel:
                 loss, grads, new_bufs = self._run_pipeline(self.program,
                                                            self.pipeline_runner, batch,
                                                            rec)
-                faults.check_loss(loss, self.plan)
                 calls.settle()
+                faults.check_loss(loss, self.plan)
                 rec.segment("optimizer")
                 held = self.pipeline_runner.held_params
                 if self.sharded_optimizer is not None:
@@ -348,17 +349,14 @@ class ParallelModel:
                 elif self.optimizer is not None:
                     optim.apply_gradients(self.optimizer, [self.params[i] for i in held],
                                           [grads[i] for i in held])
-                with torch.no_grad():
-                    for buf, val in zip(self._mutated_buffers, new_bufs):
-                        if val is not None:
-                            buf.copy_(val)
+                self._update_buffers(new_bufs)
             return loss.detach()
         with executor.recording(self.recorder) as rec:
             outs = self._run(self.program, batch)
             n_g = len(self.program.zero_buckets) if self.sharded_optimizer else len(self.params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
-            faults.check_loss(loss, self.plan)
             calls.settle()
+            faults.check_loss(loss, self.plan)
             rec.segment("optimizer")
             if not self._finish_grads(grads):
                 pass  # fp16 overflow on some rank: every rank skips this update
@@ -454,9 +452,12 @@ class ParallelModel:
         return path
 
     def _update_buffers(self, new_bufs):
+        """The step's new buffer values (BatchNorm statistics...) into the model's buffers;
+        None: a pipeline rank whose stages do not compute that buffer."""
         with torch.no_grad():
             for buf, val in zip(self._mutated_buffers, new_bufs):
-                buf.copy_(val)
+                if val is not None:
+                    buf.copy_(val)
 
     @calls.collective
     def evaluate(self, batch) -> torch.Tensor:
@@ -493,6 +494,7 @@ class ParallelModel:
         return rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
             if layout is not None else local
 
+    @calls.collective
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> the user's full weight, for every parameter this rank's stages
         hold in shards (tp slices, ZeRO-3 shards). Collective over the tp and dp groups."""

@@ -122,6 +122,12 @@ def test_configure_sets_levels_from_the_env_and_by_rank(fresh_logs):
     assert lvl == {"fxpar": logging.WARNING, "fxpar.passes.remat": logging.DEBUG,
                    "fxpar.runtime": logging.ERROR}
     fresh_logs.delenv("FXPAR_LOGS")
+    root = logging.getLogger()
+    fresh_logs.setattr(root, "handlers", [logging.NullHandler()])  # the program's config:
+    logs.configure(force=True)  # the spec's levels undone, no level forced on "fxpar"
+    assert logging.getLogger("fxpar").level == logging.NOTSET
+    assert logging.getLogger("fxpar.runtime").level == logging.NOTSET
+    fresh_logs.setattr(root, "handlers", [])  # a program that configured no logging
     fresh_logs.setenv("RANK", "1")  # default: WARNING off rank 0, levels of the spec undone
     logs.configure(force=True)
     assert logging.getLogger("fxpar").level == logging.WARNING

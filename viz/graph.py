@@ -153,7 +153,7 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
     ops in `<index>_<pass>_<role>/<module>.svg`. A box whose drawing is the same as in an
     earlier pass links to that file instead of rendering it again (most passes change few
     layers), and the drawings render in parallel: the `dot` runs are the cost. full: also
-    the whole node-level graph, `<index>_<pass>_<role>/graph.svg` (small graphs only: it
+    the whole node-level graph, `<index>_<pass>_<role>/_graph.svg` (small graphs only: it
     is thousands of points wide for a 2-layer GPT)."""
     import graphviz
     paths, jobs, drawn = [], {}, {}  # jobs: file -> dot source; drawn: source -> file
@@ -163,7 +163,7 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
             view = layer_view(gm)
             href = {}
             for b in view.boxes.values() if details else ():
-                name = (b.path or "top") + (f".s{b.stage}" if b.stage is not None else "")
+                name = (b.path or "_top") + (f".s{b.stage}" if b.stage is not None else "")
                 src = to_dot(gm, f"{b.path or layer_graph.TOP} after {{pass}}",
                              nodes=b.nodes).source
                 if src not in drawn:
@@ -171,7 +171,7 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
                     jobs[drawn[src]] = src.replace("{pass}", f"{pass_name} ({role})")
                 href[b.key] = drawn[src]
             if full:
-                jobs[f"{stem}/graph.svg"] = to_dot(gm, f"after {pass_name} ({role})").source
+                jobs[f"{stem}/_graph.svg"] = to_dot(gm, f"after {pass_name} ({role})").source
             dot = layer_graph.layer_dot(view, f"after {pass_name} ({role})",
                                         href=lambda b: href.get(b.key))
             jobs[f"{stem}.svg"] = dot.source

@@ -283,9 +283,14 @@ def _legend(view: LayerView) -> str:
     if view.staged:
         rows.append(row("black: pipeline send/recv (bytes)", "#e8e8e8"))
         rows += [row(f"stage {s}", STAGE_COLORS[s % len(STAGE_COLORS)])
-                 for s in sorted({b.stage for b in view.boxes.values()})]
+                 for s in _stages(view) if s is not None]
     return ('<table border="0" cellborder="1" cellspacing="0" cellpadding="3">'
             + "".join(rows) + "</table>")
+
+
+def _stages(view: LayerView) -> list:
+    """The stages boxes belong to, in order; None (a box of no stage) last."""
+    return sorted({b.stage for b in view.boxes.values()}, key=lambda s: (s is None, s))
 
 
 def layer_dot(view: LayerView | torch.fx.GraphModule, title: str = "", href=None):
@@ -313,7 +318,7 @@ def layer_dot(view: LayerView | torch.fx.GraphModule, title: str = "", href=None
         return (f' href="{html.escape(url)}" target="_top"' if url else "") + \
             f' title="{html.escape(b.path or TOP)}"'
 
-    for s in sorted({b.stage for b in view.boxes.values()}, key=lambda s: (s is None, s)):
+    for s in _stages(view):
         ctx = dot.subgraph(name=f"cluster_stage{s}") if s is not None else None
         g = ctx.__enter__() if ctx else dot
         if ctx:

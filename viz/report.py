@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
+import re
 import statistics
 
 import torch
@@ -192,7 +193,8 @@ function panZoom(svg) {
     const f = e.deltaY > 0 ? 1.2 : 1 / 1.2, px = x + fx * w, py = y + fy * h;
     w *= f; h *= f; x = px - fx * w; y = py - fy * h; set(); }, {passive: false});
   let drag = null;
-  svg.addEventListener('mousedown', e => { drag = [e.clientX, e.clientY, x, y]; e.preventDefault(); });
+  svg.addEventListener('mousedown', e => {
+    drag = [e.clientX, e.clientY, x, y]; e.preventDefault(); });
   window.addEventListener('mouseup', () => { drag = null; });
   svg.addEventListener('mousemove', e => { if (!drag) return; const r = svg.getBoundingClientRect();
     x = drag[2] - (e.clientX - drag[0]) / r.width * w;
@@ -216,8 +218,8 @@ window.addEventListener('load', () => {
 def _inline_svg(path: str) -> str:
     """An SVG file's markup for inlining (its links then work from the page, and the script
     can pan and zoom it): the XML prolog, doctype and comments dropped."""
-    import re
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     text = re.sub(r"<\?xml[^>]*\?>|<!DOCTYPE[^>]*>|<!--.*?-->", "", text, flags=re.S)
     return text.strip()
 
@@ -305,7 +307,7 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;te
 this plan</a>, <a href="#compile">compile time</a>, <a href="#passes">what each pass did</a>,
 <a href="#predicted">predicted vs measured</a>, <a href="#timeline">timeline and memory</a>.</p>
 <h2 id="plan">Plan</h2><table>{rows}</table>
-<div id="why">{_explain_block(pm) or "<h3>Why this plan</h3><p>The plan was given, not searched (plan='auto' shows the planner's ranking here).</p>"}</div>
+<div id="why">{_explain_block(pm) or _GIVEN}</div>
 <h2 id="compile">Compile</h2>{_compile_table(pm.compile_times)}
 <h2 id="passes">What each pass did</h2>
 <p class="small">Pictures: one box per module (a repeated layer is one row), coloured by stage
@@ -328,6 +330,8 @@ estimator (compiler/planner.py). {html.escape(covers)}</p>
     return path
 
 
+_GIVEN = ("<h3>Why this plan</h3><p>The plan was given, not searched (plan='auto' shows the "
+          "planner's ranking here).</p>")
 _IMAGE_CAPTIONS = {
     "timeline.png": "The last steps of every rank (pm.trace): compute coloured by region "
                     "(forward, backward, packing, optimizer), blocked time red, collectives on "
