@@ -82,9 +82,15 @@ def _planner_rows(pm, measured_s, measured_memory) -> list:
         err0 = f" ({(first.step_s / measured_s - 1) * 100:+.0f}%)" if measured_s else ""
         rows.append(("step time (planner, start-up calibration)",
                      f"{first.step_s * 1e3:.2f} ms{err0}", rows[0][2]))
+    m = c.memory
+    parts = (f"gradients {m.grads / MiB:.2f} + activations {m.activations / MiB:.2f} + "
+             f"reduction buffers {m.buffers / MiB:.2f}" if m.accumulate else
+             f"the larger of activations {m.activations / MiB:.2f} and gradients "
+             f"{m.grads / MiB:.2f} + reduction buffers {m.buffers / MiB:.2f} + working "
+             f"{m.working / MiB:.2f}")
     return rows + [
-            ("memory a step allocates (planner: gradients + activations + buffers, fullest "
-             "stage)", f"{c.memory.step_allocated / MiB:.2f} MiB{mem_err}",
+            ("memory a step allocates (planner's estimate, fullest stage)",
+             f"{m.step_allocated / MiB:.2f} MiB{mem_err}: {parts}",
              f"{measured_memory / MiB:.2f} MiB" if measured_memory else "-")]
 
 
