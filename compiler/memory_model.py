@@ -183,8 +183,8 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
         working = max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
         acts += working
     buffers = 0.0
-    if dp > 1 and zero < 3:
-        buffers += 2 * min(bucket_bytes, grads)
+    if dp > 1 and zero < 3:  # two buckets in flight, never more than all the gradients
+        buffers += min(2 * bucket_bytes, grads)
     if dp > 1 and zero >= 3:
         layer = max(((s.params - s.params_split) + s.params_split / tp
                      for s in segs if not getattr(s, "layer_count", 0)), default=0)
