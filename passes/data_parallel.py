@@ -403,6 +403,9 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
                 grads[i] = redistribute(graph, grads[i], pl, (Partial("sum"),), [group], [dp],
                                         {ir.MODULE: grads[i].meta.get(ir.MODULE, ""),
                                          ir.REGION: ir.COMM})
+    # positions again: the redistributions above are new nodes (all after the old ones; a
+    # bucket of two of them placed after the first one read the second before it existed)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     shards = []
     decided[ir.ZERO_BUCKETS] = []
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import fxpar
 from fxpar.compiler import ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import BatchError
@@ -226,3 +227,30 @@ def test_zero3_under_pp_each_stage_gathers_in_its_own_parts():
     readers = {prog.parts[k].stage for k, p in prog.parts.items()
                for kind, ref in p.inputs if kind == "param" and ref == wte}
     assert readers == {0, 1}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_buckets_of_redistributed_gradients_keep_graph_order(zero):
+    """An LSTM's weight gradients come out Replicate (its recurrence reads the whole batch)
+    and are made partial sums at the end of the graph; a bucket of two of them was placed
+    after the first and read the second before it existed (compile crashed)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class LSTMLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.rnn = nn.Embedding(32, 8), nn.LSTM(8, 8, batch_first=True)
+            self.head = nn.Linear(8, 32)
+
+        def forward(self, batch):
+            ids, targets = batch
+            h, _ = self.rnn(self.emb(ids))
+            return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 3))
+    prog = fxpar.compile(LSTMLM(), 2, example_batch=(ids, ids), plan={"dp": 2, "zero": zero})
+    prog.graph.graph.lint()  # every node defined before it is read
+    gm = prog.stage_graphs["data_parallel"]["dp"]
+    assert any(n.target is torch.ops.fxpar.partial_from_replicate.default
+               for n in gm.graph.nodes)  # the case: gradients redistributed to partial sums
