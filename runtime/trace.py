@@ -221,10 +221,11 @@ def transfer_latency(events: list[dict]) -> float:
 
 def pipeline_bubble(events: list[dict], step: int = -1) -> float:
     """Idle fraction of one step's pipeline (default the last recorded step; -2 the one
-    before...), from a Chrome trace's events (all ranks): 1 - (time in stage computations
-    F/B/I/W, summed over ranks) / (ranks x span), the span running from the first stage
-    computation's start to the last one's end — the quantity (p-1)/(m+p-1) predicts for GPipe
-    and 1F1B with equal stages."""
+    before...), from a Chrome trace's events (all ranks): 1 - (time computing, summed over
+    ranks) / (ranks x span), the span running from the first stage computation's (F/B/I/W)
+    start to the last one's end, and "computing" everything on the compute track but blocked
+    time: the stage computations and the runner's own work between them (the quantity
+    (p-1)/(m+p-1) predicts for GPipe and 1F1B with equal stages counts waiting only)."""
     import re
     starts: dict[int, list[float]] = {}
     for e in events:
@@ -235,10 +236,11 @@ def pipeline_bubble(events: list[dict], step: int = -1) -> float:
         ts.sort()
         k = step % len(ts)
         window[pid] = (ts[k], ts[k + 1] if k + 1 < len(ts) else float("inf"))
-    work = [e for e in events if on_track(e, COMPUTE) and e.get("pid") in window
-            and window[e["pid"]][0] <= e["ts"] < window[e["pid"]][1]
-            and re.match(r"[FBIW]\d+ s\d+$", e["name"])]
+    mine = [e for e in events if on_track(e, COMPUTE) and e.get("pid") in window
+            and window[e["pid"]][0] <= e["ts"] < window[e["pid"]][1]]
+    work = [e for e in mine if re.match(r"[FBIW]\d+ s\d+$", e["name"])]
     start = min(e["ts"] for e in work)
     end = max(e["ts"] + e["dur"] for e in work)
-    busy = sum(e["dur"] for e in work)
+    busy = sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start))
+               for e in mine if e.get("cat") != BLOCKED)
     return 1 - busy / (len(window) * (end - start))
