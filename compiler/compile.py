@@ -20,7 +20,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import cost, ir, planner, stages
+from fxpar.compiler import codegen, cost, ir, planner, stages
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import snapshot, verify
@@ -86,7 +86,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
             "the whole batch does. Use microbatches=1, or a model without batch-statistics "
             "buffers (LayerNorm/GroupNorm).")
     virtual = 2 if plan.schedule == "interleaved" else 1
-    ctx = PassContext(signature=sig, virtual_stages=virtual, device=device,
+    gen, gen_why = codegen.decide(plan.codegen, device)
+    ctx = PassContext(signature=sig, virtual_stages=virtual, device=device, codegen=gen,
                       profile=cost.DeviceProfile.for_device(device),
                       memory_budget=activation_budget(model, plan, device) if joint else None)
     snapshots: dict[str, dict[str, torch.fx.GraphModule]] = {}
@@ -98,7 +99,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         zero_buckets=d.get(ir.ZERO_BUCKETS, []), params_sharded=d.get(ir.PARAMS_SHARDED, False),
         tp=plan.tp, tp_layouts=d.get(ir.TP_LAYOUTS) or [None] * sig.num_params,
         loss_scale=d.get(ir.LOSS_SCALE, False), loss_count=d.get(ir.LOSS_COUNT),
-        plan=plan, stage_graphs=snapshots, fusion_skipped=d.get(ir.FUSION_SKIPPED))
+        plan=plan, stage_graphs=snapshots, fusion_skipped=d.get(ir.FUSION_SKIPPED),
+        codegen=gen, codegen_why=gen_why)
     for row in d[ir.PASS_TIMES]:  # (each logged by the pass manager)
         clock.add(*row, quiet=True)
     if plan.pp > 1 or m > 1:

@@ -60,6 +60,17 @@ def tensor_bytes(v) -> int:
                if isinstance(t, torch.Tensor))
 
 
+def owned(x) -> bool:
+    """Nothing but its one reader reads x's memory: x (or the chain of views it is of, each
+    read once) was computed by the graph, not a graph input, so a collective may reduce it
+    in place."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and len(x.users) == 1:
+        if not is_view(x):
+            return True
+        x = x.args[0]
+    return False
+
+
 def is_view(node: torch.fx.Node) -> bool:
     """True if the node's (every) tensor result aliases an input's storage."""
     if node.op != "call_function":

@@ -29,6 +29,7 @@ PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of 
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
 BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (packing, collective)
+OWNED = "owned"          # set by codegen on an all-reduce / reduce-scatter: nothing else reads its input
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
@@ -124,6 +125,10 @@ class Program:
     stage_graphs: dict = dataclasses.field(default_factory=dict)
     compile_times: list = dataclasses.field(default_factory=list)
     fusion_skipped: str | None = None
+    # Plan.codegen resolved: "inductor" (the runtime compiles each graph it runs with
+    # compiler/codegen.generate) or "eager", and why not Inductor (None when it is)
+    codegen: str = "eager"
+    codegen_why: str | None = None
     build_eval: Any = None
     # {symbolic group: process group name} once a runtime bound it (runtime/comm.bind_groups)
     bound_groups: dict | None = None

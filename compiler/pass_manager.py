@@ -40,6 +40,7 @@ class PassContext:
     # the cost model every pass prices with (compile makes it once for the device; None:
     # a pass run alone takes its device's default profile)
     profile: cost.DeviceProfile | None = None
+    codegen: str = "eager"   # Plan.codegen resolved (compiler/codegen.decide): the fuser
 
 
 def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:

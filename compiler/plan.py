@@ -26,9 +26,17 @@ class Plan:
     remat:          "none" | "sqrt" | "auto" | memory budget in bytes.
     zero:           ZeRO stage 0..3 over the dp group.
     precision:      "fp32" | "bf16" | "fp16".
-    fuse:           Triton fusion pass on/off (default on: pointwise/reduction chains and
-                    softmax, norms, cross-entropy, attention as Triton kernels on GPUs; on CPU
-                    only under TRITON_INTERPRET=1, otherwise the pass logs why and fuses nothing).
+    codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
+                    "inductor": the compute between collectives compiled by Inductor (fused
+                    C++/OpenMP kernels on CPU, Triton on GPUs; compiler/codegen.py), once per
+                    role and cached on disk; "eager": op by op. "auto": Inductor where a C++
+                    compiler (CPU) or Triton (GPU) is there; FXPAR_CODEGEN=eager|inductor
+                    overrides "auto".
+    fuse:           Triton fusion pass on/off (default on). With codegen="eager": pointwise/
+                    reduction chains and softmax, norms, cross-entropy, attention as Triton
+                    kernels on GPUs (on CPU only under TRITON_INTERPRET=1, otherwise the pass
+                    logs why and fuses nothing). With Inductor (one fuser), only the hand-
+                    written cross-entropy kernel (measured faster than torch.compile's) stays.
     overlap:        communication/computation overlap pass on/off (on: collectives start as
                     early and are waited on as late as dependencies and memory allow).
     bucket_mb:      gradient bucket size in MiB; None = sized by the cost model's alpha-beta
@@ -63,6 +71,7 @@ class Plan:
     remat: Any = "none"
     zero: int = 0
     precision: str = "fp32"
+    codegen: str = "auto"
     fuse: bool = True
     overlap: bool = True
     bucket_mb: float | None = None
@@ -139,6 +148,9 @@ class Plan:
             raise PlanError(f"Plan.max_grad_norm must be a positive number (clip the gradients' "
                             f"global norm to it) or None (no clipping), got "
                             f"{self.max_grad_norm!r}.")
+        if self.codegen not in ("auto", "inductor", "eager"):
+            raise PlanError(f"Plan.codegen must be 'auto', 'inductor' or 'eager', got "
+                            f"{self.codegen!r}.")
         if not (self.cuda_graphs == "auto" or isinstance(self.cuda_graphs, bool)):
             raise PlanError(f"Plan.cuda_graphs must be 'auto', True or False, got "
                             f"{self.cuda_graphs!r}.")

@@ -262,16 +262,6 @@ def bind_groups(program, names: dict[str, str]) -> None:
     program.bound_groups = dict(names)
 
 
-def _owned(x) -> bool:
-    """Nothing but the collective reads x's memory: x (or the chain of views it is of, each
-    read once) was computed by the graph, not a graph input, so it may be reduced in place."""
-    while isinstance(x, torch.fx.Node) and x.op == "call_function" and len(x.users) == 1:
-        if not cost.is_view(x):
-            return True
-        x = x.args[0]
-    return False
-
-
 def mark(category: str) -> None:
     """A region change in a lowered graph: the compute segment from here on is `category`."""
     rec = _recorder
@@ -300,7 +290,8 @@ def lower(gm: torch.fx.GraphModule, markers: bool = True) -> torch.fx.GraphModul
             fn = _STARTS[n.target]
             name = f"{_SHORT[fn]} {n.meta.get('module') or n.name}"
             if fn in (start_all_reduce, start_reduce_scatter):
-                n.args = (*n.args, _owned(n.args[0]), name)
+                owned = n.meta[ir.OWNED] if ir.OWNED in n.meta else cost.owned(n.args[0])
+                n.args = (*n.args, owned, name)
             else:
                 n.args = (*n.args, name)
             n.target = fn

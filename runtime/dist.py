@@ -247,7 +247,8 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
     os.environ["FXPAR_PROGRESS_DIR"] = progress
     try:
         with _elastic_quiet(), _main_not_imported():
-            return elastic_launch(config, _entry)(payload)
+            results = elastic_launch(config, _entry)(payload)
+        return dict(sorted(results.items()))  # rank order, whichever rank finished first
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         errors = sorted((os.path.getmtime(os.path.join(progress, f)), int(f[5:]))

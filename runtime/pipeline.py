@@ -58,7 +58,10 @@ def _shared_storages(outs, routes) -> set[int]:
 
 
 class PipelineRunner:
-    def __init__(self, program, pp_rank: int, pp_group_name: str | None):
+    def __init__(self, program, pp_rank: int, pp_group_name: str | None,
+                 graphs: dict[str, torch.fx.GraphModule] | None = None):
+        """`graphs`: this rank's parts as they run (compiler/codegen.generate's), by key;
+        None: the parts' own graphs, op by op."""
         self.p = program.pipeline
         self.pp, self.rank, self.m = program.pp, pp_rank, program.microbatches
         self.group = comm._group(pp_group_name) if pp_group_name else None
@@ -78,7 +81,8 @@ class PipelineRunner:
         self.reduced_inputs = {ref for k, part in self.parts.items() if part.phase == "R"
                                for kind, ref in part.inputs if kind == "value"}
         # an action's compute segment keeps its name ("F3 s1"), its cat comes from its phase
-        self.lowered = {k: comm.lower(part.graph, markers=False) for k, part in self.parts.items()}
+        self.run_graphs = {k: (graphs or {}).get(k, part.graph) for k, part in self.parts.items()}
+        self.lowered = {k: comm.lower(gm, markers=False) for k, gm in self.run_graphs.items()}
         self.tag = {name: i for i, name in enumerate(sorted(self.p.producer))}
         self.meta = {}  # value name -> (shape, dtype) for receives
         for part in self.p.parts.values():
@@ -112,7 +116,7 @@ class PipelineRunner:
         parameters and buffers read in place, activations and batch copied in."""
         self.graphs = {
             key: cudagraph.GraphedStep(
-                functools.partial(faults.run, part.graph),
+                functools.partial(faults.run, self.run_graphs[key]),
                 [kind in ("param", "buffer") for kind, _ in part.inputs], device,
                 warmup=cudagraph.WARMUP_STEPS * (1 if part.phase == "R" else self.m))
             for key, part in self.parts.items()}

@@ -15,10 +15,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import ir
+from fxpar.compiler import codegen, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.logs import Clock
-from fxpar.runtime import amp, calls, comm, cudagraph, executor, faults, optim
+from fxpar.runtime import amp, calls, comm, cudagraph, executor, faults, optim, schedules
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import tp_slices as rtp
@@ -95,10 +95,19 @@ class ParallelModel:
         self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
         self.sharded_optimizer = None
         self.pipeline_runner = None
+        # Plan.codegen: the graphs this rank runs, compiled (compiler/codegen.py)
+        self._generated: dict[int, torch.fx.GraphModule] = {}
         if self.program.pipeline is not None:
+            pp_rank = world.coordinate("pp")
+            parts = {k: p.graph for k, p in self.program.pipeline.parts.items()
+                     if schedules.stage_to_rank(p.stage, plan.pp) == pp_rank}
+            generated = self._codegen(program, parts, clock)
             with clock("comm lowering"):  # (of each stage's graph)
-                self.pipeline_runner = PipelineRunner(self.program, world.coordinate("pp"),
-                                                      world.group_name("pp"))
+                self.pipeline_runner = PipelineRunner(self.program, pp_rank,
+                                                      world.group_name("pp"), generated)
+        else:
+            self._generated[id(program)] = self._codegen(
+                program, {"joint": program.graph}, clock)["joint"]
         zero3_shards = None
         if weights is not None:  # only this rank's part of each tensor is read and made
             with clock("materialise weights"):
@@ -142,7 +151,7 @@ class ParallelModel:
         self.cuda_graphs = self._cuda_graph_decision()  # runtime/cudagraph.Decision
         if self.pipeline_runner is None and not self.cuda_graphs.capture:
             with clock("comm lowering"):  # now, not in the first step
-                self._lowered[id(program)] = comm.lower(program.graph)
+                self._lowered[id(program)] = comm.lower(self._generated[id(program)])
         self._graphed: cudagraph.GraphedStep | None = None  # built at the first step
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
@@ -204,6 +213,45 @@ class ParallelModel:
                 buffers[name].data = t
         return shards
 
+    def _codegen(self, program, graphs: dict[str, torch.fx.GraphModule], clock
+                 ) -> dict[str, torch.fx.GraphModule]:
+        """Plan.codegen: `graphs` (this rank's, by name) compiled by Inductor, one row per
+        graph in the compile times. Ranks holding the same graphs compile in turn: the first
+        of each pipeline stage (dp and tp coordinate 0) compiles, then the others, whose
+        compile is a hit in Inductor's on-disk cache. A failure is raised on every rank."""
+        if program.codegen != "inductor":
+            return graphs
+        if faults.debug_nan():
+            log.info("codegen: FXPAR_DEBUG_NAN runs the graph node by node (no Inductor)")
+            return graphs
+        world = self.world
+        first = world.coordinate("dp") == 0 and world.coordinate("tp") == 0
+        out, error = {}, None
+
+        def generate():
+            for name, gm in graphs.items():
+                t0 = time.perf_counter()
+                out[name] = codegen.generate(gm, world.device, name)
+                clock.add(f"codegen {name}", time.perf_counter() - t0, detail=out[
+                    name].meta["codegen"].summary())
+        if world.size == 1 or first:
+            try:
+                generate()
+            except codegen.CodegenError as e:
+                error = e
+        if world.size > 1:  # (every rank passes here: also a barrier for the cache)
+            errors = [None] * world.size
+            dist.all_gather_object(errors, None if error is None else str(error))
+            failed = [(r, e) for r, e in enumerate(errors) if e]
+            if failed and error is None:
+                r, e = failed[0]
+                raise codegen.CodegenError(f"rank {r}: {e}")
+        if error is not None:
+            raise error
+        if not out:
+            generate()
+        return out
+
     def _cuda_graph_decision(self) -> cudagraph.Decision:
         """Plan.cuda_graphs: whether this rank's step is replayed as a CUDA graph."""
         backend = dist.get_backend() if dist.is_initialized() else None
@@ -250,8 +298,9 @@ class ParallelModel:
             # the unlowered graph, replayed: no region markers (host calls are not replayed)
             self.recorder.segment("forward+backward")
             if self._graphed is None:  # the graph's functional collectives are capturable
+                gm = self._generated.get(id(program), program.graph)
                 self._graphed = cudagraph.GraphedStep(
-                    lambda *a: executor.run_graph(program.graph, a, (), ()),
+                    lambda *a: executor.run_graph(gm, a, (), ()),
                     [True] * (len(params) + len(self.buffers)) + [False] * len(local),
                     self.world.device)
             outs = list(self._graphed([*params, *self.buffers, *local]))
@@ -259,7 +308,8 @@ class ParallelModel:
             return outs
         gm = self._lowered.get(id(program))
         if gm is None:
-            gm = self._lowered[id(program)] = comm.lower(program.graph)
+            gm = self._lowered[id(program)] = comm.lower(
+                self._generated.get(id(program), program.graph))
         return executor.run_graph(gm, params, self.buffers, local)
 
     def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
@@ -470,6 +520,10 @@ class ParallelModel:
             # model's own tensors (shards by now) are never traced
             self._eval_program = self.program.build_eval()
             comm.bind_groups(self._eval_program, self.program.bound_groups)
+            clock = Clock(log)
+            self._generated[id(self._eval_program)] = self._codegen(
+                self._eval_program, {"evaluate": self._eval_program.graph}, clock)["evaluate"]
+            self.compile_times = [*self.compile_times, *clock.rows(other=False)]
             if self._eval_program.tp_layouts != self.program.tp_layouts:
                 raise PlanError(
                     "evaluate() under tensor parallelism: the forward-only graph was sharded "

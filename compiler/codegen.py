@@ -1,0 +1,318 @@
+"""Code generation: the compute between a graph's collectives compiled by Inductor.
+
+The last step before a graph runs (Plan.codegen). fxpar's graphs are functional ATen with
+functional collectives, which is what Inductor - PyTorch's compiler - takes: it fuses
+pointwise and reduction chains into C++/OpenMP kernels on CPU and Triton kernels on GPUs,
+and calls ATen/BLAS for matmuls. fxpar keeps what it decided:
+
+- **Collective placement.** The graph is cut into maximal runs of compute *in program
+  order*; every collective, wait and non-ATen call (fxpar's hand-written kernels, runtime
+  helpers) stays a node of the outer graph between compiled runs, so the overlap pass's
+  start/wait order is exactly the order that runs, and runtime/comm.lower still turns the
+  collectives into work handles (timed on the timeline). Why not CapabilityBasedPartitioner
+  or fuser_utils: they merge compute across a collective when dependencies allow and then
+  re-sort the graph, which moves compute from behind a wait to before its start (and
+  undoes the overlap pass).
+- **Regions.** A run never spans two regions (forward / backward / packing): the timeline's
+  segment markers still fall between compiled runs.
+- **Exactness.** Random ops call torch's own generator (Inductor's fallback_random), so
+  dropout draws the numbers eager draws and remat's RNG replay holds; whether a collective
+  may reduce its input in place (`ir.OWNED`) is judged on the graph before it is cut (inside
+  a compiled run the view chains are no longer visible).
+
+Each run is compiled with fake inputs of its recorded shapes and strides through
+`torch._inductor.standalone_compile`, and its CompiledArtifact is kept on disk under a key of
+the run's code and input layouts (`cache_dir()`): another rank of the same role, or a later
+job, loads it instead of compiling. Compiling is pure (no process group); the runtime
+decides which rank compiles first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import operator
+import os
+import shutil
+import time
+from typing import Callable
+
+import torch
+import torch.fx
+
+from fxpar.compiler import cost, ir
+from fxpar.compiler.errors import FxparError, PlanError
+
+log = logging.getLogger(__name__)
+CODEGENS = ("auto", "inductor", "eager")
+# a run with fewer ATen compute ops than this stays eager: a compile costs seconds and a
+# handful of ops gains nothing from fusion (views, getitems and the like do not count)
+MIN_OPS = 3
+
+
+class CodegenError(FxparError):
+    """Inductor could not compile a part of the graph."""
+
+
+def decide(codegen: str, device) -> tuple[str, str | None]:
+    """Plan.codegen on `device` -> ("inductor" | "eager", why not Inductor or None).
+    "auto": Inductor where it can generate code - a GPU with Triton, or a CPU with a C++
+    compiler - else eager. FXPAR_CODEGEN=eager|inductor overrides "auto" (e.g. to iterate
+    on a model without compile time)."""
+    if codegen not in CODEGENS:
+        raise PlanError(f"Plan.codegen must be one of {CODEGENS}, got {codegen!r}.")
+    env = os.environ.get("FXPAR_CODEGEN", "").strip().lower()
+    if codegen == "auto" and env:
+        if env not in ("eager", "inductor"):
+            raise PlanError(f"FXPAR_CODEGEN={env!r}: use 'eager' or 'inductor' (or unset it).")
+        if env == "eager":
+            return "eager", "FXPAR_CODEGEN=eager"
+        codegen = "inductor"
+    if codegen == "eager":
+        return "eager", "Plan.codegen='eager'"
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    why = None
+    if dev.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            why = "Inductor's GPU kernels need Triton, which is not installed (pip install triton)"
+    elif dev.type == "cpu":
+        cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++")
+                                            if shutil.which(c)), None)
+        if cxx is None or not shutil.which(cxx):
+            why = ("Inductor's CPU kernels need a C++ compiler and none was found (install "
+                   "g++, e.g. Debian's `g++` package, or set CXX)")
+    else:
+        why = f"Inductor does not generate code for {dev.type!r} devices here"
+    if why is None:
+        return "inductor", None
+    if codegen == "inductor":
+        raise PlanError(f"Plan.codegen='inductor': {why}. Use codegen='eager' (or 'auto').")
+    return "eager", why
+
+
+@dataclasses.dataclass
+class Run:
+    """One compiled run: its name, how many ATen ops it holds, compile seconds, whether it
+    was loaded from fxpar's cache."""
+    name: str
+    ops: int
+    seconds: float
+    cached: bool = False
+
+
+@dataclasses.dataclass
+class Generated:
+    """What `generate` did to one graph (gm.meta["codegen"] of its result)."""
+    runs: list[Run]
+    eager_ops: int    # ATen ops left outside compiled runs (short runs)
+    seconds: float
+
+    def summary(self) -> str:
+        ops = sum(r.ops for r in self.runs)
+        hits = sum(r.cached for r in self.runs)
+        return (f"{len(self.runs)} compiled runs holding {ops} ops"
+                + (f" ({hits} from the cache)" if hits else "")
+                + f", {self.eager_ops} ops left eager")
+
+
+def _is_compute(n: torch.fx.Node) -> bool:
+    """An ATen op (or getitem of one) that Inductor compiles; everything else - collectives,
+    waits, fxpar's kernels and runtime calls - runs in the outer graph."""
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if t is operator.getitem:
+        return True
+    if isinstance(t, torch._ops.HigherOrderOperator):  # remat's RNG save / replay
+        return t.name() in ("run_and_save_rng_state", "run_with_rng_state")
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return t.namespace not in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+
+
+def _counts(n: torch.fx.Node) -> bool:
+    return n.target is not operator.getitem and not cost.is_view(n)
+
+
+def runs(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+    """Maximal runs of compute nodes, consecutive in program order and in one region, with
+    at least MIN_OPS real (non-view) ops."""
+    out, cur, region = [], [], None
+    for n in graph.nodes:
+        r = n.meta.get(ir.REGION)
+        if not _is_compute(n) or (cur and r != region):
+            if sum(map(_counts, cur)) >= MIN_OPS:
+                out.append(cur)
+            cur = []
+        if _is_compute(n):
+            cur.append(n)
+            region = r
+    if sum(map(_counts, cur)) >= MIN_OPS:
+        out.append(cur)
+    for run in out:  # a multi-output op's getitems come along (a run returns tensors only)
+        have = set(run)
+        run += [u for n in list(run) if isinstance(n.meta.get(ir.VAL), (tuple, list))
+                for u in n.users if u.target is operator.getitem and u not in have]
+    return out
+
+
+class CompiledRun(torch.nn.Module):
+    """A compiled run as a submodule of the outer graph; `source` is the graph it compiled."""
+
+    def __init__(self, fn: Callable, source: torch.fx.GraphModule):
+        super().__init__()
+        self.fn, self.source = fn, source
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _extract(graph: torch.fx.Graph, nodes: list[torch.fx.Node]):
+    """The run as its own graph: inputs (values made outside and read inside, in first-use
+    order) and outputs (values made inside and read after it)."""
+    inside = set(nodes)
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[torch.fx.Node] = []
+
+    def arg(a):
+        if a not in env:
+            inputs.append(a)
+            env[a] = sub.placeholder(f"in_{len(inputs) - 1}")
+            env[a].meta = dict(a.meta)
+        return env[a]
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                arg(a)
+        env[n] = sub.node_copy(n, lambda a: env[a] if a in env else arg(a))
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    sub.output(tuple(env[n] for n in outputs))
+    return sub, inputs, outputs
+
+
+def _fake_inputs(inputs, device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    fakes = []
+    with mode:
+        for a in inputs:
+            v = a.meta.get(ir.VAL)
+            if not isinstance(v, torch.Tensor):
+                return None
+            fakes.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                             device=device if device is not None else v.device))
+    return fakes
+
+
+def cache_dir() -> str:
+    """Where compiled runs are kept: FXPAR_CACHE_DIR, else fxpar/ in Inductor's cache
+    directory (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>)."""
+    if os.environ.get("FXPAR_CACHE_DIR"):
+        return os.environ["FXPAR_CACHE_DIR"]
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_dir
+    return os.path.join(inductor_dir(), "fxpar")
+
+
+def _key(sub: torch.fx.GraphModule, fakes) -> str:
+    """The run's code, its inputs' shapes/strides/dtypes/devices, torch's version and the
+    Inductor options fxpar sets: what the compiled code depends on."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, repr(INDUCTOR_OPTIONS), sub.code,
+                 *(f"{tuple(f.shape)}{f.stride()}{f.dtype}{f.device}" for f in fakes)):
+        h.update(part.encode())
+    return h.hexdigest()[:32]
+
+
+# fallback_random: dropout and other random ops call torch's generator, as eager does
+# (exact parity, and remat's run_with_rng_state replays the same numbers)
+INDUCTOR_OPTIONS = {"fallback_random": True}
+
+
+def inductor(sub: torch.fx.GraphModule, fakes) -> tuple[Callable, bool]:
+    """Compile one run with Inductor (torch._inductor.standalone_compile), or load it from
+    fxpar's cache: a hit skips Inductor's re-trace and lowering (on a first compile those
+    are most of the time; Inductor's own FX graph cache only saves the C++/Triton build).
+    Returns (callable, whether it came from the cache)."""
+    import torch._inductor as inductor_api
+    from torch._inductor import config
+    path = os.path.join(cache_dir(), _key(sub, fakes) + ".bin")
+    if os.path.exists(path):
+        try:
+            return inductor_api.CompiledArtifact.load(path=path, format="binary"), True
+        except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile again
+            log.debug("codegen cache entry %s unreadable (%s): compiling", path, e)
+    with config.patch(INDUCTOR_OPTIONS), torch.no_grad():
+        art = inductor_api.standalone_compile(sub, fakes, dynamic_shapes="from_example_inputs")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        art.save(path=tmp, format="binary")
+        os.replace(tmp, path)  # atomic: a rank loading it never sees half a file
+    except OSError as e:  # a read-only cache: the run still compiled
+        log.warning("codegen: could not cache a compiled run in %s: %s", cache_dir(), e)
+    return art, False
+
+
+def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
+             compile_fn: Callable | None = None) -> torch.fx.GraphModule:
+    """A copy of `gm` whose compute runs are compiled (`compile_fn(sub_gm, fake_inputs)` ->
+    (callable, from cache), `inductor` by default) and called as submodules; collectives, waits and other calls stay
+    in place, in the same order. `device`: the device the graph will run on (fakes are
+    made there: Inductor specialises to it). Result's meta["codegen"]: a Generated."""
+    t0 = time.perf_counter()
+    compile_fn = compile_fn or inductor
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    for n in g.nodes:  # judged on the uncut graph (view chains visible)
+        if n.op == "call_function" and n.target in OWNED_INPUT_OPS:
+            n.meta[ir.OWNED] = cost.owned(n.args[0])
+    out = torch.fx.GraphModule(gm, g)
+    done, eager_ops = [], 0
+    cut = runs(g)
+    in_runs = {n for r in cut for n in r}
+    eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
+    for i, nodes in enumerate(cut):
+        sub_graph, inputs, outputs = _extract(g, nodes)
+        sub = torch.fx.GraphModule(out, sub_graph)
+        fakes = _fake_inputs(inputs, device)
+        if fakes is None:  # a non-tensor input: leave this run eager
+            eager_ops += sum(map(_counts, nodes))
+            continue
+        key = f"compiled_{i}"
+        t1 = time.perf_counter()
+        try:
+            fn, hit = compile_fn(sub, fakes)
+        except Exception as e:  # noqa: BLE001 - named, with the way out
+            raise CodegenError(
+                f"Inductor could not compile {name}'s run {i} ({len(nodes)} nodes, from "
+                f"{nodes[0].name} to {nodes[-1].name}, module "
+                f"{nodes[0].meta.get(ir.MODULE)!r}): {type(e).__name__}: "
+                f"{(str(e).splitlines() or [''])[0][:300]}. Use Plan(codegen='eager') "
+                "to run the graph op by op.") from e
+        done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
+                        hit))
+        out.add_module(key, CompiledRun(fn, sub))
+        with g.inserting_before(nodes[0]):
+            call = g.call_module(key, tuple(inputs))
+            call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)
+            call.meta[ir.MODULE] = nodes[0].meta.get(ir.MODULE)
+            inside = set(nodes)
+            for j, o in enumerate(outputs):
+                item = g.call_function(operator.getitem, (call, j))
+                item.meta = dict(o.meta)
+                o.replace_all_uses_with(item, lambda u: u not in inside)
+        for n in reversed(nodes):  # (users first)
+            g.erase_node(n)
+    g.lint()
+    out.recompile()
+    out.meta = dict(gm.meta)
+    out.meta["codegen"] = Generated(done, eager_ops, time.perf_counter() - t0)
+    log.debug("codegen %s: %s", name, out.meta["codegen"].summary())
+    return out
+
+
+c10d = torch.ops._c10d_functional
+OWNED_INPUT_OPS = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)
