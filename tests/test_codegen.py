@@ -1,0 +1,165 @@
+"""Code generation (compiler/codegen.py): the compute between collectives compiled by Inductor,
+the collectives' placement kept, the result equal to the op-by-op graph, and the cache."""
+import os
+import time
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.compiler import codegen, ir
+from fxpar.compiler.errors import PlanError
+from fxpar.examples import models as M
+from fxpar.runtime import comm
+from workers import OPTIMIZERS, build, plans_rank
+
+c10d = torch.ops._c10d_functional
+COMM_OPS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+            c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default)
+
+
+def _eager_compile(sub, fakes):  # stands in for Inductor: the run as it is (fast)
+    return sub, False
+
+
+def _dp2_program(**plan):
+    cfg = M.GPTConfig()
+    torch.manual_seed(0)
+    return fxpar.compile(M.GPT(cfg), 2, example_batch=M.gpt_batch(cfg, 8),
+                         plan={"dp": 2, "bucket_mb": 0.05, **plan})
+
+
+def _schedule(gm):
+    """Program order as (collective or compiled-run marker, ATen ops before it)."""
+    out, ops = [], 0
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            ops += len([m for m in getattr(gm, n.target).source.graph.nodes
+                        if m.op == "call_function" and codegen._counts(m)])
+        elif n.op == "call_function" and n.target in COMM_OPS:
+            out.append((n.target.__name__, ops))
+        elif n.op == "call_function" and codegen._counts(n):
+            ops += 1
+    return out
+
+
+def test_runs_keep_the_overlap_placement_and_regions():
+    program = _dp2_program()
+    gm = program.graph
+    assert sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes) >= 2
+    gen = codegen.generate(gm, "cpu", "joint", compile_fn=_eager_compile)
+    d = gen.meta["codegen"]
+    assert d.runs and len(d.runs) >= 3  # cut at the buckets' collectives
+    # every collective and wait sits after exactly the compute it sat after before
+    assert _schedule(gen) == _schedule(gm)
+    for n in gen.graph.nodes:  # a run never spans two regions
+        if n.op == "call_module":
+            regions = {m.meta.get(ir.REGION) for m in getattr(gen, n.target).source.graph.nodes
+                       if m.op == "call_function"}
+            assert len(regions) == 1, regions
+            assert n.meta[ir.REGION] in regions
+    # in-place reduction decided on the uncut graph: the lowering reads it from meta
+    before = [n.args[-2] for n in comm.lower(gm, markers=False).graph.nodes
+              if n.target is comm.start_all_reduce]
+    after = [n.args[-2] for n in comm.lower(gen, markers=False).graph.nodes
+             if n.target is comm.start_all_reduce]
+    assert before == after and any(after)
+
+
+def test_short_runs_stay_eager():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(4)
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    w = g.call_function(c10d.all_reduce.default, (a, "sum", "g"))
+    r = g.call_function(c10d.wait_tensor.default, (w,))
+    b = g.call_function(torch.ops.aten.neg.default, (r,))
+    g.output((b,))
+    for n in g.nodes:
+        n.meta.setdefault(ir.REGION, ir.FORWARD)
+    gen = codegen.generate(torch.fx.GraphModule({}, g), "cpu", compile_fn=_eager_compile)
+    assert gen.meta["codegen"].runs == [] and gen.meta["codegen"].eager_ops == 2
+
+
+def test_a_failed_compile_names_the_run_and_the_way_out():
+    def broken(sub, fakes):
+        raise RuntimeError("no lowering for aten.frobnicate\nlong details")
+    with pytest.raises(codegen.CodegenError, match=r"run 0 .*no lowering for aten.frobnicate\. "
+                       r"Use Plan\(codegen='eager'\)"):
+        codegen.generate(_dp2_program().graph, "cpu", "joint", compile_fn=broken)
+
+
+def test_decide(monkeypatch):
+    monkeypatch.delenv("FXPAR_CODEGEN", raising=False)
+    assert codegen.decide("auto", "cpu") == ("inductor", None)
+    assert codegen.decide("eager", "cpu")[0] == "eager"
+    monkeypatch.setenv("FXPAR_CODEGEN", "eager")
+    assert codegen.decide("auto", "cpu") == ("eager", "FXPAR_CODEGEN=eager")
+    assert codegen.decide("inductor", "cpu") == ("inductor", None)  # the plan's word wins
+    monkeypatch.setenv("FXPAR_CODEGEN", "fast")
+    with pytest.raises(PlanError, match="FXPAR_CODEGEN='fast'"):
+        codegen.decide("auto", "cpu")
+    monkeypatch.delenv("FXPAR_CODEGEN")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert "C++ compiler" in codegen.decide("auto", "cpu")[1]
+    with pytest.raises(PlanError, match=r"C\+\+ compiler.*codegen='eager'"):
+        codegen.decide("inductor", "cpu")
+    with pytest.raises(PlanError, match="Plan.codegen must be"):
+        fxpar.Plan(dp=1, tp=1, pp=1, codegen="tvm").validate(1)
+
+
+def _train(name, plan, steps=3):
+    model, batch_fn, loss_fn = build(name)
+    pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["adamw"], plan=plan)
+    torch.manual_seed(99)
+    losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
+    return pm, losses, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def test_inductor_step_equals_op_by_op_and_is_cached(tmp_path, monkeypatch):
+    """One device, a GPT with dropout: Inductor's step draws the same masks and trains like
+    the op-by-op graph; a second parallelize loads every compiled run from the cache."""
+    monkeypatch.setenv("FXPAR_CACHE_DIR", str(tmp_path))
+    _, ref_losses, ref_state = _train("gpt_dropout", {"dp": 1, "codegen": "eager"})
+    t0 = time.perf_counter()
+    pm, losses, state = _train("gpt_dropout", {"dp": 1, "codegen": "inductor"})
+    first = time.perf_counter() - t0
+    runs = pm._generated[id(pm.program)].meta["codegen"].runs
+    assert runs and not any(r.cached for r in runs)
+    assert any(name == "codegen joint" for name, *_ in pm.compile_times)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-5)
+    assert len(os.listdir(tmp_path)) == len(runs)
+    t0 = time.perf_counter()
+    pm2, losses2, _ = _train("gpt_dropout", {"dp": 1, "codegen": "inductor"})
+    assert all(r.cached for r in pm2._generated[id(pm2.program)].meta["codegen"].runs)
+    assert losses2 == losses
+    assert time.perf_counter() - t0 < first
+
+
+@pytest.mark.slow
+def test_inductor_parity_across_plans():
+    """Codegen on under dp with overlap and ZeRO-3, tp, pp with microbatches, remat with
+    dropout: the same losses and parameters as the op-by-op program (the parity tests hold
+    that one to single-process eager)."""
+    plans = [{"dp": 2, "bucket_mb": 0.05}, {"dp": 2, "zero": 3}, {"tp": 2},
+             {"pp": 2, "microbatches": 2}, {"dp": 2, "remat": "sqrt"}]
+    cases = [(m, "adamw", {**p, "codegen": cg}) for m in ("gpt", "hf_llama")
+             for p in plans for cg in ("eager", "inductor")]
+    cases += [("gpt_dropout", "adamw", {"dp": 2, "remat": "sqrt", "codegen": cg})
+              for cg in ("eager", "inductor")]
+    res = fxpar.launch(plans_rank, 2, cases)[0]
+    for m, opt, plan in cases:
+        if plan["codegen"] != "inductor":
+            continue
+        ref = res[(m, opt, repr({**plan, "codegen": "eager"}))]
+        got = res[(m, opt, repr(plan))]
+        what = f"{m} {plan}"
+        torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda s: f"{what} losses: {s}")
+        for k in ref[1]:
+            torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda s: f"{what} {k}: {s}")
+        assert got[2]["eval"] == pytest.approx(ref[2]["eval"], rel=1e-5, abs=1e-6)
