@@ -1,8 +1,11 @@
 """fxpar dp=2 vs torch DDP, same model, same batches, gloo on this machine, in one run.
 
-Prints the median step time of each and the ratio fxpar / DDP. Both models live in the same
-spawned ranks and their steps alternate (one each per round), so the ratio compares like
-with like on a machine whose speed drifts.
+Variants: fxpar with Plan.codegen "inductor" (Inductor's kernels between its collectives)
+and "eager" (op by op); DDP eager and DDP under torch.compile (DDPOptimizer splits its graph
+at the gradient buckets). All live in the same spawned ranks and their steps alternate (one
+each per round, the order rotating), so the ratios compare like with like on a machine whose
+speed drifts. Prints each median step, the paired ratios to DDP and to compiled DDP, and the
+losses' largest difference to DDP's.
 
     .venv/bin/python benchmarks/dp_vs_ddp.py [--steps 30] [--layers 4] [--embd 256]
 """
@@ -31,44 +34,56 @@ def bench(args):
     data = [M.gpt_batch(cfg, args.batch, seed=s) for s in range(4)]
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-
-    torch.manual_seed(0)
-    pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data[0], optimizer=opt,
-                           plan=dict(dp=world, bucket_mb=args.fxpar_bucket_mb))
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(M.GPT(cfg), bucket_cap_mb=25)
-    o = opt(ddp.parameters())
     per = args.batch // world
+    steps, compile_s = {}, {}
 
-    def fx_step(s):
-        return pm.step(data[s % 4]).item()
+    def fxpar_variant(codegen):
+        torch.manual_seed(0)
+        t = time.perf_counter()
+        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data[0], optimizer=opt,
+                               plan=dict(dp=world, bucket_mb=args.fxpar_bucket_mb,
+                                         codegen=codegen))
+        compile_s[f"fxpar codegen={codegen}"] = time.perf_counter() - t
+        return lambda s: pm.step(data[s % 4]).item()
 
-    def ddp_step(s):
-        idx, tgt = data[s % 4]
-        o.zero_grad()
-        loss = ddp((idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]))
-        loss.backward()
-        o.step()
-        red = loss.detach().clone()
-        dist.all_reduce(red)
-        return (red / world).item()
+    def ddp_variant(compiled):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(M.GPT(cfg), bucket_cap_mb=25)
+        o = opt(ddp.parameters())
+        fwd = torch.compile(ddp) if compiled else ddp
 
-    # interleaved, alternating which goes first: both see the same machine speed each round
+        def step(s):
+            idx, tgt = data[s % 4]
+            o.zero_grad()
+            loss = fwd((idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]))
+            loss.backward()
+            o.step()
+            red = loss.detach().clone()
+            dist.all_reduce(red)
+            return (red / world).item()
+        return step
+
+    for codegen in args.codegen:
+        steps[f"fxpar codegen={codegen}"] = fxpar_variant(codegen)
+    steps["DDP"] = ddp_variant(False)
+    steps["DDP + torch.compile"] = ddp_variant(True)
+    # interleaved, the order rotating: every variant sees the same machine speed each round
     # (this VM drifts +-40% over seconds; one block after the other compared two speeds)
-    times = {"fxpar": [], "ddp": []}
-    losses = {"fxpar": [], "ddp": []}
+    names = list(steps)
+    times = {n: [] for n in names}
+    losses = {n: [] for n in names}
     for s in range(args.warmup + args.steps):
-        order = (("fxpar", fx_step), ("ddp", ddp_step))
-        for name, fn in (order if s % 2 == 0 else order[::-1]):
+        k = s % len(names)
+        for name in names[k:] + names[:k]:
             dist.barrier()
             t = time.perf_counter()
-            losses[name].append(fn(s))
+            losses[name].append(steps[name](s))
             if s >= args.warmup:
                 times[name].append(time.perf_counter() - t)
-    return times, losses
+    return times, losses, compile_s
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
@@ -76,21 +91,32 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--codegen", nargs="+", default=["inductor", "eager"],
+                    choices=["inductor", "eager"], help="fxpar's Plan.codegen variants")
     ap.add_argument("--fxpar-bucket-mb", type=float, default=None,
                     help="fxpar's Plan.bucket_mb (default: sized by its cost model)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     res = fxpar.launch(bench, args.nprocs, args)
-    times, losses = res[0]
-    fx, ddp = statistics.median(times["fxpar"]), statistics.median(times["ddp"])
-    paired = statistics.median(a / b for a, b in zip(times["fxpar"], times["ddp"]))
+    times, losses, compile_s = res[0]
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params), global batch "
           f"{args.batch}, dp={args.nprocs}, gloo, {args.steps} timed steps (interleaved)")
-    print(f"fxpar  median step {fx * 1e3:8.1f} ms")
-    print(f"DDP    median step {ddp * 1e3:8.1f} ms")
-    print(f"ratio fxpar/DDP = {paired:.3f} (median of paired steps; of medians {fx / ddp:.3f})"
-          f"   (max |loss diff| = "
-          f"{max(abs(a - b) for a, b in zip(losses['fxpar'], losses['ddp'])):.2e})")
+    print(f"{'variant':24s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "
+          f"{'max|dloss|':>11s} {'set-up s':>9s}")
+    out = {}
+    for name, ts in times.items():
+        vs = {ref: statistics.median(a / b for a, b in zip(ts, times[ref]))
+              for ref in ("DDP", "DDP + torch.compile")}
+        dl = max(abs(a - b) for a, b in zip(losses[name], losses["DDP"]))
+        setup = f"{compile_s[name]:9.1f}" if name in compile_s else f"{'':9s}"
+        print(f"{name:24s} {statistics.median(ts) * 1e3:9.1f} {vs['DDP']:7.3f} "
+              f"{vs['DDP + torch.compile']:14.3f} {dl:11.2e} {setup}")
+        out[name] = dict(step_s=statistics.median(ts), vs_ddp=vs["DDP"],
+                         vs_compiled_ddp=vs["DDP + torch.compile"], max_dloss=dl)
+    print("(x: median of paired per-step ratios; set-up: fxpar.parallelize on rank 0, "
+          "codegen included)")
+    return out
+
 
 if __name__ == "__main__":
     main()

@@ -2,16 +2,18 @@
 
 Rows, per model (Hugging Face GPT2LMHeadModel and LlamaForCausalLM from configs) and
 precision (fp32; bf16 = autocast for eager/torch.compile, Plan.precision="bf16" for fxpar):
-eager, torch.compile (default; also mode="reduce-overhead" on CUDA), fxpar with fusion on/off
-and CUDA graphs on/off (CUDA; on CPU fxpar runs unfused: Triton only interprets there, and
-never captures). Every variant trains its own copy of the same initial weights with AdamW on
+eager, torch.compile (default; also mode="reduce-overhead" on CUDA), fxpar with each
+Plan.codegen ("inductor": Inductor's kernels; "eager": op by op), on CUDA also with its own
+Triton fusion on/off (codegen="eager") and CUDA graphs on/off. fxpar's compile time (its
+codegen row: Inductor, or a load from fxpar's cache) is printed per variant. Every variant trains its own copy of the same initial weights with AdamW on
 the same batches. All are built and warmed up first (the warm-up steps' peak memory above
 the resident weights is the "peak" column: it includes a CUDA-graph capture), then timed
 interleaved, one step of each per round: this machine's speed drifts, so the ratio to eager
 is the median of per-round ratios. Losses are compared with eager's, step by step.
 
     .venv/bin/python benchmarks/step_vs_eager.py            # GPU: GPT-2 small + a small Llama
-    .venv/bin/python benchmarks/step_vs_eager.py --small    # the CPU default: tiny configs
+    .venv/bin/python benchmarks/step_vs_eager.py            # CPU: 4 layers x 256, seq 128
+    .venv/bin/python benchmarks/step_vs_eager.py --small    # tiny configs (2 x 64, seq 64)
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ SIZES = {  # (model kwargs, rows, sequence length)
     ("gpt2", True): (dict(vocab=512, n_embd=64, n_layer=2, n_head=4, n_positions=64), 4, 64),
     ("llama", True): (dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, max_pos=64),
                       4, 64),
+    # the CPU default (issue targets): 4 layers x 256, sequence 128, an 8192-token vocabulary
+    ("gpt2", "cpu"): (dict(vocab=8192, n_embd=256, n_layer=4, n_head=4, n_positions=128),
+                      4, 128),
+    ("llama", "cpu"): (dict(vocab=8192, hidden=256, layers=4, heads=4, kv_heads=2,
+                            max_pos=128), 4, 128),
 }
 
 
@@ -70,12 +77,12 @@ def variants(base, batch, device, precision, small):
             return loss.detach()
         return step
 
-    def fx(fuse, graphs):
+    def fx(fuse, graphs, codegen):
         def build():
             pm = fxpar.parallelize(copy.deepcopy(base).to(device), [str(device)],
                                    example_batch=batch, optimizer=_opt(device),
                                    plan=dict(precision=precision, fuse=fuse,
-                                             cuda_graphs=graphs))
+                                             cuda_graphs=graphs, codegen=codegen))
             step = lambda: pm.step(batch)  # noqa: E731
             step.pm = pm
             return step
@@ -85,16 +92,21 @@ def variants(base, batch, device, precision, small):
            "torch.compile": lambda: eager_like(None)}
     if cuda:
         out["torch.compile reduce-overhead"] = lambda: eager_like("reduce-overhead")
+        for graphs in (True, False):
+            out[f"fxpar codegen=inductor graphs={'on' if graphs else 'off'}"] = \
+                fx(True, graphs, "inductor")
         for fuse in (True, False):
             for graphs in (True, False):
-                out[f"fxpar fuse={'on' if fuse else 'off'} graphs={'on' if graphs else 'off'}"] \
-                    = fx(fuse, graphs)
-    else:
-        out["fxpar (unfused, no CUDA graphs on CPU)"] = fx(False, False)
+                out[f"fxpar codegen=eager fuse={'on' if fuse else 'off'} "
+                    f"graphs={'on' if graphs else 'off'}"] = fx(fuse, graphs, "eager")
+    else:  # (Triton's fusion only interprets on CPU; CPU ranks never capture)
+        out["fxpar codegen=inductor"] = fx(False, False, "inductor")
+        out["fxpar codegen=eager"] = fx(False, False, "eager")
     return out
 
 
 def run(model_name, precision, device, small, steps, warmup):
+    """small: True (tiny), "cpu" (the CPU default) or False (GPU sizes)."""
     kw, rows, seq = SIZES[(model_name, small)]
     torch.manual_seed(0)
     base = (M.hf_gpt2 if model_name == "gpt2" else M.hf_llama)(**kw)
@@ -147,7 +159,10 @@ def report(model_name, precision, device, res, small):
         note = ""
         pm = getattr(steps_of[name], "pm", None)
         if pm is not None:
-            note = "captured" if pm.cuda_graphs.capture else ""
+            gen = sum(t for phase, t, *_ in pm.compile_times if phase.startswith("codegen"))
+            note = f"compile {sum(t for phase, t, *_ in pm.compile_times if phase != 'other'):.1f} s"
+            note += f" (codegen {gen:.1f} s)" if gen else ""
+            note += ", captured" if pm.cuda_graphs.capture else ""
             dev = [s.device_s for s in pm.step_stats[-len(ts):] if s.device_s]
             if dev:
                 note += f", device busy {statistics.median(dev) / med:.0%}"
@@ -169,12 +184,12 @@ def main(argv=None):
     ap.add_argument("--model", choices=["gpt2", "llama", "both"], default="both")
     ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
     ap.add_argument("--small", action="store_true",
-                    help="tiny configs (the default without a GPU)")
+                    help="tiny configs (2 layers x 64, sequence 64)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    small = args.small or device.type == "cpu"
+    small = True if args.small else "cpu" if device.type == "cpu" else False
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}

@@ -119,14 +119,15 @@ class Generated:
 
 def _is_compute(n: torch.fx.Node) -> bool:
     """An ATen op (or getitem of one) that Inductor compiles; everything else - collectives,
-    waits, fxpar's kernels and runtime calls - runs in the outer graph."""
+    waits, fxpar's kernels, runtime calls, higher-order ops - runs in the outer graph."""
     if n.op != "call_function":
         return False
     t = n.target
-    if t is operator.getitem:
-        return True
-    if isinstance(t, torch._ops.HigherOrderOperator):  # remat's RNG save / replay
-        return t.name() in ("run_and_save_rng_state", "run_with_rng_state")
+    if t is operator.getitem:  # goes with what it takes apart
+        return isinstance(n.args[0], torch.fx.Node) and _is_compute(n.args[0])
+    # (remat's RNG save / replay, run_and_save_rng_state / run_with_rng_state, are
+    # HigherOrderOperators AOTAutograd cannot re-trace: they run in the outer graph, eagerly,
+    # which also keeps their generator state exactly eager's)
     if not isinstance(t, torch._ops.OpOverload):
         return False
     return t.namespace not in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
@@ -169,6 +170,12 @@ class CompiledRun(torch.nn.Module):
         return self.fn(*args)
 
 
+def _torch_meta(n: torch.fx.Node) -> dict:
+    """What Inductor reads of a node's meta. fxpar's own keys stay behind: some share a name
+    with torch's (fxpar's "recompute" flag vs AOTAutograd's checkpoint policy)."""
+    return {k: n.meta[k] for k in ("val", "tensor_meta", "stack_trace") if k in n.meta}
+
+
 def _extract(graph: torch.fx.Graph, nodes: list[torch.fx.Node]):
     """The run as its own graph: inputs (values made outside and read inside, in first-use
     order) and outputs (values made inside and read after it)."""
@@ -181,13 +188,14 @@ def _extract(graph: torch.fx.Graph, nodes: list[torch.fx.Node]):
         if a not in env:
             inputs.append(a)
             env[a] = sub.placeholder(f"in_{len(inputs) - 1}")
-            env[a].meta = dict(a.meta)
+            env[a].meta = _torch_meta(a)
         return env[a]
     for n in nodes:
         for a in n.all_input_nodes:
             if a not in inside:
                 arg(a)
         env[n] = sub.node_copy(n, lambda a: env[a] if a in env else arg(a))
+        env[n].meta = _torch_meta(n)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     sub.output(tuple(env[n] for n in outputs))
     return sub, inputs, outputs

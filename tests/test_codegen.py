@@ -52,9 +52,10 @@ def test_runs_keep_the_overlap_placement_and_regions():
     assert d.runs and len(d.runs) >= 3  # cut at the buckets' collectives
     # every collective and wait sits after exactly the compute it sat after before
     assert _schedule(gen) == _schedule(gm)
+    region = {n.name: n.meta.get(ir.REGION) for n in gm.graph.nodes}
     for n in gen.graph.nodes:  # a run never spans two regions
         if n.op == "call_module":
-            regions = {m.meta.get(ir.REGION) for m in getattr(gen, n.target).source.graph.nodes
+            regions = {region[m.name] for m in getattr(gen, n.target).source.graph.nodes
                        if m.op == "call_function"}
             assert len(regions) == 1, regions
             assert n.meta[ir.REGION] in regions
