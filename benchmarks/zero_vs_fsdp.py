@@ -3,14 +3,16 @@
     .venv/bin/python benchmarks/zero_vs_fsdp.py [--steps 30] [--warmup 3] [--layers 4]
         [--embd 256] [--batch 16] [--nprocs 2]
 
-One launch of `--nprocs` gloo CPU ranks runs four trainings, pair by pair, in the same
+One launch of `--nprocs` gloo CPU ranks runs eight trainings, group by group, in the same
 ranks, each from the same initial weights (torch.manual_seed(0) before building the GPT), on
 the same batches, with the same optimizer (AdamW, lr 1e-3, built by a factory):
 
-    fxpar Plan(dp=world, zero=3)   vs  FSDP2: fully_shard(block) for every transformer block,
-                                       then fully_shard(model) (defaults: reshard_after_forward
-                                       =True, fp32, no CPU offload)
-    fxpar Plan(dp=world, zero=0)   vs  DDP(bucket_cap_mb=25)
+    fxpar Plan(dp=world, zero=3), codegen   vs  FSDP2: fully_shard(block) for every
+    "eager" and "inductor"                      transformer block, then fully_shard(model)
+                                                (defaults: reshard_after_forward=True, fp32,
+                                                no CPU offload); eager and torch.compile(model)
+    fxpar Plan(dp=world, zero=0), codegen   vs  DDP(bucket_cap_mb=25), eager and
+    "eager" and "inductor"                      torch.compile(ddp)
 
 fxpar's `pm.step` takes the GLOBAL batch; FSDP2 and DDP get this rank's 1/world slice of it
 and report the all-reduced mean loss, so all sides report the mean loss of the same batch.
@@ -24,10 +26,10 @@ group.
 
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step; a dist.barrier() before each step; each step includes the loss all-reduce of the peers.
-The two sides of a pair are both built first, then their timed steps alternate (step s of
-fxpar and of its peer back to back, the first of the two alternating), so a change in the
-machine's load during the run hits both sides alike; times and the ratio fxpar / peer are
-rank 0's (the barrier keeps the ranks in step).
+The four sides of a group are all built first, then their timed steps alternate (step s of
+each side back to back, the order rotating), so a change in the machine's load during the
+run hits all sides alike; times and the ratios fxpar / peer are rank 0's (the barrier keeps
+the ranks in step).
 
 Memory (per rank, CPU, measured, the same way for all four sides): a MemoryTracker
 (fxpar.runtime.memtrack's TorchDispatchMode) is entered right after the plain GPT is built
@@ -47,7 +49,10 @@ until the next zero_grad(set_to_none) frees it at the step's start, so DDP's and
 include gradients, fxpar's gradients are graph outputs freed after the update). Outputs of tensor subclasses (FSDP2's DTensor parameters and
 optimizer state) are counted through their local tensors; fake / meta tensors (fxpar's
 tracing) have no memory and are skipped. Python cyclic garbage is collected before the
-measured step. The tracker slows that one step; it is not among the timed steps.
+measured step. The tracker slows that one step; it is not among the timed steps. Code that
+Inductor generated (fxpar codegen="inductor", torch.compile) allocates its buffers below the
+dispatcher, where the tracker cannot see them: those sides print no memory ("n/a"), and the
+memory ratios compare the op-by-op sides.
 """
 from __future__ import annotations
 
@@ -188,19 +193,22 @@ def _build(kind, cfg, data, world, rank, opt_factory):
     del initial
     tracker.__enter__()
     if kind.startswith("fxpar"):
-        zero = int(kind[-1])
+        zero = int(kind[5])
         pm = fxpar.parallelize(model, world, example_batch=data[0], optimizer=opt_factory,
-                               plan=fxpar.Plan(dp=world, zero=zero))
+                               plan=fxpar.Plan(dp=world, zero=zero, codegen="inductor" if
+                                               kind.endswith("i") else "eager"))
         step = lambda b: pm.step(b).item()  # noqa: E731
-    elif kind == "fsdp2":
+    elif kind.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
         for block in model.h:
             fully_shard(block)
         fully_shard(model)
-        step = _peer_step(model, opt_factory(model.parameters()), rank, world)
-    elif kind == "ddp":
+        fwd = torch.compile(model) if kind.endswith("c") else model
+        step = _peer_step(fwd, opt_factory(model.parameters()), rank, world)
+    elif kind.startswith("ddp"):
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-        step = _peer_step(ddp, opt_factory(ddp.parameters()), rank, world)
+        fwd = torch.compile(ddp) if kind.endswith("c") else ddp
+        step = _peer_step(fwd, opt_factory(ddp.parameters()), rank, world)
     else:
         raise ValueError(kind)
     return step, tracker
@@ -222,14 +230,15 @@ def _prepare(kind, args, cfg, data, world, rank, opt_factory):
     return step, {"losses": losses, "times": [], "held": tracker.held, "peak": tracker.peak_live}
 
 
-def _pair(kinds, args, cfg, data, world, rank, opt_factory):
-    """Both sides of a pair built and warmed up, then timed steps interleaved: step s runs
-    the same batch on each side, the side that goes first alternating (ABBA...), so a change
-    in the machine's load hits both alike."""
+def _group(kinds, args, cfg, data, world, rank, opt_factory):
+    """All sides of a group built and warmed up, then timed steps interleaved: step s runs
+    the same batch on each side, the order rotating, so a change in the machine's load hits
+    all alike."""
     sides = [_prepare(k, args, cfg, data, world, rank, opt_factory) for k in kinds]
     for s in range(args.warmup + 1, args.warmup + 1 + args.steps):
         batch = data[s % len(data)]
-        for step, res in (sides if s % 2 else sides[::-1]):
+        k = s % len(sides)
+        for step, res in sides[k:] + sides[:k]:
             dist.barrier()
             t = time.perf_counter()
             res["losses"].append(step(batch))
@@ -243,7 +252,12 @@ def _pair(kinds, args, cfg, data, world, rank, opt_factory):
     return out
 
 
-PAIRS = (("fxpar zero=3", "fxpar3", "FSDP2", "fsdp2"), ("fxpar zero=0", "fxpar0", "DDP", "ddp"))
+# (name, kind) per side: fxpar op by op, fxpar with Inductor, the peer, the peer compiled
+GROUPS = ((("fxpar zero=3", "fxpar3"), ("fxpar zero=3 inductor", "fxpar3i"), ("FSDP2", "fsdp2"),
+           ("FSDP2 + compile", "fsdp2c")),
+          (("fxpar zero=0", "fxpar0"), ("fxpar zero=0 inductor", "fxpar0i"), ("DDP", "ddp"),
+           ("DDP + compile", "ddpc")))
+GENERATED = ("fxpar3i", "fsdp2c", "fxpar0i", "ddpc")  # memory not trackable (docstring)
 
 
 def bench(args):
@@ -255,8 +269,8 @@ def bench(args):
     data = [M.gpt_batch(cfg, args.batch, seed=s) for s in range(4)]
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     out = {}
-    for _, a, _, b in PAIRS:
-        out.update(_pair((a, b), args, cfg, data, world, rank, opt))
+    for group in GROUPS:
+        out.update(_group([k for _, k in group], args, cfg, data, world, rank, opt))
     return out
 
 
@@ -284,24 +298,31 @@ def main():
           f"steps")
     print("memory per rank (max over ranks): held = live before a step (params, grads, "
           "optimizer state, buckets); peak = max during the step, held included")
-    print(f"{'':14s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s}   "
+    print(f"{'':22s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s}   "
           f"peak per rank MiB")
     ratios = []
-    for fx_name, fx, peer_name, peer in PAIRS:
-        for name, kind in ((fx_name, fx), (peer_name, peer)):
+    for group in GROUPS:
+        for name, kind in group:
             r = [res[k][kind] for k in ranks]
-            print(f"{name:14s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
-                  f"{_mib(max(x['peak'] for x in r)):9.1f}   "
-                  + " ".join(f"{_mib(x['peak']):.1f}" for x in r))
-        diff = max(abs(a - b) for k in ranks
-                   for a, b in zip(res[k][fx]["losses"], res[k][peer]["losses"]))
-        t = res[0][fx]["time"] / res[0][peer]["time"]
-        m = max(res[k][fx]["peak"] for k in ranks) / max(res[k][peer]["peak"] for k in ranks)
-        fl = res[0][fx]["losses"]
-        ratios.append((fx_name, peer_name, t, m, diff, fl[0], fl[-1]))
+            mem = (f"{'n/a':>9s} {'n/a':>9s}" if kind in GENERATED else
+                   f"{_mib(max(x['held'] for x in r)):9.1f} {_mib(max(x['peak'] for x in r)):9.1f}"
+                   "   " + " ".join(f"{_mib(x['peak']):.1f}" for x in r))
+            print(f"{name:22s} {r[0]['time'] * 1e3:9.1f} ms {mem}")
+        (fx_name, fx), (fxi_name, fxi), (peer_name, peer), (peerc_name, peerc) = group
+        for a_name, a, b_name, b in ((fx_name, fx, peer_name, peer),
+                                     (fxi_name, fxi, peer_name, peer),
+                                     (fxi_name, fxi, peerc_name, peerc)):
+            diff = max(abs(x - y) for k in ranks
+                       for x, y in zip(res[k][a]["losses"], res[k][b]["losses"]))
+            t = res[0][a]["time"] / res[0][b]["time"]
+            m = None if a in GENERATED or b in GENERATED else \
+                max(res[k][a]["peak"] for k in ranks) / max(res[k][b]["peak"] for k in ranks)
+            fl = res[0][a]["losses"]
+            ratios.append((a_name, b_name, t, m, diff, fl[0], fl[-1]))
     print()
-    for fx_name, peer_name, t, m, diff, first, last in ratios:
-        print(f"{fx_name} / {peer_name:5s}: time ratio {t:.3f}   peak-memory ratio {m:.3f}   "
+    for a_name, b_name, t, m, diff, first, last in ratios:
+        mem = f"peak-memory ratio {m:.3f}" if m is not None else f"{'':23s}"
+        print(f"{a_name:22s} / {b_name:15s}: time ratio {t:.3f}   {mem}   "
               f"(loss {first:.4f} -> {last:.4f}, max |loss diff| = {diff:.2e})")
 
 

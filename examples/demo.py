@@ -78,6 +78,7 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
                   f"{d.bytes_unfused / 2**20:.1f} -> {d.bytes_fused / 2**20:.1f} MiB")
         elif pm.plan.fuse:
             print(f"fusion: off ({pm.fusion_skipped})")
+        print(f"codegen: {pm.codegen_summary}")
         st = pm.step_stats[-5:]
         print("last steps: collectives in flight {:.1f} ms; compute thread blocked on them "
               "(issuing + waiting: the exposed communication) {:.1f} ms; step {:.1f} ms"

@@ -27,6 +27,37 @@ def build(optimizer: Callable | torch.optim.Optimizer | None, model):
                     "`lambda ps: torch.optim.AdamW(ps, lr=1e-3)`.")
 
 
+# torch.optim classes with a fused kernel (one multi-tensor kernel per step on CPU and CUDA)
+FUSED = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+def prefer_fused(opt: torch.optim.Optimizer | None) -> bool:
+    """Plan.codegen="inductor": the optimizer runs torch's fused kernel where the user left
+    the implementation to torch (fused=None and foreach=None in every group) and torch has
+    one for its class, device and dtypes - on CPU torch would otherwise loop over the
+    tensors one op at a time (the same update, ~3x the time: docs/benchmarks.md). Called
+    before the first step (the state is made for the fused kernel). Returns whether it did."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    if opt is None or type(opt).__name__ not in FUSED or type(opt).__module__.split(".")[:2] \
+            != ["torch", "optim"] or opt.state:
+        return False
+    devices = _get_fused_kernels_supported_devices()
+    for g in opt.param_groups:
+        if g.get("fused") is not None or g.get("foreach") is not None or \
+                g.get("differentiable") or g.get("capturable"):
+            return False
+        if not all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in g["params"]):
+            return False
+        if not all(p.device.type in devices and p.dtype in (torch.float32, torch.float16,
+                   torch.bfloat16, torch.float64) for p in g["params"]):
+            return False
+    for g in opt.param_groups:
+        g["fused"] = True
+    if hasattr(opt, "_need_device_dtype_check_for_fused") or type(opt).__name__ == "SGD":
+        opt._need_device_dtype_check_for_fused = True
+    return True
+
+
 def apply_gradients(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                     grads: Sequence[torch.Tensor | None]) -> None:
     """p.grad = g, step, then drop grads (as `zero_grad(set_to_none=True)` would)."""

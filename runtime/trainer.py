@@ -143,6 +143,10 @@ class ParallelModel:
                 optimizer, torch.optim.Optimizer) else model)  # None: stages without weights
         else:
             self.optimizer = optim.build(optimizer, model)
+        # Inductor compiles the graph; the update is torch's fused kernel where the user let
+        # torch choose (runtime/optim.prefer_fused)
+        self.optimizer_fused = program.codegen == "inductor" and optim.prefer_fused(
+            self.optimizer)
         clock.add("optimizer", time.perf_counter() - t_opt)
         self.buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
@@ -282,6 +286,25 @@ class ParallelModel:
     def dp_rank(self) -> int:
         """This rank's data-parallel index (for a DistributedSampler's `rank`)."""
         return self.world.coordinate("dp")
+
+    @property
+    def codegen_summary(self) -> str:
+        """What runs this rank's graphs (Plan.codegen), in one line."""
+        if self.program.codegen != "inductor" or faults.debug_nan():
+            why = self.program.codegen_why or "FXPAR_DEBUG_NAN"
+            return f"op by op ({why})"
+        graphs = [*self._generated.values(), *(self.pipeline_runner.run_graphs.values()
+                                              if self.pipeline_runner else [])]
+        done = [gm.meta["codegen"] for gm in graphs if "codegen" in gm.meta]
+        runs = [r for d in done for r in d.runs]
+        hits = sum(r.cached for r in runs)
+        line = (f"Inductor: {len(runs)} compiled runs in {len(done)} graph(s) holding "
+                f"{sum(r.ops for r in runs)} ops ({hits} loaded from the cache), "
+                f"{sum(d.eager_ops for d in done)} ops left op by op, "
+                f"{sum(d.seconds for d in done):.1f} s")
+        if self.optimizer_fused:
+            line += f"; optimizer: torch's fused {type(self.optimizer).__name__} kernel"
+        return line
 
     @property
     def dp_size(self) -> int:

@@ -264,6 +264,10 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
     skipped = getattr(pm, "fusion_skipped", None)
     if plan.fuse and skipped:
         passes.append(f"<h3>fusion</h3><p>not run: {html.escape(skipped)}</p>")
+    if hasattr(pm, "codegen_summary"):
+        passes.append(f"<h3>code generation (Plan.codegen={plan.codegen!r})</h3><p>"
+                      f"{html.escape(pm.codegen_summary)}; compile time per graph in the "
+                      f"<a href=\"#compile\">compile table</a> (rows \"codegen ...\")</p>")
     not_run = "".join(f"<li><b>{n}</b>: {html.escape(why)}</li>"
                       for n, why in _skipped_passes(plan, pm.stage_graphs))
     if not_run:
