@@ -225,10 +225,13 @@ def cache_dir() -> str:
 
 
 def _key(sub: torch.fx.GraphModule, fakes) -> str:
-    """The run's code, its inputs' shapes/strides/dtypes/devices, torch's version and the
-    Inductor options fxpar sets: what the compiled code depends on."""
+    """The run's code, its inputs' shapes/strides/dtypes/devices, torch's version, the
+    Inductor options fxpar sets and the thread count (Inductor's CPU kernels fix their
+    OpenMP threads at compile time: a 2-thread kernel in a 1-thread rank oversubscribes):
+    what the compiled code depends on."""
     h = hashlib.sha256()
-    for part in (torch.__version__, repr(INDUCTOR_OPTIONS), sub.code,
+    for part in (torch.__version__, repr(INDUCTOR_OPTIONS), f"threads={torch.get_num_threads()}",
+                 sub.code,
                  *(f"{tuple(f.shape)}{f.stride()}{f.dtype}{f.device}" for f in fakes)):
         h.update(part.encode())
     return h.hexdigest()[:32]
