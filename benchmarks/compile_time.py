@@ -5,6 +5,13 @@
 Prints, per depth, the seconds of capture and of the passes (one device, fusion off: the
 CPU path) and the milliseconds per graph node, so a cost that grows faster than the graph
 shows as a rising ms/node. docs/benchmarks.md records the figures.
+
+    python benchmarks/compile_time.py --codegen [--layers 12]
+
+Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
+graph: two fresh processes sharing one empty cache directory (TORCHINDUCTOR_CACHE_DIR, which
+holds fxpar's cache too): the first compiles every run with Inductor, the second - a later
+job - loads them. Prints both times and their ratio.
 """
 from __future__ import annotations
 
@@ -23,13 +30,58 @@ def gpt2(layers: int, seq: int):
     return GPT2LMHeadModel(cfg)
 
 
+def codegen_child(layers: int, seq: int) -> None:
+    """One job's code generation of the joint graph; prints seconds, runs, cache hits."""
+    import time
+
+    import fxpar
+    from fxpar.compiler import codegen
+    torch.manual_seed(0)
+    model = gpt2(layers, seq)
+    ids = torch.randint(0, 50257, (2, seq))
+    prog = fxpar.compile(model, 1, example_batch={"input_ids": ids, "labels": ids},
+                         plan={"fuse": False, "codegen": "inductor"})
+    t0 = time.perf_counter()
+    gm = codegen.generate(prog.graph, "cpu", "joint")
+    d = gm.meta["codegen"]
+    print(f"RESULT {time.perf_counter() - t0:.2f} {len(d.runs)} {sum(r.cached for r in d.runs)}")
+
+
+def codegen_times(layers: list[int], seq: int) -> None:
+    import subprocess
+    import sys
+    import tempfile
+    print(f"{'layers':>6} {'first s':>8} {'runs':>5} {'second s':>9} {'hits':>5} {'ratio':>6}")
+    for n in layers:
+        with tempfile.TemporaryDirectory(prefix="fxpar-codegen-") as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            env.pop("FXPAR_CACHE_DIR", None)
+            res = []
+            for _ in range(2):
+                out = subprocess.run([sys.executable, __file__, "--codegen-child", str(n),
+                                      "--seq", str(seq)], env=env, capture_output=True,
+                                     text=True, check=True).stdout
+                res.append(next(line.split()[1:] for line in out.splitlines()
+                                if line.startswith("RESULT")))
+        (t1, r1, _), (t2, _, h2) = res
+        print(f"{n:>6} {float(t1):>8.1f} {r1:>5} {float(t2):>9.2f} {h2:>5} "
+              f"{float(t2) / float(t1):>6.3f}", flush=True)
+
+
 def main():
     import fxpar
     from fxpar.compiler import ir
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="2,12,48")
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--codegen", action="store_true",
+                    help="code generation's time, first job vs a later one (the cache)")
+    ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.codegen_child:
+        return codegen_child(args.codegen_child, args.seq)
+    if args.codegen:
+        return codegen_times([int(x) for x in args.layers.split(",")], args.seq)
     print(f"{'layers':>6} {'nodes':>6} {'capture s':>10} {'passes s':>9} {'ms/node':>8}")
     for layers in (int(x) for x in args.layers.split(",")):
         torch.manual_seed(0)

@@ -7,7 +7,9 @@ torch user writes by hand. Both run the same schedule and microbatch count on th
 gloo ranks, one after the other, with AdamW and the same batches. Prints per schedule the
 median step time of each, the ratio fxpar / torch, the peak memory a step allocates per rank
 (MemoryTracker: activations, stashes, gradients, receive buffers; torch's preallocated receive
-buffers are outside the step and not counted), and the largest loss difference.
+buffers are outside the step and not counted), and the largest loss difference. Code
+generation: fxpar also with Plan.codegen="inductor", torch also with each stage module under
+torch.compile (time only: the tracker does not see buffers Inductor's code allocates).
 
     .venv/bin/python benchmarks/pipeline_vs_torch.py [--steps 20] [--layers 8] [--embd 256]
 """
@@ -99,25 +101,38 @@ def _time(fn, warmup, steps, tracker_step):
 
 
 def bench(args):
-    from torch.distributed import pipelining as tp
     torch.set_num_threads(1)
     cfg = _cfg(args)
     data = [M.gpt_batch(cfg, args.batch, seed=s) for s in range(4)]
     rank = int(os.environ["RANK"])
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    ctx = (args, cfg, data, rank, opt)
     out = {}
     for sched in args.schedules:
-        pm = fxpar.parallelize(_model(cfg), 2, example_batch=data[0], optimizer=opt,
-                               plan=fxpar.Plan(pp=2, microbatches=args.microbatches,
-                                               schedule=sched))
-        fx = _time(lambda s: pm.step(data[s % 4]).item(), args.warmup, args.steps,
-                   args.warmup + args.steps - 1)
-        k = _first_stage_blocks(pm, cfg.n_layer)
-        del pm
+        def fxpar_run(codegen, tracked):
+            pm = fxpar.parallelize(_model(cfg), 2, example_batch=data[0], optimizer=opt,
+                                   plan=fxpar.Plan(pp=2, microbatches=args.microbatches,
+                                                   schedule=sched, codegen=codegen))
+            return _time(lambda s: pm.step(data[s % 4]).item(), args.warmup, args.steps,
+                         args.warmup + args.steps - 1 if tracked else -1), \
+                _first_stage_blocks(pm, cfg.n_layer)
+        fx, k = fxpar_run("eager", True)
+        fxi, _ = fxpar_run("inductor", False)
+        out[sched] = (fx, torch_run(ctx, k, sched, compiled=False), k, fxi,
+                      torch_run(ctx, k, sched, compiled=True))
+    return out
 
+
+def torch_run(ctx, k, sched, compiled):
+    """torch.distributed.pipelining with the cut fxpar found (stage modules compiled or not);
+    a failure to compile is returned as its message."""
+    from torch.distributed import pipelining as tp
+    args, cfg, data, rank, opt = ctx
+    try:
         model = _model(cfg)
         sub = First(model, model.h[:k]) if rank == 0 else Last(model, model.h[k:])
-        stage = tp.PipelineStage(sub, rank, 2, torch.device("cpu"))
+        stage = tp.PipelineStage(torch.compile(sub) if compiled else sub, rank, 2,
+                                 torch.device("cpu"))
         loss_fn = lambda logits, tgt: F.cross_entropy(  # noqa: E731
             logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
         schedule = getattr(tp, SCHEDULES[sched])(stage, args.microbatches, loss_fn=loss_fn)
@@ -136,9 +151,12 @@ def bench(args):
             dist.broadcast(loss, src=1)
             return loss.item()
 
-        out[sched] = (fx, _time(torch_step, args.warmup, args.steps,
-                                args.warmup + args.steps - 1), k)
-    return out
+        return _time(torch_step, args.warmup, args.steps,
+                     -1 if compiled else args.warmup + args.steps - 1)
+    except Exception as e:  # noqa: BLE001 - a peer variant that cannot run here is a row
+        if not compiled:
+            raise
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
 
 
 def main():
@@ -159,12 +177,25 @@ def main():
     print(f"{'schedule':9s} {'cut':>4s} {'fxpar ms':>9s} {'torch ms':>9s} {'ratio':>6s}   "
           f"{'fxpar peak MiB r0/r1':>20s} {'torch peak MiB r0/r1':>20s}  max|loss diff|")
     for sched in args.schedules:
-        (fx_t, fx_l, _), (th_t, th_l, _), k = res[0][sched]
+        (fx_t, fx_l, _), (th_t, th_l, _), k, _, _ = res[0][sched]
         peaks = [(res[r][sched][0][2] / 2**20, res[r][sched][1][2] / 2**20) for r in (0, 1)]
         diff = max(abs(a - b) for a, b in zip(fx_l, th_l))
         print(f"{sched:9s} {k:>4d} {fx_t * 1e3:9.1f} {th_t * 1e3:9.1f} {fx_t / th_t:6.3f}   "
               f"{peaks[0][0]:9.1f}/{peaks[1][0]:<10.1f} {peaks[0][1]:9.1f}/{peaks[1][1]:<10.1f}"
               f"  {diff:.1e}")
+    print("code generation (time only):")
+    print(f"{'schedule':9s} {'fxpar inductor ms':>18s} {'torch + compile ms':>19s} "
+          f"{'x torch':>8s} {'x torch+compile':>16s}  max|loss diff| vs torch")
+    for sched in args.schedules:
+        _, (th_t, th_l, _), _, (fi_t, fi_l, _), tc = res[0][sched]
+        diff = max(abs(a - b) for a, b in zip(fi_l, th_l))
+        if isinstance(tc, str):
+            print(f"{sched:9s} {fi_t * 1e3:18.1f} {'failed':>19s} {fi_t / th_t:8.3f} "
+                  f"{'-':>16s}  {diff:.1e}   (torch + compile: {tc})")
+        else:
+            print(f"{sched:9s} {fi_t * 1e3:18.1f} {tc[0] * 1e3:19.1f} {fi_t / th_t:8.3f} "
+                  f"{fi_t / tc[0]:16.3f}  {diff:.1e}")
+    print("(variants run one after the other, not interleaved: ratios carry the drift)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ on the same spawned gloo ranks, one after the other. Prints the median step time
 the ratio fxpar / DTensor, the bytes each rank sends per step on a ring for the collectives
 it issues (a dispatch mode sees both sides' collective ops), and the largest loss
 difference; fxpar with
-sequence parallelism as a third row.
+sequence parallelism as a third row. Code generation: fxpar with Plan.codegen "eager" (op by
+op) and "inductor", DTensor eager and under torch.compile (the model compiled after
+parallelize_module).
 
     .venv/bin/python benchmarks/tp_vs_dtensor.py [--steps 20] [--hidden 256] [--layers 4]
 """
@@ -93,31 +95,38 @@ def bench(args):
     data = [M.hf_lm_batch(512, args.batch, args.seq, seed=s) for s in range(4)]
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
 
-    pm = fxpar.parallelize(_model(args), 2, example_batch=data[0], optimizer=opt,
-                           plan={"tp": 2})
-    found = pm.stage_graphs["tensor_parallel"]["dp"].meta["tensor_parallel"]
-    fx = _run(lambda s: pm.step(data[s % 4]).item(), args)
-    del pm
-    pm = fxpar.parallelize(_model(args), 2, example_batch=data[0], optimizer=opt,
-                           plan={"tp": 2, "sequence_parallel": True})
-    fx_sp = _run(lambda s: pm.step(data[s % 4]).item(), args)
-    del pm
+    def fxpar_run(**plan):
+        pm = fxpar.parallelize(_model(args), 2, example_batch=data[0], optimizer=opt,
+                               plan={"tp": 2, **plan})
+        found = pm.stage_graphs["tensor_parallel"]["dp"].meta["tensor_parallel"]
+        return _run(lambda s: pm.step(data[s % 4]).item(), args), found
 
-    model = _model(args)
+    fx, found = fxpar_run(codegen="eager")
+    fx_sp, _ = fxpar_run(codegen="eager", sequence_parallel=True)
+    fx_ind, _ = fxpar_run(codegen="inductor")
     mesh = init_device_mesh("cpu", (2,))
-    plan = hand_plan()
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, plan)
-    o = opt(model.parameters())
 
-    def dtensor_step(s):
-        o.zero_grad(set_to_none=True)
-        loss = model(**data[s % 4]).loss
-        loss.backward()
-        o.step()
-        return loss.item()
+    def dtensor(compiled):
+        model = _model(args)
+        plan = hand_plan()
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, plan)
+        o = opt(model.parameters())
+        fwd = torch.compile(model) if compiled else model
 
-    return fx, fx_sp, _run(dtensor_step, args), (len(found.column), len(found.row))
+        def dtensor_step(s):
+            o.zero_grad(set_to_none=True)
+            loss = fwd(**data[s % 4]).loss
+            loss.backward()
+            o.step()
+            return loss.item()
+        return _run(dtensor_step, args)
+    dt = dtensor(False)
+    try:
+        dt_c = dtensor(True)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot compile here is a row
+        dt_c = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    return fx, fx_sp, fx_ind, dt, dt_c, (len(found.column), len(found.row))
 
 
 def main():
@@ -130,20 +139,32 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     res = fxpar.launch(bench, 2, args)
-    (fx_t, fx_l, fx_b, fx_c), sp, (dt_t, dt_l, dt_b, dt_c), (n_col, n_row) = res[0]
+    (fx_t, fx_l, fx_b, fx_c), sp, ind, (dt_t, dt_l, dt_b, dt_c), dtc, (n_col, n_row) = res[0]
     n_params = sum(p.numel() for p in _model(args).parameters())
     print(f"HF Llama {args.layers} layers x {args.hidden} (8 heads, 4 kv heads, "
           f"{n_params / 1e6:.2f} M params), batch {args.batch} x {args.seq}, tp=2, gloo, "
           f"1 thread per rank, AdamW, {args.steps} timed steps")
     print(f"fxpar found {n_col} column + {n_row} row weights "
           f"(hand plan: {5 * args.layers} + {2 * args.layers})")
-    print(f"{'':8s} {'median step ms':>15s} {'collective calls':>17s} {'MiB sent/step':>14s}")
-    print(f"{'fxpar':8s} {fx_t * 1e3:15.1f} {fx_c:17d} {fx_b / 2**20:14.2f}")
-    print(f"{'fxpar SP':8s} {sp[0] * 1e3:15.1f} {sp[3]:17d} {sp[2] / 2**20:14.2f}   "
-          "(sequence_parallel=True)")
-    print(f"{'DTensor':8s} {dt_t * 1e3:15.1f} {dt_c:17d} {dt_b / 2**20:14.2f}")
+    print(f"{'':18s} {'median step ms':>15s} {'collective calls':>17s} {'MiB sent/step':>14s}")
+    print(f"{'fxpar':18s} {fx_t * 1e3:15.1f} {fx_c:17d} {fx_b / 2**20:14.2f}   (codegen=eager)")
+    print(f"{'fxpar SP':18s} {sp[0] * 1e3:15.1f} {sp[3]:17d} {sp[2] / 2**20:14.2f}   "
+          "(sequence_parallel=True, codegen=eager)")
+    print(f"{'fxpar inductor':18s} {ind[0] * 1e3:15.1f} {ind[3]:17d} {ind[2] / 2**20:14.2f}   "
+          "(codegen=inductor)")
+    print(f"{'DTensor':18s} {dt_t * 1e3:15.1f} {dt_c:17d} {dt_b / 2**20:14.2f}")
+    if isinstance(dtc, str):
+        print(f"{'DTensor + compile':18s} failed: {dtc}")
+    else:
+        print(f"{'DTensor + compile':18s} {dtc[0] * 1e3:15.1f} {dtc[3]:17d} "
+              f"{dtc[2] / 2**20:14.2f}")
     print(f"ratio fxpar/DTensor: time {fx_t / dt_t:.3f}, bytes {fx_b / max(dt_b, 1):.3f}   "
           f"(max |loss diff| = {max(abs(a - b) for a, b in zip(fx_l, dt_l)):.2e})")
+    print(f"ratio fxpar inductor/DTensor: time {ind[0] / dt_t:.3f}"
+          + ("" if isinstance(dtc, str) else
+             f"; fxpar inductor/DTensor + compile: time {ind[0] / dtc[0]:.3f}")
+          + f"   (max |loss diff| = {max(abs(a - b) for a, b in zip(ind[1], dt_l)):.2e})")
+    print("(rows run one after the other, not interleaved: ratios carry this machine's drift)")
 
 
 if __name__ == "__main__":

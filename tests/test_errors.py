@@ -109,6 +109,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # (a 2-process launch, 5 s)
 def test_zero_refuses_an_optimizer_instance():
     from workers import zero_with_optimizer_instance
     with pytest.raises(fxpar.runtime.dist.LaunchError, match="pass a factory"):

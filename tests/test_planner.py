@@ -214,6 +214,7 @@ def test_memory_estimate_vs_tracker_on_cpu_ranks():
     assert not bad, bad
 
 
+@pytest.mark.slow  # (10 s: make test stays under 6 minutes with codegen's test)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_memory_estimate_vs_tracker_in_each_precision(precision):
     """One process, AdamW: the estimate of what a step allocates within 10% of the tracker's
