@@ -142,6 +142,8 @@ def runs(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
     at least MIN_OPS real (non-view) ops."""
     out, cur, region = [], [], None
     for n in graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem and _is_compute(n):
+            continue  # goes with what it takes apart (below)
         r = n.meta.get(ir.REGION)
         if not _is_compute(n) or (cur and r != region):
             if sum(map(_counts, cur)) >= MIN_OPS:
@@ -152,11 +154,28 @@ def runs(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
             region = r
     if sum(map(_counts, cur)) >= MIN_OPS:
         out.append(cur)
-    for run in out:  # a multi-output op's getitems come along (a run returns tensors only)
-        have = set(run)
-        run += [u for n in list(run) if isinstance(n.meta.get(ir.VAL), (tuple, list))
-                for u in n.users if u.target is operator.getitem and u not in have]
-    return out
+    # a multi-output op's getitems join its run wherever they sit in the graph (a run
+    # returns tensors only); they only take apart a value already made
+    owner = {n: run for run in out for n in run}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in owner:
+            owner[n.args[0]].append(n)
+            owner[n] = owner[n.args[0]]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return [part for run in out for part in _split_at_late_inputs(
+        sorted(run, key=order.__getitem__), order) if sum(map(_counts, part)) >= MIN_OPS]
+
+
+def _split_at_late_inputs(run, order) -> list[list[torch.fx.Node]]:
+    """A run is called where its first node was: cut it before any node that reads a value
+    made outside the run after that point (a getitem left outside)."""
+    parts, cur, inside = [], [], set(run)
+    for n in run:
+        if cur and any(a not in inside and order[a] > order[cur[0]] for a in n.all_input_nodes):
+            parts.append(cur)
+            cur = []
+        cur.append(n)
+    return parts + [cur]
 
 
 class CompiledRun(torch.nn.Module):

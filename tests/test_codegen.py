@@ -172,3 +172,26 @@ def test_inductor_parity_across_plans():
                 rtol=1e-5, atol=1e-5)), msg=lambda s: f"{what} {k}: {s}")
         assert got[2]["eval"] == pytest.approx(ref[2]["eval"], **(
             dict(rel=1e-2, abs=1e-2) if half else dict(rel=1e-5, abs=1e-6)))
+
+
+def test_cut_graph_computes_what_the_graph_does_with_remat_rng_replay():
+    """remat's RNG ops and the getitems of their results stay outside the runs, getitems of
+    multi-output ops go with their op wherever they sit: the cut graph (each run as its own
+    submodule) returns what the graph returns, dropout masks included."""
+    model, batch_fn, _ = build("gpt_dropout")
+    program = fxpar.compile(model, 1, example_batch=batch_fn(0),
+                            plan={"dp": 1, "remat": "sqrt", "codegen": "eager"})
+    gm = program.graph
+    assert any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes)
+    gen = codegen.generate(gm, "cpu", compile_fn=_eager_compile)
+    assert len(gen.meta["codegen"].runs) >= 4
+    params = dict(model.named_parameters(remove_duplicate=False))
+    args = [params[n].detach() for n in program.signature.param_names] + \
+        list(ir.flatten_batch(batch_fn(0), program.signature))
+    outs = []
+    for g in (gm, gen):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            outs.append(g(*args))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
