@@ -292,7 +292,7 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
         cmp_rows = calibrated + [(f"{a} (uncalibrated roofline, this rank's graph)", b, c)
                                  for a, b, c in cmp_rows]
     cmp = "".join(f"<tr><td>{a}</td><td>{b}</td><td>{c}</td></tr>" for a, b, c in cmp_rows)
-    covers = _memory_sentence(pred, measured_memory)
+    covers = _memory_sentence(pred, measured_memory, pm)
     imgs = "".join(f'<h3>{html.escape(os.path.basename(p))}</h3><p class="small">'
                    f'{html.escape(_IMAGE_CAPTIONS.get(os.path.basename(p), ""))}</p>'
                    f'<img src="{os.path.basename(p)}" class="plot">' for p in images)
@@ -352,13 +352,24 @@ _IMAGE_CAPTIONS = {
 }
 
 
-def _memory_sentence(pred: Prediction, measured: int | None) -> str:
+def untracked(pm) -> bool:
+    """Inductor's CPU code allocates its buffers below the dispatcher, where runtime/memtrack's
+    CPU tracker cannot see them: no memory measurement of such a step (CUDA's allocator
+    statistics see everything)."""
+    return getattr(pm.program, "codegen", "eager") == "inductor" and \
+        pm.world.device.type == "cpu"
+
+
+def _memory_sentence(pred: Prediction, measured: int | None, pm=None) -> str:
     """What the memory figures cover, and why they may differ."""
     text = ("Memory: the prediction counts the gradients and activations the step's graph "
             "keeps live at its fullest point; the measurement counts every allocation one "
             "step makes on this rank (runtime/memtrack.measure), which also includes the "
             "optimizer's temporaries and new state, collective and bucket buffers, and "
             "the batch slice.")
+    if measured is None and pm is not None and untracked(pm):
+        text += (" Not measured here: Inductor's CPU code (Plan.codegen) allocates below the "
+                 "dispatcher, where the tracker cannot see; codegen='eager' measures it.")
     if measured and pred.memory_bytes:
         err = (pred.memory_bytes / measured - 1) * 100
         if abs(err) > 25:
