@@ -221,8 +221,9 @@ class ParallelModel:
                  ) -> dict[str, torch.fx.GraphModule]:
         """Plan.codegen: `graphs` (this rank's, by name) compiled by Inductor, one row per
         graph in the compile times. Ranks holding the same graphs compile in turn: the first
-        of each pipeline stage (dp and tp coordinate 0) compiles, then the others, whose
-        compile is a hit in Inductor's on-disk cache. A failure is raised on every rank."""
+        of each pipeline stage (dp and tp coordinate 0) compiles, then the others load its
+        compiled runs from the cache (compiler/codegen.cache_dir). A failure is raised on
+        every rank."""
         if program.codegen != "inductor":
             return graphs
         if faults.debug_nan():
@@ -241,11 +242,12 @@ class ParallelModel:
         if world.size == 1 or first:
             try:
                 generate()
-            except codegen.CodegenError as e:
+            except Exception as e:  # noqa: BLE001 - every rank raises it (below), none hangs
                 error = e
         if world.size > 1:  # (every rank passes here: also a barrier for the cache)
             errors = [None] * world.size
-            dist.all_gather_object(errors, None if error is None else str(error))
+            dist.all_gather_object(errors, None if error is None else
+                                   f"{type(error).__name__}: {error}")
             failed = [(r, e) for r, e in enumerate(errors) if e]
             if failed and error is None:
                 r, e = failed[0]
