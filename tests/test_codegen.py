@@ -195,3 +195,40 @@ def test_cut_graph_computes_what_the_graph_does_with_remat_rng_replay():
             outs.append(g(*args))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fused_optimizer_only_where_the_user_left_it_to_torch():
+    from fxpar.runtime import optim
+    w = [torch.nn.Parameter(torch.randn(4, 4))]
+    opt = torch.optim.AdamW(w, lr=1e-3)
+    assert optim.prefer_fused(opt) and opt.param_groups[0]["fused"] is True
+    w[0].grad = torch.randn(4, 4)
+    ref = torch.optim.AdamW([torch.nn.Parameter(w[0].detach().clone())], lr=1e-3)
+    ref.param_groups[0]["params"][0].grad = w[0].grad.clone()
+    opt.step()
+    ref.step()  # the fused kernel makes the for-loop's update
+    torch.testing.assert_close(w[0], ref.param_groups[0]["params"][0], rtol=1e-6, atol=1e-7)
+    for chosen in ({"foreach": True}, {"foreach": False}, {"fused": False}):
+        assert not optim.prefer_fused(torch.optim.AdamW(w, lr=1e-3, **chosen))
+    assert not optim.prefer_fused(torch.optim.RMSprop(w))  # no fused kernel in torch
+    stepped = torch.optim.SGD(w, lr=0.1, momentum=0.9)
+    stepped.step()
+    assert not optim.prefer_fused(stepped)  # its state is the for-loop's already
+    assert optim.prefer_fused(torch.optim.SGD(w, lr=0.1))
+
+
+@pytest.mark.slow
+def test_one_fuser_cross_entropy_kernel_between_inductor_runs(monkeypatch):
+    """With Inductor the fusion pass swaps in only the cross-entropy kernel (Triton's
+    interpreter on CPU); it runs between the compiled runs and the step equals op by op."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, ref, ref_state = _train("hf_gpt2", {"dp": 1, "codegen": "eager", "fuse": False})
+    pm, got, state = _train("hf_gpt2", {"dp": 1, "codegen": "inductor", "fuse": True})
+    kinds = [g.kind for g in pm.stage_graphs["fusion"]["dp"].meta["fusion"].groups]
+    assert kinds and set(kinds) == {"cross_entropy", "cross_entropy_backward"}, kinds
+    gm = pm._generated[id(pm.program)]
+    outer = {getattr(n.target, "name", None) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"cross_entropy", "cross_entropy_backward"} <= outer  # between the compiled runs
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5)
