@@ -179,13 +179,20 @@ def _split_at_late_inputs(run, order) -> list[list[torch.fx.Node]]:
 
 
 class CompiledRun(torch.nn.Module):
-    """A compiled run as a submodule of the outer graph; `source` is the graph it compiled."""
+    """A compiled run as a submodule of the outer graph; `source` is the graph it compiled.
+    Inductor's code is specialised to its inputs' strides (and asserts them): an input laid
+    out otherwise (a user's non-contiguous batch where the example batch was contiguous) is
+    copied into the layout it was compiled for."""
 
-    def __init__(self, fn: Callable, source: torch.fx.GraphModule):
+    def __init__(self, fn: Callable, source: torch.fx.GraphModule, strides: list[tuple]):
         super().__init__()
-        self.fn, self.source = fn, source
+        self.fn, self.source, self.strides = fn, source, strides
 
     def forward(self, *args):
+        if any(a.stride() != s for a, s in zip(args, self.strides)):
+            args = [a if a.stride() == s else
+                    torch.empty_strided(a.shape, s, dtype=a.dtype, device=a.device).copy_(a)
+                    for a, s in zip(args, self.strides)]
         return self.fn(*args)
 
 
@@ -324,7 +331,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                 "to run the graph op by op.") from e
         done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
                         hit))
-        out.add_module(key, CompiledRun(fn, sub))
+        out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes]))
         with g.inserting_before(nodes[0]):
             call = g.call_module(key, tuple(inputs))
             call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)

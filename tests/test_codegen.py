@@ -138,6 +138,15 @@ def test_inductor_step_equals_op_by_op_and_is_cached(tmp_path, monkeypatch):
     assert all(r.cached for r in pm2._generated[id(pm2.program)].meta["codegen"].runs)
     assert losses2 == losses
     assert time.perf_counter() - t0 < first
+    # a batch laid out otherwise than the example (non-contiguous) is copied into the layout
+    # Inductor compiled for (it asserts strides), not refused
+    x, y = build("mlp_dropout")[1](7)
+    x_t = x.t().contiguous().t()
+    assert x_t.stride() != x.stride()
+    torch.manual_seed(3)
+    a = pm.step((x, y)).item()
+    torch.manual_seed(3)
+    assert pm2.step((x_t, y)).item() == a
 
 
 @pytest.mark.slow
