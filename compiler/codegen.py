@@ -106,15 +106,18 @@ class Run:
 class Generated:
     """What `generate` did to one graph (gm.meta["codegen"] of its result)."""
     runs: list[Run]
-    eager_ops: int    # ATen ops left outside compiled runs (short runs)
+    eager_ops: int    # ATen ops left outside compiled runs (short runs, failed runs)
     seconds: float
+    failed: list[str] = dataclasses.field(default_factory=list)  # runs Inductor refused, why
 
     def summary(self) -> str:
         ops = sum(r.ops for r in self.runs)
         hits = sum(r.cached for r in self.runs)
         return (f"{len(self.runs)} compiled runs holding {ops} ops"
                 + (f" ({hits} from the cache)" if hits else "")
-                + f", {self.eager_ops} ops left eager")
+                + f", {self.eager_ops} ops left eager"
+                + (f" ({len(self.failed)} runs Inductor could not compile)"
+                   if self.failed else ""))
 
 
 def _is_compute(n: torch.fx.Node) -> bool:
@@ -294,11 +297,14 @@ def inductor(sub: torch.fx.GraphModule, fakes) -> tuple[Callable, bool]:
 
 
 def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
-             compile_fn: Callable | None = None) -> torch.fx.GraphModule:
+             compile_fn: Callable | None = None, strict: bool = True) -> torch.fx.GraphModule:
     """A copy of `gm` whose compute runs are compiled (`compile_fn(sub_gm, fake_inputs)` ->
-    (callable, from cache), `inductor` by default) and called as submodules; collectives, waits and other calls stay
-    in place, in the same order. `device`: the device the graph will run on (fakes are
-    made there: Inductor specialises to it). Result's meta["codegen"]: a Generated."""
+    (callable, from cache), `inductor` by default) and called as submodules; collectives,
+    waits and other calls stay in place, in the same order. `device`: the device the graph
+    will run on (fakes are made there: Inductor specialises to it). A run Inductor cannot
+    compile raises CodegenError when `strict` (Plan.codegen="inductor"), else (codegen
+    "auto") stays op by op with a warning naming it. Result's meta["codegen"]: a
+    Generated."""
     t0 = time.perf_counter()
     compile_fn = compile_fn or inductor
     g = torch.fx.Graph()
@@ -307,7 +313,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
         if n.op == "call_function" and n.target in OWNED_INPUT_OPS:
             n.meta[ir.OWNED] = cost.owned(n.args[0])
     out = torch.fx.GraphModule(gm, g)
-    done, eager_ops = [], 0
+    done, failed = [], []
     cut = runs(g)
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
@@ -323,12 +329,17 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
         try:
             fn, hit = compile_fn(sub, fakes)
         except Exception as e:  # noqa: BLE001 - named, with the way out
-            raise CodegenError(
-                f"Inductor could not compile {name}'s run {i} ({len(nodes)} nodes, from "
-                f"{nodes[0].name} to {nodes[-1].name}, module "
-                f"{nodes[0].meta.get(ir.MODULE)!r}): {type(e).__name__}: "
-                f"{(str(e).splitlines() or [''])[0][:300]}. Use Plan(codegen='eager') "
-                "to run the graph op by op.") from e
+            what = (f"Inductor could not compile {name}'s run {i} ({len(nodes)} nodes, from "
+                    f"{nodes[0].name} to {nodes[-1].name}, module "
+                    f"{nodes[0].meta.get(ir.MODULE)!r}): {type(e).__name__}: "
+                    f"{(str(e).splitlines() or [''])[0][:300]}")
+            if strict:
+                raise CodegenError(f"{what}. Use Plan(codegen='eager') to run the graph op "
+                                   "by op, or codegen='auto' to run only this part so.") from e
+            log.warning("%s; this run stays op by op (Plan.codegen='auto').", what)
+            failed.append(what)
+            eager_ops += sum(map(_counts, nodes))
+            continue
         done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
                         hit))
         out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes]))
@@ -346,7 +357,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     g.lint()
     out.recompile()
     out.meta = dict(gm.meta)
-    out.meta["codegen"] = Generated(done, eager_ops, time.perf_counter() - t0)
+    out.meta["codegen"] = Generated(done, eager_ops, time.perf_counter() - t0, failed)
     log.debug("codegen %s: %s", name, out.meta["codegen"].summary())
     return out
 

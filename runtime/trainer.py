@@ -236,7 +236,8 @@ class ParallelModel:
         def generate():
             for name, gm in graphs.items():
                 t0 = time.perf_counter()
-                out[name] = codegen.generate(gm, world.device, name)
+                out[name] = codegen.generate(gm, world.device, name,
+                                             strict=program.plan.codegen == "inductor")
                 clock.add(f"codegen {name}", time.perf_counter() - t0, detail=out[
                     name].meta["codegen"].summary())
         if world.size == 1 or first:
@@ -300,10 +301,12 @@ class ParallelModel:
         done = [gm.meta["codegen"] for gm in graphs if "codegen" in gm.meta]
         runs = [r for d in done for r in d.runs]
         hits = sum(r.cached for r in runs)
+        failed = sum(len(d.failed) for d in done)
         line = (f"Inductor: {len(runs)} compiled runs in {len(done)} graph(s) holding "
                 f"{sum(r.ops for r in runs)} ops ({hits} loaded from the cache), "
-                f"{sum(d.eager_ops for d in done)} ops left op by op, "
-                f"{sum(d.seconds for d in done):.1f} s")
+                f"{sum(d.eager_ops for d in done)} ops left op by op"
+                + (f" ({failed} runs Inductor could not compile: see the log)" if failed
+                   else "") + f", {sum(d.seconds for d in done):.1f} s")
         if self.optimizer_fused:
             line += f"; optimizer: torch's fused {type(self.optimizer).__name__} kernel"
         return line

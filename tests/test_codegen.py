@@ -88,6 +88,18 @@ def test_a_failed_compile_names_the_run_and_the_way_out():
     with pytest.raises(codegen.CodegenError, match=r"run 0 .*no lowering for aten.frobnicate\. "
                        r"Use Plan\(codegen='eager'\)"):
         codegen.generate(_dp2_program().graph, "cpu", "joint", compile_fn=broken)
+    # codegen="auto": that run stays op by op, the others compile, a warning names it
+    calls = []
+
+    def first_broken(sub, fakes):
+        calls.append(1)
+        return broken(sub, fakes) if len(calls) == 1 else (sub, False)
+    gm = _dp2_program().graph
+    gen = codegen.generate(gm, "cpu", "joint", compile_fn=first_broken, strict=False)
+    d = gen.meta["codegen"]
+    assert len(d.failed) == 1 and "aten.frobnicate" in d.failed[0]
+    assert len(d.runs) == len(calls) - 1 and d.eager_ops > 0
+    assert _schedule(gen) == _schedule(gm)
 
 
 def test_decide(monkeypatch):
