@@ -1,5 +1,6 @@
 """Code generation (compiler/codegen.py): the compute between collectives compiled by Inductor,
 the collectives' placement kept, the result equal to the op-by-op graph, and the cache."""
+import functools
 import os
 import time
 
@@ -22,11 +23,13 @@ def _eager_compile(sub, fakes):  # stands in for Inductor: the run as it is (fas
     return sub, False
 
 
-def _dp2_program(**plan):
+@functools.lru_cache(maxsize=1)
+def _dp2_program():
+    """(generate copies the graph it cuts: the tests share one compile)"""
     cfg = M.GPTConfig()
     torch.manual_seed(0)
     return fxpar.compile(M.GPT(cfg), 2, example_batch=M.gpt_batch(cfg, 8),
-                         plan={"dp": 2, "bucket_mb": 0.05, **plan})
+                         plan={"dp": 2, "bucket_mb": 0.05})
 
 
 def _schedule(gm):
