@@ -682,9 +682,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision)
-    for k2 in ("overlap", "fuse", "bucket_mb", "sequence_parallel", "tp_style", "cuda_graphs"):
-        if k2 in constraints:
-            setattr(plan, k2, constraints[k2])
+    for k2, given in constraints.items():  # every field the user fixed that is not searched
+        if k2 not in ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat",
+                      "precision"):  # (e.g. codegen, max_grad_norm, offload, overlap)
+            setattr(plan, k2, given)
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))
     c.ctx = (fwd, bwd, p2p, pipe, v)

@@ -178,6 +178,11 @@ def test_constraints_fix_fields(small_stats):
     for c in r.table:
         c.plan.validate(4)
     assert any(c.plan.zero == 3 and (c.plan.tp > 1 or c.plan.pp > 1) for c in r.table)
+    # fields the search does not choose are kept as the user fixed them (they were dropped
+    # for codegen, max_grad_norm and offload: a silent change of the user's plan)
+    fixed = {"codegen": "eager", "max_grad_norm": 1.0, "overlap": False, "fuse": False}
+    r = planner.search(small_stats, 4, _cpu(GiB), batch_rows=8, constraints=fixed)
+    assert all(all(getattr(c.plan, k) == v for k, v in fixed.items()) for c in r.table)
 
 
 def test_fxpar_plan_command(capsys):
