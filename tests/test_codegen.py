@@ -180,10 +180,14 @@ def test_inductor_parity_across_plans():
         ("gpt", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "offload": True}),
         ("gpt", {"dp": 2, "precision": "bf16"}), ("gpt", {"dp": 2, "precision": "fp16"}))
         for cg in ("eager", "inductor")]
-    res = fxpar.launch(plans_rank, 2, cases)[0]
+    ranks = fxpar.launch(plans_rank, 2, cases)
+    res = ranks[0]
     for m, opt, plan in cases:
         if plan["codegen"] != "inductor":
             continue
+        if "pp" not in plan:  # one role: rank 0 compiles, rank 1 loads every run it made
+            n, hits = ranks[1][(m, opt, repr(plan))][2]["codegen_runs"]
+            assert n > 0 and hits == n, (m, plan, n, hits)
         ref = res[(m, opt, repr({**plan, "codegen": "eager"}))]
         got = res[(m, opt, repr(plan))]
         what = f"{m} {plan}"
