@@ -204,14 +204,16 @@ def _noting_failure(hook):
 
 
 def _at_exit() -> None:
-    if _raised:
-        return
+    global _ledger
     try:
-        end_of_program()
+        if not _raised:
+            end_of_program()
     except CollectiveMisuse as e:  # the job already failed on the peers: say why here too
         print(f"fxpar: {e}", file=sys.stderr)
     except Exception:  # noqa: BLE001 - exiting anyway (e.g. the group is gone)
         pass
+    finally:  # the side group goes with the others (runtime/dist._destroy_at_exit, next),
+        _ledger = None  # not at the interpreter's finalization
 
 
 def collective(method):

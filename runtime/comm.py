@@ -20,6 +20,7 @@ records is host-side only.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -38,6 +39,13 @@ _recorder: Recorder | None = None
 _groups: dict[str, dist.ProcessGroup] = {}
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
+
+
+@atexit.register
+def _forget_groups() -> None:
+    """(after runtime/dist destroyed the groups: their last references go now, while the
+    interpreter is whole, not at its finalization)"""
+    _groups.clear()
 
 
 def set_recorder(rec: Recorder | None) -> None:
