@@ -260,3 +260,24 @@ def test_one_fuser_cross_entropy_kernel_between_inductor_runs(monkeypatch):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
     for k in ref_state:
         torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(caplog):
+    """The first call of each compiled run is checked against its graph: a compiler bug
+    (here a fake one, 1% off) makes the run op by op with a warning, never a wrong step."""
+    model, batch_fn, _ = build("mlp")
+    program = fxpar.compile(model, 1, example_batch=batch_fn(0), plan={"codegen": "eager"})
+
+    def off_by_one_percent(sub, fakes):
+        return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
+    gen = codegen.generate(program.graph, "cpu", compile_fn=off_by_one_percent)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    args = [params[n].detach() for n in program.signature.param_names] + \
+        list(ir.flatten_batch(batch_fn(0), program.signature))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fxpar"):
+        ref, first, second = program.graph(*args), gen(*args), gen(*args)
+    for a, b, c in zip(ref, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
+    assert runs and all(r.mismatch for r in runs)
+    assert "differs from the graph" in caplog.text
