@@ -44,7 +44,6 @@ from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import FxparError, PlanError
 
 log = logging.getLogger(__name__)
-CODEGENS = ("auto", "inductor", "eager")
 # a run with fewer ATen compute ops than this stays eager: a compile costs seconds and a
 # handful of ops gains nothing from fusion (views, getitems and the like do not count)
 MIN_OPS = 3
@@ -58,9 +57,7 @@ def decide(codegen: str, device) -> tuple[str, str | None]:
     """Plan.codegen on `device` -> ("inductor" | "eager", why not Inductor or None).
     "auto": Inductor where it can generate code - a GPU with Triton, or a CPU with a C++
     compiler - else eager. FXPAR_CODEGEN=eager|inductor overrides "auto" (e.g. to iterate
-    on a model without compile time)."""
-    if codegen not in CODEGENS:
-        raise PlanError(f"Plan.codegen must be one of {CODEGENS}, got {codegen!r}.")
+    on a model without compile time). `codegen` is a validated Plan's."""
     env = os.environ.get("FXPAR_CODEGEN", "").strip().lower()
     if codegen == "auto" and env:
         if env not in ("eager", "inductor"):
@@ -110,13 +107,19 @@ class Generated:
     seconds: float
     failed: list[str] = dataclasses.field(default_factory=list)  # runs Inductor refused, why
 
+    @staticmethod
+    def combined(done: list["Generated"]) -> "Generated":
+        """Several graphs' (a rank's pipeline parts, evaluate's graph) as one."""
+        return Generated([r for d in done for r in d.runs], sum(d.eager_ops for d in done),
+                         sum(d.seconds for d in done), [f for d in done for f in d.failed])
+
     def summary(self) -> str:
         ops = sum(r.ops for r in self.runs)
         hits = sum(r.cached for r in self.runs)
         return (f"{len(self.runs)} compiled runs holding {ops} ops"
                 + (f" ({hits} from the cache)" if hits else "")
                 + f", {self.eager_ops} ops left eager"
-                + (f" ({len(self.failed)} runs Inductor could not compile)"
+                + (f" ({len(self.failed)} runs Inductor could not compile: see the log)"
                    if self.failed else ""))
 
 

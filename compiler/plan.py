@@ -14,6 +14,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 REMATS = ("none", "sqrt", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 TP_STYLES = ("auto", "all-reduce", "all-gather")
+CODEGENS = ("auto", "inductor", "eager")
 
 
 @dataclasses.dataclass
@@ -148,9 +149,8 @@ class Plan:
             raise PlanError(f"Plan.max_grad_norm must be a positive number (clip the gradients' "
                             f"global norm to it) or None (no clipping), got "
                             f"{self.max_grad_norm!r}.")
-        if self.codegen not in ("auto", "inductor", "eager"):
-            raise PlanError(f"Plan.codegen must be 'auto', 'inductor' or 'eager', got "
-                            f"{self.codegen!r}.")
+        if self.codegen not in CODEGENS:
+            raise PlanError(f"Plan.codegen must be one of {CODEGENS}, got {self.codegen!r}.")
         if not (self.cuda_graphs == "auto" or isinstance(self.cuda_graphs, bool)):
             raise PlanError(f"Plan.cuda_graphs must be 'auto', True or False, got "
                             f"{self.cuda_graphs!r}.")

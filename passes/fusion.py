@@ -92,7 +92,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                             getattr(plan, "microbatches", 1))
     price = cost.kernel_price(ctx.device, replayed)
     unpaid: list[list[str]] = []
-    if getattr(ctx, "codegen", "eager") == "inductor":  # one fuser: Inductor's
+    if ctx.codegen == "inductor":  # one fuser: Inductor's
         groups = hand_written(gm, price, unpaid, only_cross_entropy=True)
         gm.meta["fusion"] = Decision(groups, unpaid=unpaid)
         log.debug("fusion: Inductor generates the kernels; %d cross-entropy kernel(s) kept",

@@ -291,22 +291,21 @@ class ParallelModel:
         return self.world.coordinate("dp")
 
     @property
-    def codegen_summary(self) -> str:
-        """What runs this rank's graphs (Plan.codegen), in one line."""
-        if self.program.codegen != "inductor" or faults.debug_nan():
-            why = self.program.codegen_why or "FXPAR_DEBUG_NAN"
-            return f"op by op ({why})"
+    def codegen_result(self) -> codegen.Generated | None:
+        """What code generation did for this rank's graphs so far (compiled runs, cache
+        hits, ops left op by op); None when they run op by op."""
         graphs = [*self._generated.values(), *(self.pipeline_runner.run_graphs.values()
                                               if self.pipeline_runner else [])]
         done = [gm.meta["codegen"] for gm in graphs if "codegen" in gm.meta]
-        runs = [r for d in done for r in d.runs]
-        hits = sum(r.cached for r in runs)
-        failed = sum(len(d.failed) for d in done)
-        line = (f"Inductor: {len(runs)} compiled runs in {len(done)} graph(s) holding "
-                f"{sum(r.ops for r in runs)} ops ({hits} loaded from the cache), "
-                f"{sum(d.eager_ops for d in done)} ops left op by op"
-                + (f" ({failed} runs Inductor could not compile: see the log)" if failed
-                   else "") + f", {sum(d.seconds for d in done):.1f} s")
+        return codegen.Generated.combined(done) if done else None
+
+    @property
+    def codegen_summary(self) -> str:
+        """What runs this rank's graphs (Plan.codegen), in one line."""
+        done = self.codegen_result
+        if done is None:
+            return f"op by op ({self.program.codegen_why or 'FXPAR_DEBUG_NAN'})"
+        line = f"Inductor: {done.summary()}, {done.seconds:.1f} s"
         if self.optimizer_fused:
             line += f"; optimizer: torch's fused {type(self.optimizer).__name__} kernel"
         return line

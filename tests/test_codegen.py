@@ -141,7 +141,7 @@ def test_inductor_step_equals_op_by_op_and_is_cached(tmp_path, monkeypatch):
     t0 = time.perf_counter()
     pm, losses, state = _train("mlp_dropout", {"dp": 1, "codegen": "inductor"})
     first = time.perf_counter() - t0
-    runs = pm._generated[id(pm.program)].meta["codegen"].runs
+    runs = pm.codegen_result.runs
     assert runs and not any(r.cached for r in runs)
     assert any(name == "codegen joint" for name, *_ in pm.compile_times)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -150,7 +150,7 @@ def test_inductor_step_equals_op_by_op_and_is_cached(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path)) == len(runs)
     t0 = time.perf_counter()
     pm2, losses2, _ = _train("mlp_dropout", {"dp": 1, "codegen": "inductor"})
-    assert all(r.cached for r in pm2._generated[id(pm2.program)].meta["codegen"].runs)
+    assert all(r.cached for r in pm2.codegen_result.runs)
     assert losses2 == losses
     assert time.perf_counter() - t0 < first
     # a batch laid out otherwise than the example (non-contiguous) is copied into the layout

@@ -118,10 +118,8 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     losses = [pm.step(batch_fn(s)).item() for s in range(steps)]
     if info is not None:
         info["eval"] = pm.evaluate(batch_fn(0)).item()  # forward-only program, same plan
-    if info is not None and pm.program.codegen == "inductor":  # (compiled runs, cache hits)
-        graphs = [*pm._generated.values(), *(pm.pipeline_runner.run_graphs.values()
-                                             if pm.pipeline_runner else [])]
-        runs = [r for g in graphs if "codegen" in g.meta for r in g.meta["codegen"].runs]
+    if info is not None and pm.codegen_result is not None:  # (compiled runs, cache hits)
+        runs = pm.codegen_result.runs
         info["codegen_runs"] = (len(runs), sum(r.cached for r in runs))
     if info is not None and pm.sharded_optimizer is not None and pm.sharded_optimizer.shards:
         z = pm.sharded_optimizer
