@@ -37,11 +37,8 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
 
 def layer_key(module: str) -> str | None:
     """`transformer.h.3.mlp.c_fc` -> `transformer.h.3` (the repeated block it belongs to)."""
-    parts = module.split(".") if module else []
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:i + 1])
-    return None
+    layer = ir.layer_of(module or "")
+    return layer if layer and layer.split(".")[-1].isdigit() else None
 
 
 FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
@@ -107,7 +104,10 @@ class GraphStats:
     # (0 stands for 0-2, 3 for 3)
     tp_nodes_extra: float = 0.0
     dp_nodes_per_param: dict = dataclasses.field(default_factory=dict)
-    zero3_gathers_per_param: float = 2.0  # before the forward use and the backward use
+    # ZeRO-3's collectives per parameter tensor (one per layer: a few per 10 tensors): the
+    # all-gathers (before the forward use and the backward use), the reduce-scatters
+    zero3_gathers_per_param: float = 2.0
+    zero3_reduce_scatters_per_param: float = 1.0
     dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
     #                         (a mean over the targets not ignored: the loss and their count)
 

@@ -29,10 +29,22 @@ PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of 
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
 BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (packing, collective)
+PACK = "pack"            # set by data_parallel on the copy of several shards into one all-gather's input
 OWNED = "owned"          # set by codegen on an all-reduce / reduce-scatter: nothing else reads its input
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
+
+
+def layer_of(module_path: str) -> str:
+    """The layer a module belongs to: its path up to the first numeric index
+    (`transformer.h.3.mlp.c_fc` -> `transformer.h.3`); a module outside the repeated blocks
+    is its own layer."""
+    parts = module_path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return module_path
 
 # What a pass decides that the Program carries: graph-module meta keys (gm.meta), written
 # by the pass named, read by compiler/compile.py into the Program. (Each pass also leaves

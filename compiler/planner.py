@@ -639,12 +639,13 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     dpc = dp_fixed = 0.0
     if dp > 1:
         # as passes/data_parallel.py emits them: gradients in buckets of at least the cost
-        # model's floor (ZeRO-3: one per parameter); ZeRO-1 all-reduces each, ZeRO-2
+        # model's floor (ZeRO-3: one per layer); ZeRO-1 all-reduces each, ZeRO-2
         # reduce-scatters, and the runtime all-gathers the updated shards; ZeRO-3 gathers
-        # every parameter before its forward and again before its backward use
+        # each layer's parameters before its forward and again before its backward use
         grad_bytes = n_elem * elem
         span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
-        buckets = n_t if zero >= 3 else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw))))
+        buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
+                   else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
         if zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
         else:
@@ -838,9 +839,12 @@ def _pass_extras(gm, sig, stats) -> None:
                 stats.dp_loss_calls = sum(
                     1 for x in calls(g) if x.target is c10d.all_reduce.default
                     and not x.meta.get(ir.BUCKET))
-            if zero == 3:  # a parameter the backward does not read is gathered once
+            if zero == 3:  # one collective per layer (and direction, for the gathers)
                 stats.zero3_gathers_per_param = sum(
                     1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default
+                ) / n_params
+                stats.zero3_reduce_scatters_per_param = sum(
+                    1 for x in calls(g) if x.target is c10d.reduce_scatter_tensor.default
                 ) / n_params
 
 

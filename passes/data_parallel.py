@@ -406,6 +406,8 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     # positions again: the redistributions above are new nodes (all after the old ones; a
     # bucket of two of them placed after the first one read the second before it existed)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    if zero == 3:
+        return _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided)
     shards = []
     decided[ir.ZERO_BUCKETS] = []
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
@@ -431,10 +433,66 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     return shards
 
 
+def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided):
+    """ZeRO-3: each gradient's output is this rank's shard of it, laid out as its parameter's
+    shard (one bucket per parameter, decided[ir.ZERO_BUCKETS]). The gradients one layer makes
+    in one pipeline part are reduce-scattered by one collective, issued after the last of them:
+    each padded to dp equal pieces, the pieces side by side ([dp, sum of shard sizes]: row r is
+    what rank r keeps), so the result is this rank's shards back to back."""
+    decided[ir.ZERO_BUCKETS] = [[i] for i in reversed(with_grad)]
+    params = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]
+    units: dict = {}
+    for i in reversed(with_grad):  # the order the backward makes them
+        g = grads[i]
+        key = (g.meta.get(ir.STAGE), g.meta.get(ir.PHASE), _layer_of_param(params[i]),
+               g.meta[ir.VAL].dtype)
+        units.setdefault(key, []).append(i)
+    shard_of = {}
+    for idx in units.values():
+        members = [grads[i] for i in idx]
+        sizes = [-(-g.meta[ir.VAL].numel() // dp) for g in members]
+        with graph.inserting_before(_after_last(members, order)):
+            rows = []
+            for g, size in zip(members, sizes):
+                flat = _flat_bucket(graph, [g], multiple_of=dp)
+                if len(members) > 1:
+                    flat = _emit(graph, aten.view.default, (flat, [dp, size]))
+                    flat.meta[ir.SHARD] = (Partial("sum"),)
+                rows.append(flat)
+            if len(members) > 1:
+                packed = _emit(graph, aten.cat.default, (rows, 1))
+                flat = _emit(graph, aten.view.default, (packed, [dp * sum(sizes)]))
+                packed.meta[ir.SHARD] = flat.meta[ir.SHARD] = (Partial("sum"),)
+            started = _emit(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", dp, group))
+            done = _emit(graph, c10d.wait_tensor.default, (started,))
+        done.meta[ir.SHARD] = (Shard(0),)
+        if len(members) == 1:
+            shard_of[idx[0]] = done
+            continue
+        with graph.inserting_before(out):
+            pieces = _emit(graph, aten.split_with_sizes.default, (done, sizes))
+            for k, i in enumerate(idx):
+                shard_of[i] = _emit(graph, operator.getitem, (pieces, k))
+                shard_of[i].meta[ir.SHARD] = (Shard(0),)
+    return [shard_of[b[0]] for b in decided[ir.ZERO_BUCKETS]]
+
+
+def _layer_of_param(p) -> str:
+    """The layer (ir.layer_of) of the module owning parameter placeholder `p`: ZeRO-3's unit
+    of one collective. Taken from the parameter's name, not from the module meta of the ops
+    reading it (a bias gradient's sum is attributed to the next module the backward visits)."""
+    fqn = p.meta.get("fqn") or p.name
+    return ir.layer_of(fqn.rsplit(".", 1)[0] if "." in fqn else fqn)
+
+
 def _gather_params_before_use(gm, group, dp):
     """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
-    shard; the full weight is all-gathered just before its first use in the forward and again
-    before its first use in the backward, so each gathered copy dies after its last use there.
+    shard; full weights are all-gathered just before their first use in the forward and again
+    before their first use in the backward, so each gathered copy dies after its last use there.
+    The weights one layer reads first (module path up to its block index, e.g.
+    `transformer.h.3`) in one pipeline part are gathered by one collective, as FSDP2 gathers
+    one flat buffer per wrapped block: their shards are copied into one input and the result
+    copied out into whole weights (one gloo/NCCL call per layer instead of one per weight).
     Views of a weight made in the forward (e.g. its transpose) that the backward reads are
     re-made from the backward's gather, so no forward copy is kept alive for the backward.
     Under pipeline parallelism each stage that reads the weight gathers it itself, in each
@@ -442,42 +500,65 @@ def _gather_params_before_use(gm, group, dp):
     microbatch's forward to its backward), as FSDP2 does under pipelining."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    fwd, bwd = [], []  # (param, first reader, its readers: [(node, value read)]) per part
+    views_of = {}
     for p in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]:
         val = p.meta[ir.VAL]
-        numel, shape = val.numel(), list(val.shape)
-        size = -(-numel // dp)
-        p.meta[ir.VAL] = val.new_empty((size,))
+        p.meta["full"] = (val.numel(), list(val.shape))
+        p.meta[ir.VAL] = val.new_empty((-(-val.numel() // dp),))
         p.meta[ir.SHARD] = (Shard(0),)
-        views = _forward_views_of(p)              # p and its forward views, in graph order
-        bwd_uses = [(u, v) for v in views for u in v.users
+        views_of[p] = _forward_views_of(p)     # p and its forward views, in graph order
+        bwd_uses = [(u, v) for v in views_of[p] for u in v.users
                     if u.meta.get(ir.REGION) == ir.BACKWARD]
         fwd_users = sorted((u for u in p.users if u.meta.get(ir.REGION) != ir.BACKWARD),
                            key=order.__getitem__)
-        fwd_fulls = []
-        for users in _by_stage(fwd_users, lambda u: u):
-            full = _gather(graph, p, dp, group, numel, shape, users[0])
-            fwd_fulls.append(full)
-            for u in users:
-                u.replace_input_with(p, full)
-        for uses in _by_stage(sorted(bwd_uses, key=lambda uv: order[uv[0]]), lambda uv: uv[0]):
-            first = uses[0][0]
-            env = {p: _gather(graph, p, dp, group, numel, shape, first)}
-            env.update({f: env[p] for f in fwd_fulls})
-            copies = []
-            for v in views[1:]:
-                with graph.inserting_before(first):
-                    env[v] = graph.node_copy(v, lambda a: env.get(a, a))
-                env[v].meta.update({ir.REGION: ir.BACKWARD, ir.SHARD: (Replicate(),)})
-                _place_like(env[v], first)
-                copies.append(env[v])
-            for u, v in uses:
-                u.replace_input_with(v, env[v])
-            for c in reversed(copies):  # views this stage's backward does not read
-                if not c.users:
-                    graph.erase_node(c)
+        fwd += [(p, users[0], [(u, p) for u in users])
+                for users in _by_stage(fwd_users, lambda u: u)]
+        bwd += [(p, uses[0][0], uses) for uses in _by_stage(
+            sorted(bwd_uses, key=lambda uv: order[uv[0]]), lambda uv: uv[0])]
+
+    fwd_fulls: dict = {}
+    for p, full, readers in _gathered_by_layer(graph, fwd, dp, group, order):
+        fwd_fulls.setdefault(p, []).append(full)
+        for u, _ in readers:
+            u.replace_input_with(p, full)
+    for p, full, uses in _gathered_by_layer(graph, bwd, dp, group, order):
+        first = uses[0][0]
+        env = {p: full}
+        env.update({f: full for f in fwd_fulls.get(p, [])})
+        copies = []
+        for v in views_of[p][1:]:
+            with graph.inserting_before(first):
+                env[v] = graph.node_copy(v, lambda a: env.get(a, a))
+            env[v].meta.update({ir.REGION: ir.BACKWARD, ir.SHARD: (Replicate(),)})
+            _place_like(env[v], first)
+            copies.append(env[v])
+        for u, v in uses:
+            u.replace_input_with(v, env[v])
+        for c in reversed(copies):  # views this stage's backward does not read
+            if not c.users:
+                graph.erase_node(c)
+    for p, views in views_of.items():
         for v in reversed(views[1:]):  # forward views the backward no longer reads
             if not v.users:
                 graph.erase_node(v)
+        del p.meta["full"]
+
+
+def _gathered_by_layer(graph, requests, dp, group, order):
+    """One all-gather per (pipeline part, layer, dtype) of the requests (param, first reader,
+    readers), inserted before the group's earliest first reader. Yields (param, its whole
+    weight, readers). A reader outside any module path gathers alone."""
+    units: dict = {}
+    for p, first, readers in requests:
+        key = (first.meta.get(ir.STAGE), first.meta.get(ir.PHASE), _layer_of_param(p),
+               p.meta[ir.VAL].dtype)
+        units.setdefault(key, []).append((p, first, readers))
+    for members in units.values():
+        before = min((first for _, first, _ in members), key=order.__getitem__)
+        fulls = _gather(graph, [p for p, _, _ in members], dp, group, before)
+        for (p, _, readers), full in zip(members, fulls):
+            yield p, full, readers
 
 
 def _by_stage(items, node_of) -> list[list]:
@@ -516,20 +597,50 @@ def _forward_views_of(p):
     return [p] + sorted(out[1:], key=order.__getitem__)
 
 
-def _gather(graph, shard, dp, group, numel, shape, before):
-    """all-gather + wait (+ unpad) + view to the parameter's shape, inserted before `before`."""
+def _gather(graph, shards, dp, group, before):
+    """The whole weights of `shards` (parameter placeholders holding flat 1/dp shards),
+    inserted before `before`: all-gather + wait (+ unpad) + view to each parameter's shape.
+    Several shards travel in one collective: copied into one input (rank r's part of the
+    result is then its shards back to back, [dp, sum of shard sizes]) and each weight copied
+    out of its columns, FSDP2's all-gather copy-in / copy-out."""
     meta = {ir.REGION: before.meta.get(ir.REGION, ir.FORWARD),
             ir.MODULE: before.meta.get(ir.MODULE, ""), ir.SHARD: (Replicate(),)}
+    sizes = [s.meta[ir.VAL].numel() for s in shards]
+    nodes, fulls = [], []
     with graph.inserting_before(before):
-        nodes = [graph.call_function(c10d.all_gather_into_tensor.default, (shard, dp, group))]
+        if len(shards) == 1:
+            packed = shards[0]
+        else:
+            packed = graph.call_function(aten.cat.default, (list(shards),))
+            packed.meta[ir.PACK] = True
+            nodes.append(packed)
+        nodes.append(graph.call_function(c10d.all_gather_into_tensor.default,
+                                         (packed, dp, group)))
         nodes.append(graph.call_function(c10d.wait_tensor.default, (nodes[-1],)))
-        if -(-numel // dp) * dp != numel:
-            nodes.append(graph.call_function(aten.slice.Tensor, (nodes[-1], 0, 0, numel)))
-        nodes.append(graph.call_function(aten.view.default, (nodes[-1], shape)))
+        if len(shards) == 1:
+            flats = [nodes[-1]]
+        else:
+            nodes.append(graph.call_function(aten.view.default, (nodes[-1], [dp, sum(sizes)])))
+            nodes.append(graph.call_function(aten.split_with_sizes.default,
+                                             (nodes[-1], sizes, 1)))
+            pieces, flats = nodes[-1], []
+            for k, size in enumerate(sizes):
+                nodes.append(graph.call_function(operator.getitem, (pieces, k)))
+                nodes.append(graph.call_function(aten.clone.default, (nodes[-1],),
+                                                 {"memory_format": torch.contiguous_format}))
+                nodes.append(graph.call_function(aten.view.default, (nodes[-1], [dp * size])))
+                flats.append(nodes[-1])
+        for shard, size, flat in zip(shards, sizes, flats):
+            numel, shape = shard.meta["full"]
+            if numel != dp * size:
+                nodes.append(graph.call_function(aten.slice.Tensor, (flat, 0, 0, numel)))
+                flat = nodes[-1]
+            nodes.append(graph.call_function(aten.view.default, (flat, shape)))
+            fulls.append(nodes[-1])
     for n in nodes:
         n.meta.update(meta)
         _place_like(n, before)
-    return nodes[-1]
+    return fulls
 
 
 def _buckets(graph, grads, bucket_bytes, dp, target, profile=None):

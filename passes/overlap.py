@@ -71,12 +71,17 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             sunk[wait.name] = new - pos
             wait.meta["moved"] = f"waited {new - pos} nodes later"
 
-    # 2. starts rise to just after their inputs (and after the previous start)
+    # 2. starts rise to just after their inputs (and after the previous start); a packing
+    #    copy of several parameter shards into one all-gather's input (ZeRO-3, ir.PACK) rises
+    #    with its collective
     floor = n_inputs - 1
     for start, _ in pairs:
         pos = order.index(start)
-        lo = max([floor] + [order.index(a) for a in start.all_input_nodes])
-        size = cost.tensor_bytes(start.meta.get(ir.VAL))
+        packs = [a for a in start.all_input_nodes if a.meta.get(ir.PACK)]
+        inputs = [b for a in start.all_input_nodes
+                  for b in (a.all_input_nodes if a in packs else [a])]
+        lo = max([floor] + [order.index(a) for a in inputs])
+        size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in (start, *packs))
         new = pos
         for k in range(pos - 1, lo, -1):
             if extra[order[k]] + size > slack:
@@ -87,9 +92,11 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             extra[order[k]] += size
         if new != pos:
             order.insert(new, order.pop(pos))
+            for pk in packs:
+                order.insert(order.index(start), order.pop(order.index(pk)))
             hoisted[start.name] = pos - new
             start.meta["moved"] = f"started {pos - new} nodes earlier"
-        floor = new
+        floor = order.index(start)
 
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:
@@ -136,15 +143,6 @@ def _input_bytes_held(start: torch.fx.Node) -> int:
     return 0 if x.op == "placeholder" else cost.tensor_bytes(x.meta.get(ir.VAL))
 
 
-def layer_of(module_path: str) -> str:
-    """The layer a module belongs to: its path up to the first numeric index."""
-    parts = module_path.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:i + 1])
-    return module_path
-
-
 def default_slack(pairs) -> int:
     """Units: the all-gathered bytes of one layer, a reduce-scatter's input, an all-reduce's
     buffer. The slack is two units of the repeated layers (numbered module paths: ZeRO-3's
@@ -156,7 +154,7 @@ def default_slack(pairs) -> int:
     units: dict[tuple, int] = {}
     for start, wait in pairs:
         if start.target is c10d.all_gather_into_tensor.default:
-            key = ("gather", wait.meta.get(ir.REGION), layer_of(wait.meta.get(ir.MODULE, "")))
+            key = ("gather", wait.meta.get(ir.REGION), ir.layer_of(wait.meta.get(ir.MODULE, "")))
             units[key] = units.get(key, 0) + cost.tensor_bytes(start.meta.get(ir.VAL))
         elif start.target is c10d.reduce_scatter_tensor.default:
             units[("bucket", start.name, start.meta.get(ir.MODULE, ""))] = \

@@ -1,5 +1,7 @@
 """The data-parallel pass on small graphs: which collectives appear, buckets, placements."""
 
+import operator
+
 import pytest
 import torch
 
@@ -164,24 +166,49 @@ def test_zero_gradient_outputs_are_bucket_shards(zero):
         assert shard.meta[ir.VAL].numel() == -(-numel // 2)  # padded, halved
 
 
+def _gathers_reading(ph):
+    """The all-gathers that read placeholder `ph`: directly, or through the copy of several
+    shards into one input (ir.PACK)."""
+    out = []
+    for u in ph.users:
+        if u.meta.get(ir.PACK):
+            out += [g for g in u.users if g.target is c10d.all_gather_into_tensor.default]
+        elif u.target is c10d.all_gather_into_tensor.default:
+            out.append(u)
+    return out
+
+
 def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
+    """Each module's weights travel in one all-gather (weight + bias: shards copied into one
+    input, whole weights copied out) and their gradients in one reduce-scatter; a weight read
+    by the backward is gathered again there."""
     model = M.MLP()
     params = dict(model.named_parameters())
     gm, sig, ctx, _ = compile_dp(model, _mlp_batch(), 2, zero=3)
     assert gm.meta[ir.PARAMS_SHARDED]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
+    gathers = {}
     for ph, name in zip(phs, sig.param_names):
         assert tuple(ph.meta[ir.VAL].shape) == (-(-params[name].numel() // 2),)
-        gathers = [u for u in ph.users if u.target is c10d.all_gather_into_tensor.default]
-        regions = sorted(g.meta[ir.REGION] for g in gathers)
+        gathers[name] = _gathers_reading(ph)
+        regions = sorted(g.meta[ir.REGION] for g in gathers[name])
         # fc2/fc3 weights are read by the forward and by the backward (input gradient):
         # gathered once for each; fc1's weight (no input gradient needed) and the biases only
         # by the forward
         both = name in ("fc2.weight", "fc3.weight")
         assert regions == ([ir.BACKWARD, ir.FORWARD] if both else [ir.FORWARD]), name
-        assert len(ph.users) == len(gathers)  # nothing reads the shard but the gathers
-    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == len(phs)
+        # nothing reads the shard but the gathers (or their packing copy)
+        assert all(u.meta.get(ir.PACK) or u.target is c10d.all_gather_into_tensor.default
+                   for u in ph.users), name
+    for m in ("fc1", "fc2", "fc3"):  # one forward gather per module, the backward's alone
+        fwd = lambda n: [g for g in gathers[f"{m}.{n}"] if g.meta[ir.REGION] == ir.FORWARD]
+        assert fwd("weight") == fwd("bias") and len(fwd("weight")) == 1, m
+    assert count_ops(gm, c10d.all_gather_into_tensor.default) == 3 + 2
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 3   # one per module
     assert gm.meta[ir.ZERO_BUCKETS] == [[i] for i in reversed(range(len(phs)))]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for b, shard in zip(gm.meta[ir.ZERO_BUCKETS], out.args[0][1:1 + len(phs)]):
+        assert shard.meta[ir.VAL].shape == phs[b[0]].meta[ir.VAL].shape  # grad shard = param's
     # nothing the backward reads comes from a forward gather (the full weight is freed after
     # the forward and gathered again): walk each forward gather's users
     for g in [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default
@@ -191,10 +218,35 @@ def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
             n = stack.pop()
             for u in n.users:
                 assert u.meta[ir.REGION] != ir.BACKWARD, (g.name, u.name)
-                if u not in seen and u.target in (c10d.wait_tensor.default, aten.view.default,
-                                                  aten.slice.Tensor, aten.t.default):
+                if u not in seen and u.target in (
+                        c10d.wait_tensor.default, aten.view.default, aten.slice.Tensor,
+                        aten.t.default, aten.split_with_sizes.default, operator.getitem,
+                        aten.clone.default):
                     seen.add(u)
                     stack.append(u)
+
+
+def test_zero3_collectives_are_one_per_layer():
+    """GPT: one all-gather per layer in the forward (wte, wpe, each block, ln_f), one per
+    layer whose weights the backward reads, one reduce-scatter per layer; a block's gather
+    sits before the first node of that block."""
+    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    gm, sig, ctx, _ = compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, zero=3)
+    layers = {ir.layer_of(n.rsplit(".", 1)[0]) for n in sig.param_names}
+    assert layers == {"wte", "wpe", "ln_f", "h.0", "h.1", "h.2"}
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    fwd = [g for g in gathers if g.meta[ir.REGION] == ir.FORWARD]
+    assert len(fwd) == len(layers)
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == len(layers)
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for k in range(cfg.n_layer):
+        first = min(pos[n] for n in gm.graph.nodes if n.op == "call_function"
+                    and n.meta.get(ir.REGION) == ir.FORWARD
+                    and (n.meta.get(ir.MODULE) or "").startswith(f"h.{k}.")
+                    and n.target is not c10d.all_gather_into_tensor.default
+                    and not n.meta.get(ir.PACK) and n.target is not c10d.wait_tensor.default)
+        mine = [g for g in fwd if g.meta[ir.MODULE].startswith(f"h.{k}.")]
+        assert len(mine) == 1 and pos[mine[0]] < first
 
 
 def test_zero3_under_pp_each_stage_gathers_in_its_own_parts():

@@ -89,7 +89,7 @@ def _layer_gather_bytes(gm):
     units = {}
     for s, w in overlap.collective_pairs(gm.graph):
         if s.target is c10d.all_gather_into_tensor.default:
-            key = (w.meta[ir.REGION], overlap.layer_of(w.meta[ir.MODULE]))
+            key = (w.meta[ir.REGION], ir.layer_of(w.meta[ir.MODULE]))
             units[key] = units.get(key, 0) + cost.tensor_bytes(s.meta[ir.VAL])
     return units
 
@@ -111,6 +111,20 @@ def test_moved_collectives_are_labelled_for_the_graph_picture():
     labels = [n.meta["moved"] for n in snaps["overlap"]["dp"].graph.nodes if "moved" in n.meta]
     assert any(m.startswith("started") for m in labels)
     assert any(m.startswith("waited") for m in labels)
+
+
+def test_zero3_packing_copies_rise_with_their_gathers():
+    """A layer's shards copied into one all-gather input (ir.PACK) move with the gather: the
+    copy sits right before its collective wherever the gather was started."""
+    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), zero=3)
+    decision = gm.meta["overlap"]
+    packs = [n for n in gm.graph.nodes if n.meta.get(ir.PACK)]
+    assert len(packs) >= 2 * CFG.n_layer                   # each block, forward and backward
+    for pk in packs:
+        (start,) = pk.users
+        assert start.target is c10d.all_gather_into_tensor.default and pk.next is start
+        assert all(a.op == "placeholder" for a in pk.all_input_nodes)
+    assert sum(next(iter(pk.users)).name in decision.hoisted for pk in packs) >= CFG.n_layer
 
 
 def _fake_grads(nbytes):

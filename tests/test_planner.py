@@ -406,7 +406,12 @@ def test_pass_extras_count_what_the_passes_emit():
     gathers = sum(1 for n in z3.graph.nodes if n.target is c10d.all_gather_into_tensor.default)
     n_params = sum(s.n_param_tensors for s in stats.segments)
     assert stats.zero3_gathers_per_param * n_params == pytest.approx(gathers)
-    assert n_params < gathers < 2 * n_params  # weights the backward does not read: gathered once
+    scatters = sum(1 for n in z3.graph.nodes if n.target is c10d.reduce_scatter_tensor.default)
+    assert stats.zero3_reduce_scatters_per_param * n_params == pytest.approx(scatters)
+    # one collective per layer (wte, wpe, each block, ln_f) and direction: forward gathers,
+    # backward gathers of the layers the backward reads weights of, reduce-scatters
+    n_layers = len({ir.layer_of(n.rsplit(".", 1)[0]) for n in sig.param_names})
+    assert scatters == n_layers and n_layers < gathers < 2 * n_layers
     assert stats.dp_nodes_per_param[3] > stats.dp_nodes_per_param[0] > 0
     # the GPT's loss is a mean over targets that are not ignored: dp all-reduces the loss's
     # sum and the count of its targets (one call) each microbatch, besides the gradient buckets
