@@ -196,6 +196,7 @@ class MemoryTimeline:
     peak: dict[str, int]
     peak_total: int
     peak_node: str
+    during: list[int] = dataclasses.field(default_factory=list)  # total while each node runs
 
     @property
     def activation_peak(self) -> int:
@@ -278,12 +279,14 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
     live = {c: [] for c in CATEGORIES}
     peak = dict(cur)
     peak_total, peak_node = sum(cur.values()), ""
+    during = []
     for i, n in enumerate(nodes):
         for k in allocs.get(i, []):
             c = category(k)
             if c:
                 cur[c] += size[k]
         tot = sum(cur.values())
+        during.append(tot)
         for c in CATEGORIES:
             peak[c] = max(peak[c], cur[c])
         if tot > peak_total:
@@ -294,7 +297,7 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
                 cur[c] -= size[k]
         for c in CATEGORIES:
             live[c].append(cur[c])
-    return MemoryTimeline([n.name for n in nodes], live, peak, peak_total, peak_node)
+    return MemoryTimeline([n.name for n in nodes], live, peak, peak_total, peak_node, during)
 
 
 # --- calibrated hardware model (the planner's; the passes above keep DeviceProfile) ---------

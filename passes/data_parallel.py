@@ -522,6 +522,7 @@ def _gather_params_before_use(gm, group, dp):
         fwd_fulls.setdefault(p, []).append(full)
         for u, _ in readers:
             u.replace_input_with(p, full)
+    bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
     for p, full, uses in _gathered_by_layer(graph, bwd, dp, group, order):
         first = uses[0][0]
         env = {p: full}
@@ -543,6 +544,48 @@ def _gather_params_before_use(gm, group, dp):
             if not v.users:
                 graph.erase_node(v)
         del p.meta["full"]
+
+
+def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
+    """The backward requests that need a gather of their own; the others read the forward's
+    copy. A weight the backward reads soon after the forward last did (the loss head, the
+    final norm, the last block: nothing but units under half its size gathered in between)
+    keeps its forward copy instead of being freed and gathered again at the turn from forward
+    to backward, where nothing is left to hide the gather behind (FSDP2 keeps its root's
+    weights the same way). Only within one part: a pipeline stage's forward and backward are
+    different parts and always gather apart."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fwd_starts = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default
+                  and n.meta.get(ir.REGION) != ir.BACKWARD]
+    rest = []
+    for p, first, uses in requests:
+        part = (first.meta.get(ir.STAGE), first.meta.get(ir.PHASE))
+        full = next((f for f in fwd_fulls.get(p, [])
+                     if (f.meta.get(ir.STAGE), f.meta.get(ir.PHASE)) == part), None)
+        if full is None:
+            rest.append((p, first, uses))
+            continue
+        start = full
+        while start.target is not c10d.all_gather_into_tensor.default:
+            start = start.args[0]
+        last_fwd = max(order[u] for v in (full, *views_of[p][1:]) for u in v.users
+                       if u.meta.get(ir.REGION) != ir.BACKWARD)
+        between = sum(_shard_bytes(s) for s in fwd_starts
+                      if s is not start and last_fwd < order[s] < order[first])
+        if 2 * between >= _shard_bytes(start):
+            rest.append((p, first, uses))
+            continue
+        for u, v in uses:
+            if v is p:
+                u.replace_input_with(p, full)
+    return rest
+
+
+def _shard_bytes(gather) -> int:
+    """Bytes of the shards an all-gather reads (its parameter placeholder or their packing)."""
+    x = gather.args[0]
+    shards = x.args[0] if x.meta.get(ir.PACK) else [x]
+    return sum(cost.tensor_bytes(p.meta[ir.VAL]) for p in shards)
 
 
 def _gathered_by_layer(graph, requests, dp, group, order):

@@ -7,13 +7,17 @@ reorders the graph so that
     to the end of the backward, so they travel while the rest of the backward computes), and
   - each start rises to just after the nodes that produce its input (ZeRO-3 parameter
     all-gathers: prefetched while the previous layer computes),
-under a memory limit: at no point may the reordered graph hold more than `slack` bytes beyond
-the blocking schedule. A hoisted start holds its output buffer earlier; a sunk wait holds the
-input of an all-gather / reduce-scatter longer (the backend reads it until done). By default
-`slack` is two "units" (FSDP's prefetch of one to two layers): a unit is the parameters
-of one layer (module path up to its first numeric index, e.g. `transformer.h.3`) for
-all-gathers, or one gradient bucket for reduce-scatters. Starts keep their relative order, so
-the backend's first-in-first-out channel serves collectives in the order they are needed.
+under a memory limit: the step's peak (cost.simulate_liveness) may grow by at most `slack`
+bytes, and at each node the reordered graph may hold beyond the blocking schedule the slack
+plus what the live set there is below that peak. A hoisted start holds its output buffer
+earlier; a sunk wait holds the input of an all-gather / reduce-scatter longer (the backend
+reads it until done). By default `slack` is zero when ZeRO-3 gathers parameters (one
+collective per layer: module path up to its first numeric index, e.g. `transformer.h.3`), two
+gradient buckets otherwise (default_slack). Starts of one kind keep their
+relative order, so the backend's first-in-first-out channel serves them in the order they are
+needed; a parameter all-gather may move ahead of a gradient reduce-scatter (the compute waits
+on the first, nothing soon on the second), and a reduce-scatter is waited on at the latest
+where the next one starts (one in flight, as FSDP2).
 
 The runtime (runtime/comm.py) runs starts and waits on real work handles, so the reordering is
 what makes communication and computation overlap. `gm.meta["overlap"]` records what moved.
@@ -49,18 +53,34 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         slack = default_slack(pairs)
     order = list(graph.nodes)
     extra = dict.fromkeys(order, 0)
+    # what each node may hold beyond the blocking schedule: the slack, plus how far below the
+    # blocking schedule's peak the live bytes are there (by cost.simulate_liveness). The step's
+    # peak grows by at most the slack, and where the live set is small (early in the forward,
+    # late in the backward: activations not yet saved / already freed) prefetching is deeper
+    timeline = cost.simulate_liveness(gm)
+    room = {n: slack + timeline.peak_total - timeline.during[i] for i, n in enumerate(order)}
     n_inputs = sum(1 for n in order if n.op == "placeholder")
     hoisted, sunk, limited = {}, {}, []
 
     # 1. waits sink to their first use (latest collectives first: they have the least backward
-    #    left to hide behind, and the memory they hold is the shortest)
+    #    left to hide behind, and the memory they hold is the shortest). A collective that
+    #    holds its input until done (a reduce-scatter) is waited at the latest where the next
+    #    one of its kind starts: the backend serves them in order, so waiting later gains
+    #    nothing but holds a layer's gradients longer (FSDP2 likewise keeps one in flight),
+    #    slack the parameter prefetch of step 2 needs
+    next_of_kind = {}
+    for i, (start, _) in enumerate(pairs):
+        next_of_kind[start] = next((s for s, _ in pairs[i + 1:] if s.target is start.target),
+                                   None)
     for start, wait in reversed(pairs):
         held = _input_bytes_held(start)
         pos = order.index(wait)
         first_use = min(order.index(u) for u in wait.users)
+        if held and next_of_kind[start] is not None:
+            first_use = min(first_use, max(pos + 1, order.index(next_of_kind[start])))
         new = pos
         for k in range(pos + 1, first_use):
-            if extra[order[k]] + held > slack:
+            if extra[order[k]] + held > room[order[k]]:
                 limited.append(wait.name)
                 break
             new = k
@@ -71,11 +91,13 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             sunk[wait.name] = new - pos
             wait.meta["moved"] = f"waited {new - pos} nodes later"
 
-    # 2. starts rise to just after their inputs (and after the previous start); a packing
-    #    copy of several parameter shards into one all-gather's input (ZeRO-3, ir.PACK) rises
-    #    with its collective
-    floor = n_inputs - 1
-    for start, _ in pairs:
+    # 2. starts rise to just after their inputs (and after the previous start of their kind:
+    #    a parameter all-gather may pass a gradient reduce-scatter, which nothing waits on
+    #    soon); a packing copy of several parameter shards into one all-gather's input
+    #    (ZeRO-3, ir.PACK) rises with its collective
+    floors: dict = {}
+    for start, wait in pairs:
+        floor = floors.get(start.target, n_inputs - 1)
         pos = order.index(start)
         packs = [a for a in start.all_input_nodes if a.meta.get(ir.PACK)]
         inputs = [b for a in start.all_input_nodes
@@ -84,7 +106,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in (start, *packs))
         new = pos
         for k in range(pos - 1, lo, -1):
-            if extra[order[k]] + size > slack:
+            if extra[order[k]] + size > room[order[k]]:
                 limited.append(start.name)
                 break
             new = k
@@ -96,7 +118,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                 order.insert(order.index(start), order.pop(order.index(pk)))
             hoisted[start.name] = pos - new
             start.meta["moved"] = f"started {pos - new} nodes earlier"
-        floor = order.index(start)
+        # (a reduce-scatter after the previous one's wait: step 1 keeps one in flight)
+        floors[start.target] = order.index(
+            wait if start.target is c10d.reduce_scatter_tensor.default else start)
 
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:
@@ -144,24 +168,14 @@ def _input_bytes_held(start: torch.fx.Node) -> int:
 
 
 def default_slack(pairs) -> int:
-    """Units: the all-gathered bytes of one layer, a reduce-scatter's input, an all-reduce's
-    buffer. The slack is two units of the repeated layers (numbered module paths: ZeRO-3's
-    per-layer gathers) and at least the largest unit (one collective of it may always
-    overlap); without repeated layers (gradient buckets only), two of the largest. A model's
-    one-off giants (an LLM's embedding and LM head: a third of a 150M Llama's weights) would
-    otherwise set the prefetch depth of every layer: two of them held ahead cost 10% of a
-    ZeRO-3 rank's peak (benchmarks/meta_memory.py)."""
-    units: dict[tuple, int] = {}
-    for start, wait in pairs:
-        if start.target is c10d.all_gather_into_tensor.default:
-            key = ("gather", wait.meta.get(ir.REGION), ir.layer_of(wait.meta.get(ir.MODULE, "")))
-            units[key] = units.get(key, 0) + cost.tensor_bytes(start.meta.get(ir.VAL))
-        elif start.target is c10d.reduce_scatter_tensor.default:
-            units[("bucket", start.name, start.meta.get(ir.MODULE, ""))] = \
-                _input_bytes_held(start)
-        else:  # an all-reduce: its buffer, held from the start
-            units[("bucket", start.name, start.meta.get(ir.MODULE, ""))] = cost.tensor_bytes(
-                start.meta.get(ir.VAL))
-    repeated = [b for k, b in units.items() if any(p.isdigit() for p in k[2].split("."))]
-    largest = max(units.values(), default=0)
-    return max(2 * max(repeated), largest) if repeated else 2 * largest
+    """How much the step's peak may grow. With parameter all-gathers (ZeRO-3): nothing; they
+    are prefetched where the live set is below the step's peak (run's room), which measured
+    as fast as a layer of slack at a 2.5% lower peak (benchmarks/zero_vs_fsdp.py; a fixed
+    slack of two layers, or of two of a model's one-off giants such as an LLM's LM head, cost
+    up to 10% of a ZeRO-3 rank's peak). Gradient buckets only: two of the largest (an
+    all-reduce's buffer, a reduce-scatter's input), so one may overlap while the next fills."""
+    if any(start.target is c10d.all_gather_into_tensor.default for start, _ in pairs):
+        return 0
+    return 2 * max((_input_bytes_held(start) if start.target in cost.ASYNC_INPUT_COLLECTIVES
+                    else cost.tensor_bytes(start.meta.get(ir.VAL)) for start, _ in pairs),
+                   default=0)

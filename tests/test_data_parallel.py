@@ -180,8 +180,10 @@ def _gathers_reading(ph):
 
 def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
     """Each module's weights travel in one all-gather (weight + bias: shards copied into one
-    input, whole weights copied out) and their gradients in one reduce-scatter; a weight read
-    by the backward is gathered again there."""
+    input, whole weights copied out) and their gradients in one reduce-scatter. The MLP is
+    all tail: the weights its backward reads (fc2's and fc3's, for the input gradients) are
+    read right after the forward, with nothing larger gathered in between, so the backward
+    keeps the forward's copies instead of gathering them again."""
     model = M.MLP()
     params = dict(model.named_parameters())
     gm, sig, ctx, _ = compile_dp(model, _mlp_batch(), 2, zero=3)
@@ -191,39 +193,52 @@ def test_zero3_params_are_shards_gathered_before_forward_and_backward_use():
     for ph, name in zip(phs, sig.param_names):
         assert tuple(ph.meta[ir.VAL].shape) == (-(-params[name].numel() // 2),)
         gathers[name] = _gathers_reading(ph)
-        regions = sorted(g.meta[ir.REGION] for g in gathers[name])
-        # fc2/fc3 weights are read by the forward and by the backward (input gradient):
-        # gathered once for each; fc1's weight (no input gradient needed) and the biases only
-        # by the forward
-        both = name in ("fc2.weight", "fc3.weight")
-        assert regions == ([ir.BACKWARD, ir.FORWARD] if both else [ir.FORWARD]), name
+        assert [g.meta[ir.REGION] for g in gathers[name]] == [ir.FORWARD], name
         # nothing reads the shard but the gathers (or their packing copy)
         assert all(u.meta.get(ir.PACK) or u.target is c10d.all_gather_into_tensor.default
                    for u in ph.users), name
-    for m in ("fc1", "fc2", "fc3"):  # one forward gather per module, the backward's alone
-        fwd = lambda n: [g for g in gathers[f"{m}.{n}"] if g.meta[ir.REGION] == ir.FORWARD]
-        assert fwd("weight") == fwd("bias") and len(fwd("weight")) == 1, m
-    assert count_ops(gm, c10d.all_gather_into_tensor.default) == 3 + 2
+    for m in ("fc1", "fc2", "fc3"):  # one gather per module
+        assert gathers[f"{m}.weight"] == gathers[f"{m}.bias"], m
+    assert count_ops(gm, c10d.all_gather_into_tensor.default) == 3
     assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 3   # one per module
     assert gm.meta[ir.ZERO_BUCKETS] == [[i] for i in reversed(range(len(phs)))]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for b, shard in zip(gm.meta[ir.ZERO_BUCKETS], out.args[0][1:1 + len(phs)]):
         assert shard.meta[ir.VAL].shape == phs[b[0]].meta[ir.VAL].shape  # grad shard = param's
-    # nothing the backward reads comes from a forward gather (the full weight is freed after
-    # the forward and gathered again): walk each forward gather's users
-    for g in [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default
-              and n.meta[ir.REGION] == ir.FORWARD]:
-        stack, seen = [g], set()
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                assert u.meta[ir.REGION] != ir.BACKWARD, (g.name, u.name)
-                if u not in seen and u.target in (
-                        c10d.wait_tensor.default, aten.view.default, aten.slice.Tensor,
-                        aten.t.default, aten.split_with_sizes.default, operator.getitem,
-                        aten.clone.default):
-                    seen.add(u)
-                    stack.append(u)
+
+
+def _backward_reads_of(gather):
+    """Backward nodes reading a gathered weight (through its copy-out and views)."""
+    stack, seen, found = [gather], set(), set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.meta[ir.REGION] == ir.BACKWARD:
+                found.add(u)
+            if u not in seen and u.target in (
+                    c10d.wait_tensor.default, aten.view.default, aten.slice.Tensor,
+                    aten.t.default, aten.split_with_sizes.default, operator.getitem,
+                    aten.clone.default):
+                seen.add(u)
+                stack.append(u)
+    return found
+
+
+def test_zero3_gathers_again_in_the_backward_except_the_tail():
+    """GPT, 3 blocks: the blocks before the last are gathered again for the backward (their
+    forward copies die after the forward: no backward node reads them); the last block, the
+    final norm and the tied embedding / LM head keep their forward copies (read right after
+    the forward, nothing half their size gathered in between)."""
+    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    gm, sig, ctx, _ = compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, zero=3)
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    layer = lambda g: ir.layer_of(g.meta[ir.MODULE])
+    bwd = sorted(layer(g) for g in gathers if g.meta[ir.REGION] == ir.BACKWARD)
+    assert bwd == ["h.0", "h.1"]
+    for g in gathers:
+        if g.meta[ir.REGION] == ir.FORWARD:
+            kept = layer(g) in ("h.2", "ln_f", "wte")
+            assert bool(_backward_reads_of(g)) == kept, layer(g)
 
 
 def test_zero3_collectives_are_one_per_layer():

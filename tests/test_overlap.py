@@ -60,15 +60,19 @@ def test_gradient_bucket_waits_sink_to_the_end_and_starts_follow_their_last_grad
 
 
 @pytest.mark.slow  # (moved to keep make test under 6 minutes)
-def test_zero3_gathers_are_prefetched_within_the_memory_limit():
+def test_zero3_gathers_are_prefetched_below_the_step_peak():
+    """ZeRO-3 by default: the step's simulated peak does not grow (slack 0), yet the gathers
+    are prefetched where the live set is below that peak: the forward's early (activations
+    not yet saved), the backward's behind the previous layer's backward."""
     model, batch = M.GPT(CFG), M.gpt_batch(CFG, 4)
     gm_off, _ = compile_plan(model, batch, zero=3, overlap=False)
     gm, _ = compile_plan(model, batch, zero=3)
     decision = gm.meta["overlap"]
+    assert decision.slack == 0
     pos = _pos(gm)
     gathers = [(s, w) for s, w in overlap.collective_pairs(gm.graph)
                if s.target is c10d.all_gather_into_tensor.default]
-    assert len(gathers) > 10
+    assert len(gathers) == 6 + 2    # a forward gather per layer, backward's of h.0 and h.1
     prefetched = 0
     for start, wait in gathers:
         first_use = min(pos[u] for u in wait.users)
@@ -78,11 +82,9 @@ def test_zero3_gathers_are_prefetched_within_the_memory_limit():
                            if n.op == "call_function" and cost.node_flops(n) > 0]
         prefetched += bool(compute_between)
     assert prefetched >= len(gathers) // 2                  # most hide behind a matmul or more
-    # the limit: never more than `slack` bytes beyond the blocking schedule
-    peak_off = cost.simulate_liveness(gm_off).peak_total
-    peak_on = cost.simulate_liveness(gm).peak_total
-    assert peak_on <= peak_off + decision.slack
-    assert decision.slack == 2 * max(_layer_gather_bytes(gm).values())
+    backward = [s for s, _ in gathers if s.meta[ir.REGION] == ir.BACKWARD]
+    assert any(s.name in decision.hoisted for s in backward), decision.hoisted
+    assert cost.simulate_liveness(gm).peak_total <= cost.simulate_liveness(gm_off).peak_total
 
 
 def _layer_gather_bytes(gm):
@@ -94,16 +96,23 @@ def _layer_gather_bytes(gm):
     return units
 
 
-def test_zero_memory_limit_stops_prefetch_and_keeps_reduce_scatter_inputs_short():
-    gm, _ = compile_plan(M.GPT(CFG), M.gpt_batch(CFG, 4), zero=3, memory=0)
-    decision = gm.meta["overlap"]
-    for start, wait in overlap.collective_pairs(gm.graph):
-        if start.target is c10d.all_gather_into_tensor.default:
-            assert start.name not in decision.hoisted
-        if start.target is c10d.reduce_scatter_tensor.default:
-            assert wait.name not in decision.sunk            # would hold the full gradient
-            assert start.next is wait
-    assert decision.limited
+def test_overlap_memory_limit_bounds_the_peak():
+    """With room to grow the peak (here a layer's gathered bytes), the simulated peak grows by
+    at most that much; a reduce-scatter is waited on before the next one starts (one in
+    flight: holding its input longer gains nothing on a first-in-first-out channel)."""
+    model, batch = M.GPT(CFG), M.gpt_batch(CFG, 4)
+    gm_off, _ = compile_plan(model, batch, zero=3, overlap=False)
+    unit = max(_layer_gather_bytes(gm_off).values())
+    gm, _ = compile_plan(model, batch, zero=3, memory=unit)
+    assert gm.meta["overlap"].slack == unit
+    assert cost.simulate_liveness(gm).peak_total <= \
+        cost.simulate_liveness(gm_off).peak_total + unit
+    pos = _pos(gm)
+    scatters = [(s, w) for s, w in overlap.collective_pairs(gm.graph)
+                if s.target is c10d.reduce_scatter_tensor.default]
+    assert len(scatters) > 3
+    for (s, w), (s2, _) in zip(scatters, scatters[1:]):
+        assert pos[s] < pos[w] < pos[s2]
 
 
 def test_moved_collectives_are_labelled_for_the_graph_picture():
