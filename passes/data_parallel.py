@@ -19,7 +19,8 @@ already global: no rescaling of gradients is needed, which is what makes this ex
 ZeRO (`Plan.zero`) changes only what the gradients become: 1 = each bucket all-reduced and
 this rank's 1/dp slice output; 2 = reduce-scattered instead; 3 = additionally every
 parameter input is this rank's flat shard, all-gathered just before its forward use and again
-before its backward use. runtime/zero.py steps the optimizer on the shards.
+before its backward use, one collective per layer each way (and one reduce-scatter of the
+layer's gradients). runtime/zero.py steps the optimizer on the shards.
 """
 from __future__ import annotations
 
@@ -489,12 +490,13 @@ def _gather_params_before_use(gm, group, dp):
     """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
     shard; full weights are all-gathered just before their first use in the forward and again
     before their first use in the backward, so each gathered copy dies after its last use there.
-    The weights one layer reads first (module path up to its block index, e.g.
-    `transformer.h.3`) in one pipeline part are gathered by one collective, as FSDP2 gathers
-    one flat buffer per wrapped block: their shards are copied into one input and the result
-    copied out into whole weights (one gloo/NCCL call per layer instead of one per weight).
-    Views of a weight made in the forward (e.g. its transpose) that the backward reads are
-    re-made from the backward's gather, so no forward copy is kept alive for the backward.
+    The weights of one layer (their names' module path up to its block index, e.g.
+    `transformer.h.3`) read in one pipeline part are gathered by one collective, as FSDP2
+    gathers one flat buffer per wrapped block: their shards are copied into one input and the
+    result copied out into whole weights (one gloo/NCCL call per layer instead of one per
+    weight). Views of a weight made in the forward (e.g. its transpose) that the backward
+    reads are re-made from the backward's gather, so no forward copy is kept alive for the
+    backward, except the tail's (_kept_from_forward).
     Under pipeline parallelism each stage that reads the weight gathers it itself, in each
     of its own forward and backward parts (never a full weight sent between stages or kept from a
     microbatch's forward to its backward), as FSDP2 does under pipelining."""
@@ -591,7 +593,7 @@ def _shard_bytes(gather) -> int:
 def _gathered_by_layer(graph, requests, dp, group, order):
     """One all-gather per (pipeline part, layer, dtype) of the requests (param, first reader,
     readers), inserted before the group's earliest first reader. Yields (param, its whole
-    weight, readers). A reader outside any module path gathers alone."""
+    weight, readers). Outside numbered blocks a layer is one module (`lm_head`)."""
     units: dict = {}
     for p, first, readers in requests:
         key = (first.meta.get(ir.STAGE), first.meta.get(ir.PHASE), _layer_of_param(p),
