@@ -134,8 +134,9 @@ def _why_nothing_moved(pairs, limited) -> str:
     """Every collective already starts right after its input and is waited right before its
     first use: say so, and what would give it room (the usual case: one gradient bucket)."""
     if limited:
-        return (f"the memory limit stopped all {len(limited)} moves (Plan overlap memory: "
-                "raise it to let collectives start earlier / wait later)")
+        return (f"the memory limit stopped all {len(limited)} moves: each would have raised "
+                "the step's peak memory (the pass moves collectives only where the live set "
+                "is below the peak, plus a slack of two gradient buckets, none with ZeRO-3)")
     grads = [s for s, _ in pairs if s.meta.get(ir.BUCKET)]
     why = (f"each of the {len(pairs)} collectives is already issued right after its input "
            "is made and waited right before its first use")
