@@ -557,7 +557,7 @@ def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
     weights the same way). Only within one part: a pipeline stage's forward and backward are
     different parts and always gather apart."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    fwd_starts = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default
+    fwd_starts = [n for n in graph.nodes if _gathers_params(n)
                   and n.meta.get(ir.REGION) != ir.BACKWARD]
     rest = []
     for p, first, uses in requests:
@@ -581,6 +581,15 @@ def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
             if v is p:
                 u.replace_input_with(p, full)
     return rest
+
+
+def _gathers_params(n) -> bool:
+    """A ZeRO-3 parameter all-gather (not one the sharding engine made of an activation)."""
+    if n.target is not c10d.all_gather_into_tensor.default:
+        return False
+    x = n.args[0]
+    return bool(x.meta.get(ir.PACK)) or (x.op == "placeholder"
+                                         and x.meta.get(ir.ROLE) == "param")
 
 
 def _shard_bytes(gather) -> int:

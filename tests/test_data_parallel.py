@@ -296,7 +296,7 @@ def test_zero3_under_pp_each_stage_gathers_in_its_own_parts():
     assert readers == {0, 1}
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_buckets_of_redistributed_gradients_keep_graph_order(zero):
     """An LSTM's weight gradients come out Replicate (its recurrence reads the whole batch)
     and are made partial sums at the end of the graph; a bucket of two of them was placed
@@ -321,3 +321,23 @@ def test_zero_buckets_of_redistributed_gradients_keep_graph_order(zero):
     gm = prog.stage_graphs["data_parallel"]["dp"]
     assert any(n.target is torch.ops.fxpar.partial_from_replicate.default
                for n in gm.graph.nodes)  # the case: gradients redistributed to partial sums
+    if zero == 3:  # beside the parameters' gathers, the sharding engine's of an activation
+        gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+        assert any(g.args[0].op != "placeholder" and not g.args[0].meta.get(ir.PACK)
+                   for g in gathers)
+
+
+@pytest.mark.slow  # (13 s: the zoo's GRU; tests/test_zoo.py runs it under every plan too)
+def test_zero3_tail_check_passes_over_activation_gathers():
+    """A bidirectional GRU's recurrence reads the whole batch: the sharding engine gathers an
+    activation between the head's last forward use and its backward use. ZeRO-3's check of
+    what was gathered in between (to keep the head's forward copy) counts parameter gathers
+    only (it read the activation gather's input as a shard: KeyError, found by the zoo)."""
+    from fxpar.examples import zoo
+    model, spec = zoo.build("gru")
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "zero": 3})
+    gm = prog.stage_graphs["data_parallel"]["dp"]
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert any(g.args[0].op != "placeholder" and not g.args[0].meta.get(ir.PACK)
+               for g in gathers)
+
