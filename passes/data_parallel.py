@@ -84,7 +84,9 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero, ctx.profile)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if plan.zero == 3:
-        _gather_params_before_use(gm, group, dp)
+        # (with microbatches a step's forward and backward run as separate parts, one
+        # microbatch at a time: a kept forward copy would be stashed per microbatch)
+        _gather_params_before_use(gm, group, dp, keep_tail=plan.microbatches == 1)
         gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
@@ -486,7 +488,7 @@ def _layer_of_param(p) -> str:
     return ir.layer_of(fqn.rsplit(".", 1)[0] if "." in fqn else fqn)
 
 
-def _gather_params_before_use(gm, group, dp):
+def _gather_params_before_use(gm, group, dp, keep_tail=True):
     """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
     shard; full weights are all-gathered just before their first use in the forward and again
     before their first use in the backward, so each gathered copy dies after its last use there.
@@ -524,7 +526,8 @@ def _gather_params_before_use(gm, group, dp):
         fwd_fulls.setdefault(p, []).append(full)
         for u, _ in readers:
             u.replace_input_with(p, full)
-    bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
+    if keep_tail:
+        bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
     for p, full, uses in _gathered_by_layer(graph, bwd, dp, group, order):
         first = uses[0][0]
         env = {p: full}
@@ -555,7 +558,8 @@ def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
     keeps its forward copy instead of being freed and gathered again at the turn from forward
     to backward, where nothing is left to hide the gather behind (FSDP2 keeps its root's
     weights the same way). Only within one part: a pipeline stage's forward and backward are
-    different parts and always gather apart."""
+    different parts and always gather apart, and with microbatches the caller does not ask
+    (forward and backward run as parts then too, pp=1 included)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     fwd_starts = [n for n in graph.nodes if _gathers_params(n)
                   and n.meta.get(ir.REGION) != ir.BACKWARD]

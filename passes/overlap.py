@@ -95,9 +95,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     #    a parameter all-gather may pass a gradient reduce-scatter, which nothing waits on
     #    soon); a packing copy of several parameter shards into one all-gather's input
     #    (ZeRO-3, ir.PACK) rises with its collective
-    floors: dict = {}
+    floors: dict = {}  # per kind, the node the next start of that kind stays after
     for start, wait in pairs:
-        floor = floors.get(start.target, n_inputs - 1)
+        floor = order.index(floors[start.target]) if start.target in floors else n_inputs - 1
         pos = order.index(start)
         packs = [a for a in start.all_input_nodes if a.meta.get(ir.PACK)]
         inputs = [b for a in start.all_input_nodes
@@ -119,8 +119,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             hoisted[start.name] = pos - new
             start.meta["moved"] = f"started {pos - new} nodes earlier"
         # (a reduce-scatter after the previous one's wait: step 1 keeps one in flight)
-        floors[start.target] = order.index(
-            wait if start.target is c10d.reduce_scatter_tensor.default else start)
+        floors[start.target] = wait if start.target is c10d.reduce_scatter_tensor.default \
+            else start
 
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:

@@ -241,6 +241,20 @@ def test_zero3_gathers_again_in_the_backward_except_the_tail():
             assert bool(_backward_reads_of(g)) == kept, layer(g)
 
 
+def test_zero3_with_microbatches_keeps_no_forward_copy_for_the_backward():
+    """pp=1 with microbatches: the step's forward and backward run as separate parts, one
+    microbatch at a time, so no weight is kept from the forward (it would be stashed per
+    microbatch): the tail is gathered again for the backward like every other layer."""
+    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    gm, sig, ctx, _ = compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, zero=3, microbatches=2)
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert sorted(ir.layer_of(g.meta[ir.MODULE]) for g in gathers
+                  if g.meta[ir.REGION] == ir.BACKWARD) == ["h.0", "h.1", "h.2", "lm_head", "ln_f"]
+    for g in gathers:
+        if g.meta[ir.REGION] == ir.FORWARD:
+            assert not _backward_reads_of(g), g.meta[ir.MODULE]
+
+
 def test_zero3_collectives_are_one_per_layer():
     """GPT: one all-gather per layer in the forward (wte, wpe, each block, ln_f), one per
     layer whose weights the backward reads, one reduce-scatter per layer; a block's gather

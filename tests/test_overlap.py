@@ -86,6 +86,16 @@ def test_zero3_gathers_are_prefetched_below_the_step_peak():
     assert prefetched >= len(gathers) // 2                  # most hide behind a matmul or more
     backward = [s for s, _ in gathers if s.meta[ir.REGION] == ir.BACKWARD]
     assert any(s.name in decision.hoisted for s in backward), decision.hoisted
+    # starts of one kind keep their order (the backend serves them first in, first out);
+    # each reduce-scatter starts after the previous one's wait (one in flight)
+    for kind in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default):
+        names = lambda g: [s.name for s, _ in overlap.collective_pairs(g.graph)
+                           if s.target is kind]
+        assert names(gm) == names(gm_off), kind
+    scatters = [(s, w) for s, w in overlap.collective_pairs(gm.graph)
+                if s.target is c10d.reduce_scatter_tensor.default]
+    for (s, w), (s2, _) in zip(scatters, scatters[1:]):
+        assert pos[s] < pos[w] < pos[s2]
     assert cost.simulate_liveness(gm).peak_total <= cost.simulate_liveness(gm_off).peak_total
 
 
