@@ -108,6 +108,15 @@ def test_zero_equals_single_process(dp):
                     assert info["model_state_fraction"] <= 0.30, info
 
 
+@pytest.mark.slow
+def test_zero3_with_microbatches_equals_single_process():
+    """ZeRO-3 at pp=1 with microbatches (forward and backward run as parts, each layer
+    gathered again for the backward; + remat on HF Llama): equal to eager training."""
+    _check_plans(2, [("gpt", "adamw", {"dp": 2, "zero": 3, "microbatches": 2}),
+                     ("hf_llama", "adamw", {"dp": 2, "zero": 3, "microbatches": 2,
+                                            "remat": "sqrt"})])
+
+
 def _check_plans(world, cases):
     """Train every (model, optimizer, plan) case on `world` ranks: every rank's losses agree
     and equal eager training, final parameters too; evaluate() equals eager."""
