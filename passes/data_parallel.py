@@ -77,10 +77,9 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
 
     mesh = make_mesh(dp)
     shard_graph(gm, mesh, placements, [group])
-    # ZeRO-3 buckets hold one parameter each: the gradient shard is that parameter's shard;
-    # otherwise a fixed size if the plan gives one, else the cost model sizes them (None)
-    bucket_bytes = 0 if plan.zero == 3 else (
-        None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20))
+    # gradient buckets: a fixed size if the plan gives one, else the cost model sizes them
+    # (None); ZeRO-3 reduce-scatters per layer instead (_reduce_scatter_by_layer)
+    bucket_bytes = None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20)
     _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero, ctx.profile)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if plan.zero == 3:
@@ -505,10 +504,10 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True):
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     fwd, bwd = [], []  # (param, first reader, its readers: [(node, value read)]) per part
-    views_of = {}
+    views_of, full = {}, {}  # per param: its forward views; its whole (numel, shape)
     for p in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]:
         val = p.meta[ir.VAL]
-        p.meta["full"] = (val.numel(), list(val.shape))
+        full[p] = (val.numel(), list(val.shape))
         p.meta[ir.VAL] = val.new_empty((-(-val.numel() // dp),))
         p.meta[ir.SHARD] = (Shard(0),)
         views_of[p] = _forward_views_of(p)     # p and its forward views, in graph order
@@ -522,16 +521,16 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True):
             sorted(bwd_uses, key=lambda uv: order[uv[0]]), lambda uv: uv[0])]
 
     fwd_fulls: dict = {}
-    for p, full, readers in _gathered_by_layer(graph, fwd, dp, group, order):
-        fwd_fulls.setdefault(p, []).append(full)
+    for p, whole, readers in _gathered_by_layer(graph, fwd, dp, group, order, full):
+        fwd_fulls.setdefault(p, []).append(whole)
         for u, _ in readers:
-            u.replace_input_with(p, full)
+            u.replace_input_with(p, whole)
     if keep_tail:
         bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
-    for p, full, uses in _gathered_by_layer(graph, bwd, dp, group, order):
+    for p, whole, uses in _gathered_by_layer(graph, bwd, dp, group, order, full):
         first = uses[0][0]
-        env = {p: full}
-        env.update({f: full for f in fwd_fulls.get(p, [])})
+        env = {p: whole}
+        env.update({f: whole for f in fwd_fulls.get(p, [])})
         copies = []
         for v in views_of[p][1:]:
             with graph.inserting_before(first):
@@ -548,7 +547,6 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True):
         for v in reversed(views[1:]):  # forward views the backward no longer reads
             if not v.users:
                 graph.erase_node(v)
-        del p.meta["full"]
 
 
 def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
@@ -603,7 +601,7 @@ def _shard_bytes(gather) -> int:
     return sum(cost.tensor_bytes(p.meta[ir.VAL]) for p in shards)
 
 
-def _gathered_by_layer(graph, requests, dp, group, order):
+def _gathered_by_layer(graph, requests, dp, group, order, full):
     """One all-gather per (pipeline part, layer, dtype) of the requests (param, first reader,
     readers), inserted before the group's earliest first reader. Yields (param, its whole
     weight, readers). Outside numbered blocks a layer is one module (`lm_head`)."""
@@ -614,9 +612,9 @@ def _gathered_by_layer(graph, requests, dp, group, order):
         units.setdefault(key, []).append((p, first, readers))
     for members in units.values():
         before = min((first for _, first, _ in members), key=order.__getitem__)
-        fulls = _gather(graph, [p for p, _, _ in members], dp, group, before)
-        for (p, _, readers), full in zip(members, fulls):
-            yield p, full, readers
+        fulls = _gather(graph, [p for p, _, _ in members], dp, group, before, full)
+        for (p, _, readers), whole in zip(members, fulls):
+            yield p, whole, readers
 
 
 def _by_stage(items, node_of) -> list[list]:
@@ -655,9 +653,9 @@ def _forward_views_of(p):
     return [p] + sorted(out[1:], key=order.__getitem__)
 
 
-def _gather(graph, shards, dp, group, before):
-    """The whole weights of `shards` (parameter placeholders holding flat 1/dp shards),
-    inserted before `before`: all-gather + wait (+ unpad) + view to each parameter's shape.
+def _gather(graph, shards, dp, group, before, full):
+    """The whole weights of `shards` (parameter placeholders holding flat 1/dp shards; `full`:
+    each one's whole numel and shape), inserted before `before`: all-gather + wait (+ unpad) + view to each parameter's shape.
     Several shards travel in one collective: copied into one input (rank r's part of the
     result is then its shards back to back, [dp, sum of shard sizes]) and each weight copied
     out of its columns, FSDP2's all-gather copy-in / copy-out."""
@@ -689,7 +687,7 @@ def _gather(graph, shards, dp, group, before):
                 nodes.append(graph.call_function(aten.view.default, (nodes[-1], [dp * size])))
                 flats.append(nodes[-1])
         for shard, size, flat in zip(shards, sizes, flats):
-            numel, shape = shard.meta["full"]
+            numel, shape = full[shard]
             if numel != dp * size:
                 nodes.append(graph.call_function(aten.slice.Tensor, (flat, 0, 0, numel)))
                 flat = nodes[-1]
