@@ -192,8 +192,8 @@ class CompiledRun(torch.nn.Module):
 
     Its first call also runs `source` op by op on the same inputs (the same random numbers)
     and compares: where Inductor's result differs by more than rounding (CHECK_RTOL of the
-    output's largest magnitude), the run stays op by op from then on and a warning names it
-    - a compiler bug never becomes a silently wrong step (seen: HF Falcon's fused-QKV
+    output's largest finite magnitude plus CHECK_ATOL), the run stays op by op from then on
+    and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF Falcon's fused-QKV
     gradients 1% off). FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time
     and memory)."""
 
@@ -220,12 +220,11 @@ class CompiledRun(torch.nn.Module):
             ref = self.source(*args)
         out = self.fn(*args)
         for i, (r, o) in enumerate(zip(ref, out)):
-            if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+            if not isinstance(r, torch.Tensor) or not r.is_floating_point() or not r.numel():
                 continue
-            tol = CHECK_RTOL[r.dtype in (torch.float16, torch.bfloat16)]
-            scale = r.abs().max().item() if r.numel() else 0.0
-            diff = (r.float() - o.float()).abs().max().item() if r.numel() else 0.0
-            if not diff <= tol * max(scale, 1e-6):
+            diff, scale = _difference(r, o)
+            if not diff <= CHECK_RTOL[r.dtype in (torch.float16, torch.bfloat16)] * scale \
+                    + CHECK_ATOL:
                 self.mismatch = (f"output {i}: max |difference| {diff:.3g} against a largest "
                                  f"magnitude {scale:.3g}")
                 log.warning("codegen: Inductor's %s differs from the graph (%s): it runs op "
@@ -236,6 +235,20 @@ class CompiledRun(torch.nn.Module):
 
 
 CHECK_RTOL = {False: 1e-3, True: 5e-2}  # fp32 / half: rounding is ~1e-6 / ~1e-2 of the max
+# and an absolute floor (torch.testing's atol for these dtypes): an output that is zero up to
+# the rounding of sums that cancel (a gradient of ~1e-7 everywhere) differs by ~its own size
+CHECK_ATOL = 1e-5
+
+
+def _difference(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
+    """(largest |ref - out|, largest finite |ref|). Equal elements count 0, infinities and
+    NaNs included (an attention mask's -inf); inf against a number or NaN against a number
+    is an infinite / NaN difference, which fails every bound."""
+    r, o = ref.float(), out.float()
+    same = (r == o) | (r.isnan() & o.isnan())
+    diff = torch.where(same, torch.zeros_like(r), (r - o).abs()).max().item()
+    finite = r[r.isfinite()]
+    return diff, finite.abs().max().item() if finite.numel() else 0.0
 
 
 def _torch_meta(n: torch.fx.Node) -> dict:

@@ -58,11 +58,25 @@ def prefer_fused(opt: torch.optim.Optimizer | None) -> bool:
     return True
 
 
+def like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`g` in `p`'s dtype and memory layout, as autograd's AccumulateGrad hands gradients to
+    optimizers. A graph's gradient may come out in another layout (a convolution weight's
+    in channels-last order); torch's fused optimizer kernels walk a parameter and its
+    gradient as flat memory, so a mismatched layout pairs the wrong elements - a silently
+    wrong update (seen: ConvNeXt with fused AdamW). Strides of size-1 dims do not matter."""
+    if g.dtype != p.dtype:
+        g = g.to(p.dtype)
+    if g.shape == p.shape and any(n > 1 and a != b
+                                  for n, a, b in zip(p.shape, p.stride(), g.stride())):
+        g = torch.empty_like(p).copy_(g)  # empty_like keeps a dense parameter's strides
+    return g
+
+
 def apply_gradients(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                     grads: Sequence[torch.Tensor | None]) -> None:
     """p.grad = g, step, then drop grads (as `zero_grad(set_to_none=True)` would)."""
     for p, g in zip(params, grads):
-        p.grad = g if g is None or g.dtype == p.dtype else g.to(p.dtype)
+        p.grad = g if g is None else like_param(g, p)
     opt.step()
     for p in params:
         p.grad = None

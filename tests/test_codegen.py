@@ -245,6 +245,34 @@ def test_fused_optimizer_only_where_the_user_left_it_to_torch():
     assert optim.prefer_fused(torch.optim.SGD(w, lr=0.1))
 
 
+def test_a_gradient_in_another_layout_reaches_the_fused_optimizer_in_the_parameters():
+    """A graph may hand back a convolution weight's gradient channels-last (ConvNeXt under
+    Inductor); torch's fused AdamW walks parameter and gradient as flat memory, so the
+    runtime gives the optimizer the gradient in the parameter's layout, as autograd does."""
+    from fxpar.runtime import optim
+    torch.manual_seed(0)
+    w0 = torch.randn(16, 8, 2, 2)
+    g = torch.randn(16, 8, 2, 2).contiguous(memory_format=torch.channels_last)
+    assert not g.is_contiguous()
+    got = [torch.nn.Parameter(w0.clone())]
+    fused = torch.optim.AdamW(got, lr=1e-2)
+    assert optim.prefer_fused(fused)
+    want = [torch.nn.Parameter(w0.clone())]
+    loop = torch.optim.AdamW(want, lr=1e-2, foreach=False)
+    for _ in range(2):
+        optim.apply_gradients(fused, got, [g])
+        want[0].grad = g.contiguous()
+        loop.step()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+    assert got[0].grad is None and got[0].is_contiguous()
+    # layouts that only differ in a size-1 dim's stride are the same memory order: no copy
+    p = torch.zeros(8, 1, 7, 7)
+    same = torch.zeros(8, 1, 7, 7).as_strided((8, 1, 7, 7), (49, 1, 7, 1))
+    assert optim.like_param(same, p) is same
+    assert optim.like_param(g, torch.zeros(16, 8, 2, 2)).is_contiguous()
+    assert optim.like_param(g.double(), torch.zeros(16, 8, 2, 2)).dtype == torch.float32
+
+
 @pytest.mark.slow
 def test_one_fuser_cross_entropy_kernel_between_inductor_runs(monkeypatch):
     """With Inductor the fusion pass swaps in only the cross-entropy kernel (Triton's
@@ -260,6 +288,25 @@ def test_one_fuser_cross_entropy_kernel_between_inductor_runs(monkeypatch):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
     for k in ref_state:
         torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5)
+
+
+def test_the_first_call_check_tells_rounding_from_a_wrong_result():
+    """What the first-call check accepts: rounding of outputs that cancel to ~0 (seen as
+    false alarms on ConvNeXt and nn.Transformer gradients of ~1e-7) and a mask's equal
+    -inf (Mistral's sliding window); what it refuses: 1% off, inf or NaN against a number."""
+    def passes(ref, out):
+        diff, scale = codegen._difference(ref, out)
+        return diff <= codegen.CHECK_RTOL[False] * scale + codegen.CHECK_ATOL
+    x = torch.randn(64, 64)
+    assert passes(x, x + 1e-7 * torch.randn(64, 64))
+    assert passes(torch.full((8,), 1.4e-7), torch.full((8,), -1.5e-8))
+    mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4).triu(1).bool(), float("-inf"))
+    assert passes(mask, mask.clone())
+    assert not passes(x, x * 1.01)
+    assert not passes(mask, mask.nan_to_num(neginf=-1e4))
+    nan = x.clone()
+    nan[0, 0] = float("nan")
+    assert not passes(x, nan) and not passes(nan, x) and passes(nan, nan.clone())
 
 
 def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(caplog):
