@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.compiler import ir
+from fxpar.compiler import codegen, ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
@@ -277,6 +277,21 @@ def test_zoo_model_under_every_plan(name):
     """Every plan of the table (one device, dp=2, tp=2, pp=2 with 2 microbatches, ZeRO-3,
     the planner's choice on 2 ranks) against eager PyTorch."""
     _check(zoo_sweep.sweep_model(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(zoo.models()))
+def test_zoo_model_on_one_device_compiled_by_inductor(name, monkeypatch):
+    """What a user on a CPU gets by default (Plan.codegen="auto" with a C++ compiler):
+    Inductor's kernels and torch's fused optimizer, exact against eager - and without a
+    fallback to op by op, which would hide a slow step behind an exact one (Falcon's
+    known Inductor bug excepted)."""
+    monkeypatch.setenv("FXPAR_CODEGEN", "inductor")
+    fallbacks = []
+    monkeypatch.setattr(codegen.log, "warning", lambda msg, *a: fallbacks.append(msg % a))
+    _check(zoo_sweep.sweep_model(name, ["1 device"]))
+    if name != "falcon":
+        assert not fallbacks, fallbacks
 
 
 def test_the_zoo_covers_what_it_promises():
