@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpar.runtime import comm
+from fxpar.runtime import comm, optim
 
 
 class ShardedOptimizer:
@@ -64,7 +64,7 @@ class ShardedOptimizer:
         if self.optimizer is None:
             return
         for s, g in zip(self.shards, grad_shards):
-            s.grad = g.to(s.dtype)
+            s.grad = optim.like_param(g, s)
         self.optimizer.step()
         for s in self.shards:
             s.grad = None
