@@ -123,39 +123,65 @@ class Generated:
                    if self.failed else ""))
 
 
-def _is_compute(n: torch.fx.Node) -> bool:
+def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:
     """An ATen op (or getitem of one) that Inductor compiles; everything else - collectives,
-    waits, fxpar's kernels, runtime calls, higher-order ops - runs in the outer graph."""
+    waits, fxpar's kernels, runtime calls, higher-order ops - runs in the outer graph, and
+    on CPU the ops Inductor miscompiles there (CPU_EAGER_OPS)."""
     if n.op != "call_function":
         return False
     t = n.target
     if t is operator.getitem:  # goes with what it takes apart
-        return isinstance(n.args[0], torch.fx.Node) and _is_compute(n.args[0])
+        return isinstance(n.args[0], torch.fx.Node) and _is_compute(n.args[0], cpu)
     # (remat's RNG save / replay, run_and_save_rng_state / run_with_rng_state, are
     # HigherOrderOperators AOTAutograd cannot re-trace: they run in the outer graph, eagerly,
     # which also keeps their generator state exactly eager's)
     if not isinstance(t, torch._ops.OpOverload):
         return False
+    if cpu and _adds_through_an_index(n):
+        return False
     return t.namespace not in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+
+
+# Ops Inductor lowers to an indexed store with atomic adds. On CPU (torch 2.13) that store
+# is miscompiled when the added values are read transposed (their innermost dim is not the
+# output's): Inductor's 2-D tile kernel offsets each row of the tile twice, so values land
+# in the wrong rows and past the buffer's end - wrong gradients (HF Falcon's fused-QKV
+# weight, the backward of `x[..., idx]` on a transposed view) and heap corruption. Whether
+# a value is read transposed is Inductor's choice (it inlines the views and copies that
+# make it), not visible in the graph's metadata, so on CPU these ops always run op by op
+# (ATen's kernel; they end a compiled run). tests/test_codegen.py reproduces the bug.
+CPU_EAGER_OPS = {
+    torch.ops.aten.index_put.default: 3, torch.ops.aten._unsafe_index_put.default: 3,
+    torch.ops.aten.index_add.default: None,
+    torch.ops.aten.embedding_dense_backward.default: None,
+    torch.ops.aten._unsafe_masked_index_put_accumulate.default: None,
+}
+
+
+def _adds_through_an_index(n: torch.fx.Node) -> bool:
+    if n.target not in CPU_EAGER_OPS:
+        return False
+    at = CPU_EAGER_OPS[n.target]  # the `accumulate` argument's position, None: always adds
+    return at is None or bool(n.args[at] if len(n.args) > at else n.kwargs.get("accumulate"))
 
 
 def _counts(n: torch.fx.Node) -> bool:
     return n.target is not operator.getitem and not cost.is_view(n)
 
 
-def runs(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+def runs(graph: torch.fx.Graph, cpu: bool = False) -> list[list[torch.fx.Node]]:
     """Maximal runs of compute nodes, consecutive in program order and in one region, with
-    at least MIN_OPS real (non-view) ops."""
+    at least MIN_OPS real (non-view) ops (`cpu`: the graph runs on a CPU)."""
     out, cur, region = [], [], None
     for n in graph.nodes:
-        if n.op == "call_function" and n.target is operator.getitem and _is_compute(n):
+        if n.op == "call_function" and n.target is operator.getitem and _is_compute(n, cpu):
             continue  # goes with what it takes apart (below)
         r = n.meta.get(ir.REGION)
-        if not _is_compute(n) or (cur and r != region):
+        if not _is_compute(n, cpu) or (cur and r != region):
             if sum(map(_counts, cur)) >= MIN_OPS:
                 out.append(cur)
             cur = []
-        if _is_compute(n):
+        if _is_compute(n, cpu):
             cur.append(n)
             region = r
     if sum(map(_counts, cur)) >= MIN_OPS:
@@ -366,7 +392,8 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             n.meta[ir.OWNED] = cost.owned(n.args[0])
     out = torch.fx.GraphModule(gm, g)
     done, failed = [], []
-    cut = runs(g)
+    cpu = device is None or torch.device(device).type == "cpu"
+    cut = runs(g, cpu)
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
     for i, nodes in enumerate(cut):

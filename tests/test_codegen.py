@@ -2,6 +2,11 @@
 the collectives' placement kept, the result equal to the op-by-op graph, and the cache."""
 import functools
 import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 
 import pytest
@@ -15,6 +20,7 @@ from fxpar.runtime import comm
 from workers import OPTIMIZERS, build, plans_rank
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 COMM_OPS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
             c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default)
 
@@ -83,6 +89,66 @@ def test_short_runs_stay_eager():
         n.meta.setdefault(ir.REGION, ir.FORWARD)
     gen = codegen.generate(torch.fx.GraphModule({}, g), "cpu", compile_fn=_eager_compile)
     assert gen.meta["codegen"].runs == [] and gen.meta["codegen"].eager_ops == 2
+
+
+def _indexed_add_graph():
+    """relu -> neg -> index_put(accumulate=True) -> sin -> cos -> exp: the backward of
+    `x[..., idx]` between pointwise ops."""
+    g = torch.fx.Graph()
+    x, z, i = g.placeholder("x"), g.placeholder("z"), g.placeholder("i")
+    x.meta[ir.VAL], z.meta[ir.VAL] = torch.empty(4, 3), torch.empty(4, 6)
+    i.meta[ir.VAL] = torch.empty(3, dtype=torch.long)
+    a = g.call_function(aten.neg.default, (g.call_function(aten.relu.default, (x,)),))
+    put = g.call_function(aten.index_put.default, (z, [None, i], a, True))
+    put.meta[ir.VAL] = torch.empty(4, 6)
+    out = g.call_function(aten.exp.default, (g.call_function(aten.cos.default, (
+        g.call_function(aten.sin.default, (put,)),)),))
+    g.output((out,))
+    for n in g.nodes:
+        n.meta.setdefault(ir.REGION, ir.BACKWARD)
+    return torch.fx.GraphModule({}, g)
+
+
+def test_indexed_adds_run_op_by_op_on_cpu_only():
+    """Inductor's CPU code for an indexed add of values it reads transposed is wrong
+    (codegen.CPU_EAGER_OPS): on CPU the op ends a compiled run and runs in ATen; on a GPU
+    it stays inside (Triton's code is not affected)."""
+    gm = _indexed_add_graph()
+    on_cpu = codegen.generate(gm, "cpu", compile_fn=_eager_compile)
+    outer = [n.target for n in on_cpu.graph.nodes if n.op == "call_function"]
+    assert aten.index_put.default in outer
+    assert len(on_cpu.meta["codegen"].runs) == 1  # sin, cos, exp; relu + neg: too short
+    assert on_cpu.meta["codegen"].eager_ops == 3
+    on_gpu = codegen.runs(gm.graph, cpu=False)
+    assert len(on_gpu) == 1 and any(n.target is aten.index_put.default for n in on_gpu[0])
+    args = (torch.randn(4, 3), torch.zeros(4, 6), torch.tensor([5, 0, 5]))
+    torch.testing.assert_close(on_cpu(*args), gm(*args), rtol=0, atol=0)
+    # accumulate=False is a plain indexed store: it compiles
+    put = next(n for n in gm.graph.nodes if n.target is aten.index_put.default)
+    put.args = put.args[:3] + (False,)
+    assert not codegen._adds_through_an_index(put)
+
+
+@pytest.mark.slow
+def test_inductor_still_miscompiles_a_transposed_indexed_add_on_cpu():
+    """The reason for codegen.CPU_EAGER_OPS, checked against the torch installed (in a
+    child process: the miscompiled kernel also writes past its buffer). When this fails,
+    torch fixed it: drop the workaround."""
+    code = textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        v = torch.empty_strided((8, 16, 1, 8), (128, 1, 16, 16)).copy_(torch.randn(8, 16, 1, 8))
+        z, i = torch.zeros(8, 16, 6, 8), torch.tensor([-2])
+        f = lambda z, i, v: torch.ops.aten.index_put.default(z, [None, None, i], v, True)
+        print("DIFF", (f(z, i, v) - torch.compile(f, fullgraph=True)(z, i, v)).abs().max().item())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()})
+    diff = re.search(r"DIFF (\S+)", r.stdout)
+    crashed = r.returncode < 0 or "corrupted" in r.stderr  # the stray writes hit the heap
+    assert crashed or diff, f"the check itself failed: {r.stderr[-2000:]}"
+    assert crashed or float(diff.group(1)) > 1e-3, \
+        f"torch {torch.__version__} compiles this right now: CPU_EAGER_OPS can go ({r.stdout})"
 
 
 def test_a_failed_compile_names_the_run_and_the_way_out():

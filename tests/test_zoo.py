@@ -284,14 +284,12 @@ def test_zoo_model_under_every_plan(name):
 def test_zoo_model_on_one_device_compiled_by_inductor(name, monkeypatch):
     """What a user on a CPU gets by default (Plan.codegen="auto" with a C++ compiler):
     Inductor's kernels and torch's fused optimizer, exact against eager - and without a
-    fallback to op by op, which would hide a slow step behind an exact one (Falcon's
-    known Inductor bug excepted)."""
+    fallback to op by op, which would hide a slow step behind an exact one."""
     monkeypatch.setenv("FXPAR_CODEGEN", "inductor")
     fallbacks = []
     monkeypatch.setattr(codegen.log, "warning", lambda msg, *a: fallbacks.append(msg % a))
     _check(zoo_sweep.sweep_model(name, ["1 device"]))
-    if name != "falcon":
-        assert not fallbacks, fallbacks
+    assert not fallbacks, fallbacks
 
 
 def test_the_zoo_covers_what_it_promises():
