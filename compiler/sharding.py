@@ -49,7 +49,9 @@ def _group_rank_size(group_name: str) -> tuple[int, int]:
 def local_chunk(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
     """This rank's chunk of a replicated tensor (Replicate -> Shard(dim)); no communication."""
     rank, _ = _group_rank_size(group_name)
-    return x.chunk(group_size, dim)[rank].clone()
+    # contiguous, as the fake says: Inductor's code asserts a fallback's output strides (a
+    # chunk of a transposed tensor cloned as it lies crashed T5's tp=2 step when compiled)
+    return x.chunk(group_size, dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 @local_chunk.register_fake

@@ -22,9 +22,11 @@ aten = torch.ops.aten
 @torch.library.custom_op("fxpar::dropout_with_mask", mutates_args=())
 def dropout_with_mask(x: torch.Tensor, keep: torch.Tensor, scale: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """native_dropout's (output, mask) given the keep-mask (0./1.) to use."""
-    mask = keep.to(torch.bool)
-    return x * keep.to(x.dtype) * scale, mask
+    """native_dropout's (output, mask) given the keep-mask (0./1.) to use; both laid out
+    like `x`, as the fake says (compiled code asserts it)."""
+    out, mask = torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+    torch.mul(x, keep.to(x.dtype), out=out).mul_(scale)
+    return out, mask.copy_(keep)
 
 
 @dropout_with_mask.register_fake

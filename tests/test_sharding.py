@@ -52,3 +52,31 @@ def test_view_shapes_become_local_and_distinct_views_stay_distinct():
     shapes = {tuple(n.args[1]) for n in gm.graph.nodes if n.target is aten.view.default
               and n.meta[ir.SHARD] == (Shard(0),)}
     assert (2, 4, 2, 4) in shapes and (2, 4, 8) in shapes and (8,) in shapes
+
+
+def test_custom_ops_lay_out_their_outputs_as_their_fakes_say(monkeypatch):
+    """fxpar's rank-dependent ops on transposed inputs: real outputs match the fake kernels'
+    shapes and strides (torch.library.opcheck). Compiled code trusts the fake's layout -
+    Inductor asserts it around a fallback op, and reads it as laid out: a chunk cloned in
+    its input's layout crashed T5's tp=2 step under Inductor."""
+    import torch.distributed.distributed_c10d as c10d_mod
+
+    from fxpar.compiler import sharding, split_random, vocab_parallel  # noqa: F401 (registers)
+
+    class Rank1:
+        def rank(self):
+            return 1
+    monkeypatch.setattr(sharding, "_group_rank_size", lambda group: (1, 2))
+    monkeypatch.setattr(c10d_mod, "_resolve_process_group", lambda group: Rank1())
+    x = torch.randn(6, 8).t()
+    fx = torch.ops.fxpar
+    for op, args in [(fx.local_chunk.default, (x, 0, 2, "g")),
+                     (fx.local_chunk.default, (x, 1, 2, "g")),
+                     (fx.partial_from_replicate.default, (x, "g")),
+                     (fx.dropout_with_mask.default, (x, (torch.rand(8, 6) > 0.5).float(), 2.0)),
+                     (fx.localize.default, (torch.arange(12).view(3, 4).t(), 4, "g"))]:
+        result = torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+        assert result == {"test_faketensor": "SUCCESS"}, (op, result)
+    out, mask = fx.dropout_with_mask.default(x, torch.ones(8, 6), 2.0)
+    torch.testing.assert_close(out, x * 2)
+    assert mask.all() and out.stride() == x.stride()
