@@ -219,9 +219,9 @@ class CompiledRun(torch.nn.Module):
     Its first call also runs `source` op by op on the same inputs (the same random numbers)
     and compares: where Inductor's result differs by more than rounding (CHECK_RTOL of the
     output's largest finite magnitude plus CHECK_ATOL), the run stays op by op from then on
-    and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF Falcon's fused-QKV
-    gradients 1% off). FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time
-    and memory)."""
+    and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF
+    Falcon's fused-QKV gradients 1% off, since root-caused: CPU_EAGER_OPS).
+    FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time and memory)."""
 
     def __init__(self, fn: Callable, source: torch.fx.GraphModule, strides: list[tuple],
                  name: str = "run"):
