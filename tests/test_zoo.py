@@ -292,6 +292,15 @@ def test_zoo_model_on_one_device_compiled_by_inductor(name, monkeypatch):
     assert not fallbacks, fallbacks
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name,plan", [("lstm", "dp=2"), ("gemma2", "tp=2")])
+def test_zoo_model_on_two_ranks_compiled_by_inductor(name, plan, monkeypatch):
+    """Two cells that crashed under Inductor (a transposed chunk whose real layout was not
+    its fake's: fxpar.local_chunk, tests/test_sharding.py), now exact."""
+    monkeypatch.setenv("FXPAR_CODEGEN", "inductor")
+    _check(zoo_sweep.sweep_model(name, [plan]))
+
+
 def test_the_zoo_covers_what_it_promises():
     fams = [m.family for m in zoo.models().values()]
     assert len(fams) >= 30
