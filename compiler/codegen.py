@@ -103,7 +103,8 @@ class Run:
 class Generated:
     """What `generate` did to one graph (gm.meta["codegen"] of its result)."""
     runs: list[Run]
-    eager_ops: int    # ATen ops left outside compiled runs (short runs, failed runs)
+    eager_ops: int    # ATen ops left outside compiled runs (short runs, failed runs,
+    #                   CPU_EAGER_OPS on CPU)
     seconds: float
     failed: list[str] = dataclasses.field(default_factory=list)  # runs Inductor refused, why
 
@@ -149,7 +150,10 @@ def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:
 # weight, the backward of `x[..., idx]` on a transposed view) and heap corruption. Whether
 # a value is read transposed is Inductor's choice (it inlines the views and copies that
 # make it), not visible in the graph's metadata, so on CPU these ops always run op by op
-# (ATen's kernel; they end a compiled run). tests/test_codegen.py reproduces the bug.
+# (ATen's kernel; they end a compiled run). tests/test_codegen.py reproduces the bug (at 2
+# threads; the 1-thread kernel of that repro came out right, but its loops are Inductor's
+# choice too, so the rule does not depend on the thread count). Checked and not affected
+# on the same repro: scatter_add (ATen's kernel at >1 thread), col2im, unfold_backward.
 CPU_EAGER_OPS = {
     torch.ops.aten.index_put.default: 3, torch.ops.aten._unsafe_index_put.default: 3,
     torch.ops.aten.index_add.default: None,
@@ -249,8 +253,8 @@ class CompiledRun(torch.nn.Module):
             if not isinstance(r, torch.Tensor) or not r.is_floating_point() or not r.numel():
                 continue
             diff, scale = _difference(r, o)
-            if not diff <= CHECK_RTOL[r.dtype in (torch.float16, torch.bfloat16)] * scale \
-                    + CHECK_ATOL:
+            half = r.dtype in (torch.float16, torch.bfloat16)
+            if not diff <= CHECK_RTOL[half] * scale + CHECK_ATOL[half]:
                 self.mismatch = (f"output {i}: max |difference| {diff:.3g} against a largest "
                                  f"magnitude {scale:.3g}")
                 log.warning("codegen: Inductor's %s differs from the graph (%s): it runs op "
@@ -261,17 +265,20 @@ class CompiledRun(torch.nn.Module):
 
 
 CHECK_RTOL = {False: 1e-3, True: 5e-2}  # fp32 / half: rounding is ~1e-6 / ~1e-2 of the max
-# and an absolute floor (torch.testing's atol for these dtypes): an output that is zero up to
-# the rounding of sums that cancel (a gradient of ~1e-7 everywhere) differs by ~its own size
-CHECK_ATOL = 1e-5
+# and an absolute floor: an output that is zero up to the rounding of sums that cancel (fp32
+# gradients of ~1e-7 everywhere: ConvNeXt, nn.Transformer) differs by ~its own size. Kept low:
+# the bound is against the output's largest element, so a floor lets every output whose
+# largest element is below floor/rtol be that much more wrong
+CHECK_ATOL = {False: 1e-6, True: 1e-4}
 
 
 def _difference(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
-    """(largest |ref - out|, largest finite |ref|). Equal elements count 0, infinities and
-    NaNs included (an attention mask's -inf); inf against a number or NaN against a number
-    is an infinite / NaN difference, which fails every bound."""
+    """(largest |ref - out|, largest finite |ref|). Equal elements count 0, and so do two
+    non-finite ones (an attention mask's -inf; an fp16 overflow that one side makes inf and
+    the other NaN - the loss scaler only asks whether values are finite); inf or NaN against
+    a number is an infinite / NaN difference, which fails every bound."""
     r, o = ref.float(), out.float()
-    same = (r == o) | (r.isnan() & o.isnan())
+    same = (r == o) | (~r.isfinite() & ~o.isfinite())
     diff = torch.where(same, torch.zeros_like(r), (r - o).abs()).max().item()
     finite = r[r.isfinite()]
     return diff, finite.abs().max().item() if finite.numel() else 0.0
@@ -392,7 +399,11 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             n.meta[ir.OWNED] = cost.owned(n.args[0])
     out = torch.fx.GraphModule(gm, g)
     done, failed = [], []
-    cpu = device is None or torch.device(device).type == "cpu"
+    where = torch.device(device) if device is not None else next(
+        (n.meta[ir.VAL].device for n in g.nodes
+         if n.op == "placeholder" and isinstance(n.meta.get(ir.VAL), torch.Tensor)),
+        torch.device("cpu"))
+    cpu = where.type == "cpu"
     cut = runs(g, cpu)
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)

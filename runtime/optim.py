@@ -64,12 +64,12 @@ def like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     in channels-last order); torch's fused optimizer kernels walk a parameter and its
     gradient as flat memory, so a mismatched layout pairs the wrong elements - a silently
     wrong update (seen: ConvNeXt with fused AdamW). Strides of size-1 dims do not matter."""
-    if g.dtype != p.dtype:
-        g = g.to(p.dtype)
+    if g.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)) as it is
+        return g
     if g.shape == p.shape and any(n > 1 and a != b
                                   for n, a, b in zip(p.shape, p.stride(), g.stride())):
-        g = torch.empty_like(p).copy_(g)  # empty_like keeps a dense parameter's strides
-    return g
+        return torch.empty_like(p).copy_(g)  # p's strides (a dense p's) and dtype, one copy
+    return g if g.dtype == p.dtype else g.to(p.dtype)
 
 
 def apply_gradients(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],

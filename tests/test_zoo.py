@@ -289,6 +289,7 @@ def test_zoo_model_on_one_device_compiled_by_inductor(name, monkeypatch):
     fallbacks = []
     monkeypatch.setattr(codegen.log, "warning", lambda msg, *a: fallbacks.append(msg % a))
     _check(zoo_sweep.sweep_model(name, ["1 device"]))
+    fallbacks = [w for w in fallbacks if "op by op" in w]  # (not e.g. a read-only cache)
     assert not fallbacks, fallbacks
 
 
