@@ -155,18 +155,19 @@ def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:
 # choice too, so the rule does not depend on the thread count). Checked and not affected
 # on the same repro: scatter_add (ATen's kernel at >1 thread), col2im, unfold_backward.
 CPU_EAGER_OPS = {
-    torch.ops.aten.index_put.default: 3, torch.ops.aten._unsafe_index_put.default: 3,
-    torch.ops.aten.index_add.default: None,
-    torch.ops.aten.embedding_dense_backward.default: None,
-    torch.ops.aten._unsafe_masked_index_put_accumulate.default: None,
+    torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default,
+    torch.ops.aten.index_add.default, torch.ops.aten.embedding_dense_backward.default,
+    torch.ops.aten._unsafe_masked_index_put_accumulate.default,
 }
 
 
 def _adds_through_an_index(n: torch.fx.Node) -> bool:
+    """One of CPU_EAGER_OPS that adds: index_put only with accumulate=True (read through the
+    op's schema, default included); the others always add."""
     if n.target not in CPU_EAGER_OPS:
         return False
-    at = CPU_EAGER_OPS[n.target]  # the `accumulate` argument's position, None: always adds
-    return at is None or bool(n.args[at] if len(n.args) > at else n.kwargs.get("accumulate"))
+    call = n.normalized_arguments(None, normalize_to_only_use_kwargs=True)
+    return bool(call.kwargs.get("accumulate", True))
 
 
 def _counts(n: torch.fx.Node) -> bool:

@@ -655,7 +655,8 @@ def _forward_views_of(p):
 
 def _gather(graph, shards, dp, group, before, full):
     """The whole weights of `shards` (parameter placeholders holding flat 1/dp shards; `full`:
-    each one's whole numel and shape), inserted before `before`: all-gather + wait (+ unpad) + view to each parameter's shape.
+    each one's whole numel and shape), inserted before `before`: all-gather + wait (+ unpad)
+    + view to each parameter's shape.
     Several shards travel in one collective: copied into one input (rank r's part of the
     result is then its shards back to back, [dp, sum of shard sizes]) and each weight copied
     out of its columns, FSDP2's all-gather copy-in / copy-out."""
