@@ -43,7 +43,8 @@ class PassContext:
     codegen: str = "eager"   # Plan.codegen resolved (compiler/codegen.decide): the fuser
 
 
-def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | None]:
+def _pass_list(plan, device=None, codegen: str = "eager"
+               ) -> tuple[list[tuple[str, Callable]], str | None]:
     # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
     # overlap, fusion; precision (mixed precision) before them all, so every later pass
     # sees the half-precision dtypes and sizes.
@@ -64,7 +65,10 @@ def _pass_list(plan, device=None) -> tuple[list[tuple[str, Callable]], str | Non
     fusion_skipped = None
     if plan.fuse:
         fusion_skipped = unavailable_reason(device if device is not None else "cpu")
-        if fusion_skipped is None:
+        if codegen == "inductor":  # Inductor is the fuser: the pass shapes its input
+            passes.append(("fusion", fusion.run))
+            fusion_skipped = None
+        elif fusion_skipped is None:
             passes.append(("fusion", fusion.run))
         else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
             log.debug("fusion left out: %s", fusion_skipped)
@@ -85,7 +89,7 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     snapshots["capture"] = {"joint": snapshot(gm)}
     times = [("verify capture", time.perf_counter() - t0, _count(gm))]
     phase_done(log, "verify capture", times[0][1])
-    passes, fusion_skipped = _pass_list(plan, ctx.device)
+    passes, fusion_skipped = _pass_list(plan, ctx.device, ctx.codegen)
     for name, fn in passes:
         before = _count(gm)
         t0 = time.perf_counter()

@@ -73,10 +73,7 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
                       f"waits moved later (memory limit {d.slack / 2**10:.0f} KiB)"
                       + (f"; nothing moved: {d.why}" if d.why else ""))
         if "fusion" in pm.stage_graphs:
-            d = pm.stage_graphs["fusion"]["dp"].meta["fusion"]
-            hand = sum(g.kind != "generated" for g in d.groups)
-            print(f"fusion: {len(d.groups)} Triton kernels ({hand} hand-written), bytes moved "
-                  f"{d.bytes_unfused / 2**20:.1f} -> {d.bytes_fused / 2**20:.1f} MiB")
+            print("fusion: " + pm.stage_graphs["fusion"]["dp"].meta["fusion"].describe())
         elif pm.plan.fuse:
             print(f"fusion: off ({pm.fusion_skipped})")
         print(f"codegen: {pm.codegen_summary}")

@@ -26,12 +26,15 @@ replaces (`meta["fusion"].unpaid`). Where the step is replayed from a CUDA graph
 time and only the bytes count.
 
 Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
-(TRITON_INTERPRET=1). Otherwise the pass changes nothing and says why in the log and in
-`gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
+(TRITON_INTERPRET=1). Otherwise (and without Inductor) the pass changes nothing and says
+why in the log and in `gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
 
 With Plan.codegen resolved to Inductor (ctx.codegen), Inductor is the fuser: this pass then
 swaps in only the cross-entropy kernel (measured 7x eager and 1.11x torch.compile on an
-H100; docs/benchmarks.md), which stays a call between Inductor's compiled runs.
+H100; docs/benchmarks.md), which stays a call between Inductor's compiled runs; where that
+kernel cannot run (CPU, shapes it does not take) the cross-entropy pattern becomes the ATen
+ops of its closed form, which Inductor compiles into one pass over the logits each way
+(`_cross_entropy_closed_form`).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import operator
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.plan import replays_step
@@ -80,9 +84,32 @@ class Decision:
     def bytes_fused(self) -> int:
         return sum(g.bytes_fused for g in self.groups)
 
+    def describe(self) -> str:
+        """One line for the console and the report."""
+        if self.skipped:
+            return f"not run: {self.skipped}"
+        triton = [g for g in self.groups if g.kind not in ("generated", INDUCTOR_CE)]
+        generated = sum(g.kind == "generated" for g in self.groups)
+        closed = sum(g.kind == INDUCTOR_CE for g in self.groups)
+        parts = [f"{len(triton) + generated} Triton kernels ({len(triton)} hand-written)"]
+        if closed:
+            parts = ([parts[0]] if triton or generated else []) + [
+                f"{closed} cross-entropy in closed form for Inductor"]
+        return (", ".join(parts) + f"; bytes moved {self.bytes_unfused / 2**20:.2f} -> "
+                f"{self.bytes_fused / 2**20:.2f} MiB")
+
+
+INDUCTOR_CE = "cross_entropy for Inductor"  # Group.kind of _cross_entropy_closed_form's
+
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     reason = unavailable_reason(ctx.device if ctx.device is not None else "cpu")
+    if ctx.codegen == "inductor":  # one fuser: Inductor's
+        groups = cross_entropy_for_inductor(gm, triton=reason is None)
+        gm.meta["fusion"] = Decision(groups)
+        log.debug("fusion: Inductor generates the kernels; cross-entropy: %s",
+                  [g.kind for g in groups])
+        return gm
     if reason:
         log.info("fusion: keeping the unfused ops: %s", reason)
         gm.meta["fusion"] = Decision([], skipped=reason)
@@ -92,12 +119,6 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                             getattr(plan, "microbatches", 1))
     price = cost.kernel_price(ctx.device, replayed)
     unpaid: list[list[str]] = []
-    if ctx.codegen == "inductor":  # one fuser: Inductor's
-        groups = hand_written(gm, price, unpaid, only_cross_entropy=True)
-        gm.meta["fusion"] = Decision(groups, unpaid=unpaid)
-        log.debug("fusion: Inductor generates the kernels; %d cross-entropy kernel(s) kept",
-                  len(groups))
-        return gm
     groups = hand_written(gm, price, unpaid)
     _restore_topological_order(gm.graph)  # a kept RMSNorm multiply now reads the kernel
     if ctx.device is None or torch.device(ctx.device).type == "cpu":
@@ -175,22 +196,35 @@ def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None,
     return groups
 
 
+def _match_cross_entropy(nll):
+    """nll_loss_forward(_log_softmax(logits, 1), target, None, reduction, ignore) and, if
+    the graph has a backward, its nll_loss_backward -> _log_softmax_backward_data, with the
+    log-probabilities read by nothing else -> (log_softmax, nll_bw or None, ls_bw or None);
+    else None."""
+    ls, weight = nll.args[0], nll.args[2]
+    if not (isinstance(ls, torch.fx.Node) and ls.target is aten._log_softmax.default
+            and weight is None and ls.args[1] in (1, -1) and not ls.args[2]):
+        return None
+    users = set(ls.users) - {nll}
+    nll_bw = [u for u in users if u.target is aten.nll_loss_backward.default]
+    ls_bw = [u for u in users if u.target is aten._log_softmax_backward_data.default]
+    if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
+        return None
+    if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1):
+        return None
+    return ls, (nll_bw or [None])[0], (ls_bw or [None])[0]
+
+
 def _cross_entropy(graph, nll) -> list[Group]:
     """log_softmax -> nll_loss (forward) and nll_loss_backward -> log_softmax_backward
     become one kernel each; the backward reads the logits and the row logsumexp instead of
     the [N, V] log-probabilities."""
     ls, target, weight, reduction, ignore = nll.args[:5]
-    if not (isinstance(ls, torch.fx.Node) and ls.target is aten._log_softmax.default
-            and weight is None and ls.args[1] in (1, -1) and not ls.args[2]):
+    match = _match_cross_entropy(nll)
+    if match is None:
         return []
     logits = ls.args[0]
-    users = set(ls.users) - {nll}
-    nll_bw = [u for u in users if u.target is aten.nll_loss_backward.default]
-    ls_bw = [u for u in users if u.target is aten._log_softmax_backward_data.default]
-    if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
-        return []
-    if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1):
-        return []
+    nll_bw, ls_bw = ([match[1]], [match[2]]) if match[1] is not None else ([], [])
     why = library.cross_entropy_forward.supports(logits, target, reduction, ignore)
     if why:
         log.debug("fusion: %s stays unfused: %s", nll.name, why)
@@ -227,6 +261,110 @@ def _cross_entropy(graph, nll) -> list[Group]:
     graph.erase_node(nll)
     graph.erase_node(ls)
     return groups
+
+
+def cross_entropy_for_inductor(gm: torch.fx.GraphModule, triton: bool) -> list[Group]:
+    """Plan.codegen="inductor": the cross-entropy pattern becomes fxpar's Triton kernel
+    where it runs (`triton`, and the kernel supports the shapes: measured faster than
+    Inductor's code on an H100), else the closed form below, which Inductor compiles into
+    one pass over the logits each way."""
+    groups = []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n._erased or n.target is not aten.nll_loss_forward.default:
+            continue
+        ls = n.args[0]
+        logits = ls.args[0] if isinstance(ls, torch.fx.Node) and ls.args else None
+        if triton and logits is not None and not library.cross_entropy_forward.supports(
+                logits, *n.args[1:2], *n.args[3:5]):
+            groups += _cross_entropy(gm.graph, n)
+        else:
+            groups += _cross_entropy_closed_form(gm.graph, n)
+    return groups
+
+
+def _cross_entropy_closed_form(graph, nll) -> list[Group]:
+    """log_softmax + nll_loss and their backward as the ATen ops of the closed form:
+        forward   lse = logsumexp(x, 1); loss = sum over kept rows of (lse - x[target])
+        backward  dx = (exp(x - lse) - onehot(target)) * g (/ the kept rows for a mean)
+    Why: from the ops autograd records, Inductor writes the [N, V] log-probabilities in the
+    forward, reads them back in the backward and sums nll_loss_backward's one-hot rows over
+    V; the closed form keeps the logits instead (same size) and an [N] logsumexp, and
+    Inductor makes one pass over the logits each way. Same values up to rounding; mean and
+    sum reductions, 2-D logits (reduction "none" and other shapes stay as they are)."""
+    match = _match_cross_entropy(nll)
+    _, target, _, reduction, ignore = nll.args[:5]
+    if match is None or reduction not in (1, 2) or any(
+            u.target is not operator.getitem for u in nll.users):
+        return []
+    ls, nb, lb = match
+    x = ls.args[0]
+    xv = x.meta.get(ir.VAL)
+    if not (isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(target, torch.fx.Node)
+            and target.meta[ir.VAL].dim() == 1):
+        return []
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    before = _traffic([ls, nll] + ([nb, lb] if nb is not None else []))
+    f32, convert = torch.float32, torch.ops.prims.convert_element_type.default
+
+    def emit(like, op, *args, **kwargs):
+        """op(*args, **kwargs) as a node just before `like` (whose meta it takes), its value
+        computed on the inputs' fake values."""
+        with graph.inserting_before(like):
+            node = graph.call_function(op, args, kwargs)
+        vals, kw = torch.fx.node.map_arg((args, kwargs), lambda a: mode.from_tensor(
+            a.meta[ir.VAL]))  # (the graph's values may come from several fake modes)
+        node.meta = {k: v for k, v in like.meta.items() if k != ir.FUSED_GROUP}
+        with mode:
+            node.meta[ir.VAL] = op(*vals, **kw)
+        return node
+
+    def as_f32(like, v):
+        return v if v.meta[ir.VAL].dtype == f32 else emit(like, convert, v, f32)
+
+    xf = as_f32(nll, x)
+    lse = emit(nll, aten.logsumexp.default, xf, [1])
+    kept = emit(nll, aten.ne.Scalar, target, ignore)
+    safe = emit(nll, aten.unsqueeze.default, emit(nll, aten.where.ScalarOther, kept, target, 0), 1)
+    picked = emit(nll, aten.squeeze.dim, emit(nll, aten.gather.default, xf, 1, safe), 1)
+    per_row = emit(nll, aten.where.ScalarOther, kept, emit(nll, aten.sub.Tensor, lse, picked), 0.0)
+    loss_v, tw_v = nll.meta[ir.VAL]
+    tw = emit(nll, convert, emit(nll, aten.sum.default, kept), tw_v.dtype)
+    loss = emit(nll, aten.sum.default, per_row)
+    if reduction == 1:
+        loss = emit(nll, aten.div.Tensor, loss, tw)
+    if loss_v.dtype != f32:
+        loss = emit(nll, convert, loss, loss_v.dtype)
+    for u in list(nll.users):
+        u.replace_all_uses_with(loss if u.args[1] == 0 else tw)
+        graph.erase_node(u)
+    names = [ls.name, nll.name]
+    after = cost.tensor_bytes(xv)  # the logits, read once
+    if nb is not None:
+        w = as_f32(lb, nb.args[0])
+        if reduction == 1:  # by the backward's own total weight: data parallelism and
+            # microbatches make it the whole batch's count (passes/data_parallel.py)
+            w = emit(lb, aten.div.Tensor, w, nb.args[6])
+        w = emit(lb, aten.unsqueeze.default, emit(lb, aten.where.ScalarOther, kept, w, 0.0), 1)
+        p = emit(lb, aten.exp.default, emit(lb, aten.sub.Tensor, as_f32(lb, x),
+                                             emit(lb, aten.unsqueeze.default, lse, 1)))
+        cols = emit(lb, aten.arange.start_step, 0, xv.shape[1], 1, dtype=torch.int64,
+                    device=xv.device)
+        hot = emit(lb, convert, emit(lb, aten.eq.Tensor, emit(lb, aten.unsqueeze.default,
+                                                              target, 1), cols), f32)
+        dx = emit(lb, aten.mul.Tensor, emit(lb, aten.sub.Tensor, p, hot), w)
+        if lb.meta[ir.VAL].dtype != f32:
+            dx = emit(lb, convert, dx, lb.meta[ir.VAL].dtype)
+        lb.replace_all_uses_with(dx)
+        names += [nb.name, lb.name]
+        after += cost.tensor_bytes(xv) + cost.tensor_bytes(dx.meta[ir.VAL])  # x read, dx written
+        graph.erase_node(lb)
+        graph.erase_node(nb)
+    graph.erase_node(nll)
+    graph.erase_node(ls)
+    return [Group(lse.name, INDUCTOR_CE,
+                  ["_log_softmax", "nll_loss_forward"] + (
+                      ["nll_loss_backward", "_log_softmax_backward_data"] if nb is not None
+                      else []), names, before, after)]
 
 
 def _rms_norm(graph, rs) -> list[Group]:

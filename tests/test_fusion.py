@@ -637,3 +637,69 @@ def test_bound_kernel_call_fast_path_still_runs_references_on_fake_tensors():
         out = call(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
                      for t in (x, [32], w, b, 1e-5)])
     assert out[0].shape == (8, 32)
+
+
+# --- with Inductor as the fuser: cross-entropy in closed form ----------------------------------
+
+def _cross_entropy_joint(x, t, g, reduction, count=None):
+    """log_softmax + nll_loss and their backward, as autograd records them; `count`: the
+    backward's total weight when it is not this batch's (data parallelism makes it the
+    global batch's)."""
+    ls = aten._log_softmax(x, 1, False)
+    loss, tw = aten.nll_loss_forward(ls, t, None, reduction, -100)
+    nb = aten.nll_loss_backward(g, ls, t, None, reduction, -100, tw if count is None else count)
+    return loss, tw, aten._log_softmax_backward_data(nb, ls, 1, x.dtype)
+
+
+@pytest.mark.parametrize("reduction", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_becomes_its_closed_form_for_inductor(monkeypatch, reduction, dtype):
+    """Plan.codegen="inductor" without Triton kernels: the pattern becomes logsumexp and one
+    pass over the logits each way (Inductor fuses it); the backward keeps the logits and an
+    [N] logsumexp instead of the [N, V] log-probabilities, values are unchanged (ignored
+    rows included) and the decision says what was rewritten."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(12, 40).to(dtype)
+    t = torch.randint(0, 40, (12,))
+    t[::4] = -100
+    g = torch.tensor(1.5, dtype=dtype)
+    count = torch.tensor(20.0, dtype=dtype)  # the global batch's targets (dp): not these 9
+    gm = make_fx(lambda x, t, g, c: _cross_entropy_joint(x, t, g, reduction, c),
+                 tracing_mode="fake")(x, t, g, count)
+    backward_ops = (aten.nll_loss_backward.default, aten._log_softmax_backward_data.default)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[ir.REGION] = ir.BACKWARD if n.target in backward_ops else ir.FORWARD
+            n.meta[ir.MODULE] = ""
+    want = gm(x, t, g, count)
+    gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu",
+                                                   codegen="inductor"))
+    gm.graph.lint()
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {aten._log_softmax.default, aten.nll_loss_forward.default,
+                          *backward_ops}
+    assert aten.logsumexp.default in targets
+    # what crosses from the forward to the backward: the logits (a placeholder) and [N] rows
+    crossing = {a for n in gm.graph.nodes if n.meta.get(ir.REGION) == ir.BACKWARD
+                for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.FORWARD}
+    assert crossing and all(a.meta[ir.VAL].shape in ((12,), ()) for a in crossing), crossing
+    (group,) = gm.meta["fusion"].groups
+    assert group.kind == fusion.INDUCTOR_CE and group.bytes_fused < group.bytes_unfused
+    assert "cross-entropy in closed form for Inductor" in gm.meta["fusion"].describe()
+    got = gm(x, t, g, count)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_cross_entropy_reduction_none_stays_for_inductor(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gm = _graph(lambda x, t: aten.nll_loss_forward(aten._log_softmax(x, 1, False), t, None, 0,
+                                                   -100)[0],
+                torch.randn(6, 10), torch.randint(0, 10, (6,)))
+    gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu",
+                                                   codegen="inductor"))
+    assert aten.nll_loss_forward.default in {n.target for n in gm.graph.nodes}
+    assert gm.meta["fusion"].groups == []

@@ -145,10 +145,7 @@ def _decision_line(name: str, gm) -> str:
                 f"{len(d.fp32_nodes)} kept in fp32, {len(d.param_casts)} weights cast once, "
                 f"{d.casts} casts" + (", loss scale input" if d.loss_scale else ""))
     if name == "fusion" and "fusion" in m:
-        d = m["fusion"]
-        hand = sum(g.kind != "generated" for g in d.groups)
-        return (f"{len(d.groups)} Triton kernels ({hand} hand-written); bytes moved "
-                f"{d.bytes_unfused / MiB:.2f} -> {d.bytes_fused / MiB:.2f} MiB")
+        return m["fusion"].describe()
     s = summary(gm)
     return ", ".join(f"{v} {k}" for k, v in s.items())
 
