@@ -107,7 +107,9 @@ def variants(base, batch, device, precision, small):
     else:  # (Triton's fusion only interprets on CPU; CPU ranks never capture)
         out["eager, fused AdamW"] = lambda: eager_like(False, True)
         out["torch.compile, fused AdamW"] = lambda: eager_like(None, True)
-        out["fxpar codegen=inductor"] = fx(False, False, "inductor")
+        out["fxpar codegen=inductor"] = fx(True, False, "inductor")  # (fuse: the default)
+        # without the fusion pass: the cross-entropy as autograd records it, not its closed form
+        out["fxpar codegen=inductor fuse=off"] = fx(False, False, "inductor")
         out["fxpar codegen=eager"] = fx(False, False, "eager")
     return out
 
@@ -178,7 +180,8 @@ def report(model_name, precision, device, res, small):
             fused = pm.stage_graphs.get("fusion")
             if fused:
                 d = next(iter(fused.values())).meta["fusion"]
-                note += f", {len(d.groups)} kernels, {len(d.unpaid)} groups unpaid"
+                note += f", fusion: {d.describe().split(';')[0]}" + (
+                    f", {len(d.unpaid)} groups unpaid" if d.unpaid else "")
         mib = f"{peak[name] / 2**20:9.1f}" if peak[name] is not None else f"{'n/a':>9s}"
         print(f"{name:42s} {med * 1e3:9.2f} {ratio:8.3f} {mib} "
               f"{dl:11.2e}  {note}")
