@@ -227,6 +227,7 @@ def _train(name, plan, steps=3):
     return pm, losses, {k: v.clone() for k, v in pm.full_state_dict().items()}
 
 
+@pytest.mark.slow  # (16 s of Inductor compiling from an empty cache: make test's budget)
 def test_inductor_step_equals_op_by_op_and_is_cached(tmp_path, monkeypatch):
     """One device, an MLP with dropout: Inductor's step draws the same masks and trains like
     the op-by-op graph; a second parallelize loads every compiled run from the cache."""
