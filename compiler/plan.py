@@ -37,7 +37,9 @@ class Plan:
                     reduction chains and softmax, norms, cross-entropy, attention as Triton
                     kernels on GPUs (on CPU only under TRITON_INTERPRET=1, otherwise the pass
                     logs why and fuses nothing). With Inductor (one fuser), only the hand-
-                    written cross-entropy kernel (measured faster than torch.compile's) stays.
+                    written cross-entropy kernel (measured faster than torch.compile's) stays;
+                    where it cannot run (CPU) the cross-entropy becomes its closed form for
+                    Inductor to fuse. fuse=False leaves both out.
     overlap:        communication/computation overlap pass on/off (on: collectives start as
                     early and are waited on as late as dependencies and memory allow).
     bucket_mb:      gradient bucket size in MiB; None = sized by the cost model's alpha-beta

@@ -30,7 +30,7 @@ Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
 why in the log and in `gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
 
 With Plan.codegen resolved to Inductor (ctx.codegen), Inductor is the fuser: this pass then
-swaps in only the cross-entropy kernel (measured 7x eager and 1.11x torch.compile on an
+swaps in only the cross-entropy kernel (measured 7x eager and 1.12x torch.compile on an
 H100; docs/benchmarks.md), which stays a call between Inductor's compiled runs; where that
 kernel cannot run (CPU, shapes it does not take) the cross-entropy pattern becomes the ATen
 ops of its closed form, which Inductor compiles into one pass over the logits each way
@@ -88,6 +88,8 @@ class Decision:
         """One line for the console and the report."""
         if self.skipped:
             return f"not run: {self.skipped}"
+        if not self.groups:
+            return "nothing fused or rewritten"
         triton = [g for g in self.groups if g.kind not in ("generated", INDUCTOR_CE)]
         generated = sum(g.kind == "generated" for g in self.groups)
         closed = sum(g.kind == INDUCTOR_CE for g in self.groups)
@@ -164,8 +166,7 @@ def _op_name(n) -> str:
     return str(n.target).replace("aten.", "").replace(".default", "")
 
 
-def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None,
-                 only_cross_entropy: bool = False) -> list[Group]:
+def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Group]:
     """Swap ops (and two patterns) for the kernels in fxpar/kernels/ where they apply (a
     single op only where `price` says the kernel launch pays; the cross-entropy and RMSNorm
     patterns replace several ops and the [N, V] log-probabilities: always)."""
@@ -173,8 +174,6 @@ def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None,
     graph = gm.graph
     for n in list(graph.nodes):
         if n.op != "call_function" or n._erased:  # erased by an earlier pattern rewrite
-            continue
-        if only_cross_entropy and n.target is not aten.nll_loss_forward.default:
             continue
         if n.target in library.SINGLE_OP:
             call = library.SINGLE_OP[n.target]
@@ -210,7 +209,9 @@ def _match_cross_entropy(nll):
     ls_bw = [u for u in users if u.target is aten._log_softmax_backward_data.default]
     if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
         return None
-    if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1):
+    if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1
+                   or nll_bw[0].args[2] is not nll.args[1]  # the same targets, weight,
+                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # reduction, ignore
         return None
     return ls, (nll_bw or [None])[0], (ls_bw or [None])[0]
 
@@ -270,15 +271,9 @@ def cross_entropy_for_inductor(gm: torch.fx.GraphModule, triton: bool) -> list[G
     one pass over the logits each way."""
     groups = []
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n._erased or n.target is not aten.nll_loss_forward.default:
-            continue
-        ls = n.args[0]
-        logits = ls.args[0] if isinstance(ls, torch.fx.Node) and ls.args else None
-        if triton and logits is not None and not library.cross_entropy_forward.supports(
-                logits, *n.args[1:2], *n.args[3:5]):
-            groups += _cross_entropy(gm.graph, n)
-        else:
-            groups += _cross_entropy_closed_form(gm.graph, n)
+        if n.op == "call_function" and n.target is aten.nll_loss_forward.default:
+            groups += (triton and _cross_entropy(gm.graph, n)) or \
+                _cross_entropy_closed_form(gm.graph, n)
     return groups
 
 
@@ -313,7 +308,8 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
             node = graph.call_function(op, args, kwargs)
         vals, kw = torch.fx.node.map_arg((args, kwargs), lambda a: mode.from_tensor(
             a.meta[ir.VAL]))  # (the graph's values may come from several fake modes)
-        node.meta = {k: v for k, v in like.meta.items() if k != ir.FUSED_GROUP}
+        node.meta = {k: like.meta[k] for k in (ir.REGION, ir.MODULE, ir.STAGE, ir.PHASE,
+                                               ir.RECOMPUTE) if k in like.meta}
         with mode:
             node.meta[ir.VAL] = op(*vals, **kw)
         return node
@@ -338,6 +334,10 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
         u.replace_all_uses_with(loss if u.args[1] == 0 else tw)
         graph.erase_node(u)
     names = [ls.name, nll.name]
+    if nb is None:
+        log.debug("fusion: %s: no backward reads these log-probabilities (a forward-only "
+                  "graph, or remat recomputes them for it): the forward alone is rewritten",
+                  nll.name)
     after = cost.tensor_bytes(xv)  # the logits, read once
     if nb is not None:
         w = as_f32(lb, nb.args[0])

@@ -641,44 +641,54 @@ def test_bound_kernel_call_fast_path_still_runs_references_on_fake_tensors():
 
 # --- with Inductor as the fuser: cross-entropy in closed form ----------------------------------
 
-def _cross_entropy_joint(x, t, g, reduction, count=None):
+def _cross_entropy_joint(x, t, g, reduction, count=None, ignore=-100):
     """log_softmax + nll_loss and their backward, as autograd records them; `count`: the
     backward's total weight when it is not this batch's (data parallelism makes it the
     global batch's)."""
     ls = aten._log_softmax(x, 1, False)
-    loss, tw = aten.nll_loss_forward(ls, t, None, reduction, -100)
-    nb = aten.nll_loss_backward(g, ls, t, None, reduction, -100, tw if count is None else count)
+    loss, tw = aten.nll_loss_forward(ls, t, None, reduction, ignore)
+    nb = aten.nll_loss_backward(g, ls, t, None, reduction, ignore, tw if count is None else count)
     return loss, tw, aten._log_softmax_backward_data(nb, ls, 1, x.dtype)
 
 
-@pytest.mark.parametrize("reduction", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_becomes_its_closed_form_for_inductor(monkeypatch, reduction, dtype):
-    """Plan.codegen="inductor" without Triton kernels: the pattern becomes logsumexp and one
-    pass over the logits each way (Inductor fuses it); the backward keeps the logits and an
-    [N] logsumexp instead of the [N, V] log-probabilities, values are unchanged (ignored
-    rows included) and the decision says what was rewritten."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    x = torch.randn(12, 40).to(dtype)
-    t = torch.randint(0, 40, (12,))
-    t[::4] = -100
-    g = torch.tensor(1.5, dtype=dtype)
-    count = torch.tensor(20.0, dtype=dtype)  # the global batch's targets (dp): not these 9
-    gm = make_fx(lambda x, t, g, c: _cross_entropy_joint(x, t, g, reduction, c),
-                 tracing_mode="fake")(x, t, g, count)
+def _closed_form(fn, *args):
+    """fn's joint graph (backward ops tagged so) through the fusion pass under Inductor."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
     backward_ops = (aten.nll_loss_backward.default, aten._log_softmax_backward_data.default)
     for n in gm.graph.nodes:
         if n.op == "call_function":
             n.meta[ir.REGION] = ir.BACKWARD if n.target in backward_ops else ir.FORWARD
             n.meta[ir.MODULE] = ""
-    want = gm(x, t, g, count)
+    want = gm(*args)
     gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu",
                                                    codegen="inductor"))
     gm.graph.lint()
     gm.recompile()
+    return gm, want
+
+
+@pytest.mark.parametrize("reduction", [1, 2])
+@pytest.mark.parametrize("dtype,ignore", [(torch.float32, -100), (torch.float32, 3),
+                                          (torch.bfloat16, -100), (torch.float16, 3)])
+def test_cross_entropy_becomes_its_closed_form_for_inductor(monkeypatch, reduction, dtype,
+                                                            ignore):
+    """Plan.codegen="inductor" without Triton kernels: the pattern becomes logsumexp and one
+    pass over the logits each way (Inductor fuses it); the backward keeps the logits and an
+    [N] logsumexp instead of the [N, V] log-probabilities, values and dtypes are unchanged
+    (ignored rows included, an ignore_index inside the vocabulary too) and the decision says
+    what was rewritten."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(12, 40).to(dtype)
+    t = torch.randint(0, 40, (12,))
+    t[::4] = ignore
+    g = torch.tensor(1.5, dtype=dtype)
+    count = torch.tensor(20.0, dtype=dtype)  # the global batch's targets (dp): not these 9
+    gm, want = _closed_form(lambda x, t, g, c: _cross_entropy_joint(x, t, g, reduction, c,
+                                                                    ignore), x, t, g, count)
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert not targets & {aten._log_softmax.default, aten.nll_loss_forward.default,
-                          *backward_ops}
+                          aten.nll_loss_backward.default,
+                          aten._log_softmax_backward_data.default}
     assert aten.logsumexp.default in targets
     # what crosses from the forward to the backward: the logits (a placeholder) and [N] rows
     crossing = {a for n in gm.graph.nodes if n.meta.get(ir.REGION) == ir.BACKWARD
@@ -692,6 +702,22 @@ def test_cross_entropy_becomes_its_closed_form_for_inductor(monkeypatch, reducti
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_cross_entropy_closed_form_with_every_target_ignored_and_forward_only(monkeypatch):
+    """Every target ignored: the mean is 0/0 = nan as in eager, the gradient zero. A
+    forward-only graph (evaluate's): the forward alone is rewritten."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, t, g = torch.randn(5, 7), torch.full((5,), -100), torch.tensor(1.0)
+    gm, want = _closed_form(lambda x, t, g: _cross_entropy_joint(x, t, g, 1), x, t, g)
+    loss, tw, dx = gm(x, t, g)
+    assert loss.isnan() and want[0].isnan() and tw == 0 and not dx.any()
+    t = torch.randint(0, 7, (5,))
+    fwd, want = _closed_form(lambda x, t: aten.nll_loss_forward(
+        aten._log_softmax(x, 1, False), t, None, 1, -100), x, t)
+    assert len(fwd.meta["fusion"].groups) == 1 and aten.logsumexp.default in {
+        n.target for n in fwd.graph.nodes}
+    torch.testing.assert_close(fwd(x, t), want)
 
 
 def test_cross_entropy_reduction_none_stays_for_inductor(monkeypatch):
