@@ -335,9 +335,10 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
         graph.erase_node(u)
     names = [ls.name, nll.name]
     if nb is None:
+        # (remat never recomputes them for the backward: its min-cut keeps the log-
+        # probabilities, which the backward reads, over the logits, which it does not)
         log.debug("fusion: %s: no backward reads these log-probabilities (a forward-only "
-                  "graph, or remat recomputes them for it): the forward alone is rewritten",
-                  nll.name)
+                  "graph): the forward alone is rewritten", nll.name)
     after = cost.tensor_bytes(xv)  # the logits, read once
     if nb is not None:
         w = as_f32(lb, nb.args[0])
