@@ -279,11 +279,12 @@ def cross_entropy_for_inductor(gm: torch.fx.GraphModule, triton: bool) -> list[G
 
 def _cross_entropy_closed_form(graph, nll) -> list[Group]:
     """log_softmax + nll_loss and their backward as the ATen ops of the closed form:
-        forward   lse = logsumexp(x, 1); loss = sum over kept rows of (lse - x[target])
-        backward  dx = (exp(x - lse) - onehot(target)) * g (/ the kept rows for a mean)
+        forward   m = max(x, 1), s = log(sum(exp(x - m), 1)); loss = sum over kept rows
+                  of s - (x[target] - m)
+        backward  dx = (exp((x - m) - s) - onehot(target)) * g (/ the kept rows for a mean)
     Why: from the ops autograd records, Inductor writes the [N, V] log-probabilities in the
     forward, reads them back in the backward and sums nll_loss_backward's one-hot rows over
-    V; the closed form keeps the logits instead (same size) and an [N] logsumexp, and
+    V; the closed form keeps the logits instead (same size) and two [N] row values, and
     Inductor makes one pass over the logits each way. Same values up to rounding; mean and
     sum reductions, 2-D logits (reduction "none" and other shapes stay as they are)."""
     match = _match_cross_entropy(nll)
@@ -317,12 +318,17 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
     def as_f32(like, v):
         return v if v.meta[ir.VAL].dtype == f32 else emit(like, convert, v, f32)
 
+    # log-probabilities as ATen's log_softmax rounds them, (x - max) - log(sum(exp(x - max))):
+    # x - logsumexp(x) would round lse at its own magnitude (1e-5 off for logits ~100)
     xf = as_f32(nll, x)
-    lse = emit(nll, aten.logsumexp.default, xf, [1])
+    top = emit(nll, aten.amax.default, xf, [1], True)
+    log_sum = emit(nll, aten.log.default, emit(nll, aten.sum.dim_IntList, emit(
+        nll, aten.exp.default, emit(nll, aten.sub.Tensor, xf, top)), [1], True))
     kept = emit(nll, aten.ne.Scalar, target, ignore)
     safe = emit(nll, aten.unsqueeze.default, emit(nll, aten.where.ScalarOther, kept, target, 0), 1)
-    picked = emit(nll, aten.squeeze.dim, emit(nll, aten.gather.default, xf, 1, safe), 1)
-    per_row = emit(nll, aten.where.ScalarOther, kept, emit(nll, aten.sub.Tensor, lse, picked), 0.0)
+    picked = emit(nll, aten.sub.Tensor, emit(nll, aten.gather.default, xf, 1, safe), top)
+    per_row = emit(nll, aten.where.ScalarOther, kept, emit(nll, aten.squeeze.dim, emit(
+        nll, aten.sub.Tensor, log_sum, picked), 1), 0.0)
     loss_v, tw_v = nll.meta[ir.VAL]
     tw = emit(nll, convert, emit(nll, aten.sum.default, kept), tw_v.dtype)
     loss = emit(nll, aten.sum.default, per_row)
@@ -346,8 +352,8 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
             # microbatches make it the whole batch's count (passes/data_parallel.py)
             w = emit(lb, aten.div.Tensor, w, nb.args[6])
         w = emit(lb, aten.unsqueeze.default, emit(lb, aten.where.ScalarOther, kept, w, 0.0), 1)
-        p = emit(lb, aten.exp.default, emit(lb, aten.sub.Tensor, as_f32(lb, x),
-                                             emit(lb, aten.unsqueeze.default, lse, 1)))
+        p = emit(lb, aten.exp.default, emit(lb, aten.sub.Tensor, emit(
+            lb, aten.sub.Tensor, as_f32(lb, x), top), log_sum))
         cols = emit(lb, aten.arange.start_step, 0, xv.shape[1], 1, dtype=torch.int64,
                     device=xv.device)
         hot = emit(lb, convert, emit(lb, aten.eq.Tensor, emit(lb, aten.unsqueeze.default,
@@ -362,7 +368,7 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
         graph.erase_node(nb)
     graph.erase_node(nll)
     graph.erase_node(ls)
-    return [Group(lse.name, INDUCTOR_CE,
+    return [Group(log_sum.name, INDUCTOR_CE,
                   ["_log_softmax", "nll_loss_forward"] + (
                       ["nll_loss_backward", "_log_softmax_backward_data"] if nb is not None
                       else []), names, before, after)]
