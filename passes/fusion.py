@@ -210,10 +210,18 @@ def _match_cross_entropy(nll):
     if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
         return None
     if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1
-                   or nll_bw[0].args[2] is not nll.args[1]  # the same targets, weight,
-                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # reduction, ignore
-        return None
+                   or not _same_targets(nll_bw[0].args[2], nll.args[1])
+                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # weight, reduction,
+        return None  # ignore_index
     return ls, (nll_bw or [None])[0], (ls_bw or [None])[0]
+
+
+def _same_targets(bw, fw) -> bool:
+    """The backward reads the forward's targets, or remat's recomputed copy of them (HF
+    models' shifted labels are recomputed for the backward under remat="sqrt")."""
+    return bw is fw or (isinstance(bw, torch.fx.Node) and bool(bw.meta.get(ir.RECOMPUTE))
+                        and bw.target == fw.target and bw.meta[ir.VAL].shape ==
+                        fw.meta[ir.VAL].shape)
 
 
 def _cross_entropy(graph, nll) -> list[Group]:
