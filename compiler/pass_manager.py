@@ -64,11 +64,10 @@ def _pass_list(plan, device=None, codegen: str = "eager"
         passes.append(("overlap", overlap.run))
     fusion_skipped = None
     if plan.fuse:
-        fusion_skipped = unavailable_reason(device if device is not None else "cpu")
-        if codegen == "inductor":  # Inductor is the fuser: the pass shapes its input
-            passes.append(("fusion", fusion.run))
-            fusion_skipped = None
-        elif fusion_skipped is None:
+        # (with Inductor as the fuser the pass runs anywhere: it shapes Inductor's input)
+        fusion_skipped = None if codegen == "inductor" else unavailable_reason(
+            device if device is not None else "cpu")
+        if fusion_skipped is None:
             passes.append(("fusion", fusion.run))
         else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
             log.debug("fusion left out: %s", fusion_skipped)

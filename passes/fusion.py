@@ -90,13 +90,12 @@ class Decision:
             return f"not run: {self.skipped}"
         if not self.groups:
             return "nothing fused or rewritten"
-        triton = [g for g in self.groups if g.kind not in ("generated", INDUCTOR_CE)]
-        generated = sum(g.kind == "generated" for g in self.groups)
         closed = sum(g.kind == INDUCTOR_CE for g in self.groups)
-        parts = [f"{len(triton) + generated} Triton kernels ({len(triton)} hand-written)"]
+        hand = sum(g.kind not in ("generated", INDUCTOR_CE) for g in self.groups)
+        kernels = len(self.groups) - closed
+        parts = [f"{kernels} Triton kernels ({hand} hand-written)"] if kernels else []
         if closed:
-            parts = ([parts[0]] if triton or generated else []) + [
-                f"{closed} cross-entropy in closed form for Inductor"]
+            parts.append(f"{closed} cross-entropy in closed form for Inductor")
         return (", ".join(parts) + f"; bytes moved {self.bytes_unfused / 2**20:.2f} -> "
                 f"{self.bytes_fused / 2**20:.2f} MiB")
 
@@ -210,18 +209,13 @@ def _match_cross_entropy(nll):
     if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
         return None
     if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1
-                   or not _same_targets(nll_bw[0].args[2], nll.args[1])
-                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # weight, reduction,
-        return None  # ignore_index
+                   or nll_bw[0].args[2] is not nll.args[1]  # the same targets, weight,
+                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # reduction, ignore
+        return None
+    # (under remat="sqrt" HF models' backward reads recomputed copies of the targets and of
+    # nll_loss_forward itself, for its count: a third reader of the log-probabilities, so
+    # the pattern does not match and stays as autograd recorded it)
     return ls, (nll_bw or [None])[0], (ls_bw or [None])[0]
-
-
-def _same_targets(bw, fw) -> bool:
-    """The backward reads the forward's targets, or remat's recomputed copy of them (HF
-    models' shifted labels are recomputed for the backward under remat="sqrt")."""
-    return bw is fw or (isinstance(bw, torch.fx.Node) and bool(bw.meta.get(ir.RECOMPUTE))
-                        and bw.target == fw.target and bw.meta[ir.VAL].shape ==
-                        fw.meta[ir.VAL].shape)
 
 
 def _cross_entropy(graph, nll) -> list[Group]:

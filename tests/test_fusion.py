@@ -672,9 +672,9 @@ def _closed_form(fn, *args):
                                           (torch.bfloat16, -100), (torch.float16, 3)])
 def test_cross_entropy_becomes_its_closed_form_for_inductor(monkeypatch, reduction, dtype,
                                                             ignore):
-    """Plan.codegen="inductor" without Triton kernels: the pattern becomes logsumexp and one
-    pass over the logits each way (Inductor fuses it); the backward keeps the logits and an
-    [N] logsumexp instead of the [N, V] log-probabilities, values and dtypes are unchanged
+    """Plan.codegen="inductor" without Triton kernels: the pattern becomes its closed form,
+    one pass over the logits each way (Inductor fuses it); the backward keeps the logits and
+    [N] row values instead of the [N, V] log-probabilities, values and dtypes are unchanged
     (ignored rows included, an ignore_index inside the vocabulary too) and the decision says
     what was rewritten."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
