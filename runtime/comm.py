@@ -286,7 +286,7 @@ def lower(gm: torch.fx.GraphModule, markers: bool = True) -> torch.fx.GraphModul
     g.output(g.graph_copy(gm.graph, {}))
     last = None
     for n in list(g.nodes):
-        if n.op != "call_function":
+        if n.op not in ("call_function", "call_module"):  # (call_module: a compiled run)
             continue
         neutral = n.target in _STARTS or n.target is c10d.wait_tensor.default
         cat = last if neutral else trace.CATEGORY.get(n.meta.get(ir.REGION), last)

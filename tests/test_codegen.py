@@ -76,6 +76,24 @@ def test_runs_keep_the_overlap_placement_and_regions():
     assert before == after and any(after)
 
 
+def test_a_compiled_run_is_timed_under_its_own_region():
+    """comm.lower's markers: the segment a compiled run is timed in is its region (a marker
+    before the run, not after it at the first getitem: the timeline labelled the backward's
+    first run "forward" and every later run one region late)."""
+    gen = codegen.generate(_dp2_program().graph, "cpu", "joint", compile_fn=_eager_compile)
+    lowered = comm.lower(gen)
+    current, seen = "forward", set()
+    for n in lowered.graph.nodes:
+        if n.op == "call_function" and n.target is comm.mark:
+            current = n.args[0]
+        elif n.op == "call_module":
+            want = {ir.FORWARD: "forward", ir.BACKWARD: "backward"}.get(n.meta[ir.REGION])
+            if want is not None:
+                assert current == want, (n.name, n.meta[ir.REGION], current)
+                seen.add(want)
+    assert seen == {"forward", "backward"}
+
+
 def test_short_runs_stay_eager():
     g = torch.fx.Graph()
     x = g.placeholder("x")
