@@ -5,9 +5,10 @@ and "eager" (op by op); DDP eager and DDP under torch.compile (DDPOptimizer spli
 at the gradient buckets). All live in the same spawned ranks and their steps alternate (one
 each per round, the order rotating), so the ratios compare like with like on a machine whose
 speed drifts. Prints each median step, the paired ratios to DDP and to compiled DDP, and the
-losses' largest difference to DDP's.
+losses' largest difference to DDP's. --one-update adds fxpar stepping the optimizer once after
+its graph (a step hook forces it) instead of each gradient bucket as soon as it is reduced.
 
-    .venv/bin/python benchmarks/dp_vs_ddp.py [--steps 30] [--layers 4] [--embd 256]
+    .venv/bin/python benchmarks/dp_vs_ddp.py [--steps 30] [--layers 4] [--embd 256] [--one-update]
 """
 from __future__ import annotations
 
@@ -37,14 +38,17 @@ def bench(args):
     per = args.batch // world
     steps, compile_s = {}, {}
 
-    def fxpar_variant(codegen):
+    def fxpar_variant(codegen, one_update=False):
         torch.manual_seed(0)
         t = time.perf_counter()
         pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data[0], optimizer=opt,
                                plan=dict(dp=world, bucket_mb=args.fxpar_bucket_mb,
                                          codegen=codegen))
-        compile_s[f"fxpar codegen={codegen}"] = time.perf_counter() - t
-        return lambda s: pm.step(data[s % 4]).item()
+        if one_update:  # a step hook makes fxpar step every bucket at once, after the graph
+            pm.optimizer.register_step_post_hook(lambda *a: None)
+        name = f"fxpar codegen={codegen}" + (", one update" if one_update else "")
+        compile_s[name] = time.perf_counter() - t
+        return name, lambda s: pm.step(data[s % 4]).item()
 
     def ddp_variant(compiled):
         torch.manual_seed(0)
@@ -64,7 +68,11 @@ def bench(args):
         return step
 
     for codegen in args.codegen:
-        steps[f"fxpar codegen={codegen}"] = fxpar_variant(codegen)
+        name, fn = fxpar_variant(codegen)
+        steps[name] = fn
+    if args.one_update:
+        name, fn = fxpar_variant(args.codegen[0], one_update=True)
+        steps[name] = fn
     steps["DDP"] = ddp_variant(False)
     steps["DDP + torch.compile"] = ddp_variant(True)
     # interleaved, the order rotating: every variant sees the same machine speed each round
@@ -93,6 +101,9 @@ def main(argv=None):
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", nargs="+", default=["inductor", "eager"],
                     choices=["inductor", "eager"], help="fxpar's Plan.codegen variants")
+    ap.add_argument("--one-update", action="store_true",
+                    help="also fxpar stepping every bucket after the graph (not each bucket "
+                         "while the later ones are still reduced)")
     ap.add_argument("--fxpar-bucket-mb", type=float, default=None,
                     help="fxpar's Plan.bucket_mb (default: sized by its cost model)")
     args = ap.parse_args(argv)
@@ -101,7 +112,7 @@ def main(argv=None):
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params), global batch "
           f"{args.batch}, dp={args.nprocs}, gloo, {args.steps} timed steps (interleaved)")
-    print(f"{'variant':24s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "
+    print(f"{'variant':36s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "
           f"{'max|dloss|':>11s} {'set-up s':>9s}")
     out = {}
     for name, ts in times.items():
@@ -109,7 +120,7 @@ def main(argv=None):
               for ref in ("DDP", "DDP + torch.compile")}
         dl = max(abs(a - b) for a, b in zip(losses[name], losses["DDP"]))
         setup = f"{compile_s[name]:9.1f}" if name in compile_s else f"{'':9s}"
-        print(f"{name:24s} {statistics.median(ts) * 1e3:9.1f} {vs['DDP']:7.3f} "
+        print(f"{name:36s} {statistics.median(ts) * 1e3:9.1f} {vs['DDP']:7.3f} "
               f"{vs['DDP + torch.compile']:14.3f} {dl:11.2e} {setup}")
         out[name] = dict(step_s=statistics.median(ts), vs_ddp=vs["DDP"],
                          vs_compiled_ddp=vs["DDP + torch.compile"], max_dloss=dl)

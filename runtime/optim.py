@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.fx
+
+from fxpar.compiler import ir
 
 
 def build(optimizer: Callable | torch.optim.Optimizer | None, model):
@@ -80,3 +83,117 @@ def apply_gradients(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
     opt.step()
     for p in params:
         p.grad = None
+
+
+# --- updates overlapped with the last gradient all-reduces ----------------------------------
+# A data-parallel step ends with the last gradient buckets' all-reduces in flight and nothing
+# to compute: the compute thread waits for them, then steps the optimizer over every
+# parameter. A bucket already reduced can be stepped in that wait instead (its parameters are
+# read by no later node), as DeepSpeed and torch's optimizer-in-backward overlap the update
+# with the reduction. torch.optim's updates are per parameter (state, weight decay, step
+# count), so stepping the buckets one by one - each step() sees only that bucket's gradients -
+# is the same update as one step() over all of them, bit for bit.
+
+def splittable(opt: torch.optim.Optimizer | None) -> str | None:
+    """Why `opt` cannot be stepped bucket by bucket (None: it can): torch.optim's own classes
+    update each parameter from its own gradient and state; LBFGS (a closure over all of them),
+    other libraries' optimizers and step hooks (they expect one call per step) cannot."""
+    from torch.optim import optimizer as torch_optimizer
+    if opt is None:
+        return "no optimizer on this rank"
+    if type(opt).__module__.split(".")[:2] != ["torch", "optim"] or \
+            isinstance(opt, torch.optim.LBFGS):
+        return f"{type(opt).__name__} may not update each parameter on its own"
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or \
+            torch_optimizer._global_optimizer_pre_hooks or \
+            torch_optimizer._global_optimizer_post_hooks:
+        return "optimizer step hooks are registered (they expect one step() per step)"
+    return None
+
+
+_ready_updates = None  # the running step's BucketUpdates (set by the trainer)
+
+
+def update_ready(k: int, loss: torch.Tensor, *grads: torch.Tensor) -> None:
+    """Graph node (see `interleave`): bucket k's gradients are final - step its parameters."""
+    if _ready_updates is not None:
+        _ready_updates(k, loss, grads)
+
+
+class BucketUpdates:
+    """Steps `opt` over one bucket of `params` at a time as the graph reaches each bucket's
+    `update_ready` node; the first checks the loss (a non-finite loss updates nothing and
+    the trainer raises after the graph, as without buckets)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                 buckets: list[list[int]]):
+        self.opt, self.params, self.buckets = opt, params, buckets
+        self.done: set[int] = set()
+        self.finite = True
+
+    def __enter__(self):
+        global _ready_updates
+        self.done, self.finite, _ready_updates = set(), True, self
+        return self
+
+    def __exit__(self, *exc):
+        global _ready_updates
+        _ready_updates = None
+
+    def __call__(self, k: int, loss: torch.Tensor, grads) -> None:
+        if not self.finite:
+            return
+        if not self.done and not bool(torch.isfinite(loss).all()):
+            self.finite = False  # nothing updated; the trainer raises NonFiniteLossError
+            return
+        apply_gradients(self.opt, [self.params[i] for i in self.buckets[k]], grads)
+        self.done.add(k)
+
+    def rest(self) -> list[int]:
+        """Parameters no bucket node stepped (gradients made without a collective)."""
+        stepped = {i for k in self.done for i in self.buckets[k]}
+        return [i for i in range(len(self.params)) if i not in stepped]
+
+
+def interleave(gm: torch.fx.GraphModule, n_params: int) -> tuple[torch.fx.GraphModule | None,
+                                                                  list[list[int]]]:
+    """A copy of `gm` (loss, grads[n_params], ...) with an `update_ready(k, loss, *grads)`
+    node after each gradient bucket's wait, where the bucket's parameters are read by no later
+    node; the buckets (parameter indices, in the order their nodes run). (None, []) when no
+    update would run before another bucket's wait (one bucket, no collectives)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    order = {n: i for i, n in enumerate(g.nodes)}
+    out = next(n for n in g.nodes if n.op == "output")
+    loss, grads = out.args[0][0], out.args[0][1:1 + n_params]
+    params = [n for n in g.nodes if n.op == "placeholder"][:n_params]
+    groups: dict[torch.fx.Node, list[int]] = {}
+    for i, grad in enumerate(grads):
+        n = grad
+        while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target is not wait \
+                and len(n.all_input_nodes) == 1:  # views, getitems, casts of the bucket
+            n = n.all_input_nodes[0]
+        if isinstance(n, torch.fx.Node) and n.target is wait:
+            groups.setdefault(n, []).append(i)
+    if len(groups) < 2 or not isinstance(loss, torch.fx.Node):
+        return None, []
+    buckets, points = [], []
+    for w in sorted(groups, key=order.__getitem__):
+        idx = groups[w]
+        after = max([order[loss], *(order[grads[i]] for i in idx),
+                     *(order[u] for i in idx for u in params[i].users)])
+        buckets.append(idx)
+        points.append(after)
+    waits = sorted(order[w] for w in groups)
+    if not any(p < waits[-1] for p in points[:-1]):
+        return None, []
+    nodes, last = list(g.nodes), {}
+    for k, (idx, p) in enumerate(zip(buckets, points)):
+        anchor = nodes[p]
+        with g.inserting_after(last.get(anchor, anchor)):  # (same point: in bucket order)
+            call = last[anchor] = g.call_function(update_ready,
+                                                  (k, loss, *(grads[i] for i in idx)))
+        call.meta[ir.REGION] = ir.OPTIMIZER
+    g.lint()
+    return torch.fx.GraphModule(gm, g), buckets

@@ -8,6 +8,8 @@ pass and not the planner; fxpar.parallelize (compiler/api.py) wires the two toge
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from typing import Callable
@@ -153,14 +155,34 @@ class ParallelModel:
         # fp16: the dynamic loss scale (runtime/amp.py); None for fp32 / bf16
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
         self.cuda_graphs = self._cuda_graph_decision()  # runtime/cudagraph.Decision
+        # dp on CPU: each gradient bucket stepped while the later ones are still reduced
+        self._bucket_updates: optim.BucketUpdates | None = None
         if self.pipeline_runner is None and not self.cuda_graphs.capture:
             with clock("comm lowering"):  # now, not in the first step
-                self._lowered[id(program)] = comm.lower(self._generated[id(program)])
+                self._lowered[id(program)] = comm.lower(
+                    self._updates_between_waits(self._generated[id(program)]))
         self._graphed: cudagraph.GraphedStep | None = None  # built at the first step
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
+
+    def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """Plain dp on CPU: the graph with an optimizer update after each gradient bucket's
+        wait (runtime/optim.interleave), so a reduced bucket is stepped while the later
+        buckets' all-reduces are still in flight - the tail of the step the compute thread
+        otherwise spends waiting. Not with ZeRO (the shards' all-gather follows the step),
+        gradient clipping or fp16's loss scale (both need every gradient first), an
+        optimizer torch does not update per parameter, or on GPUs (not measured there)."""
+        if self.program.dp == 1 or self.program.zero or self.world.device.type != "cpu" or \
+                self.plan.max_grad_norm is not None or self.scaler is not None or \
+                optim.splittable(self.optimizer) is not None:
+            return gm
+        interleaved, buckets = optim.interleave(gm, len(self.params))
+        if interleaved is None:
+            return gm
+        self._bucket_updates = optim.BucketUpdates(self.optimizer, self.params, buckets)
+        return interleaved
 
     def needed_params(self) -> set[int]:
         """Parameters whose values this rank needs: those its pipeline stages read or whose
@@ -428,14 +450,22 @@ class ParallelModel:
                                           [grads[i] for i in held])
                 self._update_buffers(new_bufs)
             return loss.detach()
+        # (a step hook registered since: one step() over every parameter, after the graph)
+        updates = self._bucket_updates if self._bucket_updates is not None and \
+            optim.splittable(self.optimizer) is None else None
         with executor.recording(self.recorder) as rec:
-            outs = self._run(self.program, batch)
+            with updates or contextlib.nullcontext():
+                outs = self._run(self.program, batch)
             n_g = len(self.program.zero_buckets) if self.sharded_optimizer else len(self.params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
             calls.settle()
             faults.check_loss(loss, self.plan)
             rec.segment("optimizer")
-            if not self._finish_grads(grads):
+            if updates is not None:  # the buckets were stepped in the graph: the rest now
+                if rest := updates.rest():
+                    optim.apply_gradients(self.optimizer, [self.params[i] for i in rest],
+                                          [grads[i] for i in rest])
+            elif not self._finish_grads(grads):
                 pass  # fp16 overflow on some rank: every rank skips this update
             elif self.sharded_optimizer:
                 self.sharded_optimizer.step(grads)

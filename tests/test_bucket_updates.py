@@ -1,0 +1,116 @@
+"""Optimizer updates between the last gradient all-reduces (runtime/optim.interleave): each
+bucket stepped once reduced, while later buckets are still in flight, equal bit for bit to one
+update after the graph."""
+import os
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.examples import models as M
+from fxpar.runtime import comm, optim
+
+c10d = torch.ops._c10d_functional
+CFG = M.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def _dp2(bucket_mb=0.01):
+    torch.manual_seed(0)
+    return fxpar.compile(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
+                         plan={"dp": 2, "bucket_mb": bucket_mb, "codegen": "eager"})
+
+
+def test_an_update_after_each_bucket_wait_once_its_parameters_are_read_no_more():
+    program = _dp2()
+    n = len(program.signature.param_names)
+    gm, buckets = optim.interleave(program.graph, n)
+    assert gm is not None and len(buckets) >= 3
+    with_grad = [i for i, g in enumerate(next(iter(reversed(program.graph.graph.nodes))
+                                         ).args[0][1:1 + n]) if g is not None]
+    assert sorted(i for b in buckets for i in b) == with_grad  # every gradient, once
+    nodes = list(gm.graph.nodes)
+    pos = {x: i for i, x in enumerate(nodes)}
+    updates = [x for x in nodes if x.target is optim.update_ready]
+    waits = [x for x in nodes if x.target is c10d.wait_tensor.default]
+    params = [x for x in nodes if x.op == "placeholder"][:n]
+    assert [u.args[0] for u in updates] == list(range(len(buckets)))
+    out = nodes[-1]
+    for u, idx in zip(updates, buckets):
+        assert list(u.args[2:]) == [out.args[0][1 + i] for i in idx]  # that bucket's grads
+        assert pos[u] > pos[u.args[1]]  # after the loss (checked before the first update)
+        assert all(pos[r] < pos[u] for i in idx for r in params[i].users if r is not u)
+        assert u.meta["region"] == "optimizer"  # its own segment on the timeline
+    # the point: the first buckets are stepped before the last bucket's wait
+    assert pos[updates[0]] < pos[waits[-1]]
+    assert optim.interleave(_dp2(bucket_mb=1000).graph, n) == (None, [])  # one bucket
+    # markers: comm.lower labels each update "optimizer", then back to "packing"
+    marks = [x.args[0] for x in comm.lower(gm).graph.nodes if x.target is comm.mark]
+    assert marks.count("optimizer") == len(buckets)
+
+
+def test_splittable():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    assert optim.splittable(torch.optim.AdamW(p)) is None
+    assert optim.splittable(torch.optim.SGD(p, lr=0.1, momentum=0.9)) is None
+    assert "LBFGS" in optim.splittable(torch.optim.LBFGS(p))
+
+    class Mine(torch.optim.SGD):
+        pass
+    assert "Mine" in optim.splittable(Mine(p, lr=0.1))
+    opt = torch.optim.Adam(p)
+    opt.register_step_pre_hook(lambda *a: None)
+    assert "hooks" in optim.splittable(opt)
+
+
+def bucket_updates_rank():
+    """Rank function: dp=2 with small buckets, updates between the waits vs one update after
+    the graph (a step hook forces it), AdamW and SGD with momentum; then a NaN loss."""
+    from workers import LogNet
+    batches = [M.gpt_batch(CFG, 8, seed=s) for s in range(3)]
+    out = {}
+    opts = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}
+    for name, opt in opts.items():
+        runs = []
+        for one_update in (False, True):
+            torch.manual_seed(0)
+            pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=batches[0], optimizer=opt,
+                                   plan=dict(dp=2, bucket_mb=0.01, codegen="eager"))
+            if one_update:
+                pm.optimizer.register_step_post_hook(lambda *a: None)
+            losses = [pm.step(b).item() for b in batches]
+            spans = pm.recorder.steps[-1][3]
+            runs.append((losses, pm.full_state_dict(), pm._bucket_updates is not None,
+                         [(s.cat, s.name) for s in spans if s.track == "compute"]))
+        (la, sa, on_a, spans_a), (lb, sb, _, _) = runs
+        # an optimizer segment before the last wait on the timeline
+        last_wait = max(i for i, (c, nm) in enumerate(spans_a) if nm.startswith("wait"))
+        out[name] = dict(active=on_a, same_losses=la == lb,
+                         same_state=all(torch.equal(sa[k], sb[k]) for k in sa),
+                         stepped_in_tail=any(c == "optimizer" for c, _ in spans_a[:last_wait]))
+    # a NaN loss: no bucket updated, NonFiniteLossError on every rank after the graph
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(LogNet(), 2, example_batch=torch.ones(8, 4),
+                           plan=dict(dp=2, bucket_mb=1e-6, codegen="eager"))
+    pm.step(torch.ones(8, 4))
+    before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    bad = torch.ones(8, 4)
+    bad[-1] = -100.0
+    try:
+        pm.step(bad)
+        out["nan"] = "no error"
+    except fxpar.NonFiniteLossError:
+        out["nan"] = "raised"
+    out["nan_active"] = pm._bucket_updates is not None
+    out["nan_unchanged"] = all(torch.equal(before[k], v) for k, v in pm.full_state_dict().items())
+    return out
+
+
+def test_bucket_updates_equal_one_update_and_skip_a_nan_step():
+    res = fxpar.launch(bucket_updates_rank, 2)
+    for r in (0, 1):
+        out = res[r]
+        for name in ("adamw", "sgd"):
+            assert out[name] == dict(active=True, same_losses=True, same_state=True,
+                                     stepped_in_tail=True), (r, name, out[name])
+        assert out["nan"] == "raised" and out["nan_active"] and out["nan_unchanged"], out
