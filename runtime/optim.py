@@ -159,8 +159,11 @@ def interleave(gm: torch.fx.GraphModule, n_params: int) -> tuple[torch.fx.GraphM
                                                                   list[list[int]]]:
     """A copy of `gm` (loss, grads[n_params], ...) with an `update_ready(k, loss, *grads)`
     node after each gradient bucket's wait, where the bucket's parameters are read by no later
-    node; the buckets (parameter indices, in the order their nodes run). (None, []) when no
-    update would run before another bucket's wait (one bucket, no collectives)."""
+    node; the buckets (parameter indices, in the order their nodes run). What the loss still
+    needs after the first update's place moves before it (a sum loss's wait, which the overlap
+    pass sank to the end: its all-reduce, issued at the end of the forward, is done long
+    since): the first update checks the loss. (None, []) when no update would run before
+    another bucket's wait (one bucket, no collectives)."""
     wait = torch.ops._c10d_functional.wait_tensor.default
     g = torch.fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
@@ -176,21 +179,28 @@ def interleave(gm: torch.fx.GraphModule, n_params: int) -> tuple[torch.fx.GraphM
             n = n.all_input_nodes[0]
         if isinstance(n, torch.fx.Node) and n.target is wait:
             groups.setdefault(n, []).append(i)
-    if len(groups) < 2 or not isinstance(loss, torch.fx.Node):
+    if len(groups) < 2 or not isinstance(loss, torch.fx.Node) or loss.op == "placeholder":
         return None, []
-    buckets, points = [], []
-    for w in sorted(groups, key=order.__getitem__):
-        idx = groups[w]
-        after = max([order[loss], *(order[grads[i]] for i in idx),
-                     *(order[u] for i in idx for u in params[i].users)])
-        buckets.append(idx)
-        points.append(after)
-    waits = sorted(order[w] for w in groups)
-    if not any(p < waits[-1] for p in points[:-1]):
+    buckets = [groups[w] for w in sorted(groups, key=order.__getitem__)]
+    points = [max([order[grads[i]] for i in idx] +
+                  [order[u] for i in idx for u in params[i].users]) for idx in buckets]
+    if not any(p < max(order[w] for w in groups) for p in points[:-1]):
         return None, []
-    nodes, last = list(g.nodes), {}
-    for k, (idx, p) in enumerate(zip(buckets, points)):
-        anchor = nodes[p]
+    nodes = list(g.nodes)
+    first = nodes[min(points)]
+    late, todo = set(), [loss]  # what the loss still needs after the first update's point
+    while todo:
+        n = todo.pop()
+        if n not in late and order[n] > order[first]:
+            late.add(n)
+            todo.extend(n.all_input_nodes)
+    for n in sorted(late, key=order.__getitem__):
+        first.append(n)
+        first = n
+    order = {n: i for i, n in enumerate(g.nodes)}
+    anchors = [max(nodes[p], loss, key=order.__getitem__) for p in points]
+    last = {}
+    for k, (idx, anchor) in enumerate(zip(buckets, anchors)):
         with g.inserting_after(last.get(anchor, anchor)):  # (same point: in bucket order)
             call = last[anchor] = g.call_function(update_ready,
                                                   (k, loss, *(grads[i] for i in idx)))

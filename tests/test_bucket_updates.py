@@ -48,6 +48,30 @@ def test_an_update_after_each_bucket_wait_once_its_parameters_are_read_no_more()
     assert marks.count("optimizer") == len(buckets)
 
 
+def test_a_loss_waited_at_the_end_is_waited_before_the_first_update():
+    """A sum loss: only the output reads its all-reduce, so the overlap pass waits for it at
+    the end of the graph; the first update checks the loss, so the wait moves before it."""
+    torch.manual_seed(0)
+    program = fxpar.compile(M.SumLossMLP(), 2, example_batch=(torch.randn(8, 16),
+                                                              torch.randn(8, 4)),
+                            plan={"dp": 2, "bucket_mb": 1e-6, "codegen": "eager"})
+    n = len(program.signature.param_names)
+    before = list(program.graph.graph.nodes)
+    loss = before[-1].args[0][0]
+    assert loss.target is c10d.wait_tensor.default  # waited after every bucket:
+    assert before.index(loss) > max(i for i, x in enumerate(before)
+                                    if x.target is c10d.wait_tensor.default and x is not loss)
+    gm, buckets = optim.interleave(program.graph, n)
+    assert gm is not None and len(buckets) >= 2
+    nodes = list(gm.graph.nodes)
+    updates = [x for x in nodes if x.target is optim.update_ready]
+    loss = updates[0].args[1]
+    assert loss.target is c10d.wait_tensor.default
+    assert nodes.index(loss) < nodes.index(updates[0])
+    waits = [x for x in nodes if x.target is c10d.wait_tensor.default]
+    assert nodes.index(updates[0]) < nodes.index(waits[-1])  # still ahead of the last bucket
+
+
 def test_splittable():
     p = [torch.nn.Parameter(torch.ones(2))]
     assert optim.splittable(torch.optim.AdamW(p)) is None
@@ -83,11 +107,13 @@ def bucket_updates_rank():
             runs.append((losses, pm.full_state_dict(), pm._bucket_updates is not None,
                          [(s.cat, s.name) for s in spans if s.track == "compute"]))
         (la, sa, on_a, spans_a), (lb, sb, _, _) = runs
-        # an optimizer segment before the last wait on the timeline
-        last_wait = max(i for i, (c, nm) in enumerate(spans_a) if nm.startswith("wait"))
+        # the timeline: one optimizer segment per bucket, packing (the next bucket's wait and
+        # unpacking) between them
+        cats = [c for c, _ in spans_a if c != "blocked"]
+        tail = cats[cats.index("optimizer"):]
         out[name] = dict(active=on_a, same_losses=la == lb,
                          same_state=all(torch.equal(sa[k], sb[k]) for k in sa),
-                         stepped_in_tail=any(c == "optimizer" for c, _ in spans_a[:last_wait]))
+                         stepped_in_tail="packing" in tail and tail.count("optimizer") >= 2)
     # a NaN loss: no bucket updated, NonFiniteLossError on every rank after the graph
     torch.manual_seed(0)
     pm = fxpar.parallelize(LogNet(), 2, example_batch=torch.ones(8, 4),
