@@ -194,11 +194,14 @@ def hand_written(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Grou
     return groups
 
 
-def _match_cross_entropy(nll):
+def _match_cross_entropy(nll, recomputed: bool = False):
     """nll_loss_forward(_log_softmax(logits, 1), target, None, reduction, ignore) and, if
     the graph has a backward, its nll_loss_backward -> _log_softmax_backward_data, with the
-    log-probabilities read by nothing else -> (log_softmax, nll_bw or None, ls_bw or None);
-    else None."""
+    log-probabilities read by nothing else -> (log_softmax, nll_bw or None, ls_bw or None,
+    copies); else None. `recomputed`: also match remat's form (remat="sqrt" on HF models):
+    the backward reads a recomputed copy of the targets, and a recomputed nll_loss_forward
+    of the same log-probabilities for its count (and the seed's shape) - `copies`, each read
+    only through getitems."""
     ls, weight = nll.args[0], nll.args[2]
     if not (isinstance(ls, torch.fx.Node) and ls.target is aten._log_softmax.default
             and weight is None and ls.args[1] in (1, -1) and not ls.args[2]):
@@ -206,16 +209,33 @@ def _match_cross_entropy(nll):
     users = set(ls.users) - {nll}
     nll_bw = [u for u in users if u.target is aten.nll_loss_backward.default]
     ls_bw = [u for u in users if u.target is aten._log_softmax_backward_data.default]
-    if users != set(nll_bw) | set(ls_bw) or len(nll_bw) > 1 or len(ls_bw) != len(nll_bw):
+    copies = [u for u in users if recomputed and u.target is aten.nll_loss_forward.default
+              and list(u.args[2:5]) == list(nll.args[2:5]) and _same_values(u.args[1],
+                                                                           nll.args[1])
+              and all(r.target is operator.getitem for r in u.users)]
+    if users != set(nll_bw) | set(ls_bw) | set(copies) or len(nll_bw) > 1 or \
+            len(ls_bw) != len(nll_bw):
         return None
+    same_targets = _same_values if recomputed else (lambda a, b: a is b)
     if nll_bw and (ls_bw[0].args[0] is not nll_bw[0] or len(nll_bw[0].users) != 1
-                   or nll_bw[0].args[2] is not nll.args[1]  # the same targets, weight,
-                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # reduction, ignore
-        return None
-    # (under remat="sqrt" HF models' backward reads recomputed copies of the targets and of
-    # nll_loss_forward itself, for its count: a third reader of the log-probabilities, so
-    # the pattern does not match and stays as autograd recorded it)
-    return ls, (nll_bw or [None])[0], (ls_bw or [None])[0]
+                   or not same_targets(nll_bw[0].args[2], nll.args[1])  # the same targets,
+                   or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # weight, reduction,
+        return None                                                        # ignore_index
+    return ls, (nll_bw or [None])[0], (ls_bw or [None])[0], copies
+
+
+def _same_values(a, b) -> bool:
+    """Whether nodes `a` and `b` compute the same values: the same node, or the same
+    deterministic op on the same values (remat's recomputed copy of a chain)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or \
+            a.op != "call_function" or b.op != "call_function" or a.target is not b.target or \
+            len(a.args) != len(b.args) or a.kwargs != b.kwargs or \
+            torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()):
+        return False
+    return all(_same_values(x, y) if isinstance(x, torch.fx.Node) else
+               (not isinstance(y, torch.fx.Node) and x == y) for x, y in zip(a.args, b.args))
 
 
 def _cross_entropy(graph, nll) -> list[Group]:
@@ -224,7 +244,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
     the [N, V] log-probabilities."""
     ls, target, weight, reduction, ignore = nll.args[:5]
     match = _match_cross_entropy(nll)
-    if match is None:
+    if match is None or match[3]:
         return []
     logits = ls.args[0]
     nll_bw, ls_bw = ([match[1]], [match[2]]) if match[1] is not None else ([], [])
@@ -289,12 +309,13 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
     V; the closed form keeps the logits instead (same size) and two [N] row values, and
     Inductor makes one pass over the logits each way. Same values up to rounding; mean and
     sum reductions, 2-D logits (reduction "none" and other shapes stay as they are)."""
-    match = _match_cross_entropy(nll)
+    match = _match_cross_entropy(nll, recomputed=True)
     _, target, _, reduction, ignore = nll.args[:5]
     if match is None or reduction not in (1, 2) or any(
             u.target is not operator.getitem for u in nll.users):
         return []
-    ls, nb, lb = match
+    ls, nb, lb, copies = match
+    recomputed_targets = [c.args[1] for c in copies] + ([nb.args[2]] if nb is not None else [])
     x = ls.args[0]
     xv = x.meta.get(ir.VAL)
     if not (isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(target, torch.fx.Node)
@@ -338,8 +359,8 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
         loss = emit(nll, aten.div.Tensor, loss, tw)
     if loss_v.dtype != f32:
         loss = emit(nll, convert, loss, loss_v.dtype)
-    for u in list(nll.users):
-        u.replace_all_uses_with(loss if u.args[1] == 0 else tw)
+    for u in [u for n in (nll, *copies) for u in n.users]:  # (remat's copies: the same
+        u.replace_all_uses_with(loss if u.args[1] == 0 else tw)  # values, two scalars kept)
         graph.erase_node(u)
     names = [ls.name, nll.name]
     if nb is None:
@@ -368,8 +389,16 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
         after += cost.tensor_bytes(xv) + cost.tensor_bytes(dx.meta[ir.VAL])  # x read, dx written
         graph.erase_node(lb)
         graph.erase_node(nb)
-    graph.erase_node(nll)
-    graph.erase_node(ls)
+    for n in (*copies, nll, ls):
+        graph.erase_node(n)
+    todo, gone = [c for c in recomputed_targets if c is not target], set()
+    while todo:  # remat's copies of the targets, now read by nothing
+        n = todo.pop()
+        if n not in gone and isinstance(n, torch.fx.Node) and n.op == "call_function" \
+                and not n.users:
+            todo += n.all_input_nodes
+            graph.erase_node(n)
+            gone.add(n)
     return [Group(log_sum.name, INDUCTOR_CE,
                   ["_log_softmax", "nll_loss_forward"] + (
                       ["nll_loss_backward", "_log_softmax_backward_data"] if nb is not None
