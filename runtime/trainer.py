@@ -462,7 +462,7 @@ class ParallelModel:
             faults.check_loss(loss, self.plan)
             rec.segment("optimizer")
             if updates is not None:  # the buckets were stepped in the graph: the rest now
-                if rest := updates.rest():
+                if rest := [i for i in updates.rest() if grads[i] is not None]:
                     optim.apply_gradients(self.optimizer, [self.params[i] for i in rest],
                                           [grads[i] for i in rest])
             elif not self._finish_grads(grads):
