@@ -226,16 +226,23 @@ def _match_cross_entropy(nll, recomputed: bool = False):
 
 def _same_values(a, b) -> bool:
     """Whether nodes `a` and `b` compute the same values: the same node, or the same
-    deterministic op on the same values (remat's recomputed copy of a chain)."""
+    deterministic op on the same values (remat's recomputed copy of a chain). An op with no
+    node input (a factory: `empty` has no defined values) or a tensor constant is not."""
     if a is b:
         return True
     if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or \
             a.op != "call_function" or b.op != "call_function" or a.target is not b.target or \
-            len(a.args) != len(b.args) or a.kwargs != b.kwargs or \
-            torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()):
+            len(a.args) != len(b.args) or a.kwargs != b.kwargs or _is_random(a) or \
+            not a.all_input_nodes:
         return False
-    return all(_same_values(x, y) if isinstance(x, torch.fx.Node) else
-               (not isinstance(y, torch.fx.Node) and x == y) for x, y in zip(a.args, b.args))
+    for x, y in zip(a.args, b.args):
+        if isinstance(x, torch.fx.Node) or isinstance(y, torch.fx.Node):
+            if not _same_values(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or \
+                type(x) is not type(y) or x != y:  # (lists holding nodes compare by identity)
+            return False
+    return True
 
 
 def _cross_entropy(graph, nll) -> list[Group]:
@@ -244,7 +251,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
     the [N, V] log-probabilities."""
     ls, target, weight, reduction, ignore = nll.args[:5]
     match = _match_cross_entropy(nll)
-    if match is None or match[3]:
+    if match is None:
         return []
     logits = ls.args[0]
     nll_bw, ls_bw = ([match[1]], [match[2]]) if match[1] is not None else ([], [])

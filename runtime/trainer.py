@@ -9,7 +9,6 @@ pass and not the planner; fxpar.parallelize (compiler/api.py) wires the two toge
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 from typing import Callable
@@ -20,7 +19,8 @@ import torch.distributed as dist
 from fxpar.compiler import codegen, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.logs import Clock
-from fxpar.runtime import amp, calls, comm, cudagraph, executor, faults, optim, schedules
+from fxpar.runtime import amp, bucket_updates, calls, comm, cudagraph, executor, faults, optim
+from fxpar.runtime import schedules
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import tp_slices as rtp
@@ -156,7 +156,7 @@ class ParallelModel:
         self.scaler = amp.GradScaler() if self.program.loss_scale else None
         self.cuda_graphs = self._cuda_graph_decision()  # runtime/cudagraph.Decision
         # dp on CPU: each gradient bucket stepped while the later ones are still reduced
-        self._bucket_updates: optim.BucketUpdates | None = None
+        self._bucket_updates: bucket_updates.BucketUpdates | None = None
         if self.pipeline_runner is None and not self.cuda_graphs.capture:
             with clock("comm lowering"):  # now, not in the first step
                 self._lowered[id(program)] = comm.lower(
@@ -169,19 +169,20 @@ class ParallelModel:
 
     def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         """Plain dp on CPU: the graph with an optimizer update after each gradient bucket's
-        wait (runtime/optim.interleave), so a reduced bucket is stepped while the later
+        wait (runtime/bucket_updates.py), so a reduced bucket is stepped while the later
         buckets' all-reduces are still in flight - the tail of the step the compute thread
         otherwise spends waiting. Not with ZeRO (the shards' all-gather follows the step),
         gradient clipping or fp16's loss scale (both need every gradient first), an
         optimizer torch does not update per parameter, or on GPUs (not measured there)."""
         if self.program.dp == 1 or self.program.zero or self.world.device.type != "cpu" or \
                 self.plan.max_grad_norm is not None or self.scaler is not None or \
-                optim.splittable(self.optimizer) is not None:
+                bucket_updates.splittable(self.optimizer, self.params) is not None:
             return gm
-        interleaved, buckets = optim.interleave(gm, len(self.params))
+        interleaved, buckets = bucket_updates.interleave(gm, len(self.params))
         if interleaved is None:
             return gm
-        self._bucket_updates = optim.BucketUpdates(self.optimizer, self.params, buckets)
+        self._bucket_updates = bucket_updates.BucketUpdates(self.optimizer, self.params,
+                                                            buckets)
         return interleaved
 
     def needed_params(self) -> set[int]:
@@ -452,7 +453,7 @@ class ParallelModel:
             return loss.detach()
         # (a step hook registered since: one step() over every parameter, after the graph)
         updates = self._bucket_updates if self._bucket_updates is not None and \
-            optim.splittable(self.optimizer) is None else None
+            bucket_updates.splittable(self.optimizer) is None else None
         with executor.recording(self.recorder) as rec:
             with updates or contextlib.nullcontext():
                 outs = self._run(self.program, batch)
