@@ -75,6 +75,15 @@ class BucketUpdates:
         self.opt, self.params, self.buckets = opt, params, buckets
         self.done: set[int] = set()
         self.finite = True
+        self._over_params = id(opt)  # the optimizer last found to hold only `params`
+
+    def usable(self, opt: torch.optim.Optimizer | None) -> bool:
+        """Whether this step may run bucket by bucket with `opt` (the rank's optimizer now:
+        hooks may have been registered, or the optimizer replaced, since the last step)."""
+        if splittable(opt, None if id(opt) == self._over_params else self.params) is not None:
+            return False
+        self.opt, self._over_params = opt, id(opt)
+        return True
 
     def __enter__(self):
         global _ready_updates

@@ -453,7 +453,7 @@ class ParallelModel:
             return loss.detach()
         # (a step hook registered since: one step() over every parameter, after the graph)
         updates = self._bucket_updates if self._bucket_updates is not None and \
-            bucket_updates.splittable(self.optimizer) is None else None
+            self._bucket_updates.usable(self.optimizer) else None
         with executor.recording(self.recorder) as rec:
             with updates or contextlib.nullcontext():
                 outs = self._run(self.program, batch)

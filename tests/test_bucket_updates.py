@@ -103,6 +103,21 @@ def test_a_leftover_gradient_is_not_stepped_once_per_bucket():
     assert torch.equal(ps[1].detach(), torch.ones(3)) and ps[1].grad is None
 
 
+def test_usable_follows_the_ranks_optimizer_as_it_is_now():
+    """Checked every step: a hook registered since, or an optimizer replaced by one over other
+    tensors, runs the step's update after the graph instead; a replacement over the same
+    parameters is the one stepped."""
+    ps = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
+    first = torch.optim.SGD(ps, lr=0.1)
+    updates = bu.BucketUpdates(first, ps, [[0], [1]])
+    assert updates.usable(first) and updates.opt is first
+    second = torch.optim.AdamW(ps)
+    assert updates.usable(second) and updates.opt is second
+    assert not updates.usable(torch.optim.AdamW(ps + [torch.nn.Parameter(torch.ones(1))]))
+    second.register_step_post_hook(lambda *a: None)
+    assert not updates.usable(second)
+
+
 def test_splittable():
     p = [torch.nn.Parameter(torch.ones(2))]
     assert bu.splittable(torch.optim.AdamW(p)) is None
