@@ -1,7 +1,8 @@
 """Optimizer updates between the last gradient all-reduces (runtime/bucket_updates.py): each
 bucket stepped once reduced, while later buckets are still in flight, equal bit for bit to one
 update after the graph."""
-import os
+import copy
+import functools
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ c10d = torch.ops._c10d_functional
 CFG = M.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
+@functools.lru_cache(maxsize=None)  # (interleave copies the graph it reads)
 def _dp2(bucket_mb=0.01):
     torch.manual_seed(0)
     return fxpar.compile(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
@@ -80,7 +82,7 @@ def test_an_update_waits_for_a_later_reader_of_a_view_of_its_parameters():
     program = _dp2()
     n = len(program.signature.param_names)
     _, buckets = bu.interleave(program.graph, n)
-    gm = torch.fx.GraphModule(program.graph, __import__("copy").deepcopy(program.graph.graph))
+    gm = torch.fx.GraphModule(program.graph, copy.deepcopy(program.graph.graph))
     nodes = list(gm.graph.nodes)
     param = [x for x in nodes if x.op == "placeholder"][buckets[0][0]]
     with gm.graph.inserting_before(nodes[-1]):
