@@ -53,6 +53,7 @@ def test_collectives_are_captured_on_nccl_only():
     assert not d.capture and "gloo backend" in d.reason and "all_reduce" in d.reason
 
 
+@pytest.mark.slow  # (three compiles, ~5 s: make test's time)
 def test_remat_rng_replay_falls_back_with_the_reason():
     """remat recomputes a dropout by replaying the saved RNG state: that reads
     torch.cuda.get_rng_state, which a capture forbids. Without dropout remat is captured."""

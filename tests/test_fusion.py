@@ -555,7 +555,7 @@ def test_kernel_price_weighs_launches_against_bytes():
     assert p.pays(1, [big], big)                      # same bytes, device-bound: a tie fuses
 
 
-@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("replayed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fusion_leaves_groups_unfused_where_launches_do_not_pay(monkeypatch, replayed):
     """The pass on a small GPT with a GPU's price: with launches dearer than the ops (not
     replayed) only the groups that pay are fused and the rest are listed in
