@@ -451,7 +451,8 @@ class ParallelModel:
                                           [grads[i] for i in held])
                 self._update_buffers(new_bufs)
             return loss.detach()
-        # (a step hook registered since: one step() over every parameter, after the graph)
+        # checked each step: a step hook registered (or pm.optimizer replaced by one over
+        # other tensors) since parallelize makes this step one step() after the graph
         updates = self._bucket_updates if self._bucket_updates is not None and \
             self._bucket_updates.usable(self.optimizer) else None
         with executor.recording(self.recorder) as rec:
