@@ -23,11 +23,10 @@ import torch
 import torch.fx
 from torch.optim import optimizer as torch_optimizer
 
-from fxpar.compiler import ir
+from fxpar.compiler import cost, ir
 from fxpar.runtime.optim import apply_gradients
 
 _wait = torch.ops._c10d_functional.wait_tensor.default
-_ALIASING = (torch.ops.aten._unsafe_view.default,)  # a view the schema does not mark as one
 
 
 def splittable(opt: torch.optim.Optimizer | None,
@@ -49,10 +48,10 @@ def splittable(opt: torch.optim.Optimizer | None,
     step = opt.__dict__.get("step")  # (an lr scheduler's counting wrapper is fine)
     if step is not None and not getattr(step, "_wrapped_by_lr_sched", False):
         return "the optimizer's step() is replaced (it may expect one call per step)"
-    mine = {id(p) for p in params or ()}
-    if params is not None and any(id(p) not in mine for g in opt.param_groups
-                                  for p in g["params"]):
-        return "the optimizer holds tensors that are not this rank's parameters"
+    if params is not None:
+        mine = {id(p) for p in params}
+        if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+            return "the optimizer holds tensors that are not this rank's parameters"
     return None
 
 
@@ -178,20 +177,15 @@ def _last_reads(gm, g, n_params, order) -> list[int]:
                 last[i] = max(last[i], order[n])
         if not ins:
             continue
-        if n.op == "call_function" and (getattr(n.target, "is_view", False)
-                                        or n.target in _ALIASING):
+        if n.target is operator.getitem and n.args[0].op == "call_module":
+            src, views = n.args[0], _output_views(gm, n.args[0].target)
+            j = views.get(n.args[1]) if views is not None else None
+            if views is None:  # (an unknown module: any output may be any input)
+                alias[n] = set().union(*(alias[a] for a in ins))
+            elif j is not None and src.args[j] in alias:
+                alias[n] = set(alias[src.args[j]])
+        elif cost.is_view(n):  # (a view op, an item of a split's views)
             alias[n] = set().union(*(alias[a] for a in ins))
-        elif n.op == "call_function" and n.target is operator.getitem:
-            src = n.args[0]
-            if src.op == "call_module":
-                views = _output_views(gm, src.target)
-                j = views.get(n.args[1]) if views is not None else None
-                if views is None:  # (an unknown module: any output may be any input)
-                    alias[n] = set().union(*(alias[a] for a in ins))
-                elif j is not None and src.args[j] in alias:
-                    alias[n] = set(alias[src.args[j]])
-            else:  # an item of a multi-output view (split, unbind)
-                alias[n] = set(alias[src])
     return last
 
 
@@ -205,9 +199,7 @@ def _output_views(gm, name) -> dict[int, int] | None:
     out = next(n for n in source.graph.nodes if n.op == "output")
     views = {}
     for j, o in enumerate(out.args[0]):
-        while isinstance(o, torch.fx.Node) and o.op == "call_function" and (
-                getattr(o.target, "is_view", False) or o.target in _ALIASING
-                or o.target is operator.getitem):
+        while isinstance(o, torch.fx.Node) and cost.is_view(o):
             o = o.args[0]
         if isinstance(o, torch.fx.Node) and o.op == "placeholder":
             views[j] = phs.index(o)
