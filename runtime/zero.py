@@ -35,6 +35,7 @@ class ShardedOptimizer:
         self.shard_params = shard_params
         self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
         self.buckets = [[params[i] for i in idx] for idx in buckets]
+        self._gathers: list[tuple[int, comm.Pending]] = []  # issued, not yet copied back
         with torch.no_grad():
             if shard_params and param_shards is not None:
                 self.param_shards = [param_shards.get(i, p.data.new_empty(0))
@@ -68,22 +69,27 @@ class ShardedOptimizer:
         self.optimizer.step()
         for s in self.shards:
             s.grad = None
+        for k in range(len(self.shards)):  # all buckets' gathers in flight at once
+            self.start_gather(k)
+        self.finish_gathers()
+
+    def start_gather(self, k: int) -> None:
+        """Issue the all-gather of bucket k's stepped shard (stages 1/2; stage 3 keeps only
+        shards). runtime/bucket_updates calls it as each bucket is stepped, so the gathers of
+        the first buckets run while the last ones are still reduced and stepped."""
         if self.shard_params:
             return
-        with torch.no_grad():  # all buckets' gathers in flight at once, then unpacked
-            fulls = [torch.empty(s.numel() * self.dp, dtype=s.dtype, device=s.device)
-                     for s in self.shards]
+        with torch.no_grad():
+            self._gathers.append((k, comm.start_all_gather(
+                self.shards[k], self.dp, self.group.group_name, "all_gather params (ZeRO)")))
 
-            def gather_all():
-                works = [dist.all_gather_single(full, s, group=self.group, async_op=True)
-                         for full, s in zip(fulls, self.shards)]
-                for w in works:
-                    w.wait()
-            comm.timed("all_gather params (ZeRO)", sum(f.numel() * f.element_size()
-                                                       for f in fulls), gather_all)
-            for members, full in zip(self.buckets, fulls):
-                off = 0
-                for p in members:
+    def finish_gathers(self) -> None:
+        """Wait for the issued gathers and copy each bucket into its parameters."""
+        gathers, self._gathers = self._gathers, []
+        with torch.no_grad():
+            for k, pending in gathers:
+                full, off = comm.wait(pending), 0
+                for p in self.buckets[k]:
                     p.copy_(full[off:off + p.numel()].view_as(p))
                     off += p.numel()
 
