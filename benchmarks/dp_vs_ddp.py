@@ -7,8 +7,11 @@ each per round, the order rotating), so the ratios compare like with like on a m
 speed drifts. Prints each median step, the paired ratios to DDP and to compiled DDP, and the
 losses' largest difference to DDP's. --one-update adds fxpar stepping the optimizer once after
 its graph (a step hook forces it) instead of each gradient bucket as soon as it is reduced.
+--zero 1|2 gives fxpar's sides Plan.zero (the optimizer state sharded) and adds torch's own
+ZeRO-1 as a peer: DDP with torch.distributed.optim.ZeroRedundancyOptimizer.
 
     .venv/bin/python benchmarks/dp_vs_ddp.py [--steps 30] [--layers 4] [--embd 256] [--one-update]
+        [--zero 0|1|2]
 """
 from __future__ import annotations
 
@@ -43,17 +46,23 @@ def bench(args):
         t = time.perf_counter()
         pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data[0], optimizer=opt,
                                plan=dict(dp=world, bucket_mb=args.fxpar_bucket_mb,
-                                         codegen=codegen))
+                                         codegen=codegen, zero=args.zero))
         if one_update:  # a step hook makes fxpar step every bucket at once, after the graph
             pm.optimizer.register_step_post_hook(lambda *a: None)
-        name = f"fxpar codegen={codegen}" + (", one update" if one_update else "")
+        name = f"fxpar codegen={codegen}" + (f" zero={args.zero}" if args.zero else "") + \
+            (", one update" if one_update else "")
         compile_s[name] = time.perf_counter() - t
         return name, lambda s: pm.step(data[s % 4]).item()
 
-    def ddp_variant(compiled):
+    def ddp_variant(compiled, zero=False):
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(M.GPT(cfg), bucket_cap_mb=25)
-        o = opt(ddp.parameters())
+        if zero:  # torch's ZeRO-1: each rank steps its share, then broadcasts it
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            o = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                        lr=1e-3)
+        else:
+            o = opt(ddp.parameters())
         fwd = torch.compile(ddp) if compiled else ddp
 
         def step(s):
@@ -75,6 +84,8 @@ def bench(args):
         steps[name] = fn
     steps["DDP"] = ddp_variant(False)
     steps["DDP + torch.compile"] = ddp_variant(True)
+    if args.zero:
+        steps["DDP + ZeroRedundancyOptimizer"] = ddp_variant(False, zero=True)
     # interleaved, the order rotating: every variant sees the same machine speed each round
     # (this VM drifts +-40% over seconds; one block after the other compared two speeds)
     names = list(steps)
@@ -104,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--one-update", action="store_true",
                     help="also fxpar stepping every bucket after the graph (not each bucket "
                          "while the later ones are still reduced)")
+    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                    help="fxpar's Plan.zero (1/2: torch's ZeroRedundancyOptimizer joins)")
     ap.add_argument("--fxpar-bucket-mb", type=float, default=None,
                     help="fxpar's Plan.bucket_mb (default: sized by its cost model)")
     args = ap.parse_args(argv)
@@ -112,16 +125,20 @@ def main(argv=None):
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params), global batch "
           f"{args.batch}, dp={args.nprocs}, gloo, {args.steps} timed steps (interleaved)")
+    refs = ["DDP", "DDP + torch.compile"] + (["DDP + ZeroRedundancyOptimizer"] if args.zero
+                                             else [])
     print(f"{'variant':36s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "
-          f"{'max|dloss|':>11s} {'set-up s':>9s}")
+          + (f"{'x DDP+ZeRO-1':>13s} " if args.zero else "")
+          + f"{'max|dloss|':>11s} {'set-up s':>9s}")
     out = {}
     for name, ts in times.items():
-        vs = {ref: statistics.median(a / b for a, b in zip(ts, times[ref]))
-              for ref in ("DDP", "DDP + torch.compile")}
+        vs = {ref: statistics.median(a / b for a, b in zip(ts, times[ref])) for ref in refs}
         dl = max(abs(a - b) for a, b in zip(losses[name], losses["DDP"]))
         setup = f"{compile_s[name]:9.1f}" if name in compile_s else f"{'':9s}"
         print(f"{name:36s} {statistics.median(ts) * 1e3:9.1f} {vs['DDP']:7.3f} "
-              f"{vs['DDP + torch.compile']:14.3f} {dl:11.2e} {setup}")
+              f"{vs['DDP + torch.compile']:14.3f} "
+              + (f"{vs['DDP + ZeroRedundancyOptimizer']:13.3f} " if args.zero else "")
+              + f"{dl:11.2e} {setup}")
         out[name] = dict(step_s=statistics.median(ts), vs_ddp=vs["DDP"],
                          vs_compiled_ddp=vs["DDP + torch.compile"], max_dloss=dl)
     print("(x: median of paired per-step ratios; set-up: fxpar.parallelize on rank 0, "

@@ -131,7 +131,7 @@ def interleave(gm: torch.fx.GraphModule, n_grads: int,
     loss still needs after the first update's place moves before it (a sum loss's wait,
     which the overlap pass sank to the end: its all-reduce, issued at the end of the
     forward, is done long since): the first update checks the loss; so does what a gradient
-    is made of after its wait (ZeRO-1's chunk of the reduced bucket, placed at the end).
+    is made of after its wait (ZeRO-1's chunk of the reduced bucket) moves up to it.
     (None, []) when no update would run before another bucket's wait (one bucket, no
     collectives)."""
     writes = [[i] for i in range(n_grads)] if writes is None else writes

@@ -216,8 +216,8 @@ def wait(p) -> torch.Tensor:
 
 
 def timed(name: str, nbytes: int, fn):
-    """Run a blocking collective outside the graph (e.g. ZeRO's parameter all-gather after
-    the optimizer step) and record it as fully exposed communication."""
+    """Run a blocking collective outside the graph (e.g. the loss broadcast of a pipeline
+    step) and record it as fully exposed communication."""
     calls.settle()
     t0 = time.perf_counter()
     res = fn()

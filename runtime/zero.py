@@ -5,7 +5,10 @@ order, padded to a multiple of dp); this rank owns the r-th 1/dp slice. The opti
 user's own torch.optim class, built by their factory) is given those slices as its parameters,
 so its state (Adam's moments, momentum) takes 1/dp of the memory. After each step the updated
 slices are all-gathered back into the full parameters, so forward and backward still see whole
-weights (stage 3 would shard those too). Elementwise optimizers (SGD, Adam/AdamW, ...) give
+weights (stage 3 shards those too). On CPU ranks runtime/bucket_updates steps each bucket's
+shard as soon as its gradient is reduced and issues that bucket's gather right away
+(`start_gather`), so the gathers travel while the later buckets are reduced and stepped;
+`finish_gathers` copies them back after the graph. Elementwise optimizers (SGD, Adam/AdamW, ...) give
 exactly the unsharded result; optimizers that couple elements across a tensor (LAMB's trust
 ratio, Adafactor's factored moments) would not, and are the user's responsibility to avoid.
 """
