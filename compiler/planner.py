@@ -636,12 +636,12 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     elem = 4 if precision == "fp32" else 2
     n_elem = mem.params * (dp if zero >= 3 else 1) / elem  # this rank's parameter elements
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
-    dpc = dp_fixed = 0.0
+    dpc = dp_fixed = gather = 0.0
     if dp > 1:
         # as passes/data_parallel.py emits them: gradients in buckets of at least the cost
         # model's floor (ZeRO-3: one per layer); ZeRO-1 all-reduces each, ZeRO-2
-        # reduce-scatters, and the runtime all-gathers the updated shards; ZeRO-3 gathers
-        # each layer's parameters before its forward and again before its backward use
+        # reduce-scatters, and the runtime all-gathers the updated shards (exposed); ZeRO-3
+        # gathers each layer's parameters before its forward and again before its backward
         grad_bytes = n_elem * elem
         span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
         buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
@@ -650,8 +650,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
         else:
             dpc = hw.comm("reduce_scatter", grad_bytes, dp, span, calls=buckets)
-        if zero in (1, 2):
-            dpc += hw.comm("all_gather", grad_bytes, dp, span, calls=buckets)
+        if zero in (1, 2):  # after the optimizer: no backward left to hide it behind, and
+            # each bucket copied back into its parameters (runtime/zero.py)
+            gather = hw.comm("all_gather", grad_bytes, dp, span, calls=buckets) + \
+                2 * grad_bytes / hw.mem_bandwidth
         if zero >= 3:
             dpc += 2 * m * hw.comm("all_gather", grad_bytes, dp, span, calls=round(
                 n_t * stats.zero3_gathers_per_param / 2))
@@ -662,7 +664,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
             m if zero >= 3 else 1) * hw_graph.node_overhead
     window = bwd[0] * hw.overlap if constraints.get("overlap", True) else 0.0
-    dp_exposed = (max(dpc - window, dpc * 0.05) + dp_fixed) if dp > 1 else 0.0
+    dp_exposed = (max(dpc - window, dpc * 0.05) + gather + dp_fixed) if dp > 1 else 0.0
     k = OPTIMIZER_STATES.get(optimizer, 2)
     touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4
     n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])

@@ -8,9 +8,10 @@ slices are all-gathered back into the full parameters, so forward and backward s
 weights (stage 3 shards those too). On CPU ranks runtime/bucket_updates steps each bucket's
 shard as soon as its gradient is reduced and issues that bucket's gather right away
 (`start_gather`), so the gathers travel while the later buckets are reduced and stepped;
-`finish_gathers` copies them back after the graph. Elementwise optimizers (SGD, Adam/AdamW, ...) give
-exactly the unsharded result; optimizers that couple elements across a tensor (LAMB's trust
-ratio, Adafactor's factored moments) would not, and are the user's responsibility to avoid.
+`finish_gathers` copies them back after the graph. Elementwise optimizers (SGD, Adam/AdamW,
+...) give exactly the unsharded result; optimizers that couple elements across a tensor
+(LAMB's trust ratio, Adafactor's factored moments) would not, and are the user's
+responsibility to avoid.
 """
 from __future__ import annotations
 

@@ -644,3 +644,23 @@ def test_model_state_figures_come_from_the_formula_the_explanation_prints(zero, 
     r = planner.search(stats, 4, cost.HARDWARE["a100"], batch_rows=8, precision="bf16",
                        constraints={"zero": zero, "dp": 4}, executable=False)
     assert "params + grads + optimizer = N*" in r.explain()
+
+
+def test_zero12_parameter_gather_is_priced_exposed(small_stats):
+    """ZeRO-1/2 all-gather the stepped shards after the optimizer, where no backward is left
+    to hide them: even on a device that overlaps communication with the backward, the gather
+    (and copying it back into the parameters) is added whole to the step, so ZeRO-1 costs
+    plain dp's step plus the gather, less the optimizer's saving."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB)
+
+    def price(zero):
+        return planner.search(small_stats, 2, hw, batch_rows=4096, constraints={
+            "dp": 2, "tp": 1, "pp": 1, "zero": zero, "remat": "none"}).table[0]
+    plain, z1 = price(0), price(1)
+    # (the parameters' bytes, gathered in one bucket at least; the backward would hide it)
+    gather = hw.comm("all_gather", z1.memory.params, 2, 2, calls=1)
+    assert gather < 0.5 * plain.parts["compute"]
+    assert z1.parts["dp communication"] - plain.parts["dp communication"] >= gather
+    assert z1.step_s - plain.step_s == pytest.approx(
+        z1.parts["dp communication"] - plain.parts["dp communication"]
+        + z1.parts["optimizer"] - plain.parts["optimizer"], rel=1e-6)
