@@ -8,7 +8,8 @@ speed drifts. Prints each median step, the paired ratios to DDP and to compiled 
 losses' largest difference to DDP's. --one-update adds fxpar stepping the optimizer once after
 its graph (a step hook forces it) instead of each gradient bucket as soon as it is reduced.
 --zero 1|2 gives fxpar's sides Plan.zero (the optimizer state sharded) and adds torch's own
-ZeRO-1 as a peer: DDP with torch.distributed.optim.ZeroRedundancyOptimizer.
+ZeRO-1 as a peer: DDP with torch.distributed.optim.ZeroRedundancyOptimizer (fxpar steps the
+shards after the graph: --one-update adds the same code a second time).
 
     .venv/bin/python benchmarks/dp_vs_ddp.py [--steps 30] [--layers 4] [--embd 256] [--one-update]
         [--zero 0|1|2]

@@ -1,7 +1,7 @@
 """fxpar ZeRO-3 vs torch FSDP2, and fxpar ZeRO-0 (plain dp) vs torch DDP: time, memory, loss.
 
     .venv/bin/python benchmarks/zero_vs_fsdp.py [--steps 30] [--warmup 3] [--layers 4]
-        [--embd 256] [--batch 16] [--nprocs 2] [--one-update]
+        [--embd 256] [--batch 16] [--nprocs 2]
 
 One launch of `--nprocs` gloo CPU ranks runs eight trainings, group by group, in the same
 ranks, each from the same initial weights (torch.manual_seed(0) before building the GPT), on
@@ -13,9 +13,6 @@ the same batches, with the same optimizer (AdamW, lr 1e-3, built by a factory):
                                                 no CPU offload); eager and torch.compile(model)
     fxpar Plan(dp=world, zero=0), codegen   vs  DDP(bucket_cap_mb=25), eager and
     "eager" and "inductor"                      torch.compile(ddp)
-
---one-update adds to each group fxpar op by op stepping the optimizer once after the graph (a
-no-op step hook switches off runtime/bucket_updates), to measure the per-bucket updates.
 
 fxpar's `pm.step` takes the GLOBAL batch; FSDP2 and DDP get this rank's 1/world slice of it
 and report the all-reduced mean loss, so all sides report the mean loss of the same batch.
@@ -200,8 +197,6 @@ def _build(kind, cfg, data, world, rank, opt_factory):
         pm = fxpar.parallelize(model, world, example_batch=data[0], optimizer=opt_factory,
                                plan=fxpar.Plan(dp=world, zero=zero, codegen="inductor" if
                                                kind.endswith("i") else "eager"))
-        if kind.endswith("u"):  # one update after the graph (runtime/bucket_updates off)
-            pm.optimizer.register_step_post_hook(lambda *a: None)
         step = lambda b: pm.step(b).item()  # noqa: E731
     elif kind.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
@@ -265,13 +260,6 @@ GROUPS = ((("fxpar zero=3", "fxpar3"), ("fxpar zero=3 inductor", "fxpar3i"), ("F
 GENERATED = ("fxpar3i", "fsdp2c", "fxpar0i", "ddpc")  # memory not trackable (docstring)
 
 
-def _groups(args):
-    """GROUPS, with fxpar's single update after the graph as a fifth side (--one-update)."""
-    if not args.one_update:
-        return GROUPS
-    return tuple(g + ((g[0][0] + ", one update", g[0][1] + "u"),) for g in GROUPS)
-
-
 def bench(args):
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -281,7 +269,7 @@ def bench(args):
     data = [M.gpt_batch(cfg, args.batch, seed=s) for s in range(4)]
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     out = {}
-    for group in _groups(args):
+    for group in GROUPS:
         out.update(_group([k for _, k in group], args, cfg, data, world, rank, opt))
     return out
 
@@ -298,8 +286,6 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--one-update", action="store_true",
-                    help="add fxpar op by op with one optimizer step after the graph")
     args = ap.parse_args()
     if args.batch % args.nprocs:
         ap.error(f"--batch {args.batch} must be a multiple of --nprocs {args.nprocs}")
@@ -315,19 +301,17 @@ def main():
     print(f"{'':22s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s}   "
           f"peak per rank MiB")
     ratios = []
-    for group in _groups(args):
+    for group in GROUPS:
         for name, kind in group:
             r = [res[k][kind] for k in ranks]
             mem = (f"{'n/a':>9s} {'n/a':>9s}" if kind in GENERATED else
                    f"{_mib(max(x['held'] for x in r)):9.1f} {_mib(max(x['peak'] for x in r)):9.1f}"
                    "   " + " ".join(f"{_mib(x['peak']):.1f}" for x in r))
             print(f"{name:22s} {r[0]['time'] * 1e3:9.1f} ms {mem}")
-        (fx_name, fx), (fxi_name, fxi), (peer_name, peer), (peerc_name, peerc) = group[:4]
-        pairs = [(fx_name, fx, peer_name, peer), (fxi_name, fxi, peer_name, peer),
-                 (fxi_name, fxi, peerc_name, peerc)]
-        if args.one_update:
-            pairs += [(fx_name, fx, *group[4])]
-        for a_name, a, b_name, b in pairs:
+        (fx_name, fx), (fxi_name, fxi), (peer_name, peer), (peerc_name, peerc) = group
+        for a_name, a, b_name, b in ((fx_name, fx, peer_name, peer),
+                                     (fxi_name, fxi, peer_name, peer),
+                                     (fxi_name, fxi, peerc_name, peerc)):
             diff = max(abs(x - y) for k in ranks
                        for x, y in zip(res[k][a]["losses"], res[k][b]["losses"]))
             t = res[0][a]["time"] / res[0][b]["time"]
@@ -338,7 +322,7 @@ def main():
     print()
     for a_name, b_name, t, m, diff, first, last in ratios:
         mem = f"peak-memory ratio {m:.3f}" if m is not None else f"{'':23s}"
-        print(f"{a_name:22s} / {b_name:26s}: time ratio {t:.3f}   {mem}   "
+        print(f"{a_name:22s} / {b_name:15s}: time ratio {t:.3f}   {mem}   "
               f"(loss {first:.4f} -> {last:.4f}, max |loss diff| = {diff:.2e})")
 
 

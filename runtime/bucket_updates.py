@@ -17,7 +17,7 @@ checkpoint (runtime/faults.py) in any case.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.fx
@@ -67,14 +67,11 @@ def update_ready(k: int, loss: torch.Tensor, *grads: torch.Tensor) -> None:
 class BucketUpdates:
     """Steps `opt` over one bucket of `params` at a time as the graph reaches each bucket's
     `update_ready` node; the first checks the loss (a non-finite loss updates nothing and
-    the trainer raises after the graph, as without buckets). `params`: what the graph's
-    gradients update - the parameters (plain dp), or ZeRO's shards (runtime/zero.py), whose
-    all-gather `stepped(indices)` issues once they are stepped."""
+    the trainer raises after the graph, as without buckets)."""
 
     def __init__(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                 buckets: list[list[int]],
-                 stepped: Callable[[list[int]], None] | None = None):
-        self.opt, self.params, self.buckets, self.stepped = opt, params, buckets, stepped
+                 buckets: list[list[int]]):
+        self.opt, self.params, self.buckets = opt, params, buckets
         self.done: set[int] = set()
         self.finite = True
         self._over_params = id(opt)  # the optimizer last found to hold only `params`
@@ -104,60 +101,42 @@ class BucketUpdates:
         if not self.done and not bool(torch.isfinite(loss).all()):
             self.finite = False  # nothing updated; the trainer raises NonFiniteLossError
             return
-        self._step(self.buckets[k], grads)
+        apply_gradients(self.opt, [self.params[i] for i in self.buckets[k]], grads)
+        self.done.add(k)
 
-    def _step(self, idx: list[int], grads) -> None:
-        apply_gradients(self.opt, [self.params[i] for i in idx], grads)
-        self.done.update(idx)
-        if self.stepped is not None:
-            self.stepped(idx)
-
-    def step_rest(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """After the graph (its loss checked): the gradients no node stepped (made without a
-        collective, or a bucket no node was placed for), in one step."""
-        if rest := [i for i, g in enumerate(grads) if i not in self.done and g is not None]:
-            self._step(rest, [grads[i] for i in rest])
+    def rest(self) -> list[int]:
+        """Parameters no bucket node stepped (gradients made without a collective)."""
+        stepped = {i for k in self.done for i in self.buckets[k]}
+        return [i for i in range(len(self.params)) if i not in stepped]
 
 
-def interleave(gm: torch.fx.GraphModule, n_grads: int,
-               writes: Sequence[Sequence[int]] | None = None
-               ) -> tuple[torch.fx.GraphModule | None, list[list[int]]]:
-    """A copy of `gm` (loss, grads[n_grads], ...) with an `update_ready(k, loss, *grads)`
-    node after each gradient bucket's wait, where no later node reads what the update
-    writes in place or a view of it; the buckets (gradient indices, in the order their nodes
-    run). `writes[i]`: the parameters (graph inputs, by index) that gradient i's update
-    writes - by default parameter i (plain dp); none for ZeRO-1/2, whose updates write the
-    optimizer's shards, and bucket i's for ZeRO-3, whose graph reads the shards. What the
-    loss still needs after the first update's place moves before it (a sum loss's wait,
+def interleave(gm: torch.fx.GraphModule, n_params: int) -> tuple[torch.fx.GraphModule | None,
+                                                                  list[list[int]]]:
+    """A copy of `gm` (loss, grads[n_params], ...) with an `update_ready(k, loss, *grads)`
+    node after each gradient bucket's wait, where no later node reads the bucket's parameters
+    or a view of them; the buckets (parameter indices, in the order their nodes run). What
+    the loss still needs after the first update's place moves before it (a sum loss's wait,
     which the overlap pass sank to the end: its all-reduce, issued at the end of the
-    forward, is done long since): the first update checks the loss; so does what a gradient
-    is made of after its wait (ZeRO-1's chunk of the reduced bucket) moves up to it.
-    (None, []) when no update would run before another bucket's wait (one bucket, no
-    collectives)."""
-    writes = [[i] for i in range(n_grads)] if writes is None else writes
+    forward, is done long since): the first update checks the loss. (None, []) when no
+    update would run before another bucket's wait (one bucket, no collectives)."""
     g = torch.fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
+    order = {n: i for i, n in enumerate(g.nodes)}
     out = next(n for n in g.nodes if n.op == "output")
-    loss, grads = out.args[0][0], out.args[0][1:1 + n_grads]
+    loss, grads = out.args[0][0], out.args[0][1:1 + n_params]
     groups: dict[torch.fx.Node, list[int]] = {}
     for i, grad in enumerate(grads):
-        chain, n = [], grad
+        n = grad
         while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target is not _wait \
-                and len(n.all_input_nodes) == 1:  # views, getitems, casts, chunks of the bucket
-            chain.append(n)
+                and len(n.all_input_nodes) == 1:  # views, getitems, casts of the bucket
             n = n.all_input_nodes[0]
         if isinstance(n, torch.fx.Node) and n.target is _wait:
             groups.setdefault(n, []).append(i)
-            for c in reversed(chain):  # each right after its only input (already placed)
-                c.all_input_nodes[0].append(c)
     if len(groups) < 2 or not isinstance(loss, torch.fx.Node) or loss.op == "placeholder":
         return None, []
-    order = {n: i for i, n in enumerate(g.nodes)}
-    written = sorted({j for w in writes for j in w})
-    last_read = _last_reads(gm, g, 1 + written[-1], order) if written else []
+    last_read = _last_reads(gm, g, n_params, order)
     buckets = [groups[w] for w in sorted(groups, key=order.__getitem__)]
-    points = [max([order[grads[i]] for i in idx] + [last_read[j] for i in idx
-                                                      for j in writes[i]])
+    points = [max([order[grads[i]] for i in idx] + [last_read[i] for i in idx])
               for idx in buckets]
     if not any(p < max(order[w] for w in groups) for p in points[:-1]):
         return None, []

@@ -168,30 +168,21 @@ class ParallelModel:
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
 
     def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """dp on CPU: the graph with an optimizer update after each gradient bucket's wait
-        (runtime/bucket_updates.py), so a reduced bucket is stepped - and with ZeRO-1/2 its
-        shard's all-gather issued - while the later buckets are still reduced: the tail of
-        the step the compute thread otherwise spends waiting. Not with gradient clipping or
-        fp16's loss scale (both need every gradient first), an optimizer torch does not
-        update per parameter, or on GPUs (not measured there)."""
-        if self.program.dp == 1 or self.world.device.type != "cpu" or \
-                self.plan.max_grad_norm is not None or self.scaler is not None:
+        """Plain dp on CPU: the graph with an optimizer update after each gradient bucket's
+        wait (runtime/bucket_updates.py), so a reduced bucket is stepped while the later
+        buckets' all-reduces are still in flight - the tail of the step the compute thread
+        otherwise spends waiting. Not with ZeRO (the shards' all-gather follows the step),
+        gradient clipping or fp16's loss scale (both need every gradient first), an
+        optimizer torch does not update per parameter, or on GPUs (not measured there)."""
+        if self.program.dp == 1 or self.program.zero or self.world.device.type != "cpu" or \
+                self.plan.max_grad_norm is not None or self.scaler is not None or \
+                bucket_updates.splittable(self.optimizer, self.params) is not None:
             return gm
-        zero = self.sharded_optimizer
-        params = zero.shards if zero is not None else self.params
-        if bucket_updates.splittable(self.optimizer, params) is not None:
-            return gm
-        if zero is None:
-            interleaved, buckets = bucket_updates.interleave(gm, len(self.params))
-        else:  # gradient k: bucket k's shard; ZeRO-3's update writes the graph's input
-            writes = self.program.zero_buckets if zero.shard_params else \
-                [[] for _ in zero.shards]
-            interleaved, buckets = bucket_updates.interleave(gm, len(zero.shards), writes)
+        interleaved, buckets = bucket_updates.interleave(gm, len(self.params))
         if interleaved is None:
             return gm
-        self._bucket_updates = bucket_updates.BucketUpdates(
-            self.optimizer, params, buckets,
-            stepped=None if zero is None else lambda idx: [zero.start_gather(k) for k in idx])
+        self._bucket_updates = bucket_updates.BucketUpdates(self.optimizer, self.params,
+                                                            buckets)
         return interleaved
 
     def needed_params(self) -> set[int]:
@@ -473,9 +464,9 @@ class ParallelModel:
             faults.check_loss(loss, self.plan)
             rec.segment("optimizer")
             if updates is not None:  # the buckets were stepped in the graph: the rest now
-                updates.step_rest(grads)
-                if self.sharded_optimizer:
-                    self.sharded_optimizer.finish_gathers()
+                if rest := [i for i in updates.rest() if grads[i] is not None]:
+                    optim.apply_gradients(self.optimizer, [self.params[i] for i in rest],
+                                          [grads[i] for i in rest])
             elif not self._finish_grads(grads):
                 pass  # fp16 overflow on some rank: every rank skips this update
             elif self.sharded_optimizer:

@@ -5,13 +5,11 @@ order, padded to a multiple of dp); this rank owns the r-th 1/dp slice. The opti
 user's own torch.optim class, built by their factory) is given those slices as its parameters,
 so its state (Adam's moments, momentum) takes 1/dp of the memory. After each step the updated
 slices are all-gathered back into the full parameters, so forward and backward still see whole
-weights (stage 3 shards those too). On CPU ranks runtime/bucket_updates steps each bucket's
-shard as soon as its gradient is reduced and issues that bucket's gather right away
-(`start_gather`), so the gathers travel while the later buckets are reduced and stepped;
-`finish_gathers` copies them back after the graph. Elementwise optimizers (SGD, Adam/AdamW,
-...) give exactly the unsharded result; optimizers that couple elements across a tensor
-(LAMB's trust ratio, Adafactor's factored moments) would not, and are the user's
-responsibility to avoid.
+weights (stage 3 shards those too). The gathers go through runtime/comm (on gloo, large ones
+as one broadcast per rank into the output: no second full-size buffer) and are on the
+timeline. Elementwise optimizers (SGD, Adam/AdamW, ...) give exactly the unsharded result;
+optimizers that couple elements across a tensor (LAMB's trust ratio, Adafactor's factored
+moments) would not, and are the user's responsibility to avoid.
 """
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ class ShardedOptimizer:
         self.shard_params = shard_params
         self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
         self.buckets = [[params[i] for i in idx] for idx in buckets]
-        self._gathers: list[tuple[int, comm.Pending]] = []  # issued, not yet copied back
         with torch.no_grad():
             if shard_params and param_shards is not None:
                 self.param_shards = [param_shards.get(i, p.data.new_empty(0))
@@ -73,29 +70,16 @@ class ShardedOptimizer:
         self.optimizer.step()
         for s in self.shards:
             s.grad = None
-        for k in range(len(self.shards)):  # all buckets' gathers in flight at once
-            self.start_gather(k)
-        self.finish_gathers()
-
-    def start_gather(self, k: int) -> None:
-        """Issue the all-gather of bucket k's stepped shard (stages 1/2; stage 3 keeps only
-        shards). runtime/bucket_updates calls it as each bucket is stepped, so the gathers of
-        the first buckets run while the last ones are still reduced and stepped."""
         if self.shard_params:
             return
-        with torch.no_grad():
-            self._gathers.append((k, comm.start_all_gather(
-                self.shards[k], self.dp, self.group.group_name, "all_gather params (ZeRO)")))
-
-    def finish_gathers(self) -> None:
-        """Wait for the issued gathers and copy each bucket into its parameters."""
-        gathers, self._gathers = self._gathers, []
-        with torch.no_grad():
-            for k, pending in gathers:
-                full, off = comm.wait(pending), 0
-                for p in self.buckets[k]:
-                    p.copy_(full[off:off + p.numel()].view_as(p))
-                    off += p.numel()
+        with torch.no_grad():  # all buckets' gathers in flight at once, then unpacked
+            pending = [comm.start_all_gather(s, self.dp, self.group.group_name,
+                                             "all_gather params (ZeRO)") for s in self.shards]
+            for members, p in zip(self.buckets, pending):
+                full, off = comm.wait(p), 0
+                for param in members:
+                    param.copy_(full[off:off + param.numel()].view_as(param))
+                    off += param.numel()
 
     def full_param(self, i: int) -> torch.Tensor:
         """Stage 3: parameter i all-gathered from its shards (collective over the dp group)."""
