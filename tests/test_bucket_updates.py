@@ -243,4 +243,3 @@ def test_bucket_updates_with_inductor_fused_adamw_and_param_groups():
                                        same_state=True), res[r]
         assert res[r]["sgd groups"] == dict(active=True, fused=False, same_losses=True,
                                             same_state=True), res[r]
-
