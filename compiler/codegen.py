@@ -354,9 +354,10 @@ def _key(sub: torch.fx.GraphModule, fakes) -> str:
 
 # fallback_random: dropout and other random ops call torch's generator, as eager does
 # (exact parity, and remat's run_with_rng_state replays the same numbers).
-# Not cpp.use_decompose_tanh: Inductor's CPU tanh (Sleef's) runs 5-8x slower than eager's
-# (MKL's) and the exp form is 2.4x faster, but its error (~1.7e-7 absolute, eager 5.6e-8)
-# put Gemma 2's tp=2 step (tanh soft-capping) past the zoo's exactness bound.
+# Not cpp.use_decompose_tanh: where Inductor's CPU tanh (Sleef's) ran 5-8x slower than
+# eager's the exp form was 2.4x faster, but its error (~1.7e-7 absolute, eager 5.6e-8) put
+# Gemma 2's tp=2 step (tanh soft-capping) past the zoo's exactness bound. (Which tanh is
+# faster depends on the CPU: on an AVX-512 EPYC Sleef's was 1.5x faster than eager's.)
 INDUCTOR_OPTIONS = {"fallback_random": True}
 
 
