@@ -356,7 +356,6 @@ def test_zero3_tail_check_passes_over_activation_gathers():
                for g in gathers)
 
 
-
 def zero_gather_rank():
     """Rank function: ZeRO-1/2 and plain dp on the same model and batches, AdamW, 3 steps
     (op by op); the parameter all-gathers of the last step as the timeline records them."""
