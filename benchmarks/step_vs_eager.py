@@ -114,8 +114,9 @@ def variants(base, batch, device, precision, small):
     return out
 
 
-def run(model_name, precision, device, small, steps, warmup):
-    """small: True (tiny), "cpu" (the CPU default) or False (GPU sizes)."""
+def run(model_name, precision, device, small, steps, warmup, only=None):
+    """small: True (tiny), "cpu" (the CPU default) or False (GPU sizes); only: the variant
+    names to run (None: all)."""
     kw, rows, seq = SIZES[(model_name, small)]
     torch.manual_seed(0)
     base = (M.hf_gpt2 if model_name == "gpt2" else M.hf_llama)(**kw)
@@ -123,6 +124,8 @@ def run(model_name, precision, device, small, steps, warmup):
     batch = {k: v.to(device) for k, v in M.hf_lm_batch(vocab, rows, seq).items()}
     steps_of, peak, failed = {}, {}, {}
     for name, build in variants(base, batch, device, precision, small).items():
+        if only is not None and name not in only:
+            continue
         try:
             step = build()
             # CPU memory is tracked with a dispatch mode, which Inductor's code bypasses (and
@@ -199,7 +202,11 @@ def main(argv=None):
                     help="tiny configs (2 layers x 64, sequence 64)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", default=None,
+                    help="comma-separated variant names to run (e.g. to fit a GPU lease); "
+                         "'eager' is always run (the ratios' reference)")
     args = ap.parse_args(argv)
+    only = None if args.only is None else {"eager", *(s.strip() for s in args.only.split(","))}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = True if args.small else "cpu" if device.type == "cpu" else False
     if device.type == "cpu":
@@ -207,7 +214,7 @@ def main(argv=None):
     results = {}
     for model_name in (["gpt2", "llama"] if args.model == "both" else [args.model]):
         for precision in (["fp32", "bf16"] if args.precision == "both" else [args.precision]):
-            res = run(model_name, precision, device, small, args.steps, args.warmup)
+            res = run(model_name, precision, device, small, args.steps, args.warmup, only)
             results[(model_name, precision)] = report(model_name, precision, device, res,
                                                       small)
             del res  # the models, optimizer states and CUDA graph pools of this row set:

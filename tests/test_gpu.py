@@ -1,7 +1,9 @@
 """On a real NVIDIA GPU: training steps with the Triton kernels launched for real (fusion's
 generated kernels, layer norm, cross-entropy; ATen's attention is kept on CUDA), bf16 / fp16
 precision, activation offload to pinned host memory on a side stream, the planner's
-memory estimate against the CUDA allocator, and the step replayed as a CUDA graph.
+memory estimate against the CUDA allocator, the step replayed as a CUDA graph, and
+Plan.codegen="inductor" (Inductor's Triton kernels, fxpar's cross-entropy kernel kept).
+Tests that name no codegen run "auto": Inductor on a GPU.
 
 Skipped where no GPU is (CI has none). Where one is lent:
 
@@ -65,12 +67,12 @@ def _fxpar(plan, steps, data, cfg=CFG):
 
 
 def test_fused_training_on_gpu_equals_eager():
-    """fp32 with the fusion pass: the generated kernels, layer norms and the fused
-    cross-entropy run as compiled Triton kernels (not the interpreter), ATen's CUDA attention
-    is kept (faster than fxpar's Triton flash kernel there), and 4 AdamW steps give eager's
-    losses."""
+    """fp32, codegen="eager", with the fusion pass: the generated kernels, layer norms and
+    the fused cross-entropy run as compiled Triton kernels (not the interpreter), ATen's CUDA
+    attention is kept (faster than fxpar's Triton flash kernel there), and 4 AdamW steps give
+    eager's losses."""
     data = _batch()
-    pm, got = _fxpar(fxpar.Plan(fuse=True), 4, data)
+    pm, got = _fxpar(fxpar.Plan(fuse=True, codegen="eager"), 4, data)
     assert pm.world.device.type == "cuda"
     assert not getattr(pm, "fusion_skipped", None), pm.fusion_skipped
     groups = [g for gm in pm.stage_graphs["fusion"].values() for g in gm.meta["fusion"].groups]
@@ -79,6 +81,26 @@ def test_fused_training_on_gpu_equals_eager():
     assert "flash_attention" not in kinds, kinds
     want = _eager_losses(4, data)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_inductor_codegen_on_gpu_equals_eager(precision, tol):
+    """Plan.codegen="inductor" on a GPU: the graph's compute compiled into Triton kernels by
+    Inductor (one fuser: of fxpar's kernels only the cross-entropy stays, as a node between
+    compiled runs), no run refused, and 4 AdamW steps give eager's losses (fp32: Inductor's
+    fused reductions round differently from ATen's, hence 1e-4; bf16: the half-precision
+    bound)."""
+    data = _batch()
+    pm, got = _fxpar(fxpar.Plan(codegen="inductor", precision=precision, cuda_graphs=False),
+                     4, data)
+    gen = pm.codegen_result
+    assert gen is not None and gen.runs and not gen.failed, pm.codegen_summary
+    assert sum(r.ops for r in gen.runs) > 3 * gen.eager_ops, pm.codegen_summary
+    kinds = {g.kind for gm in pm.stage_graphs["fusion"].values()
+             for g in gm.meta["fusion"].groups}
+    assert kinds == {"cross_entropy"}, kinds
+    want = _eager_losses(4, data)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -145,20 +167,26 @@ def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
         assert 0.9 * peak <= est <= 1.3 * peak, (est, peak)
 
 
-@pytest.mark.parametrize("precision,tol", [("fp32", 2e-5), ("bf16", 2e-2)])
-def test_cuda_graph_replay_equals_eager(precision, tol):
-    """Plan.cuda_graphs=True: 2 warm-up steps, then the forward+backward captured and replayed;
-    6 AdamW steps give eager's losses (fp32: the same kernels; bf16: within the half-precision
-    bound above), every replay has its device time, and the replayed step is not slower than
-    the uncaptured one (10% for timing noise)."""
+@pytest.mark.parametrize("codegen,precision,tol", [("eager", "fp32", 2e-5),
+                                                   ("eager", "bf16", 2e-2),
+                                                   ("inductor", "fp32", 1e-4),
+                                                   ("inductor", "bf16", 2e-2)])
+def test_cuda_graph_replay_equals_eager(codegen, precision, tol):
+    """Plan.cuda_graphs=True: 2 warm-up steps, then the forward+backward captured and replayed
+    (with codegen="inductor": Inductor's kernels inside fxpar's capture); 6 AdamW steps give
+    eager's losses (fp32 op by op: the same kernels; Inductor's: its own rounding; bf16:
+    within the half-precision bound above), every replay has its device time, and the
+    replayed step is not slower than the uncaptured one (10% for timing noise)."""
     import time
     data = _batch()
-    pm, got = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=True), 6, data)
+    pm, got = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=True, codegen=codegen), 6,
+                     data)
     assert pm.cuda_graphs.capture and pm._graphed.captured, pm.cuda_graphs
     assert all(s.device_s is not None and s.device_s > 0 for s in pm.step_stats[3:])
     want = _eager_losses(6, data)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tol, atol=tol)
-    off, _ = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=False), 3, data)
+    off, _ = _fxpar(fxpar.Plan(precision=precision, cuda_graphs=False, codegen=codegen), 3,
+                    data)
     times = {}
     for name, m in (("graph", pm), ("eager-executor", off)):
         torch.cuda.synchronize()
