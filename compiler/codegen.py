@@ -215,6 +215,36 @@ def _split_at_late_inputs(run, order) -> list[list[torch.fx.Node]]:
     return parts + [cur]
 
 
+def _halves(graph: torch.fx.Graph, run: list[torch.fx.Node]
+            ) -> tuple[list[list[torch.fx.Node]], int]:
+    """A run Inductor refused, cut into two runs of about half its ops each (program order;
+    a multi-output op's getitems go with it), to compile apart: bisecting leaves only the
+    ops Inductor cannot compile op by op (seen on an H200, torch 2.11: a Triton kernel of HF
+    GPT-2's bf16 forward failed to build, and took the whole forward's run with it).
+    Returns (the parts with at least MIN_OPS ops, the ops of the smaller leftovers, which
+    stay op by op); ([], 0) when the run is too small to cut."""
+    if sum(map(_counts, run)) < 2 * MIN_OPS:
+        return [], 0
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    run = sorted(run, key=order.__getitem__)
+    total, seen, cut = sum(map(_counts, run)), 0, len(run)
+    for k, n in enumerate(run):
+        seen += _counts(n)
+        if 2 * seen >= total:
+            cut = k + 1
+            break
+    first = set(run[:cut])
+    first |= {n for n in run[cut:] if n.target is operator.getitem and n.args[0] in first}
+    parts, left = [], 0
+    for half in ([n for n in run if n in first], [n for n in run if n not in first]):
+        for part in _split_at_late_inputs(half, order):
+            if sum(map(_counts, part)) >= MIN_OPS:
+                parts.append(part)
+            else:
+                left += sum(map(_counts, part))
+    return parts, left
+
+
 class CompiledRun(torch.nn.Module):
     """A compiled run as a submodule of the outer graph; `source` is the graph it compiled.
     Inductor's code is specialised to its inputs' strides (and asserts them): an input laid
@@ -223,7 +253,8 @@ class CompiledRun(torch.nn.Module):
 
     Its first call also runs `source` op by op on the same inputs (the same random numbers)
     and compares: where Inductor's result differs by more than rounding (CHECK_RTOL of the
-    output's largest finite magnitude plus CHECK_ATOL), the run stays op by op from then on
+    output's largest finite magnitude plus CHECK_ATOL; the half-precision bound where the
+    run computes in fp16/bf16 anywhere), the run stays op by op from then on
     and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF
     Falcon's fused-QKV gradients 1% off, since root-caused: CPU_EAGER_OPS).
     FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time and memory)."""
@@ -234,6 +265,13 @@ class CompiledRun(torch.nn.Module):
         self.fn, self.source, self.strides, self.name = fn, source, strides, name
         self.checked = os.environ.get("FXPAR_CODEGEN_CHECK", "1") == "0"
         self.mismatch: str | None = None
+        # an fp32 output computed from half-precision values (an upcast norm, a bf16 matmul's
+        # fp32 gradient) carries their rounding: Inductor keeps fused intermediates in fp32
+        # where the graph rounds each to bf16 (seen on an H200: Llama bf16's outputs 1e-3
+        # apart, all its runs rejected under the fp32 bound)
+        self.half = any(isinstance(v := n.meta.get(ir.VAL), torch.Tensor)
+                        and v.dtype in (torch.float16, torch.bfloat16)
+                        for n in source.graph.nodes)
 
     def forward(self, *args):
         if any(a.stride() != s for a, s in zip(args, self.strides)):
@@ -254,7 +292,7 @@ class CompiledRun(torch.nn.Module):
             if not isinstance(r, torch.Tensor) or not r.is_floating_point() or not r.numel():
                 continue
             diff, scale = _difference(r, o)
-            half = r.dtype in (torch.float16, torch.bfloat16)
+            half = self.half or r.dtype in (torch.float16, torch.bfloat16)
             if not diff <= CHECK_RTOL[half] * scale + CHECK_ATOL[half]:
                 self.mismatch = (f"output {i}: max |difference| {diff:.3g} against a largest "
                                  f"magnitude {scale:.3g}")
@@ -365,6 +403,8 @@ def inductor(sub: torch.fx.GraphModule, fakes) -> tuple[Callable, bool]:
     """Compile one run with Inductor (torch._inductor.standalone_compile), or load it from
     fxpar's cache: a hit skips Inductor's re-trace and lowering (on a first compile those
     are most of the time; Inductor's own FX graph cache only saves the C++/Triton build).
+    A refusal is remembered there too (`<key>.refused`), so that other ranks and later
+    jobs do not compile the same run only to fail again.
     Returns (callable, whether it came from the cache)."""
     import torch._inductor as inductor_api
     from torch._inductor import config
@@ -374,8 +414,23 @@ def inductor(sub: torch.fx.GraphModule, fakes) -> tuple[Callable, bool]:
             return inductor_api.CompiledArtifact.load(path=path, format="binary"), True
         except Exception as e:  # noqa: BLE001 - a stale or partial entry: compile again
             log.debug("codegen cache entry %s unreadable (%s): compiling", path, e)
-    with config.patch(INDUCTOR_OPTIONS), torch.no_grad():
-        art = inductor_api.standalone_compile(sub, fakes, dynamic_shapes="from_example_inputs")
+    refused = path[:-len(".bin")] + ".refused"
+    if os.path.exists(refused):  # another rank or an earlier job: do not pay for it again
+        with open(refused) as f:
+            raise CodegenError(f"refused before ({f.read().strip()}; delete {refused} to "
+                               "try again)")
+    try:
+        with config.patch(INDUCTOR_OPTIONS), torch.no_grad():
+            art = inductor_api.standalone_compile(sub, fakes,
+                                                  dynamic_shapes="from_example_inputs")
+    except Exception as e:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(refused, "w") as f:
+                f.write(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+        except OSError:
+            pass
+        raise
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -392,8 +447,10 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     (callable, from cache), `inductor` by default) and called as submodules; collectives,
     waits and other calls stay in place, in the same order. `device`: the device the graph
     will run on (fakes are made there: Inductor specialises to it). A run Inductor cannot
-    compile raises CodegenError when `strict` (Plan.codegen="inductor"), else (codegen
-    "auto") stays op by op with a warning naming it. Result's meta["codegen"]: a
+    compile is cut in halves that are compiled apart (`_halves`), down to the smallest runs
+    it refuses; such a run raises CodegenError naming its ops when `strict`
+    (Plan.codegen="inductor"), else (codegen "auto") stays op by op with a warning naming
+    them. Result's meta["codegen"]: a
     Generated."""
     t0 = time.perf_counter()
     compile_fn = compile_fn or inductor
@@ -412,26 +469,38 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     cut = runs(g, cpu)
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
-    for i, nodes in enumerate(cut):
+    todo = [(i, nodes) for i, nodes in enumerate(cut)]
+    while todo:
+        i, nodes = todo.pop(0)
         sub_graph, inputs, outputs = _extract(g, nodes)
         sub = torch.fx.GraphModule(out, sub_graph)
         fakes = _fake_inputs(inputs, device)
         if fakes is None:  # a non-tensor input: leave this run eager
             eager_ops += sum(map(_counts, nodes))
             continue
-        key = f"compiled_{i}"
+        key = f"compiled_{len(done)}"
         t1 = time.perf_counter()
         try:
             fn, hit = compile_fn(sub, fakes)
-        except Exception as e:  # noqa: BLE001 - named, with the way out
+        except Exception as e:  # noqa: BLE001 - narrowed down, then named with the way out
+            parts, left = _halves(g, nodes)
+            if parts:  # compile the halves apart: one refused op costs only itself
+                log.info("codegen: Inductor refused %s's run %d (%d nodes: %s: %s); "
+                         "compiling its halves apart", name, i, len(nodes), type(e).__name__,
+                         (str(e).splitlines() or [''])[0][:200])
+                eager_ops += left
+                todo[:0] = [(i, part) for part in parts]
+                continue
+            ops = sorted({str(n.target) for n in nodes if _counts(n)})
             what = (f"Inductor could not compile {name}'s run {i} ({len(nodes)} nodes, from "
-                    f"{nodes[0].name} to {nodes[-1].name}, module "
+                    f"{nodes[0].name} to {nodes[-1].name}, ops {', '.join(ops)}; module "
                     f"{nodes[0].meta.get(ir.MODULE)!r}): {type(e).__name__}: "
                     f"{(str(e).splitlines() or [''])[0][:300]}")
             if strict:
-                raise CodegenError(f"{what}. Use Plan(codegen='eager') to run the graph op "
-                                   "by op, or codegen='auto' to run only this part so.") from e
-            log.warning("%s; this run stays op by op (Plan.codegen='auto').", what)
+                raise CodegenError(f"{what}. Use Plan(codegen='auto') to run only these ops "
+                                   "op by op, or codegen='eager' to run the whole graph so."
+                                   ) from e
+            log.warning("%s; these ops run op by op (Plan.codegen='auto').", what)
             failed.append(what)
             eager_ops += sum(map(_counts, nodes))
             continue

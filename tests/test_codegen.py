@@ -172,24 +172,57 @@ def test_inductor_still_miscompiles_a_transposed_indexed_add_on_cpu():
         f"torch {torch.__version__} compiles this right now: CPU_EAGER_OPS can go ({r.stdout})"
 
 
-def test_a_failed_compile_names_the_run_and_the_way_out():
-    def broken(sub, fakes):
-        raise RuntimeError("no lowering for aten.frobnicate\nlong details")
-    with pytest.raises(codegen.CodegenError, match=r"run 0 .*no lowering for aten.frobnicate\. "
-                       r"Use Plan\(codegen='eager'\)"):
-        codegen.generate(_dp2_program().graph, "cpu", "joint", compile_fn=broken)
-    # codegen="auto": that run stays op by op, the others compile, a warning names it
+def test_a_refused_op_is_narrowed_down_and_named():
+    """A compile that fails on one op (a Triton kernel that does not build, say): the run is
+    cut in halves compiled apart until only a run of fewer than 2 * MIN_OPS ops holding it
+    is left; "inductor" raises naming those ops and the way out, "auto" runs them op by op
+    and compiles everything else, the collectives' placement unchanged."""
+    gm = _dp2_program().graph
+    bad = [n.name for n in gm.graph.nodes if n.target is aten.gelu.default]  # one per layer
+
+    def refuses_gelu(sub, fakes):
+        if any(n.target is aten.gelu.default for n in sub.graph.nodes):
+            raise RuntimeError("PassManager::run failed\nlong details")
+        return sub, False
+    with pytest.raises(codegen.CodegenError, match=r"ops .*aten\.gelu\.default.*PassManager"
+                       r"::run failed\. Use Plan\(codegen='auto'\)"):
+        codegen.generate(gm, "cpu", "joint", compile_fn=refuses_gelu)
+    whole = codegen.generate(gm, "cpu", "joint", compile_fn=_eager_compile).meta["codegen"]
+    gen = codegen.generate(gm, "cpu", "joint", compile_fn=refuses_gelu, strict=False)
+    d = gen.meta["codegen"]
+    assert len(d.failed) == len(bad) and all("aten.gelu.default" in f for f in d.failed)
+    # only a handful of ops around each gelu run op by op; every other op is compiled
+    extra = d.eager_ops - whole.eager_ops
+    assert len(bad) <= extra <= len(bad) * 2 * codegen.MIN_OPS, (extra, d.failed)
+    assert sum(r.ops for r in d.runs) == sum(r.ops for r in whole.runs) - (
+        d.eager_ops - whole.eager_ops)
+    assert {n.name for n in gen.graph.nodes} >= set(bad)  # (op by op, in the outer graph)
+    assert _schedule(gen) == _schedule(gm)
+    torch.manual_seed(0)
+
+
+def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
+    """Inductor's refusal of a run is kept beside the compiled runs: another rank or a later
+    job raises at once instead of compiling it again."""
+    monkeypatch.setenv("FXPAR_CACHE_DIR", str(tmp_path))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(4, 4)
+    y = g.call_function(aten.sin.default, (x,))
+    g.output((y,))
+    sub = torch.fx.GraphModule({}, g)
+    fakes = [torch.empty(4, 4)]
     calls = []
 
-    def first_broken(sub, fakes):
+    def fails(*a, **k):
         calls.append(1)
-        return broken(sub, fakes) if len(calls) == 1 else (sub, False)
-    gm = _dp2_program().graph
-    gen = codegen.generate(gm, "cpu", "joint", compile_fn=first_broken, strict=False)
-    d = gen.meta["codegen"]
-    assert len(d.failed) == 1 and "aten.frobnicate" in d.failed[0]
-    assert len(d.runs) == len(calls) - 1 and d.eager_ops > 0
-    assert _schedule(gen) == _schedule(gm)
+        raise RuntimeError("PassManager::run failed")
+    monkeypatch.setattr(torch._inductor, "standalone_compile", fails)
+    for _ in range(2):
+        with pytest.raises((RuntimeError, codegen.CodegenError), match="PassManager::run failed"):
+            codegen.inductor(sub, fakes)
+    assert len(calls) == 1
+    assert [p.suffix for p in tmp_path.iterdir()] == [".refused"]
 
 
 def test_decide(monkeypatch):
