@@ -256,7 +256,9 @@ class CompiledRun(torch.nn.Module):
     output's largest finite magnitude plus CHECK_ATOL; the half-precision bound where the
     run computes in fp16/bf16 anywhere), the run stays op by op from then on
     and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF
-    Falcon's fused-QKV gradients 1% off, since root-caused: CPU_EAGER_OPS).
+    Falcon's fused-QKV gradients 1% off, since root-caused: CPU_EAGER_OPS). The check
+    holds a second copy of the run's outputs; where that would take more than half the
+    device's free memory it is skipped with a warning.
     FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time and memory)."""
 
     def __init__(self, fn: Callable, source: torch.fx.GraphModule, strides: list[tuple],
@@ -284,6 +286,17 @@ class CompiledRun(torch.nn.Module):
 
     def _first_call(self, args):
         self.checked = True
+        # the check holds the graph's outputs while Inductor's code makes its own: one more
+        # copy of everything the run returns (a forward run: all the saved activations). A
+        # model sized to its device must not fail its first step over a check
+        extra = sum(v.numel() * v.element_size() for v in _output_vals(self.source))
+        where = args[0].device if args else torch.device("cpu")
+        free = free_bytes(where)
+        if free is not None and extra > CHECK_MEMORY_FRACTION * free:
+            log.warning("codegen: %s is not checked against the graph: the check needs "
+                        "%.2f GiB more and %.2f GiB is free on %s", self.name, extra / 2**30,
+                        free / 2**30, where)
+            return self.fn(*args)
         devices = [a.device for a in args if a.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             ref = self.source(*args)
@@ -301,6 +314,31 @@ class CompiledRun(torch.nn.Module):
                 self.fn = self.source
                 return ref
         return out
+
+
+CHECK_MEMORY_FRACTION = 0.5  # of the free memory: the rest for the two runs' temporaries
+
+
+def _output_vals(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return [v for n in out.all_input_nodes
+            if isinstance(v := n.meta.get(ir.VAL), torch.Tensor)]
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can still get on `device`: on CUDA the driver's free memory
+    plus what torch's caching allocator holds unused; on CPU the available physical pages
+    (Linux); None where unknown."""
+    try:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
+                device)
+        if device.type == "cpu":
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
+    return None
 
 
 CHECK_RTOL = {False: 1e-3, True: 5e-2}  # fp32 / half: rounding is ~1e-6 / ~1e-2 of the max
@@ -485,8 +523,13 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
         except Exception as e:  # noqa: BLE001 - narrowed down, then named with the way out
             parts, left = _halves(g, nodes)
             if parts:  # compile the halves apart: one refused op costs only itself
-                log.info("codegen: Inductor refused %s's run %d (%d nodes: %s: %s); "
-                         "compiling its halves apart", name, i, len(nodes), type(e).__name__,
+                # (a small run's ops are named: where its halves then compile, it is the
+                # ops' fusion that Inductor refused - the lead for a report upstream)
+                small = len(nodes) <= 40
+                log.info("codegen: Inductor refused %s's run %d (%d nodes%s: %s: %s); "
+                         "compiling its halves apart", name, i, len(nodes),
+                         ", ops " + ", ".join(str(n.target) for n in nodes if _counts(n))
+                         if small else "", type(e).__name__,
                          (str(e).splitlines() or [''])[0][:200])
                 eager_ops += left
                 todo[:0] = [(i, part) for part in parts]

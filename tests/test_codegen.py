@@ -454,3 +454,25 @@ def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(cap
     runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
     assert runs and all(r.mismatch for r in runs)
     assert "differs from the graph" in caplog.text
+
+
+def test_the_check_is_skipped_where_its_second_copy_would_not_fit(caplog, monkeypatch):
+    """The check holds the graph's outputs beside Inductor's: where that second copy would
+    take more than half the free memory the run is trusted unchecked, with a warning (a
+    model sized to its device must not fail its first step over the check)."""
+    model, batch_fn, _ = build("mlp")
+    program = fxpar.compile(model, 1, example_batch=batch_fn(0), plan={"codegen": "eager"})
+
+    def off_by_one_percent(sub, fakes):
+        return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
+    gen = codegen.generate(program.graph, "cpu", compile_fn=off_by_one_percent)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    args = [params[n].detach() for n in program.signature.param_names] + \
+        list(ir.flatten_batch(batch_fn(0), program.signature))
+    monkeypatch.setattr(codegen, "free_bytes", lambda device: 16)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fxpar"):
+        ref, got = program.graph(*args), gen(*args)
+    assert not any(torch.equal(a, b) for a, b in zip(ref, got) if a.is_floating_point())
+    runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
+    assert runs and not any(r.mismatch for r in runs) and all(r.checked for r in runs)
+    assert "is not checked against the graph: the check needs" in caplog.text
