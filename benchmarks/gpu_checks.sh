@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, for a machine with an NVIDIA GPU and torch + triton already
-# installed (no .venv needed: the repository is imported as `fxpar` through a symlink).
-#   bash benchmarks/gpu_checks.sh [LOG_DIR [PART ...]]   (about 15 minutes on one H100)
-# PARTs (default: all) pick the numbered steps below, so the checks fit a 10-minute call each.
-# 0. benchmarks/step_vs_eager.py: fxpar (fuse on/off x CUDA graphs on/off) vs eager vs
-#    torch.compile (default, reduce-overhead), GPT-2 small and a small Llama, fp32 and bf16
-#    (issue 21's targets), and benchmarks/executor_overhead.py (host cost per node)
+# The GPU checks, for a machine with an NVIDIA GPU and torch + triton already installed (no
+# .venv needed: the repository is imported as `fxpar` through a symlink).
+#   bash benchmarks/gpu_checks.sh [LOG_DIR [PART ...]]
+# The default parts (0 1) take about 7 minutes on one H200 (a lease here is 15 minutes of
+# device time, starts included); the others are opt-in. PARTs:
+# 0. benchmarks/step_vs_eager.py, HF GPT-2 small bf16 (issue 27's target rows): eager,
+#    torch.compile (default, reduce-overhead), fxpar codegen=auto (Inductor) with CUDA graphs
+#    on/off, fxpar codegen=eager with its own Triton fusion + CUDA graphs; and
+#    benchmarks/executor_overhead.py (host cost per node)
 # 1. tests/test_gpu.py + the hand-written kernels' tests on the GPU (FXPAR_TEST_GPU=1)
 # 2. benchmarks/planner_gpu.py: predicted vs measured step time / memory, fxpar vs eager vs
 #    torch.compile, fp32 and bf16, fused and unfused, with a profile of the bf16 step
 # 3. benchmarks/kernels.py --gpu-only: each kernel's bandwidth, fxpar vs eager vs compile
+# 4. benchmarks/step_vs_eager.py, every row: GPT-2 small and a small Llama, fp32 and bf16,
+#    every fxpar variant (over 10 minutes: run it as `... 4` in a call of its own)
 set -u
 PY=${PYTHON:-python3}
 mkdir -p "${1:-gpu_logs}" /tmp/fxpar_import
@@ -17,14 +21,16 @@ LOGS=$(cd "${1:-gpu_logs}" && pwd)
 ln -sfn "$(cd "$(dirname "$0")/.." && pwd)" /tmp/fxpar_import/fxpar
 export PYTHONPATH=/tmp/fxpar_import${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-shift 2>/dev/null; PARTS=" ${*:-0 1 2 3} "
+shift 2>/dev/null; PARTS=" ${*:-0 1} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$LOGS/gpu.txt"
 if part 0; then
-timeout 420 $PY benchmarks/step_vs_eager.py --steps 15 2>&1 | grep -v "Warning\|transformers" \
-    | tee "$LOGS/step_vs_eager.log" | tail -40
+timeout 300 $PY benchmarks/step_vs_eager.py --model gpt2 --precision bf16 --steps 15 --only \
+    "torch.compile,torch.compile reduce-overhead,fxpar codegen=auto graphs=on,fxpar codegen=auto graphs=off,fxpar codegen=eager fuse=on graphs=on" \
+    > "$LOGS/step_vs_eager_gpt2_bf16.log" 2>&1
+grep -v "Warning\|warn(" "$LOGS/step_vs_eager_gpt2_bf16.log" | grep -A12 "^gpt2 "
 timeout 60 $PY benchmarks/executor_overhead.py 2>&1 | tee "$LOGS/executor_overhead.log" | tail -6
 fi
 if part 1; then
@@ -40,4 +46,8 @@ grep -h "==\|predicted\|error\|fxpar (\|eager \|torch.compile " "$LOGS"/planner_
 fi
 if part 3; then
 timeout 150 $PY benchmarks/kernels.py --gpu-only 2>&1 | tee "$LOGS/kernels.log" | tail -12
+fi
+if part 4; then
+timeout 590 $PY benchmarks/step_vs_eager.py --steps 15 2>&1 | grep -v "Warning\|transformers" \
+    | tee "$LOGS/step_vs_eager.log" | tail -40
 fi
