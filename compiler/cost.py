@@ -338,7 +338,7 @@ class Hardware:
     calibrated: str = "data sheet"
     optimizer_s: float | None = None  # measured optimizer step over all parameters (CPU)
     # measured per collective: {(kind, group size): (seconds per call, seconds per byte of
-    # the full buffer)} (`measure_collectives`); kinds the table lacks use the ring model
+    # the full buffer)} (runtime/comm.measure_collectives); kinds the table lacks use the ring model
     collectives: dict | None = None
     # fraction of the gradient communication that hides behind the backward: NCCL runs on
     # its own stream (1.0); gloo ranks sharing a few CPU cores measured none (0.0)
@@ -495,7 +495,7 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
     """This CPU, measured once per process in well under a second: fp32 matmul FLOP/s (a
     512x512 matmul), memory bandwidth (copying 32 MiB) and the cost of dispatching one small
     op (what every graph node pays in the executor). `link`: gloo's alpha-beta
-    (`link_from_table` of `measure_collectives`) when a process group exists; else loopback
+    (`link_from_table` of runtime/comm.measure_collectives) when a process group exists; else loopback
     defaults measured on a 2-core VM (0.25 ms per step, 1 GB/s)."""
     import time
     if "hw" not in _CPU_CACHE:
@@ -524,86 +524,6 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
                     devices_per_node=1 << 30, matmul_efficiency=1.0, node_overhead=per_op,
                     calibrated=f"measured ({threads} threads)",
                     async_launch=False)
-
-
-def _in_context(fn, reps: int, barrier) -> float:
-    """Seconds one call of the collective `fn` adds to a step: timed between bursts of about
-    a millisecond of compute, as collectives run inside a step, less the bursts alone (and
-    never less than the calls back to back). On a
-    host whose cores the ranks share, ranks reach a collective out of step and wait for each
-    other; back-to-back calls hide that and measured about 1.45x less than the collectives
-    inside real steps (GPT, 4 gloo ranks on 2 cores)."""
-    import time
-    a = torch.ones(96, 96)
-
-    def burst():
-        for _ in range(8):
-            torch.mm(a, a)
-    def loop(*body):  # every rank starts together
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for f in body:
-                f()
-        return time.perf_counter() - t0
-    in_step = loop(burst, fn) - loop(burst)
-    return max(in_step, loop(fn)) / reps  # noise can make the difference small; not below alone
-
-
-def measure_collectives(reps: int = 8) -> dict:
-    """Time every collective kind the runtime issues, on groups of every size that divides the
-    world (consecutive ranks, all groups of a size at once, as a plan's tp or dp groups run),
-    at 4 B and 256 KiB per rank, and the pipeline's send/recv between rank pairs. Returns
-    {(kind, n): (seconds per call, seconds per byte of the full buffer)}, averaged over the
-    ranks so every rank plans with the same numbers. Gloo on a shared CPU is far from the
-    ring model (a 4-rank reduce-scatter of 16 B took 4.9 ms on 2 cores, an all-reduce 2.2 ms),
-    so the planner prices these measured costs, per call. Collective: every rank must call."""
-    import torch.distributed as dist
-    c10d = torch.ops._c10d_functional
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sizes = [n for n in range(2, world + 1) if world % n == 0]
-    rows = []
-    for n in sizes:
-        made = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)] \
-            if n < world else []
-        group = made[rank // n] if made else dist.group.WORLD
-        name = group.group_name
-        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            ts = []
-            for per_rank in (1, 64 * 1024):
-                x = torch.ones(per_rank * n)
-                call = {
-                    "all_reduce": lambda: c10d.all_reduce(x, "sum", name),
-                    "all_gather": lambda: c10d.all_gather_into_tensor(x[:per_rank], n, name),
-                    "reduce_scatter": lambda: c10d.reduce_scatter_tensor(x, "sum", n, name),
-                }[kind]
-                c10d.wait_tensor(call())
-                ts.append((_in_context(lambda: c10d.wait_tensor(call()), reps,
-                                       lambda: dist.barrier(group=group)), per_rank * n * 4))
-            (t_small, b_small), (t_big, b_big) = ts
-            rows.append((kind, n, t_small, max(t_big - t_small, 0.0) / (b_big - b_small)))
-        for g in made:
-            dist.destroy_process_group(g)
-    if world % 2 == 0:  # one-way send/recv time between pairs (2i, 2i+1), by ping-pong
-        peer = rank ^ 1
-        ts = []
-        for numel in (1, 64 * 1024):
-            x = torch.ones(numel)
-
-            def ping_pong():
-                if rank % 2 == 0:
-                    dist.send(x, peer)
-                    dist.recv(x, peer)
-                else:
-                    dist.recv(x, peer)
-                    dist.send(x, peer)
-            ts.append((_in_context(ping_pong, reps, dist.barrier) / 2, numel * 4))
-        (t_small, b_small), (t_big, b_big) = ts
-        rows.append(("p2p", 2, t_small, max(t_big - t_small, 0.0) / (b_big - b_small)))
-    v = torch.tensor([[t, b] for _, _, t, b in rows], dtype=torch.float64)
-    dist.all_reduce(v)
-    v /= world
-    return {(k, n): (float(a), float(b)) for (k, n, _, _), (a, b) in zip(rows, v.tolist())}
 
 
 def link_from_table(table: dict, n: int) -> Link | None:

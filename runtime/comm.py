@@ -65,6 +65,12 @@ def _group(name: str) -> dist.ProcessGroup:
     return pg
 
 
+def forget_group(name: str) -> None:
+    """Drop a process group about to be destroyed from the lookup above (compiler/cost's
+    start-up measurements make and destroy groups of their own)."""
+    _groups.pop(name, None)
+
+
 class Pending:
     """An issued collective: its work handle, output buffer, and what must stay alive."""
     __slots__ = ("work", "out", "keep", "divide", "name", "nbytes", "t_issue", "t_done")
@@ -227,6 +233,97 @@ def timed(name: str, nbytes: int, fn):
         rec.blocked(t0, t1, name)
         rec.comm(name, t0, t1, nbytes)
     return res
+
+
+# --- start-up measurements (compiler/planner prices plans with them) ----------------------
+
+
+def _in_context(fn, reps: int, barrier) -> float:
+    """Seconds one call of the collective `fn` adds to a step: timed between bursts of about
+    a millisecond of compute, as collectives run inside a step, less the bursts alone (and
+    never less than the calls back to back). On a
+    host whose cores the ranks share, ranks reach a collective out of step and wait for each
+    other; back-to-back calls hide that and measured about 1.45x less than the collectives
+    inside real steps (GPT, 4 gloo ranks on 2 cores)."""
+    a = torch.ones(96, 96)
+
+    def burst():
+        for _ in range(8):
+            torch.mm(a, a)
+    def loop(*body):  # every rank starts together
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for f in body:
+                f()
+        return time.perf_counter() - t0
+    in_step = loop(burst, fn) - loop(burst)
+    return max(in_step, loop(fn)) / reps  # noise can make the difference small; not below alone
+
+
+def measure_collectives(reps: int = 8) -> dict:
+    """Time every collective kind the runtime issues, as runtime/comm issues it (on gloo: an
+    in-place all-reduce, a large all-gather as one broadcast per rank, a large reduce-scatter
+    as one reduce per rank in place), on groups of every size that divides the world
+    (consecutive ranks, all groups of a size at once, as a plan's tp or dp groups run), at 4
+    B per rank and at a 4 MiB buffer (where gloo takes those large-buffer paths), and the
+    pipeline's send/recv between rank pairs. Returns {(kind, n): (seconds per call, seconds
+    per byte of the full buffer)}, averaged over the ranks so every rank plans with the same
+    numbers. Gloo on a shared CPU is far from the ring model (a 4-rank reduce-scatter of 16
+    B took 4.9 ms on 2 cores, an all-reduce 2.2 ms), so the planner prices these measured
+    costs, per call. Why the runtime's calls, and why 4 MiB: the functional collectives the
+    graph holds ran 1.1-4x slower than the runtime's calls on gloo (2 ranks, 0.5-7 MB, two
+    runs on shared cores), and per-byte costs extrapolated from a 512 KiB buffer came out
+    erratic (the demo's 7.6 MB reduce-scatter priced at 0.8 ms, its all-reduce at 31 ms;
+    measured 8-12 and 8-10 ms).
+    Collective: every rank must call."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [n for n in range(2, world + 1) if world % n == 0]
+    big = 2**20  # floats in the full buffer: 4 MiB (GLOO_INPLACE_RS_BYTES)
+    rows = []
+    for n in sizes:
+        made = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)] \
+            if n < world else []
+        group = made[rank // n] if made else dist.group.WORLD
+        name = group.group_name
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            ts = []
+            for per_rank in (1, big // n):
+                x = torch.zeros(per_rank * n)
+                start = {
+                    "all_reduce": lambda: start_all_reduce(x, "sum", name, True, kind),
+                    "all_gather": lambda: start_all_gather(x[:per_rank], n, name, kind),
+                    "reduce_scatter": lambda: start_reduce_scatter(x, "sum", n, name,
+                                                                        True, kind),
+                }[kind]
+                wait(start())
+                ts.append((_in_context(lambda: wait(start()), reps,
+                                       lambda: dist.barrier(group=group)), per_rank * n * 4))
+            (t_small, b_small), (t_big, b_big) = ts
+            rows.append((kind, n, t_small, max(t_big - t_small, 0.0) / (b_big - b_small)))
+        for g in made:
+            forget_group(g.group_name)
+            dist.destroy_process_group(g)
+    if world % 2 == 0:  # one-way send/recv time between pairs (2i, 2i+1), by ping-pong
+        peer = rank ^ 1
+        ts = []
+        for numel in (1, 64 * 1024):
+            x = torch.ones(numel)
+
+            def ping_pong():
+                if rank % 2 == 0:
+                    dist.send(x, peer)
+                    dist.recv(x, peer)
+                else:
+                    dist.recv(x, peer)
+                    dist.send(x, peer)
+            ts.append((_in_context(ping_pong, reps, dist.barrier) / 2, numel * 4))
+        (t_small, b_small), (t_big, b_big) = ts
+        rows.append(("p2p", 2, t_small, max(t_big - t_small, 0.0) / (b_big - b_small)))
+    v = torch.tensor([[t, b] for _, _, t, b in rows], dtype=torch.float64)
+    dist.all_reduce(v)
+    v /= world
+    return {(k, n): (float(a), float(b)) for (k, n, _, _), (a, b) in zip(rows, v.tolist())}
 
 
 _STARTS = {c10d.all_reduce.default: start_all_reduce,

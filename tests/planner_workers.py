@@ -84,11 +84,19 @@ def choice_rank(per_class: int = 2, rounds: int = 16):
 
 
 def collectives_rank():
-    """The measured collective table on this rank (needs a process group)."""
+    """The measured collective table on this rank (needs a process group), and the sizes
+    (bytes) each of the runtime's collective calls was timed at."""
     import torch.distributed as dist
-    from fxpar.compiler import cost
+    from fxpar.runtime import comm
     dist.init_process_group("gloo")
-    return cost.measure_collectives(reps=3)
+    timed = {}
+    for name in ("start_all_reduce", "start_all_gather", "start_reduce_scatter"):
+        def spy(*a, _real=getattr(comm, name), _name=name, **k):
+            p = _real(*a, **k)
+            timed.setdefault(_name, set()).add(p.nbytes)
+            return p
+        setattr(comm, name, spy)
+    return comm.measure_collectives(reps=3), timed
 
 
 def refit_rank(steps: int = 8):
