@@ -15,6 +15,7 @@ is the median of per-round ratios. Losses are compared with eager's, step by ste
     .venv/bin/python benchmarks/step_vs_eager.py            # GPU: GPT-2 small + a small Llama
     .venv/bin/python benchmarks/step_vs_eager.py            # CPU: 4 layers x 256, seq 128
     .venv/bin/python benchmarks/step_vs_eager.py --small    # tiny configs (2 x 64, seq 64)
+    ... --only "torch.compile,fxpar codegen=inductor" --profile   # some rows; where time goes
 """
 from __future__ import annotations
 
@@ -198,6 +199,30 @@ def report(model_name, precision, device, res, small):
     return out
 
 
+def profile(steps_of, device, rows=15):
+    """Where each variant's step time goes: torch.profiler over 3 steps, the top kernels by
+    device time (CUDA) or ops by CPU time, one table per variant (--profile)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, step in steps_of.items():
+        _sync(device)
+        with torch_profile(activities=acts) as prof:
+            for _ in range(3):
+                step()
+            _sync(device)
+        table = None
+        for key in (["self_device_time_total", "self_cuda_time_total"] if cuda
+                    else ["self_cpu_time_total"]):
+            try:
+                table = prof.key_averages().table(sort_by=key, row_limit=rows)
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+        print(f"\n--- profile: {name} (3 steps) ---\n{table}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["gpt2", "llama", "both"], default="both")
@@ -209,6 +234,9 @@ def main(argv=None):
     ap.add_argument("--only", default=None,
                     help="comma-separated variant names to run (e.g. to fit a GPU lease); "
                          "'eager' is always run (the ratios' reference)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timings, each variant's top kernels (CUDA) or ops (CPU) "
+                         "by time over 3 steps (torch.profiler)")
     args = ap.parse_args(argv)
     only = None if args.only is None else {"eager", *(s.strip() for s in args.only.split(","))}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -221,6 +249,8 @@ def main(argv=None):
             res = run(model_name, precision, device, small, args.steps, args.warmup, only)
             results[(model_name, precision)] = report(model_name, precision, device, res,
                                                       small)
+            if args.profile:
+                profile(res[4], device)
             del res  # the models, optimizer states and CUDA graph pools of this row set:
             gc.collect()  # held into the next one, they filled an 80 GB GPU (OOM)
             if device.type == "cuda":
