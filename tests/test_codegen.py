@@ -198,7 +198,6 @@ def test_a_refused_op_is_narrowed_down_and_named():
         d.eager_ops - whole.eager_ops)
     assert {n.name for n in gen.graph.nodes} >= set(bad)  # (op by op, in the outer graph)
     assert _schedule(gen) == _schedule(gm)
-    torch.manual_seed(0)
 
 
 def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
@@ -435,9 +434,9 @@ def test_the_first_call_check_tells_rounding_from_a_wrong_result():
     assert not passes(torch.full((8,), 5e-6), torch.full((8,), -5e-6))
 
 
-def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(caplog):
-    """The first call of each compiled run is checked against its graph: a compiler bug
-    (here a fake one, 1% off) makes the run op by op with a warning, never a wrong step."""
+def _one_percent_off_mlp():
+    """The MLP's program, the same graph "compiled" 1% off (a stand-in for a compiler bug),
+    and the program's arguments."""
     model, batch_fn, _ = build("mlp")
     program = fxpar.compile(model, 1, example_batch=batch_fn(0), plan={"codegen": "eager"})
 
@@ -447,6 +446,13 @@ def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(cap
     params = dict(model.named_parameters(remove_duplicate=False))
     args = [params[n].detach() for n in program.signature.param_names] + \
         list(ir.flatten_batch(batch_fn(0), program.signature))
+    return program, gen, args
+
+
+def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(caplog):
+    """The first call of each compiled run is checked against its graph: a compiler bug
+    (here a fake one, 1% off) makes the run op by op with a warning, never a wrong step."""
+    program, gen, args = _one_percent_off_mlp()
     with torch.no_grad(), caplog.at_level("WARNING", logger="fxpar"):
         ref, first, second = program.graph(*args), gen(*args), gen(*args)
     for a, b, c in zip(ref, first, second):
@@ -460,15 +466,7 @@ def test_the_check_is_skipped_where_its_second_copy_would_not_fit(caplog, monkey
     """The check holds the graph's outputs beside Inductor's: where that second copy would
     take more than half the free memory the run is trusted unchecked, with a warning (a
     model sized to its device must not fail its first step over the check)."""
-    model, batch_fn, _ = build("mlp")
-    program = fxpar.compile(model, 1, example_batch=batch_fn(0), plan={"codegen": "eager"})
-
-    def off_by_one_percent(sub, fakes):
-        return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
-    gen = codegen.generate(program.graph, "cpu", compile_fn=off_by_one_percent)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    args = [params[n].detach() for n in program.signature.param_names] + \
-        list(ir.flatten_batch(batch_fn(0), program.signature))
+    program, gen, args = _one_percent_off_mlp()
     monkeypatch.setattr(codegen, "free_bytes", lambda device: 16)
     with torch.no_grad(), caplog.at_level("WARNING", logger="fxpar"):
         ref, got = program.graph(*args), gen(*args)
