@@ -200,6 +200,25 @@ def test_a_refused_op_is_narrowed_down_and_named():
     assert _schedule(gen) == _schedule(gm)
 
 
+def test_a_narrowed_graph_computes_what_the_graph_computes():
+    """The halves of refused runs, run where the cut puts them: bit for bit the graph's
+    outputs (the MLP's one-device step; every run holding a relu refused)."""
+    program, args = _mlp_program()
+    relu = {aten.relu.default, aten.threshold_backward.default}
+    assert any(n.target in relu for n in program.graph.graph.nodes)
+
+    def refuses_relu(sub, fakes):
+        if any(n.target in relu for n in sub.graph.nodes):
+            raise RuntimeError("refused")
+        return sub, False
+    gen = codegen.generate(program.graph, "cpu", compile_fn=refuses_relu, strict=False)
+    d = gen.meta["codegen"]
+    assert d.runs and d.failed
+    with torch.no_grad():
+        for a, b in zip(program.graph(*args), gen(*args)):
+            assert torch.equal(a, b)
+
+
 def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
     """Inductor's refusal of a run is kept beside the compiled runs: another rank or a later
     job raises at once instead of compiling it again."""
@@ -434,19 +453,24 @@ def test_the_first_call_check_tells_rounding_from_a_wrong_result():
     assert not passes(torch.full((8,), 5e-6), torch.full((8,), -5e-6))
 
 
-def _one_percent_off_mlp():
-    """The MLP's program, the same graph "compiled" 1% off (a stand-in for a compiler bug),
-    and the program's arguments."""
+def _mlp_program():
+    """The MLP's one-device program (op by op) and its arguments."""
     model, batch_fn, _ = build("mlp")
     program = fxpar.compile(model, 1, example_batch=batch_fn(0), plan={"codegen": "eager"})
-
-    def off_by_one_percent(sub, fakes):
-        return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
-    gen = codegen.generate(program.graph, "cpu", compile_fn=off_by_one_percent)
     params = dict(model.named_parameters(remove_duplicate=False))
     args = [params[n].detach() for n in program.signature.param_names] + \
         list(ir.flatten_batch(batch_fn(0), program.signature))
-    return program, gen, args
+    return program, args
+
+
+def _one_percent_off_mlp():
+    """The MLP's program, the same graph "compiled" 1% off (a stand-in for a compiler bug),
+    and the program's arguments."""
+    program, args = _mlp_program()
+
+    def off_by_one_percent(sub, fakes):
+        return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
+    return program, codegen.generate(program.graph, "cpu", compile_fn=off_by_one_percent), args
 
 
 def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(caplog):
