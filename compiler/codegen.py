@@ -327,14 +327,18 @@ def _output_vals(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
 
 def free_bytes(device: torch.device) -> int | None:
     """Memory a new allocation can still get on `device`: on CUDA the driver's free memory
-    plus what torch's caching allocator holds unused; on CPU the available physical pages
-    (Linux); None where unknown."""
+    plus what torch's caching allocator holds unused; on CPU Linux's MemAvailable (else the
+    free physical pages); None where unknown."""
     try:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
                 device)
-        if device.type == "cpu":
+        if device.type == "cpu":  # MemAvailable counts the page cache the kernel can drop
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, RuntimeError, AttributeError):
         return None
