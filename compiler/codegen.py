@@ -492,8 +492,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     compile is cut in halves that are compiled apart (`_halves`), down to the smallest runs
     it refuses; such a run raises CodegenError naming its ops when `strict`
     (Plan.codegen="inductor"), else (codegen "auto") stays op by op with a warning naming
-    them. Result's meta["codegen"]: a
-    Generated."""
+    them. Result's meta["codegen"]: a Generated."""
     t0 = time.perf_counter()
     compile_fn = compile_fn or inductor
     g = torch.fx.Graph()

@@ -66,8 +66,8 @@ def _group(name: str) -> dist.ProcessGroup:
 
 
 def forget_group(name: str) -> None:
-    """Drop a process group about to be destroyed from the lookup above (compiler/cost's
-    start-up measurements make and destroy groups of their own)."""
+    """Drop a process group about to be destroyed from the lookup above
+    (`measure_collectives` makes and destroys groups of its own)."""
     _groups.pop(name, None)
 
 
