@@ -131,7 +131,11 @@ def run(model_name, precision, device, small, steps, warmup, only=None):
     vocab = kw["vocab"]
     batch = {k: v.to(device) for k, v in M.hf_lm_batch(vocab, rows, seq).items()}
     steps_of, peak, failed = {}, {}, {}
-    for name, build in variants(base, batch, device, precision, small).items():
+    built = variants(base, batch, device, precision, small)
+    if only is not None and only - set(built):
+        raise SystemExit(f"--only: no variant named {sorted(only - set(built))} here; the "
+                         f"variants are {list(built)}")
+    for name, build in built.items():
         if only is not None and name not in only:
             continue
         try:

@@ -495,8 +495,8 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
     """This CPU, measured once per process in well under a second: fp32 matmul FLOP/s (a
     512x512 matmul), memory bandwidth (copying 32 MiB) and the cost of dispatching one small
     op (what every graph node pays in the executor). `link`: gloo's alpha-beta
-    (`link_from_table` of runtime/comm.measure_collectives) when a process group exists; else loopback
-    defaults measured on a 2-core VM (0.25 ms per step, 1 GB/s)."""
+    (`link_from_table` of runtime/comm.measure_collectives) when a process group exists;
+    else loopback defaults measured on a 2-core VM (0.25 ms per step, 1 GB/s)."""
     import time
     if "hw" not in _CPU_CACHE:
         torch.manual_seed(0)

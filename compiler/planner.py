@@ -858,7 +858,9 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     tensors) and its optimizer step; the time the roofline does not explain is the dispatch
     overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
     this at once, each repetition started together (a barrier), so each measures its share
-    of the cores (collective when a process group exists)."""
+    of the cores (collective when a process group exists). `fused`: the runtime will run
+    the optimizer as torch's fused kernel (Inductor's codegen: runtime/optim.prefer_fused),
+    so it is timed so."""
     import time as _time
     gm, sig = stats.graph
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -288,7 +288,7 @@ def measure_collectives(reps: int = 8) -> dict:
         name = group.group_name
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             ts = []
-            for per_rank in (1, big // n):
+            for per_rank in (1, -(-big // n)):  # (at least 4 MiB for any n)
                 x = torch.zeros(per_rank * n)
                 start = {
                     "all_reduce": lambda: start_all_reduce(x, "sum", name, True, kind),

@@ -14,9 +14,8 @@ from fxpar.compiler import cost, ir, planner
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory_model import stage_memory
 from fxpar.examples import gpt_stats as G
-from fxpar.runtime import comm
 from fxpar.examples import models as M
-from fxpar.runtime import schedules
+from fxpar.runtime import comm, schedules
 
 GiB = 2 ** 30
 
