@@ -254,32 +254,39 @@ class ParallelModel:
             return graphs
         world = self.world
         first = world.coordinate("dp") == 0 and world.coordinate("tp") == 0
-        out, error = {}, None
+        out: dict[str, torch.fx.GraphModule] = {}
 
-        def generate():
-            for name, gm in graphs.items():
-                t0 = time.perf_counter()
-                out[name] = codegen.generate(gm, world.device, name,
-                                             strict=program.plan.codegen == "inductor")
-                clock.add(f"codegen {name}", time.perf_counter() - t0, detail=out[
-                    name].meta["codegen"].summary())
-        if world.size == 1 or first:
+        def generate() -> BaseException | None:
             try:
-                generate()
+                for name, gm in graphs.items():
+                    t0 = time.perf_counter()
+                    out[name] = codegen.generate(gm, world.device, name,
+                                                 strict=program.plan.codegen == "inductor")
+                    clock.add(f"codegen {name}", time.perf_counter() - t0, detail=out[
+                        name].meta["codegen"].summary())
             except Exception as e:  # noqa: BLE001 - every rank raises it (below), none hangs
-                error = e
-        if world.size > 1:  # (every rank passes here: also a barrier for the cache)
-            errors = [None] * world.size
-            dist.all_gather_object(errors, None if error is None else
-                                   f"{type(error).__name__}: {error}")
-            failed = [(r, e) for r, e in enumerate(errors) if e]
-            if failed and error is None:
-                r, e = failed[0]
-                raise codegen.CodegenError(f"rank {r}: {e}")
-        if error is not None:
-            raise error
-        if not out:
-            generate()
+                return e
+            return None
+
+        def settle(error: BaseException | None) -> None:
+            """Every rank passes here: a failure on any rank is raised on all of them (a
+            rank alone raising would leave the others waiting at their first collective)."""
+            if world.size > 1:
+                errors = [None] * world.size
+                dist.all_gather_object(errors, None if error is None else
+                                       f"{type(error).__name__}: {error}")
+                failed = [(r, e) for r, e in enumerate(errors) if e]
+                if failed and error is None:
+                    r, e = failed[0]
+                    raise codegen.CodegenError(f"rank {r}: {e}")
+            if error is not None:
+                raise error
+        # the first ranks compile, the others then load their runs from the cache (the first
+        # settle is also the barrier for it); a rank that still fails (a strict codegen on
+        # a node whose cache is not shared) is settled like the first ones
+        settle(generate() if first else None)
+        if world.size > 1:
+            settle(None if first else generate())
         return out
 
     def _cuda_graph_decision(self) -> cudagraph.Decision:

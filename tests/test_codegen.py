@@ -255,6 +255,37 @@ def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
     assert len(calls) == 3 and not list(tmp_path.iterdir())
 
 
+def _fails_on_rank_1_only(_):
+    """A worker: rank 0 compiles (with the stand-in for Inductor), rank 1's Inductor fails
+    (as on a node whose cache is not shared); what each rank's parallelize raised."""
+    import os
+
+    import fxpar
+    from fxpar.compiler import codegen
+    from workers import OPTIMIZERS, build
+
+    def fails(sub, fakes):
+        raise RuntimeError("simulated: Inductor could not build a kernel")
+    codegen.inductor = fails if os.environ["RANK"] == "1" else (lambda sub, fakes: (sub, False))
+    model, batch_fn, _ = build("mlp")
+    try:
+        fxpar.parallelize(model, ["cpu", "cpu"], example_batch=batch_fn(0),
+                          optimizer=OPTIMIZERS["adamw"], plan={"dp": 2, "codegen": "inductor"})
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_codegen_failure_on_one_rank_alone_is_raised_on_every_rank():
+    """Only the first rank of a role compiles; the others load its runs from the cache. One
+    of them failing alone (strict codegen) must end every rank's parallelize with its cause,
+    not leave the rest waiting at the step's first collective."""
+    errors = fxpar.launch(_fails_on_rank_1_only, 2, None)
+    assert all(e and "CodegenError" in e for e in errors.values()), errors
+    assert "simulated: Inductor could not build a kernel" in errors[1]
+    assert errors[0].startswith("CodegenError: rank 1:"), errors[0]
+
+
 def test_decide(monkeypatch):
     monkeypatch.delenv("FXPAR_CODEGEN", raising=False)
     assert codegen.decide("auto", "cpu") == ("inductor", None)
