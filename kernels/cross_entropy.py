@@ -65,12 +65,15 @@ def _ce_bwd(X, T, Lse, G, stride_g, DX, rows, V, ignore_index,
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_forward(logits, target, reduction, ignore_index):
+def cross_entropy_forward(logits, target, reduction, ignore_index, upcast=False):
     """-> (loss, total_weight, lse) as aten.nll_loss_forward(aten._log_softmax(logits, 1),
     target, None, reduction, ignore_index) plus lse = logsumexp(logits, 1) in fp32.
 
     reduction: 0 none (loss [N]), 1 mean, 2 sum (0-d loss); total_weight is 0-d in the
-    logits dtype: the number of targets != ignore_index, or 0 with reduction none."""
+    logits dtype: the number of targets != ignore_index, or 0 with reduction none.
+    upcast: the cross-entropy of `logits.float()` (loss and total_weight in fp32), read
+    from the half-precision logits (the kernel computes in fp32 either way: no fp32 copy of
+    the [N, V] logits is written)."""
     x, t = logits.contiguous(), target.contiguous()
     n, v = x.shape
     loss = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -78,26 +81,29 @@ def cross_entropy_forward(logits, target, reduction, ignore_index):
     bm, bn, warps = row_blocks(n, v)
     _ce_fwd[(triton.cdiv(n, bm),)](x, t, loss, lse, n, v, ignore_index,
                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    out = torch.float32 if upcast else x.dtype
     if reduction == 0:
-        return loss.to(x.dtype), x.new_zeros(()), lse
+        return loss.to(out), x.new_zeros((), dtype=out), lse
     total_weight = (t != ignore_index).sum().to(torch.float32)
     loss = loss.sum()
     if reduction == 1:
         loss = loss / total_weight
-    return loss.to(x.dtype), total_weight.to(x.dtype), lse
+    return loss.to(out), total_weight.to(out), lse
 
 
 def cross_entropy_backward(grad_loss, logits, lse, target, reduction, ignore_index,
-                           total_weight):
+                           total_weight, upcast=False, grad_dtype=None):
     """-> grad_logits = (softmax - onehot(target)) * grad_loss (/ total_weight for mean),
-    0 on ignored rows; in the logits dtype."""
+    0 on ignored rows; in grad_dtype (default: the logits dtype, fp32 with `upcast`, the
+    gradient of `logits.float()`). Computed in fp32 and rounded once on the store: fp32
+    gradient then a cast, without writing the fp32 one."""
     x, t = logits.contiguous(), target.contiguous()
     n, v = x.shape
     g = grad_loss.float()
     if reduction == 1:
         g = g / total_weight.float()
     g = g.contiguous() if reduction == 0 else g.reshape(1)
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x, dtype=grad_dtype or (torch.float32 if upcast else x.dtype))
     bm, bn, warps = row_blocks(n, v)
     _ce_bwd[(triton.cdiv(n, bm),)](x, t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx,
                                    n, v, ignore_index, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)

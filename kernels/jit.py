@@ -133,6 +133,16 @@ def interpreter():
             os.environ["TRITON_INTERPRET"] = old
 
 
+def stored_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `x` as a kernel's `.to(dtype)` store gives it where the kernel runs: on a GPU
+    rounded to nearest even (torch's cast); in Triton's interpreter (3.x) an fp32 -> bf16
+    store truncates the mantissa instead (one bf16 ulp toward zero at most)."""
+    if dtype == torch.bfloat16 and x.device.type == "cpu" and \
+            os.environ.get("TRITON_INTERPRET") == "1":
+        return (x.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

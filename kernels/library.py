@@ -235,22 +235,28 @@ SINGLE_OP = {
 
 # --- patterns the fusion pass rewrites --------------------------------------------------------
 
-def _ce_reference(logits, target, reduction, ignore_index):
+def _ce_reference(logits, target, reduction, ignore_index, upcast=False):
+    logits = logits.float() if upcast else logits
     ls = aten._log_softmax.default(logits, 1, False)
     loss, total_weight = aten.nll_loss_forward.default(ls, target, None, reduction, ignore_index)
     return loss, total_weight, aten.logsumexp.default(logits.float(), [1])
 
 
-def _ce_bw_reference(grad_loss, logits, lse, target, reduction, ignore_index, total_weight):
+def _ce_bw_reference(grad_loss, logits, lse, target, reduction, ignore_index, total_weight,
+                     upcast=False, grad_dtype=None):
+    logits = logits.float() if upcast else logits
     ls = (logits.float() - lse[:, None]).to(logits.dtype)
     g = aten.nll_loss_backward.default(grad_loss, ls, target, None, reduction, ignore_index,
                                        total_weight)
-    return aten._log_softmax_backward_data.default(g, ls, 1, logits.dtype)
+    dx = aten._log_softmax_backward_data.default(g, ls, 1, logits.dtype)
+    return dx if grad_dtype is None else dx.to(grad_dtype)
 
 
+# (upcast, grad_dtype: the kernels read half-precision logits where the graph held their
+# fp32 copy, and write the gradient in half where the graph cast it down: fusion.py)
 cross_entropy_forward = KernelCall(
     "cross_entropy", ce.cross_entropy_forward, _ce_reference,
-    lambda logits, target, reduction, ignore_index: ce.supports(logits, target))
+    lambda logits, target, *_: ce.supports(logits, target))
 cross_entropy_backward = KernelCall(
     "cross_entropy_backward", ce.cross_entropy_backward, _ce_bw_reference,
     lambda *a: ce.supports(a[1], a[3]))

@@ -255,13 +255,18 @@ def _cross_entropy(graph, nll) -> list[Group]:
         return []
     logits = ls.args[0]
     nll_bw, ls_bw = ([match[1]], [match[2]]) if match[1] is not None else ([], [])
-    why = library.cross_entropy_forward.supports(logits, target, reduction, ignore)
+    # the precision pass's fp32 copy of half-precision logits: the kernels read the half
+    # ones (they compute in fp32 either way), and the [N, V] fp32 copy is never written
+    upcast = _half_to_fp32(logits)
+    src = logits.args[0] if upcast else logits
+    why = library.cross_entropy_forward.supports(src, target, reduction, ignore)
     if why:
         log.debug("fusion: %s stays unfused: %s", nll.name, why)
         return []
-    before = _traffic([ls, nll])
+    before = _traffic([ls, nll] + ([logits] if upcast and len(logits.users) == 1 else []))
     with graph.inserting_after(nll):
-        fwd = graph.call_function(library.cross_entropy_forward, (logits, target, reduction, ignore))
+        fwd = graph.call_function(library.cross_entropy_forward,
+                                  (src, target, reduction, ignore, upcast))
     fwd.meta = dict(nll.meta)
     lv, tw = nll.meta[ir.VAL]
     lse_val = logits.meta[ir.VAL].new_empty(logits.meta[ir.VAL].shape[:1], dtype=torch.float32)
@@ -276,12 +281,21 @@ def _cross_entropy(graph, nll) -> list[Group]:
             lse = graph.call_function(operator.getitem, (fwd, 2))
         lse.meta = {k: v for k, v in fwd.meta.items() if k != ir.FUSED_GROUP}
         lse.meta[ir.VAL] = lse_val
-        before_b = _traffic([nb, lb])
+        # the gradient's one down-cast (precision pass) is the kernel's store: the fp32
+        # gradient rounded once, without writing it in fp32
+        down = [u for u in lb.users if upcast and u.target is aten._to_copy.default and
+                u.kwargs == {"dtype": src.meta[ir.VAL].dtype}]
+        down = down[0] if down and len(lb.users) == 1 else None
+        before_b = _traffic([nb, lb] + ([down] if down else []))
         with graph.inserting_after(lb):
-            bwd = graph.call_function(library.cross_entropy_backward,
-                                      (grad_loss, logits, lse, target, reduction, ignore,
-                                       total_weight))
+            bwd = graph.call_function(library.cross_entropy_backward, (
+                grad_loss, src, lse, target, reduction, ignore, total_weight, upcast,
+                down.kwargs["dtype"] if down else None))
         bwd.meta = dict(lb.meta)
+        if down:
+            bwd.meta[ir.VAL] = down.meta[ir.VAL]
+            down.replace_all_uses_with(bwd)
+            graph.erase_node(down)
         lb.replace_all_uses_with(bwd)
         groups.append(_record(bwd, "cross_entropy_backward",
                               ["nll_loss_backward", "_log_softmax_backward_data"],
@@ -290,7 +304,23 @@ def _cross_entropy(graph, nll) -> list[Group]:
         graph.erase_node(nb)
     graph.erase_node(nll)
     graph.erase_node(ls)
+    if upcast and not logits.users:
+        graph.erase_node(logits)
     return groups
+
+
+def _half_to_fp32(n) -> bool:
+    """Whether `n` is a plain cast of a half-precision tensor to fp32."""
+    if not (isinstance(n, torch.fx.Node) and n.op == "call_function"):
+        return False
+    if n.target is aten._to_copy.default:
+        ok = n.kwargs == {"dtype": torch.float32}
+    elif n.target is torch.ops.prims.convert_element_type.default:
+        ok = n.args[1:] == (torch.float32,) and not n.kwargs
+    else:
+        return False
+    src = n.args[0].meta.get(ir.VAL) if isinstance(n.args[0], torch.fx.Node) else None
+    return ok and isinstance(src, torch.Tensor) and src.dtype in (torch.bfloat16, torch.float16)
 
 
 def cross_entropy_for_inductor(gm: torch.fx.GraphModule, triton: bool) -> list[Group]:

@@ -134,16 +134,25 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         return x in params
 
     def cast(x, dtype, user):
-        """x as `dtype`: one cast per (value, region); a parameter's (and its views') cast is
-        shared by all its users (per region only under ZeRO-3)."""
+        """x as `dtype`, cast once: a parameter's (and its views') cast is shared by all its
+        users (per region only under ZeRO-3); a value's down-cast too, forward and backward,
+        and made on the whole value under its views (autocast: a matmul saves its half
+        input for the backward, and its gradient is cast to half once for both backward
+        matmuls; a backward re-casting from fp32 kept the fp32 value alive and moved its
+        bytes again); an up-cast once per region (re-made from the half value in the
+        backward rather than kept alive in fp32 from the forward)."""
         if dtype_of(x) == dtype or not dtype_of(x).is_floating_point:
             return x
         on_param = param_rooted(x)
-        scope = "param" if on_param and plan.zero != 3 else user.meta[ir.REGION]
+        down = torch.finfo(dtype).bits < torch.finfo(dtype_of(x)).bits
+        scope = ("param" if plan.zero != 3 else user.meta[ir.REGION]) if on_param else \
+            "value" if down else user.meta[ir.REGION]
         key = (x, dtype, scope)
         if key in casts:
             return casts[key]
-        if on_param and x not in params:  # a view of a weight: re-make it on the cast weight
+        if (on_param and x not in params) or (  # a view of a weight: re-made on its cast
+                not on_param and down and x.op == "call_function" and x.target in _VIEWS
+                and x.target is not aten.slice.Tensor):  # (a value's: not a part of it)
             base = cast(x.args[0], dtype, user)
             with graph.inserting_before(user):
                 new = graph.call_function(x.target, (base, *x.args[1:]), dict(x.kwargs))

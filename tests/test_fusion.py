@@ -9,8 +9,8 @@ import fxpar
 from fxpar.compiler import capture, cost, ir
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.examples.models import GPT, GPTConfig, gpt_batch, hf_llama, hf_lm_batch
-from fxpar.kernels import codegen
-from fxpar.kernels.jit import interpreter
+from fxpar.kernels import codegen, library
+from fxpar.kernels.jit import interpreter, stored_as
 from fxpar.passes import fusion
 
 aten = torch.ops.aten
@@ -665,6 +665,49 @@ def _closed_form(fn, *args):
     gm.graph.lint()
     gm.recompile()
     return gm, want
+
+
+def test_cross_entropy_kernel_reads_half_logits_and_writes_the_half_gradient():
+    """Mixed precision: the precision pass casts the logits up to fp32 for log_softmax and
+    the gradient back down once. The kernels read the half logits (no [N, V] fp32 copy is
+    written) and store the gradient in half (no fp32 one is written); the results equal the
+    kernels' on the fp32 copy, then cast, bit for bit (as the store rounds where it runs)."""
+    def joint(x16, t, g):
+        loss, tw, dx = _cross_entropy_joint(aten._to_copy(x16, dtype=torch.float32), t, g, 1)
+        return loss, tw, aten._to_copy(dx, dtype=torch.bfloat16)
+    x = (torch.randn(12, 40) * 3).to(torch.bfloat16)
+    t = torch.randint(0, 40, (12,))
+    g = torch.tensor(1.5)
+    with interpreter():
+        gm = make_fx(joint, tracing_mode="fake")(x, t, g)
+        ref = make_fx(lambda x, t, g: _cross_entropy_joint(x.float(), t, g, 1),
+                      tracing_mode="fake")(x, t, g)
+        for graph in (gm, ref):
+            for n in graph.graph.nodes:
+                if n.op == "call_function":
+                    n.meta[ir.MODULE] = ""
+                    n.meta[ir.REGION] = ir.BACKWARD if n.target in (
+                        aten.nll_loss_backward.default,
+                        aten._log_softmax_backward_data.default) else ir.FORWARD
+        for graph in (gm, ref):
+            fusion.run(graph, fxpar.Plan(), PassContext(signature=None, device="cpu",
+                                                         codegen="inductor"))
+            graph.recompile()
+        vals = [n.meta[ir.VAL] for n in gm.graph.nodes if n.op == "call_function"]
+        assert not [v for v in vals if isinstance(v, torch.Tensor) and v.shape == (12, 40)
+                    and v.dtype == torch.float32], gm.graph
+        kernels = [n for n in gm.graph.nodes if n.op == "call_function" and
+                   isinstance(n.target, library.KernelCall)]
+        assert [k.args[1 if k.target.name == "cross_entropy_backward" else 0] for k in
+                kernels] == [gm.graph.find_nodes(op="placeholder")[0]] * 2
+        loss, tw, dx = gm(x, t, g)
+        want = ref(x, t, g)
+        assert torch.equal(dx, stored_as(want[2], torch.bfloat16))
+    assert loss.dtype == tw.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    assert torch.equal(loss, want[0]) and torch.equal(tw, want[1])
+    d = gm.meta["fusion"]
+    assert [grp.kind for grp in d.groups] == ["cross_entropy", "cross_entropy_backward"]
+    assert d.bytes_fused < d.bytes_unfused
 
 
 @pytest.mark.parametrize("reduction", [1, 2])

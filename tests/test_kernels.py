@@ -11,7 +11,7 @@ import torch
 
 from fxpar.kernels import attention, layernorm, rmsnorm, softmax
 from fxpar.kernels import cross_entropy as ce
-from fxpar.kernels.jit import interpreter
+from fxpar.kernels.jit import interpreter, stored_as
 
 aten = torch.ops.aten
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -214,6 +214,29 @@ def test_cross_entropy_all_ignored_and_bf16():
     want = aten._log_softmax_backward_data(
         aten.nll_loss_backward(g.float(), ls, t, None, 1, 7, rtw), ls, 1, torch.float32)
     close_bf16(dx, want, rtol=2e-2, atol=1e-3)  # entries are O(1/29)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cross_entropy_of_the_fp32_copy_read_from_half_logits(dtype):
+    """upcast: the kernels read half-precision logits and compute what they compute on the
+    logits' fp32 copy, bit for bit (loss in fp32); grad_dtype: the fp32 gradient rounded
+    once to half on the store, equal to the fp32 gradient cast down (as the store rounds
+    where it runs: jit.stored_as)."""
+    x = (torch.randn(37, 129) * 3).to(dtype)
+    t = torch.randint(0, 129, (37,))
+    t[::5] = -100
+    for reduction in (0, 1, 2):
+        want = ce.cross_entropy_forward(x.float(), t, reduction, -100)
+        got = ce.cross_entropy_forward(x, t, reduction, -100, True)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        loss, tw, lse = want
+        g = torch.randn(loss.shape)
+        dx32 = ce.cross_entropy_backward(g, x.float(), lse, t, reduction, -100, tw)
+        assert torch.equal(ce.cross_entropy_backward(g, x, lse, t, reduction, -100, tw, True),
+                           dx32)
+        dx = ce.cross_entropy_backward(g, x, lse, t, reduction, -100, tw, True, dtype)
+        assert dx.dtype == dtype and torch.equal(dx, stored_as(dx32, dtype))
 
 
 # --- attention -------------------------------------------------------------------------------

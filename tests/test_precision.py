@@ -79,6 +79,52 @@ def test_mlp_matmuls_in_bf16_loss_in_fp32_one_cast_per_weight_fp32_grads():
     assert _decision_line("precision", gm).startswith("bfloat16: 8 ops in half")
 
 
+def test_a_value_is_cast_down_once_for_its_forward_and_backward_matmuls():
+    """As autocast: a matmul's half input (here a LayerNorm's fp32 output) is the forward's
+    cast, reused by the backward's weight-gradient matmul (the backward does not re-cast it
+    from a kept fp32 copy), and an fp32 gradient (from a LayerNorm's backward) is cast once
+    for both of its backward matmuls, views re-made on the cast."""
+    torch.manual_seed(0)
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                           torch.nn.Linear(32, 32), torch.nn.LayerNorm(32),
+                                           torch.nn.Linear(32, 4))
+
+        def forward(self, batch):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    gm, sig, _ = _compile(Normed(), batch, precision="bf16", remat="none")
+    params = set([n for n in gm.graph.nodes if n.op == "placeholder"][:sig.num_params])
+
+    def root(n):
+        while n.op == "call_function" and n.target in precision._VIEWS:
+            n = n.args[0]
+        return n
+    down = [n for n in gm.graph.nodes if n.target is aten._to_copy.default and
+            n.kwargs["dtype"] == BF16 and root(n.args[0]) not in params]
+    roots = [root(c.args[0]) for c in down]
+    assert len(roots) == len(set(roots)) and len(roots) >= 4, [(c.name, r.name) for c, r in
+                                                             zip(down, roots)]
+    assert all(c.args[0] is r for c, r in zip(down, roots))  # the value itself, views after
+    norms = [n for n in gm.graph.nodes if n.target is aten.native_layer_norm.default]
+    for ln in norms:  # each norm's output: one forward cast, read by both of its matmuls
+        (c,) = [c for c, r in zip(down, roots) if r.args and r.args[0] is ln]
+        assert c.meta[ir.REGION] == ir.FORWARD
+        readers = {u.meta[ir.REGION] for u in gm.graph.nodes if u.target in (
+            aten.mm.default, aten.addmm.default) and any(root(a) is c for a in u.all_input_nodes)}
+        assert readers == {ir.FORWARD, ir.BACKWARD}, ln.name
+    readers = []  # a norm's input gradient, cast once: the middle linear's dX and dW, the
+    for lnb in [n for n in gm.graph.nodes  # first's dW (its input needs no gradient)
+                if n.target is aten.native_layer_norm_backward.default]:
+        (c,) = [c for c, r in zip(down, roots) if r.args and r.args[0] is lnb]
+        readers.append(len([u for u in gm.graph.nodes if u.target is aten.mm.default and
+                            any(root(a) is c for a in u.all_input_nodes)]))
+    assert sorted(readers) == [1, 2], readers
+    verify(gm)
+
+
 def test_gpt_softmax_norms_loss_reductions_fp32_attention_bf16():
     torch.manual_seed(0)
     cfg = M.GPTConfig()
