@@ -1,0 +1,74 @@
+"""What a mixed-precision step keeps and moves: fxpar's bf16 program vs its fp32 program.
+
+For Hugging Face GPT-2 small and a 12 x 768 Llama at the GPU benchmark's size (8 x 1024
+tokens), built on the meta device (nothing runs, any machine): the joint graph after fxpar's
+passes, as one device runs it, counted op by op by the cost model (compiler/cost.py):
+- activation peak: cost.simulate_liveness's peak of live activations (what remat budgets);
+- bytes written: every op's outputs (views free);
+- fp32 [N, V]: fp32 tensors of the logits' size (a copy of the logits, its gradient).
+bf16 should keep about half of fp32's bytes; more means fp32 values kept where autocast keeps
+half ones. `--triton`: the graph as a GPU with Triton gets it (fxpar's cross-entropy kernel,
+planned under TRITON_INTERPRET=1; nothing is launched), else as Inductor's closed form (CPU).
+
+    .venv/bin/python benchmarks/precision_memory.py [--triton]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import fxpar
+from fxpar.compiler import cost
+from fxpar.examples import models as M
+
+GiB = 2 ** 30
+MODELS = {
+    "gpt2": (lambda: M.hf_gpt2(vocab=50257, n_embd=768, n_layer=12, n_head=12,
+                               n_positions=1024), 50257),
+    "llama": (lambda: M.hf_llama(vocab=32000, hidden=768, layers=12, heads=12, kv_heads=4,
+                                 max_pos=1024), 32000),
+}
+
+
+def count(gm: torch.fx.GraphModule, vocab: int) -> tuple[int, int, int]:
+    """(activation peak, bytes written, fp32 [N, V] tensors) of a program graph."""
+    peak = cost.simulate_liveness(gm, count_inputs=False).peak["activations"]
+    written, logits = 0, 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or cost.is_view(n):
+            continue
+        written += cost.node_bytes(n)[1]
+        v = n.meta.get("val")
+        logits += isinstance(v, torch.Tensor) and v.dtype == torch.float32 and \
+            v.dim() >= 2 and v.shape[-1] == vocab and v.numel() >= 8 * 1024 * vocab
+    return peak, written, logits
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--triton", action="store_true")
+    args = ap.parse_args()
+    if args.triton:
+        os.environ["TRITON_INTERPRET"] = "1"  # lets the fusion pass plan Triton kernels
+    print(f"{'model':6s} {'precision':9s} {'act. peak GiB':>13s} {'written GiB':>12s} "
+          f"{'fp32 [N,V]':>10s}")
+    for name, (make, vocab) in MODELS.items():
+        torch.manual_seed(0)
+        model = make().to("meta")
+        batch = M.hf_lm_batch(vocab, 8, 1024)
+        rows = {}
+        for precision in ("fp32", "bf16"):
+            prog = fxpar.compile(model, 1, example_batch=batch,
+                                 plan=dict(precision=precision, codegen="inductor"))
+            rows[precision] = count(prog.graph, vocab)
+            peak, written, logits = rows[precision]
+            print(f"{name:6s} {precision:9s} {peak / GiB:13.2f} {written / GiB:12.2f} "
+                  f"{logits:10d}")
+        print(f"{name:6s} bf16/fp32 {rows['bf16'][0] / rows['fp32'][0]:13.3f} "
+              f"{rows['bf16'][1] / rows['fp32'][1]:12.3f}")
+
+
+if __name__ == "__main__":
+    main()
