@@ -191,15 +191,8 @@ def _slots(pm):
     if pm.sharded_optimizer is not None:
         buckets = pm.program.zero_buckets if pm.pipeline_runner is None else [
             pm.program.zero_buckets[k] for k in pm.pipeline_runner.held_buckets]
-        out = []
-        for shard, idx in zip(pm.sharded_optimizer.shards, buckets):
-            off, members = 0, []
-            for i in idx:
-                n = pm.sharded_optimizer.shapes[i].numel()
-                members.append((i, off, n))
-                off += n
-            out.append((shard, members, True))
-        return out
+        return [(shard, pm.sharded_optimizer.bucket_layout(idx), True)
+                for shard, idx in zip(pm.sharded_optimizer.shards, buckets)]
     index = {id(p): i for i, p in enumerate(pm.params)}
     out = []
     for g in opt.param_groups:

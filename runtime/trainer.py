@@ -536,11 +536,8 @@ class ParallelModel:
         # each rank counts its own shard
         for idx, shard in zip(buckets, self.sharded_optimizer.shards):
             mask = torch.zeros(shard.numel() * dp, device=shard.device)
-            off = 0
-            for i in idx:
-                n = self.sharded_optimizer.shapes[i].numel()
+            for i, off, n in self.sharded_optimizer.bucket_layout(idx):
                 mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0
-                off += n
             mask = mask[dp_r * shard.numel():(dp_r + 1) * shard.numel()]
             counted.append(True if bool(mask.all()) else (False if not mask.any() else mask))
         return amp.GradNormPlan(counted)

@@ -36,6 +36,7 @@ class ShardedOptimizer:
         self.dp, self.rank, self.group = dp, rank, group
         self.shard_params = shard_params
         self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
+        self.bucket_indices = [list(idx) for idx in buckets]
         self.buckets = [[params[i] for i in idx] for idx in buckets]
         with torch.no_grad():
             if shard_params and param_shards is not None:
@@ -51,6 +52,17 @@ class ShardedOptimizer:
                 self.shards = [self._slice(self._flat(members)) for members in self.buckets]
         # a pipeline rank whose stages make no gradient (all weights elsewhere) steps nothing
         self.optimizer = factory(self.shards) if self.shards else None
+
+    def bucket_layout(self, idx: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(parameter index, offset, numel) of each member of a bucket (its parameter
+        indices, in order) in the bucket's flat buffer: how every flat view of it (the
+        gathered parameters, a checkpoint's shard, the gradient-norm mask) is taken apart."""
+        out, off = [], 0
+        for i in idx:
+            n = self.shapes[i].numel()
+            out.append((i, off, n))
+            off += n
+        return out
 
     def _slice(self, flat):
         size = flat.numel() // self.dp
@@ -75,11 +87,10 @@ class ShardedOptimizer:
         with torch.no_grad():  # all buckets' gathers in flight at once, then unpacked
             pending = [comm.start_all_gather(s, self.dp, self.group.group_name,
                                              "all_gather params (ZeRO)") for s in self.shards]
-            for members, p in zip(self.buckets, pending):
-                full, off = comm.wait(p), 0
-                for param in members:
-                    param.copy_(full[off:off + param.numel()].view_as(param))
-                    off += param.numel()
+            for idx, members, p in zip(self.bucket_indices, self.buckets, pending):
+                full = comm.wait(p)
+                for (_, off, n), param in zip(self.bucket_layout(idx), members):
+                    param.copy_(full[off:off + n].view_as(param))
 
     def full_param(self, i: int) -> torch.Tensor:
         """Stage 3: parameter i all-gathered from its shards (collective over the dp group)."""
