@@ -407,6 +407,39 @@ def test_cut_graph_computes_what_the_graph_does_with_remat_rng_replay():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _passthrough(t):  # not an ATen op: the outer graph runs it, between compiled runs
+    return t * 1
+
+
+def test_a_late_getitem_of_a_multi_output_op_after_a_cut():
+    """var_mean in the first run, one of its results taken apart only after a node that
+    ends that run (a getitem joins its op's run wherever it sits): the cut graph returns
+    what the graph returns, and the late result reaches the second run."""
+    import operator
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    vm = g.call_function(aten.var_mean.correction, (x, [1]), {"correction": 0, "keepdim": True})
+    mean = g.call_function(operator.getitem, (vm, 1))
+    c = g.call_function(aten.sin.default, (g.call_function(aten.mul.Tensor, (
+        g.call_function(aten.sub.Tensor, (x, mean)),) * 2),))
+    cut = g.call_function(_passthrough, (c,))
+    var = g.call_function(operator.getitem, (vm, 0))  # after the cut
+    out = g.call_function(aten.cos.default, (g.call_function(aten.exp.default, (
+        g.call_function(aten.add.Tensor, (cut, var)),)),))
+    g.output((out, var))
+    for n in g.nodes:
+        n.meta[ir.REGION] = ir.FORWARD
+    gm = torch.fx.GraphModule({}, g)
+    x_val = torch.randn(4, 8)
+    FakeTensorProp(gm).propagate(x_val)
+    gen = codegen.generate(gm, "cpu", compile_fn=_eager_compile)
+    runs = gen.meta["codegen"].runs
+    assert len(runs) == 2, runs
+    for a, b in zip(gm(x_val), gen(x_val)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_fused_optimizer_only_where_the_user_left_it_to_torch():
     from fxpar.runtime import optim
     w = [torch.nn.Parameter(torch.randn(4, 4))]
