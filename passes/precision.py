@@ -22,9 +22,10 @@ ZeRO-3 the backward casts its own copy (the backward re-gathers the weight, so k
 forward's cast alive would hold a whole half weight between forward and backward). Any other
 value is cast down once too, whole, under its views, and that cast serves the forward and the
 backward: as under autocast, where a matmul saves its half input for its weight gradient and
-an fp32 gradient is cast to half once for both backward matmuls (HF GPT-2 small, 8 x 1024:
-the joint graph's live peak 9.8 -> 8.0 GiB, docs/benchmarks.md). Up-casts are made once per
-region (the backward re-makes them from the half value rather than keeping fp32). Gradients
+an fp32 gradient is cast to half once for both backward matmuls (before, the backward kept
+fp32 activations alive to re-cast them: docs/benchmarks.md "Mixed precision"). Up-casts are
+made once per region (the backward re-makes them from the half value rather than keeping
+fp32). Gradients
 are cast to fp32 right where they are made: they leave the graph (and are all-reduced / reduce-
 scattered by the data-parallel pass) in fp32, like DDP under autocast, whose .grad is the fp32
 parameter's: one rounding per gradient, and the sum over ranks adds fp32 rounding only. Buffer updates
