@@ -262,6 +262,41 @@ cross_entropy_backward = KernelCall(
     lambda *a: ce.supports(a[1], a[3]))
 
 
+@torch.library.custom_op("fxpar::cross_entropy", mutates_args=())
+def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, reduction: int,
+                     ignore_index: int, upcast: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cross-entropy kernel as an op: Inductor calls it from inside a compiled run (a
+    fallback kernel), where a Python callable would end the run (one fuser: Inductor's,
+    with fxpar's kernels as ops it calls). A kernel that cannot be built runs the ATen
+    reference (KernelCall)."""
+    loss, total_weight, lse = cross_entropy_forward(logits, target, reduction, ignore_index,
+                                                    upcast)
+    return loss, total_weight, lse
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, reduction, ignore_index, upcast):
+    return _ce_reference(logits, target, reduction, ignore_index, upcast)
+
+
+@torch.library.custom_op("fxpar::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                              target: torch.Tensor, reduction: int, ignore_index: int,
+                              total_weight: torch.Tensor, upcast: bool,
+                              grad_dtype: torch.dtype | None) -> torch.Tensor:
+    """The cross-entropy backward kernel as an op (see cross_entropy_op)."""
+    return cross_entropy_backward(grad_loss, logits, lse, target, reduction, ignore_index,
+                                  total_weight, upcast, grad_dtype)
+
+
+@cross_entropy_backward_op.register_fake
+def _(grad_loss, logits, lse, target, reduction, ignore_index, total_weight, upcast,
+      grad_dtype):
+    dtype = grad_dtype or (torch.float32 if upcast else logits.dtype)
+    return logits.new_empty(logits.shape, dtype=dtype)
+
+
 def _rms_reference(x, w, eps):
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return w * (x * r), r

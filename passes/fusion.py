@@ -31,10 +31,10 @@ why in the log and in `gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out
 
 With Plan.codegen resolved to Inductor (ctx.codegen), Inductor is the fuser: this pass then
 swaps in only the cross-entropy kernel (measured 7x eager and 1.12x torch.compile on an
-H100; docs/benchmarks.md), which stays a call between Inductor's compiled runs; where that
-kernel cannot run (CPU, shapes it does not take) the cross-entropy pattern becomes the ATen
-ops of its closed form, which Inductor compiles into one pass over the logits each way
-(`_cross_entropy_closed_form`).
+H100; docs/benchmarks.md), as a custom op (`fxpar::cross_entropy`, kernels/library.py) that
+Inductor calls from inside its compiled runs; where that kernel cannot run (CPU, shapes it
+does not take) the cross-entropy pattern becomes the ATen ops of its closed form, which
+Inductor compiles into one pass over the logits each way (`_cross_entropy_closed_form`).
 """
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
         return []
     before = _traffic([ls, nll] + ([logits] if upcast and len(logits.users) == 1 else []))
     with graph.inserting_after(nll):
-        fwd = graph.call_function(library.cross_entropy_forward,
+        fwd = graph.call_function(library.cross_entropy_op._opoverload,
                                   (src, target, reduction, ignore, upcast))
     fwd.meta = dict(nll.meta)
     lv, tw = nll.meta[ir.VAL]
@@ -288,7 +288,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
         down = down[0] if down and len(lb.users) == 1 else None
         before_b = _traffic([nb, lb] + ([down] if down else []))
         with graph.inserting_after(lb):
-            bwd = graph.call_function(library.cross_entropy_backward, (
+            bwd = graph.call_function(library.cross_entropy_backward_op._opoverload, (
                 grad_loss, src, lse, target, reduction, ignore, total_weight, upcast,
                 down.kwargs["dtype"] if down else None))
         bwd.meta = dict(lb.meta)

@@ -239,6 +239,29 @@ def test_cross_entropy_of_the_fp32_copy_read_from_half_logits(dtype):
         assert dx.dtype == dtype and torch.equal(dx, stored_as(dx32, dtype))
 
 
+def test_cross_entropy_ops_lay_out_their_outputs_as_their_fakes_say():
+    """The cross-entropy kernels as the custom ops Inductor calls (fxpar::cross_entropy and
+    its backward): schema, fake kernels (shapes, strides, dtypes) and AOT dispatch checked
+    by torch.library.opcheck; Inductor trusts the fakes' layouts around a fallback op."""
+    from fxpar.kernels import library  # noqa: F401 (registers the ops)
+    ops = torch.ops.fxpar
+    for dtype, upcast, grad_dtype in [(torch.float32, False, None), (torch.bfloat16, True, None),
+                                      (torch.bfloat16, True, torch.bfloat16)]:
+        x = torch.randn(7, 33).to(dtype)
+        t = torch.randint(0, 33, (7,))
+        for reduction in (0, 1):
+            args = (x, t, reduction, -100, upcast)
+            assert torch.library.opcheck(ops.cross_entropy.default, args) == {
+                k: "SUCCESS" for k in ("test_schema", "test_autograd_registration",
+                                       "test_faketensor", "test_aot_dispatch_dynamic")}
+            loss, tw, lse = ops.cross_entropy.default(*args)
+            g = torch.ones_like(loss)
+            result = torch.library.opcheck(ops.cross_entropy_backward.default,
+                                           (g, x, lse, t, reduction, -100, tw, upcast,
+                                            grad_dtype))
+            assert set(result.values()) == {"SUCCESS"}, result
+
+
 # --- attention -------------------------------------------------------------------------------
 
 def _flash_ref(*args, backward=False, **kw):
