@@ -212,6 +212,23 @@ def _trace_error(exc: BaseException, module_path: str) -> TraceError:
         "`torch.cond`) or compute it outside the model and pass it in the batch.")
 
 
+def _dynamic_shape_error(exc: BaseException, module_path: str) -> TraceError:
+    """An op whose output shape depends on tensor values (DynamicOutputShapeException: e.g.
+    ctc_loss, nonzero without a size), named with the user code that called it."""
+    op = getattr(exc, "func", None)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/fxpar/" not in f.filename
+              and "/compiler/capture.py" not in f.filename]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+    return TraceError(
+        f"cannot trace module '{module_path or '<root>'}': {op or 'an operation'} makes a "
+        f"tensor whose shape depends on tensor values, at {where}. fxpar compiles one static "
+        "graph for every step, traced on fake tensors of the example batch's shapes, and torch "
+        "has no fixed-shape kernel for that op to trace. Fix: use an op with a fixed output "
+        "shape there (e.g. `nonzero_static`, masking instead of boolean indexing), or "
+        "compute that part outside the model.")
+
+
 def capture(model: torch.nn.Module, example_batch: Any,
             loss_fn: Callable | None = None, *, joint: bool = True,
             stand_ins: dict[int, torch.Tensor] | None = None
@@ -260,6 +277,11 @@ def capture(model: torch.nn.Module, example_batch: Any,
             data_dep = "DataDependent" in type(cause).__name__
         if data_dep:
             raise _trace_error(e, tagger.stack[-1]) from e
+        dynamic = e
+        while dynamic is not None and type(dynamic).__name__ != "DynamicOutputShapeException":
+            dynamic = dynamic.__cause__
+        if dynamic is not None:
+            raise _dynamic_shape_error(dynamic, tagger.stack[-1]) from e
         raise TraceError(
             f"cannot trace module '{tagger.stack[-1] or '<root>'}': {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}. fxpar traces loss_fn(model, batch) with "

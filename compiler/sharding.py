@@ -279,6 +279,9 @@ def has_sharding_rule(op) -> bool:
     return op in _BATCH_HEAD_OPS or _registered(DTensor._op_dispatcher.sharding_propagator, op)
 
 
+_WARNED_NO_RULE: set = set()  # ops without a DTensor rule, warned about once per process
+
+
 def _registered(prop, op) -> bool:
     return (op in prop.op_strategy_funcs or op in prop.op_to_rules
             or op in getattr(prop, "op_single_dim_strategy_funcs", {}))
@@ -584,14 +587,32 @@ class _Sharder:
                         for p, v in zip(out_pl, vals))
             return out if isinstance(val, (tuple, list)) else out[0]
         if not _registered(self.prop, op) or op._schema.is_mutable:
-            ins = self.inputs(node)
-            if all(_placements(self.specs[a]) == self.replicate for a in ins):
+            ins = [a for a in self.inputs(node) if isinstance(self.specs.get(a), DTensorSpec)]
+            split = {a: self.replicate for a in ins
+                     if _placements(self.specs[a]) != self.replicate}
+            if not split:
+                return _out_spec(self.mesh, self.replicate, val)
+            if not op._schema.is_mutable:
+                # no rule (e.g. weight_norm's backward, reached by a partial gradient under
+                # dp): the op runs on whole inputs, which is always valid for a functional
+                # op - each split input gathered, each partial one reduced, once
+                gathers = any(isinstance(p, Shard) for a in split
+                              for p in _placements(self.specs[a]))
+                if op not in _WARNED_NO_RULE:  # (a split input costs a gather: say so)
+                    _WARNED_NO_RULE.add(op)
+                    log.log(logging.WARNING if gathers else logging.INFO,
+                            "%s (module '%s') has no DTensor sharding rule: it runs on whole "
+                            "inputs (%s gathered or reduced first)", op,
+                            node.meta.get(ir.MODULE, ""),
+                            [_placements(self.specs[a]) for a in split])
+                self.place(node, split)
                 return _out_spec(self.mesh, self.replicate, val)
             raise ShardingError(
                 f"cannot decide the sharding of {op} (node {node.name}, module "
-                f"'{node.meta.get(ir.MODULE, '')}'): DTensor has no sharding rule for it and its "
-                f"inputs are sharded ({[_placements(self.specs[a]) for a in ins]}). Fix: rewrite "
-                "that code with ops that have rules (most ATen ops do), or report the op to fxpar.")
+                f"'{node.meta.get(ir.MODULE, '')}'): it writes into its inputs, which are "
+                f"sharded ({[_placements(self.specs[a]) for a in ins]}), and DTensor has no "
+                "sharding rule for it. Fix: rewrite that code without the in-place op (most "
+                "out-of-place ATen ops have rules), or report the op to fxpar.")
         try:
             out = self.ask_dtensor(node)
             strided = any(isinstance(p, _StridedShard)

@@ -72,6 +72,31 @@ def tokens_batch(step: int) -> tuple:
     return ids, torch.roll(ids, -1, dims=1)
 
 
+def audio_batch(step: int) -> dict:
+    """Wav2Vec2: 400 raw samples per row, a class per row."""
+    g = torch.Generator().manual_seed(7300 + step)
+    return {"input_values": torch.randn(BATCH, 400, generator=g),
+            "labels": torch.arange(BATCH) % 3}
+
+
+def speech_batch(step: int) -> dict:
+    """Whisper: 8 mel bins x 32 frames per row, a transcript of SEQ // 2 tokens."""
+    g = torch.Generator().manual_seed(7000 + step)
+    return {"input_features": torch.randn(BATCH, 8, 32, generator=g),
+            "labels": torch.randint(3, VOCAB, (BATCH, SEQ // 2), generator=g)}
+
+
+def image_text_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(7100 + step)
+    return {"input_ids": torch.randint(3, VOCAB, (BATCH, SEQ), generator=g),
+            "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g)}
+
+
+def contrastive_loss(model, batch):
+    """CLIP's symmetric loss: each image against every text of the batch and back."""
+    return model(**batch, return_loss=True).loss
+
+
 # --- Hugging Face models --------------------------------------------------------------------------
 
 _DENSE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
@@ -166,6 +191,16 @@ def _causal_lms() -> list[ZooModel]:
         ZooModel("olmo2", "causal-lm", _hf("Olmo2Config", "Olmo2ForCausalLM", **d,
                                            num_key_value_heads=2, pad_token_id=0), lm,
                  note="post-norm blocks, q/k RMSNorm over all heads"),
+        ZooModel("codegen", "causal-lm", _hf(
+            "CodeGenConfig", "CodeGenForCausalLM", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2,
+            n_head=4, n_inner=2 * HIDDEN, n_positions=64, rotary_dim=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2), lm,
+            note="fused QKV viewed in groups before its split, interleaved partial rotary"),
+        ZooModel("mamba", "causal-lm", _hf_eager(
+            "MambaConfig", "MambaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, time_step_rank=4,
+            use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2), lm,
+            note="state-space model: selective scan (a loop over the sequence), causal conv"),
     ]
 
 
@@ -228,6 +263,24 @@ def _encoder_decoders() -> list[ZooModel]:
             decoder_attention_heads=4, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN,
             max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
             activation_dropout=0.0), seq2seq_batch, note="learned positions, tied head"),
+        ZooModel("whisper", "encoder-decoder", _hf(
+            "WhisperConfig", "WhisperForConditionalGeneration", vocab_size=VOCAB,
+            num_mel_bins=8, d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * HIDDEN,
+            decoder_ffn_dim=2 * HIDDEN, max_source_positions=16, max_target_positions=32,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2), speech_batch,
+            note="speech: conv1d frontend over mel frames, sinusoidal positions"),
+        ZooModel("wav2vec2", "encoder", _hf(
+            "Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", hidden_size=HIDDEN,
+            num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * HIDDEN,
+            conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+            activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0,
+            final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, num_labels=3,
+            classifier_proj_size=16), audio_batch,
+            note="raw audio: conv feature extractor, GroupNorm, weight-normed conv positions"),
     ]
 
 
@@ -252,6 +305,17 @@ def _visions() -> list[ZooModel]:
             hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5,
             image_size=32),
             image_batch, note="depthwise convolutions, channels-last LayerNorm, layer scale"),
+        ZooModel("clip", "vision", _hf(
+            "CLIPConfig", "CLIPModel", projection_dim=16,
+            text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                             num_hidden_layers=2, num_attention_heads=4,
+                             max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2),
+            vision_config=dict(image_size=32, patch_size=8, hidden_size=HIDDEN,
+                               intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                               num_attention_heads=4)),
+            image_text_batch, loss_fn=contrastive_loss,
+            note="two towers, contrastive loss over the whole batch, learned temperature"),
     ]
 
 
@@ -345,10 +409,10 @@ class ConvBN(nn.Module):
     which Adam turns into lr-sized steps that differ with any summation order (and the
     running mean follows them), so no two correct programs agree on it."""
 
-    def __init__(self, classes=5):
+    def __init__(self, classes=5, running_stats=True):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(8)
+        self.bn = nn.BatchNorm2d(8, track_running_stats=running_stats)
         self.fc = nn.Linear(8, classes)
 
     def forward(self, pixel_values, labels):
@@ -368,6 +432,8 @@ def _pytorch() -> list[ZooModel]:
                  note="frozen embedding, a parameter with no gradient, buffers"),
         ZooModel("convbn", "pytorch", ConvBN, image_batch,
                  note="BatchNorm statistics over the global batch"),
+        ZooModel("convbn_nostats", "pytorch", lambda: ConvBN(running_stats=False), image_batch,
+                 note="BatchNorm without running buffers: batch statistics, nothing mutated"),
     ]
 
 

@@ -42,6 +42,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     # (a forward-only graph, evaluate's, runs the whole batch at once)
     joint = any(n.meta.get(ir.REGION) == ir.BACKWARD for n in gm.graph.nodes
                 if n.op == "call_function")
+    if plan.microbatches > 1 and joint:
+        _refuse_row_coupling(gm)
     nll = _mean_nll_loss(gm.graph) if plan.microbatches > 1 and joint else None
     # the per-microbatch count of targets, taken from the unsharded graph (see below)
     loss_count = _target_count_program(gm, nll) if nll is not None else None
@@ -227,9 +229,52 @@ def microbatch_refusal(gm: torch.fx.GraphModule) -> str | None:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         if nll is not None and not _only_through(out.args[0][0], nll):
             raise PlanError("the loss adds other terms to a mean cross-entropy")
+        _refuse_row_coupling(gm)
     except PlanError as e:
         return str(e)
     return None
+
+
+# per-row losses: their batch mean or sum is what microbatching takes apart (the mean
+# cross-entropy's count is handled by _mean_over_microbatches)
+_LOSS_OPS = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
+             aten.mse_loss.default, aten.binary_cross_entropy.default,
+             aten.binary_cross_entropy_with_logits.default, aten.smooth_l1_loss.default,
+             aten.huber_loss.default, aten.kl_div.default}
+_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+
+
+def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
+    """microbatches > 1 runs the graph on each microbatch's rows alone, which equals one
+    step on the whole batch only if no row reads another row's values before the loss: refuse
+    where one does (PlanError naming the op). Found with DTensor's rules (a dry run of the
+    forward with the batch split in two): a batch reduction feeding on into the computation
+    (BatchNorm's statistics without running buffers, a mean over the batch) is a Partial value
+    made whole; a matmul that turns the batch into a non-batch dimension (CLIP's [B, B]
+    image-text scores) needs a split operand made whole. Gathers of other ops (a view that
+    cannot stay split, MoE routing's sort over all tokens) are rows computed apart, as
+    before, and not refused."""
+    from fxpar.compiler.sharding import dry_run
+    placements = {n.name: (Shard(0),) for n in gm.graph.nodes if n.op == "placeholder"
+                  and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
+    if not placements:
+        return
+    _, requests = dry_run(gm, make_mesh(2), placements, ["rows"])
+    for node, _value, have, need in requests:
+        if node.target in _LOSS_OPS:
+            continue
+        reduced = any(isinstance(p, Partial) for p in have) and \
+            not any(isinstance(p, Partial) for p in need)
+        crossed = node.target in _MATMULS and any(isinstance(p, Shard) for p in have) and \
+            not any(isinstance(p, Shard) for p in need)
+        if reduced or crossed:
+            raise PlanError(
+                f"microbatches > 1: rows of the batch are computed together in this model "
+                f"({node.target} at node {node.name}, module '{node.meta.get(ir.MODULE, '')}' "
+                f"reads {'a sum over the batch' if reduced else 'every row of the batch'}, "
+                "e.g. batch statistics or a contrastive score matrix), so running each "
+                "microbatch alone is not one step on the whole batch. Use microbatches=1 "
+                "(dp splits such a batch exactly: fxpar adds the collectives).")
 
 
 def _mean_nll_loss(graph) -> torch.fx.Node | None:

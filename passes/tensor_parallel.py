@@ -207,7 +207,9 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
     shape = list(y.meta[ir.VAL].shape)
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     dim %= len(shape)
-    if dim != len(shape) - 1:
+    # along the projection's features, whole: a view that regroups them first (CodeGen's
+    # [B, T, groups, 3 * d], split in d within each group) splits something else
+    if dim != len(shape) - 1 or shape[-1] != lin.mm.meta[ir.VAL].shape[-1]:
         return 0
     if split.target is aten.split.Tensor:
         size = split.args[1]

@@ -75,6 +75,26 @@ def test_untraceable_model_via_parallelize():
         fxpar.parallelize(Bad(), 1, example_batch=torch.randn(2, 4))
 
 
+def test_an_op_whose_output_shape_depends_on_values_is_named_with_its_line():
+    """ctc_loss has no fake-tensor kernel of a fixed shape (torch's DynamicOutputShape):
+    the error names the op and the user's line (it blamed data-dependent control flow in
+    general; found by a zoo sweep on HF Wav2Vec2 with CTC)."""
+    class CTC(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 5)
+
+        def forward(self, batch):
+            x, y = batch
+            lp = self.lin(x).log_softmax(-1).transpose(0, 1)
+            return torch.nn.functional.ctc_loss(lp, y, [10] * 4, [3] * 4)
+
+    batch = (torch.randn(4, 10, 8), torch.randint(1, 5, (4, 3)))
+    with pytest.raises(fxpar.TraceError, match=r"_ctc_loss.*shape depends on tensor values, "
+                                               r"at .*test_errors.py:\d+: return torch.nn"):
+        fxpar.compile(CTC(), 1, example_batch=batch)
+
+
 @pytest.mark.slow
 def test_launch_reports_failing_rank():
     from workers import failing_rank

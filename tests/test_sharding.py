@@ -80,3 +80,41 @@ def test_custom_ops_lay_out_their_outputs_as_their_fakes_say(monkeypatch):
     out, mask = fx.dropout_with_mask.default(x, torch.ones(8, 6), 2.0)
     torch.testing.assert_close(out, x * 2)
     assert mask.all() and out.stride() == x.stride()
+
+
+def test_an_op_without_a_dtensor_rule_runs_on_whole_inputs():
+    """weight_norm's backward has no DTensor rule; under dp its weight gradient arrives
+    Partial(sum) (found by a zoo sweep on HF Wav2Vec2, whose positional convolution is
+    weight-normed). The op runs on whole inputs: the partial gradient is all-reduced first
+    (as DDP reduces it), and dp does not reduce the op's outputs again."""
+    import fxpar
+
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 8))
+
+        def forward(self, batch):
+            return torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    gm = fxpar.compile(Normed(), 2, example_batch=batch, plan={"dp": 2}).graph
+    c10d = torch.ops._c10d_functional
+    (wn,) = [n for n in gm.graph.nodes
+             if n.target is torch.ops.aten._weight_norm_interface_backward.default]
+    src = wn.args[0]
+    while src.target is not c10d.wait_tensor.default:
+        src = src.args[0]
+    assert src.args[0].target is c10d.all_reduce.default
+    # what the op returns (the g and v gradients) is whole already: no second reduction
+    reduced = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    assert not any(wn in _ancestors(n) for n in reduced)
+
+
+def _ancestors(n):
+    seen, todo = set(), [n]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
