@@ -196,14 +196,18 @@ class _ModuleTagger:
             h.remove()
 
 
-def _trace_error(exc: BaseException, module_path: str) -> TraceError:
-    op = getattr(exc, "func", None)
-    opname = str(op) if op is not None else type(exc).__name__
-    # the innermost frame of user code (outside torch/fxpar) is where the branch is
+def _user_line(exc: BaseException) -> str:
+    """The innermost frame of user code (outside torch and fxpar) in exc's traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if "/torch/" not in f.filename and "/fxpar/" not in f.filename
               and "/compiler/capture.py" not in f.filename]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+
+
+def _trace_error(exc: BaseException, module_path: str) -> TraceError:
+    op = getattr(exc, "func", None)
+    opname = str(op) if op is not None else type(exc).__name__
+    where = _user_line(exc)  # (where the branch is)
     return TraceError(
         f"cannot trace module '{module_path or '<root>'}': operation {opname} needs the value of a "
         f"tensor (data-dependent Python control flow such as `if tensor:`, `.item()`, "
@@ -216,13 +220,9 @@ def _dynamic_shape_error(exc: BaseException, module_path: str) -> TraceError:
     """An op whose output shape depends on tensor values (DynamicOutputShapeException: e.g.
     ctc_loss, nonzero without a size), named with the user code that called it."""
     op = getattr(exc, "func", None)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/fxpar/" not in f.filename
-              and "/compiler/capture.py" not in f.filename]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
     return TraceError(
         f"cannot trace module '{module_path or '<root>'}': {op or 'an operation'} makes a "
-        f"tensor whose shape depends on tensor values, at {where}. fxpar compiles one static "
+        f"tensor whose shape depends on tensor values, at {_user_line(exc)}. fxpar compiles one static "
         "graph for every step, traced on fake tensors of the example batch's shapes, and torch "
         "has no fixed-shape kernel for that op to trace. Fix: use an op with a fixed output "
         "shape there (e.g. `nonzero_static`, masking instead of boolean indexing), or "
