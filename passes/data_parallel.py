@@ -32,7 +32,8 @@ import torch.fx
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import BatchError, PlanError
 from fxpar.compiler.graphs import fake_propagate
-from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
+from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
+                                     shard_graph)
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -254,7 +255,6 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
     image-text scores) needs a split operand made whole. Gathers of other ops (a view that
     cannot stay split, MoE routing's sort over all tokens) are rows computed apart, as
     before, and not refused."""
-    from fxpar.compiler.sharding import dry_run
     placements = {n.name: (Shard(0),) for n in gm.graph.nodes if n.op == "placeholder"
                   and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
     if not placements:
