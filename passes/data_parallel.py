@@ -24,17 +24,19 @@ layer's gradients). runtime/zero.py steps the optimizer on the shards.
 """
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import BatchError, PlanError
+from fxpar.compiler.errors import BatchError, PlanError, ShardingError
 from fxpar.compiler.graphs import fake_propagate
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
+log = logging.getLogger(__name__)
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
@@ -259,7 +261,12 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
                   and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
     if not placements:
         return
-    _, requests = dry_run(gm, make_mesh(2), placements, ["rows"])
+    try:
+        _, requests = dry_run(gm, make_mesh(2), placements, ["rows"])
+    except ShardingError as e:  # (an op DTensor cannot place: dp would refuse it too)
+        log.warning("microbatches: could not check whether rows of the batch are computed "
+                    "together (%s); training as if they are not", e)
+        return
     for node, _value, have, need in requests:
         if node.target in _LOSS_OPS:
             continue
