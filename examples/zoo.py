@@ -191,6 +191,12 @@ def _causal_lms() -> list[ZooModel]:
         ZooModel("olmo2", "causal-lm", _hf("Olmo2Config", "Olmo2ForCausalLM", **d,
                                            num_key_value_heads=2, pad_token_id=0), lm,
                  note="post-norm blocks, q/k RMSNorm over all heads"),
+        ZooModel("gemma3", "causal-lm", _hf(
+            "Gemma3TextConfig", "Gemma3ForCausalLM", **d, num_key_value_heads=2, head_dim=8,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=8, final_logit_softcapping=30.0, _eager_attn=True,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2), lm,
+            note="local / global layers with two RoPE bases, q/k norm, soft-capping"),
         ZooModel("codegen", "causal-lm", _hf(
             "CodeGenConfig", "CodeGenForCausalLM", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2,
             n_head=4, n_inner=2 * HIDDEN, n_positions=64, rotary_dim=4, resid_pdrop=0.0,
@@ -216,6 +222,15 @@ def _moes() -> list[ZooModel]:
             num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
             shared_expert_intermediate_size=HIDDEN, router_aux_loss_coef=0.0), lm_batch,
             note="top-2 of 4 experts plus a gated shared expert"),
+        ZooModel("deepseek_v3", "moe", _hf(
+            "DeepseekV3Config", "DeepseekV3ForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, rope_scaling=None,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2), lm_batch,
+            note="MLA (low-rank q / kv), group-limited top-k routing, shared expert"),
     ]
 
 
@@ -247,6 +262,14 @@ def _encoders() -> list[ZooModel]:
         ZooModel("electra", "encoder", _hf("ElectraConfig", "ElectraForMaskedLM", **enc,
                                            embedding_size=16), mlm_batch,
                  note="embedding projection"),
+        ZooModel("modernbert", "encoder", _hf(
+            "ModernBertConfig", "ModernBertForMaskedLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=8,
+            embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0,
+            reference_compile=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            cls_token_id=1, sep_token_id=2), mlm_batch,
+            note="alternating local (window 8) / global attention, GeGLU, no biases"),
     ]
 
 
