@@ -20,10 +20,10 @@ is the median of per-round ratios. Losses are compared with eager's, step by ste
 from __future__ import annotations
 
 import argparse
-import re
 import contextlib
 import copy
 import gc
+import re
 import statistics
 import time
 import traceback
@@ -236,14 +236,16 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default=None,
-                    help="comma-separated variant names to run (a comma followed by a space is part of a "
-                         "name: 'eager, fused AdamW'; e.g. to fit a GPU lease); "
+                    help="comma-separated variant names to run (a comma followed by a "
+                         "space is part of a name: 'eager, fused AdamW'; e.g. to fit a GPU "
+                         "lease); "
                          "'eager' is always run (the ratios' reference)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, each variant's top kernels (CUDA) or ops (CPU) "
                          "by time over 3 steps (torch.profiler)")
     args = ap.parse_args(argv)
-    only = None if args.only is None else {"eager", *(s.strip() for s in re.split(r",(?! )", args.only))}
+    only = None if args.only is None else {  # (", " inside a name: "eager, fused AdamW")
+        "eager", *(s.strip() for s in re.split(r",(?! )", args.only))}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = True if args.small else "cpu" if device.type == "cpu" else False
     if device.type == "cpu":

@@ -222,8 +222,9 @@ def _dynamic_shape_error(exc: BaseException, module_path: str) -> TraceError:
     op = getattr(exc, "func", None)
     return TraceError(
         f"cannot trace module '{module_path or '<root>'}': {op or 'an operation'} makes a "
-        f"tensor whose shape depends on tensor values, at {_user_line(exc)}. fxpar compiles one static "
-        "graph for every step, traced on fake tensors of the example batch's shapes, and torch "
+        f"tensor whose shape depends on tensor values, at {_user_line(exc)}. fxpar compiles "
+        "one static graph for every step, traced on fake tensors of the example batch's "
+        "shapes, and torch "
         "has no fixed-shape kernel for that op to trace. Fix: use an op with a fixed output "
         "shape there (e.g. `nonzero_static`, masking instead of boolean indexing), or "
         "compute that part outside the model.")

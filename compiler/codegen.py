@@ -498,8 +498,8 @@ def _transient(e: BaseException) -> bool:
     a dead compile-worker pool, a timeout, the disk - anywhere in its chain of causes."""
     from concurrent.futures.process import BrokenProcessPool
     while e is not None:
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError, TimeoutError,
-                          BrokenProcessPool, OSError)):
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError, BrokenProcessPool,
+                          OSError)):  # (TimeoutError is an OSError)
             return True
         e = e.__cause__ or e.__context__
     return False

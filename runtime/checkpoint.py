@@ -189,10 +189,8 @@ def _slots(pm):
     if opt is None:
         return []
     if pm.sharded_optimizer is not None:
-        buckets = pm.program.zero_buckets if pm.pipeline_runner is None else [
-            pm.program.zero_buckets[k] for k in pm.pipeline_runner.held_buckets]
-        return [(shard, pm.sharded_optimizer.bucket_layout(idx), True)
-                for shard, idx in zip(pm.sharded_optimizer.shards, buckets)]
+        z = pm.sharded_optimizer
+        return [(shard, z.bucket_layout(k), True) for k, shard in enumerate(z.shards)]
     index = {id(p): i for i, p in enumerate(pm.params)}
     out = []
     for g in opt.param_groups:

@@ -268,7 +268,7 @@ class ParallelModel:
                 return e
             return None
 
-        def settle(error: BaseException | None) -> None:
+        def raise_on_every_rank(error: BaseException | None) -> None:
             """Every rank passes here: a failure on any rank is raised on all of them (a
             rank alone raising would leave the others waiting at their first collective)."""
             if world.size > 1:
@@ -282,11 +282,11 @@ class ParallelModel:
             if error is not None:
                 raise error
         # the first ranks compile, the others then load their runs from the cache (the first
-        # settle is also the barrier for it); a rank that still fails (a strict codegen on
-        # a node whose cache is not shared) is settled like the first ones
-        settle(generate() if first else None)
+        # exchange is also the barrier for it); a rank that still fails (a strict codegen on
+        # a node whose cache is not shared) is raised on every rank too
+        raise_on_every_rank(generate() if first else None)
         if world.size > 1:
-            settle(None if first else generate())
+            raise_on_every_rank(None if first else generate())
         return out
 
     def _cuda_graph_decision(self) -> cudagraph.Decision:
@@ -529,14 +529,12 @@ class ParallelModel:
                     min(r.p.param_stages.get(i, {0}))) == r.rank
             return amp.GradNormPlan([first and owner(i) and (layouts[i] is not None or tp0)
                                      for i in range(len(self.params))])
-        buckets = self.program.zero_buckets if r is None else [
-            self.program.zero_buckets[k] for k in r.held_buckets]
         dp, dp_r = self.plan.dp, self.world.coordinate("dp")
         counted = []
         # each rank counts its own shard
-        for idx, shard in zip(buckets, self.sharded_optimizer.shards):
+        for k, shard in enumerate(self.sharded_optimizer.shards):
             mask = torch.zeros(shard.numel() * dp, device=shard.device)
-            for i, off, n in self.sharded_optimizer.bucket_layout(idx):
+            for i, off, n in self.sharded_optimizer.bucket_layout(k):
                 mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0
             mask = mask[dp_r * shard.numel():(dp_r + 1) * shard.numel()]
             counted.append(True if bool(mask.all()) else (False if not mask.any() else mask))

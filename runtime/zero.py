@@ -36,7 +36,7 @@ class ShardedOptimizer:
         self.dp, self.rank, self.group = dp, rank, group
         self.shard_params = shard_params
         self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
-        self.bucket_indices = [list(idx) for idx in buckets]
+        self.bucket_indices = [list(idx) for idx in buckets]  # (this rank's buckets)
         self.buckets = [[params[i] for i in idx] for idx in buckets]
         with torch.no_grad():
             if shard_params and param_shards is not None:
@@ -53,12 +53,12 @@ class ShardedOptimizer:
         # a pipeline rank whose stages make no gradient (all weights elsewhere) steps nothing
         self.optimizer = factory(self.shards) if self.shards else None
 
-    def bucket_layout(self, idx: Sequence[int]) -> list[tuple[int, int, int]]:
-        """(parameter index, offset, numel) of each member of a bucket (its parameter
-        indices, in order) in the bucket's flat buffer: how every flat view of it (the
-        gathered parameters, a checkpoint's shard, the gradient-norm mask) is taken apart."""
+    def bucket_layout(self, k: int) -> list[tuple[int, int, int]]:
+        """(parameter index, offset, numel) of each member of this rank's k-th bucket in
+        its flat buffer: how every flat view of it (the gathered parameters, a checkpoint's
+        shard, the gradient-norm mask) is taken apart."""
         out, off = [], 0
-        for i in idx:
+        for i in self.bucket_indices[k]:
             n = self.shapes[i].numel()
             out.append((i, off, n))
             off += n
@@ -87,9 +87,9 @@ class ShardedOptimizer:
         with torch.no_grad():  # all buckets' gathers in flight at once, then unpacked
             pending = [comm.start_all_gather(s, self.dp, self.group.group_name,
                                              "all_gather params (ZeRO)") for s in self.shards]
-            for idx, members, p in zip(self.bucket_indices, self.buckets, pending):
+            for k, (members, p) in enumerate(zip(self.buckets, pending)):
                 full = comm.wait(p)
-                for (_, off, n), param in zip(self.bucket_layout(idx), members):
+                for (_, off, n), param in zip(self.bucket_layout(k), members):
                     param.copy_(full[off:off + n].view_as(param))
 
     def full_param(self, i: int) -> torch.Tensor:
