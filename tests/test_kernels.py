@@ -197,6 +197,26 @@ def test_cross_entropy(reduction):
     assert (dx[::5] == 0).all()
 
 
+def test_cross_entropy_walks_a_long_vocabulary_in_blocks(monkeypatch):
+    """A row longer than one block (GPT-2's 50257 on a GPU): the forward's online logsumexp
+    over blocks and the backward's per-block programs equal ATen's, the last block partial,
+    a target in every block, ignored rows zero."""
+    monkeypatch.setattr(ce, "CHUNK", 64)
+    x = torch.randn(9, 200) * 4
+    x[1, 150:] += 30  # the row's largest values in its last block: the running max moves
+    t = torch.tensor([0, 199, 64, 127, 128, -100, 191, 5, 63])
+    loss, tw, lse = ce.cross_entropy_forward(x, t, 0, -100)
+    ls, rloss, _ = _ce_reference(x, t, 0, -100)
+    close(lse, torch.logsumexp(x, 1))
+    close(loss, rloss)
+    g = torch.randn(9)
+    dx = ce.cross_entropy_backward(g, x, lse, t, 0, -100, tw)
+    want = aten._log_softmax_backward_data(
+        aten.nll_loss_backward(g, ls, t, None, 0, -100, tw), ls, 1, x.dtype)
+    close(dx, want)
+    assert (dx[5] == 0).all()
+
+
 def test_cross_entropy_all_ignored_and_bf16():
     x = torch.randn(6, 10)
     t = torch.full((6,), 3)
@@ -349,7 +369,7 @@ def test_supports():
     assert ce.supports(x, t) is None
     assert ce.supports(x, t.float()) is not None
     assert ce.supports(x.reshape(2, 2, 8), t) is not None
-    assert "block" in ce.supports(torch.empty(4, 70000, device="meta"), t)
+    assert ce.supports(torch.empty(4, 130000, device="meta"), t) is None  # Llama 3's 128k
     q = torch.randn(1, 2, 5, 8)
     assert attention.supports(q, q, q, True) is None
     assert attention.supports(q, q[:, :1], q[:, :1]) is None  # grouped-query
@@ -394,6 +414,10 @@ def test_every_hand_written_kernel_compiles_for_h100(monkeypatch):
             ce.cross_entropy_forward(x, t, 1, -100)
             ce.cross_entropy_backward(torch.tensor(1.0), x, torch.zeros(37), t, 1, -100,
                                       torch.tensor(3.0))
+            v = torch.empty(8, 50257, dtype=dt)  # GPT-2's vocabulary: blocks of CHUNK
+            ce.cross_entropy_forward(v, t[:8], 1, -100, upcast=True)
+            ce.cross_entropy_backward(torch.tensor(1.0), v, torch.zeros(8), t[:8], 1, -100,
+                                      torch.tensor(3.0), upcast=True, grad_dtype=dt)
             for d in (8, 128):
                 q = torch.randn(2, 4, 70, d, dtype=dt)
                 kv = q[:, :2]
