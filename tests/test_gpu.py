@@ -103,6 +103,36 @@ def test_inductor_codegen_on_gpu_equals_eager(precision, tol):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tol, atol=tol)
 
 
+def test_bf16_attention_runs_the_kernel_torch_picks_for_bf16_and_equals_autocast():
+    """The trace (fp32) holds memory-efficient attention; in bf16 the precision pass swaps it
+    for what torch's scaled_dot_product_attention picks for bf16 inputs (cuDNN or flash on
+    an H100/H200), forward and backward; 4 AdamW steps equal eager under autocast (the same
+    kernel there) within bf16 rounding, op by op and with Inductor."""
+    data = _batch()
+    q = torch.randn(ROWS, CFG.n_head, CFG.block_size, CFG.n_embd // CFG.n_head,
+                    device="cuda", dtype=torch.bfloat16)
+    want_kernel = {1: "flash", 3: "cudnn"}.get(
+        int(torch._fused_sdp_choice(q, q, q, None, 0.0, True)))
+    torch.manual_seed(0)
+    model = M.GPT(CFG).cuda()
+    opt = _opt(model.parameters())
+    want = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(data)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for codegen in ("eager", "inductor"):
+        pm, got = _fxpar(fxpar.Plan(precision="bf16", codegen=codegen, cuda_graphs=False), 4,
+                         data)
+        kernels = {k for gm in pm.stage_graphs["precision"].values()
+                   for k in gm.meta["precision"].attention.values()}
+        assert kernels == ({want_kernel} if want_kernel else set()), (kernels, want_kernel)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_training_on_gpu_tracks_fp32(precision):
     """bf16 / fp16 (fp32 master weights, fp16 with its dynamic loss scale): 8 steps within a

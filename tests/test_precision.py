@@ -172,6 +172,78 @@ def test_gpt_softmax_norms_loss_reductions_fp32_attention_bf16():
     assert all(g.meta[ir.VAL].dtype == torch.float32 for g in out[:1 + sig.num_params])
 
 
+def _efficient_attention_step(bias=False):
+    """A GPU trace's attention, forward and backward, on fake CUDA tensors already in bf16
+    (the precision pass's input casts made): (graph, {node: fake value}, fake mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    aten = torch.ops.aten
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:  # [B, H, T, D] views of a [B, T, H, D] projection, as a model's q/k/v are
+        qkv = [torch.empty_strided((2, 4, 64, 16), (4096, 16, 64, 1), device="cuda",
+                                   dtype=torch.bfloat16) for _ in range(4)]
+        b = torch.empty(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step(q, k, v, g):
+        o = aten._scaled_dot_product_efficient_attention(q, k, v, b if bias else None, True,
+                                                         0.0, True, scale=0.25)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, b if bias else None, o[0], o[1], o[2], o[3], 0.0,
+            [True, True, True, False], True, scale=0.25)
+        return o[0], dq, dk, dv
+    gm = make_fx(step, tracing_mode="fake")(*qkv)
+    env = {n: n.meta[ir.VAL] for n in gm.graph.nodes if ir.VAL in n.meta}
+    return gm, env, next(v for v in env.values() if isinstance(v, torch.Tensor)).fake_mode
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_half_attention_takes_the_kernel_torch_picks_for_half_inputs(monkeypatch, kernel):
+    """A GPU trace is made in fp32, where torch's attention is the memory-efficient kernel;
+    once its inputs are half, the pass swaps forward and backward together for the kernel
+    torch picks for half inputs (here told: no GPU to ask), wired to the same values: the
+    new forward's output, logsumexp and random state feed the new backward, whose gradients
+    replace the old ones, with their shapes."""
+    aten = torch.ops.aten
+    monkeypatch.setattr(precision, "_sdp_choice", lambda *a: {"flash": 1, "cudnn": 3}[kernel])
+    gm, env, mode = _efficient_attention_step()
+    half_nodes = [n.name for n in gm.graph.nodes if "efficient" in str(n.target)]
+    out_before = [tuple(env[a].shape) for a in next(n for n in gm.graph.nodes
+                                                     if n.op == "output").args[0]]
+    swapped = precision._attention_for_half(gm.graph, env, mode, half_nodes)
+    gm.graph.lint()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    fwd_op = getattr(aten, f"_scaled_dot_product_{kernel}_attention").default
+    bwd_op = getattr(aten, f"_scaled_dot_product_{kernel}_attention_backward").default
+    assert fwd_op in targets and bwd_op in targets
+    assert not {aten._scaled_dot_product_efficient_attention.default,
+                aten._scaled_dot_product_efficient_attention_backward.default} & targets
+    assert list(swapped.values()) == [kernel] and set(half_nodes) == {
+        n.name for n in gm.graph.nodes if n.target in (fwd_op, bwd_op)}
+    fwd = next(n for n in gm.graph.nodes if n.target is fwd_op)
+    bwd = next(n for n in gm.graph.nodes if n.target is bwd_op)
+    taken = {a.args[1] for a in bwd.args if isinstance(a, torch.fx.Node)
+             and a.target is operator.getitem and a.args[0] is fwd}
+    assert taken == {0, 1, 6, 7}  # output, logsumexp, the random state's two parts
+    assert fwd.kwargs["scale"] == bwd.kwargs["scale"] == 0.25
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out[0].args[0] is fwd and all(o.args[0] is bwd for o in out[1:])
+    assert [tuple(env[a].shape) for a in out] == out_before
+    assert all(tuple(a.meta[ir.VAL].shape) == s for a, s in zip(out, out_before))
+
+
+def test_half_attention_with_a_bias_or_without_a_gpu_keeps_memory_efficient_attention(
+        monkeypatch):
+    """With an attention bias (its gradient and layout differ between the kernels) the
+    memory-efficient kernel stays; so it does where torch cannot tell (no GPU here)."""
+    gm, env, mode = _efficient_attention_step(bias=True)
+    monkeypatch.setattr(precision, "_sdp_choice", lambda *a: 3)
+    assert precision._attention_for_half(gm.graph, env, mode, []) == {}
+    monkeypatch.undo()
+    gm, env, mode = _efficient_attention_step()
+    assert precision._attention_for_half(gm.graph, env, mode, []) == {}
+    assert any("efficient" in str(n.target) for n in gm.graph.nodes)
+
+
 def test_fp16_adds_a_loss_scale_input_and_unscales_gradients_in_fp32():
     torch.manual_seed(0)
     model = M.MLP()
