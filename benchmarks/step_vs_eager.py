@@ -8,8 +8,10 @@ with any run it refuses left op by op; "eager": op by op), on CUDA also with its
 Triton fusion on/off (codegen="eager") and CUDA graphs on/off. fxpar's compile time (its
 codegen row: Inductor, or a load from fxpar's cache) is printed per variant. Every variant trains its own copy of the same initial weights with AdamW on
 the same batches. All are built and warmed up first (the warm-up steps' peak memory above
-the resident weights is the "peak" column: it includes a CUDA-graph capture), then timed
-interleaved, one step of each per round: this machine's speed drifts, so the ratio to eager
+the resident weights is the "peak" column: it includes a CUDA-graph capture and fxpar's
+first-call check; "step MiB" is a steady step's peak: on CUDA above the same weights, so with
+the gradients, optimizer state and CUDA-graph pools training holds from then on; on CPU what
+the step allocates, by the tracker), then timed interleaved, one step of each per round: this machine's speed drifts, so the ratio to eager
 is the median of per-round ratios. Losses are compared with eager's, step by step.
 
     .venv/bin/python benchmarks/step_vs_eager.py            # GPU: GPT-2 small + a small Llama
@@ -117,6 +119,7 @@ def variants(base, batch, device, precision, small):
         out["eager, fused AdamW"] = lambda: eager_like(False, True)
         out["torch.compile, fused AdamW"] = lambda: eager_like(None, True)
         out["fxpar codegen=inductor"] = fx(True, False, "inductor")  # (fuse: the default)
+        out["fxpar codegen=inductor remat=auto"] = fx(True, False, "inductor", "auto")
         # without the fusion pass: the cross-entropy as autograd records it, not its closed form
         out["fxpar codegen=inductor fuse=off"] = fx(False, False, "inductor")
         out["fxpar codegen=eager"] = fx(False, False, "eager")
@@ -131,7 +134,7 @@ def run(model_name, precision, device, small, steps, warmup, only=None):
     base = (M.hf_gpt2 if model_name == "gpt2" else M.hf_llama)(**kw)
     vocab = kw["vocab"]
     batch = {k: v.to(device) for k, v in M.hf_lm_batch(vocab, rows, seq).items()}
-    steps_of, peak, failed = {}, {}, {}
+    steps_of, peak, steady, failed = {}, {}, {}, {}
     built = variants(base, batch, device, precision, small)
     if only is not None and only - set(built):
         raise SystemExit(f"--only: no variant named {sorted(only - set(built))} here; the "
@@ -141,6 +144,9 @@ def run(model_name, precision, device, small, steps, warmup, only=None):
             continue
         try:
             step = build()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                resident = torch.cuda.memory_allocated()  # this variant's weights (+ others')
             # CPU memory is tracked with a dispatch mode, which Inductor's code bypasses (and
             # which makes dynamo fall back): no peak for torch.compile's and fxpar's Inductor
             # rows there
@@ -154,6 +160,15 @@ def run(model_name, precision, device, small, steps, warmup, only=None):
                 else:
                     step()
             steps_of[name], peak[name] = step, p if tracked else None
+            if device.type == "cuda":  # a steady step: what training holds from now on
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                steady[name] = torch.cuda.max_memory_allocated() - resident
+            elif tracked:
+                steady[name] = measure(step)[1]
+            else:  # (every variant takes the same steps: the losses line up)
+                step()
         except Exception as e:  # noqa: BLE001 - a peer that cannot run here is a row, not a crash
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             traceback.print_exc()  # the whole story in the log; the table keeps one line
@@ -168,15 +183,15 @@ def run(model_name, precision, device, small, steps, warmup, only=None):
             loss = steps_of[name]()
             losses[name].append(loss.item())  # syncs
             times[name].append(time.perf_counter() - t)
-    return times, losses, peak, failed, steps_of
+    return times, losses, peak, steady, failed, steps_of
 
 
 def report(model_name, precision, device, res, small):
-    times, losses, peak, failed, steps_of = res
+    times, losses, peak, steady, failed, steps_of = res
     kw, rows, seq = SIZES[(model_name, small)]
     print(f"\n{model_name} {kw} rows={rows} seq={seq} {precision} on {device}")
     print(f"{'variant':42s} {'step ms':>9s} {'x eager':>8s} {'peak MiB':>9s} "
-          f"{'max|dloss|':>11s}  note")
+          f"{'step MiB':>9s} {'max|dloss|':>11s}  note")
     ref = times.get("eager")
     out = {}
     for name, ts in times.items():
@@ -200,11 +215,14 @@ def report(model_name, precision, device, res, small):
                 note += f", fusion: {d.describe().split(';')[0]}" + (
                     f", {len(d.unpaid)} groups unpaid" if d.unpaid else "")
         mib = f"{peak[name] / 2**20:9.1f}" if peak[name] is not None else f"{'n/a':>9s}"
-        print(f"{name:42s} {med * 1e3:9.2f} {ratio:8.3f} {mib} "
+        held = steady.get(name)
+        held_mib = f"{held / 2**20:9.1f}" if held is not None else f"{'n/a':>9s}"
+        print(f"{name:42s} {med * 1e3:9.2f} {ratio:8.3f} {mib} {held_mib} "
               f"{dl:11.2e}  {note}")
-        out[name] = dict(step_s=med, ratio=ratio, peak=peak[name], max_dloss=dl)
+        out[name] = dict(step_s=med, ratio=ratio, peak=peak[name], step_peak=held,
+                         max_dloss=dl)
     for name, why in failed.items():
-        print(f"{name:42s} {'-':>9s} {'-':>8s} {'-':>9s} {'-':>11s}  failed: {why}")
+        print(f"{name:42s} {'-':>9s} {'-':>8s} {'-':>9s} {'-':>9s} {'-':>11s}  failed: {why}")
     return out
 
 
@@ -257,7 +275,7 @@ def main(argv=None):
             results[(model_name, precision)] = report(model_name, precision, device, res,
                                                       small)
             if args.profile:
-                profile(res[4], device)
+                profile(res[-1], device)
             del res  # the models, optimizer states and CUDA graph pools of this row set:
             gc.collect()  # held into the next one, they filled an 80 GB GPU (OOM)
             if device.type == "cuda":
