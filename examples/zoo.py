@@ -207,6 +207,29 @@ def _causal_lms() -> list[ZooModel]:
             state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, time_step_rank=4,
             use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2), lm,
             note="state-space model: selective scan (a loop over the sequence), causal conv"),
+        ZooModel("gpt_neo", "causal-lm", _hf_eager(
+            "GPTNeoConfig", "GPTNeoForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            num_layers=2, num_heads=4, intermediate_size=2 * HIDDEN,
+            attention_types=[[["global", "local"], 1]], window_size=8,
+            max_position_embeddings=64, embed_dropout=0.0, attention_dropout=0.0,
+            resid_dropout=0.0, bos_token_id=1, eos_token_id=2), lm,
+            note="global / local (window 8) layers, unscaled attention scores"),
+        ZooModel("granite", "causal-lm", _hf(
+            "GraniteConfig", "GraniteForCausalLM", **d, num_key_value_heads=2,
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+            logits_scaling=8.0, pad_token_id=0, bos_token_id=1, eos_token_id=2), lm,
+            note="embedding, residual, attention and logit multipliers"),
+        ZooModel("cohere", "causal-lm", _hf(
+            "CohereConfig", "CohereForCausalLM", **d, num_key_value_heads=2, logit_scale=0.0625,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2), lm,
+            note="attention and MLP in parallel from one LayerNorm, interleaved RoPE, logit "
+                 "scale, tied head"),
+        ZooModel("mpt", "causal-lm", _hf_eager(
+            "MptConfig", "MptForCausalLM", vocab_size=VOCAB, d_model=HIDDEN, n_heads=4,
+            n_layers=2, expansion_ratio=2, max_seq_len=64, no_bias=True,
+            attn_config={"alibi": True, "attn_pdrop": 0}, resid_pdrop=0, emb_pdrop=0,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2), lm,
+            note="ALiBi position biases, no biases, tied head"),
     ]
 
 
@@ -231,6 +254,17 @@ def _moes() -> list[ZooModel]:
             qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, rope_scaling=None,
             pad_token_id=0, bos_token_id=1, eos_token_id=2), lm_batch,
             note="MLA (low-rank q / kv), group-limited top-k routing, shared expert"),
+        ZooModel("qwen3_moe", "moe", _hf(
+            "Qwen3MoeConfig", "Qwen3MoeForCausalLM", **d, num_key_value_heads=2, head_dim=8,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+            router_aux_loss_coef=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            lm_batch, note="per-head q/k RMSNorm, top-2 of 4 experts, renormalised weights"),
+        ZooModel("olmoe", "moe", _hf(
+            "OlmoeConfig", "OlmoeForCausalLM", **d, num_key_value_heads=4, num_experts=4,
+            num_experts_per_tok=2, router_aux_loss_coef=0.0, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2), lm_batch,
+            note="q/k RMSNorm over all heads, top-2 of 4 experts"),
     ]
 
 
