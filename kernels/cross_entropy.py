@@ -13,10 +13,10 @@ import triton.language as tl
 
 from fxpar.kernels.jit import kernel, row_blocks
 
-# columns per block: a 50k-65k vocabulary held in one block (as the first version did) spilled
-# its registers - the backward took 11 ms for GPT-2 small's 8 x 1024 x 50257 bf16 logits on an
-# H100 (ATen's whole log_softmax backward: 2.3 ms); the forward walks a row in blocks of
-# this many columns (online logsumexp), the backward is one program per block
+# columns per block: a whole 50k-row in one block (the first version) spilled its registers
+# on an H100, 5x slower than ATen (docs/benchmarks.md, "GPU: one NVIDIA H100 (2026-11-27");
+# the forward walks a row in blocks of this many columns (online logsumexp), the backward is
+# one program per block
 CHUNK = 4096
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -272,6 +272,7 @@ _EFFICIENT = aten._scaled_dot_product_efficient_attention.default
 _EFFICIENT_BACKWARD = aten._scaled_dot_product_efficient_attention_backward.default
 # torch.nn.attention.SDPBackend's values, as torch._fused_sdp_choice returns them
 _SDP_FLASH, _SDP_CUDNN = 1, 3
+_OP_OWN_META = {ir.VAL, "tensor_meta"}  # the replaced op's outputs: not the new op's
 
 
 def _sdp_choice(q, k, v, is_causal, scale) -> int | None:
@@ -290,8 +291,8 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                         ) -> dict[str, str]:
     """A trace on a GPU is made in fp32, for which torch's attention picks its one fp32
     fused kernel, memory-efficient attention; with its inputs now half, torch would pick
-    flash or cuDNN attention (GPT-2 small bf16 on an H100: 5.1 ms of backward per step in
-    the memory-efficient kernel, 3.1 ms in cuDNN's under torch.compile). The forward and its
+    flash or cuDNN attention, faster on Hopper (docs/benchmarks.md, "GPU: one NVIDIA H100
+    (2026-11-27"). The forward and its
     backward are swapped together for the kernel torch chooses for the half inputs (without
     an attention bias or dropout, as those kernels' random state and bias gradient differ).
     Returns {forward node: kernel}."""
@@ -322,7 +323,7 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
             args = (*qkv, None, a["compute_log_sumexp"] or bool(bwds), 0.0, causal)
         with graph.inserting_before(fwd):
             new = graph.call_function(target, args, {"scale": scale})
-        new.meta.update({k2: v2 for k2, v2 in fwd.meta.items() if k2 != ir.VAL})
+        new.meta.update({k2: v2 for k2, v2 in fwd.meta.items() if k2 not in _OP_OWN_META})
         with mode:
             env[new] = target(*torch.fx.node.map_arg(args, env.__getitem__), scale=scale)
         new.meta[ir.VAL] = env[new]
@@ -331,6 +332,7 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
             g.args = (new, remap[g.args[1]])
             env[g] = env[new][g.args[1]]
             g.meta[ir.VAL] = env[g]
+            g.meta.pop("tensor_meta", None)
         for b in bwds:
             ba = torch.fx.operator_schemas.normalize_function(
                 b.target, b.args, b.kwargs, normalize_to_only_use_kwargs=True).kwargs
@@ -347,7 +349,7 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                          causal)
             with graph.inserting_before(b):
                 nb = graph.call_function(bt, bargs, {"scale": scale})
-            nb.meta.update({k2: v2 for k2, v2 in b.meta.items() if k2 != ir.VAL})
+            nb.meta.update({k2: v2 for k2, v2 in b.meta.items() if k2 not in _OP_OWN_META})
             with mode:
                 env[nb] = bt(*torch.fx.node.map_arg(bargs, env.__getitem__), scale=scale)
             nb.meta[ir.VAL] = env[nb]
@@ -358,9 +360,10 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                 g.args = (nb, g.args[1])
                 env[g] = env[nb][g.args[1]]
                 g.meta[ir.VAL] = env[g]
-            half_nodes[half_nodes.index(b.name)] = nb.name
+                g.meta.pop("tensor_meta", None)
+            half_nodes[:] = [nb.name if x == b.name else x for x in half_nodes]
             graph.erase_node(b)
-        half_nodes[half_nodes.index(fwd.name)] = new.name
+        half_nodes[:] = [new.name if x == fwd.name else x for x in half_nodes]
         graph.erase_node(fwd)
         swapped[new.name] = "flash" if choice == _SDP_FLASH else "cudnn"
     return swapped
