@@ -33,6 +33,8 @@ timeout 400 $PY benchmarks/step_vs_eager.py --model gpt2 --precision bf16 --step
     "torch.compile,torch.compile reduce-overhead,fxpar codegen=auto graphs=on,fxpar codegen=auto graphs=off,fxpar codegen=auto remat=auto graphs=on,fxpar codegen=eager fuse=on graphs=on" \
     > "$LOGS/step_vs_eager_gpt2_bf16.log" 2>&1
 grep -v "Warning\|warn(" "$LOGS/step_vs_eager_gpt2_bf16.log" | grep -A12 "^gpt2 "
+# a compiled run the first-call check sent back to op by op, or one Inductor refused
+grep "differs from the graph\|refused\|codegen joint" "$LOGS/step_vs_eager_gpt2_bf16.log" | cut -c1-240
 timeout 60 $PY benchmarks/executor_overhead.py 2>&1 | tee "$LOGS/executor_overhead.log" | tail -6
 fi
 if part 1; then
