@@ -321,18 +321,7 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
         else:
             target = aten._scaled_dot_product_cudnn_attention.default
             args = (*qkv, None, a["compute_log_sumexp"] or bool(bwds), 0.0, causal)
-        with graph.inserting_before(fwd):
-            new = graph.call_function(target, args, {"scale": scale})
-        new.meta.update({k2: v2 for k2, v2 in fwd.meta.items() if k2 not in _OP_OWN_META})
-        with mode:
-            env[new] = target(*torch.fx.node.map_arg(args, env.__getitem__), scale=scale)
-        new.meta[ir.VAL] = env[new]
-        remap = {0: 0, 1: 1, 2: 6, 3: 7}  # output, logsumexp, random seed and offset
-        for g in list(fwd.users):
-            g.args = (new, remap[g.args[1]])
-            env[g] = env[new][g.args[1]]
-            g.meta[ir.VAL] = env[g]
-            g.meta.pop("tensor_meta", None)
+        bargs_of = {}
         for b in bwds:
             ba = torch.fx.operator_schemas.normalize_function(
                 b.target, b.args, b.kwargs, normalize_to_only_use_kwargs=True).kwargs
@@ -341,32 +330,41 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                 "value"))
             lq, lk = q.shape[2], k.shape[2]
             if choice == _SDP_FLASH:
-                bt = aten._scaled_dot_product_flash_attention_backward.default
-                bargs = (grad, *bqkv, out, lse, None, None, lq, lk, 0.0, causal, seed, offset)
+                bargs_of[b] = (aten._scaled_dot_product_flash_attention_backward.default, (
+                    grad, *bqkv, out, lse, None, None, lq, lk, 0.0, causal, seed, offset))
             else:
-                bt = aten._scaled_dot_product_cudnn_attention_backward.default
-                bargs = (grad, *bqkv, out, lse, seed, offset, None, None, None, lq, lk, 0.0,
-                         causal)
-            with graph.inserting_before(b):
-                nb = graph.call_function(bt, bargs, {"scale": scale})
-            nb.meta.update({k2: v2 for k2, v2 in b.meta.items() if k2 not in _OP_OWN_META})
-            with mode:
-                env[nb] = bt(*torch.fx.node.map_arg(bargs, env.__getitem__), scale=scale)
-            nb.meta[ir.VAL] = env[nb]
-            for g in list(b.users):
-                if g.args[1] == 3:
-                    graph.erase_node(g)
-                    continue
-                g.args = (nb, g.args[1])
-                env[g] = env[nb][g.args[1]]
-                g.meta[ir.VAL] = env[g]
-                g.meta.pop("tensor_meta", None)
-            half_nodes[:] = [nb.name if x == b.name else x for x in half_nodes]
-            graph.erase_node(b)
-        half_nodes[:] = [new.name if x == fwd.name else x for x in half_nodes]
-        graph.erase_node(fwd)
+                bargs_of[b] = (aten._scaled_dot_product_cudnn_attention_backward.default, (
+                    grad, *bqkv, out, lse, seed, offset, None, None, None, lq, lk, 0.0, causal))
+        # output, logsumexp, random seed and offset; the backward's bias gradient (unused) goes
+        new = _replace(graph, fwd, target, args, scale, env, mode, half_nodes,
+                       {0: 0, 1: 1, 2: 6, 3: 7})
+        for b, (bt, bargs) in bargs_of.items():
+            _replace(graph, b, bt, bargs, scale, env, mode, half_nodes, {0: 0, 1: 1, 2: 2})
         swapped[new.name] = "flash" if choice == _SDP_FLASH else "cudnn"
     return swapped
+
+
+def _replace(graph, old, target, args, scale, env, mode, half_nodes, outputs):
+    """`old` replaced by target(*args, scale=scale): its getitems re-pointed by `outputs`
+    (old index -> new; an index not there is an unused output, dropped); values and names
+    kept current. Returns the new node."""
+    with graph.inserting_before(old):
+        new = graph.call_function(target, args, {"scale": scale})
+    new.meta.update({k: v for k, v in old.meta.items() if k not in _OP_OWN_META})
+    with mode:
+        env[new] = target(*torch.fx.node.map_arg(args, env.__getitem__), scale=scale)
+    new.meta[ir.VAL] = env[new]
+    for g in list(old.users):
+        if g.args[1] not in outputs:
+            graph.erase_node(g)
+            continue
+        g.args = (new, outputs[g.args[1]])
+        env[g] = env[new][g.args[1]]
+        g.meta[ir.VAL] = env[g]
+        g.meta.pop("tensor_meta", None)
+    half_nodes[:] = [new.name if x == old.name else x for x in half_nodes]
+    graph.erase_node(old)
+    return new
 
 
 def _loss_scale_input(graph, phs, out, env, mode, info):
