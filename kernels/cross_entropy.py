@@ -113,6 +113,7 @@ def cross_entropy_backward(grad_loss, logits, lse, target, reduction, ignore_ind
     g = g.contiguous() if reduction == 0 else g.reshape(1)
     dx = torch.empty_like(x, dtype=grad_dtype or (torch.float32 if upcast else x.dtype))
     bm, bn, warps = row_blocks(n, min(v, CHUNK))
-    _ce_bwd[(triton.cdiv(n, bm), triton.cdiv(v, bn))](x, t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx,
-                                   n, v, ignore_index, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    _ce_bwd[(triton.cdiv(n, bm), triton.cdiv(v, bn))](
+        x, t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx, n, v, ignore_index,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return dx
