@@ -34,10 +34,11 @@ def supports(logits, target) -> str | None:
 
 
 @kernel
-def _ce_fwd(X, T, Loss, Lse, rows, V, ignore_index, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _ce_fwd(X, stride_x, T, Loss, Lse, rows, V, ignore_index, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = r < rows
-    row = X + r[:, None].to(tl.int64) * V
+    row = X + r[:, None].to(tl.int64) * stride_x
     m = tl.full([BLOCK_M], -float("inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, V, BLOCK_N):  # online logsumexp: one read of the row
@@ -50,27 +51,35 @@ def _ce_fwd(X, T, Loss, Lse, rows, V, ignore_index, BLOCK_M: tl.constexpr, BLOCK
     lse = m + tl.log(s)
     t = tl.load(T + r, mask=rmask, other=ignore_index)
     hit = rmask & (t >= 0) & (t < V)
-    x_t = tl.load(X + r.to(tl.int64) * V + tl.where(hit, t, 0), mask=hit, other=0.0)
+    x_t = tl.load(X + r.to(tl.int64) * stride_x + tl.where(hit, t, 0), mask=hit, other=0.0)
     loss = tl.where(t != ignore_index, lse - x_t.to(tl.float32), 0.0)
     tl.store(Loss + r, loss, mask=rmask)
     tl.store(Lse + r, lse, mask=rmask)
 
 
 @kernel
-def _ce_bwd(X, T, Lse, G, stride_g, DX, rows, V, ignore_index,
+def _ce_bwd(X, stride_x, T, Lse, G, stride_g, DX, rows, V, ignore_index,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = r < rows
     mask = rmask[:, None] & (c[None, :] < V)
-    offs = r[:, None].to(tl.int64) * V + c[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + r[:, None].to(tl.int64) * stride_x + c[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     t = tl.load(T + r, mask=rmask, other=ignore_index)
     lse = tl.load(Lse + r, mask=rmask, other=0.0)
     g = tl.load(G + r * stride_g, mask=rmask, other=0.0)
     dx = (tl.exp(x - lse[:, None]) - tl.where(c[None, :] == t[:, None], 1.0, 0.0)) * g[:, None]
     dx = tl.where((t != ignore_index)[:, None], dx, 0.0)
-    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + r[:, None].to(tl.int64) * V + c[None, :], dx.to(DX.dtype.element_ty),
+             mask=mask)
+
+
+def _rows(logits):
+    """The logits as the kernels read them: elements of a row contiguous, rows at any
+    stride (rows padded for aligned loads are read in place, not copied first)."""
+    return logits if logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1] else \
+        logits.contiguous()
 
 
 def cross_entropy_forward(logits, target, reduction, ignore_index, upcast=False):
@@ -82,12 +91,12 @@ def cross_entropy_forward(logits, target, reduction, ignore_index, upcast=False)
     upcast: the cross-entropy of `logits.float()` (loss and total_weight in fp32), read
     from the half-precision logits (the kernel computes in fp32 either way: no fp32 copy of
     the [N, V] logits is written)."""
-    x, t = logits.contiguous(), target.contiguous()
+    x, t = _rows(logits), target.contiguous()
     n, v = x.shape
     loss = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     bm, bn, warps = row_blocks(n, min(v, CHUNK))
-    _ce_fwd[(triton.cdiv(n, bm),)](x, t, loss, lse, n, v, ignore_index,
+    _ce_fwd[(triton.cdiv(n, bm),)](x, x.stride(0), t, loss, lse, n, v, ignore_index,
                                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     out = torch.float32 if upcast else x.dtype
     if reduction == 0:
@@ -105,15 +114,16 @@ def cross_entropy_backward(grad_loss, logits, lse, target, reduction, ignore_ind
     0 on ignored rows; in grad_dtype (default: the logits dtype, fp32 with `upcast`, the
     gradient of `logits.float()`). Computed in fp32 and rounded once on the store: fp32
     gradient then a cast, without writing the fp32 one."""
-    x, t = logits.contiguous(), target.contiguous()
+    x, t = _rows(logits), target.contiguous()
     n, v = x.shape
     g = grad_loss.float()
     if reduction == 1:
         g = g / total_weight.float()
     g = g.contiguous() if reduction == 0 else g.reshape(1)
-    dx = torch.empty_like(x, dtype=grad_dtype or (torch.float32 if upcast else x.dtype))
+    dx = torch.empty((n, v), dtype=grad_dtype or (torch.float32 if upcast else x.dtype),
+                     device=x.device)
     bm, bn, warps = row_blocks(n, min(v, CHUNK))
     _ce_bwd[(triton.cdiv(n, bm), triton.cdiv(v, bn))](
-        x, t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx, n, v, ignore_index,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        x, x.stride(0), t, lse.contiguous(), g, 1 if reduction == 0 else 0, dx, n, v,
+        ignore_index, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return dx

@@ -217,6 +217,23 @@ def test_cross_entropy_walks_a_long_vocabulary_in_blocks(monkeypatch):
     assert (dx[5] == 0).all()
 
 
+def test_cross_entropy_reads_padded_rows_in_place():
+    """Logits whose rows are padded (a row stride above the vocabulary, as a matmul output
+    laid out for aligned loads has) are read as they lie; the gradient is contiguous."""
+    x = (torch.randn(37, 136) * 3)[:, :129]
+    t = torch.randint(0, 129, (37,))
+    loss, tw, lse = ce.cross_entropy_forward(x, t, 1, -100)
+    ls, rloss, rtw = _ce_reference(x.contiguous(), t, 1, -100)
+    close(loss, rloss)
+    close(lse, torch.logsumexp(x, 1))
+    assert ce._rows(x).data_ptr() == x.data_ptr()  # not copied
+    dx = ce.cross_entropy_backward(torch.tensor(1.0), x, lse, t, 1, -100, tw)
+    want = aten._log_softmax_backward_data(
+        aten.nll_loss_backward(torch.tensor(1.0), ls, t, None, 1, -100, rtw), ls, 1, x.dtype)
+    assert dx.is_contiguous()
+    close(dx, want)
+
+
 def test_cross_entropy_all_ignored_and_bf16():
     x = torch.randn(6, 10)
     t = torch.full((6,), 3)
