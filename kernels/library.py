@@ -262,7 +262,12 @@ cross_entropy_backward = KernelCall(
     lambda *a: ce.supports(a[1], a[3]))
 
 
-@torch.library.custom_op("fxpar::cross_entropy", mutates_args=())
+# Inductor may hand the logits in any layout (a matmul output with padded rows): the kernels
+# read rows at any stride, so no layout is imposed (the default would pin the traced strides)
+_ANY_LAYOUT = (torch.Tag.flexible_layout,)
+
+
+@torch.library.custom_op("fxpar::cross_entropy", mutates_args=(), tags=_ANY_LAYOUT)
 def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, reduction: int,
                      ignore_index: int, upcast: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -280,7 +285,7 @@ def _(logits, target, reduction, ignore_index, upcast):
     return _ce_reference(logits, target, reduction, ignore_index, upcast)
 
 
-@torch.library.custom_op("fxpar::cross_entropy_backward", mutates_args=())
+@torch.library.custom_op("fxpar::cross_entropy_backward", mutates_args=(), tags=_ANY_LAYOUT)
 def cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
                               target: torch.Tensor, reduction: int, ignore_index: int,
                               total_weight: torch.Tensor, upcast: bool,
