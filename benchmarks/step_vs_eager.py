@@ -235,7 +235,7 @@ def profile(steps_of, device, rows=15):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name, step in steps_of.items():
         _sync(device)
-        with torch_profile(activities=acts) as prof:
+        with torch_profile(activities=acts, record_shapes=cuda) as prof:
             for _ in range(3):
                 step()
             _sync(device)
@@ -243,6 +243,11 @@ def profile(steps_of, device, rows=15):
             sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
             row_limit=rows)
         print(f"\n--- profile: {name} (3 steps) ---\n{table}")
+        if cuda:  # which op, on which shapes, launched the costly kernels
+            ops = prof.key_averages(group_by_input_shape=True).table(
+                sort_by="device_time_total", row_limit=rows, max_name_column_width=40,
+                max_shapes_column_width=70)
+            print(f"\n--- {name}: ATen ops by input shapes ---\n{ops}")
 
 
 def main(argv=None):
