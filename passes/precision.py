@@ -291,11 +291,10 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                         ) -> dict[str, str]:
     """A trace on a GPU is made in fp32, for which torch's attention picks its one fp32
     fused kernel, memory-efficient attention; with its inputs now half, torch would pick
-    flash or cuDNN attention, faster on Hopper (docs/benchmarks.md, "GPU: one NVIDIA H100
-    (2026-11-27"). The forward and its
-    backward are swapped together for the kernel torch chooses for the half inputs (without
-    an attention bias or dropout, as those kernels' random state and bias gradient differ).
-    Returns {forward node: kernel}."""
+    flash or cuDNN attention, faster on Hopper (docs/benchmarks.md, "GPU: one NVIDIA
+    H100"). The forward and its backward are swapped together for the kernel torch picks
+    for the half inputs; not with an attention bias or dropout (those kernels' bias gradient
+    and random state differ) or grouped kv heads. Returns {forward node: kernel}."""
     swapped = {}
     for fwd in [n for n in graph.nodes if n.target is _EFFICIENT]:
         a = torch.fx.operator_schemas.normalize_function(
