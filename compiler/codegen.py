@@ -437,10 +437,14 @@ def _key(sub: torch.fx.GraphModule, fakes) -> str:
     """The run's code, its inputs' shapes/strides/dtypes/devices, torch's version, the
     Inductor options fxpar sets and the thread count (Inductor's CPU kernels fix their
     OpenMP threads at compile time: a 2-thread kernel in a 1-thread rank oversubscribes):
-    what the compiled code depends on."""
+    what the compiled code depends on; and Inductor's settings as its own cache keys them
+    (`save_config_portable`: a user's max_autotune or shape padding is not served a run
+    compiled without it; per-process values such as compile_threads left out)."""
+    from torch._inductor import config
+    portable = getattr(config, "save_config_portable", dict)()
     h = hashlib.sha256()
     for part in (torch.__version__, repr(INDUCTOR_OPTIONS), f"threads={torch.get_num_threads()}",
-                 sub.code,
+                 repr(sorted(portable.items())), sub.code,
                  *(f"{tuple(f.shape)}{f.stride()}{f.dtype}{f.device}" for f in fakes)):
         h.update(part.encode())
     return h.hexdigest()[:32]

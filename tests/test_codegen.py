@@ -255,6 +255,22 @@ def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
     assert len(calls) == 3 and not list(tmp_path.iterdir())
 
 
+def test_the_cache_key_follows_inductors_settings_not_its_per_process_ones():
+    """A user's Inductor setting (max_autotune, forced shape padding) is not served a run
+    compiled without it; the compile-worker count (per process) does not split the cache."""
+    from torch._inductor import config
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(aten.sin.default, (x,)),))
+    sub, fakes = torch.fx.GraphModule({}, g), [torch.empty(4, 4)]
+    key = codegen._key(sub, fakes)
+    assert codegen._key(sub, fakes) == key
+    with config.patch(force_shape_pad=True):
+        assert codegen._key(sub, fakes) != key
+    with config.patch(compile_threads=config.compile_threads + 1):
+        assert codegen._key(sub, fakes) == key
+
+
 def _fails_on_rank_1_only(_):
     """A worker: rank 0 compiles (with the stand-in for Inductor), rank 1's Inductor fails
     (as on a node whose cache is not shared); what each rank's parallelize raised."""
