@@ -88,12 +88,14 @@ def variants(base, batch, device, precision, small):
             return loss.detach()
         return step
 
-    def fx(fuse, graphs, codegen, remat="none"):
+    def fx(fuse, graphs, codegen, remat="none", inductor=None):
         def build():
-            pm = fxpar.parallelize(copy.deepcopy(base).to(device), [str(device)],
-                                   example_batch=batch, optimizer=_opt(device),
-                                   plan=dict(precision=precision, fuse=fuse, remat=remat,
-                                             cuda_graphs=graphs, codegen=codegen))
+            from torch._inductor import config  # (inductor: Inductor settings to compile with)
+            with config.patch(inductor or {}):
+                pm = fxpar.parallelize(copy.deepcopy(base).to(device), [str(device)],
+                                       example_batch=batch, optimizer=_opt(device),
+                                       plan=dict(precision=precision, fuse=fuse, remat=remat,
+                                                 cuda_graphs=graphs, codegen=codegen))
             step = lambda: pm.step(batch)  # noqa: E731
             step.pm = pm
             return step
@@ -111,6 +113,10 @@ def variants(base, batch, device, precision, small):
         # ops in the backward where that saves bytes, as torch.compile's partitioner does
         # by default (GPT-2's activation peak -33% at the CPU sizes)
         out["fxpar codegen=auto remat=auto graphs=on"] = fx(True, True, "auto", "auto")
+        # every matmul padded to aligned sizes (Inductor pads only where its benchmark says
+        # so: on an H100 one of GPT-2's three 50257-wide LM-head matmuls ran 5x slower)
+        out["fxpar codegen=auto shape-pad graphs=on"] = fx(True, True, "auto",
+                                                           inductor={"force_shape_pad": True})
         for fuse in (True, False):
             for graphs in (True, False):
                 out[f"fxpar codegen=eager fuse={'on' if fuse else 'off'} "
