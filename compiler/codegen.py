@@ -256,9 +256,10 @@ class CompiledRun(torch.nn.Module):
     output's largest finite magnitude plus CHECK_ATOL; a wider bound for an fp32 output of a
     run that computes in fp16/bf16 anywhere), the run stays op by op from then on
     and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF
-    Falcon's fused-QKV gradients 1% off, since root-caused: CPU_EAGER_OPS). The check
-    holds a second copy of the run's outputs; where that would take more than half the
-    device's free memory it is skipped with a warning.
+    Falcon's fused-QKV gradients 1% off, since root-caused: CPU_EAGER_OPS). The graph's
+    outputs are compared one at a time as it makes them (`_StreamingCheck`), beside
+    Inductor's; where even that would take more than half the device's free memory the
+    check is skipped with a warning.
     FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time and memory)."""
 
     def __init__(self, fn: Callable, source: torch.fx.GraphModule, strides: list[tuple],
@@ -291,13 +292,16 @@ class CompiledRun(torch.nn.Module):
 
     def _first_call(self, args):
         self.checked = True
-        # the check holds the graph's outputs while Inductor's code makes its own: one more
-        # copy of everything the run returns (a forward run: all the saved activations). A
-        # model sized to its device must not fail its first step over a check
-        # (and `_difference`'s fp32 temporaries of the largest output: ~5 copies of it)
+        # Inductor's outputs are held while the graph runs op by op beside them, each of its
+        # outputs compared as soon as it is made and dropped after its last use there (not
+        # a second copy of all of them: a forward run returns every saved activation). A
+        # model sized to its device must not fail its first step over a check: the estimate
+        # is the largest output twice (the graph's, and what it keeps alive while it is
+        # compared) and `_difference`'s fp32 temporaries of it (~5 copies)
         outs = _output_vals(self.source)
-        extra = sum(v.numel() * v.element_size() for v in outs) + 5 * 4 * max(
-            (v.numel() for v in outs), default=0)
+        big = max(outs, key=lambda v: v.numel() * v.element_size(), default=None)
+        extra = 0 if big is None else \
+            2 * big.numel() * big.element_size() + 5 * 4 * big.numel()
         where = next((a.device for a in args if a.device.type != "cpu"),
                      args[0].device if args else torch.device("cpu"))
         free = free_bytes(where)
@@ -307,24 +311,76 @@ class CompiledRun(torch.nn.Module):
                         free / 2**30, where)
             return self.fn(*args)
         devices = [a.device for a in args if a.device.type == "cuda"][:1]
-        with torch.random.fork_rng(devices=devices):
-            ref = self.source(*args)
+        before = _rng_states(devices)
         out = self.fn(*args)
-        for i, (r, o) in enumerate(zip(ref, out)):
-            if not isinstance(r, torch.Tensor) or not r.is_floating_point() or not r.numel():
-                continue
-            diff, scale = _difference(r, o)
-            kind = "half" if r.dtype in (torch.float16, torch.bfloat16) else \
-                "mixed" if self.half else "fp32"
-            rtol = self.mixed_rtol if kind == "mixed" else CHECK_RTOL[kind]
-            if not diff <= rtol * scale + CHECK_ATOL[kind]:
-                self.mismatch = (f"output {i}: max |difference| {diff:.3g} against a largest "
-                                 f"magnitude {scale:.3g}")
-                log.warning("codegen: Inductor's %s differs from the graph (%s): it runs op "
-                            "by op from now on.", self.name, self.mismatch)
-                self.fn = self.source
-                return ref
-        return out
+        with torch.random.fork_rng(devices=devices):  # the same random numbers as Inductor's
+            _set_rng_states(devices, before)
+            self.mismatch = _StreamingCheck(self.source, out, self._compare).run(*args)
+        if self.mismatch is None:
+            return out
+        log.warning("codegen: Inductor's %s differs from the graph (%s): it runs op by op "
+                    "from now on.", self.name, self.mismatch)
+        self.fn = self.source
+        del out
+        _set_rng_states(devices, before)  # this step's result is the graph's, numbers alike
+        return self.source(*args)
+
+    def _compare(self, i: int, r, o) -> str | None:
+        """Output i of the graph (r) against Inductor's (o): None, or what differs."""
+        if not isinstance(r, torch.Tensor) or not r.is_floating_point() or not r.numel():
+            return None
+        diff, scale = _difference(r, o)
+        kind = "half" if r.dtype in (torch.float16, torch.bfloat16) else \
+            "mixed" if self.half else "fp32"
+        rtol = self.mixed_rtol if kind == "mixed" else CHECK_RTOL[kind]
+        if diff <= rtol * scale + CHECK_ATOL[kind]:
+            return None
+        return f"output {i}: max |difference| {diff:.3g} against a largest magnitude {scale:.3g}"
+
+
+class _StreamingCheck(torch.fx.Interpreter):
+    """Runs a graph op by op, comparing each of its outputs with `out` (Inductor's) as soon as
+    it is made, and freeing it after its last use inside the graph rather than holding every
+    output to the end. `run` returns the first difference (None: equal up to rounding)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, out, compare):
+        super().__init__(gm, garbage_collect_values=True)
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self.positions: dict[torch.fx.Node, list[int]] = {}
+        for i, a in enumerate(out_node.args[0]):
+            if isinstance(a, torch.fx.Node):
+                self.positions.setdefault(a, []).append(i)
+        last: dict[torch.fx.Node, torch.fx.Node] = {}
+        for n in gm.graph.nodes:
+            if n.op != "output":
+                for a in n.all_input_nodes:
+                    last[a] = n
+        self.user_to_last_uses = {}
+        for a, n in last.items():
+            self.user_to_last_uses.setdefault(n, []).append(a)
+        for a in self.positions:  # read by nothing else: dropped once compared
+            if a not in last:
+                self.user_to_last_uses.setdefault(a, []).append(a)
+        self.out, self.compare, self.found = out, compare, None
+
+    def run_node(self, n):
+        if n.op == "output":  # (its values are compared and gone)
+            return self.found
+        v = super().run_node(n)
+        for i in self.positions.get(n, ()):
+            if self.found is None:
+                self.found = self.compare(i, v, self.out[i])
+        return v
+
+
+def _rng_states(devices) -> list:
+    return [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_states(devices, states) -> None:
+    torch.set_rng_state(states[0])
+    for d, st in zip(devices, states[1:]):
+        torch.cuda.set_rng_state(st, d)
 
 
 CHECK_MEMORY_FRACTION = 0.5  # of the free memory: the rest for the two runs' temporaries

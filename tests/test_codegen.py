@@ -597,10 +597,32 @@ def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(cap
     assert "differs from the graph" in caplog.text
 
 
+def test_the_check_holds_one_output_of_the_graph_at_a_time():
+    """The first-call check runs the graph op by op beside Inductor's outputs, comparing each
+    output as it is made and dropping it (a forward run returns every saved activation:
+    holding them all would double the step's memory)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(tuple(g.call_function(aten.mul.Tensor, (x, float(k))) for k in range(4)))
+    gm = torch.fx.GraphModule({}, g)
+    x, live, seen = torch.randn(8), [], []
+
+    class Watch(codegen._StreamingCheck):
+        def run_node(self, n):
+            live.append(sum(isinstance(v, torch.Tensor) for v in self.env.values()))
+            return super().run_node(n)
+    assert Watch(gm, gm(x), lambda i, r, o: seen.append(i)).run(x) is None
+    assert seen == [0, 1, 2, 3] and max(live) == 1  # the input alone: outputs gone
+    off = [t * (1.01 if i == 2 else 1) for i, t in enumerate(gm(x))]
+    run = codegen.CompiledRun(lambda *a: off, gm, [x.stride()])
+    assert [torch.equal(a, b) for a, b in zip(run(x), gm(x))] == [True] * 4
+    assert run.mismatch.startswith("output 2:")
+
+
 def test_the_check_is_skipped_where_its_second_copy_would_not_fit(caplog, monkeypatch):
-    """The check holds the graph's outputs beside Inductor's: where that second copy would
-    take more than half the free memory the run is trusted unchecked, with a warning (a
-    model sized to its device must not fail its first step over the check)."""
+    """Where the check's extra memory (its largest output twice, and fp32 temporaries of it)
+    would take more than half the free memory the run is trusted unchecked, with a warning
+    (a model sized to its device must not fail its first step over the check)."""
     program, gen, args = _one_percent_off_mlp()
     monkeypatch.setattr(codegen, "free_bytes", lambda device: 16)
     with torch.no_grad(), caplog.at_level("WARNING", logger="fxpar"):
