@@ -6,13 +6,15 @@ eager, torch.compile (default; also mode="reduce-overhead" on CUDA), fxpar with 
 Plan.codegen ("inductor": Inductor's kernels; on CUDA "auto", the default, which is Inductor
 with any run it refuses left op by op; "eager": op by op), on CUDA also with its own
 Triton fusion on/off (codegen="eager") and CUDA graphs on/off. fxpar's compile time (its
-codegen row: Inductor, or a load from fxpar's cache) is printed per variant. Every variant trains its own copy of the same initial weights with AdamW on
-the same batches. All are built and warmed up first (the warm-up steps' peak memory above
-the resident weights is the "peak" column: it includes a CUDA-graph capture and fxpar's
-first-call check; "step MiB" is a steady step's peak: on CUDA above the same weights, so with
-the gradients, optimizer state and CUDA-graph pools training holds from then on; on CPU what
-the step allocates, by the tracker), then timed interleaved, one step of each per round: this machine's speed drifts, so the ratio to eager
-is the median of per-round ratios. Losses are compared with eager's, step by step.
+codegen row: Inductor, or a load from fxpar's cache) is printed per variant. Every variant
+trains its own copy of the same initial weights with AdamW on the same batches. All are built
+and warmed up first (the warm-up steps' peak memory above the resident weights is the "peak"
+column: it includes a CUDA-graph capture and fxpar's first-call check; "step MiB" is a steady
+step's peak: on CUDA above the same weights, so with the gradients, optimizer state and
+CUDA-graph pools training holds from then on; on CPU what the step allocates, by the
+tracker), then timed interleaved, one step of each per round: this machine's speed drifts, so
+the ratio to eager is the median of per-round ratios. Losses are compared with eager's, step
+by step.
 
     .venv/bin/python benchmarks/step_vs_eager.py            # GPU: GPT-2 small + a small Llama
     .venv/bin/python benchmarks/step_vs_eager.py            # CPU: 4 layers x 256, seq 128
