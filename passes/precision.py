@@ -46,7 +46,7 @@ import operator
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from fxpar.compiler import ir
 from fxpar.compiler.errors import PlanError
@@ -281,8 +281,12 @@ def _sdp_choice(q, k, v, is_causal, scale) -> int | None:
     GPU can tell."""
     if not torch.cuda.is_available():
         return None
-    try:
-        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale))
+    try:  # on real (empty) tensors: under fake tensors the choice runs torch's meta kernel,
+        # which answers "math" for every input (seen on an H200)
+        with unset_fake_temporarily():
+            real = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    for t in (q, k, v)]
+            return int(torch._fused_sdp_choice(*real, None, 0.0, is_causal, scale=scale))
     except Exception:  # noqa: BLE001 - no answer: the traced kernel stays, which is correct
         return None
 
@@ -304,8 +308,7 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                 q.dtype not in (torch.float16, torch.bfloat16) or q.shape[1] != k.shape[1]:
             continue
         causal, scale = a.get("is_causal", False), a.get("scale")
-        with mode:
-            choice = _sdp_choice(q, k, v, causal, scale)
+        choice = _sdp_choice(q, k, v, causal, scale)
         if choice not in (_SDP_FLASH, _SDP_CUDNN):
             continue
         bwds = list(dict.fromkeys(u for g in fwd.users if g.target is operator.getitem
@@ -335,12 +338,39 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                 bargs_of[b] = (aten._scaled_dot_product_cudnn_attention_backward.default, (
                     grad, *bqkv, out, lse, seed, offset, None, None, None, lq, lk, 0.0, causal))
         # output, logsumexp, random seed and offset; the backward's bias gradient (unused) goes
-        new = _replace(graph, fwd, target, args, scale, env, mode, half_nodes,
-                       {0: 0, 1: 1, 2: 6, 3: 7})
+        traced = {g: (env[g].shape, env[g].stride()) for n in (fwd, *bwds) for g in n.users
+                  if isinstance(env.get(g), torch.Tensor)}
+        new = [_replace(graph, fwd, target, args, scale, env, mode, half_nodes,
+                        {0: 0, 1: 1, 2: 6, 3: 7})]
         for b, (bt, bargs) in bargs_of.items():
-            _replace(graph, b, bt, bargs, scale, env, mode, half_nodes, {0: 0, 1: 1, 2: 2})
-        swapped[new.name] = "flash" if choice == _SDP_FLASH else "cudnn"
+            new.append(_replace(graph, b, bt, bargs, scale, env, mode, half_nodes,
+                                {0: 0, 1: 1, 2: 2}))
+        for g, (shape, stride) in traced.items():  # (the random state's shape may differ:
+            # only the new backward reads it)
+            if env[g].shape == shape and env[g].stride() != stride:
+                _restride(graph, g, stride, env, mode, keep=set(new))
+        swapped[new[0].name] = "flash" if choice == _SDP_FLASH else "cudnn"
     return swapped
+
+
+def _restride(graph, g, stride, env, mode, keep) -> None:
+    """g's users (but those in `keep`) read a copy of g laid out as traced: the new kernels
+    lay out their outputs as their inputs (cuDNN, flash) where memory-efficient attention's
+    were [B, T, H, D], and the traced views after them (`.transpose(1, 2).view(B, T, C)`)
+    need that layout. One copy of the attention output per layer."""
+    val = env[g]
+    with graph.inserting_after(g):
+        empty = graph.call_function(aten.empty_strided.default, (
+            list(val.shape), list(stride)), {"dtype": val.dtype, "device": val.device})
+    with graph.inserting_after(empty):
+        copy = graph.call_function(aten.copy.default, (empty, g))
+    g.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy and u not in keep)
+    with mode:
+        env[empty] = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device)
+        env[copy] = aten.copy.default(env[empty], val)
+    for n in (empty, copy):
+        n.meta.update({k: g.meta[k] for k in (ir.REGION, ir.MODULE) if k in g.meta})
+        n.meta[ir.VAL] = env[n]
 
 
 def _replace(graph, old, target, args, scale, env, mode, half_nodes, outputs):

@@ -172,16 +172,19 @@ def test_gpt_softmax_norms_loss_reductions_fp32_attention_bf16():
     assert all(g.meta[ir.VAL].dtype == torch.float32 for g in out[:1 + sig.num_params])
 
 
-def _efficient_attention_step(bias=False):
+def _efficient_attention_step(bias=False, contiguous=False):
     """A GPU trace's attention, forward and backward, on fake CUDA tensors already in bf16
-    (the precision pass's input casts made): (graph, {node: fake value}, fake mode)."""
+    (the precision pass's input casts made): (graph, {node: fake value}, fake mode).
+    contiguous: q, k, v laid out [B, H, T, D] (as HF GPT-2's are after the cast), the
+    output viewed back to [B, T, C] as models do."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     aten = torch.ops.aten
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:  # [B, H, T, D] views of a [B, T, H, D] projection, as a model's q/k/v are
-        qkv = [torch.empty_strided((2, 4, 64, 16), (4096, 16, 64, 1), device="cuda",
-                                   dtype=torch.bfloat16) for _ in range(4)]
+        qkv = [torch.empty_strided((2, 4, 64, 16), (4096, 1024, 16, 1) if contiguous else
+                                   (4096, 16, 64, 1), device="cuda", dtype=torch.bfloat16)
+               for _ in range(4)]
         b = torch.empty(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
 
     def step(q, k, v, g):
@@ -190,6 +193,8 @@ def _efficient_attention_step(bias=False):
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, b if bias else None, o[0], o[1], o[2], o[3], 0.0,
             [True, True, True, False], True, scale=0.25)
+        if contiguous:
+            return o[0].transpose(1, 2).view(2, 64, 64), dq, dk, dv
         return o[0], dq, dk, dv
     gm = make_fx(step, tracing_mode="fake")(*qkv)
     env = {n: n.meta[ir.VAL] for n in gm.graph.nodes if ir.VAL in n.meta}
@@ -229,6 +234,33 @@ def test_half_attention_takes_the_kernel_torch_picks_for_half_inputs(monkeypatch
     assert out[0].args[0] is fwd and all(o.args[0] is bwd for o in out[1:])
     assert [tuple(env[a].shape) for a in out] == out_before
     assert all(tuple(a.meta[ir.VAL].shape) == s for a, s in zip(out, out_before))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_half_attention_gives_the_traced_layout_to_the_ops_after_it(monkeypatch, kernel):
+    """The new kernels lay out their outputs as their inputs, memory-efficient attention
+    [B, T, H, D] whatever the inputs: with [B, H, T, D] inputs (HF GPT-2 in bf16 on an H200)
+    the model's `.transpose(1, 2).view(B, T, C)` failed on the cuDNN output. The ops after
+    the swap read a copy in the traced layout; the new backward reads the kernel's own."""
+    from fxpar.compiler import graphs
+    aten = torch.ops.aten
+    monkeypatch.setattr(precision, "_sdp_choice", lambda *a: {"flash": 1, "cudnn": 3}[kernel])
+    gm, env, mode = _efficient_attention_step(contiguous=True)
+    out_before = [(tuple(env[a].shape), env[a].stride()) for a in next(
+        n for n in gm.graph.nodes if n.op == "output").args[0]]
+    precision._attention_for_half(gm.graph, env, mode, [])
+    gm.graph.lint()
+    gm.recompile()
+    graphs.fake_propagate(gm, check=True)  # raised "Cannot view a tensor ..." before
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert [(tuple(a.meta[ir.VAL].shape), a.meta[ir.VAL].stride()) for a in out] == out_before
+    fwd = next(n for n in gm.graph.nodes if n.target is getattr(
+        aten, f"_scaled_dot_product_{kernel}_attention").default)
+    copies = [n for n in gm.graph.nodes if n.target is aten.copy.default]
+    assert copies and copies[0].args[1].args[0] is fwd  # the forward's output, copied
+    bwd = next(n for n in gm.graph.nodes if n.target is getattr(
+        aten, f"_scaled_dot_product_{kernel}_attention_backward").default)
+    assert copies[0].args[1] in bwd.args  # the backward reads the kernel's own layout
 
 
 def test_half_attention_with_a_bias_or_without_a_gpu_keeps_memory_efficient_attention(
