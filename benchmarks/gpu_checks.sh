@@ -2,14 +2,14 @@
 # The GPU checks, for a machine with an NVIDIA GPU and torch + triton already installed (no
 # .venv needed: the repository is imported as `fxpar` through a symlink).
 #   bash benchmarks/gpu_checks.sh [LOG_DIR [PART ...]]
-# The default parts (0 1) took 9 minutes on one H100 (a lease here is 15 minutes of device
+# The default parts (0 1) took 8-9 minutes on one H100 / H200 (a lease here is 15 minutes of device
 # time, starts included); the others are opt-in. PARTs:
 # 0. benchmarks/step_vs_eager.py, HF GPT-2 small bf16 (issue 27's target rows): eager,
 #    torch.compile (default, reduce-overhead), fxpar codegen=auto (Inductor) with CUDA graphs
 #    on/off, with remat="auto" (cheap ops recomputed, as torch.compile's partitioner does)
-#    and with every matmul padded to aligned sizes, fxpar codegen=eager with its own Triton
-#    fusion + CUDA graphs, each with its top kernels by GPU time (--profile, in the log); and
-#    benchmarks/executor_overhead.py (host cost per node)
+#    and with the cross-entropy in Inductor's closed form, fxpar codegen=eager with its own
+#    Triton fusion + CUDA graphs, each with its top kernels by GPU time (--profile, in the
+#    log); and benchmarks/executor_overhead.py (host cost per node)
 # 1. tests/test_gpu.py + the hand-written kernels' tests on the GPU (FXPAR_TEST_GPU=1)
 # 2. benchmarks/planner_gpu.py: predicted vs measured step time / memory, fxpar vs eager vs
 #    torch.compile, fp32 and bf16, fused and unfused, with a profile of the bf16 step
@@ -30,7 +30,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
     | tee -a "$LOGS/gpu.txt"
 if part 0; then
 timeout 400 $PY benchmarks/step_vs_eager.py --model gpt2 --precision bf16 --steps 15 --profile --only \
-    "torch.compile,torch.compile reduce-overhead,fxpar codegen=auto graphs=on,fxpar codegen=auto graphs=off,fxpar codegen=auto remat=auto graphs=on,fxpar codegen=auto shape-pad graphs=on,fxpar codegen=eager fuse=on graphs=on" \
+    "torch.compile,torch.compile reduce-overhead,fxpar codegen=auto graphs=on,fxpar codegen=auto graphs=off,fxpar codegen=auto remat=auto graphs=on,fxpar codegen=auto ce=closed graphs=on,fxpar codegen=eager fuse=on graphs=on" \
     > "$LOGS/step_vs_eager_gpt2_bf16.log" 2>&1
 grep -v "Warning\|warn(" "$LOGS/step_vs_eager_gpt2_bf16.log" | grep -A12 "^gpt2 "
 # a compiled run the first-call check sent back to op by op, or one Inductor refused

@@ -31,6 +31,7 @@ import re
 import statistics
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -90,10 +91,17 @@ def variants(base, batch, device, precision, small):
             return loss.detach()
         return step
 
-    def fx(fuse, graphs, codegen, remat="none", inductor=None):
+    def fx(fuse, graphs, codegen, remat="none", inductor=None, ce_closed=False):
         def build():
             from torch._inductor import config  # (inductor: Inductor settings to compile with)
-            with config.patch(inductor or {}):
+            from fxpar.passes import fusion
+            # ce_closed: an experiment, not a Plan field - the cross-entropy in the closed
+            # form Inductor fuses (as on CPU) where fxpar's kernel would be called
+            ce = fusion.cross_entropy_for_inductor
+            closed = mock.patch.object(fusion, "cross_entropy_for_inductor", lambda gm, triton:
+                                       ce(gm, triton=False)) if ce_closed else \
+                contextlib.nullcontext()
+            with config.patch(inductor or {}), closed:
                 pm = fxpar.parallelize(copy.deepcopy(base).to(device), [str(device)],
                                        example_batch=batch, optimizer=_opt(device),
                                        plan=dict(precision=precision, fuse=fuse, remat=remat,
@@ -119,6 +127,9 @@ def variants(base, batch, device, precision, small):
         # so: on an H100 one of GPT-2's three 50257-wide LM-head matmuls ran 5x slower)
         out["fxpar codegen=auto shape-pad graphs=on"] = fx(True, True, "auto",
                                                            inductor={"force_shape_pad": True})
+        # the cross-entropy in closed form instead of fxpar's kernel: on an H200 the kernel's
+        # rows had a [N, V] ATen copy and two padding kernels more per step
+        out["fxpar codegen=auto ce=closed graphs=on"] = fx(True, True, "auto", ce_closed=True)
         for fuse in (True, False):
             for graphs in (True, False):
                 out[f"fxpar codegen=eager fuse={'on' if fuse else 'off'} "
