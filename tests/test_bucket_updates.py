@@ -190,6 +190,7 @@ def bucket_updates_rank():
     return out
 
 
+@pytest.mark.slow  # (make test's time: runs in CI's slow suite)
 def test_bucket_updates_equal_one_update_and_skip_a_nan_step():
     res = fxpar.launch(bucket_updates_rank, 2)
     for r in (0, 1):

@@ -525,10 +525,15 @@ def test_one_fuser_cross_entropy_kernel_inside_inductor_runs(monkeypatch):
         torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=1e-5)
 
 
-def test_the_first_call_check_tells_rounding_from_a_wrong_result():
+@pytest.mark.parametrize("chunk", [None, 100, 7])
+def test_the_first_call_check_tells_rounding_from_a_wrong_result(monkeypatch, chunk):
     """What the first-call check accepts: rounding of outputs that cancel to ~0 (seen as
     false alarms on ConvNeXt and nn.Transformer gradients of ~1e-7) and a mask's equal
-    -inf (Mistral's sliding window); what it refuses: 1% off, inf or NaN against a number."""
+    -inf (Mistral's sliding window); what it refuses: 1% off, inf or NaN against a number.
+    Alike when compared in chunks (of rows, and of a row)."""
+    if chunk:
+        monkeypatch.setattr(codegen, "CHECK_CHUNK", chunk)
+
     def passes(ref, out):
         diff, scale = codegen._difference(ref, out)
         return diff <= codegen.CHECK_RTOL["fp32"] * scale + codegen.CHECK_ATOL["fp32"]
@@ -542,11 +547,27 @@ def test_the_first_call_check_tells_rounding_from_a_wrong_result():
     nan = x.clone()
     nan[0, 0] = float("nan")
     assert not passes(x, nan) and not passes(nan, x) and passes(nan, nan.clone())
+    last = x.clone()
+    last[-1, -1] = float("nan")
+    assert not passes(x, last) and not passes(last, x)
     inf = x.clone()
     inf[0, 0] = float("inf")
     assert passes(inf, nan)  # an overflow either way: the loss scaler only asks "finite?"
     # the floor stays below what matters for small outputs: a sign flip at 5e-6 is caught
     assert not passes(torch.full((8,), 5e-6), torch.full((8,), -5e-6))
+
+
+def test_the_check_compares_a_large_output_a_chunk_at_a_time(monkeypatch):
+    """The comparison's fp32 temporaries are a chunk's, not the output's (GPT-2's bf16
+    logits, compared whole, took ~8 GB of an H200's first step), with the same answer."""
+    from fxpar.runtime.memtrack import measure
+    x = torch.randn(64, 4096).to(torch.bfloat16)
+    y = (x.float() * (1 + 1e-3 * torch.randn(64, 4096))).to(torch.bfloat16)
+    whole, whole_peak = measure(lambda: codegen._difference(x, y))
+    monkeypatch.setattr(codegen, "CHECK_CHUNK", 1 << 12)
+    chunked, peak = measure(lambda: codegen._difference(x, y))
+    assert chunked == whole
+    assert peak <= 12 * 4 * (1 << 12) < whole_peak / 10, (peak, whole_peak)
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])

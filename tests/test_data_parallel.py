@@ -135,6 +135,7 @@ def test_microbatches_refused_where_rows_of_the_batch_are_computed_together(mode
     fxpar.compile(model(), 2, example_batch=batch, plan={"dp": 2})
 
 
+@pytest.mark.slow  # (make test's time: runs in CI's slow suite)
 def test_microbatches_allowed_where_rows_are_computed_apart():
     """An LSTM (views that cannot stay split) and MoE routing (a sort over all tokens)
     compute each row apart: no refusal (the whole zoo is checked by its slow sweep)."""
@@ -432,6 +433,7 @@ def zero_gather_rank():
             for zero in (1, 2)}
 
 
+@pytest.mark.slow  # (make test's time: runs in CI's slow suite)
 def test_zero12_parameter_gathers_through_the_runtime_equal_plain_dp():
     """ZeRO-1/2's all-gather of the stepped shards goes through runtime/comm (on gloo, a
     bucket of 64 KiB or more as one broadcast per rank into the output) and is on the

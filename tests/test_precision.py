@@ -125,6 +125,7 @@ def test_a_value_is_cast_down_once_for_its_forward_and_backward_matmuls():
     verify(gm)
 
 
+@pytest.mark.slow  # (make test's time: runs in CI's slow suite)
 def test_bf16_graph_keeps_no_fp32_logits_and_about_two_thirds_of_fp32s_activations():
     """benchmarks/precision_memory.py --small --triton (the graphs as a GPU plans them): the
     cross-entropy kernel reads the half logits and stores the half gradient (no fp32 [N, V]
