@@ -250,10 +250,12 @@ def _cross_entropy(graph, nll) -> list[Group]:
     become one kernel each; the backward reads the logits and the row logsumexp instead of
     the [N, V] log-probabilities."""
     ls, target, weight, reduction, ignore = nll.args[:5]
-    match = _match_cross_entropy(nll)
+    match = _match_cross_entropy(nll, recomputed=True)
     if match is None:
         return []
-    logits = ls.args[0]
+    logits, copies = ls.args[0], match[3]
+    recomputed_targets = [c.args[1] for c in copies] + (
+        [match[1].args[2]] if match[1] is not None else [])
     nll_bw, ls_bw = ([match[1]], [match[2]]) if match[1] is not None else ([], [])
     # the precision pass's fp32 copy of half-precision logits: the kernels read the half
     # ones (they compute in fp32 either way), and the [N, V] fp32 copy is never written
@@ -271,7 +273,8 @@ def _cross_entropy(graph, nll) -> list[Group]:
     lv, tw = nll.meta[ir.VAL]
     lse_val = logits.meta[ir.VAL].new_empty(logits.meta[ir.VAL].shape[:1], dtype=torch.float32)
     fwd.meta[ir.VAL] = (lv, tw, lse_val)
-    nll.replace_all_uses_with(fwd)
+    for n in (nll, *copies):  # (remat's copies: the same values, read through getitems)
+        n.replace_all_uses_with(fwd)
     groups = [_record(fwd, "cross_entropy", ["_log_softmax", "nll_loss_forward"],
                       [ls.name, nll.name], before, 0)]
     if nll_bw:
@@ -302,11 +305,25 @@ def _cross_entropy(graph, nll) -> list[Group]:
                               [nb.name, lb.name], before_b, 0))
         graph.erase_node(lb)
         graph.erase_node(nb)
-    graph.erase_node(nll)
-    graph.erase_node(ls)
+    for n in (*copies, nll, ls):
+        graph.erase_node(n)
     if upcast and not logits.users:
         graph.erase_node(logits)
+    _erase_unread(recomputed_targets, keep=target)
     return groups
+
+
+def _erase_unread(nodes, keep) -> None:
+    """Remat's recomputed copies of the targets (and what only they read), now read by
+    nothing: the backward reads the forward's targets."""
+    todo, gone = [n for n in nodes if n is not keep], set()
+    while todo:
+        n = todo.pop()
+        if n not in gone and isinstance(n, torch.fx.Node) and n.op == "call_function" \
+                and not n.users:
+            todo += n.all_input_nodes
+            n.graph.erase_node(n)
+            gone.add(n)
 
 
 def _half_to_fp32(n) -> bool:
@@ -428,14 +445,7 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
         graph.erase_node(nb)
     for n in (*copies, nll, ls):
         graph.erase_node(n)
-    todo, gone = [c for c in recomputed_targets if c is not target], set()
-    while todo:  # remat's copies of the targets, now read by nothing
-        n = todo.pop()
-        if n not in gone and isinstance(n, torch.fx.Node) and n.op == "call_function" \
-                and not n.users:
-            todo += n.all_input_nodes
-            graph.erase_node(n)
-            gone.add(n)
+    _erase_unread(recomputed_targets, keep=target)
     return [Group(log_sum.name, INDUCTOR_CE,
                   ["_log_softmax", "nll_loss_forward"] + (
                       ["nll_loss_backward", "_log_softmax_backward_data"] if nb is not None

@@ -777,26 +777,55 @@ def test_cross_entropy_closed_form_rounds_large_logits_as_aten_does(monkeypatch)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _remat_ce_joint(x, labels, g, start=1):
+    """The cross-entropy joint graph as remat="sqrt" / "auto" leave it on HF models: the
+    backward reads a recomputed copy of the targets (`start`=1: the same ones) and a
+    recomputed nll_loss_forward of the same log-probabilities."""
+    t = aten.view(aten.clone(aten.slice(labels, 1, 1, 7)), [-1])
+    ls = aten._log_softmax(x, 1, False)
+    loss, _ = aten.nll_loss_forward(ls, t, None, 1, -100)
+    t2 = aten.view(aten.clone(aten.slice(labels, 1, start, start + 6)), [-1])  # remat's
+    loss2, tw2 = aten.nll_loss_forward(ls, t2, None, 1, -100)
+    seed = aten.mul(aten.ones_like(loss2), g)
+    nb = aten.nll_loss_backward(seed, ls, t2, None, 1, -100, tw2)
+    return loss, aten._log_softmax_backward_data(nb, ls, 1, x.dtype)
+
+
+def _remat_ce_inputs():
+    torch.manual_seed(0)
+    labels = torch.randint(0, 30, (4, 7))
+    labels[0, 2:5] = -100
+    return torch.randn(24, 30), labels, torch.tensor(1.0)
+
+
+def test_cross_entropy_kernel_under_remat():
+    """remat's form of the pattern (recomputed targets and nll_loss_forward in the backward)
+    takes fxpar's kernel too (it fell to the closed form: the H200's remat="auto" row); the
+    backward reads the forward's targets and count; values unchanged."""
+    x, labels, g = _remat_ce_inputs()
+    with interpreter():
+        gm, want = _closed_form(lambda x, labels, g: _remat_ce_joint(x, labels, g), x, labels, g)
+        got = gm(x, labels, g)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.fxpar.cross_entropy.default in ops
+    assert torch.ops.fxpar.cross_entropy_backward.default in ops
+    assert not set(ops) & {aten._log_softmax.default, aten.nll_loss_forward.default,
+                           aten.nll_loss_backward.default}
+    assert ops.count(aten.clone.default) == 1  # the unread copy of the targets is gone
+    assert [grp.kind for grp in gm.meta["fusion"].groups] == [
+        "cross_entropy", "cross_entropy_backward"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_cross_entropy_closed_form_under_remat(monkeypatch):
     """remat="sqrt" on HF models: the backward reads a recomputed copy of the targets and a
     recomputed nll_loss_forward of the same log-probabilities (its count divides the
     gradient, its loss shapes the seed). Both copies go with the pattern: the backward uses
     the forward's two scalars and targets; values unchanged."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-    def joint(x, labels, g, start=1):
-        t = aten.view(aten.clone(aten.slice(labels, 1, 1, 7)), [-1])
-        ls = aten._log_softmax(x, 1, False)
-        loss, _ = aten.nll_loss_forward(ls, t, None, 1, -100)
-        t2 = aten.view(aten.clone(aten.slice(labels, 1, start, start + 6)), [-1])  # remat's
-        loss2, tw2 = aten.nll_loss_forward(ls, t2, None, 1, -100)
-        seed = aten.mul(aten.ones_like(loss2), g)
-        nb = aten.nll_loss_backward(seed, ls, t2, None, 1, -100, tw2)
-        return loss, aten._log_softmax_backward_data(nb, ls, 1, x.dtype)
-    torch.manual_seed(0)
-    labels = torch.randint(0, 30, (4, 7))
-    labels[0, 2:5] = -100
-    x, g = torch.randn(24, 30), torch.tensor(1.0)
+    joint = _remat_ce_joint
+    x, labels, g = _remat_ce_inputs()
     gm, want = _closed_form(lambda x, labels, g: joint(x, labels, g), x, labels, g)
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert not set(ops) & {aten._log_softmax.default, aten.nll_loss_forward.default,
