@@ -124,15 +124,27 @@ def _device_type(n) -> str:
 
 
 def _cheap(n) -> bool:
-    """Cheap to recompute: views, getitems, pointwise ops, input-free factories."""
+    """Cheap to recompute: views, getitems, pointwise ops, input-free factories, dtype casts."""
     t = n.target
-    if t is operator.getitem or cost.is_view(n):
+    if t is operator.getitem or cost.is_view(n) or _is_cast(n):
         return True
     if _is_random(n):  # dropout, rand_like: cheap; attention with dropout: not
         return cost.node_flops(n) == 0
     if not isinstance(t, torch._ops.OpOverload):
         return False
     return torch.Tag.pointwise in t.tags or not n.all_input_nodes
+
+
+def _is_cast(n) -> bool:
+    """A dtype conversion on the same device (`x.float()`): pointwise, but ATen does not tag
+    `_to_copy` so (it also moves between devices, which is not cheap). Pinned as expensive,
+    the precision pass's casts made remat save a bf16 GELU's fp32 tanh (4 bytes an element)
+    where recomputing from the bf16 input saves 2, as torch.compile's partitioner does."""
+    if n.target is not aten._to_copy.default or set(n.kwargs) - {"dtype", "device", "layout"}:
+        return False
+    src = n.args[0].meta.get(ir.VAL) if isinstance(n.args[0], torch.fx.Node) else None
+    dev = n.kwargs.get("device")
+    return isinstance(src, torch.Tensor) and (dev is None or torch.device(dev) == src.device)
 
 
 def _owns_storage(n) -> bool:

@@ -105,6 +105,51 @@ def test_cheap_ops_recomputed_not_saved():
     assert new.meta["remat"].peak_after < new.meta["remat"].peak_before
 
 
+class _HalfGelu(torch.nn.Module):
+    """A GELU computed in fp32 from bf16 values between two bf16 matmuls, as the precision
+    pass leaves HF GPT-2's (autocast runs pow and tanh in fp32)."""
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = torch.nn.Linear(16, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, batch):
+        x, y = batch
+        h = self.fc(x).to(torch.bfloat16)
+        t = torch.tanh(h.float() * 0.8 + 0.04 * h.float() ** 3)
+        g = (h * 0.5).float() * (1 + t)
+        return torch.nn.functional.mse_loss(self.proj(g.to(torch.bfloat16).float()), y)
+
+
+def test_dtype_casts_are_recomputed_like_pointwise_ops():
+    """Memory to spare (torch.compile's default): the fp32 values of the GELU are recomputed
+    from its bf16 input, casts included, rather than saved (the H200's profile: remat="auto"
+    still wrote the fp32 tanh, as `_to_copy` counted as expensive); bit for bit the same."""
+    torch.manual_seed(0)
+    model, batch = _HalfGelu(), (torch.randn(32, 16), torch.randn(32, 4))
+    gm, sig, args = _capture(model, batch)
+    new = _remat(gm, sig, 10**12)
+    fwd_fp32 = [n for n in new.graph.nodes if n.meta.get(ir.REGION) == ir.FORWARD and any(
+        u.meta.get(ir.REGION) == ir.BACKWARD for u in n.users) and getattr(
+        n.meta.get(ir.VAL), "dtype", None) == torch.float32 and n.op == "call_function"
+        and n.meta[ir.VAL].shape == (32, 64)]
+    assert not fwd_fp32, fwd_fp32  # no [32, 64] fp32 value saved for the backward
+    copies = {n.target for n in new.graph.nodes if n.meta.get(ir.RECOMPUTE)}
+    assert {aten._to_copy.default, aten.tanh.default} <= copies
+    assert not copies & {aten.mm.default, aten.addmm.default}
+    ref, _ = _run(gm, args, len(sig.param_names))
+    out, _ = _run(new, args, len(sig.param_names))
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
+def test_a_device_move_is_not_a_cheap_cast():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(4)
+    to_half = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+    to_meta = g.call_function(aten._to_copy.default, (x,), {"device": torch.device("meta")})
+    assert remat._cheap(to_half) and not remat._cheap(to_meta)
+
+
 def test_budget_respected_and_monotone():
     model, batch = _gpt(4)
     gm, sig, args = _capture(model, batch)
