@@ -136,15 +136,22 @@ def _cheap(n) -> bool:
 
 
 def _is_cast(n) -> bool:
-    """A dtype conversion on the same device (`x.float()`): pointwise, but ATen does not tag
-    `_to_copy` so (it also moves between devices, which is not cheap). Pinned as expensive,
-    the precision pass's casts made remat save a bf16 GELU's fp32 tanh (4 bytes an element)
-    where recomputing from the bf16 input saves 2, as torch.compile's partitioner does."""
+    """A widening float cast on the same device (`x.float()` of a bf16 x): pointwise, but
+    ATen does not tag `_to_copy` so (it also moves between devices, which is not cheap).
+    Pinned as expensive, the precision pass's casts made remat save a bf16 GELU's fp32 tanh
+    (4 bytes an element) where recomputing from the bf16 input saves 2, as torch.compile's
+    partitioner does. Exact wherever it runs; a narrowing cast is not recomputed: inside a
+    fused kernel Inductor may skip its rounding (`emulate_precision_casts` is off), and the
+    backward would read other values than the forward made."""
     if n.target is not aten._to_copy.default or set(n.kwargs) - {"dtype", "device", "layout"}:
         return False
     src = n.args[0].meta.get(ir.VAL) if isinstance(n.args[0], torch.fx.Node) else None
-    dev = n.kwargs.get("device")
-    return isinstance(src, torch.Tensor) and (dev is None or torch.device(dev) == src.device)
+    dev, dtype = n.kwargs.get("device"), n.kwargs.get("dtype")
+    if not isinstance(src, torch.Tensor) or (dev is not None and torch.device(dev) != src.device):
+        return False
+    return dtype is None or dtype == src.dtype or (
+        src.dtype.is_floating_point and dtype.is_floating_point
+        and torch.finfo(dtype).bits > torch.finfo(src.dtype).bits)
 
 
 def _owns_storage(n) -> bool:
