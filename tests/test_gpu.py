@@ -12,6 +12,7 @@ Skipped where no GPU is (CI has none). Where one is lent:
 (FXPAR_TEST_GPU=1 also runs every kernel test of tests/test_kernels.py on the GPU instead of
 Triton's interpreter.)
 """
+import copy
 import dataclasses
 
 import pytest
@@ -130,6 +131,41 @@ def test_bf16_attention_runs_the_kernel_torch_picks_for_bf16_and_equals_autocast
         kernels = {k for gm in pm.stage_graphs["precision"].values()
                    for k in gm.meta["precision"].attention.values()}
         assert kernels == ({want_kernel} if want_kernel else set()), (kernels, want_kernel)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_attention_swap_on_hf_gpt2_keeps_the_models_views():
+    """HF GPT-2's q, k, v are [B, H, T, D]-contiguous once cast to bf16; cuDNN / flash lay
+    their output out as q, memory-efficient attention (the fp32 trace's) as [B, T, H, D], and
+    the model's `.transpose(1, 2).view(B, T, C)` needs the latter (on an H200 the compile
+    failed there). The swapped graph compiles, its kernel is torch's choice for bf16, and
+    4 AdamW steps equal eager under autocast within bf16 rounding, op by op and with
+    Inductor."""
+    torch.manual_seed(0)
+    base = M.hf_gpt2(vocab=512, n_embd=256, n_layer=2, n_head=4, n_positions=128).cuda()
+    batch = {k: v.cuda() for k, v in M.hf_lm_batch(512, 8, 128).items()}
+    q = torch.randn(8, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
+    want_kernel = {1: "flash", 3: "cudnn"}.get(
+        int(torch._fused_sdp_choice(q, q, q, None, 0.0, True)))
+    model = copy.deepcopy(base)
+    opt = _opt(model.parameters())
+    want = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for codegen in ("eager", "inductor"):
+        pm = fxpar.parallelize(copy.deepcopy(base), ["cuda:0"], example_batch=batch,
+                               optimizer=_opt, plan=fxpar.Plan(precision="bf16",
+                                                               codegen=codegen,
+                                                               cuda_graphs=False))
+        kernels = {k for gm in pm.stage_graphs["precision"].values()
+                   for k in gm.meta["precision"].attention.values()}
+        assert kernels == ({want_kernel} if want_kernel else set()), (kernels, want_kernel)
+        got = [pm.step(batch).item() for _ in range(4)]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-2)
 
 
