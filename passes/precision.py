@@ -340,6 +340,8 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
         # output, logsumexp, random seed and offset; the backward's bias gradient (unused) goes
         traced = {g: (env[g].shape, env[g].stride()) for n in (fwd, *bwds) for g in n.users
                   if isinstance(env.get(g), torch.Tensor)}
+        if any(_dense_order(*layout) is None for layout in traced.values()):
+            continue  # (a layout a copy cannot restore: not seen from these kernels)
         new = [_replace(graph, fwd, target, args, scale, env, mode, half_nodes,
                         {0: 0, 1: 1, 2: 6, 3: 7})]
         for b, (bt, bargs) in bargs_of.items():
@@ -347,30 +349,51 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                                 {0: 0, 1: 1, 2: 2}))
         for g, (shape, stride) in traced.items():  # (the random state's shape may differ:
             # only the new backward reads it)
-            if env[g].shape == shape and env[g].stride() != stride:
+            if env[g].shape == shape and not _same_layout(env[g], shape, stride):
                 _restride(graph, g, stride, env, mode, keep=set(new))
         swapped[new[0].name] = "flash" if choice == _SDP_FLASH else "cudnn"
     return swapped
+
+
+def _dense_order(shape, stride) -> list[int] | None:
+    """The dims from outermost to innermost of a dense layout with these strides (None: not
+    dense - overlapping or with gaps). Dims of size 1 place anywhere."""
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    want, step = {}, 1
+    for d in reversed(order):
+        want[d], step = step, step * shape[d]
+    return order if all(want[d] == stride[d] for d in order if shape[d] > 1) else None
+
+
+def _same_layout(val, shape, stride) -> bool:
+    return tuple(val.shape) == tuple(shape) and all(
+        a == b for a, b, n in zip(val.stride(), stride, shape) if n > 1)
 
 
 def _restride(graph, g, stride, env, mode, keep) -> None:
     """g's users (but those in `keep`) read a copy of g laid out as traced: the new kernels
     lay out their outputs as their inputs (cuDNN, flash) where memory-efficient attention's
     were [B, T, H, D], and the traced views after them (`.transpose(1, 2).view(B, T, C)`)
-    need that layout. One copy of the attention output per layer."""
-    val = env[g]
-    with graph.inserting_after(g):
-        empty = graph.call_function(aten.empty_strided.default, (
-            list(val.shape), list(stride)), {"dtype": val.dtype, "device": val.device})
-    with graph.inserting_after(empty):
-        copy = graph.call_function(aten.copy.default, (empty, g))
-    g.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy and u not in keep)
-    with mode:
-        env[empty] = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device)
-        env[copy] = aten.copy.default(env[empty], val)
-    for n in (empty, copy):
+    need that layout. One copy of the attention output per layer, as permute -> contiguous
+    clone -> permute back: ops with no shape of their own, which the passes after this one
+    shard (tensor parallelism splits the heads) as any other."""
+    order = _dense_order(env[g].shape, stride)
+    back = [order.index(d) for d in range(len(order))]
+    made = []
+    for target, args, kwargs in ((aten.permute.default, (order,), {}),
+                                 (aten.clone.default, (), {"memory_format":
+                                                           torch.contiguous_format}),
+                                 (aten.permute.default, (back,), {})):
+        src = made[-1] if made else g
+        with graph.inserting_after(src):
+            n = graph.call_function(target, (src, *args), kwargs)
+        with mode:
+            env[n] = target(env[src], *args, **kwargs)
         n.meta.update({k: g.meta[k] for k in (ir.REGION, ir.MODULE) if k in g.meta})
         n.meta[ir.VAL] = env[n]
+        made.append(n)
+    g.replace_all_uses_with(made[-1], delete_user_cb=lambda u: u is not made[0]
+                            and u not in keep)
 
 
 def _replace(graph, old, target, args, scale, env, mode, half_nodes, outputs):
