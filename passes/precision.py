@@ -42,6 +42,7 @@ scale and checks the gradients for inf/NaN. `gm.meta["precision"]` records what 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import torch
@@ -275,17 +276,24 @@ _SDP_FLASH, _SDP_CUDNN = 1, 3
 _OP_OWN_META = {ir.VAL, "tensor_meta"}  # the replaced op's outputs: not the new op's
 
 
-def _sdp_choice(q, k, v, is_causal, scale) -> int | None:
-    """The attention kernel torch's scaled_dot_product_attention runs for these (fake)
-    inputs - what eager autocast and torch.compile run; None where only a CUDA build with a
-    GPU can tell."""
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)
+
+
+@functools.lru_cache(maxsize=64)  # (one answer per layout: every layer asks the same)
+def _sdp_choice(q, k, v, is_causal, scale, grad) -> int | None:
+    """The attention kernel torch's scaled_dot_product_attention runs for inputs of these
+    layouts (shape, stride, dtype, device) that need gradients or not (`grad`: some kernels
+    are refused for training at some head sizes) - what eager autocast and torch.compile run;
+    None where only a CUDA build with a GPU can tell."""
     if not torch.cuda.is_available():
         return None
     try:  # on real (empty) tensors: under fake tensors the choice runs torch's meta kernel,
         # which answers "math" for every input (seen on an H200)
         with unset_fake_temporarily():
-            real = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                    for t in (q, k, v)]
+            real = [torch.empty_strided(shape, stride, dtype=dtype, device=device,
+                                        requires_grad=grad)
+                    for shape, stride, dtype, device in (q, k, v)]
             return int(torch._fused_sdp_choice(*real, None, 0.0, is_causal, scale=scale))
     except Exception:  # noqa: BLE001 - no answer: the traced kernel stays, which is correct
         return None
@@ -308,11 +316,11 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                 q.dtype not in (torch.float16, torch.bfloat16) or q.shape[1] != k.shape[1]:
             continue
         causal, scale = a.get("is_causal", False), a.get("scale")
-        choice = _sdp_choice(q, k, v, causal, scale)
-        if choice not in (_SDP_FLASH, _SDP_CUDNN):
-            continue
         bwds = list(dict.fromkeys(u for g in fwd.users if g.target is operator.getitem
                                   for u in g.users if u.target is _EFFICIENT_BACKWARD))
+        choice = _sdp_choice(*(_layout(t) for t in (q, k, v)), causal, scale, bool(bwds))
+        if choice not in (_SDP_FLASH, _SDP_CUDNN):
+            continue
         if any(g.target is not operator.getitem for g in fwd.users) or any(
                 g.target is operator.getitem and g.args[0] is b and g.args[1] == 3 and g.users
                 for b in bwds for g in b.users):  # (a bias gradient: none without a bias)
@@ -374,9 +382,10 @@ def _restride(graph, g, stride, env, mode, keep) -> None:
     """g's users (but those in `keep`) read a copy of g laid out as traced: the new kernels
     lay out their outputs as their inputs (cuDNN, flash) where memory-efficient attention's
     were [B, T, H, D], and the traced views after them (`.transpose(1, 2).view(B, T, C)`)
-    need that layout. One copy of the attention output per layer, as permute -> contiguous
-    clone -> permute back: ops with no shape of their own, which the passes after this one
-    shard (tensor parallelism splits the heads) as any other."""
+    need that layout. A copy of the output and of dq, dk, dv per layer, as eager's own
+    `.contiguous()` makes with these kernels (HF GPT-2's q is [B, H, T, D]-contiguous once
+    cast), as permute -> contiguous clone -> permute back: ops with no shape of their own,
+    which the passes after this one shard (tensor parallelism splits the heads)."""
     order = _dense_order(env[g].shape, stride)
     back = [order.index(d) for d in range(len(order))]
     made = []

@@ -149,9 +149,14 @@ def _is_cast(n) -> bool:
     dev, dtype = n.kwargs.get("device"), n.kwargs.get("dtype")
     if not isinstance(src, torch.Tensor) or (dev is not None and torch.device(dev) != src.device):
         return False
-    return dtype is None or dtype == src.dtype or (
-        src.dtype.is_floating_point and dtype.is_floating_point
-        and torch.finfo(dtype).bits > torch.finfo(src.dtype).bits)
+    return dtype is None or dtype == src.dtype or dtype in _WIDER.get(src.dtype, ())
+
+
+# exact widenings: every value of the source is a value of the target (more bits alone is
+# not enough: float8_e8m0fnu's range is wider than fp16's)
+_WIDER = {torch.bfloat16: (torch.float32, torch.float64),
+          torch.float16: (torch.float32, torch.float64),
+          torch.float32: (torch.float64,)}
 
 
 def _owns_storage(n) -> bool:

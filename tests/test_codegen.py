@@ -550,6 +550,7 @@ def test_the_first_call_check_tells_rounding_from_a_wrong_result(monkeypatch, ch
     last = x.clone()
     last[-1, -1] = float("nan")
     assert not passes(x, last) and not passes(last, x)
+    assert not passes(x, x[:1])  # another shape (it would broadcast): not equal
     inf = x.clone()
     inf[0, 0] = float("inf")
     assert passes(inf, nan)  # an overflow either way: the loss scaler only asks "finite?"

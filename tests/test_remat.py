@@ -153,6 +153,10 @@ def test_a_device_move_or_a_narrowing_cast_is_not_a_cheap_cast():
     to_double = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float64})
     assert remat._cheap(to_double) and not remat._cheap(to_meta)
     assert not remat._cheap(to_half)  # narrowing: its rounding must not be fused away
+    e8 = g.placeholder("e8")  # 8 bits to 16, and still not exact: e8m0's range is wider
+    e8.meta[ir.VAL] = torch.empty(4, dtype=torch.float8_e8m0fnu)
+    assert not remat._cheap(g.call_function(aten._to_copy.default, (e8,),
+                                            {"dtype": torch.float16}))
 
 
 def test_budget_respected_and_monotone():
