@@ -254,8 +254,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
     if match is None:
         return []
     logits, copies = ls.args[0], match[3]
-    recomputed_targets = [c.args[1] for c in copies] + (
-        [match[1].args[2]] if match[1] is not None else [])
+    recomputed_targets = _targets_read(copies, match[1])
     nll_bw, ls_bw = ([match[1]], [match[2]]) if match[1] is not None else ([], [])
     # the precision pass's fp32 copy of half-precision logits: the kernels read the half
     # ones (they compute in fp32 either way), and the [N, V] fp32 copy is never written
@@ -311,6 +310,11 @@ def _cross_entropy(graph, nll) -> list[Group]:
         graph.erase_node(logits)
     _erase_unread(recomputed_targets, keep=target)
     return groups
+
+
+def _targets_read(copies, nll_bw) -> list:
+    """The targets remat's copies and the backward read (taken before they are erased)."""
+    return [c.args[1] for c in copies] + ([nll_bw.args[2]] if nll_bw is not None else [])
 
 
 def _erase_unread(nodes, keep) -> None:
@@ -369,7 +373,7 @@ def _cross_entropy_closed_form(graph, nll) -> list[Group]:
             u.target is not operator.getitem for u in nll.users):
         return []
     ls, nb, lb, copies = match
-    recomputed_targets = [c.args[1] for c in copies] + ([nb.args[2]] if nb is not None else [])
+    recomputed_targets = _targets_read(copies, nb)
     x = ls.args[0]
     xv = x.meta.get(ir.VAL)
     if not (isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(target, torch.fx.Node)

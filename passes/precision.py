@@ -357,7 +357,7 @@ def _attention_for_half(graph: torch.fx.Graph, env: dict, mode, half_nodes: list
                                 {0: 0, 1: 1, 2: 2}))
         for g, (shape, stride) in traced.items():  # (the random state's shape may differ:
             # only the new backward reads it)
-            if env[g].shape == shape and not _same_layout(env[g], shape, stride):
+            if env[g].shape == shape and not _same_strides(env[g], stride):
                 _restride(graph, g, stride, env, mode, keep=set(new))
         swapped[new[0].name] = "flash" if choice == _SDP_FLASH else "cudnn"
     return swapped
@@ -373,9 +373,9 @@ def _dense_order(shape, stride) -> list[int] | None:
     return order if all(want[d] == stride[d] for d in order if shape[d] > 1) else None
 
 
-def _same_layout(val, shape, stride) -> bool:
-    return tuple(val.shape) == tuple(shape) and all(
-        a == b for a, b, n in zip(val.stride(), stride, shape) if n > 1)
+def _same_strides(val, stride) -> bool:
+    """Strides equal where they matter (dims of size 1 place anywhere)."""
+    return all(a == b for a, b, n in zip(val.stride(), stride, val.shape) if n > 1)
 
 
 def _restride(graph, g, stride, env, mode, keep) -> None:
