@@ -247,9 +247,15 @@ def _halves(graph: torch.fx.Graph, run: list[torch.fx.Node]
 
 class CompiledRun(torch.nn.Module):
     """A compiled run as a submodule of the outer graph; `source` is the graph it compiled.
-    Inductor's code is specialised to its inputs' strides (and asserts them): an input laid
-    out otherwise (a user's non-contiguous batch where the example batch was contiguous) is
-    copied into the layout it was compiled for.
+    Inductor's code is specialised to its inputs' strides (and asserts them). An input made
+    inside the graph (`produced`: positions) can arrive laid out otherwise than traced - an
+    earlier compiled run returns what Inductor's own passes made of it (its shape padding
+    returns a padded matmul output: GPT-2's [8192, 50257] logits with rows of 50264 on an
+    H200) - and does so every step: the first such call compiles a variant for that layout
+    (`compile_fn`, so cached on disk like any run) rather than copying it each step (0.96
+    ms per step there). Any other input laid out otherwise (a user's non-contiguous batch
+    where the example batch was contiguous, which may change from step to step) is copied
+    into the layout compiled for.
 
     Its first call also runs `source` op by op on the same inputs (the same random numbers)
     and compares: where Inductor's result differs by more than rounding (CHECK_RTOL of the
@@ -263,9 +269,12 @@ class CompiledRun(torch.nn.Module):
     FXPAR_CODEGEN_CHECK=0 skips the check (the first step's extra time and memory)."""
 
     def __init__(self, fn: Callable, source: torch.fx.GraphModule, strides: list[tuple],
-                 name: str = "run"):
+                 name: str = "run", compile_fn: Callable | None = None,
+                 produced: tuple[int, ...] = ()):
         super().__init__()
         self.fn, self.source, self.strides, self.name = fn, source, strides, name
+        self.compile_fn, self.produced = compile_fn, frozenset(produced)
+        self.variants: dict[tuple, CompiledRun | None] = {}  # by input strides (None: copy)
         self.checked = os.environ.get("FXPAR_CODEGEN_CHECK", "1") == "0"
         self.mismatch: str | None = None
         # an fp32 output computed from half-precision values (an upcast norm, a bf16 matmul's
@@ -283,12 +292,46 @@ class CompiledRun(torch.nn.Module):
 
     def forward(self, *args):
         if any(a.stride() != s for a, s in zip(args, self.strides)):
+            variant = self._variant(args)
+            if variant is not None:
+                return variant(*args)
             args = [a if a.stride() == s else
                     torch.empty_strided(a.shape, s, dtype=a.dtype, device=a.device).copy_(a)
                     for a, s in zip(args, self.strides)]
         if not self.checked:
             return self._first_call(args)
         return self.fn(*args)
+
+    def _variant(self, args) -> "CompiledRun | None":
+        """The run compiled for `args`' layouts where only inputs made inside the graph
+        differ (compiled on the first such call, at most MAX_VARIANTS), else None."""
+        strides = tuple(a.stride() for a in args)
+        if strides in self.variants:
+            return self.variants[strides]
+        off = {i for i, (a, s) in enumerate(zip(args, self.strides)) if a.stride() != s}
+        variant = None
+        if self.compile_fn is not None and off <= self.produced and \
+                sum(v is not None for v in self.variants.values()) < MAX_VARIANTS:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            with FakeTensorMode():
+                fakes = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype,
+                                             device=a.device) for a in args]
+            t0 = time.perf_counter()
+            try:
+                fn, hit = self.compile_fn(self.source, fakes)
+            except Exception as e:  # noqa: BLE001 - copying the inputs is still correct
+                log.warning("codegen: %s could not be compiled for its inputs' layout (%s: "
+                            "%s): they are copied into the traced one each call", self.name,
+                            type(e).__name__, (str(e).splitlines() or [''])[0][:200])
+            else:
+                variant = CompiledRun(fn, self.source, list(strides),
+                                      f"{self.name}/restrided{len(self.variants)}")
+                log.info("codegen: %s compiled for inputs %s as they arrive (%s) in %.1f s%s",
+                         self.name, sorted(off),
+                         ", ".join(str(args[i].stride()) for i in sorted(off)),
+                         time.perf_counter() - t0, " (cached)" if hit else "")
+        self.variants[strides] = variant
+        return variant
 
     def _first_call(self, args):
         self.checked = True
@@ -383,6 +426,7 @@ def _set_rng_states(devices, states) -> None:
         torch.cuda.set_rng_state(st, d)
 
 
+MAX_VARIANTS = 2  # layouts a run is compiled for besides the traced one (then: copies)
 CHECK_MEMORY_FRACTION = 0.5  # of the free memory: the rest for the two runs' temporaries
 
 
@@ -664,8 +708,9 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             continue
         done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
                         hit))
+        produced = tuple(j for j, a in enumerate(inputs) if a.op != "placeholder")
         out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes],
-                                        f"{name}/{key}"))
+                                        f"{name}/{key}", compile_fn, produced))
         with g.inserting_before(nodes[0]):
             call = g.call_module(key, tuple(inputs))
             call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)
