@@ -16,6 +16,9 @@
 # 3. benchmarks/kernels.py --gpu-only: each kernel's bandwidth, fxpar vs eager vs compile
 # 4. benchmarks/step_vs_eager.py, every row: GPT-2 small and a small Llama, fp32 and bf16,
 #    every fxpar variant (over 10 minutes: run it as `... 4` in a call of its own)
+# 5. benchmarks/step_vs_eager.py, Llama bf16: reduce-overhead vs fxpar with and without
+#    remat="auto" (whether cheap-op recompute should be the default under Inductor on GPUs;
+#    a cold compile of these rows took over 140 s on an H200: give it 300)
 set -u
 PY=${PYTHON:-python3}
 mkdir -p "${1:-gpu_logs}" /tmp/fxpar_import
@@ -50,6 +53,12 @@ grep -h "==\|predicted\|error\|fxpar (\|eager \|torch.compile " "$LOGS"/planner_
 fi
 if part 3; then
 timeout 150 $PY benchmarks/kernels.py --gpu-only 2>&1 | tee "$LOGS/kernels.log" | tail -12
+fi
+if part 5; then
+timeout 290 $PY benchmarks/step_vs_eager.py --model llama --precision bf16 --steps 15 --only \
+    "torch.compile reduce-overhead,fxpar codegen=auto graphs=on,fxpar codegen=auto remat=auto graphs=on" \
+    > "$LOGS/step_vs_eager_llama_bf16.log" 2>&1
+grep -v "Warning\|warn(" "$LOGS/step_vs_eager_llama_bf16.log" | grep -A6 "^llama "
 fi
 if part 4; then
 timeout 590 $PY benchmarks/step_vs_eager.py --steps 15 2>&1 | grep -v "Warning\|transformers" \
