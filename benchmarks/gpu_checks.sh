@@ -7,8 +7,8 @@
 # 0. benchmarks/step_vs_eager.py, HF GPT-2 small bf16 (issue 27's target rows): eager,
 #    torch.compile (default, reduce-overhead), fxpar codegen=auto (Inductor) with CUDA graphs
 #    on/off, with remat="auto" (cheap ops recomputed, as torch.compile's partitioner does)
-#    and with the cross-entropy in Inductor's closed form, fxpar codegen=eager with its own
-#    Triton fusion + CUDA graphs, each with its top kernels by GPU time (--profile, in the
+#    and with the cross-entropy in Inductor's closed form, fxpar codegen=eager with its
+#    hand-written Triton kernels + CUDA graphs, each with its top kernels by GPU time (--profile, in the
 #    log); and benchmarks/executor_overhead.py (host cost per node)
 # 1. tests/test_gpu.py + the hand-written kernels' tests on the GPU (FXPAR_TEST_GPU=1)
 # 2. benchmarks/planner_gpu.py: predicted vs measured step time / memory, fxpar vs eager vs

@@ -4,8 +4,8 @@ Rows, per model (Hugging Face GPT2LMHeadModel and LlamaForCausalLM from configs)
 precision (fp32; bf16 = autocast for eager/torch.compile, Plan.precision="bf16" for fxpar):
 eager, torch.compile (default; also mode="reduce-overhead" on CUDA), fxpar with each
 Plan.codegen ("inductor": Inductor's kernels; on CUDA "auto", the default, which is Inductor
-with any run it refuses left op by op; "eager": op by op), on CUDA also with its own
-Triton fusion on/off (codegen="eager") and CUDA graphs on/off. fxpar's compile time (its
+with any run it refuses left op by op; "eager": op by op), on CUDA also with its
+hand-written Triton kernels on/off (codegen="eager") and CUDA graphs on/off. fxpar's compile time (its
 codegen row: Inductor, or a load from fxpar's cache) is printed per variant. Every variant
 trains its own copy of the same initial weights with AdamW on the same batches. All are built
 and warmed up first (the warm-up steps' peak memory above the resident weights is the "peak"

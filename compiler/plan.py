@@ -33,9 +33,9 @@ class Plan:
                     role and cached on disk; "eager": op by op. "auto": Inductor where a C++
                     compiler (CPU) or Triton (GPU) is there; FXPAR_CODEGEN=eager|inductor
                     overrides "auto".
-    fuse:           Triton fusion pass on/off (default on). With codegen="eager": pointwise/
-                    reduction chains and softmax, norms, cross-entropy, attention as Triton
-                    kernels on GPUs (on CPU only under TRITON_INTERPRET=1, otherwise the pass
+    fuse:           Triton fusion pass on/off (default on). With codegen="eager": softmax,
+                    norms, cross-entropy, attention as fxpar's hand-written Triton kernels
+                    on GPUs (on CPU only under TRITON_INTERPRET=1, otherwise the pass
                     logs why and fuses nothing). With Inductor (one fuser), only the hand-
                     written cross-entropy kernel (measured faster than torch.compile's) stays;
                     where it cannot run (CPU) the cross-entropy becomes its closed form for

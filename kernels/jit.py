@@ -143,6 +143,17 @@ def stored_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def is_fake(t) -> bool:
+    """A fake or meta tensor (tracing, planning): run the reference ops, never a kernel."""
+    global _FakeTensor
+    if _FakeTensor is None:  # imported on first use (an import per call cost ~1 us)
+        from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+    return isinstance(t, _FakeTensor) or (isinstance(t, torch.Tensor) and t.is_meta)
+
+
+_FakeTensor = None
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -14,7 +14,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxpar.kernels import attention, cross_entropy as ce, layernorm, rmsnorm, softmax
-from fxpar.kernels.codegen import is_fake
+from fxpar.kernels.jit import is_fake
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)

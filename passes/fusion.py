@@ -1,44 +1,36 @@
-"""Fusion: chains of pointwise ops and trailing-dim reductions become one Triton kernel each.
+"""Fusion: fxpar's hand-written Triton kernels where an op or pattern matches.
 
-The last pass, on the partitioned, sharded and scheduled joint graph. Each op of an eager
-step reads its inputs from memory and writes its output back; a chain of k such ops moves
-~k times the bytes one kernel would. Two rewrites:
+The last pass, on the partitioned, sharded and scheduled joint graph. With Plan.codegen
+resolved to Inductor (ctx.codegen, the default where Triton or a C++ compiler is there),
+Inductor is the fuser: this pass then swaps in only the cross-entropy kernel (measured 7x
+eager and 1.12x torch.compile on an H100; docs/benchmarks.md), as a custom op
+(`fxpar::cross_entropy`, kernels/library.py) that Inductor calls from inside its compiled
+runs; where that kernel cannot run (CPU, shapes it does not take) the cross-entropy
+pattern becomes the ATen ops of its closed form, which Inductor compiles into one pass over
+the logits each way (`_cross_entropy_closed_form`).
 
-1. Hand-written kernels (fxpar/kernels/) where an op or pattern matches: softmax and its
-   backward, layer norm forward/backward, the RMSNorm forward, log-softmax + nll-loss as one
-   cross-entropy forward/backward (never materialising the [N, V] log-probabilities), and
-   CPU flash attention forward/backward (FlashAttention-2 in Triton).
-2. Generated kernels (kernels/codegen.py) for what is left: greedy groups of pointwise ops
-   plus reductions over the trailing dims (bias + GeLU, residual adds, RMSNorm backward, ...).
+With codegen="eager" (op by op) the hand-written kernels (fxpar/kernels/) replace what they
+match: softmax and its backward, layer norm forward/backward, the RMSNorm forward,
+log-softmax + nll-loss as one cross-entropy forward/backward (never materialising the
+[N, V] log-probabilities), and CPU flash attention forward/backward (FlashAttention-2 in
+Triton). fxpar once also generated Triton kernels for chains of pointwise ops and trailing
+reductions; Inductor's code beat them on every GPU row measured (HF GPT-2 small bf16 on an
+H200: 0.650x eager with them vs 0.396x with Inductor; docs/benchmarks.md), so there is one
+generator: Inductor's (issue 27).
 
-Groups never cross what the schedule relies on: a collective, its wait, or a pipeline
-transfer (a group lies between two such nodes in program order), a pipeline stage or part, the
-forward/backward boundary, or remat's recompute boundary (recomputed and saved values are not
-mixed). Dropout's mask draw stays an ATen op (torch's generator: on CPU fused and unfused
-runs draw the same numbers); its multiply fuses with the residual add.
-
-Fusion never makes a step slower on purpose: on a GPU each candidate (a generated group, a
-single op with a hand-written kernel) is priced with cost.KernelPrice - host seconds per ATen
-dispatch and per Triton launch, measured once on the device, against the bytes it saves at
-the device's bandwidth - and left unfused where one launch costs more than the ops it
-replaces (`meta["fusion"].unpaid`). Where the step is replayed from a CUDA graph
-(Plan.cuda_graphs: "auto" at pp=1 with one microbatch, True everywhere) launches cost no host
-time and only the bytes count.
+A single op is swapped only where its kernel pays: on a GPU each candidate is priced with
+cost.KernelPrice - host seconds per ATen dispatch and per Triton launch, measured once on
+the device, against the bytes it saves at the device's bandwidth - and left as it is where
+one launch costs more than the op (`meta["fusion"].unpaid`). Where the step is replayed
+from a CUDA graph (Plan.cuda_graphs: "auto" at pp=1 with one microbatch, True everywhere)
+launches cost no host time and only the bytes count.
 
 Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
 (TRITON_INTERPRET=1). Otherwise (and without Inductor) the pass changes nothing and says
 why in the log and in `gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
-
-With Plan.codegen resolved to Inductor (ctx.codegen), Inductor is the fuser: this pass then
-swaps in only the cross-entropy kernel (measured 7x eager and 1.12x torch.compile on an
-H100; docs/benchmarks.md), as a custom op (`fxpar::cross_entropy`, kernels/library.py) that
-Inductor calls from inside its compiled runs; where that kernel cannot run (CPU, shapes it
-does not take) the cross-entropy pattern becomes the ATen ops of its closed form, which
-Inductor compiles into one pass over the logits each way (`_cross_entropy_closed_form`).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
 import logging
@@ -50,19 +42,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.plan import replays_step
-from fxpar.kernels import codegen, library
+from fxpar.kernels import library
 from fxpar.kernels.jit import unavailable_reason
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-MAX_GROUP = 64  # nodes per generated kernel
 
 
 @dataclasses.dataclass
 class Group:
     """One fused node: what it replaced and the memory traffic before/after (bytes)."""
     name: str
-    kind: str                    # "generated" or the hand-written kernel's name
+    kind: str                    # the hand-written kernel's name, or INDUCTOR_CE
     ops: list[str]
     nodes: list[str]
     bytes_unfused: int           # sum over the replaced ops of (bytes read + bytes written)
@@ -91,9 +82,8 @@ class Decision:
         if not self.groups:
             return "nothing fused or rewritten"
         closed = sum(g.kind == INDUCTOR_CE for g in self.groups)
-        hand = sum(g.kind not in ("generated", INDUCTOR_CE) for g in self.groups)
         kernels = len(self.groups) - closed
-        parts = [f"{kernels} Triton kernels ({hand} hand-written)"] if kernels else []
+        parts = [f"{kernels} hand-written Triton kernels"] if kernels else []
         if closed:
             parts.append(f"{closed} cross-entropy in closed form for Inductor")
         return (", ".join(parts) + f"; bytes moved {self.bytes_unfused / 2**20:.2f} -> "
@@ -122,16 +112,11 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     unpaid: list[list[str]] = []
     groups = hand_written(gm, price, unpaid)
     _restore_topological_order(gm.graph)  # a kept RMSNorm multiply now reads the kernel
-    if ctx.device is None or torch.device(ctx.device).type == "cpu":
-        split_dropout(gm.graph)  # exact on CPU only (see its docstring)
-    groups += generated(gm, price, unpaid)
-    _restore_topological_order(gm.graph)
     gm.meta["fusion"] = Decision(groups, unpaid=unpaid)
-    log.debug("fusion: %d kernels (%d hand-written), bytes moved %d -> %d; %d groups left "
-             "unfused (a launch would cost more than it saves)", len(groups),
-             sum(g.kind != "generated" for g in groups),
-             sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups),
-             len(unpaid))
+    log.debug("fusion: %d hand-written kernels, bytes moved %d -> %d; %d ops left unfused "
+              "(a launch would cost more than it saves)", len(groups),
+              sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups),
+              len(unpaid))
     return gm
 
 
@@ -140,8 +125,7 @@ def _pays(price, nodes, fused_bytes, unpaid) -> bool:
     where there is no price: Triton's interpreter on CPU, for tests); else note the group."""
     if price is None:
         return True
-    ops = [n for n in nodes if n.target not in codegen.VIEWS]
-    if price.pays(len(nodes), [sum(cost.node_bytes(n)) for n in ops], fused_bytes):
+    if price.pays(len(nodes), [sum(cost.node_bytes(n)) for n in nodes], fused_bytes):
         return True
     if unpaid is not None:
         unpaid.append([n.name for n in nodes])
@@ -222,6 +206,15 @@ def _match_cross_entropy(nll, recomputed: bool = False):
                    or list(nll_bw[0].args[3:6]) != list(nll.args[2:5])):  # weight, reduction,
         return None                                                        # ignore_index
     return ls, (nll_bw or [None])[0], (ls_bw or [None])[0], copies
+
+
+def _is_random(n) -> bool:
+    """Draws from torch's generator: two such calls are never the same values."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return (torch.Tag.nondeterministic_seeded in t.tags
+                or t.namespace == "fxpar" and "dropout" in t.name())  # split_random's draw
+    return "rng" in getattr(t, "__name__", "")  # remat's run_and_save_rng_state / run_with_...
 
 
 def _same_values(a, b) -> bool:
@@ -518,254 +511,6 @@ def _rms_norm(graph, rs) -> list[Group]:
         graph.erase_node(n)
     return [_record(k, "rms_norm", [_op_name(n) for n in replaced], [n.name for n in replaced],
                     before, 0)]
-
-
-# --- dropout ---------------------------------------------------------------------------------
-
-def split_dropout(graph: torch.fx.Graph) -> int:
-    """native_dropout(x, p) = (x * mask * 1/(1-p), mask) with mask = bernoulli(1-p): drawing
-    the mask stays an ATen op (torch's generator), the multiply joins its neighbours'
-    kernel (dropout + residual add is one pass). On CPU this draws exactly native_dropout's
-    numbers (its own implementation is bernoulli_ on a bool tensor, then two multiplies); on
-    CUDA ATen's fused dropout kernel uses its own Philox offsets, so the masks differ from an
-    unfused run (same distribution)."""
-    count = 0
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not aten.native_dropout.default:
-            continue
-        x, p = n.args[0], float(n.args[1])
-        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
-        if train is False or not 0.0 < p < 1.0 or not all(
-                u.target is operator.getitem for u in n.users):
-            continue
-        if not x.meta[ir.VAL].is_contiguous():
-            continue  # bernoulli would fill the mask in another order than native_dropout
-        out_val, mask_val = n.meta[ir.VAL]
-        keep = {k: v for k, v in n.meta.items() if k not in (ir.VAL, ir.FUSED_GROUP)}
-        with graph.inserting_before(n):
-            # the mask's buffer from x's shape and strides, not empty_like(x): no data
-            # dependence on x, so x's producer can join the same kernel as the multiply
-            xv = x.meta[ir.VAL]
-            empty = graph.call_function(aten.empty_strided.default,
-                                        (list(xv.shape), list(xv.stride())),
-                                        {"dtype": torch.bool, "device": xv.device})
-            mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
-            kept = graph.call_function(aten.mul.Tensor, (x, mask))
-            out = graph.call_function(aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
-        for node, val in ((empty, mask_val), (mask, mask_val), (kept, out_val), (out, out_val)):
-            node.meta = dict(keep)
-            node.meta[ir.VAL] = val
-        for u in list(n.users):
-            u.replace_all_uses_with(out if u.args[1] == 0 else mask)
-            graph.erase_node(u)
-        graph.erase_node(n)
-        count += 1
-    return count
-
-
-# --- generated kernels ------------------------------------------------------------------------
-
-def _barriers(graph) -> dict[torch.fx.Node, int]:
-    """Segment index of every node: groups stay between two collectives/waits/transfers."""
-    seg, k = {}, 0
-    for n in graph.nodes:
-        if _is_barrier(n):
-            k += 1
-        seg[n] = k
-    return seg
-
-
-def _is_barrier(n) -> bool:
-    """Nodes whose place in program order the step relies on: communication, and random ops
-    (their order is the order numbers are drawn from torch's generator)."""
-    if n.op != "call_function":
-        return False
-    ns = getattr(n.target, "namespace", "")
-    return (ns in ("_c10d_functional", "c10d", "_dtensor") or ir.TRANSFER in n.meta
-            or ir.BUCKET in n.meta or _is_random(n))
-
-
-def _is_random(n) -> bool:
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return (torch.Tag.nondeterministic_seeded in t.tags
-                or t.namespace == "fxpar" and "dropout" in t.name())  # split_random's draw
-    return "rng" in getattr(t, "__name__", "")  # remat's run_and_save_rng_state / run_with_...
-
-
-def _key(n, seg):
-    m = n.meta
-    return (seg[n], m.get(ir.STAGE), m.get(ir.PHASE), m.get(ir.REGION), bool(m.get(ir.RECOMPUTE)))
-
-
-def _candidate(n) -> bool:
-    return (n.op == "call_function" and codegen.fusible_op(n) and ir.BUCKET not in n.meta
-            and ir.TRANSFER not in n.meta and n.meta.get(ir.REGION) in (ir.FORWARD, ir.BACKWARD))
-
-
-def _depends_on(a, members, lo, order) -> bool:
-    """Is there a path from a member to `a` (nodes before position lo cannot be on it)?"""
-    stack, seen = [a], set()
-    while stack:
-        x = stack.pop()
-        if x in members:
-            return True
-        if x in seen or order[x] < lo:
-            continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-    return False
-
-
-def _acyclic(members_list, order) -> bool:
-    """One kernel for these nodes keeps the graph acyclic: no outside node they read depends
-    on one of them."""
-    members = set(members_list)
-    lo = order[members_list[0]]
-    return not any(b not in members and _depends_on(b, members, lo, order)
-                   for m in members_list for b in m.all_input_nodes)
-
-
-def find_groups(graph: torch.fx.Graph, price=None, unpaid=None) -> list[list[torch.fx.Node]]:
-    """Greedy grouping in program order: a node joins a producer's group when the result is
-    still one kernel (codegen.analyze) and no outside path leads from the group back to it.
-    A group is kept where `price` (cost.KernelPrice) says its launch pays."""
-    seg = _barriers(graph)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    group_of: dict = {}
-    groups: list[list] = []
-    for n in graph.nodes:
-        if not _candidate(n):
-            continue
-        key = _key(n, seg)
-        joined = None
-        for a in n.all_input_nodes:  # join a producer's group (then merge any others)
-            g = group_of.get(a)
-            if g is None or g is joined or _key(g[0], seg) != key:
-                continue
-            merged = sorted(set(g) | set(joined or [n]), key=order.__getitem__)
-            if len(merged) > MAX_GROUP or not _acyclic(merged, order):
-                continue
-            try:
-                codegen.analyze(merged)
-            except codegen.Unsupported:
-                continue
-            if joined is not None:
-                groups.remove(joined)
-            groups[groups.index(g)] = merged
-            for m in merged:
-                group_of[m] = merged
-            joined = merged
-        if joined is None:
-            if n.target in codegen.VIEWS:
-                continue  # a view of an unfused value stays a free view
-            joined = [n]
-            groups.append(joined)
-            group_of[n] = joined
-    result = []
-    for g in groups:
-        g = _trim_views(g)
-        if sum(n.target not in codegen.VIEWS for n in g) >= 2 and _generates(g) and \
-                _pays(price, g, _io_bytes(g), unpaid):
-            result.append(g)
-    return _break_cycles(graph, result)
-
-
-def _break_cycles(graph, groups):
-    """Each join kept its own group acyclic, but two groups can still read each other
-    (A -> B -> A through different members): contract every group to one vertex and
-    dissolve the smallest group on any cycle until the graph is a DAG."""
-    import networkx as nx
-    groups = list(groups)
-    while True:
-        vertex = {n: ("g", i) for i, g in enumerate(groups) for n in g}
-        dag = nx.DiGraph()
-        for n in graph.nodes:
-            for a in n.all_input_nodes:
-                u, v = vertex.get(a, a), vertex.get(n, n)
-                if u != v:
-                    dag.add_edge(u, v)
-        if nx.is_directed_acyclic_graph(dag):  # the usual case (find_cycle is slow)
-            return groups
-        cycle = nx.find_cycle(dag)
-        in_cycle = {i for edge in cycle for x in edge[:2] if isinstance(x, tuple)
-                    for i in [x[1]]}
-        groups.pop(min(in_cycle, key=lambda i: len(groups[i])))
-
-
-def _generates(group) -> bool:
-    """The generator accepts the group (checked with the traced strides; at run time the
-    kernel is specialised to the real ones)."""
-    inputs, outputs = codegen.group_io(group)
-    meta = [(tuple(v.shape), tuple(v.stride()), v.dtype) for v in
-            (a.meta[ir.VAL] for a in inputs)]
-    try:
-        codegen.generate(group, inputs, outputs, meta)
-    except codegen.Unsupported as e:
-        log.debug("fusion: group %s not generated: %s", [n.name for n in group], e)
-        return False
-    return True
-
-
-def _trim_views(g):
-    """Views no member reads are left outside (free aliases of a group output)."""
-    g = list(g)
-    changed = True
-    while changed:
-        changed = False
-        members = set(g)
-        for n in reversed(g):
-            if n.target in codegen.VIEWS and not any(u in members for u in n.users):
-                g.remove(n)
-                changed = True
-                break
-    return g
-
-
-def _io_bytes(group) -> int:
-    """A fused kernel's traffic: its inputs read once, its outputs written once."""
-    inputs, outputs = codegen.group_io(group)
-    return sum(cost.tensor_bytes(a.meta.get(ir.VAL)) for a in (*inputs, *outputs))
-
-
-def generated(gm: torch.fx.GraphModule, price=None, unpaid=None) -> list[Group]:
-    graph = gm.graph
-    out = []
-    for nodes in find_groups(graph, price, unpaid):
-        out.append(_replace(graph, nodes))
-    return out
-
-
-def _common_module(nodes) -> str:
-    mods = [n.meta.get(ir.MODULE, "") for n in nodes]
-    return collections.Counter(mods).most_common(1)[0][0]
-
-
-def _replace(graph, nodes) -> Group:
-    members = set(nodes)
-    inputs, outputs = codegen.group_io(nodes)
-    k = codegen.fuse_nodes(nodes, inputs, outputs)
-    before = _traffic(nodes)
-    last = nodes[-1]
-    with graph.inserting_after(last):
-        fused = graph.call_function(k, tuple(inputs))
-    meta = {key: last.meta[key] for key in (ir.REGION, ir.STAGE, ir.PHASE, ir.RECOMPUTE)
-            if key in last.meta}
-    fused.meta.update(meta)
-    fused.meta[ir.MODULE] = _common_module(nodes)
-    fused.meta[ir.VAL] = tuple(o.meta[ir.VAL] for o in outputs)
-    prev = fused
-    for j, o in enumerate(outputs):
-        with graph.inserting_after(prev):
-            gi = graph.call_function(operator.getitem, (fused, j))
-        gi.meta = dict(o.meta)
-        o.replace_all_uses_with(gi, delete_user_cb=lambda u: u not in members)
-        prev = gi
-    names = [n.name for n in nodes]
-    for n in reversed(nodes):
-        graph.erase_node(n)
-    # pointwise ops and reductions count 0 FLOPs in FlopCounterMode: the fused node too
-    return _record(fused, "generated", k.ops, names, before, 0)
 
 
 def _restore_topological_order(graph: torch.fx.Graph) -> None:

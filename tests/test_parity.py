@@ -217,12 +217,12 @@ def test_tensor_parallel_dropout_draws_the_single_process_masks():
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=ATOL)
 
 
-GPT_KERNELS = {"generated", "layer_norm", "layer_norm_backward", "flash_attention",
+GPT_KERNELS = {"layer_norm", "layer_norm_backward", "flash_attention",
                "flash_attention_backward", "cross_entropy", "cross_entropy_backward"}
 FUSION_CASES = [("gpt", "adamw", {"dp": 2}, GPT_KERNELS),
                 ("gpt", "adamw", {"pp": 2, "microbatches": 2}, GPT_KERNELS),
                 # tp: vocab-parallel cross-entropy stays as its sharded ops; GQA attention
-                ("hf_llama", "adamw", {"tp": 2}, {"generated", "rms_norm", "flash_attention",
+                ("hf_llama", "adamw", {"tp": 2}, {"rms_norm", "flash_attention",
                                                   "flash_attention_backward"})]
 
 
@@ -230,7 +230,7 @@ FUSION_CASES = [("gpt", "adamw", {"dp": 2}, GPT_KERNELS),
 def test_fusion_equals_unfused_training():
     """dp=2 and pp=2 training of the small GPT (and HF Llama at tp=2) with the fusion pass on
     (Triton interpreter on CPU) equals the same plans with fusion off (rtol 1e-5), and the
-    fused program really runs the hand-written and generated kernels."""
+    fused program really runs the hand-written kernels."""
     res = fxpar.launch(fusion_rank, 2, [case[:3] for case in FUSION_CASES])[0]
     for m, o, p, kernels in FUSION_CASES:
         (ref_losses, ref_state, ref_info), (losses, state, info) = res[(m, o, repr(p))]

@@ -46,7 +46,7 @@ def _label(n: torch.fx.Node) -> str:
     group = n.meta.get(ir.FUSED_GROUP)
     if group:  # one box per fused kernel: its ops and the bytes it saves
         stage_tag = title[title.find(" ["):] if " [" in title else ""  # pipeline "[F0]" etc.
-        title = ("fused kernel" if group["kind"] == "generated" else group["kind"]) + stage_tag
+        title = group["kind"] + stage_tag
     parts = [f"<b>{html.escape(title)}</b>"]
     if group:
         ops = group["ops"]
