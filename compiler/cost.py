@@ -447,8 +447,11 @@ def launch_seconds(device) -> tuple[float, float]:
     device = torch.device(device)
     key = str(device)
     if key not in _LAUNCH_CACHE:
+        from torch.fx.experimental.proxy_tensor import make_fx
         x = torch.zeros(1, 8, device=device)
-        softmax = library.SINGLE_OP[aten._softmax.default]
+        gm = make_fx(lambda a: aten._softmax.default(a, -1, False))(x)
+        node = next(n for n in gm.graph.nodes if n.target is aten._softmax.default)
+        softmax = library.SINGLE_OP[aten._softmax.default].for_node(node)  # as in a graph
         add = aten.add.Tensor
 
         def per_launch(fn):
