@@ -232,7 +232,7 @@ def report(model_name, precision, device, res, small):
             if fused:
                 d = next(iter(fused.values())).meta["fusion"]
                 note += f", fusion: {d.describe().split(';')[0]}" + (
-                    f", {len(d.unpaid)} groups unpaid" if d.unpaid else "")
+                    f", {len(d.unpaid)} ops unpaid" if d.unpaid else "")
         mib = f"{peak[name] / 2**20:9.1f}" if peak[name] is not None else f"{'n/a':>9s}"
         held = steady.get(name)
         held_mib = f"{held / 2**20:9.1f}" if held is not None else f"{'n/a':>9s}"

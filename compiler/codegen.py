@@ -292,44 +292,55 @@ class CompiledRun(torch.nn.Module):
 
     def forward(self, *args):
         if any(a.stride() != s for a, s in zip(args, self.strides)):
-            variant = self._variant(args)
-            if variant is not None:
-                return variant(*args)
-            args = [a if a.stride() == s else
-                    torch.empty_strided(a.shape, s, dtype=a.dtype, device=a.device).copy_(a)
-                    for a, s in zip(args, self.strides)]
+            # the user's inputs into the traced layout; then those made inside the graph
+            # get a variant of their own where one can be compiled, else copied too
+            args = [a if a.stride() == s or i in self.produced else _laid_out(a, s)
+                    for i, (a, s) in enumerate(zip(args, self.strides))]
+            if any(a.stride() != s for a, s in zip(args, self.strides)):
+                variant = self._variant(args) if self.fn is not self.source else None
+                if variant is not None:
+                    return variant(*args)
+                args = [a if a.stride() == s else _laid_out(a, s)
+                        for a, s in zip(args, self.strides)]
         if not self.checked:
             return self._first_call(args)
         return self.fn(*args)
 
     def _variant(self, args) -> "CompiledRun | None":
-        """The run compiled for `args`' layouts where only inputs made inside the graph
-        differ (compiled on the first such call, at most MAX_VARIANTS), else None."""
+        """The run compiled for the layouts of `args` (only inputs made inside the graph
+        differ), compiled by each rank at the first call that brings them: at most
+        MAX_VARIANTS layouts are tried (a failed compile counts), never while a CUDA graph
+        is being captured (Inductor and the first-call check cannot run inside one); else
+        None (the inputs are copied)."""
         strides = tuple(a.stride() for a in args)
         if strides in self.variants:
             return self.variants[strides]
-        off = {i for i, (a, s) in enumerate(zip(args, self.strides)) if a.stride() != s}
+        if self.compile_fn is None or len(self.variants) >= MAX_VARIANTS or \
+                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        off = [i for i, (a, s) in enumerate(zip(args, self.strides)) if a.stride() != s]
         variant = None
-        if self.compile_fn is not None and off <= self.produced and \
-                sum(v is not None for v in self.variants.values()) < MAX_VARIANTS:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            with FakeTensorMode():
-                fakes = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype,
-                                             device=a.device) for a in args]
-            t0 = time.perf_counter()
-            try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            fakes = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype,
+                                         device=a.device) for a in args]
+        t0 = time.perf_counter()
+        devices = sorted({a.device for a in args if a.device.type == "cuda"}, key=str)
+        try:
+            # in the middle of a step: whatever Inductor draws while it compiles (its
+            # shape padding benchmarks on random inputs) must not move the step's numbers
+            with torch.random.fork_rng(devices=devices):
                 fn, hit = self.compile_fn(self.source, fakes)
-            except Exception as e:  # noqa: BLE001 - copying the inputs is still correct
-                log.warning("codegen: %s could not be compiled for its inputs' layout (%s: "
-                            "%s): they are copied into the traced one each call", self.name,
-                            type(e).__name__, (str(e).splitlines() or [''])[0][:200])
-            else:
-                variant = CompiledRun(fn, self.source, list(strides),
-                                      f"{self.name}/restrided{len(self.variants)}")
-                log.info("codegen: %s compiled for inputs %s as they arrive (%s) in %.1f s%s",
-                         self.name, sorted(off),
-                         ", ".join(str(args[i].stride()) for i in sorted(off)),
-                         time.perf_counter() - t0, " (cached)" if hit else "")
+        except Exception as e:  # noqa: BLE001 - copying the inputs is still correct
+            log.warning("codegen: %s could not be compiled for its inputs' layout (%s: %s): "
+                        "they are copied into the traced one each call", self.name,
+                        type(e).__name__, (str(e).splitlines() or [''])[0][:200])
+        else:
+            variant = CompiledRun(fn, self.source, list(strides),
+                                  f"{self.name}/restrided{len(self.variants)}")
+            log.info("codegen: %s compiled for inputs %s as they arrive (%s) in %.1f s%s",
+                     self.name, off, ", ".join(str(args[i].stride()) for i in off),
+                     time.perf_counter() - t0, " (cached)" if hit else "")
         self.variants[strides] = variant
         return variant
 
@@ -424,6 +435,10 @@ def _set_rng_states(devices, states) -> None:
     torch.set_rng_state(states[0])
     for d, st in zip(devices, states[1:]):
         torch.cuda.set_rng_state(st, d)
+
+
+def _laid_out(a: torch.Tensor, stride) -> torch.Tensor:
+    return torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device).copy_(a)
 
 
 MAX_VARIANTS = 2  # layouts a run is compiled for besides the traced one (then: copies)

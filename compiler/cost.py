@@ -410,11 +410,11 @@ def gpu_hardware(device) -> Hardware:
 @dataclasses.dataclass(frozen=True)
 class KernelPrice:
     """What one fused kernel costs against the ops it replaces, on one device (the fusion
-    pass asks before each group). Host: seconds to dispatch one ATen op from the executor and
-    to launch one fused Triton kernel (its wrapper allocates outputs and binds arguments in
-    Python: on an H100's host a launch cost more than the ATen ops it replaced, and the fused
-    bf16 GPT-2 step was 1.3x the unfused one). Device: bytes / bandwidth, at least the
-    shortest kernel. Host and device overlap (async launches), so a stretch costs the larger;
+    pass asks before swapping in a single op's kernel). Host: seconds to dispatch one ATen
+    op from the executor and to launch one hand-written Triton kernel (its wrapper binds
+    arguments in Python: on an H100's host a launch of fxpar's since-removed generated
+    kernels cost more than the ATen ops they replaced, and that fused bf16 GPT-2 step was
+    1.3x the unfused one). Device: bytes / bandwidth, at least the shortest kernel. Host and device overlap (async launches), so a stretch costs the larger;
     `replayed` (a CUDA graph replays the launches): the host cost is gone."""
     aten_launch_s: float
     triton_launch_s: float
@@ -464,8 +464,10 @@ def launch_seconds(device) -> tuple[float, float]:
             dt = (time.perf_counter() - t) / 200
             torch.cuda.synchronize(device)
             return dt
-        _LAUNCH_CACHE[key] = (per_launch(lambda: add(x, x)),
-                              per_launch(lambda: softmax(x, -1, False)))
+        triton_s = per_launch(lambda: softmax(x, -1, False))
+        if softmax.fallback:  # it ran ATen's op: a kernel that cannot be built never pays
+            triton_s = float("inf")
+        _LAUNCH_CACHE[key] = (per_launch(lambda: add(x, x)), triton_s)
     return _LAUNCH_CACHE[key]
 
 

@@ -647,6 +647,32 @@ def test_a_run_is_compiled_for_the_layout_its_inputs_arrive_in(caplog):
         assert torch.equal(a, b)
 
 
+def test_a_layout_that_cannot_be_compiled_for_is_copied_and_tried_once(caplog):
+    """Where Inductor refuses the arriving layout the inputs are copied (with a warning) and
+    the step is still exact; that layout is not tried again, and at most MAX_VARIANTS
+    layouts are ever tried."""
+    program, args = _mlp_program()
+    calls = []
+
+    def refuses_variants(sub, fakes):
+        calls.append(1)
+        if len(calls) > n_runs:
+            raise RuntimeError("no kernel for this layout")
+        return (lambda *a: [t.t().contiguous().t() if t.dim() == 2 else t
+                            for t in sub(*a)]), False
+    n_runs = len(codegen.runs(program.graph.graph, cpu=True))
+    gen = codegen.generate(program.graph, "cpu", compile_fn=refuses_variants)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fxpar"):
+        ref, first, second = program.graph(*args), gen(*args), gen(*args)
+    for a, b, c in zip(ref, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    tried = len(calls) - n_runs
+    assert tried >= 1 and "could not be compiled for its inputs' layout" in caplog.text
+    runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
+    assert all(v is None for r in runs for v in r.variants.values())
+    assert all(len(r.variants) <= codegen.MAX_VARIANTS for r in runs)
+
+
 def test_a_compiled_run_that_computes_otherwise_falls_back_on_its_first_call(caplog):
     """The first call of each compiled run is checked against its graph: a compiler bug
     (here a fake one, 1% off) makes the run op by op with a warning, never a wrong step."""
