@@ -320,10 +320,7 @@ class CompiledRun(torch.nn.Module):
             return None
         off = [i for i, (a, s) in enumerate(zip(args, self.strides)) if a.stride() != s]
         variant = None
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        with FakeTensorMode():
-            fakes = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype,
-                                         device=a.device) for a in args]
+        fakes = _fakes_like(args)
         t0 = time.perf_counter()
         devices = sorted({a.device for a in args if a.device.type == "cuda"}, key=str)
         try:
@@ -549,17 +546,21 @@ def _extract(graph: torch.fx.Graph, nodes: list[torch.fx.Node]):
 
 
 def _fake_inputs(inputs, device):
+    """Fakes of the run's inputs as traced (None if one is not a tensor)."""
+    vals = [a.meta.get(ir.VAL) for a in inputs]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    return _fakes_like(vals, device)
+
+
+def _fakes_like(tensors, device=None) -> list:
+    """Fake tensors of these shapes, strides and dtypes (on `device`, else each one's own):
+    what Inductor specialises a compiled run to."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode()
-    fakes = []
-    with mode:
-        for a in inputs:
-            v = a.meta.get(ir.VAL)
-            if not isinstance(v, torch.Tensor):
-                return None
-            fakes.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
-                                             device=device if device is not None else v.device))
-    return fakes
+    with FakeTensorMode():
+        return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                    device=device if device is not None else t.device)
+                for t in tensors]
 
 
 def cache_dir() -> str:
