@@ -228,7 +228,7 @@ class ParallelModel:
         for name, b in self.model.named_buffers():  # (one name per tensor) whole
             src, key = weights.locate(name)
             bufs[name] = src.read(key, (...,)).to(device=dev, dtype=b.dtype, copy=True)
-        weights.init.release()  # (the last module initialised whole)
+        weights.release()  # (the last module initialised or tensors converted whole)
         rweights.unmeta(self.model, dev)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))

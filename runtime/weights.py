@@ -26,6 +26,7 @@ the shard size, and `from_pretrained` / `load_state_dict` read the result.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import zlib
@@ -39,6 +40,8 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from fxpar.compiler.errors import CheckpointError
 from fxpar.runtime import checkpoint as ck
+
+log = logging.getLogger(__name__)
 
 Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of one dim, in local order
 
@@ -180,6 +183,15 @@ class FileSource(Source):
         else:
             raise CheckpointError(f"weights={p!r}: no such file or directory.")
 
+    def keys(self) -> list[str]:
+        """Every tensor key the file or directory holds (as stored)."""
+        if self._torch is not None:
+            return list(self._torch)
+        if self._dcp is not None:
+            return [k[len("model."):] for k, v in self._dcp[1].state_dict_metadata.items()
+                    if k.startswith("model.") and isinstance(v, dcp_md.TensorStorageMetadata)]
+        return list(self.key_file)
+
     def _index_safetensors(self, file):
         with safe_open(file, framework="pt") as f:
             self.key_file.update({k: file for k in f.keys()})
@@ -233,6 +245,111 @@ class FileSource(Source):
             return full[index]  # DCP reads whole tensors here: one at a time
         with self._open(key) as f:
             return f.get_slice(key)[index]
+
+
+class ConvertedSource(Source):
+    """A Hugging Face checkpoint whose tensors are stored in another layout than the model's
+    modules hold them: transformers 5 keeps the Hub's layout on disk (an MoE's experts one
+    by one, `block_sparse_moe.experts.3.w1.weight`; a base model's keys without the head's
+    prefix) and converts on load (`from_pretrained`: Mixtral's experts stacked and gate/up
+    concatenated into `mlp.experts.gate_up_proj`). This applies transformers' own mapping
+    for the model (`get_model_conversion_mapping`: its renamings, and its converters'
+    operations), so a checkpoint from the Hub or from the model's own `save_pretrained`
+    loads as `from_pretrained` loads it. A renamed key is read sliced as any other; a
+    converted one is built whole from its sources (one target group at a time: the memory
+    of one layer's experts, as from_pretrained), then sliced. Keys as model.state_dict()."""
+
+    def __init__(self, model: torch.nn.Module, file: FileSource, mapping: list):
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     dot_natural_key, rename_source_key)
+        self.model, self.file = model, file
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        state = model.state_dict()
+        prefix = getattr(model, "base_model_prefix", None)
+        self.renamed: dict[str, str] = {}  # model key -> file key
+        self.groups: dict[str, tuple] = {}  # first target -> (converter, [(pattern, file key)])
+        for key in sorted(file.keys(), key=dot_natural_key):  # experts in their order
+            new, pattern = rename_source_key(key, renamings, converters, prefix, state)
+            if new not in state and key in state:
+                new, pattern = key, None
+            if new not in state:
+                continue  # a key the model does not have (from_pretrained ignores it too)
+            if pattern is None:
+                self.renamed[new] = key
+            else:
+                self.groups.setdefault(new, (by_pattern[pattern], []))[1].append((pattern, key))
+        self.made_by: dict[str, str] = {}  # model key -> the group (first target) making it
+        self.shapes: dict[str, tuple] = {}
+        for first in self.groups:  # which keys a group makes, and their shapes: on meta
+            for k, v in self._convert(first, meta=True).items():
+                self.made_by[k], self.shapes[k] = first, tuple(v.shape)
+        self._made: tuple[str, dict] | None = None  # the last group converted
+
+    def _convert(self, first: str, meta: bool) -> dict[str, torch.Tensor]:
+        import copy
+        conv, sources = self.groups[first]
+        conv = copy.deepcopy(conv)  # (convert consumes what add_tensor collected)
+        for pattern, key in sources:
+            t = torch.empty(self.file.shape(key), device="meta") if meta else \
+                self.file.read(key, (...,))
+            conv.add_tensor(first, key, pattern, t)
+        try:
+            out = conv.convert(first, model=self.model, config=getattr(self.model, "config",
+                                                                      None))
+        except Exception as e:  # noqa: BLE001 - named with the keys it was given
+            found = {}
+            for pattern, key in sources:
+                found.setdefault(pattern, []).append(key)
+            what = "; ".join(f"{len(ks)} x {p!r} ({ks[0]}{' ...' if len(ks) > 1 else ''})"
+                             for p, ks in found.items())
+            raise CheckpointError(
+                f"weights {self.file.path!r}: transformers builds {first!r} from the file's "
+                f"{what}, and that failed ({type(e).__name__}: {e}). A tensor is missing "
+                "from the file (e.g. one expert's), or it was saved in a layout this "
+                "transformers version does not convert: check the file against the model's "
+                "config.") from None
+        return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+    def shape(self, key):
+        if key in self.renamed:
+            return self.file.shape(self.renamed[key])
+        return self.shapes.get(key)
+
+    def read(self, key, index):
+        if key in self.renamed:
+            return self.file.read(self.renamed[key], index)
+        first = self.made_by[key]
+        if self._made is None or self._made[0] != first:
+            self._made = None  # (the last group freed before the next is built)
+            self._made = (first, self._convert(first, meta=False))
+        return self._made[1][key][index]
+
+    def release(self) -> None:
+        self._made = None
+
+
+def hf_conversion(model: torch.nn.Module, file: FileSource) -> ConvertedSource | None:
+    """transformers' conversion of `file` into `model`'s keys, or None where there is none
+    (not a Hugging Face model, a transformers without conversion mappings, or the model has
+    no mapping and no base-model prefix to add or strip)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel) or file._dcp is not None:
+        return None
+    try:
+        return ConvertedSource(model, file, get_model_conversion_mapping(model))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - another transformers: the file's keys as they are
+        log.warning("weights: transformers' conversion mapping for %s did not apply (%s: "
+                    "%s): reading %s with the model's own keys", type(model).__name__,
+                    type(e).__name__, e, file.path)
+        return None
 
 
 class InitSource(Source):
@@ -467,6 +584,7 @@ class ModelWeights:
     def __init__(self, model: torch.nn.Module, path=None):
         self.model, self.path = model, path
         self.file = FileSource(path) if path is not None else None
+        self._converted: ConvertedSource | None | bool = False  # built on the first miss
         state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
         self.persistent = {id(t) for t in state.values()}
         self.tensors = {**state, **dict(model.named_buffers(remove_duplicate=False))}
@@ -492,6 +610,17 @@ class ModelWeights:
                         f"{tuple(t.shape)}: the file was saved from a differently configured "
                         "model (check the config you built the model from).")
                 return self.file, k
+            conv = self.converted()
+            for k in names if conv is not None else ():
+                got = conv.shape(k)
+                if got is not None and tuple(got) != tuple(t.shape):
+                    raise CheckpointError(
+                        f"weights {self.path!r}: {k!r} is {tuple(got)} once transformers' "
+                        f"conversion has built it from the file, the model's is "
+                        f"{tuple(t.shape)}: the file was saved from a differently configured "
+                        "model (check the config you built the model from).")
+                if got is not None:
+                    return conv, k
             raise CheckpointError(
                 f"weights {self.path!r} has no {' / '.join(repr(k) for k in names)} (keys as "
                 "model.state_dict()): it was saved from a different model, or with other "
@@ -499,6 +628,20 @@ class ModelWeights:
         if not t.is_meta:
             return self.real, name
         return self.init, self.init_key(names)
+
+    def converted(self) -> ConvertedSource | None:
+        """The file's keys converted as from_pretrained converts them (see ConvertedSource),
+        built the first time a key is not in the file as it is."""
+        if self._converted is False:
+            self._converted = hf_conversion(self.model, self.file)
+        return self._converted
+
+    def release(self) -> None:
+        """Drop what was made whole for reading: the last module initialised, the last
+        tensors converted."""
+        self.init.release()
+        if self._converted:
+            self._converted.release()
 
     def init_key(self, names: list[str]) -> str:
         return next((k for k in names if k in self.init.owner), names[0])

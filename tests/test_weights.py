@@ -120,6 +120,86 @@ def test_missing_key_and_wrong_shape_are_checkpoint_errors_naming_the_key(tmp_pa
         W.ModelWeights(model, str(tmp_path / "empty"))
 
 
+def _hub_layout(name, tmp_path):
+    """A zoo model saved by transformers' own save_pretrained (the Hub's layout), and the
+    same model loaded back by from_pretrained."""
+    from safetensors import safe_open
+    from fxpar.examples import zoo
+    spec = zoo.models()[name]
+    torch.manual_seed(0)
+    model = spec.factory()
+    model.save_pretrained(tmp_path / name)
+    with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert stored - set(model.state_dict()), (  # else this test no longer tests conversion
+        f"transformers now saves {name} with the modules' own keys")
+    return spec, type(model).from_pretrained(tmp_path / name).state_dict()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_neox", "vit"])
+def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_loads_it(tmp_path, name):
+    """transformers 5 writes (and the Hub holds) Mixtral's experts one by one
+    (`block_sparse_moe.experts.N.w1.weight`), GPT-NeoX's and ViT's keys under other names,
+    and converts them on load: weights= applies the same conversion (runtime/weights.
+    ConvertedSource), so the model holds exactly what from_pretrained gives."""
+    spec, want = _hub_layout(name, tmp_path)
+    with torch.device("meta"):
+        model = spec.factory()
+    pm = fxpar.parallelize(model, 1, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
+                           plan={"codegen": "eager"}, weights=str(tmp_path / name))
+    got = pm.full_state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.slow
+def test_a_hub_layout_moe_loads_slice_wise_under_tp_and_zero3_and_trains_like_eager(tmp_path):
+    """Mixtral from the Hub's layout on 2 ranks: each rank's tensor-parallel slice / ZeRO-3
+    shard of the stacked experts cut from the converted tensors; 2 AdamW steps equal eager
+    training of the model from_pretrained loads."""
+    from fxpar.examples import zoo
+    spec, _ = _hub_layout("mixtral", tmp_path)
+    ref = type(spec.factory()).from_pretrained(tmp_path / "mixtral")
+    opt = OPTIMIZERS["adamw"](ref.parameters())
+    losses = []
+    for s in range(2):
+        opt.zero_grad()
+        loss = zoo.loss_of(ref, spec, spec.batch(s))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    plans = [{"tp": 2, "codegen": "eager"}, {"dp": 2, "zero": 3, "codegen": "eager"}]
+    res = fxpar.launch(workers.hub_layout_rank, 2, "mixtral", str(tmp_path / "mixtral"),
+                       plans)[0]
+    for plan in plans:
+        got_losses, state = res[repr(plan)]
+        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{plan}: {m}")
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{plan} {k}: {m}")
+
+
+def test_a_hub_checkpoint_that_does_not_convert_names_its_keys(tmp_path):
+    """An expert missing from a Mixtral checkpoint: a CheckpointError naming the tensors
+    transformers' conversion was given, not a stack/cat error from inside it."""
+    from safetensors.torch import load_file, save_file
+    _hub_layout("mixtral", tmp_path)
+    path = tmp_path / "mixtral" / "model.safetensors"
+    state = load_file(str(path))
+    gone = next(k for k in state if k.endswith("experts.3.w1.weight"))
+    del state[gone]
+    save_file(state, str(path), metadata={"format": "pt"})
+    from fxpar.examples import zoo
+    with torch.device("meta"):
+        model = zoo.models()["mixtral"].factory()
+    w = W.ModelWeights(model, str(tmp_path / "mixtral"))
+    target = gone.split("block_sparse_moe")[0] + "mlp.experts.gate_up_proj"
+    with pytest.raises(CheckpointError, match=r"builds 'model.layers.0.mlp.experts.gate_up_proj"
+                       r"' from the file's 3 x '.*w1.weight' .*4 x '.*w3.weight'.*missing"):
+        w.locate(target)
+
+
 def test_init_on_meta_matches_the_modules_own_distributions():
     """weights=None: HF's _init_weights per module (normal(0, initializer_range) linears and
     embeddings, ones for RMSNorm, the rotary inv_freq recomputed), the same values on every

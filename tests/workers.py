@@ -657,3 +657,22 @@ def timeline_rank(runs, steps=2):
         for _ in range(steps):
             pm.step(batch)
         pm.trace(path)
+
+
+def hub_layout_rank(name, weights_dir, plans, steps=2):
+    """Every rank: the zoo model `name` built on the meta device and loaded with
+    weights=weights_dir (written by transformers' save_pretrained: the Hub's layout), trained
+    `steps` AdamW steps under each plan. Rank 0 returns {plan: (losses, full state)}."""
+    from fxpar.examples import zoo
+    spec = zoo.models()[name]
+    out = {}
+    for plan in plans:
+        with torch.device("meta"):
+            model = spec.factory()
+        pm = fxpar.parallelize(model, int(os.environ.get("WORLD_SIZE", 1)),
+                               example_batch=spec.batch(0), loss_fn=spec.loss_fn,
+                               optimizer=OPTIMIZERS["adamw"], plan=plan, weights=weights_dir)
+        losses = [pm.step(spec.batch(s)).item() for s in range(steps)]
+        state = pm.full_state_dict()
+        out[repr(plan)] = (losses, state if int(os.environ.get("RANK", 0)) == 0 else None)
+    return out
