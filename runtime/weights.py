@@ -527,6 +527,45 @@ def plan_shards(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str
     return files
 
 
+def hub_layout(model: torch.nn.Module, keys: list[str], shapes: dict[str, tuple],
+               dtypes: dict[str, torch.dtype]):
+    """How transformers' own save_pretrained writes `keys` of a Hugging Face model: the Hub's
+    layout (ConvertedSource's, reversed with transformers' `revert_weight_conversion`:
+    Mixtral's stacked experts written one by one, older key names). Returns ({key: [(written
+    key, shape)]}, convert(key, full tensor) -> {written key: tensor}), or None where that
+    layout is the modules' own, or where a written tensor would need several of the model's
+    at once (fxpar gathers one full tensor at a time): the modules' keys are written then,
+    which from_pretrained reads as well."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+
+    def convert(key, t):
+        return revert_weight_conversion(model, {key: t})
+    try:  # planned on meta tensors: names and shapes without data
+        metas = {k: torch.empty(shapes[k], dtype=dtypes[k], device="meta") for k in keys}
+        whole = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, metas).items()}
+        per = {k: [(o, tuple(v.shape)) for o, v in convert(k, m).items()]
+               for k, m in metas.items()}
+    except Exception as e:  # noqa: BLE001 - another transformers: the modules' own keys
+        log.warning("save_pretrained: transformers' reverse conversion for %s did not apply "
+                    "(%s: %s): writing the modules' own keys", type(model).__name__,
+                    type(e).__name__, e)
+        return None
+    if all(outs == [(k, shapes[k])] for k, outs in per.items()):
+        return None
+    if dict(o for outs in per.values() for o in outs) != whole:
+        log.info("save_pretrained: %s's Hub layout combines several of its tensors into one; "
+                 "writing the modules' own keys (from_pretrained reads them too)",
+                 type(model).__name__)
+        return None
+    return per, convert
+
+
 def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
                     dtypes: dict[str, torch.dtype], full_tensor, rank: int, world: int,
                     max_shard_bytes: int = SHARD_BYTES) -> str:
@@ -542,7 +581,9 @@ def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
                 os.remove(os.path.join(directory, f))
     if world > 1:
         dist.barrier()
-    sizes = [(k, math.prod(shapes[k]) * dtypes[k].itemsize) for k in keys]
+    hub = hub_layout(model, keys, shapes, dtypes)  # what transformers' own save writes
+    written = hub[0] if hub else {k: [(k, shapes[k])] for k in keys}
+    sizes = [(k, sum(math.prod(s) for _, s in written[k]) * dtypes[k].itemsize) for k in keys]
     files = plan_shards(sizes, max_shard_bytes)
     n = len(files)
     names = ["model.safetensors"] if n == 1 else [
@@ -552,17 +593,24 @@ def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
         tensors, ptrs = {}, set()
         for k in fkeys:
             t = full_tensor(k, dst)
-            if rank == dst:  # tied names written apart must not share memory in the file
-                t = t.contiguous()
-                tensors[k] = t.clone() if t.data_ptr() in ptrs else t
-                ptrs.add(t.data_ptr())
+            if rank != dst:
+                continue
+            # tied names written apart, and the experts split out of one stacked tensor,
+            # must not share memory in the file
+            parts = hub[1](k, t.contiguous()) if hub else {k: t}
+            for out, v in parts.items():
+                v = v.contiguous()
+                store = v.untyped_storage().data_ptr()
+                tensors[out] = v.clone() if len(parts) > 1 or store in ptrs else v
+                ptrs.add(store)
         if rank == dst:
             save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
         del tensors
     if rank == 0:
         if n > 1:
             index = {"metadata": {"total_size": sum(s for _, s in sizes)},
-                     "weight_map": {k: names[i] for i, fk in enumerate(files) for k in fk}}
+                     "weight_map": {out: names[i] for i, fk in enumerate(files) for k in fk
+                                    for out, _ in written[k]}}
             with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         config = getattr(model, "config", None)

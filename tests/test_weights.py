@@ -141,7 +141,8 @@ def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_loads_it(tmp_p
     """transformers 5 writes (and the Hub holds) Mixtral's experts one by one
     (`block_sparse_moe.experts.N.w1.weight`), GPT-NeoX's and ViT's keys under other names,
     and converts them on load: weights= applies the same conversion (runtime/weights.
-    ConvertedSource), so the model holds exactly what from_pretrained gives."""
+    ConvertedSource), so the model holds exactly what from_pretrained gives; and
+    pm.save_pretrained writes that layout back (runtime/weights.hub_layout)."""
     spec, want = _hub_layout(name, tmp_path)
     with torch.device("meta"):
         model = spec.factory()
@@ -150,6 +151,16 @@ def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_loads_it(tmp_p
     got = pm.full_state_dict()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+    # and pm.save_pretrained writes what transformers' own save_pretrained writes (sharded)
+    from safetensors.torch import load_file
+    hub = load_file(str(tmp_path / name / "model.safetensors"))
+    pm.save_pretrained(str(tmp_path / "out"), max_shard_size=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    saved = {k: v for f in set(index["weight_map"].values())
+             for k, v in load_file(str(tmp_path / "out" / f)).items()}
+    assert set(saved) == set(index["weight_map"]) == set(hub)
+    for k, v in hub.items():
+        assert torch.equal(saved[k], v), k
 
 
 @pytest.mark.slow
