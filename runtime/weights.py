@@ -13,6 +13,9 @@ and reads just those from a *source*:
   rows/columns from the file; a torch file is opened with `mmap=True`, so slicing touches
   only those pages; a DCP checkpoint is read one tensor at a time (DCP reads whole tensors
   here: at most one full tensor is in memory at once).
+- `ConvertedSource`: a Hugging Face checkpoint in the Hub's layout (an MoE's experts one
+  by one, older key names), converted with transformers' own mapping as `from_pretrained`
+  converts it; used for the keys the file does not hold as the model names them.
 - `InitSource`: the modules' own initialisation (HF `_init_weights`, else
   `reset_parameters`) run on one module's tensors at a time, with a generator seeded per
   module, so every rank computes the same values for the elements it keeps. Same
@@ -20,8 +23,9 @@ and reads just those from a *source*:
 - real (non-meta) tensors of the model are their own source (`tensor[index]`).
 
 `save_pretrained` writes the full state as Hugging Face safetensors shards (+ index), one
-tensor gathered at a time to the rank that writes its file: memory per rank is bounded by
-the shard size, and `from_pretrained` / `load_state_dict` read the result.
+tensor gathered at a time to the rank that writes its file, in the Hub's layout where
+transformers' own save writes that (`hub_layout`): memory per rank is bounded by the shard
+size, and `from_pretrained` / `load_state_dict` read the result.
 """
 from __future__ import annotations
 
