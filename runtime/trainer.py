@@ -680,7 +680,7 @@ class ParallelModel:
     def save_pretrained(self, directory: str, max_shard_size: int = rweights.SHARD_BYTES) -> str:
         """Write the model's full weights as Hugging Face safetensors (sharded files of at most
         `max_shard_size` bytes + model.safetensors.index.json, and config.json for an HF
-        model): `from_pretrained(directory)` / `load_state_dict` read it, and so does
+        model; in the Hub's layout where transformers writes that): `from_pretrained(directory)` reads it, and so does
         parallelize(..., weights=directory). One tensor is gathered at a time, to the rank
         writing its file. Collective: call on every rank."""
         state = self.model.state_dict(keep_vars=True)

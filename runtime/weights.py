@@ -25,7 +25,8 @@ and reads just those from a *source*:
 `save_pretrained` writes the full state as Hugging Face safetensors shards (+ index), one
 tensor gathered at a time to the rank that writes its file, in the Hub's layout where
 transformers' own save writes that (`hub_layout`): memory per rank is bounded by the shard
-size, and `from_pretrained` / `load_state_dict` read the result.
+size, and `from_pretrained` reads the result (`load_state_dict` too where that layout is
+the modules' own).
 """
 from __future__ import annotations
 
