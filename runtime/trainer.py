@@ -680,9 +680,10 @@ class ParallelModel:
     def save_pretrained(self, directory: str, max_shard_size: int = rweights.SHARD_BYTES) -> str:
         """Write the model's full weights as Hugging Face safetensors (sharded files of at most
         `max_shard_size` bytes + model.safetensors.index.json, and config.json for an HF
-        model; in the Hub's layout where transformers writes that): `from_pretrained(directory)` reads it, and so does
-        parallelize(..., weights=directory). One tensor is gathered at a time, to the rank
-        writing its file. Collective: call on every rank."""
+        model; in the Hub's layout where transformers' own save writes that):
+        `from_pretrained(directory)` reads it, and so does parallelize(...,
+        weights=directory). One tensor is gathered at a time, to the rank writing its file.
+        Collective: call on every rank."""
         state = self.model.state_dict(keep_vars=True)
         pidx = {id(p): i for i, p in enumerate(self.params)}
         shapes = {k: tuple(self.param_shapes[pidx[id(v)]]) if id(v) in pidx else tuple(v.shape)
