@@ -60,6 +60,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
                 "`optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)`.")
         with clock("open weights"):  # opened and checked before anything
             source = rweights.ModelWeights(model, weights)
+            source.check()  # every key there, in its shape: before minutes of compiling
     plan_report = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,

@@ -682,6 +682,14 @@ class ModelWeights:
             return self.real, name
         return self.init, self.init_key(names)
 
+    def check(self) -> None:
+        """Locate every parameter and persistent buffer in the weights file now (shapes from
+        its headers, a conversion planned on meta tensors): a missing key or another shape
+        is a CheckpointError before the model is traced and compiled, not after."""
+        if self.file is not None:
+            for name in self.model.state_dict(keep_vars=True):
+                self.locate(name)
+
     def converted(self) -> ConvertedSource | None:
         """The file's keys converted as from_pretrained converts them (see ConvertedSource),
         built the first time a key is not in the file as it is."""

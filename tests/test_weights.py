@@ -211,6 +211,23 @@ def test_a_hub_checkpoint_that_does_not_convert_names_its_keys(tmp_path):
         w.locate(target)
 
 
+def test_a_missing_key_is_found_before_the_model_is_compiled(tmp_path, monkeypatch):
+    """parallelize checks every key of weights= when it opens the file: the error comes
+    before tracing and compiling (seconds to minutes at real size), not after."""
+    from safetensors.torch import save_file
+    from fxpar.compiler import api
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in M.hf_llama().state_dict().items()}
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tmp_path / "a.safetensors")
+    with torch.device("meta"):
+        model = M.hf_llama()
+    monkeypatch.setattr(api, "build", lambda *a, **k: pytest.fail("compiled before the check"))
+    with pytest.raises(CheckpointError, match="has no 'model.layers.1.mlp.up_proj.weight'"):
+        fxpar.parallelize(model, 1, example_batch=M.hf_lm_batch(128, 8, 16),
+                          weights=str(tmp_path / "a.safetensors"))
+
+
 def test_init_on_meta_matches_the_modules_own_distributions():
     """weights=None: HF's _init_weights per module (normal(0, initializer_range) linears and
     embeddings, ones for RMSNorm, the rotary inv_freq recomputed), the same values on every
