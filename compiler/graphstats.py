@@ -119,6 +119,20 @@ class GraphStats:
     def total_params(self) -> int:
         return sum(s.params for s in self.segments)
 
+    def at_tp(self, tp: int) -> "GraphStats":
+        """The statistics as the tensor-parallel pass splits the model at `tp`: a segment
+        with a column linear whose out features tp does not divide (GPT-2's 50257-wide LM
+        head) keeps its linears whole on every rank (the pass warns and replicates them),
+        so nothing of that segment is priced split or tp-reduced."""
+        if tp == 1 or not any(c % tp for s in self.segments for c in s.column_out):
+            return self
+        whole = dict(flops_f_split=0.0, flops_b_split=0.0, bytes_f_split=0.0,
+                     bytes_b_split=0.0, saved_split=0.0, params_split=0, tp_comm_f=0.0,
+                     tp_comm_b=0.0, tp_calls_extra=0.0, n_row=0, column_out=[])
+        return dataclasses.replace(self, segments=[
+            dataclasses.replace(s, **whole) if any(c % tp for c in s.column_out) else s
+            for s in self.segments])
+
     def with_depth(self, n_layers: int) -> "GraphStats":
         """The statistics of the same model with `n_layers` repeated blocks: the middle traced
         block stands for every block (they must be identical: checked)."""

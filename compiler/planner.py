@@ -314,6 +314,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     legal: list[tuple] = []
     n_layers = len(stats.layers)
     cols = sorted({c for s in stats.segments for c in s.column_out})
+    by_tp = {}  # tp -> the statistics as the tp pass splits at that degree (GraphStats.at_tp)
     for dp, tp, pp in _factorizations(world):
         if any(constraints.get(k, v) != v for k, v in (("dp", dp), ("tp", tp), ("pp", pp))):
             continue
@@ -325,7 +326,10 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             reasons.setdefault("tp", f"tp={tp} does not divide the {stats.heads} attention "
                                      "heads")
             continue
-        if tp > 1 and (not cols or any(c % tp for c in cols)):
+        # a segment whose column linears tp does not all divide stays whole (priced so:
+        # at_tp); tp is legal where it splits at least the repeated blocks
+        if tp > 1 and (not cols or any(c % tp for s in stats.layers for c in s.column_out)
+                       or not any(s.column_out for s in stats.at_tp(tp).segments)):
             reasons.setdefault("tp", f"tp={tp}: " + (
                 "the graph has no column/row linear pairs to split" if not cols else
                 f"does not divide the split linears' {sorted(set(c for c in cols if c % tp))} "
@@ -350,6 +354,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     stage_cache = {}
     ticker = Ticker(log)
     for dp, tp, pp in legal:
+        st = by_tp.setdefault(tp, stats.at_tp(tp))
         rows_dp = batch_rows // dp
         mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
         if "microbatches" in constraints:
@@ -371,12 +376,12 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
                 for zero in zeros:
-                    key = (pp, v)
+                    key = (pp, v, tp)
                     if key not in stage_cache:
-                        stage_cache[key] = _rank_aggregates(stages_of(stats, pp, v), pp, v)
+                        stage_cache[key] = _rank_aggregates(stages_of(st, pp, v), pp, v)
                     n_legal += 1
                     ticker.tick("planner search: %d plans priced", n_legal)
-                    c = _price(stats, hw, stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
+                    c = _price(st, hw, stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
                                precision, optimizer, constraints, budget)
                     if c is None:
                         continue

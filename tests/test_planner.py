@@ -55,6 +55,30 @@ def test_tensor_parallel_split_found_on_the_graph():
     assert blk.params - blk.params_split == ln_and_row_bias
 
 
+def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
+    """GPT-2's 50257-wide LM head: the tp pass keeps a column linear whose out features tp
+    does not divide whole on every rank (the rest splits). The planner priced it as split,
+    and before that refused every tp plan of such a model; now the head's segment is priced
+    whole at that tp (GraphStats.at_tp) and the layers split."""
+    cfg = M.GPTConfig(vocab_size=129, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    stats = _fake_gpt(cfg, 4)
+    post = stats.segments[-1]
+    assert 129 in post.column_out and post.flops_f_split > 0
+    at2 = stats.at_tp(2)
+    whole = at2.segments[-1]
+    assert whole.column_out == [] and whole.flops_f_split == whole.flops_b_split == 0
+    assert whole.params_split == 0 and whole.flops_f == post.flops_f
+    assert at2.layers[0] == stats.layers[0]  # the blocks split as before
+    hw = _cpu(4 * GiB)
+    assert planner._seg_time(whole, at2, 4, 2, hw, "fp32", "f") == \
+        planner._seg_time(post, stats, 4, 1, hw, "fp32", "f")
+    r = planner.search(stats, 2, hw, batch_rows=4)
+    assert any(c.plan.tp == 2 for c in r.table)
+    even = _fake_gpt(M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4,
+                                 n_embd=64), 4)
+    assert even.at_tp(2) is even
+
+
 def test_transformer_math_closed_forms():
     """EleutherAI 'Transformer Math 101': P = 12Lh^2 + 13Lh + (V + s)h (+ 2h final norm);
     mixed-precision AdamW holds 2 + 2 + 12 = 16 bytes per parameter; ZeRO-1/2/3 divide the
