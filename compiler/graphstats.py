@@ -110,6 +110,9 @@ class GraphStats:
     zero3_reduce_scatters_per_param: float = 1.0
     dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
     #                         (a mean over the targets not ignored: the loss and their count)
+    # per column linear's weight: (its out features, the segment holding the parameter, its
+    # elements) - a tied weight is held where first used, not where the column is (at_tp)
+    column_weights: list = dataclasses.field(default_factory=list)
 
     @property
     def layers(self) -> list[Segment]:
@@ -120,18 +123,27 @@ class GraphStats:
         return sum(s.params for s in self.segments)
 
     def at_tp(self, tp: int) -> "GraphStats":
-        """The statistics as the tensor-parallel pass splits the model at `tp`: a segment
-        with a column linear whose out features tp does not divide (GPT-2's 50257-wide LM
-        head) keeps its linears whole on every rank (the pass warns and replicates them),
-        so nothing of that segment is priced split or tp-reduced."""
+        """The statistics as the tensor-parallel pass splits the model at `tp`, per segment:
+        the pass replicates a column linear whose out features tp does not divide (GPT-2's
+        50257-wide LM head; it warns), and with it what that leaves without a partner, and
+        its weight wherever it is held (a tied embedding). Approximated so: such a segment
+        is priced whole (nothing split or tp-reduced; exact for a head alone in its
+        segment), and the weight whole in the segment holding it. Found only where the
+        statistics see the column (a head behind a dense + LayerNorm, BERT's, is not)."""
         if tp == 1 or not any(c % tp for s in self.segments for c in s.column_out):
             return self
         whole = dict(flops_f_split=0.0, flops_b_split=0.0, bytes_f_split=0.0,
                      bytes_b_split=0.0, saved_split=0.0, params_split=0, tp_comm_f=0.0,
                      tp_comm_b=0.0, tp_calls_extra=0.0, n_row=0, column_out=[])
-        return dataclasses.replace(self, segments=[
-            dataclasses.replace(s, **whole) if any(c % tp for c in s.column_out) else s
-            for s in self.segments])
+        segs = [dataclasses.replace(s, **whole) if any(c % tp for c in s.column_out) else s
+                for s in self.segments]
+        by_name = {s.name: i for i, s in enumerate(segs)}
+        for out, seg, n in self.column_weights:  # a tied weight held in another segment
+            i = by_name.get(seg)
+            if out % tp and i is not None and segs[i].params_split:
+                segs[i] = dataclasses.replace(segs[i],
+                                              params_split=max(segs[i].params_split - n, 0))
+        return dataclasses.replace(self, segments=segs)
 
     def with_depth(self, n_layers: int) -> "GraphStats":
         """The statistics of the same model with `n_layers` repeated blocks: the middle traced
@@ -217,6 +229,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
         return [r for a in ins for r in ([a] if _is_param(a) else roots.get(a, []))]
     split: set = set()
     split_params: set = set()
+    column_w: list = []  # (out features, the weight's parameter nodes) per column linear
     heads = None
     for n in fwd:
         ins = n.all_input_nodes
@@ -237,6 +250,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
                                                  for a in data if a.op != "placeholder"
                                                  or a.meta.get(ir.ROLE) == "batch")
                 segs[seg_of[n]].column_out.append(int(n.meta[ir.VAL].shape[-1]))
+                column_w.append((int(n.meta[ir.VAL].shape[-1]), base_w))
         elif any(a in split for a in data) and n.meta.get(ir.VAL) is not None:
             split.add(n)
             v = n.meta[ir.VAL]
@@ -310,6 +324,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
                 segs[order[i]].boundary += cost.tensor_bytes(n.meta.get(ir.VAL))
     # parameters: the segment of their first forward use
     elem = 4.0
+    param_seg = {}
     for p in gm.graph.nodes:
         if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param":
             users = [u for u in p.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]
@@ -319,6 +334,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
             v = p.meta[ir.VAL]
             segs[seg].params += v.numel()
             segs[seg].n_param_tensors += 1
+            param_seg[p] = seg
             elem = v.element_size()
             if p in split_params:
                 segs[seg].params_split += v.numel()
@@ -347,8 +363,10 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
             segs[seg_of[n]].transient = max(segs[seg_of[n]].transient,
                                             tl.live["activations"][i] - alive)
     layers = [s for s in order if s not in ("pre", "post")]
+    column_weights = [(out, param_seg[p], p.meta[ir.VAL].numel()) for out, ws in column_w
+                      for p in dict.fromkeys(ws) if p in param_seg and _val_dim(p) >= 2]
     return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
-                      len(layers), heads=heads)
+                      len(layers), heads=heads, column_weights=column_weights)
 
 
 def _val_dim(n) -> int:

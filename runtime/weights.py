@@ -322,6 +322,11 @@ class ConvertedSource(Source):
             return self.file.shape(self.renamed[key])
         return self.shapes.get(key)
 
+    def sources_of(self, key: str) -> str:
+        """The file's keys a converted `key` is built from (for messages)."""
+        keys = [k for _, k in self.groups[self.made_by[key]][1]]
+        return ", ".join(keys[:3]) + (f" ... ({len(keys)} tensors)" if len(keys) > 3 else "")
+
     def read(self, key, index):
         if key in self.renamed:
             return self.file.read(self.renamed[key], index)
@@ -532,6 +537,11 @@ def plan_shards(entries: list[tuple[str, int]], max_bytes: int) -> list[list[str
     return files
 
 
+# transformers' conversion ops that act on the tensors alone (stack/split experts, join/split
+# gate and up): their reverse is the same whatever the model holds
+PER_TENSOR_OPS = {"MergeModulelist", "SplitModulelist", "Concatenate", "Chunk"}
+
+
 def hub_layout(model: torch.nn.Module, keys: list[str], shapes: dict[str, tuple],
                dtypes: dict[str, torch.dtype]):
     """How transformers' own save_pretrained writes `keys` of a Hugging Face model: the Hub's
@@ -547,6 +557,20 @@ def hub_layout(model: torch.nn.Module, keys: list[str], shapes: dict[str, tuple]
     except ImportError:
         return None
     if not isinstance(model, PreTrainedModel):
+        return None
+    try:  # ops that read the model (a Transpose checking the parameter's shape: fxpar's
+        # model holds this rank's shards by now) could write another layout than HF's
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+        mapping = getattr(model, "_weight_conversions", None) or \
+            get_model_conversion_mapping(model, add_legacy=False)
+        odd = {type(op).__name__ for c in mapping if isinstance(c, WeightConverter)
+               for op in c.operations} - PER_TENSOR_OPS
+    except Exception as e:  # noqa: BLE001 - another transformers: the modules' own keys
+        odd = {f"{type(e).__name__}: {e}"}
+    if odd:
+        log.info("save_pretrained: %s's Hub layout needs %s; writing the modules' own keys "
+                 "(from_pretrained reads them too)", type(model).__name__, sorted(odd))
         return None
 
     def convert(key, t):
@@ -602,6 +626,9 @@ def save_pretrained(model, directory, keys: list[str], shapes: dict[str, tuple],
                 continue
             # tied names written apart, and the experts split out of one stacked tensor,
             # must not share memory in the file
+            # (the same conversion ran on every rank on meta tensors in hub_layout: it is
+            # not expected to fail here; if it did, this rank's exception ends the job
+            # through its launcher, as any rank's uncaught error does)
             parts = hub[1](k, t.contiguous()) if hub else {k: t}
             for out, v in parts.items():
                 v = v.contiguous()
@@ -653,25 +680,31 @@ class ModelWeights:
         t = self.tensors[name]
         names = self.aliases[id(t)]
         if self.file is not None and id(t) in self.persistent:
-            for k in names:
-                got = self.file.shape(k)
-                if got is None:
-                    continue
+            conv = self.converted()
+            # transformers converts a key its mapping matches even where the file holds it
+            # under the model's own name (Qwen3-VL-MoE's experts, stored transposed): as
+            # from_pretrained, those come from the conversion; the rest as the file has them
+            made = [k for k in names if conv is not None and k in conv.made_by]
+            for k in made or [k for k in names if self.file.shape(k) is not None]:
+                src = conv if made else self.file
+                got = src.shape(k)
                 if tuple(got) != tuple(t.shape):
                     raise CheckpointError(
-                        f"weights {self.path!r}: {k!r} has shape {tuple(got)}, the model's is "
-                        f"{tuple(t.shape)}: the file was saved from a differently configured "
-                        "model (check the config you built the model from).")
-                return self.file, k
-            conv = self.converted()
-            for k in names if conv is not None else ():
+                        f"weights {self.path!r}: {k!r} has shape {tuple(got)}"
+                        + (" once transformers' conversion has built it from the file's "
+                           f"{conv.sources_of(k)}" if made else "")
+                        + f", the model's is {tuple(t.shape)}: the file was saved from a "
+                        "differently configured model (check the config you built the "
+                        "model from).")
+                return src, k
+            for k in names if conv is not None else ():  # renamed (e.g. a base model's keys)
                 got = conv.shape(k)
                 if got is not None and tuple(got) != tuple(t.shape):
                     raise CheckpointError(
-                        f"weights {self.path!r}: {k!r} is {tuple(got)} once transformers' "
-                        f"conversion has built it from the file, the model's is "
-                        f"{tuple(t.shape)}: the file was saved from a differently configured "
-                        "model (check the config you built the model from).")
+                        f"weights {self.path!r}: {k!r} is stored as {conv.renamed[k]!r} with "
+                        f"shape {tuple(got)}, the model's is {tuple(t.shape)}: the file was "
+                        "saved from a differently configured model (check the config you "
+                        "built the model from).")
                 if got is not None:
                     return conv, k
             raise CheckpointError(

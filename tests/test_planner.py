@@ -68,6 +68,8 @@ def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
     whole = at2.segments[-1]
     assert whole.column_out == [] and whole.flops_f_split == whole.flops_b_split == 0
     assert whole.params_split == 0 and whole.flops_f == post.flops_f
+    pre = stats.segments[0]  # the tied embedding is held where first used: priced whole too
+    assert at2.segments[0].params_split == pre.params_split - 129 * 64 >= 0
     assert at2.layers[0] == stats.layers[0]  # the blocks split as before
     hw = _cpu(4 * GiB)
     assert planner._seg_time(whole, at2, 4, 2, hw, "fp32", "f") == \

@@ -167,7 +167,8 @@ def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_loads_it(tmp_p
 def test_a_hub_layout_moe_loads_slice_wise_under_tp_and_zero3_and_trains_like_eager(tmp_path):
     """Mixtral from the Hub's layout on 2 ranks: each rank's tensor-parallel slice / ZeRO-3
     shard of the stacked experts cut from the converted tensors; 2 AdamW steps equal eager
-    training of the model from_pretrained loads."""
+    training of the model from_pretrained loads; pm.save_pretrained (files written by both
+    ranks) is in the Hub's layout again and from_pretrained reads the trained state."""
     from fxpar.examples import zoo
     spec, _ = _hub_layout("mixtral", tmp_path)
     ref = type(spec.factory()).from_pretrained(tmp_path / "mixtral")
@@ -181,7 +182,17 @@ def test_a_hub_layout_moe_loads_slice_wise_under_tp_and_zero3_and_trains_like_ea
         losses.append(loss.item())
     plans = [{"tp": 2, "codegen": "eager"}, {"dp": 2, "zero": 3, "codegen": "eager"}]
     res = fxpar.launch(workers.hub_layout_rank, 2, "mixtral", str(tmp_path / "mixtral"),
-                       plans)[0]
+                       plans, 2, str(tmp_path / "out"))[0]
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "mixtral" / "model.safetensors"), "pt") as f:
+        hub_keys = set(f.keys())
+    for i, plan in enumerate(plans):
+        saved = tmp_path / "out" / str(i)
+        index = json.loads((saved / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == hub_keys and len(set(index["weight_map"].values())) > 1
+        back = type(ref).from_pretrained(saved).state_dict()
+        for k, v in back.items():
+            assert torch.equal(v, res[repr(plan)][1][k]), (plan, k)
     for plan in plans:
         got_losses, state = res[repr(plan)]
         torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5,
@@ -189,6 +200,45 @@ def test_a_hub_layout_moe_loads_slice_wise_under_tp_and_zero3_and_trains_like_ea
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{plan} {k}: {m}")
+
+
+def test_a_key_transformers_converts_under_its_own_name_is_converted(tmp_path):
+    """Qwen3-VL-MoE's Hub checkpoints hold the experts transposed under the module's own
+    names (`mlp.experts.gate_up_proj`, its mapping a Transpose): read as they are, the
+    square one would load silently transposed and the other be refused for its shape.
+    Both come through transformers' conversion, equal to from_pretrained; and the save
+    writes the modules' own keys (a Transpose reads the model, which holds shards by then)."""
+    from safetensors.torch import load_file, save_file
+    T = transformers
+    if not hasattr(T, "Qwen3VLMoeConfig"):
+        pytest.skip("this transformers has no Qwen3-VL-MoE")
+    text = dict(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 0]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                  patch_size=4, spatial_merge_size=1, temporal_patch_size=1,
+                  num_position_embeddings=16, deepstack_visual_indexes=[])
+    cfg = T.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    T.Qwen3VLMoeForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v
+               for k, v in state.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    want = T.Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path).state_dict()
+    with torch.device("meta"):
+        model = T.Qwen3VLMoeForConditionalGeneration(cfg)
+    w = W.ModelWeights(model, str(tmp_path))
+    w.check()
+    experts = [k for k in want if ".experts." in k]
+    assert any(want[k].shape[-1] == want[k].shape[-2] for k in experts)  # the silent case
+    for k in experts:
+        src, key = w.locate(k)
+        assert torch.equal(src.read(key, (...,)), want[k]), k
+    keys = list(want)
+    assert W.hub_layout(model, keys, {k: tuple(v.shape) for k, v in want.items()},
+                        {k: v.dtype for k, v in want.items()}) is None
 
 
 def test_a_hub_checkpoint_that_does_not_convert_names_its_keys(tmp_path):

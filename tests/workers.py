@@ -659,10 +659,11 @@ def timeline_rank(runs, steps=2):
         pm.trace(path)
 
 
-def hub_layout_rank(name, weights_dir, plans, steps=2):
+def hub_layout_rank(name, weights_dir, plans, steps=2, save_root=None):
     """Every rank: the zoo model `name` built on the meta device and loaded with
     weights=weights_dir (written by transformers' save_pretrained: the Hub's layout), trained
-    `steps` AdamW steps under each plan. Rank 0 returns {plan: (losses, full state)}."""
+    `steps` AdamW steps under each plan, then (with save_root) pm.save_pretrained to
+    save_root/<plan index>. Rank 0 returns {plan: (losses, full state)}."""
     from fxpar.examples import zoo
     spec = zoo.models()[name]
     out = {}
@@ -674,5 +675,8 @@ def hub_layout_rank(name, weights_dir, plans, steps=2):
                                optimizer=OPTIMIZERS["adamw"], plan=plan, weights=weights_dir)
         losses = [pm.step(spec.batch(s)).item() for s in range(steps)]
         state = pm.full_state_dict()
+        if save_root is not None:
+            pm.save_pretrained(os.path.join(save_root, str(plans.index(plan))),
+                               max_shard_size=200_000)
         out[repr(plan)] = (losses, state if int(os.environ.get("RANK", 0)) == 0 else None)
     return out
