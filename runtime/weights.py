@@ -341,9 +341,9 @@ class ConvertedSource(Source):
 
 
 def hf_conversion(model: torch.nn.Module, file: FileSource) -> ConvertedSource | None:
-    """transformers' conversion of `file` into `model`'s keys, or None where there is none
-    (not a Hugging Face model, a transformers without conversion mappings, or the model has
-    no mapping and no base-model prefix to add or strip)."""
+    """transformers' conversion of `file` into `model`'s keys (ConvertedSource), or None:
+    not a Hugging Face model, an fxpar checkpoint (the model's own keys), or a transformers
+    without these mappings (or whose mapping does not apply: a warning)."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
