@@ -329,7 +329,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
         # a segment whose column linears tp does not all divide stays whole (priced so:
         # at_tp); tp is legal where it splits at least the repeated blocks
         if tp > 1 and (not cols or any(c % tp for s in stats.layers for c in s.column_out)
-                       or not any(s.column_out for s in stats.at_tp(tp).segments)):
+                       or not any(s.column_out for s in
+                                  by_tp.setdefault(tp, stats.at_tp(tp)).segments)):
             reasons.setdefault("tp", f"tp={tp}: " + (
                 "the graph has no column/row linear pairs to split" if not cols else
                 f"does not divide the split linears' {sorted(set(c for c in cols if c % tp))} "
@@ -354,7 +355,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     stage_cache = {}
     ticker = Ticker(log)
     for dp, tp, pp in legal:
-        st = by_tp.setdefault(tp, stats.at_tp(tp))
+        st = by_tp.get(tp, stats)  # (tp = 1: the statistics as traced)
         rows_dp = batch_rows // dp
         mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
         if "microbatches" in constraints:

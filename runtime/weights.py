@@ -15,7 +15,8 @@ and reads just those from a *source*:
   here: at most one full tensor is in memory at once).
 - `ConvertedSource`: a Hugging Face checkpoint in the Hub's layout (an MoE's experts one
   by one, older key names), converted with transformers' own mapping as `from_pretrained`
-  converts it; used for the keys the file does not hold as the model names them.
+  converts it; used for the keys the file does not hold as the model names them, and
+  for those transformers' mapping converts even under the model's own name.
 - `InitSource`: the modules' own initialisation (HF `_init_weights`, else
   `reset_parameters`) run on one module's tensors at a time, with a generator seeded per
   module, so every rank computes the same values for the elements it keeps. Same
@@ -189,13 +190,9 @@ class FileSource(Source):
             raise CheckpointError(f"weights={p!r}: no such file or directory.")
 
     def keys(self) -> list[str]:
-        """Every tensor key the file or directory holds (as stored)."""
-        if self._torch is not None:
-            return list(self._torch)
-        if self._dcp is not None:
-            return [k[len("model."):] for k, v in self._dcp[1].state_dict_metadata.items()
-                    if k.startswith("model.") and isinstance(v, dcp_md.TensorStorageMetadata)]
-        return list(self.key_file)
+        """Every tensor key a safetensors or torch file holds (as stored; an fxpar
+        checkpoint holds the model's own keys and is never converted)."""
+        return list(self._torch) if self._torch is not None else list(self.key_file)
 
     def _index_safetensors(self, file):
         with safe_open(file, framework="pt") as f:
@@ -664,7 +661,7 @@ class ModelWeights:
     def __init__(self, model: torch.nn.Module, path=None):
         self.model, self.path = model, path
         self.file = FileSource(path) if path is not None else None
-        self._converted: ConvertedSource | None | bool = False  # built on the first miss
+        self._converted: ConvertedSource | None | bool = False  # built on the first locate
         state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
         self.persistent = {id(t) for t in state.values()}
         self.tensors = {**state, **dict(model.named_buffers(remove_duplicate=False))}
@@ -725,7 +722,7 @@ class ModelWeights:
 
     def converted(self) -> ConvertedSource | None:
         """The file's keys converted as from_pretrained converts them (see ConvertedSource),
-        built the first time a key is not in the file as it is."""
+        planned once, at the first locate (on meta tensors: nothing read)."""
         if self._converted is False:
             self._converted = hf_conversion(self.model, self.file)
         return self._converted
