@@ -158,6 +158,76 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class FusedQKV(nn.Module):
+    """One fused projection for q, k and v, held interleaved per key/value head as
+    torchtitan's FusedQKVLinear holds it ((n_kv_heads, heads_per_kv + 2, head_dim, dim)),
+    and saved in the stock layout: a state-dict post hook writes `wq/wk/wv.weight` cut from
+    `wqkv.weight`, a load pre-hook joins them again. A state dict built by tensor identity
+    from a sharded module gets these entries wrong; the model's own hooks on whole tensors
+    get them right."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.head_dim, self.n_kv, self.per_kv = dim // n_heads, n_kv_heads, n_heads // n_kv_heads
+        self.wqkv = nn.Linear(dim, n_kv_heads * (self.per_kv + 2) * self.head_dim, bias=False)
+        self.register_state_dict_post_hook(FusedQKV._split_on_save)
+        self.register_load_state_dict_pre_hook(FusedQKV._join_on_load)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, -1, self.per_kv + 2, self.head_dim)
+        q, k, v = qkv.split([self.per_kv, 1, 1], dim=3)
+        return (q.reshape(B, T, -1, self.head_dim), k.reshape(B, T, -1, self.head_dim),
+                v.reshape(B, T, -1, self.head_dim))
+
+    @staticmethod
+    def _split_on_save(module, state_dict, prefix, local_metadata):
+        w = state_dict.pop(prefix + "wqkv.weight")
+        w = w.view(module.n_kv, module.per_kv + 2, module.head_dim, -1)
+        dim = w.shape[-1]
+        state_dict[prefix + "wq.weight"] = w[:, :module.per_kv].reshape(-1, dim).contiguous()
+        state_dict[prefix + "wk.weight"] = w[:, module.per_kv].reshape(-1, dim).contiguous()
+        state_dict[prefix + "wv.weight"] = w[:, module.per_kv + 1].reshape(-1, dim).contiguous()
+
+    @staticmethod
+    def _join_on_load(module, state_dict, prefix, *args):
+        if prefix + "wq.weight" not in state_dict:
+            return
+        q, k, v = (state_dict.pop(prefix + f"w{n}.weight") for n in "qkv")
+        dim, shape = q.shape[-1], (module.n_kv, -1, module.head_dim, q.shape[-1])
+        state_dict[prefix + "wqkv.weight"] = torch.cat(
+            [q.view(shape), k.view(shape), v.view(shape)], dim=1).reshape(-1, dim)
+
+
+class HookedGPT(nn.Module):
+    """A causal LM whose attention is FusedQKV (state-dict hooks, GQA), RMSNorm and an
+    untied head: the shape of torchtitan's Llama 3 at a tiny size. batch = (idx, targets)."""
+
+    def __init__(self, vocab=128, dim=32, n_layer=2, n_heads=4, n_kv_heads=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            norm=nn.RMSNorm(dim), qkv=FusedQKV(dim, n_heads, n_kv_heads),
+            wo=nn.Linear(dim, dim, bias=False), ffn_norm=nn.RMSNorm(dim),
+            ffn=nn.Sequential(nn.Linear(dim, 4 * dim, bias=False), nn.SiLU(),
+                              nn.Linear(4 * dim, dim, bias=False)))) for _ in range(n_layer))
+        self.norm, self.out = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.n_rep = n_heads // n_kv_heads
+
+    def forward(self, batch):
+        idx, targets = batch
+        x = self.tok(idx)
+        B, T, C = x.shape
+        for layer in self.layers:
+            q, k, v = (t.transpose(1, 2) for t in layer["qkv"](layer["norm"](x)))
+            k, v = (t.repeat_interleave(self.n_rep, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + layer["wo"](y.transpose(1, 2).reshape(B, T, C))
+            x = x + layer["ffn"](layer["ffn_norm"](x))
+        logits = self.out(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def gpt_batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from fxpar.compiler.errors import CheckpointError
+from fxpar.runtime import model_state
 from fxpar.runtime import tp_slices as rtp
 
 FORMAT = 1
@@ -224,6 +225,8 @@ def _names(pm):
 def _model_state(pm) -> dict[str, torch.Tensor]:
     """{"model.<key>": full tensor} for the entries this rank holds (collective over tp / dp
     for tp slices and ZeRO-3 shards)."""
+    if not pm.state_is_plain():  # the model's hooks make its entries: from whole tensors
+        return {f"model.{k}": v for k, v in pm.full_state_dict().items()}  # (DCP dedups)
     full = pm.full_params()  # id(param) -> full weight (collective over the tp / dp groups)
     return {f"model.{k}": (full[id(v)] if id(v) in full else v.detach())
             for k, v in _held(pm).items()}
@@ -400,7 +403,8 @@ def load(pm, path: str) -> dict:
     meta, reader, md = read_meta(path)
     distributed = pm.world.size > 1
     names = _names(pm)
-    state = pm.model.state_dict(keep_vars=True)
+    plain = pm.state_is_plain()  # else: keys and whole shapes as the model's hooks make them
+    state = pm.model.state_dict(keep_vars=True) if plain else pm.stand_in_state()
     pidx = {id(p): i for i, p in enumerate(pm.params)}
     # what to read: every model entry; optimizer state of this rank's parameters; RNG
     missing = [k for k in state if f"model.{k}" not in md]
@@ -434,7 +438,10 @@ def load(pm, path: str) -> dict:
         _tensor_keys(meta.get("scaler")) if scaler is not None else [])
     got = read_tensors(path, reader, md, keys + rng_keys + enc_keys, distributed)
     with torch.no_grad():
-        _load_model(pm, state, got)
+        if plain:
+            _load_model(pm, state, got)
+        else:
+            _load_model_whole(pm, {k: got[f"model.{k}"] for k in state}, path)
     if pm.optimizer is not None:
         _load_optimizer(pm, slots, okeys, got, meta, path)
     if scaler is not None and meta.get("scaler") is not None:
@@ -465,6 +472,26 @@ def _load_model(pm, state, got):
     if z is not None and not z.shard_params:  # ZeRO 1/2: the optimizer steps flat shards
         for shard, members in zip(z.shards, z.buckets):
             shard.copy_(z._slice(z._flat(members)))
+
+
+def _load_model_whole(pm, saved: dict[str, torch.Tensor], path: str):
+    """A model whose state dict its own hooks compute: its load hooks turn the saved entries
+    back into its whole tensors, which are then cut to this rank's pieces."""
+    meta = pm.whole_meta()
+    names = model_state.own_tensors(pm.model, persistent_only=True)
+    try:
+        whole = model_state.whole_from_state_dict(
+            pm.model, saved, {n: meta[n].shape for n in names},
+            {n: meta[n].dtype for n in names}, "cpu")
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path!r} does not load into this model: {e}") from e
+    pidx = {id(p): i for i, p in enumerate(pm.params)}
+    need, first = pm.needed_params(), {}
+    for n, t in names.items():  # each tensor once (tied names share it)
+        if id(t) not in pidx or pidx[id(t)] in need:
+            first.setdefault(id(t), n)
+    _load_model(pm, {n: names[n] for n in first.values()},
+                {f"model.{n}": whole[n] for n in first.values()})
 
 
 def _load_optimizer(pm, slots, okeys, got, meta, path):

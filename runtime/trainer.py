@@ -22,6 +22,7 @@ from fxpar.compiler.logs import Clock
 from fxpar.runtime import amp, bucket_updates, calls, comm, cudagraph, executor, faults, optim
 from fxpar.runtime import schedules
 from fxpar.runtime import checkpoint as rckpt
+from fxpar.runtime import model_state
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import tp_slices as rtp
 from fxpar.runtime import weights as rweights
@@ -165,6 +166,7 @@ class ParallelModel:
         self._norm_plan = None  # which gradient elements this rank counts (built on use)
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
+        self._state_plain: bool | None = None  # (state_is_plain, found on first use)
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
 
     def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -627,40 +629,65 @@ class ParallelModel:
 
     # --- state ------------------------------------------------------------------------------
     @calls.collective
+    def whole_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the model under each of its names, whole and up to
+        date, on every rank (fresh tensors: nothing aliases the rank's own). Collective over
+        the tp / dp groups (shards) and the pp group (other stages' weights)."""
+        own = model_state.own_tensors(self.model)
+        full = self.full_params()  # id -> the user's whole weight where this rank holds shards
+        first = {}  # id -> the first name of each tensor (tied names share it)
+        for name, t in own.items():
+            first.setdefault(id(t), name)
+        if self.pipeline_runner is None or self.plan.pp == 1:
+            made = {i: (full[i] if i in full else own[n].detach().clone())
+                    for i, n in first.items()}
+            return {name: made[id(t)] for name, t in own.items()}
+        r = self.pipeline_runner
+        stages = self.state_stages({n: own[n] for n in first.values()})
+        owned = {n: full.get(id(own[n]), own[n].detach()).cpu().clone()
+                 for n, st in stages.items() if r.rank_of(min(st)) == r.rank}
+        gathered = [None] * self.plan.pp  # each tensor from the first stage that holds it
+        dist.all_gather_object(gathered, owned, group=r.group)
+        merged = {n: v.to(self.world.device) for d in gathered for n, v in d.items()}
+        return {name: merged[first[id(t)]] for name, t in own.items()}
+
+    def whole_meta(self) -> dict[str, torch.Tensor]:
+        """Meta-device stand-ins of the model's tensors in their whole (user's) shapes."""
+        pidx = {id(p): i for i, p in enumerate(self.params)}
+        return {n: torch.empty(self.param_shapes[pidx[id(t)]] if id(t) in pidx else t.shape,
+                               dtype=t.dtype, device="meta")
+                for n, t in model_state.own_tensors(self.model).items()}
+
+    def state_is_plain(self) -> bool:
+        """Whether the model's state dict is its own tensors (runtime/model_state.is_plain):
+        then saves gather it tensor by tensor; otherwise its hooks run on whole tensors."""
+        if self._state_plain is None:
+            self._state_plain = model_state.is_plain(self.model, self.whole_meta())
+        return self._state_plain
+
+    def stand_in_state(self) -> dict[str, torch.Tensor]:
+        """The keys, whole shapes and dtypes of `model.state_dict()`, computed by the model's
+        own code on meta-device stand-ins (no data, no collective)."""
+        with model_state.holding(self.model, self.whole_meta()):
+            return dict(self.model.state_dict())
+
+    @calls.collective
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters and buffers, keys as in model.state_dict(), on every rank
-        (with ZeRO-3, tensor parallelism or pipeline stages this gathers: call it on every
-        rank)."""
-        state = self.model.state_dict(keep_vars=True)
-        full = self.full_params()
-        if self.pipeline_runner is not None and self.plan.pp > 1:
-            return self._gather_stages(state, full)
-        return {k: full[id(v)] if id(v) in full else v.detach().clone()
-                for k, v in state.items()}
+        """`model.state_dict()` of the model single-process training would hold: keys and
+        values as the model's own state-dict code makes them (its hooks run on the whole
+        tensors), on every rank. Collective: with ZeRO-3, tensor parallelism or pipeline
+        stages this gathers, so call it on every rank."""
+        return model_state.state_dict_of(self.model, self.whole_tensors())
 
     def state_stages(self, state) -> dict[str, set[int]]:
-        """Pipeline: the stages holding each model.state_dict() entry (parameters and buffers
-        by the stage split; anything else: stage 0)."""
+        """Pipeline: the stages holding each entry of `state` (the model's own tensors by
+        name: parameters and buffers by the stage split; anything else: stage 0)."""
         r = self.pipeline_runner
         ids = {id(p): i for i, p in enumerate(self.params)}
         bids = {id(b): j for j, b in enumerate(self.buffers)}
         return {k: r.p.param_stages.get(ids[id(v)], {0}) if id(v) in ids else
                 r.p.buffer_stages.get(bids[id(v)], {0}) if id(v) in bids else {0}
                 for k, v in state.items()}
-
-    def _gather_stages(self, state, tp_full=None):
-        """Each weight from the first stage that holds it (copies on other stages are equal);
-        `tp_full`: id -> full weight where this rank holds a tp shard."""
-        tp_full = tp_full or {}
-        r = self.pipeline_runner
-        owned = {}
-        for k, stages_ in self.state_stages(state).items():
-            if r.rank_of(min(stages_)) == r.rank:
-                owned[k] = tp_full.get(id(state[k]), state[k].detach()).cpu().clone()
-        gathered = [None] * self.plan.pp
-        dist.all_gather_object(gathered, owned, group=r.group)
-        merged = {k: v for d in gathered for k, v in d.items()}
-        return {k: merged[k].to(v.device) for k, v in state.items()}
 
     # --- checkpoints (runtime/checkpoint.py) -----------------------------------------------
     @calls.collective
@@ -684,6 +711,8 @@ class ParallelModel:
         `from_pretrained(directory)` reads it, and so does parallelize(...,
         weights=directory). One tensor is gathered at a time, to the rank writing its file.
         Collective: call on every rank."""
+        if not self.state_is_plain():  # hooks make its entries: they run on whole tensors
+            return self._save_pretrained_whole(directory, max_shard_size)
         state = self.model.state_dict(keep_vars=True)
         pidx = {id(p): i for i, p in enumerate(self.params)}
         shapes = {k: tuple(self.param_shapes[pidx[id(v)]]) if id(v) in pidx else tuple(v.shape)
@@ -698,6 +727,21 @@ class ParallelModel:
         return rweights.save_pretrained(self.model, directory, keys, shapes,
                                         {k: v.dtype for k, v in state.items()}, full_tensor,
                                         self.world.rank, self.world.size, max_shard_size)
+
+    def _save_pretrained_whole(self, directory, max_shard_size):
+        """save_pretrained of a model whose state dict its own code computes: that code runs
+        on the whole tensors on every rank, and each file's rank writes its entries."""
+        whole = self.whole_tensors()
+        state = model_state.state_dict_of(self.model, whole)
+        with model_state.holding(self.model, whole):  # (tied names found on whole tensors)
+            keys = rweights.hf_keys(self.model, state)
+
+        def full_tensor(key, dst):
+            return state[key].cpu() if self.world.rank == dst else None
+        return rweights.save_pretrained(
+            self.model, directory, keys,
+            {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()},
+            full_tensor, self.world.rank, self.world.size, max_shard_size)
 
     def _full_tensor(self, t, i: int | None, stage: int, dst: int) -> torch.Tensor | None:
         """One state tensor (parameter index i, or a buffer) whole on global rank `dst`, on

@@ -29,6 +29,7 @@ def zoo():
         "convbn": (M.ConvBN, lambda s: _img(s), None),
         "hf_gpt2": (M.hf_gpt2, _lm(), None),
         "hf_llama": (M.hf_llama, _lm(), None),
+        "hooked_gpt": (M.HookedGPT, lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s), None),
     }
 
 
