@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from fxpar.compiler.errors import CheckpointError
 from fxpar.runtime import checkpoint as ck
+from fxpar.runtime import model_state
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +360,58 @@ def hf_conversion(model: torch.nn.Module, file: FileSource) -> ConvertedSource |
         return None
 
 
+class HookedSource(Source):
+    """A file saved from a model whose state dict its own hooks compute (torchtitan's fused
+    QKV saves `wq/wk/wv` and joins them into `wqkv` on load): the model's load hooks turn the
+    file's entries into the model's own tensors (runtime/model_state.py). The hooks need
+    whole tensors, so the first read reads every entry of the file the model's state dict
+    names, whole, and makes all of the model's tensors (one full copy of the model on each
+    rank while the weights are placed; released after); later reads slice them."""
+
+    def __init__(self, model: torch.nn.Module, file: FileSource, stand_in: dict, path):
+        self.model, self.file, self.path = model, file, path
+        self.own = model_state.own_tensors(model, persistent_only=True)
+        self.saved = {k: tuple(v.shape) for k, v in stand_in.items()}  # what the file holds
+        self._whole: dict[str, torch.Tensor] | None = None
+
+    def check(self) -> None:
+        for k, want in self.saved.items():
+            got = self.file.shape(k)
+            if got is None:
+                raise CheckpointError(
+                    f"weights {self.path!r} has no {k!r} (keys as model.state_dict(), which "
+                    "this model's own hooks compute): it was saved from a different model. "
+                    "Load the file saved from this architecture.")
+            if tuple(got) != want:
+                raise CheckpointError(
+                    f"weights {self.path!r}: {k!r} has shape {tuple(got)}, the model's is "
+                    f"{want}: the file was saved from a differently configured model.")
+
+    def shape(self, key):
+        t = self.own.get(key)
+        return None if t is None else tuple(t.shape)
+
+    def dtype(self, key):
+        return self.own[key].dtype
+
+    def read(self, key, index):
+        if self._whole is None:
+            self.check()
+            saved = {k: self.file.read(k, tuple(slice(0, n) for n in shape))
+                     for k, shape in self.saved.items()}
+            try:
+                self._whole = model_state.whole_from_state_dict(
+                    self.model, saved, {n: t.shape for n, t in self.own.items()},
+                    {n: t.dtype for n, t in self.own.items()}, "cpu")
+            except RuntimeError as e:
+                raise CheckpointError(f"weights {self.path!r} do not load into this model "
+                                      f"through its state-dict hooks: {e}") from e
+        return self._whole[key][index]
+
+    def release(self) -> None:
+        self._whole = None
+
+
 class InitSource(Source):
     """The modules' own initialisation, one module's tensors at a time (whole, transiently:
     the memory of the largest module, not of the model), on CPU. Reads the model as built
@@ -663,6 +716,14 @@ class ModelWeights:
         self.file = FileSource(path) if path is not None else None
         self._converted: ConvertedSource | None | bool = False  # built on the first locate
         state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
+        self.hooked: HookedSource | None = None  # a model whose hooks compute its entries
+        meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                for n, t in model_state.own_tensors(model).items()}
+        if self.file is not None and not model_state.is_plain(model, meta):
+            with model_state.holding(model, meta):
+                stand_in = dict(model.state_dict())
+            self.hooked = HookedSource(model, self.file, stand_in, path)
+            state = model_state.own_tensors(model, persistent_only=True)
         self.persistent = {id(t) for t in state.values()}
         self.tensors = {**state, **dict(model.named_buffers(remove_duplicate=False))}
         self.real = TensorSource({k: t for k, t in self.tensors.items() if not t.is_meta})
@@ -676,6 +737,8 @@ class ModelWeights:
         key when the weights file lacks it or holds another shape."""
         t = self.tensors[name]
         names = self.aliases[id(t)]
+        if self.hooked is not None and id(t) in self.persistent:
+            return self.hooked, names[0]
         if self.file is not None and id(t) in self.persistent:
             conv = self.converted()
             # transformers converts a key its mapping matches even where the file holds it
@@ -716,7 +779,9 @@ class ModelWeights:
         """Locate every parameter and persistent buffer in the weights file now (shapes from
         its headers, a conversion planned on meta tensors): a missing key or another shape
         is a CheckpointError before the model is traced and compiled, not after."""
-        if self.file is not None:
+        if self.hooked is not None:
+            self.hooked.check()
+        elif self.file is not None:
             for name in self.model.state_dict(keep_vars=True):
                 self.locate(name)
 
@@ -731,6 +796,8 @@ class ModelWeights:
         """Drop what was made whole for reading: the last module initialised, the last
         tensors converted."""
         self.init.release()
+        if self.hooked is not None:
+            self.hooked.release()
         if self._converted:
             self._converted.release()
 

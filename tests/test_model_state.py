@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import fxpar
 from fxpar.examples import models as M
@@ -58,7 +58,8 @@ def test_state_dict_of_and_its_inverse_run_the_models_hooks():
 def test_one_device_state_dict_save_pretrained_and_resume_match_eager(tmp_path):
     """devices=1: full_state_dict has the hooks' keys and eager's values; save_pretrained
     writes them; a DCP checkpoint resumes into a new model bit for bit and load_plain fills a
-    plain model."""
+    plain model; weights= loads the saved file into a meta-device model through its hooks,
+    and names a missing entry."""
     ref_losses, ref = eager_reference("hooked_gpt", "adamw", steps=3)
     model, batch_fn, _ = build("hooked_gpt")
     pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), optimizer=OPTIMIZERS["adamw"],
@@ -82,6 +83,21 @@ def test_one_device_state_dict_save_pretrained_and_resume_match_eager(tmp_path):
     assert torch.equal(pm2.step(batch_fn(3)), next_loss)
     plain, _ = ck.load_plain(str(tmp_path / "ck"), model=M.HookedGPT())
     assert plain.keys() == ref.keys() and all(torch.equal(plain[k], state[k]) for k in ref)
+    # weights= reads the saved wq/wk/wv into a meta-device model through its load hook
+    with torch.device("meta"):
+        meta_model = M.HookedGPT()
+    pm3 = fxpar.parallelize(meta_model, 1, example_batch=batch_fn(0), plan={},
+                            weights=str(tmp_path / "hf"))
+    got = pm3.full_state_dict()
+    assert all(torch.equal(got[k], state[k]) for k in ref)
+    os.remove(tmp_path / "hf" / "model.safetensors")
+    save_file({k: v for k, v in saved.items() if k != "layers.1.qkv.wk.weight"},
+              str(tmp_path / "hf" / "model.safetensors"))
+    with torch.device("meta"):
+        meta_model = M.HookedGPT()
+    with pytest.raises(fxpar.CheckpointError, match="has no 'layers.1.qkv.wk.weight'"):
+        fxpar.parallelize(meta_model, 1, example_batch=batch_fn(0), plan={},
+                          weights=str(tmp_path / "hf"))
 
 
 def hooked_rank(root):
