@@ -3,6 +3,7 @@ from fxpar.compiler.api import parallelize  # noqa: F401
 from fxpar.compiler.compile import compile  # noqa: F401
 from fxpar.compiler.errors import TraceError, PlanError, ShardingError, BatchError, FxparError  # noqa: F401
 from fxpar.compiler.errors import CheckpointError, RankFailure, NonFiniteLossError  # noqa: F401
+from fxpar.compiler.errors import VerifyError  # noqa: F401
 from fxpar.compiler.plan import Plan  # noqa: F401
 from fxpar.runtime.dist import launch  # noqa: F401
 from fxpar.runtime.trainer import ParallelModel  # noqa: F401

@@ -10,6 +10,7 @@ each pass, the runtime's set-up, "other" for the rest); phases over 2 s print a 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compiler import planner
+from fxpar.compiler import capture
 from fxpar.compiler.capture import meta_tensors
 from fxpar.compiler.compile import build
 from fxpar.compiler.cost import device_memory
@@ -24,6 +26,7 @@ from fxpar.compiler.errors import PlanError
 from fxpar.compiler.logs import Clock, configure
 from fxpar.compiler.plan import needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
+from fxpar.runtime import verify as rverify
 from fxpar.runtime import weights as rweights
 from fxpar.runtime.trainer import ParallelModel, to_device
 
@@ -67,6 +70,13 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
                                                     example_batch, loss_fn, optimizer)
         clock.extend(plan_report.times)  # (each logged where it was measured)
     resolved = resolve(plan, world_size)
+    if os.environ.get("FXPAR_VERIFY", "").strip().lower() in ("1", "true", "yes"):
+        resolved.verify = True
+    if resolved.verify:
+        rverify.check_optimizer(optimizer)
+        if batch != "global":
+            raise PlanError("Plan.verify compares the first step with one process on the whole "
+                            "batch: use batch='global' (or verify=False).")
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
     with clock("device mesh"):
@@ -97,10 +107,18 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     clock.extend(program.compile_times)
     pm = ParallelModel(model, world, program, optimizer,
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
-                       weights=source, batch=batch)
+                       weights=source, batch=batch,
+                       loss_of=_eager_loss(loss_fn) if resolved.verify else None)
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = program.compile_times = clock.finish()
     return pm
+
+
+def _eager_loss(loss_fn: Callable | None) -> Callable:
+    """(model, batch) -> the scalar loss as the captured graph computes it (the user's
+    loss_fn or the default; a `.loss` attribute taken): Plan.verify's eager reference."""
+    fn = loss_fn or capture.default_loss_fn
+    return lambda model, batch: capture._as_scalar_loss(fn(model, batch))
 
 
 def _check_whole_model_fits(model, device) -> None:

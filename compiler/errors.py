@@ -41,3 +41,8 @@ class PassError(FxparError):
 class CollectiveMisuse(FxparError, RuntimeError):
     """Ranks called different collective methods (or one rank skipped a call): raised on
     every rank, naming what each rank called, before any wrong answer or hang."""
+
+
+class VerifyError(FxparError, RuntimeError):
+    """Plan.verify: the first step under the plan differs from one plain process on the same
+    batch (a bug in fxpar: the message names the first tensor that differs)."""

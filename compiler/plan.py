@@ -65,6 +65,11 @@ class Plan:
                     collectives, no data-dependent shapes) and logs why not elsewhere; True
                     also captures each pipeline part, and raises a PlanError naming what
                     prevents a capture; CPU ranks never capture.
+    verify:         check the first step against one plain process on the same batch (rank 0
+                    runs the model in eager PyTorch on the whole weights) and raise
+                    VerifyError naming the first tensor that differs (runtime/verify.py;
+                    FXPAR_VERIFY=1 turns it on for any plan). Costs one whole copy of the
+                    model's training state on rank 0, once.
     """
     dp: int | None = None
     tp: int | None = None
@@ -83,6 +88,7 @@ class Plan:
     offload: bool = False
     max_grad_norm: float | None = None
     cuda_graphs: Any = "auto"
+    verify: bool = False
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from fxpar.compiler.errors import CollectiveMisuse
 
 METHODS = ("step", "evaluate", "full_state_dict", "save", "load", "trace", "save_pretrained",
-           "full_params", "end of program")
+           "full_params", "whole_tensors", "end of program")
 END = len(METHODS) - 1
 _ledger: "_Ledger | None" = None
 _raised = False  # the program is ending with an uncaught exception: no end-of-program call

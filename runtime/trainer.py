@@ -20,7 +20,7 @@ from fxpar.compiler import codegen, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.logs import Clock
 from fxpar.runtime import amp, bucket_updates, calls, comm, cudagraph, executor, faults, optim
-from fxpar.runtime import schedules
+from fxpar.runtime import schedules, verify
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import model_state
 from fxpar.runtime import dist as rdist
@@ -58,7 +58,8 @@ class ParallelModel:
 
     def __init__(self, model, world, program: ir.Program, optimizer=None,
                  on_measured: Callable[[float], None] | None = None,
-                 weights: rweights.ModelWeights | None = None, batch: str = "global"):
+                 weights: rweights.ModelWeights | None = None, batch: str = "global",
+                 loss_of: Callable | None = None):
         """`program` from fxpar.compile, bound here to `world`'s process groups; `model` is
         the user's module (its tensors become this rank's shards). `on_measured(step_s)` is
         called once, after REFIT_AFTER steps, with the median measured step time (the
@@ -66,6 +67,8 @@ class ParallelModel:
         (runtime/weights.ModelWeights): where the tensors come from for a meta-device model
         or weights=PATH; each rank then reads and allocates only what it owns (None: the
         model's tensors are real and on this rank's device, and are sliced here).
+        `loss_of(model, batch)`: the scalar loss in eager PyTorch, for Plan.verify's
+        reference step (runtime/verify.py).
         self.compile_times: the program's rows, then this set-up's (lowering, weights,
         shards, optimizer)."""
         clock = Clock(log)
@@ -77,6 +80,7 @@ class ParallelModel:
         self.stage_graphs = program.stage_graphs
         self.fusion_skipped = program.fusion_skipped
         self._on_measured = on_measured
+        self._verify = (loss_of, optimizer) if plan.verify else None  # (the first step)
         if batch not in ("global", "local"):
             raise PlanError(f"batch={batch!r}: use 'global' (every rank passes the same global "
                             "batch to step) or 'local' (each rank passes its 1/dp share).")
@@ -417,7 +421,10 @@ class ParallelModel:
         with faults.step_context(self.world, n):
             # every rank steps now: checked (calls.settle) before the step's first collective
             calls.begin(self._call_id, "step", raw_errors=True)
-            loss = self._train_step(batch)
+            if self._verify is not None and n == 1:  # Plan.verify: against one process
+                loss = verify.first_step(self, batch, *self._verify, self._train_step)
+            else:
+                loss = self._train_step(batch)
             calls.settle()
         self.step_count = n
         if n == self.REFIT_AFTER and self._on_measured is not None \
