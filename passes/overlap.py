@@ -114,10 +114,15 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             extra[order[k]] += size
         if new != pos:
             order.insert(new, order.pop(pos))
-            for pk in packs:
-                order.insert(order.index(start), order.pop(order.index(pk)))
             hoisted[start.name] = pos - new
             start.meta["moved"] = f"started {pos - new} nodes earlier"
+        # the packing copies go right before their collective, wherever it now starts: above
+        # its old place, or still below a copy (a wait sunk in step 1 can sit between copy and
+        # collective, and the memory limit can stop the start right there); each copy is
+        # taken out before the start's place is looked up, so that place is its final one
+        for pk in packs:
+            order.remove(pk)
+            order.insert(order.index(start), pk)
         # (a reduce-scatter after the previous one's wait: step 1 keeps one in flight)
         floors[start.target] = wait if start.target is c10d.reduce_scatter_tensor.default \
             else start

@@ -149,6 +149,32 @@ def test_zero3_packing_copies_rise_with_their_gathers():
     assert sum(next(iter(pk.users)).name in decision.hoisted for pk in packs) >= CFG.n_layer
 
 
+def test_zero3_gather_stopped_below_its_packing_copy_still_follows_it():
+    """Where the memory limit stops a layer's backward all-gather right below its packing copy,
+    the copy still precedes it. HF Llama (3 layers x 64, vocabulary 256) at dp=4, one sample
+    per rank: a layer's weights outweigh the activations, as in a 12 x 1024 Llama, so the
+    reduce-scatter of a layer's gradients, waited late, fits the room below the step's peak at
+    the next layer's packing copy but not at its all-gather: the wait stops between the two,
+    and the all-gather rises past it and stops at the copy (which was re-inserted one place
+    too far, after its collective: graph lint's 'used before it has been defined')."""
+    model, batch = M.hf_llama(vocab=256, hidden=64, layers=3), M.hf_lm_batch(256, 4, 16)
+    gm, _ = compile_plan(model, batch, dp=4, zero=3)  # (run_passes lints after every pass)
+    gm.graph.lint()
+    decision, pos = gm.meta["overlap"], _pos(gm)
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    stopped = [n for n in gathers if n.meta[ir.REGION] == ir.BACKWARD
+               and n.name in decision.hoisted and n.name in decision.limited
+               and n.next.target is c10d.wait_tensor.default
+               and n.next.args[0].target is c10d.reduce_scatter_tensor.default]
+    assert stopped  # the case this test is for: a start stopped right above a sunk wait
+    for start in gathers:
+        (pk,) = start.all_input_nodes
+        if start in stopped:
+            assert pk.meta.get(ir.PACK)
+        assert pk.op == "placeholder" or pk.next is start
+        assert all(pos[start] < pos[u] for u in start.users)
+
+
 def _fake_grads(nbytes):
     return [types.SimpleNamespace(meta={ir.VAL: torch.empty(b // 4)}) for b in nbytes]
 

@@ -117,6 +117,15 @@ def test_zero3_with_microbatches_equals_single_process():
                                             "remat": "sqrt"})])
 
 
+@pytest.mark.slow
+def test_zero3_with_gathers_stopped_by_the_memory_limit_equals_single_process():
+    """ZeRO-3 at dp=4 on an HF Llama whose layers outweigh its activations (workers'
+    hf_llama_3x64), as a 12 x 1024 Llama's do: per-layer gathers and reduce-scatters, the
+    overlap pass's backward prefetch stopped by the memory limit right below packing copies
+    (the graph: tests/test_overlap.py): equal to eager training."""
+    _check_plans(4, [("hf_llama_3x64", "adamw", {"dp": 4, "zero": 3})])
+
+
 def _check_plans(world, cases):
     """Train every (model, optimizer, plan) case on `world` ranks: every rank's losses agree
     and equal eager training, final parameters too; evaluate() equals eager."""

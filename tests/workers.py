@@ -33,6 +33,15 @@ def zoo():
     }
 
 
+def sized_zoo():
+    """Models at a size where a pass takes the path it takes on real models (each for the test
+    that needs it, not in zoo()'s parametrized ones). hf_llama_3x64: a layer's weights outweigh
+    the activations at 4 rows over dp=4, as a 12 x 1024 Llama's do: ZeRO-3's overlap prefetch
+    is stopped by the memory limit at backward gathers' packing copies."""
+    return {"hf_llama_3x64": (lambda: M.hf_llama(vocab=256, hidden=64, layers=3),
+                              lambda s: M.hf_lm_batch(256, 4, 16, seed=s), None)}
+
+
 def dropout_zoo():
     """Models with dropout > 0 (not comparable to eager: masks are drawn per rank)."""
     cfg = M.GPTConfig(dropout=0.1)
@@ -86,7 +95,7 @@ OPTIMIZERS = {
 
 def build(name):
     torch.manual_seed(1234)
-    factory, batch_fn, loss_fn = {**zoo(), **dropout_zoo()}[name]
+    factory, batch_fn, loss_fn = {**zoo(), **dropout_zoo(), **sized_zoo()}[name]
     return factory(), batch_fn, loss_fn
 
 
