@@ -23,7 +23,7 @@ from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir, planner, stages
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import snapshot, verify
+from fxpar.compiler.graphs import snapshot, summed_buffer_updates, verify
 from fxpar.compiler.logs import Clock, configure
 from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
@@ -79,12 +79,16 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins)
     clock = Clock(log)
     clock.add("capture", time.perf_counter() - t0, detail=f"{len(gm.graph.nodes)} nodes")
-    if m > 1 and sig.mutated_buffers:
+    moving = [b for b, summed in zip(sig.mutated_buffers, summed_buffer_updates(gm, sig))
+              if not summed]  # (a buffer that only adds is summed over the microbatches)
+    if m > 1 and moving and plan.batch_stats == "whole":
         raise PlanError(
-            f"microbatches={m} would update the buffers {sig.mutated_buffers[:3]} once per "
-            "microbatch (e.g. BatchNorm running statistics), which is not what one step on "
-            "the whole batch does. Use microbatches=1, or a model without batch-statistics "
-            "buffers (LayerNorm/GroupNorm).")
+            f"microbatches={m} would update the buffers {moving[:3]} once per microbatch "
+            "(e.g. BatchNorm running statistics), which is not what one step on the whole "
+            "batch does. Use microbatches=1; or plan batch_stats='microbatch' to train as "
+            "gradient accumulation in eager PyTorch does (each microbatch normalised by its "
+            "own statistics, the running buffers updated once per microbatch); or a model "
+            "without batch-statistics buffers (LayerNorm/GroupNorm).")
     virtual = 2 if plan.schedule == "interleaved" else 1
     gen, gen_why = codegen.decide(plan.codegen, device)
     ctx = PassContext(signature=sig, virtual_stages=virtual, device=device, codegen=gen,

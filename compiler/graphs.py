@@ -116,3 +116,44 @@ def verify(gm: torch.fx.GraphModule) -> None:
 
 def count_ops(gm: torch.fx.GraphModule, target: Any) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> list[bool]:
+    """Per mutated buffer (`sig.mutated_buffers` order): whether the step only adds to it
+    (new = buffer + a value that does not read the buffer: an MoE layer's tokens-per-expert
+    counter, BatchNorm's num_batches_tracked). Such an update run once per microbatch, in
+    order, sums to what one step on the whole batch adds; any other (BatchNorm's running
+    statistics: new = (1 - m) * buffer + m * stat) does not."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    buffer_ph = {name: placeholders[sig.num_params + k]
+                 for k, name in enumerate(sig.buffer_names)}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = torch.utils._pytree.tree_leaves(out.args)
+    updates = values[len(values) - len(sig.mutated_buffers):]
+    kinds = []
+    for name, new in zip(sig.mutated_buffers, updates):
+        ph = buffer_ph[name]
+        ok = isinstance(new, torch.fx.Node) and new.target in (
+            torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar) and len(new.args) == 2 \
+            and new.kwargs.get("alpha", 1) == 1
+        if ok:
+            a, b = new.args
+            other = b if a is ph else a if b is ph else None
+            ok = other is not None and not (isinstance(other, torch.fx.Node)
+                                            and _reads(other, ph))
+        kinds.append(ok)
+    return kinds
+
+
+def _reads(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether `node` depends on `source` (walks its inputs)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False

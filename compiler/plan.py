@@ -65,6 +65,15 @@ class Plan:
                     collectives, no data-dependent shapes) and logs why not elsewhere; True
                     also captures each pipeline part, and raises a PlanError naming what
                     prevents a capture; CPU ranks never capture.
+    batch_stats:    "whole" (default) | "microbatch": with microbatches > 1, what batch
+                    statistics mean. "whole": one step equals one step on the whole batch, so
+                    a model whose forward couples the batch's rows (BatchNorm's statistics) or
+                    whose buffers move by more than a sum (BatchNorm's running statistics) is
+                    refused; buffers that only add (an MoE's tokens-per-expert counter) are
+                    summed over the microbatches, exactly. "microbatch": as gradient
+                    accumulation in eager PyTorch: each microbatch normalises by its own
+                    statistics (over its rows on every dp rank) and updates the running
+                    buffers, in order - not what one step on the whole batch does.
     verify:         check the first step against one plain process on the same batch (rank 0
                     runs the model in eager PyTorch on the whole weights) and raise
                     VerifyError naming the first tensor that differs (runtime/verify.py;
@@ -88,6 +97,7 @@ class Plan:
     offload: bool = False
     max_grad_norm: float | None = None
     cuda_graphs: Any = "auto"
+    batch_stats: str = "whole"
     verify: bool = False
 
     @classmethod
@@ -162,6 +172,11 @@ class Plan:
         if not (self.cuda_graphs == "auto" or isinstance(self.cuda_graphs, bool)):
             raise PlanError(f"Plan.cuda_graphs must be 'auto', True or False, got "
                             f"{self.cuda_graphs!r}.")
+        if self.batch_stats not in ("whole", "microbatch"):
+            raise PlanError(f"Plan.batch_stats must be 'whole' or 'microbatch', got "
+                            f"{self.batch_stats!r}.")
+        if not isinstance(self.verify, bool):
+            raise PlanError(f"Plan.verify must be True or False, got {self.verify!r}.")
         if self.tp_style not in TP_STYLES:
             raise PlanError(f"Plan.tp_style must be one of {TP_STYLES}, got {self.tp_style!r}.")
         if self.sequence_parallel and self.tp_style == "all-gather":

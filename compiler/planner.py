@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.graphs import summed_buffer_updates
 from fxpar.compiler.graphstats import FIELDS, GraphStats, Segment, analyze, layer_key
 from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
@@ -365,7 +366,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             mbs_opts = [rows_dp // m]
         for mbs in mbs_opts:
             m = rows_dp // mbs
-            if m > 1 and (stats.mutated_buffers or stats.microbatch_refusal):
+            if m > 1 and constraints.get("batch_stats", "whole") == "whole" and (
+                    stats.mutated_buffers or stats.microbatch_refusal):
                 continue  # per-microbatch buffer updates (BatchNorm) differ from one step;
                 # a loss whose microbatch means cannot be weighted to the batch mean
             scheds = [constraints["schedule"]] if "schedule" in constraints else (
@@ -755,7 +757,7 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     stats = analyze(gm, rows)
     if precision != "fp32":
         _in_precision(stats, gm, sig, rows, precision)
-    stats.mutated_buffers = bool(sig.mutated_buffers)
+    stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
     stats.graph = (gm, sig)  # for calibrate_on_model

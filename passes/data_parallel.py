@@ -45,8 +45,8 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     # (a forward-only graph, evaluate's, runs the whole batch at once)
     joint = any(n.meta.get(ir.REGION) == ir.BACKWARD for n in gm.graph.nodes
                 if n.op == "call_function")
-    if plan.microbatches > 1 and joint:
-        _refuse_row_coupling(gm)
+    if plan.microbatches > 1 and joint and plan.batch_stats == "whole":
+        _refuse_row_coupling(gm)  # ("microbatch": each microbatch is its own batch, as asked)
     nll = _mean_nll_loss(gm.graph) if plan.microbatches > 1 and joint else None
     # the per-microbatch count of targets, taken from the unsharded graph (see below)
     loss_count = _target_count_program(gm, nll) if nll is not None else None
@@ -267,8 +267,9 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
         log.warning("microbatches: could not check whether rows of the batch are computed "
                     "together (%s); training as if they are not", e)
         return
+    trained = _feeding_training(gm)
     for node, _value, have, need in requests:
-        if node.target in _LOSS_OPS:
+        if node.target in _LOSS_OPS or node not in trained:
             continue
         reduced = any(isinstance(p, Partial) for p in have) and \
             not any(isinstance(p, Partial) for p in need)
@@ -282,6 +283,25 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
                 "e.g. batch statistics or a contrastive score matrix), so running each "
                 "microbatch alone is not one step on the whole batch. Use microbatches=1 "
                 "(dp splits such a batch exactly: fxpar adds the collectives).")
+
+
+def _feeding_training(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes the loss or a gradient reads: not those that only feed a buffer update of
+    the form buffer + value (a load counter summed over the batch; summed over the
+    microbatches too, so rows counted together there are exact)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    roots = [v for v in torch.utils._pytree.tree_leaves(out.args)
+             if isinstance(v, torch.fx.Node) and not (
+                 v.target in (aten.add.Tensor, aten.add.Scalar) and any(
+                     isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                     and a.meta.get(ir.ROLE) == "buffer" for a in v.args))]
+    seen, stack = set(), roots
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _mean_nll_loss(graph) -> torch.fx.Node | None:

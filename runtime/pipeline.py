@@ -98,6 +98,11 @@ class PipelineRunner:
         self.grads_from_r = {self.grad_of[n] for part in self.parts.values()
                              if part.phase == "R" for n in part.outputs if n in self.grad_of}
         self.buffer_of = {name: j for j, name in enumerate(self.p.buffer_updates) if name}
+        # with microbatches, a buffer update is written back as each microbatch makes it, so
+        # the next microbatch's forward reads it: counters sum over the step, BatchNorm's
+        # statistics move once per microbatch (compile refuses that unless the plan asks)
+        sig = program.signature
+        self.buffer_index = [sig.buffer_names.index(b) for b in sig.mutated_buffers]
         self._forward_only = False
         self.zero = program.zero  # ZeRO 1/2: the gradient outputs are flat bucket shards
         self.held_buckets = [k for k, name in enumerate(self.p.grads) if name and self.rank_of(
@@ -208,6 +213,8 @@ class PipelineRunner:
                 j = self.buffer_of.get(name)
                 if j is not None:
                     new_bufs[j] = t
+                    if self.m > 1:
+                        buffers[self.buffer_index[j]].copy_(t)
             if forward_only:
                 continue
             if self.stash is not None and a.kind == "F":
