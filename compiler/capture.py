@@ -10,6 +10,21 @@ sharding is well defined: BatchNorm (its batch statistics must become reductions
 data-parallel pass can all-reduce), var_mean (rewritten as sums, which are linear), and nothing
 else that has a sharding rule (decomposing a fused forward whose backward stays fused would
 hand the backward values it does not expect).
+
+BatchNorm is decomposed only where a plan needs its statistics as sums: `capture(...,
+decompose_batch_norm=False)` (what compile does for one device, one microbatch) keeps ATen's
+own ops, `_native_batch_norm_legit_functional` forward and `native_batch_norm_backward`. Why:
+eager runs those kernels, and what they feed is ill-conditioned: behind a zero-initialised
+BatchNorm scale (timm's zero_init_last, the last BN of each ResNet block) the gradients of the
+block's parameters are small differences of large sums, so another summation order (the
+decomposition's statistics, and mostly its backward's sum(grad * (x - mean))) moved timm's
+ResNet-18 by 1e-3 of a BatchNorm bias's largest element in five SGD steps (run op by op), more
+on its smaller ones. The decomposition is no less accurate (eager and it are as far from an
+fp64 run); it is just not eager's rounding, and one device can run eager's kernels: op by op
+the step is then eager's bit for bit (Inductor still lowers the ops its own way: within 1e-5
+there). Where the batch is split (dp; tp and pp plans; microbatches, whose row-coupling check
+reads the sums) the statistics are sums over ranks or parts, no order can be eager's, and
+those plans keep the decomposition.
 """
 from __future__ import annotations
 
@@ -53,19 +68,28 @@ def _var_mean_as_sums(x, dim=None, *, correction=None, keepdim=False):
     return var, mean
 
 
-def decomposition_table() -> dict:
+# BatchNorm's ATen ops (training, no-stats and inference forwards, and the backward)
+BATCH_NORM_OPS = (
+    aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_no_training,
+    aten.native_batch_norm,
+    aten.native_batch_norm_backward,
+)
+
+
+def decomposition_table(batch_norm: bool = True) -> dict:
     """Decompose ops with no sharding rule (e.g. mse_loss) into ops that have one, plus the
-    few we always want decomposed (see module docstring)."""
+    few we always want decomposed (see module docstring). `batch_norm=False` leaves
+    BatchNorm's ATen ops whole (eager's kernels; one device only)."""
     from torch._decomp import core_aten_decompositions
     table = {op: fn for op, fn in core_aten_decompositions().items()
              if isinstance(op, torch._ops.OpOverload) and not has_sharding_rule(op)}
-    table.update(get_decompositions([
-        aten._native_batch_norm_legit_functional,
-        aten._native_batch_norm_legit,
-        aten._native_batch_norm_legit_no_training,
-        aten.native_batch_norm,
-        aten.native_batch_norm_backward,
-    ]))
+    bn = {getattr(op, name) for op in BATCH_NORM_OPS for name in op.overloads()}
+    if batch_norm:
+        table.update(get_decompositions(list(BATCH_NORM_OPS)))
+    else:  # (none is in the core part today - each has a sharding rule - but make sure)
+        table = {op: fn for op, fn in table.items() if op not in bn}
     table[aten.var_mean.correction] = _var_mean_as_sums
     return table
 
@@ -232,13 +256,16 @@ def _dynamic_shape_error(exc: BaseException, module_path: str) -> TraceError:
 
 def capture(model: torch.nn.Module, example_batch: Any,
             loss_fn: Callable | None = None, *, joint: bool = True,
-            stand_ins: dict[int, torch.Tensor] | None = None
+            stand_ins: dict[int, torch.Tensor] | None = None,
+            decompose_batch_norm: bool = True
             ) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
     """Trace loss_fn(model, batch) and d loss / d params into one joint ATen graph.
 
     joint=False traces the forward only (for evaluate): outputs (loss, updated buffers).
     `stand_ins` ({id(parameter or buffer): fake tensor}, from `fake_weights`) replace model
     tensors in the trace: a meta-device model's, or weights the runtime has sharded since.
+    `decompose_batch_norm=False` keeps BatchNorm's ATen ops (eager's numerics), for graphs
+    that run the whole batch on one device (see the module docstring).
     """
     loss_fn = loss_fn or default_loss_fn
     leaves, spec = pytree.tree_flatten(example_batch)
@@ -253,7 +280,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
     try:
         with _transformers_sees_tracing():
             try:
-                gm, sig = _export(wrapper, tensor_leaves, joint)
+                gm, sig = _export(wrapper, tensor_leaves, joint, decompose_batch_norm)
             except AssertionError as e:  # AOTAutograd's check (its message, torch 2.5-2.13)
                 if "did not receive a gradient" not in str(e):
                     raise
@@ -266,7 +293,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
                     p.requires_grad_(False)
                 tagger.close()
                 tagger = _ModuleTagger(model)
-                gm, sig = _export(wrapper, tensor_leaves, joint)
+                gm, sig = _export(wrapper, tensor_leaves, joint, decompose_batch_norm)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the cause named
@@ -296,12 +323,12 @@ def capture(model: torch.nn.Module, example_batch: Any,
     return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint, wrapper)
 
 
-def _export(wrapper, tensor_leaves, joint):
+def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):
     from torch._functorch.aot_autograd import aot_export_module
     with contextlib.nullcontext() if joint else torch.no_grad():
         return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
                                  output_loss_index=0 if joint else None,
-                                 decompositions=decomposition_table())
+                                 decompositions=decomposition_table(decompose_batch_norm))
 
 
 @contextlib.contextmanager

@@ -76,7 +76,12 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         mode = detect_fake_mode(tuple(stand_ins.values())) or \
             FakeTensorMode(allow_non_fake_inputs=True)
     example = cap.fake_batch(example, device, mode)
-    gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins)
+    # BatchNorm as ATen's own kernels (eager's numerics) when one device runs the whole
+    # batch at once; decomposed into sums where the batch is split (dp all-reduces them;
+    # microbatching's row-coupling check reads them): compiler/capture.py's docstring
+    whole_batch = plan.dp * plan.tp * plan.pp == 1 and m == 1
+    gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins,
+                          decompose_batch_norm=not whole_batch)
     clock = Clock(log)
     clock.add("capture", time.perf_counter() - t0, detail=f"{len(gm.graph.nodes)} nodes")
     moving = [b for b, summed in zip(sig.mutated_buffers, summed_buffer_updates(gm, sig))
