@@ -6,14 +6,16 @@ imports every pass: that way no import cycle needs hiding inside a function.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import ir
-from fxpar.compiler.errors import PassError
+from fxpar.compiler import ir, sharding
+from fxpar.compiler.errors import PassError, ShardingError
+from fxpar.compiler.sharding import Partial, Shard
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -119,41 +121,88 @@ def count_ops(gm: torch.fx.GraphModule, target: Any) -> int:
 
 
 def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> list[bool]:
-    """Per mutated buffer (`sig.mutated_buffers` order): whether the step only adds to it
-    (new = buffer + a value that does not read the buffer: an MoE layer's tokens-per-expert
-    counter, BatchNorm's num_batches_tracked). Such an update run once per microbatch, in
-    order, sums to what one step on the whole batch adds; any other (BatchNorm's running
-    statistics: new = (1 - m) * buffer + m * stat) does not."""
+    """Per mutated buffer (`sig.mutated_buffers` order): whether running the step once per
+    microbatch, writing the buffer back after each, leaves it where one step on the whole
+    batch does. True for a counter summed over the batch's rows (an MoE layer's
+    tokens-per-expert): new = buffer + a value that is a sum over rows (found as DTensor's
+    Partial(sum) with the batch split by rows), read by neither the loss nor a gradient, and
+    reading no mutated buffer (each microbatch would see the earlier ones' updates). Not an
+    addend the same for any rows (BatchNorm's num_batches_tracked + 1, a step counter: m
+    microbatches would add it m times), a mean over rows, or any other form (BatchNorm's
+    running statistics: new = (1 - m) * buffer + m * stat)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     buffer_ph = {name: placeholders[sig.num_params + k]
                  for k, name in enumerate(sig.buffer_names)}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     values = torch.utils._pytree.tree_leaves(out.args)
-    updates = values[len(values) - len(sig.mutated_buffers):]
-    kinds = []
-    for name, new in zip(sig.mutated_buffers, updates):
+    n_mut = len(sig.mutated_buffers)
+    updates = values[len(values) - n_mut:] if n_mut else []
+    trained = _ancestors([v for v in values[:len(values) - n_mut]
+                          if isinstance(v, torch.fx.Node)])  # what the loss and grads read
+    mutated = {buffer_ph[name] for name in sig.mutated_buffers}
+    rows = {n for n in placeholders if n.meta.get(ir.ROLE) == "batch"
+            and isinstance(n.meta.get(ir.VAL), torch.Tensor) and n.meta[ir.VAL].dim() > 0}
+    addends: dict[int, torch.fx.Node] = {}  # buffer index -> its addend, if it may be a sum
+    for k, (name, new) in enumerate(zip(sig.mutated_buffers, updates)):
         ph = buffer_ph[name]
-        ok = isinstance(new, torch.fx.Node) and new.target in (
-            torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar) and len(new.args) == 2 \
-            and new.kwargs.get("alpha", 1) == 1
-        if ok:
-            a, b = new.args
-            other = b if a is ph else a if b is ph else None
-            ok = other is not None and not (isinstance(other, torch.fx.Node)
-                                            and _reads(other, ph))
-        kinds.append(ok)
-    return kinds
+        if ph in trained or not (isinstance(new, torch.fx.Node) and new.target in (
+                torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar) and len(new.args) == 2
+                and new.kwargs.get("alpha", 1) == 1):
+            continue
+        a, b = new.args
+        other = b if a is ph else a if b is ph else None
+        if not isinstance(other, torch.fx.Node):  # (a constant: added once per microbatch)
+            continue
+        seen = _ancestors([other])
+        if seen & mutated or not seen & rows:
+            continue
+        addends[k] = other
+    summed = _row_sums(gm, list(addends.values()), rows) if addends else set()
+    return [k in addends and addends[k] in summed for k in range(n_mut)]
 
 
-def _reads(node: torch.fx.Node, source: torch.fx.Node) -> bool:
-    """Whether `node` depends on `source` (walks its inputs)."""
-    seen, stack = set(), [node]
+def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`nodes` and every node they read, transitively."""
+    seen, stack = set(), list(nodes)
     while stack:
         n = stack.pop()
-        if n is source:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _row_sums(gm: torch.fx.GraphModule, values: list[torch.fx.Node],
+              rows: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Those of `values` that are sums over the batch's rows: placed Partial(sum) by
+    DTensor's rules when the batch leaves are split by rows (a dry run of the graph that
+    computes them, on a 2-way mesh that owns no process group). Its log lines are held
+    back: this is not a plan that runs those ops on whole inputs."""
+    keep = _ancestors(values)
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n in keep:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[v] for v in values))
+    sub = torch.fx.GraphModule(gm, g)
+    placements = {n.name: (Shard(0),) for n in rows if n in keep}
+    quiet = logging.getLogger(sharding.__name__)
+    level, warned = quiet.level, set(sharding._WARNED_NO_RULE)
+    quiet.setLevel(logging.ERROR)
+    try:
+        specs, _ = sharding.dry_run(sub, sharding.make_mesh(2), placements, ["rows"],
+                                    region=None)
+    except ShardingError:  # (an op DTensor cannot place: not known to be a sum)
+        return set()
+    finally:
+        quiet.setLevel(level)
+        sharding._WARNED_NO_RULE.clear()
+        sharding._WARNED_NO_RULE.update(warned)
+    back = {env[v]: v for v in values}
+    out = set()
+    for n, spec in specs.items():
+        if n in back and all(type(p) is Partial and p.reduce_op == "sum"
+                             for p in spec.placements):
+            out.add(back[n])
+    return out

@@ -52,10 +52,50 @@ def test_which_buffer_updates_are_sums():
     model, batch_fn, _ = build("convbn")
     gm, sig = cap.capture(model, batch_fn(0), None)
     kinds = dict(zip(sig.mutated_buffers, summed_buffer_updates(gm, sig)))
-    assert kinds == {f"bn{i}.{b}": b == "num_batches_tracked" for i in (1, 2)
+    # num_batches_tracked + 1: one step adds 1, m microbatches would add m
+    assert kinds == {f"bn{i}.{b}": False for i in (1, 2)
                      for b in ("running_mean", "running_var", "num_batches_tracked")}
     gm, sig = cap.capture(CountingMoE(), _moe_batch(0), None)
     assert summed_buffer_updates(gm, sig) == [True]
+
+
+class Counters(torch.nn.Module):
+    """Buffers that only add, of which just the row sums (`rows`, `labels`) add up over
+    microbatches to one step's update."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        for name in ("rows", "labels", "mean", "calls", "seen", "scaled"):
+            self.register_buffer(name, torch.zeros(8 if name in ("rows", "mean", "scaled")
+                                                   else 2 if name == "labels" else ()))
+
+    def forward(self, batch):
+        x, y = batch
+        h = self.lin(x) * (1 + self.seen).reciprocal()  # the loss reads a counter's old value
+        with torch.no_grad():
+            self.rows.add_(x.sum(0))
+            self.labels.add_(F.one_hot(y, 2).sum(0).to(x.dtype))
+            self.mean.add_(x.mean(0))  # a mean: m microbatches add m means
+            self.calls.add_(1)  # a constant: added once per microbatch
+            self.seen.add_((y >= 0).sum())  # a row sum, but the loss reads it
+            self.scaled.add_(x.sum(0) * self.rows)  # reads a buffer earlier microbatches moved
+        return F.cross_entropy(h, y)
+
+
+def test_only_row_sums_nobody_reads_are_summed():
+    gm, sig = cap.capture(Counters(), _moe_batch(0), None)
+    kinds = dict(zip(sig.mutated_buffers, summed_buffer_updates(gm, sig)))
+    assert kinds == {"rows": True, "labels": True, "mean": False, "calls": False,
+                     "seen": False, "scaled": False}
+
+
+def test_a_step_counter_under_microbatches_is_refused():
+    """frozen_unused counts its forward calls (+1): 2 microbatches would count 2 per step."""
+    from fxpar.examples import zoo
+    model, spec = zoo.build("frozen_unused")
+    with pytest.raises(fxpar.PlanError, match=r"buffers \['calls'\] once per microbatch"):
+        fxpar.parallelize(model, 1, example_batch=spec.batch(0), plan={"microbatches": 2})
 
 
 def _eager_whole(model, batches):
