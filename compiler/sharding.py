@@ -24,7 +24,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 
 from fxpar.compiler import ir
 from fxpar.compiler.errors import ShardingError
@@ -615,16 +615,15 @@ class _Sharder:
                 "out-of-place ATen ops have rules), or report the op to fxpar.")
         try:
             out = self.ask_dtensor(node)
-            strided = any(isinstance(p, _StridedShard)
-                          for spec in torch.utils._pytree.tree_leaves(out.output_spec)
-                          if isinstance(spec, DTensorSpec) for p in spec.placements)
+            strided = _unsupported_answer(out)
         except ShardingError:
             out, strided = None, False
         if out is None or strided:
             # Some rules refuse a placement instead of asking for a redistribution (a view
             # that would reshape a split dimension, e.g. one key/value head split over tp),
             # or answer with a strided shard (a split dim flattened behind another: ALiBi's
-            # batch*heads), which later rules mishandle: the op then runs on whole inputs,
+            # batch*heads), which later rules mishandle, or with a masked partial (see
+            # _unsupported_answer): the op then runs on whole inputs,
             # always valid (the caller sees the gather as a request, as tensor parallelism's
             # column check does, and keeps such a weight whole).
             split = {a: self.replicate for a in self.inputs(node)
@@ -721,6 +720,20 @@ class _Sharder:
                 and len(orig) == len(want):
             return type(orig)(self.rewrite(node, o, w) for o, w in zip(orig, want))
         return orig if isinstance(want, DTensorSpec) else want
+
+
+def _unsupported_answer(out) -> bool:
+    """Whether DTensor's answer places a value in a way this graph cannot carry: a strided
+    shard, or a masked partial (_MaskPartial: DTensor's row-wise embedding, and gather along
+    a split dim, keep the ids' out-of-range mask inside the placement object and localize
+    the ids in the dispatcher; in a graph the ids would reach the op unlocalized and the
+    partial would be summed unmasked - an index error, or a silently wrong value)."""
+    specs = list(torch.utils._pytree.tree_leaves(out.output_spec))
+    if out.redistribute_schema is not None:
+        specs += torch.utils._pytree.tree_leaves(
+            (out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema))
+    return any(isinstance(p, (_StridedShard, _MaskPartial))
+               for spec in specs if isinstance(spec, DTensorSpec) for p in spec.placements)
 
 
 def _schema_info(prop, op, args) -> RuntimeSchemaInfo | None:

@@ -7,7 +7,10 @@ live in a graph). These rules emit the Megatron computations as explicit ATen op
 functional collectives instead, so the loss is exact and no rank ever holds all logits:
 
 - embedding(W[V/n], idx): look up the ids in this rank's range (others masked to 0) ->
-  Partial(sum); its backward accumulates only this rank's rows -> Shard(0).
+  Partial(sum); its backward accumulates only this rank's rows -> Shard(0). A padding_idx
+  (BERT's and RoBERTa's tables) changes only the backward: the positions holding it add
+  nothing, so they are masked with the ids other ranks hold (the global id is compared, no
+  rank-dependent argument is needed).
 - log_softmax over the split dim: max (all-reduce MAX), exp, sum (all-reduce SUM).
 - nll_loss: each rank picks the target logit if it holds it, an all-reduce SUM of [N] gives
   every rank the picked value, and torch's own nll_loss runs on that [N, 1] column (same
@@ -109,9 +112,8 @@ def _spec(sh, placements, node):
 
 def _embedding(sh, node):
     w, ids = node.args[0], node.args[1]
-    padding_idx = node.args[2] if len(node.args) > 2 else -1
-    if padding_idx != -1:
-        return None  # a padding row would need localizing: leave it to the generic path
+    # (padding_idx, scale_grad_by_freq and sparse change only the backward: the lookup is
+    # the same with or without them)
     ids = sh.to(node, ids, (Replicate(),))
     e = _Emitter(sh, node)
     rows = w.meta[ir.VAL].shape[0] // e.n
@@ -123,20 +125,22 @@ def _embedding(sh, node):
 
 def _embedding_backward(sh, node):
     grad, ids, num_weights, padding_idx, scale = node.args
-    if padding_idx != -1 or scale:
+    if scale:
         return None
     grad = sh.to(node, grad, (Replicate(),))
     ids = sh.to(node, ids, (Replicate(),))
     e = _Emitter(sh, node)
     rows = num_weights // e.n
     safe, mask = e.local_ids(ids, rows)
+    if padding_idx >= 0:  # the padding row gets no gradient: its positions add nothing
+        mask = e(aten.logical_or.default, mask, e(aten.eq.Scalar, ids, padding_idx))
     g = e(aten.masked_fill.Scalar, grad, e(aten.unsqueeze.default, mask, -1), 0.0)
     # done: a later mesh (data parallelism) must see a plain lookup backward here (batch-split
     # gradient -> Partial(sum) table gradient), not split the table again over its own ranks
     # (which gathered the batch to every rank: 3 all-gathers + 1 reduce-scatter per step)
     node.meta.pop(ir.VOCAB_SHARD, None)
     return _set(sh, node, aten.embedding_dense_backward.default,
-                (g, safe, rows, padding_idx, scale), Shard(0))
+                (g, safe, rows, -1, scale), Shard(0))
 
 
 def _log_softmax(sh, node):

@@ -406,7 +406,12 @@ def all_gather_placements(gm, linears, params, tp):
 def _gather_where_cheaper(roles, placements, tp, ctx):
     """tp_style="auto": a linear left whole (no row partner) is split by output features and
     its output all-gathered if the cost model says 1/tp of its FLOPs plus the gather beat
-    computing it whole on every rank."""
+    computing it whole on every rank.
+
+    Only a weight this linear alone reads: a weight with any other forward use (an input
+    embedding tied to the head and looked up with ids the vocab-parallel lookup does not
+    take, a second linear) was left whole because that use needs it whole, and splitting it
+    here would hand that use a shard it reads as the whole table."""
     profile = ctx.profile or cost.DeviceProfile.for_device(ctx.device or "cpu")
     c10d = torch.ops._c10d_functional
     for lin, r in list(roles.items()):
@@ -414,7 +419,7 @@ def _gather_where_cheaper(roles, placements, tp, ctx):
         if r != "replicated" or w in placements or \
                 w.meta[ir.VAL].shape[lin.out_dim] % tp:
             continue
-        if any(other.weight is w and rr != "replicated" for other, rr in roles.items()):
+        if not _read_only_by(lin):
             continue
         whole = cost.node_time(lin.mm, profile)
         split = whole / tp + cost.comm_time(c10d.all_gather_into_tensor.default,
@@ -424,6 +429,22 @@ def _gather_where_cheaper(roles, placements, tp, ctx):
             placements[w] = (Shard(lin.out_dim),)
             if lin.bias is not None:
                 placements[lin.bias] = (Shard(0),)
+
+
+def _read_only_by(lin) -> bool:
+    """Whether the forward reads lin's weight only through lin's matmul (its t() and dtype
+    cast included, each of them read by nothing else in the forward)."""
+    own = _weight_uses(None, [lin])[lin.weight]  # the mm, the t(), the cast
+    todo, seen = [lin.weight], set()
+    while todo:
+        n = todo.pop()
+        for u in _forward_users(n):
+            if u not in own:
+                return False
+            if u is not lin.mm and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return True
 
 
 def _weight_uses(gm, linears):
@@ -449,8 +470,10 @@ def _token_lookups(gm, params) -> dict:
     """Parameter -> its forward embedding lookups whose ids are (views of) a batch input."""
     out: dict = {}
     for n in gm.graph.nodes:
+        # a padding_idx (BERT's, RoBERTa's tables) is fine: compiler/vocab_parallel.py keeps
+        # its row's gradient at zero; scale_grad_by_freq / sparse backwards have no rule there
         if n.target is aten.embedding.default and n.meta.get(ir.REGION) == ir.FORWARD and \
-                n.args[0] in params and len(n.args) < 3:
+                n.args[0] in params and not any(n.args[3:]) and not n.kwargs:
             ids = _root(n.args[1])
             if ids.op == "placeholder" and ids.meta.get(ir.ROLE) == "batch":
                 out.setdefault(n.args[0], set()).add(n)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpar.compiler import ir
+from fxpar.compiler import cost, ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
@@ -383,3 +383,200 @@ def test_one_kv_head_stays_whole_while_q_heads_split():
     assert short(d.replicated) == ["k_proj", "v_proj"]
     assert short(d.column) == ["q_proj"] and short(d.row) == ["o_proj"]
     assert all_reduces(gm, module="model.layers.0") == (2, 4)  # Megatron's 2 + 2, and k, v grads
+
+
+# --- tied input embedding / MLM decoder with a padding row (HF BERT) -------------------------
+
+def hf_bert_mlm(vocab=128, hidden=32, layers=1, heads=4, dropout=0.0):
+    """HF BertForMaskedLM: the word table (padding_idx=0) tied to the MLM decoder."""
+    from transformers import BertConfig, BertForMaskedLM
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=4 * hidden,
+                     max_position_embeddings=128, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
+    cfg._attn_implementation = "sdpa"
+    return BertForMaskedLM(cfg)
+
+
+def mlm_batch(vocab, batch, seq, seed=0):
+    """Every position labelled; some input ids are the padding id 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    ids[:, -2:] = 0
+    return {"input_ids": ids, "labels": torch.randint(0, vocab, (batch, seq), generator=g)}
+
+
+# a cost model under which splitting a linear and all-gathering its output always pays
+# (tp_style="auto" splits every linear left whole), as on a real CPU at BERT-MLM's size
+FREE_GATHERS = cost.DeviceProfile("cpu", 1e9, 1e12, alpha=0.0, link_bandwidth=1e18)
+
+
+def compile_tp_priced(model, batch, tp, profile, **plan):
+    gm, sig = capture(model, batch)
+    ctx = PassContext(signature=sig, group_names={"dp": "dp-group", "tp": "tp-group"},
+                      profile=profile)
+    return run_passes(gm, resolve({"tp": tp, "dp": 1, **plan}, tp), ctx, "rank", {}), sig
+
+
+@pytest.mark.parametrize("profile", [None, FREE_GATHERS], ids=["cpu-profile", "free-gathers"])
+def test_tied_embedding_with_a_padding_row_is_vocab_parallel(profile):
+    """The smallest BERT-MLM that crashed at tp=2: its word table has padding_idx=0, which
+    kept the lookup off the vocab-parallel path, so the table stayed whole; where the cost
+    model said a split + all-gather of the decoder pays (the CPU profile at vocab 1024,
+    hidden 128, 2 x 96 tokens; `free-gathers` here) the tied table was split anyway and the
+    lookup read its half with global ids (DTensor's masked partial, summed unmasked: "index
+    out of range"). Now the table is vocab-parallel at any size: the lookup localizes the
+    ids, the decoder's logits stay split through the vocab-parallel loss ([N, 1]
+    all-reduces, nothing [N, V]-sized), the lookup's backward masks other ranks' ids and the
+    padding positions."""
+    vocab, hidden, b, t = 96, 32, 4, 16
+    gm, sig = compile_tp_priced(hf_bert_mlm(vocab, hidden), mlm_batch(vocab, b, t), 2, profile)
+    d = gm.meta["tensor_parallel"]
+    table = "bert.embeddings.word_embeddings.weight"
+    assert d.placements[table] == (Shard(0),) and table in d.column and table not in d.gathered
+    assert d.placements["cls.predictions.bias"] == (Shard(0),)
+    shapes = [tuple(n.meta[ir.VAL].shape) for n in gm.graph.nodes
+              if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+                              c10d.reduce_scatter_tensor.default)]
+    assert shapes.count((b * t, 1)) == 4  # max, sum of exp, picked logit; and its backward
+    assert not any(set(s) & {vocab, vocab // 2} for s in shapes), shapes
+    ph = {n.name: sig.param_names[i] for i, n in enumerate(
+        n for n in gm.graph.nodes if n.op == "placeholder") if i < sig.num_params}
+    w = next(n for n in gm.graph.nodes if ph.get(n.name) == table)
+    assert tuple(w.meta[ir.VAL].shape) == (vocab // 2, hidden)
+    lookup = next(u for u in w.users if u.target is torch.ops.aten.embedding.default)
+    assert torch.ops.fxpar.localize.default in _upstream_targets(lookup.args[1])
+    bwd = next(n for n in gm.graph.nodes
+               if n.target is torch.ops.aten.embedding_dense_backward.default
+               and n.args[2] == vocab // 2)
+    assert bwd.args[3] == -1  # the padding row masked instead, by its global id:
+    assert any(n.target is torch.ops.aten.eq.Scalar and n.args[1] == 0
+               for n in _upstream(bwd.args[0]))
+
+
+def _upstream(node, depth=6):
+    out, todo = [], [(node, 0)]
+    while todo:
+        n, k = todo.pop()
+        out.append(n)
+        if k < depth:
+            todo += [(a, k + 1) for a in n.all_input_nodes]
+    return out
+
+
+def _upstream_targets(node):
+    return {n.target for n in _upstream(node)}
+
+
+class TiedComputedIds(nn.Module):
+    """A table tied to the LM head, looked up with ids computed from the batch (not a token
+    lookup the vocab-parallel rule is given): the table must stay whole."""
+
+    def __init__(self, vocab=64, d=16):
+        super().__init__()
+        self.emb, self.ln, self.head = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, vocab)
+        self.head.weight = self.emb.weight
+
+    def forward(self, batch):
+        idx, y = batch
+        x = self.ln(self.emb((idx * 7) % self.emb.num_embeddings))
+        return F.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
+
+
+def test_auto_gather_leaves_a_weight_with_other_forward_uses_whole():
+    """tp_style="auto" prices only the matmul: a tied head whose table is also read by a
+    lookup the pair finding left whole is not split and gathered, however cheap."""
+    batch = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    with pytest.warns(UserWarning, match="no column->row linear pair"):
+        gm, _ = compile_tp_priced(TiedComputedIds(), batch, 2, FREE_GATHERS)
+    d = gm.meta["tensor_parallel"]
+    assert d.gathered == [] and "emb.weight" not in d.placements
+    assert not any(n.target is c10d.all_gather_into_tensor.default for n in gm.graph.nodes)
+
+
+class GatherNLL(nn.Module):
+    """A hand-written NLL: log_softmax(logits).gather(1, targets) on a splittable head."""
+
+    def __init__(self, d=16, vocab=64):
+        super().__init__()
+        self.emb, self.ln, self.head = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, batch):
+        idx, y = batch
+        logp = torch.log_softmax(self.head(self.ln(self.emb(idx))).flatten(0, 1), -1)
+        return -logp.gather(1, y.flatten()[:, None]).mean()
+
+
+def test_gather_on_split_logits_is_never_a_masked_partial():
+    """DTensor answers gather (and a row-split embedding) with a masked partial, whose mask
+    lives in the placement object: in a graph the targets reached the split logits
+    unlocalized on rank 0 and as zeros on rank 1 (a silently wrong loss, or an index error).
+    The engine refuses that answer: the head's split then needs its logits whole, so the
+    head stays whole and the gather reads whole log-probabilities."""
+    batch = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    with pytest.warns(UserWarning):
+        gm, _, _ = compile_tp(GatherNLL(), batch, 2)
+    d = gm.meta["tensor_parallel"]
+    assert "head.weight" in d.replicated and "head.weight" not in d.placements
+    gather = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.gather.default)
+    assert gather.meta[ir.SHARD] == (Replicate(),)
+    assert tuple(gather.args[0].meta[ir.VAL].shape) == (32, 64)
+    assert torch.ops.fxpar.partial_from_replicate.default not in _upstream_targets(gather)
+
+
+def _bert_parity_rank(cases, steps):
+    """Each case: (model kwargs, batch kwargs, plan) -> (losses, full state dict, the tp
+    pass's placements)."""
+    import fxpar
+    out = {}
+    for i, (mkw, bkw, plan) in enumerate(cases):
+        torch.manual_seed(0)
+        model = hf_bert_mlm(**mkw)
+        batches = [mlm_batch(**bkw, seed=s) for s in range(steps)]
+        pm = fxpar.parallelize(model, 2, example_batch=batches[0], plan=plan,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6))
+        torch.manual_seed(99)
+        losses = [pm.step(b).item() for b in batches]
+        gm = next(iter(pm.stage_graphs["tensor_parallel"].values()))
+        out[i] = (losses, pm.full_state_dict(), gm.meta["tensor_parallel"].placements)
+    return out
+
+
+def _bert_reference(mkw, bkw, steps):
+    torch.manual_seed(0)
+    model = hf_bert_mlm(**mkw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    torch.manual_seed(99)
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model(**mlm_batch(**bkw, seed=s)).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.slow
+def test_bert_mlm_mid_size_tp2_equals_one_process():
+    """BERT-MLM at the size where the tied word table's split crashed the first step (vocab
+    1024, hidden 128, 2 layers, 2 x 96 tokens all labelled): tp=2 on 2 gloo ranks trains as
+    one process does, loss per step and final parameters (AdamW: the parity suite's bounds),
+    with dropout 0 and with BERT's default 0.1 (tp draws single-process training's masks)."""
+    import fxpar
+    steps = 3
+    bkw = dict(vocab=1024, batch=2, seq=96)
+    cases = [(dict(vocab=1024, hidden=128, layers=2, heads=2, dropout=p), bkw, {"tp": 2})
+             for p in (0.0, 0.1)]
+    got = fxpar.launch(_bert_parity_rank, 2, cases, steps)
+    for i, (mkw, _, _) in enumerate(cases):
+        losses, state, placements = got[0][i]
+        assert got[1][i][0] == losses  # the same loss on both ranks
+        assert placements["bert.embeddings.word_embeddings.weight"] == (Shard(0),)
+        ref_losses, ref_state = _bert_reference(mkw, bkw, steps)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=1e-6)
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"dropout {mkw['dropout']} {k}: {m}")
