@@ -137,10 +137,15 @@ def cmd_zoo(args):
     from fxpar.examples import zoo, zoo_sweep
     os.environ.setdefault("FXPAR_DEVICE", "cpu")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    names = args.models.split(",") if args.models else list(zoo.models())
-    unknown = sorted(set(names) - set(zoo.models()))
+    known = list(zoo.models())
+    if args.external or args.models:
+        from fxpar.examples import external_zoo
+        known += list(external_zoo.models())
+    default = list(external_zoo.models()) if args.external else list(zoo.models())
+    names = args.models.split(",") if args.models else default
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        sys.exit(f"fxpar zoo: unknown model(s) {unknown}; choose from {sorted(zoo.models())}")
+        sys.exit(f"fxpar zoo: unknown model(s) {unknown}; choose from {sorted(known)}")
     plans = args.plans.split(";") if args.plans else list(zoo_sweep.PLANS)
     bad = sorted(set(plans) - set(zoo_sweep.PLANS))
     if bad:
@@ -149,9 +154,13 @@ def cmd_zoo(args):
     table = zoo_sweep.markdown(cells, plans)
     print(table)
     if args.out:
+        title, cmd, src = (
+            ("The external zoo", "zoo --external --out docs/external_zoo.md",
+             "examples/external_zoo.py") if args.external else
+            ("The model zoo", "zoo --out docs/zoo.md", "examples/zoo.py"))
         with open(args.out, "w") as f:
-            f.write("# The model zoo: every model under every plan, against eager PyTorch\n\n"
-                    "Written by `python -m fxpar zoo --out docs/zoo.md` (examples/zoo.py, "
+            f.write(f"# {title}: every model under every plan, against eager PyTorch\n\n"
+                    f"Written by `python -m fxpar {cmd}` ({src}, "
                     f"examples/zoo_sweep.py): {zoo_sweep.STEPS} AdamW steps on 2 CPU ranks "
                     "(gloo) from the same initial weights and batches as one eager process; "
                     "\"exact\" = losses and every parameter within rtol 1e-5 (params atol "
@@ -262,7 +271,11 @@ def parser() -> argparse.ArgumentParser:
     z = sub.add_parser("zoo", formatter_class=fmt,
                        help="train the model zoo (39 architectures) under every plan against "
                             "eager PyTorch and print the table")
-    z.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
+    z.add_argument("--models", default=None,
+                   help="comma-separated zoo or external-zoo names (default: all of the zoo)")
+    z.add_argument("--external", action="store_true",
+                   help="the external zoo (torchtitan, timm, litgpt, nanoGPT model code; "
+                        "examples/external_zoo.py) instead of the zoo")
     z.add_argument("--plans", default=None,
                    help='semicolon-separated columns, e.g. "1 device;dp=2" (default: all)')
     z.add_argument("--out", default=None, help="also write the table as markdown here")

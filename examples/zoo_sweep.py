@@ -7,9 +7,11 @@ the same batches from the same initial weights. Its result is one of
 - "refused": fxpar raised one of its own errors (PlanError, TraceError, ...) whose message
              names the cause; the table prints it;
 - "mismatch": it trained but differs from eager (a bug);
-- "crash":   anything else (a bug: an error from inside a pass or from ATen).
+- "crash":   anything else (a bug: an error from inside a pass or from ATen);
+- "skipped": an external-zoo model whose library is not installed (examples/external_zoo.py).
 All two-rank plans of one model run in one `fxpar.launch` (one process group, compiled one
-after another) to keep the sweep's time down.
+after another) to keep the sweep's time down. A model name is looked up in the zoo, then in
+the external zoo (model code from torchtitan, timm, litgpt and nanoGPT).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ PLANS: dict[str, object] = {
 class Cell:
     model: str
     plan: str
-    status: str  # exact | refused | mismatch | crash
+    status: str  # exact | refused | mismatch | crash | skipped
     detail: str = ""
     seconds: float = 0.0
     chosen: str = ""  # plan="auto": the plan the planner chose
@@ -50,6 +52,17 @@ LR = 1e-3
 # |gradient| at or below this fraction of the model's largest, in every eager step: zero
 # up to float32 rounding of the sums that make it (~1e-7 relative, over many terms)
 QUIET_GRAD = 1e-5
+
+
+def registry(name: str):
+    """The module whose `models()` has `name` (the zoo or the external zoo): it has
+    `models()`, `build(name)` and `loss_of(model, spec, batch)`."""
+    if name in zoo.models():
+        return zoo
+    from fxpar.examples import external_zoo
+    if name in external_zoo.models():
+        return external_zoo
+    raise KeyError(f"{name!r} is in neither the zoo nor the external zoo")
 
 
 def optimizer(ps):
@@ -62,12 +75,13 @@ def eager_reference(name: str, steps: int = STEPS):
     every step}). Adam divides a gradient by its own running size, so on such elements (a
     key bias under softmax, a bias before a norm) any reordering of float sums moves the
     parameter by up to lr a step: they are compared at that bound, the rest at rtol 1e-5."""
-    model, spec = zoo.build(name)
+    reg = registry(name)
+    model, spec = reg.build(name)
     opt = optimizer([p for p in model.parameters() if p.requires_grad])
     losses, peak = [], {}
     for s in range(steps):
         opt.zero_grad()
-        loss = zoo.loss_of(model, spec, spec.batch(s))
+        loss = reg.loss_of(model, spec, spec.batch(s))
         loss.backward()
         for k, p in model.named_parameters():
             if p.grad is not None:
@@ -82,7 +96,7 @@ def eager_reference(name: str, steps: int = STEPS):
 
 def train(name: str, devices: int, plan, steps: int = STEPS):
     """fxpar's losses and full state dict (on every rank), and the plan it ran."""
-    model, spec = zoo.build(name)
+    model, spec = registry(name).build(name)
     pm = fxpar.parallelize(model, devices, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
                            optimizer=optimizer, plan="auto" if plan is None else plan)
     losses = [pm.step(spec.batch(s)).item() for s in range(steps)]
@@ -144,7 +158,16 @@ def sweep_rank(name: str, plan_keys: list[str]):
     return out if rank == 0 else None
 
 
+def skip_reason(name: str) -> str:
+    """'' when `name` can be built here, else why not (an external model's library)."""
+    reg = registry(name)
+    return reg.missing(reg.models()[name]) if hasattr(reg, "missing") else ""
+
+
 def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
+    why = skip_reason(name)
+    if why:
+        return [Cell(name, key, "skipped", why) for key in plan_keys]
     ref = eager_reference(name)
     results = {}
     if "1 device" in plan_keys:
@@ -189,11 +212,10 @@ def sweep(names=None, plan_keys=tuple(PLANS), log=print) -> list[Cell]:
 
 def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
     """The zoo table: one row per model, one column per plan; refusals listed below."""
-    models = zoo.models()
     by = {(c.model, c.plan): c for c in cells}
     names = list(dict.fromkeys(c.model for c in cells))
     mark = {"exact": "exact", "refused": "refused¹", "mismatch": "**MISMATCH**",
-            "crash": "**CRASH**"}
+            "crash": "**CRASH**", "skipped": "skipped¹"}
     lines = ["| model | family | exercises | " + " | ".join(plan_keys) + " |",
              "|---|---|---|" + "---|" * len(plan_keys)]
     for n in names:
@@ -202,11 +224,14 @@ def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
             c = by.get((n, k))
             row.append("" if c is None else mark[c.status] + (
                 f" ({c.chosen})" if c.status == "exact" and k.startswith("auto") else ""))
-        lines.append(f"| {n} | {models[n].family} | {models[n].note} | " + " | ".join(row) + " |")
+        spec = registry(n).models()[n]
+        lines.append(f"| {n} | {spec.family} | {spec.note} | " + " | ".join(row) + " |")
     n_exact = sum(c.status == "exact" for c in cells)
     lines += ["", f"{n_exact} of {len(cells)} cells exact, "
               f"{sum(c.status == 'refused' for c in cells)} refused, "
-              f"{sum(c.status in ('crash', 'mismatch') for c in cells)} crashed or mismatched.",
+              f"{sum(c.status in ('crash', 'mismatch') for c in cells)} crashed or mismatched"
+              + (f", {n_skip} skipped." if (n_skip := sum(c.status == 'skipped' for c in cells))
+                 else "."),
               "", "¹ Refusals and failures:", ""]
     for c in cells:
         if c.status != "exact":

@@ -38,6 +38,33 @@ fi
 # fxpar + runtime/test deps; torch is already satisfied so nothing CUDA is pulled.
 $PIP install -q -e ".[test]"
 
+# The external zoo's libraries (pyproject's `zoo` extra: timm, litgpt, torchtitan and the few
+# light packages their model code imports), each pinned, with --no-deps: their declared
+# dependencies include torchvision, lightning's loggers, datasets, wandb..., which the model
+# code does not need and which would bring another torch or torchvision build. Skipped when
+# every pin is already installed (~0.1 s); FXPAR_NO_ZOO=1 skips it; a failed install only
+# warns (tests/test_external_zoo.py then skips, naming the missing library).
+if [ "${FXPAR_NO_ZOO:-0}" != 1 ]; then
+  ZOO_MISSING=$("$VENV/bin/python" - <<'EOF'
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+pins = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["zoo"]
+def installed(pin):
+    name, want = pin.split("==")
+    try:
+        return version(name) == want
+    except PackageNotFoundError:
+        return False
+print(" ".join(p for p in pins if not installed(p)))
+EOF
+)
+  if [ -n "$ZOO_MISSING" ]; then
+    # shellcheck disable=SC2086
+    $PIP install -q --no-deps $ZOO_MISSING \
+      || echo "warning: could not install the external zoo ($ZOO_MISSING); its tests will skip" >&2
+  fi
+fi
+
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
