@@ -80,7 +80,8 @@ class ParallelModel:
         self.stage_graphs = program.stage_graphs
         self.fusion_skipped = program.fusion_skipped
         self._on_measured = on_measured
-        self._verify = (loss_of, optimizer) if plan.verify else None  # (the first step)
+        self._verify = (loss_of, optimizer) if plan.verify else None
+        self._verify_at = 1  # the step checked: the first (one fp16 skipped: the next)
         if batch not in ("global", "local"):
             raise PlanError(f"batch={batch!r}: use 'global' (every rank passes the same global "
                             "batch to step) or 'local' (each rank passes its 1/dp share).")
@@ -421,8 +422,10 @@ class ParallelModel:
         with faults.step_context(self.world, n):
             # every rank steps now: checked (calls.settle) before the step's first collective
             calls.begin(self._call_id, "step", raw_errors=True)
-            if self._verify is not None and n == 1:  # Plan.verify: against one process
-                loss = verify.first_step(self, batch, *self._verify, self._train_step)
+            if self._verify is not None and n == self._verify_at:  # Plan.verify
+                loss, checked = verify.first_step(self, batch, *self._verify, self._train_step)
+                if not checked:  # fp16: the update was skipped (inf gradients): the next
+                    self._verify_at = n + 1
             else:
                 loss = self._train_step(batch)
             calls.settle()

@@ -111,3 +111,57 @@ def test_verify_on_two_ranks_catches_a_dropped_all_reduce():
     assert fxpar.launch(verify_rank, 2, False) == {0: "passed", 1: "passed"}
     got = fxpar.launch(verify_rank, 2, True)
     assert got[0] == got[1] and "differs from one plain process" in got[0], got
+
+
+def halve_every_gradient(gm, plan, ctx):
+    """A broken pass: remat, then every gradient output times 0.5."""
+    gm = REAL_REMAT(gm, plan, ctx)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = list(out.args[0])
+    with gm.graph.inserting_before(out):
+        for i in range(1, 1 + out.meta["n_grads"]):
+            if vals[i] is not None:
+                half = gm.graph.call_function(torch.ops.aten.mul.Tensor, (vals[i], 0.5))
+                half.meta = dict(vals[i].meta)
+                vals[i] = half
+    out.args = (tuple(vals),)
+    gm.recompile()
+    return gm
+
+
+def adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-3)
+
+
+def test_adam_is_checked_through_its_moments(monkeypatch):
+    """Adam's first step moves each element by about lr whatever its gradient's size, so
+    weights alone do not show gradients off by a factor; its first moment does."""
+    monkeypatch.setattr(remat, "run", halve_every_gradient)
+    with pytest.raises(fxpar.VerifyError, match="optimizer's 'exp_avg' of fc1.weight"):
+        _steps("mlp", {"remat": "sqrt", "verify": True}, n=1, optimizer=adamw)
+
+
+def test_bf16_with_adam_passes():
+    """bf16 gradients differ from fp32 ones by bf16's rounding, enough to flip the sign of
+    small ones (Adam then moves them by 2 lr): honest rounding, not a VerifyError."""
+    _steps("gpt", {"precision": "bf16", "verify": True}, n=1, optimizer=adamw)
+
+
+def test_batch_stats_microbatch_is_checked_against_accumulation():
+    """batch_stats='microbatch' trains as eager gradient accumulation: so is the reference
+    (each microbatch's BatchNorm statistics its own)."""
+    _steps("convbn", {"microbatches": 2, "batch_stats": "microbatch", "verify": True}, n=1,
+           optimizer=adamw)
+
+
+def test_an_fp16_step_skipped_for_inf_is_not_compared_the_next_is():
+    """fp16's loss scale starts at 2**16: a large loss overflows the first steps, which
+    skip their update; verify checks the first step that updates."""
+    model, batch_fn, _ = build("mlp")
+    pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0),
+                           loss_fn=lambda m, b: m(b) * 1e3, optimizer=adamw,
+                           plan={"precision": "fp16", "verify": True})
+    for s in range(12):
+        pm.step(batch_fn(s))
+    skipped = pm.scaler.skipped_steps
+    assert 0 < skipped < 11 and pm._verify_at == skipped + 1
