@@ -366,17 +366,30 @@ class HookedSource(Source):
     file's entries into the model's own tensors (runtime/model_state.py). The hooks need
     whole tensors, so the first read reads every entry of the file the model's state dict
     names, whole, and makes all of the model's tensors (one full copy of the model on each
-    rank while the weights are placed; released after); later reads slice them."""
+    rank while the weights are placed; released after); later reads slice them.
+    `stand_in`: the model's state dict on meta stand-ins, with keep_vars (tied names hold one
+    tensor: a file that keeps one of them, as transformers' and safetensors' saves do, is
+    read for all)."""
 
     def __init__(self, model: torch.nn.Module, file: FileSource, stand_in: dict, path):
         self.model, self.file, self.path = model, file, path
         self.own = model_state.own_tensors(model, persistent_only=True)
         self.saved = {k: tuple(v.shape) for k, v in stand_in.items()}  # what the file holds
+        tied: dict[int, list[str]] = {}
+        for k, v in stand_in.items():
+            tied.setdefault(id(v), []).append(k)
+        self.tied = {k: names for names in tied.values() for k in names}
         self._whole: dict[str, torch.Tensor] | None = None
+
+    def key_in_file(self, key: str) -> str | None:
+        """The file's entry for state-dict entry `key`: its own, or a tied name's."""
+        return next((k for k in (key, *self.tied.get(key, ())) if self.file.shape(k)
+                     is not None), None)
 
     def check(self) -> None:
         for k, want in self.saved.items():
-            got = self.file.shape(k)
+            src = self.key_in_file(k)
+            got = None if src is None else self.file.shape(src)
             if got is None:
                 raise CheckpointError(
                     f"weights {self.path!r} has no {k!r} (keys as model.state_dict(), which "
@@ -397,7 +410,7 @@ class HookedSource(Source):
     def read(self, key, index):
         if self._whole is None:
             self.check()
-            saved = {k: self.file.read(k, tuple(slice(0, n) for n in shape))
+            saved = {k: self.file.read(self.key_in_file(k), tuple(slice(0, n) for n in shape))
                      for k, shape in self.saved.items()}
             try:
                 self._whole = model_state.whole_from_state_dict(
@@ -720,8 +733,8 @@ class ModelWeights:
         meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta")
                 for n, t in model_state.own_tensors(model).items()}
         if self.file is not None and not model_state.is_plain(model, meta):
-            with model_state.holding(model, meta):
-                stand_in = dict(model.state_dict())
+            with model_state.holding(model, meta), torch.no_grad():
+                stand_in = dict(model.state_dict(keep_vars=True))
             self.hooked = HookedSource(model, self.file, stand_in, path)
             state = model_state.own_tensors(model, persistent_only=True)
         self.persistent = {id(t) for t in state.values()}

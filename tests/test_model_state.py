@@ -155,3 +155,29 @@ def test_state_dict_with_hooks_equals_single_process_under_every_plan(tmp_path):
     assert loss == pytest.approx(ref4_losses[3], rel=1e-5)
     index = json.loads(open(tmp_path / "tp2_ck" / "fxpar.json").read())
     assert index["step_count"] == 3
+
+
+class TiedHookedGPT(M.HookedGPT):
+    """HookedGPT with its head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.out.weight = self.tok.weight
+
+
+def test_weights_of_a_hooked_model_with_one_copy_of_a_tied_weight(tmp_path):
+    """transformers' and safetensors' saves keep one of tied names: weights= reads the
+    other's entry for it (was: CheckpointError, the file "has no 'out.weight'")."""
+    torch.manual_seed(0)
+    model = TiedHookedGPT()
+    ref = model.state_dict()
+    save_file({k: v.contiguous() for k, v in ref.items() if k != "out.weight"},
+              str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        meta_model = TiedHookedGPT()
+    batch = M.gpt_batch(M.GPTConfig(), 8)
+    pm = fxpar.parallelize(meta_model, 1, example_batch=batch, plan={},
+                           weights=str(tmp_path / "model.safetensors"))
+    got = pm.full_state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert pm.model.out.weight is pm.model.tok.weight
