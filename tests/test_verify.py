@@ -44,8 +44,8 @@ def halve_first_gradient(gm, plan, ctx):
 REAL_REMAT = remat.run
 
 
-@pytest.mark.parametrize("name", ["gpt", "convbn", "mlp_dropout",
-                                  pytest.param("hooked_gpt", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["convbn", "mlp_dropout"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in ("gpt", "hooked_gpt")])
 def test_verified_first_step_passes_and_trains_as_without(name):
     """A correct plan (remat "sqrt", one device) passes verify, and the steps after it equal
     the steps of the same plan without verify (dropout masks included)."""
