@@ -24,6 +24,7 @@ import torch
 import torch._prims_common
 import torch.distributed as dist
 
+from fxpar.compiler.errors import PlanError
 from fxpar.runtime import comm, cudagraph, faults, schedules, trace
 from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
@@ -103,6 +104,26 @@ class PipelineRunner:
         # statistics move once per microbatch (compile refuses that unless the plan asks)
         sig = program.signature
         self.buffer_index = [sig.buffer_names.index(b) for b in sig.mutated_buffers]
+        # a buffer updated on one stage that another rank's stage reads (or holds for saves:
+        # the first stage where none reads it): that rank's copy is sent the new value after
+        # the step (see sync_buffers); within a step, with microbatches, it cannot be
+        self.buffer_sources: list[tuple[int, int]] = []  # (mutated buffer, pp rank making it)
+        for j, name in enumerate(self.p.buffer_updates):
+            if name is None or name not in self.p.producer:
+                continue
+            src = self.rank_of(self.p.parts[self.p.producer[name]].stage)
+            readers = {self.rank_of(s) for s in self.p.buffer_stages.get(self.buffer_index[j],
+                                                                         ())}
+            holders = readers or {self.rank_of(0)}  # (read nowhere: saves ask stage 0)
+            if holders - {src}:
+                self.buffer_sources.append((j, src))
+            if self.m > 1 and readers - {src}:
+                raise PlanError(
+                    f"microbatches={self.m}: the buffer {sig.mutated_buffers[j]!r} is updated "
+                    f"by pipeline stage {self.p.parts[self.p.producer[name]].stage} and read by "
+                    f"stages {sorted(self.p.buffer_stages[self.buffer_index[j]])} on other "
+                    "ranks, which would read it before the earlier microbatches' updates "
+                    "reach them. Use microbatches=1, or pp=1.")
         self._forward_only = False
         self.zero = program.zero  # ZeRO 1/2: the gradient outputs are flat bucket shards
         self.held_buckets = [k for k, name in enumerate(self.p.grads) if name and self.rank_of(
@@ -430,6 +451,13 @@ class PipelineRunner:
             rec.blocked(t0, t1, f"recv {name}", trace.RUNTIME)
             rec.comm(f"recv {name}", posted, t1, buf.numel() * buf.element_size())
         return buf
+
+    def sync_buffers(self, mutated: list[torch.Tensor]) -> None:
+        """After the step: each buffer updated on one stage and held by another rank's stage
+        (`buffer_sources`) sent from the rank that updated it to the pp group (the other
+        ranks' copies would stay stale: read by the next step, written by saves)."""
+        for j, src in self.buffer_sources:
+            dist.broadcast(mutated[j], src=self.global_rank[src], group=self.group)
 
     def sync_tied_params(self, params, buckets):
         """ZeRO: a weight is updated by the rank whose stage owns its gradient bucket, which

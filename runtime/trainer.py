@@ -469,6 +469,7 @@ class ParallelModel:
                     optim.apply_gradients(self.optimizer, [self.params[i] for i in held],
                                           [grads[i] for i in held])
                 self._update_buffers(new_bufs)
+                self.pipeline_runner.sync_buffers(self._mutated_buffers)
             return loss.detach()
         # checked each step: a step hook registered (or pm.optimizer replaced by one over
         # other tensors) since parallelize makes this step one step() after the graph
