@@ -137,7 +137,7 @@ def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> l
     values = torch.utils._pytree.tree_leaves(out.args)
     n_mut = len(sig.mutated_buffers)
     updates = values[len(values) - n_mut:] if n_mut else []
-    trained = _ancestors([v for v in values[:len(values) - n_mut]
+    trained = ancestors([v for v in values[:len(values) - n_mut]
                           if isinstance(v, torch.fx.Node)])  # what the loss and grads read
     mutated = {buffer_ph[name] for name in sig.mutated_buffers}
     rows = {n for n in placeholders if n.meta.get(ir.ROLE) == "batch"
@@ -153,7 +153,7 @@ def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> l
         other = b if a is ph else a if b is ph else None
         if not isinstance(other, torch.fx.Node):  # (a constant: added once per microbatch)
             continue
-        seen = _ancestors([other])
+        seen = ancestors([other])
         if seen & mutated or not seen & rows:
             continue
         addends[k] = other
@@ -161,7 +161,7 @@ def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> l
     return [k in addends and addends[k] in summed for k in range(n_mut)]
 
 
-def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+def ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     """`nodes` and every node they read, transitively."""
     seen, stack = set(), list(nodes)
     while stack:
@@ -178,7 +178,7 @@ def _row_sums(gm: torch.fx.GraphModule, values: list[torch.fx.Node],
     DTensor's rules when the batch leaves are split by rows (a dry run of the graph that
     computes them, on a 2-way mesh that owns no process group). Its log lines are held
     back: this is not a plan that runs those ops on whole inputs."""
-    keep = _ancestors(values)
+    keep = ancestors(values)
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in gm.graph.nodes:

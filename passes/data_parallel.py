@@ -32,7 +32,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import BatchError, PlanError, ShardingError
-from fxpar.compiler.graphs import fake_propagate
+from fxpar.compiler.graphs import ancestors, fake_propagate
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
@@ -295,13 +295,7 @@ def _feeding_training(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
                  v.target in (aten.add.Tensor, aten.add.Scalar) and any(
                      isinstance(a, torch.fx.Node) and a.op == "placeholder"
                      and a.meta.get(ir.ROLE) == "buffer" for a in v.args))]
-    seen, stack = set(), roots
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    return ancestors(roots)
 
 
 def _mean_nll_loss(graph) -> torch.fx.Node | None:
@@ -375,7 +369,7 @@ def _mean_over_microbatches(gm, nll, dp: int) -> None:
     backs = [n for n in graph.nodes if n.target is aten.nll_loss_backward.default]
     count = backs[0].args[6] if backs else None  # this microbatch's (over every dp rank)
     if count is None or not _only_through(loss, nll) or (
-            dp > 1 and count not in _ancestors(loss)):
+            dp > 1 and count not in ancestors([loss])):
         raise PlanError(
             "microbatches > 1: this model's loss adds other terms to a mean cross-entropy "
             f"(module '{nll.meta.get(ir.MODULE, '')}'), so fxpar cannot weight the "
@@ -429,7 +423,7 @@ def _only_through(loss, nll) -> bool:
     """Whether the loss is the mean cross-entropy `nll` alone, up to views, casts, constant
     factors and the data-parallel reduction: no other term, nothing nonlinear (a loss**2
     would make the rescaled microbatch losses wrong)."""
-    up = _ancestors(loss)
+    up = ancestors([loss])
     if nll not in up:
         return False
     down, todo = set(), [nll]
@@ -451,16 +445,6 @@ def _only_through(loss, nll) -> bool:
             return False
         todo.extend(n.all_input_nodes)
     return True
-
-
-def _ancestors(node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
 
 
 def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided,
