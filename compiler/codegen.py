@@ -645,11 +645,15 @@ def inductor(sub: torch.fx.GraphModule, fakes) -> tuple[Callable, bool]:
 
 def _transient(e: BaseException) -> bool:
     """A compile failure that another try may not repeat: out of memory (while autotuning),
-    a dead compile-worker pool, a timeout, the disk - anywhere in its chain of causes."""
+    a dead compile-worker pool, a timeout, the disk, or this process's environment (an
+    import that failed, a module shadowed by a folder of the same name in the working
+    directory: "module 'z3' has no attribute 'ExprRef'") - anywhere in its chain of causes."""
     from concurrent.futures.process import BrokenProcessPool
     while e is not None:
         if isinstance(e, (torch.OutOfMemoryError, MemoryError, BrokenProcessPool,
-                          OSError)):  # (TimeoutError is an OSError)
+                          OSError, ImportError)):  # (TimeoutError is an OSError)
+            return True
+        if isinstance(e, AttributeError) and str(e).startswith("module '"):
             return True
         e = e.__cause__ or e.__context__
     return False

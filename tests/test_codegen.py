@@ -254,6 +254,16 @@ def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
             codegen.inductor(sub, fakes)
     assert len(calls) == 3 and not list(tmp_path.iterdir())
 
+    def shadowed_module(*a, **k):  # a folder named z3 in the working directory
+        calls.append(1)
+        raise RuntimeError("lowering failed") from AttributeError(
+            "module 'z3' has no attribute 'ExprRef'")
+    monkeypatch.setattr(torch._inductor, "standalone_compile", shadowed_module)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="lowering failed"):
+            codegen.inductor(sub, fakes)
+    assert len(calls) == 5 and not list(tmp_path.iterdir())  # the environment: not kept
+
 
 def test_the_cache_key_follows_inductors_settings_not_its_per_process_ones():
     """A user's Inductor setting (max_autotune, forced shape padding) is not served a run
