@@ -25,10 +25,21 @@ the step is then eager's bit for bit (Inductor still lowers the ops its own way:
 there). Where the batch is split (dp; tp and pp plans; microbatches, whose row-coupling check
 reads the sums) the statistics are sums over ranks or parts, no order can be eager's, and
 those plans keep the decomposition.
+
+Fused backward kernels stay whole. A few backward ops (silu_backward, mish_backward) have both
+a backend kernel, which eager's backward calls, and a composite form for double backward;
+AOTAutograd's export mode decomposes every composite op it meets, which turned silu_backward
+into a chain of pointwise ops, each rounded to the tensor's dtype. In bf16 (torchtitan's MoE experts run SiLU
+in bf16 inside an fp32 model) that moved w1's gradient by 0.3-0.5%, where eager's kernel
+computes in fp32 and rounds once. While tracing, such an op is recorded as itself when it has
+a sharding rule (`_fused_backward_kept`), else decomposed by the table, whose pointwise
+backward decompositions (torch._decomp's, `pw_cast_for_opmath`) compute in fp32 and round
+once, as eager's kernels do.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import sys
@@ -92,6 +103,65 @@ def decomposition_table(batch_norm: bool = True) -> dict:
         table = {op: fn for op, fn in table.items() if op not in bn}
     table[aten.var_mean.correction] = _var_mean_as_sums
     return table
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_backward_candidates() -> tuple:
+    """ATen backward ops with a C++ composite kernel (CompositeImplicitAutograd, used for
+    double backward) beside a backend kernel (what eager's backward runs): silu_backward and
+    mish_backward in torch 2.13. Functional schemas only (a mutating op must be decomposed to
+    be functionalized), and none torch already gives a Python composite of its own."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    out = []
+    for full in torch._C._dispatch_get_all_op_names():
+        if not full.startswith("aten::") or not full.endswith(("_backward", "_backward.default")):
+            continue
+        base, _, overload = full[len("aten::"):].partition(".")
+        op = getattr(getattr(aten, base, None), overload or "default", None)
+        if not isinstance(op, torch._ops.OpOverload) or key in op.py_kernels or \
+                op._schema.is_mutable or any(a.alias_info for a in op._schema.arguments):
+            continue
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) and any(
+                torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k)
+                for k in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)):
+            out.append(op)
+    return tuple(out)
+
+
+def _backend_key(device_type: str):
+    key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type, device_type.upper())
+    return getattr(torch._C.DispatchKey, key, None)
+
+
+def _keep_as_op(*args, **kwargs):
+    """A Python composite kernel that declines: OpOverload.decompose() returns NotImplemented,
+    and the tracing modes (functionalization, make_fx) then record the op itself."""
+    return NotImplemented
+
+
+@contextlib.contextmanager
+def _fused_backward_kept(device_types, table: dict):
+    """While tracing, the fused backward ops (`_fused_backward_candidates`) are recorded as
+    themselves instead of their composite's ops (see the module docstring); the table then
+    decomposes those it holds (no sharding rule) its own way. Only where every traced device
+    type has a backend kernel for the op: elsewhere the composite is also what the dispatcher
+    runs at the autograd key, where a declining kernel would break the call."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    backends = [_backend_key(d) for d in device_types]
+    ops = [] if None in backends else [
+        op for op in _fused_backward_candidates()
+        if (has_sharding_rule(op) or op in table) and key not in op.py_kernels
+        and all(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), b) for b in backends)]
+    for op in ops:
+        op.py_kernels[key] = _keep_as_op
+        op._dispatch_cache.clear()
+    try:
+        yield ops
+    finally:
+        for op in ops:
+            if op.py_kernels.get(key) is _keep_as_op:
+                del op.py_kernels[key]
+            op._dispatch_cache.clear()
 
 
 def default_loss_fn(model: torch.nn.Module, batch: Any):
@@ -325,10 +395,13 @@ def capture(model: torch.nn.Module, example_batch: Any,
 
 def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):
     from torch._functorch.aot_autograd import aot_export_module
-    with contextlib.nullcontext() if joint else torch.no_grad():
+    table = decomposition_table(decompose_batch_norm)
+    devices = {t.device.type for t in (*tensor_leaves, *wrapper.parameters(), *wrapper.buffers())}
+    with contextlib.nullcontext() if joint else torch.no_grad(), \
+            _fused_backward_kept(devices, table):
         return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
                                  output_loss_index=0 if joint else None,
-                                 decompositions=decomposition_table(decompose_batch_norm))
+                                 decompositions=table)
 
 
 @contextlib.contextmanager

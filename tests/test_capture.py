@@ -140,6 +140,46 @@ def test_module_paths_are_full_paths_from_the_users_model(factory, batch):
         assert {"model.fc1", "model.fc2", "model.fc3"} <= paths
 
 
+class _HalfActivation(nn.Module):
+    """An fp32 model whose activation runs in bf16, as torchtitan's MoE experts do."""
+
+    def __init__(self, act):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(64, 32, generator=g) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(32, 64, generator=g) * 0.3)
+        self.act = act
+
+    def forward(self, x):
+        h = self.act(x.bfloat16() @ self.w1.bfloat16().t())
+        return (h @ self.w2.bfloat16().t()).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("act,kept", [
+    (nn.functional.silu, aten.silu_backward.default), (nn.functional.mish, None),
+    (nn.functional.gelu, aten.gelu_backward.default), (nn.functional.hardswish, None)])
+def test_half_precision_activation_backward_rounds_once_as_in_eager(act, kept):
+    """Eager's activation backward kernels compute in fp32 and round once. silu_backward and
+    mish_backward have a composite form too (for double backward), which AOTAutograd's export
+    mode decomposed into ops each rounded to bf16 (w1's gradient 2e-3 / 4e-3 off). The capture
+    keeps silu_backward (it has a sharding rule) and decomposes mish_backward by the table,
+    in fp32 with one rounding: the gradients are eager's."""
+    model = _HalfActivation(act)
+    x = torch.randn(128, 32, generator=torch.Generator().manual_seed(1))
+    gm, sig = capture(model, x)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    if kept is not None:
+        assert kept in targets
+    outs = _run(gm, sig, model, x)
+    model(x).backward()
+    for name, g in zip(sig.param_names, outs[1:1 + sig.num_params]):
+        ref = dict(model.named_parameters())[name].grad
+        assert ((g - ref).abs().max() / ref.abs().max()).item() < 1e-5, name
+    # only while tracing: torch's own ops are left as they were
+    assert torch._C.DispatchKey.CompositeImplicitAutograd not in \
+        aten.silu_backward.default.py_kernels
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
