@@ -636,6 +636,20 @@ class _Sharder:
                 self.place(node, split)
             if split or out is None:
                 out = self.ask_dtensor(node)  # with nothing to gather: the rule's own error
+        resplit = self._resplits(node, out)
+        if resplit:
+            # Shard(a) -> Shard(b): redistribute carries a re-split out as a whole all-gather
+            # and a local chunk, so it costs what making the input whole costs. DTensor's rules
+            # price it as an all-to-all and prefer it, then split the op's work along b, often
+            # a dim a later matmul contracts: that matmul's results become partial sums, and
+            # in half precision each rank's share is rounded before the sum (under dp, rows
+            # sorted over the whole batch - an MoE's token dispatch - re-split on features
+            # ahead of bf16 experts: 1-28% of torchtitan Qwen3-MoE's first gradients). The
+            # input is made whole instead (the same gather), and the rule asked again.
+            log.debug("%s (node %s, module '%s'): re-split %s made whole instead", op,
+                      node.name, node.meta.get(ir.MODULE, ""), [a.name for a in resplit])
+            self.place(node, resplit)
+            out = self.ask_dtensor(node)
         if out.redistribute_schema is not None and self._partializes_replicate(node, out):
             # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
             # buffer with a batch statistic) is legal but odd; reduce the partial input instead.
@@ -705,6 +719,31 @@ class _Sharder:
             return (_spec(self.mesh, self.replicate, val[0]), spec)
         return spec
 
+    def _resplits(self, node, out) -> dict:
+        """{input: placements} for the inputs DTensor's answer moves from one split dim to
+        another (Shard(a) -> Shard(b) on a mesh dim): whole (Replicate) on those mesh dims."""
+        if out is None or out.redistribute_schema is None:
+            return {}
+        want = out.redistribute_schema
+        want_args = want.args_schema
+        info = _schema_info(self.prop, node.target, node.args)
+        if info is not None and info.needs_pytree:  # (flat leaves, as in propagate)
+            want_args = torch.utils._pytree.tree_unflatten(
+                list(want_args), torch.utils._pytree.tree_structure(tuple(node.args)))
+        pairs = list(_node_specs(tuple(node.args), tuple(want_args)))
+        for k, v in want.kwargs_schema.items():
+            pairs += list(_node_specs(node.kwargs.get(k), v))
+        out_pl = {}
+        for a, w in pairs:
+            have = self.specs.get(a)
+            if not isinstance(have, DTensorSpec):
+                continue
+            pl = tuple(Replicate() if type(p) is Shard and type(q) is Shard and p.dim != q.dim
+                       else p for p, q in zip(have.placements, w.placements))
+            if pl != tuple(have.placements):
+                out_pl[a] = pl
+        return out_pl
+
     def _partializes_replicate(self, node, out) -> bool:
         pairs = [(a, w) for a, w in zip(node.args, out.redistribute_schema.args_schema)
                  if isinstance(a, torch.fx.Node) and isinstance(w, DTensorSpec)]
@@ -734,6 +773,17 @@ def _unsupported_answer(out) -> bool:
             (out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema))
     return any(isinstance(p, (_StridedShard, _MaskPartial))
                for spec in specs if isinstance(spec, DTensorSpec) for p in spec.placements)
+
+
+def _node_specs(orig, want):
+    """(node, the spec DTensor wants for it) for every graph value in an op's arguments."""
+    if isinstance(orig, torch.fx.Node):
+        if isinstance(want, DTensorSpec):
+            yield orig, want
+    elif isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) \
+            and len(orig) == len(want):
+        for o, w in zip(orig, want):
+            yield from _node_specs(o, w)
 
 
 def _schema_info(prop, op, args) -> RuntimeSchemaInfo | None:

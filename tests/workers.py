@@ -690,3 +690,31 @@ def hub_layout_rank(name, weights_dir, plans, steps=2, save_root=None):
                                max_shard_size=200_000)
         out[repr(plan)] = (losses, state if int(os.environ.get("RANK", 0)) == 0 else None)
     return out
+
+
+class SortedRowsHalfMatmul(torch.nn.Module):
+    """Rows sorted over the whole batch, then a bf16 matmul inside an fp32 model: an MoE's
+    token dispatch ahead of its bf16 experts (torchtitan's), at its smallest."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(64, 256, generator=g) * 0.05)
+
+    def forward(self, x):
+        t = x.flatten(0, 1)
+        r = t[torch.argsort(t[:, 0], stable=True)]
+        return (r.bfloat16() @ self.w.bfloat16().t()).float().pow(2).mean()
+
+
+def sorted_rows_batch():
+    return torch.randn(8, 16, 256, generator=torch.Generator().manual_seed(1))
+
+
+def sorted_rows_rank():
+    """One SGD step (lr 1: the update is the gradient) of SortedRowsHalfMatmul under dp=2:
+    (loss, w after the step)."""
+    pm = fxpar.parallelize(SortedRowsHalfMatmul(), 2, example_batch=sorted_rows_batch(),
+                           plan={"dp": 2}, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    loss = pm.step(sorted_rows_batch()).item()
+    return loss, pm.full_state_dict()["w"]
