@@ -14,7 +14,10 @@ and `fxpar.json`. What is in it does not depend on the plan that wrote it:
   the same masks);
 - `fxpar.json`: the step counter (`pm.step_count`: global batches consumed = the data
   position), the optimizer's hyperparameters per parameter name (lr, betas, ... as param
-  groups), the fp16 loss scaler's state, the user's `extra` dict, the writing plan.
+  groups), the fp16 loss scaler's state, the user's `extra` dict, the writing plan, and the
+  plan's `settings` that change a step's numbers (`training_settings`: max_grad_norm,
+  precision, batch_stats), which `load` checks so that a resume continues the same run.
+  An LR scheduler is the user's object (as in torch): its `state_dict()` goes in `extra`.
   Written last, by rank 0, after every rank's data is on disk: a save that crashed midway
   leaves no `fxpar.json` and is refused on load as incomplete.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import warnings
@@ -60,6 +64,8 @@ from fxpar.runtime import tp_slices as rtp
 
 FORMAT = 1
 META_FILE = "fxpar.json"
+
+log = logging.getLogger(__name__)
 
 # --- never unpickle untrusted data ------------------------------------------------------
 
@@ -333,7 +339,8 @@ def save(pm, path: str, extra: dict | None = None) -> str:
                 "world_size": pm.world.size, "plan": dataclasses.asdict(pm.plan),
                 "optimizer": type(pm.optimizer).__name__ if pm.optimizer is not None else None,
                 "param_groups": groups, "optim_other": other, "scaler": scaler_enc,
-                "extra": extra_enc, "torch": torch.__version__}
+                "settings": training_settings(pm.plan), "extra": extra_enc,
+                "torch": torch.__version__}
         tmp = os.path.join(path, META_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
@@ -397,10 +404,51 @@ def _state_keys(md, name) -> list[str]:
                   if k.startswith(prefix) and "." not in k[len(prefix):])
 
 
-def load(pm, path: str) -> dict:
+def training_settings(plan) -> dict:
+    """The plan's settings that change what a step computes, not only how: a run resumed
+    under others is not the run that was saved. Parallel degrees, ZeRO, schedules, remat and
+    code generation are not among them (resuming under another plan is supported), nor the
+    microbatch count where batch_stats="whole" (a step is then one step on the whole batch)."""
+    m = plan.microbatches
+    stats = "whole" if plan.batch_stats == "whole" or m == 1 else \
+        f"microbatch (microbatches={m})"
+    return {"max_grad_norm": plan.max_grad_norm, "precision": plan.precision,
+            "batch_stats": stats}
+
+
+def check_settings(pm, meta: dict, path, allow_changed: bool) -> None:
+    """Refuse to resume under compiled settings other than the checkpoint's (they cannot be
+    restored without recompiling); with `allow_changed`, warn instead."""
+    saved = meta.get("settings")
+    if saved is None:
+        log.warning("checkpoint %r records no training settings (written by an older fxpar): "
+                    "cannot check that this plan's max_grad_norm, precision and batch_stats "
+                    "are the ones it was trained with.", os.fspath(path))
+        return
+    now = training_settings(pm.plan)
+    diffs = [f"{k}: checkpoint {saved[k]!r}, this plan {v!r}"
+             for k, v in now.items() if k in saved and saved[k] != v]
+    if not diffs:
+        return
+    if not allow_changed:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r} was trained with other settings than this plan's, "
+            f"so resuming would not continue the same run: {'; '.join(diffs)}. Pass the "
+            "checkpoint's settings to parallelize(plan=...), or load anyway with "
+            "pm.load(path, allow_changed_settings=True).")
+    log.warning("checkpoint %r: loading under changed settings (allow_changed_settings=True); "
+                "the run continues differently than the saved one would: %s",
+                os.fspath(path), "; ".join(diffs))
+
+
+def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
     """Restore what `save` wrote into pm, whatever plan wrote it (collective). Returns the
-    `extra` dict given to save."""
+    `extra` dict given to save. Restored from the checkpoint: weights, optimizer state and
+    hyperparameters (every param group key, as torch's load_state_dict does), the fp16 loss
+    scaler's state, step_count, RNG states. The compiled settings (`training_settings`) must
+    match the plan's: otherwise CheckpointError, or a warning with allow_changed_settings."""
     meta, reader, md = read_meta(path)
+    check_settings(pm, meta, path, allow_changed_settings)
     distributed = pm.world.size > 1
     names = _names(pm)
     plain = pm.state_is_plain()  # else: keys and whole shapes as the model's hooks make them
@@ -542,14 +590,28 @@ def _load_optimizer(pm, slots, okeys, got, meta, path):
                 "one set of hyperparameters, or load without ZeRO.")
         new = dict(g)
         for k, v in (hypers[0] if hypers else {}).items():
-            if k in new:
-                v = _decode(v, {})
-                cur = new[k]
-                new[k] = torch.tensor(v, dtype=cur.dtype, device=cur.device) if isinstance(
-                    cur, torch.Tensor) else (tuple(v) if isinstance(cur, tuple) else v)
+            v, cur = _decode(v, {}), new.get(k)
+            new[k] = torch.tensor(v, dtype=cur.dtype, device=cur.device) if isinstance(
+                cur, torch.Tensor) else (tuple(v) if isinstance(cur, tuple) else v)
         new["params"] = [index[id(t)] for t in g["params"]]
         groups.append(new)
+    _log_restored_hyper(opt.param_groups, groups, path)
     opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _log_restored_hyper(current: list[dict], restored: list[dict], path) -> None:
+    """Say which hyperparameters the checkpoint replaced (as torch's load_state_dict does,
+    silently there): one set after pm.load wins, e.g. to change the lr on resuming."""
+    changed = sorted({f"{k} {g[k]!r} -> {n[k]!r}" for g, n in zip(current, restored)
+                      for k in g if k != "params" and k in n and _differs(g[k], n[k])})
+    if changed:
+        log.info("checkpoint %r: optimizer hyperparameters restored from it: %s (set them "
+                 "after pm.load to change them)", os.fspath(path), ", ".join(changed))
+
+
+def _differs(a, b) -> bool:
+    a, b = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in (a, b))
+    return a != b
 
 
 # --- into plain PyTorch -----------------------------------------------------------------

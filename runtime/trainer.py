@@ -709,10 +709,14 @@ class ParallelModel:
         return rckpt.save(self, path, extra)
 
     @calls.collective
-    def load(self, path: str) -> dict:
+    def load(self, path: str, allow_changed_settings: bool = False) -> dict:
         """Restore a checkpoint written by `save` under any plan (same model and optimizer
-        type); returns its `extra`. Collective: call on every rank. Loading never unpickles."""
-        return rckpt.load(self, path)
+        type); returns its `extra`. The optimizer's hyperparameters (lr, betas, ...) and the
+        loss scaler come from the checkpoint; the settings compiled into the plan that change
+        the numbers (max_grad_norm, precision, batch_stats) must equal the checkpoint's, else
+        CheckpointError (allow_changed_settings=True: a warning). An LR scheduler is yours:
+        save its state_dict() in `extra`. Collective: call on every rank. Never unpickles."""
+        return rckpt.load(self, path, allow_changed_settings)
 
     @calls.collective
     def save_pretrained(self, directory: str, max_shard_size: int = rweights.SHARD_BYTES) -> str:

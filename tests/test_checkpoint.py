@@ -186,3 +186,89 @@ def test_fp16_loss_scaler_state_round_trips(tmp_path):
     got = [pm2.step(batch_fn(s)) for s in range(3, 5)]
     assert pm2.scaler.state_dict() == pm.scaler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+# --- exact resume: the settings that change the numbers travel with the checkpoint ---------
+
+CLIP = {"max_grad_norm": 0.5}  # the mlp's gradient norm is ~0.8: every step clips
+
+
+def _train(pm, batch_fn, steps, save_at=None, path=None, sched=None):
+    """Losses of `steps` steps from pm.step_count on; saves (with the scheduler's state in
+    `extra`, as torch users keep it) after step `save_at`."""
+    losses = []
+    for s in range(pm.step_count, steps):
+        losses.append(pm.step(batch_fn(s)))
+        if sched is not None:
+            sched.step()
+        if pm.step_count == save_at:
+            pm.save(path, extra={"sched": sched.state_dict()} if sched is not None else None)
+    return losses
+
+
+def test_resume_under_another_plan_with_the_same_settings_continues_the_run(tmp_path):
+    """Saved at microbatches=1, resumed at microbatches=2, both clipping at 0.5: the settings
+    match (the microbatch count is not one of them under batch_stats="whole") and the
+    resumed steps equal the uninterrupted ones up to the microbatches' summation order."""
+    pm, batch_fn = _pm("mlp", CLIP)
+    ref = _train(pm, batch_fn, 6, save_at=3, path=tmp_path / "c")
+    pm2, _ = _pm("mlp", {**CLIP, "microbatches": 2})
+    pm2.load(tmp_path / "c")
+    got = _train(pm2, batch_fn, 6)
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref[3:]), rtol=1e-6, atol=0)
+    a, b = pm.full_state_dict(), pm2.full_state_dict()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_resume_under_other_settings_is_refused_naming_them(tmp_path, caplog):
+    """The reported case at one process: saved clipping at 0.5, loaded without clipping (and
+    in bf16): refused, naming each difference and the fix; allow_changed_settings=True loads
+    with a warning. A checkpoint without the record loads with a warning."""
+    pm, batch_fn = _pm("mlp", CLIP)
+    _train(pm, batch_fn, 2, save_at=2, path=tmp_path / "c")
+    assert ck.read_meta(tmp_path / "c")[0]["settings"] == {
+        "max_grad_norm": 0.5, "precision": "fp32", "batch_stats": "whole"}
+    other, _ = _pm("mlp", {"precision": "bf16"})
+    with pytest.raises(fxpar.CheckpointError) as e:
+        other.load(tmp_path / "c")
+    msg = str(e.value)
+    assert "max_grad_norm: checkpoint 0.5, this plan None" in msg
+    assert "precision: checkpoint 'fp32', this plan 'bf16'" in msg
+    assert "allow_changed_settings=True" in msg and "batch_stats" not in msg
+    assert other.step_count == 0  # refused before anything was read
+    with caplog.at_level("WARNING", logger="fxpar"):
+        other.load(tmp_path / "c", allow_changed_settings=True)
+    assert other.step_count == 2 and "max_grad_norm: checkpoint 0.5" in caplog.text
+    meta_path = tmp_path / "c" / "fxpar.json"
+    meta = json.load(open(meta_path))
+    del meta["settings"]  # as an older fxpar wrote it
+    json.dump(meta, open(meta_path, "w"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fxpar"):
+        other.load(tmp_path / "c")
+    assert "records no training settings" in caplog.text
+
+
+def test_resume_restores_optimizer_hyperparameters_and_scheduler(tmp_path, caplog):
+    """The lr a scheduler moved and a weight decay changed in training come back from the
+    checkpoint over the ones the new optimizer was built with (torch's load_state_dict does
+    the same); the scheduler's own state travels in `extra`. The resumed run is the
+    uninterrupted one, bit for bit."""
+    pm, batch_fn = _pm("mlp")
+    pm.optimizer.param_groups[0]["weight_decay"] = 0.1
+    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=2, gamma=0.5)
+    ref = _train(pm, batch_fn, 6, save_at=3, path=tmp_path / "c", sched=sched)
+    pm2, _ = _pm("mlp")  # AdamW(lr=1e-3, weight_decay=0.01)
+    sched2 = torch.optim.lr_scheduler.StepLR(pm2.optimizer, step_size=2, gamma=0.5)
+    with caplog.at_level("INFO", logger="fxpar"):
+        extra = pm2.load(tmp_path / "c")
+    sched2.load_state_dict(extra["sched"])
+    group = pm2.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(5e-4) and group["weight_decay"] == 0.1
+    assert "weight_decay 0.01 -> 0.1" in caplog.text
+    got = _train(pm2, batch_fn, 6, sched=sched2)
+    assert all(torch.equal(a, b) for a, b in zip(ref[3:], got)), (ref[3:], got)
+    assert pm2.optimizer.param_groups[0]["lr"] == pm.optimizer.param_groups[0]["lr"]
+    a, b = pm.full_state_dict(), pm2.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
