@@ -8,3 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # 2-core machine): the suite runs op by op unless a test is about code generation and asks
 # for codegen="inductor" itself (tests/test_codegen.py, the codegen parity tests)
 os.environ.setdefault("FXPAR_CODEGEN", "eager")
+
+
+def pytest_runtest_logreport(report):
+    """A failure's cause printed as it happens, not only in the summary at the end: a CI run
+    stopped by its time limit never reaches the summary."""
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        why = crash.message.splitlines()[0] if crash is not None else str(report.longrepr)[-300:]
+        print(f"\nFAILED {report.nodeid} ({report.when}): {why[:400]}", flush=True)
