@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import operator
 import sys
@@ -167,6 +168,43 @@ def _fused_backward_kept(device_types, table: dict):
 def default_loss_fn(model: torch.nn.Module, batch: Any):
     """DESIGN section 1: model(**batch) for a dict, model(batch) otherwise."""
     return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def _batch_as_one_argument(model: torch.nn.Module, batch: Any, loss_fn: Callable,
+                           error: BaseException) -> TraceError | None:
+    """The default loss calls model(batch): a tuple batch given to a forward that takes its
+    items as separate arguments fails inside the trace (a missing argument, a tuple reaching
+    a layer) with an error naming neither. Said in the user's terms, with the fix, when the
+    forward's positional parameters fit the batch's items and either two or more of them
+    are required or the trace failed on a wrong argument (a TypeError or AttributeError)."""
+    if loss_fn is not default_loss_fn or not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        return None
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # (a builtin or C-level forward: no signature)
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+    most = len(batch) if variadic else len(positional)
+    if (len(positional) < 2 and not variadic) or not len(required) <= len(batch) <= most:
+        return None
+    chain, seen = [], error
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if len(required) < 2 and not any(isinstance(x, (TypeError, AttributeError)) for x in chain):
+        return None
+    names = ", ".join(p.name for p in positional[:len(batch)]) + (", *args" if variadic else "")
+    first = (str(error).splitlines() or [""])[0][:200]
+    return TraceError(
+        f"the default loss calls model(batch) with the whole batch as one argument, but "
+        f"{type(model).__name__}.forward takes the batch's items as separate arguments "
+        f"({names}) and example_batch is a {type(batch).__name__} of {len(batch)} (the trace "
+        f"then failed: {type(error).__name__}: {first}). Fix: pass "
+        "`loss_fn=lambda m, b: m(*b)` to fxpar.parallelize / fxpar.compile (it must return "
+        "a scalar loss, or an object with a `.loss`), or give the model a forward(self, "
+        "batch) that unpacks the batch itself.")
 
 
 def _as_scalar_loss(out: Any) -> torch.Tensor:
@@ -364,9 +402,12 @@ def capture(model: torch.nn.Module, example_batch: Any,
                 tagger.close()
                 tagger = _ModuleTagger(model)
                 gm, sig = _export(wrapper, tensor_leaves, joint, decompose_batch_norm)
-    except TraceError:
-        raise
     except Exception as e:  # noqa: BLE001 - re-raised with the cause named
+        hint = _batch_as_one_argument(model, example_batch, loss_fn, e)
+        if hint is not None:
+            raise hint from e
+        if isinstance(e, TraceError):
+            raise
         data_dep = ("DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower()
                     or "data dependent" in str(e).lower() or "GuardOnDataDependent" in str(e))
         cause = e

@@ -21,6 +21,11 @@ class BatchError(FxparError, ValueError):
     """A batch given to step()/evaluate() does not match the example batch."""
 
 
+class BatchIndexError(BatchError, IndexError):
+    """A batch value used as an index (an embedding id, a class target) is outside the range
+    its op accepts; the message names the op, its module and the values."""
+
+
 class CheckpointError(FxparError):
     """A checkpoint is missing, incomplete, unsafe, or does not fit the model being loaded."""
 

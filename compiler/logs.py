@@ -14,6 +14,13 @@ Without FXPAR_LOGS: INFO on rank 0 -- a few lines: the plan the planner chose an
 compile summary, progress of phases over 2 s -- and WARNING on the other ranks
 (FXPAR_DEBUG=1 is the old spelling of "+all"). Lines from rank r > 0 start with "[rank r]".
 
+Python warnings (`warnings.warn`: from passes, the api, torch) bypass the logger. In a job of
+several processes `configure` routes them the same way (`show_warning`): a line from rank
+r > 0 starts with "[rank r]", and each message is printed once per job - by the first rank
+to reach it (the job's c10d store decides; each rank also remembers what it printed) -
+instead of once per rank and again at each repeat. Not where the program replaced
+`warnings.showwarning` itself; `warnings.catch_warnings(record=True)` still records all.
+
 One stderr handler goes on the "fxpar" logger (never the root logger), once, and only where
 the program has not configured logging itself (handlers on "fxpar" or the root logger, or a
 level set on "fxpar"); with it "fxpar" stops propagating (as torch's loggers do), so a root
@@ -24,11 +31,13 @@ levels are set (without it, nothing: `logging.basicConfig(level=WARNING)` stays 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
 import sys
 import time
+import warnings
 
 import torch.distributed as dist
 
@@ -53,6 +62,13 @@ def rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0") or 0)
+
+
+def world_size() -> int:
+    """The job's number of processes: the process group's, else WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def _names(name: str) -> list[str]:
@@ -105,6 +121,46 @@ class _Format(logging.Formatter):
         return (f"[rank {r}] " if r else "") + f"{who}{kind}: {super().format(record)}"
 
 
+_warned: set[str] = set()  # warnings this process printed (or another rank did)
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning in a job of several processes: once per message per job, a line
+    from rank r > 0 prefixed "[rank r]" (as the logger's); one process: Python's own."""
+    if world_size() <= 1:
+        return warnings._showwarning_orig(message, category, filename, lineno, file, line)
+    key = f"{category.__name__}: {message}"
+    if key in _warned:
+        return None
+    _warned.add(key)
+    if not _first_in_job(key):
+        return None
+    r = rank()
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    try:
+        (file or sys.stderr).write((f"[rank {r}] " if r else "") + text)
+    except OSError:  # (as Python's: a closed stderr loses the warning, not the program)
+        pass
+    return None
+
+
+def _first_in_job(key: str) -> bool:
+    """Whether no other rank printed this warning yet (an atomic counter in the job's c10d
+    store); True when there is no store to ask."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+        return store.add(f"fxpar/warned/{digest}", 1) == 1
+    except Exception:  # noqa: BLE001 - no process group (yet), or its store is gone
+        return True
+
+
+def _route_warnings() -> None:
+    """Install show_warning, unless the program replaced warnings.showwarning itself."""
+    if warnings.showwarning is warnings._showwarning_orig:
+        warnings.showwarning = show_warning
+
+
 _handler: logging.Handler | None = None
 _configured = False
 _levels_set: set[str] = set()  # loggers whose level configure() set
@@ -120,6 +176,7 @@ def configure(force: bool = False) -> None:
     spec = os.environ.get("FXPAR_LOGS") or ("+all" if os.environ.get("FXPAR_DEBUG") else "")
     levels = {"fxpar": logging.WARNING, **parse(spec)} if spec else None  # (may raise)
     _configured = True
+    _route_warnings()
     ours = _handler is not None and _handler in top.handlers
     user_level = top.level != logging.NOTSET and "fxpar" not in _levels_set
     configured_by_program = bool(top.handlers and not ours or logging.getLogger().handlers

@@ -116,6 +116,16 @@ class PlanResult:
         lines += [f"{i + 1:4d}  {c.row()}" for i, c in enumerate(self.table[:top])]
         return "\n".join(lines)
 
+    def __str__(self) -> str:
+        """print(pm.plan_report): the ranked plans and why the chosen one won (the dataclass's
+        repr was one line of every candidate's fields)."""
+        return f"{self.format()}\n{self.explain()}"
+
+    def __repr__(self) -> str:
+        return (f"<PlanResult: {' '.join(plan_str(self.best.plan).split())}, "
+                f"{self.best.step_s * 1e3:.2f} ms/step predicted; {self.n_legal} legal plans, "
+                f"{self.n_fit} fit; print() it for the table>")
+
     def explain(self) -> str:
         b = self.best
         ms = {k: v * 1e3 for k, v in b.parts.items()}

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compiler import codegen, ir
-from fxpar.compiler.errors import PlanError
+from fxpar.compiler.errors import BatchIndexError, PlanError
 from fxpar.compiler.logs import Clock
 from fxpar.runtime import amp, bucket_updates, calls, comm, cudagraph, executor, faults, optim
+from fxpar.runtime import index_check
 from fxpar.runtime import schedules, verify
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import model_state
@@ -172,6 +173,7 @@ class ParallelModel:
         self.last_grad_norm = None  # the last step's global gradient norm (when computed)
         self.step_count = 0  # steps done = global batches consumed (saved by `save`)
         self._state_plain: bool | None = None  # (state_is_plain, found on first use)
+        self._indices_checked: set[int] = set()  # programs whose batch indices were checked
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
 
     def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -422,18 +424,74 @@ class ParallelModel:
         with faults.step_context(self.world, n):
             # every rank steps now: checked (calls.settle) before the step's first collective
             calls.begin(self._call_id, "step", raw_errors=True)
-            if self._verify is not None and n == self._verify_at:  # Plan.verify
-                loss, checked = verify.first_step(self, batch, *self._verify, self._train_step)
-                if not checked:  # fp16: the update was skipped (inf gradients): the next
-                    self._verify_at = n + 1
-            else:
-                loss = self._train_step(batch)
+            with self._named_index_errors(self.program, batch, f"step {n}"):
+                if self._verify is not None and n == self._verify_at:  # Plan.verify
+                    loss, checked = verify.first_step(self, batch, *self._verify,
+                                                      self._train_step)
+                    if not checked:  # fp16: the update was skipped (inf gradients): the next
+                        self._verify_at = n + 1
+                else:
+                    loss = self._train_step(batch)
             calls.settle()
         self.step_count = n
         if n == self.REFIT_AFTER and self._on_measured is not None \
                 and self.plan_report is not None:  # a planned job: a collective, all ranks
             self._report_measured()
         return loss
+
+    @contextlib.contextmanager
+    def _named_index_errors(self, program, batch, when: str):
+        """An embedding id or class target of `batch` out of its table's range raises
+        BatchIndexError naming the op, its module and the cause (runtime/index_check.py),
+        not ATen's bare IndexError or an Inductor kernel's bounds check. Checked before
+        `program`'s first run (Inductor's CPU kernels may abort the process instead of
+        raising) and after a run raised an index-type error: later runs pay nothing."""
+        if id(program) not in self._indices_checked:
+            self._indices_checked.add(id(program))
+            self._raise_bad_index(program, batch, when)
+        try:
+            yield
+        except (IndexError, RuntimeError) as e:
+            if isinstance(e, BatchIndexError) or not index_check.is_index_error(e):
+                raise
+            self._raise_bad_index(program, batch, when, e)
+            raise
+
+    def _raise_bad_index(self, program, batch, when: str, error=None) -> None:
+        """Raise BatchIndexError if an index op of this rank's graphs for `program` reads an
+        out-of-range value of `batch` (the check is a diagnosis: its own failure is logged
+        and the run goes on to raise whatever it raises)."""
+        try:
+            found = next(filter(None, (index_check.bad_index(gm, inputs) for gm, inputs
+                                       in self._batch_inputs(program, batch))), None)
+        except Exception:  # noqa: BLE001 - never in the way of the step or its own error
+            log.debug("index check of %s failed", when, exc_info=True)
+            return
+        if found is not None:
+            raise BatchIndexError(f"{when}: {found}") from error
+
+    def _batch_inputs(self, program, batch):
+        """(graph, {batch placeholder: (this rank's value, its path in the batch)}) for each
+        graph this rank runs for `program` (each pipeline part, each microbatch)."""
+        paths = [torch.utils._pytree.keystr(p) for p, v in
+                 torch.utils._pytree.tree_flatten_with_path(batch)[0]
+                 if isinstance(v, torch.Tensor)]
+        if self.pipeline_runner is None or program is not self.program:
+            sig = program.signature
+            skip = len(sig.param_names) + len(sig.buffer_names)
+            phs = [n for n in program.graph.graph.nodes if n.op == "placeholder"][skip:]
+            yield program.graph, {ph: (v, p) for ph, v, p in
+                                  zip(phs, self._leaves(batch, program), paths)}
+            return
+        trees = ir.microbatches(batch, program.microbatches, 1 if self.batch == "local" else
+                                program.dp) if program.microbatches > 1 else [batch]
+        for tree in trees:
+            leaves = self._leaves(tree, program)
+            for part in self.pipeline_runner.parts.values():
+                phs = [n for n in part.graph.graph.nodes if n.op == "placeholder"]
+                yield part.graph, {ph: (leaves[ref], paths[ref]) for (kind, ref), ph in
+                                   zip(part.inputs, phs) if kind == "batch" and
+                                   ref < len(leaves)}
 
     def _report_measured(self) -> None:
         """Hand the measured step time (median of the steps after the first two; a step
@@ -588,8 +646,9 @@ class ParallelModel:
         """Forward only, no parameter or buffer update: the mean loss of the global batch."""
         if self.pipeline_runner is not None:
             # the training program's forward parts: the same stages hold the same weights
-            return self._run_pipeline(self.program, self.pipeline_runner, batch,
-                                      forward_only=True)[0].detach()
+            with self._named_index_errors(self.program, batch, "evaluate"):
+                return self._run_pipeline(self.program, self.pipeline_runner, batch,
+                                          forward_only=True)[0].detach()
         if self._eval_program is None:  # compiled from the stand-ins compile kept: the
             # model's own tensors (shards by now) are never traced
             self._eval_program = self.program.build_eval()
@@ -603,7 +662,8 @@ class ParallelModel:
                     "evaluate() under tensor parallelism: the forward-only graph was sharded "
                     f"differently from the training graph ({self._eval_program.tp_layouts} vs "
                     f"{self.program.tp_layouts}); please report this model to fxpar.")
-        outs = self._run(self._eval_program, batch)
+        with self._named_index_errors(self._eval_program, batch, "evaluate"):
+            outs = self._run(self._eval_program, batch)
         return outs[0].detach()
 
     # --- full tensors from this rank's shards ---------------------------------------------

@@ -314,3 +314,140 @@ def test_torchrun_ranks_exit_cleanly(tmp_path):
         out = r.stdout + r.stderr
         assert r.returncode == 0 and out.count("trained") == 2, out[-3000:]
         assert "terminate called" not in out, out[-3000:]
+
+
+# --- errors in the user's terms (issue 45) ------------------------------------------------------
+
+class _Tagger(torch.nn.Module):
+    """batch = (ids [B, T], labels [B]): embedding, mean over T, 5-class cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, batch):
+        ids, labels = batch
+        return torch.nn.functional.cross_entropy(self.head(self.emb(ids).mean(1)), labels)
+
+
+def test_an_out_of_range_id_or_target_names_the_op_module_and_cause():
+    """An id >= the table's rows or a target outside [0, classes) raised ATen's bare
+    `IndexError: index out of range in self` (Inductor: `index out of bounds: 0 <= tmp2 <
+    4096L`, or an abort) from inside the runtime: now the op, its module and the cause -
+    checked before the first step, and after a later step raised."""
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 16, (4, 6)), torch.randint(0, 5, (4,))
+    pm = fxpar.parallelize(_Tagger(), 1, example_batch=(ids, labels), plan={"codegen": "eager"})
+    bad_ids = ids.clone()
+    bad_ids[2, 3] = 16
+    with pytest.raises(fxpar.BatchError, match=r"step 1: aten\.embedding in module 'emb': "
+                       r"embedding ids must be in \[0, 16\) .*batch\[0\] holds 16 \(1 of 24 "
+                       r"values.*larger than the model's table") as e:
+        pm.step((bad_ids, labels))
+    assert isinstance(e.value, IndexError)  # (what eager raises: except IndexError still works)
+    ignored = labels.clone()
+    ignored[0] = -100  # cross-entropy's ignore_index is in range
+    pm.step((ids, ignored))
+    bad_labels = labels.clone()
+    bad_labels[1] = 7
+    with pytest.raises(fxpar.BatchError, match=r"step 2: aten\.nll_loss_forward in the model's "
+                       r"top-level forward \(or the loss\): cross-entropy targets must be class "
+                       r"indices in \[0, 5\) .* or ignore_index=-100, but batch\[1\] holds 7 "
+                       r".*Check the labels") as e:
+        pm.step((ids, bad_labels))
+    assert isinstance(e.value.__cause__, IndexError)  # found after the run raised
+    assert pm.step((ids, labels)).isfinite()
+
+
+def test_the_index_check_reads_through_shifted_ids_and_the_fused_cross_entropy():
+    """The check evaluates the batch-only part of the graph: ids shifted and masked into one
+    rank's rows (tp's vocabulary-parallel lookup) pass; the codegen cross-entropy's gather of
+    where(target != ignore_index, target, 0) is named as a target check; Inductor's
+    bounds-check message counts as an index error, a collective's failure does not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from fxpar.runtime import index_check
+
+    def f(w, ids, logits, t):
+        local = ids - 8
+        safe = local.masked_fill((local < 0) | (local >= 8), 0)
+        keep = t != -100
+        picked = torch.gather(logits, 1, torch.where(keep, t, 0).unsqueeze(1))
+        return torch.nn.functional.embedding(safe, w), picked
+
+    w, logits = torch.randn(8, 4), torch.randn(3, 5)
+    ids, t = torch.tensor([[0, 9, 15]]), torch.tensor([4, -100, 0])
+    gm = make_fx(f)(w, ids, logits, t)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert index_check.bad_index(gm, {ph[1]: (ids, "['ids']"), ph[3]: (t, "['labels']")}) is None
+    said = index_check.bad_index(gm, {ph[1]: (ids, "['ids']"),
+                                      ph[3]: (torch.tensor([4, 9, -100]), "['labels']")})
+    assert "aten.gather" in said and "cross-entropy targets must be class indices in [0, 5)" \
+        in said and "ignore_index=-100" in said and "batch['labels'] holds 9" in said, said
+    assert index_check.is_index_error(RuntimeError(
+        "kernel, /tmp/x.main.cpp:21, index out of bounds: 0 <= tmp2 < 4096L"))
+    assert not index_check.is_index_error(RuntimeError("gloo: connection closed by peer"))
+
+
+def test_a_tuple_batch_for_a_forward_of_several_arguments_names_the_fix():
+    """The default loss calls model(batch): a forward(x, y) got the whole tuple as x and the
+    TraceError blamed data-dependent control flow; now it names the cause and
+    loss_fn=lambda m, b: m(*b)."""
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 4)
+
+        def forward(self, x, y=None):
+            out = self.fc(x)
+            return out if y is None else torch.nn.functional.mse_loss(out, y)
+
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    with pytest.raises(fxpar.TraceError, match=r"default loss calls model\(batch\) with the "
+                       r"whole batch as one argument, but Two\.forward takes the batch's items "
+                       r"as separate arguments \(x, y\) .*Fix: pass `loss_fn=lambda m, b: "
+                       r"m\(\*b\)`"):
+        fxpar.compile(Two(), 1, example_batch=batch)
+    fxpar.compile(Two(), 1, example_batch=batch, loss_fn=lambda m, b: m(*b))
+
+
+def test_print_plan_report_shows_the_table_and_repr_stays_short():
+    """print(pm.plan_report) dumped the dataclass's repr: every candidate's fields, one line."""
+    from fxpar.compiler import cost, planner
+    from fxpar.compiler.memory_model import MemoryEstimate
+
+    def candidate(dp, tp, ms):
+        plan = fxpar.Plan(dp=dp, tp=tp, pp=1, microbatches=1, zero=0, remat="none")
+        return planner.Candidate(plan, ms / 1e3, MemoryEstimate(2 ** 20, 2 ** 20, 2 ** 21,
+                                                                2 ** 22, 0), 0.3, 0.0,
+                                 {"compute": ms / 1e3 * 0.8, "dp communication": ms / 1e3 * 0.2})
+
+    table = [candidate(2, 1, 1.0), candidate(1, 2, 1.5)]
+    report = planner.PlanResult(table[0], table, 2, 2, cost.HARDWARE["a100"], "", 0.1, 2)
+    text = str(report)
+    assert text.splitlines()[0].startswith("2 legal plans for 2 x ") and "\n   1  dp=2" in text \
+        and "\n   2  dp=1" in text and "chosen: dp=2" in text and "runner-up" in text, text
+    assert repr(report).startswith("<PlanResult: dp=2 tp=1 pp=1") and "\n" not in repr(report) \
+        and len(repr(report)) < 200, repr(report)
+
+
+def test_warnings_of_a_multi_process_job_carry_the_rank_and_print_once(monkeypatch, capsys):
+    """warnings.warn (a pass's "stay whole", torch's own) bypassed the logger's "[rank r]"
+    prefix and printed once per rank and repeat; the job's store dedups across ranks (not
+    here: no process group, each rank decides alone)."""
+    import warnings
+    from fxpar.compiler import logs
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = warnings._showwarning_orig
+        logs.configure(force=True)
+        for _ in range(3):
+            warnings.warn("issue 45: a layer stays whole")
+        monkeypatch.setenv("RANK", "0")
+        warnings.warn("issue 45: rank 0's")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "UserWarning: issue 45" in ln]
+    assert len(lines) == 2 and lines[0].startswith("[rank 1] ") and \
+        lines[0].endswith("UserWarning: issue 45: a layer stays whole"), lines
+    assert not lines[1].startswith("[") and lines[1].endswith("rank 0's"), lines  # as logs
