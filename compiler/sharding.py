@@ -15,6 +15,7 @@ without a process group (`_init_backend=False`): placement decisions need no com
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from typing import Any, Sequence
 
@@ -30,7 +31,7 @@ from fxpar.compiler import ir
 from fxpar.compiler.errors import ShardingError
 
 __all__ = ["Replicate", "Shard", "Partial", "make_mesh", "shard_graph", "redistribute",
-           "local_shape"]
+           "local_shape", "is_split"]
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -119,6 +120,23 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
             node.meta[ir.REGION] = region
             return node
 
+        if _strided(s) or _strided(t):  # heads split inside a batch*heads dim: see _strided
+            if _strided(s):
+                cur = _strided_gather(emit, cur, x.meta[ir.VAL], s, d, placements, mesh_sizes,
+                                      group, meta)
+                s = placements[d] = Replicate()
+            if _strided(t):
+                if isinstance(s, Partial):
+                    cur = redistribute(graph, cur, (s,), (Replicate(),), [group], [n], meta)
+                elif isinstance(s, Shard):
+                    cur = _all_gather(emit, cur, s.dim, n, group, meta)
+                placements[d] = Replicate()
+                cur = _strided_chunk(emit, cur, x.meta[ir.VAL], t, d, placements, mesh_sizes,
+                                     group, meta)
+                placements[d] = t
+                continue
+            if s == t:
+                continue
         if isinstance(s, Partial) and isinstance(t, Shard) and s.reduce_op == "sum":
             # reduce-scatter: each rank receives only its summed slice (half an all-reduce)
             cur = _reduce_scatter(emit, cur, t.dim, n, group, meta)
@@ -147,6 +165,60 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
     if cur is not x:  # meta["val"] holds global shapes until the caller re-propagates
         cur.meta.setdefault(ir.VAL, x.meta.get(ir.VAL))
     return cur
+
+
+def is_split(p) -> bool:
+    """Whether placement `p` splits a dim over its mesh dim (a shard, strided or not)."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def _strided(p) -> bool:
+    """A strided shard: DTensor's placement of a dim merged from [k, m] with the m part split
+    (`_StridedShard(dim, split_factor=k)`): each rank holds its 1/n of every one of the k
+    blocks. Attention's batched matmuls flatten [batch, heads] into one dim, heads split."""
+    return isinstance(p, _StridedShard)
+
+
+def _local_sizes(shape, placements, mesh_sizes) -> list[int]:
+    shape = list(shape)
+    for p, n in zip(placements, mesh_sizes):
+        if isinstance(p, Shard) or _strided(p):
+            shape[p.dim] //= n
+    return shape
+
+
+def _blocked(emit, x, gval, p, placements, mesh_sizes, region):
+    """x (local) with its strided dim viewed as [split_factor, rest]: the split part becomes
+    dim p.dim + 1, a plain dim that the ordinary gathers and chunks handle."""
+    local = _local_sizes(gval.shape, placements, mesh_sizes)
+    k = p.split_factor
+    blocked = emit(aten.view.default,
+                   (x, local[:p.dim] + [k, local[p.dim] // k] + local[p.dim + 1:]), region)
+    whole = list(gval.shape)
+    blocked.meta[ir.VAL] = gval.new_empty(whole[:p.dim] + [k, whole[p.dim] // k]
+                                          + whole[p.dim + 1:])
+    return blocked
+
+
+def _strided_gather(emit, x, gval, p, d, placements, mesh_sizes, group, meta):
+    """Strided shard -> Replicate: gather the split part of each block, then merge back."""
+    region = meta.get(ir.REGION, ir.FORWARD)
+    blocked = _blocked(emit, x, gval, p, placements, mesh_sizes, region)
+    out = _all_gather(emit, blocked, p.dim + 1, mesh_sizes[d], group, meta)
+    after = list(placements)
+    after[d] = Replicate()
+    return emit(aten.view.default, (out, _local_sizes(gval.shape, after, mesh_sizes)), region)
+
+
+def _strided_chunk(emit, x, gval, p, d, placements, mesh_sizes, group, meta):
+    """Replicate -> strided shard: this rank's chunk of each block (no communication)."""
+    region = meta.get(ir.REGION, ir.FORWARD)
+    blocked = _blocked(emit, x, gval, p, placements, mesh_sizes, region)
+    mine = emit(torch.ops.fxpar.local_chunk.default, (blocked, p.dim + 1, mesh_sizes[d], group),
+                region)
+    after = list(placements)
+    after[d] = p
+    return emit(aten.view.default, (mine, _local_sizes(gval.shape, after, mesh_sizes)), region)
 
 
 def _moved_to_front(emit, x, dim, region):
@@ -220,6 +292,21 @@ _AXIS_DIM = {
 # Attention kernels whose tensors are all (batch, heads, ...): any placement that splits the
 # batch or the heads of q/k/v splits every other operand and result the same way.
 _ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# Ops through which a strided shard is carried: how a batched matmul over [batch, heads] is
+# written in ATen (torch.matmul's and SDPA's math path: flatten batch*heads, bmm, unflatten;
+# its backward the same with transposes; ALiBi's baddbmm), heads split by tensor
+# parallelism. Views follow _view_placement (DTensor's view rule mislabels some strided
+# results: [4*4] split as _S(0, 4) viewed as [2, 8] came back _S(1, 4), which is _S(1, 2));
+# DTensor's rules answer the others (a batch dim moved or matched, elementwise ops). Any
+# other op reading a strided shard gets it whole.
+_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_STRIDED_DTENSOR = {aten.transpose.int, aten.permute.default, aten.bmm.default,
+                    aten.baddbmm.default,
+                    # elementwise (a scale, a mask): every element by itself
+                    aten.mul.Scalar, aten.div.Scalar, aten.mul.Tensor, aten.div.Tensor,
+                    aten.add.Tensor, aten.sub.Tensor, aten.neg.default}
+_STRIDED_OPS = {*_VIEW_OPS, *_STRIDED_DTENSOR, aten.clone.default}
+
 _BATCH_HEAD_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
                    *_ATTENTION_BACKWARD}
 
@@ -319,6 +406,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     sh.prefer_split, sh.prefer = bool(prefer), prefer or {}
     sh.split_random = split_random_ops
     for node in list(gm.graph.nodes):
+        if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
+            continue
         if node.op == "placeholder":
             spec = _spec(mesh, placeholder_placements.get(node.name, sh.replicate),
                          node.meta[ir.VAL])
@@ -358,7 +447,7 @@ def _is_partial(placements) -> bool:
 
 def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
             group_names: Sequence[str], region: str | None = ir.FORWARD, decide=None,
-            reduce_shared_partials: bool = False):
+            reduce_shared_partials: bool = False, split_random_ops: bool = False):
     """What shard_graph would do, without changing `gm` (it shards a copy of the graph).
 
     Returns (specs, requests): the placements of every visited node of `gm`, and every
@@ -367,13 +456,15 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
     each call node and may return {placeholder name: placements} to place values left
     pending (placeholders mapped to None in `placeholder_placements`): lazy decisions, e.g.
     a weight's placement chosen when its matmul sees how the activation arrives. A pending
-    placeholder left undecided blocks the nodes that read it (they are not visited)."""
+    placeholder left undecided blocks the nodes that read it (they are not visited).
+    split_random_ops: as shard_graph's (a dropout on a split value keeps it split)."""
     g2 = torch.fx.Graph()
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     g2.output(g2.graph_copy(gm.graph, val_map))
     back = {v: k for k, v in val_map.items()}
     gm2 = torch.fx.GraphModule(gm, g2)
     sh = _Sharder(g2, mesh, list(group_names))
+    sh.split_random = split_random_ops
     phs = {n.name: n for n in g2.nodes if n.op == "placeholder"}
     pending = set()
     for n in phs.values():
@@ -400,7 +491,7 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
             sh.reduce_if_shared(a)
 
     for node in list(g2.nodes):
-        if node.op in ("placeholder", "output") or node not in back:
+        if node.op in ("placeholder", "output") or node not in back or node._erased:
             continue
         if region is not None and node.meta.get(ir.REGION) != region:
             continue
@@ -455,7 +546,7 @@ class _Sharder:
         self.requests: list[tuple] = []
         self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
         self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
-        self.replaying = False     # inside remat's RNG replay wrapper
+        self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
         self.prop = DTensor._op_dispatcher.sharding_propagator
@@ -552,6 +643,18 @@ class _Sharder:
                           and isinstance(a.meta.get(ir.VAL), torch.Tensor)
                           and a.meta[ir.VAL].numel() < out_numel})
 
+        # A strided shard (heads split inside attention's batch*heads dim) is carried only
+        # through ops whose DTensor rules are known to keep it right; any other op gets it
+        # whole (gathered)
+        strided = {a: tuple(Replicate() if _strided(p) else p for p in self.specs[a].placements)
+                   for a in self.inputs(node) if op not in _STRIDED_OPS
+                   and isinstance(self.specs.get(a), DTensorSpec)
+                   and any(_strided(p) for p in self.specs[a].placements)}
+        if strided:
+            log.debug("%s (node %s, module '%s') reads a strided shard: gathered first", op,
+                      node.name, node.meta.get(ir.MODULE, ""))
+            self.place(node, strided)
+
         if op is c10d.wait_tensor.default or op is aten.clone.default:
             # identities: any placement passes through (DTensor's clone rule would reduce a
             # partial sum, e.g. at a dropout(p=0) between a row split and the residual add)
@@ -559,7 +662,9 @@ class _Sharder:
         if self._other_axis(node):
             return self.propagate_other_axis(node)
         spec = vocab_parallel.rule(self, node)
-        if spec is None and self.split_random and not self.replaying:
+        if spec is None and op in _VIEW_OPS:
+            spec = self.strided_view(node)
+        if spec is None and self.split_random:
             spec = split_random.rule(self, node)
         if spec is not None:
             return spec
@@ -615,7 +720,7 @@ class _Sharder:
                 "out-of-place ATen ops have rules), or report the op to fxpar.")
         try:
             out = self.ask_dtensor(node)
-            strided = _unsupported_answer(out)
+            strided = _unsupported_answer(out, op)
         except ShardingError:
             out, strided = None, False
         if out is None or strided:
@@ -699,22 +804,53 @@ class _Sharder:
                     "compose these two shardings of one dimension.")
         return _out_spec(self.mesh, pl, node.meta.get(ir.VAL))
 
+    def strided_view(self, node):
+        """A view of a split value whose result is a strided shard (heads split, flattened
+        with the batch), or of a strided shard: the output spec by _view_placement, the
+        shape argument made local; None where DTensor's own rule is left to answer (a plain
+        shard in and out). A strided shard no placement describes after the view is made
+        whole first."""
+        x = node.args[0]
+        spec = self.specs.get(x)
+        if len(self.mesh_sizes) != 1 or not isinstance(spec, DTensorSpec) or \
+                not isinstance(node.meta.get(ir.VAL), torch.Tensor):
+            return None
+        pl, n = spec.placements[0], self.mesh_sizes[0]
+        if not (isinstance(pl, Shard) or _strided(pl)):
+            return None
+        out_shape = list(node.meta[ir.VAL].shape)
+        new = _view_placement(list(x.meta[ir.VAL].shape), pl, out_shape, n)
+        if new is None or (isinstance(new, Shard) and isinstance(pl, Shard)):
+            if _strided(pl):
+                self.place(node, {x: self.replicate})
+            return None
+        local = list(out_shape)
+        local[new.dim] //= n
+        node.args = (node.args[0], local, *node.args[2:])
+        return _out_spec(self.mesh, (new,), node.meta[ir.VAL])
+
     def propagate_rng_replay(self, node):
         """remat's RNG replay wrappers shard like the random op they wrap; the saved RNG state
-        is each rank's own (never communicated), marked Replicate."""
+        is each rank's own (never communicated), marked Replicate. A random op on a split
+        value is rewritten by split_random's rule: `node` then leaves as a plain op."""
         saving = node.target is run_and_save_rng_state
         hop, val = node.target, node.meta.get(ir.VAL)
         k = 0 if saving else 1                      # position of the wrapped op in args
         head = node.args[:k + 1]
-        node.target, node.args = node.args[k], node.args[k + 1:]
+        op = node.args[k]
+        node.target, node.args = op, node.args[k + 1:]
         node.meta[ir.VAL] = val[1] if saving else val
-        self.replaying = True  # the wrapped op is not rewritten (split_random's rule)
+        self.replay = ("save",) if saving else ("replay", head[0])
         try:
             spec = self.propagate(node)
         finally:
-            self.replaying = False
-            node.target, node.args = hop, (*head, *node.args)
-            node.meta[ir.VAL] = val
+            self.replay = None
+            rewritten = node.target is not op
+            if not rewritten:
+                node.target, node.args = hop, (*head, *node.args)
+                node.meta[ir.VAL] = val
+        if rewritten:
+            return spec
         if saving:
             return (_spec(self.mesh, self.replicate, val[0]), spec)
         return spec
@@ -761,17 +897,46 @@ class _Sharder:
         return orig if isinstance(want, DTensorSpec) else want
 
 
-def _unsupported_answer(out) -> bool:
+def _view_placement(in_shape, pl, out_shape, n):
+    """The placement of view(x, out_shape) where x (in_shape) is split `pl` over n ranks:
+    Shard(e), _StridedShard(e, k), or None where no placement describes it.
+
+    A view keeps the elements' row-major order. In that order a split is [outer blocks P,
+    split part q, inner R]: each rank holds the same 1/n contiguous piece of q in every
+    block (Shard(d): P = prod(in_shape[:d]), q = in_shape[d]; _StridedShard(d, k): P times
+    k, q over k). The output dim e that starts the q part with P = prod(out_shape[:e]) * k
+    carries it: Shard(e) for k = 1, else _StridedShard(e, k), if e holds whole q's
+    (with some of R) or an outermost part of q that n divides."""
+    d = pl.dim % len(in_shape)
+    P, q = math.prod(in_shape[:d]), in_shape[d]
+    if _strided(pl):
+        P, q = P * pl.split_factor, q // pl.split_factor
+    before = 1
+    for e, size in enumerate(out_shape):
+        if before > P:
+            break
+        if P % before == 0 and size % (P // before) == 0:
+            k = P // before
+            w = size // k
+            if w > 1 and (w % q == 0 or (q % w == 0 and w % n == 0)):
+                return Shard(e) if k == 1 else _StridedShard(e, split_factor=k)
+        before *= size
+    return None
+
+
+def _unsupported_answer(out, op=None) -> bool:
     """Whether DTensor's answer places a value in a way this graph cannot carry: a strided
-    shard, or a masked partial (_MaskPartial: DTensor's row-wise embedding, and gather along
-    a split dim, keep the ids' out-of-range mask inside the placement object and localize
-    the ids in the dispatcher; in a graph the ids would reach the op unlocalized and the
-    partial would be summed unmasked - an index error, or a silently wrong value)."""
+    shard from an op outside _STRIDED_OPS, or a masked partial (_MaskPartial: DTensor's
+    row-wise embedding, and gather along a split dim, keep the ids' out-of-range mask inside
+    the placement object and localize the ids in the dispatcher; in a graph the ids would
+    reach the op unlocalized and the partial would be summed unmasked - an index error, or a
+    silently wrong value)."""
     specs = list(torch.utils._pytree.tree_leaves(out.output_spec))
     if out.redistribute_schema is not None:
         specs += torch.utils._pytree.tree_leaves(
             (out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema))
-    return any(isinstance(p, (_StridedShard, _MaskPartial))
+    bad = _MaskPartial if op in _STRIDED_DTENSOR else (_StridedShard, _MaskPartial)
+    return any(isinstance(p, bad)
                for spec in specs if isinstance(spec, DTensorSpec) for p in spec.placements)
 
 

@@ -34,7 +34,7 @@ import torch.fx
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError, ShardingError
 from fxpar.compiler.graphs import fake_propagate
-from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh,
+from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, is_split, make_mesh,
                                      redistribute, shard_graph)
 
 aten = torch.ops.aten
@@ -67,6 +67,7 @@ class Decision:
     interleaved: dict[str, int]  # weight/bias name -> pieces of its fused output
     placements: dict[str, tuple]  # parameter name -> placements on the tp mesh
     gathered: list[str] = dataclasses.field(default_factory=list)  # column outputs all-gathered
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # whole weight -> why
 
 
 def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
@@ -99,9 +100,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
 
     mesh = make_mesh(tp)
     if plan.tp_style == "all-gather":
-        roles, placements = all_gather_placements(gm, linears, params, tp)
+        roles, placements, why = all_gather_placements(gm, linears, params, tp)
     else:
-        roles, placements = choose_placements(gm, linears, params, mesh, group, tp)
+        roles, placements, why = choose_placements(gm, linears, params, mesh, group, tp)
         if plan.tp_style == "auto":
             _gather_where_cheaper(roles, placements, tp, ctx)
     _check_divisible(placements, tp)
@@ -128,25 +129,33 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         shard = next((p for p in placements.get(n, ()) if isinstance(p, Shard)), None)
         il_dim, k = interleaved.get(n, (None, 1))
         layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
+    whole = list(dict.fromkeys(params[lin.weight] for lin, r in roles.items()
+                               if r == "replicated"))
+    reasons = {params[w]: text for w, text in why.items() if params[w] in whole}
     gm.meta["tensor_parallel"] = Decision(
         tp, [params[lin.weight] for lin, r in roles.items() if r.startswith("column")],
-        [params[lin.weight] for lin, r in roles.items() if r == "row"],
-        [params[lin.weight] for lin, r in roles.items() if r == "replicated"],
+        [params[lin.weight] for lin, r in roles.items() if r == "row"], whole,
         {params[n]: k for n, (_, k) in interleaved.items()},
         {params[n]: pl for n, pl in placements.items()},
-        [params[lin.weight] for lin, r in roles.items() if r == "column+gather"])
-    whole = [params[lin.weight] for lin, r in roles.items() if r == "replicated"]
-    if not roles or len(whole) == len(roles):
+        [params[lin.weight] for lin, r in roles.items() if r == "column+gather"], reasons)
+    n_weights = len({lin.weight for lin in roles})
+    if not roles or len(whole) == n_weights:
         warnings.warn(f"tp={tp}: no column->row linear pair was found in this model's graph, "
-                      "so every tp rank computes the whole model (replication only).")
+                      "so every tp rank computes the whole model (replication only)."
+                      + _reason_lines(whole, reasons))
     elif whole:
         warnings.warn(
-            f"tp={tp}: {len(whole)} of {len(roles)} linear layers stay whole on every tp rank "
-            f"(e.g. {', '.join(whole[:3])}): their outputs cannot stay split until a row "
-            f"partner (e.g. a head count or width that {tp} does not divide, or a single "
-            "key/value head). They are computed redundantly; pm.stage_graphs['tensor_parallel']"
-            " lists them (meta['tensor_parallel'].replicated).")
+            f"tp={tp}: {len(whole)} of {n_weights} linear layers stay whole on every tp rank, "
+            "computed redundantly (the tensor_parallel graph's meta['tensor_parallel'].reasons "
+            "lists each):" + _reason_lines(whole, reasons))
     return gm
+
+
+def _reason_lines(whole, reasons, most=10) -> str:
+    lines = [f"\n  {w}: {reasons.get(w, 'no split was found for it')}" for w in whole[:most]]
+    if len(whole) > most:
+        lines.append(f"\n  ... and {len(whole) - most} more")
+    return "".join(lines)
 
 
 # --- finding the linears ------------------------------------------------------------------
@@ -309,7 +318,8 @@ def _views_of(node):
 # --- choosing placements --------------------------------------------------------------------
 
 def choose_placements(gm, linears, params, mesh, group, tp):
-    """-> ({Linear: "column" | "row" | "replicated"}, {param placeholder: placements}).
+    """-> ({Linear: "column" | "row" | "replicated"}, {param placeholder: placements},
+    {weight left whole: why, in words}).
 
     Embedding tables of token ids are split over the vocabulary (Shard(0): each rank looks
     up the ids it holds, one all-reduce of the result); a table tied to the LM head decides
@@ -321,16 +331,19 @@ def choose_placements(gm, linears, params, mesh, group, tp):
     for w, nodes in lookups.items():
         weight_uses.setdefault(w, set()).update(nodes)
     eligible = {w for w in weight_uses if all(u in weight_uses[w] for u in _forward_users(w))}
-    failed: set = set()  # weights whose split does not pay off
+    failed: dict = {}  # weights whose split does not pay off -> why
     for _ in range(len(linears) + len(lookups) + 1):
         roles: dict[Linear, str] = {}
         decided: dict[torch.fx.Node, tuple] = {}
+        why: dict[torch.fx.Node, str] = {}
 
         def decide(node, specs):
             if node.target is aten.embedding.default and node.args[0] in eligible and \
                     node.args[0] not in decided and node in lookups.get(node.args[0], ()):
                 w = node.args[0]
                 pl = (Replicate(),) if w in failed or not _splits(w, 0, tp) else (Shard(0),)
+                if pl == (Replicate(),):
+                    why[w] = failed.get(w) or _indivisible(w, 0, "rows", tp)
                 decided[w] = pl
                 return {w.name: pl}
             lin = by_mm.get(node)
@@ -343,16 +356,26 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                 act = specs.get(lin.act)
                 pl = act.placements[0] if act is not None else Replicate()
                 last = lin.act.meta[ir.VAL].dim() - 1
+                role, w = "replicated", Replicate()
                 if lin.weight not in eligible:
-                    role, w = "replicated", Replicate()
-                elif isinstance(pl, Shard) and pl.dim == last and \
-                        _splits(lin.weight, lin.in_dim, tp):
-                    role, w = "row", Shard(lin.in_dim)
-                elif pl == Replicate() and lin.weight not in failed and \
-                        _splits(lin.weight, lin.out_dim, tp):
-                    role, w = "column", Shard(lin.out_dim)
+                    why[lin.weight] = _other_use(lin.weight, weight_uses[lin.weight])
+                elif isinstance(pl, Shard) and pl.dim == last:
+                    if _splits(lin.weight, lin.in_dim, tp):
+                        role, w = "row", Shard(lin.in_dim)
+                    else:
+                        why[lin.weight] = _indivisible(lin.weight, lin.in_dim, "input features",
+                                                       tp)
+                elif pl == Replicate():
+                    if lin.weight in failed:
+                        why[lin.weight] = failed[lin.weight]
+                    elif _splits(lin.weight, lin.out_dim, tp):
+                        role, w = "column", Shard(lin.out_dim)
+                    else:
+                        why[lin.weight] = _indivisible(lin.weight, lin.out_dim,
+                                                       "output features", tp)
                 else:
-                    role, w = "replicated", Replicate()
+                    why[lin.weight] = f"its input arrives {pl} (not whole, nor split on the " \
+                        "features it contracts)"
                 roles[lin] = role
                 decided[lin.weight] = (w,)
                 return {lin.weight.name: (w,)}
@@ -363,21 +386,65 @@ def choose_placements(gm, linears, params, mesh, group, tp):
         pending = {w.name: None for w in eligible}  # placed when their matmul is reached
         try:
             specs, requests = dry_run(gm, mesh, pending, [group], decide=decide,
-                                      reduce_shared_partials=True)
+                                      reduce_shared_partials=True, split_random_ops=True)
         except ShardingError as e:
             raise PlanError(
                 f"tp={tp} cannot split this model evenly: {e} Choose a tp that divides the "
                 "number of attention heads (and of key/value heads), the hidden size and the "
                 "MLP width.") from None
-        new_failed = _failed_columns(gm, linears, decided, specs, requests) - failed
+        new_failed = {w: text for w, text in _failed_columns(
+            gm, linears, decided, specs, requests).items() if w not in failed}
         if not new_failed:
             break
-        failed |= new_failed
+        failed.update(new_failed)
     placements = {w: pl for w, pl in decided.items() if pl != (Replicate(),)}
     _mark_vocab_backward(gm, lookups, placements)
     # a bias (or any parameter) every forward use of which wants the same shard: store it so
     placements.update(_absorbed_shards(gm, params, placements, mesh, group))
-    return roles, placements
+    return roles, placements, why
+
+
+def _indivisible(weight, dim, what, tp) -> str:
+    return f"its {weight.meta[ir.VAL].shape[dim]} {what} do not divide by tp={tp}"
+
+
+def _other_use(weight, uses) -> str:
+    other = next((u for u in _forward_users(weight) if u not in uses), None)
+    return "the forward also reads it outside its matmul" + (
+        f" ({_op_name(other)} in '{other.meta.get(ir.MODULE, '')}')" if other is not None
+        else "")
+
+
+def _op_name(node) -> str:
+    t = node.target
+    return t.__name__.split(".")[0] if isinstance(t, torch._ops.OpOverload) else str(t)
+
+
+# ops that need their input's features whole, and the words for why
+_NEEDS_WHOLE = {
+    "native_layer_norm": "a LayerNorm over the features",
+    "_fused_rms_norm": "an RMSNorm over the features",
+    "view": "a view that regroups the split features (e.g. heads or a width that tp does "
+            "not divide, or one key/value head shared by every head)",
+    "_unsafe_view": "a view that regroups the split features (e.g. heads or a width that tp "
+                    "does not divide, or one key/value head shared by every head)",
+    "add": "an add with a whole value (e.g. a residual)",
+    "slice": "a slice across the split features",
+    **{name: "attention whose key/value heads do not split like its query heads" for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")},
+}
+
+
+def _why_gathered(node, value) -> str:
+    """Why a column split failed: the op that needed its split output whole."""
+    head = "split by its output features, its output would be needed whole"
+    at = node if node is not None else value
+    if at is None:
+        return head + " before a row split could contract it"
+    name, where = _op_name(at), f"in '{at.meta.get(ir.MODULE, '')}'"
+    what = f"{_NEEDS_WHOLE[name]} ({name} {where})" if name in _NEEDS_WHOLE else f"{name} {where}"
+    return f"{head} by {what} before a row split could contract it"
 
 
 def _splits(weight, dim, tp) -> bool:
@@ -388,19 +455,23 @@ def _splits(weight, dim, tp) -> bool:
 
 def all_gather_placements(gm, linears, params, tp):
     """tp_style="all-gather": every linear split by output features, output gathered."""
-    roles, placements = {}, {}
+    roles, placements, why = {}, {}, {}
     uses = _weight_uses(gm, linears)
     for lin in linears:
         w = lin.weight
-        ok = all(u in uses[w] for u in _forward_users(w)) and \
-            w.meta[ir.VAL].shape[lin.out_dim] % tp == 0 and \
-            placements.get(w, (Shard(lin.out_dim),)) == (Shard(lin.out_dim),)
+        if not all(u in uses[w] for u in _forward_users(w)):
+            why[w] = _other_use(w, uses[w])
+        elif w.meta[ir.VAL].shape[lin.out_dim] % tp:
+            why[w] = _indivisible(w, lin.out_dim, "output features", tp)
+        elif placements.get(w, (Shard(lin.out_dim),)) != (Shard(lin.out_dim),):
+            why[w] = "another matmul reads it split on another dim"
+        ok = w not in why
         roles[lin] = "column+gather" if ok else "replicated"
         if ok:
             placements[w] = (Shard(lin.out_dim),)
             if lin.bias is not None:
                 placements[lin.bias] = (Shard(0),)
-    return roles, placements
+    return roles, placements, why
 
 
 def _gather_where_cheaper(roles, placements, tp, ctx):
@@ -492,9 +563,9 @@ def _mark_vocab_backward(gm, lookups, placements):
                 n.meta[ir.VOCAB_SHARD] = True
 
 
-def _failed_columns(gm, linears, decided, specs, requests) -> set:
+def _failed_columns(gm, linears, decided, specs, requests) -> dict:
     """Weights split by output features whose sharded output reaches an op that needs it
-    gathered."""
+    gathered -> why (the first such op, in words)."""
     col = {lin.mm: lin.weight for lin in linears
            if decided.get(lin.weight) == (Shard(lin.out_dim),)}
     row = {lin.mm for lin in linears if decided.get(lin.weight) == (Shard(lin.in_dim),)}
@@ -508,10 +579,11 @@ def _failed_columns(gm, linears, decided, specs, requests) -> set:
             o = set().union(*(origin.get(a, set()) for a in n.all_input_nodes))
             if o:
                 origin[n] = o
-    failed = set()
+    failed: dict = {}
     for node, value, have, need in requests:
-        if any(isinstance(h, Shard) for h in have) and have != need:
-            failed |= origin.get(value, set())
+        if any(is_split(h) for h in have) and have != need:
+            for w in origin.get(value, ()):
+                failed.setdefault(w, _why_gathered(node, value))
     return failed
 
 
@@ -519,7 +591,7 @@ def _absorbed_shards(gm, params, placements, mesh, group):
     """Parameters left replicated whose every forward use chunks them the same way (a column
     linear's bias): shard them at rest instead (1/tp of the memory, no chunking)."""
     specs, requests = dry_run(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
-                              reduce_shared_partials=True)
+                              reduce_shared_partials=True, split_random_ops=True)
     wants: dict = {}
     for node, value, have, need in requests:
         if value in params and value not in placements:

@@ -2,6 +2,7 @@
 (Megatron's 2 + 2 all-reduces per block), fused QKV layouts, GQA, composition with dp."""
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -220,7 +221,8 @@ def test_interleaved_layout_round_trip():
 def test_tp_that_does_not_divide_the_hidden_size_keeps_the_layers_whole():
     """An MLP width of 6 over tp=4: the up projection cannot split its 6 outputs, so it
     stays whole (computed redundantly; a warning names it) instead of failing the plan."""
-    with pytest.warns(UserWarning, match="tp=4: 1 of 2 linear layers stay whole.*up.weight"):
+    with pytest.warns(UserWarning,
+                      match="(?s)tp=4: 1 of 2 linear layers stay whole.*up.weight: its 6 output"):
         gm, _, _ = compile_tp(Block(d=8, hidden=6), (torch.randn(8, 8), torch.randn(8, 8)), 4)
     assert gm.meta["tensor_parallel"].replicated == ["up.weight"]
 
@@ -229,7 +231,7 @@ def test_tp_that_does_not_divide_the_heads_keeps_attention_whole_and_says_so():
     """2 heads over tp=4: the attention's projections stay whole on every rank (a warning
     names them), the MLP is still split as a column -> row pair."""
     cfg = M.GPTConfig(n_layer=1, n_head=2)
-    with pytest.warns(UserWarning, match="tp=4: 2 of 5 linear layers stay whole.*c_attn"):
+    with pytest.warns(UserWarning, match="(?s)tp=4: 2 of 5 linear layers stay whole.*c_attn"):
         gm, _, _ = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)
     d = gm.meta["tensor_parallel"]
     assert d.replicated == ["h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight"]
@@ -366,7 +368,7 @@ def test_tp_that_does_not_divide_the_kv_heads_keeps_attention_whole():
     the attention's projections stay whole on every rank (named in a warning); one KV head
     (multi-query attention) instead stays whole while the q heads split (test below)."""
     model = M.hf_llama(layers=1, heads=4, kv_heads=2)
-    with pytest.warns(UserWarning, match="tp=4: 3 of 8 linear layers stay whole.*q_proj"):
+    with pytest.warns(UserWarning, match="(?s)tp=4: 3 of 8 linear layers stay whole.*q_proj"):
         gm, _, _ = compile_tp(model, M.hf_lm_batch(128, 4, 16), 4)
     assert [w.split(".")[-2] for w in gm.meta["tensor_parallel"].replicated] == [
         "q_proj", "k_proj", "v_proj"]
@@ -580,3 +582,315 @@ def test_bert_mlm_mid_size_tp2_equals_one_process():
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"dropout {mkw['dropout']} {k}: {m}")
+
+
+# --- models' default dropout (attention probabilities with the heads split) ------------------
+
+def hf_gpt2_default_dropout(layers=1, vocab=128, d=32, heads=4):
+    """HF GPT2LMHeadModel with GPT-2's own dropouts (0.1 on embeddings, attention
+    probabilities and residuals)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=d, n_layer=layers, n_head=heads,
+                                      n_positions=32))
+
+
+def hf_bert_mlm_default_dropout(layers=1, vocab=128, hidden=32, heads=4):
+    """HF BertForMaskedLM with BERT's own dropouts (0.1, attention probabilities included)."""
+    from transformers import BertConfig, BertForMaskedLM
+    return BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=hidden,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      intermediate_size=4 * hidden, max_position_embeddings=64))
+
+
+# name -> (model, batch(seed), block prefix, column splits, row splits, attention module)
+DEFAULT_DROPOUT = {
+    "gpt2": (hf_gpt2_default_dropout, lambda s=0: M.hf_lm_batch(128, 4, 16, seed=s),
+             "transformer.h.0.", ["attn.c_attn", "mlp.c_fc"], ["attn.c_proj", "mlp.c_proj"],
+             "transformer.h.0.attn"),
+    "bert": (hf_bert_mlm_default_dropout, lambda s=0: mlm_batch(128, 4, 16, seed=s),
+             "bert.encoder.layer.0.",
+             ["attention.self.query", "attention.self.key", "attention.self.value",
+              "intermediate.dense"], ["attention.output.dense", "output.dense"],
+             "bert.encoder.layer.0.attention.self"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_DROPOUT))
+def test_default_attention_dropout_keeps_the_attention_split(name):
+    """With dropout on, SDPA on CPU runs its math path: q @ k^T and probs @ v are bmm's over
+    [batch * heads] (torch.matmul's flattening), the heads split inside that dim (DTensor's
+    strided shard), and the dropout of the attention probabilities [B, H, T, T] has its heads
+    split. Both kept the attention whole (a generic warning blamed head counts); now the
+    strided shard is carried through the views and bmm's, and the dropout draws the whole
+    [B, H, T, T] mask on every rank and keeps this rank's heads (single-process training's
+    mask): the attention splits as with dropout 0, Megatron's 2 + 2 all-reduces a block."""
+    make, batch, prefix, column, row, attn = DEFAULT_DROPOUT[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm, _, _ = compile_tp(make(), batch(), 2)
+    d = gm.meta["tensor_parallel"]
+    assert {prefix + c + ".weight" for c in column} <= set(d.column)
+    assert {prefix + r + ".weight" for r in row} <= set(d.row)
+    assert not [w for w in d.replicated if w.startswith(prefix)]
+    # (BERT's q, k and v input gradients each meet the whole residual gradient first and are
+    # reduced one by one, as with dropout 0)
+    assert all_reduces(gm, module=prefix[:-1]) == (2, 2 if name == "gpt2" else 4)
+    assert not any(n.target is c10d.all_gather_into_tensor.default for n in gm.graph.nodes)
+    drops = [n for n in gm.graph.nodes if n.target is torch.ops.fxpar.dropout_with_mask.default
+             and n.meta.get(ir.MODULE) == attn]
+    assert len(drops) == 1 and tuple(drops[0].meta[ir.VAL][0].shape) == (4, 2, 16, 16)
+    keep = drops[0].args[1]
+    assert keep.target is torch.ops.fxpar.local_chunk.default and keep.args[1:3] == (1, 2)
+    draw = keep.args[0]
+    assert draw.target is torch.ops.aten.bernoulli.p and draw.args[1] == pytest.approx(0.9)
+    assert list(draw.args[0].args[0]) == [4, 4, 16, 16]  # the whole mask
+    whole = [str(w.message) for w in caught if "stay whole" in str(w.message)]
+    if name == "gpt2":
+        assert not whole and not d.replicated
+    else:  # the MLM head's dense -> GELU -> LayerNorm really needs its features whole
+        assert d.replicated == ["cls.predictions.transform.dense.weight"]
+        assert len(whole) == 1 and whole[0].count("cls.predictions.transform.dense.weight") == 1
+        assert "LayerNorm" in whole[0] and "cls.predictions.transform.LayerNorm" in whole[0]
+        assert "head count" not in whole[0]
+
+
+def test_remat_replays_the_whole_mask_of_a_split_dropout():
+    """remat wraps a recomputed dropout in run_and_save_rng_state / run_with_rng_state. On
+    the split attention probabilities only the whole mask's draw is wrapped (saved in the
+    forward, replayed in the backward from the same state) and each copy keeps this rank's
+    heads; dropouts on replicated values stay wrapped as they were."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    gm, _, _ = compile_tp(hf_gpt2_default_dropout(layers=2), M.hf_lm_batch(128, 4, 16), 2,
+                          remat="sqrt")
+    d = gm.meta["tensor_parallel"]
+    assert "transformer.h.0.attn.c_attn.weight" in d.column
+    wrapped = [n for n in gm.graph.nodes if n.target in (run_and_save_rng_state,
+                                                         run_with_rng_state)]
+    split = [n for n in gm.graph.nodes if n.target is torch.ops.fxpar.dropout_with_mask.default]
+    assert split and all(n.meta[ir.SHARD] == ((Shard(1),), (Shard(1),)) for n in split)
+    recomputed = [n for n in split if n.meta.get(ir.REGION) == ir.BACKWARD]
+    assert recomputed
+    for n in recomputed:  # the replay draws the whole mask from the forward's saved state
+        draw = n.args[1].args[0]
+        assert draw.target is run_with_rng_state and draw.args[1] is torch.ops.aten.bernoulli.p
+        state = draw.args[0]
+        saved = state.args[0]
+        assert saved.target is run_and_save_rng_state and saved.args[1] is not None
+        assert saved.args[0] is torch.ops.aten.bernoulli.p
+        assert list(saved.args[1].args[0]) == list(draw.args[2].args[0]) == [4, 4, 16, 16]
+    assert not any(n.args[k] is torch.ops.aten.native_dropout.default
+                   and isinstance(n.args[k + 1].meta.get(ir.SHARD, (None,))[0], Shard)
+                   for n in wrapped for k in [0 if n.target is run_and_save_rng_state else 1])
+
+
+class TwiceApplied(nn.Module):
+    """An MLP block, then one square linear applied twice (its weight read by two matmuls)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.block, self.sq = Block(d), nn.Linear(d, d)
+
+    def forward(self, batch):
+        x, y = batch
+        return F.mse_loss(self.sq(self.sq(self.block.ln(x))), y) + self.block((x, y))
+
+
+def test_whole_layers_warning_gives_each_layer_its_reason_once():
+    """The warning names each weight left whole once, with the reason for it: a width tp
+    does not divide, or the op that needs a column split's output whole."""
+    with pytest.warns(UserWarning, match="stay whole") as rec:
+        gm, _, _ = compile_tp(TwiceApplied(), (torch.randn(8, 16), torch.randn(8, 16)), 2)
+    msg = next(str(w.message) for w in rec if "stay whole" in str(w.message))
+    d = gm.meta["tensor_parallel"]
+    assert d.replicated == ["sq.weight"] and msg.count("sq.weight") == 1
+    assert "1 of 3 linear layers" in msg and "sq.weight: " + d.reasons["sq.weight"] in msg
+    assert "needed whole" in d.reasons["sq.weight"]
+    cfg = M.GPTConfig(n_layer=1, n_head=2)
+    with pytest.warns(UserWarning, match="stay whole") as rec:
+        gm, _, _ = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 4)
+    why = gm.meta["tensor_parallel"].reasons
+    assert "regroups the split features" in why["h.0.attn.c_attn.weight"]  # 2 heads over 4
+    assert "LayerNorm" in why["h.0.attn.c_proj.weight"]  # its input arrives whole
+    with pytest.warns(UserWarning, match="up.weight: its 6 output features do not divide"):
+        compile_tp(Block(d=8, hidden=6), (torch.randn(8, 8), torch.randn(8, 8)), 4)
+
+
+def test_strided_shard_redistributes_exactly():
+    """The heads split inside [batch * heads] (a strided shard) gathered whole, and chunked
+    back from whole, match the global tensor (two ranks simulated: the gather concatenates
+    the ranks' inputs; each rank's chunk is its own)."""
+    import operator
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fxpar.compiler import sharding
+    B, H, T = 3, 4, 5
+    full = torch.randn(B * H, T, 2)
+    strided = (_StridedShard(0, split_factor=B),)
+
+    def run(src, dst, inputs):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        with FakeTensorMode():
+            x.meta[ir.VAL] = torch.empty(B * H, T, 2)
+        g.output(sharding.redistribute(g, x, src, dst, ["g"], [2], {ir.REGION: ir.FORWARD}))
+        env = [{x: inputs[0]}, {x: inputs[1]}]
+        for n in g.nodes:
+            if n.op != "call_function":
+                continue
+            for r in (0, 1):
+                args = torch.fx.node.map_arg(n.args, lambda a: env[r][a])
+                if n.target is c10d.all_gather_into_tensor.default:
+                    env[r][n] = torch.cat([env[0][n.args[0]], env[1][n.args[0]]])
+                elif n.target is c10d.wait_tensor.default or n.target is operator.getitem:
+                    env[r][n] = args[0]
+                elif n.target is torch.ops.fxpar.local_chunk.default:
+                    env[r][n] = args[0].chunk(args[2], args[1])[r].contiguous()
+                else:
+                    env[r][n] = n.target(*args, **n.kwargs)
+        out = next(n for n in g.nodes if n.op == "output").args[0]
+        return env[0][out], env[1][out]
+
+    local = [full.view(B, H, T, 2)[:, r * 2:(r + 1) * 2].reshape(B * 2, T, 2) for r in (0, 1)]
+    for got in run(strided, (Replicate(),), local):
+        torch.testing.assert_close(got, full, rtol=0, atol=0)
+    for r, got in enumerate(run((Replicate(),), strided, [full, full])):
+        torch.testing.assert_close(got, local[r], rtol=0, atol=0)
+
+
+def _default_dropout_rank(cases, steps):
+    """Each case: (model name, plan) -> (losses, full state dict, column and row weights)."""
+    import fxpar
+    out = {}
+    for i, (name, plan) in enumerate(cases):
+        make, batch = DEFAULT_DROPOUT[name][:2]
+        torch.manual_seed(0)
+        model = make(layers=2)
+        pm = fxpar.parallelize(model, 2, example_batch=batch(0), plan=plan,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6))
+        torch.manual_seed(99)
+        losses = [pm.step(batch(s)).item() for s in range(steps)]
+        d = next(iter(pm.stage_graphs["tensor_parallel"].values())).meta["tensor_parallel"]
+        out[i] = (losses, pm.full_state_dict(), d.column, d.row)
+    return out
+
+
+def _default_dropout_reference(name, steps):
+    make, batch = DEFAULT_DROPOUT[name][:2]
+    torch.manual_seed(0)
+    model = make(layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    torch.manual_seed(99)
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model(**batch(s)).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.slow
+def test_default_dropout_tp2_equals_one_process():
+    """HF GPT-2 and BERT-MLM with their default dropouts (0.1, attention probabilities
+    included) at tp=2 on 2 gloo ranks, the attention split: loss per step and final
+    parameters equal plain single-process training with the same seed (AdamW, rtol 1e-5), so
+    every split dropout drew exactly single-process training's mask; GPT-2 also with remat
+    replaying the split masks in the backward."""
+    import fxpar
+    steps = 3
+    cases = [("gpt2", {"tp": 2}), ("bert", {"tp": 2}), ("gpt2", {"tp": 2, "remat": "sqrt"})]
+    got = fxpar.launch(_default_dropout_rank, 2, cases, steps)
+    refs = {name: _default_dropout_reference(name, steps) for name in {c[0] for c in cases}}
+    for i, (name, plan) in enumerate(cases):
+        losses, state, column, row = got[0][i]
+        assert got[1][i][0] == losses  # the same loss on both ranks
+        prefix, col, rw = DEFAULT_DROPOUT[name][2:5]
+        for layer in ("0", "1"):
+            p = prefix.replace("0", layer)
+            assert {p + c + ".weight" for c in col} <= set(column)
+            assert {p + r + ".weight" for r in rw} <= set(row)
+        ref_losses, ref_state = refs[name]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {plan}: {m}")
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name} {plan} {k}: {m}")
+
+
+def test_view_placement_of_split_and_strided_values():
+    """Where a view puts a split: flattening [batch, heads] with the heads split gives the
+    strided shard _S(0, batch), unflattening gives the heads back; a strided shard viewed
+    another way keeps its blocks (DTensor's own view rule answers _S(1, 4) for the third
+    case, which would hand later ops the wrong rows); a split no placement describes
+    after the view is None (the view then runs on the whole value)."""
+    from torch.distributed.tensor.placement_types import _StridedShard as S
+    from fxpar.compiler.sharding import _view_placement as vp
+    assert vp([4, 4, 16, 8], Shard(1), [16, 16, 8], 2) == S(0, split_factor=4)
+    assert vp([16, 16, 16], S(0, split_factor=4), [4, 4, 16, 16], 2) == Shard(1)
+    assert vp([16, 16], S(0, split_factor=4), [2, 8, 16], 2) == S(1, split_factor=2)
+    assert vp([4, 6], Shard(1), [8, 3], 2) == S(0, split_factor=4)
+    assert vp([4, 6], Shard(1), [12, 2], 2) is None
+    assert vp([4, 8, 2], Shard(1), [4, 16], 2) == Shard(1)
+    assert vp([2, 3, 4], Shard(2), [6, 4], 2) == Shard(1)
+
+
+class HandWrittenDropout(Block):
+    """The MLP block with masks made by hand on its split hidden layer: `rand_like(h) > p`
+    and `empty_like(h).bernoulli_(q)` (bernoulli.p in the graph)."""
+
+    def forward(self, batch):
+        x, y = batch
+        h = F.gelu(self.up(self.ln(x)))
+        keep = (torch.rand_like(h) > 0.1).to(h.dtype) * torch.empty_like(h).bernoulli_(0.8)
+        return F.mse_loss(x + self.down(h * keep), y)
+
+
+def test_hand_written_dropout_on_a_split_value_keeps_the_split():
+    """bernoulli.p has no DTensor rule (the column check used to see a gather there and kept
+    the pair whole); rand_like's would draw local masks. Both draw the whole tensor and keep
+    this rank's columns."""
+    gm, _, _ = compile_tp(HandWrittenDropout(), (torch.randn(8, 32), torch.randn(8, 32)), 2)
+    d = gm.meta["tensor_parallel"]
+    assert d.column == ["up.weight"] and d.row == ["down.weight"]
+    chunks = [n for n in gm.graph.nodes if n.target is torch.ops.fxpar.local_chunk.default
+              and n.args[0].target in (torch.ops.aten.rand_like.default,
+                                       torch.ops.aten.bernoulli.p)]
+    assert len(chunks) == 2
+    for n in chunks:
+        base = n.args[0].args[0]
+        assert base.target is torch.ops.aten.empty_strided.default and base.args[0] == [8, 128]
+        assert n.args[1:3] == (1, 2) and tuple(n.meta[ir.VAL].shape) == (8, 64)
+
+
+def _hand_dropout_rank(steps):
+    import fxpar
+    torch.manual_seed(0)
+    model = HandWrittenDropout()
+    batches = [(torch.randn(8, 32), torch.randn(8, 32)) for _ in range(steps)]
+    pm = fxpar.parallelize(model, 2, example_batch=batches[0], plan={"tp": 2})
+    torch.manual_seed(99)
+    return [pm.step(b).item() for b in batches], pm.full_state_dict()
+
+
+@pytest.mark.slow
+def test_hand_written_dropout_tp2_equals_one_process():
+    import fxpar
+    steps = 3
+    losses, state = fxpar.launch(_hand_dropout_rank, 2, steps)[0]
+    torch.manual_seed(0)
+    model = HandWrittenDropout()
+    batches = [(torch.randn(8, 32), torch.randn(8, 32)) for _ in range(steps)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch.manual_seed(99)
+    ref = []
+    for b in batches:
+        opt.zero_grad()
+        loss = model(b)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
