@@ -32,11 +32,17 @@ REFUSED = {
 _EVERY = tuple(zoo_sweep.PLANS)
 _SPLIT = ("dp=2", "tp=2", "dp=2 zero=3", "auto (2)")
 BUGS = {
-    # torchtitan's experts run in bf16 inside the fp32 model: fxpar decomposes silu_backward
-    # (no sharding rule) into five bf16 ops, each rounded, where eager's kernel rounds once
-    # (0.3-0.5% of w1's gradient); and Qwen3-MoE's loss differs from the first step at dp=2
-    **{(m, p): ("mismatch", "", "bf16 silu_backward decomposed; MoE under dp")
-       for m in TITAN_MOES for p in _EVERY if p != "pp=2 m=2"},
+    # torchtitan's experts run in bf16 inside the fp32 model: a bf16 cast turns fp32
+    # reordering upstream (tp's split sums in attention; dp's gradient sum, which moves the
+    # next step's weights) into bf16-ulp changes, 0.3-0.5% of an expert's first gradient
+    # under tp, and AdamW's later steps amplify those under dp. Rounding, not a wrong
+    # answer (eager itself, every weight moved by one ulp, is as far off; the first step's
+    # gradients under dp agree to 3e-5, the experts' bit for bit), past the sweep's rtol
+    # 1e-5. One device, "auto" and DeepSeek-V3's dp cells are exact.
+    **{(m, "tp=2"): ("mismatch", "", "bf16 experts amplify fp32 reordering")
+       for m in TITAN_MOES},
+    **{(m, p): ("mismatch", "", "bf16 experts amplify fp32 reordering")
+       for m in ("titan_qwen3_moe", "titan_kimi_k2") for p in ("dp=2", "dp=2 zero=3")},
     # BatchNorm's statistics as sums over a split batch: being fixed (capture.py's docstring)
     **{(m, p): ("mismatch", "running_|bn|\\.bias|\\.weight", "BatchNorm numerics")
        for m in BN_MODELS for p in _SPLIT},
