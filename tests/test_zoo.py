@@ -273,14 +273,14 @@ def test_zoo_model_on_one_device(name):
     _check(zoo_sweep.sweep_model(name, ["1 device"]))
 
 
-# CI sweeps these models (one or two per family, chosen for what they exercise: a tied
-# Conv1D head, one key/value head, soft-capping, ALiBi, a state-space scan, MoE routing,
-# MLA, masked-LM with a padding row, relative-position bias, BatchNorm, a contrastive loss,
-# an RNN) in `make test-slow`; `make test-zoo` sweeps every model (docs/zoo.md's table):
-# the whole zoo under every plan is ~45 minutes on 2 cores, past CI's budget.
-CI_SWEEP = ["gpt2", "llama_mqa", "gemma2", "bloom", "mamba", "mixtral", "deepseek_v3",
-            "bert_mlm", "t5", "resnet", "clip", "lstm"]
-CI_INDUCTOR = ["gpt2", "llama", "mixtral", "bert_mlm", "resnet", "lstm"]
+# CI sweeps these models (chosen for what they exercise: a tied Conv1D head, one key/value
+# head, soft-capping, ALiBi, MoE routing, masked-LM with a padding row, BatchNorm, a
+# contrastive loss; the RNN runs under Inductor on two ranks below) in `make test-slow`;
+# `make test-zoo` sweeps every other model (docs/zoo.md's table): the whole zoo under every
+# plan is ~45 minutes on 2 cores, past CI's budget (the RNNs, Mamba, T5 and DeepSeek-V3 take
+# 90-150 s each).
+CI_SWEEP = ["gpt2", "llama_mqa", "gemma2", "bloom", "mixtral", "bert_mlm", "resnet", "clip"]
+CI_INDUCTOR = ["gpt2", "llama", "mixtral", "bert_mlm", "resnet"]
 
 
 def _zoo_params(ci):
