@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import ir
+from fxpar.compiler.graphs import ancestors
 
 aten = torch.ops.aten
 _WORDS = ("index out of range", "index out of bounds", "out of bounds", "indices out of")
@@ -62,7 +63,7 @@ def bad_index(gm: torch.fx.GraphModule, inputs: dict[torch.fx.Node, tuple[torch.
                 ok |= got == ignore
             if bool(ok.all()):
                 continue
-            leaves = sorted({sources[a] for a in _ancestors(index) if a in sources})
+            leaves = sorted({sources[a] for a in ancestors([index]) if a in sources})
             return _message(n, kind, got[~ok], got.numel(), size, ignore, negative_ok, leaves)
     return None
 
@@ -95,20 +96,10 @@ def _constant(n: torch.fx.Node) -> bool:
                                   and _pure(n.target))
 
 
-def _ancestors(n: torch.fx.Node) -> set:
-    seen, todo = set(), [n]
-    while todo:
-        x = todo.pop()
-        if x not in seen:
-            seen.add(x)
-            todo.extend(x.all_input_nodes)
-    return seen
-
-
 def _evaluate(gm: torch.fx.GraphModule, node: torch.fx.Node, values: dict):
     """`node`'s value, computing its (batch-only) ancestors in graph order into `values`."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n in sorted(_ancestors(node) - values.keys(), key=order.__getitem__):
+    for n in sorted(ancestors([node]) - values.keys(), key=order.__getitem__):
         if n.op == "get_attr":
             values[n] = torch.fx.Interpreter(gm).fetch_attr(n.target)
         else:
@@ -141,7 +132,7 @@ def _indexed(n: torch.fx.Node) -> list[tuple]:
         s = shape(a[0])
         # Plan.codegen's cross-entropy (passes/fusion.py) picks each row's target logit
         # with a gather of where(target != ignore_index, target, 0)
-        ignore = next((x.args[1] for x in _ancestors(a[2]) if x.target is aten.ne.Scalar),
+        ignore = next((x.args[1] for x in ancestors([a[2]]) if x.target is aten.ne.Scalar),
                       None) if t is aten.gather.default else None
         return [(a[2], s[a[1]] if s else 1, False, ignore,
                  "target" if ignore is not None else f"dim {a[1]}")]
