@@ -552,6 +552,7 @@ class _Sharder:
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.specs: dict[torch.fx.Node, Any] = {}
         self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
+        self.answers: dict[tuple, Any] = {}  # ask_dtensor's memo: see _rule_key
 
     def out_spec(self, placements, val):
         """The DTensor spec of a value placed `placements` on this mesh (for the rules of
@@ -615,13 +616,19 @@ class _Sharder:
         op = node.target
         args, kwargs = torch.utils._pytree.tree_map_only(
             torch.fx.Node, self.specs.__getitem__, (tuple(node.args), dict(node.kwargs)))
+        key = _rule_key(op, (args, kwargs))
+        if key is not None and key in self.answers:
+            return self.answers[key]
         schema = OpSchema(op, args, kwargs, schema_info=_schema_info(self.prop, op, node.args))
         try:
             # the cached entry point conflates view ops that differ only in their shape arg
-            return self.prop.propagate_op_sharding_non_cached(schema)
+            out = self.prop.propagate_op_sharding_non_cached(schema)
         except Exception as e:  # noqa: BLE001
             raise ShardingError(f"DTensor's sharding rule for {op} (node {node.name}, module "
                                 f"'{node.meta.get(ir.MODULE, '')}') failed: {e}") from e
+        if key is not None:
+            self.answers[key] = out
+        return out
 
     # -- one op ----------------------------------------------------------------------------
     def propagate(self, node):
@@ -949,6 +956,28 @@ def _node_specs(orig, want):
             and len(orig) == len(want):
         for o, w in zip(orig, want):
             yield from _node_specs(o, w)
+
+
+def _rule_key(op, args) -> tuple | None:
+    """What a DTensor rule's answer depends on: the op, each input's placements and tensor
+    meta (shape, stride, dtype), and every other argument by value. The layers of a model
+    ask the same questions, and a rule costs ~5 ms in Python: answering repeats from a memo
+    keeps the pass's time flat in depth. None (not memoised) where an argument is not
+    hashable. DTensor's own cache keys on its OpSchema, which conflates view ops that differ
+    only in their shape argument; this key holds every argument."""
+    def leaf(a):
+        if isinstance(a, DTensorSpec):
+            m = a.tensor_meta
+            return ("spec", tuple(a.placements), None if m is None else
+                    (tuple(m.shape), tuple(m.stride), m.dtype))
+        return (type(a).__name__, a)
+    flat, tree = torch.utils._pytree.tree_flatten(args)
+    key = (op, str(tree), tuple(leaf(a) for a in flat))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _schema_info(prop, op, args) -> RuntimeSchemaInfo | None:
