@@ -148,7 +148,8 @@ def _refit_planner(pm: ParallelModel, step_s: float) -> None:
     if pm.plan_report is None:
         return
     try:
-        new = planner.recalibrate(pm.plan_report, pm.plan, step_s)
+        new = planner.recalibrate(pm.plan_report, pm.plan, step_s,
+                                  f"steps 3-{pm.REFIT_AFTER} (median, slowest rank)")
     except PlanError as e:  # e.g. a plan given by hand that the planner cannot price
         log.warning("the planner could not be re-fitted to the measured steps: %s", e)
         return

@@ -42,6 +42,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import FxparError, PlanError
+from fxpar.compiler.logs import announce
 
 log = logging.getLogger(__name__)
 # a run with fewer ATen compute ops than this stays eager: a compile costs seconds and a
@@ -687,61 +688,65 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
     todo = [(i, nodes) for i, nodes in enumerate(cut)]
-    while todo:
-        i, nodes = todo.pop(0)
-        sub_graph, inputs, outputs = _extract(g, nodes)
-        sub = torch.fx.GraphModule(out, sub_graph)
-        fakes = _fake_inputs(inputs, device)
-        if fakes is None:  # a non-tensor input: leave this run eager
-            eager_ops += sum(map(_counts, nodes))
-            continue
-        key = f"compiled_{len(done)}"
-        t1 = time.perf_counter()
-        try:
-            fn, hit = compile_fn(sub, fakes)
-        except Exception as e:  # noqa: BLE001 - narrowed down, then named with the way out
-            parts, left = _halves(g, nodes)
-            if parts:  # compile the halves apart: one refused op costs only itself
-                # (a small run's ops are named: where its halves then compile, it is the
-                # ops' fusion that Inductor refused - the lead for a report upstream)
-                small = len(nodes) <= 40
-                log.info("codegen: Inductor refused %s's run %d (%d nodes%s: %s: %s); "
-                         "compiling its halves apart", name, i, len(nodes),
-                         ", ops " + ", ".join(str(n.target) for n in nodes if _counts(n))
-                         if small else "", type(e).__name__,
-                         (str(e).splitlines() or [''])[0][:200])
-                eager_ops += left
-                todo[:0] = [(i, part) for part in parts]
+    progress = announce(log, f"codegen: compiling {name}'s {len(cut)} runs "
+                        f"({sum(len(r) for r in cut)} nodes) with Inductor (a run compiled "
+                        "before loads from its cache)")
+    with progress:
+        while todo:
+            i, nodes = todo.pop(0)
+            sub_graph, inputs, outputs = _extract(g, nodes)
+            sub = torch.fx.GraphModule(out, sub_graph)
+            fakes = _fake_inputs(inputs, device)
+            if fakes is None:  # a non-tensor input: leave this run eager
+                eager_ops += sum(map(_counts, nodes))
                 continue
-            ops = sorted({str(n.target) for n in nodes if _counts(n)})
-            what = (f"Inductor could not compile {name}'s run {i} ({len(nodes)} nodes, from "
-                    f"{nodes[0].name} to {nodes[-1].name}, ops {', '.join(ops)}; module "
-                    f"{nodes[0].meta.get(ir.MODULE)!r}): {type(e).__name__}: "
-                    f"{(str(e).splitlines() or [''])[0][:300]}")
-            if strict:
-                raise CodegenError(f"{what}. Use Plan(codegen='auto') to run only these ops "
-                                   "op by op, or codegen='eager' to run the whole graph so."
-                                   ) from e
-            log.warning("%s; these ops run op by op (Plan.codegen='auto').", what)
-            failed.append(what)
-            eager_ops += sum(map(_counts, nodes))
-            continue
-        done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
-                        hit))
-        produced = tuple(j for j, a in enumerate(inputs) if a.op != "placeholder")
-        out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes],
-                                        f"{name}/{key}", compile_fn, produced))
-        with g.inserting_before(nodes[0]):
-            call = g.call_module(key, tuple(inputs))
-            call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)
-            call.meta[ir.MODULE] = nodes[0].meta.get(ir.MODULE)
-            inside = set(nodes)
-            for j, o in enumerate(outputs):
-                item = g.call_function(operator.getitem, (call, j))
-                item.meta = dict(o.meta)
-                o.replace_all_uses_with(item, lambda u: u not in inside)
-        for n in reversed(nodes):  # (users first)
-            g.erase_node(n)
+            key = f"compiled_{len(done)}"
+            t1 = time.perf_counter()
+            try:
+                fn, hit = compile_fn(sub, fakes)
+            except Exception as e:  # noqa: BLE001 - narrowed down, then named with the way out
+                parts, left = _halves(g, nodes)
+                if parts:  # compile the halves apart: one refused op costs only itself
+                    # (a small run's ops are named: where its halves then compile, it is the
+                    # ops' fusion that Inductor refused - the lead for a report upstream)
+                    small = len(nodes) <= 40
+                    log.info("codegen: Inductor refused %s's run %d (%d nodes%s: %s: %s); "
+                             "compiling its halves apart", name, i, len(nodes),
+                             ", ops " + ", ".join(str(n.target) for n in nodes if _counts(n))
+                             if small else "", type(e).__name__,
+                             (str(e).splitlines() or [''])[0][:200])
+                    eager_ops += left
+                    todo[:0] = [(i, part) for part in parts]
+                    continue
+                ops = sorted({str(n.target) for n in nodes if _counts(n)})
+                what = (f"Inductor could not compile {name}'s run {i} ({len(nodes)} nodes, from "
+                        f"{nodes[0].name} to {nodes[-1].name}, ops {', '.join(ops)}; module "
+                        f"{nodes[0].meta.get(ir.MODULE)!r}): {type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:300]}")
+                if strict:
+                    raise CodegenError(f"{what}. Use Plan(codegen='auto') to run only these ops "
+                                       "op by op, or codegen='eager' to run the whole graph so."
+                                       ) from e
+                log.warning("%s; these ops run op by op (Plan.codegen='auto').", what)
+                failed.append(what)
+                eager_ops += sum(map(_counts, nodes))
+                continue
+            done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
+                            hit))
+            produced = tuple(j for j, a in enumerate(inputs) if a.op != "placeholder")
+            out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes],
+                                            f"{name}/{key}", compile_fn, produced))
+            with g.inserting_before(nodes[0]):
+                call = g.call_module(key, tuple(inputs))
+                call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)
+                call.meta[ir.MODULE] = nodes[0].meta.get(ir.MODULE)
+                inside = set(nodes)
+                for j, o in enumerate(outputs):
+                    item = g.call_function(operator.getitem, (call, j))
+                    item.meta = dict(o.meta)
+                    o.replace_all_uses_with(item, lambda u: u not in inside)
+            for n in reversed(nodes):  # (users first)
+                g.erase_node(n)
     g.lint()
     out.recompile()
     out.meta = dict(gm.meta)

@@ -24,7 +24,7 @@ from fxpar.compiler import codegen, cost, ir, planner, stages
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import snapshot, summed_buffer_updates, verify
-from fxpar.compiler.logs import Clock, configure
+from fxpar.compiler.logs import Clock, announce, configure
 from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
 
@@ -80,8 +80,11 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     # batch at once; decomposed into sums where the batch is split (dp all-reduces them;
     # microbatching's row-coupling check reads them): compiler/capture.py's docstring
     whole_batch = plan.dp * plan.tp * plan.pp == 1 and m == 1
-    gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins,
-                          decompose_batch_norm=not whole_batch)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    with announce(log, f"capturing {type(model).__name__}'s forward"
+                  + (" + backward" if joint else "") + f" ({n_params / 1e6:.1f}M parameters)"):
+        gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins,
+                              decompose_batch_norm=not whole_batch)
     clock = Clock(log)
     clock.add("capture", time.perf_counter() - t0, detail=f"{len(gm.graph.nodes)} nodes")
     moving = [b for b, summed in zip(sig.mutated_buffers, summed_buffer_updates(gm, sig))

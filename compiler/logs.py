@@ -36,6 +36,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -213,6 +214,21 @@ class Ticker:
             self.logger.info(msg + " (%.0f s so far)", *args, now - self.t0)
 
 
+@contextlib.contextmanager
+def announce(logger: logging.Logger, what: str):
+    """A line saying what is running, printed only if it is still running after PROGRESS_S
+    (a phase that may take seconds or minutes, e.g. capturing a large model: the user sees
+    what the process is doing before phase_done says how long it took; short phases stay
+    quiet). From a timer thread, cancelled when the phase ends."""
+    timer = threading.Timer(PROGRESS_S, logger.info, ("%s ...", what))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def phase_done(logger: logging.Logger, name: str, seconds: float, detail: str = "") -> None:
     """One line per phase: INFO when it took over PROGRESS_S, DEBUG otherwise."""
     level = logging.INFO if seconds > PROGRESS_S else logging.DEBUG
@@ -231,7 +247,8 @@ class Clock:
     @contextlib.contextmanager
     def __call__(self, name: str, nodes: int | None = None):
         t = time.perf_counter()
-        yield
+        with announce(self.logger, name):
+            yield
         self.add(name, time.perf_counter() - t, nodes)
 
     def add(self, name: str, seconds: float, nodes: int | None = None, detail: str = "",

@@ -16,7 +16,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.graphs import snapshot, verify
-from fxpar.compiler.logs import phase_done
+from fxpar.compiler.logs import announce, phase_done
 from fxpar.kernels.jit import unavailable_reason
 from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precision, remat,
                           tensor_parallel)
@@ -92,7 +92,8 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     for name, fn in passes:
         before = _count(gm)
         t0 = time.perf_counter()
-        out = fn(gm, plan, ctx)
+        with announce(log, f"pass {name} on {before} nodes"):
+            out = fn(gm, plan, ctx)
         if out is not gm:  # a pass that built a new module keeps the decisions made so far
             out.meta = {**gm.meta, **out.meta}
         gm = out

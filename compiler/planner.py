@@ -35,7 +35,7 @@ from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import summed_buffer_updates
 from fxpar.compiler.graphstats import FIELDS, GraphStats, Segment, analyze, layer_key
-from fxpar.compiler.logs import Clock, Ticker, phase_done
+from fxpar.compiler.logs import Clock, Ticker, announce, phase_done
 from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
                                    stage_memory)
@@ -59,7 +59,7 @@ class Candidate:
     plan: Plan
     step_s: float
     memory: MemoryEstimate
-    mfu: float
+    mfu: float | None      # model FLOPs / (step x devices x data-sheet peak); None on CPUs
     bubble: float
     parts: dict            # seconds per component: compute, tp, pipeline bubble, dp, optimizer
     simulated: bool = False
@@ -69,7 +69,8 @@ class Candidate:
     def row(self) -> str:
         return (f"{plan_str(self.plan)} "
                 f"{self.step_s * 1e3:10.2f} ms  {_bytes(self.memory.total):>11s}  "
-                f"MFU {self.mfu * 100:5.1f}%  bubble {self.bubble * 100:5.1f}%")
+                + (f"MFU {self.mfu * 100:5.1f}%" if self.mfu is not None else "MFU     - ")
+                + f"  bubble {self.bubble * 100:5.1f}%")
 
 
 def plan_str(p: Plan) -> str:
@@ -114,6 +115,12 @@ class PlanResult:
             lines.append(self.note)
         lines.append("rank  plan" + " " * 66 + "step time    memory")
         lines += [f"{i + 1:4d}  {c.row()}" for i, c in enumerate(self.table[:top])]
+        if len(self.table) > top:
+            lines.append(f"      ... and {len(self.table) - top} more ranked plans "
+                         f"(.format(top={len(self.table)}) lists every one)")
+        if self.hardware.name == "cpu":
+            lines.append("      (MFU: GPUs only; a CPU has no data-sheet peak to measure it "
+                         "against)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -468,7 +475,8 @@ def plan_dict(p: Plan) -> dict:
     return {k: getattr(p, k) for k in _SEARCHED}
 
 
-def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult:
+def recalibrate(result: PlanResult, plan: Plan, measured_s: float,
+                measured: str = "a measured step") -> PlanResult:
     """Re-price every plan after `plan` (one of result.table) ran at `measured_s` seconds
     a step: the compute time is scaled by the one factor that makes `plan`'s prediction
     equal the measurement (on CPU ranks the gloo collectives with it, see `_compute_scaled`;
@@ -517,7 +525,7 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float) -> PlanResult
     hw.calibrated += f"; compute x{k:.2f} (re-fit to a measured step)"
     new = search(**{**inp, "hw": hw}, simulate_also=plan)
     new.start_up = result.start_up or result
-    new.refit = (f"re-fit to the measured {measured_s * 1e3:.2f} ms a step of "
+    new.refit = (f"re-fit to {measured}, {measured_s * 1e3:.2f} ms, of "
                  f"{' '.join(plan_str(plan).split())}"
                  + (f" (predicted {before * 1e3:.2f} ms)" if before else "")
                  + f": compute x{k:.2f}"
@@ -701,7 +709,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
              "dp communication": dp_exposed, "optimizer": opt_t}
     model_flops = sum(s.flops_f + s.flops_b for s in stats.segments) * batch_scale(
         stats, mbs * m * dp)
-    mfu = model_flops / (step * dp * tp * pp * hw.flops(precision))
+    # MFU against a data sheet's peak only: a CPU's is a 512x512 matmul timed at start-up,
+    # with the ranks sharing its cores - against it the demo printed 67% and 171%
+    mfu = (None if hw.name == "cpu" else
+           model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision)
@@ -737,7 +748,8 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
     c.bubble = 1 - busy / ms
     c.parts["pipeline bubble"] = max(ms - c.parts["compute"], 0.0)
-    c.mfu *= (c.step_s - ms + pipe) / c.step_s
+    if c.mfu is not None:
+        c.mfu *= (c.step_s - ms + pipe) / c.step_s
     c.simulated = True
 
 
@@ -986,7 +998,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             dist.barrier()
         hw = cost.cpu_hardware()
         if dist.is_initialized():
-            table = rcomm.measure_collectives()
+            with announce(log, "planner: timing this machine's collectives"):
+                table = rcomm.measure_collectives()
             link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
             ranks, cores = rdist.local_ranks_and_cores()
             v = torch.tensor([hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead],
@@ -1016,8 +1029,10 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                  "the measured machine, re-fitted to the first steps' time")
     elif device.type == "cpu":
         gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
-        hw = calibrate_on_model(hw, stats, model, example_batch, optimizer,
-                                fused=gen == "inductor")
+        with announce(log, "planner: timing the model's graph and optimizer step on this "
+                      "machine"):
+            hw = calibrate_on_model(hw, stats, model, example_batch, optimizer,
+                                    fused=gen == "inductor")
         if dist.is_initialized():
             v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)
             dist.broadcast(v, src=0)

@@ -198,3 +198,30 @@ def test_a_long_phase_prints_a_progress_line(caplog):
     recs = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert recs == [(logging.INFO, "planner search 4.1 s (12 plans priced)"),
                     (logging.DEBUG, "pass remat 10.0 ms")]
+
+
+def test_a_long_phase_says_what_runs_before_it_ends_and_a_short_one_stays_quiet(monkeypatch,
+                                                                                caplog):
+    monkeypatch.setattr(logs, "PROGRESS_S", 0.05)
+    log = logging.getLogger("fxpar.test_announce")
+    with caplog.at_level(logging.INFO, logger="fxpar.test_announce"):
+        with logs.announce(log, "capturing Big's forward + backward"):
+            time.sleep(0.3)
+            assert "capturing Big's forward + backward ..." in caplog.text  # while it runs
+        with logs.announce(log, "short"):
+            pass
+        time.sleep(0.2)  # (the short phase's timer was cancelled: it never prints)
+    assert "short" not in caplog.text
+
+
+def test_the_plan_table_says_what_it_hides_and_shows_no_cpu_mfu():
+    from fxpar.compiler import cost, planner
+    stats = planner.graph_stats(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), None)
+    r = planner.search(stats, 4, cost.cpu_hardware(), batch_rows=8)
+    assert len(r.table) > 2
+    text = r.format(2)
+    assert f"and {len(r.table) - 2} more ranked plans" in text
+    assert "MFU     -" in text and "%" not in text.split("MFU")[1][:8]
+    assert r.best.mfu is None
+    gpu = planner.search(stats, 4, cost.HARDWARE["h100"], batch_rows=8)
+    assert 0 < gpu.best.mfu < 1 and "MFU: GPUs only" not in gpu.format()

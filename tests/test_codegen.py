@@ -381,8 +381,10 @@ def test_inductor_parity_across_plans():
     eager rounds after every op)."""
     plans = [{"dp": 2, "bucket_mb": 0.05}, {"dp": 2, "zero": 3}, {"tp": 2},
              {"pp": 2, "microbatches": 2}, {"dp": 2, "remat": "sqrt"}]
-    cases = [(m, "adamw", {**p, "codegen": cg}) for m in ("gpt", "hf_llama")
-             for p in plans for cg in ("eager", "inductor")]
+    # HF Llama (GQA, RMSNorm, rotary) under the plans that cut its graph differently
+    models = {"gpt": plans, "hf_llama": [{"tp": 2}, {"pp": 2, "microbatches": 2}]}
+    cases = [(m, "adamw", {**p, "codegen": cg}) for m, ps in models.items()
+             for p in ps for cg in ("eager", "inductor")]
     cases += [(m, "adamw", {**p, "codegen": cg}) for m, p in (
         ("gpt_dropout", {"dp": 2, "remat": "sqrt"}),
         ("gpt", {"pp": 2, "microbatches": 2, "schedule": "gpipe", "offload": True}),

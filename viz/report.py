@@ -62,7 +62,7 @@ def _planner_candidate(pm):
     return next((c for c in result.table if plan_dict(c.plan) == ran), None)
 
 
-def _planner_rows(pm, measured_s, measured_memory) -> list:
+def _planner_rows(pm, measured_s, measured_memory, measured_txt="") -> list:
     """The planner's calibrated prediction for the plan that runs, if the planner chose it."""
     from fxpar.compiler.planner import plan_dict
     c = _planner_candidate(pm)
@@ -73,7 +73,7 @@ def _planner_rows(pm, measured_s, measured_memory) -> list:
     mem_err = (f" ({(c.memory.step_allocated / measured_memory - 1) * 100:+.0f}%)"
                if measured_memory else "")
     rows = [("step time (planner, calibrated)", f"{c.step_s * 1e3:.2f} ms{err}: {parts}",
-             f"{measured_s * 1e3:.2f} ms" if measured_s else "-")]
+             f"{measured_s * 1e3:.2f} ms{measured_txt}" if measured_s else "-")]
     result = pm.plan_report
     first = result.start_up and next((s for s in result.start_up.table
                                       if plan_dict(s.plan) == plan_dict(c.plan)), None)
@@ -278,13 +278,16 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
                                      if stats else None)
     pp_note = (" (pipeline plans: the prediction is the unsplit graph's, one microbatch "
                "schedule not simulated yet)" if plan.pp > 1 or plan.microbatches > 1 else "")
+    # one measured step time on the page, labelled alike in every row that shows it (the
+    # re-fit row's label names the other measurement it was fitted to: steps 3-8)
+    measured_txt = " (median of the last steps)" if measured_step_s is None else " (measured)"
     cmp_rows = [("step time", f"{pred.step_s * 1e3:.2f} ms (compute {pred.compute_s * 1e3:.2f}"
                  f" + communication {pred.comm_s * 1e3:.2f})",
-                 f"{measured_s * 1e3:.2f} ms (median of the last steps)" if measured_s else "-")]
+                 f"{measured_s * 1e3:.2f} ms{measured_txt}" if measured_s else "-")]
     cmp_rows.append(("memory the step allocates (gradients + activations)",
                      f"{pred.memory_bytes / MiB:.2f} MiB",
                      f"{measured_memory / MiB:.2f} MiB" if measured_memory else "-"))
-    calibrated = _planner_rows(pm, measured_s, measured_memory)
+    calibrated = _planner_rows(pm, measured_s, measured_memory, measured_txt)
     if calibrated:
         cmp_rows = calibrated + [(f"{a} (uncalibrated roofline, this rank's graph)", b, c)
                                  for a, b, c in cmp_rows]
