@@ -32,14 +32,31 @@ c10d = torch.ops._c10d_functional
 
 
 @torch.library.custom_op("fxpar::localize", mutates_args=())
-def localize(ids: torch.Tensor, rows: int, group_name: str) -> torch.Tensor:
-    """ids relative to this rank's slice of the vocabulary (rank r holds rows r*rows...)."""
+def localize(ids: torch.Tensor, rows: int, group_name: str, ignore_index: int) -> torch.Tensor:
+    """ids relative to this rank's slice of the vocabulary (rank r holds rows r*rows...).
+
+    Checks first that every id (but `ignore_index`, a class target's "no label") is in the
+    whole vocabulary, as eager's embedding and nll_loss do: split by vocabulary, an id out of
+    range is out of every rank's slice and would be masked to zero on all of them - a loss
+    computed silently without it. On CPU an IndexError; on GPUs a device-side assert (what
+    eager's kernels raise there, without a host sync)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
-    return ids - _resolve_process_group(group_name).rank() * rows
+    group = _resolve_process_group(group_name)
+    vocab = rows * group.size()
+    bad = ((ids < 0) | (ids >= vocab)) & (ids != ignore_index)
+    what = (f"fxpar: an id or class target out of the vocabulary's range [0, {vocab}) under "
+            "tensor parallelism (the embedding / LM head split by vocabulary). Check the batch "
+            "against the model's vocabulary size (a tokenizer with more tokens than the "
+            "model's embedding, a label id past the head's classes)")
+    if ids.device.type == "cuda":
+        torch._assert_async(~bad.any(), what)
+    elif bool(bad.any()):
+        raise IndexError(f"{what}; first bad value {int(ids[bad][0])}.")
+    return ids - group.rank() * rows
 
 
 @localize.register_fake
-def _(ids, rows, group_name):
+def _(ids, rows, group_name, ignore_index):
     return torch.empty_like(ids)
 
 
@@ -93,9 +110,12 @@ class _Emitter:
         return self(c10d.wait_tensor.default, self(c10d.all_reduce.default, x, op, self.group,
                                                    comm=True), comm=True)
 
-    def local_ids(self, ids, rows):
-        """(ids in this rank's rows, masked to 0; mask of ids it does not hold)."""
-        local = self(torch.ops.fxpar.localize.default, ids, rows, self.group)
+    def local_ids(self, ids, rows, ignore_index=None):
+        """(ids in this rank's rows, masked to 0; mask of ids it does not hold). Every id but
+        ignore_index must be in the whole vocabulary (`localize` checks)."""
+        # (no ignore_index: one no id can hold - the whole range is checked)
+        ignore = -2 ** 62 if ignore_index is None else int(ignore_index)
+        local = self(torch.ops.fxpar.localize.default, ids, rows, self.group, ignore)
         mask = self(aten.logical_or.default, self(aten.lt.Scalar, local, 0),
                     self(aten.ge.Scalar, local, rows))
         return self(aten.masked_fill.Scalar, local, mask, 0), mask
@@ -156,7 +176,7 @@ def _log_softmax(sh, node):
 def _picked_column(e, logp, target, ignore_index):
     """[N, 1] log-prob of each row's target (summed over ranks: only its holder picks it)."""
     rows = logp.meta[ir.VAL].shape[1] // e.n
-    safe, mask = e.local_ids(target, rows)
+    safe, mask = e.local_ids(target, rows, ignore_index)
     picked = e(aten.masked_fill.Scalar, e(aten.gather.default, logp, 1,
                                           e(aten.unsqueeze.default, safe, 1)),
                e(aten.unsqueeze.default, mask, 1), 0.0)
@@ -189,7 +209,7 @@ def _nll_loss_backward(sh, node):
     total = sh.to(node, total, (Replicate(),))
     e = _Emitter(sh, node)
     rows = logp.meta[ir.VAL].shape[1] // e.n
-    safe, mask = e.local_ids(target, rows)
+    safe, mask = e.local_ids(target, rows, ignore_index)
     column = e(aten.slice.Tensor, logp, 1, 0, 1)
     g1 = e(aten.nll_loss_backward.default, grad, column, _column_target(e, target, ignore_index),
            None, reduction, ignore_index, total)

@@ -451,3 +451,36 @@ def test_warnings_of_a_multi_process_job_carry_the_rank_and_print_once(monkeypat
     assert len(lines) == 2 and lines[0].startswith("[rank 1] ") and \
         lines[0].endswith("UserWarning: issue 45: a layer stays whole"), lines
     assert not lines[1].startswith("[") and lines[1].endswith("rank 0's"), lines  # as logs
+
+
+def _tp_out_of_range_rank():
+    """tp=2, vocabulary-parallel table and head: a good step, then an id past the vocabulary,
+    then a target past it, then a good step again. Returns what each bad step raised."""
+    cfg = M.GPTConfig(n_layer=1)
+    torch.manual_seed(0)
+    ids, targets = M.gpt_batch(cfg, 8)
+    pm = fxpar.parallelize(M.GPT(cfg), 2, example_batch=(ids, targets),
+                           plan={"tp": 2, "codegen": "eager"})
+    assert any(n.target is torch.ops.fxpar.localize.default for roles in
+               pm.stage_graphs.values() for gm in roles.values() for n in gm.graph.nodes)
+    pm.step((ids, targets))
+    said = []
+    for which in (0, 1):
+        bad = [ids.clone(), targets.clone()]
+        bad[which][3, 5] = cfg.vocab_size
+        try:
+            pm.step(tuple(bad))
+            said.append("no error")
+        except IndexError as e:
+            said.append(f"{type(e).__name__}: {e}")
+    assert pm.step((ids, targets)).isfinite()
+    return said
+
+
+@pytest.mark.slow
+def test_an_id_past_the_vocabulary_raises_under_vocab_parallel_tp_after_the_first_step():
+    """Split by vocabulary, an id past the table is in no rank's slice: each masked it to
+    zero and the step trained on a wrong loss, silently (the first-step check was the only
+    guard). fxpar's localize now checks the whole range, as eager's embedding does."""
+    said = fxpar.launch(_tp_out_of_range_rank, 2)[0]
+    assert all("out of the vocabulary's range [0, " in s for s in said), said

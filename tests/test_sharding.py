@@ -1,4 +1,5 @@
 """The sharding engine on tiny graphs: DTensor rules, inserted collectives, local shapes."""
+import pytest
 import torch
 import torch.fx
 
@@ -66,6 +67,9 @@ def test_custom_ops_lay_out_their_outputs_as_their_fakes_say(monkeypatch):
     class Rank1:
         def rank(self):
             return 1
+
+        def size(self):
+            return 2
     monkeypatch.setattr(sharding, "_group_rank_size", lambda group: (1, 2))
     monkeypatch.setattr(c10d_mod, "_resolve_process_group", lambda group: Rank1())
     x = torch.randn(6, 8).t()
@@ -74,12 +78,19 @@ def test_custom_ops_lay_out_their_outputs_as_their_fakes_say(monkeypatch):
                      (fx.local_chunk.default, (x, 1, 2, "g")),
                      (fx.partial_from_replicate.default, (x, "g")),
                      (fx.dropout_with_mask.default, (x, (torch.rand(8, 6) > 0.5).float(), 2.0)),
-                     (fx.localize.default, (torch.arange(12).view(3, 4).t(), 4, "g"))]:
+                     (fx.localize.default, (torch.arange(12).view(3, 4).t(), 6, "g", -100))]:
         result = torch.library.opcheck(op, args, test_utils=("test_faketensor",))
         assert result == {"test_faketensor": "SUCCESS"}, (op, result)
     out, mask = fx.dropout_with_mask.default(x, torch.ones(8, 6), 2.0)
     torch.testing.assert_close(out, x * 2)
     assert mask.all() and out.stride() == x.stride()
+    # localize: an id out of the whole vocabulary (2 x 6 rows) raises as eager's embedding
+    # does - split by vocabulary it would be masked to zero on every rank, silently
+    ids = torch.tensor([0, 5, 11, -100])
+    assert fx.localize.default(ids, 6, "g", -100).tolist() == [-6, -1, 5, -106]
+    for bad, ignore in ((torch.tensor([3, 12]), -100), (torch.tensor([-100]), -2 ** 62)):
+        with pytest.raises(IndexError, match=r"out of the vocabulary's range \[0, 12\)"):
+            fx.localize.default(bad, 6, "g", ignore)
 
 
 def test_an_op_without_a_dtensor_rule_runs_on_whole_inputs():
