@@ -239,5 +239,6 @@ def _explain(world, step: int, e: BaseException) -> str:
         who = (f"no other rank reported an error{note}: a rank is hung or slow (no answer "
                f"within FXPAR_TIMEOUT={tmo} s), or died on another host")
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    who = who.rstrip().rstrip(".")  # (a quoted error's own full stop: not "..")
     return (f"step {step} stopped on rank {me} of {world.size}: {who}. Its collective/transfer "
             f"failed with: {first}")

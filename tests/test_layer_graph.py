@@ -130,3 +130,22 @@ def test_plain_models_draw_without_repeated_layers(tmp_path):
                            example_batch=(torch.randn(8, 16), torch.randn(8, 4))).graph
     rows = {b.layer for b in layer_view(blocks).boxes.values()} - {None}
     assert rows == {"blocks.0", "blocks.1", "blocks.2"}
+
+
+def test_overlap_picture_marks_what_moved_and_says_so_in_its_title(tmp_path):
+    """The overlap snapshot looked like the data-parallel one with another title: now the
+    collectives the pass moved are green with how many moved, and the title sums it up."""
+    prog = _compile({"dp": 2, "bucket_mb": 0.01}, cfg=M.GPTConfig(n_layer=4, n_embd=64))
+    gm = prog.stage_graphs["overlap"]["dp"]
+    d = gm.meta["overlap"]
+    assert d.hoisted or d.sunk, d.why
+    view = layer_view(gm)
+    assert sum(lk.earlier for lk in view.links) == len(d.hoisted)
+    assert sum(lk.later for lk in view.links) == len(d.sunk)
+    src = layer_dot(view, "t").source
+    assert "moved: " in src and "the overlap pass moved it" in src
+    before = layer_dot(layer_view(prog.stage_graphs["data_parallel"]["dp"]), "t").source
+    assert "moved: " not in before and "the overlap pass moved it" not in before
+    paths = write_snapshots({"overlap": {"dp": gm}}, str(tmp_path), details=False)
+    title = open(paths[0].replace(".svg", ".dot")).read()
+    assert f"{len(d.hoisted)} collectives started earlier" in title

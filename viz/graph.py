@@ -172,7 +172,8 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
                 href[b.key] = drawn[src]
             if full:
                 jobs[f"{stem}/_graph.svg"] = to_dot(gm, f"after {pass_name} ({role})").source
-            dot = layer_graph.layer_dot(view, f"after {pass_name} ({role})",
+            dot = layer_graph.layer_dot(view, f"after {pass_name} ({role})"
+                                        + _what_moved(gm.meta.get("overlap")),
                                         href=lambda b: href.get(b.key))
             jobs[f"{stem}.svg"] = dot.source
             paths.append(os.path.join(out_dir, f"{stem}.svg"))
@@ -189,6 +190,18 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
         list(pool.map(render, jobs.items()))
     return paths
+
+
+def _what_moved(d) -> str:
+    """The overlap pass's picture says in its title what moved, or why nothing did (its
+    graph alone looks like the data-parallel one: the change is the collectives' places)."""
+    if d is None:
+        return ""
+    if not (d.hoisted or d.sunk):
+        return f": nothing moved ({d.why})" if d.why else ": nothing moved"
+    return (f": {len(d.hoisted)} collectives started earlier (by up to "
+            f"{max(d.hoisted.values(), default=0)} nodes), {len(d.sunk)} waits moved later "
+            f"(up to {max(d.sunk.values(), default=0)}); green on the links below")
 
 
 def summary(gm: torch.fx.GraphModule) -> dict[str, int]:

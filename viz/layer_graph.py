@@ -23,8 +23,9 @@ import torch
 import torch.fx
 
 from fxpar.compiler import ir
-from fxpar.viz.style import (COLLECTIVE_COLOR, FUSED_COLOR, RECOMPUTE_COLOR, REGION_COLORS,
-                             STAGE_COLORS, TP_COLOR, fmt_bytes, is_collective, nbytes)
+from fxpar.viz.style import (COLLECTIVE_COLOR, FUSED_COLOR, MOVED_COLOR, MOVED_FILL,
+                             RECOMPUTE_COLOR, REGION_COLORS, STAGE_COLORS, TP_COLOR, fmt_bytes,
+                             is_collective, nbytes)
 
 TOP = "(top level)"  # the box of ops whose module is the model itself (e.g. the loss)
 
@@ -107,6 +108,8 @@ class Link:
     count: int = 0
     nbytes: int = 0
     transfer: bool = False
+    earlier: int = 0            # the overlap pass started this many earlier ...
+    later: int = 0              # ... and waited for this many later (meta "moved")
 
 
 @dataclasses.dataclass
@@ -194,6 +197,8 @@ def layer_view(gm: torch.fx.GraphModule) -> LayerView:
                                           transfer=ir.TRANSFER in n.meta))
         link.count += 1
         link.nbytes += max([nbytes(n)] + [nbytes(a) for a in n.all_input_nodes])
+        link.earlier += bool(n.meta.get("moved"))
+        link.later += any(u.meta.get("moved") for u in n.users)
     return LayerView(boxes, edges, list(links.values()), staged)
 
 
@@ -280,6 +285,9 @@ def _legend(view: LayerView) -> str:
             row("n fused kernels: Triton kernels (fusion pass)", FUSED_COLOR),
             row("red: collective (kind x count, bytes)", "#ffd0d0"),
             row("arrow: forward dataflow; dashed: backward only")]
+    if any(link.earlier or link.later for link in view.links):
+        rows.append(row("green border: the overlap pass moved it (started earlier / waited "
+                        "later)", MOVED_FILL))
     if view.staged:
         rows.append(row("black: pipeline send/recv (bytes)", "#e8e8e8"))
         rows += [row(f"stage {s}", STAGE_COLORS[s % len(STAGE_COLORS)])
@@ -377,6 +385,11 @@ def _emit_link(dot, link: Link, name: str, end: dict, view: LayerView, order: di
               "color": "#000000"} if link.transfer else
              {"shape": "box", "style": "rounded,filled", "fillcolor": "#ffd0d0",
               "color": COLLECTIVE_COLOR, "fontcolor": "#7a0000"})
+    if link.earlier or link.later:  # what the overlap pass did to these collectives
+        label += "\nmoved: " + ", ".join(x for x in (
+            link.earlier and f"{link.earlier} started earlier",
+            link.later and f"{link.later} waited later") if x)
+        attrs.update(color=MOVED_COLOR, penwidth="3")
     dot.node(name, label, fontsize="9", margin="0.04,0.02", height="0.2", **attrs)
     color = "#000000" if link.transfer else COLLECTIVE_COLOR
     # drawn in forward order like the box edges: a gradient link hangs above its sources

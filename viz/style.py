@@ -10,6 +10,7 @@ from fxpar.compiler import ir
 REGION_COLORS = {ir.FORWARD: "#cfe8ff", ir.BACKWARD: "#ffe3c4", ir.OPTIMIZER: "#e0f5d0",
                  ir.COMM: "#ffd0d0"}  # comm: bucket packing etc.; collectives are bold red
 COLLECTIVE_COLOR = "#d62728"
+MOVED_COLOR, MOVED_FILL = "#1b9e3a", "#dff5e3"  # what the overlap pass moved (layer view)
 RECOMPUTE_COLOR = "#e4d4ff"   # nodes remat copied into the backward
 SAVED_BORDER = "#1f4fd6"      # forward values kept for the backward (thick blue border)
 FUSED_BORDER = "#2ca02c"      # one Triton kernel (fusion pass): green 3-D box
