@@ -248,7 +248,7 @@ class PipelineRunner:
         for w in sends:
             w.wait()
         if rec is not None and rec.recording and sends:  # a receiver still busy: exposed
-            rec.blocked(t0, time.perf_counter(), "wait sends", trace.RUNTIME)
+            rec.blocked(t0, time.perf_counter(), "wait sends", trace.RUNTIME, trace.PEER_WAIT)
         if forward_only:
             return (None if not losses else torch.stack(losses).mean()), None, None
         if self.m > 1:
@@ -430,7 +430,8 @@ class PipelineRunner:
         t0 = time.perf_counter()
         w = dist.isend(_wire(t), dst=self.global_rank[rank], tag=tag)
         if rec is not None and rec.recording:
-            rec.blocked(t0, time.perf_counter(), f"send {name}", trace.RUNTIME)
+            rec.blocked(t0, time.perf_counter(), f"send {name}", trace.RUNTIME,
+                        trace.PEER_WAIT)
         return w
 
     def _recv(self, name, mb, device, rec):
@@ -448,7 +449,7 @@ class PipelineRunner:
         work.wait()
         if rec is not None and rec.recording:
             t1 = time.perf_counter()
-            rec.blocked(t0, t1, f"recv {name}", trace.RUNTIME)
+            rec.blocked(t0, t1, f"recv {name}", trace.RUNTIME, trace.PEER_WAIT)
             rec.comm(f"recv {name}", posted, t1, buf.numel() * buf.element_size())
         return buf
 

@@ -29,6 +29,10 @@ from fxpar.compiler import ir
 COMPUTE, COMM = "compute", "comm"
 TRACKS = (COMPUTE, COMM)
 BLOCKED = "blocked"
+# blocked on a pipeline peer (its recv, its send still unreceived): the schedule's bubble,
+# not communication the overlap pass could hide; drawn apart from BLOCKED (still counted in
+# StepStats.exposed_comm_s: the compute thread sat idle either way)
+PEER_WAIT = "waiting for a peer"
 # what a compute segment is doing, keyed by its nodes' meta["region"] or a pipeline part's
 # meta["pipe_phase"]: the Chrome-trace event's cat (and the timeline PNG's colour). Region
 # "comm" on the compute thread is the packing around collectives (bucket cat/split, views).
@@ -116,15 +120,17 @@ class Recorder:
         self._close_segment(t)
         self._seg_start, self._seg = t, (name, cat, args)
 
-    def blocked(self, t0: float, t1: float, name: str, next_segment: str | None = None) -> None:
-        """The compute thread spent [t0, t1] on communication `name` (issuing or waiting);
-        then it resumes the segment it was in, or starts `next_segment`."""
+    def blocked(self, t0: float, t1: float, name: str, next_segment: str | None = None,
+                cat: str = BLOCKED) -> None:
+        """The compute thread spent [t0, t1] on communication `name` (issuing or waiting;
+        cat PEER_WAIT: on a pipeline peer); then it resumes the segment it was in, or starts
+        `next_segment`."""
         if self._spans is None:
             return
         self._close_segment(t0)
         self._exposed += t1 - t0
         if t1 - t0 > 2e-6:
-            self._spans.append(Span(name, COMPUTE, t0, t1, {"blocked_on": "comm"}, BLOCKED))
+            self._spans.append(Span(name, COMPUTE, t0, t1, {"blocked_on": "comm"}, cat))
         self._seg_start = t1
         if next_segment is not None:
             self._seg = (next_segment, CATEGORY.get(next_segment, next_segment), None)
@@ -242,5 +248,5 @@ def pipeline_bubble(events: list[dict], step: int = -1) -> float:
     start = min(e["ts"] for e in work)
     end = max(e["ts"] + e["dur"] for e in work)
     busy = sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start))
-               for e in mine if e.get("cat") != BLOCKED)
+               for e in mine if e.get("cat") not in (BLOCKED, PEER_WAIT))
     return 1 - busy / (len(window) * (end - start))

@@ -113,6 +113,24 @@ def test_legend_handles_only_present():
         "forward", "weight grad", "blocked", "comm"]
 
 
+def test_waiting_for_a_peer_is_its_own_colour_and_every_ranks_idle_time_is_counted():
+    """A pipeline recv is the bubble, not a collective: its own colour (not blocked's red);
+    the title's per-rank figures count each rank's blocked and waiting time per step;
+    action labels take one style throughout ("F0 s1" only where every bar fits it)."""
+    assert timeline.COLORS["waiting for a peer"] != timeline.COLORS["blocked"]
+    steps = [{"pid": p, "ts": t, "dur": 1000, "cat": "step"} for p in (0, 1) for t in (0, 1000)]
+    spans = [{"pid": 0, "tid": 0, "ts": 0, "dur": 200, "cat": "blocked"},
+             {"pid": 1, "tid": 0, "ts": 0, "dur": 600, "cat": "waiting for a peer"},
+             {"pid": 1, "tid": 0, "ts": 600, "dur": 100, "cat": "blocked"},
+             {"pid": 1, "tid": 1, "ts": 0, "dur": 900, "cat": "comm"}]  # (the comm track)
+    assert timeline.idle_per_step(spans, steps) == {0: (0.1, 0.0), 1: (0.05, 0.3)}
+    wide, narrow = {"name": "F0 s1", "args": {"microbatch": 0}}, {"name": "F0 s1",
+                                                                  "args": {"microbatch": 0}}
+    assert timeline._label(wide, 100, full=True) == "F0 s1"
+    assert timeline._label(narrow, 100, full=False) == "F0"
+    assert timeline._label(narrow, 5, full=False) is None
+
+
 def test_microbatched_actions_carry_stage_and_microbatch(tmp_path):
     """One rank, 2 microbatches (the pipeline runner): actions F0 s0, F1 s0, B.. with their
     args; the optimizer follows; the PNG labels them and its legend has no weight grad."""
