@@ -148,4 +148,5 @@ def test_overlap_picture_marks_what_moved_and_says_so_in_its_title(tmp_path):
     assert "moved: " not in before and "the overlap pass moved it" not in before
     paths = write_snapshots({"overlap": {"dp": gm}}, str(tmp_path), details=False)
     title = open(paths[0].replace(".svg", ".dot")).read()
-    assert f"{len(d.hoisted)} collectives started earlier" in title
+    assert (f"{len(d.hoisted)} collectives started earlier" if d.hoisted else
+            f"{len(d.sunk)} waits moved later") in title

@@ -199,9 +199,11 @@ def _what_moved(d) -> str:
         return ""
     if not (d.hoisted or d.sunk):
         return f": nothing moved ({d.why})" if d.why else ": nothing moved"
-    return (f": {len(d.hoisted)} collectives started earlier (by up to "
-            f"{max(d.hoisted.values(), default=0)} nodes), {len(d.sunk)} waits moved later "
-            f"(up to {max(d.sunk.values(), default=0)}); green on the links below")
+    parts = [f"{len(d.hoisted)} collectives started earlier (by up to "
+             f"{max(d.hoisted.values())} nodes)" if d.hoisted else "",
+             f"{len(d.sunk)} waits moved later (by up to {max(d.sunk.values())} nodes)"
+             if d.sunk else ""]
+    return ": " + ", ".join(p for p in parts if p) + "; green on the links below"
 
 
 def summary(gm: torch.fx.GraphModule) -> dict[str, int]:
