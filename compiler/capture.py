@@ -408,6 +408,18 @@ def capture(model: torch.nn.Module, example_batch: Any,
             raise hint from e
         if isinstance(e, TraceError):
             raise
+        oom = e
+        while oom is not None and not isinstance(oom, torch.OutOfMemoryError):
+            oom = oom.__cause__ or oom.__context__
+        if oom is not None:  # not the model's code: memory that real tensors hold
+            oom.add_note(
+                "fxpar: the device ran out of memory while tracing the model. Tracing runs on "
+                "fake tensors and allocates nothing itself: the memory is held by real "
+                "tensors - the model's weights moved onto the device, or other work of this "
+                "process (earlier models, optimizers, caches: free them, e.g. `del model; "
+                "gc.collect(); torch.cuda.empty_cache()`). Build the model on the meta device "
+                "and pass weights=PATH so each rank loads only its shards.")
+            raise oom
         data_dep = ("DataDependent" in type(e).__name__ or "data-dependent" in str(e).lower()
                     or "data dependent" in str(e).lower() or "GuardOnDataDependent" in str(e))
         cause = e

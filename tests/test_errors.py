@@ -484,3 +484,22 @@ def test_an_id_past_the_vocabulary_raises_under_vocab_parallel_tp_after_the_firs
     guard). fxpar's localize now checks the whole range, as eager's embedding does."""
     said = fxpar.launch(_tp_out_of_range_rank, 2)[0]
     assert all("out of the vocabulary's range [0, " in s for s in said), said
+
+
+def test_out_of_memory_while_tracing_is_not_blamed_on_control_flow():
+    """A CUDA OOM inside tracing was re-raised as a TraceError advising against
+    data-dependent control flow: it stays an OutOfMemoryError, with a note on what holds
+    the memory and the fix."""
+    class Hungry(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        fxpar.compile(Hungry(), 1, example_batch=torch.randn(2, 4))
+    said = "\n".join(getattr(e.value, "__notes__", []))
+    assert "ran out of memory while tracing" in said and "meta device" in said
+    assert "data-dependent" not in str(e.value) + said
