@@ -150,3 +150,15 @@ def test_overlap_picture_marks_what_moved_and_says_so_in_its_title(tmp_path):
     title = open(paths[0].replace(".svg", ".dot")).read()
     assert (f"{len(d.hoisted)} collectives started earlier" if d.hoisted else
             f"{len(d.sunk)} waits moved later") in title
+
+
+def test_pp_by_tp_keeps_every_box_inside_a_stage():
+    """Ops tensor parallelism inserts after the stage split (the vocabulary-parallel lookup's
+    id masking, its gathers) carry no stage of their own: their boxes floated outside every
+    stage cluster. They take their neighbours' stage."""
+    prog = _compile({"pp": 2, "tp": 2, "microbatches": 2})
+    for name in ("tensor_parallel", "data_parallel"):
+        view = layer_view(prog.stage_graphs[name]["dp"])
+        assert view.staged and all(b.stage in (0, 1) for b in view.boxes.values()), [
+            b.path for b in view.boxes.values() if b.stage not in (0, 1)]
+    assert view.boxes[(0, "wte")] and view.boxes[(1, "lm_head")]

@@ -144,13 +144,14 @@ def layer_view(gm: torch.fx.GraphModule) -> LayerView:
     calls = [n for n in nodes if n.op == "call_function"]
     containers = repeated_containers({n.meta.get(ir.MODULE, "") for n in nodes})
     staged = any(n.meta.get(ir.STAGE) is not None for n in calls)
+    stage_of = _stages_of(calls) if staged else {}
     boxes: dict = {}
     where: dict = {}  # node -> box key
     for n in calls:
         if _comm_kind(n) or _plumbing(n):
             continue
         path, layer = box_of(n.meta.get(ir.MODULE, ""), containers)
-        stage = n.meta.get(ir.STAGE) if staged else None
+        stage = stage_of.get(n)
         b = boxes.get((stage, path)) or boxes.setdefault(
             (stage, path), Box(path, layer, stage))
         where[n] = b.key
@@ -200,6 +201,22 @@ def layer_view(gm: torch.fx.GraphModule) -> LayerView:
         link.earlier += bool(n.meta.get("moved"))
         link.later += any(u.meta.get("moved") for u in n.users)
     return LayerView(boxes, edges, list(links.values()), staged)
+
+
+def _stages_of(calls: list) -> dict:
+    """Each op's pipeline stage: its meta's, else (ops a later pass inserted, e.g. tensor
+    parallelism's id masking and its gathers) the stage of the nearest input that has one,
+    else of a user: such an op runs with its neighbours, so its box stays in their stage's
+    cluster instead of floating outside every stage."""
+    stage = {n: n.meta[ir.STAGE] for n in calls if n.meta.get(ir.STAGE) is not None}
+    for order in (calls, calls[::-1]):
+        for n in order:
+            if n not in stage:
+                near = n.all_input_nodes if order is calls else list(n.users)
+                s = next((stage[a] for a in near if a in stage), None)
+                if s is not None:
+                    stage[n] = s
+    return stage
 
 
 def _reach(n: torch.fx.Node, where: dict, up: bool) -> set:
