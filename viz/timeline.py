@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from fxpar.runtime.trace import COMM, COMPUTE, TRACKS
+from fxpar.runtime.trace import BLOCKED, COMM, COMPUTE, PEER_WAIT, TRACKS
 
 # legend order: the step's own order, then what is not compute
 COLORS = {"forward": "#7fb3e6", "backward": "#f5a35c", "weight grad": "#f7d08a",
@@ -66,7 +66,7 @@ def idle_per_step(spans: list[dict], steps: list[dict]) -> dict[int, tuple[float
         n = max(sum(s["pid"] == pid for s in steps), 1)
         mine = [e for e in spans if e["pid"] == pid and e.get("tid") == TRACKS.index(COMPUTE)]
         out[pid] = tuple(sum(e["dur"] for e in mine if e.get("cat") == c) / 1e3 / n
-                         for c in ("blocked", "waiting for a peer"))
+                         for c in (BLOCKED, PEER_WAIT))
     return out
 
 
