@@ -1,0 +1,255 @@
+"""Regret of plan="auto": its choice measured against every other plan, on models of six families.
+
+For each model, one job of N CPU ranks plans as a plan="auto" job does (planner.for_parallelize:
+the machine and the model timed at start-up, no re-fit), then compiles the chosen plan and
+every other legal plan up to --cap (each dp x tp x pp factorization's best-priced variant
+first, plain dp always, then the next best-priced), and times them interleaved: round after
+round, one step of each plan, every step its slowest rank's (this VM's speed drifts by tens
+of percent over seconds; interleaved, each round meets one speed). A plan's time is its
+median over the rounds after the first.
+
+Per model: regret = the chosen plan's measured step / the fastest measured step; each plan's
+predicted vs measured time; Spearman's rank correlation of the two; the planner's own time
+(search + calibration) against the chosen plan's compile time.
+
+Run: python benchmarks/planner_regret.py [--nprocs 2] [--models qwen2_tied,...] [--cap 8]
+     [--rounds 6] [--out planner_regret_2.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import fxpar
+import fxpar.runtime.dist
+
+BATCH = 8
+
+
+def _hf(config_cls: str, model_cls: str, **kw):
+    import transformers
+    cfg = getattr(transformers, config_cls)(**kw)
+    return getattr(transformers, model_cls)(cfg)
+
+
+def _lm_batch(vocab: int, seq: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (BATCH, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _image_batch(size: int, classes: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(BATCH, 3, size, size, generator=g),
+            "labels": torch.randint(0, classes, (BATCH,), generator=g)}
+
+
+# Sizes where a step is compute-bound on a CPU (tens to hundreds of ms), configs otherwise as
+# the libraries ship them (dropout included).
+MODELS = {
+    # a causal LM with a tied, large-vocabulary head (Qwen2.5-style: GQA, tied embeddings)
+    "qwen2_tied": (lambda: _hf("Qwen2Config", "Qwen2ForCausalLM", vocab_size=16384,
+                               hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=2,
+                               tie_word_embeddings=True, max_position_embeddings=256),
+                   lambda: _lm_batch(16384, 64)),
+    # an untied GQA LM (Llama-style)
+    "llama_gqa": (lambda: _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=4096,
+                              hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                              num_attention_heads=8, num_key_value_heads=2,
+                              max_position_embeddings=256),
+                  lambda: _lm_batch(4096, 64)),
+    # an encoder (BERT masked LM, every position labelled, its default dropout)
+    "bert_mlm": (lambda: _hf("BertConfig", "BertForMaskedLM", vocab_size=8192, hidden_size=256,
+                             num_hidden_layers=4, num_attention_heads=8,
+                             intermediate_size=1024, max_position_embeddings=128),
+                 lambda: _lm_batch(8192, 64)),
+    # a vision transformer
+    "vit": (lambda: _hf("ViTConfig", "ViTForImageClassification", image_size=64, patch_size=8,
+                        hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                        intermediate_size=1024, num_labels=10),
+            lambda: _image_batch(64, 10)),
+    # a conv net (BatchNorm: no microbatched plan trains as one step does)
+    "resnet": (lambda: _hf("ResNetConfig", "ResNetForImageClassification", embedding_size=32,
+                           hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
+                           num_labels=10),
+               lambda: _image_batch(64, 10)),
+    # a mixture of experts (Mixtral-style, top-2 of 4)
+    "mixtral_moe": (lambda: _hf("MixtralConfig", "MixtralForCausalLM", vocab_size=4096,
+                                hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                num_attention_heads=8, num_key_value_heads=2,
+                                num_local_experts=4, num_experts_per_tok=2,
+                                max_position_embeddings=256),
+                    lambda: _lm_batch(4096, 64)),
+}
+
+
+def _pick(result, cap: int) -> list:
+    """The chosen plan, each factorization's best-priced plan, plain dp, then the best-priced
+    rest, up to `cap` plans (the search's table is ranked by predicted time)."""
+    from fxpar.compiler import planner
+    table = result.table
+    out = [result.best]
+
+    def add(c):
+        if len(out) < cap and all(planner.plan_dict(c.plan) != planner.plan_dict(o.plan)
+                                  for o in out):
+            out.append(c)
+    seen = set()
+    for c in table:
+        key = (c.plan.dp, c.plan.tp, c.plan.pp)
+        if key not in seen:
+            seen.add(key)
+            add(c)
+    plain = next((c for c in table if c.plan.tp == 1 and c.plan.pp == 1 and c.plan.zero == 0
+                  and c.plan.microbatches == 1), None)
+    if plain is not None:
+        add(plain)
+    for c in table:
+        add(c)
+    return out
+
+
+def worker(name: str, cap: int, rounds: int):
+    import torch.distributed as dist
+    from fxpar.compiler import planner
+    factory, batch = MODELS[name]
+    world = int(os.environ["WORLD_SIZE"])
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+    data = batch()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    _, result = planner.for_parallelize(factory(), world, world, "auto", data, None, opt)
+    planning_s = time.perf_counter() - t0
+    cands = _pick(result, cap)
+    models, compile_s, failed = [], {}, []
+    for c in cands:
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        try:
+            pm = fxpar.parallelize(factory(), world, example_batch=data, optimizer=opt,
+                                   plan=c.plan)
+            for _ in range(2):  # the first compiles (Inductor) and checks
+                pm.step(data)
+        except Exception as e:  # noqa: BLE001 - a plan that cannot run is reported, not timed
+            failed.append((planner.plan_str(c.plan), f"{type(e).__name__}: {e}"[:300]))
+            continue
+        compile_s[planner.plan_str(c.plan)] = time.perf_counter() - t0
+        models.append((c, pm))
+    times = torch.zeros(rounds, len(models), dtype=torch.float64)
+    for r in range(rounds):
+        for i, (_, pm) in enumerate(models):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(data)
+            times[r, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    med = times[1:].median(dim=0).values if rounds > 1 else times[0]
+    rows = [{"plan": planner.plan_str(c.plan), "chosen": c is result.best,
+             "predicted_s": c.step_s, "measured_s": float(med[i]),
+             "predicted_mem": c.memory.total,
+             "compile_s": compile_s[planner.plan_str(c.plan)]}
+            for i, (c, _) in enumerate(models)]
+    plain = next((i for i, c in enumerate(result.table) if c.plan.tp == 1 and c.plan.pp == 1
+                  and c.plan.zero == 0 and c.plan.microbatches == 1), None)
+    return {"model": name, "world": world, "rows": rows, "failed": failed,
+            "planning_s": planning_s, "hardware": str(result.hardware),
+            "n_legal": result.n_legal, "n_fit": result.n_fit,
+            "plain_dp_rank": None if plain is None else plain + 1,
+            "why": result._why() if len(result.table) > 1 else ""}
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None under 3 points."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    va = sum((x - ma) ** 2 for x in a) ** 0.5
+    vb = sum((y - mb) ** 2 for y in b) ** 0.5
+    return cov / (va * vb) if va and vb else None
+
+
+def summarize(res: dict) -> dict:
+    rows = res["rows"]
+    best = min(r["measured_s"] for r in rows)
+    chosen = next((r for r in rows if r["chosen"]), None)
+    errs = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
+    return {"regret": chosen["measured_s"] / best if chosen else None,
+            "median_error": statistics.median(errs) if errs else None,
+            "spearman": spearman([r["predicted_s"] for r in rows],
+                                 [r["measured_s"] for r in rows]),
+            "planning_share": (res["planning_s"] / chosen["compile_s"]) if chosen else None}
+
+
+def report(results: list[dict]) -> str:
+    out = []
+    for res in results:
+        s = summarize(res)
+        out.append(f"\n{res['model']} on {res['world']} ranks ({res['n_legal']} legal plans, "
+                   f"{res['n_fit']} fit; plain dp ranked #{res['plain_dp_rank']}): regret "
+                   f"{s['regret']:.2f}, median |error| {s['median_error'] * 100:.0f}%, "
+                   f"Spearman {s['spearman'] if s['spearman'] is None else round(s['spearman'], 2)}, "
+                   f"planning {res['planning_s']:.1f} s = {s['planning_share'] * 100:.0f}% of "
+                   "the chosen plan's compile")
+        best = min(r["measured_s"] for r in res["rows"])
+        for r in sorted(res["rows"], key=lambda r: r["measured_s"]):
+            out.append(f"  {'*' if r['chosen'] else ' '} {r['plan']:<44} predicted "
+                       f"{r['predicted_s'] * 1e3:8.1f} ms  measured {r['measured_s'] * 1e3:8.1f}"
+                       f" ms  x{r['measured_s'] / best:.2f} of best  "
+                       f"meas/pred {r['measured_s'] / r['predicted_s']:.2f}")
+        for plan, why in res["failed"]:
+            out.append(f"    {plan}: FAILED {why}")
+    regrets = [summarize(r)["regret"] for r in results]
+    out.append(f"\nworst regret {max(regrets):.2f} over {len(results)} models "
+               "(* = the plan \"auto\" chose)")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--cap", type=int, default=8, help="plans measured per model")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--out", default=None, help="JSON with the numbers")
+    a = ap.parse_args(argv)
+    names = [n for n in a.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        res = fxpar.launch(worker, a.nprocs, name, a.cap, a.rounds)[0]
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        results.append(res)
+        if a.out:
+            json.dump(results, open(a.out, "w"), indent=1)
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
