@@ -349,6 +349,10 @@ class Hardware:
     # than 1F1B at m=1 on 4 and 8 ranks over 2 cores (its extra weight-gradient parts)
     bubble_is_idle: bool = True
     async_launch: bool = True
+    # the relative resolution of a predicted step time: plans predicted this close are a tie,
+    # which the planner breaks by simplicity (data sheet: 2%; CPU: the spread of the
+    # start-up timing's repetitions, 3-10%)
+    noise: float = 0.02
 
     def flops(self, precision: str) -> float:
         return self.peak_flops.get(precision, self.peak_flops["fp32"])
@@ -528,7 +532,7 @@ def cpu_hardware(link: Link | None = None) -> Hardware:
                     link or Link(250e-6, 1e9), link or Link(250e-6, 1e9),
                     devices_per_node=1 << 30, matmul_efficiency=1.0, node_overhead=per_op,
                     calibrated=f"measured ({threads} threads)",
-                    async_launch=False)
+                    async_launch=False, noise=0.05)
 
 
 def link_from_table(table: dict, n: int) -> Link | None:

@@ -106,6 +106,7 @@ class PlanResult:
     # planning's phases [(name, seconds, None)] for pm.compile_times (measure, trace,
     # calibrate, search)
     times: list = dataclasses.field(default_factory=list, repr=False)
+    plain_dp_note: str = ""  # why plain dp over every device is not in the table
 
     def format(self, top: int = 10) -> str:
         lines = [f"{self.n_legal} legal plans for {self.devices} x {self.hardware.name} "
@@ -149,22 +150,39 @@ class PlanResult:
             out.append(f"  remat recomputes {b.recompute * 100:.0f}% of the forward {why}")
         if len(self.table) > 1:
             out.append(f"  runner-up {self.table[1].row()}\n  is {self._why()}")
+            out.append(f"  {self.plain_dp()}")
         if self.n_fit < self.n_legal:
             out.append(f"  {self.n_legal - self.n_fit} legal plans were pruned: they do not "
                        f"fit in {self.hardware.memory / GiB:.1f} GiB per device")
         return "\n".join(out)
 
-    def _why(self) -> str:
-        """Why the best plan beat the runner-up: the two parts that cost the runner-up most."""
-        b, r = self.best, self.table[1]
+    def _why(self, other: "Candidate | None" = None) -> str:
+        """Why the best plan beat `other` (default the runner-up): the two parts that cost
+        `other` most, or that it is a tie the simpler plan wins."""
+        b, r = self.best, other if other is not None else self.table[1]
         diffs = sorted(((r.parts.get(k, 0) - b.parts.get(k, 0), k)
                         for k in set(b.parts) | set(r.parts)), reverse=True)
         why = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs[:2] if d > 0)
         pct = (r.step_s / b.step_s - 1) * 100
-        if pct < 0.5:  # _rank_key's tie: the prediction cannot tell them apart
-            return (f"{pct:+.1f}%, within the cost model's resolution: the simpler plan "
-                    "wins (less ZeRO, fewer microbatches, 1F1B, no remat, smaller pp, tp)")
+        if pct <= self.hardware.noise * 100:  # rank()'s tie: the simpler plan wins
+            return (f"{pct:+.1f}%, within the prediction's resolution "
+                    f"({self.hardware.noise:.0%}): the simpler plan wins (fewer axes, plain "
+                    "dp over pp and tp, fewer microbatches, less ZeRO, 1F1B, no remat)")
         return f"{pct:.1f}% slower: {why or 'the sum of small differences'}"
+
+    def plain_dp(self) -> str:
+        """Where plain data parallelism over every device ranks, and why the choice beats it:
+        the baseline every user knows, so the report always says it."""
+        if self.best.plan.dp == self.devices and self.best.plan.zero == 0 and \
+                self.best.plan.microbatches == 1:
+            return f"plain data parallelism (dp={self.devices}) is the choice"
+        i, c = next(((i, c) for i, c in enumerate(self.table)
+                     if c.plan.dp == self.devices and c.plan.zero == 0
+                     and c.plan.microbatches == 1), (None, None))
+        if c is None:
+            return (f"plain data parallelism (dp={self.devices}) is not in the table: "
+                    f"{self.plain_dp_note}")
+        return f"plain data parallelism (dp={self.devices}) ranks #{i + 1}, {self._why(c)}"
 
     def summary(self) -> str:
         """The chosen plan and the runner-up with their predicted step time and memory, and
@@ -178,6 +196,7 @@ class PlanResult:
         out = [f"plan chosen: {short(self.best)}"]
         if len(self.table) > 1:
             out.append(f"  runner-up {short(self.table[1])}, {self._why()}")
+            out.append(f"  {self.plain_dp()}")
         else:
             out.append("  the only legal plan that fits in memory")
         out.append(f"  ({self.n_legal} legal plans, {self.n_fit} fit; "
@@ -369,6 +388,11 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
 
     cands: list[Candidate] = []
     n_legal = 0
+    fixed_off = {k: v for k, v in constraints.items() if k in ("dp", "tp", "pp",
+                 "microbatches", "zero") and v != {"dp": world}.get(k, 1 if k != "zero" else 0)}
+    plain_note = (f"the fields fixed for this job ({fixed_off}) rule it out" if fixed_off else
+                  f"the batch of {batch_rows} rows does not split over dp={world}"
+                  if batch_rows % world else "this fxpar cannot run it for this model")
     smallest: tuple[float, Candidate] | None = None
     stage_cache = {}
     ticker = Ticker(log)
@@ -412,6 +436,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                             continue
                     if c.memory.total <= budget:
                         cands.append(c)
+                    elif (dp, m, zero) == (world, 1, 0):
+                        plain_note = (f"it needs {_bytes(c.memory.total)} per device, over "
+                                      f"the {_bytes(budget)} usable")
                     elif smallest is None or c.memory.total < smallest[0]:
                         smallest = (c.memory.total, c)
     if not cands:
@@ -434,7 +461,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
         if i < SIMULATE_TOP or plan_dict(c.plan) == also:
             _simulate(c, stats, hw, stage_cache, precision)
             simulated += 1
-    cands.sort(key=_rank_key)
+    cands = rank(cands, hw.noise)
     note = stats.note
     inputs = dict(stats=stats, world=world, batch_rows=batch_rows, precision=precision,
                   optimizer=optimizer, constraints=constraints, executable=executable,
@@ -443,7 +470,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     phase_done(log, "planner search", seconds, f"{n_legal} plans priced, {len(cands)} fit, "
                f"{simulated} schedules simulated")
     return PlanResult(cands[0], cands, n_legal, len(cands), hw, note, seconds, world, inputs,
-                      times=[("planner: search", seconds, None)])
+                      times=[("planner: search", seconds, None)], plain_dp_note=plain_note)
 
 
 def _compute_scaled(hw: cost.Hardware, k: float) -> cost.Hardware:
@@ -568,12 +595,23 @@ def _rank_aggregates(stages, pp, v):
     return out
 
 
-def _rank_key(c: Candidate):
-    """Fastest first; within 0.5% of each other the simpler plan (less ZeRO, fewer
-    microbatches, plain 1F1B, no remat) wins, as the prediction cannot tell them apart."""
-    simple = (c.plan.zero, c.plan.microbatches, c.plan.schedule != "1f1b",
-              c.plan.remat != "none", c.plan.pp, c.plan.tp)
-    return (math.floor(math.log(c.step_s) / math.log(1.005)), simple, c.step_s)
+def simplicity(p: Plan) -> tuple:
+    """Fewer parallel axes first, then plain data parallelism over pipelines and tensor
+    parallelism, fewer microbatches, less ZeRO, 1F1B, no remat: what wins a tie."""
+    axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
+    return (axes, p.pp, p.tp, p.microbatches, p.zero, p.pp > 1 and p.schedule != "1f1b",
+            p.remat != "none")
+
+
+def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
+    """The chosen plan first -- the simplest (`simplicity`) of those predicted within `noise`
+    of the fastest, since the prediction cannot tell them apart and a choice that flips
+    between runs with the start-up timing's luck is worse than either -- then the rest,
+    fastest first."""
+    by_time = sorted(cands, key=lambda c: (c.step_s, simplicity(c.plan)))
+    tied = [c for c in by_time if c.step_s <= by_time[0].step_s * (1 + noise)]
+    best = min(tied, key=lambda c: (simplicity(c.plan), c.step_s))
+    return [best] + [c for c in by_time if c is not best]
 
 
 def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
@@ -912,15 +950,19 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
             fn()
             ts.append(_time.perf_counter() - t0)
             ticker.tick("planner calibration: %s timed %d of %d times", what, i + 1, reps)
-        return sorted(ts)[len(ts) // 2]
+        ts.sort()
+        return ts[len(ts) // 2], (ts[-2] - ts[1]) / ts[len(ts) // 2]  # median, IQR / median
     with torch.no_grad():
-        t_graph = timed(lambda: gm(*args), "the model's graph")
+        t_graph, spread = timed(lambda: gm(*args), "the model's graph")
+    # plans predicted closer than the graph's own timing varies are a tie (planner.rank)
+    noise = min(max(spread, 0.03), 0.10)
     base = dataclasses.replace(hw, node_overhead=0.0)
     roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
                    for s in stats.segments for part in ("f", "b"))
     nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
     hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
-                                                   (t_graph - roofline) / max(nodes, 1)))
+                                                   (t_graph - roofline) / max(nodes, 1)),
+                             noise=noise)
     ps = [torch.nn.Parameter(params[n].detach().clone()) for n in sig.param_names]
     for p in ps:
         p.grad = torch.zeros_like(p)
@@ -931,8 +973,9 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
             # ZeRO shard's by the loop's time and made the demo pick ZeRO-2 for speed
             roptim.prefer_fused(opt)
         with torch.no_grad():
-            hw.optimizer_s = timed(opt.step, "the optimizer step")
-    hw.calibrated += f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node"
+            hw.optimizer_s = timed(opt.step, "the optimizer step")[0]
+    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node, "
+                      f"ties within {noise:.0%}")
     return hw
 
 
@@ -1034,10 +1077,12 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             hw = calibrate_on_model(hw, stats, model, example_batch, optimizer,
                                     fused=gen == "inductor")
         if dist.is_initialized():
-            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0], dtype=torch.float64)
-            dist.broadcast(v, src=0)
+            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0, hw.noise],
+                             dtype=torch.float64)
+            dist.broadcast(v, src=0)  # every rank the same figures: the same choice
             hw.node_overhead = float(v[0])
             hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
+            hw.noise = float(v[2])
     clock.add("planner: calibrate", time.perf_counter() - t)
     result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                        constraints=constraints, hw=hw, stats=stats)

@@ -719,3 +719,45 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
                                     fused=True)
     assert len(timed) == 1 and all(g["fused"] for g in timed[0].param_groups)
     assert hw.optimizer_s > 0
+
+
+def _cand(step_s, **fields):
+    plan = fxpar.Plan(**{"dp": 1, "tp": 1, "pp": 1, **fields})
+    return planner.Candidate(plan, step_s, None, None, 0.0, {"compute": step_s})
+
+
+def test_a_tie_within_the_noise_goes_to_the_simpler_plan_and_a_clear_win_does_not():
+    """planner.rank: plans predicted within the prediction's resolution are a tie, broken by
+    simplicity (fewer axes, plain dp before pp and tp, fewer microbatches, less ZeRO), so a
+    timing that varies a few percent between runs does not flip the choice; outside it the
+    fastest plan wins."""
+    pp = _cand(0.100, pp=2, microbatches=2, schedule="zero-bubble")
+    dp = _cand(0.104, dp=2)
+    tp = _cand(0.102, tp=2)
+    z3 = _cand(0.1035, dp=2, zero=3)
+    ranked = planner.rank([pp, dp, tp, z3], noise=0.05)
+    assert ranked[0] is dp                       # within 5%: the simplest
+    assert ranked[1:] == [pp, tp, z3]            # the rest fastest first
+    assert planner.rank([pp, dp, tp, z3], noise=0.01)[0] is pp  # 4% apart: a clear win
+    assert planner.rank([z3, _cand(0.103, dp=2, zero=1)], noise=0.05)[0].plan.zero == 1
+
+
+def test_the_report_says_where_plain_data_parallelism_ranks_and_why(small_stats):
+    """Plain dp is the baseline every user knows: the summary and explain() name its rank and
+    what the choice saves over it, or why it is not in the table."""
+    hw = cost.HARDWARE["a100"]
+    r = planner.search(small_stats, 8, hw, batch_rows=8, executable=False)
+    line = r.plain_dp()
+    if r.best.plan.dp == 8 and r.best.plan.zero == 0 and r.best.plan.microbatches == 1:
+        assert line == "plain data parallelism (dp=8) is the choice"
+    else:
+        k = next(i for i, c in enumerate(r.table) if c.plan.dp == 8 and c.plan.zero == 0
+                 and c.plan.microbatches == 1)
+        assert f"ranks #{k + 1}, " in line, line
+    assert line in r.summary() and line in r.explain()
+    fixed = planner.search(small_stats, 8, hw, batch_rows=8, executable=False,
+                           constraints={"tp": 2})
+    assert fixed.plain_dp() == ("plain data parallelism (dp=8) is not in the table: the fields "
+                                "fixed for this job ({'tp': 2}) rule it out")
+    odd = planner.search(small_stats, 8, hw, batch_rows=4, executable=False)
+    assert "the batch of 4 rows does not split over dp=8" in odd.plain_dp()
