@@ -155,6 +155,7 @@ def worker(name: str, cap: int, rounds: int):
     rows = [{"plan": planner.plan_str(c.plan), "chosen": c is result.best,
              "predicted_s": c.step_s, "measured_s": float(med[i]),
              "predicted_mem": c.memory.total,
+             "parts": {k: float(v) for k, v in c.parts.items()},
              "compile_s": compile_s[planner.plan_str(c.plan)]}
             for i, (c, _) in enumerate(models)]
     plain = next((i for i, c in enumerate(result.table) if c.plan.tp == 1 and c.plan.pp == 1

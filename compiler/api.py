@@ -102,7 +102,9 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
             dist.broadcast(seed, src=0)
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
-    program = build(model, example_batch, loss_fn, resolved, world.device)
+    program = build(model, example_batch, loss_fn, resolved, world.device,
+                    captured=plan_report.take_capture(resolved, world.device)
+                    if plan_report is not None else None)
     program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
     clock.extend(program.compile_times)
     pm = ParallelModel(model, world, program, optimizer,

@@ -52,8 +52,10 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
                                    constraints=planner.constraints_of(plan))
         plan = report.best.plan
         clock.extend(report.times)
-    program = build(model, example_batch, loss_fn, resolve(plan, world_size),
-                    torch.device(dev_type))
+    resolved = resolve(plan, world_size)
+    program = build(model, example_batch, loss_fn, resolved, torch.device(dev_type),
+                    captured=report.take_capture(resolved, torch.device(dev_type))
+                    if report is not None else None)
     clock.extend(program.compile_times)
     program.plan_report = report
     program.compile_times = clock.finish()
@@ -61,10 +63,13 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
 
 
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
-          joint: bool = True, stand_ins: dict | None = None) -> ir.Program:
+          joint: bool = True, stand_ins: dict | None = None,
+          captured: tuple | None = None) -> ir.Program:
     """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
     program of `evaluate`. `stand_ins`: fake weights to trace with (default: for those on
-    the meta device or another device type than `device`). program.compile_times: one row
+    the meta device or another device type than `device`). `captured`: the (graph,
+    signature) the planner captured of this model and batch (PlanResult.take_capture),
+    used instead of capturing again. program.compile_times: one row
     per phase of the build (capture, each pass, the stage split, evaluate's stand-ins)."""
     m = plan.microbatches if joint else 1
     t0 = time.perf_counter()
@@ -81,12 +86,18 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     # microbatching's row-coupling check reads them): compiler/capture.py's docstring
     whole_batch = plan.dp * plan.tp * plan.pp == 1 and m == 1
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    with announce(log, f"capturing {type(model).__name__}'s forward"
-                  + (" + backward" if joint else "") + f" ({n_params / 1e6:.1f}M parameters)"):
-        gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins,
-                              decompose_batch_norm=not whole_batch)
+    if captured is not None and joint and m == 1 and not whole_batch:
+        gm, sig = captured
+        how = "the planner's capture"
+    else:
+        with announce(log, f"capturing {type(model).__name__}'s forward"
+                      + (" + backward" if joint else "") + f" ({n_params / 1e6:.1f}M parameters)"):
+            gm, sig = cap.capture(model, example, loss_fn, joint=joint, stand_ins=stand_ins,
+                                  decompose_batch_norm=not whole_batch)
+        how = "captured"
     clock = Clock(log)
-    clock.add("capture", time.perf_counter() - t0, detail=f"{len(gm.graph.nodes)} nodes")
+    clock.add("capture", time.perf_counter() - t0,
+              detail=f"{len(gm.graph.nodes)} nodes, {how}")
     moving = [b for b, summed in zip(sig.mutated_buffers, summed_buffer_updates(gm, sig))
               if not summed]  # (a buffer that only adds is summed over the microbatches)
     if m > 1 and moving and plan.batch_stats == "whole":

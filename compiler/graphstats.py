@@ -113,6 +113,9 @@ class GraphStats:
     # per column linear's weight: (its out features, the segment holding the parameter, its
     # elements) - a tied weight is held where first used, not where the column is (at_tp)
     column_weights: list = dataclasses.field(default_factory=list)
+    # where pipeline_split cuts the graph: {(stages, device type): the layer index each
+    # stage starts at} (planner.pass_stage_starts)
+    stage_starts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[Segment]:
@@ -158,7 +161,7 @@ class GraphStats:
         new = [self.segments[0]] + [dataclasses.replace(mid, name=f"{mid.name}#{i}")
                                     for i in range(n_layers)] + [self.segments[-1]]
         return dataclasses.replace(
-            self, segments=new, n_layers=n_layers,
+            self, segments=new, n_layers=n_layers, graph=None, stage_starts={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers}")
 
@@ -186,6 +189,19 @@ def _is_param(n) -> bool:
     return n.op == "placeholder" and n.meta.get(ir.ROLE) in ("param", "buffer")
 
 
+def forward_segments(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """{forward node name: its segment}: the repeated block (layer_key) its module lies in,
+    "pre" before the first block, "post" after."""
+    out, seen_layer = {}, False
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get(ir.REGION) != ir.FORWARD:
+            continue
+        k = layer_key(n.meta.get(ir.MODULE, ""))
+        seen_layer = seen_layer or k is not None
+        out[n.name] = k or ("post" if seen_layer else "pre")
+    return out
+
+
 def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     """Segment statistics of a captured joint graph whose batch has `rows` rows."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -193,19 +209,18 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     bwd = [n for n in nodes if n.meta.get(ir.REGION) != ir.FORWARD]
 
     # segments of forward nodes in execution order: pre, layers..., post
+    names = forward_segments(gm)
     order: list[str] = ["pre"]
     seg_of: dict[torch.fx.Node, str] = {}
     module_seg: dict[str, str] = {}
-    seen_layer = False
     for n in fwd:
-        k = layer_key(n.meta.get(ir.MODULE, ""))
-        if k is not None:
-            seen_layer = True
-            if k not in order:
-                order.append(k)
-        seg = k or ("post" if seen_layer else "pre")
+        seg = names[n.name]
+        if seg not in order:
+            order.append(seg)
         seg_of[n] = seg
         module_seg.setdefault(n.meta.get(ir.MODULE, ""), seg)
+    if "post" in order:
+        order.remove("post")
     order.append("post")
     segs = {s: Segment(s) for s in order}
     def match(k):

@@ -34,14 +34,15 @@ from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import summed_buffer_updates
-from fxpar.compiler.graphstats import FIELDS, GraphStats, Segment, analyze, layer_key
+from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze, forward_segments,
+                                       layer_key)
 from fxpar.compiler.logs import Clock, Ticker, announce, phase_done
 from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
                                    stage_memory)
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan, replays_step, resolve
-from fxpar.passes import data_parallel, remat, tensor_parallel
+from fxpar.passes import data_parallel, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
 from fxpar.runtime import comm as rcomm
 from fxpar.runtime import dist as rdist
@@ -156,6 +157,22 @@ class PlanResult:
                        f"fit in {self.hardware.memory / GiB:.1f} GiB per device")
         return "\n".join(out)
 
+    def take_capture(self, plan: Plan, device: torch.device):
+        """The joint graph the planner captured, handed to fxpar.compile's build where it
+        would capture the same graph again (a plan of one microbatch: the whole example
+        batch; traced on this device type), else None. Taken, not shared: the passes
+        rewrite it in place, and the report no longer holds it either way."""
+        stats = self.inputs.get("stats")
+        graph = getattr(stats, "graph", None)
+        if stats is not None:
+            stats.graph = None
+        if graph is None or plan.microbatches != 1 or plan.dp * plan.tp * plan.pp == 1:
+            return None
+        vals = [n.meta.get(ir.VAL) for n in graph[0].graph.nodes if n.op == "placeholder"]
+        if any(isinstance(v, torch.Tensor) and v.device.type != device.type for v in vals):
+            return None
+        return graph
+
     def _why(self, other: "Candidate | None" = None) -> str:
         """Why the best plan beat `other` (default the runner-up): the two parts that cost
         `other` most, or that it is a tie the simpler plan wins."""
@@ -221,7 +238,9 @@ def _seg_time(s: Segment, stats, rows, tp, hw, precision, part):
 
 def partition(weights: list[float], k: int) -> list[int]:
     """Contiguous split of `weights` into k parts minimising the largest part: the start index
-    of every part (binary search on the answer with a greedy fill)."""
+    of every part (binary search on the answer with a greedy fill). Only for statistics with
+    no whole graph to cut (a model traced a few blocks deep and scaled, GraphStats.with_depth);
+    otherwise the stages are pipeline_split's own (`pass_stage_starts`)."""
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -245,18 +264,61 @@ def partition(weights: list[float], k: int) -> list[int]:
     return starts
 
 
-def stages_of(stats: GraphStats, pp: int, v: int = 1) -> list[list[Segment]]:
-    """The model's segments cut into pp*v contiguous stages balanced by compute (pre joins the
-    first stage, post the last, as pipeline_split's cost model would weigh them)."""
+def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] | None:
+    """Where pipeline_split cuts the captured graph into n stages, as the index in
+    stats.layers where each stage starts: the pass's own partition run on a copy of the
+    graph (so the planner prices the stages the job will run), each layer given to the stage
+    holding most of its forward nodes. Cached on the statistics (it outlives the graph,
+    which compile takes); None where there is no graph of the whole model."""
+    key = (n, device_type)
+    if key in stats.stage_starts:
+        return stats.stage_starts[key]
+    if stats.graph is None:
+        return None
+    gm, _ = stats.graph
+    copy_ = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    try:
+        split = pipeline_split.partition(copy_, n, profile=cost.DeviceProfile.for_device(
+            torch.device(device_type)))
+    except PlanError:
+        return None
+    seg_of = forward_segments(copy_)
+    names = [s.name for s in stats.layers]
+    votes: dict[str, dict[int, int]] = {}
+    stage, cuts = 0, set(split.cuts)
+    for node in copy_.graph.nodes:
+        if node.op == "call_function" and node.meta.get(ir.REGION) == ir.FORWARD:
+            seg = seg_of.get(node.name)
+            if seg in names:
+                votes.setdefault(seg, {}).setdefault(stage, 0)
+                votes[seg][stage] += 1
+            if node.name in cuts:
+                stage += 1
+    of = [max(votes.get(x, {0: 1}).items(), key=lambda kv: kv[1])[0] for x in names]
+    starts = [0] + [i for i in range(1, len(of)) if of[i] != of[i - 1]]
+    if len(starts) != n or of != sorted(of):  # the pass cut within layers too finely to
+        starts = None                         # map onto them: priced by the layer balance
+    stats.stage_starts[key] = starts
+    return starts
+
+
+def stages_of(stats: GraphStats, pp: int, v: int = 1,
+              device_type: str = "cpu") -> list[list[Segment]]:
+    """The model's segments cut into pp*v contiguous stages where pipeline_split cuts them
+    (`pass_stage_starts`); pre joins the first stage, post the last. Statistics without a
+    whole graph: balanced by compute."""
     n = pp * v
     segs = stats.segments
     layers = segs[1:-1]
     if n == 1:
         return [segs]
-    w = [s.flops_f + s.flops_b + 1e3 * (s.nodes_f + s.nodes_b) for s in layers]
-    w[0] += segs[0].flops_f + segs[0].flops_b
-    w[-1] += segs[-1].flops_f + segs[-1].flops_b
-    starts = partition(w, n) + [len(layers)]
+    starts = pass_stage_starts(stats, n, device_type)
+    if starts is None:
+        w = [s.flops_f + s.flops_b + 1e3 * (s.nodes_f + s.nodes_b) for s in layers]
+        w[0] += segs[0].flops_f + segs[0].flops_b
+        w[-1] += segs[-1].flops_f + segs[-1].flops_b
+        starts = partition(w, n)
+    starts = starts + [len(layers)]
     out = [layers[a:b] for a, b in zip(starts, starts[1:])]
     out[0] = [segs[0]] + out[0]
     out[-1] = out[-1] + [segs[-1]]
@@ -422,7 +484,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 for zero in zeros:
                     key = (pp, v, tp)
                     if key not in stage_cache:
-                        stage_cache[key] = _rank_aggregates(stages_of(st, pp, v), pp, v)
+                        stage_cache[key] = _rank_aggregates(
+                            stages_of(st, pp, v, "cpu" if hw.name == "cpu" else "cuda"), pp, v)
                     n_legal += 1
                     ticker.tick("planner search: %d plans priced", n_legal)
                     c = _price(st, hw, stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,

@@ -761,3 +761,29 @@ def test_the_report_says_where_plain_data_parallelism_ranks_and_why(small_stats)
                                 "fixed for this job ({'tp': 2}) rule it out")
     odd = planner.search(small_stats, 8, hw, batch_rows=4, executable=False)
     assert "the batch of 4 rows does not split over dp=8" in odd.plain_dp()
+
+
+@pytest.mark.parametrize("pp,m,schedule", [
+    (2, 2, "interleaved"), pytest.param(3, 1, "gpipe", marks=pytest.mark.slow),
+    pytest.param(2, 2, "1f1b", marks=pytest.mark.slow)])
+def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule):
+    """The planner's stages are pipeline_split's own cut (its partition run on the planner's
+    copy of the graph), not a second partitioner's: for the same plan, every layer's forward
+    runs in the stage the planner priced it in."""
+    model = M.hf_llama(vocab=512, hidden=64, layers=6, heads=4, kv_heads=2)
+    batch = M.hf_lm_batch(512, 8, 32)
+    stats = planner.graph_stats(model, batch)
+    v = 2 if schedule == "interleaved" else 1
+    priced = {s.name: k for k, stage in enumerate(planner.stages_of(stats, pp, v))
+              for s in stage if s.name not in ("pre", "post")}
+    prog = fxpar.compile(model, pp, example_batch=batch,
+                         plan={"pp": pp, "microbatches": m, "schedule": schedule})
+    ran: dict[str, set] = {}
+    names = planner.forward_segments(prog.graph)
+    for n in prog.graph.graph.nodes:
+        if n.name in names and n.meta.get(ir.STAGE) is not None:
+            ran.setdefault(names[n.name], set()).add(n.meta[ir.STAGE])
+    assert set(priced) == {k for k in ran if k not in ("pre", "post")}
+    for layer, stage in priced.items():
+        assert stage in ran[layer], (layer, stage, ran[layer])
+    assert stats.stage_starts[(pp * v, "cpu")] is not None  # the pass's cut, not the fallback
