@@ -116,6 +116,8 @@ class GraphStats:
     # where pipeline_split cuts the graph: {(stages, device type): the layer index each
     # stage starts at} (planner.pass_stage_starts)
     stage_starts: dict = dataclasses.field(default_factory=dict)
+    transfers: dict = dataclasses.field(default_factory=dict)       # (same keys): the
+    shared_weights: dict = dataclasses.field(default_factory=dict)  # pass's, see there
 
     @property
     def layers(self) -> list[Segment]:
@@ -161,7 +163,8 @@ class GraphStats:
         new = [self.segments[0]] + [dataclasses.replace(mid, name=f"{mid.name}#{i}")
                                     for i in range(n_layers)] + [self.segments[-1]]
         return dataclasses.replace(
-            self, segments=new, n_layers=n_layers, graph=None, stage_starts={},
+            self, segments=new, n_layers=n_layers, graph=None, stage_starts={}, transfers={},
+            shared_weights={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers}")
 

@@ -294,6 +294,26 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
                 votes[seg][stage] += 1
             if node.name in cuts:
                 stage += 1
+    # what crosses between the stages per microbatch, as the pass inserted it: (source
+    # stage, destination stage, bytes, scales with the rows, in the backward)
+    weight_shapes = {tuple(p.meta[ir.VAL].shape) for p in copy_.graph.nodes
+                     if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"}
+
+    def per_row(val):  # an activation (rows first, or rows x positions flattened), not a
+        shape = tuple(getattr(val, "shape", ()))  # weight's (partial) gradient
+        return bool(shape) and shape not in weight_shapes and shape[0] % stats.rows == 0
+    stats.transfers[key] = [
+        (src, dst, cost.tensor_bytes(t.meta.get(ir.VAL)), per_row(t.meta.get(ir.VAL)),
+         t.meta.get(ir.REGION) == ir.BACKWARD)
+        for t in copy_.graph.nodes if ir.TRANSFER in t.meta
+        for src, dst in [t.meta[ir.TRANSFER]]]
+    # a weight read by layers of several stages (a tied embedding and head): its gradient
+    # is sent between the ranks once a step (runtime/pipeline._share_grads)
+    stats.shared_weights[key] = [
+        (cost.tensor_bytes(p.meta.get(ir.VAL)), sorted(stages))
+        for p in copy_.graph.nodes if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"
+        for stages in [{u.meta[ir.STAGE] for u in p.users
+                        if u.meta.get(ir.STAGE) is not None}] if len(stages) > 1]
     of = [max(votes.get(x, {0: 1}).items(), key=lambda kv: kv[1])[0] for x in names]
     starts = [0] + [i for i in range(1, len(of)) if of[i] != of[i - 1]]
     if len(starts) != n or of != sorted(of):  # the pass cut within layers too finely to
@@ -741,7 +761,23 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         bwd.append(tb + tpc_b + tp_nodes + rec * tf)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
-    if pp > 1:
+    dev = "cpu" if hw.name == "cpu" else "cuda"
+    sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
+    tied_s = 0.0
+    if sent is not None:  # the pass's own transfers: each one a send on one rank and a
+        # receive on another, per microbatch (a tp rank sends its own copy)
+        for src, dst, nbytes, scales, backward in sent:
+            if src % pp == dst % pp:
+                continue  # two chunks of one rank (interleaved): no transfer
+            t = hw.comm("p2p", nbytes * (mbs / stats.rows if scales else 1.0), 2, tp * 2)
+            for r in (src % pp, dst % pp):
+                (bwd if backward else fwd)[r] += t * (1 - hw.overlap)
+        for nbytes, stages in stats.shared_weights.get((pp * v, dev), []):
+            if len({s % pp for s in stages}) > 1:
+                tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
+    if pp > 1 and sent is not None:
+        p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
+    elif pp > 1:
         # a send / receive the device cannot overlap (gloo's threads share the CPU with the
         # compute: measured 1.5 ms per call on 2 ranks) is paid by every forward and
         # backward of a stage, once per neighbouring stage, not only filling the pipeline
@@ -803,11 +839,13 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
     if hw.optimizer_s is not None:  # measured on this machine for the whole model
         opt_t = hw.optimizer_s * n_elem / (dp if zero >= 1 else 1) / max(stats.total_params, 1)
-    step = pipe + dp_exposed + opt_t + hw.step_overhead
+    step = pipe + dp_exposed + opt_t + tied_s + hw.step_overhead
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
     compute_only = m * max(f + b for f, b in zip(fwd, bwd))
     parts = {"compute": compute_only, "pipeline bubble": max(pipe - compute_only, 0.0),
              "dp communication": dp_exposed, "optimizer": opt_t}
+    if tied_s:
+        parts["tied weights' gradients"] = tied_s
     model_flops = sum(s.flops_f + s.flops_b for s in stats.segments) * batch_scale(
         stats, mbs * m * dp)
     # MFU against a data sheet's peak only: a CPU's is a 512x512 matmul timed at start-up,
