@@ -787,3 +787,22 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule):
     for layer, stage in priced.items():
         assert stage in ran[layer], (layer, stage, ran[layer])
     assert stats.stage_starts[(pp * v, "cpu")] is not None  # the pass's cut, not the fallback
+
+
+def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
+    """GPT-2's embedding is also its head: at pp=2 the pass sends the head's partial weight
+    gradient back to the first stage every microbatch, and the runtime exchanges the summed
+    gradient once a step. The planner reads both off the pass's own cut of the graph."""
+    model = M.hf_gpt2(vocab=512, n_embd=32, n_layer=4, n_head=4)
+    stats = planner.graph_stats(model, M.hf_lm_batch(512, 8, 16))
+    hw = cost.cpu_hardware()
+    r = planner.search(stats, 2, hw, batch_rows=8, constraints={"pp": 2})
+    weight = 512 * 32 * 4
+    assert stats.shared_weights[(2, "cpu")] == [(weight, [0, 1])]
+    sent = stats.transfers[(2, "cpu")]
+    assert (1, 0, weight, False, True) in sent          # per microbatch, not per row
+    assert any(src == 0 and dst == 1 and per_row and not bwd
+               for src, dst, _, per_row, bwd in sent)  # the residual stream forward
+    for c in r.table:
+        assert c.parts["tied weights' gradients"] == pytest.approx(
+            hw.comm("p2p", weight, 2, 2))
