@@ -64,6 +64,10 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
         with clock("open weights"):  # opened and checked before anything
             source = rweights.ModelWeights(model, weights)
             source.check()  # every key there, in its shape: before minutes of compiling
+    if world_size > 1:
+        with clock("process group start"):
+            rdist.setup(devices)  # the default group (the mesh comes once the plan is known)
+        _same_arguments_on_every_rank(plan, example_batch, batch)
     plan_report = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
@@ -114,6 +118,26 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = program.compile_times = clock.finish()
     return pm
+
+
+def _same_arguments_on_every_rank(plan, example_batch, batch: str) -> None:
+    """Every rank must pass the same plan and example batch shapes: ranks that plan or
+    compile differently issue different collectives and would hang in the first one. One
+    small all-gather turns that into a PlanError on every rank naming the difference."""
+    shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+              for t in torch.utils._pytree.tree_leaves(example_batch)]
+    mine = {"plan": repr(plan), "example_batch": repr(shapes), "batch": batch}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, theirs in enumerate(every):
+        diff = [k for k in mine if theirs[k] != every[0][k]]
+        if diff:
+            k = diff[0]
+            raise PlanError(
+                f"rank 0 and rank {r} called fxpar.parallelize with different {k}: "
+                f"{every[0][k][:200]} vs {theirs[k][:200]}. Every rank must pass the same "
+                "arguments (each rank compiles the same program); a per-rank batch goes "
+                "through batch='local', with the global example_batch on every rank.")
 
 
 def _eager_loss(loss_fn: Callable | None) -> Callable:

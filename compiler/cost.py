@@ -547,7 +547,19 @@ def link_from_table(table: dict, n: int) -> Link | None:
 
 
 def device_memory(device: torch.device) -> int:
-    """Bytes one rank may use: the GPU's memory, or this host's RAM shared by its local ranks."""
+    """Bytes one rank may use: FXPAR_MEMORY_PER_DEVICE (GiB) where set -- a GPU shared with
+    other work, a budget to plan for -- else the GPU's memory, or this host's RAM shared by
+    its local ranks."""
+    limit = os.environ.get("FXPAR_MEMORY_PER_DEVICE", "").strip()
+    if limit:
+        try:
+            gib = float(limit)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(f"FXPAR_MEMORY_PER_DEVICE={limit!r}: give the memory one device "
+                             "may use in GiB, a positive number (e.g. 40 or 0.5)")
+        return int(gib * 2 ** 30)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

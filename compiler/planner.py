@@ -199,7 +199,9 @@ class PlanResult:
         if c is None:
             return (f"plain data parallelism (dp={self.devices}) is not in the table: "
                     f"{self.plain_dp_note}")
-        return f"plain data parallelism (dp={self.devices}) ranks #{i + 1}, {self._why(c)}"
+        remat = f", remat={_remat_str(c.plan.remat)} to fit" if c.plan.remat != "none" else ""
+        return (f"plain data parallelism (dp={self.devices}{remat}) ranks #{i + 1}, "
+                f"{self._why(c)}")
 
     def summary(self) -> str:
         """The chosen plan and the runner-up with their predicted step time and memory, and
@@ -1131,8 +1133,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
     import torch.distributed as dist
     constraints = constraints_of(plan)
     clock = Clock(log)
-    with clock("process group start"):
-        world_obj = rdist.setup(devices)  # the default process group, before the mesh exists
+    world_obj = rdist.setup(devices)  # (parallelize started the default process group)
     device = world_obj.device
     t = time.perf_counter()
     if device.type == "cuda":
@@ -1188,4 +1189,15 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
     result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                        constraints=constraints, hw=hw, stats=stats)
     result.times = clock.rows(other=False) + result.times
+    if dist.is_initialized():  # one program for every rank, or the job would hang
+        mine = plan_dict(result.best.plan)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        odd = next((r for r, p in enumerate(every) if p != every[0]), None)
+        if odd is not None:
+            raise PlanError(
+                f"the ranks' planners chose different plans (rank 0 {every[0]}, rank {odd} "
+                f"{every[odd]}): their inputs differ (the model, example batch or optimizer "
+                "each rank passed, or the machines' figures). Pass the same arguments on "
+                f"every rank, or fix the plan: plan={every[0]}.")
     return result.best.plan, result

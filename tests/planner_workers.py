@@ -113,3 +113,22 @@ def refit_rank(steps: int = 8):
     running = [c.step_s for c in r.table if plan_dict(c.plan) == plan_dict(pm.plan)]
     return (r.refit, r.start_up is not None, [c.step_s for c in r.table[:5]], running,
             losses[-1] < losses[0])
+
+
+def limited_rank():
+    """plan="auto" under FXPAR_MEMORY_PER_DEVICE: (the chosen plan, this rank's measured
+    peak allocated by one step, the estimate of it, the estimated total, the plain-dp line)."""
+    from fxpar.compiler import planner
+    from fxpar.runtime.memtrack import measure
+    batch = M.gpt_batch(MEM_CFG, MEM_ROWS)
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(M.GPT(MEM_CFG), 2, example_batch=batch,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    for _ in range(2):
+        pm.step(batch)
+    _, peak = measure(lambda: pm.step(batch))
+    best = pm.plan_report.best
+    est = (best.memory.per_stage[pm.world.coordinate("pp")] if best.memory.per_stage
+           else best.memory)
+    return (planner.plan_dict(pm.plan), peak, est.step_allocated, est.total,
+            pm.plan_report.plain_dp())

@@ -70,3 +70,18 @@ def test_launch_runs_functions_defined_in_main(tmp_path):
     for args in ((), ("-c", NOTEBOOK)):
         r = _run_script(tmp_path, NOTEBOOK, args)
         assert r.returncode == 0 and "result {0: 42.0, 1: 42.0}" in r.stdout, r.stderr[-3000:]
+
+
+def test_ranks_given_different_plans_or_choosing_differently_get_one_clear_error():
+    """Ranks that compile different programs would hang in their first collective (a store
+    timeout two minutes later): different plan arguments, or planners whose choices differ,
+    raise a PlanError on every rank naming both instead."""
+    from workers import differing_plans_rank
+    t0 = time.time()
+    got = fxpar.launch(differing_plans_rank, 2, False)
+    assert time.time() - t0 < 60
+    for msg in got.values():
+        assert msg is not None and "different plan: {'dp': 2} vs {'pp': 2}" in msg, msg
+    got = fxpar.launch(differing_plans_rank, 2, True)
+    for msg in got.values():
+        assert msg is not None and "chose different plans" in msg, msg

@@ -806,3 +806,28 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
     for c in r.table:
         assert c.parts["tied weights' gradients"] == pytest.approx(
             hw.comm("p2p", weight, 2, 2))
+
+
+@pytest.mark.slow
+def test_a_memory_limit_that_rules_out_plain_dp_is_kept_by_the_choice(monkeypatch):
+    """FXPAR_MEMORY_PER_DEVICE set below what plain dp needs (as priced): plan="auto" picks
+    a plan predicted to fit, the report says why plain dp is out, and each rank's measured
+    step stays within its estimate (plain dp is only in the table with a remat budget)."""
+    from planner_workers import MEM_CFG, MEM_ROWS, limited_rank
+    stats = planner.graph_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * GiB)
+    r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
+    plain = next(c for c in r.table if (c.plan.dp, c.plan.zero, c.plan.microbatches) ==
+                 (2, 0, 1) and c.plan.remat == "none")
+    least = min(c.memory.total for c in r.table)
+    assert least < 0.8 * plain.memory.total, (least, plain.memory.total)
+    limit = (least + plain.memory.total) / 2 / 0.9
+    monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", str(limit / GiB))
+    res = fxpar.launch(limited_rank, 2)
+    for rank, (plan, peak, step_est, total, plain_line) in res.items():
+        assert (plan["dp"], plan["zero"], plan["microbatches"], plan["remat"]) != \
+            (2, 0, 1, "none"), plan
+        assert total <= 0.9 * limit, (total, limit)
+        assert peak <= 1.10 * step_est, (rank, plan, peak, step_est)
+        # out of the table, or in it only with a remat budget
+        assert "usable" in plain_line or "remat=" in plain_line, plain_line

@@ -718,3 +718,30 @@ def sorted_rows_rank():
                            plan={"dp": 2}, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
     loss = pm.step(sorted_rows_batch()).item()
     return loss, pm.full_state_dict()["w"]
+
+
+def differing_plans_rank(planned: bool):
+    """The PlanError each rank got. planned=False: rank 0 fixes dp=2, rank 1 pp=2 (different
+    arguments); True: the same arguments, but rank 1's planner is made to choose otherwise
+    (as inputs differing in a way the arguments do not show would)."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.errors import PlanError
+    model, batch_fn, _ = build("gpt")
+    rank = int(os.environ["RANK"])
+    fixed = {"dp": 2} if rank == 0 or planned else {"pp": 2}
+    if planned and rank == 1:
+        planner.auto_plan = _choose_runner_up(planner.auto_plan)
+    try:
+        fxpar.parallelize(model, 2, example_batch=batch_fn(0), plan=fixed if not planned
+                          else "auto")
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def _choose_runner_up(auto_plan):
+    def wrapped(*args, **kw):
+        result = auto_plan(*args, **kw)
+        result.best = result.table[1]
+        return result
+    return wrapped
