@@ -364,8 +364,14 @@ def in_flight(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
 
 def _timed_as(schedule: str, hw: cost.Hardware) -> str:
     """The schedule whose makespan a plan is priced with: zero-bubble only moves work into the
-    bubbles, which is no gain where they are not idle (`Hardware.bubble_is_idle`): 1F1B's."""
-    return "1f1b" if schedule == "zero-bubble" and not hw.bubble_is_idle else schedule
+    bubbles, which is no gain where they are not idle (`Hardware.bubble_is_idle`) nor where
+    the host runs both the dispatch and the kernels (CPU ranks, `async_launch` False): there
+    its extra weight-gradient part per microbatch costs about what the bubble saves (2 CPU
+    ranks, benchmarks/planner_regret.py, interleaved: 0.94-1.10x 1F1B's step where the
+    makespan promised 0.82-0.89x): 1F1B's, so the simpler 1F1B wins the tie."""
+    if schedule == "zero-bubble" and (not hw.bubble_is_idle or not hw.async_launch):
+        return "1f1b"
+    return schedule
 
 
 def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
@@ -841,13 +847,19 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
     if hw.optimizer_s is not None:  # measured on this machine for the whole model
         opt_t = hw.optimizer_s * n_elem / (dp if zero >= 1 else 1) / max(stats.total_params, 1)
-    step = pipe + dp_exposed + opt_t + tied_s + hw.step_overhead
+    # microbatches: every one after the first adds its gradients into the running sums
+    # (runtime/pipeline.py: in the backward part's graph, one add per gradient)
+    accumulate = (m - 1) * (3 * n_elem * elem / hw.mem_bandwidth
+                            + n_tensors * hw_graph.node_overhead) if m > 1 else 0.0
+    step = pipe + dp_exposed + opt_t + tied_s + accumulate + hw.step_overhead
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
     compute_only = m * max(f + b for f, b in zip(fwd, bwd))
     parts = {"compute": compute_only, "pipeline bubble": max(pipe - compute_only, 0.0),
              "dp communication": dp_exposed, "optimizer": opt_t}
     if tied_s:
         parts["tied weights' gradients"] = tied_s
+    if accumulate:
+        parts["gradient accumulation"] = accumulate
     model_flops = sum(s.flops_f + s.flops_b for s in stats.segments) * batch_scale(
         stats, mbs * m * dp)
     # MFU against a data sheet's peak only: a CPU's is a 512x512 matmul timed at start-up,
