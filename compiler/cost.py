@@ -351,7 +351,7 @@ class Hardware:
     async_launch: bool = True
     # the relative resolution of a predicted step time: plans predicted this close are a tie,
     # which the planner breaks by simplicity (data sheet: 2%; CPU: the spread of the
-    # start-up timing's repetitions, 3-10%)
+    # start-up timing's repetitions, 3-5%)
     noise: float = 0.02
 
     def flops(self, precision: str) -> float:
