@@ -992,7 +992,7 @@ def _in_precision(stats, gm, sig, rows, precision) -> None:
     stats.activations_precision = precision
 
 
-def _pass_extras(gm, sig, stats) -> None:
+def _pass_extras(gm, sig, stats, share=None) -> None:
     """What the passes add to the graph that the planner prices per plan, counted by running
     them once on copies of the graph: tensor_parallel at tp=2 (collectives beyond one per
     row/column linear -- a vocab-parallel loss's max, sum of exponentials, target logit --
@@ -1000,7 +1000,9 @@ def _pass_extras(gm, sig, stats) -> None:
     parameter: bucket packing, shard views, gathers). Neither count depends on the degree.
     On a small CPU job every collective costs a millisecond and every node tens of
     microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
-    graph adds nothing here (the planner then keeps its structural counts)."""
+    graph adds nothing here (the planner then keeps its structural counts).
+    `share(jobs)`: runs some of the three probes on this rank and returns every probe's
+    result (for_parallelize spreads them over the ranks, which would each run all three)."""
     c10d = torch.ops._c10d_functional
 
     def calls(g):
@@ -1009,30 +1011,57 @@ def _pass_extras(gm, sig, stats) -> None:
     def run(pass_, plan):
         return _on_copy(pass_, gm, sig, plan, 2, group_names={"tp": "tp", "dp": "dp"})
     base = len(calls(gm))
-    if any(s.n_row or s.column_out for s in stats.segments):
-        g = run(tensor_parallel, {"tp": 2, "dp": 1})
-        if g is not None:
-            modeled = sum(s.n_row + len(s.column_out) for s in stats.segments)
-            n = calls(g)
-            stats.segments[-1].tp_calls_extra = max(
-                sum(1 for x in n if x.target in cost.COLLECTIVES) - modeled, 0)
-            stats.tp_nodes_extra = max(len(n) - base, 0)
     n_params = max(sum(s.n_param_tensors for s in stats.segments), 1)
-    for zero in (0, 3):
+
+    def tp_probe():
+        if not any(s.n_row or s.column_out for s in stats.segments):
+            return {}
+        g = run(tensor_parallel, {"tp": 2, "dp": 1})
+        if g is None:
+            return {}
+        modeled = sum(s.n_row + len(s.column_out) for s in stats.segments)
+        n = calls(g)
+        return {"tp_calls_extra": max(sum(1 for x in n if x.target in cost.COLLECTIVES)
+                                      - modeled, 0),
+                "tp_nodes_extra": max(len(n) - base, 0)}
+
+    def dp_probe(zero):
         g = run(data_parallel, {"dp": 2, "zero": zero})
-        if g is not None:
-            stats.dp_nodes_per_param[zero] = max(len(calls(g)) - base, 0) / n_params
-            if zero == 0:  # per-microbatch all-reduces: the loss (and its target count)
-                stats.dp_loss_calls = sum(
-                    1 for x in calls(g) if x.target is c10d.all_reduce.default
-                    and not x.meta.get(ir.BUCKET))
-            if zero == 3:  # one collective per layer (and direction, for the gathers)
-                stats.zero3_gathers_per_param = sum(
-                    1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default
-                ) / n_params
-                stats.zero3_reduce_scatters_per_param = sum(
-                    1 for x in calls(g) if x.target is c10d.reduce_scatter_tensor.default
-                ) / n_params
+        if g is None:
+            return {}
+        out = {"dp_nodes_per_param": (zero, max(len(calls(g)) - base, 0) / n_params)}
+        if zero == 0:  # per-microbatch all-reduces: the loss (and its target count)
+            out["dp_loss_calls"] = sum(1 for x in calls(g) if x.target is
+                                       c10d.all_reduce.default and not x.meta.get(ir.BUCKET))
+        else:  # one collective per layer (and direction, for the gathers)
+            out["zero3_gathers_per_param"] = sum(
+                1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default
+            ) / n_params
+            out["zero3_reduce_scatters_per_param"] = sum(
+                1 for x in calls(g) if x.target is c10d.reduce_scatter_tensor.default
+            ) / n_params
+        return out
+    jobs = [tp_probe, lambda: dp_probe(0), lambda: dp_probe(3)]
+    results = share(jobs) if share is not None else [job() for job in jobs]
+    for found in results:
+        for k, v in found.items():
+            if k == "tp_calls_extra":
+                stats.segments[-1].tp_calls_extra = v
+            elif k == "dp_nodes_per_param":
+                stats.dp_nodes_per_param[v[0]] = v[1]
+            else:
+                setattr(stats, k, v)
+
+
+def _shared_over_ranks(jobs: list) -> list:
+    """Run job i on rank i % world and give every rank every job's (picklable) result: work
+    each rank would otherwise repeat alike, in 1/world of the time."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = {i: job() for i, job in enumerate(jobs) if i % world == rank}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return [every[i % world][i] for i in range(len(jobs))]
 
 
 def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
@@ -1181,7 +1210,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                             precision=constraints.get("precision") or "fp32")
     if device.type == "cpu":
         with clock("planner: count pass extras"):
-            _pass_extras(*stats.graph, stats)
+            _pass_extras(*stats.graph, stats, share=_shared_over_ranks
+                         if dist.is_initialized() else None)
     t = time.perf_counter()
     if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
         log.info("planner: the model is on the meta device; plans are priced with "
