@@ -995,8 +995,9 @@ def _in_precision(stats, gm, sig, rows, precision) -> None:
 def _pass_extras(gm, sig, stats, share=None) -> None:
     """What the passes add to the graph that the planner prices per plan, counted by running
     them once on copies of the graph: tensor_parallel at tp=2 (collectives beyond one per
-    row/column linear -- a vocab-parallel loss's max, sum of exponentials, target logit --
-    and the nodes it adds), data_parallel at dp=2 with ZeRO-0 and ZeRO-3 (nodes it adds per
+    row/column linear -- a vocab-parallel loss's max, sum of exponentials, target logit --,
+    the nodes it adds, and per segment the FLOPs and bytes it really splits, which replace
+    the statistics' structural guess), data_parallel at dp=2 with ZeRO-0 and ZeRO-3 (nodes it adds per
     parameter: bucket packing, shard views, gathers). Neither count depends on the degree.
     On a small CPU job every collective costs a millisecond and every node tens of
     microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
@@ -1021,9 +1022,20 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
             return {}
         modeled = sum(s.n_row + len(s.column_out) for s in stats.segments)
         n = calls(g)
+        # what the pass split, per segment: at tp=2 a split op does half its work, so the
+        # split part is twice what the rank no longer does (a linear the pass keeps whole
+        # -- a head tp does not divide, attention under dropout -- counts as whole)
+        at2 = {x.name: x for x in analyze(g, stats.rows).segments}
+        split = {}
+        for seg in stats.segments:
+            x = at2.get(seg.name)
+            if x is not None:
+                split[seg.name] = tuple(
+                    min(max(2 * (getattr(seg, f) - getattr(x, f)), 0.0), getattr(seg, f))
+                    for f in ("flops_f", "flops_b", "bytes_f", "bytes_b"))
         return {"tp_calls_extra": max(sum(1 for x in n if x.target in cost.COLLECTIVES)
                                       - modeled, 0),
-                "tp_nodes_extra": max(len(n) - base, 0)}
+                "tp_nodes_extra": max(len(n) - base, 0), "tp_split": split}
 
     def dp_probe(zero):
         g = run(data_parallel, {"dp": 2, "zero": zero})
@@ -1047,6 +1059,11 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
         for k, v in found.items():
             if k == "tp_calls_extra":
                 stats.segments[-1].tp_calls_extra = v
+            elif k == "tp_split":  # the time statistics of what the pass really splits
+                for seg in stats.segments:
+                    if seg.name in v:
+                        (seg.flops_f_split, seg.flops_b_split, seg.bytes_f_split,
+                         seg.bytes_b_split) = v[seg.name]
             elif k == "dp_nodes_per_param":
                 stats.dp_nodes_per_param[v[0]] = v[1]
             else:
