@@ -769,15 +769,17 @@ def test_the_report_says_where_plain_data_parallelism_ranks_and_why(small_stats)
     assert "the batch of 4 rows does not split over dp=8" in odd.plain_dp()
 
 
-@pytest.mark.parametrize("pp,m,schedule", [
-    (2, 2, "interleaved"), pytest.param(3, 1, "gpipe", marks=pytest.mark.slow),
-    pytest.param(2, 2, "1f1b", marks=pytest.mark.slow)])
-def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule):
+@pytest.mark.parametrize("pp,m,schedule,layers", [
+    (2, 1, "1f1b", 3), pytest.param(3, 1, "gpipe", 6, marks=pytest.mark.slow),
+    pytest.param(2, 2, "1f1b", 6, marks=pytest.mark.slow),
+    pytest.param(2, 2, "interleaved", 6, marks=pytest.mark.slow)])
+def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, layers):
     """The planner's stages are pipeline_split's own cut (its partition run on the planner's
     copy of the graph), not a second partitioner's: for the same plan, every layer's forward
     runs in the stage the planner priced it in."""
-    model = M.hf_llama(vocab=512, hidden=64, layers=6, heads=4, kv_heads=2)
-    batch = M.hf_lm_batch(512, 8, 32)
+    model = M.hf_llama(vocab=512, hidden=64 if layers > 3 else 32, layers=layers, heads=4,
+                       kv_heads=2)
+    batch = M.hf_lm_batch(512, 8, 32 if layers > 3 else 16)
     stats = planner.graph_stats(model, batch)
     v = 2 if schedule == "interleaved" else 1
     priced = {s.name: k for k, stage in enumerate(planner.stages_of(stats, pp, v))
