@@ -771,7 +771,6 @@ def test_the_report_says_where_plain_data_parallelism_ranks_and_why(small_stats)
 
 @pytest.mark.parametrize("pp,m,schedule,layers", [
     (2, 1, "1f1b", 3), pytest.param(3, 1, "gpipe", 6, marks=pytest.mark.slow),
-    pytest.param(2, 2, "1f1b", 6, marks=pytest.mark.slow),
     pytest.param(2, 2, "interleaved", 6, marks=pytest.mark.slow)])
 def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, layers):
     """The planner's stages are pipeline_split's own cut (its partition run on the planner's
