@@ -348,6 +348,9 @@ class Hardware:
     # moves work into the bubbles (zero-bubble) gains nothing; it measured 10-30% slower
     # than 1F1B at m=1 on 4 and 8 ranks over 2 cores (its extra weight-gradient parts)
     bubble_is_idle: bool = True
+    # cores per rank where CPU ranks oversubscribe them (< 1): a waiting rank's core goes to
+    # the others (planner._on_shared_cores)
+    core_share: float = 1.0
     async_launch: bool = True
     # the relative resolution of a predicted step time: plans predicted this close are a tie,
     # which the planner breaks by simplicity (data sheet: 2%; CPU: the spread of the

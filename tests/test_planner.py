@@ -856,3 +856,27 @@ def test_the_regret_benchmark_on_one_model():
     s = R.summarize(res)
     print(R.report([res]))
     assert s["regret"] <= 1.25, R.report([res])
+
+
+def test_pipelines_on_oversubscribed_cores_are_priced_by_the_work_not_the_bubbles(small_stats):
+    """More CPU ranks than cores (Hardware.core_share < 1): a rank waiting in a bubble hands
+    its core to the others, so a pipeline costs the larger of its critical path at a whole
+    core's speed and the mean busy time; plans without a pipeline are priced as before."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB, async_launch=False,
+                             bubble_is_idle=False)
+
+    def price(share, **fixed):
+        r = planner.search(small_stats, 4, dataclasses.replace(hw, core_share=share),
+                           batch_rows=8, constraints=fixed)
+        return r.table[0]
+    whole, shared = price(1.0, dp=2, pp=2, microbatches=1), price(0.5, dp=2, pp=2,
+                                                                   microbatches=1)
+    fwd, bwd = whole.ctx[0], whole.ctx[1]
+    busy = sum(f + b for f, b in zip(fwd, bwd)) / 2
+    assert shared.step_s < whole.step_s
+    pipe_whole = whole.step_s - sum(v for k, v in whole.parts.items()
+                                    if k not in ("compute", "pipeline bubble"))
+    pipe_shared = shared.step_s - sum(v for k, v in shared.parts.items()
+                                      if k not in ("compute", "pipeline bubble"))
+    assert pipe_shared == pytest.approx(max(busy, 0.5 * pipe_whole), rel=1e-6)
+    assert price(0.5, dp=4).step_s == pytest.approx(price(1.0, dp=4).step_s)
