@@ -26,6 +26,7 @@ import torch
 import fxpar
 import fxpar.runtime.dist
 from fxpar.examples import models as M
+from planner_regret import time_interleaved
 
 
 def _cfg():
@@ -104,7 +105,6 @@ def worker_interleaved(steps: int, batch_rows: int, limit: int | None, state: st
     rounds. The VM's speed drifts by tens of percent over seconds: timed one after another,
     plans meet different speeds; interleaved, every round meets one speed (identical plans
     came out 2% apart in the 8-rank test this way, 13% as separate medians)."""
-    import torch.distributed as dist
     from fxpar.compiler import planner
     world, rank, cfg, data, opt, result, cands, done = _plan_job(batch_rows, limit, state)
     failed = {row for row, _ in done["failed"]}
@@ -117,15 +117,7 @@ def worker_interleaved(steps: int, batch_rows: int, limit: int | None, state: st
         for _ in range(2):
             pm.step(data)
         models.append((c, pm))
-    times = torch.zeros(rounds, len(models), dtype=torch.float64)
-    for r in range(rounds):
-        for i, (_, pm) in enumerate(models):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(data)
-            times[r, i] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    med = times[1:].median(dim=0).values
+    med = time_interleaved([pm for _, pm in models], data, rounds)
     choice = next(i for i, (c, _) in enumerate(models) if c is result.best)
     new = planner.recalibrate(result, models[choice][0].plan, float(med[choice]))
     refit = {planner.plan_str(x.plan): x.step_s for x in new.table}

@@ -118,8 +118,23 @@ def _pick(result, cap: int) -> list:
     return out
 
 
-def worker(name: str, cap: int, rounds: int):
+def time_interleaved(pms: list, data, rounds: int) -> torch.Tensor:
+    """Each ParallelModel's step time, timed interleaved: `rounds` rounds of one step per
+    model, every step its slowest rank's; the median over the rounds after the first (the
+    first alone when rounds is 1). Collective: every rank calls it alike."""
     import torch.distributed as dist
+    times = torch.zeros(rounds, len(pms), dtype=torch.float64)
+    for r in range(rounds):
+        for i, pm in enumerate(pms):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(data)
+            times[r, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    return times[1:].median(dim=0).values if rounds > 1 else times[0]
+
+
+def worker(name: str, cap: int, rounds: int):
     from fxpar.compiler import planner
     factory, batch = MODELS[name]
     world = int(os.environ["WORLD_SIZE"])
@@ -144,15 +159,7 @@ def worker(name: str, cap: int, rounds: int):
             continue
         compile_s[planner.plan_str(c.plan)] = time.perf_counter() - t0
         models.append((c, pm))
-    times = torch.zeros(rounds, len(models), dtype=torch.float64)
-    for r in range(rounds):
-        for i, (_, pm) in enumerate(models):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(data)
-            times[r, i] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    med = times[1:].median(dim=0).values if rounds > 1 else times[0]
+    med = time_interleaved([pm for _, pm in models], data, rounds)
     rows = [{"plan": planner.plan_str(c.plan), "chosen": c is result.best,
              "predicted_s": c.step_s, "measured_s": float(med[i]),
              "predicted_mem": c.memory.total,

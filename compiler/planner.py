@@ -280,22 +280,18 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
     gm, _ = stats.graph
     copy_ = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     try:
-        split = pipeline_split.partition(copy_, n, profile=cost.DeviceProfile.for_device(
+        pipeline_split.partition(copy_, n, profile=cost.DeviceProfile.for_device(
             torch.device(device_type)))
     except PlanError:
         return None
     seg_of = forward_segments(copy_)
-    names = [s.name for s in stats.layers]
+    names = set(s.name for s in stats.layers)
     votes: dict[str, dict[int, int]] = {}
-    stage, cuts = 0, set(split.cuts)
-    for node in copy_.graph.nodes:
-        if node.op == "call_function" and node.meta.get(ir.REGION) == ir.FORWARD:
-            seg = seg_of.get(node.name)
-            if seg in names:
-                votes.setdefault(seg, {}).setdefault(stage, 0)
-                votes[seg][stage] += 1
-            if node.name in cuts:
-                stage += 1
+    for node in copy_.graph.nodes:  # the stage the pass gave each forward node
+        seg = seg_of.get(node.name)
+        if seg in names and node.meta.get(ir.STAGE) is not None:
+            per = votes.setdefault(seg, {})
+            per[node.meta[ir.STAGE]] = per.get(node.meta[ir.STAGE], 0) + 1
     # what crosses between the stages per microbatch, as the pass inserted it: (source
     # stage, destination stage, bytes, scales with the rows, in the backward)
     weight_shapes = {tuple(p.meta[ir.VAL].shape) for p in copy_.graph.nodes
@@ -316,7 +312,8 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
         for p in copy_.graph.nodes if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"
         for stages in [{u.meta[ir.STAGE] for u in p.users
                         if u.meta.get(ir.STAGE) is not None}] if len(stages) > 1]
-    of = [max(votes.get(x, {0: 1}).items(), key=lambda kv: kv[1])[0] for x in names]
+    of = [max(votes.get(x.name, {0: 1}).items(), key=lambda kv: kv[1])[0]
+          for x in stats.layers]
     starts = [0] + [i for i in range(1, len(of)) if of[i] != of[i - 1]]
     if len(starts) != n or of != sorted(of):  # the pass cut within layers too finely to
         starts = None                         # map onto them: priced by the layer balance
