@@ -1049,8 +1049,9 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
                                       - modeled, 0),
                 "tp_nodes_extra": max(len(n) - base, 0), "tp_split": split}
 
-    def dp_probe(zero):
-        g = run(data_parallel, {"dp": 2, "zero": zero})
+    def dp_probe(zero):  # (counts only: the graph's meta["val"] is not refreshed)
+        g = _on_copy(data_parallel, gm, sig, {"dp": 2, "zero": zero}, 2,
+                     group_names={"tp": "tp", "dp": "dp"}, fresh_values=False)
         if g is None:
             return {}
         out = {"dp_nodes_per_param": (zero, max(len(calls(g)) - base, 0) / n_params)}
@@ -1065,6 +1066,8 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
                 1 for x in calls(g) if x.target is c10d.reduce_scatter_tensor.default
             ) / n_params
         return out
+    # heaviest first (_shared_over_ranks): the tp pass places every op; the two dp probes
+    # ask DTensor the same batch-splitting questions, answered once (sharding's memo)
     jobs = [tp_probe, lambda: dp_probe(0), lambda: dp_probe(3)]
     results = share(jobs) if share is not None else [job() for job in jobs]
     for found in results:
@@ -1083,14 +1086,20 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
 
 
 def _shared_over_ranks(jobs: list) -> list:
-    """Run job i on rank i % world and give every rank every job's (picklable) result: work
-    each rank would otherwise repeat alike, in 1/world of the time."""
+    """Run each job on one rank and give every rank every job's (picklable) result: work
+    each rank would otherwise repeat alike, in about 1/world of the time. The jobs come
+    heaviest first and are dealt in snake order (ranks 0..w-1, then w-1..0, ...), so on 2
+    ranks the heaviest runs alone and the next two share a rank."""
     import torch.distributed as dist
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = {i: job() for i, job in enumerate(jobs) if i % world == rank}
+
+    def owner(i):
+        turn, k = divmod(i, world)
+        return k if turn % 2 == 0 else world - 1 - k
+    mine = {i: job() for i, job in enumerate(jobs) if owner(i) == rank}
     every = [None] * world
     dist.all_gather_object(every, mine)
-    return [every[i % world][i] for i in range(len(jobs))]
+    return [every[owner(i)][i] for i in range(len(jobs))]
 
 
 def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
@@ -1114,7 +1123,7 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
 
     ticker = Ticker(log)
 
-    def timed(fn, what, reps=5):  # every rank at once, in lock step: each its share of cores
+    def timed(fn, what, reps=3):  # every rank at once, in lock step: each its share of cores
         fn()
         ts = []
         for i in range(reps):
@@ -1124,7 +1133,7 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
             ts.append(_time.perf_counter() - t0)
             ticker.tick("planner calibration: %s timed %d of %d times", what, i + 1, reps)
         ts.sort()
-        return ts[len(ts) // 2], (ts[-2] - ts[1]) / ts[len(ts) // 2]  # median, IQR / median
+        return ts[len(ts) // 2], (ts[-1] - ts[0]) / ts[len(ts) // 2]  # median, range / median
     with torch.no_grad():
         t_graph, spread = timed(lambda: gm(*args), "the model's graph")
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),

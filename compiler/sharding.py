@@ -14,6 +14,7 @@ without a process group (`_init_backend=False`): placement decisions need no com
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -76,8 +77,10 @@ def _(x, group_name):
 
 # --- mesh and specs -----------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def make_mesh(size: int, device_type: str = "cpu"):
-    """A DeviceMesh used only to ask DTensor's rules; it owns no process group."""
+    """A DeviceMesh used only to ask DTensor's rules; it owns no process group. One per
+    (size, device type) in a process, so DTensor's answers can be kept across passes."""
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh(device_type, torch.arange(size), _init_backend=False, _rank=0)
 
@@ -552,7 +555,12 @@ class _Sharder:
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.specs: dict[torch.fx.Node, Any] = {}
         self.made: dict[tuple, torch.fx.Node] = {}  # (value, placements) -> redistributed node
-        self.answers: dict[tuple, Any] = {}  # ask_dtensor's memo: see _rule_key
+        # ask_dtensor's memo (see _rule_key), shared by every sharding on a mesh of this
+        # shape in the process: the planner's probes, the job's passes and evaluate's
+        # program ask the same questions of the same layers
+        self.answers = _ANSWERS.setdefault((tuple(self.mesh_sizes), mesh.device_type), {})
+        if len(self.answers) > 100_000:  # (a long-lived process compiling many models)
+            self.answers.clear()
 
     def out_spec(self, placements, val):
         """The DTensor spec of a value placed `placements` on this mesh (for the rules of
@@ -956,6 +964,9 @@ def _node_specs(orig, want):
             and len(orig) == len(want):
         for o, w in zip(orig, want):
             yield from _node_specs(o, w)
+
+
+_ANSWERS: dict[tuple, dict[tuple, Any]] = {}  # (mesh shape, device type) -> _rule_key -> answer
 
 
 def _rule_key(op, args) -> tuple | None:

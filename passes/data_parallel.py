@@ -96,7 +96,8 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         if n.name in placements:
             v = n.meta[ir.VAL]
             n.meta[ir.VAL] = v.new_empty((v.shape[0] // dp, *v.shape[1:]))
-    fake_propagate(gm, check=False)
+    if ctx.fresh_values:
+        fake_propagate(gm, check=False)
     return gm
 
 
