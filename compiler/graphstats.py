@@ -113,6 +113,8 @@ class GraphStats:
     # per column linear's weight: (its out features, the segment holding the parameter, its
     # elements) - a tied weight is held where first used, not where the column is (at_tp)
     column_weights: list = dataclasses.field(default_factory=list)
+    # each linear weight's tensor-parallel role as priced: {parameter name: "column" | "row"}
+    tp_roles: dict = dataclasses.field(default_factory=dict)
     # where pipeline_split cuts the graph: {(stages, device type): the layer index each
     # stage starts at} (planner.pass_stage_starts)
     stage_starts: dict = dataclasses.field(default_factory=dict)
@@ -205,8 +207,11 @@ def forward_segments(gm: torch.fx.GraphModule) -> dict[str, str]:
     return out
 
 
-def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
-    """Segment statistics of a captured joint graph whose batch has `rows` rows."""
+def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> GraphStats:
+    """Segment statistics of a captured joint graph whose batch has `rows` rows. `roles`:
+    the tensor_parallel pass's role of each linear weight (tensor_parallel.roles), which
+    decide the split; without them (a graph the pass cannot decide on) the pairs are found
+    structurally, as the module docstring says."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     fwd = [n for n in nodes if n.meta.get(ir.REGION) == ir.FORWARD]
     bwd = [n for n in nodes if n.meta.get(ir.REGION) != ir.FORWARD]
@@ -248,6 +253,8 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     split: set = set()
     split_params: set = set()
     column_w: list = []  # (out features, the weight's parameter nodes) per column linear
+    roles_found: dict = {}  # weight parameter node -> its role (GraphStats.tp_roles)
+    split_work = set()  # split work whose result is whole (a partial sum, all-reduced)
     heads = None
     for n in fwd:
         ins = n.all_input_nodes
@@ -257,13 +264,26 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
             continue
         if n.target in _MATMULS and w:
             base_w = [a for a in _param_roots(w)]
-            if any(a in split for a in data):          # row linear: output all-reduced
+            role = None if roles is None else next(
+                (roles[p.meta.get("fqn")] for p in base_w if p.meta.get("fqn") in roles),
+                "replicated")
+            if role in ("replicated", "column+gather"):
+                if role == "column+gather":  # 1/tp of the work, the output gathered whole
+                    split_work.add(n)
+                    split_params.update(base_w)
+                    roles_found.update((p, role) for p in base_w if _val_dim(p) >= 2)
+                    segs[seg_of[n]].tp_comm_f += cost.tensor_bytes(n.meta.get(ir.VAL))
+                    segs[seg_of[n]].n_row += 1
+                continue                               # (whole: its input gathered first)
+            if role == "row" or (role is None and any(a in split for a in data)):  # row linear
                 split_params.update(p for p in base_w if _val_dim(p) >= 2)
+                roles_found.update((p, "row") for p in base_w if _val_dim(p) >= 2)
                 segs[seg_of[n]].tp_comm_f += cost.tensor_bytes(n.meta.get(ir.VAL))
                 segs[seg_of[n]].n_row += 1
             else:                                      # column linear: output split
                 split.add(n)
                 split_params.update(base_w)
+                roles_found.update((p, "column") for p in base_w if _val_dim(p) >= 2)
                 segs[seg_of[n]].tp_comm_b += sum(cost.tensor_bytes(a.meta.get(ir.VAL))
                                                  for a in data if a.op != "placeholder"
                                                  or a.meta.get(ir.ROLE) == "batch")
@@ -280,7 +300,6 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     whole_shapes = {tuple(n.meta[ir.VAL].shape) for n in fwd if n not in split
                     and isinstance(n.meta.get(ir.VAL), torch.Tensor)}
     split_only = split_shapes - whole_shapes
-    split_work = set()  # split work whose result is whole (a partial sum, all-reduced)
     for b in bwd:
         v = b.meta.get(ir.VAL)
         reads_split = any(a in split for a in b.all_input_nodes)
@@ -384,7 +403,8 @@ def analyze(gm: torch.fx.GraphModule, rows: int) -> GraphStats:
     column_weights = [(out, param_seg[p], p.meta[ir.VAL].numel()) for out, ws in column_w
                       for p in dict.fromkeys(ws) if p in param_seg and _val_dim(p) >= 2]
     return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
-                      len(layers), heads=heads, column_weights=column_weights)
+                      len(layers), heads=heads, column_weights=column_weights,
+                      tp_roles={p.meta.get("fqn", p.name): r for p, r in roles_found.items()})
 
 
 def _val_dim(n) -> int:

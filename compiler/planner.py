@@ -941,9 +941,10 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     rows = int(leaves[0].shape[0]) if leaves else 1
-    stats = analyze(gm, rows)
+    roles = tp_roles(gm, sig)
+    stats = analyze(gm, rows, roles)
     if precision != "fp32":
-        _in_precision(stats, gm, sig, rows, precision)
+        _in_precision(stats, gm, sig, rows, precision, roles)
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
@@ -955,6 +956,20 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     if isinstance(heads, int):
         stats.heads = heads
     return stats
+
+
+def tp_roles(gm, sig) -> dict | None:
+    """Each linear weight's role under tensor parallelism, as the tensor_parallel pass decides
+    it (at tp=2, on a copy): the split the planner prices. None where the pass cannot decide
+    on this graph (the statistics then find column -> row pairs structurally, and the pass
+    itself reports why when a tp plan runs)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return tensor_parallel.roles(gm, sig)
+    except Exception as e:  # noqa: BLE001 - the pass reports it when the job runs
+        log.debug("planner: tensor_parallel.roles failed on this graph: %s", e)
+        return None
 
 
 def checkpoints_per_layer(gm) -> int:
@@ -989,7 +1004,7 @@ def _on_copy(pass_, gm, sig, plan: dict, world: int, **ctx):
         return None
 
 
-def _in_precision(stats, gm, sig, rows, precision) -> None:
+def _in_precision(stats, gm, sig, rows, precision, roles=None) -> None:
     """Replace the segments' activation and traffic statistics by those of the graph the
     precision pass makes (the residual stream, norms' statistics, softmax and the loss stay
     fp32; matmul inputs and outputs are half). Parameters keep their traced (fp32 master)
@@ -997,7 +1012,7 @@ def _in_precision(stats, gm, sig, rows, precision) -> None:
     g = _on_copy(precision_pass, gm, sig, {"precision": precision}, 1)
     if g is None:  # the pass itself reports why when the job runs; fp32's halved here
         return
-    half = analyze(g, rows)
+    half = analyze(g, rows, roles)
     if [s.name for s in half.segments] != [s.name for s in stats.segments]:
         return
     stats.segments, stats.transient = half.segments, half.transient

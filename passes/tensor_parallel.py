@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import types
 import warnings
 
 import torch
@@ -33,7 +34,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError, ShardingError
-from fxpar.compiler.graphs import fake_propagate
+from fxpar.compiler.graphs import copy_graph, fake_propagate
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, is_split, make_mesh,
                                      redistribute, shard_graph)
 
@@ -70,12 +71,11 @@ class Decision:
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # whole weight -> why
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    tp = plan.tp
-    if tp == 1:
-        return gm
-    group = ctx.group_names["tp"]
-    sig = ctx.signature
+def _decide(gm, plan, ctx):
+    """The pass's decisions, made on `gm` before any sharding: the fused projections
+    rewritten for their split (meta["val"] refreshed), then each linear's role and each
+    parameter's placement (Plan.tp_style)."""
+    tp, group, sig = plan.tp, ctx.group_names["tp"], ctx.signature
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {n: sig.param_names[i] for i, n in enumerate(phs[:sig.num_params])}
     linears = find_linears(gm, params)
@@ -105,6 +105,36 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         roles, placements, why = choose_placements(gm, linears, params, mesh, group, tp)
         if plan.tp_style == "auto":
             _gather_where_cheaper(roles, placements, tp, ctx)
+    return phs, params, linears, interleaved, mesh, roles, placements, why
+
+
+def roles(gm: torch.fx.GraphModule, sig: ir.GraphSignature, tp: int = 2,
+          tp_style: str = "auto", device=None) -> dict[str, str]:
+    """{linear weight name: "column" | "row" | "column+gather" | "replicated"}: what `run`
+    would make of each linear at degree `tp`, decided on a copy of `gm` without sharding
+    it (the planner prices these roles instead of finding pairs itself)."""
+    copy = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    ctx = _DecideContext(sig, {"tp": "tp"}, device)
+    plan = types.SimpleNamespace(tp=tp, tp_style=tp_style)  # the Plan fields _decide reads
+    _, params, _, _, _, found, _, _ = _decide(copy, plan, ctx)
+    return {params[lin.weight]: r for lin, r in found.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecideContext:  # what _decide reads of a PassContext (roles() runs without one)
+    signature: ir.GraphSignature
+    group_names: dict
+    device: object = None
+    profile: object = None
+
+
+def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+    tp = plan.tp
+    if tp == 1:
+        return gm
+    group = ctx.group_names["tp"]
+    sig = ctx.signature
+    phs, params, linears, interleaved, mesh, roles, placements, why = _decide(gm, plan, ctx)
     _check_divisible(placements, tp)
     prefer, gather = _residual_stream(gm, linears, roles, tp) if plan.sequence_parallel \
         else (None, None)

@@ -796,6 +796,30 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
     assert stats.stage_starts[(pp * v, "cpu")] is not None  # the pass's cut, not the fallback
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "mixtral"])
+def test_the_planner_prices_the_tensor_parallel_split_the_pass_makes(name):
+    """Every linear weight is priced in the role the tensor_parallel pass gives it in the
+    tp=2 job: GPT-2's fused QKV, BERT-MLM's head tied to the word embedding (vocabulary-
+    split) behind a dense layer whose output is gathered for its LayerNorm, and an MoE whose
+    router stays whole (a walk over the graph of its own paired the router with the
+    attention and priced every projection of the next layers in the wrong role)."""
+    import warnings
+    from fxpar.examples import zoo
+    z = zoo.models()[name]
+    torch.manual_seed(0)
+    model, batch = z.factory(), z.batch(0)
+    stats = planner.graph_stats(model, batch, z.loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (weights left whole are reported by the pass)
+        prog = fxpar.compile(model, 2, example_batch=batch, loss_fn=z.loss_fn,
+                             plan={"tp": 2})
+    d = prog.graph.meta["tensor_parallel"]
+    ran = {**{w: "column" for w in d.column}, **{w: "row" for w in d.row},
+           **{w: "column+gather" for w in d.gathered}}
+    assert stats.tp_roles == ran
+    assert ran and (name != "mixtral" or d.replicated)  # (the router: whole)
+
+
 def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
     """GPT-2's embedding is also its head: at pp=2 the pass sends the head's partial weight
     gradient back to the first stage every microbatch, and the runtime exchanges the summed
