@@ -35,14 +35,14 @@ def _cfg():
 
 def _plan_job(batch_rows: int, limit: int | None, state: str):
     """This rank's planning, as a plan="auto" job does it, and the progress so far."""
-    from fxpar.compiler import planner
+    from fxpar.compiler import autoplan, planner
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     cfg = _cfg()
     torch.manual_seed(0)
     data = M.gpt_batch(cfg, batch_rows)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    _, result = planner.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
+    _, result = autoplan.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
     cands = result.table if limit is None else result.table[:limit]
     done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
     return world, rank, cfg, data, opt, result, cands, done

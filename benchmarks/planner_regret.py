@@ -1,6 +1,6 @@
 """Regret of plan="auto": its choice measured against every other plan, on models of six families.
 
-For each model, one job of N CPU ranks plans as a plan="auto" job does (planner.for_parallelize:
+For each model, one job of N CPU ranks plans as a plan="auto" job does (autoplan.for_parallelize:
 the machine and the model timed at start-up, no re-fit), then compiles the chosen plan and
 every other legal plan up to --cap (each dp x tp x pp factorization's best-priced variant
 first, plain dp always, then the next best-priced), and times them interleaved: round after
@@ -135,7 +135,7 @@ def time_interleaved(pms: list, data, rounds: int) -> torch.Tensor:
 
 
 def worker(name: str, cap: int, rounds: int):
-    from fxpar.compiler import planner
+    from fxpar.compiler import autoplan, planner
     factory, batch = MODELS[name]
     world = int(os.environ["WORLD_SIZE"])
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
@@ -143,7 +143,7 @@ def worker(name: str, cap: int, rounds: int):
     torch.manual_seed(0)
     model = factory()  # (building the model is the user's time, not planning's)
     t0 = time.perf_counter()
-    _, result = planner.for_parallelize(model, world, world, "auto", data, None, opt)
+    _, result = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
     planning_s = time.perf_counter() - t0
     cands = _pick(result, cap)
     models, compile_s, failed = [], {}, []

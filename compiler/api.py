@@ -1,7 +1,7 @@
 """fxpar.parallelize: plan (when "auto") -> fxpar.compile -> this rank's runtime.
 
-The one place where the compiler and the runtime meet: the planner measures this machine
-(planner.for_parallelize), compiler/compile.py turns the model into a Program with no process
+The one place where the compiler and the runtime meet: the runtime measures this machine and
+the planner prices the plans with it (compiler/autoplan.for_parallelize), compiler/compile.py turns the model into a Program with no process
 group, and runtime/trainer.ParallelModel runs it on this rank. After REFIT_AFTER steps the
 trainer hands back the measured step time and the planner is re-fitted with it here.
 pm.compile_times itemises every second of parallelize (planning, process groups, capture,
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import planner
+from fxpar.compiler import autoplan, planner
 from fxpar.compiler import capture
 from fxpar.compiler.capture import meta_tensors
 from fxpar.compiler.compile import build
@@ -70,7 +70,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
         _same_arguments_on_every_rank(plan, example_batch, batch)
     plan_report = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
-        plan, plan_report = planner.for_parallelize(model, devices, world_size, plan,
+        plan, plan_report = autoplan.for_parallelize(model, devices, world_size, plan,
                                                     example_batch, loss_fn, optimizer)
         clock.extend(plan_report.times)  # (each logged where it was measured)
     resolved = resolve(plan, world_size)

@@ -36,7 +36,7 @@ from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze, forward_segments,
                                        layer_key)
-from fxpar.compiler.logs import Clock, Ticker, announce, phase_done
+from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
                                    stage_memory)
@@ -44,9 +44,6 @@ from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan, replays_step, resolve
 from fxpar.passes import data_parallel, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
-from fxpar.runtime import comm as rcomm
-from fxpar.runtime import dist as rdist
-from fxpar.runtime import optim as roptim
 from fxpar.runtime import schedules
 
 log = logging.getLogger(__name__)
@@ -923,7 +920,7 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
 def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
                 precision: str = "fp32") -> GraphStats:
     """Capture model+loss once and reduce it to the planner's statistics. pass_extras: also
-    count what the tp and dp passes add (`_pass_extras`; a few seconds; CPU planning).
+    count what the tp and dp passes add (`count_pass_extras`; a few seconds; CPU planning).
     precision "bf16"/"fp16": the segments are those of the graph after the precision pass
     (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
     GPT's bf16 step memory at 0.6x the CUDA allocator's peak."""
@@ -948,9 +945,9 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
-    stats.graph = (gm, sig)  # for calibrate_on_model
+    stats.graph = (gm, sig)  # for the probes, the calibration and the job's compile
     if pass_extras:
-        _pass_extras(gm, sig, stats)
+        count_pass_extras(stats)
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     if isinstance(heads, int):
@@ -1019,7 +1016,7 @@ def _in_precision(stats, gm, sig, rows, precision, roles=None) -> None:
     stats.activations_precision = precision
 
 
-def _pass_extras(gm, sig, stats, share=None) -> None:
+def count_pass_extras(stats: GraphStats, share=None) -> None:
     """What the passes add to the graph that the planner prices per plan, counted by running
     them once on copies of the graph: tensor_parallel at tp=2 (collectives beyond one per
     row/column linear -- a vocab-parallel loss's max, sum of exponentials, target logit --,
@@ -1030,7 +1027,8 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
     microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
     graph adds nothing here (the planner then keeps its structural counts).
     `share(jobs)`: runs some of the three probes on this rank and returns every probe's
-    result (for_parallelize spreads them over the ranks, which would each run all three)."""
+    result (autoplan spreads them over the ranks, which would each run all three alike)."""
+    gm, sig = stats.graph
     c10d = torch.ops._c10d_functional
 
     def calls(g):
@@ -1081,7 +1079,7 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
                 1 for x in calls(g) if x.target is c10d.reduce_scatter_tensor.default
             ) / n_params
         return out
-    # heaviest first (_shared_over_ranks): the tp pass places every op; the two dp probes
+    # heaviest first (runtime/machine.shared_over_ranks): the tp pass places every op; the two dp probes
     # ask DTensor the same batch-splitting questions, answered once (sharding's memo)
     jobs = [tp_probe, lambda: dp_probe(0), lambda: dp_probe(3)]
     results = share(jobs) if share is not None else [job() for job in jobs]
@@ -1100,57 +1098,23 @@ def _pass_extras(gm, sig, stats, share=None) -> None:
                 setattr(stats, k, v)
 
 
-def _shared_over_ranks(jobs: list) -> list:
-    """Run each job on one rank and give every rank every job's (picklable) result: work
-    each rank would otherwise repeat alike, in about 1/world of the time. The jobs come
-    heaviest first and are dealt in snake order (ranks 0..w-1, then w-1..0, ...), so on 2
-    ranks the heaviest runs alone and the next two share a rank."""
-    import torch.distributed as dist
-    world, rank = dist.get_world_size(), dist.get_rank()
-
-    def owner(i):
-        turn, k = divmod(i, world)
-        return k if turn % 2 == 0 else world - 1 - k
-    mine = {i: job() for i, job in enumerate(jobs) if owner(i) == rank}
-    every = [None] * world
-    dist.all_gather_object(every, mine)
-    return [every[owner(i)][i] for i in range(len(jobs))]
-
-
-def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batch,
-                       optimizer, fused: bool = False) -> cost.Hardware:
-    """CPU: time the model's own joint graph once on the example batch (one process, real
-    tensors) and its optimizer step; the time the roofline does not explain is the dispatch
-    overhead per graph node (Python, FX, ATen: dominant for small models). Every rank runs
-    this at once, each repetition started together (a barrier), so each measures its share
-    of the cores (collective when a process group exists). `fused`: the runtime will run
-    the optimizer as torch's fused kernel (Inductor's codegen: runtime/optim.prefer_fused),
-    so it is timed so."""
-    import time as _time
+def calibration_inputs(stats: GraphStats, model, example_batch) -> tuple[list, list]:
+    """The captured graph's real inputs (the model's parameters and buffers, the example
+    batch, in the graph's order) and the parameters, for timing it (runtime/machine)."""
     gm, sig = stats.graph
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = dict(model.named_buffers(remove_duplicate=False))
-    args = ([params[n] for n in sig.param_names] + [bufs[n] for n in sig.buffer_names]
-            + list(cap.flatten_batch(example_batch, sig)))
+    ps = [params[n] for n in sig.param_names]
+    return ps + [bufs[n] for n in sig.buffer_names] + list(
+        cap.flatten_batch(example_batch, sig)), ps
 
-    import torch.distributed as dist
-    sync = dist.barrier if dist.is_initialized() else (lambda: None)
 
-    ticker = Ticker(log)
-
-    def timed(fn, what, reps=3):  # every rank at once, in lock step: each its share of cores
-        fn()
-        ts = []
-        for i in range(reps):
-            sync()
-            t0 = _time.perf_counter()
-            fn()
-            ts.append(_time.perf_counter() - t0)
-            ticker.tick("planner calibration: %s timed %d of %d times", what, i + 1, reps)
-        ts.sort()
-        return ts[len(ts) // 2], (ts[-1] - ts[0]) / ts[len(ts) // 2]  # median, range / median
-    with torch.no_grad():
-        t_graph, spread = timed(lambda: gm(*args), "the model's graph")
+def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: float,
+                  optimizer_s: float | None) -> cost.Hardware:
+    """CPU: the model's own joint graph timed once on the example batch (t_graph seconds,
+    varying by `spread`) and its optimizer step (runtime/machine.time_model): the time the
+    roofline does not explain is the dispatch overhead per graph node (Python, FX, ATen:
+    dominant for small models)."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret
     # target; a 10% band chose plain dp 1.23x the best on the Mixtral of planner_regret)
@@ -1162,17 +1126,7 @@ def calibrate_on_model(hw: cost.Hardware, stats: GraphStats, model, example_batc
     hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
                                                    (t_graph - roofline) / max(nodes, 1)),
                              noise=noise)
-    ps = [torch.nn.Parameter(params[n].detach().clone()) for n in sig.param_names]
-    for p in ps:
-        p.grad = torch.zeros_like(p)
-    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
-        opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
-        if fused:  # as the runtime will run it under Inductor's codegen: ~3x faster on CPU
-            # than torch's loop over the tensors, which priced the whole model's step 2x the
-            # ZeRO shard's by the loop's time and made the demo pick ZeRO-2 for speed
-            roptim.prefer_fused(opt)
-        with torch.no_grad():
-            hw.optimizer_s = timed(opt.step, "the optimizer step")[0]
+    hw.optimizer_s = optimizer_s
     hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node, "
                       f"ties within {noise:.0%}")
     return hw
@@ -1222,80 +1176,3 @@ def constraints_of(plan) -> dict:
             if not (k in ("dp", "tp", "pp") and v == "auto")}
 
 
-def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
-    """fxpar.parallelize's planning step: every rank plans alike (the hardware numbers are
-    measured on rank 0's machine and broadcast; the search is deterministic) and gets the
-    same Plan. Returns (Plan, PlanResult)."""
-    import torch.distributed as dist
-    constraints = constraints_of(plan)
-    clock = Clock(log)
-    world_obj = rdist.setup(devices)  # (parallelize started the default process group)
-    device = world_obj.device
-    t = time.perf_counter()
-    if device.type == "cuda":
-        hw = cost.gpu_hardware(device)
-    else:
-        if dist.is_initialized():  # all ranks measure at once: each sees its share of the CPU
-            dist.barrier()
-        hw = cost.cpu_hardware()
-        if dist.is_initialized():
-            with announce(log, "planner: timing this machine's collectives"):
-                table = rcomm.measure_collectives()
-            link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
-            ranks, cores = rdist.local_ranks_and_cores()
-            v = torch.tensor([hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead],
-                             dtype=torch.float64)
-            dist.broadcast(v, src=0)
-            hw = dataclasses.replace(hw, peak_flops={"fp32": float(v[0]), "bf16": float(v[0]) / 4,
-                                                     "fp16": float(v[0]) / 8},
-                                     mem_bandwidth=float(v[1]), node_overhead=float(v[2]),
-                                     intra=link, inter=link,
-                                     collectives=table, overlap=0.0,
-                                     bubble_is_idle=ranks <= cores,
-                                     core_share=min(1.0, cores / max(ranks, 1)))
-    hw.memory = cost.device_memory(device)
-    if dist.is_initialized():
-        mem = torch.tensor([hw.memory], dtype=torch.float64)
-        dist.all_reduce(mem, op=dist.ReduceOp.MIN)
-        hw.memory = int(mem.item())
-    clock.add("planner: measure machine", time.perf_counter() - t)
-    with clock("planner: trace model"):
-        stats = graph_stats(model, example_batch, loss_fn,
-                            precision=constraints.get("precision") or "fp32")
-    if device.type == "cpu":
-        with clock("planner: count pass extras"):
-            _pass_extras(*stats.graph, stats, share=_shared_over_ranks
-                         if dist.is_initialized() else None)
-    t = time.perf_counter()
-    if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
-        log.info("planner: the model is on the meta device; plans are priced with "
-                 "the measured machine, re-fitted to the first steps' time")
-    elif device.type == "cpu":
-        gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
-        with announce(log, "planner: timing the model's graph and optimizer step on this "
-                      "machine"):
-            hw = calibrate_on_model(hw, stats, model, example_batch, optimizer,
-                                    fused=gen == "inductor")
-        if dist.is_initialized():
-            v = torch.tensor([hw.node_overhead, hw.optimizer_s or -1.0, hw.noise],
-                             dtype=torch.float64)
-            dist.broadcast(v, src=0)  # every rank the same figures: the same choice
-            hw.node_overhead = float(v[0])
-            hw.optimizer_s = float(v[1]) if v[1] >= 0 else None
-            hw.noise = float(v[2])
-    clock.add("planner: calibrate", time.perf_counter() - t)
-    result = auto_plan(model, example_batch, loss_fn, optimizer, world, device,
-                       constraints=constraints, hw=hw, stats=stats)
-    result.times = clock.rows(other=False) + result.times
-    if dist.is_initialized():  # one program for every rank, or the job would hang
-        mine = plan_dict(result.best.plan)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        odd = next((r for r, p in enumerate(every) if p != every[0]), None)
-        if odd is not None:
-            raise PlanError(
-                f"the ranks' planners chose different plans (rank 0 {every[0]}, rank {odd} "
-                f"{every[odd]}): their inputs differ (the model, example batch or optimizer "
-                "each rank passed, or the machines' figures). Pass the same arguments on "
-                f"every rank, or fix the plan: plan={every[0]}.")
-    return result.best.plan, result

@@ -53,12 +53,12 @@ def choice_rank(per_class: int = 2, rounds: int = 16):
     import time
 
     import torch.distributed as dist
-    from fxpar.compiler import planner
+    from fxpar.compiler import autoplan, planner
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     data = M.gpt_batch(CHOICE_CFG, CHOICE_ROWS)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    _, result = planner.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", data, None,
+    _, result = autoplan.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", data, None,
                                         opt)
     picked, seen = [result.best], {}
     for c in result.table:

@@ -97,3 +97,13 @@ def test_function_level_imports_only_defer_optional_dependencies(layer):
     bad = [(m, name, line) for m, p in files.items() if m.startswith(f"fxpar.{layer}")
            for name, line, top in _imports(p) if not top]
     assert not bad, bad
+
+
+def test_the_planner_opens_no_process_group():
+    """The machine is measured by the runtime (runtime/machine.py) and handed to the planner
+    as values; the planner reads the runtime's schedule simulator and nothing else of it."""
+    files, g, edges = _graph()
+    runtime = sorted(b for b in g.successors("fxpar.compiler.planner")
+                     if b.startswith("fxpar.runtime."))  # (not the package, named on the way)
+    assert runtime == ["fxpar.runtime.schedules"], runtime
+    assert "torch.distributed" not in files["fxpar.compiler.planner"].read_text()

@@ -15,7 +15,7 @@ from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory_model import stage_memory
 from fxpar.examples import gpt_stats as G
 from fxpar.examples import models as M
-from fxpar.runtime import comm, schedules
+from fxpar.runtime import comm, machine, schedules
 
 GiB = 2 ** 30
 
@@ -714,17 +714,19 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
     cfg = M.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
     model, batch = M.GPT(cfg), M.gpt_batch(cfg, 2)
     stats = planner.graph_stats(model, batch)
+    args, params = planner.calibration_inputs(stats, model, batch)
     timed = []
-    real = planner.roptim.prefer_fused
-    monkeypatch.setattr(planner.roptim, "prefer_fused",
+    real = machine.optim.prefer_fused
+    monkeypatch.setattr(machine.optim, "prefer_fused",
                         lambda opt: timed.append(opt) or real(opt))
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    hw = planner.calibrate_on_model(cost.cpu_hardware(), stats, model, batch, adamw)
-    assert not timed and hw.optimizer_s > 0  # eager codegen: the optimizer as built
-    hw = planner.calibrate_on_model(cost.cpu_hardware(), stats, model, batch, adamw,
-                                    fused=True)
+    t_graph, spread, step_s = machine.time_model(stats.graph[0], args, params, adamw)
+    assert not timed and step_s > 0 and t_graph > 0  # eager codegen: the optimizer as built
+    hw = planner.fit_to_timing(cost.cpu_hardware(), stats, t_graph, spread, step_s)
+    assert hw.optimizer_s == step_s and 0.03 <= hw.noise <= 0.05
+    _, _, step_s = machine.time_model(stats.graph[0], args, params, adamw, fused=True)
     assert len(timed) == 1 and all(g["fused"] for g in timed[0].param_groups)
-    assert hw.optimizer_s > 0
+    assert step_s > 0
 
 
 def _cand(step_s, **fields):

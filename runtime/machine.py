@@ -1,0 +1,129 @@
+"""The machine a plan="auto" job plans for, measured by the runtime and handed to the planner
+as values (cost.Hardware, timings): the planner itself opens no process group and times
+nothing.
+
+On CPU ranks every measurement runs on every rank at once (each sees its share of the
+cores, as the job's steps will) and rank 0's figures are broadcast, so every rank prices
+with the same numbers and picks the same plan. On GPUs the data sheet's rates are used and
+only the memory per device is agreed on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fxpar.compiler import cost
+from fxpar.compiler.logs import announce
+from fxpar.runtime import comm, optim
+from fxpar.runtime import dist as rdist
+
+log = logging.getLogger(__name__)
+
+
+def measure(device: torch.device) -> cost.Hardware:
+    """`device`'s rates, the collectives' times on this job's process group (CPU ranks), the
+    fewest bytes of memory any rank has."""
+    if device.type == "cuda":
+        hw = cost.gpu_hardware(device)
+    else:
+        if dist.is_initialized():  # all ranks measure at once: each sees its share of the CPU
+            dist.barrier()
+        hw = cost.cpu_hardware()
+        if dist.is_initialized():
+            with announce(log, "planner: timing this machine's collectives"):
+                table = comm.measure_collectives()
+            link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
+            ranks, cores = rdist.local_ranks_and_cores()
+            peak, bandwidth, overhead = broadcast_figures(
+                [hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead])
+            hw = dataclasses.replace(hw, peak_flops={"fp32": peak, "bf16": peak / 4,
+                                                     "fp16": peak / 8},
+                                     mem_bandwidth=bandwidth, node_overhead=overhead,
+                                     intra=link, inter=link, collectives=table, overlap=0.0,
+                                     bubble_is_idle=ranks <= cores,
+                                     core_share=min(1.0, cores / max(ranks, 1)))
+    hw.memory = cost.device_memory(device)
+    if dist.is_initialized():
+        mem = torch.tensor([hw.memory], dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MIN)
+        hw.memory = int(mem.item())
+    return hw
+
+
+def broadcast_figures(values: list[float | None]) -> list[float | None]:
+    """Rank 0's numbers on every rank (None passes as None): the same prices, the same plan."""
+    if not dist.is_initialized():
+        return list(values)
+    v = torch.tensor([-1.0 if x is None else float(x) for x in values], dtype=torch.float64)
+    dist.broadcast(v, src=0)
+    return [None if y < 0 else float(y) for y in v.tolist()]  # (times, rates: >= 0)
+
+
+def time_in_lock_step(fn: Callable[[], Any], reps: int = 3) -> tuple[float, float]:
+    """fn's median time over `reps` runs after one warm-up, every rank starting each run
+    together (a barrier), and its spread ((slowest - fastest) / median)."""
+    sync = dist.barrier if dist.is_initialized() else (lambda: None)
+    fn()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2], (ts[-1] - ts[0]) / ts[len(ts) // 2]
+
+
+def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimizer,
+               fused: bool = False) -> tuple[float, float, float | None]:
+    """The captured joint graph run on real tensors and the optimizer's step on copies of the
+    parameters, each timed in lock step: (graph seconds, its spread, step seconds or None
+    when `optimizer` is a built instance, which cannot be re-made on copies). `fused`: the
+    runtime will run the optimizer as torch's fused kernel (Inductor's codegen), so it is
+    timed so. Rank 0's figures, on every rank."""
+    with torch.no_grad():
+        t_graph, spread = time_in_lock_step(lambda: graph(*args))
+    step_s = None
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        opt = (optimizer or (lambda q: torch.optim.SGD(q, lr=1e-3)))(ps)
+        if fused:  # ~3x faster on CPU than torch's loop over the tensors (runtime/optim)
+            optim.prefer_fused(opt)
+        with torch.no_grad():
+            step_s = time_in_lock_step(opt.step)[0]
+    t_graph, spread, step_s = broadcast_figures([t_graph, spread, step_s])
+    return t_graph, spread, step_s
+
+
+def shared_over_ranks(jobs: list[Callable[[], Any]]) -> list:
+    """Run each job on one rank and give every rank every job's (picklable) result: work
+    each rank would otherwise repeat alike, in about 1/world of the time. The jobs come
+    heaviest first and are dealt in snake order (ranks 0..w-1, then w-1..0, ...), so on 2
+    ranks the heaviest runs alone and the next two share a rank."""
+    if not dist.is_initialized():
+        return [job() for job in jobs]
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def owner(i):
+        turn, k = divmod(i, world)
+        return k if turn % 2 == 0 else world - 1 - k
+    mine = {i: job() for i, job in enumerate(jobs) if owner(i) == rank}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return [every[owner(i)][i] for i in range(len(jobs))]
+
+
+def every_rank(obj) -> list:
+    """Each rank's `obj` (picklable), on every rank ([obj] without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
