@@ -351,6 +351,10 @@ class Hardware:
     # cores per rank where CPU ranks oversubscribe them (< 1): a waiting rank's core goes to
     # the others (planner._on_shared_cores)
     core_share: float = 1.0
+    # how much faster one rank computes while the others wait than with every rank busy
+    # (CPU ranks share memory bandwidth and clocks; measured at start-up): the stage times
+    # are priced busy, and a pipeline's bubbles leave ranks alone (planner._alone_share)
+    alone_speedup: float = 1.0
     async_launch: bool = True
     # the relative resolution of a predicted step time: plans predicted this close are a tie,
     # which the planner breaks by simplicity (data sheet: 2%; CPU: the spread of the

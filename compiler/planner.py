@@ -898,6 +898,18 @@ def _on_shared_cores(makespan: float, busy: float, hw: cost.Hardware) -> float:
     return max(busy, makespan * hw.core_share)
 
 
+def _alone_share(makespan: float, busy: float, world: int, hw: cost.Hardware) -> float:
+    """A pipeline's step where a rank computes faster while fewer ranks are busy
+    (`Hardware.alone_speedup`: one rank alone against all, CPU ranks on their own cores):
+    the stage times are priced with every rank busy, so the makespan is scaled between the
+    two by the ranks busy on average (world x the mean busy time / the makespan: the dp
+    replicas for one microbatch, where the stages take turns; all with no bubble)."""
+    if hw.alone_speedup <= 1 or world == 1 or makespan <= 0:
+        return makespan
+    together = min(max((world * busy / makespan - 1) / (world - 1), 0.0), 1.0)
+    return makespan * (together + (1 - together) / hw.alone_speedup)
+
+
 def _simulate(c: Candidate, stats, hw, stage_cache, precision):
     p = c.plan
     if p.pp == 1:
@@ -905,8 +917,8 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
         return
     fwd, bwd, p2p, pipe, v = c.ctx
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
-    ms = _on_shared_cores(
-        _makespan(_timed_as(p.schedule, hw), p.pp, p.microbatches, v, fwd, bwd, p2p), busy, hw)
+    ms = _makespan(_timed_as(p.schedule, hw), p.pp, p.microbatches, v, fwd, bwd, p2p)
+    ms = _alone_share(_on_shared_cores(ms, busy, hw), busy, p.dp * p.tp * p.pp, hw)
     c.step_s += ms - pipe
     c.bubble = 1 - busy / ms
     c.parts["pipeline bubble"] = max(ms - c.parts["compute"], 0.0)
@@ -1110,11 +1122,11 @@ def calibration_inputs(stats: GraphStats, model, example_batch) -> tuple[list, l
 
 
 def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: float,
-                  optimizer_s: float | None) -> cost.Hardware:
-    """CPU: the model's own joint graph timed once on the example batch (t_graph seconds,
-    varying by `spread`) and its optimizer step (runtime/machine.time_model): the time the
-    roofline does not explain is the dispatch overhead per graph node (Python, FX, ATen:
-    dominant for small models)."""
+                  optimizer_s: float | None, t_alone: float | None = None) -> cost.Hardware:
+    """CPU: the model's own joint graph timed once on the example batch with every rank busy
+    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), and its optimizer
+    step (runtime/machine.time_model): the time the roofline does not explain is the
+    dispatch overhead per graph node (Python, FX, ATen: dominant for small models)."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret
     # target; a 10% band chose plain dp 1.23x the best on the Mixtral of planner_regret)
@@ -1127,8 +1139,11 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
                                                    (t_graph - roofline) / max(nodes, 1)),
                              noise=noise)
     hw.optimizer_s = optimizer_s
+    if t_alone and hw.core_share >= 1:  # (oversubscribed cores: _on_shared_cores)
+        hw.alone_speedup = min(max(t_graph / t_alone, 1.0), 2.0)
     hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node, "
-                      f"ties within {noise:.0%}")
+                      f"ties within {noise:.0%}"
+                      + (f", {hw.alone_speedup:.2f}x alone" if hw.alone_speedup > 1 else ""))
     return hw
 
 

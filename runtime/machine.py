@@ -79,15 +79,35 @@ def time_in_lock_step(fn: Callable[[], Any], reps: int = 3) -> tuple[float, floa
     return ts[len(ts) // 2], (ts[-1] - ts[0]) / ts[len(ts) // 2]
 
 
+def time_alone(fn: Callable[[], Any], reps: int = 2) -> float | None:
+    """fn's median time on rank 0 while the other ranks wait (as a pipeline rank runs while
+    the others are in a bubble); None without other ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    dist.barrier()
+    t = -1.0
+    if dist.get_rank() == 0:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        t = sorted(ts)[len(ts) // 2]
+    dist.barrier()
+    return t
+
+
 def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimizer,
-               fused: bool = False) -> tuple[float, float, float | None]:
+               fused: bool = False) -> tuple[float, float, float | None, float | None]:
     """The captured joint graph run on real tensors and the optimizer's step on copies of the
     parameters, each timed in lock step: (graph seconds, its spread, step seconds or None
-    when `optimizer` is a built instance, which cannot be re-made on copies). `fused`: the
-    runtime will run the optimizer as torch's fused kernel (Inductor's codegen), so it is
-    timed so. Rank 0's figures, on every rank."""
+    when `optimizer` is a built instance, which cannot be re-made on copies, the graph's
+    seconds on rank 0 alone or None on one rank). `fused`: the runtime will run the
+    optimizer as torch's fused kernel (Inductor's codegen), so it is timed so. Rank 0's
+    figures, on every rank."""
     with torch.no_grad():
         t_graph, spread = time_in_lock_step(lambda: graph(*args))
+        t_alone = time_alone(lambda: graph(*args))
     step_s = None
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -98,8 +118,7 @@ def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimize
             optim.prefer_fused(opt)
         with torch.no_grad():
             step_s = time_in_lock_step(opt.step)[0]
-    t_graph, spread, step_s = broadcast_figures([t_graph, spread, step_s])
-    return t_graph, spread, step_s
+    return tuple(broadcast_figures([t_graph, spread, step_s, t_alone]))
 
 
 def shared_over_ranks(jobs: list[Callable[[], Any]]) -> list:

@@ -720,11 +720,12 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
     monkeypatch.setattr(machine.optim, "prefer_fused",
                         lambda opt: timed.append(opt) or real(opt))
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    t_graph, spread, step_s = machine.time_model(stats.graph[0], args, params, adamw)
+    t_graph, spread, step_s, alone = machine.time_model(stats.graph[0], args, params, adamw)
     assert not timed and step_s > 0 and t_graph > 0  # eager codegen: the optimizer as built
-    hw = planner.fit_to_timing(cost.cpu_hardware(), stats, t_graph, spread, step_s)
-    assert hw.optimizer_s == step_s and 0.03 <= hw.noise <= 0.05
-    _, _, step_s = machine.time_model(stats.graph[0], args, params, adamw, fused=True)
+    assert alone is None  # (one process: no rank to time alone)
+    hw = planner.fit_to_timing(cost.cpu_hardware(), stats, t_graph, spread, step_s, alone)
+    assert hw.optimizer_s == step_s and 0.03 <= hw.noise <= 0.05 and hw.alone_speedup == 1
+    _, _, step_s, _ = machine.time_model(stats.graph[0], args, params, adamw, fused=True)
     assert len(timed) == 1 and all(g["fused"] for g in timed[0].param_groups)
     assert step_s > 0
 
@@ -906,3 +907,23 @@ def test_pipelines_on_oversubscribed_cores_are_priced_by_the_work_not_the_bubble
                                       if k not in ("compute", "pipeline bubble"))
     assert pipe_shared == pytest.approx(max(busy, 0.5 * pipe_whole), rel=1e-6)
     assert price(0.5, dp=4).step_s == pytest.approx(price(1.0, dp=4).step_s)
+
+
+def test_pipeline_stages_that_run_alone_are_priced_at_the_alone_speed(small_stats):
+    """CPU ranks on their own cores compute faster while the others wait
+    (Hardware.alone_speedup, timed at start-up): with one microbatch the stages take turns,
+    so the whole makespan runs at the alone speed; with many microbatches the ranks are
+    mostly busy together and the price stays near the busy one; no pipeline, no change."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB, async_launch=False)
+
+    def pipe(speedup, **fixed):
+        c = planner.search(small_stats, 2, dataclasses.replace(hw, alone_speedup=speedup),
+                           batch_rows=8, constraints=fixed).table[0]
+        return c.step_s - sum(v for k, v in c.parts.items()
+                              if k not in ("compute", "pipeline bubble"))
+    one = dict(pp=2, microbatches=1, schedule="1f1b")
+    assert pipe(1.25, **one) == pytest.approx(pipe(1.0, **one) / 1.25, rel=1e-6)
+    many = dict(pp=2, microbatches=8, schedule="1f1b")
+    assert pipe(1.0, **many) / 1.25 < pipe(1.25, **many) < pipe(1.0, **many)
+    assert pipe(1.25, **many) > 0.9 * pipe(1.0, **many)
+    assert pipe(1.25, dp=2) == pytest.approx(pipe(1.0, dp=2))
