@@ -108,6 +108,28 @@ def test_cli_viz_remat_marks_recompute_and_plots_memory(tmp_path):
     assert open(tmp_path / "memory_remat.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_memory_plot_aligns_both_graphs_on_the_backward_boundary():
+    """Remat adds recomputed nodes to the backward, so the graphs before and after it have
+    different node counts: each curve is drawn against its own phases (forward over [0, 1),
+    backward over [1, 2]), so both cross into the backward at x = 1."""
+    from fxpar.compiler import ir
+    from fxpar.examples import models as M
+    from fxpar.viz import memory_plot
+    cfg = M.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    prog = fxpar.compile(M.GPT(cfg), 1, example_batch=M.gpt_batch(cfg, 2),
+                         plan={"remat": "sqrt"})
+    before, after = prog.stage_graphs["capture"]["joint"], prog.stage_graphs["remat"]["dp"]
+    for gm in (before, after):
+        nodes = list(gm.graph.nodes)
+        k = memory_plot.backward_start(gm)
+        assert nodes[k].meta[ir.REGION] != ir.FORWARD
+        assert all(n.meta.get(ir.REGION, ir.FORWARD) == ir.FORWARD for n in nodes[:k]
+                   if n.op == "call_function")
+        xs = memory_plot.phase_positions(len(nodes), k)
+        assert xs[0] == 0 and xs[k - 1] < 1 == xs[k] and xs[-1] == 2
+    assert len(after.graph.nodes) > len(before.graph.nodes)  # (the recomputed nodes)
+
+
 def test_cli_viz_zero3_shows_gathers_and_reduce_scatters(tmp_path):
     from fxpar.__main__ import main
     main(["viz", "--example", "mlp", "--dp", "2", "--zero", "3", "--out", str(tmp_path)])
