@@ -162,3 +162,12 @@ def test_pp_by_tp_keeps_every_box_inside_a_stage():
         assert view.staged and all(b.stage in (0, 1) for b in view.boxes.values()), [
             b.path for b in view.boxes.values() if b.stage not in (0, 1)]
     assert view.boxes[(0, "wte")] and view.boxes[(1, "lm_head")]
+    # ... and so do the collectives (the tp all-reduces are inserted after the split too):
+    # each badge is declared inside its stage's cluster; only transfers sit between them
+    assert all(link.stage in (0, 1) for link in view.links if not link.transfer)
+    src = layer_dot(view, "t").source
+    clusters = re.split(r"subgraph cluster_stage", src)
+    inside = "".join(c.split("\n\t}")[0] for c in clusters[1:])
+    for i, link in enumerate(view.links):
+        declared = re.search(rf"^\s*link{i} \[", inside, re.M) is not None
+        assert declared == (not link.transfer), (link.kind, link.stage)

@@ -190,7 +190,8 @@ def layer_view(gm: torch.fx.GraphModule) -> LayerView:
         region = ({a.meta.get(ir.REGION) for a in n.all_input_nodes} - {ir.COMM}) or \
             {n.meta.get(ir.REGION)}
         backward = ir.BACKWARD in region or (n.meta.get(ir.REGION) == ir.COMM and not srcs)
-        stage = n.meta.get(ir.STAGE) if staged and ir.TRANSFER not in n.meta else None
+        # (a collective a later pass inserted has no stage of its own: its neighbours')
+        stage = stage_of.get(n) if staged and ir.TRANSFER not in n.meta else None
         key = (kind, tuple(sorted(srcs, key=str)), tuple(sorted(dsts, key=str)), stage)
         if ir.BUCKET in n.meta:
             kind += " (grads)"
@@ -332,6 +333,7 @@ def layer_dot(view: LayerView | torch.fx.GraphModule, title: str = "", href=None
         node_attr={"shape": "plain", "fontname": "Helvetica", "fontsize": "10"},
         edge_attr={"color": "#777777", "arrowsize": "0.6"})
     dot.node("legend", "<" + _legend(view) + ">")
+    order = {k: i for i, k in enumerate(view.boxes)}
     end = {}  # box key -> dot endpoint ("node" or "row:port")
     rows: dict = {}  # (stage, layer) -> boxes
     for b in view.boxes.values():
@@ -365,10 +367,12 @@ def layer_dot(view: LayerView | torch.fx.GraphModule, title: str = "", href=None
             g.node(node, f'<<table border="1" style="rounded" color="#888888" cellspacing="6" '
                    f'cellborder="0" cellpadding="0"><tr><td valign="top"><b>'
                    f'{html.escape(layer)}</b></td>{cells}</tr></table>>')
+        for i, link in enumerate(view.links):  # a stage's collectives inside its cluster
+            if link.stage == s and s is not None:
+                _link_node(g, link, f"link{i}", view)
         if ctx:
             ctx.__exit__(None, None, None)
 
-    order = {k: i for i, k in enumerate(view.boxes)}
     for (a, b), fwd in view.edges.items():
         if end[a].split(":")[0] == end[b].split(":")[0]:
             continue  # inside one layer row: the row's order shows it
@@ -383,11 +387,20 @@ def layer_dot(view: LayerView | torch.fx.GraphModule, title: str = "", href=None
         if k1[0] == k2[0]:
             dot.edge(a, b, style="invis", weight="20")
     for i, link in enumerate(view.links):
-        _emit_link(dot, link, f"link{i}", end, view, order)
+        if link.stage is None:  # (pipeline transfers: between the clusters)
+            _link_node(dot, link, f"link{i}", view)
+        _link_edges(dot, link, f"link{i}", end, order)
     return dot
 
 
-def _emit_link(dot, link: Link, name: str, end: dict, view: LayerView, order: dict):
+def _link_sources(link: Link, order: dict) -> list:
+    srcs = list(link.srcs)
+    return [max(srcs, key=order.get)] if len(srcs) > 3 else srcs
+
+
+def _link_node(g, link: Link, name: str, view: LayerView):
+    """The badge of a link (collectives red, pipeline transfers black), declared in `g`
+    (its stage's cluster, or the top graph)."""
     times = f" x{link.count}" if link.count > 1 else ""
     label = f"{link.kind}{times}\n{fmt_bytes(link.nbytes)}"
     srcs = list(link.srcs)
@@ -397,7 +410,6 @@ def _emit_link(dot, link: Link, name: str, end: dict, view: LayerView, order: di
         others = sum(view.boxes[k].layer is None for k in srcs)
         span = (f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else layers[0]) if layers else ""
         label += f"\nfrom {' + '.join(x for x in (span, others and f'{others} more') if x)}"
-        srcs = [max(srcs, key=order.get)]
     attrs = ({"shape": "box", "style": "filled,bold", "fillcolor": "#e8e8e8",
               "color": "#000000"} if link.transfer else
              {"shape": "box", "style": "rounded,filled", "fillcolor": "#ffd0d0",
@@ -407,10 +419,14 @@ def _emit_link(dot, link: Link, name: str, end: dict, view: LayerView, order: di
             link.earlier and f"{link.earlier} started earlier",
             link.later and f"{link.later} waited later") if x)
         attrs.update(color=MOVED_COLOR, penwidth="3")
-    dot.node(name, label, fontsize="9", margin="0.04,0.02", height="0.2", **attrs)
+    g.node(name, label, fontsize="9", margin="0.04,0.02", height="0.2", **attrs)
+
+
+def _link_edges(dot, link: Link, name: str, end: dict, order: dict):
     color = "#000000" if link.transfer else COLLECTIVE_COLOR
     # drawn in forward order like the box edges: a gradient link hangs above its sources
-    ends = [(end[s], name) for s in srcs] + [(name, end[d]) for d in link.dsts]
+    ends = ([(end[s], name) for s in _link_sources(link, order)]
+            + [(name, end[d]) for d in link.dsts])
     for tail, head in ends:
         if link.backward:
             dot.edge(head, tail, color=color, dir="back", style="dashed")
