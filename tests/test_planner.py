@@ -799,7 +799,8 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
     assert stats.stage_starts[(pp * v, "cpu")] is not None  # the pass's cut, not the fallback
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert_mlm", "mixtral"])
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("gpt2", marks=pytest.mark.slow),
+                                  pytest.param("bert_mlm", marks=pytest.mark.slow)])
 def test_the_planner_prices_the_tensor_parallel_split_the_pass_makes(name):
     """Every linear weight is priced in the role the tensor_parallel pass gives it in the
     tp=2 job: GPT-2's fused QKV, BERT-MLM's head tied to the word embedding (vocabulary-
