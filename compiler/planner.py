@@ -187,17 +187,18 @@ class PlanResult:
     def plain_dp(self) -> str:
         """Where plain data parallelism over every device ranks, and why the choice beats it:
         the baseline every user knows, so the report always says it."""
+        def remat(c):
+            return f", remat={_remat_str(c.plan.remat)} to fit" if c.plan.remat != "none" else ""
         if self.best.plan.dp == self.devices and self.best.plan.zero == 0 and \
                 self.best.plan.microbatches == 1:
-            return f"plain data parallelism (dp={self.devices}) is the choice"
+            return f"plain data parallelism (dp={self.devices}{remat(self.best)}) is the choice"
         i, c = next(((i, c) for i, c in enumerate(self.table)
                      if c.plan.dp == self.devices and c.plan.zero == 0
                      and c.plan.microbatches == 1), (None, None))
         if c is None:
             return (f"plain data parallelism (dp={self.devices}) is not in the table: "
                     f"{self.plain_dp_note}")
-        remat = f", remat={_remat_str(c.plan.remat)} to fit" if c.plan.remat != "none" else ""
-        return (f"plain data parallelism (dp={self.devices}{remat}) ranks #{i + 1}, "
+        return (f"plain data parallelism (dp={self.devices}{remat(c)}) ranks #{i + 1}, "
                 f"{self._why(c)}")
 
     def summary(self) -> str:
@@ -734,9 +735,12 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                                       microbatches=m)
             new.append((mem2, rec2))
         mems = new
-        w = mems[worst][0]
-        remat = int(max(budget - (w.params + w.optimizer + w.grads + w.buffers), 1))
         worst = max(range(pp), key=lambda r: mems[r][0].total)
+        # the pass's budget is the activation peak priced for the binding rank (its simulated
+        # peak includes the backward's working memory, as `activations` does), never less
+        # than the floor priced for it: what is left after the static state, at a peak the
+        # step and the optimizer step do not share, was below the floor the pass can reach
+        remat = int(max(mems[worst][0].activations, 1))
     for r, (m_, _) in enumerate(mems):
         m_.stage = r
     mems[worst][0].per_stage = [m_ for m_, _ in mems]

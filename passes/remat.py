@@ -487,7 +487,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             raise PlanError("remat='auto' needs the device memory, which is unknown here; "
                             "give Plan.remat a budget in bytes.")
         new, saved, copies, kept = _solve_budget(gm, cands, seg, expensive, budget * dp,
-                                                 profile)
+                                                 profile, ranks=dp)
     new = torch.fx.GraphModule(gm, new.graph)
     for n in (*gm.graph.nodes, *new.graph.nodes):
         n.meta.pop(_PIN, None)
@@ -505,8 +505,9 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     return new
 
 
-def _solve_budget(gm, cands, seg, expensive, budget, profile):
-    """The cheapest candidate plan whose simulated peak fits `budget` (module docstring)."""
+def _solve_budget(gm, cands, seg, expensive, budget, profile, ranks=1):
+    """The cheapest candidate plan whose simulated peak fits `budget` (module docstring). The
+    graph holds the whole batch of `ranks` data-parallel ranks; errors speak per device."""
     tried = []
 
     lowest, cache = [], {}
@@ -586,8 +587,9 @@ def _solve_budget(gm, cands, seg, expensive, budget, profile):
     if not tried:
         floor = min(lowest)
         raise PlanError(
-            f"remat budget {budget} bytes of activations is below what fxpar can reach for this "
-            f"model and batch (smallest simulated activation peak: {floor} bytes). Fix: raise "
+            f"remat budget {budget // ranks} bytes of activations per device is below what fxpar "
+            f"can reach for this model and batch (smallest simulated activation peak: "
+            f"{floor // ranks} bytes per device). Fix: raise "
             "the budget, use more devices (dp/pp) or a smaller batch.")
     _, res, kept = min(tried, key=lambda t: t[0])
     return res[2], res[3], res[4], [cands[j] for j in kept]

@@ -843,6 +843,36 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
             hw.comm("p2p", weight, 2, 2))
 
 
+def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
+    """Under a memory limit that plain dp exceeds, the search gives plans a remat budget to
+    fit: the activation peak it priced (working memory included, as the pass simulates it),
+    which the remat pass then reaches on the captured graph. Budgeting what was left after
+    the static state handed the pass less than it can reach (a PlanError at compile)."""
+    import copy
+    from planner_workers import MEM_CFG, MEM_ROWS
+    from fxpar.compiler.pass_manager import PassContext
+    from fxpar.compiler.plan import Plan
+    from fxpar.passes import remat
+    stats = planner.graph_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * GiB)
+    r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
+    plain = next(c for c in r.table if (c.plan.dp, c.plan.zero, c.plan.microbatches) ==
+                 (2, 0, 1) and c.plan.remat == "none")
+    least = min(c.memory.total for c in r.table)
+    hw = dataclasses.replace(hw, memory=(least + plain.memory.total) / 2 / 0.9)
+    r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
+    derived = [c for c in r.table if isinstance(c.plan.remat, int)
+               and (c.plan.tp, c.plan.pp, c.plan.microbatches) == (1, 1, 1)]
+    assert any(c.plan.zero == 0 for c in derived), [str(c.plan) for c in r.table]
+    gm, sig = stats.graph
+    for c in sorted(derived, key=lambda c: c.plan.remat)[:2]:  # the tightest budgets
+        assert c.plan.remat == int(c.memory.activations)
+        new = remat.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
+                        Plan(dp=c.plan.dp, tp=1, pp=1, zero=c.plan.zero, remat=c.plan.remat),
+                        PassContext(signature=sig))
+        assert new.meta["remat"].peak_after <= c.plan.remat, (c.plan, new.meta["remat"])
+
+
 @pytest.mark.slow
 def test_a_memory_limit_that_rules_out_plain_dp_is_kept_by_the_choice(monkeypatch):
     """FXPAR_MEMORY_PER_DEVICE set below what plain dp needs (as priced): plan="auto" picks
