@@ -159,9 +159,12 @@ def _entry(payload: bytes):
 
 
 def _run(payload: bytes):
-    """A spawned rank: unpickle fn and its args (by value: cloudpickle, so functions defined in
-    a notebook or a script's __main__ work), run it, and write any exception to the progress
-    folder so the launcher can put the real cause first."""
+    """A launched rank: take on the caller's process state, unpickle fn and its args (by
+    value: cloudpickle, so functions defined in a notebook or a script's __main__ work), run
+    it, and write any exception to the progress folder so the launcher can put the real cause
+    first."""
+    caller, payload = pickle.loads(payload)
+    _take_on(caller)
     os.environ.setdefault("FXPAR_DEVICE", "cpu")
     os.environ["FXPAR_LAUNCHED_RANK"] = os.environ.get("RANK", "0")
     try:
@@ -175,6 +178,38 @@ def _run(payload: bytes):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# The ranks are forked from a server process that imported torch and fxpar once (launching
+# 2 ranks took 8-10 s on 2 cores when each imported them itself, most of a short job's time).
+# A forked rank has the server's environment, working directory and sys.path, from when the
+# server started: `_caller` sends the launching process's current ones, `_take_on` restores
+# them, keeping the variables the launcher set for this rank (RANK, MASTER_PORT, ...: those
+# that differ from the server's own, recorded by `_SERVER_ENV` when it imported this module).
+_SERVER_ENV = dict(os.environ)
+
+
+def _caller() -> dict:
+    return {"env": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
+
+
+def _take_on(caller: dict) -> None:
+    launcher = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**caller["env"], **launcher})
+    os.chdir(caller["cwd"])
+    sys.path[:] = caller["sys_path"]
+    if "OMP_NUM_THREADS" in os.environ:  # OpenMP read it when the server loaded torch
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+def _start_method() -> str:
+    """forkserver, preloading torch and fxpar, where the platform has it; spawn elsewhere."""
+    import multiprocessing
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "fxpar"])
+    return "forkserver"
 
 
 def _write_error(e: BaseException, tb: str) -> None:
@@ -247,20 +282,25 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
                           run_id=f"fxpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
-    payload = cloudpickle.dumps((fn, args))
+                          start_method=_start_method())
     progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
     old_env = os.environ.get("FXPAR_PROGRESS_DIR")
     os.environ["FXPAR_PROGRESS_DIR"] = progress
+    payload = pickle.dumps((_caller(), cloudpickle.dumps((fn, args))))
     try:
         with _elastic_quiet(), _main_not_imported():
             results = elastic_launch(config, _entry)(payload)
         return dict(sorted(results.items()))  # rank order, whichever rank finished first
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        killed = sorted((r, f) for r, f in e.failures.items()  # by a signal, not the agent's:
+                        if f.exitcode is not None and f.exitcode < 0  # the cause (its peers
+                        and f.exitcode != -signal.SIGTERM)  # fail on the dead connection)
+        if killed:
+            rank, failure = killed[0]
         errors = sorted((os.path.getmtime(os.path.join(progress, f)), int(f[5:]))
                         for f in os.listdir(progress) if f.startswith("error"))
-        if errors and failure.exitcode == -signal.SIGTERM:  # a rank the agent stopped:
+        if errors and not killed and failure.exitcode == -signal.SIGTERM:  # a rank the agent stopped:
             rank = errors[0][1]  # the first rank that raised is the cause
             failure = e.failures.get(rank, failure)
         msg = failure.message if isinstance(failure.message, str) else \

@@ -167,7 +167,10 @@ def step_context(world, step: int):
         if world.size == 1:
             raise
         if _is_comm_failure(e):
-            raise RankFailure(_explain(world, step, e)) from e
+            msg, peer_died = _explain(world, step, e)
+            if peer_died:  # a peer was killed: its launcher (fxpar.launch, torchrun) sees
+                time.sleep(0.5)  # that exit first and names it as the cause, not this one
+            raise RankFailure(msg) from e
         _publish(world.rank, f"raised at step {step}: {type(e).__name__}: {e}")
         e.add_note(f"fxpar: raised on rank {world.rank} at step {step}; the other ranks stop "
                    "with a RankFailure naming this rank.")
@@ -206,13 +209,13 @@ def _gone(host_pid: str) -> bool:
         return True
 
 
-def _explain(world, step: int, e: BaseException) -> str:
+def _explain(world, step: int, e: BaseException) -> tuple[str, bool]:
     """Who made this rank's collective fail: a rank that published an error, a rank whose
-    process is gone, or nobody known (a hang: the timeout passed)."""
+    process is gone, or nobody known (a hang: the timeout passed); and whether a peer died."""
     me, others = world.rank, [r for r in range(world.size) if r != world.rank]
     store = _store()
     culprits: dict[int, str] = {}
-    note = ""
+    note, died = "", False
     if store is not None:
         try:
             store.set_timeout(datetime.timedelta(seconds=5))
@@ -224,6 +227,7 @@ def _explain(world, step: int, e: BaseException) -> str:
                     elif store.check([f"fxpar/proc/{r}"]):
                         hp = store.get(f"fxpar/proc/{r}").decode()
                         if _gone(hp):
+                            died = True
                             culprits[r] = (f"died (its process {hp.split()[1]} is gone: it "
                                            "exited, or was killed, e.g. by SIGKILL or the "
                                            "out-of-memory killer; see its log)")
@@ -241,4 +245,4 @@ def _explain(world, step: int, e: BaseException) -> str:
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     who = who.rstrip().rstrip(".")  # (a quoted error's own full stop: not "..")
     return (f"step {step} stopped on rank {me} of {world.size}: {who}. Its collective/transfer "
-            f"failed with: {first}")
+            f"failed with: {first}"), died

@@ -95,6 +95,29 @@ def test_an_op_whose_output_shape_depends_on_values_is_named_with_its_line():
         fxpar.compile(CTC(), 1, example_batch=batch)
 
 
+def _what_a_rank_sees():
+    return (os.environ.get("FXPAR_TEST_SET_LATER"), os.getcwd(), sys.path[-1],
+            os.environ["RANK"], torch.get_num_threads())
+
+
+def test_launched_ranks_see_the_callers_environment_directory_and_path(tmp_path, monkeypatch):
+    """The ranks are forked from a server that imported torch and fxpar once: what the caller
+    changed after the server started (an environment variable, the working directory,
+    sys.path, OMP_NUM_THREADS) still reaches them, and each keeps its own RANK."""
+    fxpar.launch(_what_a_rank_sees, 2)  # the server starts (if no earlier test started it)
+    monkeypatch.setenv("FXPAR_TEST_SET_LATER", "yes")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", sys.path + ["/a/path/added/later"])
+    t = time.perf_counter()
+    seen = fxpar.launch(_what_a_rank_sees, 2)
+    took = time.perf_counter() - t
+    assert seen == {r: ("yes", str(tmp_path), "/a/path/added/later", str(r), 1) for r in (0, 1)}
+    from fxpar.runtime import dist
+    if dist._start_method() == "forkserver":
+        assert took < 5.0, took  # no import of torch per rank (8-10 s on 2 cores when spawned)
+
+
 @pytest.mark.slow
 def test_launch_reports_failing_rank():
     from workers import failing_rank
@@ -155,18 +178,23 @@ def _spawn_raw(code, world, timeout_s, token, logs):
 
 
 def _live_children():
-    """This process's children still running (multiprocessing's resource tracker aside)."""
-    out = []
+    """The ranks still running: this process's children and those of its fork server (the
+    ranks' parent), multiprocessing's resource tracker and fork server aside."""
+    procs = {}
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
+                procs[int(pid)] = (int(fields[1]), fields[0], f.read())
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmd:
-            out.append((int(pid), cmd[:200]))
+    helpers = {pid for pid, (ppid, _, cmd) in procs.items() if ppid == os.getpid()
+               and (b"resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd)}
+    out = []
+    for pid, (ppid, state, cmd) in procs.items():
+        if ppid in {os.getpid(), *helpers} and pid not in helpers and state != "Z":
+            out.append((pid, cmd[:200]))
     return out
 
 
