@@ -47,7 +47,87 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
     `batch`: "global" (every rank passes the same global batch to step/evaluate) or
     "local" (each rank passes its 1/dp share: pm.dp_rank, pm.dp_size; example_batch is
     still one global batch).
+
+    A failed parallelize leaves nothing behind (`_release_after_failure`): the process group
+    it opened is closed, and its graphs and tensors are freed even while the caller (or a
+    notebook) keeps the exception.
     """
+    opened_group = not (dist.is_available() and dist.is_initialized())
+    try:
+        return _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weights,
+                            batch)
+    except BaseException as e:
+        _release_after_failure(e, opened_group)
+        raise
+
+
+def _release_after_failure(e: BaseException, opened_group: bool) -> None:
+    """What a failed parallelize made is released: the frames of fxpar and torch in the
+    exception's traceback (and its causes') let go of their locals - captured graphs, fake
+    and real tensors, compiled code - which an exception kept by the caller or a notebook
+    (sys.last_value) would otherwise hold, with the device memory under them (the user's own
+    frames keep theirs, for a debugger); the process group parallelize opened is destroyed
+    (its peers fail at their next collective instead of waiting for the timeout); an
+    out-of-memory error says in which phase it happened and what to try."""
+    import gc
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    ours = (*(here + d + os.sep for d in _PACKAGES), os.path.dirname(torch.__file__) + os.sep)
+    chain, err = [], e
+    while err is not None and all(err is not c for c in chain):
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    oom = next((c for c in chain if isinstance(c, torch.OutOfMemoryError)), None)
+    if oom is not None and not any(n.startswith("fxpar:") for n in getattr(oom, "__notes__", [])):
+        oom.add_note(
+            f"fxpar: the device ran out of memory in parallelize, {_phase_of(chain, here)}. "
+            "Try remat='auto' (recompute activations instead of keeping them), a smaller "
+            "example batch, ZeRO (plan={'zero': 3}) or more devices; a model built on the "
+            "meta device with weights=PATH puts only each rank's shards on the device.")
+    for c in chain:
+        tb = c.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(ours):
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still running: parallelize itself
+                    pass
+            tb = tb.tb_next
+    if opened_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+_PACKAGES = ("compiler", "passes", "runtime", "kernels", "viz")
+_PHASES = (("compiler/capture", "while capturing the model"),
+           ("compiler/planner", "while planning"), ("compiler/autoplan", "while planning"),
+           ("runtime/machine", "while measuring the machine for the planner"),
+           ("compiler/codegen", "while generating code (Inductor)"),
+           ("kernels/", "while compiling kernels"),
+           ("runtime/weights", "while loading the weights"),
+           ("runtime/", "while setting up the runtime (parameters, optimizer state)"),
+           ("passes/", "in pass"), ("compiler/pass_manager", "while running the passes"))
+
+
+def _phase_of(chain, here: str) -> str:
+    """The phase of parallelize that raised: the innermost frame of fxpar's own code."""
+    last = None
+    for c in chain[:1]:
+        tb = c.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            if name.startswith(tuple(here + d + os.sep for d in _PACKAGES)) and \
+                    not name.endswith(os.sep + "api.py"):
+                last = name[len(here):].replace(os.sep, "/")
+            tb = tb.tb_next
+    for prefix, said in _PHASES:
+        if last is not None and last.startswith(prefix):
+            return f"{said} {last[len(prefix):-3]}" if said == "in pass" else said
+    return "while compiling"
+
+
+def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weights, batch):
     configure()
     clock = Clock(log)
     world_size, _ = world_of(devices)

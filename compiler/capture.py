@@ -450,11 +450,18 @@ def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):
     from torch._functorch.aot_autograd import aot_export_module
     table = decomposition_table(decompose_batch_norm)
     devices = {t.device.type for t in (*tensor_leaves, *wrapper.parameters(), *wrapper.buffers())}
-    with contextlib.nullcontext() if joint else torch.no_grad(), \
-            _fused_backward_kept(devices, table):
-        return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
-                                 output_loss_index=0 if joint else None,
-                                 decompositions=table)
+    try:
+        with contextlib.nullcontext() if joint else torch.no_grad(), \
+                _fused_backward_kept(devices, table):
+            return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
+                                     output_loss_index=0 if joint else None,
+                                     decompositions=table)
+    finally:
+        # make_fx leaves its last trace's nodes in a module global (torch.export's fake
+        # tensor leak check reads it within its own call): it would keep the captured graph
+        # (and whatever its nodes hold) alive after a failed parallelize, until the next trace
+        from torch.fx.experimental import proxy_tensor
+        getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
 
 
 @contextlib.contextmanager

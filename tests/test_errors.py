@@ -95,6 +95,41 @@ def test_an_op_whose_output_shape_depends_on_values_is_named_with_its_line():
         fxpar.compile(CTC(), 1, example_batch=batch)
 
 
+def test_a_failed_parallelize_frees_what_it_made_while_the_exception_is_kept(monkeypatch):
+    """parallelize fails after compiling (here: the runtime's set-up raises): the Program
+    and its graphs are freed although the caller keeps the exception (as a notebook keeps
+    sys.last_value), so a retry or eager PyTorch after it has the memory back."""
+    import weakref
+    from fxpar.compiler import api
+    made = []
+
+    def failing_runtime(model, world, program, *args, **kwargs):
+        made.append(weakref.ref(program))
+        made.append(weakref.ref(program.graph))
+        del program
+        raise RuntimeError("injected failure in the runtime's set-up")
+    monkeypatch.setattr(api, "ParallelModel", failing_runtime)
+    model = M.GPT(M.GPTConfig(n_layer=1, n_embd=32))
+    with pytest.raises(RuntimeError, match="injected") as kept:
+        fxpar.parallelize(model, 1, example_batch=M.gpt_batch(M.GPTConfig(n_layer=1), 2))
+    assert made and all(ref() is None for ref in made), "the Program outlived the failure"
+    assert kept.value is not None
+
+
+def test_out_of_memory_in_parallelize_names_the_phase_and_what_to_try(monkeypatch):
+    from fxpar.runtime import calls
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(calls, "register", oom)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        fxpar.parallelize(M.GPT(M.GPTConfig(n_layer=1, n_embd=32)), 1,
+                          example_batch=M.gpt_batch(M.GPTConfig(n_layer=1), 2))
+    note = "\n".join(e.value.__notes__)
+    assert "while setting up the runtime" in note and "remat='auto'" in note, note
+    assert "ZeRO" in note and "smaller" in note, note
+
+
 def _what_a_rank_sees():
     return (os.environ.get("FXPAR_TEST_SET_LATER"), os.getcwd(), sys.path[-1],
             os.environ["RANK"], torch.get_num_threads())
