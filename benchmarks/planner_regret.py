@@ -9,12 +9,13 @@ of percent over seconds; interleaved, each round meets one speed). A plan's time
 median over the rounds after the first.
 
 Per model: regret = the chosen plan's measured step / the fastest measured step; each plan's
-predicted vs measured time; Spearman's rank correlation of the two; the planner's own time
+predicted vs measured time, and the memory one step allocates on its busiest rank predicted
+vs measured (op by op: `step_memory`); Spearman's rank correlation of the times; the planner's own time
 (machine and model timing, pass probes, search; the capture is the compile's own, handed
 to it) against the chosen plan's compile time.
 
 Run: python benchmarks/planner_regret.py [--nprocs 2] [--models qwen2_tied,...] [--cap 8]
-     [--rounds 6] [--out planner_regret_2.json]
+     [--rounds 6] [--out planner_regret_2.json] [--no-memory]
 """
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def time_interleaved(pms: list, data, rounds: int) -> torch.Tensor:
     return times[1:].median(dim=0).values if rounds > 1 else times[0]
 
 
-def worker(name: str, cap: int, rounds: int):
+def worker(name: str, cap: int, rounds: int, memory: bool = True):
     from fxpar.compiler import autoplan, planner
     factory, batch = MODELS[name]
     world = int(os.environ["WORLD_SIZE"])
@@ -146,7 +147,7 @@ def worker(name: str, cap: int, rounds: int):
     _, result = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
     planning_s = time.perf_counter() - t0
     cands = _pick(result, cap)
-    models, compile_s, failed = [], {}, []
+    models, compile_s, failed, pm = [], {}, [], None
     for c in cands:
         torch.manual_seed(0)
         t0 = time.perf_counter()
@@ -161,12 +162,16 @@ def worker(name: str, cap: int, rounds: int):
         compile_s[planner.plan_str(c.plan)] = time.perf_counter() - t0
         models.append((c, pm))
     med = time_interleaved([pm for _, pm in models], data, rounds)
+    timed = [c for c, _ in models]
+    del models, pm  # the timed jobs' memory freed before the memory runs
+    mem = [step_memory(factory, data, opt, c) if memory else (None, None) for c in timed]
     rows = [{"plan": planner.plan_str(c.plan), "chosen": c is result.best,
              "predicted_s": c.step_s, "measured_s": float(med[i]),
              "predicted_mem": c.memory.total,
+             "predicted_step_mem": mem[i][0], "measured_step_mem": mem[i][1],
              "parts": {k: float(v) for k, v in c.parts.items()},
              "compile_s": compile_s[planner.plan_str(c.plan)]}
-            for i, (c, _) in enumerate(models)]
+            for i, c in enumerate(timed)]
     plain = next((i for i, c in enumerate(result.table) if c.plan.tp == 1 and c.plan.pp == 1
                   and c.plan.zero == 0 and c.plan.microbatches == 1), None)
     return {"model": name, "world": world, "rows": rows, "failed": failed,
@@ -176,6 +181,26 @@ def worker(name: str, cap: int, rounds: int):
             "n_legal": result.n_legal, "n_fit": result.n_fit,
             "plain_dp_rank": None if plain is None else plain + 1,
             "why": result._why() if len(result.table) > 1 else ""}
+
+
+def step_memory(factory, data, opt, c) -> tuple[float, float]:
+    """(predicted, measured) bytes one step allocates on its busiest rank: the plan compiled
+    op by op (codegen="eager": the dispatch tracker sees every allocation, which it does not
+    inside Inductor's kernels), one step tracked after a first; predicted = the memory
+    model's step_allocated of that rank's stage."""
+    import dataclasses
+    import torch.distributed as dist
+    from fxpar.runtime.memtrack import measure
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(factory(), int(os.environ["WORLD_SIZE"]), example_batch=data,
+                           optimizer=opt, plan=dataclasses.replace(c.plan, codegen="eager"))
+    pm.step(data)
+    _, peak = measure(lambda: pm.step(data))
+    est = (c.memory.per_stage[pm.world.coordinate("pp")] if c.memory.per_stage
+           else c.memory).step_allocated
+    both = torch.tensor([float(est), float(peak)], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return float(both[0]), float(both[1])
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
@@ -208,8 +233,12 @@ def summarize(res: dict) -> dict:
     best = min(r["measured_s"] for r in rows)
     chosen = next((r for r in rows if r["chosen"]), None)
     errs = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
+    mem_errs = [abs(r["predicted_step_mem"] - r["measured_step_mem"]) / r["measured_step_mem"]
+                for r in rows if r.get("measured_step_mem")]
     return {"regret": chosen["measured_s"] / best if chosen else None,
             "median_error": statistics.median(errs) if errs else None,
+            "median_mem_error": statistics.median(mem_errs) if mem_errs else None,
+            "max_mem_error": max(mem_errs) if mem_errs else None,
             "spearman": spearman([r["predicted_s"] for r in rows],
                                  [r["measured_s"] for r in rows]),
             "planning_share": ((res["planning_s"] - res.get("trace_s", 0.0)) / chosen["compile_s"])
@@ -226,13 +255,19 @@ def report(results: list[dict]) -> str:
                    f"Spearman {s['spearman'] if s['spearman'] is None else round(s['spearman'], 2)}, "
                    f"planning {res['planning_s'] - res.get('trace_s', 0.0):.1f} s (besides the "
                    f"shared capture) = {s['planning_share'] * 100:.0f}% of the chosen plan's "
-                   "compile")
+                   "compile"
+                   + (f"; step memory predicted within {s['median_mem_error'] * 100:.0f}% "
+                      f"(median), {s['max_mem_error'] * 100:.0f}% (worst)"
+                      if s["median_mem_error"] is not None else ""))
         best = min(r["measured_s"] for r in res["rows"])
         for r in sorted(res["rows"], key=lambda r: r["measured_s"]):
             out.append(f"  {'*' if r['chosen'] else ' '} {r['plan']:<44} predicted "
                        f"{r['predicted_s'] * 1e3:8.1f} ms  measured {r['measured_s'] * 1e3:8.1f}"
                        f" ms  x{r['measured_s'] / best:.2f} of best  "
-                       f"meas/pred {r['measured_s'] / r['predicted_s']:.2f}")
+                       f"meas/pred {r['measured_s'] / r['predicted_s']:.2f}"
+                       + (f"  step memory {r['measured_step_mem'] / 2**20:7.1f} MiB "
+                          f"(pred/meas {r['predicted_step_mem'] / r['measured_step_mem']:.2f})"
+                          if r.get("measured_step_mem") else ""))
         for plan, why in res["failed"]:
             out.append(f"    {plan}: FAILED {why}")
     regrets = [summarize(r)["regret"] for r in results]
@@ -248,6 +283,8 @@ def main(argv=None):
     ap.add_argument("--cap", type=int, default=8, help="plans measured per model")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", default=None, help="JSON with the numbers")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip each plan's op-by-op step memory run")
     a = ap.parse_args(argv)
     names = [n for n in a.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -256,7 +293,7 @@ def main(argv=None):
     results = []
     for name in names:
         t0 = time.perf_counter()
-        res = fxpar.launch(worker, a.nprocs, name, a.cap, a.rounds)[0]
+        res = fxpar.launch(worker, a.nprocs, name, a.cap, a.rounds, not a.no_memory)[0]
         print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         results.append(res)
         if a.out:

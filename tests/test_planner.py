@@ -906,7 +906,7 @@ def test_the_regret_benchmark_on_one_model():
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
     import planner_regret as R
-    res = fxpar.launch(R.worker, 2, "llama_gqa", 3, 4)[0]
+    res = fxpar.launch(R.worker, 2, "llama_gqa", 3, 4, False)[0]
     rows = res["rows"]
     assert sum(r["chosen"] for r in rows) == 1 and len(rows) + len(res["failed"]) == 3
     assert not res["failed"], res["failed"]
