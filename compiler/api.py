@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -70,8 +71,6 @@ def _release_after_failure(e: BaseException, opened_group: bool) -> None:
     (its peers fail at their next collective instead of waiting for the timeout); an
     out-of-memory error says in which phase it happened and what to try."""
     import gc
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    ours = (*(here + d + os.sep for d in _PACKAGES), os.path.dirname(torch.__file__) + os.sep)
     chain, err = [], e
     while err is not None and all(err is not c for c in chain):
         chain.append(err)
@@ -79,19 +78,18 @@ def _release_after_failure(e: BaseException, opened_group: bool) -> None:
     oom = next((c for c in chain if isinstance(c, torch.OutOfMemoryError)), None)
     if oom is not None and not any(n.startswith("fxpar:") for n in getattr(oom, "__notes__", [])):
         oom.add_note(
-            f"fxpar: the device ran out of memory in parallelize, {_phase_of(chain, here)}. "
+            f"fxpar: the device ran out of memory in parallelize, {_phase_of(e)}. "
             "Try remat='auto' (recompute activations instead of keeping them), a smaller "
             "example batch, ZeRO (plan={'zero': 3}) or more devices; a model built on the "
             "meta device with weights=PATH puts only each rank's shards on the device.")
+    ours = (*_FXPAR_DIRS, os.path.dirname(torch.__file__) + os.sep)
     for c in chain:
-        tb = c.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename.startswith(ours):
+        for frame, _ in traceback.walk_tb(c.__traceback__):
+            if frame.f_code.co_filename.startswith(ours):
                 try:
-                    tb.tb_frame.clear()
+                    frame.clear()
                 except RuntimeError:  # still running: parallelize itself
                     pass
-            tb = tb.tb_next
     if opened_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
@@ -99,7 +97,9 @@ def _release_after_failure(e: BaseException, opened_group: bool) -> None:
         torch.cuda.empty_cache()
 
 
-_PACKAGES = ("compiler", "passes", "runtime", "kernels", "viz")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FXPAR_DIRS = tuple(_ROOT + d + os.sep for d in ("compiler", "passes", "runtime", "kernels",
+                                                  "viz"))
 _PHASES = (("compiler/capture", "while capturing the model"),
            ("compiler/planner", "while planning"), ("compiler/autoplan", "while planning"),
            ("runtime/machine", "while measuring the machine for the planner"),
@@ -110,20 +110,15 @@ _PHASES = (("compiler/capture", "while capturing the model"),
            ("passes/", "in pass"), ("compiler/pass_manager", "while running the passes"))
 
 
-def _phase_of(chain, here: str) -> str:
-    """The phase of parallelize that raised: the innermost frame of fxpar's own code."""
-    last = None
-    for c in chain[:1]:
-        tb = c.__traceback__
-        while tb is not None:
-            name = tb.tb_frame.f_code.co_filename
-            if name.startswith(tuple(here + d + os.sep for d in _PACKAGES)) and \
-                    not name.endswith(os.sep + "api.py"):
-                last = name[len(here):].replace(os.sep, "/")
-            tb = tb.tb_next
+def _phase_of(e: BaseException) -> str:
+    """The phase of parallelize that raised `e`: its innermost frame in fxpar's own code."""
+    inside = [f.f_code.co_filename[len(_ROOT):].replace(os.sep, "/")
+              for f, _ in traceback.walk_tb(e.__traceback__)
+              if f.f_code.co_filename.startswith(_FXPAR_DIRS)
+              and not f.f_code.co_filename.endswith(os.sep + "api.py")]
     for prefix, said in _PHASES:
-        if last is not None and last.startswith(prefix):
-            return f"{said} {last[len(prefix):-3]}" if said == "in pass" else said
+        if inside and inside[-1].startswith(prefix):
+            return f"{said} {inside[-1][len(prefix):-3]}" if said == "in pass" else said
     return "while compiling"
 
 

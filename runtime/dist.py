@@ -286,6 +286,7 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
     progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
     old_env = os.environ.get("FXPAR_PROGRESS_DIR")
     os.environ["FXPAR_PROGRESS_DIR"] = progress
+    # fn and args apart: a rank unpickles them once it has the caller's sys.path (`_run`)
     payload = pickle.dumps((_caller(), cloudpickle.dumps((fn, args))))
     try:
         with _elastic_quiet(), _main_not_imported():
@@ -300,7 +301,7 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
             rank, failure = killed[0]
         errors = sorted((os.path.getmtime(os.path.join(progress, f)), int(f[5:]))
                         for f in os.listdir(progress) if f.startswith("error"))
-        if errors and not killed and failure.exitcode == -signal.SIGTERM:  # a rank the agent stopped:
+        if errors and failure.exitcode == -signal.SIGTERM:  # a rank the agent stopped:
             rank = errors[0][1]  # the first rank that raised is the cause
             failure = e.failures.get(rank, failure)
         msg = failure.message if isinstance(failure.message, str) else \

@@ -845,6 +845,19 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
             hw.comm("p2p", weight, 2, 2))
 
 
+def _limit_ruling_out_plain_dp(stats) -> float:
+    """A device memory (bytes; the search keeps 90% of it) halfway between the smallest plan
+    of 2 ranks and plain dp without remat, as priced: plain dp fits only with a remat budget."""
+    from planner_workers import MEM_ROWS
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * GiB)
+    r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
+    plain = next(c for c in r.table if (c.plan.dp, c.plan.zero, c.plan.microbatches) ==
+                 (2, 0, 1) and c.plan.remat == "none")
+    least = min(c.memory.total for c in r.table)
+    assert least < 0.8 * plain.memory.total, (least, plain.memory.total)
+    return (least + plain.memory.total) / 2 / 0.9
+
+
 def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
     """Under a memory limit that plain dp exceeds, the search gives plans a remat budget to
     fit: the activation peak it priced (working memory included, as the pass simulates it),
@@ -856,12 +869,7 @@ def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
     from fxpar.compiler.plan import Plan
     from fxpar.passes import remat
     stats = planner.graph_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
-    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * GiB)
-    r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
-    plain = next(c for c in r.table if (c.plan.dp, c.plan.zero, c.plan.microbatches) ==
-                 (2, 0, 1) and c.plan.remat == "none")
-    least = min(c.memory.total for c in r.table)
-    hw = dataclasses.replace(hw, memory=(least + plain.memory.total) / 2 / 0.9)
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=_limit_ruling_out_plain_dp(stats))
     r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
     derived = [c for c in r.table if isinstance(c.plan.remat, int)
                and (c.plan.tp, c.plan.pp, c.plan.microbatches) == (1, 1, 1)]
@@ -882,13 +890,7 @@ def test_a_memory_limit_that_rules_out_plain_dp_is_kept_by_the_choice(monkeypatc
     step stays within its estimate (plain dp is only in the table with a remat budget)."""
     from planner_workers import MEM_CFG, MEM_ROWS, limited_rank
     stats = planner.graph_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
-    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * GiB)
-    r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
-    plain = next(c for c in r.table if (c.plan.dp, c.plan.zero, c.plan.microbatches) ==
-                 (2, 0, 1) and c.plan.remat == "none")
-    least = min(c.memory.total for c in r.table)
-    assert least < 0.8 * plain.memory.total, (least, plain.memory.total)
-    limit = (least + plain.memory.total) / 2 / 0.9
+    limit = _limit_ruling_out_plain_dp(stats)
     monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", str(limit / GiB))
     res = fxpar.launch(limited_rank, 2)
     for rank, (plan, peak, step_est, total, plain_line) in res.items():
