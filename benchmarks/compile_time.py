@@ -6,6 +6,12 @@ Prints, per depth, the seconds of capture and of the passes (one device, fusion 
 CPU path) and the milliseconds per graph node, so a cost that grows faster than the graph
 shows as a rising ms/node. docs/benchmarks.md records the figures.
 
+    python benchmarks/compile_time.py --vs-torch [--layers 12,48]
+
+Capture alone, fxpar's one-trace joint export (compiler/capture._export_joint) against
+torch's aot_export_module(trace_joint=True), which traces the joint graph a second time on
+the real weights and batch: both in one process, interleaved, with their ratio.
+
     python benchmarks/compile_time.py --codegen [--layers 12]
 
 Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
@@ -68,6 +74,38 @@ def codegen_times(layers: list[int], seq: int) -> None:
               f"{float(t2) / float(t1):>6.3f}", flush=True)
 
 
+def capture_vs_torch(layers: list[int], seq: int, rounds: int = 3) -> None:
+    """Median capture seconds of fxpar's joint export and of torch's, per depth."""
+    import statistics
+    import time
+
+    from torch._functorch.aot_autograd import aot_export_module
+
+    from fxpar.compiler import capture as cap
+    ours = cap._export_joint
+
+    def torchs(wrapper, args, table):
+        return aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
+                                 decompositions=table)
+    print(f"{'layers':>6} {'nodes':>6} {'fxpar s':>8} {'torch s':>8} {'fxpar/torch':>11}")
+    for n in layers:
+        torch.manual_seed(0)
+        model = gpt2(n, seq)
+        ids = torch.randint(0, 50257, (2, seq))
+        batch = {"input_ids": ids, "labels": ids}
+        times = {ours: [], torchs: []}
+        for r in range(rounds + 1):  # the first round warms both up
+            for export in (ours, torchs):
+                cap._export_joint = export
+                t0 = time.perf_counter()
+                gm, _ = cap.capture(model, batch)
+                if r:
+                    times[export].append(time.perf_counter() - t0)
+        cap._export_joint = ours
+        a, b = statistics.median(times[ours]), statistics.median(times[torchs])
+        print(f"{n:>6} {len(gm.graph.nodes):>6} {a:>8.2f} {b:>8.2f} {a / b:>11.3f}", flush=True)
+
+
 def main():
     import fxpar
     from fxpar.compiler import ir
@@ -76,10 +114,14 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--codegen", action="store_true",
                     help="code generation's time, first job vs a later one (the cache)")
+    ap.add_argument("--vs-torch", action="store_true",
+                    help="capture: fxpar's one-trace joint export vs torch's aot_export_module")
     ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.codegen_child:
         return codegen_child(args.codegen_child, args.seq)
+    if args.vs_torch:
+        return capture_vs_torch([int(x) for x in args.layers.split(",")], args.seq)
     if args.codegen:
         return codegen_times([int(x) for x in args.layers.split(",")], args.seq)
     print(f"{'layers':>6} {'nodes':>6} {'capture s':>10} {'passes s':>9} {'ms/node':>8}")

@@ -1,9 +1,10 @@
 """Model + loss_fn + example batch -> one joint forward+backward functional ATen graph.
 
-We use AOTAutograd's joint export (`aot_export_module(trace_joint=True)`): it functionalizes
-(BatchNorm's in-place running-stat updates become explicit outputs), traces with fake tensors
-(no real memory is touched), and hands back the graph signature we reorder into the fxpar
-contract: placeholders (params, buffers, batch leaves), outputs (loss, grads, updated buffers).
+We use AOTAutograd's joint export (what `aot_export_module(trace_joint=True)` does, in one
+trace: `_export_joint`): it functionalizes (BatchNorm's in-place running-stat updates become
+explicit outputs), traces with fake tensors (no real memory is touched), and hands back the
+graph signature we reorder into the fxpar contract: placeholders (params, buffers, batch
+leaves), outputs (loss, grads, updated buffers).
 
 A few ops are decomposed while tracing so that every later pass sees only ops whose
 sharding is well defined: BatchNorm (its batch statistics must become reductions the
@@ -299,17 +300,15 @@ class _ModuleTagger:
         g = self._graph()
         if g is None:
             return
-        nodes = list(g.nodes)
-        start = 0
-        if self.last is not None:
-            for i in range(len(nodes) - 1, -1, -1):
-                if nodes[i] is self.last:
-                    start = i + 1
-                    break
-        for n in nodes[start:]:
+        new = []  # the nodes since the last event, newest first (a walk, not a copy of the graph)
+        for n in reversed(g.nodes):
+            if n is self.last:
+                break
+            new.append(n)
+        for n in new:
             self.tags.setdefault(n.name, self.stack[-1])
-        if nodes:
-            self.last = nodes[-1]
+        if new:
+            self.last = new[0]
 
     def _enter(self, name):
         def hook(mod, args):
@@ -451,17 +450,87 @@ def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):
     table = decomposition_table(decompose_batch_norm)
     devices = {t.device.type for t in (*tensor_leaves, *wrapper.parameters(), *wrapper.buffers())}
     try:
-        with contextlib.nullcontext() if joint else torch.no_grad(), \
-                _fused_backward_kept(devices, table):
-            return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=joint,
-                                     output_loss_index=0 if joint else None,
-                                     decompositions=table)
+        with _fused_backward_kept(devices, table):
+            if joint:
+                return _export_joint(wrapper, tuple(tensor_leaves), table)
+            with torch.no_grad():
+                return aot_export_module(wrapper, tuple(tensor_leaves), trace_joint=False,
+                                         decompositions=table)
     finally:
         # make_fx leaves its last trace's nodes in a module global (torch.export's fake
         # tensor leak check reads it within its own call): it would keep the captured graph
         # (and whatever its nodes hold) alive after a failed parallelize, until the next trace
         from torch.fx.experimental import proxy_tensor
         getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+
+
+def _export_joint(wrapper, args, decompositions):
+    """`aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0)` in one trace.
+
+    torch's version traces the joint graph, then traces that graph again (`make_fx` of a
+    wrapper) only to drop its tangent input and the None gradients of inputs that need none.
+    The second trace ran at ~2.7x the first's cost (70% of capture), and with real weights
+    and batch it ran the whole forward and backward on them: real compute and device memory
+    at tracing time. Here the same two edits are made on the graph itself; the graph and
+    signature are those torch's function returns (same ops, order and names).
+    """
+    from torch._functorch.aot_autograd import _aot_export_function
+    from torch._functorch._aot_autograd.graph_capture_wrappers import create_functional_call
+    from torch._functorch._aot_autograd.input_output_analysis import create_graph_signature
+
+    named_params = dict(wrapper.named_parameters(remove_duplicate=False))
+    named_buffers = dict(wrapper.named_buffers(remove_duplicate=False))
+    state, state_spec = pytree.tree_flatten({**named_params, **named_buffers})
+    call = create_functional_call(wrapper, state_spec, len(state), store_orig_mod=True)
+    n_outs = []
+
+    def loss_and_outputs(*a):
+        out = call(*a)
+        out = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        if any(o.requires_grad for o in out[1:]):
+            raise RuntimeError("only the loss (output 0) may require gradients")
+        if not out[0].requires_grad:
+            raise RuntimeError("The output at index 0 was marked as the loss, but it does "
+                               "not require gradients")
+        n_outs.append(len(out))
+        return out
+
+    full_args = (*state, *args)
+    fx_g, meta, in_spec, out_spec = _aot_export_function(
+        loss_and_outputs, full_args, decompositions=decompositions,
+        num_params_buffers=len(state), no_tangents=True, trace_joint=True)
+    graph = fx_g.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for tangent in placeholders[len(full_args):]:  # the loss's: backprop starts from ones
+        if tangent.users:
+            raise AssertionError(f"AOTAutograd's joint graph reads its tangent {tangent}")
+        graph.erase_node(tangent)
+    for i, ph in enumerate(placeholders[:len(full_args)]):
+        ph._rename(f"arg{i}_1")  # the names torch's second trace gives
+        ph.target = ph.name
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: x is None)
+    n_fw = meta.num_outputs + meta.num_mutated_inp_runtime_indices
+    fw_outs, grads = outs[:n_fw], outs[n_fw:]
+    if len(grads) != len(full_args):
+        raise AssertionError(f"{len(grads)} gradients for {len(full_args)} inputs")
+    kept = []
+    for a, g in zip(full_args, grads):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            if g is None:  # (the message capture() recognises, as torch's own)
+                raise AssertionError("Found a parameter that did not receive a gradient.")
+            kept.append(g)
+        elif g is not None:
+            raise AssertionError("a gradient for an input that needs none")
+    out_node.args = ((*fw_outs, *kept),)
+    graph._codegen = torch.fx.graph.CodeGen()
+    fx_g.recompile()
+    sig = create_graph_signature(
+        fx_g, meta, in_spec, out_spec, user_args_flat=list(args),
+        params_and_buffers_flat=list(state), param_names=list(named_params),
+        buffer_names=list(named_buffers), trace_joint=True, num_user_fw_outs=n_outs[-1],
+        loss_index=0)
+    return fx_g, sig
 
 
 @contextlib.contextmanager

@@ -210,3 +210,54 @@ def test_non_scalar_loss_raises_trace_error():
     model = nn.Linear(4, 2)
     with pytest.raises(fxpar.TraceError, match="scalar"):
         capture(model, torch.randn(3, 4), loss_fn=lambda m, b: m(b))
+
+
+class _FrozenTiedBN(nn.Module):
+    """Tied weights, a frozen parameter and BatchNorm's buffer updates: every kind of graph
+    input and output the joint export's calling convention has."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.weight.requires_grad_(False)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.bn(self.frozen(self.emb(ids)).mean(1))).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("factory,batch,loss_fn", [
+    (_FrozenTiedBN, torch.randint(0, 32, (4, 5)), lambda m, b: m(b)),
+    (M.hf_gpt2, M.hf_lm_batch(128, 2, 16), None),
+])
+def test_the_joint_graph_is_the_one_torchs_aot_export_module_returns(factory, batch, loss_fn,
+                                                                     monkeypatch):
+    """capture's one-trace export (`_export_joint`) gives aot_export_module(trace_joint=True)'s
+    graph - same ops, arguments, order, names and signature - without its second trace."""
+    from torch._functorch.aot_autograd import aot_export_module
+    from fxpar.compiler import capture as cap
+    torch.manual_seed(0)
+    model = factory()
+    ours = capture(model, batch, loss_fn)
+
+    def torchs(wrapper, args, table):
+        return aot_export_module(wrapper, args, trace_joint=True, output_loss_index=0,
+                                 decompositions=table)
+    monkeypatch.setattr(cap, "_export_joint", torchs)
+    theirs = capture(model, batch, loss_fn)
+    a, b = list(ours[0].graph.nodes), list(theirs[0].graph.nodes)
+    assert [n.format_node() for n in a] == [n.format_node() for n in b]
+    assert [n.meta.get(ir.ROLE) for n in a] == [n.meta.get(ir.ROLE) for n in b]
+    assert str(ours[1]) == str(theirs[1])
+
+
+def test_capture_reads_no_tensor_values():
+    """Tracing needs shapes only: token ids out of the embedding's range still capture (torch's
+    aot_export_module traced its joint graph a second time on the real weights and batch,
+    computing the whole step at capture - here it raised IndexError)."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    gm, _ = capture(model, torch.full((2, 3), 1000), lambda m, b: m(b).sum())
+    assert any(n.target is aten.embedding.default for n in gm.graph.nodes)
