@@ -12,6 +12,13 @@ Capture alone, fxpar's one-trace joint export (compiler/capture._export_joint) a
 torch's aot_export_module(trace_joint=True), which traces the joint graph a second time on
 the real weights and batch: both in one process, interleaved, with their ratio.
 
+    python benchmarks/compile_time.py --per-block [--layers 12] [--width 256]
+
+Code generation per repeated block (a layer's runs compiled once for all its copies, the
+default) against runs that span layers: compile seconds of each (one process, an empty
+cache directory each) and the compiled graph's forward+backward time, interleaved, with
+the ratios.
+
     python benchmarks/compile_time.py --codegen [--layers 12]
 
 Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
@@ -29,9 +36,9 @@ import torch
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def gpt2(layers: int, seq: int):
+def gpt2(layers: int, seq: int, width: int = 768):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=seq, resid_pdrop=0.0,
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=12, n_positions=seq, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg)
 
@@ -106,6 +113,46 @@ def capture_vs_torch(layers: list[int], seq: int, rounds: int = 3) -> None:
         print(f"{n:>6} {len(gm.graph.nodes):>6} {a:>8.2f} {b:>8.2f} {a / b:>11.3f}", flush=True)
 
 
+def per_block_vs_spanning(layers: list[int], seq: int, width: int, rounds: int = 10) -> None:
+    import statistics
+    import tempfile
+    import time
+
+    import fxpar
+    from fxpar.compiler import codegen, ir
+    print(f"{'layers':>6} {'compile s block':>15} {'spanning':>9} {'step ms block':>13} "
+          f"{'spanning':>9} {'block/spanning':>14}")
+    for n in layers:
+        torch.manual_seed(0)
+        model = gpt2(n, seq, width)
+        ids = torch.randint(0, 50257, (2, seq))
+        prog = fxpar.compile(model, 1, example_batch={"input_ids": ids, "labels": ids},
+                             plan={"fuse": False, "codegen": "inductor"})
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        inputs = [named[p.meta["fqn"]] if p.meta[ir.ROLE] != "batch" else ids
+                  for p in prog.graph.graph.nodes if p.op == "placeholder"]
+        compiled, secs = {}, {}
+        for per_block in (None, True, False):  # None: warms Inductor up (its first compile)
+            with tempfile.TemporaryDirectory(prefix="fxpar-codegen-") as cache:
+                os.environ["FXPAR_CACHE_DIR"] = cache
+                t0 = time.perf_counter()
+                compiled[per_block] = codegen.generate(prog.graph, "cpu", "joint",
+                                                       per_block=bool(per_block))
+                secs[per_block] = time.perf_counter() - t0
+                del os.environ["FXPAR_CACHE_DIR"]
+        del compiled[None]
+        times = {True: [], False: []}
+        for r in range(rounds + 2):  # two warm-up rounds (the first call's check)
+            for per_block, gm in compiled.items():
+                t0 = time.perf_counter()
+                gm(*inputs)
+                if r > 1:
+                    times[per_block].append(time.perf_counter() - t0)
+        a, b = (1e3 * statistics.median(times[k]) for k in (True, False))
+        print(f"{n:>6} {secs[True]:>15.1f} {secs[False]:>9.1f} {a:>13.1f} {b:>9.1f} "
+              f"{a / b:>14.3f}", flush=True)
+
+
 def main():
     import fxpar
     from fxpar.compiler import ir
@@ -116,12 +163,18 @@ def main():
                     help="code generation's time, first job vs a later one (the cache)")
     ap.add_argument("--vs-torch", action="store_true",
                     help="capture: fxpar's one-trace joint export vs torch's aot_export_module")
+    ap.add_argument("--per-block", action="store_true",
+                    help="code generation per repeated block vs runs spanning layers")
+    ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.codegen_child:
         return codegen_child(args.codegen_child, args.seq)
     if args.vs_torch:
         return capture_vs_torch([int(x) for x in args.layers.split(",")], args.seq)
+    if args.per_block:
+        return per_block_vs_spanning([int(x) for x in args.layers.split(",")], args.seq,
+                                     args.width)
     if args.codegen:
         return codegen_times([int(x) for x in args.layers.split(",")], args.seq)
     print(f"{'layers':>6} {'nodes':>6} {'capture s':>10} {'passes s':>9} {'ms/node':>8}")

@@ -28,6 +28,7 @@ decides which rank compiles first.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -98,6 +99,7 @@ class Run:
     ops: int
     seconds: float
     cached: bool = False
+    reused: bool = False  # the same code as an earlier run of this graph (a repeated block)
 
 
 @dataclasses.dataclass
@@ -117,9 +119,11 @@ class Generated:
 
     def summary(self) -> str:
         ops = sum(r.ops for r in self.runs)
-        hits = sum(r.cached for r in self.runs)
+        hits = sum(r.cached and not r.reused for r in self.runs)
+        reused = sum(r.reused for r in self.runs)
         return (f"{len(self.runs)} compiled runs holding {ops} ops"
                 + (f" ({hits} from the cache)" if hits else "")
+                + (f" ({reused} the code of a repeated block's earlier copy)" if reused else "")
                 + f", {self.eager_ops} ops left eager"
                 + (f" ({len(self.failed)} runs Inductor could not compile: see the log)"
                    if self.failed else ""))
@@ -175,21 +179,39 @@ def _counts(n: torch.fx.Node) -> bool:
     return n.target is not operator.getitem and not cost.is_view(n)
 
 
-def runs(graph: torch.fx.Graph, cpu: bool = False) -> list[list[torch.fx.Node]]:
-    """Maximal runs of compute nodes, consecutive in program order and in one region, with
-    at least MIN_OPS real (non-view) ops (`cpu`: the graph runs on a CPU)."""
-    out, cur, region = [], [], None
+def repeated_blocks(graph: torch.fx.Graph) -> dict[torch.fx.Node, str | None]:
+    """Node -> the copy of a repeated block it belongs to ("transformer.h.3"), read from its
+    module path: the path up to its first numeric component, where the container before it
+    holds two or more such copies in the graph (transformer layers, ResNet blocks, experts
+    at the top level of a layer list); None outside any."""
+    first: dict[torch.fx.Node, tuple[str, str] | None] = {}
+    for n in graph.nodes:
+        parts = (n.meta.get(ir.MODULE) or "").split(".")
+        i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
+        first[n] = None if i is None else (".".join(parts[:i]), ".".join(parts[:i + 1]))
+    copies = collections.Counter(parent for parent, _ in {v for v in first.values() if v})
+    return {n: v[1] if v and copies[v[0]] > 1 else None for n, v in first.items()}
+
+
+def runs(graph: torch.fx.Graph, cpu: bool = False,
+         per_block: bool = True) -> list[list[torch.fx.Node]]:
+    """Maximal runs of compute nodes, consecutive in program order, in one region and one
+    copy of a repeated block (`repeated_blocks`: a layer's run has the same code as its
+    copies', compiled once for all of them), with at least MIN_OPS real (non-view) ops
+    (`cpu`: the graph runs on a CPU)."""
+    out, cur, region, block = [], [], None, None
+    blocks = repeated_blocks(graph) if per_block else dict.fromkeys(graph.nodes)
     for n in graph.nodes:
         if n.op == "call_function" and n.target is operator.getitem and _is_compute(n, cpu):
             continue  # goes with what it takes apart (below)
-        r = n.meta.get(ir.REGION)
-        if not _is_compute(n, cpu) or (cur and r != region):
+        r, b = n.meta.get(ir.REGION), blocks[n]
+        if not _is_compute(n, cpu) or (cur and (r != region or b != block)):
             if sum(map(_counts, cur)) >= MIN_OPS:
                 out.append(cur)
             cur = []
         if _is_compute(n, cpu):
             cur.append(n)
-            region = r
+            region, block = r, b
     if sum(map(_counts, cur)) >= MIN_OPS:
         out.append(cur)
     # a multi-output op's getitems join its run wherever they sit in the graph (a run
@@ -271,9 +293,10 @@ class CompiledRun(torch.nn.Module):
 
     def __init__(self, fn: Callable, source: torch.fx.GraphModule, strides: list[tuple],
                  name: str = "run", compile_fn: Callable | None = None,
-                 produced: tuple[int, ...] = ()):
+                 produced: tuple[int, ...] = (), origin: tuple[str, ...] = ()):
         super().__init__()
         self.fn, self.source, self.strides, self.name = fn, source, strides, name
+        self.origin = origin  # the outer graph's nodes it was cut from (source's v0, v1, ...)
         self.compile_fn, self.produced = compile_fn, frozenset(produced)
         self.variants: dict[tuple, CompiledRun | None] = {}  # by input strides (None: copy)
         self.checked = os.environ.get("FXPAR_CODEGEN_CHECK", "1") == "0"
@@ -523,7 +546,9 @@ def _torch_meta(n: torch.fx.Node) -> dict:
 
 def _extract(graph: torch.fx.Graph, nodes: list[torch.fx.Node]):
     """The run as its own graph: inputs (values made outside and read inside, in first-use
-    order) and outputs (values made inside and read after it)."""
+    order) and outputs (values made inside and read after it). Its nodes are named by
+    position (v0, v1, ...), so the copies of a repeated block give the same code, and so
+    the same cache key."""
     inside = set(nodes)
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -535,11 +560,12 @@ def _extract(graph: torch.fx.Graph, nodes: list[torch.fx.Node]):
             env[a] = sub.placeholder(f"in_{len(inputs) - 1}")
             env[a].meta = _torch_meta(a)
         return env[a]
-    for n in nodes:
+    for k, n in enumerate(nodes):
         for a in n.all_input_nodes:
             if a not in inside:
                 arg(a)
-        env[n] = sub.node_copy(n, lambda a: env[a] if a in env else arg(a))
+        env[n] = sub.create_node(n.op, n.target, torch.fx.map_arg(n.args, env.__getitem__),
+                                 torch.fx.map_arg(n.kwargs, env.__getitem__), name=f"v{k}")
         env[n].meta = _torch_meta(n)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     sub.output(tuple(env[n] for n in outputs))
@@ -661,7 +687,8 @@ def _transient(e: BaseException) -> bool:
 
 
 def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
-             compile_fn: Callable | None = None, strict: bool = True) -> torch.fx.GraphModule:
+             compile_fn: Callable | None = None, strict: bool = True,
+             per_block: bool = True) -> torch.fx.GraphModule:
     """A copy of `gm` whose compute runs are compiled (`compile_fn(sub_gm, fake_inputs)` ->
     (callable, from cache), `inductor` by default) and called as submodules; collectives,
     waits and other calls stay in place, in the same order. `device`: the device the graph
@@ -669,7 +696,9 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     compile is cut in halves that are compiled apart (`_halves`), down to the smallest runs
     it refuses; such a run raises CodegenError naming its ops when `strict`
     (Plan.codegen="inductor"), else (codegen "auto") stays op by op with a warning naming
-    them. Result's meta["codegen"]: a Generated."""
+    them. `per_block=False`: runs may span a repeated block's copies (`runs`), each compiled
+    on its own (benchmarks/compile_time.py --per-block measures both). Result's
+    meta["codegen"]: a Generated."""
     t0 = time.perf_counter()
     compile_fn = compile_fn or inductor
     g = torch.fx.Graph()
@@ -679,12 +708,13 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             n.meta[ir.OWNED] = cost.owned(n.args[0])
     out = torch.fx.GraphModule(gm, g)
     done, failed = [], []
+    compiled: dict[tuple, Callable] = {}  # by code and input layouts: a block's copies share
     where = torch.device(device) if device is not None else next(
         (n.meta[ir.VAL].device for n in g.nodes
          if n.op == "placeholder" and isinstance(n.meta.get(ir.VAL), torch.Tensor)),
         torch.device("cpu"))
     cpu = where.type == "cpu"
-    cut = runs(g, cpu)
+    cut = runs(g, cpu, per_block)
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
     todo = [(i, nodes) for i, nodes in enumerate(cut)]
@@ -702,8 +732,12 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                 continue
             key = f"compiled_{len(done)}"
             t1 = time.perf_counter()
+            same = (sub.code, tuple(f"{tuple(f.shape)}{f.stride()}{f.dtype}{f.device}"
+                                    for f in fakes))
+            reused = same in compiled
             try:
-                fn, hit = compile_fn(sub, fakes)
+                fn, hit = (compiled[same], True) if reused else compile_fn(sub, fakes)
+                compiled[same] = fn
             except Exception as e:  # noqa: BLE001 - narrowed down, then named with the way out
                 parts, left = _halves(g, nodes)
                 if parts:  # compile the halves apart: one refused op costs only itself
@@ -732,10 +766,11 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                 eager_ops += sum(map(_counts, nodes))
                 continue
             done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
-                            hit))
+                            hit, reused))
             produced = tuple(j for j, a in enumerate(inputs) if a.op != "placeholder")
             out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes],
-                                            f"{name}/{key}", compile_fn, produced))
+                                            f"{name}/{key}", compile_fn, produced,
+                                            tuple(n.name for n in nodes)))
             with g.inserting_before(nodes[0]):
                 call = g.call_module(key, tuple(inputs))
                 call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)

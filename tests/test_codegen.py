@@ -64,8 +64,7 @@ def test_runs_keep_the_overlap_placement_and_regions():
     region = {n.name: n.meta.get(ir.REGION) for n in gm.graph.nodes}
     for n in gen.graph.nodes:  # a run never spans two regions
         if n.op == "call_module":
-            regions = {region[m.name] for m in getattr(gen, n.target).source.graph.nodes
-                       if m.op == "call_function"}
+            regions = {region[name] for name in getattr(gen, n.target).origin}
             assert len(regions) == 1, regions
             assert n.meta[ir.REGION] in regions
     # in-place reduction decided on the uncut graph: the lowering reads it from meta
@@ -74,6 +73,37 @@ def test_runs_keep_the_overlap_placement_and_regions():
     after = [n.args[-2] for n in comm.lower(gen, markers=False).graph.nodes
              if n.target is comm.start_all_reduce]
     assert before == after and any(after)
+
+
+def test_a_repeated_block_is_compiled_once_for_all_its_copies():
+    """Runs are cut at the boundaries of a repeated block's copies (HF GPT-2's
+    transformer.h.N), the copies' runs have the same code, and only the first is compiled:
+    the number of compiles does not grow with depth (and the step is unchanged)."""
+    compiled = {}
+
+    def count(sub, fakes):
+        compiled[sub.code] = compiled.get(sub.code, 0) + 1
+        return sub, False
+    made = []
+    for layers in (3, 6):
+        torch.manual_seed(0)
+        model = M.hf_gpt2(n_layer=layers)
+        prog = fxpar.compile(model, 1, example_batch=M.hf_lm_batch(128, 2, 16),
+                             plan={"codegen": "inductor", "fuse": False})
+        compiled.clear()
+        gen = codegen.generate(prog.graph, "cpu", "joint", compile_fn=count)
+        blocks = codegen.repeated_blocks(prog.graph.graph)
+        by_name = {n.name: n for n in prog.graph.graph.nodes}
+        for n in gen.graph.nodes:
+            if n.op == "call_module":  # a run never spans two copies
+                assert len({blocks[by_name[o]] for o in getattr(gen, n.target).origin}) == 1
+        runs = gen.meta["codegen"].runs
+        assert all(v == 1 for v in compiled.values())
+        assert sum(r.reused for r in runs) == len(runs) - len(compiled)
+        made.append((len(runs), len(compiled)))
+    (runs3, compiles3), (runs6, compiles6) = made
+    assert runs6 == runs3 + 2 * 3  # a forward and a backward run per layer added
+    assert compiles6 == compiles3  # ... all of them copies of code already compiled
 
 
 def test_a_compiled_run_is_timed_under_its_own_region():
