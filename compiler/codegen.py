@@ -464,12 +464,77 @@ def _laid_out(a: torch.Tensor, stride) -> torch.Tensor:
 
 MAX_VARIANTS = 2  # layouts a run is compiled for besides the traced one (then: copies)
 CHECK_MEMORY_FRACTION = 0.5  # of the free memory: the rest for the two runs' temporaries
+# a run is checked on the first step's own values where that adds at most this share of the
+# graph's peak (its op-by-op twin's working memory beside Inductor's outputs); larger runs -
+# the LM head's logits and their loss - are checked before the first step, on random inputs
+FIRST_STEP_CHECK_SHARE = 0.1
 
 
 def _output_vals(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return [v for n in out.all_input_nodes
             if isinstance(v := n.meta.get(ir.VAL), torch.Tensor)]
+
+
+def live_peak(graph: torch.fx.Graph, inputs: bool = True) -> int:
+    """The most bytes a graph's values hold at once when it runs op by op and each value is
+    freed after its last use (views and getitems share their base's memory); `inputs=False`
+    leaves out its placeholders (values that exist whether or not it runs)."""
+    root: dict[torch.fx.Node, torch.fx.Node] = {}  # a view's memory is its base's
+    last: dict[torch.fx.Node, torch.fx.Node] = {}  # a base's last reader, its views' included
+    for n in graph.nodes:
+        base = n.args[0] if cost.is_view(n) and n.args else None
+        root[n] = root[base] if isinstance(base, torch.fx.Node) else n
+        for a in n.all_input_nodes:
+            last[root[a]] = n
+    dying: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for a, n in last.items():
+        dying.setdefault(n, []).append(a)
+    live, peak, held = 0, 0, {}
+    for n in graph.nodes:
+        if n.op == "output":
+            break
+        if (n.op != "placeholder" or inputs) and not cost.is_view(n):
+            held[n] = cost.tensor_bytes(n.meta.get(ir.VAL))
+            live += held[n]
+            peak = max(peak, live)
+        for a in dying.get(n, ()):
+            live -= held.pop(a, 0)
+        if n not in last:  # read by nothing (an output: compared and dropped)
+            live -= held.pop(n, 0)
+    return peak
+
+
+def _random_like(f: torch.Tensor, gen: torch.Generator, device) -> torch.Tensor:
+    """A tensor of f's shape, strides and dtype on `device` with values no op refuses:
+    normal floats, random booleans, zeros for integers (in range as any index)."""
+    out = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=device)
+    if f.dtype.is_floating_point or f.dtype.is_complex:
+        return out.copy_(torch.randn(f.shape, generator=gen).to(f.dtype))
+    if f.dtype == torch.bool:
+        return out.copy_(torch.rand(f.shape, generator=gen) < 0.5)
+    return out.zero_()
+
+
+def check_ahead(run: "CompiledRun", fakes, device) -> str | None:
+    """The compiled code against its graph op by op, on random inputs of the traced layouts,
+    before the first step (so outside its memory peak): None if equal up to rounding, else
+    what differs. The graph runs first and only its outputs are kept while Inductor's code
+    runs: the most memory held is the larger of the graph's working set and the two sets
+    of outputs, not their sum. The random numbers (inputs, and any random op's draws) leave
+    the process's generators as they were: the step's dropout masks stay eager's."""
+    where = torch.device(device) if device is not None else fakes[0].device
+    devices = [where] if where.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        args = [_random_like(f, gen, where) for f in fakes]
+        before = _rng_states(devices)
+        ref = run.source(*args)
+        _set_rng_states(devices, before)
+        out = run.fn(*args)
+        del args
+        return next((d for i, (r, o) in enumerate(zip(ref, out))
+                     if (d := run._compare(i, r, o)) is not None), None)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -503,7 +568,7 @@ MIXED_ROUNDINGS = 4  # x the half dtype's eps: bf16 3.1e-2, fp16 stays at 1e-2
 CHECK_ATOL = {"fp32": 1e-6, "mixed": 1e-4, "half": 1e-4}
 
 
-CHECK_CHUNK = 1 << 24  # elements compared at once: the fp32 temporaries stay ~64 MiB each
+CHECK_CHUNK = 1 << 20  # elements compared at once: the fp32 temporaries stay ~4 MiB each
 
 
 def _difference(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
@@ -686,6 +751,44 @@ def _transient(e: BaseException) -> bool:
     return False
 
 
+FIRST_STEP = "first step"  # a verdict: checked at the run's first call, on its values
+
+
+def _checked_when(run: CompiledRun, fakes, device, peak: int) -> str | None:
+    """Where `run` is checked against its graph: FIRST_STEP when its op-by-op twin adds at
+    most FIRST_STEP_CHECK_SHARE of the graph's peak `peak`, else now, on random inputs
+    (`check_ahead`): None when equal, else what differs ("" if it could not be checked)."""
+    extra = live_peak(run.source.graph, inputs=False)
+    if extra <= FIRST_STEP_CHECK_SHARE * peak:
+        return FIRST_STEP
+    need = extra + sum(cost.tensor_bytes(f) for f in fakes) + cost.tensor_bytes(
+        _output_vals(run.source))
+    where = torch.device(device) if device is not None else fakes[0].device
+    free = free_bytes(where)
+    if free is not None and need > CHECK_MEMORY_FRACTION * free:
+        log.warning("codegen: %s is not checked against the graph: the check needs %.2f GiB "
+                    "and %.2f GiB is free on %s", run.name, need / 2**30, free / 2**30, where)
+        return ""
+    try:
+        return check_ahead(run, fakes, device)
+    except Exception as e:  # noqa: BLE001 - an op that refuses random values: the step's
+        log.info("codegen: %s could not be checked on random inputs (%s: %s); it is checked "
+                 "on the first step's values", run.name, type(e).__name__,
+                 (str(e).splitlines() or [''])[0][:200])
+        return FIRST_STEP
+
+
+def _apply(run: CompiledRun, verdict: str | None) -> None:
+    """A verdict of `_checked_when` on a run (or a copy with the same code and layouts)."""
+    if verdict == FIRST_STEP:
+        return
+    run.checked = True
+    if verdict:
+        log.warning("codegen: Inductor's %s differs from the graph on random inputs (%s): it "
+                    "runs op by op.", run.name, verdict)
+        run.mismatch, run.fn = verdict, run.source
+
+
 def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
              compile_fn: Callable | None = None, strict: bool = True,
              per_block: bool = True) -> torch.fx.GraphModule:
@@ -715,6 +818,8 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
         torch.device("cpu"))
     cpu = where.type == "cpu"
     cut = runs(g, cpu, per_block)
+    peak = live_peak(g)  # what the first-step check of a run is priced against
+    verdicts: dict[tuple, str | None] = {}  # by code and layouts, as `compiled`
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
     todo = [(i, nodes) for i, nodes in enumerate(cut)]
@@ -768,9 +873,13 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
                             hit, reused))
             produced = tuple(j for j, a in enumerate(inputs) if a.op != "placeholder")
-            out.add_module(key, CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes],
-                                            f"{name}/{key}", compile_fn, produced,
-                                            tuple(n.name for n in nodes)))
+            run = CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes], f"{name}/{key}",
+                              compile_fn, produced, tuple(n.name for n in nodes))
+            out.add_module(key, run)
+            if not run.checked:
+                if same not in verdicts:
+                    verdicts[same] = _checked_when(run, fakes, device, peak)
+                _apply(run, verdicts[same])
             with g.inserting_before(nodes[0]):
                 call = g.call_module(key, tuple(inputs))
                 call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)
@@ -785,6 +894,13 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     g.lint()
     out.recompile()
     out.meta = dict(gm.meta)
+    ahead = [v for v in verdicts.values() if v != FIRST_STEP]
+    if ahead:
+        log.info("codegen: %s: %d compiled runs checked against the graph on random inputs "
+                 "before the first step (their first-step check would add over %d%% to the "
+                 "step's memory peak), %d differed; the others are checked on the first "
+                 "step's values", name, len(ahead), 100 * FIRST_STEP_CHECK_SHARE,
+                 sum(v is not None for v in ahead))
     out.meta["codegen"] = Generated(done, eager_ops, time.perf_counter() - t0, failed)
     log.debug("codegen %s: %s", name, out.meta["codegen"].summary())
     return out

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -638,14 +639,18 @@ def _mlp_program():
     return program, args
 
 
-def _one_percent_off_mlp():
-    """The MLP's program, the same graph "compiled" 1% off (a stand-in for a compiler bug),
-    and the program's arguments."""
-    program, args = _mlp_program()
+def _off_by_one_percent(sub, fakes):
+    return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
 
-    def off_by_one_percent(sub, fakes):
-        return (lambda *a: [t * 1.01 if t.is_floating_point() else t for t in sub(*a)]), False
-    return program, codegen.generate(program.graph, "cpu", compile_fn=off_by_one_percent), args
+
+def _one_percent_off_mlp(share=float("inf")):
+    """The MLP's program, the same graph "compiled" 1% off (a stand-in for a compiler bug),
+    and the program's arguments. `share`: FIRST_STEP_CHECK_SHARE while generating (by
+    default every run is checked on its first call)."""
+    program, args = _mlp_program()
+    with mock.patch.object(codegen, "FIRST_STEP_CHECK_SHARE", share):
+        gen = codegen.generate(program.graph, "cpu", compile_fn=_off_by_one_percent)
+    return program, gen, args
 
 
 def test_a_run_is_compiled_for_the_layout_its_inputs_arrive_in(caplog):
@@ -762,3 +767,62 @@ def test_the_check_is_skipped_where_its_second_copy_would_not_fit(caplog, monkey
     runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
     assert runs and not any(r.mismatch for r in runs) and all(r.checked for r in runs)
     assert "is not checked against the graph: the check needs" in caplog.text
+
+
+def test_live_peak_counts_what_op_by_op_execution_holds_at_once():
+    """x (4 KiB) -> a = x*2 -> b = a.view -> c = b+x -> out (c): x, a and c are live at once
+    (b is a's memory, which lives as long as b); without the inputs, a and c."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(1024)
+    a = g.call_function(aten.mul.Tensor, (x, 2.0))
+    b = g.call_function(aten.view.default, (a, [32, 32]))
+    c = g.call_function(aten.add.Tensor, (b, g.call_function(aten.view.default, (x, [32, 32]))))
+    a.meta[ir.VAL], b.meta[ir.VAL], c.meta[ir.VAL] = (torch.empty(1024), torch.empty(32, 32),
+                                                      torch.empty(32, 32))
+    g.output((c,))
+    assert codegen.live_peak(g) == 3 * 4096
+    assert codegen.live_peak(g, inputs=False) == 2 * 4096
+
+
+def test_a_run_whose_check_would_raise_the_steps_peak_is_checked_before_the_first_step(
+        caplog):
+    """A run whose op-by-op twin would add more than FIRST_STEP_CHECK_SHARE of the graph's
+    peak is checked at generate, on random inputs: a wrong compile (1% off) runs op by op
+    from the first step on; the process's random generator is left as it was (dropout masks
+    stay eager's); the other runs are left to their first call."""
+    program, args = _mlp_program()
+    state = torch.get_rng_state()
+    with caplog.at_level("INFO", logger="fxpar"):
+        gen = codegen.generate(program.graph, "cpu", compile_fn=_off_by_one_percent)
+    assert torch.equal(torch.get_rng_state(), state)
+    runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
+    peak = codegen.live_peak(program.graph.graph)
+    big = [r for r in runs
+           if codegen.live_peak(r.source.graph, False) > codegen.FIRST_STEP_CHECK_SHARE * peak]
+    assert big and all(r.checked and r.mismatch and r.fn is r.source for r in big)
+    assert all(not r.checked for r in runs if r not in big)
+    assert "differs from the graph on random inputs" in caplog.text
+    with torch.no_grad():
+        for a, b in zip(program.graph(*args), gen(*args)):
+            assert torch.equal(a, b)
+
+
+def test_a_run_checked_before_the_first_step_that_matches_is_trusted_with_its_copies():
+    """A right compile passes the check on random inputs and is not checked again; a copy of
+    a repeated block with the same code takes its verdict without a second check."""
+    checks = []
+    real = codegen.check_ahead
+
+    def counted(run, fakes, device):
+        checks.append(run.name)
+        return real(run, fakes, device)
+    torch.manual_seed(0)
+    prog = fxpar.compile(M.hf_gpt2(n_layer=4), 1, example_batch=M.hf_lm_batch(128, 2, 16),
+                         plan={"codegen": "inductor", "fuse": False})
+    with mock.patch.object(codegen, "FIRST_STEP_CHECK_SHARE", 0.0), \
+            mock.patch.object(codegen, "check_ahead", counted):
+        gen = codegen.generate(prog.graph, "cpu", compile_fn=_eager_compile)
+    runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
+    assert all(r.checked and r.mismatch is None for r in runs)
+    assert len(checks) == len(runs) - sum(r.reused for r in gen.meta["codegen"].runs)
