@@ -1,8 +1,8 @@
 """The first steps against a steady one, at a real vocabulary size: fxpar vs eager vs
 torch.compile on one device, each in a fresh process.
 
-A Qwen2-style causal LM (width 256, GQA 4/2, a 32,768-token tied head: the logits and the
-cross-entropy dominate the activations), AdamW, batch 4 x 256. Per variant: seconds from
+A Qwen2-style causal LM (by default width 256, GQA 4/2, a 32,768-token tied head: the logits
+and the cross-entropy dominate the activations), AdamW, batch 4 x 256. Per variant: seconds from
 the start of `parallelize` / `torch.compile` to the end of the first step ("to step 1 s"),
 the peak memory above the model's weights over that build and the first 3 steps ("first
 steps MiB"), and over 3 steady steps after them ("steady MiB"), and their ratio. Memory is
@@ -11,6 +11,7 @@ set (VmHWM, reset between the two phases through /proc/self/clear_refs), which s
 Inductor's buffers and every library's, where a tensor tracker would not.
 
     .venv/bin/python benchmarks/first_steps.py [--layers 6,24] [--device cpu]
+    ... --layers 24 --width 896 --vocab 151936 --batch 8 --seq 1024   # Qwen2.5-0.5B's shape
 
 Prints one row per variant and depth, and fxpar's ratios to eager's.
 """
@@ -26,18 +27,24 @@ import time
 VARIANTS = ("eager", "torch.compile", "fxpar")
 
 
-def model_and_batch(layers: int, device: str):
+SIZE = {"width": 256, "vocab": 32768, "batch": 4, "seq": 256}  # (--width ... override)
+
+
+def model_and_batch(layers: int, device: str, width: int, vocab: int, batch: int, seq: int):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=32768, hidden_size=256, intermediate_size=704,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=True)
+    heads = max(2, width // 64)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads // 2, max_position_embeddings=seq,
+                      tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).to(device)
+    rows = batch
 
     def batch(step):
         g = torch.Generator().manual_seed(1000 + step)
-        ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=g).to(device)
+        ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=g).to(device)
         return {"input_ids": ids, "labels": ids}
     return model, batch
 
@@ -72,10 +79,10 @@ class Peak:
         return self._status("VmHWM:")
 
 
-def child(variant: str, layers: int, device: str) -> None:
+def child(variant: str, layers: int, device: str, size: dict) -> None:
     import torch
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    model, batch = model_and_batch(layers, device)
+    model, batch = model_and_batch(layers, device, **size)
     mem = Peak(device)
     base = mem.now()
     mem.reset()
@@ -114,18 +121,24 @@ def main() -> None:
     ap.add_argument("--layers", default="6,24")
     ap.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
     ap.add_argument("--only", default=",".join(VARIANTS))
+    for k, v in SIZE.items():
+        ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    size = {k: getattr(args, k) for k in SIZE}
     if args.child:
-        return child(args.child[0], int(args.child[1]), args.device)
-    print(f"device {args.device}; Qwen2-style LM, width 256, vocab 32768 (tied), batch 4 x 256")
+        return child(args.child[0], int(args.child[1]), args.device, size)
+    print(f"device {args.device}; Qwen2-style LM, width {args.width}, vocab {args.vocab} "
+          f"(tied), batch {args.batch} x {args.seq}, AdamW, fp32")
     print(f"{'variant':>14} {'layers':>6} {'to step 1 s':>11} {'first steps MiB':>15} "
           f"{'steady MiB':>10} {'first/steady':>12} {'loss 6':>8}")
     for layers in (int(x) for x in args.layers.split(",")):
         rows = {}
         for v in args.only.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", v, str(layers),
-                                  "--device", args.device], capture_output=True, text=True)
+                                  "--device", args.device,
+                                  *(f"--{k}={x}" for k, x in size.items())],
+                                 capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(f"{v:>14} {layers:>6} failed: {(out.stderr.strip().splitlines() or [''])[-1]}")

@@ -19,6 +19,9 @@
 # 5. benchmarks/step_vs_eager.py, Llama bf16: reduce-overhead vs fxpar with and without
 #    remat="auto" (whether cheap-op recompute should be the default under Inductor on GPUs;
 #    a cold compile of these rows took over 140 s on an H200: give it 300)
+# 6. benchmarks/first_steps.py at Qwen2.5-0.5B's shape (24 x 896, 151,936-token tied head,
+#    batch 8 x 1024, fp32): time to the first step and the first steps' vs a steady step's
+#    peak, eager vs torch.compile vs fxpar (issue 49's targets; not yet run on a GPU)
 set -u
 PY=${PYTHON:-python3}
 mkdir -p "${1:-gpu_logs}" /tmp/fxpar_import
@@ -63,4 +66,8 @@ fi
 if part 4; then
 timeout 590 $PY benchmarks/step_vs_eager.py --steps 15 2>&1 | grep -v "Warning\|transformers" \
     | tee "$LOGS/step_vs_eager.log" | tail -40
+fi
+if part 6; then
+timeout 500 $PY benchmarks/first_steps.py --layers 24 --width 896 --vocab 151936 --batch 8 \
+    --seq 1024 2>&1 | tee "$LOGS/first_steps.log" | tail -6
 fi
