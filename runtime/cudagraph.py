@@ -26,7 +26,7 @@ philox offsets with the graph, so each replay draws new masks.
 
 `decide` says whether a program can be captured, and why not: a pipeline program under
 "auto" (compiler/plan.replays_step), a collective on a backend other than NCCL, an op whose output shape or value depends on the
-data (a host sync), a value copied to the host, remat's RNG-state replay (it reads
+data (a host sync; x[idx] with integer indices is not one: `_integer_index`), a value copied to the host, remat's RNG-state replay (it reads
 torch.cuda.get_rng_state, which capture forbids). Plan.cuda_graphs="auto" falls back to the
 uncaptured executor with the reason logged; True raises a PlanError naming it.
 """
@@ -79,7 +79,7 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
                        "collectives can be captured)")
         elif isinstance(t, torch._ops.OpOverload) and (
                 torch.Tag.dynamic_output_shape in t.tags or
-                torch.Tag.data_dependent_output in t.tags):
+                torch.Tag.data_dependent_output in t.tags) and not _integer_index(n):
             why.append(f"{n.name} ({t}): its output's shape or value depends on the data (a "
                        "host sync each step; a graph replays fixed shapes)")
         elif isinstance(t, torch._ops.OpOverload) and torch.Tag.cudagraph_unsafe in t.tags:
@@ -91,6 +91,19 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
                     any(v.device.type == "cuda" for v in ins):
                 why.append(f"{n.name} ({t}): copies a device value to the host")
     return why
+
+
+def _integer_index(n: torch.fx.Node) -> bool:
+    """x[idx] with integer index tensors only: torch tags aten.index.Tensor as having a
+    data-dependent shape for the boolean-mask form (a nonzero, a host sync), but with
+    integer indices its shape is theirs, fixed, and the gather runs on the device - the
+    routing of Hugging Face's MoE layers (tokens gathered by expert order), which a CUDA
+    graph replays as it is."""
+    if n.target is not torch.ops.aten.index.Tensor:
+        return False
+    idx = [v for v in _tensors(n.args[1])]
+    return len(idx) == sum(a is not None for a in n.args[1]) and all(
+        not v.dtype.is_floating_point and v.dtype != torch.bool for v in idx)
 
 
 def _first_reasons(why: list[str]) -> str:

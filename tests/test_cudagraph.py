@@ -93,6 +93,22 @@ def test_pipelines_data_dependent_shapes_and_host_copies_fall_back():
     assert not d.capture and "copies a device value to the host" in d.reason
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_moe_routing_by_integer_indices_is_capturable(name):
+    """HF's MoE layers route tokens with x[idx] on integer indices (a fixed shape, no host
+    sync): their programs are captured; a boolean-mask index stays refused."""
+    from fxpar.examples import zoo
+    model, spec = zoo.build(name)
+    prog = fxpar.compile(model, 1, example_batch=spec.batch(0), loss_fn=spec.loss_fn)
+    assert any(n.target is torch.ops.aten.index.Tensor for n in prog.graph.graph.nodes)
+    assert cudagraph.uncapturable(prog.graph.graph, "nccl") == []
+    g = torch.fx.Graph()
+    x, m = g.placeholder("x"), g.placeholder("m")
+    g.output(g.call_function(torch.ops.aten.index.Tensor, (x, [m])))
+    x.meta["val"], m.meta["val"] = torch.empty(4, 3), torch.empty(4, dtype=torch.bool)
+    assert "depends on the data" in cudagraph.uncapturable(g, "nccl")[0]
+
+
 def test_cuda_graphs_true_on_cpu_is_a_clear_error():
     model, batch = _gpt()
     with pytest.raises(PlanError, match="cuda_graphs=True.*CUDA device.*'auto'"):

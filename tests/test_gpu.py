@@ -264,6 +264,29 @@ def test_cuda_graph_replay_equals_eager(codegen, precision, tol):
     assert times["graph"] <= 1.10 * times["eager-executor"], times
 
 
+def test_cuda_graph_replay_of_an_moe_step_equals_eager():
+    """HF Mixtral (top-2 routing by integer indices): the step is captured (cuda_graphs
+    "auto") and 6 AdamW steps give eager's losses; each step's routing differs (new
+    batches), so a replay that kept the captured step's routing would not."""
+    from fxpar.examples import zoo
+    model, spec = zoo.build("mixtral")
+    batches = [{k: v.cuda() for k, v in spec.batch(s).items()} for s in range(6)]
+    eager = copy.deepcopy(model).cuda()
+    opt = _opt(eager.parameters())
+    want = []
+    for b in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = zoo.loss_of(eager, spec, b)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    pm = fxpar.parallelize(model.cuda(), ["cuda:0"], example_batch=batches[0], optimizer=_opt,
+                           plan=fxpar.Plan(codegen="eager"))
+    got = [pm.step(b).item() for b in batches]
+    assert pm.cuda_graphs.capture and pm._graphed.captured, pm.cuda_graphs
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-5, atol=2e-5)
+
+
 def test_cuda_graph_replay_draws_new_dropout_masks():
     """Dropout inside the captured graph: torch registers the generator's philox offsets with
     the graph, so each replay draws a new mask (lr=0: the same weights and batch give a
