@@ -14,17 +14,16 @@ the real weights and batch: both in one process, interleaved, with their ratio.
 
     python benchmarks/compile_time.py --per-block [--layers 12] [--width 256]
 
-Code generation per repeated block (a layer's runs compiled once for all its copies, the
-default) against runs that span layers: compile seconds of each (one process, an empty
-cache directory each) and the compiled graph's forward+backward time, interleaved, with
-the ratios.
+The compiled joint graph's forward+backward time with runs cut per repeated block (the
+default) against runs spanning layers, interleaved in one process, with the ratio.
 
     python benchmarks/compile_time.py --codegen [--layers 12]
 
 Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
 graph: two fresh processes sharing one empty cache directory (TORCHINDUCTOR_CACHE_DIR, which
 holds fxpar's cache too): the first compiles every run with Inductor, the second - a later
-job - loads them. Prints both times and their ratio.
+job - loads them. Prints both times and their ratio; then a first job with runs spanning
+layers (`generate(per_block=False)`) in another empty cache.
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ def gpt2(layers: int, seq: int, width: int = 768):
     return GPT2LMHeadModel(cfg)
 
 
-def codegen_child(layers: int, seq: int) -> None:
+def codegen_child(layers: int, seq: int, per_block: bool = True) -> None:
     """One job's code generation of the joint graph; prints seconds, runs, cache hits."""
     import time
 
@@ -55,30 +54,34 @@ def codegen_child(layers: int, seq: int) -> None:
     prog = fxpar.compile(model, 1, example_batch={"input_ids": ids, "labels": ids},
                          plan={"fuse": False, "codegen": "inductor"})
     t0 = time.perf_counter()
-    gm = codegen.generate(prog.graph, "cpu", "joint")
+    gm = codegen.generate(prog.graph, "cpu", "joint", per_block=per_block)
     d = gm.meta["codegen"]
     print(f"RESULT {time.perf_counter() - t0:.2f} {len(d.runs)} {sum(r.cached for r in d.runs)}")
 
 
 def codegen_times(layers: list[int], seq: int) -> None:
+    """Per depth: a first job and a later one sharing its cache, per repeated block (the
+    default); and a first job with runs spanning layers (each in an empty cache)."""
     import subprocess
     import sys
     import tempfile
-    print(f"{'layers':>6} {'first s':>8} {'runs':>5} {'second s':>9} {'hits':>5} {'ratio':>6}")
+
+    def job(n, cache, *extra):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        env.pop("FXPAR_CACHE_DIR", None)
+        out = subprocess.run([sys.executable, __file__, "--codegen-child", str(n), "--seq",
+                              str(seq), *extra], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return next(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
+    print(f"{'layers':>6} {'first s':>8} {'runs':>5} {'second s':>9} {'hits':>5} {'ratio':>6} "
+          f"{'spanning first s':>16} {'runs':>5}")
     for n in layers:
         with tempfile.TemporaryDirectory(prefix="fxpar-codegen-") as cache:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-            env.pop("FXPAR_CACHE_DIR", None)
-            res = []
-            for _ in range(2):
-                out = subprocess.run([sys.executable, __file__, "--codegen-child", str(n),
-                                      "--seq", str(seq)], env=env, capture_output=True,
-                                     text=True, check=True).stdout
-                res.append(next(line.split()[1:] for line in out.splitlines()
-                                if line.startswith("RESULT")))
-        (t1, r1, _), (t2, _, h2) = res
+            (t1, r1, _), (t2, _, h2) = job(n, cache), job(n, cache)
+        with tempfile.TemporaryDirectory(prefix="fxpar-codegen-") as cache:
+            t3, r3, _ = job(n, cache, "--spanning")
         print(f"{n:>6} {float(t1):>8.1f} {r1:>5} {float(t2):>9.2f} {h2:>5} "
-              f"{float(t2) / float(t1):>6.3f}", flush=True)
+              f"{float(t2) / float(t1):>6.3f} {float(t3):>16.1f} {r3:>5}", flush=True)
 
 
 def capture_vs_torch(layers: list[int], seq: int, rounds: int = 3) -> None:
@@ -120,8 +123,7 @@ def per_block_vs_spanning(layers: list[int], seq: int, width: int, rounds: int =
 
     import fxpar
     from fxpar.compiler import codegen, ir
-    print(f"{'layers':>6} {'compile s block':>15} {'spanning':>9} {'step ms block':>13} "
-          f"{'spanning':>9} {'block/spanning':>14}")
+    print(f"{'layers':>6} {'step ms per block':>17} {'spanning':>9} {'per block/spanning':>18}")
     for n in layers:
         torch.manual_seed(0)
         model = gpt2(n, seq, width)
@@ -131,16 +133,9 @@ def per_block_vs_spanning(layers: list[int], seq: int, width: int, rounds: int =
         named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         inputs = [named[p.meta["fqn"]] if p.meta[ir.ROLE] != "batch" else ids
                   for p in prog.graph.graph.nodes if p.op == "placeholder"]
-        compiled, secs = {}, {}
-        for per_block in (None, True, False):  # None: warms Inductor up (its first compile)
-            with tempfile.TemporaryDirectory(prefix="fxpar-codegen-") as cache:
-                os.environ["FXPAR_CACHE_DIR"] = cache
-                t0 = time.perf_counter()
-                compiled[per_block] = codegen.generate(prog.graph, "cpu", "joint",
-                                                       per_block=bool(per_block))
-                secs[per_block] = time.perf_counter() - t0
-                del os.environ["FXPAR_CACHE_DIR"]
-        del compiled[None]
+        compiled = {per_block: codegen.generate(prog.graph, "cpu", "joint",
+                                                per_block=per_block)
+                    for per_block in (True, False)}
         times = {True: [], False: []}
         for r in range(rounds + 2):  # two warm-up rounds (the first call's check)
             for per_block, gm in compiled.items():
@@ -149,8 +144,7 @@ def per_block_vs_spanning(layers: list[int], seq: int, width: int, rounds: int =
                 if r > 1:
                     times[per_block].append(time.perf_counter() - t0)
         a, b = (1e3 * statistics.median(times[k]) for k in (True, False))
-        print(f"{n:>6} {secs[True]:>15.1f} {secs[False]:>9.1f} {a:>13.1f} {b:>9.1f} "
-              f"{a / b:>14.3f}", flush=True)
+        print(f"{n:>6} {a:>17.1f} {b:>9.1f} {a / b:>18.3f}", flush=True)
 
 
 def main():
@@ -167,9 +161,10 @@ def main():
                     help="code generation per repeated block vs runs spanning layers")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--spanning", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.codegen_child:
-        return codegen_child(args.codegen_child, args.seq)
+        return codegen_child(args.codegen_child, args.seq, not args.spanning)
     if args.vs_torch:
         return capture_vs_torch([int(x) for x in args.layers.split(",")], args.seq)
     if args.per_block:

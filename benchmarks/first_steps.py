@@ -3,7 +3,8 @@ torch.compile on one device, each in a fresh process.
 
 A Qwen2-style causal LM (by default width 256, GQA 4/2, a 32,768-token tied head: the logits
 and the cross-entropy dominate the activations), AdamW, batch 4 x 256. Per variant: seconds from
-the start of `parallelize` / `torch.compile` to the end of the first step ("to step 1 s"),
+the start of `parallelize` / `torch.compile` to the end of the first step ("to step 1 s",
+with empty compile caches unless --warm-cache),
 the peak memory above the model's weights over that build and the first 3 steps ("first
 steps MiB"), and over 3 steady steps after them ("steady MiB"), and their ratio. Memory is
 the device's own count: on a GPU the allocator's peak; on CPU the process's peak resident
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 VARIANTS = ("eager", "torch.compile", "fxpar")
@@ -123,6 +125,9 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(VARIANTS))
     for k, v in SIZE.items():
         ap.add_argument(f"--{k}", type=int, default=v)
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="use the compile caches as they are (default: each process an empty "
+                         "one, so 'to step 1' is a first job's)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     size = {k: getattr(args, k) for k in SIZE}
@@ -135,10 +140,13 @@ def main() -> None:
     for layers in (int(x) for x in args.layers.split(",")):
         rows = {}
         for v in args.only.split(","):
-            out = subprocess.run([sys.executable, __file__, "--child", v, str(layers),
-                                  "--device", args.device,
-                                  *(f"--{k}={x}" for k, x in size.items())],
-                                 capture_output=True, text=True)
+            with tempfile.TemporaryDirectory(prefix="first-steps-") as cache:
+                env = dict(os.environ) if args.warm_cache else {
+                    **os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "FXPAR_CACHE_DIR": cache}
+                out = subprocess.run([sys.executable, __file__, "--child", v, str(layers),
+                                      "--device", args.device,
+                                      *(f"--{k}={x}" for k, x in size.items())],
+                                     capture_output=True, text=True, env=env)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(f"{v:>14} {layers:>6} failed: {(out.stderr.strip().splitlines() or [''])[-1]}")
