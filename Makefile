@@ -14,12 +14,12 @@ test: setup
 	$(PY) -m pytest -m "not slow" --durations=10 tests
 
 # the multi-process parity / timing / large-model tests (CI runs them after `make test`),
-# the zoo sweep on a representative set of its models
+# every zoo model under every plan
 test-slow: setup
 	$(PY) -m pytest -m "slow and not full" --durations=10 tests
 
-# what CI leaves out for time: the rest of the zoo sweep (every model under every plan,
-# docs/zoo.md) and the planner's choice measured against every plan on 8 ranks (~55 min)
+# what CI leaves out for time: the rest of the zoo compiled by Inductor and the planner's
+# choice measured against every plan on 8 ranks
 test-full: setup
 	$(PY) -m pytest -m full --durations=10 tests
 
