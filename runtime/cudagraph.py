@@ -103,7 +103,7 @@ def _integer_index(n: torch.fx.Node) -> bool:
         return False
     idx = [v for v in _tensors(n.args[1])]
     return len(idx) == sum(a is not None for a in n.args[1]) and all(
-        not v.dtype.is_floating_point and v.dtype != torch.bool for v in idx)
+        v.dtype in (torch.int64, torch.int32) for v in idx)  # (uint8 indexes as a mask)
 
 
 def _first_reasons(why: list[str]) -> str:
