@@ -12,7 +12,7 @@ set (VmHWM, reset between the two phases through /proc/self/clear_refs), which s
 Inductor's buffers and every library's, where a tensor tracker would not.
 
     .venv/bin/python benchmarks/first_steps.py [--layers 6,24] [--device cpu]
-    ... --layers 24 --width 896 --vocab 151936 --batch 8 --seq 1024   # Qwen2.5-0.5B's shape
+    ... --layers 24 --width 896 --vocab 151936 --batch 8 --seq 1024   # Qwen2.5-0.5B's depth, width, vocabulary
 
 Prints one row per variant and depth, and fxpar's ratios to eager's.
 """
@@ -44,11 +44,11 @@ def model_and_batch(layers: int, device: str, width: int, vocab: int, batch: int
     model = Qwen2ForCausalLM(cfg).to(device)
     rows = batch
 
-    def batch(step):
+    def batch_of(step):
         g = torch.Generator().manual_seed(1000 + step)
         ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=g).to(device)
         return {"input_ids": ids, "labels": ids}
-    return model, batch
+    return model, batch_of
 
 
 class Peak:

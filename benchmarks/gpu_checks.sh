@@ -19,7 +19,8 @@
 # 5. benchmarks/step_vs_eager.py, Llama bf16: reduce-overhead vs fxpar with and without
 #    remat="auto" (whether cheap-op recompute should be the default under Inductor on GPUs;
 #    a cold compile of these rows took over 140 s on an H200: give it 300)
-# 6. benchmarks/first_steps.py at Qwen2.5-0.5B's shape (24 x 896, 151,936-token tied head,
+# 6. benchmarks/first_steps.py at Qwen2.5-0.5B's depth, width and vocabulary (24 x 896, a
+#    151,936-token tied head,
 #    batch 8 x 1024, fp32): time to the first step and the first steps' vs a steady step's
 #    peak, eager vs torch.compile vs fxpar (issue 49's targets; not yet run on a GPU)
 set -u

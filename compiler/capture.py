@@ -278,7 +278,7 @@ class _ModuleTagger:
     """Tags every forward node with the innermost module that created it.
 
     Forward hooks mark module entry/exit; nodes appended to the graph being traced between two
-    events belong to the module on top of the stack. (aot_export_module does not record
+    events belong to the module on top of the stack. (AOTAutograd's export does not record
     nn_module_stack, so we observe the tracer's graph directly.)
     """
 

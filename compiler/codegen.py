@@ -119,7 +119,7 @@ class Generated:
 
     def summary(self) -> str:
         ops = sum(r.ops for r in self.runs)
-        hits = sum(r.cached and not r.reused for r in self.runs)
+        hits = sum(r.cached for r in self.runs)
         reused = sum(r.reused for r in self.runs)
         return (f"{len(self.runs)} compiled runs holding {ops} ops"
                 + (f" ({hits} from the cache)" if hits else "")
@@ -181,16 +181,26 @@ def _counts(n: torch.fx.Node) -> bool:
 
 def repeated_blocks(graph: torch.fx.Graph) -> dict[torch.fx.Node, str | None]:
     """Node -> the copy of a repeated block it belongs to ("transformer.h.3"), read from its
-    module path: the path up to its first numeric component, where the container before it
-    holds two or more such copies in the graph (transformer layers, ResNet blocks, experts
-    at the top level of a layer list); None outside any."""
+    module path: the path up to its first numeric component, where the copy numbered next to
+    it in its container computes the same forward ops (transformer layers, ResNet blocks);
+    None outside any."""
     first: dict[torch.fx.Node, tuple[str, str] | None] = {}
+    ops: dict[tuple[str, str], list] = collections.defaultdict(list)
     for n in graph.nodes:
         parts = (n.meta.get(ir.MODULE) or "").split(".")
         i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
         first[n] = None if i is None else (".".join(parts[:i]), ".".join(parts[:i + 1]))
-    copies = collections.Counter(parent for parent, _ in {v for v in first.values() if v})
-    return {n: v[1] if v and copies[v[0]] > 1 else None for n, v in first.items()}
+        if first[n] and n.op == "call_function" and n.meta.get(ir.REGION) == ir.FORWARD:
+            ops[first[n]].append(n.target)
+    # a copy counts where the copy numbered next to it computes the same forward ops (a
+    # Sequential's Linear, ReLU, Linear are numbered too: cut apart, they would lose fusion)
+    by_index: dict[str, dict[int, tuple]] = collections.defaultdict(dict)
+    for key, t in ops.items():
+        by_index[key[0]][int(key[1].rpartition(".")[2])] = tuple(t)
+    repeated = {key for key, t in ops.items()
+                if tuple(t) in (by_index[key[0]].get(int(key[1].rpartition(".")[2]) + d)
+                                for d in (-1, 1))}
+    return {n: v[1] if v in repeated else None for n, v in first.items()}
 
 
 def runs(graph: torch.fx.Graph, cpu: bool = False,
@@ -281,7 +291,7 @@ class CompiledRun(torch.nn.Module):
     into the layout compiled for.
 
     Its first call also runs `source` op by op on the same inputs (the same random numbers)
-    and compares: where Inductor's result differs by more than rounding (CHECK_RTOL of the
+    and compares (unless `generate` checked it before the first step, `_checked_when`): where Inductor's result differs by more than rounding (CHECK_RTOL of the
     output's largest finite magnitude plus CHECK_ATOL; a wider bound for an fp32 output of a
     run that computes in fp16/bf16 anywhere), the run stays op by op from then on
     and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF
@@ -506,35 +516,47 @@ def live_peak(graph: torch.fx.Graph, inputs: bool = True) -> int:
 
 
 def _random_like(f: torch.Tensor, gen: torch.Generator, device) -> torch.Tensor:
-    """A tensor of f's shape, strides and dtype on `device` with values no op refuses:
-    normal floats, random booleans, zeros for integers (in range as any index)."""
-    out = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=device)
+    """A tensor of f's shape, strides (overlapping ones too: an expanded input) and dtype on
+    `device`: normal floats, random booleans, zeros for integers (in range as any index,
+    so never a device-side assert)."""
+    size = 1 + sum((n - 1) * st for n, st in zip(f.shape, f.stride())) if f.numel() else 0
     if f.dtype.is_floating_point or f.dtype.is_complex:
-        return out.copy_(torch.randn(f.shape, generator=gen).to(f.dtype))
-    if f.dtype == torch.bool:
-        return out.copy_(torch.rand(f.shape, generator=gen) < 0.5)
-    return out.zero_()
+        flat = torch.randn(size, generator=gen, device=device).to(f.dtype)
+    elif f.dtype == torch.bool:
+        flat = torch.rand(size, generator=gen, device=device) < 0.5
+    else:
+        flat = torch.zeros(size, dtype=f.dtype, device=device)
+    return flat.as_strided(f.shape, f.stride())
 
 
 def check_ahead(run: "CompiledRun", fakes, device) -> str | None:
     """The compiled code against its graph op by op, on random inputs of the traced layouts,
     before the first step (so outside its memory peak): None if equal up to rounding, else
-    what differs. The graph runs first and only its outputs are kept while Inductor's code
+    what differs (or that a reference output is not finite: random values met a log or a
+    square root, and inf == inf tells nothing). Values the random inputs do not reach - an
+    ignore_index label, a padding mask - go unchecked: that is the price of not checking
+    this run on the step's own values. The graph runs first and only its outputs are kept while Inductor's code
     runs: the most memory held is the larger of the graph's working set and the two sets
     of outputs, not their sum. The random numbers (inputs, and any random op's draws) leave
     the process's generators as they were: the step's dropout masks stay eager's."""
-    where = torch.device(device) if device is not None else fakes[0].device
+    where = torch.device(device)
     devices = [where] if where.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device=where).manual_seed(0)
         args = [_random_like(f, gen, where) for f in fakes]
         before = _rng_states(devices)
         ref = run.source(*args)
         _set_rng_states(devices, before)
         out = run.fn(*args)
         del args
-        return next((d for i, (r, o) in enumerate(zip(ref, out))
-                     if (d := run._compare(i, r, o)) is not None), None)
+        for i, (r, o) in enumerate(zip(ref, out)):
+            if isinstance(r, torch.Tensor) and r.is_floating_point() and \
+                    not bool(r.isfinite().all()):
+                return (f"output {i} is not finite on random inputs: the check cannot tell "
+                        "(e.g. a log of a negative value)")
+            if (d := run._compare(i, r, o)) is not None:
+                return d
+        return None
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -754,26 +776,23 @@ def _transient(e: BaseException) -> bool:
 FIRST_STEP = "first step"  # a verdict: checked at the run's first call, on its values
 
 
-def _checked_when(run: CompiledRun, fakes, device, peak: int) -> str | None:
+def _checked_when(run: CompiledRun, fakes, where: torch.device, peak: int) -> str | None:
     """Where `run` is checked against its graph: FIRST_STEP when its op-by-op twin adds at
     most FIRST_STEP_CHECK_SHARE of the graph's peak `peak`, else now, on random inputs
-    (`check_ahead`): None when they agree (or "" where no check fits in memory), FIRST_STEP
-    when they do not - a compiler bug or values the model never makes, which the first
-    call's check on the step's own values tells apart (never a wrong step either way)."""
+    (`check_ahead`, on `where`): None when they agree, FIRST_STEP when they do not - a
+    compiler bug or values the model never makes, which the first call's check on the
+    step's own values tells apart - or when the check does not fit in memory now."""
     extra = live_peak(run.source.graph, inputs=False)
     if extra <= FIRST_STEP_CHECK_SHARE * peak:
         return FIRST_STEP
     need = extra + sum(cost.tensor_bytes(f) for f in fakes) + cost.tensor_bytes(
         _output_vals(run.source))
-    where = torch.device(device) if device is not None else fakes[0].device
     free = free_bytes(where)
     if free is not None and need > CHECK_MEMORY_FRACTION * free:
-        log.warning("codegen: %s is not checked against the graph: the check needs %.2f GiB "
-                    "and %.2f GiB is free on %s", run.name, need / 2**30, free / 2**30, where)
-        return ""
+        return FIRST_STEP  # (which is skipped with a warning if it does not fit either)
     try:
-        differs = check_ahead(run, fakes, device)
-    except Exception as e:  # noqa: BLE001 - an op that refuses random values: the step's
+        differs = check_ahead(run, fakes, where)
+    except Exception as e:  # noqa: BLE001 - e.g. an op that refuses random values: the
         log.info("codegen: %s could not be checked on random inputs (%s: %s); it is checked "
                  "on the first step's values", run.name, type(e).__name__,
                  (str(e).splitlines() or [''])[0][:200])
@@ -846,7 +865,10 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                                     for f in fakes))
             reused = same in compiled
             try:
-                fn, hit = (compiled[same], True) if reused else compile_fn(sub, fakes)
+                # (Inductor's shape padding times matmuls on random inputs: the step's
+                # generators must not move)
+                with torch.random.fork_rng(devices=[where] if where.type == "cuda" else []):
+                    fn, hit = (compiled[same], False) if reused else compile_fn(sub, fakes)
                 compiled[same] = fn
             except Exception as e:  # noqa: BLE001 - narrowed down, then named with the way out
                 parts, left = _halves(g, nodes)
@@ -883,7 +905,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             out.add_module(key, run)
             if not run.checked:
                 if same not in verdicts:
-                    verdicts[same] = _checked_when(run, fakes, device, peak)
+                    verdicts[same] = _checked_when(run, fakes, where, peak)
                 _apply(run, verdicts[same])
             with g.inserting_before(nodes[0]):
                 call = g.call_module(key, tuple(inputs))
@@ -899,12 +921,12 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     g.lint()
     out.recompile()
     out.meta = dict(gm.meta)
-    ahead = [v for v in verdicts.values() if v != FIRST_STEP]
+    ahead = sum(v is None for v in verdicts.values())
     if ahead:
-        log.info("codegen: %s: %d compiled runs checked against the graph on random inputs "
-                 "before the first step (their first-step check would add over %d%% to the "
-                 "step's memory peak); the others are checked on the first step's values",
-                 name, sum(v is None for v in ahead), 100 * FIRST_STEP_CHECK_SHARE)
+        log.info("codegen: %s: %d distinct compiled runs checked against the graph on random "
+                 "inputs before the first step (their first-step check would add over %d%% "
+                 "to the step's memory peak); the others are checked on their first call",
+                 name, ahead, 100 * FIRST_STEP_CHECK_SHARE)
     out.meta["codegen"] = Generated(done, eager_ops, time.perf_counter() - t0, failed)
     log.debug("codegen %s: %s", name, out.meta["codegen"].summary())
     return out

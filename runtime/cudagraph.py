@@ -101,9 +101,10 @@ def _integer_index(n: torch.fx.Node) -> bool:
     graph replays as it is."""
     if n.target is not torch.ops.aten.index.Tensor:
         return False
-    idx = [v for v in _tensors(n.args[1])]
-    return len(idx) == sum(a is not None for a in n.args[1]) and all(
-        v.dtype in (torch.int64, torch.int32) for v in idx)  # (uint8 indexes as a mask)
+    idx, x = _tensors(n.args[1]), _tensors(n.args[0])
+    # (uint8 indexes as a mask; an index on another device is copied over: a host sync)
+    return len(idx) == sum(a is not None for a in n.args[1]) and len(x) == 1 and all(
+        v.dtype in (torch.int64, torch.int32) and v.device == x[0].device for v in idx)
 
 
 def _first_reasons(why: list[str]) -> str:

@@ -107,6 +107,23 @@ def test_a_repeated_block_is_compiled_once_for_all_its_copies():
     assert compiles6 == compiles3  # ... all of them copies of code already compiled
 
 
+def test_a_sequentials_unlike_children_are_not_cut_apart():
+    """nn.Sequential numbers its children like a layer list: Linear, GELU, Linear, GELU are
+    not copies of one block (the Linears' neighbours compute otherwise), so they stay in one
+    run; two alike blocks side by side are cut apart."""
+    from fxpar.compiler.capture import capture
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())  # noqa: E731
+    flat = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8),
+                               torch.nn.GELU())
+    gm, _ = capture(flat, torch.randn(4, 8), lambda m, b: m(b).sum())
+    assert set(codegen.repeated_blocks(gm.graph).values()) == {None}
+    assert len([r for r in codegen.runs(gm.graph, True) if r[0].meta[ir.REGION] == ir.FORWARD]
+               ) == 1
+    nested = torch.nn.Sequential(block(), block())
+    gm, _ = capture(nested, torch.randn(4, 8), lambda m, b: m(b).sum())
+    assert set(codegen.repeated_blocks(gm.graph).values()) >= {"0", "1"}
+
+
 def test_a_compiled_run_is_timed_under_its_own_region():
     """comm.lower's markers: the segment a compiled run is timed in is its region (a marker
     before the run, not after it at the first getitem: the timeline labelled the backward's
@@ -830,3 +847,19 @@ def test_a_run_checked_before_the_first_step_that_matches_is_trusted_with_its_co
     runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
     assert all(r.checked and r.mismatch is None for r in runs)
     assert len(checks) == len(runs) - sum(r.reused for r in gen.meta["codegen"].runs)
+
+
+def test_random_inputs_that_reach_a_log_of_a_negative_value_leave_the_check_to_the_first_step():
+    """A reference output that is not finite on random inputs proves nothing (NaN == NaN
+    counts as agreeing): check_ahead says so, and the run is checked on the step's values."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(64)
+    y = g.call_function(aten.log.default, (x,))
+    y.meta[ir.VAL] = torch.empty(64)
+    g.output((y,))
+    gm = torch.fx.GraphModule({}, g)
+    run = codegen.CompiledRun(lambda *a: [t * 1.01 for t in gm(*a)], gm, [(1,)])
+    assert "not finite" in codegen.check_ahead(run, [torch.empty(64)], torch.device("cpu"))
+    assert codegen._checked_when(run, [torch.empty(64)], torch.device("cpu"), 1) == \
+        codegen.FIRST_STEP
