@@ -130,7 +130,7 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
         info["eval"] = pm.evaluate(batch_fn(0)).item()  # forward-only program, same plan
     if info is not None and pm.codegen_result is not None:  # (compiled runs, cache hits)
         runs = pm.codegen_result.runs
-        info["codegen_runs"] = (len(runs), sum(r.cached for r in runs))
+        info["codegen_runs"] = (len(runs), sum(r.cached or r.reused for r in runs))
     if info is not None and pm.sharded_optimizer is not None and pm.sharded_optimizer.shards:
         z = pm.sharded_optimizer
         full = 2 * sum(shape.numel() for shape in z.shapes) * z.shards[0].element_size()  # m, v
