@@ -12,7 +12,8 @@ set (VmHWM, reset between the two phases through /proc/self/clear_refs), which s
 Inductor's buffers and every library's, where a tensor tracker would not.
 
     .venv/bin/python benchmarks/first_steps.py [--layers 6,24] [--device cpu]
-    ... --layers 24 --width 896 --vocab 151936 --batch 8 --seq 1024   # Qwen2.5-0.5B's depth, width, vocabulary
+    ... --layers 24 --width 896 --vocab 151936 --batch 8 --seq 1024
+                                  # (Qwen2.5-0.5B's depth, width and vocabulary)
 
 Prints one row per variant and depth, and fxpar's ratios to eager's.
 """
@@ -149,7 +150,8 @@ def main() -> None:
                                      capture_output=True, text=True, env=env)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
-                print(f"{v:>14} {layers:>6} failed: {(out.stderr.strip().splitlines() or [''])[-1]}")
+                why = (out.stderr.strip().splitlines() or [""])[-1]
+                print(f"{v:>14} {layers:>6} failed: {why}")
                 continue
             r = rows[v] = json.loads(line[len("RESULT "):])
             print(f"{v:>14} {layers:>6} {r['first_s']:>11.1f} {r['warm']:>15.0f} "
@@ -158,7 +160,8 @@ def main() -> None:
         if "fxpar" in rows and "eager" in rows:
             f, e = rows["fxpar"], rows["eager"]
             print(f"{'fxpar/eager':>14} {layers:>6} {f['first_s'] / e['first_s']:>11.2f} "
-                  f"{f['warm'] / max(e['warm'], 1):>15.2f} {f['steady'] / max(e['steady'], 1):>10.2f}")
+                  f"{f['warm'] / max(e['warm'], 1):>15.2f} "
+                  f"{f['steady'] / max(e['steady'], 1):>10.2f}")
 
 
 def _has_cuda() -> bool:

@@ -535,8 +535,8 @@ def check_ahead(run: "CompiledRun", fakes, device) -> str | None:
     what differs (or that a reference output is not finite: random values met a log or a
     square root, and inf == inf tells nothing). Values the random inputs do not reach - an
     ignore_index label, a padding mask - go unchecked: that is the price of not checking
-    this run on the step's own values. The graph runs first and only its outputs are kept while Inductor's code
-    runs: the most memory held is the larger of the graph's working set and the two sets
+    this run on the step's own values. The graph runs first and only its outputs are kept
+    while Inductor's code runs: the most memory held is the larger of the graph's working set and the two sets
     of outputs, not their sum. The random numbers (inputs, and any random op's draws) leave
     the process's generators as they were: the step's dropout masks stay eager's."""
     where = torch.device(device)

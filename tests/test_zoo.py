@@ -278,8 +278,8 @@ def test_zoo_model_on_one_device(name):
 # what they exercise: a tied Conv1D head, GQA, MoE routing with a shared expert, a tied MLM
 # head, BatchNorm, Falcon's fused QKV (the CPU indexed-add miscompile), T5's relative-position
 # bias, Swin's windows, Gemma 2's soft-capping); `make test-full` compiles the rest.
-CI_INDUCTOR = ["gpt2", "llama", "mixtral", "bert_mlm", "resnet", "falcon", "t5", "qwen2_moe", "swin",
-               "gemma2"]
+CI_INDUCTOR = ["gpt2", "llama", "mixtral", "bert_mlm", "resnet", "falcon", "t5", "qwen2_moe",
+               "swin", "gemma2"]
 
 
 def _zoo_params(ci):
