@@ -486,33 +486,10 @@ def _output_vals(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
             if isinstance(v := n.meta.get(ir.VAL), torch.Tensor)]
 
 
-def live_peak(graph: torch.fx.Graph, inputs: bool = True) -> int:
-    """The most bytes a graph's values hold at once when it runs op by op and each value is
-    freed after its last use (views and getitems share their base's memory); `inputs=False`
-    leaves out its placeholders (values that exist whether or not it runs)."""
-    root: dict[torch.fx.Node, torch.fx.Node] = {}  # a view's memory is its base's
-    last: dict[torch.fx.Node, torch.fx.Node] = {}  # a base's last reader, its views' included
-    for n in graph.nodes:
-        base = n.args[0] if cost.is_view(n) and n.args else None
-        root[n] = root[base] if isinstance(base, torch.fx.Node) else n
-        for a in n.all_input_nodes:
-            last[root[a]] = n
-    dying: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for a, n in last.items():
-        dying.setdefault(n, []).append(a)
-    live, peak, held = 0, 0, {}
-    for n in graph.nodes:
-        if n.op == "output":
-            break
-        if (n.op != "placeholder" or inputs) and not cost.is_view(n):
-            held[n] = cost.tensor_bytes(n.meta.get(ir.VAL))
-            live += held[n]
-            peak = max(peak, live)
-        for a in dying.get(n, ()):
-            live -= held.pop(a, 0)
-        if n not in last:  # read by nothing (an output: compared and dropped)
-            live -= held.pop(n, 0)
-    return peak
+def _run_extra(run: "CompiledRun") -> int:
+    """The most memory a run's op-by-op twin holds beyond its inputs (cost.simulate_liveness:
+    views share their base's storage, each output of a multi-output op is freed on its own)."""
+    return cost.simulate_liveness(run.source, count_inputs=False).activation_peak
 
 
 def _random_like(f: torch.Tensor, gen: torch.Generator, device) -> torch.Tensor:
@@ -782,7 +759,7 @@ def _checked_when(run: CompiledRun, fakes, where: torch.device, peak: int) -> st
     (`check_ahead`, on `where`): None when they agree, FIRST_STEP when they do not - a
     compiler bug or values the model never makes, which the first call's check on the
     step's own values tells apart - or when the check does not fit in memory now."""
-    extra = live_peak(run.source.graph, inputs=False)
+    extra = _run_extra(run)
     if extra <= FIRST_STEP_CHECK_SHARE * peak:
         return FIRST_STEP
     need = extra + sum(cost.tensor_bytes(f) for f in fakes) + cost.tensor_bytes(
@@ -842,7 +819,8 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
         torch.device("cpu"))
     cpu = where.type == "cpu"
     cut = runs(g, cpu, per_block)
-    peak = live_peak(g)  # what the first-step check of a run is priced against
+    # what a run's first-call check is priced against: the graph's own peak, op by op
+    peak = cost.simulate_liveness(gm).peak_total
     verdicts: dict[tuple, str | None] = {}  # by code and layouts, as `compiled`
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)

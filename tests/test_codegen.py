@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler import codegen, ir
+from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.examples import models as M
 from fxpar.runtime import comm
@@ -786,22 +786,6 @@ def test_the_check_is_skipped_where_its_second_copy_would_not_fit(caplog, monkey
     assert "is not checked against the graph: the check needs" in caplog.text
 
 
-def test_live_peak_counts_what_op_by_op_execution_holds_at_once():
-    """x (4 KiB) -> a = x*2 -> b = a.view -> c = b+x -> out (c): x, a and c are live at once
-    (b is a's memory, which lives as long as b); without the inputs, a and c."""
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    x.meta[ir.VAL] = torch.empty(1024)
-    a = g.call_function(aten.mul.Tensor, (x, 2.0))
-    b = g.call_function(aten.view.default, (a, [32, 32]))
-    c = g.call_function(aten.add.Tensor, (b, g.call_function(aten.view.default, (x, [32, 32]))))
-    a.meta[ir.VAL], b.meta[ir.VAL], c.meta[ir.VAL] = (torch.empty(1024), torch.empty(32, 32),
-                                                      torch.empty(32, 32))
-    g.output((c,))
-    assert codegen.live_peak(g) == 3 * 4096
-    assert codegen.live_peak(g, inputs=False) == 2 * 4096
-
-
 def test_a_run_whose_check_would_raise_the_steps_peak_is_checked_before_the_first_step(
         caplog):
     """A run whose op-by-op twin would add more than FIRST_STEP_CHECK_SHARE of the graph's
@@ -811,15 +795,15 @@ def test_a_run_whose_check_would_raise_the_steps_peak_is_checked_before_the_firs
     checked again on the first step's values, and runs op by op from then on."""
     program, args = _mlp_program()
     state = torch.get_rng_state()
-    peak = codegen.live_peak(program.graph.graph)
+    peak = cost.simulate_liveness(program.graph).peak_total
     with caplog.at_level("INFO", logger="fxpar"):
         right = codegen.generate(program.graph, "cpu", compile_fn=_eager_compile)
         wrong = codegen.generate(program.graph, "cpu", compile_fn=_off_by_one_percent)
     assert torch.equal(torch.get_rng_state(), state)
     for gen, settled in ((right, True), (wrong, False)):
         runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
-        big = [r for r in runs if codegen.live_peak(r.source.graph, False) >
-               codegen.FIRST_STEP_CHECK_SHARE * peak]
+        big = [r for r in runs
+               if codegen._run_extra(r) > codegen.FIRST_STEP_CHECK_SHARE * peak]
         assert big and all(r.checked == settled and not r.mismatch for r in big)
         assert all(not r.checked for r in runs if r not in big)
     assert "differs from the graph on random inputs" in caplog.text
