@@ -482,22 +482,17 @@ def _export_joint(wrapper, args, decompositions):
     named_buffers = dict(wrapper.named_buffers(remove_duplicate=False))
     state, state_spec = pytree.tree_flatten({**named_params, **named_buffers})
     call = create_functional_call(wrapper, state_spec, len(state), store_orig_mod=True)
-    n_outs = []
 
-    def loss_and_outputs(*a):
+    def loss(*a):  # (_LossModule returns (loss,))
         out = call(*a)
-        out = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-        if any(o.requires_grad for o in out[1:]):
-            raise RuntimeError("only the loss (output 0) may require gradients")
         if not out[0].requires_grad:
             raise RuntimeError("The output at index 0 was marked as the loss, but it does "
                                "not require gradients")
-        n_outs.append(len(out))
         return out
 
     full_args = (*state, *args)
     fx_g, meta, in_spec, out_spec = _aot_export_function(
-        loss_and_outputs, full_args, decompositions=decompositions,
+        loss, full_args, decompositions=decompositions,
         num_params_buffers=len(state), no_tangents=True, trace_joint=True)
     graph = fx_g.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -528,7 +523,7 @@ def _export_joint(wrapper, args, decompositions):
     sig = create_graph_signature(
         fx_g, meta, in_spec, out_spec, user_args_flat=list(args),
         params_and_buffers_flat=list(state), param_names=list(named_params),
-        buffer_names=list(named_buffers), trace_joint=True, num_user_fw_outs=n_outs[-1],
+        buffer_names=list(named_buffers), trace_joint=True, num_user_fw_outs=1,
         loss_index=0)
     return fx_g, sig
 

@@ -184,23 +184,20 @@ def repeated_blocks(graph: torch.fx.Graph) -> dict[torch.fx.Node, str | None]:
     module path: the path up to its first numeric component, where the copy numbered next to
     it in its container computes the same forward ops (transformer layers, ResNet blocks);
     None outside any."""
-    first: dict[torch.fx.Node, tuple[str, str] | None] = {}
-    ops: dict[tuple[str, str], list] = collections.defaultdict(list)
+    copy: dict[torch.fx.Node, tuple[str, int] | None] = {}  # (container, index)
+    ops: dict[tuple[str, int], list] = collections.defaultdict(list)  # its forward ops
     for n in graph.nodes:
         parts = (n.meta.get(ir.MODULE) or "").split(".")
         i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
-        first[n] = None if i is None else (".".join(parts[:i]), ".".join(parts[:i + 1]))
-        if first[n] and n.op == "call_function" and n.meta.get(ir.REGION) == ir.FORWARD:
-            ops[first[n]].append(n.target)
+        copy[n] = None if i is None else (".".join(parts[:i]), int(parts[i]))
+        if copy[n] and n.op == "call_function" and n.meta.get(ir.REGION) == ir.FORWARD:
+            ops[copy[n]].append(n.target)
     # a copy counts where the copy numbered next to it computes the same forward ops (a
     # Sequential's Linear, ReLU, Linear are numbered too: cut apart, they would lose fusion)
-    by_index: dict[str, dict[int, tuple]] = collections.defaultdict(dict)
-    for key, t in ops.items():
-        by_index[key[0]][int(key[1].rpartition(".")[2])] = tuple(t)
-    repeated = {key for key, t in ops.items()
-                if tuple(t) in (by_index[key[0]].get(int(key[1].rpartition(".")[2]) + d)
-                                for d in (-1, 1))}
-    return {n: v[1] if v in repeated else None for n, v in first.items()}
+    repeated = {(c, i) for (c, i), t in ops.items()
+                if t in (ops.get((c, i - 1)), ops.get((c, i + 1)))}
+    return {n: (f"{v[0]}.{v[1]}" if v[0] else str(v[1])) if v in repeated else None
+            for n, v in copy.items()}
 
 
 def runs(graph: torch.fx.Graph, cpu: bool = False,
@@ -291,7 +288,8 @@ class CompiledRun(torch.nn.Module):
     into the layout compiled for.
 
     Its first call also runs `source` op by op on the same inputs (the same random numbers)
-    and compares (unless `generate` checked it before the first step, `_checked_when`): where Inductor's result differs by more than rounding (CHECK_RTOL of the
+    and compares (unless `generate` checked it before the first step, `_checked_when`):
+    where Inductor's result differs by more than rounding (CHECK_RTOL of the
     output's largest finite magnitude plus CHECK_ATOL; a wider bound for an fp32 output of a
     run that computes in fp16/bf16 anywhere), the run stays op by op from then on
     and a warning names it - a compiler bug never becomes a silently wrong step (seen: HF
@@ -513,9 +511,10 @@ def check_ahead(run: "CompiledRun", fakes, device) -> str | None:
     square root, and inf == inf tells nothing). Values the random inputs do not reach - an
     ignore_index label, a padding mask - go unchecked: that is the price of not checking
     this run on the step's own values. The graph runs first and only its outputs are kept
-    while Inductor's code runs: the most memory held is the larger of the graph's working set and the two sets
-    of outputs, not their sum. The random numbers (inputs, and any random op's draws) leave
-    the process's generators as they were: the step's dropout masks stay eager's."""
+    while Inductor's code runs: the most memory held is the larger of the graph's working
+    set and the two sets of outputs, not their sum. The random numbers (inputs, and any
+    random op's draws) leave the process's generators as they were: the step's dropout
+    masks stay eager's."""
     where = torch.device(device)
     devices = [where] if where.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -783,13 +782,6 @@ def _checked_when(run: CompiledRun, fakes, where: torch.device, peak: int) -> st
     return None
 
 
-def _apply(run: CompiledRun, verdict: str | None) -> None:
-    """A verdict of `_checked_when` on a run (or a copy with the same code and layouts):
-    FIRST_STEP leaves the run to its first-call check; anything else settles it."""
-    if verdict != FIRST_STEP:
-        run.checked = True
-
-
 def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
              compile_fn: Callable | None = None, strict: bool = True,
              per_block: bool = True) -> torch.fx.GraphModule:
@@ -882,9 +874,9 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                               compile_fn, produced, tuple(n.name for n in nodes))
             out.add_module(key, run)
             if not run.checked:
-                if same not in verdicts:
+                if same not in verdicts:  # (a copy takes its first copy's verdict)
                     verdicts[same] = _checked_when(run, fakes, where, peak)
-                _apply(run, verdicts[same])
+                run.checked = verdicts[same] != FIRST_STEP  # else: at its first call
             with g.inserting_before(nodes[0]):
                 call = g.call_module(key, tuple(inputs))
                 call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)
