@@ -55,7 +55,7 @@ from torch._decomp import get_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import ir
+from fxpar.compiler import ir, padded_nonzero
 from fxpar.compiler.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
 from fxpar.compiler.errors import TraceError
@@ -385,7 +385,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
     tagger = _ModuleTagger(model)
     unused: list[torch.nn.Parameter] = []
     try:
-        with _transformers_sees_tracing():
+        with _transformers_sees_tracing(), padded_nonzero.PaddedNonzero():
             try:
                 gm, sig = _export(wrapper, tensor_leaves, joint, decompose_batch_norm)
             except AssertionError as e:  # AOTAutograd's check (its message, torch 2.5-2.13)
@@ -442,7 +442,10 @@ def capture(model: torch.nn.Module, example_batch: Any,
         tagger.close()
         for p in unused:
             p.requires_grad_(True)
-    return _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint, wrapper)
+    gm, signature = _to_contract(gm, sig, tensor_leaves, leaves, spec, tagger.tags, joint,
+                                 wrapper)
+    padded_nonzero.rewrite(gm)
+    return gm, signature
 
 
 def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):

@@ -1,0 +1,437 @@
+"""`nonzero` at a fixed size: hand-written MoE routing (`torch.where(mask)`) traced exactly.
+
+Mixture-of-experts layers written by hand pick each expert's tokens with
+`token_idx, k = torch.where(mask)` and then `y[token_idx] += w[token_idx, k, None] *
+expert(x[token_idx])` (litgpt's, Mistral's and DeepSeek's reference code). `nonzero` returns
+as many rows as the mask has true elements: a shape that depends on values, which one static
+graph cannot have. While tracing (`PaddedNonzero`), fxpar computes it at its largest size
+instead - dropless: `mask.numel()` rows, every position in nonzero's row-major order, a false
+one as index -1 - and `rewrite` then gives every tensor indexed by such an index one zero row
+at the end of each dim the index addresses: a -1 reads that zero row and a write to -1 lands
+in it, cut away after the write. The true rows compute exactly what they compute in eager; the
+padding rows compute on zeros and are written nowhere.
+
+That is exact only while padding rows reach no result except through such a write. `rewrite`
+proves it on the graph, op by op: for each value it tracks which dim holds padding rows and
+whether those are exactly zero (every row read through a padded index is, and so is every
+backward gradient of a padded write), finite, or anything, and refuses with a TraceError
+naming the op and the user's line what it cannot prove: a reduction over the routed rows
+other than a sum of exact zeros (a mean, a max, a matmul contracting two non-zero sides),
+arithmetic on the indices, a padding row in an output, a scalar equal to the padded count
+(`len(token_idx)` read as a number), an op it does not know.
+
+Cost: each expert computes over `mask.numel()` rows where eager computes over its own tokens
+(top-k of E experts with a (tokens, k) mask per expert: E times eager's expert FLOPs).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx
+from torch.overrides import TorchFunctionMode
+
+from fxpar.compiler import ir
+from fxpar.compiler.errors import TraceError
+
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("fxpar::padded_nonzero", mutates_args=())
+def padded_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """nonzero(mask) at mask.numel() rows: every position in row-major order, false ones -1.
+    Only a tracing marker: `rewrite` replaces it by the same computation in ATen ops."""
+    return _positions(mask)
+
+
+@padded_nonzero.register_fake
+def _(mask):
+    return mask.new_empty((mask.numel(), mask.dim()), dtype=torch.int64)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    grids = torch.meshgrid(*[torch.arange(s, device=mask.device) for s in mask.shape],
+                           indexing="ij")
+    pos = torch.stack([g.reshape(-1) for g in grids], 1)
+    return torch.where(mask.reshape(-1, 1) != 0, pos, -1)
+
+
+class PaddedNonzero(TorchFunctionMode):
+    """While tracing: `torch.where(c)`, `nonzero` and `argwhere` at their largest size."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.where and len(args) == 1 and not kwargs:
+            return tuple(padded_nonzero(args[0]).unbind(1))
+        if func in (torch.nonzero, torch.Tensor.nonzero) and len(args) == 1 \
+                and set(kwargs) <= {"as_tuple"}:
+            out = padded_nonzero(args[0])
+            return tuple(out.unbind(1)) if kwargs.get("as_tuple") else out
+        if func in (torch.argwhere, torch.Tensor.argwhere) and len(args) == 1 and not kwargs:
+            return padded_nonzero(args[0])
+        return func(*args, **kwargs)
+
+
+# padding rows' states, ordered: a row read through a padded index is exactly zero; ops that
+# keep finite values finite give FINITE; anything else (a log of zero, a division) ANY
+ZERO, FINITE, ANY = 0, 1, 2
+_ZERO_AT_ZERO = {aten.neg.default, aten.relu.default, aten.silu.default, aten.gelu.default,
+                 aten.tanh.default, aten.sin.default, aten.abs.default, aten.clone.default,
+                 aten._to_copy.default, aten.leaky_relu.default, aten.hardtanh.default,
+                 aten.alias.default, aten.sign.default, aten.erf.default}
+_FINITE_SAFE = _ZERO_AT_ZERO | {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar,
+    aten.mul.Scalar, aten.sigmoid.default, aten.cos.default, aten.where.self,
+    aten.clamp.default, aten.maximum.default, aten.minimum.default, aten.rsub.Scalar}
+_GRAD_FIRST = {aten.silu_backward.default, aten.gelu_backward.default,
+               aten.threshold_backward.default, aten.sigmoid_backward.default,
+               aten.tanh_backward.default, aten.leaky_relu_backward.default,
+               aten.hardtanh_backward.default}
+_VIEWS = ir.RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                        aten.squeeze.default, aten.expand.default}
+_INDEX_VIEWS = _VIEWS | {aten.clone.default, aten._to_copy.default, aten.alias.default}
+_READS = {aten.index.Tensor, aten._unsafe_index.Tensor}
+_WRITES = {aten.index_put.default, aten._unsafe_index_put.default}
+
+
+def rewrite(gm: torch.fx.GraphModule) -> int:
+    """Replace every `padded_nonzero` marker by ATen ops and pad what its indices address;
+    refuse (TraceError) a graph where padding rows could reach a result. Returns the count."""
+    graph = gm.graph
+    markers = [n for n in graph.nodes if n.target is torch.ops.fxpar.padded_nonzero.default]
+    if not markers:
+        return 0
+    from fxpar.compiler.graphs import fake_propagate
+    fake_propagate(gm, check=False)  # (capture's clean-up left some nodes without values)
+    pads = _check(graph, markers)
+    shapes = {n: _shape(n.args[0]) for n in pads}  # (before earlier writes' cuts feed them)
+    for n, dims in pads.items():
+        _pad(graph, n, dims, shapes[n])
+    for m in markers:
+        _emit_positions(graph, m)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    fake_propagate(gm, check=False)
+    return len(markers)
+
+
+def _shape(n) -> tuple | None:
+    v = n.meta.get(ir.VAL) if isinstance(n, torch.fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _refuse(n: torch.fx.Node, why: str) -> TraceError:
+    where = n.meta.get("stack_trace") or ""
+    frames = [ln.strip() for ln in where.splitlines() if ln.strip().startswith("File")
+              and "/torch/" not in ln and "/fxpar/" not in ln]
+    at = f" (called at {frames[-1]})" if frames else ""
+    module = n.meta.get(ir.MODULE) or "<root>"
+    return TraceError(
+        f"cannot trace module '{module}': its `torch.where(mask)` / `nonzero` result is used "
+        f"in a way fxpar cannot keep exact at a fixed size: {n.target} {why}{at}. fxpar traces "
+        "nonzero at its largest size (mask.numel() rows, the extra ones index -1 into a zero "
+        "row) and accepts the uses it can prove exact: indexing and index writes with the "
+        "indices, row-wise ops on the rows they read, sums of their gradients. Fix: use the "
+        "routed rows only that way (no mean, max or count over them, no arithmetic on the "
+        "indices), or route with a static-shape form (e.g. gather by a sorted order, or a "
+        "dense mask multiply).")
+
+
+def _aligned(d: int, ndim: int, out_ndim: int) -> int:
+    return d + out_ndim - ndim
+
+
+def _view_dim(in_shape, out_shape, d) -> int | None:
+    """Where dim d of in_shape lands in out_shape (a view that keeps it whole), else None."""
+    before = math.prod(in_shape[:d])
+    for od, size in enumerate(out_shape):
+        if math.prod(out_shape[:od]) == before and size == in_shape[d]:
+            return od
+    return None
+
+
+def _check(graph: torch.fx.Graph, markers) -> dict:
+    """Walk the graph; return {read/write node: padded dims}. Raises on an unprovable use."""
+    index: dict[torch.fx.Node, int] = {m: _shape(m)[0] for m in markers}  # padded index -> M
+    tuples: dict[torch.fx.Node, int] = {}        # unbind of a padded index -> M
+    rows: dict[torch.fx.Node, tuple[int, int]] = {}  # value -> (padded dim, state)
+    pads: dict[torch.fx.Node, list[int]] = {}
+    counts = {m for m in index.values()}
+    downstream: set[torch.fx.Node] = set(markers)
+    for n in graph.nodes:
+        if n.op == "output":
+            leaked = [a for a in n.all_input_nodes if a in rows or a in index]
+            if leaked:
+                raise _refuse(leaked[0], "reaches the graph's outputs with its padding rows")
+            continue
+        if n.op != "call_function" or n in index:
+            continue
+        ins = n.all_input_nodes
+        if any(a in downstream for a in ins):
+            downstream.add(n)
+            _scalars_not_count(n, counts)
+        if n.target is operator.getitem and n.args[0] in tuples:
+            index[n] = tuples[n.args[0]]
+            continue
+        idx_in = [a for a in ins if a in index or a in tuples]
+        row_in = [a for a in ins if a in rows]
+        if not idx_in and not row_in:
+            continue
+        if n.target in _READS or n.target in _WRITES:
+            _index_op(n, index, rows, pads)
+        elif idx_in:
+            src = n.args[0]
+            if row_in or len(idx_in) > 1 or src not in index:
+                raise _refuse(n, "combines the indices with other values")
+            dim = n.args[1] if len(n.args) > 1 else 0
+            if n.target is aten.unbind.int and dim == 1 and len(_shape(src)) == 2:
+                tuples[n] = index[src]
+            elif n.target is aten.select.int and n.args[1] == 1 and len(_shape(src)) == 2:
+                index[n] = index[src]
+            elif n.target in _INDEX_VIEWS and _shape(n) == _shape(src):
+                index[n] = index[src]
+            else:
+                raise _refuse(n, "computes with the indices (only indexing with them is exact)")
+        else:
+            out = _row_op(n, rows)
+            if out is not None:
+                rows[n] = out
+    return pads
+
+
+def _scalars_not_count(n: torch.fx.Node, counts: set) -> None:
+    if not isinstance(n.target, torch._ops.OpOverload) or n.target in _VIEWS \
+            or n.target in (aten.new_zeros.default, aten.new_empty.default):
+        return
+    for a in (*n.args, *n.kwargs.values()):
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and a in counts:
+            raise _refuse(n, f"uses the number {a}, the padded row count (is the count of "
+                             "routed rows, e.g. len(token_idx), read as a Python number?)")
+
+
+def _index_op(n, index, rows, pads) -> None:
+    is_write = n.target in _WRITES
+    src, indices = n.args[0], list(n.args[1])
+    if src in rows or src in index:
+        raise _refuse(n, "indexes a tensor that holds padding rows")
+    padded = [d for d, i in enumerate(indices) if i in index]
+    if not padded:  # the padded value is a written value through an ordinary index
+        raise _refuse(n, "writes padding rows through an index that does not drop them")
+    m = index[indices[padded[0]]]
+    given = [d for d, i in enumerate(indices) if i is not None]
+    if any(_shape(indices[d]) != (m,) for d in given) or given != list(
+            range(given[0], given[-1] + 1)):
+        raise _refuse(n, "indexes with indices of another shape or in non-adjacent dims")
+    pads[n] = padded
+    if not is_write:
+        rows[n] = (given[0], ZERO)
+        return
+    values = n.args[2]
+    if values in index:
+        raise _refuse(n, "writes the indices themselves")
+    if values in rows:
+        vd, _ = rows[values]
+        out_ndim = len(_shape(src)) - len(given) + 1
+        if _aligned(vd, len(_shape(values)), out_ndim) != given[0]:
+            raise _refuse(n, "writes values whose padding rows are not the indexed rows")
+
+
+def _row_op(n: torch.fx.Node, rows) -> tuple[int, int] | None:
+    """(padded dim, state) of n's output, n having an input with padding rows; None where
+    the output holds none (the padding rows summed away as exact zeros)."""
+    t = n.target
+    out = _shape(n)
+    x = n.args[0]
+    if out is None:
+        raise _refuse(n, "returns several values from rows holding padding")
+    if t in _VIEWS or t in (aten.t.default, aten.transpose.int, aten.permute.default,
+                            aten.slice.Tensor, aten.select.int):
+        if x not in rows:
+            raise _refuse(n, "gives a view shaped by padded rows")
+        d, st = rows[x]
+        ins = _shape(x)
+        if t is aten.t.default:
+            return (1 - d if len(ins) == 2 else d), st
+        if t is aten.transpose.int:
+            a, b = (k % len(ins) for k in n.args[1:3])
+            return (b if d == a else a if d == b else d), st
+        if t is aten.permute.default:
+            return [k % len(ins) for k in n.args[1]].index(d), st
+        if t in (aten.slice.Tensor, aten.select.int):
+            dim = n.args[1] % len(ins)
+            if dim == d:
+                raise _refuse(n, "slices the routed rows (the padding would move in)")
+            return (d - (t is aten.select.int and dim < d)), st
+        if t is aten.expand.default:
+            od = _aligned(d, len(ins), len(out))
+            if out[od] != ins[d]:
+                raise _refuse(n, "expands the routed rows")
+            return od, st
+        od = _view_dim(ins, out, d)
+        if od is None:
+            raise _refuse(n, "reshapes the routed rows together with another dim")
+        return od, st
+    if t in (aten.mm.default, aten.bmm.default, aten.addmm.default):
+        return _matmul(n, rows)
+    if t in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default,
+             aten.amin.default, aten._softmax.default, aten._log_softmax.default):
+        d, st = rows[x]
+        ndim = len(_shape(x))
+        if t is aten.sum.default:
+            dims = list(range(ndim))
+        elif t in (aten._softmax.default, aten._log_softmax.default):
+            dims = [n.args[1]]
+        else:
+            dims = n.args[1] if len(n.args) > 1 and n.args[1] else list(range(ndim))
+        dims = [k % ndim for k in ([dims] if isinstance(dims, int) else dims)]
+        if d in dims:
+            if t not in (aten.sum.dim_IntList, aten.sum.default) or st != ZERO:
+                raise _refuse(n, "reduces over the routed rows, padding included")
+            return None
+        keep = t in (aten._softmax.default, aten._log_softmax.default) or (
+            len(n.args) > 2 and n.args[2]) or n.kwargs.get("keepdim")
+        od = d if keep else d - sum(k < d for k in dims)
+        return od, (st if t in (aten.sum.dim_IntList, aten.sum.default) else max(st, FINITE))
+    if t is aten._softmax_backward_data.default:
+        d, st = rows[n.args[0]]
+        if n.args[2] % len(out) == d:
+            raise _refuse(n, "reduces over the routed rows, padding included")
+        return d, (ZERO if st == ZERO and n.args[1] in rows and rows[n.args[1]][1] < ANY
+                   else max(st, FINITE))
+    if t in (aten.zeros_like.default, aten.new_zeros.default, aten.full_like.default,
+             aten.ones_like.default, aten.empty_like.default, aten.new_empty.default):
+        d, _ = rows[x]
+        if t in (aten.new_zeros.default, aten.new_empty.default) and out != _shape(x):
+            if out.count(_shape(x)[d]) and _shape(x)[d] > 1 and out[d:d + 1] == (
+                    _shape(x)[d],):
+                raise _refuse(n, "makes a tensor sized by the padded row count")
+            return None
+        return d, (ZERO if t in (aten.zeros_like.default, aten.new_zeros.default) else ANY)
+    if t in _FINITE_SAFE or t in _GRAD_FIRST or (
+            isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        return _pointwise(n, rows)
+    raise _refuse(n, "is not an op fxpar can prove exact on padding rows")
+
+
+def _pointwise(n, rows) -> tuple[int, int]:
+    out = _shape(n)
+    tensors = [a for a in n.all_input_nodes if _shape(a) is not None]
+    od = None
+    for a in tensors:
+        if a in rows:
+            d = _aligned(rows[a][0], len(_shape(a)), len(out))
+            if od is not None and d != od:
+                raise _refuse(n, "combines padding rows of different dims")
+            od = d
+    for a in tensors:
+        if a not in rows:
+            d = od - (len(out) - len(_shape(a)))
+            if 0 <= d and _shape(a)[d] != 1:
+                raise _refuse(n, "combines routed rows with a tensor of as many rows")
+    states = [rows[a][1] for a in tensors if a in rows]
+    others = [a for a in tensors if a not in rows]
+    t = n.target
+    first = n.args[0] if n.args else None
+    first_st = rows[first][1] if first in rows else None
+    if t in _ZERO_AT_ZERO and states == [ZERO]:
+        st = ZERO
+    elif t in (aten.mul.Tensor, aten.mul.Scalar) and ZERO in states and max(states) < ANY:
+        st = ZERO
+    elif t in (aten.div.Tensor, aten.div.Scalar) and first_st == ZERO and len(states) == 1:
+        st = ZERO  # zero rows over a divisor without padding rows
+    elif t in (aten.add.Tensor, aten.sub.Tensor) and not others and max(states) == ZERO \
+            and all(isinstance(a, torch.fx.Node) for a in n.args[:2]):
+        st = ZERO
+    elif t in _GRAD_FIRST and first_st == ZERO and max(states) < ANY:
+        st = ZERO
+    elif (t in _FINITE_SAFE or t in _GRAD_FIRST) and max(states) < ANY:
+        st = max(FINITE, max(states))
+    else:
+        st = ANY
+    return od, st
+
+
+def _matmul(n, rows):
+    t = n.target
+    a, b = n.args[1:3] if t is aten.addmm.default else n.args[:2]
+    if t is aten.addmm.default and n.args[0] in rows:
+        raise _refuse(n, "adds padding rows as a bias")
+    off = 1 if t is aten.bmm.default else 0
+    da = rows[a][0] - off if a in rows else None
+    db = rows[b][0] - off if b in rows else None
+    sa = rows[a][1] if a in rows else None
+    sb = rows[b][1] if b in rows else None
+    if off and (da == -1 or db == -1):  # the batch dim of bmm: batches are independent
+        if not (da == db == -1):
+            raise _refuse(n, "multiplies routed rows with a batch of as many matrices")
+        st = ZERO if ZERO in (sa, sb) and max(sa, sb) < ANY else max(sa, sb, FINITE)
+        return 0, st
+    if da == 1 or db == 0:  # the contracted dim
+        if da != 1 or db != 0:
+            raise _refuse(n, "contracts routed rows with a tensor of as many rows")
+        if not (ZERO in (sa, sb) and max(sa, sb) < ANY):
+            raise _refuse(n, "sums products over the routed rows, padding rows non-zero")
+        if t is aten.addmm.default:
+            raise _refuse(n, "sums products over the routed rows into a bias")
+        return None
+    st = sa if da is not None else sb
+    if t is aten.addmm.default:
+        st = max(st, FINITE)
+    return ((da if da is not None else 1) + off), st
+
+
+def _pad(graph: torch.fx.Graph, n: torch.fx.Node, dims: list[int], shape: tuple) -> None:
+    """n indexes (or writes) its first argument through padded indices in `dims`: index a
+    copy with one zero row more in each (a -1 addresses it); a write's result cut back."""
+    src = n.args[0]
+    low = min(dims)
+    spec = []
+    for j in reversed(range(low, len(shape))):
+        spec += [0, 1 if j in dims else 0]
+    meta = {k: n.meta[k] for k in (ir.REGION, ir.MODULE) if k in n.meta}
+    with graph.inserting_before(n):
+        padded = graph.call_function(aten.constant_pad_nd.default, (src, spec, 0))
+        padded.meta.update(meta)
+    n.update_arg(0, padded)
+    if n.target not in _WRITES:
+        return
+    users = list(n.users)
+    with graph.inserting_before(n.next):
+        cut = n
+        for d in dims:
+            cut = graph.call_function(aten.slice.Tensor, (cut, d, 0, shape[d]))
+            cut.meta.update(meta)
+    for u in users:
+        u.replace_input_with(n, cut)
+
+
+def _emit_positions(graph: torch.fx.Graph, m: torch.fx.Node) -> None:
+    """The marker's value in ATen ops: each dim's arange broadcast over the mask's shape,
+    flattened and stacked, -1 where the mask is false."""
+    mask = m.args[0]
+    shape = _shape(mask)
+    dev = mask.meta[ir.VAL].device
+    meta = {k: m.meta[k] for k in (ir.REGION, ir.MODULE) if k in m.meta}
+
+    def call(op, *args, **kwargs):
+        node = graph.call_function(op, args, kwargs)
+        node.meta.update(meta)
+        return node
+
+    with graph.inserting_before(m):
+        cols = []
+        for j, size in enumerate(shape):
+            r = call(aten.arange.default, size, dtype=torch.int64, device=dev)
+            r = call(aten.view.default, r, [size if k == j else 1 for k in range(len(shape))])
+            r = call(aten.expand.default, r, list(shape))
+            cols.append(call(aten.reshape.default, r, [-1]))
+        pos = call(aten.stack.default, cols, 1)
+        flat = call(aten.reshape.default, mask, [-1, 1])
+        if mask.meta[ir.VAL].dtype != torch.bool:
+            flat = call(aten.ne.Scalar, flat, 0)
+        out = call(aten.where.ScalarOther, flat, pos, -1)
+    m.replace_all_uses_with(out)
+    graph.erase_node(m)
+
