@@ -331,7 +331,8 @@ def _user_line(exc: BaseException) -> str:
     """The innermost frame of user code (outside torch and fxpar) in exc's traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if "/torch/" not in f.filename and "/fxpar/" not in f.filename
-              and "/compiler/capture.py" not in f.filename]
+              and "/compiler/capture.py" not in f.filename
+              and "/compiler/padded_nonzero.py" not in f.filename]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
 
 

@@ -80,7 +80,7 @@ _ZERO_AT_ZERO = {aten.neg.default, aten.relu.default, aten.silu.default, aten.ge
                  aten.tanh.default, aten.sin.default, aten.abs.default, aten.clone.default,
                  aten._to_copy.default, aten.leaky_relu.default, aten.hardtanh.default,
                  aten.alias.default, aten.sign.default, aten.erf.default}
-_FINITE_SAFE = _ZERO_AT_ZERO | {
+_FINITE_SAFE = _ZERO_AT_ZERO | {aten.pow.Tensor_Scalar,
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.mul.Scalar, aten.sigmoid.default, aten.cos.default, aten.where.self,
     aten.clamp.default, aten.maximum.default, aten.minimum.default, aten.rsub.Scalar}
@@ -90,7 +90,8 @@ _GRAD_FIRST = {aten.silu_backward.default, aten.gelu_backward.default,
                aten.hardtanh_backward.default}
 _VIEWS = ir.RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                         aten.squeeze.default, aten.expand.default}
-_INDEX_VIEWS = _VIEWS | {aten.clone.default, aten._to_copy.default, aten.alias.default}
+_INDEX_VIEWS = _VIEWS | {aten.clone.default, aten._to_copy.default, aten.alias.default,
+                         aten.slice.Tensor}  # (with the shape unchanged: no-ops)
 _READS = {aten.index.Tensor, aten._unsafe_index.Tensor}
 _WRITES = {aten.index_put.default, aten._unsafe_index_put.default}
 
@@ -202,8 +203,10 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
 
 
 def _scalars_not_count(n: torch.fx.Node, counts: set) -> None:
-    if not isinstance(n.target, torch._ops.OpOverload) or n.target in _VIEWS \
-            or n.target in (aten.new_zeros.default, aten.new_empty.default):
+    """A count read as a number shows up as a scalar operand of arithmetic (`/ len(idx)`);
+    shape arguments (a view, an embedding's row count) may equal it by chance."""
+    if not isinstance(n.target, torch._ops.OpOverload) or torch.Tag.pointwise not in \
+            n.target.tags:
         return
     for a in (*n.args, *n.kwargs.values()):
         if isinstance(a, (int, float)) and not isinstance(a, bool) and a in counts:
@@ -275,11 +278,12 @@ def _row_op(n: torch.fx.Node, rows) -> tuple[int, int] | None:
         return od, st
     if t in (aten.mm.default, aten.bmm.default, aten.addmm.default):
         return _matmul(n, rows)
-    if t in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default,
+    if t in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+             aten.amax.default,
              aten.amin.default, aten._softmax.default, aten._log_softmax.default):
         d, st = rows[x]
         ndim = len(_shape(x))
-        if t is aten.sum.default:
+        if t in (aten.sum.default, aten.mean.default):
             dims = list(range(ndim))
         elif t in (aten._softmax.default, aten._log_softmax.default):
             dims = [n.args[1]]
@@ -300,15 +304,12 @@ def _row_op(n: torch.fx.Node, rows) -> tuple[int, int] | None:
             raise _refuse(n, "reduces over the routed rows, padding included")
         return d, (ZERO if st == ZERO and n.args[1] in rows and rows[n.args[1]][1] < ANY
                    else max(st, FINITE))
-    if t in (aten.zeros_like.default, aten.new_zeros.default, aten.full_like.default,
-             aten.ones_like.default, aten.empty_like.default, aten.new_empty.default):
-        d, _ = rows[x]
-        if t in (aten.new_zeros.default, aten.new_empty.default) and out != _shape(x):
-            if out.count(_shape(x)[d]) and _shape(x)[d] > 1 and out[d:d + 1] == (
-                    _shape(x)[d],):
-                raise _refuse(n, "makes a tensor sized by the padded row count")
-            return None
-        return d, (ZERO if t in (aten.zeros_like.default, aten.new_zeros.default) else ANY)
+    if t in (aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default,
+             aten.new_full.default):
+        return None  # a fresh tensor of the size given: nothing of the rows in it
+    if t in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+             aten.empty_like.default):
+        return rows[x][0], (ZERO if t is aten.zeros_like.default else ANY)
     if t in _FINITE_SAFE or t in _GRAD_FIRST or (
             isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
         return _pointwise(n, rows)
@@ -325,17 +326,20 @@ def _pointwise(n, rows) -> tuple[int, int]:
             if od is not None and d != od:
                 raise _refuse(n, "combines padding rows of different dims")
             od = d
-    for a in tensors:
-        if a not in rows:
-            d = od - (len(out) - len(_shape(a)))
-            if 0 <= d and _shape(a)[d] != 1:
-                raise _refuse(n, "combines routed rows with a tensor of as many rows")
     states = [rows[a][1] for a in tensors if a in rows]
     others = [a for a in tensors if a not in rows]
+    for a in others:
+        d = od - (len(out) - len(_shape(a)))
+        if 0 <= d and _shape(a)[d] != 1:
+            # a tensor of as many rows not read through the indices (the backward of a sum
+            # over routed rows expands its gradient to them): its padding rows hold its own
+            # values, taken as finite
+            states.append(FINITE)
     t = n.target
     first = n.args[0] if n.args else None
     first_st = rows[first][1] if first in rows else None
-    if t in _ZERO_AT_ZERO and states == [ZERO]:
+    if (t in _ZERO_AT_ZERO or (t is aten.pow.Tensor_Scalar and n.args[1] > 0)) \
+            and states == [ZERO]:
         st = ZERO
     elif t in (aten.mul.Tensor, aten.mul.Scalar) and ZERO in states and max(states) < ANY:
         st = ZERO

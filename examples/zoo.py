@@ -477,6 +477,34 @@ class ConvBN(nn.Module):
         return F.cross_entropy(self.fc(h), labels)
 
 
+class WhereRoutedMoE(nn.Module):
+    """An MoE language model routed as hand-written MoE code routes (DeepSeek's and Mistral's
+    reference code, litgpt): each expert's tokens picked by torch.where over the top-k ids,
+    a shape that depends on the routing (fxpar traces it padded: compiler/padded_nonzero.py)."""
+
+    def __init__(self, dim=HIDDEN, experts=4, k=2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+            for _ in range(experts))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+        self.k = k
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        weights, indices = self.gate(x).softmax(-1).topk(self.k, -1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            idx, top = torch.where(indices == i)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
 def _pytorch() -> list[ZooModel]:
     return [
         ZooModel("torch_vit", "pytorch", TorchViT, image_batch,
@@ -491,6 +519,8 @@ def _pytorch() -> list[ZooModel]:
                  note="BatchNorm statistics over the global batch"),
         ZooModel("convbn_nostats", "pytorch", lambda: ConvBN(running_stats=False), image_batch,
                  note="BatchNorm without running buffers: batch statistics, nothing mutated"),
+        ZooModel("where_moe", "pytorch", WhereRoutedMoE, tokens_batch,
+                 note="MoE routed by torch.where over top-k ids (data-dependent shapes)"),
     ]
 
 

@@ -23,9 +23,6 @@ REFUSED = {
        for m in TITAN_MOES},
     # timm's BatchNorm running statistics would be updated once per microbatch
     **{(m, "pp=2 m=2"): "update the buffers .*running_mean" for m in BN_MODELS},
-    # litgpt's MoE picks each expert's tokens with torch.where(mask) (nonzero): a
-    # data-dependent shape no static graph can trace
-    **{("litgpt_mixtral", p): "nonzero" for p in zoo_sweep.PLANS},
 }
 # (model, plan column) -> (status, regex of the detail, why): known defects, reported and
 # being fixed; the cell may be that failure (the test reports xfail) or exact.
@@ -82,7 +79,8 @@ def test_external_model(name, plan):
 # hour on 2 cores, more than CI's budget for it; docs/external_zoo.md is its last run)
 SLOW = [("titan_llama3", "tp=2"), ("titan_llama3", "dp=2 zero=3"),
         ("titan_qwen3", "pp=2 m=2"), ("titan_deepseek_v3", "pp=2 m=2"),
-        ("timm_swin", "pp=2 m=2"), ("litgpt_pythia", "pp=2 m=2"), ("nanogpt", "tp=2")]
+        ("timm_swin", "pp=2 m=2"), ("litgpt_pythia", "pp=2 m=2"), ("nanogpt", "tp=2"),
+        ("litgpt_mixtral", "dp=2")]  # (experts picked by torch.where: padded_nonzero)
 
 
 @pytest.mark.slow
