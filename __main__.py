@@ -146,7 +146,8 @@ def cmd_zoo(args):
     unknown = sorted(set(names) - set(known))
     if unknown:
         sys.exit(f"fxpar zoo: unknown model(s) {unknown}; choose from {sorted(known)}")
-    plans = args.plans.split(";") if args.plans else list(zoo_sweep.PLANS)
+    plans = args.plans.split(";") if args.plans else [  # (no external model sets dropout)
+        k for k in zoo_sweep.PLANS if not (args.external and k in zoo_sweep.DROPOUT)]
     bad = sorted(set(plans) - set(zoo_sweep.PLANS))
     if bad:
         sys.exit(f"fxpar zoo: unknown plan column(s) {bad}; choose from {list(zoo_sweep.PLANS)}")

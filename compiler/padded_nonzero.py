@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from fxpar.compiler import ir
 from fxpar.compiler.errors import TraceError
+from fxpar.compiler.graphs import fake_propagate
 
 aten = torch.ops.aten
 
@@ -103,7 +104,6 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
     markers = [n for n in graph.nodes if n.target is torch.ops.fxpar.padded_nonzero.default]
     if not markers:
         return 0
-    from fxpar.compiler.graphs import fake_propagate
     fake_propagate(gm, check=False)  # (capture's clean-up left some nodes without values)
     pads = _check(graph, markers)
     shapes = {n: _shape(n.args[0]) for n in pads}  # (before earlier writes' cuts feed them)

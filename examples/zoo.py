@@ -5,8 +5,9 @@ splits over dp=2 x microbatches=2), an optional loss_fn, and a family. `fxpar zo
 tests in tests/test_zoo.py) trains every model under every plan against plain single-process
 PyTorch on the same batches; docs/zoo.md is the table it writes.
 
-Dropout is 0 everywhere: masks are drawn per rank, so a model with dropout cannot be compared
-with eager bit for bit (fxpar's dropout is tested on its own in test_remat / test_parity).
+Dropout is 0 in every config; `build(name, dropout=True)` gives a Hugging Face model its
+library's default dropouts instead (the sweep's "tp=2 dropout" column: tensor parallelism
+draws single-process training's masks, so the cell is compared with eager bit for bit).
 """
 from __future__ import annotations
 
@@ -103,6 +104,12 @@ _DENSE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN
               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 
 
+def _is_dropout(key: str) -> bool:
+    """A config key that sets a dropout probability (not LayerDrop or SpecAugment's masks,
+    whose draws decide Python control flow)."""
+    return ("dropout" in key or "pdrop" in key) and "layerdrop" not in key
+
+
 def _hf(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
     eager_attn = kw.pop("_eager_attn", False)
 
@@ -111,6 +118,9 @@ def _hf(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
         cfg = getattr(transformers, config_cls)(**kw)
         cfg._attn_implementation = "eager" if eager_attn else "sdpa"
         return getattr(transformers, model_cls)(cfg)
+    if any(_is_dropout(k) for k in kw):
+        make.with_default_dropout = _hf(config_cls, model_cls, _eager_attn=eager_attn, **{
+            k: v for k, v in kw.items() if not _is_dropout(k)})
     return make
 
 
@@ -120,6 +130,9 @@ def _hf_eager(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
         import transformers
         cfg = getattr(transformers, config_cls)(**kw)
         return getattr(transformers, model_cls)(cfg)
+    if any(_is_dropout(k) for k in kw):
+        make.with_default_dropout = _hf_eager(config_cls, model_cls, **{
+            k: v for k, v in kw.items() if not _is_dropout(k)})
     return make
 
 
@@ -533,11 +546,19 @@ def models() -> dict[str, ZooModel]:
     return out
 
 
-def build(name: str, seed: int = 1234) -> tuple[nn.Module, ZooModel]:
-    """The model, initialised from `seed` (the same weights every time)."""
+def build(name: str, seed: int = 1234, dropout: bool = False) -> tuple[nn.Module, ZooModel]:
+    """The model, initialised from `seed` (the same weights every time). dropout=True: with
+    the dropouts its library's config has by default (`has_default_dropout`)."""
     spec = models()[name]
     torch.manual_seed(seed)
+    if dropout:
+        return spec.factory.with_default_dropout(), spec
     return spec.factory(), spec
+
+
+def has_default_dropout(name: str) -> bool:
+    """Whether the model's library config has dropouts the zoo sets to 0."""
+    return hasattr(models()[name].factory, "with_default_dropout")
 
 
 def loss_of(model: nn.Module, spec: ZooModel, batch) -> torch.Tensor:

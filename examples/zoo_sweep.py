@@ -8,7 +8,10 @@ the same batches from the same initial weights. Its result is one of
              names the cause; the table prints it;
 - "mismatch": it trained but differs from eager (a bug);
 - "crash":   anything else (a bug: an error from inside a pass or from ATen);
-- "skipped": an external-zoo model whose library is not installed (examples/external_zoo.py).
+- "skipped": an external-zoo model whose library is not installed (examples/external_zoo.py);
+- "n/a":     the column does not apply ("tp=2 dropout" to a model whose config has none).
+"tp=2 dropout" builds the model with its library's default dropouts (`zoo.build(...,
+dropout=True)`), eager's reference too: tensor parallelism draws the masks one process draws.
 All two-rank plans of one model run in one `fxpar.launch` (one process group, compiled one
 after another) to keep the sweep's time down. A model name is looked up in the zoo, then in
 the external zoo (model code from torchtitan, timm, litgpt and nanoGPT).
@@ -35,14 +38,16 @@ PLANS: dict[str, object] = {
     "pp=2 m=2": {"pp": 2, "microbatches": 2},
     "dp=2 zero=3": {"dp": 2, "zero": 3},
     "auto (2)": "auto",
+    "tp=2 dropout": {"tp": 2},
 }
+DROPOUT = {"tp=2 dropout"}  # columns whose model has its library's default dropouts
 
 
 @dataclasses.dataclass
 class Cell:
     model: str
     plan: str
-    status: str  # exact | refused | mismatch | crash | skipped
+    status: str  # exact | refused | mismatch | crash | skipped | n/a
     detail: str = ""
     seconds: float = 0.0
     chosen: str = ""  # plan="auto": the plan the planner chose
@@ -70,13 +75,22 @@ def optimizer(ps):
     return torch.optim.AdamW(ps, lr=LR, eps=1e-6)
 
 
-def eager_reference(name: str, steps: int = STEPS):
+def _build(name: str, dropout: bool):
+    reg = registry(name)
+    return reg.build(name, dropout=True) if dropout else reg.build(name)
+
+
+def has_dropout(name: str) -> bool:
+    return name in zoo.models() and zoo.has_default_dropout(name)
+
+
+def eager_reference(name: str, steps: int = STEPS, dropout: bool = False):
     """(losses, final state dict, {name: elements whose gradient was numerically zero in
     every step}). Adam divides a gradient by its own running size, so on such elements (a
     key bias under softmax, a bias before a norm) any reordering of float sums moves the
     parameter by up to lr a step: they are compared at that bound, the rest at rtol 1e-5."""
     reg = registry(name)
-    model, spec = reg.build(name)
+    model, spec = _build(name, dropout)
     opt = optimizer([p for p in model.parameters() if p.requires_grad])
     losses, peak = [], {}
     for s in range(steps):
@@ -94,9 +108,9 @@ def eager_reference(name: str, steps: int = STEPS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, quiet
 
 
-def train(name: str, devices: int, plan, steps: int = STEPS):
+def train(name: str, devices: int, plan, steps: int = STEPS, dropout: bool = False):
     """fxpar's losses and full state dict (on every rank), and the plan it ran."""
-    model, spec = registry(name).build(name)
+    model, spec = _build(name, dropout)
     pm = fxpar.parallelize(model, devices, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
                            optimizer=optimizer, plan="auto" if plan is None else plan)
     losses = [pm.step(spec.batch(s)).item() for s in range(steps)]
@@ -150,7 +164,7 @@ def sweep_rank(name: str, plan_keys: list[str]):
     for key in plan_keys:
         t0 = time.perf_counter()
         try:
-            losses, state, chosen = train(name, 2, PLANS[key])
+            losses, state, chosen = train(name, 2, PLANS[key], dropout=key in DROPOUT)
             out[key] = ("ran", "", losses, state if rank == 0 else None, chosen)
         except Exception as e:  # noqa: BLE001 - the sweep records every failure
             out[key] = (*_failure(e), None, None, "")
@@ -168,7 +182,12 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
     why = skip_reason(name)
     if why:
         return [Cell(name, key, "skipped", why) for key in plan_keys]
-    ref = eager_reference(name)
+    columns = list(plan_keys)
+    na = [k for k in columns if k in DROPOUT and not has_dropout(name)]
+    plan_keys = [k for k in columns if k not in na]
+    ref = eager_reference(name) if any(k not in DROPOUT for k in plan_keys) else None
+    ref_dropout = eager_reference(name, dropout=True) if any(
+        k in DROPOUT for k in plan_keys) else None
     results = {}
     if "1 device" in plan_keys:
         t0 = time.perf_counter()
@@ -187,10 +206,13 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
             results.update({k: ("crash", detail, None, None, "", 0.0) for k in multi
                             if k not in results})
     cells = []
-    for key in plan_keys:
+    for key in columns:
+        if key in na:
+            cells.append(Cell(name, key, "n/a", "its config has no dropout"))
+            continue
         status, detail, losses, state, chosen, secs = results[key]
         if status == "ran":
-            diff = compare(losses, state, *ref)
+            diff = compare(losses, state, *(ref_dropout if key in DROPOUT else ref))
             status, detail = ("mismatch", diff) if diff else ("exact", "")
         cells.append(Cell(name, key, status, detail, secs, chosen))
     return cells
@@ -205,7 +227,7 @@ def sweep(names=None, plan_keys=tuple(PLANS), log=print) -> list[Cell]:
         log(f"{name:16s} " + "  ".join(f"{c.plan}: {c.status}" for c in got)
             + f"  ({time.perf_counter() - t0:.0f} s)")
         for c in got:
-            if c.status != "exact":
+            if c.status not in ("exact", "n/a"):
                 log(f"    {c.plan}: {c.detail[:400]}")
     return cells
 
@@ -215,7 +237,7 @@ def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
     by = {(c.model, c.plan): c for c in cells}
     names = list(dict.fromkeys(c.model for c in cells))
     mark = {"exact": "exact", "refused": "refused¹", "mismatch": "**MISMATCH**",
-            "crash": "**CRASH**", "skipped": "skipped¹"}
+            "crash": "**CRASH**", "skipped": "skipped¹", "n/a": "-"}
     lines = ["| model | family | exercises | " + " | ".join(plan_keys) + " |",
              "|---|---|---|" + "---|" * len(plan_keys)]
     for n in names:
@@ -227,13 +249,14 @@ def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
         spec = registry(n).models()[n]
         lines.append(f"| {n} | {spec.family} | {spec.note} | " + " | ".join(row) + " |")
     n_exact = sum(c.status == "exact" for c in cells)
-    lines += ["", f"{n_exact} of {len(cells)} cells exact, "
+    n_cells = sum(c.status != "n/a" for c in cells)
+    lines += ["", f"{n_exact} of {n_cells} cells exact, "
               f"{sum(c.status == 'refused' for c in cells)} refused, "
               f"{sum(c.status in ('crash', 'mismatch') for c in cells)} crashed or mismatched"
               + (f", {n_skip} skipped." if (n_skip := sum(c.status == 'skipped' for c in cells))
                  else "."),
               "", "¹ Refusals and failures:", ""]
     for c in cells:
-        if c.status != "exact":
+        if c.status not in ("exact", "n/a"):
             lines.append(f"- **{c.model}, {c.plan}** ({c.status}): {c.detail.splitlines()[0][:300]}")
     return "\n".join(lines) + "\n"
