@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import codegen, ir
+from fxpar.compiler import codegen, graphs, ir
 from fxpar.compiler.errors import BatchIndexError, PlanError
 from fxpar.compiler.logs import Clock
 from fxpar.runtime import amp, bucket_updates, calls, comm, cudagraph, executor, faults, optim
@@ -115,8 +115,12 @@ class ParallelModel:
                 self.pipeline_runner = PipelineRunner(self.program, pp_rank,
                                                       world.group_name("pp"), generated)
         else:
-            self._generated[id(program)] = self._codegen(
-                program, {"joint": program.graph}, clock)["joint"]
+            parts = {"joint": program.graph}
+            generated = self._codegen(program, parts, clock)
+            self._generated[id(program)] = generated["joint"]
+        if program.codegen == "inductor" and generated is not parts:
+            self.stage_graphs = {**program.stage_graphs,
+                                 "codegen": _marked_runs(parts, generated)}
         zero3_shards = None
         if weights is not None:  # only this rank's part of each tensor is read and made
             with clock("materialise weights"):
@@ -846,3 +850,21 @@ class ParallelModel:
 
     def __repr__(self):
         return f"ParallelModel(plan={self.plan}, world={self.world.size})"
+
+
+def _marked_runs(sources: dict, generated: dict) -> dict:
+    """pm.stage_graphs["codegen"]: a copy of each graph this rank runs, every node Inductor
+    compiled marked with its run's name (ir.CODEGEN_RUN), for the pictures; its meta
+    ["codegen"] is what `codegen.generate` did (runs, reuses, ops left op by op)."""
+    out = {}
+    for name, gm in sources.items():
+        gen = generated[name]
+        run_of = {o: m.name for m in gen.modules() if isinstance(m, codegen.CompiledRun)
+                  for o in m.origin}
+        snap = graphs.snapshot(gm)
+        for n in snap.graph.nodes:
+            if n.name in run_of:
+                n.meta[ir.CODEGEN_RUN] = run_of[n.name]
+        snap.meta["codegen"] = gen.meta.get("codegen")
+        out[name] = snap
+    return out

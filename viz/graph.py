@@ -13,8 +13,8 @@ from fxpar.compiler import ir
 from fxpar.viz import layer_graph
 from fxpar.viz.layer_graph import layer_view
 from fxpar.viz.style import (COLLECTIVE_COLOR, COLLECTIVE_PREFIXES, FUSED_BORDER,  # noqa: F401
-                             RECOMPUTE_COLOR, REGION_COLORS, SAVED_BORDER, STAGE_COLORS,
-                             is_collective)
+                             RECOMPUTE_COLOR, REGION_COLORS, RUN_BORDERS, SAVED_BORDER,
+                             STAGE_COLORS, is_collective)
 
 
 def _label(n: torch.fx.Node) -> str:
@@ -43,6 +43,8 @@ def _label(n: torch.fx.Node) -> str:
         title += f" [{n.meta[ir.PHASE]}{n.meta[ir.STAGE]}]"
     if n.meta.get("moved"):  # set by the overlap pass
         title += f" ({n.meta['moved']})"
+    if n.meta.get(ir.CODEGEN_RUN):  # pm.stage_graphs["codegen"]: the Inductor run it is in
+        title += f" [{n.meta[ir.CODEGEN_RUN].rpartition('/')[2]}]"
     group = n.meta.get(ir.FUSED_GROUP)
     if group:  # one box per fused kernel: its ops and the bytes it saves
         stage_tag = title[title.find(" ["):] if " [" in title else ""  # pipeline "[F0]" etc.
@@ -107,6 +109,10 @@ def to_dot(gm: torch.fx.GraphModule, title: str = "", nodes=None):
             attrs.update(shape="cds", penwidth="3", color="#000000")
         if ir.FUSED_GROUP in n.meta:
             attrs.update(shape="box3d", penwidth="2", color=FUSED_BORDER, style="filled")
+        run = n.meta.get(ir.CODEGEN_RUN)
+        if run:  # one border colour per Inductor run (neighbouring runs differ)
+            index = int(run.rpartition("_")[2]) if run.rpartition("_")[2].isdigit() else 0
+            attrs.update(penwidth="3", color=RUN_BORDERS[index % len(RUN_BORDERS)])
         if n.op == "placeholder":
             attrs["shape"] = "ellipse"
         return attrs
@@ -173,7 +179,8 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
             if full:
                 jobs[f"{stem}/_graph.svg"] = to_dot(gm, f"after {pass_name} ({role})").source
             dot = layer_graph.layer_dot(view, f"after {pass_name} ({role})"
-                                        + _what_moved(gm.meta.get("overlap")),
+                                        + _what_moved(gm.meta.get("overlap"))
+                                        + _what_compiled(gm.meta.get("codegen")),
                                         href=lambda b: href.get(b.key))
             jobs[f"{stem}.svg"] = dot.source
             paths.append(os.path.join(out_dir, f"{stem}.svg"))
@@ -190,6 +197,13 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
         list(pool.map(render, jobs.items()))
     return paths
+
+
+def _what_compiled(g) -> str:
+    """The codegen picture's title: Inductor's runs and what stayed op by op."""
+    if g is None or not hasattr(g, "summary"):
+        return ""
+    return ": " + g.summary()
 
 
 def _what_moved(d) -> str:

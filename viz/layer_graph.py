@@ -23,7 +23,8 @@ import torch
 import torch.fx
 
 from fxpar.compiler import ir
-from fxpar.viz.style import (COLLECTIVE_COLOR, FUSED_COLOR, MOVED_COLOR, MOVED_FILL,
+from fxpar.viz.style import (COLLECTIVE_COLOR, FUSED_COLOR, INDUCTOR_COLOR, MOVED_COLOR,
+                             MOVED_FILL,
                              RECOMPUTE_COLOR, REGION_COLORS, STAGE_COLORS, TP_COLOR, fmt_bytes,
                              is_collective, nbytes)
 
@@ -77,6 +78,7 @@ class Box:
     recomputed: int = 0
     saved: int = 0
     fused: int = 0
+    compiled: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     tp: set = dataclasses.field(default_factory=set)  # {"column c_attn", "row c_proj"}
 
     @property
@@ -160,6 +162,8 @@ def layer_view(gm: torch.fx.GraphModule) -> LayerView:
         b.recomputed += bool(n.meta.get(ir.RECOMPUTE))
         b.saved += bool(n.meta.get("saved"))
         b.fused += ir.FUSED_GROUP in n.meta
+        if n.meta.get(ir.CODEGEN_RUN):
+            b.compiled[n.meta[ir.CODEGEN_RUN]] += 1
     _tensor_parallel(gm, boxes, where)
     # boxes in dataflow order: by the first op that reads an activation (a weight's
     # transpose or an arange may be hoisted to the top of the graph)
@@ -285,6 +289,11 @@ def _box_label(b: Box) -> str:
     if b.fused:
         rows.append(_cell(f"{b.fused} fused kernel{'s' * (b.fused > 1)}", FUSED_COLOR,
                           span=span))
+    if b.compiled:
+        ops = sum(b.compiled.values())
+        runs = sorted(r.rpartition("_")[2] for r in b.compiled)
+        rows.append(_cell(f"Inductor run{'s' * (len(runs) > 1)} {', '.join(runs)}: {ops} "
+                          f"op{'s' * (ops > 1)}", INDUCTOR_COLOR, span=span))
     return ('<table border="0" cellborder="1" cellspacing="0" cellpadding="3">'
             + "".join(rows) + "</table>")
 
@@ -301,6 +310,8 @@ def _legend(view: LayerView) -> str:
             row("n saved: forward values kept for the backward", "#dfe8ff"),
             row("tp: column / row / vocab-sharded weights", TP_COLOR),
             row("n fused kernels: Triton kernels (fusion pass)", FUSED_COLOR),
+            *([row("Inductor runs i, j: its ops compiled into those runs (a run spans boxes)",
+                   INDUCTOR_COLOR)] if any(b.compiled for b in view.boxes.values()) else []),
             row("red: collective (kind x count, bytes)", "#ffd0d0"),
             row("arrow: forward dataflow; dashed: backward only")]
     if any(link.earlier or link.later for link in view.links):

@@ -118,6 +118,9 @@ def _decision_line(name: str, gm) -> str:
         d = m["pipeline"]
         return (f"{d.n_stages} stages cut after {d.cuts}; slowest/mean stage "
                 f"{d.imbalance:.3f}; {len(d.transfers)} transfers")
+    if name == "codegen" and m.get("codegen") is not None:
+        return ("what runs this graph at run time (Plan.codegen): Inductor's "
+                f"{m['codegen'].summary()}; each box names the runs its ops went into")
     if name == "stages":
         calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         ins = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
@@ -270,7 +273,8 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
     if not_run:
         passes.append(f"<h3>Passes this plan did not need</h3><ul>{not_run}</ul>")
 
-    final = [roles for name, roles in pm.stage_graphs.items() if name != "stages"][-1]
+    final = [roles for name, roles in pm.stage_graphs.items()
+             if name not in ("stages", "codegen")][-1]
     gm = next(iter(final.values()))  # the whole graph after the last pass (not a part)
     pred = predict(gm, pm.world.device, max(plan.dp, 1))
     stats = pm.step_stats

@@ -15,6 +15,8 @@ RECOMPUTE_COLOR = "#e4d4ff"   # nodes remat copied into the backward
 SAVED_BORDER = "#1f4fd6"      # forward values kept for the backward (thick blue border)
 FUSED_BORDER = "#2ca02c"      # one Triton kernel (fusion pass): green 3-D box
 FUSED_COLOR = "#d8f5d0"
+INDUCTOR_COLOR = "#ffe0f0"    # ops compiled into Inductor runs (pm.stage_graphs["codegen"])
+RUN_BORDERS = ["#c2185b", "#7b1fa2", "#00838f", "#ef6c00", "#2e7d32", "#1565c0"]  # by run
 TP_COLOR = "#fff1a8"          # tensor-parallel sharded weights
 COLLECTIVE_PREFIXES = ("_c10d_functional.", "c10d_functional.", "fxpar.")
 
