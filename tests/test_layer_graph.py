@@ -171,3 +171,31 @@ def test_pp_by_tp_keeps_every_box_inside_a_stage():
     for i, link in enumerate(view.links):
         declared = re.search(rf"^\s*link{i} \[", inside, re.M) is not None
         assert declared == (not link.transfer), (link.kind, link.stage)
+
+
+def test_the_codegen_picture_shows_each_box_s_inductor_runs(tmp_path):
+    """With Inductor (Plan.codegen), pm.stage_graphs["codegen"] is the graph the rank runs
+    with every compiled node marked by its run: the boxes count them, the node drawings
+    name the run, the title says what Inductor compiled."""
+    from fxpar.compiler import codegen, ir
+    cfg = M.GPTConfig(n_layer=1, n_embd=32)
+    pm = fxpar.parallelize(M.GPT(cfg), 1, example_batch=M.gpt_batch(cfg, 2),
+                           plan={"codegen": "inductor"})
+    gm = pm.stage_graphs["codegen"]["joint"]
+    generated = pm._generated[id(pm.program)]
+    origin = {o: m.name for m in generated.modules() if isinstance(m, codegen.CompiledRun)
+              for o in m.origin}
+    marked = {n.name: n.meta[ir.CODEGEN_RUN] for n in gm.graph.nodes
+              if ir.CODEGEN_RUN in n.meta}
+    assert origin and marked == origin
+    view = layer_view(gm)
+    assert sum(sum(b.compiled.values()) for b in view.boxes.values()) == sum(
+        1 for n in gm.graph.nodes if n.name in marked and n.op == "call_function"
+        and any(n in b.nodes for b in view.boxes.values()))
+    dot = layer_dot(view, "codegen").source
+    assert "Inductor run" in dot
+    svg = write_snapshots({"codegen": pm.stage_graphs["codegen"]}, str(tmp_path))[0]
+    text = open(svg).read()
+    assert "compiled runs holding" in text  # the title: Generated.summary()
+    mlp = open(os.path.join(tmp_path, "00_codegen_joint", "h.0.attn.svg")).read()
+    assert re.search(r"\[compiled_\d+\]", mlp)
