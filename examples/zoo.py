@@ -389,6 +389,67 @@ def _visions() -> list[ZooModel]:
     ]
 
 
+# --- mid sizes --------------------------------------------------------------------------------------
+
+MID_VOCAB, MID_HIDDEN = 8192, 256
+
+
+def _mid_lm(step: int) -> dict:
+    return lm_batch(step, vocab=MID_VOCAB)
+
+
+def _mid_mlm(step: int) -> dict:
+    """Every position labelled, ids over the whole vocabulary (the tied table's split rows
+    are all read)."""
+    g = torch.Generator().manual_seed(2100 + step)
+    ids = torch.randint(0, MID_VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _mid_seq2seq(step: int) -> dict:
+    g = torch.Generator().manual_seed(3100 + step)
+    return {"input_ids": torch.randint(2, MID_VOCAB, (BATCH, SEQ), generator=g),
+            "labels": torch.randint(2, MID_VOCAB, (BATCH, SEQ // 2), generator=g)}
+
+
+def _mid_sizes() -> list[ZooModel]:
+    """One model per family at a size where the cost model's choices (which linears tp
+    splits, how ZeRO and the reduction bucket, where a pipeline cuts) differ from the tiny
+    ones': vocabulary 8192, width 256 (the tiny zoo: 128 and 32)."""
+    v, h = MID_VOCAB, MID_HIDDEN
+    d = dict(vocab_size=v, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64)
+    note = f"mid size (vocabulary {v}, width {h}): "
+    return [
+        ZooModel("gpt2_mid", "causal-lm", _hf(
+            "GPT2Config", "GPT2LMHeadModel", vocab_size=v, n_embd=h, n_layer=2, n_head=4,
+            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), _mid_lm,
+            note=note + "GPT-2, tied head"),
+        ZooModel("llama_mid", "causal-lm", _hf("LlamaConfig", "LlamaForCausalLM", **d,
+                                               num_key_value_heads=2), _mid_lm,
+                 note=note + "Llama, GQA, untied head"),
+        ZooModel("mixtral_mid", "moe", _hf(
+            "MixtralConfig", "MixtralForCausalLM", **d, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0), _mid_lm,
+            note=note + "Mixtral, top-2 of 4 experts"),
+        ZooModel("bert_mlm_mid", "encoder", _hf(
+            "BertConfig", "BertForMaskedLM", **d, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0), _mid_mlm,
+            note=note + "BERT masked LM, every position labelled, tied decoder"),
+        ZooModel("t5_mid", "encoder-decoder", _hf_eager(
+            "T5Config", "T5ForConditionalGeneration", vocab_size=v, d_model=h, d_kv=64,
+            d_ff=2 * h, num_layers=2, num_heads=4, dropout_rate=0.0,
+            relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0),
+            _mid_seq2seq, note=note + "T5, tied embeddings"),
+        ZooModel("vit_mid", "vision", _hf(
+            "ViTConfig", "ViTForImageClassification", image_size=64, patch_size=8,
+            hidden_size=h, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * h,
+            num_labels=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+            lambda s: image_batch(s, size=64, classes=100),
+            note="mid size (width 256, 64 px, 100 classes): ViT"),
+    ]
+
+
 # --- plain PyTorch models -------------------------------------------------------------------------
 
 class TorchViT(nn.Module):
@@ -541,7 +602,7 @@ def models() -> dict[str, ZooModel]:
     """Every zoo model by name."""
     out = {}
     for m in (*_causal_lms(), *_moes(), *_encoders(), *_encoder_decoders(), *_visions(),
-              *_pytorch()):
+              *_pytorch(), *_mid_sizes()):
         out[m.name] = m
     return out
 

@@ -291,12 +291,51 @@ def _zoo_params(ci):
             for n in zoo.models()]
 
 
+def test_the_ci_selections_name_real_cells():
+    assert set(CI_DROPOUT) <= {n for n in zoo.models() if zoo.has_default_dropout(n)}
+    assert {n for n, _ in MID_CI} == set(MID) and {k for _, k in MID_CI} <= set(
+        zoo_sweep.PLANS)
+
+
+TINY = [n for n in zoo.models() if not n.endswith("_mid")]
+MID = [n for n in zoo.models() if n.endswith("_mid")]
+PLAIN = [k for k in zoo_sweep.PLANS if k not in zoo_sweep.DROPOUT]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(zoo.models()))
+@pytest.mark.parametrize("name", TINY)
 def test_zoo_model_under_every_plan(name):
     """Every plan of the table (one device, dp=2, tp=2, pp=2 with 2 microbatches, ZeRO-3,
     the planner's choice on 2 ranks) against eager PyTorch."""
-    _check(zoo_sweep.sweep_model(name))
+    _check(zoo_sweep.sweep_model(name, PLAIN))
+
+
+# the models with their library's default dropouts at tp=2 (tp draws one process's masks):
+# in CI a decoder with a fused QKV, an encoder with a tied MLM head, an encoder-decoder
+CI_DROPOUT = ["gpt2", "bert_mlm", "bart"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in CI_DROPOUT else
+                                               pytest.mark.full)
+                                  for n in zoo.models() if zoo.has_default_dropout(n)])
+def test_zoo_model_with_its_default_dropout_at_tp2(name):
+    _check(zoo_sweep.sweep_model(name, sorted(zoo_sweep.DROPOUT)))
+
+
+# mid sizes (vocabulary 8192, width 256) take 1.5-2.5 minutes a row: CI runs the cells where
+# the size changes what the passes do (tp's vocabulary split of a tied table, ZeRO-3's layer
+# groups, a pipeline cut through an MoE, dropout on split attention); make test-full the rest
+MID_CI = {("bert_mlm_mid", "tp=2"), ("gpt2_mid", "tp=2 dropout"), ("llama_mid", "dp=2 zero=3"),
+          ("mixtral_mid", "pp=2 m=2"), ("t5_mid", "tp=2"), ("vit_mid", "dp=2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,plan", [
+    pytest.param(n, k, marks=() if (n, k) in MID_CI else pytest.mark.full)
+    for n in MID for k in zoo_sweep.PLANS])
+def test_zoo_model_at_mid_size(name, plan):
+    _check(zoo_sweep.sweep_model(name, [plan]))
 
 
 @pytest.mark.slow
