@@ -63,6 +63,8 @@ class PaddedNonzero(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not (args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1):
+            return func(*args, **kwargs)  # (a 0-d mask: nonzero's own error)
         if func is torch.where and len(args) == 1 and not kwargs:
             return tuple(padded_nonzero(args[0]).unbind(1))
         if func in (torch.nonzero, torch.Tensor.nonzero) and len(args) == 1 \
