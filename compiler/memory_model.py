@@ -92,6 +92,8 @@ class MemoryEstimate:
     per_stage: list = dataclasses.field(default_factory=list)
     accumulate: bool = True  # gradients live while activations do (microbatches > 1)
     working: float = 0.0     # of `activations`: the largest segment's working memory
+    in_flight: int = 1       # microbatches whose activations `activations` holds at once
+    microbatches: int = 1
     # the model state's formula and the values of its symbols (sympy), for explanations
     state: tuple = ()
     sizes: dict = dataclasses.field(default_factory=dict)
@@ -118,9 +120,16 @@ class MemoryEstimate:
         without that term a 12-layer GPT under remat, whose gradients outweigh its
         activations, measured 1.18x the estimate). With several, the gradients of the first
         microbatches are held while later ones' activations live: the sum."""
-        if self.accumulate:
-            return self.grads + self.activations + self.buffers
-        return max(self.activations, self.grads + self.buffers + self.working)
+        if not self.accumulate:
+            return max(self.activations, self.grads + self.buffers + self.working)
+        # each part frees the activations it was handed as it makes their gradients (the
+        # pipeline runs parts boxed), added in place into the sums: once the sums exist
+        # (after the first backward) at most min(in_flight, microbatches - 1) microbatches'
+        # activations are live beside them (one microbatch at a time without a pipeline: the
+        # sums plus its activations)
+        one = (self.activations - self.working) / self.in_flight
+        held = min(self.in_flight, self.microbatches - 1)
+        return max(self.activations, self.grads + held * one + self.working) + self.buffers
 
     def describe(self) -> str:
         g, u = (2 ** 30, "GiB") if self.total >= 2 ** 28 else (2 ** 20, "MiB")
@@ -201,11 +210,9 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
         # activations are gone (step_allocated adds buffers to the activations). Priced with
         # the whole-sum buffer and the buckets, dp=2 m=2 / m=4 were 1.45x / 1.73x the tracker.
         buffers += (n * elem - grads if zero >= 2 else 0.0) - buckets
-    elif microbatches > 1:  # pipeline stages: the running sum of the stage's gradients,
-        # whole, beside one microbatch's (a tied weight's gradient routed between stages is
-        # not summed in place: runtime/pipeline._running_sums)
-        buffers += n * elem
+    # (pipeline stages sum their gradients in place too: the sums are `grads`)
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1, working=working,
+                          in_flight=in_flight, microbatches=microbatches,
                           state=state_formula(zero),
                           sizes={"N": n, "dp": dp, "b": elem, "s": per}), recompute

@@ -133,6 +133,7 @@ class PipelineRunner:
         # fixed per program, cached on first use: see _local_consumers, _routes, _prefetch
         self._local_count, self._route_cache, self._remote_inputs = {}, {}, {}
         self._acc_graphs: dict[str, torch.fx.GraphModule] = {}  # see _accumulating
+        self._boxed_graphs: dict[int, tuple] = {}  # id(graph) -> (graph, its boxed copy)
         self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
         self.stash: HostStash | None = None
         self.graphs: dict[str, cudagraph.GraphedStep] | None = None  # Plan.cuda_graphs
@@ -281,6 +282,23 @@ class PipelineRunner:
             return None
         return sums
 
+    def _boxed(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """gm taking its inputs as one list that it empties (torch.fx's boxed calling
+        convention, as AOTAutograd's compiled functions take theirs), so an input is freed
+        right after the part's last read of it rather than when the part returns: a stage's
+        backward frees the activations it was handed as it makes the gradients, as the
+        joint graph's backward does (holding them, a one-microbatch stage of an MoE peaked
+        at its activations plus its gradients)."""
+        boxed = self._boxed_graphs.get(id(gm))
+        if boxed is None or boxed[0] is not gm:
+            g = torch.fx.Graph()
+            g.output(g.graph_copy(gm.graph, {}))
+            g._codegen = torch.fx.graph._BoxedCodeGen()
+            out = torch.fx.GraphModule(gm, g)
+            out.meta = gm.meta
+            boxed = self._boxed_graphs[id(gm)] = (gm, out)
+        return boxed[1]
+
     def _accumulating(self, key) -> torch.fx.GraphModule:
         """Part `key`'s graph taking the running sums of its accumulated outputs as extra
         inputs and adding each output into its sum in place right after computing it (it
@@ -318,7 +336,9 @@ class PipelineRunner:
                     return [t.clone() if isinstance(t, torch.Tensor) else t  # overwrites them
                             for t in self.graphs[key](args)]
                 gm = self._accumulating(key) if accumulate else self.lowered[key]
-                return faults.run(gm, *args)  # FXPAR_DEBUG_NAN: node by node
+                if faults.debug_nan():  # node by node
+                    return faults.run(gm, *args)
+                return self._boxed(gm)(args)  # (empties `args`)
         except RuntimeError as e:
             part = self.parts[key]
             raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "
