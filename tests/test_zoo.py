@@ -258,10 +258,19 @@ REFUSED = {
 FAST = ["t5", "mixtral"]  # one device, in make test: tying through one module, MoE experts
 
 
+# cells that differ after 3 AdamW steps by a reordering of fp32 sums (zoo_sweep's "rounding":
+# Plan.verify passes their first step); any other such cell fails until it is looked at.
+# T5 at width 256 under tp=2: q.weight 1.2e-5 apart (its unscaled attention logits make the
+# row-parallel partial sums' rounding visible to Adam)
+ROUNDING = {("t5_mid", "tp=2"), ("t5_mid", "tp=2 dropout")}
+
+
 def _check(cells):
     for c in cells:
         if c.status == "n/a":  # a dropout column for a model without dropout
             assert c.plan in zoo_sweep.DROPOUT and not zoo_sweep.has_dropout(c.model)
+            continue
+        if (c.model, c.plan) in ROUNDING and c.status in ("rounding", "exact"):
             continue
         why = REFUSED.get((c.model, c.plan))
         if why is None:
@@ -367,3 +376,23 @@ def test_the_zoo_covers_what_it_promises():
     assert fams.count("causal-lm") >= 12 and fams.count("moe") >= 2
     assert fams.count("encoder") >= 5 and fams.count("encoder-decoder") >= 2
     assert fams.count("vision") >= 4
+
+
+def test_a_mismatch_is_rounding_only_where_verify_passes_its_first_step(monkeypatch):
+    """zoo_sweep's rule for a cell that differs after 3 AdamW steps: run again under
+    Plan.verify; "rounding" only where the first step passes, else a mismatch with what
+    verify found (and "auto", whose plan is the planner's, is never re-run)."""
+    from fxpar.compiler.errors import VerifyError
+
+    def train(name, devices, plan, steps=3, dropout=False, verify=False):
+        assert verify and steps == 1
+        if name == "broken":
+            raise VerifyError("h.0.mlp.weight's gradient differs from one process's")
+        return [], {}, ""
+    monkeypatch.setattr(zoo_sweep, "train", train)
+    ok = zoo_sweep._verified("fine", [zoo_sweep.Cell("fine", "1 device", "mismatch", "w: 2e-5"),
+                                      zoo_sweep.Cell("fine", "auto (2)", "mismatch", "w: 2e-5")])
+    assert [c.status for c in ok] == ["rounding", "mismatch"]
+    assert "Plan.verify passes" in ok[0].detail
+    bad = zoo_sweep._verified("broken", [zoo_sweep.Cell("broken", "1 device", "mismatch", "w")])
+    assert bad[0].status == "mismatch" and "VerifyError" in bad[0].detail
