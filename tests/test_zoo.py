@@ -302,8 +302,8 @@ def _zoo_params(ci):
 
 def test_the_ci_selections_name_real_cells():
     assert set(CI_DROPOUT) <= {n for n in zoo.models() if zoo.has_default_dropout(n)}
-    assert {n for n, _ in MID_CI} == set(MID) and {k for _, k in MID_CI} <= set(
-        zoo_sweep.PLANS)
+    assert len(MID) == 6 and {(n, k) for n, k in ROUNDING} <= {
+        (n, k) for n in zoo.models() for k in zoo_sweep.PLANS}
 
 
 TINY = [n for n in zoo.models() if not n.endswith("_mid")]
@@ -332,19 +332,13 @@ def test_zoo_model_with_its_default_dropout_at_tp2(name):
     _check(zoo_sweep.sweep_model(name, sorted(zoo_sweep.DROPOUT)))
 
 
-# mid sizes (vocabulary 8192, width 256) take 1.5-2.5 minutes a row: CI runs the cells where
-# the size changes what the passes do (tp's vocabulary split of a tied table, ZeRO-3's layer
-# groups, a pipeline cut through an MoE, dropout on split attention); make test-full the rest
-MID_CI = {("bert_mlm_mid", "tp=2"), ("gpt2_mid", "tp=2 dropout"), ("llama_mid", "dp=2 zero=3"),
-          ("mixtral_mid", "pp=2 m=2"), ("t5_mid", "tp=2"), ("vit_mid", "dp=2")}
-
-
+# mid sizes (vocabulary 8192, width 256), where the size changes what the passes do (tp's
+# vocabulary split of a tied table, ZeRO-3's layer groups, a pipeline cut through an MoE,
+# dropout on split attention): every plan, the dropout column included (10-35 s a row)
 @pytest.mark.slow
-@pytest.mark.parametrize("name,plan", [
-    pytest.param(n, k, marks=() if (n, k) in MID_CI else pytest.mark.full)
-    for n in MID for k in zoo_sweep.PLANS])
-def test_zoo_model_at_mid_size(name, plan):
-    _check(zoo_sweep.sweep_model(name, [plan]))
+@pytest.mark.parametrize("name", MID)
+def test_zoo_model_at_mid_size(name):
+    _check(zoo_sweep.sweep_model(name))
 
 
 @pytest.mark.slow
