@@ -221,6 +221,8 @@ def _index_op(n, index, rows, pads) -> None:
     src, indices = n.args[0], list(n.args[1])
     if src in rows or src in index:
         raise _refuse(n, "indexes a tensor that holds padding rows")
+    if any(i in rows for i in indices):  # (padding rows' values would pick real positions)
+        raise _refuse(n, "indexes with values computed from the routed rows")
     padded = [d for d, i in enumerate(indices) if i in index]
     if not padded:  # the padded value is a written value through an ordinary index
         raise _refuse(n, "writes padding rows through an index that does not drop them")

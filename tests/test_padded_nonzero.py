@@ -111,7 +111,8 @@ def test_uses_proved_exact(use):
     (lambda h, idx: h[idx].sum() / len(idx), "the padded row count"),
     (lambda h, idx: h[idx + 1].sum(), "computes with the indices"),
     (lambda h, idx: (h[idx] + 1).amax(0).sum(), "reduces over the routed rows"),
-], ids=["mean", "exp-sum", "len", "index-arithmetic", "max"])
+    (lambda h, idx: h[h[idx][:, 0].long().clamp(0, 15)].sum(), "values computed from the routed"),
+], ids=["mean", "exp-sum", "len", "index-arithmetic", "max", "routed-values-as-index"])
 def test_uses_that_padding_would_change_are_refused(use, why):
     with pytest.raises(TraceError, match=why) as e:
         capture(_Route(use), torch.randn(16, 8))
