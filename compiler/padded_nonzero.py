@@ -17,8 +17,11 @@ whether those are exactly zero (every row read through a padded index is, and so
 backward gradient of a padded write), finite, or anything, and refuses with a TraceError
 naming the op and the user's line what it cannot prove: a reduction over the routed rows
 other than a sum of exact zeros (a mean, a max, a matmul contracting two non-zero sides),
-arithmetic on the indices, a padding row in an output, a scalar equal to the padded count
-(`len(token_idx)` read as a number), an op it does not know.
+arithmetic on the indices, rows routed by two masks or paired with another tensor of as
+many rows by position, a padding row in an output, an op it does not know. The count of
+routed rows read as a number is refused where it is read (`len(idx)`, `idx.numel()`) and,
+as a scalar equal to the padded count, in the graph; read through `.shape` / `.size()` and
+used as a value (`x.new_ones(idx.shape[0]).sum()`) it is not seen.
 
 Cost: each expert computes over `mask.numel()` rows where eager computes over its own tokens
 (top-k of E experts with a (tokens, k) mask per expert: E times eager's expert FLOPs).
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import math
 import operator
+import traceback
+import weakref
 
 import torch
 import torch.fx
@@ -59,20 +64,50 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 class PaddedNonzero(TorchFunctionMode):
-    """While tracing: `torch.where(c)`, `nonzero` and `argwhere` at their largest size."""
+    """While tracing: `torch.where(c)`, `nonzero` and `argwhere` at their largest size. The
+    count of their rows read as a number (`len(idx)`, `idx.numel()`) would be the padded
+    count, not the true one, wherever it goes (a load-balancing loss, a mean): refused here,
+    where it is read (`.shape` / `.size()` stay: they mostly size views)."""
+
+    def __init__(self):
+        super().__init__()
+        # the padded index tensors handed to the model, by identity (a tensor's == is not)
+        self.made: dict[int, weakref.ref] = {}
+
+    def _out(self, t):
+        for x in (t if isinstance(t, tuple) else (t,)):
+            self.made[id(x)] = weakref.ref(x)
+        return t
+
+    def _handed(self, x) -> bool:
+        r = self.made.get(id(x))
+        return r is not None and r() is x
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (torch.Tensor.__len__, torch.Tensor.numel) and args and \
+                self._handed(args[0]):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and "/compiler/" not in f.filename]
+            at = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" \
+                if frames else ""
+            raise TraceError(
+                f"the model reads how many rows `torch.where(mask)` / `nonzero` returned "
+                f"({'len()' if func is torch.Tensor.__len__ else 'numel()'}){at}. fxpar traces "
+                "nonzero at a fixed size (mask.numel() rows, the missing ones padding), so "
+                "that number would be the padded count, not the true one. Fix: count from "
+                "the mask (`mask.sum()`, a tensor), or drop the check (an empty expert "
+                "computes nothing that reaches the result).")
         if not (args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1):
             return func(*args, **kwargs)  # (a 0-d mask: nonzero's own error)
         if func is torch.where and len(args) == 1 and not kwargs:
-            return tuple(padded_nonzero(args[0]).unbind(1))
+            return self._out(tuple(padded_nonzero(args[0]).unbind(1)))
         if func in (torch.nonzero, torch.Tensor.nonzero) and len(args) == 1 \
                 and set(kwargs) <= {"as_tuple"}:
             out = padded_nonzero(args[0])
-            return tuple(out.unbind(1)) if kwargs.get("as_tuple") else out
+            return self._out(tuple(out.unbind(1)) if kwargs.get("as_tuple") else out)
         if func in (torch.argwhere, torch.Tensor.argwhere) and len(args) == 1 and not kwargs:
-            return padded_nonzero(args[0])
+            return self._out(padded_nonzero(args[0]))
         return func(*args, **kwargs)
 
 
@@ -83,9 +118,10 @@ _ZERO_AT_ZERO = {aten.neg.default, aten.relu.default, aten.silu.default, aten.ge
                  aten.tanh.default, aten.sin.default, aten.abs.default, aten.clone.default,
                  aten._to_copy.default, aten.leaky_relu.default, aten.hardtanh.default,
                  aten.alias.default, aten.sign.default, aten.erf.default}
-_FINITE_SAFE = _ZERO_AT_ZERO | {aten.pow.Tensor_Scalar,
+_FINITE_SAFE = _ZERO_AT_ZERO | {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.mul.Scalar, aten.sigmoid.default, aten.cos.default, aten.where.self,
+    aten.pow.Tensor_Scalar,
     aten.clamp.default, aten.maximum.default, aten.minimum.default, aten.rsub.Scalar}
 _GRAD_FIRST = {aten.silu_backward.default, aten.gelu_backward.default,
                aten.threshold_backward.default, aten.sigmoid_backward.default,
@@ -159,7 +195,11 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
     """Walk the graph; return {read/write node: padded dims}. Raises on an unprovable use."""
     index: dict[torch.fx.Node, int] = {m: _shape(m)[0] for m in markers}  # padded index -> M
     tuples: dict[torch.fx.Node, int] = {}        # unbind of a padded index -> M
+    flipped: dict[torch.fx.Node, int] = {}       # a marker transposed, (ndim, M) -> M
     rows: dict[torch.fx.Node, tuple[int, int]] = {}  # value -> (padded dim, state)
+    # the mask each padded value comes from: row j of one mask's padding pairs with row j of
+    # another's only by position, where eager pairs them by rank among true elements
+    origin: dict[torch.fx.Node, torch.fx.Node] = {m: m.args[0] for m in markers}
     pads: dict[torch.fx.Node, list[int]] = {}
     counts = {m for m in index.values()}
     downstream: set[torch.fx.Node] = set(markers)
@@ -174,33 +214,52 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
         ins = n.all_input_nodes
         if any(a in downstream for a in ins):
             downstream.add(n)
-            _scalars_not_count(n, counts)
+            if n.meta.get(ir.REGION) != ir.BACKWARD:  # (a backward's mean over real rows)
+                _scalars_not_count(n, counts)
         if n.target is operator.getitem and n.args[0] in tuples:
-            index[n] = tuples[n.args[0]]
+            index[n], origin[n] = tuples[n.args[0]], origin[n.args[0]]
             continue
-        idx_in = [a for a in ins if a in index or a in tuples]
+        idx_in = [a for a in ins if a in index or a in tuples or a in flipped]
         row_in = [a for a in ins if a in rows]
         if not idx_in and not row_in:
             continue
-        if n.target in _READS or n.target in _WRITES:
+        srcs = {origin[a] for a in idx_in + row_in}
+        if len(srcs) > 1:
+            raise _refuse(n, "combines values routed by different masks (their rows pair up "
+                             "by position here, by rank among the true elements in eager)")
+        if n.target in _READS or n.target in _WRITES or n.target is aten.index_select.default:
             _index_op(n, index, rows, pads)
         elif idx_in:
             src = n.args[0]
-            if row_in or len(idx_in) > 1 or src not in index:
+            if row_in or len(idx_in) > 1 or src not in (*index, *flipped):
                 raise _refuse(n, "combines the indices with other values")
             dim = n.args[1] if len(n.args) > 1 else 0
-            if n.target is aten.unbind.int and dim == 1 and len(_shape(src)) == 2:
+            shape, out = _shape(src), _shape(n)
+            if src in flipped:  # columns are dim 0 of a transposed marker
+                if n.target is aten.unbind.int and dim == 0:
+                    tuples[n] = flipped[src]
+                elif n.target is aten.select.int and dim == 0:
+                    index[n] = flipped[src]
+                else:
+                    raise _refuse(n, "computes with the indices (only indexing is exact)")
+            elif n.target is aten.unbind.int and dim == 1 and len(shape) == 2:
                 tuples[n] = index[src]
-            elif n.target is aten.select.int and n.args[1] == 1 and len(_shape(src)) == 2:
+            elif n.target is aten.select.int and dim == 1 and len(shape) == 2:
                 index[n] = index[src]
-            elif n.target in _INDEX_VIEWS and _shape(n) == _shape(src):
-                index[n] = index[src]
+            elif n.target in (aten.t.default, aten.permute.default, aten.transpose.int) \
+                    and len(shape) == 2 and out == shape[::-1]:
+                flipped[n] = index[src]
+            elif n.target in _INDEX_VIEWS and (out == shape or (
+                    out == (index[src],) and math.prod(shape) == index[src])):
+                index[n] = index[src]  # (the same values; (M, 1) -> (M,) too)
             else:
                 raise _refuse(n, "computes with the indices (only indexing with them is exact)")
         else:
             out = _row_op(n, rows)
             if out is not None:
                 rows[n] = out
+        if n in rows or n in index or n in tuples or n in flipped:
+            origin[n] = srcs.pop()
     return pads
 
 
@@ -218,7 +277,12 @@ def _scalars_not_count(n: torch.fx.Node, counts: set) -> None:
 
 def _index_op(n, index, rows, pads) -> None:
     is_write = n.target in _WRITES
-    src, indices = n.args[0], list(n.args[1])
+    src = n.args[0]
+    if n.target is aten.index_select.default:  # index_select(src, dim, idx): a read at dim
+        dim = n.args[1] % len(_shape(src))
+        indices = [None] * dim + [n.args[2]]
+    else:
+        indices = list(n.args[1])
     if src in rows or src in index:
         raise _refuse(n, "indexes a tensor that holds padding rows")
     if any(i in rows for i in indices):  # (padding rows' values would pick real positions)
@@ -231,6 +295,8 @@ def _index_op(n, index, rows, pads) -> None:
     if any(_shape(indices[d]) != (m,) for d in given) or given != list(
             range(given[0], given[-1] + 1)):
         raise _refuse(n, "indexes with indices of another shape or in non-adjacent dims")
+    if any(not _constant_along(indices[d], 0) for d in given if d not in padded):
+        raise _refuse(n, "pairs the indices with another index of as many rows")
     pads[n] = padded
     if not is_write:
         rows[n] = (given[0], ZERO)
@@ -238,11 +304,46 @@ def _index_op(n, index, rows, pads) -> None:
     values = n.args[2]
     if values in index:
         raise _refuse(n, "writes the indices themselves")
+    out_ndim = len(_shape(src)) - len(given) + 1
     if values in rows:
         vd, _ = rows[values]
-        out_ndim = len(_shape(src)) - len(given) + 1
         if _aligned(vd, len(_shape(values)), out_ndim) != given[0]:
             raise _refuse(n, "writes values whose padding rows are not the indexed rows")
+    else:
+        d = given[0] - (out_ndim - len(_shape(values)))
+        if 0 <= d and _shape(values)[d] != 1 and not _constant_along(values, d):
+            raise _refuse(n, "writes values of as many rows not read through the indices")
+
+
+def _constant_along(n: torch.fx.Node, d: int, depth: int = 0) -> bool:
+    """n's value is the same at every position of dim d - a fill, a broadcast of size 1
+    there, views and pointwise ops of such values (the backward of a sum over routed rows
+    expands its gradient to them) - so pairing it with routed rows by position is what
+    eager's pairing by rank gives."""
+    t, shape = n.target, _shape(n)
+    if shape is None or not 0 <= d < len(shape) or depth > 32:
+        return False
+    if shape[d] == 1 or t in (
+            aten.full.default, aten.zeros.default, aten.ones.default, aten.new_zeros.default,
+            aten.new_ones.default, aten.new_full.default, aten.full_like.default,
+            aten.zeros_like.default, aten.ones_like.default, aten.scalar_tensor.default):
+        return True
+    if t is aten.expand.default:
+        src = _shape(n.args[0])
+        k = d - (len(shape) - len(src))
+        return k < 0 or src[k] == 1 or _constant_along(n.args[0], k, depth + 1)
+    if t in _VIEWS:
+        k = _view_dim(shape, _shape(n.args[0]), d)
+        return k is not None and _constant_along(n.args[0], k, depth + 1)
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
+        for a in n.all_input_nodes:
+            sa = _shape(a)
+            k = d - (len(shape) - len(sa)) if sa is not None else -1
+            if sa is not None and 0 <= k and sa[k] != 1 and not _constant_along(a, k,
+                                                                                 depth + 1):
+                return False
+        return True
+    return False
 
 
 def _row_op(n: torch.fx.Node, rows) -> tuple[int, int] | None:
@@ -335,15 +436,29 @@ def _pointwise(n, rows) -> tuple[int, int]:
     for a in others:
         d = od - (len(out) - len(_shape(a)))
         if 0 <= d and _shape(a)[d] != 1:
-            # a tensor of as many rows not read through the indices (the backward of a sum
-            # over routed rows expands its gradient to them): its padding rows hold its own
-            # values, taken as finite
+            # a tensor of as many rows not read through the indices: only one constant along
+            # them pairs with routed rows as in eager (the backward of a sum over routed rows
+            # expands its gradient to them); its padding rows hold that value, finite
+            if not _constant_along(a, d):
+                raise _refuse(n, "combines routed rows with a tensor of as many rows that "
+                                 "was not read through the indices")
             states.append(FINITE)
+    if n.target is aten.where.self and any(a not in rows for a in n.args[1:3]
+                                           if isinstance(a, torch.fx.Node)):
+        states.append(ANY)  # (padding rows take the other branch: it may be -inf)
     t = n.target
     first = n.args[0] if n.args else None
     first_st = rows[first][1] if first in rows else None
-    if (t in _ZERO_AT_ZERO or (t is aten.pow.Tensor_Scalar and n.args[1] > 0)) \
-            and states == [ZERO]:
+    if t is aten.pow.Tensor_Scalar:  # 0 ** -k is inf; a negative base ** 0.5 is nan
+        k = n.args[1]
+        whole = float(k).is_integer()
+        st = ((ZERO if states == [ZERO] else FINITE) if k > 0 and (whole or states == [ZERO])
+              else ANY)
+    elif t is aten.hardtanh.default and not (
+            (n.args[1] if len(n.args) > 1 else -1.0) <= 0 <= (n.args[2] if len(n.args) > 2
+                                                              else 1.0)):
+        st = max(max(states), FINITE)  # (hardtanh(0) is min_val where min_val > 0)
+    elif t in _ZERO_AT_ZERO and states == [ZERO]:
         st = ZERO
     elif t in (aten.mul.Tensor, aten.mul.Scalar) and ZERO in states and max(states) < ANY:
         st = ZERO
@@ -384,6 +499,8 @@ def _matmul(n, rows):
         if t is aten.addmm.default:
             raise _refuse(n, "sums products over the routed rows into a bias")
         return None
+    if da is not None and db is not None:  # rows against rows: padding meets real rows
+        raise _refuse(n, "multiplies routed rows with routed rows (an outer product)")
     st = sa if da is not None else sb
     if t is aten.addmm.default:
         st = max(st, FINITE)
@@ -403,6 +520,9 @@ def _pad(graph: torch.fx.Graph, n: torch.fx.Node, dims: list[int], shape: tuple)
         padded = graph.call_function(aten.constant_pad_nd.default, (src, spec, 0))
         padded.meta.update(meta)
     n.update_arg(0, padded)
+    if n.target is aten.index_select.default:  # (which takes no -1): the same read as index
+        n.target = aten.index.Tensor
+        n.args = (padded, [None] * dims[0] + [n.args[2]])
     if n.target not in _WRITES:
         return
     users = list(n.users)

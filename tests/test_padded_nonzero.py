@@ -98,7 +98,11 @@ class _Route(nn.Module):
     lambda h, idx: torch.zeros_like(h).index_put((idx,), h[idx].relu(), accumulate=True).sum(),
     lambda h, idx: h[torch.nonzero(h[:, 1] > 0)[:, 0]].pow(2).sum(dim=1).sum(),
     lambda h, idx: h[torch.argwhere(h[:, 1] > 0).unbind(1)[0]].tanh().sum(),
-], ids=["sum", "index_put", "nonzero-column", "argwhere"])
+    lambda h, idx: h.index_select(0, idx).relu().sum(),
+    lambda h, idx: h[(h[:, 1] > 0).nonzero().squeeze(-1)].relu().sum(),
+    lambda h, idx: h[(h > 0).nonzero().T[0]].relu().sum(),
+], ids=["sum", "index_put", "nonzero-column", "argwhere", "index_select", "nonzero-squeeze",
+        "nonzero-T"])
 def test_uses_proved_exact(use):
     torch.manual_seed(1)
     model, x = _Route(use), torch.randn(16, 8)
@@ -108,11 +112,25 @@ def test_uses_proved_exact(use):
 @pytest.mark.parametrize("use,why", [
     (lambda h, idx: h[idx].mean(), "reduces over the routed rows"),
     (lambda h, idx: h[idx].exp().sum(), "reduces over the routed rows"),
-    (lambda h, idx: h[idx].sum() / len(idx), "the padded row count"),
+    (lambda h, idx: h[idx].sum() / len(idx), "padded count"),
+    (lambda h, idx: h[idx].sum() * idx.numel(), "padded count"),
     (lambda h, idx: h[idx + 1].sum(), "computes with the indices"),
     (lambda h, idx: (h[idx] + 1).amax(0).sum(), "reduces over the routed rows"),
     (lambda h, idx: h[h[idx][:, 0].long().clamp(0, 15)].sum(), "values computed from the routed"),
-], ids=["mean", "exp-sum", "len", "index-arithmetic", "max", "routed-values-as-index"])
+    # found by review: each was a silent wrong answer before its rule
+    (lambda h, idx: (h[idx] * h[torch.where(h[:, 1] > 0)[0]]).sum(), "different masks"),
+    (lambda h, idx: (h[idx] * torch.arange(16.0)[:, None]).sum(), "as many rows"),
+    (lambda h, idx: (h + torch.zeros_like(h).index_put(
+        (idx,), torch.arange(16.0)[:, None].expand(16, 8))).sum(), "as many rows"),
+    (lambda h, idx: (h[idx] * h[idx].pow(2).sum(-1, keepdim=True).pow(-0.5)).sum(),
+     "padding rows non-zero|reduces over"),
+    (lambda h, idx: torch.nn.functional.hardtanh(h[idx], 0.1, 1.0).sum(), "reduces over"),
+    (lambda h, idx: torch.where(h[idx] > 0, h[idx], float("-inf")).softmax(-1).sum(),
+     "reduces over"),
+    (lambda h, idx: (h[idx] @ h[idx].T).softmax(-1).sum(), "outer product"),
+], ids=["mean", "exp-sum", "len", "numel", "index-arithmetic", "max", "routed-values-as-index",
+        "two-masks", "arange-pairing", "arange-written", "pow-negative", "hardtanh-positive",
+        "where-inf", "outer-product"])
 def test_uses_that_padding_would_change_are_refused(use, why):
     with pytest.raises(TraceError, match=why) as e:
         capture(_Route(use), torch.randn(16, 8))
