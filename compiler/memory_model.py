@@ -118,8 +118,8 @@ class MemoryEstimate:
         gradients: the peak is the larger of the activations (start of the backward) and the
         gradients with the reduction buckets and the last segment's working memory (its end;
         without that term a 12-layer GPT under remat, whose gradients outweigh its
-        activations, measured 1.18x the estimate). With several, the gradients of the first
-        microbatches are held while later ones' activations live: the sum."""
+        activations, measured 1.18x the estimate). With several, the gradient sums are held
+        while later microbatches' activations live (below)."""
         if not self.accumulate:
             return max(self.activations, self.grads + self.buffers + self.working)
         # each part frees the activations it was handed as it makes their gradients (the
