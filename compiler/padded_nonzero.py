@@ -196,6 +196,7 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
     index: dict[torch.fx.Node, int] = {m: _shape(m)[0] for m in markers}  # padded index -> M
     tuples: dict[torch.fx.Node, int] = {}        # unbind of a padded index -> M
     flipped: dict[torch.fx.Node, int] = {}       # a marker transposed, (ndim, M) -> M
+    parts: dict[torch.fx.Node, tuple] = {}       # routed rows split along another dim
     rows: dict[torch.fx.Node, tuple[int, int]] = {}  # value -> (padded dim, state)
     # the mask each padded value comes from: row j of one mask's padding pairs with row j of
     # another's only by position, where eager pairs them by rank among true elements
@@ -218,6 +219,9 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
                 _scalars_not_count(n, counts)
         if n.target is operator.getitem and n.args[0] in tuples:
             index[n], origin[n] = tuples[n.args[0]], origin[n.args[0]]
+            continue
+        if n.target is operator.getitem and n.args[0] in parts:
+            rows[n], origin[n] = parts[n.args[0]], origin[n.args[0]]
             continue
         idx_in = [a for a in ins if a in index or a in tuples or a in flipped]
         row_in = [a for a in ins if a in rows]
@@ -254,11 +258,22 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
                 index[n] = index[src]  # (the same values; (M, 1) -> (M,) too)
             else:
                 raise _refuse(n, "computes with the indices (only indexing with them is exact)")
+        elif n.target in (aten.split.Tensor, aten.split_with_sizes.default,
+                          aten.unbind.int) and n.args[0] in rows:
+            # pieces along another dim (a fused gate/up projection's chunks): each keeps
+            # the rows
+            d, st = rows[n.args[0]]
+            ndim = len(_shape(n.args[0]))
+            dim = (n.args[2] if len(n.args) > 2 else 0) if n.target is not aten.unbind.int \
+                else (n.args[1] if len(n.args) > 1 else 0)
+            if dim % ndim == d:
+                raise _refuse(n, "splits the routed rows")
+            parts[n] = (d - (n.target is aten.unbind.int and dim % ndim < d), st)
         else:
             out = _row_op(n, rows)
             if out is not None:
                 rows[n] = out
-        if n in rows or n in index or n in tuples or n in flipped:
+        if n in rows or n in index or n in tuples or n in flipped or n in parts:
             origin[n] = srcs.pop()
     return pads
 
@@ -383,6 +398,22 @@ def _row_op(n: torch.fx.Node, rows) -> tuple[int, int] | None:
         return od, st
     if t in (aten.mm.default, aten.bmm.default, aten.addmm.default):
         return _matmul(n, rows)
+    if t is aten.cat.default:  # pieces joined along another dim (a split's backward)
+        ins = n.args[0]
+        dim = (n.args[1] if len(n.args) > 1 else 0) % len(out)
+        ds = {rows[a][0] for a in ins if a in rows}
+        if len(ds) != 1 or dim in ds or any(
+                a not in rows and not _constant_along(a, next(iter(ds))) for a in ins):
+            raise _refuse(n, "joins routed rows with other rows")
+        states = [rows[a][1] if a in rows else FINITE for a in ins]
+        return next(iter(ds)), max(states)
+    if t in (aten.slice_backward.default, aten.select_backward.default):
+        d, st = rows[x]  # a slice's gradient: zeros around the rows' own gradient
+        dim = n.args[2] % len(out)
+        od = d + (t is aten.select_backward.default and dim <= d)
+        if dim == od:
+            raise _refuse(n, "slices the routed rows")
+        return od, st
     if t in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
              aten.amax.default,
              aten.amin.default, aten._softmax.default, aten._log_softmax.default):

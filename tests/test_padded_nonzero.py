@@ -101,8 +101,12 @@ class _Route(nn.Module):
     lambda h, idx: h.index_select(0, idx).relu().sum(),
     lambda h, idx: h[(h[:, 1] > 0).nonzero().squeeze(-1)].relu().sum(),
     lambda h, idx: h[(h > 0).nonzero().T[0]].relu().sum(),
+    # a fused gate/up expert: its projection chunked or sliced along the features
+    lambda h, idx: (lambda g, u: (torch.nn.functional.silu(g) * u).sum())(*h[idx].chunk(2, -1)),
+    lambda h, idx: (torch.nn.functional.silu(h[idx][:, :4]) * h[idx][:, 4:]).sum(),
+    lambda h, idx: (h[idx][:, 0] * h[idx][:, 1]).sum(),
 ], ids=["sum", "index_put", "nonzero-column", "argwhere", "index_select", "nonzero-squeeze",
-        "nonzero-T"])
+        "nonzero-T", "chunk", "slices", "select-columns"])
 def test_uses_proved_exact(use):
     torch.manual_seed(1)
     model, x = _Route(use), torch.randn(16, 8)
