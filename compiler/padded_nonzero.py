@@ -15,7 +15,7 @@ That is exact only while padding rows reach no result except through such a writ
 proves it on the graph, op by op: for each value it tracks which dim holds padding rows and
 whether those are exactly zero (every row read through a padded index is, and so is every
 backward gradient of a padded write), finite, or anything, and refuses with a TraceError
-naming the op and the user's line what it cannot prove: a reduction over the routed rows
+naming the op and its module what it cannot prove: a reduction over the routed rows
 other than a sum of exact zeros (a mean, a max, a matmul contracting two non-zero sides),
 arithmetic on the indices, rows routed by two masks or paired with another tensor of as
 many rows by position, a padding row in an output, an op it does not know. The count of
@@ -162,14 +162,11 @@ def _shape(n) -> tuple | None:
 
 
 def _refuse(n: torch.fx.Node, why: str) -> TraceError:
-    where = n.meta.get("stack_trace") or ""
-    frames = [ln.strip() for ln in where.splitlines() if ln.strip().startswith("File")
-              and "/torch/" not in ln and "/fxpar/" not in ln]
-    at = f" (called at {frames[-1]})" if frames else ""
+    """Named by the op and its module (AOTAutograd's joint graph keeps no user lines)."""
     module = n.meta.get(ir.MODULE) or "<root>"
     return TraceError(
         f"cannot trace module '{module}': its `torch.where(mask)` / `nonzero` result is used "
-        f"in a way fxpar cannot keep exact at a fixed size: {n.target} {why}{at}. fxpar traces "
+        f"in a way fxpar cannot keep exact at a fixed size: {n.target} {why}. fxpar traces "
         "nonzero at its largest size (mask.numel() rows, the extra ones index -1 into a zero "
         "row) and accepts the uses it can prove exact: indexing and index writes with the "
         "indices, row-wise ops on the rows they read, sums of their gradients. Fix: use the "

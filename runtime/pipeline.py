@@ -133,7 +133,7 @@ class PipelineRunner:
         # fixed per program, cached on first use: see _local_consumers, _routes, _prefetch
         self._local_count, self._route_cache, self._remote_inputs = {}, {}, {}
         self._acc_graphs: dict[str, torch.fx.GraphModule] = {}  # see _accumulating
-        self._boxed_graphs: dict[int, tuple] = {}  # id(graph) -> (graph, its boxed copy)
+        self._boxed_graphs: dict[tuple, torch.fx.GraphModule] = {}  # see _boxed
         self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
         self.stash: HostStash | None = None
         self.graphs: dict[str, cudagraph.GraphedStep] | None = None  # Plan.cuda_graphs
@@ -282,22 +282,22 @@ class PipelineRunner:
             return None
         return sums
 
-    def _boxed(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """gm taking its inputs as one list that it empties (torch.fx's boxed calling
-        convention, as AOTAutograd's compiled functions take theirs), so an input is freed
-        right after the part's last read of it rather than when the part returns: a stage's
-        backward frees the activations it was handed as it makes the gradients, as the
-        joint graph's backward does (holding them, a one-microbatch stage of an MoE peaked
-        at its activations plus its gradients)."""
-        boxed = self._boxed_graphs.get(id(gm))
-        if boxed is None or boxed[0] is not gm:
+    def _boxed(self, key: str, accumulate: bool) -> torch.fx.GraphModule:
+        """Part `key`'s graph taking its inputs as one list that it empties (torch.fx's boxed
+        calling convention, as AOTAutograd's compiled functions take theirs), so an input
+        is freed right after the part's last read of it rather than when the part returns:
+        a stage's backward frees the activations it was handed as it makes the gradients,
+        as the joint graph's backward does (holding them, a one-microbatch stage of an MoE
+        peaked at its activations plus its gradients)."""
+        if (key, accumulate) not in self._boxed_graphs:
+            gm = self._accumulating(key) if accumulate else self.lowered[key]
             g = torch.fx.Graph()
             g.output(g.graph_copy(gm.graph, {}))
             g._codegen = torch.fx.graph._BoxedCodeGen()
             out = torch.fx.GraphModule(gm, g)
             out.meta = gm.meta
-            boxed = self._boxed_graphs[id(gm)] = (gm, out)
-        return boxed[1]
+            self._boxed_graphs[(key, accumulate)] = out
+        return self._boxed_graphs[(key, accumulate)]
 
     def _accumulating(self, key) -> torch.fx.GraphModule:
         """Part `key`'s graph taking the running sums of its accumulated outputs as extra
@@ -335,10 +335,10 @@ class PipelineRunner:
                 if self.graphs is not None:  # static outputs: the next microbatch's replay
                     return [t.clone() if isinstance(t, torch.Tensor) else t  # overwrites them
                             for t in self.graphs[key](args)]
-                gm = self._accumulating(key) if accumulate else self.lowered[key]
                 if faults.debug_nan():  # node by node
+                    gm = self._accumulating(key) if accumulate else self.lowered[key]
                     return faults.run(gm, *args)
-                return self._boxed(gm)(args)  # (empties `args`)
+                return self._boxed(key, accumulate)(args)  # (empties `args`)
         except RuntimeError as e:
             part = self.parts[key]
             raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "

@@ -291,7 +291,8 @@ def _box_label(b: Box) -> str:
                           span=span))
     if b.compiled:
         ops = sum(b.compiled.values())
-        runs = sorted(r.rpartition("_")[2] for r in b.compiled)
+        runs = sorted((r.rpartition("_")[2] for r in b.compiled),
+                      key=lambda k: (len(k), k))  # (numbers in order: 6 before 10)
         rows.append(_cell(f"Inductor run{'s' * (len(runs) > 1)} {', '.join(runs)}: {ops} "
                           f"op{'s' * (ops > 1)}", INDUCTOR_COLOR, span=span))
     return ('<table border="0" cellborder="1" cellspacing="0" cellpadding="3">'
