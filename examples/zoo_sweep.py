@@ -31,6 +31,7 @@ import traceback
 import torch
 
 import fxpar
+from fxpar.compiler import planner
 from fxpar.examples import zoo
 from fxpar.runtime.dist import LaunchError
 
@@ -56,6 +57,7 @@ class Cell:
     detail: str = ""
     seconds: float = 0.0
     chosen: str = ""  # plan="auto": the plan the planner chose
+    chosen_plan: dict | None = dataclasses.field(default=None, repr=False)  # ... as plan=
 
 
 LR = 1e-3
@@ -122,11 +124,11 @@ def train(name: str, devices: int, plan, steps: int = STEPS, dropout: bool = Fal
     pm = fxpar.parallelize(model, devices, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
                            optimizer=optimizer, plan="auto" if plan is None else plan)
     losses = [pm.step(spec.batch(s)).item() for s in range(steps)]
-    return losses, pm.full_state_dict(), _describe(pm.plan)
+    return losses, pm.full_state_dict(), planner.plan_dict(pm.plan)
 
 
-def _describe(plan) -> str:
-    d = {k: v for k, v in dataclasses.asdict(plan).items()
+def _describe(plan: dict | None) -> str:
+    d = {k: v for k, v in (plan or {}).items()
          if k in ("dp", "tp", "pp", "microbatches", "zero", "remat") and v not in (1, 0, "none")}
     return " ".join(f"{k}={v}" for k, v in d.items()) or "dp=1"
 
@@ -164,19 +166,20 @@ def compare(losses, state, ref_losses, ref_state, quiet=None) -> str:
     return ""
 
 
-def sweep_rank(name: str, plan_keys: list[str], verify: bool = False):
-    """Runs on each of 2 ranks: every plan of `plan_keys` for model `name`, one after another.
-    Rank 0 returns {plan: (status, detail, losses, state, chosen, seconds)}."""
+def sweep_rank(name: str, plan_keys: list[str], verify: bool = False, plans=None):
+    """Runs on each of 2 ranks: every plan of `plan_keys` for model `name`, one after another
+    (`plans`: {key: plan} in place of PLANS[key]). Rank 0 returns {plan: (status, detail,
+    losses, state, chosen plan dict, seconds)}."""
     rank = int(os.environ.get("RANK", 0))
     out = {}
     for key in plan_keys:
         t0 = time.perf_counter()
         try:
-            losses, state, chosen = train(name, 2, PLANS[key], dropout=key in DROPOUT,
-                                          verify=verify)
+            losses, state, chosen = train(name, 2, (plans or PLANS)[key],
+                                          dropout=key in DROPOUT, verify=verify)
             out[key] = ("ran", "", losses, state if rank == 0 else None, chosen)
         except Exception as e:  # noqa: BLE001 - the sweep records every failure
-            out[key] = (*_failure(e), None, None, "")
+            out[key] = (*_failure(e), None, None, None)
         out[key] = (*out[key], time.perf_counter() - t0)
     return out if rank == 0 else None
 
@@ -204,7 +207,7 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
             losses, state, chosen = train(name, 1, None)
             results["1 device"] = ("ran", "", losses, state, chosen)
         except Exception as e:  # noqa: BLE001
-            results["1 device"] = (*_failure(e), None, None, "")
+            results["1 device"] = (*_failure(e), None, None, None)
         results["1 device"] = (*results["1 device"], time.perf_counter() - t0)
     multi = [k for k in plan_keys if k != "1 device"]
     if multi:
@@ -212,7 +215,7 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
             results.update(fxpar.launch(sweep_rank, 2, name, multi)[0])
         except Exception as e:  # noqa: BLE001 - a rank died: every cell of the launch
             status, detail = _failure(e)
-            results.update({k: ("crash", detail, None, None, "", 0.0) for k in multi
+            results.update({k: ("crash", detail, None, None, None, 0.0) for k in multi
                             if k not in results})
     cells = []
     for key in columns:
@@ -223,15 +226,15 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
         if status == "ran":
             diff = compare(losses, state, *(ref_dropout if key in DROPOUT else ref))
             status, detail = ("mismatch", diff) if diff else ("exact", "")
-        cells.append(Cell(name, key, status, detail, secs, chosen))
+        cells.append(Cell(name, key, status, detail, secs, _describe(chosen), chosen))
     return _verified(name, cells)
 
 
 def _verified(name: str, cells: list[Cell]) -> list[Cell]:
-    """Each mismatching cell (but "auto", whose plan is the planner's) run again under
-    Plan.verify: "rounding" where its first step passes, else it stays a mismatch with what
-    verify found."""
-    again = [c for c in cells if c.status == "mismatch" and PLANS[c.plan] != "auto"]
+    """Each mismatching cell run again under Plan.verify ("auto" with the plan the planner
+    chose, which a second search on a busy machine could change): "rounding" where its first
+    step passes, else it stays a mismatch with what verify found."""
+    again = [c for c in cells if c.status == "mismatch"]
     found = {}
     for c in again:
         if c.plan == "1 device":
@@ -243,7 +246,9 @@ def _verified(name: str, cells: list[Cell]) -> list[Cell]:
     multi = [c.plan for c in again if c.plan != "1 device"]
     if multi:
         try:
-            got = fxpar.launch(sweep_rank, 2, name, multi, True)[0]
+            plans = {c.plan: c.chosen_plan if PLANS[c.plan] == "auto" else PLANS[c.plan]
+                     for c in again if c.plan != "1 device"}
+            got = fxpar.launch(sweep_rank, 2, name, multi, True, plans)[0]
             found.update({k: v[1] for k, v in got.items()})
         except Exception as e:  # noqa: BLE001
             found.update({k: f"{type(e).__name__}: {e}" for k in multi})
@@ -284,7 +289,8 @@ def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
         for k in plan_keys:
             c = by.get((n, k))
             row.append("" if c is None else mark[c.status] + (
-                f" ({c.chosen})" if c.status == "exact" and k.startswith("auto") else ""))
+                f" ({c.chosen})" if c.status in ("exact", "rounding") and k.startswith("auto")
+                else ""))
         spec = registry(n).models()[n]
         lines.append(f"| {n} | {spec.family} | {spec.note} | " + " | ".join(row) + " |")
     n_exact = sum(c.status == "exact" for c in cells)

@@ -258,11 +258,12 @@ REFUSED = {
 FAST = ["t5", "mixtral"]  # one device, in make test: tying through one module, MoE experts
 
 
-# cells that differ after 3 AdamW steps by a reordering of fp32 sums (zoo_sweep's "rounding":
-# Plan.verify passes their first step); any other such cell fails until it is looked at.
-# T5 at width 256 under tp=2: q.weight 1.2e-5 apart (its unscaled attention logits make the
-# row-parallel partial sums' rounding visible to Adam)
-ROUNDING = {("t5_mid", "tp=2"), ("t5_mid", "tp=2 dropout")}
+# models whose cells may differ after 3 AdamW steps by a reordering of fp32 sums (zoo_sweep's
+# "rounding": Plan.verify passes their first step); any other such cell fails until it is
+# looked at. T5 at width 256: its unscaled attention logits make any other order of the
+# sums visible to Adam in q.weight (1.2e-5 apart under tp=2's row-parallel partial sums, and
+# on one device under Inductor's CPU kernels on some CPUs), whichever plan reorders them
+ROUNDING = {"t5_mid"}
 
 
 def _check(cells):
@@ -270,7 +271,7 @@ def _check(cells):
         if c.status == "n/a":  # a dropout column for a model without dropout
             assert c.plan in zoo_sweep.DROPOUT and not zoo_sweep.has_dropout(c.model)
             continue
-        if (c.model, c.plan) in ROUNDING and c.status in ("rounding", "exact"):
+        if c.model in ROUNDING and c.status in ("rounding", "exact"):
             continue
         why = REFUSED.get((c.model, c.plan))
         if why is None:
@@ -302,8 +303,7 @@ def _zoo_params(ci):
 
 def test_the_ci_selections_name_real_cells():
     assert set(CI_DROPOUT) <= {n for n in zoo.models() if zoo.has_default_dropout(n)}
-    assert len(MID) == 6 and {(n, k) for n, k in ROUNDING} <= {
-        (n, k) for n in zoo.models() for k in zoo_sweep.PLANS}
+    assert len(MID) == 6 and ROUNDING <= set(zoo.models())
 
 
 TINY = [n for n in zoo.models() if not n.endswith("_mid")]
