@@ -11,13 +11,28 @@ from __future__ import annotations
 import logging
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import codegen, planner
-from fxpar.compiler.errors import PlanError
+from fxpar.compiler import codegen, ir, planner
+from fxpar.compiler.errors import BatchError, FxparError, PlanError
 from fxpar.compiler.logs import Clock, announce
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import machine
 
 log = logging.getLogger("fxpar.compiler.planner")
+
+
+def _at_half_rows(model, example_batch, loss_fn):
+    """(the model's graph at half the example batch's rows, its real inputs), or None where
+    the batch does not halve: the second timing that tells the graph's time per row from its
+    time per call (planner.fit_to_timing)."""
+    try:
+        half = ir.microbatches(example_batch, 2, 1)[0]
+    except BatchError:
+        return None
+    try:
+        graph = cap.capture(model, half, loss_fn)
+    except FxparError:  # (e.g. a shape the model needs whole): timed at one size only
+        return None
+    return graph[0], planner.calibration_inputs(graph, model, half)[0]
 
 
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
@@ -41,11 +56,12 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                      "the measured machine, re-fitted to the first steps' time")
         elif device.type == "cpu":
             gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
-            args, params = planner.calibration_inputs(stats, model, example_batch)
+            args, params = planner.calibration_inputs(stats.graph, model, example_batch)
+            half = _at_half_rows(model, example_batch, loss_fn)
             with announce(log, "planner: timing the model's graph and optimizer step on "
                           "this machine"):
                 timing = machine.time_model(stats.graph[0], args, params, optimizer,
-                                            fused=gen == "inductor")
+                                            fused=gen == "inductor", half=half)
             hw = planner.fit_to_timing(hw, stats, *timing)
     result = planner.auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                                constraints=constraints, hw=hw, stats=stats)

@@ -355,6 +355,12 @@ class Hardware:
     # (CPU ranks share memory bandwidth and clocks; measured at start-up): the stage times
     # are priced busy, and a pipeline's bubbles leave ranks alone (planner._alone_share)
     alone_speedup: float = 1.0
+    # how many times its roofline (the matmul rate and copy bandwidth above) the model's own
+    # ops took, measured on its graph at start-up less the dispatch per node (CPU: 1.2-3x;
+    # small or odd-shaped matmuls, gathers, scatters and sorts run below those rates): the
+    # graph's segments are priced at this multiple, so the work scales with the rows and
+    # the tp split of the ops it belongs to (planner.fit_to_timing)
+    roofline_scale: float = 1.0
     async_launch: bool = True
     # the relative resolution of a predicted step time: plans predicted this close are a tie,
     # which the planner breaks by simplicity (data sheet: 2%; CPU: the spread of the

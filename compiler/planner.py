@@ -232,6 +232,7 @@ def _seg_time(s: Segment, stats, rows, tp, hw, precision, part):
     bs = getattr(s, f"bytes_{part}_split")
     compute = ((flops - fs) + fs / tp) * f / (hw.flops(precision) * hw.matmul_efficiency)
     memory = ((by - bs) + bs / tp) * f / hw.mem_bandwidth
+    compute, memory = compute * hw.roofline_scale, memory * hw.roofline_scale
     host = getattr(s, f"nodes_{part}") * hw.node_overhead
     return max(compute + memory, host) if hw.async_launch else compute + memory + host
 
@@ -1114,10 +1115,11 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                 setattr(stats, k, v)
 
 
-def calibration_inputs(stats: GraphStats, model, example_batch) -> tuple[list, list]:
-    """The captured graph's real inputs (the model's parameters and buffers, the example
-    batch, in the graph's order) and the parameters, for timing it (runtime/machine)."""
-    gm, sig = stats.graph
+def calibration_inputs(graph, model, example_batch) -> tuple[list, list]:
+    """A captured graph's (`(gm, sig)`, e.g. GraphStats.graph) real inputs (the model's
+    parameters and buffers, the batch, in the graph's order) and the parameters, for timing
+    it (runtime/machine)."""
+    gm, sig = graph
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = dict(model.named_buffers(remove_duplicate=False))
     ps = [params[n] for n in sig.param_names]
@@ -1126,27 +1128,41 @@ def calibration_inputs(stats: GraphStats, model, example_batch) -> tuple[list, l
 
 
 def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: float,
-                  optimizer_s: float | None, t_alone: float | None = None) -> cost.Hardware:
-    """CPU: the model's own joint graph timed once on the example batch with every rank busy
-    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), and its optimizer
-    step (runtime/machine.time_model): the time the roofline does not explain is the
-    dispatch overhead per graph node (Python, FX, ATen: dominant for small models)."""
+                  optimizer_s: float | None, t_alone: float | None = None,
+                  t_half: float | None = None) -> cost.Hardware:
+    """CPU: the model's own joint graph timed on the example batch with every rank busy
+    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), at half the batch's
+    rows (t_half), and its optimizer step (runtime/machine.time_model).
+
+    The two batch sizes split the graph's time into a part that scales with the rows a plan
+    runs it on (priced as the ops' roofline times `roofline_scale`, so it also shrinks with
+    the tp split) and a part each call pays whatever its rows (priced per node: dispatch,
+    and ops whose cost does not follow their size, as an MoE's routing). One timing cannot
+    tell them apart: all of it per node priced each of a pipeline's microbatches the whole
+    graph again, all of it per row priced a microbatch of an MoE at a fraction of what it
+    takes (docs/benchmarks.md, "Regret"). Without t_half it is all per node."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret
     # target; a 10% band chose plain dp 1.23x the best on the Mixtral of planner_regret)
     noise = min(max(spread, 0.03), 0.05)
-    base = dataclasses.replace(hw, node_overhead=0.0)
+    base = dataclasses.replace(hw, node_overhead=0.0, roofline_scale=1.0)
     roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
                    for s in stats.segments for part in ("f", "b"))
-    nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
-    hw = dataclasses.replace(hw, node_overhead=max(hw.node_overhead,
-                                                   (t_graph - roofline) / max(nodes, 1)),
-                             noise=noise)
+    nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
+    hw = dataclasses.replace(hw, noise=noise)
+    fixed = None  # seconds every call pays, at any rows
+    if t_half is not None and roofline > 0:
+        fixed = min(max(2 * t_half - t_graph, nodes * hw.node_overhead), t_graph)
+    if fixed is not None and fixed < t_graph:
+        hw.node_overhead = max(hw.node_overhead, fixed / nodes)
+        hw.roofline_scale = (t_graph - fixed) / roofline
+    else:  # the roofline's time per row, the rest per call
+        hw.node_overhead = max(hw.node_overhead, (t_graph - roofline) / nodes)
     hw.optimizer_s = optimizer_s
     if t_alone and hw.core_share >= 1:  # (oversubscribed cores: _on_shared_cores)
         hw.alone_speedup = min(max(t_graph / t_alone, 1.0), 2.0)
-    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms -> {hw.node_overhead * 1e6:.1f} us/node, "
-                      f"ties within {noise:.0%}"
+    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms -> {hw.roofline_scale:.2f}x roofline + "
+                      f"{hw.node_overhead * 1e6:.1f} us/node, ties within {noise:.0%}"
                       + (f", {hw.alone_speedup:.2f}x alone" if hw.alone_speedup > 1 else ""))
     return hw
 

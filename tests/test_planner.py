@@ -716,20 +716,49 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
     cfg = M.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
     model, batch = M.GPT(cfg), M.gpt_batch(cfg, 2)
     stats = planner.graph_stats(model, batch)
-    args, params = planner.calibration_inputs(stats, model, batch)
+    args, params = planner.calibration_inputs(stats.graph, model, batch)
     timed = []
     real = machine.optim.prefer_fused
     monkeypatch.setattr(machine.optim, "prefer_fused",
                         lambda opt: timed.append(opt) or real(opt))
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    t_graph, spread, step_s, alone = machine.time_model(stats.graph[0], args, params, adamw)
+    t_graph, spread, step_s, alone, half = machine.time_model(stats.graph[0], args, params,
+                                                              adamw)
     assert not timed and step_s > 0 and t_graph > 0  # eager codegen: the optimizer as built
-    assert alone is None  # (one process: no rank to time alone)
+    assert alone is None and half is None  # (one process: no rank to time alone)
     hw = planner.fit_to_timing(cost.cpu_hardware(), stats, t_graph, spread, step_s, alone)
     assert hw.optimizer_s == step_s and 0.03 <= hw.noise <= 0.05 and hw.alone_speedup == 1
-    _, _, step_s, _ = machine.time_model(stats.graph[0], args, params, adamw, fused=True)
+    _, _, step_s, _, _ = machine.time_model(stats.graph[0], args, params, adamw, fused=True)
     assert len(timed) == 1 and all(g["fused"] for g in timed[0].param_groups)
     assert step_s > 0
+
+
+def test_cpu_calibration_splits_the_graph_time_into_per_row_and_per_call(small_stats):
+    """planner.fit_to_timing with the graph timed at the batch and at half its rows: the
+    priced graph reproduces both timings, the per-row part as the ops' roofline scaled (so
+    it follows the rows and the tp split) and the rest per node (each call pays it). With
+    one timing everything is per node."""
+    hw = dataclasses.replace(cost.cpu_hardware(), node_overhead=2e-6)
+    stats = small_stats
+
+    def graph_s(h, rows):
+        return sum(planner._seg_time(s, stats, rows, 1, h, "fp32", part)
+                   for s in stats.segments for part in ("f", "b"))
+    nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
+    roofline = graph_s(dataclasses.replace(hw, node_overhead=0.0), stats.rows)
+    t_graph = 5 * roofline + nodes * 10e-6
+    t_half = 2.5 * roofline + nodes * 10e-6  # 5x the roofline per row, 10 us a node per call
+    fit = planner.fit_to_timing(hw, stats, t_graph, 0.01, None, None, t_half)
+    assert fit.roofline_scale == pytest.approx(5.0, rel=1e-6)
+    assert fit.node_overhead == pytest.approx(10e-6, rel=1e-6)
+    assert graph_s(fit, stats.rows) == pytest.approx(t_graph, rel=1e-6)
+    assert graph_s(fit, stats.rows / 2) == pytest.approx(t_half, rel=1e-6)
+    one = planner.fit_to_timing(hw, stats, t_graph, 0.01, None)  # one timing: per node
+    assert one.roofline_scale == 1.0
+    assert one.node_overhead == pytest.approx((t_graph - roofline) / nodes, rel=1e-6)
+    # a half-batch timing above the whole's (noise): no per-row part beyond the roofline
+    flat = planner.fit_to_timing(hw, stats, t_graph, 0.01, None, None, 1.1 * t_graph)
+    assert flat.roofline_scale == 1.0 and graph_s(flat, stats.rows) == pytest.approx(t_graph)
 
 
 def _cand(step_s, **fields):
