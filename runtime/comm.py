@@ -305,10 +305,12 @@ def measure_collectives(reps: int = 8) -> dict:
             if isinstance(g, dist.ProcessGroup):  # (not a group this rank is outside of)
                 forget_group(g.group_name)
             dist.destroy_process_group(g)
-    if world % 2 == 0:  # one-way send/recv time between pairs (2i, 2i+1), by ping-pong
+    if world % 2 == 0:  # one-way send/recv time between pairs (2i, 2i+1), by ping-pong, at
+        # 4 B and 4 MiB as above (at 256 KiB the slope was the latency's noise: 4.8 ns/B
+        # against 0.2-0.3 ns/B sending 4-16 MiB, and a pipeline's transfers priced 20x)
         peer = rank ^ 1
         ts = []
-        for numel in (1, 64 * 1024):
+        for numel in (1, big):
             x = torch.ones(numel)
 
             def ping_pong():
