@@ -37,12 +37,27 @@ def _shape_wrapped(formula):
     return f
 
 
-# FlopCounterMode has no formula for CPU flash attention (it counts 0); we use torch's own
-# flash-attention formulas for it. Pass as FlopCounterMode(custom_mapping=...) to compare.
+def _grouped_mm_flop(mat_a, mat_b, offs=None, *args, out_val=None, **kwargs) -> int:
+    """aten._grouped_mm (the expert matmuls of Hugging Face MoE models): every output element
+    is a dot product over its group's share of the contraction. 2-D x 3-D (offs groups a's
+    rows) and 3-D x 2-D (b's columns): 2 M K N; 2-D x 2-D (offs groups the contraction,
+    the weights' gradient): 2 M K N over the whole K; 3-D x 3-D: batched, 2 G M K N."""
+    a, b = mat_a.shape, mat_b.shape
+    if len(a) == 3 and len(b) == 3:
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    m = a[-2] if len(a) == 3 else a[0]
+    return 2 * m * a[-1] * b[-1]
+
+
+# FlopCounterMode has no formula for CPU flash attention (it counts 0) nor for grouped_mm;
+# we use torch's own flash-attention formulas and the one above. Pass as
+# FlopCounterMode(custom_mapping=...) to compare.
 EXTRA_FLOP_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _shape_wrapped(sdpa_flop),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _shape_wrapped(sdpa_backward_flop),
 }
+if hasattr(aten, "_grouped_mm"):
+    EXTRA_FLOP_FORMULAS[aten._grouped_mm] = _shape_wrapped(_grouped_mm_flop)
 # ops whose schema says "new tensor" but whose result shares the input's storage
 # (wait_tensor returns the very tensor its collective produced)
 _ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default,

@@ -44,7 +44,8 @@ def layer_key(module: str) -> str | None:
 FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
-          "transient", "tp_calls_extra")
+          "transient", "tp_calls_extra", "flops_f_whole", "flops_b_whole", "bytes_f_whole",
+          "bytes_b_whole")
 
 
 @dataclasses.dataclass
@@ -71,6 +72,13 @@ class Segment:
     transient: float = 0.0       # working bytes beyond the saved values while it runs
     tp_calls_extra: float = 0.0  # tp collectives beyond one per row/column linear (a
     #                              vocab-parallel loss's): counted by running the tp pass
+    # the work data parallelism does not split: ops the dp pass runs on the gathered batch
+    # (e.g. an MoE's expert matmuls over the routed rows of every rank), counted by running
+    # the dp pass (planner.count_pass_extras)
+    flops_f_whole: float = 0.0
+    flops_b_whole: float = 0.0
+    bytes_f_whole: float = 0.0
+    bytes_b_whole: float = 0.0
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
     column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
@@ -115,6 +123,8 @@ class GraphStats:
     column_weights: list = dataclasses.field(default_factory=list)
     # each linear weight's tensor-parallel role as priced: {parameter name: "column" | "row"}
     tp_roles: dict = dataclasses.field(default_factory=dict)
+    # each op node's segment, by node name (a pass's copy of the graph keeps the names)
+    node_segment: dict = dataclasses.field(default_factory=dict)
     # where pipeline_split cuts the graph: {(stages, device type): the layer index each
     # stage starts at} (planner.pass_stage_starts)
     stage_starts: dict = dataclasses.field(default_factory=dict)
@@ -404,7 +414,8 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
                       for p in dict.fromkeys(ws) if p in param_seg and _val_dim(p) >= 2]
     return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
                       len(layers), heads=heads, column_weights=column_weights,
-                      tp_roles={p.meta.get("fqn", p.name): r for p, r in roles_found.items()})
+                      tp_roles={p.meta.get("fqn", p.name): r for p, r in roles_found.items()},
+                      node_segment={n.name: sg for n, sg in seg_of.items()})
 
 
 def _val_dim(n) -> int:

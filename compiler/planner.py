@@ -223,12 +223,13 @@ class PlanResult:
 
 # --- the model's layers and the stages -------------------------------------------------------
 
-def _seg_time(s: Segment, stats, rows, tp, hw, precision, part):
-    """Seconds of one segment's forward ("f") or backward ("b") for `rows` rows."""
+def _seg_time(s: Segment, stats, rows, tp, hw, precision, part, dp=1):
+    """Seconds of one segment's forward ("f") or backward ("b") for `rows` rows of a rank
+    in a dp group of `dp` (the work the dp pass runs on the gathered batch: dp x the rows)."""
     f = rows / stats.rows
-    flops = getattr(s, f"flops_{part}")
+    flops = getattr(s, f"flops_{part}") + (dp - 1) * getattr(s, f"flops_{part}_whole")
     fs = getattr(s, f"flops_{part}_split")
-    by = getattr(s, f"bytes_{part}")
+    by = getattr(s, f"bytes_{part}") + (dp - 1) * getattr(s, f"bytes_{part}_whole")
     bs = getattr(s, f"bytes_{part}_split")
     compute = ((flops - fs) + fs / tp) * f / (hw.flops(precision) * hw.matmul_efficiency)
     memory = ((by - bs) + bs / tp) * f / hw.mem_bandwidth
@@ -753,8 +754,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
-        tf = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "f") for s in segs)
-        tb = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "b") for s in segs)
+        tf = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "f", dp) for s in segs)
+        tb = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "b", dp) for s in segs)
         f = mbs / stats.rows
         tpc_f = sum(hw.comm("all_reduce", s.tp_comm_f * f, tp, tp,
                             calls=s.n_row + int(s.tp_calls_extra)) for s in segs)
@@ -1079,15 +1080,16 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                                       - modeled, 0),
                 "tp_nodes_extra": max(len(n) - base, 0), "tp_split": split}
 
-    def dp_probe(zero):  # (counts only: the graph's meta["val"] is not refreshed)
+    def dp_probe(zero):  # (ZeRO-3 counts only: its graph's meta["val"] is not refreshed)
         g = _on_copy(data_parallel, gm, sig, {"dp": 2, "zero": zero}, 2,
-                     group_names={"tp": "tp", "dp": "dp"}, fresh_values=False)
+                     group_names={"tp": "tp", "dp": "dp"}, fresh_values=zero == 0)
         if g is None:
             return {}
         out = {"dp_nodes_per_param": (zero, max(len(calls(g)) - base, 0) / n_params)}
         if zero == 0:  # per-microbatch all-reduces: the loss (and its target count)
             out["dp_loss_calls"] = sum(1 for x in calls(g) if x.target is
                                        c10d.all_reduce.default and not x.meta.get(ir.BUCKET))
+            out["dp_whole"] = _unsplit_by_dp(gm, g, stats.node_segment)
         else:  # one collective per layer (and direction, for the gathers)
             out["zero3_gathers_per_param"] = sum(
                 1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default
@@ -1109,10 +1111,39 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                     if seg.name in v:
                         (seg.flops_f_split, seg.flops_b_split, seg.bytes_f_split,
                          seg.bytes_b_split) = v[seg.name]
+            elif k == "dp_whole":
+                for seg in stats.segments:
+                    if seg.name in v:
+                        (seg.flops_f_whole, seg.flops_b_whole, seg.bytes_f_whole,
+                         seg.bytes_b_whole) = v[seg.name]
             elif k == "dp_nodes_per_param":
                 stats.dp_nodes_per_param[v[0]] = v[1]
             else:
                 setattr(stats, k, v)
+
+
+def _unsplit_by_dp(gm, g, node_segment: dict) -> dict:
+    """Per segment, (forward FLOPs, backward FLOPs, forward bytes, backward bytes) of the
+    captured graph `gm`'s ops that the dp pass's graph `g` (dp=2, its values propagated)
+    does not halve: what a rank runs on the gathered batch (an MoE's routed expert matmuls
+    when their routing is not batch-local), and parameter-sized work (a dense embedding
+    gradient). Each op counts its work beyond half: 2 x its dp=2 cost - its whole cost. The
+    dp pass's own ops (gradient packing) are priced with it, per parameter, not here."""
+    base = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
+    out: dict = {}
+    for n in g.graph.nodes:
+        b = base.get(n.name)
+        seg = node_segment.get(n.name)
+        if b is None or seg is None or b.target is not n.target:
+            continue
+        fl, fw = cost.node_flops(n), cost.node_flops(b)
+        by = 0 if fl else sum(cost.node_bytes(n))
+        bw = 0 if fw else sum(cost.node_bytes(b))
+        whole = out.setdefault(seg, [0.0, 0.0, 0.0, 0.0])
+        k = 0 if b.meta.get(ir.REGION) == ir.FORWARD else 1
+        whole[k] += min(max(2 * fl - fw, 0), fw)
+        whole[2 + k] += min(max(2 * by - bw, 0), bw)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def calibration_inputs(graph, model, example_batch) -> tuple[list, list]:

@@ -48,6 +48,22 @@ def test_flops_equal_flop_counter_mode(name):
     assert sum(cost.node_flops(n) for n in gm.graph.nodes) == fc.get_total_flops() > 0
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_grouped_mm"), reason="no grouped_mm")
+def test_grouped_mm_flops_are_its_groups_matmuls():
+    """aten._grouped_mm (HF MoE experts) has no FlopCounterMode formula; ours counts what its
+    groups' matmuls do, in each of its forms (the forward's 2-D x 3-D, the weight gradient's
+    2-D x 2-D with groups along the contraction, the batched 3-D x 3-D)."""
+    offs = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    a, w, g = torch.randn(16, 8), torch.randn(4, 8, 8), torch.randn(16, 8)
+    cases = [((a, w, offs), sum(2 * 4 * 8 * 8 for _ in range(4))),
+             ((a.t().contiguous(), g, offs), sum(2 * 8 * 4 * 8 for _ in range(4))),
+             ((torch.randn(4, 16, 8), w), 4 * 2 * 16 * 8 * 8)]
+    for args, groups in cases:
+        with FlopCounterMode(display=False, custom_mapping=cost.EXTRA_FLOP_FORMULAS) as fc:
+            torch._grouped_mm(*args)
+        assert fc.get_total_flops() == groups
+
+
 def test_bytes_of_a_matmul_and_a_view():
     g = torch.fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")

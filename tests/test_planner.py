@@ -761,6 +761,33 @@ def test_cpu_calibration_splits_the_graph_time_into_per_row_and_per_call(small_s
     assert flat.roofline_scale == 1.0 and graph_s(flat, stats.rows) == pytest.approx(t_graph)
 
 
+@pytest.mark.slow  # (two models captured and probed: kept out of make test's 6 minutes)
+def test_the_work_data_parallelism_leaves_whole_is_priced_whole():
+    """An MoE's routed expert matmuls (HF Mixtral's grouped_mm over the routed rows) run on
+    the gathered batch under the dp pass: count_pass_extras finds that work in the pass's
+    own graph, and a dp rank is priced for it at the whole batch's rows. A dense model's
+    matmuls all halve."""
+    from fxpar.examples import zoo
+    hw = dataclasses.replace(cost.HARDWARE["a100"], node_overhead=0.0)  # (no host bound)
+    for name, moe in (("mixtral", True), ("llama", False)):
+        model, spec = zoo.build(name)
+        stats = planner.graph_stats(model, spec.batch(0), spec.loss_fn)
+        planner.count_pass_extras(stats)
+        whole = sum(s.flops_f_whole + s.flops_b_whole for s in stats.segments)
+        total = sum(s.flops_f + s.flops_b for s in stats.segments)
+        if not moe:
+            assert whole == 0
+            continue
+        assert 0.1 * total < whole < total
+        s = max(stats.segments, key=lambda s: s.flops_f_whole)
+        rows = stats.rows / 2  # a dp=2 rank's
+        extra = (planner._seg_time(s, stats, rows, 1, hw, "fp32", "f", dp=2)
+                 - planner._seg_time(s, stats, rows, 1, hw, "fp32", "f", dp=1))
+        assert extra == pytest.approx(
+            0.5 * s.flops_f_whole / (hw.flops("fp32") * hw.matmul_efficiency)
+            + 0.5 * s.bytes_f_whole / hw.mem_bandwidth, rel=1e-6)
+
+
 def _cand(step_s, **fields):
     plan = fxpar.Plan(**{"dp": 1, "tp": 1, "pp": 1, **fields})
     return planner.Candidate(plan, step_s, None, None, 0.0, {"compute": step_s})
