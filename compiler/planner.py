@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import summed_buffer_updates
+from fxpar.compiler.graphs import fake_propagate, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze, forward_segments,
                                        layer_key)
 from fxpar.compiler.logs import Clock, Ticker, phase_done
@@ -1080,16 +1080,20 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                                       - modeled, 0),
                 "tp_nodes_extra": max(len(n) - base, 0), "tp_split": split}
 
-    def dp_probe(zero):  # (ZeRO-3 counts only: its graph's meta["val"] is not refreshed)
+    def dp_probe(zero):  # (counts: the graph's meta["val"] is not refreshed by the pass)
         g = _on_copy(data_parallel, gm, sig, {"dp": 2, "zero": zero}, 2,
-                     group_names={"tp": "tp", "dp": "dp"}, fresh_values=zero == 0)
+                     group_names={"tp": "tp", "dp": "dp"}, fresh_values=False)
         if g is None:
             return {}
         out = {"dp_nodes_per_param": (zero, max(len(calls(g)) - base, 0) / n_params)}
         if zero == 0:  # per-microbatch all-reduces: the loss (and its target count)
             out["dp_loss_calls"] = sum(1 for x in calls(g) if x.target is
                                        c10d.all_reduce.default and not x.meta.get(ir.BUCKET))
-            out["dp_whole"] = _unsplit_by_dp(gm, g, stats.node_segment)
+            try:  # (a rank's values: what the dp=2 graph really computes per op)
+                fake_propagate(g, check=False)
+                out["dp_whole"] = _unsplit_by_dp(gm, g, stats.node_segment)
+            except Exception as e:  # noqa: BLE001 - priced as halving, as before the probe
+                log.debug("planner: the dp graph's values could not be propagated: %s", e)
         else:  # one collective per layer (and direction, for the gathers)
             out["zero3_gathers_per_param"] = sum(
                 1 for x in calls(g) if x.target is c10d.all_gather_into_tensor.default
