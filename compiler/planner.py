@@ -1189,7 +1189,7 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     if t_half is not None and roofline > 0:
         fixed = min(max(2 * t_half - t_graph, nodes * hw.node_overhead), t_graph)
     if fixed is not None and fixed < t_graph:
-        hw.node_overhead = max(hw.node_overhead, fixed / nodes)
+        hw.node_overhead = fixed / nodes  # (at least the measured dispatch, above)
         hw.roofline_scale = (t_graph - fixed) / roofline
     else:  # the roofline's time per row, the rest per call
         hw.node_overhead = max(hw.node_overhead, (t_graph - roofline) / nodes)

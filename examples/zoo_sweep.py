@@ -56,8 +56,7 @@ class Cell:
     status: str  # exact | refused | mismatch | crash | skipped | n/a | rounding
     detail: str = ""
     seconds: float = 0.0
-    chosen: str = ""  # plan="auto": the plan the planner chose
-    chosen_plan: dict | None = dataclasses.field(default=None, repr=False)  # ... as plan=
+    chosen: dict | None = None  # the plan it ran (plan="auto": the planner's), as plan=
 
 
 LR = 1e-3
@@ -168,7 +167,8 @@ def compare(losses, state, ref_losses, ref_state, quiet=None) -> str:
 
 def sweep_rank(name: str, plan_keys: list[str], verify: bool = False, plans=None):
     """Runs on each of 2 ranks: every plan of `plan_keys` for model `name`, one after another
-    (`plans`: {key: plan} in place of PLANS[key]). Rank 0 returns {plan: (status, detail,
+    (`plans`: {key: plan} in place of PLANS[key]; `verify`: its first step under
+    Plan.verify, all that verify checks). Rank 0 returns {plan: (status, detail,
     losses, state, chosen plan dict, seconds)}."""
     rank = int(os.environ.get("RANK", 0))
     out = {}
@@ -176,6 +176,7 @@ def sweep_rank(name: str, plan_keys: list[str], verify: bool = False, plans=None
         t0 = time.perf_counter()
         try:
             losses, state, chosen = train(name, 2, (plans or PLANS)[key],
+                                          steps=1 if verify else STEPS,
                                           dropout=key in DROPOUT, verify=verify)
             out[key] = ("ran", "", losses, state if rank == 0 else None, chosen)
         except Exception as e:  # noqa: BLE001 - the sweep records every failure
@@ -226,7 +227,7 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
         if status == "ran":
             diff = compare(losses, state, *(ref_dropout if key in DROPOUT else ref))
             status, detail = ("mismatch", diff) if diff else ("exact", "")
-        cells.append(Cell(name, key, status, detail, secs, _describe(chosen), chosen))
+        cells.append(Cell(name, key, status, detail, secs, chosen))
     return _verified(name, cells)
 
 
@@ -246,7 +247,7 @@ def _verified(name: str, cells: list[Cell]) -> list[Cell]:
     multi = [c.plan for c in again if c.plan != "1 device"]
     if multi:
         try:
-            plans = {c.plan: c.chosen_plan if PLANS[c.plan] == "auto" else PLANS[c.plan]
+            plans = {c.plan: c.chosen if PLANS[c.plan] == "auto" else PLANS[c.plan]
                      for c in again if c.plan != "1 device"}
             got = fxpar.launch(sweep_rank, 2, name, multi, True, plans)[0]
             found.update({k: v[1] for k, v in got.items()})
@@ -289,7 +290,8 @@ def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
         for k in plan_keys:
             c = by.get((n, k))
             row.append("" if c is None else mark[c.status] + (
-                f" ({c.chosen})" if c.status in ("exact", "rounding") and k.startswith("auto")
+                f" ({_describe(c.chosen)})" if c.status in ("exact", "rounding")
+                and k.startswith("auto")
                 else ""))
         spec = registry(n).models()[n]
         lines.append(f"| {n} | {spec.family} | {spec.note} | " + " | ".join(row) + " |")

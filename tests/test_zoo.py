@@ -373,20 +373,26 @@ def test_the_zoo_covers_what_it_promises():
 
 
 def test_a_mismatch_is_rounding_only_where_verify_passes_its_first_step(monkeypatch):
-    """zoo_sweep's rule for a cell that differs after 3 AdamW steps: run again under
-    Plan.verify; "rounding" only where the first step passes, else a mismatch with what
-    verify found (and "auto", whose plan is the planner's, is never re-run)."""
+    """zoo_sweep's rule for a cell that differs after 3 AdamW steps: run again for one step
+    under Plan.verify; "rounding" only where that step passes, else a mismatch with what
+    verify found. An "auto" cell runs again with the plan the planner chose."""
     from fxpar.compiler.errors import VerifyError
+    ran = []
 
     def train(name, devices, plan, steps=3, dropout=False, verify=False):
         assert verify and steps == 1
+        ran.append(plan)
         if name == "broken":
             raise VerifyError("h.0.mlp.weight's gradient differs from one process's")
-        return [], {}, ""
+        return [], {}, {}
     monkeypatch.setattr(zoo_sweep, "train", train)
-    ok = zoo_sweep._verified("fine", [zoo_sweep.Cell("fine", "1 device", "mismatch", "w: 2e-5"),
-                                      zoo_sweep.Cell("fine", "auto (2)", "mismatch", "w: 2e-5")])
-    assert [c.status for c in ok] == ["rounding", "mismatch"]
+    # the two-rank re-runs in this process (sweep_rank as rank 0)
+    monkeypatch.setattr(zoo_sweep.fxpar, "launch", lambda fn, n, *args: {0: fn(*args)})
+    ok = zoo_sweep._verified("fine", [
+        zoo_sweep.Cell("fine", "1 device", "mismatch", "w: 2e-5"),
+        zoo_sweep.Cell("fine", "auto (2)", "mismatch", "w: 2e-5", chosen={"tp": 2})])
+    assert [c.status for c in ok] == ["rounding", "rounding"]
     assert "Plan.verify passes" in ok[0].detail
+    assert ran == [None, {"tp": 2}]
     bad = zoo_sweep._verified("broken", [zoo_sweep.Cell("broken", "1 device", "mismatch", "w")])
     assert bad[0].status == "mismatch" and "VerifyError" in bad[0].detail
