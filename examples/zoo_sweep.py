@@ -10,11 +10,17 @@ the same batches from the same initial weights. Its result is one of
 - "crash":   anything else (a bug: an error from inside a pass or from ATen);
 - "skipped": an external-zoo model whose library is not installed (examples/external_zoo.py);
 - "n/a":     the column does not apply ("tp=2 dropout" to a model whose config has none);
-- "rounding": it differed after STEPS AdamW steps, and the same cell under Plan.verify passes
-             its first step (gradients and optimizer state within what rounding of fp32 sums
-             makes them, runtime/verify.py): a different order of float sums that Adam's
-             per-element normalisation turns into lr-sized moves of small-gradient elements,
-             not a wrong answer. A mismatch verify confirms stays a "mismatch".
+- "rounding": it differed after STEPS AdamW steps by what rounding alone makes of this
+             model, by one of two controls: (1) eager PyTorch trained from weights one ulp
+             apart (`ulp_control`) is as far from eager, CONTROL_SLACK times over, loss by
+             loss and tensor by tensor - a model whose training amplifies rounding (a
+             BatchNorm behind a zero-initialised scale, an MoE router flipping near-tied
+             experts, bf16 casts inside an fp32 model); or (2) the same cell under Plan.verify
+             passes its first step (gradients and optimizer state within what rounding of fp32
+             sums makes them, runtime/verify.py): a different order of float sums that Adam's
+             per-element normalisation turns into lr-sized moves of small-gradient elements.
+             The detail names the control. A mismatch both controls confirm stays a
+             "mismatch".
 "tp=2 dropout" builds the model with its library's default dropouts (`zoo.build(...,
 dropout=True)`), eager's reference too: tensor parallelism draws the masks one process draws.
 All two-rank plans of one model run in one `fxpar.launch` (one process group, compiled one
@@ -63,6 +69,9 @@ LR = 1e-3
 # |gradient| at or below this fraction of the model's largest, in every eager step: zero
 # up to float32 rounding of the sums that make it (~1e-7 relative, over many terms)
 QUIET_GRAD = 1e-5
+# how much farther from eager than eager from weights one ulp apart fxpar's result may be
+CONTROL_SLACK = 4.0
+CONTROLS = 3  # runs from weights one ulp apart (three draws)
 
 
 def registry(name: str):
@@ -112,6 +121,54 @@ def eager_reference(name: str, steps: int = STEPS, dropout: bool = False):
     top = max((float(g.max()) for g in peak.values() if g.numel()), default=0.0)
     quiet = {k: g <= QUIET_GRAD * top for k, g in peak.items()}
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, quiet
+
+
+def ulp_control(name: str, steps: int = STEPS, dropout: bool = False, seed: int = 0):
+    """(losses, final state dict) of eager PyTorch trained as `eager_reference` is, from
+    weights one float32 ulp apart (each element moved up or down at random, drawn from
+    `seed`): how far rounding alone moves this model's training in STEPS steps. A router that flips a
+    near-tied expert, a BatchNorm behind a zero-initialised scale, bf16 casts of values one
+    ulp apart and Adam's normalisation of near-zero gradients make that far more than 1e-5
+    on some models; another order of the same float sums moves them as far."""
+    reg = registry(name)
+    model, spec = _build(name, dropout)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                up = torch.rand(p.shape, generator=g) < 0.5
+                p.copy_(torch.where(up.to(p.device), torch.nextafter(p, p + 1),
+                                    torch.nextafter(p, p - 1)))
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = reg.loss_of(model, spec, spec.batch(s))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def within_control(losses, state, ref_losses, ref_state, controls) -> str:
+    """'' when fxpar's result is no farther from eager's than the farthest of `controls`
+    (ulp_control's runs) is, CONTROL_SLACK times over, loss by loss and tensor by tensor
+    (largest element difference, each at least the exact-match tolerance), else the first
+    that is farther. Several controls: where routing flips a token's expert or not, one run
+    is a coin toss."""
+    for i, (got, ref) in enumerate(zip(losses, ref_losses)):
+        own = max(abs(c[0][i] - ref) for c in controls)
+        if abs(got - ref) > CONTROL_SLACK * own + LOSS_ATOL + RTOL * abs(ref):
+            return (f"loss {i}: {got} is {abs(got - ref):.3g} from eager's {ref}; eager from "
+                    f"weights one ulp apart: {own:.3g}")
+    for k, ref in ref_state.items():
+        if not ref.is_floating_point():
+            continue
+        far = (state[k].double() - ref.double()).abs().max().item()
+        own = max((c[1][k].double() - ref.double()).abs().max().item() for c in controls)
+        if far > CONTROL_SLACK * own + PARAM_ATOL + RTOL * ref.abs().max().item():
+            return f"{k}: {far:.3g} from eager; eager from weights one ulp apart: {own:.3g}"
+    return ""
 
 
 def train(name: str, devices: int, plan, steps: int = STEPS, dropout: bool = False,
@@ -218,15 +275,25 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
             status, detail = _failure(e)
             results.update({k: ("crash", detail, None, None, None, 0.0) for k in multi
                             if k not in results})
-    cells = []
+    cells, controls = [], {}
     for key in columns:
         if key in na:
             cells.append(Cell(name, key, "n/a", "its config has no dropout"))
             continue
         status, detail, losses, state, chosen, secs = results[key]
         if status == "ran":
-            diff = compare(losses, state, *(ref_dropout if key in DROPOUT else ref))
+            dropout = key in DROPOUT
+            eager = ref_dropout if dropout else ref
+            diff = compare(losses, state, *eager)
             status, detail = ("mismatch", diff) if diff else ("exact", "")
+            if diff:
+                if dropout not in controls:
+                    controls[dropout] = [ulp_control(name, dropout=dropout, seed=i)
+                                         for i in range(CONTROLS)]
+                far = within_control(losses, state, eager[0], eager[1], controls[dropout])
+                status, detail = ("mismatch", f"{diff}; {far}") if far else (
+                    "rounding", f"{diff} after {STEPS} AdamW steps; eager trained from weights "
+                    f"one ulp apart differs from eager as much (within {CONTROL_SLACK:g}x)")
         cells.append(Cell(name, key, status, detail, secs, chosen))
     return _verified(name, cells)
 

@@ -257,7 +257,8 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
     made whole; a matmul that turns the batch into a non-batch dimension (CLIP's [B, B]
     image-text scores) needs a split operand made whole. Gathers of other ops (a view that
     cannot stay split, MoE routing's sort over all tokens) are rows computed apart, as
-    before, and not refused."""
+    before, and not refused; so are counts over the batch read only as a grouped matmul's
+    group offsets (`_only_group_sizes`)."""
     placements = {n.name: (Shard(0),) for n in gm.graph.nodes if n.op == "placeholder"
                   and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
     if not placements:
@@ -270,7 +271,7 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
         return
     trained = _feeding_training(gm)
     for node, _value, have, need in requests:
-        if node.target in _LOSS_OPS or node not in trained:
+        if node.target in _LOSS_OPS or node not in trained or _only_group_sizes(node):
             continue
         reduced = any(isinstance(p, Partial) for p in have) and \
             not any(isinstance(p, Partial) for p in need)
@@ -284,6 +285,26 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
                 "e.g. batch statistics or a contrastive score matrix), so running each "
                 "microbatch alone is not one step on the whole batch. Use microbatches=1 "
                 "(dp splits such a batch exactly: fxpar adds the collectives).")
+
+
+_SIZE_OPS = {aten.cumsum.default, aten._to_copy.default, aten.view.default,
+             aten.clone.default}
+
+
+def _only_group_sizes(node: torch.fx.Node) -> bool:
+    """Whether `node` (a count over the batch's rows, e.g. tokens per expert) is read only as
+    the group offsets of grouped matmuls (through cumsum and casts): an MoE's experts then
+    multiply each row by its own expert's weights whatever the other rows' counts, so a
+    microbatch's own counts give each of its rows the result the whole batch gives it."""
+    def as_offsets(v: torch.fx.Node) -> bool:
+        for u in v.users:
+            if u.target is aten._grouped_mm.default:
+                if v in u.args[:2] or not (u.args[2:3] == (v,) or u.kwargs.get("offs") is v):
+                    return False
+            elif not (u.target in _SIZE_OPS and as_offsets(u)):
+                return False
+        return bool(v.users)
+    return as_offsets(node)
 
 
 def _feeding_training(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:

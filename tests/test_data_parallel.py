@@ -135,6 +135,60 @@ def test_microbatches_refused_where_rows_of_the_batch_are_computed_together(mode
     fxpar.compile(model(), 2, example_batch=batch, plan={"dp": 2})
 
 
+class _GroupedMoE(torch.nn.Module):
+    """torchtitan's expert dispatch in miniature: tokens sorted by expert, one grouped matmul
+    whose group offsets are the cumsum of tokens per expert over the batch, unsorted back.
+    `aux`: a load-balancing loss that reads the counts as well."""
+
+    def __init__(self, aux=False):
+        super().__init__()
+        self.router, self.aux = torch.nn.Linear(8, 4, bias=False), aux
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8) * 0.1)
+
+    def forward(self, batch):
+        x, y = batch
+        logits = self.router(x)
+        expert = logits.argmax(-1)
+        counts = torch.histc(expert.float(), bins=4, min=0, max=3)
+        order = torch.argsort(expert, stable=True)
+        h = torch._grouped_mm(x[order], self.w, offs=torch.cumsum(counts, 0).to(torch.int32))
+        gate = logits.softmax(-1).amax(-1, keepdim=True)
+        loss = torch.nn.functional.mse_loss(torch.zeros_like(h).index_copy(0, order, h) * gate, y)
+        if self.aux:
+            loss = loss + (counts / x.shape[0] * logits.softmax(-1).mean(0)).sum()
+        return loss
+
+
+def test_counts_read_only_as_grouped_matmul_offsets_allow_microbatches():
+    """Tokens per expert are a count over the whole batch, but a grouped matmul reading them
+    as its group offsets multiplies each row by its own expert's weights: each microbatch's
+    own counts give each row the whole batch's result (torchtitan's MoE at pp=2 m=2 was
+    refused). The same counts read by a loss term are a coupling and stay refused. Two
+    microbatches on one device equal eager's step on the whole batch."""
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 8), torch.randn(16, 8))
+    gm, _ = capture(_GroupedMoE(), batch)
+    assert data_parallel.microbatch_refusal(gm) is None
+    gm, _ = capture(_GroupedMoE(aux=True), batch)
+    assert "a sum over the batch" in data_parallel.microbatch_refusal(gm)
+    torch.manual_seed(1)
+    model = _GroupedMoE()
+    eager = {k: v.detach().clone() for k, v in model.named_parameters()}
+    pm = fxpar.parallelize(model, 1, example_batch=batch, plan={"microbatches": 2},
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.manual_seed(1)
+    ref = _GroupedMoE()
+    ref_loss = ref(batch)
+    ref_loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    torch.testing.assert_close(pm.step(batch), ref_loss.detach())
+    for k, p in ref.named_parameters():
+        assert not torch.equal(p, eager[k]) or k == "router.weight"
+        torch.testing.assert_close(pm.full_state_dict()[k], p.detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # (make test's time: runs in CI's slow suite)
 def test_microbatches_allowed_where_rows_are_computed_apart():
     """An LSTM (views that cannot stay split) and MoE routing (a sort over all tokens)

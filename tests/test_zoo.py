@@ -372,6 +372,43 @@ def test_the_zoo_covers_what_it_promises():
     assert fams.count("vision") >= 4
 
 
+def test_the_ulp_control_is_tight_on_a_well_conditioned_model_and_rules_updates_out():
+    """zoo_sweep's first rounding control: eager trained from weights one ulp apart. On a
+    well-conditioned model it stays within the exact-match tolerance of eager, so an error
+    of an update's size (a wrong shard, a missing collective) is never called rounding; a
+    result as far from eager as the control, or within CONTROL_SLACK times it, is."""
+    losses, state, _ = zoo_sweep.eager_reference("llama")
+    control = zoo_sweep.ulp_control("llama")
+    assert control[1].keys() == state.keys() and not all(
+        torch.equal(control[1][k], v) for k, v in state.items())  # it moved the weights
+    assert zoo_sweep.compare(*control, losses, state) == ""  # within 1e-5: tight
+    assert zoo_sweep.within_control(*control, losses, state, [control]) == ""
+    k = next(k for k, v in state.items() if v.is_floating_point() and v.dim() == 2)
+    wrong = {**state, k: state[k] + zoo_sweep.LR}  # one update off
+    assert k in zoo_sweep.within_control(losses, wrong, losses, state, [control])
+    assert "loss 1" in zoo_sweep.within_control(
+        [losses[0], losses[1] + 1e-3, losses[2]], state, losses, state, [control])
+
+
+def test_a_mismatch_within_the_ulp_control_is_rounding(monkeypatch):
+    """sweep_model's verdict on a cell that differs: "rounding", naming the control, when
+    eager from weights one ulp apart differs as much; else a mismatch naming what the
+    control did not explain (then checked again under Plan.verify)."""
+    ref = ([1.0, 0.9, 0.8], {"w": torch.ones(4)}, {})
+    far = {"w": torch.ones(4) + torch.tensor([0, 0, 0, 2e-4])}  # 2e-4: past rtol 1e-5
+    monkeypatch.setattr(zoo_sweep, "eager_reference", lambda name, **kw: ref)
+    monkeypatch.setattr(zoo_sweep, "train", lambda *a, **kw: ([1.0, 0.9, 0.8], far, {}))
+    monkeypatch.setattr(zoo_sweep, "_verified", lambda name, cells: cells)
+    monkeypatch.setattr(zoo_sweep, "ulp_control", lambda name, dropout=False, seed=0: (
+        ref[0], {"w": torch.ones(4) + (1e-4 if seed == 1 else 0)}))  # the farthest counts
+    cell, = zoo_sweep.sweep_model("llama", ["1 device"])
+    assert cell.status == "rounding" and "one ulp apart" in cell.detail
+    monkeypatch.setattr(zoo_sweep, "ulp_control", lambda name, dropout=False, seed=0: (
+        ref[0], {"w": torch.ones(4) + 1e-6}))
+    cell, = zoo_sweep.sweep_model("llama", ["1 device"])
+    assert cell.status == "mismatch" and "w: 0.0002 from eager" in cell.detail
+
+
 def test_a_mismatch_is_rounding_only_where_verify_passes_its_first_step(monkeypatch):
     """zoo_sweep's rule for a cell that differs after 3 AdamW steps: run again for one step
     under Plan.verify; "rounding" only where that step passes, else a mismatch with what
