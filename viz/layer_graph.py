@@ -310,7 +310,8 @@ def _legend(view: LayerView) -> str:
             row("n recomputed: remat replays them in the backward", RECOMPUTE_COLOR),
             row("n saved: forward values kept for the backward", "#dfe8ff"),
             row("tp: column / row / vocab-sharded weights", TP_COLOR),
-            row("n fused kernels: Triton kernels (fusion pass)", FUSED_COLOR),
+            *([row("n fused kernels: fxpar's Triton kernels (fusion pass)", FUSED_COLOR)]
+              if any(b.fused for b in view.boxes.values()) else []),
             *([row("Inductor runs i, j: its ops compiled into those runs (a run spans boxes)",
                    INDUCTOR_COLOR)] if any(b.compiled for b in view.boxes.values()) else []),
             row("red: collective (kind x count, bytes)", "#ffd0d0"),
