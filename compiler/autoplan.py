@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, ir, planner
 from fxpar.compiler.errors import BatchError, FxparError, PlanError
@@ -35,6 +37,27 @@ def _at_half_rows(model, example_batch, loss_fn):
     return graph[0], planner.calibration_inputs(graph, model, half)[0]
 
 
+def _graph_key(graph) -> list[str]:
+    """The captured graph's code and its inputs' shapes and dtypes: what the passes' probes
+    (planner.count_pass_extras) see."""
+    return [graph.code, *(f"{tuple(v.shape)}{v.dtype}" for n in graph.graph.nodes
+                          if n.op == "placeholder" and isinstance(
+                              v := n.meta.get("val"), torch.Tensor))]
+
+
+def _timing_key(graph, args, optimizer, gen: str) -> list[str]:
+    """What the model's timing depends on besides the machine: the graph's code, its inputs'
+    shapes, strides and dtypes, the optimizer (its class and settings) and the codegen
+    (fused optimizer or not)."""
+    opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) or optimizer is None \
+        else optimizer([torch.nn.Parameter(torch.zeros(1))])
+    opt = "none" if opt is None else type(opt).__name__ + repr(
+        {k: opt.defaults.get(k) for k in ("foreach", "fused", "momentum", "amsgrad")}) + (
+        " instance" if opt is optimizer else "")
+    return [graph.code, *(f"{tuple(a.shape)}{a.stride()}{a.dtype}" if isinstance(
+        a, torch.Tensor) else repr(a) for a in args), opt, gen]
+
+
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
     """fxpar.parallelize's planning step: every rank plans alike (the machine's figures are
     rank 0's, broadcast; the search is deterministic) and gets the same Plan. Returns
@@ -49,7 +72,9 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                     precision=constraints.get("precision") or "fp32")
     if device.type == "cpu":
         with clock("planner: count pass extras"):
-            planner.count_pass_extras(stats, share=machine.shared_over_ranks)
+            planner.count_pass_extras(stats, share=lambda jobs: machine.remembered(
+                "probes", machine.machine_key() + _graph_key(stats.graph[0]),
+                lambda: machine.shared_over_ranks(jobs))[0])
     with clock("planner: calibrate"):
         if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
             log.info("planner: the model is on the meta device; plans are priced with "
@@ -57,12 +82,19 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         elif device.type == "cpu":
             gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
             args, params = planner.calibration_inputs(stats.graph, model, example_batch)
-            half = _at_half_rows(model, example_batch, loss_fn)
-            with announce(log, "planner: timing the model's graph and optimizer step on "
-                          "this machine"):
-                timing = machine.time_model(stats.graph[0], args, params, optimizer,
-                                            fused=gen == "inductor", half=half)
+
+            def time_it():
+                half = _at_half_rows(model, example_batch, loss_fn)
+                with announce(log, "planner: timing the model's graph and optimizer step "
+                              "on this machine"):
+                    return machine.time_model(stats.graph[0], args, params, optimizer,
+                                              fused=gen == "inductor", half=half)
+            timing, cached = machine.remembered(
+                "model", machine.machine_key() + _timing_key(stats.graph[0], args, optimizer,
+                                                             gen), time_it)
             hw = planner.fit_to_timing(hw, stats, *timing)
+            if cached:
+                hw.calibrated += " (the model's timing remembered)"
     result = planner.auto_plan(model, example_batch, loss_fn, optimizer, world, device,
                                constraints=constraints, hw=hw, stats=stats)
     result.times = clock.rows(other=False) + result.times

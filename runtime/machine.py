@@ -6,11 +6,23 @@ On CPU ranks every measurement runs on every rank at once (each sees its share o
 cores, as the job's steps will) and rank 0's figures are broadcast, so every rank prices
 with the same numbers and picks the same plan. On GPUs the data sheet's rates are used and
 only the memory per device is agreed on.
+
+What was measured is remembered on disk (`remembered`: FXPAR_CACHE_DIR, else fxpar/ in
+Inductor's cache directory, as compiled code is), keyed by this machine, the job's shape and
+fxpar's own code: a job launched again on the same machine skips the measuring (seconds of
+its start-up) and, priced with the same figures, picks the same plan - one measurement's
+noise no longer changes the choice between launches. FXPAR_PLAN_CACHE=0 measures again
+(and remembers nothing).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import os
+import pickle
+import platform
+import socket
 import time
 from typing import Any, Callable
 
@@ -25,33 +37,123 @@ from fxpar.runtime import dist as rdist
 log = logging.getLogger(__name__)
 
 
+def machine_key() -> list[str]:
+    """What the figures measured here depend on: the host and its CPU, the cores this rank
+    may use and the ranks sharing them, the job's world size, torch and its threads, and
+    fxpar's code (its measurements and what it derives from them)."""
+    ranks, cores = rdist.local_ranks_and_cores()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [socket.gethostname(), platform.processor() or platform.machine(), _cpu_model(),
+            f"cores={cores} local={ranks} world={world}", torch.__version__,
+            f"threads={torch.get_num_threads()}", _code_version()]
+
+
+def remembered(kind: str, key: list[str], compute: Callable[[], Any]) -> tuple[Any, bool]:
+    """(compute()'s value, whether it came from the disk). Collective: rank 0 looks `key` up
+    and every rank learns whether it was found (a measurement runs on every rank together
+    or on none); found, every rank gets rank 0's value; else every rank computes and rank 0
+    stores its value (picklable). FXPAR_PLAN_CACHE=0: always computed, never stored."""
+    on = os.environ.get("FXPAR_PLAN_CACHE", "1") != "0"
+    path = os.path.join(_cache_dir(), f"{kind}-"
+                        + hashlib.sha256("\0".join(key).encode()).hexdigest()[:32] + ".pkl")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    found = [None]
+    if on and rank0 and os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                found = [pickle.load(f)]
+        except Exception as e:  # noqa: BLE001 - a stale or partial entry: measure again
+            log.debug("planner cache entry %s unreadable (%s): measuring", path, e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        return found[0], True
+    value = compute()
+    if on and rank0:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(value, f)
+            os.replace(tmp, path)  # atomic: a job reading it never sees half a file
+        except OSError as e:  # a read-only cache: measured, not remembered
+            log.debug("planner: could not remember %s in %s: %s", kind, path, e)
+    return value, False
+
+
+def _cache_dir() -> str:
+    """Beside fxpar's compiled code (compiler/codegen.cache_dir): FXPAR_CACHE_DIR, else
+    fxpar/ in Inductor's cache directory; the planner's figures in its planner/ folder."""
+    if os.environ.get("FXPAR_CACHE_DIR"):
+        return os.path.join(os.environ["FXPAR_CACHE_DIR"], "planner")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_dir
+    return os.path.join(inductor_dir(), "fxpar", "planner")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+_CODE: list[str] = []
+
+
+def _code_version() -> str:
+    """A hash of fxpar's own source files (sizes and modification times): any change to the
+    code that measures or prices measures again."""
+    if not _CODE:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        h = hashlib.sha256()
+        for d in ("compiler", "runtime", "passes"):
+            for name in sorted(os.listdir(os.path.join(root, d))):
+                if name.endswith(".py"):
+                    st = os.stat(os.path.join(root, d, name))
+                    h.update(f"{d}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        _CODE.append(h.hexdigest()[:16])
+    return _CODE[0]
+
+
 def measure(device: torch.device) -> cost.Hardware:
     """`device`'s rates, the collectives' times on this job's process group (CPU ranks), the
-    fewest bytes of memory any rank has."""
+    fewest bytes of memory any rank has. CPU figures are remembered per machine and job
+    shape (`remembered`)."""
     if device.type == "cuda":
         hw = cost.gpu_hardware(device)
     else:
-        if dist.is_initialized():  # all ranks measure at once: each sees its share of the CPU
-            dist.barrier()
-        hw = cost.cpu_hardware()
-        if dist.is_initialized():
-            with announce(log, "planner: timing this machine's collectives"):
-                table = comm.measure_collectives()
-            link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
-            ranks, cores = rdist.local_ranks_and_cores()
-            peak, bandwidth, overhead = broadcast_figures(
-                [hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead])
-            hw = dataclasses.replace(hw, peak_flops={"fp32": peak, "bf16": peak / 4,
-                                                     "fp16": peak / 8},
-                                     mem_bandwidth=bandwidth, node_overhead=overhead,
-                                     intra=link, inter=link, collectives=table, overlap=0.0,
-                                     bubble_is_idle=ranks <= cores,
-                                     core_share=min(1.0, cores / max(ranks, 1)))
+        hw, cached = remembered("machine", machine_key(), _measure_cpu)
+        if cached:
+            hw = dataclasses.replace(hw, calibrated=hw.calibrated + " (remembered: "
+                                     "FXPAR_PLAN_CACHE=0 measures again)")
     hw.memory = cost.device_memory(device)
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MIN)
         hw.memory = int(mem.item())
+    return hw
+
+
+def _measure_cpu() -> cost.Hardware:
+    """This CPU's matmul and copy rates and the collectives' times on the job's group."""
+    if dist.is_initialized():  # all ranks measure at once: each sees its share of the CPU
+        dist.barrier()
+    hw = cost.cpu_hardware()
+    if dist.is_initialized():
+        with announce(log, "planner: timing this machine's collectives"):
+            table = comm.measure_collectives()
+        link = cost.link_from_table(table, dist.get_world_size()) or hw.intra
+        ranks, cores = rdist.local_ranks_and_cores()
+        peak, bandwidth, overhead = broadcast_figures(
+            [hw.peak_flops["fp32"], hw.mem_bandwidth, hw.node_overhead])
+        hw = dataclasses.replace(hw, peak_flops={"fp32": peak, "bf16": peak / 4,
+                                                 "fp16": peak / 8},
+                                 mem_bandwidth=bandwidth, node_overhead=overhead,
+                                 intra=link, inter=link, collectives=table, overlap=0.0,
+                                 bubble_is_idle=ranks <= cores,
+                                 core_share=min(1.0, cores / max(ranks, 1)))
     return hw
 
 

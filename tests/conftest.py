@@ -8,6 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # 2-core machine): the suite runs op by op unless a test is about code generation and asks
 # for codegen="inductor" itself (tests/test_codegen.py, the codegen parity tests)
 os.environ.setdefault("FXPAR_CODEGEN", "eager")
+# plan="auto" measures the machine and times the model every time (tests replace those
+# measurements and check what the planner makes of them); the planner's disk cache has its
+# own tests, in a temporary directory (tests/test_planner.py)
+os.environ.setdefault("FXPAR_PLAN_CACHE", "0")
 
 
 def pytest_runtest_logreport(report):

@@ -132,3 +132,23 @@ def limited_rank():
            else best.memory)
     return (planner.plan_dict(pm.plan), peak, est.step_allocated, est.total,
             pm.plan_report.plain_dp())
+
+
+def plan_twice(cache_dir: str):
+    """plan="auto"'s planning step twice in one job with the planner's disk cache on in
+    `cache_dir`: for each, the plan, the prices, the calibration line and the phase times."""
+    import os
+    from fxpar.compiler import autoplan, planner
+    os.environ.update(FXPAR_CACHE_DIR=cache_dir, FXPAR_PLAN_CACHE="1")
+    batch = M.gpt_batch(CHOICE_CFG, 8)
+    out = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        world = int(os.environ["WORLD_SIZE"])
+        _, r = autoplan.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", batch, None,
+                                        lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        out.append({"plan": planner.plan_dict(r.best.plan),
+                    "prices": [round(c.step_s, 9) for c in r.table],
+                    "calibrated": r.hardware.calibrated,
+                    "times": {name: t for name, t, *_ in r.times}})
+    return out

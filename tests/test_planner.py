@@ -568,6 +568,44 @@ def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
     assert "start-up calibration" in page and "re-fit to steps 3-4 (median" in page
 
 
+def test_what_the_planner_measured_is_remembered_per_key(tmp_path, monkeypatch):
+    """machine.remembered: measured once per key and kept on disk (FXPAR_CACHE_DIR/planner);
+    another key, an unreadable entry or FXPAR_PLAN_CACHE=0 measures again, and the last
+    remembers nothing."""
+    monkeypatch.setenv("FXPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FXPAR_PLAN_CACHE", "1")
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"figure": len(calls)}
+    assert machine.remembered("model", ["a"], measure) == ({"figure": 1}, False)
+    assert machine.remembered("model", ["a"], measure) == ({"figure": 1}, True)
+    assert machine.remembered("model", ["b"], measure) == ({"figure": 2}, False)
+    for p in (tmp_path / "planner").iterdir():
+        p.write_bytes(b"not a pickle")
+    assert machine.remembered("model", ["a"], measure) == ({"figure": 3}, False)
+    monkeypatch.setenv("FXPAR_PLAN_CACHE", "0")
+    assert machine.remembered("model", ["c"], measure) == ({"figure": 4}, False)
+    assert machine.remembered("model", ["c"], measure) == ({"figure": 5}, False)
+    assert len(list((tmp_path / "planner").iterdir())) == 2  # ("a" and "b" only)
+
+
+@pytest.mark.slow
+def test_a_job_launched_again_plans_from_what_it_measured_and_chooses_alike(tmp_path):
+    """plan="auto" twice on the same 2 ranks, model and batch: the second time the machine's
+    figures, the model's timing and the passes' probes come from the disk (planning in a
+    fraction of the time: no measuring), the prices and the choice are the same, and the
+    calibration says it was remembered."""
+    from planner_workers import plan_twice
+    first, second = fxpar.launch(plan_twice, 2, str(tmp_path))[0]
+    assert first["plan"] == second["plan"] and first["prices"] == second["prices"]
+    assert "remembered" not in first["calibrated"] and "remembered" in second["calibrated"]
+    assert second["times"]["planner: calibrate"] < 0.2 * first["times"]["planner: calibrate"]
+    assert second["times"]["planner: measure machine"] < 0.2 * first["times"][
+        "planner: measure machine"]
+
+
 @pytest.mark.slow
 def test_plan_auto_refits_alike_on_every_rank():
     """Two gloo ranks, plan="auto", 8 steps: every rank re-fits at the same step to the same
