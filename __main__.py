@@ -167,8 +167,9 @@ def cmd_zoo(args):
                     "\"exact\" = losses and every parameter within rtol 1e-5 (params atol "
                     "1e-5; elements whose eager gradient is zero up to rounding, where Adam "
                     "turns rounding into lr-sized steps, within that bound). \"rounding\" = "
-                    "differs, but no more than eager trained from weights one ulp apart "
-                    "does (4x over), or Plan.verify passes its first step. \"auto (2)\" "
+                    "differs, but no more than eager trained from weights one ulp apart (or "
+                    "with each batch's halves run apart, for a plan that splits it) does "
+                    "(4x over), or Plan.verify passes its first step. \"auto (2)\" "
                     "shows the plan the planner chose.\n\n" + table)
     if any(c.status in ("crash", "mismatch") for c in cells):
         sys.exit(1)

@@ -37,25 +37,39 @@ def _at_half_rows(model, example_batch, loss_fn):
     return graph[0], planner.calibration_inputs(graph, model, half)[0]
 
 
-def _graph_key(graph) -> list[str]:
-    """The captured graph's code and its inputs' shapes and dtypes: what the passes' probes
-    (planner.count_pass_extras) see."""
-    return [graph.code, *(f"{tuple(v.shape)}{v.dtype}" for n in graph.graph.nodes
-                          if n.op == "placeholder" and isinstance(
-                              v := n.meta.get("val"), torch.Tensor))]
+def _remembered_probes(jobs, stats, constraints) -> list:
+    """The passes' probes (planner.count_pass_extras), shared over the ranks, remembered per
+    graph: its code, its inputs' shapes and dtypes, the precision whose figures the tp probe
+    compares against (planner.graph_stats), fxpar's code and torch."""
+    graph = stats.graph[0]
+    key = [graph.code, str(constraints.get("precision") or "fp32"), machine.code_version(),
+           torch.__version__, *(f"{tuple(v.shape)}{v.dtype}" for n in graph.graph.nodes
+                                if n.op == "placeholder"
+                                and isinstance(v := n.meta.get("val"), torch.Tensor))]
+    return machine.remembered("probes", key, lambda: machine.shared_over_ranks(jobs))[0]
 
 
 def _timing_key(graph, args, optimizer, gen: str) -> list[str]:
     """What the model's timing depends on besides the machine: the graph's code, its inputs'
     shapes, strides and dtypes, the optimizer (its class and settings) and the codegen
     (fused optimizer or not)."""
-    opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) or optimizer is None \
-        else optimizer([torch.nn.Parameter(torch.zeros(1))])
-    opt = "none" if opt is None else type(opt).__name__ + repr(
-        {k: opt.defaults.get(k) for k in ("foreach", "fused", "momentum", "amsgrad")}) + (
-        " instance" if opt is optimizer else "")
     return [graph.code, *(f"{tuple(a.shape)}{a.stride()}{a.dtype}" if isinstance(
-        a, torch.Tensor) else repr(a) for a in args), opt, gen]
+        a, torch.Tensor) else repr(a) for a in args), _optimizer_key(optimizer), gen]
+
+
+def _optimizer_key(optimizer) -> str:
+    """The optimizer's class and the settings that change its step's time (a factory is
+    built on one stand-in parameter to look; one that will not take it, by its name)."""
+    if optimizer is None:
+        return "none"
+    opt = optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        try:
+            opt = optimizer([torch.nn.Parameter(torch.zeros(1, 1))])
+        except Exception:  # noqa: BLE001 - e.g. a factory that filters the parameters
+            return getattr(optimizer, "__qualname__", type(optimizer).__name__)
+    return type(opt).__name__ + repr({k: opt.defaults.get(k) for k in (
+        "foreach", "fused", "momentum", "amsgrad")}) + (" instance" if opt is optimizer else "")
 
 
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
@@ -72,9 +86,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                     precision=constraints.get("precision") or "fp32")
     if device.type == "cpu":
         with clock("planner: count pass extras"):
-            planner.count_pass_extras(stats, share=lambda jobs: machine.remembered(
-                "probes", machine.machine_key() + _graph_key(stats.graph[0]),
-                lambda: machine.shared_over_ranks(jobs))[0])
+            planner.count_pass_extras(stats, share=lambda jobs: _remembered_probes(
+                jobs, stats, constraints))
     with clock("planner: calibrate"):
         if cap.meta_tensors(model):  # nothing to time: the re-fit after the first steps
             log.info("planner: the model is on the meta device; plans are priced with "

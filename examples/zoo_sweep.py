@@ -12,8 +12,10 @@ the same batches from the same initial weights. Its result is one of
 - "n/a":     the column does not apply ("tp=2 dropout" to a model whose config has none);
 - "rounding": it differed after STEPS AdamW steps by what rounding alone makes of this
              model, by one of two controls: (1) eager PyTorch trained from weights one ulp
-             apart (`ulp_control`) is as far from eager, CONTROL_SLACK times over, loss by
-             loss and tensor by tensor - a model whose training amplifies rounding (a
+             apart (`ulp_control`), or for a plan that splits the batch with each batch's
+             halves run apart as plain DDP does (`split_control`), is as far from eager,
+             CONTROL_SLACK times over, loss by loss and tensor by tensor (`within_control`)
+             - a model whose training amplifies rounding (a
              BatchNorm behind a zero-initialised scale, an MoE router flipping near-tied
              experts, bf16 casts inside an fp32 model); or (2) the same cell under Plan.verify
              passes its first step (gradients and optimizer state within what rounding of fp32
@@ -37,7 +39,7 @@ import traceback
 import torch
 
 import fxpar
-from fxpar.compiler import planner
+from fxpar.compiler import ir, planner
 from fxpar.examples import zoo
 from fxpar.runtime.dist import LaunchError
 
@@ -126,48 +128,85 @@ def eager_reference(name: str, steps: int = STEPS, dropout: bool = False):
 def ulp_control(name: str, steps: int = STEPS, dropout: bool = False, seed: int = 0):
     """(losses, final state dict) of eager PyTorch trained as `eager_reference` is, from
     weights one float32 ulp apart (each element moved up or down at random, drawn from
-    `seed`): how far rounding alone moves this model's training in STEPS steps. A router that flips a
-    near-tied expert, a BatchNorm behind a zero-initialised scale, bf16 casts of values one
-    ulp apart and Adam's normalisation of near-zero gradients make that far more than 1e-5
-    on some models; another order of the same float sums moves them as far."""
+    `seed`): how far rounding alone moves this model's training in STEPS steps. A router that
+    flips a near-tied expert, a BatchNorm behind a zero-initialised scale, bf16 casts of
+    values one ulp apart and Adam's normalisation of near-zero gradients make that far more
+    than 1e-5 on some models; another order of the same float sums moves them as far."""
+    def nudge(model):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    up = torch.rand(p.shape, generator=g) < 0.5
+                    p.copy_(torch.where(up.to(p.device), torch.nextafter(p, p + 1),
+                                        torch.nextafter(p, p - 1)))
+    return _control(name, steps, dropout, nudge, 1)
+
+
+def split_control(name: str, steps: int = STEPS):
+    """(losses, final state dict) of eager PyTorch with each batch's two halves run apart
+    and their gradients averaged: what plain DDP on 2 ranks (or gradient accumulation over
+    2 microbatches) computes, the same sums in another order - for a plan that splits the
+    batch, on a model whose rows are computed apart (no BatchNorm: `has_batch_norm`)."""
+    return _control(name, steps, False, lambda model: None, 2)
+
+
+def has_batch_norm(name: str) -> bool:
+    model, _ = _build(name, False)
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _control(name, steps, dropout, nudge, parts):
+    """eager_reference's training after `nudge(model)`, each batch run as `parts` parts whose
+    mean losses' gradients are averaged."""
     reg = registry(name)
     model, spec = _build(name, dropout)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                up = torch.rand(p.shape, generator=g) < 0.5
-                p.copy_(torch.where(up.to(p.device), torch.nextafter(p, p + 1),
-                                    torch.nextafter(p, p - 1)))
+    nudge(model)
     opt = optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []
     for s in range(steps):
         opt.zero_grad()
-        loss = reg.loss_of(model, spec, spec.batch(s))
-        loss.backward()
+        total = 0.0
+        for part in ir.microbatches(spec.batch(s), parts, 1):
+            loss = reg.loss_of(model, spec, part) / parts
+            loss.backward()
+            total += loss.item()
         opt.step()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def within_control(losses, state, ref_losses, ref_state, controls) -> str:
     """'' when fxpar's result is no farther from eager's than the farthest of `controls`
-    (ulp_control's runs) is, CONTROL_SLACK times over, loss by loss and tensor by tensor
-    (largest element difference, each at least the exact-match tolerance), else the first
+    (`ulp_control`, `split_control` runs) is, CONTROL_SLACK times over: each loss, and per
+    tensor both its largest element difference and how many elements differ past the
+    exact-match tolerance (so one chaotic element - a near-zero gradient Adam turns into an
+    lr-sized move - does not excuse a wrong row elsewhere in the tensor); else the first
     that is farther. Several controls: where routing flips a token's expert or not, one run
-    is a coin toss."""
+    is a coin toss. Keys, shapes and dtypes must match (`compare` says where they do not)."""
     for i, (got, ref) in enumerate(zip(losses, ref_losses)):
         own = max(abs(c[0][i] - ref) for c in controls)
         if abs(got - ref) > CONTROL_SLACK * own + LOSS_ATOL + RTOL * abs(ref):
-            return (f"loss {i}: {got} is {abs(got - ref):.3g} from eager's {ref}; eager from "
-                    f"weights one ulp apart: {own:.3g}")
+            return (f"loss {i}: {got} is {abs(got - ref):.3g} from eager's {ref}; the "
+                    f"controls: {own:.3g}")
+    if state.keys() != ref_state.keys():
+        return "state keys differ"
     for k, ref in ref_state.items():
+        got = state[k]
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            return f"{k}: its shape or dtype differs"
         if not ref.is_floating_point():
             continue
-        far = (state[k].double() - ref.double()).abs().max().item()
-        own = max((c[1][k].double() - ref.double()).abs().max().item() for c in controls)
-        if far > CONTROL_SLACK * own + PARAM_ATOL + RTOL * ref.abs().max().item():
-            return f"{k}: {far:.3g} from eager; eager from weights one ulp apart: {own:.3g}"
+        ref = ref.double()
+        tol = PARAM_ATOL + RTOL * ref.abs()
+        d = (got.double() - ref).abs()
+        own = [(c[1][k].double() - ref).abs() for c in controls]
+        far, own_far = d.max().item(), max(o.max().item() for o in own)
+        n, own_n = int((d > tol).sum()), max(int((o > tol).sum()) for o in own)
+        if far > CONTROL_SLACK * own_far + PARAM_ATOL + RTOL * ref.abs().max().item():
+            return f"{k}: {far:.3g} from eager; the controls: {own_far:.3g}"
+        if n > CONTROL_SLACK * max(own_n, 1):
+            return (f"{k}: {n} elements past the tolerance; the controls: {own_n}")
     return ""
 
 
@@ -287,15 +326,33 @@ def sweep_model(name: str, plan_keys=tuple(PLANS)) -> list[Cell]:
             diff = compare(losses, state, *eager)
             status, detail = ("mismatch", diff) if diff else ("exact", "")
             if diff:
-                if dropout not in controls:
-                    controls[dropout] = [ulp_control(name, dropout=dropout, seed=i)
-                                         for i in range(CONTROLS)]
-                far = within_control(losses, state, eager[0], eager[1], controls[dropout])
-                status, detail = ("mismatch", f"{diff}; {far}") if far else (
-                    "rounding", f"{diff} after {STEPS} AdamW steps; eager trained from weights "
-                    f"one ulp apart differs from eager as much (within {CONTROL_SLACK:g}x)")
+                status, detail = _judged(name, key, diff, losses, state, eager, chosen,
+                                         controls)
         cells.append(Cell(name, key, status, detail, secs, chosen))
     return _verified(name, cells)
+
+
+def _judged(name, key, diff, losses, state, eager, chosen, controls) -> tuple[str, str]:
+    """(status, detail) of a cell that differs from eager by `diff`: "rounding" where the
+    controls (`within_control`) move eager as far, naming them; else "mismatch"."""
+    dropout = key in DROPOUT
+    if dropout not in controls:
+        controls[dropout] = [ulp_control(name, dropout=dropout, seed=i)
+                             for i in range(CONTROLS)]
+    used = list(controls[dropout])
+    splits = not dropout and ((chosen or {}).get("dp", 1) > 1
+                              or (chosen or {}).get("microbatches", 1) > 1)
+    splits = splits and not has_batch_norm(name)
+    if splits:
+        if "split" not in controls:
+            controls["split"] = split_control(name)
+        used.append(controls["split"])
+    far = within_control(losses, state, eager[0], eager[1], used)
+    if far:
+        return "mismatch", f"{diff}; {far}"
+    return "rounding", (f"{diff} after {STEPS} AdamW steps; eager from weights one ulp apart"
+                        + (" or with each batch's halves run apart" if splits else "")
+                        + f" differs from eager as much (within {CONTROL_SLACK:g}x)")
 
 
 def _verified(name: str, cells: list[Cell]) -> list[Cell]:

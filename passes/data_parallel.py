@@ -304,7 +304,7 @@ def _only_group_sizes(node: torch.fx.Node) -> bool:
             elif not (u.target in _SIZE_OPS and as_offsets(u)):
                 return False
         return bool(v.users)
-    return as_offsets(node)
+    return node.target in _SIZE_OPS and as_offsets(node)
 
 
 def _feeding_training(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:

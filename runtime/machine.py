@@ -45,7 +45,7 @@ def machine_key() -> list[str]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     return [socket.gethostname(), platform.processor() or platform.machine(), _cpu_model(),
             f"cores={cores} local={ranks} world={world}", torch.__version__,
-            f"threads={torch.get_num_threads()}", _code_version()]
+            f"threads={torch.get_num_threads()}", code_version()]
 
 
 def remembered(kind: str, key: list[str], compute: Callable[[], Any]) -> tuple[Any, bool]:
@@ -69,15 +69,17 @@ def remembered(kind: str, key: list[str], compute: Callable[[], Any]) -> tuple[A
     if found[0] is not None:
         return found[0], True
     value = compute()
-    if on and rank0:
+    if on and rank0:  # (only rank 0 writes: nothing here may raise, or the others would wait)
+        tmp = f"{path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
                 pickle.dump(value, f)
             os.replace(tmp, path)  # atomic: a job reading it never sees half a file
-        except OSError as e:  # a read-only cache: measured, not remembered
+        except Exception as e:  # noqa: BLE001 - a read-only cache: measured, not remembered
             log.debug("planner: could not remember %s in %s: %s", kind, path, e)
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return value, False
 
 
@@ -102,17 +104,17 @@ def _cpu_model() -> str:
 _CODE: list[str] = []
 
 
-def _code_version() -> str:
-    """A hash of fxpar's own source files (sizes and modification times): any change to the
-    code that measures or prices measures again."""
+def code_version() -> str:
+    """A hash of the compiler's, the passes' and the runtime's source (what measures, what
+    the probes run and what prices): any change to it measures again."""
     if not _CODE:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         h = hashlib.sha256()
         for d in ("compiler", "runtime", "passes"):
             for name in sorted(os.listdir(os.path.join(root, d))):
                 if name.endswith(".py"):
-                    st = os.stat(os.path.join(root, d, name))
-                    h.update(f"{d}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+                    with open(os.path.join(root, d, name), "rb") as f:
+                        h.update(name.encode() + f.read())
         _CODE.append(h.hexdigest()[:16])
     return _CODE[0]
 

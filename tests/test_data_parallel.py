@@ -138,11 +138,11 @@ def test_microbatches_refused_where_rows_of_the_batch_are_computed_together(mode
 class _GroupedMoE(torch.nn.Module):
     """torchtitan's expert dispatch in miniature: tokens sorted by expert, one grouped matmul
     whose group offsets are the cumsum of tokens per expert over the batch, unsorted back.
-    `aux`: a load-balancing loss that reads the counts as well."""
+    `aux`: a load-balancing loss that reads the counts as well; `capacity`: counts clipped."""
 
-    def __init__(self, aux=False):
+    def __init__(self, aux=False, capacity=0):
         super().__init__()
-        self.router, self.aux = torch.nn.Linear(8, 4, bias=False), aux
+        self.router, self.aux, self.capacity = torch.nn.Linear(8, 4, bias=False), aux, capacity
         self.w = torch.nn.Parameter(torch.randn(4, 8, 8) * 0.1)
 
     def forward(self, batch):
@@ -150,6 +150,8 @@ class _GroupedMoE(torch.nn.Module):
         logits = self.router(x)
         expert = logits.argmax(-1)
         counts = torch.histc(expert.float(), bins=4, min=0, max=3)
+        if self.capacity:  # a capacity: a row's group then depends on the other rows' counts
+            counts = counts.clamp(max=self.capacity)
         order = torch.argsort(expert, stable=True)
         h = torch._grouped_mm(x[order], self.w, offs=torch.cumsum(counts, 0).to(torch.int32))
         gate = logits.softmax(-1).amax(-1, keepdim=True)
@@ -163,14 +165,16 @@ def test_counts_read_only_as_grouped_matmul_offsets_allow_microbatches():
     """Tokens per expert are a count over the whole batch, but a grouped matmul reading them
     as its group offsets multiplies each row by its own expert's weights: each microbatch's
     own counts give each row the whole batch's result (torchtitan's MoE at pp=2 m=2 was
-    refused). The same counts read by a loss term are a coupling and stay refused. Two
+    refused). The same counts read by a loss term, or clipped to a capacity before they
+    become offsets, are a coupling and stay refused. Two
     microbatches on one device equal eager's step on the whole batch."""
     torch.manual_seed(0)
     batch = (torch.randn(16, 8), torch.randn(16, 8))
     gm, _ = capture(_GroupedMoE(), batch)
     assert data_parallel.microbatch_refusal(gm) is None
-    gm, _ = capture(_GroupedMoE(aux=True), batch)
-    assert "a sum over the batch" in data_parallel.microbatch_refusal(gm)
+    for model in (_GroupedMoE(aux=True), _GroupedMoE(capacity=5)):
+        gm, _ = capture(model, batch)
+        assert "a sum over the batch" in data_parallel.microbatch_refusal(gm)
     torch.manual_seed(1)
     model = _GroupedMoE()
     eager = {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -388,6 +388,15 @@ def test_the_ulp_control_is_tight_on_a_well_conditioned_model_and_rules_updates_
     assert k in zoo_sweep.within_control(losses, wrong, losses, state, [control])
     assert "loss 1" in zoo_sweep.within_control(
         [losses[0], losses[1] + 1e-3, losses[2]], state, losses, state, [control])
+    # one chaotic element in the control (Adam's lr-sized move of a near-zero gradient)
+    # does not excuse a wrong row elsewhere in the same tensor
+    w = state[k]
+    chaotic = {**state, k: w.clone().index_put_((torch.tensor([0]), torch.tensor([0])),
+                                                 w[0, 0] + 3 * zoo_sweep.LR)}
+    row = {**state, k: torch.cat([w[:1] + zoo_sweep.LR, w[1:]])}
+    assert "elements past the tolerance" in zoo_sweep.within_control(
+        losses, row, losses, state, [(losses, chaotic)])
+    assert zoo_sweep.within_control(losses, chaotic, losses, state, [(losses, chaotic)]) == ""
 
 
 def test_a_mismatch_within_the_ulp_control_is_rounding(monkeypatch):
