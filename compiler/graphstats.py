@@ -118,6 +118,8 @@ class GraphStats:
     zero3_reduce_scatters_per_param: float = 1.0
     dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
     #                         (a mean over the targets not ignored: the loss and their count)
+    # bytes of the largest gradient bucket the dp pass makes (its probe at dp=2), or None
+    dp_bucket_bytes: float | None = None
     # per column linear's weight: (its out features, the segment holding the parameter, its
     # elements) - a tied weight is held where first used, not where the column is (at_tp)
     column_weights: list = dataclasses.field(default_factory=list)

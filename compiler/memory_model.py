@@ -193,9 +193,12 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     if transient:  # the largest working memory of one of its segments, one microbatch
         working = max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
         acts += working
-    # two buckets in flight, never more than the gradients they pack: whole ones (ZeRO-2/3
-    # reduce-scatter whole gradients; priced with the shards, the MoE's ZeRO-2 plan came out
-    # at 0.54-0.62x what it allocates)
+    # a bucket packed and its reduced copy (the gradients are views of that copy, so their
+    # own bytes are not counted twice), never more than the gradients they pack: whole ones
+    # (ZeRO-2/3 reduce-scatter whole gradients; priced with the shards, the MoE's ZeRO-2
+    # plan came out at 0.54-0.62x what it allocates). `bucket_bytes`: the largest bucket
+    # the dp pass made on this model (planner's dp probe); priced at 25 MiB a bucket where
+    # the pass makes 4-6 MiB ones, plain dp was 1.28x what it allocates
     buckets = min(2 * bucket_bytes, n * elem) if dp > 1 else 0.0
     buffers = buckets
     if dp > 1 and zero == 2 and not (microbatches > 1 and pp == 1):  # (that case: below)

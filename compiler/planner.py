@@ -718,7 +718,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         mem, rec = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                 in_flight=held[r], precision=precision,
                                 optimizer=optimizer, remat=remat, transient=True, pp=pp,
-                                microbatches=m)
+                                microbatches=m,
+                                bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
         mems.append((mem, rec))
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
@@ -734,7 +735,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             mem2, rec2 = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                       in_flight=held[r], precision=precision,
                                       optimizer=optimizer, remat=rb, transient=True, pp=pp,
-                                      microbatches=m)
+                                      microbatches=m,
+                                      bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
             new.append((mem2, rec2))
         mems = new
         worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -1092,6 +1094,10 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
             try:  # (a rank's values: what the dp=2 graph really computes per op)
                 fake_propagate(g, check=False)
                 out["dp_whole"] = _unsplit_by_dp(gm, g, stats.node_segment)
+                out["dp_bucket_bytes"] = max(
+                    (cost.tensor_bytes(x.args[0].meta[ir.VAL]) for x in calls(g)
+                     if x.target is c10d.all_reduce.default and x.meta.get(ir.BUCKET)),
+                    default=None)
             except Exception as e:  # noqa: BLE001 - priced as halving, as before the probe
                 log.debug("planner: the dp graph's values could not be propagated: %s", e)
         else:  # one collective per layer (and direction, for the gathers)

@@ -20,6 +20,7 @@ def memory_rank(plans: list[dict]):
     batch = M.gpt_batch(MEM_CFG, MEM_ROWS)
     torch.manual_seed(0)
     stats = planner.graph_stats(M.GPT(MEM_CFG), batch)
+    planner.count_pass_extras(stats)  # (as plan="auto" does: the dp pass's bucket sizes)
     hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * 2 ** 30)
     out = []
     for p in plans:
