@@ -180,8 +180,11 @@ def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
 def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zero: int,
                  rows: float, in_flight: int, precision: str, optimizer: str, remat="none",
                  transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
-                 microbatches: int = 1) -> tuple[MemoryEstimate, float]:
-    """Memory of one rank of the stage holding `segs`, and its recompute fraction."""
+                 microbatches: int = 1, sends_held: float = 0.0
+                 ) -> tuple[MemoryEstimate, float]:
+    """Memory of one rank of the stage holding `segs`, and its recompute fraction.
+    `sends_held`: bytes of weight-gradient transfers this rank holds over the step (a tied
+    head's partial gradient sent every microbatch, the receive buffers for it)."""
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
     per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
@@ -212,7 +215,7 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
         buffers += 2 * layer * elem
     if pp > 1:
         f = rows / stats.rows * act_scale
-        buffers += 2 * max((s.boundary for s in segs), default=0.0) * f
+        buffers += 2 * max((s.boundary for s in segs), default=0.0) * f + sends_held
     if microbatches > 1 and pp == 1:
         # one part accumulates in place (runtime/pipeline._accumulating: each gradient added
         # into the running sum as it is made): at ZeRO 0/1 the sum is the gradients counted

@@ -706,6 +706,15 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
            constraints, budget) -> Candidate | None:
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
+    # a weight's partial gradient a stage sends every microbatch (a tied head's to the
+    # embedding's stage): each send holds its tensor until the step ends (the runtime waits
+    # on its sends then; gloo's cannot be polled), and the receiver prefetches two
+    kept = [0.0] * pp
+    for src, dst, nbytes, scales, _ in stats.transfers.get(
+            (pp * v, "cpu" if hw.name == "cpu" else "cuda"), []) if pp > 1 else []:
+        if not scales and src % pp != dst % pp:
+            kept[src % pp] += m * nbytes / tp
+            kept[dst % pp] += 2 * nbytes / tp
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
     fwd, bwd, mems, recs = [], [], [], []
     remat = constraints.get("remat", "none")
@@ -718,7 +727,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         mem, rec = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                 in_flight=held[r], precision=precision,
                                 optimizer=optimizer, remat=remat, transient=True, pp=pp,
-                                microbatches=m,
+                                microbatches=m, sends_held=kept[r],
                                 bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
         mems.append((mem, rec))
     worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -735,7 +744,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             mem2, rec2 = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
                                       in_flight=held[r], precision=precision,
                                       optimizer=optimizer, remat=rb, transient=True, pp=pp,
-                                      microbatches=m,
+                                      microbatches=m, sends_held=kept[r],
                                       bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
             new.append((mem2, rec2))
         mems = new
