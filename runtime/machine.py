@@ -78,8 +78,10 @@ def remembered(kind: str, key: list[str], compute: Callable[[], Any]) -> tuple[A
             os.replace(tmp, path)  # atomic: a job reading it never sees half a file
         except Exception as e:  # noqa: BLE001 - a read-only cache: measured, not remembered
             log.debug("planner: could not remember %s in %s: %s", kind, path, e)
-            if os.path.exists(tmp):
+            try:
                 os.remove(tmp)
+            except OSError:
+                pass
     return value, False
 
 
