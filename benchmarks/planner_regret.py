@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 from torch import nn
@@ -149,23 +149,15 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
     model = factory()  # (building the model is the user's time, not planning's)
     # planning as a job's first launch (nothing remembered: a fresh planner cache) and as a
     # launch after it (machine.remembered's figures); the compiles below keep the user's cache
-    kept = {k: os.environ.get(k) for k in ("FXPAR_CACHE_DIR", "FXPAR_PLAN_CACHE")}
-    fresh = tempfile.mkdtemp(prefix="fxpar-plan-")  # (rank 0's is the one read and written)
-    os.environ.update(FXPAR_CACHE_DIR=fresh, FXPAR_PLAN_CACHE="1")
-    try:
+    # (each rank has its own directory; rank 0's is the one read and written)
+    with tempfile.TemporaryDirectory(prefix="fxpar-plan-") as fresh, mock.patch.dict(
+            os.environ, FXPAR_CACHE_DIR=fresh, FXPAR_PLAN_CACHE="1"):
         t0 = time.perf_counter()
         _, result = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
         planning_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         _, again = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
         again_s = time.perf_counter() - t0
-    finally:
-        shutil.rmtree(fresh, ignore_errors=True)
-        for k, v in kept.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     cands = _pick(result, cap)
     models, compile_s, failed, pm = [], {}, [], None
     # the chosen plan's compile at a first launch: nothing compiled before (fresh fxpar and
@@ -214,26 +206,19 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
 def _first_compile(factory, world, data, opt, plan) -> float | None:
     """Seconds of parallelize + 2 steps of `plan` with empty compile caches (a job's first
     launch); None where it fails (the loop below reports why)."""
-    names = ("FXPAR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
-    kept = {k: os.environ.get(k) for k in names}
-    fresh = tempfile.mkdtemp(prefix="fxpar-first-")
-    os.environ.update({k: os.path.join(fresh, k) for k in names})
-    try:
-        torch.manual_seed(0)
-        t0 = time.perf_counter()
-        pm = fxpar.parallelize(factory(), world, example_batch=data, optimizer=opt, plan=plan)
-        for _ in range(2):
-            pm.step(data)
-        return time.perf_counter() - t0
-    except Exception:  # noqa: BLE001
-        return None
-    finally:
-        shutil.rmtree(fresh, ignore_errors=True)
-        for k, v in kept.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with tempfile.TemporaryDirectory(prefix="fxpar-first-") as fresh, mock.patch.dict(
+            os.environ, {k: os.path.join(fresh, k)
+                         for k in ("FXPAR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}):
+        try:
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            pm = fxpar.parallelize(factory(), world, example_batch=data, optimizer=opt,
+                                   plan=plan)
+            for _ in range(2):
+                pm.step(data)
+            return time.perf_counter() - t0
+        except Exception:  # noqa: BLE001
+            return None
 
 
 def step_memory(factory, data, opt, c) -> tuple[float, float]:

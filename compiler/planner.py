@@ -709,9 +709,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     # a weight's partial gradient a stage sends every microbatch (a tied head's to the
     # embedding's stage): each send holds its tensor until the step ends (the runtime waits
     # on its sends then; gloo's cannot be polled), and the receiver prefetches two
+    dev = "cpu" if hw.name == "cpu" else "cuda"
+    sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
     kept = [0.0] * pp
-    for src, dst, nbytes, scales, _ in stats.transfers.get(
-            (pp * v, "cpu" if hw.name == "cpu" else "cuda"), []) if pp > 1 else []:
+    for src, dst, nbytes, scales, _ in sent or []:
         if not scales and src % pp != dst % pp:
             kept[src % pp] += m * nbytes / tp
             kept[dst % pp] += 2 * nbytes / tp
@@ -780,8 +781,6 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         bwd.append(tb + tpc_b + tp_nodes + rec * tf)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
-    dev = "cpu" if hw.name == "cpu" else "cuda"
-    sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
     tied_s = 0.0
     if sent is not None:  # the pass's own transfers: each one a send on one rank and a
         # receive on another, per microbatch (a tp rank sends its own copy)

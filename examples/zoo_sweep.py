@@ -32,6 +32,7 @@ the external zoo (model code from torchtitan, timm, litgpt and nanoGPT).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import traceback
@@ -151,6 +152,7 @@ def split_control(name: str, steps: int = STEPS):
     return _control(name, steps, False, lambda model: None, 2)
 
 
+@functools.lru_cache(maxsize=None)
 def has_batch_norm(name: str) -> bool:
     model, _ = _build(name, False)
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
