@@ -45,7 +45,7 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
           "transient", "tp_calls_extra", "flops_f_whole", "flops_b_whole", "bytes_f_whole",
-          "bytes_b_whole")
+          "bytes_b_whole", "saved_whole")
 
 
 @dataclasses.dataclass
@@ -79,6 +79,7 @@ class Segment:
     flops_b_whole: float = 0.0
     bytes_f_whole: float = 0.0
     bytes_b_whole: float = 0.0
+    saved_whole: float = 0.0     # of `saved`: what a dp rank holds of the gathered batch
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
     column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
@@ -200,6 +201,26 @@ def _storage(n):
             break
         n = n.args[0]
     return (n, idx) if n.op == "call_function" else None
+
+
+def saved_values(fwd) -> dict:
+    """{(allocating node, element index or None): a forward node read by the backward} over
+    the forward nodes `fwd`: the saved activations, one entry per storage (an element of a
+    multi-output op is its own storage: dropout's mask, not its output)."""
+    saved: dict = {}
+    for n in fwd:
+        if any(u.meta.get(ir.REGION) != ir.FORWARD for u in n.users):
+            key = _storage(n)
+            if key is not None:
+                saved[key] = n
+    return saved
+
+
+def saved_bytes(key) -> int:
+    """Bytes of a `saved_values` storage."""
+    base, idx = key
+    v = base.meta.get(ir.VAL)
+    return cost.tensor_bytes(v[idx] if idx is not None else v)
 
 
 def _is_param(n) -> bool:
@@ -346,17 +367,9 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
                 s.flops_b_split += f
                 s.bytes_b_split += r + w
 
-    # saved activations: storages of forward values read by the backward, by producer (an
-    # element of a multi-output op is its own storage: dropout's mask, not its output)
-    saved: dict = {}
-    for n in fwd:
-        if any(u.meta.get(ir.REGION) != ir.FORWARD for u in n.users):
-            key = _storage(n)
-            if key is not None:
-                saved[key] = n
+    saved = saved_values(fwd)
     for (base, idx), n in saved.items():
-        v = base.meta.get(ir.VAL)
-        b = cost.tensor_bytes(v[idx] if idx is not None else v)
+        b = saved_bytes((base, idx))
         segs[seg_of[base]].saved += b
         if base in split or n in split:
             segs[seg_of[base]].saved_split += b

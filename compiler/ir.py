@@ -25,7 +25,9 @@ RECOMPUTE = "recompute"  # set by remat
 STAGE = "stage"          # set by pipeline_split
 SHARD = "shard"          # placements of the value, tuple of Placement (one per mesh dim)
 FUSED_GROUP = "fused_group"
-PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage)
+PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage), "R"
+#                         (run once a step, after the last microbatch: a shared weight's
+#                         gradient sum; the dp pass's reduction joins it)
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
 BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (packing, collective)

@@ -94,6 +94,7 @@ class MemoryEstimate:
     working: float = 0.0     # of `activations`: the largest segment's working memory
     in_flight: int = 1       # microbatches whose activations `activations` holds at once
     microbatches: int = 1
+    at_end: float = 0.0      # beside the gradient sums after the last microbatch (dp buckets)
     # the model state's formula and the values of its symbols (sympy), for explanations
     state: tuple = ()
     sizes: dict = dataclasses.field(default_factory=dict)
@@ -126,10 +127,11 @@ class MemoryEstimate:
         # pipeline runs parts boxed), added in place into the sums: once the sums exist
         # (after the first backward) at most min(in_flight, microbatches - 1) microbatches'
         # activations are live beside them (one microbatch at a time without a pipeline: the
-        # sums plus its activations)
+        # sums plus its activations); after the last, the sums beside `at_end`
         one = (self.activations - self.working) / self.in_flight
         held = min(self.in_flight, self.microbatches - 1)
-        return max(self.activations, self.grads + held * one + self.working) + self.buffers
+        return max(self.activations, self.grads + held * one + self.working,
+                   self.grads + self.at_end) + self.buffers
 
     def describe(self) -> str:
         g, u = (2 ** 30, "GiB") if self.total >= 2 ** 28 else (2 ** 20, "MiB")
@@ -139,13 +141,16 @@ class MemoryEstimate:
 
 
 def activation_bytes(segs: list[Segment], stats: GraphStats, rows: float, tp: int,
-                     act_scale: float = 1.0) -> float:
-    """Saved activation bytes of one microbatch of `rows` rows through these segments."""
+                     act_scale: float = 1.0, dp: int = 1) -> float:
+    """Saved activation bytes of one microbatch of `rows` rows of a rank of a dp group of
+    `dp` through these segments (what the dp pass keeps of the gathered batch: dp x the
+    rows; an MoE's routed tokens under HF Mixtral's whole-batch routing)."""
     f = rows / stats.rows * act_scale
-    return sum((s.saved - s.saved_split) + s.saved_split / tp for s in segs) * f
+    return sum((s.saved - s.saved_split) + s.saved_split / tp + (dp - 1) * s.saved_whole
+               for s in segs) * f
 
 
-def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
+def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0, dp=1):
     """(activation bytes, fraction of the forward recomputed) under a remat choice.
 
     "none": everything saved for every microbatch in flight. "sqrt" (Chen et al.): the n
@@ -155,10 +160,10 @@ def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0):
     recomputes the least that fits, between "none" and per-layer checkpointing (keep each
     layer's input, rebuild one layer).
     """
-    full = activation_bytes(segs, stats, rows, tp, act_scale) * in_flight
+    full = activation_bytes(segs, stats, rows, tp, act_scale, dp) * in_flight
     layers = [s for s in segs if s.name not in ("pre", "post", "ends")]
     f = rows / stats.rows * act_scale
-    one_layer = max((activation_bytes([s], stats, rows, tp, act_scale) for s in layers
+    one_layer = max((activation_bytes([s], stats, rows, tp, act_scale, dp) for s in layers
                      if not getattr(s, "layer_count", 0)), default=0.0)
     boundary = max((s.boundary for s in layers), default=0.0) * f
     n = sum(getattr(s, "layer_count", 1) for s in layers)  # an aggregate stands for several
@@ -191,7 +196,8 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     params, grads, opt = model_state(n, dp, elem, per, zero)
     act_scale = (1.0 if stats.activations_precision == precision
                  else elem / stats.param_bytes_per_elem)
-    acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale)
+    acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale,
+                                        dp)
     working = 0.0
     if transient:  # the largest working memory of one of its segments, one microbatch
         working = max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
@@ -203,7 +209,7 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     # the dp pass made on this model (planner's dp probe); priced at 25 MiB a bucket where
     # the pass makes 4-6 MiB ones, plain dp was 1.28x what it allocates
     buckets = min(2 * bucket_bytes, n * elem) if dp > 1 else 0.0
-    buffers = buckets
+    buffers, at_end = buckets, 0.0
     if dp > 1 and zero == 2 and not (microbatches > 1 and pp == 1):  # (that case: below)
         # each gradient is whole until its bucket's reduce-scatter (a pipeline stage's sums
         # until its R part): during the backward a rank can hold what plain dp holds (the
@@ -224,9 +230,15 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
         # activations are gone (step_allocated adds buffers to the activations). Priced with
         # the whole-sum buffer and the buckets, dp=2 m=2 / m=4 were 1.45x / 1.73x the tracker.
         buffers += (n * elem - grads if zero >= 2 else 0.0) - buckets
+        if dp > 1 and zero < 3:
+            # after the last microbatch the pass packs every bucket before the first
+            # reduction returns: the sums beside a packed copy of all of them and, under
+            # ZeRO-1, the reduced shards it keeps (dp=2 m=2 / m=4 had been 0.81-0.88x /
+            # 0.6-0.74x the tracker)
+            at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero == 1 else 0.0)
     # (pipeline stages sum their gradients in place too: the sums are `grads`)
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1, working=working,
-                          in_flight=in_flight, microbatches=microbatches,
+                          in_flight=in_flight, microbatches=microbatches, at_end=at_end,
                           state=state_formula(zero),
                           sizes={"N": n, "dp": dp, "b": elem, "s": per}), recompute

@@ -26,6 +26,7 @@ import logging
 import math
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -35,6 +36,7 @@ from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import fake_propagate, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze, forward_segments,
+                                       saved_bytes, saved_values,
                                        layer_key)
 from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
@@ -50,6 +52,19 @@ log = logging.getLogger(__name__)
 
 GiB = 2 ** 30
 SIMULATE_TOP = 12
+
+
+class Transfer(NamedTuple):
+    """A value pipeline_split sends between two stages (GraphStats.transfers)."""
+    src: int
+    dst: int
+    nbytes: int
+    per_row: bool       # an activation: scales with the microbatch's rows
+    backward: bool
+    weight_view: bool   # a view of a weight (a transposed expert weight a cut layer's
+    #                     backward reads): its send holds no memory of its own
+    once: bool          # once a step (phase R: a tied weight's summed gradient part), not
+    #                     per microbatch
 
 
 @dataclasses.dataclass
@@ -292,17 +307,23 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
         if seg in names and node.meta.get(ir.STAGE) is not None:
             per = votes.setdefault(seg, {})
             per[node.meta[ir.STAGE]] = per.get(node.meta[ir.STAGE], 0) + 1
-    # what crosses between the stages per microbatch, as the pass inserted it: (source
-    # stage, destination stage, bytes, scales with the rows, in the backward)
+    # what crosses between the stages, as the pass inserted it
     weight_shapes = {tuple(p.meta[ir.VAL].shape) for p in copy_.graph.nodes
                      if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"}
 
     def per_row(val):  # an activation (rows first, or rows x positions flattened), not a
         shape = tuple(getattr(val, "shape", ()))  # weight's (partial) gradient
         return bool(shape) and shape not in weight_shapes and shape[0] % stats.rows == 0
+
+    def a_weight(n):
+        while n.op == "call_function" and cost.is_view(n) and isinstance(n.args[0],
+                                                                          torch.fx.Node):
+            n = n.args[0]
+        return n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"
     stats.transfers[key] = [
-        (src, dst, cost.tensor_bytes(t.meta.get(ir.VAL)), per_row(t.meta.get(ir.VAL)),
-         t.meta.get(ir.REGION) == ir.BACKWARD)
+        Transfer(src, dst, cost.tensor_bytes(t.meta.get(ir.VAL)), per_row(t.meta.get(ir.VAL)),
+                 t.meta.get(ir.REGION) == ir.BACKWARD, a_weight(t.args[0]),
+                 t.meta.get(ir.PHASE) == "R")
         for t in copy_.graph.nodes if ir.TRANSFER in t.meta
         for src, dst in [t.meta[ir.TRANSFER]]]
     # a weight read by layers of several stages (a tied embedding and head): its gradient
@@ -706,16 +727,20 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
            constraints, budget) -> Candidate | None:
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
-    # a weight's partial gradient a stage sends every microbatch (a tied head's to the
-    # embedding's stage): each send holds its tensor until the step ends (the runtime waits
-    # on its sends then; gloo's cannot be polled), and the receiver prefetches two
+    # a weight-shaped value a stage sends every microbatch: each send holds its tensor until
+    # the step ends (the runtime waits on its sends then; gloo's cannot be polled), and the
+    # receiver prefetches two; a tied weight's gradient part goes once a step (`once`)
     dev = "cpu" if hw.name == "cpu" else "cuda"
     sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
     kept = [0.0] * pp
-    for src, dst, nbytes, scales, _ in sent or []:
-        if not scales and src % pp != dst % pp:
-            kept[src % pp] += m * nbytes / tp
-            kept[dst % pp] += 2 * nbytes / tp
+    for t in sent or []:
+        if not t.per_row and t.src % pp != t.dst % pp:
+            if t.once:  # the sender's running sum of it, the receiver's one buffer
+                kept[t.src % pp] += t.nbytes / tp
+                kept[t.dst % pp] += t.nbytes / tp
+            else:
+                kept[t.src % pp] += 0.0 if t.weight_view else m * t.nbytes / tp
+                kept[t.dst % pp] += 2 * t.nbytes / tp
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
     fwd, bwd, mems, recs = [], [], [], []
     remat = constraints.get("remat", "none")
@@ -784,12 +809,15 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     tied_s = 0.0
     if sent is not None:  # the pass's own transfers: each one a send on one rank and a
         # receive on another, per microbatch (a tp rank sends its own copy)
-        for src, dst, nbytes, scales, backward in sent:
-            if src % pp == dst % pp:
+        for x in sent:
+            if x.src % pp == x.dst % pp:
                 continue  # two chunks of one rank (interleaved): no transfer
-            t = hw.comm("p2p", nbytes * (mbs / stats.rows if scales else 1.0), 2, tp * 2)
-            for r in (src % pp, dst % pp):
-                (bwd if backward else fwd)[r] += t * (1 - hw.overlap)
+            t = hw.comm("p2p", x.nbytes * (mbs / stats.rows if x.per_row else 1.0), 2, tp * 2)
+            if x.once:  # after the last microbatch, beside the tied gradients' exchange
+                tied_s += t
+                continue
+            for r in (x.src % pp, x.dst % pp):
+                (bwd if x.backward else fwd)[r] += t * (1 - hw.overlap)
         for nbytes, stages in stats.shared_weights.get((pp * v, dev), []):
             if len({s % pp for s in stages}) > 1:
                 tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
@@ -1133,7 +1161,7 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                 for seg in stats.segments:
                     if seg.name in v:
                         (seg.flops_f_whole, seg.flops_b_whole, seg.bytes_f_whole,
-                         seg.bytes_b_whole) = v[seg.name]
+                         seg.bytes_b_whole, seg.saved_whole) = v[seg.name]
             elif k == "dp_nodes_per_param":
                 stats.dp_nodes_per_param[v[0]] = v[1]
             else:
@@ -1141,14 +1169,22 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
 
 
 def _unsplit_by_dp(gm, g, node_segment: dict) -> dict:
-    """Per segment, (forward FLOPs, backward FLOPs, forward bytes, backward bytes) of the
-    captured graph `gm`'s ops that the dp pass's graph `g` (dp=2, its values propagated)
-    does not halve: what a rank runs on the gathered batch (an MoE's routed expert matmuls
-    when their routing is not batch-local), and parameter-sized work (a dense embedding
-    gradient). Each op counts its work beyond half: 2 x its dp=2 cost - its whole cost. The
-    dp pass's own ops (gradient packing) are priced with it, per parameter, not here."""
+    """Per segment, (forward FLOPs, backward FLOPs, forward bytes, backward bytes, saved
+    bytes) of the captured graph `gm`'s ops that the dp pass's graph `g` (dp=2, its values
+    propagated) does not halve: what a rank runs on the gathered batch (an MoE's routed
+    expert matmuls when their routing is not batch-local) and keeps of it for the backward,
+    and parameter-sized work (a dense embedding gradient). Each op counts its work beyond
+    half: 2 x its dp=2 cost - its whole cost. The dp pass's own ops (gradient packing) are
+    priced with it, per parameter, not here."""
     base = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
     out: dict = {}
+    mine = {(k[0].name, k[1]): saved_bytes(k) for k in saved_values(
+        [n for n in g.graph.nodes if n.meta.get(ir.REGION) == ir.FORWARD])}
+    for k in saved_values([n for n in gm.graph.nodes if n.meta.get(ir.REGION) == ir.FORWARD]):
+        seg = node_segment.get(k[0].name)
+        if seg is not None and (k[0].name, k[1]) in mine:
+            whole, b = out.setdefault(seg, [0.0] * 5), saved_bytes(k)
+            whole[4] += min(max(2 * mine[(k[0].name, k[1])] - b, 0), b)
     for n in g.graph.nodes:
         b = base.get(n.name)
         seg = node_segment.get(n.name)
@@ -1157,7 +1193,7 @@ def _unsplit_by_dp(gm, g, node_segment: dict) -> dict:
         fl, fw = cost.node_flops(n), cost.node_flops(b)
         by = 0 if fl else sum(cost.node_bytes(n))
         bw = 0 if fw else sum(cost.node_bytes(b))
-        whole = out.setdefault(seg, [0.0, 0.0, 0.0, 0.0])
+        whole = out.setdefault(seg, [0.0] * 5)
         k = 0 if b.meta.get(ir.REGION) == ir.FORWARD else 1
         whole[k] += min(max(2 * fl - fw, 0), fw)
         whole[2 + k] += min(max(2 * by - bw, 0), bw)

@@ -30,6 +30,7 @@ from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 
 _GRAD_TAG = 1 << 24
+_ONCE_TAG = 1 << 25  # (+ the value's tag: a once-a-step value, PipelineRunner._exchange_once)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -72,15 +73,29 @@ class PipelineRunner:
                                                    program.virtual)[pp_rank] if a.is_compute]
         self.parts = {k: part for k, part in self.p.parts.items() if self.rank_of(part.stage)
                       == pp_rank}
-        # gradient reduction parts (R): run once per step, after the stage's last backward
+        # once-a-step parts (R: the gradient reduction, a shared weight's gradient sum): run
+        # after the stage's last backward; one reading a value another rank makes (summed
+        # there over the microbatches, sent once: `sent_once`) after this rank's last action,
+        # so that no rank waits on one before every compute action has run
         last = {a.stage: i for i, a in enumerate(self.actions) if a.kind != "F"}
         self.reduce_after: dict[int, list[str]] = {}
+        self.reduce_at_end: list[str] = []
         for k, part in sorted(self.parts.items()):
             if part.phase == "R":
-                self.reduce_after.setdefault(last.get(part.stage, len(self.actions) - 1),
-                                             []).append(k)
-        self.reduced_inputs = {ref for k, part in self.parts.items() if part.phase == "R"
-                               for kind, ref in part.inputs if kind == "value"}
+                if any(kind == "value" and self._src_rank(ref) != pp_rank
+                       for kind, ref in part.inputs):
+                    self.reduce_at_end.append(k)
+                else:
+                    self.reduce_after.setdefault(last.get(part.stage, len(self.actions) - 1),
+                                                 []).append(k)
+        r_inputs = [(self.rank_of(part.stage), ref) for part in self.p.parts.values()
+                    if part.phase == "R" for kind, ref in part.inputs if kind == "value"]
+        self.sent_once = sorted({(ref, dst) for dst, ref in r_inputs
+                                 if dst != pp_rank and self._src_rank(ref) == pp_rank})
+        self.received_once = sorted({ref for dst, ref in r_inputs
+                                     if dst == pp_rank and self._src_rank(ref) != pp_rank})
+        self._local_r = {ref for dst, ref in r_inputs if dst == pp_rank}
+        self.reduced_inputs = self._local_r | {ref for ref, _ in self.sent_once}
         # an action's compute segment keeps its name ("F3 s1"), its cat comes from its phase
         self.run_graphs = {k: (graphs or {}).get(k, part.graph) for k, part in self.parts.items()}
         self.lowered = {k: comm.lower(gm, markers=False) for k, gm in self.run_graphs.items()}
@@ -245,6 +260,10 @@ class PipelineRunner:
             outs = t = args = None  # drop this action's references (offloaded values free)
             for rkey in self.reduce_after.get(n, ()):
                 self._reduce(rkey, summed, grads, rec)
+        if not forward_only and (self.sent_once or self.reduce_at_end):
+            self._exchange_once(summed, sends, device)
+            for rkey in self.reduce_at_end:
+                self._reduce(rkey, summed, grads, rec)
         t0 = time.perf_counter()
         for w in sends:
             w.wait()
@@ -343,6 +362,24 @@ class PipelineRunner:
             part = self.parts[key]
             raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "
                                f"{e}") from e
+
+    def _exchange_once(self, summed, sends, device) -> None:
+        """The once-a-step values: this rank's sums that another rank's R part reads are
+        sent (kept in `sends` until the step ends), then the ones this rank's R parts read
+        are received into `summed`. Each pair of ranks sends and receives them in name
+        order (NCCL matches a pair's transfers by order, not tag)."""
+        for ref, dst in self.sent_once:
+            if ref not in summed:
+                raise RuntimeError(f"fxpar bug: value {ref} is read once a step by pp rank "
+                                   f"{dst}, but no backward on pp rank {self.rank} made it")
+            # (a copy where an R part here reads the sum too: it divides it in place)
+            t = summed[ref].clone() if ref in self._local_r else summed[ref]
+            sends.append(self._send(t, dst, _ONCE_TAG + self.tag[ref], ref, None))
+        for ref in self.received_once:
+            buf = self._buffer(ref, device)
+            dist.irecv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
+                       tag=_ONCE_TAG + self.tag[ref]).wait()
+            summed[ref] = buf
 
     def _reduce(self, key, summed, grads, rec):
         """Run a stage's gradient reduction once, on the microbatch-mean gradients."""

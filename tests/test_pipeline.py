@@ -31,7 +31,8 @@ def compile_pp(model, batch, pp, **plan):
 
 
 def run_parts(prog, model, sig, batch):
-    """All parts in pipeline order in this process: F0..Fn-1, then Bn-1..B0 (I before W)."""
+    """All parts in pipeline order in this process: F0..Fn-1, then Bn-1..B0 (I before W),
+    then the once-a-step parts (R)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     params = [params[k] for k in sig.param_names]
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -39,9 +40,10 @@ def run_parts(prog, model, sig, batch):
     leaves = flatten_batch(batch, sig)
     if prog.loss_count is not None:  # the whole batch as one microbatch: its whole count
         leaves.append(prog.loss_count(*leaves).to(prog.loss_count.meta["dtype"]))
-    rank = {"F": 0, "B": 1, "I": 1, "W": 2}
-    order = sorted(prog.parts, key=lambda k: (k[0] != "F", (1 if k[0] == "F" else -1) *
-                                              int(k[1:]), rank[k[0]]))
+    rank = {"F": 0, "B": 1, "I": 1, "W": 2, "R": 3}
+    order = sorted(prog.parts, key=lambda k: ((k[0] != "F") + (k[0] == "R"),
+                                              (1 if k[0] == "F" else -1) * int(k[1:]),
+                                              rank[k[0]]))
     store = {}
     for k in order:
         part = prog.parts[k]
@@ -186,6 +188,16 @@ def test_tied_embedding_is_held_by_first_and_last_stage():
     gm, sig, prog = compile_pp(model, M.gpt_batch(CFG8, 4), 2)
     i = sig.param_names.index(next(n for n in sig.param_names if "wte" in n))
     assert prog.param_stages[i] == {0, 1}
+    # its gradient is the sum of the two stages' parts, added once a step (an R part) on
+    # the summed parts: the head's part crosses from stage 1 once, not per microbatch
+    (r,) = [k for k, p in prog.parts.items() if p.phase == "R"]
+    assert prog.grads[i] in prog.parts[r].outputs
+    remote = [ref for kind, ref in prog.parts[r].inputs if kind == "value"
+              and prog.parts[prog.producer[ref]].stage != prog.parts[r].stage]
+    assert len(remote) == 1 and prog.parts[prog.producer[remote[0]]].phase == "B"
+    crossing = [n for n in gm.graph.nodes if ir.TRANSFER in n.meta
+                and n.meta[ir.REGION] == ir.BACKWARD and n.meta[ir.PHASE] == "R"]
+    assert [n.meta[ir.TRANSFER] for n in crossing] == [(1, 0)]
     loss, grads = run_parts(prog, model, sig, M.gpt_batch(CFG8, 4))
     ref_loss, ref_grads = eager(model, M.gpt_batch(CFG8, 4))
     torch.testing.assert_close(loss, ref_loss)
@@ -198,8 +210,8 @@ def test_parts_in_pipeline_order_equal_the_unsplit_step(schedule):
     model = M.GPT(CFG8)
     batch = M.gpt_batch(CFG8, 4)
     gm, sig, prog = compile_pp(model, batch, 2, schedule=schedule, microbatches=2)
-    phases = {p.phase for p in prog.parts.values()}
-    assert phases == ({"F", "I", "W"} if schedule == "zero-bubble" else {"F", "B"})
+    phases = {p.phase for p in prog.parts.values()}  # (R: the tied wte's gradient sum)
+    assert phases == ({"F", "I", "W", "R"} if schedule == "zero-bubble" else {"F", "B", "R"})
     assert prog.n_stages == (4 if schedule == "interleaved" else 2)
     assert_parts_equal_eager(prog, model, sig, batch)
 
@@ -238,10 +250,13 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(sc
             assert all(n.meta[ir.VAL].numel() == 2 for n in nodes), (k, nodes)
     for g in prog.grads:
         assert g is None or prog.producer[g][0] == "R", g
-    for k, p in prog.parts.items():  # R reads only its own stage's backward values
-        if p.phase == "R":
-            assert all(kind == "value" and prog.parts[prog.producer[ref]].stage == p.stage
-                       and prog.producer[ref][0] in "BIW" for kind, ref in p.inputs), p.inputs
+    for k, p in prog.parts.items():  # R reads backward values, its own stage's but for
+        if p.phase == "R":           # the tied head's gradient part (stage 1's, read by R0)
+            assert all(kind == "value" and prog.producer[ref][0] in "BIW"
+                       for kind, ref in p.inputs), p.inputs
+            remote = [ref for _, ref in p.inputs if prog.parts[prog.producer[ref]].stage
+                      != p.stage]
+            assert len(remote) == (k == "R0"), (k, remote)
 
 
 def test_too_many_stages_is_a_clear_error():

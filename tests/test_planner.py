@@ -947,9 +947,10 @@ def test_the_planner_prices_the_tensor_parallel_split_the_pass_makes(name):
 
 
 def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
-    """GPT-2's embedding is also its head: at pp=2 the pass sends the head's partial weight
-    gradient back to the first stage every microbatch, and the runtime exchanges the summed
-    gradient once a step. The planner reads both off the pass's own cut of the graph."""
+    """GPT-2's embedding is also its head: at pp=2 the pass sums the two stages' parts of its
+    gradient once a step (an R part), so the head's part crosses back to the first stage
+    once, not every microbatch, and the runtime exchanges the summed gradient once. The
+    planner reads both off the pass's own cut of the graph."""
     model = M.hf_gpt2(vocab=512, n_embd=32, n_layer=4, n_head=4)
     stats = planner.graph_stats(model, M.hf_lm_batch(512, 8, 16))
     hw = cost.cpu_hardware()
@@ -957,29 +958,26 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
     weight = 512 * 32 * 4
     assert stats.shared_weights[(2, "cpu")] == [(weight, [0, 1])]
     sent = stats.transfers[(2, "cpu")]
-    assert (1, 0, weight, False, True) in sent          # per microbatch, not per row
-    assert any(src == 0 and dst == 1 and per_row and not bwd
-               for src, dst, _, per_row, bwd in sent)  # the residual stream forward
-    for c in r.table:
+    (part,) = [t for t in sent if t.once]
+    assert (part.src, part.dst, part.nbytes, part.per_row) == (1, 0, weight, False)
+    assert any(t.src == 0 and t.dst == 1 and t.per_row and not t.backward
+               for t in sent)  # the residual stream forward
+    for c in r.table:  # the part and the summed gradient, each once a step
         assert c.parts["tied weights' gradients"] == pytest.approx(
-            hw.comm("p2p", weight, 2, 2))
-    # and in memory: the head's stage holds each microbatch's sent partial gradient until
-    # the step ends (the runtime waits on its sends then), the embedding's stage the two
-    # receive buffers it prefetches (BERT-MLM's pp=2 m=4 was priced 0.59x without them)
-    untied = dataclasses.replace(stats, transfers={k: [t for t in v if t[3]]
+            2 * hw.comm("p2p", weight, 2, 2))
+    # and in memory: the head's stage holds its running sum of the part over the step, the
+    # embedding's stage the buffer it receives it in, whatever the microbatches
+    untied = dataclasses.replace(stats, transfers={k: [t for t in v if not t.once]
                                                    for k, v in stats.transfers.items()})
     bare = {planner.plan_str(c.plan): c for c in planner.search(
         untied, 2, hw, batch_rows=8, constraints={"pp": 2}).table}
-    back = sum(nbytes for src, dst, nbytes, per_row, _ in sent if (src, dst) == (1, 0)
-               and not per_row)  # (the tied weight's and any other weight-shaped value's)
-    assert back >= weight
     for c in r.table:
         if c.plan.schedule == "interleaved":  # (two chunks a rank: the pass's 4-stage cut)
             continue
         first, last = c.memory.per_stage
         b_first, b_last = bare[planner.plan_str(c.plan)].memory.per_stage
-        assert last.buffers - b_last.buffers == pytest.approx(c.plan.microbatches * back)
-        assert first.buffers - b_first.buffers == pytest.approx(2 * back)
+        assert last.buffers - b_last.buffers == pytest.approx(weight)
+        assert first.buffers - b_first.buffers == pytest.approx(weight)
 
 
 def _limit_ruling_out_plain_dp(stats) -> float:
