@@ -188,8 +188,8 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
                  microbatches: int = 1, sends_held: float = 0.0
                  ) -> tuple[MemoryEstimate, float]:
     """Memory of one rank of the stage holding `segs`, and its recompute fraction.
-    `sends_held`: bytes of weight-gradient transfers this rank holds over the step (a tied
-    head's partial gradient sent every microbatch, the receive buffers for it)."""
+    `sends_held`: bytes of weight-shaped transfers this rank holds over the step (a tied
+    head's summed gradient part, the buffer it is received in)."""
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
     per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)

@@ -727,9 +727,9 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
            constraints, budget) -> Candidate | None:
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
-    # a weight-shaped value a stage sends every microbatch: each send holds its tensor until
-    # the step ends (the runtime waits on its sends then; gloo's cannot be polled), and the
-    # receiver prefetches two; a tied weight's gradient part goes once a step (`once`)
+    # a weight-shaped value a stage sends every microbatch: the sender holds one in flight
+    # (the runtime releases a send as it completes), the receiver prefetches two; a tied
+    # weight's gradient part goes once a step (`once`)
     dev = "cpu" if hw.name == "cpu" else "cuda"
     sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
     kept = [0.0] * pp
@@ -739,7 +739,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                 kept[t.src % pp] += t.nbytes / tp
                 kept[t.dst % pp] += t.nbytes / tp
             else:
-                kept[t.src % pp] += 0.0 if t.weight_view else m * t.nbytes / tp
+                kept[t.src % pp] += 0.0 if t.weight_view else t.nbytes / tp
                 kept[t.dst % pp] += 2 * t.nbytes / tp
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
     fwd, bwd, mems, recs = [], [], [], []
