@@ -133,6 +133,7 @@ class GraphStats:
     stage_starts: dict = dataclasses.field(default_factory=dict)
     transfers: dict = dataclasses.field(default_factory=dict)       # (same keys): the
     shared_weights: dict = dataclasses.field(default_factory=dict)  # pass's, see there
+    stage_saved: dict = dataclasses.field(default_factory=dict)     #
 
     @property
     def layers(self) -> list[Segment]:
@@ -179,7 +180,7 @@ class GraphStats:
                                     for i in range(n_layers)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, stage_starts={}, transfers={},
-            shared_weights={},
+            shared_weights={}, stage_saved={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers}")
 

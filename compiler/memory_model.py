@@ -122,7 +122,8 @@ class MemoryEstimate:
         activations, measured 1.18x the estimate). With several, the gradient sums are held
         while later microbatches' activations live (below)."""
         if not self.accumulate:
-            return max(self.activations, self.grads + self.buffers + self.working)
+            return max(self.activations, self.grads + self.buffers + self.working,
+                       self.grads + self.at_end)
         # each part frees the activations it was handed as it makes their gradients (the
         # pipeline runs parts boxed), added in place into the sums: once the sums exist
         # (after the first backward) at most min(in_flight, microbatches - 1) microbatches'
@@ -185,19 +186,21 @@ def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0, dp
 def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zero: int,
                  rows: float, in_flight: int, precision: str, optimizer: str, remat="none",
                  transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
-                 microbatches: int = 1, sends_held: float = 0.0
-                 ) -> tuple[MemoryEstimate, float]:
+                 microbatches: int = 1, sends_held: float = 0.0, saved_factor: float = 1.0,
+                 received_at_end: float = 0.0) -> tuple[MemoryEstimate, float]:
     """Memory of one rank of the stage holding `segs`, and its recompute fraction.
     `sends_held`: bytes of weight-shaped transfers this rank holds over the step (a tied
-    head's summed gradient part, the buffer it is received in)."""
+    head's summed gradient part); `received_at_end`: what it receives after the last
+    microbatch (that part, on the embedding's rank). `saved_factor`: what the pipeline
+    pass's cut saves on this rank over what `segs` save."""
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
     per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
     params, grads, opt = model_state(n, dp, elem, per, zero)
     act_scale = (1.0 if stats.activations_precision == precision
                  else elem / stats.param_bytes_per_elem)
-    acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale,
-                                        dp)
+    acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight,
+                                        act_scale * saved_factor, dp)
     working = 0.0
     if transient:  # the largest working memory of one of its segments, one microbatch
         working = max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
@@ -236,6 +239,7 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
             # ZeRO-1, the reduced shards it keeps (dp=2 m=2 / m=4 had been 0.81-0.88x /
             # 0.6-0.74x the tracker)
             at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero == 1 else 0.0)
+    at_end = max(at_end, received_at_end)
     # (pipeline stages sum their gradients in place too: the sums are `grads`)
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1, working=working,

@@ -333,11 +333,21 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
         for p in copy_.graph.nodes if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"
         for stages in [{u.meta[ir.STAGE] for u in p.users
                         if u.meta.get(ir.STAGE) is not None}] if len(stages) > 1]
+    # the saved activations of each stage of the cut (a value received from another stage
+    # on the stage that keeps it): the layers a stage is priced with can differ from what
+    # it runs where the pass cuts inside a layer (the MoE's pp=2 m=4 was priced 1.6x)
+    fwd = [x for x in copy_.graph.nodes if x.meta.get(ir.REGION) == ir.FORWARD
+           and x.meta.get(ir.STAGE) is not None]
+    stats.stage_saved[key] = [sum(saved_bytes(k) for k in saved_values(
+        [x for x in fwd if x.meta[ir.STAGE] == s])) for s in range(n)]
     of = [max(votes.get(x.name, {0: 1}).items(), key=lambda kv: kv[1])[0]
           for x in stats.layers]
-    starts = [0] + [i for i in range(1, len(of)) if of[i] != of[i - 1]]
-    if len(starts) != n or of != sorted(of):  # the pass cut within layers too finely to
-        starts = None                         # map onto them: priced by the layer balance
+    # stage s starts at its first layer; the first or last stage may hold none (the pass
+    # gave BERT-MLM's stage 1 its head alone), the others at least one
+    starts = [next((i for i, o in enumerate(of) if o >= s), len(of)) for s in range(n)]
+    if of != sorted(of) or any(starts[s] >= starts[s + 1] for s in range(1, n - 1)):
+        starts = None  # the pass cut within layers too finely to map onto them: priced by
+        #                the layer balance
     stats.stage_starts[key] = starts
     return starts
 
@@ -732,16 +742,23 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     # weight's gradient part goes once a step (`once`)
     dev = "cpu" if hw.name == "cpu" else "cuda"
     sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
-    kept = [0.0] * pp
+    kept, at_end = [0.0] * pp, [0.0] * pp
     for t in sent or []:
         if not t.per_row and t.src % pp != t.dst % pp:
-            if t.once:  # the sender's running sum of it, the receiver's one buffer
+            if t.once:  # the sender's running sum of it, the receiver's one buffer at the end
                 kept[t.src % pp] += t.nbytes / tp
-                kept[t.dst % pp] += t.nbytes / tp
-            else:
+                at_end[t.dst % pp] += t.nbytes / tp
+            else:  # (a view of a weight: nothing on the sender; received as it is read)
                 kept[t.src % pp] += 0.0 if t.weight_view else t.nbytes / tp
-                kept[t.dst % pp] += 2 * t.nbytes / tp
+                kept[t.dst % pp] += (1 if t.weight_view else 2) * t.nbytes / tp
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
+    # the activations of a rank's segments scaled to what the pass's cut saves on it
+    by_cut = stats.stage_saved.get((pp * v, dev)) if pp > 1 else None
+    saved_factor = [1.0] * pp
+    for r in range(pp if by_cut else 0):
+        mapped = sum(s.saved for s in rank_segs[r])
+        if mapped > 0:
+            saved_factor[r] = sum(by_cut[s] for s in range(r, pp * v, pp)) / mapped
     fwd, bwd, mems, recs = [], [], [], []
     remat = constraints.get("remat", "none")
     fixed_remat = "remat" in constraints and remat != "auto"  # "auto": the pass sizes it
@@ -754,6 +771,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                                 in_flight=held[r], precision=precision,
                                 optimizer=optimizer, remat=remat, transient=True, pp=pp,
                                 microbatches=m, sends_held=kept[r],
+                                saved_factor=saved_factor[r], received_at_end=at_end[r],
                                 bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
         mems.append((mem, rec))
     worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -771,6 +789,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                                       in_flight=held[r], precision=precision,
                                       optimizer=optimizer, remat=rb, transient=True, pp=pp,
                                       microbatches=m, sends_held=kept[r],
+                                      saved_factor=saved_factor[r], received_at_end=at_end[r],
                                       bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
             new.append((mem2, rec2))
         mems = new

@@ -928,6 +928,25 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
     assert stats.stage_starts[(pp * v, "cpu")] is not None  # the pass's cut, not the fallback
 
 
+def test_a_stage_the_pass_gives_the_head_alone_is_priced_as_cut():
+    """BERT-MLM with an 8k-token head: the pass's pp=2 cut gives stage 1 the MLM head alone
+    (its dense, LayerNorm, tied decoder and loss cost what the four layers do). The planner
+    prices those stages - not a layer balance of its own, which had put two layers on each
+    and priced stage 0 at half its gradients - and each stage's saved activations as the cut
+    saves them."""
+    import transformers as T
+    model = T.BertForMaskedLM(T.BertConfig(
+        vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        intermediate_size=1024, max_position_embeddings=128))
+    stats = planner.graph_stats(model, M.hf_lm_batch(8192, 8, 64))
+    assert planner.pass_stage_starts(stats, 2, "cpu") == [0, 4]
+    first, last = planner.stages_of(stats, 2, 1, "cpu")
+    assert [s.name for s in last] == ["post"] and len(first) == 5
+    cut = stats.stage_saved[(2, "cpu")]
+    assert cut[0] == pytest.approx(sum(s.saved for s in first), rel=0.01)
+    assert cut[1] == pytest.approx(stats.segments[-1].saved, rel=0.01)
+
+
 @pytest.mark.parametrize("name", ["mixtral", pytest.param("gpt2", marks=pytest.mark.slow),
                                   pytest.param("bert_mlm", marks=pytest.mark.slow)])
 def test_the_planner_prices_the_tensor_parallel_split_the_pass_makes(name):
@@ -973,7 +992,8 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
         assert c.parts["tied weights' gradients"] == pytest.approx(
             2 * hw.comm("p2p", weight, 2, 2))
     # and in memory: the head's stage holds its running sum of the part over the step, the
-    # embedding's stage the buffer it receives it in, whatever the microbatches
+    # embedding's stage the buffer it receives it in after the last microbatch, whatever
+    # the microbatches
     untied = dataclasses.replace(stats, transfers={k: [t for t in v if not t.once]
                                                    for k, v in stats.transfers.items()})
     bare = {planner.plan_str(c.plan): c for c in planner.search(
@@ -984,7 +1004,7 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
         first, last = c.memory.per_stage
         b_first, b_last = bare[planner.plan_str(c.plan)].memory.per_stage
         assert last.buffers - b_last.buffers == pytest.approx(weight)
-        assert first.buffers - b_first.buffers == pytest.approx(weight)
+        assert first.buffers == b_first.buffers and first.at_end >= weight
 
 
 def _limit_ruling_out_plain_dp(stats) -> float:
