@@ -259,6 +259,16 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(sc
             assert len(remote) == (k == "R0"), (k, remote)
 
 
+def test_a_send_is_released_when_it_completes_not_when_the_step_ends():
+    """gloo's send cannot be polled (is_completed() stays False until wait()): held to the
+    step's end, a stage kept every microbatch's sent activations and gradients. The
+    runtime's helper thread waits on each send, so its tensor goes once the peer has it."""
+    import fxpar
+    from workers import sends_rank
+    res = fxpar.launch(sends_rank, 2, 1 << 20)
+    assert res[0][0] is True and res[1][1] == (1 << 20) // 4
+
+
 def test_too_many_stages_is_a_clear_error():
     with pytest.raises(PlanError, match="pipeline stages"):
         compile_pp(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), 64)

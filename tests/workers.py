@@ -745,3 +745,35 @@ def _choose_runner_up(auto_plan):
         result.best = result.table[1]
         return result
     return wrapped
+
+
+def sends_rank(nbytes: int) -> tuple:
+    """A pipeline send (runtime/pipeline._Sends on gloo) lets go of its tensor once the
+    peer has received it, before the step waits on its sends: (freed before wait_all,
+    the peer's sum)."""
+    import time
+    import weakref
+
+    import torch.distributed as dist
+
+    from fxpar.runtime.pipeline import _Sends
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    n = nbytes // 4
+    if dist.get_rank() == 0:
+        sends, freed = _Sends(threaded=True), []
+        t = torch.ones(n)
+        weakref.finalize(t.untyped_storage(), freed.append, True)
+        sends.add(dist.isend(t, dst=1, tag=7), 1)
+        del t
+        dist.recv(torch.empty(1), src=1, tag=8)  # the peer has its copy
+        deadline = time.time() + 30
+        while not freed and time.time() < deadline:
+            time.sleep(0.005)
+        early = bool(freed)
+        sends.wait_all()
+        return early, None
+    buf = torch.empty(n)
+    dist.recv(buf, src=0, tag=7)
+    dist.send(torch.ones(1), dst=0, tag=8)
+    return None, float(buf.sum())
