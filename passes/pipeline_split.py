@@ -16,7 +16,8 @@ weight gradients). Every edge between stages gets an explicit transfer node (an 
 with meta["transfer"] = (src stage, dst stage), placed in the consuming stage): activations
 forward, gradients backward, and values that skip stages (residual streams). The runtime
 turns these into send/recv between the stages' ranks. A tied weight's gradient parts are
-summed once a step (phase "R"), so its transfer is once a step too. `gm.meta["pipeline"]` records cuts, stage costs and bytes sent.
+summed once a step (phase "R"), so its transfer is once a step too. `gm.meta["pipeline"]`
+records cuts, stage costs and bytes sent.
 """
 from __future__ import annotations
 

@@ -101,19 +101,24 @@ class _Sends:
             raise e
 
 
-def _sum_of_two(node, outs) -> bool:
-    """An output (of a graph being built: no output node yet) that is the sum (add) of two
-    values of its own shape and dtype, read by nothing else: a weight's gradient summed from
-    two uses (a tied embedding and head)."""
+def _sum_of_two(node, outs) -> torch.fx.Node | None:
+    """For an output (of a graph being built: no output node yet) that is the sum (add) of
+    two values of its own shape and dtype, read by nothing else - a weight's gradient summed
+    from two uses (a tied embedding and head) - the one of them that it may sum into in
+    place: made by an op that is not a view, read by the add alone. None otherwise."""
     if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.add.Tensor
             and len(node.args) == 2 and not node.kwargs and not node.users
-            and sum(o is node for o in outs) == 1):
-        return False
+            and sum(o is node for o in outs) == 1 and node.args[0] is not node.args[1]):
+        return None
     v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and all(
-        isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-        and a.meta["val"].shape == v.shape and a.meta["val"].dtype == v.dtype
-        for a in node.args)
+    if not isinstance(v, torch.Tensor) or not all(
+            isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+            and a.meta["val"].shape == v.shape and a.meta["val"].dtype == v.dtype
+            and a.meta["val"].stride() == v.stride() for a in node.args):
+        return None
+    return next((a for a in node.args if len(a.users) == 1
+                 and isinstance(a.target, torch._ops.OpOverload) and not a.target.is_view
+                 and not a.target._schema.is_mutable), None)
 
 
 def _shared_storages(outs, routes) -> set[int]:
@@ -413,11 +418,13 @@ class PipelineRunner:
             add_ = torch.ops.aten.add_.Tensor
             for j, ph in zip(pos, reversed(phs)):
                 node = outs[j]
-                if _sum_of_two(node, outs):  # a tied weight's parts: each added into the
-                    with g.inserting_after(node):  # sum, not first into a new tensor
-                        first = g.call_function(add_, (ph, node.args[0]))
-                    with g.inserting_after(first):
-                        outs[j] = g.call_function(add_, (first, node.args[1]))
+                own = _sum_of_two(node, outs)
+                if own is not None:  # a tied weight's parts: one added into the other in
+                    other = node.args[1 - node.args.index(own)]  # place, not a new tensor
+                    with g.inserting_after(node):  # (a + b == b + a: the same bits)
+                        both = g.call_function(add_, (own, other))
+                    with g.inserting_after(both):
+                        outs[j] = g.call_function(add_, (ph, both))
                     g.erase_node(node)
                     continue
                 with g.inserting_after(node):
