@@ -21,6 +21,7 @@ import functools
 import queue
 import threading
 import time
+import weakref
 
 import torch
 import torch._prims_common
@@ -51,54 +52,66 @@ class _Sends:
     the step ends: held to the end, a stage kept every microbatch's sent activations and
     gradients (the tracker's pp=2 m=4 step 10-13% over the memory model). gloo's send
     cannot be polled (is_completed() is False until wait()), so a helper thread per
-    destination waits on them in order; NCCL's can, and completed ones are dropped as new
-    ones come."""
+    destination waits on them in order (it holds only its queue and the count: it ends when
+    this object goes); NCCL's can, and completed ones are dropped as new ones come."""
 
     def __init__(self, threaded: bool):
         self.threaded = threaded
         self._works: list = []
         self._queues: dict[int, queue.SimpleQueue] = {}
-        self._cv = threading.Condition()
-        self._pending = 0
-        self._error: BaseException | None = None
+        self._state = _Pending()
 
     def add(self, work, dst: int) -> None:
         if not self.threaded:
             self._works = [w for w in self._works if not w.is_completed()] + [work]
             return
         if dst not in self._queues:
-            self._queues[dst] = queue.SimpleQueue()
-            threading.Thread(target=self._wait_each, args=(self._queues[dst],), daemon=True,
+            q = self._queues[dst] = queue.SimpleQueue()
+            threading.Thread(target=_wait_each, args=(q, self._state), daemon=True,
                              name=f"fxpar-sends-to-{dst}").start()
-        with self._cv:
-            self._pending += 1
+            weakref.finalize(self, q.put, None)  # (the thread's end)
+        with self._state.cv:
+            self._state.count += 1
         self._queues[dst].put(work)
 
-    def _wait_each(self, q) -> None:
-        while True:
-            work = q.get()
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - raised on the step's thread
-                self._error = e
-            finally:
-                del work
-                with self._cv:
-                    self._pending -= 1
-                    self._cv.notify_all()
-
     def __bool__(self) -> bool:
-        return bool(self._works) or self._pending > 0
+        return bool(self._works) or self._state.count > 0
 
     def wait_all(self) -> None:
         for w in self._works:
             w.wait()
         self._works = []
-        with self._cv:
-            self._cv.wait_for(lambda: self._pending == 0)
-        if self._error is not None:
-            e, self._error = self._error, None
+        st = self._state
+        with st.cv:
+            st.cv.wait_for(lambda: st.count == 0)
+        if st.error is not None:
+            e, st.error = st.error, None
             raise e
+
+
+class _Pending:
+    """Sends queued and not yet completed, and the first error one raised."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.count = 0
+        self.error: BaseException | None = None
+
+
+def _wait_each(q: queue.SimpleQueue, state: _Pending) -> None:
+    while True:
+        work = q.get()
+        if work is None:
+            return
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - raised on the step's thread
+            state.error = state.error or e
+        finally:
+            del work
+            with state.cv:
+                state.count -= 1
+                state.cv.notify_all()
 
 
 def _sum_of_two(node, outs) -> torch.fx.Node | None:

@@ -262,7 +262,8 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(sc
 def test_a_send_is_released_when_it_completes_not_when_the_step_ends():
     """gloo's send cannot be polled (is_completed() stays False until wait()): held to the
     step's end, a stage kept every microbatch's sent activations and gradients. The
-    runtime's helper thread waits on each send, so its tensor goes once the peer has it."""
+    runtime's helper thread waits on each send, so its tensor goes once the peer has it;
+    the thread holds nothing of the runner and ends when the runner's sends go."""
     import fxpar
     from workers import sends_rank
     res = fxpar.launch(sends_rank, 2, 1 << 20)

@@ -749,8 +749,8 @@ def _choose_runner_up(auto_plan):
 
 def sends_rank(nbytes: int) -> tuple:
     """A pipeline send (runtime/pipeline._Sends on gloo) lets go of its tensor once the
-    peer has received it, before the step waits on its sends: (freed before wait_all,
-    the peer's sum)."""
+    peer has received it, before the step waits on its sends, and its helper thread ends
+    with it: (freed before wait_all and the thread gone after, the peer's sum)."""
     import time
     import weakref
 
@@ -772,7 +772,16 @@ def sends_rank(nbytes: int) -> tuple:
             time.sleep(0.005)
         early = bool(freed)
         sends.wait_all()
-        return early, None
+        del sends
+        import gc
+        import threading
+        gc.collect()
+        deadline = time.time() + 30
+        while any(t.name == "fxpar-sends-to-1" for t in threading.enumerate()) \
+                and time.time() < deadline:
+            time.sleep(0.005)
+        gone = not any(t.name == "fxpar-sends-to-1" for t in threading.enumerate())
+        return early and gone, None
     buf = torch.empty(n)
     dist.recv(buf, src=0, tag=7)
     dist.send(torch.ones(1), dst=0, tag=8)
