@@ -133,7 +133,8 @@ class GraphStats:
     stage_starts: dict = dataclasses.field(default_factory=dict)
     transfers: dict = dataclasses.field(default_factory=dict)       # (same keys): the
     shared_weights: dict = dataclasses.field(default_factory=dict)  # pass's, see there
-    stage_saved: dict = dataclasses.field(default_factory=dict)     #
+    # (same keys): per stage of the pass's cut, the bytes of activations it saves
+    stage_saved: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[Segment]:
@@ -185,7 +186,8 @@ class GraphStats:
                  f"stands for each of the {n_layers}")
 
 
-def _storage_base(n):
+def storage_base(n):
+    """The node whose value n is a view of (n itself if it is no view)."""
     while cost.is_view(n) and n.all_input_nodes and isinstance(n.args[0], torch.fx.Node):
         n = n.args[0]
     return n
@@ -377,7 +379,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     # values crossing from a segment to a later one (forward)
     pos = {s: i for i, s in enumerate(order)}
     for n in fwd:
-        base = _storage_base(n)
+        base = storage_base(n)
         if base is not n or base.op != "call_function":
             continue
         users = [u for u in n.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]

@@ -36,8 +36,8 @@ from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import fake_propagate, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze, forward_segments,
-                                       saved_bytes, saved_values,
-                                       layer_key)
+                                       layer_key, saved_bytes, saved_values,
+                                       storage_base)
 from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
@@ -316,10 +316,7 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
         return bool(shape) and shape not in weight_shapes and shape[0] % stats.rows == 0
 
     def a_weight(n):
-        while n.op == "call_function" and cost.is_view(n) and isinstance(n.args[0],
-                                                                          torch.fx.Node):
-            n = n.args[0]
-        return n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"
+        return storage_base(n).meta.get(ir.ROLE) == "param"
     stats.transfers[key] = [
         Transfer(src, dst, cost.tensor_bytes(t.meta.get(ir.VAL)), per_row(t.meta.get(ir.VAL)),
                  t.meta.get(ir.REGION) == ir.BACKWARD, a_weight(t.args[0]),
@@ -709,7 +706,6 @@ def _rank_aggregates(stages, pp, v):
             rest.column_out = [c for s in layers for c in s.column_out][len(big.column_out):]
             rest.layer_count = len(layers) - 1
             group = [big, rest]
-        agg.has_post = any(s.name == "post" for s in segs)
         out.append([agg] + group)
     return out
 
@@ -759,21 +755,20 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         mapped = sum(s.saved for s in rank_segs[r])
         if mapped > 0:
             saved_factor[r] = sum(by_cut[s] for s in range(r, pp * v, pp)) / mapped
-    fwd, bwd, mems, recs = [], [], [], []
+    fwd, bwd, recs = [], [], []
     remat = constraints.get("remat", "none")
     fixed_remat = "remat" in constraints and remat != "auto"  # "auto": the pass sizes it
     if remat == "auto":
         remat = "none"
-    for r in range(pp):
-        segs = rank_segs[r]
-        last = segs[0].has_post
-        mem, rec = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
-                                in_flight=held[r], precision=precision,
-                                optimizer=optimizer, remat=remat, transient=True, pp=pp,
-                                microbatches=m, sends_held=kept[r],
-                                saved_factor=saved_factor[r], received_at_end=at_end[r],
-                                bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
-        mems.append((mem, rec))
+
+    def rank_memory(r, remat):
+        return stage_memory(rank_segs[r], stats, tp=tp, dp=dp, zero=zero, rows=mbs,
+                            in_flight=held[r], precision=precision, optimizer=optimizer,
+                            remat=remat, transient=True, pp=pp, microbatches=m,
+                            sends_held=kept[r], saved_factor=saved_factor[r],
+                            received_at_end=at_end[r],
+                            bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
+    mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
         # the least recompute that fits: give each rank the activation budget that is left
@@ -781,17 +776,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         for r in range(pp):
             mem, _ = mems[r]
             left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
-            segs = rank_segs[r]
-            last = segs[0].has_post
-            trans = max(s.transient for s in segs) * mbs / stats.rows
-            rb = max(left - trans, 1.0)
-            mem2, rec2 = stage_memory(segs, stats, tp=tp, dp=dp, zero=zero, rows=mbs,
-                                      in_flight=held[r], precision=precision,
-                                      optimizer=optimizer, remat=rb, transient=True, pp=pp,
-                                      microbatches=m, sends_held=kept[r],
-                                      saved_factor=saved_factor[r], received_at_end=at_end[r],
-                                      bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
-            new.append((mem2, rec2))
+            trans = max(s.transient for s in rank_segs[r]) * mbs / stats.rows
+            new.append(rank_memory(r, max(left - trans, 1.0)))
         mems = new
         worst = max(range(pp), key=lambda r: mems[r][0].total)
         # the pass's budget is the activation peak priced for the binding rank (its simulated

@@ -482,8 +482,8 @@ class PipelineRunner:
             sends.add(self._send(t, dst, _ONCE_TAG + self.tag[ref], ref, None), dst)
         for ref in self.received_once:
             buf = self._buffer(ref, device)
-            dist.irecv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
-                       tag=_ONCE_TAG + self.tag[ref]).wait()
+            dist.recv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
+                      tag=_ONCE_TAG + self.tag[ref])
             summed[ref] = buf
 
     def _reduce(self, key, summed, grads, rec):
