@@ -756,6 +756,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         if mapped > 0:
             saved_factor[r] = sum(by_cut[s] for s in range(r, pp * v, pp)) / mapped
     fwd, bwd, recs = [], [], []
+    comm_s = []  # per rank: the step's time waiting on communication (tp, transfers)
     remat = constraints.get("remat", "none")
     fixed_remat = "remat" in constraints and remat != "auto"  # "auto": the pass sizes it
     if remat == "auto":
@@ -809,20 +810,32 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             else 0.0
         fwd.append(tf + tpc_f + tp_nodes)
         bwd.append(tb + tpc_b + tp_nodes + rec * tf)
+        comm_s.append(m * (tpc_f + tpc_b))
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     tied_s = 0.0
-    if sent is not None:  # the pass's own transfers: each one a send on one rank and a
-        # receive on another, per microbatch (a tp rank sends its own copy)
+    if sent is not None:  # the pass's own transfers, per microbatch (a tp rank sends its
+        # own copy). The values one stage sends another for one action go together: the
+        # receiver posts their receives at once and waits one latency for all of them, the
+        # sender issues each and moves on (runtime/pipeline.py), so a cut that sends a
+        # BatchNorm's statistics beside its activation pays one latency, not seven
+        moved: dict[tuple, float] = {}
         for x in sent:
             if x.src % pp == x.dst % pp:
                 continue  # two chunks of one rank (interleaved): no transfer
-            t = hw.comm("p2p", x.nbytes * (mbs / stats.rows if x.per_row else 1.0), 2, tp * 2)
+            nbytes = x.nbytes * (mbs / stats.rows if x.per_row else 1.0)
             if x.once:  # after the last microbatch, beside the tied gradients' exchange
-                tied_s += t
+                tied_s += hw.comm("p2p", nbytes, 2, tp * 2)
                 continue
-            for r in (x.src % pp, x.dst % pp):
-                (bwd if x.backward else fwd)[r] += t * (1 - hw.overlap)
+            key = (x.src % pp, x.dst % pp, x.backward)
+            moved[key] = moved.get(key, 0.0) + nbytes
+        for (src, dst, backward), nbytes in moved.items():
+            t = hw.comm("p2p", nbytes, 2, tp * 2)
+            by_bytes = t - hw.comm("p2p", 0, 2, tp * 2)
+            side = bwd if backward else fwd
+            side[dst] += t * (1 - hw.overlap)
+            side[src] += by_bytes * (1 - hw.overlap)
+            comm_s[dst] += m * t * (1 - hw.overlap)
         for nbytes, stages in stats.shared_weights.get((pp * v, dev), []):
             if len({s % pp for s in stages}) > 1:
                 tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
@@ -837,6 +850,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             links = sum((k * pp + r > 0) + (k * pp + r < last_stage) for k in range(v))
             fwd[r] += links * p2p * (1 - hw.overlap)
             bwd[r] += links * p2p * (1 - hw.overlap)
+            comm_s[r] += 2 * m * links * p2p * (1 - hw.overlap)
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     slow = max(f + b for f, b in zip(fwd, bwd))
     if pp == 1:
@@ -895,8 +909,9 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     accumulate = (m - 1) * (3 * n_elem * elem / hw.mem_bandwidth
                             + n_tensors * hw_graph.node_overhead) if m > 1 else 0.0
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
+    waiting = min(sum(comm_s) / pp / busy, 1.0) if busy > 0 else 0.0
     if pp > 1:
-        pipe = _on_shared_cores(pipe, busy, hw)
+        pipe = _on_shared_cores(pipe, busy, hw, waiting)
     step = pipe + dp_exposed + opt_t + tied_s + accumulate + hw.step_overhead
     compute_only = m * max(f + b for f, b in zip(fwd, bwd))
     parts = {"compute": compute_only, "pipeline bubble": max(pipe - compute_only, 0.0),
@@ -920,7 +935,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             setattr(plan, k2, given)
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))
-    c.ctx = (fwd, bwd, p2p, pipe, v)
+    c.ctx = (fwd, bwd, p2p, pipe, v, waiting)
     return c
 
 
@@ -935,16 +950,22 @@ def batch_scale(stats, rows):
     return rows / stats.rows
 
 
-def _on_shared_cores(makespan: float, busy: float, hw: cost.Hardware) -> float:
+def _on_shared_cores(makespan: float, busy: float, hw: cost.Hardware,
+                     waiting: float = 0.0) -> float:
     """A pipeline's step where CPU ranks oversubscribe the cores (`Hardware.core_share` < 1):
     the stage times were measured with every rank busy, each at its share of the cores, but
     a rank waiting in a bubble hands its core to the others, so the step is the larger of
-    the critical path at a whole core's speed and the ranks' mean busy time (all the work
+    the critical path at a whole core's speed and the ranks' mean compute time (all the work
     spread over all the cores). 4 ranks on 2 cores (benchmarks/planner_regret.py, Llama):
-    pp=2 x dp=2 measured 0.74x dp=4's step, priced 1.30x by the makespan alone."""
+    pp=2 x dp=2 measured 0.74x dp=4's step, priced 1.30x by the makespan alone. `waiting`,
+    the share of the ranks' busy time spent waiting on communication (tp collectives, a
+    transfer's latency), is not faster for the free cores: ResNet's pp=2 x tp=2 on 4 ranks
+    waited 1.5-4 ms per tp all-reduce with the other stage idle, and was priced 0.6x its
+    step with that time halved too."""
     if hw.core_share >= 1:
         return makespan
-    return max(busy, makespan * hw.core_share)
+    return max(busy * (1 - waiting),
+               makespan * (1 - waiting) * hw.core_share + makespan * waiting)
 
 
 def _alone_share(makespan: float, busy: float, world: int, hw: cost.Hardware) -> float:
@@ -964,10 +985,10 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
     if p.pp == 1:
         c.simulated = True
         return
-    fwd, bwd, p2p, pipe, v = c.ctx
+    fwd, bwd, p2p, pipe, v, waiting = c.ctx
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
     ms = _makespan(_timed_as(p.schedule, hw), p.pp, p.microbatches, v, fwd, bwd, p2p)
-    ms = _alone_share(_on_shared_cores(ms, busy, hw), busy, p.dp * p.tp * p.pp, hw)
+    ms = _alone_share(_on_shared_cores(ms, busy, hw, waiting), busy, p.dp * p.tp * p.pp, hw)
     c.step_s += ms - pipe
     c.bubble = 1 - busy / ms
     c.parts["pipeline bubble"] = max(ms - c.parts["compute"], 0.0)

@@ -28,12 +28,26 @@ import torch._prims_common
 import torch.distributed as dist
 
 from fxpar.compiler.errors import PlanError
-from fxpar.runtime import comm, cudagraph, faults, schedules, trace
+from fxpar.runtime import calls, comm, cudagraph, faults, schedules, trace
 from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 
 _GRAD_TAG = 1 << 24
 _ONCE_TAG = 1 << 25  # (+ the value's tag: a once-a-step value, PipelineRunner._exchange_once)
+
+
+def _isend(tensor, dst, tag):
+    """dist.isend, after the step's call check (runtime/calls.py): a pipeline step settles
+    it at its first transfer, so the first stage's forward runs while the fingerprints
+    travel (settled as the step began, a 4-rank step waited 2-5 ms for them first)."""
+    calls.settle()
+    return dist.isend(tensor, dst=dst, tag=tag)
+
+
+def _irecv(tensor, src, tag):
+    """dist.irecv, after the step's call check (see _isend)."""
+    calls.settle()
+    return dist.irecv(tensor, src=src, tag=tag)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -482,8 +496,8 @@ class PipelineRunner:
             sends.add(self._send(t, dst, _ONCE_TAG + self.tag[ref], ref, None), dst)
         for ref in self.received_once:
             buf = self._buffer(ref, device)
-            dist.recv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
-                      tag=_ONCE_TAG + self.tag[ref])
+            _irecv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
+                   tag=_ONCE_TAG + self.tag[ref]).wait()
             summed[ref] = buf
 
     def _reduce(self, key, summed, grads, rec):
@@ -522,7 +536,7 @@ class PipelineRunner:
                 if k not in store and k not in self._pending:
                     buf = self._buffer(ref, device)
                     src = self.global_rank[self._src_rank(ref)]
-                    self._pending[k] = (buf, dist.irecv(_wire(buf), src=src,
+                    self._pending[k] = (buf, _irecv(_wire(buf), src=src,
                                         tag=self.tag[ref] * self.m + a.microbatch),
                                         time.perf_counter())
 
@@ -590,7 +604,7 @@ class PipelineRunner:
         if stride is not None and t.stride() != stride:
             t = torch.empty_strided(shape, stride, dtype=dtype, device=t.device).copy_(t)
         t0 = time.perf_counter()
-        w = dist.isend(_wire(t), dst=self.global_rank[rank], tag=tag)
+        w = _isend(_wire(t), dst=self.global_rank[rank], tag=tag)
         if rec is not None and rec.recording:
             rec.blocked(t0, time.perf_counter(), f"send {name}", trace.RUNTIME,
                         trace.PEER_WAIT)
@@ -606,7 +620,7 @@ class PipelineRunner:
             buf, work, posted = self._pending.pop((name, mb))
         else:
             buf, posted = self._buffer(name, device), t0
-            work = dist.irecv(_wire(buf), src=self.global_rank[src],
+            work = _irecv(_wire(buf), src=self.global_rank[src],
                               tag=self.tag[name] * self.m + mb)
         work.wait()
         if rec is not None and rec.recording:
@@ -640,11 +654,11 @@ class PipelineRunner:
                     continue
                 src = owner[i]
                 if self.rank == src:
-                    works += [dist.isend(params[i].detach().contiguous(),
+                    works += [_isend(params[i].detach().contiguous(),
                                          dst=self.global_rank[r], tag=_GRAD_TAG + i)
                               for r in sorted(holders - {src})]
                 elif self.rank in holders:
-                    works.append(dist.irecv(params[i].data, src=self.global_rank[src],
+                    works.append(_irecv(params[i].data, src=self.global_rank[src],
                                             tag=_GRAD_TAG + i))
         for w in works:
             w.wait()
@@ -661,11 +675,11 @@ class PipelineRunner:
             holders = {self.rank_of(s) for s in stages} - {src}
             if self.rank == src:
                 for r in sorted(holders):
-                    works.append(dist.isend(grads[i].contiguous(), dst=self.global_rank[r],
+                    works.append(_isend(grads[i].contiguous(), dst=self.global_rank[r],
                                             tag=_GRAD_TAG + i))
             elif self.rank in holders:
                 grads[i] = torch.empty_like(params[i])
-                works.append(dist.irecv(grads[i], src=self.global_rank[src], tag=_GRAD_TAG + i))
+                works.append(_irecv(grads[i], src=self.global_rank[src], tag=_GRAD_TAG + i))
                 nbytes += grads[i].numel() * grads[i].element_size()
         for w in works:
             w.wait()

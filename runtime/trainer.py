@@ -384,7 +384,9 @@ class ParallelModel:
 
     def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
         """All microbatches through this rank's stages; the loss on every rank."""
-        calls.settle()  # the transfers and counts below are the step's first communication
+        # (the step's call check is settled at its first communication: the loss count's
+        # all-reduce below, a transfer (runtime/pipeline._isend), a tp collective, or after
+        # the run where this rank had none)
         batch = to_device(batch, self.world.device)
         local = self.batch == "local"
         trees = ir.microbatches(batch, program.microbatches, 1 if local else program.dp) \
@@ -404,6 +406,7 @@ class ParallelModel:
                         t, program.signature, (program.batch_shard_dims, program.dp)),
                         program.batch_shard_dims, program.dp)) for t in trees) // program.dp
                     if program.dp > 1:  # the other dp ranks' targets count too
+                        calls.settle()
                         dist.all_reduce(total, group=self.world.mesh.get_group("dp"))
                 share = (total / program.microbatches).to(program.loss_count.meta["dtype"])
             for leaves in mbs:
@@ -411,6 +414,7 @@ class ParallelModel:
         params = self.sharded_optimizer.param_shards if program.params_sharded else self.params
         loss, grads, new_bufs = runner.run(params, self.buffers, mbs, self.world.device,
                                            rec, forward_only)
+        calls.settle()
         if program.pp > 1:  # the last stage has the loss: every rank returns it
             last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
             if loss is None:

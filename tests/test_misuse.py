@@ -13,12 +13,14 @@ import fxpar
 pytestmark = pytest.mark.slow  # each test spawns ranks
 
 
-def test_collective_called_on_one_rank_fails_fast_on_every_rank():
+@pytest.mark.parametrize("plan", ["auto", {"pp": 2}])
+def test_collective_called_on_one_rank_fails_fast_on_every_rank(plan):
     """Rank 0 evaluates alone while rank 1 goes on training: both raise at once, naming
-    both calls (before the fix rank 0 returned a wrong loss, rank 1 then died)."""
+    both calls (before the fix rank 0 returned a wrong loss, rank 1 then died). In a
+    pipeline the step checks at its first transfer (the first stage's forward runs first)."""
     from workers import misuse_rank
     t0 = time.time()
-    got = fxpar.launch(misuse_rank, 2, "evaluate")
+    got = fxpar.launch(misuse_rank, 2, "evaluate", plan)
     assert time.time() - t0 < 60
     for rank, msg in got.items():
         assert msg is not None, f"rank {rank} got no error"

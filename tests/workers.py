@@ -638,12 +638,13 @@ def meta_weights_rank(cases, weights_dir, save_root=None, steps=3):
     return out
 
 
-def misuse_rank(mode):
+def misuse_rank(mode, plan="auto"):
     """Rank 0 makes a collective call the other ranks do not (the everyday "print the loss on
     rank 0" mistake); every rank returns the CollectiveMisuse message it got (None: none)."""
     from fxpar.compiler.errors import CollectiveMisuse
     model, batch_fn, _ = build("mlp")
-    pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0))
+    pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0),
+                           plan=plan)
     pm.step(batch_fn(0))
     rank = int(os.environ["RANK"])
     try:
