@@ -36,18 +36,14 @@ _GRAD_TAG = 1 << 24
 _ONCE_TAG = 1 << 25  # (+ the value's tag: a once-a-step value, PipelineRunner._exchange_once)
 
 
-def _isend(tensor, dst, tag):
-    """dist.isend, after the step's call check (runtime/calls.py): a pipeline step settles
-    it at its first transfer, so the first stage's forward runs while the fingerprints
-    travel (settled as the step began, a 4-rank step waited 2-5 ms for them first)."""
+def _wait(work) -> None:
+    """work.wait(), after the step's call check (runtime/calls.py): a pipeline step settles
+    it at the first transfer it waits on, so the first stage's forward runs while the
+    fingerprints travel (settled as the step began, a 4-rank step waited 2-5 ms for them
+    first). Posting a transfer before it is safe: nothing posted is read unless waited on,
+    and a rank that made another call raises CollectiveMisuse here."""
     calls.settle()
-    return dist.isend(tensor, dst=dst, tag=tag)
-
-
-def _irecv(tensor, src, tag):
-    """dist.irecv, after the step's call check (see _isend)."""
-    calls.settle()
-    return dist.irecv(tensor, src=src, tag=tag)
+    work.wait()
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +88,7 @@ class _Sends:
         return bool(self._works) or self._state.count > 0
 
     def wait_all(self) -> None:
+        calls.settle()  # (see _wait)
         for w in self._works:
             w.wait()
         self._works = []
@@ -496,8 +493,8 @@ class PipelineRunner:
             sends.add(self._send(t, dst, _ONCE_TAG + self.tag[ref], ref, None), dst)
         for ref in self.received_once:
             buf = self._buffer(ref, device)
-            _irecv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
-                   tag=_ONCE_TAG + self.tag[ref]).wait()
+            _wait(dist.irecv(_wire(buf), src=self.global_rank[self._src_rank(ref)],
+                             tag=_ONCE_TAG + self.tag[ref]))
             summed[ref] = buf
 
     def _reduce(self, key, summed, grads, rec):
@@ -536,7 +533,7 @@ class PipelineRunner:
                 if k not in store and k not in self._pending:
                     buf = self._buffer(ref, device)
                     src = self.global_rank[self._src_rank(ref)]
-                    self._pending[k] = (buf, _irecv(_wire(buf), src=src,
+                    self._pending[k] = (buf, dist.irecv(_wire(buf), src=src,
                                         tag=self.tag[ref] * self.m + a.microbatch),
                                         time.perf_counter())
 
@@ -604,7 +601,7 @@ class PipelineRunner:
         if stride is not None and t.stride() != stride:
             t = torch.empty_strided(shape, stride, dtype=dtype, device=t.device).copy_(t)
         t0 = time.perf_counter()
-        w = _isend(_wire(t), dst=self.global_rank[rank], tag=tag)
+        w = dist.isend(_wire(t), dst=self.global_rank[rank], tag=tag)
         if rec is not None and rec.recording:
             rec.blocked(t0, time.perf_counter(), f"send {name}", trace.RUNTIME,
                         trace.PEER_WAIT)
@@ -620,9 +617,9 @@ class PipelineRunner:
             buf, work, posted = self._pending.pop((name, mb))
         else:
             buf, posted = self._buffer(name, device), t0
-            work = _irecv(_wire(buf), src=self.global_rank[src],
+            work = dist.irecv(_wire(buf), src=self.global_rank[src],
                               tag=self.tag[name] * self.m + mb)
-        work.wait()
+        _wait(work)
         if rec is not None and rec.recording:
             t1 = time.perf_counter()
             rec.blocked(t0, t1, f"recv {name}", trace.RUNTIME, trace.PEER_WAIT)
@@ -654,14 +651,14 @@ class PipelineRunner:
                     continue
                 src = owner[i]
                 if self.rank == src:
-                    works += [_isend(params[i].detach().contiguous(),
+                    works += [dist.isend(params[i].detach().contiguous(),
                                          dst=self.global_rank[r], tag=_GRAD_TAG + i)
                               for r in sorted(holders - {src})]
                 elif self.rank in holders:
-                    works.append(_irecv(params[i].data, src=self.global_rank[src],
+                    works.append(dist.irecv(params[i].data, src=self.global_rank[src],
                                             tag=_GRAD_TAG + i))
         for w in works:
-            w.wait()
+            _wait(w)
 
     def _share_grads(self, grads, params, rec):
         """A weight several stages read: its summed gradient goes from the rank that made it
@@ -675,14 +672,14 @@ class PipelineRunner:
             holders = {self.rank_of(s) for s in stages} - {src}
             if self.rank == src:
                 for r in sorted(holders):
-                    works.append(_isend(grads[i].contiguous(), dst=self.global_rank[r],
+                    works.append(dist.isend(grads[i].contiguous(), dst=self.global_rank[r],
                                             tag=_GRAD_TAG + i))
             elif self.rank in holders:
                 grads[i] = torch.empty_like(params[i])
-                works.append(_irecv(grads[i], src=self.global_rank[src], tag=_GRAD_TAG + i))
+                works.append(dist.irecv(grads[i], src=self.global_rank[src], tag=_GRAD_TAG + i))
                 nbytes += grads[i].numel() * grads[i].element_size()
         for w in works:
-            w.wait()
+            _wait(w)
         if works and rec is not None and rec.recording:  # waiting on the other stage
             t1 = time.perf_counter()
             rec.blocked(t0, t1, "share tied grads", trace.RUNTIME)
