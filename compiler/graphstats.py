@@ -135,6 +135,8 @@ class GraphStats:
     shared_weights: dict = dataclasses.field(default_factory=dict)  # pass's, see there
     # (same keys): per stage of the pass's cut, the bytes of activations it saves
     stage_saved: dict = dataclasses.field(default_factory=dict)
+    # (same keys): each segment's share of its work on each stage of the cut
+    stage_shares: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[Segment]:
@@ -181,7 +183,7 @@ class GraphStats:
                                     for i in range(n_layers)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, stage_starts={}, transfers={},
-            shared_weights={}, stage_saved={},
+            shared_weights={}, stage_saved={}, stage_shares={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers}")
 

@@ -346,7 +346,81 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
         starts = None  # the pass cut within layers too finely to map onto them: priced by
         #                the layer balance
     stats.stage_starts[key] = starts
+    stats.stage_shares[key] = _stage_shares(copy_, stats, n)
     return starts
+
+
+# which share of a segment's work each field follows (stages_of); fields not named follow
+# its forward nodes
+_SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_comm_f": "f",
+             "tp_calls_extra": "f", "flops_b": "b", "flops_b_split": "b",
+             "flops_b_whole": "b", "tp_comm_b": "b", "bytes_f": "bf", "bytes_f_split": "bf",
+             "bytes_f_whole": "bf", "bytes_b": "bb", "bytes_b_split": "bb",
+             "bytes_b_whole": "bb", "nodes_f": "nf", "nodes_b": "nb", "saved": "saved",
+             "saved_split": "saved", "saved_whole": "saved", "params": "p",
+             "params_split": "p", "n_row": "f", "n_param_tensors": "p"}
+
+
+def _stage_shares(gm, stats: GraphStats, n: int) -> dict[str, dict[str, list[float]]]:
+    """{segment: {share kind: its fraction on each of the n stages}} of a graph the pipeline
+    pass has cut: the forward and backward FLOPs, bytes and nodes, saved activations and
+    parameters of each segment, split as the cut splits its nodes. A cut inside a layer (an
+    MoE's experts, a conv net's stem alone on a stage) is priced so, where a mapping of
+    whole layers to stages could not say what each stage runs."""
+    acc: dict[str, dict[str, list[float]]] = {}
+
+    def add(seg, kind, stage, x):
+        acc.setdefault(seg, {}).setdefault(kind, [0.0] * n)[stage] += x
+    seg_of = stats.node_segment
+    fwd = []
+    for node in gm.graph.nodes:
+        seg, stage = seg_of.get(node.name), node.meta.get(ir.STAGE)
+        if node.op != "call_function" or seg is None or stage is None:
+            continue
+        f, (r, w) = cost.node_flops(node), cost.node_bytes(node)
+        side = "f" if node.meta.get(ir.REGION) == ir.FORWARD else "b"
+        add(seg, side, stage, f)
+        add(seg, "b" + side, stage, 0 if f else r + w)  # (as graphstats.analyze counts)
+        add(seg, "n" + side, stage, 1)
+        if side == "f":
+            fwd.append(node)
+    for base, idx in saved_values(fwd):
+        if base.name in seg_of:
+            add(seg_of[base.name], "saved", base.meta[ir.STAGE], saved_bytes((base, idx)))
+    for ph in gm.graph.nodes:  # a parameter: where its first forward use runs
+        if ph.op == "placeholder" and ph.meta.get(ir.ROLE) == "param":
+            first = next((u for u in ph.users if u.meta.get(ir.REGION) == ir.FORWARD
+                          and u.name in seg_of and u.meta.get(ir.STAGE) is not None), None)
+            if first is not None:
+                add(seg_of[first.name], "p", first.meta[ir.STAGE], ph.meta[ir.VAL].numel())
+    out = {}
+    for seg, kinds in acc.items():
+        nodes = [a + b for a, b in zip(kinds.get("nf", [0.0] * n), kinds.get("nb", [0.0] * n))]
+        out[seg] = {k: [x / sum(v) for x in v] for k, v in kinds.items() if sum(v) > 0}
+        out[seg]["all"] = [x / sum(nodes) for x in nodes] if sum(nodes) else [1.0 / n] * n
+    return out
+
+
+def _stage_segments(stats: GraphStats, shares: dict, n: int) -> list[list[Segment]]:
+    """The model's segments on each of n stages, each scaled to the share of its work the
+    stage runs (`_stage_shares`)."""
+    out = [[] for _ in range(n)]
+    for seg in stats.segments:
+        sh = shares.get(seg.name)
+        if sh is None:  # no node of it in the cut (an empty segment): with its neighbours
+            out[0 if seg.name == "pre" else n - 1].append(seg)
+            continue
+        col = max(range(n), key=lambda k: sh.get("b", sh["all"])[k])  # (its column linears)
+        for k in range(n):
+            if sh["all"][k] == 0 and not any(v[k] for v in sh.values()):
+                continue
+            part = dataclasses.replace(seg, column_out=seg.column_out if k == col else [])
+            for f in tuple(FIELDS) + ("n_row", "n_param_tensors"):
+                if f not in ("transient",):
+                    frac = sh.get(_SHARE_OF.get(f, "nf"), sh["all"])[k]
+                    setattr(part, f, getattr(seg, f) * frac)
+            out[k].append(part)
+    return out
 
 
 def stages_of(stats: GraphStats, pp: int, v: int = 1,
@@ -360,6 +434,9 @@ def stages_of(stats: GraphStats, pp: int, v: int = 1,
     if n == 1:
         return [segs]
     starts = pass_stage_starts(stats, n, device_type)
+    shares = stats.stage_shares.get((n, device_type))
+    if shares:  # the pass's own cut, each stage as it runs
+        return _stage_segments(stats, shares, n)
     if starts is None:
         w = [s.flops_f + s.flops_b + 1e3 * (s.nodes_f + s.nodes_b) for s in layers]
         w[0] += segs[0].flops_f + segs[0].flops_b

@@ -941,10 +941,43 @@ def test_a_stage_the_pass_gives_the_head_alone_is_priced_as_cut():
     stats = planner.graph_stats(model, M.hf_lm_batch(8192, 8, 64))
     assert planner.pass_stage_starts(stats, 2, "cpu") == [0, 4]
     first, last = planner.stages_of(stats, 2, 1, "cpu")
-    assert [s.name for s in last] == ["post"] and len(first) == 5
+    assert [s.name for s in last] == ["post"]
+    assert [s.name for s in first] == [s.name for s in stats.segments]
+    head_here = first[-1]  # of the head, stage 0 runs only its tied weight's gradient sum
+    assert head_here.flops_f == 0 and head_here.flops_b < 0.02 * stats.segments[-1].flops_b
+    assert first[0] == stats.segments[0] and first[1:-1] == stats.layers
     cut = stats.stage_saved[(2, "cpu")]
     assert cut[0] == pytest.approx(sum(s.saved for s in first), rel=0.01)
     assert cut[1] == pytest.approx(stats.segments[-1].saved, rel=0.01)
+
+
+def test_each_stage_is_priced_with_the_work_the_pass_gives_it():
+    """A conv net whose pp=4 cut puts the stem's convolution alone on a stage and cuts
+    inside the first block (no mapping of whole layers onto stages says what each stage
+    runs): the planner's stage segments carry, stage by stage, the FLOPs, op count and
+    parameters of the nodes the compiled job gives that stage, and together the model's."""
+    import transformers as T
+    model = T.ResNetForImageClassification(T.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10))
+    g = torch.Generator().manual_seed(0)
+    batch = {"pixel_values": torch.randn(8, 3, 32, 32, generator=g),
+             "labels": torch.randint(0, 10, (8,), generator=g)}
+    stats = planner.graph_stats(model, batch)
+    stages = planner.stages_of(stats, 4, 1, "cpu")
+    prog = fxpar.compile(model, 4, example_batch=batch, plan={"pp": 4})
+    flops, nodes = [0.0] * 4, [0] * 4
+    for n in prog.graph.graph.nodes:
+        k = n.meta.get(ir.STAGE)
+        if n.op == "call_function" and k is not None and n.name in stats.node_segment:
+            flops[k] += cost.node_flops(n)
+            nodes[k] += 1
+    for k in range(4):
+        assert sum(s.flops_f + s.flops_b for s in stages[k]) == pytest.approx(flops[k],
+                                                                              rel=1e-6)
+        assert sum(s.nodes_f + s.nodes_b for s in stages[k]) == pytest.approx(nodes[k])
+    for f in ("flops_f", "flops_b", "bytes_b", "saved", "params"):
+        assert sum(getattr(s, f) for st in stages for s in st) == pytest.approx(
+            sum(getattr(s, f) for s in stats.segments), rel=1e-6), f
 
 
 @pytest.mark.parametrize("name", ["mixtral", pytest.param("gpt2", marks=pytest.mark.slow),
