@@ -128,14 +128,14 @@ class GraphStats:
     tp_roles: dict = dataclasses.field(default_factory=dict)
     # each op node's segment, by node name (a pass's copy of the graph keeps the names)
     node_segment: dict = dataclasses.field(default_factory=dict)
-    # where pipeline_split cuts the graph: {(stages, device type): the layer index each
-    # stage starts at} (planner.pass_stage_starts)
-    stage_starts: dict = dataclasses.field(default_factory=dict)
-    transfers: dict = dataclasses.field(default_factory=dict)       # (same keys): the
-    shared_weights: dict = dataclasses.field(default_factory=dict)  # pass's, see there
+    # where pipeline_split cuts the graph (planner.pass_stages), by (stages, device type):
+    # its transfers and the weights several stages read
+    transfers: dict = dataclasses.field(default_factory=dict)
+    shared_weights: dict = dataclasses.field(default_factory=dict)
     # (same keys): per stage of the pass's cut, the bytes of activations it saves
     stage_saved: dict = dataclasses.field(default_factory=dict)
-    # (same keys): each segment's share of its work on each stage of the cut
+    # (same keys): each segment's share of its work on each stage of the cut (None: the
+    # pass cannot cut the graph so)
     stage_shares: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -182,7 +182,7 @@ class GraphStats:
         new = [self.segments[0]] + [dataclasses.replace(mid, name=f"{mid.name}#{i}")
                                     for i in range(n_layers)] + [self.segments[-1]]
         return dataclasses.replace(
-            self, segments=new, n_layers=n_layers, graph=None, stage_starts={}, transfers={},
+            self, segments=new, n_layers=n_layers, graph=None, transfers={},
             shared_weights={}, stage_saved={}, stage_shares={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers}")

@@ -257,7 +257,7 @@ def partition(weights: list[float], k: int) -> list[int]:
     """Contiguous split of `weights` into k parts minimising the largest part: the start index
     of every part (binary search on the answer with a greedy fill). Only for statistics with
     no whole graph to cut (a model traced a few blocks deep and scaled, GraphStats.with_depth);
-    otherwise the stages are pipeline_split's own (`pass_stage_starts`)."""
+    otherwise the stages are pipeline_split's own (`pass_stages`)."""
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -281,15 +281,16 @@ def partition(weights: list[float], k: int) -> list[int]:
     return starts
 
 
-def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] | None:
-    """Where pipeline_split cuts the captured graph into n stages, as the index in
-    stats.layers where each stage starts: the pass's own partition run on a copy of the
-    graph (so the planner prices the stages the job will run), each layer given to the stage
-    holding most of its forward nodes. Cached on the statistics (it outlives the graph,
-    which compile takes); None where there is no graph of the whole model."""
+def pass_stages(stats: GraphStats, n: int, device_type: str) -> dict | None:
+    """Where pipeline_split cuts the captured graph into n stages: the pass's own partition
+    run on a copy of the graph (so the planner prices the stages the job will run), as each
+    segment's share of its work on each stage (`_stage_shares`), with what crosses between
+    the stages and what each saves. Cached on the statistics (it outlives the graph, which
+    compile takes); None where there is no graph of the whole model or the pass cannot cut
+    it."""
     key = (n, device_type)
-    if key in stats.stage_starts:
-        return stats.stage_starts[key]
+    if key in stats.stage_shares:
+        return stats.stage_shares[key]
     if stats.graph is None:
         return None
     gm, _ = stats.graph
@@ -298,15 +299,8 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
         pipeline_split.partition(copy_, n, profile=cost.DeviceProfile.for_device(
             torch.device(device_type)))
     except PlanError:
+        stats.stage_shares[key] = None
         return None
-    seg_of = forward_segments(copy_)
-    names = set(s.name for s in stats.layers)
-    votes: dict[str, dict[int, int]] = {}
-    for node in copy_.graph.nodes:  # the stage the pass gave each forward node
-        seg = seg_of.get(node.name)
-        if seg in names and node.meta.get(ir.STAGE) is not None:
-            per = votes.setdefault(seg, {})
-            per[node.meta[ir.STAGE]] = per.get(node.meta[ir.STAGE], 0) + 1
     # what crosses between the stages, as the pass inserted it
     weight_shapes = {tuple(p.meta[ir.VAL].shape) for p in copy_.graph.nodes
                      if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"}
@@ -337,17 +331,8 @@ def pass_stage_starts(stats: GraphStats, n: int, device_type: str) -> list[int] 
            and x.meta.get(ir.STAGE) is not None]
     stats.stage_saved[key] = [sum(saved_bytes(k) for k in saved_values(
         [x for x in fwd if x.meta[ir.STAGE] == s])) for s in range(n)]
-    of = [max(votes.get(x.name, {0: 1}).items(), key=lambda kv: kv[1])[0]
-          for x in stats.layers]
-    # stage s starts at its first layer; the first or last stage may hold none (the pass
-    # gave BERT-MLM's stage 1 its head alone), the others at least one
-    starts = [next((i for i, o in enumerate(of) if o >= s), len(of)) for s in range(n)]
-    if of != sorted(of) or any(starts[s] >= starts[s + 1] for s in range(1, n - 1)):
-        starts = None  # the pass cut within layers too finely to map onto them: priced by
-        #                the layer balance
-    stats.stage_starts[key] = starts
     stats.stage_shares[key] = _stage_shares(copy_, stats, n)
-    return starts
+    return stats.stage_shares[key]
 
 
 # which share of a segment's work each field follows (stages_of); fields not named follow
@@ -425,24 +410,22 @@ def _stage_segments(stats: GraphStats, shares: dict, n: int) -> list[list[Segmen
 
 def stages_of(stats: GraphStats, pp: int, v: int = 1,
               device_type: str = "cpu") -> list[list[Segment]]:
-    """The model's segments cut into pp*v contiguous stages where pipeline_split cuts them
-    (`pass_stage_starts`); pre joins the first stage, post the last. Statistics without a
-    whole graph: balanced by compute."""
+    """The model's segments on pp*v stages where pipeline_split cuts them (`pass_stages`):
+    each segment's share of its work on each stage. Statistics with no graph to cut (a model
+    traced a few blocks deep and scaled): whole layers balanced by compute, pre joining the
+    first stage and post the last."""
     n = pp * v
     segs = stats.segments
     layers = segs[1:-1]
     if n == 1:
         return [segs]
-    starts = pass_stage_starts(stats, n, device_type)
-    shares = stats.stage_shares.get((n, device_type))
+    shares = pass_stages(stats, n, device_type)
     if shares:  # the pass's own cut, each stage as it runs
         return _stage_segments(stats, shares, n)
-    if starts is None:
-        w = [s.flops_f + s.flops_b + 1e3 * (s.nodes_f + s.nodes_b) for s in layers]
-        w[0] += segs[0].flops_f + segs[0].flops_b
-        w[-1] += segs[-1].flops_f + segs[-1].flops_b
-        starts = partition(w, n)
-    starts = starts + [len(layers)]
+    w = [s.flops_f + s.flops_b + 1e3 * (s.nodes_f + s.nodes_b) for s in layers]
+    w[0] += segs[0].flops_f + segs[0].flops_b
+    w[-1] += segs[-1].flops_f + segs[-1].flops_b
+    starts = partition(w, n) + [len(layers)]
     out = [layers[a:b] for a, b in zip(starts, starts[1:])]
     out[0] = [segs[0]] + out[0]
     out[-1] = out[-1] + [segs[-1]]
