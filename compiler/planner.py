@@ -401,9 +401,12 @@ def _stage_segments(stats: GraphStats, shares: dict, n: int) -> list[list[Segmen
                 continue
             part = dataclasses.replace(seg, column_out=seg.column_out if k == col else [])
             for f in tuple(FIELDS) + ("n_row", "n_param_tensors"):
-                if f not in ("transient",):
-                    frac = sh.get(_SHARE_OF.get(f, "nf"), sh["all"])[k]
-                    setattr(part, f, getattr(seg, f) * frac)
+                # (its working memory: the share of its ops, so a sliver of the LM head on
+                # the embedding's stage - the tied weight's gradient sum - is not priced
+                # with the logits)
+                frac = sh.get(_SHARE_OF.get(f, "nf"), sh["all"])[k] if f != "transient" \
+                    else sh["all"][k]
+                setattr(part, f, getattr(seg, f) * frac)
             out[k].append(part)
     return out
 
