@@ -866,7 +866,7 @@ def _cand(step_s, **fields):
 
 def test_a_tie_within_the_noise_goes_to_the_simpler_plan_and_a_clear_win_does_not():
     """planner.rank: plans predicted within the prediction's resolution are a tie, broken by
-    simplicity (fewer axes, plain dp before pp and tp, fewer microbatches, less ZeRO), so a
+    simplicity (less tp, fewer stages and microbatches, fewer axes, less ZeRO), so a
     timing that varies a few percent between runs does not flip the choice; outside it the
     fastest plan wins."""
     pp = _cand(0.100, pp=2, microbatches=2, schedule="zero-bubble")
@@ -878,6 +878,9 @@ def test_a_tie_within_the_noise_goes_to_the_simpler_plan_and_a_clear_win_does_no
     assert ranked[1:] == [pp, tp, z3]            # the rest fastest first
     assert planner.rank([pp, dp, tp, z3], noise=0.01)[0] is pp  # 4% apart: a clear win
     assert planner.rank([z3, _cand(0.103, dp=2, zero=1)], noise=0.05)[0].plan.zero == 1
+    # a deep pipeline with many microbatches is not "simpler" for having one axis
+    deep, hybrid = _cand(0.100, pp=4, microbatches=8), _cand(0.104, dp=2, pp=2)
+    assert planner.rank([deep, hybrid], noise=0.05)[0] is hybrid
 
 
 def test_the_report_says_where_plain_data_parallelism_ranks_and_why(small_stats):
