@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 GiB = 2 ** 30
 SIMULATE_TOP = 12
+# bytes a send completes with on its own (a socket buffer's worth): it rides with the
+# other values of its transfer group (planner._price)
+SMALL_TRANSFER = 64 * 2 ** 10
 
 
 class Transfer(NamedTuple):
@@ -943,11 +946,13 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     tied_s = 0.0
     if sent is not None:  # the pass's own transfers, per microbatch (a tp rank sends its
-        # own copy). The values one stage sends another for one action go together: the
-        # receiver posts their receives at once and waits one latency for all of them, the
-        # sender issues each and moves on (runtime/pipeline.py), so a cut that sends a
-        # BatchNorm's statistics beside its activation pays one latency, not seven
-        moved: dict[tuple, float] = {}
+        # own copy). What one stage sends another for one action goes as one group: each
+        # value over a socket buffer's size (SMALL_TRANSFER) costs a latency on both ranks
+        # (Mixtral's 2-4 MB expert-weight views and activations: priced one latency a group,
+        # its pipelines came out 0.75-0.85x their step), the small ones ride with the group
+        # (ResNet's 32-byte BatchNorm statistics arrived with their activation; priced a
+        # latency each, its pp=4 was 1.9x its step)
+        moved: dict[tuple, list[float]] = {}
         for x in sent:
             if x.src % pp == x.dst % pp:
                 continue  # two chunks of one rank (interleaved): no transfer
@@ -955,18 +960,15 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             if x.once:  # after the last microbatch, beside the tied gradients' exchange
                 tied_s += hw.comm("p2p", nbytes, 2, tp * 2)
                 continue
-            key = (x.src % pp, x.dst % pp, x.backward)
-            moved[key] = moved.get(key, 0.0) + nbytes
-        for (src, dst, backward), nbytes in moved.items():
-            t = hw.comm("p2p", nbytes, 2, tp * 2)
-            by_bytes = t - hw.comm("p2p", 0, 2, tp * 2)
+            # (by stage: an interleaved rank's two chunks send at different times)
+            moved.setdefault((x.src, x.dst, x.backward), []).append(nbytes)
+        for (src, dst, backward), sizes in moved.items():
+            t = hw.comm("p2p", sum(sizes), 2, tp * 2,
+                        calls=max(1, sum(b > SMALL_TRANSFER for b in sizes)))
             side = bwd if backward else fwd
-            side[dst] += t * (1 - hw.overlap)
-            side[src] += by_bytes * (1 - hw.overlap)
-            comm_s[dst] += m * t * (1 - hw.overlap)
-        for nbytes, stages in stats.shared_weights.get((pp * v, dev), []):
-            if len({s % pp for s in stages}) > 1:
-                tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
+            for r in (src % pp, dst % pp):
+                side[r] += t * (1 - hw.overlap)
+            comm_s[dst % pp] += m * t * (1 - hw.overlap)
     if pp > 1 and sent is not None:
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     elif pp > 1:
