@@ -969,6 +969,9 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             for r in (src % pp, dst % pp):
                 side[r] += t * (1 - hw.overlap)
             comm_s[dst % pp] += m * t * (1 - hw.overlap)
+        for nbytes, stages in stats.shared_weights.get((pp * v, dev), []):
+            if len({s % pp for s in stages}) > 1:
+                tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
     if pp > 1 and sent is not None:
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     elif pp > 1:
