@@ -1007,6 +1007,30 @@ def test_the_planner_prices_the_tensor_parallel_split_the_pass_makes(name):
     assert ran and (name != "mixtral" or d.replicated)  # (the router: whole)
 
 
+def test_a_stages_transfers_cost_a_latency_each_but_small_ones_ride_along():
+    """What one stage sends another for one action is one group: each value over a socket
+    buffer's size costs a latency (on both ranks), values under it (a BatchNorm's
+    statistics beside its activation) only their bytes."""
+    model = M.hf_gpt2(vocab=512, n_embd=32, n_layer=4, n_head=4)
+    stats = planner.graph_stats(model, M.hf_lm_batch(512, 8, 16))
+    hw = dataclasses.replace(cost.cpu_hardware(), overlap=0.0)  # (gloo's: not hidden)
+    planner.pass_stages(stats, 2, "cpu")
+    big = planner.SMALL_TRANSFER * 4
+
+    def step(sizes):
+        sent = [planner.Transfer(0, 1, b, False, False, False, False) for b in sizes]
+        st = dataclasses.replace(stats, transfers={(2, "cpu"): sent}, shared_weights={})
+        return planner.search(st, 2, hw, batch_rows=8, constraints={
+            "pp": 2, "microbatches": 1, "schedule": "1f1b"}).best.step_s
+    one = step([big])
+    with_small = step([big] + [32] * 6)
+    assert with_small - one == pytest.approx(
+        2 * (hw.comm("p2p", big + 6 * 32, 2, 2) - hw.comm("p2p", big, 2, 2)), rel=0.5,
+        abs=1e-9)
+    latency = hw.comm("p2p", 0, 2, 2)
+    assert step([big, big]) - one >= 2 * latency * 0.99  # a second large value: a latency
+
+
 def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
     """GPT-2's embedding is also its head: at pp=2 the pass sums the two stages' parts of its
     gradient once a step (an R part), so the head's part crosses back to the first stage
