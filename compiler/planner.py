@@ -375,12 +375,23 @@ def _stage_shares(gm, stats: GraphStats, n: int) -> dict[str, dict[str, list[flo
     for base, idx in saved_values(fwd):
         if base.name in seg_of:
             add(seg_of[base.name], "saved", base.meta[ir.STAGE], saved_bytes((base, idx)))
-    for ph in gm.graph.nodes:  # a parameter: where its first forward use runs
-        if ph.op == "placeholder" and ph.meta.get(ir.ROLE) == "param":
-            first = next((u for u in ph.users if u.meta.get(ir.REGION) == ir.FORWARD
-                          and u.name in seg_of and u.meta.get(ir.STAGE) is not None), None)
-            if first is not None:
-                add(seg_of[first.name], "p", first.meta[ir.STAGE], ph.meta[ir.VAL].numel())
+    # a parameter (its gradient and optimizer state): on the stage that makes its gradient
+    # (Mixtral's pp=2 cut reads expert weights on one stage and makes their gradients on
+    # the other; priced where first read, its step memory came out 0.80x), in the segment of
+    # its first forward use
+    out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
+    params = [x for x in gm.graph.nodes if x.op == "placeholder"
+              and x.meta.get(ir.ROLE) == "param"]
+    grads = list(out.args[0])[1:1 + out.meta.get("n_grads", 0)]
+    for i, ph in enumerate(params):
+        first = next((u for u in ph.users if u.meta.get(ir.REGION) == ir.FORWARD
+                      and u.name in seg_of and u.meta.get(ir.STAGE) is not None), None)
+        if first is None:
+            continue
+        g = grads[i] if i < len(grads) else None
+        stage = g.meta.get(ir.STAGE) if isinstance(g, torch.fx.Node) else None
+        add(seg_of[first.name], "p", first.meta[ir.STAGE] if stage is None else stage,
+            ph.meta[ir.VAL].numel())
     out = {}
     for seg, kinds in acc.items():
         nodes = [a + b for a, b in zip(kinds.get("nf", [0.0] * n), kinds.get("nb", [0.0] * n))]
