@@ -35,7 +35,7 @@ from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import fake_propagate, summed_buffer_updates
-from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze, forward_segments,
+from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
                                        layer_key, saved_bytes, saved_values,
                                        storage_base)
 from fxpar.compiler.logs import Clock, Ticker, phase_done

@@ -385,8 +385,8 @@ class ParallelModel:
     def _run_pipeline(self, program, runner, batch, rec=None, forward_only=False):
         """All microbatches through this rank's stages; the loss on every rank."""
         # (the step's call check is settled at its first communication: the loss count's
-        # all-reduce below, a transfer (runtime/pipeline._isend), a tp collective, or after
-        # the run where this rank had none)
+        # all-reduce below, a transfer waited on (runtime/pipeline._wait), a tp
+        # collective, or after the run where this rank had none)
         batch = to_device(batch, self.world.device)
         local = self.batch == "local"
         trees = ir.microbatches(batch, program.microbatches, 1 if local else program.dp) \

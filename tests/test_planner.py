@@ -10,7 +10,7 @@ import torch
 
 import fxpar
 
-from fxpar.compiler import cost, ir, planner
+from fxpar.compiler import cost, graphstats, ir, planner
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory_model import stage_memory
 from fxpar.examples import gpt_stats as G
@@ -921,7 +921,7 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
     prog = fxpar.compile(model, pp, example_batch=batch,
                          plan={"pp": pp, "microbatches": m, "schedule": schedule})
     ran: dict[str, set] = {}
-    names = planner.forward_segments(prog.graph)
+    names = graphstats.forward_segments(prog.graph)
     for n in prog.graph.graph.nodes:
         if n.name in names and n.meta.get(ir.STAGE) is not None:
             ran.setdefault(names[n.name], set()).add(n.meta[ir.STAGE])
