@@ -320,7 +320,7 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
 @dataclasses.dataclass(frozen=True)
 class Link:
     """alpha-beta model of one link class: alpha = seconds per message step, bandwidth =
-    bytes/s per direction per device."""
+    bytes/s per direction per device, as collectives reach it."""
     alpha: float
     bandwidth: float
 
@@ -408,16 +408,23 @@ class Hardware:
 
 GiB = 2 ** 30
 # Data sheets (SXM parts, dense tensor-core rates; fp32 = the TF32 tensor-core rate, which
-# torch uses for fp32 matmuls when allowed). NVLink: A100 600 GB/s, H100/H200 900 GB/s total
-# = half each way; inter-node: one HDR (200 Gb/s, A100 / Selene) or NDR (400 Gb/s, H100/H200)
-# InfiniBand NIC per GPU. Latencies: NCCL's ~10 us per ring step in a node, ~20 us across.
+# torch uses for fp32 matmuls when allowed), with bandwidths as they are reached rather than
+# as printed: HBM (A100-80GB 2.039 TB/s, H100 3.35, H200 4.8) at 85%, what streaming kernels
+# reach (STREAM-style copies measure 85-90%); NVLink (A100 600 GB/s, H100/H200 900 GB/s total
+# = half each way) at 80%, the bus bandwidth NCCL's all-reduce reaches inside an 8-GPU
+# NVSwitch node; one HDR (200 Gb/s, A100 / Selene) or NDR (400 Gb/s, H100/H200) InfiniBand
+# NIC per GPU at 90%. Latencies: NCCL's ~10 us per ring step in a node, ~20 us across.
+HBM_REACHED, NVLINK_REACHED, IB_REACHED = 0.85, 0.8, 0.9
 HARDWARE = {
     "a100": Hardware("A100-80GB-SXM", {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
-                     2.039e12, 80 * GiB, Link(10e-6, 300e9), Link(20e-6, 25e9)),
+                     2.039e12 * HBM_REACHED, 80 * GiB, Link(10e-6, 300e9 * NVLINK_REACHED),
+                     Link(20e-6, 25e9 * IB_REACHED)),
     "h100": Hardware("H100-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
-                     3.35e12, 80 * GiB, Link(8e-6, 450e9), Link(15e-6, 50e9)),
+                     3.35e12 * HBM_REACHED, 80 * GiB, Link(8e-6, 450e9 * NVLINK_REACHED),
+                     Link(15e-6, 50e9 * IB_REACHED)),
     "h200": Hardware("H200-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
-                     4.8e12, 141 * GiB, Link(8e-6, 450e9), Link(15e-6, 50e9)),
+                     4.8e12 * HBM_REACHED, 141 * GiB, Link(8e-6, 450e9 * NVLINK_REACHED),
+                     Link(15e-6, 50e9 * IB_REACHED)),
 }
 # fp32 matmuls without TF32 (torch's default, float32_matmul_precision "highest") run on
 # the CUDA cores: the data sheets' FP32 rate. On an H100 eager fp32 GPT-2-small steps ran at
