@@ -44,7 +44,7 @@ def layer_key(module: str) -> str | None:
 FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
-          "transient", "tp_calls_extra", "flops_f_whole", "flops_b_whole", "bytes_f_whole",
+          "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole", "bytes_f_whole",
           "bytes_b_whole", "saved_whole")
 
 
@@ -70,6 +70,8 @@ class Segment:
     tp_comm_f: float = 0.0       # bytes all-reduced over tp in the forward (row outputs)
     tp_comm_b: float = 0.0       # ... in the backward (column inputs' gradients)
     transient: float = 0.0       # working bytes beyond the saved values while it runs
+    transient_split: float = 0.0  # of transient: what tensor parallelism splits (the tp
+    #                               pass's own graph at tp=2, planner.count_pass_extras)
     tp_calls_extra: float = 0.0  # tp collectives beyond one per row/column linear (a
     #                              vocab-parallel loss's): counted by running the tp pass
     # the work data parallelism does not split: ops the dp pass runs on the gathered batch
@@ -85,7 +87,12 @@ class Segment:
     column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
 
     def key(self):
-        return tuple(round(float(getattr(self, f)), 3) for f in FIELDS if f != "transient")
+        return tuple(round(float(getattr(self, f)), 3) for f in FIELDS
+                     if f not in ("transient", "transient_split"))
+
+    def working(self, tp: int = 1) -> float:
+        """Its working memory (transient) on a rank of a tp group of `tp`."""
+        return self.transient - self.transient_split * (1 - 1 / tp)
 
 
 @dataclasses.dataclass
@@ -158,6 +165,7 @@ class GraphStats:
             return self
         whole = dict(flops_f_split=0.0, flops_b_split=0.0, bytes_f_split=0.0,
                      bytes_b_split=0.0, saved_split=0.0, params_split=0, tp_comm_f=0.0,
+                     transient_split=0.0,
                      tp_comm_b=0.0, tp_calls_extra=0.0, n_row=0, column_out=[])
         segs = [dataclasses.replace(s, **whole) if any(c % tp for c in s.column_out) else s
                 for s in self.segments]
@@ -214,7 +222,7 @@ def saved_values(fwd) -> dict:
     multi-output op is its own storage: dropout's mask, not its output)."""
     saved: dict = {}
     for n in fwd:
-        if any(u.meta.get(ir.REGION) != ir.FORWARD for u in n.users):
+        if any(not _on_forward(u) for u in n.users):
             key = _storage(n)
             if key is not None:
                 saved[key] = n
@@ -232,13 +240,27 @@ def _is_param(n) -> bool:
     return n.op == "placeholder" and n.meta.get(ir.ROLE) in ("param", "buffer")
 
 
+def _on_forward(n: torch.fx.Node) -> bool:
+    """A forward op, or a collective a pass put in the forward (see forward_nodes)."""
+    region = n.meta.get(ir.REGION)
+    if region == ir.COMM:
+        ins = [a for a in n.all_input_nodes if a.op == "call_function"]
+        return bool(ins) and all(_on_forward(a) for a in ins)
+    return region == ir.FORWARD and n.op == "call_function"
+
+
+def forward_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's forward ops in order, with the collectives a pass put in the forward
+    (REGION "comm", fed by forward values only: a row linear's all-reduce), so that what
+    they read is not taken for a value the backward saves."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and _on_forward(n)]
+
+
 def forward_segments(gm: torch.fx.GraphModule) -> dict[str, str]:
     """{forward node name: its segment}: the repeated block (layer_key) its module lies in,
     "pre" before the first block, "post" after."""
     out, seen_layer = {}, False
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.meta.get(ir.REGION) != ir.FORWARD:
-            continue
+    for n in forward_nodes(gm):
         k = layer_key(n.meta.get(ir.MODULE, ""))
         seen_layer = seen_layer or k is not None
         out[n.name] = k or ("post" if seen_layer else "pre")
@@ -251,8 +273,9 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     decide the split; without them (a graph the pass cannot decide on) the pairs are found
     structurally, as the module docstring says."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    fwd = [n for n in nodes if n.meta.get(ir.REGION) == ir.FORWARD]
-    bwd = [n for n in nodes if n.meta.get(ir.REGION) != ir.FORWARD]
+    fwd = forward_nodes(gm)
+    on_fwd = set(fwd)
+    bwd = [n for n in nodes if n not in on_fwd]
 
     # segments of forward nodes in execution order: pre, layers..., post
     names = forward_segments(gm)
@@ -352,9 +375,9 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     for n in nodes:
         s = segs[seg_of[n]]
         f, (r, w) = cost.node_flops(n), cost.node_bytes(n)
-        if f:  # priced by FLOPs (compute-bound); bytes price the FLOP-less (memory-bound) ops
-            r = w = 0
-        is_f = n.meta.get(ir.REGION) == ir.FORWARD
+        if f or n.meta.get(ir.REGION) == ir.COMM:  # priced by FLOPs (compute-bound); bytes
+            r = w = 0  # price the FLOP-less (memory-bound) ops; collectives are priced apart
+        is_f = n in on_fwd
         sp = n in split or n in split_work or (n.target in _MATMULS and any(
             p in split_params for p in _param_roots(n.all_input_nodes)))
         if is_f:
@@ -384,7 +407,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
         base = storage_base(n)
         if base is not n or base.op != "call_function":
             continue
-        users = [u for u in n.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]
+        users = [u for u in n.users if u in on_fwd]
         later = [pos[seg_of[u]] for u in users if pos[seg_of[u]] > pos[seg_of[n]]]
         if later:
             for i in range(pos[seg_of[n]], max(later)):
@@ -394,7 +417,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     param_seg = {}
     for p in gm.graph.nodes:
         if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param":
-            users = [u for u in p.users if u in seg_of and u.meta.get(ir.REGION) == ir.FORWARD]
+            users = [u for u in p.users if u in on_fwd]
             seg = match(layer_key(p.meta.get("fqn", ""))) or (seg_of[users[0]] if users
                                                                else "pre")
             seg = seg if seg in segs else "pre"

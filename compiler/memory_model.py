@@ -13,7 +13,7 @@ Per rank of pipeline stage s:
                memory of one microbatch beyond the saved values (per segment: the liveness
                simulator's live bytes while it runs less the saved values alive then; e.g.
                the logits at the loss), the largest of the stage's segments
-  buffers      gradient buckets (2 in flight), ZeRO-3's gathered parameters of two layers,
+  buffers      the gradient bucket being packed, ZeRO-3's gathered parameters of two layers,
                pipeline send/receive buffers of the boundary activation and its gradient,
                and with microbatches under a pipeline one microbatch's gradients beside
                the accumulated sum (without one, the sum is accumulated in place: whole
@@ -203,15 +203,16 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
                                         act_scale * saved_factor, dp)
     working = 0.0
     if transient:  # the largest working memory of one of its segments, one microbatch
-        working = max((s.transient for s in segs), default=0.0) * rows / stats.rows * act_scale
+        working = max((s.working(tp) for s in segs), default=0.0) * rows / stats.rows * act_scale
         acts += working
-    # a bucket packed and its reduced copy (the gradients are views of that copy, so their
-    # own bytes are not counted twice), never more than the gradients they pack: whole ones
-    # (ZeRO-2/3 reduce-scatter whole gradients; priced with the shards, the MoE's ZeRO-2
-    # plan came out at 0.54-0.62x what it allocates). `bucket_bytes`: the largest bucket
-    # the dp pass made on this model (planner's dp probe); priced at 25 MiB a bucket where
-    # the pass makes 4-6 MiB ones, plain dp was 1.28x what it allocates
-    buckets = min(2 * bucket_bytes, n * elem) if dp > 1 else 0.0
+    # one bucket beside the gradients, never more than the gradients it packs: the
+    # reduction runs in place on the packed bucket (runtime/comm.start_all_reduce, owned)
+    # and the gradients become views of it, so only while a bucket is packed are its
+    # gradients there twice (priced as a packed bucket and a reduced copy, plain dp came out
+    # 1.14-1.22x what it allocates). `bucket_bytes`: the largest bucket the dp pass made on
+    # this model (planner's dp probe); priced at 25 MiB where the pass makes 4-6 MiB ones,
+    # plain dp was 1.28x. (ZeRO-2/3 reduce-scatter whole gradients: below.)
+    buckets = min(bucket_bytes, n * elem) if dp > 1 else 0.0
     buffers, at_end = buckets, 0.0
     if dp > 1 and zero == 2 and not (microbatches > 1 and pp == 1):  # (that case: below)
         # each gradient is whole until its bucket's reduce-scatter (a pipeline stage's sums

@@ -418,8 +418,8 @@ def _stage_segments(stats: GraphStats, shares: dict, n: int) -> list[list[Segmen
                 # (its working memory: the share of its ops, so a sliver of the LM head on
                 # the embedding's stage - the tied weight's gradient sum - is not priced
                 # with the logits)
-                frac = sh.get(_SHARE_OF.get(f, "nf"), sh["all"])[k] if f != "transient" \
-                    else sh["all"][k]
+                frac = sh["all"][k] if f in ("transient", "transient_split") \
+                    else sh.get(_SHARE_OF.get(f, "nf"), sh["all"])[k]
                 setattr(part, f, getattr(seg, f) * frac)
             out[k].append(part)
     return out
@@ -831,7 +831,7 @@ def _rank_aggregates(stages, pp, v):
                 agg.n_row += s.n_row
                 agg.n_param_tensors += s.n_param_tensors
         agg.boundary = 0.0
-        agg.transient = max((s.transient for s in segs if s not in layers), default=0.0)
+        agg.transient, agg.transient_split = _most_working([s for s in segs if s not in layers])
         group = []
         if layers:
             big = max(layers, key=lambda s: s.saved)
@@ -839,7 +839,7 @@ def _rank_aggregates(stages, pp, v):
             for f in FIELDS:
                 setattr(rest, f, sum(getattr(s, f) for s in layers) - getattr(big, f))
             rest.boundary = 0.0
-            rest.transient = max(s.transient for s in layers)
+            rest.transient, rest.transient_split = _most_working(layers)
             rest.n_row = sum(s.n_row for s in layers) - big.n_row
             rest.n_param_tensors = sum(s.n_param_tensors for s in layers) - big.n_param_tensors
             rest.column_out = [c for s in layers for c in s.column_out][len(big.column_out):]
@@ -847,6 +847,13 @@ def _rank_aggregates(stages, pp, v):
             group = [big, rest]
         out.append([agg] + group)
     return out
+
+
+def _most_working(segs) -> tuple[float, float]:
+    """(transient, transient_split) of the segment with the most working memory (at tp=2:
+    the degree the split was counted at)."""
+    s = max(segs, key=lambda s: s.working(2), default=None)
+    return (s.transient, s.transient_split) if s is not None else (0.0, 0.0)
 
 
 def simplicity(p: Plan) -> tuple:
@@ -919,7 +926,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         for r in range(pp):
             mem, _ = mems[r]
             left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
-            trans = max(s.transient for s in rank_segs[r]) * mbs / stats.rows
+            trans = max(s.working(tp) for s in rank_segs[r]) * mbs / stats.rows
             new.append(rank_memory(r, max(left - trans, 1.0)))
         mems = new
         worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -1280,15 +1287,21 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
         n = calls(g)
         # what the pass split, per segment: at tp=2 a split op does half its work, so the
         # split part is twice what the rank no longer does (a linear the pass keeps whole
-        # -- a head tp does not divide, attention under dropout -- counts as whole)
+        # -- a head tp does not divide, attention under dropout -- counts as whole). Also
+        # the saved values and working memory, where the statistics are the traced graph's
+        # as the probe's are (not the precision pass's): the structural guess left a
+        # vocab-parallel loss's working memory whole (tp=2 plans were priced 1.15-1.31x
+        # what they allocate)
         at2 = {x.name: x for x in analyze(g, stats.rows).segments}
+        fields = ("flops_f", "flops_b", "bytes_f", "bytes_b") + (
+            ("saved", "transient") if not stats.activations_precision else ())
         split = {}
         for seg in stats.segments:
             x = at2.get(seg.name)
             if x is not None:
                 split[seg.name] = tuple(
                     min(max(2 * (getattr(seg, f) - getattr(x, f)), 0.0), getattr(seg, f))
-                    for f in ("flops_f", "flops_b", "bytes_f", "bytes_b"))
+                    for f in fields)
         return {"tp_calls_extra": max(sum(1 for x in n if x.target in cost.COLLECTIVES)
                                       - modeled, 0),
                 "tp_nodes_extra": max(len(n) - base, 0), "tp_split": split}
@@ -1330,8 +1343,9 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
             elif k == "tp_split":  # the time statistics of what the pass really splits
                 for seg in stats.segments:
                     if seg.name in v:
-                        (seg.flops_f_split, seg.flops_b_split, seg.bytes_f_split,
-                         seg.bytes_b_split) = v[seg.name]
+                        for f, x in zip(("flops_f", "flops_b", "bytes_f", "bytes_b", "saved",
+                                         "transient"), v[seg.name]):
+                            setattr(seg, f + "_split", x)
             elif k == "dp_whole":
                 for seg in stats.segments:
                     if seg.name in v:
