@@ -212,6 +212,8 @@ class MemoryTimeline:
     peak_total: int
     peak_node: str
     during: list[int] = dataclasses.field(default_factory=list)  # total while each node runs
+    # activations while each node runs (its inputs and outputs both live)
+    activations_during: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def activation_peak(self) -> int:
@@ -294,7 +296,7 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
     live = {c: [] for c in CATEGORIES}
     peak = dict(cur)
     peak_total, peak_node = sum(cur.values()), ""
-    during = []
+    during, acts_during = [], []
     for i, n in enumerate(nodes):
         for k in allocs.get(i, []):
             c = category(k)
@@ -302,6 +304,7 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
                 cur[c] += size[k]
         tot = sum(cur.values())
         during.append(tot)
+        acts_during.append(cur["activations"])
         for c in CATEGORIES:
             peak[c] = max(peak[c], cur[c])
         if tot > peak_total:
@@ -312,7 +315,8 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
                 cur[c] -= size[k]
         for c in CATEGORIES:
             live[c].append(cur[c])
-    return MemoryTimeline([n.name for n in nodes], live, peak, peak_total, peak_node, during)
+    return MemoryTimeline([n.name for n in nodes], live, peak, peak_total, peak_node, during,
+                          acts_during)
 
 
 # --- calibrated hardware model (the planner's; the passes above keep DeviceProfile) ---------

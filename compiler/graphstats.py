@@ -84,6 +84,7 @@ class Segment:
     saved_whole: float = 0.0     # of `saved`: what a dp rank holds of the gathered batch
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
+    largest_param: int = 0       # elements of its largest parameter (an optimizer's temporaries)
     column_out: list = dataclasses.field(default_factory=list)  # column linears' out features
 
     def key(self):
@@ -423,6 +424,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
             seg = seg if seg in segs else "pre"
             v = p.meta[ir.VAL]
             segs[seg].params += v.numel()
+            segs[seg].largest_param = max(segs[seg].largest_param, v.numel())
             segs[seg].n_param_tensors += 1
             param_seg[p] = seg
             elem = v.element_size()
@@ -430,7 +432,9 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
                 segs[seg].params_split += v.numel()
 
     # working memory per segment: the simulated live activations while its nodes run, less
-    # the saved values that may still be alive then (every segment's up to its own)
+    # the other segments' saved values alive then and all of its own (the memory model
+    # prices it beside every saved value: measured against the values alive at that
+    # moment, a loss's working memory after its own saved logits died was counted twice)
     tl = cost.simulate_liveness(gm, count_inputs=False)
     transient = max(0.0, tl.peak["activations"] - sum(s.saved for s in segs.values()))
     idx = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -442,16 +446,19 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
             k = _storage(a) if a.op == "call_function" else None
             if k in last:
                 last[k] = max(last[k], idx[n])
-    delta = [0.0] * (len(idx) + 1)
+    events: dict[int, list] = {}  # node index -> [(segment, bytes saved from / freed)]
     for k, b in size.items():
-        delta[idx[k[0]]] += b
-        delta[last[k] + 1] -= b
-    alive = 0.0
+        events.setdefault(idx[k[0]], []).append((seg_of[k[0]], b))
+        events.setdefault(last[k] + 1, []).append((seg_of[k[0]], -b))
+    alive, own = 0.0, dict.fromkeys(order, 0.0)
     for n, i in idx.items():
-        alive += delta[i]
+        for s, b in events.get(i, ()):
+            alive += b
+            own[s] += b
         if n in seg_of:
-            segs[seg_of[n]].transient = max(segs[seg_of[n]].transient,
-                                            tl.live["activations"][i] - alive)
+            s = seg_of[n]
+            segs[s].transient = max(segs[s].transient, tl.activations_during[i]
+                                    - (alive - own[s]) - segs[s].saved)
     layers = [s for s in order if s not in ("pre", "post")]
     column_weights = [(out, param_seg[p], p.meta[ir.VAL].numel()) for out, ws in column_w
                       for p in dict.fromkeys(ws) if p in param_seg and _val_dim(p) >= 2]

@@ -37,6 +37,11 @@ from fxpar.compiler.graphstats import GraphStats, Segment
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
                     "rmsprop": 1}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# parameter-sized temporaries torch's optimizers allocate per tensor in their step (Adam's
+# denominator: exp_avg_sq.sqrt() / bias correction; Adagrad's and RMSprop's sqrt); the
+# foreach implementations (torch's default on CUDA) make one per tensor of the group at once
+OPTIMIZER_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 2, "adamw": 2, "adagrad": 1,
+                         "rmsprop": 1}
 
 
 def optimizer_kind(factory) -> str:
@@ -91,10 +96,15 @@ class MemoryEstimate:
     stage: int = 0
     per_stage: list = dataclasses.field(default_factory=list)
     accumulate: bool = True  # gradients live while activations do (microbatches > 1)
-    working: float = 0.0     # of `activations`: the largest segment's working memory
+    working: float = 0.0     # of `activations`: the working memory beyond the saved values
+    # at a segment's backward, beyond all the gradients and the buckets: the values saved up
+    # to it and its working memory, less the gradients of the segments before it (not made
+    # yet); None: `working`
+    working_end: float | None = None
     in_flight: int = 1       # microbatches whose activations `activations` holds at once
     microbatches: int = 1
     at_end: float = 0.0      # beside the gradient sums after the last microbatch (dp buckets)
+    optimizer_step: float = 0.0  # beside the gradients: the optimizer step's temporaries
     # the model state's formula and the values of its symbols (sympy), for explanations
     state: tuple = ()
     sizes: dict = dataclasses.field(default_factory=dict)
@@ -122,8 +132,9 @@ class MemoryEstimate:
         activations, measured 1.18x the estimate). With several, the gradient sums are held
         while later microbatches' activations live (below)."""
         if not self.accumulate:
-            return max(self.activations, self.grads + self.buffers + self.working,
-                       self.grads + self.at_end)
+            end = self.working if self.working_end is None else self.working_end
+            return max(self.activations, self.grads + self.buffers + end,
+                       self.grads + self.at_end, self.grads + self.optimizer_step)
         # each part frees the activations it was handed as it makes their gradients (the
         # pipeline runs parts boxed), added in place into the sums: once the sums exist
         # (after the first backward) at most min(in_flight, microbatches - 1) microbatches'
@@ -131,8 +142,9 @@ class MemoryEstimate:
         # sums plus its activations); after the last, the sums beside `at_end`
         one = (self.activations - self.working) / self.in_flight
         held = min(self.in_flight, self.microbatches - 1)
-        return max(self.activations, self.grads + held * one + self.working,
-                   self.grads + self.at_end) + self.buffers
+        return max(max(self.activations, self.grads + held * one + self.working,
+                       self.grads + self.at_end) + self.buffers,
+                   self.grads + self.optimizer_step)
 
     def describe(self) -> str:
         g, u = (2 ** 30, "GiB") if self.total >= 2 ** 28 else (2 ** 20, "MiB")
@@ -187,23 +199,51 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
                  rows: float, in_flight: int, precision: str, optimizer: str, remat="none",
                  transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
                  microbatches: int = 1, sends_held: float = 0.0, saved_factor: float = 1.0,
-                 received_at_end: float = 0.0) -> tuple[MemoryEstimate, float]:
+                 received_at_end: float = 0.0, weight_copies: float = 0.0,
+                 optimizer_foreach: bool = False) -> tuple[MemoryEstimate, float]:
     """Memory of one rank of the stage holding `segs`, and its recompute fraction.
     `sends_held`: bytes of weight-shaped transfers this rank holds over the step (a tied
     head's summed gradient part); `received_at_end`: what it receives after the last
     microbatch (that part, on the embedding's rank). `saved_factor`: what the pipeline
-    pass's cut saves on this rank over what `segs` save."""
+    pass's cut saves on this rank over what `segs` save. `weight_copies`: elements of
+    shared weights this rank holds a copy of and steps (priced with another stage).
+    `optimizer_foreach`: the optimizer steps all its tensors at once (torch's default on
+    CUDA), so its temporaries are parameter-sized for all of them, not the largest."""
     elem = DTYPE_BYTES[precision]
-    n = sum((s.params - s.params_split) + s.params_split / tp for s in segs)
+    n = sum((s.params - s.params_split) + s.params_split / tp for s in segs) + weight_copies
     per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
     params, grads, opt = model_state(n, dp, elem, per, zero)
+    stepped = n / dp if zero >= 1 else n  # (the fp32 master elements this rank steps)
+    largest = max([s.largest_param for s in segs] + [weight_copies])
+    step_temp = OPTIMIZER_TEMPORARIES.get(optimizer, 2) * 4 * (
+        stepped if optimizer_foreach else min(largest, stepped))
+    if optimizer_foreach:
+        step_temp /= 2  # (one group-sized list: the division and the eps are in place)
     act_scale = (1.0 if stats.activations_precision == precision
                  else elem / stats.param_bytes_per_elem)
     acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight,
                                         act_scale * saved_factor, dp)
-    working = 0.0
-    if transient:  # the largest working memory of one of its segments, one microbatch
-        working = max((s.working(tp) for s in segs), default=0.0) * rows / stats.rows * act_scale
+    working, working_end = 0.0, None
+    if transient:  # the working memory of one microbatch's segments
+        f = rows / stats.rows * act_scale
+        w = [s.working(tp) * f for s in segs]
+        working = max(w, default=0.0)
+        if remat == "none" and segs:
+            # in the order the segments run (planner._rank_aggregates keeps it): in the
+            # forward a segment works beside the values saved before it (the later ones
+            # have saved nothing yet); the backward ends at the first segment, beside its
+            # saved values and every gradient, and the last starts it before any gradient
+            # is made (its working memory, a loss's logits, is the forward's peak). Paired
+            # with every saved value and every gradient, the logits and a conv stem's
+            # working memory were priced at 1.1-1.4x what a step allocates.
+            kept = [activation_bytes([s], stats, rows, tp, act_scale * saved_factor, dp)
+                    for s in segs]
+            working = max(0.0, max(w[k] - sum(kept[k + 1:]) for k in range(len(segs))))
+            used = [k for k in range(len(segs)) if kept[k] or w[k]]
+            if used:
+                first, last = used[0], used[-1]
+                working_end = max([kept[first] + w[first]]
+                                  + [w[k] for k in used if first < k < last])
         acts += working
     # one bucket beside the gradients, never more than the gradients it packs: the
     # reduction runs in place on the packed bucket (runtime/comm.start_all_reduce, owned)
@@ -244,6 +284,7 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     # (pipeline stages sum their gradients in place too: the sums are `grads`)
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1, working=working,
+                          working_end=working_end, optimizer_step=step_temp,
                           in_flight=in_flight, microbatches=microbatches, at_end=at_end,
                           state=state_formula(zero),
                           sizes={"N": n, "dp": dp, "b": elem, "s": per}), recompute

@@ -321,10 +321,16 @@ def pass_stages(stats: GraphStats, n: int, device_type: str) -> dict | None:
         for t in copy_.graph.nodes if ir.TRANSFER in t.meta
         for src, dst in [t.meta[ir.TRANSFER]]]
     # a weight read by layers of several stages (a tied embedding and head): its gradient
-    # is sent between the ranks once a step (runtime/pipeline._share_grads)
+    # is summed on one stage and sent to the others once a step, and every rank holding a
+    # copy steps it (runtime/pipeline._share_grads): (bytes, its stages, the summing stage)
+    out = next(x for x in reversed(copy_.graph.nodes) if x.op == "output")
+    grads = list(out.args[0])[1:1 + out.meta.get("n_grads", 0)]
+    params = [p for p in copy_.graph.nodes if p.op == "placeholder"
+              and p.meta.get(ir.ROLE) == "param"]
     stats.shared_weights[key] = [
-        (cost.tensor_bytes(p.meta.get(ir.VAL)), sorted(stages))
-        for p in copy_.graph.nodes if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"
+        (cost.tensor_bytes(p.meta.get(ir.VAL)), sorted(stages),
+         g.meta.get(ir.STAGE, min(stages)) if isinstance(g, torch.fx.Node) else min(stages))
+        for p, g in zip(params, grads + [None] * (len(params) - len(grads)))
         for stages in [{u.meta[ir.STAGE] for u in p.users
                         if u.meta.get(ir.STAGE) is not None}] if len(stages) > 1]
     # the saved activations of each stage of the cut (a value received from another stage
@@ -816,22 +822,28 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float,
 
 
 def _rank_aggregates(stages, pp, v):
-    """Per rank (its v chunks), the segments summed into one `pre`/`post`-free aggregate plus
-    a stand-in for its largest layer, so pricing a plan costs O(pp), not O(layers)."""
+    """Per rank (its v chunks), its `pre` and `post` parts each summed into one segment and
+    its layers into a stand-in for the largest and one for the rest, in the order they run
+    (the memory model pairs each segment's working memory with the values saved before it),
+    so pricing a plan costs O(pp), not O(layers)."""
     out = []
     for r in range(pp):
         segs = [s for k in range(v) for s in stages[k * pp + r]]
         layers = [s for s in segs if s.name not in ("pre", "post")]
-        agg = Segment("ends")
-        for s in segs:
-            if s not in layers:
+        ends = []
+        for name in ("pre", "post"):
+            part = [s for s in segs if s.name == name]
+            agg = Segment(name)
+            for s in part:
                 for f in FIELDS:
                     setattr(agg, f, getattr(agg, f) + getattr(s, f))
                 agg.column_out = agg.column_out + s.column_out
                 agg.n_row += s.n_row
                 agg.n_param_tensors += s.n_param_tensors
-        agg.boundary = 0.0
-        agg.transient, agg.transient_split = _most_working([s for s in segs if s not in layers])
+                agg.largest_param = max(agg.largest_param, s.largest_param)
+            agg.boundary = 0.0
+            agg.transient, agg.transient_split = _most_working(part)
+            ends.append(agg)
         group = []
         if layers:
             big = max(layers, key=lambda s: s.saved)
@@ -842,10 +854,11 @@ def _rank_aggregates(stages, pp, v):
             rest.transient, rest.transient_split = _most_working(layers)
             rest.n_row = sum(s.n_row for s in layers) - big.n_row
             rest.n_param_tensors = sum(s.n_param_tensors for s in layers) - big.n_param_tensors
+            rest.largest_param = max(s.largest_param for s in layers)
             rest.column_out = [c for s in layers for c in s.column_out][len(big.column_out):]
             rest.layer_count = len(layers) - 1
             group = [big, rest]
-        out.append([agg] + group)
+        out.append([ends[0], *group, ends[1]])
     return out
 
 
@@ -887,15 +900,27 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     # weight's gradient part goes once a step (`once`)
     dev = "cpu" if hw.name == "cpu" else "cuda"
     sent = stats.transfers.get((pp * v, dev)) if pp > 1 else None
-    kept, at_end = [0.0] * pp, [0.0] * pp
+    kept, at_end, copies = [0.0] * pp, [0.0] * pp, [0.0] * pp
     for t in sent or []:
-        if not t.per_row and t.src % pp != t.dst % pp:
-            if t.once:  # the sender's running sum of it, the receiver's one buffer at the end
-                kept[t.src % pp] += t.nbytes / tp
-                at_end[t.dst % pp] += t.nbytes / tp
-            else:  # (a view of a weight: nothing on the sender; received as it is read)
-                kept[t.src % pp] += 0.0 if t.weight_view else t.nbytes / tp
-                kept[t.dst % pp] += (1 if t.weight_view else 2) * t.nbytes / tp
+        if t.per_row:
+            continue
+        if t.once:  # the sender's running sum of it, held over the step (also where both
+            # stages are one rank's chunks: BERT-MLM's interleaved pp=2 was 0.77x without
+            # it); at the end the receiver's buffer, and the sum its R part makes of that
+            # and its own (a new tensor)
+            kept[t.src % pp] += t.nbytes / tp
+            at_end[t.dst % pp] += (1 if t.src % pp == t.dst % pp else 2) * t.nbytes / tp
+        elif t.src % pp != t.dst % pp:  # (a weight's view: nothing on the sender; received
+            # as it is read)
+            kept[t.src % pp] += 0.0 if t.weight_view else t.nbytes / tp
+            kept[t.dst % pp] += (1 if t.weight_view else 2) * t.nbytes / tp
+    # a shared weight's copy on each other rank that reads it: a parameter there too, with
+    # the summed gradient it receives and the optimizer state it steps it with (priced on
+    # the summing stage alone, a tied LM head's rank came out at 0.5x what a step allocates)
+    for nbytes, holders, made in (stats.shared_weights.get((pp * v, dev), [])
+                                  if pp > 1 else []):
+        for r in {s % pp for s in holders} - {made % pp}:
+            copies[r] += nbytes / stats.param_bytes_per_elem / tp
     rank_segs = stages  # per rank: aggregated segments (see _rank_aggregates)
     # the activations of a rank's segments scaled to what the pass's cut saves on it
     by_cut = stats.stage_saved.get((pp * v, dev)) if pp > 1 else None
@@ -916,7 +941,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                             in_flight=held[r], precision=precision, optimizer=optimizer,
                             remat=remat, transient=True, pp=pp, microbatches=m,
                             sends_held=kept[r], saved_factor=saved_factor[r],
-                            received_at_end=at_end[r],
+                            received_at_end=at_end[r], weight_copies=copies[r],
+                            optimizer_foreach=hw.async_launch,
                             bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -987,7 +1013,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             for r in (src % pp, dst % pp):
                 side[r] += t * (1 - hw.overlap)
             comm_s[dst % pp] += m * t * (1 - hw.overlap)
-        for nbytes, stages in stats.shared_weights.get((pp * v, dev), []):
+        for nbytes, stages, _ in stats.shared_weights.get((pp * v, dev), []):
             if len({s % pp for s in stages}) > 1:
                 tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
     if pp > 1 and sent is not None:

@@ -288,7 +288,6 @@ def test_memory_estimate_vs_tracker_in_each_precision(precision):
     peak in fp32 and in bf16. bf16 is priced from the graph after the precision pass (its
     residual stream, norms and loss stay fp32): halving the fp32 graph's activations put it
     at 0.69x here and 0.6x of the CUDA allocator's peak on an H100."""
-    import dataclasses as dc
     import fxpar
     from fxpar.runtime.memtrack import measure
     cfg = M.GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=8, n_embd=256)
@@ -302,7 +301,7 @@ def test_memory_estimate_vs_tracker_in_each_precision(precision):
     _, peak = measure(lambda: pm.step(batch))
     stats = planner.graph_stats(M.GPT(cfg), batch, precision=precision)
     assert stats.activations_precision == ("" if precision == "fp32" else precision)
-    c = planner.search(stats, 1, dc.replace(cost.HARDWARE["h100"]), batch_rows=8,
+    c = planner.search(stats, 1, cost.cpu_hardware(), batch_rows=8,
                        optimizer="adamw", precision=precision, constraints={
                            "dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "remat": "none",
                            "precision": precision}).table[0]
@@ -318,7 +317,6 @@ def test_sqrt_remat_memory_vs_tracker(layers, seq):
     it was 1.5x the measured). 12 layers of T=64: the gradients outweigh the activations and
     the step's peak is at the end of the backward, gradients plus the last segment's working
     memory (without that term: 0.85x). Both within 10% of the tracker."""
-    import dataclasses as dc
     import fxpar
     from fxpar.runtime.memtrack import measure
     cfg = M.GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=8, n_embd=256)
@@ -332,7 +330,7 @@ def test_sqrt_remat_memory_vs_tracker(layers, seq):
     _, peak = measure(lambda: pm.step(batch))
     stats = planner.graph_stats(M.GPT(cfg), batch)
     assert stats.checkpoints_per_layer == 2
-    c = planner.search(stats, 1, dc.replace(cost.HARDWARE["h100"]), batch_rows=8,
+    c = planner.search(stats, 1, cost.cpu_hardware(), batch_rows=8,
                        optimizer="adamw", constraints={"dp": 1, "tp": 1, "pp": 1,
                                                        "microbatches": 1, "remat": "sqrt"})
     est = c.table[0].memory.per_stage[0].step_allocated
@@ -1042,7 +1040,7 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
     hw = cost.cpu_hardware()
     r = planner.search(stats, 2, hw, batch_rows=8, constraints={"pp": 2})
     weight = 512 * 32 * 4
-    assert stats.shared_weights[(2, "cpu")] == [(weight, [0, 1])]
+    assert stats.shared_weights[(2, "cpu")] == [(weight, [0, 1], 0)]  # (summed on stage 0)
     sent = stats.transfers[(2, "cpu")]
     (part,) = [t for t in sent if t.once]
     assert (part.src, part.dst, part.nbytes, part.per_row) == (1, 0, weight, False)
