@@ -105,6 +105,8 @@ class MemoryEstimate:
     microbatches: int = 1
     at_end: float = 0.0      # beside the gradient sums after the last microbatch (dp buckets)
     optimizer_step: float = 0.0  # beside the gradients: the optimizer step's temporaries
+    gathered: float = 0.0    # of `buffers`: ZeRO-3's gathered parameters (live beside the
+    #                          activations too)
     # the model state's formula and the values of its symbols (sympy), for explanations
     state: tuple = ()
     sizes: dict = dataclasses.field(default_factory=dict)
@@ -133,7 +135,7 @@ class MemoryEstimate:
         while later microbatches' activations live (below)."""
         if not self.accumulate:
             end = self.working if self.working_end is None else self.working_end
-            return max(self.activations, self.grads + self.buffers + end,
+            return max(self.activations + self.gathered, self.grads + self.buffers + end,
                        self.grads + self.at_end, self.grads + self.optimizer_step)
         # each part frees the activations it was handed as it makes their gradients (the
         # pipeline runs parts boxed), added in place into the sums: once the sums exist
@@ -259,10 +261,15 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
         # until its R part): during the backward a rank can hold what plain dp holds (the
         # MoE's ZeRO-2 step measured 62-72 MiB, plain dp's 62); the shard is what stays
         buffers += n * elem - grads
+    gathered = 0.0
     if dp > 1 and zero >= 3:
-        layer = max(((s.params - s.params_split) + s.params_split / tp
-                     for s in segs if not getattr(s, "layer_count", 0)), default=0)
-        buffers += 2 * layer * elem
+        # the parameters of the segment running and the next one, gathered whole, beside
+        # the activations too (a tied LM head's at the loss: priced with the gradients
+        # only, Qwen2's ZeRO-3 was 0.87x)
+        sizes = sorted(((s.params - s.params_split) + s.params_split / tp
+                        for s in segs if not getattr(s, "layer_count", 0)), reverse=True)
+        gathered = (sizes[0] + sizes[min(1, len(sizes) - 1)]) * elem if sizes else 0.0
+        buffers += gathered
     if pp > 1:
         f = rows / stats.rows * act_scale
         buffers += 2 * max((s.boundary for s in segs), default=0.0) * f + sends_held
@@ -277,14 +284,15 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
         if dp > 1 and zero < 3:
             # after the last microbatch the pass packs every bucket before the first
             # reduction returns: the sums beside a packed copy of all of them and, under
-            # ZeRO-1, the reduced shards it keeps (dp=2 m=2 / m=4 had been 0.81-0.88x /
-            # 0.6-0.74x the tracker)
-            at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero == 1 else 0.0)
+            # ZeRO-1/2, the reduced shards it keeps (dp=2 m=2 / m=4 had been 0.81-0.88x /
+            # 0.6-0.74x the tracker; ViT's ZeRO-2 m=2 0.87x without its shards)
+            at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero else 0.0)
     at_end = max(at_end, received_at_end)
     # (pipeline stages sum their gradients in place too: the sums are `grads`)
     return MemoryEstimate(params, grads, opt, acts, buffers,
                           accumulate=microbatches > 1, working=working,
                           working_end=working_end, optimizer_step=step_temp,
+                          gathered=gathered,
                           in_flight=in_flight, microbatches=microbatches, at_end=at_end,
                           state=state_formula(zero),
                           sizes={"N": n, "dp": dp, "b": elem, "s": per}), recompute
