@@ -123,6 +123,18 @@ def count_ops(gm: torch.fx.GraphModule, target: Any) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
 
 
+def param_grads(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Any]]:
+    """Each parameter placeholder of a captured joint graph with the node its gradient
+    output is (None where it has none): the output's gradients follow the loss in the
+    parameters' order (capture's `n_grads`)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    grads = list(out.args[0])[1:1 + out.meta.get("n_grads", 0)]
+    params = [p for p in gm.graph.nodes if p.op == "placeholder"
+              and p.meta.get(ir.ROLE) == "param"]
+    return [(p, grads[i] if i < len(grads) and isinstance(grads[i], torch.fx.Node) else None)
+            for i, p in enumerate(params)]
+
+
 def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> list[bool]:
     """Per mutated buffer (`sig.mutated_buffers` order): whether running the step once per
     microbatch, writing the buffer back after each, leaves it where one step on the whole

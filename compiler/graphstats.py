@@ -44,8 +44,8 @@ def layer_key(module: str) -> str | None:
 FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "saved",
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
-          "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole", "bytes_f_whole",
-          "bytes_b_whole", "saved_whole")
+          "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole",
+          "bytes_f_whole", "bytes_b_whole", "saved_whole")
 
 
 @dataclasses.dataclass

@@ -37,9 +37,10 @@ from fxpar.compiler.graphstats import GraphStats, Segment
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
                     "rmsprop": 1}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# parameter-sized temporaries torch's optimizers allocate per tensor in their step (Adam's
-# denominator: exp_avg_sq.sqrt() / bias correction; Adagrad's and RMSprop's sqrt); the
-# foreach implementations (torch's default on CUDA) make one per tensor of the group at once
+# parameter-sized temporaries torch's optimizers allocate per tensor in their step, tensor
+# by tensor (torch's default off CUDA: Adam's denominator, exp_avg_sq.sqrt() / bias
+# correction; Adagrad's and RMSprop's sqrt); the foreach implementations (its default on
+# CUDA) make one list of them for every tensor at once and work on it in place
 OPTIMIZER_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 2, "adamw": 2, "adagrad": 1,
                          "rmsprop": 1}
 
@@ -97,9 +98,9 @@ class MemoryEstimate:
     per_stage: list = dataclasses.field(default_factory=list)
     accumulate: bool = True  # gradients live while activations do (microbatches > 1)
     working: float = 0.0     # of `activations`: the working memory beyond the saved values
-    # at a segment's backward, beyond all the gradients and the buckets: the values saved up
-    # to it and its working memory, less the gradients of the segments before it (not made
-    # yet); None: `working`
+    # at the backward's end, beside every gradient and the buckets: the first segment's saved
+    # values and working memory, or a middle segment's working memory (stage_memory);
+    # None: `working`
     working_end: float | None = None
     in_flight: int = 1       # microbatches whose activations `activations` holds at once
     microbatches: int = 1
@@ -217,10 +218,9 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     params, grads, opt = model_state(n, dp, elem, per, zero)
     stepped = n / dp if zero >= 1 else n  # (the fp32 master elements this rank steps)
     largest = max([s.largest_param for s in segs] + [weight_copies])
-    step_temp = OPTIMIZER_TEMPORARIES.get(optimizer, 2) * 4 * (
-        stepped if optimizer_foreach else min(largest, stepped))
-    if optimizer_foreach:
-        step_temp /= 2  # (one group-sized list: the division and the eps are in place)
+    per_tensor = OPTIMIZER_TEMPORARIES.get(optimizer, 2)
+    step_temp = 4 * (min(per_tensor, 1) * stepped if optimizer_foreach
+                     else per_tensor * min(largest, stepped))
     act_scale = (1.0 if stats.activations_precision == precision
                  else elem / stats.param_bytes_per_elem)
     acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight,

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import fake_propagate, summed_buffer_updates
+from fxpar.compiler.graphs import fake_propagate, param_grads, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
                                        layer_key, saved_bytes, saved_values,
                                        storage_base)
@@ -55,6 +55,9 @@ SIMULATE_TOP = 12
 # bytes a send completes with on its own (a socket buffer's worth): it rides with the
 # other values of its transfer group (planner._price)
 SMALL_TRANSFER = 64 * 2 ** 10
+# the Segment statistics the tp probe reads off the tp pass's graph (each as its `_split`
+# part); the last two only where the statistics are the traced graph's (count_pass_extras)
+TP_SPLIT = ("flops_f", "flops_b", "bytes_f", "bytes_b", "saved", "transient")
 
 
 class Transfer(NamedTuple):
@@ -323,14 +326,10 @@ def pass_stages(stats: GraphStats, n: int, device_type: str) -> dict | None:
     # a weight read by layers of several stages (a tied embedding and head): its gradient
     # is summed on one stage and sent to the others once a step, and every rank holding a
     # copy steps it (runtime/pipeline._share_grads): (bytes, its stages, the summing stage)
-    out = next(x for x in reversed(copy_.graph.nodes) if x.op == "output")
-    grads = list(out.args[0])[1:1 + out.meta.get("n_grads", 0)]
-    params = [p for p in copy_.graph.nodes if p.op == "placeholder"
-              and p.meta.get(ir.ROLE) == "param"]
     stats.shared_weights[key] = [
         (cost.tensor_bytes(p.meta.get(ir.VAL)), sorted(stages),
-         g.meta.get(ir.STAGE, min(stages)) if isinstance(g, torch.fx.Node) else min(stages))
-        for p, g in zip(params, grads + [None] * (len(params) - len(grads)))
+         g.meta.get(ir.STAGE, min(stages)) if g is not None else min(stages))
+        for p, g in param_grads(copy_)
         for stages in [{u.meta[ir.STAGE] for u in p.users
                         if u.meta.get(ir.STAGE) is not None}] if len(stages) > 1]
     # the saved activations of each stage of the cut (a value received from another stage
@@ -385,17 +384,12 @@ def _stage_shares(gm, stats: GraphStats, n: int) -> dict[str, dict[str, list[flo
     # (Mixtral's pp=2 cut reads expert weights on one stage and makes their gradients on
     # the other; priced where first read, its step memory came out 0.80x), in the segment of
     # its first forward use
-    out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
-    params = [x for x in gm.graph.nodes if x.op == "placeholder"
-              and x.meta.get(ir.ROLE) == "param"]
-    grads = list(out.args[0])[1:1 + out.meta.get("n_grads", 0)]
-    for i, ph in enumerate(params):
+    for ph, g in param_grads(gm):
         first = next((u for u in ph.users if u.meta.get(ir.REGION) == ir.FORWARD
                       and u.name in seg_of and u.meta.get(ir.STAGE) is not None), None)
         if first is None:
             continue
-        g = grads[i] if i < len(grads) else None
-        stage = g.meta.get(ir.STAGE) if isinstance(g, torch.fx.Node) else None
+        stage = g.meta.get(ir.STAGE) if g is not None else None
         add(seg_of[first.name], "p", first.meta[ir.STAGE] if stage is None else stage,
             ph.meta[ir.VAL].numel())
     out = {}
@@ -942,7 +936,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
                             remat=remat, transient=True, pp=pp, microbatches=m,
                             sends_held=kept[r], saved_factor=saved_factor[r],
                             received_at_end=at_end[r], weight_copies=copies[r],
-                            optimizer_foreach=hw.async_launch,
+                            optimizer_foreach=dev == "cuda",
                             bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -1319,8 +1313,7 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
         # vocab-parallel loss's working memory whole (tp=2 plans were priced 1.15-1.31x
         # what they allocate)
         at2 = {x.name: x for x in analyze(g, stats.rows).segments}
-        fields = ("flops_f", "flops_b", "bytes_f", "bytes_b") + (
-            ("saved", "transient") if not stats.activations_precision else ())
+        fields = TP_SPLIT if not stats.activations_precision else TP_SPLIT[:4]
         split = {}
         for seg in stats.segments:
             x = at2.get(seg.name)
@@ -1369,8 +1362,7 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
             elif k == "tp_split":  # the time statistics of what the pass really splits
                 for seg in stats.segments:
                     if seg.name in v:
-                        for f, x in zip(("flops_f", "flops_b", "bytes_f", "bytes_b", "saved",
-                                         "transient"), v[seg.name]):
+                        for f, x in zip(TP_SPLIT, v[seg.name]):
                             setattr(seg, f + "_split", x)
             elif k == "dp_whole":
                 for seg in stats.segments:
