@@ -40,6 +40,7 @@ import torch.fx
 
 from fxpar.compiler.plan import replays_step
 
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)  # HF MoE experts' matmul
 WARMUP_STEPS = 2  # uncaptured steps before the capture (torch.compile uses 1, Megatron 3)
 
 
@@ -83,6 +84,11 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
                 torch.Tag.data_dependent_output in t.tags) and not _integer_index(n):
             why.append(f"{n.name} ({t}): its output's shape or value depends on the data (a "
                        "host sync each step; a graph replays fixed shapes)")
+        elif getattr(t, "overloadpacket", 0) is _GROUPED_MM and any(
+                v.dtype != torch.bfloat16 for v in _tensors(n.args[:2])):
+            why.append(f"{n.name} ({t}): torch runs a grouped matmul of other than bf16 "
+                       "operands group by group, reading the group offsets on the host each "
+                       "step")
         elif isinstance(t, torch._ops.OpOverload) and torch.Tag.cudagraph_unsafe in t.tags:
             why.append(f"{n.name} ({t}): torch marks the op unsafe in CUDA graphs")
         else:
@@ -141,6 +147,10 @@ def decide(program, setting, device: torch.device, backend: str | None,
                           "optimizer runs outside the graph")
 
 
+class CaptureFailed(RuntimeError):
+    """torch raised while recording the step (nothing ran: a capture records only)."""
+
+
 class _CudaBackend:
     """torch.cuda.CUDAGraph with a private memory pool; warm-up on a side stream."""
 
@@ -165,8 +175,12 @@ class _CudaBackend:
         torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog's and gloo's threads may call CUDA meanwhile
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            outs = fn(*inputs)
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                outs = fn(*inputs)
+        except RuntimeError as e:
+            self.graph = None
+            raise CaptureFailed(str(e).splitlines()[0]) from e
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
         return outs
@@ -214,7 +228,11 @@ class GraphedStep:
             self.static_inputs = [x if not isinstance(x, torch.Tensor) else x.detach()
                                   if keep else x.clone()
                                   for x, keep in zip(inputs, self.persistent)]
-            self.static_outputs = self.backend.capture(self.fn, self.static_inputs)
+            try:
+                self.static_outputs = self.backend.capture(self.fn, self.static_inputs)
+            except CaptureFailed:
+                self.static_inputs = None
+                raise
         else:
             for static, x in zip(self.static_inputs, inputs):
                 if isinstance(x, torch.Tensor) and x.data_ptr() != static.data_ptr():

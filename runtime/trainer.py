@@ -317,6 +317,18 @@ class ParallelModel:
             self.pipeline_runner.use_cuda_graphs(self.world.device)
         return d
 
+    def _uncaptured(self, e: Exception):
+        """A capture that torch refused (an op that copies to or from the host inside a
+        kernel call, which the graph's static check cannot see): under "auto" the step runs
+        uncaptured from now on, logged; Plan.cuda_graphs=True raises."""
+        reason = f"torch refused to capture the step: {e}"
+        if self.plan.cuda_graphs is True:
+            raise PlanError(f"Plan.cuda_graphs=True, but {reason}. Use cuda_graphs='auto' to "
+                            "run it uncaptured (logged), or False.") from e
+        log.warning("the step runs without CUDA graphs: %s", reason)
+        self.cuda_graphs = cudagraph.Decision(False, reason)
+        self._graphed = None
+
     # --- training ---------------------------------------------------------------------------
     def _leaves(self, tree, program) -> list[torch.Tensor]:
         """The batch's leaves on this rank's device, cut to this dp rank's share (with
@@ -373,7 +385,11 @@ class ParallelModel:
                     lambda *a: executor.run_graph(gm, a, (), ()),
                     [True] * (len(params) + len(self.buffers)) + [False] * len(local),
                     self.world.device)
-            outs = list(self._graphed([*params, *self.buffers, *local]))
+            try:
+                outs = list(self._graphed([*params, *self.buffers, *local]))
+            except cudagraph.CaptureFailed as e:
+                self._uncaptured(e)
+                return self._run(program, batch)  # a failed capture ran nothing
             outs[0] = outs[0].clone()  # the static output is overwritten by the next replay
             return outs
         gm = self._lowered.get(id(program))

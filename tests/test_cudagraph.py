@@ -96,9 +96,14 @@ def test_pipelines_data_dependent_shapes_and_host_copies_fall_back():
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_moe_routing_by_integer_indices_is_capturable(name):
     """HF's MoE layers route tokens with x[idx] on integer indices (a fixed shape, no host
-    sync): their programs are captured; a boolean-mask index stays refused."""
+    sync): their programs are captured with the batched_mm experts; transformers' default
+    grouped_mm experts in fp32 are refused (torch's fallback reads the offsets on the host),
+    and a boolean-mask index stays refused."""
     from fxpar.examples import zoo
     model, spec = zoo.build(name)
+    prog = fxpar.compile(model, 1, example_batch=spec.batch(0), loss_fn=spec.loss_fn)
+    assert any("grouped matmul" in w for w in cudagraph.uncapturable(prog.graph.graph, "nccl"))
+    model.config._experts_implementation = "batched_mm"
     prog = fxpar.compile(model, 1, example_batch=spec.batch(0), loss_fn=spec.loss_fn)
     assert any(n.target is torch.ops.aten.index.Tensor for n in prog.graph.graph.nodes)
     assert cudagraph.uncapturable(prog.graph.graph, "nccl") == []
@@ -225,6 +230,56 @@ def test_replayed_training_matches_eager(monkeypatch):
     compute = [e["cat"] for e in events if e.get("tid") == 0 and e.get("ph") == "X"
                and e["cat"] not in ("step", "blocked", "forward")]
     assert compute == ["forward+backward", "optimizer"] * 5
+
+
+class RefusedOnCPU(ReplayOnCPU):
+    """torch refusing the capture midway (an op copying to the host inside its kernel call:
+    "Cannot copy between CPU and CUDA tensors during CUDA graph capture ...")."""
+
+    def capture(self, fn, inputs):
+        self.captures += 1
+        raise cudagraph.CaptureFailed("Cannot copy between CPU and CUDA tensors during CUDA "
+                                      "graph capture unless the CPU tensor is pinned.")
+
+
+def test_a_refused_capture_runs_uncaptured_under_auto_and_raises_under_true(monkeypatch):
+    """A capture torch refuses (what the static check cannot see) is not a crash under "auto":
+    the step runs uncaptured from then on, with eager's losses, and says why; cuda_graphs=True
+    raises a PlanError naming torch's reason."""
+    monkeypatch.setattr(cudagraph, "decide", lambda *a: cudagraph.Decision(True, "test"))
+    monkeypatch.setattr(cudagraph, "_CudaBackend", lambda device: RefusedOnCPU())
+    model, batch = _gpt()
+    batches = [M.gpt_batch(model.cfg, 4, seed=s) for s in range(4)]
+    _, want = _eager_losses(model, batches, 1e-2)
+    strict = M.GPT(model.cfg)
+    strict.load_state_dict(model.state_dict())
+    pm = fxpar.parallelize(model, 1, example_batch=batch,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    losses = torch.stack([pm.step(b) for b in batches])
+    assert not pm.cuda_graphs.capture and "pinned" in pm.cuda_graphs.reason
+    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+    pm = fxpar.parallelize(strict, 1, example_batch=batch, plan={"cuda_graphs": True},
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    with pytest.raises(PlanError, match="cuda_graphs=True.*pinned"):
+        for b in batches:
+            pm.step(b)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_grouped_mm"), reason="no grouped_mm")
+def test_fp32_grouped_mm_is_not_captured():
+    """torch runs a grouped matmul of fp32 operands group by group, reading the offsets on
+    the host (HF MoE experts' default form in fp32): not captured, said why."""
+    g = torch.fx.Graph()
+    a, b, offs = (g.placeholder(n) for n in ("a", "b", "offs"))
+    a.meta["val"], b.meta["val"] = torch.empty(16, 8), torch.empty(4, 8, 6)
+    offs.meta["val"] = torch.empty(4, dtype=torch.int32)
+    out = g.call_function(torch.ops.aten._grouped_mm.default, (a, b, offs))
+    out.meta["val"] = torch.empty(16, 6)
+    g.output(out)
+    assert "grouped matmul" in cudagraph.uncapturable(g, None)[0]
+    for v in (a, b):
+        v.meta["val"] = v.meta["val"].to(torch.bfloat16)
+    assert cudagraph.uncapturable(g, None) == []
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
