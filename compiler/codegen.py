@@ -233,6 +233,30 @@ def runs(graph: torch.fx.Graph, cpu: bool = False,
         sorted(run, key=order.__getitem__), order) if sum(map(_counts, part)) >= MIN_OPS]
 
 
+# ops Inductor calls out to a library kernel (cuBLAS, cuDNN, its attention) from inside a
+# compiled run: each is a launch of its own
+_EXTERN = {getattr(torch.ops.aten, name, None) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_grouped_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward")} - {None}
+
+
+def host_calls(graph: torch.fx.Graph, cpu: bool = False) -> int:
+    """The calls a step of `graph` makes from the host once compiled (codegen "inductor"):
+    one per compiled run and per library kernel inside it, and one per op left outside the
+    runs (views and getitems excepted). The planner prices a step's host time by these on a
+    GPU, where they are the launches; per graph node it priced a GPT-2's step 3.7x high at
+    two microbatches (docs/benchmarks.md)."""
+    rs = runs(graph, cpu)
+    inside = {n for r in rs for n in r}
+    calls = sum(1 + sum(getattr(n.target, "overloadpacket", None) in _EXTERN for n in r)
+                for r in rs)
+    return calls + sum(1 for n in graph.nodes if n.op == "call_function" and n not in inside
+                       and n.target is not operator.getitem and not cost.is_view(n))
+
+
 def _split_at_late_inputs(run, order) -> list[list[torch.fx.Node]]:
     """A run is called where its first node was: cut it before any node that reads a value
     made outside the run after that point (a getitem left outside)."""

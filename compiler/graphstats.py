@@ -125,6 +125,9 @@ class GraphStats:
     # all-gathers (before the forward use and the backward use), the reduce-scatters
     zero3_gathers_per_param: float = 2.0
     zero3_reduce_scatters_per_param: float = 1.0
+    # the host calls of a compiled step (codegen.host_calls: Inductor's runs and the library
+    # kernels they call, ops left outside), which a GPU's host prices instead of the nodes
+    host_calls_compiled: int | None = None
     dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
     #                         (a mean over the targets not ignored: the loss and their count)
     # bytes of the largest gradient bucket the dp pass makes (its probe at dp=2), or None

@@ -963,6 +963,11 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     # its graph nodes cost no host dispatch
     graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m)
     hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
+    if not graphed and hw.async_launch and stats.host_calls_compiled and \
+            codegen.decide(constraints.get("codegen", "auto"), "cuda")[0] == "inductor":
+        # Inductor's runs launch per run and per library kernel, not per graph node
+        hw_graph = dataclasses.replace(hw, node_overhead=hw.node_overhead * min(
+            stats.host_calls_compiled / total_nodes, 1.0))
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
@@ -1203,6 +1208,7 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
+    stats.host_calls_compiled = codegen.host_calls(gm.graph)
     stats.graph = (gm, sig)  # for the probes, the calibration and the job's compile
     if pass_extras:
         count_pass_extras(stats)
