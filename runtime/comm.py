@@ -91,8 +91,11 @@ def _reduce_op(op: str, group_size: int):
 
 
 class _Watcher:
-    """One daemon thread that waits on works whose backend offers no future (gloo's
-    all-gather / reduce-scatter), in issue order, and stamps when each completed."""
+    """One daemon thread that waits on works whose backend offers no future (`_Works`:
+    gloo's in-place all-gather / reduce-scatter), in issue order, and stamps when each
+    completed. Its wait is a second one (the compute thread's `wait` is the first): only for
+    works whose wait() does nothing but wait (not gloo's reduce_scatter_single: see
+    start_reduce_scatter)."""
 
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -185,7 +188,7 @@ def start_all_gather(x: torch.Tensor, group_size: int, group_name: str, name: st
 def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str,
                          owned: bool, name: str) -> Pending:
     """Reduce-scatter; on gloo, in place on `x` when the graph says nothing else reads it
-    (owned) and it is large (see GLOO_INPLACE_RS_BYTES)."""
+    (owned) and it is large (see GLOO_INPLACE_RS_BYTES), else an all-reduce of a copy."""
     p = Pending(name, x.numel() * x.element_size())
     pg = _group(group_name)
     red, p.divide = _reduce_op(op, group_size)
@@ -196,6 +199,14 @@ def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: 
         return _issued(p, _Works([dist.reduce(t, dst=dist.get_global_rank(pg, i), op=red,
                                               group=pg, async_op=True)
                                   for i, t in enumerate(parts)]))
+    if _is_gloo(pg):  # what gloo's reduce_scatter_single does, but its work copies the
+        # slice out inside wait(), at every wait(): the watcher's (it has no future) re-copied
+        # the sums over what the step wrote into the shard after this rank's wait (avg's
+        # division, clipping, an fp16 overflow's inf). An all-reduce's work has a future.
+        buf = x.clone(memory_format=torch.contiguous_format)
+        p.keep, p.out = buf, buf.chunk(group_size)[pg.rank()]
+        p.divide = (p.divide, "copy")
+        return _issued(p, dist.all_reduce(buf, op=red, group=pg, async_op=True))
     x = x.contiguous()
     p.keep, p.out = x, x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
     return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=pg, async_op=True))
