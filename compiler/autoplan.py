@@ -82,8 +82,9 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
     with clock("planner: measure machine"):
         hw = machine.measure(device)
     with clock("planner: trace model"):
-        stats = planner.graph_stats(model, example_batch, loss_fn,
-                                    precision=constraints.get("precision") or "fp32")
+        stats = planner.graph_stats(
+            model, example_batch, loss_fn, precision=constraints.get("precision") or "fp32",
+            kernel_cross_entropy=planner.kernel_cross_entropy(device, constraints))
     if device.type == "cpu":
         with clock("planner: count pass extras"):
             planner.count_pass_extras(stats, share=lambda jobs: _remembered_probes(

@@ -301,9 +301,23 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
         and parameters by the same full paths from the user's model)."""
         return k if k in segs else None
 
+    # a backward op outside the layers goes with the forward op autograd made it for (the
+    # same seq_nr), or with its module; one a pass made in the root module (no seq_nr: a
+    # vocab-parallel loss's) with the latest segment it reads from. By module alone a loss
+    # computed in the root module went to "pre" with the root's first forward op
+    # (positions, say): a cross-entropy's backward priced on the first stage and beside no
+    # saved value.
+    seq_seg = {}
+    for n in fwd:
+        seq_seg.setdefault(n.meta.get("seq_nr"), seg_of[n])
+    seq_seg.pop(None, None)
+    rank = {name: i for i, name in enumerate(order)}
     for b in bwd:
         m = b.meta.get(ir.MODULE, "")
-        seg_of[b] = match(layer_key(m)) or module_seg.get(m) or "post"
+        read = [seg_of[a] for a in b.all_input_nodes if a in seg_of]
+        seg_of[b] = match(layer_key(m)) or seq_seg.get(b.meta.get("seq_nr")) or \
+            (module_seg.get(m) if m else None) or \
+            (max(read, key=rank.__getitem__) if read else None) or module_seg.get(m) or "post"
 
     # weight-derived values (a weight's transpose/view) and the tp split
     roots: dict = {}  # weight-derived node (a weight's transpose/view) -> its parameters

@@ -44,7 +44,7 @@ from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optim
                                    stage_memory)
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan, replays_step, resolve
-from fxpar.passes import data_parallel, pipeline_split, remat, tensor_parallel
+from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
 from fxpar.runtime import schedules
 
@@ -1181,12 +1181,16 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
 # --- front doors ---------------------------------------------------------------------------------
 
 def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
-                precision: str = "fp32") -> GraphStats:
+                precision: str = "fp32", kernel_cross_entropy: bool = False) -> GraphStats:
     """Capture model+loss once and reduce it to the planner's statistics. pass_extras: also
     count what the tp and dp passes add (`count_pass_extras`; a few seconds; CPU planning).
     precision "bf16"/"fp16": the segments are those of the graph after the precision pass
     (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
-    GPT's bf16 step memory at 0.6x the CUDA allocator's peak."""
+    GPT's bf16 step memory at 0.6x the CUDA allocator's peak. kernel_cross_entropy (a GPU
+    job with the fusion pass, `kernel_cross_entropy`): the segments are those of the graph
+    with fxpar's cross-entropy kernel in place, which saves the half logits and a row value
+    rather than fp32 log-probabilities (without it a GPT-2's bf16 step memory was priced
+    1.32x the H200's measured peak)."""
     stand_ins = None
     if cap.meta_tensors(model):
         # a meta-device model: traced on fake stand-ins (shapes only; it may exist whole on
@@ -1202,9 +1206,10 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     rows = int(leaves[0].shape[0]) if leaves else 1
     roles = tp_roles(gm, sig)
-    stats = analyze(gm, rows, roles)
+    stats = analyze(_with_kernel_cross_entropy(gm) if kernel_cross_entropy else gm, rows,
+                    roles)
     if precision != "fp32":
-        _in_precision(stats, gm, sig, rows, precision, roles)
+        _in_precision(stats, gm, sig, rows, precision, roles, kernel_cross_entropy)
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
@@ -1265,7 +1270,21 @@ def _on_copy(pass_, gm, sig, plan: dict, world: int, **ctx):
         return None
 
 
-def _in_precision(stats, gm, sig, rows, precision, roles=None) -> None:
+def kernel_cross_entropy(device, constraints: dict | None) -> bool:
+    """Whether the job's fusion pass puts fxpar's cross-entropy kernel in the graph: on a GPU
+    with Triton, unless Plan.fuse is off (under either codegen: Inductor calls the kernel)."""
+    return torch.device(device).type == "cuda" and (constraints or {}).get("fuse", True) \
+        is not False and fusion.unavailable_reason(device) is None
+
+
+def _with_kernel_cross_entropy(gm):
+    """A copy of `gm` with the cross-entropy as the fusion pass leaves it on a GPU."""
+    g = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    fusion.cross_entropy_for_inductor(g, triton=True)
+    return g
+
+
+def _in_precision(stats, gm, sig, rows, precision, roles=None, kernel_ce=False) -> None:
     """Replace the segments' activation and traffic statistics by those of the graph the
     precision pass makes (the residual stream, norms' statistics, softmax and the loss stay
     fp32; matmul inputs and outputs are half). Parameters keep their traced (fp32 master)
@@ -1273,7 +1292,7 @@ def _in_precision(stats, gm, sig, rows, precision, roles=None) -> None:
     g = _on_copy(precision_pass, gm, sig, {"precision": precision}, 1)
     if g is None:  # the pass itself reports why when the job runs; fp32's halved here
         return
-    half = analyze(g, rows, roles)
+    half = analyze(_with_kernel_cross_entropy(g) if kernel_ce else g, rows, roles)
     if [s.name for s in half.segments] != [s.name for s in stats.segments]:
         return
     stats.segments, stats.transient = half.segments, half.transient
@@ -1474,7 +1493,8 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
     if stats is None:
         with clock("planner: trace model"):
             stats = graph_stats(model, example_batch, loss_fn,
-                                precision=(constraints or {}).get("precision") or "fp32")
+                                precision=(constraints or {}).get("precision") or "fp32",
+                                kernel_cross_entropy=kernel_cross_entropy(device, constraints))
     if hw is None:
         with clock("planner: measure machine"):
             if torch.device(device).type == "cuda":

@@ -287,6 +287,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
                 grad_loss, src, lse, target, reduction, ignore, total_weight, upcast,
                 down.kwargs["dtype"] if down else None))
         bwd.meta = dict(lb.meta)
+        bwd.meta["seq_nr"] = fwd.meta.get("seq_nr")  # the backward of the kernel's forward
         if down:
             bwd.meta[ir.VAL] = down.meta[ir.VAL]
             down.replace_all_uses_with(bwd)
