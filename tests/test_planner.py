@@ -1231,6 +1231,30 @@ def test_pipeline_stages_that_run_alone_are_priced_at_the_alone_speed(small_stat
     assert pipe(1.25, dp=2) == pytest.approx(pipe(1.0, dp=2))
 
 
+def test_the_loss_backward_is_priced_where_the_loss_is():
+    """A backward op outside the layers goes with the forward op autograd made it for: a
+    cross-entropy computed in the root module is "post" (by module alone it went to "pre",
+    with the root's first forward op, the positions: the first stage's time and beside no
+    saved value). On a GPU with the fusion pass the graph is priced with fxpar's
+    cross-entropy kernel, which saves the half logits, not fp32 log-probabilities."""
+    cfg = M.GPTConfig(vocab_size=1024, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    batch = M.gpt_batch(cfg, 4)
+    stats = planner.graph_stats(M.GPT(cfg), batch, precision="bf16")
+    aten = torch.ops.aten
+    gm, _ = stats.graph
+    for target in (aten.nll_loss_backward.default, aten._log_softmax_backward_data.default):
+        (n,) = gm.graph.find_nodes(op="call_function", target=target)
+        assert stats.node_segment[n.name] == "post", n.name
+    kernel = planner.graph_stats(M.GPT(cfg), batch, precision="bf16",
+                                 kernel_cross_entropy=True)
+    logits = 4 * 32 * cfg.vocab_size
+    assert stats.segments[-1].saved - kernel.segments[-1].saved == pytest.approx(
+        logits * (4 - 2), rel=0.05)  # fp32 log-probs -> bf16 logits (+ a row value)
+    assert kernel.segments[-1].transient < stats.segments[-1].transient
+    assert planner.kernel_cross_entropy("cpu", None) is False
+    assert planner.kernel_cross_entropy("cuda", {"fuse": False}) is False
+
+
 def test_tp_activations_are_priced_from_the_tp_pass_graph():
     """What a tp=2 rank saves and works in, per segment, is the tp pass's own graph's: a row
     linear's partial sum, read only by its forward all-reduce, is not a saved value (counted
