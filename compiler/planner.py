@@ -1185,12 +1185,13 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
     """Capture model+loss once and reduce it to the planner's statistics. pass_extras: also
     count what the tp and dp passes add (`count_pass_extras`; a few seconds; CPU planning).
     precision "bf16"/"fp16": the segments are those of the graph after the precision pass
-    (`_in_precision`), whose saved values are not all half: halving the fp32 graph's put a
+    (`_as_run`), whose saved values are not all half: halving the fp32 graph's put a
     GPT's bf16 step memory at 0.6x the CUDA allocator's peak. kernel_cross_entropy (a GPU
     job with the fusion pass, `kernel_cross_entropy`): the segments are those of the graph
     with fxpar's cross-entropy kernel in place, which saves the half logits and a row value
     rather than fp32 log-probabilities (without it a GPT-2's bf16 step memory was priced
-    1.32x the H200's measured peak)."""
+    1.32x the H200's measured peak). Everything else (node_segment, the tp roles...) is the
+    captured graph's, on which the probes run."""
     stand_ins = None
     if cap.meta_tensors(model):
         # a meta-device model: traced on fake stand-ins (shapes only; it may exist whole on
@@ -1206,10 +1207,9 @@ def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     rows = int(leaves[0].shape[0]) if leaves else 1
     roles = tp_roles(gm, sig)
-    stats = analyze(_with_kernel_cross_entropy(gm) if kernel_cross_entropy else gm, rows,
-                    roles)
-    if precision != "fp32":
-        _in_precision(stats, gm, sig, rows, precision, roles, kernel_cross_entropy)
+    stats = analyze(gm, rows, roles)
+    if precision != "fp32" or kernel_cross_entropy:
+        _as_run(stats, gm, sig, rows, precision, roles, kernel_cross_entropy)
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
@@ -1277,26 +1277,27 @@ def kernel_cross_entropy(device, constraints: dict | None) -> bool:
         is not False and fusion.unavailable_reason(device) is None
 
 
-def _with_kernel_cross_entropy(gm):
-    """A copy of `gm` with the cross-entropy as the fusion pass leaves it on a GPU."""
-    g = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    fusion.cross_entropy_for_inductor(g, triton=True)
-    return g
-
-
-def _in_precision(stats, gm, sig, rows, precision, roles=None, kernel_ce=False) -> None:
+def _as_run(stats, gm, sig, rows, precision, roles, kernel_ce) -> None:
     """Replace the segments' activation and traffic statistics by those of the graph the
-    precision pass makes (the residual stream, norms' statistics, softmax and the loss stay
-    fp32; matmul inputs and outputs are half). Parameters keep their traced (fp32 master)
-    counts. A graph the pass cannot rewrite keeps the fp32 statistics, halved later."""
-    g = _on_copy(precision_pass, gm, sig, {"precision": precision}, 1)
-    if g is None:  # the pass itself reports why when the job runs; fp32's halved here
+    passes make of `gm`: the precision pass's for bf16/fp16 (the residual stream, norms'
+    statistics, softmax and the loss stay fp32; matmul inputs and outputs are half;
+    parameters keep their traced fp32 master counts), then, `kernel_ce`, with the fusion
+    pass's cross-entropy kernel in place (on a copy). A graph the precision pass cannot
+    rewrite keeps the fp32 statistics, halved later."""
+    g = gm
+    if precision != "fp32":
+        g = _on_copy(precision_pass, gm, sig, {"precision": precision}, 1)
+        if g is None:  # the pass itself reports why when the job runs; fp32's halved here
+            return
+    if kernel_ce:
+        g = torch.fx.GraphModule(g, copy.deepcopy(g.graph))
+        fusion.cross_entropy_for_inductor(g, triton=True)
+    ran = analyze(g, rows, roles)
+    if [s.name for s in ran.segments] != [s.name for s in stats.segments]:
         return
-    half = analyze(_with_kernel_cross_entropy(g) if kernel_ce else g, rows, roles)
-    if [s.name for s in half.segments] != [s.name for s in stats.segments]:
-        return
-    stats.segments, stats.transient = half.segments, half.transient
-    stats.activations_precision = precision
+    stats.segments, stats.transient = ran.segments, ran.transient
+    if precision != "fp32":
+        stats.activations_precision = precision
 
 
 def count_pass_extras(stats: GraphStats, share=None) -> None:
