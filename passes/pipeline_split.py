@@ -1,14 +1,17 @@
 """Pipeline split: cut the joint graph into `n_stages` balanced stages, automatically.
 
-The forward nodes, in graph (topological) order, are cut into contiguous ranges. Each backward
-node goes with the forward work it differentiates: the latest forward value (or parameter) it
-reads, but never later than the backward values it reads (gradients flow from the last stage
-to the first), so every backward edge points from a stage to an earlier one. A stage's cost is
-its forward and backward compute (cost.node_time) plus the point-to-point time of the bytes
-crossing its two cuts (activation forward, its gradient backward; cost.DeviceProfile's
-alpha-beta link). The cuts minimise the slowest stage: a dynamic program over cut positions
-(the positions whose crossing bytes are at most twice the smallest, e.g. between blocks where
-only the residual stream crosses), so stages also cut where little has to be sent.
+The forward nodes, in graph (topological) order, are cut into contiguous ranges (a view or a
+weight's transpose sits with its first forward user). Each backward node goes with the
+forward work it differentiates: the forward op of its autograd seq_nr or the latest forward
+value (or parameter) it reads, but never later than the backward values it reads (gradients
+flow from the last stage to the first), so every backward edge points from a stage to an
+earlier one. A stage's cost is its forward and backward compute (cost.node_time) plus the
+point-to-point time of every value crossing its two cuts per microbatch, both directions
+(activations forward; their gradients and any other backward value back;
+cost.DeviceProfile's alpha-beta link): exactly what the inserted transfers send. The cuts
+minimise the slowest stage: a dynamic program over cut positions (the positions whose
+crossing bytes are at most twice the smallest, e.g. between blocks where only the residual
+stream and its gradient cross), so stages also cut where little has to be sent.
 
 Every node gets meta["stage"] and meta["pipe_phase"]: "F", "B" (or, for the zero-bubble
 schedule, "I" = what the input gradients sent to the previous stage need, "W" = the rest:
@@ -40,7 +43,7 @@ class Split:
     cuts: list[str]               # the last forward node of every stage but the last
     stage_costs: list[float]      # seconds per microbatch (compute + send/recv), by the model
     compute: list[float]          # the compute part
-    cut_bytes: list[int]          # bytes crossing each cut (forward direction)
+    cut_bytes: list[int]          # bytes crossing each cut per microbatch, both directions
     transfers: list[tuple[str, int, int]]  # (transfer node, src stage, dst stage)
 
     @property
@@ -73,7 +76,27 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
     if len(fwd) < n_stages:
         raise _error(f"the forward has only {len(fwd)} operations, fewer than the {n_stages} "
                      "pipeline stages asked for. Use a smaller pp.")
+    # a forward node's index: its place in graph order, except that work on parameters alone
+    # (a weight's transpose) and a view sit with their first forward user. Neither is worth
+    # a cut of its own (a view crosses as its base does, a weight is held where it is read),
+    # and the backward that reads them belongs with that user: a tied LM head's transpose is
+    # traced next to the embedding, and anchoring the head's input gradient there sent the
+    # vocabulary-wide logits' gradient back across stages every microbatch.
     fidx = {n: i for i, n in enumerate(fwd)}
+    weight_only = set()
+    for n in fwd:
+        if all(a.op == "placeholder" and a.meta.get(ir.ROLE) in ("param", "buffer")
+               or a in weight_only for a in n.all_input_nodes):
+            weight_only.add(n)
+    for n in reversed(fwd):
+        if n in weight_only or (cost.is_view(n) and n.target is not operator.getitem
+                                and isinstance(n.meta.get(ir.VAL), torch.Tensor)):
+            users = [fidx[u] for u in n.users if u in fidx]
+            if users:
+                fidx[n] = min(users)
+    for n in fwd:  # one output of a multi-output op goes where the op does
+        if n.target is operator.getitem and n.args[0] in fidx:
+            fidx[n] = fidx[n.args[0]]
     param_anchor = {}
     for n in nodes:
         if n.op == "placeholder":
@@ -81,32 +104,54 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
             if users:
                 param_anchor[n] = min(users)
 
-    # each backward node's anchor: the forward index whose stage it joins
+    # each backward node's anchor: the forward index whose stage it joins. It reads the
+    # forward op it differentiates (autograd's seq_nr) as well as the values it reads: a
+    # weight gradient x^T dy reads only the op's input x, and anchored there, the head's
+    # weight gradient ran a stage early, with the logits' gradient sent to it.
+    last_of_seq: dict[int, int] = {}
+    for n in fwd:
+        if n.meta.get("seq_nr") is not None:
+            last_of_seq[n.meta["seq_nr"]] = max(last_of_seq.get(n.meta["seq_nr"], 0), fidx[n])
     anchor: dict[torch.fx.Node, int] = {}
     for b in bwd:
         reads = [fidx[a] for a in b.all_input_nodes if a in fidx]
+        if b.meta.get("seq_nr") in last_of_seq:
+            reads.append(last_of_seq[b.meta["seq_nr"]])
         reads += [param_anchor[a] for a in b.all_input_nodes if a in param_anchor]
         grads_in = [anchor[a] for a in b.all_input_nodes if a in anchor]
         a = max(reads) if reads else (min(grads_in) if grads_in else len(fwd) - 1)
         anchor[b] = min([a] + grads_in)
 
     # work per forward index (its forward op and the backward anchored to it)
-    work = [cost.node_time(n, profile) for n in fwd]
+    work = [0.0] * len(fwd)
+    for n in fwd:
+        work[fidx[n]] += cost.node_time(n, profile)
     for b, a in anchor.items():
         work[a] += cost.node_time(b, profile)
     prefix = [0.0]
     for w in work:
         prefix.append(prefix[-1] + w)
 
-    # bytes crossing the cut after forward index i
+    # bytes crossing the cut after forward index i, both directions: forward values read
+    # later (by forward or backward work), and backward values read by earlier stages'
+    # backward (an activation's gradient, but also any other gradient the anchors send
+    # back). A tied weight's gradient parts are summed once a step, not counted here.
+    once_a_step = {n for _, tree, _ in _grad_sum_trees(graph) for n in tree}
     cross = [0] * len(fwd)
-    for n in fwd:
-        if cost.is_view(n) and n.target is not operator.getitem:
-            continue  # a view crosses as its base does
-        uses = [fidx[u] if u in fidx else anchor.get(u, -1) for u in n.users]
-        last = max(uses, default=-1)
+    def reads_of(n):  # where n is read, through the views re-made from it
+        for u in n.users:
+            if _crosses_as_its_base(u):
+                yield from reads_of(u)
+            elif (u in fidx or u in anchor) and u not in once_a_step:
+                yield fidx[u] if u in fidx else anchor[u]
+
+    for n in fwd + bwd:
+        if _crosses_as_its_base(n):
+            continue
+        at = fidx[n] if n in fidx else anchor[n]
+        uses = list(reads_of(n))
         size = cost.tensor_bytes(n.meta.get(ir.VAL))
-        for i in range(fidx[n], last):
+        for i in range(min(uses + [at]), max(uses + [at])):
             cross[i] += size
 
     cuts = _min_max_cuts(prefix, cross, n_stages, profile)
@@ -115,7 +160,7 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
         stage_of_index += [s] * (hi - lo + 1)
 
     def p2p(c):
-        return 2 * (profile.alpha + cross[c] / profile.link_bandwidth)
+        return 2 * profile.alpha + cross[c] / profile.link_bandwidth
 
     compute = [prefix[hi + 1] - prefix[lo] for lo, hi in
                zip([0] + [c + 1 for c in cuts], cuts + [len(fwd) - 1])]
@@ -124,17 +169,6 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
 
     for n in fwd:
         n.meta[ir.STAGE], n.meta[PHASE] = stage_of_index[fidx[n]], "F"
-    # work on parameters alone (a weight's transpose) goes where it is used, not sent there
-    weight_only = set()
-    for n in fwd:
-        if all(a.op == "placeholder" and a.meta.get(ir.ROLE) in ("param", "buffer")
-               or a in weight_only for a in n.all_input_nodes):
-            weight_only.add(n)
-    for n in reversed(fwd):
-        if n in weight_only:
-            users = [u.meta[ir.STAGE] for u in n.users if u in fidx]
-            if users:
-                n.meta[ir.STAGE] = min(users)
     for b in bwd:
         b.meta[ir.STAGE], b.meta[PHASE] = stage_of_index[anchor[b]], "B"
     _getitems_follow_producer(fwd + bwd)
@@ -160,7 +194,7 @@ def _min_max_cuts(prefix, cross, n_stages, profile) -> list[int]:
         cand = sorted(sorted(cand, key=lambda i: cross[i])[:600])
 
     def p2p(i):
-        return 2 * (profile.alpha + cross[i] / profile.link_bandwidth)
+        return 2 * profile.alpha + cross[i] / profile.link_bandwidth
 
     # best[k][j]: slowest stage when the first k+1 stages end at candidate j
     inf = float("inf")
@@ -216,6 +250,16 @@ def _sum_shared_grads_once(graph) -> None:
     runs after the last microbatch), and the other stage's part crosses once a step instead
     of once per microbatch, which had the sender hold one copy per microbatch until the
     step ended (a 150k x 896 head's partial gradient is 270 MB in bf16)."""
+    for root, tree, leaves in _grad_sum_trees(graph):
+        if len({a.meta[ir.STAGE] for a in leaves}) < 2:
+            continue
+        for n in tree:
+            n.meta[ir.STAGE], n.meta[PHASE] = root.meta[ir.STAGE], "R"
+
+
+def _grad_sum_trees(graph) -> list[tuple[torch.fx.Node, list, list]]:
+    """(root, adds, summed parts) for every gradient output that is a tree of backward adds
+    over backward values (a weight read more than once: tied or shared)."""
     out = next(n for n in graph.nodes if n.op == "output")
 
     def a_sum(n):  # a backward add of two per-microbatch values
@@ -223,6 +267,7 @@ def _sum_shared_grads_once(graph) -> None:
                 and not n.kwargs and n.meta.get(ir.REGION) == ir.BACKWARD
                 and all(isinstance(a, torch.fx.Node) for a in n.args))
 
+    trees = []
     for root in out.all_input_nodes:
         if not a_sum(root) or set(root.users) != {out}:
             continue
@@ -232,11 +277,10 @@ def _sum_shared_grads_once(graph) -> None:
             tree.append(n)
             for a in n.args:
                 (todo if a_sum(a) and set(a.users) == {n} else leaves).append(a)
-        if any(a.op != "call_function" or a.meta.get(ir.REGION) != ir.BACKWARD
-               for a in leaves) or len({a.meta[ir.STAGE] for a in leaves}) < 2:
-            continue
-        for n in tree:
-            n.meta[ir.STAGE], n.meta[PHASE] = root.meta[ir.STAGE], "R"
+        if all(a.op == "call_function" and a.meta.get(ir.REGION) == ir.BACKWARD
+               for a in leaves):
+            trees.append((root, tree, leaves))
+    return trees
 
 
 def _insert_transfers(graph) -> list[tuple[str, int, int]]:
@@ -284,6 +328,13 @@ def _insert_transfers(graph) -> list[tuple[str, int, int]]:
             for u in users:
                 u.replace_input_with(n, value)
     return transfers
+
+
+def _crosses_as_its_base(n) -> bool:
+    """A view of a computed value is not sent: its base is, and the view re-made."""
+    return (cost.is_view(n) and n.target is not operator.getitem and bool(n.args)
+            and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "call_function"
+            and isinstance(n.args[0].meta.get(ir.VAL), torch.Tensor))
 
 
 def _view_chain(n) -> list:

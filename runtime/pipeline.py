@@ -366,6 +366,8 @@ class PipelineRunner:
             outs = t = args = None  # drop this action's references (offloaded values free)
             for rkey in self.reduce_after.get(n, ()):
                 self._reduce(rkey, summed, grads, rec)
+        if rec is not None:  # what follows the last action is the runtime's, not that action's
+            rec.segment(trace.RUNTIME)
         if not forward_only and (self.sent_once or self.reduce_at_end):
             self._exchange_once(summed, sends, device)
             for rkey in self.reduce_at_end:

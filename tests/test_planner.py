@@ -958,24 +958,25 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
 
 
 def test_a_stage_the_pass_gives_the_head_alone_is_priced_as_cut():
-    """BERT-MLM with an 8k-token head: the pass's pp=2 cut gives stage 1 the MLM head alone
-    (its dense, LayerNorm, tied decoder and loss cost what the four layers do). The planner
+    """BERT-MLM with a 16k-token head: the pass's pp=2 cut gives stage 1 the MLM head alone
+    (its LayerNorm, tied decoder and loss cost what the four layers do). The planner
     prices those stages - not a layer balance of its own, which had put two layers on each
     and priced stage 0 at half its gradients - and each stage's saved activations as the cut
     saves them."""
     import transformers as T
     model = T.BertForMaskedLM(T.BertConfig(
-        vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        vocab_size=16384, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         intermediate_size=1024, max_position_embeddings=128))
-    stats = planner.graph_stats(model, M.hf_lm_batch(8192, 8, 64))
+    stats = planner.graph_stats(model, M.hf_lm_batch(16384, 8, 64))
     first, last = planner.stages_of(stats, 2, 1, "cpu")
     assert [s.name for s in last] == ["post"]
     assert [s.name for s in first] == [s.name for s in stats.segments]
-    head_here = first[-1]  # of the head, stage 0 runs only its tied weight's gradient sum
-    assert head_here.flops_f == 0 and head_here.flops_b < 0.02 * stats.segments[-1].flops_b
+    # of the head, stage 0 runs at most its first dense and the tied weight's gradient sum
+    head_here, head = first[-1], stats.segments[-1]
+    assert head_here.flops_f + head_here.flops_b < 0.02 * (head.flops_f + head.flops_b)
     assert first[0] == stats.segments[0] and first[1:-1] == stats.layers
     cut = stats.stage_saved[(2, "cpu")]
-    assert cut[0] == pytest.approx(sum(s.saved for s in first), rel=0.01)
+    assert cut[0] == pytest.approx(sum(s.saved for s in first), rel=0.02)
     assert cut[1] == pytest.approx(stats.segments[-1].saved, rel=0.01)
 
 
