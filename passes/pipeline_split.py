@@ -25,6 +25,7 @@ records cuts, stage costs and bytes sent.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 
 import torch
@@ -137,7 +138,7 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
     # backward (an activation's gradient, but also any other gradient the anchors send
     # back). A tied weight's gradient parts are summed once a step, not counted here.
     once_a_step = {n for _, tree, _ in _grad_sum_trees(graph) for n in tree}
-    cross = [0] * len(fwd)
+
     def reads_of(n):  # where n is read, through the views re-made from it
         for u in n.users:
             if _crosses_as_its_base(u):
@@ -145,14 +146,16 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
             elif (u in fidx or u in anchor) and u not in once_a_step:
                 yield fidx[u] if u in fidx else anchor[u]
 
+    delta = [0] * (len(fwd) + 1)  # cross as differences: a value adds to [lo, hi)
     for n in fwd + bwd:
         if _crosses_as_its_base(n):
             continue
-        at = fidx[n] if n in fidx else anchor[n]
+        at = [fidx[n] if n in fidx else anchor[n]]
         uses = list(reads_of(n))
         size = cost.tensor_bytes(n.meta.get(ir.VAL))
-        for i in range(min(uses + [at]), max(uses + [at])):
-            cross[i] += size
+        delta[min(uses + at)] += size
+        delta[max(uses + at)] -= size
+    cross = list(itertools.accumulate(delta))[:len(fwd)]
 
     cuts = _min_max_cuts(prefix, cross, n_stages, profile)
     stage_of_index = []
