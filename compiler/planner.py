@@ -983,8 +983,10 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
         fwd.append(tf + tpc_f + tp_nodes)
-        bwd.append(tb + tpc_b + tp_nodes + rec * tf)
-        comm_s.append(m * (tpc_f + tpc_b))
+        # the recomputed forward runs its tp all-reduces again (remat runs before the tp
+        # pass, which splits the recomputed copies as it splits the forward)
+        bwd.append(tb + tpc_b + tp_nodes + rec * (tf + tpc_f))
+        comm_s.append(m * ((1 + rec) * tpc_f + tpc_b))
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     tied_s = 0.0

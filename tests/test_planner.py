@@ -55,6 +55,29 @@ def test_tensor_parallel_split_found_on_the_graph():
     assert blk.params - blk.params_split == ln_and_row_bias
 
 
+def test_a_recomputed_forward_repeats_its_tp_all_reduces():
+    """remat runs before the tp pass, which splits the recomputed copies as it splits the
+    forward: a recomputed row linear all-reduces again. With every layer recomputed (a
+    budget of 1 byte: Megatron's full recompute) the backward pays the forward's tp
+    all-reduces once more; they had been priced once (the forward's FLOPs only)."""
+    stats = G.gpt_stats("gpt-1.7b")
+
+    def recompute_cost(call_s):  # what full recompute adds to the backward, per microbatch
+        hw = dataclasses.replace(cost.HARDWARE["a100"],
+                                 collectives={("all_reduce", 8): (call_s, 0.0)})
+        plans = [planner.search(stats, 8, hw, batch_rows=16, precision="bf16",
+                                executable=False, constraints={
+                                    "tp": 8, "pp": 1, "microbatches": 1, "zero": 0,
+                                    "remat": remat}).best for remat in ("none", 1)]
+        assert plans[1].recompute > 0.99
+        return plans[1].ctx[1][0] - plans[0].ctx[1][0]
+
+    at8 = stats.at_tp(8)
+    forward_calls = sum(s.n_row + int(s.tp_calls_extra) for s in at8.segments)
+    assert forward_calls >= 2 * len(at8.layers)        # Megatron's 2 a block, at least
+    assert recompute_cost(1e-3) - recompute_cost(0.0) == pytest.approx(forward_calls * 1e-3)
+
+
 def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
     """GPT-2's 50257-wide LM head: the tp pass keeps a column linear whose out features tp
     does not divide whole on every rank (the rest splits). The planner priced it as split,
