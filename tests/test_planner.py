@@ -78,6 +78,23 @@ def test_a_recomputed_forward_repeats_its_tp_all_reduces():
     assert recompute_cost(1e-3) - recompute_cost(0.0) == pytest.approx(forward_calls * 1e-3)
 
 
+def test_microbatched_data_parallelism_pays_its_whole_gradient_reduction():
+    """One joint graph reduces gradients during its backward (the overlap pass hides what
+    the backward's length allows); under the microbatch runner the reduction runs once a
+    step on the summed gradients, after the last backward, and nothing hides it."""
+    stats = G.gpt_stats("gpt-1.7b")
+    hw = cost.HARDWARE["a100"]
+
+    def dp_comm(m, overlap=True):
+        return planner.search(stats, 8, hw, batch_rows=16, precision="bf16", executable=False,
+                              constraints={"dp": 8, "tp": 1, "pp": 1, "zero": 0,
+                                           "remat": "none", "microbatches": m,
+                                           "overlap": overlap}).best.parts["dp communication"]
+    loss = hw.comm("all_reduce", 4, 8, 8, calls=stats.dp_loss_calls)  # one more per microbatch
+    assert dp_comm(1) < 0.5 * dp_comm(1, overlap=False)
+    assert dp_comm(2) == pytest.approx(dp_comm(1, overlap=False) + loss)
+
+
 def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
     """GPT-2's 50257-wide LM head: the tp pass keeps a column linear whose out features tp
     does not divide whole on every rank (the rest splits). The planner priced it as split,
