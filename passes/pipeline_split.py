@@ -344,11 +344,8 @@ def _view_chain(n) -> list:
     """[base, view, view, ..., n]: n's chain of view ops back to the value owning its memory,
     within n's stage (just [n] if n is not a view)."""
     chain = [n]
-    while (cost.is_view(chain[0]) and chain[0].all_input_nodes
-           and isinstance(chain[0].args[0], torch.fx.Node)
-           and chain[0].args[0].meta.get(ir.STAGE) == n.meta[ir.STAGE]
-           and chain[0].args[0].op == "call_function"
-           and isinstance(chain[0].args[0].meta.get(ir.VAL), torch.Tensor)):
+    while (_crosses_as_its_base(chain[0])
+           and chain[0].args[0].meta.get(ir.STAGE) == n.meta[ir.STAGE]):
         chain.insert(0, chain[0].args[0])
     return chain
 

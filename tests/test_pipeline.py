@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fxpar
 
-from fxpar.compiler import ir, stages
+from fxpar.compiler import cost, ir, stages
 from fxpar.compiler.capture import capture, flatten_batch
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
@@ -149,7 +149,6 @@ def test_heavy_head_gets_a_stage_of_its_own():
 def assert_cut_bytes_are_what_crosses(gm):
     """The bytes the partitioner priced at each cut (per microbatch, both directions) are
     those of the distinct values the inserted transfers send across it."""
-    from fxpar.compiler import cost
     split = gm.meta["pipeline"]
     across = [set() for _ in split.cuts]
     for n in gm.graph.nodes:
