@@ -495,7 +495,7 @@ def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
 
 
 def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
-                              core_share) -> float:
+                              core_share, sends=None) -> float:
     """Pipeline makespan where CPU ranks oversubscribe the cores (`Hardware.core_share` < 1),
     by a simulation on one clock: the ranks computing at an instant share the machine's
     cores, each at min(1, cores / computing ranks) of one (the stage times were measured
@@ -504,8 +504,19 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
     dp x tp ranks of a stage compute in step. A closed form (the larger of the critical
     path at a whole core and the work spread over all cores) priced pp=4 m=4 on 4 ranks
     over 2 cores at 0.65-0.75x its step: the fill and drain run at a whole core, the steady
-    state at half of one."""
+    state at half of one.
+
+    `sends` (per rank: the part of fwd / bwd its SEND_F / SEND_B take) runs as a SEND of its
+    own, during which the data travels: the receiver's share of a transfer (in its fwd / bwd)
+    follows on the critical path, not the sender's too. ResNet's pp=4 m=1 on 4 ranks, with
+    each of its 7 transfers paid by both ranks one after the other, was priced 1.15-1.66x
+    its step (and lost to a tp=2 x pp=2 measured 1.43x slower)."""
     acts = schedules.build(schedule, pp, m, v)
+    send_f, send_b = sends or ([0.0] * pp, [0.0] * pp)
+    last = pp * v - 1
+    # the SEND actions of a rank (its stages that send on): each takes an equal share
+    n_send = {"SEND_F": [max(1, sum(k * pp + r < last for k in range(v))) for r in range(pp)],
+              "SEND_B": [max(1, sum(k * pp + r > 0 for k in range(v))) for r in range(pp)]}
     per_action = world // pp
     cores = world * core_share
     pos, now, arrive = [0] * pp, 0.0, {}
@@ -520,12 +531,16 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
                 a = acts[r][pos[r]]
                 if a.kind in ("SEND_F", "SEND_B"):
                     arrive[(a.kind[-1], a.stage, a.microbatch)] = now + p2p
+                    t = (send_f if a.kind == "SEND_F" else send_b)[r] / n_send[a.kind][r]
+                    if t > 0:  # (compute-like: see the planner's comm_s)
+                        state[r] = [t * core_share, 0.0]
                 elif a.kind in ("RECV_F", "RECV_B"):
                     src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
                     if arrive.get((a.kind[-1], src, a.microbatch), math.inf) > now:
                         continue
                 else:
-                    t = (fwd if a.kind == "F" else bwd)[a.stage % pp] / v
+                    f = a.kind == "F"
+                    t = ((fwd if f else bwd)[r] - (send_f if f else send_b)[r]) / v
                     t = t / 2 if a.kind in ("I", "W") else t
                     state[r] = [t * (1 - waiting) * core_share, t * waiting]
                 pos[r] += 1
@@ -924,7 +939,12 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         if mapped > 0:
             saved_factor[r] = sum(by_cut[s] for s in range(r, pp * v, pp)) / mapped
     fwd, bwd, recs = [], [], []
-    comm_s = []  # per rank: the step's time waiting on communication (tp, transfers)
+    # per rank: the step's time waiting on communication that free cores do not speed up
+    # (tp collectives: ranks arrive out of step). A pipeline transfer is not in it: gloo's
+    # threads copy it on the cores the ranks share, faster while fewer ranks compute
+    # (ResNet's pp=4 m=1 on 4 ranks over 2 cores, its stages taking turns: 7 transfers priced
+    # at the all-ranks-busy latency as waiting made it 1.33x its step)
+    comm_s = []
     remat = constraints.get("remat", "none")
     fixed_remat = "remat" in constraints and remat != "auto"  # "auto": the pass sizes it
     if remat == "auto":
@@ -990,6 +1010,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     tied_s = 0.0
+    send_f, send_b = [0.0] * pp, [0.0] * pp  # the sender's share of fwd / bwd (its SENDs)
     if sent is not None:  # the pass's own transfers, per microbatch (a tp rank sends its
         # own copy). What one stage sends another for one action goes as one group: each
         # value over a socket buffer's size (SMALL_TRANSFER) costs a latency on both ranks
@@ -1013,7 +1034,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             side = bwd if backward else fwd
             for r in (src % pp, dst % pp):
                 side[r] += t * (1 - hw.overlap)
-            comm_s[dst % pp] += m * t * (1 - hw.overlap)
+            if (src < dst) != backward:  # (a tied weight's part goes the other way)
+                (send_b if backward else send_f)[src % pp] += t * (1 - hw.overlap)
         for nbytes, stages, _ in stats.shared_weights.get((pp * v, dev), []):
             if len({s % pp for s in stages}) > 1:
                 tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
@@ -1028,7 +1050,8 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             links = sum((k * pp + r > 0) + (k * pp + r < last_stage) for k in range(v))
             fwd[r] += links * p2p * (1 - hw.overlap)
             bwd[r] += links * p2p * (1 - hw.overlap)
-            comm_s[r] += 2 * m * links * p2p * (1 - hw.overlap)
+            send_f[r] = sum(k * pp + r < last_stage for k in range(v)) * p2p * (1 - hw.overlap)
+            send_b[r] = sum(k * pp + r > 0 for k in range(v)) * p2p * (1 - hw.overlap)
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     slow = max(f + b for f, b in zip(fwd, bwd))
     if pp == 1:
@@ -1118,7 +1141,7 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
             setattr(plan, k2, given)
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))
-    c.ctx = (fwd, bwd, p2p, pipe, v, waiting)
+    c.ctx = (fwd, bwd, p2p, pipe, v, waiting, (send_f, send_b))
     return c
 
 
@@ -1168,12 +1191,15 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
     if p.pp == 1:
         c.simulated = True
         return
-    fwd, bwd, p2p, pipe, v, waiting = c.ctx
+    fwd, bwd, p2p, pipe, v, waiting, sends = c.ctx
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
     world = p.dp * p.tp * p.pp
     if hw.core_share < 1:
+        # `waiting` is a share of all the busy time, the SENDs' included: of the rest's own
+        sending = p.microbatches * sum(map(sum, sends)) / p.pp
+        rest = min(waiting * busy / (busy - sending), 1.0) if busy > sending else waiting
         ms = _makespan_on_shared_cores(_timed_as(p.schedule, hw), p.pp, p.microbatches, v,
-                                       fwd, bwd, p2p, waiting, world, hw.core_share)
+                                       fwd, bwd, p2p, rest, world, hw.core_share, sends)
     else:
         ms = _makespan(_timed_as(p.schedule, hw), p.pp, p.microbatches, v, fwd, bwd, p2p)
     ms = _alone_share(ms, busy, world, hw)

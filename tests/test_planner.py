@@ -1252,6 +1252,42 @@ def test_a_pipeline_on_shared_cores_is_simulated_with_the_cores_shared_at_each_i
     assert 32 * 3.0 * 0.98 < steady < 32 * 3.0 * 1.06
 
 
+def test_a_transfer_is_on_the_critical_path_once_and_shares_the_cores_as_compute():
+    """A transfer costs its sender and its receiver (both stage times include it), but the
+    data travels during the sender's SEND: the receiver's share follows it on the critical
+    path, not the sender's first. Copying it is work on the shared cores, faster while the
+    other ranks wait (ResNet's pp=4 m=1 on 4 ranks over 2 cores was priced 1.15-1.66x its
+    step with each transfer paid twice, as waiting)."""
+    sim = planner._makespan_on_shared_cores
+    c, cb, t = 1.0, 2.0, 0.5
+    fwd, bwd = [c + t, c + t], [cb + t, cb + t]
+    sends = ([t, 0.0], [0.0, t])  # stage 0 sends forward, stage 1 backward
+    # whole cores: F0, then the SEND beside F1 (its receive t + c), B1, the SEND beside B0
+    assert sim("1f1b", 2, 1, 1, fwd, bwd, 0.0, 0.0, 2, 1.0, sends) == pytest.approx(
+        2 * c + 2 * cb + 2 * t)
+    assert sim("1f1b", 2, 1, 1, fwd, bwd, 0.0, 0.0, 2, 1.0) == pytest.approx(
+        2 * c + 2 * cb + 4 * t)  # (without: each transfer paid twice in turn)
+    # 2 ranks on 1 core: nothing overlaps, and each share of a transfer is work at the
+    # whole core's speed (twice what it was measured at, with both ranks busy), not a wait
+    assert sim("1f1b", 2, 1, 1, fwd, bwd, 0.0, 0.0, 2, 0.5, sends) == pytest.approx(
+        (2 * c + 2 * cb + 4 * t) / 2)
+    # many microbatches: every transfer's work is paid, at the busy speed
+    steady = sim("1f1b", 2, 32, 1, fwd, bwd, 0.0, 0.0, 2, 0.5, sends)
+    assert 32 * (c + cb + 2 * t) * 0.98 < steady < 32 * (c + cb + 2 * t) * 1.06
+
+
+def test_a_pipelines_transfers_are_priced_as_sends_of_their_own(small_stats):
+    """Each transfer the pass inserts is priced on its sender as a SEND (Candidate.ctx) and
+    its receiver's stage time; the SENDs follow the schedule's direction."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB, async_launch=False,
+                             overlap=0.0)
+    c = planner.search(small_stats, 2, hw, batch_rows=8, constraints={"pp": 2,
+                                                                      "microbatches": 1}).table[0]
+    fwd, bwd, *_, (send_f, send_b) = c.ctx
+    assert send_f[0] > 0 and send_f[1] == 0 and send_b[0] == 0 and send_b[1] > 0
+    assert send_f[0] < fwd[0] and send_b[1] < bwd[1]
+
+
 def test_pipeline_stages_that_run_alone_are_priced_at_the_alone_speed(small_stats):
     """CPU ranks on their own cores compute faster while the others wait
     (Hardware.alone_speedup, timed at start-up): with one microbatch the stages take turns,
