@@ -4,9 +4,10 @@ For each model, one job of N CPU ranks plans as a plan="auto" job does (autoplan
 the machine and the model timed at start-up, no re-fit), then compiles the chosen plan and
 every other legal plan up to --cap (each dp x tp x pp factorization's best-priced variant
 first, plain dp always, then the next best-priced), and times them interleaved: round after
-round, one step of each plan, every step its slowest rank's (this VM's speed drifts by tens
-of percent over seconds; interleaved, each round meets one speed). A plan's time is its
-median over the rounds after the first.
+round, one step of each plan in a new order each round (a plan timed right after another
+met that plan's leftovers: two jobs of one program measured 1.25x apart), every step its
+slowest rank's (this VM's speed drifts by tens of percent over seconds; interleaved, each
+round meets one speed). A plan's time is its median over the rounds after the first.
 
 Per model: regret = the chosen plan's measured step / the fastest measured step; each plan's
 predicted vs measured time, and the memory one step allocates on its busiest rank predicted
@@ -17,7 +18,7 @@ fxpar and Inductor caches) and at a launch after it (the machine's figures, the 
 timing and the probes remembered on disk; the compile from the caches).
 
 Run: python benchmarks/planner_regret.py [--nprocs 2] [--models qwen2_tied,...] [--cap 8]
-     [--rounds 6] [--out planner_regret_2.json] [--no-memory]
+     [--rounds 12] [--out planner_regret_2.json] [--no-memory]
 """
 from __future__ import annotations
 
@@ -125,12 +126,15 @@ def _pick(result, cap: int) -> list:
 
 def time_interleaved(pms: list, data, rounds: int) -> torch.Tensor:
     """Each ParallelModel's step time, timed interleaved: `rounds` rounds of one step per
-    model, every step its slowest rank's; the median over the rounds after the first (the
-    first alone when rounds is 1). Collective: every rank calls it alike."""
+    model in a shuffled order, every step its slowest rank's; the median over the rounds
+    after the first (the first alone when rounds is 1). Collective: every rank calls it
+    alike."""
     import torch.distributed as dist
     times = torch.zeros(rounds, len(pms), dtype=torch.float64)
+    order = torch.Generator().manual_seed(0)  # (the same on every rank)
     for r in range(rounds):
-        for i, pm in enumerate(pms):
+        for i in torch.randperm(len(pms), generator=order).tolist():
+            pm = pms[i]
             dist.barrier()
             t0 = time.perf_counter()
             pm.step(data)
@@ -327,7 +331,7 @@ def main(argv=None):
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--cap", type=int, default=8, help="plans measured per model")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--out", default=None, help="JSON with the numbers")
     ap.add_argument("--no-memory", action="store_true",
                     help="skip each plan's op-by-op step memory run")

@@ -1276,6 +1276,19 @@ def test_a_transfer_is_on_the_critical_path_once_and_shares_the_cores_as_compute
     assert 32 * (c + cb + 2 * t) * 0.98 < steady < 32 * (c + cb + 2 * t) * 1.06
 
 
+def test_the_search_lists_one_program_once(small_stats):
+    """At one microbatch GPipe and 1F1B run the same actions: one plan (1F1B), not two
+    whose measured difference would be the timing's noise; with microbatches both."""
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4 * GiB, async_launch=False)
+    table = planner.search(small_stats, 2, hw, batch_rows=8, constraints={"pp": 2}).table
+    one = {c.plan.schedule for c in table if c.plan.microbatches == 1}
+    assert "1f1b" in one and "gpipe" not in one
+    assert {"1f1b", "gpipe"} <= {c.plan.schedule for c in table if c.plan.microbatches == 2}
+    fixed = planner.search(small_stats, 2, hw, batch_rows=8, constraints={
+        "pp": 2, "microbatches": 1, "schedule": "gpipe"}).table  # (what the user asks for)
+    assert {c.plan.schedule for c in fixed} == {"gpipe"}
+
+
 def test_a_pipelines_transfers_are_priced_as_sends_of_their_own(small_stats):
     """Each transfer the pass inserts is priced on its sender as a SEND (Candidate.ctx) and
     its receiver's stage time; the SENDs follow the schedule's direction."""
