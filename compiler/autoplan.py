@@ -102,7 +102,8 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                 with announce(log, "planner: timing the model's graph and optimizer step "
                               "on this machine"):
                     return machine.time_model(stats.graph[0], args, params, optimizer,
-                                              fused=gen == "inductor", half=half)
+                                              fused=gen == "inductor", half=half,
+                                              alone=hw.core_share >= 1)
             timing, cached = machine.remembered(
                 "model", machine.machine_key() + _timing_key(stats.graph[0], args, optimizer,
                                                              gen), time_it)

@@ -204,18 +204,21 @@ def time_alone(fn: Callable[[], Any], reps: int = 2) -> float | None:
 
 
 def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimizer,
-               fused: bool = False, half: tuple[Callable, list] | None = None
+               fused: bool = False, half: tuple[Callable, list] | None = None,
+               alone: bool = True
                ) -> tuple[float, float, float | None, float | None, float | None]:
     """The captured joint graph run on real tensors and the optimizer's step on copies of the
     parameters, each timed in lock step: (graph seconds, its spread, step seconds or None
     when `optimizer` is a built instance, which cannot be re-made on copies, the graph's
     seconds on rank 0 alone or None on one rank, the seconds of `half` = (the graph at half
     the batch's rows, its inputs) or None). `fused`: the runtime will run the optimizer as
-    torch's fused kernel (Inductor's codegen), so it is timed so. Rank 0's figures, on
-    every rank."""
+    torch's fused kernel (Inductor's codegen), so it is timed so. `alone` False: not timed
+    alone (None; where the ranks oversubscribe the cores the planner prices the shared
+    cores instead, and on 4 ranks over 2 cores the two runs took 0.6 s of planning). Rank
+    0's figures, on every rank."""
     with torch.no_grad():
         t_graph, spread = time_in_lock_step(lambda: graph(*args))
-        t_alone = time_alone(lambda: graph(*args))
+        t_alone = time_alone(lambda: graph(*args)) if alone else None
         t_half = time_in_lock_step(lambda: half[0](*half[1]))[0] if half else None
     step_s = None
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
