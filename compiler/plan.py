@@ -116,6 +116,12 @@ class Plan:
         raise PlanError(f"plan must be 'auto', a fxpar.Plan or a dict of Plan fields, "
                         f"not {type(plan).__name__}.")
 
+    @property
+    def microbatched(self) -> bool:
+        """The step runs as parts per microbatch and stage (runtime/pipeline.py), gradients
+        summed over the microbatches and reduced once in the R part; else one joint graph."""
+        return self.pp > 1 or self.microbatches > 1
+
     def validate(self, world_size: int) -> "Plan":
         for name in ("dp", "tp", "pp", "microbatches"):
             v = getattr(self, name)
@@ -130,7 +136,7 @@ class Plan:
                 f"{world_size}.")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"Plan.schedule {self.schedule!r} unknown; choose one of {SCHEDULES}.")
-        if self.pp > 1 or self.microbatches > 1:
+        if self.microbatched:
             try:  # e.g. interleaved needs microbatches to be a multiple of pp
                 schedules.build(self.schedule, self.pp, self.microbatches,
                                 2 if self.schedule == "interleaved" else 1)

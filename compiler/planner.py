@@ -227,7 +227,7 @@ class PlanResult:
         why the one won (the INFO lines of plan="auto")."""
         def short(c):
             p = c.plan
-            pipe = f" m={p.microbatches} {p.schedule}" if p.pp > 1 or p.microbatches > 1 else ""
+            pipe = f" m={p.microbatches} {p.schedule}" if p.microbatched else ""
             return (f"dp={p.dp} tp={p.tp} pp={p.pp}{pipe} zero={p.zero} "
                     f"remat={_remat_str(p.remat)}: {c.step_s * 1e3:.2f} ms/step, "
                     f"{_bytes(c.memory.total)}/device")

@@ -281,7 +281,7 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
     measured_s = measured_step_s or (statistics.median(s.time_s for s in stats[-5:])
                                      if stats else None)
     pp_note = (" (pipeline plans: the prediction is the unsplit graph's, one microbatch "
-               "schedule not simulated yet)" if plan.pp > 1 or plan.microbatches > 1 else "")
+               "schedule not simulated yet)" if plan.microbatched else "")
     # one measured step time on the page, labelled alike in every row that shows it (the
     # re-fit row's label names the other measurement it was fitted to: steps 3-8)
     measured_txt = " (median of the last steps)" if measured_step_s is None else " (measured)"
