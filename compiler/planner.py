@@ -494,6 +494,13 @@ def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
     return a + (m - cap) * (b - a) / pp
 
 
+def _senders(r: int, pp: int, v: int) -> tuple[int, int]:
+    """How many of rank r's stages (r, r + pp, ...) send forward and send backward: all but
+    the last stage send their activations on, all but the first their input gradients."""
+    return (sum(k * pp + r < pp * v - 1 for k in range(v)),
+            sum(k * pp + r > 0 for k in range(v)))
+
+
 def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
                               core_share, sends=None) -> float:
     """Pipeline makespan where CPU ranks oversubscribe the cores (`Hardware.core_share` < 1),
@@ -513,10 +520,9 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
     its step (and lost to a tp=2 x pp=2 measured 1.43x slower)."""
     acts = schedules.build(schedule, pp, m, v)
     send_f, send_b = sends or ([0.0] * pp, [0.0] * pp)
-    last = pp * v - 1
     # the SEND actions of a rank (its stages that send on): each takes an equal share
-    n_send = {"SEND_F": [max(1, sum(k * pp + r < last for k in range(v))) for r in range(pp)],
-              "SEND_B": [max(1, sum(k * pp + r > 0 for k in range(v))) for r in range(pp)]}
+    counts = [_senders(r, pp, v) for r in range(pp)]
+    n_send = {"SEND_F": [max(1, f) for f, _ in counts], "SEND_B": [max(1, b) for _, b in counts]}
     per_action = world // pp
     cores = world * core_share
     pos, now, arrive = [0] * pp, 0.0, {}
@@ -1053,13 +1059,11 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         # a send / receive the device cannot overlap (gloo's threads share the CPU with the
         # compute: measured 1.5 ms per call on 2 ranks) is paid by every forward and
         # backward of a stage, once per neighbouring stage, not only filling the pipeline
-        last_stage = pp * v - 1
         for r in range(pp):
-            links = sum((k * pp + r > 0) + (k * pp + r < last_stage) for k in range(v))
-            fwd[r] += links * p2p * (1 - hw.overlap)
-            bwd[r] += links * p2p * (1 - hw.overlap)
-            send_f[r] = sum(k * pp + r < last_stage for k in range(v)) * p2p * (1 - hw.overlap)
-            send_b[r] = sum(k * pp + r > 0 for k in range(v)) * p2p * (1 - hw.overlap)
+            n_f, n_b = _senders(r, pp, v)
+            fwd[r] += (n_f + n_b) * p2p * (1 - hw.overlap)  # (each link: a send, a receive)
+            bwd[r] += (n_f + n_b) * p2p * (1 - hw.overlap)
+            send_f[r], send_b[r] = n_f * p2p * (1 - hw.overlap), n_b * p2p * (1 - hw.overlap)
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     slow = max(f + b for f, b in zip(fwd, bwd))
     if pp == 1:
@@ -1172,8 +1176,9 @@ def _on_shared_cores(makespan: float, busy: float, hw: cost.Hardware,
     the critical path at a whole core's speed and the ranks' mean compute time (all the work
     spread over all the cores). 4 ranks on 2 cores (benchmarks/planner_regret.py, Llama):
     pp=2 x dp=2 measured 0.74x dp=4's step, priced 1.30x by the makespan alone. `waiting`,
-    the share of the ranks' busy time spent waiting on communication (tp collectives, a
-    transfer's latency), is not faster for the free cores: ResNet's pp=2 x tp=2 on 4 ranks
+    the share of the ranks' busy time spent waiting on tp collectives (ranks arrive out of
+    step; a pipeline transfer is work on the cores, not in it), is not faster for the free
+    cores: ResNet's pp=2 x tp=2 on 4 ranks
     waited 1.5-4 ms per tp all-reduce with the other stage idle, and was priced 0.6x its
     step with that time halved too."""
     if hw.core_share >= 1:
