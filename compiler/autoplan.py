@@ -22,19 +22,23 @@ from fxpar.runtime import machine
 log = logging.getLogger("fxpar.compiler.planner")
 
 
-def _at_half_rows(model, example_batch, loss_fn):
-    """(the model's graph at half the example batch's rows, its real inputs), or None where
-    the batch does not halve: the second timing that tells the graph's time per row from its
-    time per call (planner.fit_to_timing)."""
-    try:
-        half = ir.microbatches(example_batch, 2, 1)[0]
-    except BatchError:
+def _at_rows(model, example_batch, loss_fn, rows: int | None):
+    """(the model's graph at `rows` of the example batch's rows, its real inputs), or None
+    (no such rows, or a model that cannot run them): the second timing that tells the
+    graph's time per row from its time per call (planner.fit_to_timing)."""
+    if rows is None:
         return None
     try:
-        graph = cap.capture(model, half, loss_fn)
+        leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        part = ir.microbatches(example_batch, int(leaves[0].shape[0]) // rows, 1)[0]
+    except (BatchError, IndexError, ZeroDivisionError):
+        return None
+    try:
+        graph = cap.capture(model, part, loss_fn)
     except FxparError:  # (e.g. a shape the model needs whole): timed at one size only
         return None
-    return graph[0], planner.calibration_inputs(graph, model, half)[0]
+    return graph[0], planner.calibration_inputs(graph, model, part)[0]
 
 
 def _remembered_probes(jobs, stats, constraints) -> list:
@@ -97,17 +101,19 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
             args, params = planner.calibration_inputs(stats.graph, model, example_batch)
 
+            small_rows = planner.smallest_call_rows(stats, world, constraints)
+
             def time_it():
-                half = _at_half_rows(model, example_batch, loss_fn)
+                small = _at_rows(model, example_batch, loss_fn, small_rows)
                 with announce(log, "planner: timing the model's graph and optimizer step "
                               "on this machine"):
                     return machine.time_model(stats.graph[0], args, params, optimizer,
-                                              fused=gen == "inductor", half=half,
+                                              fused=gen == "inductor", small=small,
                                               alone=hw.core_share >= 1)
             timing, cached = machine.remembered(
                 "model", machine.machine_key() + _timing_key(stats.graph[0], args, optimizer,
                                                              gen), time_it)
-            hw = planner.fit_to_timing(hw, stats, *timing)
+            hw = planner.fit_to_timing(hw, stats, *timing, small_rows=small_rows)
             if cached:
                 hw.calibrated += " (the model's timing remembered)"
     result = planner.auto_plan(model, example_batch, loss_fn, optimizer, world, device,

@@ -1491,12 +1491,28 @@ def calibration_inputs(graph, model, example_batch) -> tuple[list, list]:
         cap.flatten_batch(example_batch, sig)), ps
 
 
+def smallest_call_rows(stats: GraphStats, world: int, constraints: dict | None = None
+                       ) -> int | None:
+    """The fewest rows of the batch any plan the search considers runs the graph on: one (a
+    microbatch of one row), or where microbatches would change the step (BatchNorm's
+    statistics, a loss whose microbatch means cannot be weighted: `search`) the batch over
+    the world's dp ranks; None where every plan runs the whole batch."""
+    constraints = constraints or {}
+    rows = stats.rows
+    if constraints.get("batch_stats", "whole") != "whole" or not (
+            stats.mutated_buffers or stats.microbatch_refusal):
+        return 1 if rows > 1 else None
+    return rows // world if world > 1 and rows % world == 0 and rows // world < rows else None
+
+
 def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: float,
                   optimizer_s: float | None, t_alone: float | None = None,
-                  t_half: float | None = None) -> cost.Hardware:
+                  t_small: float | None = None, small_rows: int | None = None
+                  ) -> cost.Hardware:
     """CPU: the model's own joint graph timed on the example batch with every rank busy
-    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), at half the batch's
-    rows (t_half), and its optimizer step (runtime/machine.time_model).
+    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), at `small_rows` rows
+    (t_small: the fewest rows a plan runs it on, `smallest_call_rows`), and its optimizer step
+    (runtime/machine.time_model).
 
     The two batch sizes split the graph's time into a part that scales with the rows a plan
     runs it on (priced as the ops' roofline times `roofline_scale`, so it also shrinks with
@@ -1504,7 +1520,12 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     and ops whose cost does not follow their size, as an MoE's routing). One timing cannot
     tell them apart: all of it per node priced each of a pipeline's microbatches the whole
     graph again, all of it per row priced a microbatch of an MoE at a fraction of what it
-    takes (docs/benchmarks.md, "Regret"). Without t_half it is all per node."""
+    takes (docs/benchmarks.md, "Regret"). The second size is the smallest a plan calls: the
+    line between the two then prices every microbatch size by interpolation, and the
+    per-call part, (R t_small - r t_graph) / (R - r), carries the timings' noise scaled by
+    R / (R - r) rather than 3x at half the rows (r = R / 2: the per-call part of the same
+    model came out 7 us or 122 us a node from run to run). Without t_small it is all per
+    node."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret
     # target; a 10% band chose plain dp 1.23x the best on the Mixtral of planner_regret)
@@ -1515,8 +1536,10 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
     hw = dataclasses.replace(hw, noise=noise)
     fixed = None  # seconds every call pays, at any rows
-    if t_half is not None and roofline > 0:
-        fixed = min(max(2 * t_half - t_graph, nodes * hw.node_overhead), t_graph)
+    r, big = small_rows or stats.rows / 2, stats.rows
+    if t_small is not None and roofline > 0 and r < big:
+        per_row = (t_graph - t_small) / (big - r)
+        fixed = min(max(t_graph - per_row * big, nodes * hw.node_overhead), t_graph)
     if fixed is not None and fixed < t_graph:
         hw.node_overhead = fixed / nodes  # (at least the measured dispatch, above)
         hw.roofline_scale = (t_graph - fixed) / roofline
@@ -1525,7 +1548,8 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     hw.optimizer_s = optimizer_s
     if t_alone and hw.core_share >= 1:  # (oversubscribed cores: _on_shared_cores)
         hw.alone_speedup = min(max(t_graph / t_alone, 1.0), 2.0)
-    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms -> {hw.roofline_scale:.2f}x roofline + "
+    at = (f" at {big} rows, {t_small * 1e3:.1f} ms at {r:g}" if t_small is not None else "")
+    hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms{at} -> {hw.roofline_scale:.2f}x roofline + "
                       f"{hw.node_overhead * 1e6:.1f} us/node, ties within {noise:.0%}"
                       + (f", {hw.alone_speedup:.2f}x alone" if hw.alone_speedup > 1 else ""))
     return hw

@@ -204,14 +204,14 @@ def time_alone(fn: Callable[[], Any], reps: int = 2) -> float | None:
 
 
 def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimizer,
-               fused: bool = False, half: tuple[Callable, list] | None = None,
+               fused: bool = False, small: tuple[Callable, list] | None = None,
                alone: bool = True
                ) -> tuple[float, float, float | None, float | None, float | None]:
     """The captured joint graph run on real tensors and the optimizer's step on copies of the
     parameters, each timed in lock step: (graph seconds, its spread, step seconds or None
     when `optimizer` is a built instance, which cannot be re-made on copies, the graph's
-    seconds on rank 0 alone or None on one rank, the seconds of `half` = (the graph at half
-    the batch's rows, its inputs) or None). `fused`: the runtime will run the optimizer as
+    seconds on rank 0 alone or None on one rank, the seconds of `small` = (the graph at fewer
+    of the batch's rows, its inputs) or None). `fused`: the runtime will run the optimizer as
     torch's fused kernel (Inductor's codegen), so it is timed so. `alone` False: not timed
     alone (None; where the ranks oversubscribe the cores the planner prices the shared
     cores instead, and on 4 ranks over 2 cores the two runs took 0.6 s of planning). Rank
@@ -219,7 +219,8 @@ def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimize
     with torch.no_grad():
         t_graph, spread = time_in_lock_step(lambda: graph(*args))
         t_alone = time_alone(lambda: graph(*args)) if alone else None
-        t_half = time_in_lock_step(lambda: half[0](*half[1]))[0] if half else None
+        # (a few rows: cheap, so timed more often; the planner's per-call price rests on it)
+        t_small = time_in_lock_step(lambda: small[0](*small[1]), reps=5)[0] if small else None
     step_s = None
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -230,7 +231,7 @@ def time_model(graph: Callable, args: list, params: list[torch.Tensor], optimize
             optim.prefer_fused(opt)
         with torch.no_grad():
             step_s = time_in_lock_step(opt.step)[0]
-    return tuple(broadcast_figures([t_graph, spread, step_s, t_alone, t_half]))
+    return tuple(broadcast_figures([t_graph, spread, step_s, t_alone, t_small]))
 
 
 def shared_over_ranks(jobs: list[Callable[[], Any]]) -> list:

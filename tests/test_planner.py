@@ -859,10 +859,10 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
     monkeypatch.setattr(machine.optim, "prefer_fused",
                         lambda opt: timed.append(opt) or real(opt))
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    t_graph, spread, step_s, alone, half = machine.time_model(stats.graph[0], args, params,
-                                                              adamw)
+    t_graph, spread, step_s, alone, small = machine.time_model(stats.graph[0], args, params,
+                                                               adamw)
     assert not timed and step_s > 0 and t_graph > 0  # eager codegen: the optimizer as built
-    assert alone is None and half is None  # (one process: no rank to time alone)
+    assert alone is None and small is None  # (one process: no rank to time alone)
     hw = planner.fit_to_timing(cost.cpu_hardware(), stats, t_graph, spread, step_s, alone)
     assert hw.optimizer_s == step_s and 0.03 <= hw.noise <= 0.05 and hw.alone_speedup == 1
     _, _, step_s, _, _ = machine.time_model(stats.graph[0], args, params, adamw, fused=True)
@@ -871,31 +871,56 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
 
 
 def test_cpu_calibration_splits_the_graph_time_into_per_row_and_per_call(small_stats):
-    """planner.fit_to_timing with the graph timed at the batch and at half its rows: the
-    priced graph reproduces both timings, the per-row part as the ops' roofline scaled (so
-    it follows the rows and the tp split) and the rest per node (each call pays it). With
-    one timing everything is per node."""
+    """planner.fit_to_timing with the graph timed at the batch and at the fewest rows a plan
+    calls it on (one row here): the priced graph reproduces both timings and interpolates
+    between them, the per-row part as the ops' roofline scaled (so it follows the rows and
+    the tp split) and the rest per node (each call pays it). With one timing everything is
+    per node."""
     hw = dataclasses.replace(cost.cpu_hardware(), node_overhead=2e-6)
-    stats = small_stats
+    stats = dataclasses.replace(small_stats, rows=8)  # (as traced on a batch of 8 rows)
 
     def graph_s(h, rows):
         return sum(planner._seg_time(s, stats, rows, 1, h, "fp32", part)
                    for s in stats.segments for part in ("f", "b"))
     nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
     roofline = graph_s(dataclasses.replace(hw, node_overhead=0.0), stats.rows)
-    t_graph = 5 * roofline + nodes * 10e-6
-    t_half = 2.5 * roofline + nodes * 10e-6  # 5x the roofline per row, 10 us a node per call
-    fit = planner.fit_to_timing(hw, stats, t_graph, 0.01, None, None, t_half)
+
+    def timed(rows):  # 5x the roofline per row, 10 us a node per call
+        return 5 * roofline * rows / stats.rows + nodes * 10e-6
+    assert planner.smallest_call_rows(stats, 2) == 1
+    fit = planner.fit_to_timing(hw, stats, timed(stats.rows), 0.01, None, None, timed(1),
+                                small_rows=1)
     assert fit.roofline_scale == pytest.approx(5.0, rel=1e-6)
     assert fit.node_overhead == pytest.approx(10e-6, rel=1e-6)
-    assert graph_s(fit, stats.rows) == pytest.approx(t_graph, rel=1e-6)
-    assert graph_s(fit, stats.rows / 2) == pytest.approx(t_half, rel=1e-6)
-    one = planner.fit_to_timing(hw, stats, t_graph, 0.01, None)  # one timing: per node
+    for rows in (1, 2, stats.rows // 2, stats.rows):
+        assert graph_s(fit, rows) == pytest.approx(timed(rows), rel=1e-6)
+    assert f"at {stats.rows} rows" in fit.calibrated and "at 1 ->" in fit.calibrated
+    # a timing at half the rows (small_rows not given) is the same line
+    half = planner.fit_to_timing(hw, stats, timed(stats.rows), 0.01, None, None,
+                                 timed(stats.rows / 2))
+    assert half.node_overhead == pytest.approx(10e-6, rel=1e-6)
+    one = planner.fit_to_timing(hw, stats, timed(stats.rows), 0.01, None)  # one timing
     assert one.roofline_scale == 1.0
-    assert one.node_overhead == pytest.approx((t_graph - roofline) / nodes, rel=1e-6)
-    # a half-batch timing above the whole's (noise): no per-row part beyond the roofline
-    flat = planner.fit_to_timing(hw, stats, t_graph, 0.01, None, None, 1.1 * t_graph)
-    assert flat.roofline_scale == 1.0 and graph_s(flat, stats.rows) == pytest.approx(t_graph)
+    assert one.node_overhead == pytest.approx((timed(stats.rows) - roofline) / nodes,
+                                              rel=1e-6)
+    # a small timing above the whole's (noise): no per-row part beyond the roofline
+    flat = planner.fit_to_timing(hw, stats, timed(stats.rows), 0.01, None, None,
+                                 1.1 * timed(stats.rows), small_rows=1)
+    assert flat.roofline_scale == 1.0
+    assert graph_s(flat, stats.rows) == pytest.approx(timed(stats.rows))
+
+
+def test_the_smallest_call_is_one_row_unless_microbatches_would_change_the_step():
+    """The calibration's second timing is at the fewest rows a plan runs the graph on: one
+    row where microbatches are allowed; with BatchNorm (its statistics per microbatch would
+    differ from one step's) the batch over the dp ranks, at most the world."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8))
+    stats = planner.graph_stats(model, torch.randn(8, 16), lambda m, b: m(b).square().mean())
+    assert stats.mutated_buffers and stats.rows == 8
+    assert planner.smallest_call_rows(stats, 4) == 2
+    assert planner.smallest_call_rows(stats, 1) is None  # (one rank: the whole batch only)
+    assert planner.smallest_call_rows(stats, 3) is None  # (8 rows do not split over 3)
+    assert planner.smallest_call_rows(stats, 4, {"batch_stats": "microbatch"}) == 1
 
 
 @pytest.mark.slow  # (two models captured and probed: kept out of make test's 6 minutes)
