@@ -466,12 +466,11 @@ def in_flight(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
 
 def _timed_as(schedule: str, hw: cost.Hardware) -> str:
     """The schedule whose makespan a plan is priced with: zero-bubble only moves work into the
-    bubbles, which is no gain where they are not idle (`Hardware.bubble_is_idle`) nor where
-    the host runs both the dispatch and the kernels (CPU ranks, `async_launch` False): there
-    its extra weight-gradient part per microbatch costs about what the bubble saves (2 CPU
-    ranks, benchmarks/planner_regret.py, interleaved: 0.94-1.10x 1F1B's step where the
-    makespan promised 0.82-0.89x): 1F1B's, so the simpler 1F1B wins the tie."""
-    if schedule == "zero-bubble" and (not hw.bubble_is_idle or not hw.async_launch):
+    bubbles, which is no gain where they are not idle (`Hardware.bubble_is_idle`): 1F1B's,
+    so the simpler 1F1B wins the tie. Where each rank has its own core it is a gain on CPU
+    ranks as on GPUs (2 ranks, benchmarks/planner_regret.py: 0.78-0.92x 1F1B's step at m=2
+    and 4 on four models, as the makespan promises)."""
+    if schedule == "zero-bubble" and not hw.bubble_is_idle:
         return "1f1b"
     return schedule
 

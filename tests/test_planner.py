@@ -472,12 +472,12 @@ def test_zero_bubble_gains_nothing_where_ranks_oversubscribe_the_cores(small_sta
     best = planner.search(small_stats, 2, dataclasses.replace(hw, bubble_is_idle=False),
                           batch_rows=8, constraints={"dp": 1, "tp": 1, "pp": 2}).best
     assert best.plan.schedule != "zero-bubble"
-    # CPU ranks (the host dispatches and computes): its extra part costs what it saves
+    # CPU ranks with a core each (the host dispatches and computes): a gain as on a GPU
     cpu = dataclasses.replace(hw, async_launch=False)
     zb, one = (planner.search(small_stats, 2, cpu, batch_rows=8, constraints={
         "dp": 1, "tp": 1, "pp": 2, "microbatches": 4, "schedule": s}).table[0].step_s
         for s in ("zero-bubble", "1f1b"))
-    assert zb == pytest.approx(one)
+    assert zb < one
 
 
 @pytest.mark.slow  # (moved to keep make test under 6 minutes)
