@@ -14,7 +14,7 @@ import torch
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, ir, planner
-from fxpar.compiler.errors import BatchError, FxparError, PlanError
+from fxpar.compiler.errors import FxparError, PlanError
 from fxpar.compiler.logs import Clock, announce
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import machine
@@ -22,19 +22,12 @@ from fxpar.runtime import machine
 log = logging.getLogger("fxpar.compiler.planner")
 
 
-def _at_rows(model, example_batch, loss_fn, rows: int | None):
-    """(the model's graph at `rows` of the example batch's rows, its real inputs), or None
-    (no such rows, or a model that cannot run them): the second timing that tells the
-    graph's time per row from its time per call (planner.fit_to_timing)."""
-    if rows is None:
-        return None
+def _at_rows(model, example_batch, loss_fn, parts: int):
+    """(the model's graph at 1 / `parts` of the example batch's rows, its real inputs), or
+    None (a model that cannot run them): the second timing that tells the graph's time per
+    row from its time per call (planner.fit_to_timing)."""
     try:
-        leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
-                  if isinstance(t, torch.Tensor) and t.dim() > 0]
-        part = ir.microbatches(example_batch, int(leaves[0].shape[0]) // rows, 1)[0]
-    except (BatchError, IndexError, ZeroDivisionError):
-        return None
-    try:
+        part = ir.microbatches(example_batch, parts, 1)[0]
         graph = cap.capture(model, part, loss_fn)
     except FxparError:  # (e.g. a shape the model needs whole): timed at one size only
         return None
@@ -100,11 +93,11 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
         elif device.type == "cpu":
             gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
             args, params = planner.calibration_inputs(stats.graph, model, example_batch)
-
             small_rows = planner.smallest_call_rows(stats, world, constraints)
 
             def time_it():
-                small = _at_rows(model, example_batch, loss_fn, small_rows)
+                small = _at_rows(model, example_batch, loss_fn, stats.rows // small_rows) \
+                    if small_rows else None
                 with announce(log, "planner: timing the model's graph and optimizer step "
                               "on this machine"):
                     return machine.time_model(stats.graph[0], args, params, optimizer,

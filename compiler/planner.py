@@ -681,10 +681,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             mbs_opts = [rows_dp // m]
         for mbs in mbs_opts:
             m = rows_dp // mbs
-            if m > 1 and constraints.get("batch_stats", "whole") == "whole" and (
-                    stats.mutated_buffers or stats.microbatch_refusal):
-                continue  # per-microbatch buffer updates (BatchNorm) differ from one step;
-                # a loss whose microbatch means cannot be weighted to the batch mean
+            if m > 1 and not microbatches_allowed(stats, constraints):
+                continue
             scheds = [constraints["schedule"]] if "schedule" in constraints else (
                 list(schedules_) if pp > 1 else ["1f1b"])
             built = []
@@ -1490,18 +1488,23 @@ def calibration_inputs(graph, model, example_batch) -> tuple[list, list]:
         cap.flatten_batch(example_batch, sig)), ps
 
 
+def microbatches_allowed(stats: GraphStats, constraints: dict) -> bool:
+    """Whether microbatches train as one step does: not where buffers update per microbatch
+    (BatchNorm's statistics) or the loss's microbatch means cannot be weighted to the batch
+    mean, unless the user asked for per-microbatch statistics (Plan.batch_stats)."""
+    return constraints.get("batch_stats", "whole") != "whole" or not (
+        stats.mutated_buffers or stats.microbatch_refusal)
+
+
 def smallest_call_rows(stats: GraphStats, world: int, constraints: dict | None = None
                        ) -> int | None:
     """The fewest rows of the batch any plan the search considers runs the graph on: one (a
-    microbatch of one row), or where microbatches would change the step (BatchNorm's
-    statistics, a loss whose microbatch means cannot be weighted: `search`) the batch over
-    the world's dp ranks; None where every plan runs the whole batch."""
-    constraints = constraints or {}
+    microbatch of one row), or where microbatches are not allowed (`microbatches_allowed`)
+    the batch over the world's dp ranks; None where every plan runs the whole batch."""
     rows = stats.rows
-    if constraints.get("batch_stats", "whole") != "whole" or not (
-            stats.mutated_buffers or stats.microbatch_refusal):
+    if microbatches_allowed(stats, constraints or {}):
         return 1 if rows > 1 else None
-    return rows // world if world > 1 and rows % world == 0 and rows // world < rows else None
+    return rows // world if world > 1 and rows % world == 0 else None
 
 
 def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: float,
