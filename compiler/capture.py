@@ -44,6 +44,7 @@ import functools
 import inspect
 import logging
 import operator
+import os
 import sys
 import traceback
 from typing import Any, Callable
@@ -327,12 +328,19 @@ class _ModuleTagger:
             h.remove()
 
 
+# torch's and fxpar's own code, by directory (not by a "/fxpar/" in the path: a user's project
+# or a clone named fxpar holds the user's model code too)
+_FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_USER = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+             *(os.path.join(_FXPAR_ROOT, d) + os.sep
+               for d in ("compiler", "passes", "runtime", "kernels", "viz")),
+             *(os.path.join(_FXPAR_ROOT, f) for f in ("__init__.py", "__main__.py")))
+
+
 def _user_line(exc: BaseException) -> str:
     """The innermost frame of user code (outside torch and fxpar) in exc's traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/fxpar/" not in f.filename
-              and "/compiler/capture.py" not in f.filename
-              and "/compiler/padded_nonzero.py" not in f.filename]
+              if not os.path.abspath(f.filename).startswith(_NOT_USER)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -475,6 +476,13 @@ def _timed_as(schedule: str, hw: cost.Hardware) -> str:
     return schedule
 
 
+@functools.lru_cache(maxsize=64)
+def _actions(schedule, pp, m, v):
+    """schedules.build, once per shape: the search simulates one shape for many plans (the
+    simulation only reads the lists)."""
+    return schedules.build(schedule, pp, m, v)
+
+
 def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
     """Pipeline makespan by simulation; for m > 4pp the steady state is extrapolated linearly
     from two simulations (every extra microbatch adds the same period)."""
@@ -484,8 +492,8 @@ def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
             r = a.stage % pp
             t = (fwd if a.kind == "F" else bwd)[r] / v
             return t if a.kind in ("F", "B") else t / 2
-        return schedules.simulate_schedule(schedules.build(schedule, pp, mm, v), dur,
-                                  p2p_latency=p2p).makespan
+        return schedules.simulate_schedule(_actions(schedule, pp, mm, v), dur,
+                                           p2p_latency=p2p).makespan
     cap = 4 * pp
     if m <= cap + pp:
         return run(m)
@@ -517,7 +525,7 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
     follows on the critical path, not the sender's too. ResNet's pp=4 m=1 on 4 ranks, with
     each of its 7 transfers paid by both ranks one after the other, was priced 1.15-1.66x
     its step (and lost to a tp=2 x pp=2 measured 1.43x slower)."""
-    acts = schedules.build(schedule, pp, m, v)
+    acts = _actions(schedule, pp, m, v)
     send_f, send_b = sends or ([0.0] * pp, [0.0] * pp)
     # the SEND actions of a rank (its stages that send on): each takes an equal share
     counts = [_senders(r, pp, v) for r in range(pp)]
@@ -693,7 +701,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 if m == 1 and pp > 1:  # one program, one plan: at one microbatch GPipe and
                     # 1F1B run the same actions (the first name kept); measured as two
                     # plans, they came out 1.0-1.25x apart (the timing's noise, as regret)
-                    acts = schedules.build(sched, pp, m, v)
+                    acts = _actions(sched, pp, m, v)
                     if acts in built:
                         continue
                     built.append(acts)
@@ -702,11 +710,12 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 for zero in zeros:
                     key = (pp, v, tp)
                     if key not in stage_cache:
-                        stage_cache[key] = _rank_aggregates(
+                        aggs = _rank_aggregates(
                             stages_of(st, pp, v, "cpu" if hw.name == "cpu" else "cuda"), pp, v)
+                        stage_cache[key] = (aggs, _twins(aggs))
                     n_legal += 1
                     ticker.tick("planner search: %d plans priced", n_legal)
-                    c = _price(st, hw, stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
+                    c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
                                precision, optimizer, constraints, budget)
                     if c is None:
                         continue
@@ -882,6 +891,17 @@ def _rank_aggregates(stages, pp, v):
     return out
 
 
+def _twins(rank_segs) -> list[int]:
+    """Per rank, the first rank whose aggregated segments are equal to its own (every
+    attribute): a pipeline's middle ranks of identical layers are priced once (at 1T
+    parameters on 3072 devices, 128 stages of 3-4 distinct kinds)."""
+    def content(s):  # (a layer's name is not priced: only pre / post / ends are told apart)
+        return {**vars(s), "name": s.name if s.name in ("pre", "post", "ends") else "layer"}
+    seen: dict[str, int] = {}
+    return [seen.setdefault(repr([content(s) for s in segs]), r)
+            for r, segs in enumerate(rank_segs)]
+
+
 def _most_working(segs) -> tuple[float, float]:
     """(transient, transient_split) of the segment with the most working memory (at tp=2:
     the degree the split was counted at)."""
@@ -911,7 +931,7 @@ def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
     return [best] + [c for c in by_time if c is not best]
 
 
-def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
+def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
            constraints, budget) -> Candidate | None:
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
@@ -961,14 +981,20 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
     if remat == "auto":
         remat = "none"
 
+    priced: dict[tuple, tuple] = {}  # a rank whose twin (`_twins`) holds alike: its estimate
+
     def rank_memory(r, remat):
-        return stage_memory(rank_segs[r], stats, tp=tp, dp=dp, zero=zero, rows=mbs,
-                            in_flight=held[r], precision=precision, optimizer=optimizer,
-                            remat=remat, transient=True, pp=pp, microbatches=m,
-                            sends_held=kept[r], saved_factor=saved_factor[r],
-                            received_at_end=at_end[r], weight_copies=copies[r],
-                            optimizer_foreach=dev == "cuda",
-                            bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
+        key = (twins[r], held[r], kept[r], saved_factor[r], at_end[r], copies[r], remat)
+        if key not in priced:
+            priced[key] = stage_memory(
+                rank_segs[r], stats, tp=tp, dp=dp, zero=zero, rows=mbs, in_flight=held[r],
+                precision=precision, optimizer=optimizer, remat=remat, transient=True, pp=pp,
+                microbatches=m, sends_held=kept[r], saved_factor=saved_factor[r],
+                received_at_end=at_end[r], weight_copies=copies[r],
+                optimizer_foreach=dev == "cuda",
+                bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
+        mem, rec = priced[key]
+        return copy.copy(mem), rec  # (its own: each is told its stage below)
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
@@ -999,18 +1025,22 @@ def _price(stats, hw, stages, dp, tp, pp, v, m, mbs, sched, zero, precision, opt
         # Inductor's runs launch per run and per library kernel, not per graph node
         hw_graph = dataclasses.replace(hw, node_overhead=hw.node_overhead * min(
             stats.host_calls_compiled / total_nodes, 1.0))
+    timed: dict[int, tuple] = {}
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
-        tf = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "f", dp) for s in segs)
-        tb = sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "b", dp) for s in segs)
-        f = mbs / stats.rows
-        tpc_f = sum(hw.comm("all_reduce", s.tp_comm_f * f, tp, tp,
-                            calls=s.n_row + int(s.tp_calls_extra)) for s in segs)
-        tpc_b = sum(hw.comm("all_reduce", s.tp_comm_b * f, tp, tp, calls=len(s.column_out))
-                    for s in segs)
-        # the nodes the tp pass adds (redistributions, collectives), this rank's share
-        share = sum(s.nodes_f + s.nodes_b for s in segs) / total_nodes
+        if twins[r] not in timed:
+            f = mbs / stats.rows
+            timed[twins[r]] = (
+                sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "f", dp) for s in segs),
+                sum(_seg_time(s, stats, mbs, tp, hw_graph, precision, "b", dp) for s in segs),
+                sum(hw.comm("all_reduce", s.tp_comm_f * f, tp, tp,
+                            calls=s.n_row + int(s.tp_calls_extra)) for s in segs),
+                sum(hw.comm("all_reduce", s.tp_comm_b * f, tp, tp, calls=len(s.column_out))
+                    for s in segs),
+                # the nodes the tp pass adds (redistributions, collectives), this rank's share
+                sum(s.nodes_f + s.nodes_b for s in segs) / total_nodes)
+        tf, tb, tpc_f, tpc_b, share = timed[twins[r]]
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
         fwd.append(tf + tpc_f + tp_nodes)

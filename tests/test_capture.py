@@ -204,6 +204,25 @@ def test_data_dependent_control_flow_raises_trace_error():
     assert "inner.gate" in msg                      # the module path
     assert "_local_scalar_dense" in msg or "item" in msg  # the failing operation
     assert "torch.where" in msg                     # how to fix it
+    assert "test_capture.py:" in msg and "if x.sum() > 0" in msg  # the user's line
+
+
+def test_the_user_line_is_found_in_a_project_whose_path_names_fxpar(tmp_path, monkeypatch):
+    """The user's code is told from torch's and fxpar's by their directories: a model file
+    under a folder named fxpar (a user's project, a clone of this one) is still the user's."""
+    folder = tmp_path / "fxpar" / "models"
+    folder.mkdir(parents=True)
+    (folder / "branchy.py").write_text(
+        "import torch.nn as nn\n\n\nclass Branchy(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        if x.sum() > 0:\n"
+        "            return super().forward(x).mean()\n"
+        "        return x.mean()\n")
+    monkeypatch.syspath_prepend(str(folder))
+    import branchy
+    with pytest.raises(fxpar.TraceError) as e:
+        capture(branchy.Branchy(4, 4), torch.randn(4, 4))
+    assert f"{folder / 'branchy.py'}:6: if x.sum() > 0:" in str(e.value)
 
 
 def test_non_scalar_loss_raises_trace_error():

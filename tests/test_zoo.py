@@ -286,33 +286,31 @@ def test_zoo_model_on_one_device(name):
     _check(zoo_sweep.sweep_model(name, ["1 device"]))
 
 
-# CI sweeps every zoo model under every plan (docs/zoo.md's table; ~12 minutes of
-# `make test-slow` on 2 cores, 10-26 s a model), and compiles these by Inductor (chosen for
-# what they exercise: a tied Conv1D head, GQA, MoE routing with a shared expert, a tied MLM
-# head, BatchNorm, Falcon's fused QKV (the CPU indexed-add miscompile), T5's relative-position
-# bias, Swin's windows, Gemma 2's soft-capping); `make test-full` compiles the rest.
-CI_INDUCTOR = ["gpt2", "llama", "mixtral", "bert_mlm", "resnet", "falcon", "t5", "qwen2_moe",
-               "swin", "gemma2"]
-
-
-def _zoo_params(ci):
-    """Every zoo model; those outside `ci` marked full (run by `make test-full`)."""
-    return [pytest.param(n, marks=() if n in ci else pytest.mark.full)
-            for n in zoo.models()]
-
-
-def test_the_ci_selections_name_real_cells():
-    assert set(CI_DROPOUT) <= {n for n in zoo.models() if zoo.has_default_dropout(n)}
-    assert len(MID) == 6 and ROUNDING <= set(zoo.models())
+# CI compiles these one-device cells by Inductor (a tied Conv1D head, MoE routing, BatchNorm,
+# Falcon's fused QKV: the CPU indexed-add miscompile); `make test-full` compiles the rest
+CI_INDUCTOR = ["gpt2", "mixtral", "resnet", "falcon"]
 
 
 TINY = [n for n in zoo.models() if not n.endswith("_mid")]
 MID = [n for n in zoo.models() if n.endswith("_mid")]
 PLAIN = [k for k in zoo_sweep.PLANS if k not in zoo_sweep.DROPOUT]
+# CI sweeps one model of each kind of structure the passes treat apart (~30-45 s a model on
+# 2 cores); `make test-full` sweeps every zoo model (docs/zoo.md's table): a fused QKV and a
+# tied head (GPT-2), GQA and RoPE (Llama), MoE routing (Mixtral), MLA with a shared expert
+# (DeepSeek-V3), a tied MLM head (BERT), an encoder-decoder (T5), BatchNorm (ResNet), an
+# RNN (LSTM), frozen and unused parameters
+CI_EVERY_PLAN = ["gpt2", "llama", "mixtral", "deepseek_v3", "bert_mlm", "t5", "resnet",
+                 "lstm", "frozen_unused"]
+CI_MID = ["gpt2_mid", "mixtral_mid"]  # a tied table split over tp, a pipeline cut in an MoE
+
+
+def _ci(names, ci):
+    """`names` as parameters, those outside `ci` marked full (run by `make test-full`)."""
+    return [pytest.param(n, marks=() if n in ci else pytest.mark.full) for n in names]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", _ci(TINY, CI_EVERY_PLAN))
 def test_zoo_model_under_every_plan(name):
     """Every plan of the table (one device, dp=2, tp=2, pp=2 with 2 microbatches, ZeRO-3,
     the planner's choice on 2 ranks) against eager PyTorch."""
@@ -325,9 +323,8 @@ CI_DROPOUT = ["gpt2", "bert_mlm", "bart"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in CI_DROPOUT else
-                                               pytest.mark.full)
-                                  for n in zoo.models() if zoo.has_default_dropout(n)])
+@pytest.mark.parametrize("name", _ci([n for n in zoo.models() if zoo.has_default_dropout(n)],
+                                     CI_DROPOUT))
 def test_zoo_model_with_its_default_dropout_at_tp2(name):
     _check(zoo_sweep.sweep_model(name, sorted(zoo_sweep.DROPOUT)))
 
@@ -336,13 +333,13 @@ def test_zoo_model_with_its_default_dropout_at_tp2(name):
 # vocabulary split of a tied table, ZeRO-3's layer groups, a pipeline cut through an MoE,
 # dropout on split attention): every plan, the dropout column included (10-35 s a row)
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MID)
+@pytest.mark.parametrize("name", _ci(MID, CI_MID))
 def test_zoo_model_at_mid_size(name):
     _check(zoo_sweep.sweep_model(name))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _zoo_params(CI_INDUCTOR))
+@pytest.mark.parametrize("name", _ci(zoo.models(), CI_INDUCTOR))
 def test_zoo_model_on_one_device_compiled_by_inductor(name, monkeypatch):
     """What a user on a CPU gets by default (Plan.codegen="auto" with a C++ compiler):
     Inductor's kernels and torch's fused optimizer, exact against eager - and without a
@@ -356,12 +353,20 @@ def test_zoo_model_on_one_device_compiled_by_inductor(name, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,plan", [("lstm", "dp=2"), ("gemma2", "tp=2")])
+@pytest.mark.parametrize("name,plan", [pytest.param("lstm", "dp=2", marks=pytest.mark.full),
+                                       ("gemma2", "tp=2")])
 def test_zoo_model_on_two_ranks_compiled_by_inductor(name, plan, monkeypatch):
     """Two cells that crashed under Inductor (a transposed chunk whose real layout was not
     its fake's: fxpar.local_chunk, tests/test_sharding.py), now exact."""
     monkeypatch.setenv("FXPAR_CODEGEN", "inductor")
     _check(zoo_sweep.sweep_model(name, [plan]))
+
+
+def test_the_ci_selections_name_real_cells():
+    assert set(CI_DROPOUT) <= {n for n in zoo.models() if zoo.has_default_dropout(n)}
+    assert set(CI_EVERY_PLAN) <= set(TINY) and set(CI_MID) <= set(MID)
+    assert set(CI_INDUCTOR) <= set(zoo.models())
+    assert len(MID) == 6 and ROUNDING <= set(zoo.models())
 
 
 def test_the_zoo_covers_what_it_promises():
