@@ -249,6 +249,7 @@ def _leftovers(token):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (four jobs, one on 4 ranks, waiting out a 10 s timeout: CI's 2 cores)
 def test_faults_under_real_processes(tmp_path):
     """Raw rank processes with FXPAR_TIMEOUT=10 (all four jobs at once):
     - kill: rank 1 is SIGKILLed 5 ms into step 3 -> rank 0 raises RankFailure naming rank 1,

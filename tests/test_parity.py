@@ -15,6 +15,15 @@ RTOL, ATOL = 1e-5, 1e-6
 PARAM_ATOL = {"sgd": ATOL, "adamw": 1e-5}
 
 
+def tiers(label, world, cases, ci):
+    """A sweep's cases as two parameters: `ci` (those CI runs: one of each kind the sweep
+    covers) and the rest, marked full (`make test-full`), so every case still runs there."""
+    assert all(c in cases for c in ci), [c for c in ci if c not in cases]
+    rest = [c for c in cases if c not in ci]
+    return ([pytest.param(world, ci, id=f"{label}-ci")] if ci else []) + \
+        ([pytest.param(world, rest, id=f"{label}-full", marks=pytest.mark.full)] if rest else [])
+
+
 def _check(name, opt_name, losses, state):
     ref_losses, ref_state = eager_reference(name, opt_name)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL,
@@ -31,16 +40,20 @@ def test_dp1_single_process(name, opt_name):
     _check(name, opt_name, losses, state)
 
 
+DP2_CASES = [c for c in CASES if c[1] == "adamw" or c[0] in ("mlp", "convbn", "gpt")]
+DP4_CASES = [c for c in CASES if c[1] == "adamw" and c[0] in ("gpt", "convbn", "hf_llama")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [2, 4])
-def test_dp_multiprocess(dp):
+@pytest.mark.parametrize("dp,cases", [
+    *tiers("dp2", 2, DP2_CASES, [("gpt", "adamw"), ("gpt", "sgd"), ("convbn", "adamw"),
+                                 ("hf_llama", "adamw")]),
+    *tiers("dp4", 4, DP4_CASES, [])])
+def test_dp_multiprocess(dp, cases):
     """Every zoo model at dp=2 with AdamW, and with SGD (momentum) those whose buffers or
     losses differ in kind (a plain MLP, BatchNorm, the GPT); dp=4 repeats a GPT, BatchNorm's
     statistics over 4 ranks and HF Llama with AdamW (the rest adds nothing at 4 ranks that 2
     do not show, at twice the time on CI's 2 cores)."""
-    sgd = {"mlp", "convbn", "gpt"}
-    cases = ([c for c in CASES if c[1] == "adamw" or c[0] in sgd] if dp == 2 else
-             [c for c in CASES if c[1] == "adamw" and c[0] in ("gpt", "convbn", "hf_llama")])
     results = fxpar.launch(parity_rank, dp, cases, dp)
     for (name, opt_name), (losses, state) in results[0].items():
         for r in range(1, dp):  # every rank reports the same global loss
@@ -51,25 +64,27 @@ def test_dp_multiprocess(dp):
 REMAT_PLANS = [{"remat": "sqrt"}, {"remat": 400_000}, {"remat": "auto"}]
 
 
+# the fixed budget on the GPT only (its search is the slow one; suite time); the reference is
+# plain dp=2 as written ({}), not "auto" (the planner may pick ZeRO)
+REMAT_CASES = [(m, "adamw", p) for m in ("gpt", "hf_llama", "gpt_dropout")
+               for p in REMAT_PLANS if m == "gpt" or p["remat"] != 400_000]
+
+
 @pytest.mark.slow
-def test_remat_dp2_equals_no_remat():
+@pytest.mark.parametrize("world,cases", tiers("dp2", 2, REMAT_CASES, []))  # (CI: test_remat)
+def test_remat_dp2_equals_no_remat(world, cases):
     """dp=2 training with each remat mode equals training without remat: bit for bit here
     (recompute replays the same ops on the same inputs, dropout masks included)."""
-    models = ["gpt", "hf_llama", "gpt_dropout"]
-    # the fixed budget on the GPT only (its search is the slow one; suite time)
-    plans = {m: [p for p in REMAT_PLANS if m == "gpt" or p["remat"] != 400_000] for m in models}
-    # the reference is plain dp=2 as written ({}), not "auto" (the planner may pick ZeRO)
-    cases = [(m, "adamw", p) for m in models for p in [{}, *plans[m]]]
-    res = fxpar.launch(plans_rank, 2, cases)[0]
-    for m in models:
+    refs = [(m, "adamw", {}) for m in dict.fromkeys(m for m, _, _ in cases)]
+    res = fxpar.launch(plans_rank, world, refs + cases)[0]
+    for m, _, p in cases:
         ref_losses, ref_state, _ = res[(m, "adamw", repr({}))]
-        for p in plans[m]:
-            losses, state, info = res[(m, "adamw", repr(p))]
-            if p["remat"] != "auto":  # auto fits this RAM: only cheap ops may be recomputed
-                assert info["recomputed"] > 0, (m, p)
-            assert losses == ref_losses, (m, p)
-            for k in ref_state:
-                assert torch.equal(state[k], ref_state[k]), (m, p, k)
+        losses, state, info = res[(m, "adamw", repr(p))]
+        if p["remat"] != "auto":  # auto fits this RAM: only cheap ops may be recomputed
+            assert info["recomputed"] > 0, (m, p)
+        assert losses == ref_losses, (m, p)
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), (m, p, k)
 
 
 def _eager_eval(name, state):
@@ -87,33 +102,36 @@ ZERO_PLANS = [{"zero": 1}, {"zero": 2}, {"zero": 2, "remat": "sqrt"}, {"zero": 3
               {"zero": 3, "remat": "sqrt"}]
 
 
+# dp=4 repeats the stages on HF Llama without remat (remat x ZeRO and the GPT are dp=2's)
+ZERO2_CASES = [(m, "adamw", p) for m in ("gpt", "hf_llama") for p in ZERO_PLANS]
+ZERO4_CASES = [("hf_llama", "adamw", p) for p in ZERO_PLANS if "remat" not in p]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [2, 4])
-def test_zero_equals_single_process(dp):
+@pytest.mark.parametrize("dp,cases", [
+    *tiers("dp2", 2, ZERO2_CASES, [("gpt", "adamw", {"zero": 1}), ("gpt", "adamw", {"zero": 2}),
+                                   ("hf_llama", "adamw", {"zero": 3, "remat": "sqrt"})]),
+    *tiers("dp4", 4, ZERO4_CASES, [])])
+def test_zero_equals_single_process(dp, cases):
     """ZeRO-1/2/3 (optimizer state; + gradients reduce-scattered; + parameters sharded and
     gathered before use) with AdamW, also combined with remat: equal to single-process eager
     training. Memory held per rank at dp=4: Adam state, and at zero=3 params + grads + Adam
     state, <= 30% of unsharded (ideal 25%; the rest is padding to a multiple of dp)."""
-    # dp=4 repeats the stages on HF Llama without remat (remat x ZeRO and the GPT are dp=2's;
-    # keeps the suite short)
-    models = ["gpt", "hf_llama"] if dp == 2 else ["hf_llama"]
-    plans = ZERO_PLANS if dp == 2 else [p for p in ZERO_PLANS if "remat" not in p]
-    cases = [(m, "adamw", p) for m in models for p in plans]
     results = fxpar.launch(plans_rank, dp, cases)
-    for m in models:
-        for p in plans:
-            losses, state, info = results[0][(m, "adamw", repr(p))]
-            for r in range(1, dp):
-                assert results[r][(m, "adamw", repr(p))][0] == losses
-            _check(m, "adamw", losses, state)
-            torch.testing.assert_close(info["eval"], _eager_eval(m, state), rtol=RTOL, atol=ATOL)
-            if dp == 4:  # each rank keeps a quarter (+ padding)
-                assert info["opt_state_fraction"] <= 0.30, info
-                if p["zero"] == 3:
-                    assert info["model_state_fraction"] <= 0.30, info
+    for m, _, p in cases:
+        losses, state, info = results[0][(m, "adamw", repr(p))]
+        for r in range(1, dp):
+            assert results[r][(m, "adamw", repr(p))][0] == losses
+        _check(m, "adamw", losses, state)
+        torch.testing.assert_close(info["eval"], _eager_eval(m, state), rtol=RTOL, atol=ATOL)
+        if dp == 4:  # each rank keeps a quarter (+ padding)
+            assert info["opt_state_fraction"] <= 0.30, info
+            if p["zero"] == 3:
+                assert info["model_state_fraction"] <= 0.30, info
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_zero3_with_microbatches_equals_single_process():
     """ZeRO-3 at pp=1 with microbatches (forward and backward run as parts, each layer
     gathered again for the backward; + remat on HF Llama): equal to eager training."""
@@ -123,6 +141,7 @@ def test_zero3_with_microbatches_equals_single_process():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (4 ranks on CI's 2 cores)
 def test_zero3_with_gathers_stopped_by_the_memory_limit_equals_single_process():
     """ZeRO-3 at dp=4 on an HF Llama whose layers outweigh its activations (workers'
     hf_llama_3x64), as a 12 x 1024 Llama's do: per-layer gathers and reduce-scatters, the
@@ -143,13 +162,17 @@ def _check_plans(world, cases):
         torch.testing.assert_close(info["eval"], _eager_eval(name, state), rtol=RTOL, atol=ATOL)
 
 
+UNEVEN_CASES = [("gpt_padded", "sgd", p) for p in
+                ({"dp": 2}, {"dp": 2, "zero": 2}, {"dp": 2, "remat": "sqrt"})]
+
+
 @pytest.mark.slow
-def test_mean_loss_over_uneven_targets_is_exact_under_dp():
+@pytest.mark.parametrize("world,cases", tiers("dp2", 2, UNEVEN_CASES, []))
+def test_mean_loss_over_uneven_targets_is_exact_under_dp(world, cases):
     """gpt_padded: the first rows' targets are mostly ignored (-100), so the two dp ranks count
     different targets. Losses, evaluate() and parameters equal single-process training only
     if the mean divides the global sum by the global count (not a mean of per-rank means)."""
-    _check_plans(2, [("gpt_padded", "sgd", p) for p in
-                     ({"dp": 2}, {"dp": 2, "zero": 2}, {"dp": 2, "remat": "sqrt"})])
+    _check_plans(world, cases)
 
 
 def _pp_cases(models, schedules, microbatches, extra=None):
@@ -183,7 +206,14 @@ PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,cases", [(2, PP2_CASES), (4, PP4_CASES)], ids=["pp2", "pp4"])
+@pytest.mark.parametrize("world,cases", [
+    *tiers("pp2", 2, PP2_CASES, [
+        ("gpt", "adamw", {"schedule": "gpipe", "microbatches": 4, "pp": 2}),
+        ("gpt", "adamw", {"schedule": "interleaved", "microbatches": 2, "pp": 2}),
+        ("hf_llama", "adamw", {"schedule": "1f1b", "microbatches": 4, "pp": 2}),
+        ("hf_gpt2", "adamw", {"schedule": "zero-bubble", "microbatches": 4, "pp": 2}),
+        ("gpt", "adamw", {"dp": 2, "microbatches": 4})]),
+    *tiers("pp4", 4, PP4_CASES, [])])
 def test_pipeline_equals_single_process(world, cases):
     """Every schedule, microbatches 1..8, pp = 2 and 4, pp=2 x dp=2 (also with ZeRO 1 and 2),
     with remat; small GPT,
@@ -209,8 +239,15 @@ TP8_CASES = [("gpt", "adamw", {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2})]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,cases", [(2, TP2_CASES), (4, TP4_CASES), (8, TP8_CASES)],
-                         ids=["tp2", "tp4-dp-pp", "dp2-pp2-tp2"])
+@pytest.mark.parametrize("world,cases", [
+    *tiers("tp2", 2, TP2_CASES, [
+        ("gpt", "adamw", {"tp": 2, "sequence_parallel": True}),
+        ("hf_gpt2", "adamw", {"tp": 2, "tp_style": "all-gather"}),
+        ("hf_llama", "adamw", {"tp": 2})]),
+    *tiers("tp4-dp-pp", 4, TP4_CASES, [
+        ("hf_llama", "adamw", {"dp": 2, "tp": 2}),
+        ("gpt", "adamw", {"pp": 2, "tp": 2, "microbatches": 2})]),
+    *tiers("dp2-pp2-tp2", 8, TP8_CASES, [])])
 def test_tensor_parallel_equals_single_process(world, cases):
     """tp = 2 and 4 (small GPT, HF GPT-2 with fused QKV, HF Llama with GQA; all-reduce form,
     with sequence parallelism, and the all-gather form; with remat), dp=2 x tp=2 (also ZeRO-1, also sequence-parallel), pp=2 x tp=2, and
