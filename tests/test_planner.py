@@ -322,7 +322,7 @@ def test_memory_estimate_vs_tracker_on_cpu_ranks():
 
 
 @pytest.mark.slow  # (10 s: make test stays under 6 minutes with codegen's test)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.full), "bf16"])
 def test_memory_estimate_vs_tracker_in_each_precision(precision):
     """One process, AdamW: the estimate of what a step allocates within 10% of the tracker's
     peak in fp32 and in bf16. bf16 is priced from the graph after the precision pass (its
@@ -350,7 +350,7 @@ def test_memory_estimate_vs_tracker_in_each_precision(precision):
 
 
 @pytest.mark.slow  # (21 s: kept out of make test's 6 minutes)
-@pytest.mark.parametrize("layers,seq", [(8, 128), (12, 64)])
+@pytest.mark.parametrize("layers,seq", [(8, 128), pytest.param(12, 64, marks=pytest.mark.full)])
 def test_sqrt_remat_memory_vs_tracker(layers, seq):
     """remat="sqrt": the pass checkpoints at cut vertices, 2 per transformer block (after each
     residual add), so the estimate spaces checkpoints over 2n half-layers (priced per layer

@@ -10,14 +10,22 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_vs_eager.py"
 
 
+# CI runs Llama in fp32 (each row compiles three programs by Inductor: about a minute on 2
+# cores); `make test-full` both models in both precisions
 @pytest.mark.slow
-def test_cpu_rows_match_eager_losses_and_time(capsys):
+@pytest.mark.parametrize("models,precisions", [
+    (["llama"], ["fp32"]),
+    pytest.param(["gpt2", "llama"], ["fp32", "bf16"], marks=pytest.mark.full)],
+    ids=["llama-fp32", "every-row"])
+def test_cpu_rows_match_eager_losses_and_time(models, precisions, capsys):
     spec = importlib.util.spec_from_file_location("step_vs_eager", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    results = bench.main(["--small", "--steps", "8", "--warmup", "2"])
+    one = lambda xs: xs[0] if len(xs) == 1 else "both"  # noqa: E731
+    results = bench.main(["--small", "--steps", "8", "--warmup", "2", "--model", one(models),
+                          "--precision", one(precisions)])
     print(capsys.readouterr().out)
-    assert set(results) == {(m, p) for m in ("gpt2", "llama") for p in ("fp32", "bf16")}
+    assert set(results) == {(m, p) for m in models for p in precisions}
     for (model, precision), rows in results.items():
         assert rows["eager"]["ratio"] == 1.0
         for name in ("fxpar codegen=eager", "fxpar codegen=inductor"):

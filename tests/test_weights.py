@@ -456,7 +456,7 @@ PLANS = {"hf_llama": [({"dp": 2, "zero": 3, "tp": 2}, "global"),
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_llama", "gpt"])
+@pytest.mark.parametrize("name", [pytest.param("hf_llama", marks=pytest.mark.full), "gpt"])
 def test_meta_model_loaded_shard_wise_trains_like_eager(tmp_path, name):
     model, _, _ = build(name)
     d = tmp_path / "w" / name
