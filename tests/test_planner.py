@@ -177,6 +177,25 @@ def test_1t_on_3072_fake_devices_under_a_minute():
     assert r.best.memory.total <= 0.9 * cost.HARDWARE["a100"].memory
 
 
+def test_a_pipelines_twin_ranks_are_priced_once_and_alike():
+    """A pipeline's middle ranks of identical layers are one twin (`planner._twins`), priced
+    once: the plan's step and every stage's memory equal pricing each rank apart, and each
+    stage's estimate is its own (told its stage)."""
+    stats, hw, pp = G.gpt_stats("gpt-1t"), cost.HARDWARE["a100"], 8
+    for sched in ("1f1b", "interleaved", "zero-bubble"):
+        v = 2 if sched == "interleaved" else 1
+        ranks = planner._rank_aggregates(planner.stages_of(stats, pp, v, "cuda"), pp, v)
+        twins = planner._twins(ranks)
+        assert twins == [0, 1, 1, 1, 1, 1, 1, 7]  # the embedding's rank, 6 alike, the head's
+        args = (48, 8, pp, v, 16, 4, sched, 1, "bf16", "adamw", {}, 0.9 * hw.memory)
+        once = planner._price(stats, hw, ranks, twins, *args)
+        apart = planner._price(stats, hw, ranks, list(range(pp)), *args)
+        assert once.step_s == apart.step_s, sched
+        assert [m.total for m in once.memory.per_stage] == \
+            [m.total for m in apart.memory.per_stage], sched
+        assert [m.stage for m in once.memory.per_stage] == list(range(pp))
+
+
 @pytest.mark.slow  # (moved to keep make test under 6 minutes)
 def test_175b_on_1024_fake_devices_under_a_minute():
     t0 = time.perf_counter()
