@@ -238,7 +238,6 @@ def simulate_schedule(actions: list[list[Action]], time, p2p_latency: float = 0.
     received: set[tuple] = set()
     clock = [0.0] * pp
     pos = [0] * pp
-    checked = [-1] * pp
     events = [[] for _ in range(pp)]
 
     def fail(r, a, why):
@@ -255,22 +254,17 @@ def simulate_schedule(actions: list[list[Action]], time, p2p_latency: float = 0.
             fail(r, a, f"peer must be the rank of stage {s - 1}")
         if a.is_compute and (a.kind, s, mb) in done:
             fail(r, a, "runs twice")
-        if a.kind in ("B", "I") and (("B", s, mb) in done or ("I", s, mb) in done):
+        if a.kind in ("B", "I") and {("B", s, mb), ("I", s, mb)} & done:
             fail(r, a, "backward already ran for this stage and microbatch (B and I exclude "
                        "each other)")
-        kind = a.kind
-        if kind == "F":
-            needs = [("act", s - 1, mb)] if s > 0 else ()
-        elif kind in ("B", "I"):
-            needs = [("act", s, mb)] + ([("grad", s + 1, mb)] if s < last else [])
-        elif kind == "W":
-            needs = [("I", s, mb)]
-        elif kind == "SEND_F":
-            needs = [("act", s, mb)]
-        elif kind == "SEND_B":
-            needs = [("grad", s, mb)]
-        else:
-            needs = ()
+        needs = {
+            "F": [("act", s - 1, mb)] if s > 0 else [],
+            "B": [("act", s, mb)] + ([("grad", s + 1, mb)] if s < last else []),
+            "I": [("act", s, mb)] + ([("grad", s + 1, mb)] if s < last else []),
+            "W": [("I", s, mb)],
+            "SEND_F": [("act", s, mb)],
+            "SEND_B": [("grad", s, mb)],
+        }.get(a.kind, [])
         for need in needs:
             if need not in have[r]:
                 what = {"act": "forward output", "grad": "input gradient",
@@ -282,9 +276,7 @@ def simulate_schedule(actions: list[list[Action]], time, p2p_latency: float = 0.
         """Run rank r's next action if it can; False if it is blocked on a RECV."""
         a = actions[r][pos[r]]
         s, mb = a.stage, a.microbatch
-        if checked[r] != pos[r]:  # (a RECV not yet sent is tried again; checked once)
-            check(r, a)
-            checked[r] = pos[r]
+        check(r, a)
         start = clock[r]
         if a.kind in ("RECV_F", "RECV_B"):
             key = ("F", s - 1, mb) if a.kind == "RECV_F" else ("B", s + 1, mb)
