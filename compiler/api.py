@@ -164,6 +164,11 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         warnings.warn("Plan.offload on a CPU device copies saved activations between two "
                       "buffers of the same host memory: it saves nothing there (it is meant "
                       "for GPUs; on CPU it only exercises the schedule).", stacklevel=2)
+    if resolved.offload_optimizer and world.device.type == "cpu":
+        warnings.warn("Plan.offload_optimizer on a CPU device keeps the optimizer's state where "
+                      "it was (host and device are one memory) and adds a copy of the "
+                      "parameters: it saves nothing there (it is meant for GPUs; on CPU it only "
+                      "exercises the path).", stacklevel=2)
     if source is None:
         _check_whole_model_fits(model, world.device)
         with clock("model to device"):

@@ -56,6 +56,12 @@ class Plan:
     offload:        with pp > 1 or microbatches > 1: the activations a microbatch keeps for
                     its backward move to host memory while other microbatches run, and come
                     back one action before that backward (runtime/offload.py).
+    offload_optimizer: the optimizer's state and a master copy of what it steps (this rank's
+                    parameters, with ZeRO its shards) live in host memory; each step copies
+                    the gradients out, steps on the CPU and copies the updated tensors back
+                    (DeepSpeed's ZeRO-Offload; runtime/host_optimizer.py). Saves the state's
+                    device memory (AdamW: twice the parameters) for PCIe copies and a CPU step.
+                    Needs an optimizer factory. On a CPU device it saves nothing.
     max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
                     ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
     cuda_graphs:    "auto" (default) | True | False: on CUDA devices, after two warm-up steps
@@ -95,6 +101,7 @@ class Plan:
     sequence_parallel: bool = False
     tp_style: str = "auto"
     offload: bool = False
+    offload_optimizer: bool = False
     max_grad_norm: float | None = None
     cuda_graphs: Any = "auto"
     batch_stats: str = "whole"
@@ -167,6 +174,9 @@ class Plan:
                             "for their backward to host memory; with pp=1 and microbatches=1 "
                             "none wait. Use microbatches > 1 (e.g. with schedule='gpipe') or "
                             "pp > 1, or remat to save activation memory instead.")
+        if self.offload_optimizer not in (True, False):
+            raise PlanError(f"Plan.offload_optimizer must be True or False, got "
+                            f"{self.offload_optimizer!r}.")
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and
                 not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):

@@ -195,10 +195,12 @@ def _slots(pm):
     opt = pm.optimizer
     if opt is None:
         return []
+    host = pm.host_optimizer  # Plan.offload_optimizer: the optimizer steps host copies
+    master = host.master_of if host is not None else (lambda t: t)
     if pm.sharded_optimizer is not None:
         z = pm.sharded_optimizer
-        return [(shard, z.bucket_layout(k), True) for k, shard in enumerate(z.shards)]
-    index = {id(p): i for i, p in enumerate(pm.params)}
+        return [(master(shard), z.bucket_layout(k), True) for k, shard in enumerate(z.shards)]
+    index = {id(master(p)): i for i, p in enumerate(pm.params)}
     out = []
     for g in opt.param_groups:
         for t in g["params"]:
@@ -259,7 +261,8 @@ def _optim_state(pm) -> tuple[dict[str, torch.Tensor], dict]:
                     f"{tuple(v.shape)}, not its parameter's {tuple(t.shape)}: only elementwise "
                     "optimizer state (SGD, Adam, AdamW, ...) can be saved plan-independently.")
             flat = v.detach().reshape(-1)
-            if sharded and pm.sharded_optimizer.dp > 1:
+            if sharded and pm.sharded_optimizer.dp > 1:  # (offloaded state: from the host)
+                flat = flat.to(pm.world.device)
                 whole = flat.new_empty(flat.numel() * pm.sharded_optimizer.dp)
                 dist.all_gather_into_tensor(whole, flat.contiguous(),
                                             group=pm.sharded_optimizer.group)
@@ -490,6 +493,8 @@ def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
             _load_model(pm, state, got)
         else:
             _load_model_whole(pm, {k: got[f"model.{k}"] for k in state}, path)
+    if pm.host_optimizer is not None:  # the masters are what the optimizer steps
+        pm.host_optimizer.pull()
     if pm.optimizer is not None:
         _load_optimizer(pm, slots, okeys, got, meta, path)
     if scaler is not None and meta.get("scaler") is not None:

@@ -28,6 +28,7 @@ from fxpar.runtime import dist as rdist
 from fxpar.runtime import tp_slices as rtp
 from fxpar.runtime import weights as rweights
 from fxpar.runtime import trace as rtrace
+from fxpar.runtime.host_optimizer import HostOptimizer
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
 
@@ -135,6 +136,15 @@ class ParallelModel:
                                                  world.coordinate("tp"))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         t_opt = time.perf_counter()
+        self.host_optimizer = None  # Plan.offload_optimizer: runtime/host_optimizer.py
+        if plan.offload_optimizer and isinstance(optimizer, torch.optim.Optimizer):
+            raise PlanError(
+                "Plan.offload_optimizer builds the optimizer over host copies of this rank's "
+                "tensors, so fxpar must build it: pass a factory, e.g. `optimizer=lambda ps: "
+                "torch.optim.AdamW(ps, lr=1e-3)`, not an instance.")
+        if plan.offload_optimizer and not self.program.zero:
+            user_factory = optimizer
+            optimizer = self._offloaded(lambda ps: optim.build(user_factory, ps))
         if self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
@@ -148,18 +158,20 @@ class ParallelModel:
                 lambda ps: optim.build(factory, ps), self.params, buckets, plan.dp,
                 world.coordinate("dp"), world.mesh.get_group("dp"),
                 shard_params=self.program.params_sharded, param_shards=zero3_shards,
-                shapes=self.local_shapes)
+                shapes=self.local_shapes, offload_to_host=plan.offload_optimizer)
             self.optimizer = self.sharded_optimizer.optimizer
+            self.host_optimizer = self.sharded_optimizer.host
         elif self.pipeline_runner is not None:  # this rank's stages' parameters only
             held = [self.params[i] for i in self.pipeline_runner.held_params]
             self.optimizer = None if not held else optim.build(optimizer, held if not isinstance(
                 optimizer, torch.optim.Optimizer) else model)  # None: stages without weights
         else:
-            self.optimizer = optim.build(optimizer, model)
-        # Inductor compiles the graph; the update is torch's fused kernel where the user let
-        # torch choose (runtime/optim.prefer_fused)
-        self.optimizer_fused = program.codegen == "inductor" and optim.prefer_fused(
-            self.optimizer)
+            self.optimizer = optim.build(optimizer, model if not plan.offload_optimizer else
+                                         list(model.parameters()))
+        # Inductor compiles the graph, or the optimizer steps on the CPU: the update is
+        # torch's fused kernel where the user let torch choose (runtime/optim.prefer_fused)
+        self.optimizer_fused = (program.codegen == "inductor" or plan.offload_optimizer) \
+            and optim.prefer_fused(self.optimizer)
         clock.add("optimizer", time.perf_counter() - t_opt)
         self.buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
@@ -180,6 +192,21 @@ class ParallelModel:
         self._indices_checked: set[int] = set()  # programs whose batch indices were checked
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
 
+    def _offloaded(self, factory: Callable) -> Callable:
+        """Plan.offload_optimizer: a factory over this rank's device tensors that builds
+        the user's optimizer over their host copies (runtime/host_optimizer.py) and returns
+        it; the copies' keeper is `self.host_optimizer`, which the step calls."""
+        def build(tensors):
+            self.host_optimizer = HostOptimizer(factory, list(tensors), self.world.device)
+            return self.host_optimizer.optimizer
+        return build
+
+    @property
+    def _stepper(self):
+        """What steps this rank's tensors from their `.grad`: the optimizer, or with
+        Plan.offload_optimizer its host keeper."""
+        return self.host_optimizer if self.host_optimizer is not None else self.optimizer
+
     def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         """Plain dp on CPU: the graph with an optimizer update after each gradient bucket's
         wait (runtime/bucket_updates.py), so a reduced bucket is stepped while the later
@@ -188,6 +215,7 @@ class ParallelModel:
         gradient clipping or fp16's loss scale (both need every gradient first), an
         optimizer torch does not update per parameter, or on GPUs (not measured there)."""
         if self.program.dp == 1 or self.program.zero or self.world.device.type != "cpu" or \
+                self.host_optimizer is not None or \
                 self.plan.max_grad_norm is not None or self.scaler is not None or \
                 bucket_updates.splittable(self.optimizer, self.params) is not None:
             return gm
@@ -548,7 +576,7 @@ class ParallelModel:
                 elif not self._finish_grads(grads):
                     pass  # fp16 overflow on some rank: every rank skips this update
                 elif self.optimizer is not None:
-                    optim.apply_gradients(self.optimizer, [self.params[i] for i in held],
+                    optim.apply_gradients(self._stepper, [self.params[i] for i in held],
                                           [grads[i] for i in held])
                 self._update_buffers(new_bufs)
                 self.pipeline_runner.sync_buffers(self._mutated_buffers)
@@ -574,7 +602,7 @@ class ParallelModel:
             elif self.sharded_optimizer:
                 self.sharded_optimizer.step(grads)
             else:
-                optim.apply_gradients(self.optimizer, self.params, grads)
+                optim.apply_gradients(self._stepper, self.params, grads)
             self._update_buffers(new_bufs)
         if self._graphed is not None:  # the last replay's GPU time (the loss check synced)
             self.recorder.stats[-1].device_s = self._graphed.last_device_s()

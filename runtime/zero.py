@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.runtime import comm, optim
+from fxpar.runtime.host_optimizer import HostOptimizer
 
 
 class ShardedOptimizer:
@@ -29,10 +30,13 @@ class ShardedOptimizer:
     def __init__(self, factory: Callable, params: Sequence[torch.Tensor],
                  buckets: list[list[int]], dp: int, rank: int, group, shard_params=False,
                  param_shards: dict[int, torch.Tensor] | None = None,
-                 shapes: Sequence[torch.Size] | None = None):
+                 shapes: Sequence[torch.Size] | None = None,
+                 offload_to_host: bool = False):
         """`param_shards` (stage 3): the shards already made, by parameter index (a
         meta-device model: runtime/weights.py read only those; parameters this rank's
-        stages do not need are absent); `shapes`: each parameter's shape in the program."""
+        stages do not need are absent); `shapes`: each parameter's shape in the program;
+        `offload_to_host` (Plan.offload_optimizer): the optimizer steps host copies of the
+        shards (`self.host`, runtime/host_optimizer.py)."""
         self.dp, self.rank, self.group = dp, rank, group
         self.shard_params = shard_params
         self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
@@ -51,7 +55,10 @@ class ShardedOptimizer:
             else:
                 self.shards = [self._slice(self._flat(members)) for members in self.buckets]
         # a pipeline rank whose stages make no gradient (all weights elsewhere) steps nothing
-        self.optimizer = factory(self.shards) if self.shards else None
+        self.host = HostOptimizer(factory, self.shards, self.shards[0].device) \
+            if offload_to_host and self.shards else None
+        self.optimizer = self.host.optimizer if self.host is not None else \
+            factory(self.shards) if self.shards else None
 
     def bucket_layout(self, k: int) -> list[tuple[int, int, int]]:
         """(parameter index, offset, numel) of each member of this rank's k-th bucket in
@@ -79,7 +86,7 @@ class ShardedOptimizer:
             return
         for s, g in zip(self.shards, grad_shards):
             s.grad = optim.like_param(g, s)
-        self.optimizer.step()
+        (self.host or self.optimizer).step()
         for s in self.shards:
             s.grad = None
         if self.shard_params:

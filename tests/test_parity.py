@@ -162,6 +162,26 @@ def _check_plans(world, cases):
         torch.testing.assert_close(info["eval"], _eager_eval(name, state), rtol=RTOL, atol=ATOL)
 
 
+OFFLOAD_CASES = [("gpt", "adamw", {**p, "offload_optimizer": True}) for p in
+                 ({"dp": 2}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3}, {"pp": 2, "microbatches": 2},
+                  {"tp": 2})]
+
+
+@pytest.mark.slow
+def test_offload_optimizer_equals_single_process():
+    """Plan.offload_optimizer (runtime/host_optimizer.py) under dp, ZeRO-2 and -3 (the host
+    copies are the flat shards), a pipeline (each rank its stage's parameters) and tp (the
+    slices): equal to eager training, the optimizer stepping host copies that hold its state
+    and taking each step's gradients from the device tensors."""
+    results = fxpar.launch(plans_rank, 2, OFFLOAD_CASES)
+    for name, opt_name, plan in OFFLOAD_CASES:
+        losses, state, info = results[0][(name, opt_name, repr(plan))]
+        assert results[1][(name, opt_name, repr(plan))][0] == losses, plan
+        _check(name, opt_name, losses, state)
+        off = info["offloaded"]
+        assert off["steps_masters"] and off["state_bytes"] > 0 and off["bytes_out"] > 0, plan
+
+
 UNEVEN_CASES = [("gpt_padded", "sgd", p) for p in
                 ({"dp": 2}, {"dp": 2, "zero": 2}, {"dp": 2, "remat": "sqrt"})]
 

@@ -131,6 +131,12 @@ def fxpar_train(name, opt_name, devices, steps=STEPS, plan=None, info=None):
     if info is not None and pm.codegen_result is not None:  # (compiled runs, cache hits)
         runs = pm.codegen_result.runs
         info["codegen_runs"] = (len(runs), sum(r.cached or r.reused for r in runs))
+    if info is not None and pm.host_optimizer is not None:  # Plan.offload_optimizer
+        h, held = pm.host_optimizer, {id(t) for t in pm.params}
+        stepped = [t for g in pm.optimizer.param_groups for t in g["params"]]
+        info["offloaded"] = {"state_bytes": h.state_bytes(),
+                             "steps_masters": not any(id(t) in held for t in stepped),
+                             "bytes_out": h.stats["bytes_out"]}
     if info is not None and pm.sharded_optimizer is not None and pm.sharded_optimizer.shards:
         z = pm.sharded_optimizer
         full = 2 * sum(shape.numel() for shape in z.shapes) * z.shards[0].element_size()  # m, v
