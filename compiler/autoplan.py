@@ -73,7 +73,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
     """fxpar.parallelize's planning step: every rank plans alike (the machine's figures are
     rank 0's, broadcast; the search is deterministic) and gets the same Plan. Returns
     (Plan, planner.PlanResult)."""
-    constraints = planner.constraints_of(plan)
+    constraints = planner.constraints_of(plan, optimizer)
     clock = Clock(log)
     device = rdist.setup(devices).device  # (parallelize started the default process group)
     with clock("planner: measure machine"):

@@ -381,6 +381,11 @@ class Hardware:
     # the tp split of the ops it belongs to (planner.fit_to_timing)
     roofline_scale: float = 1.0
     async_launch: bool = True
+    # Plan.offload_optimizer: bytes/s of a pinned copy between device and host memory (0:
+    # the device is the host: a copy at mem_bandwidth), and the node's host memory bandwidth
+    # (its ranks' CPU optimizer steps share it)
+    host_link: float = 0.0
+    host_bandwidth: float = 0.0
     # the relative resolution of a predicted step time: plans predicted this close are a tie,
     # which the planner breaks by simplicity (data sheet: 2%; CPU: the spread of the
     # start-up timing's repetitions, 3-5%)
@@ -418,17 +423,24 @@ GiB = 2 ** 30
 # = half each way) at 80%, the bus bandwidth NCCL's all-reduce reaches inside an 8-GPU
 # NVSwitch node; one HDR (200 Gb/s, A100 / Selene) or NDR (400 Gb/s, H100/H200) InfiniBand
 # NIC per GPU at 90%. Latencies: NCCL's ~10 us per ring step in a node, ~20 us across.
+# Host side (Plan.offload_optimizer): PCIe Gen4 x16 (A100, 32 GB/s each way) or Gen5 x16
+# (H100/H200, 64 GB/s) at 80%, what pinned copies reach; host memory: a DGX's two sockets
+# (A100: 2 x 205 GB/s DDR4, H100: 2 x 307 GB/s DDR5) at 70%.
 HBM_REACHED, NVLINK_REACHED, IB_REACHED = 0.85, 0.8, 0.9
+PCIE_REACHED, HOST_MEM_REACHED = 0.8, 0.7
 HARDWARE = {
     "a100": Hardware("A100-80GB-SXM", {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
                      2.039e12 * HBM_REACHED, 80 * GiB, Link(10e-6, 300e9 * NVLINK_REACHED),
-                     Link(20e-6, 25e9 * IB_REACHED)),
+                     Link(20e-6, 25e9 * IB_REACHED), host_link=32e9 * PCIE_REACHED,
+                     host_bandwidth=2 * 205e9 * HOST_MEM_REACHED),
     "h100": Hardware("H100-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
                      3.35e12 * HBM_REACHED, 80 * GiB, Link(8e-6, 450e9 * NVLINK_REACHED),
-                     Link(15e-6, 50e9 * IB_REACHED)),
+                     Link(15e-6, 50e9 * IB_REACHED), host_link=64e9 * PCIE_REACHED,
+                     host_bandwidth=2 * 307e9 * HOST_MEM_REACHED),
     "h200": Hardware("H200-SXM", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12},
                      4.8e12 * HBM_REACHED, 141 * GiB, Link(8e-6, 450e9 * NVLINK_REACHED),
-                     Link(15e-6, 50e9 * IB_REACHED)),
+                     Link(15e-6, 50e9 * IB_REACHED), host_link=64e9 * PCIE_REACHED,
+                     host_bandwidth=2 * 307e9 * HOST_MEM_REACHED),
 }
 # fp32 matmuls without TF32 (torch's default, float32_matmul_precision "highest") run on
 # the CUDA cores: the data sheets' FP32 rate. On an H100 eager fp32 GPT-2-small steps ran at

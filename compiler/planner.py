@@ -29,6 +29,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -97,7 +98,8 @@ def plan_str(p: Plan) -> str:
     """The searched fields of a plan, in the table's columns."""
     sched = p.schedule if p.pp > 1 else "-"
     return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
-            f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}")
+            f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}"
+            + (" optimizer on host" if p.offload_optimizer else ""))
 
 
 def _bytes(b: float) -> str:
@@ -164,6 +166,12 @@ class PlanResult:
             out.append(f"  {b.memory.formula()}")
         if self.refit:
             out.append(f"  priced {self.refit}")
+        if b.plan.offload_optimizer:
+            why = ("as given" if "offload_optimizer" in self.inputs.get("constraints", {}) else
+                   "no plan fits with the optimizer's state on the device")
+            out.append(f"  the optimizer steps host copies, its state in host memory "
+                       f"(offload_optimizer: {why}); it costs "
+                       f"{b.parts.get('optimizer offload', 0.0) * 1e3:.2f} ms of copies")
         if b.recompute:
             why = (f"(remat={_remat_str(b.plan.remat)} as given)"
                    if "remat" in self.inputs.get("constraints", {}) else "to fit")
@@ -230,7 +238,9 @@ class PlanResult:
             p = c.plan
             pipe = f" m={p.microbatches} {p.schedule}" if p.microbatched else ""
             return (f"dp={p.dp} tp={p.tp} pp={p.pp}{pipe} zero={p.zero} "
-                    f"remat={_remat_str(p.remat)}: {c.step_s * 1e3:.2f} ms/step, "
+                    f"remat={_remat_str(p.remat)}"
+                    f"{' optimizer on host' if p.offload_optimizer else ''}: "
+                    f"{c.step_s * 1e3:.2f} ms/step, "
                     f"{_bytes(c.memory.total)}/device")
         out = [f"plan chosen: {short(self.best)}"]
         if len(self.table) > 1:
@@ -676,6 +686,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                   f"the batch of {batch_rows} rows does not split over dp={world}"
                   if batch_rows % world else "this fxpar cannot run it for this model")
     smallest: tuple[float, Candidate] | None = None
+    # Plan.offload_optimizer: as the user fixed it, else tried where a plan does not fit
+    offloads = [constraints["offload_optimizer"]] if "offload_optimizer" in constraints else \
+        [False, True]
     stage_cache = {}
     ticker = Ticker(log)
     for dp, tp, pp in legal:
@@ -715,22 +728,25 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         stage_cache[key] = (aggs, _twins(aggs))
                     n_legal += 1
                     ticker.tick("planner search: %d plans priced", n_legal)
-                    c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched, zero,
-                               precision, optimizer, constraints, budget)
-                    if c is None:
-                        continue
-                    if executable:
-                        try:
-                            c.plan.validate(world)
-                        except PlanError:
-                            continue
-                    if c.memory.total <= budget:
-                        cands.append(c)
-                    elif (dp, m, zero) == (world, 1, 0):
-                        plain_note = (f"it needs {_bytes(c.memory.total)} per device, over "
-                                      f"the {_bytes(budget)} usable")
-                    elif smallest is None or c.memory.total < smallest[0]:
-                        smallest = (c.memory.total, c)
+                    for offload in offloads:  # (with the state on the host where it does
+                        # not fit on the device)
+                        c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
+                                   zero, precision, optimizer, constraints, budget, offload)
+                        if c is None:
+                            break
+                        if executable:
+                            try:
+                                c.plan.validate(world)
+                            except PlanError:
+                                break
+                        if c.memory.total <= budget:
+                            cands.append(c)
+                            break
+                        if (dp, m, zero, offload) == (world, 1, 0, False):
+                            plain_note = (f"it needs {_bytes(c.memory.total)} per device, "
+                                          f"over the {_bytes(budget)} usable")
+                        elif smallest is None or c.memory.total < smallest[0]:
+                            smallest = (c.memory.total, c)
     if not cands:
         if smallest is None:
             raise PlanError(f"no plan could be priced for {world} devices with {constraints}.")
@@ -783,7 +799,8 @@ def _compute_scaled(hw: cost.Hardware, k: float) -> cost.Hardware:
     return out
 
 
-_SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "precision")
+_SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "precision",
+             "offload_optimizer")
 
 
 def plan_dict(p: Plan) -> dict:
@@ -917,7 +934,7 @@ def simplicity(p: Plan) -> tuple:
     1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
     return (p.tp, p.pp, p.microbatches, axes, p.zero, p.pp > 1 and p.schedule != "1f1b",
-            p.remat != "none")
+            p.remat != "none", p.offload_optimizer)
 
 
 def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
@@ -932,7 +949,7 @@ def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
 
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
-           constraints, budget) -> Candidate | None:
+           constraints, budget, offload=False) -> Candidate | None:
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
     # a weight-shaped value a stage sends every microbatch: the sender holds one in flight
@@ -994,7 +1011,14 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 optimizer_foreach=dev == "cuda",
                 bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
         mem, rec = priced[key]
-        return copy.copy(mem), rec  # (its own: each is told its stage below)
+        mem = copy.copy(mem)  # (its own: each is told its stage below)
+        if offload:  # Plan.offload_optimizer: the state and the step's temporaries on the
+            # host; in half precision the fp32 masters (the graph's parameters) stay
+            master = sympy.Rational(4 if precision != "fp32" else 0,
+                                    4 * OPTIMIZER_STATES.get(optimizer, 2) + 4)
+            mem.optimizer, mem.optimizer_step = mem.optimizer * float(master), 0.0
+            mem.state = (*mem.state[:2], mem.state[2] * master) if mem.state else ()
+        return mem, rec
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
@@ -1149,6 +1173,15 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
     if hw.optimizer_s is not None:  # measured on this machine for the whole model
         opt_t = hw.optimizer_s * n_elem / (dp if zero >= 1 else 1) / max(stats.total_params, 1)
+    offload_s = 0.0
+    if offload:  # Plan.offload_optimizer (runtime/host_optimizer.py): the stepped tensors'
+        # fp32 gradients out and values back, not overlapped; on a GPU the step runs on the
+        # host's CPU (torch's fused kernel: its memory bandwidth, shared by the node's ranks)
+        stepped = n_elem / (dp if zero >= 1 else 1) * 4
+        offload_s = 2 * stepped / (hw.host_link or hw.mem_bandwidth / 2)
+        if hw.host_link:
+            opt_t = touched / (hw.host_bandwidth or hw.mem_bandwidth) * min(
+                dp * tp * pp, hw.devices_per_node)
     # microbatches: every one after the first adds its gradients into the running sums
     # (runtime/pipeline.py: in the backward part's graph, one add per gradient)
     accumulate = (m - 1) * (3 * n_elem * elem / hw.mem_bandwidth
@@ -1157,7 +1190,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     waiting = min(sum(comm_s) / pp / busy, 1.0) if busy > 0 else 0.0
     if pp > 1:
         pipe = _on_shared_cores(pipe, busy, hw, waiting)
-    step = pipe + dp_exposed + opt_t + tied_s + accumulate + hw.step_overhead
+    step = pipe + dp_exposed + opt_t + offload_s + tied_s + accumulate + hw.step_overhead
     compute_only = m * max(f + b for f, b in zip(fwd, bwd))
     parts = {"compute": compute_only, "pipeline bubble": max(pipe - compute_only, 0.0),
              "dp communication": dp_exposed, "optimizer": opt_t}
@@ -1165,6 +1198,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         parts["tied weights' gradients"] = tied_s
     if accumulate:
         parts["gradient accumulation"] = accumulate
+    if offload:
+        parts["optimizer offload"] = offload_s
     model_flops = sum(s.flops_f + s.flops_b for s in stats.segments) * batch_scale(
         stats, mbs * m * dp)
     # MFU against a data sheet's peak only: a CPU's is a 512x512 matmul timed at start-up,
@@ -1173,10 +1208,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
-                precision=precision)
+                precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
-        if k2 not in ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat",
-                      "precision"):  # (e.g. codegen, max_grad_norm, offload, overlap)
+        if k2 not in _SEARCHED:  # (e.g. codegen, max_grad_norm, offload, overlap)
             setattr(plan, k2, given)
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))
@@ -1617,9 +1651,12 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
     return result
 
 
-def constraints_of(plan) -> dict:
+def constraints_of(plan, optimizer=None) -> dict:
     """A plan given with "auto" parts -> the fields the search must keep (a Plan: those
-    differing from the defaults; a dict: as given); "auto" degrees are searched."""
+    differing from the defaults; a dict: as given); "auto" degrees are searched. An
+    optimizer instance (built over the whole parameters, not a factory) cannot step ZeRO's
+    shards or host copies (runtime/trainer.py refuses those plans): zero=0 and
+    offload_optimizer=False unless the plan says otherwise."""
     if isinstance(plan, Plan):
         constraints = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)
                        if getattr(plan, f.name) != getattr(Plan(), f.name)}
@@ -1628,6 +1665,8 @@ def constraints_of(plan) -> dict:
         constraints = dict(plan)
     else:
         constraints = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        constraints = {"zero": 0, "offload_optimizer": False, **constraints}
     return {k: v for k, v in constraints.items()
             if not (k in ("dp", "tp", "pp") and v == "auto")}
 

@@ -1,6 +1,7 @@
 """On a real NVIDIA GPU: training steps with the Triton kernels launched for real (the fusion
 pass's layer norm and cross-entropy; ATen's attention is kept on CUDA), bf16 / fp16
-precision, activation offload to pinned host memory on a side stream, the planner's
+precision, activation offload to pinned host memory on a side stream, the optimizer stepped
+on host copies (Plan.offload_optimizer), the planner's
 memory estimate against the CUDA allocator, the step replayed as a CUDA graph, and
 Plan.codegen="inductor" (Inductor's Triton kernels, fxpar's cross-entropy kernel kept).
 Tests that name no codegen run "auto": Inductor on a GPU.
@@ -205,6 +206,30 @@ def test_offload_on_gpu_keeps_the_losses_and_lowers_the_peak():
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                rtol=1e-6, atol=1e-6)
     assert peaks[True] < 0.9 * peaks[False], peaks
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_offload_optimizer_on_gpu_keeps_the_losses_and_frees_the_state():
+    """Plan.offload_optimizer: AdamW's moments in host memory, the step on the CPU,
+    the parameters copied back in place (the CUDA graph replays them): the losses of the same
+    plan without offload (the CPU's fused AdamW against CUDA's: rounding), and the device
+    memory held after the steps lower by the moments (two fp32 copies of the parameters)."""
+    data = _batch()
+    held, losses = {}, {}
+    for offload in (False, True):
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        pm, losses[offload] = _fxpar(fxpar.Plan(offload_optimizer=offload), 4, data)
+        held[offload] = torch.cuda.memory_allocated() - base
+        if offload:
+            state = [v for st in pm.optimizer.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0]
+            assert state and all(v.device.type == "cpu" for v in state)
+            moments = 2 * sum(p.numel() * 4 for p in pm.params)
+        del pm
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
+                               rtol=1e-5, atol=1e-5)
+    assert held[False] - held[True] >= 0.9 * moments, (held, moments)
 
 
 @pytest.mark.parametrize("remat,precision", [("none", "fp32"), ("none", "bf16"),

@@ -1414,3 +1414,45 @@ def test_tp_activations_are_priced_from_the_tp_pass_graph():
         assert seg.saved - seg.saved_split / 2 == pytest.approx(x.saved)
         assert seg.working(2) == pytest.approx(x.transient)
     assert stats.segments[-1].transient_split > 0  # (the loss's logits, split by vocab)
+
+
+def test_the_optimizer_goes_to_the_host_only_where_nothing_fits_with_it_on_the_device():
+    """Plan.offload_optimizer is a fallback the search tries per plan: a 7.5B GPT in bf16 on
+    one 80 GB H100 fits no plan with AdamW's state on the device (16 bytes a parameter:
+    120 GB) and fits with it on the host (the fp32 masters stay: they are the graph's
+    parameters), priced with the copies over PCIe and the step on the host's CPU; a 1.7B
+    GPT fits as it is, and no plan of its table moves the optimizer."""
+    hw = cost.HARDWARE["h100"]
+    stats = G.gpt_stats("gpt-7.5b")
+    with pytest.raises(PlanError, match="fits no legal plan"):
+        planner.search(stats, 1, hw, batch_rows=8, precision="bf16", executable=False,
+                       constraints={"offload_optimizer": False})
+    r = planner.search(stats, 1, hw, batch_rows=8, precision="bf16", executable=False)
+    b = r.best
+    assert all(c.plan.offload_optimizer for c in r.table)
+    assert b.memory.total <= 0.9 * hw.memory
+    n = sum(s.params for s in stats.segments)
+    assert b.memory.optimizer == pytest.approx(4 * n, rel=1e-6)  # the fp32 masters only
+    assert b.memory.optimizer_step == 0
+    # the copies: fp32 gradients out and values back over PCIe, not overlapped
+    assert b.parts["optimizer offload"] == pytest.approx(2 * 4 * n / hw.host_link, rel=1e-6)
+    assert "no plan fits with the optimizer's state on the device" in r.explain()
+    assert "optimizer on host" in b.row() and "optimizer on host" in r.summary()
+    fits = planner.search(G.gpt_stats("gpt-1.7b"), 1, hw, batch_rows=8, precision="bf16",
+                          executable=False)
+    assert not any(c.plan.offload_optimizer for c in fits.table)
+    # fixed by the user: every plan of the table has it, and the plan keeps it
+    given = planner.search(G.gpt_stats("gpt-1.7b"), 1, hw, batch_rows=8, precision="bf16",
+                           executable=False, constraints={"offload_optimizer": True})
+    assert all(c.plan.offload_optimizer for c in given.table)
+    assert "(offload_optimizer: as given)" in given.explain()
+
+
+def test_an_optimizer_instance_keeps_the_search_to_plans_it_can_step():
+    """An optimizer built over the whole parameters cannot step ZeRO's shards or host
+    copies (parallelize refuses those plans and asks for a factory): plan="auto" searches
+    without them; a factory leaves them to the search."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    assert planner.constraints_of("auto", opt) == {"zero": 0, "offload_optimizer": False}
+    assert planner.constraints_of({"dp": "auto", "zero": 1}, opt)["zero"] == 1  # as given
+    assert planner.constraints_of("auto", lambda ps: torch.optim.AdamW(ps)) == {}
