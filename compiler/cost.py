@@ -66,7 +66,8 @@ _ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wai
 c10d = torch.ops._c10d_functional
 # collectives that read their input asynchronously: it stays alive until their wait_tensor
 # (an all-reduce runs in place on a buffer it owns, or copies at start)
-ASYNC_INPUT_COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
+ASYNC_INPUT_COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                           c10d.all_to_all_single.default}
 COLLECTIVES = {c10d.all_reduce.default, *ASYNC_INPUT_COLLECTIVES}
 
 

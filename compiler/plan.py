@@ -15,6 +15,7 @@ REMATS = ("none", "sqrt", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 TP_STYLES = ("auto", "all-reduce", "all-gather")
 CODEGENS = ("auto", "inductor", "eager")
+COMM_QUANTIZATIONS = ("none", "weights", "gradients", "weights+gradients")
 
 
 @dataclasses.dataclass
@@ -62,6 +63,12 @@ class Plan:
                     (DeepSpeed's ZeRO-Offload; runtime/host_optimizer.py). Saves the state's
                     device memory (AdamW: twice the parameters) for PCIe copies and a CPU step.
                     Needs an optimizer factory. On a CPU device it saves nothing.
+    comm_quantization: ZeRO++'s compressed collectives, lossy by design: "weights" (qwZ):
+                    ZeRO-3's parameter all-gathers carry int8 values in blocks of 256 with an
+                    fp32 scale each (~1/4 of fp32's bytes); "gradients" (qgZ): ZeRO-2/3's
+                    gradient reduce-scatters become an all-to-all of int4 values in blocks of
+                    256 (~1/8 of the bytes), each rank dequantizing and summing its shard in
+                    fp32; "weights+gradients"; "none" (default).
     max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
                     ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
     cuda_graphs:    "auto" (default) | True | False: on CUDA devices, after two warm-up steps
@@ -102,6 +109,7 @@ class Plan:
     tp_style: str = "auto"
     offload: bool = False
     offload_optimizer: bool = False
+    comm_quantization: str = "none"
     max_grad_norm: float | None = None
     cuda_graphs: Any = "auto"
     batch_stats: str = "whole"
@@ -177,6 +185,15 @@ class Plan:
         if self.offload_optimizer not in (True, False):
             raise PlanError(f"Plan.offload_optimizer must be True or False, got "
                             f"{self.offload_optimizer!r}.")
+        if self.comm_quantization not in COMM_QUANTIZATIONS:
+            raise PlanError(f"Plan.comm_quantization must be one of {COMM_QUANTIZATIONS}, got "
+                            f"{self.comm_quantization!r}.")
+        if "weights" in self.comm_quantization and (self.zero != 3 or self.dp == 1):
+            raise PlanError("Plan.comm_quantization='weights' quantizes ZeRO-3's parameter "
+                            "all-gathers: it needs zero=3 and dp > 1.")
+        if "gradients" in self.comm_quantization and (self.zero < 2 or self.dp == 1):
+            raise PlanError("Plan.comm_quantization='gradients' quantizes ZeRO-2/3's gradient "
+                            "reduce-scatters: it needs zero=2 or 3 and dp > 1.")
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and
                 not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):

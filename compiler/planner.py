@@ -1138,21 +1138,37 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         # gathers each layer's parameters before its forward and again before its backward
         grad_bytes = n_elem * elem
         span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
+        # Plan.comm_quantization (as the user gives it; a lossy choice the search never
+        # makes): int8 + a scale per 256 on the gathers, int4 + a scale on the reduce-
+        # scatters' all-to-alls, and the (de)quantizing passes over the data
+        quant = constraints.get("comm_quantization", "none")
+        q_w = zero >= 3 and "weights" in quant
+        q_g = zero >= 2 and "gradients" in quant
+        wire_w = n_elem * (1 + 4 / 256) if q_w else grad_bytes
+        wire_g = n_elem * (0.5 + 4 / 256) if q_g else grad_bytes
         buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
                    else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
         if zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
-        else:
-            dpc = hw.comm("reduce_scatter", grad_bytes, dp, span, calls=buckets)
+        else:  # (qgZ's all-to-all moves what a ring reduce-scatter moves of its bytes)
+            dpc = hw.comm("reduce_scatter", wire_g, dp, span, calls=buckets)
         if zero in (1, 2):  # after the optimizer: no backward left to hide it behind, and
             # each bucket copied back into its parameters (runtime/zero.py)
             gather = hw.comm("all_gather", grad_bytes, dp, span, calls=buckets) + \
                 2 * grad_bytes / hw.mem_bandwidth
         if zero >= 3:
-            dpc += 2 * m * hw.comm("all_gather", grad_bytes, dp, span, calls=round(
-                n_t * stats.zero3_gathers_per_param / 2))
+            gathers = round(n_t * stats.zero3_gathers_per_param / 2)
+            dpc += 2 * m * hw.comm("all_gather", wire_w, dp, span, calls=gathers)
         # the loss (and the count of its targets), per microbatch
         dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
+        # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
+        # what arrives, and ~13 nodes each side of a collective
+        if q_w:
+            dp_fixed += 2 * m * (6 * 4 * n_elem * (1 + 1 / dp) / hw.mem_bandwidth
+                                 + 26 * gathers * hw_graph.node_overhead)
+        if q_g:
+            dp_fixed += 6 * 4 * 2 * n_elem / hw.mem_bandwidth + \
+                26 * buckets * hw_graph.node_overhead
         # the nodes the dp pass adds per parameter (packing, shard views; ZeRO-3's gathers
         # per microbatch): dispatch time, not hidden by the backward
         dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
+from fxpar.compiler import quantized_comm as qcomm
 from fxpar.compiler.errors import BatchError, PlanError, ShardingError
 from fxpar.compiler.graphs import ancestors, fake_propagate
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
@@ -85,12 +86,14 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     # gradient buckets: a fixed size if the plan gives one, else the cost model sizes them
     # (None); ZeRO-3 reduce-scatters per layer instead (_reduce_scatter_by_layer)
     bucket_bytes = None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20)
-    _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero, ctx.profile)
+    _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero, ctx.profile,
+                    quantized="gradients" in plan.comm_quantization)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if plan.zero == 3:
         # (with microbatches a step's forward and backward run as separate parts, one
         # microbatch at a time: a kept forward copy would be stashed per microbatch)
-        _gather_params_before_use(gm, group, dp, keep_tail=plan.microbatches == 1)
+        _gather_params_before_use(gm, group, dp, keep_tail=plan.microbatches == 1,
+                                  quantized="weights" in plan.comm_quantization)
         gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
@@ -101,9 +104,10 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None):
+def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized=False):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
-    With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket."""
+    With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket;
+    `quantized` (ZeRO-2/3, Plan.comm_quantization): reduce-scattered as int4 (qgZ)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     outs = list(out.args[0])
@@ -125,7 +129,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None):
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero:
         grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
-                                    gm.meta, profile)
+                                    gm.meta, profile, quantized)
         out.meta["n_grads"] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
@@ -470,7 +474,7 @@ def _only_through(loss, nll) -> bool:
 
 
 def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided,
-                        profile):
+                        profile, quantized=False):
     """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/dp slice. ZeRO-2:
     reduce-scatter it (each rank receives only its summed slice: half the bytes of an
     all-reduce, and no full-size reduced gradient). Returns one shard node per bucket and
@@ -487,7 +491,8 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     # bucket of two of them placed after the first one read the second before it existed)
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero == 3:
-        return _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided)
+        return _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided,
+                                        quantized)
     shards = []
     decided[ir.ZERO_BUCKETS] = []
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
@@ -498,12 +503,21 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         members = [grads[i] for i in idx]
         with graph.inserting_before(_after_last(members, order)):
             flat = _flat_bucket(graph, members, multiple_of=dp)
-            if zero >= 2:
+            size = -(-sum(g.meta[ir.VAL].numel() for g in members) // dp)
+            if quantized:
+                done = _start_quantized_reduce_scatter(graph, flat, _row_segments(members, dp),
+                                                       dp, group)
+            elif zero >= 2:
                 started = _emit(graph, target, (flat, "sum", dp, group))
             else:
                 started = _emit(graph, target, (flat, "sum", group))
-            done = _emit(graph, c10d.wait_tensor.default, (started,))
-        if zero >= 2:
+            if not quantized:
+                done = _emit(graph, c10d.wait_tensor.default, (started,))
+        if quantized:
+            with graph.inserting_before(out):
+                shard = _quantized_shard(graph, done, _row_segments(members, dp), dp,
+                                         members[0].meta[ir.VAL].dtype)
+        elif zero >= 2:
             shard = done
         else:
             with graph.inserting_before(out):
@@ -513,7 +527,8 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     return shards
 
 
-def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided):
+def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided,
+                             quantized=False):
     """ZeRO-3: each gradient's output is this rank's shard of it, laid out as its parameter's
     shard (one bucket per parameter, decided[ir.ZERO_BUCKETS]). The gradients one layer makes
     in one pipeline part are reduce-scattered by one collective, issued after the last of them:
@@ -543,8 +558,15 @@ def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, dec
                 packed = _emit(graph, aten.cat.default, (rows, 1))
                 flat = _emit(graph, aten.view.default, (packed, [dp * sum(sizes)]))
                 packed.meta[ir.SHARD] = flat.meta[ir.SHARD] = (Partial("sum"),)
-            started = _emit(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", dp, group))
-            done = _emit(graph, c10d.wait_tensor.default, (started,))
+            if quantized:
+                done = _start_quantized_reduce_scatter(graph, flat, sizes, dp, group)
+            else:
+                started = _emit(graph, c10d.reduce_scatter_tensor.default,
+                                (flat, "sum", dp, group))
+                done = _emit(graph, c10d.wait_tensor.default, (started,))
+        if quantized:
+            with graph.inserting_before(out):
+                done = _quantized_shard(graph, done, sizes, dp, members[0].meta[ir.VAL].dtype)
         done.meta[ir.SHARD] = (Shard(0),)
         if len(members) == 1:
             shard_of[idx[0]] = done
@@ -557,6 +579,38 @@ def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, dec
     return [shard_of[b[0]] for b in decided[ir.ZERO_BUCKETS]]
 
 
+def _start_quantized_reduce_scatter(graph, flat, sizes, dp, group):
+    """qgZ (compiler/quantized_comm.py): `flat` ([dp * sum(sizes)], row r what rank r keeps:
+    segments of `sizes`, one per tensor) as int4 blocks, part r sent to rank r by one
+    all-to-all; returns its wait."""
+    payload = qcomm.int4_payload(_bucket_op(graph), flat, sizes, dp)
+    part = qcomm.int4_bytes(sizes)
+    started = _emit(graph, c10d.all_to_all_single.default, (payload, [part] * dp, [part] * dp,
+                                                             group))
+    return _emit(graph, c10d.wait_tensor.default, (started,))
+
+
+def _row_segments(members, dp) -> list[int]:
+    """qgZ on a flat bucket (ZeRO-2): the bucket's dp rows cut at every row's tensor
+    boundaries (and its padding's), the same cuts in every row, so no block of a row holds
+    two tensors: segments of one tensor each, in every row."""
+    sizes = [g.meta[ir.VAL].numel() for g in members]
+    size = -(-sum(sizes) // dp)
+    starts = [sum(sizes[:k]) for k in range(1, len(sizes) + 1)]
+    cuts = sorted({b - r * size for b in starts for r in range(dp) if 0 < b - r * size < size})
+    return [b - a for a, b in zip([0, *cuts], [*cuts, size])]
+
+
+def _quantized_shard(graph, received, sizes, dp, dtype):
+    """This rank's summed [sum(sizes)] shard of a qgZ reduce-scatter, in `dtype`."""
+    return qcomm.sum_of_int4_payloads(_bucket_op(graph), received, sizes, dp, dtype)
+
+
+def _bucket_op(graph):
+    """compiler/quantized_comm's `op`: each op a node of the bucket's communication."""
+    return lambda target, *args, **kwargs: _emit(graph, target, args, kwargs)
+
+
 def _layer_of_param(p) -> str:
     """The layer (ir.layer_of) of the module owning parameter placeholder `p`: ZeRO-3's unit
     of one collective. Taken from the parameter's name, not from the module meta of the ops
@@ -565,7 +619,7 @@ def _layer_of_param(p) -> str:
     return ir.layer_of(fqn.rsplit(".", 1)[0] if "." in fqn else fqn)
 
 
-def _gather_params_before_use(gm, group, dp, keep_tail=True):
+def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False):
     """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
     shard; full weights are all-gathered just before their first use in the forward and again
     before their first use in the backward, so each gathered copy dies after its last use there.
@@ -578,7 +632,8 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True):
     backward, except the tail's (_kept_from_forward).
     Under pipeline parallelism each stage that reads the weight gathers it itself, in each
     of its own forward and backward parts (never a full weight sent between stages or kept from a
-    microbatch's forward to its backward), as FSDP2 does under pipelining."""
+    microbatch's forward to its backward), as FSDP2 does under pipelining.
+    `quantized` (Plan.comm_quantization, qwZ): each gather carries int8 blocks."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     fwd, bwd = [], []  # (param, first reader, its readers: [(node, value read)]) per part
@@ -599,13 +654,13 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True):
             sorted(bwd_uses, key=lambda uv: order[uv[0]]), lambda uv: uv[0])]
 
     fwd_fulls: dict = {}
-    for p, whole, readers in _gathered_by_layer(graph, fwd, dp, group, order, full):
+    for p, whole, readers in _gathered_by_layer(graph, fwd, dp, group, order, full, quantized):
         fwd_fulls.setdefault(p, []).append(whole)
         for u, _ in readers:
             u.replace_input_with(p, whole)
     if keep_tail:
         bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
-    for p, whole, uses in _gathered_by_layer(graph, bwd, dp, group, order, full):
+    for p, whole, uses in _gathered_by_layer(graph, bwd, dp, group, order, full, quantized):
         first = uses[0][0]
         env = {p: whole}
         env.update({f: whole for f in fwd_fulls.get(p, [])})
@@ -647,9 +702,10 @@ def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
         if full is None:
             rest.append((p, first, uses))
             continue
-        start = full
+        start = full  # (back through the copy-out and any dequantization to the gather)
         while start.target is not c10d.all_gather_into_tensor.default:
-            start = start.args[0]
+            start = start.args[0][0] if isinstance(start.args[0], (list, tuple)) \
+                else start.args[0]
         last_fwd = max(order[u] for v in (full, *views_of[p][1:]) for u in v.users
                        if u.meta.get(ir.REGION) != ir.BACKWARD)
         between = sum(_shard_bytes(s) for s in fwd_starts
@@ -673,13 +729,22 @@ def _gathers_params(n) -> bool:
 
 
 def _shard_bytes(gather) -> int:
-    """Bytes of the shards an all-gather reads (its parameter placeholder or their packing)."""
-    x = gather.args[0]
-    shards = x.args[0] if x.meta.get(ir.PACK) else [x]
-    return sum(cost.tensor_bytes(p.meta[ir.VAL]) for p in shards)
+    """Bytes of the shards an all-gather reads (its parameter placeholder, or the shards
+    its packing reads: their copy into one input, their quantization)."""
+    seen, todo, total = set(), [gather.args[0]], 0
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.meta.get(ir.PACK):
+            todo += x.all_input_nodes
+        else:
+            total += cost.tensor_bytes(x.meta[ir.VAL])
+    return total
 
 
-def _gathered_by_layer(graph, requests, dp, group, order, full):
+def _gathered_by_layer(graph, requests, dp, group, order, full, quantized=False):
     """One all-gather per (pipeline part, layer, dtype) of the requests (param, first reader,
     readers), inserted before the group's earliest first reader. Yields (param, its whole
     weight, readers). Outside numbered blocks a layer is one module (`lm_head`)."""
@@ -690,7 +755,7 @@ def _gathered_by_layer(graph, requests, dp, group, order, full):
         units.setdefault(key, []).append((p, first, readers))
     for members in units.values():
         before = min((first for _, first, _ in members), key=order.__getitem__)
-        fulls = _gather(graph, [p for p, _, _ in members], dp, group, before, full)
+        fulls = _gather(graph, [p for p, _, _ in members], dp, group, before, full, quantized)
         for (p, _, readers), whole in zip(members, fulls):
             yield p, whole, readers
 
@@ -731,13 +796,16 @@ def _forward_views_of(p):
     return [p] + sorted(out[1:], key=order.__getitem__)
 
 
-def _gather(graph, shards, dp, group, before, full):
+def _gather(graph, shards, dp, group, before, full, quantized=False):
     """The whole weights of `shards` (parameter placeholders holding flat 1/dp shards; `full`:
     each one's whole numel and shape), inserted before `before`: all-gather + wait (+ unpad)
     + view to each parameter's shape.
     Several shards travel in one collective: copied into one input (rank r's part of the
     result is then its shards back to back, [dp, sum of shard sizes]) and each weight copied
-    out of its columns, FSDP2's all-gather copy-in / copy-out."""
+    out of its columns, FSDP2's all-gather copy-in / copy-out. `quantized` (qwZ): the input
+    is quantized to int8 blocks and every rank's part dequantized after the gather
+    (compiler/quantized_comm.py); the quantization is packing (ir.PACK) too, so the overlap
+    pass moves it with the collective."""
     meta = {ir.REGION: before.meta.get(ir.REGION, ir.FORWARD),
             ir.MODULE: before.meta.get(ir.MODULE, ""), ir.SHARD: (Replicate(),)}
     sizes = [s.meta[ir.VAL].numel() for s in shards]
@@ -749,9 +817,17 @@ def _gather(graph, shards, dp, group, before, full):
             packed = graph.call_function(aten.cat.default, (list(shards),))
             packed.meta[ir.PACK] = True
             nodes.append(packed)
+        if quantized:
+            payload = qcomm.int8_payload(_into(graph, nodes), packed, sizes)
+            for n in nodes:
+                n.meta[ir.PACK] = True
+            packed = payload
         nodes.append(graph.call_function(c10d.all_gather_into_tensor.default,
                                          (packed, dp, group)))
         nodes.append(graph.call_function(c10d.wait_tensor.default, (nodes[-1],)))
+        if quantized:
+            qcomm.from_int8_payloads(_into(graph, nodes), nodes[-1], sizes, dp,
+                                     shards[0].meta[ir.VAL].dtype)
         if len(shards) == 1:
             flats = [nodes[-1]]
         else:
@@ -776,6 +852,14 @@ def _gather(graph, shards, dp, group, before, full):
         n.meta.update(meta)
         _place_like(n, before)
     return fulls
+
+
+def _into(graph, nodes):
+    """compiler/quantized_comm's `op`: each op a node appended to `nodes`."""
+    def op(target, *args, **kwargs):
+        nodes.append(graph.call_function(target, args, kwargs))
+        return nodes[-1]
+    return op
 
 
 def _buckets(graph, grads, bucket_bytes, dp, target, profile=None):
@@ -863,9 +947,9 @@ def assign_buckets(grads: list[torch.fx.Node], bucket_bytes: int) -> list[list[i
     return buckets
 
 
-def _emit(graph, target, args):
+def _emit(graph, target, args, kwargs=None):
     """A node of a gradient bucket's packing or communication (region comm)."""
-    node = graph.call_function(target, args)
+    node = graph.call_function(target, args, kwargs or {})
     node.meta[ir.REGION], node.meta[ir.MODULE], node.meta[ir.BUCKET] = ir.COMM, "", True
     return node
 

@@ -99,11 +99,11 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     for start, wait in pairs:
         floor = order.index(floors[start.target]) if start.target in floors else n_inputs - 1
         pos = order.index(start)
-        packs = [a for a in start.all_input_nodes if a.meta.get(ir.PACK)]
-        inputs = [b for a in start.all_input_nodes
-                  for b in (a.all_input_nodes if a in packs else [a])]
+        packs = _packing(start)
+        inputs = [b for a in [start, *packs] for b in a.all_input_nodes if b not in packs]
         lo = max([floor] + [order.index(a) for a in inputs])
-        size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in (start, *packs))
+        size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in
+                   (start, *(a for a in start.all_input_nodes if a in packs)))
         new = pos
         for k in range(pos - 1, lo, -1):
             if extra[order[k]] + size > room[order[k]]:
@@ -120,12 +120,13 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         # its old place, or still below a copy (a wait sunk in step 1 can sit between copy and
         # collective, and the memory limit can stop the start right there); each copy is
         # taken out before the start's place is looked up, so that place is its final one
-        for pk in packs:
+        for pk in sorted(packs, key=order.index):
             order.remove(pk)
             order.insert(order.index(start), pk)
-        # (a reduce-scatter after the previous one's wait: step 1 keeps one in flight)
-        floors[start.target] = wait if start.target is c10d.reduce_scatter_tensor.default \
-            else start
+        # (a reduce-scatter, or qgZ's all-to-all, after the previous one's wait: step 1 keeps
+        # one in flight)
+        floors[start.target] = wait if start.target in (
+            c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default) else start
 
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:
@@ -133,6 +134,18 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     why = "" if hoisted or sunk else _why_nothing_moved(pairs, limited)
     gm.meta["overlap"] = Decision(slack, hoisted, sunk, sorted(set(limited)), why)
     return gm
+
+
+def _packing(start: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that make a collective's input from the shards (ir.PACK: their copy into one
+    input, their quantization) and move with it."""
+    out, todo = [], [a for a in start.all_input_nodes if a.meta.get(ir.PACK)]
+    while todo:
+        a = todo.pop()
+        if a not in out:
+            out.append(a)
+            todo += [b for b in a.all_input_nodes if b.meta.get(ir.PACK)]
+    return out
 
 
 def _why_nothing_moved(pairs, limited) -> str:

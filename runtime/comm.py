@@ -212,6 +212,17 @@ def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: 
     return _issued(p, dist.reduce_scatter_single(p.out, x, op=red, group=pg, async_op=True))
 
 
+def start_all_to_all(x: torch.Tensor, output_splits, input_splits, group_name: str,
+                     name: str) -> Pending:
+    """All-to-all of a flat tensor (qgZ's quantized gradient parts): part r of `x` goes to
+    rank r; part k of the result came from rank k."""
+    x = x.contiguous()
+    p = Pending(name, x.numel() * x.element_size())
+    p.keep, p.out = x, x.new_empty(sum(output_splits))
+    return _issued(p, dist.all_to_all_single(p.out, x, list(output_splits), list(input_splits),
+                                             group=_group(group_name), async_op=True))
+
+
 def wait(p) -> torch.Tensor:
     """Block until the collective is done; its result."""
     if isinstance(p, torch.Tensor):  # a functional collective's result
@@ -342,9 +353,10 @@ def measure_collectives(reps: int = 8) -> dict:
 
 _STARTS = {c10d.all_reduce.default: start_all_reduce,
            c10d.all_gather_into_tensor.default: start_all_gather,
-           c10d.reduce_scatter_tensor.default: start_reduce_scatter}
+           c10d.reduce_scatter_tensor.default: start_reduce_scatter,
+           c10d.all_to_all_single.default: start_all_to_all}
 _SHORT = {start_all_reduce: "all_reduce", start_all_gather: "all_gather",
-          start_reduce_scatter: "reduce_scatter"}
+          start_reduce_scatter: "reduce_scatter", start_all_to_all: "all_to_all"}
 
 
 def bind_groups(program, names: dict[str, str]) -> None:

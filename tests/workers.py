@@ -823,3 +823,26 @@ def sends_rank(nbytes: int) -> tuple:
     dist.recv(buf, src=0, tag=7)
     dist.send(torch.ones(1), dst=0, tag=8)
     return None, float(buf.sum())
+
+
+def quantized_rank(plans, steps):
+    """Each plan trains the example GPT `steps` AdamW steps on 4 batches in turn (so the loss
+    falls well below its start). Returns {plan: (losses, {collective kind: bytes on the
+    wire in the last step})} (Plan.comm_quantization: tests/test_quantized_comm.py)."""
+    from fxpar.runtime.trace import COMM
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = M.GPTConfig()
+    out = {}
+    for plan in plans:
+        torch.manual_seed(1234)
+        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
+                               optimizer=OPTIMIZERS["adamw"], plan=plan)
+        losses = [pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4)).item()
+                  for s in range(steps)]
+        kinds: dict = {}
+        for span in pm.recorder.steps[-1][3]:
+            if span.track == COMM:
+                kind = span.name.split()[0]
+                kinds[kind] = kinds.get(kind, 0) + span.args["bytes"]
+        out[repr(plan)] = (losses, kinds)
+    return out
