@@ -1,12 +1,13 @@
 """ZeRO++'s quantized collectives (Plan.comm_quantization; Wang et al. 2023), as ATen ops.
 
 qwZ: a ZeRO-3 parameter all-gather sends each rank's shards as int8 values in blocks of
-BLOCK elements, each block with its fp32 scale (absmax / 127) appended as bytes, so one
-int8 all-gather carries both; every rank dequantizes the gathered rows. ~1/4 of fp32's bytes.
+BLOCK elements, each block with its scale (absmax / 127, to 5 significant bits: `_scales`)
+as two more bytes, so one int8 all-gather carries both; every rank dequantizes the gathered
+rows. ~1/4 of fp32's bytes.
 qgZ: a gradient reduce-scatter becomes an all-to-all: each rank quantizes the dp parts of its
-gradients to int4 (two values a byte, blocks of GRAD_BLOCK with an fp32 scale, absmax / 7),
-sends part r to rank r, and sums the dp parts it receives in fp32 after dequantizing them.
-~1/7 of fp32's bytes. A block never spans two tensors (each is padded to whole blocks; ZeRO-2's
+gradients to int4 (two values a byte, blocks of GRAD_BLOCK with a scale, absmax / 7), sends
+part r to rank r, and sums the dp parts it receives in fp32 after dequantizing them. ~1/7 of
+fp32's bytes. A block never spans two tensors (each is padded to whole blocks; ZeRO-2's
 flat buckets, cut into dp rows across tensors, are the exception). Rounding is to nearest;
 lossy by design (no error feedback, as in ZeRO++).
 
@@ -60,25 +61,55 @@ def _unpadded(op, x, sizes, block: int):
                                  for k, n in enumerate(sizes)], -1)
 
 
+def _scales(op, amax, qmax: float, dtype):
+    """Each block's scale as it travels: two bytes of `dtype` per block, an exponent e and
+    k in 0..16, meaning 2**e * (1 + k / 16) >= amax / qmax (5 significant bits: the block's
+    largest value still lands within 1/16 of qmax). Returns (scale, its bytes [.., nb, 2]).
+    Sent as numbers, not as an fp32's bytes: Inductor's CPU code (torch 2.13) read a bitcast
+    (view.dtype) of the received bytes at the wrong offsets once its product was sliced -
+    inf / NaN weights in a compiled run (tests/test_quantized_comm.py)."""
+    v = op(aten.div.Tensor, op(aten.clamp_min.default, amax, TINY), qmax)
+    e = op(aten.floor.default, op(aten.log2.default, v))
+    frac = op(aten.div.Tensor, v, op(aten.exp2.default, e))
+    k = op(aten.clamp.default, op(aten.ceil.default, op(aten.mul.Tensor,
+                                                        op(aten.sub.Tensor, frac, 1.0), 16.0)),
+           0.0, 16.0)
+    offset = 128.0 if dtype == torch.uint8 else 0.0  # (uint8 holds e + 128)
+    code = op(aten._to_copy.default, op(aten.cat.default, [op(aten.add.Tensor, e, offset), k], -1),
+              dtype=dtype)
+    return _decoded(op, e, k), code
+
+
+def _decoded(op, e, k):
+    return op(aten.mul.Tensor, op(aten.exp2.default, e),
+              op(aten.add.Tensor, op(aten.div.Tensor, k, 16.0), 1.0))
+
+
+def _scales_from(op, code, dtype_offset: float):
+    """The scales of `code` ([.., nb, 2] bytes, as `_scales` made them), as fp32."""
+    c = op(aten._to_copy.default, code, dtype=torch.float32)
+    e = op(aten.sub.Tensor, op(aten.select.int, c, -1, 0), dtype_offset)
+    return _decoded(op, e, op(aten.select.int, c, -1, 1))
+
+
 def int8_payload(op, flat, sizes):
     """[sum(sizes)] (any float dtype; segments: the tensors side by side) ->
-    [int8_bytes(sizes)] int8: the blocks' values, then their scales."""
+    [int8_bytes(sizes)] int8: the blocks' values, then their scales' codes."""
     n_pad = _padded_length(sizes, BLOCK)
     nb = n_pad // BLOCK
     x = _padded(op, op(aten._to_copy.default, flat, dtype=torch.float32), sizes, BLOCK)
     xb = op(aten.view.default, x, [nb, BLOCK])
     amax = op(aten.amax.default, op(aten.abs.default, xb), [1], True)
-    scale = op(aten.div.Tensor, op(aten.clamp_min.default, amax, TINY), 127.0)
+    scale, code = _scales(op, amax, 127.0, torch.int8)
     q = op(aten.clamp.default, op(aten.round.default, op(aten.div.Tensor, xb, scale)),
            -127.0, 127.0)
     q = op(aten.view.default, op(aten._to_copy.default, q, dtype=torch.int8), [n_pad])
-    s = op(aten.view.dtype, op(aten.view.default, scale, [nb]), torch.int8)
-    return op(aten.cat.default, [q, s])
+    return op(aten.cat.default, [q, op(aten.view.default, code, [2 * nb])])
 
 
 def int8_bytes(sizes) -> int:
     n_pad = _padded_length(sizes, BLOCK)
-    return n_pad + 4 * (n_pad // BLOCK)
+    return n_pad + 2 * (n_pad // BLOCK)
 
 
 def from_int8_payloads(op, gathered, sizes, dp: int, dtype):
@@ -86,10 +117,10 @@ def from_int8_payloads(op, gathered, sizes, dp: int, dtype):
     `dtype` (rank r's tensors in row r)."""
     n_pad = _padded_length(sizes, BLOCK)
     nb = n_pad // BLOCK
-    rows = op(aten.view.default, gathered, [dp, n_pad + 4 * nb])
-    parts = op(aten.split_with_sizes.default, rows, [n_pad, 4 * nb], 1)
-    q, s = op(operator.getitem, parts, 0), op(operator.getitem, parts, 1)
-    scale = op(aten.view.dtype, s, torch.float32)  # [dp, nb]
+    rows = op(aten.view.default, gathered, [dp, n_pad + 2 * nb])
+    parts = op(aten.split_with_sizes.default, rows, [n_pad, 2 * nb], 1)
+    q, code = op(operator.getitem, parts, 0), op(operator.getitem, parts, 1)
+    scale = _scales_from(op, op(aten.view.default, code, [dp, nb, 2]), 0.0)  # [dp, nb]
     q = op(aten._to_copy.default, op(aten.view.default, q, [dp, nb, BLOCK]),
            dtype=torch.float32)
     x = op(aten.mul.Tensor, q, op(aten.unsqueeze.default, scale, -1))
@@ -101,14 +132,14 @@ def from_int8_payloads(op, gathered, sizes, dp: int, dtype):
 def int4_payload(op, flat, sizes, dp: int):
     """[dp * sum(sizes)] (row r: what rank r keeps, its segments side by side) ->
     [dp * int4_bytes(sizes)] uint8: per row, the blocks' values two to a byte (offset by 8:
-    1..15), then their scales."""
+    1..15), then their scales' codes."""
     n_pad = _padded_length(sizes, GRAD_BLOCK)
     nb = n_pad // GRAD_BLOCK
     x = op(aten.view.default, op(aten._to_copy.default, flat, dtype=torch.float32),
            [dp, sum(sizes)])
     xb = op(aten.view.default, _padded(op, x, sizes, GRAD_BLOCK), [dp, nb, GRAD_BLOCK])
     amax = op(aten.amax.default, op(aten.abs.default, xb), [2], True)
-    scale = op(aten.div.Tensor, op(aten.clamp_min.default, amax, TINY), 7.0)
+    scale, code = _scales(op, amax, 7.0, torch.uint8)
     q = op(aten.clamp.default, op(aten.round.default, op(aten.div.Tensor, xb, scale)),
            -7.0, 7.0)
     q = op(aten._to_copy.default, op(aten.add.Tensor, q, 8.0), dtype=torch.uint8)
@@ -116,14 +147,14 @@ def int4_payload(op, flat, sizes, dp: int):
     lo = op(aten.select.int, pairs, 2, 0)
     hi = op(aten.select.int, pairs, 2, 1)
     packed = op(aten.bitwise_or.Tensor, lo, op(aten.bitwise_left_shift.Tensor_Scalar, hi, 4))
-    s = op(aten.view.dtype, op(aten.view.default, scale, [dp, nb]), torch.uint8)
-    return op(aten.view.default, op(aten.cat.default, [packed, s], 1),
+    return op(aten.view.default,
+              op(aten.cat.default, [packed, op(aten.view.default, code, [dp, 2 * nb])], 1),
               [dp * int4_bytes(sizes)])
 
 
 def int4_bytes(sizes) -> int:
     n_pad = _padded_length(sizes, GRAD_BLOCK)
-    return n_pad // 2 + 4 * (n_pad // GRAD_BLOCK)
+    return n_pad // 2 + 2 * (n_pad // GRAD_BLOCK)
 
 
 def sum_of_int4_payloads(op, received, sizes, dp: int, dtype):
@@ -132,9 +163,9 @@ def sum_of_int4_payloads(op, received, sizes, dp: int, dtype):
     n_pad = _padded_length(sizes, GRAD_BLOCK)
     nb = n_pad // GRAD_BLOCK
     rows = op(aten.view.default, received, [dp, int4_bytes(sizes)])
-    parts = op(aten.split_with_sizes.default, rows, [n_pad // 2, 4 * nb], 1)
-    packed, s = op(operator.getitem, parts, 0), op(operator.getitem, parts, 1)
-    scale = op(aten.view.dtype, s, torch.float32)  # [dp, nb]
+    parts = op(aten.split_with_sizes.default, rows, [n_pad // 2, 2 * nb], 1)
+    packed, code = op(operator.getitem, parts, 0), op(operator.getitem, parts, 1)
+    scale = _scales_from(op, op(aten.view.default, code, [dp, nb, 2]), 128.0)  # [dp, nb]
     lo = op(aten.bitwise_and.Scalar, packed, 15)
     hi = op(aten.bitwise_right_shift.Tensor_Scalar, packed, 4)
     q = op(aten.stack.default, [lo, hi], 2)  # [dp, n_pad // 2, 2]
