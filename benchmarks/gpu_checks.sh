@@ -23,6 +23,8 @@
 #    151,936-token tied head,
 #    batch 8 x 1024, fp32): time to the first step and the first steps' vs a steady step's
 #    peak, eager vs torch.compile vs fxpar (issue 49's targets; not yet run on a GPU)
+# 7. benchmarks/offload_optimizer.py: Plan.offload_optimizer vs the optimizer on the GPU
+#    (step time, device memory held, losses; a 110M GPT, fp32 AdamW; not yet run on a GPU)
 set -u
 PY=${PYTHON:-python3}
 mkdir -p "${1:-gpu_logs}" /tmp/fxpar_import
@@ -71,4 +73,7 @@ fi
 if part 6; then
 timeout 500 $PY benchmarks/first_steps.py --layers 24 --width 896 --vocab 151936 --batch 8 \
     --seq 1024 2>&1 | tee "$LOGS/first_steps.log" | tail -6
+fi
+if part 7; then
+timeout 300 $PY benchmarks/offload_optimizer.py 2>&1 | tee "$LOGS/offload_optimizer.log" | tail -5
 fi
