@@ -151,6 +151,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     resolved = resolve(plan, world_size)
     if os.environ.get("FXPAR_VERIFY", "").strip().lower() in ("1", "true", "yes"):
         resolved.verify = True
+        resolved.validate(world_size)  # (what verify cannot check: a lossy plan)
     if resolved.verify:
         rverify.check_optimizer(optimizer)
         if batch != "global":

@@ -150,7 +150,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
 
 def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
     """For remat="auto": device memory (90%) less this rank's parameters, gradients and
-    optimizer state (Adam's two moments assumed: the optimizer is built after compiling)."""
+    optimizer state (Adam's two moments assumed: the optimizer is built after compiling;
+    none on a GPU with Plan.offload_optimizer)."""
     if plan.remat != "auto":
         return None
     total = int(0.9 * device_memory(device))
@@ -158,12 +159,18 @@ def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
     # this rank's part of params + grads + 2 Adam moments (tp / pp split the weights, ZeRO
     # the rest over dp: roughly; compiler/memory_model.py prices it per stage)
     per_rank = p_bytes / (plan.tp * plan.pp)
+    moments = 2 / (plan.dp if plan.zero >= 1 else 1)
+    if plan.offload_optimizer:  # (runtime/host_optimizer.py) the moments in host memory; on
+        # a CPU device that is this memory, and the host copies and gradient buffers add two
+        moments = 2 * moments if device.type == "cpu" else 0
     fixed = int(per_rank * (1 / (plan.dp if plan.zero >= 3 else 1) +
-                            1 / (plan.dp if plan.zero >= 2 else 1) +
-                            2 / (plan.dp if plan.zero >= 1 else 1)))
+                            1 / (plan.dp if plan.zero >= 2 else 1) + moments))
     if fixed >= total:
         raise PlanError(
             f"the model does not fit: parameters, gradients and optimizer state need "
             f"{fixed / 2**30:.2f} GiB per device but {total / 2**30:.2f} GiB is available. "
-            "Fix: more devices with tensor/pipeline parallelism or ZeRO, or a smaller model.")
+            "Fix: more devices with tensor/pipeline parallelism or ZeRO, "
+            + ("" if plan.offload_optimizer or device.type == "cpu" else
+               "the optimizer's state in host memory (Plan.offload_optimizer), ")
+            + "or a smaller model.")
     return total - fixed

@@ -31,7 +31,8 @@ PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of 
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
 BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (packing, collective)
-PACK = "pack"            # set by data_parallel on what makes an all-gather's input from the shards (their copy into one, their quantization)
+PACK = "pack"            # set by data_parallel on what makes an all-gather's input from the
+#                          shards (their copy into one input, their quantization)
 CODEGEN_RUN = "codegen_run"  # set on pm.stage_graphs["codegen"]: the Inductor run a node went into
 OWNED = "owned"          # set by codegen on an all-reduce / reduce-scatter: nothing else reads its input
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"

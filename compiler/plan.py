@@ -63,12 +63,13 @@ class Plan:
                     (DeepSpeed's ZeRO-Offload; runtime/host_optimizer.py). Saves the state's
                     device memory (AdamW: twice the parameters) for PCIe copies and a CPU step.
                     Needs an optimizer factory. On a CPU device it saves nothing.
-    comm_quantization: ZeRO++'s compressed collectives, lossy by design: "weights" (qwZ):
-                    ZeRO-3's parameter all-gathers carry int8 values in blocks of 256 with an
-                    fp32 scale each (~1/4 of fp32's bytes); "gradients" (qgZ): ZeRO-2/3's
-                    gradient reduce-scatters become an all-to-all of int4 values in blocks of
-                    256 (~1/8 of the bytes), each rank dequantizing and summing its shard in
-                    fp32; "weights+gradients"; "none" (default).
+    comm_quantization: ZeRO++'s compressed collectives, lossy by design (never chosen by
+                    "auto"; not with Plan.verify): "weights" (qwZ): ZeRO-3's parameter
+                    all-gathers carry int8 values in blocks of 256 with a 2-byte scale each
+                    (~0.254x fp32's bytes); "gradients" (qgZ): ZeRO-2/3's gradient
+                    reduce-scatters become an all-to-all of int4 values in blocks of 64
+                    (~0.141x), each rank dequantizing and summing its shard in fp32;
+                    "weights+gradients"; "none" (default; compiler/quantized_comm.py).
     max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
                     ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
     cuda_graphs:    "auto" (default) | True | False: on CUDA devices, after two warm-up steps
@@ -194,6 +195,10 @@ class Plan:
         if "gradients" in self.comm_quantization and (self.zero < 2 or self.dp == 1):
             raise PlanError("Plan.comm_quantization='gradients' quantizes ZeRO-2/3's gradient "
                             "reduce-scatters: it needs zero=2 or 3 and dp > 1.")
+        if self.verify and self.comm_quantization != "none":
+            raise PlanError("Plan.verify checks the first step against exact single-process "
+                            f"training; comm_quantization={self.comm_quantization!r} is lossy "
+                            "by design and would fail it. Verify the plan without it first.")
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and
                 not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
+from fxpar.compiler import quantized_comm as qcomm
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import fake_propagate, param_grads, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
@@ -42,8 +43,8 @@ from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
                                        storage_base)
 from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
-from fxpar.compiler.memory_model import (OPTIMIZER_STATES, MemoryEstimate, optimizer_kind,
-                                   stage_memory)
+from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEstimate,
+                                         optimizer_kind, stage_memory)
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan, replays_step, resolve
 from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
@@ -218,7 +219,8 @@ class PlanResult:
         """Where plain data parallelism over every device ranks, and why the choice beats it:
         the baseline every user knows, so the report always says it."""
         def remat(c):
-            return f", remat={_remat_str(c.plan.remat)} to fit" if c.plan.remat != "none" else ""
+            return (f", remat={_remat_str(c.plan.remat)} to fit" if c.plan.remat != "none"
+                    else "") + (", the optimizer on the host" if c.plan.offload_optimizer else "")
         if self.best.plan.dp == self.devices and self.best.plan.zero == 0 and \
                 self.best.plan.microbatches == 1:
             return f"plain data parallelism (dp={self.devices}{remat(self.best)}) is the choice"
@@ -687,8 +689,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                   if batch_rows % world else "this fxpar cannot run it for this model")
     smallest: tuple[float, Candidate] | None = None
     # Plan.offload_optimizer: as the user fixed it, else tried where a plan does not fit
+    # (where there is a host apart from the device: on a CPU it saves nothing)
     offloads = [constraints["offload_optimizer"]] if "offload_optimizer" in constraints else \
-        [False, True]
+        [False, True] if hw.host_link else [False]
     stage_cache = {}
     ticker = Ticker(log)
     for dp, tp, pp in legal:
@@ -950,6 +953,10 @@ def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
            constraints, budget, offload=False) -> Candidate | None:
+    quant = constraints.get("comm_quantization", "none")
+    if ("weights" in quant and (zero != 3 or dp == 1)) or \
+            ("gradients" in quant and (zero < 2 or dp == 1)):
+        return None  # (Plan.validate refuses it: what-if searches do not validate)
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
     # a weight-shaped value a stage sends every microbatch: the sender holds one in flight
@@ -1012,12 +1019,18 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
         mem, rec = priced[key]
         mem = copy.copy(mem)  # (its own: each is told its stage below)
-        if offload:  # Plan.offload_optimizer: the state and the step's temporaries on the
-            # host; in half precision the fp32 masters (the graph's parameters) stay
+        if offload and hw.host_link:  # Plan.offload_optimizer: the state and the step's
+            # temporaries on the host; in half precision the fp32 masters (the graph's
+            # parameters) stay
             master = sympy.Rational(4 if precision != "fp32" else 0,
                                     4 * OPTIMIZER_STATES.get(optimizer, 2) + 4)
             mem.optimizer, mem.optimizer_step = mem.optimizer * float(master), 0.0
             mem.state = (*mem.state[:2], mem.state[2] * master) if mem.state else ()
+        elif offload:  # a CPU device is the host: the state stays, and the host copies and
+            # their gradient buffers (fp32, of what this rank steps) come on top
+            stepped = mem.params / DTYPE_BYTES[precision] * (dp if zero >= 3 else 1) / (
+                dp if zero >= 1 else 1)
+            mem.optimizer += 2 * 4 * stepped
         return mem, rec
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -1139,13 +1152,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         grad_bytes = n_elem * elem
         span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
         # Plan.comm_quantization (as the user gives it; a lossy choice the search never
-        # makes): int8 + a scale per 256 on the gathers, int4 + a scale on the reduce-
-        # scatters' all-to-alls, and the (de)quantizing passes over the data
-        quant = constraints.get("comm_quantization", "none")
+        # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
+        # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
         q_w = zero >= 3 and "weights" in quant
         q_g = zero >= 2 and "gradients" in quant
-        wire_w = n_elem * (1 + 4 / 256) if q_w else grad_bytes
-        wire_g = n_elem * (0.5 + 4 / 256) if q_g else grad_bytes
+        wire_w = n_elem * (1 + 2 / qcomm.BLOCK) if q_w else grad_bytes
+        wire_g = n_elem * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else grad_bytes
         buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
                    else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
         if zero == 0 or zero == 1:

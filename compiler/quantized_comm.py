@@ -3,13 +3,14 @@
 qwZ: a ZeRO-3 parameter all-gather sends each rank's shards as int8 values in blocks of
 BLOCK elements, each block with its scale (absmax / 127, to 5 significant bits: `_scales`)
 as two more bytes, so one int8 all-gather carries both; every rank dequantizes the gathered
-rows. ~1/4 of fp32's bytes.
+rows. ~0.254x fp32's bytes.
 qgZ: a gradient reduce-scatter becomes an all-to-all: each rank quantizes the dp parts of its
 gradients to int4 (two values a byte, blocks of GRAD_BLOCK with a scale, absmax / 7), sends
-part r to rank r, and sums the dp parts it receives in fp32 after dequantizing them. ~1/7 of
-fp32's bytes. A block never spans two tensors (each is padded to whole blocks; ZeRO-2's
-flat buckets, cut into dp rows across tensors, are the exception). Rounding is to nearest;
-lossy by design (no error feedback, as in ZeRO++).
+part r to rank r, and sums the dp parts it receives in fp32 after dequantizing them. ~0.141x
+fp32's bytes.
+A block never spans two tensors (each is padded to whole blocks; ZeRO-2's flat buckets are
+cut into rows at every tensor boundary any row has). A block holding inf or NaN arrives as
+NaNs. Rounding is to nearest; lossy by design (no error feedback, as in ZeRO++).
 
 Each function takes `op(target, *args)`, which emits a graph node (passes/data_parallel.py)
 or calls the op on tensors (the tests run the same code eagerly), and returns what it made.
@@ -24,7 +25,8 @@ aten = torch.ops.aten
 
 BLOCK = 256       # qwZ: int8 values per fp32 scale
 GRAD_BLOCK = 64   # qgZ: int4 values per fp32 scale (smaller: 4 bits resolve less of a block)
-TINY = 1e-30  # a block of zeros gets a scale that divides without inf
+TINY = 1e-30  # a block of zeros gets a scale that divides without inf (exponent -107)
+NONFINITE = -128.0  # the exponent of a block holding inf or NaN (finite ones are >= -107)
 
 
 def _padded_length(sizes, block: int) -> int:
@@ -68,21 +70,30 @@ def _scales(op, amax, qmax: float, dtype):
     Sent as numbers, not as an fp32's bytes: Inductor's CPU code (torch 2.13) read a bitcast
     (view.dtype) of the received bytes at the wrong offsets once its product was sliced -
     inf / NaN weights in a compiled run (tests/test_quantized_comm.py)."""
+    finite = op(aten.isfinite.default, amax)
     v = op(aten.div.Tensor, op(aten.clamp_min.default, amax, TINY), qmax)
     e = op(aten.floor.default, op(aten.log2.default, v))
     frac = op(aten.div.Tensor, v, op(aten.exp2.default, e))
     k = op(aten.clamp.default, op(aten.ceil.default, op(aten.mul.Tensor,
                                                         op(aten.sub.Tensor, frac, 1.0), 16.0)),
            0.0, 16.0)
+    # a block holding inf or NaN travels as the exponent NONFINITE: every value of it
+    # arrives as NaN (an fp16 overflow stays visible to the loss scaler and the NaN checks)
+    e = op(aten.where.self, finite, e, op(aten.full_like.default, e, NONFINITE))
+    k = op(aten.where.self, finite, k, op(aten.zeros_like.default, k))
     offset = 128.0 if dtype == torch.uint8 else 0.0  # (uint8 holds e + 128)
     code = op(aten._to_copy.default, op(aten.cat.default, [op(aten.add.Tensor, e, offset), k], -1),
               dtype=dtype)
-    return _decoded(op, e, k), code
+    scale = _decoded(op, e, k)  # (the sender divides a non-finite block by 1: its codes stay
+    # in range; the receiver decodes NaN)
+    return op(aten.where.self, finite, scale, op(aten.ones_like.default, scale)), code
 
 
 def _decoded(op, e, k):
-    return op(aten.mul.Tensor, op(aten.exp2.default, e),
-              op(aten.add.Tensor, op(aten.div.Tensor, k, 16.0), 1.0))
+    scale = op(aten.mul.Tensor, op(aten.exp2.default, e),
+               op(aten.add.Tensor, op(aten.div.Tensor, k, 16.0), 1.0))
+    return op(aten.where.self, op(aten.eq.Scalar, e, NONFINITE),
+              op(aten.full_like.default, scale, float("nan")), scale)
 
 
 def _scales_from(op, code, dtype_offset: float):

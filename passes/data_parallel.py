@@ -503,7 +503,6 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         members = [grads[i] for i in idx]
         with graph.inserting_before(_after_last(members, order)):
             flat = _flat_bucket(graph, members, multiple_of=dp)
-            size = -(-sum(g.meta[ir.VAL].numel() for g in members) // dp)
             if quantized:
                 done = _start_quantized_reduce_scatter(graph, flat, _row_segments(members, dp),
                                                        dp, group)

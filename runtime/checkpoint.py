@@ -260,9 +260,9 @@ def _optim_state(pm) -> tuple[dict[str, torch.Tensor], dict]:
                     f"optimizer state {key!r} of {names[members[0][0]]} has shape "
                     f"{tuple(v.shape)}, not its parameter's {tuple(t.shape)}: only elementwise "
                     "optimizer state (SGD, Adam, AdamW, ...) can be saved plan-independently.")
-            flat = v.detach().reshape(-1)
-            if sharded and pm.sharded_optimizer.dp > 1:  # (offloaded state: from the host)
-                flat = flat.to(pm.world.device)
+            # (offloaded state is on the host: to the device before the tp / dp gathers)
+            flat = v.detach().reshape(-1).to(pm.world.device)
+            if sharded and pm.sharded_optimizer.dp > 1:
                 whole = flat.new_empty(flat.numel() * pm.sharded_optimizer.dp)
                 dist.all_gather_into_tensor(whole, flat.contiguous(),
                                             group=pm.sharded_optimizer.group)
@@ -416,7 +416,8 @@ def training_settings(plan) -> dict:
     stats = "whole" if plan.batch_stats == "whole" or m == 1 else \
         f"microbatch (microbatches={m})"
     return {"max_grad_norm": plan.max_grad_norm, "precision": plan.precision,
-            "batch_stats": stats}
+            "batch_stats": stats,
+            "comm_quantization": plan.comm_quantization}
 
 
 def check_settings(pm, meta: dict, path, allow_changed: bool) -> None:

@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fxpar.compiler.errors import PlanError
+
 
 class HostOptimizer:
     """`optimizer`: the user's torch.optim optimizer over the masters (built by `factory`);
@@ -64,6 +66,10 @@ class HostOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         live = [k for k, t in enumerate(self.tensors) if t.grad is not None]
+        if any(self.tensors[k].grad.layout != torch.strided for k in live):
+            raise PlanError("Plan.offload_optimizer copies each gradient into a dense host "
+                            "buffer; this model makes a sparse one (nn.Embedding(sparse=True)). "
+                            "Use sparse=False, or keep the optimizer on the device.")
         with _disable_current_modes():
             self._copy([self.grads[k] for k in live], [self.tensors[k].grad for k in live],
                        to_host=True)

@@ -196,16 +196,18 @@ class ParallelModel:
         """Plan.offload_optimizer: a factory over this rank's device tensors that builds
         the user's optimizer over their host copies (runtime/host_optimizer.py) and returns
         it; the copies' keeper is `self.host_optimizer`, which the step calls."""
-        def build(tensors):
-            self.host_optimizer = HostOptimizer(factory, list(tensors), self.world.device)
+        def build(tensors):  # (a frozen parameter needs no host copy: it is never stepped)
+            self.host_optimizer = HostOptimizer(factory, [t for t in tensors if t.requires_grad],
+                                                self.world.device)
             return self.host_optimizer.optimizer
         return build
 
     @property
     def _stepper(self):
         """What steps this rank's tensors from their `.grad`: the optimizer, or with
-        Plan.offload_optimizer its host keeper."""
-        return self.host_optimizer if self.host_optimizer is not None else self.optimizer
+        Plan.offload_optimizer its host keeper (unless pm.optimizer was replaced)."""
+        h = self.host_optimizer
+        return h if h is not None and self.optimizer is h.optimizer else self.optimizer
 
     def _updates_between_waits(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         """Plain dp on CPU: the graph with an optimizer update after each gradient bucket's

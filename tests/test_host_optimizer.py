@@ -81,6 +81,46 @@ def test_a_checkpoint_continues_the_run_across_offloading(tmp_path, saved, loade
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
+def test_frozen_parameters_get_no_host_copy_and_a_replaced_optimizer_is_used():
+    """A frozen layer (a LoRA base, a frozen embedding) is never stepped: no host copy or
+    gradient buffer for it; training matches eager. A pm.optimizer the user replaced steps
+    instead of the host copies' one."""
+    def build_frozen():
+        model, batch_fn, loss_fn = build("mlp")
+        next(model.parameters()).requires_grad_(False)
+        return model, batch_fn, loss_fn
+    model, batch_fn, loss_fn = build_frozen()
+    pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["adamw"], plan={"offload_optimizer": True})
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(pm.host_optimizer.masters) == len(trainable) < len(list(model.parameters()))
+    got = [pm.step(batch_fn(s)).item() for s in range(3)]
+    ref_model, _, _ = build_frozen()
+    opt = OPTIMIZERS["adamw"](ref_model.parameters())
+    want = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = ref_model(batch_fn(s)) if loss_fn is None else loss_fn(ref_model, batch_fn(s))
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+    pm.optimizer = torch.optim.SGD([p for p in pm.params if p.requires_grad], lr=0.1)
+    before = [m.clone() for m in pm.host_optimizer.masters]
+    w = [p.detach().clone() for p in pm.params]
+    pm.step(batch_fn(3))
+    assert any(not torch.equal(a, p) for a, p in zip(w, pm.params))  # SGD stepped them
+    assert all(torch.equal(a, m) for a, m in zip(before, pm.host_optimizer.masters))
+
+
+def test_a_sparse_gradient_is_refused_by_name():
+    t = torch.zeros(4, 3)
+    host = HostOptimizer(OPTIMIZERS["sgd"], [t], torch.device("cpu"))
+    t.grad = torch.sparse_coo_tensor([[1]], torch.ones(1, 3), (4, 3))
+    with pytest.raises(PlanError, match="sparse"):
+        host.step()
+
+
 def test_offload_optimizer_needs_a_factory_and_a_bool():
     model, batch_fn, loss_fn = build("mlp")
     with pytest.raises(PlanError, match="pass a factory"):

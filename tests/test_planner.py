@@ -1476,3 +1476,33 @@ def test_quantized_collectives_are_priced_as_given_and_never_chosen():
     assert dp_s[1] < 0.4 * dp_s[0], dp_s
     auto = planner.search(stats, 16, hw, batch_rows=16, executable=False)
     assert all(c.plan.comm_quantization == "none" for c in auto.table)
+
+
+def test_on_a_cpu_device_the_optimizer_stays_and_offload_costs_memory(monkeypatch):
+    """A CPU device is the host: the search never moves the optimizer there to fit (it would
+    keep its state and add host copies), and given it prices the copies on top; remat="auto"
+    budgets the same way, while on a GPU the moments leave the device."""
+    from fxpar.compiler.compile import activation_budget
+    from fxpar.compiler.plan import Plan
+    stats = G.gpt_stats("gpt-1.7b", precision="fp32")
+    hw = dataclasses.replace(cost.cpu_hardware(), memory=24 * GiB)
+    with pytest.raises(PlanError, match="fits no legal plan"):  # (offloading would not fit)
+        planner.search(stats, 1, hw, batch_rows=8, executable=False)
+    r = planner.search(stats, 1, dataclasses.replace(hw, memory=64 * GiB), batch_rows=8,
+                       executable=False)
+    assert r.table and not any(c.plan.offload_optimizer for c in r.table)
+    given = planner.search(stats, 1, dataclasses.replace(hw, memory=256 * GiB), batch_rows=8,
+                           executable=False, constraints={"offload_optimizer": True})
+    plain = planner.search(stats, 1, dataclasses.replace(hw, memory=256 * GiB), batch_rows=8,
+                           executable=False, constraints={"offload_optimizer": False})
+    n = sum(s.params for s in stats.segments)
+    assert given.best.memory.optimizer == pytest.approx(plain.best.memory.optimizer + 8 * n,
+                                                        rel=1e-6)
+    model = M.GPT(M.GPTConfig(n_embd=64))
+    p_bytes = sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", "1")
+    for dev, more in (("cuda", 2 * p_bytes), ("cpu", -2 * p_bytes)):
+        budgets = [activation_budget(model, Plan(dp=1, tp=1, pp=1, remat="auto",
+                                                 offload_optimizer=o), torch.device(dev))
+                   for o in (False, True)]
+        assert budgets[1] - budgets[0] == pytest.approx(more, abs=2), dev

@@ -126,6 +126,22 @@ def test_a_quantized_gather_moves_with_its_quantization():
         assert set(nodes[i - len(chain):i]) == chain, g.name
 
 
+def test_a_block_holding_inf_or_nan_arrives_as_nans():
+    """An fp16 overflow (inf) or a NaN must stay visible after the collective - to the loss
+    scaler's check, the NaN checks, gradient clipping - not turn into finite numbers."""
+    x = torch.randn(600)
+    x[10], x[400] = float("inf"), float("nan")
+    full = Q.from_int8_payloads(Q.eager, Q.int8_payload(Q.eager, x, [600]), [600], 1,
+                                torch.float32)
+    assert full[:512].isnan().all() and torch.isfinite(full[512:]).all()
+    g = torch.randn(2 * 300)
+    g[5] = float("inf")
+    pay = Q.int4_payload(Q.eager, g, [300], 2).view(2, -1)
+    shard = Q.sum_of_int4_payloads(Q.eager, torch.cat([pay[0], pay[0]]), [300], 2,
+                                   torch.float32)
+    assert shard[:Q.GRAD_BLOCK].isnan().all() and torch.isfinite(shard[Q.GRAD_BLOCK:]).all()
+
+
 def test_plan_errors_name_what_the_quantization_needs():
     with pytest.raises(PlanError, match="needs zero=3"):
         fxpar.Plan(dp=2, tp=1, pp=1, zero=2, comm_quantization="weights").validate(2)
@@ -133,6 +149,9 @@ def test_plan_errors_name_what_the_quantization_needs():
         fxpar.Plan(dp=2, tp=1, pp=1, zero=1, comm_quantization="gradients").validate(2)
     with pytest.raises(PlanError, match="one of"):
         fxpar.Plan(dp=2, tp=1, pp=1, zero=3, comm_quantization="int8").validate(2)
+    with pytest.raises(PlanError, match="lossy"):  # (verify would blame fxpar for rounding)
+        fxpar.Plan(dp=2, tp=1, pp=1, zero=3, comm_quantization="weights", verify=True
+                   ).validate(2)
 
 
 @pytest.mark.slow
