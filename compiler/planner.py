@@ -168,7 +168,14 @@ class PlanResult:
         if self.refit:
             out.append(f"  priced {self.refit}")
         if b.plan.offload_optimizer:
+            key = (b.plan.dp, b.plan.tp, b.plan.pp, b.plan.microbatches, b.plan.schedule,
+                   b.plan.zero)
+            twin = next((c for c in self.table if not c.plan.offload_optimizer and key == (
+                c.plan.dp, c.plan.tp, c.plan.pp, c.plan.microbatches, c.plan.schedule,
+                c.plan.zero)), None)
             why = ("as given" if "offload_optimizer" in self.inputs.get("constraints", {}) else
+                   f"faster than the plan on the device, which recomputes "
+                   f"{twin.recompute:.0%} of the forward to fit" if twin is not None else
                    "no plan fits with the optimizer's state on the device")
             out.append(f"  the optimizer steps host copies, its state in host memory "
                        f"(offload_optimizer: {why}); it costs "
@@ -732,7 +739,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                     n_legal += 1
                     ticker.tick("planner search: %d plans priced", n_legal)
                     for offload in offloads:  # (with the state on the host where it does
-                        # not fit on the device)
+                        # not fit on the device, or fits only by recomputing: offloading
+                        # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload)
                         if c is None:
@@ -744,7 +752,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                                 break
                         if c.memory.total <= budget:
                             cands.append(c)
-                            break
+                            if not c.recompute or "remat" in constraints:
+                                break
+                            continue
                         if (dp, m, zero, offload) == (world, 1, 0, False):
                             plain_note = (f"it needs {_bytes(c.memory.total)} per device, "
                                           f"over the {_bytes(budget)} usable")

@@ -1416,12 +1416,14 @@ def test_tp_activations_are_priced_from_the_tp_pass_graph():
     assert stats.segments[-1].transient_split > 0  # (the loss's logits, split by vocab)
 
 
-def test_the_optimizer_goes_to_the_host_only_where_nothing_fits_with_it_on_the_device():
-    """Plan.offload_optimizer is a fallback the search tries per plan: a 7.5B GPT in bf16 on
-    one 80 GB H100 fits no plan with AdamW's state on the device (16 bytes a parameter:
-    120 GB) and fits with it on the host (the fp32 masters stay: they are the graph's
-    parameters), priced with the copies over PCIe and the step on the host's CPU; a 1.7B
-    GPT fits as it is, and no plan of its table moves the optimizer."""
+def test_the_optimizer_goes_to_the_host_where_a_plan_does_not_fit_or_recomputes_to_fit():
+    """Plan.offload_optimizer is a variant the search prices per plan where the plan does
+    not fit with the state on the device, or fits only by recomputing (offloading may cost
+    less): a 7.5B GPT in bf16 on one 80 GB H100 fits no plan with AdamW's state on the
+    device (16 bytes a parameter: 120 GB) and fits with it on the host (the fp32 masters
+    stay: they are the graph's parameters), priced with the copies over PCIe and the step on
+    the host's CPU; on a 1.7B GPT only plans that recompute without it get the variant, and
+    the plain one that needs no recompute wins."""
     hw = cost.HARDWARE["h100"]
     stats = G.gpt_stats("gpt-7.5b")
     with pytest.raises(PlanError, match="fits no legal plan"):
@@ -1440,7 +1442,15 @@ def test_the_optimizer_goes_to_the_host_only_where_nothing_fits_with_it_on_the_d
     assert "optimizer on host" in b.row() and "optimizer on host" in r.summary()
     fits = planner.search(G.gpt_stats("gpt-1.7b"), 1, hw, batch_rows=8, precision="bf16",
                           executable=False)
-    assert not any(c.plan.offload_optimizer for c in fits.table)
+    on_device = {planner.plan_str(c.plan): c for c in fits.table
+                 if not c.plan.offload_optimizer}
+    for c in fits.table:
+        if c.plan.offload_optimizer:  # its twin on the device recomputes to fit
+            twin = dataclasses.replace(c.plan, offload_optimizer=False)
+            same = [d for d in on_device.values() if (d.plan.microbatches, d.plan.zero) ==
+                    (twin.microbatches, twin.zero)]
+            assert same and all(d.recompute > 0 for d in same), planner.plan_str(c.plan)
+    assert not fits.best.plan.offload_optimizer and not fits.best.recompute
     # fixed by the user: every plan of the table has it, and the plan keeps it
     given = planner.search(G.gpt_stats("gpt-1.7b"), 1, hw, batch_rows=8, precision="bf16",
                            executable=False, constraints={"offload_optimizer": True})
