@@ -24,6 +24,7 @@ from fxpar.compiler.capture import meta_tensors
 from fxpar.compiler.compile import build
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
 from fxpar.compiler.logs import Clock, configure
 from fxpar.compiler.plan import needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
@@ -161,6 +162,9 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
     with clock("device mesh"):
         world = rdist.setup(devices, dims=dims)
+    if world_size == 1 and needs_search(plan) and \
+            optimizer_state_needs_host(model, optimizer, world.device):
+        resolved.offload_optimizer = True
     if resolved.offload and world.device.type == "cpu":
         warnings.warn("Plan.offload on a CPU device copies saved activations between two "
                       "buffers of the same host memory: it saves nothing there (it is meant "
@@ -226,6 +230,27 @@ def _eager_loss(loss_fn: Callable | None) -> Callable:
     loss_fn or the default; a `.loss` attribute taken): Plan.verify's eager reference."""
     fn = loss_fn or capture.default_loss_fn
     return lambda model, batch: capture._as_scalar_loss(fn(model, batch))
+
+
+def optimizer_state_needs_host(model, optimizer, device) -> bool:
+    """One device, plan="auto" (nothing to search, so no planner): the optimizer's state
+    goes to host memory (Plan.offload_optimizer) where the parameters, their gradients and
+    the state would take over 90% of a GPU's memory and the parameters and gradients alone
+    would not - the single-GPU fine-tuning DeepSpeed's ZeRO-Offload is for. Logged.
+    Not with an optimizer instance (fxpar cannot build it over host copies)."""
+    if torch.device(device).type != "cuda" or isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    p_bytes = sum(p.numel() * p.element_size() for p in {
+        id(p): p for p in model.parameters() if p.requires_grad}.values())
+    usable = 0.9 * device_memory(torch.device(device))
+    state = OPTIMIZER_STATES.get(optimizer_kind(optimizer), 2) * p_bytes
+    if 2 * p_bytes + state <= usable or 2 * p_bytes >= usable:
+        return False
+    log.info("the optimizer's state (%.1f GiB) does not fit beside the parameters and their "
+             "gradients (%.1f GiB) on this device's %.1f GiB: it goes to host memory "
+             "(Plan.offload_optimizer; give a plan to choose otherwise)",
+             state / 2**30, 2 * p_bytes / 2**30, usable / 2**30)
+    return True
 
 
 def _check_whole_model_fits(model, device) -> None:

@@ -129,3 +129,24 @@ def test_offload_optimizer_needs_a_factory_and_a_bool():
                           plan={"offload_optimizer": True})
     with pytest.raises(PlanError, match="True or False"):
         fxpar.Plan(dp=1, tp=1, pp=1, offload_optimizer="yes").validate(1)
+
+
+def test_one_gpu_under_auto_puts_the_optimizer_state_on_the_host_only_where_it_must(
+        monkeypatch):
+    """plan="auto" on one device has no planner: the state goes to the host where params +
+    grads + AdamW's moments exceed 90% of a GPU's memory and params + grads do not; never on
+    a CPU device, with an optimizer instance, or where the model fits as it is."""
+    from fxpar.compiler.api import optimizer_state_needs_host
+    model, _, _ = build("gpt")
+    p_bytes = sum(p.numel() * 4 for p in model.parameters())
+    adamw = OPTIMIZERS["adamw"]
+    cuda = torch.device("cuda")  # (FXPAR_MEMORY_PER_DEVICE: no GPU is asked)
+    for gib_per_p, want in ((3.0, True), (5.0, False), (1.5, False)):
+        monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", str(gib_per_p * p_bytes / 0.9 / 2**30))
+        assert optimizer_state_needs_host(model, adamw, cuda) is want, gib_per_p
+    monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", str(3.0 * p_bytes / 0.9 / 2**30))
+    assert not optimizer_state_needs_host(model, adamw, torch.device("cpu"))
+    assert not optimizer_state_needs_host(model, adamw(model.parameters()), cuda)
+    monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", str(3.5 * p_bytes / 0.9 / 2**30))
+    assert optimizer_state_needs_host(model, adamw, cuda)  # 2 moments: 4 p over 3.5 p
+    assert not optimizer_state_needs_host(model, OPTIMIZERS["sgd"], cuda)  # momentum: 3 p
