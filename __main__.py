@@ -87,6 +87,7 @@ def cmd_plan(args):
         result = planner.search(stats, args.devices, hw, batch_rows=args.batch or rows,
                                 precision=precision, optimizer=args.optimizer,
                                 constraints=constraints, executable=False)
+        result.best.plan.validate(args.devices)  # (a field --fix gave a value it cannot take)
     except FxparError as e:
         sys.exit(f"fxpar plan: {e}")
     print(result.format(args.top))

@@ -277,6 +277,10 @@ def test_fxpar_plan_command(capsys):
     out = capsys.readouterr().out
     assert "legal plans for 4 x H100" in out and "chosen:" in out
     assert out.count("MFU") >= 4
+    # a value --fix gives that a Plan cannot take is named, not priced
+    with pytest.raises(SystemExit, match="Plan.zero must be 0, 1, 2 or 3"):
+        main(["plan", "--model", "small", "--devices", "4", "--device-type", "h100",
+              "--batch", "8", "--fix", '{"zero": 7}'])
 
 
 def test_one_device_needs_no_search():
