@@ -102,11 +102,15 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         packs = _packing(start)
         inputs = [b for a in [start, *packs] for b in a.all_input_nodes if b not in packs]
         lo = max([floor] + [order.index(a) for a in inputs])
-        size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in
-                   (start, *(a for a in start.all_input_nodes if a in packs)))
+        direct = [a for a in start.all_input_nodes if a in packs]
+        size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in (start, *direct))
+        # the packing's own temporaries (a quantization's fp32 copies) live where it runs
+        # now: for a moment, beside what the move holds
+        working = max((cost.tensor_bytes(n.meta.get(ir.VAL)) for n in packs
+                       if n not in direct), default=0)
         new = pos
         for k in range(pos - 1, lo, -1):
-            if extra[order[k]] + size > room[order[k]]:
+            if extra[order[k]] + size + working > room[order[k]]:
                 limited.append(start.name)
                 break
             new = k
