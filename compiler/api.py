@@ -9,6 +9,7 @@ each pass, the runtime's set-up, "other" for the rest); phases over 2 s print a 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import traceback
@@ -21,12 +22,12 @@ import torch.distributed as dist
 from fxpar.compiler import autoplan, planner
 from fxpar.compiler import capture
 from fxpar.compiler.capture import meta_tensors
-from fxpar.compiler.compile import build
+from fxpar.compiler.compile import build, model_state_bytes
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
 from fxpar.compiler.logs import Clock, configure
-from fxpar.compiler.plan import needs_search, resolve, world_of
+from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import verify as rverify
 from fxpar.runtime import weights as rweights
@@ -238,22 +239,24 @@ def optimizer_state_needs_host(model, optimizer, device) -> bool:
     the state would take over 90% of a GPU's memory and the parameters and gradients alone
     would not - the single-GPU fine-tuning DeepSpeed's ZeRO-Offload is for. Logged.
     Not with an optimizer instance (fxpar cannot build it over host copies)."""
-    if torch.device(device).type != "cuda" or isinstance(optimizer, torch.optim.Optimizer):
+    device = torch.device(device)
+    if device.type != "cuda" or isinstance(optimizer, torch.optim.Optimizer):
         return False
-    p_bytes = sum(p.numel() * p.element_size() for p in {
-        id(p): p for p in model.parameters() if p.requires_grad}.values())
-    usable = 0.9 * device_memory(torch.device(device))
     try:
-        kind = optimizer_kind(optimizer)
+        states = OPTIMIZER_STATES.get(optimizer_kind(optimizer), 2)
     except Exception:  # noqa: BLE001 - a factory that will not take a stand-in: as Adam
-        kind = "adam"
-    state = OPTIMIZER_STATES.get(kind, 2) * p_bytes
-    if 2 * p_bytes + state <= usable or 2 * p_bytes >= usable:
+        states = 2
+    plan = Plan(dp=1, tp=1, pp=1)
+    usable = 0.9 * device_memory(device)
+    here = model_state_bytes(model, plan, device, states)
+    hosted = model_state_bytes(model, dataclasses.replace(plan, offload_optimizer=True),
+                               device, states)
+    if here <= usable or hosted >= usable:
         return False
     log.info("the optimizer's state (%.1f GiB) does not fit beside the parameters and their "
              "gradients (%.1f GiB) on this device's %.1f GiB: it goes to host memory "
              "(Plan.offload_optimizer; give a plan to choose otherwise)",
-             state / 2**30, 2 * p_bytes / 2**30, usable / 2**30)
+             (here - hosted) / 2**30, hosted / 2**30, usable / 2**30)
     return True
 
 

@@ -148,6 +148,23 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     return program
 
 
+def model_state_bytes(model, plan: Plan, device: torch.device, states: int = 2) -> int:
+    """This rank's parameters, and for the trainable ones their gradients and the
+    optimizer's `states` parameter-sized tensors (tp / pp split the weights, ZeRO the rest
+    over dp: roughly; compiler/memory_model.py prices it per stage). With
+    Plan.offload_optimizer the states are in host memory; on a CPU device that is this
+    memory, and the host copies and their gradient buffers add two more."""
+    split = plan.tp * plan.pp
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / split
+    trained = sum(p.numel() * p.element_size() for p in model.parameters()
+                  if p.requires_grad) / split
+    per_state = trained / (plan.dp if plan.zero >= 1 else 1)
+    if plan.offload_optimizer:
+        states = states + 2 if device.type == "cpu" else 0
+    return int(params / (plan.dp if plan.zero >= 3 else 1)
+               + trained / (plan.dp if plan.zero >= 2 else 1) + states * per_state)
+
+
 def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
     """For remat="auto": device memory (90%) less this rank's parameters, gradients and
     optimizer state (Adam's two moments assumed: the optimizer is built after compiling;
@@ -155,16 +172,7 @@ def activation_budget(model, plan: Plan, device: torch.device) -> int | None:
     if plan.remat != "auto":
         return None
     total = int(0.9 * device_memory(device))
-    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # this rank's part of params + grads + 2 Adam moments (tp / pp split the weights, ZeRO
-    # the rest over dp: roughly; compiler/memory_model.py prices it per stage)
-    per_rank = p_bytes / (plan.tp * plan.pp)
-    moments = 2 / (plan.dp if plan.zero >= 1 else 1)
-    if plan.offload_optimizer:  # (runtime/host_optimizer.py) the moments in host memory; on
-        # a CPU device that is this memory, and the host copies and gradient buffers add two
-        moments = 2 * moments if device.type == "cpu" else 0
-    fixed = int(per_rank * (1 / (plan.dp if plan.zero >= 3 else 1) +
-                            1 / (plan.dp if plan.zero >= 2 else 1) + moments))
+    fixed = model_state_bytes(model, plan, device)
     if fixed >= total:
         raise PlanError(
             f"the model does not fit: parameters, gradients and optimizer state need "

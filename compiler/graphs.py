@@ -187,6 +187,24 @@ def ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
+def packing(start: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """What makes collective `start`'s input from the shards - the nodes data_parallel marks
+    ir.PACK (their copy into one input, their quantization), which the overlap pass moves
+    with the collective - and what that packing reads (the shards; `start`'s own input where
+    nothing is packed)."""
+    packs, reads, todo = [], [], list(start.all_input_nodes)
+    while todo:
+        a = todo.pop()
+        if a in packs or a in reads:
+            continue
+        if a.meta.get(ir.PACK):
+            packs.append(a)
+            todo += a.all_input_nodes
+        else:
+            reads.append(a)
+    return packs, reads
+
+
 def _row_sums(gm: torch.fx.GraphModule, values: list[torch.fx.Node],
               rows: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """Those of `values` that are sums over the batch's rows: placed Partial(sum) by

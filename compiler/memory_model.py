@@ -45,6 +45,12 @@ OPTIMIZER_TEMPORARIES = {"sgd": 0, "sgd_momentum": 0, "adam": 2, "adamw": 2, "ad
                          "rmsprop": 1}
 
 
+def state_bytes_per_param(optimizer: str, precision: str) -> int:
+    """Optimizer state bytes per parameter: its fp32 states, and in half precision an fp32
+    master copy (`s` of `state_formula`)."""
+    return 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
+
+
 def optimizer_kind(factory) -> str:
     """'sgd' | 'sgd_momentum' | 'adam' | 'adamw' | ... of an optimizer factory (built once on a
     one-element parameter to look), or of an optimizer instance; default SGD as fxpar's."""
@@ -214,7 +220,7 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
     CUDA), so its temporaries are parameter-sized for all of them, not the largest."""
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs) + weight_copies
-    per = 4 * OPTIMIZER_STATES.get(optimizer, 2) + (4 if precision != "fp32" else 0)
+    per = state_bytes_per_param(optimizer, precision)
     params, grads, opt = model_state(n, dp, elem, per, zero)
     stepped = n / dp if zero >= 1 else n  # (the fp32 master elements this rank steps)
     largest = max([s.largest_param for s in segs] + [weight_copies])

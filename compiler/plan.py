@@ -189,12 +189,9 @@ class Plan:
         if self.comm_quantization not in COMM_QUANTIZATIONS:
             raise PlanError(f"Plan.comm_quantization must be one of {COMM_QUANTIZATIONS}, got "
                             f"{self.comm_quantization!r}.")
-        if "weights" in self.comm_quantization and (self.zero != 3 or self.dp == 1):
-            raise PlanError("Plan.comm_quantization='weights' quantizes ZeRO-3's parameter "
-                            "all-gathers: it needs zero=3 and dp > 1.")
-        if "gradients" in self.comm_quantization and (self.zero < 2 or self.dp == 1):
-            raise PlanError("Plan.comm_quantization='gradients' quantizes ZeRO-2/3's gradient "
-                            "reduce-scatters: it needs zero=2 or 3 and dp > 1.")
+        misfit = quantization_misfit(self.comm_quantization, self.zero, self.dp)
+        if misfit:
+            raise PlanError(misfit)
         if self.verify and self.comm_quantization != "none":
             raise PlanError("Plan.verify checks the first step against exact single-process "
                             f"training; comm_quantization={self.comm_quantization!r} is lossy "
@@ -225,6 +222,18 @@ class Plan:
             raise PlanError("Plan.sequence_parallel splits the activations between tensor-"
                             "parallel matmuls over the sequence: it needs tp > 1.")
         return self
+
+
+def quantization_misfit(comm_quantization: str, zero: int, dp: int) -> str | None:
+    """Why Plan.comm_quantization cannot run with this ZeRO stage and dp degree, or None:
+    the one rule Plan.validate and the planner's what-if pricing share."""
+    if "weights" in comm_quantization and (zero != 3 or dp == 1):
+        return ("Plan.comm_quantization='weights' quantizes ZeRO-3's parameter all-gathers: "
+                "it needs zero=3 and dp > 1.")
+    if "gradients" in comm_quantization and (zero < 2 or dp == 1):
+        return ("Plan.comm_quantization='gradients' quantizes ZeRO-2/3's gradient "
+                "reduce-scatters: it needs zero=2 or 3 and dp > 1.")
+    return None
 
 
 def replays_step(cuda_graphs: Any, pp: int | None, microbatches: int) -> bool:

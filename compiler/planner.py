@@ -44,9 +44,9 @@ from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
 from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEstimate,
-                                         optimizer_kind, stage_memory)
+                                         optimizer_kind, stage_memory, state_bytes_per_param)
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.compiler.plan import Plan, replays_step, resolve
+from fxpar.compiler.plan import Plan, quantization_misfit, replays_step, resolve
 from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
 from fxpar.runtime import schedules
@@ -964,8 +964,7 @@ def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
            constraints, budget, offload=False) -> Candidate | None:
     quant = constraints.get("comm_quantization", "none")
-    if ("weights" in quant and (zero != 3 or dp == 1)) or \
-            ("gradients" in quant and (zero < 2 or dp == 1)):
+    if quantization_misfit(quant, zero, dp):
         return None  # (Plan.validate refuses it: what-if searches do not validate)
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
@@ -1033,7 +1032,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # temporaries on the host; in half precision the fp32 masters (the graph's
             # parameters) stay
             master = sympy.Rational(4 if precision != "fp32" else 0,
-                                    4 * OPTIMIZER_STATES.get(optimizer, 2) + 4)
+                                    state_bytes_per_param(optimizer, precision))
             mem.optimizer, mem.optimizer_step = mem.optimizer * float(master), 0.0
             mem.state = (*mem.state[:2], mem.state[2] * master) if mem.state else ()
         elif offload:  # a CPU device is the host: the state stays, and the host copies and
@@ -1164,8 +1163,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         # Plan.comm_quantization (as the user gives it; a lossy choice the search never
         # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
         # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
-        q_w = zero >= 3 and "weights" in quant
-        q_g = zero >= 2 and "gradients" in quant
+        q_w, q_g = "weights" in quant, "gradients" in quant  # (the zero stage fits: above)
         wire_w = n_elem * (1 + 2 / qcomm.BLOCK) if q_w else grad_bytes
         wire_g = n_elem * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else grad_bytes
         buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3

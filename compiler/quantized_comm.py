@@ -23,8 +23,8 @@ import torch
 
 aten = torch.ops.aten
 
-BLOCK = 256       # qwZ: int8 values per fp32 scale
-GRAD_BLOCK = 64   # qgZ: int4 values per fp32 scale (smaller: 4 bits resolve less of a block)
+BLOCK = 256       # qwZ: int8 values per scale
+GRAD_BLOCK = 64   # qgZ: int4 values per scale (smaller: 4 bits resolve less of a block)
 TINY = 1e-30  # a block of zeros gets a scale that divides without inf (exponent -107)
 NONFINITE = -128.0  # the exponent of a block holding inf or NaN (finite ones are >= -107)
 
@@ -96,6 +96,16 @@ def _decoded(op, e, k):
               op(aten.full_like.default, scale, float("nan")), scale)
 
 
+def _quantized(op, xb, qmax: float, dtype):
+    """Blocks (the last dim of `xb`) -> (their values rounded to -qmax..qmax, as fp32;
+    their scales' codes [.., nb, 2] in `dtype`)."""
+    amax = op(aten.amax.default, op(aten.abs.default, xb), [-1], True)
+    scale, code = _scales(op, amax, qmax, dtype)
+    q = op(aten.clamp.default, op(aten.round.default, op(aten.div.Tensor, xb, scale)),
+           -qmax, qmax)
+    return q, code
+
+
 def _scales_from(op, code, dtype_offset: float):
     """The scales of `code` ([.., nb, 2] bytes, as `_scales` made them), as fp32."""
     c = op(aten._to_copy.default, code, dtype=torch.float32)
@@ -109,11 +119,7 @@ def int8_payload(op, flat, sizes):
     n_pad = _padded_length(sizes, BLOCK)
     nb = n_pad // BLOCK
     x = _padded(op, op(aten._to_copy.default, flat, dtype=torch.float32), sizes, BLOCK)
-    xb = op(aten.view.default, x, [nb, BLOCK])
-    amax = op(aten.amax.default, op(aten.abs.default, xb), [1], True)
-    scale, code = _scales(op, amax, 127.0, torch.int8)
-    q = op(aten.clamp.default, op(aten.round.default, op(aten.div.Tensor, xb, scale)),
-           -127.0, 127.0)
+    q, code = _quantized(op, op(aten.view.default, x, [nb, BLOCK]), 127.0, torch.int8)
     q = op(aten.view.default, op(aten._to_copy.default, q, dtype=torch.int8), [n_pad])
     return op(aten.cat.default, [q, op(aten.view.default, code, [2 * nb])])
 
@@ -149,10 +155,7 @@ def int4_payload(op, flat, sizes, dp: int):
     x = op(aten.view.default, op(aten._to_copy.default, flat, dtype=torch.float32),
            [dp, sum(sizes)])
     xb = op(aten.view.default, _padded(op, x, sizes, GRAD_BLOCK), [dp, nb, GRAD_BLOCK])
-    amax = op(aten.amax.default, op(aten.abs.default, xb), [2], True)
-    scale, code = _scales(op, amax, 7.0, torch.uint8)
-    q = op(aten.clamp.default, op(aten.round.default, op(aten.div.Tensor, xb, scale)),
-           -7.0, 7.0)
+    q, code = _quantized(op, xb, 7.0, torch.uint8)
     q = op(aten._to_copy.default, op(aten.add.Tensor, q, 8.0), dtype=torch.uint8)
     pairs = op(aten.view.default, q, [dp, n_pad // 2, 2])
     lo = op(aten.select.int, pairs, 2, 0)

@@ -33,7 +33,7 @@ import torch.fx
 from fxpar.compiler import cost, ir
 from fxpar.compiler import quantized_comm as qcomm
 from fxpar.compiler.errors import BatchError, PlanError, ShardingError
-from fxpar.compiler.graphs import ancestors, fake_propagate
+from fxpar.compiler.graphs import ancestors, fake_propagate, packing
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
@@ -501,21 +501,18 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         idx = [with_grad[j] for j in bucket]
         decided[ir.ZERO_BUCKETS].append(idx)
         members = [grads[i] for i in idx]
+        segments = _row_segments(members, dp) if quantized else None
         with graph.inserting_before(_after_last(members, order)):
             flat = _flat_bucket(graph, members, multiple_of=dp)
             if quantized:
-                done = _start_quantized_reduce_scatter(graph, flat, _row_segments(members, dp),
-                                                       dp, group)
-            elif zero >= 2:
-                started = _emit(graph, target, (flat, "sum", dp, group))
+                done = _start_quantized_reduce_scatter(graph, flat, segments, dp, group)
             else:
-                started = _emit(graph, target, (flat, "sum", group))
-            if not quantized:
+                started = _emit(graph, target, (flat, "sum", dp, group) if zero >= 2 else
+                                (flat, "sum", group))
                 done = _emit(graph, c10d.wait_tensor.default, (started,))
         if quantized:
             with graph.inserting_before(out):
-                shard = _quantized_shard(graph, done, _row_segments(members, dp), dp,
-                                         members[0].meta[ir.VAL].dtype)
+                shard = _quantized_shard(graph, done, segments, dp, members[0].meta[ir.VAL].dtype)
         elif zero >= 2:
             shard = done
         else:
@@ -701,10 +698,8 @@ def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
         if full is None:
             rest.append((p, first, uses))
             continue
-        start = full  # (back through the copy-out and any dequantization to the gather)
-        while start.target is not c10d.all_gather_into_tensor.default:
-            start = start.args[0][0] if isinstance(start.args[0], (list, tuple)) \
-                else start.args[0]
+        start = next(a for a in ancestors([full])  # (through the copy-out, any dequantizing)
+                     if a.target is c10d.all_gather_into_tensor.default)
         last_fwd = max(order[u] for v in (full, *views_of[p][1:]) for u in v.users
                        if u.meta.get(ir.REGION) != ir.BACKWARD)
         between = sum(_shard_bytes(s) for s in fwd_starts
@@ -730,17 +725,7 @@ def _gathers_params(n) -> bool:
 def _shard_bytes(gather) -> int:
     """Bytes of the shards an all-gather reads (its parameter placeholder, or the shards
     its packing reads: their copy into one input, their quantization)."""
-    seen, todo, total = set(), [gather.args[0]], 0
-    while todo:
-        x = todo.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        if x.meta.get(ir.PACK):
-            todo += x.all_input_nodes
-        else:
-            total += cost.tensor_bytes(x.meta[ir.VAL])
-    return total
+    return sum(cost.tensor_bytes(x.meta[ir.VAL]) for x in packing(gather)[1])
 
 
 def _gathered_by_layer(graph, requests, dp, group, order, full, quantized=False):

@@ -30,6 +30,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
+from fxpar.compiler.graphs import packing
 
 c10d = torch.ops._c10d_functional
 
@@ -99,8 +100,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     for start, wait in pairs:
         floor = order.index(floors[start.target]) if start.target in floors else n_inputs - 1
         pos = order.index(start)
-        packs = _packing(start)
-        inputs = [b for a in [start, *packs] for b in a.all_input_nodes if b not in packs]
+        packs, inputs = packing(start)
         lo = max([floor] + [order.index(a) for a in inputs])
         direct = [a for a in start.all_input_nodes if a in packs]
         size = sum(cost.tensor_bytes(n.meta.get(ir.VAL)) for n in (start, *direct))
@@ -138,18 +138,6 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     why = "" if hoisted or sunk else _why_nothing_moved(pairs, limited)
     gm.meta["overlap"] = Decision(slack, hoisted, sunk, sorted(set(limited)), why)
     return gm
-
-
-def _packing(start: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes that make a collective's input from the shards (ir.PACK: their copy into one
-    input, their quantization) and move with it."""
-    out, todo = [], [a for a in start.all_input_nodes if a.meta.get(ir.PACK)]
-    while todo:
-        a = todo.pop()
-        if a not in out:
-            out.append(a)
-            todo += [b for b in a.all_input_nodes if b.meta.get(ir.PACK)]
-    return out
 
 
 def _why_nothing_moved(pairs, limited) -> str:

@@ -142,9 +142,6 @@ class ParallelModel:
                 "Plan.offload_optimizer builds the optimizer over host copies of this rank's "
                 "tensors, so fxpar must build it: pass a factory, e.g. `optimizer=lambda ps: "
                 "torch.optim.AdamW(ps, lr=1e-3)`, not an instance.")
-        if plan.offload_optimizer and not self.program.zero:
-            user_factory = optimizer
-            optimizer = self._offloaded(lambda ps: optim.build(user_factory, ps))
         if self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
@@ -163,11 +160,9 @@ class ParallelModel:
             self.host_optimizer = self.sharded_optimizer.host
         elif self.pipeline_runner is not None:  # this rank's stages' parameters only
             held = [self.params[i] for i in self.pipeline_runner.held_params]
-            self.optimizer = None if not held else optim.build(optimizer, held if not isinstance(
-                optimizer, torch.optim.Optimizer) else model)  # None: stages without weights
-        else:
-            self.optimizer = optim.build(optimizer, model if not plan.offload_optimizer else
-                                         list(model.parameters()))
+            self.optimizer = None if not held else self._optimizer_over(optimizer, held)
+        else:  # (None above: a pipeline rank whose stages hold no weights)
+            self.optimizer = self._optimizer_over(optimizer, list(model.parameters()))
         # Inductor compiles the graph, or the optimizer steps on the CPU: the update is
         # torch's fused kernel where the user let torch choose (runtime/optim.prefer_fused)
         self.optimizer_fused = (program.codegen == "inductor" or plan.offload_optimizer) \
@@ -192,15 +187,17 @@ class ParallelModel:
         self._indices_checked: set[int] = set()  # programs whose batch indices were checked
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
 
-    def _offloaded(self, factory: Callable) -> Callable:
-        """Plan.offload_optimizer: a factory over this rank's device tensors that builds
-        the user's optimizer over their host copies (runtime/host_optimizer.py) and returns
-        it; the copies' keeper is `self.host_optimizer`, which the step calls."""
-        def build(tensors):  # (a frozen parameter needs no host copy: it is never stepped)
-            self.host_optimizer = HostOptimizer(factory, [t for t in tensors if t.requires_grad],
-                                                self.world.device)
-            return self.host_optimizer.optimizer
-        return build
+    def _optimizer_over(self, optimizer, tensors: list[torch.Tensor]):
+        """The user's optimizer over `tensors` (an instance as given); with
+        Plan.offload_optimizer over their host copies, which `self.host_optimizer` keeps and
+        the step calls (runtime/host_optimizer.py; a frozen parameter is never stepped: no
+        copy)."""
+        if not self.plan.offload_optimizer:
+            return optim.build(optimizer, tensors)
+        self.host_optimizer = HostOptimizer(lambda ps: optim.build(optimizer, ps),
+                                            [t for t in tensors if t.requires_grad],
+                                            self.world.device)
+        return self.host_optimizer.optimizer
 
     @property
     def _stepper(self):
