@@ -26,6 +26,7 @@ from fxpar.compiler.errors import PlanError
 from fxpar.compiler.graphs import snapshot, summed_buffer_updates, verify
 from fxpar.compiler.logs import Clock, announce, configure
 from fxpar.compiler.pass_manager import PassContext, run_passes
+from fxpar.passes import data_parallel
 from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         program.virtual = virtual
         program.offload = plan.offload and joint
         clock.add("stages", time.perf_counter() - t1, len(program.pipeline.parts))
+    if joint and plan.grad_compression != "none":  # its compressed phase's graph
+        with clock("local gradients"):
+            program.local_graph = data_parallel.without_gradient_reduction(
+                gm, sig.num_params)
+            verify(program.local_graph)
+        snapshots["local gradients"] = {"joint": snapshot(program.local_graph)}
     if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
         # made now (the runtime shards the model's own tensors later), so it never needs the
         # full weights back in the model

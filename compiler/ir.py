@@ -146,6 +146,9 @@ class Program:
     codegen: str = "eager"
     codegen_why: str | None = None
     build_eval: Any = None
+    # Plan.grad_compression: `graph` without the gradient buckets' all-reduces (each rank's
+    # gradient outputs its own Partial sums), run once the compression starts
+    local_graph: torch.fx.GraphModule | None = None
     # {symbolic group: process group name} once a runtime bound it (runtime/comm.bind_groups)
     bound_groups: dict | None = None
 

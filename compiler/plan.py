@@ -16,6 +16,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 TP_STYLES = ("auto", "all-reduce", "all-gather")
 CODEGENS = ("auto", "inductor", "eager")
 COMM_QUANTIZATIONS = ("none", "weights", "gradients", "weights+gradients")
+GRAD_COMPRESSIONS = ("none", "1bit-adam")
 
 
 @dataclasses.dataclass
@@ -70,6 +71,17 @@ class Plan:
                     reduce-scatters become an all-to-all of int4 values in blocks of 64
                     (~0.141x), each rank dequantizing and summing its shard in fp32;
                     "weights+gradients"; "none" (default; compiler/quantized_comm.py).
+    grad_compression: "1bit-adam" (lossy by design, never chosen by "auto"): 1-bit Adam
+                    (Tang et al. 2021, DeepSpeed's OneBitAdam) with the user's torch.optim
+                    Adam / AdamW. The first `compression_warmup` steps are the user's Adam
+                    exactly (gradients all-reduced); then Adam's second moment is frozen and
+                    each rank folds its own gradient into the momentum, which is averaged over
+                    the dp group as one sign bit per value plus a scale per block of 256, with
+                    error feedback on every rank (~0.035x the all-reduce's bytes;
+                    runtime/onebit_adam.py). Needs dp > 1, zero=0, one microbatch, pp=1, no
+                    max_grad_norm, no fp16 and an optimizer factory. "none" (default).
+    compression_warmup: steps of exact Adam before grad_compression starts (default 100;
+                    >= 1: the frozen second moment comes from them).
     max_grad_norm:  clip gradients by their global norm over the whole model (every tp / pp /
                     ZeRO shard counted once), as torch.nn.utils.clip_grad_norm_; None = off.
     cuda_graphs:    "auto" (default) | True | False: on CUDA devices, after two warm-up steps
@@ -111,6 +123,8 @@ class Plan:
     offload: bool = False
     offload_optimizer: bool = False
     comm_quantization: str = "none"
+    grad_compression: str = "none"
+    compression_warmup: int = 100
     max_grad_norm: float | None = None
     cuda_graphs: Any = "auto"
     batch_stats: str = "whole"
@@ -196,6 +210,9 @@ class Plan:
             raise PlanError("Plan.verify checks the first step against exact single-process "
                             f"training; comm_quantization={self.comm_quantization!r} is lossy "
                             "by design and would fail it. Verify the plan without it first.")
+        misfit = compression_misfit(self)
+        if misfit:
+            raise PlanError(misfit)
         if self.max_grad_norm is not None and not (
                 isinstance(self.max_grad_norm, (int, float)) and
                 not isinstance(self.max_grad_norm, bool) and self.max_grad_norm > 0):
@@ -233,6 +250,43 @@ def quantization_misfit(comm_quantization: str, zero: int, dp: int) -> str | Non
     if "gradients" in comm_quantization and (zero < 2 or dp == 1):
         return ("Plan.comm_quantization='gradients' quantizes ZeRO-2/3's gradient "
                 "reduce-scatters: it needs zero=2 or 3 and dp > 1.")
+    return None
+
+
+def compression_misfit(plan: "Plan") -> str | None:
+    """Why Plan.grad_compression cannot run with the rest of `plan`, or None."""
+    if plan.grad_compression not in GRAD_COMPRESSIONS:
+        return (f"Plan.grad_compression must be one of {GRAD_COMPRESSIONS}, got "
+                f"{plan.grad_compression!r}.")
+    w = plan.compression_warmup
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        return (f"Plan.compression_warmup must be a positive number of steps (1-bit Adam "
+                f"freezes the second moment those steps of exact Adam made), got {w!r}.")
+    if plan.grad_compression == "none":
+        return None
+    why = "1-bit Adam compresses the momentum it averages over the dp group"
+    if plan.dp == 1:
+        return f"Plan.grad_compression='1bit-adam': {why}; it needs dp > 1."
+    if plan.zero:
+        return (f"Plan.grad_compression='1bit-adam': {why}, which every rank keeps whole; "
+                f"it does not run with ZeRO (zero={plan.zero}). Use zero=0, or ZeRO++'s "
+                "comm_quantization='gradients' with zero=2 to compress a sharded plan.")
+    if plan.microbatched:
+        return (f"Plan.grad_compression='1bit-adam' runs with pp=1 and one microbatch (got "
+                f"pp={plan.pp}, microbatches={plan.microbatches}): the compressed phase "
+                "needs each rank's own gradient of the whole step in one graph.")
+    if plan.max_grad_norm is not None:
+        return ("Plan.grad_compression='1bit-adam' never forms the averaged gradient after "
+                "its warm-up, so there is no global norm to clip by: use max_grad_norm=None "
+                "with it.")
+    if plan.precision == "fp16":
+        return ("Plan.grad_compression='1bit-adam' with precision='fp16': an overflowed "
+                "step would enter the compression's error feedback. Use bf16 or fp32.")
+    if plan.offload_optimizer:
+        return ("Plan.grad_compression='1bit-adam' steps Adam itself on the device: it does "
+                "not run with offload_optimizer=True.")
+    if plan.comm_quantization != "none":
+        return "Plan.grad_compression and comm_quantization cannot be combined."
     return None
 
 

@@ -33,7 +33,7 @@ import torch.fx
 from fxpar.compiler import cost, ir
 from fxpar.compiler import quantized_comm as qcomm
 from fxpar.compiler.errors import BatchError, PlanError, ShardingError
-from fxpar.compiler.graphs import ancestors, fake_propagate, packing
+from fxpar.compiler.graphs import ancestors, copy_graph, fake_propagate, packing
 from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
@@ -56,6 +56,33 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     if loss_count is not None:
         _mean_over_microbatches(gm, nll, plan.dp)
     return gm
+
+
+def without_gradient_reduction(gm: torch.fx.GraphModule, n_grads: int) -> torch.fx.GraphModule:
+    """A copy of a finished dp graph whose gradient outputs (the `n_grads` after the loss)
+    are this rank's own Partial sums (summed over the dp group they are the batch's
+    gradients): the all-reduce each reaches back to through its bucket's wait, split and
+    views is dropped; every other collective (the loss, batch statistics) kept.
+    Plan.grad_compression's compressed phase runs it (runtime/onebit_adam.py)."""
+    out = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    out.meta = dict(gm.meta)
+    graph = out.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    passing = (aten.view.default, aten.reshape.default, operator.getitem,
+               aten.split_with_sizes.default, c10d.wait_tensor.default)
+    starts = {}
+    for v in output.args[0][1:1 + n_grads]:
+        while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.target in passing:
+            v = v.args[0]
+        if isinstance(v, torch.fx.Node) and v.target is c10d.all_reduce.default:
+            starts[v] = None
+    for start in starts:
+        for wait in list(start.users):
+            wait.replace_all_uses_with(start.args[0])
+            graph.erase_node(wait)
+        graph.erase_node(start)
+    out.recompile()
+    return out
 
 
 def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:

@@ -417,7 +417,9 @@ def training_settings(plan) -> dict:
         f"microbatch (microbatches={m})"
     return {"max_grad_norm": plan.max_grad_norm, "precision": plan.precision,
             "batch_stats": stats,
-            "comm_quantization": plan.comm_quantization}
+            "comm_quantization": plan.comm_quantization,
+            "grad_compression": plan.grad_compression if plan.grad_compression == "none"
+            else f"{plan.grad_compression} (compression_warmup={plan.compression_warmup})"}
 
 
 def check_settings(pm, meta: dict, path, allow_changed: bool) -> None:
@@ -498,6 +500,8 @@ def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
         pm.host_optimizer.pull()
     if pm.optimizer is not None:
         _load_optimizer(pm, slots, okeys, got, meta, path)
+    if pm.onebit is not None:  # its carried errors are not saved: they restart at zero
+        pm.onebit.reset()
     if scaler is not None and meta.get("scaler") is not None:
         scaler.load_state_dict(_decode(meta["scaler"], got))
     pm.step_count = int(meta["step_count"])

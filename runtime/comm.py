@@ -362,7 +362,7 @@ _SHORT = {start_all_reduce: "all_reduce", start_all_gather: "all_gather",
 def bind_groups(program, names: dict[str, str]) -> None:
     """Bind a Program to this rank's process groups: every string argument naming one of
     the compiler's symbolic groups (ir.GROUPS values, keys of `names`) becomes the real
-    group's name, in the joint graph and every pipeline part. In place, once per Program
+    group's name, in the joint graph, every pipeline part and the local-gradient graph. In place, once per Program
     (compile is pure and knows no process group; a rank runs the Program it bound)."""
     if program.bound_groups is not None:
         if program.bound_groups != names:
@@ -370,7 +370,8 @@ def bind_groups(program, names: dict[str, str]) -> None:
                              "compile it again (fxpar.compile) for another world.")
         return
     graphs = [program.graph] + ([p.graph for p in program.pipeline.parts.values()]
-                                if program.pipeline is not None else [])
+                                if program.pipeline is not None else []) + \
+        ([program.local_graph] if program.local_graph is not None else [])
     symbolic = set(ir.GROUPS.values())
 
     def sub(a):

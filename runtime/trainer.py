@@ -9,6 +9,7 @@ pass and not the planner; fxpar.parallelize (compiler/api.py) wires the two toge
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -29,6 +30,7 @@ from fxpar.runtime import tp_slices as rtp
 from fxpar.runtime import weights as rweights
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.host_optimizer import HostOptimizer
+from fxpar.runtime.onebit_adam import OneBitAdam
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
 
@@ -167,6 +169,11 @@ class ParallelModel:
         # torch's fused kernel where the user let torch choose (runtime/optim.prefer_fused)
         self.optimizer_fused = (program.codegen == "inductor" or plan.offload_optimizer) \
             and optim.prefer_fused(self.optimizer)
+        # Plan.grad_compression: 1-bit Adam's compressed phase (runtime/onebit_adam.py)
+        self.onebit = OneBitAdam(self.optimizer, plan.compression_warmup, plan.dp,
+                                 world.group_name("dp")) \
+            if plan.grad_compression == "1bit-adam" else None
+        self._local_program = None  # its program (the graph without gradient all-reduces)
         clock.add("optimizer", time.perf_counter() - t_opt)
         self.buffers = [buffers[n] for n in sig.buffer_names]
         self._mutated_buffers = [buffers[n] for n in sig.mutated_buffers]
@@ -580,6 +587,9 @@ class ParallelModel:
                 self._update_buffers(new_bufs)
                 self.pipeline_runner.sync_buffers(self._mutated_buffers)
             return loss.detach()
+        n = self.step_count + 1
+        if self.onebit is not None and self.onebit.compressing(n):
+            return self._compressed_step(batch, n)
         # checked each step: a step hook registered (or pm.optimizer replaced by one over
         # other tensors) since parallelize makes this step one step() after the graph
         updates = self._bucket_updates if self._bucket_updates is not None and \
@@ -605,6 +615,32 @@ class ParallelModel:
             self._update_buffers(new_bufs)
         if self._graphed is not None:  # the last replay's GPU time (the loss check synced)
             self.recorder.stats[-1].device_s = self._graphed.last_device_s()
+        return loss.detach()
+
+    def _compressed_step(self, batch, n: int) -> torch.Tensor:
+        """Step n of Plan.grad_compression after its warm-up: the program without gradient
+        all-reduces (compiled on first use), then 1-bit Adam's compressed momentum average
+        and update (runtime/onebit_adam.py)."""
+        if self._local_program is None:
+            local = dataclasses.replace(self.program, graph=self.program.local_graph,
+                                        local_graph=None)
+            clock = Clock(log)
+            self._generated[id(local)] = self._codegen(local, {"local": local.graph},
+                                                       clock)["local"]
+            self.compile_times = [*self.compile_times, *clock.rows(other=False)]
+            if self.world.device.type == "cuda" and self.cuda_graphs.capture:
+                log.info("1-bit Adam: the steps after the warm-up run without CUDA graphs")
+            self._local_program = local
+        with executor.recording(self.recorder) as rec:
+            outs = self._run(self._local_program, batch)
+            n_g = len(self.params)
+            loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
+            calls.settle()
+            faults.check_loss(loss, self.plan)
+            rec.segment("optimizer")
+            self.onebit.step(self.optimizer, self.params, grads, n,
+                             self.program.signature.param_names)
+            self._update_buffers(new_bufs)
         return loss.detach()
 
     @property
