@@ -62,37 +62,46 @@ def unpack_signs(b: torch.Tensor) -> torch.Tensor:
     return bits.flatten(-2).to(torch.float32).mul_(2).sub_(1)
 
 
-def compress(x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """(k * BLOCK,) values -> (k, _ROW) uint8 rows (signs, then the block's scale); `error`
-    (same shape as x) holds what the last call lost, is added first and then replaced by
-    what this one loses."""
+def _mask(valid: torch.Tensor) -> torch.Tensor:
+    """(k,) counts of real values per block -> (k, BLOCK) 1.0 where a value is real."""
+    return (torch.arange(BLOCK, device=valid.device) < valid[:, None]).to(torch.float32)
+
+
+def compress(x: torch.Tensor, error: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(k * BLOCK,) values -> (k, _ROW) uint8 rows (signs, then the block's scale). `error`
+    (like x) holds what the last call lost: it is added first, then replaced by what this
+    one loses. `valid` (k,): how many values of each block are real (the rest is padding,
+    kept at zero). The scale is the block's root mean square, as DeepSpeed's: it keeps the
+    carried error bounded under a steady input, where the mean |x| (the least-squares
+    scale) lets it grow as the square root of the steps."""
     x = x.add(error).view(-1, BLOCK)
-    scale = x.abs().mean(1, keepdim=True)
-    error.copy_((x - torch.where(x >= 0, scale, -scale)).view(-1))
+    scale = (x.square().sum(1, keepdim=True) / valid[:, None].clamp(min=1)).sqrt()
+    error.copy_((x - torch.where(x >= 0, scale, -scale) * _mask(valid)).view(-1))
     return torch.cat([pack_signs(x), scale.view(torch.uint8)], 1)
 
 
-def decompress(rows: torch.Tensor) -> torch.Tensor:
-    """(..., _ROW) uint8 rows -> (..., BLOCK) float32: sign * scale."""
+def decompress(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(..., k, _ROW) uint8 rows -> (..., k, BLOCK) float32: sign * scale (padding 0)."""
     scale = rows[..., BLOCK // 8:].contiguous().view(torch.float32)
-    return unpack_signs(rows[..., :BLOCK // 8]).mul_(scale)
+    return unpack_signs(rows[..., :BLOCK // 8]).mul_(scale).mul_(_mask(valid))
 
 
 def compressed_mean(x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                    dp: int, group_name: str) -> torch.Tensor:
-    """The mean over the dp group of every rank's `x` ((k * BLOCK,) fp32, k a multiple of
-    dp), sent at one bit a value with error feedback on both sides (`worker_error` like x,
-    `server_error` 1/dp of it, updated in place); the same tensor on every rank."""
+                    valid: torch.Tensor, dp: int, rank: int, group_name: str) -> torch.Tensor:
+    """The mean over the dp group (this rank `rank` of it) of every rank's `x` ((k * BLOCK,) fp32, k a multiple of
+    dp; `valid` (k,) its real values per block), sent at one bit a value with error
+    feedback on both sides (`worker_error` like x, `server_error` 1/dp of it, updated in
+    place); the same tensor on every rank."""
     k = x.numel() // BLOCK
-    rows = compress(x, worker_error).view(-1)
+    rows = compress(x, worker_error, valid).view(-1)
     part = k // dp * _ROW
     got = comm.wait(comm.start_all_to_all(rows, [part] * dp, [part] * dp, group_name,
                                           "all_to_all momentum (1-bit Adam)"))
-    mean = decompress(got.view(dp, k // dp, _ROW)).mean(0).view(-1)
-    mine = compress(mean, server_error).view(-1)
-    every = comm.wait(comm.start_all_gather(mine, dp, group_name,
-                                            "all_gather momentum (1-bit Adam)"))
-    return decompress(every.view(k, _ROW)).view(-1)
+    mine = valid.view(dp, -1)[rank]
+    mean = decompress(got.view(dp, k // dp, _ROW), mine).mean(0).view(-1)
+    every = comm.wait(comm.start_all_gather(compress(mean, server_error, mine).view(-1), dp,
+                                            group_name, "all_gather momentum (1-bit Adam)"))
+    return decompress(every.view(k, _ROW), valid).view(-1)
 
 
 class OneBitAdam:
@@ -100,9 +109,9 @@ class OneBitAdam:
     steps the warm-up itself). `step(optimizer, params, grads, n)` is fxpar step n (> warmup)
     with this rank's local gradients (Partial sums over `dp` ranks)."""
 
-    def __init__(self, optimizer, warmup: int, dp: int, group_name: str):
+    def __init__(self, optimizer, warmup: int, dp: int, rank: int, group_name: str):
         check_optimizer(optimizer)
-        self.warmup, self.dp, self.group_name = warmup, dp, group_name
+        self.warmup, self.dp, self.rank, self.group_name = warmup, dp, rank, group_name
         self._layout: tuple | None = None  # (ids of the tensors stepped, their offsets)
         self.worker_error = self.server_error = None
 
@@ -127,10 +136,16 @@ class OneBitAdam:
                 n += -(-p.numel() // BLOCK) * BLOCK
             n += -(n // BLOCK) % self.dp * BLOCK
             dev = stepped[0].device
+            valid = torch.zeros(n // BLOCK, device=dev)
+            for p, off in zip(stepped, offsets):
+                full, rest = divmod(p.numel(), BLOCK)
+                valid[off // BLOCK:off // BLOCK + full] = BLOCK
+                if rest:
+                    valid[off // BLOCK + full] = rest
             self.worker_error = torch.zeros(n, device=dev)
             self.server_error = torch.zeros(n // self.dp, device=dev)
-            self._layout = (ids, offsets, n)
-        return self._layout[1], self._layout[2]
+            self._layout = (ids, offsets, n, valid)
+        return self._layout[1:]
 
     @torch.no_grad()
     def step(self, optimizer, params, grads, n: int, names=None) -> None:
@@ -150,7 +165,7 @@ class OneBitAdam:
             return
         pairs = [(params[i], grads[i]) for i in keep]
         stepped = [p for p, _ in pairs]
-        offsets, size = self._flat_layout(stepped)
+        offsets, size, valid = self._flat_layout(stepped)
         flat = torch.zeros(size, device=stepped[0].device)
         for (p, g), off in zip(pairs, offsets):
             group, state = group_of[id(p)], optimizer.state[p]
@@ -162,8 +177,8 @@ class OneBitAdam:
                 d = d.add(p.to(torch.float32), alpha=group["weight_decay"])
             flat[off:off + p.numel()] = torch.lerp(d.view(-1), state["exp_avg"].view(-1)
                                                    .to(torch.float32), beta1)
-        mean = compressed_mean(flat, self.worker_error, self.server_error, self.dp,
-                               self.group_name)
+        mean = compressed_mean(flat, self.worker_error, self.server_error, valid, self.dp,
+                               self.rank, self.group_name)
         done = n - 1 - self.warmup  # compressed steps before this one
         for (p, _), off in zip(pairs, offsets):
             group, state = group_of[id(p)], optimizer.state[p]

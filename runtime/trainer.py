@@ -171,7 +171,7 @@ class ParallelModel:
             and optim.prefer_fused(self.optimizer)
         # Plan.grad_compression: 1-bit Adam's compressed phase (runtime/onebit_adam.py)
         self.onebit = OneBitAdam(self.optimizer, plan.compression_warmup, plan.dp,
-                                 world.group_name("dp")) \
+                                 world.coordinate("dp"), world.group_name("dp")) \
             if plan.grad_compression == "1bit-adam" else None
         self._local_program = None  # its program (the graph without gradient all-reduces)
         clock.add("optimizer", time.perf_counter() - t_opt)

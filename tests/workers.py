@@ -846,3 +846,84 @@ def quantized_rank(plans, steps):
                 kinds[kind] = kinds.get(kind, 0) + span.args["bytes"]
         out[repr(plan)] = (losses, kinds)
     return out
+
+
+def onebit_mean_rank(steps):
+    """1-bit Adam's compressed mean (runtime/onebit_adam.compressed_mean) of the same
+    per-rank vectors, `steps` times with the errors carried. Returns (this rank's x, the
+    results)."""
+    import torch.distributed as dist
+    from fxpar.runtime import onebit_adam as ob
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # a vector with blocks of very different magnitudes, as a model's tensors are
+    x = torch.randn(4 * world * ob.BLOCK, generator=torch.Generator().manual_seed(rank)) * \
+        torch.logspace(-3, 0, 4 * world).repeat_interleave(ob.BLOCK)
+    we, se = torch.zeros_like(x), torch.zeros(x.numel() // world)
+    valid = torch.full((x.numel() // ob.BLOCK,), float(ob.BLOCK))
+    group = dist.group.WORLD.group_name
+    return x, [ob.compressed_mean(x, we, se, valid, world, rank, group) for _ in range(steps)]
+
+
+def onebit_exact_mean_rank(name, warmup, steps):
+    """1-bit Adam with its compressed mean replaced by the exact mean (an all-reduce): what
+    is left is the update with the frozen second moment, comparable to a single-process
+    reference. The MLP, dp = world, optimizer `name` of ONEBIT_OPTIMIZERS; returns the
+    losses and the final parameters."""
+    import torch.distributed as dist
+    from fxpar.runtime import onebit_adam as ob
+    world = int(os.environ["WORLD_SIZE"])
+
+    def exact(x, we, se, valid, dp, rank, group):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y / dp
+    ob.compressed_mean = exact
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(M.MLP(), world, example_batch=onebit_batch(0),
+                           optimizer=ONEBIT_OPTIMIZERS[name],
+                           plan={"dp": world, "grad_compression": "1bit-adam",
+                                 "compression_warmup": warmup})
+    losses = [pm.step(onebit_batch(s)).item() for s in range(steps)]
+    return losses, pm.full_state_dict()
+
+
+def onebit_batch(step):
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+
+
+ONEBIT_OPTIMIZERS = {
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+    # (eps: a dead ReLU unit has v = 0 after a 3-step warm-up; its first gradient after it
+    # would be divided by eps alone: 1-bit Adam needs a warm-up long enough to see it move)
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99),
+                                          eps=1e-3),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, eps=1e-3),
+}
+
+
+def onebit_resume_rank(path, plan, steps_before, steps_after, load_plan=None):
+    """Train the example GPT `steps_before` steps under `plan`, save to `path`, build a
+    fresh model (under `load_plan`, default `plan`), load it and train `steps_after` more. Returns (losses before, losses after
+    the load, whether the 1-bit errors were reset, the optimizer's step count)."""
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = M.GPTConfig()
+    opt = OPTIMIZERS["adamw"]
+
+    def make(plan):
+        torch.manual_seed(1234)
+        return fxpar.parallelize(M.GPT(cfg), world, example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
+                                 optimizer=opt, plan=plan)
+    pm = make(plan)
+    before = [pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4)).item()
+              for s in range(steps_before)]
+    pm.save(path)
+    pm2 = make(load_plan or plan)
+    pm2.load(path)
+    reset = pm2.onebit.worker_error is None
+    after = [pm2.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4)).item()
+             for s in range(steps_before, steps_before + steps_after)]
+    step = int(next(iter(pm2.optimizer.state.values()))["step"])
+    return before, after, reset, step
