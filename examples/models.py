@@ -234,6 +234,21 @@ def gpt_batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
     return idx, torch.roll(idx, -1, dims=1)
 
 
+def markov_batch(cfg: GPTConfig, batch_size: int, seed: int = 0, successors: int = 4):
+    """Token sequences from one fixed random Markov chain (each token followed by one of
+    `successors` tokens, equally likely): a language a small LM learns down to its entropy,
+    log(successors), from fresh batches - convergence tests compare optimizers on it."""
+    nxt = torch.randint(0, cfg.vocab_size, (cfg.vocab_size, successors),
+                        generator=torch.Generator().manual_seed(12345))
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.empty(batch_size, cfg.block_size + 1, dtype=torch.long)
+    idx[:, 0] = torch.randint(0, cfg.vocab_size, (batch_size,), generator=g)
+    pick = torch.randint(0, successors, (batch_size, cfg.block_size), generator=g)
+    for t in range(cfg.block_size):
+        idx[:, t + 1] = nxt[idx[:, t], pick[:, t]]
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
 # --- Hugging Face transformers models from small configs (no downloads) ---------------------
 
 def hf_gpt2(vocab=128, n_embd=32, n_layer=2, n_head=4, n_positions=32):

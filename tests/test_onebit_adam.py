@@ -180,18 +180,19 @@ def test_a_checkpoint_resumes_the_compressed_phase_with_fresh_errors(tmp_path):
 
 @pytest.mark.slow
 def test_1bit_adam_trains_as_uncompressed_adam_on_a_fraction_of_the_bytes():
-    """2 ranks, the example GPT learning 4 batches for 200 AdamW steps, 1-bit Adam after 20
-    warm-up steps: the warm-up is the uncompressed plan exactly, the end within 2% of its
-    loss (the mean of the last 10 steps; a fall of over a third from the start), and the
-    momentum's two collectives carry <= 1/4 of the gradient all-reduce's bytes (~0.07x at
-    this size, where the GPT's 32-element biases are padded to a block of 256)."""
+    """2 ranks, the example GPT learning a Markov chain's language from fresh batches for 200
+    AdamW steps (lr 1e-2: near its plateau by then), 1-bit Adam after 20 warm-up steps: the
+    warm-up is the uncompressed plan exactly, the end within 2% of its loss (the mean of
+    the last 10 steps; a fall of over half from the start), and the momentum's two
+    collectives carry <= 1/4 of the gradient all-reduce's bytes (~0.08x at this size, where
+    the GPT's 32-element biases are padded to a block of 256)."""
     import workers
     plans = [{"dp": 2}, {"dp": 2, "grad_compression": "1bit-adam", "compression_warmup": 20}]
-    res = fxpar.launch(workers.quantized_rank, 2, plans, 200)[0]
+    res = fxpar.launch(workers.quantized_rank, 2, plans, 200, "markov", 1e-2)[0]
     (lp, bp), (lq, bq) = res[repr(plans[0])], res[repr(plans[1])]
     assert lq[:21] == lp[:21]  # (step 21's loss is the last warm-up update's)
     end_p, end_q = sum(lp[-10:]) / 10, sum(lq[-10:]) / 10
     print(f"loss {lp[0]:.4f} -> {end_p:.4f}, 1-bit {end_q:.4f}", bq, bp)
-    assert end_p < 0.65 * lp[0], lp
+    assert end_p < 0.5 * lp[0], lp
     assert abs(end_q - end_p) <= 0.02 * end_p, (end_q, end_p)
     assert bq["all_to_all"] + bq["all_gather"] <= 0.25 * bp["all_reduce"], (bq, bp)

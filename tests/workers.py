@@ -825,10 +825,11 @@ def sends_rank(nbytes: int) -> tuple:
     return None, float(buf.sum())
 
 
-def quantized_rank(plans, steps):
+def quantized_rank(plans, steps, data="memorize", lr=1e-3):
     """Each plan trains the example GPT `steps` AdamW steps on 4 batches in turn (so the loss
-    falls well below its start). Returns {plan: (losses, {collective kind: bytes on the
-    wire in the last step})} (Plan.comm_quantization: tests/test_quantized_comm.py)."""
+    falls well below its start), or with data="markov" on a fresh batch of a Markov chain's
+    language each step (examples/models.markov_batch); AdamW at `lr`. Returns {plan:
+    (losses, {collective kind: bytes on the wire in the last step})} (Plan.comm_quantization: tests/test_quantized_comm.py)."""
     from fxpar.runtime.trace import COMM
     world = int(os.environ["WORLD_SIZE"])
     cfg = M.GPTConfig()
@@ -836,8 +837,10 @@ def quantized_rank(plans, steps):
     for plan in plans:
         torch.manual_seed(1234)
         pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
-                               optimizer=OPTIMIZERS["adamw"], plan=plan)
-        losses = [pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4)).item()
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, eps=1e-6),
+                               plan=plan)
+        losses = [pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4) if data == "memorize"
+                          else M.markov_batch(cfg, GLOBAL_BATCH, seed=s)).item()
                   for s in range(steps)]
         kinds: dict = {}
         for span in pm.recorder.steps[-1][3]:
