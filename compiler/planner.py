@@ -966,6 +966,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     quant = constraints.get("comm_quantization", "none")
     if quantization_misfit(quant, zero, dp):
         return None  # (Plan.validate refuses it: what-if searches do not validate)
+    onebit = constraints.get("grad_compression", "none") == "1bit-adam"
+    if onebit and (dp == 1 or zero or pp > 1 or m > 1):
+        return None  # (compression_misfit: 1-bit Adam runs on plain dp only)
     held = in_flight(sched, pp, m, v)
     n_st = len(stages)
     # a weight-shaped value a stage sends every microbatch: the sender holds one in flight
@@ -1040,6 +1043,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             stepped = mem.params / DTYPE_BYTES[precision] * (dp if zero >= 3 else 1) / (
                 dp if zero >= 1 else 1)
             mem.optimizer += 2 * 4 * stepped
+        if onebit:  # 1-bit Adam's flat momentum and the error it carries, fp32 (the
+            # server's error: 1/dp more)
+            mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
         return mem, rec
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
@@ -1168,7 +1174,15 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         wire_g = n_elem * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else grad_bytes
         buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
                    else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
-        if zero == 0 or zero == 1:
+        if onebit:  # Plan.grad_compression after its warm-up (runtime/onebit_adam.py): no
+            # gradient all-reduce; after the backward the momentum goes as signs + a 4-byte
+            # scale per block, an all-to-all and an all-gather (each moving what a ring
+            # all-gather moves), and ~12 memory-bound passes over it (fold, compress and
+            # decompress twice, update)
+            wire = n_elem * (1 / 8 + 4 / qcomm.ONEBIT_BLOCK)
+            gather = 2 * hw.comm("all_gather", wire, dp, span) + \
+                12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
+        elif zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
         else:  # (qgZ's all-to-all moves what a ring reduce-scatter moves of its bytes)
             dpc = hw.comm("reduce_scatter", wire_g, dp, span, calls=buckets)

@@ -25,6 +25,7 @@ aten = torch.ops.aten
 
 BLOCK = 256       # qwZ: int8 values per scale
 GRAD_BLOCK = 64   # qgZ: int4 values per scale (smaller: 4 bits resolve less of a block)
+ONEBIT_BLOCK = 256  # 1-bit Adam (runtime/onebit_adam.py): sign bits per fp32 scale
 TINY = 1e-30  # a block of zeros gets a scale that divides without inf (exponent -107)
 NONFINITE = -128.0  # the exponent of a block holding inf or NaN (finite ones are >= -107)
 

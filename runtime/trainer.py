@@ -588,12 +588,13 @@ class ParallelModel:
                 self.pipeline_runner.sync_buffers(self._mutated_buffers)
             return loss.detach()
         n = self.step_count + 1
-        if self.onebit is not None and self.onebit.compressing(n):
+        onebit = self.onebit is not None and n > self.onebit.warmup  # (a refresh if not
+        if onebit and self.onebit.compressing(n):  # compressing: the gradients reduced)
             return self._compressed_step(batch, n)
         # checked each step: a step hook registered (or pm.optimizer replaced by one over
         # other tensors) since parallelize makes this step one step() after the graph
         updates = self._bucket_updates if self._bucket_updates is not None and \
-            self._bucket_updates.usable(self.optimizer) else None
+            not onebit and self._bucket_updates.usable(self.optimizer) else None
         with executor.recording(self.recorder) as rec:
             with updates or contextlib.nullcontext():
                 outs = self._run(self.program, batch)
@@ -610,6 +611,9 @@ class ParallelModel:
                 pass  # fp16 overflow on some rank: every rank skips this update
             elif self.sharded_optimizer:
                 self.sharded_optimizer.step(grads)
+            elif onebit:  # 1-bit Adam's second moment refreshed (runtime/onebit_adam.py)
+                self.onebit.step(self.optimizer, self.params, grads, n,
+                                 self.program.signature.param_names)
             else:
                 optim.apply_gradients(self._stepper, self.params, grads)
             self._update_buffers(new_bufs)

@@ -24,10 +24,10 @@ c10d = torch.ops._c10d_functional
 
 def test_signs_pack_eight_to_a_byte_and_unpack_as_plus_minus_one():
     x = torch.randn(3, ob.BLOCK)
-    x[0, :5] = 0.0  # zero counts as +1
+    x[0, :5], x[1, :3] = 0.0, -0.0  # signed zeros: as torch.copysign reads them
     packed = ob.pack_signs(x)
     assert packed.dtype == torch.uint8 and packed.shape == (3, ob.BLOCK // 8)
-    assert torch.equal(ob.unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
+    assert torch.equal(ob.unpack_signs(packed), torch.copysign(torch.ones_like(x), x))
 
 
 def test_compression_keeps_what_it_loses_as_the_next_error():
@@ -35,18 +35,18 @@ def test_compression_keeps_what_it_loses_as_the_next_error():
     each block's scale is the root mean square of its real values, and padding stays 0."""
     torch.manual_seed(0)
     x = torch.randn(4 * ob.BLOCK) * torch.logspace(-4, 0, 4).repeat_interleave(ob.BLOCK)
-    valid = torch.tensor([256.0, 256, 256, 100])
+    blocks = ob.Blocks(torch.tensor([256.0, 256, 256, 100]))
     x[-156:] = 0.0
     e = torch.randn_like(x) * 1e-3
     e[-156:] = 0.0
     before = x + e
-    rows = ob.compress(x, e, valid)
+    rows = ob.compress(x, e, blocks)
     assert rows.dtype == torch.uint8 and rows.shape == (4, ob.BLOCK // 8 + 4)
-    got = ob.decompress(rows, valid).view(-1)
+    got = ob.decompress(rows, blocks)
     torch.testing.assert_close(got + e, before, rtol=0, atol=1e-6)
     assert not got[-156:].any() and not e[-156:].any()
     rms = torch.stack([b[:int(n)].square().mean().sqrt() for b, n in
-                       zip(before.view(4, -1), valid)])
+                       zip(before.view(4, -1), blocks.counts)])
     torch.testing.assert_close(got.view(4, -1).abs().amax(1), rms)
     assert rows.numel() / (4 * x.numel()) < 0.036  # vs fp32
 
@@ -118,19 +118,23 @@ def test_the_compressed_mean_is_one_tensor_on_every_rank_and_tracks_the_true_mea
 
 def _reference(name, warmup, steps):
     """One process: the user's optimizer for `warmup` steps, then Adam's update with the
-    momentum fed the whole batch's gradient and the second moment frozen."""
+    momentum fed the whole batch's gradient and the second moment frozen, except at steps
+    warmup * 2^j, which update it too."""
     import workers
     torch.manual_seed(0)
     model = M.MLP()
     opt = workers.ONEBIT_OPTIMIZERS[name](model.parameters())
-    losses = []
+    losses, v_steps = [], warmup
     for s in range(steps):
+        n = s + 1
         loss = model(workers.onebit_batch(s))
         loss.backward()
         losses.append(loss.item())
-        if s < warmup:
+        if n <= warmup:
             opt.step()
         else:
+            refresh = n % warmup == 0 and (n // warmup) & (n // warmup - 1) == 0
+            v_steps += refresh
             with torch.no_grad():
                 for g in opt.param_groups:
                     b1, b2 = g["betas"]
@@ -139,11 +143,16 @@ def _reference(name, warmup, steps):
                         grad = p.grad + g["weight_decay"] * p if type(opt) is torch.optim.Adam \
                             else p.grad
                         st["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+                        if refresh:
+                            st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                            if g["amsgrad"]:
+                                st["max_exp_avg_sq"] = torch.maximum(st["max_exp_avg_sq"],
+                                                                     st["exp_avg_sq"])
                         st["step"] += 1
                         if type(opt) is torch.optim.AdamW:
                             p.mul_(1 - g["lr"] * g["weight_decay"])
                         v = st["max_exp_avg_sq"] if g["amsgrad"] else st["exp_avg_sq"]
-                        denom = v.sqrt() / math.sqrt(1 - b2 ** warmup) + g["eps"]
+                        denom = v.sqrt() / math.sqrt(1 - b2 ** v_steps) + g["eps"]
                         p.sub_(g["lr"] / (1 - b1 ** float(st["step"])) * st["exp_avg"] / denom)
         opt.zero_grad()
     return losses, model.state_dict()
@@ -153,10 +162,11 @@ def _reference(name, warmup, steps):
 def test_the_update_after_the_warmup_is_adam_with_its_second_moment_frozen(name):
     """The compressed mean swapped for the exact mean: 2 ranks equal the single-process
     reference (warm-up: the user's optimizer; after: Adam with v frozen, its bias
-    correction frozen with it) - L2 weight decay, decoupled weight decay, amsgrad."""
+    correction frozen with it, but for the refresh at step 6) - L2 weight decay, decoupled
+    weight decay, amsgrad."""
     import workers
-    losses, state = fxpar.launch(workers.onebit_exact_mean_rank, 2, name, 3, 7)[0]
-    ref_losses, ref_state = _reference(name, 3, 7)
+    losses, state = fxpar.launch(workers.onebit_exact_mean_rank, 2, name, 3, 8)[0]
+    ref_losses, ref_state = _reference(name, 3, 8)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for k, v in ref_state.items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
@@ -196,3 +206,11 @@ def test_1bit_adam_trains_as_uncompressed_adam_on_a_fraction_of_the_bytes():
     assert end_p < 0.5 * lp[0], lp
     assert abs(end_q - end_p) <= 0.02 * end_p, (end_q, end_p)
     assert bq["all_to_all"] + bq["all_gather"] <= 0.25 * bp["all_reduce"], (bq, bp)
+
+
+def test_the_second_moment_is_refreshed_at_doubling_intervals():
+    o = ob.OneBitAdam(torch.optim.Adam([torch.zeros(1, requires_grad=True)]), 20, 2, 0, "g")
+    assert [n for n in range(1, 700) if o.refreshing(n)] == [40, 80, 160, 320, 640]
+    assert [o.compressing(n) for n in (20, 21, 39, 40, 41)] == [False, True, True, False, True]
+    assert [o.variance_steps(n) for n in (10, 20, 39, 40, 79, 80, 160)] == \
+        [10, 20, 20, 21, 21, 22, 23]

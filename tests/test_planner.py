@@ -1492,6 +1492,32 @@ def test_quantized_collectives_are_priced_as_given_and_never_chosen():
     assert all(c.plan.comm_quantization == "none" for c in auto.table)
 
 
+def test_1bit_adam_is_priced_as_given_on_plain_dp_only_and_never_chosen():
+    """Plan.grad_compression is lossy, so the search never picks it; given, only plain dp
+    plans (zero=0, pp=1, one microbatch) are priced, their gradient all-reduce replaced by
+    the momentum's two 1-bit collectives after the backward: on 16 A100s over two nodes a
+    1.7B GPT's dp communication falls below 0.2x; its carried errors and flat momentum cost
+    memory (2 + 1/dp fp32 values per parameter)."""
+    stats = G.gpt_stats("gpt-1.7b", precision="fp32")
+    hw = cost.HARDWARE["a100"]
+    fixed = {"dp": 16, "zero": 0, "microbatches": 1}
+    plain = planner.search(stats, 16, hw, batch_rows=16, executable=False,
+                           constraints=fixed, optimizer="adamw")
+    onebit = planner.search(stats, 16, hw, batch_rows=16, executable=False, optimizer="adamw",
+                            constraints={**fixed, "grad_compression": "1bit-adam"})
+    assert all(c.plan.grad_compression == "1bit-adam" for c in onebit.table)
+    dp_s = [r.best.parts["dp communication"] for r in (plain, onebit)]
+    assert dp_s[1] < 0.2 * dp_s[0], dp_s
+    extra = onebit.best.memory.optimizer - plain.best.memory.optimizer
+    assert extra == pytest.approx(4 * (2 + 1 / 16) * plain.best.memory.params / 4, rel=1e-6)
+    free = planner.search(stats, 16, hw, batch_rows=16, executable=False, optimizer="adamw",
+                          constraints={"grad_compression": "1bit-adam"})
+    assert all(c.plan.zero == 0 and c.plan.pp == 1 and c.plan.microbatches == 1 and
+               c.plan.dp > 1 for c in free.table)
+    auto = planner.search(stats, 16, hw, batch_rows=16, executable=False)
+    assert all(c.plan.grad_compression == "none" for c in auto.table)
+
+
 def test_on_a_cpu_device_the_optimizer_stays_and_offload_costs_memory(monkeypatch):
     """A CPU device is the host: the search never moves the optimizer there to fit (it would
     keep its state and add host copies), and given it prices the copies on top; remat="auto"

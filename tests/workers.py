@@ -864,9 +864,9 @@ def onebit_mean_rank(steps):
     x = torch.randn(4 * world * ob.BLOCK, generator=torch.Generator().manual_seed(rank)) * \
         torch.logspace(-3, 0, 4 * world).repeat_interleave(ob.BLOCK)
     we, se = torch.zeros_like(x), torch.zeros(x.numel() // world)
-    valid = torch.full((x.numel() // ob.BLOCK,), float(ob.BLOCK))
+    blocks = ob.Blocks(torch.full((x.numel() // ob.BLOCK,), float(ob.BLOCK)))
     group = dist.group.WORLD.group_name
-    return x, [ob.compressed_mean(x, we, se, valid, world, rank, group) for _ in range(steps)]
+    return x, [ob.compressed_mean(x, we, se, blocks, world, rank, group) for _ in range(steps)]
 
 
 def onebit_exact_mean_rank(name, warmup, steps):
@@ -878,7 +878,7 @@ def onebit_exact_mean_rank(name, warmup, steps):
     from fxpar.runtime import onebit_adam as ob
     world = int(os.environ["WORLD_SIZE"])
 
-    def exact(x, we, se, valid, dp, rank, group):
+    def exact(x, we, se, blocks, dp, rank, group):
         y = x.clone()
         dist.all_reduce(y)
         return y / dp
