@@ -58,11 +58,13 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     return gm
 
 
-def without_gradient_reduction(gm: torch.fx.GraphModule, n_grads: int) -> torch.fx.GraphModule:
+def without_gradient_reduction(gm: torch.fx.GraphModule, n_grads: int,
+                               dp_group: str = ir.GROUPS["dp"]) -> torch.fx.GraphModule:
     """A copy of a finished dp graph whose gradient outputs (the `n_grads` after the loss)
     are this rank's own Partial sums (summed over the dp group they are the batch's
-    gradients): the all-reduce each reaches back to through its bucket's wait, split and
-    views is dropped; every other collective (the loss, batch statistics) kept.
+    gradients): the dp all-reduce each reaches back to through its bucket's wait, split and
+    views is dropped; every other collective (the loss, batch statistics, tensor
+    parallelism's) kept.
     Plan.grad_compression's compressed phase runs it (runtime/onebit_adam.py)."""
     out = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     out.meta = dict(gm.meta)
@@ -72,7 +74,9 @@ def without_gradient_reduction(gm: torch.fx.GraphModule, n_grads: int) -> torch.
                aten.split_with_sizes.default, c10d.wait_tensor.default)
     starts = {}
     for v in output.args[0][1:1 + n_grads]:
-        while isinstance(v, torch.fx.Node) and v.op == "call_function" and v.target in passing:
+        while isinstance(v, torch.fx.Node) and v.op == "call_function" and (
+                v.target in passing or (v.target is c10d.all_reduce.default and
+                                        v.args[2] != dp_group)):  # (a tp reduction)
             v = v.args[0]
         if isinstance(v, torch.fx.Node) and v.target is c10d.all_reduce.default:
             starts[v] = None

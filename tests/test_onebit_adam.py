@@ -56,7 +56,7 @@ def test_the_local_graph_drops_the_gradient_all_reduces_and_keeps_the_loss():
     loss's, and its gradient outputs are the Partial sums the bucket all-reduce read."""
     gm, sig, _, _ = compile_dp(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), 2)
     assert count_ops(gm, c10d.all_reduce.default) == 2
-    local = without_gradient_reduction(gm, sig.num_params)
+    local = without_gradient_reduction(gm, sig.num_params, "dp-group")
     assert count_ops(local, c10d.all_reduce.default) == 1
     assert count_ops(local, c10d.wait_tensor.default) == 1
     assert count_ops(gm, c10d.all_reduce.default) == 2  # (a copy: the program's graph kept)
@@ -158,7 +158,8 @@ def _reference(name, warmup, steps):
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("name", ["adam_l2", "adamw", "adam_amsgrad"])
+@pytest.mark.parametrize("name", [pytest.param("adam_l2", marks=pytest.mark.slow), "adamw",
+                                  pytest.param("adam_amsgrad", marks=pytest.mark.slow)])
 def test_the_update_after_the_warmup_is_adam_with_its_second_moment_frozen(name):
     """The compressed mean swapped for the exact mean: 2 ranks equal the single-process
     reference (warm-up: the user's optimizer; after: Adam with v frozen, its bias
@@ -214,3 +215,17 @@ def test_the_second_moment_is_refreshed_at_doubling_intervals():
     assert [o.compressing(n) for n in (20, 21, 39, 40, 41)] == [False, True, True, False, True]
     assert [o.variance_steps(n) for n in (10, 20, 39, 40, 79, 80, 160)] == \
         [10, 20, 20, 21, 21, 22, 23]
+
+
+@pytest.mark.slow
+def test_1bit_adam_composes_with_tensor_parallelism():
+    """4 ranks, dp=2 x tp=2: each tp rank averages its slices over its own dp group; with the
+    compressed mean swapped for the exact one it equals the single-process reference, as
+    dp alone does."""
+    import workers
+    losses, state = fxpar.launch(workers.onebit_exact_mean_rank, 4, "adamw", 3, 8,
+                                 {"dp": 2, "tp": 2})[0]
+    ref_losses, ref_state = _reference("adamw", 3, 8)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)

@@ -869,24 +869,24 @@ def onebit_mean_rank(steps):
     return x, [ob.compressed_mean(x, we, se, blocks, world, rank, group) for _ in range(steps)]
 
 
-def onebit_exact_mean_rank(name, warmup, steps):
+def onebit_exact_mean_rank(name, warmup, steps, plan=None):
     """1-bit Adam with its compressed mean replaced by the exact mean (an all-reduce): what
     is left is the update with the frozen second moment, comparable to a single-process
-    reference. The MLP, dp = world, optimizer `name` of ONEBIT_OPTIMIZERS; returns the
-    losses and the final parameters."""
+    reference. The MLP, dp = world (or `plan`'s degrees), optimizer `name` of
+    ONEBIT_OPTIMIZERS; returns the losses and the final parameters."""
     import torch.distributed as dist
     from fxpar.runtime import onebit_adam as ob
     world = int(os.environ["WORLD_SIZE"])
 
     def exact(x, we, se, blocks, dp, rank, group):
         y = x.clone()
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=dist.distributed_c10d._resolve_process_group(group))
         return y / dp
     ob.compressed_mean = exact
     torch.manual_seed(0)
     pm = fxpar.parallelize(M.MLP(), world, example_batch=onebit_batch(0),
                            optimizer=ONEBIT_OPTIMIZERS[name],
-                           plan={"dp": world, "grad_compression": "1bit-adam",
+                           plan={**(plan or {"dp": world}), "grad_compression": "1bit-adam",
                                  "compression_warmup": warmup})
     losses = [pm.step(onebit_batch(s)).item() for s in range(steps)]
     return losses, pm.full_state_dict()
