@@ -229,7 +229,7 @@ def test_resume_under_other_settings_is_refused_naming_them(tmp_path, caplog):
     _train(pm, batch_fn, 2, save_at=2, path=tmp_path / "c")
     assert ck.read_meta(tmp_path / "c")[0]["settings"] == {
         "max_grad_norm": 0.5, "precision": "fp32", "batch_stats": "whole",
-        "comm_quantization": "none"}
+        "comm_quantization": "none", "grad_compression": "none"}
     other, _ = _pm("mlp", {"precision": "bf16"})
     with pytest.raises(fxpar.CheckpointError) as e:
         other.load(tmp_path / "c")

@@ -173,6 +173,7 @@ def test_the_update_after_the_warmup_is_adam_with_its_second_moment_frozen(name)
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_the_compressed_phase_with_fresh_errors(tmp_path):
     """Saved mid-compression, loaded into a fresh model: Adam's state and the step count
     come back (the compressed phase goes on), the carried errors restart at zero, and
