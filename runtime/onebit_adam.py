@@ -29,7 +29,6 @@ gradient (frozen, unused) are left out, as torch's Adam leaves them.
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -37,8 +36,6 @@ import torch
 from fxpar.compiler import quantized_comm as qcomm
 from fxpar.compiler.errors import FxparError, PlanError
 from fxpar.runtime import comm
-
-log = logging.getLogger(__name__)
 
 BLOCK = qcomm.ONEBIT_BLOCK  # values sharing one scale (a multiple of 8: whole bytes of signs)
 _ROW = BLOCK // 8 + 4  # one block on the wire: its sign bits, then its fp32 scale
@@ -81,8 +78,10 @@ class Blocks:
         self.rms = counts.clamp(min=1).rsqrt()[:, None]
 
     def part(self, i: int, n: int) -> "Blocks":
-        """The blocks of the i-th of n equal parts."""
-        return Blocks(self.counts.view(n, -1)[i])
+        """The blocks of the i-th of n equal parts (made once)."""
+        if getattr(self, "_part", (None,))[0] != (i, n):
+            self._part = ((i, n), Blocks(self.counts.view(n, -1)[i]))
+        return self._part[1]
 
 
 def compress(x: torch.Tensor, error: torch.Tensor, blocks: Blocks) -> torch.Tensor:

@@ -588,16 +588,17 @@ class ParallelModel:
                 self.pipeline_runner.sync_buffers(self._mutated_buffers)
             return loss.detach()
         n = self.step_count + 1
-        onebit = self.onebit is not None and n > self.onebit.warmup  # (a refresh if not
-        if onebit and self.onebit.compressing(n):  # compressing: the gradients reduced)
-            return self._compressed_step(batch, n)
+        # Plan.grad_compression past its warm-up: 1-bit Adam steps (runtime/onebit_adam.py),
+        # on the graph without gradient all-reduces except at a refresh
+        onebit = self.onebit is not None and n > self.onebit.warmup
+        program = self._local() if onebit and self.onebit.compressing(n) else self.program
         # checked each step: a step hook registered (or pm.optimizer replaced by one over
         # other tensors) since parallelize makes this step one step() after the graph
         updates = self._bucket_updates if self._bucket_updates is not None and \
             not onebit and self._bucket_updates.usable(self.optimizer) else None
         with executor.recording(self.recorder) as rec:
             with updates or contextlib.nullcontext():
-                outs = self._run(self.program, batch)
+                outs = self._run(program, batch)
             n_g = len(self.program.zero_buckets) if self.sharded_optimizer else len(self.params)
             loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
             calls.settle()
@@ -611,7 +612,7 @@ class ParallelModel:
                 pass  # fp16 overflow on some rank: every rank skips this update
             elif self.sharded_optimizer:
                 self.sharded_optimizer.step(grads)
-            elif onebit:  # 1-bit Adam's second moment refreshed (runtime/onebit_adam.py)
+            elif onebit:
                 self.onebit.step(self.optimizer, self.params, grads, n,
                                  self.program.signature.param_names)
             else:
@@ -621,10 +622,9 @@ class ParallelModel:
             self.recorder.stats[-1].device_s = self._graphed.last_device_s()
         return loss.detach()
 
-    def _compressed_step(self, batch, n: int) -> torch.Tensor:
-        """Step n of Plan.grad_compression after its warm-up: the program without gradient
-        all-reduces (compiled on first use), then 1-bit Adam's compressed momentum average
-        and update (runtime/onebit_adam.py)."""
+    def _local(self) -> ir.Program:
+        """Plan.grad_compression's program: the graph without gradient all-reduces
+        (program.local_graph), compiled at its first step."""
         if self._local_program is None:
             local = dataclasses.replace(self.program, graph=self.program.local_graph,
                                         local_graph=None)
@@ -635,17 +635,7 @@ class ParallelModel:
             if self.world.device.type == "cuda" and self.cuda_graphs.capture:
                 log.info("1-bit Adam: the steps after the warm-up run without CUDA graphs")
             self._local_program = local
-        with executor.recording(self.recorder) as rec:
-            outs = self._run(self._local_program, batch)
-            n_g = len(self.params)
-            loss, grads, new_bufs = outs[0], outs[1:1 + n_g], outs[1 + n_g:]
-            calls.settle()
-            faults.check_loss(loss, self.plan)
-            rec.segment("optimizer")
-            self.onebit.step(self.optimizer, self.params, grads, n,
-                             self.program.signature.param_names)
-            self._update_buffers(new_bufs)
-        return loss.detach()
+        return self._local_program
 
     @property
     def offload_stats(self) -> dict | None:
