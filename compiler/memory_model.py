@@ -24,6 +24,7 @@ with one (the backward frees activations as it makes gradients).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -118,6 +119,11 @@ class MemoryEstimate:
     state: tuple = ()
     sizes: dict = dataclasses.field(default_factory=dict)
 
+    def __copy__(self):  # (copy.copy's generic path is the planner's hot spot)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
     def formula(self) -> str:
         """'params + grads + optimizer = <formula> with N = ..., dp = ..., ...'."""
         if not self.state:
@@ -172,45 +178,88 @@ def activation_bytes(segs: list[Segment], stats: GraphStats, rows: float, tp: in
                for s in segs) * f
 
 
-def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0, dp=1):
-    """(activation bytes, fraction of the forward recomputed) under a remat choice.
+@dataclasses.dataclass(frozen=True)
+class SavedActivations:
+    """What one microbatch through a stage's segments saves, priced for any number of
+    microbatches in flight under any remat choice (`under`)."""
+    per_microbatch: float   # every saved value
+    one_layer: float        # the largest single layer's
+    boundary: float         # a layer's input (what per-layer checkpointing keeps)
+    layers: int             # layers (an aggregate segment stands for several)
+    checkpoints_per_layer: int
 
-    "none": everything saved for every microbatch in flight. "sqrt" (Chen et al.): the n
-    layers are n c pieces between the pass's checkpoint candidates (c per layer, e.g. 2 in a
-    transformer block); a checkpoint every sqrt(n c) pieces kept per microbatch in flight, one
-    segment rebuilt at a time; the whole forward recomputed. A byte budget: the remat pass
-    recomputes the least that fits, between "none" and per-layer checkpointing (keep each
-    layer's input, rebuild one layer).
-    """
-    full = activation_bytes(segs, stats, rows, tp, act_scale, dp) * in_flight
+    def under(self, remat, in_flight: int) -> tuple[float, float]:
+        """(activation bytes, fraction of the forward recomputed) under a remat choice.
+
+        "none": everything saved for every microbatch in flight. "sqrt" (Chen et al.): the
+        n layers are n c pieces between the pass's checkpoint candidates (c per layer, e.g.
+        2 in a transformer block); a checkpoint every sqrt(n c) pieces kept per microbatch
+        in flight, one segment rebuilt at a time; the whole forward recomputed. A byte
+        budget: the remat pass recomputes the least that fits, between "none" and
+        per-layer checkpointing (keep each layer's input, rebuild one layer)."""
+        full = self.per_microbatch * in_flight
+        if remat == "none" or not self.layers:
+            return full, 0.0
+        n, boundary, one_layer = self.layers, self.boundary, self.one_layer
+        if remat == "sqrt":  # over the pass's checkpoint candidates: n c pieces
+            c = self.checkpoints_per_layer
+            k = max(1, round(math.sqrt(n * c)))
+            return in_flight * math.ceil(n * c / k) * boundary + k * one_layer / c, 1.0
+        floor = in_flight * n * boundary + one_layer
+        budget = float(remat)
+        if budget >= full:
+            return full, 0.0
+        if budget <= floor:
+            return floor, 1.0
+        return budget, (full - budget) / max(full - floor, 1.0)
+
+
+def saved_activations(segs, stats, rows, tp, act_scale=1.0, dp=1) -> SavedActivations:
     layers = [s for s in segs if s.name not in ("pre", "post", "ends")]
     f = rows / stats.rows * act_scale
-    one_layer = max((activation_bytes([s], stats, rows, tp, act_scale, dp) for s in layers
-                     if not getattr(s, "layer_count", 0)), default=0.0)
-    boundary = max((s.boundary for s in layers), default=0.0) * f
-    n = sum(getattr(s, "layer_count", 1) for s in layers)  # an aggregate stands for several
-    if remat == "none" or not layers:
-        return full, 0.0
-    if remat == "sqrt":  # over the pass's checkpoint candidates: c per layer, n c pieces
-        c = max(1, stats.checkpoints_per_layer)
-        k = max(1, round(math.sqrt(n * c)))
-        return in_flight * math.ceil(n * c / k) * boundary + k * one_layer / c, 1.0
-    floor = in_flight * n * boundary + one_layer
-    budget = float(remat)
-    if budget >= full:
-        return full, 0.0
-    if budget <= floor:
-        return floor, 1.0
-    return budget, (full - budget) / max(full - floor, 1.0)
+    return SavedActivations(
+        activation_bytes(segs, stats, rows, tp, act_scale, dp),
+        max((activation_bytes([s], stats, rows, tp, act_scale, dp) for s in layers
+             if not getattr(s, "layer_count", 0)), default=0.0),
+        max((s.boundary for s in layers), default=0.0) * f,
+        sum(getattr(s, "layer_count", 1) for s in layers),
+        max(1, stats.checkpoints_per_layer))
 
 
-def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zero: int,
-                 rows: float, in_flight: int, precision: str, optimizer: str, remat="none",
-                 transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
-                 microbatches: int = 1, sends_held: float = 0.0, saved_factor: float = 1.0,
-                 received_at_end: float = 0.0, weight_copies: float = 0.0,
-                 optimizer_foreach: bool = False) -> tuple[MemoryEstimate, float]:
-    """Memory of one rank of the stage holding `segs`, and its recompute fraction.
+def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0, dp=1):
+    """`SavedActivations.under` for these segments."""
+    return saved_activations(segs, stats, rows, tp, act_scale, dp).under(remat, in_flight)
+
+
+def stage_memory(segs: list[Segment], stats: GraphStats, *, in_flight: int, remat="none",
+                 **kw) -> tuple[MemoryEstimate, float]:
+    """Memory of one rank of the stage holding `segs` (`stage_state`'s arguments), and its
+    recompute fraction."""
+    return with_activations(*stage_state(segs, stats, remat_none=remat == "none", **kw),
+                            in_flight, remat)
+
+
+def with_activations(state: MemoryEstimate, saved: SavedActivations, in_flight: int,
+                     remat) -> tuple[MemoryEstimate, float]:
+    """`stage_state`'s estimate with `in_flight` microbatches' activations under `remat`
+    (the planner prices a pipeline's ranks from one state per kind of stage)."""
+    acts, recompute = saved.under(remat, in_flight)
+    mem = copy.copy(state)
+    mem.activations, mem.in_flight = acts + state.working, in_flight
+    return mem, recompute
+
+
+def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zero: int,
+                rows: float, precision: str, optimizer: str, remat_none: bool = True,
+                transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
+                microbatches: int = 1, sends_held: float = 0.0, saved_factor: float = 1.0,
+                received_at_end: float = 0.0, weight_copies: float = 0.0,
+                optimizer_foreach: bool = False
+                ) -> tuple[MemoryEstimate, SavedActivations]:
+    """Memory of one rank of the stage holding `segs` without its saved activations (its
+    `activations` are the working memory alone), and what one microbatch saves.
+    `remat_none`: no recompute (the working memory is then paired with the values saved
+    beside it).
     `sends_held`: bytes of weight-shaped transfers this rank holds over the step (a tied
     head's summed gradient part); `received_at_end`: what it receives after the last
     microbatch (that part, on the embedding's rank). `saved_factor`: what the pipeline
@@ -229,14 +278,13 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
                      else per_tensor * min(largest, stepped))
     act_scale = (1.0 if stats.activations_precision == precision
                  else elem / stats.param_bytes_per_elem)
-    acts, recompute = remat_activations(segs, stats, rows, tp, remat, in_flight,
-                                        act_scale * saved_factor, dp)
+    saved = saved_activations(segs, stats, rows, tp, act_scale * saved_factor, dp)
     working, working_end = 0.0, None
     if transient:  # the working memory of one microbatch's segments
         f = rows / stats.rows * act_scale
         w = [s.working(tp) * f for s in segs]
         working = max(w, default=0.0)
-        if remat == "none" and segs:
+        if remat_none and segs:
             # in the order the segments run (planner._rank_aggregates keeps it): in the
             # forward a segment works beside the values saved before it (the later ones
             # have saved nothing yet); the backward ends at the first segment, beside its
@@ -252,7 +300,6 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
                 first, last = used[0], used[-1]
                 working_end = max([kept[first] + w[first]]
                                   + [w[k] for k in used if first < k < last])
-        acts += working
     # one bucket beside the gradients, never more than the gradients it packs: the
     # reduction runs in place on the packed bucket (runtime/comm.start_all_reduce, owned)
     # and the gradients become views of it, so only while a bucket is packed are its
@@ -295,10 +342,9 @@ def stage_memory(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, ze
             at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero else 0.0)
     at_end = max(at_end, received_at_end)
     # (pipeline stages sum their gradients in place too: the sums are `grads`)
-    return MemoryEstimate(params, grads, opt, acts, buffers,
+    return MemoryEstimate(params, grads, opt, working, buffers,
                           accumulate=microbatches > 1, working=working,
                           working_end=working_end, optimizer_step=step_temp,
-                          gathered=gathered,
-                          in_flight=in_flight, microbatches=microbatches, at_end=at_end,
+                          gathered=gathered, microbatches=microbatches, at_end=at_end,
                           state=state_formula(zero),
-                          sizes={"N": n, "dp": dp, "b": elem, "s": per}), recompute
+                          sizes={"N": n, "dp": dp, "b": elem, "s": per}), saved

@@ -44,7 +44,8 @@ from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
 from fxpar.compiler.logs import Clock, Ticker, phase_done
 from fxpar.compiler.logs import rank as log_rank
 from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEstimate,
-                                         optimizer_kind, stage_memory, state_bytes_per_param)
+                                         optimizer_kind, stage_state, state_bytes_per_param,
+                                         with_activations)
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.compiler.plan import Plan, quantization_misfit, replays_step, resolve
 from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
@@ -511,8 +512,10 @@ def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
             r = a.stage % pp
             t = (fwd if a.kind == "F" else bwd)[r] / v
             return t if a.kind in ("F", "B") else t / 2
+        # (unchecked: the builder's lists are checked by tests/test_schedules.py; checking
+        # a 1T-parameter pipeline's ~10^5 actions at each search was a third of it)
         return schedules.simulate_schedule(_actions(schedule, pp, mm, v), dur,
-                                           p2p_latency=p2p).makespan
+                                           p2p_latency=p2p, validate=False).makespan
     cap = 4 * pp
     if m <= cap + pp:
         return run(m)
@@ -961,6 +964,15 @@ def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
     return [best] + [c for c in by_time if c is not best]
 
 
+@functools.lru_cache(maxsize=None)
+def _offloaded_state(state: tuple, precision: str, optimizer: str) -> tuple:
+    """The state formula with the optimizer's part on the host (Plan.offload_optimizer): in
+    half precision the fp32 masters stay (once per formula: sympy is slow per candidate)."""
+    master = sympy.Rational(4 if precision != "fp32" else 0,
+                            state_bytes_per_param(optimizer, precision))
+    return (*state[:2], state[2] * master) if state else ()
+
+
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
            constraints, budget, offload=False) -> Candidate | None:
     quant = constraints.get("comm_quantization", "none")
@@ -1017,36 +1029,35 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     if remat == "auto":
         remat = "none"
 
-    priced: dict[tuple, tuple] = {}  # a rank whose twin (`_twins`) holds alike: its estimate
+    states: dict[tuple, tuple] = {}  # per kind of rank (`_twins`): its state, saved values
 
     def rank_memory(r, remat):
-        key = (twins[r], held[r], kept[r], saved_factor[r], at_end[r], copies[r], remat)
-        if key not in priced:
-            priced[key] = stage_memory(
-                rank_segs[r], stats, tp=tp, dp=dp, zero=zero, rows=mbs, in_flight=held[r],
-                precision=precision, optimizer=optimizer, remat=remat, transient=True, pp=pp,
+        key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r], remat == "none")
+        if key not in states:
+            mem, saved = stage_state(
+                rank_segs[r], stats, tp=tp, dp=dp, zero=zero, rows=mbs, precision=precision,
+                optimizer=optimizer, remat_none=remat == "none", transient=True, pp=pp,
                 microbatches=m, sends_held=kept[r], saved_factor=saved_factor[r],
                 received_at_end=at_end[r], weight_copies=copies[r],
                 optimizer_foreach=dev == "cuda",
                 bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
-        mem, rec = priced[key]
-        mem = copy.copy(mem)  # (its own: each is told its stage below)
-        if offload and hw.host_link:  # Plan.offload_optimizer: the state and the step's
-            # temporaries on the host; in half precision the fp32 masters (the graph's
-            # parameters) stay
-            master = sympy.Rational(4 if precision != "fp32" else 0,
-                                    state_bytes_per_param(optimizer, precision))
-            mem.optimizer, mem.optimizer_step = mem.optimizer * float(master), 0.0
-            mem.state = (*mem.state[:2], mem.state[2] * master) if mem.state else ()
-        elif offload:  # a CPU device is the host: the state stays, and the host copies and
-            # their gradient buffers (fp32, of what this rank steps) come on top
-            stepped = mem.params / DTYPE_BYTES[precision] * (dp if zero >= 3 else 1) / (
-                dp if zero >= 1 else 1)
-            mem.optimizer += 2 * 4 * stepped
-        if onebit:  # 1-bit Adam's flat momentum and the error it carries, fp32 (the
-            # server's error: 1/dp more)
-            mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
-        return mem, rec
+            if offload and hw.host_link:  # Plan.offload_optimizer: the state and the step's
+                # temporaries on the host; in half precision the fp32 masters (the graph's
+                # parameters) stay
+                master = (4 if precision != "fp32" else 0) / state_bytes_per_param(
+                    optimizer, precision)
+                mem.optimizer, mem.optimizer_step = mem.optimizer * master, 0.0
+                mem.state = _offloaded_state(mem.state, precision, optimizer)
+            elif offload:  # a CPU device is the host: the state stays, and the host copies
+                # and their gradient buffers (fp32, of what this rank steps) come on top
+                stepped = mem.params / DTYPE_BYTES[precision] * (dp if zero >= 3 else 1) / (
+                    dp if zero >= 1 else 1)
+                mem.optimizer += 2 * 4 * stepped
+            if onebit:  # 1-bit Adam's flat momentum and the error it carries, fp32 (the
+                # server's error: 1/dp more)
+                mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
+            states[key] = mem, saved
+        return with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:

@@ -167,7 +167,7 @@ def test_partition_balances_contiguous_parts():
 @pytest.mark.slow
 def test_1t_on_3072_fake_devices_under_a_minute():
     """The largest configuration of Narayanan et al. 2021: 6959 legal plans (3072 = 2^10 x 3
-    devices, pp up to 128); 19 s on a quiet 2-core VM."""
+    devices, pp up to 128); the search takes ~32 s on a 2-core VM."""
     t0 = time.perf_counter()
     r = planner.search(G.gpt_stats("gpt-1t"), 3072, cost.HARDWARE["a100"],
                        batch_rows=3072, precision="bf16", executable=False)

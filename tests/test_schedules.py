@@ -37,6 +37,10 @@ def test_complete_and_deadlock_free(schedule, pp, m, v):
     for lat in (0.0, 0.5):                                     # raises on deadlock / violation
         tl = simulate_schedule(acts, FIW if split else FB, p2p_latency=lat)
         assert len(tl.events) == pp and 0 <= tl.bubble_fraction < 1
+        # the planner's unchecked timing of lists once checked: the same timeline
+        fast = simulate_schedule(acts, FIW if split else FB, p2p_latency=lat, validate=False)
+        assert (fast.events, fast.makespan, fast.busy, fast.peak_in_flight) == \
+            (tl.events, tl.makespan, tl.busy, tl.peak_in_flight)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -127,6 +131,8 @@ def test_detects_deadlock():
     with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at #0 RECV_B0s0<-1; "
                                             r"rank 1 waits at #0 RECV_F0s1<-0"):
         simulate_schedule(acts, FB)
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at #0 RECV_B0s0<-1; "):
+        simulate_schedule(acts, FB, validate=False)
 
 
 def test_detects_dependency_violation():
