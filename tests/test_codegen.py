@@ -856,3 +856,34 @@ def test_random_inputs_that_reach_a_log_of_a_negative_value_leave_the_check_to_t
     assert "not finite" in codegen.check_ahead(run, [torch.empty(64)], torch.device("cpu"))
     assert codegen._checked_when(run, [torch.empty(64)], torch.device("cpu"), 1) == \
         codegen.FIRST_STEP
+
+
+def test_outputs_of_uninitialised_memory_are_not_compared():
+    """An output that is an `empty` factory's memory (or a view of it) holds whatever each
+    side's allocator handed out: the check skips it, before the first step and at it (HF
+    DeepSeek-V3's value-head padding made every one of its runs op by op), and still
+    compares the rest."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(64)
+    e = g.call_function(aten.new_empty.default, (x, [8, 8]))
+    v = g.call_function(aten.transpose.int, (e, 0, 1))
+    y = g.call_function(aten.mul.Tensor, (x, 2.0))
+    for n, val in ((e, torch.empty(8, 8)), (v, torch.empty(8, 8)), (y, torch.empty(64))):
+        n.meta[ir.VAL] = val
+    g.output((v, y))
+    gm = torch.fx.GraphModule({}, g)
+    assert codegen._uninitialized_outputs(gm) == {0}
+    x = torch.randn(64)
+
+    def other_memory(*a, wrong=1.0):
+        return [torch.full((8, 8), float("nan")), a[0] * 2.0 * wrong]
+    run = codegen.CompiledRun(other_memory, gm, [x.stride()])
+    assert codegen.check_ahead(run, [torch.empty(64)], torch.device("cpu")) is None
+    run(x)
+    assert run.mismatch is None
+    run = codegen.CompiledRun(lambda *a: other_memory(*a, wrong=1.01), gm, [x.stride()])
+    assert codegen.check_ahead(run, [torch.empty(64)], torch.device("cpu")).startswith(
+        "output 1:")
+    run(x)
+    assert run.mismatch.startswith("output 1:")
