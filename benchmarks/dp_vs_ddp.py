@@ -9,14 +9,19 @@ losses' largest difference to DDP's. --one-update adds fxpar stepping the optimi
 its graph (a step hook forces it) instead of each gradient bucket as soon as it is reduced.
 --zero 1|2 gives fxpar's sides Plan.zero (the optimizer state sharded) and adds torch's own
 ZeRO-1 as a peer: DDP with torch.distributed.optim.ZeroRedundancyOptimizer (fxpar steps the
-shards after the graph: --one-update adds the same code a second time).
+shards after the graph: --one-update adds the same code a second time). --microbatches M:
+gradient accumulation, fxpar's Plan.microbatches against DDP's `no_sync()` for the first M-1
+microbatches; fxpar also as it ran before its reduction moved inside the last microbatch's
+backward ("reduction after the last backward": the same program, the reduction part run
+after it).
 
     .venv/bin/python benchmarks/dp_vs_ddp.py [--steps 30] [--layers 4] [--embd 256] [--one-update]
-        [--zero 0|1|2]
+        [--zero 0|1|2] [--microbatches M]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -42,16 +47,20 @@ def bench(args):
     per = args.batch // world
     steps, compile_s = {}, {}
 
-    def fxpar_variant(codegen, one_update=False):
+    def fxpar_variant(codegen, one_update=False, reduce_after=False):
         torch.manual_seed(0)
         t = time.perf_counter()
         pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=data[0], optimizer=opt,
                                plan=dict(dp=world, bucket_mb=args.fxpar_bucket_mb,
-                                         codegen=codegen, zero=args.zero))
+                                         codegen=codegen, zero=args.zero,
+                                         microbatches=args.microbatches))
         if one_update:  # a step hook makes fxpar step every bucket at once, after the graph
             pm.optimizer.register_step_post_hook(lambda *a: None)
+        if reduce_after:  # the reduction part after the last backward, not inside it
+            pm.pipeline_runner._fusable = lambda n, key: ()
         name = f"fxpar codegen={codegen}" + (f" zero={args.zero}" if args.zero else "") + \
-            (", one update" if one_update else "")
+            (", one update" if one_update else "") + \
+            (", reduction after the last backward" if reduce_after else "")
         compile_s[name] = time.perf_counter() - t
         return name, lambda s: pm.step(data[s % 4]).item()
 
@@ -66,13 +75,20 @@ def bench(args):
             o = opt(ddp.parameters())
         fwd = torch.compile(ddp) if compiled else ddp
 
+        m = args.microbatches
+
         def step(s):
             idx, tgt = data[s % 4]
+            idx, tgt = idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]
             o.zero_grad()
-            loss = fwd((idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]))
-            loss.backward()
+            red = torch.zeros(())
+            for k in range(m):  # gradient accumulation: reduced with the last backward
+                rows = slice(k * per // m, (k + 1) * per // m)
+                with ddp.no_sync() if k < m - 1 else contextlib.nullcontext():
+                    loss = fwd((idx[rows], tgt[rows])) / m
+                    loss.backward()
+                red += loss.detach()
             o.step()
-            red = loss.detach().clone()
             dist.all_reduce(red)
             return (red / world).item()
         return step
@@ -82,6 +98,9 @@ def bench(args):
         steps[name] = fn
     if args.one_update:
         name, fn = fxpar_variant(args.codegen[0], one_update=True)
+        steps[name] = fn
+    if args.microbatches > 1:
+        name, fn = fxpar_variant(args.codegen[0], reduce_after=True)
         steps[name] = fn
     steps["DDP"] = ddp_variant(False)
     steps["DDP + torch.compile"] = ddp_variant(True)
@@ -118,6 +137,8 @@ def main(argv=None):
                          "while the later ones are still reduced)")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
                     help="fxpar's Plan.zero (1/2: torch's ZeroRedundancyOptimizer joins)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="gradient accumulation: fxpar's Plan.microbatches, DDP's no_sync()")
     ap.add_argument("--fxpar-bucket-mb", type=float, default=None,
                     help="fxpar's Plan.bucket_mb (default: sized by its cost model)")
     args = ap.parse_args(argv)
@@ -125,7 +146,9 @@ def main(argv=None):
     times, losses, compile_s = res[0]
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params), global batch "
-          f"{args.batch}, dp={args.nprocs}, gloo, {args.steps} timed steps (interleaved)")
+          f"{args.batch}" + (f" in {args.microbatches} microbatches" if args.microbatches > 1
+                             else "")
+          + f", dp={args.nprocs}, gloo, {args.steps} timed steps (interleaved)")
     refs = ["DDP", "DDP + torch.compile"] + (["DDP + ZeroRedundancyOptimizer"] if args.zero
                                              else [])
     print(f"{'variant':36s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "

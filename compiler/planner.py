@@ -1218,12 +1218,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         # per microbatch): dispatch time, not hidden by the backward
         dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
             m if zero >= 3 else 1) * hw_graph.node_overhead
-    # the backward hides the gradient reduction only in one joint graph: under the microbatch
-    # runner (m > 1 or pp > 1) it runs once a step on the summed gradients, in the "R" part
-    # after the rank's last backward (runtime/pipeline.py), with nothing left to hide it
-    # behind (a ViT's dp=2 m=2 waited 26 ms on it where m=1 waited 6)
-    runner = m > 1 or pp > 1
-    window = bwd[0] * hw.overlap if constraints.get("overlap", True) and not runner else 0.0
+    # the backward hides the gradient reduction: one microbatch's (the joint graph's, or with
+    # microbatches the last one's, which runs the "R" part inside it as its buckets fill:
+    # runtime/pipeline.with_reductions). A pipeline stage's R runs after its last backward,
+    # with nothing left to hide it behind (a ViT's dp=2 m=2 waited 26 ms on it where m=1
+    # waited 6, before the reduction ran inside the last backward)
+    window = bwd[0] * hw.overlap if constraints.get("overlap", True) and pp == 1 else 0.0
     dp_exposed = (max(dpc - window, dpc * 0.05) + gather + dp_fixed) if dp > 1 else 0.0
     k = OPTIMIZER_STATES.get(optimizer, 2)
     touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4

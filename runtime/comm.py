@@ -359,6 +359,11 @@ _SHORT = {start_all_reduce: "all_reduce", start_all_gather: "all_gather",
           start_reduce_scatter: "reduce_scatter", start_all_to_all: "all_to_all"}
 
 
+def is_start(target) -> bool:
+    """Whether a lowered graph's node target issues a collective (`lower`'s start_*)."""
+    return target in _SHORT
+
+
 def bind_groups(program, names: dict[str, str]) -> None:
     """Bind a Program to this rank's process groups: every string argument naming one of
     the compiler's symbolic groups (ir.GROUPS values, keys of `names`) becomes the real

@@ -10,7 +10,8 @@ when the value is needed, so sends never wait on receives and the schedule's ord
 deadlock (the contract runtime/schedules.simulate_schedule checks). Gradients accumulate over
 microbatches and are divided by their number (the loss of a microbatch is its mean); the
 data-parallel reduction of a stage (its "R" part) runs once, on the accumulated gradients,
-right after the stage's last backward. A weight read by several stages (tied embeddings)
+right after the stage's last backward - without a pipeline, inside it (`with_reductions`),
+each bucket's collective started as its sums are final. A weight read by several stages (tied embeddings)
 receives its summed gradient on every rank that holds it, so each copy takes the same
 optimizer step. The next action's receives are posted before the current action computes,
 so a transfer overlaps compute instead of starting when the value is needed.
@@ -145,6 +146,75 @@ def _sum_of_two(node, outs) -> torch.fx.Node | None:
                  and not a.target._schema.is_mutable), None)
 
 
+def with_reductions(acc: torch.fx.GraphModule, reductions: list, m: int,
+                    hoist: bool = True) -> torch.fx.GraphModule:
+    """A backward part's accumulating graph (`acc`: its running sums added in place) followed
+    by once-a-step reduction parts that read those sums: `reductions` is [(R's graph, for
+    each of its inputs the position of the sum among acc's outputs)]. Each sum is divided by
+    the microbatches `m` in place (as `PipelineRunner._reduce` does) once it is final, and
+    the result returns acc's outputs, then each R's. `hoist`: each of R's nodes up to its
+    collectives moves to just after what it reads (in R's own order), and the waits and
+    what follows them stay at the end, so a bucket's reduction runs while the rest of the
+    last microbatch's backward computes, as the joint graph's overlap does with one
+    microbatch (run after it, the reduction was exposed: most of a dp=2 m=4 step's
+    communication)."""
+    g = torch.fx.Graph()
+    root = torch.nn.Module()
+    root.add_module("b", acc)
+    outs = list(g.graph_copy(acc.graph, {}))
+    _prefix_modules(g.nodes, "b")
+    done = {id(n) for n in g.nodes}
+    divided: dict[int, torch.fx.Node] = {}
+    ends = []
+    for j, (r_gm, positions) in enumerate(reductions):
+        root.add_module(f"r{j}", r_gm)
+        phs = [n for n in r_gm.graph.nodes if n.op == "placeholder"]
+        env = {}
+        for ph, pos in zip(phs, positions):
+            if pos not in divided:
+                with g.inserting_after(outs[pos]):
+                    divided[pos] = g.call_function(torch.ops.aten.div_.Scalar, (outs[pos], m))
+            env[ph] = divided[pos]
+        r_out = g.graph_copy(r_gm.graph, env)  # (appended: no output node yet)
+        new = [n for n in g.nodes if id(n) not in done]
+        _prefix_modules(new, f"r{j}")
+        done |= {id(n) for n in new}
+        ends += list(r_out) if isinstance(r_out, (tuple, list)) else [r_out]
+        if hoist:
+            _hoist(g, new)
+    g.output(tuple(outs + ends))
+    g.lint()
+    return torch.fx.GraphModule(root, g)
+
+
+def _prefix_modules(nodes, prefix: str) -> None:
+    for n in nodes:
+        if n.op in ("call_module", "get_attr"):
+            n.target = f"{prefix}.{n.target}"
+
+
+def _hoist(g: torch.fx.Graph, nodes: list) -> None:
+    """Move `nodes` (in their order) each to just after the last of what it reads - a
+    collective's start also after the start before it, so the ranks issue them in one order
+    - but for the waits on collectives and what reads them."""
+    late = set()
+    for n in nodes:
+        if n.target is comm.wait or any(a in late for a in n.all_input_nodes):
+            late.add(n)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    prev = None  # the last collective started
+    for n in nodes:
+        if n in late:
+            continue
+        after = [*n.all_input_nodes, *([prev] if prev and comm.is_start(n.target) else [])]
+        anchor = max(after, key=order.get, default=None)
+        if anchor is not None and anchor.next is not n:
+            anchor.append(n)
+            order = {x: i for i, x in enumerate(g.nodes)}
+        if comm.is_start(n.target):
+            prev = n
+
+
 def _shared_storages(outs, routes) -> set[int]:
     """Storages (data_ptr) that two outputs of a part alias, or that an output read by
     another part (kept locally or sent) aliases: an output there must not become a running
@@ -250,6 +320,9 @@ class PipelineRunner:
         self._local_count, self._route_cache, self._remote_inputs = {}, {}, {}
         self._acc_graphs: dict[str, torch.fx.GraphModule] = {}  # see _accumulating
         self._boxed_graphs: dict[tuple, torch.fx.GraphModule] = {}  # see _boxed
+        # (key, R keys) -> the last backward with the reductions after it (`with_reductions`)
+        self._fused_graphs: dict[tuple, torch.fx.GraphModule] = {}
+        self.hoist = bool(getattr(program.plan, "overlap", True))  # Plan.overlap
         self.offload = getattr(program, "offload", False)  # Plan.offload: runtime/offload.py
         self.stash: HostStash | None = None
         self.graphs: dict[str, cudagraph.GraphedStep] | None = None  # Plan.cuda_graphs
@@ -324,8 +397,12 @@ class PipelineRunner:
             sums = None if forward_only else self._running_sums(key, grads, summed)
             if sums is not None:  # add into the sums inside the graph, as each is computed
                 args += sums
-            outs = self._compute(key, f"{a.kind}{mb} s{a.stage}", args, rec,
-                                 accumulate=sums is not None, mb=mb)
+            fused = self._fusable(n, key) if sums is not None else ()
+            outs = self._compute(key, f"{a.kind}{mb} s{a.stage}" + "".join(
+                f" + R s{self.parts[r].stage}" for r in fused), args, rec,
+                accumulate=sums is not None, mb=mb, fused=fused)
+            if fused:
+                outs, reduced = outs[:len(part.outputs)], outs[len(part.outputs):]
             in_place = set(self._accumulated(key)) if sums is not None else set()
             # storages of this part's outputs that another output or a consumer shares
             storages = _shared_storages(outs, self._routes(key))
@@ -364,8 +441,17 @@ class PipelineRunner:
                 self._offload(part, outs, mb, actions[n + 1] if n + 1 < len(actions) else None,
                               store)
             outs = t = args = None  # drop this action's references (offloaded values free)
+            for rkey in fused:  # (ran inside the backward: its outputs follow the part's)
+                rpart = self.parts[rkey]
+                for _, ref in rpart.inputs:
+                    summed.pop(ref)
+                for name, t in zip(rpart.outputs, reduced[:len(rpart.outputs)]):
+                    if name in self.grad_of:
+                        grads[self.grad_of[name]] = t
+                reduced = reduced[len(rpart.outputs):]
             for rkey in self.reduce_after.get(n, ()):
-                self._reduce(rkey, summed, grads, rec)
+                if rkey not in fused:
+                    self._reduce(rkey, summed, grads, rec)
         if rec is not None:  # what follows the last action is the runtime's, not that action's
             rec.segment(trace.RUNTIME)
         if not forward_only and (self.sent_once or self.reduce_at_end):
@@ -409,22 +495,49 @@ class PipelineRunner:
             return None
         return sums
 
-    def _boxed(self, key: str, accumulate: bool) -> torch.fx.GraphModule:
+    def _fusable(self, n: int, key: str) -> tuple[str, ...]:
+        """The reduction parts due after action `n` (part `key`, its running sums passed)
+        that can run inside it (`with_reductions`): without a pipeline (a stage's backward
+        returns before its outputs go to the previous stage: a reduction inside it would
+        hold them back), each reading only this part's running sums."""
+        rkeys = self.reduce_after.get(n, ())
+        if self.pp > 1 or not rkeys or self.graphs is not None:
+            return ()
+        acc = set(self._accumulated(key))
+        if all(kind == "value" and ref in acc and ref in self.reduced_inputs
+               for r in rkeys for kind, ref in self.parts[r].inputs):
+            return tuple(rkeys)
+        return ()
+
+    def _graph(self, key: str, accumulate: bool, fused: tuple = ()) -> torch.fx.GraphModule:
+        """Part `key`'s graph as it runs: as lowered, accumulating into running sums, or that
+        followed by the reduction parts `fused`."""
+        if fused:
+            if (key, fused) not in self._fused_graphs:
+                outputs = self.parts[key].outputs
+                self._fused_graphs[(key, fused)] = with_reductions(
+                    self._accumulating(key),
+                    [(self.lowered[r], [outputs.index(ref) for _, ref in self.parts[r].inputs])
+                     for r in fused], self.m, hoist=self.hoist)
+            return self._fused_graphs[(key, fused)]
+        return self._accumulating(key) if accumulate else self.lowered[key]
+
+    def _boxed(self, key: str, accumulate: bool, fused: tuple = ()) -> torch.fx.GraphModule:
         """Part `key`'s graph taking its inputs as one list that it empties (torch.fx's boxed
         calling convention, as AOTAutograd's compiled functions take theirs), so an input
         is freed right after the part's last read of it rather than when the part returns:
         a stage's backward frees the activations it was handed as it makes the gradients,
         as the joint graph's backward does (holding them, a one-microbatch stage of an MoE
         peaked at its activations plus its gradients)."""
-        if (key, accumulate) not in self._boxed_graphs:
-            gm = self._accumulating(key) if accumulate else self.lowered[key]
+        if (key, accumulate, fused) not in self._boxed_graphs:
+            gm = self._graph(key, accumulate, fused)
             g = torch.fx.Graph()
             g.output(g.graph_copy(gm.graph, {}))
             g._codegen = torch.fx.graph._BoxedCodeGen()
             out = torch.fx.GraphModule(gm, g)
             out.meta = gm.meta
-            self._boxed_graphs[(key, accumulate)] = out
-        return self._boxed_graphs[(key, accumulate)]
+            self._boxed_graphs[(key, accumulate, fused)] = out
+        return self._boxed_graphs[(key, accumulate, fused)]
 
     def _accumulating(self, key) -> torch.fx.GraphModule:
         """Part `key`'s graph taking the running sums of its accumulated outputs as extra
@@ -460,7 +573,7 @@ class PipelineRunner:
             self._acc_graphs[key] = torch.fx.GraphModule(gm, g)
         return self._acc_graphs[key]
 
-    def _compute(self, key, label, args, rec, accumulate=False, mb=None):
+    def _compute(self, key, label, args, rec, accumulate=False, mb=None, fused=()):
         if rec is not None:
             part = self.parts[key]
             info = {"stage": part.stage, "phase": part.phase}
@@ -473,9 +586,8 @@ class PipelineRunner:
                     return [t.clone() if isinstance(t, torch.Tensor) else t  # overwrites them
                             for t in self.graphs[key](args)]
                 if faults.debug_nan():  # node by node
-                    gm = self._accumulating(key) if accumulate else self.lowered[key]
-                    return faults.run(gm, *args)
-                return self._boxed(key, accumulate)(args)  # (empties `args`)
+                    return faults.run(self._graph(key, accumulate, fused), *args)
+                return self._boxed(key, accumulate, fused)(args)  # (empties `args`)
         except RuntimeError as e:
             part = self.parts[key]
             raise RuntimeError(f"pipeline stage {part.stage} ({label}) on pp rank {self.rank}: "

@@ -213,7 +213,11 @@ PP2_CASES = (_pp_cases(["gpt"], ["gpipe", "zero-bubble"], [1, 4], {"pp": 2})
              + _pp_cases(["hf_gpt2", "hf_llama"], ["1f1b", "zero-bubble"], [4], {"pp": 2})
              + [("gpt", "adamw", {"pp": 2, "microbatches": 2, "remat": "sqrt"}),
                 ("gpt", "sgd", {"pp": 1, "microbatches": 4}),           # gradient accumulation
-                ("gpt", "adamw", {"dp": 2, "microbatches": 4})])  # ... reduced once over dp
+                ("gpt", "adamw", {"dp": 2, "microbatches": 4}),  # ... reduced once over dp,
+                # inside the last backward (pipeline.with_reductions); and reduce-scattered
+                ("gpt", "adamw", {"dp": 2, "microbatches": 4, "zero": 2}),
+                ("hf_llama", "adamw", {"dp": 2, "microbatches": 2, "zero": 1}),
+                ("gpt", "adamw", {"dp": 2, "microbatches": 2, "overlap": False})])
 PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"], [4],
                        {"pp": 4})
              + _pp_cases(["gpt"], ["interleaved"], [8], {"pp": 4})
@@ -232,7 +236,8 @@ PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"],
         ("gpt", "adamw", {"schedule": "interleaved", "microbatches": 2, "pp": 2}),
         ("hf_llama", "adamw", {"schedule": "1f1b", "microbatches": 4, "pp": 2}),
         ("hf_gpt2", "adamw", {"schedule": "zero-bubble", "microbatches": 4, "pp": 2}),
-        ("gpt", "adamw", {"dp": 2, "microbatches": 4})]),
+        ("gpt", "adamw", {"dp": 2, "microbatches": 4}),
+        ("gpt", "adamw", {"dp": 2, "microbatches": 4, "zero": 2})]),
     *tiers("pp4", 4, PP4_CASES, [])])
 def test_pipeline_equals_single_process(world, cases):
     """Every schedule, microbatches 1..8, pp = 2 and 4, pp=2 x dp=2 (also with ZeRO 1 and 2),

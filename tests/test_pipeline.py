@@ -397,3 +397,67 @@ def test_bubble_measured_from_traces(tmp_path):
         if not attempts[-1]:
             break
     assert not attempts[-1], attempts
+
+
+def _sum_then_reduce_graphs():
+    """A backward part's accumulating graph (gradient `a` made early, `b` late, each added
+    into its running sum in place) and a reduction part packing them into two buckets, read
+    in its own order: both reshapes, then each bucket's pack and start, then the waits."""
+    from fxpar.runtime import comm
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, sa, sb = g.placeholder("x"), g.placeholder("sum_a"), g.placeholder("sum_b")
+    a = g.call_function(aten.mul.Tensor, (x, 2.0))
+    a_sum = g.call_function(aten.add_.Tensor, (sa, a))
+    y = g.call_function(aten.sin.default, (x,))
+    b = g.call_function(aten.add.Tensor, (g.call_function(aten.mul.Tensor, (y, 3.0)), 1.0))
+    b_sum = g.call_function(aten.add_.Tensor, (sb, b))
+    g.output((a_sum, b_sum))
+    acc = torch.fx.GraphModule({}, g)
+    r = torch.fx.Graph()
+    ga, gb = r.placeholder("ga"), r.placeholder("gb")
+    flat = [r.call_function(aten.reshape.default, (v, [-1])) for v in (ga, gb)]
+    starts = []
+    for k, f in enumerate(flat):
+        bucket = r.call_function(aten.cat.default, ([f],))
+        starts.append(r.call_function(comm.start_all_reduce, (bucket, "sum", "g", True,
+                                                               f"bucket {k}")))
+    waits = [r.call_function(comm.wait, (s,)) for s in starts]
+    r.output(tuple(r.call_function(aten.view.default, (w, [4])) for w in waits))
+    return acc, torch.fx.GraphModule({}, r)
+
+
+class _NoCollectives(torch.fx.Interpreter):
+    """Runs a graph with each collective start and wait as the identity (one rank)."""
+
+    def call_function(self, target, args, kwargs):
+        from fxpar.runtime import comm
+        if comm.is_start(target) or target is comm.wait:
+            return args[0]
+        return super().call_function(target, args, kwargs)
+
+
+@pytest.mark.parametrize("hoist", [True, False])
+def test_the_last_backward_runs_the_reduction_as_its_buckets_fill(hoist):
+    """With microbatches and no pipeline, the reduction part runs inside the last
+    microbatch's backward (runtime/pipeline.with_reductions): each running sum is divided by
+    the microbatches once final, and a bucket's collective starts as soon as its gradients
+    are - before the later gradients are computed - the starts in the reduction's order,
+    the waits at the end; the values are the backward's then the reduction's, either way."""
+    from fxpar.runtime import comm
+    from fxpar.runtime.pipeline import with_reductions
+    acc, red = _sum_then_reduce_graphs()
+    gm = with_reductions(acc, [(red, [0, 1])], 2, hoist=hoist)
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    starts = [n for n in nodes if comm.is_start(n.target)]
+    waits = [n for n in nodes if n.target is comm.wait]
+    sin = next(n for n in nodes if n.target is torch.ops.aten.sin.default)
+    assert pos[starts[0]] < pos[starts[1]] < pos[waits[0]] < pos[waits[1]]
+    assert (pos[starts[0]] < pos[sin]) is hoist       # bucket 0 goes while b is computed
+    assert [n.target for n in nodes].count(torch.ops.aten.div_.Scalar) == 2
+    x, sa, sb = torch.randn(4), torch.randn(4), torch.randn(4)
+    a_sum, b_sum = sa + x * 2.0, sb + (x.sin() * 3.0 + 1.0)
+    out = _NoCollectives(gm).run(x, sa.clone(), sb.clone())
+    for got, want in zip(out, (a_sum / 2, b_sum / 2, a_sum / 2, b_sum / 2)):
+        assert torch.equal(got, want)
