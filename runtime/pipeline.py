@@ -11,10 +11,11 @@ deadlock (the contract runtime/schedules.simulate_schedule checks). Gradients ac
 microbatches and are divided by their number (the loss of a microbatch is its mean); the
 data-parallel reduction of a stage (its "R" part) runs once, on the accumulated gradients,
 right after the stage's last backward - without a pipeline, inside it (`with_reductions`),
-each bucket's collective started as its sums are final. A weight read by several stages (tied embeddings)
-receives its summed gradient on every rank that holds it, so each copy takes the same
-optimizer step. The next action's receives are posted before the current action computes,
-so a transfer overlaps compute instead of starting when the value is needed.
+each bucket's collective started as its sums are final. A weight read by several stages
+(tied embeddings) receives its summed gradient on every rank that holds it, so each copy
+takes the same optimizer step. The next action's receives are posted before the current
+action computes, so a transfer overlaps compute instead of starting when the value is
+needed.
 """
 from __future__ import annotations
 
@@ -152,12 +153,10 @@ def with_reductions(acc: torch.fx.GraphModule, reductions: list, m: int,
     by once-a-step reduction parts that read those sums: `reductions` is [(R's graph, for
     each of its inputs the position of the sum among acc's outputs)]. Each sum is divided by
     the microbatches `m` in place (as `PipelineRunner._reduce` does) once it is final, and
-    the result returns acc's outputs, then each R's. `hoist`: each of R's nodes up to its
-    collectives moves to just after what it reads (in R's own order), and the waits and
-    what follows them stay at the end, so a bucket's reduction runs while the rest of the
-    last microbatch's backward computes, as the joint graph's overlap does with one
-    microbatch (run after it, the reduction was exposed: most of a dp=2 m=4 step's
-    communication)."""
+    the result returns acc's outputs, then each R's. `hoist` (Plan.overlap): R's nodes but
+    its waits move up to what they read (`_hoist`), so a bucket's reduction runs while the
+    rest of the last microbatch's backward computes, as the overlap pass has it run in the
+    joint graph of one microbatch (run after the backward, it was all exposed)."""
     g = torch.fx.Graph()
     root = torch.nn.Module()
     root.add_module("b", acc)
