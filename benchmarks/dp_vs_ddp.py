@@ -151,7 +151,8 @@ def main(argv=None):
           + f", dp={args.nprocs}, gloo, {args.steps} timed steps (interleaved)")
     refs = ["DDP", "DDP + torch.compile"] + (["DDP + ZeroRedundancyOptimizer"] if args.zero
                                              else [])
-    print(f"{'variant':36s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "
+    w = max(36, *map(len, times))
+    print(f"{'variant':{w}s} {'step ms':>9s} {'x DDP':>7s} {'x DDP+compile':>14s} "
           + (f"{'x DDP+ZeRO-1':>13s} " if args.zero else "")
           + f"{'max|dloss|':>11s} {'set-up s':>9s}")
     out = {}
@@ -159,7 +160,7 @@ def main(argv=None):
         vs = {ref: statistics.median(a / b for a, b in zip(ts, times[ref])) for ref in refs}
         dl = max(abs(a - b) for a, b in zip(losses[name], losses["DDP"]))
         setup = f"{compile_s[name]:9.1f}" if name in compile_s else f"{'':9s}"
-        print(f"{name:36s} {statistics.median(ts) * 1e3:9.1f} {vs['DDP']:7.3f} "
+        print(f"{name:{w}s} {statistics.median(ts) * 1e3:9.1f} {vs['DDP']:7.3f} "
               f"{vs['DDP + torch.compile']:14.3f} "
               + (f"{vs['DDP + ZeroRedundancyOptimizer']:13.3f} " if args.zero else "")
               + f"{dl:11.2e} {setup}")
