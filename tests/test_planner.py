@@ -78,10 +78,12 @@ def test_a_recomputed_forward_repeats_its_tp_all_reduces():
     assert recompute_cost(1e-3) - recompute_cost(0.0) == pytest.approx(forward_calls * 1e-3)
 
 
-def test_microbatched_data_parallelism_pays_its_whole_gradient_reduction():
+def test_microbatched_data_parallelism_hides_its_reduction_behind_the_last_backward():
     """One joint graph reduces gradients during its backward (the overlap pass hides what
-    the backward's length allows); under the microbatch runner the reduction runs once a
-    step on the summed gradients, after the last backward, and nothing hides it."""
+    the backward's length allows); with microbatches and no pipeline the reduction runs
+    once a step on the summed gradients inside the last microbatch's backward
+    (runtime/pipeline.with_reductions): hidden behind that one microbatch's backward, so
+    less than without overlap and no more than behind the whole batch's."""
     stats = G.gpt_stats("gpt-1.7b")
     hw = cost.HARDWARE["a100"]
 
@@ -92,7 +94,8 @@ def test_microbatched_data_parallelism_pays_its_whole_gradient_reduction():
                                            "overlap": overlap}).best.parts["dp communication"]
     loss = hw.comm("all_reduce", 4, 8, 8, calls=stats.dp_loss_calls)  # one more per microbatch
     assert dp_comm(1) < 0.5 * dp_comm(1, overlap=False)
-    assert dp_comm(2) == pytest.approx(dp_comm(1, overlap=False) + loss)
+    assert dp_comm(2, overlap=False) == pytest.approx(dp_comm(1, overlap=False) + loss)
+    assert (dp_comm(1) + loss) * (1 - 1e-6) <= dp_comm(2) < dp_comm(2, overlap=False)
 
 
 def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
