@@ -226,11 +226,6 @@ def saved_activations(segs, stats, rows, tp, act_scale=1.0, dp=1) -> SavedActiva
         max(1, stats.checkpoints_per_layer))
 
 
-def remat_activations(segs, stats, rows, tp, remat, in_flight, act_scale=1.0, dp=1):
-    """`SavedActivations.under` for these segments."""
-    return saved_activations(segs, stats, rows, tp, act_scale, dp).under(remat, in_flight)
-
-
 def stage_memory(segs: list[Segment], stats: GraphStats, *, in_flight: int, remat="none",
                  **kw) -> tuple[MemoryEstimate, float]:
     """Memory of one rank of the stage holding `segs` (`stage_state`'s arguments), and its

@@ -965,12 +965,13 @@ def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
 
 
 @functools.lru_cache(maxsize=None)
-def _offloaded_state(state: tuple, precision: str, optimizer: str) -> tuple:
-    """The state formula with the optimizer's part on the host (Plan.offload_optimizer): in
-    half precision the fp32 masters stay (once per formula: sympy is slow per candidate)."""
+def _offloaded_state(state: tuple, precision: str, optimizer: str) -> tuple[float, tuple]:
+    """(the share of the optimizer state that stays on the device, the state formula with
+    the rest on the host) under Plan.offload_optimizer: in half precision the fp32 masters
+    stay. Once per formula: sympy is slow per candidate."""
     master = sympy.Rational(4 if precision != "fp32" else 0,
                             state_bytes_per_param(optimizer, precision))
-    return (*state[:2], state[2] * master) if state else ()
+    return float(master), ((*state[:2], state[2] * master) if state else ())
 
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
@@ -1044,10 +1045,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             if offload and hw.host_link:  # Plan.offload_optimizer: the state and the step's
                 # temporaries on the host; in half precision the fp32 masters (the graph's
                 # parameters) stay
-                master = (4 if precision != "fp32" else 0) / state_bytes_per_param(
-                    optimizer, precision)
+                master, mem.state = _offloaded_state(mem.state, precision, optimizer)
                 mem.optimizer, mem.optimizer_step = mem.optimizer * master, 0.0
-                mem.state = _offloaded_state(mem.state, precision, optimizer)
             elif offload:  # a CPU device is the host: the state stays, and the host copies
                 # and their gradient buffers (fp32, of what this rank steps) come on top
                 stepped = mem.params / DTYPE_BYTES[precision] * (dp if zero >= 3 else 1) / (
