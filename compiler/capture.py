@@ -56,7 +56,7 @@ from torch._decomp import get_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import ir, padded_nonzero
+from fxpar.compiler import ir, padded_nonzero, repeated_blocks
 from fxpar.compiler.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
 from fxpar.compiler.errors import TraceError
@@ -373,7 +373,7 @@ def _dynamic_shape_error(exc: BaseException, module_path: str) -> TraceError:
 def capture(model: torch.nn.Module, example_batch: Any,
             loss_fn: Callable | None = None, *, joint: bool = True,
             stand_ins: dict[int, torch.Tensor] | None = None,
-            decompose_batch_norm: bool = True
+            decompose_batch_norm: bool = True, stamp: bool | None = None
             ) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
     """Trace loss_fn(model, batch) and d loss / d params into one joint ATen graph.
 
@@ -382,8 +382,24 @@ def capture(model: torch.nn.Module, example_batch: Any,
     tensors in the trace: a meta-device model's, or weights the runtime has sharded since.
     `decompose_batch_norm=False` keeps BatchNorm's ATen ops (eager's numerics), for graphs
     that run the whole batch on one device (see the module docstring).
+    `stamp` (default: on unless FXPAR_STAMP=0): a list of identical blocks is traced at 2 and
+    3 blocks and stamped to its depth (compiler/repeated_blocks.py); the same graph, made in
+    a time that does not grow with depth.
     """
     loss_fn = loss_fn or default_loss_fn
+    if stamp is None:
+        stamp = os.environ.get("FXPAR_STAMP", "1") != "0"
+    found = repeated_blocks.find(model) if stamp else None
+    if found is not None:
+        def trace():
+            return capture(model, example_batch, loss_fn, joint=joint, stand_ins=stand_ins,
+                           decompose_batch_norm=decompose_batch_norm, stamp=False)
+        try:
+            with _transformers_sees_tracing():
+                return repeated_blocks.capture(model, trace, found, tag_backward)
+        except Exception as e:  # noqa: BLE001 - the whole model is traced instead
+            log.debug("tracing %r whole: its blocks were not stamped (%s: %s)", found[0],
+                      type(e).__name__, e, exc_info=os.environ.get("FXPAR_STAMP_DEBUG") == "1")
     leaves, spec = pytree.tree_flatten(example_batch)
     const_leaves = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
     tensor_leaves = [v for v in leaves if isinstance(v, torch.Tensor)]
@@ -664,19 +680,7 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
                 # model.named_modules() and match the parameter names: kept whole (stripping a
                 # leading "model." here once split HF Llama's `model.layers.N` in two)
                 n.meta[ir.MODULE] = tags.get(n.name, "")
-    # backward nodes: the module of the most recently computed forward value (or parameter)
-    # they consume, else that of the gradient flowing into them
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in graph.nodes:
-        if n.op != "call_function" or n.meta[ir.REGION] != ir.BACKWARD:
-            continue
-        fwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.FORWARD
-                  and a.meta.get(ir.ROLE) != "batch"]
-        bwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.BACKWARD]
-        named = ([a for a in fwd_in if a.meta.get(ir.MODULE)]
-                 or [a for a in bwd_in if a.meta.get(ir.MODULE)])
-        src = max(named or fwd_in or bwd_in, key=order.__getitem__, default=None)
-        n.meta[ir.MODULE] = src.meta.get(ir.MODULE, "") if src is not None else ""
+    tag_backward(graph)
     out_node.meta[ir.REGION], out_node.meta[ir.MODULE] = ir.BACKWARD, ""
 
     # drop no-op nodes: autograd's detach (an alias) and trace-time metadata asserts
@@ -704,6 +708,22 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
     log.debug("captured %d nodes (%d params, %d buffers, %d batch leaves)",
               len(graph.nodes), n_p, n_b, len(tensor_leaves))
     return gm, signature
+
+
+def tag_backward(graph: torch.fx.Graph) -> None:
+    """Backward nodes' module: that of the most recently computed forward value (or
+    parameter) they consume, else that of the gradient flowing into them."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.meta[ir.REGION] != ir.BACKWARD:
+            continue
+        fwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.FORWARD
+                  and a.meta.get(ir.ROLE) != "batch"]
+        bwd_in = [a for a in n.all_input_nodes if a.meta.get(ir.REGION) == ir.BACKWARD]
+        named = ([a for a in fwd_in if a.meta.get(ir.MODULE)]
+                 or [a for a in bwd_in if a.meta.get(ir.MODULE)])
+        src = max(named or fwd_in or bwd_in, key=order.__getitem__, default=None)
+        n.meta[ir.MODULE] = src.meta.get(ir.MODULE, "") if src is not None else ""
 
 
 def _drop_empty_cat_inputs(graph, n) -> None:
