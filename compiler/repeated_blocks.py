@@ -129,9 +129,13 @@ class _Blocks:
                     by_seq.setdefault(n.meta["seq_nr"], j)
             elif n.op == "call_function":
                 seq = n.meta.get("seq_nr")
-                if seq in by_seq and not n.meta.get("is_gradient_acc"):
+                if n.meta.get("is_gradient_acc"):  # autograd's sum of two gradients (it
+                    # carries another op's number): the block both come from, none if none
+                    ins = {self.of.get(a) for a in n.all_input_nodes}
+                    j = ins.pop() if len(ins) == 1 else index(n.meta.get(ir.MODULE))
+                elif seq in by_seq:
                     j = by_seq[seq]
-                else:  # (autograd's sums of gradients carry another op's number)
+                else:
                     j = index(n.meta.get(ir.MODULE))
             else:
                 j = None
@@ -140,9 +144,13 @@ class _Blocks:
                     raise NotStampable(f"node {n.name} is tagged block {j} of {k}")
                 self.of[n] = j
         self.nodes = [[] for _ in range(k)]
+        self.stream: dict[torch.fx.Node, int] = {}  # 0: ran in the forward pass, 1: backward
+        backward = 0
         for n in gm.graph.nodes:
+            backward |= bool(n.meta.get("autograd_backward"))
             if n in self.of:
                 self.nodes[self.of[n]].append(n)
+                self.stream[n] = backward
 
     def pairing(self, a: int, b: int) -> dict[torch.fx.Node, torch.fx.Node]:
         """Block a's nodes -> block b's, by position; the ops must match one to one."""
@@ -209,9 +217,14 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
             new.target = new.name  # (a unique argument name)
             copy_meta(ph, new)
             kappa[ph] = anchor = new
-    # forward ops after the last block's, backward ops before the last block's
-    fwd = [n for n in last if n.op == "call_function" and n.meta.get(ir.REGION) == ir.FORWARD]
-    bwd = [n for n in last if n.op == "call_function" and n.meta.get(ir.REGION) != ir.FORWARD]
+    # the ops the forward pass ran after the last block's, those the backward pass ran before
+    # its (by when autograd ran them: a value computed in the forward only for the backward,
+    # BatchNorm's inverse deviation, is the backward's by region but ran in the forward)
+    ops = [n for n in last if n.op == "call_function"]
+    fwd = [n for n in ops if blocks.stream[n] == 0]
+    bwd = [n for n in ops if blocks.stream[n] == 1]
+    if fwd + bwd != ops:
+        raise NotStampable(f"block {last_j}'s forward ops are not all before its backward")
     anchor = fwd[-1] if fwd else None
     for n in fwd:
         with graph.inserting_after(anchor):
@@ -271,8 +284,8 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
     out.meta["n_grads"] = len(grads)
     # block k's nodes: the copies, in graph order
     blocks.nodes.append([kappa[n] for n in last])
-    for n in blocks.nodes[-1]:
-        blocks.of[n] = new_j
+    for n in last:
+        blocks.of[kappa[n]], blocks.stream[kappa[n]] = new_j, blocks.stream[n]
     blocks.k += 1
     return {n: kappa[n] for n in last}
 

@@ -1,0 +1,183 @@
+"""Capture flat in depth (compiler/repeated_blocks.py): a list of identical blocks is traced at
+2 and 3 blocks and stamped to its depth. The stamped graph must be the whole trace, node for
+node; a block that is not a copy (it branches on its index, or the model feeds it differently)
+is traced whole."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpar.compiler import capture as cap
+from fxpar.compiler import repeated_blocks as rb
+from fxpar.examples import models as M
+
+LOGGER = "fxpar.compiler"
+
+
+def _hf(config_cls, model_cls, **kw):
+    import transformers
+    cfg = getattr(transformers, config_cls)(**kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg)
+
+
+def _lm_batch(vocab=128, seq=16):
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Block(nn.Module):
+    """A residual MLP block with BatchNorm (running statistics: buffers the step updates)."""
+
+    def __init__(self, dim, index=0, special=None):
+        super().__init__()
+        self.index, self.special = index, special
+        self.fc = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+        self.kind = "plain"
+
+    def forward(self, x, scale):
+        y = x + torch.relu(self.bn(self.fc(x))) * scale
+        if self.index == self.special:  # a layer unlike the others, by its index
+            y = y * 2
+        return y
+
+
+class Stack(nn.Module):
+    def __init__(self, depth=7, dim=8, special=None, fed_by_kind=False):
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(
+            Block(dim, i, None if fed_by_kind else special) for i in range(depth))
+        if fed_by_kind:
+            for i, b in enumerate(self.blocks):
+                b.kind = "double" if i == special else "plain"
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, batch):
+        x, y = batch
+        h = self.inp(x)
+        scales = {"plain": torch.ones(()), "double": torch.full((), 2.0)}
+        for b in self.blocks:
+            h = b(h, scales[b.kind])  # the model chooses each block's input by its kind
+        return nn.functional.mse_loss(self.head(h).squeeze(-1), y)
+
+
+def _xy():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
+
+
+def _both(model, batch, caplog, joint=True):
+    """(stamped graph, its signature, whole graph, its signature, the log's why)."""
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        caplog.clear()
+        gs, ss = cap.capture(model, batch, joint=joint)
+        why = " ".join(r.getMessage() for r in caplog.records
+                       if "stamped" in r.getMessage())
+    gw, sw = cap.capture(model, batch, joint=joint, stamp=False)
+    return gs, ss, gw, sw, why
+
+
+MODELS = {
+    "gpt2": (lambda: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=128, n_embd=32, n_layer=6,
+                         n_head=4, n_positions=16), _lm_batch, "transformer.h"),
+    "llama": (lambda: _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=128, hidden_size=32,
+                          intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16),
+              _lm_batch, "model.layers"),
+    "batchnorm stack": (Stack, _xy, "blocks"),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_stamped_graph_is_the_whole_trace_node_for_node(name, caplog):
+    factory, batch, path = MODELS[name]
+    model = factory()
+    assert rb.find(model)[0] == path
+    gs, ss, gw, sw, why = _both(model, batch(), caplog)
+    assert "stamped the rest" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw)  # ops, data flow, tags, shapes, in order
+    assert ss == sw
+    if name == "batchnorm stack":  # each block's running statistics are outputs
+        assert len(sw.mutated_buffers) == 3 * 7
+
+
+def test_the_stamped_graph_computes_what_the_model_does(caplog):
+    model = Stack()
+    x, y = _xy()
+    gs, ss, *_ = _both(model, (x, y), caplog)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    out = gs(*[params[n] for n in ss.param_names], *[buffers[n] for n in ss.buffer_names], x, y)
+    eager = Stack()
+    eager.load_state_dict(model.state_dict())
+    loss = eager((x, y))
+    loss.backward()
+    torch.testing.assert_close(out[0], loss)
+    grads = dict(eager.named_parameters())
+    for name, g in zip(ss.param_names, out[1:1 + len(ss.param_names)]):
+        torch.testing.assert_close(g, grads[name].grad, msg=name)
+
+
+def test_forward_only_graphs_are_stamped_too(caplog):
+    model = MODELS["gpt2"][0]()
+    gs, ss, gw, sw, why = _both(model, _lm_batch(), caplog, joint=False)
+    assert "stamped the rest" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw) and ss == sw
+
+
+def test_a_block_that_branches_on_its_index_is_traced_whole(caplog):
+    model = Stack(special=5)
+    gs, ss, gw, sw, why = _both(model, _xy(), caplog)
+    assert "does not run the ops block 2 runs" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw)
+
+
+def test_a_block_the_model_feeds_by_its_own_attribute_is_traced_whole(caplog):
+    """The model reads each block's `kind` to choose its input (as HF models choose a
+    layer's mask by its attention type): a block whose kind differs is not a copy, though
+    its own code runs the same ops."""
+    model = Stack(special=5, fed_by_kind=True)
+    gs, ss, gw, sw, why = _both(model, _xy(), caplog)
+    assert "the model reads kind of each block" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw)
+
+
+def test_only_lists_of_true_copies_are_found():
+    assert rb.find(Stack(depth=rb.MIN_BLOCKS - 1)) is None  # too shallow to gain
+    shared = Stack()
+    shared.blocks[3].fc = shared.blocks[2].fc  # a weight shared between blocks
+    assert rb.find(shared) is None
+    wider = Stack()
+    wider.blocks[4].fc = nn.Linear(8, 8, bias=False)  # not the same parameters
+    assert rb.find(wider) is None
+    hooked = Stack()
+    hooked.blocks[1].register_forward_hook(lambda m, a, o: None)
+    assert rb.find(hooked) is None
+    assert rb.find(M.MLP()) is None
+
+
+class CountedBlock(Block):
+    traced: list = []
+
+    def forward(self, x, scale):
+        if x.device.type != "meta":  # (not the replay: it runs on meta tensors)
+            CountedBlock.traced.append(id(self))
+        return super().forward(x, scale)
+
+
+def test_stamping_traces_three_blocks_not_all(caplog):
+    """What makes capture flat in depth: at 24 blocks, block 3 onward never runs while
+    capturing (the traces hold 2 and 3 blocks)."""
+    model = Stack(depth=24)
+    for i in range(24):
+        model.blocks[i] = CountedBlock(8, i)
+    CountedBlock.traced.clear()
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        gm, sig = cap.capture(model, _xy())
+    which = {i for i, b in enumerate(model.blocks) if id(b) in CountedBlock.traced}
+    assert which == {0, 1, 2}
+    assert len(sig.param_names) == 2 + 4 * 24 + 2
