@@ -4,7 +4,8 @@
 
 Prints, per depth, the seconds of capture and of the passes (one device, fusion off: the
 CPU path) and the milliseconds per graph node, so a cost that grows faster than the graph
-shows as a rising ms/node. docs/benchmarks.md records the figures.
+shows as a rising ms/node; then the same capture tracing every block (repeated blocks not
+stamped: compiler/repeated_blocks.py) and the ratio. docs/benchmarks.md records the figures.
 
     python benchmarks/compile_time.py --vs-torch [--layers 12,48]
 
@@ -173,7 +174,11 @@ def main():
                                      args.width)
     if args.codegen:
         return codegen_times([int(x) for x in args.layers.split(",")], args.seq)
-    print(f"{'layers':>6} {'nodes':>6} {'capture s':>10} {'passes s':>9} {'ms/node':>8}")
+    import time
+
+    from fxpar.compiler import capture as cap
+    print(f"{'layers':>6} {'nodes':>6} {'capture s':>10} {'passes s':>9} {'ms/node':>8} "
+          f"{'whole trace s':>14} {'stamped/whole':>13}")
     for layers in (int(x) for x in args.layers.split(",")):
         torch.manual_seed(0)
         model = gpt2(layers, args.seq)
@@ -185,8 +190,13 @@ def main():
         t2 = t1 + sum(t for _, t, _ in prog.graph.meta[ir.PASS_TIMES])  # verify + passes
         gm = prog.graph
         n = len(gm.graph.nodes)
+        # the same capture tracing every block (compiler/repeated_blocks.py off)
+        w0 = time.perf_counter()
+        cap.capture(model, batch, stamp=False)
+        whole = time.perf_counter() - w0
         print(f"{layers:>6} {n:>6} {t1 - t0:>10.2f} {t2 - t1:>9.2f} "
-              f"{1e3 * (t2 - t0) / n:>8.2f}", flush=True)
+              f"{1e3 * (t2 - t0) / n:>8.2f} {whole:>14.2f} {(t1 - t0) / whole:>13.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -394,9 +394,12 @@ def capture(model: torch.nn.Module, example_batch: Any,
         def trace():
             return capture(model, example_batch, loss_fn, joint=joint, stand_ins=stand_ins,
                            decompose_batch_norm=decompose_batch_norm, stamp=False)
+
+        def forward():
+            _forward_on_fakes(model, example_batch, loss_fn, stand_ins)
         try:
             with _transformers_sees_tracing():
-                return repeated_blocks.capture(model, trace, found, tag_backward)
+                return repeated_blocks.capture(model, trace, found, tag_backward, forward)
         except Exception as e:  # noqa: BLE001 - the whole model is traced instead
             log.debug("tracing %r whole: its blocks were not stamped (%s: %s)", found[0],
                       type(e).__name__, e, exc_info=os.environ.get("FXPAR_STAMP_DEBUG") == "1")
@@ -471,6 +474,21 @@ def capture(model: torch.nn.Module, example_batch: Any,
                                  wrapper)
     padded_nonzero.rewrite(gm)
     return gm, signature
+
+
+def _forward_on_fakes(model, example_batch, loss_fn, stand_ins) -> None:
+    """loss_fn(model, batch) once, forward only, on fake tensors: for a look at what the
+    model does around its blocks (compiler/repeated_blocks.py stubs the blocks)."""
+    leaves, spec = pytree.tree_flatten(example_batch)
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    wrapper = _LossModule(model, loss_fn or default_loss_fn, spec,
+                          {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)},
+                          stand_ins or {})
+    mode = detect_fake_mode((*tensors, *(stand_ins or {}).values())) or \
+        FakeTensorMode(allow_non_fake_inputs=True)
+    from torch._subclasses.fake_tensor import is_fake
+    with mode, torch.no_grad(), padded_nonzero.PaddedNonzero():
+        wrapper(*[t if is_fake(t) else mode.from_tensor(t) for t in tensors])
 
 
 def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):

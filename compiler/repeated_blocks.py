@@ -143,6 +143,11 @@ class _Blocks:
                 if j >= k:
                     raise NotStampable(f"node {n.name} is tagged block {j} of {k}")
                 self.of[n] = j
+        for n in gm.graph.nodes:  # a constant the trace lifted belongs to its readers' block
+            if n.op == "get_attr" and n.users:
+                users = {self.of.get(u) for u in n.users}
+                if len(users) == 1 and None not in users:
+                    self.of[n] = users.pop()
         self.nodes = [[] for _ in range(k)]
         self.stream: dict[torch.fx.Node, int] = {}  # 0: ran in the forward pass, 1: backward
         backward = 0
@@ -158,7 +163,7 @@ class _Blocks:
         if len(na) != len(nb):
             raise NotStampable(f"blocks {a} and {b} have {len(na)} and {len(nb)} nodes")
         for x, y in zip(na, nb):
-            same = x.op == y.op and (x.op == "placeholder" or x.target == y.target)
+            same = x.op == y.op and (x.op in ("placeholder", "get_attr") or x.target == y.target)
             if not same or x.meta.get(ir.REGION) != y.meta.get(ir.REGION):
                 raise NotStampable(f"blocks {a} and {b} differ at {x.name} / {y.name}")
         return dict(zip(na, nb))
@@ -220,22 +225,28 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
     # the ops the forward pass ran after the last block's, those the backward pass ran before
     # its (by when autograd ran them: a value computed in the forward only for the backward,
     # BatchNorm's inverse deviation, is the backward's by region but ran in the forward)
-    ops = [n for n in last if n.op == "call_function"]
+    ops = [n for n in last if n.op in ("call_function", "get_attr")]
     fwd = [n for n in ops if blocks.stream[n] == 0]
     bwd = [n for n in ops if blocks.stream[n] == 1]
     if fwd + bwd != ops:
         raise NotStampable(f"block {last_j}'s forward ops are not all before its backward")
+    def copy(n):
+        new = graph.node_copy(n, arg)
+        copy_meta(n, new)
+        if n.op == "get_attr":  # a constant of its own, as the trace gives each block
+            value = getattr(gm, n.target)
+            new.target = f"{n.target}_{new_j}"
+            setattr(gm, new.target, value.clone() if isinstance(value, torch.Tensor) else value)
+        kappa[n] = new
+        return new
+
     anchor = fwd[-1] if fwd else None
     for n in fwd:
         with graph.inserting_after(anchor):
-            new = graph.node_copy(n, arg)
-        copy_meta(n, new)
-        kappa[n] = anchor = new
+            anchor = copy(n)
     for n in bwd:
         with graph.inserting_before(bwd[0]):
-            new = graph.node_copy(n, arg)
-        copy_meta(n, new)
-        kappa[n] = new
+            copy(n)
     # what the block before the last read from the last block, the last reads from the new
     inv = {b: a for a, b in psi.items()}
     for n in last:
@@ -299,6 +310,12 @@ def _canonical(gm: torch.fx.GraphModule) -> list:
 
     rows = []
     for n in gm.graph.nodes:
+        if n.op == "get_attr":  # a constant: by its value, not its name
+            t = getattr(gm, n.target)
+            rows.append(("get_attr", tuple(t.flatten().tolist()) if isinstance(t, torch.Tensor)
+                         and t.numel() <= 64 and t.device.type != "meta" else None,
+                         n.meta.get(ir.MODULE), n.meta.get(ir.REGION)))
+            continue
         val = n.meta.get("val")
         meta = tuple(
             (tuple(v.shape), v.dtype, tuple(v.stride())) if isinstance(v, torch.Tensor) else
@@ -471,12 +488,74 @@ def _same_structure(blocks: list[torch.nn.Module], traced: int, call, outside: s
 
 # ------------------------------------------------------------------ the whole thing
 
+def _fed_alike(blocks: list[torch.nn.Module], out_meta, forward: Callable[[], None]) -> None:
+    """The model, at its full depth, feeds every block as it fed block 2 - the previous
+    block's output and the same shared values (one mask object, one rotary table), not a
+    mask chosen by position (`config.layer_types[i]`) - and reads nothing of an inner
+    block's output but the next block. Seen by running the model's forward once on fake
+    tensors with each block stubbed out (a fresh tensor of block 2's output metadata)."""
+    outs: dict[int, tuple[int, int]] = {}  # id(a block's output leaf) -> (block, leaf)
+    keep, calls, read = [], [], collections.defaultdict(list)
+
+    def describe(x, j):
+        if isinstance(x, torch.Tensor):
+            src = outs.get(id(x))
+            return ("out", j - src[0], src[1]) if src else ("shared", id(x))
+        return ("value", x)
+
+    def stub(j):
+        def forward(*args, **kwargs):
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            calls.append((j, spec, [describe(x, j) for x in flat]))
+            device = next((x.device for x in flat if isinstance(x, torch.Tensor)), "cpu")
+            out = pytree.tree_map(lambda m: _as_stand_in(m, device), out_meta)
+            for k, t in enumerate(pytree.tree_leaves(out)):
+                if isinstance(t, torch.Tensor):
+                    outs[id(t)] = (j, k)
+                    keep.append(t)
+            return out
+        return forward
+
+    class Readers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for i, x in enumerate(pytree.tree_leaves((args, kwargs))):
+                if isinstance(x, torch.Tensor) and id(x) in outs:
+                    j, k = outs[id(x)]
+                    read[j].append((str(func), i, k))
+            return func(*args, **(kwargs or {}))
+
+    for j, b in enumerate(blocks):
+        b.forward = stub(j)
+    try:
+        with Readers():
+            forward()
+    finally:
+        for b in blocks:
+            del b.forward
+    if [c[0] for c in calls] != list(range(len(blocks))):
+        raise NotStampable(f"the blocks ran in the order {[c[0] for c in calls][:8]}...")
+    ref = calls[2]
+    for j, spec, desc in calls[1:]:
+        same = spec == ref[1] and len(desc) == len(ref[2]) and all(
+            a[0] == b[0] and (_same_value(a[1], b[1]) if a[0] == "value" else a == b)
+            for a, b in zip(desc, ref[2]))
+        if not same:
+            raise NotStampable(f"the model feeds block {j} otherwise than block 2 (an input "
+                               "chosen by the block's position)")
+    for j in range(len(blocks) - 1):
+        if read[j] != read[1]:
+            raise NotStampable(f"the model reads block {j}'s output otherwise than the next "
+                               "block does")
+
+
 def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
-            tag_backward: Callable[[torch.fx.Graph], None]) -> tuple:
+            tag_backward: Callable[[torch.fx.Graph], None],
+            forward: Callable[[], None]) -> tuple:
     """`trace()` (capture's own, on the model as it stands) with the block list `found` cut
     to 2 and 3 blocks, the rule checked, and the 3-block graph stamped to the full depth.
     `tag_backward(graph)` is capture's module tagging of backward nodes: it reads a node's
-    neighbours, so it is run again on the stamped graph."""
+    neighbours, so it is run again on the stamped graph. `forward()` runs the model's
+    forward once on fake tensors (for `_fed_alike`)."""
     path, lst = found
     blocks = list(lst._modules.values())
     call: list[Any] = []
@@ -490,6 +569,9 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
 
     def leave(mod, args, out):
         inside[0] = False
+        out_meta[:] = [pytree.tree_map(_replayable, out)]
+
+    out_meta: list = []
 
     with _cut(lst, 2):
         g2, s2 = trace()
@@ -504,6 +586,7 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
     if not call:  # (AOTAutograd runs the model twice: once for its metadata, then to trace)
         raise NotStampable("block 2 did not run")
     _same_structure(blocks, 2, call[-1], outside)
+    _fed_alike(blocks, out_meta[0], forward)
     seq = 1 + max((n.meta.get("seq_nr", 0) for n in g3.graph.nodes), default=0)
 
     b2 = _Blocks(g2, path, 2)

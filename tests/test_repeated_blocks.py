@@ -46,8 +46,9 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, depth=7, dim=8, special=None, fed_by_kind=False):
+    def __init__(self, depth=7, dim=8, special=None, fed_by_kind=False, kinds=None):
         super().__init__()
+        self.kinds = kinds  # each layer's input kind, by position (as `config.layer_types`)
         self.inp = nn.Linear(4, dim)
         self.blocks = nn.ModuleList(
             Block(dim, i, None if fed_by_kind else special) for i in range(depth))
@@ -60,8 +61,9 @@ class Stack(nn.Module):
         x, y = batch
         h = self.inp(x)
         scales = {"plain": torch.ones(()), "double": torch.full((), 2.0)}
-        for b in self.blocks:
-            h = b(h, scales[b.kind])  # the model chooses each block's input by its kind
+        for i, b in enumerate(self.blocks):
+            # the model chooses each block's input by the block's kind, or by its position
+            h = b(h, scales[self.kinds[i] if self.kinds else b.kind])
         return nn.functional.mse_loss(self.head(h).squeeze(-1), y)
 
 
@@ -143,6 +145,15 @@ def test_a_block_the_model_feeds_by_its_own_attribute_is_traced_whole(caplog):
     model = Stack(special=5, fed_by_kind=True)
     gs, ss, gw, sw, why = _both(model, _xy(), caplog)
     assert "the model reads kind of each block" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw)
+
+
+def test_a_block_the_model_feeds_by_its_position_is_traced_whole(caplog):
+    """Qwen2's and Gemma 3's masks: the model picks each layer's input by its index in a
+    config list (`config.layer_types[i]`), and the first three layers are alike."""
+    model = Stack(kinds=["plain"] * 5 + ["double"] * 2)
+    gs, ss, gw, sw, why = _both(model, _xy(), caplog)
+    assert "the model feeds block 5 otherwise than block 2" in why, why
     assert rb._canonical(gs) == rb._canonical(gw)
 
 
