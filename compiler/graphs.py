@@ -50,9 +50,40 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
     dtype); check=False: store the fresh values (used by passes that change shapes)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args = fake_inputs(gm, mode)
+    # checking: a node that repeats an op already checked on the same values (the same
+    # meta["val"] objects in and out: a repeated block's copy, compiler/repeated_blocks.py)
+    # computes what that one did, and is not run again
+    seen: dict = {}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("n", id(a.meta.get(ir.VAL, a)))
+        if isinstance(a, (tuple, list)):
+            return (type(a), tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return (dict, tuple((k, arg(v)) for k, v in a.items()))
+        return a
+
+    def key(n):
+        if not check or n.op != "call_function" or ir.VAL not in n.meta:
+            return None
+        return (n.target, id(n.meta[ir.VAL]), arg(n.args), arg(n.kwargs))
 
     class Prop(torch.fx.Interpreter):
         def run_node(self, n):
+            k = key(n)
+            if k is not None:
+                try:
+                    if k in seen:
+                        return seen[k]
+                except TypeError:  # (an unhashable constant argument)
+                    k = None
+            res = self._run(n)
+            if k is not None:
+                seen[k] = res
+            return res
+
+        def _run(self, n):
             with mode:
                 try:
                     res = super().run_node(n)

@@ -34,7 +34,7 @@ from fxpar.compiler import ir
 
 log = logging.getLogger(__name__)
 
-MIN_BLOCKS = 6  # below this, tracing 2 + 3 blocks saves nothing
+MIN_BLOCKS = 8  # below this, tracing 2 + 3 blocks (and the checks) saves nothing
 
 
 class NotStampable(Exception):

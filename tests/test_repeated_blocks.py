@@ -46,7 +46,7 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, depth=7, dim=8, special=None, fed_by_kind=False, kinds=None):
+    def __init__(self, depth=8, dim=8, special=None, fed_by_kind=False, kinds=None):
         super().__init__()
         self.kinds = kinds  # each layer's input kind, by position (as `config.layer_types`)
         self.inp = nn.Linear(4, dim)
@@ -84,10 +84,10 @@ def _both(model, batch, caplog, joint=True):
 
 
 MODELS = {
-    "gpt2": (lambda: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=128, n_embd=32, n_layer=6,
+    "gpt2": (lambda: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=128, n_embd=32, n_layer=8,
                          n_head=4, n_positions=16), _lm_batch, "transformer.h"),
     "llama": (lambda: _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=128, hidden_size=32,
-                          intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                          intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=16),
               _lm_batch, "model.layers"),
     "batchnorm stack": (Stack, _xy, "blocks"),
@@ -104,7 +104,7 @@ def test_the_stamped_graph_is_the_whole_trace_node_for_node(name, caplog):
     assert rb._canonical(gs) == rb._canonical(gw)  # ops, data flow, tags, shapes, in order
     assert ss == sw
     if name == "batchnorm stack":  # each block's running statistics are outputs
-        assert len(sw.mutated_buffers) == 3 * 7
+        assert len(sw.mutated_buffers) == 3 * 8
 
 
 def test_the_stamped_graph_computes_what_the_model_does(caplog):
@@ -151,7 +151,7 @@ def test_a_block_the_model_feeds_by_its_own_attribute_is_traced_whole(caplog):
 def test_a_block_the_model_feeds_by_its_position_is_traced_whole(caplog):
     """Qwen2's and Gemma 3's masks: the model picks each layer's input by its index in a
     config list (`config.layer_types[i]`), and the first three layers are alike."""
-    model = Stack(kinds=["plain"] * 5 + ["double"] * 2)
+    model = Stack(kinds=["plain"] * 5 + ["double"] * 3)
     gs, ss, gw, sw, why = _both(model, _xy(), caplog)
     assert "the model feeds block 5 otherwise than block 2" in why, why
     assert rb._canonical(gs) == rb._canonical(gw)
@@ -192,3 +192,18 @@ def test_stamping_traces_three_blocks_not_all(caplog):
     which = {i for i, b in enumerate(model.blocks) if id(b) in CountedBlock.traced}
     assert which == {0, 1, 2}
     assert len(sig.param_names) == 2 + 4 * 24 + 2
+
+
+def test_the_graph_check_still_sees_a_wrong_value_in_any_copy(caplog):
+    """graphs.verify runs an op once for all its copies (the same values in and out); a copy
+    whose recorded value is not what it computes is still caught."""
+    from fxpar.compiler import graphs
+    from fxpar.compiler.errors import PassError
+    model = Stack(depth=12)
+    gm, _, _, _, why = _both(model, _xy(), caplog)
+    assert "stamped the rest" in why
+    graphs.verify(gm)
+    relu = [n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default][9]
+    relu.meta["val"] = relu.meta["val"][:1]  # a copy's value, wrong
+    with pytest.raises(PassError, match=relu.name):
+        graphs.verify(gm)
