@@ -57,8 +57,10 @@ def _hooked(module: torch.nn.Module) -> bool:
                             "_backward_pre_hooks", "_state_dict_hooks"))
 
 
-def find(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    """The model's largest list of identical blocks (path, ModuleList/Sequential), or None."""
+def find(model: torch.nn.Module) -> tuple[str, torch.nn.Module, int] | None:
+    """The model's largest run of identical blocks that ends its block list: (the list's
+    path, the ModuleList/Sequential, the run's first index - 0, or DeepSeek-V3's dense
+    first layers, T5's first block with its relative bias), or None."""
     counts = collections.Counter(
         id(t) for _, t in (*model.named_parameters(remove_duplicate=False),
                            *model.named_buffers(remove_duplicate=False)))
@@ -71,21 +73,25 @@ def find(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
             continue
         if list(mod._modules) != [str(i) for i in range(len(blocks))]:
             continue
-        sig = _signature(blocks[0])
-        if not sig[1] or any(_signature(b) != sig for b in blocks[1:]):
+        sig = _signature(blocks[-1])
+        start = len(blocks)
+        while start > 0 and _signature(blocks[start - 1]) == sig:
+            start -= 1
+        run = blocks[start:]
+        if len(run) < MIN_BLOCKS or not sig[1]:
             continue
-        tensors = [t for b in blocks for _, t in (*b.named_parameters(remove_duplicate=False),
-                                                  *b.named_buffers(remove_duplicate=False))]
+        tensors = [t for b in run for _, t in (*b.named_parameters(remove_duplicate=False),
+                                               *b.named_buffers(remove_duplicate=False))]
         if len({id(t) for t in tensors}) != len(tensors) or any(counts[id(t)] != 1 for t in tensors):
             continue  # a weight shared between blocks or with the rest of the model
-        if len({id(m) for b in blocks for m in b.modules()}) != sum(
-                len(list(b.modules())) for b in blocks):
+        if len({id(m) for b in run for m in b.modules()}) != sum(
+                len(list(b.modules())) for b in run):
             continue  # a submodule shared between blocks
         if _hooked(mod):
             continue
         size = sum(t.numel() for t in tensors)
         if size > best_size:
-            best, best_size = (path, mod), size
+            best, best_size = (path, mod, start), size
     return best
 
 
@@ -107,16 +113,16 @@ class _Blocks:
     block of every node (forward ops by the module that ran them; backward ops by the forward
     op they differentiate, autograd's sequence number, else by their module tag)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, path: str, k: int):
-        self.path, self.k = path, k
+    def __init__(self, gm: torch.fx.GraphModule, path: str, start: int, k: int):
+        self.path, self.start, self.k = path, start, k
         prefix = path + "." if path else ""
         self.of: dict[torch.fx.Node, int] = {}
 
-        def index(name: str | None) -> int | None:
-            if not name or not name.startswith(prefix):
+        def index(name: str | None) -> int | None:  # (in the run: blocks before it are
+            if not name or not name.startswith(prefix):  # the rest of the model)
                 return None
             head = name[len(prefix):].split(".", 1)[0]
-            return int(head) if head.isdigit() else None
+            return int(head) - start if head.isdigit() and int(head) >= start else None
 
         by_seq: dict[int, int | None] = {}
         for n in gm.graph.nodes:
@@ -186,6 +192,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
     last_j = blocks.k - 1
     new_j = blocks.k
     prefix = blocks.path + "." if blocks.path else ""
+    last_abs, new_abs = blocks.start + last_j, blocks.start + new_j  # (in the block list)
     last = blocks.nodes[last_j]
     last_set = set(last)
     for n in last:
@@ -208,7 +215,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
         dst.meta = dict(src.meta)
         for key in (ir.MODULE, "fqn"):
             if isinstance(src.meta.get(key), str):
-                dst.meta[key] = _rename(src.meta[key], prefix, last_j, new_j)
+                dst.meta[key] = _rename(src.meta[key], prefix, last_abs, new_abs)
         if "seq_nr" in src.meta:
             dst.meta["seq_nr"] = src.meta["seq_nr"] + seq_step
 
@@ -235,7 +242,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
         copy_meta(n, new)
         if n.op == "get_attr":  # a constant of its own, as the trace gives each block
             value = getattr(gm, n.target)
-            new.target = f"{n.target}_{new_j}"
+            new.target = f"{n.target}_{new_abs}"
             setattr(gm, new.target, value.clone() if isinstance(value, torch.Tensor) else value)
         kappa[n] = new
         return new
@@ -274,7 +281,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
     outs = list(out.args[0])
     n_g = out.meta.get("n_grads", 0)  # (0 in a forward-only graph)
     grads, updates = outs[1:1 + n_g], outs[1 + n_g:]
-    old = f"{prefix}{last_j}."
+    old = f"{prefix}{last_abs}."
     p_last = [i for i, name in enumerate(sig.param_names) if name.startswith(old)]
     b_last = [i for i, name in enumerate(sig.buffer_names) if name.startswith(old)]
     u_last = [i for i, name in enumerate(sig.mutated_buffers) if name.startswith(old)]
@@ -286,7 +293,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
         if idx != list(range(idx[0], idx[-1] + 1)):
             raise NotStampable(f"block {last_j}'s tensors are not contiguous in the signature")
         at = idx[-1] + 1
-        names[at:at] = [_rename(names[i], prefix, last_j, new_j) for i in idx]
+        names[at:at] = [_rename(names[i], prefix, last_abs, new_abs) for i in idx]
         if vals is not None:
             vals[at:at] = [None if vals[i] is None else kappa.get(vals[i]) for i in idx]
             if any(vals[i] is not None and vals[i] not in kappa for i in idx):
@@ -488,12 +495,15 @@ def _same_structure(blocks: list[torch.nn.Module], traced: int, call, outside: s
 
 # ------------------------------------------------------------------ the whole thing
 
-def _fed_alike(blocks: list[torch.nn.Module], out_meta, forward: Callable[[], None]) -> None:
+def _fed_alike(blocks: list[torch.nn.Module], start: int, out_meta,
+               forward: Callable[[], None]) -> None:
     """The model, at its full depth, feeds every block as it fed block 2 - the previous
     block's output and the same shared values (one mask object, one rotary table), not a
     mask chosen by position (`config.layer_types[i]`) - and reads nothing of an inner
     block's output but the next block. Seen by running the model's forward once on fake
-    tensors with each block stubbed out (a fresh tensor of block 2's output metadata)."""
+    tensors with each block of the run stubbed out (a fresh tensor of block 2's output
+    metadata; the blocks before the run run). Indices here are the run's."""
+    blocks = blocks[start:]
     outs: dict[int, tuple[int, int]] = {}  # id(a block's output leaf) -> (block, leaf)
     keep, calls, read = [], [], collections.defaultdict(list)
 
@@ -551,15 +561,15 @@ def _fed_alike(blocks: list[torch.nn.Module], out_meta, forward: Callable[[], No
 def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
             tag_backward: Callable[[torch.fx.Graph], None],
             forward: Callable[[], None]) -> tuple:
-    """`trace()` (capture's own, on the model as it stands) with the block list `found` cut
-    to 2 and 3 blocks, the rule checked, and the 3-block graph stamped to the full depth.
+    """`trace()` (capture's own, on the model as it stands) with the block list `found`
+    (path, list, the run's first index) cut after the run's first 2 and 3 blocks, the rule
+    checked, and the 3-block graph stamped to the full depth.
     `tag_backward(graph)` is capture's module tagging of backward nodes: it reads a node's
     neighbours, so it is run again on the stamped graph. `forward()` runs the model's
     forward once on fake tensors (for `_fed_alike`)."""
-    path, lst = found
-    blocks = list(lst._modules.values())
+    path, lst, start = found
+    blocks = list(lst._modules.values())[start:]  # the run: indices below are the run's
     call: list[Any] = []
-
     inside = [False]
     outside: set = set()
 
@@ -572,13 +582,12 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
         out_meta[:] = [pytree.tree_map(_replayable, out)]
 
     out_meta: list = []
-
-    with _cut(lst, 2):
+    with _cut(lst, start + 2):
         g2, s2 = trace()
     hooks = (blocks[2].register_forward_pre_hook(enter, with_kwargs=True),
              blocks[2].register_forward_hook(leave))
     try:
-        with _cut(lst, 3), _watching(blocks[2], outside, lambda: not inside[0]):
+        with _cut(lst, start + 3), _watching(blocks[2], outside, lambda: not inside[0]):
             g3, s3 = trace()
     finally:
         for h in hooks:
@@ -586,10 +595,10 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
     if not call:  # (AOTAutograd runs the model twice: once for its metadata, then to trace)
         raise NotStampable("block 2 did not run")
     _same_structure(blocks, 2, call[-1], outside)
-    _fed_alike(blocks, out_meta[0], forward)
+    _fed_alike(list(lst._modules.values()), start, out_meta[0], forward)
     seq = 1 + max((n.meta.get("seq_nr", 0) for n in g3.graph.nodes), default=0)
 
-    b2 = _Blocks(g2, path, 2)
+    b2 = _Blocks(g2, path, start, 2)
     _stamp_one(g2, s2, b2, b2.pairing(0, 1), seq)
     g2.graph.lint()
     tag_backward(g2.graph)
@@ -598,13 +607,13 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
         at = next((i for i, (x, y) in enumerate(zip(c2, c3)) if x != y), min(len(c2), len(c3)))
         raise NotStampable("the 2-block graph stamped to 3 blocks differs from the 3-block "
                            f"trace at node {at}: {c2[at:at + 1]} vs {c3[at:at + 1]}")
-    b3 = _Blocks(g3, path, 3)
+    b3 = _Blocks(g3, path, start, 3)
     psi = b3.pairing(1, 2)
     for _ in range(3, len(blocks)):
         psi = _stamp_one(g3, s3, b3, psi, seq)
     g3.graph.lint()
     tag_backward(g3.graph)
     g3.recompile()
-    log.debug("traced 2 + 3 of %d blocks of '%s', stamped the rest: %d nodes", len(blocks),
-              path, len(g3.graph.nodes))
+    log.debug("traced blocks %d-%d of %d of '%s', stamped the rest: %d nodes", start,
+              start + 2, start + len(blocks), path, len(g3.graph.nodes))
     return g3, s3

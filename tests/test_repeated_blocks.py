@@ -98,7 +98,7 @@ MODELS = {
 def test_the_stamped_graph_is_the_whole_trace_node_for_node(name, caplog):
     factory, batch, path = MODELS[name]
     model = factory()
-    assert rb.find(model)[0] == path
+    assert rb.find(model)[::2] == (path, 0)
     gs, ss, gw, sw, why = _both(model, batch(), caplog)
     assert "stamped the rest" in why, why
     assert rb._canonical(gs) == rb._canonical(gw)  # ops, data flow, tags, shapes, in order
@@ -157,6 +157,18 @@ def test_a_block_the_model_feeds_by_its_position_is_traced_whole(caplog):
     assert rb._canonical(gs) == rb._canonical(gw)
 
 
+def test_a_run_of_copies_after_unlike_first_blocks_is_stamped(caplog):
+    """DeepSeek-V3's dense first layers before its MoE layers, T5's first block with its
+    relative bias: the run of copies that ends the list is stamped, the first blocks traced."""
+    model = Stack(depth=10)
+    model.blocks[0] = Block(8)
+    model.blocks[0].fc = nn.Linear(8, 8, bias=False)
+    assert rb.find(model)[::2] == ("blocks", 1)
+    gs, ss, gw, sw, why = _both(model, _xy(), caplog)
+    assert "traced blocks 1-3 of 10" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw) and ss == sw
+
+
 def test_only_lists_of_true_copies_are_found():
     assert rb.find(Stack(depth=rb.MIN_BLOCKS - 1)) is None  # too shallow to gain
     shared = Stack()
@@ -164,7 +176,7 @@ def test_only_lists_of_true_copies_are_found():
     assert rb.find(shared) is None
     wider = Stack()
     wider.blocks[4].fc = nn.Linear(8, 8, bias=False)  # not the same parameters
-    assert rb.find(wider) is None
+    assert rb.find(wider) is None  # (the run after it is too short)
     hooked = Stack()
     hooked.blocks[1].register_forward_hook(lambda m, a, o: None)
     assert rb.find(hooked) is None
