@@ -584,6 +584,8 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
     out_meta: list = []
     with _cut(lst, start + 2):
         g2, s2 = trace()
+    b2 = _Blocks(g2, path, start, 2)
+    psi2 = b2.pairing(0, 1)  # (first: most models that are not stamped fail here, cheaply)
     hooks = (blocks[2].register_forward_pre_hook(enter, with_kwargs=True),
              blocks[2].register_forward_hook(leave))
     try:
@@ -598,8 +600,7 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
     _fed_alike(list(lst._modules.values()), start, out_meta[0], forward)
     seq = 1 + max((n.meta.get("seq_nr", 0) for n in g3.graph.nodes), default=0)
 
-    b2 = _Blocks(g2, path, start, 2)
-    _stamp_one(g2, s2, b2, b2.pairing(0, 1), seq)
+    _stamp_one(g2, s2, b2, psi2, seq)
     g2.graph.lint()
     tag_backward(g2.graph)
     c2, c3 = _canonical(g2), _canonical(g3)
