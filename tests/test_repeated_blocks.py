@@ -85,7 +85,8 @@ def _both(model, batch, caplog, joint=True):
 
 MODELS = {
     "gpt2": (lambda: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=128, n_embd=32, n_layer=8,
-                         n_head=4, n_positions=16), _lm_batch, "transformer.h"),
+                         n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attn_pdrop=0.0), _lm_batch, "transformer.h"),
     "llama": (lambda: _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=128, hidden_size=32,
                           intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=16),
@@ -94,7 +95,8 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m == "llama"
+                                  else m for m in MODELS])
 def test_the_stamped_graph_is_the_whole_trace_node_for_node(name, caplog):
     factory, batch, path = MODELS[name]
     model = factory()
@@ -124,6 +126,7 @@ def test_the_stamped_graph_computes_what_the_model_does(caplog):
         torch.testing.assert_close(g, grads[name].grad, msg=name)
 
 
+@pytest.mark.slow
 def test_forward_only_graphs_are_stamped_too(caplog):
     model = MODELS["gpt2"][0]()
     gs, ss, gw, sw, why = _both(model, _lm_batch(), caplog, joint=False)
@@ -138,6 +141,7 @@ def test_a_block_that_branches_on_its_index_is_traced_whole(caplog):
     assert rb._canonical(gs) == rb._canonical(gw)
 
 
+@pytest.mark.slow
 def test_a_block_the_model_feeds_by_its_own_attribute_is_traced_whole(caplog):
     """The model reads each block's `kind` to choose its input (as HF models choose a
     layer's mask by its attention type): a block whose kind differs is not a copy, though
@@ -219,3 +223,37 @@ def test_the_graph_check_still_sees_a_wrong_value_in_any_copy(caplog):
     relu.meta["val"] = relu.meta["val"][:1]  # a copy's value, wrong
     with pytest.raises(PassError, match=relu.name):
         graphs.verify(gm)
+
+
+def _gpt2_8(seed=0):
+    torch.manual_seed(seed)
+    return MODELS["gpt2"][0]()
+
+
+def _train(world, plan, batches):
+    import fxpar
+    pm = fxpar.parallelize(_gpt2_8(), world, example_batch=batches[0],
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), plan=plan)
+    return [pm.step(b).item() for b in batches], pm.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [{"tp": 2}, {"pp": 2, "microbatches": 2}])
+def test_a_stamped_model_trains_as_eager_under_a_split_plan(plan):
+    import fxpar
+    batches = [_lm_batch() for _ in range(2)]
+    batches[1] = {k: v.flip(0) for k, v in batches[1].items()}
+    model = _gpt2_8()
+    assert rb.find(model) is not None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for b in batches:
+        opt.zero_grad()
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    losses, state = fxpar.launch(_train, 2, 2, plan, batches)[0]
+    assert losses == pytest.approx(ref, abs=1e-5)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5, msg=k)
