@@ -47,7 +47,8 @@ def _signature(block: torch.nn.Module) -> tuple:
     return (type(block),
             tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                   for n, p in block.named_parameters(remove_duplicate=False)),
-            tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers(remove_duplicate=False)),
+            tuple((n, tuple(b.shape), b.dtype)
+                  for n, b in block.named_buffers(remove_duplicate=False)),
             tuple((n, type(m), m.training) for n, m in block.named_modules()))
 
 
@@ -82,7 +83,8 @@ def find(model: torch.nn.Module) -> tuple[str, torch.nn.Module, int] | None:
             continue
         tensors = [t for b in run for _, t in (*b.named_parameters(remove_duplicate=False),
                                                *b.named_buffers(remove_duplicate=False))]
-        if len({id(t) for t in tensors}) != len(tensors) or any(counts[id(t)] != 1 for t in tensors):
+        if len({id(t) for t in tensors}) != len(tensors) or \
+                any(counts[id(t)] != 1 for t in tensors):
             continue  # a weight shared between blocks or with the rest of the model
         if len({id(m) for b in run for m in b.modules()}) != sum(
                 len(list(b.modules())) for b in run):
@@ -237,6 +239,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
     bwd = [n for n in ops if blocks.stream[n] == 1]
     if fwd + bwd != ops:
         raise NotStampable(f"block {last_j}'s forward ops are not all before its backward")
+
     def copy(n):
         new = graph.node_copy(n, arg)
         copy_meta(n, new)
@@ -327,7 +330,8 @@ def _canonical(gm: torch.fx.GraphModule) -> list:
         meta = tuple(
             (tuple(v.shape), v.dtype, tuple(v.stride())) if isinstance(v, torch.Tensor) else
             type(v).__name__ for v in pytree.tree_leaves(val))
-        rows.append((n.op, None if n.op == "placeholder" else str(n.target), pytree.tree_map(a, n.args), pytree.tree_map(a, n.kwargs),
+        rows.append((n.op, None if n.op == "placeholder" else str(n.target),
+                     pytree.tree_map(a, n.args), pytree.tree_map(a, n.kwargs),
                      n.meta.get(ir.MODULE), n.meta.get(ir.REGION), n.meta.get(ir.ROLE),
                      n.meta.get("fqn"), meta))
     return rows
