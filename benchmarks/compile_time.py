@@ -9,9 +9,10 @@ stamped: compiler/repeated_blocks.py) and the ratio. docs/benchmarks.md records 
 
     python benchmarks/compile_time.py --vs-torch [--layers 12,48]
 
-Capture alone, fxpar's one-trace joint export (compiler/capture._export_joint) against
-torch's aot_export_module(trace_joint=True), which traces the joint graph a second time on
-the real weights and batch: both in one process, interleaved, with their ratio.
+Capture alone, every block traced (repeated blocks not stamped), fxpar's one-trace joint
+export (compiler/capture._export_joint) against torch's aot_export_module(trace_joint=True),
+which traces the joint graph a second time on the real weights and batch: both in one
+process, interleaved, with their ratio.
 
     python benchmarks/compile_time.py --per-block [--layers 12] [--width 256]
 
@@ -110,7 +111,7 @@ def capture_vs_torch(layers: list[int], seq: int, rounds: int = 3) -> None:
             for export in (ours, torchs):
                 cap._export_joint = export
                 t0 = time.perf_counter()
-                gm, _ = cap.capture(model, batch)
+                gm, _ = cap.capture(model, batch, stamp=False)  # (every block traced)
                 if r:
                     times[export].append(time.perf_counter() - t0)
         cap._export_joint = ours
