@@ -257,3 +257,18 @@ def test_a_stamped_model_trains_as_eager_under_a_split_plan(plan):
     assert losses == pytest.approx(ref, abs=1e-5)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_gemma3s_local_and_global_layers_are_not_stamped_as_copies(caplog):
+    """Gemma 3's five sliding-window layers to one global one: the first three layers are
+    alike, the sixth gets another mask from the model (by its position in
+    `config.layer_types`). Stamping it from the third would train a wrong model."""
+    model = _hf("Gemma3TextConfig", "Gemma3ForCausalLM", vocab_size=128, hidden_size=32,
+                intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, sliding_window=8, query_pre_attn_scalar=8,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"]
+                + ["sliding_attention"] * 2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    gs, ss, gw, sw, why = _both(model, _lm_batch(), caplog)
+    assert "the model feeds block 5 otherwise than block 2" in why, why
+    assert rb._canonical(gs) == rb._canonical(gw)
