@@ -28,8 +28,10 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 
 def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A cheap copy of a graph module, for pm.stage_graphs."""
-    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    """A cheap copy of a graph module, for pm.stage_graphs: its Python code is generated
+    when first called or printed (torch's lazy graph module), as most snapshots never are."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    new = _LazyGraphModule(gm, copy_graph(gm.graph))
     new.meta = dict(gm.meta)
     return new
 

@@ -618,7 +618,11 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
         psi = _stamp_one(g3, s3, b3, psi, seq)
     g3.graph.lint()
     tag_backward(g3.graph)
-    g3.recompile()
+    # its Python code made when first called: the passes recompile the graph they change
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    lazy = _LazyGraphModule(g3, g3.graph)
+    lazy.meta = g3.meta
+    g3 = lazy
     log.debug("traced blocks %d-%d of %d of '%s', stamped the rest: %d nodes", start,
               start + 2, start + len(blocks), path, len(g3.graph.nodes))
     return g3, s3
