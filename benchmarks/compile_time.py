@@ -19,6 +19,11 @@ process, interleaved, with their ratio.
 The compiled joint graph's forward+backward time with runs cut per repeated block (the
 default) against runs spanning layers, interleaved in one process, with the ratio.
 
+    python benchmarks/compile_time.py --zoo-stamped 8
+
+Every zoo model rebuilt at that depth: its capture with repeated blocks stamped against the
+capture tracing every block, compared node for node, and whether (or why not) it stamped.
+
     python benchmarks/compile_time.py --codegen [--layers 12]
 
 Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
@@ -150,6 +155,56 @@ def per_block_vs_spanning(layers: list[int], seq: int, width: int, rounds: int =
         print(f"{n:>6} {a:>17.1f} {b:>9.1f} {a / b:>18.3f}", flush=True)
 
 
+def zoo_stamped(depth: int) -> None:
+    """Every zoo model rebuilt with `depth` layers (its configs' layer counts of 2 raised):
+    capture with its repeated blocks stamped and tracing every block, the graphs compared
+    node for node (repeated_blocks._canonical); prints whether it was stamped, and why not."""
+    import logging
+
+    from fxpar.compiler import capture as cap
+    from fxpar.compiler import repeated_blocks as rb
+    from fxpar.examples import zoo
+    keys = ("n_layer", "num_hidden_layers", "num_layers", "n_layers", "encoder_layers",
+            "decoder_layers", "num_decoder_layers")
+
+    def deeper(make):
+        def build(config_cls, model_cls, **kw):
+            return make(config_cls, model_cls,
+                        **{k: depth if k in keys and v == 2 else v for k, v in kw.items()})
+        return build
+    zoo._hf, zoo._hf_eager = deeper(zoo._hf), deeper(zoo._hf_eager)
+    zoo._DENSE["num_hidden_layers"] = depth
+    why: list[str] = []
+
+    class Why(logging.Handler):
+        def emit(self, record):
+            if "stamped" in record.getMessage():
+                why.append(record.getMessage())
+    for name in ("fxpar.compiler.capture", "fxpar.compiler.repeated_blocks"):
+        logging.getLogger(name).addHandler(Why())
+        logging.getLogger(name).setLevel(logging.DEBUG)
+    counts = {"models": 0, "block list": 0, "stamped": 0, "equal": 0}
+    for name in zoo.models():
+        why.clear()
+        try:
+            model, spec = zoo.build(name)
+        except Exception as e:  # noqa: BLE001 - a config that needs its per-layer lists
+            print(f"{name:24} not built at {depth} layers: {type(e).__name__}")
+            continue
+        batch = spec.batch(0)
+        stamped, sig = cap.capture(model, batch, spec.loss_fn)
+        whole, whole_sig = cap.capture(model, batch, spec.loss_fn, stamp=False)
+        equal = rb._canonical(stamped) == rb._canonical(whole) and sig == whole_sig
+        found = rb.find(model)
+        counts["models"] += 1
+        counts["block list"] += found is not None
+        counts["stamped"] += any("stamped the rest" in w for w in why)
+        counts["equal"] += equal
+        print(f"{name:24} {found[0] if found else '-':28} equal={equal} "
+              f"{why[-1][:110] if why else ''}", flush=True)
+    print(counts)
+
+
 def main():
     import fxpar
     from fxpar.compiler import ir
@@ -162,10 +217,14 @@ def main():
                     help="capture: fxpar's one-trace joint export vs torch's aot_export_module")
     ap.add_argument("--per-block", action="store_true",
                     help="code generation per repeated block vs runs spanning layers")
+    ap.add_argument("--zoo-stamped", type=int, metavar="LAYERS",
+                    help="every zoo model at this depth: stamped capture == every block traced?")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spanning", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.zoo_stamped:
+        return zoo_stamped(args.zoo_stamped)
     if args.codegen_child:
         return codegen_child(args.codegen_child, args.seq, not args.spanning)
     if args.vs_torch:
