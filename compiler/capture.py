@@ -395,8 +395,8 @@ def capture(model: torch.nn.Module, example_batch: Any,
             return capture(model, example_batch, loss_fn, joint=joint, stand_ins=stand_ins,
                            decompose_batch_norm=decompose_batch_norm, stamp=False)
 
-        def forward():
-            _forward_on_fakes(model, example_batch, loss_fn, stand_ins)
+        def forward(ctx):
+            _forward_on_fakes(model, example_batch, loss_fn, stand_ins, ctx)
         try:
             with _transformers_sees_tracing():
                 return repeated_blocks.capture(model, trace, found, tag_backward, forward)
@@ -476,19 +476,28 @@ def capture(model: torch.nn.Module, example_batch: Any,
     return gm, signature
 
 
-def _forward_on_fakes(model, example_batch, loss_fn, stand_ins) -> None:
-    """loss_fn(model, batch) once, forward only, on fake tensors: for a look at what the
-    model does around its blocks (compiler/repeated_blocks.py stubs the blocks)."""
+def _forward_on_fakes(model, example_batch, loss_fn, stand_ins, ctx) -> None:
+    """loss_fn(model, batch) once, forward only, on fake tensors, in grad mode as the trace
+    runs it, with `ctx` (a dispatch mode) entered inside the fake mode: for a look at how
+    the model runs its blocks (compiler/repeated_blocks.py)."""
     leaves, spec = pytree.tree_flatten(example_batch)
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-    wrapper = _LossModule(model, loss_fn or default_loss_fn, spec,
-                          {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)},
-                          stand_ins or {})
     mode = detect_fake_mode((*tensors, *(stand_ins or {}).values())) or \
         FakeTensorMode(allow_non_fake_inputs=True)
+    # weights that need no gradient: grad mode is on (the model's own switches show) but no
+    # autograd graph is built (half the cost of this run)
+    frozen = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in frozen:
+            f = fake_like((stand_ins or {}).get(id(t), t), mode)
+            frozen[id(t)] = torch.nn.Parameter(f, requires_grad=False) \
+                if isinstance(t, torch.nn.Parameter) else f
+    wrapper = _LossModule(model, loss_fn or default_loss_fn, spec,
+                          {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)},
+                          frozen)
     from torch._subclasses.fake_tensor import is_fake
-    with mode, torch.no_grad(), padded_nonzero.PaddedNonzero():
-        wrapper(*[t if is_fake(t) else mode.from_tensor(t) for t in tensors])
+    with mode, ctx, padded_nonzero.PaddedNonzero():  # (grad mode as the trace: the model's
+        wrapper(*[t if is_fake(t) else mode.from_tensor(t) for t in tensors])  # switches show)
 
 
 def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):

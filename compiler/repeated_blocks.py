@@ -359,6 +359,11 @@ class _OpRecorder(TorchDispatchMode):
 
     def _arg(self, x):
         if isinstance(x, torch.Tensor):
+            if x.device.type != "meta" and id(x) not in self.ids:
+                # a tensor made from Python values (`torch.tensor(self.scale)`): its values
+                # (or, when large, its identity: then no two blocks compare equal)
+                return ("data", tuple(x.detach().flatten().tolist()) if x.numel() <= 4096
+                        else id(x), x.dtype)
             return ("t", self.ids.get(id(x), -1), tuple(x.shape), x.dtype, tuple(x.stride()))
         return x
 
@@ -403,17 +408,24 @@ def _as_stand_in(x, device):
     return x
 
 
-def _record(block: torch.nn.Module, args, kwargs) -> list:
-    """The ops `block(*args, **kwargs)` issues on meta tensors (its weights' too): every
-    branch on shapes, dtypes and attributes taken, no memory touched."""
+def _record(block: torch.nn.Module, args, kwargs, backward: bool) -> list:
+    """The ops `block(*args, **kwargs)` issues on meta tensors (its weights' too), and with
+    `backward` those of its backward (a custom autograd.Function's per-layer scale shows only
+    there): every branch on shapes, dtypes and attributes taken, no memory touched."""
     state = {n: _as_stand_in(t, "meta") for n, t in
              (*block.named_parameters(remove_duplicate=False),
               *block.named_buffers(remove_duplicate=False))}
     args, kwargs = pytree.tree_map(lambda x: _as_stand_in(x, "meta"), (args, kwargs))
-    rec = _OpRecorder([t for t in pytree.tree_leaves((state, args, kwargs))
-                       if isinstance(t, torch.Tensor)])
+    inputs = [t for t in pytree.tree_leaves((state, args, kwargs)) if isinstance(t, torch.Tensor)]
+    rec = _OpRecorder(inputs)
     with rec:
-        torch.func.functional_call(block, state, args, kwargs)
+        out = torch.func.functional_call(block, state, args, kwargs)
+        outs = [t for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrt = [t for t in inputs if t.requires_grad]
+        if backward and outs and wrt:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs],
+                                allow_unused=True)
     return rec.ops
 
 
@@ -466,7 +478,8 @@ def _same_value(a, b) -> bool:
         return False
 
 
-def _same_structure(blocks: list[torch.nn.Module], traced: int, call, outside: set) -> None:
+def _same_structure(blocks: list[torch.nn.Module], traced: int, call, outside: set,
+                    backward: bool) -> None:
     """Every block is what the traced one was to the trace. The model reads of each block,
     from outside its forward, the same values (`outside`: a layer's attention type choosing
     its mask, say); and each block runs the ops the traced one ran: the same attributes read
@@ -482,7 +495,7 @@ def _same_structure(blocks: list[torch.nn.Module], traced: int, call, outside: s
 
     reads: set = set()
     with _watching(blocks[traced], reads):
-        ref = _record(blocks[traced], *call)
+        ref = _record(blocks[traced], *call, backward)
     outside = {r: value(blocks[traced], *r) for r in outside}
     inside = {r: value(blocks[traced], *r) for r in reads}
     for j, b in enumerate(blocks):
@@ -492,24 +505,29 @@ def _same_structure(blocks: list[torch.nn.Module], traced: int, call, outside: s
                                f"block, and block {j}'s differs from block {traced}'s")
         if j == traced or all(_same_value(v, value(b, *r)) for r, v in inside.items()):
             continue
-        if _record(b, *call) != ref:
+        if _record(b, *call, backward) != ref:
             raise NotStampable(f"block {j} does not run the ops block {traced} runs "
                                "(its code branches on something of its own)")
 
 
 # ------------------------------------------------------------------ the whole thing
 
-def _fed_alike(blocks: list[torch.nn.Module], start: int, out_meta,
-               forward: Callable[[], None]) -> None:
-    """The model, at its full depth, feeds every block as it fed block 2 - the previous
-    block's output and the same shared values (one mask object, one rotary table), not a
-    mask chosen by position (`config.layer_types[i]`) - and reads nothing of an inner
-    block's output but the next block. Seen by running the model's forward once on fake
-    tensors with each block of the run stubbed out (a fresh tensor of block 2's output
-    metadata; the blocks before the run run). Indices here are the run's."""
+def _run_alike(blocks: list[torch.nn.Module], start: int,
+               forward: Callable[[Any], None]) -> None:
+    """The model at its full depth, its forward run once on fake tensors, runs every block of
+    the run as it runs block 2: called in the same grad and autocast modes (not "the first k
+    layers under no_grad"), fed the previous block's output and the same shared values (one
+    mask object, one rotary table; not a mask picked by position from `config.layer_types`),
+    the same ATen ops inside on the same scalars and Python-made constants with the same data
+    flow (not a scale looked up by a counter the model keeps), and nothing of an inner
+    block's output read outside the blocks but by the next block. `forward(ctx)` runs the
+    model's forward with `ctx` entered inside its fake mode. Indices here are the run's."""
     blocks = blocks[start:]
+    if any("forward" in vars(b) for b in blocks):  # (accelerate's hooks: not ours to touch)
+        raise NotStampable("a block's forward is set on the instance")
     outs: dict[int, tuple[int, int]] = {}  # id(a block's output leaf) -> (block, leaf)
-    keep, calls, read = [], [], collections.defaultdict(list)
+    keep, calls, ops, read = [], [], {}, collections.defaultdict(list)
+    inside = [0]
 
     def describe(x, j):
         if isinstance(x, torch.Tensor):
@@ -517,12 +535,24 @@ def _fed_alike(blocks: list[torch.nn.Module], start: int, out_meta,
             return ("out", j - src[0], src[1]) if src else ("shared", id(x))
         return ("value", x)
 
-    def stub(j):
+    def wrapped(j, block, run):
         def forward(*args, **kwargs):
             flat, spec = pytree.tree_flatten((args, kwargs))
-            calls.append((j, spec, [describe(x, j) for x in flat]))
-            device = next((x.device for x in flat if isinstance(x, torch.Tensor)), "cpu")
-            out = pytree.tree_map(lambda m: _as_stand_in(m, device), out_meta)
+            modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                     *(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")),
+                     torch._C._len_torch_dispatch_stack(),
+                     torch._C._is_torch_function_mode_enabled())
+            calls.append((j, spec, [("modes", modes), *(describe(x, j) for x in flat)]))
+            state = [t for _, t in (*block.named_parameters(remove_duplicate=False),
+                                    *block.named_buffers(remove_duplicate=False))]
+            rec = _OpRecorder([*state, *(x for x in flat if isinstance(x, torch.Tensor))])
+            inside[0] += 1
+            try:
+                with rec:
+                    out = run(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+            ops[j] = rec.ops
             for k, t in enumerate(pytree.tree_leaves(out)):
                 if isinstance(t, torch.Tensor):
                     outs[id(t)] = (j, k)
@@ -531,18 +561,20 @@ def _fed_alike(blocks: list[torch.nn.Module], start: int, out_meta,
         return forward
 
     class Readers(TorchDispatchMode):
+        """Ops outside the blocks that read a block's output."""
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            for i, x in enumerate(pytree.tree_leaves((args, kwargs))):
-                if isinstance(x, torch.Tensor) and id(x) in outs:
-                    j, k = outs[id(x)]
-                    read[j].append((str(func), i, k))
+            if not inside[0]:
+                for i, x in enumerate(pytree.tree_leaves((args, kwargs))):
+                    if isinstance(x, torch.Tensor) and id(x) in outs:
+                        j, k = outs[id(x)]
+                        read[j].append((str(func), i, k))
             return func(*args, **(kwargs or {}))
 
     for j, b in enumerate(blocks):
-        b.forward = stub(j)
+        b.forward = wrapped(j, b, b.forward)
     try:
-        with Readers():
-            forward()
+        forward(Readers())
     finally:
         for b in blocks:
             del b.forward
@@ -554,8 +586,11 @@ def _fed_alike(blocks: list[torch.nn.Module], start: int, out_meta,
             a[0] == b[0] and (_same_value(a[1], b[1]) if a[0] == "value" else a == b)
             for a, b in zip(desc, ref[2]))
         if not same:
-            raise NotStampable(f"the model feeds block {j} otherwise than block 2 (an input "
-                               "chosen by the block's position)")
+            raise NotStampable(f"the model feeds block {j} otherwise than block 2 (an input, "
+                               "or the grad or autocast mode, chosen by its position)")
+        if ops[j] != ops[2]:
+            raise NotStampable(f"block {j} does not run the ops block 2 runs (its code "
+                               "branches on something of its own)")
     for j in range(len(blocks) - 1):
         if read[j] != read[1]:
             raise NotStampable(f"the model reads block {j}'s output otherwise than the next "
@@ -564,13 +599,13 @@ def _fed_alike(blocks: list[torch.nn.Module], start: int, out_meta,
 
 def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
             tag_backward: Callable[[torch.fx.Graph], None],
-            forward: Callable[[], None]) -> tuple:
+            forward: Callable[[Any], None]) -> tuple:
     """`trace()` (capture's own, on the model as it stands) with the block list `found`
     (path, list, the run's first index) cut after the run's first 2 and 3 blocks, the rule
     checked, and the 3-block graph stamped to the full depth.
     `tag_backward(graph)` is capture's module tagging of backward nodes: it reads a node's
-    neighbours, so it is run again on the stamped graph. `forward()` runs the model's
-    forward once on fake tensors (for `_fed_alike`)."""
+    neighbours, so it is run again on the stamped graph. `forward(ctx)` runs the model's
+    forward once on fake tensors (for `_run_alike`)."""
     path, lst, start = found
     blocks = list(lst._modules.values())[start:]  # the run: indices below are the run's
     call: list[Any] = []
@@ -583,9 +618,7 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
 
     def leave(mod, args, out):
         inside[0] = False
-        out_meta[:] = [pytree.tree_map(_replayable, out)]
 
-    out_meta: list = []
     with _cut(lst, start + 2):
         g2, s2 = trace()
     b2 = _Blocks(g2, path, start, 2)
@@ -600,8 +633,10 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
             h.remove()
     if not call:  # (AOTAutograd runs the model twice: once for its metadata, then to trace)
         raise NotStampable("block 2 did not run")
-    _same_structure(blocks, 2, call[-1], outside)
-    _fed_alike(list(lst._modules.values()), start, out_meta[0], forward)
+    joint = any(n.meta.get(ir.REGION) == ir.BACKWARD for n in g3.graph.nodes
+                if n.op == "call_function")
+    _same_structure(blocks, 2, call[-1], outside, joint)
+    _run_alike(list(lst._modules.values()), start, forward)
     seq = 1 + max((n.meta.get("seq_nr", 0) for n in g3.graph.nodes), default=0)
 
     _stamp_one(g2, s2, b2, psi2, seq)

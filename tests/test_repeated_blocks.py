@@ -173,6 +173,68 @@ def test_a_run_of_copies_after_unlike_first_blocks_is_stamped(caplog):
     assert rb._canonical(gs) == rb._canonical(gw) and ss == sw
 
 
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.s, None
+
+
+class OddBlock(nn.Module):
+    """A block unlike the others from layer 4 on in a way its forward's ops do not show: a
+    tensor made from its own Python value, or a scale only its backward applies."""
+
+    def __init__(self, index, how):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.how, self.s = how, 1.0 if index < 4 else 2.0
+
+    def forward(self, x):
+        y = x + torch.tanh(self.fc(x))
+        if self.how == "counter":  # a scale by a count the model keeps, not the block
+            COUNTER["i"] += 1
+            return y * SCALES[COUNTER["i"] - 1]
+        if self.how == "constant":
+            return y * torch.tensor(self.s)
+        return _Scale.apply(y, self.s) if self.how == "backward" else y
+
+
+SCALES = [1.0] * 4 + [2.0] * 4
+COUNTER = {"i": 0}
+
+
+class OddStack(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList(OddBlock(i, how) for i in range(8))
+        self.how = how
+
+    def forward(self, x):
+        x = self.inp(x)
+        COUNTER["i"] = 0
+        for i, b in enumerate(self.blocks):  # "no_grad": the first 4 layers frozen by mode
+            with torch.set_grad_enabled(torch.is_grad_enabled()
+                                        and (self.how != "no_grad" or i >= 4)):
+                x = b(x)
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize("how,why", [
+    ("constant", "block 4 does not run the ops block 2 runs"),
+    ("backward", "block 4 does not run the ops block 2 runs"),
+    ("counter", "block 4 does not run the ops block 2 runs"),
+    ("no_grad", "the model feeds block 4 otherwise than block 2")])
+def test_a_difference_only_values_or_modes_show_is_traced_whole(how, why, caplog):
+    gs, ss, gw, sw, log_why = _both(OddStack(how), torch.randn(4, 8), caplog)
+    assert why in log_why, log_why
+    assert rb._canonical(gs) == rb._canonical(gw)
+
+
 def test_only_lists_of_true_copies_are_found():
     assert rb.find(Stack(depth=rb.MIN_BLOCKS - 1)) is None  # too shallow to gain
     shared = Stack()
@@ -191,14 +253,16 @@ class CountedBlock(Block):
     traced: list = []
 
     def forward(self, x, scale):
-        if x.device.type != "meta":  # (not the replay: it runs on meta tensors)
+        from torch._subclasses.functional_tensor import FunctionalTensor
+        if isinstance(x, FunctionalTensor):  # (AOTAutograd's trace, not the checks' runs)
             CountedBlock.traced.append(id(self))
         return super().forward(x, scale)
 
 
 def test_stamping_traces_three_blocks_not_all(caplog):
-    """What makes capture flat in depth: at 24 blocks, block 3 onward never runs while
-    capturing (the traces hold 2 and 3 blocks)."""
+    """What makes capture flat in depth: at 24 blocks, block 3 onward is never traced (the
+    traces hold 2 and 3 blocks; the check that every block is a copy runs the model's
+    forward once on fake tensors, several times cheaper than a trace)."""
     model = Stack(depth=24)
     for i in range(24):
         model.blocks[i] = CountedBlock(8, i)
