@@ -484,17 +484,9 @@ def _forward_on_fakes(model, example_batch, loss_fn, stand_ins, ctx) -> None:
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode((*tensors, *(stand_ins or {}).values())) or \
         FakeTensorMode(allow_non_fake_inputs=True)
-    # weights that need no gradient: grad mode is on (the model's own switches show) but no
-    # autograd graph is built (half the cost of this run)
-    frozen = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in frozen:
-            f = fake_like((stand_ins or {}).get(id(t), t), mode)
-            frozen[id(t)] = torch.nn.Parameter(f, requires_grad=False) \
-                if isinstance(t, torch.nn.Parameter) else f
     wrapper = _LossModule(model, loss_fn or default_loss_fn, spec,
                           {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)},
-                          frozen)
+                          stand_ins or {})
     from torch._subclasses.fake_tensor import is_fake
     with mode, ctx, padded_nonzero.PaddedNonzero():  # (grad mode as the trace: the model's
         wrapper(*[t if is_fake(t) else mode.from_tensor(t) for t in tensors])  # switches show)
