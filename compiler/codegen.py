@@ -333,6 +333,10 @@ class CompiledRun(torch.nn.Module):
         self.variants: dict[tuple, CompiledRun | None] = {}  # by input strides (None: copy)
         self.checked = os.environ.get("FXPAR_CODEGEN_CHECK", "1") == "0"
         self.mismatch: str | None = None
+        # the runs of the same code (a repeated block's copies, this one among them): the
+        # first of them called checks for all - one code, one verdict, and the first step
+        # pays one check per distinct run, not one per layer
+        self.copies: list[CompiledRun] = [self]
         self.unset = _uninitialized_outputs(source)  # (never compared)
         # an fp32 output computed from half-precision values (an upcast norm, a bf16 matmul's
         # fp32 gradient) carries their rounding: Inductor keeps fused intermediates in fp32
@@ -424,11 +428,15 @@ class CompiledRun(torch.nn.Module):
         with torch.random.fork_rng(devices=devices):  # the same random numbers as Inductor's
             _set_rng_states(devices, before)
             self.mismatch = _StreamingCheck(self.source, out, self._compare).run(*args)
+        for other in self.copies:
+            other.checked, other.mismatch = True, self.mismatch
         if self.mismatch is None:
             return out
         log.warning("codegen: Inductor's %s differs from the graph (%s): it runs op by op "
-                    "from now on.", self.name, self.mismatch)
-        self.fn = self.source
+                    "from now on%s.", self.name, self.mismatch,
+                    f", as do its {len(self.copies) - 1} copies" if len(self.copies) > 1 else "")
+        for other in self.copies:
+            other.fn = other.source
         del out
         _set_rng_states(devices, before)  # this step's result is the graph's, numbers alike
         return self.source(*args)
@@ -860,6 +868,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
     # what a run's first-call check is priced against: the graph's own peak, op by op
     peak = cost.simulate_liveness(gm).peak_total
     verdicts: dict[tuple, str | None] = {}  # by code and layouts, as `compiled`
+    copies: dict[tuple, list[CompiledRun]] = {}  # (as CompiledRun.copies)
     in_runs = {n for r in cut for n in r}
     eager_ops = sum(1 for n in g.nodes if _is_compute(n) and _counts(n) and n not in in_runs)
     todo = [(i, nodes) for i, nodes in enumerate(cut)]
@@ -922,6 +931,10 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
             if not run.checked:
                 if same not in verdicts:  # (a copy takes its first copy's verdict)
                     verdicts[same] = _checked_when(run, fakes, where, peak)
+                    copies[same] = run.copies
+                elif verdicts[same] == FIRST_STEP:  # (checked once, by the first called)
+                    run.copies = copies[same]
+                    run.copies.append(run)
                 run.checked = verdicts[same] != FIRST_STEP  # else: at its first call
             with g.inserting_before(nodes[0]):
                 call = g.call_module(key, tuple(inputs))
@@ -943,6 +956,10 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                  "inputs before the first step (their first-step check would add over %d%% "
                  "to the step's memory peak); the others are checked on their first call",
                  name, ahead, 100 * FIRST_STEP_CHECK_SHARE)
+    shared = sum(len(c) - 1 for c in copies.values())
+    if shared:
+        log.info("codegen: %s: %d runs share the code of a repeated block's earlier copy: "
+                 "the first of them called is checked for all", name, shared)
     out.meta["codegen"] = Generated(done, eager_ops, time.perf_counter() - t0, failed)
     log.debug("codegen %s: %s", name, out.meta["codegen"].summary())
     return out

@@ -842,6 +842,40 @@ def test_a_run_checked_before_the_first_step_that_matches_is_trusted_with_its_co
     assert len(checks) == len(runs) - sum(r.reused for r in gen.meta["codegen"].runs)
 
 
+@pytest.mark.parametrize("compile_fn", [_eager_compile, _off_by_one_percent])
+def test_a_repeated_blocks_copies_are_checked_once_on_their_first_call(compile_fn):
+    """The first-call check runs once per distinct compiled code: the first of a repeated
+    block's copies called checks for all (the first step's check cost flat in depth). A
+    wrong compile found there sends every copy op by op; the step equals the graph's."""
+    torch.manual_seed(0)
+    model = M.hf_gpt2(n_layer=4)
+    batch = M.hf_lm_batch(128, 2, 16)
+    prog = fxpar.compile(model, 1, example_batch=batch,
+                         plan={"codegen": "inductor", "fuse": False})
+    with mock.patch.object(codegen, "FIRST_STEP_CHECK_SHARE", float("inf")):
+        gen = codegen.generate(prog.graph, "cpu", compile_fn=compile_fn)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    args = [params[n].detach() for n in prog.signature.param_names] + \
+        list(ir.flatten_batch(batch, prog.signature))
+    checks = []
+    real = codegen._StreamingCheck.run
+
+    def counted(self, *a):
+        checks.append(self.module)
+        return real(self, *a)
+    with torch.no_grad(), mock.patch.object(codegen._StreamingCheck, "run", counted):
+        ref, got = prog.graph(*args), gen(*args)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
+    distinct = len(runs) - sum(r.reused for r in gen.meta["codegen"].runs)
+    assert sum(r.reused for r in gen.meta["codegen"].runs) >= 4  # (copies there were)
+    assert len(checks) == distinct and all(r.checked for r in runs)
+    wrong = compile_fn is _off_by_one_percent
+    assert all(bool(r.mismatch) == wrong for r in runs)
+    assert not wrong or all(r.fn is r.source for r in runs)
+
+
 def test_random_inputs_that_reach_a_log_of_a_negative_value_leave_the_check_to_the_first_step():
     """A reference output that is not finite on random inputs proves nothing (NaN == NaN
     counts as agreeing): check_ahead says so, and the run is checked on the step's values."""
