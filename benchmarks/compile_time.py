@@ -24,6 +24,13 @@ default) against runs spanning layers, interleaved in one process, with the rati
 Every zoo model rebuilt at that depth: its capture with repeated blocks stamped against the
 capture tracing every block, compared node for node, and whether (or why not) it stamped.
 
+    python benchmarks/compile_time.py --to-first-step [--layers 12,48]
+
+What a user waits for: `parallelize` and the first step's extra time over a steady step
+(its first-call checks), one device, the CPU default plan (Inductor), on the Qwen2-style LM
+of benchmarks/first_steps.py; per depth a first job (each in a fresh process, an empty
+cache) and a later job (a fresh process, that cache), with the ratio to the first depth's.
+
     python benchmarks/compile_time.py --codegen [--layers 12]
 
 Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
@@ -90,6 +97,53 @@ def codegen_times(layers: list[int], seq: int) -> None:
             t3, r3, _ = job(n, cache, "--spanning")
         print(f"{n:>6} {float(t1):>8.1f} {r1:>5} {float(t2):>9.2f} {h2:>5} "
               f"{float(t2) / float(t1):>6.3f} {float(t3):>16.1f} {r3:>5}", flush=True)
+
+
+def first_step_child(layers: int) -> None:
+    """One job: parallelize, then 2 steps; prints the compile (parallelize plus the first
+    step's time over the second's), the capture and codegen phases, and the second step."""
+    import time
+
+    import fxpar
+    from first_steps import SIZE, model_and_batch
+    model, batch_of = model_and_batch(layers, "cpu", **SIZE)
+    t0 = time.perf_counter()
+    pm = fxpar.parallelize(model, 1, example_batch=batch_of(0),
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    t1 = time.perf_counter()
+    pm.step(batch_of(0))
+    t2 = time.perf_counter()
+    pm.step(batch_of(1))
+    t3 = time.perf_counter()
+    phases = dict((name, s) for name, s, _ in pm.compile_times)
+    codegen = sum(s for name, s in phases.items() if name.startswith("codegen"))
+    print(f"RESULT {t1 - t0 + (t2 - t1) - (t3 - t2):.2f} {phases['capture']:.2f} "
+          f"{codegen:.2f} {t3 - t2:.2f}")
+
+
+def to_first_step(layers: list[int]) -> None:
+    """Per depth: a first job in an empty cache, then a later job on that cache."""
+    import subprocess
+    import sys
+    import tempfile
+
+    def job(n, cache):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        env.pop("FXPAR_CACHE_DIR", None)
+        out = subprocess.run([sys.executable, __file__, "--first-step-child", str(n)], env=env,
+                             capture_output=True, text=True, check=True).stdout
+        return [float(x) for x in next(line.split()[1:] for line in out.splitlines()
+                                       if line.startswith("RESULT"))]
+    print(f"{'layers':>6} {'job':>6} {'compile s':>10} {'capture s':>10} {'codegen s':>10} "
+          f"{'step s':>7} {'compile / first depth':>21}")
+    first = {}
+    for n in layers:
+        with tempfile.TemporaryDirectory(prefix="fxpar-first-step-") as cache:
+            for kind in ("first", "later"):
+                compile_s, capture_s, codegen_s, step_s = job(n, cache)
+                first.setdefault(kind, compile_s)
+                print(f"{n:>6} {kind:>6} {compile_s:>10.1f} {capture_s:>10.2f} {codegen_s:>10.1f} "
+                      f"{step_s:>7.2f} {compile_s / first[kind]:>21.2f}", flush=True)
 
 
 def capture_vs_torch(layers: list[int], seq: int, rounds: int = 3) -> None:
@@ -219,12 +273,19 @@ def main():
                     help="code generation per repeated block vs runs spanning layers")
     ap.add_argument("--zoo-stamped", type=int, metavar="LAYERS",
                     help="every zoo model at this depth: stamped capture == every block traced?")
+    ap.add_argument("--to-first-step", action="store_true",
+                    help="parallelize + the first step's check, first and later job")
     ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--first-step-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spanning", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.zoo_stamped:
         return zoo_stamped(args.zoo_stamped)
+    if args.first_step_child:
+        return first_step_child(args.first_step_child)
+    if args.to_first_step:
+        return to_first_step([int(x) for x in args.layers.split(",")])
     if args.codegen_child:
         return codegen_child(args.codegen_child, args.seq, not args.spanning)
     if args.vs_torch:
