@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -361,10 +362,14 @@ class _OpRecorder(TorchDispatchMode):
     def _arg(self, x):
         if isinstance(x, torch.Tensor):
             if x.device.type != "meta" and id(x) not in self.ids:
-                # a tensor made from Python values (`torch.tensor(self.scale)`): its values
-                # (or, when large, its identity: then no two blocks compare equal)
-                return ("data", tuple(x.detach().flatten().tolist()) if x.numel() <= 4096
-                        else id(x), x.dtype)
+                # a tensor made from Python values (`torch.tensor(self.scale)`, Falcon's
+                # `qkv[..., [-2], :]`): its values, read with the fake mode below off (or,
+                # when large, its identity: then no two blocks compare equal)
+                if x.numel() > 4096 or isinstance(x, FakeTensor) and x.constant is None:
+                    return ("data", id(x), x.dtype)
+                with _python_dispatch._disable_current_modes():
+                    x = x.constant if isinstance(x, FakeTensor) else x
+                    return ("data", tuple(x.detach().flatten().tolist()), x.dtype)
             return ("t", self.ids.get(id(x), -1), tuple(x.shape), x.dtype, tuple(x.stride()))
         if isinstance(x, (list, tuple)):  # (an op's arguments: lists, never other containers;
             return (type(x), *map(self._arg, x))  # pytree's map costs ~3x this)

@@ -91,12 +91,19 @@ MODELS = {
                           intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=16),
               _lm_batch, "model.layers"),
+    # multi-query heads split by indexing with Python lists (`qkv[..., [-2], :]`): an index
+    # tensor made in each block, whose values the copy check reads with the fake mode off
+    "falcon": (lambda: _hf("FalconConfig", "FalconForCausalLM", vocab_size=128, hidden_size=32,
+                           num_hidden_layers=8, num_attention_heads=4, multi_query=True,
+                           new_decoder_architecture=False, parallel_attn=True, bias=False,
+                           alibi=False, hidden_dropout=0.0, attention_dropout=0.0),
+               _lm_batch, "transformer.h"),
     "batchnorm stack": (Stack, _xy, "blocks"),
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m == "llama"
-                                  else m for m in MODELS])
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in (
+    "llama", "falcon") else m for m in MODELS])
 def test_the_stamped_graph_is_the_whole_trace_node_for_node(name, caplog):
     factory, batch, path = MODELS[name]
     model = factory()
