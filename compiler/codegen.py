@@ -818,14 +818,18 @@ def _transient(e: BaseException) -> bool:
 
 
 FIRST_STEP = "first step"  # a verdict: checked at the run's first call, on its values
+# ... each copy of a repeated block on its own values: random values judged it wrong or
+# could not run it, so values decide (one layer's routing may be where Inductor errs)
+FIRST_STEP_EACH = "first step, each copy"
 
 
 def _checked_when(run: CompiledRun, fakes, where: torch.device, peak: int) -> str | None:
     """Where `run` is checked against its graph: FIRST_STEP when its op-by-op twin adds at
     most FIRST_STEP_CHECK_SHARE of the graph's peak `peak`, else now, on random inputs
-    (`check_ahead`, on `where`): None when they agree, FIRST_STEP when they do not - a
+    (`check_ahead`, on `where`): None when they agree, FIRST_STEP_EACH when they do not - a
     compiler bug or values the model never makes, which the first call's check on the
-    step's own values tells apart - or when the check does not fit in memory now."""
+    step's own values tells apart, each copy of a repeated block on its own - and
+    FIRST_STEP when the check does not fit in memory now."""
     extra = _run_extra(run)
     if extra <= FIRST_STEP_CHECK_SHARE * peak:
         return FIRST_STEP
@@ -840,13 +844,13 @@ def _checked_when(run: CompiledRun, fakes, where: torch.device, peak: int) -> st
         log.info("codegen: %s could not be checked on random inputs (%s: %s); it is checked "
                  "on the first step's values", run.name, type(e).__name__,
                  (str(e).splitlines() or [''])[0][:200])
-        return FIRST_STEP
+        return FIRST_STEP_EACH
     if differs:  # random values can be ones the model never makes (all tokens routed to
         # one expert: index_put's duplicate writes land in any order): the step's own
         # values judge, at its first call
         log.info("codegen: %s differs from the graph on random inputs (%s); it is checked "
                  "on the first step's values", run.name, differs)
-        return FIRST_STEP
+        return FIRST_STEP_EACH
     return None
 
 
@@ -949,7 +953,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                 elif verdicts[same] == FIRST_STEP:  # (checked once, by the first called)
                     run.copies = copies[same]
                     run.copies.append(run)
-                run.checked = verdicts[same] != FIRST_STEP  # else: at its first call
+                run.checked = verdicts[same] not in (FIRST_STEP, FIRST_STEP_EACH)
             with g.inserting_before(nodes[0]):
                 call = g.call_module(key, tuple(inputs))
                 call.meta[ir.REGION] = nodes[0].meta.get(ir.REGION)

@@ -366,6 +366,7 @@ class _OpRecorder(TorchDispatchMode):
                 # `qkv[..., [-2], :]`): its values, read with the fake mode below off (or,
                 # when large, its identity: then no two blocks compare equal)
                 if x.numel() > 4096 or isinstance(x, FakeTensor) and x.constant is None:
+                    self.keep.append(x)  # (its id stays its own while compared)
                     return ("data", id(x), x.dtype)
                 with _python_dispatch._disable_current_modes():
                     x = x.constant if isinstance(x, FakeTensor) else x
@@ -373,6 +374,8 @@ class _OpRecorder(TorchDispatchMode):
             return ("t", self.ids.get(id(x), -1), tuple(x.shape), x.dtype, tuple(x.stride()))
         if isinstance(x, (list, tuple)):  # (an op's arguments: lists, never other containers;
             return (type(x), *map(self._arg, x))  # pytree's map costs ~3x this)
+        if isinstance(x, (bool, float)):  # (True == 1 == 1.0, -0.0 == 0.0: not the same op)
+            return (type(x), repr(x))
         return x
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -842,17 +842,22 @@ def test_a_run_checked_before_the_first_step_that_matches_is_trusted_with_its_co
     assert len(checks) == len(runs) - sum(r.reused for r in gen.meta["codegen"].runs)
 
 
-@pytest.mark.parametrize("compile_fn", [_eager_compile, _off_by_one_percent])
-def test_a_repeated_blocks_copies_are_checked_once_on_their_first_call(compile_fn):
+@pytest.mark.parametrize("compile_fn,ahead", [(_eager_compile, None),
+                                               (_off_by_one_percent, None),
+                                               (_eager_compile, "differs")])
+def test_a_repeated_blocks_copies_are_checked_once_on_their_first_call(compile_fn, ahead):
     """The first-call check runs once per distinct compiled code: the first of a repeated
     block's copies called checks for all (the first step's check cost flat in depth). A
-    wrong compile found there sends every copy op by op; the step equals the graph's."""
+    wrong compile found there sends every copy op by op; the step equals the graph's. A run
+    that random inputs judged otherwise (`ahead`) is checked in every copy: each layer's
+    own values decide (one layer's routing may be where a compile errs)."""
     torch.manual_seed(0)
     model = M.hf_gpt2(n_layer=4)
     batch = M.hf_lm_batch(128, 2, 16)
     prog = fxpar.compile(model, 1, example_batch=batch,
                          plan={"codegen": "inductor", "fuse": False})
-    with mock.patch.object(codegen, "FIRST_STEP_CHECK_SHARE", float("inf")):
+    with mock.patch.object(codegen, "FIRST_STEP_CHECK_SHARE", 0.0 if ahead else float("inf")), \
+            mock.patch.object(codegen, "check_ahead", lambda run, fakes, where: ahead):
         gen = codegen.generate(prog.graph, "cpu", compile_fn=compile_fn)
     params = dict(model.named_parameters(remove_duplicate=False))
     args = [params[n].detach() for n in prog.signature.param_names] + \
@@ -870,7 +875,7 @@ def test_a_repeated_blocks_copies_are_checked_once_on_their_first_call(compile_f
     runs = [m for m in gen.modules() if isinstance(m, codegen.CompiledRun)]
     distinct = len(runs) - sum(r.reused for r in gen.meta["codegen"].runs)
     assert sum(r.reused for r in gen.meta["codegen"].runs) >= 4  # (copies there were)
-    assert len(checks) == distinct and all(r.checked for r in runs)
+    assert len(checks) == (len(runs) if ahead else distinct) and all(r.checked for r in runs)
     wrong = compile_fn is _off_by_one_percent
     assert all(bool(r.mismatch) == wrong for r in runs)
     assert not wrong or all(r.fn is r.source for r in runs)
@@ -889,7 +894,7 @@ def test_random_inputs_that_reach_a_log_of_a_negative_value_leave_the_check_to_t
     run = codegen.CompiledRun(lambda *a: [t * 1.01 for t in gm(*a)], gm, [(1,)])
     assert "not finite" in codegen.check_ahead(run, [torch.empty(64)], torch.device("cpu"))
     assert codegen._checked_when(run, [torch.empty(64)], torch.device("cpu"), 1) == \
-        codegen.FIRST_STEP
+        codegen.FIRST_STEP_EACH
 
 
 def test_outputs_of_uninitialised_memory_are_not_compared():
