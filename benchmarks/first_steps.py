@@ -2,7 +2,8 @@
 torch.compile on one device, each in a fresh process.
 
 A Qwen2-style causal LM (by default width 256, GQA 4/2, a 32,768-token tied head: the logits
-and the cross-entropy dominate the activations), AdamW, batch 4 x 256. Per variant: seconds from
+and the cross-entropy dominate the activations), or with --model mixtral a Mixtral-style MoE
+of that width (8 experts, top-2), AdamW, batch 4 x 256. Per variant: seconds from
 the start of `parallelize` / `torch.compile` to the end of the first step ("to step 1 s",
 with empty compile caches unless --warm-cache),
 the peak memory above the model's weights over that build and the first 3 steps ("first
@@ -11,7 +12,7 @@ the device's own count: on a GPU the allocator's peak; on CPU the process's peak
 set (VmHWM, reset between the two phases through /proc/self/clear_refs), which sees
 Inductor's buffers and every library's, where a tensor tracker would not.
 
-    .venv/bin/python benchmarks/first_steps.py [--layers 6,24] [--device cpu]
+    .venv/bin/python benchmarks/first_steps.py [--layers 6,24] [--device cpu] [--model mixtral]
     ... --layers 24 --width 896 --vocab 151936 --batch 8 --seq 1024
                                   # (Qwen2.5-0.5B's depth, width and vocabulary)
 
@@ -33,16 +34,26 @@ VARIANTS = ("eager", "torch.compile", "fxpar")
 SIZE = {"width": 256, "vocab": 32768, "batch": 4, "seq": 256}  # (--width ... override)
 
 
-def model_and_batch(layers: int, device: str, width: int, vocab: int, batch: int, seq: int):
+def model_and_batch(layers: int, device: str, width: int, vocab: int, batch: int, seq: int,
+                    arch: str = "qwen2"):
+    """arch "qwen2": the dense LM above; "mixtral": a Mixtral-style MoE of the same width
+    (8 experts of width x 2, top-2, HF's routing by integer indices; untied head)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
     heads = max(2, width // 64)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=width, intermediate_size=width * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=heads // 2, max_position_embeddings=seq,
-                      tie_word_embeddings=True)
+    common = dict(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=heads // 2,
+                  max_position_embeddings=seq)
+    if arch == "mixtral":
+        cfg = transformers.MixtralConfig(**common, intermediate_size=width * 2,
+                                         num_local_experts=8, num_experts_per_tok=2)
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(**common, intermediate_size=width * 11 // 4,
+                                       tie_word_embeddings=True)
+        cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(device)
+    model = cls(cfg).to(device)
     rows = batch
 
     def batch_of(step):
@@ -82,10 +93,10 @@ class Peak:
         return self._status("VmHWM:")
 
 
-def child(variant: str, layers: int, device: str, size: dict) -> None:
+def child(variant: str, layers: int, device: str, size: dict, arch: str) -> None:
     import torch
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    model, batch = model_and_batch(layers, device, **size)
+    model, batch = model_and_batch(layers, device, **size, arch=arch)
     mem = Peak(device)
     base = mem.now()
     mem.reset()
@@ -124,6 +135,7 @@ def main() -> None:
     ap.add_argument("--layers", default="6,24")
     ap.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
     ap.add_argument("--only", default=",".join(VARIANTS))
+    ap.add_argument("--model", choices=["qwen2", "mixtral"], default="qwen2")
     for k, v in SIZE.items():
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--warm-cache", action="store_true",
@@ -133,9 +145,11 @@ def main() -> None:
     args = ap.parse_args()
     size = {k: getattr(args, k) for k in SIZE}
     if args.child:
-        return child(args.child[0], int(args.child[1]), args.device, size)
-    print(f"device {args.device}; Qwen2-style LM, width {args.width}, vocab {args.vocab} "
-          f"(tied), batch {args.batch} x {args.seq}, AdamW, fp32")
+        return child(args.child[0], int(args.child[1]), args.device, size, args.model)
+    what = ("Mixtral-style MoE (8 experts, top-2)" if args.model == "mixtral" else
+            "Qwen2-style LM") + f", width {args.width}, vocab {args.vocab}"
+    print(f"device {args.device}; {what} ({'untied' if args.model == 'mixtral' else 'tied'}), "
+          f"batch {args.batch} x {args.seq}, AdamW, fp32")
     print(f"{'variant':>14} {'layers':>6} {'to step 1 s':>11} {'first steps MiB':>15} "
           f"{'steady MiB':>10} {'first/steady':>12} {'loss 6':>8}")
     for layers in (int(x) for x in args.layers.split(",")):
@@ -145,7 +159,7 @@ def main() -> None:
                 env = dict(os.environ) if args.warm_cache else {
                     **os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "FXPAR_CACHE_DIR": cache}
                 out = subprocess.run([sys.executable, __file__, "--child", v, str(layers),
-                                      "--device", args.device,
+                                      "--device", args.device, "--model", args.model,
                                       *(f"--{k}={x}" for k, x in size.items())],
                                      capture_output=True, text=True, env=env)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -25,6 +25,9 @@
 #    peak, eager vs torch.compile vs fxpar (issue 49's targets; not yet run on a GPU)
 # 7. benchmarks/offload_optimizer.py: Plan.offload_optimizer vs the optimizer on the GPU
 #    (step time, device memory held, losses; a 110M GPT, fp32 AdamW; not yet run on a GPU)
+# 8. benchmarks/first_steps.py --model mixtral: a 6-layer Mixtral-style MoE at width 1024
+#    (8 experts, top-2, ~390M parameters, batch 8 x 1024, fp32; issue 49's MoE row; not yet
+#    run on a GPU)
 set -u
 PY=${PYTHON:-python3}
 mkdir -p "${1:-gpu_logs}" /tmp/fxpar_import
@@ -76,4 +79,8 @@ timeout 500 $PY benchmarks/first_steps.py --layers 24 --width 896 --vocab 151936
 fi
 if part 7; then
 timeout 300 $PY benchmarks/offload_optimizer.py 2>&1 | tee "$LOGS/offload_optimizer.log" | tail -5
+fi
+if part 8; then
+timeout 400 $PY benchmarks/first_steps.py --model mixtral --layers 6 --width 1024 --batch 8 \
+    --seq 1024 2>&1 | tee "$LOGS/first_steps_moe.log" | tail -6
 fi
