@@ -381,7 +381,8 @@ class _OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops.append((func, self._arg(args), tuple((k, self._arg(v)) for k, v in kwargs.items())))
+        self.ops.append((func, self._arg(args),
+                         tuple((k, self._arg(v)) for k, v in kwargs.items())))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._name(t)
