@@ -23,6 +23,7 @@ def _dp2(bucket_mb=0.01):
                          plan={"dp": 2, "bucket_mb": bucket_mb, "codegen": "eager"})
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_an_update_after_each_bucket_wait_once_its_parameters_are_read_no_more():
     program = _dp2()
     n = len(program.signature.param_names)

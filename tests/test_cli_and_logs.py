@@ -54,6 +54,7 @@ def test_version(capsys):
     assert out.startswith("fxpar 0.") and f"torch {torch.__version__}" in out
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_factory_that_cannot_be_imported_is_one_line_without_traceback(tmp_path):
     r = _run_cli(tmp_path, "plan", "--model", "nosuch_pkg_xyz.models:make")
     assert r.returncode == 1

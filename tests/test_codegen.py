@@ -76,6 +76,7 @@ def test_runs_keep_the_overlap_placement_and_regions():
     assert before == after and any(after)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_repeated_block_is_compiled_once_for_all_its_copies():
     """Runs are cut at the boundaries of a repeated block's copies (HF GPT-2's
     transformer.h.N), the copies' runs have the same code, and only the first is compiled:
@@ -350,6 +351,7 @@ def _fails_on_rank_1_only(_):
     return None
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_codegen_failure_on_one_rank_alone_is_raised_on_every_rank():
     """Only the first rank of a role compiles; the others load its runs from the cache. One
     of them failing alone (strict codegen) must end every rank's parallelize with its cause,
@@ -845,6 +847,7 @@ def test_a_run_checked_before_the_first_step_that_matches_is_trusted_with_its_co
 @pytest.mark.parametrize("compile_fn,ahead", [(_eager_compile, None),
                                                (_off_by_one_percent, None),
                                                (_eager_compile, "differs")])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_repeated_blocks_copies_are_checked_once_on_their_first_call(compile_fn, ahead):
     """The first-call check runs once per distinct compiled code: the first of a repeated
     block's copies called checks for all (the first step's check cost flat in depth). A

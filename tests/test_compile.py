@@ -32,6 +32,7 @@ def _groups(gm) -> set[str]:
     {"dp": 2, "tp": 2},
     pytest.param({"pp": 2, "microbatches": 2, "dp": 2}, marks=pytest.mark.slow),
     pytest.param({"dp": 4, "zero": 3}, marks=pytest.mark.slow)], ids=["dp2tp2", "pp2m2", "zero3"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_compile_a_meta_device_llama_without_a_process_group(plan):
     model = _meta_llama()
     ids = torch.randint(0, 256, (8, 16))
@@ -57,6 +58,7 @@ def test_compile_a_meta_device_llama_without_a_process_group(plan):
     assert "capture" in prog.stage_graphs and "data_parallel" in prog.stage_graphs
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_plan_auto_on_a_meta_model_plans_from_shapes():
     """plan="auto" on a meta model: the planner traces fake stand-ins (nothing whole, nothing
     timed) and every plan it ranks validates."""

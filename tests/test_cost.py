@@ -79,6 +79,7 @@ def test_bytes_of_a_matmul_and_a_view():
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "convbn", "hf_llama"])
 @pytest.mark.parametrize("mode", ["none", "sqrt"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_simulator_matches_tracker(name, mode):
     """Peak within 5% (in practice: equal) and the same live bytes after every node."""
     model, batch = _case(name)

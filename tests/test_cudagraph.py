@@ -94,6 +94,7 @@ def test_pipelines_data_dependent_shapes_and_host_copies_fall_back():
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_moe_routing_by_integer_indices_is_capturable(name):
     """HF's MoE layers route tokens with x[idx] on integer indices (a fixed shape, no host
     sync): their programs are captured with the batched_mm experts; transformers' default
@@ -283,6 +284,7 @@ def test_fp32_grouped_mm_is_not_captured():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_replayed_pipeline_parts_match_eager(monkeypatch, schedule):
     """cuda_graphs=True on a microbatched program: every part (forward, backward, gradient
     reduction) is captured after its warm-up calls and replayed per microbatch; outputs are

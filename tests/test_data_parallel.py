@@ -455,6 +455,7 @@ def test_zero3_under_pp_each_stage_gathers_in_its_own_parts():
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_zero_buckets_of_redistributed_gradients_keep_graph_order(zero):
     """An LSTM's weight gradients come out Replicate (its recurrence reads the whole batch)
     and are made partial sums at the end of the graph; a bucket of two of them was placed

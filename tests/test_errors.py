@@ -36,6 +36,7 @@ def test_zero3_composes_with_tp_pp_and_microbatches():
     fxpar.Plan(dp=2, tp=1, pp=1, zero=3, microbatches=2).validate(2)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_multi_rank_devices_without_launcher():
     model, batch = _mlp()
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}

@@ -61,6 +61,7 @@ def _check(cells):
 
 
 @pytest.mark.parametrize("name,plan", FAST)
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_external_model(name, plan):
     _check(zoo_sweep.sweep_model(name, [plan]))
 

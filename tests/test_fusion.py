@@ -112,6 +112,7 @@ def test_fused_nodes_drawn_as_one_box_with_ops_and_bytes():
     assert "softmax" in label and "bytes" in label
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_parallelize_with_fusion_records_groups(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)

@@ -175,6 +175,7 @@ def test_pp_by_tp_keeps_every_box_inside_a_stage():
         assert declared == (not link.transfer), (link.kind, link.stage)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_the_codegen_picture_shows_each_box_s_inductor_runs(tmp_path):
     """With Inductor (Plan.codegen), pm.stage_graphs["codegen"] is the graph the rank runs
     with every compiled node marked by its run: the boxes count them, the node drawings

@@ -55,6 +55,7 @@ def test_state_dict_of_and_its_inverse_run_the_models_hooks():
     assert all(torch.equal(back[n], t) for n, t in own.items())
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_one_device_state_dict_save_pretrained_and_resume_match_eager(tmp_path):
     """devices=1: full_state_dict has the hooks' keys and eager's values; save_pretrained
     writes them; a DCP checkpoint resumes into a new model bit for bit and load_plain fills a

@@ -20,6 +20,7 @@ def _check_pair(off, on):
     assert off["peak"] - on["peak"] >= on["host_at_peak"]
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_gradient_accumulation_offload_bit_identical_and_lower_peak():
     base = {"microbatches": 4, "schedule": "gpipe"}
     off, on = workers.offload_rank([base, {**base, "offload": True}], steps=2, layers=3,

@@ -108,6 +108,7 @@ def _layer_gather_bytes(gm):
     return units
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_overlap_memory_limit_bounds_the_peak():
     """With room to grow the peak (here a layer's gathered bytes), the simulated peak grows by
     at most that much; a reduce-scatter is waited on before the next one starts (one in
@@ -149,6 +150,7 @@ def test_zero3_packing_copies_rise_with_their_gathers():
     assert sum(next(iter(pk.users)).name in decision.hoisted for pk in packs) >= CFG.n_layer
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_zero3_gather_stopped_below_its_packing_copy_still_follows_it():
     """Where the memory limit stops a layer's backward all-gather right below its packing copy,
     the copy still precedes it. HF Llama (3 layers x 64, vocabulary 256) at dp=4, one sample

@@ -35,6 +35,7 @@ def _check(name, opt_name, losses, state):
 
 
 @pytest.mark.parametrize("name,opt_name", CASES)
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_dp1_single_process(name, opt_name):
     losses, state = fxpar_train(name, opt_name, 1)
     _check(name, opt_name, losses, state)

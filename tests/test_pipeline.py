@@ -84,6 +84,7 @@ def _stage_of_blocks(gm):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_gpt_stages_are_contiguous_balanced_and_cut_between_blocks(pp):
     model = M.GPT(CFG8)
     gm, sig, prog = compile_pp(model, M.gpt_batch(CFG8, 4), pp)
@@ -230,6 +231,7 @@ def test_tied_embedding_is_held_by_first_and_last_stage():
 
 
 @pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_tied_heads_backward_runs_on_the_heads_stage(pp):
     """A large tied head outweighs the blocks, so balance pulls work away from its stage; its
     backward still runs there (the weight's transpose is traced next to the embedding, and
@@ -269,6 +271,7 @@ def test_zero_bubble_weight_grads_are_separate_from_input_grads():
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zero-bubble",
                                                            marks=pytest.mark.slow)])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(schedule):
     """pp=2 x dp=2, 4 microbatches: every gradient collective sits in a per-stage R part
     (run once per step on the summed gradients), none in the per-microbatch parts."""

@@ -25,6 +25,7 @@ def _fake_gpt(cfg, rows, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("b,s,h,a", [(2, 128, 256, 4), (1, 64, 384, 6)])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_saved_activations_match_megatron_formula(b, s, h, a):
     """Korthikanti et al. 2022: a GPT layer saves s*b*h*(34 + 5*a*s/h) bytes with 16-bit
     activations, 1-byte dropout masks and unfused attention. Counted here on the joint graph
@@ -292,6 +293,7 @@ def test_one_device_needs_no_search():
     assert pm.plan_report is None and (pm.plan.dp, pm.plan.tp, pm.plan.pp) == (1, 1, 1)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_the_memory_model_prices_the_buckets_the_dp_pass_makes():
     """Data parallelism holds one gradient bucket beside the gradients, while it is packed
     (the reduction runs in place and the gradients become views of it): the largest one the
@@ -1024,6 +1026,7 @@ def test_the_report_says_where_plain_data_parallelism_ranks_and_why(small_stats)
 @pytest.mark.parametrize("pp,m,schedule,layers", [
     (2, 1, "1f1b", 3), pytest.param(3, 1, "gpipe", 6, marks=pytest.mark.slow),
     pytest.param(2, 2, "interleaved", 6, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, layers):
     """The planner's stages are pipeline_split's own cut (its partition run on the planner's
     copy of the graph), not a second partitioner's: for the same plan, every layer's forward
@@ -1048,6 +1051,7 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
     assert stats.stage_shares[(pp * v, "cpu")]  # the pass's cut, not the fallback
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_stage_the_pass_gives_the_head_alone_is_priced_as_cut():
     """BERT-MLM with a 16k-token head: the pass's pp=2 cut gives stage 1 the MLM head alone
     (its LayerNorm, tied decoder and loss cost what the four layers do). The planner
@@ -1071,6 +1075,7 @@ def test_a_stage_the_pass_gives_the_head_alone_is_priced_as_cut():
     assert cut[1] == pytest.approx(sum(s.saved for s in last), rel=0.02)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_each_stage_is_priced_with_the_work_the_pass_gives_it():
     """A conv net whose pp=4 cut puts the stem's convolution alone on a stage and cuts
     inside the first block (no mapping of whole layers onto stages says what each stage
@@ -1197,6 +1202,7 @@ def _limit_ruling_out_plain_dp(stats) -> float:
     return (least + plain.memory.total) / 2 / 0.9
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
     """Under a memory limit that plain dp exceeds, the search gives plans a remat budget to
     fit: the activation peak it priced (working memory included, as the pass simulates it),

@@ -314,6 +314,7 @@ def test_fp16_adds_a_loss_scale_input_and_unscales_gradients_in_fp32():
 
 
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_tensor_parallel_on_the_half_graph_keeps_megatrons_collectives_and_splits_the_casts(prec):
     torch.manual_seed(0)
     cfg = M.GPTConfig(n_layer=1)
@@ -356,6 +357,7 @@ def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_remat_on_the_bf16_graph_equals_no_remat():
     """remat runs after precision and sees the half-precision graph (its casts are cheap to
     recompute): bf16 training with remat="sqrt" equals bf16 without, bit for bit."""

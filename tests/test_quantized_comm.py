@@ -85,6 +85,7 @@ def _gpt(quant, zero=3, layers=3):
     return compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, zero=zero, comm_quantization=quant)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_the_pass_quantizes_zero3_gathers_and_turns_reduce_scatters_into_all_to_alls():
     plain, *_ = _gpt("none")
     gm, *_ = _gpt("weights+gradients")
@@ -108,6 +109,7 @@ def test_the_pass_quantizes_zero3_gathers_and_turns_reduce_scatters_into_all_to_
     assert count_ops(g2, c10d.all_gather_into_tensor.default) == 0
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_quantized_gather_moves_with_its_quantization():
     """The overlap pass starts a gather early with everything that makes its input (ir.PACK),
     so the int8 quantization sits right before its collective, wherever that went."""

@@ -159,6 +159,7 @@ def test_a_device_move_or_a_narrowing_cast_is_not_a_cheap_cast():
                                             {"dtype": torch.float16}))
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_budget_respected_and_monotone():
     model, batch = _gpt(4)
     gm, sig, args = _capture(model, batch)
@@ -183,6 +184,7 @@ def test_budget_below_floor_is_a_clear_error():
         _remat(gm, sig, 1000)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_dropout_mask_replayed_bit_for_bit():
     model, batch = _gpt(4, dropout=0.1)
     gm, sig, args = _capture(model, batch)
@@ -285,6 +287,7 @@ def test_plan_remat_runs_end_to_end_and_snapshots():
 @pytest.mark.parametrize("name", ["mlp", "sum_loss", "gpt", "convbn", "hf_gpt2",
                                   pytest.param("hf_llama", marks=pytest.mark.slow),
                                   "gpt_dropout"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_every_zoo_model_trains_identically_with_remat(name):
     """In-process training, 2 steps: remat "sqrt" and a tight budget change no bit."""
     from workers import fxpar_train

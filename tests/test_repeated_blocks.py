@@ -141,6 +141,7 @@ def test_forward_only_graphs_are_stamped_too(caplog):
     assert rb._canonical(gs) == rb._canonical(gw) and ss == sw
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_block_that_branches_on_its_index_is_traced_whole(caplog):
     model = Stack(special=5)
     gs, ss, gw, sw, why = _both(model, _xy(), caplog)
@@ -159,6 +160,7 @@ def test_a_block_the_model_feeds_by_its_own_attribute_is_traced_whole(caplog):
     assert rb._canonical(gs) == rb._canonical(gw)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_block_the_model_feeds_by_its_position_is_traced_whole(caplog):
     """Qwen2's and Gemma 3's masks: the model picks each layer's input by its index in a
     config list (`config.layer_types[i]`), and the first three layers are alike."""
@@ -236,6 +238,7 @@ class OddStack(nn.Module):
     ("backward", "block 4 does not run the ops block 2 runs"),
     ("counter", "block 4 does not run the ops block 2 runs"),
     ("no_grad", "the model feeds block 4 otherwise than block 2")])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_difference_only_values_or_modes_show_is_traced_whole(how, why, caplog):
     gs, ss, gw, sw, log_why = _both(OddStack(how), torch.randn(4, 8), caplog)
     assert why in log_why, log_why

@@ -75,6 +75,7 @@ def test_mlp_block_column_then_row_and_one_all_reduce_each_way():
 
 
 @pytest.mark.parametrize("n_layer", [1, 3])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_gpt_block_has_megatron_collective_count_and_fused_qkv_interleaved(n_layer):
     cfg = M.GPTConfig(n_layer=n_layer)
     gm, sig, ctx = compile_tp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2)
@@ -160,6 +161,7 @@ def test_lm_head_split_dropped_when_the_loss_needs_whole_logits():
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_parameter_bytes_per_rank_are_one_tp_th_of_the_sharded_layers(tp):
     cfg = M.GPTConfig(n_layer=2, n_embd=64, n_head=4)
     model = M.GPT(cfg)
@@ -353,6 +355,7 @@ def test_bad_tp_style_is_a_clear_error():
         resolve({"tp": 2, "tp_style": "all-gather", "sequence_parallel": True}, 2)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_remat_recomputed_fused_split_is_rewritten_too():
     """remat runs first and may recompute the QKV projection and its split in the backward:
     every split of a c_attn output is replaced by the interleaved view/select pieces."""
@@ -616,6 +619,7 @@ DEFAULT_DROPOUT = {
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT_DROPOUT))
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_default_attention_dropout_keeps_the_attention_split(name):
     """With dropout on, SDPA on CPU runs its math path: q @ k^T and probs @ v are bmm's over
     [batch * heads] (torch.matmul's flattening), the heads split inside that dim (DTensor's
@@ -654,6 +658,7 @@ def test_default_attention_dropout_keeps_the_attention_split(name):
         assert "head count" not in whole[0]
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_remat_replays_the_whole_mask_of_a_split_dropout():
     """remat wraps a recomputed dropout in run_and_save_rng_state / run_with_rng_state. On
     the split attention probabilities only the whole mask's draw is wrapped (saved in the

@@ -137,6 +137,7 @@ def _hub_layout(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_neox", "vit"])
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_a_checkpoint_in_the_hubs_layout_loads_as_from_pretrained_loads_it(tmp_path, name):
     """transformers 5 writes (and the Hub holds) Mixtral's experts one by one
     (`block_sparse_moe.experts.N.w1.weight`), GPT-NeoX's and ViT's keys under other names,
@@ -348,6 +349,7 @@ def test_meta_model_with_an_optimizer_instance_is_refused():
         fxpar.parallelize(model, 1, example_batch=M.hf_lm_batch(128, 8, 16), optimizer=opt)
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_path):
     """devices=1: a model saved with save_pretrained, rebuilt on meta and loaded with weights=
     trains like eager; pm.save_pretrained reloads into plain from_pretrained bit for bit
@@ -394,6 +396,7 @@ def test_meta_model_one_device_trains_exactly_and_save_pretrained_reloads(tmp_pa
     assert 4.0 < pm2.step(M.hf_lm_batch(128, 8, 16)).item() < 6.0  # ~ln(128): a sane init
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_meta_model_checkpoint_round_trip(tmp_path):
     """pm.save / pm.load on a model built on meta (weights=None): the new job, also built on
     meta, resumes with the same weights and optimizer state (bit for bit)."""

@@ -177,6 +177,7 @@ def test_microbatches_weight_a_mean_cross_entropy_by_the_step_count():
     assert gm.meta[ir.LOSS_COUNT].meta["dtype"] == torch.float32
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_microbatches_train_a_padded_model_exactly():
     """One device, 2 microbatches whose target counts differ: equal to one eager step."""
     for name in ("bert_mlm", "gpt2"):
@@ -185,6 +186,7 @@ def test_microbatches_train_a_padded_model_exactly():
         assert zoo_sweep.compare(losses, state, *ref) == "", name
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_the_rescaled_loss_is_made_in_the_forward_part_of_its_stage():
     """Under pp with remat the backward's count is a recomputed copy; the loss rescale must
     still run in the last stage's forward part (evaluate runs forward parts only)."""
@@ -282,6 +284,7 @@ def _check(cells):
 
 
 @pytest.mark.parametrize("name", FAST)
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_zoo_model_on_one_device(name):
     _check(zoo_sweep.sweep_model(name, ["1 device"]))
 
