@@ -101,7 +101,7 @@ def _factory_stats(spec, precision="fp32"):
     import importlib
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
     mod, _, fn = spec.partition(":")
     if not mod or not fn:
         sys.exit(f"fxpar plan: --model {spec!r}: write it as pkg.module:factory")
@@ -128,9 +128,8 @@ def _factory_stats(spec, precision="fp32"):
     if batch is None or not isinstance(model, torch.nn.Module):
         sys.exit(f"fxpar plan: {mod}.{fn}() must return (model, example_batch[, loss_fn]), "
                  f"got {type(out).__name__}")
-    stats = planner.graph_stats(model, batch, rest[0] if rest else None, precision=precision)
-    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    return stats, int(leaves[0].shape[0])
+    stats = planner_stats(model, batch, rest[0] if rest else None, precision=precision)
+    return stats, stats.rows
 
 
 def cmd_zoo(args):

@@ -95,9 +95,10 @@ def estimate(args, plan, world) -> float:
     """The planner's per-rank memory for `plan` (max over stages), from the meta model."""
     import transformers
     from fxpar.compiler import cost, planner
+    from fxpar.compiler.compile import planner_stats
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(_config(args))
-    stats = planner.graph_stats(model, _batch(args))
+    stats = planner_stats(model, _batch(args))
     hw = cost.cpu_hardware()
     hw.memory = 2 ** 50  # price it whatever this machine has
     fixed = {"zero": 0, "microbatches": 1, "remat": "none", "precision": "fp32", **plan}

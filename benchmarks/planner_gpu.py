@@ -21,6 +21,7 @@ import torch
 
 import fxpar
 from fxpar.compiler import planner
+from fxpar.compiler.compile import planner_stats
 from fxpar.examples import models as M
 from fxpar.runtime.memtrack import measure
 
@@ -58,8 +59,9 @@ def _profile(name, fn):
 def run(cfg, rows, precision, steps, limit, fuse=True, profile=False):
     data = [t.cuda() for t in M.gpt_batch(cfg, rows)]
     torch.manual_seed(0)
-    result = planner.auto_plan(M.GPT(cfg), M.gpt_batch(cfg, rows), None, _opt, 1, "cuda",
-                               constraints={"precision": precision, "fuse": fuse})
+    constraints = {"precision": precision, "fuse": fuse}
+    stats = planner_stats(M.GPT(cfg), M.gpt_batch(cfg, rows), None, "cuda", constraints)
+    result = planner.auto_plan(stats, _opt, 1, "cuda", constraints=constraints)
     print(f"\n== {precision}, fuse={fuse}, matmul precision "
           f"{torch.get_float32_matmul_precision()!r}: {len(result.table)} plans, hardware "
           f"{result.hardware}")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fxpar.compiler import autoplan, planner
 from fxpar.compiler import capture
 from fxpar.compiler.capture import meta_tensors
-from fxpar.compiler.compile import build, model_state_bytes
+from fxpar.compiler.compile import build, model_state_bytes, reusable
 from fxpar.compiler.cost import device_memory
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
@@ -145,10 +145,10 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         with clock("process group start"):
             rdist.setup(devices)  # the default group (the mesh comes once the plan is known)
         _same_arguments_on_every_rank(plan, example_batch, batch)
-    plan_report = None
+    plan_report = captured = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
-        plan, plan_report = autoplan.for_parallelize(model, devices, world_size, plan,
-                                                    example_batch, loss_fn, optimizer)
+        plan, plan_report, captured = autoplan.for_parallelize(
+            model, devices, world_size, plan, example_batch, loss_fn, optimizer)
         clock.extend(plan_report.times)  # (each logged where it was measured)
     resolved = resolve(plan, world_size)
     if os.environ.get("FXPAR_VERIFY", "").strip().lower() in ("1", "true", "yes"):
@@ -193,8 +193,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
     program = build(model, example_batch, loss_fn, resolved, world.device,
-                    captured=plan_report.take_capture(resolved, world.device)
-                    if plan_report is not None else None)
+                    captured=reusable(captured, resolved, world.device))
     program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
     clock.extend(program.compile_times)
     pm = ParallelModel(model, world, program, optimizer,

@@ -14,6 +14,7 @@ import torch
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, ir, planner
+from fxpar.compiler.compile import planner_stats
 from fxpar.compiler.errors import FxparError, PlanError
 from fxpar.compiler.logs import Clock, announce
 from fxpar.runtime import dist as rdist
@@ -31,7 +32,19 @@ def _at_rows(model, example_batch, loss_fn, parts: int):
         graph = cap.capture(model, part, loss_fn)
     except FxparError:  # (e.g. a shape the model needs whole): timed at one size only
         return None
-    return graph[0], planner.calibration_inputs(graph, model, part)[0]
+    return graph[0], calibration_inputs(graph, model, part)[0]
+
+
+def calibration_inputs(graph, model, example_batch) -> tuple[list, list]:
+    """A captured graph's (`(gm, sig)`, e.g. GraphStats.graph) real inputs (the model's
+    parameters and buffers, the batch, in the graph's order) and the parameters, for timing
+    it (runtime/machine)."""
+    gm, sig = graph
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    ps = [params[n] for n in sig.param_names]
+    return ps + [bufs[n] for n in sig.buffer_names] + list(
+        cap.flatten_batch(example_batch, sig)), ps
 
 
 def _remembered_probes(jobs, stats, constraints) -> list:
@@ -72,16 +85,14 @@ def _optimizer_key(optimizer) -> str:
 def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, optimizer):
     """fxpar.parallelize's planning step: every rank plans alike (the machine's figures are
     rank 0's, broadcast; the search is deterministic) and gets the same Plan. Returns
-    (Plan, planner.PlanResult)."""
+    (Plan, planner.PlanResult, the captured (graph, signature) it priced)."""
     constraints = planner.constraints_of(plan, optimizer)
     clock = Clock(log)
     device = rdist.setup(devices).device  # (parallelize started the default process group)
     with clock("planner: measure machine"):
         hw = machine.measure(device)
     with clock("planner: trace model"):
-        stats = planner.graph_stats(
-            model, example_batch, loss_fn, precision=constraints.get("precision") or "fp32",
-            kernel_cross_entropy=planner.kernel_cross_entropy(device, constraints))
+        stats = planner_stats(model, example_batch, loss_fn, device, constraints)
     if device.type == "cpu":
         with clock("planner: count pass extras"):
             planner.count_pass_extras(stats, share=lambda jobs: _remembered_probes(
@@ -92,7 +103,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                      "the measured machine, re-fitted to the first steps' time")
         elif device.type == "cpu":
             gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
-            args, params = planner.calibration_inputs(stats.graph, model, example_batch)
+            args, params = calibration_inputs(stats.graph, model, example_batch)
             small_rows = planner.smallest_call_rows(stats, world, constraints)
 
             def time_it():
@@ -109,8 +120,7 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             hw = planner.fit_to_timing(hw, stats, *timing, small_rows=small_rows)
             if cached:
                 hw.calibrated += " (the model's timing remembered)"
-    result = planner.auto_plan(model, example_batch, loss_fn, optimizer, world, device,
-                               constraints=constraints, hw=hw, stats=stats)
+    result = planner.auto_plan(stats, optimizer, world, device, constraints=constraints, hw=hw)
     result.times = clock.rows(other=False) + result.times
     every = machine.every_rank(planner.plan_dict(result.best.plan))
     odd = next((r for r, p in enumerate(every) if p != every[0]), None)
@@ -120,4 +130,5 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             f"{every[odd]}): their inputs differ (the model, example batch or optimizer "
             "each rank passed, or the machines' figures). Pass the same arguments on "
             f"every rank, or fix the plan: plan={every[0]}.")
-    return result.best.plan, result
+    captured, stats.graph = stats.graph, None  # (compile.reusable; the report keeps none)
+    return result.best.plan, result, captured

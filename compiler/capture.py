@@ -639,6 +639,30 @@ def meta_tensors(model) -> list[str]:
     return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
 
 
+def capture_as_is(model: torch.nn.Module, example_batch: Any, loss_fn: Callable | None = None
+                  ) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
+    """The joint graph of the model where its weights are (the planner's input, and the
+    compile's where the plan runs the whole example batch per call); a model on the meta
+    device is traced on fake stand-ins on the batch's device (shapes only: nothing in it can
+    be timed)."""
+    stand_ins = None
+    if meta_tensors(model):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        leaf = next((t for t in pytree.tree_leaves(example_batch)
+                     if isinstance(t, torch.Tensor)), None)
+        device = leaf.device if leaf is not None else torch.device("cpu")
+        stand_ins = fake_weights(model, device, mode=mode)
+        example_batch = fake_batch(example_batch, device, mode)
+    return capture(model, example_batch, loss_fn, stand_ins=stand_ins)
+
+
+def batch_rows(example_batch: Any) -> int:
+    """The batch's rows: the first dimension of its first tensor leaf that has one."""
+    leaves = [t for t in pytree.tree_leaves(example_batch)
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return int(leaves[0].shape[0]) if leaves else 1
+
+
 def fake_batch(batch: Any, device, mode: FakeTensorMode) -> Any:
     """The batch with every tensor leaf not on `device`'s type replaced by a fake one there
     (in `mode`, the stand-ins' mode): compiling for a GPU from a CPU batch."""

@@ -47,20 +47,56 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
             f"devices={devices!r} are CUDA devices but this torch sees no CUDA GPU (torch "
             f"{torch.__version__}); compile on a machine with one, or for CPU devices "
             "(an int world size, or ['cpu', ...]).")
-    report = None
+    report = captured = None
     if world_size > 1 and needs_search(plan):  # (a meta model: priced from its shapes)
-        report = planner.auto_plan(model, example_batch, loss_fn, None, world_size, dev_type,
-                                   constraints=planner.constraints_of(plan))
+        constraints = planner.constraints_of(plan)
+        with clock("planner: trace model"):
+            stats = planner_stats(model, example_batch, loss_fn, dev_type, constraints)
+        report = planner.auto_plan(stats, None, world_size, dev_type, constraints=constraints)
         plan = report.best.plan
         clock.extend(report.times)
+        captured, stats.graph = stats.graph, None  # (the report keeps no graph)
     resolved = resolve(plan, world_size)
     program = build(model, example_batch, loss_fn, resolved, torch.device(dev_type),
-                    captured=report.take_capture(resolved, torch.device(dev_type))
-                    if report is not None else None)
+                    captured=reusable(captured, resolved, torch.device(dev_type)))
     clock.extend(program.compile_times)
     program.plan_report = report
     program.compile_times = clock.finish()
     return program
+
+
+def planner_stats(model, example_batch, loss_fn=None, device="cpu",
+                  constraints: dict | None = None, *, precision: str | None = None,
+                  pass_extras: bool = False, kernel_cross_entropy: bool | None = None
+                  ) -> planner.GraphStats:
+    """Capture the model as it is (its weights where they are; a meta model on fake
+    stand-ins) and reduce the graph to the planner's statistics (planner.graph_stats), at
+    the precision the constraints fix and with fxpar's cross-entropy kernel where the job on
+    `device` would run it (GraphStats.graph holds the capture: the calibration times it and
+    the compile of a plan that runs the whole batch per call reuses it, `reusable`)."""
+    constraints = constraints or {}
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if kernel_cross_entropy is None:
+        kernel_cross_entropy = planner.kernel_cross_entropy(device, constraints)
+    return planner.graph_stats(
+        cap.capture_as_is(model, example_batch, loss_fn), cap.batch_rows(example_batch),
+        pass_extras=pass_extras, kernel_cross_entropy=kernel_cross_entropy,
+        precision=precision or constraints.get("precision") or "fp32",
+        heads=heads if isinstance(heads, int) else None)
+
+
+def reusable(captured: tuple | None, plan: Plan, device: torch.device) -> tuple | None:
+    """The planner's capture (`planner_stats`) where `build` would capture the same graph
+    again (a plan of one microbatch on more than one device: the whole example batch, with
+    BatchNorm decomposed; traced on this device type), else None. Handed over, not shared:
+    the passes rewrite it in place."""
+    if captured is None or plan.microbatches != 1 or plan.dp * plan.tp * plan.pp == 1:
+        return None
+    vals = [n.meta.get(ir.VAL) for n in captured[0].graph.nodes if n.op == "placeholder"]
+    if any(isinstance(v, torch.Tensor) and v.device.type != device.type for v in vals):
+        return None
+    return captured
 
 
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
@@ -69,7 +105,7 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
     program of `evaluate`. `stand_ins`: fake weights to trace with (default: for those on
     the meta device or another device type than `device`). `captured`: the (graph,
-    signature) the planner captured of this model and batch (PlanResult.take_capture),
+    signature) the planner captured of this model and batch (`reusable`),
     used instead of capturing again. program.compile_times: one row
     per phase of the build (capture, each pass, the stage split, evaluate's stand-ins)."""
     m = plan.microbatches if joint else 1

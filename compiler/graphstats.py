@@ -13,13 +13,14 @@ that cross to the next segment (a pipeline cut there sends them), and what tenso
 parallelism splits: every statistic has a `_split` part that Megatron-style column->row
 pairs divide by tp, and the bytes of the all-reduces those pairs need.
 
-Tensor-parallel split, found on the graph (no module names): walking the forward in order, a
-matmul with a weight operand and a whole (replicated) input is a *column* linear: its output
-is split; values computed from split values stay split; a matmul that reads a split value
-and a weight is the *row* linear closing the pair: its output is a partial sum, all-reduced
-(forward), whole afterwards. The backward mirrors it: the gradient of a column linear's input
-is all-reduced. Backward nodes are split when they produce a value shaped like a split
-forward value (and not like a whole one), or are matmuls reading a split value.
+Tensor-parallel split: each linear in the role the tensor_parallel pass gives it
+(`tensor_parallel.roles`, its decisions on a copy): a *column* linear's output is split and
+values computed from split values stay split; a *row* linear reads a split value and its
+output is a partial sum, all-reduced (forward), whole afterwards; a column+gather linear does
+1/tp of the work and its output is gathered. The backward mirrors it: the gradient of a
+column linear's input is all-reduced. Backward nodes are split when they produce a value
+shaped like a split forward value (and not like a whole one), or are matmuls reading a split
+value.
 """
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ class GraphStats:
     column_weights: list = dataclasses.field(default_factory=list)
     # each linear weight's tensor-parallel role as priced: {parameter name: "column" | "row"}
     tp_roles: dict = dataclasses.field(default_factory=dict)
+    # why the tensor_parallel pass cannot split this graph (no tp plan is priced), or None
+    tp_refusal: str | None = None
     # each op node's segment, by node name (a pass's copy of the graph keeps the names)
     node_segment: dict = dataclasses.field(default_factory=dict)
     # where pipeline_split cuts the graph (planner.pass_stages), by (stages, device type):
@@ -274,8 +277,8 @@ def forward_segments(gm: torch.fx.GraphModule) -> dict[str, str]:
 def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> GraphStats:
     """Segment statistics of a captured joint graph whose batch has `rows` rows. `roles`:
     the tensor_parallel pass's role of each linear weight (tensor_parallel.roles), which
-    decide the split; without them (a graph the pass cannot decide on) the pairs are found
-    structurally, as the module docstring says."""
+    decide the split (a weight it does not name stays whole; None: every one, a graph
+    nothing splits)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     fwd = forward_nodes(gm)
     on_fwd = set(fwd)
@@ -343,9 +346,8 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
             continue
         if n.target in _MATMULS and w:
             base_w = [a for a in _param_roots(w)]
-            role = None if roles is None else next(
-                (roles[p.meta.get("fqn")] for p in base_w if p.meta.get("fqn") in roles),
-                "replicated")
+            role = next((roles[p.meta.get("fqn")] for p in base_w
+                         if p.meta.get("fqn") in (roles or {})), "replicated")
             if role in ("replicated", "column+gather"):
                 if role == "column+gather":  # 1/tp of the work, the output gathered whole
                     split_work.add(n)
@@ -354,7 +356,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
                     segs[seg_of[n]].tp_comm_f += cost.tensor_bytes(n.meta.get(ir.VAL))
                     segs[seg_of[n]].n_row += 1
                 continue                               # (whole: its input gathered first)
-            if role == "row" or (role is None and any(a in split for a in data)):  # row linear
+            if role == "row":                          # row linear
                 split_params.update(p for p in base_w if _val_dim(p) >= 2)
                 roles_found.update((p, "row") for p in base_w if _val_dim(p) >= 2)
                 segs[seg_of[n]].tp_comm_f += cost.tensor_bytes(n.meta.get(ir.VAL))

@@ -31,9 +31,7 @@ from typing import NamedTuple
 
 import sympy
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, cost, ir
 from fxpar.compiler import quantized_comm as qcomm
 from fxpar.compiler.errors import PlanError
@@ -192,22 +190,6 @@ class PlanResult:
             out.append(f"  {self.n_legal - self.n_fit} legal plans were pruned: they do not "
                        f"fit in {self.hardware.memory / GiB:.1f} GiB per device")
         return "\n".join(out)
-
-    def take_capture(self, plan: Plan, device: torch.device):
-        """The joint graph the planner captured, handed to fxpar.compile's build where it
-        would capture the same graph again (a plan of one microbatch: the whole example
-        batch; traced on this device type), else None. Taken, not shared: the passes
-        rewrite it in place, and the report no longer holds it either way."""
-        stats = self.inputs.get("stats")
-        graph = getattr(stats, "graph", None)
-        if stats is not None:
-            stats.graph = None
-        if graph is None or plan.microbatches != 1 or plan.dp * plan.tp * plan.pp == 1:
-            return None
-        vals = [n.meta.get(ir.VAL) for n in graph[0].graph.nodes if n.op == "placeholder"]
-        if any(isinstance(v, torch.Tensor) and v.device.type != device.type for v in vals):
-            return None
-        return graph
 
     def _why(self, other: "Candidate | None" = None) -> str:
         """Why the best plan beat `other` (default the runner-up): the two parts that cost
@@ -662,6 +644,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
         if batch_rows % dp:
             reasons.setdefault("dp", f"the batch of {batch_rows} rows does not split over "
                                      f"dp={dp}")
+            continue
+        if tp > 1 and stats.tp_refusal:
+            reasons.setdefault("tp", stats.tp_refusal)
             continue
         if tp > 1 and stats.heads and stats.heads % tp:
             reasons.setdefault("tp", f"tp={tp} does not divide the {stats.heads} attention "
@@ -1347,62 +1332,51 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
 
 # --- front doors ---------------------------------------------------------------------------------
 
-def graph_stats(model, example_batch, loss_fn=None, pass_extras: bool = False,
-                precision: str = "fp32", kernel_cross_entropy: bool = False) -> GraphStats:
-    """Capture model+loss once and reduce it to the planner's statistics. pass_extras: also
-    count what the tp and dp passes add (`count_pass_extras`; a few seconds; CPU planning).
-    precision "bf16"/"fp16": the segments are those of the graph after the precision pass
-    (`_as_run`), whose saved values are not all half: halving the fp32 graph's put a
-    GPT's bf16 step memory at 0.6x the CUDA allocator's peak. kernel_cross_entropy (a GPU
-    job with the fusion pass, `kernel_cross_entropy`): the segments are those of the graph
-    with fxpar's cross-entropy kernel in place, which saves the half logits and a row value
-    rather than fp32 log-probabilities (without it a GPT-2's bf16 step memory was priced
-    1.32x the H200's measured peak). Everything else (node_segment, the tp roles...) is the
-    captured graph's, on which the probes run."""
-    stand_ins = None
-    if cap.meta_tensors(model):
-        # a meta-device model: traced on fake stand-ins (shapes only; it may exist whole on
-        # no device), so every figure below is the shards' and nothing is timed on it
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        leaf = next((t for t in torch.utils._pytree.tree_leaves(example_batch)
-                     if isinstance(t, torch.Tensor)), None)
-        device = leaf.device if leaf is not None else torch.device("cpu")
-        stand_ins = cap.fake_weights(model, device, mode=mode)
-        example_batch = cap.fake_batch(example_batch, device, mode)
-    gm, sig = cap.capture(model, example_batch, loss_fn, stand_ins=stand_ins)
-    leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
-              if isinstance(t, torch.Tensor) and t.dim() > 0]
-    rows = int(leaves[0].shape[0]) if leaves else 1
-    roles = tp_roles(gm, sig)
+def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: str = "fp32",
+                kernel_cross_entropy: bool = False, heads: int | None = None) -> GraphStats:
+    """The planner's statistics of a captured joint graph (`(gm, sig)`, from
+    capture.capture_as_is: the planner captures nothing; compile's `planner_stats` does it for
+    one) whose batch has `rows` rows. pass_extras: also count what the tp and dp passes add
+    (`count_pass_extras`; a few seconds; CPU planning). precision "bf16"/"fp16": the
+    segments are those of the graph after the precision pass (`_as_run`), whose saved values
+    are not all half: halving the fp32 graph's put a GPT's bf16 step memory at 0.6x the CUDA
+    allocator's peak. kernel_cross_entropy (a GPU job with the fusion pass,
+    `kernel_cross_entropy`): the segments are those of the graph with fxpar's cross-entropy
+    kernel in place, which saves the half logits and a row value rather than fp32
+    log-probabilities (without it a GPT-2's bf16 step memory was priced 1.32x the H200's
+    measured peak). Everything else (node_segment, the tp roles...) is the captured graph's,
+    on which the probes run. heads: the model's attention heads (its config's), where known.
+    """
+    gm, sig = graph
+    roles, refusal = tp_roles(gm, sig)
     stats = analyze(gm, rows, roles)
+    stats.tp_refusal = refusal
     if precision != "fp32" or kernel_cross_entropy:
         _as_run(stats, gm, sig, rows, precision, roles, kernel_cross_entropy)
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
     stats.host_calls_compiled = codegen.host_calls(gm.graph)
-    stats.graph = (gm, sig)  # for the probes, the calibration and the job's compile
+    stats.graph = (gm, sig)  # for the probes and the calibration
     if pass_extras:
         count_pass_extras(stats)
-    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     if isinstance(heads, int):
         stats.heads = heads
     return stats
 
 
-def tp_roles(gm, sig) -> dict | None:
+def tp_roles(gm, sig) -> tuple[dict | None, str | None]:
     """Each linear weight's role under tensor parallelism, as the tensor_parallel pass decides
-    it (at tp=2, on a copy): the split the planner prices. None where the pass cannot decide
-    on this graph (the statistics then find column -> row pairs structurally, and the pass
-    itself reports why when a tp plan runs)."""
+    it (at tp=2, on a copy): the split the planner prices; or (None, why) where the pass
+    cannot decide on this graph (no tp plan is priced then: the search names why)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return tensor_parallel.roles(gm, sig)
-    except Exception as e:  # noqa: BLE001 - the pass reports it when the job runs
+            return tensor_parallel.roles(gm, sig), None
+    except Exception as e:  # noqa: BLE001 - the pass's own reason, shown by the search
         log.debug("planner: tensor_parallel.roles failed on this graph: %s", e)
-        return None
+        return None, f"the tensor_parallel pass cannot split this graph ({type(e).__name__}: " \
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
 
 
 def checkpoints_per_layer(gm) -> int:
@@ -1600,18 +1574,6 @@ def _unsplit_by_dp(gm, g, node_segment: dict) -> dict:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def calibration_inputs(graph, model, example_batch) -> tuple[list, list]:
-    """A captured graph's (`(gm, sig)`, e.g. GraphStats.graph) real inputs (the model's
-    parameters and buffers, the batch, in the graph's order) and the parameters, for timing
-    it (runtime/machine)."""
-    gm, sig = graph
-    params = dict(model.named_parameters(remove_duplicate=False))
-    bufs = dict(model.named_buffers(remove_duplicate=False))
-    ps = [params[n] for n in sig.param_names]
-    return ps + [bufs[n] for n in sig.buffer_names] + list(
-        cap.flatten_batch(example_batch, sig)), ps
-
-
 def microbatches_allowed(stats: GraphStats, constraints: dict) -> bool:
     """Whether microbatches train as one step does: not where buffers update per microbatch
     (BatchNorm's statistics) or the loss's microbatch means cannot be weighted to the batch
@@ -1681,17 +1643,12 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     return hw
 
 
-def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
-              constraints: dict | None = None, hw: cost.Hardware | None = None,
-              stats: GraphStats | None = None) -> PlanResult:
-    """The best plans for `world` devices of `device`'s type (fxpar.compile's search; hw
-    None: the data sheet's GPU, or this CPU's measured matmul and copy speed)."""
+def auto_plan(stats: GraphStats, optimizer, world: int, device,
+              constraints: dict | None = None, hw: cost.Hardware | None = None) -> PlanResult:
+    """The best plans for `world` devices of `device`'s type for the graph `stats` describes
+    (fxpar.compile's search; hw None: the data sheet's GPU, or this CPU's measured matmul and
+    copy speed)."""
     clock = Clock(log)
-    if stats is None:
-        with clock("planner: trace model"):
-            stats = graph_stats(model, example_batch, loss_fn,
-                                precision=(constraints or {}).get("precision") or "fp32",
-                                kernel_cross_entropy=kernel_cross_entropy(device, constraints))
     if hw is None:
         with clock("planner: measure machine"):
             if torch.device(device).type == "cuda":
@@ -1699,12 +1656,9 @@ def auto_plan(model, example_batch, loss_fn, optimizer, world: int, device,
             else:
                 hw = cost.cpu_hardware()
                 hw.memory = cost.device_memory(torch.device(device))
-    leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch)
-              if isinstance(t, torch.Tensor) and t.dim() > 0]
-    rows = int(leaves[0].shape[0]) if leaves else 1
-    result = search(stats, world, hw, batch_rows=rows, optimizer=optimizer_kind(optimizer),
-                    constraints=constraints, executable=True,
-                    precision=(constraints or {}).get("precision") or "fp32")
+    result = search(stats, world, hw, batch_rows=stats.rows,
+                    optimizer=optimizer_kind(optimizer), constraints=constraints,
+                    executable=True, precision=(constraints or {}).get("precision") or "fp32")
     result.times = clock.rows(other=False) + result.times
     if log_rank() == 0:
         log.info("%s", result.summary())

@@ -40,10 +40,7 @@ def fake_gpt_stats(cfg, rows: int, dtype=torch.float32) -> planner.GraphStats:
         finally:
             torch.set_default_dtype(old)
         idx = torch.zeros(rows, cfg.block_size, dtype=torch.long)
-    gm, _ = cap.capture(model, (idx, idx))
-    stats = planner.analyze(gm, rows)
-    stats.checkpoints_per_layer = planner.checkpoints_per_layer(gm)
-    return stats
+    return planner.graph_stats(cap.capture(model, (idx, idx)), rows)
 
 
 @functools.lru_cache(maxsize=8)

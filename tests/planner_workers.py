@@ -16,10 +16,11 @@ def memory_rank(plans: list[dict]):
     """Per plan: (this rank's measured peak allocated by one step, the estimator's number for
     this rank's stage)."""
     from fxpar.compiler import cost, planner
+    from fxpar.compiler.compile import planner_stats
     from fxpar.runtime.memtrack import measure
     batch = M.gpt_batch(MEM_CFG, MEM_ROWS)
     torch.manual_seed(0)
-    stats = planner.graph_stats(M.GPT(MEM_CFG), batch)
+    stats = planner_stats(M.GPT(MEM_CFG), batch)
     planner.count_pass_extras(stats)  # (as plan="auto" does: the dp pass's bucket sizes)
     hw = dataclasses.replace(cost.HARDWARE["a100"], memory=64 * 2 ** 30)
     out = []

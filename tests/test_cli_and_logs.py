@@ -217,7 +217,8 @@ def test_a_long_phase_says_what_runs_before_it_ends_and_a_short_one_stays_quiet(
 
 def test_the_plan_table_says_what_it_hides_and_shows_no_cpu_mfu():
     from fxpar.compiler import cost, planner
-    stats = planner.graph_stats(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), None)
+    from fxpar.compiler.compile import planner_stats
+    stats = planner_stats(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), None)
     r = planner.search(stats, 4, cost.cpu_hardware(), batch_rows=8)
     assert len(r.table) > 2
     text = r.format(2)

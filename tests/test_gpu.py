@@ -21,6 +21,7 @@ import torch
 
 import fxpar
 from fxpar.compiler import planner
+from fxpar.compiler.compile import planner_stats
 from fxpar.examples import models as M
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -246,7 +247,7 @@ def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
     pm, _ = _fxpar(fxpar.Plan(remat=remat, precision=precision, fuse=False, cuda_graphs=False),
                    2, data)
     _, peak = measure(lambda: pm.step(data))  # above the resident weights and AdamW state
-    stats = planner.graph_stats(M.GPT(CFG), M.gpt_batch(CFG, ROWS), precision=precision)
+    stats = planner_stats(M.GPT(CFG), M.gpt_batch(CFG, ROWS), precision=precision)
     hw = dataclasses.replace(cost.HARDWARE["h100"])
     c = planner.search(stats, 1, hw, batch_rows=ROWS, optimizer="adamw", precision=precision,
                        constraints={"dp": 1, "tp": 1, "pp": 1, "microbatches": 1,

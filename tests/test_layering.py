@@ -107,3 +107,14 @@ def test_the_planner_opens_no_process_group():
                      if b.startswith("fxpar.runtime."))  # (not the package, named on the way)
     assert runtime == ["fxpar.runtime.schedules"], runtime
     assert "torch.distributed" not in files["fxpar.compiler.planner"].read_text()
+
+
+def test_the_planner_captures_nothing():
+    """compile captures the model once (compile.planner_stats) and hands the graph to the
+    planner, which prices it: neither the planner nor its graph statistics import capture
+    (nor compile, which would be a cycle)."""
+    _, g, _ = _graph()
+    for mod in ("fxpar.compiler.planner", "fxpar.compiler.graphstats"):
+        reach = nx.descendants(g, mod)
+        assert "fxpar.compiler.capture" not in reach, (mod, "reaches capture")
+        assert "fxpar.compiler.compile" not in reach, (mod, "reaches compile")

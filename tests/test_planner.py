@@ -11,6 +11,8 @@ import torch
 import fxpar
 
 from fxpar.compiler import cost, graphstats, ir, planner
+from fxpar.compiler.autoplan import calibration_inputs
+from fxpar.compiler.compile import planner_stats
 from fxpar.compiler.errors import PlanError
 from fxpar.compiler.memory_model import stage_memory
 from fxpar.examples import gpt_stats as G
@@ -101,28 +103,42 @@ def test_microbatched_data_parallelism_hides_its_reduction_behind_the_last_backw
 
 def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
     """GPT-2's 50257-wide LM head: the tp pass keeps a column linear whose out features tp
-    does not divide whole on every rank (the rest splits). The planner priced it as split,
-    and before that refused every tp plan of such a model; now the head's segment is priced
-    whole at that tp (GraphStats.at_tp) and the layers split."""
+    does not divide whole on every rank (the rest splits). The planner prices the roles the
+    pass decides (tensor_parallel.roles): the head's segment whole, the layers split, and tp
+    stays legal (it had refused every tp plan of such a model, then priced the head split)."""
     cfg = M.GPTConfig(vocab_size=129, block_size=32, n_layer=2, n_head=4, n_embd=64)
     stats = _fake_gpt(cfg, 4)
-    post = stats.segments[-1]
-    assert 129 in post.column_out and post.flops_f_split > 0
-    at2 = stats.at_tp(2)
-    whole = at2.segments[-1]
-    assert whole.column_out == [] and whole.flops_f_split == whole.flops_b_split == 0
-    assert whole.params_split == 0 and whole.flops_f == post.flops_f
-    pre = stats.segments[0]  # the tied embedding is held where first used: priced whole too
-    assert at2.segments[0].params_split == pre.params_split - 129 * 64 >= 0
-    assert at2.layers[0] == stats.layers[0]  # the blocks split as before
+    post, blk = stats.segments[-1], stats.layers[0]
+    assert 129 not in post.column_out and post.flops_f_split == post.flops_b_split == 0
+    assert blk.flops_f_split == blk.flops_f > 0 and blk.column_out
+    assert stats.segments[0].params_split == 0  # the tied embedding: whole with its head
+    assert "replicated" not in {stats.tp_roles.get(k) for k in stats.tp_roles
+                                if "h." in k} and stats.tp_refusal is None
     hw = _cpu(4 * GiB)
-    assert planner._seg_time(whole, at2, 4, 2, hw, "fp32", "f") == \
-        planner._seg_time(post, stats, 4, 1, hw, "fp32", "f")
     r = planner.search(stats, 2, hw, batch_rows=4)
     assert any(c.plan.tp == 2 for c in r.table)
     even = _fake_gpt(M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4,
                                  n_embd=64), 4)
-    assert even.at_tp(2) is even
+    assert 128 in even.segments[-1].column_out  # (a head tp divides: split, as the pass does)
+
+
+def test_a_graph_the_tp_pass_cannot_split_gets_no_tp_plan(monkeypatch):
+    """Where the tensor_parallel pass cannot decide the roles on a graph, the planner prices
+    no tp plan (it had found column/row pairs by a walk of its own, and "auto" could choose a
+    plan the pass then refused): the search names the pass's reason."""
+    from fxpar.passes import tensor_parallel
+
+    def cannot(gm, sig, *a, **k):
+        raise PlanError("an op it has no sharding rule for")
+    monkeypatch.setattr(tensor_parallel, "roles", cannot)
+    cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    stats = _fake_gpt(cfg, 4)
+    assert "no sharding rule" in stats.tp_refusal
+    assert stats.tp_roles == {} and all(s.flops_f_split == 0 for s in stats.segments)
+    with pytest.raises(PlanError, match="cannot split this graph"):
+        planner.search(stats, 2, _cpu(4 * GiB), batch_rows=4, constraints={"tp": 2})
+    assert all(c.plan.tp == 1 for c in planner.search(stats, 2, _cpu(4 * GiB),
+                                                      batch_rows=4).table)
 
 
 def test_transformer_math_closed_forms():
@@ -304,7 +320,7 @@ def test_the_memory_model_prices_the_buckets_the_dp_pass_makes():
     cfg = M.GPTConfig(vocab_size=4096, block_size=32, n_layer=4, n_head=4, n_embd=256)
     batch = M.gpt_batch(cfg, 8)
     torch.manual_seed(0)
-    stats = planner.graph_stats(M.GPT(cfg), batch)
+    stats = planner_stats(M.GPT(cfg), batch)
     planner.count_pass_extras(stats)
     prog = fxpar.compile(M.GPT(cfg), 2, example_batch=batch, plan={"dp": 2})
     made = [cost.tensor_bytes(n.args[0].meta[ir.VAL]) for n in prog.graph.graph.nodes
@@ -367,7 +383,7 @@ def test_memory_estimate_vs_tracker_in_each_precision(precision):
     for _ in range(2):
         pm.step(batch)
     _, peak = measure(lambda: pm.step(batch))
-    stats = planner.graph_stats(M.GPT(cfg), batch, precision=precision)
+    stats = planner_stats(M.GPT(cfg), batch, precision=precision)
     assert stats.activations_precision == ("" if precision == "fp32" else precision)
     c = planner.search(stats, 1, cost.cpu_hardware(), batch_rows=8,
                        optimizer="adamw", precision=precision, constraints={
@@ -396,7 +412,7 @@ def test_sqrt_remat_memory_vs_tracker(layers, seq):
     for _ in range(2):
         pm.step(batch)
     _, peak = measure(lambda: pm.step(batch))
-    stats = planner.graph_stats(M.GPT(cfg), batch)
+    stats = planner_stats(M.GPT(cfg), batch)
     assert stats.checkpoints_per_layer == 2
     c = planner.search(stats, 1, cost.cpu_hardware(), batch_rows=8,
                        optimizer="adamw", constraints={"dp": 1, "tp": 1, "pp": 1,
@@ -408,7 +424,7 @@ def test_sqrt_remat_memory_vs_tracker(layers, seq):
 def test_layers_of_a_hugging_face_model():
     """HF Llama: blocks found on the graph (named by their full paths, as the parameters);
     every block's parameters and backward belong to it."""
-    stats = planner.graph_stats(M.hf_llama(), M.hf_lm_batch(128, 8, 16))
+    stats = planner_stats(M.hf_llama(), M.hf_lm_batch(128, 8, 16))
     assert [s.name for s in stats.layers] == ["model.layers.0", "model.layers.1"]
     a, b = stats.layers
     assert a.params == b.params > 0 and a.flops_b == b.flops_b > 0
@@ -496,7 +512,8 @@ def test_zero_bubble_gains_nothing_where_ranks_oversubscribe_the_cores(small_sta
         return planner.search(small_stats, 2, h, batch_rows=8, constraints={
             "dp": 1, "tp": 1, "pp": 2, "microbatches": 4, "schedule": schedule}).table[0].step_s
     assert price(True, "zero-bubble") < price(True, "1f1b")
-    assert price(False, "zero-bubble") == pytest.approx(price(False, "1f1b"))
+    assert price(False, "zero-bubble") == pytest.approx(price(False, "1f1b"), rel=1e-4)
+    # (not exactly: its split backward is more host calls of the compiled step)
     best = planner.search(small_stats, 2, dataclasses.replace(hw, bubble_is_idle=False),
                           batch_rows=8, constraints={"dp": 1, "tp": 1, "pp": 2}).best
     assert best.plan.schedule != "zero-bubble"
@@ -521,7 +538,7 @@ def test_pass_extras_count_what_the_passes_emit():
     c10d = torch.ops._c10d_functional
     cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
-    stats = planner.graph_stats(M.GPT(cfg), M.gpt_batch(cfg, 8), pass_extras=True)
+    stats = planner_stats(M.GPT(cfg), M.gpt_batch(cfg, 8), pass_extras=True)
     gm, sig = stats.graph
 
     def compiled(pass_, plan):
@@ -646,7 +663,7 @@ def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
     cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
     batch = M.gpt_batch(cfg, 8)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    r = planner.auto_plan(M.GPT(cfg), batch, None, opt, 1, "cpu")
+    r = planner.auto_plan(planner_stats(M.GPT(cfg), batch), opt, 1, "cpu")
     slow = max(r.table, key=lambda c: c.step_s)               # most microbatches
     assert slow.plan.microbatches > 1
     torch.manual_seed(0)
@@ -813,7 +830,7 @@ def test_compiled_steps_pay_host_dispatch_per_call_not_per_node(monkeypatch):
     from fxpar.examples import models as M
     monkeypatch.delenv("FXPAR_CODEGEN", raising=False)  # (the suite runs op by op)
     cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
-    stats = planner.graph_stats(M.GPT(cfg), M.gpt_batch(cfg, 4))
+    stats = planner_stats(M.GPT(cfg), M.gpt_batch(cfg, 4))
     gm, _ = stats.graph
     nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
     mms = sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
@@ -880,8 +897,8 @@ def test_cpu_calibration_times_the_optimizer_the_runtime_will_run(monkeypatch):
     from fxpar.examples import models as M
     cfg = M.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
     model, batch = M.GPT(cfg), M.gpt_batch(cfg, 2)
-    stats = planner.graph_stats(model, batch)
-    args, params = planner.calibration_inputs(stats.graph, model, batch)
+    stats = planner_stats(model, batch)
+    args, params = calibration_inputs(stats.graph, model, batch)
     timed = []
     real = machine.optim.prefer_fused
     monkeypatch.setattr(machine.optim, "prefer_fused",
@@ -943,7 +960,7 @@ def test_the_smallest_call_is_one_row_unless_microbatches_would_change_the_step(
     row where microbatches are allowed; with BatchNorm (its statistics per microbatch would
     differ from one step's) the batch over the dp ranks, at most the world."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8))
-    stats = planner.graph_stats(model, torch.randn(8, 16), lambda m, b: m(b).square().mean())
+    stats = planner_stats(model, torch.randn(8, 16), lambda m, b: m(b).square().mean())
     assert stats.mutated_buffers and stats.rows == 8
     assert planner.smallest_call_rows(stats, 4) == 2
     assert planner.smallest_call_rows(stats, 1) is None  # (one rank: the whole batch only)
@@ -961,7 +978,7 @@ def test_the_work_data_parallelism_leaves_whole_is_priced_whole():
     hw = dataclasses.replace(cost.HARDWARE["a100"], node_overhead=0.0)  # (no host bound)
     for name, moe in (("mixtral", True), ("llama", False)):
         model, spec = zoo.build(name)
-        stats = planner.graph_stats(model, spec.batch(0), spec.loss_fn)
+        stats = planner_stats(model, spec.batch(0), spec.loss_fn)
         planner.count_pass_extras(stats)
         whole = sum(s.flops_f_whole + s.flops_b_whole for s in stats.segments)
         total = sum(s.flops_f + s.flops_b for s in stats.segments)
@@ -1034,7 +1051,7 @@ def test_the_planner_prices_the_stages_the_pipeline_pass_cuts(pp, m, schedule, l
     model = M.hf_llama(vocab=512, hidden=64 if layers > 3 else 32, layers=layers, heads=4,
                        kv_heads=2)
     batch = M.hf_lm_batch(512, 8, 32 if layers > 3 else 16)
-    stats = planner.graph_stats(model, batch)
+    stats = planner_stats(model, batch)
     v = 2 if schedule == "interleaved" else 1
     priced = {s.name: k for k, stage in enumerate(planner.stages_of(stats, pp, v))
               for s in stage if s.name not in ("pre", "post")}
@@ -1062,7 +1079,7 @@ def test_a_stage_the_pass_gives_the_head_alone_is_priced_as_cut():
     model = T.BertForMaskedLM(T.BertConfig(
         vocab_size=16384, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         intermediate_size=1024, max_position_embeddings=128))
-    stats = planner.graph_stats(model, M.hf_lm_batch(16384, 8, 64))
+    stats = planner_stats(model, M.hf_lm_batch(16384, 8, 64))
     first, last = planner.stages_of(stats, 2, 1, "cpu")
     assert [s.name for s in last] == ["post"]
     assert [s.name for s in first] == [s.name for s in stats.segments]
@@ -1087,7 +1104,7 @@ def test_each_stage_is_priced_with_the_work_the_pass_gives_it():
     g = torch.Generator().manual_seed(0)
     batch = {"pixel_values": torch.randn(8, 3, 32, 32, generator=g),
              "labels": torch.randint(0, 10, (8,), generator=g)}
-    stats = planner.graph_stats(model, batch)
+    stats = planner_stats(model, batch)
     stages = planner.stages_of(stats, 4, 1, "cpu")
     prog = fxpar.compile(model, 4, example_batch=batch, plan={"pp": 4})
     flops, nodes = [0.0] * 4, [0] * 4
@@ -1118,7 +1135,7 @@ def test_the_planner_prices_the_tensor_parallel_split_the_pass_makes(name):
     z = zoo.models()[name]
     torch.manual_seed(0)
     model, batch = z.factory(), z.batch(0)
-    stats = planner.graph_stats(model, batch, z.loss_fn)
+    stats = planner_stats(model, batch, z.loss_fn)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (weights left whole are reported by the pass)
         prog = fxpar.compile(model, 2, example_batch=batch, loss_fn=z.loss_fn,
@@ -1135,7 +1152,7 @@ def test_a_stages_transfers_cost_a_latency_each_but_small_ones_ride_along():
     buffer's size costs a latency (on both ranks), values under it (a BatchNorm's
     statistics beside its activation) only their bytes."""
     model = M.hf_gpt2(vocab=512, n_embd=32, n_layer=4, n_head=4)
-    stats = planner.graph_stats(model, M.hf_lm_batch(512, 8, 16))
+    stats = planner_stats(model, M.hf_lm_batch(512, 8, 16))
     hw = dataclasses.replace(cost.cpu_hardware(), overlap=0.0)  # (gloo's: not hidden)
     planner.pass_stages(stats, 2, "cpu")
     big = planner.SMALL_TRANSFER * 4
@@ -1160,7 +1177,7 @@ def test_a_tied_weight_under_a_pipeline_is_priced_as_the_pass_sends_it():
     once, not every microbatch, and the runtime exchanges the summed gradient once. The
     planner reads both off the pass's own cut of the graph."""
     model = M.hf_gpt2(vocab=512, n_embd=32, n_layer=4, n_head=4)
-    stats = planner.graph_stats(model, M.hf_lm_batch(512, 8, 16))
+    stats = planner_stats(model, M.hf_lm_batch(512, 8, 16))
     hw = cost.cpu_hardware()
     r = planner.search(stats, 2, hw, batch_rows=8, constraints={"pp": 2})
     weight = 512 * 32 * 4
@@ -1213,7 +1230,7 @@ def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
     from fxpar.compiler.pass_manager import PassContext
     from fxpar.compiler.plan import Plan
     from fxpar.passes import remat
-    stats = planner.graph_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
+    stats = planner_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
     hw = dataclasses.replace(cost.HARDWARE["a100"], memory=_limit_ruling_out_plain_dp(stats))
     r = planner.search(stats, 2, hw, batch_rows=MEM_ROWS, optimizer="adamw")
     derived = [c for c in r.table if isinstance(c.plan.remat, int)
@@ -1234,7 +1251,7 @@ def test_a_memory_limit_that_rules_out_plain_dp_is_kept_by_the_choice(monkeypatc
     a plan predicted to fit, the report says why plain dp is out, and each rank's measured
     step stays within its estimate (plain dp is only in the table with a remat budget)."""
     from planner_workers import MEM_CFG, MEM_ROWS, limited_rank
-    stats = planner.graph_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
+    stats = planner_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
     limit = _limit_ruling_out_plain_dp(stats)
     monkeypatch.setenv("FXPAR_MEMORY_PER_DEVICE", str(limit / GiB))
     res = fxpar.launch(limited_rank, 2)
@@ -1394,14 +1411,13 @@ def test_the_loss_backward_is_priced_where_the_loss_is():
     cross-entropy kernel, which saves the half logits, not fp32 log-probabilities."""
     cfg = M.GPTConfig(vocab_size=1024, block_size=32, n_layer=2, n_head=4, n_embd=64)
     batch = M.gpt_batch(cfg, 4)
-    stats = planner.graph_stats(M.GPT(cfg), batch, precision="bf16")
+    stats = planner_stats(M.GPT(cfg), batch, precision="bf16")
     aten = torch.ops.aten
     gm, _ = stats.graph
     for target in (aten.nll_loss_backward.default, aten._log_softmax_backward_data.default):
         (n,) = gm.graph.find_nodes(op="call_function", target=target)
         assert stats.node_segment[n.name] == "post", n.name
-    kernel = planner.graph_stats(M.GPT(cfg), batch, precision="bf16",
-                                 kernel_cross_entropy=True)
+    kernel = planner_stats(M.GPT(cfg), batch, precision="bf16", kernel_cross_entropy=True)
     logits = 4 * 32 * cfg.vocab_size
     assert stats.segments[-1].saved - kernel.segments[-1].saved == pytest.approx(
         logits * (4 - 2), rel=0.05)  # fp32 log-probs -> bf16 logits (+ a row value)
@@ -1418,7 +1434,7 @@ def test_tp_activations_are_priced_from_the_tp_pass_graph():
     probe found split."""
     from fxpar.passes import tensor_parallel
     cfg = M.GPTConfig(vocab_size=1024, block_size=32, n_layer=2, n_head=4, n_embd=64)
-    stats = planner.graph_stats(M.GPT(cfg), M.gpt_batch(cfg, 4))
+    stats = planner_stats(M.GPT(cfg), M.gpt_batch(cfg, 4))
     gm, sig = stats.graph
     g = planner._on_copy(tensor_parallel, gm, sig, {"tp": 2, "dp": 1}, 2,
                          group_names={"tp": "tp", "dp": "dp"})
