@@ -42,7 +42,7 @@ def _plan_job(batch_rows: int, limit: int | None, state: str):
     torch.manual_seed(0)
     data = M.gpt_batch(cfg, batch_rows)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    _, result = autoplan.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
+    _, result, _ = autoplan.for_parallelize(M.GPT(cfg), world, world, "auto", data, None, opt)
     cands = result.table if limit is None else result.table[:limit]
     done = json.load(open(state)) if os.path.exists(state) else {"rows": [], "failed": []}
     return world, rank, cfg, data, opt, result, cands, done

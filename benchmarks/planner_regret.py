@@ -157,10 +157,10 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
     with tempfile.TemporaryDirectory(prefix="fxpar-plan-") as fresh, mock.patch.dict(
             os.environ, FXPAR_CACHE_DIR=fresh, FXPAR_PLAN_CACHE="1"):
         t0 = time.perf_counter()
-        _, result = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
+        _, result, _ = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
         planning_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _, again = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
+        _, again, _ = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
         again_s = time.perf_counter() - t0
     cands = _pick(result, cap)
     models, compile_s, failed, pm = [], {}, [], None

@@ -1446,11 +1446,12 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
     them once on copies of the graph: tensor_parallel at tp=2 (collectives beyond one per
     row/column linear -- a vocab-parallel loss's max, sum of exponentials, target logit --,
     the nodes it adds, and per segment the FLOPs and bytes it really splits, which replace
-    the statistics' structural guess), data_parallel at dp=2 with ZeRO-0 and ZeRO-3 (nodes it adds per
-    parameter: bucket packing, shard views, gathers). Neither count depends on the degree.
-    On a small CPU job every collective costs a millisecond and every node tens of
-    microseconds, so they matter; on GPUs they are noise. A pass that cannot run on the
-    graph adds nothing here (the planner then keeps its structural counts).
+    the statistics' split parts, followed from the linears' roles), data_parallel at dp=2
+    with ZeRO-0 and ZeRO-3 (nodes it adds per parameter: bucket packing, shard views,
+    gathers). Neither count depends on the degree. On a small CPU job every collective
+    costs a millisecond and every node tens of microseconds, so they matter; on GPUs they
+    are noise. A pass that cannot run on the graph adds nothing here (the planner then
+    keeps the statistics' counts).
     `share(jobs)`: runs some of the three probes on this rank and returns every probe's
     result (autoplan spreads them over the ranks, which would each run all three alike)."""
     gm, sig = stats.graph
@@ -1476,8 +1477,8 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
         # split part is twice what the rank no longer does (a linear the pass keeps whole
         # -- a head tp does not divide, attention under dropout -- counts as whole). Also
         # the saved values and working memory, where the statistics are the traced graph's
-        # as the probe's are (not the precision pass's): the structural guess left a
-        # vocab-parallel loss's working memory whole (tp=2 plans were priced 1.15-1.31x
+        # as the probe's are (not the precision pass's): followed from the roles alone, a
+        # vocab-parallel loss's working memory was left whole (tp=2 plans were priced 1.15-1.31x
         # what they allocate)
         at2 = {x.name: x for x in analyze(g, stats.rows).segments}
         fields = TP_SPLIT if not stats.activations_precision else TP_SPLIT[:4]

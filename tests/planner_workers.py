@@ -60,7 +60,7 @@ def choice_rank(per_class: int = 2, rounds: int = 16):
     torch.manual_seed(0)
     data = M.gpt_batch(CHOICE_CFG, CHOICE_ROWS)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    _, result = autoplan.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", data, None,
+    _, result, _ = autoplan.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", data, None,
                                         opt)
     picked, seen = [result.best], {}
     for c in result.table:
@@ -147,7 +147,7 @@ def plan_twice(cache_dir: str):
     for _ in range(2):
         torch.manual_seed(0)
         world = int(os.environ["WORLD_SIZE"])
-        _, r = autoplan.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", batch, None,
+        _, r, _ = autoplan.for_parallelize(M.GPT(CHOICE_CFG), world, world, "auto", batch, None,
                                         lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         out.append({"plan": planner.plan_dict(r.best.plan),
                     "prices": [round(c.step_s, 9) for c in r.table],
