@@ -124,11 +124,11 @@ def _pick(result, cap: int) -> list:
     return out
 
 
-def time_interleaved(pms: list, data, rounds: int) -> torch.Tensor:
+def time_interleaved(pms: list, data, rounds: int, every_round: bool = False):
     """Each ParallelModel's step time, timed interleaved: `rounds` rounds of one step per
     model in a shuffled order, every step its slowest rank's; the median over the rounds
-    after the first (the first alone when rounds is 1). Collective: every rank calls it
-    alike."""
+    after the first (the first alone when rounds is 1). every_round: also the times of each
+    round after the first ([rounds - 1, models]). Collective: every rank calls it alike."""
     import torch.distributed as dist
     times = torch.zeros(rounds, len(pms), dtype=torch.float64)
     order = torch.Generator().manual_seed(0)  # (the same on every rank)
@@ -140,7 +140,8 @@ def time_interleaved(pms: list, data, rounds: int) -> torch.Tensor:
             pm.step(data)
             times[r, i] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-    return times[1:].median(dim=0).values if rounds > 1 else times[0]
+    med = times[1:].median(dim=0).values if rounds > 1 else times[0]
+    return (med, times[1:] if rounds > 1 else times) if every_round else med
 
 
 def worker(name: str, cap: int, rounds: int, memory: bool = True):
@@ -180,7 +181,7 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
             continue
         compile_s[planner.plan_str(c.plan)] = time.perf_counter() - t0
         models.append((c, pm))
-    med = time_interleaved([pm for _, pm in models], data, rounds)
+    med, per_round = time_interleaved([pm for _, pm in models], data, rounds, every_round=True)
     timed = [c for c, _ in models]
     del models, pm  # the timed jobs' memory freed before the memory runs
     mem = [step_memory(factory, data, opt, c) if memory else (None, None) for c in timed]
@@ -189,6 +190,7 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
              "predicted_mem": c.memory.total,
              "predicted_step_mem": mem[i][0], "measured_step_mem": mem[i][1],
              "parts": {k: float(v) for k, v in c.parts.items()},
+             "rounds_s": [float(t) for t in per_round[:, i]],
              "compile_s": compile_s[planner.plan_str(c.plan)]}
             for i, c in enumerate(timed)]
     plain = next((i for i, c in enumerate(result.table) if c.plan.tp == 1 and c.plan.pp == 1
@@ -270,6 +272,24 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return cov / (va * vb) if va and vb else None
 
 
+def told_apart(rows: list[dict], share: float = 0.8) -> list[tuple[int, int]] | None:
+    """The pairs of plans the measurement tells apart, faster first: (i, j) where plan i
+    measured faster than plan j in at least `share` of the rounds (each round times every
+    plan once, at one speed of the machine: a paired comparison). Plans closer than that
+    have no measured order for a prediction to get right or wrong. None without at least 5
+    rounds a plan (a count that small orders nothing)."""
+    if not rows or any(len(r.get("rounds_s") or ()) < 5 for r in rows):
+        return None
+    out = []
+    for i, a in enumerate(rows):
+        for j, b in enumerate(rows):
+            ra, rb = a.get("rounds_s"), b.get("rounds_s")
+            if i != j and ra and rb and len(ra) == len(rb):
+                if sum(x < y for x, y in zip(ra, rb)) >= share * len(ra):
+                    out.append((i, j))
+    return out
+
+
 def summarize(res: dict) -> dict:
     rows = res["rows"]
     best = min(r["measured_s"] for r in rows)
@@ -277,7 +297,16 @@ def summarize(res: dict) -> dict:
     errs = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
     mem_errs = [abs(r["predicted_step_mem"] - r["measured_step_mem"]) / r["measured_step_mem"]
                 for r in rows if r.get("measured_step_mem")]
+    apart = told_apart(rows)
+    fastest = min(range(len(rows)), key=lambda i: rows[i]["measured_s"])
+    at = next((i for i, r in enumerate(rows) if r["chosen"]), None)
     return {"regret": chosen["measured_s"] / best if chosen else None,
+            # the chosen plan slower than the fastest in at least 80% of the rounds
+            "regret_told_apart": None if apart is None else (fastest, at) in apart,
+            # of the pairs the measurement orders, those the prediction orders alike
+            "pairs_ordered": None if not apart else (
+                sum(rows[i]["predicted_s"] < rows[j]["predicted_s"] for i, j in apart),
+                len(apart)),
             "median_error": statistics.median(errs) if errs else None,
             "median_mem_error": statistics.median(mem_errs) if mem_errs else None,
             "max_mem_error": max(mem_errs) if mem_errs else None,
@@ -295,10 +324,16 @@ def report(results: list[dict]) -> str:
     out = []
     for res in results:
         s = summarize(res)
+        note = "" if s["regret"] in (None, 1) or s["regret_told_apart"] is None else \
+            " (told apart: slower in 80% of the rounds)" if s["regret_told_apart"] else \
+            " (within the rounds' noise)"
+        sp = s["spearman"] if s["spearman"] is None else round(s["spearman"], 2)
+        pairs = (f", pairs the rounds tell apart ordered alike {s['pairs_ordered'][0]}/"
+                 f"{s['pairs_ordered'][1]}" if s["pairs_ordered"] else "")
         out.append(f"\n{res['model']} on {res['world']} ranks ({res['n_legal']} legal plans, "
                    f"{res['n_fit']} fit; plain dp ranked #{res['plain_dp_rank']}): regret "
-                   f"{s['regret']:.2f}, median |error| {s['median_error'] * 100:.0f}%, "
-                   f"Spearman {s['spearman'] if s['spearman'] is None else round(s['spearman'], 2)}, "
+                   f"{s['regret']:.2f}{note}, median |error| {s['median_error'] * 100:.0f}%, "
+                   f"Spearman {sp}{pairs}, "
                    f"planning {res['planning_s'] - res.get('trace_s', 0.0):.1f} s (besides the "
                    f"shared capture) = {s['planning_share'] * 100:.0f}% of the chosen plan's "
                    f"first compile ({res.get('first_compile_s') or 0:.1f} s, empty caches)"

@@ -192,8 +192,9 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
             dist.broadcast(seed, src=0)
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
-    program = build(model, example_batch, loss_fn, resolved, world.device,
-                    captured=reusable(captured, resolved, world.device))
+    captured = reusable(captured, resolved, world.device)  # (else let go of it here)
+    program = build(model, example_batch, loss_fn, resolved, world.device, captured=captured)
+    del captured
     program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
     clock.extend(program.compile_times)
     pm = ParallelModel(model, world, program, optimizer,

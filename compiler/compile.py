@@ -57,8 +57,10 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
         clock.extend(report.times)
         captured, stats.graph = stats.graph, None  # (the report keeps no graph)
     resolved = resolve(plan, world_size)
+    captured = reusable(captured, resolved, torch.device(dev_type))  # (else let go of it)
     program = build(model, example_batch, loss_fn, resolved, torch.device(dev_type),
-                    captured=reusable(captured, resolved, torch.device(dev_type)))
+                    captured=captured)
+    del captured
     clock.extend(program.compile_times)
     program.plan_report = report
     program.compile_times = clock.finish()

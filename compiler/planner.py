@@ -1351,6 +1351,8 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     roles, refusal = tp_roles(gm, sig)
     stats = analyze(gm, rows, roles)
     stats.tp_refusal = refusal
+    if refusal and log_rank() == 0:
+        log.info("planner: no tensor-parallel plan: %s", refusal)
     if precision != "fp32" or kernel_cross_entropy:
         _as_run(stats, gm, sig, rows, precision, roles, kernel_cross_entropy)
     stats.mutated_buffers = not all(summed_buffer_updates(gm, sig))  # (sums: exact)
