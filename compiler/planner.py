@@ -1480,8 +1480,8 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
         # -- a head tp does not divide, attention under dropout -- counts as whole). Also
         # the saved values and working memory, where the statistics are the traced graph's
         # as the probe's are (not the precision pass's): followed from the roles alone, a
-        # vocab-parallel loss's working memory was left whole (tp=2 plans were priced 1.15-1.31x
-        # what they allocate)
+        # vocab-parallel loss's working memory was left whole (tp=2 plans were priced
+        # 1.15-1.31x what they allocate)
         at2 = {x.name: x for x in analyze(g, stats.rows).segments}
         fields = TP_SPLIT if not stats.activations_precision else TP_SPLIT[:4]
         split = {}

@@ -40,8 +40,11 @@ def fake_gpt_stats(cfg, rows: int, dtype=torch.float32) -> planner.GraphStats:
         finally:
             torch.set_default_dtype(old)
         idx = torch.zeros(rows, cfg.block_size, dtype=torch.long)
-    stats = planner.graph_stats(cap.capture(model, (idx, idx)), rows)
-    stats.graph = None  # (cached statistics keep no graph: stages balanced by layer)
+    gm, sig = cap.capture(model, (idx, idx))
+    roles, refusal = planner.tp_roles(gm, sig)  # (priced as the tp pass splits)
+    stats = planner.analyze(gm, rows, roles)
+    stats.tp_refusal = refusal
+    stats.checkpoints_per_layer = planner.checkpoints_per_layer(gm)
     return stats
 
 

@@ -512,8 +512,7 @@ def test_zero_bubble_gains_nothing_where_ranks_oversubscribe_the_cores(small_sta
         return planner.search(small_stats, 2, h, batch_rows=8, constraints={
             "dp": 1, "tp": 1, "pp": 2, "microbatches": 4, "schedule": schedule}).table[0].step_s
     assert price(True, "zero-bubble") < price(True, "1f1b")
-    assert price(False, "zero-bubble") == pytest.approx(price(False, "1f1b"), rel=1e-4)
-    # (not exactly: its split backward is more host calls of the compiled step)
+    assert price(False, "zero-bubble") == pytest.approx(price(False, "1f1b"))
     best = planner.search(small_stats, 2, dataclasses.replace(hw, bubble_is_idle=False),
                           batch_rows=8, constraints={"dp": 1, "tp": 1, "pp": 2}).best
     assert best.plan.schedule != "zero-bubble"
