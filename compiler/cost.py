@@ -363,11 +363,6 @@ class Hardware:
     # fraction of the gradient communication that hides behind the backward: NCCL runs on
     # its own stream (1.0); gloo ranks sharing a few CPU cores measured none (0.0)
     overlap: float = 1.0
-    # False where the ranks oversubscribe the cores (more CPU ranks than cores): a rank
-    # waiting in a pipeline bubble hands its core to the others, so a schedule that only
-    # moves work into the bubbles (zero-bubble) gains nothing; it measured 10-30% slower
-    # than 1F1B at m=1 on 4 and 8 ranks over 2 cores (its extra weight-gradient parts)
-    bubble_is_idle: bool = True
     # cores per rank where CPU ranks oversubscribe them (< 1): a waiting rank's core goes to
     # the others (planner._on_shared_cores)
     core_share: float = 1.0

@@ -151,6 +151,9 @@ class GraphStats:
     # (same keys): each segment's share of its work on each stage of the cut (None: the
     # pass cannot cut the graph so)
     stage_shares: dict = dataclasses.field(default_factory=dict)
+    # (same keys): per stage, its backward's (FLOPs, bytes, nodes) in all and in the weight-
+    # gradient part zero-bubble defers ("W": what no gradient sent to an earlier stage needs)
+    stage_wgrad: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[Segment]:
@@ -198,7 +201,7 @@ class GraphStats:
                                     for i in range(n_layers)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
-            shared_weights={}, stage_saved={}, stage_shares={},
+            shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers}")
 

@@ -305,8 +305,8 @@ def pass_stages(stats: GraphStats, n: int, device_type: str) -> dict | None:
     gm, _ = stats.graph
     copy_ = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     try:
-        pipeline_split.partition(copy_, n, profile=cost.DeviceProfile.for_device(
-            torch.device(device_type)))
+        pipeline_split.partition(copy_, n, split_weight_grads=True,
+                                 profile=cost.DeviceProfile.for_device(torch.device(device_type)))
     except PlanError:
         stats.stage_shares[key] = None
         return None
@@ -342,6 +342,21 @@ def pass_stages(stats: GraphStats, n: int, device_type: str) -> dict | None:
            and x.meta.get(ir.STAGE) is not None]
     stats.stage_saved[key] = [sum(saved_bytes(k) for k in saved_values(
         [x for x in fwd if x.meta[ir.STAGE] == s])) for s in range(n)]
+    # each stage's backward in all and its weight-gradient part ("W", zero-bubble's deferred
+    # work: a conv's or a fused op's weight gradient comes out of the op that makes the input
+    # gradient, so a conv net defers almost nothing)
+    wgrad = [[0.0] * 6 for _ in range(n)]
+    for x in copy_.graph.nodes:
+        if x.op != "call_function" or x.meta.get(ir.REGION) != ir.BACKWARD or \
+                x.meta.get(ir.STAGE) is None:
+            continue
+        f, (r, w) = cost.node_flops(x), cost.node_bytes(x)
+        row = wgrad[x.meta[ir.STAGE]]
+        for k in ((0, 3) if x.meta.get(ir.PHASE) == "W" else (0,)):
+            row[k] += f
+            row[k + 1] += 0 if f else r + w
+            row[k + 2] += 1
+    stats.stage_wgrad[key] = wgrad
     stats.stage_shares[key] = _stage_shares(copy_, stats, n)
     return stats.stage_shares[key]
 
@@ -467,15 +482,26 @@ def in_flight(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
     return [math.ceil(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v) for r in range(pp)]
 
 
-def _timed_as(schedule: str, hw: cost.Hardware) -> str:
-    """The schedule whose makespan a plan is priced with: zero-bubble only moves work into the
-    bubbles, which is no gain where they are not idle (`Hardware.bubble_is_idle`): 1F1B's,
-    so the simpler 1F1B wins the tie. Where each rank has its own core it is a gain on CPU
-    ranks as on GPUs (2 ranks, benchmarks/planner_regret.py: 0.78-0.92x 1F1B's step at m=2
-    and 4 on four models, as the makespan promises)."""
-    if schedule == "zero-bubble" and not hw.bubble_is_idle:
-        return "1f1b"
-    return schedule
+def _wgrad_share(stats: GraphStats, key: tuple, stage: int, rows: int, hw: cost.Hardware,
+                 precision: str) -> float:
+    """The share of a stage's backward that zero-bubble defers to its W part, priced as the
+    planner prices work (roofline and dispatch per node) from pipeline_split's own split
+    (`pass_stages`: its I/W labels); half where there is no graph to ask. On a conv net the
+    weight gradients come out of the ops that make the input gradients, so the share is near
+    0 and zero-bubble prices as 1F1B (ResNet's pp=4 on 4 CPU ranks measured 1.00x 1F1B); on
+    a transformer's linears about half (Mixtral's pp=4 m=2 measured 0.89x 1F1B)."""
+    per_stage = stats.stage_wgrad.get(key)
+    if not per_stage:
+        return 0.5
+    fl, by, nodes, w_fl, w_by, w_nodes = per_stage[stage]
+    scale = rows / stats.rows * hw.roofline_scale
+
+    def seconds(f, b, n):
+        roof = (f / (hw.flops(precision) * hw.matmul_efficiency) + b / hw.mem_bandwidth) * scale
+        host = n * hw.node_overhead
+        return max(roof, host) if hw.async_launch else roof + host
+    total = seconds(fl, by, nodes)
+    return seconds(w_fl, w_by, w_nodes) / total if total > 0 else 0.0
 
 
 @functools.lru_cache(maxsize=64)
@@ -485,15 +511,18 @@ def _actions(schedule, pp, m, v):
     return schedules.build(schedule, pp, m, v)
 
 
-def _makespan(schedule, pp, m, v, fwd, bwd, p2p) -> float:
+def _makespan(schedule, pp, m, v, fwd, bwd, p2p, wgrad=None) -> float:
     """Pipeline makespan by simulation; for m > 4pp the steady state is extrapolated linearly
-    from two simulations (every extra microbatch adds the same period)."""
+    from two simulations (every extra microbatch adds the same period). `wgrad`: the seconds
+    of each rank's backward that a split backward's W part takes (None: half)."""
+    wgrad = wgrad or [b / 2 for b in bwd]
 
     def run(mm):
         def dur(a):
             r = a.stage % pp
-            t = (fwd if a.kind == "F" else bwd)[r] / v
-            return t if a.kind in ("F", "B") else t / 2
+            if a.kind in ("I", "W"):
+                return (bwd[r] - wgrad[r] if a.kind == "I" else wgrad[r]) / v
+            return (fwd if a.kind == "F" else bwd)[r] / v
         # (unchecked: the builder's lists are checked by tests/test_schedules.py; checking
         # a 1T-parameter pipeline's ~10^5 actions at each search was a third of it)
         return schedules.simulate_schedule(_actions(schedule, pp, mm, v), dur,
@@ -513,7 +542,7 @@ def _senders(r: int, pp: int, v: int) -> tuple[int, int]:
 
 
 def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
-                              core_share, sends=None) -> float:
+                              core_share, sends=None, wgrad=None) -> float:
     """Pipeline makespan where CPU ranks oversubscribe the cores (`Hardware.core_share` < 1),
     by a simulation on one clock: the ranks computing at an instant share the machine's
     cores, each at min(1, cores / computing ranks) of one (the stage times were measured
@@ -528,8 +557,14 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
     own, during which the data travels: the receiver's share of a transfer (in its fwd / bwd)
     follows on the critical path, not the sender's too. ResNet's pp=4 m=1 on 4 ranks, with
     each of its 7 transfers paid by both ranks one after the other, was priced 1.15-1.66x
-    its step (and lost to a tp=2 x pp=2 measured 1.43x slower)."""
+    its step (and lost to a tp=2 x pp=2 measured 1.43x slower).
+
+    `wgrad` (per rank: the part of bwd a split backward's W takes; None: half) runs while
+    the other ranks compute as any work does: zero-bubble's deferred weight gradients fill a
+    bubble only where a core would otherwise idle (Mixtral's pp=4 m=2 on 4 ranks over 2
+    cores measured 0.89x 1F1B, priced as 1F1B it was chosen at 1.13x the best)."""
     acts = _actions(schedule, pp, m, v)
+    wgrad = wgrad or [b / 2 for b in bwd]
     send_f, send_b = sends or ([0.0] * pp, [0.0] * pp)
     # the SEND actions of a rank (its stages that send on): each takes an equal share
     counts = [_senders(r, pp, v) for r in range(pp)]
@@ -557,8 +592,11 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
                         continue
                 else:
                     f = a.kind == "F"
-                    t = ((fwd if f else bwd)[r] - (send_f if f else send_b)[r]) / v
-                    t = t / 2 if a.kind in ("I", "W") else t
+                    if a.kind == "W":
+                        t = wgrad[r] / v
+                    else:
+                        t = ((fwd if f else bwd)[r] - (send_f if f else send_b)[r]) / v
+                        t = t - wgrad[r] / v if a.kind == "I" else t
                     state[r] = [t * (1 - waiting) * core_share, t * waiting]
                 pos[r] += 1
                 moved = True
@@ -1073,6 +1111,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         hw_graph = dataclasses.replace(hw, node_overhead=hw.node_overhead * min(
             stats.host_calls_compiled / total_nodes, 1.0))
     timed: dict[int, tuple] = {}
+    wgrad = []  # zero-bubble: the seconds of each rank's backward its W part takes
     for r in range(pp):
         segs = rank_segs[r]
         rec = mems[r][1]
@@ -1095,6 +1134,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         # pass, which splits the recomputed copies as it splits the forward)
         bwd.append(tb + tpc_b + tp_nodes + rec * (tf + tpc_f))
         comm_s.append(m * ((1 + rec) * tpc_f + tpc_b))
+        wgrad.append(tb * _wgrad_share(stats, (pp * v, dev), r, mbs, hw_graph, precision)
+                     if sched == "zero-bubble" else 0.0)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
     p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
     tied_s = 0.0
@@ -1144,8 +1185,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         pipe = m * (fwd[0] + bwd[0])
     elif sched == "interleaved":
         pipe = m * slow + (pp - 1) * slow / v + 2 * (pp - 1) * p2p
-    elif _timed_as(sched, hw) == "zero-bubble":
-        pipe = m * slow + (pp - 1) * max(f + b / 2 for f, b in zip(fwd, bwd)) + 2 * (pp - 1) * p2p
+    elif sched == "zero-bubble":  # (the fill and drain: each stage's F and I)
+        pipe = m * slow + (pp - 1) * max(f + b - w for f, b, w in zip(fwd, bwd, wgrad)) + \
+            2 * (pp - 1) * p2p
     else:
         pipe = (m - 1) * slow + sum(fwd) + sum(bwd) + 2 * (pp - 1) * p2p
     # data parallel: this rank's gradients
@@ -1259,7 +1301,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             setattr(plan, k2, given)
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))
-    c.ctx = (fwd, bwd, p2p, pipe, v, waiting, (send_f, send_b))
+    c.ctx = (fwd, bwd, p2p, pipe, v, waiting, (send_f, send_b), wgrad)
     return c
 
 
@@ -1310,17 +1352,17 @@ def _simulate(c: Candidate, stats, hw, stage_cache, precision):
     if p.pp == 1:
         c.simulated = True
         return
-    fwd, bwd, p2p, pipe, v, waiting, sends = c.ctx
+    fwd, bwd, p2p, pipe, v, waiting, sends, wgrad = c.ctx
     busy = p.microbatches * sum(f + b for f, b in zip(fwd, bwd)) / p.pp
     world = p.dp * p.tp * p.pp
     if hw.core_share < 1:
         # `waiting` is a share of all the busy time, the SENDs' included: of the rest's own
         sending = p.microbatches * sum(map(sum, sends)) / p.pp
         rest = min(waiting * busy / (busy - sending), 1.0) if busy > sending else waiting
-        ms = _makespan_on_shared_cores(_timed_as(p.schedule, hw), p.pp, p.microbatches, v,
-                                       fwd, bwd, p2p, rest, world, hw.core_share, sends)
+        ms = _makespan_on_shared_cores(p.schedule, p.pp, p.microbatches, v, fwd, bwd, p2p,
+                                       rest, world, hw.core_share, sends, wgrad)
     else:
-        ms = _makespan(_timed_as(p.schedule, hw), p.pp, p.microbatches, v, fwd, bwd, p2p)
+        ms = _makespan(p.schedule, p.pp, p.microbatches, v, fwd, bwd, p2p, wgrad)
     ms = _alone_share(ms, busy, world, hw)
     c.step_s += ms - pipe
     c.bubble = 1 - busy / ms

@@ -156,7 +156,6 @@ def _measure_cpu() -> cost.Hardware:
                                                  "fp16": peak / 8},
                                  mem_bandwidth=bandwidth, node_overhead=overhead,
                                  intra=link, inter=link, collectives=table, overlap=0.0,
-                                 bubble_is_idle=ranks <= cores,
                                  core_share=min(1.0, cores / max(ranks, 1)))
     return hw
 
