@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
+from fxpar.compiler.graphs import param_grads
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -154,6 +155,9 @@ class GraphStats:
     # (same keys): per stage, its backward's (FLOPs, bytes, nodes) in all and in the weight-
     # gradient part zero-bubble defers ("W": what no gradient sent to an earlier stage needs)
     stage_wgrad: dict = dataclasses.field(default_factory=dict)
+    # the gradient the backward makes last (elements) and how many parts are summed into it
+    # (2 for an embedding tied to the LM head: the head's part waits for the embedding's)
+    last_grad: tuple = (0, 1)
 
     @property
     def layers(self) -> list[Segment]:
@@ -487,7 +491,29 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
                       len(layers), heads=heads, column_weights=column_weights,
                       tp_roles={p.meta.get("fqn", p.name): r for p, r in roles_found.items()},
-                      node_segment={n.name: sg for n, sg in seg_of.items()})
+                      node_segment={n.name: sg for n, sg in seg_of.items()},
+                      last_grad=_last_grad(gm))
+
+
+def _last_grad(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """(elements, parts) of the parameter gradient made last in the backward: the parts are
+    the leaves of the backward adds that sum it (a weight read twice, as a tied embedding and
+    LM head, gets its gradient as the sum of one part per read)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    made = [(p, g) for p, g in param_grads(gm) if g is not None]
+    if not made:
+        return (0, 1)
+    p, g = max(made, key=lambda pg: order[pg[1]])
+    parts, todo = 0, [g]
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor and \
+                len(n.args) == 2 and all(isinstance(a, torch.fx.Node) for a in n.args) and \
+                n.meta.get(ir.REGION) == ir.BACKWARD:
+            todo += list(n.args)
+        else:
+            parts += 1
+    return p.meta[ir.VAL].numel(), parts
 
 
 def _val_dim(n) -> int:

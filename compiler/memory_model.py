@@ -325,16 +325,23 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
         # one part accumulates in place (runtime/pipeline._accumulating: each gradient added
         # into the running sum as it is made): at ZeRO 0/1 the sum is the gradients counted
         # above; at ZeRO 2/3 it is whole (its tp slices) until the reduce-scatter after the
-        # last microbatch. The reduction's buckets come after the last microbatch, when the
-        # activations are gone (step_allocated adds buffers to the activations). Priced with
-        # the whole-sum buffer and the buckets, dp=2 m=2 / m=4 were 1.45x / 1.73x the tracker.
+        # last microbatch. The reduction's buckets are packed inside the last microbatch's
+        # backward as their sums are final (runtime/pipeline.with_reductions), and their
+        # waits come at its end (`at_end`), not beside the activations. Priced with the
+        # whole-sum buffer and the buckets, dp=2 m=2 / m=4 were 1.45x / 1.73x the tracker.
         buffers += (n * elem - grads if zero >= 2 else 0.0) - buckets
         if dp > 1 and zero < 3:
-            # after the last microbatch the pass packs every bucket before the first
+            # by the end of the last backward every bucket is packed before the first
             # reduction returns: the sums beside a packed copy of all of them and, under
             # ZeRO-1/2, the reduced shards it keeps (dp=2 m=2 / m=4 had been 0.81-0.88x /
             # 0.6-0.74x the tracker; ViT's ZeRO-2 m=2 0.87x without its shards)
             at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero else 0.0)
+            # the last gradient is made beside the others' packed buckets: its parts live
+            # at once before they are summed (a tied embedding's and head's: Qwen2's dp=2
+            # m=2 peaked at the sums, the others packed and the two 16 MiB parts, and was
+            # priced 0.87x with one)
+            last, parts = stats.last_grad
+            at_end += (parts - 1) * min(last * elem, n * elem)
     at_end = max(at_end, received_at_end)
     # (pipeline stages sum their gradients in place too: the sums are `grads`)
     return MemoryEstimate(params, grads, opt, working, buffers,

@@ -1598,3 +1598,22 @@ def test_on_a_cpu_device_the_optimizer_stays_and_offload_costs_memory(monkeypatc
                                                  offload_optimizer=o), torch.device(dev))
                    for o in (False, True)]
         assert budgets[1] - budgets[0] == pytest.approx(more, abs=2), dev
+
+
+def test_a_tied_weight_s_two_gradient_parts_are_priced_at_the_end_of_the_last_backward():
+    """With microbatches under dp the reduction runs inside the last backward: the last
+    gradient (the embedding's) is made beside the other buckets packed, and a tied
+    embedding's gets two parts, its own and the LM head's, live at once before their sum.
+    An untied model's last gradient is one part, priced as before."""
+    cfg = M.GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    batch = M.gpt_batch(cfg, 8)
+    tied = planner_stats(M.GPT(cfg), batch)
+    assert tied.last_grad == (512 * 64, 2)
+    untied = dataclasses.replace(tied, last_grad=(512 * 64, 1))
+    hw = dataclasses.replace(cost.cpu_hardware(), memory=4 * GiB)
+    fixed = {"dp": 2, "tp": 1, "pp": 1, "microbatches": 2, "zero": 0}
+    one, two = (planner.search(s, 2, hw, batch_rows=8, constraints=fixed).table[0].memory
+                for s in (untied, tied))
+    assert two.at_end - one.at_end == pytest.approx(512 * 64 * 4)
+    mlp = planner_stats(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)))
+    assert mlp.last_grad[1] == 1
