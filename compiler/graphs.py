@@ -168,6 +168,32 @@ def param_grads(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Any]]:
             for i, p in enumerate(params)]
 
 
+def grad_sum_trees(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, list, list]]:
+    """(root, adds, summed parts) for every gradient output that is a tree of backward adds
+    over backward values (a weight read more than once: tied or shared)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+
+    def a_sum(n):  # a backward add of two per-microbatch values
+        return (n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
+                and len(n.args) == 2 and not n.kwargs and n.meta.get(ir.REGION) == ir.BACKWARD
+                and all(isinstance(a, torch.fx.Node) for a in n.args))
+
+    trees = []
+    for root in out.all_input_nodes:
+        if not a_sum(root) or set(root.users) != {out}:
+            continue
+        tree, leaves, todo = [], [], [root]
+        while todo:  # the adds summing into the gradient, and what they sum
+            n = todo.pop()
+            tree.append(n)
+            for a in n.args:
+                (todo if a_sum(a) and set(a.users) == {n} else leaves).append(a)
+        if all(a.op == "call_function" and a.meta.get(ir.REGION) == ir.BACKWARD
+               for a in leaves):
+            trees.append((root, tree, leaves))
+    return trees
+
+
 def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> list[bool]:
     """Per mutated buffer (`sig.mutated_buffers` order): whether running the step once per
     microbatch, writing the buffer back after each, leaves it where one step on the whole

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from fxpar.compiler import cost, ir
-from fxpar.compiler.graphs import param_grads
+from fxpar.compiler.graphs import grad_sum_trees, param_grads
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -496,23 +496,15 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
 
 
 def _last_grad(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """(elements, parts) of the parameter gradient made last in the backward: the parts are
-    the leaves of the backward adds that sum it (a weight read twice, as a tied embedding and
-    LM head, gets its gradient as the sum of one part per read)."""
+    """(elements, parts) of the parameter gradient made last in the backward: a weight read
+    twice, as a tied embedding and LM head, gets its gradient as a sum of one part per read
+    (`graphs.grad_sum_trees`)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     made = [(p, g) for p, g in param_grads(gm) if g is not None]
     if not made:
         return (0, 1)
     p, g = max(made, key=lambda pg: order[pg[1]])
-    parts, todo = 0, [g]
-    while todo:
-        n = todo.pop()
-        if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor and \
-                len(n.args) == 2 and all(isinstance(a, torch.fx.Node) for a in n.args) and \
-                n.meta.get(ir.REGION) == ir.BACKWARD:
-            todo += list(n.args)
-        else:
-            parts += 1
+    parts = next((len(leaves) for root, _, leaves in grad_sum_trees(gm.graph) if root is g), 1)
     return p.meta[ir.VAL].numel(), parts
 
 

@@ -488,7 +488,7 @@ def _wgrad_share(stats: GraphStats, key: tuple, stage: int, rows: int, hw: cost.
     planner prices work (roofline and dispatch per node) from pipeline_split's own split
     (`pass_stages`: its I/W labels); half where there is no graph to ask. On a conv net the
     weight gradients come out of the ops that make the input gradients, so the share is near
-    0 and zero-bubble prices as 1F1B (ResNet's pp=4 on 4 CPU ranks measured 1.00x 1F1B); on
+    0 and zero-bubble prices as 1F1B (ResNet's pp=4 on 4 CPU ranks measured 0.96-1.00x); on
     a transformer's linears about half (Mixtral's pp=4 m=2 measured 0.89x 1F1B)."""
     per_stage = stats.stage_wgrad.get(key)
     if not per_stage:

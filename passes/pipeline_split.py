@@ -33,6 +33,7 @@ import torch.fx
 
 from fxpar.compiler import cost, ir
 from fxpar.compiler.errors import PlanError
+from fxpar.compiler.graphs import grad_sum_trees
 
 aten = torch.ops.aten
 PHASE, TRANSFER = ir.PHASE, ir.TRANSFER
@@ -137,7 +138,7 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
     # later (by forward or backward work), and backward values read by earlier stages'
     # backward (an activation's gradient, but also any other gradient the anchors send
     # back). A tied weight's gradient parts are summed once a step, not counted here.
-    once_a_step = {n for _, tree, _ in _grad_sum_trees(graph) for n in tree}
+    once_a_step = {n for _, tree, _ in grad_sum_trees(graph) for n in tree}
 
     def reads_of(n):  # where n is read, through the views re-made from it
         for u in n.users:
@@ -253,37 +254,11 @@ def _sum_shared_grads_once(graph) -> None:
     runs after the last microbatch), and the other stage's part crosses once a step instead
     of once per microbatch, which had the sender hold one copy per microbatch until the
     step ended (a 150k x 896 head's partial gradient is 270 MB in bf16)."""
-    for root, tree, leaves in _grad_sum_trees(graph):
+    for root, tree, leaves in grad_sum_trees(graph):
         if len({a.meta[ir.STAGE] for a in leaves}) < 2:
             continue
         for n in tree:
             n.meta[ir.STAGE], n.meta[PHASE] = root.meta[ir.STAGE], "R"
-
-
-def _grad_sum_trees(graph) -> list[tuple[torch.fx.Node, list, list]]:
-    """(root, adds, summed parts) for every gradient output that is a tree of backward adds
-    over backward values (a weight read more than once: tied or shared)."""
-    out = next(n for n in graph.nodes if n.op == "output")
-
-    def a_sum(n):  # a backward add of two per-microbatch values
-        return (n.op == "call_function" and n.target is aten.add.Tensor and len(n.args) == 2
-                and not n.kwargs and n.meta.get(ir.REGION) == ir.BACKWARD
-                and all(isinstance(a, torch.fx.Node) for a in n.args))
-
-    trees = []
-    for root in out.all_input_nodes:
-        if not a_sum(root) or set(root.users) != {out}:
-            continue
-        tree, leaves, todo = [], [], [root]
-        while todo:  # the adds summing into the gradient, and what they sum
-            n = todo.pop()
-            tree.append(n)
-            for a in n.args:
-                (todo if a_sum(a) and set(a.users) == {n} else leaves).append(a)
-        if all(a.op == "call_function" and a.meta.get(ir.REGION) == ir.BACKWARD
-               for a in leaves):
-            trees.append((root, tree, leaves))
-    return trees
 
 
 def _insert_transfers(graph) -> list[tuple[str, int, int]]:
