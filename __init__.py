@@ -1,10 +1,10 @@
 """fxpar: make any PyTorch model train on many devices without hand-written parallel code."""
-from fxpar.compiler.api import parallelize  # noqa: F401
+from fxpar.api.parallelize import parallelize  # noqa: F401
 from fxpar.compiler.compile import compile  # noqa: F401
-from fxpar.compiler.errors import TraceError, PlanError, ShardingError, BatchError, FxparError  # noqa: F401
-from fxpar.compiler.errors import CheckpointError, RankFailure, NonFiniteLossError  # noqa: F401
-from fxpar.compiler.errors import VerifyError  # noqa: F401
-from fxpar.compiler.plan import Plan  # noqa: F401
+from fxpar.core.errors import TraceError, PlanError, ShardingError, BatchError, FxparError  # noqa: F401
+from fxpar.core.errors import CheckpointError, RankFailure, NonFiniteLossError  # noqa: F401
+from fxpar.core.errors import VerifyError  # noqa: F401
+from fxpar.core.plan import Plan  # noqa: F401
 from fxpar.runtime.dist import launch  # noqa: F401
 from fxpar.runtime.trainer import ParallelModel  # noqa: F401
 

@@ -58,8 +58,9 @@ def cmd_demo(args):
 def cmd_plan(args):
     """Rank the plans for a model on N devices (nothing is allocated: fake tensors)."""
     import json
-    from fxpar.compiler import cost, planner
-    from fxpar.compiler.errors import FxparError
+    from fxpar.compiler import planner
+    from fxpar.core import cost
+    from fxpar.core.errors import FxparError
     from fxpar.examples import gpt_stats as G
     dev = args.device_type
     precision = args.precision or ("fp32" if dev == "cpu" else "bf16")
@@ -213,7 +214,7 @@ def parser() -> argparse.ArgumentParser:
     fmt = _Help
     ap = argparse.ArgumentParser(prog="fxpar", formatter_class=fmt, description=(
         "fxpar: compile a PyTorch training step into parallel per-rank programs. Logging: "
-        "FXPAR_LOGS=planner,+passes (see fxpar/compiler/logs.py)."))
+        "FXPAR_LOGS=planner,+passes (see fxpar/core/logs.py)."))
     ap.add_argument("--version", action=_Version, help="print fxpar's and torch's versions")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,viz,plan,zoo}")
     d = sub.add_parser("demo", formatter_class=fmt,
@@ -288,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    from fxpar.compiler import logs
+    from fxpar.core import logs
     args = parser().parse_args(argv)
     try:
         logs.configure()

@@ -184,7 +184,8 @@ def per_block_vs_spanning(layers: list[int], seq: int, width: int, rounds: int =
     import time
 
     import fxpar
-    from fxpar.compiler import codegen, ir
+    from fxpar.compiler import codegen
+    from fxpar.core import ir
     print(f"{'layers':>6} {'step ms per block':>17} {'spanning':>9} {'per block/spanning':>18}")
     for n in layers:
         torch.manual_seed(0)
@@ -261,7 +262,7 @@ def zoo_stamped(depth: int) -> None:
 
 def main():
     import fxpar
-    from fxpar.compiler import ir
+    from fxpar.core import ir
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="2,12,48")
     ap.add_argument("--seq", type=int, default=128)

@@ -20,9 +20,9 @@ import os
 import torch
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import cost
+from fxpar.core import cost
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.compiler.plan import Plan
+from fxpar.core.plan import Plan
 from fxpar.examples import models as M
 from fxpar.kernels.jit import interpreter
 from fxpar.passes import fusion
@@ -35,7 +35,7 @@ def traffic(name: str, model, batch):
     gm, sig = cap.capture(model, batch)
     before = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
     with interpreter():  # lets the pass run on CPU; it only rewrites the graph
-        gm = fusion.run(gm, Plan(), PassContext(signature=sig, device="cpu"))
+        gm = fusion.run(gm, fusion.Options(), PassContext(signature=sig, device="cpu"))
     after = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
     d = gm.meta["fusion"]
     per_kind = collections.defaultdict(lambda: [0, 0, 0])

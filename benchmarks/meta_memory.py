@@ -94,7 +94,8 @@ def rank(args, weights, plan):
 def estimate(args, plan, world) -> float:
     """The planner's per-rank memory for `plan` (max over stages), from the meta model."""
     import transformers
-    from fxpar.compiler import cost, planner
+    from fxpar.compiler import planner
+    from fxpar.core import cost
     from fxpar.compiler.compile import planner_stats
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(_config(args))

@@ -35,7 +35,8 @@ def _cfg():
 
 def _plan_job(batch_rows: int, limit: int | None, state: str):
     """This rank's planning, as a plan="auto" job does it, and the progress so far."""
-    from fxpar.compiler import autoplan, planner
+    from fxpar.compiler import planner
+    from fxpar.api import autoplan
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     cfg = _cfg()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 
-from fxpar.compiler import cost, planner
+from fxpar.compiler import planner
+from fxpar.core import cost
 from fxpar.examples import gpt_stats as G
 
 # name, t, p, GPUs, batch, measured TFLOP/s per GPU, % of peak (Table 1)

@@ -5,8 +5,8 @@ with weights= from a save_pretrained directory (each rank reads only its part), 
 CPU ranks, batch 4 x 128, AdamW: plan="auto" (the planner's ranked table: its price of
 every legal plan), then each plan named below, timed over --steps steps (the first two,
 which compile and check, left out; median). Prints predicted and measured seconds per plan
-and their ratio: what the planner gets wrong at this size (docs/benchmarks.md, "Planner at
-a real model's size").
+and their ratio: what the planner gets wrong at this size (docs/benchmarks.md, "At a real
+model's size on CPU").
 
     .venv/bin/python benchmarks/planner_real_size.py [--steps 7] [--layers 12]
 """

@@ -145,7 +145,8 @@ def time_interleaved(pms: list, data, rounds: int, every_round: bool = False):
 
 
 def worker(name: str, cap: int, rounds: int, memory: bool = True):
-    from fxpar.compiler import autoplan, planner
+    from fxpar.compiler import planner
+    from fxpar.api import autoplan
     factory, batch = MODELS[name]
     world = int(os.environ["WORLD_SIZE"])
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731

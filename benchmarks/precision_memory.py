@@ -2,7 +2,7 @@
 
 For Hugging Face GPT-2 small and a 12 x 768 Llama at the GPU benchmark's size (8 x 1024
 tokens), built on the meta device (nothing runs, any machine): the joint graph after fxpar's
-passes, as one device runs it, counted op by op by the cost model (compiler/cost.py):
+passes, as one device runs it, counted op by op by the cost model (core/cost.py):
 - activation peak: cost.simulate_liveness's peak of live activations (what remat budgets);
 - bytes written: every op's outputs (views free);
 - fp32 [N, V]: fp32 tensors of the logits' size (a copy of the logits, its gradient).
@@ -20,7 +20,7 @@ import os
 import torch
 
 import fxpar
-from fxpar.compiler import cost
+from fxpar.core import cost
 from fxpar.examples import models as M
 
 GiB = 2 ** 30

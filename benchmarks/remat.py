@@ -37,10 +37,9 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import cost
-from fxpar.compiler.errors import PlanError
+from fxpar.core import cost
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.compiler.plan import Plan
 from fxpar.examples import models as M
 from fxpar.passes import remat
 from fxpar.runtime.memtrack import measure
@@ -189,7 +188,7 @@ def bench(name, model, batch, stem, blocks, head, budgets):
     def fx(label, mode):
         t = time.perf_counter()
         try:
-            g = gm if mode == "none" else remat.run(gm, Plan(dp=1, tp=1, pp=1, remat=mode),
+            g = gm if mode == "none" else remat.run(gm, remat.Options(remat=mode, dp=1),
                                                     PassContext(signature=sig))
         except PlanError:
             return Row(label, None)

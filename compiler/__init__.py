@@ -1,1 +1,1 @@
-"""Front door and orchestration: capture, plan, pass manager, cost model."""
+"""The compiler: capture, the pass manager, the planner, code generation, and compile() -> Program. On passes/ and core/."""

@@ -56,12 +56,13 @@ from torch._decomp import get_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import ir, padded_nonzero, repeated_blocks
-from fxpar.compiler.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
+from fxpar.compiler import padded_nonzero, repeated_blocks
+from fxpar.core import ir
+from fxpar.core.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
-from fxpar.compiler.errors import TraceError
-from fxpar.compiler.graphs import fake_like
-from fxpar.compiler.sharding import has_sharding_rule
+from fxpar.core.errors import OWN_CODE, TraceError
+from fxpar.core.graphs import fake_like
+from fxpar.core.sharding import has_sharding_rule
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -328,13 +329,8 @@ class _ModuleTagger:
             h.remove()
 
 
-# torch's and fxpar's own code, by directory (not by a "/fxpar/" in the path: a user's project
-# or a clone named fxpar holds the user's model code too)
-_FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_NOT_USER = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-             *(os.path.join(_FXPAR_ROOT, d) + os.sep
-               for d in ("compiler", "passes", "runtime", "kernels", "viz")),
-             *(os.path.join(_FXPAR_ROOT, f) for f in ("__init__.py", "__main__.py")))
+# torch's and fxpar's own code (core/errors.OWN_CODE)
+_NOT_USER = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, *OWN_CODE)
 
 
 def _user_line(exc: BaseException) -> str:
@@ -692,19 +688,19 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
         grads = [node_by_name.get(name_to_grad.get(p)) if name_to_grad.get(p) else None
                  for p in sig.parameters]
     out_node.args = ((loss, *grads, *outs[:n_mut]),)
-    out_node.meta["n_grads"] = len(grads)
+    out_node.meta[ir.N_GRADS] = len(grads)
     graph._codegen = torch.fx.graph.CodeGen()  # plain positional inputs and outputs
 
     n_p, n_b = len(param_names), len(buffer_names)
     for i, ph in enumerate(placeholders):
         if i < n_p:
-            ph.meta[ir.ROLE], ph.meta["fqn"] = "param", param_names[i]
+            ph.meta[ir.ROLE], ph.meta[ir.FQN] = "param", param_names[i]
             ph.meta[ir.MODULE] = param_names[i].rpartition(".")[0]
         elif i < n_p + n_b:
-            ph.meta[ir.ROLE], ph.meta["fqn"] = "buffer", buffer_names[i - n_p]
+            ph.meta[ir.ROLE], ph.meta[ir.FQN] = "buffer", buffer_names[i - n_p]
             ph.meta[ir.MODULE] = buffer_names[i - n_p].rpartition(".")[0]
         else:
-            ph.meta[ir.ROLE], ph.meta["fqn"] = "batch", f"batch[{i - n_p - n_b}]"
+            ph.meta[ir.ROLE], ph.meta[ir.FQN] = "batch", f"batch[{i - n_p - n_b}]"
             ph.meta[ir.MODULE] = ""
         ph.meta[ir.REGION] = ir.FORWARD
 

@@ -42,18 +42,15 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import FxparError, PlanError
-from fxpar.compiler.logs import announce
+from fxpar.core import cost, ir
+from fxpar.core.ir import Generated, Run  # noqa: F401 (what generate returns)
+from fxpar.core.errors import CodegenError, PlanError  # noqa: F401 (CodegenError: raised here)
+from fxpar.core.logs import announce
 
 log = logging.getLogger(__name__)
 # a run with fewer ATen compute ops than this stays eager: a compile costs seconds and a
 # handful of ops gains nothing from fusion (views, getitems and the like do not count)
 MIN_OPS = 3
-
-
-class CodegenError(FxparError):
-    """Inductor could not compile a part of the graph."""
 
 
 def decide(codegen: str, device) -> tuple[str, str | None]:
@@ -90,44 +87,6 @@ def decide(codegen: str, device) -> tuple[str, str | None]:
     if codegen == "inductor":
         raise PlanError(f"Plan.codegen='inductor': {why}. Use codegen='eager' (or 'auto').")
     return "eager", why
-
-
-@dataclasses.dataclass
-class Run:
-    """One compiled run: its name, how many ATen ops it holds, compile seconds, whether it
-    was loaded from fxpar's cache."""
-    name: str
-    ops: int
-    seconds: float
-    cached: bool = False
-    reused: bool = False  # the same code as an earlier run of this graph (a repeated block)
-
-
-@dataclasses.dataclass
-class Generated:
-    """What `generate` did to one graph (gm.meta["codegen"] of its result)."""
-    runs: list[Run]
-    eager_ops: int    # ATen ops left outside compiled runs (short runs, failed runs,
-    #                   CPU_EAGER_OPS on CPU)
-    seconds: float
-    failed: list[str] = dataclasses.field(default_factory=list)  # runs Inductor refused, why
-
-    @staticmethod
-    def combined(done: list["Generated"]) -> "Generated":
-        """Several graphs' (a rank's pipeline parts, evaluate's graph) as one."""
-        return Generated([r for d in done for r in d.runs], sum(d.eager_ops for d in done),
-                         sum(d.seconds for d in done), [f for d in done for f in d.failed])
-
-    def summary(self) -> str:
-        ops = sum(r.ops for r in self.runs)
-        hits = sum(r.cached for r in self.runs)
-        reused = sum(r.reused for r in self.runs)
-        return (f"{len(self.runs)} compiled runs holding {ops} ops"
-                + (f" ({hits} from the cache)" if hits else "")
-                + (f" ({reused} the code of a repeated block's earlier copy)" if reused else "")
-                + f", {self.eager_ops} ops left eager"
-                + (f" ({len(self.failed)} runs Inductor could not compile: see the log)"
-                   if self.failed else ""))
 
 
 def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:

@@ -1,10 +1,10 @@
 """fxpar.compile: model + loss + example batch + plan -> Program, with no process group.
 
-Pure (DESIGN.md section 1): it opens no process group, allocates no device memory and reads
+Pure (docs/design.md section 1): it opens no process group, allocates no device memory and reads
 no weight values, so a model whose parameters are on the meta device compiles (they are
 traced as fake stand-ins on the target device type; the model is left as it was). It owns
 capture -> every pass -> the stage split, and returns the Program the runtime runs: the
-graph(s), the decisions every pass recorded (compiler/ir.py), the schedule, the snapshots
+graph(s), the decisions every pass recorded (core/ir.py), the schedule, the snapshots
 for pictures and the compile times (program.compile_times: one row per phase, "other" for
 the rest, adding up to compile's wall time). Collectives name the symbolic groups of ir.GROUPS; the
 runtime binds them to its process groups. fxpar.parallelize = compile + runtime/trainer.
@@ -20,14 +20,15 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import codegen, cost, ir, planner, stages
-from fxpar.compiler.cost import device_memory
-from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import snapshot, summed_buffer_updates, verify
-from fxpar.compiler.logs import Clock, announce, configure
+from fxpar.compiler import codegen, planner, stages
+from fxpar.core import cost, ir
+from fxpar.core.cost import device_memory
+from fxpar.core.errors import PlanError
+from fxpar.core.graphs import snapshot, summed_buffer_updates, verify
+from fxpar.core.logs import Clock, announce, configure
 from fxpar.compiler.pass_manager import PassContext, run_passes
 from fxpar.passes import data_parallel
-from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
+from fxpar.core.plan import Plan, needs_search, resolve, world_of
 
 log = logging.getLogger(__name__)
 

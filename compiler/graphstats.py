@@ -30,8 +30,8 @@ import operator
 import torch
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.graphs import grad_sum_trees, param_grads
+from fxpar.core import cost, ir
+from fxpar.core.graphs import grad_sum_trees, param_grads
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -319,13 +319,13 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     # saved value.
     seq_seg = {}
     for n in fwd:
-        seq_seg.setdefault(n.meta.get("seq_nr"), seg_of[n])
+        seq_seg.setdefault(n.meta.get(ir.SEQ_NR), seg_of[n])
     seq_seg.pop(None, None)
     rank = {name: i for i, name in enumerate(order)}
     for b in bwd:
         m = b.meta.get(ir.MODULE, "")
         read = [seg_of[a] for a in b.all_input_nodes if a in seg_of]
-        seg_of[b] = match(layer_key(m)) or seq_seg.get(b.meta.get("seq_nr")) or \
+        seg_of[b] = match(layer_key(m)) or seq_seg.get(b.meta.get(ir.SEQ_NR)) or \
             (module_seg.get(m) if m else None) or \
             (max(read, key=rank.__getitem__) if read else None) or module_seg.get(m) or "post"
 
@@ -353,8 +353,8 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
             continue
         if n.target in _MATMULS and w:
             base_w = [a for a in _param_roots(w)]
-            role = next((roles[p.meta.get("fqn")] for p in base_w
-                         if p.meta.get("fqn") in (roles or {})), "replicated")
+            role = next((roles[p.meta.get(ir.FQN)] for p in base_w
+                         if p.meta.get(ir.FQN) in (roles or {})), "replicated")
             if role in ("replicated", "column+gather"):
                 if role == "column+gather":  # 1/tp of the work, the output gathered whole
                     split_work.add(n)
@@ -445,7 +445,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
     for p in gm.graph.nodes:
         if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param":
             users = [u for u in p.users if u in on_fwd]
-            seg = match(layer_key(p.meta.get("fqn", ""))) or (seg_of[users[0]] if users
+            seg = match(layer_key(p.meta.get(ir.FQN, ""))) or (seg_of[users[0]] if users
                                                                else "pre")
             seg = seg if seg in segs else "pre"
             v = p.meta[ir.VAL]
@@ -490,7 +490,7 @@ def analyze(gm: torch.fx.GraphModule, rows: int, roles: dict | None = None) -> G
                       for p in dict.fromkeys(ws) if p in param_seg and _val_dim(p) >= 2]
     return GraphStats([segs[s] for s in order], rows, elem, transient, len(layers),
                       len(layers), heads=heads, column_weights=column_weights,
-                      tp_roles={p.meta.get("fqn", p.name): r for p, r in roles_found.items()},
+                      tp_roles={p.meta.get(ir.FQN, p.name): r for p, r in roles_found.items()},
                       node_segment={n.name: sg for n, sg in seg_of.items()},
                       last_grad=_last_grad(gm))
 

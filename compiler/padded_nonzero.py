@@ -37,9 +37,9 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 
-from fxpar.compiler import ir
-from fxpar.compiler.errors import TraceError
-from fxpar.compiler.graphs import fake_propagate
+from fxpar.core import ir
+from fxpar.core.errors import TraceError
+from fxpar.core.graphs import fake_propagate
 
 aten = torch.ops.aten
 

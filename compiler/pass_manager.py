@@ -1,6 +1,11 @@
-"""The ordered pass list and the checks run after every pass.
+"""The pass list, ordered and checked from the passes' contracts, and the checks run after
+every pass.
 
-Each pass is `run(gm, plan, ctx) -> gm`. After every pass: `graph.lint()`, a fake-tensor
+Each pass is `run(gm, options, ctx) -> gm` beside its CONTRACT (core/ir.PassContract): the
+plan decides which passes run (`applies`), their contracts decide the order - a provider
+before the passes that require or read its keys, and the few constraints no key names
+(`before`, `after`) - and a pass whose required key neither capture nor an earlier pass
+provides is refused before anything runs. After every pass: `graph.lint()`, a fake-tensor
 re-propagation that checks every node's meta["val"] (shape, dtype) unless the pass has just
 recomputed them itself, a snapshot for `pm.stage_graphs`, and one log line (DEBUG:
 FXPAR_LOGS=+passes; INFO when over 2 s).
@@ -12,12 +17,15 @@ import logging
 import time
 from typing import Any, Callable
 
+import networkx as nx
 import torch
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.graphs import snapshot, verify
-from fxpar.compiler.logs import announce, phase_done
+from fxpar.core import cost, ir
+from fxpar.core.errors import PassError
+from fxpar.core.graphs import snapshot, verify
+from fxpar.core.logs import announce, phase_done
+from fxpar.core.plan import pass_options
 from fxpar.kernels.jit import unavailable_reason
 from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precision, remat,
                           tensor_parallel)
@@ -34,7 +42,7 @@ FRESH_VALUES = frozenset({"tensor_parallel"})
 class PassContext:
     """What a pass may know besides the graph (read-only): the signature, the symbolic group
     names, and the inputs of remat, overlap, pipeline_split and the cost model. What a pass
-    decides goes into the graph, node.meta, or gm.meta under the names compiler/ir.py
+    decides goes into the graph, node.meta, or gm.meta under the names core/ir.py
     declares."""
     signature: ir.GraphSignature
     group_names: dict[str, str] = dataclasses.field(
@@ -52,35 +60,62 @@ class PassContext:
     fresh_values: bool = True
 
 
-def _pass_list(plan, device=None, codegen: str = "eager"
-               ) -> tuple[list[tuple[str, Callable]], str | None]:
-    # DESIGN.md section 4 order: remat, pipeline_split, tensor_parallel, data_parallel,
-    # overlap, fusion; precision (mixed precision) before them all, so every later pass
-    # sees the half-precision dtypes and sizes.
-    # A pass the plan switches off is left out (no empty snapshot for it). Returns the list
-    # and, if Plan.fuse asked for fusion that cannot run on this device, why.
-    passes = []
-    if plan.precision != "fp32":
-        passes.append(("precision", precision.run))
-    if plan.remat != "none":
-        passes.append(("remat", remat.run))
-    if plan.pp > 1:
-        passes.append(("pipeline_split", pipeline_split.run))
-    if plan.tp > 1:
-        passes.append(("tensor_parallel", tensor_parallel.run))
-    passes.append(("data_parallel", data_parallel.run))
-    if plan.overlap and plan.dp * plan.tp * plan.pp > 1:
-        passes.append(("overlap", overlap.run))
+# every pass fxpar has; which run, and in what order, follows from their contracts
+PASSES = (precision, remat, pipeline_split, tensor_parallel, data_parallel, overlap, fusion)
+
+
+def order(contracts: list[ir.PassContract]) -> list[ir.PassContract]:
+    """`contracts` in an order their declarations allow (the given order where they leave it
+    free); a PassError names a required key nobody provides before its pass, or a cycle."""
+    by_name = {c.name: c for c in contracts}
+    g = nx.DiGraph()
+    g.add_nodes_from(by_name)
+    for c in contracts:
+        for key in (c.requires | c.reads) - ir.CAPTURED:
+            for p in contracts:
+                if p is not c and key in p.provides:
+                    g.add_edge(p.name, c.name, why=key)
+        g.add_edges_from(((c.name, n) for n in c.before if n in by_name), why="before")
+        g.add_edges_from(((n, c.name) for n in c.after if n in by_name), why="after")
+    rank = {c.name: i for i, c in enumerate(contracts)}
+    try:
+        names = list(nx.lexicographical_topological_sort(g, key=rank.__getitem__))
+    except nx.NetworkXUnfeasible:
+        cycle = nx.find_cycle(g)
+        raise PassError("the passes' contracts contradict each other: " + ", ".join(
+            f"{a} before {b} ({g.edges[a, b]['why']})" for a, b, *_ in cycle)) from None
+    provided = set(ir.CAPTURED)
+    for name in names:
+        c = by_name[name]
+        missing = sorted(c.requires - provided)
+        if missing:
+            raise PassError(
+                f"pass {name} requires the graph keys {missing}, which neither capture nor a "
+                f"pass before it provides (passes in this plan: {names}); run the pass that "
+                "provides them (its CONTRACT.provides) or drop the requirement")
+        provided |= c.provides
+    return [by_name[n] for n in names]
+
+
+def _pass_list(plan, device=None, codegen: str = "eager", passes=PASSES
+               ) -> tuple[list[tuple[str, Callable, Any]], str | None]:
+    """The passes `plan` runs, ordered by their contracts, as (name, run, options); and, if
+    Plan.fuse asked for fusion that cannot run on this device, why."""
+    chosen = {}
+    for module in passes:
+        c = module.CONTRACT
+        options = pass_options(c.options, plan)
+        if c.applies(options):
+            chosen[c.name] = (c, module.run, options)
     fusion_skipped = None
-    if plan.fuse:
+    if "fusion" in chosen and codegen != "inductor":
         # (with Inductor as the fuser the pass runs anywhere: it shapes Inductor's input)
-        fusion_skipped = None if codegen == "inductor" else unavailable_reason(
-            device if device is not None else "cpu")
-        if fusion_skipped is None:
-            passes.append(("fusion", fusion.run))
-        else:  # e.g. CPU without the interpreter: the unfused ops run (and we say why)
-            log.debug("fusion left out: %s", fusion_skipped)
-    return passes, fusion_skipped
+        fusion_skipped = unavailable_reason(device if device is not None else "cpu")
+        if fusion_skipped is not None:  # e.g. CPU without the interpreter: the unfused ops
+            log.debug("fusion left out: %s", fusion_skipped)  # run (and we say why)
+            del chosen["fusion"]
+    ordered = order([c for c, _, _ in chosen.values()])
+    return [(c.name, chosen[c.name][1], chosen[c.name][2]) for c in ordered], fusion_skipped
 
 
 def _count(gm):
@@ -90,7 +125,7 @@ def _count(gm):
 def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
                snapshots: dict[str, dict[str, torch.fx.GraphModule]]) -> torch.fx.GraphModule:
     """Run the pass list in order, verifying and snapshotting after each. The result's
-    gm.meta holds every pass's decisions (compiler/ir.py), the pass times
+    gm.meta holds every pass's decisions (core/ir.py), the pass times
     (ir.PASS_TIMES) and, if Plan.fuse could not run here, why (ir.FUSION_SKIPPED)."""
     t0 = time.perf_counter()
     verify(gm)
@@ -98,11 +133,11 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     times = [("verify capture", time.perf_counter() - t0, _count(gm))]
     phase_done(log, "verify capture", times[0][1])
     passes, fusion_skipped = _pass_list(plan, ctx.device, ctx.codegen)
-    for name, fn in passes:
+    for name, fn, options in passes:
         before = _count(gm)
         t0 = time.perf_counter()
         with announce(log, f"pass {name} on {before} nodes"):
-            out = fn(gm, plan, ctx)
+            out = fn(gm, options, ctx)
         if out is not gm:  # a pass that built a new module keeps the decisions made so far
             out.meta = {**gm.meta, **out.meta}
         gm = out

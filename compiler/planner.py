@@ -8,7 +8,7 @@ by running the passes:
             (compiler/cost.Hardware; the CPU's numbers are measured at start-up);
   tp        Megatron's all-reduces (per block 2 forward + 2 backward of b*s*h) with the
             alpha-beta ring model of the link the tp group spans;
-  pp        the schedule's makespan from runtime/schedules.simulate_schedule with those stage times and
+  pp        the schedule's makespan from core/schedules.simulate_schedule with those stage times and
             the p2p time of the cut activations (the best candidates are simulated; the rest
             priced by the closed form (m + pp - 1) x slowest stage first);
   dp        gradient all-reduce or ZeRO's reduce-scatter + all-gather (ZeRO-3 also gathers the
@@ -32,23 +32,25 @@ from typing import NamedTuple
 import sympy
 import torch
 
-from fxpar.compiler import codegen, cost, ir
-from fxpar.compiler import quantized_comm as qcomm
-from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import fake_propagate, param_grads, summed_buffer_updates
+from fxpar.compiler import codegen
+from fxpar.core import cost, ir
+from fxpar.core import quantized_comm as qcomm
+from fxpar.core.errors import PlanError
+from fxpar.core.graphs import fake_propagate, param_grads, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
                                        layer_key, saved_bytes, saved_values,
                                        storage_base)
-from fxpar.compiler.logs import Clock, Ticker, phase_done
-from fxpar.compiler.logs import rank as log_rank
+from fxpar.core.logs import Clock, Ticker, phase_done
+from fxpar.core.logs import rank as log_rank
 from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEstimate,
                                          optimizer_kind, stage_state, state_bytes_per_param,
                                          with_activations)
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.compiler.plan import Plan, quantization_misfit, replays_step, resolve
+from fxpar.core.plan import (SEARCHED, Plan, plan_dict, quantization_misfit,  # noqa: F401
+                             replays_step, resolve)
 from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
-from fxpar.runtime import schedules
+from fxpar.core import schedules
 
 log = logging.getLogger(__name__)
 
@@ -469,7 +471,7 @@ def stages_of(stats: GraphStats, pp: int, v: int = 1,
 
 def in_flight(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
     """Peak microbatches whose activations rank r holds, in units of its whole stage, by the
-    schedules' construction (runtime/schedules.py; equal to its simulator's peak_in_flight,
+    schedules' construction (core/schedules.py; equal to its simulator's peak_in_flight,
     tested): GPipe m; 1F1B min(pp - r, m); ZB-H1 min(pp, m) (its W's wait r steps);
     interleaved: Megatron's warmup 2(pp - r - 1) + (v - 1)pp chunk forwards plus one, in
     chunks of 1/v of the stage."""
@@ -838,16 +840,6 @@ def _compute_scaled(hw: cost.Hardware, k: float) -> cost.Hardware:
     return out
 
 
-_SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "precision",
-             "offload_optimizer")
-
-
-def plan_dict(p: Plan) -> dict:
-    """The searched fields of a plan, as a dict fxpar.parallelize(plan=...) takes (and what
-    tells a table's plan from another)."""
-    return {k: getattr(p, k) for k in _SEARCHED}
-
-
 def recalibrate(result: PlanResult, plan: Plan, measured_s: float,
                 measured: str = "a measured step") -> PlanResult:
     """Re-price every plan after `plan` (one of result.table) ran at `measured_s` seconds
@@ -865,7 +857,7 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float,
     inp = result.inputs
     # the plan's fields pinned; a remat budget the search derived (to fit) is derived again
     # alike -- pinned, it would be applied to every stage and price a different plan
-    fixed = {**{k: getattr(plan, k) for k in _SEARCHED if k != "remat"}, **inp["constraints"]}
+    fixed = {**{k: getattr(plan, k) for k in SEARCHED if k != "remat"}, **inp["constraints"]}
 
     def predicted(k):
         hw = _compute_scaled(result.hardware, k)
@@ -1297,7 +1289,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
-        if k2 not in _SEARCHED:  # (e.g. codegen, max_grad_norm, offload, overlap)
+        if k2 not in SEARCHED:  # (e.g. codegen, max_grad_norm, offload, overlap)
             setattr(plan, k2, given)
     c = Candidate(plan, step, mems[worst][0], mfu, 1 - busy / pipe if pp > 1 else 0.0, parts,
                   recompute=max(r for _, r in mems))

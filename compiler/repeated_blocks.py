@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +131,14 @@ class _Blocks:
         by_seq: dict[int, int | None] = {}
         for n in gm.graph.nodes:
             if n.op == "placeholder":
-                j = index(n.meta.get("fqn")) if n.meta.get(ir.ROLE) in ("param", "buffer") \
+                j = index(n.meta.get(ir.FQN)) if n.meta.get(ir.ROLE) in ("param", "buffer") \
                     else None
             elif n.op == "call_function" and n.meta.get(ir.REGION) == ir.FORWARD:
                 j = index(n.meta.get(ir.MODULE))
-                if "seq_nr" in n.meta:
-                    by_seq.setdefault(n.meta["seq_nr"], j)
+                if ir.SEQ_NR in n.meta:
+                    by_seq.setdefault(n.meta[ir.SEQ_NR], j)
             elif n.op == "call_function":
-                seq = n.meta.get("seq_nr")
+                seq = n.meta.get(ir.SEQ_NR)
                 if n.meta.get("is_gradient_acc"):  # autograd's sum of two gradients (it
                     # carries another op's number): the block both come from, none if none
                     ins = {self.of.get(a) for a in n.all_input_nodes}
@@ -217,11 +217,11 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
 
     def copy_meta(src, dst):
         dst.meta = dict(src.meta)
-        for key in (ir.MODULE, "fqn"):
+        for key in (ir.MODULE, ir.FQN):
             if isinstance(src.meta.get(key), str):
                 dst.meta[key] = _rename(src.meta[key], prefix, last_abs, new_abs)
-        if "seq_nr" in src.meta:
-            dst.meta["seq_nr"] = src.meta["seq_nr"] + seq_step
+        if ir.SEQ_NR in src.meta:
+            dst.meta[ir.SEQ_NR] = src.meta[ir.SEQ_NR] + seq_step
 
     # placeholders: after the last block's, per role (params, then buffers)
     for role in ("param", "buffer"):
@@ -284,7 +284,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
             u.replace_input_with(n, kappa[n])
     # outputs and signature: the new block's gradients and buffer updates after the last's
     outs = list(out.args[0])
-    n_g = out.meta.get("n_grads", 0)  # (0 in a forward-only graph)
+    n_g = out.meta.get(ir.N_GRADS, 0)  # (0 in a forward-only graph)
     grads, updates = outs[1:1 + n_g], outs[1 + n_g:]
     old = f"{prefix}{last_abs}."
     p_last = [i for i, name in enumerate(sig.param_names) if name.startswith(old)]
@@ -304,7 +304,7 @@ def _stamp_one(gm: torch.fx.GraphModule, sig: ir.GraphSignature, blocks: _Blocks
             if any(vals[i] is not None and vals[i] not in kappa for i in idx):
                 raise NotStampable(f"an output of block {last_j} is computed outside it")
     out.args = ((outs[0], *grads, *updates),)
-    out.meta["n_grads"] = len(grads)
+    out.meta[ir.N_GRADS] = len(grads)
     # block k's nodes: the copies, in graph order
     blocks.nodes.append([kappa[n] for n in last])
     for n in last:
@@ -335,7 +335,7 @@ def _canonical(gm: torch.fx.GraphModule) -> list:
         rows.append((n.op, None if n.op == "placeholder" else str(n.target),
                      pytree.tree_map(a, n.args), pytree.tree_map(a, n.kwargs),
                      n.meta.get(ir.MODULE), n.meta.get(ir.REGION), n.meta.get(ir.ROLE),
-                     n.meta.get("fqn"), meta))
+                     n.meta.get(ir.FQN), meta))
     return rows
 
 
@@ -659,7 +659,7 @@ def capture(model: torch.nn.Module, trace: Callable[[], tuple], found,
                 if n.op == "call_function")
     _same_structure(blocks, 2, call[-1], outside, joint)
     _run_alike(list(lst._modules.values()), start, forward)
-    seq = 1 + max((n.meta.get("seq_nr", 0) for n in g3.graph.nodes), default=0)
+    seq = 1 + max((n.meta.get(ir.SEQ_NR, 0) for n in g3.graph.nodes), default=0)
 
     _stamp_one(g2, s2, b2, psi2, seq)
     g2.graph.lint()

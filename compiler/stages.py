@@ -22,7 +22,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 
 PHASE = ir.PHASE
 
@@ -152,7 +152,7 @@ def split(gm: torch.fx.GraphModule, signature: ir.GraphSignature, n_stages: int)
                         [n.name for n in outs])
 
     outs = list(out_node.args[0])
-    n_g = out_node.meta.get("n_grads", n_p)
+    n_g = out_node.meta.get(ir.N_GRADS, n_p)
 
     def name(v):
         return v.name if isinstance(v, torch.fx.Node) else None

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import planner
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.examples import models as M
 
 # Narayanan et al. 2021, Table 1; GPT-3.

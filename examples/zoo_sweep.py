@@ -40,7 +40,8 @@ import traceback
 import torch
 
 import fxpar
-from fxpar.compiler import ir, planner
+from fxpar.compiler import planner
+from fxpar.core import ir
 from fxpar.examples import zoo
 from fxpar.runtime.dist import LaunchError
 

@@ -13,9 +13,8 @@ import triton.language as tl
 
 from fxpar.kernels.jit import kernel, row_blocks
 
-# columns per block: a whole 50k-row in one block (the first version) spilled its registers
-# on an H100, 5x slower than ATen (docs/benchmarks.md, "GPU: one NVIDIA H100 (2026-11-27");
-# the forward walks a row in blocks of this many columns (online logsumexp), the backward is
+# columns per block: a whole 50k-wide row in one block spills its registers on an H100 (5x
+# slower than ATen); the forward walks a row in blocks of this many columns (online logsumexp), the backward is
 # one program per block
 CHUNK = 4096
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

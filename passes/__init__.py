@@ -1,1 +1,3 @@
-"""One module per graph pass. A pass is `run(gm, plan, ctx) -> gm`; passes never import each other."""
+"""One module per graph pass: `run(gm, options, ctx) -> gm` beside its `CONTRACT`
+(core/ir.PassContract: the keys it requires, reads and provides, its options). Passes never
+import each other; the pass manager orders them from their contracts."""

@@ -24,17 +24,18 @@ layer's gradients). runtime/zero.py steps the optimizer on the shards.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
 import torch
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler import quantized_comm as qcomm
-from fxpar.compiler.errors import BatchError, PlanError, ShardingError
-from fxpar.compiler.graphs import ancestors, copy_graph, fake_propagate, packing
-from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
+from fxpar.core import cost, ir
+from fxpar.core import quantized_comm as qcomm
+from fxpar.core.errors import BatchError, PlanError, ShardingError
+from fxpar.core.graphs import ancestors, copy_graph, fake_propagate, packing
+from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
 log = logging.getLogger(__name__)
@@ -42,19 +43,40 @@ c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    dp: int | None = 1
+    zero: int = 0
+    microbatches: int = 1
+    bucket_mb: float | None = None
+    comm_quantization: str = "none"
+    batch_stats: str = "whole"
+
+
+CONTRACT = ir.PassContract(
+    "data_parallel", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN, ir.N_GRADS}),
+    # a pipeline's stages and parts, tensor parallelism's placements: where present, the
+    # reductions follow them
+    reads=frozenset({ir.STAGE, ir.PHASE, ir.SHARD}),
+    provides=frozenset({ir.BUCKET, ir.PACK, ir.BATCH_SHARD_DIMS, ir.ZERO_BUCKETS,
+                        ir.PARAMS_SHARDED, ir.LOSS_COUNT, ir.COUNTER_DTYPE}))
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     # (a forward-only graph, evaluate's, runs the whole batch at once)
     joint = any(n.meta.get(ir.REGION) == ir.BACKWARD for n in gm.graph.nodes
                 if n.op == "call_function")
-    if plan.microbatches > 1 and joint and plan.batch_stats == "whole":
+    if options.microbatches > 1 and joint and options.batch_stats == "whole":
         _refuse_row_coupling(gm)  # ("microbatch": each microbatch is its own batch, as asked)
-    nll = _mean_nll_loss(gm.graph) if plan.microbatches > 1 and joint else None
+    nll = _mean_nll_loss(gm.graph) if options.microbatches > 1 and joint else None
     # the per-microbatch count of targets, taken from the unsharded graph (see below)
     loss_count = _target_count_program(gm, nll) if nll is not None else None
-    gm = _split_batch(gm, plan, ctx)
+    gm = _split_batch(gm, options, ctx)
     gm.meta[ir.LOSS_COUNT] = loss_count
     if loss_count is not None:
-        _mean_over_microbatches(gm, nll, plan.dp)
+        _mean_over_microbatches(gm, nll, options.dp)
     return gm
 
 
@@ -89,8 +111,8 @@ def without_gradient_reduction(gm: torch.fx.GraphModule, n_grads: int,
     return out
 
 
-def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    dp = plan.dp
+def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule:
+    dp = options.dp
     if dp == 1:
         gm.meta[ir.BATCH_SHARD_DIMS] = [None] * sum(
             1 for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
@@ -105,7 +127,7 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
                 continue
             if v.shape[0] % dp:
                 raise BatchError(
-                    f"the global batch does not divide over dp={dp} ranks: {n.meta['fqn']} has "
+                    f"the global batch does not divide over dp={dp} ranks: {n.meta[ir.FQN]} has "
                     f"{v.shape[0]} rows on its batch dimension (dim 0). Use a global batch size "
                     f"that is a multiple of {dp}, or a plan with a dp that divides {v.shape[0]}.")
             placements[n.name] = (Shard(0),)
@@ -116,15 +138,15 @@ def _split_batch(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     shard_graph(gm, mesh, placements, [group])
     # gradient buckets: a fixed size if the plan gives one, else the cost model sizes them
     # (None); ZeRO-3 reduce-scatters per layer instead (_reduce_scatter_by_layer)
-    bucket_bytes = None if plan.bucket_mb is None else int(plan.bucket_mb * 2**20)
-    _reduce_outputs(gm, group, dp, bucket_bytes, plan.zero, ctx.profile,
-                    quantized="gradients" in plan.comm_quantization)
+    bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
+    _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
+                    quantized="gradients" in options.comm_quantization)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
-    if plan.zero == 3:
+    if options.zero == 3:
         # (with microbatches a step's forward and backward run as separate parts, one
         # microbatch at a time: a kept forward copy would be stashed per microbatch)
-        _gather_params_before_use(gm, group, dp, keep_tail=plan.microbatches == 1,
-                                  quantized="weights" in plan.comm_quantization)
+        _gather_params_before_use(gm, group, dp, keep_tail=options.microbatches == 1,
+                                  quantized="weights" in options.comm_quantization)
         gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
@@ -142,7 +164,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     outs = list(out.args[0])
-    n_p = out.meta["n_grads"]
+    n_p = out.meta[ir.N_GRADS]
     loss, grads, bufs = outs[0], outs[1:1 + n_p], outs[1 + n_p:]
 
     def to_replicate(v):
@@ -161,7 +183,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized
     if zero:
         grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
                                     gm.meta, profile, quantized)
-        out.meta["n_grads"] = len(grads)
+        out.meta[ir.N_GRADS] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
     # gradients: Partial(sum) ones go in buckets; anything else is redistributed on its own
@@ -406,7 +428,7 @@ def _target_count_program(gm, nll) -> torch.fx.GraphModule:
     g = torch.fx.Graph()
     env = {}
     for n in gm.graph.nodes:  # the user's batch leaves, in order (not fp16's loss scale)
-        if n.op == "placeholder" and n.meta.get("fqn", "").startswith("batch["):
+        if n.op == "placeholder" and n.meta.get(ir.FQN, "").startswith("batch["):
             env[n] = g.placeholder(n.name)
     for n in _batch_only(nll.args[1]):
         if n not in env:
@@ -415,7 +437,7 @@ def _target_count_program(gm, nll) -> torch.fx.GraphModule:
     counted = g.call_function(aten.ne.Scalar, (env[nll.args[1]], ignore))
     g.output(g.call_function(aten.sum.default, (counted,)))  # int64: exact at any size
     counter = torch.fx.GraphModule(gm, g)
-    counter.meta["dtype"] = nll.meta[ir.VAL][1].dtype  # the share's (total_weight's) dtype
+    counter.meta[ir.COUNTER_DTYPE] = nll.meta[ir.VAL][1].dtype  # the share's (total_weight's) dtype
     return counter
 
 
@@ -436,7 +458,7 @@ def _mean_over_microbatches(gm, nll, dp: int) -> None:
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(phs[-1]):
         share = graph.placeholder("loss_count")
-    share.meta.update({ir.ROLE: "batch", "fqn": "loss_count", ir.REGION: ir.FORWARD,
+    share.meta.update({ir.ROLE: "batch", ir.FQN: "loss_count", ir.REGION: ir.FORWARD,
                        ir.MODULE: "", ir.VAL: count.meta[ir.VAL].new_empty(())})
     gm.meta[ir.BATCH_SHARD_DIMS] = [*gm.meta[ir.BATCH_SHARD_DIMS], None]
     for b in backs:
@@ -607,7 +629,7 @@ def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, dec
 
 
 def _start_quantized_reduce_scatter(graph, flat, sizes, dp, group):
-    """qgZ (compiler/quantized_comm.py): `flat` ([dp * sum(sizes)], row r what rank r keeps:
+    """qgZ (core/quantized_comm.py): `flat` ([dp * sum(sizes)], row r what rank r keeps:
     segments of `sizes`, one per tensor) as int4 blocks, part r sent to rank r by one
     all-to-all; returns its wait."""
     payload = qcomm.int4_payload(_bucket_op(graph), flat, sizes, dp)
@@ -642,7 +664,7 @@ def _layer_of_param(p) -> str:
     """The layer (ir.layer_of) of the module owning parameter placeholder `p`: ZeRO-3's unit
     of one collective. Taken from the parameter's name, not from the module meta of the ops
     reading it (a bias gradient's sum is attributed to the next module the backward visits)."""
-    fqn = p.meta.get("fqn") or p.name
+    fqn = p.meta.get(ir.FQN) or p.name
     return ir.layer_of(fqn.rsplit(".", 1)[0] if "." in fqn else fqn)
 
 
@@ -819,7 +841,7 @@ def _gather(graph, shards, dp, group, before, full, quantized=False):
     result is then its shards back to back, [dp, sum of shard sizes]) and each weight copied
     out of its columns, FSDP2's all-gather copy-in / copy-out. `quantized` (qwZ): the input
     is quantized to int8 blocks and every rank's part dequantized after the gather
-    (compiler/quantized_comm.py); the quantization is packing (ir.PACK) too, so the overlap
+    (core/quantized_comm.py); the quantization is packing (ir.PACK) too, so the overlap
     pass moves it with the collective."""
     meta = {ir.REGION: before.meta.get(ir.REGION, ir.FORWARD),
             ir.MODULE: before.meta.get(ir.MODULE, ""), ir.SHARD: (Replicate(),)}

@@ -27,7 +27,7 @@ launches cost no host time and only the bytes count.
 
 Triton compiles for GPUs; on CPU the kernels run only in Triton's interpreter
 (TRITON_INTERPRET=1). Otherwise (and without Inductor) the pass changes nothing and says
-why in the log and in `gm.meta["fusion"]`. `Plan.fuse=False` leaves the pass out.
+why in the log and in `gm.meta[ir.FUSION_REPORT]`. `Plan.fuse=False` leaves the pass out.
 """
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ import dataclasses
 import heapq
 import logging
 import operator
+from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.plan import replays_step
-from fxpar.kernels import library
+from fxpar.core import cost, ir
+from fxpar.core.plan import replays_step
+from fxpar.kernels import launch_cost, library
 from fxpar.kernels.jit import unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -93,26 +94,44 @@ class Decision:
 INDUCTOR_CE = "cross_entropy for Inductor"  # Group.kind of _cross_entropy_closed_form's
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    fuse: bool = True
+    cuda_graphs: Any = False
+    pp: int | None = 1
+    microbatches: int = 1
+
+
+CONTRACT = ir.PassContract(
+    "fusion", Options,
+    requires=frozenset({ir.VAL, ir.REGION}),
+    provides=frozenset({ir.FUSED_GROUP, ir.FUSION_REPORT}),
+    # it fuses the graph the others leave: a pass after it would meet its kernel calls
+    after=frozenset({"precision", "remat", "pipeline_split", "tensor_parallel",
+                     "data_parallel", "overlap"}),
+    applies=lambda o: o.fuse)
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     reason = unavailable_reason(ctx.device if ctx.device is not None else "cpu")
     if ctx.codegen == "inductor":  # one fuser: Inductor's
         groups = cross_entropy_for_inductor(gm, triton=reason is None)
-        gm.meta["fusion"] = Decision(groups)
+        gm.meta[ir.FUSION_REPORT] = Decision(groups)
         log.debug("fusion: Inductor generates the kernels; cross-entropy: %s",
                   [g.kind for g in groups])
         return gm
     if reason:
         log.info("fusion: keeping the unfused ops: %s", reason)
-        gm.meta["fusion"] = Decision([], skipped=reason)
+        gm.meta[ir.FUSION_REPORT] = Decision([], skipped=reason)
         return gm
     # a step replayed from a CUDA graph (runtime/cudagraph.py) pays no host cost per launch
-    replayed = replays_step(getattr(plan, "cuda_graphs", False), getattr(plan, "pp", 1),
-                            getattr(plan, "microbatches", 1))
-    price = cost.kernel_price(ctx.device, replayed)
+    replayed = replays_step(options.cuda_graphs, options.pp, options.microbatches)
+    price = launch_cost.kernel_price(ctx.device, replayed)
     unpaid: list[list[str]] = []
     groups = hand_written(gm, price, unpaid)
     _restore_topological_order(gm.graph)  # a kept RMSNorm multiply now reads the kernel
-    gm.meta["fusion"] = Decision(groups, unpaid=unpaid)
+    gm.meta[ir.FUSION_REPORT] = Decision(groups, unpaid=unpaid)
     log.debug("fusion: %d hand-written kernels, bytes moved %d -> %d; %d ops left unfused "
               "(a launch would cost more than it saves)", len(groups),
               sum(g.bytes_unfused for g in groups), sum(g.bytes_fused for g in groups),
@@ -287,7 +306,7 @@ def _cross_entropy(graph, nll) -> list[Group]:
                 grad_loss, src, lse, target, reduction, ignore, total_weight, upcast,
                 down.kwargs["dtype"] if down else None))
         bwd.meta = dict(lb.meta)
-        bwd.meta["seq_nr"] = fwd.meta.get("seq_nr")  # the backward of the kernel's forward
+        bwd.meta[ir.SEQ_NR] = fwd.meta.get(ir.SEQ_NR)  # the backward of the kernel's forward
         if down:
             bwd.meta[ir.VAL] = down.meta[ir.VAL]
             down.replace_all_uses_with(bwd)

@@ -20,7 +20,7 @@ on the first, nothing soon on the second), and a reduce-scatter is waited on at 
 where the next one starts (one in flight, as FSDP2).
 
 The runtime (runtime/comm.py) runs starts and waits on real work handles, so the reordering is
-what makes communication and computation overlap. `gm.meta["overlap"]` records what moved.
+what makes communication and computation overlap. `gm.meta[ir.OVERLAP_REPORT]` records what moved.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import dataclasses
 import torch
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.graphs import packing
+from fxpar.core import cost, ir
+from fxpar.core.graphs import packing
 
 c10d = torch.ops._c10d_functional
 
@@ -44,7 +44,26 @@ class Decision:
     why: str = ""                     # nothing moved: the reason, for the report and console
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    overlap: bool = True
+    dp: int | None = 1
+    tp: int | None = 1
+    pp: int | None = 1
+
+
+CONTRACT = ir.PassContract(
+    "overlap", Options,
+    requires=frozenset({ir.VAL, ir.REGION}),
+    reads=frozenset({ir.BUCKET, ir.PACK, ir.TRANSFER, ir.SHARD}),
+    provides=frozenset({ir.MOVED, ir.OVERLAP_REPORT}),
+    # it moves every collective: the ones these insert too
+    after=frozenset({"pipeline_split", "tensor_parallel", "data_parallel"}),
+    applies=lambda o: o.overlap and (o.dp or 1) * (o.tp or 1) * (o.pp or 1) > 1)
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     graph = gm.graph
     pairs = collective_pairs(graph)
     if not pairs:
@@ -90,7 +109,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         if new != pos:
             order.insert(new, order.pop(pos))
             sunk[wait.name] = new - pos
-            wait.meta["moved"] = f"waited {new - pos} nodes later"
+            wait.meta[ir.MOVED] = f"waited {new - pos} nodes later"
 
     # 2. starts rise to just after their inputs (and after the previous start of their kind:
     #    a parameter all-gather may pass a gradient reduce-scatter, which nothing waits on
@@ -119,7 +138,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         if new != pos:
             order.insert(new, order.pop(pos))
             hoisted[start.name] = pos - new
-            start.meta["moved"] = f"started {pos - new} nodes earlier"
+            start.meta[ir.MOVED] = f"started {pos - new} nodes earlier"
         # the packing copies go right before their collective, wherever it now starts: above
         # its old place, or still below a copy (a wait sunk in step 1 can sit between copy and
         # collective, and the memory limit can stop the start right there); each copy is
@@ -136,7 +155,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         if prev.next is not n:
             prev.append(n)
     why = "" if hoisted or sunk else _why_nothing_moved(pairs, limited)
-    gm.meta["overlap"] = Decision(slack, hoisted, sunk, sorted(set(limited)), why)
+    gm.meta[ir.OVERLAP_REPORT] = Decision(slack, hoisted, sunk, sorted(set(limited)), why)
     return gm
 
 

@@ -19,7 +19,7 @@ weight gradients). Every edge between stages gets an explicit transfer node (an 
 with meta["transfer"] = (src stage, dst stage), placed in the consuming stage): activations
 forward, gradients backward, and values that skip stages (residual streams). The runtime
 turns these into send/recv between the stages' ranks. A tied weight's gradient parts are
-summed once a step (phase "R"), so its transfer is once a step too. `gm.meta["pipeline"]`
+summed once a step (phase "R"), so its transfer is once a step too. `gm.meta[ir.PIPELINE]`
 records cuts, stage costs and bytes sent.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ import operator
 import torch
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import grad_sum_trees
+from fxpar.core import cost, ir
+from fxpar.core.errors import PlanError
+from fxpar.core.graphs import grad_sum_trees
 
 aten = torch.ops.aten
 PHASE, TRANSFER = ir.PHASE, ir.TRANSFER
@@ -54,13 +54,27 @@ class Split:
         return max(self.stage_costs) / (sum(self.stage_costs) / len(self.stage_costs))
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    n_stages = plan.pp * ctx.virtual_stages
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    pp: int | None = 1
+    schedule: str = "1f1b"
+
+
+CONTRACT = ir.PassContract(
+    "pipeline_split", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.ROLE, ir.MODULE, ir.SEQ_NR}),
+    provides=frozenset({ir.STAGE, ir.PHASE, ir.TRANSFER, ir.PIPELINE}),
+    applies=lambda o: (o.pp or 1) > 1)
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    n_stages = options.pp * ctx.virtual_stages
     if n_stages == 1:
         return gm
-    split = partition(gm, n_stages, ctx.device, split_weight_grads=plan.schedule == "zero-bubble",
+    split = partition(gm, n_stages, ctx.device, split_weight_grads=options.schedule == "zero-bubble",
                       profile=ctx.profile)
-    gm.meta["pipeline"] = split
+    gm.meta[ir.PIPELINE] = split
     return gm
 
 
@@ -112,13 +126,13 @@ def partition(gm: torch.fx.GraphModule, n_stages: int, device=None,
     # weight gradient ran a stage early, with the logits' gradient sent to it.
     last_of_seq: dict[int, int] = {}
     for n in fwd:
-        if n.meta.get("seq_nr") is not None:
-            last_of_seq[n.meta["seq_nr"]] = max(last_of_seq.get(n.meta["seq_nr"], 0), fidx[n])
+        if n.meta.get(ir.SEQ_NR) is not None:
+            last_of_seq[n.meta[ir.SEQ_NR]] = max(last_of_seq.get(n.meta[ir.SEQ_NR], 0), fidx[n])
     anchor: dict[torch.fx.Node, int] = {}
     for b in bwd:
         reads = [fidx[a] for a in b.all_input_nodes if a in fidx]
-        if b.meta.get("seq_nr") in last_of_seq:
-            reads.append(last_of_seq[b.meta["seq_nr"]])
+        if b.meta.get(ir.SEQ_NR) in last_of_seq:
+            reads.append(last_of_seq[b.meta[ir.SEQ_NR]])
         reads += [param_anchor[a] for a in b.all_input_nodes if a in param_anchor]
         grads_in = [anchor[a] for a in b.all_input_nodes if a in anchor]
         a = max(reads) if reads else (min(grads_in) if grads_in else len(fwd) - 1)

@@ -37,7 +37,7 @@ fp16 (loss scaling): one more input, a 0-dim fp32 placeholder (role "batch", las
 "loss_scale"), multiplies the backward's seed `ones_like(loss)`: every gradient comes out
 scaled by it, and is divided by it right after the fp32 cast (unscaled in fp32, where the
 small gradients fp16 would flush to zero survive). The runtime (runtime/amp.py) feeds the
-scale and checks the gradients for inf/NaN. `gm.meta["precision"]` records what the pass did.
+scale and checks the gradients for inf/NaN. `gm.meta[ir.PRECISION_REPORT]` records what the pass did.
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from fxpar.compiler import ir
-from fxpar.compiler.errors import PlanError
+from fxpar.core import ir
+from fxpar.core.errors import PlanError
 
 aten = torch.ops.aten
 
@@ -117,11 +117,27 @@ class PrecisionInfo:
     attention: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> kernel
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    """Rewrite the fp32 joint graph to plan.precision (see the module docstring)."""
-    if plan.precision == "fp32":
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    precision: str = "fp32"
+    zero: int = 0
+
+
+CONTRACT = ir.PassContract(
+    "precision", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN}),
+    provides=frozenset({ir.LOSS_SCALE, ir.PRECISION_REPORT}),
+    # every later pass sizes and prices tensors in the dtypes this one chooses
+    before=frozenset({"remat", "pipeline_split", "tensor_parallel", "data_parallel", "overlap", "fusion"}),
+    applies=lambda o: o.precision != "fp32")
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    """Rewrite the fp32 joint graph to options.precision (see the module docstring)."""
+    if options.precision == "fp32":
         return gm
-    half = HALF_DTYPES[plan.precision]
+    half = HALF_DTYPES[options.precision]
     graph = gm.graph
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     env: dict[torch.fx.Node, object] = {}
@@ -155,7 +171,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             return x
         on_param = param_rooted(x)
         down = torch.finfo(dtype).bits < torch.finfo(dtype_of(x)).bits
-        scope = ("param" if plan.zero != 3 else user.meta[ir.REGION]) if on_param else \
+        scope = ("param" if options.zero != 3 else user.meta[ir.REGION]) if on_param else \
             "value" if down else user.meta[ir.REGION]
         key = (x, dtype, scope)
         if key in casts:
@@ -233,11 +249,11 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     outs = list(out.args[0])
     sig = ctx.signature
     n_p = sig.num_params
-    bufs = {ph.meta.get("fqn"): ph for ph in phs if ph.meta.get(ir.ROLE) == "buffer"}
+    bufs = {ph.meta.get(ir.FQN): ph for ph in phs if ph.meta.get(ir.ROLE) == "buffer"}
     want = [torch.float32] + [env[ph].dtype for ph in phs[:n_p]] + [
         env[bufs[b]].dtype if b in bufs else torch.float32 for b in sig.mutated_buffers]
     scale = None
-    if plan.precision == "fp16" and any(n.op == "call_function" and n.meta.get(
+    if options.precision == "fp16" and any(n.op == "call_function" and n.meta.get(
             ir.REGION) == ir.BACKWARD for n in graph.nodes):  # (not for evaluate's graph)
         scale = _loss_scale_input(graph, phs, out, env, mode, info)
         gm.meta[ir.LOSS_SCALE] = True
@@ -265,7 +281,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
             graph.erase_node(n)
     graph.lint()
     gm.recompile()
-    gm.meta["precision"] = info
+    gm.meta[ir.PRECISION_REPORT] = info
     return gm
 
 
@@ -441,7 +457,7 @@ def _loss_scale_input(graph, phs, out, env, mode, info):
             f"{len(seeds)} such seeds. Use precision='bf16' (no loss scaling needed).")
     with graph.inserting_after(phs[-1]):
         scale = graph.placeholder("loss_scale")
-    scale.meta.update({ir.ROLE: "batch", "fqn": "loss_scale"})
+    scale.meta.update({ir.ROLE: "batch", ir.FQN: "loss_scale"})
     with mode:
         env[scale] = torch.empty((), dtype=torch.float32, device=env[phs[-1]].device)
     scale.meta[ir.VAL] = env[scale]

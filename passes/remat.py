@@ -33,7 +33,7 @@ The modes differ only in what the min-cut may recompute:
           (the lowest peak). A knapsack rather than an exact ILP because
           on a chain segments are independent, each candidate is checked exactly by the
           simulator, and it solves in about a second for small models (an ILP solver is not
-          a dependency). Recompute time is the roofline estimate of compiler/cost.py.
+          a dependency). Recompute time is the roofline estimate of core/cost.py.
           Below the lowest peak any plan reaches: a PlanError that says the floor.
 
 Under data parallelism, reductions over the batch (BatchNorm statistics, a mean loss) are
@@ -47,15 +47,16 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import copy_graph
+from fxpar.core import cost, ir
+from fxpar.core.errors import PlanError
+from fxpar.core.graphs import copy_graph
 
 aten = torch.ops.aten
 SAVED = "saved"  # node.meta key: forward value kept for the backward (set on remat'd graphs)
@@ -65,7 +66,7 @@ _NO_RECOMPUTE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor", "fxpar")
 
 @dataclasses.dataclass
 class Decision:
-    """What the pass decided; stored on gm.meta["remat"] for tests, viz and reports."""
+    """What the pass decided; stored on gm.meta[ir.REMAT_REPORT] for tests, viz and reports."""
     mode: str
     checkpoints: list[str]
     saved: list[str]
@@ -458,12 +459,29 @@ def _recompute_time(nodes, profile) -> float:
     return sum(cost.node_time(n, profile) for n in nodes)
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    mode = plan.remat
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    remat: Any = "none"
+    dp: int | None = 1
+
+
+CONTRACT = ir.PassContract(
+    "remat", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.ROLE}),
+    provides=frozenset({ir.RECOMPUTE, ir.REMAT_REPORT}),
+    # it rewrites the joint graph the split cuts: a recomputed copy goes with the stage of
+    # the backward that uses it
+    before=frozenset({"pipeline_split"}),
+    applies=lambda o: o.remat != "none")
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    mode = options.remat
     if mode == "none" or not any(_region(n) == ir.BACKWARD for n in gm.graph.nodes
                                  if n.op == "call_function"):  # forward-only: nothing to do
         return gm
-    dp = max(plan.dp or 1, 1)
+    dp = max(options.dp or 1, 1)
     fwd = _forward_nodes(gm)
     if dp > 1:  # batch statistics (BatchNorm, a mean loss) would be all-reduced again
         for n in _batch_dependent(gm, fwd):
@@ -497,7 +515,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
         if n in live:
             n.meta[SAVED] = True
     names = {n.name for n in saved if n in live}
-    new.meta["remat"] = Decision(
+    new.meta[ir.REMAT_REPORT] = Decision(
         mode=str(mode), checkpoints=[c.name for c in kept], saved=sorted(names),
         recomputed=[c.name for c in copies],
         recompute_flops=sum(cost.node_flops(c) for c in copies),

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import types
 import warnings
 
 import torch
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import PlanError, ShardingError
-from fxpar.compiler.graphs import copy_graph, fake_propagate
-from fxpar.compiler.sharding import (Partial, Replicate, Shard, dry_run, is_split, make_mesh,
+from fxpar.core import cost, ir
+from fxpar.core.errors import PlanError, ShardingError
+from fxpar.core.graphs import copy_graph, fake_propagate
+from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, is_split, make_mesh,
                                      redistribute, shard_graph)
 
 aten = torch.ops.aten
@@ -60,7 +59,7 @@ class Linear:
 
 @dataclasses.dataclass
 class Decision:
-    """gm.meta["tensor_parallel"]: what the pass chose (for tests, viz and the report)."""
+    """gm.meta[ir.TP_REPORT]: what the pass chose (for tests, viz and the report)."""
     tp: int
     column: list[str]           # weight names split by output features
     row: list[str]              # weight names split by input features
@@ -71,11 +70,11 @@ class Decision:
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # whole weight -> why
 
 
-def _decide(gm, plan, ctx):
+def _decide(gm, options, ctx):
     """The pass's decisions, made on `gm` before any sharding: the fused projections
     rewritten for their split (meta["val"] refreshed), then each linear's role and each
     parameter's placement (Plan.tp_style)."""
-    tp, group, sig = plan.tp, ctx.group_names["tp"], ctx.signature
+    tp, group, sig = options.tp, ctx.group_names["tp"], ctx.signature
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {n: sig.param_names[i] for i, n in enumerate(phs[:sig.num_params])}
     linears = find_linears(gm, params)
@@ -99,11 +98,11 @@ def _decide(gm, plan, ctx):
         fake_propagate(gm, check=False)
 
     mesh = make_mesh(tp)
-    if plan.tp_style == "all-gather":
+    if options.tp_style == "all-gather":
         roles, placements, why = all_gather_placements(gm, linears, params, tp)
     else:
         roles, placements, why = choose_placements(gm, linears, params, mesh, group, tp)
-        if plan.tp_style == "auto":
+        if options.tp_style == "auto":
             _gather_where_cheaper(roles, placements, tp, ctx)
     return phs, params, linears, interleaved, mesh, roles, placements, why
 
@@ -115,8 +114,7 @@ def roles(gm: torch.fx.GraphModule, sig: ir.GraphSignature, tp: int = 2,
     it (the planner prices these roles instead of finding pairs itself)."""
     copy = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     ctx = _DecideContext(sig, {"tp": "tp"}, device)
-    plan = types.SimpleNamespace(tp=tp, tp_style=tp_style)  # the Plan fields _decide reads
-    _, params, _, _, _, found, _, _ = _decide(copy, plan, ctx)
+    _, params, _, _, _, found, _, _ = _decide(copy, Options(tp=tp, tp_style=tp_style), ctx)
     return {params[lin.weight]: r for lin, r in found.items()}
 
 
@@ -128,15 +126,34 @@ class _DecideContext:  # what _decide reads of a PassContext (roles() runs witho
     profile: object = None
 
 
-def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
-    tp = plan.tp
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    tp: int | None = 1
+    tp_style: str = "auto"
+    sequence_parallel: bool = False
+
+
+CONTRACT = ir.PassContract(
+    "tensor_parallel", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.N_GRADS}),
+    reads=frozenset({ir.RECOMPUTE}),
+    provides=frozenset({ir.SHARD, ir.VOCAB_SHARD, ir.TP_LAYOUTS, ir.TP_REPORT}),
+    # the split cuts the graph as captured, the one the planner partitions on its copy, so
+    # its stages are the ones the planner priced; the collectives come after
+    after=frozenset({"pipeline_split"}),
+    applies=lambda o: (o.tp or 1) > 1)
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    tp = options.tp
     if tp == 1:
         return gm
     group = ctx.group_names["tp"]
     sig = ctx.signature
-    phs, params, linears, interleaved, mesh, roles, placements, why = _decide(gm, plan, ctx)
+    phs, params, linears, interleaved, mesh, roles, placements, why = _decide(gm, options, ctx)
     _check_divisible(placements, tp)
-    prefer, gather = _residual_stream(gm, linears, roles, tp) if plan.sequence_parallel \
+    prefer, gather = _residual_stream(gm, linears, roles, tp) if options.sequence_parallel \
         else (None, None)
     gathered = {lin.mm: (Replicate(),) for lin, r in roles.items() if r == "column+gather"}
     if gathered:
@@ -162,7 +179,7 @@ def run(gm: torch.fx.GraphModule, plan, ctx) -> torch.fx.GraphModule:
     whole = list(dict.fromkeys(params[lin.weight] for lin, r in roles.items()
                                if r == "replicated"))
     reasons = {params[w]: text for w, text in why.items() if params[w] in whole}
-    gm.meta["tensor_parallel"] = Decision(
+    gm.meta[ir.TP_REPORT] = Decision(
         tp, [params[lin.weight] for lin, r in roles.items() if r.startswith("column")],
         [params[lin.weight] for lin, r in roles.items() if r == "row"], whole,
         {params[n]: k for n, (_, k) in interleaved.items()},
@@ -354,7 +371,7 @@ def choose_placements(gm, linears, params, mesh, group, tp):
     Embedding tables of token ids are split over the vocabulary (Shard(0): each rank looks
     up the ids it holds, one all-reduce of the result); a table tied to the LM head decides
     at its lookup, and the head then is a column split whose logits stay split through the
-    vocab-parallel cross-entropy (compiler/vocab_parallel.py)."""
+    vocab-parallel cross-entropy (core/vocab_parallel.py)."""
     by_mm = {lin.mm: lin for lin in linears}
     weight_uses = _weight_uses(gm, linears)
     lookups = _token_lookups(gm, params)
@@ -571,7 +588,7 @@ def _token_lookups(gm, params) -> dict:
     """Parameter -> its forward embedding lookups whose ids are (views of) a batch input."""
     out: dict = {}
     for n in gm.graph.nodes:
-        # a padding_idx (BERT's, RoBERTa's tables) is fine: compiler/vocab_parallel.py keeps
+        # a padding_idx (BERT's, RoBERTa's tables) is fine: core/vocab_parallel.py keeps
         # its row's gradient at zero; scale_grad_by_freq / sparse backwards have no rule there
         if n.target is aten.embedding.default and n.meta.get(ir.REGION) == ir.FORWARD and \
                 n.args[0] in params and not any(n.args[3:]) and not n.kwargs:
@@ -679,7 +696,7 @@ def _place_outputs(gm, placements, sig, group, tp):
     graph = gm.graph
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     outs = list(out.args[0])
-    n_g = out.meta.get("n_grads", sig.num_params)
+    n_g = out.meta.get(ir.N_GRADS, sig.num_params)
     phs = [n for n in graph.nodes if n.op == "placeholder"]
 
     def place(v, want):

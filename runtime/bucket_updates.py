@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch.optim import optimizer as torch_optimizer
 
-from fxpar.compiler import cost, ir
+from fxpar.core import cost, ir
 from fxpar.runtime.optim import apply_gradients
 
 _wait = torch.ops._c10d_functional.wait_tensor.default

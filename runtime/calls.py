@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler.errors import CollectiveMisuse
+from fxpar.core.errors import CollectiveMisuse
 
 METHODS = ("step", "evaluate", "full_state_dict", "save", "load", "trace", "save_pretrained",
            "full_params", "whole_tensors", "end of program")

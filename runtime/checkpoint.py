@@ -58,7 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from fxpar.compiler.errors import CheckpointError
+from fxpar.core.errors import CheckpointError
 from fxpar.runtime import model_state
 from fxpar.runtime import tp_slices as rtp
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import FxparError, PlanError
+from fxpar.core import cost, ir
+from fxpar.core.errors import FxparError, PlanError
 from fxpar.runtime import calls, trace
 from fxpar.runtime.trace import Recorder
 

@@ -38,7 +38,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from fxpar.compiler.plan import replays_step
+from fxpar.core.plan import replays_step
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)  # HF MoE experts' matmul
 WARMUP_STEPS = 2  # uncaptured steps before the capture (torch.compile uses 1, Megatron 3)

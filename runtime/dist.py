@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler.errors import FxparError, PlanError
-from fxpar.compiler.plan import world_of
+from fxpar.core.errors import FxparError, PlanError
+from fxpar.core.plan import world_of
 from fxpar.runtime import calls
 
 

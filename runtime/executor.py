@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from fxpar.compiler.ir import Program
+from fxpar.core.ir import Program
 from fxpar.runtime import comm, faults
 from fxpar.runtime.trace import Recorder
 

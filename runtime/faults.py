@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxpar.compiler.errors import CollectiveMisuse, NonFiniteLossError, RankFailure
+from fxpar.core.errors import CollectiveMisuse, NonFiniteLossError, RankFailure
 
 _first: dict | None = None   # this step's first non-finite value on this rank (debug mode)
 _registered: set = set()

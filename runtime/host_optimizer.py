@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 
 
 class HostOptimizer:

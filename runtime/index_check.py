@@ -20,8 +20,8 @@ import operator
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
-from fxpar.compiler.graphs import ancestors
+from fxpar.core import ir
+from fxpar.core.graphs import ancestors
 
 aten = torch.ops.aten
 _WORDS = ("index out of range", "index out of bounds", "out of bounds", "indices out of")
@@ -85,7 +85,7 @@ def _pure(target) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
         return False
-    if target.namespace == "fxpar":  # tp's ids - rank * rows (compiler/vocab_parallel.py)
+    if target.namespace == "fxpar":  # tp's ids - rank * rows (core/vocab_parallel.py)
         return target._opname == "localize"
     return target.namespace in ("aten", "prims") and \
         torch.Tag.nondeterministic_seeded not in target.tags

@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import cost
-from fxpar.compiler.logs import announce
+from fxpar.core import cost
+from fxpar.core.logs import announce
 from fxpar.runtime import comm, optim
 from fxpar.runtime import dist as rdist
 

@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from fxpar.compiler import quantized_comm as qcomm
-from fxpar.compiler.errors import FxparError, PlanError
+from fxpar.core import quantized_comm as qcomm
+from fxpar.core.errors import FxparError, PlanError
 from fxpar.runtime import comm
 
 BLOCK = qcomm.ONEBIT_BLOCK  # values sharing one scale (a multiple of 8: whole bytes of signs)

@@ -1,13 +1,13 @@
 """Runs one rank's pipeline stages for one training step, in its schedule's order.
 
-The schedule (runtime/schedules.py) gives this rank's compute actions: F / B (or I / W) of a
+The schedule (core/schedules.py) gives this rank's compute actions: F / B (or I / W) of a
 stage on a microbatch. For each, the executor gathers the part's inputs — parameters, the
 microbatch's batch leaves, values this rank made earlier (a forward's stash waiting for its
 backward), or values another stage made, received from its rank — runs the part's graph, and
 hands each output to the parts that read it: kept locally, or sent (non-blocking `isend`) to
 the rank of each other stage that reads it, skip connections included. A receive blocks only
 when the value is needed, so sends never wait on receives and the schedule's order cannot
-deadlock (the contract runtime/schedules.simulate_schedule checks). Gradients accumulate over
+deadlock (the contract core/schedules.simulate_schedule checks). Gradients accumulate over
 microbatches and are divided by their number (the loss of a microbatch is its mean); the
 data-parallel reduction of a stage (its "R" part) runs once, on the accumulated gradients,
 right after the stage's last backward - without a pipeline, inside it (`with_reductions`),
@@ -29,8 +29,9 @@ import torch
 import torch._prims_common
 import torch.distributed as dist
 
-from fxpar.compiler.errors import PlanError
-from fxpar.runtime import calls, comm, cudagraph, faults, schedules, trace
+from fxpar.core.errors import PlanError
+from fxpar.runtime import calls, comm, cudagraph, faults, trace
+from fxpar.core import schedules
 from fxpar.runtime.offload import HostStash, OnHost
 from fxpar.runtime.trace import Recorder
 

@@ -1,10 +1,10 @@
 """ParallelModel: one rank's training state built from a Program, and its step.
 
-It runs Programs and nothing else (DESIGN.md section 2): the Program from fxpar.compile is
+It runs Programs and nothing else (docs/design.md section 2): the Program from fxpar.compile is
 bound to this rank's process groups (runtime/comm.bind_groups), the user's parameters become
 this rank's tp / ZeRO shards, the optimizer is built over what this rank holds, and step()
 runs the graph (runtime/executor) or the pipeline schedule (runtime/pipeline). It imports no
-pass and not the planner; fxpar.parallelize (compiler/api.py) wires the two together.
+pass and not the planner; fxpar.parallelize (api/parallelize.py) wires the two together.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import codegen, graphs, ir
-from fxpar.compiler.errors import BatchIndexError, PlanError
-from fxpar.compiler.logs import Clock
+from fxpar.core import graphs, ir, schedules
+from fxpar.core.errors import BatchIndexError, CodegenError, PlanError
+from fxpar.core.logs import Clock
 from fxpar.runtime import amp, bucket_updates, calls, comm, cudagraph, executor, faults, optim
 from fxpar.runtime import index_check
-from fxpar.runtime import schedules, verify
+from fxpar.runtime import verify
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import model_state
 from fxpar.runtime import dist as rdist
@@ -63,7 +63,7 @@ class ParallelModel:
     def __init__(self, model, world, program: ir.Program, optimizer=None,
                  on_measured: Callable[[float], None] | None = None,
                  weights: rweights.ModelWeights | None = None, batch: str = "global",
-                 loss_of: Callable | None = None):
+                 loss_of: Callable | None = None, generate: Callable | None = None):
         """`program` from fxpar.compile, bound here to `world`'s process groups; `model` is
         the user's module (its tensors become this rank's shards). `on_measured(step_s)` is
         called once, after REFIT_AFTER steps, with the median measured step time (the
@@ -72,7 +72,10 @@ class ParallelModel:
         or weights=PATH; each rank then reads and allocates only what it owns (None: the
         model's tensors are real and on this rank's device, and are sliced here).
         `loss_of(model, batch)`: the scalar loss in eager PyTorch, for Plan.verify's
-        reference step (runtime/verify.py).
+        reference step (runtime/verify.py). `generate(gm, device, name, strict)`: the
+        compiler's code generator (compiler/codegen.generate), handed in by fxpar.parallelize
+        so the runtime imports no compiler: it runs this rank's graphs through it when
+        program.codegen is "inductor".
         self.compile_times: the program's rows, then this set-up's (lowering, weights,
         shards, optimizer)."""
         clock = Clock(log)
@@ -85,6 +88,7 @@ class ParallelModel:
         self.fusion_skipped = program.fusion_skipped
         self._on_measured = on_measured
         self._verify = (loss_of, optimizer) if plan.verify else None
+        self.generate = generate
         self._verify_at = 1  # the step checked: the first (one fp16 skipped: the next)
         if batch not in ("global", "local"):
             raise PlanError(f"batch={batch!r}: use 'global' (every rank passes the same global "
@@ -296,6 +300,10 @@ class ParallelModel:
         every rank."""
         if program.codegen != "inductor":
             return graphs
+        if self.generate is None:
+            raise PlanError("this Program's codegen is \"inductor\" but the ParallelModel was "
+                            "given no code generator: build it with fxpar.parallelize, or pass "
+                            "generate=fxpar.compiler.codegen.generate")
         if faults.debug_nan():
             log.info("codegen: FXPAR_DEBUG_NAN runs the graph node by node (no Inductor)")
             return graphs
@@ -307,7 +315,7 @@ class ParallelModel:
             try:
                 for name, gm in graphs.items():
                     t0 = time.perf_counter()
-                    out[name] = codegen.generate(gm, world.device, name,
+                    out[name] = self.generate(gm, world.device, name,
                                                  strict=program.plan.codegen == "inductor")
                     clock.add(f"codegen {name}", time.perf_counter() - t0, detail=out[
                         name].meta["codegen"].summary())
@@ -325,7 +333,7 @@ class ParallelModel:
                 failed = [(r, e) for r, e in enumerate(errors) if e]
                 if failed and error is None:
                     r, e = failed[0]
-                    raise codegen.CodegenError(f"rank {r}: {e}")
+                    raise CodegenError(f"rank {r}: {e}")
             if error is not None:
                 raise error
         # the first ranks compile, the others then load their runs from the cache (the first
@@ -380,13 +388,13 @@ class ParallelModel:
         return self.world.coordinate("dp")
 
     @property
-    def codegen_result(self) -> codegen.Generated | None:
+    def codegen_result(self) -> ir.Generated | None:
         """What code generation did for this rank's graphs so far (compiled runs, cache
         hits, ops left op by op); None when they run op by op."""
         graphs = [*self._generated.values(), *(self.pipeline_runner.run_graphs.values()
                                               if self.pipeline_runner else [])]
         done = [gm.meta["codegen"] for gm in graphs if "codegen" in gm.meta]
-        return codegen.Generated.combined(done) if done else None
+        return ir.Generated.combined(done) if done else None
 
     @property
     def codegen_summary(self) -> str:
@@ -458,7 +466,7 @@ class ParallelModel:
                     if program.dp > 1:  # the other dp ranks' targets count too
                         calls.settle()
                         dist.all_reduce(total, group=self.world.mesh.get_group("dp"))
-                share = (total / program.microbatches).to(program.loss_count.meta["dtype"])
+                share = (total / program.microbatches).to(program.loss_count.meta[ir.COUNTER_DTYPE])
             for leaves in mbs:
                 leaves.append(share)
         params = self.sharded_optimizer.param_shards if program.params_sharded else self.params

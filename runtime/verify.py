@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import ir
-from fxpar.compiler.errors import CheckpointError, PlanError, VerifyError
+from fxpar.core import ir
+from fxpar.core.errors import CheckpointError, PlanError, VerifyError
 from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import model_state, optim
 

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from fxpar.compiler.errors import CheckpointError
+from fxpar.core.errors import CheckpointError
 from fxpar.runtime import checkpoint as ck
 from fxpar.runtime import model_state
 

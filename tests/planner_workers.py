@@ -15,7 +15,8 @@ MEM_ROWS = 16
 def memory_rank(plans: list[dict]):
     """Per plan: (this rank's measured peak allocated by one step, the estimator's number for
     this rank's stage)."""
-    from fxpar.compiler import cost, planner
+    from fxpar.compiler import planner
+    from fxpar.core import cost
     from fxpar.compiler.compile import planner_stats
     from fxpar.runtime.memtrack import measure
     batch = M.gpt_batch(MEM_CFG, MEM_ROWS)
@@ -55,7 +56,8 @@ def choice_rank(per_class: int = 2, rounds: int = 16):
     import time
 
     import torch.distributed as dist
-    from fxpar.compiler import autoplan, planner
+    from fxpar.compiler import planner
+    from fxpar.api import autoplan
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     data = M.gpt_batch(CHOICE_CFG, CHOICE_ROWS)
@@ -140,7 +142,8 @@ def plan_twice(cache_dir: str):
     """plan="auto"'s planning step twice in one job with the planner's disk cache on in
     `cache_dir`: for each, the plan, the prices, the calibration line and the phase times."""
     import os
-    from fxpar.compiler import autoplan, planner
+    from fxpar.compiler import planner
+    from fxpar.api import autoplan
     os.environ.update(FXPAR_CACHE_DIR=cache_dir, FXPAR_PLAN_CACHE="1")
     batch = M.gpt_batch(CHOICE_CFG, 8)
     out = []

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.compiler.capture import capture
 
 aten = torch.ops.aten

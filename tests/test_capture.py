@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import fxpar
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.compiler.capture import capture
 from fxpar.examples import models as M
 

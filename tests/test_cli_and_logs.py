@@ -11,7 +11,7 @@ import torch
 
 import fxpar
 from fxpar.__main__ import main, parser
-from fxpar.compiler import logs
+from fxpar.core import logs
 from fxpar.examples import models as M
 
 
@@ -133,7 +133,7 @@ def test_configure_sets_levels_from_the_env_and_by_rank(fresh_logs):
     logs.configure(force=True)
     assert logging.getLogger("fxpar").level == logging.WARNING
     assert logging.getLogger("fxpar.passes.remat").level == logging.NOTSET
-    rec = logging.LogRecord("fxpar.compiler.api", logging.INFO, __file__, 1, "hi", (), None)
+    rec = logging.LogRecord("fxpar.api.parallelize", logging.INFO, __file__, 1, "hi", (), None)
     assert logs._Format().format(rec) == "[rank 1] fxpar: hi"
     fresh_logs.setenv("RANK", "0")
     logs.configure(force=True)
@@ -216,7 +216,8 @@ def test_a_long_phase_says_what_runs_before_it_ends_and_a_short_one_stays_quiet(
 
 
 def test_the_plan_table_says_what_it_hides_and_shows_no_cpu_mfu():
-    from fxpar.compiler import cost, planner
+    from fxpar.compiler import planner
+    from fxpar.core import cost
     from fxpar.compiler.compile import planner_stats
     stats = planner_stats(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)), None)
     r = planner.search(stats, 4, cost.cpu_hardware(), batch_rows=8)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler import codegen, cost, ir
-from fxpar.compiler.errors import PlanError
+from fxpar.compiler import codegen
+from fxpar.core import cost, ir
+from fxpar.core.errors import PlanError
 from fxpar.examples import models as M
 from fxpar.runtime import comm
 from workers import OPTIMIZERS, build, plans_rank

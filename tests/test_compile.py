@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.examples import models as M
 
 transformers = pytest.importorskip("transformers")

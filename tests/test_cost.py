@@ -1,13 +1,12 @@
-"""compiler/cost.py: FLOPs equal FlopCounterMode's, bytes per node, and the liveness simulator
+"""core/cost.py: FLOPs equal FlopCounterMode's, bytes per node, and the liveness simulator
 against the measured tracker (runtime/memtrack.py)."""
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import cost, ir
+from fxpar.core import cost, ir
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.compiler.plan import Plan
 from fxpar.examples import models as M
 from fxpar.passes import remat
 from fxpar.runtime.memtrack import MemoryTracker, measure
@@ -85,7 +84,7 @@ def test_simulator_matches_tracker(name, mode):
     model, batch = _case(name)
     gm, sig = cap.capture(model, batch)
     if mode != "none":
-        gm = remat.run(gm, Plan(dp=1, tp=1, pp=1, remat=mode), PassContext(signature=sig))
+        gm = remat.run(gm, remat.Options(remat=mode, dp=1), PassContext(signature=sig))
         gm.recompile()
     args = _args(model, sig, batch)
     with torch.no_grad():

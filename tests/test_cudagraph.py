@@ -10,9 +10,9 @@ import torch
 
 import fxpar
 from fxpar.compiler.capture import capture
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.plan import resolve
+from fxpar.core.plan import resolve
 from fxpar.examples import models as M
 from fxpar.runtime import cudagraph
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.errors import BatchError
+from fxpar.core.errors import BatchError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.graphs import count_ops
-from fxpar.compiler.plan import resolve
-from fxpar.compiler.sharding import Partial, Replicate, Shard
+from fxpar.core.graphs import count_ops
+from fxpar.core.plan import resolve
+from fxpar.core.sharding import Partial, Replicate, Shard
 from fxpar.examples import models as M
 from fxpar.passes import data_parallel
 
@@ -283,7 +283,7 @@ def test_dp1_is_identity():
     gm, sig = capture(M.MLP(), _mlp_batch())
     before = len(gm.graph.nodes)
     ctx = PassContext(signature=sig, group_names={"dp": "g"})
-    gm = data_parallel.run(gm, resolve({"dp": 1}, 1), ctx)
+    gm = data_parallel.run(gm, data_parallel.Options(dp=1), ctx)
     assert len(gm.graph.nodes) == before and gm.meta[ir.BATCH_SHARD_DIMS] == [None, None]
 
 

@@ -101,7 +101,7 @@ def test_a_failed_parallelize_frees_what_it_made_while_the_exception_is_kept(mon
     and its graphs are freed although the caller keeps the exception (as a notebook keeps
     sys.last_value), so a retry or eager PyTorch after it has the memory back."""
     import weakref
-    from fxpar.compiler import api
+    from fxpar.api import parallelize as api
     made = []
 
     def failing_runtime(model, world, program, *args, **kwargs):
@@ -289,7 +289,7 @@ def test_faults_under_real_processes(tmp_path):
     codes, err0, _, _ = results["kill"]
     assert codes[0] != 0 and codes[1] == -9, codes
     # (the kill lands 2 ms into step 3: rank 0 is in step 3, or 4 if rank 1's step was quicker)
-    assert re.search(r"fxpar.compiler.errors.RankFailure: step [34] stopped on rank 0 of 2: "
+    assert re.search(r"fxpar.core.errors.RankFailure: step [34] stopped on rank 0 of 2: "
                      r"rank 1 died \(its process \d+ is gone", err0), err0[-3000:]
     codes, err0, err1, _ = results["raise"]
     assert codes[0] != 0 and codes[1] != 0
@@ -478,7 +478,8 @@ def test_a_tuple_batch_for_a_forward_of_several_arguments_names_the_fix():
 
 def test_print_plan_report_shows_the_table_and_repr_stays_short():
     """print(pm.plan_report) dumped the dataclass's repr: every candidate's fields, one line."""
-    from fxpar.compiler import cost, planner
+    from fxpar.compiler import planner
+    from fxpar.core import cost
     from fxpar.compiler.memory_model import MemoryEstimate
 
     def candidate(dp, tp, ms):
@@ -501,7 +502,7 @@ def test_warnings_of_a_multi_process_job_carry_the_rank_and_print_once(monkeypat
     prefix and printed once per rank and repeat; the job's store dedups across ranks (not
     here: no process group, each rank decides alone)."""
     import warnings
-    from fxpar.compiler import logs
+    from fxpar.core import logs
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     with warnings.catch_warnings():

@@ -7,10 +7,13 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxpar
-from fxpar.compiler import capture, cost, ir
+from fxpar.compiler import capture
+from fxpar.core import cost, ir
+from fxpar.core.plan import pass_options
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.examples.models import GPT, GPTConfig, gpt_batch, hf_llama, hf_lm_batch
 from fxpar.kernels.jit import interpreter, stored_as
+from fxpar.kernels import launch_cost
 from fxpar.passes import fusion
 
 aten = torch.ops.aten
@@ -41,7 +44,7 @@ def test_softmax_traffic_counted_op_by_op_and_for_the_kernel():
     assert (reads, writes) == (4 * (5 * M * N + 2 * M), 4 * (3 * M * N + 2 * M))
     gm = _graph(lambda x: torch.softmax(x, -1), torch.randn(M, N))
     with interpreter():
-        fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu"))
     fused = [n for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta]
     assert len(fused) == 1 and fused[0].meta[ir.FUSED_GROUP]["kind"] == "softmax"
     assert cost.node_bytes(fused[0]) == (4 * M * N, 4 * M * N)
@@ -56,7 +59,8 @@ def _fused_model(model, batch, **plan):
     want = gm(*params, *model.buffers(), *leaves)
     before = sum(sum(cost.node_bytes(n)) for n in gm.graph.nodes)
     with interpreter():
-        gm = fusion.run(gm, fxpar.Plan(**plan), PassContext(signature=sig, device="cpu"))
+        gm = fusion.run(gm, pass_options(fusion.Options, fxpar.Plan(**plan)),
+                        PassContext(signature=sig, device="cpu"))
         gm.graph.lint()
         gm.recompile()
         got = gm(*params, *model.buffers(), *leaves)
@@ -97,7 +101,7 @@ def test_without_triton_device_the_pass_changes_nothing_and_says_why(monkeypatch
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gm = _graph(lambda x: torch.softmax(x, -1), torch.randn(6, 10))  # (the kernel's op)
     n_before = len(gm.graph.nodes)
-    gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+    gm = fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu"))
     assert len(gm.graph.nodes) == n_before
     assert "TRITON_INTERPRET=1" in gm.meta["fusion"].skipped
 
@@ -106,7 +110,7 @@ def test_fused_nodes_drawn_as_one_box_with_ops_and_bytes():
     from fxpar.viz.graph import _label
     gm = _graph(lambda x: torch.softmax(x, -1), torch.randn(6, 10))
     with interpreter():
-        fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu"))
     node = next(n for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta)
     label = _label(node)
     assert "softmax" in label and "bytes" in label
@@ -139,7 +143,7 @@ def test_a_kernel_that_cannot_be_built_runs_its_ops_unfused_and_says_so(monkeypa
     from fxpar.kernels import library
     gm = _graph(lambda x: torch.softmax(x, -1), torch.randn(6, 10))
     with interpreter():
-        fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu"))
     call = next(n.target for n in gm.graph.nodes if ir.FUSED_GROUP in n.meta)
     assert isinstance(call, library.KernelCall)
 
@@ -201,7 +205,7 @@ def test_cuda_attention_ops_use_the_flash_kernels(op):
     args = [torch.randn(2, 3, 33, 16) for _ in range(4)]
     gm = _graph(step, *args)
     with interpreter():
-        gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu"))
+        gm = fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu"))
         gm.graph.lint()
         gm.recompile()
         out, dq, dk, dv = gm(*args)
@@ -262,7 +266,7 @@ def test_fusion_leaves_ops_unfused_where_launches_do_not_pay(monkeypatch, replay
     torch.manual_seed(0)
     cfg = GPTConfig()
     base = _fused_model(GPT(cfg), gpt_batch(cfg, 4))
-    monkeypatch.setattr(cost, "kernel_price", price)
+    monkeypatch.setattr(launch_cost, "kernel_price", price)
     torch.manual_seed(0)
     gm, got, want, _, _ = _fused_model(GPT(cfg), gpt_batch(cfg, 4), cuda_graphs=replayed)
     for g, w in zip(got, want):
@@ -278,17 +282,17 @@ def test_fusion_leaves_ops_unfused_where_launches_do_not_pay(monkeypatch, replay
 
 
 def test_launch_costs_are_measured_once_per_device(monkeypatch):
-    """cost.launch_seconds times an ATen op and a hand-written Triton kernel launched through
+    """launch_cost.launch_seconds times an ATen op and a hand-written Triton kernel launched through
     the wrapper the pass puts in the graph (here on CPU under the interpreter, with CUDA's
     sync stubbed: on a GPU the same code runs for real), once per device; kernel_price is
     None off CUDA."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(cost, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(launch_cost, "_LAUNCH_CACHE", {})
     with interpreter():
-        aten_s, triton_s = cost.launch_seconds("cpu")
+        aten_s, triton_s = launch_cost.launch_seconds("cpu")
     assert 0 < aten_s < triton_s  # the interpreter is far slower than a dispatch
-    assert cost.launch_seconds("cpu") == (aten_s, triton_s)  # cached
-    assert cost.kernel_price("cpu", replayed=False) is None
+    assert launch_cost.launch_seconds("cpu") == (aten_s, triton_s)  # cached
+    assert launch_cost.kernel_price("cpu", replayed=False) is None
 
 
 def test_bound_kernel_call_fast_path_still_runs_references_on_fake_tensors():
@@ -334,7 +338,7 @@ def _closed_form(fn, *args, codegen="inductor"):
             n.meta[ir.REGION] = ir.BACKWARD if n.target in backward_ops else ir.FORWARD
             n.meta[ir.MODULE] = ""
     want = gm(*args)
-    gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu",
+    gm = fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu",
                                                    codegen=codegen))
     gm.graph.lint()
     gm.recompile()
@@ -364,7 +368,7 @@ def test_cross_entropy_kernel_reads_half_logits_and_writes_the_half_gradient():
                         aten.nll_loss_backward.default,
                         aten._log_softmax_backward_data.default) else ir.FORWARD
         for graph in (gm, ref):
-            fusion.run(graph, fxpar.Plan(), PassContext(signature=None, device="cpu",
+            fusion.run(graph, fusion.Options(), PassContext(signature=None, device="cpu",
                                                          codegen="inductor"))
             graph.recompile()
         vals = [n.meta[ir.VAL] for n in gm.graph.nodes if n.op == "call_function"]
@@ -525,7 +529,7 @@ def test_cross_entropy_reduction_none_stays_for_inductor(monkeypatch):
     gm = _graph(lambda x, t: aten.nll_loss_forward(aten._log_softmax(x, 1, False), t, None, 0,
                                                    -100)[0],
                 torch.randn(6, 10), torch.randint(0, 10, (6,)))
-    gm = fusion.run(gm, fxpar.Plan(), PassContext(signature=None, device="cpu",
+    gm = fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu",
                                                    codegen="inductor"))
     assert aten.nll_loss_forward.default in {n.target for n in gm.graph.nodes}
     assert gm.meta["fusion"].groups == []

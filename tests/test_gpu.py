@@ -241,7 +241,7 @@ def test_memory_estimate_matches_the_cuda_allocator(remat, precision):
     within 10% without remat; with remat="sqrt" within 0.9-1.3x (the pass picks the lowest
     simulated peak of a few checkpoint spacings, the estimate prices one: 1.2x on this model
     on CPU)."""
-    from fxpar.compiler import cost
+    from fxpar.core import cost
     from fxpar.runtime.memtrack import measure
     data = _batch()
     pm, _ = _fxpar(fxpar.Plan(remat=remat, precision=precision, fuse=False, cuda_graphs=False),

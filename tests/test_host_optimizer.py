@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.runtime.host_optimizer import HostOptimizer
 from fxpar.runtime.optim import apply_gradients
 
@@ -136,7 +136,7 @@ def test_one_gpu_under_auto_puts_the_optimizer_state_on_the_host_only_where_it_m
     """plan="auto" on one device has no planner: the state goes to the host where params +
     grads + AdamW's moments exceed 90% of a GPU's memory and params + grads do not; never on
     a CPU device, with an optimizer instance, or where the model fits as it is."""
-    from fxpar.compiler.api import optimizer_state_needs_host
+    from fxpar.api.parallelize import optimizer_state_needs_host
     model, _, _ = build("gpt")
     p_bytes = sum(p.numel() * 4 for p in model.parameters())
     adamw = OPTIMIZERS["adamw"]

@@ -180,7 +180,8 @@ def test_the_codegen_picture_shows_each_box_s_inductor_runs(tmp_path):
     """With Inductor (Plan.codegen), pm.stage_graphs["codegen"] is the graph the rank runs
     with every compiled node marked by its run: the boxes count them, the node drawings
     name the run, the title says what Inductor compiled."""
-    from fxpar.compiler import codegen, ir
+    from fxpar.compiler import codegen
+    from fxpar.core import ir
     cfg = M.GPTConfig(n_layer=1, n_embd=32)
     pm = fxpar.parallelize(M.GPT(cfg), 1, example_batch=M.gpt_batch(cfg, 2),
                            plan={"codegen": "inductor"})

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.compiler import capture as cap
-from fxpar.compiler.graphs import summed_buffer_updates
+from fxpar.core.graphs import summed_buffer_updates
 
 from workers import build
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.runtime.offload import HostStash
 
 import workers

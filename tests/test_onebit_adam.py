@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler import ir
-from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import count_ops
+from fxpar.core import ir
+from fxpar.core.errors import PlanError
+from fxpar.core.graphs import count_ops
 from fxpar.examples import models as M
 from fxpar.passes.data_parallel import without_gradient_reduction
 from fxpar.runtime import onebit_adam as ob

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler import cost, ir
+from fxpar.core import cost, ir
 from fxpar.compiler.capture import capture
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.plan import resolve
+from fxpar.core.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import data_parallel, overlap
 from workers import overlap_rank, zero_memory_rank

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.errors import TraceError
+from fxpar.core.errors import TraceError
 from fxpar.examples.zoo import WhereRoutedMoE, tokens_batch
 
 aten = torch.ops.aten

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 import fxpar
 
-from fxpar.compiler import cost, ir, stages
+from fxpar.compiler import stages
+from fxpar.core import cost, ir
 from fxpar.compiler.capture import capture, flatten_batch
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.plan import resolve
+from fxpar.core.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import pipeline_split
 from fxpar.passes.pipeline_split import PHASE, TRANSFER

@@ -10,14 +10,16 @@ import torch
 
 import fxpar
 
-from fxpar.compiler import cost, graphstats, ir, planner
-from fxpar.compiler.autoplan import calibration_inputs
+from fxpar.compiler import graphstats, planner
+from fxpar.core import cost, ir
+from fxpar.api.autoplan import calibration_inputs
 from fxpar.compiler.compile import planner_stats
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.memory_model import stage_memory
 from fxpar.examples import gpt_stats as G
 from fxpar.examples import models as M
-from fxpar.runtime import comm, machine, schedules
+from fxpar.runtime import comm, machine
+from fxpar.core import schedules
 
 GiB = 2 ** 30
 
@@ -434,8 +436,8 @@ def test_layers_of_a_hugging_face_model():
 def test_only_auto_searches_and_auto_degrees_are_the_searched_ones():
     """A plan never depends on the machine compiling it unless it asks for a search: "auto",
     or "auto" as a degree (the other fields given constrain the search)."""
-    from fxpar.compiler.plan import needs_search as _needs_search
-    from fxpar.compiler.plan import resolve
+    from fxpar.core.plan import needs_search as _needs_search
+    from fxpar.core.plan import resolve
     assert _needs_search("auto") and _needs_search(None)
     assert _needs_search({"pp": 2, "dp": "auto", "tp": "auto"})
     assert _needs_search(fxpar.Plan(pp=2, dp="auto"))
@@ -553,7 +555,7 @@ def test_pass_extras_count_what_the_passes_emit():
     emits."""
     import copy
     from fxpar.compiler.pass_manager import PassContext
-    from fxpar.compiler.plan import resolve
+    from fxpar.core.plan import resolve
     from fxpar.passes import data_parallel, tensor_parallel
     c10d = torch.ops._c10d_functional
     cfg = M.GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -697,7 +699,11 @@ def test_parallel_model_refits_the_planner_after_its_first_steps(tmp_path):
     assert new is not r and new.start_up is r and "compute x" in new.refit, new.refit
     measured = sorted(s.time_s for s in pm.step_stats[2:])[1]
     now = next(c for c in new.table if c.plan == slow.plan)
-    assert now.step_s == pytest.approx(measured, rel=0.01), (new.refit, measured)
+    k = float(new.refit.rsplit("compute x", 1)[1].split()[0])
+    if k not in (round(1 / 64, 2), 64.0):  # inside the fit's range: the price is the step
+        assert now.step_s == pytest.approx(measured, rel=0.01), (new.refit, measured)
+    else:  # a machine loaded far past the start-up timing: the factor stops at its bound
+        assert (now.step_s < measured) == (k == 64.0), (new.refit, measured)
     said = [str(w.message) for w in caught if "re-fitted" in str(w.message)]
     assert len(said) == 1 and str(planner.plan_dict(new.best.plan)) in said[0], (
         [str(w.message) for w in caught], new.format(4), now.row())
@@ -1248,7 +1254,6 @@ def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
     import copy
     from planner_workers import MEM_CFG, MEM_ROWS
     from fxpar.compiler.pass_manager import PassContext
-    from fxpar.compiler.plan import Plan
     from fxpar.passes import remat
     stats = planner_stats(M.GPT(MEM_CFG), M.gpt_batch(MEM_CFG, MEM_ROWS))
     hw = dataclasses.replace(cost.HARDWARE["a100"], memory=_limit_ruling_out_plain_dp(stats))
@@ -1260,7 +1265,7 @@ def test_a_remat_budget_the_search_derives_is_one_the_pass_reaches():
     for c in sorted(derived, key=lambda c: c.plan.remat)[:2]:  # the tightest budgets
         assert c.plan.remat == int(c.memory.activations)
         new = remat.run(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
-                        Plan(dp=c.plan.dp, tp=1, pp=1, zero=c.plan.zero, remat=c.plan.remat),
+                        remat.Options(remat=c.plan.remat, dp=c.plan.dp),
                         PassContext(signature=sig))
         assert new.meta["remat"].peak_after <= c.plan.remat, (c.plan, new.meta["remat"])
 
@@ -1575,7 +1580,7 @@ def test_on_a_cpu_device_the_optimizer_stays_and_offload_costs_memory(monkeypatc
     keep its state and add host copies), and given it prices the copies on top; remat="auto"
     budgets the same way, while on a GPU the moments leave the device."""
     from fxpar.compiler.compile import activation_budget
-    from fxpar.compiler.plan import Plan
+    from fxpar.core.plan import Plan
     stats = G.gpt_stats("gpt-1.7b", precision="fp32")
     hw = dataclasses.replace(cost.cpu_hardware(), memory=24 * GiB)
     with pytest.raises(PlanError, match="fits no legal plan"):  # (offloading would not fit)

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.compiler.capture import capture, flatten_batch
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.graphs import verify
-from fxpar.compiler.plan import resolve
+from fxpar.core.graphs import verify
+from fxpar.core.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import precision
 from fxpar.runtime import amp
@@ -243,7 +243,7 @@ def test_half_attention_gives_the_traced_layout_to_the_ops_after_it(monkeypatch,
     [B, T, H, D] whatever the inputs: with [B, H, T, D] inputs (HF GPT-2 in bf16 on an H200)
     the model's `.transpose(1, 2).view(B, T, C)` failed on the cuDNN output. The ops after
     the swap read a copy in the traced layout; the new backward reads the kernel's own."""
-    from fxpar.compiler import graphs
+    from fxpar.core import graphs
     aten = torch.ops.aten
     monkeypatch.setattr(precision, "_sdp_choice", lambda *a: {"flash": 1, "cudnn": 3}[kernel])
     gm, env, mode = _efficient_attention_step(contiguous=True)
@@ -510,13 +510,13 @@ def test_fusion_runs_on_the_bf16_graph():
     model, batch = M.GPT(cfg), M.gpt_batch(cfg, 2)
     gm, sig = capture(model, batch)
     ctx = PassContext(signature=sig, device="cpu")
-    gm = precision.run(gm, resolve({"precision": "bf16"}, 1), ctx)
+    gm = precision.run(gm, precision.Options(precision="bf16"), ctx)
     gm.recompile()
     args = [*(p.detach() for p in model.parameters()), *model.buffers(),
             *flatten_batch(batch, sig)]
     want = gm(*args)
     with interpreter():
-        gm = fusion.run(gm, resolve({"precision": "bf16"}, 1), ctx)
+        gm = fusion.run(gm, fusion.Options(), ctx)
         gm.graph.lint()
         gm.recompile()
         verify(gm)

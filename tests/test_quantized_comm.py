@@ -1,4 +1,4 @@
-"""ZeRO++'s quantized collectives (Plan.comm_quantization, compiler/quantized_comm.py, made by
+"""ZeRO++'s quantized collectives (Plan.comm_quantization, core/quantized_comm.py, made by
 passes/data_parallel.py): the quantization's error and bytes on tensors, the collectives the
 pass emits (int8 all-gathers for ZeRO-3's weights, int4 all-to-alls for the gradients'
 reduce-scatters), the overlap pass moving a gather with its quantization, the plan errors;
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler import ir
-from fxpar.compiler import quantized_comm as Q
-from fxpar.compiler.errors import PlanError
-from fxpar.compiler.graphs import count_ops
+from fxpar.core import ir
+from fxpar.core import quantized_comm as Q
+from fxpar.core.errors import PlanError
+from fxpar.core.graphs import count_ops
 from fxpar.examples import models as M
 
 from test_data_parallel import compile_dp

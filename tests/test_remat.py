@@ -7,11 +7,10 @@ import torch
 
 import fxpar
 from fxpar.compiler import capture as cap
-from fxpar.compiler import cost, ir
-from fxpar.compiler.errors import PlanError
+from fxpar.core import cost, ir
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.compiler.graphs import verify
-from fxpar.compiler.plan import Plan
+from fxpar.core.graphs import verify
 from fxpar.examples import models as M
 from fxpar.passes import remat
 from fxpar.runtime.memtrack import measure
@@ -41,7 +40,7 @@ def _capture(model, batch):
 
 
 def _remat(gm, sig, mode):
-    new = remat.run(gm, Plan(dp=1, tp=1, pp=1, remat=mode), PassContext(signature=sig))
+    new = remat.run(gm, remat.Options(remat=mode, dp=1), PassContext(signature=sig))
     new.recompile()
     verify(new)
     return new
@@ -304,7 +303,7 @@ def test_batch_statistics_are_not_recomputed_under_dp():
     """Recomputing BatchNorm's batch sums at dp > 1 would all-reduce them again in the
     backward; remat keeps them (they are tiny), so remat adds no collective."""
     from fxpar.compiler.pass_manager import run_passes
-    from fxpar.compiler.plan import resolve
+    from fxpar.core.plan import resolve
 
     def all_reduces(remat_mode):
         torch.manual_seed(0)
@@ -325,7 +324,7 @@ def test_the_loss_is_not_recomputed_under_dp():
     """A mean loss reduces over the batch: under dp its value and target count are all-reduced
     in the forward, so remat saves them instead of recomputing the loss in the backward."""
     from fxpar.compiler.pass_manager import run_passes
-    from fxpar.compiler.plan import resolve
+    from fxpar.core.plan import resolve
     torch.manual_seed(0)
     gm, sig = cap.capture(M.ConvBN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))))
     ctx = PassContext(signature=sig, group_names={"dp": "g"})

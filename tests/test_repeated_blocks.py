@@ -287,8 +287,8 @@ def test_stamping_traces_three_blocks_not_all(caplog):
 def test_the_graph_check_still_sees_a_wrong_value_in_any_copy(caplog):
     """graphs.verify runs an op once for all its copies (the same values in and out); a copy
     whose recorded value is not what it computes is still caught."""
-    from fxpar.compiler import graphs
-    from fxpar.compiler.errors import PassError
+    from fxpar.core import graphs
+    from fxpar.core.errors import PassError
     model = Stack(depth=12)
     gm, _, _, _, why = _both(model, _xy(), caplog)
     assert "stamped the rest" in why

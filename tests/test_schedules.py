@@ -1,10 +1,10 @@
-"""runtime/schedules.py: every schedule is complete and deadlock-free under the buffered-send
+"""core/schedules.py: every schedule is complete and deadlock-free under the buffered-send
 contract, and the simulator reproduces the textbook bubbles and activation counts."""
 from collections import Counter
 
 import pytest
 
-from fxpar.runtime.schedules import Action, ScheduleError, build, simulate_schedule
+from fxpar.core.schedules import Action, ScheduleError, build, simulate_schedule
 
 FB = {"F": 1.0, "B": 2.0}
 FIW = {"F": 1.0, "I": 1.0, "W": 1.0}

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.graphs import count_ops
-from fxpar.compiler.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
+from fxpar.core.graphs import count_ops
+from fxpar.core.sharding import Partial, Replicate, Shard, make_mesh, redistribute, shard_graph
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -62,7 +62,7 @@ def test_custom_ops_lay_out_their_outputs_as_their_fakes_say(monkeypatch):
     its input's layout crashed T5's tp=2 step under Inductor."""
     import torch.distributed.distributed_c10d as c10d_mod
 
-    from fxpar.compiler import sharding, split_random, vocab_parallel  # noqa: F401 (registers)
+    from fxpar.core import sharding, split_random, vocab_parallel  # noqa: F401 (registers)
 
     class Rank1:
         def rank(self):

@@ -9,12 +9,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpar.compiler import cost, ir
+from fxpar.core import cost, ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.plan import resolve
-from fxpar.compiler.sharding import Replicate, Shard
+from fxpar.core.plan import resolve
+from fxpar.core.sharding import Replicate, Shard
 from fxpar.examples import models as M
 from fxpar.runtime import tp_slices as rtp
 
@@ -727,7 +727,7 @@ def test_strided_shard_redistributes_exactly():
     import operator
     from torch.distributed.tensor.placement_types import _StridedShard
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from fxpar.compiler import sharding
+    from fxpar.core import sharding
     B, H, T = 3, 4, 5
     full = torch.randn(B * H, T, 2)
     strided = (_StridedShard(0, split_factor=B),)
@@ -831,7 +831,7 @@ def test_view_placement_of_split_and_strided_values():
     case, which would hand later ops the wrong rows); a split no placement describes
     after the view is None (the view then runs on the whole value)."""
     from torch.distributed.tensor.placement_types import _StridedShard as S
-    from fxpar.compiler.sharding import _view_placement as vp
+    from fxpar.core.sharding import _view_placement as vp
     assert vp([4, 4, 16, 8], Shard(1), [16, 16, 8], 2) == S(0, split_factor=4)
     assert vp([16, 16, 16], S(0, split_factor=4), [4, 4, 16, 16], 2) == Shard(1)
     assert vp([16, 16], S(0, split_factor=4), [2, 8, 16], 2) == S(1, split_factor=2)

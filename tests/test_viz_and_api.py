@@ -7,9 +7,9 @@ import torch
 
 import fxpar
 from fxpar.compiler.capture import capture
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.plan import resolve
+from fxpar.core.plan import resolve
 from fxpar.examples import models as M
 from fxpar.viz.graph import is_collective, summary, to_dot, write_snapshots
 
@@ -112,7 +112,7 @@ def test_memory_plot_aligns_both_graphs_on_the_backward_boundary():
     """Remat adds recomputed nodes to the backward, so the graphs before and after it have
     different node counts: each curve is drawn against its own phases (forward over [0, 1),
     backward over [1, 2]), so both cross into the backward at x = 1."""
-    from fxpar.compiler import ir
+    from fxpar.core import ir
     from fxpar.examples import models as M
     from fxpar.viz import memory_plot
     cfg = M.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)

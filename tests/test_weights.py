@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.compiler.errors import CheckpointError
+from fxpar.core.errors import CheckpointError
 from fxpar.examples import models as M
 from fxpar.runtime import tp_slices as rtp
 from fxpar.runtime import weights as W
@@ -266,7 +266,7 @@ def test_a_missing_key_is_found_before_the_model_is_compiled(tmp_path, monkeypat
     """parallelize checks every key of weights= when it opens the file: the error comes
     before tracing and compiling (seconds to minutes at real size), not after."""
     from safetensors.torch import save_file
-    from fxpar.compiler import api
+    from fxpar.api import parallelize as api
     torch.manual_seed(0)
     state = {k: v.clone() for k, v in M.hf_llama().state_dict().items()}
     del state["model.layers.1.mlp.up_proj.weight"]
@@ -441,7 +441,7 @@ def test_local_batch_of_the_wrong_size_says_what_to_give():
                            batch="local")
     assert (pm.dp_rank, pm.dp_size) == (0, 1)
     x, y = batch_fn(0)
-    with pytest.raises(fxpar.compiler.errors.BatchError, match="batch='local'.*DistributedSampler"):
+    with pytest.raises(fxpar.core.errors.BatchError, match="batch='local'.*DistributedSampler"):
         pm.step((x[:3], y[:3]))
     with pytest.raises(fxpar.PlanError, match="batch='shard'"):
         fxpar.parallelize(model, 1, example_batch=batch_fn(0), batch="shard")

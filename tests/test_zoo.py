@@ -9,12 +9,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.compiler import codegen, ir
+from fxpar.compiler import codegen
+from fxpar.core import ir
 from fxpar.compiler.capture import capture
-from fxpar.compiler.errors import PlanError
+from fxpar.core.errors import PlanError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.compiler.plan import resolve
-from fxpar.compiler.sharding import Shard, make_mesh, shard_graph
+from fxpar.core.plan import resolve
+from fxpar.core.sharding import Shard, make_mesh, shard_graph
 from fxpar.examples import zoo, zoo_sweep
 
 aten = torch.ops.aten
@@ -429,7 +430,7 @@ def test_a_mismatch_is_rounding_only_where_verify_passes_its_first_step(monkeypa
     """zoo_sweep's rule for a cell that differs after 3 AdamW steps: run again for one step
     under Plan.verify; "rounding" only where that step passes, else a mismatch with what
     verify found. An "auto" cell runs again with the plan the planner chose."""
-    from fxpar.compiler.errors import VerifyError
+    from fxpar.core.errors import VerifyError
     ran = []
 
     def train(name, devices, plan, steps=3, dropout=False, verify=False):

@@ -298,7 +298,7 @@ def bubble_rank(trace_dir, schedules=("gpipe", "1f1b", "zero-bubble"), microbatc
         pm.trace(path)
         dist.barrier()
         import json
-        from fxpar.runtime import schedules
+        from fxpar.core import schedules
         from fxpar.runtime.trace import COMPUTE, last_step_actions, on_track, transfer_latency
         events = json.load(open(path))["traceEvents"]
         took = last_step_actions(events)
@@ -677,7 +677,7 @@ def meta_weights_rank(cases, weights_dir, save_root=None, steps=3):
 def misuse_rank(mode, plan="auto"):
     """Rank 0 makes a collective call the other ranks do not (the everyday "print the loss on
     rank 0" mistake); every rank returns the CollectiveMisuse message it got (None: none)."""
-    from fxpar.compiler.errors import CollectiveMisuse
+    from fxpar.core.errors import CollectiveMisuse
     model, batch_fn, _ = build("mlp")
     pm = fxpar.parallelize(model, int(os.environ["WORLD_SIZE"]), example_batch=batch_fn(0),
                            plan=plan)
@@ -762,7 +762,7 @@ def differing_plans_rank(planned: bool):
     arguments); True: the same arguments, but rank 1's planner is made to choose otherwise
     (as inputs differing in a way the arguments do not show would)."""
     from fxpar.compiler import planner
-    from fxpar.compiler.errors import PlanError
+    from fxpar.core.errors import PlanError
     model, batch_fn, _ = build("gpt")
     rank = int(os.environ["RANK"])
     fixed = {"dp": 2} if rank == 0 or planned else {"pp": 2}

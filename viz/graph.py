@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.viz import layer_graph
 from fxpar.viz.layer_graph import layer_view
 from fxpar.viz.style import (COLLECTIVE_COLOR, COLLECTIVE_PREFIXES, FUSED_BORDER,  # noqa: F401
@@ -19,7 +19,7 @@ from fxpar.viz.style import (COLLECTIVE_COLOR, COLLECTIVE_PREFIXES, FUSED_BORDER
 
 def _label(n: torch.fx.Node) -> str:
     if n.op == "placeholder":
-        title = n.meta.get("fqn", n.name)
+        title = n.meta.get(ir.FQN, n.name)
     elif n.op == "output":
         title = "output"
     else:
@@ -41,7 +41,7 @@ def _label(n: torch.fx.Node) -> str:
         title = f"send s{src} -> recv s{dst}"
     elif ir.STAGE in n.meta and ir.PHASE in n.meta:
         title += f" [{n.meta[ir.PHASE]}{n.meta[ir.STAGE]}]"
-    if n.meta.get("moved"):  # set by the overlap pass
+    if n.meta.get(ir.MOVED):  # set by the overlap pass
         title += f" ({n.meta['moved']})"
     if n.meta.get(ir.CODEGEN_RUN):  # pm.stage_graphs["codegen"]: the Inductor run it is in
         title += f" [{n.meta[ir.CODEGEN_RUN].rpartition('/')[2]}]"
@@ -179,7 +179,7 @@ def write_snapshots(stage_graphs: dict, out_dir: str, *, details: bool = True,
             if full:
                 jobs[f"{stem}/_graph.svg"] = to_dot(gm, f"after {pass_name} ({role})").source
             dot = layer_graph.layer_dot(view, f"after {pass_name} ({role})"
-                                        + _what_moved(gm.meta.get("overlap"))
+                                        + _what_moved(gm.meta.get(ir.OVERLAP_REPORT))
                                         + _what_compiled(gm.meta.get("codegen")),
                                         href=lambda b: href.get(b.key))
             jobs[f"{stem}.svg"] = dot.source

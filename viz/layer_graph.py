@@ -22,7 +22,7 @@ import html
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 from fxpar.viz.style import (COLLECTIVE_COLOR, FUSED_COLOR, INDUCTOR_COLOR, MOVED_COLOR,
                              MOVED_FILL,
                              RECOMPUTE_COLOR, REGION_COLORS, STAGE_COLORS, TP_COLOR, fmt_bytes,
@@ -203,8 +203,8 @@ def layer_view(gm: torch.fx.GraphModule) -> LayerView:
                                           transfer=ir.TRANSFER in n.meta))
         link.count += 1
         link.nbytes += max([nbytes(n)] + [nbytes(a) for a in n.all_input_nodes])
-        link.earlier += bool(n.meta.get("moved"))
-        link.later += any(u.meta.get("moved") for u in n.users)
+        link.earlier += bool(n.meta.get(ir.MOVED))
+        link.later += any(u.meta.get(ir.MOVED) for u in n.users)
     return LayerView(boxes, edges, list(links.values()), staged)
 
 

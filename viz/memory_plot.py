@@ -10,8 +10,8 @@ import os
 
 import torch.fx
 
-from fxpar.compiler import ir
-from fxpar.compiler.cost import MemoryTimeline, simulate_liveness
+from fxpar.core import ir
+from fxpar.core.cost import MemoryTimeline, simulate_liveness
 
 
 def backward_start(gm: torch.fx.GraphModule) -> int:

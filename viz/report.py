@@ -6,7 +6,7 @@ The page shows the layer-view SVGs written beside it inline (pan with the mouse,
 the wheel, double-click to reset; click a box for its node-level drawing) and links the PNGs
 (open `report.html` in a browser from the same folder). Each pass says what it changed and,
 where it changed nothing, why; passes the plan does not need are listed with the reason.
-Predictions come from compiler/cost.py (roofline time per node and alpha-beta collectives
+Predictions come from core/cost.py (roofline time per node and alpha-beta collectives
 against DeviceProfile; the liveness simulator for memory) on this rank's graph. A small
 script checks the page as it loads (every image decoded, no script error) and writes the
 result into `#selfcheck`, which tests/test_report_browser.py reads from headless Chromium.
@@ -21,7 +21,8 @@ import statistics
 
 import torch
 
-from fxpar.compiler import cost, ir
+from fxpar.core import cost, ir
+from fxpar.core.plan import plan_dict
 from fxpar.viz.graph import is_collective, summary
 
 MiB = 2 ** 20
@@ -57,14 +58,12 @@ def _planner_candidate(pm):
     result = getattr(pm, "plan_report", None)
     if result is None:
         return None
-    from fxpar.compiler.planner import plan_dict
     ran = plan_dict(pm.plan)
     return next((c for c in result.table if plan_dict(c.plan) == ran), None)
 
 
 def _planner_rows(pm, measured_s, measured_memory, measured_txt="") -> list:
     """The planner's calibrated prediction for the plan that runs, if the planner chose it."""
-    from fxpar.compiler.planner import plan_dict
     c = _planner_candidate(pm)
     if c is None:
         return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 
 REGION_COLORS = {ir.FORWARD: "#cfe8ff", ir.BACKWARD: "#ffe3c4", ir.OPTIMIZER: "#e0f5d0",
                  ir.COMM: "#ffd0d0"}  # comm: bucket packing etc.; collectives are bold red

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from fxpar.runtime.trace import BLOCKED, COMM, COMPUTE, PEER_WAIT, TRACKS
+from fxpar.core.trace_events import BLOCKED, COMM, COMPUTE, PEER_WAIT, TRACKS
 
 # legend order: the step's own order, then what is not compute
 COLORS = {"forward": "#7fb3e6", "backward": "#f5a35c", "weight grad": "#f7d08a",

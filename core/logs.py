@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 ALIASES = {
     "all": ["fxpar"],
-    "compile": ["fxpar.compiler"],
+    "compile": ["fxpar.compiler", "fxpar.core", "fxpar.api"],
     "capture": ["fxpar.compiler.capture"],
     "planner": ["fxpar.compiler.planner"],
     "passes": ["fxpar.passes", "fxpar.compiler.pass_manager"],
-    "sharding": ["fxpar.compiler.sharding"],
+    "sharding": ["fxpar.core.sharding"],
     "runtime": ["fxpar.runtime"],
     "kernels": ["fxpar.kernels"],
 }

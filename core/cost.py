@@ -23,8 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from fxpar.compiler import ir
-from fxpar.kernels import library
+from fxpar.core import ir
 
 aten = torch.ops.aten
 
@@ -232,7 +231,7 @@ def simulate_liveness(gm: torch.fx.GraphModule, *, optimizer_state_bytes: int = 
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     out_node = nodes[-1]
-    n_grads = out_node.meta.get("n_grads", 0)
+    n_grads = out_node.meta.get(ir.N_GRADS, 0)
     out_args = list(pytree.tree_leaves(out_node.args[0]))
     grad_outs = {a for a in out_args[1:1 + n_grads] if isinstance(a, torch.fx.Node)}
 
@@ -483,53 +482,6 @@ class KernelPrice:
             return dev_fused <= dev_unfused
         return max(self.triton_launch_s, dev_fused) <= max(n_nodes * self.aten_launch_s,
                                                            dev_unfused)
-
-
-_LAUNCH_CACHE: dict = {}
-
-
-def launch_seconds(device) -> tuple[float, float]:
-    """(ATen op, hand-written Triton kernel) host seconds per launch on a CUDA device,
-    measured once per process (~10 ms): 200 launches each on a one-row tensor, the ATen op
-    called as the executor calls it (an OpOverload from Python), the Triton kernel through
-    the wrapper the fusion pass puts in the graph (kernels/library.KernelCall: the softmax
-    kernel), no sync in between."""
-    import time
-    device = torch.device(device)
-    key = str(device)
-    if key not in _LAUNCH_CACHE:
-        from torch.fx.experimental.proxy_tensor import make_fx
-        x = torch.zeros(1, 8, device=device)
-        gm = make_fx(lambda a: aten._softmax.default(a, -1, False))(x)
-        node = next(n for n in gm.graph.nodes if n.target is aten._softmax.default)
-        softmax = library.SINGLE_OP[aten._softmax.default].for_node(node)  # as in a graph
-        add = aten.add.Tensor
-
-        def per_launch(fn):
-            for _ in range(20):  # compile, warm the caches
-                fn()
-            torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            for _ in range(200):
-                fn()
-            dt = (time.perf_counter() - t) / 200
-            torch.cuda.synchronize(device)
-            return dt
-        triton_s = per_launch(lambda: softmax(x, -1, False))
-        if softmax.fallback:  # it ran ATen's op: a kernel that cannot be built never pays
-            triton_s = float("inf")
-        _LAUNCH_CACHE[key] = (per_launch(lambda: add(x, x)), triton_s)
-    return _LAUNCH_CACHE[key]
-
-
-def kernel_price(device, replayed: bool) -> KernelPrice | None:
-    """The fusion pass's KernelPrice on `device`; None where fused kernels are not compiled
-    (CPU: Triton's interpreter runs them, for tests, not for speed)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda":
-        return None
-    aten_s, triton_s = launch_seconds(device)
-    return KernelPrice(aten_s, triton_s, gpu_hardware(device).mem_bandwidth, replayed=replayed)
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:

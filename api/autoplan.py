@@ -13,10 +13,11 @@ import logging
 import torch
 
 from fxpar.compiler import capture as cap
-from fxpar.compiler import codegen, ir, planner
+from fxpar.compiler import codegen, planner
+from fxpar.core import ir
 from fxpar.compiler.compile import planner_stats
-from fxpar.compiler.errors import FxparError, PlanError
-from fxpar.compiler.logs import Clock, announce
+from fxpar.core.errors import FxparError, PlanError
+from fxpar.core.logs import Clock, announce
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import machine
 

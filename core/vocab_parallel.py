@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -13,9 +13,9 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import ir, sharding
-from fxpar.compiler.errors import PassError, ShardingError
-from fxpar.compiler.sharding import Partial, Shard
+from fxpar.core import ir, sharding
+from fxpar.core.errors import PassError, ShardingError
+from fxpar.core.sharding import Partial, Shard
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -161,7 +161,7 @@ def param_grads(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Any]]:
     output is (None where it has none): the output's gradients follow the loss in the
     parameters' order (capture's `n_grads`)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    grads = list(out.args[0])[1:1 + out.meta.get("n_grads", 0)]
+    grads = list(out.args[0])[1:1 + out.meta.get(ir.N_GRADS, 0)]
     params = [p for p in gm.graph.nodes if p.op == "placeholder"
               and p.meta.get(ir.ROLE) == "param"]
     return [(p, grads[i] if i < len(grads) and isinstance(grads[i], torch.fx.Node) else None)

@@ -23,7 +23,7 @@ import torch
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import Replicate, Shard
 
-from fxpar.compiler import ir
+from fxpar.core import ir
 
 aten = torch.ops.aten
 

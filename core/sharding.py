@@ -28,8 +28,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 
-from fxpar.compiler import ir
-from fxpar.compiler.errors import ShardingError
+from fxpar.core import ir
+from fxpar.core.errors import ShardingError
 
 __all__ = ["Replicate", "Shard", "Partial", "make_mesh", "shard_graph", "redistribute",
            "local_shape", "is_split"]
@@ -270,8 +270,8 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
 
 # --- propagation --------------------------------------------------------------------------
 
-from fxpar.compiler import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
-from fxpar.compiler import vocab_parallel  # noqa: E402  (registers fxpar::localize)
+from fxpar.core import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
+from fxpar.core import vocab_parallel  # noqa: E402  (registers fxpar::localize)
 
 _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 
@@ -403,7 +403,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     match it instead of all-reduced. gather_first: node -> dim; inputs split on that dim are
     gathered (made whole) before the node runs (the sequence-parallel all-gather before a
     matmul). split_random_ops: a dropout on a split value draws the whole mask and keeps
-    its slice (compiler/split_random.py), as tensor parallelism needs.
+    its slice (core/split_random.py), as tensor parallelism needs.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
     sh.prefer_split, sh.prefer = bool(prefer), prefer or {}
@@ -564,7 +564,7 @@ class _Sharder:
 
     def out_spec(self, placements, val):
         """The DTensor spec of a value placed `placements` on this mesh (for the rules of
-        compiler/split_random.py and vocab_parallel.py)."""
+        core/split_random.py and vocab_parallel.py)."""
         return _out_spec(self.mesh, placements, val)
 
     def reduce_if_shared(self, node) -> None:

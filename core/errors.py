@@ -1,4 +1,14 @@
 """User-facing exceptions. Each message names the cause and the fix."""
+import os
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fxpar's own code, by folder (not by a "/fxpar/" in the path: a user's project or a clone
+# named fxpar holds the user's model code too); examples/ is model code, the user's kind
+OWN_CODE = (*(os.path.join(_ROOT, d) + os.sep for d in sorted(os.listdir(_ROOT))
+              if d not in ("examples", "tests", "benchmarks")
+              and os.path.isfile(os.path.join(_ROOT, d, "__init__.py"))),
+            os.path.join(_ROOT, "__init__.py"), os.path.join(_ROOT, "__main__.py"))
+
 
 
 class FxparError(Exception):
@@ -51,3 +61,7 @@ class CollectiveMisuse(FxparError, RuntimeError):
 class VerifyError(FxparError, RuntimeError):
     """Plan.verify: the first step under the plan differs from one plain process on the same
     batch (a bug in fxpar: the message names the first tensor that differs)."""
+
+
+class CodegenError(FxparError):
+    """Inductor could not compile a part of the graph."""

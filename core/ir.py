@@ -6,18 +6,18 @@ through `Program`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
 
-from fxpar.compiler.errors import BatchError
+from fxpar.core.errors import BatchError
 
 # ops that only reshape or alias a tensor (same elements, same storage): passes look through them
 RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                       torch.ops.aten.reshape.default, torch.ops.aten.alias.default})
 
-# node.meta keys (DESIGN.md section 3)
+# node.meta keys (docs/design.md section 3)
 VAL = "val"              # fake tensor: shape, dtype, device
 REGION = "region"        # "forward" | "backward" | "optimizer" | "comm"
 MODULE = "module"        # source module path, e.g. "transformer.h.3.mlp.c_fc"
@@ -36,6 +36,15 @@ PACK = "pack"            # set by data_parallel on what makes an all-gather's in
 CODEGEN_RUN = "codegen_run"  # set on pm.stage_graphs["codegen"]: the Inductor run a node went into
 OWNED = "owned"          # set by codegen on an all-reduce / reduce-scatter: nothing else reads its input
 ROLE = "role"            # placeholder/output role: "param" | "buffer" | "batch" | "loss" | "grad" | "buffer_update"
+FQN = "fqn"              # set by capture on placeholders: the parameter's or buffer's name, or
+#                          "batch[i]" for the i-th batch leaf
+N_GRADS = "n_grads"      # set by capture on the output node: how many gradients follow the loss
+#                          (data_parallel rewrites it when it regroups them)
+SEQ_NR = "seq_nr"        # torch's (from tracing): the autograd sequence number tying a backward
+#                          op to the forward op it differentiates
+MOVED = "moved"          # set by overlap on a start or wait it moved: how far (for pictures)
+COUNTER_DTYPE = "dtype"  # set by data_parallel on the microbatch loss counter (LOSS_COUNT): the
+#                          dtype of the loss's share
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
 
@@ -51,9 +60,8 @@ def layer_of(module_path: str) -> str:
     return module_path
 
 # What a pass decides that the Program carries: graph-module meta keys (gm.meta), written
-# by the pass named, read by compiler/compile.py into the Program. (Each pass also leaves
-# its report for pictures and tests under its own name, e.g. gm.meta["remat"].) The context
-# a pass receives (compiler/pass_manager.PassContext) is read-only input.
+# by the pass named, read by compiler/compile.py into the Program. The context a pass
+# receives (compiler/pass_manager.PassContext) is read-only input.
 BATCH_SHARD_DIMS = "batch_shard_dims"  # data_parallel: per batch leaf, the dim split over dp
 ZERO_BUCKETS = "zero_buckets"          # data_parallel (ZeRO): parameter indices per bucket
 PARAMS_SHARDED = "params_sharded"      # data_parallel (ZeRO-3): parameter inputs are shards
@@ -64,6 +72,36 @@ LOSS_COUNT = "loss_count"              # data_parallel (microbatches): the targe
 PASS_TIMES = "pass_times"              # [(pass name, seconds, call nodes after it)], first
 #                                        ("verify capture", ...): the captured graph checked
 FUSION_SKIPPED = "fusion_skipped"      # Plan.fuse but the device cannot run Triton: why
+# each pass's report of what it decided (gm.meta), for pictures, tests and the plan report
+PRECISION_REPORT = "precision"         # precision: what was cast, kept, scaled
+REMAT_REPORT = "remat"                 # remat: what is saved and what recomputed
+PIPELINE = "pipeline"                  # pipeline_split: the stages and their parts
+TP_REPORT = "tensor_parallel"          # tensor_parallel: each weight's role, the collectives
+OVERLAP_REPORT = "overlap"             # overlap: what moved and what limited it
+FUSION_REPORT = "fusion"               # fusion: the fused groups and the unpaid ones
+
+# what capture leaves on the graph: the keys every pass may require
+CAPTURED = frozenset({VAL, REGION, MODULE, ROLE, FQN, N_GRADS, SEQ_NR})
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContract:
+    """A pass's declaration, next to its `run(gm, options, ctx) -> gm` (as torch.fx's
+    PassBase requires/ensures): the keys of this module it requires on the graph (from
+    capture or an earlier pass), reads where present (so it runs after their provider when
+    both run) and provides, the passes it must precede or follow for a reason no key names,
+    whether a plan runs it at all, and its
+    options - a frozen dataclass of the Plan fields it reads (core/plan.pass_options). The
+    pass manager orders the passes and checks the keys from these alone."""
+    name: str
+    options: type
+    requires: frozenset = frozenset()
+    reads: frozenset = frozenset()
+    provides: frozenset = frozenset()
+    before: frozenset = frozenset()
+    after: frozenset = frozenset()
+    applies: Callable[[Any], bool] = lambda options: True  # whether the plan runs it at all
+
 
 # Symbolic process-group names the compiler writes into collectives (a Program is compiled
 # without a process group); the runtime binds them to its groups (runtime/comm.bind_groups).
@@ -111,7 +149,7 @@ class Program:
     params_sharded: bool = False
     # Pipeline (pp > 1 or microbatches > 1): the graph cut into parts per (phase, stage)
     # (compiler/stages.PipelineProgram), run per microbatch in the order of `schedule`
-    # (runtime/schedules.py) over the pp group; `graph` is then the whole joint graph, for
+    # (core/schedules.py) over the pp group; `graph` is then the whole joint graph, for
     # pictures only. Batch leaves are split into `microbatches` along dim 0 first.
     pipeline: Any = None
     pp: int = 1
@@ -209,3 +247,42 @@ def microbatches(batch, m, dp):
     return [torch.utils._pytree.tree_unflatten(
         [x.chunk(m, 0)[j] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
          for x in leaves], spec) for j in range(m)]
+
+
+# what code generation (compiler/codegen.generate) did to a graph: gm.meta["codegen"]
+@dataclasses.dataclass
+class Run:
+    """One compiled run: its name, how many ATen ops it holds, compile seconds, whether it
+    was loaded from fxpar's cache."""
+    name: str
+    ops: int
+    seconds: float
+    cached: bool = False
+    reused: bool = False  # the same code as an earlier run of this graph (a repeated block)
+
+
+@dataclasses.dataclass
+class Generated:
+    """What `generate` did to one graph (gm.meta["codegen"] of its result)."""
+    runs: list[Run]
+    eager_ops: int    # ATen ops left outside compiled runs (short runs, failed runs,
+    #                   CPU_EAGER_OPS on CPU)
+    seconds: float
+    failed: list[str] = dataclasses.field(default_factory=list)  # runs Inductor refused, why
+
+    @staticmethod
+    def combined(done: list["Generated"]) -> "Generated":
+        """Several graphs' (a rank's pipeline parts, evaluate's graph) as one."""
+        return Generated([r for d in done for r in d.runs], sum(d.eager_ops for d in done),
+                         sum(d.seconds for d in done), [f for d in done for f in d.failed])
+
+    def summary(self) -> str:
+        ops = sum(r.ops for r in self.runs)
+        hits = sum(r.cached for r in self.runs)
+        reused = sum(r.reused for r in self.runs)
+        return (f"{len(self.runs)} compiled runs holding {ops} ops"
+                + (f" ({hits} from the cache)" if hits else "")
+                + (f" ({reused} the code of a repeated block's earlier copy)" if reused else "")
+                + f", {self.eager_ops} ops left eager"
+                + (f" ({len(self.failed)} runs Inductor could not compile: see the log)"
+                   if self.failed else ""))

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from fxpar.compiler.errors import PlanError
-from fxpar.runtime import schedules
+from fxpar.core.errors import PlanError
+from fxpar.core import schedules
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 REMATS = ("none", "sqrt", "auto")
@@ -70,7 +70,7 @@ class Plan:
                     (~0.254x fp32's bytes); "gradients" (qgZ): ZeRO-2/3's gradient
                     reduce-scatters become an all-to-all of int4 values in blocks of 64
                     (~0.141x), each rank dequantizing and summing its shard in fp32;
-                    "weights+gradients"; "none" (default; compiler/quantized_comm.py).
+                    "weights+gradients"; "none" (default; core/quantized_comm.py).
     grad_compression: "1bit-adam" (lossy by design, never chosen by "auto"): 1-bit Adam
                     (Tang et al. 2021, DeepSpeed's OneBitAdam) with the user's torch.optim
                     Adam / AdamW. The first `compression_warmup` steps are the user's Adam
@@ -355,3 +355,21 @@ def needs_search(plan) -> bool:
     if isinstance(plan, Plan):
         return any(getattr(plan, k) == "auto" for k in ("dp", "tp", "pp"))
     return False
+
+
+# the fields plan="auto" searches: what tells one of its plans from another
+SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "precision",
+            "offload_optimizer")
+
+
+def plan_dict(p: Plan) -> dict:
+    """The searched fields of a plan, as a dict fxpar.parallelize(plan=...) takes (and what
+    tells a table's plan from another)."""
+    return {k: getattr(p, k) for k in SEARCHED}
+
+
+def pass_options(options_type: type, plan: Plan):
+    """A pass's options (its PassContract.options: a dataclass naming the Plan fields the pass
+    reads) filled from `plan`: a pass sees those fields and no others."""
+    return options_type(**{f.name: getattr(plan, f.name)
+                           for f in dataclasses.fields(options_type)})

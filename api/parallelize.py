@@ -19,15 +19,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import autoplan, planner
+from fxpar.compiler import codegen, planner
+from fxpar.api import autoplan
 from fxpar.compiler import capture
 from fxpar.compiler.capture import meta_tensors
 from fxpar.compiler.compile import build, model_state_bytes, reusable
-from fxpar.compiler.cost import device_memory
-from fxpar.compiler.errors import PlanError
+from fxpar.core.cost import device_memory
+from fxpar.core.errors import OWN_CODE, PlanError
 from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
-from fxpar.compiler.logs import Clock, configure
-from fxpar.compiler.plan import Plan, needs_search, resolve, world_of
+from fxpar.core.logs import Clock, configure
+from fxpar.core.plan import Plan, needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
 from fxpar.runtime import verify as rverify
 from fxpar.runtime import weights as rweights
@@ -41,7 +42,7 @@ def parallelize(model: torch.nn.Module, devices, *, example_batch, loss_fn: Call
                 batch: str = "global") -> ParallelModel:
     """Compile `model` + `loss_fn` into a training step that runs across `devices`.
 
-    See DESIGN.md section 1. Every rank calls this with the same arguments.
+    See docs/design.md section 1. Every rank calls this with the same arguments.
     `weights`: None, or a path (a .safetensors file, a Hugging Face save_pretrained
     directory, a torch state-dict file, an fxpar checkpoint) each rank reads only its
     slices from. A model on the meta device (all or some of its tensors) is never made
@@ -84,7 +85,7 @@ def _release_after_failure(e: BaseException, opened_group: bool) -> None:
             "Try remat='auto' (recompute activations instead of keeping them), a smaller "
             "example batch, ZeRO (plan={'zero': 3}) or more devices; a model built on the "
             "meta device with weights=PATH puts only each rank's shards on the device.")
-    ours = (*_FXPAR_DIRS, os.path.dirname(torch.__file__) + os.sep)
+    ours = (*OWN_CODE, os.path.dirname(torch.__file__) + os.sep)
     for c in chain:
         for frame, _ in traceback.walk_tb(c.__traceback__):
             if frame.f_code.co_filename.startswith(ours):
@@ -100,10 +101,8 @@ def _release_after_failure(e: BaseException, opened_group: bool) -> None:
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_FXPAR_DIRS = tuple(_ROOT + d + os.sep for d in ("compiler", "passes", "runtime", "kernels",
-                                                  "viz"))
 _PHASES = (("compiler/capture", "while capturing the model"),
-           ("compiler/planner", "while planning"), ("compiler/autoplan", "while planning"),
+           ("compiler/planner", "while planning"), ("api/autoplan", "while planning"),
            ("runtime/machine", "while measuring the machine for the planner"),
            ("compiler/codegen", "while generating code (Inductor)"),
            ("kernels/", "while compiling kernels"),
@@ -116,8 +115,8 @@ def _phase_of(e: BaseException) -> str:
     """The phase of parallelize that raised `e`: its innermost frame in fxpar's own code."""
     inside = [f.f_code.co_filename[len(_ROOT):].replace(os.sep, "/")
               for f, _ in traceback.walk_tb(e.__traceback__)
-              if f.f_code.co_filename.startswith(_FXPAR_DIRS)
-              and not f.f_code.co_filename.endswith(os.sep + "api.py")]
+              if f.f_code.co_filename.startswith(OWN_CODE)
+              and not f.f_code.co_filename.startswith(_ROOT + "api" + os.sep)]
     for prefix, said in _PHASES:
         if inside and inside[-1].startswith(prefix):
             return f"{said} {inside[-1][len(prefix):-3]}" if said == "in pass" else said
@@ -200,7 +199,8 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     pm = ParallelModel(model, world, program, optimizer,
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
                        weights=source, batch=batch,
-                       loss_of=_eager_loss(loss_fn) if resolved.verify else None)
+                       loss_of=_eager_loss(loss_fn) if resolved.verify else None,
+                       generate=codegen.generate)
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = program.compile_times = clock.finish()
     return pm
