@@ -12,7 +12,7 @@ model and the plan dict and finds its split on the graph. Both train the same HF
 seed) with AdamW on the same batches inside one launch; the peer gets its dp rank's half of
 each global batch and reports the dp-mean loss. The two sides' timed steps alternate (order
 swapped every step), a barrier before each; median of `--steps`. Memory: per rank, the live
-tensor bytes over one step, held state included (zero_vs_fsdp.StepMemory: the same dispatch-
+tensor bytes over one step, held state included (runtime/memtrack.StepMemory: the same dispatch-
 mode tracker for both sides, from the fresh model on); max over ranks.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch.distributed as dist
 import fxpar
 from fxpar.examples import models as M
 from fxpar.runtime import dist as rdist
+from fxpar.runtime.memtrack import StepMemory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_vs_dtensor import hand_plan  # noqa: E402
-from zero_vs_fsdp import StepMemory  # noqa: E402
 
 
 def _model(args):

@@ -61,17 +61,14 @@ import gc
 import os
 import statistics
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import fxpar
 from fxpar.examples import models as M
 from fxpar.runtime import dist as rdist
-from fxpar.runtime.memtrack import MemoryTracker
+from fxpar.runtime.memtrack import StepMemory
 
 
 def _cfg(args):
@@ -80,90 +77,6 @@ def _cfg(args):
 
 
 # --- memory -------------------------------------------------------------------------------
-
-def _real_storage(t: torch.Tensor):
-    """t's storage if it holds real memory; None for meta / fake tensors and for wrappers
-    without a storage of their own."""
-    if t.is_meta:
-        return None
-    try:
-        st = t.untyped_storage()
-        st.nbytes()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return None if st.device.type == "meta" else st
-
-
-def _storages(tree) -> list:
-    """Real storages of the tensors in tree; tensor subclasses (DTensor) by their parts."""
-    out = []
-    for t in pytree.tree_leaves(tree):
-        if not isinstance(t, torch.Tensor):
-            continue
-        if is_traceable_wrapper_subclass(t):
-            attrs, _ = t.__tensor_flatten__()
-            out += _storages([getattr(t, a) for a in attrs])
-        elif (st := _real_storage(t)) is not None:
-            out.append(st)
-    return out
-
-
-class StepMemory(MemoryTracker):
-    """MemoryTracker that also sees subclass outputs and samples live bytes during a window.
-
-    with StepMemory(initial_tensors) as sm:
-        ... build, warm up ...
-        with sm.window():
-            step()
-    sm.held, sm.peak_live
-    """
-
-    def __init__(self, initial: list[torch.Tensor]):
-        super().__init__()
-        for st in _storages(initial):
-            self._register(st)
-        self._sampling = False
-        self.held = self.peak_live = 0
-
-    def _register(self, st):
-        if st in self._keys:
-            return
-        key = self._next
-        self._next += 1
-        self._keys[st] = key
-        self._live[key] = st.nbytes()
-        self.events.append((st.nbytes(), key))
-        weakref.finalize(st, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {s._cdata for s in _storages((args, kwargs))}
-        for st in _storages(out):
-            if st._cdata not in seen:
-                self._register(st)
-        if self._sampling:
-            self.peak_live = max(self.peak_live, self.live_bytes())
-        return out
-
-    def live_bytes(self) -> int:
-        """Current bytes of every tracked storage still alive (resizes included)."""
-        return sum(st.nbytes() for st in list(self._keys.keys()))
-
-    def window(self):
-        tracker = self
-
-        class _Window:
-            def __enter__(self):
-                gc.collect()
-                tracker.held = tracker.peak_live = tracker.live_bytes()
-                tracker._sampling = True
-
-            def __exit__(self, *exc):
-                tracker._sampling = False
-                tracker.peak_live = max(tracker.peak_live, tracker.live_bytes())
-
-        return _Window()
-
 
 # --- the four trainings -------------------------------------------------------------------
 

@@ -8,12 +8,13 @@ ground truth and `measure()` uses it.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 def _storages(tree) -> list:
@@ -43,15 +44,20 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         seen = {s.data_ptr() for s in _storages((args, kwargs))}
         for st in _storages(out):
-            if st.nbytes() == 0 or st.data_ptr() in seen or st in self._keys:
+            if st.nbytes() == 0 or st.data_ptr() in seen:
                 continue
-            key = self._next
-            self._next += 1
-            self._keys[st] = key
-            self._live[key] = st.nbytes()
-            self.events.append((st.nbytes(), key))
-            weakref.finalize(st, self._free, key)
+            self._register(st)
         return out
+
+    def _register(self, st) -> None:
+        if st in self._keys:
+            return
+        key = self._next
+        self._next += 1
+        self._keys[st] = key
+        self._live[key] = st.nbytes()
+        self.events.append((st.nbytes(), key))
+        weakref.finalize(st, self._free, key)
 
     def _free(self, key):
         nbytes = self._live.pop(key, None)
@@ -74,6 +80,82 @@ class MemoryTracker(TorchDispatchMode):
             cur += nbytes
             best = max(best, cur)
         return best
+
+
+def _real_storage(t: torch.Tensor):
+    """t's storage if it holds real memory; None for meta / fake tensors and for wrappers
+    without a storage of their own."""
+    if t.is_meta:
+        return None
+    try:
+        st = t.untyped_storage()
+        st.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None if st.device.type == "meta" else st
+
+
+def _real_storages(tree) -> list:
+    """Real storages of the tensors in tree; tensor subclasses (DTensor) by their parts."""
+    out = []
+    for t in pytree.tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            out += _real_storages([getattr(t, a) for a in attrs])
+        elif (st := _real_storage(t)) is not None:
+            out.append(st)
+    return out
+
+
+class StepMemory(MemoryTracker):
+    """MemoryTracker that also sees tensor subclasses' storages (DTensor, FSDP2's shards),
+    counts the tensors it starts with, and samples live bytes during a window: a peer's
+    training step measured as fxpar's is (benchmarks/zero_vs_fsdp.py, fsdp_tp_2d.py).
+
+    with StepMemory(initial_tensors) as sm:
+        ... build, warm up ...
+        with sm.window():
+            step()
+    sm.held, sm.peak_live
+    """
+
+    def __init__(self, initial: list[torch.Tensor]):
+        super().__init__()
+        for st in _real_storages(initial):
+            self._register(st)
+        self._sampling = False
+        self.held = self.peak_live = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {s._cdata for s in _real_storages((args, kwargs))}
+        for st in _real_storages(out):
+            if st._cdata not in seen:
+                self._register(st)
+        if self._sampling:
+            self.peak_live = max(self.peak_live, self.live_bytes())
+        return out
+
+    def live_bytes(self) -> int:
+        """Current bytes of every tracked storage still alive (resizes included)."""
+        return sum(st.nbytes() for st in list(self._keys.keys()))
+
+    def window(self):
+        tracker = self
+
+        class _Window:
+            def __enter__(self):
+                gc.collect()
+                tracker.held = tracker.peak_live = tracker.live_bytes()
+                tracker._sampling = True
+
+            def __exit__(self, *exc):
+                tracker._sampling = False
+                tracker.peak_live = max(tracker.peak_live, tracker.live_bytes())
+
+        return _Window()
 
 
 def measure(fn: Callable, *, exclude: Callable | None = None) -> tuple[object, int]:
