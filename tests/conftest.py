@@ -21,3 +21,38 @@ def pytest_runtest_logreport(report):
         crash = getattr(report.longrepr, "reprcrash", None)
         why = crash.message.splitlines()[0] if crash is not None else str(report.longrepr)[-300:]
         print(f"\nFAILED {report.nodeid} ({report.when}): {why[:400]}", flush=True)
+
+
+def _starting_ranks(path: str) -> frozenset[str]:
+    """The functions of a test file that start rank processes, themselves or through another
+    function of the file."""
+    import ast
+    tree = ast.parse(open(path).read())
+    funcs = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    calls = {f.name: {c.func.attr if isinstance(c.func, ast.Attribute) else c.func.id
+                      for c in ast.walk(f) if isinstance(c, ast.Call)
+                      and isinstance(c.func, (ast.Attribute, ast.Name))} for f in funcs}
+    # fxpar.launch, torchrun (--nproc-per-node) or raw ranks (a WORLD_SIZE in their env)
+    by_hand = {f.name for f in funcs if any(
+        isinstance(n, ast.Constant) and n.value == "--nproc-per-node"
+        or isinstance(n, ast.keyword) and n.arg == "WORLD_SIZE" for n in ast.walk(f))}
+    found = {name for name, called in calls.items() if "launch" in called} | by_hand
+    while True:
+        more = {name for name, called in calls.items() if called & found} - found
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers that say what a test is, beside `slow` (the time tier): `multiprocess` on every
+    test that starts rank processes, found from its file's source."""
+    import pytest
+    seen = {}
+    for item in items:
+        path = str(item.fspath)
+        if path not in seen:
+            seen[path] = _starting_ranks(path)
+        fn = getattr(item, "function", None)
+        if fn is not None and fn.__name__ in seen[path]:
+            item.add_marker(pytest.mark.multiprocess)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") \
     or shutil.which("google-chrome")
