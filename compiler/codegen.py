@@ -29,7 +29,6 @@ decides which rank compiles first.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import logging
 import operator
@@ -900,7 +899,7 @@ def generate(gm: torch.fx.GraphModule, device=None, name: str = "graph",
                 eager_ops += sum(map(_counts, nodes))
                 continue
             done.append(Run(f"{name}/{key}", sum(map(_counts, nodes)), time.perf_counter() - t1,
-                            hit, reused))
+                            hit, reused, tuple(n.name for n in nodes)))
             produced = tuple(j for j, a in enumerate(inputs) if a.op != "placeholder")
             run = CompiledRun(fn, sub, [tuple(f.stride()) for f in fakes], f"{name}/{key}",
                               compile_fn, produced, tuple(n.name for n in nodes))

@@ -259,6 +259,7 @@ class Run:
     seconds: float
     cached: bool = False
     reused: bool = False  # the same code as an earlier run of this graph (a repeated block)
+    origin: tuple = ()    # the names of the graph's nodes it compiled
 
 
 @dataclasses.dataclass

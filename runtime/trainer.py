@@ -940,12 +940,13 @@ class ParallelModel:
 def _marked_runs(sources: dict, generated: dict) -> dict:
     """pm.stage_graphs["codegen"]: a copy of each graph this rank runs, every node Inductor
     compiled marked with its run's name (ir.CODEGEN_RUN), for the pictures; its meta
-    ["codegen"] is what `codegen.generate` did (runs, reuses, ops left op by op)."""
+    ["codegen"] is what the code generator did (ir.Generated: runs, reuses, ops left op by
+    op)."""
     out = {}
     for name, gm in sources.items():
         gen = generated[name]
-        run_of = {o: m.name for m in gen.modules() if isinstance(m, codegen.CompiledRun)
-                  for o in m.origin}
+        done = gen.meta.get("codegen")
+        run_of = {o: r.name for r in (done.runs if done is not None else ()) for o in r.origin}
         snap = graphs.snapshot(gm)
         for n in snap.graph.nodes:
             if n.name in run_of:
