@@ -17,40 +17,13 @@ gives that table (`inputs`/`outputs` per part) in one step.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx
 
 from fxpar.core import ir
+from fxpar.core.ir import Part, PipelineProgram  # noqa: F401 (what split makes)
 
 PHASE = ir.PHASE
-
-
-@dataclasses.dataclass
-class Part:
-    key: str                          # "F0", "B1", "I1", "W1", "R1"
-    stage: int
-    phase: str
-    graph: torch.fx.GraphModule
-    inputs: list[tuple[str, object]]  # ("param", i) | ("buffer", i) | ("batch", i) | ("value", name)
-    outputs: list[str]                # value names, in the graph's output order
-
-
-@dataclasses.dataclass
-class PipelineProgram:
-    n_stages: int
-    parts: dict[str, Part]
-    producer: dict[str, str]                # value name -> part key
-    consumers: dict[str, list[str]]         # value name -> part keys reading it
-    loss: str                               # value name of the (microbatch) loss
-    grads: list[str | None]                 # per parameter: value name of its gradient
-    buffer_updates: list[str]               # per mutated buffer
-    param_stages: dict[int, set[int]]       # parameter index -> stages that read it
-    buffer_stages: dict[int, set[int]]
-
-    def keys_of_stage(self, stage: int) -> list[str]:
-        return [k for k, p in self.parts.items() if p.stage == stage]
 
 
 def run_order(key: str) -> tuple:

@@ -126,6 +126,34 @@ class GraphSignature:
         return len(self.param_names)
 
 
+# the pipeline section of a Program: its graph cut into parts per (phase, stage)
+# (compiler/stages.split makes it)
+@dataclasses.dataclass
+class Part:
+    key: str                          # "F0", "B1", "I1", "W1", "R1"
+    stage: int
+    phase: str
+    graph: torch.fx.GraphModule
+    inputs: list[tuple[str, object]]  # ("param", i) | ("buffer", i) | ("batch", i) | ("value", name)
+    outputs: list[str]                # value names, in the graph's output order
+
+
+@dataclasses.dataclass
+class PipelineProgram:
+    n_stages: int
+    parts: dict[str, Part]
+    producer: dict[str, str]                # value name -> part key
+    consumers: dict[str, list[str]]         # value name -> part keys reading it
+    loss: str                               # value name of the (microbatch) loss
+    grads: list[str | None]                 # per parameter: value name of its gradient
+    buffer_updates: list[str]               # per mutated buffer
+    param_stages: dict[int, set[int]]       # parameter index -> stages that read it
+    buffer_stages: dict[int, set[int]]
+
+    def keys_of_stage(self, stage: int) -> list[str]:
+        return [k for k, p in self.parts.items() if p.stage == stage]
+
+
 @dataclasses.dataclass
 class Program:
     """What the runtime executes on one rank.
@@ -133,7 +161,8 @@ class Program:
     `graph` takes (params, buffers, local batch leaves) and returns
     (loss, grads, updated buffers) with every collective as an explicit node.
     `batch_shard_dims[i]` is the dim along which batch leaf i is split over the dp group
-    (None = replicated). Parameters are whole on every rank (no ZeRO-3/tp yet).
+    (None = replicated); the fields below say how parameters, gradients and the batch are
+    sharded (ZeRO, tp) and how the step is cut (pipeline).
     """
     graph: torch.fx.GraphModule
     signature: GraphSignature
@@ -148,7 +177,7 @@ class Program:
     # ZeRO-3: every parameter input is this rank's slice of the flat, padded parameter
     params_sharded: bool = False
     # Pipeline (pp > 1 or microbatches > 1): the graph cut into parts per (phase, stage)
-    # (compiler/stages.PipelineProgram), run per microbatch in the order of `schedule`
+    # (PipelineProgram), run per microbatch in the order of `schedule`
     # (core/schedules.py) over the pp group; `graph` is then the whole joint graph, for
     # pictures only. Batch leaves are split into `microbatches` along dim 0 first.
     pipeline: Any = None

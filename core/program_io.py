@@ -1,0 +1,232 @@
+"""A Program saved to a file and loaded back, so it can run without the compiler (a job that
+must not trace, a machine of the same kind), be compared with another compile, or be drawn.
+
+Graphs are saved node by node: op, name, target (an ATen/c10d/fxpar op by its qualified
+name, torch's higher-order ops by theirs), arguments, and node.meta; a fake value
+(meta["val"]) as its shape, strides, dtype and device, rebuilt in a FakeTensorMode on load.
+A meta or gm.meta entry that cannot be pickled, or whose classes live in the compiler or the
+passes (the passes' reports, torch's `original_aten`), is left out: the Program's own fields
+carry every decision the runtime reads. Left out too: the planner's report (`plan_report`,
+the compiler's objects) and `build_eval`, a closure - evaluate()'s program is compiled when
+the Program is saved and saved beside it, so a loaded Program never compiles.
+
+Why not torch.save / pickle of the GraphModules: a GraphModule pickles as its generated
+Python code and drops node.meta, which the runtime reads (regions, buckets, stages). Why not
+torch.export's serializer: it takes an ExportedProgram, not a graph with functional
+collectives and fxpar's metadata. The file is a pickle: load only files you trust."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pickle
+import warnings
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpar.core import ir
+from fxpar.core.errors import FxparError
+
+FORMAT = 1
+_LAYERS_ABOVE = (b"fxpar.compiler", b"fxpar.passes", b"fxpar.api")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """A fake value on disk."""
+    shape: tuple
+    stride: tuple
+    storage_offset: int
+    dtype: torch.dtype
+    device: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """A node argument on disk: the node of that name."""
+    name: str
+
+
+def _target(t):
+    if isinstance(t, str):
+        return ("str", t)
+    if isinstance(t, torch._ops.OpOverload):
+        return ("op", t.namespace, t._schema.name.split("::", 1)[1], t._overloadname)
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return ("hop", t.name())
+    return ("pickled", _pickled(t, f"the graph calls {t!r}"))
+
+
+def _resolve(spec):
+    kind, *rest = spec
+    if kind == "str":
+        return rest[0]
+    if kind == "op":
+        ns, name, overload = rest
+        if ns == "fxpar":  # fxpar's kernels register their ops when imported
+            importlib.import_module("fxpar.kernels.library")
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    if kind == "hop":
+        return torch._ops._higher_order_ops[rest[0]]
+    return pickle.loads(rest[0])
+
+
+def _pickled(value, what: str) -> bytes:
+    try:
+        data = pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - the reason goes into the message
+        raise FxparError(f"cannot save this Program: {what}, which cannot be pickled "
+                         f"({type(e).__name__}: {e})") from None
+    if any(layer in data for layer in _LAYERS_ABOVE):
+        raise FxparError(f"cannot save this Program: {what}, an object of the compiler's "
+                         "(a loaded Program runs without it)")
+    return data
+
+
+def _plain(value) -> bool:
+    """Whether a metadata value can go to disk and come back without the compiler."""
+    try:
+        data = pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - not picklable: left out (module docstring)
+        return False
+    return not any(layer in data for layer in _LAYERS_ABOVE)
+
+
+def _encode_val(v):
+    if isinstance(v, torch.Tensor):
+        return _Spec(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype,
+                     str(v.device))
+    if isinstance(v, (list, tuple)):
+        return type(v)(_encode_val(x) for x in v)
+    return v if _plain(v) else None
+
+
+def _decode_val(v, mode: FakeTensorMode):
+    if isinstance(v, _Spec):
+        with mode:
+            return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=v.device
+                                       ).as_strided(v.shape, v.stride, v.storage_offset)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_decode_val(x, mode) for x in v)
+    return v
+
+
+def _encode_args(a):
+    return torch.fx.node.map_aggregate(
+        a, lambda x: _Ref(x.name) if isinstance(x, torch.fx.Node) else x)
+
+
+def encode_graph(gm: torch.fx.GraphModule) -> dict:
+    nodes = []
+    for n in gm.graph.nodes:
+        meta = {k: (_encode_val(v) if k == ir.VAL else v) for k, v in n.meta.items()
+                if k == ir.VAL or _plain(v)}
+        args = _encode_args((n.args, n.kwargs))
+        nodes.append((n.op, n.name, _target(n.target), _pickled(args, f"node {n.name}'s "
+                                                                      "arguments"), meta))
+    attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    meta = {k: v for k, v in gm.meta.items() if _plain(v)}
+    return {"nodes": nodes, "attrs": attrs, "meta": meta}
+
+
+def decode_graph(d: dict, mode: FakeTensorMode) -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    made: dict[str, torch.fx.Node] = {}
+    for op, name, target, args, meta in d["nodes"]:
+        args, kwargs = torch.fx.node.map_aggregate(
+            pickle.loads(args), lambda x: made[x.name] if isinstance(x, _Ref) else x)
+        node = g.create_node(op, _resolve(target), tuple(args), dict(kwargs), name=name)
+        node.meta = {k: (_decode_val(v, mode) if k == ir.VAL else v) for k, v in meta.items()}
+        made[name] = node
+    root = torch.nn.Module()
+    for name, value in d["attrs"].items():
+        setattr(root, name, value)
+    gm = torch.fx.GraphModule(root, g)
+    gm.meta.update(d["meta"])
+    return gm
+
+
+def _encode(value):
+    """A Program field's value on disk: graphs node by node, pipeline parts likewise."""
+    if isinstance(value, torch.fx.GraphModule):
+        return ("graph", encode_graph(value))
+    if isinstance(value, ir.PipelineProgram):
+        parts = {k: dataclasses.replace(p, graph=None) for k, p in value.parts.items()}
+        return ("pipeline", dataclasses.replace(value, parts=parts),
+                {k: encode_graph(p.graph) for k, p in value.parts.items()})
+    if isinstance(value, dict) and value and all(
+            isinstance(v, dict) and all(isinstance(g, torch.fx.GraphModule) for g in v.values())
+            for v in value.values()):  # stage_graphs: {pass: {role: snapshot}}
+        return ("snapshots", {k: {r: encode_graph(g) for r, g in v.items()}
+                              for k, v in value.items()})
+    return ("value", value)
+
+
+def _decode(enc, mode: FakeTensorMode):
+    kind = enc[0]
+    if kind == "graph":
+        return decode_graph(enc[1], mode)
+    if kind == "pipeline":
+        pipeline, graphs = enc[1], enc[2]
+        parts = {k: dataclasses.replace(p, graph=decode_graph(graphs[k], mode))
+                 for k, p in pipeline.parts.items()}
+        return dataclasses.replace(pipeline, parts=parts)
+    if kind == "snapshots":
+        return {k: {r: decode_graph(g, mode) for r, g in v.items()} for k, v in enc[1].items()}
+    return enc[1]
+
+
+_NOT_SAVED = ("plan_report", "build_eval", "bound_groups")
+
+
+def _encode_program(program: ir.Program) -> dict:
+    out = {}
+    for f in dataclasses.fields(program):
+        if f.name in _NOT_SAVED:
+            continue
+        value = getattr(program, f.name)
+        enc = _encode(value)
+        if enc[0] == "value":
+            _pickled(value, f"its field {f.name}")
+        out[f.name] = enc
+    return out
+
+
+def save_program(program: ir.Program, path, *, evaluate: bool = True) -> None:
+    """Write `program` (as fxpar.compile returned it) to `path`. With `evaluate`, evaluate()'s
+    forward-only program is compiled now and saved beside it."""
+    if program.bound_groups is not None:
+        raise FxparError("cannot save a Program a runtime has bound to its process groups: "
+                         "save the one fxpar.compile returns, before running it")
+    eval_program = program.build_eval() if evaluate and program.build_eval is not None else None
+    payload = {"format": FORMAT, "torch": torch.__version__,
+               "program": _encode_program(program),
+               "evaluate": None if eval_program is None else _encode_program(eval_program)}
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)  # (all of it, then the file)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def load_program(path) -> ir.Program:
+    """The Program `save_program` wrote, its fake values rebuilt; evaluate()'s program (if
+    saved) is its build_eval. Imports nothing of the compiler."""
+    with open(path, "rb") as f, warnings.catch_warnings():
+        # (torch's own TreeSpec pickles warn about themselves: the batch's pytree spec)
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        payload = pickle.load(f)
+    if payload.get("format") != FORMAT:
+        raise FxparError(f"{path}: a Program file of format {payload.get('format')}, this fxpar "
+                         f"reads format {FORMAT}: compile the model again")
+    if payload["torch"] != torch.__version__:
+        raise FxparError(f"{path}: saved by torch {payload['torch']}, this is torch "
+                         f"{torch.__version__}: the graphs' ops may differ; compile again")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def program_of(fields):
+        return ir.Program(**{k: _decode(v, mode) for k, v in fields.items()})
+    program = program_of(payload["program"])
+    if payload["evaluate"] is not None:
+        eval_program = program_of(payload["evaluate"])
+        program.build_eval = lambda: eval_program
+    return program
