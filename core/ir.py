@@ -216,7 +216,7 @@ class Program:
     # Plan.grad_compression: `graph` without the gradient buckets' all-reduces (each rank's
     # gradient outputs its own Partial sums), run once the compression starts
     local_graph: torch.fx.GraphModule | None = None
-    # {symbolic group: process group name} once a runtime bound it (runtime/comm.bind_groups)
+    # {symbolic group: process group name} on a runtime's bound copy (runtime/comm.bind_groups)
     bound_groups: dict | None = None
 
 

@@ -21,6 +21,7 @@ records is host-side only.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import queue
 import threading
 import time
@@ -364,19 +365,17 @@ def is_start(target) -> bool:
     return target in _SHORT
 
 
-def bind_groups(program, names: dict[str, str]) -> None:
-    """Bind a Program to this rank's process groups: every string argument naming one of
-    the compiler's symbolic groups (ir.GROUPS values, keys of `names`) becomes the real
-    group's name, in the joint graph, every pipeline part and the local-gradient graph. In place, once per Program
-    (compile is pure and knows no process group; a rank runs the Program it bound)."""
+def bind_groups(program, names: dict[str, str]):
+    """This rank's copy of `program` bound to its process groups: every string argument naming
+    one of the compiler's symbolic groups (ir.GROUPS values, keys of `names`) becomes the real
+    group's name, in copies of the joint graph, every pipeline part and the local-gradient
+    graph (a graph naming no group is shared). The Program compile returned stays as it was:
+    it can be saved, or bound again for another world."""
     if program.bound_groups is not None:
         if program.bound_groups != names:
             raise FxparError("this Program is already bound to other process groups; "
-                             "compile it again (fxpar.compile) for another world.")
-        return
-    graphs = [program.graph] + ([p.graph for p in program.pipeline.parts.values()]
-                                if program.pipeline is not None else []) + \
-        ([program.local_graph] if program.local_graph is not None else [])
+                             "bind the Program fxpar.compile returned instead.")
+        return program
     symbolic = set(ir.GROUPS.values())
 
     def sub(a):
@@ -387,16 +386,30 @@ def bind_groups(program, names: dict[str, str]) -> None:
                             f"mesh dimension (it binds {sorted(names)}): compile for the plan "
                             "this world was set up with.")
         return names[a]
-    for gm in graphs:
-        named = [n for n in gm.graph.nodes if n.op == "call_function" and any(
-            isinstance(a, str) and a in symbolic
-            for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))]
-        for n in named:
-            n.args = torch.fx.node.map_aggregate(n.args, sub)
-            n.kwargs = torch.fx.node.map_aggregate(n.kwargs, sub)
-        if named:
-            gm.recompile()
-    program.bound_groups = dict(names)
+
+    def bound(gm):
+        if gm is None or not any(
+                n.op == "call_function" and any(
+                    isinstance(a, str) and a in symbolic
+                    for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))
+                for n in gm.graph.nodes):
+            return gm
+        g = torch.fx.Graph()
+        g.output(g.graph_copy(gm.graph, {}))
+        for n in g.nodes:
+            if n.op == "call_function":
+                n.args = torch.fx.node.map_aggregate(n.args, sub)
+                n.kwargs = torch.fx.node.map_aggregate(n.kwargs, sub)
+        out = torch.fx.GraphModule(gm, g)
+        out.meta = dict(gm.meta)
+        return out
+    pipeline = program.pipeline
+    if pipeline is not None:
+        pipeline = dataclasses.replace(pipeline, parts={
+            k: dataclasses.replace(p, graph=bound(p.graph)) for k, p in pipeline.parts.items()})
+    return dataclasses.replace(program, graph=bound(program.graph), pipeline=pipeline,
+                               local_graph=bound(program.local_graph),
+                               bound_groups=dict(names))
 
 
 def mark(category: str) -> None:

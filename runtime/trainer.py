@@ -94,9 +94,10 @@ class ParallelModel:
             raise PlanError(f"batch={batch!r}: use 'global' (every rank passes the same global "
                             "batch to step) or 'local' (each rank passes its 1/dp share).")
         self.batch = batch
-        with clock("bind groups"):
-            comm.bind_groups(program, {ir.GROUPS[d]: world.group_name(d) for d in ir.GROUPS
-                                       if world.group_name(d) is not None})
+        with clock("bind groups"):  # (a bound copy: the Program passed in stays as it was)
+            self.program = program = comm.bind_groups(
+                program, {ir.GROUPS[d]: world.group_name(d) for d in ir.GROUPS
+                          if world.group_name(d) is not None})
         self._eval_program = None
         self._lowered: dict[int, torch.fx.GraphModule] = {}
         self.recorder = rtrace.Recorder(world.rank)
@@ -740,8 +741,8 @@ class ParallelModel:
                                           forward_only=True)[0].detach()
         if self._eval_program is None:  # compiled from the stand-ins compile kept: the
             # model's own tensors (shards by now) are never traced
-            self._eval_program = self.program.build_eval()
-            comm.bind_groups(self._eval_program, self.program.bound_groups)
+            self._eval_program = comm.bind_groups(self.program.build_eval(),
+                                                  self.program.bound_groups)
             clock = Clock(log)
             self._generated[id(self._eval_program)] = self._codegen(
                 self._eval_program, {"evaluate": self._eval_program.graph}, clock)["evaluate"]
