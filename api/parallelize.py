@@ -192,9 +192,9 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
     captured = reusable(captured, resolved, world.device)  # (else let go of it here)
-    program = build(model, example_batch, loss_fn, resolved, world.device, captured=captured)
+    program = build(model, example_batch, loss_fn, resolved, world.device, captured=captured,
+                    plan_report=plan_report)  # planner.PlanResult (ranked plans) or None
     del captured
-    program.plan_report = plan_report  # planner.PlanResult (ranked plans, explain()) or None
     clock.extend(program.compile_times)
     pm = ParallelModel(model, world, program, optimizer,
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
@@ -202,7 +202,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
                        loss_of=_eager_loss(loss_fn) if resolved.verify else None,
                        generate=codegen.generate)
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
-    pm.compile_times = program.compile_times = clock.finish()
+    pm.compile_times = clock.finish()
     return pm
 
 

@@ -11,6 +11,7 @@ runtime binds them to its process groups. fxpar.parallelize = compile + runtime/
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -63,9 +64,7 @@ def compile(model: torch.nn.Module, devices, *, example_batch, loss_fn: Callable
                     captured=captured)
     del captured
     clock.extend(program.compile_times)
-    program.plan_report = report
-    program.compile_times = clock.finish()
-    return program
+    return dataclasses.replace(program, plan_report=report, compile_times=clock.finish())
 
 
 def planner_stats(model, example_batch, loss_fn=None, device="cpu",
@@ -104,7 +103,7 @@ def reusable(captured: tuple | None, plan: Plan, device: torch.device) -> tuple 
 
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
           joint: bool = True, stand_ins: dict | None = None,
-          captured: tuple | None = None) -> ir.Program:
+          captured: tuple | None = None, plan_report=None) -> ir.Program:
     """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
     program of `evaluate`. `stand_ins`: fake weights to trace with (default: for those on
     the meta device or another device type than `device`). `captured`: the (graph,
@@ -156,42 +155,43 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     snapshots: dict[str, dict[str, torch.fx.GraphModule]] = {}
     gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)
     d = gm.meta
-    program = ir.Program(
-        graph=gm, signature=sig, dp=plan.dp, batch_shard_dims=d[ir.BATCH_SHARD_DIMS],
-        zero=plan.zero if d.get(ir.ZERO_BUCKETS) else 0,
-        zero_buckets=d.get(ir.ZERO_BUCKETS, []), params_sharded=d.get(ir.PARAMS_SHARDED, False),
-        tp=plan.tp, tp_layouts=d.get(ir.TP_LAYOUTS) or [None] * sig.num_params,
-        loss_scale=d.get(ir.LOSS_SCALE, False), loss_count=d.get(ir.LOSS_COUNT),
-        plan=plan, stage_graphs=snapshots, fusion_skipped=d.get(ir.FUSION_SKIPPED),
-        codegen=gen, codegen_why=gen_why)
     for row in d[ir.PASS_TIMES]:  # (each logged by the pass manager)
         clock.add(*row, quiet=True)
+    pipeline = None
     if plan.pp > 1 or m > 1:
         t1 = time.perf_counter()
-        program.pipeline = stages.split(gm, sig, plan.pp * virtual)
-        for part in program.pipeline.parts.values():  # checked like every pass's result
+        pipeline = stages.split(gm, sig, plan.pp * virtual)
+        for part in pipeline.parts.values():  # checked like every pass's result
             verify(part.graph)
-        snapshots["stages"] = {k: snapshot(p.graph) for k, p in program.pipeline.parts.items()}
-        program.pp, program.microbatches = plan.pp, m
-        program.schedule = plan.schedule if joint else "gpipe"
-        program.virtual = virtual
-        program.offload = plan.offload and joint
-        clock.add("stages", time.perf_counter() - t1, len(program.pipeline.parts))
+        snapshots["stages"] = {k: snapshot(p.graph) for k, p in pipeline.parts.items()}
+        clock.add("stages", time.perf_counter() - t1, len(pipeline.parts))
+    local_graph = None
     if joint and plan.grad_compression != "none":  # its compressed phase's graph
         with clock("local gradients"):
-            program.local_graph = data_parallel.without_gradient_reduction(
-                gm, sig.num_params)
-            verify(program.local_graph)
-        snapshots["local gradients"] = {"joint": snapshot(program.local_graph)}
+            local_graph = data_parallel.without_gradient_reduction(gm, sig.num_params)
+            verify(local_graph)
+        snapshots["local gradients"] = {"joint": snapshot(local_graph)}
+    build_eval = None
     if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
         # made now (the runtime shards the model's own tensors later), so it never needs the
         # full weights back in the model
         with clock("evaluate stand-ins"):
             eval_stand_ins = cap.fake_weights(model, device, everything=True)
-        program.build_eval = lambda: build(model, example_batch, loss_fn, plan, device,
-                                           joint=False, stand_ins=eval_stand_ins)
-    program.compile_times = clock.rows(other=False)
-    return program
+        build_eval = lambda: build(model, example_batch, loss_fn, plan, device,  # noqa: E731
+                                   joint=False, stand_ins=eval_stand_ins)
+    piped = pipeline is not None
+    return ir.Program(
+        graph=gm, signature=sig, dp=plan.dp, batch_shard_dims=d[ir.BATCH_SHARD_DIMS],
+        zero=plan.zero if d.get(ir.ZERO_BUCKETS) else 0,
+        zero_buckets=d.get(ir.ZERO_BUCKETS, []), params_sharded=d.get(ir.PARAMS_SHARDED, False),
+        pipeline=pipeline, pp=plan.pp if piped else 1, microbatches=m if piped else 1,
+        schedule=(plan.schedule if joint else "gpipe") if piped else "1f1b",
+        virtual=virtual if piped else 1, offload=bool(plan.offload and joint) if piped else False,
+        tp=plan.tp, tp_layouts=d.get(ir.TP_LAYOUTS) or [None] * sig.num_params,
+        loss_scale=d.get(ir.LOSS_SCALE, False), loss_count=d.get(ir.LOSS_COUNT),
+        plan=plan, plan_report=plan_report, stage_graphs=snapshots,
+        compile_times=clock.rows(other=False), fusion_skipped=d.get(ir.FUSION_SKIPPED),
+        codegen=gen, codegen_why=gen_why, build_eval=build_eval, local_graph=local_graph)
 
 
 def model_state_bytes(model, plan: Plan, device: torch.device, states: int = 2) -> int:

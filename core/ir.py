@@ -154,9 +154,10 @@ class PipelineProgram:
         return [k for k, p in self.parts.items() if p.stage == stage]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Program:
-    """What the runtime executes on one rank.
+    """What the runtime executes on one rank: a value, complete when compile returns it (a
+    runtime binds its own copy to its process groups: runtime/comm.bind_groups).
 
     `graph` takes (params, buffers, local batch leaves) and returns
     (loss, grads, updated buffers) with every collective as an explicit node.

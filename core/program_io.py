@@ -223,10 +223,9 @@ def load_program(path) -> ir.Program:
                          f"{torch.__version__}: the graphs' ops may differ; compile again")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    def program_of(fields):
-        return ir.Program(**{k: _decode(v, mode) for k, v in fields.items()})
-    program = program_of(payload["program"])
-    if payload["evaluate"] is not None:
-        eval_program = program_of(payload["evaluate"])
-        program.build_eval = lambda: eval_program
-    return program
+    def program_of(fields, **more):
+        return ir.Program(**{k: _decode(v, mode) for k, v in fields.items()}, **more)
+    if payload["evaluate"] is None:
+        return program_of(payload["program"])
+    eval_program = program_of(payload["evaluate"])
+    return program_of(payload["program"], build_eval=lambda: eval_program)
