@@ -490,8 +490,8 @@ def _wgrad_share(stats: GraphStats, key: tuple, stage: int, rows: int, hw: cost.
     planner prices work (roofline and dispatch per node) from pipeline_split's own split
     (`pass_stages`: its I/W labels); half where there is no graph to ask. On a conv net the
     weight gradients come out of the ops that make the input gradients, so the share is near
-    0 and zero-bubble prices as 1F1B (ResNet's pp=4 on 4 CPU ranks measured 0.96-1.00x); on
-    a transformer's linears about half (Mixtral's pp=4 m=2 measured 0.89x 1F1B)."""
+    0 and zero-bubble prices as 1F1B; on a transformer's linears about half (the measured
+    schedule pairs: docs/benchmarks.md, "Regret")."""
     per_stage = stats.stage_wgrad.get(key)
     if not per_stage:
         return 0.5
@@ -557,14 +557,13 @@ def _makespan_on_shared_cores(schedule, pp, m, v, fwd, bwd, p2p, waiting, world,
 
     `sends` (per rank: the part of fwd / bwd its SEND_F / SEND_B take) runs as a SEND of its
     own, during which the data travels: the receiver's share of a transfer (in its fwd / bwd)
-    follows on the critical path, not the sender's too. ResNet's pp=4 m=1 on 4 ranks, with
-    each of its 7 transfers paid by both ranks one after the other, was priced 1.15-1.66x
-    its step (and lost to a tp=2 x pp=2 measured 1.43x slower).
+    follows on the critical path, not the sender's too (priced by both ranks one after the
+    other, a pipeline of many transfers costs well over its measured step).
 
     `wgrad` (per rank: the part of bwd a split backward's W takes; None: half) runs while
     the other ranks compute as any work does: zero-bubble's deferred weight gradients fill a
-    bubble only where a core would otherwise idle (Mixtral's pp=4 m=2 on 4 ranks over 2
-    cores measured 0.89x 1F1B, priced as 1F1B it was chosen at 1.13x the best)."""
+    bubble only where a core would otherwise idle (docs/benchmarks.md, "Regret": the
+    4-rank MoE row)."""
     acts = _actions(schedule, pp, m, v)
     wgrad = wgrad or [b / 2 for b in bwd]
     send_f, send_b = sends or ([0.0] * pp, [0.0] * pp)
@@ -1653,7 +1652,7 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     node."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret
-    # target; a 10% band chose plain dp 1.23x the best on the Mixtral of planner_regret)
+    # target; a wider band lets a tie carry a plan well past the target)
     noise = min(max(spread, 0.03), 0.05)
     base = dataclasses.replace(hw, node_overhead=0.0, roofline_scale=1.0)
     roofline = sum(_seg_time(s, stats, stats.rows, 1, base, "fp32", part)
