@@ -1,5 +1,8 @@
 # fxpar: `make demo` trains a small GPT on 2 CPU ranks; `make test` runs the tests.
-PY := .venv/bin/python
+# PYTHONSAFEPATH: the checkout's folders are the package's (fxpar.kernels, fxpar.core...),
+# not top-level modules: with the current folder on sys.path (python -m from the checkout),
+# `import kernels` in a dependency (transformers' Hugging Face kernels) finds ours
+PY := PYTHONSAFEPATH=1 .venv/bin/python
 
 .PHONY: setup demo test test-slow test-full test-all bench clean
 setup:
