@@ -13,7 +13,7 @@
 # 1. tests/test_gpu.py + the hand-written kernels' tests on the GPU (FXPAR_TEST_GPU=1)
 # 2. benchmarks/planner_gpu.py: predicted vs measured step time / memory, fxpar vs eager vs
 #    torch.compile, fp32 and bf16, fused and unfused, with a profile of the bf16 step
-# 3. benchmarks/kernels.py --gpu-only: each kernel's bandwidth, fxpar vs eager vs compile
+# 3. benchmarks/fused_kernels.py --gpu-only: each kernel's bandwidth, fxpar vs eager vs compile
 # 4. benchmarks/step_vs_eager.py, every row: GPT-2 small and a small Llama, fp32 and bf16,
 #    every fxpar variant (over 10 minutes: run it as `... 4` in a call of its own)
 # 5. benchmarks/step_vs_eager.py, Llama bf16: reduce-overhead vs fxpar with and without
@@ -61,7 +61,7 @@ timeout 120 $PY benchmarks/planner_gpu.py --limit 1 --steps 5 --no-fuse --precis
 grep -h "==\|predicted\|error\|fxpar (\|eager \|torch.compile " "$LOGS"/planner_gpu*.log
 fi
 if part 3; then
-timeout 150 $PY benchmarks/kernels.py --gpu-only 2>&1 | tee "$LOGS/kernels.log" | tail -12
+timeout 150 $PY benchmarks/fused_kernels.py --gpu-only 2>&1 | tee "$LOGS/fused_kernels.log" | tail -12
 fi
 if part 5; then
 timeout 290 $PY benchmarks/step_vs_eager.py --model llama --precision bf16 --steps 15 --only \

@@ -1290,15 +1290,14 @@ def test_a_memory_limit_that_rules_out_plain_dp_is_kept_by_the_choice(monkeypatc
 
 
 @pytest.mark.slow
-def test_the_regret_benchmark_on_one_model():
+def test_the_regret_benchmark_on_one_model(monkeypatch):
     """benchmarks/planner_regret.py's fast subset: plan="auto" on 2 CPU ranks against the
     best of three measured plans (plain dp among them), interleaved. The target is 1.10
     (docs/benchmarks.md); 1.25 here, for a CI machine's noise. Past it, one more job (its
     own start-up timing and measurements) decides: on a shared 2-core CI machine one job
     measured plans 0.2% apart in price 1.31x apart, where this VM's runs measure them within
     1.06x; a planner that is wrong fails both."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
     import planner_regret as R
     reports = []
     for attempt in range(2):
