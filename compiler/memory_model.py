@@ -142,9 +142,9 @@ class MemoryEstimate:
         """What one training step allocates once the optimizer state exists (what a tracker
         sees on a later step). With one microbatch the backward frees activations as it makes
         gradients: the peak is the larger of the activations (start of the backward) and the
-        gradients with the reduction buckets and the last segment's working memory (its end;
-        without that term a 12-layer GPT under remat, whose gradients outweigh its
-        activations, measured 1.18x the estimate). With several, the gradient sums are held
+        gradients with the reduction buckets and the last segment's working memory (its end:
+        where a model's gradients outweigh its activations, as a GPT's under remat, the
+        peak is there). With several, the gradient sums are held
         while later microbatches' activations live (below)."""
         if not self.accumulate:
             end = self.working if self.working_end is None else self.working_end
@@ -306,14 +306,13 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
     buffers, at_end = buckets, 0.0
     if dp > 1 and zero == 2 and not (microbatches > 1 and pp == 1):  # (that case: below)
         # each gradient is whole until its bucket's reduce-scatter (a pipeline stage's sums
-        # until its R part): during the backward a rank can hold what plain dp holds (the
-        # MoE's ZeRO-2 step measured 62-72 MiB, plain dp's 62); the shard is what stays
+        # until its R part): during the backward a rank can hold what plain dp holds; the
+        # shard is what stays
         buffers += n * elem - grads
     gathered = 0.0
     if dp > 1 and zero >= 3:
         # the parameters of the segment running and the next one, gathered whole, beside
-        # the activations too (a tied LM head's at the loss: priced with the gradients
-        # only, Qwen2's ZeRO-3 was 0.87x)
+        # the activations too (a tied LM head's at the loss, beside the gradients)
         sizes = sorted(((s.params - s.params_split) + s.params_split / tp
                         for s in segs if not getattr(s, "layer_count", 0)), reverse=True)
         gathered = (sizes[0] + sizes[min(1, len(sizes) - 1)]) * elem if sizes else 0.0
@@ -327,19 +326,17 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
         # above; at ZeRO 2/3 it is whole (its tp slices) until the reduce-scatter after the
         # last microbatch. The reduction's buckets are packed inside the last microbatch's
         # backward as their sums are final (runtime/pipeline.with_reductions), and their
-        # waits come at its end (`at_end`), not beside the activations. Priced with the
-        # whole-sum buffer and the buckets, dp=2 m=2 / m=4 were 1.45x / 1.73x the tracker.
+        # waits come at its end (`at_end`), not beside the activations (docs/benchmarks.md,
+        # "Memory per plan", has each plan's estimate against the tracker).
         buffers += (n * elem - grads if zero >= 2 else 0.0) - buckets
         if dp > 1 and zero < 3:
             # by the end of the last backward every bucket is packed before the first
             # reduction returns: the sums beside a packed copy of all of them and, under
-            # ZeRO-1/2, the reduced shards it keeps (dp=2 m=2 / m=4 had been 0.81-0.88x /
-            # 0.6-0.74x the tracker; ViT's ZeRO-2 m=2 0.87x without its shards)
+            # ZeRO-1/2, the reduced shards it keeps
             at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero else 0.0)
             # the last gradient is made beside the others' packed buckets: its parts live
-            # at once before they are summed (a tied embedding's and head's: Qwen2's dp=2
-            # m=2 peaked at the sums, the others packed and the two 16 MiB parts, and was
-            # priced 0.87x with one)
+            # at once before they are summed (a tied embedding's and head's: the peak is
+            # the sums, the others packed and both parts)
             last, parts = stats.last_grad
             at_end += (parts - 1) * min(last * elem, n * elem)
     at_end = max(at_end, received_at_end)
