@@ -14,8 +14,8 @@ import torch
 
 from fxpar.compiler import capture as cap
 from fxpar.compiler import codegen, planner
-from fxpar.core import ir
 from fxpar.compiler.compile import planner_stats
+from fxpar.core import ir
 from fxpar.core.errors import FxparError, PlanError
 from fxpar.core.logs import Clock, announce
 from fxpar.runtime import dist as rdist

@@ -1,8 +1,9 @@
 """fxpar.parallelize: plan (when "auto") -> fxpar.compile -> this rank's runtime.
 
 The one place where the compiler and the runtime meet: the runtime measures this machine and
-the planner prices the plans with it (compiler/autoplan.for_parallelize), compiler/compile.py turns the model into a Program with no process
-group, and runtime/trainer.ParallelModel runs it on this rank. After REFIT_AFTER steps the
+the planner prices the plans with it (api/autoplan.for_parallelize), compiler/compile.py
+turns the model into a Program with no process group, and runtime/trainer.ParallelModel
+runs it on this rank (with the compiler's code generator handed in). After REFIT_AFTER steps the
 trainer hands back the measured step time and the planner is re-fitted with it here.
 pm.compile_times itemises every second of parallelize (planning, process groups, capture,
 each pass, the runtime's set-up, "other" for the rest); phases over 2 s print a line.
@@ -19,14 +20,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.compiler import codegen, planner
 from fxpar.api import autoplan
-from fxpar.compiler import capture
+from fxpar.compiler import capture, codegen, planner
 from fxpar.compiler.capture import meta_tensors
 from fxpar.compiler.compile import build, model_state_bytes, reusable
+from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
 from fxpar.core.cost import device_memory
 from fxpar.core.errors import OWN_CODE, PlanError
-from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
 from fxpar.core.logs import Clock, configure
 from fxpar.core.plan import Plan, needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist

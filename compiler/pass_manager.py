@@ -32,12 +32,6 @@ from fxpar.passes import (data_parallel, fusion, overlap, pipeline_split, precis
 
 log = logging.getLogger(__name__)
 
-# passes whose run() ends with graphs.fake_propagate(check=False): every meta["val"] was just
-# computed from the graph, so the re-propagation after them would compare it with itself
-# (a fake-tensor run of the whole graph, ~0.5 ms a node); lint and the meta check still run
-FRESH_VALUES = frozenset({"tensor_parallel"})
-
-
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     """What a pass may know besides the graph (read-only): the signature, the symbolic group
@@ -98,8 +92,8 @@ def order(contracts: list[ir.PassContract]) -> list[ir.PassContract]:
 
 
 def _pass_list(plan, device=None, codegen: str = "eager", passes=PASSES
-               ) -> tuple[list[tuple[str, Callable, Any]], str | None]:
-    """The passes `plan` runs, ordered by their contracts, as (name, run, options); and, if
+               ) -> tuple[list[tuple[ir.PassContract, Callable, Any]], str | None]:
+    """The passes `plan` runs, ordered by their contracts, as (contract, run, options); and, if
     Plan.fuse asked for fusion that cannot run on this device, why."""
     chosen = {}
     for module in passes:
@@ -115,7 +109,7 @@ def _pass_list(plan, device=None, codegen: str = "eager", passes=PASSES
             log.debug("fusion left out: %s", fusion_skipped)  # run (and we say why)
             del chosen["fusion"]
     ordered = order([c for c, _, _ in chosen.values()])
-    return [(c.name, chosen[c.name][1], chosen[c.name][2]) for c in ordered], fusion_skipped
+    return [chosen[c.name] for c in ordered], fusion_skipped
 
 
 def _count(gm):
@@ -133,7 +127,8 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     times = [("verify capture", time.perf_counter() - t0, _count(gm))]
     phase_done(log, "verify capture", times[0][1])
     passes, fusion_skipped = _pass_list(plan, ctx.device, ctx.codegen)
-    for name, fn, options in passes:
+    for contract, fn, options in passes:
+        name = contract.name
         before = _count(gm)
         t0 = time.perf_counter()
         with announce(log, f"pass {name} on {before} nodes"):
@@ -142,7 +137,7 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
             out.meta = {**gm.meta, **out.meta}
         gm = out
         gm.recompile()
-        verify(gm, values=name not in FRESH_VALUES)
+        verify(gm, values=not contract.values_fresh)
         dt = time.perf_counter() - t0
         times.append((name, dt, _count(gm)))
         snapshots[name] = {role: snapshot(gm)}

@@ -5,7 +5,7 @@ statistics (compiler/graphstats.py); every candidate plan is then priced analyti
 by running the passes:
   compute   per stage and microbatch: matmul FLOPs at the device's achievable rate, the other
             ops' bytes at its memory bandwidth, and a dispatch overhead per graph node
-            (compiler/cost.Hardware; the CPU's numbers are measured at start-up);
+            (core/cost.Hardware; the CPU's numbers are measured at start-up);
   tp        Megatron's all-reduces (per block 2 forward + 2 backward of b*s*h) with the
             alpha-beta ring model of the link the tp group spans;
   pp        the schedule's makespan from core/schedules.simulate_schedule with those stage times and
@@ -1298,7 +1298,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
 
 def _bucket_floor(hw) -> float:
     """The smallest gradient bucket passes/data_parallel.py makes on this device kind (it sizes
-    buckets with compiler/cost.DeviceProfile, not the planner's calibrated numbers)."""
+    buckets with core/cost.DeviceProfile, not the planner's calibrated numbers)."""
     return cost.min_bucket_bytes(cost.DeviceProfile.for_device(
         "cpu" if hw.name == "cpu" else "cuda"))
 

@@ -101,6 +101,9 @@ class PassContract:
     before: frozenset = frozenset()
     after: frozenset = frozenset()
     applies: Callable[[Any], bool] = lambda options: True  # whether the plan runs it at all
+    # its run ends by re-propagating every meta["val"] itself: the pass manager's check after
+    # it would compare them with themselves (a fake run of the whole graph), so it is skipped
+    values_fresh: bool = False
 
 
 # Symbolic process-group names the compiler writes into collectives (a Program is compiled

@@ -62,7 +62,7 @@ def _(ids, rows, group_name, ignore_index):
 
 def rule(sh, node):
     """The vocab-parallel rewrite of `node` if it applies (returns its output spec), else
-    None. `sh` is the sharder (compiler/sharding._Sharder) of a 1-D mesh."""
+    None. `sh` is the sharder (core/sharding._Sharder) of a 1-D mesh."""
     if len(sh.mesh_sizes) != 1:
         return None
     op = node.target

@@ -656,7 +656,7 @@ def _quantized_shard(graph, received, sizes, dp, dtype):
 
 
 def _bucket_op(graph):
-    """compiler/quantized_comm's `op`: each op a node of the bucket's communication."""
+    """core/quantized_comm's `op`: each op a node of the bucket's communication."""
     return lambda target, *args, **kwargs: _emit(graph, target, args, kwargs)
 
 
@@ -892,7 +892,7 @@ def _gather(graph, shards, dp, group, before, full, quantized=False):
 
 
 def _into(graph, nodes):
-    """compiler/quantized_comm's `op`: each op a node appended to `nodes`."""
+    """core/quantized_comm's `op`: each op a node appended to `nodes`."""
     def op(target, *args, **kwargs):
         nodes.append(graph.call_function(target, args, kwargs))
         return nodes[-1]

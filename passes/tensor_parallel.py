@@ -6,7 +6,7 @@ graph. A linear (mm/addmm whose weight is a parameter) whose activation arrives 
 split column-wise (its output features sharded); one whose activation arrives sharded on the
 features it contracts is split row-wise (its output is a partial sum). Whether a column
 split pays off is checked by propagating the placements through the forward (DTensor's own
-per-op rules, compiler/sharding.dry_run): if the sharded features reach an op that needs them
+per-op rules, core/sharding.dry_run): if the sharded features reach an op that needs them
 whole (a LayerNorm, a residual add, the loss) before a row partner contracts them, the
 column split is dropped and that weight stays replicated. On a transformer block this finds
 QKV -> attention (heads split) -> output projection, and up/gate -> down projection: two
@@ -18,7 +18,7 @@ piece: the weight is stored interleaved (rank r holds rows [q_r; k_r; v_r]) and 
 becomes view/select ops that DTensor's rules shard without communication. The runtime keeps
 the weight in that layout (gm.meta[ir.TP_LAYOUTS]) and undoes it in full_state_dict().
 
-Then compiler/sharding.shard_graph propagates the chosen placements through the whole joint
+Then core/sharding.shard_graph propagates the chosen placements through the whole joint
 graph on the tp mesh and inserts the collectives; the gradients come out placed like their
 weights (local shards), the loss and buffers replicated.
 """
@@ -142,7 +142,8 @@ CONTRACT = ir.PassContract(
     # the split cuts the graph as captured, the one the planner partitions on its copy, so
     # its stages are the ones the planner priced; the collectives come after
     after=frozenset({"pipeline_split"}),
-    applies=lambda o: (o.tp or 1) > 1)
+    applies=lambda o: (o.tp or 1) > 1,
+    values_fresh=True)  # (run ends with graphs.fake_propagate)
 
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:

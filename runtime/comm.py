@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpar.core import cost, ir
+from fxpar.core import cost, graphs, ir
 from fxpar.core.errors import FxparError, PlanError
 from fxpar.runtime import calls, trace
 from fxpar.runtime.trace import Recorder
@@ -394,8 +394,7 @@ def bind_groups(program, names: dict[str, str]):
                     for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))
                 for n in gm.graph.nodes):
             return gm
-        g = torch.fx.Graph()
-        g.output(g.graph_copy(gm.graph, {}))
+        g = graphs.copy_graph(gm.graph)  # (the output node's meta too: N_GRADS)
         for n in g.nodes:
             if n.op == "call_function":
                 n.args = torch.fx.node.map_aggregate(n.args, sub)

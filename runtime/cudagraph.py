@@ -25,7 +25,7 @@ keeps, e.g. the loss). Dropout stays random: torch registers the default CUDA ge
 philox offsets with the graph, so each replay draws new masks.
 
 `decide` says whether a program can be captured, and why not: a pipeline program under
-"auto" (compiler/plan.replays_step), a collective on a backend other than NCCL, an op
+"auto" (core/plan.replays_step), a collective on a backend other than NCCL, an op
 whose output shape or value depends on the data (a host sync; x[idx] with integer indices
 is not one: `_integer_index`), a value copied to the host, remat's RNG-state replay (it reads
 torch.cuda.get_rng_state, which capture forbids). Plan.cuda_graphs="auto" falls back to the

@@ -10,7 +10,7 @@ packing), the trainer the optimizer's.
 Memory: FX's generated code drops every value right after its last use (`x = None`), so a
 forward-only program (`pm.evaluate`) holds only the values still needed: a chain of N blocks
 runs in constant activation memory (measured in tests/test_remat.py), and a remat'd joint
-graph frees recomputed segments as its backward consumes them. compiler/cost.simulate_liveness models
+graph frees recomputed segments as its backward consumes them. core/cost.simulate_liveness models
 exactly this order.
 """
 from __future__ import annotations

@@ -17,13 +17,36 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
-def _storages(tree) -> list:
-    return [t.untyped_storage() for t in pytree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and not t.is_meta]
+def _real_storage(t: torch.Tensor):
+    """t's storage if it holds real memory; None for meta / fake tensors and for wrappers
+    without a storage of their own."""
+    if t.is_meta:
+        return None
+    try:
+        st = t.untyped_storage()
+        st.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None if st.device.type == "meta" else st
+
+
+def _real_storages(tree) -> list:
+    """Real storages of the tensors in tree; tensor subclasses (DTensor) by their parts."""
+    out = []
+    for t in pytree.tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            out += _real_storages([getattr(t, a) for a in attrs])
+        elif (st := _real_storage(t)) is not None:
+            out.append(st)
+    return out
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Records every storage an op allocates and when it dies.
+    """Records every storage an op allocates and when it dies (a tensor subclass's - DTensor,
+    FSDP2's shards - by its parts).
 
     with MemoryTracker() as mt:
         out = fn()
@@ -42,8 +65,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        seen = {s.data_ptr() for s in _storages((args, kwargs))}
-        for st in _storages(out):
+        seen = {s.data_ptr() for s in _real_storages((args, kwargs))}
+        for st in _real_storages(out):
             if st.nbytes() == 0 or st.data_ptr() in seen:
                 continue
             self._register(st)
@@ -82,36 +105,8 @@ class MemoryTracker(TorchDispatchMode):
         return best
 
 
-def _real_storage(t: torch.Tensor):
-    """t's storage if it holds real memory; None for meta / fake tensors and for wrappers
-    without a storage of their own."""
-    if t.is_meta:
-        return None
-    try:
-        st = t.untyped_storage()
-        st.nbytes()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return None if st.device.type == "meta" else st
-
-
-def _real_storages(tree) -> list:
-    """Real storages of the tensors in tree; tensor subclasses (DTensor) by their parts."""
-    out = []
-    for t in pytree.tree_leaves(tree):
-        if not isinstance(t, torch.Tensor):
-            continue
-        if is_traceable_wrapper_subclass(t):
-            attrs, _ = t.__tensor_flatten__()
-            out += _real_storages([getattr(t, a) for a in attrs])
-        elif (st := _real_storage(t)) is not None:
-            out.append(st)
-    return out
-
-
 class StepMemory(MemoryTracker):
-    """MemoryTracker that also sees tensor subclasses' storages (DTensor, FSDP2's shards),
-    counts the tensors it starts with, and samples live bytes during a window: a peer's
+    """MemoryTracker that counts the tensors it starts with, and samples live bytes during a window: a peer's
     training step measured as fxpar's is (benchmarks/zero_vs_fsdp.py, fsdp_tp_2d.py).
 
     with StepMemory(initial_tensors) as sm:
@@ -129,11 +124,7 @@ class StepMemory(MemoryTracker):
         self.held = self.peak_live = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {s._cdata for s in _real_storages((args, kwargs))}
-        for st in _real_storages(out):
-            if st._cdata not in seen:
-                self._register(st)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         if self._sampling:
             self.peak_live = max(self.peak_live, self.live_bytes())
         return out

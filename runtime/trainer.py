@@ -57,7 +57,7 @@ class ParallelModel:
 
     plan_report = None  # plan="auto": the planner's PlanResult (from program.plan_report)
     # plan="auto": after this many steps the planner's cost model is re-fitted to the
-    # measured step time (compiler/api._refit_planner, through `on_measured`)
+    # measured step time (api/parallelize._refit_planner, through `on_measured`)
     REFIT_AFTER = 8
 
     def __init__(self, model, world, program: ir.Program, optimizer=None,

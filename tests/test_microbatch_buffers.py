@@ -1,4 +1,4 @@
-"""Buffers a step updates, under microbatches (Plan.batch_stats; compiler/graphs.
+"""Buffers a step updates, under microbatches (Plan.batch_stats; core/graphs.
 summed_buffer_updates; runtime/pipeline.py writes each microbatch's update back).
 
 A buffer that only adds (an MoE's tokens-per-expert counter, BatchNorm's num_batches_tracked)

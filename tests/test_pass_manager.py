@@ -26,7 +26,7 @@ def _contract(name, **kw):
 
 
 def test_the_plan_decides_which_passes_run_and_the_contracts_their_order():
-    names = lambda plan, world, **kw: [n for n, _, _ in _pass_list(  # noqa: E731
+    names = lambda plan, world, **kw: [c.name for c, _, _ in _pass_list(  # noqa: E731
         resolve(plan, world), "cpu", "inductor", **kw)[0]]
     full = ["precision", "remat", "pipeline_split", "tensor_parallel", "data_parallel",
             "overlap", "fusion"]

@@ -76,7 +76,7 @@ def _planner_rows(pm, measured_s, measured_memory, measured_txt="") -> list:
     result = pm.plan_report
     first = result.start_up and next((s for s in result.start_up.table
                                       if plan_dict(s.plan) == plan_dict(c.plan)), None)
-    if first is not None:  # the planner was re-fitted (compiler/api._refit_planner): both
+    if first is not None:  # the planner was re-fitted (api/parallelize._refit_planner): both
         rows[0] = (f"step time (planner, {result.refit})", *rows[0][1:])
         err0 = f" ({(first.step_s / measured_s - 1) * 100:+.0f}%)" if measured_s else ""
         rows.append(("step time (planner, start-up calibration)",
