@@ -30,6 +30,7 @@ from fxpar.core.errors import OWN_CODE, PlanError
 from fxpar.core.logs import Clock, configure
 from fxpar.core.plan import Plan, needs_search, resolve, world_of
 from fxpar.runtime import dist as rdist
+from fxpar.runtime import param_server
 from fxpar.runtime import verify as rverify
 from fxpar.runtime import weights as rweights
 from fxpar.runtime.trainer import ParallelModel, to_device
@@ -158,10 +159,21 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         if batch != "global":
             raise PlanError("Plan.verify compares the first step with one process on the whole "
                             "batch: use batch='global' (or verify=False).")
+    if resolved.ps:
+        param_server.check_optimizer(optimizer)
+        if source is not None:
+            raise PlanError(
+                "Plan.ps (parameter servers) starts from a model whose weights are real on "
+                "every rank: a model on the meta device or weights=PATH is not supported with "
+                "it yet. Load the weights into the model first (e.g. model.load_state_dict), "
+                "or use all-reduce data parallelism (ps=0).")
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
-    with clock("device mesh"):
+    with clock("device mesh"):  # (Plan.ps: over the workers, the first dp ranks)
         world = rdist.setup(devices, dims=dims)
+        ps_group = dist.new_group(backend="gloo", timeout=rdist.timeout()) \
+            if resolved.ps else None
+    server = resolved.ps and world.rank >= resolved.dp  # a Plan.ps server rank
     if world_size == 1 and needs_search(plan) and \
             optimizer_state_needs_host(model, optimizer, world.device):
         resolved.offload_optimizer = True
@@ -174,7 +186,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
                       "it was (host and device are one memory) and adds a copy of the "
                       "parameters: it saves nothing there (it is meant for GPUs; on CPU it only "
                       "exercises the path).", stacklevel=2)
-    if source is None:
+    if source is None and not server:  # (a server moves only its share to the device)
         _check_whole_model_fits(model, world.device)
         with clock("model to device"):
             model.to(world.device)
@@ -196,11 +208,18 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
                     plan_report=plan_report)  # planner.PlanResult (ranked plans) or None
     del captured
     clock.extend(program.compile_times)
+    if server:
+        pm = param_server.ServerRank(model, world, program, optimizer,
+                                     list(range(resolved.dp)), ps_group)
+        pm.compile_times = clock.finish()
+        return pm
+    if resolved.ps:  # a worker's World: the workers alone
+        world = dataclasses.replace(world, size=resolved.dp, group=world.mesh.get_group("dp"))
     pm = ParallelModel(model, world, program, optimizer,
                        on_measured=lambda step_s: _refit_planner(pm, step_s),
                        weights=source, batch=batch,
                        loss_of=_eager_loss(loss_fn) if resolved.verify else None,
-                       generate=codegen.generate)
+                       generate=codegen.generate, ps_group=ps_group)
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = clock.finish()
     return pm

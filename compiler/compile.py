@@ -166,7 +166,15 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         snapshots["stages"] = {k: snapshot(p.graph) for k, p in pipeline.parts.items()}
         clock.add("stages", time.perf_counter() - t1, len(pipeline.parts))
     local_graph = None
-    if joint and plan.grad_compression != "none":  # its compressed phase's graph
+    if joint and plan.ps and plan.ps_staleness:  # an asynchronous parameter-server worker:
+        # its share of the batch alone (no collective: it never waits for another worker)
+        with clock("worker's own graph"):
+            local_graph = build(model, _share(example_batch, d[ir.BATCH_SHARD_DIMS], plan.dp),
+                                loss_fn, dataclasses.replace(plan, dp=1, ps=0, ps_staleness=0),
+                                device, stand_ins=stand_ins).graph
+        snapshots["worker"] = {"joint": snapshot(local_graph)}
+    elif joint and (plan.grad_compression != "none" or plan.ps):  # 1-bit Adam's compressed
+        # phase; a synchronous parameter-server worker (the servers sum the gradients)
         with clock("local gradients"):
             local_graph = data_parallel.without_gradient_reduction(gm, sig.num_params)
             verify(local_graph)
@@ -192,6 +200,16 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         plan=plan, plan_report=plan_report, stage_graphs=snapshots,
         compile_times=clock.rows(other=False), fusion_skipped=d.get(ir.FUSION_SKIPPED),
         codegen=gen, codegen_why=gen_why, build_eval=build_eval, local_graph=local_graph)
+
+
+def _share(batch, shard_dims: list, dp: int):
+    """The first dp rank's share of the global `batch` (each tensor leaf cut along the dim
+    the data_parallel pass split it on)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    dims = iter(shard_dims)
+    cut = [x.chunk(dp, d)[0] if isinstance(x, torch.Tensor) and (d := next(dims)) is not None
+           else x for x in leaves]
+    return torch.utils._pytree.tree_unflatten(cut, spec)
 
 
 def model_state_bytes(model, plan: Plan, device: torch.device, states: int = 2) -> int:

@@ -217,8 +217,10 @@ class Program:
     codegen: str = "eager"
     codegen_why: str | None = None
     build_eval: Any = None
-    # Plan.grad_compression: `graph` without the gradient buckets' all-reduces (each rank's
-    # gradient outputs its own Partial sums), run once the compression starts
+    # Plan.grad_compression and a synchronous Plan.ps worker: `graph` without the gradient
+    # buckets' all-reduces (each rank's gradient outputs its own Partial sums; run once the
+    # compression starts); an asynchronous Plan.ps worker: the graph of one dp share of the
+    # batch alone, without any collective (its gradients the means over that share)
     local_graph: torch.fx.GraphModule | None = None
     # {symbolic group: process group name} on a runtime's bound copy (runtime/comm.bind_groups)
     bound_groups: dict | None = None

@@ -21,7 +21,7 @@ GRAD_COMPRESSIONS = ("none", "1bit-adam")
 
 @dataclasses.dataclass
 class Plan:
-    """Parallelization plan. Degrees multiply to the world size: dp * tp * pp == world.
+    """Parallelization plan. Degrees multiply to the world size: dp * tp * pp (+ ps) == world.
 
     dp, tp, pp:     data / tensor / pipeline parallel degrees (None = decided by "auto").
     microbatches:   pipeline microbatches per step.
@@ -100,6 +100,21 @@ class Plan:
                     accumulation in eager PyTorch: each microbatch normalises by its own
                     statistics (over its rows on every dp rank) and updates the running
                     buffers, in order - not what one step on the whole batch does.
+    ps:             parameter-server data parallelism (runtime/param_server.py): this many
+                    server ranks (the last ps ranks of the job) own the parameters - each a
+                    share of them, whole tensors - and the optimizer; the dp worker ranks
+                    push their gradients to them and pull the updated parameters back. 0
+                    (default): all-reduce data parallelism. Never chosen by "auto". Needs
+                    tp = pp = 1, one microbatch, zero=0, an optimizer factory, no
+                    max_grad_norm, fp16, verify, offload_optimizer or compression.
+    ps_staleness:   with ps > 0: 0 (default) is synchronous and exact (step t's update is the
+                    sum of every worker's gradient, as all-reduce dp's); k > 0 is
+                    asynchronous with bounded staleness k: a worker's step t reads the newest
+                    parameters the servers hold, at least those after update t-k, and update t
+                    averages the step-t gradients of the workers that pushed them before a
+                    worker needed it (a worker k steps past t); a worker left out skips the
+                    steps already applied (its pm.step returns None for them). See
+                    docs/reference.md, "Parameter servers".
     verify:         check the first step against one plain process on the same batch (rank 0
                     runs the model in eager PyTorch on the whole weights) and raise
                     VerifyError naming the first tensor that differs (runtime/verify.py;
@@ -129,6 +144,8 @@ class Plan:
     cuda_graphs: Any = "auto"
     batch_stats: str = "whole"
     verify: bool = False
+    ps: int = 0
+    ps_staleness: int = 0
 
     @classmethod
     def from_any(cls, plan: Any) -> "Plan | str":
@@ -157,13 +174,18 @@ class Plan:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"Plan.{name} must be a positive integer, got {v!r}.")
-        if self.dp * self.tp * self.pp != world_size:
+        for name in ("ps", "ps_staleness"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise PlanError(f"Plan.{name} must be an integer >= 0, got {v!r}.")
+        ranks = self.dp * self.tp * self.pp + self.ps
+        if ranks != world_size:
+            servers = f" + ps = {self.ps}" if self.ps else ""
             raise PlanError(
-                f"world size {world_size} does not match the plan: dp*tp*pp = "
-                f"{self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp}. Launch "
-                f"{self.dp * self.tp * self.pp} ranks (torchrun --nproc-per-node "
-                f"{self.dp * self.tp * self.pp}) or change the degrees so their product is "
-                f"{world_size}.")
+                f"world size {world_size} does not match the plan: dp*tp*pp{' + ps' if self.ps else ''}"
+                f" = {self.dp}*{self.tp}*{self.pp}{servers} = {ranks}. Launch "
+                f"{ranks} ranks (torchrun --nproc-per-node {ranks}) or change the degrees so "
+                f"they make {world_size}.")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"Plan.schedule {self.schedule!r} unknown; choose one of {SCHEDULES}.")
         if self.microbatched:
@@ -210,7 +232,7 @@ class Plan:
             raise PlanError("Plan.verify checks the first step against exact single-process "
                             f"training; comm_quantization={self.comm_quantization!r} is lossy "
                             "by design and would fail it. Verify the plan without it first.")
-        misfit = compression_misfit(self)
+        misfit = compression_misfit(self) or server_misfit(self)
         if misfit:
             raise PlanError(misfit)
         if self.max_grad_norm is not None and not (
@@ -290,6 +312,30 @@ def compression_misfit(plan: "Plan") -> str | None:
     return None
 
 
+def server_misfit(plan: "Plan") -> str | None:
+    """Why Plan.ps (parameter servers) cannot run with the rest of `plan`, or None: the
+    servers step whole parameters with the user's optimizer on the sum of the workers'
+    gradients, so every worker must hold every parameter whole and send one gradient a step."""
+    if plan.ps == 0:
+        if plan.ps_staleness:
+            return (f"Plan.ps_staleness={plan.ps_staleness} bounds how stale the parameters a "
+                    "parameter-server worker reads may be: it needs ps > 0 server ranks.")
+        return None
+    why = [f"{k}={getattr(plan, k)!r}" for k, bad in (
+        ("tp", plan.tp != 1), ("pp", plan.pp != 1), ("microbatches", plan.microbatches != 1),
+        ("zero", plan.zero != 0), ("offload_optimizer", plan.offload_optimizer),
+        ("grad_compression", plan.grad_compression != "none"),
+        ("comm_quantization", plan.comm_quantization != "none"),
+        ("max_grad_norm", plan.max_grad_norm is not None), ("precision", plan.precision == "fp16"),
+        ("verify", plan.verify)) if bad]
+    if why:
+        return (f"Plan.ps={plan.ps} (parameter servers) runs with whole-model workers: "
+                f"tp = pp = microbatches = 1, zero=0, fp32 or bf16, no offload_optimizer, "
+                f"compression, max_grad_norm or verify; got {', '.join(why)}. Drop those, or "
+                "use all-reduce data parallelism (ps=0) for them.")
+    return None
+
+
 def replays_step(cuda_graphs: Any, pp: int | None, microbatches: int) -> bool:
     """Whether Plan.cuda_graphs asks for the step to be replayed as CUDA graphs on a GPU
     (runtime/cudagraph.decide may still fall back): "auto" at pp=1 with one microbatch (a
@@ -316,9 +362,13 @@ def resolve(plan: Any, world_size: int) -> Plan:
     if p.pp is None:
         p.pp = 1
     if p.dp is None:
-        if world_size % (p.tp * p.pp):
-            raise PlanError(f"world size {world_size} is not divisible by tp*pp = {p.tp * p.pp}.")
-        p.dp = world_size // (p.tp * p.pp)
+        servers = p.ps if isinstance(p.ps, int) and p.ps > 0 else 0
+        workers = world_size - servers
+        if workers < 1 or workers % (p.tp * p.pp):
+            raise PlanError(f"world size {world_size}" + (
+                f" minus ps = {servers} server ranks" if servers else "")
+                + f" is not a positive multiple of tp*pp = {p.tp * p.pp}.")
+        p.dp = workers // (p.tp * p.pp)
     return p.validate(world_size)
 
 
@@ -350,11 +400,15 @@ def needs_search(plan) -> bool:
     nothing to search."""
     if plan is None or plan == "auto":
         return True
-    if isinstance(plan, dict):
-        return any(plan.get(k) == "auto" for k in ("dp", "tp", "pp"))
-    if isinstance(plan, Plan):
-        return any(getattr(plan, k) == "auto" for k in ("dp", "tp", "pp"))
-    return False
+    get = plan.get if isinstance(plan, dict) else (
+        lambda k, d=None: getattr(plan, k, d)) if isinstance(plan, Plan) else None
+    if get is None or not any(get(k) == "auto" for k in ("dp", "tp", "pp")):
+        return False
+    if get("ps", 0):
+        raise PlanError("Plan.ps (parameter servers) is never searched: give its degrees "
+                        "(dp workers, or leave dp unset for the ranks the servers leave), "
+                        "not 'auto'.")
+    return True
 
 
 # the fields plan="auto" searches: what tells one of its plans from another

@@ -46,6 +46,9 @@ class World:
     rank: int
     device: torch.device
     mesh: Any = None  # torch DeviceMesh when size > 1
+    # the process group of the ranks this World spans: None for the default group; Plan.ps's
+    # workers (the first ranks) see a World of the workers alone
+    group: Any = None
 
     def _has(self, dim: str) -> bool:
         return self.mesh is not None and dim in (self.mesh.mesh_dim_names or ())
@@ -61,7 +64,9 @@ class World:
 def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     """Resolve `devices` (int | device strings | DeviceMesh) into this rank's World.
 
-    `dims` = [(name, degree)] for the mesh (e.g. [("dp", 2)]); product = world size.
+    `dims` = [(name, degree)] for the mesh (e.g. [("dp", 2)]); their product is the world
+    size, or less: the mesh then spans the first ranks (Plan.ps's workers; the last ranks,
+    its servers, hold the mesh with no coordinate on it).
     """
     size, dev_type = world_of(devices)
     if size == 1:
@@ -100,9 +105,19 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         from torch.distributed.device_mesh import init_device_mesh
         names = tuple(n for n, _ in dims)
         shape = tuple(d for _, d in dims)
-        mesh = devices if hasattr(devices, "get_group") and devices.mesh_dim_names == names \
-            else init_device_mesh(dev.type, shape, mesh_dim_names=names,
-                                  backend_override=_timed_groups(dev.type, names))
+        over = _timed_groups(dev.type, names)
+        n = 1
+        for d in shape:
+            n *= d
+        if hasattr(devices, "get_group") and devices.mesh_dim_names == names:
+            mesh = devices
+        elif n < world:  # the first n ranks (every rank builds it: new_group is collective)
+            from torch.distributed.device_mesh import DeviceMesh
+            mesh = DeviceMesh(dev.type, torch.arange(n).view(shape), mesh_dim_names=names,
+                              backend_override=tuple(over[k] for k in names))
+        else:
+            mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names,
+                                    backend_override=over)
     return World(world, rank, dev, mesh)
 
 

@@ -31,6 +31,7 @@ from fxpar.runtime import weights as rweights
 from fxpar.runtime import trace as rtrace
 from fxpar.runtime.host_optimizer import HostOptimizer
 from fxpar.runtime.onebit_adam import OneBitAdam
+from fxpar.runtime import param_server
 from fxpar.runtime.pipeline import PipelineRunner
 from fxpar.runtime.zero import ShardedOptimizer
 
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 
 def to_device(batch, device):
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def _refuse(why: str):
+    def refused(*args, **kwargs):
+        raise PlanError(why)
+    return refused
 
 
 def _tiled(leaves, shard_dims, dp):
@@ -63,7 +70,8 @@ class ParallelModel:
     def __init__(self, model, world, program: ir.Program, optimizer=None,
                  on_measured: Callable[[float], None] | None = None,
                  weights: rweights.ModelWeights | None = None, batch: str = "global",
-                 loss_of: Callable | None = None, generate: Callable | None = None):
+                 loss_of: Callable | None = None, generate: Callable | None = None,
+                 ps_group=None):
         """`program` from fxpar.compile, bound here to `world`'s process groups; `model` is
         the user's module (its tensors become this rank's shards). `on_measured(step_s)` is
         called once, after REFIT_AFTER steps, with the median measured step time (the
@@ -75,7 +83,8 @@ class ParallelModel:
         reference step (runtime/verify.py). `generate(gm, device, name, strict)`: the
         compiler's code generator (compiler/codegen.generate), handed in by fxpar.parallelize
         so the runtime imports no compiler: it runs this rank's graphs through it when
-        program.codegen is "inductor".
+        program.codegen is "inductor". `ps_group`: with Plan.ps, the gloo group of the whole
+        job the pushes and pulls go over (this rank is a worker: `world` spans the workers).
         self.compile_times: the program's rows, then this set-up's (lowering, weights,
         shards, optimizer)."""
         clock = Clock(log)
@@ -149,7 +158,18 @@ class ParallelModel:
                 "Plan.offload_optimizer builds the optimizer over host copies of this rank's "
                 "tensors, so fxpar must build it: pass a factory, e.g. `optimizer=lambda ps: "
                 "torch.optim.AdamW(ps, lr=1e-3)`, not an instance.")
-        if self.program.zero:
+        self.ps = None  # Plan.ps: this worker's side (runtime/param_server.py)
+        if plan.ps:
+            param_server.check_optimizer(optimizer)
+            self.optimizer = None  # (the servers own it)
+            servers = list(range(plan.dp, plan.dp + plan.ps))
+            self.ps = param_server.Worker(
+                self.params, [t and p.requires_grad for t, p in zip(param_server.trained(
+                    program.graph, len(self.params)), self.params)],
+                servers, plan.ps_staleness, ps_group)
+            for name, why in param_server.UNSUPPORTED.items():  # (before any collective)
+                setattr(self, name, _refuse(why))
+        elif self.program.zero:
             if isinstance(optimizer, torch.optim.Optimizer):
                 raise PlanError(
                     f"Plan.zero={plan.zero} shards the optimizer state, so fxpar must build the "
@@ -187,7 +207,7 @@ class ParallelModel:
         self.cuda_graphs = self._cuda_graph_decision()  # runtime/cudagraph.Decision
         # dp on CPU: each gradient bucket stepped while the later ones are still reduced
         self._bucket_updates: bucket_updates.BucketUpdates | None = None
-        if self.pipeline_runner is None and not self.cuda_graphs.capture:
+        if self.pipeline_runner is None and self.ps is None and not self.cuda_graphs.capture:
             with clock("comm lowering"):  # now, not in the first step
                 self._lowered[id(program)] = comm.lower(
                     self._updates_between_waits(self._generated[id(program)]))
@@ -198,6 +218,8 @@ class ParallelModel:
         self._state_plain: bool | None = None  # (state_is_plain, found on first use)
         self._indices_checked: set[int] = set()  # programs whose batch indices were checked
         self.compile_times = [*program.compile_times, *clock.rows(other=False)]
+        if self.ps is not None:  # its graph (without the gradient all-reduce): now
+            self._local()
 
     def _optimizer_over(self, optimizer, tensors: list[torch.Tensor]):
         """The user's optimizer over `tensors` (an instance as given); with
@@ -330,7 +352,7 @@ class ParallelModel:
             if world.size > 1:
                 errors = [None] * world.size
                 dist.all_gather_object(errors, None if error is None else
-                                       f"{type(error).__name__}: {error}")
+                                       f"{type(error).__name__}: {error}", group=world.group)
                 failed = [(r, e) for r, e in enumerate(errors) if e]
                 if failed and error is None:
                     r, e = failed[0]
@@ -382,6 +404,12 @@ class ParallelModel:
             return [t.to(self.world.device, non_blocking=True) for t in leaves]
         return executor.local_batch(ir.flatten_batch(tree, program.signature), program,
                                     self.world.coordinate("dp"), self.world.device)
+
+    @property
+    def ps_stats(self) -> dict | None:
+        """Plan.ps: this worker's pushes, the steps it skipped (asynchronous: applied
+        without it) and its last lag (its step minus the version it read); else None."""
+        return dict(self.ps.stats) if self.ps is not None else None
 
     @property
     def dp_rank(self) -> int:
@@ -483,14 +511,21 @@ class ParallelModel:
         return loss, grads, new_bufs
 
     def step(self, batch) -> torch.Tensor:
-        """One training step on the GLOBAL batch; returns its mean loss (same on every rank).
+        """One training step on the GLOBAL batch; returns its mean loss (same on every rank;
+        an asynchronous Plan.ps worker: the loss of its own share, None for a step the
+        servers applied without it).
         `pm.step_count` counts the steps done (restored by `load`). A rank that fails makes
         every rank raise (RankFailure naming the rank and the step); a NaN/inf loss raises
         NonFiniteLossError before the optimizer applies it (runtime/faults.py)."""
         n = getattr(self, "step_count", 0) + 1
+        if self.ps is not None and self.ps.skips(n - 1):  # Plan.ps asynchronous: applied
+            self.step_count = n  # without this worker
+            return None
         with faults.step_context(self.world, n):
             # every rank steps now: checked (calls.settle) before the step's first collective
-            calls.begin(self._call_id, "step", raw_errors=True)
+            # (not an asynchronous parameter-server job: its ranks do not step together)
+            if self.ps is None or not self.ps.asynchronous:
+                calls.begin(self._call_id, "step", raw_errors=True)
             with self._named_index_errors(self.program, batch, f"step {n}"):
                 if self._verify is not None and n == self._verify_at:  # Plan.verify
                     loss, checked = verify.first_step(self, batch, *self._verify,
@@ -568,7 +603,7 @@ class ParallelModel:
             return
         t = torch.tensor([times[len(times) // 2]], dtype=torch.float64)
         if self.world.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world.group)
         self._on_measured(float(t))
 
     def _train_step(self, batch) -> torch.Tensor:
@@ -597,6 +632,18 @@ class ParallelModel:
                 self.pipeline_runner.sync_buffers(self._mutated_buffers)
             return loss.detach()
         n = self.step_count + 1
+        if self.ps is not None:  # Plan.ps: the servers step the parameters
+            program = self._local()
+            with executor.recording(self.recorder) as rec:
+                outs = self._run(program, batch)
+                k = len(self.params)
+                loss, grads, new_bufs = outs[0], outs[1:1 + k], outs[1 + k:]
+                calls.settle()
+                rec.segment("parameter server")
+                self.ps.exchange(n - 1, grads, loss)  # (a non-finite loss: pushed, the
+                faults.check_loss(loss, self.plan)   # servers raise too)
+                self._update_buffers(new_bufs)
+            return loss.detach()
         # Plan.grad_compression past its warm-up: 1-bit Adam steps (runtime/onebit_adam.py),
         # on the graph without gradient all-reduces except at a refresh
         onebit = self.onebit is not None and n > self.onebit.warmup
@@ -632,8 +679,8 @@ class ParallelModel:
         return loss.detach()
 
     def _local(self) -> ir.Program:
-        """Plan.grad_compression's program: the graph without gradient all-reduces
-        (program.local_graph), compiled at its first step."""
+        """Plan.grad_compression's and a Plan.ps worker's program: program.local_graph
+        (without gradient all-reduces), compiled at its first use."""
         if self._local_program is None:
             local = dataclasses.replace(self.program, graph=self.program.local_graph,
                                         local_graph=None)
@@ -642,7 +689,8 @@ class ParallelModel:
                                                        clock)["local"]
             self.compile_times = [*self.compile_times, *clock.rows(other=False)]
             if self.world.device.type == "cuda" and self.cuda_graphs.capture:
-                log.info("1-bit Adam: the steps after the warm-up run without CUDA graphs")
+                log.info("%s run without CUDA graphs", "the parameter-server worker's steps"
+                         if self.ps is not None else "1-bit Adam: the steps after the warm-up")
             self._local_program = local
         return self._local_program
 
@@ -739,6 +787,8 @@ class ParallelModel:
             with self._named_index_errors(self.program, batch, "evaluate"):
                 return self._run_pipeline(self.program, self.pipeline_runner, batch,
                                           forward_only=True)[0].detach()
+        if self.ps is not None and self.ps.asynchronous:  # the servers' newest parameters
+            self.ps.pull()
         if self._eval_program is None:  # compiled from the stand-ins compile kept: the
             # model's own tensors (shards by now) are never traced
             self._eval_program = comm.bind_groups(self.program.build_eval(),

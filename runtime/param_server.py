@@ -1,0 +1,348 @@
+"""Parameter-server data parallelism (Plan.ps, Plan.ps_staleness): DistBelief's and GeePS's
+form of data parallelism, for jobs where a straggling or slower worker would hold every
+all-reduce back.
+
+The job's last `ps` ranks are servers, the first dp ranks workers. Each server owns a share
+of the trained parameters (whole tensors, spread by size: `assign`) and steps them with the
+user's optimizer, built from the factory over that share. A worker runs its graph without
+the gradient all-reduce, pushes each server the gradients of its share (one message:
+[step, loss, gradients as fp32]) and copies the server's reply ([version, the share's
+parameters as fp32]) into its parameters. Messages go point to point over a gloo group of
+the whole job, from host buffers, so a server waits for whichever worker comes first
+(gloo's receive from any source). Version v of a share is its parameters after v updates;
+update t is step t's.
+
+Synchronous (ps_staleness=0): update t is applied once every worker pushed step t: the sum
+of their Partial gradients (the dp graph's, whose sum over the workers is the batch's
+gradient), in worker order; the reply comes after it, so step t reads version t on every
+worker, as all-reduce dp (and one process on the whole batch) does.
+
+Asynchronous (ps_staleness = k > 0), on each server:
+- a worker's step t reads the newest version the server has, and at least t - k: the reply
+  to its push of step t-1 waits only until update t-1-k is applied;
+- update t averages the step-t gradients pushed before it was applied. It is applied once
+  every worker has pushed step t (or a later one), or once a worker waits for it (one that
+  pushed step t+k and needs version t+1): a worker that far behind is left out of it;
+- a push of a step whose update was applied is dropped; the worker then skips to the
+  first step no server has applied yet: its pm.step returns None for the steps between.
+Each worker runs the graph of its own share of the batch, with no collective (its loss and
+gradients are the means over that share, its BatchNorm statistics its own), so nothing
+ties it to the other workers' pace. The shares' versions advance independently (as in
+DistBelief); a pull (evaluate) after the last step reads every share's last version.
+`stats` counts what happened (updates with fewer than every worker, dropped pushes, the
+largest staleness applied).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from fxpar.core import ir
+from fxpar.core.errors import NonFiniteLossError, PlanError
+from fxpar.runtime import calls, faults, optim
+from fxpar.runtime import dist as rdist
+
+log = logging.getLogger(__name__)
+
+PULL = -1  # a push message's step field for "send me the parameters now" (evaluate)
+_PUSH_HEAD = 2  # [step, loss]
+_REPLY_HEAD = 1  # [version]
+
+
+def assign(numels: list[int], servers: int) -> list[int]:
+    """The server of each parameter: largest first, each to the least loaded server (ties:
+    the lower index), so the shares' bytes differ by at most one tensor's."""
+    load = [0] * servers
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        j = min(range(servers), key=lambda j: (load[j], j))
+        owner[i] = j
+        load[j] += numels[i]
+    return owner
+
+
+def trained(graph: torch.fx.GraphModule, n_params: int) -> list[bool]:
+    """Which parameters the graph gives a gradient (the outputs after the loss)."""
+    out = next(n for n in graph.graph.nodes if n.op == "output").args[0]
+    return [g is not None for g in out[1:1 + n_params]]
+
+
+def check_optimizer(optimizer) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise PlanError(
+            "Plan.ps: the servers build the optimizer over the parameters they own, so fxpar "
+            "must build it: pass a factory, e.g. `optimizer=lambda ps: torch.optim.AdamW(ps, "
+            "lr=1e-3)`, not an instance.")
+
+
+class _Layout:
+    """Server j's share: the parameter indices it owns and their offsets in its messages."""
+
+    def __init__(self, params: list[torch.Tensor], owner: list[int | None], servers: int):
+        self.indices = [[i for i, o in enumerate(owner) if o == j] for j in range(servers)]
+        self.sizes = [p.numel() for p in params]
+        self.numel = [sum(self.sizes[i] for i in ix) for ix in self.indices]
+
+    def pack(self, j: int, tensors, out: torch.Tensor, head: int) -> None:
+        off = head
+        for i in self.indices[j]:
+            t, n = tensors[i], self.sizes[i]
+            if t is None:
+                out[off:off + n].zero_()
+            else:
+                out[off:off + n].copy_(t.detach().reshape(-1))
+            off += n
+
+    def unpack(self, j: int, buf: torch.Tensor, params, head: int) -> None:
+        off = head
+        with torch.no_grad():
+            for i in self.indices[j]:
+                p = params[i]
+                p.copy_(buf[off:off + p.numel()].view(p.shape))
+                off += p.numel()
+
+
+def _layout(params, is_trained, servers) -> _Layout:
+    numels = [p.numel() if t else 0 for p, t in zip(params, is_trained)]
+    owner = assign(numels, servers)
+    return _Layout(params, [o if t else None for o, t in zip(owner, is_trained)], servers)
+
+
+class Worker:
+    """A worker rank's side: push this step's gradients, take the servers' parameters."""
+
+    def __init__(self, params: list[torch.Tensor], is_trained: list[bool], servers: list[int],
+                 staleness: int, group):
+        self.params, self.servers, self.staleness, self.group = params, servers, staleness, group
+        self.layout = _layout(params, is_trained, len(servers))
+        self.push = [torch.zeros(_PUSH_HEAD + n) for n in self.layout.numel]
+        self.reply = [torch.empty(_REPLY_HEAD + n) for n in self.layout.numel]
+        self.next_step = 0  # the first step no server has applied yet (async: may jump)
+        self.stats = {"pushes": 0, "skipped": 0, "lag": 0}
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.staleness > 0
+
+    def skips(self, step: int) -> bool:
+        """Whether step `step` (0-based) was applied without this worker (async only)."""
+        if step < self.next_step:
+            self.stats["skipped"] += 1
+            return True
+        return False
+
+    def exchange(self, step: int, grads, loss: torch.Tensor) -> None:
+        """Push step `step`'s gradients and loss; wait for the parameters the servers send
+        back (sync: after step's update; async: at least version step + 1 - staleness)."""
+        ok = self._send(float(step), grads, float(loss))
+        self.stats["pushes"] += 1
+        versions = self._receive(ok)
+        self.next_step = max(step + 1, min(versions))
+        self.stats["lag"] = step + 1 - min(versions)
+
+    def pull(self) -> None:
+        """Take every share's newest parameters (async: before evaluate, so every worker
+        evaluates the servers' model, not the version its last step read)."""
+        self._receive(self._send(float(PULL), None, 0.0))
+
+    def _send(self, step: float, grads, loss: float) -> list:
+        works = []
+        for j, (buf, dst) in enumerate(zip(self.push, self.servers)):
+            buf[0], buf[1] = step, loss
+            if grads is not None:
+                self.layout.pack(j, grads, buf, _PUSH_HEAD)
+            works.append(dist.isend(buf, dst, group=self.group))
+        return works
+
+    def _receive(self, sends: list) -> list[int]:
+        recvs = [dist.irecv(buf, src, group=self.group)
+                 for buf, src in zip(self.reply, self.servers)]
+        for w in (*sends, *recvs):
+            w.wait()
+        for j, buf in enumerate(self.reply):
+            self.layout.unpack(j, buf, self.params, _REPLY_HEAD)
+        return [int(buf[0]) for buf in self.reply]
+
+
+class Server:
+    """A server rank's side: its share of the parameters, their optimizer, the pushes that
+    wait for their update and the workers that wait for a reply."""
+
+    def __init__(self, share: list[torch.Tensor], factory, index: int, workers: list[int],
+                 staleness: int, group):
+        self.params, self.index, self.workers = share, index, workers
+        self.staleness, self.group = staleness, group
+        self.optimizer = optim.build(factory, share) if share else None
+        n = sum(p.numel() for p in share)
+        self.inbox = torch.empty(_PUSH_HEAD + n)
+        self.outbox = torch.empty(_REPLY_HEAD + n)
+        self._packed = -1  # the version outbox holds
+        self.version = 0
+        self.pending: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}
+        self.last_pushed = {w: -1 for w in workers}
+        self.waiting: dict[int, int] = {}  # worker -> the step it pushed (PULL: a pull)
+        self.read = {w: 0 for w in workers}  # worker -> the version it last received
+        self.sends: list = []
+        self.losses: dict[int, float | None] = {}
+        self.pulls = 0
+        self.stats = {"updates": 0, "partial": 0, "dropped": 0, "max_staleness": 0}
+
+    def serve(self, done) -> None:
+        """Receive pushes and pulls (from whichever worker sends first), apply the updates
+        they make ready and reply to whoever may have an answer, until `done()`."""
+        self._reply()
+        while not done():
+            src = dist.recv(self.inbox, src=None, group=self.group)
+            self._take(src, self.inbox)
+            while self._ready(self.version):
+                self._apply(self.version)
+            self._reply()
+        for w in self.sends:
+            w.wait()
+        self.sends = []
+
+    def _take(self, w: int, msg: torch.Tensor) -> None:
+        step = int(msg[0])
+        if step == PULL:
+            self.waiting[w] = PULL
+            return
+        if not math.isfinite(float(msg[1])):  # the worker raises it too
+            raise NonFiniteLossError(
+                f"step {step + 1}: worker rank {w} pushed a non-finite loss ({float(msg[1])}); "
+                "the update was not applied. Usual causes: a too large learning rate, bad "
+                "input data, a log/div of zero in the loss.")
+        self.last_pushed[w] = step
+        self.waiting[w] = step
+        if step < self.version:  # its update was applied without it (async)
+            self.stats["dropped"] += 1
+            return
+        self.pending.setdefault(step, {})[w] = (msg[_PUSH_HEAD:].clone(), float(msg[1]))
+        self.stats["max_staleness"] = max(self.stats["max_staleness"], step - self.read[w])
+
+    def _ready(self, t: int) -> bool:
+        if all(s >= t for s in self.last_pushed.values()):
+            return True
+        return self.staleness > 0 and any(
+            s != PULL and s >= t + self.staleness for s in self.waiting.values())
+
+    def _apply(self, t: int) -> None:
+        got = self.pending.pop(t, {})
+        if got and self.optimizer is not None:
+            g = got[min(got)][0]
+            for w in sorted(got)[1:]:
+                g.add_(got[w][0])
+            if self.staleness:
+                g.div_(len(got))
+            grads, off = [], 0
+            for p in self.params:
+                grads.append(g[off:off + p.numel()].view(p.shape))
+                off += p.numel()
+            self._wait_sends()  # (the optimizer changes what the outbox was packed from:
+            optim.apply_gradients(self.optimizer, self.params, grads)  # packed at reply)
+        self.losses[t] = sum(v[1] for v in got.values()) / len(got) if got else None
+        self.stats["updates"] += 1
+        self.stats["partial"] += len(got) < len(self.workers)
+        self.version += 1
+
+    def _reply(self) -> None:
+        for w, step in list(self.waiting.items()):
+            if step != PULL and self.version < step + 1 - self.staleness:
+                continue
+            if self._packed != self.version:
+                self._wait_sends()
+                self.outbox[0] = self.version
+                off = _REPLY_HEAD
+                for p in self.params:
+                    self.outbox[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                    off += p.numel()
+                self._packed = self.version
+            self.sends.append(dist.isend(self.outbox, w, group=self.group))
+            self.read[w] = self.version
+            self.pulls += step == PULL
+            del self.waiting[w]
+
+    def _wait_sends(self) -> None:
+        for w in self.sends:
+            w.wait()
+        self.sends = []
+
+
+class ServerRank:
+    """What fxpar.parallelize returns on a server rank: the same loop as a worker's runs it
+    (`pm.step(batch)` serves one update, `pm.evaluate(batch)` answers the workers' pulls);
+    the batch is not read. A server holds its share of the parameters, not the model."""
+
+    def __init__(self, model, world, program: ir.Program, optimizer, workers: list[int],
+                 group):
+        plan = self.plan = program.plan
+        self.program, self.world = program, world
+        self._call_id = calls.register(rdist.timeout())  # (every rank builds one)
+        check_optimizer(optimizer)
+        sig = program.signature
+        named = dict(model.named_parameters(remove_duplicate=False))
+        params = [named[n] for n in sig.param_names]
+        is_trained = [t and p.requires_grad for t, p in
+                      zip(trained(program.graph, len(params)), params)]
+        self.index = world.rank - len(workers)
+        layout = _layout(params, is_trained, plan.ps)
+        self.param_names = [sig.param_names[i] for i in layout.indices[self.index]]
+        with torch.no_grad():  # this server's share, on its device; the rest is never used
+            share = [named[n].detach().to(world.device, copy=True).requires_grad_()
+                     for n in self.param_names]
+        self.server = Server(share, optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3)),
+                             self.index, workers, plan.ps_staleness, group)
+        self.optimizer = self.server.optimizer
+        self.step_count = 0
+        self.compile_times = list(program.compile_times)
+
+    @property
+    def ps_stats(self) -> dict:
+        """Updates applied, those with fewer than every worker ("partial"), pushes dropped as
+        too late, the largest staleness (update minus the version its gradient read)."""
+        return dict(self.server.stats)
+
+    def step(self, batch=None) -> torch.Tensor | None:
+        """Serve until this server's update of step `step_count` is applied; its mean loss
+        over the workers that pushed it (None if none did)."""
+        t = self.step_count
+        with faults.step_context(self.world, t + 1):
+            if not self.server.staleness:
+                calls.agree(self._call_id, "step", raw_errors=True)
+            self.server.serve(lambda: self.server.version > t)
+        self.step_count = t + 1
+        loss = self.server.losses.pop(t, None)
+        return None if loss is None else torch.tensor(loss)
+
+    @calls.collective
+    def evaluate(self, batch=None) -> None:
+        """Answer every worker's pull (asynchronous: they evaluate the servers' newest
+        parameters); a server has no loss to return."""
+        if self.server.staleness:
+            target = self.server.pulls + len(self.server.workers)
+            self.server.serve(lambda: self.server.pulls >= target)
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This server's share of the parameters (names as the model's)."""
+        return dict(zip(self.param_names, (p.detach() for p in self.server.params)))
+
+    def __getattr__(self, name):
+        if name in UNSUPPORTED:
+            raise PlanError(UNSUPPORTED[name])
+        raise AttributeError(name)
+
+    def __repr__(self):
+        return (f"ServerRank(server {self.index} of {self.plan.ps}, "
+                f"{len(self.param_names)} parameters, plan={self.plan})")
+
+
+_NOT_YET = ("Plan.ps (parameter servers): pm.{} is not supported yet: the parameters live on "
+            "the servers in shares. Train, call pm.evaluate(batch) on every rank (the workers "
+            "then hold the servers' newest parameters), and save from a worker with "
+            "torch.save(pm.model.state_dict(), path) on rank 0.")
+UNSUPPORTED = {m: _NOT_YET.format(m) for m in (
+    "save", "load", "trace", "save_pretrained", "full_state_dict", "whole_tensors",
+    "full_params")}
