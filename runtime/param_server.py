@@ -20,17 +20,19 @@ worker, as all-reduce dp (and one process on the whole batch) does.
 Asynchronous (ps_staleness = k > 0), on each server:
 - a worker's step t reads the newest version the server has, and at least t - k: the reply
   to its push of step t-1 waits only until update t-1-k is applied;
-- update t averages the step-t gradients pushed before it was applied. It is applied once
-  every worker has pushed step t (or a later one), or once a worker waits for it (one that
-  pushed step t+k and needs version t+1): a worker that far behind is left out of it;
-- a push of a step whose update was applied is dropped; the worker then skips to the
-  first step no server has applied yet: its pm.step returns None for the steps between.
+- update t averages the gradients pushed for it: step t's, and late ones (below). It is
+  applied once every worker has pushed step t (or a later one), or once a worker waits for
+  it (one that pushed step t+k and needs version t+1), without the workers still behind;
+- a push of a step whose update was applied (a late push) joins the next update if the
+  version it read is at most k updates older, and is dropped otherwise; its worker then
+  skips to the first step no server has applied yet (its pm.step returns None for the
+  steps between). So every gradient applied read a version at most k updates old.
 Each worker runs the graph of its own share of the batch, with no collective (its loss and
 gradients are the means over that share, its BatchNorm statistics its own), so nothing
 ties it to the other workers' pace. The shares' versions advance independently (as in
 DistBelief); a pull (evaluate) after the last step reads every share's last version.
-`stats` counts what happened (updates with fewer than every worker, dropped pushes, the
-largest staleness applied).
+`ps_stats` counts what happened: updates without every worker's gradient of their step
+("partial"), late pushes applied and dropped, the largest staleness applied.
 """
 from __future__ import annotations
 
@@ -181,28 +183,31 @@ class Server:
         self.outbox = torch.empty(_REPLY_HEAD + n)
         self._packed = -1  # the version outbox holds
         self.version = 0
-        self.pending: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}
+        # update -> [(worker, step, gradients, loss)] pushed for it
+        self.pending: dict[int, list[tuple[int, int, torch.Tensor, float]]] = {}
         self.last_pushed = {w: -1 for w in workers}
         self.waiting: dict[int, int] = {}  # worker -> the step it pushed (PULL: a pull)
         self.read = {w: 0 for w in workers}  # worker -> the version it last received
         self.sends: list = []
         self.losses: dict[int, float | None] = {}
         self.pulls = 0
-        self.stats = {"updates": 0, "partial": 0, "dropped": 0, "max_staleness": 0}
+        self.stats = {"updates": 0, "partial": 0, "late": 0, "dropped": 0, "max_staleness": 0}
 
     def serve(self, done) -> None:
         """Receive pushes and pulls (from whichever worker sends first), apply the updates
         they make ready and reply to whoever may have an answer, until `done()`."""
         self._reply()
         while not done():
-            src = dist.recv(self.inbox, src=None, group=self.group)
-            self._take(src, self.inbox)
-            while self._ready(self.version):
-                self._apply(self.version)
-            self._reply()
-        for w in self.sends:
-            w.wait()
-        self.sends = []
+            self.handle(dist.recv(self.inbox, src=None, group=self.group), self.inbox)
+        self._wait_sends()
+
+    def handle(self, w: int, msg: torch.Tensor) -> None:
+        """One message from worker rank `w`: take it, apply the updates it made ready, reply
+        to every worker that may now have an answer."""
+        self._take(w, msg)
+        while self._ready(self.version):
+            self._apply(self.version)
+        self._reply()
 
     def _take(self, w: int, msg: torch.Tensor) -> None:
         step = int(msg[0])
@@ -216,11 +221,15 @@ class Server:
                 "input data, a log/div of zero in the loss.")
         self.last_pushed[w] = step
         self.waiting[w] = step
-        if step < self.version:  # its update was applied without it (async)
+        into = max(step, self.version)  # a late push (async) joins the next update
+        stale = into - self.read[w]
+        if stale > self.staleness:  # (only a late one can be: the replies keep the rest in)
             self.stats["dropped"] += 1
             return
-        self.pending.setdefault(step, {})[w] = (msg[_PUSH_HEAD:].clone(), float(msg[1]))
-        self.stats["max_staleness"] = max(self.stats["max_staleness"], step - self.read[w])
+        self.stats["late"] += into > step
+        self.pending.setdefault(into, []).append((w, step, msg[_PUSH_HEAD:].clone(),
+                                                  float(msg[1])))
+        self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
 
     def _ready(self, t: int) -> bool:
         if all(s >= t for s in self.last_pushed.values()):
@@ -229,11 +238,11 @@ class Server:
             s != PULL and s >= t + self.staleness for s in self.waiting.values())
 
     def _apply(self, t: int) -> None:
-        got = self.pending.pop(t, {})
+        got = sorted(self.pending.pop(t, []), key=lambda x: x[:2])  # (worker order)
         if got and self.optimizer is not None:
-            g = got[min(got)][0]
-            for w in sorted(got)[1:]:
-                g.add_(got[w][0])
+            g = got[0][2]
+            for x in got[1:]:
+                g.add_(x[2])
             if self.staleness:
                 g.div_(len(got))
             grads, off = [], 0
@@ -242,9 +251,9 @@ class Server:
                 off += p.numel()
             self._wait_sends()  # (the optimizer changes what the outbox was packed from:
             optim.apply_gradients(self.optimizer, self.params, grads)  # packed at reply)
-        self.losses[t] = sum(v[1] for v in got.values()) / len(got) if got else None
+        self.losses[t] = sum(x[3] for x in got) / len(got) if got else None
         self.stats["updates"] += 1
-        self.stats["partial"] += len(got) < len(self.workers)
+        self.stats["partial"] += sum(x[1] == t for x in got) < len(self.workers)
         self.version += 1
 
     def _reply(self) -> None:
@@ -300,8 +309,9 @@ class ServerRank:
 
     @property
     def ps_stats(self) -> dict:
-        """Updates applied, those with fewer than every worker ("partial"), pushes dropped as
-        too late, the largest staleness (update minus the version its gradient read)."""
+        """Updates applied, those without every worker's gradient of their step ("partial"),
+        late pushes applied and dropped (read a version more than ps_staleness updates old),
+        the largest staleness applied (update minus the version its gradient read)."""
         return dict(self.server.stats)
 
     def step(self, batch=None) -> torch.Tensor | None:

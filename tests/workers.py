@@ -930,3 +930,59 @@ def onebit_resume_rank(path, plan, steps_before, steps_after, load_plan=None):
              for s in range(steps_before, steps_before + steps_after)]
     step = int(next(iter(pm2.optimizer.state.values()))["step"])
     return before, after, reset, step
+
+
+def param_server_rank(plan, steps, slow_rank=None):
+    """The example GPT trained `steps` AdamW steps under `plan` (Plan.ps; rank `slow_rank`
+    sleeps 0.2 s before each step: a straggler), then evaluated. Returns (losses, evaluate's
+    loss, the worker's model state or the server's share, pm.ps_stats)."""
+    import time
+    rank = int(os.environ["RANK"])
+    cfg = M.GPTConfig()
+    torch.manual_seed(1234)
+    pm = fxpar.parallelize(M.GPT(cfg), int(os.environ["WORLD_SIZE"]),
+                           example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), plan=plan)
+    losses = []
+    for s in range(steps):
+        if rank == slow_rank:
+            time.sleep(0.2)
+        loss = pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s))
+        losses.append(None if loss is None else loss.item())
+    ev = pm.evaluate(M.gpt_batch(cfg, GLOBAL_BATCH, seed=99))
+    state = pm.state_dict() if rank >= pm.plan.dp else pm.model.state_dict()
+    return (losses, None if ev is None else ev.item(),
+            {k: v.detach().clone() for k, v in state.items()}, pm.ps_stats)
+
+
+def param_server_reference(steps):
+    """param_server_rank's training in one eager process on the whole batch."""
+    cfg = M.GPTConfig()
+    torch.manual_seed(1234)
+    model = M.GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for s in range(steps):
+        loss = model(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        ev = model(M.gpt_batch(cfg, GLOBAL_BATCH, seed=99)).item()
+    return losses, ev, model.state_dict()
+
+
+def param_server_refusals_rank():
+    """Plan.ps's refusals on every rank: pm.save (before any collective, so no rank waits)."""
+    cfg = M.GPTConfig(n_layer=1)
+    world = int(os.environ["WORLD_SIZE"])
+    out = {}
+    pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), plan={"ps": 1})
+    try:
+        pm.save("/nonexistent")
+    except fxpar.PlanError as e:
+        out["save"] = str(e)
+    pm.step(M.gpt_batch(cfg, GLOBAL_BATCH))
+    return out

@@ -1,0 +1,203 @@
+"""Parameter-server data parallelism (Plan.ps, runtime/param_server.py): the shares, the plan
+errors, the worker programs compile makes (synchronous: the dp graph without its gradient
+all-reduce; asynchronous: one share of the batch with no collective), a server's protocol
+driven message by message (when an update is applied, whom it waits for, which replies are
+held back, late pushes joined or dropped); multi-process: synchronous training equals one
+process, asynchronous workers end on the servers' parameters within the staleness bound,
+and what is not supported is refused on every rank."""
+import pytest
+import torch
+
+import fxpar
+from fxpar.core.errors import NonFiniteLossError, PlanError
+from fxpar.core.graphs import count_ops
+from fxpar.examples import models as M
+from fxpar.runtime import param_server as ps
+
+c10d = torch.ops._c10d_functional
+
+
+def test_shares_are_whole_tensors_spread_by_size():
+    owner = ps.assign([100, 10, 60, 50, 5], 2)
+    load = [sum(n for n, o in zip([100, 10, 60, 50, 5], owner) if o == j) for j in range(2)]
+    assert owner[0] != owner[2]  # the two largest apart
+    assert abs(load[0] - load[1]) <= 100
+    assert sorted(load) == [110, 115]
+    assert ps.assign([3, 3, 3], 1) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"tp": 2}, "tp=2"), ({"zero": 1}, "zero=1"), ({"max_grad_norm": 1.0}, "max_grad_norm"),
+    ({"precision": "fp16"}, "precision='fp16'"), ({"verify": True}, "verify=True"),
+    ({"microbatches": 2, "schedule": "gpipe"}, "microbatches=2"),
+    ({"grad_compression": "1bit-adam"}, "grad_compression")])
+def test_plan_errors_name_what_parameter_servers_need(bad, match):
+    world = 2 * bad.get("tp", 1) + 1
+    with pytest.raises(PlanError, match=match):
+        fxpar.core.plan.resolve({"dp": 2, "ps": 1, **bad}, world)
+
+
+def test_world_size_counts_the_servers():
+    resolve = fxpar.core.plan.resolve
+    assert resolve({"dp": 3, "ps": 1}, 4).ps == 1
+    assert resolve({"ps": 2}, 5).dp == 3
+    with pytest.raises(PlanError, match=r"dp\*tp\*pp \+ ps = 2\*1\*1 \+ ps = 1 = 3"):
+        resolve({"dp": 2, "ps": 1}, 4)
+    with pytest.raises(PlanError, match="needs ps > 0"):
+        resolve({"dp": 2, "ps_staleness": 1}, 2)
+    with pytest.raises(PlanError, match="never searched"):
+        fxpar.core.plan.needs_search({"ps": 1, "dp": "auto"})
+    with pytest.raises(PlanError, match="integer >= 0"):
+        resolve({"dp": 2, "ps": -1}, 1)
+
+
+def test_worker_programs():
+    """Synchronous: the dp graph without the gradient all-reduce (the loss's kept: the
+    workers' step is one global batch); asynchronous: one worker's share of the batch alone,
+    with no collective at all."""
+    cfg = M.GPTConfig(n_layer=1)
+    batch = M.gpt_batch(cfg, 8)
+    plain = fxpar.compile(M.GPT(cfg), 2, example_batch=batch, plan={"dp": 2})
+    sync = fxpar.compile(M.GPT(cfg), 3, example_batch=batch, plan={"dp": 2, "ps": 1})
+    asyn = fxpar.compile(M.GPT(cfg), 3, example_batch=batch,
+                         plan={"dp": 2, "ps": 1, "ps_staleness": 2})
+    assert plain.local_graph is None
+    n_plain = count_ops(plain.graph, c10d.all_reduce.default)
+    assert 0 < count_ops(sync.local_graph, c10d.all_reduce.default) < n_plain
+    collectives = [n for n in asyn.local_graph.graph.nodes if n.op == "call_function"
+                   and getattr(n.target, "namespace", None) == "_c10d_functional"]
+    assert collectives == []
+    rows = [n.meta["val"].shape[0] for n in asyn.local_graph.graph.nodes
+            if n.op == "placeholder"][-2:]  # (idx, targets)
+    assert rows == [4, 4]
+    assert "worker" in asyn.stage_graphs
+
+
+class _Sent:
+    def __init__(self, log, dst, buf):
+        log.append((dst, int(buf[0]), buf.clone()))
+
+    def wait(self):
+        pass
+
+
+def _server(monkeypatch, staleness, workers=(0, 1)):
+    """A server of one parameter p (2 values, SGD lr=1) whose sends are recorded."""
+    sent = []
+    monkeypatch.setattr(ps.dist, "isend", lambda buf, dst, group=None: _Sent(sent, dst, buf))
+    p = torch.zeros(2, requires_grad=True)
+    server = ps.Server([p], lambda params: torch.optim.SGD(params, lr=1.0), 0, list(workers),
+                       staleness, None)
+    return server, p, sent
+
+
+def _push(step, grad, loss=1.0):
+    return torch.tensor([float(step), loss, *grad])
+
+
+def test_a_synchronous_server_waits_for_every_worker_and_sums_in_worker_order(monkeypatch):
+    server, p, sent = _server(monkeypatch, 0)
+    server.handle(1, _push(0, [1.0, 2.0]))
+    assert server.version == 0 and sent == []  # worker 0 not in yet: no update, no reply
+    server.handle(0, _push(0, [10.0, 20.0], loss=3.0))
+    assert server.version == 1
+    assert p.tolist() == [-11.0, -22.0]  # the sum (the workers' Partial gradients)
+    assert sorted((d, v) for d, v, _ in sent) == [(0, 1), (1, 1)]  # both read version 1
+    assert sent[0][2][1:].tolist() == [-11.0, -22.0]
+    assert server.losses[0] == 2.0
+
+
+def test_an_asynchronous_server_replies_within_the_bound_and_forces_late_updates(monkeypatch):
+    server, p, sent = _server(monkeypatch, 1)
+    server.handle(0, _push(0, [2.0, 2.0]))
+    assert server.version == 0 and [(d, v) for d, v, _ in sent] == [(0, 0)]  # step 1 may read 0
+    server.handle(0, _push(1, [4.0, 4.0]))
+    # worker 0 now needs version 1 for step 2: update 0 is applied without worker 1
+    assert server.version == 1 and p.tolist() == [-2.0, -2.0]
+    assert server.stats["partial"] == 1 and [(d, v) for d, v, _ in sent][-1] == (0, 1)
+    # worker 1's step 0 (it read version 0) arrives late: joins update 1 (staleness 1 <= 1)
+    server.handle(1, _push(0, [8.0, 8.0]))
+    assert server.stats["late"] == 1 and server.version == 1
+    assert [(d, v) for d, v, _ in sent][-1] == (1, 1)  # it reads version 1 now
+    server.handle(1, _push(1, [0.0, 0.0]))  # every worker has pushed step 1: update 1
+    assert server.version == 2
+    assert p.tolist() == [-2.0 - 4.0, -2.0 - 4.0]  # mean of worker 0's step 1, worker 1's 0 and 1
+    assert server.stats["max_staleness"] == 1 and server.stats["dropped"] == 0
+
+
+def test_a_push_older_than_the_bound_is_dropped(monkeypatch):
+    server, p, sent = _server(monkeypatch, 1)
+    server.handle(0, _push(0, [1.0, 1.0]))
+    server.handle(0, _push(1, [1.0, 1.0]))  # forces update 0
+    server.handle(0, _push(2, [1.0, 1.0]))  # forces update 1
+    assert server.version == 2
+    server.handle(1, _push(0, [100.0, 100.0]))  # read version 0, would join update 2: stale 2
+    assert server.stats["dropped"] == 1 and p.tolist() == [-2.0, -2.0]
+    assert [(d, v) for d, v, _ in sent][-1] == (1, 2)  # it skips to step 2
+
+
+def test_a_non_finite_loss_stops_the_server(monkeypatch):
+    server, _, _ = _server(monkeypatch, 0)
+    with pytest.raises(NonFiniteLossError, match="worker rank 1"):
+        server.handle(1, _push(0, [0.0, 0.0], loss=float("nan")))
+
+
+# --- multi-process ---------------------------------------------------------------------------
+
+def test_synchronous_parameter_servers_train_as_one_process():
+    """2 workers + 1 server: the losses, the evaluation and the final parameters (on the
+    workers and in the server's share) equal one process training on the whole batch."""
+    import workers
+    res = fxpar.launch(workers.param_server_rank, 3, {"ps": 1}, 4)
+    ref = workers.param_server_reference(4)
+    for r in (0, 1):
+        losses, ev, state, stats = res[r]
+        torch.testing.assert_close(losses, ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ev, ref[1], rtol=1e-5, atol=1e-6)
+        for k, v in ref[2].items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        assert stats == {"pushes": 4, "skipped": 0, "lag": 0}
+    share, server_stats = res[2][2], res[2][3]
+    assert share and all(torch.equal(v, res[0][2][k]) for k, v in share.items())
+    assert server_stats["updates"] == 4 and server_stats["partial"] == 0
+
+
+@pytest.mark.slow
+def test_two_synchronous_servers_split_the_parameters_and_stay_exact():
+    import workers
+    res = fxpar.launch(workers.param_server_rank, 4, {"ps": 2}, 3)
+    ref = workers.param_server_reference(3)
+    torch.testing.assert_close(res[0][0], ref[0], rtol=1e-5, atol=1e-6)
+    shares = [set(res[r][2]) for r in (2, 3)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] <= set(ref[2])
+    for r in (2, 3):
+        for k, v in res[r][2].items():
+            torch.testing.assert_close(v, ref[2][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_asynchronous_workers_end_on_the_servers_parameters():
+    """2 workers + 1 server, staleness 2, one worker slowed: every step's staleness within
+    the bound; after evaluate (a pull) both workers hold the server's parameters and agree
+    on the loss."""
+    import workers
+    res = fxpar.launch(workers.param_server_rank, 3, {"ps": 1, "ps_staleness": 2}, 6, 1)
+    (l0, ev0, s0, st0), (l1, ev1, s1, st1), (_, _, share, sst) = res[0], res[1], res[2]
+    assert sst["updates"] == 6 and sst["max_staleness"] <= 2
+    assert ev0 == ev1
+    for k, v in share.items():
+        assert torch.equal(v, s0[k]) and torch.equal(v, s1[k]), k
+    assert all(x is None or x == x for x in l1)  # skipped steps: None
+
+
+def test_what_parameter_servers_do_not_support_is_refused_on_every_rank():
+    import workers
+    res = fxpar.launch(workers.param_server_refusals_rank, 3)
+    for r in range(3):
+        assert "pm.save is not supported" in res[r]["save"]
+
+
+def test_an_optimizer_instance_is_refused_by_name():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(PlanError, match="optimizer=lambda ps"):
+        ps.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
