@@ -407,8 +407,8 @@ class ParallelModel:
 
     @property
     def ps_stats(self) -> dict | None:
-        """Plan.ps: this worker's pushes, the steps it skipped (asynchronous: applied
-        without it) and its last lag (its step minus the version it read); else None."""
+        """Plan.ps: this worker's pushes and the steps it skipped (asynchronous: applied
+        without it); else None."""
         return dict(self.ps.stats) if self.ps is not None else None
 
     @property

@@ -107,33 +107,38 @@ def test_a_synchronous_server_waits_for_every_worker_and_sums_in_worker_order(mo
     assert server.losses[0] == 2.0
 
 
-def test_an_asynchronous_server_replies_within_the_bound_and_forces_late_updates(monkeypatch):
-    server, p, sent = _server(monkeypatch, 1)
+def test_an_asynchronous_server_leaves_its_slowest_worker_out(monkeypatch):
+    """3 workers, k=1: update 0 is applied once two pushed step 0, and they read it; the
+    third's step 0 arrives late, read version 0, joins update 1 (staleness 1) and is
+    answered at once with the newest version."""
+    server, p, sent = _server(monkeypatch, 1, workers=(0, 1, 2))
     server.handle(0, _push(0, [2.0, 2.0]))
-    assert server.version == 0 and [(d, v) for d, v, _ in sent] == [(0, 0)]  # step 1 may read 0
-    server.handle(0, _push(1, [4.0, 4.0]))
-    # worker 0 now needs version 1 for step 2: update 0 is applied without worker 1
-    assert server.version == 1 and p.tolist() == [-2.0, -2.0]
-    assert server.stats["partial"] == 1 and [(d, v) for d, v, _ in sent][-1] == (0, 1)
-    # worker 1's step 0 (it read version 0) arrives late: joins update 1 (staleness 1 <= 1)
-    server.handle(1, _push(0, [8.0, 8.0]))
-    assert server.stats["late"] == 1 and server.version == 1
-    assert [(d, v) for d, v, _ in sent][-1] == (1, 1)  # it reads version 1 now
-    server.handle(1, _push(1, [0.0, 0.0]))  # every worker has pushed step 1: update 1
-    assert server.version == 2
-    assert p.tolist() == [-2.0 - 4.0, -2.0 - 4.0]  # mean of worker 0's step 1, worker 1's 0 and 1
+    assert server.version == 0 and sent == []
+    server.handle(1, _push(0, [4.0, 4.0]))
+    assert server.version == 1 and p.tolist() == [-3.0, -3.0]  # their mean
+    assert sorted((d, v) for d, v, _ in sent) == [(0, 1), (1, 1)]
+    assert server.stats["partial"] == 1 and not server.step_done(0)  # worker 2 not past 0
+    server.handle(2, _push(0, [6.0, 6.0]))  # late
+    assert server.stats["late"] == 1 and server.version == 1 and server.step_done(0)
+    assert [(d, v) for d, v, _ in sent][-1] == (2, 1)
+    server.handle(0, _push(1, [0.0, 0.0]))
+    server.handle(1, _push(1, [3.0, 3.0]))  # update 1: steps 1 of workers 0, 1 + the late one
+    assert server.version == 2 and p.tolist() == [-6.0, -6.0]
     assert server.stats["max_staleness"] == 1 and server.stats["dropped"] == 0
 
 
-def test_a_push_older_than_the_bound_is_dropped(monkeypatch):
-    server, p, sent = _server(monkeypatch, 1)
-    server.handle(0, _push(0, [1.0, 1.0]))
-    server.handle(0, _push(1, [1.0, 1.0]))  # forces update 0
-    server.handle(0, _push(2, [1.0, 1.0]))  # forces update 1
-    assert server.version == 2
-    server.handle(1, _push(0, [100.0, 100.0]))  # read version 0, would join update 2: stale 2
+def test_a_push_older_than_the_bound_is_dropped_and_its_worker_skips(monkeypatch):
+    server, p, sent = _server(monkeypatch, 1, workers=(0, 1, 2))
+    for step in (0, 1):
+        server.handle(0, _push(step, [1.0, 1.0]))
+        server.handle(1, _push(step, [1.0, 1.0]))
+    assert server.version == 2 and p.tolist() == [-2.0, -2.0]
+    server.handle(2, _push(0, [100.0, 100.0]))  # read version 0, would join update 2: stale 2
     assert server.stats["dropped"] == 1 and p.tolist() == [-2.0, -2.0]
-    assert [(d, v) for d, v, _ in sent][-1] == (1, 2)  # it skips to step 2
+    assert [(d, v) for d, v, _ in sent][-1] == (2, 2)  # it reads version 2 ...
+    assert not server.step_done(1)
+    server.handle(2, torch.tensor([float(ps.SKIP), 2.0, 0.0, 0.0]))  # ... and skips step 1
+    assert server.step_done(1) and len(sent) == 5  # (a skip is not answered)
 
 
 def test_a_non_finite_loss_stops_the_server(monkeypatch):
@@ -156,7 +161,7 @@ def test_synchronous_parameter_servers_train_as_one_process():
         torch.testing.assert_close(ev, ref[1], rtol=1e-5, atol=1e-6)
         for k, v in ref[2].items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
-        assert stats == {"pushes": 4, "skipped": 0, "lag": 0}
+        assert stats == {"pushes": 4, "skipped": 0}
     share, server_stats = res[2][2], res[2][3]
     assert share and all(torch.equal(v, res[0][2][k]) for k, v in share.items())
     assert server_stats["updates"] == 4 and server_stats["partial"] == 0
@@ -201,3 +206,13 @@ def test_an_optimizer_instance_is_refused_by_name():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(PlanError, match="optimizer=lambda ps"):
         ps.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.slow
+def test_asynchronous_training_converges_near_synchronous():
+    """3 workers + 1 server, 200 AdamW steps at lr 1e-3: the asynchronous plan's held-out
+    loss within 2% of the synchronous plan's (which equals one process)."""
+    import workers
+    sync, asyn = {"ps": 1}, {"ps": 1, "ps_staleness": 2}
+    res = fxpar.launch(workers.param_server_convergence_rank, 4, [sync, asyn], 200, 1e-3)[0]
+    assert res[repr(asyn)] <= 1.02 * res[repr(sync)], res

@@ -986,3 +986,21 @@ def param_server_refusals_rank():
         out["save"] = str(e)
     pm.step(M.gpt_batch(cfg, GLOBAL_BATCH))
     return out
+
+
+def param_server_convergence_rank(plans, steps, lr):
+    """Each plan (Plan.ps) trains a 2-layer GPT on a fresh batch of a Markov chain's language
+    each step, AdamW at `lr`, from the same weights; returns {plan: the held-out loss}."""
+    cfg = M.GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    out = {}
+    for plan in plans:
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(cfg), int(os.environ["WORLD_SIZE"]),
+                               example_batch=M.markov_batch(cfg, 12),
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr), plan=plan)
+        for s in range(steps):
+            pm.step(M.markov_batch(cfg, 12, seed=s))
+        held_out = [pm.evaluate(M.markov_batch(cfg, 12, seed=10_000 + i)) for i in range(4)]
+        out[repr(plan)] = None if held_out[0] is None else \
+            sum(x.item() for x in held_out) / len(held_out)
+    return out
