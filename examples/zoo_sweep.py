@@ -54,6 +54,7 @@ PLANS: dict[str, object] = {
     "pp=2 m=2": {"pp": 2, "microbatches": 2},
     "dp=2 zero=3": {"dp": 2, "zero": 3},
     "auto (2)": "auto",
+    "ps=1": {"ps": 1},  # one worker and one parameter server, synchronous
     "tp=2 dropout": {"tp": 2},
 }
 DROPOUT = {"tp=2 dropout"}  # columns whose model has its library's default dropouts

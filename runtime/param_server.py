@@ -346,14 +346,36 @@ class ServerRank:
     def evaluate(self, batch=None) -> None:
         """Answer every worker's pull (asynchronous: they evaluate the servers' newest
         parameters); a server has no loss to return."""
+        self._serve_pulls()
+        return None
+
+    @calls.collective
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The workers' call (they return the whole model's): this server's share."""
+        self._serve_pulls()
+        return self.state_dict()
+
+    @calls.collective
+    def whole_tensors(self) -> dict[str, torch.Tensor]:
+        """The workers' call (they return every tensor whole): this server's share."""
+        self._serve_pulls()
+        return self.state_dict()
+
+    @calls.collective
+    def full_params(self) -> dict:
+        """The workers' call (their weights are whole: nothing to gather)."""
+        return {}
+
+    def _serve_pulls(self) -> None:
+        """Asynchronous: answer one pull of every worker (they read the servers' newest
+        parameters first)."""
         if self.server.staleness:
             target = self.server.pulls + len(self.server.workers)
             self.server.serve(lambda: self.server.pulls >= target)
-        return None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This server's share of the parameters (names as the model's)."""
-        return dict(zip(self.param_names, (p.detach() for p in self.server.params)))
+        """This server's share of the parameters (names as the model's), copies."""
+        return {n: p.detach().clone() for n, p in zip(self.param_names, self.server.params)}
 
     def __getattr__(self, name):
         if name in UNSUPPORTED:
@@ -365,10 +387,9 @@ class ServerRank:
                 f"{len(self.param_names)} parameters, plan={self.plan})")
 
 
-_NOT_YET = ("Plan.ps (parameter servers): pm.{} is not supported yet: the parameters live on "
-            "the servers in shares. Train, call pm.evaluate(batch) on every rank (the workers "
-            "then hold the servers' newest parameters), and save from a worker with "
-            "torch.save(pm.model.state_dict(), path) on rank 0.")
+_NOT_YET = ("Plan.ps (parameter servers): pm.{} is not supported yet: the parameters and the "
+            "optimizer state live on the servers in shares. Save the weights from a worker: "
+            "`state = pm.full_state_dict()` on every rank (the workers return the servers' "
+            "newest parameters), then torch.save(state, path) on rank 0.")
 UNSUPPORTED = {m: _NOT_YET.format(m) for m in (
-    "save", "load", "trace", "save_pretrained", "full_state_dict", "whole_tensors",
-    "full_params")}
+    "save", "load", "trace", "save_pretrained")}

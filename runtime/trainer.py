@@ -844,6 +844,8 @@ class ParallelModel:
         """Every parameter and buffer of the model under each of its names, whole and up to
         date, on every rank (fresh tensors: nothing aliases the rank's own). Collective over
         the tp / dp groups (shards) and the pp group (other stages' weights)."""
+        if self.ps is not None and self.ps.asynchronous:  # the servers' newest parameters
+            self.ps.pull()
         own = model_state.own_tensors(self.model)
         full = self.full_params()  # id -> the user's whole weight where this rank holds shards
         first = {}  # id -> the first name of each tensor (tied names share it)

@@ -950,7 +950,7 @@ def param_server_rank(plan, steps, slow_rank=None):
         loss = pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s))
         losses.append(None if loss is None else loss.item())
     ev = pm.evaluate(M.gpt_batch(cfg, GLOBAL_BATCH, seed=99))
-    state = pm.state_dict() if rank >= pm.plan.dp else pm.model.state_dict()
+    state = pm.full_state_dict()  # (a server: its share)
     return (losses, None if ev is None else ev.item(),
             {k: v.detach().clone() for k, v in state.items()}, pm.ps_stats)
 
