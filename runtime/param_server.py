@@ -261,6 +261,7 @@ class Server:
                 g.add_(x[2])
             if self.staleness:
                 g.div_(len(got))
+            g = g.to(self.params[0].device)  # (the messages are in host memory)
             grads, off = [], 0
             for p in self.params:
                 grads.append(g[off:off + p.numel()].view(p.shape))

@@ -951,8 +951,13 @@ def param_server_rank(plan, steps, slow_rank=None):
         losses.append(None if loss is None else loss.item())
     ev = pm.evaluate(M.gpt_batch(cfg, GLOBAL_BATCH, seed=99))
     state = pm.full_state_dict()  # (a server: its share)
+    try:  # refused on every rank, before any collective
+        pm.save("/nonexistent")
+        refused = ""
+    except fxpar.PlanError as e:
+        refused = str(e)
     return (losses, None if ev is None else ev.item(),
-            {k: v.detach().clone() for k, v in state.items()}, pm.ps_stats)
+            {k: v.detach().clone() for k, v in state.items()}, pm.ps_stats, refused)
 
 
 def param_server_reference(steps):
@@ -971,21 +976,6 @@ def param_server_reference(steps):
     with torch.no_grad():
         ev = model(M.gpt_batch(cfg, GLOBAL_BATCH, seed=99)).item()
     return losses, ev, model.state_dict()
-
-
-def param_server_refusals_rank():
-    """Plan.ps's refusals on every rank: pm.save (before any collective, so no rank waits)."""
-    cfg = M.GPTConfig(n_layer=1)
-    world = int(os.environ["WORLD_SIZE"])
-    out = {}
-    pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
-                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), plan={"ps": 1})
-    try:
-        pm.save("/nonexistent")
-    except fxpar.PlanError as e:
-        out["save"] = str(e)
-    pm.step(M.gpt_batch(cfg, GLOBAL_BATCH))
-    return out
 
 
 def param_server_convergence_rank(plans, steps, lr):
