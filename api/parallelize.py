@@ -161,12 +161,6 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
                             "batch: use batch='global' (or verify=False).")
     if resolved.ps:
         param_server.check_optimizer(optimizer)
-        if source is not None:
-            raise PlanError(
-                "Plan.ps (parameter servers) starts from a model whose weights are real on "
-                "every rank: a model on the meta device or weights=PATH is not supported with "
-                "it yet. Load the weights into the model first (e.g. model.load_state_dict), "
-                "or use all-reduce data parallelism (ps=0).")
     dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
         [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
     with clock("device mesh"):  # (Plan.ps: over the workers, the first dp ranks)
@@ -210,7 +204,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     clock.extend(program.compile_times)
     if server:
         pm = param_server.ServerRank(model, world, program, optimizer,
-                                     list(range(resolved.dp)), ps_group)
+                                     list(range(resolved.dp)), ps_group, weights=source)
         pm.compile_times = clock.finish()
         return pm
     if resolved.ps:  # a worker's World: the workers alone

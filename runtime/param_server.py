@@ -302,7 +302,7 @@ class ServerRank:
     the batch is not read. A server holds its share of the parameters, not the model."""
 
     def __init__(self, model, world, program: ir.Program, optimizer, workers: list[int],
-                 group):
+                 group, weights=None):
         plan = self.plan = program.plan
         self.program, self.world = program, world
         self._call_id = calls.register(rdist.timeout())  # (every rank builds one)
@@ -316,13 +316,24 @@ class ServerRank:
         layout = _layout(params, is_trained, plan.ps)
         self.param_names = [sig.param_names[i] for i in layout.indices[self.index]]
         with torch.no_grad():  # this server's share, on its device; the rest is never used
-            share = [named[n].detach().to(world.device, copy=True).requires_grad_()
-                     for n in self.param_names]
+            if weights is None:
+                share = [named[n].detach().to(world.device, copy=True) for n in self.param_names]
+            else:  # a meta-device model / weights=PATH: read only the share
+                share = [self._read(weights, n, named[n], world.device) for n in self.param_names]
+                weights.release()
+        for p in share:
+            p.requires_grad_()
         self.server = Server(share, optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3)),
                              self.index, workers, plan.ps_staleness, group)
         self.optimizer = self.server.optimizer
         self.step_count = 0
         self.compile_times = list(program.compile_times)
+
+    @staticmethod
+    def _read(weights, name: str, like: torch.Tensor, device) -> torch.Tensor:
+        """Parameter `name` whole from `weights` (runtime/weights.ModelWeights)."""
+        src, key = weights.locate(name)
+        return src.read(key, (...,)).to(device=device, dtype=like.dtype, copy=True)
 
     @property
     def ps_stats(self) -> dict:

@@ -459,6 +459,23 @@ PLANS = {"hf_llama": [({"dp": 2, "zero": 3, "tp": 2}, "global"),
 
 
 @pytest.mark.slow
+def test_meta_model_under_parameter_servers_trains_like_eager(tmp_path):
+    """Plan.ps with weights=PATH: the workers read the whole model, each server its share
+    only; 2 workers + 1 server train as eager."""
+    model, batch_fn, _ = build("gpt")
+    fxpar.parallelize(model, 1, example_batch=batch_fn(0),
+                      plan={"fuse": False}).save_pretrained(str(tmp_path / "w" / "gpt"))
+    res = fxpar.launch(workers.meta_weights_rank, 3, [("gpt", {"ps": 1}, "global")],
+                       str(tmp_path / "w"))[0]
+    ((losses, state),) = res.values()
+    ref_losses, ref_state = eager_reference("gpt", "adamw", steps=3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param("hf_llama", marks=pytest.mark.full), "gpt"])
 def test_meta_model_loaded_shard_wise_trains_like_eager(tmp_path, name):
     model, _, _ = build(name)
