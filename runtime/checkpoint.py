@@ -298,25 +298,10 @@ def _rng_state(pm) -> dict[str, torch.Tensor]:
     return out
 
 
-def _all_gather_json(pm, obj):
-    if pm.world.size == 1:
-        return [obj]
-    out = [None] * pm.world.size
-    dist.all_gather_object(out, obj)  # between this job's own ranks (in memory, trusted)
-    return out
-
-
 def save(pm, path: str, extra: dict | None = None) -> str:
     """Write pm's model, optimizer, loss-scaler, step counter, RNG and `extra` to the directory
     `path` (collective: every rank calls it with the same path). Returns path."""
-    path = os.fspath(path)
-    rank, distributed = pm.world.rank, pm.world.size > 1
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        if os.path.exists(os.path.join(path, META_FILE)):  # overwriting: incomplete until done
-            os.remove(os.path.join(path, META_FILE))
-    if distributed:
-        dist.barrier()
+    path = begin_save(path)
     tensors = _model_state(pm)
     optim_tensors, optim_other = _optim_state(pm)
     tensors.update(optim_tensors)
@@ -325,11 +310,41 @@ def save(pm, path: str, extra: dict | None = None) -> str:
     scaler_enc = _encode(scaler.state_dict(), "scaler", tensors, "pm.scaler.state_dict()") \
         if scaler is not None else None
     extra_enc = _encode(dict(extra or {}), "extra", tensors, "extra")
-    per_rank = _all_gather_json(pm, {"param_groups": _param_groups(pm), "other": optim_other})
+    return write(path, tensors, {"param_groups": _param_groups(pm), "other": optim_other,
+                                 "optimizer": type(pm.optimizer).__name__
+                                 if pm.optimizer is not None else None},
+                 pm.plan, int(getattr(pm, "step_count", 0)), scaler_enc, extra_enc)
+
+
+def begin_save(path) -> str:
+    """Rank 0 makes the directory and removes an older save's fxpar.json (the checkpoint is
+    incomplete until this one's is written); every rank waits for it."""
+    path = os.fspath(path)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        if os.path.exists(os.path.join(path, META_FILE)):  # overwriting: incomplete until done
+            os.remove(os.path.join(path, META_FILE))
+    if _distributed():
+        dist.barrier()
+    return path
+
+
+def write(path: str, tensors: dict, info: dict, plan, step_count: int, scaler_enc,
+          extra_enc) -> str:
+    """This rank's `tensors` through DCP (a key several ranks give is written once), then
+    rank 0's fxpar.json from every rank's `info` (its optimizer's param groups by parameter
+    name, its non-tensor state, its optimizer's type). Collective over the whole job."""
+    distributed = _distributed()
+    world = dist.get_world_size() if distributed else 1
+    per_rank = [info]
+    if distributed:
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, info)  # between this job's own ranks (trusted)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     with _quiet(distributed):
-        dcp.save(tensors, storage_writer=FileSystemWriter(path, overwrite=True), no_dist=not distributed)
-    if rank == 0:
+        dcp.save(tensors, storage_writer=FileSystemWriter(path, overwrite=True),
+                 no_dist=not distributed)
+    if not distributed or dist.get_rank() == 0:
         groups, seen, other = [], set(), {}
         for d in per_rank:  # pipeline ranks each know their stages' groups; dp copies repeat
             for g in d["param_groups"]:
@@ -338,11 +353,11 @@ def save(pm, path: str, extra: dict | None = None) -> str:
                     seen.add(key)
                     groups.append(g)
             other.update(d["other"])
-        meta = {"format": FORMAT, "step_count": int(getattr(pm, "step_count", 0)),
-                "world_size": pm.world.size, "plan": dataclasses.asdict(pm.plan),
-                "optimizer": type(pm.optimizer).__name__ if pm.optimizer is not None else None,
+        meta = {"format": FORMAT, "step_count": step_count, "world_size": world,
+                "plan": dataclasses.asdict(plan),
+                "optimizer": next((d["optimizer"] for d in per_rank if d["optimizer"]), None),
                 "param_groups": groups, "optim_other": other, "scaler": scaler_enc,
-                "settings": training_settings(pm.plan), "extra": extra_enc,
+                "settings": training_settings(plan), "extra": extra_enc,
                 "torch": torch.__version__}
         tmp = os.path.join(path, META_FILE + ".tmp")
         with open(tmp, "w") as f:
@@ -351,6 +366,10 @@ def save(pm, path: str, extra: dict | None = None) -> str:
     if distributed:
         dist.barrier()
     return path
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 # --- load -------------------------------------------------------------------------------

@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
 from fxpar.core import ir
-from fxpar.core.errors import NonFiniteLossError, PlanError
+from fxpar.core.errors import CheckpointError, NonFiniteLossError, PlanError
 from fxpar.runtime import calls, faults, optim
+from fxpar.runtime import checkpoint as rckpt
 from fxpar.runtime import dist as rdist
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,10 @@ class Worker:
             for w in self._send(float(SKIP), None, float(self.next_step)):  # (the servers
                 w.wait()  # count on a message about each step from every worker)
 
+    def restart(self, step: int) -> None:
+        """After a checkpoint's load: the next step is `step` (0-based)."""
+        self.next_step = step
+
     def pull(self) -> None:
         """Take every share's newest parameters (async: before evaluate, so every worker
         evaluates the servers' model, not the version its last step read)."""
@@ -200,6 +206,13 @@ class Server:
         self.losses: dict[int, float | None] = {}
         self.pulls = 0
         self.stats = {"updates": 0, "partial": 0, "late": 0, "dropped": 0, "max_staleness": 0}
+
+    def restart(self, step: int) -> None:
+        """After a checkpoint's load: `step` updates were applied, every worker is past them."""
+        self.version, self._packed = step, -1
+        self.pending.clear()
+        self.last_pushed = {w: step - 1 for w in self.workers}
+        self.read = {w: step for w in self.workers}
 
     def serve(self, done) -> None:
         """Receive pushes and pulls (from whichever worker sends first), apply the updates
@@ -389,6 +402,17 @@ class ServerRank:
         """This server's share of the parameters (names as the model's), copies."""
         return {n: p.detach().clone() for n, p in zip(self.param_names, self.server.params)}
 
+    @calls.collective
+    def save(self, path: str, extra: dict | None = None) -> str:
+        """The workers' call: this server writes its share's optimizer state."""
+        self._serve_pulls()
+        return save(self, path, extra)
+
+    @calls.collective
+    def load(self, path: str, allow_changed_settings: bool = False) -> dict:
+        """The workers' call: this server reads its share's parameters and optimizer state."""
+        return load(self, path, allow_changed_settings)
+
     def __getattr__(self, name):
         if name in UNSUPPORTED:
             raise PlanError(UNSUPPORTED[name])
@@ -403,5 +427,120 @@ _NOT_YET = ("Plan.ps (parameter servers): pm.{} is not supported yet: the parame
             "optimizer state live on the servers in shares. Save the weights from a worker: "
             "`state = pm.full_state_dict()` on every rank (the workers return the servers' "
             "newest parameters), then torch.save(state, path) on rank 0.")
-UNSUPPORTED = {m: _NOT_YET.format(m) for m in (
-    "save", "load", "trace", "save_pretrained")}
+UNSUPPORTED = {m: _NOT_YET.format(m) for m in ("trace", "save_pretrained")}
+
+
+# --- checkpoints: runtime/checkpoint.py's format, written by workers and servers ------------
+# The workers write the model (whole on each: DCP writes one copy), each server its share's
+# optimizer state by parameter name, so the checkpoint loads under any plan, and any
+# checkpoint (a dp or ZeRO run's) loads here.
+
+def save(pm, path: str, extra: dict | None = None) -> str:
+    """pm: a worker's ParallelModel or a ServerRank (every rank calls it; async workers have
+    pulled the servers' newest parameters)."""
+    path = rckpt.begin_save(path)
+    server = isinstance(pm, ServerRank)
+    tensors = {} if server else {f"model.{k}": v.detach()
+                                 for k, v in _plain_state(pm, path).items()}
+    groups, other = [], {}
+    if server and pm.optimizer is not None:
+        opt, names = pm.optimizer, dict(zip(map(id, pm.server.params), pm.param_names))
+        for p, st in opt.state.items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"optim.state.{names[id(p)]}.{key}"] = v.detach()
+                else:
+                    other.setdefault(names[id(p)], {})[key] = rckpt._json_only(
+                        v, f"optimizer state {key}")
+        for gi, g in enumerate(opt.param_groups):
+            groups.append({"hyper": {k: rckpt._json_only(
+                v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v,
+                f"optimizer param_groups[{gi}][{k!r}]") for k, v in g.items() if k != "params"},
+                "params": [names[id(p)] for p in g["params"]]})
+    tensors.update(rckpt._rng_state(pm))
+    extra_enc = rckpt._encode(dict(extra or {}), "extra", tensors, "extra")
+    return rckpt.write(path, tensors, {"param_groups": groups, "other": other, "optimizer":
+                                       type(pm.optimizer).__name__ if server and pm.optimizer
+                                       is not None else None},
+                       pm.plan, int(pm.step_count), None, extra_enc)
+
+
+def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
+    """Restore `save`'s (or any fxpar checkpoint's) model, optimizer state, step counter and
+    RNG: a worker its whole model, a server its share."""
+    meta, reader, md = rckpt.read_meta(path)
+    rckpt.check_settings(pm, meta, path, allow_changed_settings)
+    server = isinstance(pm, ServerRank)
+    if server:
+        want = {n: p for n, p in zip(pm.param_names, pm.server.params)}
+        if pm.optimizer is not None and meta.get("optimizer") not in (
+                None, type(pm.optimizer).__name__):
+            raise CheckpointError(
+                f"checkpoint {path!r} holds {meta.get('optimizer')} state, but this model's "
+                f"optimizer is {type(pm.optimizer).__name__}: build the same optimizer type to "
+                "resume.")
+    else:
+        want = _plain_state(pm, path)
+    missing = [k for k in want if f"model.{k}" not in md]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no {missing[:3]} (of {len(missing)} missing entries): it "
+            "was saved from a different model. Load it into the model it was saved from.")
+    for k, v in want.items():
+        if tuple(md[f"model.{k}"].size) != tuple(v.shape):
+            raise CheckpointError(f"checkpoint {path!r}: {k} has shape "
+                                  f"{tuple(md[f'model.{k}'].size)}, the model's is "
+                                  f"{tuple(v.shape)}: saved from a differently configured model.")
+    okeys = {n: rckpt._state_keys(md, n) for n in want} if server else {}
+    rank = dist.get_rank()
+    src = rank if rank < meta["world_size"] else rank % meta["world_size"]
+    rng = [k for k in (f"rng.cpu.{src}",) if k in md]
+    keys = [f"model.{k}" for k in want] + [f"optim.state.{n}.{s}" for n, ss in okeys.items()
+                                           for s in ss]
+    got = rckpt.read_tensors(path, reader, md, keys + rng +
+                             rckpt._tensor_keys(meta.get("extra")), True)
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(got[f"model.{k}"])
+    if server and pm.optimizer is not None:
+        _load_server_optimizer(pm, okeys, got, meta)
+    pm.step_count = int(meta["step_count"])
+    (pm.server if server else pm.ps).restart(pm.step_count)
+    for k in rng:
+        torch.set_rng_state(got[k])
+    return rckpt._decode(meta.get("extra") or {}, got)
+
+
+def _plain_state(pm, path) -> dict[str, torch.Tensor]:
+    """A worker's model.state_dict() (its tensors: whole on every worker)."""
+    if not pm.state_is_plain():
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r}: this model's state_dict is made by its own hooks; "
+            "Plan.ps saves and loads only models whose state_dict entries are their "
+            "parameters and buffers. Save pm.full_state_dict() on rank 0 instead.")
+    return pm.model.state_dict(keep_vars=True)
+
+
+def _load_server_optimizer(pm, okeys: dict, got: dict, meta: dict) -> None:
+    opt, names = pm.optimizer, dict(zip(map(id, pm.server.params), pm.param_names))
+    index = {id(t): i for i, t in enumerate(t for g in opt.param_groups for t in g["params"])}
+    state = {}
+    for p in pm.server.params:
+        n = names[id(p)]
+        entry = {k: got[f"optim.state.{n}.{k}"].to(p.device) for k in okeys[n]}
+        entry.update({k: rckpt._decode(v, {}) for k, v in
+                      meta.get("optim_other", {}).get(n, {}).items()})
+        if entry:
+            state[index[id(p)]] = entry
+    saved = {n: g["hyper"] for g in meta.get("param_groups", []) for n in g["params"]}
+    groups = []
+    for g in opt.param_groups:
+        hypers = [saved[names[id(p)]] for p in g["params"] if names[id(p)] in saved]
+        new = dict(g)
+        for k, v in (hypers[0] if hypers else {}).items():
+            v, cur = rckpt._decode(v, {}), new.get(k)
+            new[k] = torch.tensor(v, dtype=cur.dtype, device=cur.device) if isinstance(
+                cur, torch.Tensor) else (tuple(v) if isinstance(cur, tuple) else v)
+        new["params"] = [index[id(p)] for p in g["params"]]
+        groups.append(new)
+    opt.load_state_dict({"state": state, "param_groups": groups})

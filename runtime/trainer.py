@@ -908,6 +908,10 @@ class ParallelModel:
         """Write a plan-independent checkpoint directory (torch DCP): model, optimizer state,
         fp16 loss scaler, `step_count`, every rank's RNG state and `extra` (a dict of tensors
         and JSON values, e.g. your data loader's position). Collective: call on every rank."""
+        if self.ps is not None:  # Plan.ps: the optimizer state is the servers'
+            if self.ps.asynchronous:
+                self.ps.pull()
+            return param_server.save(self, path, extra)
         return rckpt.save(self, path, extra)
 
     @calls.collective
@@ -918,6 +922,8 @@ class ParallelModel:
         the numbers (max_grad_norm, precision, batch_stats) must equal the checkpoint's, else
         CheckpointError (allow_changed_settings=True: a warning). An LR scheduler is yours:
         save its state_dict() in `extra`. Collective: call on every rank. Never unpickles."""
+        if self.ps is not None:  # Plan.ps: the servers load the optimizer state
+            return param_server.load(self, path, allow_changed_settings)
         return rckpt.load(self, path, allow_changed_settings)
 
     @calls.collective

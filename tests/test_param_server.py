@@ -212,3 +212,21 @@ def test_asynchronous_training_converges_near_synchronous():
     sync, asyn = {"ps": 1}, {"ps": 1, "ps_staleness": 2}
     res = fxpar.launch(workers.param_server_convergence_rank, 4, [sync, asyn], 200, 1e-3)[0]
     assert res[repr(asyn)] <= 1.02 * res[repr(sync)], res
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_parameter_servers_and_loads_in_one_process(tmp_path):
+    """2 workers + 1 server: the steps after a load repeat the steps after the save exactly;
+    the checkpoint (model from the workers, AdamW state from the server) read in one plain
+    process holds what eager training holds after the same steps."""
+    import workers
+    path = str(tmp_path / "ck")
+    after_save, after_load, extra, count = fxpar.launch(
+        workers.param_server_checkpoint_rank, 3, {"ps": 1}, path)[0]
+    assert after_save == after_load and extra == {"position": 2} and count == 4
+    model_state, optim_state = fxpar.runtime.checkpoint.load_plain(path)
+    ref = workers.param_server_reference(2)[2]
+    for k, v in ref.items():
+        torch.testing.assert_close(model_state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"}
+               for s in optim_state["state"].values())

@@ -994,3 +994,22 @@ def param_server_convergence_rank(plans, steps, lr):
         out[repr(plan)] = None if held_out[0] is None else \
             sum(x.item() for x in held_out) / len(held_out)
     return out
+
+
+def param_server_checkpoint_rank(plan, path, steps=2):
+    """Plan.ps: `steps` steps, save, `steps` more; load, the same `steps` again. Returns
+    (the losses after the save, those after the load, the extra load returned)."""
+    cfg = M.GPTConfig()
+    torch.manual_seed(1234)
+    pm = fxpar.parallelize(M.GPT(cfg), int(os.environ["WORLD_SIZE"]),
+                           example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), plan=plan)
+
+    def run(first):
+        out = [pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=first + s)) for s in range(steps)]
+        return [None if x is None else x.item() for x in out]
+    run(0)
+    pm.save(path, extra={"position": steps})
+    after_save = run(steps)
+    extra = pm.load(path)
+    return after_save, run(steps), extra, pm.step_count
