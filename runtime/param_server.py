@@ -403,6 +403,12 @@ class ServerRank:
         return {n: p.detach().clone() for n, p in zip(self.param_names, self.server.params)}
 
     @calls.collective
+    def trace(self, path: str) -> None:
+        """The workers' call: rank 0 writes their timelines (a server records none)."""
+        dist.all_gather_object([None] * dist.get_world_size(), [])
+        return None
+
+    @calls.collective
     def save(self, path: str, extra: dict | None = None) -> str:
         """The workers' call: this server writes its share's optimizer state."""
         self._serve_pulls()
@@ -427,7 +433,7 @@ _NOT_YET = ("Plan.ps (parameter servers): pm.{} is not supported yet: the parame
             "optimizer state live on the servers in shares. Save the weights from a worker: "
             "`state = pm.full_state_dict()` on every rank (the workers return the servers' "
             "newest parameters), then torch.save(state, path) on rank 0.")
-UNSUPPORTED = {m: _NOT_YET.format(m) for m in ("trace", "save_pretrained")}
+UNSUPPORTED = {m: _NOT_YET.format(m) for m in ("save_pretrained",)}
 
 
 # --- checkpoints: runtime/checkpoint.py's format, written by workers and servers ------------

@@ -761,10 +761,10 @@ class ParallelModel:
         """Write the last steps' timeline of ALL ranks as one Chrome-trace JSON (open it in
         https://ui.perfetto.dev): per rank a compute and a comm track. Collective: call it on
         every rank; rank 0 writes the file and returns its path (other ranks return None)."""
-        if self.world.size == 1:
+        if self.world.size == 1 and self.ps is None:
             rtrace.write_chrome_trace(path, self.recorder.events())
             return path
-        gathered = [None] * self.world.size
+        gathered = [None] * dist.get_world_size()  # (Plan.ps: the servers' ranks too)
         dist.all_gather_object(gathered, self.recorder.events())
         if self.world.rank != 0:
             return None

@@ -149,12 +149,13 @@ def test_a_non_finite_loss_stops_the_server(monkeypatch):
 
 # --- multi-process ---------------------------------------------------------------------------
 
-def test_synchronous_parameter_servers_train_as_one_process():
+def test_synchronous_parameter_servers_train_as_one_process(tmp_path):
     """2 workers + 1 server: the losses, the evaluation and the final parameters (on the
-    workers and in the server's share) equal one process training on the whole batch; pm.save
-    is refused on every rank."""
+    workers and in the server's share) equal one process training on the whole batch;
+    pm.save_pretrained is refused on every rank; pm.trace writes the workers' timelines."""
     import workers
-    res = fxpar.launch(workers.param_server_rank, 3, {"ps": 1}, 4)
+    res = fxpar.launch(workers.param_server_rank, 3, {"ps": 1}, 4, None,
+                       str(tmp_path / "trace.json"))
     ref = workers.param_server_reference(4)
     for r in (0, 1):
         losses, ev, state, stats, _ = res[r]
@@ -163,7 +164,8 @@ def test_synchronous_parameter_servers_train_as_one_process():
         for k, v in ref[2].items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
         assert stats == {"pushes": 4, "skipped": 0}
-    assert all("pm.save is not supported" in res[r][4] for r in range(3))
+    assert all("pm.save_pretrained is not supported" in res[r][4] for r in range(3))
+    assert (tmp_path / "trace.json").stat().st_size > 0  # the workers' timelines
     share, server_stats = res[2][2], res[2][3]
     assert share and all(torch.equal(v, res[0][2][k]) for k, v in share.items())
     assert server_stats["updates"] == 4 and server_stats["partial"] == 0

@@ -932,10 +932,11 @@ def onebit_resume_rank(path, plan, steps_before, steps_after, load_plan=None):
     return before, after, reset, step
 
 
-def param_server_rank(plan, steps, slow_rank=None):
+def param_server_rank(plan, steps, slow_rank=None, trace_path=None):
     """The example GPT trained `steps` AdamW steps under `plan` (Plan.ps; rank `slow_rank`
-    sleeps 0.2 s before each step: a straggler), then evaluated. Returns (losses, evaluate's
-    loss, the worker's model state or the server's share, pm.ps_stats)."""
+    sleeps 0.2 s before each step: a straggler), then evaluated (and its timeline written to
+    `trace_path`). Returns (losses, evaluate's loss, the worker's model state or the server's
+    share, pm.ps_stats, why pm.save_pretrained was refused)."""
     import time
     rank = int(os.environ["RANK"])
     cfg = M.GPTConfig()
@@ -952,10 +953,12 @@ def param_server_rank(plan, steps, slow_rank=None):
     ev = pm.evaluate(M.gpt_batch(cfg, GLOBAL_BATCH, seed=99))
     state = pm.full_state_dict()  # (a server: its share)
     try:  # refused on every rank, before any collective
-        pm.save("/nonexistent")
+        pm.save_pretrained("/nonexistent")
         refused = ""
     except fxpar.PlanError as e:
         refused = str(e)
+    if trace_path is not None:
+        pm.trace(trace_path)
     return (losses, None if ev is None else ev.item(),
             {k: v.detach().clone() for k, v in state.items()}, pm.ps_stats, refused)
 
