@@ -480,22 +480,8 @@ def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
     state = pm.model.state_dict(keep_vars=True) if plain else pm.stand_in_state()
     pidx = {id(p): i for i, p in enumerate(pm.params)}
     # what to read: every model entry; optimizer state of this rank's parameters; RNG
-    missing = [k for k in state if f"model.{k}" not in md]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {path!r} has no {missing[:3]} (of {len(missing)} missing entries): it "
-            "was saved from a different model. Load it into the model it was saved from.")
-    for k, v in state.items():
-        want = _full_shape(pm, pidx[id(v)]) if id(v) in pidx else v.shape
-        got = md[f"model.{k}"].size
-        if tuple(got) != tuple(want):
-            raise CheckpointError(f"checkpoint {path!r}: {k} has shape {tuple(got)}, the model's "
-                                  f"is {tuple(want)}: saved from a differently configured model.")
-    saved_opt = meta.get("optimizer")
-    if pm.optimizer is not None and saved_opt not in (None, type(pm.optimizer).__name__):
-        raise CheckpointError(f"checkpoint {path!r} holds {saved_opt} state, but this model's "
-                              f"optimizer is {type(pm.optimizer).__name__}: build the same "
-                              "optimizer type to resume (or use load_plain for the weights).")
+    check_entries(path, md, meta, {k: _full_shape(pm, pidx[id(v)]) if id(v) in pidx
+                                   else v.shape for k, v in state.items()}, pm.optimizer)
     slots = _slots(pm)
     okeys = {i: _state_keys(md, names[i]) for _, members, _ in slots for i, _, _ in members}
     need = pm.needed_params()  # (other pipeline stages' weights: not read here)
@@ -530,6 +516,39 @@ def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
         else:
             torch.cuda.set_rng_state(got[k], pm.world.device)
     return _decode(meta.get("extra") or {}, got)
+
+
+def check_entries(path, md, meta: dict, shapes: dict, optimizer) -> None:
+    """Refuse a checkpoint without `model.<key>` in each of `shapes` (key -> the model's
+    full shape) or holding another optimizer type's state than `optimizer`'s."""
+    missing = [k for k in shapes if f"model.{k}" not in md]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no {missing[:3]} (of {len(missing)} missing entries): it "
+            "was saved from a different model. Load it into the model it was saved from.")
+    for k, want in shapes.items():
+        got = md[f"model.{k}"].size
+        if tuple(got) != tuple(want):
+            raise CheckpointError(f"checkpoint {path!r}: {k} has shape {tuple(got)}, the model's "
+                                  f"is {tuple(want)}: saved from a differently configured model.")
+    saved_opt = meta.get("optimizer")
+    if optimizer is not None and saved_opt not in (None, type(optimizer).__name__):
+        raise CheckpointError(f"checkpoint {path!r} holds {saved_opt} state, but this model's "
+                              f"optimizer is {type(optimizer).__name__}: build the same "
+                              "optimizer type to resume (or use load_plain for the weights).")
+
+
+def restored_group(group: dict, hyper: dict | None, params: list[int]) -> dict:
+    """A param group of torch's optimizer state dict: `group`'s entries with the saved
+    hyperparameters `hyper` (JSON, as save wrote them) in their current types, over the
+    state-dict indices `params`."""
+    new = dict(group)
+    for k, v in (hyper or {}).items():
+        v, cur = _decode(v, {}), new.get(k)
+        new[k] = torch.tensor(v, dtype=cur.dtype, device=cur.device) if isinstance(
+            cur, torch.Tensor) else (tuple(v) if isinstance(cur, tuple) else v)
+    new["params"] = params
+    return new
 
 
 def _load_model(pm, state, got):
@@ -617,13 +636,8 @@ def _load_optimizer(pm, slots, okeys, got, meta, path):
                 "hyperparameters when saved (several param groups), which this optimizer's one "
                 "group cannot hold. Under ZeRO every bucket is one group: save and load with "
                 "one set of hyperparameters, or load without ZeRO.")
-        new = dict(g)
-        for k, v in (hypers[0] if hypers else {}).items():
-            v, cur = _decode(v, {}), new.get(k)
-            new[k] = torch.tensor(v, dtype=cur.dtype, device=cur.device) if isinstance(
-                cur, torch.Tensor) else (tuple(v) if isinstance(cur, tuple) else v)
-        new["params"] = [index[id(t)] for t in g["params"]]
-        groups.append(new)
+        groups.append(restored_group(g, hypers[0] if hypers else None,
+                                     [index[id(t)] for t in g["params"]]))
     _log_restored_hyper(opt.param_groups, groups, path)
     opt.load_state_dict({"state": state, "param_groups": groups})
 

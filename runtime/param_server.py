@@ -477,26 +477,8 @@ def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
     meta, reader, md = rckpt.read_meta(path)
     rckpt.check_settings(pm, meta, path, allow_changed_settings)
     server = isinstance(pm, ServerRank)
-    if server:
-        want = {n: p for n, p in zip(pm.param_names, pm.server.params)}
-        if pm.optimizer is not None and meta.get("optimizer") not in (
-                None, type(pm.optimizer).__name__):
-            raise CheckpointError(
-                f"checkpoint {path!r} holds {meta.get('optimizer')} state, but this model's "
-                f"optimizer is {type(pm.optimizer).__name__}: build the same optimizer type to "
-                "resume.")
-    else:
-        want = _plain_state(pm, path)
-    missing = [k for k in want if f"model.{k}" not in md]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {path!r} has no {missing[:3]} (of {len(missing)} missing entries): it "
-            "was saved from a different model. Load it into the model it was saved from.")
-    for k, v in want.items():
-        if tuple(md[f"model.{k}"].size) != tuple(v.shape):
-            raise CheckpointError(f"checkpoint {path!r}: {k} has shape "
-                                  f"{tuple(md[f'model.{k}'].size)}, the model's is "
-                                  f"{tuple(v.shape)}: saved from a differently configured model.")
+    want = dict(zip(pm.param_names, pm.server.params)) if server else _plain_state(pm, path)
+    rckpt.check_entries(path, md, meta, {k: v.shape for k, v in want.items()}, pm.optimizer)
     okeys = {n: rckpt._state_keys(md, n) for n in want} if server else {}
     rank = dist.get_rank()
     src = rank if rank < meta["world_size"] else rank % meta["world_size"]
@@ -539,14 +521,8 @@ def _load_server_optimizer(pm, okeys: dict, got: dict, meta: dict) -> None:
         if entry:
             state[index[id(p)]] = entry
     saved = {n: g["hyper"] for g in meta.get("param_groups", []) for n in g["params"]}
-    groups = []
-    for g in opt.param_groups:
-        hypers = [saved[names[id(p)]] for p in g["params"] if names[id(p)] in saved]
-        new = dict(g)
-        for k, v in (hypers[0] if hypers else {}).items():
-            v, cur = rckpt._decode(v, {}), new.get(k)
-            new[k] = torch.tensor(v, dtype=cur.dtype, device=cur.device) if isinstance(
-                cur, torch.Tensor) else (tuple(v) if isinstance(cur, tuple) else v)
-        new["params"] = [index[id(p)] for p in g["params"]]
-        groups.append(new)
+    groups = [rckpt.restored_group(g, next((saved[names[id(p)]] for p in g["params"]
+                                            if names[id(p)] in saved), None),
+                                   [index[id(p)] for p in g["params"]])
+              for g in opt.param_groups]
     opt.load_state_dict({"state": state, "param_groups": groups})
