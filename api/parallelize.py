@@ -161,8 +161,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
                             "batch: use batch='global' (or verify=False).")
     if resolved.ps:
         param_server.check_optimizer(optimizer)
-    dims = [("dp", resolved.dp)] + ([("pp", resolved.pp)] if resolved.pp > 1 else []) + (
-        [("tp", resolved.tp)] if resolved.tp > 1 else [])  # tp innermost: neighbouring ranks
+    dims = mesh_dims(resolved)
     with clock("device mesh"):  # (Plan.ps: over the workers, the first dp ranks)
         world = rdist.setup(devices, dims=dims)
         ps_group = dist.new_group(backend="gloo", timeout=rdist.timeout()) \
@@ -217,6 +216,16 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = clock.finish()
     return pm
+
+
+def mesh_dims(plan) -> list[tuple[str, int]]:
+    """The device mesh's (name, degree) dims, outermost first: tp innermost (neighbouring
+    ranks), then pp, then dp; HSDP's dp as (replicas, shard group), the shard group the
+    inner one (neighbouring ranks: one node when it is the GPUs per node)."""
+    dp = [("dp_rep", plan.dp // plan.dp_shard), ("dp_shard", plan.dp_shard)] if plan.hsdp \
+        else [("dp", plan.dp)]
+    return dp + ([("pp", plan.pp)] if plan.pp > 1 else []) + (
+        [("tp", plan.tp)] if plan.tp > 1 else [])
 
 
 def _same_arguments_on_every_rank(plan, example_batch, batch: str) -> None:

@@ -222,11 +222,12 @@ def model_state_bytes(model, plan: Plan, device: torch.device, states: int = 2) 
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / split
     trained = sum(p.numel() * p.element_size() for p in model.parameters()
                   if p.requires_grad) / split
-    per_state = trained / (plan.dp if plan.zero >= 1 else 1)
+    n = plan.shard_ranks  # (HSDP: its shard group)
+    per_state = trained / (n if plan.zero >= 1 else 1)
     if plan.offload_optimizer:
         states = states + 2 if device.type == "cpu" else 0
-    return int(params / (plan.dp if plan.zero >= 3 else 1)
-               + trained / (plan.dp if plan.zero >= 2 else 1) + states * per_state)
+    return int(params / (n if plan.zero >= 3 else 1)
+               + trained / (n if plan.zero >= 2 else 1) + states * per_state)
 
 
 def activation_budget(model, plan: Plan, device: torch.device) -> int | None:

@@ -108,7 +108,11 @@ class PassContract:
 
 # Symbolic process-group names the compiler writes into collectives (a Program is compiled
 # without a process group); the runtime binds them to its groups (runtime/comm.bind_groups).
-GROUPS = {"dp": "fxpar.dp", "tp": "fxpar.tp", "pp": "fxpar.pp"}
+# Plan.dp_shard (HSDP) splits the dp ranks into shard groups ("dp_shard": ZeRO's
+# reduce-scatters and gathers) and the groups across them ("dp_rep": a shard's all-reduce);
+# "dp" stays the whole dp group (the batch's split: the loss, batch statistics).
+GROUPS = {"dp": "fxpar.dp", "tp": "fxpar.tp", "pp": "fxpar.pp",
+          "dp_shard": "fxpar.dp_shard", "dp_rep": "fxpar.dp_rep"}
 
 
 @dataclasses.dataclass

@@ -27,7 +27,13 @@ class Plan:
     microbatches:   pipeline microbatches per step.
     schedule:       pipeline schedule: "gpipe" | "1f1b" | "interleaved" | "zero-bubble".
     remat:          "none" | "sqrt" | "auto" | memory budget in bytes.
-    zero:           ZeRO stage 0..3 over the dp group.
+    zero:           ZeRO stage 0..3 over the dp group (over its shard groups with dp_shard).
+    dp_shard:       hierarchical sharding (HSDP, MiCS): with zero >= 1, ZeRO shards over
+                    groups of dp_shard ranks (neighbouring ranks: one node when dp_shard is the
+                    GPUs per node) and the dp // dp_shard groups hold replicas. A bucket's
+                    gradients are reduce-scattered within the shard group and the shard
+                    all-reduced across the replicas; ZeRO-3's parameter all-gathers stay
+                    within the shard group. None (default): one shard group of all dp ranks.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -128,6 +134,7 @@ class Plan:
     schedule: str = "1f1b"
     remat: Any = "none"
     zero: int = 0
+    dp_shard: int | None = None
     precision: str = "fp32"
     codegen: str = "auto"
     fuse: bool = True
@@ -162,6 +169,16 @@ class Plan:
             return cls(**plan)
         raise PlanError(f"plan must be 'auto', a fxpar.Plan or a dict of Plan fields, "
                         f"not {type(plan).__name__}.")
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO shards over: dp, or its shard groups' size with dp_shard (HSDP)."""
+        return self.dp_shard if self.hsdp else self.dp
+
+    @property
+    def hsdp(self) -> bool:
+        """ZeRO shards within groups smaller than dp and replicates across them."""
+        return bool(self.dp_shard) and self.dp_shard < self.dp
 
     @property
     def microbatched(self) -> bool:
@@ -201,6 +218,9 @@ class Plan:
                             f"got {self.remat!r}.")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}.")
+        misfit = hsdp_misfit(self.dp_shard, self.dp, self.zero)
+        if misfit:
+            raise PlanError(misfit)
         if self.precision not in PRECISIONS:
             raise PlanError(f"Plan.precision must be one of {PRECISIONS}, got {self.precision!r}.")
         if self.bucket_mb is not None and not (
@@ -261,6 +281,23 @@ class Plan:
             raise PlanError("Plan.sequence_parallel splits the activations between tensor-"
                             "parallel matmuls over the sequence: it needs tp > 1.")
         return self
+
+
+def hsdp_misfit(dp_shard, dp: int, zero: int) -> str | None:
+    """Why Plan.dp_shard cannot run with this dp and ZeRO stage, or None."""
+    if dp_shard is None:
+        return None
+    if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1:
+        return f"Plan.dp_shard must be a positive integer or None, got {dp_shard!r}."
+    if dp_shard == 1 or dp % dp_shard:
+        return (f"Plan.dp_shard={dp_shard} must divide dp={dp} into shard groups of at least "
+                f"2 ranks (each group holds one copy of the ZeRO shards): use a divisor of "
+                f"{dp} between 2 and {dp}, or zero=0 for plain data parallelism.")
+    if dp_shard < dp and not zero:
+        return (f"Plan.dp_shard={dp_shard} shards ZeRO's state within groups of {dp_shard} "
+                f"ranks, but zero=0 shards nothing: use zero=1, 2 or 3 with it (zero=3 is "
+                "HSDP), or leave dp_shard unset.")
+    return None
 
 
 def quantization_misfit(comm_quantization: str, zero: int, dp: int) -> str | None:

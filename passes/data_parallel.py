@@ -21,6 +21,11 @@ this rank's 1/dp slice output; 2 = reduce-scattered instead; 3 = additionally ev
 parameter input is this rank's flat shard, all-gathered just before its forward use and again
 before its backward use, one collective per layer each way (and one reduce-scatter of the
 layer's gradients). runtime/zero.py steps the optimizer on the shards.
+
+HSDP (`Plan.dp_shard` < dp): ZeRO's collectives run within a shard group of dp_shard ranks
+(reduce-scatters, ZeRO-3's all-gathers) and each summed shard is all-reduced across the
+dp // dp_shard replicas (`_ZeroGroups`); the batch's own collectives (loss, batch statistics)
+stay on the whole dp group.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     dp: int | None = 1
     zero: int = 0
+    dp_shard: int | None = None
     microbatches: int = 1
     bucket_mb: float | None = None
     comm_quantization: str = "none"
@@ -111,6 +117,33 @@ def without_gradient_reduction(gm: torch.fx.GraphModule, n_grads: int,
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _ZeroGroups:
+    """Where ZeRO's collectives go: shards over `group` (`n` ranks); with HSDP each summed
+    shard is then all-reduced over `replicas` (`reps` ranks; None without HSDP)."""
+    group: str
+    n: int
+    replicas: str | None = None
+    reps: int = 1
+
+    @classmethod
+    def of(cls, options, group_names) -> "_ZeroGroups":
+        dp, s = options.dp, options.dp_shard
+        if not s or s >= dp:
+            return cls(group_names["dp"], dp)
+        return cls(group_names["dp_shard"], s, group_names["dp_rep"], dp // s)
+
+
+def _across_replicas(graph, shard, zg: _ZeroGroups):
+    """HSDP: this shard group's summed shard all-reduced over the replicas (the whole dp
+    group's sum); the shard itself without HSDP."""
+    if zg.replicas is None:
+        return shard
+    started = _emit(graph, c10d.all_reduce.default, (shard, "sum", zg.replicas))
+    started.meta[ir.SHARD] = (Partial("sum"),)
+    return _emit(graph, c10d.wait_tensor.default, (started,))
+
+
 def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule:
     dp = options.dp
     if dp == 1:
@@ -139,13 +172,14 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     # gradient buckets: a fixed size if the plan gives one, else the cost model sizes them
     # (None); ZeRO-3 reduce-scatters per layer instead (_reduce_scatter_by_layer)
     bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
+    zg = _ZeroGroups.of(options, ctx.group_names)
     _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
-                    quantized="gradients" in options.comm_quantization)
+                    quantized="gradients" in options.comm_quantization, zero_groups=zg)
     _mean_losses_as_one_all_reduce(gm.graph, group, dp)
     if options.zero == 3:
         # (with microbatches a step's forward and backward run as separate parts, one
         # microbatch at a time: a kept forward copy would be stashed per microbatch)
-        _gather_params_before_use(gm, group, dp, keep_tail=options.microbatches == 1,
+        _gather_params_before_use(gm, zg.group, zg.n, keep_tail=options.microbatches == 1,
                                   quantized="weights" in options.comm_quantization)
         gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
@@ -157,10 +191,12 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     return gm
 
 
-def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized=False):
+def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized=False,
+                    zero_groups=None):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
-    With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket;
-    `quantized` (ZeRO-2/3, Plan.comm_quantization): reduce-scattered as int4 (qgZ)."""
+    With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket (over
+    `zero_groups`: the whole dp group unless HSDP); `quantized` (ZeRO-2/3,
+    Plan.comm_quantization): reduce-scattered as int4 (qgZ)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     outs = list(out.args[0])
@@ -182,7 +218,8 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero:
         grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
-                                    gm.meta, profile, quantized)
+                                    gm.meta, profile, quantized,
+                                    zero_groups or _ZeroGroups(group, dp))
         out.meta[ir.N_GRADS] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
@@ -527,10 +564,11 @@ def _only_through(loss, nll) -> bool:
 
 
 def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided,
-                        profile, quantized=False):
-    """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/dp slice. ZeRO-2:
+                        profile, quantized, zg: _ZeroGroups):
+    """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/n slice. ZeRO-2:
     reduce-scatter it (each rank receives only its summed slice: half the bytes of an
-    all-reduce, and no full-size reduced gradient). Returns one shard node per bucket and
+    all-reduce, and no full-size reduced gradient), then (HSDP) all-reduce the slice across
+    the replicas. n: the ranks `zg` shards over. Returns one shard node per bucket and
     records the bucket layout in decided[ir.ZERO_BUCKETS] (the graph module's meta)."""
     with_grad = [i for i, g in enumerate(grads) if g is not None]
     for i in with_grad:  # everything in a bucket must be a partial sum
@@ -544,45 +582,51 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     # bucket of two of them placed after the first one read the second before it existed)
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero == 3:
-        return _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided,
+        return _reduce_scatter_by_layer(graph, grads, with_grad, zg, order, out, decided,
                                         quantized)
     shards = []
     decided[ir.ZERO_BUCKETS] = []
+    n = zg.n
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
-    for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, dp, target,
+    for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, n, target,
                            profile):
         idx = [with_grad[j] for j in bucket]
         decided[ir.ZERO_BUCKETS].append(idx)
         members = [grads[i] for i in idx]
-        segments = _row_segments(members, dp) if quantized else None
+        segments = _row_segments(members, n) if quantized else None
         with graph.inserting_before(_after_last(members, order)):
-            flat = _flat_bucket(graph, members, multiple_of=dp)
+            flat = _flat_bucket(graph, members, multiple_of=n)
             if quantized:
-                done = _start_quantized_reduce_scatter(graph, flat, segments, dp, group)
-            else:
-                started = _emit(graph, target, (flat, "sum", dp, group) if zero >= 2 else
+                done = _start_quantized_reduce_scatter(graph, flat, segments, n, zg.group)
+            else:  # (ZeRO-1: the whole dp group's all-reduce, then this rank's slice)
+                started = _emit(graph, target, (flat, "sum", n, zg.group) if zero >= 2 else
                                 (flat, "sum", group))
                 done = _emit(graph, c10d.wait_tensor.default, (started,))
+                if zero >= 2:
+                    done = _across_replicas(graph, done, zg)
         if quantized:
             with graph.inserting_before(out):
-                shard = _quantized_shard(graph, done, segments, dp, members[0].meta[ir.VAL].dtype)
+                shard = _across_replicas(graph, _quantized_shard(
+                    graph, done, segments, n, members[0].meta[ir.VAL].dtype), zg)
         elif zero >= 2:
             shard = done
         else:
             with graph.inserting_before(out):
-                shard = _emit(graph, torch.ops.fxpar.local_chunk.default, (done, 0, dp, group))
+                shard = _emit(graph, torch.ops.fxpar.local_chunk.default, (done, 0, n, zg.group))
         shard.meta[ir.SHARD] = (Shard(0),)
         shards.append(shard)
     return shards
 
 
-def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, decided,
+def _reduce_scatter_by_layer(graph, grads, with_grad, zg: _ZeroGroups, order, out, decided,
                              quantized=False):
     """ZeRO-3: each gradient's output is this rank's shard of it, laid out as its parameter's
     shard (one bucket per parameter, decided[ir.ZERO_BUCKETS]). The gradients one layer makes
     in one pipeline part are reduce-scattered by one collective, issued after the last of them:
     each padded to dp equal pieces, the pieces side by side ([dp, sum of shard sizes]: row r is
-    what rank r keeps), so the result is this rank's shards back to back."""
+    what rank r keeps), so the result is this rank's shards back to back. (dp here: the
+    ranks `zg` shards over; HSDP all-reduces the shards across its replicas after.)"""
+    group, dp = zg.group, zg.n
     decided[ir.ZERO_BUCKETS] = [[i] for i in reversed(with_grad)]
     params = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]
     units: dict = {}
@@ -612,10 +656,12 @@ def _reduce_scatter_by_layer(graph, grads, with_grad, group, dp, order, out, dec
             else:
                 started = _emit(graph, c10d.reduce_scatter_tensor.default,
                                 (flat, "sum", dp, group))
-                done = _emit(graph, c10d.wait_tensor.default, (started,))
+                done = _across_replicas(graph, _emit(graph, c10d.wait_tensor.default,
+                                                     (started,)), zg)
         if quantized:
             with graph.inserting_before(out):
-                done = _quantized_shard(graph, done, sizes, dp, members[0].meta[ir.VAL].dtype)
+                done = _across_replicas(graph, _quantized_shard(
+                    graph, done, sizes, dp, members[0].meta[ir.VAL].dtype), zg)
         done.meta[ir.SHARD] = (Shard(0),)
         if len(members) == 1:
             shard_of[idx[0]] = done

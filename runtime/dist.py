@@ -51,7 +51,9 @@ class World:
     group: Any = None
 
     def _has(self, dim: str) -> bool:
-        return self.mesh is not None and dim in (self.mesh.mesh_dim_names or ())
+        # (HSDP's "dp" is the flattened ("dp_rep", "dp_shard"): `setup`)
+        return self.mesh is not None and (dim in (self.mesh.mesh_dim_names or ()) or
+                                          dim in getattr(self.mesh, "_flatten_mapping", {}))
 
     def group_name(self, dim: str) -> str | None:
         return self.mesh.get_group(dim).group_name if self._has(dim) else None
@@ -66,7 +68,9 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
 
     `dims` = [(name, degree)] for the mesh (e.g. [("dp", 2)]); their product is the world
     size, or less: the mesh then spans the first ranks (Plan.ps's workers; the last ranks,
-    its servers, hold the mesh with no coordinate on it).
+    its servers, hold the mesh with no coordinate on it). HSDP's dims ("dp_rep", "dp_shard")
+    are also flattened into one "dp" dimension (the whole dp group: rank r of shard group g
+    is dp rank g * dp_shard + r).
     """
     size, dev_type = world_of(devices)
     if size == 1:
@@ -117,7 +121,10 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
                               backend_override=tuple(over[k] for k in names))
         else:
             mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names,
-                                    backend_override=over)
+                                    backend_override=dict(over))  # (it empties the dict)
+        if "dp_shard" in names and "dp" not in names and \
+                "dp" not in getattr(mesh, "_flatten_mapping", {}):
+            mesh["dp_rep", "dp_shard"]._flatten("dp", backend_override=over["dp_shard"])
     return World(world, rank, dev, mesh)
 
 

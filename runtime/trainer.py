@@ -179,8 +179,8 @@ class ParallelModel:
             buckets = self.program.zero_buckets if self.pipeline_runner is None else [
                 self.program.zero_buckets[k] for k in self.pipeline_runner.held_buckets]
             self.sharded_optimizer = ShardedOptimizer(
-                lambda ps: optim.build(factory, ps), self.params, buckets, plan.dp,
-                world.coordinate("dp"), world.mesh.get_group("dp"),
+                lambda ps: optim.build(factory, ps), self.params, buckets, plan.shard_ranks,
+                world.coordinate(self.zero_axis), world.mesh.get_group(self.zero_axis),
                 shard_params=self.program.params_sharded, param_shards=zero3_shards,
                 shapes=self.local_shapes, offload_to_host=plan.offload_optimizer)
             self.optimizer = self.sharded_optimizer.optimizer
@@ -279,7 +279,7 @@ class ParallelModel:
         Nothing is made whole but a module being initialised (weights=None). Returns the
         ZeRO-3 shards by parameter index (None without ZeRO-3)."""
         sig, dev, plan = self.program.signature, self.world.device, self.plan
-        tp_r, dp_r = self.world.coordinate("tp"), self.world.coordinate("dp")
+        tp_r, dp_r = self.world.coordinate("tp"), self.world.coordinate(self.zero_axis)
         model_params = dict(self.model.named_parameters(remove_duplicate=False))
         need = self.needed_params()
         local, shards = {}, {} if self.program.params_sharded else None
@@ -291,7 +291,7 @@ class ParallelModel:
                                        tp_r)
             src, key = weights.locate(name)
             if shards is not None:  # ZeRO-3: the rows covering this rank's flat slice only
-                rows, off, n, size = rweights.flat_shard_rows(runs, plan.dp, dp_r)
+                rows, off, n, size = rweights.flat_shard_rows(runs, plan.shard_ranks, dp_r)
                 shard = torch.zeros(size, dtype=p.dtype, device=dev)
                 if n:
                     shard[:n] = src.read_runs(key, rows).reshape(-1)[off:off + n]
@@ -410,6 +410,11 @@ class ParallelModel:
         """Plan.ps: this worker's pushes and the steps it skipped (asynchronous: applied
         without it); else None."""
         return dict(self.ps.stats) if self.ps is not None else None
+
+    @property
+    def zero_axis(self) -> str:
+        """The mesh dimension ZeRO shards over: "dp", or HSDP's shard group."""
+        return "dp_shard" if self.plan.hsdp else "dp"
 
     @property
     def dp_rank(self) -> int:
@@ -738,10 +743,15 @@ class ParallelModel:
                     min(r.p.param_stages.get(i, {0}))) == r.rank
             return amp.GradNormPlan([first and owner(i) and (layouts[i] is not None or tp0)
                                      for i in range(len(self.params))])
-        dp, dp_r = self.plan.dp, self.world.coordinate("dp")
+        dp, dp_r = self.plan.shard_ranks, self.world.coordinate(self.zero_axis)
         counted = []
-        # each rank counts its own shard
+        # each rank counts its own shard (HSDP: the first replica's ranks; the others hold
+        # the same shards)
+        replica0 = self.world.coordinate("dp_rep") == 0
         for k, shard in enumerate(self.sharded_optimizer.shards):
+            if not replica0:
+                counted.append(False)
+                continue
             mask = torch.zeros(shard.numel() * dp, device=shard.device)
             for i, off, n in self.sharded_optimizer.bucket_layout(k):
                 mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0

@@ -153,14 +153,18 @@ def test_zero3_with_gathers_stopped_by_the_memory_limit_equals_single_process():
 
 def _check_plans(world, cases):
     """Train every (model, optimizer, plan) case on `world` ranks: every rank's losses agree
-    and equal eager training, final parameters too; evaluate() equals eager."""
+    and equal eager training, final parameters too; evaluate() equals eager. Returns rank
+    0's info per case."""
     results = fxpar.launch(plans_rank, world, cases)
+    infos = []
     for name, opt_name, plan in cases:
         losses, state, info = results[0][(name, opt_name, repr(plan))]
         for r in range(1, world):
             assert results[r][(name, opt_name, repr(plan))][0] == losses, (name, plan)
         _check(name, opt_name, losses, state)
         torch.testing.assert_close(info["eval"], _eager_eval(name, state), rtol=RTOL, atol=ATOL)
+        infos.append(info)
+    return infos
 
 
 OFFLOAD_CASES = [("gpt", "adamw", {**p, "offload_optimizer": True}) for p in
