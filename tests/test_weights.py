@@ -455,7 +455,8 @@ PLANS = {"hf_llama": [({"dp": 2, "zero": 3, "tp": 2}, "global"),
                       ({"dp": 4, "zero": 3}, "global"),
                       ({"dp": 2, "tp": 2, "zero": 1, "microbatches": 2}, "local")],
          "gpt": [({"tp": 2, "pp": 2, "microbatches": 2}, "global"),
-                 ({"dp": 2, "pp": 2, "microbatches": 2, "zero": 3}, "local")]}
+                 ({"dp": 2, "pp": 2, "microbatches": 2, "zero": 3}, "local"),
+                 ({"dp": 4, "zero": 3, "dp_shard": 2}, "local")]}  # (HSDP: half-shards)
 
 
 @pytest.mark.slow
