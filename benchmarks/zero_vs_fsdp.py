@@ -97,7 +97,7 @@ def _peer_step(module, opt, rank, world):
     return step
 
 
-def _build(kind, cfg, data, world, rank, opt_factory):
+def _build(kind, cfg, data, world, rank, opt_factory, dp_shard=None):
     """Wrap a fresh GPT (seed 0) for `kind`; return (step(global_batch) -> float loss)."""
     torch.manual_seed(0)
     model = M.GPT(cfg)
@@ -106,16 +106,23 @@ def _build(kind, cfg, data, world, rank, opt_factory):
     del initial
     tracker.__enter__()
     if kind.startswith("fxpar"):
-        zero = int(kind[5])
+        hsdp = kind[5] == "h"
+        plan = fxpar.Plan(dp=world, zero=3 if hsdp else int(kind[5]),
+                          dp_shard=dp_shard if hsdp else None,
+                          codegen="inductor" if kind.endswith("i") else "eager")
         pm = fxpar.parallelize(model, world, example_batch=data[0], optimizer=opt_factory,
-                               plan=fxpar.Plan(dp=world, zero=zero, codegen="inductor" if
-                                               kind.endswith("i") else "eager"))
+                               plan=plan)
         step = lambda b: pm.step(b).item()  # noqa: E731
     elif kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        # HSDP: a 2-D mesh (replicate, shard), the shard dim innermost as fxpar's
+        mesh = init_device_mesh("cpu", (world // dp_shard, dp_shard),
+                                mesh_dim_names=("replicate", "shard")) \
+            if kind.startswith("fsdp2h") else None
         for block in model.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         fwd = torch.compile(model) if kind.endswith("c") else model
         step = _peer_step(fwd, opt_factory(model.parameters()), rank, world)
     elif kind.startswith("ddp"):
@@ -129,7 +136,7 @@ def _build(kind, cfg, data, world, rank, opt_factory):
 
 def _prepare(kind, args, cfg, data, world, rank, opt_factory):
     """Build `kind`, run the warm-up steps and the memory step (all under its tracker)."""
-    step, tracker = _build(kind, cfg, data, world, rank, opt_factory)
+    step, tracker = _build(kind, cfg, data, world, rank, opt_factory, args.dp_shard)
     losses = []
     for s in range(args.warmup + 1):
         batch = data[s % len(data)]
@@ -170,7 +177,13 @@ GROUPS = ((("fxpar zero=3", "fxpar3"), ("fxpar zero=3 inductor", "fxpar3i"), ("F
            ("FSDP2 + compile", "fsdp2c")),
           (("fxpar zero=0", "fxpar0"), ("fxpar zero=0 inductor", "fxpar0i"), ("DDP", "ddp"),
            ("DDP + compile", "ddpc")))
-GENERATED = ("fxpar3i", "fsdp2c", "fxpar0i", "ddpc")  # memory not trackable (docstring)
+HSDP = (("fxpar HSDP", "fxparh"), ("fxpar HSDP inductor", "fxparhi"), ("FSDP2 HSDP", "fsdp2h"),
+        ("FSDP2 HSDP + compile", "fsdp2hc"))
+GENERATED = ("fxpar3i", "fsdp2c", "fxpar0i", "ddpc", "fxparhi", "fsdp2hc")  # (docstring)
+
+
+def _groups(args):
+    return (HSDP,) if args.dp_shard else GROUPS
 
 
 def bench(args):
@@ -182,7 +195,7 @@ def bench(args):
     data = [M.gpt_batch(cfg, args.batch, seed=s) for s in range(4)]
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     out = {}
-    for group in GROUPS:
+    for group in _groups(args):
         out.update(_group([k for _, k in group], args, cfg, data, world, rank, opt))
     return out
 
@@ -199,7 +212,12 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--dp-shard", type=int, default=None,
+                    help="instead: HSDP with shard groups of this many ranks (fxpar "
+                    "Plan(zero=3, dp_shard=N) vs FSDP2's fully_shard over a 2-D mesh)")
     args = ap.parse_args()
+    if args.dp_shard and (args.nprocs % args.dp_shard or args.dp_shard >= args.nprocs):
+        ap.error(f"--dp-shard {args.dp_shard} must divide --nprocs {args.nprocs} and be less")
     if args.batch % args.nprocs:
         ap.error(f"--batch {args.batch} must be a multiple of --nprocs {args.nprocs}")
     res = fxpar.launch(bench, args.nprocs, args)
@@ -207,14 +225,15 @@ def main():
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     p_mib = _mib(4 * n_params)
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params = {p_mib:.1f} MiB fp32),"
-          f" global batch {args.batch}, dp={args.nprocs}, gloo/CPU, AdamW, {args.steps} timed "
+          f" global batch {args.batch}, dp={args.nprocs}"
+          f"{f' (HSDP: shard groups of {args.dp_shard})' if args.dp_shard else ''}, gloo/CPU, AdamW, {args.steps} timed "
           f"steps")
     print("memory per rank (max over ranks): held = live before a step (params, grads, "
           "optimizer state, buckets); peak = max during the step, held included")
     print(f"{'':22s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s}   "
           f"peak per rank MiB")
     ratios = []
-    for group in GROUPS:
+    for group in _groups(args):
         for name, kind in group:
             r = [res[k][kind] for k in ranks]
             mem = (f"{'n/a':>9s} {'n/a':>9s}" if kind in GENERATED else

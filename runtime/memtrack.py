@@ -25,6 +25,7 @@ def _real_storage(t: torch.Tensor):
     try:
         st = t.untyped_storage()
         st.nbytes()
+        st.data_ptr()  # (a fake tensor's storage has none: "invalid python storage")
     except (RuntimeError, NotImplementedError):
         return None
     return None if st.device.type == "meta" else st
