@@ -101,6 +101,7 @@ def plan_str(p: Plan) -> str:
     sched = p.schedule if p.pp > 1 else "-"
     return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
             f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}"
+            + (f" hsdp={p.dp_shard}" if p.hsdp else "")
             + (" optimizer on host" if p.offload_optimizer else ""))
 
 
@@ -757,7 +758,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                     built.append(acts)
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
-                for zero in zeros:
+                for zero, shard in [(z, s) for z in zeros
+                                    for s in _shard_groups(dp, tp, pp, z, hw, constraints)]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(
@@ -769,7 +771,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         # not fit on the device, or fits only by recomputing: offloading
                         # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
-                                   zero, precision, optimizer, constraints, budget, offload)
+                                   zero, precision, optimizer, constraints, budget, offload,
+                                   shard)
                         if c is None:
                             break
                         if executable:
@@ -959,12 +962,12 @@ def _most_working(segs) -> tuple[float, float]:
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs)
-    - then fewer axes, less ZeRO, 1F1B, no remat. Plain dp wins every tie it is in. (Fewer
-    axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it measured
-    1.5x.)"""
+    - then fewer axes, less ZeRO, no HSDP, 1F1B, no remat. Plain dp wins every tie it is
+    in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it
+    measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
-    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.pp > 1 and p.schedule != "1f1b",
-            p.remat != "none", p.offload_optimizer)
+    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp,
+            p.pp > 1 and p.schedule != "1f1b", p.remat != "none", p.offload_optimizer)
 
 
 def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
@@ -988,9 +991,26 @@ def _offloaded_state(state: tuple, precision: str, optimizer: str) -> tuple[floa
     return float(master), ((*state[:2], state[2] * master) if state else ())
 
 
+def _shard_groups(dp, tp, pp, zero, hw, constraints) -> list:
+    """Plan.dp_shard values to price at this dp, tp, pp and ZeRO stage: as the user fixed it
+    (where it divides this dp), else None (ZeRO over every dp rank) and, where the dp group
+    spans nodes, HSDP with one node's dp ranks per shard group (ZeRO's all-gathers and
+    reduce-scatters on the node's links, one all-reduce of a 1/shard slice across nodes)."""
+    if "dp_shard" in constraints:
+        s = constraints["dp_shard"]
+        return [s] if s is None or s == dp or (zero and 1 < s < dp and dp % s == 0) else []
+    node = hw.devices_per_node // (tp * pp) if hw.devices_per_node % (tp * pp) == 0 else 0
+    if zero and dp * tp * pp > hw.devices_per_node and 1 < node < dp and dp % node == 0:
+        return [None, node]
+    return [None]
+
+
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
-           constraints, budget, offload=False) -> Candidate | None:
+           constraints, budget, offload=False, shard=None) -> Candidate | None:
+    """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all)."""
     quant = constraints.get("comm_quantization", "none")
+    sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
+    reps = dp // sdp
     if quantization_misfit(quant, zero, dp):
         return None  # (Plan.validate refuses it: what-if searches do not validate)
     onebit = constraints.get("grad_compression", "none") == "1bit-adam"
@@ -1050,7 +1070,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r], remat == "none")
         if key not in states:
             mem, saved = stage_state(
-                rank_segs[r], stats, tp=tp, dp=dp, zero=zero, rows=mbs, precision=precision,
+                rank_segs[r], stats, tp=tp, dp=sdp, zero=zero, rows=mbs, precision=precision,
                 optimizer=optimizer, remat_none=remat == "none", transient=True, pp=pp,
                 microbatches=m, sends_held=kept[r], saved_factor=saved_factor[r],
                 received_at_end=at_end[r], weight_copies=copies[r],
@@ -1063,8 +1083,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 mem.optimizer, mem.optimizer_step = mem.optimizer * master, 0.0
             elif offload:  # a CPU device is the host: the state stays, and the host copies
                 # and their gradient buffers (fp32, of what this rank steps) come on top
-                stepped = mem.params / DTYPE_BYTES[precision] * (dp if zero >= 3 else 1) / (
-                    dp if zero >= 1 else 1)
+                stepped = mem.params / DTYPE_BYTES[precision] * (sdp if zero >= 3 else 1) / (
+                    sdp if zero >= 1 else 1)
                 mem.optimizer += 2 * 4 * stepped
             if onebit:  # 1-bit Adam's flat momentum and the error it carries, fp32 (the
                 # server's error: 1/dp more)
@@ -1184,7 +1204,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     # data parallel: this rank's gradients
     mem = mems[worst][0]
     elem = 4 if precision == "fp32" else 2
-    n_elem = mem.params * (dp if zero >= 3 else 1) / elem  # this rank's parameter elements
+    n_elem = mem.params * (sdp if zero >= 3 else 1) / elem  # this rank's parameter elements
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
     dpc = dp_fixed = gather = 0.0
     if dp > 1:
@@ -1194,6 +1214,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         # gathers each layer's parameters before its forward and again before its backward
         grad_bytes = n_elem * elem
         span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
+        s_span = tp * pp * sdp  # (HSDP's shard groups: neighbouring dp ranks)
         # Plan.comm_quantization (as the user gives it; a lossy choice the search never
         # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
         # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
@@ -1213,20 +1234,22 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         elif zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
         else:  # (qgZ's all-to-all moves what a ring reduce-scatter moves of its bytes)
-            dpc = hw.comm("reduce_scatter", wire_g, dp, span, calls=buckets)
+            dpc = hw.comm("reduce_scatter", wire_g, sdp, s_span, calls=buckets)
+            # HSDP: each summed 1/sdp slice all-reduced across the replicas
+            dpc += hw.comm("all_reduce", grad_bytes / sdp, reps, span, calls=buckets)
         if zero in (1, 2):  # after the optimizer: no backward left to hide it behind, and
             # each bucket copied back into its parameters (runtime/zero.py)
-            gather = hw.comm("all_gather", grad_bytes, dp, span, calls=buckets) + \
+            gather = hw.comm("all_gather", grad_bytes, sdp, s_span, calls=buckets) + \
                 2 * grad_bytes / hw.mem_bandwidth
         if zero >= 3:
             gathers = round(n_t * stats.zero3_gathers_per_param / 2)
-            dpc += 2 * m * hw.comm("all_gather", wire_w, dp, span, calls=gathers)
+            dpc += 2 * m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
         # the loss (and the count of its targets), per microbatch
         dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
         # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
         # what arrives, and ~13 nodes each side of a collective
         if q_w:
-            dp_fixed += 2 * m * (6 * 4 * n_elem * (1 + 1 / dp) / hw.mem_bandwidth
+            dp_fixed += 2 * m * (6 * 4 * n_elem * (1 + 1 / sdp) / hw.mem_bandwidth
                                  + 26 * gathers * hw_graph.node_overhead)
         if q_g:
             dp_fixed += 6 * 4 * 2 * n_elem / hw.mem_bandwidth + \
@@ -1243,19 +1266,19 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     window = bwd[0] * hw.overlap if constraints.get("overlap", True) and pp == 1 else 0.0
     dp_exposed = (max(dpc - window, dpc * 0.05) + gather + dp_fixed) if dp > 1 else 0.0
     k = OPTIMIZER_STATES.get(optimizer, 2)
-    touched = n_elem / (dp if zero >= 1 else 1) * (3 + 2 * k) * 4
+    touched = n_elem / (sdp if zero >= 1 else 1) * (3 + 2 * k) * 4
     n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])
     # CPU: one dispatch per op per tensor; CUDA: torch's multi-tensor (foreach / fused)
     # kernels, a few launches for all tensors (1.5 ms for GPT-2 small's AdamW on an H100)
     launches = (3 + 2 * k) * (1 if hw.async_launch else n_tensors)
     opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
     if hw.optimizer_s is not None:  # measured on this machine for the whole model
-        opt_t = hw.optimizer_s * n_elem / (dp if zero >= 1 else 1) / max(stats.total_params, 1)
+        opt_t = hw.optimizer_s * n_elem / (sdp if zero >= 1 else 1) / max(stats.total_params, 1)
     offload_s = 0.0
     if offload:  # Plan.offload_optimizer (runtime/host_optimizer.py): the stepped tensors'
         # fp32 gradients out and values back, not overlapped; on a GPU the step runs on the
         # host's CPU (torch's fused kernel: its memory bandwidth, shared by the node's ranks)
-        stepped = n_elem / (dp if zero >= 1 else 1) * 4
+        stepped = n_elem / (sdp if zero >= 1 else 1) * 4
         offload_s = 2 * stepped / (hw.host_link or hw.mem_bandwidth / 2)
         if hw.host_link:
             opt_t = touched / (hw.host_bandwidth or hw.mem_bandwidth) * min(
@@ -1285,7 +1308,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mfu = (None if hw.name == "cpu" else
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
-                remat="auto" if constraints.get("remat") == "auto" else remat,
+                dp_shard=shard, remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
         if k2 not in SEARCHED:  # (e.g. codegen, max_grad_norm, offload, overlap)

@@ -449,8 +449,8 @@ def needs_search(plan) -> bool:
 
 
 # the fields plan="auto" searches: what tells one of its plans from another
-SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "remat", "precision",
-            "offload_optimizer")
+SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "remat",
+            "precision", "offload_optimizer")
 
 
 def plan_dict(p: Plan) -> dict:

@@ -14,18 +14,18 @@ from typing import Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 def _real_storage(t: torch.Tensor):
     """t's storage if it holds real memory; None for meta / fake tensors and for wrappers
     without a storage of their own."""
-    if t.is_meta:
+    if t.is_meta or isinstance(t, FakeTensor):  # (a fake storage has no data pointer)
         return None
     try:
         st = t.untyped_storage()
         st.nbytes()
-        st.data_ptr()  # (a fake tensor's storage has none: "invalid python storage")
     except (RuntimeError, NotImplementedError):
         return None
     return None if st.device.type == "meta" else st

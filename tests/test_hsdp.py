@@ -148,3 +148,29 @@ def test_hsdp_checkpoint_resumes_and_reshards(tmp_path):
     torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
     for n, v in ref_next.items():
         torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_planner_prices_hsdp_where_the_dp_group_spans_nodes():
+    """GPT 7.5B in bf16 on 64 H100s (8 nodes), dp only with ZeRO-3: ZeRO over all 64 ranks
+    all-gathers across InfiniBand, HSDP with a node per shard group on NVLink; the planner
+    prices both, HSDP the faster (less dp communication) with more memory per rank. On one
+    node there is no HSDP candidate (nothing to gain: every link is the node's)."""
+    from fxpar.compiler import planner
+    from fxpar.core import cost
+    from fxpar.examples import gpt_stats as G
+    hw = cost.HARDWARE["h100"]
+    stats = G.gpt_stats("gpt-7.5b")
+    r = planner.search(stats, 64, hw, batch_rows=512, precision="bf16", executable=False,
+                       constraints={"tp": 1, "pp": 1, "zero": 3, "microbatches": 1})
+    by = {c.plan.dp_shard: c for c in r.table}
+    assert set(by) == {None, 8}
+    assert r.best.plan.dp_shard == 8
+    hsdp, flat = by[8], by[None]
+    assert hsdp.parts["dp communication"] < 0.1 * flat.parts["dp communication"]
+    assert "hsdp=8" in hsdp.row() and "hsdp" not in flat.row()
+    one_node = planner.search(stats, 8, hw, batch_rows=512, precision="bf16",
+                              executable=False, constraints={"tp": 1, "pp": 1, "zero": 3})
+    assert {c.plan.dp_shard for c in one_node.table} == {None}
+    fixed = planner.search(stats, 64, hw, batch_rows=512, precision="bf16", executable=False,
+                           constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": 4})
+    assert {c.plan.dp_shard for c in fixed.table} == {4}
