@@ -14,6 +14,10 @@ the same batches, with the same optimizer (AdamW, lr 1e-3, built by a factory):
     fxpar Plan(dp=world, zero=0), codegen   vs  DDP(bucket_cap_mb=25), eager and
     "eager" and "inductor"                      torch.compile(ddp)
 
+With `--dp-shard N` the launch runs HSDP instead: fxpar Plan(dp=world, zero=3, dp_shard=N)
+(eager and inductor) vs FSDP2's HSDP, `fully_shard` of every block and the root over a 2-D
+DeviceMesh ("replicate" world/N x "shard" N; eager and torch.compile).
+
 fxpar's `pm.step` takes the GLOBAL batch; FSDP2 and DDP get this rank's 1/world slice of it
 and report the all-reduced mean loss, so all sides report the mean loss of the same batch.
 

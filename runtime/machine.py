@@ -133,6 +133,9 @@ def measure(device: torch.device) -> cost.Hardware:
             hw = dataclasses.replace(hw, calibrated=hw.calibrated + " (remembered: "
                                      "FXPAR_PLAN_CACHE=0 measures again)")
     hw.memory = cost.device_memory(device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if dist.is_initialized() and 0 < local < dist.get_world_size():  # torchrun over nodes:
+        hw.devices_per_node = local  # groups spanning more ranks cross the nodes' network
     if dist.is_initialized():
         mem = torch.tensor([hw.memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MIN)

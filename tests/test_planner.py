@@ -1536,7 +1536,7 @@ def test_quantized_collectives_are_priced_as_given_and_never_chosen():
     falls below 0.4x."""
     stats = G.gpt_stats("gpt-1.7b", precision="fp32")
     hw = cost.HARDWARE["a100"]
-    fixed = {"dp": 16, "zero": 3, "microbatches": 1, "dp_shard": None}  # (ZeRO over all 16)
+    fixed = {"dp": 16, "zero": 3, "microbatches": 1, "dp_shard": 16}  # (ZeRO over all 16)
     plain = planner.search(stats, 16, hw, batch_rows=16, executable=False,
                            constraints=fixed)
     quant = planner.search(stats, 16, hw, batch_rows=16, executable=False,
