@@ -220,10 +220,11 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
 
 def mesh_dims(plan) -> list[tuple[str, int]]:
     """The device mesh's (name, degree) dims, outermost first: tp innermost (neighbouring
-    ranks), then pp, then dp; HSDP's dp as (replicas, shard group), the shard group the
-    inner one (neighbouring ranks: one node when it is the GPUs per node)."""
-    dp = [("dp_rep", plan.dp // plan.dp_shard), ("dp_shard", plan.dp_shard)] if plan.hsdp \
-        else [("dp", plan.dp)]
+    ranks), then pp, then dp; with HSDP (hpZ) dp as (replicas, shard group (secondary
+    partition)), that group the inner one (neighbouring ranks: one node when it is the GPUs
+    per node)."""
+    s = plan.node_group  # (HSDP's shard group, hpZ's secondary partition)
+    dp = [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else [("dp", plan.dp)]
     return dp + ([("pp", plan.pp)] if plan.pp > 1 else []) + (
         [("tp", plan.tp)] if plan.tp > 1 else [])
 

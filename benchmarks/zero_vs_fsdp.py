@@ -230,7 +230,8 @@ def main():
     p_mib = _mib(4 * n_params)
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params = {p_mib:.1f} MiB fp32),"
           f" global batch {args.batch}, dp={args.nprocs}"
-          f"{f' (HSDP: shard groups of {args.dp_shard})' if args.dp_shard else ''}, gloo/CPU, AdamW, {args.steps} timed "
+          f"{f' (HSDP: shard groups of {args.dp_shard})' if args.dp_shard else ''}, "
+          f"gloo/CPU, AdamW, {args.steps} timed "
           f"steps")
     print("memory per rank (max over ranks): held = live before a step (params, grads, "
           "optimizer state, buckets); peak = max during the step, held included")

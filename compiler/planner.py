@@ -101,7 +101,7 @@ def plan_str(p: Plan) -> str:
     sched = p.schedule if p.pp > 1 else "-"
     return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
             f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}"
-            + (f" hsdp={p.dp_shard}" if p.hsdp else "")
+            + (f" hsdp={p.dp_shard}" if p.hsdp else "") + (f" hpz={p.hpz}" if p.hpz else "")
             + (" optimizer on host" if p.offload_optimizer else ""))
 
 
@@ -758,8 +758,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                     built.append(acts)
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
-                for zero, shard in [(z, s) for z in zeros
-                                    for s in _shard_groups(dp, tp, pp, z, hw, constraints)]:
+                for zero, (shard, hpz) in [
+                        (z, g) for z in zeros
+                        for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(
@@ -772,7 +773,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload,
-                                   shard)
+                                   shard, hpz)
                         if c is None:
                             break
                         if executable:
@@ -962,11 +963,11 @@ def _most_working(segs) -> tuple[float, float]:
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs)
-    - then fewer axes, less ZeRO, no HSDP, 1F1B, no remat. Plain dp wins every tie it is
+    - then fewer axes, less ZeRO, no HSDP or hpZ, 1F1B, no remat. Plain dp wins every tie it is
     in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it
     measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
-    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp,
+    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz),
             p.pp > 1 and p.schedule != "1f1b", p.remat != "none", p.offload_optimizer)
 
 
@@ -991,23 +992,34 @@ def _offloaded_state(state: tuple, precision: str, optimizer: str) -> tuple[floa
     return float(master), ((*state[:2], state[2] * master) if state else ())
 
 
-def _shard_groups(dp, tp, pp, zero, hw, constraints) -> list:
-    """Plan.dp_shard values to price at this dp, tp, pp and ZeRO stage: as the user fixed it
-    (where it divides this dp), else None (ZeRO over every dp rank) and, where the dp group
-    spans nodes, HSDP with one node's dp ranks per shard group (ZeRO's all-gathers and
-    reduce-scatters on the node's links, one all-reduce of a 1/shard slice across nodes)."""
-    if "dp_shard" in constraints:
-        s = constraints["dp_shard"]
-        return [s] if s is None or s == dp or (zero and 1 < s < dp and dp % s == 0) else []
+def _node_groupings(dp, tp, pp, m, zero, hw, constraints) -> list[tuple]:
+    """(Plan.dp_shard, Plan.hpz) pairs to price at this dp, tp, pp, microbatch count and ZeRO
+    stage: as the user fixed them (where they fit), else (None, None) (ZeRO over every dp
+    rank) and, where the dp group spans nodes, one node's dp ranks as HSDP's shard group
+    (ZeRO's all-gathers and reduce-scatters on the node's links, one all-reduce of a 1/shard
+    slice across nodes) and, at zero=3, pp=1 and m=1, as hpZ's secondary partition (the
+    backward's gathers on the node's links)."""
     node = hw.devices_per_node // (tp * pp) if hw.devices_per_node % (tp * pp) == 0 else 0
-    if zero and dp * tp * pp > hw.devices_per_node and 1 < node < dp and dp % node == 0:
-        return [None, node]
-    return [None]
+    spans = dp * tp * pp > hw.devices_per_node and 1 < node < dp and dp % node == 0
+    shards = [constraints["dp_shard"]] if "dp_shard" in constraints else \
+        [None, node] if spans else [None]
+    hpzs = [constraints["hpz"]] if "hpz" in constraints else [None, node] if spans else [None]
+    out = []
+    for s in shards:
+        if s is not None and s != dp and not (zero and 1 < s < dp and dp % s == 0):
+            continue
+        for h in hpzs:
+            if h is not None and (zero != 3 or pp > 1 or m > 1 or not 1 < h < dp or dp % h
+                                  or (s is not None and s < dp)):
+                continue
+            out.append((s, h))
+    return out
 
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
-           constraints, budget, offload=False, shard=None) -> Candidate | None:
-    """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all)."""
+           constraints, budget, offload=False, shard=None, hpz=None) -> Candidate | None:
+    """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all);
+    `hpz`: Plan.hpz (the backward's gathers over groups of `hpz` ranks)."""
     quant = constraints.get("comm_quantization", "none")
     sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
     reps = dp // sdp
@@ -1086,6 +1098,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 stepped = mem.params / DTYPE_BYTES[precision] * (sdp if zero >= 3 else 1) / (
                     sdp if zero >= 1 else 1)
                 mem.optimizer += 2 * 4 * stepped
+            if hpz:  # hpZ's secondary shards: 1/hpz of the weights, forward to backward
+                mem.buffers += mem.params * sdp / hpz
             if onebit:  # 1-bit Adam's flat momentum and the error it carries, fp32 (the
                 # server's error: 1/dp more)
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
@@ -1241,9 +1255,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # each bucket copied back into its parameters (runtime/zero.py)
             gather = hw.comm("all_gather", grad_bytes, sdp, s_span, calls=buckets) + \
                 2 * grad_bytes / hw.mem_bandwidth
-        if zero >= 3:
+        if zero >= 3:  # (hpZ: the backward's from the secondary shards, within a node)
             gathers = round(n_t * stats.zero3_gathers_per_param / 2)
-            dpc += 2 * m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
+            dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
+            dpc += m * (hw.comm("all_gather", wire_w, hpz, tp * pp * hpz, calls=gathers)
+                        if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
         # the loss (and the count of its targets), per microbatch
         dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
         # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
@@ -1308,7 +1324,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mfu = (None if hw.name == "cpu" else
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
-                dp_shard=shard, remat="auto" if constraints.get("remat") == "auto" else remat,
+                dp_shard=shard, hpz=hpz,
+                remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
         if k2 not in SEARCHED:  # (e.g. codegen, max_grad_norm, offload, overlap)

@@ -34,6 +34,13 @@ class Plan:
                     gradients are reduce-scattered within the shard group and the shard
                     all-reduced across the replicas; ZeRO-3's parameter all-gathers stay
                     within the shard group. None (default): one shard group of all dp ranks.
+    hpz:            ZeRO++'s hierarchical partitioning (hpZ), with zero=3: each layer's
+                    weights, all-gathered over every dp rank for the forward, also leave a
+                    secondary shard of 1/hpz on each rank (groups of hpz neighbouring dp
+                    ranks: a node), kept to the backward, whose all-gathers then run within
+                    the group. Costs 1/hpz of the parameters per rank between forward and
+                    backward; parameters, gradients and optimizer state stay 1/dp. None
+                    (default): off. pp = 1 and one microbatch.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -135,6 +142,7 @@ class Plan:
     remat: Any = "none"
     zero: int = 0
     dp_shard: int | None = None
+    hpz: int | None = None
     precision: str = "fp32"
     codegen: str = "auto"
     fuse: bool = True
@@ -174,6 +182,12 @@ class Plan:
     def shard_ranks(self) -> int:
         """The ranks ZeRO shards over: dp, or its shard groups' size with dp_shard (HSDP)."""
         return self.dp_shard if self.hsdp else self.dp
+
+    @property
+    def node_group(self) -> int | None:
+        """The size of the dp sub-group of neighbouring ranks (the device mesh's "dp_shard"):
+        HSDP's shard group or hpZ's secondary partition; None without either."""
+        return self.dp_shard if self.hsdp else self.hpz
 
     @property
     def hsdp(self) -> bool:
@@ -218,7 +232,7 @@ class Plan:
                             f"got {self.remat!r}.")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}.")
-        misfit = hsdp_misfit(self.dp_shard, self.dp, self.zero)
+        misfit = hsdp_misfit(self.dp_shard, self.dp, self.zero) or hpz_misfit(self)
         if misfit:
             raise PlanError(misfit)
         if self.precision not in PRECISIONS:
@@ -297,6 +311,28 @@ def hsdp_misfit(dp_shard, dp: int, zero: int) -> str | None:
         return (f"Plan.dp_shard={dp_shard} shards ZeRO's state within groups of {dp_shard} "
                 f"ranks, but zero=0 shards nothing: use zero=1, 2 or 3 with it (zero=3 is "
                 "HSDP), or leave dp_shard unset.")
+    return None
+
+
+def hpz_misfit(plan: "Plan") -> str | None:
+    """Why Plan.hpz cannot run with the rest of `plan`, or None."""
+    h = plan.hpz
+    if h is None:
+        return None
+    if not isinstance(h, int) or isinstance(h, bool):
+        return f"Plan.hpz must be a positive integer or None, got {h!r}."
+    why = "hpZ keeps a secondary shard of each layer's weights for its backward gather"
+    if plan.zero != 3:
+        return f"Plan.hpz={h}: {why}; it needs zero=3 (got zero={plan.zero})."
+    if not 1 < h < plan.dp or plan.dp % h:
+        return (f"Plan.hpz={h} must divide dp={plan.dp} into groups of at least 2 ranks and "
+                "fewer than dp (e.g. the GPUs per node).")
+    if plan.hsdp:
+        return ("Plan.hpz and dp_shard < dp cannot be combined: HSDP already keeps ZeRO's "
+                "gathers within its shard groups. Use one of them.")
+    if plan.pp > 1 or plan.microbatches > 1:
+        return (f"Plan.hpz={h}: {why} inside one graph; it runs with pp=1 and one "
+                f"microbatch (got pp={plan.pp}, microbatches={plan.microbatches}).")
     return None
 
 
@@ -449,8 +485,8 @@ def needs_search(plan) -> bool:
 
 
 # the fields plan="auto" searches: what tells one of its plans from another
-SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "remat",
-            "precision", "offload_optimizer")
+SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "hpz",
+            "remat", "precision", "offload_optimizer")
 
 
 def plan_dict(p: Plan) -> dict:

@@ -54,6 +54,7 @@ class Options:
     dp: int | None = 1
     zero: int = 0
     dp_shard: int | None = None
+    hpz: int | None = None
     microbatches: int = 1
     bucket_mb: float | None = None
     comm_quantization: str = "none"
@@ -180,7 +181,9 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
         # (with microbatches a step's forward and backward run as separate parts, one
         # microbatch at a time: a kept forward copy would be stashed per microbatch)
         _gather_params_before_use(gm, zg.group, zg.n, keep_tail=options.microbatches == 1,
-                                  quantized="weights" in options.comm_quantization)
+                                  quantized="weights" in options.comm_quantization,
+                                  secondary=(ctx.group_names["dp_shard"], options.hpz)
+                                  if options.hpz else None)
         gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
@@ -714,7 +717,7 @@ def _layer_of_param(p) -> str:
     return ir.layer_of(fqn.rsplit(".", 1)[0] if "." in fqn else fqn)
 
 
-def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False):
+def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, secondary=None):
     """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
     shard; full weights are all-gathered just before their first use in the forward and again
     before their first use in the backward, so each gathered copy dies after its last use there.
@@ -728,7 +731,10 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False):
     Under pipeline parallelism each stage that reads the weight gathers it itself, in each
     of its own forward and backward parts (never a full weight sent between stages or kept from a
     microbatch's forward to its backward), as FSDP2 does under pipelining.
-    `quantized` (Plan.comm_quantization, qwZ): each gather carries int8 blocks."""
+    `quantized` (Plan.comm_quantization, qwZ): each gather carries int8 blocks.
+    `secondary` = (group, n) (Plan.hpz, ZeRO++'s hpZ): each backward gather reads a
+    secondary 1/n shard the forward cut from its own gathered copy (`_secondary_shards`), over
+    that group of n neighbouring ranks, instead of the 1/dp shard over the whole dp group."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     fwd, bwd = [], []  # (param, first reader, its readers: [(node, value read)]) per part
@@ -755,7 +761,12 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False):
             u.replace_input_with(p, whole)
     if keep_tail:
         bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
-    for p, whole, uses in _gathered_by_layer(graph, bwd, dp, group, order, full, quantized):
+    if secondary is not None:
+        gathered = _gathered_from_secondary(graph, bwd, fwd_fulls, secondary, order, full,
+                                            quantized, (dp, group))
+    else:
+        gathered = _gathered_by_layer(graph, bwd, dp, group, order, full, quantized)
+    for p, whole, uses in gathered:
         first = uses[0][0]
         env = {p: whole}
         env.update({f: whole for f in fwd_fulls.get(p, [])})
@@ -775,6 +786,44 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False):
         for v in reversed(views[1:]):  # forward views the backward no longer reads
             if not v.users:
                 graph.erase_node(v)
+
+
+def _gathered_from_secondary(graph, requests, fwd_fulls, secondary, order, full, quantized,
+                             primary):
+    """hpZ: for each backward request (param, first reader, readers) a secondary shard -- the
+    rank's 1/n of the forward's whole copy (padded to n pieces), cut right after it is made
+    and kept to the backward -- then gathered by layer over the group of n ranks, as
+    `_gathered_by_layer` gathers primary shards (`primary` = (dp, group): for a weight the
+    forward does not read). Yields (param, its whole weight, readers)."""
+    group, n = secondary
+    of_param, reqs, rest = {}, [], []
+    for p, first, readers in requests:
+        if len(fwd_fulls.get(p, [])) != 1:  # (one forward part: hpZ runs at pp=1, m=1)
+            rest.append((p, first, readers))
+            continue
+        (whole,) = fwd_fulls[p]
+        meta = {ir.REGION: ir.FORWARD, ir.MODULE: whole.meta.get(ir.MODULE, ""),
+                ir.SHARD: (Shard(0),)}
+        with graph.inserting_after(whole):
+            flat = graph.call_function(aten.reshape.default, (whole, [-1]))
+            pad = -full[p][0] % n
+            with graph.inserting_after(flat):
+                padded = graph.call_function(aten.constant_pad_nd.default, (flat, [0, pad])) \
+                    if pad else flat
+            with graph.inserting_after(padded):
+                sec = graph.call_function(torch.ops.fxpar.local_chunk.default,
+                                          (padded, 0, n, group))
+        for node in {flat, padded, sec}:
+            node.meta.update(meta)
+        sec.meta[ir.VAL] = p.meta[ir.VAL].new_empty((-(-full[p][0] // n),))
+        sec.meta[ir.FQN], sec.meta[ir.ROLE] = p.meta.get(ir.FQN), "secondary"
+        full[sec], of_param[sec] = full[p], p
+        reqs.append((sec, first, readers))
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    yield from _gathered_by_layer(graph, rest, *primary, order, full, quantized)
+    for sec, whole, readers in _gathered_by_layer(graph, reqs, n, group, order, full,
+                                                  quantized):
+        yield of_param[sec], whole, readers
 
 
 def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:

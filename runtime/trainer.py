@@ -747,7 +747,7 @@ class ParallelModel:
         counted = []
         # each rank counts its own shard (HSDP: the first replica's ranks; the others hold
         # the same shards)
-        replica0 = self.world.coordinate("dp_rep") == 0
+        replica0 = not self.plan.hsdp or self.world.coordinate("dp_rep") == 0
         for k, shard in enumerate(self.sharded_optimizer.shards):
             if not replica0:
                 counted.append(False)

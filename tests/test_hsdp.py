@@ -19,9 +19,14 @@ c10d = torch.ops._c10d_functional
 GROUPS = {"dp": "dp", "dp_shard": "shard", "dp_rep": "rep"}
 
 
-def _compile(dp, **plan):
-    model = M.MLP()
-    gm, sig = capture(model, (torch.randn(8, 16), torch.randn(8, 4)))
+def _compile(dp, gpt=False, **plan):
+    """The MLP's (or the example GPT's) dp graph under `plan`, with named groups."""
+    if gpt:
+        cfg = M.GPTConfig()
+        model, batch = M.GPT(cfg), M.gpt_batch(cfg, 8)
+    else:
+        model, batch = M.MLP(), (torch.randn(8, 16), torch.randn(8, 4))
+    gm, sig = capture(model, batch)
     ctx = PassContext(signature=sig, group_names=dict(GROUPS))
     return run_passes(gm, resolve({"dp": dp, **plan}, dp), ctx, "dp", {}), model
 
@@ -101,31 +106,37 @@ def test_mesh_puts_the_shard_group_on_neighbouring_ranks():
 
 
 @pytest.mark.slow
-def test_hsdp_2x2_equals_single_process():
+def test_hsdp_2x2_and_hpz_equal_single_process():
     """dp=4 as 2 replicas x shard groups of 2, ZeRO-1/2/3 (and ZeRO-3 with remat on HF
-    Llama): losses, evaluate() and final parameters equal eager AdamW; each rank holds half
-    the optimizer state (a shard group's share), not a quarter."""
+    Llama), and ZeRO-3 with hpZ groups of 2 (GPT, HF Llama): losses, evaluate() and final
+    parameters equal eager AdamW; under HSDP each rank holds half the optimizer state (a
+    shard group's share), under hpZ a quarter."""
     cases = [("gpt", "adamw", {"dp": 4, "zero": z, "dp_shard": 2}) for z in (1, 2, 3)] + \
-        [("hf_llama", "adamw", {"dp": 4, "zero": 3, "dp_shard": 2, "remat": "sqrt"})]
+        [("hf_llama", "adamw", {"dp": 4, "zero": 3, "dp_shard": 2, "remat": "sqrt"})] + \
+        [(m, "adamw", {"dp": 4, "zero": 3, "hpz": 2}) for m in ("gpt", "hf_llama")]
     infos = _check_plans(4, cases)
-    for info in infos:
-        assert 0.5 <= info["opt_state_fraction"] <= 0.6, info
+    for (_, _, plan), info in zip(cases, infos):  # hpZ: state over all 4 ranks
+        assert (0.5 if "dp_shard" in plan else 0.25) <= info["opt_state_fraction"] <= \
+            (0.6 if "dp_shard" in plan else 0.3), (plan, info)
 
 
 @pytest.mark.slow
 def test_hsdp_clipping_counts_each_shard_once():
     """max_grad_norm under HSDP: the global norm counts the first replica's shards only (the
-    others hold the same), so it equals clip_grad_norm_ in one process."""
-    plan = {"dp": 4, "zero": 3, "dp_shard": 2}
-    res = fxpar.launch(clip_rank, 4, [("gpt", plan)], 0.1, 3)
-    losses, norms, state = res[0][("gpt", repr(plan))]
+    others hold the same); under hpZ every rank's 1/dp shard: both equal clip_grad_norm_ in
+    one process."""
+    plans = [{"dp": 4, "zero": 3, "dp_shard": 2}, {"dp": 4, "zero": 3, "hpz": 2}]
+    res = fxpar.launch(clip_rank, 4, [("gpt", p) for p in plans], 0.1, 3)
     ref_losses, ref_state, ref_norms = clip_eager_reference("gpt", "sgd", 0.1, steps=3)
     assert min(ref_norms) > 0.1
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
-                               atol=1e-6)
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    for plan in plans:
+        losses, norms, state = res[0][("gpt", repr(plan))]
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
+                                   atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -151,10 +162,11 @@ def test_hsdp_checkpoint_resumes_and_reshards(tmp_path):
 
 
 def test_planner_prices_hsdp_where_the_dp_group_spans_nodes():
-    """GPT 7.5B in bf16 on 64 H100s (8 nodes), dp only with ZeRO-3: ZeRO over all 64 ranks
-    all-gathers across InfiniBand, HSDP with a node per shard group on NVLink; the planner
-    prices both, HSDP the faster (less dp communication) with more memory per rank. On one
-    node there is no HSDP candidate (nothing to gain: every link is the node's)."""
+    """GPT 7.5B in bf16 on 64 H100s (8 nodes), dp only with ZeRO-3, one microbatch: ZeRO over
+    all 64 ranks all-gathers across InfiniBand; HSDP with a node per shard group keeps its
+    collectives on NVLink, hpZ its backward's gathers. The planner prices all three, HSDP
+    the least dp communication, hpZ between, with its secondary shards' memory. On one node
+    there is no HSDP or hpZ candidate (nothing to gain: every link is the node's)."""
     from fxpar.compiler import planner
     from fxpar.core import cost
     from fxpar.examples import gpt_stats as G
@@ -162,15 +174,58 @@ def test_planner_prices_hsdp_where_the_dp_group_spans_nodes():
     stats = G.gpt_stats("gpt-7.5b")
     r = planner.search(stats, 64, hw, batch_rows=512, precision="bf16", executable=False,
                        constraints={"tp": 1, "pp": 1, "zero": 3, "microbatches": 1})
-    by = {c.plan.dp_shard: c for c in r.table}
-    assert set(by) == {None, 8}
-    assert r.best.plan.dp_shard == 8
-    hsdp, flat = by[8], by[None]
-    assert hsdp.parts["dp communication"] < 0.1 * flat.parts["dp communication"]
-    assert "hsdp=8" in hsdp.row() and "hsdp" not in flat.row()
+    by = {(c.plan.dp_shard, c.plan.hpz): c for c in r.table}
+    assert set(by) == {(None, None), (8, None), (None, 8)}
+    assert (r.best.plan.dp_shard, r.best.plan.hpz) != (None, None)  # (the two tie here)
+    hsdp, hpz, flat = by[(8, None)], by[(None, 8)], by[(None, None)]
+    comm = {k: c.parts["dp communication"] for k, c in (("hsdp", hsdp), ("hpz", hpz),
+                                                          ("flat", flat))}
+    # HSDP keeps every gather and the reduce-scatter in the node; hpZ the backward's gathers
+    assert comm["hsdp"] < comm["hpz"] < comm["flat"] and comm["hsdp"] < 0.1 * comm["flat"]
+    assert hpz.memory.buffers > flat.memory.buffers  # (its secondary shards)
+    assert "hsdp=8" in hsdp.row() and "hpz=8" in hpz.row() and "hsdp" not in flat.row()
     one_node = planner.search(stats, 8, hw, batch_rows=512, precision="bf16",
                               executable=False, constraints={"tp": 1, "pp": 1, "zero": 3})
-    assert {c.plan.dp_shard for c in one_node.table} == {None}
+    assert {(c.plan.dp_shard, c.plan.hpz) for c in one_node.table} == {(None, None)}
     fixed = planner.search(stats, 64, hw, batch_rows=512, precision="bf16", executable=False,
                            constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": 4})
     assert {c.plan.dp_shard for c in fixed.table} == {4}
+
+
+# --- hpZ (Plan.hpz) ---------------------------------------------------------------------
+
+def test_hpz_backward_gathers_secondary_shards_within_the_group():
+    """ZeRO-3 over dp=4 with hpZ groups of 2: the forward all-gathers over the whole dp group
+    (4 parts) and each gathered layer leaves a 1/2 secondary shard (local_chunk over the
+    group); the backward's gathers read those over the group (2 parts); reduce-scatters stay
+    over dp; the parameter inputs stay 1/4 shards."""
+    gm, model = _compile(4, gpt=True, zero=3, hpz=2)  # (the MLP is all tail: no bwd gather)
+    found = _collectives(gm)
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    fwd = [g for g in gathers if g.meta[ir.REGION] != ir.BACKWARD]
+    bwd = [g for g in gathers if g.meta[ir.REGION] == ir.BACKWARD]
+    assert fwd and all(g.args[1:] == (4, "dp") for g in fwd)
+    assert bwd and all(g.args[1:] == (2, "shard") for g in bwd)
+    assert all(c[1:] == ("dp", 4) for c in found if c[0] == "reduce_scatter")
+    secs = [n for n in gm.graph.nodes if n.target is torch.ops.fxpar.local_chunk.default]
+    assert secs and all(n.args[2:] == (2, "shard") and n.meta[ir.REGION] == ir.FORWARD
+                        for n in secs)
+    for g in bwd:  # every backward gather reads secondary shards (directly or packed)
+        src = g.args[0]
+        ins = src.args[0] if src.target is torch.ops.aten.cat.default else [src]
+        assert all(x.target is torch.ops.fxpar.local_chunk.default for x in ins), g
+    params = {n: p for n, p in model.named_parameters()}
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
+    assert all(ph.meta[ir.VAL].numel() == -(-params[ph.meta[ir.FQN]].numel() // 4)
+               for ph in phs)
+
+
+@pytest.mark.parametrize("plan,match", [
+    ({"dp": 4, "zero": 2, "hpz": 2}, "needs zero=3"),
+    ({"dp": 4, "zero": 3, "hpz": 4}, "fewer than dp"),
+    ({"dp": 4, "zero": 3, "hpz": 2, "dp_shard": 2}, "cannot be combined"),
+    ({"dp": 2, "pp": 2, "zero": 3, "hpz": 2, "microbatches": 2}, "must divide|pp=1"),
+])
+def test_bad_hpz_is_a_clear_error(plan, match):
+    with pytest.raises(PlanError, match=match):
+        resolve(plan, 4)
