@@ -150,7 +150,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         plan, plan_report, captured = autoplan.for_parallelize(
             model, devices, world_size, plan, example_batch, loss_fn, optimizer)
         clock.extend(plan_report.times)  # (each logged where it was measured)
-    resolved = resolve(plan, world_size)
+    resolved = resolve(_shard_group_of_mesh(plan, devices), world_size)
     if os.environ.get("FXPAR_VERIFY", "").strip().lower() in ("1", "true", "yes"):
         resolved.verify = True
         resolved.validate(world_size)  # (what verify cannot check: a lossy plan)
@@ -216,6 +216,18 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = clock.finish()
     return pm
+
+
+def _shard_group_of_mesh(plan, devices):
+    """A DeviceMesh the user passes with HSDP's dims ("dp_rep", "dp_shard"[, "pp"][, "tp"]):
+    its shard groups are the plan's unless the plan names its own dp_shard."""
+    names = getattr(devices, "mesh_dim_names", None) or ()
+    if "dp_shard" not in names:
+        return plan
+    p = Plan.from_any(plan)
+    if p != "auto" and p.dp_shard is None and p.hpz is None:
+        p.dp_shard = devices.size(names.index("dp_shard"))
+    return p
 
 
 def mesh_dims(plan) -> list[tuple[str, int]]:

@@ -34,6 +34,8 @@ class Plan:
                     gradients are reduce-scattered within the shard group and the shard
                     all-reduced across the replicas; ZeRO-3's parameter all-gathers stay
                     within the shard group. None (default): one shard group of all dp ranks.
+                    "node": the dp ranks of one node (the launcher's LOCAL_WORLD_SIZE, as
+                    torchrun sets it; on one node that is all of them: plain ZeRO).
     hpz:            ZeRO++'s hierarchical partitioning (hpZ), with zero=3: each layer's
                     weights, all-gathered over every dp rank for the forward, also leave a
                     secondary shard of 1/hpz on each rank (groups of hpz neighbouring dp
@@ -302,7 +304,8 @@ def hsdp_misfit(dp_shard, dp: int, zero: int) -> str | None:
     if dp_shard is None:
         return None
     if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1:
-        return f"Plan.dp_shard must be a positive integer or None, got {dp_shard!r}."
+        return (f"Plan.dp_shard must be a positive integer, 'node' or None, got "
+                f"{dp_shard!r}.")
     if dp_shard == 1 or dp % dp_shard:
         return (f"Plan.dp_shard={dp_shard} must divide dp={dp} into shard groups of at least "
                 f"2 ranks (each group holds one copy of the ZeRO shards): use a divisor of "
@@ -442,7 +445,23 @@ def resolve(plan: Any, world_size: int) -> Plan:
                 f" minus ps = {servers} server ranks" if servers else "")
                 + f" is not a positive multiple of tp*pp = {p.tp * p.pp}.")
         p.dp = workers // (p.tp * p.pp)
+    if p.dp_shard == "node":
+        p.dp_shard = node_shard(p.dp, p.tp * p.pp)
     return p.validate(world_size)
+
+
+def node_shard(dp: int, inner: int) -> int | None:
+    """Plan.dp_shard="node": the dp ranks one node holds (LOCAL_WORLD_SIZE ranks, tp x pp of
+    them per dp rank: the mesh puts those innermost), or None where one node holds every dp
+    rank or the launcher does not say (one process: a single node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local <= 0 or local % inner or local // inner >= dp:
+        return None
+    if dp % (local // inner):
+        raise PlanError(f"Plan.dp_shard='node': a node holds {local // inner} dp ranks "
+                        f"(LOCAL_WORLD_SIZE={local}, tp*pp={inner}), which does not divide "
+                        f"dp={dp}: give dp_shard as a number, or a dp that nodes divide.")
+    return local // inner
 
 
 def world_of(devices) -> tuple[int, str]:

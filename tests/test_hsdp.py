@@ -88,11 +88,55 @@ def test_dp_shard_equal_to_dp_is_plain_zero():
     ({"dp": 4, "dp_shard": 2}, "zero=0 shards nothing"),
     ({"dp": 4, "zero": 3, "dp_shard": 3}, "must divide dp=4"),
     ({"dp": 4, "zero": 3, "dp_shard": 1}, "at least 2 ranks"),
-    ({"dp": 4, "zero": 3, "dp_shard": "node"}, "positive integer"),
+    ({"dp": 4, "zero": 3, "dp_shard": "rack"}, "positive integer, 'node'"),
 ])
 def test_bad_dp_shard_is_a_clear_error(plan, match):
     with pytest.raises(PlanError, match=match):
         resolve(plan, 4)
+
+
+def test_dp_shard_node_is_the_dp_ranks_of_one_node(monkeypatch):
+    """dp_shard="node" takes torchrun's LOCAL_WORLD_SIZE: 2 nodes of 4 ranks at dp=8 shard
+    over 4, at tp=2 (dp=4) over 2 (the node's other ranks are tp peers); one node, or no
+    launcher, is plain ZeRO; a node size that does not divide dp is refused."""
+    plan = {"zero": 3, "dp_shard": "node"}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve(plan, 8).dp_shard == 4
+    assert resolve({**plan, "tp": 2}, 8).dp_shard == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resolve(plan, 8).dp_shard is None
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert resolve(plan, 8).dp_shard is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(PlanError, match="does not divide"):
+        resolve({**plan, "dp": 6, "tp": 1}, 6)
+
+
+def test_a_users_mesh_with_hsdp_dims_sets_the_shard_group():
+    from fxpar.api.parallelize import _shard_group_of_mesh
+
+    class Mesh:  # (a DeviceMesh's names and sizes: building one needs a process group)
+        mesh_dim_names = ("dp_rep", "dp_shard")
+
+        def size(self, dim=None):
+            return (2, 4)[dim] if dim is not None else 8
+    assert _shard_group_of_mesh({"zero": 3}, Mesh()).dp_shard == 4
+    assert _shard_group_of_mesh({"zero": 3, "dp_shard": 2}, Mesh()).dp_shard == 2
+    assert _shard_group_of_mesh({"zero": 3}, 8) == {"zero": 3}
+
+
+def test_hsdp_inside_tensor_parallelism_compiles_to_both_groups():
+    """dp=4 x tp=2 with HSDP shard groups of 2: the tp pass's collectives on tp, ZeRO-3's
+    gathers and reduce-scatters on the shard group, the shards' all-reduce on the replicas."""
+    model = M.GPT(M.GPTConfig())
+    gm, sig = capture(model, M.gpt_batch(M.GPTConfig(), 8))
+    ctx = PassContext(signature=sig, group_names={**GROUPS, "tp": "tp"})
+    gm = run_passes(gm, resolve({"dp": 4, "tp": 2, "zero": 3, "dp_shard": 2}, 8), ctx, "r", {})
+    found = _collectives(gm)
+    assert {c[1] for c in found} == {"dp", "tp", "shard", "rep"}
+    assert all(c[2] == 2 for c in found if c[1] == "shard")
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == \
+        sum(1 for c in found if c[0] == "all_reduce" and c[1] == "rep")
 
 
 def test_mesh_puts_the_shard_group_on_neighbouring_ranks():
