@@ -145,12 +145,13 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         with clock("process group start"):
             rdist.setup(devices)  # the default group (the mesh comes once the plan is known)
         _same_arguments_on_every_rank(plan, example_batch, batch)
+    plan = _shard_group_of_mesh(plan, devices)  # (a user's HSDP mesh: its shard groups)
     plan_report = captured = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report, captured = autoplan.for_parallelize(
             model, devices, world_size, plan, example_batch, loss_fn, optimizer)
         clock.extend(plan_report.times)  # (each logged where it was measured)
-    resolved = resolve(_shard_group_of_mesh(plan, devices), world_size)
+    resolved = resolve(plan, world_size)
     if os.environ.get("FXPAR_VERIFY", "").strip().lower() in ("1", "true", "yes"):
         resolved.verify = True
         resolved.validate(world_size)  # (what verify cannot check: a lossy plan)
@@ -224,9 +225,20 @@ def _shard_group_of_mesh(plan, devices):
     names = getattr(devices, "mesh_dim_names", None) or ()
     if "dp_shard" not in names:
         return plan
-    p = Plan.from_any(plan)
-    if p != "auto" and p.dp_shard is None and p.hpz is None:
-        p.dp_shard = devices.size(names.index("dp_shard"))
+    s = devices.size(names.index("dp_shard"))
+    if plan is None or plan == "auto":  # (the planner searches the rest)
+        return {"dp": "auto", "tp": "auto", "pp": "auto", "dp_shard": s}
+    p = dict(plan) if isinstance(plan, dict) else Plan.from_any(plan)
+    get = p.get if isinstance(p, dict) else (lambda k: getattr(p, k))
+    if get("dp_shard") is None and get("hpz") is None:
+        if isinstance(p, dict):
+            p["dp_shard"] = s
+        else:
+            p.dp_shard = s
+    elif s not in (get("dp_shard"), get("hpz")):
+        raise PlanError(f"the DeviceMesh passed as devices shards over groups of {s} ranks "
+                        f"(its 'dp_shard' dim) but the plan says dp_shard={get('dp_shard')}, "
+                        f"hpz={get('hpz')}: leave them unset (the mesh decides) or match it.")
     return p
 
 

@@ -226,7 +226,8 @@ def model_state_bytes(model, plan: Plan, device: torch.device, states: int = 2) 
     per_state = trained / (n if plan.zero >= 1 else 1)
     if plan.offload_optimizer:
         states = states + 2 if device.type == "cpu" else 0
-    return int(params / (n if plan.zero >= 3 else 1)
+    secondary = params / plan.hpz if plan.hpz else 0.0  # (hpZ's, forward to backward)
+    return int(params / (n if plan.zero >= 3 else 1) + secondary
                + trained / (n if plan.zero >= 2 else 1) + states * per_state)
 
 

@@ -249,7 +249,7 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
                 transient: bool = True, bucket_bytes: float = 25 * 2 ** 20, pp: int = 1,
                 microbatches: int = 1, sends_held: float = 0.0, saved_factor: float = 1.0,
                 received_at_end: float = 0.0, weight_copies: float = 0.0,
-                optimizer_foreach: bool = False
+                optimizer_foreach: bool = False, shard_dp: int | None = None
                 ) -> tuple[MemoryEstimate, SavedActivations]:
     """Memory of one rank of the stage holding `segs` without its saved activations (its
     `activations` are the working memory alone), and what one microbatch saves.
@@ -261,12 +261,15 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
     pass's cut saves on this rank over what `segs` save. `weight_copies`: elements of
     shared weights this rank holds a copy of and steps (priced with another stage).
     `optimizer_foreach`: the optimizer steps all its tensors at once (torch's default on
-    CUDA), so its temporaries are parameter-sized for all of them, not the largest."""
+    CUDA), so its temporaries are parameter-sized for all of them, not the largest.
+    `shard_dp`: the ranks ZeRO shards over where not all dp ranks (HSDP's shard group); dp
+    still sizes what the batch's split keeps."""
+    sdp = shard_dp or dp
     elem = DTYPE_BYTES[precision]
     n = sum((s.params - s.params_split) + s.params_split / tp for s in segs) + weight_copies
     per = state_bytes_per_param(optimizer, precision)
-    params, grads, opt = model_state(n, dp, elem, per, zero)
-    stepped = n / dp if zero >= 1 else n  # (the fp32 master elements this rank steps)
+    params, grads, opt = model_state(n, sdp, elem, per, zero)
+    stepped = n / sdp if zero >= 1 else n  # (the fp32 master elements this rank steps)
     largest = max([s.largest_param for s in segs] + [weight_copies])
     per_tensor = OPTIMIZER_TEMPORARIES.get(optimizer, 2)
     step_temp = 4 * (min(per_tensor, 1) * stepped if optimizer_foreach
@@ -333,7 +336,7 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
             # by the end of the last backward every bucket is packed before the first
             # reduction returns: the sums beside a packed copy of all of them and, under
             # ZeRO-1/2, the reduced shards it keeps
-            at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / dp if zero else 0.0)
+            at_end = n * elem + (max(n * elem - bucket_bytes, 0.0) / sdp if zero else 0.0)
             # the last gradient is made beside the others' packed buckets: its parts live
             # at once before they are summed (a tied embedding's and head's: the peak is
             # the sums, the others packed and both parts)
@@ -346,4 +349,4 @@ def stage_state(segs: list[Segment], stats: GraphStats, *, tp: int, dp: int, zer
                           working_end=working_end, optimizer_step=step_temp,
                           gathered=gathered, microbatches=microbatches, at_end=at_end,
                           state=state_formula(zero),
-                          sizes={"N": n, "dp": dp, "b": elem, "s": per}), saved
+                          sizes={"N": n, "dp": sdp, "b": elem, "s": per}), saved

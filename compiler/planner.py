@@ -46,8 +46,8 @@ from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEs
                                          optimizer_kind, stage_state, state_bytes_per_param,
                                          with_activations)
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.core.plan import (SEARCHED, Plan, plan_dict, quantization_misfit,  # noqa: F401
-                             replays_step, resolve)
+from fxpar.core.plan import (SEARCHED, Plan, node_shard, plan_dict,  # noqa: F401
+                             quantization_misfit, replays_step, resolve)
 from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
@@ -861,6 +861,8 @@ def recalibrate(result: PlanResult, plan: Plan, measured_s: float,
     # the plan's fields pinned; a remat budget the search derived (to fit) is derived again
     # alike -- pinned, it would be applied to every stage and price a different plan
     fixed = {**{k: getattr(plan, k) for k in SEARCHED if k != "remat"}, **inp["constraints"]}
+    # (None is "not given" to the search: ZeRO over every dp rank and no hpZ pinned so)
+    fixed.update({"dp_shard": fixed.get("dp_shard") or plan.dp, "hpz": fixed.get("hpz") or 0})
 
     def predicted(k):
         hw = _compute_scaled(result.hardware, k)
@@ -1001,18 +1003,20 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints) -> list[tuple]:
     backward's gathers on the node's links)."""
     node = hw.devices_per_node // (tp * pp) if hw.devices_per_node % (tp * pp) == 0 else 0
     spans = dp * tp * pp > hw.devices_per_node and 1 < node < dp and dp % node == 0
-    shards = [constraints["dp_shard"]] if "dp_shard" in constraints else \
-        [None, node] if spans else [None]
+    given = constraints.get("dp_shard")
+    if given == "node":  # (the launcher's node size: Plan.dp_shard="node")
+        given = node_shard(dp, tp * pp) or dp
+    shards = [given] if "dp_shard" in constraints else [None, node] if spans else [None]
     hpzs = [constraints["hpz"]] if "hpz" in constraints else [None, node] if spans else [None]
     out = []
     for s in shards:
         if s is not None and s != dp and not (zero and 1 < s < dp and dp % s == 0):
             continue
         for h in hpzs:
-            if h is not None and (zero != 3 or pp > 1 or m > 1 or not 1 < h < dp or dp % h
+            if h and (zero != 3 or pp > 1 or m > 1 or not 1 < h < dp or dp % h
                                   or (s is not None and s < dp)):
                 continue
-            out.append((s, h))
+            out.append((s if s and s < dp else None, h or None))  # (0, dp: none)
     return out
 
 
@@ -1082,7 +1086,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r], remat == "none")
         if key not in states:
             mem, saved = stage_state(
-                rank_segs[r], stats, tp=tp, dp=sdp, zero=zero, rows=mbs, precision=precision,
+                rank_segs[r], stats, tp=tp, dp=dp, shard_dp=sdp, zero=zero, rows=mbs, precision=precision,
                 optimizer=optimizer, remat_none=remat == "none", transient=True, pp=pp,
                 microbatches=m, sends_held=kept[r], saved_factor=saved_factor[r],
                 received_at_end=at_end[r], weight_copies=copies[r],
@@ -1098,8 +1102,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 stepped = mem.params / DTYPE_BYTES[precision] * (sdp if zero >= 3 else 1) / (
                     sdp if zero >= 1 else 1)
                 mem.optimizer += 2 * 4 * stepped
-            if hpz:  # hpZ's secondary shards: 1/hpz of the weights, forward to backward
-                mem.buffers += mem.params * sdp / hpz
+            if hpz:  # hpZ's secondary shards: 1/hpz of the (fp32 master) weights, cut from
+                # the forward's gathered copy and held to the backward
+                mem.buffers += mem.params * sdp / hpz * 4 / DTYPE_BYTES[precision]
             if onebit:  # 1-bit Adam's flat momentum and the error it carries, fp32 (the
                 # server's error: 1/dp more)
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]

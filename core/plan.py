@@ -320,7 +320,7 @@ def hsdp_misfit(dp_shard, dp: int, zero: int) -> str | None:
 def hpz_misfit(plan: "Plan") -> str | None:
     """Why Plan.hpz cannot run with the rest of `plan`, or None."""
     h = plan.hpz
-    if h is None:
+    if not h and h is not False:  # (None or 0: off)
         return None
     if not isinstance(h, int) or isinstance(h, bool):
         return f"Plan.hpz must be a positive integer or None, got {h!r}."
@@ -455,8 +455,8 @@ def node_shard(dp: int, inner: int) -> int | None:
     them per dp rank: the mesh puts those innermost), or None where one node holds every dp
     rank or the launcher does not say (one process: a single node)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if local <= 0 or local % inner or local // inner >= dp:
-        return None
+    if local <= 0 or local % inner or not 1 < local // inner < dp:
+        return None  # (a node of one dp rank: nothing to shard within it)
     if dp % (local // inner):
         raise PlanError(f"Plan.dp_shard='node': a node holds {local // inner} dp ranks "
                         f"(LOCAL_WORLD_SIZE={local}, tp*pp={inner}), which does not divide "

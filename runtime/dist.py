@@ -113,8 +113,14 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         n = 1
         for d in shape:
             n *= d
-        if hasattr(devices, "get_group") and devices.mesh_dim_names == names:
+        user = hasattr(devices, "get_group")
+        if user and devices.mesh_dim_names == names and tuple(devices.mesh.shape) == shape:
             mesh = devices
+        elif user and "dp_shard" in (devices.mesh_dim_names or ()):
+            raise PlanError(
+                f"the DeviceMesh passed as devices has dims {devices.mesh_dim_names} of sizes "
+                f"{tuple(devices.mesh.shape)}, but the plan needs {names} of sizes {shape}: "
+                "pass a mesh of the plan's shape, or give the plan the mesh's degrees.")
         elif n < world:  # the first n ranks (every rank builds it: new_group is collective)
             from torch.distributed.device_mesh import DeviceMesh
             mesh = DeviceMesh(dev.type, torch.arange(n).view(shape), mesh_dim_names=names,

@@ -110,6 +110,8 @@ def test_dp_shard_node_is_the_dp_ranks_of_one_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(PlanError, match="does not divide"):
         resolve({**plan, "dp": 6, "tp": 1}, 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (a node of one dp rank: nothing to shard)
+    assert resolve({**plan, "tp": 2}, 8).dp_shard is None
 
 
 def test_a_users_mesh_with_hsdp_dims_sets_the_shard_group():
@@ -120,8 +122,13 @@ def test_a_users_mesh_with_hsdp_dims_sets_the_shard_group():
 
         def size(self, dim=None):
             return (2, 4)[dim] if dim is not None else 8
-    assert _shard_group_of_mesh({"zero": 3}, Mesh()).dp_shard == 4
-    assert _shard_group_of_mesh({"zero": 3, "dp_shard": 2}, Mesh()).dp_shard == 2
+    assert _shard_group_of_mesh({"zero": 3}, Mesh())["dp_shard"] == 4
+    assert _shard_group_of_mesh(Plan(zero=3), Mesh()).dp_shard == 4
+    assert _shard_group_of_mesh({"zero": 3, "dp_shard": 4}, Mesh())["dp_shard"] == 4
+    assert _shard_group_of_mesh("auto", Mesh()) == {"dp": "auto", "tp": "auto", "pp": "auto",
+                                                    "dp_shard": 4}  # (searched around it)
+    with pytest.raises(PlanError, match="groups of 4 ranks"):
+        _shard_group_of_mesh({"zero": 3, "dp_shard": 2}, Mesh())
     assert _shard_group_of_mesh({"zero": 3}, 8) == {"zero": 3}
 
 
@@ -152,11 +159,13 @@ def test_mesh_puts_the_shard_group_on_neighbouring_ranks():
 @pytest.mark.slow
 def test_hsdp_2x2_and_hpz_equal_single_process():
     """dp=4 as 2 replicas x shard groups of 2, ZeRO-1/2/3 (and ZeRO-3 with remat on HF
-    Llama), and ZeRO-3 with hpZ groups of 2 (GPT, HF Llama): losses, evaluate() and final
+    Llama, ZeRO-2 on a BatchNorm CNN: its statistics over all 4 ranks), and ZeRO-3 with hpZ
+    groups of 2 (GPT, HF Llama): losses, evaluate() and final
     parameters equal eager AdamW; under HSDP each rank holds half the optimizer state (a
     shard group's share), under hpZ a quarter."""
     cases = [("gpt", "adamw", {"dp": 4, "zero": z, "dp_shard": 2}) for z in (1, 2, 3)] + \
-        [("hf_llama", "adamw", {"dp": 4, "zero": 3, "dp_shard": 2, "remat": "sqrt"})] + \
+        [("hf_llama", "adamw", {"dp": 4, "zero": 3, "dp_shard": 2, "remat": "sqrt"}),
+         ("convbn", "adamw", {"dp": 4, "zero": 2, "dp_shard": 2})] + \
         [(m, "adamw", {"dp": 4, "zero": 3, "hpz": 2}) for m in ("gpt", "hf_llama")]
     infos = _check_plans(4, cases)
     for (_, _, plan), info in zip(cases, infos):  # hpZ: state over all 4 ranks
@@ -232,8 +241,11 @@ def test_planner_prices_hsdp_where_the_dp_group_spans_nodes():
                               executable=False, constraints={"tp": 1, "pp": 1, "zero": 3})
     assert {(c.plan.dp_shard, c.plan.hpz) for c in one_node.table} == {(None, None)}
     fixed = planner.search(stats, 64, hw, batch_rows=512, precision="bf16", executable=False,
-                           constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": 4})
-    assert {c.plan.dp_shard for c in fixed.table} == {4}
+                           constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": 4, "hpz": 0})
+    assert {(c.plan.dp_shard, c.plan.hpz) for c in fixed.table} == {(4, None)}
+    flat = planner.search(stats, 64, hw, batch_rows=512, precision="bf16", executable=False,
+                          constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": 64, "hpz": 0})
+    assert {(c.plan.dp_shard, c.plan.hpz) for c in flat.table} == {(None, None)}
 
 
 # --- hpZ (Plan.hpz) ---------------------------------------------------------------------
@@ -273,3 +285,15 @@ def test_hpz_backward_gathers_secondary_shards_within_the_group():
 def test_bad_hpz_is_a_clear_error(plan, match):
     with pytest.raises(PlanError, match=match):
         resolve(plan, 4)
+
+
+def test_planner_takes_dp_shard_node_from_the_launcher(monkeypatch):
+    """{"dp_shard": "node"} given to the search: the node's dp ranks (LOCAL_WORLD_SIZE)."""
+    from fxpar.compiler import planner
+    from fxpar.core import cost
+    from fxpar.examples import gpt_stats as G
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    r = planner.search(G.gpt_stats("gpt-1.7b"), 32, cost.HARDWARE["h100"], batch_rows=64,
+                       precision="bf16", executable=False,
+                       constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": "node"})
+    assert {c.plan.dp_shard for c in r.table} == {8}
