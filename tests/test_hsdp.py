@@ -297,3 +297,13 @@ def test_planner_takes_dp_shard_node_from_the_launcher(monkeypatch):
                        precision="bf16", executable=False,
                        constraints={"tp": 1, "pp": 1, "zero": 3, "dp_shard": "node"})
     assert {c.plan.dp_shard for c in r.table} == {8}
+
+
+@pytest.mark.slow
+@pytest.mark.full  # (8 ranks on CI's 2 cores)
+def test_hsdp_under_pipeline_parallelism_equals_single_process():
+    """dp=4 (2 replicas x shard groups of 2) x pp=2, ZeRO-3, 2 microbatches on 8 ranks: each
+    stage's reduce-scatters and gathers over its shard group in its R / F / B parts, equal
+    to eager."""
+    _check_plans(8, [("gpt", "adamw", {"dp": 4, "pp": 2, "zero": 3, "dp_shard": 2,
+                                        "microbatches": 2})])
