@@ -36,16 +36,22 @@ class Prediction:
     memory_bytes: int       # peak of gradients + activations the step allocates (simulated)
 
 
-def predict(gm: torch.fx.GraphModule, device, group_size: int) -> Prediction:
-    """The cost model's view of one step of this rank's (unsplit) graph."""
+def predict(gm: torch.fx.GraphModule, device, group_size: int,
+            group_sizes: dict[str, int] | None = None) -> Prediction:
+    """The cost model's view of one step of this rank's (unsplit) graph. A collective over a
+    group named in `group_sizes` (HSDP's shard and replica groups) is priced at its size,
+    the others at `group_size`."""
     profile = cost.DeviceProfile.for_device(device)
     compute = comm = 0.0
+    sizes = group_sizes or {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if n.target in cost.COLLECTIVES:
+            size = next((sizes[a] for a in n.args if isinstance(a, str) and a in sizes),
+                        group_size)
             comm += cost.comm_time(n.target, cost.tensor_bytes(n.args[0].meta.get(ir.VAL)),
-                                   group_size, profile)
+                                   size, profile)
         elif not is_collective(n):
             compute += cost.node_time(n, profile)
     tl = cost.simulate_liveness(gm, count_inputs=False)
@@ -275,7 +281,10 @@ def write_report(pm, out_dir: str, *, svgs: list[str], images: list[str],
     final = [roles for name, roles in pm.stage_graphs.items()
              if name not in ("stages", "codegen")][-1]
     gm = next(iter(final.values()))  # the whole graph after the last pass (not a part)
-    pred = predict(gm, pm.world.device, max(plan.dp, 1))
+    s = plan.node_group or plan.dp
+    pred = predict(gm, pm.world.device, max(plan.dp, 1), {
+        ir.GROUPS["tp"]: plan.tp, ir.GROUPS["pp"]: plan.pp, ir.GROUPS["dp_shard"]: s,
+        ir.GROUPS["dp_rep"]: plan.dp // s})
     stats = pm.step_stats
     measured_s = measured_step_s or (statistics.median(s.time_s for s in stats[-5:])
                                      if stats else None)
