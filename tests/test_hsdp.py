@@ -1,5 +1,7 @@
 """Hierarchical sharding (Plan.dp_shard: HSDP / MiCS): ZeRO within shard groups, replicas
 across them. The pass's collectives on small graphs; exact training on 4 gloo ranks."""
+import os
+
 import pytest
 import torch
 
@@ -307,3 +309,55 @@ def test_hsdp_under_pipeline_parallelism_equals_single_process():
     to eager."""
     _check_plans(8, [("gpt", "adamw", {"dp": 4, "pp": 2, "zero": 3, "dp_shard": 2,
                                         "microbatches": 2})])
+
+
+TWO_NODES_SCRIPT = """
+import copy, os, torch, fxpar
+from fxpar.examples import models as M
+torch.manual_seed(0)
+model = M.MLP()
+ref = copy.deepcopy(model)
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+pm = fxpar.parallelize(model, 4, example_batch=batches[0], optimizer=opt,
+                       plan={"dp": 4, "zero": 3, "dp_shard": "node", "codegen": "eager"})
+losses = [pm.step(b).item() for b in batches]
+state = pm.full_state_dict()
+if int(os.environ["RANK"]) == 0:
+    o = opt(ref.parameters())
+    for b, got in zip(batches, losses):
+        o.zero_grad()
+        loss = ref(b)
+        loss.backward()
+        o.step()
+        assert abs(loss.item() - got) <= 1e-5 * abs(got) + 1e-6, (loss.item(), got)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    print("mesh", dict(zip(pm.world.mesh.mesh_dim_names, pm.world.mesh.mesh.shape)),
+          "dp_shard", pm.plan.dp_shard, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_dp_shard_node_across_two_torchrun_nodes(tmp_path):
+    """Two torchrun "nodes" of 2 ranks each on localhost (--nnodes 2): dp_shard="node" takes
+    the node size from torchrun's LOCAL_WORLD_SIZE, so each node is one shard group (a 2 x 2
+    mesh), and ZeRO-3 trains as eager AdamW."""
+    import socket
+    import subprocess
+    import sys
+    script = tmp_path / "train.py"
+    script.write_text(TWO_NODES_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, FXPAR_DEVICE="cpu", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "hsdp-nodes",
+         "--rdzv-endpoint", f"localhost:{port}", str(script)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    assert "mesh {'dp_rep': 2, 'dp_shard': 2} dp_shard 2" in outs[0], outs[0][-3000:]
