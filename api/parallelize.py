@@ -260,7 +260,8 @@ def _same_arguments_on_every_rank(plan, example_batch, batch: str) -> None:
     shapes = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
               for t in torch.utils._pytree.tree_leaves(example_batch)]
     mine = {"plan": repr(plan), "example_batch": repr(shapes), "batch": batch}
-    if "'node'" in repr(plan):  # (dp_shard="node" resolves from this rank's node size)
+    asked = plan.get("dp_shard") if isinstance(plan, dict) else getattr(plan, "dp_shard", None)
+    if asked == "node":  # (resolved from each rank's own node size)
         mine["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE", "unset")
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -46,8 +46,9 @@ from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEs
                                          optimizer_kind, stage_state, state_bytes_per_param,
                                          with_activations)
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.core.plan import (SEARCHED, Plan, node_shard, plan_dict,  # noqa: F401
-                             quantization_misfit, replays_step, resolve)
+from fxpar.core.plan import (SEARCHED, Plan, hpz_misfit, hsdp_misfit,  # noqa: F401
+                             node_shard, plan_dict, quantization_misfit, replays_step,
+                             resolve)
 from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
 from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
@@ -1005,19 +1006,16 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints) -> list[tuple]:
     spans = dp * tp * pp > hw.devices_per_node and 1 < node < dp and dp % node == 0
     given = constraints.get("dp_shard")
     if given == "node":  # (the launcher's node size: Plan.dp_shard="node")
-        given = node_shard(dp, tp * pp) or dp
+        try:
+            given = node_shard(dp, tp * pp)
+        except PlanError:  # (nodes do not divide this dp: not a candidate)
+            return []
     shards = [given] if "dp_shard" in constraints else [None, node] if spans else [None]
     hpzs = [constraints["hpz"]] if "hpz" in constraints else [None, node] if spans else [None]
-    out = []
-    for s in shards:
-        if s is not None and s != dp and not (zero and 1 < s < dp and dp % s == 0):
-            continue
-        for h in hpzs:
-            if h and (zero != 3 or pp > 1 or m > 1 or not 1 < h < dp or dp % h
-                                  or (s is not None and s < dp)):
-                continue
-            out.append((s if s and s < dp else None, h or None))  # (0, dp: none)
-    return out
+    shards = [None if s == dp else s for s in shards]  # (a group of all dp ranks: none)
+    return [(s, h or None)  # (hpz = 0: none)
+            for s in shards if not hsdp_misfit(s, dp, zero)
+            for h in hpzs if not hpz_misfit(h, dp, zero, pp, m, s)]
 
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
@@ -1086,8 +1084,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r], remat == "none")
         if key not in states:
             mem, saved = stage_state(
-                rank_segs[r], stats, tp=tp, dp=dp, shard_dp=sdp, zero=zero, rows=mbs, precision=precision,
-                optimizer=optimizer, remat_none=remat == "none", transient=True, pp=pp,
+                rank_segs[r], stats, tp=tp, dp=dp, shard_dp=sdp, zero=zero, rows=mbs,
+                precision=precision, optimizer=optimizer, remat_none=remat == "none", transient=True, pp=pp,
                 microbatches=m, sends_held=kept[r], saved_factor=saved_factor[r],
                 received_at_end=at_end[r], weight_copies=copies[r],
                 optimizer_foreach=dev == "cuda",

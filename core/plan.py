@@ -234,7 +234,8 @@ class Plan:
                             f"got {self.remat!r}.")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}.")
-        misfit = hsdp_misfit(self.dp_shard, self.dp, self.zero) or hpz_misfit(self)
+        misfit = hsdp_misfit(self.dp_shard, self.dp, self.zero) or hpz_misfit(
+            self.hpz, self.dp, self.zero, self.pp, self.microbatches, self.dp_shard)
         if misfit:
             raise PlanError(misfit)
         if self.precision not in PRECISIONS:
@@ -300,7 +301,8 @@ class Plan:
 
 
 def hsdp_misfit(dp_shard, dp: int, zero: int) -> str | None:
-    """Why Plan.dp_shard cannot run with this dp and ZeRO stage, or None."""
+    """Why Plan.dp_shard cannot run with this dp and ZeRO stage, or None: the one rule
+    Plan.validate and the planner's candidates share."""
     if dp_shard is None:
         return None
     if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1:
@@ -317,25 +319,27 @@ def hsdp_misfit(dp_shard, dp: int, zero: int) -> str | None:
     return None
 
 
-def hpz_misfit(plan: "Plan") -> str | None:
-    """Why Plan.hpz cannot run with the rest of `plan`, or None."""
-    h = plan.hpz
-    if not h and h is not False:  # (None or 0: off)
+def hpz_misfit(hpz, dp: int, zero: int, pp: int, microbatches: int,
+               dp_shard=None) -> str | None:
+    """Why Plan.hpz cannot run with these fields, or None (None or 0: off): the one rule
+    Plan.validate and the planner's candidates share."""
+    h = hpz
+    if h is None or (type(h) is int and h == 0):
         return None
     if not isinstance(h, int) or isinstance(h, bool):
         return f"Plan.hpz must be a positive integer or None, got {h!r}."
     why = "hpZ keeps a secondary shard of each layer's weights for its backward gather"
-    if plan.zero != 3:
-        return f"Plan.hpz={h}: {why}; it needs zero=3 (got zero={plan.zero})."
-    if not 1 < h < plan.dp or plan.dp % h:
-        return (f"Plan.hpz={h} must divide dp={plan.dp} into groups of at least 2 ranks and "
+    if zero != 3:
+        return f"Plan.hpz={h}: {why}; it needs zero=3 (got zero={zero})."
+    if not 1 < h < dp or dp % h:
+        return (f"Plan.hpz={h} must divide dp={dp} into groups of at least 2 ranks and "
                 "fewer than dp (e.g. the GPUs per node).")
-    if plan.hsdp:
+    if dp_shard and dp_shard < dp:
         return ("Plan.hpz and dp_shard < dp cannot be combined: HSDP already keeps ZeRO's "
                 "gathers within its shard groups. Use one of them.")
-    if plan.pp > 1 or plan.microbatches > 1:
+    if pp > 1 or microbatches > 1:
         return (f"Plan.hpz={h}: {why} inside one graph; it runs with pp=1 and one "
-                f"microbatch (got pp={plan.pp}, microbatches={plan.microbatches}).")
+                f"microbatch (got pp={pp}, microbatches={microbatches}).")
     return None
 
 

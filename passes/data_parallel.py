@@ -194,8 +194,8 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     return gm
 
 
-def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized=False,
-                    zero_groups=None):
+def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
+                    zero_groups: _ZeroGroups):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
     With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket (over
     `zero_groups`: the whole dp group unless HSDP); `quantized` (ZeRO-2/3,
@@ -221,8 +221,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero=0, profile=None, quantized
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero:
         grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
-                                    gm.meta, profile, quantized,
-                                    zero_groups or _ZeroGroups(group, dp))
+                                    gm.meta, profile, quantized, zero_groups)
         out.meta[ir.N_GRADS] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
@@ -762,7 +761,7 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, se
     if keep_tail:
         bwd = _kept_from_forward(graph, bwd, fwd_fulls, views_of)
     if secondary is not None:
-        gathered = _gathered_from_secondary(graph, bwd, fwd_fulls, secondary, order, full,
+        gathered = _gathered_from_secondary(graph, bwd, fwd_fulls, secondary, full,
                                             quantized, (dp, group))
     else:
         gathered = _gathered_by_layer(graph, bwd, dp, group, order, full, quantized)
@@ -788,8 +787,7 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, se
                 graph.erase_node(v)
 
 
-def _gathered_from_secondary(graph, requests, fwd_fulls, secondary, order, full, quantized,
-                             primary):
+def _gathered_from_secondary(graph, requests, fwd_fulls, secondary, full, quantized, primary):
     """hpZ: for each backward request (param, first reader, readers) a secondary shard -- the
     rank's 1/n of the forward's whole copy (padded to n pieces), cut right after it is made
     and kept to the backward -- then gathered by layer over the group of n ranks, as
@@ -804,19 +802,16 @@ def _gathered_from_secondary(graph, requests, fwd_fulls, secondary, order, full,
         (whole,) = fwd_fulls[p]
         meta = {ir.REGION: ir.FORWARD, ir.MODULE: whole.meta.get(ir.MODULE, ""),
                 ir.SHARD: (Shard(0),)}
-        with graph.inserting_after(whole):
+        pad = -full[p][0] % n
+        with graph.inserting_before(whole.next):  # (in this order, right after the gather)
             flat = graph.call_function(aten.reshape.default, (whole, [-1]))
-            pad = -full[p][0] % n
-            with graph.inserting_after(flat):
-                padded = graph.call_function(aten.constant_pad_nd.default, (flat, [0, pad])) \
-                    if pad else flat
-            with graph.inserting_after(padded):
-                sec = graph.call_function(torch.ops.fxpar.local_chunk.default,
-                                          (padded, 0, n, group))
+            padded = graph.call_function(aten.constant_pad_nd.default, (flat, [0, pad])) \
+                if pad else flat
+            sec = graph.call_function(torch.ops.fxpar.local_chunk.default, (padded, 0, n, group))
         for node in {flat, padded, sec}:
             node.meta.update(meta)
         sec.meta[ir.VAL] = p.meta[ir.VAL].new_empty((-(-full[p][0] // n),))
-        sec.meta[ir.FQN], sec.meta[ir.ROLE] = p.meta.get(ir.FQN), "secondary"
+        sec.meta[ir.FQN] = p.meta.get(ir.FQN)  # (its layer: one gather per layer)
         full[sec], of_param[sec] = full[p], p
         reqs.append((sec, first, readers))
     order = {node: i for i, node in enumerate(graph.nodes)}
