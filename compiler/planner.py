@@ -1086,7 +1086,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             mem, saved = stage_state(
                 rank_segs[r], stats, tp=tp, dp=dp, shard_dp=sdp, zero=zero, rows=mbs,
                 precision=precision, optimizer=optimizer, remat_none=remat == "none",
-                transient=True, pp=pp, microbatches=m, sends_held=kept[r], saved_factor=saved_factor[r],
+                transient=True, pp=pp, microbatches=m, sends_held=kept[r],
+                saved_factor=saved_factor[r],
                 received_at_end=at_end[r], weight_copies=copies[r],
                 optimizer_foreach=dev == "cuda",
                 bucket_bytes=stats.dp_bucket_bytes or 25 * 2 ** 20)
