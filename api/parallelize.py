@@ -246,9 +246,10 @@ def mesh_dims(plan) -> list[tuple[str, int]]:
     """The device mesh's (name, degree) dims, outermost first: tp innermost (neighbouring
     ranks), then pp, then dp; with HSDP (hpZ) dp as (replicas, shard group (secondary
     partition)), that group the inner one (neighbouring ranks: one node when it is the GPUs
-    per node)."""
+    per node); with ep as (across expert groups, expert group), that group the inner one."""
     s = plan.node_group  # (HSDP's shard group, hpZ's secondary partition)
-    dp = [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else [("dp", plan.dp)]
+    dp = [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else \
+        [("edp", plan.dp // plan.ep), ("ep", plan.ep)] if plan.ep > 1 else [("dp", plan.dp)]
     return dp + ([("pp", plan.pp)] if plan.pp > 1 else []) + (
         [("tp", plan.tp)] if plan.tp > 1 else [])
 

@@ -66,6 +66,8 @@ BATCH_SHARD_DIMS = "batch_shard_dims"  # data_parallel: per batch leaf, the dim 
 ZERO_BUCKETS = "zero_buckets"          # data_parallel (ZeRO): parameter indices per bucket
 PARAMS_SHARDED = "params_sharded"      # data_parallel (ZeRO-3): parameter inputs are shards
 TP_LAYOUTS = "tp_layouts"              # tensor_parallel: per parameter, None or a layout
+EXPERT_PARAMS = "expert_params"        # expert_parallel: indices of the parameters split over
+#                                        the ep group along dim 0 (each rank its experts)
 LOSS_SCALE = "loss_scale"              # precision (fp16): the last batch input is the scale
 LOSS_COUNT = "loss_count"              # data_parallel (microbatches): the target counter
 # written by the pass manager (compiler/pass_manager.run_passes):
@@ -77,6 +79,7 @@ PRECISION_REPORT = "precision"         # precision: what was cast, kept, scaled
 REMAT_REPORT = "remat"                 # remat: what is saved and what recomputed
 PIPELINE = "pipeline"                  # pipeline_split: the stages and their parts
 TP_REPORT = "tensor_parallel"          # tensor_parallel: each weight's role, the collectives
+EP_REPORT = "expert_parallel"          # expert_parallel: each MoE layer, its experts and rows
 OVERLAP_REPORT = "overlap"             # overlap: what moved and what limited it
 FUSION_REPORT = "fusion"               # fusion: the fused groups and the unpaid ones
 
@@ -111,8 +114,11 @@ class PassContract:
 # Plan.dp_shard (HSDP) splits the dp ranks into shard groups ("dp_shard": ZeRO's
 # reduce-scatters and gathers) and the groups across them ("dp_rep": a shard's all-reduce);
 # "dp" stays the whole dp group (the batch's split: the loss, batch statistics).
+# Plan.ep splits the dp ranks into expert groups of ep neighbouring ranks ("ep": an MoE
+# layer's experts split over it) and the groups across them ("edp").
 GROUPS = {"dp": "fxpar.dp", "tp": "fxpar.tp", "pp": "fxpar.pp",
-          "dp_shard": "fxpar.dp_shard", "dp_rep": "fxpar.dp_rep"}
+          "dp_shard": "fxpar.dp_shard", "dp_rep": "fxpar.dp_rep",
+          "ep": "fxpar.ep", "edp": "fxpar.edp"}
 
 
 @dataclasses.dataclass
@@ -199,6 +205,11 @@ class Program:
     # (runtime/tp_slices.py); gradient outputs are placed the same way.
     tp: int = 1
     tp_layouts: list = dataclasses.field(default_factory=list)
+    # Expert parallelism (ep > 1): the parameters expert_params (indices) are split along
+    # dim 0 (the experts) over the ep group, this rank's contiguous E/ep of them; their
+    # gradient outputs likewise.
+    ep: int = 1
+    expert_params: list = dataclasses.field(default_factory=list)
     # Mixed precision (passes/precision.py): fp16's graph takes one more batch input after
     # the batch leaves, the 0-dim fp32 loss scale (runtime/amp.GradScaler feeds it).
     loss_scale: bool = False

@@ -43,6 +43,12 @@ class Plan:
                     the group. Costs 1/hpz of the parameters per rank between forward and
                     backward; parameters, gradients and optimizer state stay 1/dp. None
                     (default): off. pp = 1 and one microbatch.
+    ep:             expert parallelism, carved out of dp: the experts of every MoE layer
+                    (found on the graph as grouped matmuls: Hugging Face's default experts)
+                    split over groups of ep neighbouring dp ranks, each rank holding and
+                    computing E/ep of them; the layer's routed rows are summed over the group
+                    where they leave it (passes/expert_parallel.py). 1 (default): off. Divides
+                    dp; tp = pp = 1, zero = 0, one microbatch.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -145,6 +151,7 @@ class Plan:
     zero: int = 0
     dp_shard: int | None = None
     hpz: int | None = None
+    ep: int = 1
     precision: str = "fp32"
     codegen: str = "auto"
     fuse: bool = True
@@ -236,6 +243,9 @@ class Plan:
             raise PlanError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}.")
         misfit = hsdp_misfit(self.dp_shard, self.dp, self.zero) or hpz_misfit(
             self.hpz, self.dp, self.zero, self.pp, self.microbatches, self.dp_shard)
+        if misfit:
+            raise PlanError(misfit)
+        misfit = ep_misfit(self)
         if misfit:
             raise PlanError(misfit)
         if self.precision not in PRECISIONS:
@@ -340,6 +350,32 @@ def hpz_misfit(hpz, dp: int, zero: int, pp: int, microbatches: int,
     if pp > 1 or microbatches > 1:
         return (f"Plan.hpz={h}: {why} inside one graph; it runs with pp=1 and one "
                 f"microbatch (got pp={pp}, microbatches={microbatches}).")
+    return None
+
+
+def ep_misfit(plan: "Plan") -> str | None:
+    """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
+    and the planner's candidates share."""
+    ep = plan.ep
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        return f"Plan.ep must be a positive integer (1: off), got {ep!r}."
+    if ep == 1:
+        return None
+    if plan.dp % ep:
+        return (f"Plan.ep={ep} splits the experts over groups of ep data-parallel ranks: it "
+                f"must divide dp={plan.dp}. Use an ep that divides dp, or a larger dp.")
+    others = [f"{k}={v}" for k, v, off in (
+        ("tp", plan.tp, 1), ("pp", plan.pp, 1), ("microbatches", plan.microbatches, 1),
+        ("zero", plan.zero, 0), ("ps", plan.ps, 0)) if v != off]
+    if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
+        others.append("dp_shard / hpz")
+    if plan.grad_compression != "none":
+        others.append(f"grad_compression={plan.grad_compression!r}")
+    if others:
+        return (f"Plan.ep={ep} runs with data parallelism alone (tp = pp = microbatches = 1, "
+                f"zero = 0, no ps, HSDP, hpZ or gradient compression); this plan also has "
+                f"{', '.join(others)}. Drop those fields, or use ep=1 (the experts are then "
+                "ZeRO-sharded or tp-split like any weight).")
     return None
 
 
@@ -508,7 +544,7 @@ def needs_search(plan) -> bool:
 
 
 # the fields plan="auto" searches: what tells one of its plans from another
-SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "hpz",
+SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "hpz", "ep",
             "remat", "precision", "offload_optimizer")
 
 

@@ -272,6 +272,7 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
 
 from fxpar.core import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
 from fxpar.core import vocab_parallel  # noqa: E402  (registers fxpar::localize)
+from fxpar.core import experts  # noqa: E402,F401  (registers fxpar::expert_window)
 
 _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 
@@ -279,6 +280,7 @@ _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 # dim they gather/scatter/chunk along is (0 = always dim 0; an int > 0 = that argument)
 _GROUP_ARG = {
     torch.ops.fxpar.localize.default: 2,
+    torch.ops.fxpar.expert_window.default: 2,
     c10d.all_reduce.default: 2,
     c10d.all_gather_into_tensor.default: 2,
     c10d.reduce_scatter_tensor.default: 3,

@@ -168,25 +168,19 @@ def _decode(enc, tensors: dict):
 
 # --- where each parameter lives on this rank --------------------------------------------
 
-def _layout(pm, i):
-    layouts = pm.program.tp_layouts
-    return layouts[i] if layouts and i < len(layouts) else None
-
-
 def _full_shape(pm, i) -> torch.Size:
     return torch.Size(pm.param_shapes[i])
 
 
 def _to_full(pm, i, local):
-    lay = _layout(pm, i)
-    return rtp.full_param(local, lay, pm.plan.tp, pm.tp_group) if lay is not None \
+    split = pm.split_of(i)  # (a tp layout, an expert weight's ep split)
+    return rtp.full_param(local, split[0], split[1], split[3]) if split is not None \
         else local.detach().clone()
 
 
 def _to_local(pm, i, full):
-    lay = _layout(pm, i)
-    return rtp.local_param(full, lay, pm.plan.tp, pm.world.coordinate("tp")) \
-        if lay is not None else full
+    split = pm.split_of(i)
+    return rtp.local_param(full, *split[:3]) if split is not None else full
 
 
 def _slots(pm):

@@ -114,11 +114,14 @@ class ParallelModel:
         params = dict(model.named_parameters(remove_duplicate=False))  # tied weights: any name
         # the user's full shapes (checkpoints, save_pretrained: the rank holds slices)
         self.param_shapes = [torch.Size(params[n].shape) for n in sig.param_names]
-        # each parameter's shape in this rank's program before ZeRO-3 (its tp slice)
-        self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
-            shape, layout, plan.tp, world.coordinate("tp")))
-            for shape, layout in zip(self.param_shapes, program.tp_layouts)]
         self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
+        self.ep_group = world.mesh.get_group("ep") if program.ep > 1 else None
+        self._experts = frozenset(program.expert_params)
+        # each parameter's shape in this rank's program before ZeRO-3 (its tp slice, its
+        # experts under ep)
+        self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
+            shape, *(self.split_of(i) or (None, 1, 0))[:3]))
+            for i, shape in enumerate(self.param_shapes)]
         self.sharded_optimizer = None
         self.pipeline_runner = None
         # Plan.codegen: the graphs this rank runs, compiled (compiler/codegen.py)
@@ -145,11 +148,11 @@ class ParallelModel:
             params = dict(model.named_parameters(remove_duplicate=False))
         self.params = [params[n] for n in sig.param_names]
         if weights is None:
-            with clock("shard parameters"), torch.no_grad():  # tp: this rank's slices
-                for p, layout in zip(self.params, self.program.tp_layouts):
-                    if layout is not None:
-                        p.data = rtp.local_param(p.data, layout, plan.tp,
-                                                 world.coordinate("tp"))
+            with clock("shard parameters"), torch.no_grad():  # tp, ep: this rank's slices
+                for i, p in enumerate(self.params):
+                    split = self.split_of(i)
+                    if split is not None:
+                        p.data = rtp.local_param(p.data, *split[:3])
         buffers = dict(model.named_buffers(remove_duplicate=False))
         t_opt = time.perf_counter()
         self.host_optimizer = None  # Plan.offload_optimizer: runtime/host_optimizer.py
@@ -279,7 +282,7 @@ class ParallelModel:
         Nothing is made whole but a module being initialised (weights=None). Returns the
         ZeRO-3 shards by parameter index (None without ZeRO-3)."""
         sig, dev, plan = self.program.signature, self.world.device, self.plan
-        tp_r, dp_r = self.world.coordinate("tp"), self.world.coordinate(self.zero_axis)
+        dp_r = self.world.coordinate(self.zero_axis)
         model_params = dict(self.model.named_parameters(remove_duplicate=False))
         need = self.needed_params()
         local, shards = {}, {} if self.program.params_sharded else None
@@ -287,8 +290,7 @@ class ParallelModel:
             if i not in need:
                 continue
             p = model_params[name]
-            runs = rweights.local_runs(tuple(p.shape), self.program.tp_layouts[i], plan.tp,
-                                       tp_r)
+            runs = rweights.local_runs(tuple(p.shape), *(self.split_of(i) or (None, 1, 0))[:3])
             src, key = weights.locate(name)
             if shards is not None:  # ZeRO-3: the rows covering this rank's flat slice only
                 rows, off, n, size = rweights.flat_shard_rows(runs, plan.shard_ranks, dp_r)
@@ -735,14 +737,16 @@ class ParallelModel:
         tp0 = self.world.coordinate("tp") == 0 if self.plan.tp > 1 else True
         r = self.pipeline_runner
         if self.sharded_optimizer is None:  # whole gradients, equal on every dp rank: dp
-            # rank 0 counts
+            # rank 0 counts (an expert's: the first rank of each ep group, which holds them)
             first = self.world.coordinate("dp") == 0
+            first_ep = self.world.coordinate("edp") == 0
 
             def owner(i):  # a weight several pipeline stages hold: its first stage counts it
                 return r is None or self.plan.pp == 1 or r.rank_of(
                     min(r.p.param_stages.get(i, {0}))) == r.rank
-            return amp.GradNormPlan([first and owner(i) and (layouts[i] is not None or tp0)
-                                     for i in range(len(self.params))])
+            return amp.GradNormPlan([
+                (first_ep if i in self._experts else first) and owner(i) and (
+                    layouts[i] is not None or tp0) for i in range(len(self.params))])
         dp, dp_r = self.plan.shard_ranks, self.world.coordinate(self.zero_axis)
         counted = []
         # each rank counts its own shard (HSDP: the first replica's ranks; the others hold
@@ -825,27 +829,38 @@ class ParallelModel:
             return z.full_param(i)
         return self.params[i].data
 
+    def split_of(self, i: int):
+        """How this rank's program holds parameter i when it holds a slice of it: (layout,
+        ranks, this rank's index, group) for runtime/tp_slices (a tp layout, or the ep
+        group's split of an expert weight along its experts), None when whole."""
+        layout = self.program.tp_layouts[i]
+        if layout is not None:
+            return layout, self.plan.tp, self.world.coordinate("tp"), self.tp_group
+        if i in self._experts:
+            return (0, None, 1), self.program.ep, self.world.coordinate("ep"), self.ep_group
+        return None
+
     def _full_param(self, i: int) -> torch.Tensor:
-        """The user's whole parameter i from this rank's shards (collective over the tp and
-        dp groups where it is sharded there)."""
-        layout, local = self.program.tp_layouts[i], self._program_param(i)
-        return rtp.full_param(local, layout, self.plan.tp, self.tp_group) \
-            if layout is not None else local
+        """The user's whole parameter i from this rank's shards (collective over the tp, ep
+        and dp groups where it is sharded there)."""
+        split, local = self.split_of(i), self._program_param(i)
+        return rtp.full_param(local, split[0], split[1], split[3]) if split else local
 
     @calls.collective
     def full_params(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> the user's full weight, for every parameter this rank's stages
         hold in shards (tp slices, ZeRO-3 shards). Collective over the tp and dp groups."""
         z3 = self.sharded_optimizer is not None and self.sharded_optimizer.shard_params
-        if self.tp_group is None and not z3:
+        if self.tp_group is None and self.ep_group is None and not z3:
             return {}
         need = self.needed_params()
         out = {}
-        for i, (p, layout) in enumerate(zip(self.params, self.program.tp_layouts)):
-            if i not in need or (layout is None and not z3):
+        for i, p in enumerate(self.params):
+            split = self.split_of(i)
+            if i not in need or (split is None and not z3):
                 continue
             full = self._full_param(i)
-            out[id(p)] = full if layout is not None else full.clone()
+            out[id(p)] = full if split is not None else full.clone()
         return out
 
     # --- state ------------------------------------------------------------------------------
