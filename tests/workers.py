@@ -39,7 +39,15 @@ def sized_zoo():
     the activations at 4 rows over dp=4, as a 12 x 1024 Llama's do: ZeRO-3's overlap prefetch
     is stopped by the memory limit at backward gathers' packing copies."""
     return {"hf_llama_3x64": (lambda: M.hf_llama(vocab=256, hidden=64, layers=3),
-                              lambda s: M.hf_lm_batch(256, 4, 16, seed=s), None)}
+                              lambda s: M.hf_lm_batch(256, 4, 16, seed=s), None),
+            # Hugging Face MoE models (expert parallelism): the model zoo's configs
+            **{name: (lambda name=name: _zoo_model(name), _lm(), None)
+               for name in ("mixtral", "qwen2_moe", "deepseek_v3")}}
+
+
+def _zoo_model(name):
+    from fxpar.examples import zoo as Z
+    return Z.build(name)[0]
 
 
 def dropout_zoo():

@@ -1,0 +1,175 @@
+"""Expert parallelism (Plan.ep, passes/expert_parallel.py): the MoE layers it finds on the
+joint graph, the rewrite (which weights split, where rows move and are summed, which
+collectives appear), the plans it refuses, and training on gloo ranks against eager."""
+import operator
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.api.parallelize import mesh_dims
+from fxpar.compiler.capture import capture
+from fxpar.core import ir
+from fxpar.core.errors import PlanError
+from fxpar.core.plan import resolve
+from fxpar.examples import zoo
+from fxpar.passes import expert_parallel
+
+from test_parity import _check_plans
+from workers import clip_eager_reference, clip_rank
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _mixtral():
+    model, spec = zoo.build("mixtral")
+    return model, spec.batch(0)
+
+
+def test_finds_each_moe_layer_its_weights_and_region():
+    """HF Mixtral (grouped_mm experts), 2 layers: per layer one offs node shared by 2 forward
+    and 4 backward grouped matmuls; the region between them (the gated activation and its
+    backward); the rows entering it (the gathered hidden states, the down projection's
+    incoming gradient) and leaving it (the layer's output rows, their input gradient)."""
+    model, batch = _mixtral()
+    gm, sig = capture(model, batch)
+    layers = expert_parallel.find_layers(gm)
+    assert [layer.module for layer in layers] == [f"model.layers.{i}.mlp.experts"
+                                                  for i in range(2)]
+    for i, layer in enumerate(layers):
+        assert [w.meta[ir.FQN] for w in layer.weights] == [
+            f"model.layers.{i}.mlp.experts.gate_up_proj",
+            f"model.layers.{i}.mlp.experts.down_proj"]
+        assert layer.offs.target is aten.cumsum.default and layer.rows == 8 * 16 * 2
+        kinds = sorted(m.meta[ir.REGION] for m in layer.matmuls)
+        assert kinds == ["backward"] * 4 + ["forward"] * 2
+        ops = {n.target for n in layer.region}
+        assert {aten.silu.default, aten.silu_backward.default, aten.mul.Tensor} <= ops
+        assert not ops & {aten.index.Tensor, aten.sort.default, aten.sum.dim_IntList}
+        assert len(layer.entering) == 2 and len(layer.leaving) == 2
+        gathered = [x for x in layer.entering if x.target is aten.index.Tensor]
+        assert len(gathered) == 1 and gathered[0].meta[ir.REGION] == "forward"
+        assert sorted(y.meta[ir.REGION] for y in layer.leaving) == ["backward", "forward"]
+
+
+def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
+    """dp=2 x ep=2: each rank's program holds 2 of the 4 experts ([2, ...] weight inputs and
+    gradients); every grouped matmul takes the local offs of fxpar::expert_window; each
+    layer's rows are summed over the ep group once forward, once backward; the expert
+    gradients need no dp all-reduce (the rows were whole), the other weights' do."""
+    model, batch = _mixtral()
+    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "ep": 2, "fuse": False})
+    sig, g = prog.signature, prog.graph.graph
+    names = [sig.param_names[i] for i in prog.expert_params]
+    assert prog.ep == 2 and names == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                                      for w in ("gate_up_proj", "down_proj")]
+    params = [n for n in g.nodes if n.op == "placeholder"][:sig.num_params]
+    full = dict(model.named_parameters())
+    for i, p in enumerate(params):
+        want = full[sig.param_names[i]].shape
+        if i in prog.expert_params:
+            want = (want[0] // 2, *want[1:])
+        assert tuple(p.meta[ir.VAL].shape) == tuple(want), sig.param_names[i]
+    mms = [n for n in g.nodes if n.target is aten._grouped_mm.default]
+    for m in mms:
+        offs = m.args[2]
+        assert offs.target is aten._to_copy.default and \
+            offs.args[0].args[0].target is torch.ops.fxpar.expert_window.default
+    sums = [n for n in g.nodes if n.target is c10d.all_reduce.default
+            and n.args[2] == ir.GROUPS["ep"]]
+    assert sorted(n.meta[ir.MODULE] for n in sums) == sorted(
+        [f"model.layers.{i}.mlp.experts" for i in range(2)] * 2)
+    out = next(n for n in g.nodes if n.op == "output")
+    grads = out.args[0][1:1 + sig.num_params]
+
+    def reduced_over_dp(v):
+        seen, todo = set(), [v]
+        while todo:
+            n = todo.pop()
+            if not isinstance(n, torch.fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.target is c10d.all_reduce.default and n.args[2] == ir.GROUPS["dp"]:
+                return True
+            if n.target in (c10d.wait_tensor.default, operator.getitem, *ir.RESHAPES,
+                            aten.split_with_sizes.default):
+                todo.append(n.args[0])
+        return False
+    assert not any(reduced_over_dp(grads[i]) for i in prog.expert_params)
+    others = [i for i in range(sig.num_params) if i not in prog.expert_params]
+    assert all(reduced_over_dp(grads[i]) for i in others if grads[i] is not None)
+    assert mesh_dims(prog.plan) == [("edp", 1), ("ep", 2)]
+    assert mesh_dims(resolve({"dp": 4, "ep": 2}, 4)) == [("edp", 2), ("ep", 2)]
+
+
+def test_plans_and_models_expert_parallelism_refuses_by_name():
+    """ep must divide dp and the experts; it runs with dp alone for now; a model whose
+    experts are an nn.ModuleList (routed by torch.where) has no grouped matmul to split."""
+    with pytest.raises(PlanError, match="must divide dp=3"):
+        resolve({"dp": 3, "ep": 2}, 3)
+    with pytest.raises(PlanError, match="zero=2"):
+        resolve({"dp": 2, "ep": 2, "zero": 2}, 2)
+    with pytest.raises(PlanError, match="tp=2"):
+        resolve({"dp": 2, "tp": 2, "ep": 2}, 4)
+    with pytest.raises(PlanError, match="positive integer"):
+        resolve({"dp": 2, "ep": 0}, 2)
+    model, batch = _mixtral()
+    with pytest.raises(PlanError, match="4 experts, which do not split evenly over 3"):
+        fxpar.compile(model, 3, example_batch=batch, plan={"dp": 3, "ep": 3})
+    moe, spec = zoo.build("where_moe")
+    with pytest.raises(PlanError, match="no MoE layer of grouped matmuls.*nn.ModuleList"):
+        fxpar.compile(moe, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+
+
+def test_mixtral_ep2_trains_like_eager():
+    """dp=2 x ep=2 on 2 ranks: losses, evaluate() and every final weight (gathered from the
+    ranks' halves of the experts by full_state_dict) equal eager AdamW."""
+    _check_plans(2, [("mixtral", "adamw", {"dp": 2, "ep": 2})])
+
+
+@pytest.mark.slow
+def test_moe_models_on_four_ranks_train_like_eager():
+    """ep carved out of dp=4: groups of 2 (two groups, each holding every expert once) on
+    Mixtral, Qwen2-MoE (a gated shared expert) and DeepSeek-V3 (group-limited routing, a
+    shared expert, a dense first layer); and ep=4 (one expert per rank)."""
+    cases = [(m, "adamw", {"dp": 4, "ep": 2}) for m in ("mixtral", "qwen2_moe", "deepseek_v3")]
+    _check_plans(4, cases + [("mixtral", "adamw", {"dp": 4, "ep": 4})])
+
+
+@pytest.mark.slow
+def test_clipping_counts_each_expert_once():
+    """max_grad_norm with ep=2 inside dp=4: each expert's gradient lives on one rank of each
+    ep group (the same on both groups): the global norm counts the first group's, equal to
+    clip_grad_norm_ in one process."""
+    plan = {"dp": 4, "ep": 2}
+    res = fxpar.launch(clip_rank, 4, [("mixtral", plan)], 0.1, 3)
+    ref_losses, ref_state, ref_norms = clip_eager_reference("mixtral", "sgd", 0.1, steps=3)
+    assert min(ref_norms) > 0.1
+    losses, norms, state = res[0][("mixtral", repr(plan))]
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-6)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_and_reshards(tmp_path):
+    """An ep=2 run saves at step 5 (each rank's experts gathered into one model's file): it
+    resumes bit for bit, and plain dp=2 loads the same checkpoint and takes its next step."""
+    import workers
+    ep = {"dp": 2, "ep": 2}
+    saved = fxpar.launch(workers.resume_save_rank, 2, [("ep", "mixtral", ep)],
+                         str(tmp_path))[0]
+    loads = [("ep", ["ep"], "mixtral", ep), ("dp", ["ep"], "mixtral", {"dp": 2})]
+    resumed = fxpar.launch(workers.resume_load_rank, 2, loads, str(tmp_path))[0]
+    k = workers.SAVE_AT
+    ref_losses, ref_next, ref_final = saved["ep"]
+    losses, _, final, _, start = resumed[("ep", "ep")]
+    assert start == k and torch.equal(losses, ref_losses[k:])
+    assert all(torch.equal(final[n], ref_final[n]) for n in ref_final)
+    losses, after_next, _, _, _ = resumed[("dp", "ep")]
+    torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
+    for n, v in ref_next.items():
+        torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
