@@ -48,7 +48,7 @@ class Plan:
                     split over groups of ep neighbouring dp ranks, each rank holding and
                     computing E/ep of them; the layer's routed rows are summed over the group
                     where they leave it (passes/expert_parallel.py). 1 (default): off. Divides
-                    dp; tp = pp = 1, zero = 0, one microbatch.
+                    dp; composes with tp and pp, not yet with ZeRO, ps or HSDP.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -365,17 +365,17 @@ def ep_misfit(plan: "Plan") -> str | None:
         return (f"Plan.ep={ep} splits the experts over groups of ep data-parallel ranks: it "
                 f"must divide dp={plan.dp}. Use an ep that divides dp, or a larger dp.")
     others = [f"{k}={v}" for k, v, off in (
-        ("tp", plan.tp, 1), ("pp", plan.pp, 1), ("microbatches", plan.microbatches, 1),
         ("zero", plan.zero, 0), ("ps", plan.ps, 0)) if v != off]
     if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
         others.append("dp_shard / hpz")
     if plan.grad_compression != "none":
         others.append(f"grad_compression={plan.grad_compression!r}")
     if others:
-        return (f"Plan.ep={ep} runs with data parallelism alone (tp = pp = microbatches = 1, "
-                f"zero = 0, no ps, HSDP, hpZ or gradient compression); this plan also has "
+        return (f"Plan.ep={ep} runs with dp, tp and pp, but not yet with ZeRO (the expert "
+                f"weights differ across an ep group, so ZeRO's shards over the dp group do not "
+                f"hold them), ps, HSDP, hpZ or gradient compression; this plan also has "
                 f"{', '.join(others)}. Drop those fields, or use ep=1 (the experts are then "
-                "ZeRO-sharded or tp-split like any weight).")
+                "ZeRO-sharded or replicated like any weight).")
     return None
 
 

@@ -49,6 +49,7 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int}
 _WEIGHT_PATH = {aten.t.default, aten.transpose.int, aten._to_copy.default, aten.clone.default,
                 aten.alias.default, *ir.RESHAPES}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+_PHASES = ("F", "B", "I", "W", "R")  # a pipeline's parts of a stage, in the order they run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Options:
 CONTRACT = ir.PassContract(
     "expert_parallel", Options,
     requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN}),
+    # the nodes it adds join their neighbours' pipeline part; a tp-split weight is left alone
+    reads=frozenset({ir.STAGE, ir.PHASE, ir.TP_LAYOUTS}),
     provides=frozenset({ir.EXPERT_PARAMS, ir.EP_REPORT}),
     # the data-parallel pass shards the rewritten graph: its engine carries the ep group's
     # collectives as another mesh axis's
@@ -90,6 +93,11 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             raise PlanError(f"Plan.ep={ep}: the MoE layer {layer.module!r} has {e} experts, "
                             f"which do not split evenly over {ep} ranks. Use an ep that "
                             f"divides {e}.")
+        tp_split = [w.meta[ir.FQN] for w in layer.weights
+                    if (gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params))[index[w]]]
+        if tp_split:
+            raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split} are also split by "
+                            "tensor parallelism; one weight takes one split. Use ep=1 or tp=1.")
         _rewrite(gm.graph, layer, e // ep, group)
         for w in layer.weights:
             if w not in split:
@@ -306,6 +314,9 @@ def _emit(graph, target, args, like, region=None, kwargs=None):
     n = graph.call_function(target, args, kwargs or {})
     n.meta[ir.REGION] = region or like.meta.get(ir.REGION, ir.FORWARD)
     n.meta[ir.MODULE] = like.meta.get(ir.MODULE, "")
+    for key in (ir.STAGE, ir.PHASE):  # (a pipeline's part: the node it sits by)
+        if key in like.meta:
+            n.meta[key] = like.meta[key]
     return n
 
 
@@ -352,6 +363,9 @@ def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> 
         first = min(users, key=order.__getitem__)
         with graph.inserting_before(first):
             moved = _emit(graph, aten.index.Tensor, (x, [take]), first)
+        phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
+        if phases:  # (a pipeline part: the first of its readers' to run)
+            moved.meta[ir.PHASE] = min(phases, key=_PHASES.index)
         for u in users:
             u.replace_input_with(x, moved)
     for y in layer.leaving:  # back in place, zeros elsewhere, summed over the ep group

@@ -104,14 +104,14 @@ def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
 
 
 def test_plans_and_models_expert_parallelism_refuses_by_name():
-    """ep must divide dp and the experts; it runs with dp alone for now; a model whose
+    """ep must divide dp and the experts; not with ZeRO or ps yet; a model whose
     experts are an nn.ModuleList (routed by torch.where) has no grouped matmul to split."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "ep": 2}, 3)
     with pytest.raises(PlanError, match="zero=2"):
         resolve({"dp": 2, "ep": 2, "zero": 2}, 2)
-    with pytest.raises(PlanError, match="tp=2"):
-        resolve({"dp": 2, "tp": 2, "ep": 2}, 4)
+    with pytest.raises(PlanError, match="ps=1"):
+        resolve({"dp": 2, "ps": 1, "ep": 2}, 3)
     with pytest.raises(PlanError, match="positive integer"):
         resolve({"dp": 2, "ep": 0}, 2)
     model, batch = _mixtral()
@@ -123,18 +123,23 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
 
 
 def test_mixtral_ep2_trains_like_eager():
-    """dp=2 x ep=2 on 2 ranks: losses, evaluate() and every final weight (gathered from the
-    ranks' halves of the experts by full_state_dict) equal eager AdamW."""
-    _check_plans(2, [("mixtral", "adamw", {"dp": 2, "ep": 2})])
+    """dp=2 x ep=2 on 2 ranks, one step and two microbatches: losses, evaluate() and every
+    final weight (gathered from the ranks' halves of the experts by full_state_dict) equal
+    eager AdamW."""
+    _check_plans(2, [("mixtral", "adamw", {"dp": 2, "ep": 2}),
+                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "microbatches": 2})])
 
 
 @pytest.mark.slow
 def test_moe_models_on_four_ranks_train_like_eager():
     """ep carved out of dp=4: groups of 2 (two groups, each holding every expert once) on
     Mixtral, Qwen2-MoE (a gated shared expert) and DeepSeek-V3 (group-limited routing, a
-    shared expert, a dense first layer); and ep=4 (one expert per rank)."""
+    shared expert, a dense first layer); ep=4 (one expert per rank); and ep=2 inside dp=2 with
+    tp=2 (the experts replicated over tp) or a zero-bubble pipeline of 2 stages."""
     cases = [(m, "adamw", {"dp": 4, "ep": 2}) for m in ("mixtral", "qwen2_moe", "deepseek_v3")]
-    _check_plans(4, cases + [("mixtral", "adamw", {"dp": 4, "ep": 4})])
+    _check_plans(4, cases + [("mixtral", "adamw", p) for p in (
+        {"dp": 4, "ep": 4}, {"dp": 2, "ep": 2, "tp": 2},
+        {"dp": 2, "ep": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"})])
 
 
 @pytest.mark.slow
