@@ -456,7 +456,9 @@ PLANS = {"hf_llama": [({"dp": 2, "zero": 3, "tp": 2}, "global"),
                       ({"dp": 2, "tp": 2, "zero": 1, "microbatches": 2}, "local")],
          "gpt": [({"tp": 2, "pp": 2, "microbatches": 2}, "global"),
                  ({"dp": 2, "pp": 2, "microbatches": 2, "zero": 3}, "local"),
-                 ({"dp": 4, "zero": 3, "dp_shard": 2}, "local")]}  # (HSDP: half-shards)
+                 ({"dp": 4, "zero": 3, "dp_shard": 2}, "local")],  # (HSDP: half-shards)
+         # expert parallelism: each rank reads its half of the experts' rows
+         "mixtral": [({"dp": 4, "ep": 2}, "global"), ({"dp": 2, "ep": 2, "tp": 2}, "local")]}
 
 
 @pytest.mark.slow
@@ -477,7 +479,8 @@ def test_meta_model_under_parameter_servers_trains_like_eager(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param("hf_llama", marks=pytest.mark.full), "gpt"])
+@pytest.mark.parametrize("name", [pytest.param("hf_llama", marks=pytest.mark.full), "gpt",
+                                  "mixtral"])
 def test_meta_model_loaded_shard_wise_trains_like_eager(tmp_path, name):
     model, _, _ = build(name)
     d = tmp_path / "w" / name
@@ -501,6 +504,9 @@ def test_meta_model_loaded_shard_wise_trains_like_eager(tmp_path, name):
         files = [f for f in os.listdir(saved) if f.endswith(".safetensors")]
         back = {k: v for f in files for k, v in load_file(str(saved / f)).items()}
         for k, v in back.items():  # what pm.save_pretrained wrote is the trained state
+            if k not in state:  # (Mixtral's experts saved per expert, as the Hub holds
+                assert hasattr(model, "save_pretrained"), k  # them: from_pretrained's below)
+                continue
             assert torch.equal(v, state[k]), (plan, k)
         if hasattr(model, "save_pretrained"):
             hf = type(model).from_pretrained(str(saved))

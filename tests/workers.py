@@ -662,7 +662,7 @@ def meta_weights_rank(cases, weights_dir, save_root=None, steps=3):
     world = int(os.environ.get("WORLD_SIZE", 1))
     out = {}
     for name, plan, batch_mode in cases:
-        factory, batch_fn, loss_fn = {**zoo(), **dropout_zoo()}[name]
+        factory, batch_fn, loss_fn = {**zoo(), **dropout_zoo(), **sized_zoo()}[name]
         with torch.device("meta"):
             model = factory()
         pm = fxpar.parallelize(model, world, example_batch=batch_fn(0), loss_fn=loss_fn,
