@@ -1,0 +1,176 @@
+"""fxpar expert parallelism vs the same MoE model's dp, ZeRO-3 and tp plans: time, memory, loss.
+
+    .venv/bin/python benchmarks/ep_vs_zero.py [--steps 20] [--warmup 3] [--layers 2]
+        [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
+
+One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
+top-2 routing; sizes from the flags) under four plans, each from the same initial weights on
+the same batches with AdamW (lr 1e-3):
+
+    Plan(dp=world)             every rank holds every expert and computes every routed row
+    Plan(dp=world, zero=3)     every weight (experts included) 1/world per rank, gathered
+                               before its use forward and backward
+    Plan(dp=world, ep=world)   each rank holds world-th of the experts and computes their rows
+    Plan(tp=world)             the attention and dense layers split; the experts replicated
+
+Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
+step, a barrier before each step, the sides' steps interleaved (the order rotating) so a
+change in the machine's load hits all alike; rank 0's times. Memory (max over ranks): the
+same tracker as benchmarks/zero_vs_fsdp.py (runtime/memtrack.StepMemory), entered after
+parallelize (tracing a Hugging Face model under it fails), from the weights the rank then
+holds (its slices, ZeRO's shards) and every storage the steps allocate (optimizer state
+included): held = live before a step, peak = the maximum during one. "experts/rank" = the bytes of expert weights plus their AdamW
+state this rank holds (parameters as its program holds them: its experts under ep, its flat
+shard under ZeRO-3; two AdamW moments each), from the tensors themselves. Ratios are ep
+over each other plan, in this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.runtime import dist as rdist
+from fxpar.runtime.memtrack import StepMemory
+
+PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
+         "zero=3": lambda w, cg: {"dp": w, "zero": 3, "codegen": cg},
+         "ep": lambda w, cg: {"dp": w, "ep": w, "codegen": cg},
+         "tp": lambda w, cg: {"tp": w, "codegen": cg}}
+
+
+def _model(args):
+    import transformers
+    cfg = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=args.experts, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+        max_position_embeddings=args.seq)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _batches(args):
+    out = []
+    for s in range(4):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.randint(0, 512, (args.batch, args.seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _expert_bytes(pm) -> int:
+    """Expert weights + their AdamW moments as this rank holds them (3 tensors each)."""
+    z = pm.sharded_optimizer
+    total = 0
+    for i, name in enumerate(pm.program.signature.param_names):
+        if ".experts." not in name:
+            continue
+        t = z.param_shards[i] if z is not None and z.shard_params else pm.params[i]
+        total += 3 * t.numel() * t.element_size()
+    return total
+
+
+def _prepare(kind, args, data, world):
+    model = _model(args)
+    pm = fxpar.parallelize(model, world, example_batch=data[0],
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                           plan=PLANS[kind](world, args.codegen))
+    # (tracking starts from what the rank holds after parallelize: its weights as its
+    # program holds them; tracing HF's model under the tracker fails on fake storages)
+    z = pm.sharded_optimizer
+    held = [*(z.param_shards if z is not None and z.shard_params else []),
+            *(z.shards if z is not None else []), *model.parameters(), *model.buffers()]
+    tracker = StepMemory(held)
+    del held
+    tracker.__enter__()
+    losses = []
+    for s in range(args.warmup + 1):
+        if s < args.warmup:
+            losses.append(pm.step(data[s % len(data)]).item())
+        else:
+            dist.barrier()
+            with tracker.window():
+                losses.append(pm.step(data[s % len(data)]).item())
+    tracker.__exit__(None, None, None)
+    return pm, {"losses": losses, "times": [], "held": tracker.held,
+                "peak": tracker.peak_live, "experts": _expert_bytes(pm)}
+
+
+def bench(args):
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=rdist.timeout())
+    data = _batches(args)
+    sides = [(k, *_prepare(k, args, data, world)) for k in PLANS]
+    for s in range(args.warmup + 1, args.warmup + 1 + args.steps):
+        batch = data[s % len(data)]
+        k = s % len(sides)
+        for _, pm, res in sides[k:] + sides[:k]:
+            dist.barrier()
+            t = time.perf_counter()
+            res["losses"].append(pm.step(batch).item())
+            res["times"].append(time.perf_counter() - t)
+    out = {}
+    for kind, _, res in sides:
+        res["time"] = statistics.median(res.pop("times"))
+        out[kind] = res
+    del sides
+    gc.collect()
+    return out
+
+
+def _mib(n):
+    return n / 2**20
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
+    args = ap.parse_args()
+    if args.batch % args.nprocs or args.experts % args.nprocs:
+        ap.error("--batch and --experts must be multiples of --nprocs")
+    res = fxpar.launch(bench, args.nprocs, args)
+    ranks = sorted(res)
+    n = sum(p.numel() for p in _model(args).parameters())
+    print(f"HF Mixtral {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
+          f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
+          f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
+    print(f"{'plan':8s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
+          f"{'experts/rank MiB':>17s} {'last loss':>10s}")
+    for kind in PLANS:
+        r = [res[k][kind] for k in ranks]
+        print(f"{kind:8s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
+              f"{_mib(max(x['peak'] for x in r)):9.1f} {_mib(max(x['experts'] for x in r)):17.2f}"
+              f" {r[0]['losses'][-1]:10.5f}")
+    print()
+    ep = res[0]["ep"]
+    for kind in ("dp", "zero=3", "tp"):
+        other = res[0][kind]
+        diff = max(abs(a - b) for k in ranks
+                   for a, b in zip(res[k]["ep"]["losses"], res[k][kind]["losses"]))
+        mem = max(res[k]["ep"]["experts"] for k in ranks) / \
+            max(res[k][kind]["experts"] for k in ranks)
+        peak = max(res[k]["ep"]["peak"] for k in ranks) / max(res[k][kind]["peak"] for k in ranks)
+        print(f"ep / {kind:6s}: step {ep['time'] / other['time']:.3f}x, experts/rank "
+              f"{mem:.3f}x, peak {peak:.3f}x, max |loss diff| {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
