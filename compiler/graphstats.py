@@ -47,7 +47,8 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "boundary", "params", "flops_f_split", "flops_b_split", "bytes_f_split",
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
           "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole",
-          "bytes_f_whole", "bytes_b_whole", "saved_whole")
+          "bytes_f_whole", "bytes_b_whole", "saved_whole", "expert_params", "expert_flops_f",
+          "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b")
 
 
 @dataclasses.dataclass
@@ -84,6 +85,18 @@ class Segment:
     bytes_f_whole: float = 0.0
     bytes_b_whole: float = 0.0
     saved_whole: float = 0.0     # of `saved`: what a dp rank holds of the gathered batch
+    # expert parallelism (planner.expert_stats, from passes/expert_parallel.find_layers): the
+    # MoE layers' expert weights (elements), their grouped matmuls' FLOPs (part of the
+    # `_whole` work: every rank's rows), and the bytes of the rows Plan.ep sums over its
+    # group where they leave a layer, forward and backward; n_moe: the MoE layers
+    expert_params: int = 0
+    expert_flops_f: float = 0.0
+    expert_flops_b: float = 0.0
+    ep_comm_f: float = 0.0
+    ep_comm_b: float = 0.0
+    ep_bytes_f: float = 0.0      # ... and the bytes its row moves and masks read and write
+    ep_bytes_b: float = 0.0
+    n_moe: int = 0
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
     largest_param: int = 0       # elements of its largest parameter (an optimizer's temporaries)
@@ -155,6 +168,10 @@ class GraphStats:
     # (same keys): per stage, its backward's (FLOPs, bytes, nodes) in all and in the weight-
     # gradient part zero-bubble defers ("W": what no gradient sent to an earlier stage needs)
     stage_wgrad: dict = dataclasses.field(default_factory=dict)
+    # each MoE layer's expert count (expert parallelism's degree must divide them all), and
+    # why Plan.ep cannot split this graph's experts (None: it can, or there are none)
+    expert_counts: tuple = ()
+    ep_refusal: str | None = None
     # the gradient the backward makes last (elements) and how many parts are summed into it
     # (2 for an embedding tied to the LM head: the head's part waits for the embedding's)
     last_grad: tuple = (0, 1)

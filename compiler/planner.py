@@ -46,10 +46,11 @@ from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEs
                                          optimizer_kind, stage_state, state_bytes_per_param,
                                          with_activations)
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.core.plan import (SEARCHED, Plan, hpz_misfit, hsdp_misfit,  # noqa: F401
-                             node_shard, plan_dict, quantization_misfit, replays_step,
+from fxpar.core.plan import (SEARCHED, Plan, ep_misfit, hpz_misfit,  # noqa: F401
+                             hsdp_misfit, node_shard, plan_dict, quantization_misfit, replays_step,
                              resolve)
-from fxpar.passes import data_parallel, fusion, pipeline_split, remat, tensor_parallel
+from fxpar.passes import (data_parallel, expert_parallel, fusion, pipeline_split, remat,
+                          tensor_parallel)
 from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
 
@@ -103,6 +104,7 @@ def plan_str(p: Plan) -> str:
     return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
             f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}"
             + (f" hsdp={p.dp_shard}" if p.hsdp else "") + (f" hpz={p.hpz}" if p.hpz else "")
+            + (f" ep={p.ep}" if p.ep > 1 else "")
             + (" optimizer on host" if p.offload_optimizer else ""))
 
 
@@ -235,6 +237,8 @@ class PlanResult:
             pipe = f" m={p.microbatches} {p.schedule}" if p.microbatched else ""
             return (f"dp={p.dp} tp={p.tp} pp={p.pp}{pipe} zero={p.zero} "
                     f"remat={_remat_str(p.remat)}"
+                    f"{f' hsdp={p.dp_shard}' if p.hsdp else ''}"
+                    f"{f' hpz={p.hpz}' if p.hpz else ''}{f' ep={p.ep}' if p.ep > 1 else ''}"
                     f"{' optimizer on host' if p.offload_optimizer else ''}: "
                     f"{c.step_s * 1e3:.2f} ms/step, "
                     f"{_bytes(c.memory.total)}/device")
@@ -759,9 +763,10 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                     built.append(acts)
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
-                for zero, (shard, hpz) in [
-                        (z, g) for z in zeros
-                        for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)]:
+                for zero, (shard, hpz), ep in [
+                        (z, g, e) for z in zeros
+                        for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)
+                        for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(
@@ -774,7 +779,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload,
-                                   shard, hpz)
+                                   shard, hpz, ep)
                         if c is None:
                             break
                         if executable:
@@ -966,11 +971,11 @@ def _most_working(segs) -> tuple[float, float]:
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs)
-    - then fewer axes, less ZeRO, no HSDP or hpZ, 1F1B, no remat. Plain dp wins every tie it is
+    - then fewer axes, less ZeRO, no HSDP, hpZ or ep, 1F1B, no remat. Plain dp wins every tie it is
     in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it
     measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
-    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz),
+    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep,
             p.pp > 1 and p.schedule != "1f1b", p.remat != "none", p.offload_optimizer)
 
 
@@ -1018,10 +1023,36 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints) -> list[tuple]:
             for h in hpzs if not hpz_misfit(h, dp, zero, pp, m, s)]
 
 
+def _expert_degrees(stats, dp, tp, pp, m, zero, grouping, constraints) -> list[int]:
+    """Plan.ep degrees to price at these fields: as the user fixed it (where it fits), else 1
+    and every divisor of dp > 1 that divides each MoE layer's experts, where the graph has
+    MoE layers expert parallelism splits and ep_misfit (Plan.validate's rule) allows it."""
+    shard, hpz = grouping
+    probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, zero=zero, dp_shard=shard, hpz=hpz,
+                 ps=constraints.get("ps", 0),
+                 grad_compression=constraints.get("grad_compression", "none"))
+    if "ep" in constraints:
+        eps = [constraints["ep"]]
+    elif stats.expert_counts and not stats.ep_refusal:
+        eps = [1] + [e for e in _divisors(dp) if e > 1
+                     and all(n % e == 0 for n in stats.expert_counts)]
+    else:
+        eps = [1]
+    return [e for e in eps if not ep_misfit(dataclasses.replace(probe, ep=e))]
+
+
+def _expert_share(segs, tp: int) -> float:
+    """The fraction of a rank's parameter elements (its tp slices) that are experts."""
+    local = sum(s.params - s.params_split * (1 - 1 / tp) for s in segs)
+    return min(sum(s.expert_params for s in segs) / local, 1.0) if local > 0 else 0.0
+
+
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
-           constraints, budget, offload=False, shard=None, hpz=None) -> Candidate | None:
+           constraints, budget, offload=False, shard=None, hpz=None, ep=1) -> Candidate | None:
     """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all);
-    `hpz`: Plan.hpz (the backward's gathers over groups of `hpz` ranks)."""
+    `hpz`: Plan.hpz (the backward's gathers over groups of `hpz` ranks); `ep`: Plan.ep (each
+    rank of a group of ep dp ranks holds and computes 1/ep of the experts, the layers' rows
+    summed over the group)."""
     quant = constraints.get("comm_quantization", "none")
     sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
     reps = dp // sdp
@@ -1101,6 +1132,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 stepped = mem.params / DTYPE_BYTES[precision] * (sdp if zero >= 3 else 1) / (
                     sdp if zero >= 1 else 1)
                 mem.optimizer += 2 * 4 * stepped
+            if ep > 1:  # its experts' weights, gradients and optimizer state: 1/ep
+                keep = 1 - _expert_share(rank_segs[r], tp) * (1 - 1 / ep)
+                mem.params, mem.grads, mem.optimizer = (
+                    mem.params * keep, mem.grads * keep, mem.optimizer * keep)
             if hpz:  # hpZ's secondary shards: 1/hpz of the (fp32 master) weights, cut from
                 # the forward's gathered copy and held to the backward
                 mem.buffers += mem.params * sdp / hpz * 4 / DTYPE_BYTES[precision]
@@ -1158,6 +1193,21 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         tf, tb, tpc_f, tpc_b, share = timed[twins[r]]
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
+        if ep > 1:  # the expert matmuls over every dp rank's rows: 1/ep of them; the rows
+            # leaving each MoE layer all-reduced over the ep group (neighbouring dp ranks)
+            g = mbs * dp / stats.rows
+            rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
+            n_moe = sum(s.n_moe for s in segs)
+            epc_f = hw.comm("all_reduce", sum(s.ep_comm_f for s in segs) * g, ep,
+                            tp * pp * ep, calls=n_moe)
+            epc_b = hw.comm("all_reduce", sum(s.ep_comm_b for s in segs) * g, ep,
+                            tp * pp * ep, calls=n_moe)
+            bw = hw.mem_bandwidth / hw.roofline_scale
+            tf += sum(s.ep_bytes_f for s in segs) * g / bw + 12 * n_moe * hw.node_overhead \
+                - (1 - 1 / ep) * sum(s.expert_flops_f for s in segs) * g / rate
+            tb += sum(s.ep_bytes_b for s in segs) * g / bw + 12 * n_moe * hw.node_overhead \
+                - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate
+            tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         fwd.append(tf + tpc_f + tp_nodes)
         # the recomputed forward runs its tp all-reduces again (remat runs before the tp
         # pass, which splits the recomputed copies as it splits the forward)
@@ -1328,7 +1378,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mfu = (None if hw.name == "cpu" else
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
-                dp_shard=shard, hpz=hpz,
+                dp_shard=shard, hpz=hpz, ep=ep,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
@@ -1436,12 +1486,59 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     stats.microbatch_refusal = data_parallel.microbatch_refusal(gm)
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
     stats.host_calls_compiled = codegen.host_calls(gm.graph)
+    expert_stats(stats, gm)
     stats.graph = (gm, sig)  # for the probes and the calibration
     if pass_extras:
         count_pass_extras(stats)
     if isinstance(heads, int):
         stats.heads = heads
     return stats
+
+
+def expert_stats(stats: GraphStats, gm) -> None:
+    """What Plan.ep changes, per segment, from the MoE layers expert parallelism finds on the
+    captured graph (passes/expert_parallel.find_layers): their expert weights, the FLOPs of
+    their grouped matmuls, the bytes of the rows summed over the ep group where they leave
+    a layer; and each layer's expert count. A graph whose experts the pass cannot split
+    gets the reason (no ep plan is priced)."""
+    try:
+        layers = expert_parallel.find_layers(gm)
+    except PlanError as e:
+        stats.ep_refusal = str(e)
+        return
+    by_name = {s.name: s for s in stats.segments}
+    counts = []
+    for layer in layers:
+        seg = by_name.get(stats.node_segment.get(layer.offs.name) or
+                          stats.node_segment.get(layer.matmuls[0].name))
+        if seg is None:
+            continue
+        counts.append(layer.offs.meta[ir.VAL].numel())
+        seg.n_moe += 1
+        seg.expert_params += sum(w.meta[ir.VAL].numel() for w in layer.weights)
+        for m in layer.matmuls:
+            if m.meta.get(ir.REGION) == ir.FORWARD:
+                seg.expert_flops_f += cost.node_flops(m)
+            else:
+                seg.expert_flops_b += cost.node_flops(m)
+        # what the rewrite adds: each entering row tensor gathered (read + write), each
+        # leaving one gathered back and masked (4 passes), each grouped matmul's rows masked
+        # (read + write)
+        for nodes, passes in ((layer.entering, 2), (layer.leaving, 4),
+                              ([m for m in layer.matmuls if layer.region[m] == 0], 2)):
+            for y in nodes:
+                nbytes = cost.tensor_bytes(y.meta[ir.VAL])
+                fwd = y.meta.get(ir.REGION) == ir.FORWARD
+                if nodes is layer.leaving:
+                    if fwd:
+                        seg.ep_comm_f += nbytes
+                    else:
+                        seg.ep_comm_b += nbytes
+                if fwd:
+                    seg.ep_bytes_f += passes * nbytes
+                else:
+                    seg.ep_bytes_b += passes * nbytes
+    stats.expert_counts = tuple(counts)
 
 
 def tp_roles(gm, sig) -> tuple[dict | None, str | None]:

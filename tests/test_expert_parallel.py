@@ -178,3 +178,50 @@ def test_checkpoint_resumes_and_reshards(tmp_path):
     torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
     for n, v in ref_next.items():
         torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_planner_prices_expert_parallelism():
+    """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
+    FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
+    with 1/ep of the experts' state per rank. On a Mixtral with 1024-wide experts over 8
+    H100s, where plain dp computes every rank's routed rows on every rank, ep=8 wins; a
+    dense model gets no ep candidate, and a fixed ep is the only one priced."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    model, batch = _mixtral()
+    stats = planner_stats(model, batch)
+    experts = {n: p.numel() for n, p in model.named_parameters() if ".experts." in n}
+    assert stats.expert_counts == (4, 4) and stats.ep_refusal is None
+    assert [s.expert_params for s in stats.segments if s.n_moe] == [
+        sum(v for n, v in experts.items() if f"layers.{i}." in n) for i in range(2)]
+    assert all(s.expert_flops_f > 0 and s.expert_flops_b > s.expert_flops_f and s.ep_comm_f > 0
+               for s in stats.segments if s.n_moe)
+    hw = cost.HARDWARE["h100"]
+    fixed = {"tp": 1, "pp": 1, "zero": 0, "microbatches": 1}
+    r = planner.search(stats, 4, hw, batch_rows=8, executable=False, constraints=fixed)
+    by_ep = {c.plan.ep: c for c in r.table}
+    assert set(by_ep) == {1, 2, 4}
+    share = sum(experts.values()) / stats.total_params
+    for ep in (2, 4):
+        assert by_ep[ep].memory.params == pytest.approx(
+            by_ep[1].memory.params * (1 - share * (1 - 1 / ep)))
+    r = planner.search(stats, 4, hw, batch_rows=8, executable=False,
+                       constraints={**fixed, "ep": 2})
+    assert {c.plan.ep for c in r.table} == {2}
+    dense, spec = zoo.build("llama")
+    assert planner_stats(dense, spec.batch(0)).expert_counts == ()
+
+    import transformers
+    cfg = transformers.MixtralConfig(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, router_aux_loss_coef=0.0, max_position_embeddings=1024)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        big = transformers.MixtralForCausalLM(cfg)
+    ids = torch.randint(0, 4096, (8, 1024))
+    stats = planner_stats(big, {"input_ids": ids, "labels": ids}, precision="bf16")
+    r = planner.search(stats, 8, hw, batch_rows=8, precision="bf16", executable=False,
+                       constraints=fixed)
+    assert r.best.plan.ep == 8, r.format()
