@@ -6,8 +6,8 @@ Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS 
 ranks; ep=2 and ep=4 carved out of dp=4 on 4 ranks), one `fxpar.launch` per world size, and
 is compared with eager as the zoo sweep compares (`zoo_sweep.compare`, a difference judged
 by the same controls: "rounding" where eager from weights one ulp apart, or with each
-batch's halves run apart, moves as far). A model whose experts are not grouped matmuls is a
-refusal naming the cause.
+batch's halves run apart, moves as far, or where its first step passes Plan.verify). A
+model whose experts are not grouped matmuls is a refusal naming the cause.
 """
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ def _rank(name: str, keys: list) -> dict:
     return out
 
 
+def _verify_rank(name: str, keys: list) -> dict:
+    """Each plan's first step under Plan.verify: '' where it passes, else what it found."""
+    out = {}
+    for key in keys:
+        world, plan = PLANS[key]
+        try:
+            zoo_sweep.train(name, world, plan, steps=1, verify=True)
+            out[key] = ""
+        except Exception as e:  # noqa: BLE001 - what verify found, or why it could not run
+            out[key] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def cells(name: str) -> dict:
     """{plan key: cell text} for one model."""
     why = zoo_sweep.skip_reason(name)
@@ -61,6 +74,15 @@ def cells(name: str) -> dict:
         status, detail = zoo_sweep._judged(name, key, diff, losses, state, eager, chosen,
                                            controls)
         out[key] = status if status == "rounding" else f"{status}: {detail[:160]}"
+    # a mismatch the controls confirm, checked as the zoo sweep checks it: its first step
+    # under Plan.verify (gradients and optimizer state within what rounding makes them)
+    again = [k for k, v in out.items() if v.startswith("mismatch")]
+    for world in sorted({PLANS[k][0] for k in again}):
+        keys = [k for k in again if PLANS[k][0] == world]
+        found = fxpar.launch(_verify_rank, world, name, keys)[0]
+        for k in keys:
+            out[k] = "rounding (Plan.verify)" if not found[k] else \
+                f"{out[k]}; under Plan.verify: {found[k][:160]}"
     return out
 
 

@@ -15,6 +15,7 @@ from fxpar.core.plan import resolve
 from fxpar.examples import zoo
 from fxpar.passes import expert_parallel
 
+import workers
 from test_parity import _check_plans
 from workers import clip_eager_reference, clip_rank
 
@@ -163,21 +164,8 @@ def test_clipping_counts_each_expert_once():
 def test_checkpoint_resumes_and_reshards(tmp_path):
     """An ep=2 run saves at step 5 (each rank's experts gathered into one model's file): it
     resumes bit for bit, and plain dp=2 loads the same checkpoint and takes its next step."""
-    import workers
-    ep = {"dp": 2, "ep": 2}
-    saved = fxpar.launch(workers.resume_save_rank, 2, [("ep", "mixtral", ep)],
-                         str(tmp_path))[0]
-    loads = [("ep", ["ep"], "mixtral", ep), ("dp", ["ep"], "mixtral", {"dp": 2})]
-    resumed = fxpar.launch(workers.resume_load_rank, 2, loads, str(tmp_path))[0]
-    k = workers.SAVE_AT
-    ref_losses, ref_next, ref_final = saved["ep"]
-    losses, _, final, _, start = resumed[("ep", "ep")]
-    assert start == k and torch.equal(losses, ref_losses[k:])
-    assert all(torch.equal(final[n], ref_final[n]) for n in ref_final)
-    losses, after_next, _, _, _ = resumed[("dp", "ep")]
-    torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
-    for n, v in ref_next.items():
-        torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
+    workers.check_resumed_and_resharded(2, "mixtral", {"dp": 2, "ep": 2}, {"dp": 2},
+                                        str(tmp_path))
 
 
 def test_planner_prices_expert_parallelism():

@@ -200,20 +200,8 @@ def test_hsdp_checkpoint_resumes_and_reshards(tmp_path):
     model's). New processes: the HSDP plan resumes bit for bit; plain ZeRO-2 over all 4
     ranks loads the same checkpoint and takes the saved run's next step."""
     import workers
-    hsdp = {"dp": 4, "zero": 3, "dp_shard": 2}
-    saved = fxpar.launch(workers.resume_save_rank, 4, [("hsdp", "gpt", hsdp)],
-                         str(tmp_path))[0]
-    loads = [("hsdp", ["hsdp"], "gpt", hsdp), ("zero2", ["hsdp"], "gpt", {"dp": 4, "zero": 2})]
-    resumed = fxpar.launch(workers.resume_load_rank, 4, loads, str(tmp_path))[0]
-    k = workers.SAVE_AT
-    ref_losses, ref_next, ref_final = saved["hsdp"]
-    losses, _, final, _, start = resumed[("hsdp", "hsdp")]
-    assert start == k and torch.equal(losses, ref_losses[k:])
-    assert all(torch.equal(final[n], ref_final[n]) for n in ref_final)
-    losses, after_next, _, _, _ = resumed[("zero2", "hsdp")]
-    torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
-    for n, v in ref_next.items():
-        torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
+    workers.check_resumed_and_resharded(4, "gpt", {"dp": 4, "zero": 3, "dp_shard": 2},
+                                        {"dp": 4, "zero": 2}, str(tmp_path))
 
 
 def test_planner_prices_hsdp_where_the_dp_group_spans_nodes():

@@ -564,6 +564,23 @@ def resume_save_rank(cases, root):
     return out if rank == 0 else None
 
 
+def check_resumed_and_resharded(world, model, plan, other, root):
+    """Save `plan`'s run at SAVE_AT, then in new processes: `plan` resumes bit for bit, and
+    `other` (another plan) loads the same checkpoint and takes the saved run's next step."""
+    saved = fxpar.launch(resume_save_rank, world, [("saved", model, plan)], root)[0]
+    loads = [("same", ["saved"], model, plan), ("other", ["saved"], model, other)]
+    resumed = fxpar.launch(resume_load_rank, world, loads, root)[0]
+    k = SAVE_AT
+    ref_losses, ref_next, ref_final = saved["saved"]
+    losses, _, final, _, start = resumed[("same", "saved")]
+    assert start == k and torch.equal(losses, ref_losses[k:])
+    assert all(torch.equal(final[n], ref_final[n]) for n in ref_final)
+    losses, after_next, _, _, _ = resumed[("other", "saved")]
+    torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
+    for n, v in ref_next.items():
+        torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
+
+
 def resume_load_rank(cases, root):
     """New processes: build, then for each source checkpoint in turn load it into the same
     model and train to RESUME_STEPS. Rank 0 returns {(case, source): (losses of the steps after
