@@ -377,7 +377,10 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "bytes_f_whole": "bf", "bytes_b": "bb", "bytes_b_split": "bb",
              "bytes_b_whole": "bb", "nodes_f": "nf", "nodes_b": "nb", "saved": "saved",
              "saved_split": "saved", "saved_whole": "saved", "params": "p",
-             "params_split": "p", "n_row": "f", "n_param_tensors": "p"}
+             "params_split": "p", "n_row": "f", "n_param_tensors": "p",
+             "expert_params": "p", "expert_flops_f": "f", "expert_flops_b": "b",
+             "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
+             "n_moe": "f"}
 
 
 def _stage_shares(gm, stats: GraphStats, n: int) -> dict[str, dict[str, list[float]]]:
@@ -440,7 +443,7 @@ def _stage_segments(stats: GraphStats, shares: dict, n: int) -> list[list[Segmen
             if sh["all"][k] == 0 and not any(v[k] for v in sh.values()):
                 continue
             part = dataclasses.replace(seg, column_out=seg.column_out if k == col else [])
-            for f in tuple(FIELDS) + ("n_row", "n_param_tensors"):
+            for f in tuple(FIELDS) + ("n_row", "n_param_tensors", "n_moe"):
                 # (its working memory: the share of its ops, so a sliver of the LM head on
                 # the embedding's stage - the tied weight's gradient sum - is not priced
                 # with the logits)
@@ -927,6 +930,7 @@ def _rank_aggregates(stages, pp, v):
                     setattr(agg, f, getattr(agg, f) + getattr(s, f))
                 agg.column_out = agg.column_out + s.column_out
                 agg.n_row += s.n_row
+                agg.n_moe += s.n_moe
                 agg.n_param_tensors += s.n_param_tensors
                 agg.largest_param = max(agg.largest_param, s.largest_param)
             agg.boundary = 0.0
@@ -941,6 +945,7 @@ def _rank_aggregates(stages, pp, v):
             rest.boundary = 0.0
             rest.transient, rest.transient_split = _most_working(layers)
             rest.n_row = sum(s.n_row for s in layers) - big.n_row
+            rest.n_moe = sum(s.n_moe for s in layers) - big.n_moe
             rest.n_param_tensors = sum(s.n_param_tensors for s in layers) - big.n_param_tensors
             rest.largest_param = max(s.largest_param for s in layers)
             rest.column_out = [c for s in layers for c in s.column_out][len(big.column_out):]
@@ -1033,6 +1038,8 @@ def _expert_degrees(stats, dp, tp, pp, m, zero, grouping, constraints) -> list[i
                  grad_compression=constraints.get("grad_compression", "none"))
     if "ep" in constraints:
         eps = [constraints["ep"]]
+        if eps[0] > 1 and stats.ep_refusal:
+            raise PlanError(f"Plan.ep={eps[0]}: {stats.ep_refusal}")
     elif stats.expert_counts and not stats.ep_refusal:
         eps = [1] + [e for e in _divisors(dp) if e > 1
                      and all(n % e == 0 for n in stats.expert_counts)]
@@ -1199,14 +1206,15 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             n_moe = sum(s.n_moe for s in segs)
             epc_f = hw.comm("all_reduce", sum(s.ep_comm_f for s in segs) * g, ep,
-                            tp * pp * ep, calls=n_moe)
+                            tp * pp * ep, calls=max(1, round(n_moe)))
             epc_b = hw.comm("all_reduce", sum(s.ep_comm_b for s in segs) * g, ep,
-                            tp * pp * ep, calls=n_moe)
+                            tp * pp * ep, calls=max(1, round(n_moe)))
             bw = hw.mem_bandwidth / hw.roofline_scale
-            tf += sum(s.ep_bytes_f for s in segs) * g / bw + 12 * n_moe * hw.node_overhead \
-                - (1 - 1 / ep) * sum(s.expert_flops_f for s in segs) * g / rate
-            tb += sum(s.ep_bytes_b for s in segs) * g / bw + 12 * n_moe * hw.node_overhead \
-                - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate
+            nodes = 12 * n_moe * hw_graph.node_overhead  # (the window, moves and masks)
+            tf = max(tf + sum(s.ep_bytes_f for s in segs) * g / bw + nodes
+                     - (1 - 1 / ep) * sum(s.expert_flops_f for s in segs) * g / rate, 0.0)
+            tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
+                     - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         fwd.append(tf + tpc_f + tp_nodes)
         # the recomputed forward runs its tp all-reduces again (remat runs before the tp
@@ -1273,6 +1281,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mem = mems[worst][0]
     elem = 4 if precision == "fp32" else 2
     n_elem = mem.params * (sdp if zero >= 3 else 1) / elem  # this rank's parameter elements
+    # (an MoE's expert gradients are computed from every dp rank's rows, gathered: complete
+    # on each rank, so without ZeRO the dp pass reduces none of them, at any ep)
+    share = _expert_share(rank_segs[worst], tp)  # (of its elements before ep's split)
+    n_reduced = n_elem * (1 - share) / (1 - share * (1 - 1 / ep)) if zero == 0 and share < 1 \
+        else n_elem
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
     dpc = dp_fixed = gather = 0.0
     if dp > 1:
@@ -1280,7 +1293,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         # model's floor (ZeRO-3: one per layer); ZeRO-1 all-reduces each, ZeRO-2
         # reduce-scatters, and the runtime all-gathers the updated shards (exposed); ZeRO-3
         # gathers each layer's parameters before its forward and again before its backward
-        grad_bytes = n_elem * elem
+        grad_bytes = n_reduced * elem
         span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
         s_span = tp * pp * sdp  # (HSDP's shard groups: neighbouring dp ranks)
         # Plan.comm_quantization (as the user gives it; a lossy choice the search never
@@ -1503,8 +1516,8 @@ def expert_stats(stats: GraphStats, gm) -> None:
     gets the reason (no ep plan is priced)."""
     try:
         layers = expert_parallel.find_layers(gm)
-    except PlanError as e:
-        stats.ep_refusal = str(e)
+    except Exception as e:  # noqa: BLE001 - no ep plan is priced; the reason is kept
+        stats.ep_refusal = f"{type(e).__name__}: {e}"
         return
     by_name = {s.name: s for s in stats.segments}
     counts = []
@@ -1539,6 +1552,10 @@ def expert_stats(stats: GraphStats, gm) -> None:
                 else:
                     seg.ep_bytes_b += passes * nbytes
     stats.expert_counts = tuple(counts)
+    for seg in stats.segments:  # a dp rank runs the experts on every rank's rows (gathered):
+        # work dp does not split, at least this much where no dp probe counted it
+        seg.flops_f_whole = max(seg.flops_f_whole, seg.expert_flops_f)
+        seg.flops_b_whole = max(seg.flops_b_whole, seg.expert_flops_b)
 
 
 def tp_roles(gm, sig) -> tuple[dict | None, str | None]:

@@ -64,8 +64,10 @@ def _resolve(spec):
         return rest[0]
     if kind == "op":
         ns, name, overload = rest
-        if ns == "fxpar":  # fxpar's kernels register their ops when imported
+        if ns == "fxpar":  # fxpar's ops register when their modules are imported: the
+            # kernels' and the sharding rules' (localize, local_chunk, expert_window...)
             importlib.import_module("fxpar.kernels.library")
+            importlib.import_module("fxpar.core.sharding")
         return getattr(getattr(getattr(torch.ops, ns), name), overload)
     if kind == "hop":
         return torch._ops._higher_order_ops[rest[0]]

@@ -20,8 +20,8 @@ over groups of ep neighbouring dp ranks (the "ep" group): rank r holds experts
 
 The expert weights' gradients are then this rank's experts' over every token of the step
 (the rows were whole), so they need no dp reduction; every other op is as it was. The cost:
-two all-reduces of the layer's rows per MoE layer each way, on top of the gathers data
-parallelism already makes; the gain: 1/ep of the expert weights, their gradients and
+one all-reduce of the layer's rows each way (its output forward, its input's gradient
+backward), on top of the gathers data parallelism already makes; the gain: 1/ep of the expert weights, their gradients and
 optimizer state, and 1/ep of the expert matmuls, per rank.
 
 Other MoE forms (an experts loop over nn.ModuleList, batched matmuls over gathered
@@ -192,7 +192,8 @@ def _row_inputs(node, row: int, rows: int) -> dict | None:
         d0, d1 = (d % out.dim() for d in node.args[1:3])
         return {x: d1 if row == d0 else d0 if row == d1 else row}
     if op in _SPLITS or op is aten.slice.Tensor or op is aten.cat.default:
-        dim = node.args[2] if op in _SPLITS else node.args[1] if len(node.args) > 1 else 0
+        at = 2 if op in _SPLITS else 1
+        dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
         if dim % out.dim() == row:
             return None
         ins = node.args[0] if op is aten.cat.default else [node.args[0]]
@@ -274,15 +275,15 @@ def _layer(offs, mms) -> Layer:
                 region.setdefault(u, region[n])
     entering, leaving = {}, []
     for n, r in region.items():
-        if r is None:
-            continue
-        for x, d in (_row_inputs(n, r, rows) or {}).items():
+        for x, d in (_roles(n) if r is None else (_row_inputs(n, r, rows) or {}).items()):
             if x not in region:
                 if d != 0:
                     raise PlanError(f"Plan.ep: {x.name} enters the MoE layer {module!r} with "
                                     f"its rows on dim {d}; expert parallelism moves rows on "
                                     "dim 0.")
                 entering.setdefault(x, None)
+        if r is None:  # (a weight gradient: expert space, no rows leave)
+            continue
         if any(u not in region for u in n.users) and not isinstance(_val(n), (tuple, list)):
             if r != 0:
                 raise PlanError(f"Plan.ep: {n.name} leaves the MoE layer {module!r} with its "
@@ -294,7 +295,38 @@ def _layer(offs, mms) -> Layer:
             w = _weight_of(m.args[1], m, module)
             if w not in weights:
                 weights.append(w)
+    experts = _val(offs).numel()
+    for w in weights:
+        _only_experts_read(w, set(mms), experts, module)
     return Layer(offs, rows, mms, region, weights, list(entering), leaving, module)
+
+
+def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
+    """Split along dim 0, an expert weight must be read only by its layer's grouped matmuls
+    (through casts, views and transposes that keep dim 0 the experts), and dim 0 must be
+    the experts: any other reader would compute on this rank's slice alone."""
+    if _val(w).dim() != 3 or _val(w).shape[0] != experts:
+        raise PlanError(f"Plan.ep: the weight {w.meta.get(ir.FQN, w.name)} of the MoE layer "
+                        f"{module!r} is {tuple(_val(w).shape)}, not [{experts} experts, ...]; "
+                        "expert parallelism splits a 3-D weight along its experts.")
+    todo = [w]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in mms:
+                continue
+            v = _val(u)
+            keeps = u.target in _WEIGHT_PATH and isinstance(v, torch.Tensor) and \
+                v.dim() == 3 and v.shape[0] == experts and not (
+                    u.target is aten.transpose.int and 0 in {d % 3 for d in u.args[1:3]})
+            if not keeps:
+                raise PlanError(
+                    f"Plan.ep: the expert weight {w.meta.get(ir.FQN, w.name)} of {module!r} "
+                    f"is also read by {u.name} ({u.target}, module "
+                    f"{u.meta.get(ir.MODULE, '')!r}), not only by the layer's grouped "
+                    "matmuls; split over ep ranks, that op would see this rank's experts "
+                    "alone. Use ep=1 for this model.")
+            todo.append(u)
 
 
 def _weight_of(x, mm, module):

@@ -811,11 +811,14 @@ class ParallelModel:
             self._generated[id(self._eval_program)] = self._codegen(
                 self._eval_program, {"evaluate": self._eval_program.graph}, clock)["evaluate"]
             self.compile_times = [*self.compile_times, *clock.rows(other=False)]
-            if self._eval_program.tp_layouts != self.program.tp_layouts:
+            if (self._eval_program.tp_layouts, self._eval_program.expert_params) != (
+                    self.program.tp_layouts, self.program.expert_params):
                 raise PlanError(
-                    "evaluate() under tensor parallelism: the forward-only graph was sharded "
-                    f"differently from the training graph ({self._eval_program.tp_layouts} vs "
-                    f"{self.program.tp_layouts}); please report this model to fxpar.")
+                    "evaluate() under tensor or expert parallelism: the forward-only graph was "
+                    "sharded differently from the training graph (tp layouts "
+                    f"{self._eval_program.tp_layouts} vs {self.program.tp_layouts}, expert "
+                    f"weights {self._eval_program.expert_params} vs "
+                    f"{self.program.expert_params}); please report this model to fxpar.")
         with self._named_index_errors(self._eval_program, batch, "evaluate"):
             outs = self._run(self._eval_program, batch)
         return outs[0].detach()

@@ -1,6 +1,7 @@
 """Expert parallelism (Plan.ep, passes/expert_parallel.py): the MoE layers it finds on the
 joint graph, the rewrite (which weights split, where rows move and are summed, which
 collectives appear), the plans it refuses, and training on gloo ranks against eager."""
+import dataclasses
 import operator
 
 import pytest
@@ -105,8 +106,9 @@ def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
 
 
 def test_plans_and_models_expert_parallelism_refuses_by_name():
-    """ep must divide dp and the experts; not with ZeRO or ps yet; a model whose
-    experts are an nn.ModuleList (routed by torch.where) has no grouped matmul to split."""
+    """ep must divide dp and the experts; not with ZeRO or ps yet; an expert weight read
+    by anything but its layer's grouped matmuls (a regulariser) cannot be split; a model
+    whose experts are an nn.ModuleList (routed by torch.where) has no grouped matmul."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "ep": 2}, 3)
     with pytest.raises(PlanError, match="zero=2"):
@@ -118,6 +120,11 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
     model, batch = _mixtral()
     with pytest.raises(PlanError, match="4 experts, which do not split evenly over 3"):
         fxpar.compile(model, 3, example_batch=batch, plan={"dp": 3, "ep": 3})
+    def regularised(m, b):  # the experts' weight also read outside the grouped matmuls
+        return m(**b).loss + 1e-3 * m.model.layers[0].mlp.experts.down_proj.pow(2).sum()
+    with pytest.raises(PlanError, match="down_proj of .* is also read by"):
+        fxpar.compile(model, 2, example_batch=batch, loss_fn=regularised,
+                      plan={"dp": 2, "ep": 2})
     moe, spec = zoo.build("where_moe")
     with pytest.raises(PlanError, match="no MoE layer of grouped matmuls.*nn.ModuleList"):
         fxpar.compile(moe, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
@@ -171,9 +178,10 @@ def test_checkpoint_resumes_and_reshards(tmp_path):
 def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
-    with 1/ep of the experts' state per rank. On a Mixtral with 1024-wide experts over 8
-    H100s, where plain dp computes every rank's routed rows on every rank, ep=8 wins; a
-    dense model gets no ep candidate, and a fixed ep is the only one priced."""
+    with 1/ep of the experts' state per rank, and no dp reduction of their gradients at any
+    ep. On a Mixtral with 1024-wide experts over 8 H100s, plain dp against ep=8; a
+    dense model gets no ep candidate, and a fixed ep is the only one priced (one the graph
+    refuses: its reason)."""
     from fxpar.compiler import planner
     from fxpar.compiler.compile import planner_stats
     from fxpar.core import cost
@@ -210,6 +218,18 @@ def test_planner_prices_expert_parallelism():
         big = transformers.MixtralForCausalLM(cfg)
     ids = torch.randint(0, 4096, (8, 1024))
     stats = planner_stats(big, {"input_ids": ids, "labels": ids}, precision="bf16")
+    # plain dp runs every rank's routed rows on every rank: 8x the expert matmuls; ep=8 runs
+    # 1/8 of them but all-reduces the rows, 32 MB each way per layer. An H100's matmuls are
+    # fast enough that NVLink's all-reduces cost more; on a device 20x slower at matmuls (a
+    # CPU's ratio) ep=8 wins
     r = planner.search(stats, 8, hw, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
+    assert r.best.plan.ep == 1 and {c.plan.ep for c in r.table} == {1, 2, 4, 8}, r.format()
+    slow = dataclasses.replace(hw, peak_flops={k: v / 20 for k, v in hw.peak_flops.items()})
+    r = planner.search(stats, 8, slow, batch_rows=8, precision="bf16", executable=False,
+                       constraints=fixed)
     assert r.best.plan.ep == 8, r.format()
+    with pytest.raises(PlanError, match="Plan.ep=2: PlanError: .*no MoE layer"):
+        planner.search(dataclasses.replace(stats, expert_counts=(), ep_refusal=(
+            "PlanError: no MoE layer of grouped matmuls")), 8, hw, batch_rows=8,
+            executable=False, constraints={**fixed, "ep": 2})
