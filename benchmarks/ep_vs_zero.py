@@ -19,10 +19,10 @@ change in the machine's load hits all alike; rank 0's times. Memory (max over ra
 same tracker as benchmarks/zero_vs_fsdp.py (runtime/memtrack.StepMemory), entered after
 parallelize (tracing a Hugging Face model under it fails), from the weights the rank then
 holds (its slices, ZeRO's shards) and every storage the steps allocate (optimizer state
-included): held = live before a step, peak = the maximum during one. "experts/rank" = the bytes of expert weights plus their AdamW
-state this rank holds (parameters as its program holds them: its experts under ep, its flat
-shard under ZeRO-3; two AdamW moments each), from the tensors themselves. Ratios are ep
-over each other plan, in this one run.
+included): held = live before a step, peak = the maximum during one. "experts/rank" = the
+bytes of expert weights plus their AdamW state this rank holds (parameters as its program
+holds them: its experts under ep, its flat shard under ZeRO-3; two AdamW moments each),
+from the tensors themselves. Ratios are ep over each other plan, in this one run.
 """
 from __future__ import annotations
 

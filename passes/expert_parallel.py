@@ -21,8 +21,9 @@ over groups of ep neighbouring dp ranks (the "ep" group): rank r holds experts
 The expert weights' gradients are then this rank's experts' over every token of the step
 (the rows were whole), so they need no dp reduction; every other op is as it was. The cost:
 one all-reduce of the layer's rows each way (its output forward, its input's gradient
-backward), on top of the gathers data parallelism already makes; the gain: 1/ep of the expert weights, their gradients and
-optimizer state, and 1/ep of the expert matmuls, per rank.
+backward), on top of the gathers data parallelism already makes; the gain: 1/ep of the
+expert weights, their gradients and optimizer state, and 1/ep of the expert matmuls, per
+rank.
 
 Other MoE forms (an experts loop over nn.ModuleList, batched matmuls over gathered
 weights) are refused by name: their experts are not one parameter to split.
