@@ -143,11 +143,13 @@ def test_moe_models_on_four_ranks_train_like_eager():
     """ep carved out of dp=4: groups of 2 (two groups, each holding every expert once) on
     Mixtral, Qwen2-MoE (a gated shared expert) and DeepSeek-V3 (group-limited routing, a
     shared expert, a dense first layer); ep=4 (one expert per rank); and ep=2 inside dp=2 with
-    tp=2 (the experts replicated over tp) or a zero-bubble pipeline of 2 stages."""
+    tp=2 (the experts replicated over tp) or a zero-bubble pipeline of 2 stages; and Mixtral
+    with its router's load-balancing loss added to the loss (router_aux_loss_coef=0.02)."""
     cases = [(m, "adamw", {"dp": 4, "ep": 2}) for m in ("mixtral", "qwen2_moe", "deepseek_v3")]
     _check_plans(4, cases + [("mixtral", "adamw", p) for p in (
         {"dp": 4, "ep": 4}, {"dp": 2, "ep": 2, "tp": 2},
-        {"dp": 2, "ep": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"})])
+        {"dp": 2, "ep": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"})]
+        + [("mixtral_aux", "adamw", {"dp": 4, "ep": 2})])
 
 
 @pytest.mark.slow

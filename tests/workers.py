@@ -42,7 +42,17 @@ def sized_zoo():
                               lambda s: M.hf_lm_batch(256, 4, 16, seed=s), None),
             # Hugging Face MoE models (expert parallelism): the model zoo's configs
             **{name: (lambda name=name: _zoo_model(name), _lm(), None)
-               for name in ("mixtral", "qwen2_moe", "deepseek_v3")}}
+               for name in ("mixtral", "qwen2_moe", "deepseek_v3")},
+            # with the router's load-balancing loss in the loss (outside the experts)
+            "mixtral_aux": (_mixtral_aux, _lm(), None)}
+
+
+def _mixtral_aux():
+    model = _zoo_model("mixtral")
+    model.config.router_aux_loss_coef = 0.02
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = 0.02
+    return model
 
 
 def _zoo_model(name):
