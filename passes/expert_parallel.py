@@ -37,6 +37,7 @@ import torch
 import torch.fx
 
 from fxpar.core import experts as _experts  # noqa: F401  (registers fxpar::expert_window)
+from fxpar.core import sharding as _sharding  # noqa: F401  (registers fxpar::local_chunk)
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
 from fxpar.core.graphs import fake_propagate
@@ -148,7 +149,8 @@ def find_layers(gm: torch.fx.GraphModule) -> list[Layer]:
                                 f"{n.meta.get(ir.MODULE, '')!r}) has no offs; expert "
                                 "parallelism needs each expert's rows given by offs.")
             by_offs.setdefault(offs, []).append(n)
-    return [_layer(offs, mms) for offs, mms in by_offs.items()]
+    every = {m for mms in by_offs.values() for m in mms}
+    return [_layer(offs, mms, every) for offs, mms in by_offs.items()]
 
 
 def _val(n):
@@ -239,7 +241,9 @@ def _out_row(user, node, row: int, rows: int) -> int | None:
     return cand if ins is not None and ins.get(node) == row else None
 
 
-def _layer(offs, mms) -> Layer:
+def _layer(offs, mms, every: set) -> Layer:
+    """`every`: the graph's grouped matmuls (remat's recomputed copy of a layer has offs of
+    its own, and reads the same weights)."""
     module = next((m.meta.get(ir.MODULE, "") for m in mms if m.meta.get(ir.MODULE)), "")
     rows = next(_val(a).shape[d] for m in mms for a, d in _roles(m))
     # forward from every matmul's rows out, backward from every matmul's rows in, through
@@ -298,14 +302,15 @@ def _layer(offs, mms) -> Layer:
                 weights.append(w)
     experts = _val(offs).numel()
     for w in weights:
-        _only_experts_read(w, set(mms), experts, module)
+        _only_experts_read(w, every, experts, module)
     return Layer(offs, rows, mms, region, weights, list(entering), leaving, module)
 
 
 def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
-    """Split along dim 0, an expert weight must be read only by its layer's grouped matmuls
-    (through casts, views and transposes that keep dim 0 the experts), and dim 0 must be
-    the experts: any other reader would compute on this rank's slice alone."""
+    """Split along dim 0, an expert weight must be read only by grouped matmuls (`mms`: each
+    rewritten with its layer's local offs), as their experts operand, through casts, views
+    and transposes that keep dim 0 the experts; and dim 0 must be the experts: any other
+    reader would compute on this rank's slice alone."""
     if _val(w).dim() != 3 or _val(w).shape[0] != experts:
         raise PlanError(f"Plan.ep: the weight {w.meta.get(ir.FQN, w.name)} of the MoE layer "
                         f"{module!r} is {tuple(_val(w).shape)}, not [{experts} experts, ...]; "
@@ -314,7 +319,7 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u in mms:
+            if u in mms and u.args[1] is n:
                 continue
             v = _val(u)
             keeps = u.target in _WEIGHT_PATH and isinstance(v, torch.Tensor) and \
@@ -324,9 +329,9 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
                 raise PlanError(
                     f"Plan.ep: the expert weight {w.meta.get(ir.FQN, w.name)} of {module!r} "
                     f"is also read by {u.name} ({u.target}, module "
-                    f"{u.meta.get(ir.MODULE, '')!r}), not only by the layer's grouped "
-                    "matmuls; split over ep ranks, that op would see this rank's experts "
-                    "alone. Use ep=1 for this model.")
+                    f"{u.meta.get(ir.MODULE, '')!r}), not only as grouped matmuls' experts; "
+                    "split over ep ranks, that op would see this rank's experts alone. Use "
+                    "ep=1 for this model.")
             todo.append(u)
 
 
@@ -334,6 +339,10 @@ def _weight_of(x, mm, module):
     n = x
     while n.op == "call_function" and n.target in _WEIGHT_PATH:
         n = n.args[0]
+    if n.op == "call_function" and n.target is torch.ops.fxpar.local_chunk.default:
+        raise PlanError(f"Plan.ep: tensor parallelism already splits the experts of "
+                        f"{module!r} (a local_chunk of their weight feeds {mm.name}); one "
+                        "weight takes one split. Use ep=1 (experts split over tp) or tp=1.")
     if n.op != "placeholder" or n.meta.get(ir.ROLE) != "param":
         raise PlanError(f"Plan.ep: the experts' weight of the grouped matmul {mm.name} "
                         f"(module {module!r}) is computed by {n.name} ({n.target}), not a "

@@ -102,13 +102,21 @@ def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
     others = [i for i in range(sig.num_params) if i not in prog.expert_params]
     assert all(reduced_over_dp(grads[i]) for i in others if grads[i] is not None)
     assert mesh_dims(prog.plan) == [("edp", 1), ("ep", 2)]
+    # remat recomputes each layer's forward in the backward, with offs of its own: a layer
+    # more each, reading the same (split) weights
+    remat = fxpar.compile(model, 2, example_batch=batch,
+                          plan={"dp": 2, "ep": 2, "remat": "sqrt", "fuse": False})
+    found = [r["module"] for r in remat.graph.meta[ir.EP_REPORT]]
+    assert len(found) > 2 and set(found) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert remat.expert_params == prog.expert_params
     assert mesh_dims(resolve({"dp": 4, "ep": 2}, 4)) == [("edp", 2), ("ep", 2)]
 
 
 def test_plans_and_models_expert_parallelism_refuses_by_name():
     """ep must divide dp and the experts; not with ZeRO or ps yet; an expert weight read
-    by anything but its layer's grouped matmuls (a regulariser) cannot be split; a model
-    whose experts are an nn.ModuleList (routed by torch.where) has no grouped matmul."""
+    by anything but its layer's grouped matmuls (a regulariser) or split by tp already
+    (DeepSeek-V3's) cannot be split; a model whose experts are an nn.ModuleList (routed by
+    torch.where) has no grouped matmul."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "ep": 2}, 3)
     with pytest.raises(PlanError, match="zero=2"):
@@ -122,20 +130,25 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
         fxpar.compile(model, 3, example_batch=batch, plan={"dp": 3, "ep": 3})
     def regularised(m, b):  # the experts' weight also read outside the grouped matmuls
         return m(**b).loss + 1e-3 * m.model.layers[0].mlp.experts.down_proj.pow(2).sum()
-    with pytest.raises(PlanError, match="down_proj of .* is also read by"):
+    with pytest.raises(PlanError, match="down_proj of .* is also read by .* not only as"):
         fxpar.compile(model, 2, example_batch=batch, loss_fn=regularised,
                       plan={"dp": 2, "ep": 2})
+    ds, spec = zoo.build("deepseek_v3")  # (its experts the tp pass splits already)
+    with pytest.raises(PlanError, match="tensor parallelism already splits the experts"):
+        fxpar.compile(ds, 4, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2, "tp": 2})
     moe, spec = zoo.build("where_moe")
     with pytest.raises(PlanError, match="no MoE layer of grouped matmuls.*nn.ModuleList"):
         fxpar.compile(moe, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
 
 
 def test_mixtral_ep2_trains_like_eager():
-    """dp=2 x ep=2 on 2 ranks, one step and two microbatches: losses, evaluate() and every
+    """dp=2 x ep=2 on 2 ranks, alone, with two microbatches and with remat (the recomputed
+    forward a layer of its own, on the same split weights): losses, evaluate() and every
     final weight (gathered from the ranks' halves of the experts by full_state_dict) equal
     eager AdamW."""
     _check_plans(2, [("mixtral", "adamw", {"dp": 2, "ep": 2}),
-                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "microbatches": 2})])
+                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "microbatches": 2}),
+                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "remat": "sqrt"})])
 
 
 @pytest.mark.slow
