@@ -246,10 +246,12 @@ def mesh_dims(plan) -> list[tuple[str, int]]:
     """The device mesh's (name, degree) dims, outermost first: tp innermost (neighbouring
     ranks), then pp, then dp; with HSDP (hpZ) dp as (replicas, shard group (secondary
     partition)), that group the inner one (neighbouring ranks: one node when it is the GPUs
-    per node); with ep as (across expert groups, expert group), that group the inner one."""
+    per node); with ep as (across expert groups, expert group), that group the inner one,
+    and with cp likewise (across sequence groups, sequence group)."""
     s = plan.node_group  # (HSDP's shard group, hpZ's secondary partition)
     dp = [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else \
-        [("edp", plan.dp // plan.ep), ("ep", plan.ep)] if plan.ep > 1 else [("dp", plan.dp)]
+        [("edp", plan.dp // plan.ep), ("ep", plan.ep)] if plan.ep > 1 else \
+        [("cdp", plan.dp // plan.cp), ("cp", plan.cp)] if plan.cp > 1 else [("dp", plan.dp)]
     return dp + ([("pp", plan.pp)] if plan.pp > 1 else []) + (
         [("tp", plan.tp)] if plan.tp > 1 else [])
 

@@ -190,6 +190,7 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     piped = pipeline is not None
     return ir.Program(
         graph=gm, signature=sig, dp=plan.dp, batch_shard_dims=d[ir.BATCH_SHARD_DIMS],
+        cp=plan.cp if d.get(ir.SEQUENCE_SPLIT) else 1,
         zero=plan.zero if d.get(ir.ZERO_BUCKETS) else 0,
         zero_buckets=d.get(ir.ZERO_BUCKETS, []), params_sharded=d.get(ir.PARAMS_SHARDED, False),
         pipeline=pipeline, pp=plan.pp if piped else 1, microbatches=m if piped else 1,

@@ -68,6 +68,8 @@ PARAMS_SHARDED = "params_sharded"      # data_parallel (ZeRO-3): parameter input
 TP_LAYOUTS = "tp_layouts"              # tensor_parallel: per parameter, None or a layout
 EXPERT_PARAMS = "expert_params"        # expert_parallel: indices of the parameters split over
 #                                        the ep group along dim 0 (each rank its experts)
+SEQUENCE_SPLIT = "sequence_split"      # context_parallel: per batch leaf, the dim split over
+#                                        the cp group in the graph (None: whole on every rank)
 LOSS_SCALE = "loss_scale"              # precision (fp16): the last batch input is the scale
 LOSS_COUNT = "loss_count"              # data_parallel (microbatches): the target counter
 # written by the pass manager (compiler/pass_manager.run_passes):
@@ -79,6 +81,7 @@ PRECISION_REPORT = "precision"         # precision: what was cast, kept, scaled
 REMAT_REPORT = "remat"                 # remat: what is saved and what recomputed
 PIPELINE = "pipeline"                  # pipeline_split: the stages and their parts
 TP_REPORT = "tensor_parallel"          # tensor_parallel: each weight's role, the collectives
+CP_REPORT = "context_parallel"         # context_parallel: the split leaves, attention, comms
 EP_REPORT = "expert_parallel"          # expert_parallel: each MoE layer, its experts and rows
 OVERLAP_REPORT = "overlap"             # overlap: what moved and what limited it
 FUSION_REPORT = "fusion"               # fusion: the fused groups and the unpaid ones
@@ -116,9 +119,11 @@ class PassContract:
 # "dp" stays the whole dp group (the batch's split: the loss, batch statistics).
 # Plan.ep splits the dp ranks into expert groups of ep neighbouring ranks ("ep": an MoE
 # layer's experts split over it) and the groups across them ("edp").
+# Plan.cp likewise: groups of cp neighbouring dp ranks split the sequence ("cp"), the groups
+# across them split the batch's rows ("cdp"); "dp" stays the gradients' group.
 GROUPS = {"dp": "fxpar.dp", "tp": "fxpar.tp", "pp": "fxpar.pp",
           "dp_shard": "fxpar.dp_shard", "dp_rep": "fxpar.dp_rep",
-          "ep": "fxpar.ep", "edp": "fxpar.edp"}
+          "ep": "fxpar.ep", "edp": "fxpar.edp", "cp": "fxpar.cp", "cdp": "fxpar.cdp"}
 
 
 @dataclasses.dataclass
@@ -175,13 +180,15 @@ class Program:
     `graph` takes (params, buffers, local batch leaves) and returns
     (loss, grads, updated buffers) with every collective as an explicit node.
     `batch_shard_dims[i]` is the dim along which batch leaf i is split over the dp group
-    (None = replicated); the fields below say how parameters, gradients and the batch are
+    (None = replicated), `rows` ways (dp, or dp/cp: context parallelism's cp ranks take the
+    same rows and split their sequences in the graph); the fields below say how parameters, gradients and the batch are
     sharded (ZeRO, tp) and how the step is cut (pipeline).
     """
     graph: torch.fx.GraphModule
     signature: GraphSignature
     dp: int
     batch_shard_dims: list[int | None]
+    cp: int = 1
     # ZeRO (stage 1/2, dp > 1): the gradient outputs are one flat shard per bucket instead of
     # one tensor per parameter; bucket k holds the parameters zero_buckets[k] (indices into
     # signature.param_names) flattened in that order, padded to a multiple of dp, and this
@@ -239,6 +246,11 @@ class Program:
     local_graph: torch.fx.GraphModule | None = None
     # {symbolic group: process group name} on a runtime's bound copy (runtime/comm.bind_groups)
     bound_groups: dict | None = None
+
+    @property
+    def rows(self) -> int:
+        """How many ways the batch's rows split: dp, or dp/cp under context parallelism."""
+        return self.dp // self.cp
 
 
 # --- the batch, as the compiled graph takes it (compile and runtime alike) ---------------

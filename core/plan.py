@@ -49,6 +49,12 @@ class Plan:
                     computing E/ep of them; the layer's routed rows are summed over the group
                     where they leave it (passes/expert_parallel.py). 1 (default): off. Divides
                     dp; composes with tp and pp, not yet with ZeRO, ps or HSDP.
+    cp:             context parallelism, carved out of dp: groups of cp neighbouring dp ranks
+                    take the same rows of the batch and split their sequence, each rank
+                    holding 1/cp of every activation but attention's keys and values, which
+                    are all-gathered over the group (passes/context_parallel.py). 1
+                    (default): off. Divides dp and the sequence length; composes with dp, tp
+                    and ZeRO, not yet with pp, microbatches, ep, ps or HSDP.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -152,6 +158,7 @@ class Plan:
     dp_shard: int | None = None
     hpz: int | None = None
     ep: int = 1
+    cp: int = 1
     precision: str = "fp32"
     codegen: str = "auto"
     fuse: bool = True
@@ -245,7 +252,7 @@ class Plan:
             self.hpz, self.dp, self.zero, self.pp, self.microbatches, self.dp_shard)
         if misfit:
             raise PlanError(misfit)
-        misfit = ep_misfit(self)
+        misfit = ep_misfit(self) or cp_misfit(self)
         if misfit:
             raise PlanError(misfit)
         if self.precision not in PRECISIONS:
@@ -376,6 +383,31 @@ def ep_misfit(plan: "Plan") -> str | None:
                 f"hold them), ps, HSDP, hpZ or gradient compression; this plan also has "
                 f"{', '.join(others)}. Drop those fields, or use ep=1 (the experts are then "
                 "ZeRO-sharded or replicated like any weight).")
+    return None
+
+
+def cp_misfit(plan: "Plan") -> str | None:
+    """Why Plan.cp cannot run with the plan's other fields, or None: the one rule Plan.validate
+    and the planner's candidates share."""
+    cp = plan.cp
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        return f"Plan.cp must be a positive integer (1: off), got {cp!r}."
+    if cp == 1:
+        return None
+    if plan.dp % cp:
+        return (f"Plan.cp={cp} splits the sequence over groups of cp data-parallel ranks: it "
+                f"must divide dp={plan.dp}. Use a cp that divides dp, or a larger dp.")
+    others = [f"{k}={v}" for k, v, off in (
+        ("pp", plan.pp, 1), ("microbatches", plan.microbatches, 1), ("ep", plan.ep, 1),
+        ("ps", plan.ps, 0)) if v != off]
+    if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
+        others.append("dp_shard / hpz")
+    if plan.grad_compression != "none":
+        others.append(f"grad_compression={plan.grad_compression!r}")
+    if others:
+        return (f"Plan.cp={cp} runs with dp, tp and ZeRO, but not yet with pipelines, "
+                f"microbatches, ep, ps, HSDP, hpZ or gradient compression; this plan also has "
+                f"{', '.join(others)}. Drop those fields, or use cp=1.")
     return None
 
 

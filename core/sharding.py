@@ -273,6 +273,7 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
 from fxpar.core import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
 from fxpar.core import vocab_parallel  # noqa: E402  (registers fxpar::localize)
 from fxpar.core import experts  # noqa: E402,F401  (registers fxpar::expert_window)
+from fxpar.core import context_attention  # noqa: E402,F401  (fxpar::causal_chunk_attention)
 
 _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 
@@ -286,6 +287,8 @@ _GROUP_ARG = {
     c10d.reduce_scatter_tensor.default: 3,
     torch.ops.fxpar.local_chunk.default: 3,
     torch.ops.fxpar.partial_from_replicate.default: 1,
+    torch.ops.fxpar.causal_chunk_attention.default: 5,
+    torch.ops.fxpar.causal_chunk_attention_backward.default: 8,
 }
 _AXIS_DIM = {
     c10d.all_gather_into_tensor.default: 0,
@@ -311,6 +314,18 @@ _STRIDED_DTENSOR = {aten.transpose.int, aten.permute.default, aten.bmm.default,
                     aten.mul.Scalar, aten.div.Scalar, aten.mul.Tensor, aten.div.Tensor,
                     aten.add.Tensor, aten.sub.Tensor, aten.neg.default}
 _STRIDED_OPS = {*_VIEW_OPS, *_STRIDED_DTENSOR, aten.clone.default}
+# A sequence split (Plan.cp) flattened behind the batch ([B, S/cp, H] -> [B*S/cp, H]) is a
+# strided shard on the rows of every linear, its gradient and the loss; DTensor's rules for
+# these keep a strided row split right (rows in, rows out; both operands' rows contracted:
+# a partial sum), so a sequence split carries it through them as well
+_SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
+                     aten.sum.dim_IntList, aten._to_copy.default, aten._log_softmax.default,
+                     aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
+                     aten.nll_loss_backward.default, aten.gelu.default,
+                     aten.gelu_backward.default, aten.silu.default, aten.sigmoid.default,
+                     aten.tanh.default, aten.pow.Tensor_Scalar, aten.where.self,
+                     aten.ne.Scalar, aten.eq.Scalar, aten.unsqueeze.default,
+                     aten.squeeze.dim, aten.gather.default, aten.scatter.value}
 
 _BATCH_HEAD_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
                    *_ATTENTION_BACKWARD}
@@ -358,6 +373,52 @@ def _batch_head_rule(node, specs, replicate):
     return wanted, [want_p] * _n_outputs(node)
 
 
+def _sequence_rule(sh, node):
+    """Attention with q split along its sequence dim (Plan.cp): -> its output specs, or None
+    where q is not so split. k/v (and a mask's key dim) are made whole, a mask keeps the
+    rows of its queries; out and logsumexp are split like q; in the backward grad_q is too,
+    grad_k/grad_v are partial sums (every chunk of queries reads every key), reduce-scattered
+    right away. A causal one becomes fxpar::causal_chunk_attention(_backward): SDPA's
+    is_causal would mask as if the chunk started the sequence."""
+    from torch.fx.operator_schemas import normalize_function
+    bwd = node.target in _ATTENTION_BACKWARD
+    a = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                           normalize_to_only_use_kwargs=True).kwargs
+    q = a["query"]
+    if sh.specs[q].placements != (Shard(2),):
+        return None
+    split, whole = (Shard(2),), sh.replicate
+    want = {q: split, a["key"]: whole, a["value"]: whole}
+    mask = a.get("attn_mask")
+    if isinstance(mask, torch.fx.Node):
+        m = mask.meta[ir.VAL]
+        want[mask] = split if m.dim() == 4 and m.shape[2] == q.meta[ir.VAL].shape[2] > 1 \
+            else whole
+    if bwd:
+        want.update({a[k]: split for k in ("grad_out", "out", "logsumexp")})
+    sh.place(node, want)
+    causal, group = a.get("is_causal", False), sh.group_names[0]
+    if causal:
+        if isinstance(mask, torch.fx.Node):
+            raise ShardingError(f"attention {node.name} has both a mask and is_causal; "
+                                "context parallelism takes one or the other.")
+        args = [*node.args[:6], a.get("dropout_p", 0.0)] if bwd else [*node.args[:3],
+                                                                       a.get("dropout_p", 0.0)]
+        node.target = (torch.ops.fxpar.causal_chunk_attention_backward.default if bwd else
+                       torch.ops.fxpar.causal_chunk_attention.default)
+        node.args, node.kwargs = (*args, a.get("scale"), group), {}
+    vals = node.meta[ir.VAL]
+    if bwd:
+        for u in node.users:  # grad_k, grad_v: summed over the chunks into k/v's split
+            if u.target is operator.getitem and u.args[1] in (1, 2):
+                sh.prefer[u] = split
+        pl = [split, (Partial(),), (Partial(),)]
+    else:
+        pl = [split] * len(vals)
+    return tuple(_spec(sh.mesh, p, v) if isinstance(v, torch.Tensor) else None
+                 for p, v in zip(pl, vals))
+
+
 def _n_outputs(node) -> int:
     val = node.meta.get(ir.VAL)
     return len(val) if isinstance(val, (tuple, list)) else 1
@@ -386,8 +447,8 @@ def _placements(spec) -> tuple | None:
 def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
                 group_names: Sequence[str], reduce_shared_partials: bool = False,
                 prefer: dict[torch.fx.Node, tuple] | None = None,
-                gather_first: dict | None = None, split_random_ops: bool = False
-                ) -> dict[torch.fx.Node, Any]:
+                gather_first: dict | None = None, split_random_ops: bool = False,
+                split_sequence: bool = False) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -405,11 +466,13 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     match it instead of all-reduced. gather_first: node -> dim; inputs split on that dim are
     gathered (made whole) before the node runs (the sequence-parallel all-gather before a
     matmul). split_random_ops: a dropout on a split value draws the whole mask and keeps
-    its slice (core/split_random.py), as tensor parallelism needs.
+    its slice (core/split_random.py), as tensor parallelism needs. split_sequence: the
+    batch's sequence dim is split (context parallelism): attention reads the whole keys
+    and values (_sequence_rule), and row-wise ops carry the split flattened behind the batch.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
-    sh.prefer_split, sh.prefer = bool(prefer), prefer or {}
-    sh.split_random = split_random_ops
+    sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
+    sh.split_random, sh.split_sequence = split_random_ops, split_sequence
     for node in list(gm.graph.nodes):
         if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
             continue
@@ -431,7 +494,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
             spec = sh.propagate(node)
         s = sh.specs[node] = _with_meta(spec, node.meta.get(ir.VAL), mesh)
         node.meta[ir.SHARD] = _placements_tree(s)
-        want = (prefer or {}).get(node)
+        want = sh.prefer.get(node)
         if want is not None and isinstance(s, DTensorSpec) and tuple(s.placements) != want \
                 and (want == sh.replicate or not any(isinstance(p, Shard) for p in s.placements)):
             sh.reduce_now(node, want)
@@ -551,6 +614,8 @@ class _Sharder:
         self.requests: list[tuple] = []
         self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
         self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
+        self.split_sequence = False  # context parallelism: see shard_graph
+        self.prefer: dict = {}
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
@@ -665,6 +730,7 @@ class _Sharder:
         # whole (gathered)
         strided = {a: tuple(Replicate() if _strided(p) else p for p in self.specs[a].placements)
                    for a in self.inputs(node) if op not in _STRIDED_OPS
+                   and not (self.split_sequence and op in _SEQUENCE_STRIDED)
                    and isinstance(self.specs.get(a), DTensorSpec)
                    and any(_strided(p) for p in self.specs[a].placements)}
         if strided:
@@ -701,6 +767,9 @@ class _Sharder:
             if split is not None and not all_partial:  # partial + partial stays partial
                 self.place(node, {a: split for a in ins if a.meta[ir.VAL].shape == val.shape
                                   and not isinstance(self.specs[a].placements[0], Shard)})
+        if op in _BATCH_HEAD_OPS and self.split_sequence and (
+                spec := _sequence_rule(self, node)) is not None:
+            return spec
         if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
             wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)
             self.place(node, wanted)
@@ -737,7 +806,7 @@ class _Sharder:
                 "out-of-place ATen ops have rules), or report the op to fxpar.")
         try:
             out = self.ask_dtensor(node)
-            strided = _unsupported_answer(out, op)
+            strided = _unsupported_answer(out, op, self.split_sequence)
         except ShardingError:
             out, strided = None, False
         if out is None or strided:
@@ -941,9 +1010,9 @@ def _view_placement(in_shape, pl, out_shape, n):
     return None
 
 
-def _unsupported_answer(out, op=None) -> bool:
+def _unsupported_answer(out, op=None, sequence: bool = False) -> bool:
     """Whether DTensor's answer places a value in a way this graph cannot carry: a strided
-    shard from an op outside _STRIDED_OPS, or a masked partial (_MaskPartial: DTensor's
+    shard from an op outside _STRIDED_OPS (and _SEQUENCE_STRIDED, with `sequence`), or a masked partial (_MaskPartial: DTensor's
     row-wise embedding, and gather along a split dim, keep the ids' out-of-range mask inside
     the placement object and localize the ids in the dispatcher; in a graph the ids would
     reach the op unlocalized and the partial would be summed unmasked - an index error, or a
@@ -952,7 +1021,8 @@ def _unsupported_answer(out, op=None) -> bool:
     if out.redistribute_schema is not None:
         specs += torch.utils._pytree.tree_leaves(
             (out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema))
-    bad = _MaskPartial if op in _STRIDED_DTENSOR else (_StridedShard, _MaskPartial)
+    carried = op in _STRIDED_DTENSOR or (sequence and op in _SEQUENCE_STRIDED)
+    bad = _MaskPartial if carried else (_StridedShard, _MaskPartial)
     return any(isinstance(p, bad)
                for spec in specs if isinstance(spec, DTensorSpec) for p in spec.placements)
 

@@ -40,6 +40,7 @@ from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
 from fxpar.core.errors import BatchError, PlanError, ShardingError
 from fxpar.core.graphs import ancestors, copy_graph, fake_propagate, packing
+from fxpar.core.mean_loss import exact_mean_loss
 from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
@@ -59,6 +60,7 @@ class Options:
     bucket_mb: float | None = None
     comm_quantization: str = "none"
     batch_stats: str = "whole"
+    cp: int = 1
 
 
 CONTRACT = ir.PassContract(
@@ -152,31 +154,41 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
             1 for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
         return gm
     group = ctx.group_names["dp"]
+    # with context parallelism the rows split over the groups across cp groups ("cdp"), and
+    # the gradients (partial over the sequence too) sum over the whole dp group
+    cp = options.cp or 1
+    rows, row_group = dp // cp, ctx.group_names["cdp"] if cp > 1 else group
     placements, shard_dims = {}, []
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta[ir.ROLE] == "batch":
             v = n.meta[ir.VAL]
-            if v.dim() == 0:
+            if v.dim() == 0 or rows == 1:
                 shard_dims.append(None)
                 continue
-            if v.shape[0] % dp:
+            if v.shape[0] % rows:
+                over = f"dp={dp}" if cp == 1 else f"dp/cp={rows}"
                 raise BatchError(
-                    f"the global batch does not divide over dp={dp} ranks: {n.meta[ir.FQN]} has "
-                    f"{v.shape[0]} rows on its batch dimension (dim 0). Use a global batch size "
-                    f"that is a multiple of {dp}, or a plan with a dp that divides {v.shape[0]}.")
+                    f"the global batch does not divide over {over} ranks: {n.meta[ir.FQN]} "
+                    f"has {v.shape[0]} rows on its batch dimension (dim 0). Use a global batch "
+                    f"size that is a multiple of {rows}, or a plan with a dp that divides "
+                    f"{v.shape[0] * cp}.")
             placements[n.name] = (Shard(0),)
             shard_dims.append(0)
     gm.meta[ir.BATCH_SHARD_DIMS] = shard_dims
 
-    mesh = make_mesh(dp)
-    shard_graph(gm, mesh, placements, [group])
+    if rows > 1:
+        shard_graph(gm, make_mesh(rows), placements, [row_group])
+    if cp > 1 and rows > 1:
+        _partial_gradients(gm, row_group, rows)
     # gradient buckets: a fixed size if the plan gives one, else the cost model sizes them
     # (None); ZeRO-3 reduce-scatters per layer instead (_reduce_scatter_by_layer)
     bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
     zg = _ZeroGroups.of(options, ctx.group_names)
     _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
-                    quantized="gradients" in options.comm_quantization, zero_groups=zg)
-    _mean_losses_as_one_all_reduce(gm.graph, group, dp)
+                    quantized="gradients" in options.comm_quantization, zero_groups=zg,
+                    rows=(row_group, rows))
+    if rows > 1:
+        exact_mean_loss(gm.graph, row_group, rows)
     if options.zero == 3:
         # (with microbatches a step's forward and backward run as separate parts, one
         # microbatch at a time: a kept forward copy would be stashed per microbatch)
@@ -188,18 +200,47 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
             v = n.meta[ir.VAL]
-            n.meta[ir.VAL] = v.new_empty((v.shape[0] // dp, *v.shape[1:]))
+            n.meta[ir.VAL] = v.new_empty((v.shape[0] // rows, *v.shape[1:]))
     if ctx.fresh_values:
         fake_propagate(gm, check=False)
     return gm
 
 
+def _partial_gradients(gm, row_group: str, rows: int) -> None:
+    """Context parallelism left every gradient a partial sum over its cp group; make each a
+    partial sum over the rows' group too (one whole over the rows: this rank keeps it, the
+    others contribute zeros), so one sum over the dp group completes every gradient."""
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    for i in range(1, 1 + out.meta[ir.N_GRADS]):
+        g = outs[i]
+        if g is None:
+            continue
+        have = g.meta.get(ir.SHARD)
+        if have == (Partial("sum"),):
+            continue
+        with graph.inserting_before(out):
+            if have is not None and have != (Replicate(),):
+                g = redistribute(graph, g, have, (Replicate(),), [row_group], [rows],
+                                 {ir.MODULE: g.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM})
+            p = graph.call_function(torch.ops.fxpar.partial_from_replicate.default,
+                                    (g, row_group))
+        p.meta.update({ir.MODULE: g.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD,
+                       ir.SHARD: (Partial("sum"),), ir.VAL: outs[i].meta.get(ir.VAL)})
+        outs[i] = p
+    out.args = (tuple(outs),)
+
+
 def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
-                    zero_groups: _ZeroGroups):
+                    zero_groups: _ZeroGroups, rows: tuple[str, int] | None = None):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
     With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket (over
     `zero_groups`: the whole dp group unless HSDP); `quantized` (ZeRO-2/3,
-    Plan.comm_quantization): reduce-scattered as int4 (qgZ)."""
+    Plan.comm_quantization): reduce-scattered as int4 (qgZ). `rows`: the (group, size) the
+    batch's rows split over, where the loss and buffers are reduced (the dp group unless
+    context parallelism splits the sequence over part of it)."""
+    row_group, rows = rows or (group, dp)
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     outs = list(out.args[0])
@@ -210,7 +251,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
         if v is None or v.meta.get(ir.SHARD) in (None, (Replicate(),)):
             return v
         with graph.inserting_before(out):
-            r = redistribute(graph, v, v.meta[ir.SHARD], (Replicate(),), [group], [dp],
+            r = redistribute(graph, v, v.meta[ir.SHARD], (Replicate(),), [row_group], [rows],
                              {ir.MODULE: v.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM})
         r.meta[ir.SHARD] = (Replicate(),)
         return r
@@ -238,76 +279,6 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
         for i, r in zip(idx, reduced):
             grads[i] = r
     out.args = ((loss, *grads, *bufs),)
-
-
-def _all_reduce_fed_by(v, group):
-    """The one all-reduce over `group` that `v` feeds, directly or through views (which may
-    have other users: the loss's view also seeds the backward), and those views."""
-    found, views, todo = [], [], [v]
-    while todo:
-        for u in todo.pop().users:
-            if u.target is c10d.all_reduce.default and u.args[2] == group:
-                found.append(u)
-            elif u.target in ir.RESHAPES:
-                views.append(u)
-                todo.append(u)
-    return (found[0], views) if len(found) == 1 and len(found[0].users) == 1 else None
-
-
-def _mean_losses_as_one_all_reduce(graph, group, dp):
-    """A mean cross-entropy (nll_loss_forward, reduction mean) over a batch split dp ways
-    becomes, by DTensor's rule, a loss that is Partial(avg) -- the average of each rank's mean
-    -- and a count of targets that is Partial(sum), all-reduced for the backward: two scalar
-    all-reduces per microbatch, and a loss that is not the global mean when the ranks count
-    different targets (ignore_index, class weights). One all-reduce of (this rank's sum, its
-    count) gives both exactly: the gradient already used the global count, now the loss does."""
-    for nll in [n for n in graph.nodes if n.target is aten.nll_loss_forward.default]:
-        reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
-        if reduction != 1 or nll.meta[ir.VAL][0].dtype != nll.meta[ir.VAL][1].dtype:
-            continue
-        # each output's all-reduce (the count's may read a copy of the getitem that remat
-        # made for the backward; a forward-only graph does not reduce the count at all)
-        reduced = {0: [], 1: []}
-        for u in nll.users:
-            if u.target is operator.getitem and (found := _all_reduce_fed_by(u, group)):
-                reduced[u.args[1]].append(found)
-        if len(reduced[0]) != 1 or len(reduced[1]) > 1:
-            continue
-        ar_mean, views = reduced[0][0]
-        ar_count = reduced[1][0][0] if reduced[1] else None
-        wait_mean = next(iter(ar_mean.users))
-        wait_count = next(iter(ar_count.users)) if ar_count is not None else None
-        avg = list(wait_mean.users)
-        if not (len(avg) == 1 and avg[0].target is aten.div.Scalar and avg[0].args[1] == dp):
-            continue
-        region, module = nll.meta.get(ir.REGION, ir.FORWARD), nll.meta.get(ir.MODULE, "")
-
-        def emit(target, args, shard, comm=False):
-            node = graph.call_function(target, args)
-            node.meta[ir.REGION] = ir.COMM if comm else region
-            node.meta[ir.MODULE], node.meta[ir.SHARD] = module, shard
-            return node
-        with graph.inserting_before(nll.next):  # in the forward, right after the loss
-            mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
-            count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
-            total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
-            # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
-            total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
-                                                  total, 0.0), (Partial("sum"),))
-            pair = emit(aten.stack.default, ([total, count],), (Partial("sum"),))
-            done = emit(c10d.wait_tensor.default, (
-                emit(c10d.all_reduce.default, (pair, "sum", group), (Partial("sum"),), True),),
-                (Replicate(),), True)
-            count_all = emit(aten.select.int, (done, 0, 1), (Replicate(),))
-            loss = emit(aten.div.Tensor, (emit(aten.select.int, (done, 0, 0), (Replicate(),)),
-                                          count_all), (Replicate(),))
-        if wait_count is not None:
-            wait_count.replace_all_uses_with(count_all)
-        avg[0].replace_all_uses_with(loss)
-        for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
-                  *[u for u in nll.users if u not in (mean, count)]):
-            if n is not None and not n.users:  # (the loss's view still seeds the backward)
-                graph.erase_node(n)
 
 
 # --- a mean loss over microbatches ----------------------------------------------------------

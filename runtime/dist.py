@@ -70,7 +70,8 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     size, or less: the mesh then spans the first ranks (Plan.ps's workers; the last ranks,
     its servers, hold the mesh with no coordinate on it). HSDP's dims ("dp_rep", "dp_shard")
     are also flattened into one "dp" dimension (the whole dp group: rank r of shard group g
-    is dp rank g * dp_shard + r), and expert parallelism's ("edp", "ep") likewise.
+    is dp rank g * dp_shard + r), and expert ("edp", "ep") and context parallelism's
+    ("cdp", "cp") likewise.
     """
     size, dev_type = world_of(devices)
     if size == 1:
@@ -128,7 +129,7 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         else:
             mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names,
                                     backend_override=dict(over))  # (it empties the dict)
-        for outer, inner in (("dp_rep", "dp_shard"), ("edp", "ep")):
+        for outer, inner in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp")):
             if inner in names and "dp" not in names and \
                     "dp" not in getattr(mesh, "_flatten_mapping", {}):
                 mesh[outer, inner]._flatten("dp", backend_override=over[inner])

@@ -24,12 +24,13 @@ from fxpar.runtime import comm, faults
 from fxpar.runtime.trace import Recorder
 
 
-def local_batch(leaves: list[torch.Tensor], program: Program, dp_rank: int,
+def local_batch(leaves: list[torch.Tensor], program: Program, row_rank: int,
                 device: torch.device) -> list[torch.Tensor]:
+    """This rank's rows of the batch (`row_rank` of program.rows)."""
     out = []
     for leaf, dim in zip(leaves, program.batch_shard_dims):
         if dim is not None:
-            leaf = leaf.chunk(program.dp, dim)[dp_rank]
+            leaf = leaf.chunk(program.rows, dim)[row_rank]
         out.append(leaf.to(device, non_blocking=True))
     return out
 

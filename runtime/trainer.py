@@ -402,10 +402,10 @@ class ParallelModel:
         batch='local' the user gave that share)."""
         if self.batch == "local":
             leaves = ir.flatten_batch(tree, program.signature,
-                                      local=(program.batch_shard_dims, program.dp))
+                                      local=(program.batch_shard_dims, program.rows))
             return [t.to(self.world.device, non_blocking=True) for t in leaves]
         return executor.local_batch(ir.flatten_batch(tree, program.signature), program,
-                                    self.world.coordinate("dp"), self.world.device)
+                                    self.dp_rank, self.world.device)
 
     @property
     def ps_stats(self) -> dict | None:
@@ -420,8 +420,9 @@ class ParallelModel:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index (for a DistributedSampler's `rank`)."""
-        return self.world.coordinate("dp")
+        """This rank's data-parallel index (for a DistributedSampler's `rank`); with
+        Plan.cp, its cp group's (the group's ranks take the same rows)."""
+        return self.world.coordinate("cdp" if self.plan.cp > 1 else "dp")
 
     @property
     def codegen_result(self) -> ir.Generated | None:
@@ -445,8 +446,9 @@ class ParallelModel:
 
     @property
     def dp_size(self) -> int:
-        """The data-parallel degree (a DistributedSampler's `num_replicas`)."""
-        return self.plan.dp
+        """How many ways the batch's rows split (a DistributedSampler's `num_replicas`): the
+        data-parallel degree, over cp with Plan.cp."""
+        return self.plan.dp // self.plan.cp
 
     def _run(self, program, batch):
         local = self._leaves(batch, program)

@@ -1,0 +1,87 @@
+"""A mean loss over a batch split across ranks, reduced exactly in one all-reduce.
+
+Shared by the passes that split the batch (data_parallel: its rows; context_parallel: its
+sequence): DTensor's rule leaves each rank's mean cross-entropy Partial(avg), which is the
+global mean only when every rank counts as many targets.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from fxpar.core import ir
+from fxpar.core.sharding import Partial, Replicate
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _all_reduce_fed_by(v, group):
+    """The one all-reduce over `group` that `v` feeds, directly or through views (which may
+    have other users: the loss's view also seeds the backward), and those views."""
+    found, views, todo = [], [], [v]
+    while todo:
+        for u in todo.pop().users:
+            if u.target is c10d.all_reduce.default and u.args[2] == group:
+                found.append(u)
+            elif u.target in ir.RESHAPES:
+                views.append(u)
+                todo.append(u)
+    return (found[0], views) if len(found) == 1 and len(found[0].users) == 1 else None
+
+
+def exact_mean_loss(graph, group, n):
+    """A mean cross-entropy (nll_loss_forward, reduction mean) over a batch split n ways
+    (its rows over dp, or its sequence over cp) becomes, by DTensor's rule, a loss that is
+    Partial(avg) -- the average of each rank's mean -- and a count of targets that is Partial(sum), all-reduced for the backward: two scalar
+    all-reduces per microbatch, and a loss that is not the global mean when the ranks count
+    different targets (ignore_index, class weights). One all-reduce of (this rank's sum, its
+    count) gives both exactly: the gradient already used the global count, now the loss does."""
+    for nll in [n for n in graph.nodes if n.target is aten.nll_loss_forward.default]:
+        reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
+        if reduction != 1 or nll.meta[ir.VAL][0].dtype != nll.meta[ir.VAL][1].dtype:
+            continue
+        # each output's all-reduce (the count's may read a copy of the getitem that remat
+        # made for the backward; a forward-only graph does not reduce the count at all)
+        reduced = {0: [], 1: []}
+        for u in nll.users:
+            if u.target is operator.getitem and (found := _all_reduce_fed_by(u, group)):
+                reduced[u.args[1]].append(found)
+        if len(reduced[0]) != 1 or len(reduced[1]) > 1:
+            continue
+        ar_mean, views = reduced[0][0]
+        ar_count = reduced[1][0][0] if reduced[1] else None
+        wait_mean = next(iter(ar_mean.users))
+        wait_count = next(iter(ar_count.users)) if ar_count is not None else None
+        avg = list(wait_mean.users)
+        if not (len(avg) == 1 and avg[0].target is aten.div.Scalar and avg[0].args[1] == n):
+            continue
+        region, module = nll.meta.get(ir.REGION, ir.FORWARD), nll.meta.get(ir.MODULE, "")
+
+        def emit(target, args, shard, comm=False):
+            node = graph.call_function(target, args)
+            node.meta[ir.REGION] = ir.COMM if comm else region
+            node.meta[ir.MODULE], node.meta[ir.SHARD] = module, shard
+            return node
+        with graph.inserting_before(nll.next):  # in the forward, right after the loss
+            mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
+            count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
+            total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
+            # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
+            total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
+                                                  total, 0.0), (Partial("sum"),))
+            pair = emit(aten.stack.default, ([total, count],), (Partial("sum"),))
+            done = emit(c10d.wait_tensor.default, (
+                emit(c10d.all_reduce.default, (pair, "sum", group), (Partial("sum"),), True),),
+                (Replicate(),), True)
+            count_all = emit(aten.select.int, (done, 0, 1), (Replicate(),))
+            loss = emit(aten.div.Tensor, (emit(aten.select.int, (done, 0, 0), (Replicate(),)),
+                                          count_all), (Replicate(),))
+        if wait_count is not None:
+            wait_count.replace_all_uses_with(count_all)
+        avg[0].replace_all_uses_with(loss)
+        for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
+                  *[u for u in nll.users if u not in (mean, count)]):
+            if n is not None and not n.users:  # (the loss's view still seeds the backward)
+                graph.erase_node(n)

@@ -1,0 +1,179 @@
+"""Context parallelism as a graph transformation, exact (Plan.cp).
+
+Groups of cp neighbouring dp ranks (the "cp" group) share the same rows of the batch and
+split its sequence: rank r keeps tokens [r S/cp, (r+1) S/cp) of every sequence leaf (the
+runtime hands each rank of the group the same rows; fxpar::local_chunk cuts them in the
+graph, cheap for token ids). The sharding engine propagates that split through the joint
+graph with DTensor's rules: every op that treats positions alike (embeddings, norms,
+linears, the MLP, the loss's log-softmax) runs on the rank's chunk, and a value computed
+whole (RoPE's cos/sin, learned positions, a causal mask) is cut to the chunk where it meets
+the split one. Attention reads every key: q keeps its chunk, k and v are all-gathered over
+the cp group, a causal kernel is rewritten to fxpar::causal_chunk_attention (the chunk's
+offset in its mask; keys past the chunk skipped), and in the backward the keys' and
+values' gradients are reduce-scattered back to their chunks. Ops that need the whole
+sequence (shifting the labels, a slice) get it gathered, by DTensor's rules.
+
+Outputs: the mean loss is reduced exactly over the group (core/mean_loss.py); every
+gradient is left a partial sum over the group (a weight's gradient sums over every
+position), for the data-parallel pass to sum over the whole dp group (its batch rows over
+"cdp" x the sequence over "cp") in the same buckets; buffers are made whole.
+
+Not (yet) done: causal load balancing (rank r holding chunks r and 2cp-1-r: with a
+contiguous split the last rank's causal attention reads the most keys), ring attention
+(k/v passed around the group, overlapped with compute, instead of gathered), and CUDA's
+attention kernels, whose DTensor rules keep the sequence whole there (exact, not split).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.fx
+
+from fxpar.core import ir
+from fxpar.core.errors import BatchError, PlanError
+from fxpar.core.graphs import fake_propagate
+from fxpar.core.mean_loss import exact_mean_loss
+from fxpar.core.sharding import (Partial, Replicate, Shard, make_mesh, redistribute,
+                                 shard_graph)
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+fxpar_ops = torch.ops.fxpar
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    cp: int = 1
+
+
+CONTRACT = ir.PassContract(
+    "context_parallel", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN, ir.N_GRADS}),
+    # tensor parallelism's placements are another mesh axis's, carried through
+    reads=frozenset({ir.SHARD}),
+    provides=frozenset({ir.SEQUENCE_SPLIT, ir.CP_REPORT}),
+    # the data-parallel pass shards the result over the batch's rows and sums the
+    # gradients this pass leaves partial
+    before=frozenset({"data_parallel", "overlap", "fusion"}),
+    after=frozenset({"precision", "remat", "tensor_parallel", "expert_parallel"}),
+    applies=lambda o: (o.cp or 1) > 1,
+    values_fresh=True)
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    cp, group = options.cp, ctx.group_names["cp"]
+    leaves = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
+    dims = sequence_dims(leaves, cp)
+    placements = {n.name: (Shard(d),) for n, d in zip(leaves, dims) if d is not None}
+    shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True)
+    _reduce_outputs(gm, group, cp)
+    exact_mean_loss(gm.graph, group, cp)
+    _chunk_leaves(gm.graph, leaves, dims, cp, group)
+    gm.meta[ir.SEQUENCE_SPLIT] = dims
+    gm.meta[ir.CP_REPORT] = report(gm, leaves, dims, cp)
+    gm.graph.lint()
+    if ctx.fresh_values:
+        fake_propagate(gm, check=False)
+    return gm
+
+
+def sequence_dims(leaves: list[torch.fx.Node], cp: int) -> list[int | None]:
+    """Per batch leaf, the dim cp splits (1: the sequence, for every leaf [B, S, ...] with the
+    token ids' S) or None (whole on every rank of the group)."""
+    vals = [n.meta[ir.VAL] for n in leaves]
+    ids = [v for v in vals if v.dim() >= 2 and not v.is_floating_point()] or \
+          [v for v in vals if v.dim() >= 2]
+    if not ids:
+        raise PlanError(
+            f"Plan.cp={cp} splits the sequence of the batch's token inputs, but no batch leaf "
+            f"has a sequence dimension (leaf shapes: {[tuple(v.shape) for v in vals]}). "
+            "Context parallelism is for sequence models fed [batch, sequence, ...] tensors; "
+            "use cp=1.")
+    seq = ids[0].shape[1]
+    if seq % cp:
+        raise BatchError(
+            f"the sequence does not divide over cp={cp} ranks: the batch's sequences have "
+            f"{seq} tokens (dim 1). Pad the sequences to a multiple of {cp}, or use a cp "
+            f"that divides {seq}.")
+    return [1 if v.dim() >= 2 and v.shape[1] == seq else None for v in vals]
+
+
+def _reduce_outputs(gm: torch.fx.GraphModule, group: str, cp: int) -> None:
+    """The loss and buffers made whole over the group; every gradient made a partial sum
+    (a whole one: this rank keeps it, the others contribute zeros), so that one sum over the
+    dp group completes them all."""
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    n_p = out.meta.get(ir.N_GRADS, 0)
+
+    def placed(v, want):
+        have = v.meta.get(ir.SHARD) if isinstance(v, torch.fx.Node) else None
+        if have is None or have == want:
+            return v
+        meta = {ir.MODULE: v.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM}
+        with graph.inserting_before(out):
+            r = redistribute(graph, v, have, (Replicate(),), [group], [cp], meta)
+            r.meta[ir.SHARD] = (Replicate(),)
+            if want == (Replicate(),):
+                return r
+            p = graph.call_function(fxpar_ops.partial_from_replicate.default, (r, group))
+        p.meta.update(meta, **{ir.REGION: v.meta.get(ir.REGION, ir.BACKWARD),
+                               ir.SHARD: (Partial("sum"),)})
+        return p
+
+    whole, partial = (Replicate(),), (Partial("sum"),)
+    outs = [placed(v, partial if 1 <= i <= n_p else whole) if v is not None else None
+            for i, v in enumerate(outs)]
+    out.args = (tuple(outs),)
+
+
+def _chunk_leaves(graph, leaves, dims, cp, group) -> None:
+    """Each split leaf cut to this rank's chunk right after the placeholders (the runtime
+    gives every rank of the group the whole sequences)."""
+    last = max(leaves, key=lambda n: list(graph.nodes).index(n)) if leaves else None
+    for leaf, d in zip(leaves, dims):
+        if d is None:
+            continue
+        users = list(leaf.users)
+        with graph.inserting_after(last):
+            chunk = graph.call_function(fxpar_ops.local_chunk.default, (leaf, d, cp, group))
+        chunk.meta.update({ir.REGION: ir.FORWARD, ir.MODULE: "", ir.SHARD: (Shard(d),),
+                           ir.VAL: leaf.meta[ir.VAL]})
+        for u in users:
+            u.replace_input_with(leaf, chunk)
+
+
+# attention kernels as traced (forward); a causal one on CPU becomes the fxpar op
+_ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name)} | {fxpar_ops.causal_chunk_attention.default}
+
+
+def report(gm, leaves, dims, cp) -> dict:
+    """What the pass did: the split leaves, each attention (split, or left whole: its
+    sequence gathered), the collectives it added."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    attn = [n for n in nodes if n.target in _ATTENTION and n.meta.get(ir.REGION) == ir.FORWARD]
+    comms: dict[str, int] = {}
+    for n in nodes:
+        if n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                        c10d.all_reduce.default):
+            name = n.target._opname
+            comms[name] = comms.get(name, 0) + 1
+    split = [n for n in attn if n.meta[ir.SHARD][0] == (Shard(2),)]
+    if len(split) < len(attn):
+        log.warning("context parallelism: %d of %d attention ops run on the whole sequence "
+                    "(%s: no rule splits their queries on this device)",
+                    len(attn) - len(split), len(attn), attn[0].target)
+    return {"cp": cp,
+            "split": [n.meta[ir.FQN] for n, d in zip(leaves, dims) if d is not None],
+            "attention": [n.meta.get(ir.MODULE, "") for n in split],
+            "whole_attention": [n.meta.get(ir.MODULE, "") for n in attn if n not in split],
+            "causal": sum(n.target is fxpar_ops.causal_chunk_attention.default for n in split),
+            "collectives": comms}
