@@ -82,17 +82,18 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
 
 
 def sequence_dims(leaves: list[torch.fx.Node], cp: int) -> list[int | None]:
-    """Per batch leaf, the dim cp splits (1: the sequence, for every leaf [B, S, ...] with the
-    token ids' S) or None (whole on every rank of the group)."""
+    """Per batch leaf, the dim cp splits (1: the sequence) or None (whole on every rank of
+    the group). The sequence is dim 1 of the token ids (integer [B, S, ...]), or of
+    embeddings fed instead ([B, S, H] floats); every leaf [B, S, ...] with that S splits."""
     vals = [n.meta[ir.VAL] for n in leaves]
     ids = [v for v in vals if v.dim() >= 2 and not v.is_floating_point()] or \
-          [v for v in vals if v.dim() >= 2]
+          [v for v in vals if v.dim() == 3]
     if not ids:
         raise PlanError(
             f"Plan.cp={cp} splits the sequence of the batch's token inputs, but no batch leaf "
-            f"has a sequence dimension (leaf shapes: {[tuple(v.shape) for v in vals]}). "
-            "Context parallelism is for sequence models fed [batch, sequence, ...] tensors; "
-            "use cp=1.")
+            f"is one ([batch, sequence] token ids or [batch, sequence, hidden] embeddings; "
+            f"leaf shapes: {[tuple(v.shape) for v in vals]}). Context parallelism is for "
+            "sequence models; use cp=1.")
     seq = ids[0].shape[1]
     if seq % cp:
         raise BatchError(

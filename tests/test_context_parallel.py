@@ -1,0 +1,144 @@
+"""Context parallelism (Plan.cp, passes/context_parallel.py): the sequence leaves it splits,
+the rewrite (attention on gathered keys/values, the causal chunk kernel, which collectives
+appear on which group), the chunk kernel against whole-sequence attention, the plans and
+batches it refuses, and training on gloo ranks against eager."""
+import pytest
+import torch
+
+import fxpar
+from fxpar.api.parallelize import mesh_dims
+from fxpar.core import context_attention, ir
+from fxpar.core.errors import BatchError, PlanError
+from fxpar.core.plan import resolve
+from fxpar.examples import zoo
+
+from test_parity import _check_plans
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+fxpar_ops = torch.ops.fxpar
+
+
+def _llama():
+    model, spec = zoo.build("llama")
+    return model, spec.batch(0)
+
+
+def _group_of(n):
+    return n.args[{c10d.all_gather_into_tensor.default: 2, c10d.reduce_scatter_tensor.default: 3,
+                   c10d.all_reduce.default: 2}[n.target]]
+
+
+def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
+    """dp=2 as cp=2 on HF Llama (2 layers, SDPA causal): both token leaves cut to the rank's
+    half of the sequence in the graph; per layer one causal chunk attention forward and
+    backward (none left whole), k and v all-gathered over the cp group forward and their
+    gradients reduce-scattered backward; the gradients summed over the whole dp group; every
+    activation of a linear holds half the tokens."""
+    model, batch = _llama()
+    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
+    g = prog.graph.graph
+    assert prog.cp == 2 and prog.rows == 1 and prog.graph.meta[ir.SEQUENCE_SPLIT] == [1, 1]
+    assert mesh_dims(prog.plan) == [("cdp", 1), ("cp", 2)]
+    chunks = [n for n in g.nodes if n.target is fxpar_ops.local_chunk.default
+              and n.args[0].op == "placeholder"]
+    assert len(chunks) == 2 and all(n.args[1:] == (1, 2, ir.GROUPS["cp"]) for n in chunks)
+    fwd = [n for n in g.nodes if n.target is fxpar_ops.causal_chunk_attention.default]
+    bwd = [n for n in g.nodes if n.target is fxpar_ops.causal_chunk_attention_backward.default]
+    assert len(fwd) == len(bwd) == 2
+    assert not [n for n in g.nodes
+                if n.target is aten._scaled_dot_product_flash_attention_for_cpu.default]
+    B, S = batch["input_ids"].shape
+    for n in fwd:
+        q, k, v = (a.meta[ir.VAL] for a in n.args[:3])
+        assert q.shape[2] == S // 2 and k.shape[2] == v.shape[2] == S
+        assert n.args[-1] == ir.GROUPS["cp"]
+    report = prog.graph.meta[ir.CP_REPORT]
+    assert report["causal"] == 2 and not report["whole_attention"]
+    assert report["split"] == ["batch[0]", "batch[1]"]
+    gathers = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default
+               and _group_of(n) == ir.GROUPS["cp"] and n.meta[ir.REGION] != ir.BACKWARD]
+    scatters = [n for n in g.nodes if n.target is c10d.reduce_scatter_tensor.default
+                and _group_of(n) == ir.GROUPS["cp"]]
+    # k and v per layer (and the shifted labels, gathered once for the loss)
+    per_layer = [n for n in gathers if ".self_attn" in n.meta[ir.MODULE]]
+    assert len(per_layer) == 4 and len(scatters) == 4
+    dp_sums = [n for n in g.nodes if n.target is c10d.all_reduce.default
+               and _group_of(n) == ir.GROUPS["dp"]]
+    assert dp_sums  # the gradient buckets
+    for n in g.nodes:  # every linear runs on the rank's tokens
+        if n.target is aten.mm.default and n.meta[ir.REGION] == ir.FORWARD:
+            assert n.meta[ir.VAL].shape[0] == B * S // 2, n.meta[ir.MODULE]
+    four = fxpar.compile(model, 4, example_batch=batch, plan={"dp": 4, "cp": 2, "fuse": False})
+    assert four.rows == 2 and four.batch_shard_dims == [0, 0]
+    assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
+    """Each rank's chunk of queries against the whole keys: its rows of causal SDPA over the
+    whole sequence; the keys' and values' gradients, summed over the ranks, SDPA's."""
+    torch.manual_seed(0)
+    B, H, S, D = 2, 3, 8 * cp, 4
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    go = torch.randn_like(ref)
+    ref.backward(go)
+    gk, gv = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(cp):
+        monkeypatch.setattr(context_attention, "_rank", lambda name, r=r: r)
+        sl = slice(r * S // cp, (r + 1) * S // cp)
+        qc = q.detach()[:, :, sl].contiguous()
+        out, lse = fxpar_ops.causal_chunk_attention(qc, k.detach(), v.detach(), 0.0, None, "g")
+        torch.testing.assert_close(out, ref.detach()[:, :, sl])
+        dq, dk, dv = fxpar_ops.causal_chunk_attention_backward(
+            go[:, :, sl].contiguous(), qc, k.detach(), v.detach(), out, lse, 0.0, None, "g")
+        torch.testing.assert_close(dq, q.grad[:, :, sl])
+        if r == 0:  # the first chunk sees only its own keys: the rest is zero
+            assert not dk[:, :, S // cp:].any()
+        gk, gv = gk + dk, gv + dv
+    torch.testing.assert_close(gk, k.grad)
+    torch.testing.assert_close(gv, v.grad)
+
+
+def test_plans_and_batches_context_parallelism_refuses_by_name():
+    """cp must divide dp and the sequence; not with pipelines, microbatches or ep yet; a model
+    fed no sequence (an MLP's [batch, features]) has nothing to split."""
+    with pytest.raises(PlanError, match="must divide dp=3"):
+        resolve({"dp": 3, "cp": 2}, 3)
+    with pytest.raises(PlanError, match="pp=2"):
+        resolve({"dp": 2, "cp": 2, "pp": 2, "microbatches": 2}, 4)
+    with pytest.raises(PlanError, match="ep=2"):
+        resolve({"dp": 4, "cp": 2, "ep": 2}, 4)
+    with pytest.raises(PlanError, match="positive integer"):
+        resolve({"dp": 2, "cp": 0}, 2)
+    model, batch = _llama()
+    odd = {k: v[:, :15] for k, v in batch.items()}
+    with pytest.raises(BatchError, match="15 tokens .* multiple of 2"):
+        fxpar.compile(model, 2, example_batch=odd, plan={"dp": 2, "cp": 2})
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 4))
+    with pytest.raises(PlanError, match="no batch leaf is one"):
+        fxpar.compile(mlp, 2, example_batch=(torch.randn(8, 16), torch.randn(8, 4)),
+                      loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                      plan={"dp": 2, "cp": 2})
+
+
+def test_llama_cp2_trains_like_eager():
+    """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss): losses,
+    evaluate() and every final weight equal eager AdamW."""
+    _check_plans(2, [("hf_llama", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"})])
+
+
+@pytest.mark.slow
+def test_context_parallelism_composes_on_four_ranks():
+    """cp=2 inside dp=4 (two row groups), with tp=2, and cp=4 with ZeRO-2; GPT-2 (learned
+    positions) with ZeRO-3 and remat; fxpar's own GPT; Inductor's code for the chunk
+    kernels: every one equal to eager."""
+    _check_plans(4, [("hf_llama", "adamw", p) for p in (
+        {"dp": 4, "cp": 2, "codegen": "eager"}, {"dp": 2, "cp": 2, "tp": 2, "codegen": "eager"},
+        {"dp": 4, "cp": 4, "zero": 2, "codegen": "eager"})])
+    _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
+                                           "codegen": "eager"}),
+                     ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
+                     ("hf_llama", "adamw", {"dp": 2, "cp": 2})])
