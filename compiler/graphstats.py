@@ -97,6 +97,14 @@ class Segment:
     ep_bytes_f: float = 0.0      # ... and the bytes its row moves and masks read and write
     ep_bytes_b: float = 0.0
     n_moe: int = 0
+    # context parallelism (planner.context_stats): each attention's FLOPs (forward, backward),
+    # the bytes of its keys and values (gathered over the cp group forward, their gradients
+    # reduce-scattered backward) and of its queries and output; n_attn: the attention ops
+    attn_flops_f: float = 0.0
+    attn_flops_b: float = 0.0
+    kv_bytes: float = 0.0
+    qo_bytes: float = 0.0
+    n_attn: int = 0
     n_row: int = 0               # row linears (one tp all-reduce each, forward)
     n_param_tensors: int = 0
     largest_param: int = 0       # elements of its largest parameter (an optimizer's temporaries)
@@ -172,6 +180,10 @@ class GraphStats:
     # why Plan.ep cannot split this graph's experts (None: it can, or there are none)
     expert_counts: tuple = ()
     ep_refusal: str | None = None
+    # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
+    # it can)
+    seq: int | None = None
+    cp_refusal: str | None = None
     # the gradient the backward makes last (elements) and how many parts are summed into it
     # (2 for an embedding tied to the LM head: the head's part waits for the embedding's)
     last_grad: tuple = (0, 1)

@@ -46,11 +46,11 @@ from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEs
                                          optimizer_kind, stage_state, state_bytes_per_param,
                                          with_activations)
 from fxpar.compiler.pass_manager import PassContext
-from fxpar.core.plan import (SEARCHED, Plan, ep_misfit, hpz_misfit,  # noqa: F401
+from fxpar.core.plan import (SEARCHED, Plan, cp_misfit, ep_misfit, hpz_misfit,  # noqa: F401
                              hsdp_misfit, node_shard, plan_dict, quantization_misfit, replays_step,
                              resolve)
-from fxpar.passes import (data_parallel, expert_parallel, fusion, pipeline_split, remat,
-                          tensor_parallel)
+from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
+                          pipeline_split, remat, tensor_parallel)
 from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
 
@@ -104,7 +104,7 @@ def plan_str(p: Plan) -> str:
     return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
             f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}"
             + (f" hsdp={p.dp_shard}" if p.hsdp else "") + (f" hpz={p.hpz}" if p.hpz else "")
-            + (f" ep={p.ep}" if p.ep > 1 else "")
+            + (f" ep={p.ep}" if p.ep > 1 else "") + (f" cp={p.cp}" if p.cp > 1 else "")
             + (" optimizer on host" if p.offload_optimizer else ""))
 
 
@@ -239,6 +239,7 @@ class PlanResult:
                     f"remat={_remat_str(p.remat)}"
                     f"{f' hsdp={p.dp_shard}' if p.hsdp else ''}"
                     f"{f' hpz={p.hpz}' if p.hpz else ''}{f' ep={p.ep}' if p.ep > 1 else ''}"
+                    f"{f' cp={p.cp}' if p.cp > 1 else ''}"
                     f"{' optimizer on host' if p.offload_optimizer else ''}: "
                     f"{c.step_s * 1e3:.2f} ms/step, "
                     f"{_bytes(c.memory.total)}/device")
@@ -689,9 +690,10 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     for dp, tp, pp in _factorizations(world):
         if any(constraints.get(k, v) != v for k, v in (("dp", dp), ("tp", tp), ("pp", pp))):
             continue
-        if batch_rows % dp:
+        if not _context_degrees(stats, dp, tp, pp, batch_rows, constraints):
             reasons.setdefault("dp", f"the batch of {batch_rows} rows does not split over "
-                                     f"dp={dp}")
+                                     f"dp={dp}" + (f" (nor over dp/cp: {stats.cp_refusal})"
+                                                   if stats.cp_refusal else ""))
             continue
         if tp > 1 and stats.tp_refusal:
             reasons.setdefault("tp", stats.tp_refusal)
@@ -737,7 +739,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
         [False, True] if hw.host_link else [False]
     stage_cache = {}
     ticker = Ticker(log)
-    for dp, tp, pp in legal:
+    for dp, tp, pp, cp in [(*f, c) for f in legal
+                           for c in _context_degrees(stats, *f, batch_rows, constraints)]:
         st = by_tp.get(tp, stats)  # (tp = 1: the statistics as traced)
         rows_dp = batch_rows // dp
         mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
@@ -746,8 +749,10 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
             if rows_dp % m:
                 continue
             mbs_opts = [rows_dp // m]
+        if cp > 1:  # (one microbatch: a rank's tokens, in rows of the whole sequence)
+            mbs_opts = [batch_rows / dp]
         for mbs in mbs_opts:
-            m = rows_dp // mbs
+            m = 1 if cp > 1 else rows_dp // mbs
             if m > 1 and not microbatches_allowed(stats, constraints):
                 continue
             scheds = [constraints["schedule"]] if "schedule" in constraints else (
@@ -769,7 +774,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 for zero, (shard, hpz), ep in [
                         (z, g, e) for z in zeros
                         for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)
-                        for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)]:
+                        for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
+                        if cp == 1 or (g == (None, None) and e == 1)]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(
@@ -782,7 +788,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload,
-                                   shard, hpz, ep)
+                                   shard, hpz, ep, cp)
                         if c is None:
                             break
                         if executable:
@@ -976,11 +982,11 @@ def _most_working(segs) -> tuple[float, float]:
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs)
-    - then fewer axes, less ZeRO, no HSDP, hpZ or ep, 1F1B, no remat. Plain dp wins every tie it is
-    in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it
+    - then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, 1F1B, no remat. Plain dp wins every
+    tie it is in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it
     measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
-    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep,
+    return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep, p.cp,
             p.pp > 1 and p.schedule != "1f1b", p.remat != "none", p.offload_optimizer)
 
 
@@ -1048,6 +1054,29 @@ def _expert_degrees(stats, dp, tp, pp, m, zero, grouping, constraints) -> list[i
     return [e for e in eps if not ep_misfit(dataclasses.replace(probe, ep=e))]
 
 
+def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
+    """Plan.cp degrees to price at this factorization: as the user fixed it (where it fits),
+    else 1 where the batch's rows split over dp, and where they do not (more ranks than
+    rows) the smallest cp dividing dp and the sequence whose dp/cp the rows split over.
+    At as many tokens per rank cp costs more than dp (every attention's keys and values
+    gathered, and held whole for the backward), so it is searched where dp runs out of rows."""
+    if "cp" in constraints:
+        cps = [constraints["cp"]]
+        if cps[0] > 1 and stats.cp_refusal:
+            raise PlanError(f"Plan.cp={cps[0]}: {stats.cp_refusal}")
+    elif batch_rows % dp == 0:
+        cps = [1]
+    elif stats.cp_refusal or not stats.seq:
+        cps = []
+    else:
+        cps = [c for c in _divisors(dp) if c > 1 and stats.seq % c == 0][:1]
+    probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=constraints.get("microbatches", 1),
+                 ep=constraints.get("ep", 1), ps=constraints.get("ps", 0))
+    return [c for c in cps if dp % c == 0 and batch_rows % (dp // c) == 0
+            and (c == 1 or stats.seq and stats.seq % c == 0)
+            and not cp_misfit(dataclasses.replace(probe, cp=c))]
+
+
 def _expert_share(segs, tp: int) -> float:
     """The fraction of a rank's parameter elements (its tp slices) that are experts."""
     local = sum(s.params - s.params_split * (1 - 1 / tp) for s in segs)
@@ -1055,11 +1084,13 @@ def _expert_share(segs, tp: int) -> float:
 
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
-           constraints, budget, offload=False, shard=None, hpz=None, ep=1) -> Candidate | None:
+           constraints, budget, offload=False, shard=None, hpz=None, ep=1, cp=1
+           ) -> Candidate | None:
     """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all);
     `hpz`: Plan.hpz (the backward's gathers over groups of `hpz` ranks); `ep`: Plan.ep (each
     rank of a group of ep dp ranks holds and computes 1/ep of the experts, the layers' rows
-    summed over the group)."""
+    summed over the group); `cp`: Plan.cp (groups of cp dp ranks split the sequence; `mbs`
+    is then a rank's tokens in whole-sequence rows, batch rows / dp)."""
     quant = constraints.get("comm_quantization", "none")
     sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
     reps = dp // sdp
@@ -1150,7 +1181,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 # server's error: 1/dp more)
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
             states[key] = mem, saved
-        return with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
+        mem, rec = with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
+        if cp > 1:  # the gathered keys and values the backward reads: whole for the rank's
+            # rows, where its share of the tokens was priced
+            mem.activations += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r]) * mbs / stats.rows
+        return mem, rec
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
@@ -1216,6 +1251,24 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
+        if cp > 1:  # every attention's keys and values gathered over the cp group
+            # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
+            # the rank's rows, whole (cp x its tokens in whole-sequence rows)
+            g = mbs * cp / stats.rows
+            calls = max(1, 2 * sum(s.n_attn for s in segs))
+            kv = sum(s.kv_bytes for s in segs) * g
+            cpc_f = hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
+            cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
+            if hw.name != "cpu":  # CUDA's attention kernels keep the sequence whole
+                # (passes/context_parallel.py): each rank runs its rows' whole attention, cp x
+                # its share, with the queries gathered and the output's gradient too
+                rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
+                tf += (cp - 1) * sum(s.attn_flops_f for s in segs) * mbs / stats.rows / rate
+                tb += (cp - 1) * sum(s.attn_flops_b for s in segs) * mbs / stats.rows / rate
+                qo = sum(s.qo_bytes for s in segs) * g
+                cpc_f += hw.comm("all_gather", qo / 2, cp, tp * pp * cp, calls=calls // 2)
+                cpc_b += hw.comm("all_gather", qo / 2, cp, tp * pp * cp, calls=calls // 2)
+            tpc_f, tpc_b = tpc_f + cpc_f, tpc_b + cpc_b
         fwd.append(tf + tpc_f + tp_nodes)
         # the recomputed forward runs its tp all-reduces again (remat runs before the tp
         # pass, which splits the recomputed copies as it splits the forward)
@@ -1391,7 +1444,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mfu = (None if hw.name == "cpu" else
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
-                dp_shard=shard, hpz=hpz, ep=ep,
+                dp_shard=shard, hpz=hpz, ep=ep, cp=cp,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
@@ -1500,6 +1553,7 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     stats.checkpoints_per_layer = checkpoints_per_layer(gm)
     stats.host_calls_compiled = codegen.host_calls(gm.graph)
     expert_stats(stats, gm)
+    context_stats(stats, gm)
     stats.graph = (gm, sig)  # for the probes and the calibration
     if pass_extras:
         count_pass_extras(stats)
@@ -1556,6 +1610,38 @@ def expert_stats(stats: GraphStats, gm) -> None:
         # work dp does not split, at least this much where no dp probe counted it
         seg.flops_f_whole = max(seg.flops_f_whole, seg.expert_flops_f)
         seg.flops_b_whole = max(seg.flops_b_whole, seg.expert_flops_b)
+
+
+def context_stats(stats: GraphStats, gm) -> None:
+    """What Plan.cp changes, per segment, from the captured graph: the sequence length it
+    splits (passes/context_parallel.sequence_dims: why not, where it cannot), and each
+    attention's FLOPs and the bytes of its keys/values (what the cp pass gathers) and of
+    its queries/output."""
+    leaves = [n for n in gm.graph.nodes
+              if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch"]
+    try:
+        dims = context_parallel.sequence_dims(leaves, 1)
+        stats.seq = next(n.meta[ir.VAL].shape[1] for n, d in zip(leaves, dims) if d is not None)
+    except Exception as e:  # noqa: BLE001 - no cp plan is priced; the reason is kept
+        stats.cp_refusal = f"{type(e).__name__}: {e}"
+        return
+    by_name = {s.name: s for s in stats.segments}
+    for n in gm.graph.nodes:
+        bwd = n.target in context_parallel.ATTENTION_BACKWARD
+        if n.target not in context_parallel.ATTENTION and not bwd:
+            continue
+        seg = by_name.get(stats.node_segment.get(n.name))
+        if seg is None:
+            continue
+        off = 1 if bwd else 0  # (the backward's first argument: the output's gradient)
+        q, k, v = (a.meta[ir.VAL] for a in n.args[off:off + 3])
+        if bwd:
+            seg.attn_flops_b += cost.node_flops(n)
+            continue
+        seg.n_attn += 1
+        seg.attn_flops_f += cost.node_flops(n)
+        seg.kv_bytes += cost.tensor_bytes(k) + cost.tensor_bytes(v)
+        seg.qo_bytes += 2 * cost.tensor_bytes(q)
 
 
 def tp_roles(gm, sig) -> tuple[dict | None, str | None]:

@@ -577,7 +577,7 @@ def needs_search(plan) -> bool:
 
 # the fields plan="auto" searches: what tells one of its plans from another
 SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "hpz", "ep",
-            "remat", "precision", "offload_optimizer")
+            "cp", "remat", "precision", "offload_optimizer")
 
 
 def plan_dict(p: Plan) -> dict:

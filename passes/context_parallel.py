@@ -149,18 +149,23 @@ def _chunk_leaves(graph, leaves, dims, cp, group) -> None:
             u.replace_input_with(leaf, chunk)
 
 
-# attention kernels as traced (forward); a causal one on CPU becomes the fxpar op
-_ATTENTION = {getattr(aten, name).default for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    if hasattr(aten, name)} | {fxpar_ops.causal_chunk_attention.default}
+# attention kernels as traced, forward and backward (the planner prices them: q, k, v are
+# their first three tensor arguments, after the output's gradient in the backward); a causal
+# one on CPU becomes the fxpar op
+_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+ATTENTION = {getattr(aten, k).default for k in _KERNELS if hasattr(aten, k)} | {
+    fxpar_ops.causal_chunk_attention.default}
+ATTENTION_BACKWARD = {getattr(aten, k + "_backward").default for k in _KERNELS
+                      if hasattr(aten, k + "_backward")} | {
+    fxpar_ops.causal_chunk_attention_backward.default}
 
 
 def report(gm, leaves, dims, cp) -> dict:
     """What the pass did: the split leaves, each attention (split, or left whole: its
     sequence gathered), the collectives it added."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    attn = [n for n in nodes if n.target in _ATTENTION and n.meta.get(ir.REGION) == ir.FORWARD]
+    attn = [n for n in nodes if n.target in ATTENTION and n.meta.get(ir.REGION) == ir.FORWARD]
     comms: dict[str, int] = {}
     for n in nodes:
         if n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
