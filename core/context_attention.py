@@ -1,12 +1,21 @@
-"""Causal attention of one rank's chunk of the sequence against the whole sequence (Plan.cp).
+"""Context parallelism's rank-dependent ops (Plan.cp): its load-balanced layout of a split
+dimension and causal attention of a rank's queries against the whole sequence.
 
-Under context parallelism rank r of the cp group holds queries [r L, (r+1) L) of a sequence
-of cp * L tokens and the keys/values of all of it (all-gathered). SDPA's `is_causal` masks
-as if the queries started at position 0, so the chunk needs its own mask: query i sees key
-j <= r L + i. Keys past (r+1) L are masked for every query of the chunk, so they are left
-out of the kernel (rank r computes r + 1 blocks of keys, not cp). One custom op for the
-forward and one for the backward (the rank read from the group at run time), so one graph
-serves every rank, as fxpar::local_chunk does.
+Layout: a dim split over the cp group is cut into 2 cp chunks and rank r holds chunks r and
+2cp-1-r (a front and a back one), so that under a causal mask every rank's queries read as
+many keys (a contiguous split leaves the last rank the whole prefix). fxpar::zigzag_chunk
+takes a rank's pair of a whole tensor, fxpar::zigzag_order reorders a whole dim between
+that rank-major order (what gathering the ranks' pieces in rank order gives, and what a
+reduce-scatter splits into contiguous pieces) and the natural one. Every split over the cp
+group uses this layout (core/sharding.redistribute): ops that treat positions alike do not
+see it, and the attention below reads its queries' positions from it.
+
+Attention: rank r's queries are its two chunks; the keys/values are whole (all-gathered).
+SDPA's `is_causal` masks as if the queries started at position 0, so each chunk gets its
+own mask (query i of a chunk starting at p sees keys j <= p + i), and the keys past the
+chunk, masked for all its queries, are left out of the kernel: every rank computes
+(2cp + 1) chunk-by-chunk blocks. Custom ops read the rank from the group at run time, so
+one graph serves every rank, as fxpar::local_chunk does.
 """
 from __future__ import annotations
 
@@ -20,27 +29,75 @@ def _rank(group_name: str) -> int:
     return _resolve_process_group(group_name).rank()
 
 
-def _prefix_and_mask(q, k, group_name):
-    """How many keys the chunk sees and its additive mask [L, that many] (q's dtype)."""
-    L, rank = q.shape[2], _rank(group_name)
-    start = rank * L
-    keys = min(start + L, k.shape[2])
-    seen = torch.arange(keys, device=q.device)[None, :] <= (
-        start + torch.arange(L, device=q.device))[:, None]
-    mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device)
-    return keys, mask.masked_fill_(~seen, float("-inf"))
+def rank_major(n: int) -> list[int]:
+    """The 2n chunks in the order the ranks hold them: 0, 2n-1, 1, 2n-2, ..."""
+    return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
+@torch.library.custom_op("fxpar::zigzag_chunk", mutates_args=())
+def zigzag_chunk(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's two chunks (r and 2n-1-r of 2n) of a whole tensor along `dim`."""
+    r, n = _rank(group_name), group_size
+    parts = x.chunk(2 * n, dim)
+    return torch.cat([parts[r], parts[2 * n - 1 - r]], dim).contiguous()
+
+
+@zigzag_chunk.register_fake
+def _(x, dim, group_size, group_name):
+    shape = list(x.shape)
+    shape[dim] //= group_size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("fxpar::zigzag_order", mutates_args=())
+def zigzag_order(x: torch.Tensor, dim: int, group_size: int, group_name: str,
+                 to_ranks: bool) -> torch.Tensor:
+    """`x` reordered along `dim` from the natural order to the ranks' (to_ranks) or back.
+    (`group_name` names the group whose layout it is; the order needs only its size.)"""
+    order = rank_major(group_size)
+    if not to_ranks:
+        order = [order.index(c) for c in range(len(order))]
+    return torch.cat([x.chunk(len(order), dim)[c] for c in order], dim).contiguous()
+
+
+@zigzag_order.register_fake
+def _(x, dim, group_size, group_name, to_ranks):
+    return x.new_empty(x.shape)
+
+
+def _chunk_mask(L: int, start: int, keys: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive causal mask [L, keys] of queries at positions start.. against keys 0.."""
+    seen = torch.arange(keys, device=like.device)[None, :] <= (
+        start + torch.arange(L, device=like.device))[:, None]
+    mask = torch.zeros(seen.shape, dtype=like.dtype, device=like.device)
+    return mask.masked_fill_(~seen, float("-inf"))
+
+
+def _chunks(q, k, group_name):
+    """[(query slice, first position, keys it sees)] for this rank's two chunks (q holds 2 of
+    the 2n chunks of k's length)."""
+    C, r = q.shape[2] // 2, _rank(group_name)
+    n = k.shape[2] // (2 * C)
+    return [(slice(0, C), r * C, (r + 1) * C),
+            (slice(C, 2 * C), (2 * n - 1 - r) * C, (2 * n - r) * C)]
 
 
 @torch.library.custom_op("fxpar::causal_chunk_attention", mutates_args=())
 def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                            scale: float | None, group_name: str
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp) of this rank's queries `q` [B, H, L, D] against the whole `k`, `v`
-    [B, H, cp * L, D], causally (CPU's flash kernel, as the traced op)."""
-    keys, mask = _prefix_and_mask(q, k, group_name)
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k[:, :, :keys], v[:, :, :keys], dropout_p, False, attn_mask=mask, scale=scale)
-    return out.contiguous(), lse.contiguous()
+    """(out, logsumexp) of this rank's queries `q` [B, H, 2C, D] (its chunks r and 2n-1-r)
+    against the whole `k`, `v` [B, H, 2nC, D], causally (CPU's flash kernel, as the traced
+    op)."""
+    outs, lses = [], []
+    for sl, start, keys in _chunks(q, k, group_name):
+        qc = q[:, :, sl]
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            qc, k[:, :, :keys], v[:, :, :keys], dropout_p, False,
+            attn_mask=_chunk_mask(qc.shape[2], start, keys, q), scale=scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2).contiguous(), torch.cat(lses, 2).contiguous()
 
 
 @causal_chunk_attention.register_fake
@@ -55,16 +112,19 @@ def causal_chunk_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: 
                                     dropout_p: float, scale: float | None, group_name: str
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k, grad_v): grad_k/grad_v cover the whole sequence (zero past the keys
-    this chunk sees); each rank's are its share of a sum over the cp group."""
-    keys, mask = _prefix_and_mask(q, k, group_name)
-    gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k[:, :, :keys], v[:, :, :keys], out, lse, dropout_p, False,
-        attn_mask=mask, scale=scale)
-    pad = k.shape[2] - keys
-    if pad:
-        gk = torch.nn.functional.pad(gk, (0, 0, 0, pad))
-        gv = torch.nn.functional.pad(gv, (0, 0, 0, pad))
-    return gq.contiguous(), gk.contiguous(), gv.contiguous()
+    this rank's chunks see); each rank's are its share of a sum over the cp group."""
+    dqs = []
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for sl, start, keys in _chunks(q, k, group_name):
+        qc = q[:, :, sl]
+        gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out[:, :, sl], qc, k[:, :, :keys], v[:, :, :keys], out[:, :, sl],
+            lse[:, :, sl], dropout_p, False,
+            attn_mask=_chunk_mask(qc.shape[2], start, keys, q), scale=scale)
+        dqs.append(gq)
+        dk[:, :, :keys] += gk
+        dv[:, :, :keys] += gv
+    return torch.cat(dqs, 2).contiguous(), dk, dv
 
 
 @causal_chunk_attention_backward.register_fake

@@ -155,7 +155,7 @@ def redistribute(graph: torch.fx.Graph, x: torch.fx.Node, src: Sequence[Placemen
                 isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim):
             cur, s = _all_gather(emit, cur, s.dim, n, group, meta), Replicate()
         if isinstance(s, Replicate) and isinstance(t, Shard):
-            cur = emit(torch.ops.fxpar.local_chunk.default, (cur, t.dim, n, group),
+            cur = emit(_chunk_op(group, x.meta.get(ir.VAL), t.dim, n), (cur, t.dim, n, group),
                        meta.get(ir.REGION))
         elif isinstance(s, Replicate) and isinstance(t, Partial):
             if t.reduce_op not in ("sum", "avg"):
@@ -217,8 +217,8 @@ def _strided_chunk(emit, x, gval, p, d, placements, mesh_sizes, group, meta):
     """Replicate -> strided shard: this rank's chunk of each block (no communication)."""
     region = meta.get(ir.REGION, ir.FORWARD)
     blocked = _blocked(emit, x, gval, p, placements, mesh_sizes, region)
-    mine = emit(torch.ops.fxpar.local_chunk.default, (blocked, p.dim + 1, mesh_sizes[d], group),
-                region)
+    mine = emit(_chunk_op(group, blocked.meta.get(ir.VAL), p.dim + 1, mesh_sizes[d]),
+                (blocked, p.dim + 1, mesh_sizes[d], group), region)
     after = list(placements)
     after[d] = p
     return emit(aten.view.default, (mine, _local_sizes(gval.shape, after, mesh_sizes)), region)
@@ -232,6 +232,27 @@ def _moved_to_front(emit, x, dim, region):
     return y, [perm.index(i) for i in range(ndim)]
 
 
+def _chunk_op(group: str, val, dim: int, n: int):
+    """The op cutting a whole value into this rank's piece along `dim`: its contiguous 1/n,
+    or over the cp group context parallelism's load-balanced pair of chunks."""
+    if group != ir.GROUPS["cp"]:
+        return torch.ops.fxpar.local_chunk.default
+    if isinstance(val, torch.Tensor) and val.shape[dim] % (2 * n):
+        raise ShardingError(
+            f"context parallelism splits dim {dim} of a {tuple(val.shape)} value into 2 x "
+            f"cp={n} chunks (each rank a front and a back one), which its size does not "
+            f"divide. Use a sequence length that is a multiple of {2 * n}.")
+    return torch.ops.fxpar.zigzag_chunk.default
+
+
+def _zigzag(emit, x, n, group, region, to_ranks):
+    """Over the cp group: dim 0 of `x` reordered between the natural and the ranks' order
+    (core/context_attention.py); unchanged over any other group."""
+    if group != ir.GROUPS["cp"]:
+        return x
+    return emit(torch.ops.fxpar.zigzag_order.default, (x, 0, n, group, to_ranks), region)
+
+
 def _all_gather(emit, x, dim, n, group, meta):
     """Shard(dim) -> Replicate. all_gather_into_tensor concatenates along dim 0, so another
     dim is moved there and back: the gathered dim is never dim 0 unless it is the split one
@@ -239,11 +260,13 @@ def _all_gather(emit, x, dim, n, group, meta):
     region = meta.get(ir.REGION, ir.FORWARD)
     dim %= x.meta[ir.VAL].dim()
     if dim == 0:
-        return emit(c10d.wait_tensor.default,
-                    (emit(c10d.all_gather_into_tensor.default, (x, n, group)),))
+        return _zigzag(emit, emit(c10d.wait_tensor.default,
+                                  (emit(c10d.all_gather_into_tensor.default, (x, n, group)),)),
+                       n, group, region, to_ranks=False)
     y, inv = _moved_to_front(emit, x, dim, region)
-    out = emit(c10d.wait_tensor.default,
-               (emit(c10d.all_gather_into_tensor.default, (y, n, group)),))
+    out = _zigzag(emit, emit(c10d.wait_tensor.default,
+                             (emit(c10d.all_gather_into_tensor.default, (y, n, group)),)),
+                  n, group, region, to_ranks=False)
     return _contiguous(emit, emit(aten.permute.default, (out, inv), region), region)
 
 
@@ -261,9 +284,11 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
     dim %= x.meta[ir.VAL].dim()
     if dim != 0:
         x, inv = _moved_to_front(emit, x, dim, region)
+        x = _zigzag(emit, x, n, group, region, to_ranks=True)
         out = emit(c10d.wait_tensor.default,
                    (emit(c10d.reduce_scatter_tensor.default, (x, "sum", n, group)),))
         return _contiguous(emit, emit(aten.permute.default, (out, inv), region), region)
+    x = _zigzag(emit, x, n, group, region, to_ranks=True)
     return emit(c10d.wait_tensor.default,
                 (emit(c10d.reduce_scatter_tensor.default, (x, "sum", n, group)),))
 
@@ -289,11 +314,15 @@ _GROUP_ARG = {
     torch.ops.fxpar.partial_from_replicate.default: 1,
     torch.ops.fxpar.causal_chunk_attention.default: 5,
     torch.ops.fxpar.causal_chunk_attention_backward.default: 8,
+    torch.ops.fxpar.zigzag_chunk.default: 3,
+    torch.ops.fxpar.zigzag_order.default: 3,
 }
 _AXIS_DIM = {
     c10d.all_gather_into_tensor.default: 0,
     c10d.reduce_scatter_tensor.default: 0,
     torch.ops.fxpar.local_chunk.default: 1,
+    torch.ops.fxpar.zigzag_chunk.default: 1,
+    torch.ops.fxpar.zigzag_order.default: 1,
 }
 
 # --- rules DTensor lacks --------------------------------------------------------------------

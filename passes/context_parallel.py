@@ -95,11 +95,12 @@ def sequence_dims(leaves: list[torch.fx.Node], cp: int) -> list[int | None]:
             f"leaf shapes: {[tuple(v.shape) for v in vals]}). Context parallelism is for "
             "sequence models; use cp=1.")
     seq = ids[0].shape[1]
-    if seq % cp:
+    if seq % (2 * cp):
         raise BatchError(
-            f"the sequence does not divide over cp={cp} ranks: the batch's sequences have "
-            f"{seq} tokens (dim 1). Pad the sequences to a multiple of {cp}, or use a cp "
-            f"that divides {seq}.")
+            f"the sequence does not split over cp={cp} ranks: the batch's sequences have "
+            f"{seq} tokens (dim 1), and each rank takes 2 of 2 x cp equal chunks (a front and "
+            f"a back one, balancing causal attention). Pad the sequences to a multiple of "
+            f"{2 * cp}, or use a cp with 2 x cp dividing {seq}.")
     return [1 if v.dim() >= 2 and v.shape[1] == seq else None for v in vals]
 
 
@@ -142,7 +143,7 @@ def _chunk_leaves(graph, leaves, dims, cp, group) -> None:
             continue
         users = list(leaf.users)
         with graph.inserting_after(last):
-            chunk = graph.call_function(fxpar_ops.local_chunk.default, (leaf, d, cp, group))
+            chunk = graph.call_function(fxpar_ops.zigzag_chunk.default, (leaf, d, cp, group))
         chunk.meta.update({ir.REGION: ir.FORWARD, ir.MODULE: "", ir.SHARD: (Shard(d),),
                            ir.VAL: leaf.meta[ir.VAL]})
         for u in users:

@@ -31,7 +31,7 @@ def _group_of(n):
 
 def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     """dp=2 as cp=2 on HF Llama (2 layers, SDPA causal): both token leaves cut to the rank's
-    half of the sequence in the graph; per layer one causal chunk attention forward and
+    half of the sequence in the graph (a front and a back quarter); per layer one causal chunk attention forward and
     backward (none left whole), k and v all-gathered over the cp group forward and their
     gradients reduce-scattered backward; the gradients summed over the whole dp group; every
     activation of a linear holds half the tokens."""
@@ -40,7 +40,7 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     g = prog.graph.graph
     assert prog.cp == 2 and prog.rows == 1 and prog.graph.meta[ir.SEQUENCE_SPLIT] == [1, 1]
     assert mesh_dims(prog.plan) == [("cdp", 1), ("cp", 2)]
-    chunks = [n for n in g.nodes if n.target is fxpar_ops.local_chunk.default
+    chunks = [n for n in g.nodes if n.target is fxpar_ops.zigzag_chunk.default
               and n.args[0].op == "placeholder"]
     assert len(chunks) == 2 and all(n.args[1:] == (1, 2, ir.GROUPS["cp"]) for n in chunks)
     fwd = [n for n in g.nodes if n.target is fxpar_ops.causal_chunk_attention.default]
@@ -76,8 +76,10 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
-    """Each rank's chunk of queries against the whole keys: its rows of causal SDPA over the
-    whole sequence; the keys' and values' gradients, summed over the ranks, SDPA's."""
+    """Each rank's pair of chunks of queries (r and 2cp-1-r of 2cp: fxpar::zigzag_chunk)
+    against the whole keys: its rows of causal SDPA over the whole sequence; the keys' and
+    values' gradients, summed over the ranks, SDPA's; zigzag_order between the natural and
+    the ranks' order is a permutation and its inverse."""
     torch.manual_seed(0)
     B, H, S, D = 2, 3, 8 * cp, 4
     q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64, requires_grad=True)
@@ -86,20 +88,30 @@ def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
     go = torch.randn_like(ref)
     ref.backward(go)
     gk, gv = torch.zeros_like(k), torch.zeros_like(v)
+    pieces = []
     for r in range(cp):
         monkeypatch.setattr(context_attention, "_rank", lambda name, r=r: r)
-        sl = slice(r * S // cp, (r + 1) * S // cp)
-        qc = q.detach()[:, :, sl].contiguous()
+        qc = fxpar_ops.zigzag_chunk(q.detach(), 2, cp, "g")
+        C = S // (2 * cp)
+        want = torch.cat([q.detach()[:, :, r * C:(r + 1) * C],
+                          q.detach()[:, :, (2 * cp - 1 - r) * C:(2 * cp - r) * C]], 2)
+        assert torch.equal(qc, want)
         out, lse = fxpar_ops.causal_chunk_attention(qc, k.detach(), v.detach(), 0.0, None, "g")
-        torch.testing.assert_close(out, ref.detach()[:, :, sl])
+        torch.testing.assert_close(out, fxpar_ops.zigzag_chunk(ref.detach(), 2, cp, "g"))
         dq, dk, dv = fxpar_ops.causal_chunk_attention_backward(
-            go[:, :, sl].contiguous(), qc, k.detach(), v.detach(), out, lse, 0.0, None, "g")
-        torch.testing.assert_close(dq, q.grad[:, :, sl])
-        if r == 0:  # the first chunk sees only its own keys: the rest is zero
-            assert not dk[:, :, S // cp:].any()
+            fxpar_ops.zigzag_chunk(go, 2, cp, "g"), qc, k.detach(), v.detach(), out, lse,
+            0.0, None, "g")
+        torch.testing.assert_close(dq, fxpar_ops.zigzag_chunk(q.grad, 2, cp, "g"))
+        if r == 0:  # its chunks see keys up to the end of the last chunk only
+            assert dk[:, :, :C].any() and dk[:, :, -C:].any()
         gk, gv = gk + dk, gv + dv
+        pieces.append(qc)
     torch.testing.assert_close(gk, k.grad)
     torch.testing.assert_close(gv, v.grad)
+    gathered = torch.cat(pieces, 2)  # what an all-gather in rank order holds
+    natural = fxpar_ops.zigzag_order(gathered, 2, cp, "g", False)
+    assert torch.equal(natural, q.detach())
+    assert torch.equal(fxpar_ops.zigzag_order(natural, 2, cp, "g", True), gathered)
 
 
 def test_plans_and_batches_context_parallelism_refuses_by_name():
@@ -114,8 +126,8 @@ def test_plans_and_batches_context_parallelism_refuses_by_name():
     with pytest.raises(PlanError, match="positive integer"):
         resolve({"dp": 2, "cp": 0}, 2)
     model, batch = _llama()
-    odd = {k: v[:, :15] for k, v in batch.items()}
-    with pytest.raises(BatchError, match="15 tokens .* multiple of 2"):
+    odd = {k: v[:, :14] for k, v in batch.items()}
+    with pytest.raises(BatchError, match="14 tokens .* multiple of 4"):
         fxpar.compile(model, 2, example_batch=odd, plan={"dp": 2, "cp": 2})
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 4))
     with pytest.raises(PlanError, match="no batch leaf is one"):
