@@ -11,11 +11,12 @@ group uses this layout (core/sharding.redistribute): ops that treat positions al
 see it, and the attention below reads its queries' positions from it.
 
 Attention: rank r's queries are its two chunks; the keys/values are whole (all-gathered).
-SDPA's `is_causal` masks as if the queries started at position 0, so each chunk gets its
-own mask (query i of a chunk starting at p sees keys j <= p + i), and the keys past the
-chunk, masked for all its queries, are left out of the kernel: every rank computes
-(2cp + 1) chunk-by-chunk blocks. Custom ops read the rank from the group at run time, so
-one graph serves every rank, as fxpar::local_chunk does.
+SDPA's `is_causal` masks as if the queries started at position 0, so each chunk (starting at
+position p) runs as two blocks: the keys before p, unmasked, and its own keys, causal (they
+start where its queries do), merged by their logsumexps as ring attention merges blocks;
+the keys after it are never read. Every rank computes 1/cp of the causal attention.
+Custom ops read the rank from the group at run time, so one graph serves every rank, as
+fxpar::local_chunk does.
 """
 from __future__ import annotations
 
@@ -65,21 +66,17 @@ def _(x, dim, group_size, group_name, to_ranks):
     return x.new_empty(x.shape)
 
 
-def _chunk_mask(L: int, start: int, keys: int, like: torch.Tensor) -> torch.Tensor:
-    """Additive causal mask [L, keys] of queries at positions start.. against keys 0.."""
-    seen = torch.arange(keys, device=like.device)[None, :] <= (
-        start + torch.arange(L, device=like.device))[:, None]
-    mask = torch.zeros(seen.shape, dtype=like.dtype, device=like.device)
-    return mask.masked_fill_(~seen, float("-inf"))
-
-
 def _chunks(q, k, group_name):
-    """[(query slice, first position, keys it sees)] for this rank's two chunks (q holds 2 of
-    the 2n chunks of k's length)."""
+    """[(query slice, first position)] of this rank's two chunks (q holds chunks r and
+    2n-1-r of the 2n of k's length)."""
     C, r = q.shape[2] // 2, _rank(group_name)
     n = k.shape[2] // (2 * C)
-    return [(slice(0, C), r * C, (r + 1) * C),
-            (slice(C, 2 * C), (2 * n - 1 - r) * C, (2 * n - r) * C)]
+    return [(slice(0, C), r * C), (slice(C, 2 * C), (2 * n - 1 - r) * C)]
+
+
+def _flash(q, k, v, dropout_p, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, causal,
+                                                            scale=scale)
 
 
 @torch.library.custom_op("fxpar::causal_chunk_attention", mutates_args=())
@@ -87,14 +84,21 @@ def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dr
                            scale: float | None, group_name: str
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) of this rank's queries `q` [B, H, 2C, D] (its chunks r and 2n-1-r)
-    against the whole `k`, `v` [B, H, 2nC, D], causally (CPU's flash kernel, as the traced
-    op)."""
+    against the whole `k`, `v` [B, H, 2nC, D], causally. Per chunk starting at p: the
+    keys before it unmasked, its own C keys causal (SDPA's mask is right there: they start
+    where the queries do), merged by their logsumexps as ring attention merges blocks; so
+    each rank computes 1/n of the sequence's causal attention (CPU's flash kernel, as
+    traced)."""
     outs, lses = [], []
-    for sl, start, keys in _chunks(q, k, group_name):
-        qc = q[:, :, sl]
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            qc, k[:, :, :keys], v[:, :, :keys], dropout_p, False,
-            attn_mask=_chunk_mask(qc.shape[2], start, keys, q), scale=scale)
+    for sl, p in _chunks(q, k, group_name):
+        qc, C = q[:, :, sl], sl.stop - sl.start
+        out, lse = _flash(qc, k[:, :, p:p + C], v[:, :, p:p + C], dropout_p, True, scale)
+        if p:
+            o1, l1 = _flash(qc, k[:, :, :p], v[:, :, :p], dropout_p, False, scale)
+            merged = torch.logaddexp(l1, lse)
+            out = (o1.float() * (l1 - merged).exp()[..., None] +
+                   out.float() * (lse - merged).exp()[..., None]).to(q.dtype)
+            lse = merged
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, 2).contiguous(), torch.cat(lses, 2).contiguous()
@@ -115,15 +119,23 @@ def causal_chunk_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: 
     this rank's chunks see); each rank's are its share of a sum over the cp group."""
     dqs = []
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for sl, start, keys in _chunks(q, k, group_name):
-        qc = q[:, :, sl]
+    for sl, p in _chunks(q, k, group_name):
+        qc, C = q[:, :, sl], sl.stop - sl.start
+        # each block's backward with the merged output and logsumexp (its softmax is the
+        # whole row's): the blocks' gradients are then the whole row's, summed
+        args = (grad_out[:, :, sl], qc)
+        rest = (out[:, :, sl], lse[:, :, sl], dropout_p)
         gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out[:, :, sl], qc, k[:, :, :keys], v[:, :, :keys], out[:, :, sl],
-            lse[:, :, sl], dropout_p, False,
-            attn_mask=_chunk_mask(qc.shape[2], start, keys, q), scale=scale)
+            *args, k[:, :, p:p + C], v[:, :, p:p + C], *rest, True, scale=scale)
+        dk[:, :, p:p + C] += gk
+        dv[:, :, p:p + C] += gv
+        if p:
+            g1, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *args, k[:, :, :p], v[:, :, :p], *rest, False, scale=scale)
+            gq = gq + g1
+            dk[:, :, :p] += gk
+            dv[:, :, :p] += gv
         dqs.append(gq)
-        dk[:, :, :keys] += gk
-        dv[:, :, :keys] += gv
     return torch.cat(dqs, 2).contiguous(), dk, dv
 
 

@@ -102,7 +102,7 @@ def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
             fxpar_ops.zigzag_chunk(go, 2, cp, "g"), qc, k.detach(), v.detach(), out, lse,
             0.0, None, "g")
         torch.testing.assert_close(dq, fxpar_ops.zigzag_chunk(q.grad, 2, cp, "g"))
-        if r == 0:  # its chunks see keys up to the end of the last chunk only
+        if r == 0:  # its chunks see keys up to the end of the last chunk
             assert dk[:, :, :C].any() and dk[:, :, -C:].any()
         gk, gv = gk + dk, gv + dv
         pieces.append(qc)
