@@ -405,6 +405,78 @@ def sweep(names=None, plan_keys=tuple(PLANS), log=print) -> list[Cell]:
     return cells
 
 
+# --- one model under a few plans of one axis (examples/zoo_ep.py, zoo_cp.py) -----------
+
+def _plans_rank(name: str, plans: dict, keys: list) -> dict:
+    out = {}
+    for key in keys:
+        world, plan = plans[key]
+        try:
+            losses, state, chosen = train(name, world, plan)
+            out[key] = ("ran", losses, state if int(os.environ["RANK"]) == 0 else None, chosen)
+        except Exception as e:  # noqa: BLE001 - every failure is a cell of the table
+            out[key] = (*_failure(e), None, None)
+    return out
+
+
+def _plans_verify_rank(name: str, plans: dict, keys: list) -> dict:
+    """Each plan's first step under Plan.verify: '' where it passes, else what it found."""
+    out = {}
+    for key in keys:
+        world, plan = plans[key]
+        try:
+            train(name, world, plan, steps=1, verify=True)
+            out[key] = ""
+        except Exception as e:  # noqa: BLE001 - what verify found, or why it could not run
+            out[key] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def plan_cells(name: str, plans: dict) -> dict:
+    """{plan key: cell text} for one model under `plans` ({key: (world, plan dict)}): each
+    plan's training against eager, judged as the sweep judges (`_judged`), a mismatch
+    checked again under Plan.verify; a failure is its cell."""
+    why = skip_reason(name)
+    if why:
+        return {key: f"skipped: {why}" for key in plans}
+    res = {}
+    for key, (world, _) in plans.items():  # (one launch each: a process group opened again
+        # after a refused parallelize can hang in gloo's connect)
+        res.update(fxpar.launch(_plans_rank, world, name, plans, [key])[0])
+    eager = eager_reference(name)
+    out, controls = {}, {}
+    for key in plans:
+        status, *rest = res[key]
+        if status != "ran":
+            out[key] = f"{status}: {rest[0][:160]}"
+            continue
+        losses, state, chosen = rest
+        diff = compare(losses, state, *eager)
+        if not diff:
+            out[key] = "exact"
+            continue
+        status, detail = _judged(name, key, diff, losses, state, eager, chosen, controls)
+        out[key] = status if status == "rounding" else f"{status}: {detail[:160]}"
+    # a mismatch the controls confirm, checked as the zoo sweep checks it: its first step
+    # under Plan.verify (gradients and optimizer state within what rounding makes them)
+    again = [k for k, v in out.items() if v.startswith("mismatch")]
+    for k in again:
+        found = fxpar.launch(_plans_verify_rank, plans[k][0], name, plans, [k])[0][k]
+        out[k] = "rounding (Plan.verify)" if not found else \
+            f"{out[k]}; under Plan.verify: {found[:300]}"
+    return out
+
+
+def plan_table(names, plans: dict, log=functools.partial(print, flush=True)) -> None:
+    """A markdown table: a row per model, a column per plan of `plans` (plan_cells)."""
+    log("| model | " + " | ".join(plans) + " |\n|---|" + "---|" * len(plans))
+    for name in names:
+        t0 = time.perf_counter()
+        row = plan_cells(name, plans)
+        log(f"| {name} | " + " | ".join(row[k] for k in plans) +
+            f" |  <!-- {time.perf_counter() - t0:.0f} s -->")
+
+
 def markdown(cells: list[Cell], plan_keys=tuple(PLANS)) -> str:
     """The zoo table: one row per model, one column per plan; refusals listed below."""
     by = {(c.model, c.plan): c for c in cells}

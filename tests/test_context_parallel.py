@@ -12,6 +12,7 @@ from fxpar.core.errors import BatchError, PlanError
 from fxpar.core.plan import resolve
 from fxpar.examples import zoo
 
+import workers
 from test_parity import _check_plans
 
 aten = torch.ops.aten
@@ -145,12 +146,59 @@ def test_llama_cp2_trains_like_eager():
 @pytest.mark.slow
 def test_context_parallelism_composes_on_four_ranks():
     """cp=2 inside dp=4 (two row groups), with tp=2, and cp=4 with ZeRO-2; GPT-2 (learned
-    positions) with ZeRO-3 and remat; fxpar's own GPT; Inductor's code for the chunk
-    kernels: every one equal to eager."""
+    positions) with ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention
+    mask, ignored labels); Inductor's code for the chunk kernels: every one equal to
+    eager."""
     _check_plans(4, [("hf_llama", "adamw", p) for p in (
         {"dp": 4, "cp": 2, "codegen": "eager"}, {"dp": 2, "cp": 2, "tp": 2, "codegen": "eager"},
         {"dp": 4, "cp": 4, "zero": 2, "codegen": "eager"})])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
                                            "codegen": "eager"}),
                      ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
+                     ("hf_llama_padded", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
                      ("hf_llama", "adamw", {"dp": 2, "cp": 2})])
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_and_reshards(tmp_path):
+    """A cp=2 run saves at step 5: it resumes bit for bit, and plain dp=2 loads the same
+    checkpoint and takes its next step (the weights are whole on every rank)."""
+    workers.check_resumed_and_resharded(2, "hf_llama", {"dp": 2, "cp": 2, "codegen": "eager"},
+                                        {"dp": 2, "codegen": "eager"}, str(tmp_path))
+
+
+def test_planner_prices_context_parallelism():
+    """The planner's statistics hold the sequence and each layer's attention (its keys' and
+    values' bytes); where the batch has fewer rows than ranks it prices cp (the smallest
+    that lets dp use every rank) with the gathers, and a fixed cp is the only one priced; a
+    model without a sequence gets no cp plan and a fixed one names why."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    model, batch = _llama()
+    stats = planner_stats(model, batch)
+    B, S = batch["input_ids"].shape
+    assert stats.seq == S and stats.cp_refusal is None
+    attn = [s for s in stats.segments if s.n_attn]
+    assert [s.name for s in attn] == ["model.layers.0", "model.layers.1"]
+    kv = 2 * B * model.config.num_key_value_heads * S * model.config.head_dim * 4
+    assert all(s.kv_bytes == kv and s.attn_flops_f > 0 and s.attn_flops_b > 0 for s in attn)
+    hw = cost.HARDWARE["h100"]
+    r = planner.search(stats, 2 * B, hw, batch_rows=B, executable=False)
+    wide = [c for c in r.table if c.plan.dp == 2 * B]
+    assert wide and all(c.plan.cp == 2 for c in wide)
+    assert all(c.plan.cp == 1 for c in r.table if c.plan.dp <= B)
+    r = planner.search(stats, 4, hw, batch_rows=B, executable=False,
+                       constraints={"cp": 2, "tp": 1, "pp": 1})
+    assert {(c.plan.dp, c.plan.cp) for c in r.table} == {(4, 2)}
+    fixed = {"cp": 2, "tp": 1, "pp": 1, "zero": 0}
+    one = planner.search(stats, 4, hw, batch_rows=B, executable=False, constraints=fixed)
+    plain = planner.search(stats, 4, hw, batch_rows=B, executable=False,
+                           constraints={"tp": 1, "pp": 1, "zero": 0, "dp": 4})
+    assert one.best.step_s > plain.best.step_s  # the gathers, at as many tokens per rank
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 4))
+    flat = planner_stats(mlp, (torch.randn(8, 16), torch.randn(8, 4)),
+                         loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert flat.seq is None and "no batch leaf is one" in flat.cp_refusal
+    with pytest.raises(PlanError, match="Plan.cp=2: PlanError: .*no batch leaf"):
+        planner.search(flat, 4, hw, batch_rows=8, executable=False, constraints=fixed)

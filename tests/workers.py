@@ -44,7 +44,17 @@ def sized_zoo():
             **{name: (lambda name=name: _zoo_model(name), _lm(), None)
                for name in ("mixtral", "qwen2_moe", "deepseek_v3")},
             # with the router's load-balancing loss in the loss (outside the experts)
-            "mixtral_aux": (_mixtral_aux, _lm(), None)}
+            "mixtral_aux": (_mixtral_aux, _lm(), None),
+            # right-padded rows: an attention mask and ignored labels on the padding
+            "hf_llama_padded": (M.hf_llama, _padded_lm, None)}
+
+
+def _padded_lm(step, vocab=128, seq=16):
+    b = M.hf_lm_batch(vocab, GLOBAL_BATCH, seq, seed=step)
+    mask = torch.ones_like(b["input_ids"])
+    for row in range(0, GLOBAL_BATCH, 2):  # every other row padded, by 3 to 9 tokens
+        mask[row, seq - 3 - (row + step) % 7:] = 0
+    return {**b, "attention_mask": mask, "labels": b["labels"].masked_fill(mask == 0, -100)}
 
 
 def _mixtral_aux():
