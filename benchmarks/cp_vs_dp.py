@@ -1,7 +1,7 @@
 """fxpar context parallelism vs the same model's dp and tp plans and PyTorch's context_parallel.
 
     .venv/bin/python benchmarks/cp_vs_dp.py [--steps 10] [--warmup 2] [--layers 2]
-        [--hidden 256] [--seq 1024] [--rows 2] [--nprocs 2] [--codegen eager]
+        [--hidden 256] [--seq 1024] [--rows 2] [--nprocs 2] [--codegen eager] [--remat none]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Llama (SDPA causal attention,
 RoPE, grouped-query attention; sizes from the flags) with AdamW (lr 1e-3) from the same
@@ -42,11 +42,12 @@ from fxpar.runtime.memtrack import StepMemory
 VOCAB = 512
 
 
-def _plans(world, rows, cg):
-    plans = {"cp": {"dp": world, "cp": world, "codegen": cg},
-             "tp": {"tp": world, "sequence_parallel": True, "codegen": cg}}
+def _plans(world, rows, cg, remat):
+    extra = {"codegen": cg, "remat": remat}
+    plans = {"cp": {"dp": world, "cp": world, **extra},
+             "tp": {"tp": world, "sequence_parallel": True, **extra}}
     if rows % world == 0:
-        plans = {"dp": {"dp": world, "codegen": cg}, **plans}
+        plans = {"dp": {"dp": world, **extra}, **plans}
     return plans
 
 
@@ -130,7 +131,7 @@ def bench(args):
         dist.init_process_group("gloo", timeout=rdist.timeout())
     data = _batches(args)
     sides = [(k, *_prepare(p, args, data, world))
-             for k, p in _plans(world, args.rows, args.codegen).items()]
+             for k, p in _plans(world, args.rows, args.codegen, args.remat).items()]
     step, res = _torch_context_parallel(args, data, world)
     if step is not None:
         sides.append(("torch cp", step, res))
@@ -163,15 +164,17 @@ def main():
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
+    ap.add_argument("--remat", default="none", help='Plan.remat of every fxpar plan ("sqrt": '
+                    "cp gathers each attention's keys and values again in the backward)")
     args = ap.parse_args()
-    if args.seq % args.nprocs:
-        ap.error("--seq must be a multiple of --nprocs")
+    if args.seq % (2 * args.nprocs):
+        ap.error("--seq must be a multiple of 2 x --nprocs")
     res = fxpar.launch(bench, args.nprocs, args)
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
     print(f"HF Llama {args.layers} layers x {args.hidden} ({n / 1e6:.2f} M params), "
           f"{args.rows} rows x {args.seq} tokens, {args.nprocs} gloo CPU ranks, AdamW, "
-          f"codegen={args.codegen}, {args.steps} timed steps")
+          f"codegen={args.codegen}, remat={args.remat}, {args.steps} timed steps")
     print(f"{'plan':9s} {'median step':>12s} {'peak MiB':>9s} {'last loss':>10s}")
     kinds = [k for k in res[0] if isinstance(res[0][k], dict)]
     for kind in kinds:

@@ -1182,8 +1182,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
             states[key] = mem, saved
         mem, rec = with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
-        if cp > 1:  # the gathered keys and values the backward reads: whole for the rank's
-            # rows, where its share of the tokens was priced
+        if cp > 1 and remat == "none":  # the gathered keys and values the backward reads:
+            # whole for the rank's rows, where its share of the tokens was priced (with remat
+            # on, the backward gathers them again instead)
             mem.activations += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r]) * mbs / stats.rows
         return mem, rec
     mems = [rank_memory(r, remat) for r in range(pp)]
@@ -1259,6 +1260,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             kv = sum(s.kv_bytes for s in segs) * g
             cpc_f = hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
             cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
+            if remat != "none":  # (gathered again for the backward)
+                cpc_b += hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
             if hw.name != "cpu":  # CUDA's attention kernels keep the sequence whole
                 # (passes/context_parallel.py): each rank runs its rows' whole attention, cp x
                 # its share, with the queries gathered and the output's gradient too

@@ -346,15 +346,16 @@ _STRIDED_OPS = {*_VIEW_OPS, *_STRIDED_DTENSOR, aten.clone.default}
 # A sequence split (Plan.cp) flattened behind the batch ([B, S/cp, H] -> [B*S/cp, H]) is a
 # strided shard on the rows of every linear, its gradient and the loss; DTensor's rules for
 # these keep a strided row split right (rows in, rows out; both operands' rows contracted:
-# a partial sum), so a sequence split carries it through them as well
+# a partial sum), so a sequence split carries it through them as well (not views other
+# than _VIEW_OPS: DTensor's view rules mislabel some strided results)
 _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.sum.dim_IntList, aten._to_copy.default, aten._log_softmax.default,
                      aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
                      aten.nll_loss_backward.default, aten.gelu.default,
                      aten.gelu_backward.default, aten.silu.default, aten.sigmoid.default,
                      aten.tanh.default, aten.pow.Tensor_Scalar, aten.where.self,
-                     aten.ne.Scalar, aten.eq.Scalar, aten.unsqueeze.default,
-                     aten.squeeze.dim, aten.gather.default, aten.scatter.value}
+                     aten.ne.Scalar, aten.eq.Scalar, aten.gather.default,
+                     aten.scatter.value}
 
 _BATCH_HEAD_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
                    *_ATTENTION_BACKWARD}
@@ -425,6 +426,9 @@ def _sequence_rule(sh, node):
             else whole
     if bwd:
         want.update({a[k]: split for k in ("grad_out", "out", "logsumexp")})
+        if sh.regather:  # gathered again here: the forward's whole copy is not held
+            for k in (a["key"], a["value"]):
+                sh.made.pop((k, whole), None)
     sh.place(node, want)
     causal, group = a.get("is_causal", False), sh.group_names[0]
     if causal:
@@ -477,7 +481,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
                 group_names: Sequence[str], reduce_shared_partials: bool = False,
                 prefer: dict[torch.fx.Node, tuple] | None = None,
                 gather_first: dict | None = None, split_random_ops: bool = False,
-                split_sequence: bool = False) -> dict[torch.fx.Node, Any]:
+                split_sequence: bool = False, regather: bool = False
+                ) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -497,11 +502,13 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     matmul). split_random_ops: a dropout on a split value draws the whole mask and keeps
     its slice (core/split_random.py), as tensor parallelism needs. split_sequence: the
     batch's sequence dim is split (context parallelism): attention reads the whole keys
-    and values (_sequence_rule), and row-wise ops carry the split flattened behind the batch.
+    and values (_sequence_rule), and row-wise ops carry the split flattened behind the batch;
+    regather: the backward's attention gathers them again instead of reading the forward's
+    whole copy (held from forward to backward otherwise).
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
     sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
-    sh.split_random, sh.split_sequence = split_random_ops, split_sequence
+    sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
     for node in list(gm.graph.nodes):
         if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
             continue
@@ -643,7 +650,7 @@ class _Sharder:
         self.requests: list[tuple] = []
         self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
         self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
-        self.split_sequence = False  # context parallelism: see shard_graph
+        self.split_sequence = self.regather = False  # context parallelism: see shard_graph
         self.prefer: dict = {}
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.mesh_sizes = list(mesh.mesh.shape)

@@ -1,16 +1,19 @@
 """Context parallelism as a graph transformation, exact (Plan.cp).
 
 Groups of cp neighbouring dp ranks (the "cp" group) share the same rows of the batch and
-split its sequence: rank r keeps tokens [r S/cp, (r+1) S/cp) of every sequence leaf (the
-runtime hands each rank of the group the same rows; fxpar::local_chunk cuts them in the
-graph, cheap for token ids). The sharding engine propagates that split through the joint
-graph with DTensor's rules: every op that treats positions alike (embeddings, norms,
-linears, the MLP, the loss's log-softmax) runs on the rank's chunk, and a value computed
-whole (RoPE's cos/sin, learned positions, a causal mask) is cut to the chunk where it meets
-the split one. Attention reads every key: q keeps its chunk, k and v are all-gathered over
+split its sequence: cut into 2 cp chunks, rank r keeps chunks r and 2cp-1-r of every
+sequence leaf (a front and a back one, so that causal attention costs every rank alike:
+core/context_attention.py; the runtime hands each rank of the group the same rows, and
+fxpar::zigzag_chunk cuts them in the graph, cheap for token ids). The sharding engine
+propagates that split through the joint graph with DTensor's rules: every op that treats
+positions alike (embeddings, norms, linears, the MLP, the loss's log-softmax) runs on the
+rank's chunks, and a value computed whole (RoPE's cos/sin, learned positions, a causal
+mask) is cut to them where it meets the split one. Attention reads every key: q keeps its chunk, k and v are all-gathered over
 the cp group, a causal kernel is rewritten to fxpar::causal_chunk_attention (the chunk's
 offset in its mask; keys past the chunk skipped), and in the backward the keys' and
-values' gradients are reduce-scattered back to their chunks. Ops that need the whole
+values' gradients are reduce-scattered back to their chunks. The backward reads the whole
+keys and values again: with remat on (memory is short) it gathers them again, else it
+holds the forward's copies. Ops that need the whole
 sequence (shifting the labels, a slice) get it gathered, by DTensor's rules.
 
 Outputs: the mean loss is reduced exactly over the group (core/mean_loss.py); every
@@ -18,10 +21,9 @@ gradient is left a partial sum over the group (a weight's gradient sums over eve
 position), for the data-parallel pass to sum over the whole dp group (its batch rows over
 "cdp" x the sequence over "cp") in the same buckets; buffers are made whole.
 
-Not (yet) done: causal load balancing (rank r holding chunks r and 2cp-1-r: with a
-contiguous split the last rank's causal attention reads the most keys), ring attention
-(k/v passed around the group, overlapped with compute, instead of gathered), and CUDA's
-attention kernels, whose DTensor rules keep the sequence whole there (exact, not split).
+Not (yet) done: ring attention (k/v passed around the group, overlapped with compute,
+instead of gathered), and CUDA's attention kernels, whose DTensor rules keep the sequence
+whole there (exact, not split).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ fxpar_ops = torch.ops.fxpar
 class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     cp: int = 1
+    remat: object = "none"
 
 
 CONTRACT = ir.PassContract(
@@ -69,7 +72,10 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     leaves = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
     dims = sequence_dims(leaves, cp)
     placements = {n.name: (Shard(d),) for n, d in zip(leaves, dims) if d is not None}
-    shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True)
+    # where memory is short (remat on), the backward gathers each attention's keys and
+    # values again rather than holding the forward's whole copies
+    regather = options.remat not in ("none", None)
+    shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True, regather=regather)
     _reduce_outputs(gm, group, cp)
     exact_mean_loss(gm.graph, group, cp)
     _chunk_leaves(gm.graph, leaves, dims, cp, group)

@@ -70,6 +70,16 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     for n in g.nodes:  # every linear runs on the rank's tokens
         if n.target is aten.mm.default and n.meta[ir.REGION] == ir.FORWARD:
             assert n.meta[ir.VAL].shape[0] == B * S // 2, n.meta[ir.MODULE]
+    # with remat on (memory short), the backward gathers k and v again rather than holding
+    # the forward's whole copies: 2 gathers more per layer (a budget that recomputes no
+    # attention)
+    lean = fxpar.compile(model, 2, example_batch=batch,
+                         plan={"dp": 2, "cp": 2, "fuse": False, "remat": 10 ** 12})
+    again = [n for n in lean.graph.graph.nodes if n.target is c10d.all_gather_into_tensor.default
+             and _group_of(n) == ir.GROUPS["cp"] and ".self_attn" in n.meta[ir.MODULE]]
+    assert len([n for n in lean.graph.graph.nodes
+                if n.target is fxpar_ops.causal_chunk_attention.default]) == 2
+    assert len(again) == 8
     four = fxpar.compile(model, 4, example_batch=batch, plan={"dp": 4, "cp": 2, "fuse": False})
     assert four.rows == 2 and four.batch_shard_dims == [0, 0]
     assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
