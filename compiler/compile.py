@@ -112,7 +112,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     per phase of the build (capture, each pass, the stage split, evaluate's stand-ins)."""
     m = plan.microbatches if joint else 1
     t0 = time.perf_counter()
-    example = ir.microbatches(example_batch, m, plan.dp)[0] if m > 1 else example_batch
+    example = ir.microbatches(example_batch, m, plan.dp // plan.cp)[0] if m > 1 else \
+        example_batch  # (the batch's rows split dp/cp ways: cp ranks share theirs)
     if stand_ins is None:  # meta weights, or weights on another device type than `device`
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         stand_ins = cap.fake_weights(model, device, mode=mode)

@@ -742,17 +742,17 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     for dp, tp, pp, cp in [(*f, c) for f in legal
                            for c in _context_degrees(stats, *f, batch_rows, constraints)]:
         st = by_tp.get(tp, stats)  # (tp = 1: the statistics as traced)
-        rows_dp = batch_rows // dp
+        rows_dp = batch_rows // (dp // cp)  # (a cp group's ranks share their rows)
         mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
         if "microbatches" in constraints:
             m = constraints["microbatches"]
             if rows_dp % m:
                 continue
             mbs_opts = [rows_dp // m]
-        if cp > 1:  # (one microbatch: a rank's tokens, in rows of the whole sequence)
-            mbs_opts = [batch_rows / dp]
-        for mbs in mbs_opts:
-            m = 1 if cp > 1 else rows_dp // mbs
+        for mbs_rows in mbs_opts:
+            m = rows_dp // mbs_rows
+            mbs = mbs_rows if cp == 1 else mbs_rows / cp  # (cp: a rank's tokens, in rows of
+            # the whole sequence)
             if m > 1 and not microbatches_allowed(stats, constraints):
                 continue
             scheds = [constraints["schedule"]] if "schedule" in constraints else (

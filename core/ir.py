@@ -24,6 +24,7 @@ MODULE = "module"        # source module path, e.g. "transformer.h.3.mlp.c_fc"
 RECOMPUTE = "recompute"  # set by remat
 STAGE = "stage"          # set by pipeline_split
 SHARD = "shard"          # placements of the value, tuple of Placement (one per mesh dim)
+LOSS_REDUCTION = "loss_reduction"  # core/mean_loss: the node sums a mean loss over ranks
 FUSED_GROUP = "fused_group"
 PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage), "R"
 #                         (run once a step, after the last microbatch: a shared weight's

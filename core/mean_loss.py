@@ -2,7 +2,9 @@
 
 Shared by the passes that split the batch (data_parallel: its rows; context_parallel: its
 sequence): DTensor's rule leaves each rank's mean cross-entropy Partial(avg), which is the
-global mean only when every rank counts as many targets.
+global mean only when every rank counts as many targets. With microbatches the count of a
+microbatch's targets is a program of its own (`target_count_program`), cut from the graph
+before either pass shards it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import operator
 import torch
 
 from fxpar.core import ir
+from fxpar.core.errors import PlanError
 from fxpar.core.sharding import Partial, Replicate
 
 aten = torch.ops.aten
@@ -63,6 +66,7 @@ def exact_mean_loss(graph, group, n):
             node = graph.call_function(target, args)
             node.meta[ir.REGION] = ir.COMM if comm else region
             node.meta[ir.MODULE], node.meta[ir.SHARD] = module, shard
+            node.meta[ir.LOSS_REDUCTION] = True
             return node
         with graph.inserting_before(nll.next):  # in the forward, right after the loss
             mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
@@ -85,3 +89,69 @@ def exact_mean_loss(graph, group, n):
                   *[u for u in nll.users if u not in (mean, count)]):
             if n is not None and not n.users:  # (the loss's view still seeds the backward)
                 graph.erase_node(n)
+
+
+# --- the mean loss's target count, for microbatches (passes/data_parallel.py) -------------
+
+def mean_nll_loss(graph) -> torch.fx.Node | None:
+    """The forward's one mean, unweighted nll_loss_forward whose targets come from the batch
+    alone (None when there is none). A mean nll loss that cannot be counted so is refused."""
+    nlls = [n for n in graph.nodes if n.target is aten.nll_loss_forward.default
+            and n.meta.get(ir.REGION) == ir.FORWARD
+            and (n.args[3] if len(n.args) > 3 else 1) == 1]
+    if not nlls:
+        return None
+    nll = nlls[0]
+    problem = None
+    if len(nlls) > 1:
+        problem = f"it has {len(nlls)} mean cross-entropy losses"
+    elif nll.args[2] is not None:
+        problem = "its cross-entropy has class weights"
+    elif batch_only(nll.args[1]) is None:
+        problem = "its cross-entropy's targets depend on the model's parameters"
+    if problem is not None:
+        raise PlanError(
+            f"microbatches > 1: this model's loss is a mean over the targets it counts "
+            f"(cross-entropy, node {nll.name}, module '{nll.meta.get(ir.MODULE, '')}'), and "
+            f"{problem}, so fxpar cannot weight the microbatches by their target counts (the "
+            "mean of per-microbatch means differs from the batch mean when the counts differ, "
+            "e.g. with padding or ignore_index). Use microbatches=1, or a loss_fn that "
+            "returns one mean cross-entropy over targets taken from the batch.")
+    return nll
+
+
+def batch_only(node) -> list | None:
+    """The nodes computing `node` from batch inputs only, in graph order (None if any
+    parameter or buffer is involved)."""
+    seen, todo = {}, [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n.op == "placeholder" and n.meta.get(ir.ROLE) != "batch":
+            return None
+        if n.op not in ("placeholder", "call_function", "get_attr"):
+            return None
+        seen[n] = True
+        todo.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def target_count_program(gm, nll) -> torch.fx.GraphModule:
+    """(batch leaves of one microbatch) -> the number of its targets nll counts, as the loss's
+    dtype: the graph's own computation of the target (shifts, padding), then != ignore_index."""
+    g = torch.fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:  # the user's batch leaves, in order (not fp16's loss scale)
+        if n.op == "placeholder" and n.meta.get(ir.FQN, "").startswith("batch["):
+            env[n] = g.placeholder(n.name)
+    for n in batch_only(nll.args[1]):
+        if n not in env:
+            env[n] = g.node_copy(n, env.__getitem__)
+    ignore = nll.args[4] if len(nll.args) > 4 else -100
+    counted = g.call_function(aten.ne.Scalar, (env[nll.args[1]], ignore))
+    g.output(g.call_function(aten.sum.default, (counted,)))  # int64: exact at any size
+    counter = torch.fx.GraphModule(gm, g)
+    counter.meta[ir.COUNTER_DTYPE] = nll.meta[ir.VAL][1].dtype  # the share's (total_weight's) dtype
+    return counter

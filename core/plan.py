@@ -53,8 +53,9 @@ class Plan:
                     take the same rows of the batch and split their sequence, each rank
                     holding 1/cp of every activation but attention's keys and values, which
                     are all-gathered over the group (passes/context_parallel.py). 1
-                    (default): off. Divides dp and the sequence length; composes with dp, tp
-                    and ZeRO, not yet with pp, microbatches, ep, ps or HSDP.
+                    (default): off. Divides dp; the sequence splits into 2 x cp chunks (each
+                    rank a front and a back one); composes with dp, tp, pp, microbatches and
+                    ZeRO, not yet with ep, ps or HSDP.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -397,16 +398,14 @@ def cp_misfit(plan: "Plan") -> str | None:
     if plan.dp % cp:
         return (f"Plan.cp={cp} splits the sequence over groups of cp data-parallel ranks: it "
                 f"must divide dp={plan.dp}. Use a cp that divides dp, or a larger dp.")
-    others = [f"{k}={v}" for k, v, off in (
-        ("pp", plan.pp, 1), ("microbatches", plan.microbatches, 1), ("ep", plan.ep, 1),
-        ("ps", plan.ps, 0)) if v != off]
+    others = [f"{k}={v}" for k, v, off in (("ep", plan.ep, 1), ("ps", plan.ps, 0)) if v != off]
     if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
         others.append("dp_shard / hpz")
     if plan.grad_compression != "none":
         others.append(f"grad_compression={plan.grad_compression!r}")
     if others:
-        return (f"Plan.cp={cp} runs with dp, tp and ZeRO, but not yet with pipelines, "
-                f"microbatches, ep, ps, HSDP, hpZ or gradient compression; this plan also has "
+        return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches and ZeRO, but not yet with "
+                f"ep, ps, HSDP, hpZ or gradient compression; this plan also has "
                 f"{', '.join(others)}. Drop those fields, or use cp=1.")
     return None
 

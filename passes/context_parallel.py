@@ -36,7 +36,7 @@ import torch.fx
 from fxpar.core import ir
 from fxpar.core.errors import BatchError, PlanError
 from fxpar.core.graphs import fake_propagate
-from fxpar.core.mean_loss import exact_mean_loss
+from fxpar.core.mean_loss import exact_mean_loss, mean_nll_loss, target_count_program
 from fxpar.core.sharding import (Partial, Replicate, Shard, make_mesh, redistribute,
                                  shard_graph)
 
@@ -51,6 +51,7 @@ class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     cp: int = 1
     remat: object = "none"
+    microbatches: int = 1
 
 
 CONTRACT = ir.PassContract(
@@ -58,7 +59,7 @@ CONTRACT = ir.PassContract(
     requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN, ir.N_GRADS}),
     # tensor parallelism's placements are another mesh axis's, carried through
     reads=frozenset({ir.SHARD}),
-    provides=frozenset({ir.SEQUENCE_SPLIT, ir.CP_REPORT}),
+    provides=frozenset({ir.SEQUENCE_SPLIT, ir.CP_REPORT, ir.LOSS_COUNT}),
     # the data-parallel pass shards the result over the batch's rows and sums the
     # gradients this pass leaves partial
     before=frozenset({"data_parallel", "overlap", "fusion"}),
@@ -69,6 +70,11 @@ CONTRACT = ir.PassContract(
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     cp, group = options.cp, ctx.group_names["cp"]
+    joint = any(n.meta.get(ir.REGION) == ir.BACKWARD for n in gm.graph.nodes)
+    if options.microbatches > 1 and joint:  # (the data-parallel pass weights microbatches by
+        # their target counts: counted on the graph before the sequence is split)
+        nll = mean_nll_loss(gm.graph)
+        gm.meta[ir.LOSS_COUNT] = target_count_program(gm, nll) if nll is not None else None
     leaves = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch"]
     dims = sequence_dims(leaves, cp)
     placements = {n.name: (Shard(d),) for n, d in zip(leaves, dims) if d is not None}

@@ -40,7 +40,7 @@ from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
 from fxpar.core.errors import BatchError, PlanError, ShardingError
 from fxpar.core.graphs import ancestors, copy_graph, fake_propagate, packing
-from fxpar.core.mean_loss import exact_mean_loss
+from fxpar.core.mean_loss import exact_mean_loss, mean_nll_loss, target_count_program
 from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
@@ -68,7 +68,7 @@ CONTRACT = ir.PassContract(
     requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN, ir.N_GRADS}),
     # a pipeline's stages and parts, tensor parallelism's placements: where present, the
     # reductions follow them
-    reads=frozenset({ir.STAGE, ir.PHASE, ir.SHARD}),
+    reads=frozenset({ir.STAGE, ir.PHASE, ir.SHARD, ir.LOSS_COUNT}),
     provides=frozenset({ir.BUCKET, ir.PACK, ir.BATCH_SHARD_DIMS, ir.ZERO_BUCKETS,
                         ir.PARAMS_SHARDED, ir.LOSS_COUNT, ir.COUNTER_DTYPE}))
 
@@ -79,9 +79,11 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                 if n.op == "call_function")
     if options.microbatches > 1 and joint and options.batch_stats == "whole":
         _refuse_row_coupling(gm)  # ("microbatch": each microbatch is its own batch, as asked)
-    nll = _mean_nll_loss(gm.graph) if options.microbatches > 1 and joint else None
-    # the per-microbatch count of targets, taken from the unsharded graph (see below)
-    loss_count = _target_count_program(gm, nll) if nll is not None else None
+    nll = mean_nll_loss(gm.graph) if options.microbatches > 1 and joint else None
+    # the per-microbatch count of targets, taken from the unsharded graph (see below; context
+    # parallelism, which shards the graph before this pass, took it before it did)
+    loss_count = gm.meta.get(ir.LOSS_COUNT) or (
+        target_count_program(gm, nll) if nll is not None else None)
     gm = _split_batch(gm, options, ctx)
     gm.meta[ir.LOSS_COUNT] = loss_count
     if loss_count is not None:
@@ -296,7 +298,7 @@ def microbatch_refusal(gm: torch.fx.GraphModule) -> str | None:
     """Why this joint graph cannot take microbatches > 1 exactly (None: it can). For the
     planner, which must not propose such a plan."""
     try:
-        nll = _mean_nll_loss(gm.graph)
+        nll = mean_nll_loss(gm.graph)
         out = next(n for n in gm.graph.nodes if n.op == "output")
         if nll is not None and not _only_through(out.args[0][0], nll):
             raise PlanError("the loss adds other terms to a mean cross-entropy")
@@ -338,7 +340,8 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
         return
     trained = _feeding_training(gm)
     for node, _value, have, need in requests:
-        if node.target in _LOSS_OPS or node not in trained or _only_group_sizes(node):
+        if node.target in _LOSS_OPS or node not in trained or _only_group_sizes(node) or \
+                node.meta.get(ir.LOSS_REDUCTION):  # (context parallelism's exact mean)
             continue
         reduced = any(isinstance(p, Partial) for p in have) and \
             not any(isinstance(p, Partial) for p in need)
@@ -385,70 +388,6 @@ def _feeding_training(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
                      isinstance(a, torch.fx.Node) and a.op == "placeholder"
                      and a.meta.get(ir.ROLE) == "buffer" for a in v.args))]
     return ancestors(roots)
-
-
-def _mean_nll_loss(graph) -> torch.fx.Node | None:
-    """The forward's one mean, unweighted nll_loss_forward whose targets come from the batch
-    alone (None when there is none). A mean nll loss that cannot be counted so is refused."""
-    nlls = [n for n in graph.nodes if n.target is aten.nll_loss_forward.default
-            and n.meta.get(ir.REGION) == ir.FORWARD
-            and (n.args[3] if len(n.args) > 3 else 1) == 1]
-    if not nlls:
-        return None
-    nll = nlls[0]
-    problem = None
-    if len(nlls) > 1:
-        problem = f"it has {len(nlls)} mean cross-entropy losses"
-    elif nll.args[2] is not None:
-        problem = "its cross-entropy has class weights"
-    elif _batch_only(nll.args[1]) is None:
-        problem = "its cross-entropy's targets depend on the model's parameters"
-    if problem is not None:
-        raise PlanError(
-            f"microbatches > 1: this model's loss is a mean over the targets it counts "
-            f"(cross-entropy, node {nll.name}, module '{nll.meta.get(ir.MODULE, '')}'), and "
-            f"{problem}, so fxpar cannot weight the microbatches by their target counts (the "
-            "mean of per-microbatch means differs from the batch mean when the counts differ, "
-            "e.g. with padding or ignore_index). Use microbatches=1, or a loss_fn that "
-            "returns one mean cross-entropy over targets taken from the batch.")
-    return nll
-
-
-def _batch_only(node) -> list | None:
-    """The nodes computing `node` from batch inputs only, in graph order (None if any
-    parameter or buffer is involved)."""
-    seen, todo = {}, [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        if n.op == "placeholder" and n.meta.get(ir.ROLE) != "batch":
-            return None
-        if n.op not in ("placeholder", "call_function", "get_attr"):
-            return None
-        seen[n] = True
-        todo.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
-
-
-def _target_count_program(gm, nll) -> torch.fx.GraphModule:
-    """(batch leaves of one microbatch) -> the number of its targets nll counts, as the loss's
-    dtype: the graph's own computation of the target (shifts, padding), then != ignore_index."""
-    g = torch.fx.Graph()
-    env = {}
-    for n in gm.graph.nodes:  # the user's batch leaves, in order (not fp16's loss scale)
-        if n.op == "placeholder" and n.meta.get(ir.FQN, "").startswith("batch["):
-            env[n] = g.placeholder(n.name)
-    for n in _batch_only(nll.args[1]):
-        if n not in env:
-            env[n] = g.node_copy(n, env.__getitem__)
-    ignore = nll.args[4] if len(nll.args) > 4 else -100
-    counted = g.call_function(aten.ne.Scalar, (env[nll.args[1]], ignore))
-    g.output(g.call_function(aten.sum.default, (counted,)))  # int64: exact at any size
-    counter = torch.fx.GraphModule(gm, g)
-    counter.meta[ir.COUNTER_DTYPE] = nll.meta[ir.VAL][1].dtype  # the share's (total_weight's) dtype
-    return counter
 
 
 def _mean_over_microbatches(gm, nll, dp: int) -> None:

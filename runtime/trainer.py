@@ -485,7 +485,7 @@ class ParallelModel:
         # collective, or after the run where this rank had none)
         batch = to_device(batch, self.world.device)
         local = self.batch == "local"
-        trees = ir.microbatches(batch, program.microbatches, 1 if local else program.dp) \
+        trees = ir.microbatches(batch, program.microbatches, 1 if local else program.rows) \
             if program.microbatches > 1 else [batch]
         mbs = [self._leaves(t, program) for t in trees]
         if program.loss_scale:
@@ -497,13 +497,16 @@ class ParallelModel:
                     total = sum(program.loss_count(*ir.flatten_batch(t, program.signature))
                                 for t in trees)  # int64
                 else:  # the counter was traced at the global shape and counts row by row:
-                    # this share tiled dp times counts dp times its targets
+                    # this share tiled `rows` times counts `rows` times its targets
+                    rows = program.rows
                     total = sum(program.loss_count(*_tiled(ir.flatten_batch(
-                        t, program.signature, (program.batch_shard_dims, program.dp)),
-                        program.batch_shard_dims, program.dp)) for t in trees) // program.dp
-                    if program.dp > 1:  # the other dp ranks' targets count too
+                        t, program.signature, (program.batch_shard_dims, rows)),
+                        program.batch_shard_dims, rows)) for t in trees) // rows
+                    if rows > 1:  # the other row groups' targets count too (a cp group's
+                        # ranks hold the same rows)
                         calls.settle()
-                        dist.all_reduce(total, group=self.world.mesh.get_group("dp"))
+                        dist.all_reduce(total, group=self.world.mesh.get_group(
+                            "cdp" if program.cp > 1 else "dp"))
                 share = (total / program.microbatches).to(program.loss_count.meta[ir.COUNTER_DTYPE])
             for leaves in mbs:
                 leaves.append(share)
@@ -595,7 +598,7 @@ class ParallelModel:
                                   zip(phs, self._leaves(batch, program), paths)}
             return
         trees = ir.microbatches(batch, program.microbatches, 1 if self.batch == "local" else
-                                program.dp) if program.microbatches > 1 else [batch]
+                                program.rows) if program.microbatches > 1 else [batch]
         for tree in trees:
             leaves = self._leaves(tree, program)
             for part in self.pipeline_runner.parts.values():

@@ -164,7 +164,7 @@ def _loss_and_grads(pm, batch, loss_of) -> torch.Tensor:
         loss = loss_of(pm.model, batch)
         loss.backward()
         return loss
-    trees = ir.microbatches(batch, m, program.dp)
+    trees = ir.microbatches(batch, m, program.rows)
     if program.loss_count is not None:
         with torch.no_grad():
             counts = [program.loss_count(*ir.flatten_batch(t, program.signature)).double()

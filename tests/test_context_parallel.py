@@ -126,12 +126,12 @@ def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
 
 
 def test_plans_and_batches_context_parallelism_refuses_by_name():
-    """cp must divide dp and the sequence; not with pipelines, microbatches or ep yet; a model
-    fed no sequence (an MLP's [batch, features]) has nothing to split."""
+    """cp must divide dp and the sequence (into 2 x cp chunks); not with ep or HSDP yet; a
+    model fed no sequence (an MLP's [batch, features]) has nothing to split."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "cp": 2}, 3)
-    with pytest.raises(PlanError, match="pp=2"):
-        resolve({"dp": 2, "cp": 2, "pp": 2, "microbatches": 2}, 4)
+    with pytest.raises(PlanError, match="dp_shard"):
+        resolve({"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2}, 4)
     with pytest.raises(PlanError, match="ep=2"):
         resolve({"dp": 4, "cp": 2, "ep": 2}, 4)
     with pytest.raises(PlanError, match="positive integer"):
@@ -155,17 +155,21 @@ def test_llama_cp2_trains_like_eager():
 
 @pytest.mark.slow
 def test_context_parallelism_composes_on_four_ranks():
-    """cp=2 inside dp=4 (two row groups), with tp=2, and cp=4 with ZeRO-2; GPT-2 (learned
-    positions) with ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention
-    mask, ignored labels); Inductor's code for the chunk kernels: every one equal to
-    eager."""
-    _check_plans(4, [("hf_llama", "adamw", p) for p in (
-        {"dp": 4, "cp": 2, "codegen": "eager"}, {"dp": 2, "cp": 2, "tp": 2, "codegen": "eager"},
-        {"dp": 4, "cp": 4, "zero": 2, "codegen": "eager"})])
+    """cp=2 inside dp=4 (two row groups), with tp=2, with a pipeline of 2 stages (1F1B and
+    zero-bubble), with microbatches, and cp=4 with ZeRO-2; GPT-2 (learned positions) with
+    ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored
+    labels, microbatches weighted by their target counts); Inductor's code for the chunk
+    kernels: every one equal to eager."""
+    _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
+        {"dp": 4, "cp": 2}, {"dp": 2, "cp": 2, "tp": 2}, {"dp": 4, "cp": 4, "zero": 2},
+        {"dp": 2, "cp": 2, "pp": 2, "microbatches": 2},
+        {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"},
+        {"dp": 4, "cp": 2, "microbatches": 2})])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
                                            "codegen": "eager"}),
                      ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
-                     ("hf_llama_padded", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
+                     ("hf_llama_padded", "adamw", {"dp": 2, "cp": 2, "microbatches": 2,
+                                                   "codegen": "eager"}),
                      ("hf_llama", "adamw", {"dp": 2, "cp": 2})])
 
 
