@@ -46,9 +46,9 @@ def _hf(config_cls: str, model_cls: str, **kw):
     return getattr(transformers, model_cls)(cfg)
 
 
-def _lm_batch(vocab: int, seq: int) -> dict:
+def _lm_batch(vocab: int, seq: int, rows: int = BATCH) -> dict:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (BATCH, seq), generator=g)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -95,6 +95,12 @@ MODELS = {
                                 num_local_experts=4, num_experts_per_tok=2,
                                 max_position_embeddings=256),
                     lambda: _lm_batch(4096, 64)),
+    # one long sequence (fewer rows than ranks: dp cannot split it; tp, pp or cp can)
+    "llama_long": (lambda: _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=4096,
+                               hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=2,
+                               max_position_embeddings=2048, attn_implementation="sdpa"),
+                   lambda: _lm_batch(4096, 2048, rows=1)),
 }
 
 
