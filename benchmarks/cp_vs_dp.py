@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.runtime import dist as rdist
-from fxpar.runtime.memtrack import StepMemory
+from fxpar.runtime.memtrack import warm_steps_measured
 
 VOCAB = 512
 
@@ -76,19 +76,9 @@ def _prepare(plan, args, data, world):
     pm = fxpar.parallelize(model, world, example_batch=data[0],
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), plan=plan)
     z = pm.sharded_optimizer
-    held = [*(z.shards if z is not None else []), *model.parameters(), *model.buffers()]
-    tracker = StepMemory(held)
-    del held
-    tracker.__enter__()
-    losses = []
-    for s in range(args.warmup + 1):
-        if s < args.warmup:
-            losses.append(pm.step(data[s % len(data)]).item())
-        else:
-            dist.barrier()
-            with tracker.window():
-                losses.append(pm.step(data[s % len(data)]).item())
-    tracker.__exit__(None, None, None)
+    losses, tracker = warm_steps_measured(
+        pm.step, data, args.warmup,
+        [*(z.shards if z is not None else []), *model.parameters(), *model.buffers()])
     return pm.step, {"losses": losses, "times": [], "peak": tracker.peak_live}
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.runtime import dist as rdist
-from fxpar.runtime.memtrack import StepMemory
+from fxpar.runtime.memtrack import warm_steps_measured
 
 PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
          "zero=3": lambda w, cg: {"dp": w, "zero": 3, "codegen": cg},
@@ -86,20 +86,10 @@ def _prepare(kind, args, data, world):
     # (tracking starts from what the rank holds after parallelize: its weights as its
     # program holds them; tracing HF's model under the tracker fails on fake storages)
     z = pm.sharded_optimizer
-    held = [*(z.param_shards if z is not None and z.shard_params else []),
-            *(z.shards if z is not None else []), *model.parameters(), *model.buffers()]
-    tracker = StepMemory(held)
-    del held
-    tracker.__enter__()
-    losses = []
-    for s in range(args.warmup + 1):
-        if s < args.warmup:
-            losses.append(pm.step(data[s % len(data)]).item())
-        else:
-            dist.barrier()
-            with tracker.window():
-                losses.append(pm.step(data[s % len(data)]).item())
-    tracker.__exit__(None, None, None)
+    losses, tracker = warm_steps_measured(
+        pm.step, data, args.warmup,
+        [*(z.param_shards if z is not None and z.shard_params else []),
+         *(z.shards if z is not None else []), *model.parameters(), *model.buffers()])
     return pm, {"losses": losses, "times": [], "held": tracker.held,
                 "peak": tracker.peak_live, "experts": _expert_bytes(pm)}
 

@@ -981,10 +981,10 @@ def _most_working(segs) -> tuple[float, float]:
 
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
-    where a price is least certain (collective latency, the runtime's per-microbatch costs)
-    - then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, 1F1B, no remat. Plain dp wins every
-    tie it is in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it
-    measured 1.5x.)"""
+    where a price is least certain (collective latency, the runtime's per-microbatch costs) -
+    then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, 1F1B, no remat. Plain dp wins every tie
+    it is in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie;
+    it measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
     return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep, p.cp,
             p.pp > 1 and p.schedule != "1f1b", p.remat != "none", p.offload_optimizer)

@@ -181,9 +181,9 @@ class Program:
     `graph` takes (params, buffers, local batch leaves) and returns
     (loss, grads, updated buffers) with every collective as an explicit node.
     `batch_shard_dims[i]` is the dim along which batch leaf i is split over the dp group
-    (None = replicated), `rows` ways (dp, or dp/cp: context parallelism's cp ranks take the
-    same rows and split their sequences in the graph); the fields below say how parameters, gradients and the batch are
-    sharded (ZeRO, tp) and how the step is cut (pipeline).
+    (None = replicated), `rows` ways (dp, or dp/cp: context parallelism's cp ranks take the same
+    rows and split their sequences in the graph); the fields below say how parameters, gradients
+    and the batch are sharded (ZeRO, tp) and how the step is cut (pipeline).
     """
     graph: torch.fx.GraphModule
     signature: GraphSignature

@@ -37,10 +37,11 @@ def _all_reduce_fed_by(v, group):
 def exact_mean_loss(graph, group, n):
     """A mean cross-entropy (nll_loss_forward, reduction mean) over a batch split n ways
     (its rows over dp, or its sequence over cp) becomes, by DTensor's rule, a loss that is
-    Partial(avg) -- the average of each rank's mean -- and a count of targets that is Partial(sum), all-reduced for the backward: two scalar
-    all-reduces per microbatch, and a loss that is not the global mean when the ranks count
-    different targets (ignore_index, class weights). One all-reduce of (this rank's sum, its
-    count) gives both exactly: the gradient already used the global count, now the loss does."""
+    Partial(avg) -- the average of each rank's mean -- and a count of targets that is
+    Partial(sum), all-reduced for the backward: two scalar all-reduces per microbatch, and a
+    loss that is not the global mean when the ranks count different targets (ignore_index, class
+    weights). One all-reduce of (this rank's sum, its count) gives both exactly: the gradient
+    already used the global count, now the loss does."""
     for nll in [n for n in graph.nodes if n.target is aten.nll_loss_forward.default]:
         reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
         if reduction != 1 or nll.meta[ir.VAL][0].dtype != nll.meta[ir.VAL][1].dtype:

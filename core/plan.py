@@ -361,53 +361,46 @@ def hpz_misfit(hpz, dp: int, zero: int, pp: int, microbatches: int,
     return None
 
 
-def ep_misfit(plan: "Plan") -> str | None:
-    """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
-    and the planner's candidates share."""
-    ep = plan.ep
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-        return f"Plan.ep must be a positive integer (1: off), got {ep!r}."
-    if ep == 1:
-        return None
-    if plan.dp % ep:
-        return (f"Plan.ep={ep} splits the experts over groups of ep data-parallel ranks: it "
-                f"must divide dp={plan.dp}. Use an ep that divides dp, or a larger dp.")
-    others = [f"{k}={v}" for k, v, off in (
-        ("zero", plan.zero, 0), ("ps", plan.ps, 0)) if v != off]
+def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple) -> tuple[int, str | None]:
+    """(degree, why not or None) of an axis carved out of dp (Plan.ep, Plan.cp): a positive
+    integer dividing dp; `refused` = (field, value, off) it does not run with, and ps, HSDP,
+    hpZ and gradient compression never. The why is then `... this plan also has <fields>`."""
+    n = getattr(plan, axis)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return 1, f"Plan.{axis} must be a positive integer (1: off), got {n!r}."
+    if n == 1:
+        return 1, None
+    if plan.dp % n:
+        return n, (f"Plan.{axis}={n} splits {what} over groups of {axis} data-parallel ranks: "
+                   f"it must divide dp={plan.dp}. Use an {axis} that divides dp, or a larger dp.")
+    others = [f"{k}={v}" for k, v, off in (*refused, ("ps", plan.ps, 0)) if v != off]
     if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
         others.append("dp_shard / hpz")
     if plan.grad_compression != "none":
         others.append(f"grad_compression={plan.grad_compression!r}")
-    if others:
-        return (f"Plan.ep={ep} runs with dp, tp and pp, but not yet with ZeRO (the expert "
-                f"weights differ across an ep group, so ZeRO's shards over the dp group do not "
-                f"hold them), ps, HSDP, hpZ or gradient compression; this plan also has "
-                f"{', '.join(others)}. Drop those fields, or use ep=1 (the experts are then "
-                "ZeRO-sharded or replicated like any weight).")
-    return None
+    return n, (f"this plan also has {', '.join(others)}" if others else None)
+
+
+def ep_misfit(plan: "Plan") -> str | None:
+    """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
+    and the planner's candidates share."""
+    ep, why = _carved_misfit(plan, "ep", "the experts", (("zero", plan.zero, 0),))
+    if why is None or why.startswith("Plan."):
+        return why
+    return (f"Plan.ep={ep} runs with dp, tp and pp, but not yet with ZeRO (the expert weights "
+            f"differ across an ep group, so ZeRO's shards over the dp group do not hold "
+            f"them), ps, HSDP, hpZ or gradient compression; {why}. Drop those fields, or use "
+            "ep=1 (the experts are then ZeRO-sharded or replicated like any weight).")
 
 
 def cp_misfit(plan: "Plan") -> str | None:
     """Why Plan.cp cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    cp = plan.cp
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        return f"Plan.cp must be a positive integer (1: off), got {cp!r}."
-    if cp == 1:
-        return None
-    if plan.dp % cp:
-        return (f"Plan.cp={cp} splits the sequence over groups of cp data-parallel ranks: it "
-                f"must divide dp={plan.dp}. Use a cp that divides dp, or a larger dp.")
-    others = [f"{k}={v}" for k, v, off in (("ep", plan.ep, 1), ("ps", plan.ps, 0)) if v != off]
-    if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
-        others.append("dp_shard / hpz")
-    if plan.grad_compression != "none":
-        others.append(f"grad_compression={plan.grad_compression!r}")
-    if others:
-        return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches and ZeRO, but not yet with "
-                f"ep, ps, HSDP, hpZ or gradient compression; this plan also has "
-                f"{', '.join(others)}. Drop those fields, or use cp=1.")
-    return None
+    cp, why = _carved_misfit(plan, "cp", "the sequence", (("ep", plan.ep, 1),))
+    if why is None or why.startswith("Plan."):
+        return why
+    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches and ZeRO, but not yet with ep, "
+            f"ps, HSDP, hpZ or gradient compression; {why}. Drop those fields, or use cp=1.")
 
 
 def quantization_misfit(comm_quantization: str, zero: int, dp: int) -> str | None:

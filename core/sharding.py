@@ -1048,11 +1048,11 @@ def _view_placement(in_shape, pl, out_shape, n):
 
 def _unsupported_answer(out, op=None, sequence: bool = False) -> bool:
     """Whether DTensor's answer places a value in a way this graph cannot carry: a strided
-    shard from an op outside _STRIDED_OPS (and _SEQUENCE_STRIDED, with `sequence`), or a masked partial (_MaskPartial: DTensor's
-    row-wise embedding, and gather along a split dim, keep the ids' out-of-range mask inside
-    the placement object and localize the ids in the dispatcher; in a graph the ids would
-    reach the op unlocalized and the partial would be summed unmasked - an index error, or a
-    silently wrong value)."""
+    shard from an op outside _STRIDED_OPS (and _SEQUENCE_STRIDED, with `sequence`), or a masked
+    partial (_MaskPartial: DTensor's row-wise embedding, and gather along a split dim, keep the
+    ids' out-of-range mask inside the placement object and localize the ids in the dispatcher;
+    in a graph the ids would reach the op unlocalized and the partial would be summed unmasked -
+    an index error, or a silently wrong value)."""
     specs = list(torch.utils._pytree.tree_leaves(out.output_spec))
     if out.redistribute_schema is not None:
         specs += torch.utils._pytree.tree_leaves(

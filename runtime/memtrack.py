@@ -150,6 +150,29 @@ class StepMemory(MemoryTracker):
         return _Window()
 
 
+def warm_steps_measured(step: Callable, batches: list, warmup: int,
+                        held: list[torch.Tensor]) -> tuple[list[float], StepMemory]:
+    """`warmup` steps, then one more tracked (a barrier before it on every rank): a peer or
+    a plan measured alike by the benchmarks (benchmarks/ep_vs_zero.py, cp_vs_dp.py).
+    `held`: the tensors the rank holds before its steps (weights, shards). Returns the
+    losses and the tracker (`held`, `peak_live`)."""
+    import torch.distributed as dist
+    tracker = StepMemory(held)
+    tracker.__enter__()
+    losses = []
+    try:
+        for s in range(warmup + 1):
+            if s < warmup:
+                losses.append(step(batches[s % len(batches)]).item())
+                continue
+            dist.barrier()
+            with tracker.window():
+                losses.append(step(batches[s % len(batches)]).item())
+    finally:
+        tracker.__exit__(None, None, None)
+    return losses, tracker
+
+
 def measure(fn: Callable, *, exclude: Callable | None = None) -> tuple[object, int]:
     """Run fn(); return (its result, peak bytes it allocated). `exclude(result)` lists tensors
     whose storages are not counted (CPU only; on CUDA the allocator's peak is total)."""

@@ -32,10 +32,10 @@ def _group_of(n):
 
 def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     """dp=2 as cp=2 on HF Llama (2 layers, SDPA causal): both token leaves cut to the rank's
-    half of the sequence in the graph (a front and a back quarter); per layer one causal chunk attention forward and
-    backward (none left whole), k and v all-gathered over the cp group forward and their
-    gradients reduce-scattered backward; the gradients summed over the whole dp group; every
-    activation of a linear holds half the tokens."""
+    half of the sequence in the graph (a front and a back quarter); per layer one causal chunk
+    attention forward and backward (none left whole), k and v all-gathered over the cp group
+    forward and their gradients reduce-scattered backward; the gradients summed over the whole
+    dp group; every activation of a linear holds half the tokens."""
     model, batch = _llama()
     prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
     g = prog.graph.graph
