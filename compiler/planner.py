@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 import time
 import warnings
 from typing import NamedTuple
@@ -55,6 +56,7 @@ from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 GiB = 2 ** 30
 SIMULATE_TOP = 12
@@ -218,11 +220,11 @@ class PlanResult:
             return (f", remat={_remat_str(c.plan.remat)} to fit" if c.plan.remat != "none"
                     else "") + (", the optimizer on the host" if c.plan.offload_optimizer else "")
         if self.best.plan.dp == self.devices and self.best.plan.zero == 0 and \
-                self.best.plan.microbatches == 1:
+                self.best.plan.microbatches == 1 and self.best.plan.cp == 1:
             return f"plain data parallelism (dp={self.devices}{remat(self.best)}) is the choice"
         i, c = next(((i, c) for i, c in enumerate(self.table)
                      if c.plan.dp == self.devices and c.plan.zero == 0
-                     and c.plan.microbatches == 1), (None, None))
+                     and c.plan.microbatches == 1 and c.plan.cp == 1), (None, None))
         if c is None:
             return (f"plain data parallelism (dp={self.devices}) is not in the table: "
                     f"{self.plain_dp_note}")
@@ -801,7 +803,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                             if not c.recompute or "remat" in constraints:
                                 break
                             continue
-                        if (dp, m, zero, offload) == (world, 1, 0, False):
+                        if (dp, m, zero, offload, cp) == (world, 1, 0, False, 1):
                             plain_note = (f"it needs {_bytes(c.memory.total)} per device, "
                                           f"over the {_bytes(budget)} usable")
                         elif smallest is None or c.memory.total < smallest[0]:
@@ -1069,11 +1071,11 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
     elif stats.cp_refusal or not stats.seq:
         cps = []
     else:
-        cps = [c for c in _divisors(dp) if c > 1 and stats.seq % c == 0][:1]
+        cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0][:1]
     probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=constraints.get("microbatches", 1),
                  ep=constraints.get("ep", 1), ps=constraints.get("ps", 0))
     return [c for c in cps if dp % c == 0 and batch_rows % (dp // c) == 0
-            and (c == 1 or stats.seq and stats.seq % c == 0)
+            and (c == 1 or stats.seq and stats.seq % (2 * c) == 0)  # (2 chunks a rank)
             and not cp_misfit(dataclasses.replace(probe, cp=c))]
 
 
@@ -1262,12 +1264,13 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
             if remat != "none":  # (gathered again for the backward)
                 cpc_b += hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
-            if hw.name != "cpu":  # CUDA's attention kernels keep the sequence whole
-                # (passes/context_parallel.py): each rank runs its rows' whole attention, cp x
-                # its share, with the queries gathered and the output's gradient too
+            if hw.name != "cpu" and any(s.sdpa_flops_f for s in segs):  # CUDA's SDPA
+                # kernels keep the sequence whole (passes/context_parallel.py): each rank runs
+                # its rows' whole attention, cp x its share, with the queries gathered and the
+                # output's gradient too (attention written out as matmuls splits anywhere)
                 rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
-                tf += (cp - 1) * sum(s.attn_flops_f for s in segs) * mbs / stats.rows / rate
-                tb += (cp - 1) * sum(s.attn_flops_b for s in segs) * mbs / stats.rows / rate
+                tf += (cp - 1) * sum(s.sdpa_flops_f for s in segs) * mbs / stats.rows / rate
+                tb += (cp - 1) * sum(s.sdpa_flops_b for s in segs) * mbs / stats.rows / rate
                 qo = sum(s.qo_bytes for s in segs) * g
                 cpc_f += hw.comm("all_gather", qo / 2, cp, tp * pp * cp, calls=calls // 2)
                 cpc_b += hw.comm("all_gather", qo / 2, cp, tp * pp * cp, calls=calls // 2)
@@ -1640,11 +1643,53 @@ def context_stats(stats: GraphStats, gm) -> None:
         q, k, v = (a.meta[ir.VAL] for a in n.args[off:off + 3])
         if bwd:
             seg.attn_flops_b += cost.node_flops(n)
+            seg.sdpa_flops_b += cost.node_flops(n)
             continue
         seg.n_attn += 1
         seg.attn_flops_f += cost.node_flops(n)
+        seg.sdpa_flops_f += cost.node_flops(n)
         seg.kv_bytes += cost.tensor_bytes(k) + cost.tensor_bytes(v)
         seg.qo_bytes += 2 * cost.tensor_bytes(q)
+    for n in gm.graph.nodes:  # attention written out: scores = q @ k^T, softmax, @ v
+        if n.target is aten._softmax.default and n.meta.get(ir.REGION) == ir.FORWARD and \
+                n.meta[ir.VAL].shape[-1] == stats.seq:
+            scores = _along(n, up=True)
+            probs = _along(n, up=False)
+            seg = by_name.get(stats.node_segment.get(n.name))
+            if scores is None or probs is None or seg is None:
+                continue
+            seg.n_attn += 1
+            seg.attn_flops_f += cost.node_flops(scores) + cost.node_flops(probs)
+            seg.attn_flops_b += 2 * (cost.node_flops(scores) + cost.node_flops(probs))
+            seg.kv_bytes += cost.tensor_bytes(scores.args[-1].meta[ir.VAL]) + \
+                cost.tensor_bytes(probs.args[-1].meta[ir.VAL])
+            seg.qo_bytes += 2 * cost.tensor_bytes(scores.args[-2].meta[ir.VAL])
+
+
+_BMMS = {aten.bmm.default, aten.baddbmm.default}
+
+
+def _along(n, up: bool, hops: int = 8):
+    """The batched matmul a softmax reads (up: its scores, through a mask, a scale, views)
+    or that reads it (down: probabilities @ v, through dropout and views); None if none."""
+    for _ in range(hops):
+        if up:
+            ins = [a for a in n.all_input_nodes if isinstance(a.meta.get(ir.VAL), torch.Tensor)
+                   and a.meta[ir.VAL].dim() >= 3]
+            n = max(ins, key=lambda a: a.meta[ir.VAL].numel(), default=None)
+        else:
+            outs = [u for u in n.users if u.meta.get(ir.REGION) == ir.FORWARD]
+            mm = next((u for u in outs if u.target is aten.bmm.default and u.args[0] is n),
+                      None)
+            if mm is not None:
+                return mm
+            first = [u for u in outs if u.target is operator.getitem and u.args[1] == 0]
+            n = first[0] if first else outs[0] if len(outs) == 1 else None  # (dropout's mask)
+        if n is None:
+            return None
+        if up and n.target in _BMMS:
+            return n
+    return None
 
 
 def tp_roles(gm, sig) -> tuple[dict | None, str | None]:

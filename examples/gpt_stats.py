@@ -45,6 +45,7 @@ def fake_gpt_stats(cfg, rows: int, dtype=torch.float32) -> planner.GraphStats:
     stats = planner.analyze(gm, rows, roles)
     stats.tp_refusal = refusal
     stats.checkpoints_per_layer = planner.checkpoints_per_layer(gm)
+    planner.context_stats(stats, gm)
     return stats
 
 

@@ -210,6 +210,14 @@ def test_planner_prices_context_parallelism():
     plain = planner.search(stats, 4, hw, batch_rows=B, executable=False,
                            constraints={"tp": 1, "pp": 1, "zero": 0, "dp": 4})
     assert one.best.step_s > plain.best.step_s  # the gathers, at as many tokens per rank
+    # attention written out (the built-in GPTs': q @ k^T, softmax, dropout, @ v) is found by
+    # its softmax over the sequence: k^T and v gathered, priced split on every device
+    from fxpar.examples import gpt_stats
+    gpt2 = gpt_stats.gpt_stats("gpt2")
+    written = [s for s in gpt2.segments if s.n_attn]
+    assert gpt2.seq == 1024 and len(written) == len(gpt2.layers)
+    assert all(s.kv_bytes == 2 * 1024 * 768 * 2 and s.sdpa_flops_f == 0 < s.attn_flops_f
+               for s in written)
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 4))
     flat = planner_stats(mlp, (torch.randn(8, 16), torch.randn(8, 4)),
                          loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
