@@ -10,11 +10,12 @@ positions alike (embeddings, norms, linears, the MLP, the loss's log-softmax) ru
 rank's chunks, and a value computed whole (RoPE's cos/sin, learned positions, a causal mask)
 is cut to them where it meets the split one. Attention reads every key: q keeps its chunk, k
 and v are all-gathered over the cp group, a causal kernel is rewritten to
-fxpar::causal_chunk_attention (each chunk against the keys before it, unmasked, and its
-own, causal; keys after it never read), and in the backward the keys' and values'
-gradients are reduce-scattered back to their chunks. The backward reads the whole keys and values again: with remat on (memory is short)
-it gathers them again, else it holds the forward's copies. Ops that need the whole
-sequence (shifting the labels, a slice) get it gathered, by DTensor's rules.
+fxpar::causal_chunk_attention (each chunk against the keys before it, unmasked, and its own,
+causal; keys after it never read), and in the backward the keys' and values' gradients are
+reduce-scattered back to their chunks. The backward reads the whole keys and values again:
+with remat on (memory is short) it gathers them again, else it holds the forward's copies.
+Ops that need the whole sequence (shifting the labels, a slice) get it gathered, by
+DTensor's rules.
 
 Outputs: the mean loss is reduced exactly over the group (core/mean_loss.py); every
 gradient is left a partial sum over the group (a weight's gradient sums over every
