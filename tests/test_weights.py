@@ -456,7 +456,9 @@ PLANS = {"hf_llama": [({"dp": 2, "zero": 3, "tp": 2}, "global"),
                       ({"dp": 2, "tp": 2, "zero": 1, "microbatches": 2}, "local")],
          "gpt": [({"tp": 2, "pp": 2, "microbatches": 2}, "global"),
                  ({"dp": 2, "pp": 2, "microbatches": 2, "zero": 3}, "local"),
-                 ({"dp": 4, "zero": 3, "dp_shard": 2}, "local")],  # (HSDP: half-shards)
+                 ({"dp": 4, "zero": 3, "dp_shard": 2}, "local"),  # (HSDP: half-shards)
+                 # context parallelism: a cp group's ranks give the same rows
+                 ({"dp": 4, "cp": 2, "microbatches": 2}, "local")],
          # expert parallelism: each rank reads its half of the experts' rows
          "mixtral": [({"dp": 4, "ep": 2}, "global"), ({"dp": 2, "ep": 2, "tp": 2}, "local")]}
 
