@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
+from torch.fx.operator_schemas import normalize_function
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -410,7 +411,6 @@ def _sequence_rule(sh, node):
     grad_k/grad_v are partial sums (every chunk of queries reads every key), reduce-scattered
     right away. A causal one becomes fxpar::causal_chunk_attention(_backward): SDPA's
     is_causal would mask as if the chunk started the sequence."""
-    from torch.fx.operator_schemas import normalize_function
     bwd = node.target in _ATTENTION_BACKWARD
     a = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
                            normalize_to_only_use_kwargs=True).kwargs

@@ -130,16 +130,12 @@ def _reduce_outputs(gm: torch.fx.GraphModule, group: str, cp: int) -> None:
         have = v.meta.get(ir.SHARD) if isinstance(v, torch.fx.Node) else None
         if have is None or have == want:
             return v
-        meta = {ir.MODULE: v.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM}
-        with graph.inserting_before(out):
-            r = redistribute(graph, v, have, (Replicate(),), [group], [cp], meta)
-            r.meta[ir.SHARD] = (Replicate(),)
-            if want == (Replicate(),):
-                return r
-            p = graph.call_function(fxpar_ops.partial_from_replicate.default, (r, group))
-        p.meta.update(meta, **{ir.REGION: v.meta.get(ir.REGION, ir.BACKWARD),
-                               ir.SHARD: (Partial("sum"),)})
-        return p
+        with graph.inserting_before(out):  # (a whole gradient: this rank's, zeros elsewhere)
+            r = redistribute(graph, v, have, want, [group], [cp],
+                             {ir.MODULE: v.meta.get(ir.MODULE, ""),
+                              ir.REGION: v.meta.get(ir.REGION, ir.BACKWARD)})
+        r.meta[ir.SHARD] = want
+        return r
 
     whole, partial = (Replicate(),), (Partial("sum"),)
     outs = [placed(v, partial if 1 <= i <= n_p else whole) if v is not None else None

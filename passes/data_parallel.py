@@ -219,17 +219,13 @@ def _partial_gradients(gm, row_group: str, rows: int) -> None:
         g = outs[i]
         if g is None:
             continue
-        have = g.meta.get(ir.SHARD)
+        have = g.meta.get(ir.SHARD) or (Replicate(),)
         if have == (Partial("sum"),):
             continue
         with graph.inserting_before(out):
-            if have is not None and have != (Replicate(),):
-                g = redistribute(graph, g, have, (Replicate(),), [row_group], [rows],
-                                 {ir.MODULE: g.meta.get(ir.MODULE, ""), ir.REGION: ir.COMM})
-            p = graph.call_function(torch.ops.fxpar.partial_from_replicate.default,
-                                    (g, row_group))
-        p.meta.update({ir.MODULE: g.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD,
-                       ir.SHARD: (Partial("sum"),), ir.VAL: outs[i].meta.get(ir.VAL)})
+            p = redistribute(graph, g, have, (Partial("sum"),), [row_group], [rows],
+                             {ir.MODULE: g.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD})
+        p.meta[ir.SHARD] = (Partial("sum"),)
         outs[i] = p
     out.args = (tuple(outs),)
 
