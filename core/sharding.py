@@ -30,6 +30,7 @@ from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 
 from fxpar.core import ir
+from fxpar.core import local_dispatch as _local_dispatch
 from fxpar.core.errors import ShardingError
 
 __all__ = ["Replicate", "Shard", "Partial", "make_mesh", "shard_graph", "redistribute",
@@ -481,8 +482,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
                 group_names: Sequence[str], reduce_shared_partials: bool = False,
                 prefer: dict[torch.fx.Node, tuple] | None = None,
                 gather_first: dict | None = None, split_random_ops: bool = False,
-                split_sequence: bool = False, regather: bool = False
-                ) -> dict[torch.fx.Node, Any]:
+                split_sequence: bool = False, regather: bool = False,
+                local_dispatch: bool = False) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -504,9 +505,13 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     batch's sequence dim is split (context parallelism): attention reads the whole keys
     and values (_sequence_rule), and row-wise ops carry the split flattened behind the batch;
     regather: the backward's attention gathers them again instead of reading the forward's
-    whole copy (held from forward to backward otherwise).
+    whole copy (held from forward to backward otherwise). local_dispatch (a 1-D mesh
+    splitting the batch): an MoE's token dispatch runs on each rank's own rows
+    (core/local_dispatch.py) instead of gathering them.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
+    if local_dispatch and len(sh.mesh_sizes) == 1:
+        sh.local = _local_dispatch.analyze(gm, sh.mesh_sizes[0])
     sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
     sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
     for node in list(gm.graph.nodes):
@@ -652,6 +657,7 @@ class _Sharder:
         self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
         self.split_sequence = self.regather = False  # context parallelism: see shard_graph
         self.prefer: dict = {}
+        self.local: dict = {}      # an MoE dispatch run on local rows: see local_dispatch
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
@@ -745,6 +751,8 @@ class _Sharder:
     def propagate(self, node):
         if node.target in (run_and_save_rng_state, run_with_rng_state):
             return self.propagate_rng_replay(node)
+        if node in self.local:
+            return _local_dispatch.rule(self, node, self.local[node])
         op, val = node.target, node.meta.get(ir.VAL)
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "

@@ -179,7 +179,7 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.BATCH_SHARD_DIMS] = shard_dims
 
     if rows > 1:
-        shard_graph(gm, make_mesh(rows), placements, [row_group])
+        shard_graph(gm, make_mesh(rows), placements, [row_group], local_dispatch=True)
     if cp > 1 and rows > 1:
         _partial_gradients(gm, row_group, rows)
     # gradient buckets: a fixed size if the plan gives one, else the cost model sizes them
