@@ -182,6 +182,10 @@ class GraphStats:
     # why Plan.ep cannot split this graph's experts (None: it can, or there are none)
     expert_counts: tuple = ()
     ep_refusal: str | None = None
+    # the dp pass runs every MoE layer's dispatch on each rank's own rows
+    # (core/local_dispatch): its expert work splits over dp and its expert gradients are
+    # partial sums; else the routed rows are gathered to every dp rank
+    moe_local: bool = False
     # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
     # it can)
     seq: int | None = None

@@ -36,6 +36,7 @@ import torch
 from fxpar.compiler import codegen
 from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
+from fxpar.core.sharding import Shard, local_dispatch_nodes, make_mesh
 from fxpar.core.errors import PlanError
 from fxpar.core.graphs import fake_propagate, param_grads, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
@@ -1249,10 +1250,13 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                             tp * pp * ep, calls=max(1, round(n_moe)))
             bw = hw.mem_bandwidth / hw.roofline_scale
             nodes = 12 * n_moe * hw_graph.node_overhead  # (the window, moves and masks)
+            # (tf holds the experts' work on the rank's rows, or on every rank's where the
+            # dispatch is gathered under plain dp too: ep runs 1/ep of every rank's)
+            held = mbs / stats.rows if stats.moe_local else g
             tf = max(tf + sum(s.ep_bytes_f for s in segs) * g / bw + nodes
-                     - (1 - 1 / ep) * sum(s.expert_flops_f for s in segs) * g / rate, 0.0)
+                     + (g / ep - held) * sum(s.expert_flops_f for s in segs) / rate, 0.0)
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
-                     - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
+                     + (g / ep - held) * sum(s.expert_flops_b for s in segs) / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         if cp > 1:  # every attention's keys and values gathered over the cp group
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
@@ -1340,11 +1344,13 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mem = mems[worst][0]
     elem = 4 if precision == "fp32" else 2
     n_elem = mem.params * (sdp if zero >= 3 else 1) / elem  # this rank's parameter elements
-    # (an MoE's expert gradients are computed from every dp rank's rows, gathered: complete
-    # on each rank, so without ZeRO the dp pass reduces none of them, at any ep)
+    # (an MoE's expert gradients computed from every dp rank's rows, gathered, are complete
+    # on each rank: without ZeRO the dp pass reduces none of them. So under ep, and under
+    # plain dp where the dispatch is not run on each rank's own rows)
     share = _expert_share(rank_segs[worst], tp)  # (of its elements before ep's split)
-    n_reduced = n_elem * (1 - share) / (1 - share * (1 - 1 / ep)) if zero == 0 and share < 1 \
-        else n_elem
+    gathered = ep > 1 or not stats.moe_local
+    n_reduced = n_elem * (1 - share) / (1 - share * (1 - 1 / ep)) \
+        if zero == 0 and share < 1 and gathered else n_elem
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
     dpc = dp_fixed = gather = 0.0
     if dp > 1:
@@ -1612,10 +1618,25 @@ def expert_stats(stats: GraphStats, gm) -> None:
                 else:
                     seg.ep_bytes_b += passes * nbytes
     stats.expert_counts = tuple(counts)
+    stats.moe_local = bool(layers) and _dispatch_is_local(gm, layers)
+    if stats.moe_local:
+        return
     for seg in stats.segments:  # a dp rank runs the experts on every rank's rows (gathered):
         # work dp does not split, at least this much where no dp probe counted it
         seg.flops_f_whole = max(seg.flops_f_whole, seg.expert_flops_f)
         seg.flops_b_whole = max(seg.flops_b_whole, seg.expert_flops_b)
+
+
+def _dispatch_is_local(gm, layers) -> bool:
+    """Whether the dp pass runs every MoE layer's dispatch on each rank's own rows."""
+    placements = {n.name: (Shard(0),) for n in gm.graph.nodes if n.op == "placeholder"
+                  and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
+    try:
+        found = local_dispatch_nodes(gm, make_mesh(2), placements, ["dp"])
+    except Exception as e:  # noqa: BLE001 - priced as gathered, as the pass would fall back
+        log.debug("planner: the MoE dispatch could not be analysed: %s", e)
+        return False
+    return all(m in found for layer in layers for m in layer.matmuls)
 
 
 def context_stats(stats: GraphStats, gm) -> None:

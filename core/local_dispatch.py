@@ -63,6 +63,8 @@ _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _PUTS = {aten.index_put.default}
 _SCATTERS = {aten.scatter_add.default, aten.scatter.src, aten.scatter_reduce.two}
 _GATHERS = {aten.gather.default}
+# torchtitan's scatter_add along dim 0 (dst, index, src), registered when torchtitan loads
+_TITAN_SCATTER = "torchtitan::deterministic_scatter_add"
 _GROUPED_MM = getattr(aten, "_grouped_mm", None)
 
 
@@ -85,6 +87,7 @@ class Local:
     out: object
     inputs: dict
     resize: bool = False
+    view_dim: int | None = None  # a view's / expand's size argument to make local there
 
 
 class _Untyped(Exception):
@@ -103,9 +106,12 @@ def _is_exit(t: Tag | None) -> bool:
                                                 and t.ptr is None)
 
 
-def analyze(gm: torch.fx.GraphModule, n: int) -> dict[torch.fx.Node, Local]:
+def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node, Local]:
     """The nodes of every MoE dispatch on `gm` that runs on each of `n` ranks' own rows
-    (see the module docstring), with how each is placed."""
+    (see the module docstring), with how each is placed. Expert counts made outside a
+    dispatch (torchtitan sums a one-hot of the routing over the batch) must be partial
+    sums, i.e. each rank's own: `placed(nodes)` gives their placements under DTensor's
+    rules ({node: placements}); without it such a dispatch is not run locally."""
     if _GROUPED_MM is None:
         return {}
     tags: dict = {}
@@ -113,6 +119,7 @@ def analyze(gm: torch.fx.GraphModule, n: int) -> dict[torch.fx.Node, Local]:
     parent: dict = {}
     bad: set = set()
     matmul_roots: set = set()
+    outside: dict = {}  # expert counts made outside a dispatch -> the matmuls reading them
 
     def find(x):
         while parent.get(x, x) is not x:
@@ -164,6 +171,15 @@ def analyze(gm: torch.fx.GraphModule, n: int) -> dict[torch.fx.Node, Local]:
                 union(node, a)
         if node.target is _GROUPED_MM.default:
             matmul_roots.add(find(node))
+        for a, how in entry.inputs.items():
+            if how == "counts":  # offs made outside: its cumsum and casts run on local
+                while a.target in _COUNT_KEEP and a not in local:  # counts too
+                    local[a] = Local(Tag("counts"), {})
+                    tags[a] = local[a].out
+                    parent.setdefault(a, a)
+                    union(node, a)
+                    a = a.args[0]
+                outside.setdefault(a, set()).add(node)
     # every user of a value in a sort's order, of a pointer or of a factory is typed
     for node, entry in local.items():
         outs = entry.out if isinstance(entry.out, tuple) else (entry.out,)
@@ -176,6 +192,11 @@ def analyze(gm: torch.fx.GraphModule, n: int) -> dict[torch.fx.Node, Local]:
                 users.extend(u.users)
         if any(u not in local for u in users):
             bad.add(find(node))
+    if outside:
+        pl = placed(list(outside)) if placed is not None else {}
+        for a, readers in outside.items():
+            if tuple(pl.get(a) or ()) != (Partial("sum"),):
+                bad.update(find(m) for m in readers)
     keep = {}
     for node, entry in local.items():
         root = find(node)
@@ -247,7 +268,7 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
             return None  # (a reader of the counts alone: DTensor's rules reduce them)
         raise _Untyped
     if _GROUPED_MM is not None and op is _GROUPED_MM.default:
-        raise _Untyped  # (offs from outside a dispatch)
+        return _grouped_mm(node, tags)
     if op in _LIKE:
         t = _rows(tags, args[0])
         return Local(Tag("free", t.dim), {}) if t is not None else None
@@ -259,7 +280,9 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         d = _view_dim(_val(args[0]).shape, t.dim, out.shape)
         if d is None:
             raise _Untyped
-        return Local(_moved(t, d), {})
+        sized = op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                       aten.expand.default)
+        return Local(_moved(t, d), {}, view_dim=d if sized else None)
     if op in _SPLITS:
         t = _only_rows(ts)
         dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
@@ -300,6 +323,8 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         if dim % out.dim() != 0:
             raise _Untyped
         return _write(node, tags, dst, idx, src)
+    if getattr(op, "_name", None) == _TITAN_SCATTER:  # (torchtitan's deterministic scatter_add: dim 0)
+        return _write(node, tags, *args[:3])
     if op in _ELEMENTWISE or (isinstance(op, torch._ops.OpOverload)
                               and torch.Tag.pointwise in op.tags):
         return _pointwise(node, tags)
@@ -459,16 +484,17 @@ def _grouped_mm(node, tags) -> Local:
     a, b = node.args[0], node.args[1]
     offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
     to = tags.get(offs)
-    if to is None or to.kind != "counts":
+    if not isinstance(offs, torch.fx.Node) or (to is not None and to.kind != "counts"):
         raise _Untyped
+    ins = {} if to is not None else {offs: "counts"}  # (made outside: checked partial)
     ta, tb = tags.get(a), tags.get(b)
     if ta is None or ta.kind != "rows" or ta.order == G or ta.ptr is not None:
         raise _Untyped
     if tb is None and _val(b).dim() == 3 and ta.dim == 0:
-        return Local(Tag("rows", 0, ta.order), {b: "whole"})
+        return Local(Tag("rows", 0, ta.order), {**ins, b: "whole"})
     if tb is not None and tb.kind == "rows" and tb.order == ta.order and ta.dim == 1 \
             and tb.dim == 0 and tb.ptr is None:
-        return Local(Tag("partial"), {})
+        return Local(Tag("partial"), ins)
     raise _Untyped
 
 
@@ -484,12 +510,16 @@ def rule(sh, node, entry: Local):
     output(s) as tagged, a factory sized to the local rows."""
     want = {}
     for a, how in entry.inputs.items():
-        if how == "free":
+        if how in ("free", "counts"):  # (a factory: resized; counts: partial already)
             continue
         want[a] = (Replicate(),) if how == "whole" else (Shard(how),)
     sh.place(node, want)
     if entry.resize:
         _resize(node, sh.mesh_sizes[0])
+    if entry.view_dim is not None and node.args[1][entry.view_dim] != -1:
+        size = list(node.args[1])
+        size[entry.view_dim] //= sh.mesh_sizes[0]
+        node.args = (node.args[0], size, *node.args[2:])
     val = node.meta.get(ir.VAL)
     if isinstance(entry.out, tuple):
         return tuple(sh.out_spec((_placement(t),), v) for t, v in zip(entry.out, val))

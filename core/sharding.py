@@ -511,9 +511,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
     if local_dispatch and len(sh.mesh_sizes) == 1:
-        sh.local = _local_dispatch.analyze(gm, sh.mesh_sizes[0])
-    sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
-    sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
+        sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names)
     for node in list(gm.graph.nodes):
         if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
             continue
@@ -542,6 +540,22 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
         elif reduce_shared_partials:
             sh.reduce_if_shared(node)
     return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
+
+
+def local_dispatch_nodes(gm, mesh, placeholder_placements, group_names) -> dict:
+    """core/local_dispatch.analyze on `gm` split over a 1-D `mesh`: the MoE dispatch nodes
+    that run on each rank's own rows, with counts made outside a dispatch placed by a dry
+    run of DTensor's rules."""
+    def placed(nodes):
+        warned, level = set(_WARNED_NO_RULE), log.level
+        log.setLevel(logging.ERROR)  # (the real run says what runs on whole inputs)
+        try:
+            specs, _ = dry_run(gm, mesh, placeholder_placements, group_names, region=None)
+        finally:
+            log.setLevel(level)
+            _WARNED_NO_RULE.intersection_update(warned)
+        return {a: _placements(specs[a]) for a in nodes if a in specs}
+    return _local_dispatch.analyze(gm, mesh.mesh.shape[0], placed)
 
 
 def _placements_tree(s):

@@ -1,0 +1,179 @@
+"""An MoE's token dispatch run on each dp rank's own rows (core/local_dispatch.py): which
+nodes the analysis types and how, the dp=2 rewrite (no routed rows gathered, the expert
+gradients reduced like any weight's), the dispatches it leaves gathered (a capacity computed
+over the sorted rows, expert parallelism's windows), the planner's view, and training
+against eager."""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.compiler import planner
+from fxpar.compiler.capture import capture
+from fxpar.core import ir, local_dispatch
+from fxpar.core.local_dispatch import G, Tag
+from fxpar.examples import zoo
+
+from test_parity import _check_plans
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _mixtral():
+    model, spec = zoo.build("mixtral")
+    return model, spec.batch(0)
+
+
+def _grouped_mms(g):
+    return [n for n in g.nodes if n.target is aten._grouped_mm.default]
+
+
+def test_analysis_types_each_hf_mixtral_dispatch():
+    """HF Mixtral, 2 MoE layers (plus remat-free backward): each layer's sort starts an
+    order its rows follow through the grouped matmuls; histograms and their cumsum are
+    partial counts; the weight gradients partial; the index back to token order and the
+    backward's scatters into new_zeros leave in the batch's order, the factories resized
+    to the local rows. Rows that do not divide over the ranks: nothing runs locally."""
+    model, batch = _mixtral()
+    gm, _ = capture(model, batch)
+    found = local_dispatch.analyze(gm, 2)
+    mms = _grouped_mms(gm.graph)
+    assert len(mms) == 12 and all(m in found for m in mms)
+    sorts = [n for n in gm.graph.nodes if n.target is aten.sort.default]
+    assert len(sorts) == 2
+    for s in sorts:
+        values, indices = found[s].out
+        assert values == Tag("rows", 0, s) and indices == Tag("rows", 0, s, G)
+        assert found[s].inputs == {s.args[0]: 0}
+    for m in mms:
+        out = found[m].out
+        if m.meta[ir.VAL].dim() == 3:  # a weight gradient: summed over the rows
+            assert out.kind == "partial"
+        else:
+            assert out.kind == "rows" and out.order in sorts and out.ptr is None
+    for n in gm.graph.nodes:
+        if n.target in (aten.histc.default, aten.cumsum.default):
+            assert found[n].out.kind == "counts"
+    exits = [n for n, e in found.items() if n.target is aten.index_put.default
+             and e.out == Tag("rows", 0, G)]
+    assert len(exits) == 4  # backward: each layer's routing-weight and token gradients
+    resized = [n for n, e in found.items() if e.resize]
+    assert {n.target for n in resized} == {aten.new_zeros.default, aten.arange.start_step}
+    assert local_dispatch.analyze(gm, 3) == {}  # (256 routed rows do not divide by 3)
+
+
+def test_dp_runs_the_experts_on_each_ranks_rows():
+    """dp=2: no all-gather in an MoE layer; each grouped matmul multiplies this rank's
+    half of the routed rows; the expert weights' gradients are partial sums reduced over dp
+    like every other gradient. With ep=2 the layers stay gathered (its window needs every
+    rank's rows) and the expert gradients complete."""
+    model, batch = _mixtral()
+    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "fuse": False})
+    g = prog.graph.graph
+    gathers = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert not [n for n in gathers if "experts" in n.meta.get(ir.MODULE, "")]
+    rows = 8 * 16 * 2  # batch x sequence x top-2
+    for m in _grouped_mms(g):
+        if m.meta[ir.VAL].dim() == 2:
+            assert m.meta[ir.VAL].shape[0] == rows // 2
+    sig = prog.signature
+    out = next(n for n in g.nodes if n.op == "output")
+    grads = out.args[0][1:1 + sig.num_params]
+    experts = [i for i, name in enumerate(sig.param_names) if ".experts." in name]
+    assert experts and all(_reduced_over_dp(grads[i]) for i in experts)
+    ep = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "ep": 2, "fuse": False})
+    assert [n for n in ep.graph.graph.nodes if n.target is c10d.all_gather_into_tensor.default
+            and "experts" in n.meta.get(ir.MODULE, "")]
+
+
+def _reduced_over_dp(v):
+    seen, todo = set(), [v]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.target is c10d.all_reduce.default and n.args[2] == ir.GROUPS["dp"]:
+            return True
+        if n.target in (c10d.wait_tensor.default, operator.getitem, *ir.RESHAPES,
+                        aten.split_with_sizes.default):
+            todo.append(n.args[0])
+    return False
+
+
+class CapacityMoE(torch.nn.Module):
+    """Top-1 routing with an expert capacity (Switch Transformer's): a pair's place in its
+    expert's queue, read from the sorted rows, drops those past `capacity`. Which pairs
+    drop depends on every row of the batch, so the dispatch cannot run on a rank's rows."""
+
+    def __init__(self, vocab=32, d=16, experts=4, capacity=40):
+        super().__init__()
+        self.experts, self.capacity = experts, capacity
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.gate = torch.nn.Linear(d, experts)
+        self.w = torch.nn.Parameter(torch.randn(experts, d, d) * 0.1)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids).flatten(0, 1)
+        score, expert = self.gate(x).softmax(-1).max(-1)
+        ordered, perm = expert.sort()
+        counts = torch.histc(ordered.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offs = counts.cumsum(0).to(torch.int32)
+        place = torch.arange(len(perm)) - (offs.long() - counts.long())[ordered]
+        rows = x[perm] * (place < self.capacity).unsqueeze(-1)
+        y = torch._grouped_mm(rows, self.w, offs) * score[perm].unsqueeze(-1)
+        return self.head(x + torch.zeros_like(x).index_put((perm,), y, accumulate=True))
+
+
+def _capacity_loss(model, batch):
+    return F.cross_entropy(model(batch["ids"]), batch["labels"].flatten())
+
+
+def test_a_capacity_over_the_sorted_rows_keeps_the_rows_gathered():
+    """CapacityMoE: the queue places index the counts by the sorted ids, which the analysis
+    cannot type; the dispatch is left to DTensor's rules (the routed rows gathered, exact)."""
+    torch.manual_seed(0)
+    model = CapacityMoE()
+    batch = {"ids": torch.randint(0, 32, (8, 16)), "labels": torch.randint(0, 32, (8, 16))}
+    gm, _ = capture(model, batch, _capacity_loss)
+    assert local_dispatch.analyze(gm, 2) == {}
+    prog = fxpar.compile(model, 2, example_batch=batch, loss_fn=_capacity_loss,
+                         plan={"dp": 2, "fuse": False})
+    assert any(n.target is c10d.all_gather_into_tensor.default
+               for n in prog.graph.graph.nodes)
+
+
+def test_planner_prices_local_experts_as_dp_work():
+    """The planner's statistics say the dispatch is local (moe_local), so the dp probe's
+    whole work holds no expert matmuls and a dp plan's gradient reduction counts the expert
+    gradients; ep plans still price the gathered rows' experts."""
+    model, batch = _mixtral()
+    stats = planner.graph_stats(capture(model, batch), 8, pass_extras=True)
+    assert stats.moe_local
+    expert_f = sum(s.expert_flops_f for s in stats.segments)
+    whole_f = sum(s.flops_f_whole for s in stats.segments)
+    assert expert_f > 0 and whole_f < 0.5 * expert_f
+
+
+def test_moe_dp_trains_like_eager():
+    """Mixtral under dp=2 (the dispatch on each rank's rows): alone, with ZeRO-3 and remat
+    (a recomputed dispatch of its own), and with two microbatches: losses, evaluate() and
+    every final weight equal eager AdamW."""
+    _check_plans(2, [("mixtral", "adamw", {"dp": 2}),
+                     ("mixtral", "adamw", {"dp": 2, "zero": 3, "remat": "sqrt"}),
+                     ("mixtral", "adamw", {"dp": 2, "microbatches": 2})])
+
+
+@pytest.mark.slow
+def test_moe_models_dp4_train_like_eager():
+    """4 ranks: Qwen2-MoE (a gated shared expert), DeepSeek-V3 (group-limited routing, a
+    dense first layer) at dp=4, Mixtral with its router's load-balancing loss at dp=4
+    (the counts the aux loss reads are reduced, the grouped matmuls read each rank's own)
+    and at dp=2 x tp=2."""
+    _check_plans(4, [("qwen2_moe", "adamw", {"dp": 4}), ("deepseek_v3", "adamw", {"dp": 4}),
+                     ("mixtral_aux", "adamw", {"dp": 4}),
+                     ("mixtral", "adamw", {"dp": 2, "tp": 2})])
