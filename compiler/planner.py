@@ -1257,6 +1257,13 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                      + (g / ep - held) * sum(s.expert_flops_f for s in segs) / rate, 0.0)
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      + (g / ep - held) * sum(s.expert_flops_b for s in segs) / rate, 0.0)
+            if stats.moe_local:  # ep's window needs every dp rank's rows: gathered over
+                # dp forward, their gradient reduce-scattered backward (plain dp keeps them
+                # on each rank; ep_comm: the rows leaving a layer, as wide as those entering)
+                epc_f += hw.comm("all_gather", sum(s.ep_comm_f for s in segs) * g, dp,
+                                 tp * pp * dp, calls=max(1, round(n_moe)))
+                epc_b += hw.comm("reduce_scatter", sum(s.ep_comm_b for s in segs) * g, dp,
+                                 tp * pp * dp, calls=max(1, round(n_moe)))
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         if cp > 1:  # every attention's keys and values gathered over the cp group
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of

@@ -193,8 +193,8 @@ def test_checkpoint_resumes_and_reshards(tmp_path):
 def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
-    with 1/ep of the experts' state per rank, and no dp reduction of their gradients at any
-    ep. On a Mixtral with 1024-wide experts over 8 H100s, plain dp against ep=8; a
+    with 1/ep of the experts' state per rank. On a Mixtral with 1024-wide experts over 8
+    H100s, plain dp (its dispatch on each rank's rows) against ep's gathered rows; a
     dense model gets no ep candidate, and a fixed ep is the only one priced (one the graph
     refuses: its reason)."""
     from fxpar.compiler import planner
@@ -233,17 +233,23 @@ def test_planner_prices_expert_parallelism():
         big = transformers.MixtralForCausalLM(cfg)
     ids = torch.randint(0, 4096, (8, 1024))
     stats = planner_stats(big, {"input_ids": ids, "labels": ids}, precision="bf16")
-    # plain dp runs every rank's routed rows on every rank: 8x the expert matmuls; ep=8 runs
-    # 1/8 of them but all-reduces the rows, 32 MB each way per layer. An H100's matmuls are
-    # fast enough that NVLink's all-reduces cost more; on a device 20x slower at matmuls (a
-    # CPU's ratio) ep=8 wins
+    # plain dp runs each rank's own routed rows (core/local_dispatch) and all-reduces the
+    # expert gradients; ep's window gathers every rank's rows, computes 1/ep of them and
+    # sums them back over the group, holding 1/ep of the experts: as fast a compute, more
+    # traffic, so dp wins on an H100 and on a device 20x slower at matmuls; where a copy of
+    # every expert does not fit (dp is left only remat's recompute), ep wins
+    assert stats.moe_local
     r = planner.search(stats, 8, hw, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
     assert r.best.plan.ep == 1 and {c.plan.ep for c in r.table} == {1, 2, 4, 8}, r.format()
     slow = dataclasses.replace(hw, peak_flops={k: v / 20 for k, v in hw.peak_flops.items()})
     r = planner.search(stats, 8, slow, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
-    assert r.best.plan.ep == 8, r.format()
+    assert r.best.plan.ep == 1, r.format()
+    small = dataclasses.replace(hw, memory=int(1.6 * 2**30))
+    r = planner.search(stats, 8, small, batch_rows=8, precision="bf16", executable=False,
+                       constraints=fixed)
+    assert r.best.plan.ep > 1, r.format()
     with pytest.raises(PlanError, match="Plan.ep=2: PlanError: .*no MoE layer"):
         planner.search(dataclasses.replace(stats, expert_counts=(), ep_refusal=(
             "PlanError: no MoE layer of grouped matmuls")), 8, hw, batch_rows=8,
