@@ -36,7 +36,7 @@ import torch
 from fxpar.compiler import codegen
 from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
-from fxpar.core.sharding import Shard, local_dispatch_nodes, make_mesh
+from fxpar.core.sharding import batch_local_dispatch
 from fxpar.core.errors import PlanError
 from fxpar.core.graphs import fake_propagate, param_grads, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
@@ -1636,10 +1636,8 @@ def expert_stats(stats: GraphStats, gm) -> None:
 
 def _dispatch_is_local(gm, layers) -> bool:
     """Whether the dp pass runs every MoE layer's dispatch on each rank's own rows."""
-    placements = {n.name: (Shard(0),) for n in gm.graph.nodes if n.op == "placeholder"
-                  and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
     try:
-        found = local_dispatch_nodes(gm, make_mesh(2), placements, ["dp"])
+        found = batch_local_dispatch(gm, 2)
     except Exception as e:  # noqa: BLE001 - priced as gathered, as the pass would fall back
         log.debug("planner: the MoE dispatch could not be analysed: %s", e)
         return False

@@ -34,6 +34,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from fxpar.core import experts as _experts  # noqa: F401  (registers fxpar::ep_*)
 from fxpar.core import ir
 
 aten = torch.ops.aten
@@ -42,7 +43,15 @@ G = "G"  # the batch's own row order
 _SORTS = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable}
 _COUNTS = {aten.histc.default, aten.bincount.default}
 _COUNT_KEEP = {aten.cumsum.default, aten._to_copy.default, aten.clone.default,
-               aten.alias.default, aten.view.default}
+               aten.alias.default, aten.view.default, aten.select.int, aten.sum.dim_IntList}
+# expert parallelism's all-to-all dispatch (core/experts.py): rows sent to their experts'
+# ranks come back as rows in an order of their own (the dispatch's), and its combine puts
+# them back in the order the dispatch read
+_EP_ROUTE = torch.ops.fxpar.ep_route.default
+_EP_DISPATCH = torch.ops.fxpar.ep_dispatch.default
+_EP_COMBINE = torch.ops.fxpar.ep_combine.default
+_EP_MASK = torch.ops.fxpar.ep_mask.default
+RANK_ROWS_OPS = frozenset({_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE, _EP_MASK})  # (no other rule)
 _POINTER_KEEP = {aten.div.Tensor_mode, aten.floor_divide.default, aten._to_copy.default,
                  aten.clone.default, aten.alias.default}
 _ELEMENTWISE = {aten._to_copy.default, aten.clone.default, aten.alias.default,
@@ -259,6 +268,8 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
     if op in _FACTORIES:
         return None  # (reads a value for its dtype alone: typed by the op it feeds)
     ts = {a: tags[a] for a in node.all_input_nodes if a in tags}
+    if op in (_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE, _EP_MASK):
+        return _expert_parallel(node, tags)
     if any(t.kind == "counts" for t in ts.values()):
         if _GROUPED_MM is not None and op is _GROUPED_MM.default:
             return _grouped_mm(node, tags)
@@ -478,6 +489,26 @@ def _arange_from_zero(n) -> bool:
     start = a[0]
     step = a[2] if len(a) > 2 else n.kwargs.get("step", 1)
     return start == 0 and step == 1
+
+
+def _expert_parallel(node, tags) -> Local:
+    op, (x, route) = node.target, node.args[:2]
+    tx, tr = tags.get(x), tags.get(route)
+    if op is _EP_ROUTE:
+        if tx is None or tx.kind != "counts":
+            raise _Untyped
+        return Local(Tag("counts"), {})
+    if tr is None or tr.kind != "counts" or tx is None or tx.kind != "rows" or \
+            tx.dim != 0 or tx.ptr is not None or tx.order == G:
+        raise _Untyped
+    if op is _EP_MASK:
+        return Local(tx, {})
+    if op is _EP_DISPATCH:  # the route's order (each dispatch on a route sends alike), which
+        # remembers the one it read
+        return Local(Tag("rows", 0, ("dispatched", route, tx.order)), {})
+    if not (isinstance(tx.order, tuple) and tx.order[0] == "dispatched"):
+        raise _Untyped
+    return Local(Tag("rows", 0, tx.order[2]), {})  # (the combine: back in the order read)
 
 
 def _grouped_mm(node, tags) -> Local:

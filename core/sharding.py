@@ -558,6 +558,16 @@ def local_dispatch_nodes(gm, mesh, placeholder_placements, group_names) -> dict:
     return _local_dispatch.analyze(gm, mesh.mesh.shape[0], placed)
 
 
+def batch_local_dispatch(gm, n: int) -> dict:
+    """local_dispatch_nodes with the batch split over n ranks (the dp pass's placements):
+    {} for n = 1."""
+    if n <= 1:
+        return {}
+    placements = {p.name: (Shard(0),) for p in gm.graph.nodes if p.op == "placeholder"
+                  and p.meta.get(ir.ROLE) == "batch" and p.meta[ir.VAL].dim() > 0}
+    return local_dispatch_nodes(gm, make_mesh(n), placements, ["dp"])
+
+
 def _placements_tree(s):
     if isinstance(s, (tuple, list)):
         return tuple(_placements_tree(x) for x in s)
@@ -767,6 +777,12 @@ class _Sharder:
             return self.propagate_rng_replay(node)
         if node in self.local:
             return _local_dispatch.rule(self, node, self.local[node])
+        if node.target in _local_dispatch.RANK_ROWS_OPS:
+            raise ShardingError(
+                f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
+                "expert parallelism's all-to-all dispatch reads each dp rank's own rows, but "
+                "the MoE dispatch around it could not run on them (core/local_dispatch); "
+                "report the model to fxpar.")
         op, val = node.target, node.meta.get(ir.VAL)
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "

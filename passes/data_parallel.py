@@ -61,6 +61,7 @@ class Options:
     comm_quantization: str = "none"
     batch_stats: str = "whole"
     cp: int = 1
+    ep: int = 1
 
 
 CONTRACT = ir.PassContract(
@@ -186,9 +187,11 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     # (None); ZeRO-3 reduce-scatters per layer instead (_reduce_scatter_by_layer)
     bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
     zg = _ZeroGroups.of(options, ctx.group_names)
+    ep = options.ep or 1
     _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
                     quantized="gradients" in options.comm_quantization, zero_groups=zg,
-                    rows=(row_group, rows))
+                    rows=(row_group, rows),
+                    experts=(ctx.group_names["edp"], dp // ep) if ep > 1 else None)
     if rows > 1:
         exact_mean_loss(gm.graph, row_group, rows)
     if options.zero == 3:
@@ -231,13 +234,16 @@ def _partial_gradients(gm, row_group: str, rows: int) -> None:
 
 
 def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
-                    zero_groups: _ZeroGroups, rows: tuple[str, int] | None = None):
+                    zero_groups: _ZeroGroups, rows: tuple[str, int] | None = None,
+                    experts: tuple[str, int] | None = None):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
     With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket (over
     `zero_groups`: the whole dp group unless HSDP); `quantized` (ZeRO-2/3,
     Plan.comm_quantization): reduce-scattered as int4 (qgZ). `rows`: the (group, size) the
     batch's rows split over, where the loss and buffers are reduced (the dp group unless
-    context parallelism splits the sequence over part of it)."""
+    context parallelism splits the sequence over part of it). `experts`: the (group, size)
+    across expert parallelism's groups ("edp"): an expert gradient left partial (the
+    all-to-all dispatch: the ep group's rows for this rank's experts) is summed there."""
     row_group, rows = rows or (group, dp)
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
@@ -265,17 +271,22 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
         out.args = ((loss, *grads, *bufs),)
         return
     # gradients: Partial(sum) ones go in buckets; anything else is redistributed on its own
-    bucketable = [i for i, g in enumerate(grads)
-                  if g is not None and g.meta.get(ir.SHARD) == (Partial("sum"),)]
+    partial = {i for i, g in enumerate(grads)
+               if g is not None and g.meta.get(ir.SHARD) == (Partial("sum"),)}
+    split = set(gm.meta.get(ir.EXPERT_PARAMS) or ()) & partial if experts else set()
     for i, g in enumerate(grads):
-        if i not in bucketable:
+        if i not in partial:
             grads[i] = to_replicate(g)
-    for bucket in _buckets(graph, [grads[i] for i in bucketable], bucket_bytes, dp,
-                           c10d.all_reduce.default, profile):
-        idx = [bucketable[j] for j in bucket]
-        reduced = _all_reduce_bucket(graph, [grads[i] for i in idx], group, order, out)
-        for i, r in zip(idx, reduced):
-            grads[i] = r
+    for members, (grp, n) in ((sorted(partial - split), (group, dp)),
+                              (sorted(split), experts)):
+        if n == 1:  # (one ep group: its rows are the step's, the gradients complete)
+            continue
+        for bucket in _buckets(graph, [grads[i] for i in members], bucket_bytes, n,
+                               c10d.all_reduce.default, profile):
+            idx = [members[j] for j in bucket]
+            reduced = _all_reduce_bucket(graph, [grads[i] for i in idx], grp, order, out)
+            for i, r in zip(idx, reduced):
+                grads[i] = r
     out.args = ((loss, *grads, *bufs),)
 
 

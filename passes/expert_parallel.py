@@ -41,6 +41,7 @@ from fxpar.core import sharding as _sharding  # noqa: F401  (registers fxpar::lo
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
 from fxpar.core.graphs import fake_propagate
+from fxpar.core.sharding import batch_local_dispatch
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -58,6 +59,7 @@ _PHASES = ("F", "B", "I", "W", "R")  # a pipeline's parts of a stage, in the ord
 class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     ep: int = 1
+    dp: int | None = 1
 
 
 CONTRACT = ir.PassContract(
@@ -89,6 +91,9 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
     split, report = set(), []
+    # the layers whose dispatch the dp pass runs on each rank's own rows: their rows go to
+    # their experts' ranks and back by all-to-all; the others' rows are every dp rank's
+    local = batch_local_dispatch(gm, options.dp or 1)
     for layer in layers:
         e = layer.offs.meta[ir.VAL].numel()
         if e % ep:
@@ -100,7 +105,11 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         if tp_split:
             raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split} are also split by "
                             "tensor parallelism; one weight takes one split. Use ep=1 or tp=1.")
-        _rewrite(gm.graph, layer, e // ep, group)
+        all_to_all = all(m in local for m in layer.matmuls)
+        if all_to_all:
+            _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
+        else:
+            _rewrite(gm.graph, layer, e // ep, group)
         for w in layer.weights:
             if w not in split:
                 v = w.meta[ir.VAL]
@@ -109,7 +118,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         report.append({"module": layer.module, "experts": e, "per_rank": e // ep,
                        "rows": layer.rows, "weights": [w.meta[ir.FQN] for w in layer.weights],
                        "region": len(layer.region), "entering": len(layer.entering),
-                       "leaving": len(layer.leaving)})
+                       "leaving": len(layer.leaving),
+                       "dispatch": "all-to-all" if all_to_all else "gathered rows"})
     gm.graph.lint()
     gm.recompile()
     fake_propagate(gm, check=False)
@@ -427,3 +437,60 @@ def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> 
         for u in users:
             u.replace_input_with(y, whole)
 
+
+
+def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str,
+                        ep: int) -> None:
+    """The layer's rows are this dp rank's own (core/local_dispatch): each row tensor entering
+    the region is sent to its experts' ranks (fxpar::ep_dispatch: ep x its rows, those
+    received sorted by this rank's experts), the grouped matmuls run on the rank's experts
+    with the received counts, and each row tensor leaving comes back (fxpar::ep_combine).
+    The expert weights' gradients are then the ep group's rows' for this rank's experts:
+    partial over the groups (the dp pass sums them over "edp")."""
+    offs, rows = layer.offs, layer.rows
+    anchor = offs
+
+    def emit(target, *args, **kwargs):
+        nonlocal anchor
+        with graph.inserting_after(anchor):
+            n = _emit(graph, target, args, offs, kwargs=kwargs)
+        anchor = n
+        return n
+    route = emit(torch.ops.fxpar.ep_route.default, offs, per_rank, group)
+    received = emit(aten.sum.dim_IntList, emit(aten.select.int, route, 0, 1), [0])
+    local_offs = emit(aten._to_copy.default, emit(aten.cumsum.default, received, 0),
+                      dtype=torch.int32)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for m in layer.matmuls:
+        m.replace_input_with(offs, local_offs)
+        if layer.region[m] == 0:  # (rows past those received: zeros, not unwritten memory)
+            users = list(m.users)
+            with graph.inserting_after(m):
+                zeroed = _emit(graph, torch.ops.fxpar.ep_mask.default, (m, route), m)
+            for u in users:
+                u.replace_input_with(m, zeroed)
+            layer.region[zeroed] = 0
+            if m in layer.leaving:
+                layer.leaving[layer.leaving.index(m)] = zeroed
+    for n, r in layer.region.items():  # a view inside sized by the rows: the received ones
+        if n.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                        aten.expand.default) and r is not None and n.args[1][r] == rows:
+            size = list(n.args[1])
+            size[r] = ep * rows
+            n.args = (n.args[0], size, *n.args[2:])
+    for x in layer.entering:
+        users = [u for u in x.users if u in layer.region]
+        first = min(users, key=order.__getitem__)
+        with graph.inserting_before(first):
+            sent = _emit(graph, torch.ops.fxpar.ep_dispatch.default, (x, route, group), first)
+        phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
+        if phases:  # (a pipeline part: the first of its readers' to run)
+            sent.meta[ir.PHASE] = min(phases, key=_PHASES.index)
+        for u in users:
+            u.replace_input_with(x, sent)
+    for y in layer.leaving:
+        users = [u for u in y.users if u not in layer.region]
+        with graph.inserting_after(y):
+            back = _emit(graph, torch.ops.fxpar.ep_combine.default, (y, route, group), y)
+        for u in users:
+            u.replace_input_with(y, back)
