@@ -1239,7 +1239,21 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         tf, tb, tpc_f, tpc_b, share = timed[twins[r]]
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
-        if ep > 1:  # the expert matmuls over every dp rank's rows: 1/ep of them; the rows
+        if ep > 1 and stats.moe_local:  # the all-to-all dispatch: each rank's routed rows
+            # sent to their experts' ranks and back, forward and backward (two each way;
+            # an all-to-all moves what a ring reduce-scatter moves of its bytes), its experts
+            # run on as many rows as under plain dp (routing balanced); the host reads each
+            # exchange's counts
+            n_moe, f = sum(s.n_moe for s in segs), mbs / stats.rows
+            calls = max(1, 2 * round(n_moe))
+            epc_f = hw.comm("reduce_scatter", 2 * sum(s.ep_comm_f for s in segs) * f, ep,
+                            tp * pp * ep, calls=calls)
+            epc_b = hw.comm("reduce_scatter", 2 * sum(s.ep_comm_b for s in segs) * f, ep,
+                            tp * pp * ep, calls=calls)
+            nodes = 8 * n_moe * hw_graph.node_overhead  # (route, dispatches, masks, combines)
+            tf, tb = tf + nodes, tb + nodes
+            tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b
+        elif ep > 1:  # the expert matmuls over every dp rank's rows: 1/ep of them; the rows
             # leaving each MoE layer all-reduced over the ep group (neighbouring dp ranks)
             g = mbs * dp / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
@@ -1250,20 +1264,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                             tp * pp * ep, calls=max(1, round(n_moe)))
             bw = hw.mem_bandwidth / hw.roofline_scale
             nodes = 12 * n_moe * hw_graph.node_overhead  # (the window, moves and masks)
-            # (tf holds the experts' work on the rank's rows, or on every rank's where the
-            # dispatch is gathered under plain dp too: ep runs 1/ep of every rank's)
-            held = mbs / stats.rows if stats.moe_local else g
             tf = max(tf + sum(s.ep_bytes_f for s in segs) * g / bw + nodes
-                     + (g / ep - held) * sum(s.expert_flops_f for s in segs) / rate, 0.0)
+                     - (1 - 1 / ep) * sum(s.expert_flops_f for s in segs) * g / rate, 0.0)
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
-                     + (g / ep - held) * sum(s.expert_flops_b for s in segs) / rate, 0.0)
-            if stats.moe_local:  # ep's window needs every dp rank's rows: gathered over
-                # dp forward, their gradient reduce-scattered backward (plain dp keeps them
-                # on each rank; ep_comm: the rows leaving a layer, as wide as those entering)
-                epc_f += hw.comm("all_gather", sum(s.ep_comm_f for s in segs) * g, dp,
-                                 tp * pp * dp, calls=max(1, round(n_moe)))
-                epc_b += hw.comm("reduce_scatter", sum(s.ep_comm_b for s in segs) * g, dp,
-                                 tp * pp * dp, calls=max(1, round(n_moe)))
+                     - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         if cp > 1:  # every attention's keys and values gathered over the cp group
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
@@ -1354,10 +1358,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     # (an MoE's expert gradients computed from every dp rank's rows, gathered, are complete
     # on each rank: without ZeRO the dp pass reduces none of them. So under ep, and under
     # plain dp where the dispatch is not run on each rank's own rows)
+    # With the all-to-all dispatch (ep over rows run on each rank) they are the ep group's
+    # rows': summed over the dp ranks holding the same experts ("edp": dp / ep of them)
     share = _expert_share(rank_segs[worst], tp)  # (of its elements before ep's split)
-    gathered = ep > 1 or not stats.moe_local
-    n_reduced = n_elem * (1 - share) / (1 - share * (1 - 1 / ep)) \
-        if zero == 0 and share < 1 and gathered else n_elem
+    experts_elem = n_elem * share / ep / (1 - share * (1 - 1 / ep)) if share < 1 else n_elem
+    n_reduced = n_elem - experts_elem if zero == 0 and (ep > 1 or not stats.moe_local) \
+        else n_elem
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
     dpc = dp_fixed = gather = 0.0
     if dp > 1:
@@ -1386,6 +1392,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
         elif zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
+            if ep > 1 and stats.moe_local and dp > ep:  # (the experts' over "edp")
+                dpc += hw.comm("all_reduce", experts_elem * elem, dp // ep, span,
+                               calls=max(1, round(sum(s.n_moe for s in rank_segs[worst]))))
         else:  # (qgZ's all-to-all moves what a ring reduce-scatter moves of its bytes)
             dpc = hw.comm("reduce_scatter", wire_g, sdp, s_span, calls=buckets)
             # HSDP: each summed 1/sdp slice all-reduced across the replicas

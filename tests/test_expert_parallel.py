@@ -55,11 +55,16 @@ def test_finds_each_moe_layer_its_weights_and_region():
         assert sorted(y.meta[ir.REGION] for y in layer.leaving) == ["backward", "forward"]
 
 
-def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
+def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     """dp=2 x ep=2: each rank's program holds 2 of the 4 experts ([2, ...] weight inputs and
-    gradients); every grouped matmul takes the local offs of fxpar::expert_window; each
-    layer's rows are summed over the ep group once forward, once backward; the expert
-    gradients need no dp all-reduce (the rows were whole), the other weights' do."""
+    gradients). The dispatch runs on each rank's own rows (core/local_dispatch), so each
+    layer's counts go to fxpar::ep_route once, every grouped matmul takes the received
+    counts, each row tensor entering a layer is sent to its experts' ranks
+    (fxpar::ep_dispatch: forward hidden states, backward incoming gradient) and each one
+    leaving comes back (fxpar::ep_combine), its rows ep x the rank's own; nothing is
+    gathered or all-reduced over ep. The expert gradients hold every rank's rows of one ep
+    group, complete at dp = ep, summed over "edp" at dp=4 x ep=2; the other weights' over
+    dp. A dispatch that reads every row (a capacity) keeps the gathered window instead."""
     model, batch = _mixtral()
     prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "ep": 2, "fuse": False})
     sig, g = prog.signature, prog.graph.graph
@@ -73,26 +78,36 @@ def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
         if i in prog.expert_params:
             want = (want[0] // 2, *want[1:])
         assert tuple(p.meta[ir.VAL].shape) == tuple(want), sig.param_names[i]
-    mms = [n for n in g.nodes if n.target is aten._grouped_mm.default]
-    for m in mms:
-        offs = m.args[2]
-        assert offs.target is aten._to_copy.default and \
-            offs.args[0].args[0].target is torch.ops.fxpar.expert_window.default
-    sums = [n for n in g.nodes if n.target is c10d.all_reduce.default
-            and n.args[2] == ir.GROUPS["ep"]]
-    assert sorted(n.meta[ir.MODULE] for n in sums) == sorted(
-        [f"model.layers.{i}.mlp.experts" for i in range(2)] * 2)
+    fx = torch.ops.fxpar
+    for m in g.nodes:
+        if m.target is aten._grouped_mm.default:
+            offs = m.args[2]
+            assert offs.target is aten._to_copy.default
+            assert offs.args[0].args[0].args[0].args[0].target is fx.ep_route.default
+            if m.meta[ir.VAL].dim() == 2:  # (ep x this rank's 128 routed rows)
+                assert m.meta[ir.VAL].shape[0] == 2 * 8 * 16 * 2 // 2
+    count = {op: [n.meta[ir.MODULE] for n in g.nodes if n.target is op]
+             for op in (fx.ep_route.default, fx.ep_dispatch.default, fx.ep_combine.default)}
+    layers = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert sorted(count[fx.ep_route.default]) == layers
+    assert sorted(count[fx.ep_dispatch.default]) == sorted(count[fx.ep_combine.default]) == \
+        sorted(layers * 2)
+    assert not [n for n in g.nodes if n.target in (c10d.all_reduce.default,
+                                                    c10d.all_gather_into_tensor.default)
+                and n.args[-1] == ir.GROUPS["ep"] or "experts" in n.meta.get(ir.MODULE, "")
+                and n.target is c10d.all_gather_into_tensor.default]
+    assert [r["dispatch"] for r in prog.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
     out = next(n for n in g.nodes if n.op == "output")
     grads = out.args[0][1:1 + sig.num_params]
 
-    def reduced_over_dp(v):
+    def reduced_over_dp(v, group=ir.GROUPS["dp"]):
         seen, todo = set(), [v]
         while todo:
             n = todo.pop()
             if not isinstance(n, torch.fx.Node) or n in seen:
                 continue
             seen.add(n)
-            if n.target is c10d.all_reduce.default and n.args[2] == ir.GROUPS["dp"]:
+            if n.target is c10d.all_reduce.default and n.args[2] == group:
                 return True
             if n.target in (c10d.wait_tensor.default, operator.getitem, *ir.RESHAPES,
                             aten.split_with_sizes.default):
@@ -101,6 +116,19 @@ def test_rewrite_splits_the_experts_and_sums_rows_over_the_ep_group():
     assert not any(reduced_over_dp(grads[i]) for i in prog.expert_params)
     others = [i for i in range(sig.num_params) if i not in prog.expert_params]
     assert all(reduced_over_dp(grads[i]) for i in others if grads[i] is not None)
+    four = fxpar.compile(model, 4, example_batch=batch, plan={"dp": 4, "ep": 2, "fuse": False})
+    out4 = next(n for n in four.graph.graph.nodes if n.op == "output")
+    grads4 = out4.args[0][1:1 + sig.num_params]
+    assert all(reduced_over_dp(grads4[i], ir.GROUPS["edp"]) for i in four.expert_params)
+    assert all(reduced_over_dp(grads4[i]) for i in others if grads4[i] is not None)
+    capacity, batch_fn, loss_fn = workers.build("capacity_moe")
+    window = fxpar.compile(capacity, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           plan={"dp": 2, "ep": 2, "fuse": False})
+    assert [r["dispatch"] for r in window.graph.meta[ir.EP_REPORT]] == ["gathered rows"]
+    wg = window.graph.graph
+    assert any(n.target is fx.expert_window.default for n in wg.nodes)
+    assert len([n for n in wg.nodes if n.target is c10d.all_reduce.default
+                and n.args[2] == ir.GROUPS["ep"]]) == 2  # (its rows, each way)
     assert mesh_dims(prog.plan) == [("edp", 1), ("ep", 2)]
     # remat recomputes each layer's forward in the backward, with offs of its own: a layer
     # more each, reading the same (split) weights
@@ -194,7 +222,7 @@ def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
     with 1/ep of the experts' state per rank. On a Mixtral with 1024-wide experts over 8
-    H100s, plain dp (its dispatch on each rank's rows) against ep's gathered rows; a
+    H100s, plain dp against ep's all-to-all dispatch; a
     dense model gets no ep candidate, and a fixed ep is the only one priced (one the graph
     refuses: its reason)."""
     from fxpar.compiler import planner
@@ -233,23 +261,20 @@ def test_planner_prices_expert_parallelism():
         big = transformers.MixtralForCausalLM(cfg)
     ids = torch.randint(0, 4096, (8, 1024))
     stats = planner_stats(big, {"input_ids": ids, "labels": ids}, precision="bf16")
-    # plain dp runs each rank's own routed rows (core/local_dispatch) and all-reduces the
-    # expert gradients; ep's window gathers every rank's rows, computes 1/ep of them and
-    # sums them back over the group, holding 1/ep of the experts: as fast a compute, more
-    # traffic, so dp wins on an H100 and on a device 20x slower at matmuls; where a copy of
-    # every expert does not fit (dp is left only remat's recompute), ep wins
+    # the dispatch runs on each rank's own rows (core/local_dispatch), so plain dp computes
+    # 1/8 of the routed rows and all-reduces every expert's gradient over 8 ranks; ep sends
+    # each rank's rows to their experts' ranks and back (all-to-all: a few MB a layer) and
+    # sums its experts' gradients over dp/ep ranks: ep wins on an H100, and where a copy
+    # of every expert does not fit (dp is left only remat's recompute)
     assert stats.moe_local
     r = planner.search(stats, 8, hw, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
-    assert r.best.plan.ep == 1 and {c.plan.ep for c in r.table} == {1, 2, 4, 8}, r.format()
-    slow = dataclasses.replace(hw, peak_flops={k: v / 20 for k, v in hw.peak_flops.items()})
-    r = planner.search(stats, 8, slow, batch_rows=8, precision="bf16", executable=False,
-                       constraints=fixed)
-    assert r.best.plan.ep == 1, r.format()
+    assert r.best.plan.ep > 1 and {c.plan.ep for c in r.table} == {1, 2, 4, 8}, r.format()
     small = dataclasses.replace(hw, memory=int(1.6 * 2**30))
     r = planner.search(stats, 8, small, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
-    assert r.best.plan.ep > 1, r.format()
+    assert r.best.plan.ep > 1 and [c.step_s for c in r.table if c.plan.ep == 1][0] > \
+        3 * r.best.step_s, r.format()
     with pytest.raises(PlanError, match="Plan.ep=2: PlanError: .*no MoE layer"):
         planner.search(dataclasses.replace(stats, expert_counts=(), ep_refusal=(
             "PlanError: no MoE layer of grouped matmuls")), 8, hw, batch_rows=8,

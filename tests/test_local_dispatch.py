@@ -7,7 +7,6 @@ import operator
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fxpar
 from fxpar.compiler import planner
@@ -17,6 +16,7 @@ from fxpar.core.local_dispatch import G, Tag
 from fxpar.examples import zoo
 
 from test_parity import _check_plans
+from workers import CapacityMoE, capacity_loss as _capacity_loss
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -102,35 +102,6 @@ def _reduced_over_dp(v):
                         aten.split_with_sizes.default):
             todo.append(n.args[0])
     return False
-
-
-class CapacityMoE(torch.nn.Module):
-    """Top-1 routing with an expert capacity (Switch Transformer's): a pair's place in its
-    expert's queue, read from the sorted rows, drops those past `capacity`. Which pairs
-    drop depends on every row of the batch, so the dispatch cannot run on a rank's rows."""
-
-    def __init__(self, vocab=32, d=16, experts=4, capacity=40):
-        super().__init__()
-        self.experts, self.capacity = experts, capacity
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.gate = torch.nn.Linear(d, experts)
-        self.w = torch.nn.Parameter(torch.randn(experts, d, d) * 0.1)
-        self.head = torch.nn.Linear(d, vocab)
-
-    def forward(self, ids):
-        x = self.emb(ids).flatten(0, 1)
-        score, expert = self.gate(x).softmax(-1).max(-1)
-        ordered, perm = expert.sort()
-        counts = torch.histc(ordered.float(), bins=self.experts, min=0, max=self.experts - 1)
-        offs = counts.cumsum(0).to(torch.int32)
-        place = torch.arange(len(perm)) - (offs.long() - counts.long())[ordered]
-        rows = x[perm] * (place < self.capacity).unsqueeze(-1)
-        y = torch._grouped_mm(rows, self.w, offs) * score[perm].unsqueeze(-1)
-        return self.head(x + torch.zeros_like(x).index_put((perm,), y, accumulate=True))
-
-
-def _capacity_loss(model, batch):
-    return F.cross_entropy(model(batch["ids"]), batch["labels"].flatten())
 
 
 def test_a_capacity_over_the_sorted_rows_keeps_the_rows_gathered():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 import fxpar
 from fxpar.examples import models as M
@@ -46,7 +47,15 @@ def sized_zoo():
             # with the router's load-balancing loss in the loss (outside the experts)
             "mixtral_aux": (_mixtral_aux, _lm(), None),
             # right-padded rows: an attention mask and ignored labels on the padding
-            "hf_llama_padded": (M.hf_llama, _padded_lm, None)}
+            "hf_llama_padded": (M.hf_llama, _padded_lm, None),
+            # an MoE whose dispatch reads every row (a capacity): its rows stay gathered
+            "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss)}
+
+
+def _capacity_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return {"ids": torch.randint(0, 32, (GLOBAL_BATCH, 16), generator=g),
+            "labels": torch.randint(0, 32, (GLOBAL_BATCH, 16), generator=g)}
 
 
 def _padded_lm(step, vocab=128, seq=16):
@@ -1061,3 +1070,32 @@ def param_server_checkpoint_rank(plan, path, steps=2):
     after_save = run(steps)
     extra = pm.load(path)
     return after_save, run(steps), extra, pm.step_count
+
+
+class CapacityMoE(torch.nn.Module):
+    """Top-1 routing with an expert capacity (Switch Transformer's): a pair's place in its
+    expert's queue, read from the sorted rows, drops those past `capacity`. Which pairs
+    drop depends on every row of the batch, so the dispatch cannot run on a rank's rows."""
+
+    def __init__(self, vocab=32, d=16, experts=4, capacity=40):
+        super().__init__()
+        self.experts, self.capacity = experts, capacity
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.gate = torch.nn.Linear(d, experts)
+        self.w = torch.nn.Parameter(torch.randn(experts, d, d) * 0.1)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids).flatten(0, 1)
+        score, expert = self.gate(x).softmax(-1).max(-1)
+        ordered, perm = expert.sort()
+        counts = torch.histc(ordered.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offs = counts.cumsum(0).to(torch.int32)
+        place = torch.arange(len(perm)) - (offs.long() - counts.long())[ordered]
+        rows = x[perm] * (place < self.capacity).unsqueeze(-1)
+        y = torch._grouped_mm(rows, self.w, offs) * score[perm].unsqueeze(-1)
+        return self.head(x + torch.zeros_like(x).index_put((perm,), y, accumulate=True))
+
+
+def capacity_loss(model, batch):
+    return F.cross_entropy(model(batch["ids"]), batch["labels"].flatten())
