@@ -7,10 +7,12 @@ One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_m
 top-2 routing; sizes from the flags) under four plans, each from the same initial weights on
 the same batches with AdamW (lr 1e-3):
 
-    Plan(dp=world)             every rank holds every expert and computes every routed row
+    Plan(dp=world)             every rank holds every expert and computes its own routed rows;
+                               the expert gradients all-reduced
     Plan(dp=world, zero=3)     every weight (experts included) 1/world per rank, gathered
                                before its use forward and backward
-    Plan(dp=world, ep=world)   each rank holds world-th of the experts and computes their rows
+    Plan(dp=world, ep=world)   each rank holds world-th of the experts; the routed rows go to
+                               their experts' ranks and back by all-to-all
     Plan(tp=world)             the attention and dense layers split; the experts replicated
 
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory

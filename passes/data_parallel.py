@@ -278,7 +278,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
         if i not in partial:
             grads[i] = to_replicate(g)
     for members, (grp, n) in ((sorted(partial - split), (group, dp)),
-                              (sorted(split), experts)):
+                              (sorted(split), experts or (group, dp))):
         if n == 1:  # (one ep group: its rows are the step's, the gradients complete)
             continue
         for bucket in _buckets(graph, [grads[i] for i in members], bucket_bytes, n,

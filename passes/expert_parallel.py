@@ -1,29 +1,28 @@
 """Expert parallelism as a graph transformation, exact (Plan.ep).
 
-An MoE layer written as grouped matmuls (Hugging Face's default experts: the (token, expert)
-pairs sorted by expert, `offs` = each expert's end row, `aten._grouped_mm(rows, W[E, ...],
-offs)` up and down, and their backward on the same `offs`) is found on the joint graph by
-those matmuls. Under data parallelism the sort needs every rank's pairs, so the sharding
-engine makes the layer's rows whole on every dp rank (it gathers the routed tokens): each
-dp rank holds every expert and computes every row. Expert parallelism splits the experts
-over groups of ep neighbouring dp ranks (the "ep" group): rank r holds experts
-[r E/ep, (r+1) E/ep), whose rows are one contiguous run of the sorted rows. Its program
+An MoE layer written as grouped matmuls (Hugging Face's default experts, torchtitan's: the
+(token, expert) pairs sorted by expert, `offs` = each expert's end row, `aten._grouped_mm(rows,
+W[E, ...], offs)` up and down, and their backward on the same `offs`) is found on the joint
+graph by those matmuls. Expert parallelism splits the experts over groups of ep neighbouring
+dp ranks (the "ep" group): rank r holds experts [r E/ep, (r+1) E/ep) (the parameter is this
+rank's E/ep slice along dim 0). Two rewrites, by how the dp pass will run the layer:
 
-- moves that run to the front of each row tensor entering the layer's row-wise region (the
-  grouped matmuls and the activation between them, forward and backward): a gather by
-  `idx = arange(S) + start` (custom op fxpar::expert_window reads the rank's start and
-  local offs from the global offs: one graph for every rank),
-- runs the grouped matmuls on its experts' weights (the parameter is this rank's E/ep
-  slice along dim 0) with the local offs: rows past them are never computed,
-- and where a row tensor leaves the region, puts its run back in place, zeros elsewhere,
-  and all-reduces over the ep group: every row is made by exactly one rank.
-
-The expert weights' gradients are then this rank's experts' over every token of the step
-(the rows were whole), so they need no dp reduction; every other op is as it was. The cost:
-one all-reduce of the layer's rows each way (its output forward, its input's gradient
-backward), on top of the gathers data parallelism already makes; the gain: 1/ep of the
-expert weights, their gradients and optimizer state, and 1/ep of the expert matmuls, per
-rank.
+- all-to-all, where the dispatch runs on each dp rank's own rows (core/local_dispatch: the
+  sort, the histogram and the grouped matmuls over the rank's pairs): the layer's counts
+  are exchanged once (fxpar::ep_route), each row tensor entering the layer's row-wise
+  region (the grouped matmuls and the activation between them, forward and backward) is
+  sent to its experts' ranks (fxpar::ep_dispatch), the grouped matmuls run on the rows
+  received with their counts, and each row tensor leaving the region comes back
+  (fxpar::ep_combine). The expert gradients are the ep group's rows' for this rank's
+  experts: partial over the groups, summed over "edp" by the dp pass.
+- gathered rows, where the dispatch reads every row (a capacity over the sorted rows) and
+  the dp pass makes the rows whole on every dp rank: this rank's run of the sorted rows is
+  moved to the front of each row tensor entering the region (a gather by `idx = arange(S)
+  + start`; fxpar::expert_window reads the rank's start and local offs from the global
+  offs: one graph for every rank), the grouped matmuls run on it (rows past the local offs
+  are never computed), and where a row tensor leaves the region its run is put back in
+  place, zeros elsewhere, and all-reduced over the ep group: every row is made by exactly
+  one rank. The expert gradients are then complete (every token's), reduced by nobody.
 
 Other MoE forms (an experts loop over nn.ModuleList, batched matmuls over gathered
 weights) are refused by name: their experts are not one parameter to split.

@@ -68,8 +68,8 @@ def test_analysis_types_each_hf_mixtral_dispatch():
 def test_dp_runs_the_experts_on_each_ranks_rows():
     """dp=2: no all-gather in an MoE layer; each grouped matmul multiplies this rank's
     half of the routed rows; the expert weights' gradients are partial sums reduced over dp
-    like every other gradient. With ep=2 the layers stay gathered (its window needs every
-    rank's rows) and the expert gradients complete."""
+    like every other gradient. With ep=2 the same rows go to their experts' ranks by
+    all-to-all (tests/test_expert_parallel.py)."""
     model, batch = _mixtral()
     prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "fuse": False})
     g = prog.graph.graph
@@ -85,8 +85,9 @@ def test_dp_runs_the_experts_on_each_ranks_rows():
     experts = [i for i, name in enumerate(sig.param_names) if ".experts." in name]
     assert experts and all(_reduced_over_dp(grads[i]) for i in experts)
     ep = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "ep": 2, "fuse": False})
-    assert [n for n in ep.graph.graph.nodes if n.target is c10d.all_gather_into_tensor.default
-            and "experts" in n.meta.get(ir.MODULE, "")]
+    assert [r["dispatch"] for r in ep.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
+    assert not [n for n in ep.graph.graph.nodes if n.target is
+                c10d.all_gather_into_tensor.default and "experts" in n.meta.get(ir.MODULE, "")]
 
 
 def _reduced_over_dp(v):
