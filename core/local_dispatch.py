@@ -42,8 +42,9 @@ G = "G"  # the batch's own row order
 
 _SORTS = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable}
 _COUNTS = {aten.histc.default, aten.bincount.default}
-_COUNT_KEEP = {aten.cumsum.default, aten._to_copy.default, aten.clone.default,
-               aten.alias.default, aten.view.default, aten.select.int, aten.sum.dim_IntList}
+_COUNT_CHAIN = {aten.cumsum.default, aten._to_copy.default, aten.clone.default,
+                aten.alias.default, aten.view.default}  # (offs from counts: kept partial)
+_COUNT_KEEP = {*_COUNT_CHAIN, aten.select.int, aten.sum.dim_IntList}
 # expert parallelism's all-to-all dispatch (core/experts.py): rows sent to their experts'
 # ranks come back as rows in an order of their own (the dispatch's), and its combine puts
 # them back in the order the dispatch read
@@ -154,7 +155,7 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
             union(node, node.args[0])
             continue
         ins = [a for a in node.all_input_nodes if a in tags]
-        starts = node.target in _SORTS or node.target in _COUNTS
+        starts = node.target in _SORTS or node.target in _COUNTS or node.target is _EP_ROUTE
         if not starts and all(_is_exit(tags[a]) for a in ins):
             continue
         try:
@@ -182,7 +183,7 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
             matmul_roots.add(find(node))
         for a, how in entry.inputs.items():
             if how == "counts":  # offs made outside: its cumsum and casts run on local
-                while a.target in _COUNT_KEEP and a not in local:  # counts too
+                while a.target in _COUNT_CHAIN and a not in local:  # counts too
                     local[a] = Local(Tag("counts"), {})
                     tags[a] = local[a].out
                     parent.setdefault(a, a)
@@ -494,10 +495,10 @@ def _arange_from_zero(n) -> bool:
 def _expert_parallel(node, tags) -> Local:
     op, (x, route) = node.target, node.args[:2]
     tx, tr = tags.get(x), tags.get(route)
-    if op is _EP_ROUTE:
-        if tx is None or tx.kind != "counts":
+    if op is _EP_ROUTE:  # (offs made outside a dispatch: checked partial, as a matmul's)
+        if tx is not None and tx.kind != "counts":
             raise _Untyped
-        return Local(Tag("counts"), {})
+        return Local(Tag("counts"), {} if tx is not None else {x: "counts"})
     if tr is None or tr.kind != "counts" or tx is None or tx.kind != "rows" or \
             tx.dim != 0 or tx.ptr is not None or tx.order == G:
         raise _Untyped

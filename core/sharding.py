@@ -512,6 +512,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     sh = _Sharder(gm.graph, mesh, list(group_names))
     if local_dispatch and len(sh.mesh_sizes) == 1:
         sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names)
+        sh.local_only = True
     for node in list(gm.graph.nodes):
         if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
             continue
@@ -682,6 +683,7 @@ class _Sharder:
         self.split_sequence = self.regather = False  # context parallelism: see shard_graph
         self.prefer: dict = {}
         self.local: dict = {}      # an MoE dispatch run on local rows: see local_dispatch
+        self.local_only = False    # ... and expert parallelism's ops only there
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
@@ -777,7 +779,7 @@ class _Sharder:
             return self.propagate_rng_replay(node)
         if node in self.local:
             return _local_dispatch.rule(self, node, self.local[node])
-        if node.target in _local_dispatch.RANK_ROWS_OPS:
+        if node.target in _local_dispatch.RANK_ROWS_OPS and self.local_only:
             raise ShardingError(
                 f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
                 "expert parallelism's all-to-all dispatch reads each dp rank's own rows, but "
