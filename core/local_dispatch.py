@@ -400,8 +400,10 @@ def _pointwise(node, tags) -> Local:
     d = dims.pop()
     order = orders.pop() if orders else None
     ptr = ptrs.pop() if ptrs else None
-    if ptr is not None and node.target not in _POINTER_KEEP:
-        raise _Untyped  # (arithmetic on row positions beyond pair -> token)
+    if ptr is not None and (node.target not in _POINTER_KEEP or any(
+            isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0
+            for a in node.all_input_nodes if a not in tags)):
+        raise _Untyped  # (arithmetic on row positions beyond pair -> token, by a number)
     rows = out.shape[d]
     for a in node.all_input_nodes:
         if a in tags:

@@ -105,6 +105,24 @@ def _reduced_over_dp(v):
     return False
 
 
+def test_torchtitans_counts_made_outside_the_dispatch_are_checked_partial():
+    """torchtitan's MoE counts tokens per expert as a one-hot summed over the batch, outside
+    the dispatch, and scatters back with its own op: the analysis takes those counts only
+    where DTensor's rules make them partial sums (a dry run), so without that check nothing
+    runs locally, and with it every grouped matmul does."""
+    pytest.importorskip("torchtitan")
+    from fxpar.core.sharding import batch_local_dispatch
+    from fxpar.examples import external_zoo
+    model, spec = external_zoo.build("titan_qwen3_moe")
+    gm, _ = capture(model, spec.batch(0), lambda m, b: external_zoo.loss_of(m, spec, b))
+    assert local_dispatch.analyze(gm, 2) == {}
+    found = batch_local_dispatch(gm, 2)
+    mms = _grouped_mms(gm.graph)
+    assert mms and all(m in found for m in mms)
+    scatters = [n for n in found if "deterministic_scatter_add" in str(n.target)]
+    assert scatters and all(found[n].out == Tag("rows", 0, G) for n in scatters)
+
+
 def test_a_capacity_over_the_sorted_rows_keeps_the_rows_gathered():
     """CapacityMoE: the queue places index the counts by the sorted ids, which the analysis
     cannot type; the dispatch is left to DTensor's rules (the routed rows gathered, exact)."""
