@@ -48,7 +48,7 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
           "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole",
           "bytes_f_whole", "bytes_b_whole", "saved_whole", "expert_params", "expert_flops_f",
-          "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b")
+          "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b", "ep_saved")
 
 
 @dataclasses.dataclass
@@ -96,6 +96,8 @@ class Segment:
     ep_comm_b: float = 0.0
     ep_bytes_f: float = 0.0      # ... and the bytes its row moves and masks read and write
     ep_bytes_b: float = 0.0
+    ep_saved: float = 0.0        # the MoE layers' row values the backward reads (an ep
+    #                              rank's all-to-all buffer holds ep x its rows of them)
     n_moe: int = 0
     # context parallelism (planner.context_stats): each attention's FLOPs (forward, backward),
     # the bytes of its keys and values (gathered over the cp group forward, their gradients

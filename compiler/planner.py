@@ -384,7 +384,7 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "params_split": "p", "n_row": "f", "n_param_tensors": "p",
              "expert_params": "p", "expert_flops_f": "f", "expert_flops_b": "b",
              "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
-             "n_moe": "f"}
+             "ep_saved": "saved", "n_moe": "f"}
 
 
 def _stage_shares(gm, stats: GraphStats, n: int) -> dict[str, dict[str, list[float]]]:
@@ -1185,6 +1185,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
             states[key] = mem, saved
         mem, rec = with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
+        if ep > 1 and stats.moe_local:  # the all-to-all buffers: ep x the rank's routed
+            # rows (static in shape: as many as it could receive), kept for the backward
+            mem.activations += (ep - 1) * sum(s.ep_saved for s in rank_segs[r]) * \
+                mbs / stats.rows
         if cp > 1 and remat == "none":  # the gathered keys and values the backward reads:
             # whole for the rank's rows, where its share of the tokens was priced (with remat
             # on, the backward gathers them again instead)
@@ -1619,6 +1623,10 @@ def expert_stats(stats: GraphStats, gm) -> None:
         # what the rewrite adds: each entering row tensor gathered (read + write), each
         # leaving one gathered back and masked (4 passes), each grouped matmul's rows masked
         # (read + write)
+        seg.ep_saved += sum(cost.tensor_bytes(n.meta[ir.VAL]) for n, r in layer.region.items()
+                            if r is not None and n.meta.get(ir.REGION) == ir.FORWARD
+                            and isinstance(n.meta.get(ir.VAL), torch.Tensor)
+                            and any(u.meta.get(ir.REGION) == ir.BACKWARD for u in n.users))
         for nodes, passes in ((layer.entering, 2), (layer.leaving, 4),
                               ([m for m in layer.matmuls if layer.region[m] == 0], 2)):
             for y in nodes:
