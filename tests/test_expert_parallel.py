@@ -279,3 +279,33 @@ def test_planner_prices_expert_parallelism():
         planner.search(dataclasses.replace(stats, expert_counts=(), ep_refusal=(
             "PlanError: no MoE layer of grouped matmuls")), 8, hw, batch_rows=8,
             executable=False, constraints={**fixed, "ep": 2})
+
+
+def _all_to_all_rank():
+    from fxpar.core import experts  # noqa: F401  (registers fxpar::ep_*)
+    from fxpar.runtime import dist as rdist
+    fx = torch.ops.fxpar
+    world = rdist.setup(2, [("edp", 1), ("ep", 2)])
+    rank, group = world.rank, world.group_name("ep")
+    # 4 experts over 2 ranks (2 each); rank 0 routes 1, 0, 3, 2 rows to experts 0-3, rank 1
+    # 0, 2, 1, 3 (uneven, one expert empty on one side); rows sorted by expert, tagged
+    counts = [[1, 0, 3, 2], [0, 2, 1, 3]][rank]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.cat([torch.full((c, 2), 100.0 * rank + e) for e, c in enumerate(counts)])
+    route = fx.ep_route(offs, 2, group)
+    got = fx.ep_dispatch(x, route, group)
+    back = fx.ep_combine(got * 2, route, group)
+    return route.tolist(), got[:, 0].tolist(), torch.equal(back, 2 * x)
+
+
+def test_all_to_all_ops_send_rows_to_their_experts_and_back():
+    """fxpar::ep_route / ep_dispatch / ep_combine on 2 gloo ranks with uneven counts: each
+    rank receives its experts' rows sorted by expert (rank 0's rows first within each), zeros
+    after them in ep x its rows; the combine returns every row to its own rank and place."""
+    out = fxpar.launch(_all_to_all_rank, 2)
+    (route0, got0, ok0), (route1, got1, ok1) = out[0], out[1]
+    assert route0 == [[[1, 0], [3, 2]], [[1, 0], [0, 2]]]
+    assert route1 == [[[0, 2], [1, 3]], [[3, 2], [1, 3]]]
+    assert got0 == [0.0, 101.0, 101.0] + [0.0] * 9  # expert 0: rank 0's; 1: rank 1's
+    assert got1 == [2.0, 2.0, 2.0, 102.0, 3.0, 3.0, 103.0, 103.0, 103.0] + [0.0] * 3
+    assert ok0 and ok1
