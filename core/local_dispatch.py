@@ -101,7 +101,7 @@ class Local:
 
 
 class _Untyped(Exception):
-    pass
+    """An op that cannot run on a rank's own rows (its dispatch keeps DTensor's rules)."""
 
 
 def _val(n):
@@ -335,7 +335,7 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         if dim % out.dim() != 0:
             raise _Untyped
         return _write(node, tags, dst, idx, src)
-    if getattr(op, "_name", None) == _TITAN_SCATTER:  # (torchtitan's deterministic scatter_add: dim 0)
+    if getattr(op, "_name", None) == _TITAN_SCATTER:
         return _write(node, tags, *args[:3])
     if op in _ELEMENTWISE or (isinstance(op, torch._ops.OpOverload)
                               and torch.Tag.pointwise in op.tags):
