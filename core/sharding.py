@@ -510,6 +510,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     (core/local_dispatch.py) instead of gathering them.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
+    sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
+    sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
     if local_dispatch and len(sh.mesh_sizes) == 1:
         sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names)
         sh.local_only = True

@@ -371,11 +371,10 @@ def _emit(graph, target, args, like, region=None, kwargs=None):
     return n
 
 
-def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> None:
-    offs, rows = layer.offs, layer.rows
-    dev = _val(offs).device
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    anchor = offs  # the window's nodes go right after offs, in order
+def _after(graph: torch.fx.Graph, offs: torch.fx.Node):
+    """emit(target, *args, **kwargs): a node after offs (then after the last emitted), placed
+    as offs is."""
+    anchor = offs
 
     def emit(target, *args, **kwargs):
         nonlocal anchor
@@ -383,6 +382,14 @@ def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> 
             n = _emit(graph, target, args, offs, kwargs=kwargs)
         anchor = n
         return n
+    return emit
+
+
+def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> None:
+    offs, rows = layer.offs, layer.rows
+    dev = _val(offs).device
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    emit = _after(graph, offs)  # the window's nodes go right after offs, in order
     window = emit(torch.ops.fxpar.expert_window.default, offs, per_rank, group)
     start = emit(aten.select.int, window, 0, 0)
     count = emit(aten.select.int, window, 0, per_rank)
@@ -447,14 +454,7 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
     The expert weights' gradients are then the ep group's rows' for this rank's experts:
     partial over the groups (the dp pass sums them over "edp")."""
     offs, rows = layer.offs, layer.rows
-    anchor = offs
-
-    def emit(target, *args, **kwargs):
-        nonlocal anchor
-        with graph.inserting_after(anchor):
-            n = _emit(graph, target, args, offs, kwargs=kwargs)
-        anchor = n
-        return n
+    emit = _after(graph, offs)
     route = emit(torch.ops.fxpar.ep_route.default, offs, per_rank, group)
     received = emit(aten.sum.dim_IntList, emit(aten.select.int, route, 0, 1), [0])
     local_offs = emit(aten._to_copy.default, emit(aten.cumsum.default, received, 0),

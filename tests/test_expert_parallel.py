@@ -2,7 +2,6 @@
 joint graph, the rewrite (which weights split, where rows move and are summed, which
 collectives appear), the plans it refuses, and training on gloo ranks against eager."""
 import dataclasses
-import operator
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from fxpar.examples import zoo
 from fxpar.passes import expert_parallel
 
 import workers
+from test_local_dispatch import reduced_over
 from test_parity import _check_plans
 from workers import clip_eager_reference, clip_rank
 
@@ -92,35 +92,21 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     assert sorted(count[fx.ep_route.default]) == layers
     assert sorted(count[fx.ep_dispatch.default]) == sorted(count[fx.ep_combine.default]) == \
         sorted(layers * 2)
-    assert not [n for n in g.nodes if n.target in (c10d.all_reduce.default,
-                                                    c10d.all_gather_into_tensor.default)
-                and n.args[-1] == ir.GROUPS["ep"] or "experts" in n.meta.get(ir.MODULE, "")
-                and n.target is c10d.all_gather_into_tensor.default]
+    assert not [n for n in g.nodes if (n.target is c10d.all_reduce.default
+                                       and n.args[-1] == ir.GROUPS["ep"])
+                or (n.target is c10d.all_gather_into_tensor.default
+                    and "experts" in n.meta.get(ir.MODULE, ""))]
     assert [r["dispatch"] for r in prog.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
     out = next(n for n in g.nodes if n.op == "output")
     grads = out.args[0][1:1 + sig.num_params]
-
-    def reduced_over_dp(v, group=ir.GROUPS["dp"]):
-        seen, todo = set(), [v]
-        while todo:
-            n = todo.pop()
-            if not isinstance(n, torch.fx.Node) or n in seen:
-                continue
-            seen.add(n)
-            if n.target is c10d.all_reduce.default and n.args[2] == group:
-                return True
-            if n.target in (c10d.wait_tensor.default, operator.getitem, *ir.RESHAPES,
-                            aten.split_with_sizes.default):
-                todo.append(n.args[0])
-        return False
-    assert not any(reduced_over_dp(grads[i]) for i in prog.expert_params)
+    assert not any(reduced_over(grads[i]) for i in prog.expert_params)
     others = [i for i in range(sig.num_params) if i not in prog.expert_params]
-    assert all(reduced_over_dp(grads[i]) for i in others if grads[i] is not None)
+    assert all(reduced_over(grads[i]) for i in others if grads[i] is not None)
     four = fxpar.compile(model, 4, example_batch=batch, plan={"dp": 4, "ep": 2, "fuse": False})
     out4 = next(n for n in four.graph.graph.nodes if n.op == "output")
     grads4 = out4.args[0][1:1 + sig.num_params]
-    assert all(reduced_over_dp(grads4[i], ir.GROUPS["edp"]) for i in four.expert_params)
-    assert all(reduced_over_dp(grads4[i]) for i in others if grads4[i] is not None)
+    assert all(reduced_over(grads4[i], ir.GROUPS["edp"]) for i in four.expert_params)
+    assert all(reduced_over(grads4[i]) for i in others if grads4[i] is not None)
     capacity, batch_fn, loss_fn = workers.build("capacity_moe")
     window = fxpar.compile(capacity, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
                            plan={"dp": 2, "ep": 2, "fuse": False})

@@ -83,21 +83,23 @@ def test_dp_runs_the_experts_on_each_ranks_rows():
     out = next(n for n in g.nodes if n.op == "output")
     grads = out.args[0][1:1 + sig.num_params]
     experts = [i for i, name in enumerate(sig.param_names) if ".experts." in name]
-    assert experts and all(_reduced_over_dp(grads[i]) for i in experts)
+    assert experts and all(reduced_over(grads[i]) for i in experts)
     ep = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "ep": 2, "fuse": False})
     assert [r["dispatch"] for r in ep.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
     assert not [n for n in ep.graph.graph.nodes if n.target is
                 c10d.all_gather_into_tensor.default and "experts" in n.meta.get(ir.MODULE, "")]
 
 
-def _reduced_over_dp(v):
+def reduced_over(v, group=ir.GROUPS["dp"]):
+    """Whether gradient output `v` comes from an all-reduce over `group` (through waits,
+    bucket views and splits)."""
     seen, todo = set(), [v]
     while todo:
         n = todo.pop()
         if not isinstance(n, torch.fx.Node) or n in seen:
             continue
         seen.add(n)
-        if n.target is c10d.all_reduce.default and n.args[2] == ir.GROUPS["dp"]:
+        if n.target is c10d.all_reduce.default and n.args[2] == group:
             return True
         if n.target in (c10d.wait_tensor.default, operator.getitem, *ir.RESHAPES,
                         aten.split_with_sizes.default):
