@@ -21,7 +21,9 @@ transpose, view, split or reduce along other dims). A value in a sort's order, o
 pointer, may reach only ops so typed; a dispatch (the values connected through them) whose
 ops all type, with at least one grouped matmul, is run locally by `rule`: rows split along
 their row dim, counts and weight gradients partial, factories sized to the local rows.
-Anything else (a capacity computed over the sorted rows, expert parallelism's windows)
+Expert parallelism's all-to-all ops (core/experts.py) type too: the rows a dispatch receives
+are in its route's own order, its combine's back in the order the dispatch read. Anything
+else (a capacity computed over the sorted rows, expert parallelism's windows)
 keeps DTensor's rules, and with them the gathered rows.
 """
 from __future__ import annotations
