@@ -14,6 +14,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.core import ir, sharding
+from fxpar.core.ir import ancestors
 from fxpar.core.errors import PassError, ShardingError
 from fxpar.core.sharding import Partial, Shard
 
@@ -233,17 +234,6 @@ def summed_buffer_updates(gm: torch.fx.GraphModule, sig: ir.GraphSignature) -> l
         addends[k] = other
     summed = _row_sums(gm, list(addends.values()), rows) if addends else set()
     return [k in addends and addends[k] in summed for k in range(n_mut)]
-
-
-def ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
-    """`nodes` and every node they read, transitively."""
-    seen, stack = set(), list(nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def packing(start: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:

@@ -50,6 +50,17 @@ COUNTER_DTYPE = "dtype"  # set by data_parallel on the microbatch loss counter (
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
 
 
+def ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`nodes` and every node they read, transitively."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def layer_of(module_path: str) -> str:
     """The layer a module belongs to: its path up to the first numeric index
     (`transformer.h.3.mlp.c_fc` -> `transformer.h.3`); a module outside the repeated blocks

@@ -209,15 +209,8 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
         for a, readers in outside.items():
             if tuple(pl.get(a) or ()) != (Partial("sum"),):
                 bad.update(find(m) for m in readers)
-    keep = {}
-    for node, entry in local.items():
-        root = find(node)
-        if root in bad or root not in matmul_roots or not _splits(node, entry, n):
-            continue
-        keep[node] = entry
-    roots_ok = {find(x) for x in keep}
-    dropped = {find(x) for x in local if x not in keep}
-    return {x: e for x, e in keep.items() if find(x) in roots_ok - dropped}
+    bad.update(find(x) for x, e in local.items() if not _splits(x, e, n))
+    return {x: e for x, e in local.items() if find(x) in matmul_roots and find(x) not in bad}
 
 
 def _splits(node, entry, n) -> bool:
@@ -304,7 +297,7 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
             dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
         if dim % _val(args[0]).dim() == t.dim:
             raise _Untyped
-        return Local(t if op is aten.slice.Tensor else t, {})
+        return Local(t, {})
     if op is aten.cat.default:
         xs, dim = args[0], args[1] if len(args) > 1 else 0
         got = [tags.get(x) for x in xs]

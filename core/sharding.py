@@ -30,6 +30,7 @@ from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 
 from fxpar.core import ir
+from fxpar.core.ir import ancestors
 from fxpar.core import local_dispatch as _local_dispatch
 from fxpar.core.errors import ShardingError
 
@@ -553,7 +554,8 @@ def local_dispatch_nodes(gm, mesh, placeholder_placements, group_names) -> dict:
         warned, level = set(_WARNED_NO_RULE), log.level
         log.setLevel(logging.ERROR)  # (the real run says what runs on whole inputs)
         try:
-            specs, _ = dry_run(gm, mesh, placeholder_placements, group_names, region=None)
+            specs, _ = dry_run(gm, mesh, placeholder_placements, group_names, region=None,
+                               only=ancestors(nodes))
         finally:
             log.setLevel(level)
             _WARNED_NO_RULE.intersection_update(warned)
@@ -583,7 +585,8 @@ def _is_partial(placements) -> bool:
 
 def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
             group_names: Sequence[str], region: str | None = ir.FORWARD, decide=None,
-            reduce_shared_partials: bool = False, split_random_ops: bool = False):
+            reduce_shared_partials: bool = False, split_random_ops: bool = False,
+            only: set | None = None):
     """What shard_graph would do, without changing `gm` (it shards a copy of the graph).
 
     Returns (specs, requests): the placements of every visited node of `gm`, and every
@@ -593,7 +596,8 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
     pending (placeholders mapped to None in `placeholder_placements`): lazy decisions, e.g.
     a weight's placement chosen when its matmul sees how the activation arrives. A pending
     placeholder left undecided blocks the nodes that read it (they are not visited).
-    split_random_ops: as shard_graph's (a dropout on a split value keeps it split)."""
+    split_random_ops: as shard_graph's (a dropout on a split value keeps it split). only: the
+    nodes of `gm` to visit (None: all)."""
     g2 = torch.fx.Graph()
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     g2.output(g2.graph_copy(gm.graph, val_map))
@@ -629,7 +633,8 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
     for node in list(g2.nodes):
         if node.op in ("placeholder", "output") or node not in back or node._erased:
             continue
-        if region is not None and node.meta.get(ir.REGION) != region:
+        if (region is not None and node.meta.get(ir.REGION) != region) or (
+                only is not None and back[node] not in only):
             continue
         if decide is not None and node.op == "call_function":
             for name, pl in (decide(back[node], specs_view) or {}).items():

@@ -39,7 +39,8 @@ import torch.fx
 from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
 from fxpar.core.errors import BatchError, PlanError, ShardingError
-from fxpar.core.graphs import ancestors, copy_graph, fake_propagate, packing
+from fxpar.core.graphs import copy_graph, fake_propagate, packing
+from fxpar.core.ir import ancestors
 from fxpar.core.mean_loss import exact_mean_loss, mean_nll_loss, target_count_program
 from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)

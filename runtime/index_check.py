@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from fxpar.core import ir
-from fxpar.core.graphs import ancestors
+from fxpar.core.ir import ancestors
 
 aten = torch.ops.aten
 _WORDS = ("index out of range", "index out of bounds", "out of bounds", "indices out of")
