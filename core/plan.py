@@ -384,13 +384,12 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple) -> tuple[
 def ep_misfit(plan: "Plan") -> str | None:
     """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    ep, why = _carved_misfit(plan, "ep", "the experts", (("zero", plan.zero, 0),))
+    ep, why = _carved_misfit(plan, "ep", "the experts", ())
     if why is None or why.startswith("Plan."):
         return why
-    return (f"Plan.ep={ep} runs with dp, tp and pp, but not yet with ZeRO (the expert weights "
-            f"differ across an ep group, so ZeRO's shards over the dp group do not hold "
-            f"them), ps, HSDP, hpZ or gradient compression; {why}. Drop those fields, or use "
-            "ep=1 (the experts are then ZeRO-sharded or replicated like any weight).")
+    return (f"Plan.ep={ep} runs with dp, tp, pp and ZeRO, but not yet with ps, HSDP, hpZ or "
+            f"gradient compression; {why}. Drop those fields, or use ep=1 (the experts are "
+            "then ZeRO-sharded or replicated like any weight).")
 
 
 def cp_misfit(plan: "Plan") -> str | None:

@@ -26,6 +26,12 @@ HSDP (`Plan.dp_shard` < dp): ZeRO's collectives run within a shard group of dp_s
 (reduce-scatters, ZeRO-3's all-gathers) and each summed shard is all-reduced across the
 dp // dp_shard replicas (`_ZeroGroups`); the batch's own collectives (loss, batch statistics)
 stay on the whole dp group.
+
+Expert parallelism (`Plan.ep`): an ep group's ranks hold different experts, so an expert
+weight is shared only by the dp // ep ranks holding the same experts ("edp"). Its gradient is
+summed there, and ZeRO shards it there (DeepSpeed's expert-data-parallel ZeRO, torchtitan's
+FSDP of experts over dp_shard_mod_ep): expert buckets and ZeRO-3 units never mix with the
+others, each reduced, sharded and gathered over its own group.
 """
 from __future__ import annotations
 
@@ -141,6 +147,23 @@ class _ZeroGroups:
         return cls(group_names["dp_shard"], s, group_names["dp_rep"], dp // s)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Experts:
+    """Expert parallelism's expert weights (parameter indices) and the group they are
+    reduced and ZeRO-sharded over: the dp // ep ranks holding the same experts ("edp")."""
+    params: frozenset
+    zg: _ZeroGroups
+
+    def classes(self, indices, zg: _ZeroGroups) -> list[tuple[list, _ZeroGroups]]:
+        """`indices` split into (the others, over `zg`), (the experts, over "edp")."""
+        return [([i for i in indices if i not in self.params], zg),
+                ([i for i in indices if i in self.params], self.zg)]
+
+
+def _classes(indices, zg: _ZeroGroups, experts: _Experts | None):
+    return experts.classes(indices, zg) if experts else [(list(indices), zg)]
+
+
 def _across_replicas(graph, shard, zg: _ZeroGroups):
     """HSDP: this shard group's summed shard all-reduced over the replicas (the whole dp
     group's sum); the shard itself without HSDP."""
@@ -189,10 +212,11 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
     zg = _ZeroGroups.of(options, ctx.group_names)
     ep = options.ep or 1
+    experts = _Experts(frozenset(gm.meta.get(ir.EXPERT_PARAMS) or ()),
+                       _ZeroGroups(ctx.group_names["edp"], dp // ep)) if ep > 1 else None
     _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
                     quantized="gradients" in options.comm_quantization, zero_groups=zg,
-                    rows=(row_group, rows),
-                    experts=(ctx.group_names["edp"], dp // ep) if ep > 1 else None)
+                    rows=(row_group, rows), experts=experts)
     if rows > 1:
         exact_mean_loss(gm.graph, row_group, rows)
     if options.zero == 3:
@@ -201,7 +225,7 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
         _gather_params_before_use(gm, zg.group, zg.n, keep_tail=options.microbatches == 1,
                                   quantized="weights" in options.comm_quantization,
                                   secondary=(ctx.group_names["dp_shard"], options.hpz)
-                                  if options.hpz else None)
+                                  if options.hpz else None, experts=experts)
         gm.meta[ir.PARAMS_SHARDED] = True
     for n in gm.graph.nodes:  # batch placeholders now hold local shards
         if n.name in placements:
@@ -236,15 +260,15 @@ def _partial_gradients(gm, row_group: str, rows: int) -> None:
 
 def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
                     zero_groups: _ZeroGroups, rows: tuple[str, int] | None = None,
-                    experts: tuple[str, int] | None = None):
+                    experts: _Experts | None = None):
     """Loss -> Replicate (all-reduce), gradients -> bucketed all-reduce, buffers -> Replicate.
     With ZeRO (1, 2) the gradient outputs are this rank's shard of each flat bucket (over
     `zero_groups`: the whole dp group unless HSDP); `quantized` (ZeRO-2/3,
     Plan.comm_quantization): reduce-scattered as int4 (qgZ). `rows`: the (group, size) the
     batch's rows split over, where the loss and buffers are reduced (the dp group unless
-    context parallelism splits the sequence over part of it). `experts`: the (group, size)
-    across expert parallelism's groups ("edp"): an expert gradient left partial (the
-    all-to-all dispatch: the ep group's rows for this rank's experts) is summed there."""
+    context parallelism splits the sequence over part of it). `experts` (ep): an expert
+    gradient left partial (the all-to-all dispatch: the ep group's rows for this rank's
+    experts) is summed over its "edp" group, and with ZeRO sharded there."""
     row_group, rows = rows or (group, dp)
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
@@ -267,19 +291,17 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
     order = {n: i for i, n in enumerate(graph.nodes)}
     if zero:
         grads = _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
-                                    gm.meta, profile, quantized, zero_groups)
+                                    gm.meta, profile, quantized, zero_groups, experts)
         out.meta[ir.N_GRADS] = len(grads)
         out.args = ((loss, *grads, *bufs),)
         return
     # gradients: Partial(sum) ones go in buckets; anything else is redistributed on its own
     partial = {i for i, g in enumerate(grads)
                if g is not None and g.meta.get(ir.SHARD) == (Partial("sum"),)}
-    split = set(gm.meta.get(ir.EXPERT_PARAMS) or ()) & partial if experts else set()
     for i, g in enumerate(grads):
         if i not in partial:
             grads[i] = to_replicate(g)
-    for members, (grp, n) in ((sorted(partial - split), (group, dp)),
-                              (sorted(split), experts or (group, dp))):
+    for members, (grp, n) in _classes(sorted(partial), _ZeroGroups(group, dp), experts):
         if n == 1:  # (one ep group: its rows are the step's, the gradients complete)
             continue
         for bucket in _buckets(graph, [grads[i] for i in members], bucket_bytes, n,
@@ -484,80 +506,106 @@ def _only_through(loss, nll) -> bool:
 
 
 def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out, decided,
-                        profile, quantized, zg: _ZeroGroups):
+                        profile, quantized, zg: _ZeroGroups, experts: _Experts | None = None):
     """ZeRO-1: all-reduce each flat bucket, keep this rank's 1/n slice. ZeRO-2:
     reduce-scatter it (each rank receives only its summed slice: half the bytes of an
     all-reduce, and no full-size reduced gradient), then (HSDP) all-reduce the slice across
-    the replicas. n: the ranks `zg` shards over. Returns one shard node per bucket and
+    the replicas. n: the ranks `zg` shards over (expert weights: `experts.zg`'s; a bucket of
+    one rank's shard is its whole, no collective). Returns one shard node per bucket and
     records the bucket layout in decided[ir.ZERO_BUCKETS] (the graph module's meta)."""
     with_grad = [i for i, g in enumerate(grads) if g is not None]
-    for i in with_grad:  # everything in a bucket must be a partial sum
-        pl = grads[i].meta.get(ir.SHARD)
-        if pl != (Partial("sum"),):
-            with graph.inserting_before(out):
-                grads[i] = redistribute(graph, grads[i], pl, (Partial("sum"),), [group], [dp],
-                                        {ir.MODULE: grads[i].meta.get(ir.MODULE, ""),
-                                         ir.REGION: ir.COMM})
+    for members, czg in _classes(with_grad, _ZeroGroups(group, dp), experts):
+        for i in members:  # everything in a bucket must be a partial sum
+            pl = grads[i].meta.get(ir.SHARD)
+            if pl != (Partial("sum"),):
+                with graph.inserting_before(out):
+                    grads[i] = redistribute(graph, grads[i], pl, (Partial("sum"),),
+                                            [czg.group], [czg.n],
+                                            {ir.MODULE: grads[i].meta.get(ir.MODULE, ""),
+                                             ir.REGION: ir.COMM})
     # positions again: the redistributions above are new nodes (all after the old ones; a
     # bucket of two of them placed after the first one read the second before it existed)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    classes = _classes(with_grad, zg, experts)
     if zero == 3:
-        return _reduce_scatter_by_layer(graph, grads, with_grad, zg, order, out, decided,
-                                        quantized)
+        return _reduce_scatter_by_layer(graph, grads, classes, order, out, decided, quantized)
     shards = []
     decided[ir.ZERO_BUCKETS] = []
-    n = zg.n
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
-    for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, n, target,
-                           profile):
-        idx = [with_grad[j] for j in bucket]
-        decided[ir.ZERO_BUCKETS].append(idx)
-        members = [grads[i] for i in idx]
-        segments = _row_segments(members, n) if quantized else None
-        with graph.inserting_before(_after_last(members, order)):
-            flat = _flat_bucket(graph, members, multiple_of=n)
-            if quantized:
-                done = _start_quantized_reduce_scatter(graph, flat, segments, n, zg.group)
-            else:  # (ZeRO-1: the whole dp group's all-reduce, then this rank's slice)
-                started = _emit(graph, target, (flat, "sum", n, zg.group) if zero >= 2 else
-                                (flat, "sum", group))
-                done = _emit(graph, c10d.wait_tensor.default, (started,))
-                if zero >= 2:
-                    done = _across_replicas(graph, done, zg)
-        if quantized:
-            with graph.inserting_before(out):
-                shard = _across_replicas(graph, _quantized_shard(
-                    graph, done, segments, n, members[0].meta[ir.VAL].dtype), zg)
-        elif zero >= 2:
-            shard = done
-        else:
-            with graph.inserting_before(out):
-                shard = _emit(graph, torch.ops.fxpar.local_chunk.default, (done, 0, n, zg.group))
-        shard.meta[ir.SHARD] = (Shard(0),)
-        shards.append(shard)
+    for with_grad, zg in classes:
+        n = zg.n
+        # (ZeRO-1: the whole group's all-reduce, then this rank's slice: the dp group's for
+        # the others, "edp" for the experts)
+        whole = zg.group if experts and zg is experts.zg else group
+        for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, n, target,
+                               profile):
+            idx = [with_grad[j] for j in bucket]
+            decided[ir.ZERO_BUCKETS].append(idx)
+            shards.append(_zero_shard(graph, [grads[i] for i in idx], whole, zero, order, out,
+                                      quantized, zg))
     return shards
 
 
-def _reduce_scatter_by_layer(graph, grads, with_grad, zg: _ZeroGroups, order, out, decided,
-                             quantized=False):
+def _zero_shard(graph, members, group, zero, order, out, quantized, zg: _ZeroGroups):
+    """This rank's shard of one ZeRO-1/2 bucket of gradients `members` (see above)."""
+    n = zg.n
+    segments = _row_segments(members, n) if quantized else None
+    with graph.inserting_before(_after_last(members, order)):
+        flat = _flat_bucket(graph, members, multiple_of=n)
+        if n == 1:  # (one rank holds the whole: nothing to reduce or cut)
+            flat.meta[ir.SHARD] = (Shard(0),)
+            return flat
+        if quantized:
+            done = _start_quantized_reduce_scatter(graph, flat, segments, n, zg.group)
+        elif zero >= 2:
+            started = _emit(graph, c10d.reduce_scatter_tensor.default,
+                            (flat, "sum", n, zg.group))
+            done = _across_replicas(graph, _emit(graph, c10d.wait_tensor.default, (started,)),
+                                    zg)
+        else:
+            started = _emit(graph, c10d.all_reduce.default, (flat, "sum", group))
+            done = _emit(graph, c10d.wait_tensor.default, (started,))
+    with graph.inserting_before(out):
+        if quantized:
+            shard = _across_replicas(graph, _quantized_shard(
+                graph, done, segments, n, members[0].meta[ir.VAL].dtype), zg)
+        elif zero >= 2:
+            shard = done
+        else:
+            shard = _emit(graph, torch.ops.fxpar.local_chunk.default, (done, 0, n, zg.group))
+    shard.meta[ir.SHARD] = (Shard(0),)
+    return shard
+
+
+def _reduce_scatter_by_layer(graph, grads, classes, order, out, decided, quantized=False):
     """ZeRO-3: each gradient's output is this rank's shard of it, laid out as its parameter's
     shard (one bucket per parameter, decided[ir.ZERO_BUCKETS]). The gradients one layer makes
     in one pipeline part are reduce-scattered by one collective, issued after the last of them:
     each padded to dp equal pieces, the pieces side by side ([dp, sum of shard sizes]: row r is
-    what rank r keeps), so the result is this rank's shards back to back. (dp here: the
-    ranks `zg` shards over; HSDP all-reduces the shards across its replicas after.)"""
-    group, dp = zg.group, zg.n
-    decided[ir.ZERO_BUCKETS] = [[i] for i in reversed(with_grad)]
+    what rank r keeps), so the result is this rank's shards back to back. `classes`: the
+    gradient indices of each group (the others, ep's experts) and the _ZeroGroups they shard
+    over (dp here: its ranks; HSDP all-reduces the shards across its replicas after; one
+    rank: its shard is the whole, no collective)."""
+    every = sorted(i for idx, _ in classes for i in idx)
+    decided[ir.ZERO_BUCKETS] = [[i] for i in reversed(every)]
     params = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]
     units: dict = {}
-    for i in reversed(with_grad):  # the order the backward makes them
-        g = grads[i]
-        key = (g.meta.get(ir.STAGE), g.meta.get(ir.PHASE), _layer_of_param(params[i]),
-               g.meta[ir.VAL].dtype)
-        units.setdefault(key, []).append(i)
+    for c, (idx, zg) in enumerate(classes):
+        for i in reversed(idx):  # the order the backward makes them
+            g = grads[i]
+            key = (c, g.meta.get(ir.STAGE), g.meta.get(ir.PHASE), _layer_of_param(params[i]),
+                   g.meta[ir.VAL].dtype)
+            units.setdefault(key, (zg, []))[1].append(i)
     shard_of = {}
-    for idx in units.values():
+    for zg, idx in units.values():
+        group, dp = zg.group, zg.n
         members = [grads[i] for i in idx]
+        if dp == 1:
+            for i, g in zip(idx, members):
+                with graph.inserting_before(_after_last([g], order)):
+                    shard_of[i] = _flat_bucket(graph, [g])
+                shard_of[i].meta[ir.SHARD] = (Shard(0),)
+            continue
         sizes = [-(-g.meta[ir.VAL].numel() // dp) for g in members]
         with graph.inserting_before(_after_last(members, order)):
             rows = []
@@ -634,7 +682,8 @@ def _layer_of_param(p) -> str:
     return ir.layer_of(fqn.rsplit(".", 1)[0] if "." in fqn else fqn)
 
 
-def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, secondary=None):
+def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, secondary=None,
+                              experts: _Experts | None = None):
     """ZeRO-3 (FSDP FULL_SHARD): every parameter placeholder becomes this rank's flat 1/dp
     shard; full weights are all-gathered just before their first use in the forward and again
     before their first use in the backward, so each gathered copy dies after its last use there.
@@ -651,15 +700,19 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, se
     `quantized` (Plan.comm_quantization, qwZ): each gather carries int8 blocks.
     `secondary` = (group, n) (Plan.hpz, ZeRO++'s hpZ): each backward gather reads a
     secondary 1/n shard the forward cut from its own gathered copy (`_secondary_shards`), over
-    that group of n neighbouring ranks, instead of the 1/dp shard over the whole dp group."""
+    that group of n neighbouring ranks, instead of the 1/dp shard over the whole dp group.
+    `experts` (ep): expert weights are sharded and gathered over their "edp" group instead."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     fwd, bwd = [], []  # (param, first reader, its readers: [(node, value read)]) per part
     views_of, full = {}, {}  # per param: its forward views; its whole (numel, shape)
-    for p in [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]:
+    params = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]
+    over = {p: (experts.zg.n, experts.zg.group) for i, p in enumerate(params)
+            if experts and i in experts.params}
+    for p in params:
         val = p.meta[ir.VAL]
         full[p] = (val.numel(), list(val.shape))
-        p.meta[ir.VAL] = val.new_empty((-(-val.numel() // dp),))
+        p.meta[ir.VAL] = val.new_empty((-(-val.numel() // over.get(p, (dp,))[0]),))
         p.meta[ir.SHARD] = (Shard(0),)
         views_of[p] = _forward_views_of(p)     # p and its forward views, in graph order
         bwd_uses = [(u, v) for v in views_of[p] for u in v.users
@@ -672,7 +725,8 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, se
             sorted(bwd_uses, key=lambda uv: order[uv[0]]), lambda uv: uv[0])]
 
     fwd_fulls: dict = {}
-    for p, whole, readers in _gathered_by_layer(graph, fwd, dp, group, order, full, quantized):
+    for p, whole, readers in _gathered_by_layer(graph, fwd, dp, group, order, full, quantized,
+                                                over):
         fwd_fulls.setdefault(p, []).append(whole)
         for u, _ in readers:
             u.replace_input_with(p, whole)
@@ -682,7 +736,7 @@ def _gather_params_before_use(gm, group, dp, keep_tail=True, quantized=False, se
         gathered = _gathered_from_secondary(graph, bwd, fwd_fulls, secondary, full,
                                             quantized, (dp, group))
     else:
-        gathered = _gathered_by_layer(graph, bwd, dp, group, order, full, quantized)
+        gathered = _gathered_by_layer(graph, bwd, dp, group, order, full, quantized, over)
     for p, whole, uses in gathered:
         first = uses[0][0]
         env = {p: whole}
@@ -759,8 +813,13 @@ def _kept_from_forward(graph, requests, fwd_fulls, views_of) -> list:
         if full is None:
             rest.append((p, first, uses))
             continue
-        start = next(a for a in ancestors([full])  # (through the copy-out, any dequantizing)
-                     if a.target is c10d.all_gather_into_tensor.default)
+        start = next((a for a in ancestors([full])  # (through the copy-out, dequantizing)
+                      if a.target is c10d.all_gather_into_tensor.default), None)
+        if start is None:  # (a shard of one rank: a view of the whole weight, kept free)
+            for u, v in uses:
+                if v is p:
+                    u.replace_input_with(p, full)
+            continue
         last_fwd = max(order[u] for v in (full, *views_of[p][1:]) for u in v.users
                        if u.meta.get(ir.REGION) != ir.BACKWARD)
         between = sum(_shard_bytes(s) for s in fwd_starts
@@ -789,18 +848,19 @@ def _shard_bytes(gather) -> int:
     return sum(cost.tensor_bytes(x.meta[ir.VAL]) for x in packing(gather)[1])
 
 
-def _gathered_by_layer(graph, requests, dp, group, order, full, quantized=False):
+def _gathered_by_layer(graph, requests, dp, group, order, full, quantized=False, over=None):
     """One all-gather per (pipeline part, layer, dtype) of the requests (param, first reader,
-    readers), inserted before the group's earliest first reader. Yields (param, its whole
+    readers), inserted before the group's earliest first reader; over the `dp` ranks of
+    `group`, or a parameter's own (ranks, group) in `over`. Yields (param, its whole
     weight, readers). Outside numbered blocks a layer is one module (`lm_head`)."""
     units: dict = {}
     for p, first, readers in requests:
         key = (first.meta.get(ir.STAGE), first.meta.get(ir.PHASE), _layer_of_param(p),
-               p.meta[ir.VAL].dtype)
+               p.meta[ir.VAL].dtype, (over or {}).get(p, (dp, group)))
         units.setdefault(key, []).append((p, first, readers))
-    for members in units.values():
+    for key, members in units.items():
         before = min((first for _, first, _ in members), key=order.__getitem__)
-        fulls = _gather(graph, [p for p, _, _ in members], dp, group, before, full, quantized)
+        fulls = _gather(graph, [p for p, _, _ in members], *key[-1], before, full, quantized)
         for (p, _, readers), whole in zip(members, fulls):
             yield p, whole, readers
 
@@ -855,6 +915,13 @@ def _gather(graph, shards, dp, group, before, full, quantized=False):
             ir.MODULE: before.meta.get(ir.MODULE, ""), ir.SHARD: (Replicate(),)}
     sizes = [s.meta[ir.VAL].numel() for s in shards]
     nodes, fulls = [], []
+    if dp == 1:  # (one rank's shard is the whole weight: nothing to gather)
+        with graph.inserting_before(before):
+            fulls = [graph.call_function(aten.view.default, (s, full[s][1])) for s in shards]
+        for n in fulls:
+            n.meta.update(meta)
+            _place_like(n, before)
+        return fulls
     with graph.inserting_before(before):
         if len(shards) == 1:
             packed = shards[0]

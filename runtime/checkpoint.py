@@ -256,11 +256,8 @@ def _optim_state(pm) -> tuple[dict[str, torch.Tensor], dict]:
                     "optimizer state (SGD, Adam, AdamW, ...) can be saved plan-independently.")
             # (offloaded state is on the host: to the device before the tp / dp gathers)
             flat = v.detach().reshape(-1).to(pm.world.device)
-            if sharded and pm.sharded_optimizer.dp > 1:
-                whole = flat.new_empty(flat.numel() * pm.sharded_optimizer.dp)
-                dist.all_gather_into_tensor(whole, flat.contiguous(),
-                                            group=pm.sharded_optimizer.group)
-                flat = whole
+            if sharded:  # (the bucket's group: dp, HSDP's shard group, ep's "edp")
+                flat = pm.sharded_optimizer.gather(flat, members[0][0])
             for i, off, n in members:
                 local = flat[off:off + n].view(pm.local_shapes[i])
                 out[f"optim.state.{names[i]}.{key}"] = _to_full(pm, i, local)
@@ -556,12 +553,12 @@ def _load_model(pm, state, got):
         i = pidx[id(v)]
         local = _to_local(pm, i, full)
         if z is not None and z.shard_params:  # ZeRO-3: the graph reads this rank's flat shard
-            z.param_shards[i].copy_(z._slice(z._flat([local])))
+            z.param_shards[i].copy_(z.cut([local], i))
         else:
             v.data.copy_(local)
     if z is not None and not z.shard_params:  # ZeRO 1/2: the optimizer steps flat shards
-        for shard, members in zip(z.shards, z.buckets):
-            shard.copy_(z._slice(z._flat(members)))
+        for shard, members, idx in zip(z.shards, z.buckets, z.bucket_indices):
+            shard.copy_(z.cut(members, idx[0]))
 
 
 def _load_model_whole(pm, saved: dict[str, torch.Tensor], path: str):
@@ -611,8 +608,7 @@ def _load_optimizer(pm, slots, okeys, got, meta, path):
                 pieces.append(_to_local(pm, i, v).reshape(-1))
             flat = torch.cat(pieces)
             if sharded:
-                z = pm.sharded_optimizer
-                flat = z._slice(z._flat([flat]))
+                flat = pm.sharded_optimizer.cut([flat], members[0][0])
             entry[key] = flat.view(t.shape)
         entry.update({k: _decode(v, {}) for i, _, _ in members
                       for k, v in meta.get("optim_other", {}).get(names[i], {}).items()})

@@ -185,7 +185,10 @@ class ParallelModel:
                 lambda ps: optim.build(factory, ps), self.params, buckets, plan.shard_ranks,
                 world.coordinate(self.zero_axis), world.mesh.get_group(self.zero_axis),
                 shard_params=self.program.params_sharded, param_shards=zero3_shards,
-                shapes=self.local_shapes, offload_to_host=plan.offload_optimizer)
+                shapes=self.local_shapes, offload_to_host=plan.offload_optimizer,
+                experts=self._experts, expert_group=(
+                    *self.zero_ranks(next(iter(self._experts))), world.mesh.get_group("edp"))
+                if self._experts else None)
             self.optimizer = self.sharded_optimizer.optimizer
             self.host_optimizer = self.sharded_optimizer.host
         elif self.pipeline_runner is not None:  # this rank's stages' parameters only
@@ -281,8 +284,7 @@ class ParallelModel:
         `weights`, straight onto the device, then put them in the model; buffers whole.
         Nothing is made whole but a module being initialised (weights=None). Returns the
         ZeRO-3 shards by parameter index (None without ZeRO-3)."""
-        sig, dev, plan = self.program.signature, self.world.device, self.plan
-        dp_r = self.world.coordinate(self.zero_axis)
+        sig, dev = self.program.signature, self.world.device
         model_params = dict(self.model.named_parameters(remove_duplicate=False))
         need = self.needed_params()
         local, shards = {}, {} if self.program.params_sharded else None
@@ -293,7 +295,7 @@ class ParallelModel:
             runs = rweights.local_runs(tuple(p.shape), *(self.split_of(i) or (None, 1, 0))[:3])
             src, key = weights.locate(name)
             if shards is not None:  # ZeRO-3: the rows covering this rank's flat slice only
-                rows, off, n, size = rweights.flat_shard_rows(runs, plan.shard_ranks, dp_r)
+                rows, off, n, size = rweights.flat_shard_rows(runs, *self.zero_ranks(i))
                 shard = torch.zeros(size, dtype=p.dtype, device=dev)
                 if n:
                     shard[:n] = src.read_runs(key, rows).reshape(-1)[off:off + n]
@@ -417,6 +419,13 @@ class ParallelModel:
     def zero_axis(self) -> str:
         """The mesh dimension ZeRO shards over: "dp", or HSDP's shard group."""
         return "dp_shard" if self.plan.hsdp else "dp"
+
+    def zero_ranks(self, i: int) -> tuple[int, int]:
+        """(ranks, this rank's index) ZeRO shards parameter i over: the zero axis, or for an
+        expert weight under ep the ranks holding the same experts ("edp")."""
+        if i in self._experts:
+            return self.plan.dp // self.program.ep, self.world.coordinate("edp")
+        return self.plan.shard_ranks, self.world.coordinate(self.zero_axis)
 
     @property
     def dp_rank(self) -> int:
@@ -752,15 +761,16 @@ class ParallelModel:
             return amp.GradNormPlan([
                 (first_ep if i in self._experts else first) and owner(i) and (
                     layouts[i] is not None or tp0) for i in range(len(self.params))])
-        dp, dp_r = self.plan.shard_ranks, self.world.coordinate(self.zero_axis)
         counted = []
         # each rank counts its own shard (HSDP: the first replica's ranks; the others hold
-        # the same shards)
+        # the same shards; ep: every rank, each holding its own experts' shard)
         replica0 = not self.plan.hsdp or self.world.coordinate("dp_rep") == 0
-        for k, shard in enumerate(self.sharded_optimizer.shards):
+        z = self.sharded_optimizer
+        for k, shard in enumerate(z.shards):
             if not replica0:
                 counted.append(False)
                 continue
+            dp, dp_r = self.zero_ranks(z.bucket_indices[k][0])
             mask = torch.zeros(shard.numel() * dp, device=shard.device)
             for i, off, n in self.sharded_optimizer.bucket_layout(k):
                 mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0

@@ -10,6 +10,9 @@ as one broadcast per rank into the output: no second full-size buffer) and are o
 timeline. Elementwise optimizers (SGD, Adam/AdamW, ...) give exactly the unsharded result;
 optimizers that couple elements across a tensor (LAMB's trust ratio, Adafactor's factored
 moments) would not, and are the user's responsibility to avoid.
+
+Under expert parallelism an expert weight is this ep rank's experts, shared only with the
+ranks holding the same experts ("edp"): its buckets are sharded over that group instead.
 """
 from __future__ import annotations
 
@@ -31,13 +34,16 @@ class ShardedOptimizer:
                  buckets: list[list[int]], dp: int, rank: int, group, shard_params=False,
                  param_shards: dict[int, torch.Tensor] | None = None,
                  shapes: Sequence[torch.Size] | None = None,
-                 offload_to_host: bool = False):
+                 offload_to_host: bool = False, experts: frozenset = frozenset(),
+                 expert_group: tuple | None = None):
         """`param_shards` (stage 3): the shards already made, by parameter index (a
         meta-device model: runtime/weights.py read only those; parameters this rank's
         stages do not need are absent); `shapes`: each parameter's shape in the program;
         `offload_to_host` (Plan.offload_optimizer): the optimizer steps host copies of the
-        shards (`self.host`, runtime/host_optimizer.py)."""
+        shards (`self.host`, runtime/host_optimizer.py); `experts` (Plan.ep): parameter
+        indices sharded over `expert_group` = (ranks, this rank's index, group) instead."""
         self.dp, self.rank, self.group = dp, rank, group
+        self.experts, self.expert_group = experts, expert_group
         self.shard_params = shard_params
         self.shapes = list(shapes) if shapes is not None else [p.shape for p in params]
         self.bucket_indices = [list(idx) for idx in buckets]  # (this rank's buckets)
@@ -48,12 +54,13 @@ class ShardedOptimizer:
                                      for i, p in enumerate(params)]
                 self.shards = [self.param_shards[idx[0]] for idx in buckets]
             elif shard_params:
-                self.param_shards = [self._slice(self._flat([p])) for p in params]
+                self.param_shards = [self.cut([p], i) for i, p in enumerate(params)]
                 self.shards = [self.param_shards[idx[0]] for idx in buckets]
                 for p in params:  # the graph gathers what it needs; keep only the shards
                     p.data = p.data.new_empty(0)
             else:
-                self.shards = [self._slice(self._flat(members)) for members in self.buckets]
+                self.shards = [self.cut(members, idx[0])
+                               for members, idx in zip(self.buckets, buckets)]
         # a pipeline rank whose stages make no gradient (all weights elsewhere) steps nothing
         self.host = HostOptimizer(factory, self.shards, self.shards[0].device) \
             if offload_to_host and self.shards else None
@@ -71,14 +78,31 @@ class ShardedOptimizer:
             off += n
         return out
 
-    def _slice(self, flat):
-        size = flat.numel() // self.dp
-        return flat[self.rank * size:(self.rank + 1) * size].clone()
+    def group_of(self, i: int) -> tuple:
+        """(ranks, this rank's index, group) parameter i (and its bucket) is sharded over."""
+        if i in self.experts and self.expert_group is not None:
+            return self.expert_group
+        return self.dp, self.rank, self.group
 
-    def _flat(self, members):
-        flat = torch.cat([p.detach().reshape(-1) for p in members])
-        pad = -flat.numel() % self.dp
-        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+    def cut(self, tensors, i: int) -> torch.Tensor:
+        """This rank's shard of `tensors` flattened into one vector (padded to a multiple of
+        the ranks parameter i's bucket is sharded over), a fresh tensor."""
+        n, rank, _ = self.group_of(i)
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        pad = -flat.numel() % n
+        flat = torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+        size = flat.numel() // n
+        return flat[rank * size:(rank + 1) * size].clone()
+
+    def gather(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """The whole flat vector whose shard this rank holds for parameter i's bucket
+        (collective over its group)."""
+        n, _, group = self.group_of(i)
+        if n == 1:
+            return shard
+        full = shard.new_empty(shard.numel() * n)
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+        return full
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         """Step the shards with this rank's gradient shards, then all-gather the parameters."""
@@ -92,19 +116,19 @@ class ShardedOptimizer:
         if self.shard_params:
             return
         with torch.no_grad():  # all buckets' gathers in flight at once, then unpacked
-            pending = [comm.start_all_gather(s, self.dp, self.group.group_name,
-                                             "all_gather params (ZeRO)") for s in self.shards]
+            groups = [self.group_of(idx[0]) for idx in self.bucket_indices]
+            pending = [s if n == 1 else comm.start_all_gather(
+                s, n, group.group_name, "all_gather params (ZeRO)")
+                for s, (n, _, group) in zip(self.shards, groups)]
             for k, (members, p) in enumerate(zip(self.buckets, pending)):
-                full = comm.wait(p)
+                full = p if groups[k][0] == 1 else comm.wait(p)
                 for (_, off, n), param in zip(self.bucket_layout(k), members):
                     param.copy_(full[off:off + n].view_as(param))
 
     def full_param(self, i: int) -> torch.Tensor:
-        """Stage 3: parameter i all-gathered from its shards (collective over the dp group)."""
-        shard, shape = self.param_shards[i], self.shapes[i]
-        full = torch.empty(shard.numel() * self.dp, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_single(full, shard, group=self.group)
-        return full[:shape.numel()].view(shape).clone()
+        """Stage 3: parameter i all-gathered from its shards (collective over its group)."""
+        shape = self.shapes[i]
+        return self.gather(self.param_shards[i], i)[:shape.numel()].view(shape).clone()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (for memory reports and tests)."""
