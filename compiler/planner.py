@@ -1173,10 +1173,13 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 stepped = mem.params / DTYPE_BYTES[precision] * (sdp if zero >= 3 else 1) / (
                     sdp if zero >= 1 else 1)
                 mem.optimizer += 2 * 4 * stepped
-            if ep > 1:  # its experts' weights, gradients and optimizer state: 1/ep
+            if ep > 1:  # its experts' weights, gradients and optimizer state: 1/ep, except
+                # what ZeRO shards: the experts' then over the dp / ep ranks holding them
+                # ("edp"), 1/ep of the experts over dp/ep ranks = 1/dp of them, as priced
                 keep = 1 - _expert_share(rank_segs[r], tp) * (1 - 1 / ep)
                 mem.params, mem.grads, mem.optimizer = (
-                    mem.params * keep, mem.grads * keep, mem.optimizer * keep)
+                    mem.params * (1 if zero >= 3 else keep),
+                    mem.grads * (1 if zero >= 2 else keep), mem.optimizer * (1 if zero else keep))
             if hpz:  # hpZ's secondary shards: 1/hpz of the (fp32 master) weights, cut from
                 # the forward's gathered copy and held to the backward
                 mem.buffers += mem.params * sdp / hpz * 4 / DTYPE_BYTES[precision]
@@ -1359,15 +1362,23 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mem = mems[worst][0]
     elem = 4 if precision == "fp32" else 2
     n_elem = mem.params * (sdp if zero >= 3 else 1) / elem  # this rank's parameter elements
+    share = _expert_share(rank_segs[worst], tp)  # (of its elements before ep's split)
+    if zero >= 3 and ep > 1:  # (ZeRO-3 priced every expert's shard: 1/ep of them are its)
+        n_elem *= 1 - share * (1 - 1 / ep)
     # (an MoE's expert gradients computed from every dp rank's rows, gathered, are complete
     # on each rank: without ZeRO the dp pass reduces none of them. So under ep, and under
     # plain dp where the dispatch is not run on each rank's own rows)
     # With the all-to-all dispatch (ep over rows run on each rank) they are the ep group's
-    # rows': summed over the dp ranks holding the same experts ("edp": dp / ep of them)
-    share = _expert_share(rank_segs[worst], tp)  # (of its elements before ep's split)
+    # rows': summed over the dp ranks holding the same experts ("edp": dp / ep of them).
+    # With ZeRO under ep the experts' are reduced and sharded over "edp" too, the rest over dp
     experts_elem = n_elem * share / ep / (1 - share * (1 - 1 / ep)) if share < 1 else n_elem
-    n_reduced = n_elem - experts_elem if zero == 0 and (ep > 1 or not stats.moe_local) \
+    n_reduced = n_elem - experts_elem if (zero == 0 and not stats.moe_local) or ep > 1 \
         else n_elem
+    edp = dp // ep
+    # the elements this rank's optimizer steps (ZeRO: its 1/dp shard of the others, 1/edp of
+    # its experts)
+    stepped_elem = n_elem if not zero else (n_elem - experts_elem) / sdp + experts_elem / edp \
+        if ep > 1 else n_elem / sdp
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
     dpc = dp_fixed = gather = 0.0
     if dp > 1:
@@ -1396,9 +1407,6 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
         elif zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
-            if ep > 1 and stats.moe_local and dp > ep:  # (the experts' over "edp")
-                dpc += hw.comm("all_reduce", experts_elem * elem, dp // ep, span,
-                               calls=max(1, round(sum(s.n_moe for s in rank_segs[worst]))))
         else:  # (qgZ's all-to-all moves what a ring reduce-scatter moves of its bytes)
             dpc = hw.comm("reduce_scatter", wire_g, sdp, s_span, calls=buckets)
             # HSDP: each summed 1/sdp slice all-reduced across the replicas
@@ -1412,6 +1420,18 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
             dpc += m * (hw.comm("all_gather", wire_w, hpz, tp * pp * hpz, calls=gathers)
                         if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
+        if ep > 1 and edp > 1 and (zero or stats.moe_local) and not onebit:
+            # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered),
+            # ZeRO-1/2's gathers of their updated shards, ZeRO-3's of their weights
+            e_bytes, e_calls = experts_elem * elem, max(1, round(sum(
+                s.n_moe for s in rank_segs[worst])))
+            dpc += hw.comm("reduce_scatter" if zero >= 2 else "all_reduce", e_bytes, edp, span,
+                           calls=e_calls)
+            if zero in (1, 2):
+                gather += hw.comm("all_gather", e_bytes, edp, span, calls=e_calls) + \
+                    2 * e_bytes / hw.mem_bandwidth
+            if zero >= 3:
+                dpc += 2 * m * hw.comm("all_gather", e_bytes, edp, span, calls=e_calls)
         # the loss (and the count of its targets), per microbatch
         dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
         # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
@@ -1434,19 +1454,19 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     window = bwd[0] * hw.overlap if constraints.get("overlap", True) and pp == 1 else 0.0
     dp_exposed = (max(dpc - window, dpc * 0.05) + gather + dp_fixed) if dp > 1 else 0.0
     k = OPTIMIZER_STATES.get(optimizer, 2)
-    touched = n_elem / (sdp if zero >= 1 else 1) * (3 + 2 * k) * 4
+    touched = stepped_elem * (3 + 2 * k) * 4
     n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])
     # CPU: one dispatch per op per tensor; CUDA: torch's multi-tensor (foreach / fused)
     # kernels, a few launches for all tensors (1.5 ms for GPT-2 small's AdamW on an H100)
     launches = (3 + 2 * k) * (1 if hw.async_launch else n_tensors)
     opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
     if hw.optimizer_s is not None:  # measured on this machine for the whole model
-        opt_t = hw.optimizer_s * n_elem / (sdp if zero >= 1 else 1) / max(stats.total_params, 1)
+        opt_t = hw.optimizer_s * stepped_elem / max(stats.total_params, 1)
     offload_s = 0.0
     if offload:  # Plan.offload_optimizer (runtime/host_optimizer.py): the stepped tensors'
         # fp32 gradients out and values back, not overlapped; on a GPU the step runs on the
         # host's CPU (torch's fused kernel: its memory bandwidth, shared by the node's ranks)
-        stepped = n_elem / (sdp if zero >= 1 else 1) * 4
+        stepped = stepped_elem * 4
         offload_s = 2 * stepped / (hw.host_link or hw.mem_bandwidth / 2)
         if hw.host_link:
             opt_t = touched / (hw.host_bandwidth or hw.mem_bandwidth) * min(

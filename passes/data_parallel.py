@@ -301,7 +301,8 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
     for i, g in enumerate(grads):
         if i not in partial:
             grads[i] = to_replicate(g)
-    for members, (grp, n) in _classes(sorted(partial), _ZeroGroups(group, dp), experts):
+    for members, czg in _classes(sorted(partial), _ZeroGroups(group, dp), experts):
+        grp, n = czg.group, czg.n
         if n == 1:  # (one ep group: its rows are the step's, the gradients complete)
             continue
         for bucket in _buckets(graph, [grads[i] for i in members], bucket_bytes, n,

@@ -126,15 +126,70 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     assert mesh_dims(resolve({"dp": 4, "ep": 2}, 4)) == [("edp", 2), ("ep", 2)]
 
 
+def _collectives_of(v, targets) -> set:
+    """(target, group) of the collectives of gradient output `v`'s own reduction (the nodes
+    the dp pass emitted for its bucket, ir.BUCKET)."""
+    seen, todo, found = set(), [v], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target in targets:
+            found.add((n.target, n.args[-1]))
+        if n is v or n.meta.get(ir.BUCKET):
+            todo.extend(n.all_input_nodes)
+    return found
+
+
+def test_zero_shards_expert_weights_over_their_edp_group():
+    """ep with ZeRO: an expert weight is shared by the dp / ep ranks holding the same experts
+    ("edp") only, so its gradient is reduced there and ZeRO shards it there; the other weights
+    over dp. ZeRO-3 at dp=4 x ep=2: expert parameters are 1/2 shards of the rank's experts
+    (1/4 of every expert's), gathered and reduce-scattered over "edp"; ZeRO-2: buckets never
+    mix the two; at dp = ep ("edp" of one rank) no collective touches an expert weight."""
+    model, batch = _mixtral()
+    full = dict(model.named_parameters())
+    rs, ag = c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default
+    dp_g, edp_g = ir.GROUPS["dp"], ir.GROUPS["edp"]
+    for world, zero in ((4, 3), (4, 2), (2, 3)):
+        prog = fxpar.compile(model, world, example_batch=batch,
+                             plan={"dp": world, "ep": 2, "zero": zero, "fuse": False})
+        sig, g = prog.signature, prog.graph.graph
+        experts = set(prog.expert_params)
+        assert len(experts) == 4
+        params = [n for n in g.nodes if n.op == "placeholder"][:sig.num_params]
+        out = next(n for n in g.nodes if n.op == "output")
+        shards = out.args[0][1:1 + len(prog.zero_buckets)]
+        edp = world // 2
+        for k, idx in enumerate(prog.zero_buckets):
+            assert len({i in experts for i in idx}) == 1, idx  # (never mixed)
+            want = ({(rs, edp_g)} if edp > 1 else set()) if idx[0] in experts else {(rs, dp_g)}
+            assert _collectives_of(shards[k], {rs, c10d.all_reduce.default}) == want, idx
+        if zero < 3:
+            continue
+        for i, p in enumerate(params):
+            n = full[sig.param_names[i]].numel()
+            local, over = (n // 2, edp) if i in experts else (n, world)
+            assert tuple(p.meta[ir.VAL].shape) == (-(-local // over),), sig.param_names[i]
+        gathers = {n: {q for q in ir.ancestors([n]) if q in params}
+                   for n in g.nodes if n.target is ag}
+        for i in experts:
+            groups = {n.args[-1] for n, read in gathers.items() if params[i] in read}
+            assert groups == ({edp_g} if edp > 1 else set()), sig.param_names[i]
+        assert all(n.args[-1] == dp_g for n, read in gathers.items()
+                   if read and not read & {params[i] for i in experts})
+
+
 def test_plans_and_models_expert_parallelism_refuses_by_name():
-    """ep must divide dp and the experts; not with ZeRO or ps yet; an expert weight read
+    """ep must divide dp and the experts; not with HSDP or ps yet; an expert weight read
     by anything but its layer's grouped matmuls (a regulariser) or split by tp already
     (DeepSeek-V3's) cannot be split; a model whose experts are an nn.ModuleList (routed by
     torch.where) has no grouped matmul."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "ep": 2}, 3)
-    with pytest.raises(PlanError, match="zero=2"):
-        resolve({"dp": 2, "ep": 2, "zero": 2}, 2)
+    with pytest.raises(PlanError, match="dp_shard / hpz"):
+        resolve({"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2}, 4)
     with pytest.raises(PlanError, match="ps=1"):
         resolve({"dp": 2, "ps": 1, "ep": 2}, 3)
     with pytest.raises(PlanError, match="positive integer"):
