@@ -4,7 +4,7 @@
         [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
-top-2 routing; sizes from the flags) under four plans, each from the same initial weights on
+top-2 routing; sizes from the flags) under five plans, each from the same initial weights on
 the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
@@ -14,6 +14,9 @@ the same batches with AdamW (lr 1e-3):
     Plan(dp=world, ep=world)   each rank holds world-th of the experts; the routed rows go to
                                their experts' ranks and back by all-to-all
     Plan(tp=world)             the attention and dense layers split; the experts replicated
+    Plan(dp=world, ep=world,   ep's experts, the other weights ZeRO-3-sharded 1/world (an
+         zero=3)               expert weight is ZeRO-sharded over the dp / ep ranks holding
+                               its experts: none more at ep = dp)
 
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step, a barrier before each step, the sides' steps interleaved (the order rotating) so a
@@ -24,7 +27,8 @@ holds (its slices, ZeRO's shards) and every storage the steps allocate (optimize
 included): held = live before a step, peak = the maximum during one. "experts/rank" = the
 bytes of expert weights plus their AdamW state this rank holds (parameters as its program
 holds them: its experts under ep, its flat shard under ZeRO-3; two AdamW moments each),
-from the tensors themselves. Ratios are ep over each other plan, in this one run.
+from the tensors themselves. Ratios are ep (and ep with ZeRO-3) over the other plans, in this
+one run.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ from fxpar.runtime.memtrack import warm_steps_measured
 PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
          "zero=3": lambda w, cg: {"dp": w, "zero": 3, "codegen": cg},
          "ep": lambda w, cg: {"dp": w, "ep": w, "codegen": cg},
-         "tp": lambda w, cg: {"tp": w, "codegen": cg}}
+         "tp": lambda w, cg: {"tp": w, "codegen": cg},
+         "ep+zero=3": lambda w, cg: {"dp": w, "ep": w, "zero": 3, "codegen": cg}}
 
 
 def _model(args):
@@ -144,24 +149,25 @@ def main():
     print(f"HF Mixtral {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
           f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
-    print(f"{'plan':8s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
+    print(f"{'plan':9s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
           f"{'experts/rank MiB':>17s} {'last loss':>10s}")
     for kind in PLANS:
         r = [res[k][kind] for k in ranks]
-        print(f"{kind:8s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
+        print(f"{kind:9s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
               f"{_mib(max(x['peak'] for x in r)):9.1f} {_mib(max(x['experts'] for x in r)):17.2f}"
               f" {r[0]['losses'][-1]:10.5f}")
     print()
-    ep = res[0]["ep"]
-    for kind in ("dp", "zero=3", "tp"):
-        other = res[0][kind]
+    for mine, kind in (("ep", "dp"), ("ep", "zero=3"), ("ep", "tp"), ("ep+zero=3", "zero=3"),
+                       ("ep+zero=3", "ep")):
         diff = max(abs(a - b) for k in ranks
-                   for a, b in zip(res[k]["ep"]["losses"], res[k][kind]["losses"]))
-        mem = max(res[k]["ep"]["experts"] for k in ranks) / \
+                   for a, b in zip(res[k][mine]["losses"], res[k][kind]["losses"]))
+        mem = max(res[k][mine]["experts"] for k in ranks) / \
             max(res[k][kind]["experts"] for k in ranks)
-        peak = max(res[k]["ep"]["peak"] for k in ranks) / max(res[k][kind]["peak"] for k in ranks)
-        print(f"ep / {kind:6s}: step {ep['time'] / other['time']:.3f}x, experts/rank "
-              f"{mem:.3f}x, peak {peak:.3f}x, max |loss diff| {diff:.2e}")
+        peak = max(res[k][mine]["peak"] for k in ranks) / max(res[k][kind]["peak"] for k in ranks)
+        held = max(res[k][mine]["held"] for k in ranks) / max(res[k][kind]["held"] for k in ranks)
+        print(f"{mine} / {kind}: step {res[0][mine]['time'] / res[0][kind]['time']:.3f}x, "
+              f"experts/rank {mem:.3f}x, held {held:.3f}x, peak {peak:.3f}x, "
+              f"max |loss diff| {diff:.2e}")
 
 
 if __name__ == "__main__":

@@ -211,13 +211,24 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
 
 
 def test_mixtral_ep2_trains_like_eager():
-    """dp=2 x ep=2 on 2 ranks, alone, with two microbatches and with remat (the recomputed
-    forward a layer of its own, on the same split weights): losses, evaluate() and every
+    """dp=2 x ep=2 on 2 ranks, alone, with two microbatches and ZeRO-2, and with remat (the
+    recomputed forward a layer of its own, on the same split weights) and ZeRO-3 (the other
+    weights sharded; the experts, one rank's each, not): losses, evaluate() and every
     final weight (gathered from the ranks' halves of the experts by full_state_dict) equal
     eager AdamW."""
     _check_plans(2, [("mixtral", "adamw", {"dp": 2, "ep": 2}),
-                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "microbatches": 2}),
-                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "remat": "sqrt"})])
+                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "microbatches": 2, "zero": 2}),
+                     ("mixtral", "adamw", {"dp": 2, "ep": 2, "remat": "sqrt", "zero": 3})])
+
+
+@pytest.mark.slow
+def test_ep_with_zero_on_four_ranks_trains_like_eager(tmp_path):
+    """dp=4 x ep=2 with ZeRO-1, -2 and -3: the expert weights sharded over their "edp" pairs,
+    the others over all four ranks, equal to eager AdamW; a ZeRO-3 run's checkpoint resumes
+    bit for bit and loads into plain ZeRO-1 dp=4."""
+    _check_plans(4, [("mixtral", "adamw", {"dp": 4, "ep": 2, "zero": z}) for z in (1, 2, 3)])
+    workers.check_resumed_and_resharded(4, "mixtral", {"dp": 4, "ep": 2, "zero": 3},
+                                        {"dp": 4, "zero": 1}, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -237,18 +248,21 @@ def test_moe_models_on_four_ranks_train_like_eager():
 @pytest.mark.slow
 def test_clipping_counts_each_expert_once():
     """max_grad_norm with ep=2 inside dp=4: each expert's gradient lives on one rank of each
-    ep group (the same on both groups): the global norm counts the first group's, equal to
+    ep group (the same on both groups): the global norm counts the first group's; with ZeRO-2
+    each rank's shard of its experts (over its "edp" pair) and of the rest; both equal to
     clip_grad_norm_ in one process."""
-    plan = {"dp": 4, "ep": 2}
-    res = fxpar.launch(clip_rank, 4, [("mixtral", plan)], 0.1, 3)
+    plans = [{"dp": 4, "ep": 2}, {"dp": 4, "ep": 2, "zero": 2}]
+    res = fxpar.launch(clip_rank, 4, [("mixtral", p) for p in plans], 0.1, 3)
     ref_losses, ref_state, ref_norms = clip_eager_reference("mixtral", "sgd", 0.1, steps=3)
     assert min(ref_norms) > 0.1
-    losses, norms, state = res[0][("mixtral", repr(plan))]
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
-                               atol=1e-6)
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    for plan in plans:
+        losses, norms, state = res[0][("mixtral", repr(plan))]
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
+                                   atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -262,7 +276,7 @@ def test_checkpoint_resumes_and_reshards(tmp_path):
 def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
-    with 1/ep of the experts' state per rank. On a Mixtral with 1024-wide experts over 8
+    with 1/ep of the experts' state per rank (with ZeRO 1/dp, as without ep). On a Mixtral with 1024-wide experts over 8
     H100s, plain dp against ep's all-to-all dispatch; a
     dense model gets no ep candidate, and a fixed ep is the only one priced (one the graph
     refuses: its reason)."""
@@ -286,6 +300,15 @@ def test_planner_prices_expert_parallelism():
     for ep in (2, 4):
         assert by_ep[ep].memory.params == pytest.approx(
             by_ep[1].memory.params * (1 - share * (1 - 1 / ep)))
+    # with ZeRO the experts' state shards over the dp / ep ranks holding them: 1/dp of each
+    # expert per rank at every ep, as without ep
+    r = planner.search(stats, 4, hw, batch_rows=8, executable=False,
+                       constraints={**fixed, "zero": 3})
+    z3 = {c.plan.ep: c.memory for c in r.table}
+    assert set(z3) == {1, 2, 4}
+    for ep in (2, 4):
+        assert (z3[ep].params, z3[ep].optimizer) == pytest.approx(
+            (z3[1].params, z3[1].optimizer))
     r = planner.search(stats, 4, hw, batch_rows=8, executable=False,
                        constraints={**fixed, "ep": 2})
     assert {c.plan.ep for c in r.table} == {2}
