@@ -14,9 +14,9 @@ the same batches with AdamW (lr 1e-3):
     Plan(dp=world, ep=world)   each rank holds world-th of the experts; the routed rows go to
                                their experts' ranks and back by all-to-all
     Plan(tp=world)             the attention and dense layers split; the experts replicated
-    Plan(dp=world, ep=world,   ep's experts, the other weights ZeRO-3-sharded 1/world (an
-         zero=3)               expert weight is ZeRO-sharded over the dp / ep ranks holding
-                               its experts: none more at ep = dp)
+    Plan(dp=world, zero=3,     ZeRO-3 with ep = world / 2 (2 at 2 ranks): an expert weight is
+         ep=max(2, world/2))   1/ep of the experts, ZeRO-sharded over the dp / ep ranks holding
+                               them (none more at ep = dp), the other weights over all ranks
 
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step, a barrier before each step, the sides' steps interleaved (the order rotating) so a
@@ -49,7 +49,7 @@ PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
          "zero=3": lambda w, cg: {"dp": w, "zero": 3, "codegen": cg},
          "ep": lambda w, cg: {"dp": w, "ep": w, "codegen": cg},
          "tp": lambda w, cg: {"tp": w, "codegen": cg},
-         "ep+zero=3": lambda w, cg: {"dp": w, "ep": w, "zero": 3, "codegen": cg}}
+         "ep+zero=3": lambda w, cg: {"dp": w, "ep": max(2, w // 2), "zero": 3, "codegen": cg}}
 
 
 def _model(args):
