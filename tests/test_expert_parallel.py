@@ -280,8 +280,8 @@ def test_checkpoint_resumes_and_reshards(tmp_path):
 def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
-    with 1/ep of the experts' state per rank (with ZeRO 1/dp, as without ep). On a Mixtral with 1024-wide experts over 8
-    H100s, plain dp against ep's all-to-all dispatch; a
+    with 1/ep of the experts' state per rank (with ZeRO 1/dp, as without ep). On a Mixtral
+    with 1024-wide experts over 8 H100s, plain dp against ep's all-to-all dispatch; a
     dense model gets no ep candidate, and a fixed ep is the only one priced (one the graph
     refuses: its reason)."""
     from fxpar.compiler import planner
