@@ -63,6 +63,22 @@ class World:
         return self.mesh.get_local_rank(dim) if self._has(dim) else 0
 
 
+_opened = 0  # process groups fxpar has opened in this process
+
+
+def _open_default_group(backend: str) -> None:
+    """init_process_group from the environment (torchrun's, fxpar.launch's), its keys under a
+    prefix of their own each time: under torchrun the ranks share the agent's store, where a
+    group opened before in this process (one a failed parallelize closed) left its ranks'
+    addresses under the keys a new default group reads (the group count restarts at 0), and
+    a rank connected to its peer's old, closed address ("Connection refused")."""
+    global _opened
+    store, rank, size = next(dist.rendezvous("env://", timeout=timeout()))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fxpar{_opened}", store),
+                            rank=rank, world_size=size, timeout=timeout())
+    _opened += 1
+
+
 def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     """Resolve `devices` (int | device strings | DeviceMesh) into this rank's World.
 
@@ -85,7 +101,7 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
                 f"devices={devices!r} asks for {size} ranks but this is a single process. Run the "
                 f"script with `torchrun --nproc-per-node {size} script.py`, or call "
                 f"fxpar.launch(fn, {size}) to spawn local ranks.")
-        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo", timeout=timeout())
+        _open_default_group("nccl" if dev_type == "cuda" else "gloo")
         # fxpar opened the group, so fxpar closes it: a process group left to the interpreter's
         # exit can abort the process after a correct run under torchrun ("terminate called
         # without an active exception", seen 1 run in 4 with gloo)

@@ -381,6 +381,31 @@ def test_torchrun_ranks_exit_cleanly(tmp_path):
         assert "terminate called" not in out, out[-3000:]
 
 
+def _retry_after_refusal():
+    from fxpar.core.errors import PlanError
+    from fxpar.examples import models as M
+    torch.manual_seed(0)
+    model = M.MLP()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    try:  # (refused by the ep pass, after parallelize opened the process group)
+        fxpar.parallelize(model, 2, example_batch=(x, y), plan={"dp": 2, "ep": 2})
+    except PlanError as e:
+        refused = str(e)
+    pm = fxpar.parallelize(model, 2, example_batch=(x, y), plan={"dp": 2})
+    return refused, pm.step((x, y)).item()
+
+
+@pytest.mark.slow
+def test_parallelize_again_after_a_refusal_in_the_same_launch():
+    """A parallelize refused after it opened the process group closes it; the next one in the
+    same ranks opens a new group and trains (it once read the closed group's addresses from
+    the launcher's store and failed: "Connection refused")."""
+    res = fxpar.launch(_retry_after_refusal, 2)
+    for refused, loss in res.values():
+        assert "no MoE layer" in refused and loss == loss
+    assert res[0][1] == res[1][1]
+
+
 # --- errors in the user's terms (issue 45) ------------------------------------------------------
 
 class _Tagger(torch.nn.Module):
