@@ -18,7 +18,7 @@ from fxpar.passes import expert_parallel
 import workers
 from test_local_dispatch import reduced_over
 from test_parity import _check_plans
-from workers import clip_eager_reference, clip_rank
+from workers import check_clipping
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -255,18 +255,8 @@ def test_clipping_counts_each_expert_once():
     ep group (the same on both groups): the global norm counts the first group's; with ZeRO-2
     each rank's shard of its experts (over its "edp" pair) and of the rest; both equal to
     clip_grad_norm_ in one process."""
-    plans = [{"dp": 4, "ep": 2}, {"dp": 4, "ep": 2, "zero": 2}]
-    res = fxpar.launch(clip_rank, 4, [("mixtral", p) for p in plans], 0.1, 3)
-    ref_losses, ref_state, ref_norms = clip_eager_reference("mixtral", "sgd", 0.1, steps=3)
-    assert min(ref_norms) > 0.1
-    for plan in plans:
-        losses, norms, state = res[0][("mixtral", repr(plan))]
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
-                                   atol=0)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
-                                   atol=1e-6)
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    check_clipping(4, [("mixtral", {"dp": 4, "ep": 2}),
+                       ("mixtral", {"dp": 4, "ep": 2, "zero": 2})])
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 
-import fxpar
 from fxpar.api.parallelize import mesh_dims
 from fxpar.compiler.capture import capture
 from fxpar.compiler.pass_manager import PassContext, run_passes
@@ -15,7 +14,7 @@ from fxpar.core.graphs import count_ops
 from fxpar.core.plan import Plan, resolve
 from fxpar.examples import models as M
 from test_parity import _check_plans
-from workers import clip_eager_reference, clip_rank
+from workers import check_clipping
 
 c10d = torch.ops._c10d_functional
 GROUPS = {"dp": "dp", "dp_shard": "shard", "dp_rep": "rep"}
@@ -180,18 +179,8 @@ def test_hsdp_clipping_counts_each_shard_once():
     """max_grad_norm under HSDP: the global norm counts the first replica's shards only (the
     others hold the same); under hpZ every rank's 1/dp shard: both equal clip_grad_norm_ in
     one process."""
-    plans = [{"dp": 4, "zero": 3, "dp_shard": 2}, {"dp": 4, "zero": 3, "hpz": 2}]
-    res = fxpar.launch(clip_rank, 4, [("gpt", p) for p in plans], 0.1, 3)
-    ref_losses, ref_state, ref_norms = clip_eager_reference("gpt", "sgd", 0.1, steps=3)
-    assert min(ref_norms) > 0.1
-    for plan in plans:
-        losses, norms, state = res[0][("gpt", repr(plan))]
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
-                                   atol=0)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
-                                   atol=1e-6)
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    check_clipping(4, [("gpt", {"dp": 4, "zero": 3, "dp_shard": 2}),
+                       ("gpt", {"dp": 4, "zero": 3, "hpz": 2})])
 
 
 @pytest.mark.slow

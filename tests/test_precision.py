@@ -18,7 +18,7 @@ from fxpar.core.plan import resolve
 from fxpar.examples import models as M
 from fxpar.passes import precision
 from fxpar.runtime import amp
-from workers import (OPTIMIZERS, build, clip_eager_reference, clip_rank,
+from workers import (OPTIMIZERS, build, check_clipping, clip_eager_reference,
                      fp16_overflow_rank, precision_curve_rank, precision_eager_curve)
 
 aten = torch.ops.aten
@@ -463,20 +463,7 @@ def test_clipping_by_global_norm_across_shards_equals_clip_grad_norm(world, case
     two stages), ZeRO 1/2/3 shards and combinations: the norm of every step (on every rank),
     the losses and the final parameters equal single-process training with
     torch.nn.utils.clip_grad_norm_ (fp32, rtol 1e-5); the clip is active on every step."""
-    res = fxpar.launch(clip_rank, world, cases, 0.1, 3)
-    for name, plan in cases:
-        losses, norms, state = res[0][(name, repr(plan))]
-        for r in range(1, world):
-            assert res[r][(name, repr(plan))][:2] == (losses, norms), (name, plan)
-        ref_losses, ref_state, ref_norms = clip_eager_reference(name, "sgd", 0.1, steps=3)
-        assert min(ref_norms) > 0.1
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
-                                   atol=0, msg=lambda m: f"{name} {plan} norms: {m}")
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
-                                   atol=1e-6, msg=lambda m: f"{name} {plan}: {m}")
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} {plan} {k}: {m}")
+    check_clipping(world, cases)
 
 
 @pytest.mark.slow

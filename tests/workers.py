@@ -561,6 +561,26 @@ def clip_rank(cases, max_norm, steps):
     return out
 
 
+def check_clipping(world, cases, max_norm=0.1, steps=3):
+    """Each (model, plan) of `cases` trained by clip_rank on `world` ranks: every rank's losses
+    and norms agree and equal single-process training with torch.nn.utils.clip_grad_norm_
+    (fp32, rtol 1e-5), final parameters too; the clip is active on every step."""
+    res = fxpar.launch(clip_rank, world, cases, max_norm, steps)
+    for name, plan in cases:
+        losses, norms, state = res[0][(name, repr(plan))]
+        for r in range(1, world):
+            assert res[r][(name, repr(plan))][:2] == (losses, norms), (name, plan)
+        ref_losses, ref_state, ref_norms = clip_eager_reference(name, "sgd", max_norm, steps)
+        assert min(ref_norms) > max_norm
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"{name} {plan} norms: {m}")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{name} {plan}: {m}")
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} {plan} {k}: {m}")
+
+
 # --- checkpoints (tests/test_checkpoint.py) ---------------------------------------------------
 
 RESUME_STEPS, SAVE_AT = 10, 5
