@@ -154,14 +154,14 @@ class _Experts:
     params: frozenset
     zg: _ZeroGroups
 
-    def classes(self, indices, zg: _ZeroGroups) -> list[tuple[list, _ZeroGroups]]:
-        """`indices` split into (the others, over `zg`), (the experts, over "edp")."""
-        return [([i for i in indices if i not in self.params], zg),
-                ([i for i in indices if i in self.params], self.zg)]
-
 
 def _classes(indices, zg: _ZeroGroups, experts: _Experts | None):
-    return experts.classes(indices, zg) if experts else [(list(indices), zg)]
+    """`indices` as [(the others, over `zg`), (the experts, over "edp")]; all over `zg`
+    without ep."""
+    if experts is None:
+        return [(list(indices), zg)]
+    return [([i for i in indices if i not in experts.params], zg),
+            ([i for i in indices if i in experts.params], experts.zg)]
 
 
 def _across_replicas(graph, shard, zg: _ZeroGroups):

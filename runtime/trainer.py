@@ -187,7 +187,7 @@ class ParallelModel:
                 shard_params=self.program.params_sharded, param_shards=zero3_shards,
                 shapes=self.local_shapes, offload_to_host=plan.offload_optimizer,
                 experts=self._experts, expert_group=(
-                    *self.zero_ranks(next(iter(self._experts))), world.mesh.get_group("edp"))
+                    plan.dp // program.ep, world.coordinate("edp"), world.mesh.get_group("edp"))
                 if self._experts else None)
             self.optimizer = self.sharded_optimizer.optimizer
             self.host_optimizer = self.sharded_optimizer.host
@@ -295,7 +295,7 @@ class ParallelModel:
             runs = rweights.local_runs(tuple(p.shape), *(self.split_of(i) or (None, 1, 0))[:3])
             src, key = weights.locate(name)
             if shards is not None:  # ZeRO-3: the rows covering this rank's flat slice only
-                rows, off, n, size = rweights.flat_shard_rows(runs, *self.zero_ranks(i))
+                rows, off, n, size = rweights.flat_shard_rows(runs, *self._zero_ranks(i))
                 shard = torch.zeros(size, dtype=p.dtype, device=dev)
                 if n:
                     shard[:n] = src.read_runs(key, rows).reshape(-1)[off:off + n]
@@ -420,7 +420,7 @@ class ParallelModel:
         """The mesh dimension ZeRO shards over: "dp", or HSDP's shard group."""
         return "dp_shard" if self.plan.hsdp else "dp"
 
-    def zero_ranks(self, i: int) -> tuple[int, int]:
+    def _zero_ranks(self, i: int) -> tuple[int, int]:
         """(ranks, this rank's index) ZeRO shards parameter i over: the zero axis, or for an
         expert weight under ep the ranks holding the same experts ("edp")."""
         if i in self._experts:
@@ -770,9 +770,9 @@ class ParallelModel:
             if not replica0:
                 counted.append(False)
                 continue
-            dp, dp_r = self.zero_ranks(z.bucket_indices[k][0])
+            dp, dp_r, _ = z.group_of(z.bucket_indices[k][0])
             mask = torch.zeros(shard.numel() * dp, device=shard.device)
-            for i, off, n in self.sharded_optimizer.bucket_layout(k):
+            for i, off, n in z.bucket_layout(k):
                 mask[off:off + n] = 1.0 if (layouts[i] is not None or tp0) else 0.0
             mask = mask[dp_r * shard.numel():(dp_r + 1) * shard.numel()]
             counted.append(True if bool(mask.all()) else (False if not mask.any() else mask))
