@@ -899,23 +899,30 @@ def sends_rank(nbytes: int) -> tuple:
     return None, float(buf.sum())
 
 
-def quantized_rank(plans, steps, data="memorize", lr=1e-3):
-    """Each plan trains the example GPT `steps` AdamW steps on 4 batches in turn (so the loss
-    falls well below its start), or with data="markov" on a fresh batch of a Markov chain's
-    language each step (examples/models.markov_batch); AdamW at `lr`. Returns {plan:
-    (losses, {collective kind: bytes on the wire in the last step})} (Plan.comm_quantization: tests/test_quantized_comm.py)."""
+def quantized_rank(plans, steps, data="memorize", lr=1e-3, model=None):
+    """Each plan trains the example GPT (or the zoo's `model`) `steps` AdamW steps on 4
+    batches in turn (so the loss falls well below its start), or with data="markov" on a
+    fresh batch of a Markov chain's language each step (examples/models.markov_batch); AdamW
+    at `lr`. Returns {plan: (losses, {collective kind: bytes on the wire in the last step})}
+    (Plan.comm_quantization: tests/test_quantized_comm.py, test_expert_parallel.py)."""
     from fxpar.runtime.trace import COMM
     world = int(os.environ["WORLD_SIZE"])
     cfg = M.GPTConfig()
+    if model is None:
+        build, batch = lambda: M.GPT(cfg), (
+            (lambda s: M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4)) if data == "memorize" else
+            (lambda s: M.markov_batch(cfg, GLOBAL_BATCH, seed=s)))
+    else:
+        from fxpar.examples import zoo
+        spec = zoo.build(model)[1]
+        build, batch = (lambda: zoo.build(model)[0]), (lambda s: spec.batch(s % 4))
     out = {}
     for plan in plans:
         torch.manual_seed(1234)
-        pm = fxpar.parallelize(M.GPT(cfg), world, example_batch=M.gpt_batch(cfg, GLOBAL_BATCH),
+        pm = fxpar.parallelize(build(), world, example_batch=batch(0),
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, eps=1e-6),
                                plan=plan)
-        losses = [pm.step(M.gpt_batch(cfg, GLOBAL_BATCH, seed=s % 4) if data == "memorize"
-                          else M.markov_batch(cfg, GLOBAL_BATCH, seed=s)).item()
-                  for s in range(steps)]
+        losses = [pm.step(batch(s)).item() for s in range(steps)]
         kinds: dict = {}
         for span in pm.recorder.steps[-1][3]:
             if span.track == COMM:
