@@ -130,12 +130,15 @@ class PassContract:
 # reduce-scatters and gathers) and the groups across them ("dp_rep": a shard's all-reduce);
 # "dp" stays the whole dp group (the batch's split: the loss, batch statistics).
 # Plan.ep splits the dp ranks into expert groups of ep neighbouring ranks ("ep": an MoE
-# layer's experts split over it) and the groups across them ("edp").
+# layer's experts split over it) and the groups across them ("edp"); with HSDP too, each
+# shard group's ranks holding the same experts form "edp_shard" (ZeRO's group for expert
+# weights; "dp_rep" then sums their shards across the replicas).
 # Plan.cp likewise: groups of cp neighbouring dp ranks split the sequence ("cp"), the groups
 # across them split the batch's rows ("cdp"); "dp" stays the gradients' group.
 GROUPS = {"dp": "fxpar.dp", "tp": "fxpar.tp", "pp": "fxpar.pp",
           "dp_shard": "fxpar.dp_shard", "dp_rep": "fxpar.dp_rep",
-          "ep": "fxpar.ep", "edp": "fxpar.edp", "cp": "fxpar.cp", "cdp": "fxpar.cdp"}
+          "ep": "fxpar.ep", "edp": "fxpar.edp", "edp_shard": "fxpar.edp_shard",
+          "cp": "fxpar.cp", "cdp": "fxpar.cdp"}
 
 
 @dataclasses.dataclass

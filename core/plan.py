@@ -48,7 +48,11 @@ class Plan:
                     split over groups of ep neighbouring dp ranks, each rank holding and
                     computing E/ep of them; the layer's routed rows are summed over the group
                     where they leave it (passes/expert_parallel.py). 1 (default): off. Divides
-                    dp; composes with tp and pp, not yet with ZeRO, ps or HSDP.
+                    dp (with HSDP, dp_shard: each expert group inside a shard group); composes
+                    with tp, pp and ZeRO (an expert weight's gradients reduced and sharded over
+                    the dp / ep ranks holding the same experts; with HSDP over those of its
+                    shard group, then across the replicas); not yet with ps, hpZ or gradient
+                    compression.
     cp:             context parallelism, carved out of dp: groups of cp neighbouring dp ranks
                     take the same rows of the batch and split their sequence, each rank
                     holding 1/cp of every activation but attention's keys and values, which
@@ -361,10 +365,12 @@ def hpz_misfit(hpz, dp: int, zero: int, pp: int, microbatches: int,
     return None
 
 
-def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple) -> tuple[int, str | None]:
+def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple,
+                   hsdp: bool = False) -> tuple[int, str | None]:
     """(degree, why not or None) of an axis carved out of dp (Plan.ep, Plan.cp): a positive
-    integer dividing dp; `refused` = (field, value, off) it does not run with, and ps, HSDP,
-    hpZ and gradient compression never. The why is then `... this plan also has <fields>`."""
+    integer dividing dp (`hsdp`: and HSDP's shard groups, which it may run with); `refused` =
+    (field, value, off) it does not run with, and ps, hpZ and gradient compression never.
+    The why is then `... this plan also has <fields>`."""
     n = getattr(plan, axis)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return 1, f"Plan.{axis} must be a positive integer (1: off), got {n!r}."
@@ -373,9 +379,15 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple) -> tuple[
     if plan.dp % n:
         return n, (f"Plan.{axis}={n} splits {what} over groups of {axis} data-parallel ranks: "
                    f"it must divide dp={plan.dp}. Use an {axis} that divides dp, or a larger dp.")
+    if hsdp and plan.hsdp and plan.dp_shard % n:
+        return n, (f"Plan.{axis}={n} with HSDP (dp_shard={plan.dp_shard}): each group of {axis} "
+                   f"ranks lies inside a shard group, so {axis} must divide dp_shard. Use an "
+                   f"{axis} that divides {plan.dp_shard}, or a larger dp_shard.")
     others = [f"{k}={v}" for k, v, off in (*refused, ("ps", plan.ps, 0)) if v != off]
-    if plan.dp_shard and plan.dp_shard < plan.dp or plan.hpz:
-        others.append("dp_shard / hpz")
+    if plan.hsdp and not hsdp:
+        others.append(f"dp_shard={plan.dp_shard}")
+    if plan.hpz:
+        others.append(f"hpz={plan.hpz}")
     if plan.grad_compression != "none":
         others.append(f"grad_compression={plan.grad_compression!r}")
     return n, (f"this plan also has {', '.join(others)}" if others else None)
@@ -384,10 +396,10 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple) -> tuple[
 def ep_misfit(plan: "Plan") -> str | None:
     """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    ep, why = _carved_misfit(plan, "ep", "the experts", ())
+    ep, why = _carved_misfit(plan, "ep", "the experts", (), hsdp=True)
     if why is None or why.startswith("Plan."):
         return why
-    return (f"Plan.ep={ep} runs with dp, tp, pp and ZeRO, but not yet with ps, HSDP, hpZ or "
+    return (f"Plan.ep={ep} runs with dp, tp, pp, ZeRO and HSDP, but not yet with ps, hpZ or "
             f"gradient compression; {why}. Drop those fields, or use ep=1 (the experts are "
             "then ZeRO-sharded or replicated like any weight).")
 

@@ -31,7 +31,10 @@ Expert parallelism (`Plan.ep`): an ep group's ranks hold different experts, so a
 weight is shared only by the dp // ep ranks holding the same experts ("edp"). Its gradient is
 summed there, and ZeRO shards it there (DeepSpeed's expert-data-parallel ZeRO, torchtitan's
 FSDP of experts over dp_shard_mod_ep): expert buckets and ZeRO-3 units never mix with the
-others, each reduced, sharded and gathered over its own group.
+others, each reduced, sharded and gathered over its own group. With HSDP too (each expert
+group inside a shard group), an expert weight is sharded over its shard group's ranks holding
+the same experts ("edp_shard") and its shards summed across the replicas ("dp_rep"), as the
+others are over "dp_shard".
 """
 from __future__ import annotations
 
@@ -149,19 +152,31 @@ class _ZeroGroups:
 
 @dataclasses.dataclass(frozen=True)
 class _Experts:
-    """Expert parallelism's expert weights (parameter indices) and the group they are
-    reduced and ZeRO-sharded over: the dp // ep ranks holding the same experts ("edp")."""
+    """Expert parallelism's expert weights (parameter indices), the group their gradients
+    sum over (`whole`: the dp // ep ranks holding the same experts, "edp") and the groups
+    ZeRO shards them over (`zg`: "edp"; with HSDP its shard group's part, "edp_shard", and
+    the replicas)."""
     params: frozenset
     zg: _ZeroGroups
+    whole: _ZeroGroups
+
+    @classmethod
+    def of(cls, params, options, group_names) -> "_Experts":
+        dp, s, ep = options.dp, options.dp_shard, options.ep
+        whole = _ZeroGroups(group_names["edp"], dp // ep)
+        zg = whole if not s or s >= dp else _ZeroGroups(
+            group_names["edp_shard"], s // ep, group_names["dp_rep"], dp // s)
+        return cls(frozenset(params), zg, whole)
 
 
-def _classes(indices, zg: _ZeroGroups, experts: _Experts | None):
-    """`indices` as [(the others, over `zg`), (the experts, over "edp")]; all over `zg`
-    without ep."""
+def _classes(indices, zg: _ZeroGroups, experts: _Experts | None, whole: bool = False):
+    """`indices` as [(the others, over `zg`), (the experts, over their ZeRO groups, or
+    `whole`: "edp")]; all over `zg` without ep."""
     if experts is None:
         return [(list(indices), zg)]
     return [([i for i in indices if i not in experts.params], zg),
-            ([i for i in indices if i in experts.params], experts.zg)]
+            ([i for i in indices if i in experts.params],
+             experts.whole if whole else experts.zg)]
 
 
 def _across_replicas(graph, shard, zg: _ZeroGroups):
@@ -212,8 +227,8 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
     zg = _ZeroGroups.of(options, ctx.group_names)
     ep = options.ep or 1
-    experts = _Experts(frozenset(gm.meta.get(ir.EXPERT_PARAMS) or ()),
-                       _ZeroGroups(ctx.group_names["edp"], dp // ep)) if ep > 1 else None
+    experts = _Experts.of(gm.meta.get(ir.EXPERT_PARAMS) or (), options, ctx.group_names) \
+        if ep > 1 else None
     _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
                     quantized="gradients" in options.comm_quantization, zero_groups=zg,
                     rows=(row_group, rows), experts=experts)
@@ -301,7 +316,7 @@ def _reduce_outputs(gm, group, dp, bucket_bytes, zero, profile, quantized,
     for i, g in enumerate(grads):
         if i not in partial:
             grads[i] = to_replicate(g)
-    for members, czg in _classes(sorted(partial), _ZeroGroups(group, dp), experts):
+    for members, czg in _classes(sorted(partial), _ZeroGroups(group, dp), experts, True):
         grp, n = czg.group, czg.n
         if n == 1:  # (one ep group: its rows are the step's, the gradients complete)
             continue
@@ -515,8 +530,8 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     one rank's shard is its whole, no collective). Returns one shard node per bucket and
     records the bucket layout in decided[ir.ZERO_BUCKETS] (the graph module's meta)."""
     with_grad = [i for i, g in enumerate(grads) if g is not None]
-    for members, czg in _classes(with_grad, _ZeroGroups(group, dp), experts):
-        for i in members:  # everything in a bucket must be a partial sum
+    for members, czg in _classes(with_grad, _ZeroGroups(group, dp), experts, True):
+        for i in members:  # everything in a bucket must be a partial sum (over its whole sum)
             pl = grads[i].meta.get(ir.SHARD)
             if pl != (Partial("sum"),):
                 with graph.inserting_before(out):
@@ -537,7 +552,7 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         n = zg.n
         # (ZeRO-1: the whole group's all-reduce, then this rank's slice: the dp group's for
         # the others, "edp" for the experts)
-        whole = zg.group if experts and zg is experts.zg else group
+        whole = experts.whole.group if experts and zg is experts.zg else group
         for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, n, target,
                                profile):
             idx = [with_grad[j] for j in bucket]
@@ -553,7 +568,8 @@ def _zero_shard(graph, members, group, zero, order, out, quantized, zg: _ZeroGro
     segments = _row_segments(members, n) if quantized else None
     with graph.inserting_before(_after_last(members, order)):
         flat = _flat_bucket(graph, members, multiple_of=n)
-        if n == 1:  # (one rank holds the whole: nothing to reduce or cut)
+        if n == 1:  # (one rank holds the whole: nothing to cut; HSDP: summed over replicas)
+            flat = _across_replicas(graph, flat, zg)
             flat.meta[ir.SHARD] = (Shard(0),)
             return flat
         if quantized:
@@ -601,10 +617,10 @@ def _reduce_scatter_by_layer(graph, grads, classes, order, out, decided, quantiz
     for zg, idx in units.values():
         group, dp = zg.group, zg.n
         members = [grads[i] for i in idx]
-        if dp == 1:
+        if dp == 1:  # (HSDP: each whole one summed over the replicas)
             for i, g in zip(idx, members):
                 with graph.inserting_before(_after_last([g], order)):
-                    shard_of[i] = _flat_bucket(graph, [g])
+                    shard_of[i] = _across_replicas(graph, _flat_bucket(graph, [g]), zg)
                 shard_of[i].meta[ir.SHARD] = (Shard(0),)
             continue
         sizes = [-(-g.meta[ir.VAL].numel() // dp) for g in members]

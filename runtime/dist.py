@@ -145,10 +145,13 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         else:
             mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names,
                                     backend_override=dict(over))  # (it empties the dict)
-        for outer, inner in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp")):
-            if inner in names and "dp" not in names and \
-                    "dp" not in getattr(mesh, "_flatten_mapping", {}):
-                mesh[outer, inner]._flatten("dp", backend_override=over[inner])
+        flat = (("dp_shard", ("edp_shard", "ep")), ("edp", ("dp_rep", "edp_shard")),
+                ("dp", ("dp_rep", "edp_shard", "ep"))) if "edp_shard" in names else \
+            [("dp", d) for d in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp"))
+             if d[1] in names and "dp" not in names]
+        for name, parts in flat:  # (HSDP with ep: its shard groups, expert data groups, dp)
+            if name not in getattr(mesh, "_flatten_mapping", {}):
+                mesh[parts]._flatten(name, backend_override=over[parts[-1]])
     return World(world, rank, dev, mesh)
 
 

@@ -187,8 +187,8 @@ class ParallelModel:
                 shard_params=self.program.params_sharded, param_shards=zero3_shards,
                 shapes=self.local_shapes, offload_to_host=plan.offload_optimizer,
                 experts=self._experts, expert_group=(
-                    plan.dp // program.ep, world.coordinate("edp"), world.mesh.get_group("edp"))
-                if self._experts else None)
+                    plan.shard_ranks // program.ep, world.coordinate(self._expert_zero_axis),
+                    world.mesh.get_group(self._expert_zero_axis)) if self._experts else None)
             self.optimizer = self.sharded_optimizer.optimizer
             self.host_optimizer = self.sharded_optimizer.host
         elif self.pipeline_runner is not None:  # this rank's stages' parameters only
@@ -420,11 +420,18 @@ class ParallelModel:
         """The mesh dimension ZeRO shards over: "dp", or HSDP's shard group."""
         return "dp_shard" if self.plan.hsdp else "dp"
 
+    @property
+    def _expert_zero_axis(self) -> str:
+        """The mesh dimension ZeRO shards expert weights over under ep: the ranks holding the
+        same experts ("edp"), with HSDP those of this rank's shard group."""
+        return "edp_shard" if self.plan.hsdp else "edp"
+
     def _zero_ranks(self, i: int) -> tuple[int, int]:
         """(ranks, this rank's index) ZeRO shards parameter i over: the zero axis, or for an
-        expert weight under ep the ranks holding the same experts ("edp")."""
+        expert weight under ep `_expert_zero_axis`."""
         if i in self._experts:
-            return self.plan.dp // self.program.ep, self.world.coordinate("edp")
+            return (self.plan.shard_ranks // self.program.ep,
+                    self.world.coordinate(self._expert_zero_axis))
         return self.plan.shard_ranks, self.world.coordinate(self.zero_axis)
 
     @property
@@ -1020,8 +1027,9 @@ class ParallelModel:
             full = t.detach() if i is None else self._full_param(i)
         if self.world.size == 1:
             return full.cpu()
-        coord = {"dp": 0, "dp_rep": 0, "dp_shard": 0, "edp": 0, "ep": 0, "cdp": 0, "cp": 0,
-                 "tp": 0, "pp": r.rank_of(stage) if r is not None and self.plan.pp > 1 else 0}
+        coord = {"dp": 0, "dp_rep": 0, "dp_shard": 0, "edp": 0, "edp_shard": 0, "ep": 0,
+                 "cdp": 0, "cp": 0, "tp": 0,
+                 "pp": r.rank_of(stage) if r is not None and self.plan.pp > 1 else 0}
         mesh = self.world.mesh
         src = int(mesh.mesh[tuple(coord[d] for d in mesh.mesh_dim_names)])
         if src == dst:

@@ -182,14 +182,16 @@ def test_zero_shards_expert_weights_over_their_edp_group():
 
 
 def test_plans_and_models_expert_parallelism_refuses_by_name():
-    """ep must divide dp and the experts; not with HSDP or ps yet; an expert weight read
-    by anything but its layer's grouped matmuls (a regulariser) or split by tp already
-    (DeepSeek-V3's) cannot be split; a model whose experts are an nn.ModuleList (routed by
-    torch.where) has no grouped matmul."""
+    """ep must divide dp and the experts (and HSDP's shard groups); not with hpZ or ps yet;
+    an expert weight read by anything but its layer's grouped matmuls (a regulariser) or
+    split by tp already (DeepSeek-V3's) cannot be split; a model whose experts are an
+    nn.ModuleList (routed by torch.where) has no grouped matmul."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "ep": 2}, 3)
-    with pytest.raises(PlanError, match="dp_shard / hpz"):
-        resolve({"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2}, 4)
+    with pytest.raises(PlanError, match="ep must divide dp_shard"):
+        resolve({"dp": 8, "ep": 4, "zero": 3, "dp_shard": 2}, 8)
+    with pytest.raises(PlanError, match="hpz=2"):
+        resolve({"dp": 4, "ep": 2, "zero": 3, "hpz": 2}, 4)
     with pytest.raises(PlanError, match="ps=1"):
         resolve({"dp": 2, "ps": 1, "ep": 2}, 3)
     with pytest.raises(PlanError, match="positive integer"):
