@@ -181,6 +181,37 @@ def test_zero_shards_expert_weights_over_their_edp_group():
                    if read and not read & {params[i] for i in experts})
 
 
+def test_hsdp_shards_expert_weights_within_the_shard_group():
+    """ep with HSDP (dp=8 in shard groups of 4, ep=2 inside each): the mesh is (replicas,
+    the shard group's ranks holding the same experts, ep); ZeRO-3 gathers and
+    reduce-scatters an expert weight over those 2 ranks ("edp_shard"), the others over the
+    shard group of 4, and every shard is then summed across the 2 replicas."""
+    model, batch = _mixtral()
+    plan = {"dp": 8, "ep": 2, "zero": 3, "dp_shard": 4, "fuse": False}
+    assert mesh_dims(resolve(plan, 8)) == [("dp_rep", 2), ("edp_shard", 2), ("ep", 2)]
+    prog = fxpar.compile(model, 8, example_batch=batch, plan=plan)
+    g, sig = prog.graph.graph, prog.signature
+    params = [n for n in g.nodes if n.op == "placeholder"][:sig.num_params]
+    experts = {params[i] for i in prog.expert_params}
+    full = dict(model.named_parameters())
+    for i, p in enumerate(params):
+        n = full[sig.param_names[i]].numel()
+        assert tuple(p.meta[ir.VAL].shape) == ((-(-n // 4),) if p not in experts else
+                                               (-(-n // 2 // 2),)), sig.param_names[i]
+    ag, rs = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default
+    for n in g.nodes:
+        if n.target is ag and set(ir.ancestors([n])) & set(params):
+            want = "edp_shard" if set(ir.ancestors([n])) & experts else "dp_shard"
+            assert n.args[-1] == ir.GROUPS[want], n.name
+        if n.target is rs:  # each summed shard then all-reduced across the replicas
+            assert n.args[-1] in (ir.GROUPS["dp_shard"], ir.GROUPS["edp_shard"]), n.name
+            wait = next(iter(n.users))
+            assert {(u.target, u.args[-1]) for u in wait.users} == {
+                (c10d.all_reduce.default, ir.GROUPS["dp_rep"])}, n.name
+    assert {n.args[-1] for n in g.nodes if n.target is rs} == {
+        ir.GROUPS["dp_shard"], ir.GROUPS["edp_shard"]}
+
+
 def test_plans_and_models_expert_parallelism_refuses_by_name():
     """ep must divide dp and the experts (and HSDP's shard groups); not with hpZ or ps yet;
     an expert weight read by anything but its layer's grouped matmuls (a regulariser) or
@@ -238,6 +269,21 @@ def test_ep_with_zero_on_four_ranks_trains_like_eager(tmp_path):
 
 
 @pytest.mark.slow
+def test_ep_with_hsdp_trains_like_eager(tmp_path):
+    """ep=2 inside HSDP's shard groups: dp=4 in groups of 2 (each expert whole on its rank
+    of the group, summed across the replicas) with ZeRO-2 and -3, and dp=8 in groups of 4
+    with ZeRO-3 (each expert weight sharded over the 2 ranks of its shard group holding it):
+    equal to eager AdamW; the 4-rank ZeRO-3 run's checkpoint resumes bit for bit and loads
+    into plain ZeRO-1 dp=4."""
+    _check_plans(4, [("mixtral", "adamw", {"dp": 4, "ep": 2, "zero": z, "dp_shard": 2})
+                     for z in (2, 3)])
+    _check_plans(8, [("mixtral", "adamw", {"dp": 8, "ep": 2, "zero": 3, "dp_shard": 4})])
+    workers.check_resumed_and_resharded(4, "mixtral", {"dp": 4, "ep": 2, "zero": 3,
+                                                       "dp_shard": 2},
+                                        {"dp": 4, "zero": 1}, str(tmp_path))
+
+
+@pytest.mark.slow
 def test_moe_models_on_four_ranks_train_like_eager():
     """ep carved out of dp=4: groups of 2 (two groups, each holding every expert once) on
     Mixtral, Qwen2-MoE (a gated shared expert) and DeepSeek-V3 (group-limited routing, a
@@ -255,10 +301,11 @@ def test_moe_models_on_four_ranks_train_like_eager():
 def test_clipping_counts_each_expert_once():
     """max_grad_norm with ep=2 inside dp=4: each expert's gradient lives on one rank of each
     ep group (the same on both groups): the global norm counts the first group's; with ZeRO-2
-    each rank's shard of its experts (over its "edp" pair) and of the rest; both equal to
-    clip_grad_norm_ in one process."""
+    each rank's shard of its experts (over its "edp" pair) and of the rest; with HSDP the
+    first replica's shards; all equal to clip_grad_norm_ in one process."""
     check_clipping(4, [("mixtral", {"dp": 4, "ep": 2}),
-                       ("mixtral", {"dp": 4, "ep": 2, "zero": 2})])
+                       ("mixtral", {"dp": 4, "ep": 2, "zero": 2}),
+                       ("mixtral", {"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2})])
 
 
 @pytest.mark.slow
