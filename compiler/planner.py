@@ -1375,9 +1375,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     n_reduced = n_elem - experts_elem if (zero == 0 and not stats.moe_local) or ep > 1 \
         else n_elem
     edp = dp // ep
+    esdp = sdp // ep  # (ZeRO shards the experts over the "edp" ranks of a shard group)
     # the elements this rank's optimizer steps (ZeRO: its 1/dp shard of the others, 1/edp of
-    # its experts)
-    stepped_elem = n_elem if not zero else (n_elem - experts_elem) / sdp + experts_elem / edp \
+    # its experts; HSDP: 1/sdp and 1/esdp)
+    stepped_elem = n_elem if not zero else (n_elem - experts_elem) / sdp + experts_elem / esdp \
         if ep > 1 else n_elem / sdp
     n_t = sum(s.n_param_tensors for s in rank_segs[worst])
     dpc = dp_fixed = gather = 0.0
@@ -1421,17 +1422,21 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             dpc += m * (hw.comm("all_gather", wire_w, hpz, tp * pp * hpz, calls=gathers)
                         if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
         if ep > 1 and edp > 1 and (zero or stats.moe_local) and not onebit:
-            # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered),
-            # ZeRO-1/2's gathers of their updated shards, ZeRO-3's of their weights
+            # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered;
+            # HSDP: over a shard group's "edp" ranks, then across the replicas), ZeRO-1/2's
+            # gathers of their updated shards, ZeRO-3's of their weights
             e_bytes, e_calls = experts_elem * elem, max(1, round(sum(
                 s.n_moe for s in rank_segs[worst])))
-            dpc += hw.comm("reduce_scatter" if zero >= 2 else "all_reduce", e_bytes, edp, span,
-                           calls=e_calls)
+            if zero >= 2:
+                dpc += hw.comm("reduce_scatter", e_bytes, esdp, s_span, calls=e_calls) + \
+                    hw.comm("all_reduce", e_bytes / esdp, reps, span, calls=e_calls)
+            else:
+                dpc += hw.comm("all_reduce", e_bytes, edp, span, calls=e_calls)
             if zero in (1, 2):
-                gather += hw.comm("all_gather", e_bytes, edp, span, calls=e_calls) + \
+                gather += hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls) + \
                     2 * e_bytes / hw.mem_bandwidth
             if zero >= 3:
-                dpc += 2 * m * hw.comm("all_gather", e_bytes, edp, span, calls=e_calls)
+                dpc += 2 * m * hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls)
         # the loss (and the count of its targets), per microbatch
         dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
         # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of

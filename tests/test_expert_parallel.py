@@ -390,6 +390,14 @@ def test_planner_prices_expert_parallelism():
     for ep in (2, 4):
         assert (z3[ep].params, z3[ep].optimizer) == pytest.approx(
             (z3[1].params, z3[1].optimizer))
+    # HSDP (shard groups of 2): ep=2 inside them (ep=4 does not fit), the experts' state
+    # sharded over the shard group as the rest's is
+    r = planner.search(stats, 4, hw, batch_rows=8, executable=False,
+                       constraints={**fixed, "zero": 3, "dp_shard": 2})
+    h3 = {c.plan.ep: c for c in r.table}
+    assert set(h3) == {1, 2} and all(c.plan.hsdp for c in h3.values())
+    assert (h3[2].memory.params, h3[2].memory.optimizer) == pytest.approx(
+        (h3[1].memory.params, h3[1].memory.optimizer))
     r = planner.search(stats, 4, hw, batch_rows=8, executable=False,
                        constraints={**fixed, "ep": 2})
     assert {c.plan.ep for c in r.table} == {2}
