@@ -642,10 +642,11 @@ def capture_as_is(model: torch.nn.Module, example_batch: Any, loss_fn: Callable 
     device is traced on fake stand-ins on the batch's device (shapes only: nothing in it can
     be timed)."""
     stand_ins = None
-    if meta_tensors(model):
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        leaf = next((t for t in pytree.tree_leaves(example_batch)
-                     if isinstance(t, torch.Tensor)), None)
+    if meta_tensors(model):  # (the batch's own fake mode where it is fake already: a model
+        # factory run under one, as `fxpar plan --model pkg.module:factory` runs it)
+        tensors = [t for t in pytree.tree_leaves(example_batch) if isinstance(t, torch.Tensor)]
+        mode = detect_fake_mode(tuple(tensors)) or FakeTensorMode(allow_non_fake_inputs=True)
+        leaf = tensors[0] if tensors else None
         device = leaf.device if leaf is not None else torch.device("cpu")
         stand_ins = fake_weights(model, device, mode=mode)
         example_batch = fake_batch(example_batch, device, mode)

@@ -77,6 +77,23 @@ def test_factory_errors_name_the_factory(tmp_path, monkeypatch):
         assert (says or "unknown model 'fac_mod'") in str(e.value.code), e.value.code
 
 
+def test_a_factory_building_on_the_meta_device_plans(tmp_path, monkeypatch, capsys):
+    """A model too large to build is built on the meta device, its example batch made
+    under the fake mode `fxpar plan` runs the factory in: both traced in one fake mode (the
+    meta weights' stand-ins were made in another, and tracing refused the mix)."""
+    (tmp_path / "meta_fac.py").write_text(
+        "import torch\n"
+        "from fxpar.examples import models as M\n"
+        "def make():\n"
+        "    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)\n"
+        "    with torch.device('meta'):\n"
+        "        model = M.GPT(cfg)\n"
+        "    return model, M.gpt_batch(cfg, 8)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main(["plan", "--model", "meta_fac:make", "--devices", "2", "--top", "1"])
+    assert "dp=" in capsys.readouterr().out
+
+
 def test_fix_degrees_that_do_not_divide_the_devices_say_so():
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "small", "--devices", "8", "--fix", '{"tp": 3}'])
