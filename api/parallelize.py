@@ -248,11 +248,15 @@ def mesh_dims(plan) -> list[tuple[str, int]]:
     partition)), that group the inner one (neighbouring ranks: one node when it is the GPUs
     per node); with ep as (across expert groups, expert group), that group the inner one,
     and with cp likewise (across sequence groups, sequence group). HSDP with ep: (replicas,
-    the shard group's ranks holding the same experts, expert group): runtime/dist.setup
-    flattens the last two into "dp_shard" and the first two into "edp"."""
+    the shard group's ranks holding the same experts, expert group), which runtime/dist.setup
+    flattens into "dp_shard" (the last two) and "edp" (the first two); with cp likewise
+    ("cdp_shard", "cp"; "dp_shard" and "cdp")."""
     s = plan.node_group  # (HSDP's shard group, hpZ's secondary partition)
-    dp = [("dp_rep", plan.dp // s), ("edp_shard", s // plan.ep), ("ep", plan.ep)] \
-        if s and plan.ep > 1 else [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else \
+    carved = ("ep", "edp", plan.ep) if plan.ep > 1 else ("cp", "cdp", plan.cp) \
+        if plan.cp > 1 else None
+    dp = [("dp_rep", plan.dp // s), (f"{carved[1]}_shard", s // carved[2]),
+          (carved[0], carved[2])] if s and carved else \
+        [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else \
         [("edp", plan.dp // plan.ep), ("ep", plan.ep)] if plan.ep > 1 else \
         [("cdp", plan.dp // plan.cp), ("cp", plan.cp)] if plan.cp > 1 else [("dp", plan.dp)]
     return dp + ([("pp", plan.pp)] if plan.pp > 1 else []) + (

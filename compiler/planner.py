@@ -778,7 +778,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         (z, g, e) for z in zeros
                         for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)
                         for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
-                        if cp == 1 or (g == (None, None) and e == 1)]:
+                        if cp == 1 or (e == 1 and not cp_misfit(Plan(
+                            dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp)))]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(

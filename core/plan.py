@@ -58,8 +58,9 @@ class Plan:
                     holding 1/cp of every activation but attention's keys and values, which
                     are all-gathered over the group (passes/context_parallel.py). 1
                     (default): off. Divides dp; the sequence splits into 2 x cp chunks (each
-                    rank a front and a back one); composes with dp, tp, pp, microbatches and
-                    ZeRO, not yet with ep, ps or HSDP.
+                    rank a front and a back one); composes with dp, tp, pp, microbatches,
+                    ZeRO and HSDP (cp dividing dp_shard: each cp group inside a shard
+                    group), not yet with ep, ps, hpZ or gradient compression.
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -407,11 +408,12 @@ def ep_misfit(plan: "Plan") -> str | None:
 def cp_misfit(plan: "Plan") -> str | None:
     """Why Plan.cp cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    cp, why = _carved_misfit(plan, "cp", "the sequence", (("ep", plan.ep, 1),))
+    cp, why = _carved_misfit(plan, "cp", "the sequence", (("ep", plan.ep, 1),), hsdp=True)
     if why is None or why.startswith("Plan."):
         return why
-    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches and ZeRO, but not yet with ep, "
-            f"ps, HSDP, hpZ or gradient compression; {why}. Drop those fields, or use cp=1.")
+    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches, ZeRO and HSDP, but not yet "
+            f"with ep, ps, hpZ or gradient compression; {why}. Drop those fields, or use "
+            "cp=1.")
 
 
 def quantization_misfit(comm_quantization: str, zero: int, dp: int) -> str | None:

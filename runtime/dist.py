@@ -87,7 +87,8 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     its servers, hold the mesh with no coordinate on it). HSDP's dims ("dp_rep", "dp_shard")
     are also flattened into one "dp" dimension (the whole dp group: rank r of shard group g
     is dp rank g * dp_shard + r), and expert ("edp", "ep") and context parallelism's
-    ("cdp", "cp") likewise.
+    ("cdp", "cp") likewise; HSDP with either ("dp_rep", "edp_shard", "ep") also into
+    "dp_shard" and "edp" (with cp: "cdp_shard", "cdp").
     """
     size, dev_type = world_of(devices)
     if size == 1:
@@ -145,11 +146,13 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         else:
             mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names,
                                     backend_override=dict(over))  # (it empties the dict)
-        flat = (("dp_shard", ("edp_shard", "ep")), ("edp", ("dp_rep", "edp_shard")),
-                ("dp", ("dp_rep", "edp_shard", "ep"))) if "edp_shard" in names else \
+        inner = next((n for n in ("edp_shard", "cdp_shard") if n in names), None)
+        axis = inner and names[names.index(inner) + 1]  # (HSDP with ep or cp)
+        flat = (("dp_shard", (inner, axis)), (inner[:-6], ("dp_rep", inner)),
+                ("dp", ("dp_rep", inner, axis))) if inner else \
             [("dp", d) for d in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp"))
              if d[1] in names and "dp" not in names]
-        for name, parts in flat:  # (HSDP with ep: its shard groups, expert data groups, dp)
+        for name, parts in flat:  # (HSDP with ep / cp: shard groups, "edp" / "cdp", dp)
             if name not in getattr(mesh, "_flatten_mapping", {}):
                 mesh[parts]._flatten(name, backend_override=over[parts[-1]])
     return World(world, rank, dev, mesh)

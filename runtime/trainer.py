@@ -1028,7 +1028,7 @@ class ParallelModel:
         if self.world.size == 1:
             return full.cpu()
         coord = {"dp": 0, "dp_rep": 0, "dp_shard": 0, "edp": 0, "edp_shard": 0, "ep": 0,
-                 "cdp": 0, "cp": 0, "tp": 0,
+                 "cdp": 0, "cdp_shard": 0, "cp": 0, "tp": 0,
                  "pp": r.rank_of(stage) if r is not None and self.plan.pp > 1 else 0}
         mesh = self.world.mesh
         src = int(mesh.mesh[tuple(coord[d] for d in mesh.mesh_dim_names)])

@@ -85,6 +85,32 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
 
 
+def test_hsdp_shards_within_groups_holding_whole_cp_groups():
+    """cp with HSDP (dp=8 in shard groups of 4, cp=2 inside each): the mesh is (replicas,
+    the shard group's row groups, cp); ZeRO-3 gathers and reduce-scatters over the shard
+    group, each summed shard then all-reduced across the replicas; the keys and values
+    over cp, the loss over the rows' groups ("cdp")."""
+    model, batch = _llama()
+    plan = {"dp": 8, "cp": 2, "zero": 3, "dp_shard": 4, "fuse": False}
+    assert mesh_dims(resolve(plan, 8)) == [("dp_rep", 2), ("cdp_shard", 2), ("cp", 2)]
+    g = fxpar.compile(model, 8, example_batch={k: v.repeat(4, 1) for k, v in batch.items()},
+                      plan=plan).graph.graph
+    groups = {}
+    for n in g.nodes:
+        if n.target in (c10d.all_gather_into_tensor.default,
+                        c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
+            groups.setdefault(n.target, set()).add(_group_of(n))
+        if n.target is c10d.reduce_scatter_tensor.default and \
+                _group_of(n) == ir.GROUPS["dp_shard"]:
+            wait = next(iter(n.users))
+            assert [(u.target, _group_of(u)) for u in wait.users] == [
+                (c10d.all_reduce.default, ir.GROUPS["dp_rep"])], n.name
+    G = ir.GROUPS
+    assert groups[c10d.all_gather_into_tensor.default] == {G["dp_shard"], G["cp"]}
+    assert groups[c10d.reduce_scatter_tensor.default] == {G["dp_shard"], G["cp"]}
+    assert groups[c10d.all_reduce.default] >= {G["dp_rep"], G["cdp"]}
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
     """Each rank's pair of chunks of queries (r and 2cp-1-r of 2cp: fxpar::zigzag_chunk)
@@ -126,12 +152,15 @@ def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
 
 
 def test_plans_and_batches_context_parallelism_refuses_by_name():
-    """cp must divide dp and the sequence (into 2 x cp chunks); not with ep or HSDP yet; a
-    model fed no sequence (an MLP's [batch, features]) has nothing to split."""
+    """cp must divide dp (and HSDP's shard groups) and the sequence (into 2 x cp chunks);
+    not with ep or hpZ yet; a model fed no sequence (an MLP's [batch, features]) has
+    nothing to split."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "cp": 2}, 3)
-    with pytest.raises(PlanError, match="dp_shard"):
-        resolve({"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2}, 4)
+    with pytest.raises(PlanError, match="cp must divide dp_shard"):
+        resolve({"dp": 8, "cp": 4, "zero": 3, "dp_shard": 2}, 8)
+    with pytest.raises(PlanError, match="hpz=2"):
+        resolve({"dp": 4, "cp": 2, "zero": 3, "hpz": 2}, 4)
     with pytest.raises(PlanError, match="ep=2"):
         resolve({"dp": 4, "cp": 2, "ep": 2}, 4)
     with pytest.raises(PlanError, match="positive integer"):
@@ -156,7 +185,8 @@ def test_llama_cp2_trains_like_eager():
 @pytest.mark.slow
 def test_context_parallelism_composes_on_four_ranks():
     """cp=2 inside dp=4 (two row groups), with tp=2, with a pipeline of 2 stages (1F1B and
-    zero-bubble), with microbatches, and cp=4 with ZeRO-2; GPT-2 (learned positions) with
+    zero-bubble), with microbatches, and cp=4 with ZeRO-2; cp=2 inside HSDP's shard groups
+    of 2 with ZeRO-3; GPT-2 (learned positions) with
     ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored
     labels, microbatches weighted by their target counts); Inductor's code for the chunk
     kernels: every one equal to eager."""
@@ -165,6 +195,8 @@ def test_context_parallelism_composes_on_four_ranks():
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 2},
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"},
         {"dp": 4, "cp": 2, "microbatches": 2})])
+    _check_plans(4, [("hf_llama", "adamw", {"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2,
+                                            "codegen": "eager"})])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
                                            "codegen": "eager"}),
                      ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
@@ -205,6 +237,10 @@ def test_planner_prices_context_parallelism():
     r = planner.search(stats, 4, hw, batch_rows=B, executable=False,
                        constraints={"cp": 2, "tp": 1, "pp": 1})
     assert {(c.plan.dp, c.plan.cp) for c in r.table} == {(4, 2)}
+    # HSDP: cp inside shard groups of 2 (the same cp plan, ZeRO-3 within each group)
+    r = planner.search(stats, 4, hw, batch_rows=B, executable=False,
+                       constraints={"cp": 2, "tp": 1, "pp": 1, "zero": 3, "dp_shard": 2})
+    assert r.table and all(c.plan.hsdp and c.plan.cp == 2 for c in r.table)
     fixed = {"cp": 2, "tp": 1, "pp": 1, "zero": 0}
     one = planner.search(stats, 4, hw, batch_rows=B, executable=False, constraints=fixed)
     plain = planner.search(stats, 4, hw, batch_rows=B, executable=False,
