@@ -102,7 +102,8 @@ def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:
     # which also keeps their generator state exactly eager's)
     if not isinstance(t, torch._ops.OpOverload):
         return False
-    if (cpu and _adds_through_an_index(n)) or t in experts.COMMUNICATING:
+    if (cpu and _adds_through_an_index(n)) or t in experts.COMMUNICATING or \
+            n.meta.get(ir.DYNAMIC_ROWS):  # (a shape the graph's values only bound)
         return False
     return t.namespace not in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
 

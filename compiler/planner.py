@@ -64,6 +64,10 @@ SIMULATE_TOP = 12
 # bytes a send completes with on its own (a socket buffer's worth): it rides with the
 # other values of its transfer group (planner._price)
 SMALL_TRANSFER = 64 * 2 ** 10
+# the rows an ep rank receives for its experts, in units of the rows it routes (as many
+# where the routing is balanced): a router's imbalance priced at up to 2x (MoE training's
+# usual capacity factors are 1.25-2; the runtime holds exactly what arrives)
+EP_RECEIVED = 2.0
 # the Segment statistics the tp probe reads off the tp pass's graph (each as its `_split`
 # part); the last two only where the statistics are the traced graph's (count_pass_extras)
 TP_SPLIT = ("flops_f", "flops_b", "bytes_f", "bytes_b", "saved", "transient")
@@ -1189,10 +1193,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
             states[key] = mem, saved
         mem, rec = with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
-        if ep > 1 and stats.moe_local:  # the all-to-all buffers: ep x the rank's routed
-            # rows (static in shape: as many as it could receive), kept for the backward
-            mem.activations += (ep - 1) * sum(s.ep_saved for s in rank_segs[r]) * \
-                mbs / stats.rows
+        if ep > 1 and stats.moe_local:  # the rows a rank receives (as many as it routes
+            # where the routing is balanced), kept for the backward: priced at up to
+            # EP_RECEIVED x its own, the routing's imbalance
+            mem.activations += (min(ep, EP_RECEIVED) - 1) * sum(
+                s.ep_saved for s in rank_segs[r]) * mbs / stats.rows
         if cp > 1 and remat == "none":  # the gathered keys and values the backward reads:
             # whole for the rank's rows, where its share of the tokens was priced (with remat
             # on, the backward gathers them again instead)

@@ -31,10 +31,13 @@ def _(offs, experts, group_name):
 # Under data parallelism an MoE's dispatch runs on each rank's own rows (core/local_dispatch):
 # its rows sorted by expert, `offs` its own counts. Expert parallelism then sends each run
 # of rows to the rank holding its experts and brings the results back. The counts are data:
-# the splits are read on the host (as torchtitan's and DeepSpeed's dispatch do), and the
-# received rows are held in a buffer of the most any rank can receive (every rank's rows: ep
-# x its own), static in shape, zero past the rows received (the grouped matmuls stop at
-# their offs). Not functional collectives: their split sizes would be data-dependent shapes.
+# the splits are read on the host (as torchtitan's and DeepSpeed's dispatch do), and a rank
+# holds exactly the rows it receives: a shape that depends on the routing. The graph's
+# fake value is the most any rank could receive (every rank's rows: ep x its own), an upper
+# bound for shape propagation; the nodes between a dispatch and its combine are marked
+# (ir.DYNAMIC_ROWS, passes/expert_parallel.py) and run op by op on the rows there are
+# (compiler/codegen.py compiles no run over them). Not functional collectives: their split
+# sizes are data.
 
 def _a2a(out, x, out_splits, in_splits, pg):
     import torch.distributed as dist
@@ -63,23 +66,22 @@ def _(offs, experts, group_name):
 @torch.library.custom_op("fxpar::ep_dispatch", mutates_args=())
 def ep_dispatch(x: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.Tensor:
     """x's rows (sorted by expert) sent to their experts' ranks: the rows this rank
-    receives, sorted by its experts (each expert's rows from rank 0, 1, ...), zero after
-    them, in ep x len(x) rows."""
+    receives (exactly those), sorted by its experts (each expert's rows from rank 0, 1,
+    ...)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
     pg = _resolve_process_group(group_name)
     send, recv = route[0], route[1]
     ep, experts = recv.shape
     got = _a2a(x.new_empty((int(recv.sum()), *x.shape[1:])), x,
                recv.sum(1).tolist(), send.sum(1).tolist(), pg)
+    if experts == 1 or ep == 1:  # (already in expert order)
+        return got
     pieces = got.split(recv.flatten().tolist())  # (source, expert) blocks
-    out = x.new_zeros((ep * x.shape[0], *x.shape[1:]))
-    torch.cat([pieces[s * experts + e] for e in range(experts) for s in range(ep)],
-              out=out[:got.shape[0]])
-    return out
+    return torch.cat([pieces[s * experts + e] for e in range(experts) for s in range(ep)])
 
 
 @ep_dispatch.register_fake
-def _(x, route, group_name):
+def _(x, route, group_name):  # (the most it can be: see above)
     return x.new_empty((route.shape[1] * x.shape[0], *x.shape[1:]))
 
 
@@ -91,29 +93,23 @@ def ep_combine(y: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.T
     pg = _resolve_process_group(group_name)
     send, recv = route[0], route[1]
     ep, experts = recv.shape
-    pieces = y[:int(recv.sum())].split(recv.t().flatten().tolist())  # (expert, source)
-    back = torch.cat([pieces[e * ep + s] for s in range(ep) for e in range(experts)])
-    return _a2a(y.new_empty((y.shape[0] // ep, *y.shape[1:])), back,
+    n = int(recv.sum())
+    if y.shape[0] != n:
+        raise RuntimeError(f"fxpar::ep_combine: {y.shape[0]} rows came back from the experts, "
+                           f"but this rank received {n}: a node between the dispatch and the "
+                           "combine changed the row count")
+    if experts == 1 or ep == 1:
+        back = y
+    else:
+        pieces = y.split(recv.t().flatten().tolist())  # (expert, source)
+        back = torch.cat([pieces[e * ep + s] for s in range(ep) for e in range(experts)])
+    return _a2a(y.new_empty((int(send.sum()), *y.shape[1:])), back,
                 send.sum(1).tolist(), recv.sum(1).tolist(), pg)
 
 
 @ep_combine.register_fake
 def _(y, route, group_name):
     return y.new_empty((y.shape[0] // route.shape[1], *y.shape[1:]))
-
-
-@torch.library.custom_op("fxpar::ep_mask", mutates_args=())
-def ep_mask(y: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-    """y with the rows past those received zeroed (a grouped matmul leaves them unwritten:
-    every value is then defined, as Inductor's check of its code against the graph needs)."""
-    out = y.clone()
-    out[int(route[1].sum()):] = 0
-    return out
-
-
-@ep_mask.register_fake
-def _(y, route):
-    return torch.empty_like(y)
 
 
 # the ops above that communicate (run by every rank of the group together: never inside a

@@ -46,6 +46,9 @@ SEQ_NR = "seq_nr"        # torch's (from tracing): the autograd sequence number 
 MOVED = "moved"          # set by overlap on a start or wait it moved: how far (for pictures)
 COUNTER_DTYPE = "dtype"  # set by data_parallel on the microbatch loss counter (LOSS_COUNT): the
 #                          dtype of the loss's share
+DYNAMIC_ROWS = "dynamic_rows"  # set by expert_parallel on the nodes between an all-to-all
+#                          dispatch and its combine: their rows are as many as the rank
+#                          receives (meta["val"]: the most it can), run op by op
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
 

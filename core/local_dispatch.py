@@ -53,8 +53,7 @@ _COUNT_KEEP = {*_COUNT_CHAIN, aten.select.int, aten.sum.dim_IntList}
 _EP_ROUTE = torch.ops.fxpar.ep_route.default
 _EP_DISPATCH = torch.ops.fxpar.ep_dispatch.default
 _EP_COMBINE = torch.ops.fxpar.ep_combine.default
-_EP_MASK = torch.ops.fxpar.ep_mask.default
-RANK_ROWS_OPS = frozenset({_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE, _EP_MASK})  # (no other rule)
+RANK_ROWS_OPS = frozenset({_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE})  # (no other rule)
 _POINTER_KEEP = {aten.div.Tensor_mode, aten.floor_divide.default, aten._to_copy.default,
                  aten.clone.default, aten.alias.default}
 _ELEMENTWISE = {aten._to_copy.default, aten.clone.default, aten.alias.default,
@@ -264,7 +263,7 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
     if op in _FACTORIES:
         return None  # (reads a value for its dtype alone: typed by the op it feeds)
     ts = {a: tags[a] for a in node.all_input_nodes if a in tags}
-    if op in (_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE, _EP_MASK):
+    if op in (_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE):
         return _expert_parallel(node, tags)
     if any(t.kind == "counts" for t in ts.values()):
         if _GROUPED_MM is not None and op is _GROUPED_MM.default:
@@ -499,8 +498,6 @@ def _expert_parallel(node, tags) -> Local:
     if tr is None or tr.kind != "counts" or tx is None or tx.kind != "rows" or \
             tx.dim != 0 or tx.ptr is not None or tx.order == G:
         raise _Untyped
-    if op is _EP_MASK:
-        return Local(tx, {})
     if op is _EP_DISPATCH:  # the route's order (each dispatch on a route sends alike), which
         # remembers the one it read
         return Local(Tag("rows", 0, ("dispatched", route, tx.order)), {})

@@ -66,7 +66,7 @@ CONTRACT = ir.PassContract(
     requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN}),
     # the nodes it adds join their neighbours' pipeline part; a tp-split weight is left alone
     reads=frozenset({ir.STAGE, ir.PHASE, ir.TP_LAYOUTS}),
-    provides=frozenset({ir.EXPERT_PARAMS, ir.EP_REPORT}),
+    provides=frozenset({ir.EXPERT_PARAMS, ir.EP_REPORT, ir.DYNAMIC_ROWS}),
     # the data-parallel pass shards the rewritten graph: its engine carries the ep group's
     # collectives as another mesh axis's
     before=frozenset({"data_parallel", "overlap", "fusion"}),
@@ -448,9 +448,11 @@ def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> 
 def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str,
                         ep: int) -> None:
     """The layer's rows are this dp rank's own (core/local_dispatch): each row tensor entering
-    the region is sent to its experts' ranks (fxpar::ep_dispatch: ep x its rows, those
-    received sorted by this rank's experts), the grouped matmuls run on the rank's experts
-    with the received counts, and each row tensor leaving comes back (fxpar::ep_combine).
+    the region is sent to its experts' ranks (fxpar::ep_dispatch: the rows received, sorted
+    by this rank's experts; as many as the routing sends, so the region's nodes are marked
+    ir.DYNAMIC_ROWS and its views sized by the rows infer them), the grouped matmuls run on
+    the rank's experts with the received counts, and each row tensor leaving comes back
+    (fxpar::ep_combine).
     The expert weights' gradients are then the ep group's rows' for this rank's experts:
     partial over the groups (the dp pass sums them over "edp")."""
     offs, rows = layer.offs, layer.rows
@@ -462,26 +464,24 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
     order = {n: i for i, n in enumerate(graph.nodes)}
     for m in layer.matmuls:
         m.replace_input_with(offs, local_offs)
-        if layer.region[m] == 0:  # (rows past those received: zeros, not unwritten memory)
-            users = list(m.users)
-            with graph.inserting_after(m):
-                zeroed = _emit(graph, torch.ops.fxpar.ep_mask.default, (m, route), m)
-            for u in users:
-                u.replace_input_with(m, zeroed)
-            layer.region[zeroed] = 0
-            if m in layer.leaving:
-                layer.leaving[layer.leaving.index(m)] = zeroed
-    for n, r in layer.region.items():  # a view inside sized by the rows: the received ones
+    for n, r in layer.region.items():  # a view inside sized by the rows: the received ones,
+        # as many as there are (-1; the graph's values: the most there can be, ep x rows)
         if n.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                         aten.expand.default) and r is not None and n.args[1][r] == rows:
             size = list(n.args[1])
-            size[r] = ep * rows
+            if -1 in size and n.target is not aten.expand.default:
+                raise PlanError(f"Plan.ep: {n.name} in the MoE layer {layer.module!r} views "
+                                f"its routed rows as {size}, with a -1 besides the rows: "
+                                "the received rows' count is the one size left to infer")
+            size[r] = -1  # (expand's -1 keeps the size)
             n.args = (n.args[0], size, *n.args[2:])
+        n.meta[ir.DYNAMIC_ROWS] = True
     for x in layer.entering:
         users = [u for u in x.users if u in layer.region]
         first = min(users, key=order.__getitem__)
         with graph.inserting_before(first):
             sent = _emit(graph, torch.ops.fxpar.ep_dispatch.default, (x, route, group), first)
+        sent.meta[ir.DYNAMIC_ROWS] = True
         phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
         if phases:  # (a pipeline part: the first of its readers' to run)
             sent.meta[ir.PHASE] = min(phases, key=_PHASES.index)

@@ -61,8 +61,10 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     layer's counts go to fxpar::ep_route once, every grouped matmul takes the received
     counts, each row tensor entering a layer is sent to its experts' ranks
     (fxpar::ep_dispatch: forward hidden states, backward incoming gradient) and each one
-    leaving comes back (fxpar::ep_combine), its rows ep x the rank's own; nothing is
-    gathered or all-reduced over ep. The expert gradients hold every rank's rows of one ep
+    leaving comes back (fxpar::ep_combine); the nodes between them hold as many rows as
+    arrive (their graph values the most there can be, ep x the rank's own: marked
+    ir.DYNAMIC_ROWS, run op by op, never in a compiled run); nothing is gathered or
+    all-reduced over ep. The expert gradients hold every rank's rows of one ep
     group, complete at dp = ep, summed over "edp" at dp=4 x ep=2; the other weights' over
     dp. A dispatch that reads every row (a capacity) keeps the gathered window instead."""
     model, batch = _mixtral()
@@ -97,6 +99,21 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
                 or (n.target is c10d.all_gather_into_tensor.default
                     and "experts" in n.meta.get(ir.MODULE, ""))]
     assert [r["dispatch"] for r in prog.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
+    dynamic = {n for n in g.nodes if n.meta.get(ir.DYNAMIC_ROWS)}
+    after, todo = set(), [n for n in g.nodes if n.target is fx.ep_dispatch.default]
+    while todo:  # (every node a dispatch reaches before a combine)
+        n = todo.pop()
+        if n not in after and n.target is not fx.ep_combine.default:
+            after.add(n)
+            todo += list(n.users)
+    combines = [n for n in g.nodes if n.target is fx.ep_combine.default]
+    between = after & ir.ancestors([c.args[0] for c in combines])  # (dispatch .. combine)
+    assert between and between <= dynamic, between - dynamic
+    for n in g.nodes:  # views sized by the rows infer them
+        if n in dynamic and n.target in (aten.view.default, aten._unsafe_view.default):
+            assert -1 in n.args[1], n.name
+    from fxpar.compiler import codegen
+    assert not dynamic & {n for run in codegen.runs(g, cpu=True) for n in run}
     out = next(n for n in g.nodes if n.op == "output")
     grads = out.args[0][1:1 + sig.num_params]
     assert not any(reduced_over(grads[i]) for i in prog.expert_params)
@@ -448,17 +465,23 @@ def _all_to_all_rank():
     route = fx.ep_route(offs, 2, group)
     got = fx.ep_dispatch(x, route, group)
     back = fx.ep_combine(got * 2, route, group)
-    return route.tolist(), got[:, 0].tolist(), torch.equal(back, 2 * x)
+    refused = False
+    try:  # (every rank alike: a row more than received, refused before any exchange)
+        fx.ep_combine(torch.cat([got, got[:1]]), route, group)
+    except RuntimeError as e:
+        refused = "rows came back from the experts, but this rank received" in str(e)
+    return route.tolist(), got[:, 0].tolist(), torch.equal(back, 2 * x) and refused
 
 
 def test_all_to_all_ops_send_rows_to_their_experts_and_back():
     """fxpar::ep_route / ep_dispatch / ep_combine on 2 gloo ranks with uneven counts: each
-    rank receives its experts' rows sorted by expert (rank 0's rows first within each), zeros
-    after them in ep x its rows; the combine returns every row to its own rank and place."""
+    rank receives exactly its experts' rows (3 and 9 of the 12 routed), sorted by expert
+    (rank 0's rows first within each); the combine returns every row to its own rank and
+    place, and refuses rows that are not those received."""
     out = fxpar.launch(_all_to_all_rank, 2)
     (route0, got0, ok0), (route1, got1, ok1) = out[0], out[1]
     assert route0 == [[[1, 0], [3, 2]], [[1, 0], [0, 2]]]
     assert route1 == [[[0, 2], [1, 3]], [[3, 2], [1, 3]]]
-    assert got0 == [0.0, 101.0, 101.0] + [0.0] * 9  # expert 0: rank 0's; 1: rank 1's
-    assert got1 == [2.0, 2.0, 2.0, 102.0, 3.0, 3.0, 103.0, 103.0, 103.0] + [0.0] * 3
+    assert got0 == [0.0, 101.0, 101.0]  # expert 0: rank 0's; 1: rank 1's
+    assert got1 == [2.0, 2.0, 2.0, 102.0, 3.0, 3.0, 103.0, 103.0, 103.0]
     assert ok0 and ok1
