@@ -38,6 +38,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from fxpar.core import experts
 from fxpar.core.plan import replays_step
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)  # HF MoE experts' matmul
@@ -71,7 +72,11 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
         if n.op != "call_function":
             continue
         t = n.target
-        if t in rng_ops:
+        if t in experts.COMMUNICATING:
+            why.append(f"{n.name} ({t}): expert parallelism's all-to-all reads the routed "
+                       "counts on the host and receives as many rows as the routing sends "
+                       "(a host sync each step; a graph replays fixed shapes)")
+        elif t in rng_ops:
             why.append(f"{n.name}: remat replays a random op's RNG state, which reads "
                        "torch.cuda.get_rng_state (forbidden while capturing); use remat='none' "
                        "or a model without dropout to capture")

@@ -115,6 +115,19 @@ def test_moe_routing_by_integer_indices_is_capturable(name):
     assert "depends on the data" in cudagraph.uncapturable(g, "nccl")[0]
 
 
+def test_expert_parallel_dispatch_is_not_capturable():
+    """ep's all-to-all reads the routed counts on the host and a rank receives as many rows
+    as the routing sends: refused by name, not left to fail inside a capture."""
+    from fxpar.core import experts  # noqa: F401  (registers fxpar::ep_*)
+    g = torch.fx.Graph()
+    x, route = g.placeholder("x"), g.placeholder("route")
+    g.output(g.call_function(torch.ops.fxpar.ep_dispatch.default, (x, route, "fxpar.ep")))
+    x.meta["val"] = torch.empty(8, 4, dtype=torch.bfloat16)
+    route.meta["val"] = torch.empty(2, 2, 2, dtype=torch.int64)
+    why = cudagraph.uncapturable(g, "nccl")
+    assert len(why) == 1 and "reads the routed counts on the host" in why[0]
+
+
 def test_cuda_graphs_true_on_cpu_is_a_clear_error():
     model, batch = _gpt()
     with pytest.raises(PlanError, match="cuda_graphs=True.*CUDA device.*'auto'"):
