@@ -1253,15 +1253,14 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
         if ep > 1 and stats.moe_local:  # the all-to-all dispatch: each rank's routed rows
-            # sent to their experts' ranks and back, forward and backward (two each way;
-            # an all-to-all moves what a ring reduce-scatter moves of its bytes), its experts
-            # run on as many rows as under plain dp (routing balanced); the host reads each
-            # exchange's counts
+            # sent to their experts' ranks and back, forward and backward (two each way),
+            # its experts run on as many rows as under plain dp (routing balanced); the host
+            # reads each exchange's counts
             n_moe, f = sum(s.n_moe for s in segs), mbs / stats.rows
             calls = max(1, 2 * round(n_moe))
-            epc_f = hw.comm("reduce_scatter", 2 * sum(s.ep_comm_f for s in segs) * f, ep,
+            epc_f = hw.comm("all_to_all", 2 * sum(s.ep_comm_f for s in segs) * f, ep,
                             tp * pp * ep, calls=calls)
-            epc_b = hw.comm("reduce_scatter", 2 * sum(s.ep_comm_b for s in segs) * f, ep,
+            epc_b = hw.comm("all_to_all", 2 * sum(s.ep_comm_b for s in segs) * f, ep,
                             tp * pp * ep, calls=calls)
             nodes = 8 * n_moe * hw_graph.node_overhead  # (route, dispatches, masks, combines)
             tf, tb = tf + nodes, tb + nodes
@@ -1414,8 +1413,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
         elif zero == 0 or zero == 1:
             dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
-        else:  # (qgZ's all-to-all moves what a ring reduce-scatter moves of its bytes)
-            dpc = hw.comm("reduce_scatter", wire_g, sdp, s_span, calls=buckets)
+        else:  # (qgZ: an all-to-all of the int4 parts)
+            dpc = hw.comm("all_to_all" if q_g else "reduce_scatter", wire_g, sdp, s_span,
+                          calls=buckets)
             # HSDP: each summed 1/sdp slice all-reduced across the replicas
             dpc += hw.comm("all_reduce", grad_bytes / sdp, reps, span, calls=buckets)
         if zero in (1, 2):  # after the optimizer: no backward left to hide it behind, and

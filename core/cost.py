@@ -391,7 +391,7 @@ class Hardware:
 
     def comm(self, kind: str, nbytes: float, n: int, span: int, calls: int = 1) -> float:
         """Seconds of `calls` collectives of `kind` ("all_reduce", "all_gather",
-        "reduce_scatter", "p2p") moving `nbytes` in all over a group of n ranks that spans
+        "reduce_scatter", "all_to_all", "p2p") moving `nbytes` in all over a group of n ranks that spans
         `span` consecutive ranks: the measured table where it has the entry, else the ring
         alpha-beta model of the link the group crosses."""
         if calls <= 0 or (n <= 1 and kind != "p2p"):
@@ -401,7 +401,8 @@ class Hardware:
             return calls * known[0] + nbytes * known[1]
         link = self.link(span)
         one = collective_time(kind, nbytes, n, link)
-        steps = 1 if kind == "p2p" else (2 * (n - 1) if kind == "all_reduce" else n - 1)
+        steps = 1 if kind in ("p2p", "all_to_all") else (
+            2 * (n - 1) if kind == "all_reduce" else n - 1)
         return one + (calls - 1) * steps * link.alpha
 
     def link(self, span: int) -> Link:
@@ -487,11 +488,14 @@ class KernelPrice:
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Ring algorithms' alpha-beta time on `nbytes` (the full, unsharded buffer):
     all_reduce 2(n-1) steps moving 2(n-1)/n of it; all_gather / reduce_scatter n-1 steps,
-    (n-1)/n; p2p one message of nbytes."""
+    (n-1)/n; all_to_all (`nbytes` each rank's: its parts to every peer at once, as NCCL's
+    grouped sends go) one step's latency and (n-1)/n of them; p2p one message of nbytes."""
     if kind == "p2p":
         return link.alpha + nbytes / link.bandwidth
     if n <= 1:
         return 0.0
+    if kind == "all_to_all":
+        return link.alpha + (n - 1) / n * nbytes / link.bandwidth
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}[kind]
     return steps * link.alpha + steps / n * nbytes / link.bandwidth
 

@@ -287,7 +287,8 @@ def _in_context(fn, reps: int, barrier) -> float:
 def measure_collectives(reps: int = 8) -> dict:
     """Time every collective kind the runtime issues, as runtime/comm issues it (on gloo: an
     in-place all-reduce, a large all-gather as one broadcast per rank, a large reduce-scatter
-    as one reduce per rank in place), on groups of every size that divides the world
+    as one reduce per rank in place; an all-to-all, as qgZ's parts and ep's rows go), on
+    groups of every size that divides the world
     (consecutive ranks, all groups of a size at once, as a plan's tp or dp groups run), at 4
     B per rank and at a 4 MiB buffer (where gloo takes those large-buffer paths), and the
     pipeline's send/recv between rank pairs. Returns {(kind, n): (seconds per call, seconds
@@ -309,7 +310,7 @@ def measure_collectives(reps: int = 8) -> dict:
             if n < world else []
         group = made[rank // n] if made else dist.group.WORLD
         name = group.group_name
-        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             ts = []
             for per_rank in (1, -(-big // n)):  # (at least 4 MiB for any n)
                 x = torch.zeros(per_rank * n)
@@ -318,6 +319,8 @@ def measure_collectives(reps: int = 8) -> dict:
                     "all_gather": lambda: start_all_gather(x[:per_rank], n, name, kind),
                     "reduce_scatter": lambda: start_reduce_scatter(x, "sum", n, name,
                                                                         True, kind),
+                    "all_to_all": lambda: start_all_to_all(x, [per_rank] * n, [per_rank] * n,
+                                                           name, kind),
                 }[kind]
                 wait(start())
                 ts.append((_in_context(lambda: wait(start()), reps,

@@ -94,7 +94,8 @@ def collectives_rank():
     from fxpar.runtime import comm
     dist.init_process_group("gloo")
     timed = {}
-    for name in ("start_all_reduce", "start_all_gather", "start_reduce_scatter"):
+    for name in ("start_all_reduce", "start_all_gather", "start_reduce_scatter",
+                 "start_all_to_all"):
         def spy(*a, _real=getattr(comm, name), _name=name, **k):
             p = _real(*a, **k)
             timed.setdefault(_name, set()).add(p.nbytes)

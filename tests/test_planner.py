@@ -484,6 +484,11 @@ def test_collectives_priced_per_call_from_the_measured_table():
     assert hw.comm("all_gather", 2 ** 20, 8, 8) == pytest.approx(
         cost.collective_time("all_gather", 2 ** 20, 8, link))  # not measured: ring model
     assert hw.comm("all_reduce", 2 ** 20, 1, 1) == 0.0
+    # an all-to-all (ep's dispatch, qgZ's parts): one latency, (n-1)/n of each rank's bytes
+    a2a = cost.collective_time("all_to_all", 2 ** 20, 8, link)
+    assert a2a == pytest.approx(link.alpha + 7 / 8 * 2 ** 20 / link.bandwidth)
+    assert a2a < cost.collective_time("reduce_scatter", 2 ** 20, 8, link)
+    assert hw.comm("all_to_all", 2 ** 20, 8, 8, calls=3) == pytest.approx(a2a + 2 * link.alpha)
 
 
 def test_sends_paid_per_microbatch_where_the_device_cannot_overlap_them(small_stats):
@@ -618,12 +623,13 @@ def test_measured_collective_table_on_gloo_ranks():
     (table, timed), (table1, _) = res[0], res[1]
     assert table == table1  # averaged over the ranks: every rank plans alike
     assert set(table) == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2),
-                          ("p2p", 2)}
+                          ("all_to_all", 2), ("p2p", 2)}
     assert all(lat > 0 and per_byte >= 0 for lat, per_byte in table.values())
     # timed as the runtime issues them (runtime/comm: on gloo, large all-gathers and
     # reduce-scatters take other paths than the functional collectives'), at a size that
     # takes those paths
-    assert set(timed) == {"start_all_reduce", "start_all_gather", "start_reduce_scatter"}
+    assert set(timed) == {"start_all_reduce", "start_all_gather", "start_reduce_scatter",
+                          "start_all_to_all"}
     assert all(max(sizes) >= comm.GLOO_INPLACE_RS_BYTES for sizes in timed.values()), timed
 
 
