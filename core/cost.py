@@ -391,9 +391,9 @@ class Hardware:
 
     def comm(self, kind: str, nbytes: float, n: int, span: int, calls: int = 1) -> float:
         """Seconds of `calls` collectives of `kind` ("all_reduce", "all_gather",
-        "reduce_scatter", "all_to_all", "p2p") moving `nbytes` in all over a group of n ranks that spans
-        `span` consecutive ranks: the measured table where it has the entry, else the ring
-        alpha-beta model of the link the group crosses."""
+        "reduce_scatter", "all_to_all", "p2p") moving `nbytes` in all over a group of n ranks
+        that spans `span` consecutive ranks: the measured table where it has the entry, else
+        the ring alpha-beta model of the link the group crosses."""
         if calls <= 0 or (n <= 1 and kind != "p2p"):
             return 0.0
         known = (self.collectives or {}).get((kind, 2 if kind == "p2p" else n))
