@@ -97,7 +97,8 @@ class Segment:
     ep_bytes_f: float = 0.0      # ... and the bytes its row moves and masks read and write
     ep_bytes_b: float = 0.0
     ep_saved: float = 0.0        # the MoE layers' row values the backward reads (an ep
-    #                              rank's all-to-all buffer holds ep x its rows of them)
+    #                              rank holds the rows it receives of them: up to
+    #                              planner.EP_RECEIVED x its own)
     n_moe: int = 0
     # context parallelism (planner.context_stats): each attention's FLOPs (forward, backward),
     # the bytes of its keys and values (gathered over the cp group forward, their gradients

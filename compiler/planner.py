@@ -1226,7 +1226,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     total_nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
     # on a GPU the step is replayed as CUDA graphs (Plan.cuda_graphs, runtime/cudagraph.py):
     # its graph nodes cost no host dispatch
-    graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m)
+    # (not ep's all-to-all dispatch: its counts are read on the host, runtime/cudagraph.py)
+    graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m) \
+        and not (ep > 1 and stats.moe_local)
     hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
     if not graphed and hw.async_launch and stats.host_calls_compiled and \
             codegen.decide(constraints.get("codegen", "auto"), "cuda")[0] == "inductor":
@@ -1262,7 +1264,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                             tp * pp * ep, calls=calls)
             epc_b = hw.comm("all_to_all", 2 * sum(s.ep_comm_b for s in segs) * f, ep,
                             tp * pp * ep, calls=calls)
-            nodes = 8 * n_moe * hw_graph.node_overhead  # (route, dispatches, masks, combines)
+            nodes = 8 * n_moe * hw_graph.node_overhead  # (route, counts, dispatches, combines)
             tf, tb = tf + nodes, tb + nodes
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b
         elif ep > 1:  # the expert matmuls over every dp rank's rows: 1/ep of them; the rows
@@ -1654,7 +1656,10 @@ def expert_stats(stats: GraphStats, gm) -> None:
         # what the rewrite adds: each entering row tensor gathered (read + write), each
         # leaving one gathered back and masked (4 passes), each grouped matmul's rows masked
         # (read + write)
-        seg.ep_saved += sum(cost.tensor_bytes(n.meta[ir.VAL]) for n, r in layer.region.items()
+        # (the rows entering the layer that the backward reads too: an ep rank keeps the
+        # rows it received of them)
+        seg.ep_saved += sum(cost.tensor_bytes(n.meta[ir.VAL]) for n, r in (
+            *layer.region.items(), *((x, 0) for x in layer.entering))
                             if r is not None and n.meta.get(ir.REGION) == ir.FORWARD
                             and isinstance(n.meta.get(ir.VAL), torch.Tensor)
                             and any(u.meta.get(ir.REGION) == ir.BACKWARD for u in n.users))

@@ -39,6 +39,9 @@ def _(offs, experts, group_name):
 # (compiler/codegen.py compiles no run over them). Not functional collectives: their split
 # sizes are data.
 
+EMPTY_ROWS = 16  # what a rank that receives no rows holds instead (zeros past its offs)
+
+
 def _a2a(out, x, out_splits, in_splits, pg):
     import torch.distributed as dist
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=pg)
@@ -74,6 +77,9 @@ def ep_dispatch(x: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.
     ep, experts = recv.shape
     got = _a2a(x.new_empty((int(recv.sum()), *x.shape[1:])), x,
                recv.sum(1).tolist(), send.sum(1).tolist(), pg)
+    if not len(got):  # (nothing for this rank's experts: zero rows past the offs, as a
+        # grouped matmul's weight gradient over no rows at all is refused on CUDA)
+        return x.new_zeros((EMPTY_ROWS, *x.shape[1:]))
     if experts == 1 or ep == 1:  # (already in expert order)
         return got
     pieces = got.split(recv.flatten().tolist())  # (source, expert) blocks
@@ -94,6 +100,8 @@ def ep_combine(y: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.T
     send, recv = route[0], route[1]
     ep, experts = recv.shape
     n = int(recv.sum())
+    if n == 0 and y.shape[0] == EMPTY_ROWS:  # (ep_dispatch's stand-in rows: none came)
+        y = y[:0]
     if y.shape[0] != n:
         raise RuntimeError(f"fxpar::ep_combine: {y.shape[0]} rows came back from the experts, "
                            f"but this rank received {n}: a node between the dispatch and the "

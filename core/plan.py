@@ -366,12 +366,12 @@ def hpz_misfit(hpz, dp: int, zero: int, pp: int, microbatches: int,
     return None
 
 
-def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple,
-                   hsdp: bool = False) -> tuple[int, str | None]:
+def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple
+                   ) -> tuple[int, str | None]:
     """(degree, why not or None) of an axis carved out of dp (Plan.ep, Plan.cp): a positive
-    integer dividing dp (`hsdp`: and HSDP's shard groups, which it may run with); `refused` =
-    (field, value, off) it does not run with, and ps, hpZ and gradient compression never.
-    The why is then `... this plan also has <fields>`."""
+    integer dividing dp and, with HSDP, its shard groups; `refused` = (field, value, off) it
+    does not run with, and ps, hpZ and gradient compression never. The why is then `...
+    this plan also has <fields>`."""
     n = getattr(plan, axis)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return 1, f"Plan.{axis} must be a positive integer (1: off), got {n!r}."
@@ -380,13 +380,11 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple,
     if plan.dp % n:
         return n, (f"Plan.{axis}={n} splits {what} over groups of {axis} data-parallel ranks: "
                    f"it must divide dp={plan.dp}. Use an {axis} that divides dp, or a larger dp.")
-    if hsdp and plan.hsdp and plan.dp_shard % n:
+    if plan.hsdp and plan.dp_shard % n:
         return n, (f"Plan.{axis}={n} with HSDP (dp_shard={plan.dp_shard}): each group of {axis} "
                    f"ranks lies inside a shard group, so {axis} must divide dp_shard. Use an "
                    f"{axis} that divides {plan.dp_shard}, or a larger dp_shard.")
     others = [f"{k}={v}" for k, v, off in (*refused, ("ps", plan.ps, 0)) if v != off]
-    if plan.hsdp and not hsdp:
-        others.append(f"dp_shard={plan.dp_shard}")
     if plan.hpz:
         others.append(f"hpz={plan.hpz}")
     if plan.grad_compression != "none":
@@ -397,7 +395,7 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple,
 def ep_misfit(plan: "Plan") -> str | None:
     """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    ep, why = _carved_misfit(plan, "ep", "the experts", (), hsdp=True)
+    ep, why = _carved_misfit(plan, "ep", "the experts", ())
     if why is None or why.startswith("Plan."):
         return why
     return (f"Plan.ep={ep} runs with dp, tp, pp, ZeRO and HSDP, but not yet with ps, hpZ or "
@@ -408,7 +406,7 @@ def ep_misfit(plan: "Plan") -> str | None:
 def cp_misfit(plan: "Plan") -> str | None:
     """Why Plan.cp cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    cp, why = _carved_misfit(plan, "cp", "the sequence", (("ep", plan.ep, 1),), hsdp=True)
+    cp, why = _carved_misfit(plan, "cp", "the sequence", (("ep", plan.ep, 1),))
     if why is None or why.startswith("Plan."):
         return why
     return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches, ZeRO and HSDP, but not yet "

@@ -550,8 +550,8 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
     target = c10d.reduce_scatter_tensor.default if zero >= 2 else c10d.all_reduce.default
     for with_grad, zg in classes:
         n = zg.n
-        # (ZeRO-1: the whole group's all-reduce, then this rank's slice: the dp group's for
-        # the others, "edp" for the experts)
+        # (ZeRO-1: the whole group's all-reduce, dp for the others, "edp" for the experts,
+        # then this rank's slice over `zg`: its shard group with HSDP)
         whole = experts.whole.group if experts and zg is experts.zg else group
         for bucket in _buckets(graph, [grads[i] for i in with_grad], bucket_bytes, n, target,
                                profile):

@@ -91,7 +91,8 @@ def test_a_factory_building_on_the_meta_device_plans(tmp_path, monkeypatch, caps
         "    return model, M.gpt_batch(cfg, 8)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     main(["plan", "--model", "meta_fac:make", "--devices", "2", "--top", "1"])
-    assert "dp=" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "legal plans for 2 x" in out and "   1  dp=" in out, out
 
 
 def test_fix_degrees_that_do_not_divide_the_devices_say_so():

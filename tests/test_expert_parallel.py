@@ -202,7 +202,8 @@ def test_hsdp_shards_expert_weights_within_the_shard_group():
     """ep with HSDP (dp=8 in shard groups of 4, ep=2 inside each): the mesh is (replicas,
     the shard group's ranks holding the same experts, ep); ZeRO-3 gathers and
     reduce-scatters an expert weight over those 2 ranks ("edp_shard"), the others over the
-    shard group of 4, and every shard is then summed across the 2 replicas."""
+    shard group of 4, and every shard is then summed across the 2 replicas; ZeRO-1
+    all-reduces an expert bucket over "edp" and keeps its "edp_shard" slice."""
     model, batch = _mixtral()
     plan = {"dp": 8, "ep": 2, "zero": 3, "dp_shard": 4, "fuse": False}
     assert mesh_dims(resolve(plan, 8)) == [("dp_rep", 2), ("edp_shard", 2), ("ep", 2)]
@@ -227,6 +228,18 @@ def test_hsdp_shards_expert_weights_within_the_shard_group():
                 (c10d.all_reduce.default, ir.GROUPS["dp_rep"])}, n.name
     assert {n.args[-1] for n in g.nodes if n.target is rs} == {
         ir.GROUPS["dp_shard"], ir.GROUPS["edp_shard"]}
+    # ZeRO-1: an expert bucket all-reduced over every rank holding those experts ("edp"),
+    # then cut to this rank's slice of its shard group's
+    one = fxpar.compile(model, 8, example_batch=batch, plan={**plan, "zero": 1})
+    out = next(n for n in one.graph.graph.nodes if n.op == "output")
+    for k, idx in enumerate(one.zero_buckets):
+        shard = out.args[0][1 + k]
+        assert shard.target is torch.ops.fxpar.local_chunk.default, idx
+        reduce = shard.args[0].args[0]  # (chunk <- wait <- all-reduce)
+        expert = idx[0] in one.expert_params
+        assert (reduce.args[-1], shard.args[-1]) == (
+            (ir.GROUPS["edp"], ir.GROUPS["edp_shard"]) if expert else
+            (ir.GROUPS["dp"], ir.GROUPS["dp_shard"])), idx
 
 
 def test_plans_and_models_expert_parallelism_refuses_by_name():
@@ -375,7 +388,8 @@ def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
     with 1/ep of the experts' state per rank (with ZeRO 1/dp, as without ep). On a Mixtral
-    with 1024-wide experts over 8 H100s, plain dp against ep's all-to-all dispatch; a
+    with 1024-wide experts over 8 H100s, plain dp (a CUDA graph) against ep's all-to-all
+    dispatch (never captured); a
     dense model gets no ep candidate, and a fixed ep is the only one priced (one the graph
     refuses: its reason)."""
     from fxpar.compiler import planner
@@ -434,12 +448,13 @@ def test_planner_prices_expert_parallelism():
     # the dispatch runs on each rank's own rows (core/local_dispatch), so plain dp computes
     # 1/8 of the routed rows and all-reduces every expert's gradient over 8 ranks; ep sends
     # each rank's rows to their experts' ranks and back (all-to-all: a few MB a layer) and
-    # sums its experts' gradients over dp/ep ranks: ep wins on an H100, and where a copy
-    # of every expert does not fit (dp is left only remat's recompute)
+    # sums its experts' gradients over dp/ep ranks, but its step cannot be replayed as a
+    # CUDA graph (the host reads the counts): at this size plain dp's captured step wins,
+    # and ep where a copy of every expert does not fit (dp is left only remat's recompute)
     assert stats.moe_local
     r = planner.search(stats, 8, hw, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
-    assert r.best.plan.ep > 1 and {c.plan.ep for c in r.table} == {1, 2, 4, 8}, r.format()
+    assert r.best.plan.ep == 1 and {c.plan.ep for c in r.table} == {1, 2, 4, 8}, r.format()
     small = dataclasses.replace(hw, memory=int(1.6 * 2**30))
     r = planner.search(stats, 8, small, batch_rows=8, precision="bf16", executable=False,
                        constraints=fixed)
@@ -470,14 +485,25 @@ def _all_to_all_rank():
         fx.ep_combine(torch.cat([got, got[:1]]), route, group)
     except RuntimeError as e:
         refused = "rows came back from the experts, but this rank received" in str(e)
-    return route.tolist(), got[:, 0].tolist(), torch.equal(back, 2 * x) and refused
+    # every row routed to rank 1's experts: rank 0 receives none (zero stand-in rows)
+    counts = [[0, 0, 3, 1], [0, 0, 2, 2]][rank]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x2 = torch.cat([torch.full((c, 2), 100.0 * rank + e) for e, c in enumerate(counts)])
+    route2 = fx.ep_route(offs, 2, group)
+    got2 = fx.ep_dispatch(x2, route2, group)
+    empty = (got2.shape[0] == experts.EMPTY_ROWS and not got2.any()) if rank == 0 else \
+        got2.shape[0] == 8
+    back2 = fx.ep_combine(got2 * 2, route2, group)
+    return route.tolist(), got[:, 0].tolist(), torch.equal(back, 2 * x) and refused and \
+        empty and torch.equal(back2, 2 * x2)
 
 
 def test_all_to_all_ops_send_rows_to_their_experts_and_back():
     """fxpar::ep_route / ep_dispatch / ep_combine on 2 gloo ranks with uneven counts: each
     rank receives exactly its experts' rows (3 and 9 of the 12 routed), sorted by expert
     (rank 0's rows first within each); the combine returns every row to its own rank and
-    place, and refuses rows that are not those received."""
+    place, and refuses rows that are not those received; a rank none of whose experts is
+    routed to holds zero stand-in rows, ignored by the combine."""
     out = fxpar.launch(_all_to_all_rank, 2)
     (route0, got0, ok0), (route1, got1, ok1) = out[0], out[1]
     assert route0 == [[[1, 0], [3, 2]], [[1, 0], [0, 2]]]
