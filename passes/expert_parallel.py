@@ -456,6 +456,12 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
     The expert weights' gradients are then the ep group's rows' for this rank's experts:
     partial over the groups (the dp pass sums them over "edp")."""
     offs, rows = layer.offs, layer.rows
+    stages = sorted({n.meta[ir.STAGE] for n in layer.region if ir.STAGE in n.meta})
+    if len(stages) > 1:  # (a transfer between stages is sized by the graph's values)
+        raise PlanError(f"Plan.ep: a pipeline stage boundary falls inside the MoE layer "
+                        f"{layer.module!r} (its expert rows span stages {stages}); the rows "
+                        "between its all-to-alls are as many as the routing sends, which no "
+                        "stage transfer can carry. Use another pp, or ep=1.")
     emit = _after(graph, offs)
     route = emit(torch.ops.fxpar.ep_route.default, offs, per_rank, group)
     received = emit(aten.sum.dim_IntList, emit(aten.select.int, route, 0, 1), [0])

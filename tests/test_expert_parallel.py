@@ -242,6 +242,23 @@ def test_hsdp_shards_expert_weights_within_the_shard_group():
             (ir.GROUPS["dp"], ir.GROUPS["dp_shard"])), idx
 
 
+def test_a_stage_boundary_inside_an_moe_layer_is_refused():
+    """The rows between ep's all-to-alls are as many as the routing sends; a pipeline
+    transfer is sized by the graph's values, so a stage cut inside a layer's expert rows
+    is refused by name (pipeline_split cuts between blocks: a cut moved there by hand)."""
+    from fxpar.compiler.pass_manager import PassContext
+    model, batch = _mixtral()
+    gm, sig = capture(model, batch)
+    layer = expert_parallel.find_layers(gm)[0]
+    for n in gm.graph.nodes:
+        n.meta[ir.STAGE] = 0
+    next(iter(layer.region)).meta[ir.STAGE] = 1
+    ctx = PassContext(signature=sig, group_names=dict(ir.GROUPS))
+    with pytest.raises(PlanError, match="stage boundary falls inside the MoE layer "
+                                        "'model.layers.0.mlp.experts'"):
+        expert_parallel.run(gm, expert_parallel.Options(ep=2, dp=2), ctx)
+
+
 def test_plans_and_models_expert_parallelism_refuses_by_name():
     """ep must divide dp and the experts (and HSDP's shard groups); not with hpZ or ps yet;
     an expert weight read by anything but its layer's grouped matmuls (a regulariser) or
