@@ -85,6 +85,7 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_hsdp_shards_within_groups_holding_whole_cp_groups():
     """cp with HSDP (dp=8 in shard groups of 4, cp=2 inside each): the mesh is (replicas,
     the shard group's row groups, cp); ZeRO-3 gathers and reduce-scatters over the shard
