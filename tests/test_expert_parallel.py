@@ -319,12 +319,11 @@ def test_ep_with_zero_on_four_ranks_trains_like_eager(tmp_path):
 @pytest.mark.slow
 def test_ep_with_hsdp_trains_like_eager(tmp_path):
     """ep=2 inside HSDP's shard groups: dp=4 in groups of 2 (each expert whole on its rank
-    of the group, summed across the replicas) with ZeRO-2 and -3, and dp=8 in groups of 4
-    with ZeRO-3 (each expert weight sharded over the 2 ranks of its shard group holding it):
-    equal to eager AdamW; the 4-rank ZeRO-3 run's checkpoint resumes bit for bit and loads
+    of the group, summed across the replicas) with ZeRO-2, and dp=8 in groups of 4 with
+    ZeRO-3 (each expert weight sharded over the 2 ranks of its shard group holding it):
+    equal to eager AdamW; a 4-rank ZeRO-3 run's checkpoint resumes bit for bit and loads
     into plain ZeRO-1 dp=4."""
-    _check_plans(4, [("mixtral", "adamw", {"dp": 4, "ep": 2, "zero": z, "dp_shard": 2})
-                     for z in (2, 3)])
+    _check_plans(4, [("mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 2, "dp_shard": 2})])
     _check_plans(8, [("mixtral", "adamw", {"dp": 8, "ep": 2, "zero": 3, "dp_shard": 4})])
     workers.check_resumed_and_resharded(4, "mixtral", {"dp": 4, "ep": 2, "zero": 3,
                                                        "dp_shard": 2},
