@@ -80,7 +80,7 @@ def ep_dispatch(x: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.
     if not len(got):  # (nothing for this rank's experts: zero rows past the offs, as a
         # grouped matmul's weight gradient over no rows at all is refused on CUDA)
         return x.new_zeros((EMPTY_ROWS, *x.shape[1:]))
-    if experts == 1 or ep == 1:  # (already in expert order)
+    if experts == 1:  # (already in expert order)
         return got
     pieces = got.split(recv.flatten().tolist())  # (source, expert) blocks
     return torch.cat([pieces[s * experts + e] for e in range(experts) for s in range(ep)])
@@ -106,7 +106,7 @@ def ep_combine(y: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.T
         raise RuntimeError(f"fxpar::ep_combine: {y.shape[0]} rows came back from the experts, "
                            f"but this rank received {n}: a node between the dispatch and the "
                            "combine changed the row count")
-    if experts == 1 or ep == 1:
+    if experts == 1:
         back = y
     else:
         pieces = y.split(recv.t().flatten().tolist())  # (expert, source)

@@ -148,7 +148,7 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
                                     backend_override=dict(over))  # (it empties the dict)
         inner = next((n for n in ("edp_shard", "cdp_shard") if n in names), None)
         axis = inner and names[names.index(inner) + 1]  # (HSDP with ep or cp)
-        flat = (("dp_shard", (inner, axis)), (inner[:-6], ("dp_rep", inner)),
+        flat = (("dp_shard", (inner, axis)), (inner.removesuffix("_shard"), ("dp_rep", inner)),
                 ("dp", ("dp_rep", inner, axis))) if inner else \
             [("dp", d) for d in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp"))
              if d[1] in names and "dp" not in names]

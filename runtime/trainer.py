@@ -187,7 +187,7 @@ class ParallelModel:
                 shard_params=self.program.params_sharded, param_shards=zero3_shards,
                 shapes=self.local_shapes, offload_to_host=plan.offload_optimizer,
                 experts=self._experts, expert_group=(
-                    plan.shard_ranks // program.ep, world.coordinate(self._expert_zero_axis),
+                    *self._zero_ranks(next(iter(self._experts))),
                     world.mesh.get_group(self._expert_zero_axis)) if self._experts else None)
             self.optimizer = self.sharded_optimizer.optimizer
             self.host_optimizer = self.sharded_optimizer.host
@@ -1027,10 +1027,9 @@ class ParallelModel:
             full = t.detach() if i is None else self._full_param(i)
         if self.world.size == 1:
             return full.cpu()
-        coord = {"dp": 0, "dp_rep": 0, "dp_shard": 0, "edp": 0, "edp_shard": 0, "ep": 0,
-                 "cdp": 0, "cdp_shard": 0, "cp": 0, "tp": 0,
-                 "pp": r.rank_of(stage) if r is not None and self.plan.pp > 1 else 0}
         mesh = self.world.mesh
+        coord = dict.fromkeys(mesh.mesh_dim_names, 0)  # (index 0 on every dim but the stage's)
+        coord["pp"] = r.rank_of(stage) if r is not None and self.plan.pp > 1 else 0
         src = int(mesh.mesh[tuple(coord[d] for d in mesh.mesh_dim_names)])
         if src == dst:
             return full.cpu() if self.world.rank == dst else None
