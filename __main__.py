@@ -80,7 +80,7 @@ def cmd_plan(args):
     try:
         constraints = planner.constraints_of(fix)  # unknown fields: a clear error
         if ":" in args.model:
-            stats, rows = _factory_stats(args.model, precision)
+            stats, rows = _factory_stats(args.model, precision, dev)
         else:
             stats = G.gpt_stats(args.model, seq=args.seq, precision=precision)
             rows = 8 if args.model == "small" else 512 if args.model.startswith("gpt2") \
@@ -96,7 +96,7 @@ def cmd_plan(args):
         print(result.explain())
 
 
-def _factory_stats(spec, precision="fp32"):
+def _factory_stats(spec, precision="fp32", device="cpu"):
     """pkg.module:factory -> factory() returning (model, example_batch[, loss_fn]), built on
     fake tensors. Each way this fails ends the command with one line naming it."""
     import importlib
@@ -129,7 +129,8 @@ def _factory_stats(spec, precision="fp32"):
     if batch is None or not isinstance(model, torch.nn.Module):
         sys.exit(f"fxpar plan: {mod}.{fn}() must return (model, example_batch[, loss_fn]), "
                  f"got {type(out).__name__}")
-    stats = planner_stats(model, batch, rest[0] if rest else None, precision=precision)
+    stats = planner_stats(model, batch, rest[0] if rest else None,
+                          "cpu" if device == "cpu" else "cuda", precision=precision)
     return stats, stats.rows
 
 

@@ -635,16 +635,22 @@ def meta_tensors(model) -> list[str]:
     return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
 
 
-def capture_as_is(model: torch.nn.Module, example_batch: Any, loss_fn: Callable | None = None
-                  ) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
+def capture_as_is(model: torch.nn.Module, example_batch: Any, loss_fn: Callable | None = None,
+                  target: str | None = None) -> tuple[torch.fx.GraphModule, ir.GraphSignature]:
     """The joint graph of the model where its weights are (the planner's input, and the
     compile's where the plan runs the whole example batch per call); a model on the meta
     device is traced on fake stand-ins on the batch's device (shapes only: nothing in it can
-    be timed)."""
+    be timed). `target`: the device type the plan is for; "cuda" from tensors off a GPU
+    traces attention as the GPU's kernels (compiler/target_attention.py)."""
+    tensors = [t for t in pytree.tree_leaves(example_batch) if isinstance(t, torch.Tensor)]
+    if target == "cuda" and not any(t.device.type == "cuda" for t in (
+            *tensors, *model.parameters(), *model.buffers())):
+        from fxpar.compiler.target_attention import CudaAttention
+        with CudaAttention():
+            return capture_as_is(model, example_batch, loss_fn)
     stand_ins = None
     if meta_tensors(model):  # (the batch's own fake mode where it is fake already: a model
         # factory run under one, as `fxpar plan --model pkg.module:factory` runs it)
-        tensors = [t for t in pytree.tree_leaves(example_batch) if isinstance(t, torch.Tensor)]
         mode = detect_fake_mode(tuple(tensors)) or FakeTensorMode(allow_non_fake_inputs=True)
         leaf = tensors[0] if tensors else None
         device = leaf.device if leaf is not None else torch.device("cpu")

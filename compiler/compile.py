@@ -82,7 +82,8 @@ def planner_stats(model, example_batch, loss_fn=None, device="cpu",
     if kernel_cross_entropy is None:
         kernel_cross_entropy = planner.kernel_cross_entropy(device, constraints)
     return planner.graph_stats(
-        cap.capture_as_is(model, example_batch, loss_fn), cap.batch_rows(example_batch),
+        cap.capture_as_is(model, example_batch, loss_fn, torch.device(device).type),
+        cap.batch_rows(example_batch),
         pass_extras=pass_extras, kernel_cross_entropy=kernel_cross_entropy,
         precision=precision or constraints.get("precision") or "fp32",
         heads=heads if isinstance(heads, int) else None)

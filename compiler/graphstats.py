@@ -229,23 +229,29 @@ class GraphStats:
                                               params_split=max(segs[i].params_split - n, 0))
         return dataclasses.replace(self, segments=segs)
 
-    def with_depth(self, n_layers: int) -> "GraphStats":
-        """The statistics of the same model with `n_layers` repeated blocks: the middle traced
-        block stands for every block (they must be identical: checked)."""
+    def with_depth(self, n_layers: int, keep_first: int = 0) -> "GraphStats":
+        """The statistics of the same model with `n_layers` blocks: the middle traced block
+        stands for every block (they must be identical: checked). `keep_first`: the model's
+        first blocks that differ from the rest (DeepSeek-V3's dense layers before its MoE
+        ones), traced and kept as they are, the repeated ones after them."""
         layers = self.layers
-        if not layers:
-            raise ValueError("no repeated blocks found in the graph to scale")
-        mid = layers[len(layers) // 2]
-        inner = layers[1:-1]  # the first and last blocks may differ (what feeds them)
+        kept, run = layers[:keep_first], layers[keep_first:]
+        if not run or n_layers <= keep_first:
+            raise ValueError(f"no repeated blocks found in the graph to scale (traced "
+                             f"{len(layers)}, {keep_first} of them kept)")
+        mid = run[len(run) // 2]
+        inner = run[1:-1]  # the first and last blocks may differ (what feeds them)
         if any(s.key() != inner[0].key() for s in inner):
             raise ValueError("the traced blocks differ; trace the full depth instead")
-        new = [self.segments[0]] + [dataclasses.replace(mid, name=f"{mid.name}#{i}")
-                                    for i in range(n_layers)] + [self.segments[-1]]
+        new = [self.segments[0], *kept] + [
+            dataclasses.replace(mid, name=f"{mid.name}#{i}")
+            for i in range(n_layers - keep_first)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
             shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
-            note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
-                 f"stands for each of the {n_layers}")
+            note=f"traced {len(layers)} of {n_layers} blocks; block '{mid.name}' stands for "
+                 f"each of the {n_layers - keep_first}"
+                 + (f" after the first {keep_first}" if keep_first else ""))
 
 
 def storage_base(n):

@@ -1193,16 +1193,23 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
             states[key] = mem, saved
         mem, rec = with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
+        mem.activations += axes_saved(r, remat)
+        return mem, rec
+
+    def axes_saved(r, remat) -> float:
+        """What ep and cp keep for the backward beyond the graph's saved values, over the
+        rank's microbatches in flight: the remat pass, which runs before both, neither sees
+        nor recomputes it, so its budget is what is left beside it."""
+        extra = 0.0
         if ep > 1 and stats.moe_local:  # the rows a rank receives (as many as it routes
-            # where the routing is balanced), kept for the backward: priced at up to
-            # EP_RECEIVED x its own, the routing's imbalance
-            mem.activations += (min(ep, EP_RECEIVED) - 1) * sum(
-                s.ep_saved for s in rank_segs[r]) * mbs / stats.rows
+            # where the routing is balanced): priced at up to EP_RECEIVED x its own, the
+            # routing's imbalance
+            extra += (min(ep, EP_RECEIVED) - 1) * sum(s.ep_saved for s in rank_segs[r])
         if cp > 1 and remat == "none":  # the gathered keys and values the backward reads:
             # whole for the rank's rows, where its share of the tokens was priced (with remat
             # on, the backward gathers them again instead)
-            mem.activations += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r]) * mbs / stats.rows
-        return mem, rec
+            extra += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r])
+        return extra * held[r] * mbs / stats.rows
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
@@ -1212,14 +1219,14 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             mem, _ = mems[r]
             left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
             trans = max(s.working(tp) for s in rank_segs[r]) * mbs / stats.rows
-            new.append(rank_memory(r, max(left - trans, 1.0)))
+            new.append(rank_memory(r, max(left - trans - axes_saved(r, 1), 1.0)))
         mems = new
         worst = max(range(pp), key=lambda r: mems[r][0].total)
         # the pass's budget is the activation peak priced for the binding rank (its simulated
         # peak includes the backward's working memory, as `activations` does), never less
         # than the floor priced for it: what is left after the static state, at a peak the
         # step and the optimizer step do not share, was below the floor the pass can reach
-        remat = int(max(mems[worst][0].activations, 1))
+        remat = int(max(mems[worst][0].activations - axes_saved(worst, 1), 1))
     for r, (m_, _) in enumerate(mems):
         m_.stage = r
     mems[worst][0].per_stage = [m_ for m_, _ in mems]

@@ -1636,3 +1636,30 @@ def test_a_tied_weight_s_two_gradient_parts_are_priced_at_the_end_of_the_last_ba
     assert two.at_end - one.at_end == pytest.approx(512 * 64 * 4)
     mlp = planner_stats(M.MLP(), (torch.randn(8, 16), torch.randn(8, 4)))
     assert mlp.last_grad[1] == 1
+
+
+def test_with_depth_stretches_the_repeated_blocks_after_the_ones_that_differ(small_stats):
+    """A model traced a few blocks deep is priced at its depth: the middle block stands for
+    each; `keep_first` keeps the model's first blocks as traced (DeepSeek-V3's dense layers
+    before its MoE ones) and stretches the run after them. Blocks that differ inside the
+    run are refused (scaling them would price another model)."""
+    layers = small_stats.layers
+    assert len(layers) >= 2
+    first = dataclasses.replace(layers[0], flops_f=layers[0].flops_f * 3)
+    traced = dataclasses.replace(small_stats, segments=[
+        small_stats.segments[0], first, *layers[1:], small_stats.segments[-1]])
+    deep = traced.with_depth(10, keep_first=1)
+    assert [s.name for s in deep.segments][:2] == ["pre", first.name] and deep.n_layers == 10
+    assert len(deep.layers) == 10 and deep.layers[0].flops_f == first.flops_f
+    mid = layers[1:][len(layers[1:]) // 2]
+    assert all(s.key() == mid.key() for s in deep.layers[1:])
+    assert "after the first 1" in deep.note
+    plain = traced.with_depth(10)  # (the first block is not kept: the middle one stands in)
+    assert all(s.flops_f == layers[len(layers) // 2].flops_f for s in plain.layers)
+    odd = dataclasses.replace(small_stats, segments=[
+        small_stats.segments[0], *layers, dataclasses.replace(layers[-1], flops_f=1.0),
+        layers[-1], small_stats.segments[-1]])
+    with pytest.raises(ValueError, match="the traced blocks differ"):
+        odd.with_depth(10)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        traced.with_depth(1, keep_first=1)
