@@ -1158,6 +1158,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     states: dict[tuple, tuple] = {}  # per kind of rank (`_twins`): its state, saved values
 
     def rank_memory(r, remat):
+        mem, rec = with_activations(*rank_state(r, remat), held[r], remat)  # (a copy: told
+        # its stage)
+        mem.activations += axes_saved(r, remat, rec)
+        return mem, rec
+
+    def rank_state(r, remat):
         key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r], remat == "none")
         if key not in states:
             mem, saved = stage_state(
@@ -1192,24 +1198,35 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 # server's error: 1/dp more)
                 mem.optimizer += 4 * (2 + 1 / dp) * mem.params / DTYPE_BYTES[precision]
             states[key] = mem, saved
-        mem, rec = with_activations(*states[key], held[r], remat)  # (a copy: told its stage)
-        mem.activations += axes_saved(r, remat)
-        return mem, rec
+        return states[key]
 
-    def axes_saved(r, remat) -> float:
+    def axes_saved(r, remat, rec) -> float:
         """What ep and cp keep for the backward beyond the graph's saved values, over the
-        rank's microbatches in flight: the remat pass, which runs before both, neither sees
-        nor recomputes it, so its budget is what is left beside it."""
+        rank's microbatches in flight (`rec`: the fraction of the forward remat recomputes).
+        The remat pass runs before both and sizes its budget on the graph without them."""
         extra = 0.0
-        if ep > 1 and stats.moe_local:  # the rows a rank receives (as many as it routes
-            # where the routing is balanced): priced at up to EP_RECEIVED x its own, the
-            # routing's imbalance
-            extra += (min(ep, EP_RECEIVED) - 1) * sum(s.ep_saved for s in rank_segs[r])
+        if ep > 1 and stats.moe_local:  # the rows a rank receives beyond the rows it
+            # routes (as many where the routing is balanced), priced at up to EP_RECEIVED x
+            # them (the routing's imbalance), of the MoE layers remat keeps (a layer it
+            # recomputes sends its rows again and keeps none)
+            extra += (min(ep, EP_RECEIVED) - 1) * (1 - rec) * sum(
+                s.ep_saved for s in rank_segs[r])
         if cp > 1 and remat == "none":  # the gathered keys and values the backward reads:
             # whole for the rank's rows, where its share of the tokens was priced (with remat
             # on, the backward gathers them again instead)
             extra += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r])
         return extra * held[r] * mbs / stats.rows
+
+    def remat_budget(r, room) -> float:
+        """The budget for the remat pass whose saved values and ep's received rows beside
+        them (`axes_saved`, in proportion to the layers it keeps) fill `room`."""
+        e = axes_saved(r, 1, 0.0)  # (everything kept)
+        saved = rank_state(r, 1)[1]
+        full, floor = saved.under("none", held[r])[0], saved.under(1.0, held[r])[0]
+        if e <= 0 or full <= floor:
+            return room
+        # room = b + e (b - floor) / (full - floor), between the floor and everything
+        return (room + e * floor / (full - floor)) / (1 + e / (full - floor))
     mems = [rank_memory(r, remat) for r in range(pp)]
     worst = max(range(pp), key=lambda r: mems[r][0].total)
     if mems[worst][0].total > budget and not fixed_remat:
@@ -1219,14 +1236,14 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             mem, _ = mems[r]
             left = budget - (mem.params + mem.optimizer + mem.grads + mem.buffers)
             trans = max(s.working(tp) for s in rank_segs[r]) * mbs / stats.rows
-            new.append(rank_memory(r, max(left - trans - axes_saved(r, 1), 1.0)))
+            new.append(rank_memory(r, max(remat_budget(r, left - trans), 1.0)))
         mems = new
         worst = max(range(pp), key=lambda r: mems[r][0].total)
         # the pass's budget is the activation peak priced for the binding rank (its simulated
         # peak includes the backward's working memory, as `activations` does), never less
         # than the floor priced for it: what is left after the static state, at a peak the
         # step and the optimizer step do not share, was below the floor the pass can reach
-        remat = int(max(mems[worst][0].activations - axes_saved(worst, 1), 1))
+        remat = int(max(mems[worst][0].activations - axes_saved(worst, 1, mems[worst][1]), 1))
     for r, (m_, _) in enumerate(mems):
         m_.stage = r
     mems[worst][0].per_stage = [m_ for m_, _ in mems]
@@ -1372,129 +1389,142 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             2 * (pp - 1) * p2p
     else:
         pipe = (m - 1) * slow + sum(fwd) + sum(bwd) + 2 * (pp - 1) * p2p
-    # data parallel: this rank's gradients
-    mem = mems[worst][0]
-    elem = 4 if precision == "fp32" else 2
-    n_elem = mem.params * (sdp if zero >= 3 else 1) / elem  # this rank's parameter elements
-    share = _expert_share(rank_segs[worst], tp)  # (of its elements before ep's split)
-    if zero >= 3 and ep > 1:  # (ZeRO-3 priced every expert's shard: 1/ep of them are its)
-        n_elem *= 1 - share * (1 - 1 / ep)
-    # (an MoE's expert gradients computed from every dp rank's rows, gathered, are complete
-    # on each rank: without ZeRO the dp pass reduces none of them. So under ep, and under
-    # plain dp where the dispatch is not run on each rank's own rows)
-    # With the all-to-all dispatch (ep over rows run on each rank) they are the ep group's
-    # rows': summed over the dp ranks holding the same experts ("edp": dp / ep of them).
-    # With ZeRO under ep the experts' are reduced and sharded over "edp" too, the rest over dp
-    experts_elem = n_elem * share / ep / (1 - share * (1 - 1 / ep)) if share < 1 else n_elem
-    n_reduced = n_elem - experts_elem if (zero == 0 and not stats.moe_local) or ep > 1 \
-        else n_elem
-    edp = dp // ep
-    esdp = sdp // ep  # (ZeRO shards the experts over the "edp" ranks of a shard group)
-    # the elements this rank's optimizer steps (ZeRO: its 1/dp shard of the others, 1/edp of
-    # its experts; HSDP: 1/sdp and 1/esdp)
-    stepped_elem = n_elem if not zero else (n_elem - experts_elem) / sdp + experts_elem / esdp \
-        if ep > 1 else n_elem / sdp
-    n_t = sum(s.n_param_tensors for s in rank_segs[worst])
-    dpc = dp_fixed = gather = 0.0
-    if dp > 1:
-        # as passes/data_parallel.py emits them: gradients in buckets of at least the cost
-        # model's floor (ZeRO-3: one per layer); ZeRO-1 all-reduces each, ZeRO-2
-        # reduce-scatters, and the runtime all-gathers the updated shards (exposed); ZeRO-3
-        # gathers each layer's parameters before its forward and again before its backward
-        grad_bytes = n_reduced * elem
-        span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
-        s_span = tp * pp * sdp  # (HSDP's shard groups: neighbouring dp ranks)
-        # Plan.comm_quantization (as the user gives it; a lossy choice the search never
-        # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
-        # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
-        q_w, q_g = "weights" in quant, "gradients" in quant  # (the zero stage fits: above)
-        wire_w = n_elem * (1 + 2 / qcomm.BLOCK) if q_w else grad_bytes
-        wire_g = n_elem * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else grad_bytes
-        buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
-                   else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
-        if onebit:  # Plan.grad_compression after its warm-up (runtime/onebit_adam.py): no
-            # gradient all-reduce; after the backward the momentum goes as signs + a 4-byte
-            # scale per block, an all-to-all and an all-gather (each moving what a ring
-            # all-gather moves), and ~12 memory-bound passes over it (fold, compress and
-            # decompress twice, update)
-            wire = n_elem * (1 / 8 + 4 / qcomm.ONEBIT_BLOCK)
-            gather = 2 * hw.comm("all_gather", wire, dp, span) + \
-                12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
-        elif zero == 0 or zero == 1:
-            dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
-        else:  # (qgZ: an all-to-all of the int4 parts)
-            dpc = hw.comm("all_to_all" if q_g else "reduce_scatter", wire_g, sdp, s_span,
-                          calls=buckets)
-            # HSDP: each summed 1/sdp slice all-reduced across the replicas
-            dpc += hw.comm("all_reduce", grad_bytes / sdp, reps, span, calls=buckets)
-        if zero in (1, 2):  # after the optimizer: no backward left to hide it behind, and
-            # each bucket copied back into its parameters (runtime/zero.py)
-            gather = hw.comm("all_gather", grad_bytes, sdp, s_span, calls=buckets) + \
-                2 * grad_bytes / hw.mem_bandwidth
-        if zero >= 3:  # (hpZ: the backward's from the secondary shards, within a node)
-            gathers = round(n_t * stats.zero3_gathers_per_param / 2)
-            dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
-            dpc += m * (hw.comm("all_gather", wire_w, hpz, tp * pp * hpz, calls=gathers)
-                        if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
-        if ep > 1 and edp > 1 and (zero or stats.moe_local) and not onebit:
-            # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered;
-            # HSDP: over a shard group's "edp" ranks, then across the replicas), ZeRO-1/2's
-            # gathers of their updated shards, ZeRO-3's of their weights
-            e_bytes, e_calls = experts_elem * elem, max(1, round(sum(
-                s.n_moe for s in rank_segs[worst])))
-            if zero >= 2:
-                dpc += hw.comm("reduce_scatter", e_bytes, esdp, s_span, calls=e_calls) + \
-                    hw.comm("all_reduce", e_bytes / esdp, reps, span, calls=e_calls)
-            else:
-                dpc += hw.comm("all_reduce", e_bytes, edp, span, calls=e_calls)
-            if zero in (1, 2):
-                gather += hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls) + \
-                    2 * e_bytes / hw.mem_bandwidth
-            if zero >= 3:
-                dpc += 2 * m * hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls)
-        # the loss (and the count of its targets), per microbatch
-        dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
-        # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
-        # what arrives, and ~13 nodes each side of a collective
-        if q_w:
-            dp_fixed += 2 * m * (6 * 4 * n_elem * (1 + 1 / sdp) / hw.mem_bandwidth
-                                 + 26 * gathers * hw_graph.node_overhead)
-        if q_g:
-            dp_fixed += 6 * 4 * 2 * n_elem / hw.mem_bandwidth + \
-                26 * buckets * hw_graph.node_overhead
-        # the nodes the dp pass adds per parameter (packing, shard views; ZeRO-3's gathers
-        # per microbatch): dispatch time, not hidden by the backward
-        dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
-            m if zero >= 3 else 1) * hw_graph.node_overhead
-    # the backward hides the gradient reduction: one microbatch's (the joint graph's, or with
-    # microbatches the last one's, which runs the "R" part inside it as its buckets fill:
-    # runtime/pipeline.with_reductions). A pipeline stage's R runs after its last backward,
-    # with nothing left to hide it behind (a ViT's dp=2 m=2 waited 26 ms on it where m=1
-    # waited 6, before the reduction ran inside the last backward)
-    window = bwd[0] * hw.overlap if constraints.get("overlap", True) and pp == 1 else 0.0
-    dp_exposed = (max(dpc - window, dpc * 0.05) + gather + dp_fixed) if dp > 1 else 0.0
-    k = OPTIMIZER_STATES.get(optimizer, 2)
-    touched = stepped_elem * (3 + 2 * k) * 4
-    n_tensors = sum(s.n_param_tensors for s in rank_segs[worst])
-    # CPU: one dispatch per op per tensor; CUDA: torch's multi-tensor (foreach / fused)
-    # kernels, a few launches for all tensors (1.5 ms for GPT-2 small's AdamW on an H100)
-    launches = (3 + 2 * k) * (1 if hw.async_launch else n_tensors)
-    opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
-    if hw.optimizer_s is not None:  # measured on this machine for the whole model
-        opt_t = hw.optimizer_s * stepped_elem / max(stats.total_params, 1)
-    offload_s = 0.0
-    if offload:  # Plan.offload_optimizer (runtime/host_optimizer.py): the stepped tensors'
-        # fp32 gradients out and values back, not overlapped; on a GPU the step runs on the
-        # host's CPU (torch's fused kernel: its memory bandwidth, shared by the node's ranks)
-        stepped = stepped_elem * 4
-        offload_s = 2 * stepped / (hw.host_link or hw.mem_bandwidth / 2)
-        if hw.host_link:
-            opt_t = touched / (hw.host_bandwidth or hw.mem_bandwidth) * min(
-                dp * tp * pp, hw.devices_per_node)
-    # microbatches: every one after the first adds its gradients into the running sums
-    # (runtime/pipeline.py: in the backward part's graph, one add per gradient)
-    accumulate = (m - 1) * (3 * n_elem * elem / hw.mem_bandwidth
-                            + n_tensors * hw_graph.node_overhead) if m > 1 else 0.0
+
+    def data_parallel_side(w):
+        """(dp communication exposed, optimizer, offload copies, gradient accumulation)
+        of rank `w`: each stage reduces, gathers and steps its own parameters, so the
+        step waits on the rank with the most (a pipeline of unequal stages: DeepSeek-V3's
+        first stage holds its embedding and dense layers, the others 20x the parameters
+        in experts)."""
+        mem = mems[w][0]
+        elem = 4 if precision == "fp32" else 2
+        n_elem = mem.params * (sdp if zero >= 3 else 1) / elem  # this rank's parameter elements
+        share = _expert_share(rank_segs[w], tp)  # (of its elements before ep's split)
+        if zero >= 3 and ep > 1:  # (ZeRO-3 priced every expert's shard: 1/ep of them are its)
+            n_elem *= 1 - share * (1 - 1 / ep)
+        # (an MoE's expert gradients computed from every dp rank's rows, gathered, are complete
+        # on each rank: without ZeRO the dp pass reduces none of them. So under ep, and under
+        # plain dp where the dispatch is not run on each rank's own rows)
+        # With the all-to-all dispatch (ep over rows run on each rank) they are the ep group's
+        # rows': summed over the dp ranks holding the same experts ("edp": dp / ep of them).
+        # With ZeRO under ep the experts' are reduced and sharded over "edp" too, the rest over dp
+        experts_elem = n_elem * share / ep / (1 - share * (1 - 1 / ep)) if share < 1 else n_elem
+        n_reduced = n_elem - experts_elem if (zero == 0 and not stats.moe_local) or ep > 1 \
+            else n_elem
+        edp = dp // ep
+        esdp = sdp // ep  # (ZeRO shards the experts over the "edp" ranks of a shard group)
+        # the elements this rank's optimizer steps (ZeRO: its 1/dp shard of the others, 1/edp of
+        # its experts; HSDP: 1/sdp and 1/esdp)
+        stepped_elem = n_elem if not zero else (n_elem - experts_elem) / sdp + experts_elem / esdp \
+            if ep > 1 else n_elem / sdp
+        n_t = sum(s.n_param_tensors for s in rank_segs[w])
+        dpc = dp_fixed = gather = 0.0
+        if dp > 1:
+            # as passes/data_parallel.py emits them: gradients in buckets of at least the cost
+            # model's floor (ZeRO-3: one per layer); ZeRO-1 all-reduces each, ZeRO-2
+            # reduce-scatters, and the runtime all-gathers the updated shards (exposed); ZeRO-3
+            # gathers each layer's parameters before its forward and again before its backward
+            grad_bytes = n_reduced * elem
+            span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
+            s_span = tp * pp * sdp  # (HSDP's shard groups: neighbouring dp ranks)
+            # Plan.comm_quantization (as the user gives it; a lossy choice the search never
+            # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
+            # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
+            q_w, q_g = "weights" in quant, "gradients" in quant  # (the zero stage fits: above)
+            wire_w = n_elem * (1 + 2 / qcomm.BLOCK) if q_w else grad_bytes
+            wire_g = n_elem * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else grad_bytes
+            buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
+                       else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
+            if onebit:  # Plan.grad_compression after its warm-up (runtime/onebit_adam.py): no
+                # gradient all-reduce; after the backward the momentum goes as signs + a 4-byte
+                # scale per block, an all-to-all and an all-gather (each moving what a ring
+                # all-gather moves), and ~12 memory-bound passes over it (fold, compress and
+                # decompress twice, update)
+                wire = n_elem * (1 / 8 + 4 / qcomm.ONEBIT_BLOCK)
+                gather = 2 * hw.comm("all_gather", wire, dp, span) + \
+                    12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
+            elif zero == 0 or zero == 1:
+                dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
+            else:  # (qgZ: an all-to-all of the int4 parts)
+                dpc = hw.comm("all_to_all" if q_g else "reduce_scatter", wire_g, sdp, s_span,
+                              calls=buckets)
+                # HSDP: each summed 1/sdp slice all-reduced across the replicas
+                dpc += hw.comm("all_reduce", grad_bytes / sdp, reps, span, calls=buckets)
+            if zero in (1, 2):  # after the optimizer: no backward left to hide it behind, and
+                # each bucket copied back into its parameters (runtime/zero.py)
+                gather = hw.comm("all_gather", grad_bytes, sdp, s_span, calls=buckets) + \
+                    2 * grad_bytes / hw.mem_bandwidth
+            if zero >= 3:  # (hpZ: the backward's from the secondary shards, within a node)
+                gathers = round(n_t * stats.zero3_gathers_per_param / 2)
+                dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
+                dpc += m * (hw.comm("all_gather", wire_w, hpz, tp * pp * hpz, calls=gathers)
+                            if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
+            if ep > 1 and edp > 1 and (zero or stats.moe_local) and not onebit:
+                # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered;
+                # HSDP: over a shard group's "edp" ranks, then across the replicas), ZeRO-1/2's
+                # gathers of their updated shards, ZeRO-3's of their weights
+                e_bytes, e_calls = experts_elem * elem, max(1, round(sum(
+                    s.n_moe for s in rank_segs[w])))
+                if zero >= 2:
+                    dpc += hw.comm("reduce_scatter", e_bytes, esdp, s_span, calls=e_calls) + \
+                        hw.comm("all_reduce", e_bytes / esdp, reps, span, calls=e_calls)
+                else:
+                    dpc += hw.comm("all_reduce", e_bytes, edp, span, calls=e_calls)
+                if zero in (1, 2):
+                    gather += hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls) + \
+                        2 * e_bytes / hw.mem_bandwidth
+                if zero >= 3:
+                    dpc += 2 * m * hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls)
+            # the loss (and the count of its targets), per microbatch
+            dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
+            # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
+            # what arrives, and ~13 nodes each side of a collective
+            if q_w:
+                dp_fixed += 2 * m * (6 * 4 * n_elem * (1 + 1 / sdp) / hw.mem_bandwidth
+                                     + 26 * gathers * hw_graph.node_overhead)
+            if q_g:
+                dp_fixed += 6 * 4 * 2 * n_elem / hw.mem_bandwidth + \
+                    26 * buckets * hw_graph.node_overhead
+            # the nodes the dp pass adds per parameter (packing, shard views; ZeRO-3's gathers
+            # per microbatch): dispatch time, not hidden by the backward
+            dp_fixed += n_t * stats.dp_nodes_per_param.get(3 if zero >= 3 else 0, 0.0) * (
+                m if zero >= 3 else 1) * hw_graph.node_overhead
+        # the backward hides the gradient reduction: one microbatch's (the joint graph's, or with
+        # microbatches the last one's, which runs the "R" part inside it as its buckets fill:
+        # runtime/pipeline.with_reductions). A pipeline stage's R runs after its last backward,
+        # with nothing left to hide it behind (a ViT's dp=2 m=2 waited 26 ms on it where m=1
+        # waited 6, before the reduction ran inside the last backward)
+        window = bwd[0] * hw.overlap if constraints.get("overlap", True) and pp == 1 else 0.0
+        dp_exposed = (max(dpc - window, dpc * 0.05) + gather + dp_fixed) if dp > 1 else 0.0
+        k = OPTIMIZER_STATES.get(optimizer, 2)
+        touched = stepped_elem * (3 + 2 * k) * 4
+        n_tensors = sum(s.n_param_tensors for s in rank_segs[w])
+        # CPU: one dispatch per op per tensor; CUDA: torch's multi-tensor (foreach / fused)
+        # kernels, a few launches for all tensors (1.5 ms for GPT-2 small's AdamW on an H100)
+        launches = (3 + 2 * k) * (1 if hw.async_launch else n_tensors)
+        opt_t = touched / hw.mem_bandwidth + launches * hw.node_overhead
+        if hw.optimizer_s is not None:  # measured on this machine for the whole model
+            opt_t = hw.optimizer_s * stepped_elem / max(stats.total_params, 1)
+        offload_s = 0.0
+        if offload:  # Plan.offload_optimizer (runtime/host_optimizer.py): the stepped tensors'
+            # fp32 gradients out and values back, not overlapped; on a GPU the step runs on the
+            # host's CPU (torch's fused kernel: its memory bandwidth, shared by the node's ranks)
+            stepped = stepped_elem * 4
+            offload_s = 2 * stepped / (hw.host_link or hw.mem_bandwidth / 2)
+            if hw.host_link:
+                opt_t = touched / (hw.host_bandwidth or hw.mem_bandwidth) * min(
+                    dp * tp * pp, hw.devices_per_node)
+        # microbatches: every one after the first adds its gradients into the running sums
+        # (runtime/pipeline.py: in the backward part's graph, one add per gradient)
+        accumulate = (m - 1) * (3 * n_elem * elem / hw.mem_bandwidth
+                                + n_tensors * hw_graph.node_overhead) if m > 1 else 0.0
+        return dp_exposed, opt_t, offload_s, accumulate
+
+    sides = {}  # per kind of rank
+    for r in range(pp):
+        if twins[r] not in sides:
+            sides[twins[r]] = data_parallel_side(r)
+    dp_exposed, opt_t, offload_s, accumulate = max(sides.values(), key=sum)
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
     waiting = min(sum(comm_s) / pp / busy, 1.0) if busy > 0 else 0.0
     if pp > 1:
