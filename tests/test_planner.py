@@ -1663,3 +1663,33 @@ def test_with_depth_stretches_the_repeated_blocks_after_the_ones_that_differ(sma
         odd.with_depth(10)
     with pytest.raises(ValueError, match="no repeated blocks"):
         traced.with_depth(1, keep_first=1)
+
+
+def test_each_stage_pays_for_its_own_parameters_communication():
+    """Each pipeline stage gathers, reduces and steps its own parameters, so the step waits
+    on the stage with the most, whichever rank binds memory (DeepSeek-V3's first stage, its
+    embedding and dense layers, once stood for stages of 20x the parameters in experts:
+    ZeRO-3 priced 4.8x too cheap). One layer made 20x heavier on the last stage: its ZeRO-3
+    communication is the last stage's, though the first (more microbatches in flight)
+    binds memory."""
+    stats = G.gpt_stats("gpt-1.7b")
+    layers = stats.layers
+
+    def heavy(i):
+        segs = list(stats.segments)
+        j = stats.segments.index(layers[i])
+        segs[j] = dataclasses.replace(layers[i], params=layers[i].params * 20)
+        return dataclasses.replace(stats, segments=segs, transfers={}, stage_saved={},
+                                   stage_shares={}, stage_wgrad={}, shared_weights={})
+    hw = dataclasses.replace(cost.HARDWARE["a100"], memory=4096 * 2**30)
+    fixed = {"pp": 2, "tp": 1, "dp": 4, "zero": 3, "microbatches": 4, "schedule": "1f1b",
+             "remat": "none"}
+    comm, most = {}, {}
+    for i in (0, -1):
+        c = planner.search(heavy(i), 8, hw, batch_rows=64, executable=False,
+                           constraints=fixed).best
+        stages = c.memory.per_stage
+        assert max(stages, key=lambda m: m.total) is stages[0]  # (memory binds on stage 0)
+        comm[i], most[i] = c.parts["dp communication"], max(m.params for m in stages)
+    assert most[-1] > 1.5 * min(m.params for m in stages)  # (the heavy stage: the last)
+    assert comm[-1] / comm[0] == pytest.approx(most[-1] / most[0], rel=0.05), (comm, most)
