@@ -48,7 +48,9 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "bytes_b_split", "saved_split", "params_split", "tp_comm_f", "tp_comm_b",
           "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole",
           "bytes_f_whole", "bytes_b_whole", "saved_whole", "expert_params", "expert_flops_f",
-          "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b", "ep_saved")
+          "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b", "ep_saved",
+          "attn_flops_f", "attn_flops_b", "sdpa_flops_f", "sdpa_flops_b", "kv_bytes", "qo_bytes",
+          "n_attn")
 
 
 @dataclasses.dataclass

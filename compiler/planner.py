@@ -388,7 +388,9 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "params_split": "p", "n_row": "f", "n_param_tensors": "p",
              "expert_params": "p", "expert_flops_f": "f", "expert_flops_b": "b",
              "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
-             "ep_saved": "saved", "n_moe": "f"}
+             "ep_saved": "saved", "n_moe": "f", "attn_flops_f": "f", "sdpa_flops_f": "f",
+             "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
+             "n_attn": "f"}
 
 
 def _stage_shares(gm, stats: GraphStats, n: int) -> dict[str, dict[str, list[float]]]:

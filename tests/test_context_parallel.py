@@ -255,6 +255,14 @@ def test_planner_prices_context_parallelism():
     assert gpt2.seq == 1024 and len(written) == len(gpt2.layers)
     assert all(s.kv_bytes == 2 * 1024 * 768 * 2 and s.sdpa_flops_f == 0 < s.attn_flops_f
                for s in written)
+    # a rank's segments are summed into a few stand-ins to price it: they carry every
+    # layer's attention (the stand-in for all layers but the largest once dropped them:
+    # a cp plan paid one layer's gathers)
+    for st, pp in ((stats, 1), (gpt2, 1), (gpt2, 2)):
+        ranks = planner._rank_aggregates(planner.stages_of(st, pp), pp, 1)
+        for f in ("kv_bytes", "attn_flops_f", "attn_flops_b", "n_attn", "qo_bytes"):
+            assert sum(getattr(s, f) for r in ranks for s in r) == pytest.approx(
+                sum(getattr(s, f) for s in st.segments)), f
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 4))
     flat = planner_stats(mlp, (torch.randn(8, 16), torch.randn(8, 4)),
                          loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
