@@ -107,7 +107,7 @@ class Segment:
     # reduce-scattered backward) and of its queries and output; n_attn: the attention ops
     attn_flops_f: float = 0.0
     attn_flops_b: float = 0.0
-    sdpa_flops_f: float = 0.0    # of attn_flops: SDPA's kernels (on CUDA cp leaves them whole)
+    sdpa_flops_f: float = 0.0    # of attn_flops: the CUDA kernels cp leaves whole
     sdpa_flops_b: float = 0.0
     kv_bytes: float = 0.0
     qo_bytes: float = 0.0

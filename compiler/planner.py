@@ -1319,10 +1319,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
             if remat != "none":  # (gathered again for the backward)
                 cpc_b += hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
-            if hw.name != "cpu" and any(s.sdpa_flops_f for s in segs):  # CUDA's SDPA
-                # kernels keep the sequence whole (passes/context_parallel.py): each rank runs
-                # its rows' whole attention, cp x its share, with the queries gathered and the
-                # output's gradient too (attention written out as matmuls splits anywhere)
+            if hw.name != "cpu" and any(s.sdpa_flops_f for s in segs):  # CUDA's kernels
+                # the pass keeps whole (the memory-efficient and cuDNN ones, flash with
+                # dropout: context_parallel.splits_attention): each rank runs its rows' whole
+                # attention, cp x its share, with the queries gathered and the output's
+                # gradient too (flash, and attention written out as matmuls, split)
                 rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
                 tf += (cp - 1) * sum(s.sdpa_flops_f for s in segs) * mbs / stats.rows / rate
                 tb += (cp - 1) * sum(s.sdpa_flops_b for s in segs) * mbs / stats.rows / rate
@@ -1759,13 +1760,14 @@ def context_stats(stats: GraphStats, gm) -> None:
             continue
         off = 1 if bwd else 0  # (the backward's first argument: the output's gradient)
         q, k, v = (a.meta[ir.VAL] for a in n.args[off:off + 3])
+        whole = not context_parallel.splits_attention(n)  # (every rank runs it whole)
         if bwd:
             seg.attn_flops_b += cost.node_flops(n)
-            seg.sdpa_flops_b += cost.node_flops(n)
+            seg.sdpa_flops_b += cost.node_flops(n) * whole
             continue
         seg.n_attn += 1
         seg.attn_flops_f += cost.node_flops(n)
-        seg.sdpa_flops_f += cost.node_flops(n)
+        seg.sdpa_flops_f += cost.node_flops(n) * whole
         seg.kv_bytes += cost.tensor_bytes(k) + cost.tensor_bytes(v)
         seg.qo_bytes += 2 * cost.tensor_bytes(q)
     for n in gm.graph.nodes:  # attention written out: scores = q @ k^T, softmax, @ v

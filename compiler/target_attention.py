@@ -10,8 +10,9 @@ layer of probabilities that the H100 never holds, and every plan of it as memory
 
 This mode records each call as the CUDA kernel op PyTorch's dispatcher would pick there
 (torch/backends/cuda sdp_utils, in its order): flash attention where the dtype is half
-precision, there is no mask and the head dims are equal and at most 256; else the
-memory-efficient kernel (masks, fp32, a value head dim of its own); else the call as it is.
+precision, there is no mask and the head dims are equal and at most 256 (grouped-query
+attention included); else the memory-efficient kernel (masks, fp32, a value head dim of its
+own; as many key/value heads as query heads); else the call as it is.
 The ops have meta kernels, so they trace on CPU fake tensors; they are only ever priced,
 never run (a plan compiled for the GPU captures again on the GPU).
 """
@@ -26,13 +27,14 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def kernel(q, k, v, attn_mask) -> str:
-    """'flash', 'efficient' or 'math': what CUDA's SDPA runs for these operands."""
+    """'flash', 'efficient' or 'math': what CUDA's SDPA runs for these operands (fewer key /
+    value heads than query heads, grouped-query attention: flash or math only)."""
     if q.dim() != 4 or q.size(-1) != k.size(-1):
         return "math"
     if attn_mask is None and q.dtype in _HALF and q.size(-1) == v.size(-1) <= 256:
         return "flash"
     align = 8 if q.dtype in _HALF else 4  # (the kernel's alignment rule)
-    if q.size(-1) % align == 0 and v.size(-1) % align == 0:
+    if q.size(-1) % align == 0 and v.size(-1) % align == 0 and k.size(-3) == q.size(-3):
         return "efficient"
     return "math"
 
@@ -54,11 +56,7 @@ class CudaAttention(TorchFunctionMode):
         which = kernel(q, k, v, mask)
         if which == "math":
             return func(*args, **kwargs)
-        if a.get("enable_gqa") and k.size(-3) != q.size(-3):  # (each key/value head serves
-            # a group of query heads: repeated, as torch does for kernels without GQA)
-            k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
-            v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
-        if which == "flash":
+        if which == "flash":  # (grouped-query attention: the kernel reads the shared heads)
             return aten._scaled_dot_product_flash_attention(
                 q, k, v, p, causal, False, scale=scale)[0]
         if mask is not None:

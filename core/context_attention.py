@@ -75,8 +75,72 @@ def _chunks(q, k, group_name):
 
 
 def _flash(q, k, v, dropout_p, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, causal,
-                                                            scale=scale)
+    """(out, logsumexp) by the device's flash kernel (on CUDA without dropout: its random
+    state is not kept for the backward)."""
+    if q.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, causal,
+                                                                scale=scale)
+    _no_dropout(dropout_p)
+    return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                    scale=scale)[:2]
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, dropout_p, causal, scale):
+    """(grad_q, grad_k, grad_v) by the device's flash kernel, from `out` and `lse` (the whole
+    row's, where the block is one of several: its gradients are then the row's share)."""
+    if q.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, dropout_p, causal, scale=scale)
+    _no_dropout(dropout_p)
+    # (no dense sequence offsets; the random state, read only with dropout, as the
+    # forward's shapes)
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed,
+        offset, scale=scale)
+
+
+def _no_dropout(dropout_p):
+    if dropout_p:
+        raise NotImplementedError(
+            f"fxpar's split flash attention on CUDA runs without dropout (dropout_p="
+            f"{dropout_p}): the kernel's random state is not carried to the backward. Set "
+            "the model's attention dropout to 0, or use cp=1.")
+
+
+# (argument names as the kernels': the sharding rules read them by name)
+@torch.library.custom_op("fxpar::flash_attention", mutates_args=())
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    dropout_p: float, is_causal: bool, scale: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp): CUDA's flash attention as the context-parallel pass reads it, the
+    same arguments and results as the CPU's kernel on either device
+    (passes/context_parallel.portable_flash), so one rule splits both."""
+    out, lse = _flash(query, key, value, dropout_p, is_causal, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@flash_attention.register_fake
+def _(query, key, value, dropout_p, is_causal, scale):
+    B, H, L, _ = query.shape
+    return (query.new_empty((B, H, L, value.shape[3])),
+            query.new_empty((B, H, L), dtype=torch.float32))
+
+
+@torch.library.custom_op("fxpar::flash_attention_backward", mutates_args=())
+def flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor,
+                             dropout_p: float, is_causal: bool, scale: float | None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fxpar::flash_attention's gradients (grad_q, grad_k, grad_v)."""
+    return tuple(g.contiguous() for g in _flash_backward(
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale))
+
+
+@flash_attention_backward.register_fake
+def _(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 @torch.library.custom_op("fxpar::causal_chunk_attention", mutates_args=())
@@ -87,8 +151,8 @@ def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dr
     against the whole `k`, `v` [B, H, 2nC, D], causally. Per chunk starting at p: the
     keys before it unmasked, its own C keys causal (SDPA's mask is right there: they start
     where the queries do), merged by their logsumexps as ring attention merges blocks; so
-    each rank computes 1/n of the sequence's causal attention (CPU's flash kernel, as
-    traced)."""
+    each rank computes 1/n of the sequence's causal attention (the device's flash kernel:
+    the CPU's, or CUDA's without dropout)."""
     outs, lses = [], []
     for sl, p in _chunks(q, k, group_name):
         qc, C = q[:, :, sl], sl.stop - sl.start
@@ -125,13 +189,12 @@ def causal_chunk_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: 
         # whole row's): the blocks' gradients are then the whole row's, summed
         args = (grad_out[:, :, sl], qc)
         rest = (out[:, :, sl], lse[:, :, sl], dropout_p)
-        gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *args, k[:, :, p:p + C], v[:, :, p:p + C], *rest, True, scale=scale)
+        gq, gk, gv = _flash_backward(*args, k[:, :, p:p + C], v[:, :, p:p + C], *rest, True,
+                                     scale)
         dk[:, :, p:p + C] += gk
         dv[:, :, p:p + C] += gv
         if p:
-            g1, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                *args, k[:, :, :p], v[:, :, :p], *rest, False, scale=scale)
+            g1, gk, gv = _flash_backward(*args, k[:, :, :p], v[:, :, :p], *rest, False, scale)
             gq = gq + g1
             dk[:, :, :p] += gk
             dv[:, :, :p] += gv

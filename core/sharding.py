@@ -331,7 +331,8 @@ _AXIS_DIM = {
 # --- rules DTensor lacks --------------------------------------------------------------------
 # Attention kernels whose tensors are all (batch, heads, ...): any placement that splits the
 # batch or the heads of q/k/v splits every other operand and result the same way.
-_ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+_ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                       torch.ops.fxpar.flash_attention_backward.default}
 # Ops through which a strided shard is carried: how a batched matmul over [batch, heads] is
 # written in ATen (torch.matmul's and SDPA's math path: flatten batch*heads, bmm, unflatten;
 # its backward the same with transposes; ALiBi's baddbmm), heads split by tensor
@@ -361,7 +362,7 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.scatter.value}
 
 _BATCH_HEAD_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
-                   *_ATTENTION_BACKWARD}
+                   torch.ops.fxpar.flash_attention.default, *_ATTENTION_BACKWARD}
 
 
 def _batch_head_rule(node, specs, replicate):
@@ -1207,6 +1208,10 @@ def _with_meta(spec, val, mesh):
         return tuple(_with_meta(s, v, mesh) for s, v in zip(spec, vals))
     if isinstance(spec, DTensorSpec) and isinstance(val, torch.Tensor):
         return _spec(mesh, spec.placements, val)
+    if spec is None and isinstance(val, torch.Tensor) and val.dim() == 0:
+        # a scalar a rule gave no placement (CUDA's memory-efficient attention's random
+        # seed and offset): the same on every rank
+        return _spec(mesh, (Replicate(),) * mesh.ndim, val)
     return spec
 
 

@@ -22,17 +22,23 @@ gradient is left a partial sum over the group (a weight's gradient sums over eve
 position), for the data-parallel pass to sum over the whole dp group (its batch rows over
 "cdp" x the sequence over "cp") in the same buckets; buffers are made whole.
 
+CUDA's flash attention without dropout splits as the CPU's does (`portable_flash`); its
+memory-efficient and cuDNN kernels (masks, fp32, a value head dim of its own) and flash with
+dropout keep the sequence whole by DTensor's rules (exact; every rank of the group runs its
+rows' whole attention; the report names them).
+
 Not (yet) done: ring attention (k/v passed around the group, overlapped with compute,
-instead of gathered), and CUDA's attention kernels, whose DTensor rules keep the sequence
-whole there (exact, not split).
+instead of gathered).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 
 import torch
 import torch.fx
+from torch.fx.operator_schemas import normalize_function
 
 from fxpar.core import ir
 from fxpar.core.errors import BatchError, PlanError
@@ -82,6 +88,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     # where memory is short (remat on), the backward gathers each attention's keys and
     # values again rather than holding the forward's whole copies
     regather = options.remat not in ("none", None)
+    portable_flash(gm.graph)
     shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True, regather=regather)
     _reduce_outputs(gm, group, cp)
     exact_mean_loss(gm.graph, group, cp)
@@ -92,6 +99,45 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     if ctx.fresh_values:
         fake_propagate(gm, check=False)
     return gm
+
+
+_CUDA_FLASH = getattr(aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_FLASH_BACKWARD = getattr(aten, "_scaled_dot_product_flash_attention_backward", None)
+
+
+def portable_flash(graph: torch.fx.Graph) -> int:
+    """CUDA's flash attention (forward and backward, without dropout) as fxpar::flash_attention
+    (core/context_attention.py): the CPU kernel's arguments and results on either device, so
+    the sequence rule splits it as it splits the CPU's (causal: fxpar::causal_chunk_attention,
+    each rank 1/cp of the attention) instead of DTensor's rule keeping the sequence whole.
+    The forward's other results (no dense sequence offsets, the random state dropout would
+    read) go with the kernel. Returns how many nodes it rewrote."""
+    if _CUDA_FLASH is None or _CUDA_FLASH_BACKWARD is None:
+        return 0
+    done = 0
+    for n in list(graph.nodes):
+        if n.target not in (_CUDA_FLASH.default, _CUDA_FLASH_BACKWARD.default):
+            continue
+        a = normalize_function(n.target, tuple(n.args), dict(n.kwargs),
+                               normalize_to_only_use_kwargs=True).kwargs
+        if a.get("dropout_p", 0.0):
+            continue  # (its random state goes to the backward: left to DTensor, whole)
+        if n.target is _CUDA_FLASH.default:
+            n.target = fxpar_ops.flash_attention.default
+            n.args = (a["query"], a["key"], a["value"], 0.0, a.get("is_causal", False),
+                      a.get("scale"))
+            n.meta[ir.VAL] = tuple(n.meta[ir.VAL][:2])
+        else:
+            n.target = fxpar_ops.flash_attention_backward.default
+            n.args = tuple(a[k] for k in ("grad_out", "query", "key", "value", "out",
+                                           "logsumexp")) + (0.0, a["is_causal"], a.get("scale"))
+        n.kwargs = {}
+        done += 1
+    for n in list(graph.nodes):  # the forward's results nothing reads now
+        if n.target is operator.getitem and not n.users and \
+                n.args[0].target is fxpar_ops.flash_attention.default and n.args[1] >= 2:
+            graph.erase_node(n)
+    return done
 
 
 def sequence_dims(leaves: list[torch.fx.Node], cp: int) -> list[int | None]:
@@ -165,10 +211,26 @@ def _chunk_leaves(graph, leaves, dims, cp, group) -> None:
 _KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 ATTENTION = {getattr(aten, k).default for k in _KERNELS if hasattr(aten, k)} | {
-    fxpar_ops.causal_chunk_attention.default}
+    fxpar_ops.causal_chunk_attention.default, fxpar_ops.flash_attention.default}
 ATTENTION_BACKWARD = {getattr(aten, k + "_backward").default for k in _KERNELS
                       if hasattr(aten, k + "_backward")} | {
-    fxpar_ops.causal_chunk_attention_backward.default}
+    fxpar_ops.causal_chunk_attention_backward.default,
+    fxpar_ops.flash_attention_backward.default}
+
+
+def splits_attention(node) -> bool:
+    """Whether this pass splits an attention kernel node's sequence (its queries' share of
+    the work on each rank) rather than running it whole on every rank of the group: the
+    flash kernels, the CPU's and CUDA's without dropout (`portable_flash`)."""
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default or \
+            node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        return True
+    if node.target not in (getattr(_CUDA_FLASH, "default", None),
+                           getattr(_CUDA_FLASH_BACKWARD, "default", None)):
+        return False
+    a = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                           normalize_to_only_use_kwargs=True).kwargs
+    return not a.get("dropout_p", 0.0)
 
 
 def report(gm, leaves, dims, cp) -> dict:

@@ -112,6 +112,39 @@ def test_hsdp_shards_within_groups_holding_whole_cp_groups():
     assert groups[c10d.all_reduce.default] >= {G["dp_rep"], G["cdp"]}
 
 
+def test_cuda_flash_attention_splits_as_the_cpus():
+    """A plan for CUDA traces SDPA as CUDA's kernels (compiler/target_attention.py; run on
+    this CPU). In bf16, causal, without dropout that is flash attention, which the pass makes
+    the same causal chunk attention as the CPU's flash kernel (portable_flash): the program is
+    the CPU capture's node for node (but a view's kind), so what trains like eager on CPU
+    (test_llama_cp2_trains_like_eager) is what a GPU runs, each rank 1/cp of the attention.
+    Where CUDA runs the memory-efficient kernel (DeepSeek's value head dim) it stays whole
+    (said in the report; its random-state scalars replicated)."""
+    from fxpar.compiler.target_attention import CudaAttention
+    model, batch = _llama()
+    plan = {"dp": 2, "cp": 2, "fuse": False}
+
+    def targets(prog):
+        return [str(n.target).replace("_unsafe_view", "view") for n in prog.graph.graph.nodes]
+    half = model.to(torch.bfloat16)
+    with CudaAttention():
+        gpu = fxpar.compile(half, 2, example_batch=batch, plan=plan)
+    cpu = fxpar.compile(half, 2, example_batch=batch, plan=plan)
+    assert targets(gpu) == targets(cpu)
+    report = gpu.graph.meta[ir.CP_REPORT]
+    assert report["causal"] == 2 and not report["whole_attention"]
+    assert not [n for n in gpu.graph.graph.nodes if "flash_attention" in str(n.target)]
+    from test_target_attention import MLAttention  # (query/key head dims not the value's)
+    ids = torch.randint(0, 64, (1, 32))
+    with CudaAttention():
+        fp32 = fxpar.compile(MLAttention(), 2, example_batch={"ids": ids, "labels": ids},
+                             plan=plan)
+    report = fp32.graph.meta[ir.CP_REPORT]
+    assert report["causal"] == 0 and len(report["whole_attention"]) == 1
+    assert [n for n in fp32.graph.graph.nodes
+            if n.target is aten._scaled_dot_product_efficient_attention.default]
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
     """Each rank's pair of chunks of queries (r and 2cp-1-r of 2cp: fxpar::zigzag_chunk)
