@@ -5,6 +5,8 @@ applied to the fake values recorded in meta["val"], so a graph is costed without
 and the numbers equal what FlopCounterMode reports for a real run (matmul-family ops count,
 pointwise ops count 0 FLOPs there; they cost bytes, which we count separately). CPU flash
 attention, which FlopCounterMode leaves at 0, gets torch's flash formulas (EXTRA_FLOP_FORMULAS).
+A fused attention kernel under a causal mask counts the pairs it computes, (L+1)/2L of them
+(`causal_share`; FlopCounterMode counts every query against every key).
 
 The simulator replays the graph in its execution order the way the executor runs it: an op's
 outputs are allocated while its inputs are still alive, and every value is freed right after
@@ -21,6 +23,7 @@ import os
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx.operator_schemas import normalize_function
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fxpar.core import ir
@@ -57,6 +60,11 @@ EXTRA_FLOP_FORMULAS = {
 }
 if hasattr(aten, "_grouped_mm"):
     EXTRA_FLOP_FORMULAS[aten._grouped_mm] = _shape_wrapped(_grouped_mm_flop)
+# the fused attention kernels, forward and backward (their causal mask skips work)
+_FUSED_ATTENTION = {getattr(aten, k + suffix) for k in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    for suffix in ("", "_backward") if hasattr(aten, k + suffix)}
 # ops whose schema says "new tensor" but whose result shares the input's storage
 # (wait_tensor returns the very tensor its collective produced)
 _ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default,
@@ -117,7 +125,23 @@ def node_flops(node: torch.fx.Node) -> int:
     if fn is None:
         return 0
     args, kwargs = pytree.tree_map_only(torch.fx.Node, _val, (node.args, node.kwargs))
-    return int(fn(*args, **kwargs, out_val=node.meta.get(ir.VAL)))
+    flops = int(fn(*args, **kwargs, out_val=node.meta.get(ir.VAL)))
+    if packet in _FUSED_ATTENTION:
+        flops = int(flops * causal_share(node))
+    return flops
+
+
+def causal_share(node: torch.fx.Node) -> float:
+    """The share of every query-key pair a fused attention kernel computes: (L+1) / 2L under
+    its causal mask (the flash and memory-efficient kernels skip the blocks above the
+    diagonal; FlopCounterMode's formula counts every pair), else 1."""
+    a = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                           normalize_to_only_use_kwargs=True)
+    if a is None or not a.kwargs.get("is_causal"):
+        return 1.0
+    q, k = _val(a.kwargs["query"]), _val(a.kwargs["key"])
+    L = q.shape[-2]
+    return (L + 1) / (2 * L) if L == k.shape[-2] and L > 0 else 1.0
 
 
 def node_bytes(node: torch.fx.Node) -> tuple[int, int]:

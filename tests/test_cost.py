@@ -38,13 +38,18 @@ def _args(model, sig, batch):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "convbn"])
 def test_flops_equal_flop_counter_mode(name):
-    """Same totals as FlopCounterMode (given our formula for CPU attention, which it lacks)."""
+    """Same totals as FlopCounterMode (given our formula for CPU attention, which it lacks),
+    but that a causal attention kernel counts the (L+1)/2L of the query-key pairs it
+    computes where FlopCounterMode counts all."""
     model, batch = _case(name)
     gm, sig = cap.capture(model, batch)
     with FlopCounterMode(display=False, custom_mapping=cost.EXTRA_FLOP_FORMULAS) as fc, \
             torch.no_grad():
         gm(*_args(model, sig, batch))
-    assert sum(cost.node_flops(n) for n in gm.graph.nodes) == fc.get_total_flops() > 0
+    causal = [n for n in gm.graph.nodes if cost.node_flops(n) and cost.causal_share(n) < 1]
+    every_pair = sum(cost.node_flops(n) / (cost.causal_share(n) if n in causal else 1)
+                     for n in gm.graph.nodes)
+    assert every_pair == pytest.approx(fc.get_total_flops(), rel=1e-6) and every_pair > 0
 
 
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_grouped_mm"), reason="no grouped_mm")

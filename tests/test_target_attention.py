@@ -76,12 +76,13 @@ def test_a_gpu_plan_prices_the_fused_kernel_not_the_cpu_composite():
     saved_cpu = sum(s.saved for s in cpu.segments)
     saved_gpu = sum(s.saved for s in gpu.segments)
     assert saved_cpu - saved_gpu >= 0.99 * probs, (saved_cpu, saved_gpu)
-    # the same attention FLOPs (q k^T and p v, forward and backward), now seen as attention
+    # the attention's FLOPs (q k^T and p v, forward and backward), now seen as attention
     assert sum(s.n_attn for s in gpu.segments) == 1
     flops = {n.target: cost.node_flops(n) for n in gpu.graph[0].graph.nodes
              if "efficient_attention" in str(n.target)}
     fwd = flops[aten._scaled_dot_product_efficient_attention.default]
-    assert fwd == 2 * 2 * 4 * seq * seq * (24 + 16), fwd
+    # (every query against the keys up to it: (L+1)/2L of FlopCounterMode's pairs)
+    assert fwd == int(2 * 2 * 4 * seq * seq * (24 + 16) * (seq + 1) / (2 * seq)), fwd
 
 
 def test_flash_where_the_head_dims_match_in_half_precision():
