@@ -57,6 +57,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiler import padded_nonzero, repeated_blocks
+from fxpar.compiler.target_attention import CudaAttention
 from fxpar.core import ir
 from fxpar.core.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
@@ -645,7 +646,6 @@ def capture_as_is(model: torch.nn.Module, example_batch: Any, loss_fn: Callable 
     tensors = [t for t in pytree.tree_leaves(example_batch) if isinstance(t, torch.Tensor)]
     if target == "cuda" and not any(t.device.type == "cuda" for t in (
             *tensors, *model.parameters(), *model.buffers())):
-        from fxpar.compiler.target_attention import CudaAttention
         with CudaAttention():
             return capture_as_is(model, example_batch, loss_fn)
     stand_ins = None

@@ -251,8 +251,8 @@ class GraphStats:
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
             shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
-            note=f"traced {len(layers)} of {n_layers} blocks; block '{mid.name}' stands for "
-                 f"each of the {n_layers - keep_first}"
+            note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
+                 f"stands for each of the {n_layers - keep_first}"
                  + (f" after the first {keep_first}" if keep_first else ""))
 
 

@@ -1523,10 +1523,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                                 + n_tensors * hw_graph.node_overhead) if m > 1 else 0.0
         return dp_exposed, opt_t, offload_s, accumulate
 
-    sides = {}  # per kind of rank
+    sides = {}  # per kind of rank (its state's key: a shared weight's copy counts too)
     for r in range(pp):
-        if twins[r] not in sides:
-            sides[twins[r]] = data_parallel_side(r)
+        key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r])
+        if key not in sides:
+            sides[key] = data_parallel_side(r)
     dp_exposed, opt_t, offload_s, accumulate = max(sides.values(), key=sum)
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
     waiting = min(sum(comm_s) / pp / busy, 1.0) if busy > 0 else 0.0

@@ -81,6 +81,9 @@ def _flash(q, k, v, dropout_p, causal, scale):
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, causal,
                                                                 scale=scale)
     _no_dropout(dropout_p)
+    # (contiguous operands: torch's own ring attention found a strided key or logsumexp
+    # slice gives wrong results in CUDA's kernels)
+    q, k, v = (t.contiguous() for t in (q, k, v))
     return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                     scale=scale)[:2]
 
@@ -93,9 +96,11 @@ def _flash_backward(grad_out, q, k, v, out, lse, dropout_p, causal, scale):
             grad_out, q, k, v, out, lse, dropout_p, causal, scale=scale)
     _no_dropout(dropout_p)
     # (no dense sequence offsets; the random state, read only with dropout, as the
-    # forward's shapes)
+    # forward's shapes; every operand contiguous, as in `_flash`: a chunk's slice of the
+    # logsumexp is strided)
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    grad_out, q, k, v, out, lse = (t.contiguous() for t in (grad_out, q, k, v, out, lse))
     return aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed,
         offset, scale=scale)

@@ -118,8 +118,9 @@ def portable_flash(graph: torch.fx.Graph) -> int:
     for n in list(graph.nodes):
         if n.target not in (_CUDA_FLASH.default, _CUDA_FLASH_BACKWARD.default):
             continue
-        a = normalize_function(n.target, tuple(n.args), dict(n.kwargs),
-                               normalize_to_only_use_kwargs=True).kwargs
+        norm = normalize_function(n.target, tuple(n.args), dict(n.kwargs),
+                                  normalize_to_only_use_kwargs=True)
+        a = norm.kwargs if norm is not None else {"dropout_p": 1.0}  # (unread: left alone)
         if a.get("dropout_p", 0.0):
             continue  # (its random state goes to the backward: left to DTensor, whole)
         if n.target is _CUDA_FLASH.default:
@@ -134,8 +135,15 @@ def portable_flash(graph: torch.fx.Graph) -> int:
         n.kwargs = {}
         done += 1
     for n in list(graph.nodes):  # the forward's results nothing reads now
-        if n.target is operator.getitem and not n.users and \
+        if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and \
                 n.args[0].target is fxpar_ops.flash_attention.default and n.args[1] >= 2:
+            if n.users:
+                raise PlanError(
+                    f"Plan.cp: {list(n.users)} read result {n.args[1]} of CUDA's flash "
+                    f"attention {n.args[0].name} (its sequence offsets or random state), "
+                    "which context parallelism does not carry: it splits flash attention "
+                    "whose results go only to its own backward. Use cp=1, or report the "
+                    "model to fxpar.")
             graph.erase_node(n)
     return done
 
@@ -228,9 +236,9 @@ def splits_attention(node) -> bool:
     if node.target not in (getattr(_CUDA_FLASH, "default", None),
                            getattr(_CUDA_FLASH_BACKWARD, "default", None)):
         return False
-    a = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
-                           normalize_to_only_use_kwargs=True).kwargs
-    return not a.get("dropout_p", 0.0)
+    norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                              normalize_to_only_use_kwargs=True)
+    return norm is not None and not norm.kwargs.get("dropout_p", 0.0)
 
 
 def report(gm, leaves, dims, cp) -> dict:
