@@ -2,8 +2,9 @@
 pass's layer norm and cross-entropy; ATen's attention is kept on CUDA), bf16 / fp16
 precision, activation offload to pinned host memory on a side stream, the optimizer stepped
 on host copies (Plan.offload_optimizer), the planner's
-memory estimate against the CUDA allocator, the step replayed as a CUDA graph, and
-Plan.codegen="inductor" (Inductor's Triton kernels, fxpar's cross-entropy kernel kept).
+memory estimate against the CUDA allocator, the step replayed as a CUDA graph,
+Plan.codegen="inductor" (Inductor's Triton kernels, fxpar's cross-entropy kernel kept), and
+context parallelism's chunk attention on CUDA's flash kernels.
 Tests that name no codegen run "auto": Inductor on a GPU.
 
 Skipped where no GPU is (CI has none). Where one is lent:
@@ -353,3 +354,42 @@ def test_cuda_graph_replay_of_pipeline_parts():
             assert pm.pipeline_runner.graphs is None
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_chunk_attention_on_cuda_is_whole_sequence_attention(monkeypatch, cp):
+    """Context parallelism's attention on CUDA's flash kernels (core/context_attention: each
+    rank's front and back chunk of queries against the keys before them and their own,
+    merged by logsumexp; the backward from the merged output): each rank's rows of causal
+    SDPA over the whole sequence, and the keys' and values' gradients summed over the ranks
+    equal SDPA's. bf16, so within bf16's rounding of the same sums."""
+    from fxpar.core import context_attention
+    fx = torch.ops.fxpar
+    torch.manual_seed(0)
+    B, H, S, D = 2, 4, 256 * cp, 64
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    go = torch.randn_like(ref)
+    ref.backward(go)
+    gk, gv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    tol = dict(rtol=5e-2, atol=5e-2)  # (a wrong block or layout is off by O(1))
+    for r in range(cp):
+        monkeypatch.setattr(context_attention, "_rank", lambda name, r=r: r)
+        qc = fx.zigzag_chunk(q.detach(), 2, cp, "g")
+        out, lse = fx.causal_chunk_attention(qc, k.detach(), v.detach(), 0.0, None, "g")
+        torch.testing.assert_close(out, fx.zigzag_chunk(ref.detach(), 2, cp, "g"), **tol)
+        dq, dk, dv = fx.causal_chunk_attention_backward(
+            fx.zigzag_chunk(go, 2, cp, "g"), qc, k.detach(), v.detach(), out, lse, 0.0,
+            None, "g")
+        torch.testing.assert_close(dq, fx.zigzag_chunk(q.grad, 2, cp, "g"), **tol)
+        gk, gv = gk + dk.float(), gv + dv.float()
+    torch.testing.assert_close(gk, k.grad.float(), **tol)
+    torch.testing.assert_close(gv, v.grad.float(), **tol)
+    # the flash op the pass makes of CUDA's kernel: the kernel's own results
+    out, lse = fx.flash_attention(q.detach(), k.detach(), v.detach(), 0.0, True, None)
+    torch.testing.assert_close(out, ref.detach(), **tol)
+    dq, dk, dv = fx.flash_attention_backward(go, q.detach(), k.detach(), v.detach(), out, lse,
+                                             0.0, True, None)
+    for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(got, want, **tol)
