@@ -785,7 +785,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)
                         for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
                         if cp == 1 or (e == 1 and not cp_misfit(Plan(
-                            dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp)))]:
+                            dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp,
+                            ps=constraints.get("ps", 0), grad_compression=constraints.get(
+                                "grad_compression", "none"))))]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(
@@ -1081,7 +1083,8 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
     else:
         cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0][:1]
     probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=constraints.get("microbatches", 1),
-                 ep=constraints.get("ep", 1), ps=constraints.get("ps", 0))
+                 ep=constraints.get("ep", 1), ps=constraints.get("ps", 0),
+                 grad_compression=constraints.get("grad_compression", "none"))
     return [c for c in cps if dp % c == 0 and batch_rows % (dp // c) == 0
             and (c == 1 or stats.seq and stats.seq % (2 * c) == 0)  # (2 chunks a rank)
             and not cp_misfit(dataclasses.replace(probe, cp=c))]
