@@ -1168,8 +1168,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         mem.activations += axes_saved(r, remat, rec)
         return mem, rec
 
+    def kind(r):  # what a rank's state is made of (`_twins`: its segments)
+        return twins[r], kept[r], saved_factor[r], at_end[r], copies[r]
+
     def rank_state(r, remat):
-        key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r], remat == "none")
+        key = (*kind(r), remat == "none")
         if key not in states:
             mem, saved = stage_state(
                 rank_segs[r], stats, tp=tp, dp=dp, shard_dp=sdp, zero=zero, rows=mbs,
@@ -1526,11 +1529,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                                 + n_tensors * hw_graph.node_overhead) if m > 1 else 0.0
         return dp_exposed, opt_t, offload_s, accumulate
 
-    sides = {}  # per kind of rank (its state's key: a shared weight's copy counts too)
+    sides = {}  # per kind of rank (a shared weight's copy counts too)
     for r in range(pp):
-        key = (twins[r], kept[r], saved_factor[r], at_end[r], copies[r])
-        if key not in sides:
-            sides[key] = data_parallel_side(r)
+        if kind(r) not in sides:
+            sides[kind(r)] = data_parallel_side(r)
     dp_exposed, opt_t, offload_s, accumulate = max(sides.values(), key=sum)
     busy = m * sum(f + b for f, b in zip(fwd, bwd)) / pp
     waiting = min(sum(comm_s) / pp / busy, 1.0) if busy > 0 else 0.0

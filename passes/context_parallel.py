@@ -112,17 +112,12 @@ def portable_flash(graph: torch.fx.Graph) -> int:
     each rank 1/cp of the attention) instead of DTensor's rule keeping the sequence whole.
     The forward's other results (no dense sequence offsets, the random state dropout would
     read) go with the kernel. Returns how many nodes it rewrote."""
-    if _CUDA_FLASH is None or _CUDA_FLASH_BACKWARD is None:
-        return 0
     done = 0
     for n in list(graph.nodes):
-        if n.target not in (_CUDA_FLASH.default, _CUDA_FLASH_BACKWARD.default):
+        # (flash with dropout is left to DTensor, whole: its random state goes to the backward)
+        a = _flash_without_dropout(n)
+        if a is None:
             continue
-        norm = normalize_function(n.target, tuple(n.args), dict(n.kwargs),
-                                  normalize_to_only_use_kwargs=True)
-        a = norm.kwargs if norm is not None else {"dropout_p": 1.0}  # (unread: left alone)
-        if a.get("dropout_p", 0.0):
-            continue  # (its random state goes to the backward: left to DTensor, whole)
         if n.target is _CUDA_FLASH.default:
             n.target = fxpar_ops.flash_attention.default
             n.args = (a["query"], a["key"], a["value"], 0.0, a.get("is_causal", False),
@@ -233,12 +228,19 @@ def splits_attention(node) -> bool:
     if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default or \
             node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
         return True
-    if node.target not in (getattr(_CUDA_FLASH, "default", None),
-                           getattr(_CUDA_FLASH_BACKWARD, "default", None)):
-        return False
+    return _flash_without_dropout(node) is not None
+
+
+def _flash_without_dropout(node) -> dict | None:
+    """A CUDA flash attention node's (forward or backward) arguments by name where it runs
+    without dropout (what `portable_flash` rewrites), else None."""
+    if _CUDA_FLASH is None or _CUDA_FLASH_BACKWARD is None or node.target not in (
+            _CUDA_FLASH.default, _CUDA_FLASH_BACKWARD.default):
+        return None
     norm = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
                               normalize_to_only_use_kwargs=True)
-    return norm is not None and not norm.kwargs.get("dropout_p", 0.0)
+    return norm.kwargs if norm is not None and not norm.kwargs.get("dropout_p", 0.0) \
+        else None
 
 
 def report(gm, leaves, dims, cp) -> dict:
