@@ -210,3 +210,146 @@ def causal_chunk_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: 
 @causal_chunk_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, dropout_p, scale, group_name):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+
+
+# --- ring attention: the keys and values passed around the group, never gathered ---------
+# Rank r's queries (chunks r and 2n-1-r) meet every rank's keys/values (chunks s and 2n-1-s)
+# as those go around the ring: n steps, each sending the block in hand to rank r+1 and
+# receiving rank r-1's while computing on it (torch.distributed's send/recv, so the
+# transfer runs beside the kernels), the blocks' results merged by their logsumexps. A
+# rank never holds more than two blocks: its memory is 1/n of the gathered keys/values'
+# (whose whole copy ring attention exists to avoid at long sequences). In the backward the
+# blocks go around again, each with the gradient of its keys/values accumulating (fp32) as
+# it travels (in float32); after n steps each arrives back at its owner complete. Causal, the pairs
+# balance as in the chunk attention above: the rank's own block is two causal pairs and a
+# full one, every other block two full pairs (s < r: both query chunks against chunk s;
+# s > r: the back query chunk against both), the rest never computed.
+
+_RING_TAGS = {"k": 11, "v": 12, "dk": 13, "dv": 14}  # (gloo matches a receive by its tag)
+
+
+def _ring(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    pg = _resolve_process_group(group_name)
+    return pg, pg.rank(), pg.size()
+
+
+def _pass_on(tensors: dict, pg, r: int, n: int):
+    """Start sending `tensors` to the next rank of the ring and receiving their likes from
+    the previous one: -> (the receive buffers by name, what `_wait` takes: the works and
+    the tensors sent, held until they are done)."""
+    import torch.distributed as dist
+    sent = {name: t.contiguous() for name, t in tensors.items()}
+    got = {name: torch.empty_like(t) for name, t in sent.items()}
+    ops = [dist.P2POp(dist.isend, t, group=pg, tag=_RING_TAGS[name], group_peer=(r + 1) % n)
+           for name, t in sent.items()]
+    ops += [dist.P2POp(dist.irecv, b, group=pg, tag=_RING_TAGS[name], group_peer=(r - 1) % n)
+            for name, b in got.items()]
+    return got, (dist.batch_isend_irecv(ops), sent)
+
+
+def _wait(pending) -> None:
+    for w in pending[0] if pending else ():
+        w.wait()
+
+
+def _ring_pairs(r: int, s: int, n: int, C: int, causal: bool):
+    """[(query slice, key slice, causal)] of rank r's queries against rank s's block (both
+    a front and a back chunk of C positions; non-causal: the whole block at once)."""
+    both = slice(0, 2 * C)
+    if not causal:
+        return [(both, both, False)]
+    front, back = slice(0, C), slice(C, 2 * C)
+    if s == r:  # its own chunks: each causal on itself, the back one reads the front whole
+        return [(front, front, True), (back, front, False), (back, back, True)]
+    if s < r:  # chunk s precedes both of r's; chunk 2n-1-s follows both
+        return [(both, front, False)]
+    return [(back, both, False)]  # chunks s and 2n-1-s both precede r's back chunk only
+
+
+@torch.library.custom_op("fxpar::ring_attention", mutates_args=())
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                   is_causal: bool, scale: float | None, group_name: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of this rank's queries `q` [B, H, 2C, D] against the whole
+    sequence's keys/values, of which this rank holds `k`, `v` [B, H, 2C, D] (the same
+    chunks as its queries); the others' pass by around the group."""
+    pg, r, n = _ring(group_name)
+    C, acc = q.shape[2] // 2, _lse_dtype(q)
+    out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)
+    lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    block = {"k": k, "v": v}
+    for step in range(n):
+        s = (r - step) % n
+        nxt, pending = _pass_on(block, pg, r, n) if step < n - 1 else (None, None)
+        for qs, ks, causal in _ring_pairs(r, s, n, C, is_causal):
+            o, l = _flash(q[:, :, qs], block["k"][:, :, ks], block["v"][:, :, ks], dropout_p,
+                          causal, scale)
+            merged = torch.logaddexp(lse[:, :, qs], l)
+            out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - merged).exp()[..., None] +
+                             o.to(acc) * (l - merged).exp()[..., None])
+            lse[:, :, qs] = merged
+        _wait(pending)
+        block = nxt
+    return out.to(q.dtype), lse
+
+
+def _lse_dtype(q):
+    """The logsumexp's dtype (the flash kernels': float32, float64 for float64 queries),
+    in which the blocks' results are merged."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@ring_attention.register_fake
+def _(q, k, v, dropout_p, is_causal, scale, group_name):
+    B, H, L, _ = q.shape
+    return q.new_empty((B, H, L, v.shape[3])), q.new_empty((B, H, L), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("fxpar::ring_attention_backward", mutates_args=())
+def ring_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            dropout_p: float, is_causal: bool, scale: float | None,
+                            group_name: str
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_q, grad_k, grad_v) of fxpar::ring_attention, each of this rank's chunks: the
+    keys' and values' complete (every rank's queries' share summed on the way round)."""
+    pg, r, n = _ring(group_name)
+    C = q.shape[2] // 2
+    acc_dtype = _lse_dtype(q)
+    dq = torch.zeros_like(q, dtype=acc_dtype)
+    block, acc, acc_pending = {"k": k, "v": v}, None, None
+    for step in range(n):
+        s = (r - step) % n
+        nxt, pending = _pass_on(block, pg, r, n) if step < n - 1 else (None, None)
+        dk = torch.zeros_like(block["k"], dtype=acc_dtype)
+        dv = torch.zeros_like(block["v"], dtype=acc_dtype)
+        for qs, ks, causal in _ring_pairs(r, s, n, C, is_causal):
+            # (with the merged out and logsumexp: each block's gradients are its share of
+            # the whole row's, as in the chunk attention's backward)
+            gq, gk, gv = _flash_backward(grad_out[:, :, qs], q[:, :, qs], block["k"][:, :, ks],
+                                         block["v"][:, :, ks], out[:, :, qs], lse[:, :, qs],
+                                         dropout_p, causal, scale)
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        _wait(acc_pending)  # what the ranks before added to this block's gradients
+        if acc is not None:
+            dk, dv = dk + acc["dk"], dv + acc["dv"]
+        # on to the next rank (after the last step: the block's owner, rank r + 1)
+        acc, acc_pending = _pass_on({"dk": dk, "dv": dv}, pg, r, n)
+        _wait(pending)
+        block = nxt
+    _wait(acc_pending)
+    return dq.to(q.dtype), acc["dk"].to(k.dtype), acc["dv"].to(v.dtype)
+
+
+@ring_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, dropout_p, is_causal, scale, group_name):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# the ops that exchange tensors with the group's other ranks inside (not graph collectives:
+# codegen runs them outside compiled regions, a CUDA graph does not capture them)
+RING = frozenset({torch.ops.fxpar.ring_attention.default,
+                  torch.ops.fxpar.ring_attention_backward.default})

@@ -185,6 +185,20 @@ def test_causal_chunk_attention_is_whole_sequence_attention(monkeypatch, cp):
     assert torch.equal(fxpar_ops.zigzag_order(natural, 2, cp, "g", True), gathered)
 
 
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_attention_is_whole_sequence_attention(cp):
+    """fxpar::ring_attention on cp gloo ranks, each holding its zigzag chunks of q, k and v
+    (the others' keys/values passed around the ring, never gathered): its output and
+    gradients, causal and not, are whole-sequence SDPA's rows for the rank's chunks (its
+    keys' and values' gradients complete: every rank's queries' share summed on the way
+    round). cp=3: an odd ring, where the blocks' owners and the pairs' order differ."""
+    for r, cases in fxpar.launch(workers.ring_attention_rank, cp).items():
+        for causal, (got, want) in cases.items():
+            for g, w, name in zip(got, want, ("out", "grad_q", "grad_k", "grad_v")):
+                torch.testing.assert_close(
+                    g, w, msg=lambda m: f"rank {r} causal={causal} {name}: {m}")
+
+
 def test_plans_and_batches_context_parallelism_refuses_by_name():
     """cp must divide dp (and HSDP's shard groups) and the sequence (into 2 x cp chunks);
     not with ep or hpZ yet; a model fed no sequence (an MLP's [batch, features]) has

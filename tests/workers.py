@@ -1126,3 +1126,30 @@ class CapacityMoE(torch.nn.Module):
 
 def capacity_loss(model, batch):
     return F.cross_entropy(model(batch["ids"]), batch["labels"].flatten())
+
+
+def ring_attention_rank(dtype=torch.float64):
+    """fxpar::ring_attention and its backward, causal and not, on this rank's chunks
+    (zigzag) of one q, k, v seeded alike on every rank: {causal: ((out, grad_q, grad_k,
+    grad_v), the same of SDPA on the whole sequence, cut to this rank's chunks)}."""
+    import torch.distributed as dist
+
+    from fxpar.core import context_attention  # noqa: F401  (registers the ops)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    n, group = dist.get_world_size(), dist.group.WORLD.group_name
+    ops, res = torch.ops.fxpar, {}
+    for causal in (True, False):
+        torch.manual_seed(0)
+        B, H, S, D = 2, 3, 8 * n, 4
+        q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        go = torch.randn_like(ref)
+        ref.backward(go)
+        qc, kc, vc, gc = (ops.zigzag_chunk(t.detach(), 2, n, group) for t in (q, k, v, go))
+        out, lse = ops.ring_attention(qc, kc, vc, 0.0, causal, None, group)
+        dq, dk, dv = ops.ring_attention_backward(gc, qc, kc, vc, out, lse, 0.0, causal, None,
+                                                 group)
+        res[causal] = ([out, dq, dk, dv], [ops.zigzag_chunk(t.detach(), 2, n, group)
+                                           for t in (ref, q.grad, k.grad, v.grad)])
+    return res
