@@ -41,7 +41,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from fxpar.core import cost, experts, ir
+from fxpar.core import context_attention, cost, experts, ir
 from fxpar.core.ir import Generated, Run  # noqa: F401 (what generate returns)
 from fxpar.core.errors import CodegenError, PlanError  # noqa: F401 (CodegenError: raised here)
 from fxpar.core.logs import announce
@@ -103,6 +103,7 @@ def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:
     if not isinstance(t, torch._ops.OpOverload):
         return False
     if (cpu and _adds_through_an_index(n)) or t in experts.COMMUNICATING or \
+            t in context_attention.RING or \
             n.meta.get(ir.DYNAMIC_ROWS):  # (a shape the graph's values only bound)
         return False
     return t.namespace not in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")

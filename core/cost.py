@@ -206,6 +206,27 @@ def comm_time(target, nbytes: int, group_size: int, profile: DeviceProfile) -> f
     return steps * profile.alpha + steps / n * nbytes / profile.link_bandwidth
 
 
+def ring_attention_time(kv_bytes: float, kernel_s: float, n: int, profile: DeviceProfile,
+                        acc_bytes: float = 0.0, regather: bool = False) -> tuple[float, float]:
+    """(ring, gather) seconds of one attention (or its backward) on a rank of a cp group of
+    n: `kv_bytes` the whole sequence's keys and values, `kernel_s` the whole attention's
+    kernel time (each rank runs 1/n of it). Gather: the keys and values all-gathered, then
+    the rank's kernels; a backward (`acc_bytes` > 0) reduce-scatters their gradients after
+    (and with `regather` all-gathers them again first). Ring: n steps, each one block's
+    kernels beside the next block's transfer (kv/n point to point), the slower of the two;
+    a backward also passes each block's gradients on (`acc_bytes`: the whole sequence's,
+    in their float32 accumulators), the last hop after the last kernels."""
+    own = kernel_s / n
+    p2p = profile.alpha + kv_bytes / n / profile.link_bandwidth
+    hop = profile.alpha + acc_bytes / n / profile.link_bandwidth if acc_bytes else 0.0
+    ring = own + (n - 1) * max(own, p2p + hop) + hop
+    gather = own + comm_time(c10d.all_gather_into_tensor.default, kv_bytes, n, profile) * (
+        1 + regather * bool(acc_bytes))
+    if acc_bytes:
+        gather += comm_time(c10d.reduce_scatter_tensor.default, kv_bytes, n, profile)
+    return ring, gather
+
+
 def node_time(node: torch.fx.Node, profile: DeviceProfile) -> float:
     """Roofline estimate: the slower of compute and memory traffic."""
     r, w = node_bytes(node)

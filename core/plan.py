@@ -15,6 +15,7 @@ REMATS = ("none", "sqrt", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
 TP_STYLES = ("auto", "all-reduce", "all-gather")
 CODEGENS = ("auto", "inductor", "eager")
+CP_ATTENTIONS = ("auto", "gather", "ring")
 COMM_QUANTIZATIONS = ("none", "weights", "gradients", "weights+gradients")
 GRAD_COMPRESSIONS = ("none", "1bit-adam")
 
@@ -56,11 +57,18 @@ class Plan:
     cp:             context parallelism, carved out of dp: groups of cp neighbouring dp ranks
                     take the same rows of the batch and split their sequence, each rank
                     holding 1/cp of every activation but attention's keys and values, which
-                    are all-gathered over the group (passes/context_parallel.py). 1
+                    reach every rank (Plan.cp_attention; passes/context_parallel.py). 1
                     (default): off. Divides dp; the sequence splits into 2 x cp chunks (each
                     rank a front and a back one); composes with dp, tp, pp, microbatches,
                     ZeRO and HSDP (cp dividing dp_shard: each cp group inside a shard
                     group), not yet with ep, ps, hpZ or gradient compression.
+    cp_attention:   how cp's attention reads the whole sequence's keys and values: "gather"
+                    (all-gathered over the cp group, their gradients reduce-scattered),
+                    "ring" (ring attention: each rank's blocks passed around the group by
+                    send/recv beside the blocks' kernels, never gathered: no rank holds the
+                    whole keys/values, which at long sequences do not fit; attention without
+                    a mask or dropout), "auto" (default): ring where it can run and the cost
+                    model prices it no slower, per attention (plan="auto" searches both).
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -165,6 +173,7 @@ class Plan:
     hpz: int | None = None
     ep: int = 1
     cp: int = 1
+    cp_attention: str = "auto"
     precision: str = "fp32"
     codegen: str = "auto"
     fuse: bool = True
@@ -261,6 +270,13 @@ class Plan:
         misfit = ep_misfit(self) or cp_misfit(self)
         if misfit:
             raise PlanError(misfit)
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise PlanError(f"Plan.cp_attention must be one of {CP_ATTENTIONS}, got "
+                            f"{self.cp_attention!r}.")
+        if self.cp_attention != "auto" and self.cp == 1:
+            raise PlanError(f"Plan.cp_attention={self.cp_attention!r} says how context "
+                            "parallelism's attention reads the keys and values, but cp=1 "
+                            "splits no sequence. Set cp > 1, or leave cp_attention 'auto'.")
         if self.precision not in PRECISIONS:
             raise PlanError(f"Plan.precision must be one of {PRECISIONS}, got {self.precision!r}.")
         if self.bucket_mb is not None and not (
@@ -580,7 +596,7 @@ def needs_search(plan) -> bool:
 
 # the fields plan="auto" searches: what tells one of its plans from another
 SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "hpz", "ep",
-            "cp", "remat", "precision", "offload_optimizer")
+            "cp", "cp_attention", "remat", "precision", "offload_optimizer")
 
 
 def plan_dict(p: Plan) -> dict:

@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -317,6 +317,8 @@ _GROUP_ARG = {
     torch.ops.fxpar.partial_from_replicate.default: 1,
     torch.ops.fxpar.causal_chunk_attention.default: 5,
     torch.ops.fxpar.causal_chunk_attention_backward.default: 8,
+    torch.ops.fxpar.ring_attention.default: 6,
+    torch.ops.fxpar.ring_attention_backward.default: 9,
     torch.ops.fxpar.zigzag_chunk.default: 3,
     torch.ops.fxpar.zigzag_order.default: 3,
 }
@@ -421,6 +423,9 @@ def _sequence_rule(sh, node):
     if sh.specs[q].placements != (Shard(2),):
         return None
     split, whole = (Shard(2),), sh.replicate
+    if sh.ring is not None and all(sh.specs[a[x]].placements == split for x in ("key", "value")) \
+            and sh.ring(node, a):
+        return _ring_rule(sh, node, a, bwd)
     want = {q: split, a["key"]: whole, a["value"]: whole}
     mask = a.get("attn_mask")
     if isinstance(mask, torch.fx.Node):
@@ -455,6 +460,23 @@ def _sequence_rule(sh, node):
                  for p, v in zip(pl, vals))
 
 
+def _ring_rule(sh, node, a, bwd):
+    """Attention as fxpar::ring_attention(_backward): every operand and result keeps the
+    rank's chunks (the keys' and values' gradients complete, not partial)."""
+    split = (Shard(2),)
+    keys = ("query", "key", "value") + (("grad_out", "out", "logsumexp") if bwd else ())
+    sh.place(node, {a[x]: split for x in keys})
+    tensors = tuple(a[x] for x in (("grad_out",) if bwd else ()) + keys[:3] +
+                    (("out", "logsumexp") if bwd else ()))
+    node.target = (torch.ops.fxpar.ring_attention_backward.default if bwd else
+                   torch.ops.fxpar.ring_attention.default)
+    node.args = (*tensors, a.get("dropout_p", 0.0), a.get("is_causal", False), a.get("scale"),
+                 sh.group_names[0])
+    node.kwargs = {}
+    return tuple(_spec(sh.mesh, split, v) if isinstance(v, torch.Tensor) else None
+                 for v in node.meta[ir.VAL])
+
+
 def _n_outputs(node) -> int:
     val = node.meta.get(ir.VAL)
     return len(val) if isinstance(val, (tuple, list)) else 1
@@ -485,6 +507,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
                 prefer: dict[torch.fx.Node, tuple] | None = None,
                 gather_first: dict | None = None, split_random_ops: bool = False,
                 split_sequence: bool = False, regather: bool = False,
+                ring: Callable | None = None,
                 local_dispatch: bool = False) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
@@ -507,13 +530,17 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     batch's sequence dim is split (context parallelism): attention reads the whole keys
     and values (_sequence_rule), and row-wise ops carry the split flattened behind the batch;
     regather: the backward's attention gathers them again instead of reading the forward's
-    whole copy (held from forward to backward otherwise). local_dispatch (a 1-D mesh
+    whole copy (held from forward to backward otherwise). ring(node, args) -> bool: whether an
+    attention whose q, k and v all hold the rank's chunks runs as ring attention instead
+    (k and v stay split, passed around the group; the context-parallel pass decides, and
+    refuses by name what it asks for but cannot have). local_dispatch (a 1-D mesh
     splitting the batch): an MoE's token dispatch runs on each rank's own rows
     (core/local_dispatch.py) instead of gathering them.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
     sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
     sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
+    sh.ring = ring
     if local_dispatch and len(sh.mesh_sizes) == 1:
         sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names)
         sh.local_only = True
@@ -689,6 +716,7 @@ class _Sharder:
         self.prefer_split = False  # sequence parallelism: partial + split -> reduce-scatter
         self.split_random = False  # tensor parallelism: dropout masks drawn whole (split_random)
         self.split_sequence = self.regather = False  # context parallelism: see shard_graph
+        self.ring = None
         self.prefer: dict = {}
         self.local: dict = {}      # an MoE dispatch run on local rows: see local_dispatch
         self.local_only = False    # ... and expert parallelism's ops only there

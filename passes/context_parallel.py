@@ -40,7 +40,7 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
-from fxpar.core import ir
+from fxpar.core import cost, ir
 from fxpar.core.errors import BatchError, PlanError
 from fxpar.core.graphs import fake_propagate
 from fxpar.core.mean_loss import exact_mean_loss, mean_nll_loss, target_count_program
@@ -57,6 +57,7 @@ fxpar_ops = torch.ops.fxpar
 class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     cp: int = 1
+    cp_attention: str = "auto"
     remat: object = "none"
     microbatches: int = 1
 
@@ -89,7 +90,10 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     # values again rather than holding the forward's whole copies
     regather = options.remat not in ("none", None)
     portable_flash(gm.graph)
-    shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True, regather=regather)
+    ring = _ring_choice(options.cp_attention, cp, ctx.profile or cost.DeviceProfile.for_device(
+        ctx.device or "cpu"), regather)
+    shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True, regather=regather,
+                ring=ring)
     _reduce_outputs(gm, group, cp)
     exact_mean_loss(gm.graph, group, cp)
     _chunk_leaves(gm.graph, leaves, dims, cp, group)
@@ -141,6 +145,39 @@ def portable_flash(graph: torch.fx.Graph) -> int:
                     "model to fxpar.")
             graph.erase_node(n)
     return done
+
+
+def _ring_choice(mode: str, cp: int, profile, regather: bool):
+    """The sharding engine's question for each attention whose q, k, v hold the rank's chunks
+    (`mode`: Plan.cp_attention): ring attention, or gather the keys and values? "ring"
+    everywhere it can run (else a PlanError naming the attention), "gather" nowhere, "auto"
+    where it can run and the cost model prices it no slower (`cost.ring_attention_time`)."""
+    def ring(node, a) -> bool:
+        why = ring_refusal(node, a)
+        if mode == "ring" and why:
+            raise PlanError(f"Plan.cp_attention='ring': the attention {node.name} (module "
+                            f"{node.meta.get(ir.MODULE, '')!r}) cannot go around the ring: "
+                            f"{why}. Use cp_attention='gather' or 'auto' (it gathers that "
+                            "attention's keys and values).")
+        if mode != "auto" or why:
+            return mode == "ring"
+        k, v = a["key"].meta[ir.VAL], a["value"].meta[ir.VAL]  # (whole: before fake_propagate)
+        kv = cost.tensor_bytes(k) + cost.tensor_bytes(v)
+        acc = kv * max(4, k.element_size()) / k.element_size() \
+            if node.target in ATTENTION_BACKWARD else 0.0
+        ring_s, gather_s = cost.ring_attention_time(kv, cost.node_time(node, profile), cp,
+                                                    profile, acc, regather)
+        return ring_s <= gather_s
+    return ring
+
+
+def ring_refusal(node, a: dict) -> str | None:
+    """Why an attention (its arguments by name) cannot run as ring attention, or None."""
+    if isinstance(a.get("attn_mask"), torch.fx.Node):
+        return "it takes a mask (ring attention passes the keys' blocks, not the mask's)"
+    if a.get("dropout_p", 0.0):
+        return f"it applies dropout (p={a['dropout_p']}), whose mask the blocks would not share"
+    return None
 
 
 def sequence_dims(leaves: list[torch.fx.Node], cp: int) -> list[int | None]:
@@ -214,11 +251,12 @@ def _chunk_leaves(graph, leaves, dims, cp, group) -> None:
 _KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 ATTENTION = {getattr(aten, k).default for k in _KERNELS if hasattr(aten, k)} | {
-    fxpar_ops.causal_chunk_attention.default, fxpar_ops.flash_attention.default}
+    fxpar_ops.causal_chunk_attention.default, fxpar_ops.flash_attention.default,
+    fxpar_ops.ring_attention.default}
 ATTENTION_BACKWARD = {getattr(aten, k + "_backward").default for k in _KERNELS
                       if hasattr(aten, k + "_backward")} | {
     fxpar_ops.causal_chunk_attention_backward.default,
-    fxpar_ops.flash_attention_backward.default}
+    fxpar_ops.flash_attention_backward.default, fxpar_ops.ring_attention_backward.default}
 
 
 def splits_attention(node) -> bool:
@@ -264,4 +302,8 @@ def report(gm, leaves, dims, cp) -> dict:
             "attention": [n.meta.get(ir.MODULE, "") for n in split],
             "whole_attention": [n.meta.get(ir.MODULE, "") for n in attn if n not in split],
             "causal": sum(n.target is fxpar_ops.causal_chunk_attention.default for n in split),
+            # (their keys and values passed around the group, not gathered)
+            "ring": sum(n.target is fxpar_ops.ring_attention.default for n in split),
+            "ring_backward": sum(n.target is fxpar_ops.ring_attention_backward.default
+                                 for n in nodes),
             "collectives": comms}

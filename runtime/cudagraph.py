@@ -38,7 +38,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from fxpar.core import experts
+from fxpar.core import context_attention, experts
 from fxpar.core.plan import replays_step
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)  # HF MoE experts' matmul
@@ -76,6 +76,10 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
             why.append(f"{n.name} ({t}): expert parallelism's all-to-all reads the routed "
                        "counts on the host and receives as many rows as the routing sends "
                        "(a host sync each step; a graph replays fixed shapes)")
+        elif t in context_attention.RING:
+            why.append(f"{n.name} ({t}): ring attention passes the keys and values by "
+                       "torch.distributed's send/recv inside the op, which this runtime does "
+                       "not capture; use cp_attention='gather' to capture")
         elif t in rng_ops:
             why.append(f"{n.name}: remat replays a random op's RNG state, which reads "
                        "torch.cuda.get_rng_state (forbidden while capturing); use remat='none' "
