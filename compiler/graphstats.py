@@ -195,6 +195,8 @@ class GraphStats:
     # it can)
     seq: int | None = None
     cp_refusal: str | None = None
+    # why some attention cannot run as ring attention (Plan.cp_attention="ring"; None: all can)
+    ring_refusal: str | None = None
     # the gradient the backward makes last (elements) and how many parts are summed into it
     # (2 for an embedding tied to the LM head: the head's part waits for the embedding's)
     last_grad: tuple = (0, 1)

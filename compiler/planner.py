@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import sympy
 import torch
+from torch.fx.operator_schemas import normalize_function
 
 from fxpar.compiler import codegen
 from fxpar.core import cost, ir
@@ -748,8 +749,9 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
         [False, True] if hw.host_link else [False]
     stage_cache = {}
     ticker = Ticker(log)
-    for dp, tp, pp, cp in [(*f, c) for f in legal
-                           for c in _context_degrees(stats, *f, batch_rows, constraints)]:
+    for dp, tp, pp, cp, cpa in [(*f, c, a) for f in legal
+                                for c in _context_degrees(stats, *f, batch_rows, constraints)
+                                for a in _context_attentions(stats, c, constraints)]:
         st = by_tp.get(tp, stats)  # (tp = 1: the statistics as traced)
         rows_dp = batch_rows // (dp // cp)  # (a cp group's ranks share their rows)
         mbs_opts = [d for d in _divisors(rows_dp) if d <= 16 or d == rows_dp]
@@ -800,7 +802,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload,
-                                   shard, hpz, ep, cp)
+                                   shard, hpz, ep, cp, cpa)
                         if c is None:
                             break
                         if executable:
@@ -994,12 +996,14 @@ def _most_working(segs) -> tuple[float, float]:
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs) -
-    then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, 1F1B, no remat. Plain dp wins every tie
+    then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, gathered cp attention, 1F1B, no
+    remat. Plain dp wins every tie
     it is in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie;
     it measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
     return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep, p.cp,
-            p.pp > 1 and p.schedule != "1f1b", p.remat != "none", p.offload_optimizer)
+            p.cp_attention == "ring", p.pp > 1 and p.schedule != "1f1b", p.remat != "none",
+            p.offload_optimizer)
 
 
 def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
@@ -1090,6 +1094,20 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
             and not cp_misfit(dataclasses.replace(probe, cp=c))]
 
 
+def _context_attentions(stats, cp: int, constraints) -> list[str]:
+    """Plan.cp_attention values to price at this cp: as the user fixed it, else "gather" and
+    (where every attention can go around the ring) "ring"; "auto" without cp."""
+    fixed = constraints.get("cp_attention", "auto")
+    if cp == 1:
+        return ["auto"]
+    if fixed == "ring" and stats.ring_refusal:
+        raise PlanError(f"Plan.cp_attention='ring': {stats.ring_refusal}. Use "
+                        "cp_attention='gather' or 'auto'.")
+    if fixed != "auto":
+        return [fixed]
+    return ["gather"] + ([] if stats.ring_refusal else ["ring"])
+
+
 def _expert_share(segs, tp: int) -> float:
     """The fraction of a rank's parameter elements (its tp slices) that are experts."""
     local = sum(s.params - s.params_split * (1 - 1 / tp) for s in segs)
@@ -1097,13 +1115,14 @@ def _expert_share(segs, tp: int) -> float:
 
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
-           constraints, budget, offload=False, shard=None, hpz=None, ep=1, cp=1
-           ) -> Candidate | None:
+           constraints, budget, offload=False, shard=None, hpz=None, ep=1, cp=1,
+           cp_attention="auto") -> Candidate | None:
     """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all);
     `hpz`: Plan.hpz (the backward's gathers over groups of `hpz` ranks); `ep`: Plan.ep (each
     rank of a group of ep dp ranks holds and computes 1/ep of the experts, the layers' rows
     summed over the group); `cp`: Plan.cp (groups of cp dp ranks split the sequence; `mbs`
-    is then a rank's tokens in whole-sequence rows, batch rows / dp)."""
+    is then a rank's tokens in whole-sequence rows, batch rows / dp); `cp_attention`:
+    Plan.cp_attention, "gather" or "ring" where cp > 1."""
     quant = constraints.get("comm_quantization", "none")
     sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
     reps = dp // sdp
@@ -1219,9 +1238,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # recomputes sends its rows again and keeps none)
             extra += (min(ep, EP_RECEIVED) - 1) * (1 - rec) * sum(
                 s.ep_saved for s in rank_segs[r])
-        if cp > 1 and remat == "none":  # the gathered keys and values the backward reads:
-            # whole for the rank's rows, where its share of the tokens was priced (with remat
-            # on, the backward gathers them again instead)
+        if cp > 1 and remat == "none" and cp_attention != "ring":  # the gathered keys and
+            # values the backward reads: whole for the rank's rows, where its share of the
+            # tokens was priced (with remat on, the backward gathers them again instead;
+            # ring attention never holds them whole)
             extra += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r])
         return extra * held[r] * mbs / stats.rows
 
@@ -1321,10 +1341,26 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             g = mbs * cp / stats.rows
             calls = max(1, 2 * sum(s.n_attn for s in segs))
             kv = sum(s.kv_bytes for s in segs) * g
-            cpc_f = hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
-            cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
-            if remat != "none":  # (gathered again for the backward)
-                cpc_b += hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
+            if cp_attention == "ring":  # each block passed to the next rank beside the
+                # blocks' kernels (cp - 1 steps; the backward also passes the blocks' fp32
+                # gradients, the last hop after its kernels): what the kernels do not hide
+                rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
+                n_attn = sum(s.n_attn for s in segs)
+                steps = max(1, round((cp - 1) * n_attn))
+                acc = kv * 4 / min(DTYPE_BYTES[precision], 4)
+                hidden_f = (1 - 1 / cp) * sum(s.attn_flops_f for s in segs) * mbs / stats.rows
+                hidden_b = (1 - 1 / cp) * sum(s.attn_flops_b for s in segs) * mbs / stats.rows
+                span = tp * pp * cp
+                cpc_f = max(hw.comm("p2p", kv * (1 - 1 / cp), 2, span, calls=steps)
+                            - hidden_f / rate, 0.0)
+                cpc_b = max(hw.comm("p2p", (kv + acc) * (1 - 1 / cp), 2, span,
+                                    calls=2 * steps) - hidden_b / rate, 0.0) + \
+                    hw.comm("p2p", acc / cp, 2, span, calls=max(1, round(n_attn)))
+            else:
+                cpc_f = hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
+                cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
+                if remat != "none":  # (gathered again for the backward)
+                    cpc_b += hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
             if hw.name != "cpu" and any(s.sdpa_flops_f for s in segs):  # CUDA's kernels
                 # the pass keeps whole (the memory-efficient and cuDNN ones, flash with
                 # dropout: context_parallel.splits_attention): each rank runs its rows' whole
@@ -1555,7 +1591,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     mfu = (None if hw.name == "cpu" else
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
-                dp_shard=shard, hpz=hpz, ep=ep, cp=cp,
+                dp_shard=shard, hpz=hpz, ep=ep, cp=cp, cp_attention=cp_attention,
                 remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
@@ -1767,6 +1803,14 @@ def context_stats(stats: GraphStats, gm) -> None:
         off = 1 if bwd else 0  # (the backward's first argument: the output's gradient)
         q, k, v = (a.meta[ir.VAL] for a in n.args[off:off + 3])
         whole = not context_parallel.splits_attention(n)  # (every rank runs it whole)
+        if not bwd and stats.ring_refusal is None:
+            why = "it runs whole (no rule splits it)" if whole else context_parallel.ring_refusal(
+                n, normalize_function(n.target, tuple(n.args), dict(n.kwargs),
+                                      normalize_to_only_use_kwargs=True).kwargs)
+            if why:
+                stats.ring_refusal = (f"the attention {n.name} (module "
+                                      f"{n.meta.get(ir.MODULE, '')!r}) cannot go around the "
+                                      f"ring: {why}")
         if bwd:
             seg.attn_flops_b += cost.node_flops(n)
             seg.sdpa_flops_b += cost.node_flops(n) * whole
@@ -1785,6 +1829,9 @@ def context_stats(stats: GraphStats, gm) -> None:
             if scores is None or probs is None or seg is None:
                 continue
             seg.n_attn += 1
+            stats.ring_refusal = stats.ring_refusal or (
+                f"the attention of module {n.meta.get(ir.MODULE, '')!r} is written out as "
+                "matmuls and a softmax (ring attention takes SDPA's kernels)")
             seg.attn_flops_f += cost.node_flops(scores) + cost.node_flops(probs)
             seg.attn_flops_b += 2 * (cost.node_flops(scores) + cost.node_flops(probs))
             seg.kv_bytes += cost.tensor_bytes(scores.args[-1].meta[ir.VAL]) + \

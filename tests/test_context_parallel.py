@@ -37,7 +37,8 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     forward and their gradients reduce-scattered backward; the gradients summed over the whole
     dp group; every activation of a linear holds half the tokens."""
     model, batch = _llama()
-    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
+    prog = fxpar.compile(model, 2, example_batch=batch,
+                         plan={"dp": 2, "cp": 2, "fuse": False, "cp_attention": "gather"})
     g = prog.graph.graph
     assert prog.cp == 2 and prog.rows == 1 and prog.graph.meta[ir.SEQUENCE_SPLIT] == [1, 1]
     assert mesh_dims(prog.plan) == [("cdp", 1), ("cp", 2)]
@@ -74,7 +75,8 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     # the forward's whole copies: 2 gathers more per layer (a budget that recomputes no
     # attention)
     lean = fxpar.compile(model, 2, example_batch=batch,
-                         plan={"dp": 2, "cp": 2, "fuse": False, "remat": 10 ** 12})
+                         plan={"dp": 2, "cp": 2, "fuse": False, "remat": 10 ** 12,
+                               "cp_attention": "gather"})
     again = [n for n in lean.graph.graph.nodes if n.target is c10d.all_gather_into_tensor.default
              and _group_of(n) == ir.GROUPS["cp"] and ".self_attn" in n.meta[ir.MODULE]]
     assert len([n for n in lean.graph.graph.nodes
@@ -85,6 +87,49 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
 
 
+def test_ring_attention_keeps_keys_and_values_split():
+    """cp_attention="ring": every attention of HF Llama, forward and backward, is
+    fxpar::ring_attention(_backward) on the cp group with q, k, v of the rank's tokens; no
+    key or value is all-gathered and no gradient of theirs reduce-scattered (the only cp
+    gather left: the shifted labels). "auto" asks the cost model per attention (at these
+    sizes: ring forward, gathered backward, both exact); a mask under "ring" is refused by
+    name; so is ring without cp."""
+    model, batch = _llama()
+    B, S = batch["input_ids"].shape
+    prog = fxpar.compile(model, 2, example_batch=batch,
+                         plan={"dp": 2, "cp": 2, "fuse": False, "cp_attention": "ring"})
+    g = prog.graph.graph
+    fwd = [n for n in g.nodes if n.target is fxpar_ops.ring_attention.default]
+    bwd = [n for n in g.nodes if n.target is fxpar_ops.ring_attention_backward.default]
+    assert len(fwd) == len(bwd) == 2
+    for n in fwd:
+        q, k, v = (a.meta[ir.VAL] for a in n.args[:3])
+        assert q.shape[2] == k.shape[2] == v.shape[2] == S // 2
+        assert n.args[3:5] == (0.0, True) and n.args[-1] == ir.GROUPS["cp"]
+    for n in bwd:
+        assert all(a.meta[ir.VAL].shape[2] == S // 2 for a in n.args[:6])
+    cp_comms = [n for n in g.nodes if n.target in (c10d.all_gather_into_tensor.default,
+                                                     c10d.reduce_scatter_tensor.default)
+                and _group_of(n) == ir.GROUPS["cp"]]
+    assert not [n for n in cp_comms if ".self_attn" in n.meta[ir.MODULE]]
+    assert len(cp_comms) == 1  # (the labels, shifted on the whole sequence)
+    report = prog.graph.meta[ir.CP_REPORT]
+    assert (report["ring"], report["ring_backward"], report["causal"]) == (2, 2, 0)
+    auto = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
+    assert auto.plan.cp_attention == "auto" and auto.graph.meta[ir.CP_REPORT]["ring"] == 2
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # (right padding: the causal mask and the padding as one mask)
+    padded = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    with pytest.raises(PlanError, match="cp_attention='ring'.*takes a mask"):
+        fxpar.compile(model, 2, example_batch=padded,
+                      plan={"dp": 2, "cp": 2, "cp_attention": "ring"})
+    with pytest.raises(PlanError, match="cp=1 splits no sequence"):
+        resolve({"dp": 2, "cp_attention": "ring"}, 2)
+    with pytest.raises(PlanError, match="must be one of"):
+        resolve({"dp": 2, "cp": 2, "cp_attention": "rings"}, 2)
+
+
 @pytest.mark.slow  # (make test's 6 minutes)
 def test_hsdp_shards_within_groups_holding_whole_cp_groups():
     """cp with HSDP (dp=8 in shard groups of 4, cp=2 inside each): the mesh is (replicas,
@@ -92,7 +137,7 @@ def test_hsdp_shards_within_groups_holding_whole_cp_groups():
     group, each summed shard then all-reduced across the replicas; the keys and values
     over cp, the loss over the rows' groups ("cdp")."""
     model, batch = _llama()
-    plan = {"dp": 8, "cp": 2, "zero": 3, "dp_shard": 4, "fuse": False}
+    plan = {"dp": 8, "cp": 2, "zero": 3, "dp_shard": 4, "fuse": False, "cp_attention": "gather"}
     assert mesh_dims(resolve(plan, 8)) == [("dp_rep", 2), ("cdp_shard", 2), ("cp", 2)]
     g = fxpar.compile(model, 8, example_batch={k: v.repeat(4, 1) for k, v in batch.items()},
                       plan=plan).graph.graph
@@ -116,21 +161,25 @@ def test_cuda_flash_attention_splits_as_the_cpus():
     """A plan for CUDA traces SDPA as CUDA's kernels (compiler/target_attention.py; run on
     this CPU). In bf16, causal, without dropout that is flash attention, which the pass makes
     the same causal chunk attention as the CPU's flash kernel (portable_flash): the program is
-    the CPU capture's node for node (but a view's kind), so what trains like eager on CPU
+    the CPU capture's node for node (but a view's kind; ring attention's too), so what trains
+    like eager on CPU
     (test_llama_cp2_trains_like_eager) is what a GPU runs, each rank 1/cp of the attention.
     Where CUDA runs the memory-efficient kernel (DeepSeek's value head dim) it stays whole
     (said in the report; its random-state scalars replicated)."""
     from fxpar.compiler.target_attention import CudaAttention
     model, batch = _llama()
-    plan = {"dp": 2, "cp": 2, "fuse": False}
+    plan = {"dp": 2, "cp": 2, "fuse": False, "cp_attention": "gather"}
 
     def targets(prog):
         return [str(n.target).replace("_unsafe_view", "view") for n in prog.graph.graph.nodes]
     half = model.to(torch.bfloat16)
-    with CudaAttention():
-        gpu = fxpar.compile(half, 2, example_batch=batch, plan=plan)
-    cpu = fxpar.compile(half, 2, example_batch=batch, plan=plan)
-    assert targets(gpu) == targets(cpu)
+    for attention in ("ring", "gather"):  # (ring attention: the same blocks' kernels)
+        with CudaAttention():
+            gpu = fxpar.compile(half, 2, example_batch=batch,
+                                plan={**plan, "cp_attention": attention})
+        cpu = fxpar.compile(half, 2, example_batch=batch,
+                            plan={**plan, "cp_attention": attention})
+        assert targets(gpu) == targets(cpu)
     report = gpu.graph.meta[ir.CP_REPORT]
     assert report["causal"] == 2 and not report["whole_attention"]
     assert not [n for n in gpu.graph.graph.nodes if "flash_attention" in str(n.target)]
@@ -225,22 +274,26 @@ def test_plans_and_batches_context_parallelism_refuses_by_name():
 
 
 def test_llama_cp2_trains_like_eager():
-    """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss): losses,
-    evaluate() and every final weight equal eager AdamW."""
-    _check_plans(2, [("hf_llama", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"})])
+    """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss), its attention
+    as ring attention: losses, evaluate() and every final weight equal eager AdamW."""
+    _check_plans(2, [("hf_llama", "adamw", {"dp": 2, "cp": 2, "codegen": "eager",
+                                            "cp_attention": "ring"})])
 
 
 @pytest.mark.slow
 def test_context_parallelism_composes_on_four_ranks():
     """cp=2 inside dp=4 (two row groups), with tp=2, with a pipeline of 2 stages (1F1B and
-    zero-bubble), with microbatches, and cp=4 with ZeRO-2; cp=2 inside HSDP's shard groups
+    zero-bubble), with microbatches, and cp=4 with ZeRO-2 (attention gathered, as ring
+    attention - with cp=4 and the pipeline - and as the cost model picks per attention:
+    ring forward, gathered backward at these sizes); cp=2 inside HSDP's shard groups
     of 2 with ZeRO-3; GPT-2 (learned positions) with
     ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored
     labels, microbatches weighted by their target counts); Inductor's code for the chunk
     kernels: every one equal to eager."""
     _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
-        {"dp": 4, "cp": 2}, {"dp": 2, "cp": 2, "tp": 2}, {"dp": 4, "cp": 4, "zero": 2},
-        {"dp": 2, "cp": 2, "pp": 2, "microbatches": 2},
+        {"dp": 4, "cp": 2, "cp_attention": "gather"}, {"dp": 2, "cp": 2, "tp": 2},
+        {"dp": 4, "cp": 4, "zero": 2, "cp_attention": "ring"},
+        {"dp": 2, "cp": 2, "pp": 2, "microbatches": 2, "cp_attention": "ring"},
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"},
         {"dp": 4, "cp": 2, "microbatches": 2})])
     _check_plans(4, [("hf_llama", "adamw", {"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2,
@@ -320,3 +373,35 @@ def test_planner_prices_context_parallelism():
     assert flat.seq is None and "no batch leaf is one" in flat.cp_refusal
     with pytest.raises(PlanError, match="Plan.cp=2: PlanError: .*no batch leaf"):
         planner.search(flat, 4, hw, batch_rows=8, executable=False, constraints=fixed)
+
+
+def test_planner_searches_ring_attention():
+    """Each cp plan is priced both ways, its attention's keys/values gathered and as ring
+    attention: at remat "none" the ring plan holds fewer activations (no whole keys/values
+    held for the backward); the plan it returns names the way. Attention written out as matmuls
+    (GPT-2's) cannot go around the ring: only gathered plans, and a fixed "ring" says why."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    from fxpar.examples import gpt_stats
+    model, batch = _llama()
+    stats = planner_stats(model, batch)
+    B = batch["input_ids"].shape[0]
+    assert stats.ring_refusal is None
+    hw = cost.HARDWARE["h100"]
+    fixed = {"cp": 2, "tp": 1, "pp": 1, "zero": 0, "remat": "none", "microbatches": 1}
+    r = planner.search(stats, 4, hw, batch_rows=B, executable=False, constraints=fixed)
+    by = {c.plan.cp_attention: c for c in r.table}
+    assert set(by) == {"gather", "ring"}
+    assert by["ring"].memory.activations < by["gather"].memory.activations
+    ring = planner.search(stats, 4, hw, batch_rows=B, executable=False,
+                          constraints={**fixed, "cp_attention": "ring"})
+    assert {c.plan.cp_attention for c in ring.table} == {"ring"}
+    gpt2 = gpt_stats.gpt_stats("gpt2")
+    assert "written out as matmuls" in gpt2.ring_refusal
+    r = planner.search(gpt2, 8, hw, batch_rows=4, executable=False,
+                       constraints={"cp": 2, "tp": 1, "pp": 1})
+    assert r.table and {c.plan.cp_attention for c in r.table} == {"gather"}
+    with pytest.raises(PlanError, match="cp_attention='ring': the attention .*written out"):
+        planner.search(gpt2, 8, hw, batch_rows=4, executable=False,
+                       constraints={"cp": 2, "tp": 1, "pp": 1, "cp_attention": "ring"})
