@@ -9,7 +9,10 @@ initial weights on the same batches of `--rows` sequences of `--seq` tokens, und
 
     Plan(dp=world)            each rank its rows' whole sequences (needs rows >= world)
     Plan(dp=world, cp=world)  each rank every row's world-th of the sequence; attention on
-                              the keys/values all-gathered over the ranks
+                              the keys/values all-gathered over the ranks (cp_attention=
+                              "gather"), and as ring attention ("cp ring": the keys/values
+                              passed around the ranks, never gathered), and as the cost
+                              model picks per attention ("cp auto", the default)
     Plan(tp=world, sequence_parallel=True)  the heads and MLP split, the rest of the
                               residual stream split along the sequence
     torch context_parallel    PyTorch's ring attention (torch.distributed.tensor.experimental
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from fxpar.core import ir
 from fxpar.runtime import dist as rdist
 from fxpar.runtime.memtrack import warm_steps_measured
 
@@ -44,7 +48,9 @@ VOCAB = 512
 
 def _plans(world, rows, cg, remat):
     extra = {"codegen": cg, "remat": remat}
-    plans = {"cp": {"dp": world, "cp": world, **extra},
+    plans = {"cp": {"dp": world, "cp": world, "cp_attention": "gather", **extra},
+             "cp ring": {"dp": world, "cp": world, "cp_attention": "ring", **extra},
+             "cp auto": {"dp": world, "cp": world, **extra},
              "tp": {"tp": world, "sequence_parallel": True, **extra}}
     if rows % world == 0:
         plans = {"dp": {"dp": world, **extra}, **plans}
@@ -79,7 +85,11 @@ def _prepare(plan, args, data, world):
     losses, tracker = warm_steps_measured(
         pm.step, data, args.warmup,
         [*(z.shards if z is not None else []), *model.parameters(), *model.buffers()])
-    return pm.step, {"losses": losses, "times": [], "peak": tracker.peak_live}
+    cp = (pm.program.graph.meta.get(ir.CP_REPORT) if pm.program.graph is not None else
+          None) or {}
+    way = (f"ring fwd {cp['ring']}, ring bwd {cp['ring_backward']}, gathered fwd "
+           f"{len(cp['attention']) - cp['ring']}" if cp else "")
+    return pm.step, {"losses": losses, "times": [], "peak": tracker.peak_live, "way": way}
 
 
 def _torch_context_parallel(args, data, world):
@@ -170,18 +180,21 @@ def main():
     for kind in kinds:
         r = [res[k][kind] for k in ranks]
         print(f"{kind:9s} {r[0]['time'] * 1e3:9.1f} ms {max(x['peak'] for x in r) / 2**20:9.1f} "
-              f"{r[0]['losses'][-1]:10.5f}")
+              f"{r[0]['losses'][-1]:10.5f}  {r[0].get('way', '')}")
     if isinstance(res[0]["torch cp"], str):
         print(f"torch cp  did not run: {res[0]['torch cp']}")
     print()
-    cp, ref = res[0]["cp"], "dp" if "dp" in kinds else "tp"
-    for kind in [k for k in kinds if k != "cp"]:
-        other = res[0][kind]
-        peak = max(res[k]["cp"]["peak"] for k in ranks) / max(res[k][kind]["peak"] for k in ranks)
-        print(f"cp / {kind:8s}: step {cp['time'] / other['time']:.3f}x, peak {peak:.3f}x")
-    diff = max(abs(a - b) for k in ranks
-               for a, b in zip(res[k]["cp"]["losses"], res[k][ref]["losses"]))
-    print(f"cp's max |loss diff| from {ref}: {diff:.2e}")
+    ref = "dp" if "dp" in kinds else "tp"
+    for mine in ("cp", "cp ring", "cp auto"):
+        for kind in [k for k in kinds if k != mine and not (mine != "cp" and k.startswith("cp"))
+                     or (mine == "cp ring" and k == "cp")]:
+            step = res[0][mine]["time"] / res[0][kind]["time"]
+            peak = max(res[k][mine]["peak"] for k in ranks) / max(res[k][kind]["peak"]
+                                                                   for k in ranks)
+            print(f"{mine} / {kind:8s}: step {step:.3f}x, peak {peak:.3f}x")
+        diff = max(abs(a - b) for k in ranks
+                   for a, b in zip(res[k][mine]["losses"], res[k][ref]["losses"]))
+        print(f"{mine}'s max |loss diff| from {ref}: {diff:.2e}")
 
 
 if __name__ == "__main__":

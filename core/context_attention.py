@@ -16,7 +16,7 @@ position p) runs as two blocks: the keys before p, unmasked, and its own keys, c
 start where its queries do), merged by their logsumexps as ring attention merges blocks;
 the keys after it are never read. Every rank computes 1/cp of the causal attention.
 Custom ops read the rank from the group at run time, so one graph serves every rank, as
-fxpar::local_chunk does.
+fxpar::local_chunk does. Ring attention (below) reads the same chunks without gathering.
 """
 from __future__ import annotations
 

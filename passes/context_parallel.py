@@ -27,8 +27,11 @@ memory-efficient and cuDNN kernels (masks, fp32, a value head dim of its own) an
 dropout keep the sequence whole by DTensor's rules (exact; every rank of the group runs its
 rows' whole attention; the report names them).
 
-Not (yet) done: ring attention (k/v passed around the group, overlapped with compute,
-instead of gathered).
+Ring attention (Plan.cp_attention): an attention whose q, k and v all hold the rank's
+chunks (no mask, no dropout) can instead keep k and v split and run as
+fxpar::ring_attention(_backward), the blocks passed around the group inside the op
+(core/context_attention.py); no key/value collective appears and no rank holds them whole.
+"auto" asks the cost model per attention (`_ring_choice`).
 """
 from __future__ import annotations
 
