@@ -10,10 +10,12 @@ search picks over everything, and the best plan with the axis off and at each fi
   3 dense layers then 58 MoE ones) on 256 GPUs, 1024 sequences of 4096 tokens a step.
 - A Llama-3-8B at 128k tokens a sequence on 64 GPUs, 8 sequences a step (dp alone cannot
   split 8 rows over 64 ranks).
+- The same Llama at 1M tokens on 64 GPUs, one sequence a step: context parallelism's
+  attention gathered against ring attention.
 - The same Llama at 8k tokens on 64 GPUs (8 nodes), 512 sequences: ZeRO-3 over all 64 ranks
   against HSDP's shard groups.
 
-Run: python benchmarks/planner_axes_at_scale.py [--only ds3,llama_long,llama_hsdp]
+Run: python benchmarks/planner_axes_at_scale.py [--only ds3,llama_long,llama_1m,llama_hsdp]
 (CPU only, about 2-4 minutes)
 """
 from __future__ import annotations
@@ -61,7 +63,11 @@ CASES = [
         ("ep=32", {"ep": 32}), ("ep=64", {"ep": 64})]),
     ("llama_long", "Llama-3-8B, 128k tokens", llama3_8b, 3, 32, 0, 131072, 64, 8, [
         ("everything", {}), ("cp off", {"cp": 1}), ("cp=2", {"cp": 2}), ("cp=4", {"cp": 4}),
-        ("cp=8", {"cp": 8})]),
+        ("cp=8", {"cp": 8}), ("cp=8, gathered", {"cp": 8, "cp_attention": "gather"}),
+        ("cp=8, ring", {"cp": 8, "cp_attention": "ring"})]),
+    ("llama_1m", "Llama-3-8B, 1M tokens", llama3_8b, 3, 32, 0, 1048576, 64, 1, [
+        ("everything", {}), ("gathered", {"cp_attention": "gather"}),
+        ("ring", {"cp_attention": "ring"})]),
     ("llama_hsdp", "Llama-3-8B, 8k tokens", llama3_8b, 3, 32, 0, 8192, 64, 512, [
         # (a shard group of all 64 ranks is plain ZeRO; hpz=0: none)
         ("everything", {}), ("ZeRO-3 over all 64", {"zero": 3, "dp_shard": 64, "hpz": 0}),
@@ -85,7 +91,7 @@ def _plan(p) -> str:
     out += f" shard {p.dp_shard}" if p.hsdp else ""
     out += f" hpz {p.hpz}" if p.hpz else ""
     out += f" ep={p.ep}" if p.ep > 1 else ""
-    out += f" cp={p.cp}" if p.cp > 1 else ""
+    out += f" cp={p.cp} ({p.cp_attention})" if p.cp > 1 else ""
     r = p.remat if isinstance(p.remat, str) else f"{p.remat / 2**30:.0f} GiB"
     return out + f", remat {r}" + (", optimizer on host" if p.offload_optimizer else "")
 
