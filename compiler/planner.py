@@ -1351,10 +1351,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 hidden_f = (1 - 1 / cp) * sum(s.attn_flops_f for s in segs) * mbs / stats.rows
                 hidden_b = (1 - 1 / cp) * sum(s.attn_flops_b for s in segs) * mbs / stats.rows
                 span = tp * pp * cp
+                own = steps * hw.link(span).alpha  # (each step's launches and merge, as
+                # cost.ring_attention_time)
                 cpc_f = max(hw.comm("p2p", kv * (1 - 1 / cp), 2, span, calls=steps)
-                            - hidden_f / rate, 0.0)
+                            - hidden_f / rate, 0.0) + own
                 cpc_b = max(hw.comm("p2p", (kv + acc) * (1 - 1 / cp), 2, span,
-                                    calls=2 * steps) - hidden_b / rate, 0.0) + \
+                                    calls=2 * steps) - hidden_b / rate, 0.0) + own + \
                     hw.comm("p2p", acc / cp, 2, span, calls=max(1, round(n_attn)))
             else:
                 cpc_f = hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)

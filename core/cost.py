@@ -213,13 +213,14 @@ def ring_attention_time(kv_bytes: float, kernel_s: float, n: int, profile: Devic
     kernel time (each rank runs 1/n of it). Gather: the keys and values all-gathered, then
     the rank's kernels; a backward (`acc_bytes` > 0) reduce-scatters their gradients after
     (and with `regather` all-gathers them again first). Ring: n steps, each one block's
-    kernels beside the next block's transfer (kv/n point to point), the slower of the two;
-    a backward also passes each block's gradients on (`acc_bytes`: the whole sequence's,
-    in their float32 accumulators), the last hop after the last kernels."""
-    own = kernel_s / n
+    kernels beside the next block's transfer (kv/n point to point), the slower of the two,
+    and an alpha more for the step's own launches and merge; a backward also passes each
+    block's gradients on (`acc_bytes`: the whole sequence's, in their float32
+    accumulators), the last hop after the last kernels."""
+    own = kernel_s / n  # (the rank's queries against every key; a ring step: one block's)
     p2p = profile.alpha + kv_bytes / n / profile.link_bandwidth
     hop = profile.alpha + acc_bytes / n / profile.link_bandwidth if acc_bytes else 0.0
-    ring = own + (n - 1) * max(own, p2p + hop) + hop
+    ring = own / n + (n - 1) * (max(own / n, p2p + hop) + profile.alpha) + hop
     gather = own + comm_time(c10d.all_gather_into_tensor.default, kv_bytes, n, profile) * (
         1 + regather * bool(acc_bytes))
     if acc_bytes:

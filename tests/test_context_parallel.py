@@ -91,9 +91,9 @@ def test_ring_attention_keeps_keys_and_values_split():
     """cp_attention="ring": every attention of HF Llama, forward and backward, is
     fxpar::ring_attention(_backward) on the cp group with q, k, v of the rank's tokens; no
     key or value is all-gathered and no gradient of theirs reduce-scattered (the only cp
-    gather left: the shifted labels). "auto" asks the cost model per attention (at these
-    sizes: ring forward, gathered backward, both exact); a mask under "ring" is refused by
-    name; so is ring without cp."""
+    gather left: the shifted labels). "auto" asks the cost model per attention: at 16
+    tokens the ring's steps are latency alone and it gathers (test_cost has the other
+    side); a mask under "ring" is refused by name; so is ring without cp."""
     model, batch = _llama()
     B, S = batch["input_ids"].shape
     prog = fxpar.compile(model, 2, example_batch=batch,
@@ -116,7 +116,9 @@ def test_ring_attention_keeps_keys_and_values_split():
     report = prog.graph.meta[ir.CP_REPORT]
     assert (report["ring"], report["ring_backward"], report["causal"]) == (2, 2, 0)
     auto = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
-    assert auto.plan.cp_attention == "auto" and auto.graph.meta[ir.CP_REPORT]["ring"] == 2
+    assert auto.plan.cp_attention == "auto"
+    report = auto.graph.meta[ir.CP_REPORT]
+    assert (report["ring"], report["ring_backward"], report["causal"]) == (0, 0, 2)
     ids = torch.randint(0, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0  # (right padding: the causal mask and the padding as one mask)
@@ -284,8 +286,8 @@ def test_llama_cp2_trains_like_eager():
 def test_context_parallelism_composes_on_four_ranks():
     """cp=2 inside dp=4 (two row groups), with tp=2, with a pipeline of 2 stages (1F1B and
     zero-bubble), with microbatches, and cp=4 with ZeRO-2 (attention gathered, as ring
-    attention - with cp=4 and the pipeline - and as the cost model picks per attention:
-    ring forward, gathered backward at these sizes); cp=2 inside HSDP's shard groups
+    attention - with cp=4 and the pipeline - and as the cost model picks per attention);
+    cp=2 inside HSDP's shard groups
     of 2 with ZeRO-3; GPT-2 (learned positions) with
     ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored
     labels, microbatches weighted by their target counts); Inductor's code for the chunk

@@ -125,3 +125,24 @@ def test_simulator_categories():
     assert tl.live["grads"][0] == 0              # none before the backward
     assert tl.peak["activations"] > 0
     assert tl.peak_total <= sum(tl.peak.values())
+
+
+def test_ring_attention_time_against_gathering():
+    """cost.ring_attention_time: where a block's kernels outlast its transfer the ring's
+    steps cost the rank's kernels (its transfers hidden) and a latency each, under the
+    gather's all-gather + kernels; where the kernels are tiny the ring's steps pay their
+    transfers' latency and their own, and the gather wins; a backward's float32 gradient accumulators add to
+    the ring's steps and a last hop."""
+    prof = cost.DeviceProfile("x", flops=1e12, bandwidth=1e12, alpha=1e-5,
+                              link_bandwidth=1e9)
+    kv, n = 8e6, 4
+    ring, gather = cost.ring_attention_time(kv, 1.0, n, prof)
+    assert ring == pytest.approx(1.0 / n + 3 * 1e-5)
+    assert gather == pytest.approx(1.0 / n + 3 * 1e-5 + 0.75 * kv / 1e9)
+    ring, gather = cost.ring_attention_time(1e3, 1e-6, 8, prof)
+    assert ring > gather
+    fwd = cost.ring_attention_time(kv, 1e-3, n, prof)[0]
+    bwd, gather_b = cost.ring_attention_time(kv, 1e-3, n, prof, acc_bytes=2 * kv)
+    assert bwd > fwd
+    assert cost.ring_attention_time(kv, 1e-3, n, prof, acc_bytes=2 * kv, regather=True)[1] > \
+        gather_b
