@@ -1805,10 +1805,11 @@ def context_stats(stats: GraphStats, gm) -> None:
         off = 1 if bwd else 0  # (the backward's first argument: the output's gradient)
         q, k, v = (a.meta[ir.VAL] for a in n.args[off:off + 3])
         whole = not context_parallel.splits_attention(n)  # (every rank runs it whole)
-        if not bwd and stats.ring_refusal is None:
+        if not bwd and stats.ring_refusal is None:  # (self-attention: q, k, v of the sequence)
+            self_attention = q.shape[2] == k.shape[2] == v.shape[2] == stats.seq
             why = "it runs whole (no rule splits it)" if whole else context_parallel.ring_refusal(
                 n, normalize_function(n.target, tuple(n.args), dict(n.kwargs),
-                                      normalize_to_only_use_kwargs=True).kwargs)
+                                      normalize_to_only_use_kwargs=True).kwargs, self_attention)
             if why:
                 stats.ring_refusal = (f"the attention {n.name} (module "
                                       f"{n.meta.get(ir.MODULE, '')!r}) cannot go around the "

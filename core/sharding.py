@@ -423,8 +423,8 @@ def _sequence_rule(sh, node):
     if sh.specs[q].placements != (Shard(2),):
         return None
     split, whole = (Shard(2),), sh.replicate
-    if sh.ring is not None and all(sh.specs[a[x]].placements == split for x in ("key", "value")) \
-            and sh.ring(node, a):
+    if sh.ring is not None and sh.ring(node, a, all(sh.specs[a[x]].placements == split
+                                                    for x in ("key", "value"))):
         return _ring_rule(sh, node, a, bwd)
     want = {q: split, a["key"]: whole, a["value"]: whole}
     mask = a.get("attn_mask")
@@ -530,10 +530,10 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     batch's sequence dim is split (context parallelism): attention reads the whole keys
     and values (_sequence_rule), and row-wise ops carry the split flattened behind the batch;
     regather: the backward's attention gathers them again instead of reading the forward's
-    whole copy (held from forward to backward otherwise). ring(node, args) -> bool: whether an
-    attention whose q, k and v all hold the rank's chunks runs as ring attention instead
-    (k and v stay split, passed around the group; the context-parallel pass decides, and
-    refuses by name what it asks for but cannot have). local_dispatch (a 1-D mesh
+    whole copy (held from forward to backward otherwise). ring(node, args, kv_split) -> bool:
+    whether an attention with q split (and k and v too: kv_split) runs as ring attention
+    instead (k and v stay split, passed around the group; the context-parallel pass
+    decides, and refuses by name what it asks for but cannot have). local_dispatch (a 1-D mesh
     splitting the batch): an MoE's token dispatch runs on each rank's own rows
     (core/local_dispatch.py) instead of gathering them.
     """

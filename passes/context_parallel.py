@@ -155,8 +155,8 @@ def _ring_choice(mode: str, cp: int, profile, regather: bool):
     (`mode`: Plan.cp_attention): ring attention, or gather the keys and values? "ring"
     everywhere it can run (else a PlanError naming the attention), "gather" nowhere, "auto"
     where it can run and the cost model prices it no slower (`cost.ring_attention_time`)."""
-    def ring(node, a) -> bool:
-        why = ring_refusal(node, a)
+    def ring(node, a, kv_split: bool) -> bool:
+        why = ring_refusal(node, a, kv_split)
         if mode == "ring" and why:
             raise PlanError(f"Plan.cp_attention='ring': the attention {node.name} (module "
                             f"{node.meta.get(ir.MODULE, '')!r}) cannot go around the ring: "
@@ -174,8 +174,12 @@ def _ring_choice(mode: str, cp: int, profile, regather: bool):
     return ring
 
 
-def ring_refusal(node, a: dict) -> str | None:
-    """Why an attention (its arguments by name) cannot run as ring attention, or None."""
+def ring_refusal(node, a: dict, kv_split: bool) -> str | None:
+    """Why an attention (its arguments by name; `kv_split`: its keys and values split over
+    the sequence like its queries) cannot run as ring attention, or None."""
+    if not kv_split:
+        return ("its keys and values are not the queries' sequence split alike (e.g. "
+                "cross-attention to another sequence)")
     if isinstance(a.get("attn_mask"), torch.fx.Node):
         return "it takes a mask (ring attention passes the keys' blocks, not the mask's)"
     if a.get("dropout_p", 0.0):

@@ -31,16 +31,17 @@ def _group_of(n):
 
 
 def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
-    """dp=2 as cp=2 on HF Llama (2 layers, SDPA causal): both token leaves cut to the rank's
-    half of the sequence in the graph (a front and a back quarter); per layer one causal chunk
-    attention forward and backward (none left whole), k and v all-gathered over the cp group
-    forward and their gradients reduce-scattered backward; the gradients summed over the whole
-    dp group; every activation of a linear holds half the tokens."""
+    """dp=2 as cp=2 on HF Llama (2 layers, SDPA causal, 16 tokens: cp_attention "auto"
+    gathers, test_ring_attention_keeps_keys_and_values_split): both token leaves cut to the
+    rank's half of the sequence in the graph (a front and a back quarter); per layer one
+    causal chunk attention forward and backward (none left whole), k and v all-gathered over
+    the cp group forward and their gradients reduce-scattered backward; the gradients summed
+    over the whole dp group; every activation of a linear holds half the tokens."""
     model, batch = _llama()
-    prog = fxpar.compile(model, 2, example_batch=batch,
-                         plan={"dp": 2, "cp": 2, "fuse": False, "cp_attention": "gather"})
+    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
     g = prog.graph.graph
-    assert prog.cp == 2 and prog.rows == 1 and prog.graph.meta[ir.SEQUENCE_SPLIT] == [1, 1]
+    assert prog.cp == 2 and prog.rows == 1 and prog.plan.cp_attention == "auto"
+    assert prog.graph.meta[ir.SEQUENCE_SPLIT] == [1, 1]
     assert mesh_dims(prog.plan) == [("cdp", 1), ("cp", 2)]
     chunks = [n for n in g.nodes if n.target is fxpar_ops.zigzag_chunk.default
               and n.args[0].op == "placeholder"]
@@ -91,9 +92,10 @@ def test_ring_attention_keeps_keys_and_values_split():
     """cp_attention="ring": every attention of HF Llama, forward and backward, is
     fxpar::ring_attention(_backward) on the cp group with q, k, v of the rank's tokens; no
     key or value is all-gathered and no gradient of theirs reduce-scattered (the only cp
-    gather left: the shifted labels). "auto" asks the cost model per attention: at 16
-    tokens the ring's steps are latency alone and it gathers (test_cost has the other
-    side); a mask under "ring" is refused by name; so is ring without cp."""
+    gather left: the shifted labels). ("auto" asks the cost model per attention: at these
+    16 tokens the ring's steps are latency alone and it gathers, as the rewrite test
+    shows; test_cost has the other side.) A mask under "ring" is refused by name; so is
+    ring without cp."""
     model, batch = _llama()
     B, S = batch["input_ids"].shape
     prog = fxpar.compile(model, 2, example_batch=batch,
@@ -115,10 +117,6 @@ def test_ring_attention_keeps_keys_and_values_split():
     assert len(cp_comms) == 1  # (the labels, shifted on the whole sequence)
     report = prog.graph.meta[ir.CP_REPORT]
     assert (report["ring"], report["ring_backward"], report["causal"]) == (2, 2, 0)
-    auto = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
-    assert auto.plan.cp_attention == "auto"
-    report = auto.graph.meta[ir.CP_REPORT]
-    assert (report["ring"], report["ring_backward"], report["causal"]) == (0, 0, 2)
     ids = torch.randint(0, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0  # (right padding: the causal mask and the padding as one mask)

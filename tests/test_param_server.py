@@ -149,6 +149,7 @@ def test_a_non_finite_loss_stops_the_server(monkeypatch):
 
 # --- multi-process ---------------------------------------------------------------------------
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_synchronous_parameter_servers_train_as_one_process(tmp_path):
     """2 workers + 1 server: the losses, the evaluation and the final parameters (on the
     workers and in the server's share) equal one process training on the whole batch;

@@ -36,7 +36,8 @@ def _same_graph(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> None:
 
 @pytest.mark.parametrize("plan, world", [
     ({"dp": 2, "zero": 3, "microbatches": 2}, 2),
-    ({"pp": 2, "tp": 2, "microbatches": 2, "precision": "bf16", "remat": "sqrt"}, 4)],
+    pytest.param({"pp": 2, "tp": 2, "microbatches": 2, "precision": "bf16", "remat": "sqrt"},
+                 4, marks=pytest.mark.slow)],  # (make test's 6 minutes)
     ids=["zero3-microbatches", "pp-tp-bf16-remat"])
 def test_a_saved_program_loads_node_for_node(tmp_path, plan, world):
     prog = fxpar.compile(M.GPT(CFG), world, example_batch=M.gpt_batch(CFG, 8), plan=plan)
