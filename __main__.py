@@ -81,6 +81,16 @@ def cmd_plan(args):
         constraints = planner.constraints_of(fix)  # unknown fields: a clear error
         if ":" in args.model:
             stats, rows = _factory_stats(args.model, precision, dev)
+            if args.depth:  # (a model traced a few blocks deep, priced at its depth)
+                try:
+                    stats = stats.with_depth(args.depth, keep_first=args.keep_first)
+                except ValueError as e:
+                    sys.exit(f"fxpar plan: --depth {args.depth}: {e}. Build the model with "
+                             f"at least {args.keep_first + 3} blocks (the first "
+                             f"{args.keep_first} as --keep-first says, then 3 alike).")
+        elif args.depth:
+            args.parser.error("--depth scales a --model pkg.module:factory (the built-in "
+                              "GPTs are priced at their own depth)")
         else:
             stats = G.gpt_stats(args.model, seq=args.seq, precision=precision)
             rows = 8 if args.model == "small" else 512 if args.model.startswith("gpt2") \
@@ -269,6 +279,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw",
                    choices=["sgd", "sgd_momentum", "adam", "adamw"],
                    help="optimizer whose state is priced")
+    p.add_argument("--depth", type=int, default=None,
+                   help="with a factory: the model's real number of repeated blocks, where "
+                        "the factory builds it a few blocks deep (tracing the full depth of a "
+                        "large model takes minutes): one traced block stands for each")
+    p.add_argument("--keep-first", type=int, default=0,
+                   help="with --depth: the model's first blocks that differ from the rest "
+                        "(e.g. DeepSeek-V3's 3 dense layers), traced and kept as they are")
     p.add_argument("--fix", default=None,
                    help='Plan fields to keep fixed, as JSON, e.g. \'{"tp": 8, "zero": 1}\'')
     p.add_argument("--top", type=int, default=10, help="how many ranked plans to print")

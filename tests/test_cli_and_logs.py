@@ -95,6 +95,31 @@ def test_a_factory_building_on_the_meta_device_plans(tmp_path, monkeypatch, caps
     assert "legal plans for 2 x" in out and "   1  dp=" in out, out
 
 
+
+def test_a_factory_traced_a_few_blocks_deep_plans_at_its_depth(tmp_path, monkeypatch, capsys):
+    """--depth: a factory building 4 of a model's 48 blocks is priced at 48 (one traced
+    block standing for each: the note says so), more parameters than the 4 traced; a model
+    with too few blocks to repeat, or --depth with a built-in GPT, says why."""
+    (tmp_path / "deep_fac.py").write_text(
+        "from fxpar.examples import models as M\n"
+        "def make(n=4):\n"
+        "    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=n, n_head=2, n_embd=32)\n"
+        "    return M.GPT(cfg), M.gpt_batch(cfg, 8)\n"
+        "def one():\n"
+        "    return make(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main(["plan", "--model", "deep_fac:make", "--devices", "2", "--top", "1",
+          "--depth", "48"])
+    out = capsys.readouterr().out
+    assert "of 48 repeated blocks" in out and "   1  dp=" in out, out
+    with pytest.raises(SystemExit, match="--depth 48: no repeated blocks"):
+        main(["plan", "--model", "deep_fac:one", "--devices", "2", "--depth", "48",
+              "--keep-first", "1"])
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "small", "--depth", "48"])
+    assert "--depth scales a --model pkg.module:factory" in capsys.readouterr().err
+
+
 def test_fix_degrees_that_do_not_divide_the_devices_say_so():
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "small", "--devices", "8", "--fix", '{"tp": 3}'])
