@@ -81,16 +81,21 @@ def cmd_plan(args):
         constraints = planner.constraints_of(fix)  # unknown fields: a clear error
         if ":" in args.model:
             stats, rows = _factory_stats(args.model, precision, dev)
-            if args.depth:  # (a model traced a few blocks deep, priced at its depth)
+            if args.depth is not None:  # (a model traced a few blocks deep, at its depth)
+                if args.depth <= args.keep_first:
+                    args.parser.error(f"--depth {args.depth} must exceed --keep-first "
+                                      f"{args.keep_first} (the blocks kept as traced)")
                 try:
                     stats = stats.with_depth(args.depth, keep_first=args.keep_first)
                 except ValueError as e:
                     sys.exit(f"fxpar plan: --depth {args.depth}: {e}. Build the model with "
-                             f"at least {args.keep_first + 3} blocks (the first "
-                             f"{args.keep_first} as --keep-first says, then 3 alike).")
-        elif args.depth:
-            args.parser.error("--depth scales a --model pkg.module:factory (the built-in "
-                              "GPTs are priced at their own depth)")
+                             f"more blocks than the {args.keep_first} --keep-first keeps, "
+                             "those after them alike.")
+            elif args.keep_first:
+                args.parser.error("--keep-first goes with --depth")
+        elif args.depth is not None or args.keep_first:
+            args.parser.error("--depth and --keep-first scale a --model pkg.module:factory "
+                              "(the built-in GPTs are priced at their own depth)")
         else:
             stats = G.gpt_stats(args.model, seq=args.seq, precision=precision)
             rows = 8 if args.model == "small" else 512 if args.model.startswith("gpt2") \

@@ -112,7 +112,8 @@ def plan_str(p: Plan) -> str:
     return (f"dp={p.dp:<4d} tp={p.tp:<3d} pp={p.pp:<3d} m={p.microbatches:<4d} "
             f"{sched:<11s} zero={p.zero} remat={_remat_str(p.remat):<8s}"
             + (f" hsdp={p.dp_shard}" if p.hsdp else "") + (f" hpz={p.hpz}" if p.hpz else "")
-            + (f" ep={p.ep}" if p.ep > 1 else "") + (f" cp={p.cp}" if p.cp > 1 else "")
+            + (f" ep={p.ep}" if p.ep > 1 else "")
+            + (f" cp={p.cp} ({p.cp_attention})" if p.cp > 1 else "")
             + (" optimizer on host" if p.offload_optimizer else ""))
 
 
@@ -997,9 +998,8 @@ def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs) -
     then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, gathered cp attention, 1F1B, no
-    remat. Plain dp wins every tie
-    it is in. (Fewer axes first let 4 CPU ranks pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie;
-    it measured 1.5x.)"""
+    remat. Plain dp wins every tie it is in. (Fewer axes first let 4 CPU ranks pick pp=4
+    m=8 over pp=2 x dp=2 m=1 in a 4% tie; it measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
     return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep, p.cp,
             p.cp_attention == "ring", p.pp > 1 and p.schedule != "1f1b", p.remat != "none",
@@ -1080,6 +1080,11 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
         cps = [constraints["cp"]]
         if cps[0] > 1 and stats.cp_refusal:
             raise PlanError(f"Plan.cp={cps[0]}: {stats.cp_refusal}")
+    elif constraints.get("cp_attention", "auto") != "auto":  # (it asks for cp: every degree)
+        if stats.cp_refusal:
+            raise PlanError(f"Plan.cp_attention={constraints['cp_attention']!r}: "
+                            f"{stats.cp_refusal}")
+        cps = [c for c in _divisors(dp) if c > 1]
     elif batch_rows % dp == 0:
         cps = [1]
     elif stats.cp_refusal or not stats.seq:
@@ -1098,8 +1103,8 @@ def _context_attentions(stats, cp: int, constraints) -> list[str]:
     """Plan.cp_attention values to price at this cp: as the user fixed it, else "gather" and
     (where every attention can go around the ring) "ring"; "auto" without cp."""
     fixed = constraints.get("cp_attention", "auto")
-    if cp == 1:
-        return ["auto"]
+    if cp == 1:  # (a fixed way of cp's attention asks for cp: `_context_degrees`)
+        return [] if fixed != "auto" else ["auto"]
     if fixed == "ring" and stats.ring_refusal:
         raise PlanError(f"Plan.cp_attention='ring': {stats.ring_refusal}. Use "
                         "cp_attention='gather' or 'auto'.")

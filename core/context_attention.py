@@ -214,16 +214,19 @@ def _(grad_out, q, k, v, out, lse, dropout_p, scale, group_name):
 
 # --- ring attention: the keys and values passed around the group, never gathered ---------
 # Rank r's queries (chunks r and 2n-1-r) meet every rank's keys/values (chunks s and 2n-1-s)
-# as those go around the ring: n steps, each sending the block in hand to rank r+1 and
-# receiving rank r-1's while computing on it (torch.distributed's send/recv, so the
-# transfer runs beside the kernels), the blocks' results merged by their logsumexps. A
-# rank never holds more than two blocks: its memory is 1/n of the gathered keys/values'
-# (whose whole copy ring attention exists to avoid at long sequences). In the backward the
-# blocks go around again, each with the gradient of its keys/values accumulating (fp32) as
-# it travels (in float32); after n steps each arrives back at its owner complete. Causal, the pairs
-# balance as in the chunk attention above: the rank's own block is two causal pairs and a
-# full one, every other block two full pairs (s < r: both query chunks against chunk s;
-# s > r: the back query chunk against both), the rest never computed.
+# as those go around the ring: n steps of kernels, the first on the rank's own block, and
+# before each of the first n-1 the block in hand starts on its way to rank r+1 while rank
+# r-1's comes in (torch.distributed's send/recv, beside the kernels); the blocks' results
+# merged by their logsumexps. A rank holds its own block, the one it computes on and the
+# one arriving: not the whole keys/values that ring attention exists to avoid at long
+# sequences. In the backward the blocks go around again, each with its keys' and values'
+# gradients accumulating as it travels (float32; float64 for float64 inputs); after the
+# last step each reaches its owner complete. Every rank of the group must choose ring
+# attention for the same attentions (a rank gathering while another sends would hang):
+# the pass decides from global shapes and a fixed device profile, alike on every rank.
+# Causal, the pairs balance as in the chunk attention above: the rank's own block is two
+# causal pairs and a full one, every other block two full pairs (s < r: both query chunks
+# against chunk s; s > r: the back query chunk against both), the rest never computed.
 
 _RING_TAGS = {"k": 11, "v": 12, "dk": 13, "dv": 14}  # (gloo matches a receive by its tag)
 
@@ -241,10 +244,9 @@ def _pass_on(tensors: dict, pg, r: int, n: int):
     import torch.distributed as dist
     sent = {name: t.contiguous() for name, t in tensors.items()}
     got = {name: torch.empty_like(t) for name, t in sent.items()}
-    ops = [dist.P2POp(dist.isend, t, group=pg, tag=_RING_TAGS[name], group_peer=(r + 1) % n)
-           for name, t in sent.items()]
-    ops += [dist.P2POp(dist.irecv, b, group=pg, tag=_RING_TAGS[name], group_peer=(r - 1) % n)
-            for name, b in got.items()]
+    nxt, prev = (dist.get_global_rank(pg, (r + d) % n) for d in (1, -1))
+    ops = [dist.P2POp(dist.isend, t, nxt, pg, _RING_TAGS[name]) for name, t in sent.items()]
+    ops += [dist.P2POp(dist.irecv, b, prev, pg, _RING_TAGS[name]) for name, b in got.items()]
     return got, (dist.batch_isend_irecv(ops), sent)
 
 

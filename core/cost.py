@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch.fx.operator_schemas import normalize_function
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
+from fxpar.core import context_attention  # noqa: F401  (registers fxpar::flash_attention)
 from fxpar.core import ir
 
 aten = torch.ops.aten
@@ -60,11 +61,16 @@ EXTRA_FLOP_FORMULAS = {
 }
 if hasattr(aten, "_grouped_mm"):
     EXTRA_FLOP_FORMULAS[aten._grouped_mm] = _shape_wrapped(_grouped_mm_flop)
+# CUDA's flash attention as the context-parallel pass carries it (its arguments and results:
+# the CPU kernel's; core/context_attention.py)
+EXTRA_FLOP_FORMULAS[torch.ops.fxpar.flash_attention] = _shape_wrapped(sdpa_flop)
+EXTRA_FLOP_FORMULAS[torch.ops.fxpar.flash_attention_backward] = _shape_wrapped(sdpa_backward_flop)
 # the fused attention kernels, forward and backward (their causal mask skips work)
 _FUSED_ATTENTION = {getattr(aten, k + suffix) for k in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    for suffix in ("", "_backward") if hasattr(aten, k + suffix)}
+    for suffix in ("", "_backward") if hasattr(aten, k + suffix)} | {
+    torch.ops.fxpar.flash_attention, torch.ops.fxpar.flash_attention_backward}
 # ops whose schema says "new tensor" but whose result shares the input's storage
 # (wait_tensor returns the very tensor its collective produced)
 _ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default,
@@ -222,7 +228,7 @@ def ring_attention_time(kv_bytes: float, kernel_s: float, n: int, profile: Devic
     hop = profile.alpha + acc_bytes / n / profile.link_bandwidth if acc_bytes else 0.0
     ring = own / n + (n - 1) * (max(own / n, p2p + hop) + profile.alpha) + hop
     gather = own + comm_time(c10d.all_gather_into_tensor.default, kv_bytes, n, profile) * (
-        1 + regather * bool(acc_bytes))
+        regather if acc_bytes else 1)  # (a backward reads the forward's copy, or regathers)
     if acc_bytes:
         gather += comm_time(c10d.reduce_scatter_tensor.default, kv_bytes, n, profile)
     return ring, gather

@@ -97,6 +97,9 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         ctx.device or "cpu"), regather)
     shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True, regather=regather,
                 ring=ring)
+    if options.cp_attention == "ring":
+        _check_ring(gm, next(n.meta[ir.VAL].shape[d] for n, d in zip(leaves, dims)
+                             if d is not None))
     _reduce_outputs(gm, group, cp)
     exact_mean_loss(gm.graph, group, cp)
     _chunk_leaves(gm.graph, leaves, dims, cp, group)
@@ -151,33 +154,61 @@ def portable_flash(graph: torch.fx.Graph) -> int:
 
 
 def _ring_choice(mode: str, cp: int, profile, regather: bool):
-    """The sharding engine's question for each attention whose q, k, v hold the rank's chunks
-    (`mode`: Plan.cp_attention): ring attention, or gather the keys and values? "ring"
-    everywhere it can run (else a PlanError naming the attention), "gather" nowhere, "auto"
-    where it can run and the cost model prices it no slower (`cost.ring_attention_time`)."""
+    """The sharding engine's question for each attention with its queries split (`mode`:
+    Plan.cp_attention): ring attention, or gather the keys and values? "ring" everywhere
+    (else a PlanError naming the attention; `_check_ring` for those the question never
+    reaches), "gather" nowhere, "auto" where it can run and the cost model prices its
+    forward and backward together no slower (`cost.ring_attention_time`). A backward goes
+    as its forward went."""
     def ring(node, a, kv_split: bool) -> bool:
+        if node.target in ATTENTION_BACKWARD:  # as its forward went (already rewritten)
+            fwd = a["out"].args[0] if a["out"].target is operator.getitem else None
+            return fwd is not None and fwd.target is fxpar_ops.ring_attention.default
         why = ring_refusal(node, a, kv_split)
         if mode == "ring" and why:
-            raise PlanError(f"Plan.cp_attention='ring': the attention {node.name} (module "
-                            f"{node.meta.get(ir.MODULE, '')!r}) cannot go around the ring: "
-                            f"{why}. Use cp_attention='gather' or 'auto' (it gathers that "
-                            "attention's keys and values).")
+            raise _not_ring(node, why)
         if mode != "auto" or why:
             return mode == "ring"
         k, v = a["key"].meta[ir.VAL], a["value"].meta[ir.VAL]  # (whole: before fake_propagate)
         kv = cost.tensor_bytes(k) + cost.tensor_bytes(v)
-        acc = kv * max(4, k.element_size()) / k.element_size() \
-            if node.target in ATTENTION_BACKWARD else 0.0
-        ring_s, gather_s = cost.ring_attention_time(kv, cost.node_time(node, profile), cp,
-                                                    profile, acc, regather)
-        return ring_s <= gather_s
+        acc = kv * max(4, k.element_size()) / k.element_size()  # (the backward's, float32)
+        # the forward and its backward (twice the kernel time) together
+        kernel = cost.node_time(node, profile)
+        fwd = cost.ring_attention_time(kv, kernel, cp, profile)
+        bwd = cost.ring_attention_time(kv, 2 * kernel, cp, profile, acc, regather)
+        return fwd[0] + bwd[0] <= fwd[1] + bwd[1]
     return ring
+
+
+def _not_ring(node, why: str) -> PlanError:
+    return PlanError(f"Plan.cp_attention='ring': the attention {node.name} (module "
+                     f"{node.meta.get(ir.MODULE, '')!r}) cannot go around the ring: {why}. "
+                     "Use cp_attention='gather' or 'auto' (it gathers that attention's keys "
+                     "and values).")
+
+
+def _check_ring(gm, seq: int) -> None:
+    """Plan.cp_attention='ring': every attention became ring attention, or a PlanError names
+    the first that did not (a kernel no rule splits, attention written out as matmuls and
+    a softmax over the whole sequence: both read gathered keys)."""
+    for n in gm.graph.nodes:
+        if n.meta.get(ir.REGION) != ir.FORWARD or n.op != "call_function":
+            continue
+        if n.target in ATTENTION and n.target is not fxpar_ops.ring_attention.default:
+            raise _not_ring(n, f"{n.target} is not one of the flash kernels ring attention "
+                               "runs (CUDA's memory-efficient or cuDNN kernel, or flash with "
+                               "dropout)")
+        if n.target is aten._softmax.default and seq > 1 and \
+                n.meta[ir.VAL].shape[-1] == seq:
+            raise _not_ring(n, "it is written out as matmuls and a softmax (ring attention "
+                               "runs SDPA's flash kernels)")
 
 
 def ring_refusal(node, a: dict, kv_split: bool) -> str | None:
     """Why an attention (its arguments by name; `kv_split`: its keys and values split over
     the sequence like its queries) cannot run as ring attention, or None."""
-    if not kv_split:
+    q, k, v = (a[x].meta[ir.VAL] for x in ("query", "key", "value"))
+    if not kv_split or not q.shape[2] == k.shape[2] == v.shape[2]:
         return ("its keys and values are not the queries' sequence split alike (e.g. "
                 "cross-attention to another sequence)")
     if isinstance(a.get("attn_mask"), torch.fx.Node):

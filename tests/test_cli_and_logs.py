@@ -95,7 +95,6 @@ def test_a_factory_building_on_the_meta_device_plans(tmp_path, monkeypatch, caps
     assert "legal plans for 2 x" in out and "   1  dp=" in out, out
 
 
-
 def test_a_factory_traced_a_few_blocks_deep_plans_at_its_depth(tmp_path, monkeypatch, capsys):
     """--depth: a factory building 4 of a model's 48 blocks is priced at 48 (one traced
     block standing for each: the note says so), more parameters than the 4 traced; a model
@@ -115,9 +114,14 @@ def test_a_factory_traced_a_few_blocks_deep_plans_at_its_depth(tmp_path, monkeyp
     with pytest.raises(SystemExit, match="--depth 48: no repeated blocks"):
         main(["plan", "--model", "deep_fac:one", "--devices", "2", "--depth", "48",
               "--keep-first", "1"])
-    with pytest.raises(SystemExit):
-        main(["plan", "--model", "small", "--depth", "48"])
-    assert "--depth scales a --model pkg.module:factory" in capsys.readouterr().err
+    for bad, said in ((["--model", "small", "--depth", "48"], "scale a --model pkg"),
+                      (["--model", "deep_fac:make", "--depth", "2", "--keep-first", "2"],
+                       "must exceed --keep-first 2"),
+                      (["--model", "deep_fac:make", "--keep-first", "2"],
+                       "--keep-first goes with --depth")):
+        with pytest.raises(SystemExit):
+            main(["plan", *bad])
+        assert said in capsys.readouterr().err, bad
 
 
 def test_fix_degrees_that_do_not_divide_the_devices_say_so():

@@ -94,8 +94,8 @@ def test_ring_attention_keeps_keys_and_values_split():
     key or value is all-gathered and no gradient of theirs reduce-scattered (the only cp
     gather left: the shifted labels). ("auto" asks the cost model per attention: at these
     16 tokens the ring's steps are latency alone and it gathers, as the rewrite test
-    shows; test_cost has the other side.) A mask under "ring" is refused by name; so is
-    ring without cp."""
+    shows; test_cost has the other side.) Refused by name under "ring": a mask, attention
+    written out as matmuls (it never reaches the ring rule), and ring without cp."""
     model, batch = _llama()
     B, S = batch["input_ids"].shape
     prog = fxpar.compile(model, 2, example_batch=batch,
@@ -123,6 +123,11 @@ def test_ring_attention_keeps_keys_and_values_split():
     padded = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     with pytest.raises(PlanError, match="cp_attention='ring'.*takes a mask"):
         fxpar.compile(model, 2, example_batch=padded,
+                      plan={"dp": 2, "cp": 2, "cp_attention": "ring"})
+    eager = _llama()[0]  # attention written out: never reaches the ring, said so
+    eager.config._attn_implementation = "eager"
+    with pytest.raises(PlanError, match="cp_attention='ring'.*written out as matmuls"):
+        fxpar.compile(eager, 2, example_batch=batch,
                       plan={"dp": 2, "cp": 2, "cp_attention": "ring"})
     with pytest.raises(PlanError, match="cp=1 splits no sequence"):
         resolve({"dp": 2, "cp_attention": "ring"}, 2)
@@ -236,12 +241,13 @@ def test_ring_attention_is_whole_sequence_attention(cp):
     (the others' keys/values passed around the ring, never gathered): its output and
     gradients, causal and not, are whole-sequence SDPA's rows for the rank's chunks (its
     keys' and values' gradients complete: every rank's queries' share summed on the way
-    round). cp=3: an odd ring, where the blocks' owners and the pairs' order differ."""
+    round; in float64, and causal in float32 too). cp=3: an odd ring, where the blocks'
+    owners and the pairs' order differ."""
     for r, cases in fxpar.launch(workers.ring_attention_rank, cp).items():
-        for causal, (got, want) in cases.items():
+        for (causal, dtype), (got, want) in cases.items():
             for g, w, name in zip(got, want, ("out", "grad_q", "grad_k", "grad_v")):
                 torch.testing.assert_close(
-                    g, w, msg=lambda m: f"rank {r} causal={causal} {name}: {m}")
+                    g, w, msg=lambda m: f"rank {r} causal={causal} {dtype} {name}: {m}")
 
 
 def test_plans_and_batches_context_parallelism_refuses_by_name():
@@ -394,6 +400,11 @@ def test_planner_searches_ring_attention():
     ring = planner.search(stats, 4, hw, batch_rows=B, executable=False,
                           constraints={**fixed, "cp_attention": "ring"})
     assert {c.plan.cp_attention for c in ring.table} == {"ring"}
+    # a fixed way without a fixed cp asks for cp (where dp alone could take the rows)
+    ring = planner.search(stats, 4, hw, batch_rows=4, executable=False,
+                          constraints={"cp_attention": "ring"})
+    assert ring.table and all(c.plan.cp > 1 and c.plan.cp_attention == "ring"
+                              for c in ring.table)
     gpt2 = gpt_stats.gpt_stats("gpt2")
     assert "written out as matmuls" in gpt2.ring_refusal
     r = planner.search(gpt2, 8, hw, batch_rows=4, executable=False,

@@ -131,8 +131,9 @@ def test_ring_attention_time_against_gathering():
     """cost.ring_attention_time: where a block's kernels outlast its transfer the ring's
     steps cost the rank's kernels (its transfers hidden) and a latency each, under the
     gather's all-gather + kernels; where the kernels are tiny the ring's steps pay their
-    transfers' latency and their own, and the gather wins; a backward's float32 gradient accumulators add to
-    the ring's steps and a last hop."""
+    transfers' latency and their own, and the gather wins; a backward's float32 gradient
+    accumulators add to the ring's steps and a last hop, and the gather side's backward
+    reduce-scatters (and with regather all-gathers again)."""
     prof = cost.DeviceProfile("x", flops=1e12, bandwidth=1e12, alpha=1e-5,
                               link_bandwidth=1e9)
     kv, n = 8e6, 4
@@ -144,5 +145,7 @@ def test_ring_attention_time_against_gathering():
     fwd = cost.ring_attention_time(kv, 1e-3, n, prof)[0]
     bwd, gather_b = cost.ring_attention_time(kv, 1e-3, n, prof, acc_bytes=2 * kv)
     assert bwd > fwd
-    assert cost.ring_attention_time(kv, 1e-3, n, prof, acc_bytes=2 * kv, regather=True)[1] > \
-        gather_b
+    scatter = 3 * 1e-5 + 0.75 * kv / 1e9  # (the backward reads the forward's gathered copy)
+    assert gather_b == pytest.approx(1e-3 / n + scatter)
+    again = cost.ring_attention_time(kv, 1e-3, n, prof, acc_bytes=2 * kv, regather=True)[1]
+    assert again == pytest.approx(gather_b + scatter)  # (an all-gather costs what it scatters)

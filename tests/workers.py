@@ -1129,9 +1129,10 @@ def capacity_loss(model, batch):
 
 
 def ring_attention_rank(dtype=torch.float64):
-    """fxpar::ring_attention and its backward, causal and not, on this rank's chunks
-    (zigzag) of one q, k, v seeded alike on every rank: {causal: ((out, grad_q, grad_k,
-    grad_v), the same of SDPA on the whole sequence, cut to this rank's chunks)}."""
+    """fxpar::ring_attention and its backward, causal and not (and causal in float32), on
+    this rank's chunks (zigzag) of one q, k, v seeded alike on every rank: {(causal,
+    dtype): ((out, grad_q, grad_k, grad_v), the same of SDPA on the whole sequence, cut to
+    this rank's chunks)}."""
     import torch.distributed as dist
 
     from fxpar.core import context_attention  # noqa: F401  (registers the ops)
@@ -1139,7 +1140,8 @@ def ring_attention_rank(dtype=torch.float64):
         dist.init_process_group("gloo")
     n, group = dist.get_world_size(), dist.group.WORLD.group_name
     ops, res = torch.ops.fxpar, {}
-    for causal in (True, False):
+    for causal in (True, False, "float32"):  # (causal in float32: its float32 merges)
+        dtype, causal = (torch.float32, True) if causal == "float32" else (dtype, causal)
         torch.manual_seed(0)
         B, H, S, D = 2, 3, 8 * n, 4
         q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -1150,6 +1152,6 @@ def ring_attention_rank(dtype=torch.float64):
         out, lse = ops.ring_attention(qc, kc, vc, 0.0, causal, None, group)
         dq, dk, dv = ops.ring_attention_backward(gc, qc, kc, vc, out, lse, 0.0, causal, None,
                                                  group)
-        res[causal] = ([out, dq, dk, dv], [ops.zigzag_chunk(t.detach(), 2, n, group)
-                                           for t in (ref, q.grad, k.grad, v.grad)])
+        res[causal, dtype] = ([out, dq, dk, dv], [ops.zigzag_chunk(t.detach(), 2, n, group)
+                                                  for t in (ref, q.grad, k.grad, v.grad)])
     return res
