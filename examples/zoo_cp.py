@@ -1,11 +1,14 @@
 """The zoo's causal LMs (and the external zoo's) under context parallelism, against eager.
 
-    .venv/bin/python -m fxpar.examples.zoo_cp [MODEL ...]   (default: the list below)
+    .venv/bin/python -m fxpar.examples.zoo_cp [MODEL ...] [--plans KEY,...]
+        (default: the models below, every column)
 
 Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS (cp=2 on 2
 ranks: each rank a front and a back quarter of every sequence; cp=2 carved out of dp=4 on 4
-ranks), one `fxpar.launch` per plan, and is compared with eager as the zoo sweep compares
-(`zoo_sweep.plan_cells`). A model the pass cannot split is a refusal naming the cause.
+ranks; and cp=2 with ring attention, the keys/values passed around instead of gathered),
+one `fxpar.launch` per plan, and is compared with eager as the zoo sweep compares
+(`zoo_sweep.plan_cells`). A model the pass cannot split (or whose attention cannot go
+around the ring) is a refusal naming the cause. `--plans KEY[,KEY]` runs some columns.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import sys
 from fxpar.examples import zoo_sweep
 
 PLANS = {"cp=2 (dp=2)": (2, {"dp": 2, "cp": 2}),
-         "cp=2 x dp=4": (4, {"dp": 4, "cp": 2})}
+         "cp=2 x dp=4": (4, {"dp": 4, "cp": 2}),
+         "cp=2 ring (dp=2)": (2, {"dp": 2, "cp": 2, "cp_attention": "ring"})}
 MODELS = ("gpt2", "llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
           "phi", "phi3", "gpt_neox", "gptj", "bloom", "falcon", "opt", "gpt_bigcode",
           "stablelm", "olmo2", "gemma3", "codegen", "mamba", "gpt_neo", "granite", "cohere",
@@ -22,9 +26,18 @@ MODELS = ("gpt2", "llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma", "g
           "litgpt_pythia")
 
 
-def main(names=MODELS) -> None:
-    zoo_sweep.plan_table(names, PLANS)
+def main(names=MODELS, plans=tuple(PLANS)) -> None:
+    zoo_sweep.plan_table(names, {k: PLANS[k] for k in plans})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or MODELS)
+    args = sys.argv[1:]
+    keys = tuple(PLANS)
+    if "--plans" in args:
+        i = args.index("--plans")
+        keys = tuple(args[i + 1].split(","))
+        args = args[:i] + args[i + 2:]
+        unknown = [k for k in keys if k not in PLANS]
+        if unknown:
+            sys.exit(f"zoo_cp: unknown plan column(s) {unknown}; choose from {list(PLANS)}")
+    main(args or MODELS, keys)
