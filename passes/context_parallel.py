@@ -161,9 +161,11 @@ def _ring_choice(mode: str, cp: int, profile, regather: bool):
     forward and backward together no slower (`cost.ring_attention_time`). A backward goes
     as its forward went."""
     def ring(node, a, kv_split: bool) -> bool:
-        if node.target in ATTENTION_BACKWARD:  # as its forward went (already rewritten)
-            fwd = a["out"].args[0] if a["out"].target is operator.getitem else None
-            return fwd is not None and fwd.target is fxpar_ops.ring_attention.default
+        bwd = node.target in ATTENTION_BACKWARD
+        if bwd and a["out"].target is operator.getitem:  # as its forward went (rewritten
+            # already; a pipeline's backward part reads the forward's results as inputs and
+            # decides alike below)
+            return a["out"].args[0].target is fxpar_ops.ring_attention.default
         why = ring_refusal(node, a, kv_split)
         if mode == "ring" and why:
             raise _not_ring(node, why)
@@ -173,7 +175,7 @@ def _ring_choice(mode: str, cp: int, profile, regather: bool):
         kv = cost.tensor_bytes(k) + cost.tensor_bytes(v)
         acc = kv * max(4, k.element_size()) / k.element_size()  # (the backward's, float32)
         # the forward and its backward (twice the kernel time) together
-        kernel = cost.node_time(node, profile)
+        kernel = cost.node_time(node, profile) / (2 if bwd else 1)
         fwd = cost.ring_attention_time(kv, kernel, cp, profile)
         bwd = cost.ring_attention_time(kv, 2 * kernel, cp, profile, acc, regather)
         return fwd[0] + bwd[0] <= fwd[1] + bwd[1]

@@ -291,7 +291,8 @@ def test_context_parallelism_composes_on_four_ranks():
     of 2 with ZeRO-3; GPT-2 (learned positions) with
     ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored
     labels, microbatches weighted by their target counts); Inductor's code for the chunk
-    kernels: every one equal to eager."""
+    kernels: every one equal to eager. A pipeline's backward parts run ring attention as
+    their forward parts do."""
     _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
         {"dp": 4, "cp": 2, "cp_attention": "gather"},
         {"dp": 2, "cp": 2, "tp": 2, "cp_attention": "ring"},
@@ -307,6 +308,18 @@ def test_context_parallelism_composes_on_four_ranks():
                      ("hf_llama_padded", "adamw", {"dp": 2, "cp": 2, "microbatches": 2,
                                                    "codegen": "eager"}),
                      ("hf_llama", "adamw", {"dp": 2, "cp": 2})])
+    # a pipeline's backward parts read their forward's results as inputs: ring there too
+    model, batch = _llama()
+    prog = fxpar.compile(model, 4, example_batch=batch,
+                         plan={"dp": 2, "cp": 2, "pp": 2, "microbatches": 2,
+                               "cp_attention": "ring", "fuse": False})
+    parts = prog.stage_graphs["stages"]
+    for name, want in (("F", fxpar_ops.ring_attention.default),
+                       ("B", fxpar_ops.ring_attention_backward.default)):
+        for r in (0, 1):
+            assert [n.target for n in parts[f"{name}{r}"].graph.nodes
+                    if n.target in (want, fxpar_ops.causal_chunk_attention.default,
+                                    fxpar_ops.causal_chunk_attention_backward.default)] == [want]
 
 
 @pytest.mark.slow
