@@ -79,21 +79,21 @@ def cmd_plan(args):
         hw.devices_per_node = args.gpus_per_node
     try:
         constraints = planner.constraints_of(fix)  # unknown fields: a clear error
+        if args.depth is None and args.keep_first:
+            args.parser.error("--keep-first goes with --depth")
+        if args.depth is not None and args.depth <= args.keep_first:
+            args.parser.error(f"--depth {args.depth} must exceed --keep-first "
+                              f"{args.keep_first} (the blocks kept as traced)")
         if ":" in args.model:
             stats, rows = _factory_stats(args.model, precision, dev)
             if args.depth is not None:  # (a model traced a few blocks deep, at its depth)
-                if args.depth <= args.keep_first:
-                    args.parser.error(f"--depth {args.depth} must exceed --keep-first "
-                                      f"{args.keep_first} (the blocks kept as traced)")
                 try:
                     stats = stats.with_depth(args.depth, keep_first=args.keep_first)
                 except ValueError as e:
                     sys.exit(f"fxpar plan: --depth {args.depth}: {e}. Build the model with "
                              f"more blocks than the {args.keep_first} --keep-first keeps, "
                              "those after them alike.")
-            elif args.keep_first:
-                args.parser.error("--keep-first goes with --depth")
-        elif args.depth is not None or args.keep_first:
+        elif args.depth is not None:
             args.parser.error("--depth and --keep-first scale a --model pkg.module:factory "
                               "(the built-in GPTs are priced at their own depth)")
         else:
