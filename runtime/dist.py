@@ -255,13 +255,28 @@ def _take_on(caller: dict) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
+# Model libraries whose import costs each rank seconds: when the caller has imported them (its
+# model is built from them), the forkserver imports their loaded modules once, beside torch.
+MODEL_LIBRARIES = ("transformers", "timm", "torchtitan", "litgpt", "torchvision", "diffusers")
+
+
 def _start_method() -> str:
-    """forkserver, preloading torch and fxpar, where the platform has it; spawn elsewhere."""
+    """forkserver where the platform has it, spawn elsewhere. The forkserver (started at the
+    first launch, kept for the later ones) imports torch, fxpar and runtime/preload.py's
+    modules once, so each rank forks with them loaded rather than importing them itself."""
     import multiprocessing
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "fxpar"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "fxpar", "fxpar.runtime.preload"])
     return "forkserver"
+
+
+def _model_library_modules() -> str:
+    """The caller's loaded modules of MODEL_LIBRARIES, for runtime/preload.py."""
+    return ",".join(sorted(m for m, mod in list(sys.modules.items())
+                           if m.partition(".")[0] in MODEL_LIBRARIES
+                           and getattr(mod, "__file__", None)))
 
 
 def _write_error(e: BaseException, tb: str) -> None:
@@ -336,8 +351,9 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method=_start_method())
     progress = tempfile.mkdtemp(prefix="fxpar-progress-")  # ranks write their step here
-    old_env = os.environ.get("FXPAR_PROGRESS_DIR")
-    os.environ["FXPAR_PROGRESS_DIR"] = progress
+    env = {"FXPAR_PROGRESS_DIR": progress, "FXPAR_PRELOAD": _model_library_modules()}
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     # fn and args apart: a rank unpickles them once it has the caller's sys.path (`_run`)
     payload = pickle.dumps((_caller(), cloudpickle.dumps((fn, args))))
     try:
@@ -375,7 +391,8 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
         raise LaunchError(f"rank {rank} failed ({how}): {msg or 'see its log above'}") from None
     finally:
         shutil.rmtree(progress, ignore_errors=True)
-        if old_env is None:
-            os.environ.pop("FXPAR_PROGRESS_DIR", None)
-        else:
-            os.environ["FXPAR_PROGRESS_DIR"] = old_env
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -14,6 +14,16 @@ os.environ.setdefault("FXPAR_CODEGEN", "eager")
 os.environ.setdefault("FXPAR_PLAN_CACHE", "0")
 
 
+
+def pytest_sessionstart(session):
+    """The Hugging Face model classes the multi-process tests build, imported before the first
+    fxpar.launch: its forkserver then imports them once for every rank (runtime/preload.py)
+    rather than each rank importing them (seconds per rank)."""
+    import importlib
+    for name in ("llama", "gpt2", "mixtral", "qwen2_moe", "deepseek_v3"):
+        importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
 def pytest_runtest_logreport(report):
     """A failure's cause printed as it happens, not only in the summary at the end: a CI run
     stopped by its time limit never reaches the summary."""
