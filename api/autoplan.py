@@ -24,12 +24,20 @@ from fxpar.runtime import machine
 log = logging.getLogger("fxpar.compiler.planner")
 
 
-def _at_rows(model, example_batch, loss_fn, parts: int):
-    """(the model's graph at 1 / `parts` of the example batch's rows, its real inputs), or
-    None (a model that cannot run them): the second timing that tells the graph's time per
-    row from its time per call (planner.fit_to_timing)."""
+def _smaller(model, example_batch, loss_fn, parts: int, tokens: tuple[int, int] | None = None):
+    """(the model's graph on a smaller input, its real inputs), or None (a model that cannot
+    run it): 1 / `parts` of the example batch's rows, or (`tokens` = (t, seq)) each
+    sequence's first t tokens (every leaf [batch, seq, ...] cut, as Plan.cp splits them). The
+    second timing that tells the graph's time per row or token from its time per call
+    (planner.fit_to_timing)."""
     try:
-        part = ir.microbatches(example_batch, parts, 1)[0]
+        if tokens is None:
+            part = ir.microbatches(example_batch, parts, 1)[0]
+        else:
+            t, seq = tokens
+            part = torch.utils._pytree.tree_map(
+                lambda x: x[:, :t].contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2
+                and x.shape[1] == seq else x, example_batch)
         graph = cap.capture(model, part, loss_fn)
     except FxparError:  # (e.g. a shape the model needs whole): timed at one size only
         return None
@@ -106,10 +114,12 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
             gen, _ = codegen.decide(constraints.get("codegen", "auto"), device)
             args, params = calibration_inputs(stats.graph, model, example_batch)
             small_rows = planner.smallest_call_rows(stats, world, constraints)
+            small_tokens = None if small_rows else planner.smallest_call_tokens(stats, world)
 
             def time_it():
-                small = _at_rows(model, example_batch, loss_fn, stats.rows // small_rows) \
-                    if small_rows else None
+                small = _smaller(model, example_batch, loss_fn, stats.rows // small_rows) \
+                    if small_rows else _smaller(model, example_batch, loss_fn, 1, (
+                        small_tokens, stats.seq)) if small_tokens else None
                 with announce(log, "planner: timing the model's graph and optimizer step "
                               "on this machine"):
                     return machine.time_model(stats.graph[0], args, params, optimizer,
@@ -117,8 +127,10 @@ def for_parallelize(model, devices, world: int, plan, example_batch, loss_fn, op
                                               alone=hw.core_share >= 1)
             timing, cached = machine.remembered(
                 "model", machine.machine_key() + _timing_key(stats.graph[0], args, optimizer,
-                                                             gen), time_it)
-            hw = planner.fit_to_timing(hw, stats, *timing, small_rows=small_rows)
+                                                             gen) + [
+                    f"small {small_rows} rows {small_tokens} tokens"], time_it)
+            hw = planner.fit_to_timing(hw, stats, *timing, small_rows=small_rows,
+                                       small_tokens=small_tokens)
             if cached:
                 hw.calibrated += " (the model's timing remembered)"
     result = planner.auto_plan(stats, optimizer, world, device, constraints=constraints, hw=hw)

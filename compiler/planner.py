@@ -2102,27 +2102,40 @@ def smallest_call_rows(stats: GraphStats, world: int, constraints: dict | None =
     return rows // world if world > 1 and rows % world == 0 else None
 
 
+def smallest_call_tokens(stats: GraphStats, world: int) -> int | None:
+    """Where no plan calls the graph on fewer rows (`smallest_call_rows` None: one row, or
+    rows dp cannot split), the fewest tokens of the sequence a plan runs it on: cp's share
+    at the largest cp of the world that splits the sequence; None where cp cannot split it."""
+    if stats.seq is None or stats.cp_refusal is not None:
+        return None
+    cps = [c for c in range(2, world + 1) if stats.seq % (2 * c) == 0]
+    return stats.seq // max(cps) if cps else None
+
+
 def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: float,
                   optimizer_s: float | None, t_alone: float | None = None,
-                  t_small: float | None = None, small_rows: int | None = None
-                  ) -> cost.Hardware:
+                  t_small: float | None = None, small_rows: int | None = None,
+                  small_tokens: int | None = None) -> cost.Hardware:
     """CPU: the model's own joint graph timed on the example batch with every rank busy
-    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), at `small_rows` rows
-    (t_small: the fewest rows a plan runs it on, `smallest_call_rows`), and its optimizer step
-    (runtime/machine.time_model).
+    (t_graph seconds, varying by `spread`), on one rank alone (t_alone), on a smaller input
+    (t_small: at `small_rows` rows, the fewest a plan runs it on, `smallest_call_rows`; or
+    at `small_tokens` tokens of each sequence, `smallest_call_tokens`), and its optimizer
+    step (runtime/machine.time_model).
 
-    The two batch sizes split the graph's time into a part that scales with the rows a plan
-    runs it on (priced as the ops' roofline times `roofline_scale`, so it also shrinks with
-    the tp split) and a part each call pays whatever its rows (priced per node: dispatch,
+    The two sizes split the graph's time into a part that scales with the work a plan gives
+    a call (priced as the ops' roofline times `roofline_scale`, so it also shrinks with the
+    tp and cp splits) and a part each call pays whatever its size (priced per node: dispatch,
     and ops whose cost does not follow their size, as an MoE's routing). One timing cannot
     tell them apart: all of it per node priced each of a pipeline's microbatches the whole
     graph again, all of it per row priced a microbatch of an MoE at a fraction of what it
-    takes (docs/benchmarks.md, "Regret"). The second size is the smallest a plan calls: the
-    line between the two then prices every microbatch size by interpolation, and the
-    per-call part, (R t_small - r t_graph) / (R - r), carries the timings' noise scaled by
+    takes, and a one-row batch's tp and cp plans at what a whole call takes, per node
+    (docs/benchmarks.md, "Regret"). The second size is the smallest a plan calls: the line
+    between the two then prices every size by interpolation, and the per-call part, (R
+    t_small - r t_graph) / (R - r) at r of R rows, carries the timings' noise scaled by
     R / (R - r) rather than 3x at half the rows (r = R / 2: the per-call part of the same
-    model came out 7 us or 122 us a node from run to run). Without t_small it is all per
-    node."""
+    model came out 7 us or 122 us a node from run to run). Fewer tokens shrink attention
+    quadratically, the rest linearly: the line is drawn through the two sizes' rooflines.
+    Without t_small it is all per node."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret
     # target; a wider band lets a tie carry a plan well past the target)
@@ -2132,11 +2145,20 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
                    for s in stats.segments for part in ("f", "b"))
     nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
     hw = dataclasses.replace(hw, noise=noise)
-    fixed = None  # seconds every call pays, at any rows
-    r, big = small_rows or stats.rows / 2, stats.rows
-    if t_small is not None and roofline > 0 and r < big:
-        per_row = (t_graph - t_small) / (big - r)
-        fixed = min(max(t_graph - per_row * big, nodes * hw.node_overhead), t_graph)
+    fixed = None  # seconds every call pays, at any size
+    if small_tokens is not None and stats.seq:
+        g = small_tokens / stats.seq
+        attention = sum(s.attn_flops_f + s.attn_flops_b for s in stats.segments) / (
+            base.flops("fp32") * base.matmul_efficiency)
+        small_roofline = g * (roofline - attention) + g * g * attention
+        at = f" at {stats.seq} tokens, {{:.1f}} ms at {small_tokens}"
+    else:
+        r = small_rows or stats.rows / 2
+        small_roofline = roofline * r / stats.rows
+        at = f" at {stats.rows} rows, {{:.1f}} ms at {r:g}"
+    if t_small is not None and 0 < small_roofline < roofline:
+        per_roofline = (t_graph - t_small) / (roofline - small_roofline)
+        fixed = min(max(t_graph - per_roofline * roofline, nodes * hw.node_overhead), t_graph)
     if fixed is not None and fixed < t_graph:
         hw.node_overhead = fixed / nodes  # (at least the measured dispatch, above)
         hw.roofline_scale = (t_graph - fixed) / roofline
@@ -2145,7 +2167,7 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     hw.optimizer_s = optimizer_s
     if t_alone and hw.core_share >= 1:  # (oversubscribed cores: _on_shared_cores)
         hw.alone_speedup = min(max(t_graph / t_alone, 1.0), 2.0)
-    at = (f" at {big} rows, {t_small * 1e3:.1f} ms at {r:g}" if t_small is not None else "")
+    at = at.format(t_small * 1e3) if t_small is not None else ""
     hw.calibrated += (f"; graph {t_graph * 1e3:.1f} ms{at} -> {hw.roofline_scale:.2f}x roofline + "
                       f"{hw.node_overhead * 1e6:.1f} us/node, ties within {noise:.0%}"
                       + (f", {hw.alone_speedup:.2f}x alone" if hw.alone_speedup > 1 else ""))

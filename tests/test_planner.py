@@ -987,6 +987,48 @@ def test_cpu_calibration_splits_the_graph_time_into_per_row_and_per_call(small_s
     assert graph_s(flat, stats.rows) == pytest.approx(timed(stats.rows))
 
 
+def test_cpu_calibration_of_one_sequence_splits_per_token_and_per_call(small_stats):
+    """One row (no plan calls fewer): the second timing is at the fewest tokens a cp rank
+    takes; attention shrinks with the square of the tokens, the rest linearly. The fitted
+    prices reproduce both timings, and a cp=2 or tp rank's call (half the work) is not
+    charged the whole call's time per node."""
+    hw = dataclasses.replace(cost.cpu_hardware(), node_overhead=2e-6)
+    segs = [dataclasses.replace(s, attn_flops_f=s.flops_f / 4, attn_flops_b=s.flops_b / 4)
+            for s in small_stats.segments]
+    stats = dataclasses.replace(small_stats, rows=1, seq=64, cp_refusal=None, segments=segs)
+
+    def graph_s(h, rows=1):
+        return sum(planner._seg_time(s, stats, rows, 1, h, "fp32", part)
+                   for s in stats.segments for part in ("f", "b"))
+    nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
+    base = dataclasses.replace(hw, node_overhead=0.0)
+    roofline = graph_s(base)
+    attention = sum(s.attn_flops_f + s.attn_flops_b for s in segs) / (
+        base.flops("fp32") * base.matmul_efficiency)
+
+    def timed(tokens):  # 5x the roofline at these tokens, 10 us a node per call
+        g = tokens / stats.seq
+        return 5 * (g * (roofline - attention) + g * g * attention) + nodes * 10e-6
+    assert planner.smallest_call_rows(stats, 4) is None
+    assert planner.smallest_call_tokens(stats, 2) == 32
+    assert planner.smallest_call_tokens(stats, 4) == 16
+    assert planner.smallest_call_tokens(stats, 1) is None
+    assert planner.smallest_call_tokens(dataclasses.replace(stats, seq=None), 4) is None
+    fit = planner.fit_to_timing(hw, stats, timed(64), 0.01, None, None, timed(16),
+                                small_tokens=16)
+    assert fit.roofline_scale == pytest.approx(5.0, rel=1e-6)
+    assert fit.node_overhead == pytest.approx(10e-6, rel=1e-6)
+    assert graph_s(fit) == pytest.approx(timed(64), rel=1e-6)
+    assert "at 64 tokens" in fit.calibrated and "at 16 ->" in fit.calibrated
+    # half the work (a cp=2 rank's tokens): the fitted line's price; one timing puts
+    # everything beyond the roofline per node, which half the work pays whole
+    half = nodes * 10e-6 + 5 * roofline / 2
+    assert graph_s(fit, 0.5) == pytest.approx(half, rel=1e-6)
+    one = planner.fit_to_timing(hw, stats, timed(64), 0.01, None)
+    assert graph_s(one, 0.5) == pytest.approx(timed(64) - roofline / 2, rel=1e-6)
+    assert graph_s(one, 0.5) - half == pytest.approx(2 * roofline, rel=1e-6)
+
+
 def test_the_smallest_call_is_one_row_unless_microbatches_would_change_the_step():
     """The calibration's second timing is at the fewest rows a plan runs the graph on: one
     row where microbatches are allowed; with BatchNorm (its statistics per microbatch would
