@@ -45,6 +45,7 @@ from fxpar.core import context_attention, cost, experts, ir
 from fxpar.core.ir import Generated, Run  # noqa: F401 (what generate returns)
 from fxpar.core.errors import CodegenError, PlanError  # noqa: F401 (CodegenError: raised here)
 from fxpar.core.logs import announce
+from fxpar.core.source_version import source_version
 
 log = logging.getLogger(__name__)
 # a run with fewer ATen compute ops than this stays eager: a compile costs seconds and a
@@ -698,15 +699,18 @@ def cache_dir() -> str:
 
 def _key(sub: torch.fx.GraphModule, fakes) -> str:
     """The run's code, its inputs' shapes/strides/dtypes/devices, torch's version, the
-    Inductor options fxpar sets and the thread count (Inductor's CPU kernels fix their
-    OpenMP threads at compile time: a 2-thread kernel in a 1-thread rank oversubscribes):
-    what the compiled code depends on; and Inductor's settings as its own cache keys them
+    Inductor options fxpar sets, the thread count (Inductor's CPU kernels fix their OpenMP
+    threads at compile time: a 2-thread kernel in a 1-thread rank oversubscribes) and the
+    source of fxpar's ops and kernels (core/, kernels/: the code calls them by name, compiled
+    with their fake functions and lowerings): what the compiled code depends on; and
+    Inductor's settings as its own cache keys them
     (`save_config_portable`: a user's max_autotune or shape padding is not served a run
     compiled without it; per-process values such as compile_threads left out)."""
     from torch._inductor import config
     portable = getattr(config, "save_config_portable", dict)()
     h = hashlib.sha256()
-    for part in (torch.__version__, repr(INDUCTOR_OPTIONS), f"threads={torch.get_num_threads()}",
+    for part in (torch.__version__, source_version("core", "kernels"), repr(INDUCTOR_OPTIONS),
+                 f"threads={torch.get_num_threads()}",
                  repr(sorted(portable.items())), sub.code,
                  *(f"{tuple(f.shape)}{f.stride()}{f.dtype}{f.device}" for f in fakes)):
         h.update(part.encode())

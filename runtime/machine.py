@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from fxpar.core import cost
 from fxpar.core.logs import announce
+from fxpar.core.source_version import source_version
 from fxpar.runtime import comm, optim
 from fxpar.runtime import dist as rdist
 
@@ -103,22 +104,10 @@ def _cpu_model() -> str:
         return ""
 
 
-_CODE: list[str] = []
-
-
 def code_version() -> str:
     """A hash of the compiler's, the passes' and the runtime's source (what measures, what
     the probes run and what prices): any change to it measures again."""
-    if not _CODE:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        h = hashlib.sha256()
-        for d in ("compiler", "runtime", "passes"):
-            for name in sorted(os.listdir(os.path.join(root, d))):
-                if name.endswith(".py"):
-                    with open(os.path.join(root, d, name), "rb") as f:
-                        h.update(name.encode() + f.read())
-        _CODE.append(h.hexdigest()[:16])
-    return _CODE[0]
+    return source_version("compiler", "runtime", "passes")
 
 
 def measure(device: torch.device) -> cost.Hardware:

@@ -315,9 +315,10 @@ def test_a_refusal_is_remembered_in_the_cache(monkeypatch, tmp_path):
     assert len(calls) == 5 and not list(tmp_path.iterdir())  # the environment: not kept
 
 
-def test_the_cache_key_follows_inductors_settings_not_its_per_process_ones():
-    """A user's Inductor setting (max_autotune, forced shape padding) is not served a run
-    compiled without it; the compile-worker count (per process) does not split the cache."""
+def test_the_cache_key_follows_inductors_settings_not_its_per_process_ones(monkeypatch):
+    """A user's Inductor setting (max_autotune, forced shape padding) or another version of
+    fxpar's ops is not served a run compiled without it; the compile-worker count (per
+    process) does not split the cache."""
     from torch._inductor import config
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -329,6 +330,13 @@ def test_the_cache_key_follows_inductors_settings_not_its_per_process_ones():
         assert codegen._key(sub, fakes) != key
     with config.patch(compile_threads=config.compile_threads + 1):
         assert codegen._key(sub, fakes) == key
+    # fxpar's ops and kernels edited (or fxpar upgraded): compiled again, never reused
+    versions = {("core", "kernels"): "0123456789abcdef"}
+    monkeypatch.setattr(codegen, "source_version", lambda *d: versions.get(d, "other"))
+    edited = codegen._key(sub, fakes)
+    assert edited != key
+    versions[("core", "kernels")] = "fedcba9876543210"
+    assert codegen._key(sub, fakes) != edited
 
 
 def _fails_on_rank_1_only(_):
