@@ -1482,9 +1482,14 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # Plan.comm_quantization (as the user gives it; a lossy choice the search never
             # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
             # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
-            q_w, q_g = "weights" in quant, "gradients" in quant  # (the zero stage fits: above)
-            wire_w = n_elem * (1 + 2 / qcomm.BLOCK) if q_w else grad_bytes
-            wire_g = n_elem * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else grad_bytes
+            # (the zero stage fits: above); under ep the experts' go over their own groups
+            q_w, q_g = "weights" in quant, "gradients" in quant
+
+            def wire(elems, nbytes, weights):
+                if weights:
+                    return elems * (1 + 2 / qcomm.BLOCK) if q_w else nbytes
+                return elems * (0.5 + 2 / qcomm.GRAD_BLOCK) if q_g else nbytes
+            wire_w, wire_g = wire(n_reduced, grad_bytes, True), wire(n_reduced, grad_bytes, False)
             buckets = (max(1, round(n_t * stats.zero3_reduce_scatters_per_param)) if zero >= 3
                        else max(1, min(n_t, int(grad_bytes // _bucket_floor(hw)))))
             if onebit:  # Plan.grad_compression after its warm-up (runtime/onebit_adam.py): no
@@ -1517,8 +1522,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 # gathers of their updated shards, ZeRO-3's of their weights
                 e_bytes, e_calls = experts_elem * elem, max(1, round(sum(
                     s.n_moe for s in rank_segs[w])))
-                if zero >= 2:
-                    dpc += hw.comm("reduce_scatter", e_bytes, esdp, s_span, calls=e_calls) + \
+                if zero >= 2:  # (qgZ: an all-to-all of the int4 parts, as the dense ones')
+                    dpc += hw.comm("all_to_all" if q_g else "reduce_scatter",
+                                   wire(experts_elem, e_bytes, False), esdp, s_span,
+                                   calls=e_calls) + \
                         hw.comm("all_reduce", e_bytes / esdp, reps, span, calls=e_calls)
                 else:
                     dpc += hw.comm("all_reduce", e_bytes, edp, span, calls=e_calls)
@@ -1526,7 +1533,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                     gather += hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls) + \
                         2 * e_bytes / hw.mem_bandwidth
                 if zero >= 3:
-                    dpc += 2 * m * hw.comm("all_gather", e_bytes, esdp, s_span, calls=e_calls)
+                    dpc += 2 * m * hw.comm("all_gather", wire(experts_elem, e_bytes, True),
+                                           esdp, s_span, calls=e_calls)
             # the loss (and the count of its targets), per microbatch
             dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
             # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of

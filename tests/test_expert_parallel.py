@@ -405,6 +405,45 @@ def test_checkpoint_resumes_and_reshards(tmp_path):
                                         str(tmp_path))
 
 
+def test_planner_prices_quantized_expert_gradients_as_the_pass_sends_them():
+    """Plan.comm_quantization under ep: the experts' gradients go over their "edp" ranks as
+    int4 all-to-alls (qgZ) and their ZeRO-3 gathers as int8 (qwZ), as the dense weights'
+    over dp; the dense wire is the dense weights' alone (the experts are not sent twice)."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    from fxpar.core import quantized_comm as qcomm
+    model, batch = _mixtral()
+    stats = planner_stats(model, batch)
+    sent = []
+
+    class Recording(cost.Hardware):
+        def comm(self, kind, nbytes, n, span, calls=1):
+            sent.append((kind, nbytes, n))
+            return super().comm(kind, nbytes, n, span, calls)
+    hw = Recording(**{f.name: getattr(cost.HARDWARE["h100"], f.name)
+                      for f in dataclasses.fields(cost.Hardware)})
+    fixed = {"dp": 4, "tp": 1, "pp": 1, "microbatches": 1, "ep": 2}
+    by = {}
+    for zero, quant in ((2, "none"), (2, "gradients"), (3, "weights+gradients")):
+        sent.clear()
+        planner.search(stats, 4, hw, batch_rows=8, executable=False, constraints={
+            **fixed, "zero": zero, "comm_quantization": quant})
+        by[zero, quant] = list(sent)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    mine = experts / 2  # (this rank's half of the experts)
+    plain = [(k, b) for k, b, n in by[2, "none"] if n == 2 and k == "reduce_scatter"]
+    assert plain == [("reduce_scatter", pytest.approx(4 * mine))]  # (fp32, over edp)
+    q = by[2, "gradients"]
+    assert not [c for c in q if c[0] == "reduce_scatter"]
+    assert ("all_to_all", pytest.approx(mine * (0.5 + 2 / qcomm.GRAD_BLOCK)), 2) in q
+    assert ("all_to_all", pytest.approx(dense * (0.5 + 2 / qcomm.GRAD_BLOCK)), 4) in q
+    w = by[3, "weights+gradients"]
+    assert ("all_gather", pytest.approx(mine * (1 + 2 / qcomm.BLOCK)), 2) in w
+    assert ("all_gather", pytest.approx(dense * (1 + 2 / qcomm.BLOCK)), 4) in w
+
+
 def test_planner_prices_expert_parallelism():
     """The planner's statistics hold each MoE layer's experts (weights, grouped-matmul
     FLOPs, the rows ep sums); the search prices every ep dividing dp and the experts, each
