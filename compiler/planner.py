@@ -1283,9 +1283,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     total_nodes = max(sum(s.nodes_f + s.nodes_b for s in stats.segments), 1)
     # on a GPU the step is replayed as CUDA graphs (Plan.cuda_graphs, runtime/cudagraph.py):
     # its graph nodes cost no host dispatch
-    # (not ep's all-to-all dispatch: its counts are read on the host, runtime/cudagraph.py)
+    # (not ep's all-to-all dispatch: its counts are read on the host; nor ring attention:
+    # its send/recv inside the op is not captured; runtime/cudagraph.uncapturable)
     graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m) \
-        and not (ep > 1 and stats.moe_local)
+        and not (ep > 1 and stats.moe_local) and not (cp > 1 and cp_attention == "ring")
     hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
     if not graphed and hw.async_launch and stats.host_calls_compiled and \
             codegen.decide(constraints.get("codegen", "auto"), "cuda")[0] == "inductor":

@@ -2,6 +2,8 @@
 the rewrite (attention on gathered keys/values, the causal chunk kernel, which collectives
 appear on which group), the chunk kernel against whole-sequence attention, the plans and
 batches it refuses, and training on gloo ranks against eager."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -410,6 +412,13 @@ def test_planner_searches_ring_attention():
     by = {c.plan.cp_attention: c for c in r.table}
     assert set(by) == {"gather", "ring"}
     assert by["ring"].memory.activations < by["gather"].memory.activations
+    # the gathered step replays as a CUDA graph (no host dispatch); the ring's send/recv
+    # inside its op is not captured (runtime/cudagraph), so its nodes pay their launches
+    slow_host = dataclasses.replace(hw, node_overhead=1e-3)
+    nodes = sum(s.nodes_f + s.nodes_b for s in stats.segments)
+    r = planner.search(stats, 4, slow_host, batch_rows=B, executable=False, constraints=fixed)
+    by = {c.plan.cp_attention: c.step_s for c in r.table}
+    assert by["gather"] < 0.2 * nodes * 1e-3 < 0.5 * nodes * 1e-3 < by["ring"]
     ring = planner.search(stats, 4, hw, batch_rows=B, executable=False,
                           constraints={**fixed, "cp_attention": "ring"})
     assert {c.plan.cp_attention for c in ring.table} == {"ring"}
