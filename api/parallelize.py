@@ -244,7 +244,7 @@ def _shard_group_of_mesh(plan, devices):
 
 def mesh_dims(plan) -> list[tuple[str, int]]:
     """The device mesh's (name, degree) dims, outermost first: tp innermost (neighbouring
-    ranks), then pp, then dp; with HSDP (hpZ) dp as (replicas, shard group (secondary
+    ranks), then pp, then dp (Plan.pp_outer: then dp, then pp); with HSDP (hpZ) dp as (replicas, shard group (secondary
     partition)), that group the inner one (neighbouring ranks: one node when it is the GPUs
     per node); with ep as (across expert groups, expert group), that group the inner one,
     and with cp likewise (across sequence groups, sequence group). HSDP with ep: (replicas,
@@ -259,8 +259,9 @@ def mesh_dims(plan) -> list[tuple[str, int]]:
         [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else \
         [("edp", plan.dp // plan.ep), ("ep", plan.ep)] if plan.ep > 1 else \
         [("cdp", plan.dp // plan.cp), ("cp", plan.cp)] if plan.cp > 1 else [("dp", plan.dp)]
-    return dp + ([("pp", plan.pp)] if plan.pp > 1 else []) + (
-        [("tp", plan.tp)] if plan.tp > 1 else [])
+    pp = [("pp", plan.pp)] if plan.pp > 1 else []
+    tp = [("tp", plan.tp)] if plan.tp > 1 else []
+    return pp + dp + tp if plan.pp_outer else dp + pp + tp
 
 
 def _same_arguments_on_every_rank(plan, example_batch, batch: str) -> None:

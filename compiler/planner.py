@@ -114,6 +114,7 @@ def plan_str(p: Plan) -> str:
             + (f" hsdp={p.dp_shard}" if p.hsdp else "") + (f" hpz={p.hpz}" if p.hpz else "")
             + (f" ep={p.ep}" if p.ep > 1 else "")
             + (f" cp={p.cp} ({p.cp_attention})" if p.cp > 1 else "")
+            + (" pp outer" if p.pp_outer else "")
             + (" optimizer on host" if p.offload_optimizer else ""))
 
 
@@ -783,9 +784,10 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                     built.append(acts)
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
-                for zero, (shard, hpz), ep in [
-                        (z, g, e) for z in zeros
-                        for g in _node_groupings(dp, tp, pp, m, z, hw, constraints)
+                for zero, (shard, hpz), ep, outer in [
+                        (z, g, e, o) for o in _mesh_orders(dp, pp, constraints)
+                        for z in zeros
+                        for g in _node_groupings(dp, tp, pp, m, z, hw, constraints, o)
                         for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
                         if cp == 1 or (e == 1 and not cp_misfit(Plan(
                             dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp,
@@ -803,7 +805,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         # may cost less than the recompute)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload,
-                                   shard, hpz, ep, cp, cpa)
+                                   shard, hpz, ep, cp, cpa, outer)
                         if c is None:
                             break
                         if executable:
@@ -997,13 +999,13 @@ def _most_working(segs) -> tuple[float, float]:
 def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs) -
-    then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, gathered cp attention, 1F1B, no
-    remat. Plain dp wins every tie it is in. (Fewer axes first let 4 CPU ranks pick pp=4
+    then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, gathered cp attention, dp outside
+    pp, 1F1B, no remat. Plain dp wins every tie it is in. (Fewer axes first let 4 CPU ranks pick pp=4
     m=8 over pp=2 x dp=2 m=1 in a 4% tie; it measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
     return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep, p.cp,
-            p.cp_attention == "ring", p.pp > 1 and p.schedule != "1f1b", p.remat != "none",
-            p.offload_optimizer)
+            p.cp_attention == "ring", p.pp_outer, p.pp > 1 and p.schedule != "1f1b",
+            p.remat != "none", p.offload_optimizer)
 
 
 def rank(cands: list[Candidate], noise: float) -> list[Candidate]:
@@ -1027,19 +1029,20 @@ def _offloaded_state(state: tuple, precision: str, optimizer: str) -> tuple[floa
     return float(master), ((*state[:2], state[2] * master) if state else ())
 
 
-def _node_groupings(dp, tp, pp, m, zero, hw, constraints) -> list[tuple]:
+def _node_groupings(dp, tp, pp, m, zero, hw, constraints, pp_outer=False) -> list[tuple]:
     """(Plan.dp_shard, Plan.hpz) pairs to price at this dp, tp, pp, microbatch count and ZeRO
     stage: as the user fixed them (where they fit), else (None, None) (ZeRO over every dp
     rank) and, where the dp group spans nodes, one node's dp ranks as HSDP's shard group
     (ZeRO's all-gathers and reduce-scatters on the node's links, one all-reduce of a 1/shard
     slice across nodes) and, at zero=3, pp=1 and m=1, as hpZ's secondary partition (the
     backward's gathers on the node's links)."""
-    node = hw.devices_per_node // (tp * pp) if hw.devices_per_node % (tp * pp) == 0 else 0
-    spans = dp * tp * pp > hw.devices_per_node and 1 < node < dp and dp % node == 0
+    stride = tp if pp_outer else tp * pp  # (core/plan.dp_stride)
+    node = hw.devices_per_node // stride if hw.devices_per_node % stride == 0 else 0
+    spans = dp * stride > hw.devices_per_node and 1 < node < dp and dp % node == 0
     given = constraints.get("dp_shard")
     if given == "node":  # (the launcher's node size: Plan.dp_shard="node")
         try:
-            given = node_shard(dp, tp * pp)
+            given = node_shard(dp, stride)
         except PlanError:  # (nodes do not divide this dp: not a candidate)
             return []
     shards = [given] if "dp_shard" in constraints else [None, node] if spans else [None]
@@ -1048,6 +1051,16 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints) -> list[tuple]:
     return [(s, h or None)  # (hpz = 0: none)
             for s in shards if not hsdp_misfit(s, dp, zero)
             for h in hpzs if not hpz_misfit(h, dp, zero, pp, m, s)]
+
+
+def _mesh_orders(dp, pp, constraints) -> list[bool]:
+    """Plan.pp_outer values to price: as the user fixed it, else both orders where there is
+    a pipeline and a dp group to order (the stages outermost put the dp groups' collectives
+    on neighbouring ranks, a node, and the pipeline's sends across nodes)."""
+    if "pp_outer" in constraints:
+        return [constraints["pp_outer"]] if not constraints["pp_outer"] or (
+            pp > 1 and dp > 1) else []
+    return [False, True] if pp > 1 and dp > 1 else [False]
 
 
 def _expert_degrees(stats, dp, tp, pp, m, zero, grouping, constraints) -> list[int]:
@@ -1121,14 +1134,19 @@ def _expert_share(segs, tp: int) -> float:
 
 def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precision, optimizer,
            constraints, budget, offload=False, shard=None, hpz=None, ep=1, cp=1,
-           cp_attention="auto") -> Candidate | None:
+           cp_attention="auto", pp_outer=False) -> Candidate | None:
     """`shard`: Plan.dp_shard (HSDP: ZeRO over groups of `shard` dp ranks; None: all);
     `hpz`: Plan.hpz (the backward's gathers over groups of `hpz` ranks); `ep`: Plan.ep (each
     rank of a group of ep dp ranks holds and computes 1/ep of the experts, the layers' rows
     summed over the group); `cp`: Plan.cp (groups of cp dp ranks split the sequence; `mbs`
     is then a rank's tokens in whole-sequence rows, batch rows / dp); `cp_attention`:
-    Plan.cp_attention, "gather" or "ring" where cp > 1."""
+    Plan.cp_attention, "gather" or "ring" where cp > 1; `pp_outer`: Plan.pp_outer (the dp
+    groups and those carved from them on neighbouring tp x dp ranks, the stages outermost)."""
     quant = constraints.get("comm_quantization", "none")
+    # how many ranks apart neighbouring dp ranks are, and neighbouring stages (a group's span
+    # of consecutive ranks sets the links it crosses: hw.comm)
+    stride = tp if pp_outer else tp * pp
+    stage_stride = tp * dp if pp_outer else tp
     sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
     reps = dp // sdp
     if quantization_misfit(quant, zero, dp):
@@ -1319,9 +1337,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             n_moe, f = sum(s.n_moe for s in segs), mbs / stats.rows
             calls = max(1, 2 * round(n_moe))
             epc_f = hw.comm("all_to_all", 2 * sum(s.ep_comm_f for s in segs) * f, ep,
-                            tp * pp * ep, calls=calls)
+                            stride * ep, calls=calls)
             epc_b = hw.comm("all_to_all", 2 * sum(s.ep_comm_b for s in segs) * f, ep,
-                            tp * pp * ep, calls=calls)
+                            stride * ep, calls=calls)
             nodes = 8 * n_moe * hw_graph.node_overhead  # (route, counts, dispatches, combines)
             tf, tb = tf + nodes, tb + nodes
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b
@@ -1331,9 +1349,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             n_moe = sum(s.n_moe for s in segs)
             epc_f = hw.comm("all_reduce", sum(s.ep_comm_f for s in segs) * g, ep,
-                            tp * pp * ep, calls=max(1, round(n_moe)))
+                            stride * ep, calls=max(1, round(n_moe)))
             epc_b = hw.comm("all_reduce", sum(s.ep_comm_b for s in segs) * g, ep,
-                            tp * pp * ep, calls=max(1, round(n_moe)))
+                            stride * ep, calls=max(1, round(n_moe)))
             bw = hw.mem_bandwidth / hw.roofline_scale
             nodes = 12 * n_moe * hw_graph.node_overhead  # (the window, moves and masks)
             tf = max(tf + sum(s.ep_bytes_f for s in segs) * g / bw + nodes
@@ -1356,7 +1374,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 acc = kv * 4 / min(DTYPE_BYTES[precision], 4)
                 hidden_f = (1 - 1 / cp) * sum(s.attn_flops_f for s in segs) * mbs / stats.rows
                 hidden_b = (1 - 1 / cp) * sum(s.attn_flops_b for s in segs) * mbs / stats.rows
-                span = tp * pp * cp
+                span = stride * cp
                 own = steps * hw.link(span).alpha  # (each step's launches and merge, as
                 # cost.ring_attention_time)
                 cpc_f = max(hw.comm("p2p", kv * (1 - 1 / cp), 2, span, calls=steps)
@@ -1365,10 +1383,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                                     calls=2 * steps) - hidden_b / rate, 0.0) + own + \
                     hw.comm("p2p", acc / cp, 2, span, calls=max(1, round(n_attn)))
             else:
-                cpc_f = hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
-                cpc_b = hw.comm("reduce_scatter", kv, cp, tp * pp * cp, calls=calls)
+                cpc_f = hw.comm("all_gather", kv, cp, stride * cp, calls=calls)
+                cpc_b = hw.comm("reduce_scatter", kv, cp, stride * cp, calls=calls)
                 if remat != "none":  # (gathered again for the backward)
-                    cpc_b += hw.comm("all_gather", kv, cp, tp * pp * cp, calls=calls)
+                    cpc_b += hw.comm("all_gather", kv, cp, stride * cp, calls=calls)
             if hw.name != "cpu" and any(s.sdpa_flops_f for s in segs):  # CUDA's kernels
                 # the pass keeps whole (the memory-efficient and cuDNN ones, flash with
                 # dropout: context_parallel.splits_attention): each rank runs its rows' whole
@@ -1378,8 +1396,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 tf += (cp - 1) * sum(s.sdpa_flops_f for s in segs) * mbs / stats.rows / rate
                 tb += (cp - 1) * sum(s.sdpa_flops_b for s in segs) * mbs / stats.rows / rate
                 qo = sum(s.qo_bytes for s in segs) * g
-                cpc_f += hw.comm("all_gather", qo / 2, cp, tp * pp * cp, calls=calls // 2)
-                cpc_b += hw.comm("all_gather", qo / 2, cp, tp * pp * cp, calls=calls // 2)
+                cpc_f += hw.comm("all_gather", qo / 2, cp, stride * cp, calls=calls // 2)
+                cpc_b += hw.comm("all_gather", qo / 2, cp, stride * cp, calls=calls // 2)
             tpc_f, tpc_b = tpc_f + cpc_f, tpc_b + cpc_b
         fwd.append(tf + tpc_f + tp_nodes)
         # the recomputed forward runs its tp all-reduces again (remat runs before the tp
@@ -1389,7 +1407,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         wgrad.append(tb * _wgrad_share(stats, (pp * v, dev), r, mbs, hw_graph, precision)
                      if sched == "zero-bubble" else 0.0)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
-    p2p = hw.comm("p2p", boundary, 2, tp * 2) if pp > 1 else 0.0
+    p2p = hw.comm("p2p", boundary, 2, stage_stride * 2) if pp > 1 else 0.0
     tied_s = 0.0
     send_f, send_b = [0.0] * pp, [0.0] * pp  # the sender's share of fwd / bwd (its SENDs)
     if sent is not None:  # the pass's own transfers, per microbatch (a tp rank sends its
@@ -1405,12 +1423,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 continue  # two chunks of one rank (interleaved): no transfer
             nbytes = x.nbytes * (mbs / stats.rows if x.per_row else 1.0)
             if x.once:  # after the last microbatch, beside the tied gradients' exchange
-                tied_s += hw.comm("p2p", nbytes, 2, tp * 2)
+                tied_s += hw.comm("p2p", nbytes, 2, stage_stride * 2)
                 continue
             # (by stage: an interleaved rank's two chunks send at different times)
             moved.setdefault((x.src, x.dst, x.backward), []).append(nbytes)
         for (src, dst, backward), sizes in moved.items():
-            t = hw.comm("p2p", sum(sizes), 2, tp * 2,
+            t = hw.comm("p2p", sum(sizes), 2, stage_stride * 2,
                         calls=max(1, sum(b > SMALL_TRANSFER for b in sizes)))
             side = bwd if backward else fwd
             for r in (src % pp, dst % pp):
@@ -1419,7 +1437,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 (send_b if backward else send_f)[src % pp] += t * (1 - hw.overlap)
         for nbytes, stages, _ in stats.shared_weights.get((pp * v, dev), []):
             if len({s % pp for s in stages}) > 1:
-                tied_s += hw.comm("p2p", nbytes / tp, 2, tp * 2)
+                tied_s += hw.comm("p2p", nbytes / tp, 2, stage_stride * 2)
     if pp > 1 and sent is not None:
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     elif pp > 1:
@@ -1478,8 +1496,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # reduce-scatters, and the runtime all-gathers the updated shards (exposed); ZeRO-3
             # gathers each layer's parameters before its forward and again before its backward
             grad_bytes = n_reduced * elem
-            span = tp * pp * dp  # ranks are laid out tp innermost, then pp, then dp
-            s_span = tp * pp * sdp  # (HSDP's shard groups: neighbouring dp ranks)
+            span = stride * dp  # (api/parallelize.mesh_dims: tp innermost, then pp and dp)
+            s_span = stride * sdp  # (HSDP's shard groups: neighbouring dp ranks)
             # Plan.comm_quantization (as the user gives it; a lossy choice the search never
             # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
             # reduce-scatters' all-to-alls, and the (de)quantizing passes over the data
@@ -1515,7 +1533,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             if zero >= 3:  # (hpZ: the backward's from the secondary shards, within a node)
                 gathers = round(n_t * stats.zero3_gathers_per_param / 2)
                 dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
-                dpc += m * (hw.comm("all_gather", wire_w, hpz, tp * pp * hpz, calls=gathers)
+                dpc += m * (hw.comm("all_gather", wire_w, hpz, stride * hpz, calls=gathers)
                             if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
             if ep > 1 and edp > 1 and (zero or stats.moe_local) and not onebit:
                 # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered;
@@ -1608,7 +1626,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
            model_flops / (step * dp * tp * pp * hw.flops(precision)))
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched, zero=zero,
                 dp_shard=shard, hpz=hpz, ep=ep, cp=cp, cp_attention=cp_attention,
-                remat="auto" if constraints.get("remat") == "auto" else remat,
+                pp_outer=pp_outer, remat="auto" if constraints.get("remat") == "auto" else remat,
                 precision=precision, offload_optimizer=offload)
     for k2, given in constraints.items():  # every field the user fixed that is not searched
         if k2 not in SEARCHED:  # (e.g. codegen, max_grad_norm, offload, overlap)

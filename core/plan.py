@@ -69,6 +69,13 @@ class Plan:
                     whole keys/values, which at long sequences do not fit; attention without
                     a mask or dropout), "auto" (default): ring where it can run and the cost
                     model prices it no slower, per attention (plan="auto" searches both).
+    pp_outer:       the device mesh's order. False (default): tp innermost (neighbouring
+                    ranks), then pp, then dp (a pipeline's stages on neighbouring ranks, the
+                    dp groups and the ep, cp and shard groups carved from them spanning
+                    tp x pp ranks). True: pp outermost, as Megatron-Core orders them (each
+                    stage's dp group on tp x dp neighbouring ranks, a node where that is the
+                    GPUs per node; the pipeline's sends crossing nodes). Needs pp > 1 and
+                    dp > 1 (plan="auto" prices both orders against the topology).
     precision:      "fp32" | "bf16" | "fp16".
     codegen:        "auto" (default) | "inductor" | "eager": how each rank's graph runs.
                     "inductor": the compute between collectives compiled by Inductor (fused
@@ -174,6 +181,7 @@ class Plan:
     ep: int = 1
     cp: int = 1
     cp_attention: str = "auto"
+    pp_outer: bool = False
     precision: str = "fp32"
     codegen: str = "auto"
     fuse: bool = True
@@ -295,6 +303,12 @@ class Plan:
                             "for their backward to host memory; with pp=1 and microbatches=1 "
                             "none wait. Use microbatches > 1 (e.g. with schedule='gpipe') or "
                             "pp > 1, or remat to save activation memory instead.")
+        if self.pp_outer not in (True, False):
+            raise PlanError(f"Plan.pp_outer must be True or False, got {self.pp_outer!r}.")
+        if self.pp_outer and (self.pp == 1 or self.dp == 1):
+            raise PlanError(f"Plan.pp_outer=True orders the pipeline's stages outside the dp "
+                            f"groups; with pp={self.pp} and dp={self.dp} there is no such "
+                            "order to choose. Leave pp_outer False, or use pp > 1 and dp > 1.")
         if self.offload_optimizer not in (True, False):
             raise PlanError(f"Plan.offload_optimizer must be True or False, got "
                             f"{self.offload_optimizer!r}.")
@@ -537,21 +551,28 @@ def resolve(plan: Any, world_size: int) -> Plan:
                 + f" is not a positive multiple of tp*pp = {p.tp * p.pp}.")
         p.dp = workers // (p.tp * p.pp)
     if p.dp_shard == "node":
-        p.dp_shard = node_shard(p.dp, p.tp * p.pp)
+        p.dp_shard = node_shard(p.dp, dp_stride(p))
     return p.validate(world_size)
 
 
+def dp_stride(p: "Plan") -> int:
+    """How many ranks apart neighbouring dp ranks are on the mesh (api/parallelize.mesh_dims):
+    tp x pp, or tp where pp is outermost (Plan.pp_outer)."""
+    return p.tp * (1 if p.pp_outer else p.pp)
+
+
 def node_shard(dp: int, inner: int) -> int | None:
-    """Plan.dp_shard="node": the dp ranks one node holds (LOCAL_WORLD_SIZE ranks, tp x pp of
-    them per dp rank: the mesh puts those innermost), or None where one node holds every dp
-    rank or the launcher does not say (one process: a single node)."""
+    """Plan.dp_shard="node": the dp ranks one node holds (LOCAL_WORLD_SIZE ranks, `inner` of
+    them per dp rank: the mesh puts those innermost, `dp_stride`), or None where one node
+    holds every dp rank or the launcher does not say (one process: a single node)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     if local <= 0 or local % inner or not 1 < local // inner < dp:
         return None  # (a node of one dp rank: nothing to shard within it)
     if dp % (local // inner):
         raise PlanError(f"Plan.dp_shard='node': a node holds {local // inner} dp ranks "
-                        f"(LOCAL_WORLD_SIZE={local}, tp*pp={inner}), which does not divide "
-                        f"dp={dp}: give dp_shard as a number, or a dp that nodes divide.")
+                        f"(LOCAL_WORLD_SIZE={local}, {inner} ranks per dp rank), which does "
+                        f"not divide dp={dp}: give dp_shard as a number, or a dp that nodes "
+                        "divide.")
     return local // inner
 
 
@@ -596,7 +617,7 @@ def needs_search(plan) -> bool:
 
 # the fields plan="auto" searches: what tells one of its plans from another
 SEARCHED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "dp_shard", "hpz", "ep",
-            "cp", "cp_attention", "remat", "precision", "offload_optimizer")
+            "cp", "cp_attention", "pp_outer", "remat", "precision", "offload_optimizer")
 
 
 def plan_dict(p: Plan) -> dict:

@@ -230,6 +230,9 @@ PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"],
              + _pp_cases(["gpt", "hf_llama"], ["1f1b"], [2], {"pp": 2, "dp": 2})
              + _pp_cases(["hf_gpt2"], ["zero-bubble"], [2], {"pp": 2, "dp": 2})
              + [("gpt", "adamw", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}),  # ZeRO x pp
+                # the stages outermost on the mesh: each stage's dp group neighbouring ranks
+                ("gpt", "adamw", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2,
+                                  "pp_outer": True}),
                 ("hf_llama", "adamw", {"pp": 2, "dp": 2, "zero": 2, "microbatches": 2,
                                        "schedule": "zero-bubble"})])
 
@@ -245,8 +248,8 @@ PP4_CASES = (_pp_cases(["gpt"], ["gpipe", "1f1b", "interleaved", "zero-bubble"],
         ("gpt", "adamw", {"dp": 2, "microbatches": 4, "zero": 2})]),
     *tiers("pp4", 4, PP4_CASES, [])])
 def test_pipeline_equals_single_process(world, cases):
-    """Every schedule, microbatches 1..8, pp = 2 and 4, pp=2 x dp=2 (also with ZeRO 1 and 2),
-    with remat; small GPT,
+    """Every schedule, microbatches 1..8, pp = 2 and 4, pp=2 x dp=2 (also with ZeRO 1 and 2,
+    and with the stages outermost on the mesh), with remat; small GPT,
     HF GPT-2 and HF Llama: loss per step and final parameters equal single-process eager
     training (rtol 1e-5), on every rank; evaluate() too."""
     _check_plans(world, cases)

@@ -465,3 +465,59 @@ def test_the_last_backward_runs_the_reduction_as_its_buckets_fill(hoist):
     out = _NoCollectives(gm).run(x, sa.clone(), sb.clone())
     for got, want in zip(out, (a_sum / 2, b_sum / 2, a_sum / 2, b_sum / 2)):
         assert torch.equal(got, want)
+
+
+# --- the mesh's order (Plan.pp_outer) -------------------------------------------------------
+
+def test_pp_outer_puts_the_stages_outermost(monkeypatch):
+    """Plan.pp_outer orders the mesh pp, dp (with the ep / cp groups carved from it), tp:
+    each stage's dp group on neighbouring ranks; the default keeps pp inside dp. A node's
+    dp ranks (dp_shard="node") follow the order; without a pipeline or a dp group there is
+    no order to choose, and the plan says so."""
+    from fxpar.api.parallelize import mesh_dims
+    assert mesh_dims(resolve({"dp": 2, "pp": 2}, 4)) == [("dp", 2), ("pp", 2)]
+    assert mesh_dims(resolve({"dp": 2, "pp": 2, "pp_outer": True}, 4)) == [("pp", 2), ("dp", 2)]
+    assert mesh_dims(resolve({"dp": 4, "pp": 2, "tp": 2, "ep": 2, "pp_outer": True}, 16)) == [
+        ("pp", 2), ("edp", 2), ("ep", 2), ("tp", 2)]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    node = {"dp": 8, "pp": 2, "zero": 3, "dp_shard": "node"}
+    assert resolve(node, 16).dp_shard == 2  # (a node: 2 dp ranks x their 2 stages)
+    assert resolve({**node, "pp_outer": True}, 16).dp_shard == 4  # (4 dp ranks of a stage)
+    for plan, world in (({"dp": 4, "pp_outer": True}, 4), ({"pp": 4, "pp_outer": True}, 4)):
+        with pytest.raises(PlanError, match="pp_outer=True orders the pipeline's stages"):
+            resolve(plan, world)
+    with pytest.raises(PlanError, match="pp_outer must be True or False"):
+        resolve({"dp": 2, "pp": 2, "pp_outer": "yes"}, 4)
+
+
+def test_planner_prices_the_mesh_order_against_the_topology():
+    """GPT 7.5B in bf16 on 16 H100s (2 nodes of 8) at pp=2, dp=8: with dp outermost each
+    dp group spans both nodes (its gradient all-reduce over InfiniBand); with the stages
+    outermost each stage's dp group is one node (NVLink) and only the pipeline's
+    activations cross nodes: priced over 5x less dp communication and chosen. One node
+    (8 H100s): both orders cost the same and the default wins the tie; without a pipeline
+    there is one order."""
+    from fxpar.compiler import planner
+    from fxpar.examples import gpt_stats as G
+    hw = cost.HARDWARE["h100"]
+    stats = G.gpt_stats("gpt-7.5b")
+    fixed = {"tp": 1, "pp": 2, "zero": 1, "microbatches": 8, "schedule": "1f1b",
+             "dp_shard": None, "hpz": None}
+    r = planner.search(stats, 16, hw, batch_rows=64, precision="bf16", executable=False,
+                       constraints=fixed)
+    by = {c.plan.pp_outer: c for c in r.table}
+    assert set(by) == {False, True} and r.best.plan.pp_outer
+    comm = {k: c.parts["dp communication"] for k, c in by.items()}
+    assert comm[True] < comm[False] / 5
+    assert by[True].parts["compute"] == pytest.approx(by[False].parts["compute"])
+    assert "pp outer" in by[True].row() and "pp outer" not in by[False].row()
+    one = planner.search(stats, 8, hw, batch_rows=64, precision="bf16", executable=False,
+                         constraints={**fixed})
+    assert {c.plan.pp_outer for c in one.table} == {False, True}
+    assert not one.best.plan.pp_outer
+    flat = planner.search(stats, 16, hw, batch_rows=64, precision="bf16", executable=False,
+                          constraints={"pp": 1, "tp": 1, "zero": 1})
+    assert {c.plan.pp_outer for c in flat.table} == {False}
+    fixed_order = planner.search(stats, 16, hw, batch_rows=64, precision="bf16",
+                                 executable=False, constraints={**fixed, "pp_outer": False})
+    assert {c.plan.pp_outer for c in fixed_order.table} == {False}
