@@ -13,7 +13,8 @@ search picks over everything, and the best plan with the axis off and at each fi
 - The same Llama at 1M tokens on 64 GPUs, one sequence a step: context parallelism's
   attention gathered against ring attention.
 - The same Llama at 8k tokens on 64 GPUs (8 nodes), 512 sequences: ZeRO-3 over all 64 ranks
-  against HSDP's shard groups.
+  against HSDP's shard groups; and a 2-stage pipeline with the mesh's dp groups outermost
+  (each spanning both stages' nodes) or the stages outermost (Plan.pp_outer).
 
 Run: python benchmarks/planner_axes_at_scale.py [--only ds3,llama_long,llama_1m,llama_hsdp]
 (CPU only, about 2-4 minutes)
@@ -73,7 +74,13 @@ CASES = [
         ("everything", {}), ("ZeRO-3 over all 64", {"zero": 3, "dp_shard": 64, "hpz": 0}),
         ("ZeRO-3, HSDP shard 8", {"zero": 3, "dp_shard": 8, "hpz": 0}),
         ("ZeRO-3, hpZ 8", {"zero": 3, "dp_shard": 64, "hpz": 8}),
-        ("ZeRO-1 over all 64", {"zero": 1, "dp_shard": 64, "hpz": 0})]),
+        ("ZeRO-1 over all 64", {"zero": 1, "dp_shard": 64, "hpz": 0}),
+        # the mesh's order at pp=2: each HSDP shard group of 8 dp ranks spread over two
+        # nodes (the stages neighbours), or on one node (the stages outermost)
+        ("pp=2, HSDP shard 8, dp outermost", {"pp": 2, "dp_shard": 8, "hpz": 0,
+                                               "pp_outer": False}),
+        ("pp=2, HSDP shard 8, pp outermost", {"pp": 2, "dp_shard": 8, "hpz": 0,
+                                               "pp_outer": True})]),
 ]
 
 
@@ -92,6 +99,7 @@ def _plan(p) -> str:
     out += f" hpz {p.hpz}" if p.hpz else ""
     out += f" ep={p.ep}" if p.ep > 1 else ""
     out += f" cp={p.cp} ({p.cp_attention})" if p.cp > 1 else ""
+    out += ", pp outermost" if p.pp_outer else ""
     r = p.remat if isinstance(p.remat, str) else f"{p.remat / 2**30:.0f} GiB"
     return out + f", remat {r}" + (", optimizer on host" if p.offload_optimizer else "")
 
