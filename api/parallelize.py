@@ -246,8 +246,9 @@ def mesh_dims(plan) -> list[tuple[str, int]]:
     """The device mesh's (name, degree) dims, outermost first: tp innermost (neighbouring
     ranks), then pp, then dp (Plan.pp_outer: then dp, then pp; core/plan.dp_stride); with
     HSDP (hpZ) dp as (replicas, shard group (secondary partition)), that group the inner
-    one (neighbouring ranks: one node when it is the GPUs per node); with ep as (across expert groups, expert group), that group the inner one,
-    and with cp likewise (across sequence groups, sequence group). HSDP with ep: (replicas,
+    one (neighbouring ranks: one node when it is the GPUs per node); with ep as (across
+    expert groups, expert group), that group the inner one, and with cp likewise (across
+    sequence groups, sequence group). HSDP with ep: (replicas,
     the shard group's ranks holding the same experts, expert group), which runtime/dist.setup
     flattens into "dp_shard" (the last two) and "edp" (the first two); with cp likewise
     ("cdp_shard", "cp"; "dp_shard" and "cdp")."""

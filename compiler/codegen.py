@@ -697,11 +697,15 @@ def cache_dir() -> str:
     return os.path.join(inductor_dir(), "fxpar")
 
 
+# where fxpar's ops (their fake functions, shape rules and kernels) are defined
+OP_SOURCES = ("core", "kernels", "compiler/padded_nonzero.py", "compiler/shape_rules.py")
+
+
 def _key(sub: torch.fx.GraphModule, fakes) -> str:
     """The run's code, its inputs' shapes/strides/dtypes/devices, torch's version, the
     Inductor options fxpar sets, the thread count (Inductor's CPU kernels fix their OpenMP
     threads at compile time: a 2-thread kernel in a 1-thread rank oversubscribes) and the
-    source of fxpar's ops and kernels (core/, kernels/: the code calls them by name, compiled
+    source of fxpar's ops and kernels (`OP_SOURCES`: the code calls them by name, compiled
     with their fake functions and lowerings): what the compiled code depends on; and
     Inductor's settings as its own cache keys them
     (`save_config_portable`: a user's max_autotune or shape padding is not served a run
@@ -709,7 +713,7 @@ def _key(sub: torch.fx.GraphModule, fakes) -> str:
     from torch._inductor import config
     portable = getattr(config, "save_config_portable", dict)()
     h = hashlib.sha256()
-    for part in (torch.__version__, source_version("core", "kernels"), repr(INDUCTOR_OPTIONS),
+    for part in (torch.__version__, source_version(*OP_SOURCES), repr(INDUCTOR_OPTIONS),
                  f"threads={torch.get_num_threads()}",
                  repr(sorted(portable.items())), sub.code,
                  *(f"{tuple(f.shape)}{f.stride()}{f.dtype}{f.device}" for f in fakes)):

@@ -218,7 +218,8 @@ class PlanResult:
         if pct <= self.hardware.noise * 100:  # rank()'s tie: the simpler plan wins
             return (f"{pct:+.1f}%, within the prediction's resolution "
                     f"({self.hardware.noise:.0%}): the simpler plan wins (less tp, fewer "
-                    "pipeline stages and microbatches, fewer axes, less ZeRO, 1F1B, no remat)")
+                    "pipeline stages and microbatches, fewer axes, less ZeRO, gathered cp "
+                    "attention, dp outside pp, 1F1B, no remat)")
         return f"{pct:.1f}% slower: {why or 'the sum of small differences'}"
 
     def plain_dp(self) -> str:
@@ -249,7 +250,8 @@ class PlanResult:
                     f"remat={_remat_str(p.remat)}"
                     f"{f' hsdp={p.dp_shard}' if p.hsdp else ''}"
                     f"{f' hpz={p.hpz}' if p.hpz else ''}{f' ep={p.ep}' if p.ep > 1 else ''}"
-                    f"{f' cp={p.cp}' if p.cp > 1 else ''}"
+                    f"{f' cp={p.cp} ({p.cp_attention})' if p.cp > 1 else ''}"
+                    f"{' pp outer' if p.pp_outer else ''}"
                     f"{' optimizer on host' if p.offload_optimizer else ''}: "
                     f"{c.step_s * 1e3:.2f} ms/step, "
                     f"{_bytes(c.memory.total)}/device")
@@ -785,7 +787,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                 zeros = [constraints["zero"]] if "zero" in constraints else (
                     [0, 1, 2, 3] if dp > 1 else [0])
                 for zero, (shard, hpz), ep, outer in [
-                        (z, g, e, o) for o in _mesh_orders(dp, pp, constraints)
+                        (z, g, e, o) for o in _mesh_orders(dp, tp, pp, hw, constraints)
                         for z in zeros
                         for g in _node_groupings(dp, tp, pp, m, z, hw, constraints, o)
                         for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
@@ -1000,8 +1002,8 @@ def simplicity(p: Plan) -> tuple:
     """What wins a tie: less tensor parallelism, fewer pipeline stages, fewer microbatches -
     where a price is least certain (collective latency, the runtime's per-microbatch costs) -
     then fewer axes, less ZeRO, no HSDP, hpZ, ep or cp, gathered cp attention, dp outside
-    pp, 1F1B, no remat. Plain dp wins every tie it is in. (Fewer axes first let 4 CPU ranks pick pp=4
-    m=8 over pp=2 x dp=2 m=1 in a 4% tie; it measured 1.5x.)"""
+    pp, 1F1B, no remat. Plain dp wins every tie it is in. (Fewer axes first let 4 CPU ranks
+    pick pp=4 m=8 over pp=2 x dp=2 m=1 in a 4% tie; it measured 1.5x.)"""
     axes = sum(d > 1 for d in (p.dp, p.tp, p.pp))
     return (p.tp, p.pp, p.microbatches, axes, p.zero, p.hsdp, bool(p.hpz), p.ep, p.cp,
             p.cp_attention == "ring", p.pp_outer, p.pp > 1 and p.schedule != "1f1b",
@@ -1035,7 +1037,8 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints, pp_outer=False) -> lis
     rank) and, where the dp group spans nodes, one node's dp ranks as HSDP's shard group
     (ZeRO's all-gathers and reduce-scatters on the node's links, one all-reduce of a 1/shard
     slice across nodes) and, at zero=3, pp=1 and m=1, as hpZ's secondary partition (the
-    backward's gathers on the node's links)."""
+    backward's gathers on the node's links). `pp_outer`: the mesh's order (Plan.pp_outer),
+    which sets how many ranks apart neighbouring dp ranks are."""
     stride = tp if pp_outer else tp * pp  # (core/plan.dp_stride)
     node = hw.devices_per_node // stride if hw.devices_per_node % stride == 0 else 0
     spans = dp * stride > hw.devices_per_node and 1 < node < dp and dp % node == 0
@@ -1053,14 +1056,16 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints, pp_outer=False) -> lis
             for h in hpzs if not hpz_misfit(h, dp, zero, pp, m, s)]
 
 
-def _mesh_orders(dp, pp, constraints) -> list[bool]:
+def _mesh_orders(dp, tp, pp, hw, constraints) -> list[bool]:
     """Plan.pp_outer values to price: as the user fixed it, else both orders where there is
-    a pipeline and a dp group to order (the stages outermost put the dp groups' collectives
-    on neighbouring ranks, a node, and the pipeline's sends across nodes)."""
+    a pipeline and a dp group to order and the ranks span nodes (the stages outermost put
+    the dp groups' collectives on neighbouring ranks, a node, and the pipeline's sends
+    across nodes; within one node every order prices the same)."""
     if "pp_outer" in constraints:
         return [constraints["pp_outer"]] if not constraints["pp_outer"] or (
             pp > 1 and dp > 1) else []
-    return [False, True] if pp > 1 and dp > 1 else [False]
+    spans = dp * tp * pp > hw.devices_per_node
+    return [False, True] if pp > 1 and dp > 1 and spans else [False]
 
 
 def _expert_degrees(stats, dp, tp, pp, m, zero, grouping, constraints) -> list[int]:
@@ -1146,7 +1151,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     # how many ranks apart neighbouring dp ranks are, and neighbouring stages (a group's span
     # of consecutive ranks sets the links it crosses: hw.comm)
     stride = tp if pp_outer else tp * pp
-    stage_stride = tp * dp if pp_outer else tp
+    # a pipeline runs at its slowest hop: its sends priced on the link its whole extent
+    # crosses (pp stages, neighbours tp x dp ranks apart with the stages outermost, else tp)
+    pipe_span = (tp * dp if pp_outer else tp) * pp
     sdp = shard if shard and shard < dp else dp  # ZeRO shards over sdp ranks, `reps` copies
     reps = dp // sdp
     if quantization_misfit(quant, zero, dp):
@@ -1407,7 +1414,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         wgrad.append(tb * _wgrad_share(stats, (pp * v, dev), r, mbs, hw_graph, precision)
                      if sched == "zero-bubble" else 0.0)
     boundary = max((s.boundary for s in stats.layers), default=0.0) * mbs / stats.rows
-    p2p = hw.comm("p2p", boundary, 2, stage_stride * 2) if pp > 1 else 0.0
+    p2p = hw.comm("p2p", boundary, 2, pipe_span) if pp > 1 else 0.0
     tied_s = 0.0
     send_f, send_b = [0.0] * pp, [0.0] * pp  # the sender's share of fwd / bwd (its SENDs)
     if sent is not None:  # the pass's own transfers, per microbatch (a tp rank sends its
@@ -1423,12 +1430,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 continue  # two chunks of one rank (interleaved): no transfer
             nbytes = x.nbytes * (mbs / stats.rows if x.per_row else 1.0)
             if x.once:  # after the last microbatch, beside the tied gradients' exchange
-                tied_s += hw.comm("p2p", nbytes, 2, stage_stride * 2)
+                tied_s += hw.comm("p2p", nbytes, 2, pipe_span)
                 continue
             # (by stage: an interleaved rank's two chunks send at different times)
             moved.setdefault((x.src, x.dst, x.backward), []).append(nbytes)
         for (src, dst, backward), sizes in moved.items():
-            t = hw.comm("p2p", sum(sizes), 2, stage_stride * 2,
+            t = hw.comm("p2p", sum(sizes), 2, pipe_span,
                         calls=max(1, sum(b > SMALL_TRANSFER for b in sizes)))
             side = bwd if backward else fwd
             for r in (src % pp, dst % pp):
@@ -1437,7 +1444,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 (send_b if backward else send_f)[src % pp] += t * (1 - hw.overlap)
         for nbytes, stages, _ in stats.shared_weights.get((pp * v, dev), []):
             if len({s % pp for s in stages}) > 1:
-                tied_s += hw.comm("p2p", nbytes / tp, 2, stage_stride * 2)
+                tied_s += hw.comm("p2p", nbytes / tp, 2, pipe_span)
     if pp > 1 and sent is not None:
         p2p *= hw.overlap  # the fill / drain latency below: the rest is in the stages' times
     elif pp > 1:
@@ -1496,7 +1503,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # reduce-scatters, and the runtime all-gathers the updated shards (exposed); ZeRO-3
             # gathers each layer's parameters before its forward and again before its backward
             grad_bytes = n_reduced * elem
-            span = stride * dp  # (api/parallelize.mesh_dims: tp innermost, then pp and dp)
+            span = stride * dp  # (the dp group's ranks `stride` apart: core/plan.dp_stride)
             s_span = stride * sdp  # (HSDP's shard groups: neighbouring dp ranks)
             # Plan.comm_quantization (as the user gives it; a lossy choice the search never
             # makes): int8 + a 2-byte scale per block on the gathers, int4 + one on the
@@ -1516,8 +1523,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 # scale per block, an all-to-all and an all-gather (each moving what a ring
                 # all-gather moves), and ~12 memory-bound passes over it (fold, compress and
                 # decompress twice, update)
-                wire = n_elem * (1 / 8 + 4 / qcomm.ONEBIT_BLOCK)
-                gather = 2 * hw.comm("all_gather", wire, dp, span) + \
+                signs = n_elem * (1 / 8 + 4 / qcomm.ONEBIT_BLOCK)
+                gather = 2 * hw.comm("all_gather", signs, dp, span) + \
                     12 * 4 * n_elem / hw.mem_bandwidth + 20 * n_t * hw_graph.node_overhead
             elif zero == 0 or zero == 1:
                 dpc = hw.comm("all_reduce", grad_bytes, dp, span, calls=buckets)
@@ -2132,10 +2139,11 @@ def smallest_call_rows(stats: GraphStats, world: int, constraints: dict | None =
 def smallest_call_tokens(stats: GraphStats, world: int) -> int | None:
     """Where no plan calls the graph on fewer rows (`smallest_call_rows` None: one row, or
     rows dp cannot split), the fewest tokens of the sequence a plan runs it on: cp's share
-    at the largest cp of the world that splits the sequence; None where cp cannot split it."""
+    at the largest cp dividing the world (it divides dp) that splits the sequence; None
+    where cp cannot split it."""
     if stats.seq is None or stats.cp_refusal is not None:
         return None
-    cps = [c for c in range(2, world + 1) if stats.seq % (2 * c) == 0]
+    cps = [c for c in range(2, world + 1) if world % c == 0 and stats.seq % (2 * c) == 0]
     return stats.seq // max(cps) if cps else None
 
 
@@ -2160,8 +2168,9 @@ def fit_to_timing(hw: cost.Hardware, stats: GraphStats, t_graph: float, spread: 
     between the two then prices every size by interpolation, and the per-call part, (R
     t_small - r t_graph) / (R - r) at r of R rows, carries the timings' noise scaled by
     R / (R - r) rather than 3x at half the rows (r = R / 2: the per-call part of the same
-    model came out 7 us or 122 us a node from run to run). Fewer tokens shrink attention
-    quadratically, the rest linearly: the line is drawn through the two sizes' rooflines.
+    model came out 7 us or 122 us a node from run to run). Fewer tokens shrink attention's
+    FLOPs quadratically, the rest linearly (eager attention's score traffic too, an
+    approximation): the line is drawn through the two sizes' rooflines.
     Without t_small it is all per node."""
     # plans predicted closer than the graph's own timing varies are a tie (planner.rank),
     # at most 5%: a tie costs at most that over the fastest prediction (half the 10% regret

@@ -11,12 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.cache
-def source_version(*folders: str) -> str:
-    """16 hex digits of the .py files' names and contents in these folders of fxpar."""
+def source_version(*paths: str) -> str:
+    """16 hex digits of the names and contents of these .py files of fxpar and of the .py
+    files in these folders of it."""
     h = hashlib.sha256()
-    for d in folders:
-        for name in sorted(os.listdir(os.path.join(ROOT, d))):
-            if name.endswith(".py"):
-                with open(os.path.join(ROOT, d, name), "rb") as f:
-                    h.update(f"{d}/{name}".encode() + f.read())
+    for p in paths:
+        files = [p] if p.endswith(".py") else [
+            f"{p}/{name}" for name in sorted(os.listdir(os.path.join(ROOT, p)))
+            if name.endswith(".py")]
+        for rel in files:
+            with open(os.path.join(ROOT, rel), "rb") as f:
+                h.update(rel.encode() + f.read())
     return h.hexdigest()[:16]

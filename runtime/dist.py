@@ -135,10 +135,13 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         if user and devices.mesh_dim_names == names and tuple(devices.mesh.shape) == shape:
             mesh = devices
         elif user and "dp_shard" in (devices.mesh_dim_names or ()):
+            order = " (Plan.pp_outer=True puts pp first, as this mesh does)" if \
+                devices.mesh_dim_names[0] == "pp" and "pp" in names and names[0] != "pp" else ""
             raise PlanError(
                 f"the DeviceMesh passed as devices has dims {devices.mesh_dim_names} of sizes "
                 f"{tuple(devices.mesh.shape)}, but the plan needs {names} of sizes {shape}: "
-                "pass a mesh of the plan's shape, or give the plan the mesh's degrees.")
+                "pass a mesh of the plan's shape and order, or give the plan the mesh's "
+                f"degrees{order}.")
         elif n < world:  # the first n ranks (every rank builds it: new_group is collective)
             from torch.distributed.device_mesh import DeviceMesh
             mesh = DeviceMesh(dev.type, torch.arange(n).view(shape), mesh_dim_names=names,
@@ -273,10 +276,13 @@ def _start_method() -> str:
 
 
 def _model_library_modules() -> str:
-    """The caller's loaded modules of MODEL_LIBRARIES, for runtime/preload.py."""
-    return ",".join(sorted(m for m, mod in list(sys.modules.items())
-                           if m.partition(".")[0] in MODEL_LIBRARIES
-                           and getattr(mod, "__file__", None)))
+    """The caller's loaded modules of MODEL_LIBRARIES, for runtime/preload.py: the leaves
+    only (importing one imports its packages), to keep the variable short."""
+    names = sorted(m for m, mod in list(sys.modules.items())
+                   if m.partition(".")[0] in MODEL_LIBRARIES and getattr(mod, "__file__", None))
+    # (sorted, a package's modules follow it at once: "a", "a.b", "a0")
+    return ",".join(m for m, after in zip(names, names[1:] + [""])
+                    if not after.startswith(m + "."))
 
 
 def _write_error(e: BaseException, tb: str) -> None:
@@ -354,9 +360,9 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
     env = {"FXPAR_PROGRESS_DIR": progress, "FXPAR_PRELOAD": _model_library_modules()}
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # fn and args apart: a rank unpickles them once it has the caller's sys.path (`_run`)
-    payload = pickle.dumps((_caller(), cloudpickle.dumps((fn, args))))
     try:
+        # fn and args apart: a rank unpickles them once it has the caller's sys.path (`_run`)
+        payload = pickle.dumps((_caller(), cloudpickle.dumps((fn, args))))
         with _elastic_quiet(), _main_not_imported():
             results = elastic_launch(config, _entry)(payload)
         return dict(sorted(results.items()))  # rank order, whichever rank finished first

@@ -331,11 +331,11 @@ def test_the_cache_key_follows_inductors_settings_not_its_per_process_ones(monke
     with config.patch(compile_threads=config.compile_threads + 1):
         assert codegen._key(sub, fakes) == key
     # fxpar's ops and kernels edited (or fxpar upgraded): compiled again, never reused
-    versions = {("core", "kernels"): "0123456789abcdef"}
+    versions = {codegen.OP_SOURCES: "0123456789abcdef"}
     monkeypatch.setattr(codegen, "source_version", lambda *d: versions.get(d, "other"))
     edited = codegen._key(sub, fakes)
     assert edited != key
-    versions[("core", "kernels")] = "fedcba9876543210"
+    versions[codegen.OP_SOURCES] = "fedcba9876543210"
     assert codegen._key(sub, fakes) != edited
 
 

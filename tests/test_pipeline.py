@@ -494,9 +494,10 @@ def test_planner_prices_the_mesh_order_against_the_topology():
     """GPT 7.5B in bf16 on 16 H100s (2 nodes of 8) at pp=2, dp=8: with dp outermost each
     dp group spans both nodes (its gradient all-reduce over InfiniBand); with the stages
     outermost each stage's dp group is one node (NVLink) and only the pipeline's
-    activations cross nodes: priced over 5x less dp communication and chosen. One node
-    (8 H100s): both orders cost the same and the default wins the tie; without a pipeline
-    there is one order."""
+    activations cross nodes: priced over 5x less dp communication and chosen. On one node
+    (8 H100s) every order costs the same: only the default is priced; without a pipeline
+    there is one order. A pipeline's sends are priced on the link its whole extent crosses:
+    4 stages of dp=2 (stages outermost) on one node, or across two."""
     from fxpar.compiler import planner
     from fxpar.examples import gpt_stats as G
     hw = cost.HARDWARE["h100"]
@@ -513,8 +514,13 @@ def test_planner_prices_the_mesh_order_against_the_topology():
     assert "pp outer" in by[True].row() and "pp outer" not in by[False].row()
     one = planner.search(stats, 8, hw, batch_rows=64, precision="bf16", executable=False,
                          constraints={**fixed})
-    assert {c.plan.pp_outer for c in one.table} == {False, True}
-    assert not one.best.plan.pp_outer
+    assert {c.plan.pp_outer for c in one.table} == {False}
+    sends = {}
+    for world in (8, 16):
+        r = planner.search(stats, world, hw, batch_rows=64, precision="bf16",
+                           executable=False, constraints={**fixed, "pp": 4, "pp_outer": True})
+        sends[world] = r.best.ctx[2]  # (the p2p seconds of one boundary)
+    assert sends[16] > 2 * sends[8]  # (InfiniBand against NVLink)
     flat = planner.search(stats, 16, hw, batch_rows=64, precision="bf16", executable=False,
                           constraints={"pp": 1, "tp": 1, "zero": 1})
     assert {c.plan.pp_outer for c in flat.table} == {False}

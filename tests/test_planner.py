@@ -1012,6 +1012,7 @@ def test_cpu_calibration_of_one_sequence_splits_per_token_and_per_call(small_sta
     assert planner.smallest_call_rows(stats, 4) is None
     assert planner.smallest_call_tokens(stats, 2) == 32
     assert planner.smallest_call_tokens(stats, 4) == 16
+    assert planner.smallest_call_tokens(stats, 6) == 32  # (cp divides the world: 2 of 6)
     assert planner.smallest_call_tokens(stats, 1) is None
     assert planner.smallest_call_tokens(dataclasses.replace(stats, seq=None), 4) is None
     fit = planner.fit_to_timing(hw, stats, timed(64), 0.01, None, None, timed(16),
