@@ -164,6 +164,7 @@ def test_hsdp_shards_within_groups_holding_whole_cp_groups():
     assert groups[c10d.all_reduce.default] >= {G["dp_rep"], G["cdp"]}
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
 def test_cuda_flash_attention_splits_as_the_cpus():
     """A plan for CUDA traces SDPA as CUDA's kernels (compiler/target_attention.py; run on
     this CPU). In bf16, causal, without dropout that is flash attention, which the pass makes

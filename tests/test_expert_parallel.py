@@ -64,9 +64,8 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     leaving comes back (fxpar::ep_combine); the nodes between them hold as many rows as
     arrive (their graph values the most there can be, ep x the rank's own: marked
     ir.DYNAMIC_ROWS, run op by op, never in a compiled run); nothing is gathered or
-    all-reduced over ep. The expert gradients hold every rank's rows of one ep
-    group, complete at dp = ep, summed over "edp" at dp=4 x ep=2; the other weights' over
-    dp. A dispatch that reads every row (a capacity) keeps the gathered window instead."""
+    all-reduced over ep. The expert gradients hold every rank's rows of one ep group,
+    complete at dp = ep; the other weights' summed over dp."""
     model, batch = _mixtral()
     prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "ep": 2, "fuse": False})
     sig, g = prog.signature, prog.graph.graph
@@ -119,7 +118,19 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     assert not any(reduced_over(grads[i]) for i in prog.expert_params)
     others = [i for i in range(sig.num_params) if i not in prog.expert_params]
     assert all(reduced_over(grads[i]) for i in others if grads[i] is not None)
+    assert mesh_dims(prog.plan) == [("edp", 1), ("ep", 2)]
+
+
+@pytest.mark.slow  # (make test's 6 minutes)
+def test_rewrite_at_dp4_and_for_a_dispatch_that_reads_every_row():
+    """dp=4 x ep=2: the expert gradients summed over "edp", the other weights' over dp. A
+    dispatch that reads every row (a capacity) keeps the gathered window instead of the
+    all-to-alls: fxpar::expert_window, its rows all-reduced over ep each way. Under remat
+    the recomputed forward is a layer of its own on the same split weights."""
+    model, batch = _mixtral()
     four = fxpar.compile(model, 4, example_batch=batch, plan={"dp": 4, "ep": 2, "fuse": False})
+    sig, fx = four.signature, torch.ops.fxpar
+    others = [i for i in range(sig.num_params) if i not in four.expert_params]
     out4 = next(n for n in four.graph.graph.nodes if n.op == "output")
     grads4 = out4.args[0][1:1 + sig.num_params]
     assert all(reduced_over(grads4[i], ir.GROUPS["edp"]) for i in four.expert_params)
@@ -132,14 +143,13 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
     assert any(n.target is fx.expert_window.default for n in wg.nodes)
     assert len([n for n in wg.nodes if n.target is c10d.all_reduce.default
                 and n.args[2] == ir.GROUPS["ep"]]) == 2  # (its rows, each way)
-    assert mesh_dims(prog.plan) == [("edp", 1), ("ep", 2)]
     # remat recomputes each layer's forward in the backward, with offs of its own: a layer
     # more each, reading the same (split) weights
     remat = fxpar.compile(model, 2, example_batch=batch,
                           plan={"dp": 2, "ep": 2, "remat": "sqrt", "fuse": False})
     found = [r["module"] for r in remat.graph.meta[ir.EP_REPORT]]
     assert len(found) > 2 and set(found) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
-    assert remat.expert_params == prog.expert_params
+    assert remat.expert_params == four.expert_params
     assert mesh_dims(resolve({"dp": 4, "ep": 2}, 4)) == [("edp", 2), ("ep", 2)]
 
 
@@ -261,10 +271,8 @@ def test_a_stage_boundary_inside_an_moe_layer_is_refused():
 
 
 def test_plans_and_models_expert_parallelism_refuses_by_name():
-    """ep must divide dp and the experts (and HSDP's shard groups); not with hpZ or ps yet;
-    an expert weight read by anything but its layer's grouped matmuls (a regulariser) or
-    split by tp already (DeepSeek-V3's) cannot be split; a model whose experts are an
-    nn.ModuleList (routed by torch.where) has no grouped matmul."""
+    """ep must divide dp and the experts (and HSDP's shard groups); not with hpZ or ps
+    yet."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "ep": 2}, 3)
     with pytest.raises(PlanError, match="ep must divide dp_shard"):
@@ -278,6 +286,15 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
     model, batch = _mixtral()
     with pytest.raises(PlanError, match="4 experts, which do not split evenly over 3"):
         fxpar.compile(model, 3, example_batch=batch, plan={"dp": 3, "ep": 3})
+
+
+@pytest.mark.slow  # (make test's 6 minutes)
+def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_name():
+    """An expert weight read by anything but its layer's grouped matmuls (a regulariser) or
+    split by tp already (DeepSeek-V3's) cannot be split; a model whose experts are an
+    nn.ModuleList (routed by torch.where) has no grouped matmul."""
+    model, batch = _mixtral()
+
     def regularised(m, b):  # the experts' weight also read outside the grouped matmuls
         return m(**b).loss + 1e-3 * m.model.layers[0].mlp.experts.down_proj.pow(2).sum()
     with pytest.raises(PlanError, match="down_proj of .* is also read by .* not only as"):

@@ -151,6 +151,7 @@ def test_planner_prices_local_experts_as_dp_work():
     assert expert_f > 0 and whole_f < 0.5 * expert_f
 
 
+@pytest.mark.slow  # (make test's 6 minutes; ep=2's parity, fast, runs the same dispatch)
 def test_moe_dp_trains_like_eager():
     """Mixtral under dp=2 (the dispatch on each rank's rows): losses, evaluate() and every
     final weight equal eager AdamW."""
