@@ -135,11 +135,13 @@ def test_resume_and_reshard_real_processes(tmp_path):
     """Launch 1 trains each case 10 steps, saving at 5. Launch 2 (new processes): the dp and
     pp cases load their own checkpoint; the tp=2 x dp=2 (ZeRO-1) model first loads the
     dp=2 x pp=2 checkpoint (resharded) and takes the next step, then loads its own checkpoint
-    into the same model and continues."""
+    into the same model and continues; the dp=2 x pp=2 plan with the stages outermost on the
+    mesh (Plan.pp_outer) loads the dp=2 x pp=2 checkpoint and takes the same next step."""
     saved = fxpar.launch(workers.resume_save_rank, 4, RESUME_CASES, str(tmp_path))[0]
     loads = [("dp", ["dp"], "mlp_dropout", RESUME_CASES[0][2]),
              ("pp", ["pp"], "gpt", RESUME_CASES[1][2]),
-             ("tp", ["pp", "tp"], "gpt", RESUME_CASES[2][2])]
+             ("tp", ["pp", "tp"], "gpt", RESUME_CASES[2][2]),
+             ("pp_outer", ["pp"], "gpt", {**RESUME_CASES[1][2], "pp_outer": True})]
     resumed = fxpar.launch(workers.resume_load_rank, 4, loads, str(tmp_path))[0]
     k = workers.SAVE_AT
     for case, _, _ in RESUME_CASES:  # same plan: steps 6-10 bit-identical
@@ -148,12 +150,14 @@ def test_resume_and_reshard_real_processes(tmp_path):
         assert start == k and extra["case"] == case and int(extra["seen"]) == k - 1
         assert torch.equal(losses, ref_losses[k:]), (case, losses, ref_losses[k:])
         assert all(torch.equal(final[n], ref_final[n]) for n in ref_final), case
-    # resharded: dp2 x pp2 -> tp2 x dp2 (ZeRO-1): the next step equals the saved run's next step
+    # resharded: dp2 x pp2 -> tp2 x dp2 (ZeRO-1), and into the mesh's other order (the
+    # stages outermost): the next step equals the saved run's next step
     ref_losses, ref_next, _ = saved["pp"]
-    losses, after_next, _, _, _ = resumed[("tp", "pp")]
-    torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
-    for n, v in ref_next.items():
-        torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=n)
+    for into in ("tp", "pp_outer"):
+        losses, after_next, _, _, _ = resumed[(into, "pp")]
+        torch.testing.assert_close(losses[0], ref_losses[k], rtol=1e-6, atol=0)
+        for n, v in ref_next.items():
+            torch.testing.assert_close(after_next[n], v, rtol=1e-6, atol=1e-7, msg=(into, n))
     # and into plain single-process PyTorch (params + AdamW moments from the checkpoint)
     model, batch_fn, _ = build("gpt")
     opt = OPTIMIZERS["adamw"](model.parameters())
