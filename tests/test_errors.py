@@ -154,6 +154,30 @@ def test_launched_ranks_see_the_callers_environment_directory_and_path(tmp_path,
         assert took < 5.0, took  # no import of torch per rank (8-10 s on 2 cores when spawned)
 
 
+def test_ranks_fork_with_the_callers_model_libraries_loaded():
+    """The forkserver imports the modules of the model libraries the caller had loaded
+    (runtime/preload.py; tests/conftest imports the HF models the tests launch before the
+    first launch): a rank finds them loaded without importing them. The list holds the
+    leaves (a package comes with its modules) of those libraries only; a module that does
+    not import in a fresh process is skipped, the rest still load."""
+    from fxpar.runtime import dist
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401 (loaded by the caller)
+    names = dist._model_library_modules().split(",")
+    assert "transformers.models.gpt2.modeling_gpt2" in names
+    assert "transformers" not in names and "transformers.models" not in names  # (parents)
+    assert all(n.partition(".")[0] in dist.MODEL_LIBRARIES for n in names)
+    if dist._start_method() == "forkserver":
+        seen = fxpar.launch(eval, 2, "'transformers.models.gpt2.modeling_gpt2' in "
+                                     "__import__('sys').modules")
+        assert seen == {0: True, 1: True}
+    code = ("import sys; import fxpar.runtime.preload; "
+            "print('email.mime.text' in sys.modules, 'json' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "FXPAR_PRELOAD": "json,no_such_library.x,"
+                              "email.nope,email.mime.text"}, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
 @pytest.mark.slow
 def test_launch_reports_failing_rank():
     from workers import failing_rank
