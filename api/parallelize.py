@@ -145,7 +145,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         with clock("process group start"):
             rdist.setup(devices)  # the default group (the mesh comes once the plan is known)
         _same_arguments_on_every_rank(plan, example_batch, batch)
-    plan = _shard_group_of_mesh(plan, devices)  # (a user's HSDP mesh: its shard groups)
+    plan = _plan_of_mesh(plan, devices)  # (a user's mesh: its shard groups, its order)
     plan_report = captured = None
     if world_size > 1 and needs_search(plan):  # plan="auto" / unset degrees: the planner
         plan, plan_report, captured = autoplan.for_parallelize(
@@ -219,26 +219,46 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     return pm
 
 
-def _shard_group_of_mesh(plan, devices):
-    """A DeviceMesh the user passes with HSDP's dims ("dp_rep", "dp_shard"[, "pp"][, "tp"]):
-    its shard groups are the plan's unless the plan names its own dp_shard."""
+# the mesh dims fxpar's dp group is made of (api/parallelize.mesh_dims)
+DP_DIMS = ("dp", "dp_rep", "dp_shard", "edp", "edp_shard", "ep", "cdp", "cdp_shard", "cp")
+
+
+def _plan_of_mesh(plan, devices):
+    """What a DeviceMesh the user passes says of the plan: with HSDP's dims ("dp_rep",
+    "dp_shard"[, "pp"][, "tp"]) its shard groups (Plan.dp_shard), with "pp" ahead of its dp
+    dims the stages outermost (Plan.pp_outer); each the plan's unless the plan names its
+    own (a different one is refused)."""
     names = getattr(devices, "mesh_dim_names", None) or ()
-    if "dp_shard" not in names:
+    says = {}
+    if "dp_shard" in names:
+        says["dp_shard"] = devices.size(names.index("dp_shard"))
+    dps = [names.index(d) for d in DP_DIMS if d in names]
+    if "pp" in names and dps and names.index("pp") < min(dps):
+        says["pp_outer"] = True
+    if not says:
         return plan
-    s = devices.size(names.index("dp_shard"))
     if plan is None or plan == "auto":  # (the planner searches the rest)
-        return {"dp": "auto", "tp": "auto", "pp": "auto", "dp_shard": s}
+        return {"dp": "auto", "tp": "auto", "pp": "auto", **says}
     p = dict(plan) if isinstance(plan, dict) else Plan.from_any(plan)
     get = p.get if isinstance(p, dict) else (lambda k: getattr(p, k))
-    if get("dp_shard") is None and get("hpz") is None:
-        if isinstance(p, dict):
-            p["dp_shard"] = s
-        else:
-            p.dp_shard = s
-    elif s not in (get("dp_shard"), get("hpz")):
-        raise PlanError(f"the DeviceMesh passed as devices shards over groups of {s} ranks "
-                        f"(its 'dp_shard' dim) but the plan says dp_shard={get('dp_shard')}, "
-                        f"hpz={get('hpz')}: leave them unset (the mesh decides) or match it.")
+    put = p.__setitem__ if isinstance(p, dict) else (lambda k, v: setattr(p, k, v))
+    if "dp_shard" in says:
+        s = says["dp_shard"]
+        if get("dp_shard") is None and get("hpz") is None:
+            put("dp_shard", s)
+        elif s not in (get("dp_shard"), get("hpz")):
+            raise PlanError(
+                f"the DeviceMesh passed as devices shards over groups of {s} ranks (its "
+                f"'dp_shard' dim) but the plan says dp_shard={get('dp_shard')}, "
+                f"hpz={get('hpz')}: leave them unset (the mesh decides) or match it.")
+    if says.get("pp_outer"):
+        given = get("pp_outer") if isinstance(p, Plan) or "pp_outer" in p else None
+        if given is False and isinstance(p, dict):
+            raise PlanError(
+                f"the DeviceMesh passed as devices puts 'pp' outside its dp dims "
+                f"({names}) but the plan says pp_outer=False: leave it unset (the mesh "
+                "decides) or pass a mesh with pp inside dp.")
+        put("pp_outer", True)
     return p
 
 

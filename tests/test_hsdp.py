@@ -116,21 +116,32 @@ def test_dp_shard_node_is_the_dp_ranks_of_one_node(monkeypatch):
 
 
 def test_a_users_mesh_with_hsdp_dims_sets_the_shard_group():
-    from fxpar.api.parallelize import _shard_group_of_mesh
+    """A DeviceMesh passed as devices: its "dp_shard" dim sets the shard groups, "pp" ahead
+    of its dp dims sets Plan.pp_outer (Megatron's order); a plan saying otherwise is
+    refused by name."""
+    from fxpar.api.parallelize import _plan_of_mesh
 
     class Mesh:  # (a DeviceMesh's names and sizes: building one needs a process group)
-        mesh_dim_names = ("dp_rep", "dp_shard")
+        def __init__(self, names=("dp_rep", "dp_shard"), sizes=(2, 4)):
+            self.mesh_dim_names, self.sizes = names, sizes
 
         def size(self, dim=None):
-            return (2, 4)[dim] if dim is not None else 8
-    assert _shard_group_of_mesh({"zero": 3}, Mesh())["dp_shard"] == 4
-    assert _shard_group_of_mesh(Plan(zero=3), Mesh()).dp_shard == 4
-    assert _shard_group_of_mesh({"zero": 3, "dp_shard": 4}, Mesh())["dp_shard"] == 4
-    assert _shard_group_of_mesh("auto", Mesh()) == {"dp": "auto", "tp": "auto", "pp": "auto",
-                                                    "dp_shard": 4}  # (searched around it)
+            return self.sizes[dim] if dim is not None else 8
+    assert _plan_of_mesh({"zero": 3}, Mesh())["dp_shard"] == 4
+    assert _plan_of_mesh(Plan(zero=3), Mesh()).dp_shard == 4
+    assert _plan_of_mesh({"zero": 3, "dp_shard": 4}, Mesh())["dp_shard"] == 4
+    assert _plan_of_mesh("auto", Mesh()) == {"dp": "auto", "tp": "auto", "pp": "auto",
+                                             "dp_shard": 4}  # (searched around it)
     with pytest.raises(PlanError, match="groups of 4 ranks"):
-        _shard_group_of_mesh({"zero": 3, "dp_shard": 2}, Mesh())
-    assert _shard_group_of_mesh({"zero": 3}, 8) == {"zero": 3}
+        _plan_of_mesh({"zero": 3, "dp_shard": 2}, Mesh())
+    assert _plan_of_mesh({"zero": 3}, 8) == {"zero": 3}
+    megatron = Mesh(("pp", "dp_rep", "dp_shard"), (2, 2, 2))
+    assert _plan_of_mesh({"pp": 2, "zero": 3}, megatron) == {
+        "pp": 2, "zero": 3, "dp_shard": 2, "pp_outer": True}
+    assert _plan_of_mesh({"pp": 2}, Mesh(("pp", "dp"), (2, 4))) == {"pp": 2, "pp_outer": True}
+    assert _plan_of_mesh({"pp": 2}, Mesh(("dp", "pp"), (4, 2))) == {"pp": 2}
+    with pytest.raises(PlanError, match="puts 'pp' outside its dp dims"):
+        _plan_of_mesh({"pp": 2, "pp_outer": False}, Mesh(("pp", "dp"), (2, 4)))
 
 
 def test_hsdp_inside_tensor_parallelism_compiles_to_both_groups():
