@@ -288,21 +288,19 @@ def test_llama_cp2_trains_like_eager():
 @pytest.mark.slow
 def test_context_parallelism_composes_on_four_ranks():
     """cp=2 inside dp=4 (two row groups), with tp=2, with a pipeline of 2 stages (1F1B and
-    zero-bubble), with microbatches, and cp=4 with ZeRO-2 (attention gathered, as ring
+    zero-bubble, microbatched), and cp=4 with ZeRO-2 (attention gathered, as ring
     attention - with tp, cp=4 and the pipeline - and as the cost model picks per attention);
-    cp=2 inside HSDP's shard groups
-    of 2 with ZeRO-3; GPT-2 (learned positions) with
-    ZeRO-3 and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored
-    labels, microbatches weighted by their target counts); Inductor's code for the chunk
-    kernels: every one equal to eager. A pipeline's backward parts run ring attention as
+    cp=2 inside HSDP's shard groups of 2 with ZeRO-3; GPT-2 (learned positions) with ZeRO-3
+    and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored labels,
+    microbatches weighted by their target counts); Inductor's code for the chunk kernels:
+    every one equal to eager. A pipeline's backward parts run ring attention as
     their forward parts do."""
     _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
         {"dp": 4, "cp": 2, "cp_attention": "gather"},
         {"dp": 2, "cp": 2, "tp": 2, "cp_attention": "ring"},
         {"dp": 4, "cp": 4, "zero": 2, "cp_attention": "ring"},
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 2, "cp_attention": "ring"},
-        {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"},
-        {"dp": 4, "cp": 2, "microbatches": 2})])
+        {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"})])
     _check_plans(4, [("hf_llama", "adamw", {"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2,
                                             "codegen": "eager"})])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
