@@ -81,7 +81,8 @@ CONTRACT = ir.PassContract(
     # reductions follow them
     reads=frozenset({ir.STAGE, ir.PHASE, ir.SHARD, ir.LOSS_COUNT}),
     provides=frozenset({ir.BUCKET, ir.PACK, ir.BATCH_SHARD_DIMS, ir.ZERO_BUCKETS,
-                        ir.PARAMS_SHARDED, ir.LOSS_COUNT, ir.COUNTER_DTYPE}))
+                        ir.PARAMS_SHARDED, ir.LOSS_COUNT, ir.COUNTER_DTYPE}),
+    values_fresh=True)  # (its values propagated by the pass: not again by the manager)
 
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
@@ -99,6 +100,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.LOSS_COUNT] = loss_count
     if loss_count is not None:
         _mean_over_microbatches(gm, nll, options.dp)
+        if ctx.fresh_values:  # (the mean's nodes: values of their own)
+            fake_propagate(gm, check=False)
     return gm
 
 
