@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from fxpar.runtime import comm, optim
 from fxpar.runtime.host_optimizer import HostOptimizer
@@ -100,9 +99,10 @@ class ShardedOptimizer:
         n, _, group = self.group_of(i)
         if n == 1:
             return shard
-        full = shard.new_empty(shard.numel() * n)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
-        return full
+        # (runtime/comm's gather, as the step's: on gloo one broadcast per rank into the
+        # output's slices rather than gloo's own copy through a second full-size buffer)
+        return comm.wait(comm.start_all_gather(shard, n, group.group_name,
+                                               "all_gather shards (ZeRO)"))
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         """Step the shards with this rank's gradient shards, then all-gather the parameters."""
