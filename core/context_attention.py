@@ -164,10 +164,8 @@ def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dr
         out, lse = _flash(qc, k[:, :, p:p + C], v[:, :, p:p + C], dropout_p, True, scale)
         if p:
             o1, l1 = _flash(qc, k[:, :, :p], v[:, :, :p], dropout_p, False, scale)
-            merged = torch.logaddexp(l1, lse)
-            out = (o1.float() * (l1 - merged).exp()[..., None] +
-                   out.float() * (lse - merged).exp()[..., None]).to(q.dtype)
-            lse = merged
+            out, lse = _merge(o1, l1, out, lse)
+            out = out.to(q.dtype)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, 2).contiguous(), torch.cat(lses, 2).contiguous()
@@ -287,13 +285,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
         for qs, ks, causal in _ring_pairs(r, s, n, C, is_causal):
             o, l = _flash(q[:, :, qs], block["k"][:, :, ks], block["v"][:, :, ks], dropout_p,
                           causal, scale)
-            merged = torch.logaddexp(lse[:, :, qs], l)
-            out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - merged).exp()[..., None] +
-                             o.to(acc) * (l - merged).exp()[..., None])
-            lse[:, :, qs] = merged
+            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
         _wait(pending)
         block = nxt
     return out.to(q.dtype), lse
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two attentions of the same queries over disjoint keys as one: each weighted by its
+    share of the merged logsumexp, in the logsumexp's dtype (float32, float64 for float64
+    queries). A block with no key yet (lse -inf, out 0) adds nothing."""
+    merged = torch.logaddexp(lse_a, lse_b)
+    out = (out_a.to(merged.dtype) * (lse_a - merged).exp()[..., None]
+           + out_b.to(merged.dtype) * (lse_b - merged).exp()[..., None])
+    return out, merged
 
 
 def _lse_dtype(q):
