@@ -224,17 +224,25 @@ DP_DIMS = ("dp", "dp_rep", "dp_shard", "edp", "edp_shard", "ep", "cdp", "cdp_sha
 
 
 def _plan_of_mesh(plan, devices):
-    """What a DeviceMesh the user passes says of the plan: with HSDP's dims ("dp_rep",
-    "dp_shard"[, "pp"][, "tp"]) its shard groups (Plan.dp_shard), with "pp" ahead of its dp
-    dims the stages outermost (Plan.pp_outer); each the plan's unless the plan names its
-    own (a different one is refused)."""
+    """What a DeviceMesh the user passes says of the plan (runtime/dist.setup runs on the
+    user's mesh where its dims and their order are the plan's, api/parallelize.mesh_dims):
+    with HSDP's dims ("dp_rep", "dp_shard"[, "pp"][, "tp"]) its shard groups
+    (Plan.dp_shard); with "pp" of more than one stage ahead of its dp dims the stages
+    outermost (Plan.pp_outer) and that many stages. Each is the plan's unless the plan names
+    its own: a different dp_shard, or pp_outer=False in a dict, is refused (a Plan object's
+    pp_outer, False by default, is the mesh's)."""
     names = getattr(devices, "mesh_dim_names", None) or ()
     says = {}
     if "dp_shard" in names:
         says["dp_shard"] = devices.size(names.index("dp_shard"))
-    dps = [names.index(d) for d in DP_DIMS if d in names]
-    if "pp" in names and dps and names.index("pp") < min(dps):
+    dps = [i for i, d in enumerate(names) if d in DP_DIMS]
+    dp = 1
+    for i in dps:
+        dp *= devices.size(i)
+    if "pp" in names and dps and names.index("pp") < min(dps) and dp > 1 and \
+            devices.size(names.index("pp")) > 1:
         says["pp_outer"] = True
+        says["pp"] = devices.size(names.index("pp"))
     if not says:
         return plan
     if plan is None or plan == "auto":  # (the planner searches the rest)
@@ -242,6 +250,8 @@ def _plan_of_mesh(plan, devices):
     p = dict(plan) if isinstance(plan, dict) else Plan.from_any(plan)
     get = p.get if isinstance(p, dict) else (lambda k: getattr(p, k))
     put = p.__setitem__ if isinstance(p, dict) else (lambda k, v: setattr(p, k, v))
+    if "pp" in says and get("pp") in (None, "auto"):  # (a plan's own pp: as it says)
+        put("pp", says["pp"])
     if "dp_shard" in says:
         s = says["dp_shard"]
         if get("dp_shard") is None and get("hpz") is None:

@@ -130,7 +130,7 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _(query, key, value, dropout_p, is_causal, scale):
     B, H, L, _ = query.shape
     return (query.new_empty((B, H, L, value.shape[3])),
-            query.new_empty((B, H, L), dtype=torch.float32))
+            query.new_empty((B, H, L), dtype=_lse_dtype(query)))
 
 
 @torch.library.custom_op("fxpar::flash_attention_backward", mutates_args=())
@@ -174,7 +174,7 @@ def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dr
 @causal_chunk_attention.register_fake
 def _(q, k, v, dropout_p, scale, group_name):
     B, H, L, _ = q.shape
-    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty((B, H, L), dtype=torch.float32)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty((B, H, L), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("fxpar::causal_chunk_attention_backward", mutates_args=())

@@ -135,13 +135,11 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
         if user and devices.mesh_dim_names == names and tuple(devices.mesh.shape) == shape:
             mesh = devices
         elif user and "dp_shard" in (devices.mesh_dim_names or ()):
-            order = " (Plan.pp_outer=True puts pp first, as this mesh does)" if \
-                devices.mesh_dim_names[0] == "pp" and "pp" in names and names[0] != "pp" else ""
             raise PlanError(
                 f"the DeviceMesh passed as devices has dims {devices.mesh_dim_names} of sizes "
                 f"{tuple(devices.mesh.shape)}, but the plan needs {names} of sizes {shape}: "
                 "pass a mesh of the plan's shape and order, or give the plan the mesh's "
-                f"degrees{order}.")
+                "degrees.")
         elif n < world:  # the first n ranks (every rank builds it: new_group is collective)
             from torch.distributed.device_mesh import DeviceMesh
             mesh = DeviceMesh(dev.type, torch.arange(n).view(shape), mesh_dim_names=names,

@@ -57,18 +57,19 @@ def pytest_collection_modifyitems(config, items):
         fn = getattr(item, "function", None)
         if fn is not None and fn.__name__ in seen[path]:
             item.add_marker(pytest.mark.multiprocess)
-    if any(item.get_closest_marker("multiprocess") for item in items):
-        _import_launched_models()
 
 
 # the Hugging Face models the multi-process tests build (tests/workers.py)
 LAUNCHED_MODELS = ("llama", "gpt2", "mixtral", "qwen2_moe", "deepseek_v3")
 
 
-def _import_launched_models() -> None:
+def pytest_collection_finish(session):
     """Their modeling modules imported before the first fxpar.launch: its forkserver then
     imports them once for every rank (runtime/preload.py) rather than each rank importing
-    them (seconds per rank). Deferred to here: a session without rank processes skips it."""
+    them (seconds per rank). After -m / -k deselection: a session whose selected tests
+    start no rank processes skips it."""
+    if not any(item.get_closest_marker("multiprocess") for item in session.items):
+        return
     for name in LAUNCHED_MODELS:
         try:
             importlib.import_module(f"transformers.models.{name}.modeling_{name}")

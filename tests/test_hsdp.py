@@ -140,6 +140,12 @@ def test_a_users_mesh_with_hsdp_dims_sets_the_shard_group():
         "pp": 2, "zero": 3, "dp_shard": 2, "pp_outer": True}
     assert _plan_of_mesh({"pp": 2}, Mesh(("pp", "dp"), (2, 4))) == {"pp": 2, "pp_outer": True}
     assert _plan_of_mesh({"pp": 2}, Mesh(("dp", "pp"), (4, 2))) == {"pp": 2}
+    assert _plan_of_mesh({"zero": 1}, Mesh(("pp", "dp"), (2, 4))) == {
+        "zero": 1, "pp": 2, "pp_outer": True}  # (the mesh's stages)
+    assert _plan_of_mesh(Plan(pp=2), Mesh(("pp", "dp"), (2, 4))).pp_outer is True
+    assert _plan_of_mesh({}, Mesh(("pp", "dp"), (1, 8))) == {}  # (one stage: no order)
+    assert _plan_of_mesh("auto", Mesh(("pp", "dp"), (2, 4))) == {
+        "dp": "auto", "tp": "auto", "pp": 2, "pp_outer": True}
     with pytest.raises(PlanError, match="puts 'pp' outside its dp dims"):
         _plan_of_mesh({"pp": 2, "pp_outer": False}, Mesh(("pp", "dp"), (2, 4)))
 
