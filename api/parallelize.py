@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import traceback
 import warnings
@@ -236,9 +237,7 @@ def _plan_of_mesh(plan, devices):
     if "dp_shard" in names:
         says["dp_shard"] = devices.size(names.index("dp_shard"))
     dps = [i for i, d in enumerate(names) if d in DP_DIMS]
-    dp = 1
-    for i in dps:
-        dp *= devices.size(i)
+    dp = math.prod(devices.size(i) for i in dps)
     if "pp" in names and dps and names.index("pp") < min(dps) and dp > 1 and \
             devices.size(names.index("pp")) > 1:
         says["pp_outer"] = True

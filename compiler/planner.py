@@ -50,8 +50,8 @@ from fxpar.compiler.memory_model import (DTYPE_BYTES, OPTIMIZER_STATES, MemoryEs
                                          with_activations)
 from fxpar.compiler.pass_manager import PassContext
 from fxpar.core.plan import (SEARCHED, Plan, cp_misfit, ep_misfit, hpz_misfit,  # noqa: F401
-                             hsdp_misfit, node_shard, plan_dict, quantization_misfit, replays_step,
-                             resolve)
+                             dp_stride, hsdp_misfit, node_shard, plan_dict, quantization_misfit,
+                             replays_step, resolve)
 from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
                           pipeline_split, remat, tensor_parallel)
 from fxpar.passes import precision as precision_pass
@@ -1039,7 +1039,7 @@ def _node_groupings(dp, tp, pp, m, zero, hw, constraints, pp_outer=False) -> lis
     slice across nodes) and, at zero=3, pp=1 and m=1, as hpZ's secondary partition (the
     backward's gathers on the node's links). `pp_outer`: the mesh's order (Plan.pp_outer),
     which sets how many ranks apart neighbouring dp ranks are."""
-    stride = tp if pp_outer else tp * pp  # (core/plan.dp_stride)
+    stride = dp_stride(tp, pp, pp_outer)
     node = hw.devices_per_node // stride if hw.devices_per_node % stride == 0 else 0
     spans = dp * stride > hw.devices_per_node and 1 < node < dp and dp % node == 0
     given = constraints.get("dp_shard")
@@ -1148,9 +1148,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     Plan.cp_attention, "gather" or "ring" where cp > 1; `pp_outer`: Plan.pp_outer (the dp
     groups and those carved from them on neighbouring tp x dp ranks, the stages outermost)."""
     quant = constraints.get("comm_quantization", "none")
-    # how many ranks apart neighbouring dp ranks are, and neighbouring stages (a group's span
-    # of consecutive ranks sets the links it crosses: hw.comm)
-    stride = tp if pp_outer else tp * pp
+    # how many ranks apart neighbouring dp ranks are (a group's span of consecutive ranks
+    # sets the links it crosses: hw.comm)
+    stride = dp_stride(tp, pp, pp_outer)
     # a pipeline runs at its slowest hop: its sends priced on the link its whole extent
     # crosses (pp stages, neighbours tp x dp ranks apart with the stages outermost, else tp)
     pipe_span = (tp * dp if pp_outer else tp) * pp

@@ -551,14 +551,15 @@ def resolve(plan: Any, world_size: int) -> Plan:
                 + f" is not a positive multiple of tp*pp = {p.tp * p.pp}.")
         p.dp = workers // (p.tp * p.pp)
     if p.dp_shard == "node":
-        p.dp_shard = node_shard(p.dp, dp_stride(p))
+        p.dp_shard = node_shard(p.dp, dp_stride(p.tp, p.pp, p.pp_outer))
     return p.validate(world_size)
 
 
-def dp_stride(p: "Plan") -> int:
+def dp_stride(tp: int, pp: int, pp_outer: bool) -> int:
     """How many ranks apart neighbouring dp ranks are on the mesh (api/parallelize.mesh_dims):
-    tp x pp, or tp where pp is outermost (Plan.pp_outer)."""
-    return p.tp * (1 if p.pp_outer else p.pp)
+    tp x pp, or tp where pp is outermost (Plan.pp_outer). The one rule the runtime's node
+    groups and the planner's link prices share."""
+    return tp * (1 if pp_outer else pp)
 
 
 def node_shard(dp: int, inner: int) -> int | None:
