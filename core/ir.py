@@ -122,8 +122,9 @@ class PassContract:
     before: frozenset = frozenset()
     after: frozenset = frozenset()
     applies: Callable[[Any], bool] = lambda options: True  # whether the plan runs it at all
-    # its run ends by re-propagating every meta["val"] itself: the pass manager's check after
-    # it would compare them with themselves (a fake run of the whole graph), so it is skipped
+    # every meta["val"] is what the graph computes when its run ends (it re-propagated them
+    # itself, or it only reorders nodes): the pass manager's check after it would compare
+    # them with themselves (a fake run of the whole graph), so it is skipped
     values_fresh: bool = False
 
 

@@ -1,7 +1,11 @@
-"""The zoo's causal LMs (and the external zoo's) under context parallelism, against eager.
+"""The zoo's sequence models (and the external zoo's) under context parallelism, against eager.
 
     .venv/bin/python -m fxpar.examples.zoo_cp [MODEL ...] [--plans KEY,...]
         (default: the models below, every column)
+
+The models: every causal LM, dense and MoE (RoPE, learned positions, ALiBi, sliding windows,
+soft-capping, a state-space scan, an LSTM), every encoder (BERT's family, DeBERTa's relative
+positions, ModernBERT, raw audio) and encoder-decoder (T5, BART, Whisper, nn.Transformer).
 
 Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS (cp=2 on 2
 ranks: each rank a front and a back quarter of every sequence; cp=2 carved out of dp=4 on 4
@@ -23,7 +27,15 @@ MODELS = ("gpt2", "llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma", "g
           "phi", "phi3", "gpt_neox", "gptj", "bloom", "falcon", "opt", "gpt_bigcode",
           "stablelm", "olmo2", "gemma3", "codegen", "mamba", "gpt_neo", "granite", "cohere",
           "mpt", "mixtral", "titan_llama3", "titan_qwen3", "nanogpt", "litgpt_llama3",
-          "litgpt_pythia")
+          "litgpt_pythia",
+          # MoE causal LMs, mid sizes, the external zoo's other LMs, an LSTM
+          "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe", "where_moe", "titan_qwen3_moe",
+          "titan_deepseek_v3", "titan_kimi_k2", "litgpt_mixtral", "titan_qwen3_unfused",
+          "litgpt_gemma2", "litgpt_gemma3", "gpt2_mid", "llama_mid", "mixtral_mid", "lstm",
+          # encoders (bidirectional attention) and encoder-decoders
+          "bert_mlm", "bert_cls", "roberta_mlm", "albert", "deberta_v2", "distilbert",
+          "electra", "modernbert", "bert_mlm_mid", "wav2vec2", "t5", "bart", "whisper",
+          "nn_transformer", "t5_mid")
 
 
 def main(names=MODELS, plans=tuple(PLANS)) -> None:

@@ -60,7 +60,10 @@ CONTRACT = ir.PassContract(
     provides=frozenset({ir.MOVED, ir.OVERLAP_REPORT}),
     # it moves every collective: the ones these insert too
     after=frozenset({"pipeline_split", "tensor_parallel", "data_parallel"}),
-    applies=lambda o: o.overlap and (o.dp or 1) * (o.tp or 1) * (o.pp or 1) > 1)
+    applies=lambda o: o.overlap and (o.dp or 1) * (o.tp or 1) * (o.pp or 1) > 1,
+    # it only reorders nodes: every value stays what it was (the manager's lint still checks
+    # that each node follows its inputs)
+    values_fresh=True)
 
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
