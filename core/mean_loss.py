@@ -61,35 +61,88 @@ def exact_mean_loss(graph, group, n):
         avg = list(wait_mean.users)
         if not (len(avg) == 1 and avg[0].target is aten.div.Scalar and avg[0].args[1] == n):
             continue
-        region, module = nll.meta.get(ir.REGION, ir.FORWARD), nll.meta.get(ir.MODULE, "")
-
-        def emit(target, args, shard, comm=False):
-            node = graph.call_function(target, args)
-            node.meta[ir.REGION] = ir.COMM if comm else region
-            node.meta[ir.MODULE], node.meta[ir.SHARD] = module, shard
-            node.meta[ir.LOSS_REDUCTION] = True
-            return node
-        with graph.inserting_before(nll.next):  # in the forward, right after the loss
-            mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
-            count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
-            total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
-            # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
-            total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
-                                                  total, 0.0), (Partial("sum"),))
-            pair = emit(aten.stack.default, ([total, count],), (Partial("sum"),))
-            done = emit(c10d.wait_tensor.default, (
-                emit(c10d.all_reduce.default, (pair, "sum", group), (Partial("sum"),), True),),
-                (Replicate(),), True)
-            count_all = emit(aten.select.int, (done, 0, 1), (Replicate(),))
-            loss = emit(aten.div.Tensor, (emit(aten.select.int, (done, 0, 0), (Replicate(),)),
-                                          count_all), (Replicate(),))
+        done = _reduced_pair(graph, nll, group)
+        with graph.inserting_before(done.next):
+            count_all = _emit_like(graph, nll, aten.select.int, (done, 0, 1), (Replicate(),))
+            total = _emit_like(graph, nll, aten.select.int, (done, 0, 0), (Replicate(),))
+            loss = _emit_like(graph, nll, aten.div.Tensor, (total, count_all), (Replicate(),))
         if wait_count is not None:
             wait_count.replace_all_uses_with(count_all)
         avg[0].replace_all_uses_with(loss)
         for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
-                  *[u for u in nll.users if u not in (mean, count)]):
+                  *list(nll.users)):
             if n is not None and not n.users:  # (the loss's view still seeds the backward)
                 graph.erase_node(n)
+
+
+def _emit_like(graph, like, target, args, shard, comm=False):
+    """A node of the loss's reduction, in `like`'s region and module (COMM for a collective)."""
+    node = graph.call_function(target, args)
+    node.meta[ir.REGION] = ir.COMM if comm else like.meta.get(ir.REGION, ir.FORWARD)
+    node.meta[ir.MODULE], node.meta[ir.SHARD] = like.meta.get(ir.MODULE, ""), shard
+    node.meta[ir.LOSS_REDUCTION] = True
+    return node
+
+
+def _reduced_pair(graph, nll, group):
+    """(the sum of every rank's loss, of its target count) over `group`: one all-reduce of
+    this rank's (sum, count) from `nll`'s local (mean, count), emitted right after `nll`;
+    -> its wait."""
+    def emit(target, args, shard, comm=False):
+        return _emit_like(graph, nll, target, args, shard, comm)
+    with graph.inserting_before(nll.next):  # in the forward, right after the loss
+        mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
+        count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
+        total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
+        # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
+        total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
+                                              total, 0.0), (Partial("sum"),))
+        pair = emit(aten.stack.default, ([total, count],), (Partial("sum"),))
+        return emit(c10d.wait_tensor.default, (
+            emit(c10d.all_reduce.default, (pair, "sum", group), (Partial("sum"),), True),),
+            (Replicate(),), True)
+
+
+def regroup_mean_loss(graph, from_group: str, group: str) -> None:
+    """The mean loss `exact_mean_loss` made exact over `from_group` (context parallelism:
+    the sequence's chunks), made exact over `group` once the batch's rows are split too (the
+    whole dp group). The data-parallel pass's sharding rules carry the first rewrite's
+    nodes over the row split as any other ops: each row group's mean times the rows' count,
+    averaged - the global mean only where every row group counts as many targets (a masked
+    LM's labels do not). Here the pair (this rank's sum, its count) is summed over `group`
+    instead, from the loss's own local outputs, and what read the old pair - the loss and
+    the backward's target count - reads the new one; the old reduction's nodes are erased."""
+    for old in [n for n in graph.nodes if n.target is c10d.all_reduce.default
+                and n.meta.get(ir.LOSS_REDUCTION) and n.args[2] == from_group]:
+        nll = _loss_of(old)
+        if nll is None:
+            raise PlanError(
+                f"data parallelism with context parallelism: the mean loss reduced by "
+                f"{old.name} reads no cross-entropy; please report this model to fxpar (its "
+                "loss could not be made the mean over every rank's targets).")
+        (old_wait,) = old.users
+        old_wait.replace_all_uses_with(_reduced_pair(graph, nll, group))
+        dead, erased = [old_wait], set()
+        while dead:  # the old reduction's nodes, back to what other nodes still read
+            n = dead.pop()
+            if n not in erased and not n.users and n.op == "call_function" and n is not nll:
+                dead.extend(n.all_input_nodes)
+                graph.erase_node(n)
+                erased.add(n)
+
+
+def _loss_of(reduce):
+    """The nll_loss_forward whose (mean, count) the loss reduction `reduce` sums."""
+    seen, todo = set(), [reduce]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target is aten.nll_loss_forward.default:
+            return n
+        todo.extend(n.all_input_nodes)
+    return None
 
 
 # --- the mean loss's target count, for microbatches (passes/data_parallel.py) -------------

@@ -3,6 +3,7 @@ the rewrite (attention on gathered keys/values, the causal chunk kernel, which c
 appear on which group), the chunk kernel against whole-sequence attention, the plans and
 batches it refuses, and training on gloo ranks against eager."""
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -89,6 +90,46 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     assert four.rows == 2 and four.batch_shard_dims == [0, 0]
     assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
 
+
+
+def test_mean_loss_counts_every_ranks_targets_when_rows_split_too():
+    """cp=2 inside dp=4 (two row groups) on a masked LM (1 in 4 positions labelled, so the
+    ranks count different targets): the loss is the whole batch's sum over its whole count -
+    one all-reduce of (sum, count) over the dp group, read by the loss and by the backward
+    as its target count - not each row group's mean averaged (what the row split made of the
+    sequence's exact mean)."""
+    model, spec = zoo.build("bert_mlm")
+    prog = fxpar.compile(model, 4, example_batch=spec.batch(0),
+                         plan={"dp": 4, "cp": 2, "fuse": False, "overlap": False})
+    g = prog.graph.graph
+    assert prog.cp == 2 and prog.rows == 2
+    nll = next(n for n in g.nodes if n.target is aten.nll_loss_forward.default)
+    reductions = [n for n in g.nodes if n.target is c10d.all_reduce.default
+                  and n.meta.get(ir.LOSS_REDUCTION)]
+    assert len(reductions) == 1 and _group_of(reductions[0]) == ir.GROUPS["dp"]
+    pair = reductions[0].args[0]
+    assert pair.target is aten.stack.default
+    assert {a.target for a in pair.all_input_nodes} == {aten.where.ScalarOther,
+                                                        operator.getitem}
+    assert all(a.args[0] is nll for n in pair.all_input_nodes
+               for a in [n, *n.all_input_nodes] if a.target is operator.getitem)
+    done = next(iter(reductions[0].users))
+    loss = next(iter(g.output_node().args[0]))
+    assert loss.target is aten.div.Tensor and all(a.args[0] is done for a in loss.args)
+    backward = next(n for n in g.nodes if n.target is aten.nll_loss_backward.default)
+    assert backward.args[6] is loss.args[1]  # (its target count: the whole batch's)
+    # no row group averages a mean: the loss reads no other reduction
+    assert [n for n in _ancestors(loss) if n.target is c10d.all_reduce.default] == reductions
+
+
+def _ancestors(node):
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
 
 def test_ring_attention_keeps_keys_and_values_split():
     """cp_attention="ring": every attention of HF Llama, forward and backward, is
@@ -292,7 +333,8 @@ def test_context_parallelism_composes_on_four_ranks():
     attention - with tp, cp=4 and the pipeline - and as the cost model picks per attention);
     cp=2 inside HSDP's shard groups of 2 with ZeRO-3; GPT-2 (learned positions) with ZeRO-3
     and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored labels,
-    microbatches weighted by their target counts); Inductor's code for the chunk kernels:
+    microbatches weighted by their target counts; inside dp=4, row groups counting different
+    targets); Inductor's code for the chunk kernels:
     every one equal to eager. A pipeline's backward parts run ring attention as
     their forward parts do."""
     _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
@@ -302,7 +344,9 @@ def test_context_parallelism_composes_on_four_ranks():
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 2, "cp_attention": "ring"},
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"})])
     _check_plans(4, [("hf_llama", "adamw", {"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2,
-                                            "codegen": "eager"})])
+                                            "codegen": "eager"}),
+                     # (row groups counting different targets: the mean over all of them)
+                     ("hf_llama_padded", "adamw", {"dp": 4, "cp": 2, "codegen": "eager"})])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
                                            "codegen": "eager"}),
                      ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
