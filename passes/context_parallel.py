@@ -196,6 +196,10 @@ def _check_ring(gm, seq: int) -> None:
     for n in gm.graph.nodes:
         if n.meta.get(ir.REGION) != ir.FORWARD or n.op != "call_function":
             continue
+        if n.target in _RING_KERNELS:  # (a kernel the ring runs, its queries never split)
+            raise _not_ring(n, "its queries reach it whole: its sequence is not the one cp "
+                               "splits (an encoder over another input), or is rebuilt whole "
+                               "before it (a decoder fed the labels shifted right)")
         if n.target in ATTENTION and n.target is not fxpar_ops.ring_attention.default:
             raise _not_ring(n, f"{n.target} is not one of the flash kernels ring attention "
                                "runs (CUDA's memory-efficient or cuDNN kernel, or flash with "
@@ -204,6 +208,13 @@ def _check_ring(gm, seq: int) -> None:
                 n.meta[ir.VAL].shape[-1] == seq:
             raise _not_ring(n, "it is written out as matmuls and a softmax (ring attention "
                                "runs SDPA's flash kernels)")
+
+
+# the kernels a ring step runs (context_attention._flash): one left in the graph under "ring"
+# was never split
+_RING_KERNELS = {fxpar_ops.flash_attention.default} | (
+    {aten._scaled_dot_product_flash_attention_for_cpu.default}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") else set())
 
 
 def ring_refusal(node, a: dict, kv_split: bool) -> str | None:

@@ -297,7 +297,8 @@ def test_ring_attention_is_whole_sequence_attention(cp):
 def test_plans_and_batches_context_parallelism_refuses_by_name():
     """cp must divide dp (and HSDP's shard groups) and the sequence (into 2 x cp chunks);
     not with ep or hpZ yet; a model fed no sequence (an MLP's [batch, features]) has
-    nothing to split."""
+    nothing to split; under "ring", an attention whose queries reach it whole (a decoder
+    over a target sequence of another length) has nothing to pass around."""
     with pytest.raises(PlanError, match="must divide dp=3"):
         resolve({"dp": 3, "cp": 2}, 3)
     with pytest.raises(PlanError, match="cp must divide dp_shard"):
@@ -317,6 +318,10 @@ def test_plans_and_batches_context_parallelism_refuses_by_name():
         fxpar.compile(mlp, 2, example_batch=(torch.randn(8, 16), torch.randn(8, 4)),
                       loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
                       plan={"dp": 2, "cp": 2})
+    seq2seq, spec = zoo.build("nn_transformer")
+    with pytest.raises(PlanError, match="self_attn.* queries reach it whole"):
+        fxpar.compile(seq2seq, 2, example_batch=spec.batch(0),
+                      plan={"dp": 2, "cp": 2, "cp_attention": "ring"})
 
 
 def test_llama_cp2_trains_like_eager():
