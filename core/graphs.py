@@ -114,6 +114,23 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
     Prop(gm).run(*args)
 
 
+
+def fake_run(node: torch.fx.Node) -> None:
+    """node.meta["val"] from its op run on fake copies of its inputs' values: a pass's few new
+    nodes given their values (dtype promotion included) without propagating the whole graph."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(a):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta[ir.VAL]
+            return fake_like(v, mode) if isinstance(v, torch.Tensor) else v
+        if isinstance(a, (tuple, list)):
+            return type(a)(fake(x) for x in a)
+        return a
+    args, kwargs = fake(tuple(node.args)), {k: fake(v) for k, v in node.kwargs.items()}
+    with mode:
+        node.meta[ir.VAL] = node.target(*args, **kwargs)
+
 def _densify_view_input(n: torch.fx.Node) -> torch.fx.Node | None:
     """A view the traced layout allowed (e.g. of a transposed matmul result) that a pass made
     impossible by giving its input another layout (a collective's dense result): the input is

@@ -48,7 +48,7 @@ import torch.fx
 from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
 from fxpar.core.errors import BatchError, PlanError, ShardingError
-from fxpar.core.graphs import copy_graph, fake_propagate, packing
+from fxpar.core.graphs import copy_graph, fake_propagate, fake_run, packing
 from fxpar.core.ir import ancestors
 from fxpar.core.mean_loss import (exact_mean_loss, mean_nll_loss, regroup_mean_loss,
                                    target_count_program)
@@ -101,8 +101,6 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.LOSS_COUNT] = loss_count
     if loss_count is not None:
         _mean_over_microbatches(gm, nll, options.dp)
-        if ctx.fresh_values:  # (the mean's nodes: values of their own)
-            fake_propagate(gm, check=False)
     return gm
 
 
@@ -478,16 +476,15 @@ def _mean_over_microbatches(gm, nll, dp: int) -> None:
     meta.setdefault(ir.REGION, ir.FORWARD)
     meta[ir.MODULE] = nll.meta.get(ir.MODULE, "")
 
-    def emit(target, args, val):
+    def emit(target, args):
         node = graph.call_function(target, args)
         node.meta.update(meta)
-        node.meta[ir.VAL] = val
+        fake_run(node)  # (its dtype promoted as torch does: a bf16 loss by an fp32 count)
         return node
-    v = loss.meta[ir.VAL]
     with graph.inserting_before(out):  # a microbatch whose targets are all ignored adds 0
-        rescaled = emit(aten.div.Tensor, (emit(aten.mul.Tensor, (loss, count), v), share), v)
-        nonzero = emit(aten.ne.Scalar, (count, 0), v.new_empty((), dtype=torch.bool))
-        new_loss = emit(aten.where.ScalarOther, (nonzero, rescaled, 0.0), v)
+        rescaled = emit(aten.div.Tensor, (emit(aten.mul.Tensor, (loss, count)), share))
+        nonzero = emit(aten.ne.Scalar, (count, 0))
+        new_loss = emit(aten.where.ScalarOther, (nonzero, rescaled, 0.0))
     out.args = ((new_loss, *out.args[0][1:]),)
 
 

@@ -10,7 +10,7 @@ from fxpar.core import ir
 from fxpar.compiler.capture import capture
 from fxpar.core.errors import BatchError
 from fxpar.compiler.pass_manager import PassContext, run_passes
-from fxpar.core.graphs import count_ops
+from fxpar.core.graphs import count_ops, verify
 from fxpar.core.plan import resolve
 from fxpar.core.sharding import Partial, Replicate, Shard
 from fxpar.examples import models as M
@@ -384,6 +384,22 @@ def test_zero3_gathers_again_in_the_backward_except_the_tail():
             kept = layer(g) in ("h.2", "ln_f", "wte")
             assert bool(_backward_reads_of(g)) == kept, layer(g)
 
+
+
+def test_microbatch_loss_weighting_nodes_carry_the_values_torch_computes():
+    """With microbatches the loss is rescaled by the microbatch's share of the targets (its
+    count over the step's, a placeholder fed by the runtime): the pass gives those few nodes
+    their values itself, dtype promotion included (a bf16 model's loss, fp32 counts), rather
+    than propagating the whole graph again - and a fake run of the whole graph agrees."""
+    cfg = M.GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    for precision in ("fp32", "bf16"):
+        gm, *_ = compile_dp(M.GPT(cfg), M.gpt_batch(cfg, 4), 2, microbatches=2,
+                            precision=precision)
+        loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+        share = next(n for n in gm.graph.nodes if n.op == "placeholder"
+                     and n.meta.get(ir.FQN) == "loss_count")
+        assert loss.target is aten.where.ScalarOther and share in ir.ancestors([loss])
+        verify(gm)  # (every value: a fake run of the whole graph)
 
 def test_zero3_with_microbatches_keeps_no_forward_copy_for_the_backward():
     """pp=1 with microbatches: the step's forward and backward run as separate parts, one
