@@ -114,7 +114,6 @@ def fake_propagate(gm: torch.fx.GraphModule, *, check: bool) -> None:
     Prop(gm).run(*args)
 
 
-
 def fake_run(node: torch.fx.Node) -> None:
     """node.meta["val"] from its op run on fake copies of its inputs' values: a pass's few new
     nodes given their values (dtype promotion included) without propagating the whole graph."""
@@ -130,6 +129,7 @@ def fake_run(node: torch.fx.Node) -> None:
     args, kwargs = fake(tuple(node.args)), {k: fake(v) for k, v in node.kwargs.items()}
     with mode:
         node.meta[ir.VAL] = node.target(*args, **kwargs)
+
 
 def _densify_view_input(n: torch.fx.Node) -> torch.fx.Node | None:
     """A view the traced layout allowed (e.g. of a transposed matmul result) that a pass made

@@ -14,6 +14,7 @@ import torch
 
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
+from fxpar.core.graphs import fake_run
 from fxpar.core.sharding import Partial, Replicate
 
 aten = torch.ops.aten
@@ -69,10 +70,52 @@ def exact_mean_loss(graph, group, n):
         if wait_count is not None:
             wait_count.replace_all_uses_with(count_all)
         avg[0].replace_all_uses_with(loss)
-        for n in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
-                  *list(nll.users)):
-            if n is not None and not n.users:  # (the loss's view still seeds the backward)
-                graph.erase_node(n)
+        for dead in (avg[0], wait_mean, ar_mean, wait_count, ar_count, *reversed(views),
+                     *list(nll.users)):
+            if dead is not None and not dead.users:  # (the loss's view seeds the backward)
+                graph.erase_node(dead)
+
+
+def exact_mean_terms(graph, group, n) -> None:
+    """A mean cross-entropy that is one term of a larger loss (a second head, an MoE's
+    auxiliary loss added to it), which `exact_mean_loss` leaves alone: DTensor's rule keeps it
+    Partial(avg) until the sum is reduced, so the loss averages each rank's mean - not the
+    batch's mean when the ranks count different targets (ignore_index: padding, a masked
+    LM's labels). Its value on each rank is made this rank's sum * n / the group's count,
+    whose average over the n ranks is the batch's mean; the count is all-reduced for it (the
+    backward already divides by the group's count: the gradients were exact)."""
+    for nll in [x for x in graph.nodes if x.target is aten.nll_loss_forward.default
+                and x.meta.get(ir.REGION) == ir.FORWARD]:
+        reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
+        means = [u for u in nll.users if u.target is operator.getitem and u.args[1] == 0
+                 and u.meta.get(ir.SHARD) == (Partial("avg"),)
+                 and any(not w.meta.get(ir.LOSS_REDUCTION)
+                         and w.meta.get(ir.REGION) != ir.BACKWARD for w in u.users)]
+        if reduction != 1 or not means or any(u.meta.get(ir.LOSS_REDUCTION) for u in nll.users):
+            continue  # (not one, or the loss alone: exact_mean_loss's already)
+        done = None
+        for mean in means:
+            readers = [w for w in mean.users if not w.meta.get(ir.LOSS_REDUCTION)
+                       and w.meta.get(ir.REGION) != ir.BACKWARD]
+            with graph.inserting_before(mean.next):
+                def emit(target, args, shard, comm=False):
+                    node = _emit_like(graph, nll, target, args, shard, comm)
+                    fake_run(node)
+                    return node
+                count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
+                if done is None:
+                    done = emit(c10d.wait_tensor.default, (emit(
+                        c10d.all_reduce.default, (count, "sum", group), (Partial("sum"),),
+                        True),), (Replicate(),), True)
+                total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
+                                                      emit(aten.mul.Tensor, (mean, count),
+                                                           (Partial("avg"),)), 0.0),
+                             (Partial("avg"),))
+                scaled = emit(aten.div.Tensor, (emit(aten.mul.Scalar, (total, n),
+                                                     (Partial("avg"),)), done),
+                              (Partial("avg"),))
+            for w in readers:
+                w.replace_input_with(mean, scaled)
 
 
 def _emit_like(graph, like, target, args, shard, comm=False):
@@ -121,6 +164,12 @@ def regroup_mean_loss(graph, from_group: str, group: str) -> None:
                 f"{old.name} reads no cross-entropy; please report this model to fxpar (its "
                 "loss could not be made the mean over every rank's targets).")
         (old_wait,) = old.users
+        partial = [u.name for u in old_wait.users if u.meta.get(ir.SHARD) != (Replicate(),)]
+        if partial:  # (the row split reduced them again: the new pair would be summed twice)
+            raise PlanError(
+                f"data parallelism with context parallelism: the mean loss's {partial} are "
+                "not whole after the rows split; please report this model to fxpar (its loss "
+                "could not be made the mean over every rank's targets).")
         old_wait.replace_all_uses_with(_reduced_pair(graph, nll, group))
         dead, erased = [old_wait], set()
         while dead:  # the old reduction's nodes, back to what other nodes still read

@@ -5,7 +5,8 @@
 
 The models: every causal LM, dense and MoE (RoPE, learned positions, ALiBi, sliding windows,
 soft-capping, a state-space scan, an LSTM), every encoder (BERT's family, DeBERTa's relative
-positions, ModernBERT, raw audio) and encoder-decoder (T5, BART, Whisper, nn.Transformer).
+positions, ModernBERT, raw audio, a bidirectional GRU, CLIP's text tower) and encoder-decoder
+(T5, BART, Whisper, nn.Transformer).
 
 Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS (cp=2 on 2
 ranks: each rank a front and a back quarter of every sequence; cp=2 carved out of dp=4 on 4
@@ -35,7 +36,7 @@ MODELS = ("gpt2", "llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma", "g
           # encoders (bidirectional attention) and encoder-decoders
           "bert_mlm", "bert_cls", "roberta_mlm", "albert", "deberta_v2", "distilbert",
           "electra", "modernbert", "bert_mlm_mid", "wav2vec2", "t5", "bart", "whisper",
-          "nn_transformer", "t5_mid")
+          "nn_transformer", "t5_mid", "gru", "clip")
 
 
 def main(names=MODELS, plans=tuple(PLANS)) -> None:

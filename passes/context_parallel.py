@@ -191,8 +191,8 @@ def _not_ring(node, why: str) -> PlanError:
 
 def _check_ring(gm, seq: int) -> None:
     """Plan.cp_attention='ring': every attention became ring attention, or a PlanError names
-    the first that did not (a kernel no rule splits, attention written out as matmuls and
-    a softmax over the whole sequence: both read gathered keys)."""
+    the first that did not (a kernel the ring runs whose queries reach it whole, a kernel no
+    rule splits, attention written out as matmuls and a softmax over the whole sequence)."""
     for n in gm.graph.nodes:
         if n.meta.get(ir.REGION) != ir.FORWARD or n.op != "call_function":
             continue
@@ -344,10 +344,13 @@ def report(gm, leaves, dims, cp) -> dict:
             name = n.target._opname
             comms[name] = comms.get(name, 0) + 1
     split = [n for n in attn if n.meta[ir.SHARD][0] == (Shard(2),)]
-    if len(split) < len(attn):
+    whole = [n for n in attn if n not in split]
+    if whole:
         log.warning("context parallelism: %d of %d attention ops run on the whole sequence "
-                    "(%s: no rule splits their queries on this device)",
-                    len(attn) - len(split), len(attn), attn[0].target)
+                    "(their queries reach them whole - a sequence cp does not split, e.g. a "
+                    "decoder's target - or no rule splits their kernel on this device): %s",
+                    len(whole), len(attn), ", ".join(sorted({
+                        f"{n.meta.get(ir.MODULE, '')} ({n.target})" for n in whole})))
     return {"cp": cp,
             "split": [n.meta[ir.FQN] for n, d in zip(leaves, dims) if d is not None],
             "attention": [n.meta.get(ir.MODULE, "") for n in split],

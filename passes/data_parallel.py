@@ -50,8 +50,8 @@ from fxpar.core import quantized_comm as qcomm
 from fxpar.core.errors import BatchError, PlanError, ShardingError
 from fxpar.core.graphs import copy_graph, fake_propagate, fake_run, packing
 from fxpar.core.ir import ancestors
-from fxpar.core.mean_loss import (exact_mean_loss, mean_nll_loss, regroup_mean_loss,
-                                   target_count_program)
+from fxpar.core.mean_loss import (exact_mean_loss, exact_mean_terms, mean_nll_loss,
+                                   regroup_mean_loss, target_count_program)
 from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, make_mesh, redistribute,
                                      shard_graph)
 
@@ -236,6 +236,8 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
                     rows=(row_group, rows), experts=experts)
     if rows > 1:
         exact_mean_loss(gm.graph, row_group, rows)
+    if rows > 1 and cp == 1:  # (a mean cross-entropy among other terms of the loss)
+        exact_mean_terms(gm.graph, row_group, rows)
     if cp > 1 and rows > 1:  # (context parallelism's exact mean, over the sequence's chunks)
         regroup_mean_loss(gm.graph, ctx.group_names["cp"], group)
     if options.zero == 3:

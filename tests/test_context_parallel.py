@@ -91,7 +91,6 @@ def test_rewrite_splits_the_sequence_and_gathers_keys_and_values():
     assert mesh_dims(four.plan) == [("cdp", 2), ("cp", 2)]
 
 
-
 def test_mean_loss_counts_every_ranks_targets_when_rows_split_too():
     """cp=2 inside dp=4 (two row groups) on a masked LM (1 in 4 positions labelled, so the
     ranks count different targets): the loss is the whole batch's sum over its whole count -
@@ -119,17 +118,9 @@ def test_mean_loss_counts_every_ranks_targets_when_rows_split_too():
     backward = next(n for n in g.nodes if n.target is aten.nll_loss_backward.default)
     assert backward.args[6] is loss.args[1]  # (its target count: the whole batch's)
     # no row group averages a mean: the loss reads no other reduction
-    assert [n for n in _ancestors(loss) if n.target is c10d.all_reduce.default] == reductions
+    assert [n for n in ir.ancestors([loss]) if n.target is c10d.all_reduce.default] == \
+        reductions
 
-
-def _ancestors(node):
-    seen, todo = set(), list(node.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
 
 def test_ring_attention_keeps_keys_and_values_split():
     """cp_attention="ring": every attention of HF Llama, forward and backward, is

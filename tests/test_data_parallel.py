@@ -261,6 +261,57 @@ def test_mean_cross_entropy_is_one_all_reduce_of_sum_and_count():
     assert backward.args[-1] is loss.args[1]  # the backward divides by the global count
 
 
+class _TwoLosses(torch.nn.Module):
+    """Two heads, each a mean cross-entropy (the second ignoring some targets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 5), torch.nn.Linear(16, 3)
+
+    def forward(self, batch):
+        x, ya, yb = batch
+        return torch.nn.functional.cross_entropy(self.a(x), ya) + \
+            torch.nn.functional.cross_entropy(self.b(x), yb, ignore_index=-1)
+
+
+def _two_losses_batch():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g),
+            torch.tensor([0, -1, 2, -1, -1, 1, 0, 2]))  # (rank 0 counts 2 targets, rank 1 3)
+
+
+def test_a_mean_cross_entropy_among_other_loss_terms_averages_to_the_batch_mean():
+    """A loss adding two mean cross-entropies: each term's value on a rank becomes its sum
+    times dp over the group's count (its count all-reduced for it), so the average over the
+    ranks - what the loss's reduction takes - is the batch's mean of that term, not the mean
+    of the ranks' means; the backward is untouched (it divides by the group's count)."""
+    gm, *_ = compile_dp(_TwoLosses(), _two_losses_batch(), 2)
+    nlls = [n for n in gm.graph.nodes if n.target is aten.nll_loss_forward.default]
+    assert len(nlls) == 2
+    for nll in nlls:
+        readers = {w for m in nll.users if m.target is operator.getitem and m.args[1] == 0
+                   for w in m.users if w.meta.get(ir.REGION) != ir.BACKWARD}
+        assert readers and all(w.meta.get(ir.LOSS_REDUCTION) for w in readers)
+    counts = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default
+              and n.meta.get(ir.LOSS_REDUCTION)]
+    assert len(counts) == 2 and all(n.args[0].args[0] in nlls for n in counts)
+    verify(gm)
+
+
+def _two_losses_rank():
+    torch.manual_seed(0)
+    model = _TwoLosses()
+    want = model(_two_losses_batch()).item()
+    pm = fxpar.parallelize(model, 2, example_batch=_two_losses_batch(), plan={"dp": 2})
+    return pm.step(_two_losses_batch()), want
+
+
+def test_a_loss_of_two_cross_entropies_reports_the_batch_mean_under_dp():
+    """2 ranks, the batch above: pm.step's loss is eager's (before: 3.2441 vs 3.2625)."""
+    for got, want in fxpar.launch(_two_losses_rank, 2).values():
+        assert abs(float(got) - want) < 1e-6 * abs(want)
+
+
 def test_forward_only_mean_loss_is_global_sum_over_global_count():
     """evaluate()'s forward-only graph has no backward to reduce the count for: the rewrite
     reduces it with the sum anyway (one [2] all-reduce), so the loss is exact there too."""
@@ -385,7 +436,6 @@ def test_zero3_gathers_again_in_the_backward_except_the_tail():
             assert bool(_backward_reads_of(g)) == kept, layer(g)
 
 
-
 def test_microbatch_loss_weighting_nodes_carry_the_values_torch_computes():
     """With microbatches the loss is rescaled by the microbatch's share of the targets (its
     count over the step's, a placeholder fed by the runtime): the pass gives those few nodes
@@ -400,6 +450,7 @@ def test_microbatch_loss_weighting_nodes_carry_the_values_torch_computes():
                      and n.meta.get(ir.FQN) == "loss_count")
         assert loss.target is aten.where.ScalarOther and share in ir.ancestors([loss])
         verify(gm)  # (every value: a fake run of the whole graph)
+
 
 def test_zero3_with_microbatches_keeps_no_forward_copy_for_the_backward():
     """pp=1 with microbatches: the step's forward and backward run as separate parts, one

@@ -62,7 +62,6 @@ def test_gradient_bucket_waits_sink_to_the_end_and_starts_follow_their_last_grad
     assert all(w.name in decision.sunk for _, w in buckets)
 
 
-
 def test_overlap_only_reorders_so_the_manager_skips_its_fake_run():
     """The pass declares its values fresh (no fake run of the whole graph after it: a third
     of a tp=4 Mixtral's pass time): it moves nodes and nothing else - the same nodes, reading
@@ -77,6 +76,7 @@ def test_overlap_only_reorders_so_the_manager_skips_its_fake_run():
         assert [a.name for a in n.all_input_nodes] == [a.name for a in old.all_input_nodes]
         assert n.meta.get(ir.VAL) is old.meta.get(ir.VAL)
     verify(gm)  # (every value checked by a fake run)
+
 
 @pytest.mark.slow  # (moved to keep make test under 6 minutes)
 def test_zero3_gathers_are_prefetched_below_the_step_peak():
