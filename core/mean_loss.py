@@ -84,24 +84,27 @@ def exact_mean_terms(graph, group, n) -> None:
     LM's labels). Its value on each rank is made this rank's sum * n / the group's count,
     whose average over the n ranks is the batch's mean; the count is all-reduced for it (the
     backward already divides by the group's count: the gradients were exact)."""
+    order = {x: i for i, x in enumerate(graph.nodes)}
     for nll in [x for x in graph.nodes if x.target is aten.nll_loss_forward.default
                 and x.meta.get(ir.REGION) == ir.FORWARD]:
         reduction = nll.args[3] if len(nll.args) > 3 else nll.kwargs.get("reduction", 1)
-        means = [u for u in nll.users if u.target is operator.getitem and u.args[1] == 0
-                 and u.meta.get(ir.SHARD) == (Partial("avg"),)
-                 and any(not w.meta.get(ir.LOSS_REDUCTION)
-                         and w.meta.get(ir.REGION) != ir.BACKWARD for w in u.users)]
+        means = sorted((u for u in nll.users if u.target is operator.getitem and u.args[1] == 0
+                        and u.meta.get(ir.SHARD) == (Partial("avg"),)
+                        and any(not w.meta.get(ir.LOSS_REDUCTION)
+                                and w.meta.get(ir.REGION) != ir.BACKWARD for w in u.users)),
+                       key=order.__getitem__)
         if reduction != 1 or not means or any(u.meta.get(ir.LOSS_REDUCTION) for u in nll.users):
             continue  # (not one, or the loss alone: exact_mean_loss's already)
-        done = None
+
+        def emit(target, args, shard, comm=False):
+            node = _emit_like(graph, nll, target, args, shard, comm)
+            fake_run(node)
+            return node
+        done = None  # (the count's all-reduce, after the first mean in graph order)
         for mean in means:
             readers = [w for w in mean.users if not w.meta.get(ir.LOSS_REDUCTION)
                        and w.meta.get(ir.REGION) != ir.BACKWARD]
             with graph.inserting_before(mean.next):
-                def emit(target, args, shard, comm=False):
-                    node = _emit_like(graph, nll, target, args, shard, comm)
-                    fake_run(node)
-                    return node
                 count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
                 if done is None:
                     done = emit(c10d.wait_tensor.default, (emit(
