@@ -901,7 +901,9 @@ class _Sharder:
                 # op - each split input gathered, each partial one reduced, once
                 gathers = any(isinstance(p, Shard) for a in split
                               for p in _placements(self.specs[a]))
-                if op not in _WARNED_NO_RULE:  # (a split input costs a gather: say so)
+                # (a split input costs a gather: say so; not for a loss reduction's own
+                # nodes, which data parallelism rebuilds over the rows: mean_loss)
+                if op not in _WARNED_NO_RULE and not node.meta.get(ir.LOSS_REDUCTION):
                     _WARNED_NO_RULE.add(op)
                     log.log(logging.WARNING if gathers else logging.INFO,
                             "%s (module '%s') has no DTensor sharding rule: it runs on whole "
