@@ -360,3 +360,8 @@ def _(grad_out, q, k, v, out, lse, dropout_p, is_causal, scale, group_name):
 # codegen runs them outside compiled regions, a CUDA graph does not capture them)
 RING = frozenset({torch.ops.fxpar.ring_attention.default,
                   torch.ops.fxpar.ring_attention_backward.default})
+# the kernels `_flash` runs for a ring step, as the graph names them (CUDA's flash made
+# fxpar::flash_attention first): one the cp pass leaves under "ring" was never split
+RING_KERNELS = frozenset({torch.ops.fxpar.flash_attention.default} | (
+    {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") else set()))

@@ -14,7 +14,6 @@ import torch
 
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
-from fxpar.core.graphs import fake_run
 from fxpar.core.sharding import Partial, Replicate
 
 aten = torch.ops.aten
@@ -96,10 +95,8 @@ def exact_mean_terms(graph, group, n) -> None:
         if reduction != 1 or not means or any(u.meta.get(ir.LOSS_REDUCTION) for u in nll.users):
             continue  # (not one, or the loss alone: exact_mean_loss's already)
 
-        def emit(target, args, shard, comm=False):
-            node = _emit_like(graph, nll, target, args, shard, comm)
-            fake_run(node)
-            return node
+        def emit(target, args, shard, comm=False):  # (values: the dp pass propagates them)
+            return _emit_like(graph, nll, target, args, shard, comm)
         done = None  # (the count's all-reduce, after the first mean in graph order)
         for mean in means:
             readers = [w for w in mean.users if not w.meta.get(ir.LOSS_REDUCTION)
@@ -110,10 +107,7 @@ def exact_mean_terms(graph, group, n) -> None:
                     done = emit(c10d.wait_tensor.default, (emit(
                         c10d.all_reduce.default, (count, "sum", group), (Partial("sum"),),
                         True),), (Replicate(),), True)
-                total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
-                                                      emit(aten.mul.Tensor, (mean, count),
-                                                           (Partial("avg"),)), 0.0),
-                             (Partial("avg"),))
+                total = _local_sum(emit, mean, count, (Partial("avg"),))
                 scaled = emit(aten.div.Tensor, (emit(aten.mul.Scalar, (total, n),
                                                      (Partial("avg"),)), done),
                               (Partial("avg"),))
@@ -130,6 +124,14 @@ def _emit_like(graph, like, target, args, shard, comm=False):
     return node
 
 
+def _local_sum(emit, mean, count, shard):
+    """This rank's sum of the loss from its (mean, count): a rank whose targets are all
+    ignored has mean 0/0 = nan and contributes 0."""
+    return emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
+                                         emit(aten.mul.Tensor, (mean, count), shard), 0.0),
+                shard)
+
+
 def _reduced_pair(graph, nll, group):
     """(the sum of every rank's loss, of its target count) over `group`: one all-reduce of
     this rank's (sum, count) from `nll`'s local (mean, count), emitted right after `nll`;
@@ -139,10 +141,7 @@ def _reduced_pair(graph, nll, group):
     with graph.inserting_before(nll.next):  # in the forward, right after the loss
         mean = emit(operator.getitem, (nll, 0), (Partial("sum"),))
         count = emit(operator.getitem, (nll, 1), (Partial("sum"),))
-        total = emit(aten.mul.Tensor, (mean, count), (Partial("sum"),))
-        # a rank whose targets are all ignored has mean 0/0 = nan and contributes 0
-        total = emit(aten.where.ScalarOther, (emit(aten.ne.Scalar, (count, 0), None),
-                                              total, 0.0), (Partial("sum"),))
+        total = _local_sum(emit, mean, count, (Partial("sum"),))
         pair = emit(aten.stack.default, ([total, count],), (Partial("sum"),))
         return emit(c10d.wait_tensor.default, (
             emit(c10d.all_reduce.default, (pair, "sum", group), (Partial("sum"),), True),),
@@ -160,12 +159,14 @@ def regroup_mean_loss(graph, from_group: str, group: str) -> None:
     the backward's target count - reads the new one; the old reduction's nodes are erased."""
     for old in [n for n in graph.nodes if n.target is c10d.all_reduce.default
                 and n.meta.get(ir.LOSS_REDUCTION) and n.args[2] == from_group]:
-        nll = _loss_of(old)
-        if nll is None:
+        nlls = [a for a in ir.ancestors([old]) if a.target is aten.nll_loss_forward.default]
+        if len(nlls) != 1:
             raise PlanError(
                 f"data parallelism with context parallelism: the mean loss reduced by "
-                f"{old.name} reads no cross-entropy; please report this model to fxpar (its "
-                "loss could not be made the mean over every rank's targets).")
+                f"{old.name} reads {len(nlls)} cross-entropies, not one; please report this "
+                "model to fxpar (its loss could not be made the mean over every rank's "
+                "targets).")
+        (nll,) = nlls
         (old_wait,) = old.users
         partial = [u.name for u in old_wait.users if u.meta.get(ir.SHARD) != (Replicate(),)]
         if partial:  # (the row split reduced them again: the new pair would be summed twice)
@@ -182,19 +183,6 @@ def regroup_mean_loss(graph, from_group: str, group: str) -> None:
                 graph.erase_node(n)
                 erased.add(n)
 
-
-def _loss_of(reduce):
-    """The nll_loss_forward whose (mean, count) the loss reduction `reduce` sums."""
-    seen, todo = set(), [reduce]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.target is aten.nll_loss_forward.default:
-            return n
-        todo.extend(n.all_input_nodes)
-    return None
 
 
 # --- the mean loss's target count, for microbatches (passes/data_parallel.py) -------------

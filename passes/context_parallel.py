@@ -43,7 +43,7 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
-from fxpar.core import cost, ir
+from fxpar.core import context_attention, cost, ir
 from fxpar.core.errors import BatchError, PlanError
 from fxpar.core.graphs import fake_propagate
 from fxpar.core.mean_loss import exact_mean_loss, mean_nll_loss, target_count_program
@@ -196,7 +196,7 @@ def _check_ring(gm, seq: int) -> None:
     for n in gm.graph.nodes:
         if n.meta.get(ir.REGION) != ir.FORWARD or n.op != "call_function":
             continue
-        if n.target in _RING_KERNELS:  # (a kernel the ring runs, its queries never split)
+        if n.target in context_attention.RING_KERNELS:  # (its queries never split)
             raise _not_ring(n, "its queries reach it whole: its sequence is not the one cp "
                                "splits (an encoder over another input), or is rebuilt whole "
                                "before it (a decoder fed the labels shifted right)")
@@ -208,13 +208,6 @@ def _check_ring(gm, seq: int) -> None:
                 n.meta[ir.VAL].shape[-1] == seq:
             raise _not_ring(n, "it is written out as matmuls and a softmax (ring attention "
                                "runs SDPA's flash kernels)")
-
-
-# the kernels a ring step runs (context_attention._flash): one left in the graph under "ring"
-# was never split
-_RING_KERNELS = {fxpar_ops.flash_attention.default} | (
-    {aten._scaled_dot_product_flash_attention_for_cpu.default}
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") else set())
 
 
 def ring_refusal(node, a: dict, kv_split: bool) -> str | None:
