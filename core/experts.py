@@ -124,3 +124,19 @@ def _(y, route, group_name):
 # compiled run, which is checked on one rank alone)
 COMMUNICATING = frozenset({torch.ops.fxpar.ep_route.default, torch.ops.fxpar.ep_dispatch.default,
                            torch.ops.fxpar.ep_combine.default})
+
+
+# --- experts written as nn.ModuleList: the ep group's ranks each run their own ------------
+
+@torch.library.custom_op("fxpar::expert_pick", mutates_args=())
+def expert_pick(xs: list[torch.Tensor], group_name: str) -> torch.Tensor:
+    """xs[rank in the ep group]: the rows of the expert this rank holds in one slot, out of
+    the same rows of every rank's expert of that slot (one graph for every rank, as
+    expert_window). The rows are whole on every rank: the sharding engine makes them so."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return xs[_resolve_process_group(group_name).rank()].clone()
+
+
+@expert_pick.register_fake
+def _(xs, group_name):
+    return torch.empty_like(xs[0])

@@ -83,6 +83,10 @@ PARAMS_SHARDED = "params_sharded"      # data_parallel (ZeRO-3): parameter input
 TP_LAYOUTS = "tp_layouts"              # tensor_parallel: per parameter, None or a layout
 EXPERT_PARAMS = "expert_params"        # expert_parallel: indices of the parameters split over
 #                                        the ep group along dim 0 (each rank its experts)
+EXPERT_SLOTS = "expert_slots"          # expert_parallel: nn.ModuleList experts, per slot
+#                                        parameter [its index on ep rank 0, 1, ...]: the
+#                                        user's parameter it holds there (the graph reads
+#                                        the first; the others are held as slots elsewhere)
 SEQUENCE_SPLIT = "sequence_split"      # context_parallel: per batch leaf, the dim split over
 #                                        the cp group in the graph (None: whole on every rank)
 LOSS_SCALE = "loss_scale"              # precision (fp16): the last batch input is the scale
@@ -236,6 +240,10 @@ class Program:
     # gradient outputs likewise.
     ep: int = 1
     expert_params: list = dataclasses.field(default_factory=list)
+    # nn.ModuleList experts under ep: per slot parameter, [the index of the user's parameter
+    # it holds on ep rank 0, 1, ...] (the first is the slot's own index: the graph reads it;
+    # the others are not read, held by their ranks as slots; their gradients are None).
+    expert_slots: list = dataclasses.field(default_factory=list)
     # Mixed precision (passes/precision.py): fp16's graph takes one more batch input after
     # the batch leaves, the 0-dim fp32 loss scale (runtime/amp.GradScaler feeds it).
     loss_scale: bool = False

@@ -310,6 +310,7 @@ _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 _GROUP_ARG = {
     torch.ops.fxpar.localize.default: 2,
     torch.ops.fxpar.expert_window.default: 2,
+    torch.ops.fxpar.expert_pick.default: 1,
     c10d.all_reduce.default: 2,
     c10d.all_gather_into_tensor.default: 2,
     c10d.reduce_scatter_tensor.default: 3,
@@ -992,6 +993,13 @@ class _Sharder:
         """Such an op acts independently on each of this mesh's shards (sums, gathers and
         chunks along another axis), so its result is placed like its input, unless it
         gathers/scatters/chunks along the very dim this mesh shards."""
+        if node.target is torch.ops.fxpar.expert_pick.default:
+            # the ep group is carved out of this mesh's ranks: a rank picking its own expert's
+            # rows out of a partial sum or a shard would drop what the other ranks hold of the
+            # experts they do not pick, so the rows are made whole first
+            self.place(node, {x: self.replicate for x in node.args[0]
+                              if self.specs[x].placements != self.replicate})
+            return _out_spec(self.mesh, self.replicate, node.meta.get(ir.VAL))
         x = node.args[0]
         pl = self.specs[x].placements
         dim = _AXIS_DIM.get(node.target)

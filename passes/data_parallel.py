@@ -229,8 +229,10 @@ def _split_batch(gm: torch.fx.GraphModule, options, ctx) -> torch.fx.GraphModule
     bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
     zg = _ZeroGroups.of(options, ctx.group_names)
     ep = options.ep or 1
-    experts = _Experts.of(gm.meta.get(ir.EXPERT_PARAMS) or (), options, ctx.group_names) \
-        if ep > 1 else None
+    # (the weights of ep's experts: slices of grouped experts, slots of listed ones)
+    held = [*(gm.meta.get(ir.EXPERT_PARAMS) or ()), *(s[0] for s in gm.meta.get(
+        ir.EXPERT_SLOTS) or ())]
+    experts = _Experts.of(held, options, ctx.group_names) if ep > 1 else None
     _reduce_outputs(gm, group, dp, bucket_bytes, options.zero, ctx.profile,
                     quantized="gradients" in options.comm_quantization, zero_groups=zg,
                     rows=(row_group, rows), experts=experts)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import torch
 import torch.fx
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fxpar.core import experts as _experts  # noqa: F401  (registers fxpar::expert_window)
 from fxpar.core import sharding as _sharding  # noqa: F401  (registers fxpar::local_chunk)
@@ -66,7 +68,7 @@ CONTRACT = ir.PassContract(
     requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN}),
     # the nodes it adds join their neighbours' pipeline part; a tp-split weight is left alone
     reads=frozenset({ir.STAGE, ir.PHASE, ir.TP_LAYOUTS}),
-    provides=frozenset({ir.EXPERT_PARAMS, ir.EP_REPORT, ir.DYNAMIC_ROWS}),
+    provides=frozenset({ir.EXPERT_PARAMS, ir.EXPERT_SLOTS, ir.EP_REPORT, ir.DYNAMIC_ROWS}),
     # the data-parallel pass shards the rewritten graph: its engine carries the ep group's
     # collectives as another mesh axis's
     before=frozenset({"data_parallel", "overlap", "fusion"}),
@@ -78,29 +80,29 @@ CONTRACT = ir.PassContract(
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     ep = options.ep
     group = ctx.group_names["ep"]
-    layers = find_layers(gm)
-    if not layers:
+    layers, lists = find_layers(gm), find_expert_lists(gm)
+    if not layers and not lists:
         raise PlanError(
-            f"Plan.ep={ep}: no MoE layer of grouped matmuls found on the graph. Expert "
-            "parallelism splits experts stored as one parameter [experts, ...] and run by "
-            "aten._grouped_mm (Hugging Face's experts by default, "
-            "config._experts_implementation='grouped_mm'); an experts loop over "
-            "nn.ModuleList or 'batched_mm' experts cannot be split. Use ep=1 (ZeRO or tp "
-            "shard such experts like any weight).")
+            f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
+            "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
+            "Face's experts by default, config._experts_implementation='grouped_mm'), or "
+            "kept as an nn.ModuleList of identical experts each run on the rows routed to it; "
+            "'batched_mm' experts cannot be split. Use ep=1 (ZeRO or tp shard such experts "
+            "like any weight).")
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
+    layouts = gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params)
     split, report = set(), []
     # the layers whose dispatch the dp pass runs on each rank's own rows: their rows go to
     # their experts' ranks and back by all-to-all; the others' rows are every dp rank's
-    local = batch_local_dispatch(gm, options.dp or 1)
+    local = batch_local_dispatch(gm, options.dp or 1) if layers else {}
     for layer in layers:
         e = layer.offs.meta[ir.VAL].numel()
         if e % ep:
             raise PlanError(f"Plan.ep={ep}: the MoE layer {layer.module!r} has {e} experts, "
                             f"which do not split evenly over {ep} ranks. Use an ep that "
                             f"divides {e}.")
-        tp_split = [w.meta[ir.FQN] for w in layer.weights
-                    if (gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params))[index[w]]]
+        tp_split = [w.meta[ir.FQN] for w in layer.weights if layouts[index[w]]]
         if tp_split:
             raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split} are also split by "
                             "tensor parallelism; one weight takes one split. Use ep=1 or tp=1.")
@@ -119,10 +121,35 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                        "region": len(layer.region), "entering": len(layer.entering),
                        "leaving": len(layer.leaving),
                        "dispatch": "all-to-all" if all_to_all else "gathered rows"})
+    slots = []
+    for lst in lists:
+        e = len(lst.experts)
+        if e % ep:
+            raise PlanError(f"Plan.ep={ep}: the experts of {lst.module!r} are {e}, which do "
+                            f"not split evenly over {ep} ranks. Use an ep that divides {e}.")
+        if any(ir.STAGE in n.meta for x in lst.experts for n in x.region):
+            raise PlanError(f"Plan.ep={ep} with pipeline parallelism: the experts of "
+                            f"{lst.module!r} are an nn.ModuleList, whose slots (one expert per "
+                            "ep rank each) are not placed on pipeline stages yet. Use pp=1, or "
+                            "ep=1.")
+        tp_split = [p.meta[ir.FQN] for x in lst.experts for p in x.params.values()
+                    if layouts[index[p]]]
+        if tp_split:
+            raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split[:4]} are also split "
+                            "by tensor parallelism; one weight takes one split. Use ep=1 or "
+                            "tp=1.")
+        slots += _rewrite_list(gm, lst, ep, group)
+        first = lst.experts[0]
+        report.append({"module": lst.module, "experts": e, "per_rank": e // ep,
+                       "rows": lst.rows, "weights": [p.meta[ir.FQN] for x in lst.experts
+                                                     for p in x.params.values()],
+                       "region": len(first.region), "entering": len(first.entering),
+                       "leaving": len(first.leaving), "dispatch": "expert slots"})
     gm.graph.lint()
     gm.recompile()
     fake_propagate(gm, check=False)
     gm.meta[ir.EXPERT_PARAMS] = sorted(index[w] for w in split)
+    gm.meta[ir.EXPERT_SLOTS] = slots
     gm.meta[ir.EP_REPORT] = report
     return gm
 
@@ -499,3 +526,288 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
             back = _emit(graph, torch.ops.fxpar.ep_combine.default, (y, route, group), y)
         for u in users:
             u.replace_input_with(y, back)
+
+
+# --- experts written as nn.ModuleList -------------------------------------------------------
+# Hand-written MoE code (DeepSeek's and Mistral's reference code, litgpt) keeps its experts as
+# a list of modules and loops over them: each expert's rows picked by routing (x[idx]), run
+# through the expert, and added back (y[idx] += ...). The joint graph holds one such region
+# per expert, forward and backward; the experts are not one parameter to slice. Expert
+# parallelism gives the ep group's ranks "slots" instead: slot j is the graph of expert j
+# (its region), and on ep rank q it runs expert q * E/ep + j, whose weights the runtime binds
+# to the slot's parameters (Program.expert_slots). Every rank routes every token (the dp
+# pass keeps such a dispatch's rows whole on every rank), so each row tensor entering slot
+# j's region is the one of this rank's expert (fxpar::expert_pick among the slot's experts'
+# rows), and each row tensor leaving it is all-gathered over the ep group, its pieces read
+# where each of the slot's experts' results was read. The other experts' regions are
+# removed, their parameters left unread (held by their own ranks as slots). The slots'
+# gradients are those of every row: whole, reduced by nobody.
+
+_LIST_INDEX = re.compile(r"(?:^|\.)(\d+)\.")
+_MATMULS = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> its rows operand
+
+
+@dataclasses.dataclass
+class Expert:
+    """One expert of a list: its parameters (name below the expert -> placeholder), its
+    row-wise region (node -> row dim; None: a weight gradient, which sums the rows), and the
+    row tensors entering and leaving the region, each in graph order (so the experts of a
+    list correspond position by position)."""
+    module: str
+    rows: int
+    params: dict
+    region: dict
+    entering: list
+    leaving: list
+    dead: set  # what goes with the expert when its region is removed (weight paths, grads)
+
+
+@dataclasses.dataclass
+class ExpertList:
+    module: str
+    rows: int
+    experts: list
+
+
+def find_expert_lists(gm: torch.fx.GraphModule) -> list[ExpertList]:
+    """Every list of experts on `gm`: a ModuleList whose members hold the same parameters,
+    run side by side (none reads another's result) on rows each gathered by routing."""
+    params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
+    lists: dict[str, dict[int, dict]] = {}
+    for p in params:
+        fqn = p.meta[ir.FQN]
+        for m in _LIST_INDEX.finditer(fqn):
+            lists.setdefault(fqn[:m.start()], {}).setdefault(int(m.group(1)), {})[
+                fqn[m.end():]] = p
+    out = []
+    for prefix, members in lists.items():
+        if len(members) < 2 or sorted(members) != list(range(len(members))):
+            continue
+        first = members[0]
+        if any(set(m) != set(first) or any(
+                (_val(m[k]).shape, _val(m[k]).dtype) != (_val(first[k]).shape, _val(first[k]).dtype)
+                for k in first) for m in members.values()):
+            continue
+        modules = [f"{prefix}.{k}" if prefix else str(k) for k in range(len(members))]
+        if not _side_by_side(gm, modules):
+            continue
+        grads, order = _grad_nodes(gm, params), {n: i for i, n in enumerate(gm.graph.nodes)}
+        experts = [_expert(m, members[k], grads, order) for k, m in enumerate(modules)]
+        rows = {e.rows for e in experts}
+        shapes = {tuple((n.target, e.region[n]) for n in sorted(e.region, key=order.get))
+                  for e in experts}
+        if len(shapes) > 1 or len(rows) > 1 or len({len(e.entering) for e in experts}) > 1:
+            raise PlanError(f"Plan.ep: the experts of {prefix!r} do not run the same graph "
+                            "(their ops or row counts differ); expert parallelism runs one "
+                            "expert's graph for each. Use ep=1 for this model.")
+        out.append(ExpertList(prefix, rows.pop(), experts))
+    return out
+
+
+def _tagged(n, module: str) -> bool:
+    m = n.meta.get(ir.MODULE) or ""
+    return m == module or m.startswith(module + ".")
+
+
+def _side_by_side(gm, modules: list[str]) -> bool:
+    """Whether the forward nodes of `modules` form separate experts: each's input rows
+    gathered by routing (an index op), none computed from another member's nodes (a stack
+    of layers feeds each into the next)."""
+    fwd = [[n for n in gm.graph.nodes if n.op == "call_function" and
+            n.meta.get(ir.REGION) == ir.FORWARD and _tagged(n, m)] for m in modules]
+    if not all(fwd):
+        return False
+    inputs = []
+    for nodes in fwd:
+        inside = set(nodes)
+        ins = {x for n in nodes for x in n.all_input_nodes
+               if x not in inside and x.op != "placeholder"}
+        if not any(x.target is aten.index.Tensor for x in ins):
+            return False
+        inputs.append(ins)
+    first = set(fwd[0])
+    return not (ir.ancestors(list(inputs[1])) & first) and inputs[0] != inputs[1]
+
+
+def _grad_nodes(gm, params) -> dict:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0]
+    return {p: vals[1 + i] for i, p in enumerate(params)}
+
+
+def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
+    paths = set(weights.values())
+    todo = list(paths)
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "call_function" and u.target in _WEIGHT_PATH and u not in paths:
+                paths.add(u)
+                todo.append(u)
+    seeds = {}  # node -> {row input: dim}
+    for p in paths:
+        for u in p.users:
+            if u in paths or u.op != "call_function":
+                continue
+            if u.target in _MATMULS:
+                x = u.args[_MATMULS[u.target]]
+                seeds[u] = {x: 0}
+            elif isinstance(u.target, torch._ops.OpOverload) and \
+                    torch.Tag.pointwise in u.target.tags:
+                seeds[u] = None  # (rows found below, once they are known)
+            else:
+                raise PlanError(
+                    f"Plan.ep: the expert {module!r}'s weight is read by {u.name} ({u.target}); "
+                    "expert parallelism over nn.ModuleList experts runs experts made of "
+                    "linear layers and row-wise ops. Use ep=1 for this model.")
+    mms = [s for s, ins in seeds.items() if ins]
+    if not mms:
+        raise PlanError(f"Plan.ep: the expert {module!r} multiplies no rows by its weights; "
+                        "expert parallelism runs experts made of linear layers.")
+    rows = _val(mms[0]).shape[0]
+    for s in seeds:
+        if seeds[s] is None:
+            seeds[s] = _row_inputs(s, 0, rows) or {}
+        if _val(s).shape[0] != rows:
+            raise PlanError(f"Plan.ep: {s.name} in the expert {module!r} has "
+                            f"{_val(s).shape[0]} rows, not the expert's {rows}; expert "
+                            "parallelism runs experts whose every op keeps the rows.")
+    terminals, dead = {}, set(n for n in paths if n.op != "placeholder")
+    for p in weights.values():
+        g = grads.get(p)
+        while isinstance(g, torch.fx.Node) and g.target in _WEIGHT_PATH:
+            dead.add(g)
+            g = g.args[0]
+        if g is None:
+            continue
+        terminals[g] = _weight_grad_rows(g, rows, module, p)
+    given = {**seeds, **terminals}
+    fwd: dict = {}
+    todo = [(s, 0) for s in seeds]
+    while todo:
+        n, r = todo.pop()
+        if fwd.get(n) == r:
+            continue
+        fwd[n] = r
+        for u in n.users:
+            c = None if u in given else _out_row(u, n, r, rows)
+            if c is not None:
+                todo.append((u, c))
+    bwd: dict = {}
+    todo = [x for ins in given.values() for x in ins.items()]
+    while todo:
+        n, r = todo.pop()
+        if bwd.get(n) == r:
+            continue
+        bwd[n] = r
+        todo.extend(((given.get(n) if n in given else _row_inputs(n, r, rows)) or {}).items())
+    region = {n: r for n, r in fwd.items() if bwd.get(n) == r}
+    region.update({s: 0 for s in seeds})
+    region.update({t: None for t in terminals})
+    for ins in terminals.values():
+        for x, d in ins.items():
+            if d == 1 and x not in region:  # (rows^T of a weight gradient)
+                region[x] = 1
+    missing = [n for n in _forward_nodes(weights, module, region, paths)]
+    if missing:
+        n = missing[0]
+        raise PlanError(f"Plan.ep: {n.name} ({n.target}) in the expert {module!r} does not "
+                        "act row by row on the expert's rows; expert parallelism runs "
+                        "experts whose ops keep each row apart (linear layers, activations). "
+                        "Use ep=1 for this model.")
+    entering, leaving = [], []
+    for n in sorted(region, key=order.get):
+        r = region[n]
+        ins = given[n] if n in given else _row_inputs(n, r, rows) or {}
+        for x, d in ins.items():
+            if x not in region and x not in entering:
+                if d != 0:
+                    raise PlanError(f"Plan.ep: {x.name} enters the expert {module!r} with its "
+                                    f"rows on dim {d}; expert parallelism moves rows on dim 0.")
+                entering.append(x)
+        if r is not None and any(u not in region for u in n.users):
+            if r != 0:
+                raise PlanError(f"Plan.ep: {n.name} leaves the expert {module!r} with its rows "
+                                f"on dim {r}; expert parallelism moves rows on dim 0.")
+            leaving.append(n)
+    dead |= set(region)
+    return Expert(module, rows, weights, region, entering, leaving, dead)
+
+
+def _forward_nodes(weights, module, region, paths):
+    """The expert's forward ops (tagged with its module) the region left out."""
+    graph = next(iter(weights.values())).graph
+    return [n for n in graph.nodes if n.op == "call_function" and _tagged(n, module)
+            and n.meta.get(ir.REGION) == ir.FORWARD and n not in region and n not in paths
+            and not (n.target is operator.getitem and n.args[0] in region)]
+
+
+def _weight_grad_rows(g, rows: int, module: str, p) -> dict:
+    """{row input: dim} of the op making an expert weight's gradient: rows^T x rows (a
+    weight), or a sum over the rows (a bias)."""
+    if g.target is aten.mm.default:
+        a, b = g.args
+        if _val(a).shape[1] == rows and _val(b).shape[0] == rows:
+            return {a: 1, b: 0}
+    if g.target is aten.sum.dim_IntList and list(g.args[1]) == [0] and \
+            _val(g.args[0]).shape[0] == rows:
+        return {g.args[0]: 0}
+    raise PlanError(f"Plan.ep: the gradient of the expert weight {p.meta[ir.FQN]} of "
+                    f"{module!r} is made by {g.name} ({g.target}), not by a sum over the "
+                    "expert's rows; expert parallelism over nn.ModuleList experts needs each "
+                    "weight read once per row. Use ep=1 for this model.")
+
+
+def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str) -> list:
+    """Slot j runs expert j's region on this rank's expert's rows; returns each slot
+    parameter's program indices per ep rank ([[index on rank 0, on rank 1, ...], ...])."""
+    graph, experts, rows = gm.graph, lst.experts, lst.rows
+    per_rank = len(experts) // ep
+    params = [n for n in graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
+    index = {n: i for i, n in enumerate(params)}
+    out = next(n for n in graph.nodes if n.op == "output")
+    vals = list(out.args[0])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    slots = []
+    for j in range(per_rank):
+        mine = [experts[r * per_rank + j] for r in range(ep)]
+        t = mine[0]
+        for e, x in enumerate(t.entering):
+            users = [u for u in x.users if u in t.region]
+            with graph.inserting_before(min(users, key=order.get)):
+                picked = _emit(graph, torch.ops.fxpar.expert_pick.default,
+                               ([m.entering[e] for m in mine], group), users[0])
+            for u in users:
+                u.replace_input_with(x, picked)
+        for i, y in enumerate(t.leaving):
+            outside = [[u for u in m.leaving[i].users if u not in m.region] for m in mine]
+            with graph.inserting_after(y):
+                started = _emit(graph, c10d.all_gather_into_tensor.default, (y, ep, group), y,
+                                region=ir.COMM)
+            with graph.inserting_after(started):
+                whole = _emit(graph, c10d.wait_tensor.default, (started,), y, region=ir.COMM)
+            anchor = whole
+            for r, m in enumerate(mine):
+                with graph.inserting_after(anchor):
+                    piece = _emit(graph, aten.slice.Tensor, (whole, 0, r * rows, (r + 1) * rows),
+                                  y)
+                anchor = piece
+                for u in outside[r]:
+                    u.replace_input_with(m.leaving[i], piece)
+        for name, p in t.params.items():
+            slots.append([index[m.params[name]] for m in mine])
+        for m in mine[1:]:
+            for p in m.params.values():
+                vals[1 + index[p]] = None
+    out.args = (type(out.args[0])(vals),)
+    gone = set().union(*(e.dead for e in experts[per_rank:]))
+    for n in reversed(list(graph.nodes)):
+        if n in gone and not n.users:
+            graph.erase_node(n)
+    try:
+        stable_topological_sort(graph)
+    except AssertionError:
+        raise PlanError(f"Plan.ep: the experts of {lst.module!r} read each other's results "
+                        "(no order runs each slot after the rows of all its experts); expert "
+                        "parallelism runs experts side by side. Use ep=1 for this model.") from None
+    return slots

@@ -48,6 +48,18 @@ def _refuse(why: str):
     return refused
 
 
+def held_names(program: ir.Program, ep_rank: int) -> list[str | None]:
+    """Per parameter index, the name of the user's parameter this rank's program holds
+    there: its own, except under ep for experts kept as an nn.ModuleList (a slot holds this
+    ep rank's expert of the slot; another rank's expert is held by nobody here: None)."""
+    names = list(program.signature.param_names)
+    for slot in program.expert_slots:
+        names[slot[0]] = program.signature.param_names[slot[ep_rank]]
+        for k in slot[1:]:
+            names[k] = None
+    return names
+
+
 def _tiled(leaves, shard_dims, dp):
     return [torch.cat([t] * dp, d) if d is not None else t for t, d in zip(leaves, shard_dims)]
 
@@ -116,12 +128,19 @@ class ParallelModel:
         self.param_shapes = [torch.Size(params[n].shape) for n in sig.param_names]
         self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
         self.ep_group = world.mesh.get_group("ep") if program.ep > 1 else None
-        self._experts = frozenset(program.expert_params)
+        # ep's expert weights: grouped experts' slices (split_of), and the slots of experts
+        # kept as an nn.ModuleList, each bound to this ep rank's expert (held_names); ZeRO
+        # shards both over the ranks holding the same experts
+        self._expert_slices = frozenset(program.expert_params)
+        self._experts = self._expert_slices | {s[0] for s in program.expert_slots}
+        self.held_names = held_names(program, world.coordinate("ep") if program.ep > 1 else 0)
         # each parameter's shape in this rank's program before ZeRO-3 (its tp slice, its
-        # experts under ep)
+        # experts under ep; nothing for another rank's listed expert)
         self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
-            shape, *(self.split_of(i) or (None, 1, 0))[:3]))
-            for i, shape in enumerate(self.param_shapes)]
+            shape, *(self.split_of(i) or (None, 1, 0))[:3])) if self.held_names[i] else
+            torch.Size([0]) for i, shape in enumerate(self.param_shapes)]
+        # the parameter index of each of the user's parameters (by tensor: tied names share)
+        self._user_index = {id(params[n]): i for i, n in enumerate(sig.param_names)}
         self.sharded_optimizer = None
         self.pipeline_runner = None
         # Plan.codegen: the graphs this rank runs, compiled (compiler/codegen.py)
@@ -146,7 +165,13 @@ class ParallelModel:
             with clock("materialise weights"):
                 zero3_shards = self._materialize(weights)
             params = dict(model.named_parameters(remove_duplicate=False))
-        self.params = [params[n] for n in sig.param_names]
+        self.params = [params[n] if n else torch.nn.Parameter(torch.empty(
+            0, dtype=params[sig.param_names[i]].dtype, device=world.device), requires_grad=False)
+            for i, n in enumerate(self.held_names)]
+        if weights is None and program.expert_slots:  # (the other ep ranks' listed experts)
+            with torch.no_grad():
+                for n in set(sig.param_names) - set(self.held_names):
+                    params[n].data = params[n].data.new_empty(0)
         if weights is None:
             with clock("shard parameters"), torch.no_grad():  # tp, ep: this rank's slices
                 for i, p in enumerate(self.params):
@@ -288,8 +313,8 @@ class ParallelModel:
         model_params = dict(self.model.named_parameters(remove_duplicate=False))
         need = self.needed_params()
         local, shards = {}, {} if self.program.params_sharded else None
-        for i, name in enumerate(sig.param_names):
-            if i not in need:
+        for i, name in enumerate(self.held_names):
+            if i not in need or name is None:
                 continue
             p = model_params[name]
             runs = rweights.local_runs(tuple(p.shape), *(self.split_of(i) or (None, 1, 0))[:3])
@@ -310,9 +335,10 @@ class ParallelModel:
         rweights.unmeta(self.model, dev)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        bound = {name: i for i, name in enumerate(self.held_names) if name}
         with torch.no_grad():
-            for i, name in enumerate(sig.param_names):
-                p = params[name]
+            for name in sig.param_names:
+                p, i = params[name], bound.get(name)
                 p.data = local[i] if i in local else torch.empty(0, dtype=p.dtype, device=dev)
             for name, t in bufs.items():
                 buffers[name].data = t
@@ -861,7 +887,7 @@ class ParallelModel:
         layout = self.program.tp_layouts[i]
         if layout is not None:
             return layout, self.plan.tp, self.world.coordinate("tp"), self.tp_group
-        if i in self._experts:
+        if i in self._expert_slices:
             return (0, None, 1), self.program.ep, self.world.coordinate("ep"), self.ep_group
         return None
 
@@ -879,12 +905,20 @@ class ParallelModel:
         if self.tp_group is None and self.ep_group is None and not z3:
             return {}
         need = self.needed_params()
+        slots = {s[0]: s for s in self.program.expert_slots}
+        named = dict(self.model.named_parameters(remove_duplicate=False))
         out = {}
         for i, p in enumerate(self.params):
             split = self.split_of(i)
-            if i not in need or (split is None and not z3):
+            if i not in need or (split is None and not z3 and i not in slots):
                 continue
             full = self._full_param(i)
+            if i in slots:  # a listed experts' slot: each ep rank's expert to its own name
+                parts = [torch.empty_like(full) for _ in slots[i]]
+                dist.all_gather(parts, full.contiguous(), group=self.ep_group)
+                for k, part in zip(slots[i], parts):
+                    out[id(named[self.program.signature.param_names[k]])] = part
+                continue
             out[id(p)] = full if split is not None else full.clone()
         return out
 
@@ -916,7 +950,7 @@ class ParallelModel:
 
     def whole_meta(self) -> dict[str, torch.Tensor]:
         """Meta-device stand-ins of the model's tensors in their whole (user's) shapes."""
-        pidx = {id(p): i for i, p in enumerate(self.params)}
+        pidx = self._user_index
         return {n: torch.empty(self.param_shapes[pidx[id(t)]] if id(t) in pidx else t.shape,
                                dtype=t.dtype, device="meta")
                 for n, t in model_state.own_tensors(self.model).items()}
