@@ -1758,11 +1758,37 @@ def expert_stats(stats: GraphStats, gm) -> None:
     gets the reason (no ep plan is priced)."""
     try:
         layers = expert_parallel.find_layers(gm)
+        lists = expert_parallel.find_expert_lists(gm)
     except Exception as e:  # noqa: BLE001 - no ep plan is priced; the reason is kept
         stats.ep_refusal = f"{type(e).__name__}: {e}"
         return
     by_name = {s.name: s for s in stats.segments}
     counts = []
+    for lst in lists:  # nn.ModuleList experts: each rank runs E/ep of them on every row (the
+        # rows whole on every dp rank, as without ep), picking its experts' rows (a copy)
+        # and all-gathering their results over the ep group (priced as the all-reduce of
+        # the gathered-rows layers below: as many bytes leave)
+        first = lst.experts[0]
+        seg = by_name.get(stats.node_segment.get(next(iter(first.region)).name))
+        if seg is None:
+            continue
+        counts.append(len(lst.experts))
+        seg.n_moe += 1
+        for x in lst.experts:
+            seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
+            for n in x.region:
+                if n.meta.get(ir.REGION) == ir.FORWARD:
+                    seg.expert_flops_f += cost.node_flops(n)
+                else:
+                    seg.expert_flops_b += cost.node_flops(n)
+            for y in x.leaving:
+                fwd = y.meta.get(ir.REGION) == ir.FORWARD
+                seg.ep_comm_f += cost.tensor_bytes(y.meta[ir.VAL]) if fwd else 0
+                seg.ep_comm_b += 0 if fwd else cost.tensor_bytes(y.meta[ir.VAL])
+            for y in x.entering:  # (the pick's copy: read + write)
+                fwd = y.meta.get(ir.REGION) == ir.FORWARD
+                seg.ep_bytes_f += 2 * cost.tensor_bytes(y.meta[ir.VAL]) if fwd else 0
+                seg.ep_bytes_b += 0 if fwd else 2 * cost.tensor_bytes(y.meta[ir.VAL])
     for layer in layers:
         seg = by_name.get(stats.node_segment.get(layer.offs.name) or
                           stats.node_segment.get(layer.matmuls[0].name))
@@ -1801,7 +1827,7 @@ def expert_stats(stats: GraphStats, gm) -> None:
                 else:
                     seg.ep_bytes_b += passes * nbytes
     stats.expert_counts = tuple(counts)
-    stats.moe_local = bool(layers) and _dispatch_is_local(gm, layers)
+    stats.moe_local = bool(layers) and not lists and _dispatch_is_local(gm, layers)
     if stats.moe_local:
         return
     for seg in stats.segments:  # a dp rank runs the experts on every rank's rows (gathered):

@@ -631,8 +631,9 @@ def _side_by_side(gm, modules: list[str]) -> bool:
 
 def _grad_nodes(gm, params) -> dict:
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    vals = out.args[0]
-    return {p: vals[1 + i] for i, p in enumerate(params)}
+    if not out.meta.get(ir.N_GRADS):  # (evaluate()'s forward-only graph)
+        return {}
+    return {p: out.args[0][1 + i] for i, p in enumerate(params)}
 
 
 def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
@@ -657,9 +658,11 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
                 seeds[u] = None  # (rows found below, once they are known)
             else:
                 raise PlanError(
-                    f"Plan.ep: the expert {module!r}'s weight is read by {u.name} ({u.target}); "
-                    "expert parallelism over nn.ModuleList experts runs experts made of "
-                    "linear layers and row-wise ops. Use ep=1 for this model.")
+                    f"Plan.ep: a weight of the expert {module!r} is read by {u.name} "
+                    f"({u.target}, module {u.meta.get(ir.MODULE, '')!r}); expert parallelism "
+                    "over nn.ModuleList experts runs experts made of linear layers and "
+                    "row-wise ops, each expert's weights read only by its own layers. Use "
+                    "ep=1 for this model.")
     mms = [s for s, ins in seeds.items() if ins]
     if not mms:
         raise PlanError(f"Plan.ep: the expert {module!r} multiplies no rows by its weights; "
@@ -667,11 +670,14 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
     rows = _val(mms[0]).shape[0]
     for s in seeds:
         if seeds[s] is None:
-            seeds[s] = _row_inputs(s, 0, rows) or {}
-        if _val(s).shape[0] != rows:
-            raise PlanError(f"Plan.ep: {s.name} in the expert {module!r} has "
-                            f"{_val(s).shape[0]} rows, not the expert's {rows}; expert "
-                            "parallelism runs experts whose every op keeps the rows.")
+            seeds[s] = _row_inputs(s, 0, rows) if _val(s).dim() and \
+                _val(s).shape[0] == rows else None
+        if not seeds[s] or _val(s).shape[0] != rows:
+            raise PlanError(
+                f"Plan.ep: a weight of the expert {module!r} is read by {s.name} ({s.target}, "
+                f"module {s.meta.get(ir.MODULE, '')!r}), not on the expert's {rows} rows; "
+                "split over ep ranks, each expert is on one rank only, read there by its own "
+                "layers. Use ep=1 for this model.")
     terminals, dead = {}, set(n for n in paths if n.op != "placeholder")
     for p in weights.values():
         g = grads.get(p)
@@ -796,7 +802,7 @@ def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str
                     u.replace_input_with(m.leaving[i], piece)
         for name, p in t.params.items():
             slots.append([index[m.params[name]] for m in mine])
-        for m in mine[1:]:
+        for m in mine[1:] if out.meta.get(ir.N_GRADS) else ():
             for p in m.params.values():
                 vals[1 + index[p]] = None
     out.args = (type(out.args[0])(vals),)

@@ -195,9 +195,12 @@ def _slots(pm):
         z = pm.sharded_optimizer
         return [(master(shard), z.bucket_layout(k), True) for k, shard in enumerate(z.shards)]
     index = {id(master(p)): i for i, p in enumerate(pm.params)}
+    elsewhere = _held_elsewhere(pm)
     out = []
     for g in opt.param_groups:
         for t in g["params"]:
+            if id(t) in elsewhere:  # (another ep rank's expert: its state is that rank's)
+                continue
             if id(t) not in index:
                 raise CheckpointError(
                     f"the optimizer holds a tensor of shape {tuple(t.shape)} that is not a "
@@ -219,7 +222,16 @@ def _held(pm):
 
 
 def _names(pm):
-    return pm.program.signature.param_names
+    """Per parameter index, the name of the parameter this rank holds there (under ep,
+    a listed experts' slot holds this rank's expert: trainer.held_names)."""
+    return pm.held_names
+
+
+def _held_elsewhere(pm) -> set[int]:
+    """ids of the model's parameters this rank does not hold (under ep, the other ranks'
+    experts of an nn.ModuleList): saved and loaded by the ranks holding them."""
+    held = {id(p) for p in pm.params}
+    return {i for i in pm.param_index_of if i not in held}
 
 
 # --- save -------------------------------------------------------------------------------
@@ -277,7 +289,7 @@ def _param_groups(pm) -> list[dict]:
                                f"optimizer param_groups[{gi}][{k!r}]")
                  for k, v in g.items() if k != "params"}
         groups.append({"hyper": hyper, "params": [names[i] for t in g["params"]
-                                                  for i, _, _ in slots[id(t)]]})
+                                                  for i, _, _ in slots.get(id(t), ())]})
     return groups
 
 
@@ -469,10 +481,12 @@ def load(pm, path: str, allow_changed_settings: bool = False) -> dict:
     names = _names(pm)
     plain = pm.state_is_plain()  # else: keys and whole shapes as the model's hooks make them
     state = pm.model.state_dict(keep_vars=True) if plain else pm.stand_in_state()
-    pidx = {id(p): i for i, p in enumerate(pm.params)}
+    pidx, uidx = {id(p): i for i, p in enumerate(pm.params)}, pm.param_index_of
     # what to read: every model entry; optimizer state of this rank's parameters; RNG
-    check_entries(path, md, meta, {k: _full_shape(pm, pidx[id(v)]) if id(v) in pidx
+    check_entries(path, md, meta, {k: _full_shape(pm, uidx[id(v)]) if id(v) in uidx
                                    else v.shape for k, v in state.items()}, pm.optimizer)
+    elsewhere = _held_elsewhere(pm)  # (another ep rank's experts: that rank loads them)
+    state = {k: v for k, v in state.items() if id(v) not in elsewhere}
     slots = _slots(pm)
     okeys = {i: _state_keys(md, names[i]) for _, members, _ in slots for i, _, _ in members}
     need = pm.needed_params()  # (other pipeline stages' weights: not read here)
@@ -544,8 +558,10 @@ def restored_group(group: dict, hyper: dict | None, params: list[int]) -> dict:
 
 def _load_model(pm, state, got):
     pidx = {id(p): i for i, p in enumerate(pm.params)}
-    z = pm.sharded_optimizer
+    z, elsewhere = pm.sharded_optimizer, _held_elsewhere(pm)
     for k, v in state.items():  # (this rank's stages' weights, every buffer)
+        if id(v) in elsewhere:
+            continue
         full = got[f"model.{k}"].to(v.device)
         if id(v) not in pidx:  # a buffer
             v.copy_(full)
@@ -618,7 +634,7 @@ def _load_optimizer(pm, slots, okeys, got, meta, path):
     groups = []
     for gi, g in enumerate(opt.param_groups):
         fqns = [names[i] for t in g["params"] for i, _, _ in
-                next(m for tt, m, _ in slots if tt is t)]
+                next((m for tt, m, _ in slots if tt is t), ())]
         hypers = [saved_hyper[n] for n in fqns if n in saved_hyper]
         if any(h != hypers[0] for h in hypers):
             raise CheckpointError(

@@ -140,7 +140,7 @@ class ParallelModel:
             shape, *(self.split_of(i) or (None, 1, 0))[:3])) if self.held_names[i] else
             torch.Size([0]) for i, shape in enumerate(self.param_shapes)]
         # the parameter index of each of the user's parameters (by tensor: tied names share)
-        self._user_index = {id(params[n]): i for i, n in enumerate(sig.param_names)}
+        self.param_index_of = {id(params[n]): i for i, n in enumerate(sig.param_names)}
         self.sharded_optimizer = None
         self.pipeline_runner = None
         # Plan.codegen: the graphs this rank runs, compiled (compiler/codegen.py)
@@ -859,14 +859,15 @@ class ParallelModel:
             self._generated[id(self._eval_program)] = self._codegen(
                 self._eval_program, {"evaluate": self._eval_program.graph}, clock)["evaluate"]
             self.compile_times = [*self.compile_times, *clock.rows(other=False)]
-            if (self._eval_program.tp_layouts, self._eval_program.expert_params) != (
-                    self.program.tp_layouts, self.program.expert_params):
+            ev, tr = self._eval_program, self.program
+            if (ev.tp_layouts, ev.expert_params, ev.expert_slots) != (
+                    tr.tp_layouts, tr.expert_params, tr.expert_slots):
                 raise PlanError(
                     "evaluate() under tensor or expert parallelism: the forward-only graph was "
-                    "sharded differently from the training graph (tp layouts "
-                    f"{self._eval_program.tp_layouts} vs {self.program.tp_layouts}, expert "
-                    f"weights {self._eval_program.expert_params} vs "
-                    f"{self.program.expert_params}); please report this model to fxpar.")
+                    f"sharded differently from the training graph (tp layouts {ev.tp_layouts} "
+                    f"vs {tr.tp_layouts}, expert weights {ev.expert_params} vs "
+                    f"{tr.expert_params}, expert slots {ev.expert_slots} vs "
+                    f"{tr.expert_slots}); please report this model to fxpar.")
         with self._named_index_errors(self._eval_program, batch, "evaluate"):
             outs = self._run(self._eval_program, batch)
         return outs[0].detach()
@@ -950,7 +951,7 @@ class ParallelModel:
 
     def whole_meta(self) -> dict[str, torch.Tensor]:
         """Meta-device stand-ins of the model's tensors in their whole (user's) shapes."""
-        pidx = self._user_index
+        pidx = self.param_index_of
         return {n: torch.empty(self.param_shapes[pidx[id(t)]] if id(t) in pidx else t.shape,
                                dtype=t.dtype, device="meta")
                 for n, t in model_state.own_tensors(self.model).items()}

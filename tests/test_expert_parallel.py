@@ -291,8 +291,8 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
 @pytest.mark.slow  # (make test's 6 minutes)
 def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_name():
     """An expert weight read by anything but its layer's grouped matmuls (a regulariser) or
-    split by tp already (DeepSeek-V3's) cannot be split; a model whose experts are an
-    nn.ModuleList (routed by torch.where) has no grouped matmul."""
+    split by tp already (DeepSeek-V3's) cannot be split; a dense model (its layers a list, but
+    not side by side) has no MoE layer."""
     model, batch = _mixtral()
 
     def regularised(m, b):  # the experts' weight also read outside the grouped matmuls
@@ -303,9 +303,9 @@ def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_nam
     ds, spec = zoo.build("deepseek_v3")  # (its experts the tp pass splits already)
     with pytest.raises(PlanError, match="tensor parallelism already splits the experts"):
         fxpar.compile(ds, 4, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2, "tp": 2})
-    moe, spec = zoo.build("where_moe")
-    with pytest.raises(PlanError, match="no MoE layer of grouped matmuls.*nn.ModuleList"):
-        fxpar.compile(moe, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    llama, spec = zoo.build("llama")  # (its layers a list, each reading the last's output)
+    with pytest.raises(PlanError, match="no MoE layer found on the graph"):
+        fxpar.compile(llama, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
 
 
 def test_mixtral_ep2_trains_like_eager():
@@ -601,3 +601,75 @@ def test_all_to_all_ops_send_rows_to_their_experts_and_back():
     assert got0 == [0.0, 101.0, 101.0]  # expert 0: rank 0's; 1: rank 1's
     assert got1 == [2.0, 2.0, 2.0, 102.0, 3.0, 3.0, 103.0, 103.0, 103.0]
     assert ok0 and ok1
+
+
+# --- experts kept as an nn.ModuleList (the zoo's where_moe, litgpt's Mixtral) --------------
+
+def _where_moe_program(plan):
+    model, spec = zoo.build("where_moe")
+    return fxpar.compile(model, plan["dp"], example_batch=spec.batch(0), plan=plan)
+
+
+def test_listed_experts_run_in_slots_on_their_ranks():
+    """dp=2 x ep=2 over 4 experts: 2 slots, each running expert j's graph on the rows of this
+    rank's expert (an expert_pick among experts j and j+2, forward and backward), its results
+    all-gathered over ep and read where each expert's were; experts 2 and 3 have no region
+    left and no gradient; each slot parameter holds expert j on ep rank 0, j+2 on rank 1."""
+    prog = _where_moe_program({"dp": 2, "ep": 2})
+    g, names = prog.graph.graph, prog.signature.param_names
+    (report,) = prog.graph.meta[ir.EP_REPORT]
+    assert (report["dispatch"], report["experts"], report["per_rank"]) == \
+        ("expert slots", 4, 2)
+    assert prog.ep == 2 and prog.expert_params == []
+    slots = {names[s[0]]: [names[i] for i in s] for s in prog.expert_slots}
+    assert slots == {f"experts.{j}.{w}": [f"experts.{j}.{w}", f"experts.{j + 2}.{w}"]
+                     for j in (0, 1) for w in ("0.weight", "0.bias", "2.weight", "2.bias")}
+    picks = [n for n in g.nodes if n.target is torch.ops.fxpar.expert_pick.default]
+    # per slot: its rows in (forward), the gradient of its output in (backward)
+    assert len(picks) == 4 and {p.meta[ir.REGION] for p in picks} == {"forward", "backward"}
+    assert all(p.args[1] == "fxpar.ep" and len(p.args[0]) == 2 for p in picks)
+    gathers = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor
+               .default and n.args[2] == "fxpar.ep"]
+    # per slot: its output (forward) and the gradient of its rows (backward), 2 x 256 rows
+    assert len(gathers) == 4 and all(n.meta[ir.VAL].shape[0] == 512 for n in gathers)
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    read = {names[i] for i in range(len(names)) if phs[i].users}
+    assert not {n for n in read if n.startswith(("experts.2.", "experts.3."))}
+    assert {f"experts.{j}.0.weight" for j in (0, 1)} <= read
+    out = next(n for n in g.nodes if n.op == "output").args[0]
+    grads = dict(zip(names, out[1:1 + len(names)]))
+    assert all((grads[n] is None) == n.startswith(("experts.2.", "experts.3."))
+               for n in names if n.startswith("experts."))
+    # the expert weights' gradients are whole (every row's): no reduction over dp or edp
+    reduced = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    assert all(n.meta[ir.VAL].numel() < 9000 for n in reduced)
+
+
+def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
+    """A loss reading an expert's weight outside the expert, a pipeline stage placing the
+    experts, and an expert count ep does not divide are refused by name."""
+    model, spec = zoo.build("where_moe")
+
+    def regularised(m, b):
+        return m(b) + 1e-3 * m.experts[1][0].weight.pow(2).sum()
+    with pytest.raises(PlanError, match="expert 'experts.1' is read by pow.*not on the expert's"):
+        fxpar.compile(model, 2, example_batch=spec.batch(0), loss_fn=regularised,
+                      plan={"dp": 2, "ep": 2})
+    with pytest.raises(PlanError, match="4, which do not split evenly over 3"):
+        fxpar.compile(model, 3, example_batch=spec.batch(0), plan={"dp": 3, "ep": 3})
+    with pytest.raises(PlanError, match="pipeline parallelism: the experts of 'experts'"):
+        fxpar.compile(model, 4, example_batch=spec.batch(0),
+                      plan={"dp": 2, "ep": 2, "pp": 2, "microbatches": 2})
+
+
+@pytest.mark.slow
+def test_listed_experts_train_like_eager(tmp_path):
+    """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
+    torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1 and ep=4 with ZeRO-3: losses,
+    evaluate() and every final weight (each expert gathered from its rank by name) equal
+    eager AdamW; an ep run's checkpoint resumes bit for bit and loads into plain dp."""
+    _check_plans(2, [("where_moe", "adamw", {"dp": 2, "ep": 2})])
+    _check_plans(4, [("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 1}),
+                     ("where_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3})])
+    workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
+                                        str(tmp_path))

@@ -49,7 +49,16 @@ def sized_zoo():
             # right-padded rows: an attention mask and ignored labels on the padding
             "hf_llama_padded": (M.hf_llama, _padded_lm, None),
             # an MoE whose dispatch reads every row (a capacity): its rows stay gathered
-            "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss)}
+            "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss),
+            # MoEs whose experts are an nn.ModuleList, routed by torch.where (ep's slots)
+            **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral")}}
+
+
+def _zoo_entry(name):
+    """(factory, batch_for_step, loss_fn) of a model of the zoo or the external zoo."""
+    from fxpar.examples import zoo_sweep
+    spec = zoo_sweep.registry(name).models()[name]
+    return lambda: _zoo_model(name), spec.batch, spec.loss_fn
 
 
 def _capacity_batch(step):
@@ -75,8 +84,8 @@ def _mixtral_aux():
 
 
 def _zoo_model(name):
-    from fxpar.examples import zoo as Z
-    return Z.build(name)[0]
+    from fxpar.examples import zoo_sweep
+    return zoo_sweep.registry(name).build(name)[0]
 
 
 def dropout_zoo():
