@@ -70,9 +70,12 @@ class ParallelModel:
     This rank's state, public for checkpointing (runtime/checkpoint.py) and tools: `params`
     (the parameter tensors in `program.signature` order: tp slices; with ZeRO-3 emptied,
     the shards live in the sharded optimizer; for a meta-device model, 0-element tensors
-    where this rank's pipeline stages do not need the weight, see `needed_params`), `buffers`, `sharded_optimizer` (ZeRO:
-    runtime/zero.ShardedOptimizer, else None), `optimizer`, `pipeline_runner` (pp > 1 or
-    microbatches: runtime/pipeline.PipelineRunner, else None), `tp_group`, `scaler`."""
+    where this rank's pipeline stages do not need the weight, see `needed_params`; under ep,
+    a listed experts' slot holds this rank's expert: `held_names`, and another rank's
+    expert a 0-element stand-in), `param_index_of` (id of each of the user's parameters ->
+    its index), `buffers`, `sharded_optimizer` (ZeRO: runtime/zero.ShardedOptimizer, else
+    None), `optimizer`, `pipeline_runner` (pp > 1 or microbatches:
+    runtime/pipeline.PipelineRunner, else None), `tp_group`, `scaler`."""
 
     plan_report = None  # plan="auto": the planner's PlanResult (from program.plan_report)
     # plan="auto": after this many steps the planner's cost model is re-fitted to the
@@ -141,6 +144,8 @@ class ParallelModel:
             torch.Size([0]) for i, shape in enumerate(self.param_shapes)]
         # the parameter index of each of the user's parameters (by tensor: tied names share)
         self.param_index_of = {id(params[n]): i for i, n in enumerate(sig.param_names)}
+        # a listed expert's index -> (the slot holding it, the ep rank whose slot it is)
+        self._slot_of = {k: (s[0], r) for s in program.expert_slots for r, k in enumerate(s)}
         self.sharded_optimizer = None
         self.pipeline_runner = None
         # Plan.codegen: the graphs this rank runs, compiled (compiler/codegen.py)
@@ -1022,7 +1027,7 @@ class ParallelModel:
         if not self.state_is_plain():  # hooks make its entries: they run on whole tensors
             return self._save_pretrained_whole(directory, max_shard_size)
         state = self.model.state_dict(keep_vars=True)
-        pidx = {id(p): i for i, p in enumerate(self.params)}
+        pidx = self.param_index_of
         shapes = {k: tuple(self.param_shapes[pidx[id(v)]]) if id(v) in pidx else tuple(v.shape)
                   for k, v in state.items()}
         stages = self.state_stages(state) if self.pipeline_runner is not None \
@@ -1057,14 +1062,17 @@ class ParallelModel:
         their tp / dp groups, its (dp 0, tp 0) rank sends it to dst."""
         r = self.pipeline_runner
         mine = r is None or self.plan.pp == 1 or r.rank_of(stage) == r.rank
+        held, owner = (i, 0) if i is None else self._slot_of.get(i, (i, 0))
         full = None
-        if mine:
-            full = t.detach() if i is None else self._full_param(i)
+        if mine:  # (a listed expert: every rank its own of the slot; its owner's is sent)
+            full = t.detach() if i is None else self._full_param(held)
         if self.world.size == 1:
             return full.cpu()
         mesh = self.world.mesh
         coord = dict.fromkeys(mesh.mesh_dim_names, 0)  # (index 0 on every dim but the stage's)
         coord["pp"] = r.rank_of(stage) if r is not None and self.plan.pp > 1 else 0
+        if "ep" in coord:
+            coord["ep"] = owner
         src = int(mesh.mesh[tuple(coord[d] for d in mesh.mesh_dim_names)])
         if src == dst:
             return full.cpu() if self.world.rank == dst else None

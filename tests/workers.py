@@ -1164,3 +1164,29 @@ def ring_attention_rank(dtype=torch.float64):
         res[causal, dtype] = ([out, dq, dk, dv], [ops.zigzag_chunk(t.detach(), 2, n, group)
                                                   for t in (ref, q.grad, k.grad, v.grad)])
     return res
+
+
+def pretrained_round_trip_rank(name, plan, path):
+    """Train 2 steps under `plan`, save_pretrained to `path`, and build the model again on the
+    meta device from it (parallelize(weights=path)). Returns (full state, the files' tensors,
+    the reloaded model's full state, both models' next loss)."""
+    from safetensors.torch import load_file
+    model, batch_fn, loss_fn = build(name)
+    world = int(os.environ["WORLD_SIZE"])
+    pm = fxpar.parallelize(model, world, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["adamw"], plan=plan)
+    for s in range(2):
+        pm.step(batch_fn(s))
+    full = {k: v.cpu() for k, v in pm.full_state_dict().items()}
+    pm.save_pretrained(path)
+    torch.distributed.barrier()
+    saved = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(path, f)))
+    with torch.device("meta"):
+        again = build(name)[0]
+    pm2 = fxpar.parallelize(again, world, example_batch=batch_fn(0), loss_fn=loss_fn,
+                            optimizer=OPTIMIZERS["adamw"], plan=plan, weights=path)
+    reloaded = {k: v.cpu() for k, v in pm2.full_state_dict().items()}
+    return full, saved, reloaded, (pm.step(batch_fn(2)).item(), pm2.step(batch_fn(2)).item())
