@@ -2,10 +2,13 @@
 
     .venv/bin/python benchmarks/ep_vs_zero.py [--steps 20] [--warmup 3] [--layers 2]
         [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
+        [--model hf|litgpt]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
-top-2 routing; sizes from the flags) under five plans, each from the same initial weights on
-the same batches with AdamW (lr 1e-3):
+top-2 routing; sizes from the flags), or with `--model litgpt` litgpt's Mixtral (its experts
+an nn.ModuleList, each run on the rows torch.where picks for it: every rank routes every
+token, and ep runs each rank's experts in slots), under five plans, each from the same
+initial weights on the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
                                the expert gradients all-reduced
@@ -53,6 +56,14 @@ PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
 
 
 def _model(args):
+    if args.model == "litgpt":
+        from litgpt.config import Config
+        from litgpt.model import GPT
+        torch.manual_seed(0)
+        return GPT(Config.from_name(
+            "Mixtral-8x7B-v0.1", n_layer=args.layers, n_embd=args.hidden, n_head=4,
+            n_query_groups=2, block_size=args.seq, vocab_size=512, padded_vocab_size=512,
+            intermediate_size=2 * args.hidden, n_expert=args.experts, n_expert_per_token=2))
     import transformers
     cfg = transformers.MixtralConfig(
         vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -86,8 +97,10 @@ def _expert_bytes(pm) -> int:
 
 
 def _prepare(kind, args, data, world):
+    from fxpar.examples.external_zoo import logits_loss
     model = _model(args)
     pm = fxpar.parallelize(model, world, example_batch=data[0],
+                           loss_fn=logits_loss if args.model == "litgpt" else None,
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                            plan=PLANS[kind](world, args.codegen))
     # (tracking starts from what the rank holds after parallelize: its weights as its
@@ -140,13 +153,15 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
+    ap.add_argument("--model", default="hf", choices=("hf", "litgpt"))
     args = ap.parse_args()
     if args.batch % args.nprocs or args.experts % args.nprocs:
         ap.error("--batch and --experts must be multiples of --nprocs")
     res = fxpar.launch(bench, args.nprocs, args)
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
-    print(f"HF Mixtral {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
+    print(f"{'litgpt' if args.model == 'litgpt' else 'HF'} Mixtral {args.layers} layers x "
+          f"{args.hidden}, {args.experts} experts top-2 "
           f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
     print(f"{'plan':9s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "

@@ -643,6 +643,13 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     # the expert weights' gradients are whole (every row's): no reduction over dp or edp
     reduced = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
     assert all(n.meta[ir.VAL].numel() < 9000 for n in reduced)
+    # the planner prices ep for it: one MoE layer of 4 experts, their weights
+    from fxpar.compiler.compile import planner_stats
+    model, spec = zoo.build("where_moe")
+    stats = planner_stats(model, spec.batch(0))
+    experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith("experts."))
+    assert stats.expert_counts == (4,) and stats.ep_refusal is None
+    assert [s.expert_params for s in stats.segments if s.n_moe] == [experts]
 
 
 def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
