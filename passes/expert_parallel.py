@@ -24,8 +24,9 @@ rank's E/ep slice along dim 0). Two rewrites, by how the dp pass will run the la
   place, zeros elsewhere, and all-reduced over the ep group: every row is made by exactly
   one rank. The expert gradients are then complete (every token's), reduced by nobody.
 
-Other MoE forms (an experts loop over nn.ModuleList, batched matmuls over gathered
-weights) are refused by name: their experts are not one parameter to split.
+Experts kept as an nn.ModuleList (an experts loop, each expert run on the rows routing picks
+for it) are run in slots (see "experts written as nn.ModuleList" below). Batched matmuls over
+gathered weights are refused by name: their experts are not one parameter to split.
 """
 from __future__ import annotations
 
