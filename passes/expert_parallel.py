@@ -36,6 +36,7 @@ import re
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fxpar.core import experts as _experts  # noqa: F401  (registers fxpar::expert_window)
@@ -595,14 +596,40 @@ def find_expert_lists(gm: torch.fx.GraphModule) -> list[ExpertList]:
         grads, order = _grad_nodes(gm, params), {n: i for i, n in enumerate(gm.graph.nodes)}
         experts = [_expert(m, members[k], grads, order) for k, m in enumerate(modules)]
         rows = {e.rows for e in experts}
-        shapes = {tuple((n.target, e.region[n]) for n in sorted(e.region, key=order.get))
-                  for e in experts}
-        if len(shapes) > 1 or len(rows) > 1 or len({len(e.entering) for e in experts}) > 1:
+        canon = [_canonical(e, order) for e in experts]
+        if any(c != canon[0] for c in canon[1:]) or len(rows) > 1 or \
+                len({(len(e.entering), len(e.leaving)) for e in experts}) > 1:
             raise PlanError(f"Plan.ep: the experts of {prefix!r} do not run the same graph "
-                            "(their ops or row counts differ); expert parallelism runs one "
-                            "expert's graph for each. Use ep=1 for this model.")
+                            "(their ops, arguments or row counts differ, or they read tensors "
+                            "of their own besides their parameters); expert parallelism runs "
+                            "one expert's graph for each. Use ep=1 for this model.")
         out.append(ExpertList(prefix, rows.pop(), experts))
     return out
+
+
+def _canonical(e: Expert, order: dict) -> list:
+    """The expert's region as one graph runs it for any expert of its list: each node's op,
+    row dim and arguments, a node named by its role (a region node by position, an entering
+    row tensor by index, a weight by its name below the expert, through the ops on its way),
+    any other node as itself (what the experts must share: a slot runs with expert j's)."""
+    nodes = sorted(e.region, key=order.get)
+    pos = {n: i for i, n in enumerate(nodes)}
+    enter = {x: i for i, x in enumerate(e.entering)}
+    names = {p: name for name, p in e.params.items()}
+
+    def role(a):
+        if not isinstance(a, torch.fx.Node):
+            return a
+        if a in pos:
+            return ("region", pos[a])
+        if a in enter:
+            return ("entering", enter[a])
+        if a in names:
+            return ("weight", names[a])
+        if a in e.dead:  # (a weight's way to the region: a transpose, a cast)
+            return (a.target, pytree.tree_map(role, (a.args, a.kwargs)))
+        return ("shared", a)
+    return [(n.target, e.region[n], pytree.tree_map(role, (n.args, n.kwargs))) for n in nodes]
 
 
 def _tagged(n, module: str) -> bool:
@@ -807,10 +834,19 @@ def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str
             for p in m.params.values():
                 vals[1 + index[p]] = None
     out.args = (type(out.args[0])(vals),)
-    gone = set().union(*(e.dead for e in experts[per_rank:]))
+    gone, erased = set().union(*(e.dead for e in experts[per_rank:])), set()
     for n in reversed(list(graph.nodes)):
         if n in gone and not n.users:
             graph.erase_node(n)
+            erased.add(n)
+    left = [n for n in gone - erased if n.op != "placeholder"]
+    if left:  # (read by something the rewrite did not reach: the expert's weights would be
+        # another rank's there)
+        n = min(left, key=order.get)
+        raise PlanError(f"Plan.ep: {n.name} ({n.target}) of an expert of {lst.module!r} is "
+                        f"also read by {sorted(u.name for u in n.users)} outside the expert; "
+                        "expert parallelism runs each expert on one rank only. Use ep=1 for "
+                        "this model.")
     try:
         stable_topological_sort(graph)
     except AssertionError:

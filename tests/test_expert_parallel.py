@@ -652,6 +652,15 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     assert [s.expert_params for s in stats.segments if s.n_moe] == [experts]
 
 
+class _Scale(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+
+    def forward(self, x):
+        return x * self.c
+
+
 def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
     """A loss reading an expert's weight outside the expert, a pipeline stage placing the
     experts, and an expert count ep does not divide are refused by name."""
@@ -667,6 +676,10 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
     with pytest.raises(PlanError, match="pipeline parallelism: the experts of 'experts'"):
         fxpar.compile(model, 4, example_batch=spec.batch(0),
                       plan={"dp": 2, "ep": 2, "pp": 2, "microbatches": 2})
+    for k, expert in enumerate(model.experts):  # one graph, but a constant of each its own:
+        expert[1] = torch.nn.Sequential(torch.nn.GELU(), _Scale(k + 1))  # (a slot: expert j's)
+    with pytest.raises(PlanError, match="experts of 'experts' do not run the same graph"):
+        fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
 
 
 @pytest.mark.slow
