@@ -687,7 +687,8 @@ def test_listed_experts_train_like_eager(tmp_path):
     """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
     torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1 and ep=4 with ZeRO-3: losses,
     evaluate() and every final weight (each expert gathered from its rank by name) equal
-    eager AdamW; an ep run's checkpoint resumes bit for bit and loads into plain dp; its
+    eager AdamW; clipping counts each expert once (ZeRO-2 over the "edp" pairs); an ep
+    run's checkpoint resumes bit for bit and loads into plain dp; its
     save_pretrained writes every expert under its own name, and a meta-device model built
     from those files (weights=) holds the same weights and takes the same next step."""
     _check_plans(2, [("where_moe", "adamw", {"dp": 2, "ep": 2})])
@@ -695,6 +696,7 @@ def test_listed_experts_train_like_eager(tmp_path):
                      ("where_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3})])
     workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
                                         str(tmp_path))
+    check_clipping(4, [("where_moe", {"dp": 4, "ep": 2, "zero": 2})])  # (each expert once)
     full, saved, reloaded, (loss, loss_again) = fxpar.launch(
         workers.pretrained_round_trip_rank, 2, "where_moe", {"dp": 2, "ep": 2},
         str(tmp_path / "hf"))[0]
