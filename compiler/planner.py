@@ -1752,9 +1752,10 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
 
 def expert_stats(stats: GraphStats, gm) -> None:
     """What Plan.ep changes, per segment, from the MoE layers expert parallelism finds on the
-    captured graph (passes/expert_parallel.find_layers): their expert weights, the FLOPs of
-    their grouped matmuls, the bytes of the rows summed over the ep group where they leave
-    a layer; and each layer's expert count. A graph whose experts the pass cannot split
+    captured graph (passes/expert_parallel.find_layers, and find_expert_lists for experts
+    kept as an nn.ModuleList): their expert weights, the FLOPs of their matmuls, the bytes
+    of the rows moved over the ep group where they leave a layer; and each layer's expert
+    count. A graph whose experts the pass cannot split
     gets the reason (no ep plan is priced)."""
     try:
         layers = expert_parallel.find_layers(gm)

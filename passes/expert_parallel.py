@@ -34,6 +34,7 @@ import dataclasses
 import operator
 import re
 
+import networkx
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -82,7 +83,8 @@ CONTRACT = ir.PassContract(
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     ep = options.ep
     group = ctx.group_names["ep"]
-    layers, lists = find_layers(gm), find_expert_lists(gm)
+    skipped: list[str] = []
+    layers, lists = find_layers(gm), find_expert_lists(gm, skipped)
     if not layers and not lists:
         raise PlanError(
             f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
@@ -90,7 +92,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             "Face's experts by default, config._experts_implementation='grouped_mm'), or "
             "kept as an nn.ModuleList of identical experts each run on the rows routed to it; "
             "'batched_mm' experts cannot be split. Use ep=1 (ZeRO or tp shard such experts "
-            "like any weight).")
+            "like any weight)." + (" Lists of identical modules that are not experts: " +
+                                   "; ".join(skipped) + "." if skipped else ""))
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
     layouts = gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params)
@@ -127,8 +130,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     for lst in lists:
         e = len(lst.experts)
         if e % ep:
-            raise PlanError(f"Plan.ep={ep}: the experts of {lst.module!r} are {e}, which do "
-                            f"not split evenly over {ep} ranks. Use an ep that divides {e}.")
+            raise PlanError(f"Plan.ep={ep}: {lst.module!r} has {e} experts, which do not "
+                            f"split evenly over {ep} ranks. Use an ep that divides {e}.")
         if any(ir.STAGE in n.meta for x in lst.experts for n in x.region):
             raise PlanError(f"Plan.ep={ep} with pipeline parallelism: the experts of "
                             f"{lst.module!r} are an nn.ModuleList, whose slots (one expert per "
@@ -545,7 +548,7 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
 # removed, their parameters left unread (held by their own ranks as slots). The slots'
 # gradients are those of every row: whole, reduced by nobody.
 
-_LIST_INDEX = re.compile(r"(?:^|\.)(\d+)\.")
+_LIST_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.)")  # (a lookahead: nested lists' indices too)
 _MATMULS = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> its rows operand
 
 
@@ -571,17 +574,19 @@ class ExpertList:
     experts: list
 
 
-def find_expert_lists(gm: torch.fx.GraphModule) -> list[ExpertList]:
+def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
+                      ) -> list[ExpertList]:
     """Every list of experts on `gm`: a ModuleList whose members hold the same parameters,
-    run side by side (none reads another's result) on rows each gathered by routing."""
+    run side by side (none reads another's result) on rows each gathered by routing. Lists
+    of identical members that are not experts are appended to `skipped` with the reason."""
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     lists: dict[str, dict[int, dict]] = {}
     for p in params:
         fqn = p.meta[ir.FQN]
         for m in _LIST_INDEX.finditer(fqn):
             lists.setdefault(fqn[:m.start()], {}).setdefault(int(m.group(1)), {})[
-                fqn[m.end():]] = p
-    out = []
+                fqn[m.end() + 1:]] = p
+    out, grads, order = [], _grad_nodes(gm, params), {n: i for i, n in enumerate(gm.graph.nodes)}
     for prefix, members in lists.items():
         if len(members) < 2 or sorted(members) != list(range(len(members))):
             continue
@@ -591,9 +596,11 @@ def find_expert_lists(gm: torch.fx.GraphModule) -> list[ExpertList]:
                 for k in first) for m in members.values()):
             continue
         modules = [f"{prefix}.{k}" if prefix else str(k) for k in range(len(members))]
-        if not _side_by_side(gm, modules):
+        why = _not_side_by_side(gm, modules[:2])
+        if why:
+            if skipped is not None:
+                skipped.append(f"{prefix or 'the model'!r}: {why}")
             continue
-        grads, order = _grad_nodes(gm, params), {n: i for i, n in enumerate(gm.graph.nodes)}
         experts = [_expert(m, members[k], grads, order) for k, m in enumerate(modules)]
         rows = {e.rows for e in experts}
         canon = [_canonical(e, order) for e in experts]
@@ -629,7 +636,8 @@ def _canonical(e: Expert, order: dict) -> list:
         if a in e.dead:  # (a weight's way to the region: a transpose, a cast)
             return (a.target, pytree.tree_map(role, (a.args, a.kwargs)))
         return ("shared", a)
-    return [(n.target, e.region[n], pytree.tree_map(role, (n.args, n.kwargs))) for n in nodes]
+    return [(n.target, e.region[n], pytree.tree_map(role, (n.args, n.kwargs)), n in e.leaving)
+            for n in nodes]
 
 
 def _tagged(n, module: str) -> bool:
@@ -637,24 +645,35 @@ def _tagged(n, module: str) -> bool:
     return m == module or m.startswith(module + ".")
 
 
-def _side_by_side(gm, modules: list[str]) -> bool:
-    """Whether the forward nodes of `modules` form separate experts: each's input rows
-    gathered by routing (an index op), none computed from another member's nodes (a stack
-    of layers feeds each into the next)."""
+def _not_side_by_side(gm, modules: list[str]) -> str | None:
+    """Why the forward nodes of `modules` (a list's first two members) are not experts run
+    side by side: each's input rows gathered by routing (an index op, through views and
+    casts), neither computed from the other's nodes (a stack of layers feeds each into the
+    next); None if they are."""
     fwd = [[n for n in gm.graph.nodes if n.op == "call_function" and
             n.meta.get(ir.REGION) == ir.FORWARD and _tagged(n, m)] for m in modules]
     if not all(fwd):
-        return False
+        return "a member runs no op of its own"
     inputs = []
     for nodes in fwd:
         inside = set(nodes)
         ins = {x for n in nodes for x in n.all_input_nodes
                if x not in inside and x.op != "placeholder"}
-        if not any(x.target is aten.index.Tensor for x in ins):
-            return False
+        if not any(_routed(x) for x in ins):
+            return "its members' inputs are not rows picked by an index op (routing)"
         inputs.append(ins)
-    first = set(fwd[0])
-    return not (ir.ancestors(list(inputs[1])) & first) and inputs[0] != inputs[1]
+    if ir.ancestors(list(inputs[1])) & set(fwd[0]):
+        return "each member reads the one before (a stack of layers)"
+    if inputs[0] == inputs[1]:
+        return "its members read the same rows"
+    return None
+
+
+def _routed(x) -> bool:
+    """x is rows picked by an index op, through views and casts."""
+    while x.op == "call_function" and x.target in _WEIGHT_PATH | {aten.expand.default}:
+        x = x.args[0]
+    return x.op == "call_function" and x.target is aten.index.Tensor
 
 
 def _grad_nodes(gm, params) -> dict:
@@ -674,7 +693,7 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
                 paths.add(u)
                 todo.append(u)
     seeds = {}  # node -> {row input: dim}
-    for p in paths:
+    for p in sorted(paths, key=order.get):  # (in graph order: the same on every rank)
         for u in p.users:
             if u in paths or u.op != "call_function":
                 continue
@@ -742,7 +761,8 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
         for x, d in ins.items():
             if d == 1 and x not in region:  # (rows^T of a weight gradient)
                 region[x] = 1
-    missing = [n for n in _forward_nodes(weights, module, region, paths)]
+    region = dict(sorted(region.items(), key=lambda item: order[item[0]]))
+    missing = _forward_nodes(weights, module, region, paths)
     if missing:
         n = missing[0]
         raise PlanError(f"Plan.ep: {n.name} ({n.target}) in the expert {module!r} does not "
@@ -828,7 +848,7 @@ def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str
                 anchor = piece
                 for u in outside[r]:
                     u.replace_input_with(m.leaving[i], piece)
-        for name, p in t.params.items():
+        for name in t.params:
             slots.append([index[m.params[name]] for m in mine])
         for m in mine[1:] if out.meta.get(ir.N_GRADS) else ():
             for p in m.params.values():
@@ -847,10 +867,10 @@ def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str
                         f"also read by {sorted(u.name for u in n.users)} outside the expert; "
                         "expert parallelism runs each expert on one rank only. Use ep=1 for "
                         "this model.")
-    try:
-        stable_topological_sort(graph)
-    except AssertionError:
+    deps = networkx.DiGraph((x, n) for n in graph.nodes for x in n.all_input_nodes)
+    if not networkx.is_directed_acyclic_graph(deps):
         raise PlanError(f"Plan.ep: the experts of {lst.module!r} read each other's results "
                         "(no order runs each slot after the rows of all its experts); expert "
-                        "parallelism runs experts side by side. Use ep=1 for this model.") from None
+                        "parallelism runs experts side by side. Use ep=1 for this model.")
+    stable_topological_sort(graph)
     return slots

@@ -238,12 +238,14 @@ def _held_elsewhere(pm) -> set[int]:
 
 def _model_state(pm) -> dict[str, torch.Tensor]:
     """{"model.<key>": full tensor} for the entries this rank holds (collective over tp / dp
-    for tp slices and ZeRO-3 shards)."""
+    for tp slices and ZeRO-3 shards; under ep a listed expert is its rank's alone)."""
     if not pm.state_is_plain():  # the model's hooks make its entries: from whole tensors
         return {f"model.{k}": v for k, v in pm.full_state_dict().items()}  # (DCP dedups)
-    full = pm.full_params()  # id(param) -> full weight (collective over the tp / dp groups)
+    # id(param) -> full weight (collective over the tp / dp / ep groups); under ep each rank
+    # writes its own listed experts (DCP writes a key several ranks give once)
+    full, elsewhere = pm.full_params(every_expert=False), _held_elsewhere(pm)
     return {f"model.{k}": (full[id(v)] if id(v) in full else v.detach())
-            for k, v in _held(pm).items()}
+            for k, v in _held(pm).items() if id(v) not in elsewhere}
 
 
 def _optim_state(pm) -> tuple[dict[str, torch.Tensor], dict]:

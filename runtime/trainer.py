@@ -142,8 +142,6 @@ class ParallelModel:
         self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
             shape, *(self.split_of(i) or (None, 1, 0))[:3])) if self.held_names[i] else
             torch.Size([0]) for i, shape in enumerate(self.param_shapes)]
-        # the parameter index of each of the user's parameters (by tensor: tied names share)
-        self.param_index_of = {id(params[n]): i for i, n in enumerate(sig.param_names)}
         # a listed expert's index -> (the slot holding it, the ep rank whose slot it is)
         self._slot_of = {k: (s[0], r) for s in program.expert_slots for r, k in enumerate(s)}
         self.sharded_optimizer = None
@@ -173,6 +171,9 @@ class ParallelModel:
         self.params = [params[n] if n else torch.nn.Parameter(torch.empty(
             0, dtype=params[sig.param_names[i]].dtype, device=world.device), requires_grad=False)
             for i, n in enumerate(self.held_names)]
+        # the parameter index of each of the user's parameters (by tensor: tied names share;
+        # after materialising, which replaces a meta-device model's parameters)
+        self.param_index_of = {id(params[n]): i for i, n in enumerate(sig.param_names)}
         if weights is None and program.expert_slots:  # (the other ep ranks' listed experts)
             with torch.no_grad():
                 for n in set(sig.param_names) - set(self.held_names):
@@ -904,9 +905,12 @@ class ParallelModel:
         return rtp.full_param(local, split[0], split[1], split[3]) if split else local
 
     @calls.collective
-    def full_params(self) -> dict[int, torch.Tensor]:
+    def full_params(self, every_expert: bool = True) -> dict[int, torch.Tensor]:
         """id(parameter) -> the user's full weight, for every parameter this rank's stages
-        hold in shards (tp slices, ZeRO-3 shards). Collective over the tp and dp groups."""
+        hold in shards (tp slices, ZeRO-3 shards, ep's expert slices) and, with
+        `every_expert`, every listed expert (ep's slots all-gathered; else this rank's own
+        only: a checkpoint's ranks each write theirs). Collective over the tp, dp and ep
+        groups."""
         z3 = self.sharded_optimizer is not None and self.sharded_optimizer.shard_params
         if self.tp_group is None and self.ep_group is None and not z3:
             return {}
@@ -919,6 +923,9 @@ class ParallelModel:
             if i not in need or (split is None and not z3 and i not in slots):
                 continue
             full = self._full_param(i)
+            if i in slots and not every_expert:  # (this rank's expert, under its own name)
+                out[id(p)] = full.clone()
+                continue
             if i in slots:  # a listed experts' slot: each ep rank's expert to its own name
                 parts = [torch.empty_like(full) for _ in slots[i]]
                 dist.all_gather(parts, full.contiguous(), group=self.ep_group)

@@ -304,7 +304,8 @@ def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_nam
     with pytest.raises(PlanError, match="tensor parallelism already splits the experts"):
         fxpar.compile(ds, 4, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2, "tp": 2})
     llama, spec = zoo.build("llama")  # (its layers a list, each reading the last's output)
-    with pytest.raises(PlanError, match="no MoE layer found on the graph"):
+    with pytest.raises(PlanError, match="no MoE layer found on the graph.*'model.layers': "
+                       "its members' inputs are not rows picked by an index op"):
         fxpar.compile(llama, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
 
 
@@ -671,7 +672,7 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
     with pytest.raises(PlanError, match="expert 'experts.1' is read by pow.*not on the expert's"):
         fxpar.compile(model, 2, example_batch=spec.batch(0), loss_fn=regularised,
                       plan={"dp": 2, "ep": 2})
-    with pytest.raises(PlanError, match="4, which do not split evenly over 3"):
+    with pytest.raises(PlanError, match="'experts' has 4 experts, which do not split evenly"):
         fxpar.compile(model, 3, example_batch=spec.batch(0), plan={"dp": 3, "ep": 3})
     with pytest.raises(PlanError, match="pipeline parallelism: the experts of 'experts'"):
         fxpar.compile(model, 4, example_batch=spec.batch(0),
