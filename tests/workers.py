@@ -1168,8 +1168,9 @@ def ring_attention_rank(dtype=torch.float64):
 
 def pretrained_round_trip_rank(name, plan, path):
     """Train 2 steps under `plan`, save_pretrained to `path`, and build the model again on the
-    meta device from it (parallelize(weights=path)). Returns (full state, the files' tensors,
-    the reloaded model's full state, both models' next loss)."""
+    meta device from it (parallelize(weights=path)), whose own save_pretrained writes the
+    same tensors. Returns (full state, the files' tensors, the reloaded model's full state,
+    both models' next loss)."""
     from safetensors.torch import load_file
     model, batch_fn, loss_fn = build(name)
     world = int(os.environ["WORLD_SIZE"])
@@ -1189,4 +1190,10 @@ def pretrained_round_trip_rank(name, plan, path):
     pm2 = fxpar.parallelize(again, world, example_batch=batch_fn(0), loss_fn=loss_fn,
                             optimizer=OPTIMIZERS["adamw"], plan=plan, weights=path)
     reloaded = {k: v.cpu() for k, v in pm2.full_state_dict().items()}
+    pm2.save_pretrained(path + "_again")  # (a materialised meta-device model's own save)
+    torch.distributed.barrier()
+    for f in sorted(os.listdir(path + "_again")):
+        if f.endswith(".safetensors"):
+            again = load_file(os.path.join(path + "_again", f))
+            assert all(torch.equal(v, saved[k]) for k, v in again.items()), f
     return full, saved, reloaded, (pm.step(batch_fn(2)).item(), pm2.step(batch_fn(2)).item())
