@@ -132,11 +132,12 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         if e % ep:
             raise PlanError(f"Plan.ep={ep}: {lst.module!r} has {e} experts, which do not "
                             f"split evenly over {ep} ranks. Use an ep that divides {e}.")
-        if any(ir.STAGE in n.meta for x in lst.experts for n in x.region):
-            raise PlanError(f"Plan.ep={ep} with pipeline parallelism: the experts of "
-                            f"{lst.module!r} are an nn.ModuleList, whose slots (one expert per "
-                            "ep rank each) are not placed on pipeline stages yet. Use pp=1, or "
-                            "ep=1.")
+        stages = sorted({n.meta[ir.STAGE] for x in lst.experts for n in (*x.region, *x.entering)
+                         if ir.STAGE in n.meta})
+        if len(stages) > 1:  # (a slot runs after the rows of all its experts are picked)
+            raise PlanError(f"Plan.ep={ep}: a pipeline stage boundary falls among the experts of "
+                            f"{lst.module!r} (they span stages {stages}); a slot runs experts of "
+                            "one stage. Use another pp, or ep=1.")
         tp_split = [p.meta[ir.FQN] for x in lst.experts for p in x.params.values()
                     if layouts[index[p]]]
         if tp_split:
@@ -831,6 +832,9 @@ def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str
             with graph.inserting_before(min(users, key=order.get)):
                 picked = _emit(graph, torch.ops.fxpar.expert_pick.default,
                                ([m.entering[e] for m in mine], group), users[0])
+            phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
+            if phases:  # (a pipeline part: the first of its readers' to run)
+                picked.meta[ir.PHASE] = min(phases, key=_PHASES.index)
             for u in users:
                 u.replace_input_with(x, picked)
         for i, y in enumerate(t.leaving):

@@ -993,7 +993,8 @@ class ParallelModel:
         """Pipeline: the stages holding each entry of `state` (the model's own tensors by
         name: parameters and buffers by the stage split; anything else: stage 0)."""
         r = self.pipeline_runner
-        ids = {id(p): i for i, p in enumerate(self.params)}
+        # (a listed expert under ep: the stages of the slot holding it)
+        ids = {t: self._slot_of.get(i, (i, 0))[0] for t, i in self.param_index_of.items()}
         bids = {id(b): j for j, b in enumerate(self.buffers)}
         return {k: r.p.param_stages.get(ids[id(v)], {0}) if id(v) in ids else
                 r.p.buffer_stages.get(bids[id(v)], {0}) if id(v) in bids else {0}

@@ -663,8 +663,9 @@ class _Scale(torch.nn.Module):
 
 
 def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
-    """A loss reading an expert's weight outside the expert, a pipeline stage placing the
-    experts, and an expert count ep does not divide are refused by name."""
+    """A loss reading an expert's weight outside the expert, a pipeline stage boundary among
+    the experts (its one MoE layer cut in two), an expert count ep does not divide, and
+    experts of one graph but each with a constant of its own are refused by name."""
     model, spec = zoo.build("where_moe")
 
     def regularised(m, b):
@@ -674,7 +675,7 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
                       plan={"dp": 2, "ep": 2})
     with pytest.raises(PlanError, match="'experts' has 4 experts, which do not split evenly"):
         fxpar.compile(model, 3, example_batch=spec.batch(0), plan={"dp": 3, "ep": 3})
-    with pytest.raises(PlanError, match="pipeline parallelism: the experts of 'experts'"):
+    with pytest.raises(PlanError, match="stage boundary falls among the experts of 'experts'"):
         fxpar.compile(model, 4, example_batch=spec.batch(0),
                       plan={"dp": 2, "ep": 2, "pp": 2, "microbatches": 2})
     for k, expert in enumerate(model.experts):  # one graph, but a constant of each its own:
@@ -686,7 +687,8 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
 @pytest.mark.slow
 def test_listed_experts_train_like_eager(tmp_path):
     """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
-    torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1 and ep=4 with ZeRO-3: losses,
+    torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1, ep=4 with ZeRO-3 and ep=2 on each
+    stage of a zero-bubble pipeline of 2 (one MoE layer a stage): losses,
     evaluate() and every final weight (each expert gathered from its rank by name) equal
     eager AdamW; clipping counts each expert once (ZeRO-2 over the "edp" pairs); an ep
     run's checkpoint resumes bit for bit and loads into plain dp; its
@@ -694,7 +696,9 @@ def test_listed_experts_train_like_eager(tmp_path):
     from those files (weights=) holds the same weights and takes the same next step."""
     _check_plans(2, [("where_moe", "adamw", {"dp": 2, "ep": 2})])
     _check_plans(4, [("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 1}),
-                     ("where_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3})])
+                     ("where_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3}),
+                     ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2,
+                                                  "schedule": "zero-bubble"})])
     workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
                                         str(tmp_path))
     check_clipping(4, [("where_moe", {"dp": 4, "ep": 2, "zero": 2})])  # (each expert once)
