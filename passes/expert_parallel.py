@@ -283,6 +283,34 @@ def _out_row(user, node, row: int, rows: int) -> int | None:
     return cand if ins is not None and ins.get(node) == row else None
 
 
+def _between(outs, ins, rows: int, given: dict | None = None) -> dict:
+    """{node: row dim} of the nodes between row-wise ops: reached forward from `outs`
+    ((node, row dim) pairs) through row-wise users and backward from `ins` through row-wise
+    inputs. A node of `given` ({node: {row input: dim}}) takes its row inputs from there and
+    is not passed through forward (it is a start of its own)."""
+    given = given or {}
+    fwd: dict = {}
+    todo = list(outs)
+    while todo:
+        n, r = todo.pop()
+        if fwd.get(n) == r:
+            continue
+        fwd[n] = r
+        for u in n.users:
+            c = None if u in given else _out_row(u, n, r, rows)
+            if c is not None:
+                todo.append((u, c))
+    bwd: dict = {}
+    todo = list(ins)
+    while todo:
+        n, r = todo.pop()
+        if bwd.get(n) == r:
+            continue
+        bwd[n] = r
+        todo.extend(((given[n] if n in given else _row_inputs(n, r, rows)) or {}).items())
+    return {n: r for n, r in fwd.items() if bwd.get(n) == r}
+
+
 def _layer(offs, mms, every: set) -> Layer:
     """`every`: the graph's grouped matmuls (remat's recomputed copy of a layer has offs of
     its own, and reads the same weights)."""
@@ -290,27 +318,8 @@ def _layer(offs, mms, every: set) -> Layer:
     rows = next(_val(a).shape[d] for m in mms for a, d in _roles(m))
     # forward from every matmul's rows out, backward from every matmul's rows in, through
     # row-wise ops: the region is what lies on both (the ops between grouped matmuls)
-    fwd: dict = {}
-    todo = [(m, 0) for m in mms if _val(m).dim() == 2]
-    while todo:
-        n, r = todo.pop()
-        if fwd.get(n) == r:
-            continue
-        fwd[n] = r
-        for u in n.users:
-            c = _out_row(u, n, r, rows)
-            if c is not None:
-                todo.append((u, c))
-    bwd: dict = {}
-    todo = [x for m in mms for x in _roles(m)]
-    while todo:
-        n, r = todo.pop()
-        if bwd.get(n) == r:
-            continue
-        bwd[n] = r
-        ins = _row_inputs(n, r, rows)
-        todo.extend((ins or {}).items())
-    region = {n: r for n, r in fwd.items() if bwd.get(n) == r}
+    region = _between([(m, 0) for m in mms if _val(m).dim() == 2],
+                      [x for m in mms for x in _roles(m)], rows)
     for m in mms:
         region[m] = 0 if _val(m).dim() == 2 else None  # (a weight gradient: expert space)
         for a, d in _roles(m):  # a transposed operand (rows^T of a weight gradient)
@@ -736,26 +745,8 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
             continue
         terminals[g] = _weight_grad_rows(g, rows, module, p)
     given = {**seeds, **terminals}
-    fwd: dict = {}
-    todo = [(s, 0) for s in seeds]
-    while todo:
-        n, r = todo.pop()
-        if fwd.get(n) == r:
-            continue
-        fwd[n] = r
-        for u in n.users:
-            c = None if u in given else _out_row(u, n, r, rows)
-            if c is not None:
-                todo.append((u, c))
-    bwd: dict = {}
-    todo = [x for ins in given.values() for x in ins.items()]
-    while todo:
-        n, r = todo.pop()
-        if bwd.get(n) == r:
-            continue
-        bwd[n] = r
-        todo.extend(((given.get(n) if n in given else _row_inputs(n, r, rows)) or {}).items())
-    region = {n: r for n, r in fwd.items() if bwd.get(n) == r}
+    region = _between([(s, 0) for s in seeds],
+                      [x for ins in given.values() for x in ins.items()], rows, given)
     region.update({s: 0 for s in seeds})
     region.update({t: None for t in terminals})
     for ins in terminals.values():
