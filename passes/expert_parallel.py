@@ -144,7 +144,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split[:4]} are also split "
                             "by tensor parallelism; one weight takes one split. Use ep=1 or "
                             "tp=1.")
-        slots += _rewrite_list(gm, lst, ep, group)
+        slots += _rewrite_list(gm, lst, ep, group, index)
         first = lst.experts[0]
         report.append({"module": lst.module, "experts": e, "per_rank": e // ep,
                        "rows": lst.rows, "weights": [p.meta[ir.FQN] for x in lst.experts
@@ -413,6 +413,13 @@ def _emit(graph, target, args, like, region=None, kwargs=None):
     return n
 
 
+def _in_first_part(node, users) -> None:
+    """A node made for `users` runs in the pipeline part of the first of them to run."""
+    phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
+    if phases:
+        node.meta[ir.PHASE] = min(phases, key=_PHASES.index)
+
+
 def _after(graph: torch.fx.Graph, offs: torch.fx.Node):
     """emit(target, *args, **kwargs): a node after offs (then after the last emitted), placed
     as offs is."""
@@ -463,9 +470,7 @@ def _rewrite(graph: torch.fx.Graph, layer: Layer, per_rank: int, group: str) -> 
         first = min(users, key=order.__getitem__)
         with graph.inserting_before(first):
             moved = _emit(graph, aten.index.Tensor, (x, [take]), first)
-        phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
-        if phases:  # (a pipeline part: the first of its readers' to run)
-            moved.meta[ir.PHASE] = min(phases, key=_PHASES.index)
+        _in_first_part(moved, users)
         for u in users:
             u.replace_input_with(x, moved)
     for y in layer.leaving:  # back in place, zeros elsewhere, summed over the ep group
@@ -530,9 +535,7 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
         with graph.inserting_before(first):
             sent = _emit(graph, torch.ops.fxpar.ep_dispatch.default, (x, route, group), first)
         sent.meta[ir.DYNAMIC_ROWS] = True
-        phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
-        if phases:  # (a pipeline part: the first of its readers' to run)
-            sent.meta[ir.PHASE] = min(phases, key=_PHASES.index)
+        _in_first_part(sent, users)
         for u in users:
             u.replace_input_with(x, sent)
     for y in layer.leaving:
@@ -597,6 +600,10 @@ def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
             lists.setdefault(fqn[:m.start()], {}).setdefault(int(m.group(1)), {})[
                 fqn[m.end() + 1:]] = p
     out, grads, order = [], _grad_nodes(gm, params), {n: i for i, n in enumerate(gm.graph.nodes)}
+    forward: dict[str, list] = {}  # module -> the forward ops tagged with it
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.meta.get(ir.REGION) == ir.FORWARD:
+            forward.setdefault(n.meta.get(ir.MODULE) or "", []).append(n)
     for prefix, members in lists.items():
         if len(members) < 2 or sorted(members) != list(range(len(members))):
             continue
@@ -606,12 +613,13 @@ def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
                 for k in first) for m in members.values()):
             continue
         modules = [f"{prefix}.{k}" if prefix else str(k) for k in range(len(members))]
-        why = _not_side_by_side(gm, modules[:2])
+        why = _not_side_by_side([_ops_of(forward, m) for m in modules[:2]])
         if why:
             if skipped is not None:
                 skipped.append(f"{prefix or 'the model'!r}: {why}")
             continue
-        experts = [_expert(m, members[k], grads, order) for k, m in enumerate(modules)]
+        experts = [_expert(m, members[k], grads, order, _ops_of(forward, m))
+                   for k, m in enumerate(modules)]
         rows = {e.rows for e in experts}
         canon = [_canonical(e, order) for e in experts]
         if any(c != canon[0] for c in canon[1:]) or len(rows) > 1 or \
@@ -650,18 +658,17 @@ def _canonical(e: Expert, order: dict) -> list:
             for n in nodes]
 
 
-def _tagged(n, module: str) -> bool:
-    m = n.meta.get(ir.MODULE) or ""
-    return m == module or m.startswith(module + ".")
+def _ops_of(forward: dict, module: str) -> list:
+    """The forward ops of `module` and its submodules (`forward`: module -> its own ops)."""
+    return [n for m, ops in forward.items() if m == module or m.startswith(module + ".")
+            for n in ops]
 
 
-def _not_side_by_side(gm, modules: list[str]) -> str | None:
-    """Why the forward nodes of `modules` (a list's first two members) are not experts run
-    side by side: each's input rows gathered by routing (an index op, through views and
-    casts), neither computed from the other's nodes (a stack of layers feeds each into the
-    next); None if they are."""
-    fwd = [[n for n in gm.graph.nodes if n.op == "call_function" and
-            n.meta.get(ir.REGION) == ir.FORWARD and _tagged(n, m)] for m in modules]
+def _not_side_by_side(fwd: list[list]) -> str | None:
+    """Why the forward ops `fwd` of a list's first two members are not experts run side by
+    side: each's input rows gathered by routing (an index op, through views and casts),
+    neither computed from the other's nodes (a stack of layers feeds each into the next);
+    None if they are."""
     if not all(fwd):
         return "a member runs no op of its own"
     inputs = []
@@ -693,7 +700,8 @@ def _grad_nodes(gm, params) -> dict:
     return {p: out.args[0][1 + i] for i, p in enumerate(params)}
 
 
-def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
+def _expert(module: str, weights: dict, grads: dict, order: dict, ops: list) -> Expert:
+    """Expert `module` (its parameters `weights`, its forward ops `ops`), as the Expert."""
     paths = set(weights.values())
     todo = list(paths)
     while todo:
@@ -754,16 +762,16 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
             if d == 1 and x not in region:  # (rows^T of a weight gradient)
                 region[x] = 1
     region = dict(sorted(region.items(), key=lambda item: order[item[0]]))
-    missing = _forward_nodes(weights, module, region, paths)
-    if missing:
-        n = missing[0]
+    missing = [n for n in ops if n not in region and n not in paths and not (
+        n.target is operator.getitem and n.args[0] in region)]
+    if missing:  # (a forward op of the expert the region left out)
+        n = min(missing, key=order.get)
         raise PlanError(f"Plan.ep: {n.name} ({n.target}) in the expert {module!r} does not "
                         "act row by row on the expert's rows; expert parallelism runs "
                         "experts whose ops keep each row apart (linear layers, activations). "
                         "Use ep=1 for this model.")
     entering, leaving = [], []
-    for n in sorted(region, key=order.get):
-        r = region[n]
+    for n, r in region.items():
         ins = given[n] if n in given else _row_inputs(n, r, rows) or {}
         for x, d in ins.items():
             if x not in region and x not in entering:
@@ -778,14 +786,6 @@ def _expert(module: str, weights: dict, grads: dict, order: dict) -> Expert:
             leaving.append(n)
     dead |= set(region)
     return Expert(module, rows, weights, region, entering, leaving, dead)
-
-
-def _forward_nodes(weights, module, region, paths):
-    """The expert's forward ops (tagged with its module) the region left out."""
-    graph = next(iter(weights.values())).graph
-    return [n for n in graph.nodes if n.op == "call_function" and _tagged(n, module)
-            and n.meta.get(ir.REGION) == ir.FORWARD and n not in region and n not in paths
-            and not (n.target is operator.getitem and n.args[0] in region)]
 
 
 def _weight_grad_rows(g, rows: int, module: str, p) -> dict:
@@ -804,13 +804,13 @@ def _weight_grad_rows(g, rows: int, module: str, p) -> dict:
                     "weight read once per row. Use ep=1 for this model.")
 
 
-def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str) -> list:
+def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str,
+                  index: dict) -> list:
     """Slot j runs expert j's region on this rank's expert's rows; returns each slot
-    parameter's program indices per ep rank ([[index on rank 0, on rank 1, ...], ...])."""
+    parameter's program indices (`index`: parameter placeholder -> its index) per ep rank
+    ([[index on rank 0, on rank 1, ...], ...])."""
     graph, experts, rows = gm.graph, lst.experts, lst.rows
     per_rank = len(experts) // ep
-    params = [n for n in graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
-    index = {n: i for i, n in enumerate(params)}
     out = next(n for n in graph.nodes if n.op == "output")
     vals = list(out.args[0])
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -823,9 +823,7 @@ def _rewrite_list(gm: torch.fx.GraphModule, lst: ExpertList, ep: int, group: str
             with graph.inserting_before(min(users, key=order.get)):
                 picked = _emit(graph, torch.ops.fxpar.expert_pick.default,
                                ([m.entering[e] for m in mine], group), users[0])
-            phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
-            if phases:  # (a pipeline part: the first of its readers' to run)
-                picked.meta[ir.PHASE] = min(phases, key=_PHASES.index)
+            _in_first_part(picked, users)
             for u in users:
                 u.replace_input_with(x, picked)
         for i, y in enumerate(t.leaving):
