@@ -541,11 +541,13 @@ def _zero_shard_buckets(graph, grads, group, dp, bucket_bytes, zero, order, out,
         for i in members:  # everything in a bucket must be a partial sum (over its whole sum)
             pl = grads[i].meta.get(ir.SHARD)
             if pl != (Partial("sum"),):
+                # (in the gradient's pipeline part: buckets are cut per stage by it)
+                meta = {k: grads[i].meta[k] for k in (ir.STAGE, ir.PHASE) if k in grads[i].meta}
                 with graph.inserting_before(out):
                     grads[i] = redistribute(graph, grads[i], pl, (Partial("sum"),),
                                             [czg.group], [czg.n],
                                             {ir.MODULE: grads[i].meta.get(ir.MODULE, ""),
-                                             ir.REGION: ir.COMM})
+                                             ir.REGION: ir.COMM, **meta})
     # positions again: the redistributions above are new nodes (all after the old ones; a
     # bucket of two of them placed after the first one read the second before it existed)
     order = {n: i for i, n in enumerate(graph.nodes)}
