@@ -451,8 +451,12 @@ def _mean_over_microbatches(gm, nll, dp: int) -> None:
     loss = out.args[0][0]
     backs = [n for n in graph.nodes if n.target is aten.nll_loss_backward.default]
     count = backs[0].args[6] if backs else None  # this microbatch's (over every dp rank)
+    # (over every dp rank: the reduced count the loss divides by, or the count of a loss
+    # computed on whole rows on every rank - an op with no rule for split rows before it)
+    whole = count is not None and all(isinstance(p, Replicate)
+                                       for p in count.meta.get(ir.SHARD) or (Partial(),))
     if count is None or not _only_through(loss, nll) or (
-            dp > 1 and count not in ancestors([loss])):
+            dp > 1 and count not in ancestors([loss]) and not whole):
         raise PlanError(
             "microbatches > 1: this model's loss adds other terms to a mean cross-entropy "
             f"(module '{nll.meta.get(ir.MODULE, '')}'), so fxpar cannot weight the "

@@ -187,6 +187,16 @@ def test_microbatches_train_a_padded_model_exactly():
         assert zoo_sweep.compare(losses, state, *ref) == "", name
 
 
+@pytest.mark.slow
+def test_microbatches_under_dp_train_a_whole_rows_loss_exactly():
+    """The LSTM above at dp=2 x 2 microbatches, and at pp=2 x dp=2 with ZeRO, against eager."""
+    cells = zoo_sweep.plan_cells("lstm", {
+        "dp m": (2, {"dp": 2, "microbatches": 2}),
+        "pp dp zero": (4, {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "zero-bubble",
+                           "zero": 1})})
+    assert set(cells.values()) == {"exact"}, cells
+
+
 @pytest.mark.slow  # (make test's 6 minutes)
 def test_the_rescaled_loss_is_made_in_the_forward_part_of_its_stage():
     """Under pp with remat the backward's count is a recomputed copy; the loss rescale must
@@ -211,6 +221,19 @@ def test_evaluate_with_microbatches_gives_the_batch_mean():
     with torch.no_grad():
         ref = zoo.loss_of(model, spec, batch)
     torch.testing.assert_close(pm.evaluate(batch), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatches_under_dp_take_a_loss_computed_on_whole_rows():
+    """nn.LSTM has no rule for split rows: under dp every rank runs it, and the cross-entropy
+    after it, on the whole batch. Its count is then the whole microbatch's already (no dp
+    reduction makes it) and weights the microbatches as the reduced count would."""
+    model, spec = zoo.build("lstm")
+    ids, targets = spec.batch(0)
+    gm, ctx = _compile(model, (ids[:4], targets[:4]), dp=2, microbatches=2)
+    share = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    assert share.name == "loss_count"
+    backs = _nodes(gm, aten.nll_loss_backward.default)
+    assert backs and all(nb.args[6] is share for nb in backs)
 
 
 def test_a_loss_with_other_terms_under_microbatches_is_refused():
