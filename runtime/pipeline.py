@@ -343,7 +343,7 @@ class PipelineRunner:
 
     def run(self, params, buffers, microbatches, device, rec: Recorder | None = None,
             forward_only: bool = False):
-        """One step. Returns (mean loss or None on ranks without the last stage, grads per
+        """One step. Returns (mean loss or None on ranks without the loss's stage, grads per
         parameter (None where this rank holds no copy), buffer updates (None if not here)).
         forward_only: the forward parts alone, every microbatch (evaluation: same stages and
         weights as training, nothing kept for a backward)."""

@@ -562,12 +562,14 @@ class ParallelModel:
         loss, grads, new_bufs = runner.run(params, self.buffers, mbs, self.world.device,
                                            rec, forward_only)
         calls.settle()
-        if program.pp > 1:  # the last stage has the loss: every rank returns it
-            last = runner.global_rank[runner.rank_of(program.pipeline.n_stages - 1)]
+        if program.pp > 1:  # the loss's stage has it (the last, unless the split left the
+            # stages after it empty): every rank returns it
+            pipe = program.pipeline
+            owner = runner.global_rank[runner.rank_of(pipe.parts[pipe.producer[pipe.loss]].stage)]
             if loss is None:
                 loss = torch.empty((), device=self.world.device)
             comm.timed("broadcast loss", loss.element_size(),
-                       lambda: dist.broadcast(loss, src=last, group=runner.group))
+                       lambda: dist.broadcast(loss, src=owner, group=runner.group))
         return loss, grads, new_bufs
 
     def step(self, batch) -> torch.Tensor:

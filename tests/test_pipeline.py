@@ -290,6 +290,22 @@ def test_zero_buckets_of_replicated_gradients_stay_in_their_stage():
 
 
 @pytest.mark.slow
+def test_the_loss_comes_from_its_own_stage_when_later_stages_are_empty():
+    """At the zoo's OPT size, 4 microbatches over dp=2 make each stage's compute smaller than
+    sending its activations: the split keeps the whole model on virtual stage 0 and leaves
+    the stages after it (nearly) empty. Every rank's loss is then broadcast from stage 0's
+    rank, not the last stage's (which has no loss: its uninitialised buffer was returned as
+    the step's loss before)."""
+    from fxpar.compiler.compile import compile
+    from fxpar.examples import zoo, zoo_sweep
+    plan = {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "interleaved"}
+    model, spec = zoo.build("opt")
+    prog = compile(model, 4, example_batch=spec.batch(0), plan=plan).pipeline
+    assert prog.parts[prog.producer[prog.loss]].stage < prog.n_stages - 1
+    assert zoo_sweep.plan_cells("opt", {"il": (4, plan)}) == {"il": "exact"}
+
+
+@pytest.mark.slow
 def test_replicated_gradients_with_zero_train_like_eager_under_pp():
     """The plan above on 4 ranks, and litgpt's Mixtral (experts routed the same way), against
     eager training."""
