@@ -1007,9 +1007,13 @@ class _Sharder:
             d = node.args[dim] if isinstance(dim, int) and dim > 0 else 0
             if any(isinstance(p, Shard) and p.dim == d for p in pl):
                 raise ShardingError(
-                    f"{node.target} (node {node.name}) gathers/splits dim {d} over another "
+                    f"{node.target} (node {node.name}, module "
+                    f"'{node.meta.get(ir.MODULE, '')}') gathers/splits dim {d} over another "
                     f"mesh dimension, which this mesh also shards ({pl}); fxpar cannot "
-                    "compose these two shardings of one dimension.")
+                    "compose these two shardings of one dimension (e.g. tensor parallelism "
+                    "splitting an MoE router's token rows, which data parallelism splits "
+                    "too). Use one of the two axes for this model (tp alone, or dp / ep "
+                    "without tp).")
         return _out_spec(self.mesh, pl, node.meta.get(ir.VAL))
 
     def strided_view(self, node):
