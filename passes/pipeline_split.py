@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import warnings
 
 import torch
 import torch.fx
@@ -74,6 +75,14 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         return gm
     split = partition(gm, n_stages, ctx.device, split_weight_grads=options.schedule == "zero-bubble",
                       profile=ctx.profile)
+    idle = [s for s, c in enumerate(split.compute) if c < 0.01 * max(split.compute)]
+    if idle:  # (the cheapest split by the cost model, but not what pp was asked for)
+        warnings.warn(
+            f"pp={options.pp}: the pipeline split leaves stage(s) {idle} of {n_stages} with "
+            "(almost) no compute - at this size a microbatch's work costs less than sending "
+            "its activations between stages, so the cost model keeps it together; those ranks "
+            "mostly wait. Use a smaller pp or fewer microbatches (more work per microbatch), "
+            "or dp for this model.")
     gm.meta[ir.PIPELINE] = split
     return gm
 
