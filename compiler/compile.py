@@ -104,12 +104,14 @@ def reusable(captured: tuple | None, plan: Plan, device: torch.device) -> tuple 
 
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
           joint: bool = True, stand_ins: dict | None = None,
-          captured: tuple | None = None, plan_report=None) -> ir.Program:
+          captured: tuple | None = None, plan_report=None,
+          tp_layouts: list | None = None) -> ir.Program:
     """capture -> passes -> stage split for one resolved Plan. joint=False: the forward-only
     program of `evaluate`. `stand_ins`: fake weights to trace with (default: for those on
     the meta device or another device type than `device`). `captured`: the (graph,
     signature) the planner captured of this model and batch (`reusable`),
-    used instead of capturing again. program.compile_times: one row
+    used instead of capturing again. `tp_layouts`: the training program's parameter layouts,
+    which evaluate's forward-only program keeps. program.compile_times: one row
     per phase of the build (capture, each pass, the stage split, evaluate's stand-ins)."""
     m = plan.microbatches if joint else 1
     t0 = time.perf_counter()
@@ -152,7 +154,7 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
     virtual = 2 if plan.schedule == "interleaved" else 1
     gen, gen_why = codegen.decide(plan.codegen, device)
     ctx = PassContext(signature=sig, virtual_stages=virtual, device=device, codegen=gen,
-                      profile=cost.DeviceProfile.for_device(device),
+                      profile=cost.DeviceProfile.for_device(device), tp_layouts=tp_layouts,
                       memory_budget=activation_budget(model, plan, device) if joint else None)
     snapshots: dict[str, dict[str, torch.fx.GraphModule]] = {}
     gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)
@@ -187,8 +189,11 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
         # full weights back in the model
         with clock("evaluate stand-ins"):
             eval_stand_ins = cap.fake_weights(model, device, everything=True)
+        # (the forward-only graph alone can decide other tp splits than the joint one did:
+        # it keeps the training program's, whose shards the runtime holds)
+        layouts = d.get(ir.TP_LAYOUTS)
         build_eval = lambda: build(model, example_batch, loss_fn, plan, device,  # noqa: E731
-                                   joint=False, stand_ins=eval_stand_ins)
+                                   joint=False, stand_ins=eval_stand_ins, tp_layouts=layouts)
     piped = pipeline is not None
     return ir.Program(
         graph=gm, signature=sig, dp=plan.dp, batch_shard_dims=d[ir.BATCH_SHARD_DIMS],

@@ -49,6 +49,9 @@ class PassContext:
     # a pass run alone takes its device's default profile)
     profile: cost.DeviceProfile | None = None
     codegen: str = "eager"   # Plan.codegen resolved (compiler/codegen.decide): the fuser
+    # tensor_parallel: the parameter layouts to keep (ir.TP_LAYOUTS of the training graph,
+    # for evaluate's forward-only graph: the runtime holds those shards); None: decide
+    tp_layouts: list | None = None
     # False: the caller only counts what the pass adds (the planner's probes), so a pass may
     # skip re-propagating meta["val"] after its rewrite (data_parallel does)
     fresh_values: bool = True

@@ -104,7 +104,26 @@ def _decide(gm, options, ctx):
         roles, placements, why = choose_placements(gm, linears, params, mesh, group, tp)
         if options.tp_style == "auto":
             _gather_where_cheaper(roles, placements, tp, ctx)
+    if getattr(ctx, "tp_layouts", None) is not None:
+        roles, placements = _kept(ctx.tp_layouts, phs, linears, roles)
     return phs, params, linears, interleaved, mesh, roles, placements, why
+
+
+def _kept(layouts, phs, linears, decided):
+    """The roles and placements of given parameter layouts (the training graph's, for
+    evaluate's forward-only graph, which alone may have decided other splits: the runtime
+    holds the training program's shards). Any placement of the weights is valid: the
+    sharding engine inserts what the activations then need."""
+    placements = {phs[i]: (Shard(lay[0]),) for i, lay in enumerate(layouts)
+                  if lay is not None and lay[0] is not None}
+    roles = {}
+    for lin in linears:
+        pl = placements.get(lin.weight)
+        role = "replicated" if pl is None else "column" if pl[0].dim == lin.out_dim else "row"
+        # (a column split's gather after its matmul, where the graph decided it too)
+        roles[lin] = decided.get(lin) if role == "column" and decided.get(lin, "").startswith(
+            "column") else role
+    return roles, placements
 
 
 def roles(gm: torch.fx.GraphModule, sig: ir.GraphSignature, tp: int = 2,
