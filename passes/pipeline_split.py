@@ -303,6 +303,10 @@ def _insert_transfers(graph) -> list[tuple[str, int, int]]:
                 by_stage.setdefault(s, []).append(u)
         for s, users in sorted(by_stage.items()):
             first = min(users, key=order.__getitem__)
+            # (zero-bubble: a value read by the stage's input-gradient part (I) and by its
+            # weight-gradient part (W) arrives with the I part, which runs first)
+            phase = "I" if first.meta[PHASE] == "W" and any(
+                u.meta[PHASE] == "I" for u in users) else first.meta[PHASE]
             chain = _view_chain(n)
             base = chain[0]
             if (base, s) not in sent:
@@ -310,10 +314,12 @@ def _insert_transfers(graph) -> list[tuple[str, int, int]]:
                     t = graph.call_function(aten.alias.default, (base,))
                 t.meta.update({ir.VAL: base.meta[ir.VAL], ir.MODULE: base.meta.get(ir.MODULE, ""),
                                ir.REGION: first.meta.get(ir.REGION), ir.STAGE: s,
-                               PHASE: first.meta[PHASE], TRANSFER: (base.meta[ir.STAGE], s)})
+                               PHASE: phase, TRANSFER: (base.meta[ir.STAGE], s)})
                 sent[(base, s)] = t
                 order[t] = order[first] - 0.5
                 transfers.append((t.name, base.meta[ir.STAGE], s))
+            elif phase == "I" and sent[(base, s)].meta[PHASE] == "W":
+                sent[(base, s)].meta[PHASE] = "I"  # (sent for a W user first)
             value = sent[(base, s)]
             if order.get(value, -1) > order[first] or value not in order:
                 first.prepend(value)  # an earlier user of the same base in this stage
@@ -322,7 +328,7 @@ def _insert_transfers(graph) -> list[tuple[str, int, int]]:
             for v in chain[1:]:
                 with graph.inserting_before(first):
                     copy = graph.node_copy(v, lambda a: env.get(a, a))
-                copy.meta.update({ir.STAGE: s, PHASE: first.meta[PHASE],
+                copy.meta.update({ir.STAGE: s, PHASE: phase,
                                   ir.REGION: first.meta.get(ir.REGION)})
                 env[v] = copy
                 value = copy
