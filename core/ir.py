@@ -29,6 +29,7 @@ FUSED_GROUP = "fused_group"
 PHASE = "pipe_phase"    # set by pipeline_split: "F" | "B" | "I" | "W" (part of a stage), "R"
 #                         (run once a step, after the last microbatch: a shared weight's
 #                         gradient sum; the dp pass's reduction joins it)
+PHASES = ("F", "B", "I", "W", "R")  # a stage's parts, in the order they run
 TRANSFER = "transfer"    # set by pipeline_split on stage-boundary nodes: (src stage, dst stage)
 VOCAB_SHARD = "vocab_shard"  # set by tensor_parallel on a vocab-split table's lookup backward
 BUCKET = "bucket"        # set by data_parallel on gradient-reduction nodes (packing, collective)
@@ -62,6 +63,13 @@ def ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
+
+
+def first_phase(users) -> str | None:
+    """The pipeline part (PHASE) of the first of `users` to run: where a value made for them
+    belongs (None outside a pipeline)."""
+    return min((u.meta[PHASE] for u in users if PHASE in u.meta), key=PHASES.index,
+               default=None)
 
 
 def layer_of(module_path: str) -> str:

@@ -453,8 +453,7 @@ def _mean_over_microbatches(gm, nll, dp: int) -> None:
     count = backs[0].args[6] if backs else None  # this microbatch's (over every dp rank)
     # (over every dp rank: the reduced count the loss divides by, or the count of a loss
     # computed on whole rows on every rank - an op with no rule for split rows before it)
-    whole = count is not None and all(isinstance(p, Replicate)
-                                       for p in count.meta.get(ir.SHARD) or (Partial(),))
+    whole = count is not None and count.meta.get(ir.SHARD) == (Replicate(),)
     if count is None or not _only_through(loss, nll) or (
             dp > 1 and count not in ancestors([loss]) and not whole):
         raise PlanError(

@@ -56,7 +56,6 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int}
 _WEIGHT_PATH = {aten.t.default, aten.transpose.int, aten._to_copy.default, aten.clone.default,
                 aten.alias.default, *ir.RESHAPES}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
-_PHASES = ("F", "B", "I", "W", "R")  # a pipeline's parts of a stage, in the order they run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,9 +414,9 @@ def _emit(graph, target, args, like, region=None, kwargs=None):
 
 def _in_first_part(node, users) -> None:
     """A node made for `users` runs in the pipeline part of the first of them to run."""
-    phases = [u.meta[ir.PHASE] for u in users if ir.PHASE in u.meta]
-    if phases:
-        node.meta[ir.PHASE] = min(phases, key=_PHASES.index)
+    phase = ir.first_phase(users)
+    if phase is not None:
+        node.meta[ir.PHASE] = phase
 
 
 def _after(graph: torch.fx.Graph, offs: torch.fx.Node):

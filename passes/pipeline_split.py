@@ -303,10 +303,9 @@ def _insert_transfers(graph) -> list[tuple[str, int, int]]:
                 by_stage.setdefault(s, []).append(u)
         for s, users in sorted(by_stage.items()):
             first = min(users, key=order.__getitem__)
-            # (zero-bubble: a value read by the stage's input-gradient part (I) and by its
-            # weight-gradient part (W) arrives with the I part, which runs first)
-            phase = "I" if first.meta[PHASE] == "W" and any(
-                u.meta[PHASE] == "I" for u in users) else first.meta[PHASE]
+            # (with the first of its readers' parts to run: zero-bubble's input-gradient part
+            # (I) before its weight-gradient part (W), whatever the graph order)
+            phase = ir.first_phase(users)
             chain = _view_chain(n)
             base = chain[0]
             if (base, s) not in sent:
@@ -318,8 +317,8 @@ def _insert_transfers(graph) -> list[tuple[str, int, int]]:
                 sent[(base, s)] = t
                 order[t] = order[first] - 0.5
                 transfers.append((t.name, base.meta[ir.STAGE], s))
-            elif phase == "I" and sent[(base, s)].meta[PHASE] == "W":
-                sent[(base, s)].meta[PHASE] = "I"  # (sent for a W user first)
+            else:  # (sent for another base's readers: the earlier of the two parts)
+                sent[(base, s)].meta[PHASE] = ir.first_phase([sent[(base, s)]] + users)
             value = sent[(base, s)]
             if order.get(value, -1) > order[first] or value not in order:
                 first.prepend(value)  # an earlier user of the same base in this stage

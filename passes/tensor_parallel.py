@@ -104,7 +104,7 @@ def _decide(gm, options, ctx):
         roles, placements, why = choose_placements(gm, linears, params, mesh, group, tp)
         if options.tp_style == "auto":
             _gather_where_cheaper(roles, placements, tp, ctx)
-    if getattr(ctx, "tp_layouts", None) is not None:
+    if ctx.tp_layouts is not None:
         roles, placements = _kept(ctx.tp_layouts, phs, linears, roles)
     return phs, params, linears, interleaved, mesh, roles, placements, why
 
@@ -143,6 +143,7 @@ class _DecideContext:  # what _decide reads of a PassContext (roles() runs witho
     group_names: dict
     device: object = None
     profile: object = None
+    tp_layouts: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)
