@@ -509,7 +509,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
                 gather_first: dict | None = None, split_random_ops: bool = False,
                 split_sequence: bool = False, regather: bool = False,
                 ring: Callable | None = None,
-                local_dispatch: bool = False) -> dict[torch.fx.Node, Any]:
+                local_dispatch: bool = False,
+                rows: dict[torch.fx.Node, int] | None = None) -> dict[torch.fx.Node, Any]:
     """Propagate placements through `gm` in place, inserting redistributions.
 
     `placeholder_placements` maps placeholder name -> placements (default Replicate).
@@ -536,9 +537,12 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     instead (k and v stay split, passed around the group; the context-parallel pass
     decides, and refuses by name what it asks for but cannot have). local_dispatch (a 1-D mesh
     splitting the batch): an MoE's token dispatch runs on each rank's own rows
-    (core/local_dispatch.py) instead of gathering them.
+    (core/local_dispatch.py) instead of gathering them. rows: node -> the dim of its value
+    that another mesh axis splits (row_dims: the batch rows data parallelism splits after
+    this pass); a partial sum is never reduce-scattered onto that dim, but all-reduced.
     """
     sh = _Sharder(gm.graph, mesh, list(group_names))
+    sh.rows = dict(rows or {})
     sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
     sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
     sh.ring = ring
@@ -600,6 +604,16 @@ def batch_local_dispatch(gm, n: int) -> dict:
     placements = {p.name: (Shard(0),) for p in gm.graph.nodes if p.op == "placeholder"
                   and p.meta.get(ir.ROLE) == "batch" and p.meta[ir.VAL].dim() > 0}
     return local_dispatch_nodes(gm, make_mesh(n), placements, ["dp"])
+
+
+def row_dims(gm) -> dict[torch.fx.Node, int]:
+    """{node: the dim of its value holding the batch rows}: where data parallelism's split
+    of the batch (dim 0 of each batch input) reaches, by DTensor's rules (a dry run)."""
+    placements = {p.name: (Shard(0),) for p in gm.graph.nodes if p.op == "placeholder"
+                  and p.meta.get(ir.ROLE) == "batch" and p.meta[ir.VAL].dim() > 0}
+    specs, _ = dry_run(gm, make_mesh(2), placements, ["rows"], region=None)
+    return {n: s.placements[0].dim for n, s in specs.items()
+            if isinstance(s, DTensorSpec) and isinstance(s.placements[0], Shard)}
 
 
 def _placements_tree(s):
@@ -722,6 +736,7 @@ class _Sharder:
         self.local: dict = {}      # an MoE dispatch run on local rows: see local_dispatch
         self.local_only = False    # ... and expert parallelism's ops only there
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
+        self.rows: dict = {}       # value -> its dim another mesh axis splits (shard_graph)
         self.mesh_sizes = list(mesh.mesh.shape)
         self.replicate = tuple(Replicate() for _ in self.mesh_sizes)
         self.prop = DTensor._op_dispatcher.sharding_propagator
@@ -760,6 +775,8 @@ class _Sharder:
         new.meta[ir.SHARD] = need
         new.meta.setdefault(ir.VAL, node.meta.get(ir.VAL))
         self.made[(node, need)] = new
+        if node in self.rows:
+            self.rows[new] = self.rows[node]
         for u in users:
             u.replace_input_with(node, new)
 
@@ -784,6 +801,8 @@ class _Sharder:
             new.meta[ir.SHARD] = need
             new.meta.setdefault(ir.VAL, value.meta.get(ir.VAL))  # global shape, like the rest
             self.made[(value, need)] = new
+            if value in self.rows:
+                self.rows[new] = self.rows[value]
         return self.made[(value, need)]
 
     def place(self, node, want: dict[torch.fx.Node, tuple]) -> None:
@@ -956,6 +975,17 @@ class _Sharder:
                       node.name, node.meta.get(ir.MODULE, ""), [a.name for a in resplit])
             self.place(node, resplit)
             out = self.ask_dtensor(node)
+        if self.rows and (whole := self._row_splits(node, out)):
+            # DTensor's rules reduce-scatter a partial sum onto any dim the op keeps (an MoE
+            # router's logits onto their token rows, ahead of topk); when another mesh axis
+            # splits those rows (data parallelism), the two splits would nest, which fxpar
+            # cannot compose: the partial sum is all-reduced instead (a row-wise op then runs
+            # on the whole rows of this axis, as it would without the reduce-scatter)
+            log.debug("%s (node %s, module '%s'): partial %s all-reduced, not split on its "
+                      "rows", op, node.name, node.meta.get(ir.MODULE, ""),
+                      [a.name for a in whole])
+            self.place(node, whole)
+            out = self.ask_dtensor(node)
         if out.redistribute_schema is not None and self._partializes_replicate(node, out):
             # Turning a replicated value into a partial one (e.g. running-stat updates mixing a
             # buffer with a batch statistic) is legal but odd; reduce the partial input instead.
@@ -1010,10 +1040,10 @@ class _Sharder:
                     f"{node.target} (node {node.name}, module "
                     f"'{node.meta.get(ir.MODULE, '')}') gathers/splits dim {d} over another "
                     f"mesh dimension, which this mesh also shards ({pl}); fxpar cannot "
-                    "compose these two shardings of one dimension (e.g. tensor parallelism "
-                    "splitting an MoE router's token rows, which data parallelism splits "
-                    "too). Use one of the two axes for this model (tp alone, or dp / ep "
-                    "without tp).")
+                    "compose these two shardings of one dimension (tensor parallelism "
+                    "splitting rows that data parallelism splits too). Use one of the two "
+                    "axes for this model (tp alone, or dp / ep without tp), and report the "
+                    "model to fxpar.")
         return _out_spec(self.mesh, pl, node.meta.get(ir.VAL))
 
     def strided_view(self, node):
@@ -1067,11 +1097,10 @@ class _Sharder:
             return (_spec(self.mesh, self.replicate, val[0]), spec)
         return spec
 
-    def _resplits(self, node, out) -> dict:
-        """{input: placements} for the inputs DTensor's answer moves from one split dim to
-        another (Shard(a) -> Shard(b) on a mesh dim): whole (Replicate) on those mesh dims."""
+    def _wanted(self, node, out) -> list[tuple]:
+        """(input, the spec DTensor's answer wants it in) for node's graph-value inputs."""
         if out is None or out.redistribute_schema is None:
-            return {}
+            return []
         want = out.redistribute_schema
         want_args = want.args_schema
         info = _schema_info(self.prop, node.target, node.args)
@@ -1081,8 +1110,13 @@ class _Sharder:
         pairs = list(_node_specs(tuple(node.args), tuple(want_args)))
         for k, v in want.kwargs_schema.items():
             pairs += list(_node_specs(node.kwargs.get(k), v))
+        return pairs
+
+    def _resplits(self, node, out) -> dict:
+        """{input: placements} for the inputs DTensor's answer moves from one split dim to
+        another (Shard(a) -> Shard(b) on a mesh dim): whole (Replicate) on those mesh dims."""
         out_pl = {}
-        for a, w in pairs:
+        for a, w in self._wanted(node, out):
             have = self.specs.get(a)
             if not isinstance(have, DTensorSpec):
                 continue
@@ -1090,6 +1124,19 @@ class _Sharder:
                        else p for p, q in zip(have.placements, w.placements))
             if pl != tuple(have.placements):
                 out_pl[a] = pl
+        return out_pl
+
+    def _row_splits(self, node, out) -> dict:
+        """{input: placements} for the partial sums DTensor's answer reduce-scatters onto
+        their rows (`self.rows`: the dim another mesh axis splits): all-reduced instead."""
+        out_pl = {}
+        for a, w in self._wanted(node, out):
+            d, have = self.rows.get(a), self.specs.get(a)
+            if d is None or not isinstance(have, DTensorSpec) or not _is_partial(have.placements):
+                continue
+            if any(isinstance(q, Shard) and q.dim == d for q in w.placements):
+                out_pl[a] = tuple(Replicate() if isinstance(p, Partial) else p
+                                  for p in have.placements)
         return out_pl
 
     def _partializes_replicate(self, node, out) -> bool:

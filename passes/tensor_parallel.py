@@ -35,7 +35,7 @@ from fxpar.core import cost, ir
 from fxpar.core.errors import PlanError, ShardingError
 from fxpar.core.graphs import copy_graph, fake_propagate
 from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, is_split, make_mesh,
-                                     redistribute, shard_graph)
+                                     redistribute, row_dims, shard_graph)
 
 aten = torch.ops.aten
 
@@ -152,6 +152,8 @@ class Options:
     tp: int | None = 1
     tp_style: str = "auto"
     sequence_parallel: bool = False
+    dp: int = 1  # (with cp: whether the batch rows are split too, see run)
+    cp: int | None = 1
 
 
 CONTRACT = ir.PassContract(
@@ -179,9 +181,12 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gathered = {lin.mm: (Replicate(),) for lin, r in roles.items() if r == "column+gather"}
     if gathered:
         prefer = {**(prefer or {}), **gathered}
+    # the rows data parallelism splits after this pass are never split here too (a partial
+    # sum reduce-scattered onto them, e.g. an MoE router's logits): two splits of one dim
+    rows = row_dims(gm) if options.dp // (options.cp or 1) > 1 else None
     shard_graph(gm, mesh, {n.name: pl for n, pl in placements.items()}, [group],
                 reduce_shared_partials=True, prefer=prefer, gather_first=gather,
-                split_random_ops=True)
+                split_random_ops=True, rows=rows)
     _place_outputs(gm, placements, sig, group, tp)
     for n, pl in placements.items():  # parameter placeholders now hold local shards
         v = n.meta[ir.VAL]

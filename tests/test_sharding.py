@@ -129,3 +129,60 @@ def _ancestors(n):
                 seen.add(a)
                 todo.append(a)
     return seen
+
+
+def _topk_graph():
+    """x -> topk(x, 2): a row-wise op DTensor's rule lets split on its rows."""
+    import operator
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(8, 4)
+    t = g.call_function(aten.topk.default, (x, 2))
+    t.meta[ir.VAL] = torch.topk(torch.empty(8, 4), 2)
+    v = g.call_function(operator.getitem, (t, 0))
+    v.meta[ir.VAL] = t.meta[ir.VAL][0]
+    g.output((v,))
+    return torch.fx.GraphModule({}, g), x, t
+
+
+def test_a_partial_sum_is_not_split_onto_rows_another_axis_splits():
+    """DTensor's topk rule reduce-scatters a partial input onto its rows (litgpt's Mixtral
+    under tp: the router's logits). When data parallelism splits those rows too (`rows`),
+    the two splits would nest: the partial sum is all-reduced instead."""
+    gm, x, t = _topk_graph()
+    shard_graph(gm, make_mesh(2), {"x": (Partial(),)}, ["g"])
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 1
+    assert t.meta[ir.SHARD][0] == (Shard(0),)
+
+    gm, x, t = _topk_graph()
+    shard_graph(gm, make_mesh(2), {"x": (Partial(),)}, ["g"], rows={x: 0})
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert count_ops(gm, c10d.all_reduce.default) == 1
+    assert t.meta[ir.SHARD][0] == (Replicate(),)
+
+    gm, x, t = _topk_graph()  # rows on another dim than the one the rule splits: as before
+    shard_graph(gm, make_mesh(2), {"x": (Partial(),)}, ["g"], rows={x: 1})
+    assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 1
+
+
+def test_row_dims_follow_the_batch_rows_through_the_graph():
+    """row_dims: where data parallelism's split of the batch lands on each value (a
+    transpose moves it; a weight has none)."""
+    from fxpar.core.sharding import row_dims
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x).transpose(0, 1).sum(-1).mean()
+
+    gm, _ = capture(M(), torch.randn(4, 6, 8))
+    rows = row_dims(gm)
+    by = {n.target: d for n, d in rows.items() if n.op == "call_function"}
+    assert by[aten.transpose.int] == 1
+    weight = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert weight.meta[ir.ROLE] == "param" and weight not in rows
+    batch = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
+    assert rows[batch] == 0

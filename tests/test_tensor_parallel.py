@@ -909,3 +909,15 @@ def test_evaluate_keeps_the_splits_training_chose():
     and equals eager."""
     from test_parity import _check_plans
     _check_plans(2, [("litgpt_mixtral", "adamw", {"tp": 2})])
+
+
+@pytest.mark.slow
+def test_tp_by_dp_keeps_the_router_rows_whole_over_tp():
+    """litgpt's Mixtral at tp=2 x dp=2: its router's logits arrive a partial sum over tp,
+    which DTensor's topk rule would reduce-scatter onto the token rows data parallelism
+    splits too (refused: two splits of one dim); they are all-reduced over tp instead, and
+    training equals eager, with ZeRO-3 and microbatches too."""
+    from test_parity import _check_plans
+    _check_plans(4, [("litgpt_mixtral", "adamw", {"tp": 2, "dp": 2}),
+                     ("litgpt_mixtral", "adamw", {"tp": 2, "dp": 2, "zero": 3,
+                                                  "microbatches": 2})])
