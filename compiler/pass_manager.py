@@ -27,8 +27,9 @@ from fxpar.core.graphs import snapshot, verify
 from fxpar.core.logs import announce, phase_done
 from fxpar.core.plan import pass_options
 from fxpar.kernels.jit import unavailable_reason
-from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion, overlap,
-                          pipeline_split, precision, remat, tensor_parallel)
+from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
+                          grouped_experts, overlap, pipeline_split, precision, remat,
+                          tensor_parallel)
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class PassContext:
 
 
 # every pass fxpar has; which run, and in what order, follows from their contracts
-PASSES = (precision, remat, pipeline_split, tensor_parallel, expert_parallel, context_parallel,
-          data_parallel, overlap, fusion)
+PASSES = (grouped_experts, precision, remat, pipeline_split, tensor_parallel, expert_parallel,
+          context_parallel, data_parallel, overlap, fusion)
 
 
 def order(contracts: list[ir.PassContract]) -> list[ir.PassContract]:

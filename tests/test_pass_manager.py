@@ -28,13 +28,15 @@ def _contract(name, **kw):
 def test_the_plan_decides_which_passes_run_and_the_contracts_their_order():
     names = lambda plan, world, **kw: [c.name for c, _, _ in _pass_list(  # noqa: E731
         resolve(plan, world), "cpu", "inductor", **kw)[0]]
-    full = ["precision", "remat", "pipeline_split", "tensor_parallel", "data_parallel",
-            "overlap", "fusion"]
+    full = ["grouped_experts", "precision", "remat", "pipeline_split", "tensor_parallel",
+            "data_parallel", "overlap", "fusion"]
     assert names(FULL, 8) == full
     # the same list given backwards comes out in the order the contracts require
     assert names(FULL, 8, passes=PASSES[::-1]) == full
-    assert names({"dp": 2}, 2) == ["data_parallel", "overlap", "fusion"]
-    assert names({"dp": 1, "fuse": False}, 1) == ["data_parallel"]
+    assert names({"dp": 2}, 2) == ["grouped_experts", "data_parallel", "overlap", "fusion"]
+    assert names({"dp": 1, "fuse": False}, 1) == ["grouped_experts", "data_parallel"]
+    # expert parallelism runs lists of experts in slots instead
+    assert "grouped_experts" not in names({"dp": 2, "ep": 2}, 2)
 
 
 def test_a_pass_whose_required_key_nobody_provides_is_refused():

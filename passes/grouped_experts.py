@@ -1,0 +1,306 @@
+"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped (ep=1).
+
+compiler/padded_nonzero.py traces each expert of such a list (litgpt's Mixtral, Mistral's
+and DeepSeek's reference code) over `mask.numel()` rows - every (token, k) position, the
+ones not routed to it as zero rows - so E experts compute E times the rows eager computes.
+Their masks partition the positions (each is `indices == j` of the same top-k indices, a
+fact read off the graph: `_partition`), so all experts' true rows together are exactly
+`mask.numel()`. This pass sorts the positions by expert once (a stable sort of each
+position's expert), runs the experts' row-wise region - forward and backward, as
+core/expert_lists finds it on the joint graph - once over the sorted rows, each matmul
+with an expert weight as `aten._grouped_mm` over the experts' weights stacked (`offs`: each
+expert's end row; a weight gradient grouped the same way), and hands each expert's readers
+its rows back in position order, zeros at the positions not routed to it (the padded
+trace only ever writes those to its dropped padding row). Each true row meets its expert's
+weights in the same matmul as in eager: eager's FLOPs and eager's per-row arithmetic.
+
+Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
+that are not one index tensor compared with distinct experts, a region op it has no
+grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), and under
+expert parallelism (passes/expert_parallel runs such lists in slots). Each reason is
+logged and kept in gm.meta[ir.GROUPED_EXPERTS].
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from fxpar.core import ir
+from fxpar.core.errors import PlanError
+from fxpar.core.expert_lists import ExpertList, find_expert_lists
+from fxpar.core.graphs import fake_propagate
+
+aten = torch.ops.aten
+log = logging.getLogger("fxpar.grouped_experts")
+_GROUPED_MM = getattr(aten, "_grouped_mm", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    ep: int | None = 1
+
+
+CONTRACT = ir.PassContract(
+    "grouped_experts", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN}),
+    provides=frozenset({ir.GROUPED_EXPERTS}),
+    # on the graph as captured: every later pass sees grouped matmuls (priced, split into
+    # stages, recomputed, cast) as it sees Hugging Face's grouped experts
+    before=frozenset({"pipeline_split", "precision", "remat", "tensor_parallel",
+                      "expert_parallel", "data_parallel"}),
+    applies=lambda o: (o.ep or 1) == 1 and _GROUPED_MM is not None,
+    values_fresh=True)
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    try:
+        lists = find_expert_lists(gm)
+    except PlanError as e:  # (experts ep could not split: they run as traced)
+        lists, why = [], str(e)
+        log.info("grouped_experts: experts left as traced: %s", why)
+    report = []
+    for lst in lists:
+        why = _rewrite(gm.graph, lst)
+        report.append({"module": lst.module, "experts": len(lst.experts), "rows": lst.rows,
+                       "grouped": why is None, "why": why})
+        if why:
+            log.info("grouped_experts: %r runs each expert on every routed position "
+                     "(%d x eager's expert FLOPs): %s", lst.module, len(lst.experts), why)
+    if any(r["grouped"] for r in report):
+        stable_topological_sort(gm.graph)  # (each expert's readers after the grouped rows)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        fake_propagate(gm, check=False)
+    gm.meta[ir.GROUPED_EXPERTS] = report
+    return gm
+
+
+# --- which positions each expert owns ----------------------------------------------------
+
+def _is_padded_positions(n) -> torch.fx.Node | None:
+    """The mask of compiler/padded_nonzero's `where(mask.reshape(-1, 1), positions, -1)`."""
+    if n.op != "call_function" or n.target is not aten.where.ScalarOther or n.args[2] != -1:
+        return None
+    flat = n.args[0]
+    if flat.target is aten.ne.Scalar and flat.args[1] == 0:
+        flat = flat.args[0]
+    if flat.target is aten.reshape.default and list(flat.args[1]) == [-1, 1]:
+        return flat.args[0]
+    return None
+
+
+def _mask_of(expert, region: set, depth: int = 8) -> torch.fx.Node | str:
+    """The one routing mask every row tensor entering `expert` is picked by, or why not."""
+    masks = set()
+    for x in expert.entering:
+        found, seen, todo = set(), set(), [(x, 0)]
+        while todo:
+            n, d = todo.pop()
+            if n in seen or n.op != "call_function" or n in region or d > depth:
+                continue
+            seen.add(n)
+            m = _is_padded_positions(n)
+            if m is not None:
+                found.add(m)
+                continue
+            todo.extend((a, d + 1) for a in n.all_input_nodes)
+        if len(found) != 1:
+            return (f"{x.name} entering {expert.module!r} is picked by "
+                    f"{len(found)} torch.where masks (one expected)")
+        masks |= found
+    if len(masks) != 1:
+        return f"the rows entering {expert.module!r} are picked by {len(masks)} masks"
+    return masks.pop()
+
+
+def _partition(masks: list) -> str | None:
+    """None if the masks provably partition their positions (at most one expert each): the
+    same index tensor compared with distinct experts, as `indices == j` (one mask per
+    expert), or as one comparison with an arange whose expert dim is unbound / selected."""
+    if len({tuple(m.meta[ir.VAL].shape) for m in masks}) != 1:
+        return "the experts' masks differ in shape"
+    if all(m.target is aten.eq.Scalar for m in masks):
+        xs, cs = {m.args[0] for m in masks}, [m.args[1] for m in masks]
+        if len(xs) == 1 and all(isinstance(c, int) for c in cs) and len(set(cs)) == len(cs):
+            return None
+        return "the masks compare different tensors, or with equal or non-integer experts"
+    picks = []
+    for m in masks:
+        if m.target is operator.getitem and m.args[0].target is aten.unbind.int:
+            src, dim, j = m.args[0].args[0], (list(m.args[0].args[1:]) or [0])[0], m.args[1]
+        elif m.target is aten.select.int:
+            src, dim, j = m.args[0], m.args[1], m.args[2]
+        else:
+            return f"mask {m.name} ({m.target}) is not a comparison with the expert's index"
+        picks.append((src, dim, j))
+    if len({(s, d) for s, d, _ in picks}) != 1 or len({j for *_, j in picks}) != len(picks):
+        return "the masks are not distinct experts of one comparison"
+    src, dim, _ = picks[0]
+    nd = src.meta[ir.VAL].dim()
+    if src.target is aten.permute.default and dim % nd == 0:
+        perm = [p % nd for p in src.args[1]]
+        eq, dim = src.args[0], perm[0]
+    else:
+        eq = src
+    if eq.target is not aten.eq.Tensor or dim % nd != nd - 1:
+        return "the masks are not a comparison picked along its last (experts) dim"
+    a, b = eq.args
+    if b.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        a, b = b, a
+    if b.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step) or \
+            a.meta[ir.VAL].shape[-1] != 1 or b.meta[ir.VAL].dim() != 1:
+        return "the masks compare the indices with something other than an arange of experts"
+    return None
+
+
+# --- the rewrite -------------------------------------------------------------------------
+
+def _aligned(lst: ExpertList) -> str | None:
+    """aten._grouped_mm reads operands whose strides are multiples of 16 bytes."""
+    e = lst.experts[0]
+    for n in e.region:
+        if n.target in (aten.mm.default, aten.addmm.default):
+            for a in n.args:
+                v = a.meta.get(ir.VAL) if isinstance(a, torch.fx.Node) else None
+                if isinstance(v, torch.Tensor) and v.dim() == 2 and any(
+                        s * v.element_size() % 16 for s in v.shape if s != lst.rows):
+                    return (f"{n.name} multiplies {tuple(v.shape)} {v.dtype}: a grouped matmul "
+                            "needs feature sizes that are multiples of 16 bytes")
+    return None
+
+
+def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
+    """Run `lst`'s experts grouped (see the module docstring); None, or why it was not."""
+    experts, rows = lst.experts, lst.rows
+    regions = [set(e.region) for e in experts]
+    every = set().union(*regions)
+    masks = [_mask_of(e, every) for e in experts]
+    bad = next((m for m in masks if isinstance(m, str)), None)
+    if bad:
+        return bad
+    if any(m.meta[ir.VAL].numel() != rows for m in masks):
+        return "the masks do not have one position per row"
+    why = _partition(masks) or _aligned(lst)
+    if why:
+        return why
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = [sorted(e.region, key=order.get) for e in experts]
+    n_exp = len(experts)
+    out_node = next(n for n in graph.nodes if n.op == "output")
+
+    def emit(target, *args, region=ir.FORWARD, **kwargs):
+        with graph.inserting_before(out_node):
+            n = graph.call_function(target, args, kwargs)
+        n.meta[ir.REGION], n.meta[ir.MODULE] = region, lst.module
+        return n
+
+    # each position's expert (n_exp: none), the positions sorted by it, each expert's end row
+    flat = [emit(aten.reshape.default, m, [-1]) for m in masks]
+    key = emit(aten.full.default, [rows], n_exp, dtype=torch.int64,
+               device=masks[0].meta[ir.VAL].device)
+    for j in reversed(range(n_exp)):
+        key = emit(aten.where.ScalarSelf, flat[j], j, key)
+    srt = emit(aten.sort.stable, key, stable=True)
+    key_s, perm = emit(operator.getitem, srt, 0), emit(operator.getitem, srt, 1)
+    inv = emit(operator.getitem, emit(aten.sort.stable, perm, stable=True), 1)
+    counts = [emit(aten.sum.default, f, dtype=torch.int64) for f in flat]
+    offs = emit(aten._to_copy.default,
+                emit(aten.cumsum.default, emit(aten.stack.default, counts), 0),
+                dtype=torch.int32)
+    expert_of_row = emit(aten.clamp.default, key_s, None, n_exp - 1)
+
+    def as_rows(j, x):  # expert j's flat mask, broadcast over x's other dims
+        return emit(aten.reshape.default, flat[j], [rows] + [1] * (x.meta[ir.VAL].dim() - 1),
+                    region=x.meta.get(ir.REGION, ir.FORWARD))
+
+    new: dict = {}  # expert 0's region node -> its grouped node (rows sorted by expert)
+    for i, x0 in enumerate(experts[0].entering):
+        region = x0.meta.get(ir.REGION, ir.FORWARD)
+        u = x0
+        for j in range(1, n_exp):
+            x = experts[j].entering[i]
+            u = emit(aten.where.self, as_rows(j, x), x, u, region=region)
+        new[x0] = emit(aten.index_select.default, u, 0, perm, region=region)
+
+    def stacked(q, k):  # leaf k of position q's node, across experts, stacked
+        leaves = [pytree.tree_leaves((ns[q].args, ns[q].kwargs))[k] for ns in nodes]
+        return emit(aten.stack.default, leaves, region=nodes[0][q].meta.get(ir.REGION))
+
+    weights0 = set(experts[0].dead) - set(experts[0].region) | set(experts[0].params.values())
+    terminals = {}  # expert 0's weight-gradient node -> its grouped node [experts, ...]
+    for q, n0 in enumerate(nodes[0]):
+        region = n0.meta.get(ir.REGION, ir.FORWARD)
+        leaves, spec = pytree.tree_flatten((n0.args, n0.kwargs))
+        wk = [k for k, a in enumerate(leaves) if isinstance(a, torch.fx.Node) and a in weights0]
+        for a in leaves:
+            if isinstance(a, torch.fx.Node) and a not in new and a not in weights0:
+                v = a.meta.get(ir.VAL)
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
+                    return (f"{n0.name} in {experts[0].module!r} reads {a.name}, a tensor "
+                            "of as many rows that is not the expert's")
+        mapped = [new.get(a, a) if isinstance(a, torch.fx.Node) else a for a in leaves]
+        if experts[0].region[n0] is None:  # a weight gradient: summed over the rows
+            if n0.target is aten.mm.default and not wk:
+                terminals[n0] = emit(_GROUPED_MM.default, *mapped, offs, region=region)
+            elif n0.target is aten.sum.dim_IntList and list(n0.args[1]) == [0] and not wk:
+                x = mapped[0]
+                shape = list(n0.args[0].meta[ir.VAL].shape[1:])
+                zeros = emit(aten.zeros.default, [n_exp + 1] + shape,
+                             dtype=n0.meta[ir.VAL].dtype, device=n0.meta[ir.VAL].device,
+                             region=region)
+                sums = emit(aten.index_add.default, zeros, 0, key_s, x, region=region)
+                terminals[n0] = emit(aten.slice.Tensor, sums, 0, 0, n_exp, region=region)
+            else:
+                return f"{n0.name} ({n0.target}) makes a weight gradient fxpar cannot group"
+            continue
+        if n0.target is aten.mm.default and wk == [1]:
+            new[n0] = emit(_GROUPED_MM.default, mapped[0], stacked(q, 1), offs, region=region)
+        elif n0.target is aten.addmm.default and len(n0.args) == 3 and 2 in wk:
+            y = emit(_GROUPED_MM.default, mapped[1], stacked(q, 2), offs, region=region)
+            bias = emit(aten.index_select.default, stacked(q, 0), 0, expert_of_row,
+                        region=region) if 0 in wk else mapped[0]
+            new[n0] = emit(aten.add.Tensor, y, bias, region=region)
+        elif wk and isinstance(n0.target, torch._ops.OpOverload) and \
+                torch.Tag.pointwise in n0.target.tags and all(
+                    leaves[k].meta[ir.VAL].dim() == n0.meta[ir.VAL].dim() - 1 for k in wk):
+            for k in wk:  # a per-expert vector (a bias): each row gets its expert's
+                mapped[k] = emit(aten.index_select.default, stacked(q, k), 0, expert_of_row,
+                                 region=region)
+            args, kwargs = pytree.tree_unflatten(mapped, spec)
+            new[n0] = emit(n0.target, *args, region=region, **kwargs)
+        elif wk:
+            return (f"{n0.name} ({n0.target}) in {experts[0].module!r} reads an expert "
+                    "weight in a way fxpar cannot group")
+        else:
+            args, kwargs = pytree.tree_unflatten(mapped, spec)
+            new[n0] = emit(n0.target, *args, region=region, **kwargs)
+
+    # each expert's readers: its rows back in position order (zeros where not routed to it)
+    # and its slice of each grouped weight gradient
+    back = {}
+    for j, e in enumerate(experts):
+        for q, n in enumerate(nodes[j]):
+            n0 = nodes[0][q]
+            if n0 in terminals:
+                g = emit(aten.select.int, terminals[n0], 0, j, region=n.meta.get(ir.REGION))
+                repl = emit(aten.reshape.default, g, list(n.meta[ir.VAL].shape),
+                            region=n.meta.get(ir.REGION))  # (a bias's keepdim sum: [1, d])
+            elif n in e.leaving:
+                if n0 not in back:
+                    back[n0] = emit(aten.index_select.default, new[n0], 0, inv,
+                                    region=n0.meta.get(ir.REGION))
+                repl = emit(aten.where.ScalarOther, as_rows(j, n), back[n0], 0.0,
+                            region=n.meta.get(ir.REGION))
+            else:
+                continue
+            for u in list(n.users):
+                if u not in regions[j]:
+                    u.replace_input_with(n, repl)
+    return None
