@@ -52,8 +52,9 @@ from fxpar.compiler.pass_manager import PassContext
 from fxpar.core.plan import (SEARCHED, Plan, cp_misfit, ep_misfit, hpz_misfit,  # noqa: F401
                              dp_stride, hsdp_misfit, node_shard, plan_dict, quantization_misfit,
                              replays_step, resolve)
+from fxpar.core.expert_lists import find_expert_lists
 from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
-                          pipeline_split, remat, tensor_parallel)
+                          grouped_experts, pipeline_split, remat, tensor_parallel)
 from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
 
@@ -393,7 +394,7 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "params_split": "p", "n_row": "f", "n_param_tensors": "p",
              "expert_params": "p", "expert_flops_f": "f", "expert_flops_b": "b",
              "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
-             "ep_saved": "saved", "n_moe": "f", "attn_flops_f": "f", "sdpa_flops_f": "f",
+             "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b", "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
 
@@ -1366,6 +1367,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
+        else:  # listed experts run grouped (passes/grouped_experts): over every dp rank's
+            # rows, 1/E of their traced matmuls
+            g = mbs * dp / stats.rows
+            rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
+            tf = max(tf - sum(s.grouped_saved_f for s in segs) * g / rate, 0.0)
+            tb = max(tb - sum(s.grouped_saved_b for s in segs) * g / rate, 0.0)
         if cp > 1:  # every attention's keys and values gathered over the cp group
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
             # the rank's rows, whole (cp x its tokens in whole-sequence rows)
@@ -1759,7 +1766,7 @@ def expert_stats(stats: GraphStats, gm) -> None:
     gets the reason (no ep plan is priced)."""
     try:
         layers = expert_parallel.find_layers(gm)
-        lists = expert_parallel.find_expert_lists(gm)
+        lists = find_expert_lists(gm)
     except Exception as e:  # noqa: BLE001 - no ep plan is priced; the reason is kept
         stats.ep_refusal = f"{type(e).__name__}: {e}"
         return
@@ -1775,13 +1782,16 @@ def expert_stats(stats: GraphStats, gm) -> None:
             continue
         counts.append(len(lst.experts))
         seg.n_moe += 1
+        saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
             for n in x.region:
                 if n.meta.get(ir.REGION) == ir.FORWARD:
                     seg.expert_flops_f += cost.node_flops(n)
+                    seg.grouped_saved_f += saved * cost.node_flops(n)
                 else:
                     seg.expert_flops_b += cost.node_flops(n)
+                    seg.grouped_saved_b += saved * cost.node_flops(n)
             for y in x.leaving:
                 fwd = y.meta.get(ir.REGION) == ir.FORWARD
                 seg.ep_comm_f += cost.tensor_bytes(y.meta[ir.VAL]) if fwd else 0

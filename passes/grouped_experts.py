@@ -96,25 +96,45 @@ def _is_padded_positions(n) -> torch.fx.Node | None:
     return None
 
 
-def _mask_of(expert, region: set, depth: int = 8) -> torch.fx.Node | str:
-    """The one routing mask every row tensor entering `expert` is picked by, or why not."""
-    masks = set()
+_ROW_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+              aten.expand.default, aten.alias.default, aten._to_copy.default,
+              aten.clone.default, aten.unsqueeze.default, aten.squeeze.dim}
+_INDEX_VIEWS = {operator.getitem, aten.unbind.int, aten.select.int, aten.view.default,
+                aten.reshape.default, aten.squeeze.dim, aten.alias.default}
+
+
+def _mask_of(expert) -> torch.fx.Node | str:
+    """The one routing mask that picks the rows of every row tensor entering `expert`:
+    followed back through row-wise ops to the index ops gathering the rows, and from each
+    one's row index to padded_nonzero's positions; or why there is not one."""
+    rows, masks = expert.rows, set()
     for x in expert.entering:
-        found, seen, todo = set(), set(), [(x, 0)]
+        seen, todo = set(), [x]
         while todo:
-            n, d = todo.pop()
-            if n in seen or n.op != "call_function" or n in region or d > depth:
+            n = todo.pop()
+            if n in seen:
                 continue
             seen.add(n)
-            m = _is_padded_positions(n)
-            if m is not None:
-                found.add(m)
+            if n.op == "call_function" and n.target is aten.index.Tensor:
+                idx = n.args[1][0]
+                for _ in range(6):  # (the positions' first column: unbind / select / views)
+                    if not isinstance(idx, torch.fx.Node) or _is_padded_positions(idx) is not None:
+                        break
+                    idx = idx.args[0] if idx.target in _INDEX_VIEWS else None
+                m = _is_padded_positions(idx) if isinstance(idx, torch.fx.Node) else None
+                if m is None:
+                    return f"{n.name} picks rows entering {expert.module!r} by another index"
+                masks.add(m)
                 continue
-            todo.extend((a, d + 1) for a in n.all_input_nodes)
-        if len(found) != 1:
-            return (f"{x.name} entering {expert.module!r} is picked by "
-                    f"{len(found)} torch.where masks (one expected)")
-        masks |= found
+            pointwise = isinstance(n.target, torch._ops.OpOverload) and \
+                torch.Tag.pointwise in n.target.tags
+            if n.op != "call_function" or not (pointwise or n.target in _ROW_VIEWS):
+                return (f"{x.name} entering {expert.module!r} is made by {n.name} "
+                        f"({n.target}), not row by row from rows routing picks")
+            for a in n.all_input_nodes:  # (the inputs carrying the rows)
+                v = a.meta.get(ir.VAL)
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
+                    todo.append(a)
     if len(masks) != 1:
         return f"the rows entering {expert.module!r} are picked by {len(masks)} masks"
     return masks.pop()
@@ -176,20 +196,59 @@ def _aligned(lst: ExpertList) -> str | None:
     return None
 
 
-def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
-    """Run `lst`'s experts grouped (see the module docstring); None, or why it was not."""
+def _weights(expert) -> set:
+    """The expert's parameters and the views and casts they reach its region through."""
+    return set(expert.dead) - set(expert.region) | set(expert.params.values())
+
+
+def _op_why(expert, rows: int) -> str | None:
+    """Why a node of the expert's region has no grouped form here (None: each has)."""
+    weights = _weights(expert)
+    for n in expert.region:
+        leaves = pytree.tree_leaves((n.args, n.kwargs))
+        wk = [k for k, a in enumerate(leaves) if isinstance(a, torch.fx.Node) and a in weights]
+        for a in leaves:
+            v = a.meta.get(ir.VAL) if isinstance(a, torch.fx.Node) else None
+            if a not in expert.region and a not in expert.entering and a not in weights and \
+                    isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
+                return (f"{n.name} in {expert.module!r} reads {a.name}, a tensor of as many "
+                        "rows that is not the expert's")
+        if expert.region[n] is None:  # a weight gradient: summed over the rows
+            if wk or not (n.target is aten.mm.default or (
+                    n.target is aten.sum.dim_IntList and list(n.args[1]) == [0])):
+                return f"{n.name} ({n.target}) makes a weight gradient fxpar cannot group"
+        elif wk and not (
+                (n.target is aten.mm.default and wk == [1]) or
+                (n.target is aten.addmm.default and len(n.args) == 3 and 2 in wk) or
+                (isinstance(n.target, torch._ops.OpOverload) and
+                 torch.Tag.pointwise in n.target.tags and
+                 all(leaves[k].meta[ir.VAL].dim() == n.meta[ir.VAL].dim() - 1 for k in wk))):
+            return (f"{n.name} ({n.target}) in {expert.module!r} reads an expert weight in a "
+                    "way fxpar cannot group")
+    return None
+
+
+def why_not(lst: ExpertList) -> str | None:
+    """Why `lst`'s experts cannot run grouped (None: they can): their routing masks, their
+    ops, their feature sizes (the planner asks too, to price ep=1)."""
     experts, rows = lst.experts, lst.rows
-    regions = [set(e.region) for e in experts]
-    every = set().union(*regions)
-    masks = [_mask_of(e, every) for e in experts]
+    masks = [_mask_of(e) for e in experts]
     bad = next((m for m in masks if isinstance(m, str)), None)
     if bad:
         return bad
     if any(m.meta[ir.VAL].numel() != rows for m in masks):
         return "the masks do not have one position per row"
-    why = _partition(masks) or _aligned(lst)
+    return _partition(masks) or _aligned(lst) or _op_why(experts[0], rows)
+
+
+def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
+    """Run `lst`'s experts grouped (see the module docstring); None, or why it was not."""
+    why = why_not(lst)
     if why:
         return why
+    experts, rows = lst.experts, lst.rows
+    regions = [set(e.region) for e in experts]
+    masks = [_mask_of(e) for e in experts]
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = [sorted(e.region, key=order.get) for e in experts]
     n_exp = len(experts)
@@ -233,52 +292,32 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
         leaves = [pytree.tree_leaves((ns[q].args, ns[q].kwargs))[k] for ns in nodes]
         return emit(aten.stack.default, leaves, region=nodes[0][q].meta.get(ir.REGION))
 
-    weights0 = set(experts[0].dead) - set(experts[0].region) | set(experts[0].params.values())
+    weights0 = _weights(experts[0])
     terminals = {}  # expert 0's weight-gradient node -> its grouped node [experts, ...]
-    for q, n0 in enumerate(nodes[0]):
+    for q, n0 in enumerate(nodes[0]):  # (each has a grouped form: _op_why)
         region = n0.meta.get(ir.REGION, ir.FORWARD)
         leaves, spec = pytree.tree_flatten((n0.args, n0.kwargs))
         wk = [k for k, a in enumerate(leaves) if isinstance(a, torch.fx.Node) and a in weights0]
-        for a in leaves:
-            if isinstance(a, torch.fx.Node) and a not in new and a not in weights0:
-                v = a.meta.get(ir.VAL)
-                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
-                    return (f"{n0.name} in {experts[0].module!r} reads {a.name}, a tensor "
-                            "of as many rows that is not the expert's")
         mapped = [new.get(a, a) if isinstance(a, torch.fx.Node) else a for a in leaves]
-        if experts[0].region[n0] is None:  # a weight gradient: summed over the rows
-            if n0.target is aten.mm.default and not wk:
-                terminals[n0] = emit(_GROUPED_MM.default, *mapped, offs, region=region)
-            elif n0.target is aten.sum.dim_IntList and list(n0.args[1]) == [0] and not wk:
-                x = mapped[0]
-                shape = list(n0.args[0].meta[ir.VAL].shape[1:])
-                zeros = emit(aten.zeros.default, [n_exp + 1] + shape,
-                             dtype=n0.meta[ir.VAL].dtype, device=n0.meta[ir.VAL].device,
-                             region=region)
-                sums = emit(aten.index_add.default, zeros, 0, key_s, x, region=region)
-                terminals[n0] = emit(aten.slice.Tensor, sums, 0, 0, n_exp, region=region)
-            else:
-                return f"{n0.name} ({n0.target}) makes a weight gradient fxpar cannot group"
-            continue
-        if n0.target is aten.mm.default and wk == [1]:
+        if experts[0].region[n0] is None and n0.target is aten.mm.default:  # rows^T x rows
+            terminals[n0] = emit(_GROUPED_MM.default, *mapped, offs, region=region)
+        elif experts[0].region[n0] is None:  # a bias's gradient: each expert's rows summed
+            shape = list(n0.args[0].meta[ir.VAL].shape[1:])
+            zeros = emit(aten.zeros.default, [n_exp + 1] + shape, dtype=n0.meta[ir.VAL].dtype,
+                         device=n0.meta[ir.VAL].device, region=region)
+            sums = emit(aten.index_add.default, zeros, 0, key_s, mapped[0], region=region)
+            terminals[n0] = emit(aten.slice.Tensor, sums, 0, 0, n_exp, region=region)
+        elif n0.target is aten.mm.default and wk:
             new[n0] = emit(_GROUPED_MM.default, mapped[0], stacked(q, 1), offs, region=region)
-        elif n0.target is aten.addmm.default and len(n0.args) == 3 and 2 in wk:
+        elif n0.target is aten.addmm.default and wk:
             y = emit(_GROUPED_MM.default, mapped[1], stacked(q, 2), offs, region=region)
             bias = emit(aten.index_select.default, stacked(q, 0), 0, expert_of_row,
                         region=region) if 0 in wk else mapped[0]
             new[n0] = emit(aten.add.Tensor, y, bias, region=region)
-        elif wk and isinstance(n0.target, torch._ops.OpOverload) and \
-                torch.Tag.pointwise in n0.target.tags and all(
-                    leaves[k].meta[ir.VAL].dim() == n0.meta[ir.VAL].dim() - 1 for k in wk):
+        else:
             for k in wk:  # a per-expert vector (a bias): each row gets its expert's
                 mapped[k] = emit(aten.index_select.default, stacked(q, k), 0, expert_of_row,
                                  region=region)
-            args, kwargs = pytree.tree_unflatten(mapped, spec)
-            new[n0] = emit(n0.target, *args, region=region, **kwargs)
-        elif wk:
-            return (f"{n0.name} ({n0.target}) in {experts[0].module!r} reads an expert "
-                    "weight in a way fxpar cannot group")
-        else:
             args, kwargs = pytree.tree_unflatten(mapped, spec)
             new[n0] = emit(n0.target, *args, region=region, **kwargs)
 

@@ -1,0 +1,193 @@
+"""passes/grouped_experts: experts kept as an nn.ModuleList and routed by torch.where run once
+over the rows sorted by expert (grouped matmuls) instead of each over every routed position.
+The transformation on small graphs (which matmuls became grouped, what was left and why),
+each against the padded graph as traced and eager; parity under plans in test_pipeline,
+test_tensor_parallel and the zoo tables (where_moe, litgpt's Mixtral)."""
+import pytest
+import torch
+from torch import nn
+
+from fxpar.compiler.capture import capture
+from fxpar.core import cost, ir
+from fxpar.examples.zoo import HIDDEN, VOCAB, WhereRoutedMoE, tokens_batch
+from fxpar.passes import grouped_experts
+
+aten = torch.ops.aten
+
+
+class ComparedMoE(WhereRoutedMoE):
+    """where_moe with the masks made as litgpt makes them: one comparison of the top-k ids
+    with an arange of experts, its expert dim moved first and unbound."""
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        weights, indices = self.gate(x).softmax(-1).topk(self.k, -1)
+        masks = indices.unsqueeze(-1) == torch.arange(len(self.experts))
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks.permute(2, 0, 1), self.experts):
+            idx, top = torch.where(mask)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+class ThresholdMoE(WhereRoutedMoE):
+    """Each expert takes the tokens whose gate score passes a threshold: a token may go to
+    several experts or none, so the masks do not partition the positions."""
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        scores = self.gate(x).softmax(-1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            (idx,) = torch.where(scores[:, i] > 0.2)
+            y[idx] += expert(x[idx]) * scores[idx, i, None]
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def _args(model, sig, batch):
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    return [params[n].detach() for n in sig.param_names] + \
+        [buffers[n] for n in sig.buffer_names] + list(batch)
+
+
+def _grouped(model, batch=None):
+    """(the padded graph's outputs, the pass's graph, its outputs, eager loss and grads)."""
+    batch = batch or tokens_batch(0)
+    gm, sig = capture(model, batch)
+    args = _args(model, sig, batch)
+    with torch.no_grad():
+        padded = gm(*args)
+    flops = sum(cost.node_flops(n) for n in gm.graph.nodes)
+    gm = grouped_experts.run(gm, grouped_experts.Options(), None)
+    with torch.no_grad():
+        out = gm(*args)
+    model.zero_grad()
+    loss = model(batch)
+    loss.backward()
+    grads = [p.grad for p in (dict(model.named_parameters())[n] for n in sig.param_names)]
+    return padded, gm, out, flops, (loss, grads)
+
+
+def _assert_close(out, ref, eager):
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0], eager[0], rtol=1e-6, atol=1e-6)
+    for got, want, g in zip(out[1:], ref[1:], eager[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, torch.zeros_like(got) if g is None else g,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def _matmuls(gm):
+    return [n for n in gm.graph.nodes if n.target in (
+        aten.mm.default, aten.addmm.default, aten._grouped_mm.default)]
+
+
+@pytest.mark.parametrize("cls", [WhereRoutedMoE, ComparedMoE], ids=["eq", "arange"])
+def test_listed_experts_run_grouped_and_exact(cls):
+    """Each expert's two linears, forward, input-gradient and weight-gradient, become one
+    grouped matmul each over the sorted rows (6 for 4 experts, where 24 ran), the biases
+    read per row; eager's loss and gradients, a quarter of the expert FLOPs."""
+    torch.manual_seed(0)
+    model = cls()
+    padded, gm, out, flops, eager = _grouped(model)
+    assert gm.meta[ir.GROUPED_EXPERTS] == [
+        {"module": "experts", "experts": 4, "rows": 2 * tokens_batch(0)[0].numel(),
+         "grouped": True, "why": None}]
+    grouped = [n for n in gm.graph.nodes if n.target is aten._grouped_mm.default]
+    assert len(grouped) == 6
+    assert sum(n.meta[ir.REGION] == ir.FORWARD for n in grouped) == 2
+    weight_grads = [n for n in grouped if n.meta[ir.VAL].dim() == 3]
+    assert sorted(tuple(n.meta[ir.VAL].shape) for n in weight_grads) == [
+        (4, HIDDEN, 2 * HIDDEN), (4, 2 * HIDDEN, HIDDEN)]
+    # no matmul over the routed positions (tokens x k rows) is left: the rest are the
+    # gate's and the head's, over the tokens
+    rows, d = 2 * tokens_batch(0)[0].numel(), HIDDEN
+    assert not [n for n in _matmuls(gm) if n.target is not aten._grouped_mm.default and any(
+        rows in a.meta[ir.VAL].shape for a in n.args if isinstance(a, torch.fx.Node))]
+    expert_flops = 2 * 3 * 2 * rows * d * 2 * d  # two linears, three matmuls each, 2 x MACs
+    assert flops - sum(cost.node_flops(n) for n in gm.graph.nodes) == \
+        pytest.approx(3 * expert_flops, rel=0.01)
+    _assert_close(out, padded, eager)
+
+
+def test_an_expert_no_token_picks_is_exact_grouped():
+    """Experts 2 and 3 get no rows (empty groups): zero gradients, as eager gives none."""
+    torch.manual_seed(0)
+    model = WhereRoutedMoE()
+    model.gate = nn.Linear(model.gate.in_features, 4)
+    with torch.no_grad():
+        model.gate.weight.zero_()
+        model.gate.bias.copy_(torch.tensor([5.0, 4.0, 0.0, 0.0]))
+    padded, gm, out, _, eager = _grouped(model)
+    assert gm.meta[ir.GROUPED_EXPERTS][0]["grouped"]
+    _assert_close(out, padded, eager)
+
+
+def test_masks_that_do_not_partition_the_positions_are_left_padded():
+    """A token may pass several experts' thresholds: grouping by one expert per position
+    would drop rows, so the experts stay as traced (padded, exact), and the reason is kept."""
+    torch.manual_seed(0)
+    model = ThresholdMoE()
+    padded, gm, out, flops, eager = _grouped(model)
+    (report,) = gm.meta[ir.GROUPED_EXPERTS]
+    assert not report["grouped"] and "comparison" in report["why"]
+    assert not any(n.target is aten._grouped_mm.default for n in gm.graph.nodes)
+    assert sum(cost.node_flops(n) for n in gm.graph.nodes) == flops
+    _assert_close(out, padded, eager)
+
+
+def test_feature_sizes_a_grouped_matmul_cannot_take_are_left_padded():
+    """aten._grouped_mm needs 16-byte strides: 6 float32 features are 24 bytes."""
+    torch.manual_seed(0)
+    model = WhereRoutedMoE()
+    model.experts = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 6), nn.GELU(),
+                                                nn.Linear(6, HIDDEN)) for _ in range(4))
+    padded, gm, out, _, eager = _grouped(model)
+    (report,) = gm.meta[ir.GROUPED_EXPERTS]
+    assert not report["grouped"] and "16 bytes" in report["why"]
+    _assert_close(out, padded, eager)
+
+
+def test_a_model_without_listed_experts_is_untouched():
+    """A stack of layers in a ModuleList is not a list of experts: the graph is unchanged."""
+    model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), *[nn.Linear(HIDDEN, HIDDEN)
+                                                          for _ in range(3)])
+    batch = (torch.randint(0, VOCAB, (4, 8)),)
+    gm, _ = capture(model, batch, lambda m, b: m(b[0]).pow(2).mean())
+    before = [n.target for n in gm.graph.nodes]
+    gm = grouped_experts.run(gm, grouped_experts.Options(), None)
+    assert [n.target for n in gm.graph.nodes] == before
+    assert gm.meta[ir.GROUPED_EXPERTS] == []
+
+
+def test_the_planner_prices_grouped_experts_at_ep1():
+    """Statistics of where_moe: the experts' traced FLOPs, of which grouping saves 3/4 (4
+    experts) at ep=1, where the planner's step prediction is that much compute shorter (ep=2
+    runs them in slots, traced: no saving there)."""
+    import dataclasses
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    torch.manual_seed(0)
+    stats = planner_stats(WhereRoutedMoE(dim=256), tokens_batch(0))
+    seg = next(s for s in stats.segments if s.expert_flops_f)
+    assert seg.grouped_saved_f == pytest.approx(0.75 * seg.expert_flops_f)
+    assert seg.grouped_saved_b == pytest.approx(0.75 * seg.expert_flops_b)
+    hw = cost.HARDWARE["h100"]
+
+    def step(stats, ep):
+        return planner.search(stats, 2, hw, batch_rows=8, executable=False, constraints={
+            "dp": 2, "tp": 1, "pp": 1, "microbatches": 1, "zero": 0, "ep": ep}).best.step_s
+    traced = dataclasses.replace(stats, segments=[
+        dataclasses.replace(s, grouped_saved_f=0.0, grouped_saved_b=0.0)
+        for s in stats.segments])
+    # (shorter by up to the saved FLOPs' time: part of the backward hides the gradients'
+    # all-reduce)
+    saved = sum(s.grouped_saved_f + s.grouped_saved_b for s in stats.segments)
+    rate = hw.flops("fp32") * hw.matmul_efficiency / hw.roofline_scale
+    assert 0 < step(traced, 1) - step(stats, 1) <= saved / rate * 1.001
+    assert step(traced, 2) == step(stats, 2)
