@@ -134,6 +134,8 @@ def run_passes(gm: torch.fx.GraphModule, plan, ctx: PassContext, role: str,
     passes, fusion_skipped = _pass_list(plan, ctx.device, ctx.codegen)
     for contract, fn, options in passes:
         name = contract.name
+        if contract.finds is not None and not contract.finds(gm):
+            continue
         before = _count(gm)
         t0 = time.perf_counter()
         with announce(log, f"pass {name} on {before} nodes"):

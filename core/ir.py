@@ -126,7 +126,8 @@ class PassContract:
     both run) and provides, the passes it must precede or follow for a reason no key names,
     whether a plan runs it at all, and its
     options - a frozen dataclass of the Plan fields it reads (core/plan.pass_options). The
-    pass manager orders the passes and checks the keys from these alone."""
+    pass manager orders the passes and checks the keys from these alone (and asks `finds`,
+    where given, whether the graph has anything for the pass)."""
     name: str
     options: type
     requires: frozenset = frozenset()
@@ -135,6 +136,9 @@ class PassContract:
     before: frozenset = frozenset()
     after: frozenset = frozenset()
     applies: Callable[[Any], bool] = lambda options: True  # whether the plan runs it at all
+    # a cheap look at the graph: whether the pass has anything to do on it (None: always);
+    # a pass with nothing to do is skipped (no run, no snapshot)
+    finds: Callable[[Any], bool] | None = None
     # every meta["val"] is what the graph computes when its run ends (it re-propagated them
     # itself, or it only reorders nodes): the pass manager's check after it would compare
     # them with themselves (a fake run of the whole graph), so it is skipped

@@ -56,6 +56,7 @@ CONTRACT = ir.PassContract(
     before=frozenset({"pipeline_split", "precision", "remat", "tensor_parallel",
                       "expert_parallel", "data_parallel"}),
     applies=lambda o: (o.ep or 1) == 1 and _GROUPED_MM is not None,
+    finds=lambda gm: any(_is_padded_positions(n) is not None for n in gm.graph.nodes),
     values_fresh=True)
 
 
