@@ -394,7 +394,8 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "params_split": "p", "n_row": "f", "n_param_tensors": "p",
              "expert_params": "p", "expert_flops_f": "f", "expert_flops_b": "b",
              "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
-             "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b", "attn_flops_f": "f", "sdpa_flops_f": "f",
+             "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b",
+             "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
 
@@ -1367,8 +1368,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
-        else:  # listed experts run grouped (passes/grouped_experts): over every dp rank's
-            # rows, 1/E of their traced matmuls
+        elif tp == 1:  # listed experts run grouped (passes/grouped_experts): over every dp
+            # rank's rows, 1/E of their traced matmuls
             g = mbs * dp / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             tf = max(tf - sum(s.grouped_saved_f for s in segs) * g / rate, 0.0)

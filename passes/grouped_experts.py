@@ -1,4 +1,4 @@
-"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped (ep=1).
+"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped (ep = tp = 1).
 
 compiler/padded_nonzero.py traces each expert of such a list (litgpt's Mixtral, Mistral's
 and DeepSeek's reference code) over `mask.numel()` rows - every (token, k) position, the
@@ -16,9 +16,11 @@ weights in the same matmul as in eager: eager's FLOPs and eager's per-row arithm
 
 Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
 that are not one index tensor compared with distinct experts, a region op it has no
-grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), and under
-expert parallelism (passes/expert_parallel runs such lists in slots). Each reason is
-logged and kept in gm.meta[ir.GROUPED_EXPERTS].
+grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), each reason
+logged and kept in gm.meta[ir.GROUPED_EXPERTS]; and not under expert parallelism
+(passes/expert_parallel runs such lists in slots) nor tensor parallelism (tensor_parallel
+splits each expert's linears; a grouped matmul over the stacked weights would hold every
+expert whole on each tp rank).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ _GROUPED_MM = getattr(aten, "_grouped_mm", None)
 class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     ep: int | None = 1
+    tp: int | None = 1
 
 
 CONTRACT = ir.PassContract(
@@ -55,7 +58,7 @@ CONTRACT = ir.PassContract(
     # stages, recomputed, cast) as it sees Hugging Face's grouped experts
     before=frozenset({"pipeline_split", "precision", "remat", "tensor_parallel",
                       "expert_parallel", "data_parallel"}),
-    applies=lambda o: (o.ep or 1) == 1 and _GROUPED_MM is not None,
+    applies=lambda o: (o.ep or 1) == 1 and (o.tp or 1) == 1 and _GROUPED_MM is not None,
     finds=lambda gm: any(_is_padded_positions(n) is not None for n in gm.graph.nodes),
     values_fresh=True)
 

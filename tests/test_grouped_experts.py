@@ -191,3 +191,15 @@ def test_the_planner_prices_grouped_experts_at_ep1():
     rate = hw.flops("fp32") * hw.matmul_efficiency / hw.roofline_scale
     assert 0 < step(traced, 1) - step(stats, 1) <= saved / rate * 1.001
     assert step(traced, 2) == step(stats, 2)
+
+
+@pytest.mark.slow
+def test_grouped_experts_train_like_eager_under_plans():
+    """where_moe and litgpt's Mixtral, experts grouped, trained against eager (evaluate()
+    too): dp with ZeRO-3, remat and microbatches (each microbatch sorts its own positions),
+    a pipeline; under tp they stay as traced, each split over tp."""
+    from test_parity import _check_plans
+    plans = [{"dp": 2, "zero": 3, "remat": "sqrt", "microbatches": 2},
+             {"pp": 2, "microbatches": 2}, {"tp": 2}]
+    _check_plans(2, [(name, "adamw", plan) for name in ("where_moe", "litgpt_mixtral")
+                     for plan in plans])

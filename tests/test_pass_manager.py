@@ -28,14 +28,15 @@ def _contract(name, **kw):
 def test_the_plan_decides_which_passes_run_and_the_contracts_their_order():
     names = lambda plan, world, **kw: [c.name for c, _, _ in _pass_list(  # noqa: E731
         resolve(plan, world), "cpu", "inductor", **kw)[0]]
-    full = ["grouped_experts", "precision", "remat", "pipeline_split", "tensor_parallel",
-            "data_parallel", "overlap", "fusion"]
+    full = ["precision", "remat", "pipeline_split", "tensor_parallel", "data_parallel",
+            "overlap", "fusion"]
     assert names(FULL, 8) == full
     # the same list given backwards comes out in the order the contracts require
     assert names(FULL, 8, passes=PASSES[::-1]) == full
     assert names({"dp": 2}, 2) == ["grouped_experts", "data_parallel", "overlap", "fusion"]
     assert names({"dp": 1, "fuse": False}, 1) == ["grouped_experts", "data_parallel"]
-    # expert parallelism runs lists of experts in slots instead
+    # (grouped_experts runs where the graph has experts routed by torch.where: ir.finds;
+    # expert parallelism runs them in slots instead, tensor parallelism splits each)
     assert "grouped_experts" not in names({"dp": 2, "ep": 2}, 2)
 
 
