@@ -24,7 +24,8 @@ as a scalar equal to the padded count, in the graph; read through `.shape` / `.s
 used as a value (`x.new_ones(idx.shape[0]).sum()`) it is not seen.
 
 Cost: each expert computes over `mask.numel()` rows where eager computes over its own tokens
-(top-k of E experts with a (tokens, k) mask per expert: E times eager's expert FLOPs).
+(top-k of E experts with a (tokens, k) mask per expert: E times eager's expert FLOPs), which
+passes/grouped_experts.py takes back to eager's where the masks partition the positions.
 """
 from __future__ import annotations
 
