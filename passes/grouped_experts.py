@@ -147,7 +147,9 @@ def _mask_of(expert) -> torch.fx.Node | str:
 def _partition(masks: list) -> str | None:
     """None if the masks provably partition their positions (at most one expert each): the
     same index tensor compared with distinct experts, as `indices == j` (one mask per
-    expert), or as one comparison with an arange whose expert dim is unbound / selected."""
+    expert), or as one comparison with an arange whose expert dim is unbound / selected
+    (litgpt's masks; `F.one_hot(indices, E).permute(2, 1, 0)[j]`, older Hugging Face
+    Mixtral blocks)."""
     if len({tuple(m.meta[ir.VAL].shape) for m in masks}) != 1:
         return "the experts' masks differ in shape"
     if all(m.target is aten.eq.Scalar for m in masks):
@@ -173,6 +175,8 @@ def _partition(masks: list) -> str | None:
         eq, dim = src.args[0], perm[0]
     else:
         eq = src
+    while eq.target in (aten._to_copy.default, aten.clone.default, aten.alias.default):
+        eq = eq.args[0]  # (one_hot: the comparison cast to int64)
     if eq.target is not aten.eq.Tensor or dim % nd != nd - 1:
         return "the masks are not a comparison picked along its last (experts) dim"
     a, b = eq.args
@@ -266,6 +270,8 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
 
     # each position's expert (n_exp: none), the positions sorted by it, each expert's end row
     flat = [emit(aten.reshape.default, m, [-1]) for m in masks]
+    if masks[0].meta[ir.VAL].dtype != torch.bool:  # (one_hot's int64, as padded_nonzero reads)
+        flat = [emit(aten.ne.Scalar, f, 0) for f in flat]
     key = emit(aten.full.default, [rows], n_exp, dtype=torch.int64,
                device=masks[0].meta[ir.VAL].device)
     for j in reversed(range(n_exp)):

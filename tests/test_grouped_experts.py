@@ -32,6 +32,24 @@ class ComparedMoE(WhereRoutedMoE):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
+class OneHotMoE(WhereRoutedMoE):
+    """The older Hugging Face Mixtral block: one-hot masks with the experts first, each
+    expert's rows gathered by token and added back with index_add_."""
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        weights, selected = self.gate(x).softmax(-1).topk(self.k, -1)
+        y = torch.zeros_like(x)
+        expert_mask = nn.functional.one_hot(selected, len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            idx, top_x = torch.where(expert_mask[e])
+            rows = x[None, top_x].reshape(-1, x.shape[-1])
+            y.index_add_(0, top_x, expert(rows) * weights[top_x, idx, None])
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
 class ThresholdMoE(WhereRoutedMoE):
     """Each expert takes the tokens whose gate score passes a threshold: a token may go to
     several experts or none, so the masks do not partition the positions."""
@@ -86,7 +104,8 @@ def _matmuls(gm):
         aten.mm.default, aten.addmm.default, aten._grouped_mm.default)]
 
 
-@pytest.mark.parametrize("cls", [WhereRoutedMoE, ComparedMoE], ids=["eq", "arange"])
+@pytest.mark.parametrize("cls", [WhereRoutedMoE, ComparedMoE, OneHotMoE],
+                         ids=["eq", "arange", "one_hot"])
 def test_listed_experts_run_grouped_and_exact(cls):
     """Each expert's two linears, forward, input-gradient and weight-gradient, become one
     grouped matmul each over the sorted rows (6 for 4 experts, where 24 ran), the biases
