@@ -158,6 +158,8 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
                       memory_budget=activation_budget(model, plan, device) if joint else None)
     snapshots: dict[str, dict[str, torch.fx.GraphModule]] = {}
     gm = run_passes(gm, plan, ctx, role="dp", snapshots=snapshots)
+    if torch.device(device).type == "cpu":
+        codegen.cpu_indexed_adds(gm)
     d = gm.meta
     for row in d[ir.PASS_TIMES]:  # (each logged by the pass manager)
         clock.add(*row, quiet=True)

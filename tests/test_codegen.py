@@ -942,3 +942,38 @@ def test_outputs_of_uninitialised_memory_are_not_compared():
         "output 1:")
     run(x)
     assert run.mismatch.startswith("output 1:")
+
+
+def test_accumulating_index_puts_become_index_adds_on_cpu():
+    """compiler/codegen.cpu_indexed_adds: the backward of a row gather (an accumulating
+    index_put, serial on CPU) becomes index_add with negative indices wrapped, the same
+    sums; a multi-index or broadcast index_put is left as it is."""
+    from fxpar.compiler.capture import capture
+    from fxpar.compiler.codegen import cpu_indexed_adds
+    aten = torch.ops.aten
+
+    class Gather(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 4))
+            self.m = torch.nn.Parameter(torch.randn(6, 3))
+
+        def forward(self, idx):
+            return (self.w[idx] ** 2).sum() + self.m[idx, idx % 3].sum()
+
+    model, idx = Gather(), torch.tensor([0, -1, 2, 2, 5, -6, 3])
+    gm, sig = capture(model, idx)
+    puts = [n for n in gm.graph.nodes if n.target is aten.index_put.default]
+    assert len(puts) == 2
+    args = [p.detach() for p in model.parameters()] + [idx]
+    with torch.no_grad():
+        ref = gm(*args)
+    assert cpu_indexed_adds(gm) == 1  # (w's; m's takes two indices)
+    assert sum(n.target is aten.index_put.default for n in gm.graph.nodes) == 1
+    assert sum(n.target is aten.index_add.default for n in gm.graph.nodes) == 1
+    with torch.no_grad():
+        out = gm(*args)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+    with pytest.raises(IndexError):  # (an index out of range still raises)
+        gm(*args[:2], torch.tensor([0, 7]))
