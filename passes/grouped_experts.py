@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 
 import torch
@@ -100,45 +101,74 @@ def _is_padded_positions(n) -> torch.fx.Node | None:
     return None
 
 
-_ROW_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-              aten.expand.default, aten.alias.default, aten._to_copy.default,
-              aten.clone.default, aten.unsqueeze.default, aten.squeeze.dim}
+_SAME_ROWS = {aten._to_copy.default, aten.clone.default, aten.alias.default,
+              aten.expand.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.unsqueeze.default, aten.squeeze.dim}
 _INDEX_VIEWS = {operator.getitem, aten.unbind.int, aten.select.int, aten.view.default,
                 aten.reshape.default, aten.squeeze.dim, aten.alias.default}
 
 
+def _row_input_dim(a, n, row: int, rows: int) -> int | None:
+    """The dim of input `a` holding the rows of `n`'s dim `row`, in the same order (None:
+    `a` does not carry them: broadcast, or reordered)."""
+    out, v = n.meta[ir.VAL], a.meta.get(ir.VAL)
+    if not isinstance(v, torch.Tensor):
+        return None
+    if n.target in _RESHAPES:  # the rows and everything before them keep their order
+        outer = math.prod(out.shape[:row])
+        d = next((d for d in range(v.dim()) if v.shape[d] == rows
+                  and math.prod(v.shape[:d]) == outer), None)
+        return d
+    d = row - (out.dim() - v.dim())  # (same rows, or pointwise: broadcast from the right)
+    return d if 0 <= d < v.dim() and v.shape[d] == rows else None
+
+
+def _positions_of(idx) -> torch.fx.Node | None:
+    """The padded positions node an index tensor is a column of (through views)."""
+    for _ in range(6):
+        if not isinstance(idx, torch.fx.Node):
+            return None
+        if _is_padded_positions(idx) is not None:
+            return idx
+        idx = idx.args[0] if idx.target in _INDEX_VIEWS else None
+    return None
+
+
 def _mask_of(expert) -> torch.fx.Node | str:
-    """The one routing mask that picks the rows of every row tensor entering `expert`:
-    followed back through row-wise ops to the index ops gathering the rows, and from each
-    one's row index to padded_nonzero's positions; or why there is not one."""
+    """The one routing mask whose positions order the rows of every row tensor entering
+    `expert`: followed back through ops that keep the rows in order to the index ops
+    gathering them, each of whose indices is a column of padded_nonzero's positions of that
+    mask; or why there is not one."""
     rows, masks = expert.rows, set()
     for x in expert.entering:
-        seen, todo = set(), [x]
+        seen, todo = set(), [(x, 0)]
         while todo:
-            n = todo.pop()
-            if n in seen:
+            n, row = todo.pop()
+            if (n, row) in seen:
                 continue
-            seen.add(n)
+            seen.add((n, row))
             if n.op == "call_function" and n.target is aten.index.Tensor:
-                idx = n.args[1][0]
-                for _ in range(6):  # (the positions' first column: unbind / select / views)
-                    if not isinstance(idx, torch.fx.Node) or _is_padded_positions(idx) is not None:
-                        break
-                    idx = idx.args[0] if idx.target in _INDEX_VIEWS else None
-                m = _is_padded_positions(idx) if isinstance(idx, torch.fx.Node) else None
-                if m is None:
+                picks = [(k, i) for k, i in enumerate(n.args[1]) if i is not None]
+                at = [k for k, _ in picks]
+                pos = {_positions_of(i) for _, i in picks}
+                if at != list(range(at[0], at[0] + len(at))) or row != at[0] or \
+                        len(pos) != 1 or None in pos:
                     return f"{n.name} picks rows entering {expert.module!r} by another index"
-                masks.add(m)
+                masks.add(_is_padded_positions(pos.pop()))
                 continue
             pointwise = isinstance(n.target, torch._ops.OpOverload) and \
                 torch.Tag.pointwise in n.target.tags
-            if n.op != "call_function" or not (pointwise or n.target in _ROW_VIEWS):
+            if n.op != "call_function" or not (
+                    pointwise or n.target in _SAME_ROWS or n.target in _RESHAPES):
                 return (f"{x.name} entering {expert.module!r} is made by {n.name} "
                         f"({n.target}), not row by row from rows routing picks")
-            for a in n.all_input_nodes:  # (the inputs carrying the rows)
-                v = a.meta.get(ir.VAL)
-                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows:
-                    todo.append(a)
+            ins = [(a, d) for a in n.all_input_nodes
+                   if (d := _row_input_dim(a, n, row, rows)) is not None]
+            if not ins:
+                return (f"{x.name} entering {expert.module!r}: the rows of {n.name} "
+                        f"({n.target}) come from no rows routing picks")
+            todo.extend(ins)
     if len(masks) != 1:
         return f"the rows entering {expert.module!r} are picked by {len(masks)} masks"
     return masks.pop()
