@@ -6,7 +6,8 @@ ones not routed to it as zero rows - so E experts compute E times the rows eager
 Their masks partition the positions (each is `indices == j` of the same top-k indices, a
 fact read off the graph: `_partition`), so all experts' true rows together are exactly
 `mask.numel()`. This pass sorts the positions by expert once (a stable sort of each
-position's expert), runs the experts' row-wise region - forward and backward, as
+position's expert), gathers the rows entering the experts once (expert 0's gathers again
+with the positions any expert owns), runs the experts' row-wise region - forward and backward, as
 core/expert_lists finds it on the joint graph - once over the sorted rows, each matmul
 with an expert weight as `aten._grouped_mm` over the experts' weights stacked (`offs`: each
 expert's end row; a weight gradient grouped the same way), and hands each expert's readers
@@ -135,12 +136,12 @@ def _positions_of(idx) -> torch.fx.Node | None:
     return None
 
 
-def _mask_of(expert) -> torch.fx.Node | str:
+def _mask_of(expert) -> tuple | str:
     """The one routing mask whose positions order the rows of every row tensor entering
-    `expert`: followed back through ops that keep the rows in order to the index ops
-    gathering them, each of whose indices is a column of padded_nonzero's positions of that
-    mask; or why there is not one."""
-    rows, masks = expert.rows, set()
+    `expert` (and its padded_nonzero positions nodes): followed back through ops that keep
+    the rows in order to the index ops gathering them, each of whose indices is a column of
+    those positions; or why there is not one."""
+    rows, masks, positions = expert.rows, set(), set()
     for x in expert.entering:
         seen, todo = set(), [(x, 0)]
         while todo:
@@ -155,7 +156,9 @@ def _mask_of(expert) -> torch.fx.Node | str:
                 if at != list(range(at[0], at[0] + len(at))) or row != at[0] or \
                         len(pos) != 1 or None in pos:
                     return f"{n.name} picks rows entering {expert.module!r} by another index"
-                masks.add(_is_padded_positions(pos.pop()))
+                at_pos = pos.pop()
+                masks.add(_is_padded_positions(at_pos))
+                positions.add(at_pos)
                 continue
             pointwise = isinstance(n.target, torch._ops.OpOverload) and \
                 torch.Tag.pointwise in n.target.tags
@@ -171,7 +174,7 @@ def _mask_of(expert) -> torch.fx.Node | str:
             todo.extend(ins)
     if len(masks) != 1:
         return f"the rows entering {expert.module!r} are picked by {len(masks)} masks"
-    return masks.pop()
+    return masks.pop(), positions
 
 
 def _partition(masks: list) -> str | None:
@@ -270,13 +273,40 @@ def why_not(lst: ExpertList) -> str | None:
     """Why `lst`'s experts cannot run grouped (None: they can): their routing masks, their
     ops, their feature sizes (the planner asks too, to price ep=1)."""
     experts, rows = lst.experts, lst.rows
-    masks = [_mask_of(e) for e in experts]
-    bad = next((m for m in masks if isinstance(m, str)), None)
+    found = [_mask_of(e) for e in experts]
+    bad = next((m for m in found if isinstance(m, str)), None)
     if bad:
         return bad
+    masks = [m for m, _ in found]
     if any(m.meta[ir.VAL].numel() != rows for m in masks):
         return "the masks do not have one position per row"
     return _partition(masks) or _aligned(lst) or _op_why(experts[0], rows)
+
+
+def _regathered(graph, x, rows: int, union: dict, before) -> torch.fx.Node:
+    """`x` made again, before `before`, with the positions in `union` (positions node -> its
+    replacement): a copy of the ops `_mask_of` followed from `x` back to its gathers and of
+    their indices' way from the positions (what they gather from is read as it is)."""
+    path, todo, seen = set(), [(x, 0)], set()
+    while todo:
+        n, row = todo.pop()
+        if (n, row) in seen:
+            continue
+        seen.add((n, row))
+        path.add(n)
+        if n.target is aten.index.Tensor:
+            for i in n.args[1]:
+                while isinstance(i, torch.fx.Node) and i not in union:
+                    path.add(i)
+                    i = i.args[0]
+            continue
+        todo.extend((a, d) for a in n.all_input_nodes
+                    if (d := _row_input_dim(a, n, row, rows)) is not None)
+    env = dict(union)
+    with graph.inserting_before(before):
+        for n in [n for n in graph.nodes if n in path]:  # (graph order: inputs first)
+            env[n] = graph.node_copy(n, lambda a: env.get(a, a))
+    return env[x]
 
 
 def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
@@ -286,7 +316,7 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
         return why
     experts, rows = lst.experts, lst.rows
     regions = [set(e.region) for e in experts]
-    masks = [_mask_of(e) for e in experts]
+    masks, positions = zip(*(_mask_of(e) for e in experts))
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = [sorted(e.region, key=order.get) for e in experts]
     n_exp = len(experts)
@@ -319,14 +349,16 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
         return emit(aten.reshape.default, flat[j], [rows] + [1] * (x.meta[ir.VAL].dim() - 1),
                     region=x.meta.get(ir.REGION, ir.FORWARD))
 
+    # the rows entering the experts, every position's from its own expert: expert 0's
+    # gathers again with the positions any expert owns (rows are gathered row by row, so a
+    # position's row is the one its expert's gather makes; the others' are padding)
+    owned = emit(aten.reshape.default, emit(aten.lt.Scalar, key, n_exp), [-1, 1])
+    union = {p: emit(aten.where.ScalarOther, owned, p.args[1], -1) for p in positions[0]}
     new: dict = {}  # expert 0's region node -> its grouped node (rows sorted by expert)
-    for i, x0 in enumerate(experts[0].entering):
+    for x0 in experts[0].entering:
         region = x0.meta.get(ir.REGION, ir.FORWARD)
-        u = x0
-        for j in range(1, n_exp):
-            x = experts[j].entering[i]
-            u = emit(aten.where.self, as_rows(j, x), x, u, region=region)
-        new[x0] = emit(aten.index_select.default, u, 0, perm, region=region)
+        again = _regathered(graph, x0, rows, union, out_node)
+        new[x0] = emit(aten.index_select.default, again, 0, perm, region=region)
 
     def stacked(q, k):  # leaf k of position q's node, across experts, stacked
         leaves = [pytree.tree_leaves((ns[q].args, ns[q].kwargs))[k] for ns in nodes]
