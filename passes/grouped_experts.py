@@ -224,16 +224,18 @@ def _partition(masks: list) -> str | None:
 # --- the rewrite -------------------------------------------------------------------------
 
 def _aligned(lst: ExpertList) -> str | None:
-    """aten._grouped_mm reads operands whose strides are multiples of 16 bytes."""
+    """aten._grouped_mm reads operands whose strides are multiples of 16 bytes: feature sizes
+    that are multiples of 8 (16 bytes in bf16 / fp16, which Plan.precision may cast them to
+    after this pass)."""
     e = lst.experts[0]
     for n in e.region:
         if n.target in (aten.mm.default, aten.addmm.default):
             for a in n.args:
                 v = a.meta.get(ir.VAL) if isinstance(a, torch.fx.Node) else None
                 if isinstance(v, torch.Tensor) and v.dim() == 2 and any(
-                        s * v.element_size() % 16 for s in v.shape if s != lst.rows):
-                    return (f"{n.name} multiplies {tuple(v.shape)} {v.dtype}: a grouped matmul "
-                            "needs feature sizes that are multiples of 16 bytes")
+                        s * min(v.element_size(), 2) % 16 for s in v.shape if s != lst.rows):
+                    return (f"{n.name} multiplies {tuple(v.shape)}: a grouped matmul needs "
+                            "feature sizes that are multiples of 8 (16 bytes in bf16)")
     return None
 
 

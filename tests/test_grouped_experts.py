@@ -160,14 +160,15 @@ def test_masks_that_do_not_partition_the_positions_are_left_padded():
 
 
 def test_feature_sizes_a_grouped_matmul_cannot_take_are_left_padded():
-    """aten._grouped_mm needs 16-byte strides: 6 float32 features are 24 bytes."""
+    """aten._grouped_mm needs 16-byte strides: 6 features are 12 bytes in bf16 (to which
+    Plan.precision may cast them after the pass)."""
     torch.manual_seed(0)
     model = WhereRoutedMoE()
     model.experts = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 6), nn.GELU(),
                                                 nn.Linear(6, HIDDEN)) for _ in range(4))
     padded, gm, out, _, eager = _grouped(model)
     (report,) = gm.meta[ir.GROUPED_EXPERTS]
-    assert not report["grouped"] and "16 bytes" in report["why"]
+    assert not report["grouped"] and "multiples of 8" in report["why"]
     _assert_close(out, padded, eager)
 
 
