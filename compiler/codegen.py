@@ -142,7 +142,7 @@ def cpu_indexed_adds(gm: torch.fx.GraphModule) -> int:
     backward of a row gather `x[idx]`: an MoE's dispatch, a padded routing's rows) becomes
     `index_add(x, 0, idx, v)`: the same sums in the same index order, but ATen's CPU
     index_put with accumulate runs serially (28x index_add's time for 1024 rows of 256 on a
-    2-core VM; benchmarks/listed_experts.py). Negative indices are wrapped as index_put reads
+    2-core VM, torch 2.13). Negative indices are wrapped as index_put reads
     them; an index out of range still raises. Returns how many were rewritten."""
     aten = torch.ops.aten
     done = 0

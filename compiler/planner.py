@@ -1368,8 +1368,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
-        elif tp == 1:  # listed experts run grouped (passes/grouped_experts): over every dp
-            # rank's rows, 1/E of their traced matmuls
+        elif tp == 1 and (precision == "bf16" or hw.name == "cpu"):  # listed experts run
+            # grouped (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's
+            # rows, 1/E of their traced matmuls
             g = mbs * dp / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             tf = max(tf - sum(s.grouped_saved_f for s in segs) * g / rate, 0.0)
@@ -1783,7 +1784,11 @@ def expert_stats(stats: GraphStats, gm) -> None:
             continue
         counts.append(len(lst.experts))
         seg.n_moe += 1
-        saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
+        try:
+            saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
+        except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
+            log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
+            saved = 0.0
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
             for n in x.region:

@@ -13,7 +13,7 @@ with an expert weight as `aten._grouped_mm` over the experts' weights stacked (`
 expert's end row; a weight gradient grouped the same way), and hands each expert's readers
 its rows back in position order, zeros at the positions not routed to it (the padded
 trace only ever writes those to its dropped padding row). Each true row meets its expert's
-weights in the same matmul as in eager: eager's FLOPs and eager's per-row arithmetic.
+weights in one matmul, as in eager: eager's FLOPs.
 
 Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
 that are not one index tensor compared with distinct experts, a region op it has no
@@ -38,7 +38,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
 from fxpar.core.expert_lists import ExpertList, find_expert_lists
-from fxpar.core.graphs import fake_propagate
+from fxpar.core.graphs import copy_graph, fake_propagate
 
 aten = torch.ops.aten
 log = logging.getLogger("fxpar.grouped_experts")
@@ -50,6 +50,7 @@ class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     ep: int | None = 1
     tp: int | None = 1
+    precision: str = "fp32"
 
 
 CONTRACT = ir.PassContract(
@@ -66,25 +67,49 @@ CONTRACT = ir.PassContract(
 
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    device = getattr(ctx, "device", None)
+    if device is not None and torch.device(device).type == "cuda" and \
+            options.precision != "bf16":
+        # (torch runs a grouped matmul of other than bf16 operands group by group, reading
+        # the offsets on the host every step: no CUDA graph, a sync per matmul)
+        return _left(gm, "", f"on CUDA a grouped matmul runs in bf16 only (precision="
+                     f"{options.precision})")
+    work = torch.fx.GraphModule(gm, copy_graph(gm.graph))  # (gm stays whole if this fails)
     try:
-        lists = find_expert_lists(gm)
-    except PlanError as e:  # (experts ep could not split: they run as traced)
-        lists, why = [], str(e)
-        log.info("grouped_experts: experts left as traced: %s", why)
+        lists = find_expert_lists(work)
+    except PlanError as e:  # (the lists ep could not split: the experts run as traced)
+        return _left(gm, "", f"the lists of experts were not read: {e}")
     report = []
-    for lst in lists:
-        why = _rewrite(gm.graph, lst)
-        report.append({"module": lst.module, "experts": len(lst.experts), "rows": lst.rows,
-                       "grouped": why is None, "why": why})
-        if why:
-            log.info("grouped_experts: %r runs each expert on every routed position "
-                     "(%d x eager's expert FLOPs): %s", lst.module, len(lst.experts), why)
-    if any(r["grouped"] for r in report):
-        stable_topological_sort(gm.graph)  # (each expert's readers after the grouped rows)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        fake_propagate(gm, check=False)
-    gm.meta[ir.GROUPED_EXPERTS] = report
+    try:
+        for lst in lists:
+            why = _rewrite(work.graph, lst)
+            report.append({"module": lst.module, "experts": len(lst.experts),
+                           "rows": lst.rows, "grouped": why is None, "why": why})
+            if why:
+                log.info("grouped_experts: %r runs each expert on every routed position "
+                         "(%d x eager's expert FLOPs): %s", lst.module, len(lst.experts), why)
+        if any(r["grouped"] for r in report):
+            stable_topological_sort(work.graph)  # (each expert's readers after its rows)
+            work.graph.eliminate_dead_code()
+            work.recompile()
+            fake_propagate(work, check=False)
+    except Exception as e:  # noqa: BLE001 - fxpar's own rewrite failed: run as traced
+        log.warning("grouped_experts: grouping the experts failed (%s: %s); they run as "
+                    "traced (each over every routed position). Please report this model to "
+                    "fxpar.", type(e).__name__, e)
+        return _left(gm, ", ".join(lst.module for lst in lists), f"{type(e).__name__}: {e}")
+    if not any(r["grouped"] for r in report):
+        gm.meta[ir.GROUPED_EXPERTS] = report
+        return gm
+    work.meta[ir.GROUPED_EXPERTS] = report
+    return work
+
+
+def _left(gm, module: str, why: str) -> torch.fx.GraphModule:
+    """`gm` as traced, and why (gm.meta[ir.GROUPED_EXPERTS], logged)."""
+    log.info("grouped_experts: experts left as traced: %s", why)
+    gm.meta[ir.GROUPED_EXPERTS] = [{"module": module, "experts": 0, "rows": 0,
+                                    "grouped": False, "why": why}]
     return gm
 
 
@@ -262,7 +287,8 @@ def _op_why(expert, rows: int) -> str | None:
                 return f"{n.name} ({n.target}) makes a weight gradient fxpar cannot group"
         elif wk and not (
                 (n.target is aten.mm.default and wk == [1]) or
-                (n.target is aten.addmm.default and len(n.args) == 3 and 2 in wk) or
+                (n.target is aten.addmm.default and len(n.args) == 3 and not n.kwargs
+                 and 2 in wk) or
                 (isinstance(n.target, torch._ops.OpOverload) and
                  torch.Tag.pointwise in n.target.tags and
                  all(leaves[k].meta[ir.VAL].dim() == n.meta[ir.VAL].dim() - 1 for k in wk))):
@@ -285,10 +311,9 @@ def why_not(lst: ExpertList) -> str | None:
     return _partition(masks) or _aligned(lst) or _op_why(experts[0], rows)
 
 
-def _regathered(graph, x, rows: int, union: dict, before) -> torch.fx.Node:
-    """`x` made again, before `before`, with the positions in `union` (positions node -> its
-    replacement): a copy of the ops `_mask_of` followed from `x` back to its gathers and of
-    their indices' way from the positions (what they gather from is read as it is)."""
+def _entering_path(x, rows: int, positions: set, order: dict) -> list:
+    """The ops `_mask_of` followed from `x` back to its gathers, and their indices' way from
+    the `positions` (what they gather from is not on it), in graph order."""
     path, todo, seen = set(), [(x, 0)], set()
     while todo:
         n, row = todo.pop()
@@ -298,17 +323,35 @@ def _regathered(graph, x, rows: int, union: dict, before) -> torch.fx.Node:
         path.add(n)
         if n.target is aten.index.Tensor:
             for i in n.args[1]:
-                while isinstance(i, torch.fx.Node) and i not in union:
+                while isinstance(i, torch.fx.Node) and i not in positions:
                     path.add(i)
                     i = i.args[0]
             continue
         todo.extend((a, d) for a in n.all_input_nodes
                     if (d := _row_input_dim(a, n, row, rows)) is not None)
+    return sorted(path, key=order.__getitem__)
+
+
+def _path_key(path: list, positions: set) -> list:
+    """`path` as one expert's copy of it reads: each op with its arguments, a node of the
+    path by its place, the positions as such, anything else as itself."""
+    at = {n: i for i, n in enumerate(path)}
+
+    def role(a):
+        if not isinstance(a, torch.fx.Node):
+            return a
+        return ("path", at[a]) if a in at else "positions" if a in positions else a
+    return [(n.target, pytree.tree_map(role, (n.args, n.kwargs))) for n in path]
+
+
+def _regathered(graph, path: list, union: dict, before) -> torch.fx.Node:
+    """The last node of `path` made again, before `before`, with the positions replaced as
+    `union` says (positions node -> its replacement)."""
     env = dict(union)
     with graph.inserting_before(before):
-        for n in [n for n in graph.nodes if n in path]:  # (graph order: inputs first)
+        for n in path:
             env[n] = graph.node_copy(n, lambda a: env.get(a, a))
-    return env[x]
+    return env[path[-1]]
 
 
 def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
@@ -351,16 +394,26 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
         return emit(aten.reshape.default, flat[j], [rows] + [1] * (x.meta[ir.VAL].dim() - 1),
                     region=x.meta.get(ir.REGION, ir.FORWARD))
 
-    # the rows entering the experts, every position's from its own expert: expert 0's
-    # gathers again with the positions any expert owns (rows are gathered row by row, so a
-    # position's row is the one its expert's gather makes; the others' are padding)
+    # the rows entering the experts, every position's from its own expert: where every
+    # expert gathers them alike (the same ops, reading the same tensors), expert 0's gathers
+    # again with the positions any expert owns (a position's row is the one its expert's
+    # gather makes; the others' are padding); else each expert's own, picked per position
     owned = emit(aten.reshape.default, emit(aten.lt.Scalar, key, n_exp), [-1, 1])
     union = {p: emit(aten.where.ScalarOther, owned, p.args[1], -1) for p in positions[0]}
     new: dict = {}  # expert 0's region node -> its grouped node (rows sorted by expert)
-    for x0 in experts[0].entering:
+    for i, x0 in enumerate(experts[0].entering):
         region = x0.meta.get(ir.REGION, ir.FORWARD)
-        again = _regathered(graph, x0, rows, union, out_node)
-        new[x0] = emit(aten.index_select.default, again, 0, perm, region=region)
+        paths = [_entering_path(e.entering[i], rows, positions[j], order)
+                 for j, e in enumerate(experts)]
+        keys = [_path_key(path, positions[j]) for j, path in enumerate(paths)]
+        if all(k == keys[0] for k in keys[1:]):
+            u = _regathered(graph, paths[0], union, out_node)
+        else:
+            u = x0
+            for j in range(1, n_exp):
+                x = experts[j].entering[i]
+                u = emit(aten.where.self, as_rows(j, x), x, u, region=region)
+        new[x0] = emit(aten.index_select.default, u, 0, perm, region=region)
 
     def stacked(q, k):  # leaf k of position q's node, across experts, stacked
         leaves = [pytree.tree_leaves((ns[q].args, ns[q].kwargs))[k] for ns in nodes]

@@ -50,6 +50,23 @@ class OneHotMoE(WhereRoutedMoE):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
+class DenseScoreMoE(WhereRoutedMoE):
+    """Top-1 routing weighted by each expert's own column of the scores: the rows entering
+    each expert's backward are gathered from a different tensor per expert."""
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        scores = self.gate(x).softmax(-1)
+        top = scores.argmax(-1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            (idx,) = torch.where(top == i)
+            y[idx] += expert(x[idx]) * scores[idx, i, None]
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
 class ThresholdMoE(WhereRoutedMoE):
     """Each expert takes the tokens whose gate score passes a threshold: a token may go to
     several experts or none, so the masks do not partition the positions."""
@@ -133,6 +150,18 @@ def test_listed_experts_run_grouped_and_exact(cls):
     _assert_close(out, padded, eager)
 
 
+def test_rows_each_expert_gathers_differently_are_picked_per_expert():
+    """DenseScoreMoE's experts gather their backward's rows from their own score column:
+    one gather for all would read expert 0's; each expert's rows are picked per position
+    instead (where), and the gradients are eager's."""
+    torch.manual_seed(0)
+    padded, gm, out, _, eager = _grouped(DenseScoreMoE())
+    assert gm.meta[ir.GROUPED_EXPERTS][0]["grouped"]
+    assert any(n.target is aten.where.self and n.meta[ir.REGION] == ir.BACKWARD
+               for n in gm.graph.nodes)
+    _assert_close(out, padded, eager)
+
+
 def test_an_expert_no_token_picks_is_exact_grouped():
     """Experts 2 and 3 get no rows (empty groups): zero gradients, as eager gives none."""
     torch.manual_seed(0)
@@ -172,6 +201,17 @@ def test_feature_sizes_a_grouped_matmul_cannot_take_are_left_padded():
     _assert_close(out, padded, eager)
 
 
+def test_on_cuda_the_experts_are_grouped_in_bf16_only():
+    """torch runs a grouped matmul of fp32 operands on CUDA group by group from the host (no
+    CUDA graph): there the experts stay as traced, and say why."""
+    import types
+    gm, _ = capture(WhereRoutedMoE(), tokens_batch(0))
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    out = grouped_experts.run(gm, grouped_experts.Options(precision="fp32"), cuda)
+    assert out is gm and "bf16 only" in gm.meta[ir.GROUPED_EXPERTS][0]["why"]
+    assert not any(n.target is aten._grouped_mm.default for n in gm.graph.nodes)
+
+
 def test_a_model_without_listed_experts_is_untouched():
     """A stack of layers in a ModuleList is not a list of experts: the graph is unchanged."""
     model = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), *[nn.Linear(HIDDEN, HIDDEN)
@@ -187,7 +227,7 @@ def test_a_model_without_listed_experts_is_untouched():
 def test_the_planner_prices_grouped_experts_at_ep1():
     """Statistics of where_moe: the experts' traced FLOPs, of which grouping saves 3/4 (4
     experts) at ep=1, where the planner's step prediction is that much compute shorter (ep=2
-    runs them in slots, traced: no saving there)."""
+    runs them in slots, traced: no saving there; nor on a GPU below bf16)."""
     import dataclasses
     from fxpar.compiler import planner
     from fxpar.compiler.compile import planner_stats
@@ -199,27 +239,31 @@ def test_the_planner_prices_grouped_experts_at_ep1():
     assert seg.grouped_saved_b == pytest.approx(0.75 * seg.expert_flops_b)
     hw = cost.HARDWARE["h100"]
 
-    def step(stats, ep):
-        return planner.search(stats, 2, hw, batch_rows=8, executable=False, constraints={
-            "dp": 2, "tp": 1, "pp": 1, "microbatches": 1, "zero": 0, "ep": ep}).best.step_s
+    def step(stats, ep, precision="bf16"):  # (on CUDA the experts are grouped in bf16)
+        return planner.search(stats, 2, hw, batch_rows=8, executable=False,
+                              precision=precision, constraints={
+                                  "dp": 2, "tp": 1, "pp": 1, "microbatches": 1, "zero": 0,
+                                  "ep": ep}).best.step_s
     traced = dataclasses.replace(stats, segments=[
         dataclasses.replace(s, grouped_saved_f=0.0, grouped_saved_b=0.0)
         for s in stats.segments])
     # (shorter by up to the saved FLOPs' time: part of the backward hides the gradients'
     # all-reduce)
     saved = sum(s.grouped_saved_f + s.grouped_saved_b for s in stats.segments)
-    rate = hw.flops("fp32") * hw.matmul_efficiency / hw.roofline_scale
+    rate = hw.flops("bf16") * hw.matmul_efficiency / hw.roofline_scale
     assert 0 < step(traced, 1) - step(stats, 1) <= saved / rate * 1.001
     assert step(traced, 2) == step(stats, 2)
+    assert step(traced, 1, "fp32") == step(stats, 1, "fp32")
 
 
 @pytest.mark.slow
 def test_grouped_experts_train_like_eager_under_plans():
     """where_moe and litgpt's Mixtral, experts grouped, trained against eager (evaluate()
     too): dp with ZeRO-3, remat and microbatches (each microbatch sorts its own positions),
-    a pipeline; under tp they stay as traced, each split over tp."""
+    a pipeline, context parallelism (the sort over every position of the split sequence);
+    under tp they stay as traced, each split over tp."""
     from test_parity import _check_plans
     plans = [{"dp": 2, "zero": 3, "remat": "sqrt", "microbatches": 2},
              {"pp": 2, "microbatches": 2}, {"tp": 2}]
     _check_plans(2, [(name, "adamw", plan) for name in ("where_moe", "litgpt_mixtral")
-                     for plan in plans])
+                     for plan in plans] + [("litgpt_mixtral", "adamw", {"dp": 2, "cp": 2})])
