@@ -127,12 +127,11 @@ def _is_padded_positions(n) -> torch.fx.Node | None:
     return None
 
 
-_SAME_ROWS = {aten._to_copy.default, aten.clone.default, aten.alias.default,
-              aten.expand.default}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-             aten.unsqueeze.default, aten.squeeze.dim}
-_INDEX_VIEWS = {operator.getitem, aten.unbind.int, aten.select.int, aten.view.default,
-                aten.reshape.default, aten.squeeze.dim, aten.alias.default}
+_SAME_ROWS = {aten._to_copy.default, aten.clone.default, aten.expand.default}
+_RESHAPES = ir.RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim}
+# ops between padded_nonzero's positions and one column of them (an index tensor)
+_COLUMN_OPS = ir.RESHAPES | {operator.getitem, aten.unbind.int, aten.select.int,
+                             aten.squeeze.dim}
 
 
 def _row_input_dim(a, n, row: int, rows: int) -> int | None:
@@ -157,7 +156,7 @@ def _positions_of(idx) -> torch.fx.Node | None:
             return None
         if _is_padded_positions(idx) is not None:
             return idx
-        idx = idx.args[0] if idx.target in _INDEX_VIEWS else None
+        idx = idx.args[0] if idx.target in _COLUMN_OPS else None
     return None
 
 
@@ -300,6 +299,13 @@ def _op_why(expert, rows: int) -> str | None:
 def why_not(lst: ExpertList) -> str | None:
     """Why `lst`'s experts cannot run grouped (None: they can): their routing masks, their
     ops, their feature sizes (the planner asks too, to price ep=1)."""
+    found = _routing(lst)
+    return found if isinstance(found, str) else None
+
+
+def _routing(lst: ExpertList) -> tuple | str:
+    """Each expert's routing mask and positions nodes, where the experts can run grouped;
+    else why not."""
     experts, rows = lst.experts, lst.rows
     found = [_mask_of(e) for e in experts]
     bad = next((m for m in found if isinstance(m, str)), None)
@@ -308,7 +314,8 @@ def why_not(lst: ExpertList) -> str | None:
     masks = [m for m, _ in found]
     if any(m.meta[ir.VAL].numel() != rows for m in masks):
         return "the masks do not have one position per row"
-    return _partition(masks) or _aligned(lst) or _op_why(experts[0], rows)
+    why = _partition(masks) or _aligned(lst) or _op_why(experts[0], rows)
+    return why or tuple(zip(*found))
 
 
 def _entering_path(x, rows: int, positions: set, order: dict) -> list:
@@ -356,12 +363,12 @@ def _regathered(graph, path: list, union: dict, before) -> torch.fx.Node:
 
 def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
     """Run `lst`'s experts grouped (see the module docstring); None, or why it was not."""
-    why = why_not(lst)
-    if why:
-        return why
+    found = _routing(lst)
+    if isinstance(found, str):
+        return found
+    masks, positions = found
     experts, rows = lst.experts, lst.rows
     regions = [set(e.region) for e in experts]
-    masks, positions = zip(*(_mask_of(e) for e in experts))
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = [sorted(e.region, key=order.get) for e in experts]
     n_exp = len(experts)
