@@ -19,9 +19,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxpar.core import ir
+from fxpar.core import sharding as _sharding  # noqa: F401  (fxpar::partial_from_replicate)
 from fxpar.core.errors import PlanError
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+# sums over another group's ranks, element by element: tp's partial sums inside an expert
+ELEMENTWISE_COLLECTIVES = {c10d.all_reduce.default, c10d.wait_tensor.default}
 
 GROUPED_MM = getattr(aten, "_grouped_mm", None)
 TRANSPOSES = {aten.t.default, aten.transpose.int}
@@ -29,6 +33,12 @@ TRANSPOSES = {aten.t.default, aten.transpose.int}
 # W.T); the weight is the parameter they start from
 WEIGHT_PATH = {aten.t.default, aten.transpose.int, aten._to_copy.default, aten.clone.default,
                aten.alias.default, *ir.RESHAPES}
+# and tp's moves of an expert's weight among the tp ranks, which hold the same expert: a split
+# weight's gather (DTensor's choice in evaluate()'s forward), a row split's bias kept by one
+# rank of the partial sum
+_EXPERT_WEIGHT_PATH = WEIGHT_PATH | {aten.permute.default, c10d.all_gather_into_tensor.default,
+                                     c10d.wait_tensor.default,
+                                     torch.ops.fxpar.partial_from_replicate.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _LIST_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.)")  # (a lookahead: nested lists' indices too)
 _MATMULS = {aten.mm.default: 0, aten.addmm.default: 1}  # op -> its rows operand
@@ -62,7 +72,7 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
     op = node.target
     if node.op != "call_function":
         return None
-    if op is operator.getitem:
+    if op is operator.getitem or op in ELEMENTWISE_COLLECTIVES:
         return {node.args[0]: row}
     if GROUPED_MM is not None and op is GROUPED_MM.default:
         return dict(roles(node))
@@ -294,7 +304,7 @@ def _expert(module: str, weights: dict, grads: dict, order: dict, ops: list) -> 
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u.op == "call_function" and u.target in WEIGHT_PATH and u not in paths:
+            if u.op == "call_function" and u.target in _EXPERT_WEIGHT_PATH and u not in paths:
                 paths.add(u)
                 todo.append(u)
     seeds = {}  # node -> {row input: dim}

@@ -56,12 +56,17 @@ _EP_COMBINE = torch.ops.fxpar.ep_combine.default
 RANK_ROWS_OPS = frozenset({_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE})  # (no other rule)
 _POINTER_KEEP = {aten.div.Tensor_mode, aten.floor_divide.default, aten._to_copy.default,
                  aten.clone.default, aten.alias.default}
+# (and tensor parallelism's sums inside an expert: element by element over the tp ranks,
+# which hold the same rows)
 _ELEMENTWISE = {aten._to_copy.default, aten.clone.default, aten.alias.default,
-                aten.div.Tensor_mode, aten.floor_divide.default}
+                aten.div.Tensor_mode, aten.floor_divide.default,
+                torch.ops._c10d_functional.all_reduce.default,
+                torch.ops._c10d_functional.wait_tensor.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default}
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
+_LOCAL_CHUNK = "fxpar::local_chunk"  # (by name: core/sharding registers it after importing this)
 _SUMS = {aten.sum.dim_IntList}
 _LIKE = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
          aten.full_like.default}
@@ -289,10 +294,11 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         sized = op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.expand.default)
         return Local(_moved(t, d), {}, view_dim=d if sized else None)
-    if op in _SPLITS:
+    chunk = getattr(op, "_name", None) == _LOCAL_CHUNK  # (a tp rank's features)
+    if op in _SPLITS or chunk:
         t = _only_rows(ts)
         dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
-        if op is aten.slice.Tensor:
+        if op is aten.slice.Tensor or chunk:
             dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
         if dim % _val(args[0]).dim() == t.dim:
             raise _Untyped

@@ -323,6 +323,11 @@ _GROUP_ARG = {
     torch.ops.fxpar.zigzag_chunk.default: 3,
     torch.ops.fxpar.zigzag_order.default: 3,
 }
+# those of them a sum over this mesh's ranks commutes with (a partial sum stays one)
+_SUM_COMMUTES = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+                 c10d.reduce_scatter_tensor.default, torch.ops.fxpar.local_chunk.default,
+                 torch.ops.fxpar.partial_from_replicate.default,
+                 torch.ops.fxpar.zigzag_chunk.default, torch.ops.fxpar.zigzag_order.default}
 _AXIS_DIM = {
     c10d.all_gather_into_tensor.default: 0,
     c10d.reduce_scatter_tensor.default: 0,
@@ -845,6 +850,11 @@ class _Sharder:
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
                                 "shards only ATen graphs.")
+        if self._other_axis(node) and node.target in _SUM_COMMUTES:
+            # (a partial sum over this mesh goes through as one: reduced before the gather, it
+            # would be summed over this whole mesh where ep's expert gradients are summed
+            # over their "edp" part of it, after)
+            return self.propagate_other_axis(node)
         # Reduce a Partial before it is broadcast: all-reducing the small input is cheaper than
         # letting the partial sum flow into a bigger value (DTensor's rules decide op by op and
         # would keep it Partial through an expand, then gather activations to combine it).

@@ -131,13 +131,15 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             raise PlanError(f"Plan.ep={ep}: a pipeline stage boundary falls among the experts of "
                             f"{lst.module!r} (they span stages {stages}); a slot runs experts of "
                             "one stage. Use another pp, or ep=1.")
-        tp_split = [p.meta[ir.FQN] for x in lst.experts for p in x.params.values()
-                    if layouts[index[p]]]
-        if tp_split:
-            raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split[:4]} are also split "
-                            "by tensor parallelism; one weight takes one split. Use ep=1 or "
-                            "tp=1.")
-        slots += _rewrite_list(gm, lst, ep, group, index)
+        mine = _rewrite_list(gm, lst, ep, group, index)
+        for slot in mine:  # (a slot's weight is each ep rank's expert, tp-split alike)
+            if len({layouts[k] for k in slot}) > 1:
+                names = [params[k].meta[ir.FQN] for k in slot]
+                raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the experts' weights "
+                                f"{names} of {lst.module!r} differently "
+                                f"({[layouts[k] for k in slot]}); a slot runs each ep rank's "
+                                "expert on the same split. Use ep=1 or tp=1.")
+        slots += mine
         first = lst.experts[0]
         report.append({"module": lst.module, "experts": e, "per_rank": e // ep,
                        "rows": lst.rows, "weights": [p.meta[ir.FQN] for x in lst.experts
@@ -250,7 +252,7 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
             if u in mms and u.args[1] is n:
                 continue
             v = _val(u)
-            keeps = u.target in _WEIGHT_PATH and isinstance(v, torch.Tensor) and \
+            keeps = (u.target in _WEIGHT_PATH or _tp_chunk(u)) and isinstance(v, torch.Tensor) and \
                 v.dim() == 3 and v.shape[0] == experts and not (
                     u.target is aten.transpose.int and 0 in {d % 3 for d in u.args[1:3]})
             if not keeps:
@@ -263,14 +265,23 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
             todo.append(u)
 
 
+def _tp_chunk(n) -> bool:
+    """A tp rank's chunk of an expert weight along its features (DTensor's grouped-matmul
+    rule picks it where the rows arrive split on features): it reads this rank's E/ep experts
+    as well as all E."""
+    return n.op == "call_function" and n.target is torch.ops.fxpar.local_chunk.default and \
+        n.args[1] % _val(n).dim() != 0
+
+
 def _weight_of(x, mm, module):
     n = x
-    while n.op == "call_function" and n.target in _WEIGHT_PATH:
+    while n.op == "call_function" and (n.target in _WEIGHT_PATH or _tp_chunk(n)):
         n = n.args[0]
     if n.op == "call_function" and n.target is torch.ops.fxpar.local_chunk.default:
-        raise PlanError(f"Plan.ep: tensor parallelism already splits the experts of "
-                        f"{module!r} (a local_chunk of their weight feeds {mm.name}); one "
-                        "weight takes one split. Use ep=1 (experts split over tp) or tp=1.")
+        raise PlanError(f"Plan.ep: tensor parallelism splits the experts of {module!r} "
+                        f"along their experts (a local_chunk of their weight on dim 0 feeds "
+                        f"{mm.name}); one dim takes one split. Use ep=1 (experts split over "
+                        "tp) or tp=1.")
     if n.op != "placeholder" or n.meta.get(ir.ROLE) != "param":
         raise PlanError(f"Plan.ep: the experts' weight of the grouped matmul {mm.name} "
                         f"(module {module!r}) is computed by {n.name} ({n.target}), not a "

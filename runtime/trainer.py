@@ -892,7 +892,10 @@ class ParallelModel:
     def split_of(self, i: int):
         """How this rank's program holds parameter i when it holds a slice of it: (layout,
         ranks, this rank's index, group) for runtime/tp_slices (a tp layout, or the ep
-        group's split of an expert weight along its experts), None when whole."""
+        group's split of an expert weight along its experts), None when whole (or held by
+        another ep rank: a listed expert's 0-element stand-in)."""
+        if self.held_names[i] is None:
+            return None
         layout = self.program.tp_layouts[i]
         if layout is not None:
             return layout, self.plan.tp, self.world.coordinate("tp"), self.tp_group

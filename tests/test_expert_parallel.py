@@ -290,9 +290,9 @@ def test_plans_and_models_expert_parallelism_refuses_by_name():
 
 @pytest.mark.slow  # (make test's 6 minutes)
 def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_name():
-    """An expert weight read by anything but its layer's grouped matmuls (a regulariser) or
-    split by tp already (DeepSeek-V3's) cannot be split; a dense model (its layers a list, but
-    not side by side) has no MoE layer."""
+    """An expert weight read by anything but its layer's grouped matmuls (a regulariser)
+    cannot be split; a dense model (its layers a list, but not side by side) has no MoE
+    layer."""
     model, batch = _mixtral()
 
     def regularised(m, b):  # the experts' weight also read outside the grouped matmuls
@@ -300,13 +300,45 @@ def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_nam
     with pytest.raises(PlanError, match="down_proj of .* is also read by .* not only as"):
         fxpar.compile(model, 2, example_batch=batch, loss_fn=regularised,
                       plan={"dp": 2, "ep": 2})
-    ds, spec = zoo.build("deepseek_v3")  # (its experts the tp pass splits already)
-    with pytest.raises(PlanError, match="tensor parallelism already splits the experts"):
-        fxpar.compile(ds, 4, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2, "tp": 2})
     llama, spec = zoo.build("llama")  # (its layers a list, each reading the last's output)
     with pytest.raises(PlanError, match="no MoE layer found on the graph.*'model.layers': "
                        "its members' inputs are not rows picked by an index op"):
         fxpar.compile(llama, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+
+
+def test_tp_inside_the_experts_of_each_ep_rank():
+    """ep=2 x tp=2 inside dp=2 splits each expert over tp on the rank holding it. Grouped
+    experts (DeepSeek-V3's: DTensor's grouped-matmul rule chunks their weight along its
+    features): each rank's E/ep slice, chunked as before, its rows by all-to-all. Listed
+    experts (where_moe: column -> row linears, the row's bias kept by one tp rank): each slot
+    holds its ep rank's expert tp-split like the others of its slot, the partial sum
+    all-reduced over tp inside the slot."""
+    ds, spec = zoo.build("deepseek_v3")
+    prog = fxpar.compile(ds, 4, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2, "tp": 2})
+    (report,) = prog.graph.meta[ir.EP_REPORT]
+    assert (report["dispatch"], report["experts"], report["per_rank"]) == ("all-to-all", 4, 2)
+    g, names = prog.graph.graph, prog.signature.param_names
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    for i in prog.expert_params:  # (this rank's 2 of 4 experts, whole over tp)
+        assert prog.tp_layouts[i] is None and phs[i].meta[ir.VAL].shape[0] == 2
+    chunked = [n for n in g.nodes if n.target is torch.ops.fxpar.local_chunk.default
+               and n.args[3] == "fxpar.tp" and any(
+                   u.target is torch.ops.aten._grouped_mm.default for u in n.users)]
+    assert chunked and all(n.args[1] != 0 for n in chunked)
+
+    prog = _where_moe_program({"dp": 2, "ep": 2, "tp": 2})
+    names, layouts = prog.signature.param_names, prog.tp_layouts
+    assert len(prog.expert_slots) == 8
+    split = [s for s in prog.expert_slots if layouts[s[0]] is not None]
+    assert {names[s[0]] for s in split} == {"experts.0.0.weight", "experts.0.0.bias",
+                                            "experts.0.2.weight", "experts.1.0.weight",
+                                            "experts.1.0.bias", "experts.1.2.weight"}
+    assert all(layouts[s[0]] == layouts[s[1]] for s in prog.expert_slots)
+    g = prog.graph.graph
+    tp_sums = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+               and n.args[2] == "fxpar.tp" and n.meta.get(ir.MODULE, "").startswith("experts.")]
+    assert len(tp_sums) >= 2  # (each slot's row linear, forward)
+    assert any(n.target is torch.ops.fxpar.partial_from_replicate.default for n in g.nodes)
 
 
 def test_mixtral_ep2_trains_like_eager():
@@ -360,6 +392,7 @@ def test_moe_models_on_four_ranks_train_like_eager():
     tp=2 (the experts replicated over tp) or a zero-bubble pipeline of 2 stages; and Mixtral
     with its router's load-balancing loss added to the loss (router_aux_loss_coef=0.02)."""
     cases = [(m, "adamw", {"dp": 4, "ep": 2}) for m in ("mixtral", "qwen2_moe", "deepseek_v3")]
+    cases.append(("deepseek_v3", "adamw", {"dp": 2, "ep": 2, "tp": 2}))  # (tp in its experts)
     _check_plans(4, cases + [("mixtral", "adamw", p) for p in (
         {"dp": 4, "ep": 4}, {"dp": 2, "ep": 2, "tp": 2},
         {"dp": 2, "ep": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"})]
@@ -608,7 +641,8 @@ def test_all_to_all_ops_send_rows_to_their_experts_and_back():
 
 def _where_moe_program(plan):
     model, spec = zoo.build("where_moe")
-    return fxpar.compile(model, plan["dp"], example_batch=spec.batch(0), plan=plan)
+    return fxpar.compile(model, plan["dp"] * plan.get("tp", 1), example_batch=spec.batch(0),
+                         plan=plan)
 
 
 def test_listed_experts_run_in_slots_on_their_ranks():
@@ -687,25 +721,30 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
 @pytest.mark.slow
 def test_listed_experts_train_like_eager(tmp_path):
     """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
-    torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1, ep=4 with ZeRO-3 and ep=2 on each
-    stage of a zero-bubble pipeline of 2 (one MoE layer a stage): losses,
-    evaluate() and every final weight (each expert gathered from its rank by name) equal
-    eager AdamW; clipping counts each expert once (ZeRO-2 over the "edp" pairs); an ep
-    run's checkpoint resumes bit for bit and loads into plain dp; its
-    save_pretrained writes every expert under its own name, and a meta-device model built
-    from those files (weights=) holds the same weights and takes the same next step."""
+    torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1, ep=4 with ZeRO-3, ep=2 on each
+    stage of a zero-bubble pipeline of 2 (one MoE layer a stage) and ep=2 x tp=2 (each
+    expert tp-split on its rank; with ZeRO-3): losses, evaluate() and every final weight
+    (each expert gathered from its rank by name) equal eager AdamW; clipping counts each
+    expert once (ZeRO-2 over the "edp" pairs; tp slices); an ep run's checkpoint resumes bit
+    for bit and loads into plain dp; its save_pretrained writes every expert under its own
+    name, and a meta-device model built from those files (weights=, tp slices of each rank's
+    experts under ep x tp) holds the same weights and takes the same next step."""
     _check_plans(2, [("where_moe", "adamw", {"dp": 2, "ep": 2})])
     _check_plans(4, [("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 1}),
                      ("where_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3}),
                      ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2,
-                                                  "schedule": "zero-bubble"})])
+                                                  "schedule": "zero-bubble"}),
+                     ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "tp": 2, "zero": 3}),
+                     ("where_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2})])
     workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
                                         str(tmp_path))
-    check_clipping(4, [("where_moe", {"dp": 4, "ep": 2, "zero": 2})])  # (each expert once)
-    full, saved, reloaded, (loss, loss_again) = fxpar.launch(
-        workers.pretrained_round_trip_rank, 2, "where_moe", {"dp": 2, "ep": 2},
-        str(tmp_path / "hf"))[0]
-    assert set(saved) == set(full) == set(reloaded)
-    assert all(torch.equal(saved[k], full[k]) and torch.equal(reloaded[k], full[k])
-               for k in full)
-    assert loss == loss_again
+    check_clipping(4, [("where_moe", {"dp": 4, "ep": 2, "zero": 2}),  # (each expert once)
+                       ("where_moe", {"dp": 2, "ep": 2, "tp": 2})])
+    for world, plan in ((2, {"dp": 2, "ep": 2}), (4, {"dp": 2, "ep": 2, "tp": 2})):
+        full, saved, reloaded, (loss, loss_again) = fxpar.launch(
+            workers.pretrained_round_trip_rank, world, "where_moe", plan,
+            str(tmp_path / f"hf{world}"))[0]
+        assert set(saved) == set(full) == set(reloaded)
+        assert all(torch.equal(saved[k], full[k]) and torch.equal(reloaded[k], full[k])
+                   for k in full)
+        assert loss == loss_again

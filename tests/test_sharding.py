@@ -165,6 +165,25 @@ def test_a_partial_sum_is_not_split_onto_rows_another_axis_splits():
     assert count_ops(gm, c10d.reduce_scatter_tensor.default) == 1
 
 
+def test_a_partial_sum_goes_through_another_axis_gather_unreduced():
+    """A partial sum over this mesh (an expert's weight gradient, its rows dp-local) gathered
+    over another axis (tp's chunked expert weight) stays a partial sum, reduced by whoever
+    owns it (ep's experts: over their "edp" part of dp only): not all-reduced over the whole
+    mesh ahead of the gather, as a partial entering a bigger value otherwise is."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta[ir.VAL] = torch.empty(4, 8)
+    gathered = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "other"))
+    gathered.meta[ir.VAL] = torch.empty(8, 8)
+    done = g.call_function(c10d.wait_tensor.default, (gathered,))
+    done.meta[ir.VAL] = torch.empty(8, 8)
+    g.output((done,))
+    gm = torch.fx.GraphModule({}, g)
+    shard_graph(gm, make_mesh(2), {"x": (Partial(),)}, ["g"])
+    assert count_ops(gm, c10d.all_reduce.default) == 0
+    assert done.meta[ir.SHARD] == (Partial(),)
+
+
 def test_row_dims_follow_the_batch_rows_through_the_graph():
     """row_dims: where data parallelism's split of the batch lands on each value (a
     transpose moves it; a weight has none)."""
