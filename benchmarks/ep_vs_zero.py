@@ -7,8 +7,8 @@
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
 top-2 routing; sizes from the flags), or with `--model litgpt` litgpt's Mixtral (its experts
 an nn.ModuleList, each run on the rows torch.where picks for it: every rank routes every
-token, and ep runs each rank's experts in slots), under five plans, each from the same
-initial weights on the same batches with AdamW (lr 1e-3):
+token, and ep runs each rank's experts in slots), under five plans (six from 4 ranks), each
+from the same initial weights on the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
                                the expert gradients all-reduced
@@ -20,6 +20,8 @@ initial weights on the same batches with AdamW (lr 1e-3):
     Plan(dp=world, zero=3,     ZeRO-3 with ep = world / 2 (2 at 2 ranks): an expert weight is
          ep=max(2, world/2))   1/ep of the experts, ZeRO-sharded over the dp / ep ranks holding
                                them (none more at ep = dp), the other weights over all ranks
+    Plan(dp=world/2, ep=2,     (from 4 ranks) half the experts per rank, each split over tp
+         tp=2)                 where the tp pass splits it (litgpt's), else replicated over tp
 
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step, a barrier before each step, the sides' steps interleaved (the order rotating) so a
@@ -52,7 +54,13 @@ PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
          "zero=3": lambda w, cg: {"dp": w, "zero": 3, "codegen": cg},
          "ep": lambda w, cg: {"dp": w, "ep": w, "codegen": cg},
          "tp": lambda w, cg: {"tp": w, "codegen": cg},
-         "ep+zero=3": lambda w, cg: {"dp": w, "ep": max(2, w // 2), "zero": 3, "codegen": cg}}
+         "ep+zero=3": lambda w, cg: {"dp": w, "ep": max(2, w // 2), "zero": 3, "codegen": cg},
+         "ep x tp": lambda w, cg: {"dp": w // 2, "ep": 2, "tp": 2, "codegen": cg}}
+
+
+def _plans(world: int) -> list[str]:
+    """The plans run on `world` ranks (ep x tp from 4)."""
+    return [k for k in PLANS if k != "ep x tp" or world >= 4]
 
 
 def _model(args):
@@ -120,7 +128,7 @@ def bench(args):
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=rdist.timeout())
     data = _batches(args)
-    sides = [(k, *_prepare(k, args, data, world)) for k in PLANS]
+    sides = [(k, *_prepare(k, args, data, world)) for k in _plans(world)]
     for s in range(args.warmup + 1, args.warmup + 1 + args.steps):
         batch = data[s % len(data)]
         k = s % len(sides)
@@ -166,14 +174,17 @@ def main():
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
     print(f"{'plan':9s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
           f"{'experts/rank MiB':>17s} {'last loss':>10s}")
-    for kind in PLANS:
+    for kind in _plans(args.nprocs):
         r = [res[k][kind] for k in ranks]
         print(f"{kind:9s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
               f"{_mib(max(x['peak'] for x in r)):9.1f} {_mib(max(x['experts'] for x in r)):17.2f}"
               f" {r[0]['losses'][-1]:10.5f}")
     print()
-    for mine, kind in (("ep", "dp"), ("ep", "zero=3"), ("ep", "tp"), ("ep+zero=3", "zero=3"),
-                       ("ep+zero=3", "ep")):
+    pairs = [("ep", "dp"), ("ep", "zero=3"), ("ep", "tp"), ("ep+zero=3", "zero=3"),
+             ("ep+zero=3", "ep")]
+    if "ep x tp" in _plans(args.nprocs):
+        pairs += [("ep x tp", "tp"), ("ep x tp", "ep"), ("ep x tp", "zero=3")]
+    for mine, kind in pairs:
         diff = max(abs(a - b) for k in ranks
                    for a, b in zip(res[k][mine]["losses"], res[k][kind]["losses"]))
         mem = max(res[k][mine]["experts"] for k in ranks) / \

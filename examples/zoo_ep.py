@@ -1,10 +1,12 @@
 """The zoo's MoE models (and the external zoo's) under expert parallelism, against eager.
 
-    .venv/bin/python -m fxpar.examples.zoo_ep [MODEL ...]   (default: the list below)
+    .venv/bin/python -m fxpar.examples.zoo_ep [--plans "NAME,..."] [MODEL ...]
+    (default: every plan below, every model of the list below)
 
 Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS (plain dp=4,
 the MoE dispatch on each rank's own rows; ep=2 on 2 ranks; ep=2 and ep=4 carved out of dp=4
-on 4 ranks; ep=2 x dp=4 with ZeRO-3, alone and inside HSDP's shard groups of 2), one
+on 4 ranks; ep=2 x dp=4 with ZeRO-3, alone and inside HSDP's shard groups of 2; ep=2 x
+tp=2, tp inside each rank's experts where the tp pass splits them), one
 `fxpar.launch` per plan, and
 is compared with eager as the zoo sweep compares (`zoo_sweep.compare`, a difference judged
 by the same controls: "rounding" where eager from weights one ulp apart, or with each
@@ -22,14 +24,22 @@ PLANS = {"dp=4 (no ep)": (4, {"dp": 4}),
          "ep=2 x dp=4": (4, {"dp": 4, "ep": 2}),
          "ep=4 (dp=4)": (4, {"dp": 4, "ep": 4}),
          "ep=2 x dp=4, ZeRO-3": (4, {"dp": 4, "ep": 2, "zero": 3}),
-         "ep=2 x HSDP 2 x 2, ZeRO-3": (4, {"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2})}
+         "ep=2 x HSDP 2 x 2, ZeRO-3": (4, {"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2}),
+         "ep=2 x tp=2 (dp=2)": (4, {"dp": 2, "ep": 2, "tp": 2})}
 MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe", "titan_qwen3_moe",
           "titan_deepseek_v3", "titan_kimi_k2", "litgpt_mixtral", "where_moe")
 
 
-def main(names=MODELS) -> None:
-    zoo_sweep.plan_table(names, PLANS)
+def main(names=MODELS, plans=tuple(PLANS)) -> None:
+    zoo_sweep.plan_table(names, {k: PLANS[k] for k in plans})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or MODELS)
+    args = sys.argv[1:]
+    plans = tuple(PLANS)
+    if args[:1] == ["--plans"]:
+        plans, args = tuple(p.strip() for p in args[1].split(",")), args[2:]
+        unknown = [p for p in plans if p not in PLANS]
+        if unknown:
+            sys.exit(f"unknown plans {unknown}; choose among {list(PLANS)}")
+    main(args or MODELS, plans)
