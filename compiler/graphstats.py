@@ -49,7 +49,7 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole",
           "bytes_f_whole", "bytes_b_whole", "saved_whole", "expert_params", "expert_flops_f",
           "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b", "ep_saved",
-          "grouped_saved_f", "grouped_saved_b",
+          "grouped_saved_f", "grouped_saved_b", "expert_flops_f_split", "expert_flops_b_split",
           "attn_flops_f", "attn_flops_b", "sdpa_flops_f", "sdpa_flops_b", "kv_bytes", "qo_bytes",
           "n_attn")
 
@@ -108,6 +108,10 @@ class Segment:
     # passes/grouped_experts)
     grouped_saved_f: float = 0.0
     grouped_saved_b: float = 0.0
+    # of expert_flops_*: the experts' whose weights tp splits (listed experts' linears), 1/tp
+    # of them a rank's under tp
+    expert_flops_f_split: float = 0.0
+    expert_flops_b_split: float = 0.0
     # context parallelism (planner.context_stats): each attention's FLOPs (forward, backward),
     # the bytes of its keys and values (gathered over the cp group forward, their gradients
     # reduce-scattered backward) and of its queries and output; n_attn: the attention ops

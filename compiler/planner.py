@@ -395,6 +395,7 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "expert_params": "p", "expert_flops_f": "f", "expert_flops_b": "b",
              "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
              "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b",
+             "expert_flops_f_split": "f", "expert_flops_b_split": "b",
              "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
@@ -1133,6 +1134,12 @@ def _context_attentions(stats, cp: int, constraints) -> list[str]:
     return ["gather"] + ([] if stats.ring_refusal else ["ring"])
 
 
+def _expert_flops(segs, part: str, tp: int) -> float:
+    """A rank's expert FLOPs of `part` ("f" / "b") before ep: the experts tp splits, 1/tp."""
+    split = sum(getattr(s, f"expert_flops_{part}_split") for s in segs)
+    return sum(getattr(s, f"expert_flops_{part}") for s in segs) - split * (1 - 1 / tp)
+
+
 def _expert_share(segs, tp: int) -> float:
     """The fraction of a rank's parameter elements (its tp slices) that are experts."""
     local = sum(s.params - s.params_split * (1 - 1 / tp) for s in segs)
@@ -1364,9 +1371,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             bw = hw.mem_bandwidth / hw.roofline_scale
             nodes = 12 * n_moe * hw_graph.node_overhead  # (the window, moves and masks)
             tf = max(tf + sum(s.ep_bytes_f for s in segs) * g / bw + nodes
-                     - (1 - 1 / ep) * sum(s.expert_flops_f for s in segs) * g / rate, 0.0)
+                     - (1 - 1 / ep) * _expert_flops(segs, "f", tp) * g / rate, 0.0)
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
-                     - (1 - 1 / ep) * sum(s.expert_flops_b for s in segs) * g / rate, 0.0)
+                     - (1 - 1 / ep) * _expert_flops(segs, "b", tp) * g / rate, 0.0)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         elif tp == 1 and (precision == "bf16" or hw.name == "cpu"):  # listed experts run
             # grouped (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's
@@ -1791,12 +1798,17 @@ def expert_stats(stats: GraphStats, gm) -> None:
             saved = 0.0
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
+            # (split by tp where the tp probe splits each of its matrices: tp=1 each a whole)
+            split = all(stats.tp_roles.get(p.meta.get(ir.FQN), "replicated") != "replicated"
+                        for p in x.params.values() if p.meta[ir.VAL].dim() == 2)
             for n in x.region:
                 if n.meta.get(ir.REGION) == ir.FORWARD:
                     seg.expert_flops_f += cost.node_flops(n)
+                    seg.expert_flops_f_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_f += saved * cost.node_flops(n)
                 else:
                     seg.expert_flops_b += cost.node_flops(n)
+                    seg.expert_flops_b_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_b += saved * cost.node_flops(n)
             for y in x.leaving:
                 fwd = y.meta.get(ir.REGION) == ir.FORWARD

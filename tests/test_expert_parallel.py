@@ -685,6 +685,11 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith("experts."))
     assert stats.expert_counts == (4,) and stats.ep_refusal is None
     assert [s.expert_params for s in stats.segments if s.n_moe] == [experts]
+    # tp splits each expert's linears: under ep x tp a rank's expert work is 1/tp of theirs
+    from fxpar.compiler.planner import _expert_flops
+    segs, whole = stats.segments, sum(s.expert_flops_f for s in stats.segments)
+    assert sum(s.expert_flops_f_split for s in segs) == whole > 0
+    assert _expert_flops(segs, "f", 2) == whole / 2 and _expert_flops(segs, "f", 1) == whole
 
 
 class _Scale(torch.nn.Module):
