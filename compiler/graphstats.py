@@ -49,7 +49,9 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "transient", "transient_split", "tp_calls_extra", "flops_f_whole", "flops_b_whole",
           "bytes_f_whole", "bytes_b_whole", "saved_whole", "expert_params", "expert_flops_f",
           "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b", "ep_saved",
-          "grouped_saved_f", "grouped_saved_b", "expert_flops_f_split", "expert_flops_b_split",
+          "grouped_saved_f", "grouped_saved_b", "grouped_bytes_f", "grouped_bytes_b",
+          "grouped_stack_bytes",
+          "expert_flops_f_split", "expert_flops_b_split",
           "attn_flops_f", "attn_flops_b", "sdpa_flops_f", "sdpa_flops_b", "kv_bytes", "qo_bytes",
           "n_attn")
 
@@ -108,6 +110,13 @@ class Segment:
     # passes/grouped_experts)
     grouped_saved_f: float = 0.0
     grouped_saved_b: float = 0.0
+    # ... and the bytes it moves doing so: the rows entering gathered in expert order and
+    # each leaving value put back in position order, one masked copy per expert (of the
+    # traced rows); the experts' weights stacked, forward and backward (each read and
+    # written: per forward or backward, whatever its rows)
+    grouped_bytes_f: float = 0.0
+    grouped_bytes_b: float = 0.0
+    grouped_stack_bytes: float = 0.0
     # of expert_flops_*: the experts' whose weights tp splits (listed experts' linears), 1/tp
     # of them a rank's under tp
     expert_flops_f_split: float = 0.0

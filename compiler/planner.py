@@ -396,6 +396,7 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "ep_comm_f": "f", "ep_comm_b": "b", "ep_bytes_f": "bf", "ep_bytes_b": "bb",
              "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b",
              "expert_flops_f_split": "f", "expert_flops_b_split": "b",
+             "grouped_bytes_f": "bf", "grouped_bytes_b": "bb", "grouped_stack_bytes": "p",
              "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
@@ -1380,8 +1381,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # rows, 1/E of their traced matmuls
             g = mbs * dp / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
-            tf = max(tf - sum(s.grouped_saved_f for s in segs) * g / rate, 0.0)
-            tb = max(tb - sum(s.grouped_saved_b for s in segs) * g / rate, 0.0)
+            bw = hw.mem_bandwidth / hw.roofline_scale
+            stack = sum(s.grouped_stack_bytes for s in segs) / bw
+            tf = max(tf - sum(s.grouped_saved_f for s in segs) * g / rate, 0.0) + sum(
+                s.grouped_bytes_f for s in segs) * g / bw + stack
+            tb = max(tb - sum(s.grouped_saved_b for s in segs) * g / rate, 0.0) + sum(
+                s.grouped_bytes_b for s in segs) * g / bw + stack
         if cp > 1:  # every attention's keys and values gathered over the cp group
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
             # the rank's rows, whole (cp x its tokens in whole-sequence rows)
@@ -1810,6 +1815,9 @@ def expert_stats(stats: GraphStats, gm) -> None:
                     seg.expert_flops_b += cost.node_flops(n)
                     seg.expert_flops_b_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_b += saved * cost.node_flops(n)
+            if saved:  # (grouped: each weight stacked forward and backward, read + written)
+                seg.grouped_stack_bytes += 2 * sum(cost.tensor_bytes(p.meta[ir.VAL])
+                                                   for p in x.params.values())
             for y in x.leaving:
                 fwd = y.meta.get(ir.REGION) == ir.FORWARD
                 seg.ep_comm_f += cost.tensor_bytes(y.meta[ir.VAL]) if fwd else 0
@@ -1818,6 +1826,15 @@ def expert_stats(stats: GraphStats, gm) -> None:
                 fwd = y.meta.get(ir.REGION) == ir.FORWARD
                 seg.ep_bytes_f += 2 * cost.tensor_bytes(y.meta[ir.VAL]) if fwd else 0
                 seg.ep_bytes_b += 0 if fwd else 2 * cost.tensor_bytes(y.meta[ir.VAL])
+        moved = [(y, 2) for y in first.entering] + [(y, 2 + 2 * len(lst.experts))
+                                                    for y in first.leaving]
+        for y, passes in moved if saved else ():  # (the rows' gather in expert order; each
+            # leaving value's gather back and its masked copy per expert)
+            nbytes = passes * cost.tensor_bytes(y.meta[ir.VAL])
+            if y.meta.get(ir.REGION) == ir.FORWARD:
+                seg.grouped_bytes_f += nbytes
+            else:
+                seg.grouped_bytes_b += nbytes
     for layer in layers:
         seg = by_name.get(stats.node_segment.get(layer.offs.name) or
                           stats.node_segment.get(layer.matmuls[0].name))

@@ -226,8 +226,10 @@ def test_a_model_without_listed_experts_is_untouched():
 
 def test_the_planner_prices_grouped_experts_at_ep1():
     """Statistics of where_moe: the experts' traced FLOPs, of which grouping saves 3/4 (4
-    experts) at ep=1, where the planner's step prediction is that much compute shorter (ep=2
-    runs them in slots, traced: no saving there; nor on a GPU below bf16)."""
+    experts) at ep=1, and the bytes it moves doing so (the weights stacked forward and
+    backward, the rows gathered in expert order and put back); the planner's step
+    prediction is that much compute shorter and those bytes' time longer (ep=2 runs them in
+    slots, traced: neither there; nor on a GPU below bf16)."""
     import dataclasses
     from fxpar.compiler import planner
     from fxpar.compiler.compile import planner_stats
@@ -237,6 +239,10 @@ def test_the_planner_prices_grouped_experts_at_ep1():
     seg = next(s for s in stats.segments if s.expert_flops_f)
     assert seg.grouped_saved_f == pytest.approx(0.75 * seg.expert_flops_f)
     assert seg.grouped_saved_b == pytest.approx(0.75 * seg.expert_flops_b)
+    model = WhereRoutedMoE(dim=256)
+    weights = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("experts"))
+    assert seg.grouped_stack_bytes == 2 * weights  # (each stack read and written)
+    assert seg.grouped_bytes_f > 0 and seg.grouped_bytes_b > 0
     hw = cost.HARDWARE["h100"]
 
     def step(stats, ep, precision="bf16"):  # (on CUDA the experts are grouped in bf16)
@@ -245,13 +251,19 @@ def test_the_planner_prices_grouped_experts_at_ep1():
                                   "dp": 2, "tp": 1, "pp": 1, "microbatches": 1, "zero": 0,
                                   "ep": ep}).best.step_s
     traced = dataclasses.replace(stats, segments=[
-        dataclasses.replace(s, grouped_saved_f=0.0, grouped_saved_b=0.0)
+        dataclasses.replace(s, grouped_saved_f=0.0, grouped_saved_b=0.0, grouped_bytes_f=0.0,
+                            grouped_bytes_b=0.0, grouped_stack_bytes=0.0)
         for s in stats.segments])
-    # (shorter by up to the saved FLOPs' time: part of the backward hides the gradients'
-    # all-reduce)
+    # (shorter by up to the saved FLOPs' time less the moved bytes': part of the backward
+    # hides the gradients' all-reduce)
     saved = sum(s.grouped_saved_f + s.grouped_saved_b for s in stats.segments)
     rate = hw.flops("bf16") * hw.matmul_efficiency / hw.roofline_scale
-    assert 0 < step(traced, 1) - step(stats, 1) <= saved / rate * 1.001
+    free = dataclasses.replace(stats, segments=[  # (grouping's moves priced at no cost)
+        dataclasses.replace(s, grouped_bytes_f=0.0, grouped_bytes_b=0.0, grouped_stack_bytes=0.0)
+        for s in stats.segments])
+    assert 0 < step(traced, 1) - step(free, 1) <= saved / rate * 1.001
+    # (at these 128 tokens the moves cost about what the FLOPs save on an H100)
+    assert step(free, 1) < step(stats, 1) and step(free, 2) == step(stats, 2)
     assert step(traced, 2) == step(stats, 2)
     assert step(traced, 1, "fp32") == step(stats, 1, "fp32")
 
