@@ -397,6 +397,7 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b",
              "expert_flops_f_split": "f", "expert_flops_b_split": "b",
              "grouped_bytes_f": "bf", "grouped_bytes_b": "bb", "grouped_stack_bytes": "p",
+             "grouped_ep_saved_f": "f", "grouped_ep_saved_b": "b",
              "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
@@ -1375,6 +1376,14 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                      - (1 - 1 / ep) * _expert_flops(segs, "f", tp) * g / rate, 0.0)
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * _expert_flops(segs, "b", tp) * g / rate, 0.0)
+            if tp == 1 and (precision == "bf16" or hw.name == "cpu") and any(
+                    s.grouped_ep_saved_f for s in segs):  # listed experts grouped in
+                # slots (passes/grouped_experts): each rank's 1/ep of them over its rows
+                stack = sum(s.grouped_stack_bytes for s in segs) / ep / bw
+                tf = max(tf - sum(s.grouped_ep_saved_f for s in segs) * g / ep / rate, 0.0) \
+                    + sum(s.grouped_bytes_f for s in segs) * g / bw + stack
+                tb = max(tb - sum(s.grouped_ep_saved_b for s in segs) * g / ep / rate, 0.0) \
+                    + sum(s.grouped_bytes_b for s in segs) * g / bw + stack
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         elif tp == 1 and (precision == "bf16" or hw.name == "cpu"):  # listed experts run
             # grouped (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's
@@ -1798,9 +1807,10 @@ def expert_stats(stats: GraphStats, gm) -> None:
         seg.n_moe += 1
         try:
             saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
+            ep_saved = 0.0 if grouped_experts.ep_why(lst) else saved
         except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
             log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
-            saved = 0.0
+            saved = ep_saved = 0.0
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
             # (split by tp where the tp probe splits each of its matrices: tp=1 each a whole)
@@ -1811,10 +1821,12 @@ def expert_stats(stats: GraphStats, gm) -> None:
                     seg.expert_flops_f += cost.node_flops(n)
                     seg.expert_flops_f_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_f += saved * cost.node_flops(n)
+                    seg.grouped_ep_saved_f += ep_saved * cost.node_flops(n)
                 else:
                     seg.expert_flops_b += cost.node_flops(n)
                     seg.expert_flops_b_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_b += saved * cost.node_flops(n)
+                    seg.grouped_ep_saved_b += ep_saved * cost.node_flops(n)
             if saved:  # (grouped: each weight stacked forward and backward, read + written)
                 seg.grouped_stack_bytes += 2 * sum(cost.tensor_bytes(p.meta[ir.VAL])
                                                    for p in x.params.values())

@@ -94,17 +94,37 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     # the layers whose dispatch the dp pass runs on each rank's own rows: their rows go to
     # their experts' ranks and back by all-to-all; the others' rows are every dp rank's
     local = batch_local_dispatch(gm, options.dp or 1) if layers else {}
+    slots = []
     for layer in layers:
         e = layer.offs.meta[ir.VAL].numel()
         if e % ep:
             raise PlanError(f"Plan.ep={ep}: the MoE layer {layer.module!r} has {e} experts, "
                             f"which do not split evenly over {ep} ranks. Use an ep that "
                             f"divides {e}.")
+        all_to_all = all(m in local for m in layer.matmuls)
+        if any(w.target is aten.stack.default for w in layer.weights):  # (listed experts,
+            # grouped: passes/grouped_experts)
+            if not all(w.target is aten.stack.default for w in layer.weights):
+                raise PlanError(f"Plan.ep: the MoE layer {layer.module!r} multiplies both "
+                                "stacked and stored expert weights; report it to fxpar.")
+            mine = _split_stacks(gm, layer, e // ep, ep, index)
+            if all_to_all:
+                _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
+            else:
+                _rewrite(gm.graph, layer, e // ep, group)
+            slots += mine
+            report.append({"module": layer.module, "experts": e, "per_rank": e // ep,
+                           "rows": layer.rows, "weights": [params[k].meta[ir.FQN]
+                                                           for s in mine for k in s],
+                           "region": len(layer.region), "entering": len(layer.entering),
+                           "leaving": len(layer.leaving),
+                           "dispatch": ("all-to-all" if all_to_all else "gathered rows")
+                           + ", grouped slots"})
+            continue
         tp_split = [w.meta[ir.FQN] for w in layer.weights if layouts[index[w]]]
         if tp_split:
             raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split} are also split by "
                             "tensor parallelism; one weight takes one split. Use ep=1 or tp=1.")
-        all_to_all = all(m in local for m in layer.matmuls)
         if all_to_all:
             _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
         else:
@@ -119,7 +139,6 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                        "region": len(layer.region), "entering": len(layer.entering),
                        "leaving": len(layer.leaving),
                        "dispatch": "all-to-all" if all_to_all else "gathered rows"})
-    slots = []
     for lst in lists:
         e = len(lst.experts)
         if e % ep:
@@ -225,14 +244,15 @@ def _layer(offs, mms, every: set) -> Layer:
                                 f"rows on dim {r}; expert parallelism moves rows on dim 0.")
             leaving.append(n)
     weights = []
+    experts = _val(offs).numel()
     for m in mms:
         if _val(m).dim() == 2:
-            w = _weight_of(m.args[1], m, module)
+            w = _stack_of(m.args[1], experts) or _weight_of(m.args[1], m, module)
             if w not in weights:
                 weights.append(w)
-    experts = _val(offs).numel()
     for w in weights:
-        _only_experts_read(w, every, experts, module)
+        if w.target is not aten.stack.default:
+            _only_experts_read(w, every, experts, module)
     return Layer(offs, rows, mms, region, weights, list(entering), leaving, module)
 
 
@@ -263,6 +283,71 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
                     "split over ep ranks, that op would see this rank's experts alone. Use "
                     "ep=1 for this model.")
             todo.append(u)
+
+
+def _stack_of(x, experts: int):
+    """The stack of one matrix per expert that `x` is (passes/grouped_experts: listed experts
+    run grouped), else None."""
+    while x.op == "call_function" and x.target in _WEIGHT_PATH:
+        x = x.args[0]
+    if x.target is aten.stack.default and len(x.args[0]) == experts and \
+            (len(x.args) < 2 or x.args[1] == 0):
+        return x
+    return None
+
+
+def _param_root(x, module: str):
+    n = x
+    while n.op == "call_function" and n.target in _WEIGHT_PATH:
+        n = n.args[0]
+    if n.op != "placeholder" or n.meta.get(ir.ROLE) != "param":
+        raise PlanError(f"Plan.ep: {x.name} stacked into the experts' weights of {module!r} "
+                        f"is computed by {n.name} ({n.target}), not a parameter; expert "
+                        "parallelism splits parameters.")
+    return n
+
+
+def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int,
+                  index: dict) -> list:
+    """Listed experts run grouped: each stack of their matrices keeps its first E/ep, which
+    are slots (each ep rank binds its own experts to them, as `_rewrite_list`'s); the other
+    experts' matrices and gradients leave the graph. Returns the slots' parameter indices
+    per ep rank."""
+    graph, module = gm.graph, layer.module
+    experts = per_rank * ep
+    out = next(n for n in graph.nodes if n.op == "output")
+    vals = list(out.args[0])
+    held: list[dict] = [{} for _ in range(experts)]  # expert -> its matrices, in stack order
+    gone = set()
+    for st in layer.weights:
+        elems = list(st.args[0])
+        for j, x in enumerate(elems):
+            held[j].setdefault(_param_root(x, module), None)
+        st.args = (elems[:per_rank], *st.args[1:])
+        gone.update(elems[per_rank:])
+    roles = [list(h) for h in held]
+    if len({len(r) for r in roles}) != 1:
+        raise PlanError(f"Plan.ep: the experts of {module!r} stack different numbers of "
+                        "matrices; expert parallelism binds each rank's experts to slots of "
+                        "one shape. Use ep=1 for this model.")
+    others = {p for r in roles[per_rank:] for p in r}
+    if out.meta.get(ir.N_GRADS):  # (another rank's expert: no gradient here)
+        for p in others:
+            g, vals[1 + index[p]] = vals[1 + index[p]], None
+            if isinstance(g, torch.fx.Node):
+                gone.add(g)
+        out.args = (type(out.args[0])(vals),)
+    for n in reversed(list(graph.nodes)):  # (the other experts' views and gradient picks)
+        if n in gone and not n.users and n.op == "call_function":
+            gone.update(n.all_input_nodes)
+            graph.erase_node(n)
+    read = sorted(p.meta[ir.FQN] for p in others if p.users)
+    if read:
+        raise PlanError(f"Plan.ep: the expert weights {read[:4]} of {module!r} are also read "
+                        "outside the experts' grouped matmuls; expert parallelism runs each "
+                        "expert on one rank only. Use ep=1 for this model.")
+    return [[index[roles[r * per_rank + j][k]] for r in range(ep)]
+            for j in range(per_rank) for k in range(len(roles[0]))]
 
 
 def _tp_chunk(n) -> bool:

@@ -1,4 +1,4 @@
-"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped (ep = tp = 1).
+"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped (tp = 1).
 
 compiler/padded_nonzero.py traces each expert of such a list (litgpt's Mixtral, Mistral's
 and DeepSeek's reference code) over `mask.numel()` rows - every (token, k) position, the
@@ -18,10 +18,11 @@ weights in one matmul, as in eager: eager's FLOPs.
 Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
 that are not one index tensor compared with distinct experts, a region op it has no
 grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), each reason
-logged and kept in gm.meta[ir.GROUPED_EXPERTS]; and not under expert parallelism
-(passes/expert_parallel runs such lists in slots) nor tensor parallelism (tensor_parallel
-splits each expert's linears; a grouped matmul over the stacked weights would hold every
-expert whole on each tp rank).
+logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism experts with
+parameters other than matrices (biases: passes/expert_parallel runs those in slots as
+traced; the others' stacks it splits by rank); and not under tensor parallelism
+(tensor_parallel splits each expert's linears; a grouped matmul over the stacked weights
+would hold every expert whole on each tp rank).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ CONTRACT = ir.PassContract(
     # stages, recomputed, cast) as it sees Hugging Face's grouped experts
     before=frozenset({"pipeline_split", "precision", "remat", "tensor_parallel",
                       "expert_parallel", "data_parallel"}),
-    applies=lambda o: (o.ep or 1) == 1 and (o.tp or 1) == 1 and _GROUPED_MM is not None,
+    applies=lambda o: (o.tp or 1) == 1 and _GROUPED_MM is not None,
     finds=lambda gm: any(_is_padded_positions(n) is not None for n in gm.graph.nodes),
     values_fresh=True)
 
@@ -82,7 +83,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     report = []
     try:
         for lst in lists:
-            why = _rewrite(work.graph, lst)
+            why = ep_why(lst) if (options.ep or 1) > 1 else None
+            why = why or _rewrite(work.graph, lst)
             report.append({"module": lst.module, "experts": len(lst.experts),
                            "rows": lst.rows, "grouped": why is None, "why": why})
             if why:
@@ -103,6 +105,16 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         return gm
     work.meta[ir.GROUPED_EXPERTS] = report
     return work
+
+
+def ep_why(lst: ExpertList) -> str | None:
+    """Why `lst`'s experts do not run grouped under expert parallelism (None: they do, their
+    stacked matrices split by rank into slots by passes/expert_parallel); experts with other
+    parameters (biases) run in slots as traced (the planner asks too, to price ep)."""
+    vectors = [p.meta[ir.FQN] for p in lst.experts[0].params.values()
+               if p.meta[ir.VAL].dim() != 2]
+    return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) run in "
+            "slots as traced") if vectors else None
 
 
 def _left(gm, module: str, why: str) -> torch.fx.GraphModule:

@@ -692,6 +692,48 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     assert _expert_flops(segs, "f", 2) == whole / 2 and _expert_flops(segs, "f", 1) == whole
 
 
+def test_grouped_listed_experts_split_as_slots_of_their_stacks():
+    """litgpt's Mixtral at dp=2 x ep=2: its experts run grouped (passes/grouped_experts),
+    each grouped matmul over a stack of this rank's 2 experts' matrices (slots: expert j on
+    ep rank 0, j+2 on rank 1), its rows in this rank's window of the sorted rows; no expert
+    is run as traced, experts 2 and 3 have no gradient and no reader. where_moe's experts
+    (biases) run in slots as traced, the reason kept."""
+    model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
+    prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
+                         plan={"dp": 2, "ep": 2})
+    g, names = prog.graph.graph, prog.signature.param_names
+    assert [(r["dispatch"], r["experts"], r["per_rank"]) for r in
+            prog.graph.meta[ir.EP_REPORT]] == [("gathered rows, grouped slots", 4, 2)] * 2
+    assert all(r["grouped"] for r in prog.graph.meta[ir.GROUPED_EXPERTS])
+    stacks = [n for n in g.nodes if n.target is torch.ops.aten.stack.default
+              and any(u.target is torch.ops.aten._grouped_mm.default for u in n.users)]
+    assert len(stacks) == 12 and all(len(n.args[0]) == 2 for n in stacks)  # (3 fwd, 3 bwd)
+    slots = {names[s[0]]: [names[i] for i in s] for s in prog.expert_slots}
+    layer = "transformer.h.0.mlp.experts"
+    assert {k: v for k, v in slots.items() if k.startswith(layer)} == {
+        f"{layer}.{j}.{w}.weight": [f"{layer}.{j}.{w}.weight", f"{layer}.{j + 2}.{w}.weight"]
+        for j in (0, 1) for w in ("fc_1", "fc_2", "proj")}
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    out = next(n for n in g.nodes if n.op == "output").args[0]
+    for i, name in enumerate(names):
+        other = ".experts.2." in name or ".experts.3." in name
+        assert (not phs[i].users and out[1 + i] is None) if other else True, name
+    expert_params = {phs[i] for i, n in enumerate(names) if ".experts." in n}
+    assert not [n for n in g.nodes if n.target is torch.ops.aten.mm.default and any(
+        a in expert_params or (a.args and a.args[0] in expert_params)
+        for a in n.all_input_nodes)]  # (no expert as traced)
+    assert any(n.target is torch.ops.fxpar.expert_window.default for n in g.nodes)
+    from fxpar.compiler.compile import planner_stats  # (ep priced with its experts grouped)
+    model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
+    segs = planner_stats(model, batch_fn(0), loss_fn=loss_fn).segments
+    assert sum(s.grouped_ep_saved_f for s in segs) == sum(s.grouped_saved_f for s in segs) > 0
+
+    prog = _where_moe_program({"dp": 2, "ep": 2})
+    (why,) = [r["why"] for r in prog.graph.meta[ir.GROUPED_EXPERTS]]
+    assert "under ep, experts with parameters other than matrices" in why
+    assert prog.graph.meta[ir.EP_REPORT][0]["dispatch"] == "expert slots"
+
+
 class _Scale(torch.nn.Module):
     def __init__(self, c):
         super().__init__()
