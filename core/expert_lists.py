@@ -24,8 +24,6 @@ from fxpar.core.errors import PlanError
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-# sums over another group's ranks, element by element: tp's partial sums inside an expert
-ELEMENTWISE_COLLECTIVES = {c10d.all_reduce.default, c10d.wait_tensor.default}
 
 GROUPED_MM = getattr(aten, "_grouped_mm", None)
 TRANSPOSES = {aten.t.default, aten.transpose.int}
@@ -72,7 +70,10 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
     op = node.target
     if node.op != "call_function":
         return None
-    if op is operator.getitem or op in ELEMENTWISE_COLLECTIVES:
+    if op is operator.getitem or op is c10d.wait_tensor.default or (
+            op is c10d.all_reduce.default and node.args[2] == ir.GROUPS["tp"]):
+        # (tp's partial sums inside an expert: element by element over ranks holding the
+        # same rows)
         return {node.args[0]: row}
     if GROUPED_MM is not None and op is GROUPED_MM.default:
         return dict(roles(node))

@@ -56,12 +56,12 @@ _EP_COMBINE = torch.ops.fxpar.ep_combine.default
 RANK_ROWS_OPS = frozenset({_EP_ROUTE, _EP_DISPATCH, _EP_COMBINE})  # (no other rule)
 _POINTER_KEEP = {aten.div.Tensor_mode, aten.floor_divide.default, aten._to_copy.default,
                  aten.clone.default, aten.alias.default}
-# (and tensor parallelism's sums inside an expert: element by element over the tp ranks,
-# which hold the same rows)
 _ELEMENTWISE = {aten._to_copy.default, aten.clone.default, aten.alias.default,
                 aten.div.Tensor_mode, aten.floor_divide.default,
-                torch.ops._c10d_functional.all_reduce.default,
                 torch.ops._c10d_functional.wait_tensor.default}
+# tensor parallelism's sums inside an expert: element by element over the tp ranks, which
+# hold the same rows (no other group's: ep's ranks hold different rows)
+_TP_SUM = torch.ops._c10d_functional.all_reduce.default
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default}
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -337,6 +337,8 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         return _write(node, tags, dst, idx, src)
     if getattr(op, "_name", None) == _TITAN_SCATTER:
         return _write(node, tags, *args[:3])
+    if op is _TP_SUM and args[2] == ir.GROUPS["tp"]:
+        return _pointwise(node, tags)
     if op in _ELEMENTWISE or (isinstance(op, torch._ops.OpOverload)
                               and torch.Tag.pointwise in op.tags):
         return _pointwise(node, tags)

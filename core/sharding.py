@@ -323,7 +323,8 @@ _GROUP_ARG = {
     torch.ops.fxpar.zigzag_chunk.default: 3,
     torch.ops.fxpar.zigzag_order.default: 3,
 }
-# those of them a sum over this mesh's ranks commutes with (a partial sum stays one)
+# those of them a sum over this mesh's ranks commutes with (a partial sum stays one;
+# _Sharder._sum_commutes)
 _SUM_COMMUTES = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
                  c10d.reduce_scatter_tensor.default, torch.ops.fxpar.local_chunk.default,
                  torch.ops.fxpar.partial_from_replicate.default,
@@ -850,7 +851,7 @@ class _Sharder:
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
                                 "shards only ATen graphs.")
-        if self._other_axis(node) and node.target in _SUM_COMMUTES:
+        if self._sum_commutes(node):
             # (a partial sum over this mesh goes through as one: reduced before the gather, it
             # would be summed over this whole mesh where ep's expert gradients are summed
             # over their "edp" part of it, after)
@@ -1028,6 +1029,20 @@ class _Sharder:
             return False
         group = node.args[_GROUP_ARG[node.target]]
         return isinstance(group, str) and group not in self.group_names
+
+    def _sum_commutes(self, node) -> bool:
+        """An op over another axis's group that a sum over this mesh's ranks commutes with:
+        a linear collective of tp's (not ep's: its ranks are this mesh's own), a sum if it
+        reduces, reading no strided shard (those are gathered first, below)."""
+        if node.target not in _SUM_COMMUTES or not self._other_axis(node):
+            return False
+        if node.args[_GROUP_ARG[node.target]] in (ir.GROUPS["ep"], ir.GROUPS["edp"]):
+            return False
+        if node.target is c10d.all_reduce.default and node.args[1] not in ("sum", "avg"):
+            return False
+        return not any(_strided(p) for a in self.inputs(node)
+                       if isinstance(self.specs.get(a), DTensorSpec)
+                       for p in self.specs[a].placements)
 
     def propagate_other_axis(self, node):
         """Such an op acts independently on each of this mesh's shards (sums, gathers and

@@ -25,8 +25,11 @@ rank's E/ep slice along dim 0). Two rewrites, by how the dp pass will run the la
   one rank. The expert gradients are then complete (every token's), reduced by nobody.
 
 Experts kept as an nn.ModuleList (an experts loop, each expert run on the rows routing picks
-for it) are run in slots (see "experts written as nn.ModuleList" below). Batched matmuls over
-gathered weights are refused by name: their experts are not one parameter to split.
+for it) run grouped where passes/grouped_experts could group them: each grouped matmul reads
+a stack of the experts' matrices, of which a rank keeps the first E/ep, slots bound to its
+own experts (`_split_stacks`), its rows moved as above; else they run in slots as traced
+(see "experts written as nn.ModuleList" below). Batched matmuls over gathered weights are
+refused by name: their experts are not one parameter to split.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class Options:
 CONTRACT = ir.PassContract(
     "expert_parallel", Options,
     requires=frozenset({ir.VAL, ir.REGION, ir.MODULE, ir.ROLE, ir.FQN}),
-    # the nodes it adds join their neighbours' pipeline part; a tp-split weight is left alone
+    # the nodes it adds join their neighbours' pipeline part; tp's layouts of the weights it
+    # splits (a slot's experts split alike)
     reads=frozenset({ir.STAGE, ir.PHASE, ir.TP_LAYOUTS}),
     provides=frozenset({ir.EXPERT_PARAMS, ir.EXPERT_SLOTS, ir.EP_REPORT, ir.DYNAMIC_ROWS}),
     # the data-parallel pass shards the rewritten graph: its engine carries the ep group's
@@ -94,7 +98,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     # the layers whose dispatch the dp pass runs on each rank's own rows: their rows go to
     # their experts' ranks and back by all-to-all; the others' rows are every dp rank's
     local = batch_local_dispatch(gm, options.dp or 1) if layers else {}
-    slots = []
+    slots, unread = [], set()  # (unread: the other ranks' experts' matrices)
     for layer in layers:
         e = layer.offs.meta[ir.VAL].numel()
         if e % ep:
@@ -107,12 +111,13 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             if not all(w.target is aten.stack.default for w in layer.weights):
                 raise PlanError(f"Plan.ep: the MoE layer {layer.module!r} multiplies both "
                                 "stacked and stored expert weights; report it to fxpar.")
-            mine = _split_stacks(gm, layer, e // ep, ep, index)
+            mine, others = _split_stacks(gm, layer, e // ep, ep, index)
+            unread |= others
             if all_to_all:
                 _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
             else:
                 _rewrite(gm.graph, layer, e // ep, group)
-            slots += mine
+            slots += [m for m in mine if m not in slots]  # (a layer's recomputed copy)
             report.append({"module": layer.module, "experts": e, "per_rank": e // ep,
                            "rows": layer.rows, "weights": [params[k].meta[ir.FQN]
                                                            for s in mine for k in s],
@@ -139,6 +144,11 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                        "region": len(layer.region), "entering": len(layer.entering),
                        "leaving": len(layer.leaving),
                        "dispatch": "all-to-all" if all_to_all else "gathered rows"})
+    read = sorted(p.meta[ir.FQN] for p in unread if p.users)
+    if read:  # (after every layer's stacks are cut: a recomputed copy reads them too)
+        raise PlanError(f"Plan.ep: the expert weights {read[:4]} are also read outside the "
+                        "experts' grouped matmuls; expert parallelism runs each expert on one "
+                        "rank only. Use ep=1 for this model.")
     for lst in lists:
         e = len(lst.experts)
         if e % ep:
@@ -179,8 +189,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
 @dataclasses.dataclass
 class Layer:
     """One MoE layer: its offs, grouped matmuls, row-wise region (node -> row dim), the
-    weights it splits, the row tensors entering the region and the region's nodes whose rows
-    leave it."""
+    weights it splits (parameters [experts, ...], or stacks of one matrix per listed expert),
+    the row tensors entering the region and the region's nodes whose rows leave it."""
     offs: torch.fx.Node
     rows: int
     matmuls: list
@@ -312,7 +322,8 @@ def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int
     """Listed experts run grouped: each stack of their matrices keeps its first E/ep, which
     are slots (each ep rank binds its own experts to them, as `_rewrite_list`'s); the other
     experts' matrices and gradients leave the graph. Returns the slots' parameter indices
-    per ep rank."""
+    per ep rank, and the other experts' parameters (read by nothing once every layer's
+    stacks are cut)."""
     graph, module = gm.graph, layer.module
     experts = per_rank * ep
     out = next(n for n in graph.nodes if n.op == "output")
@@ -321,6 +332,9 @@ def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int
     gone = set()
     for st in layer.weights:
         elems = list(st.args[0])
+        if len(elems) != experts:  # (a stack two layers share: cut for the first)
+            raise PlanError(f"Plan.ep: the stacked expert weights {st.name} of {module!r} "
+                            "are read by two MoE layers; report this model to fxpar.")
         for j, x in enumerate(elems):
             held[j].setdefault(_param_root(x, module), None)
         st.args = (elems[:per_rank], *st.args[1:])
@@ -341,13 +355,8 @@ def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int
         if n in gone and not n.users and n.op == "call_function":
             gone.update(n.all_input_nodes)
             graph.erase_node(n)
-    read = sorted(p.meta[ir.FQN] for p in others if p.users)
-    if read:
-        raise PlanError(f"Plan.ep: the expert weights {read[:4]} of {module!r} are also read "
-                        "outside the experts' grouped matmuls; expert parallelism runs each "
-                        "expert on one rank only. Use ep=1 for this model.")
     return [[index[roles[r * per_rank + j][k]] for r in range(ep)]
-            for j in range(per_rank) for k in range(len(roles[0]))]
+            for j in range(per_rank) for k in range(len(roles[0]))], others
 
 
 def _tp_chunk(n) -> bool:

@@ -768,7 +768,8 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
 @pytest.mark.slow
 def test_listed_experts_train_like_eager(tmp_path):
     """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
-    torch.where) at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1, ep=4 with ZeRO-3, ep=2 on each
+    torch.where; litgpt's grouped under ep, where_moe's with biases in slots as traced)
+    at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1 (and ZeRO-3 with remat), ep=4 with ZeRO-3, ep=2 on each
     stage of a zero-bubble pipeline of 2 (one MoE layer a stage) and ep=2 x tp=2 (each
     expert tp-split on its rank; with ZeRO-3): losses, evaluate() and every final weight
     (each expert gathered from its rank by name) equal eager AdamW; clipping counts each
@@ -782,6 +783,8 @@ def test_listed_experts_train_like_eager(tmp_path):
                      ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2,
                                                   "schedule": "zero-bubble"}),
                      ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "tp": 2, "zero": 3}),
+                     ("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 3,
+                                                  "remat": "sqrt"}),
                      ("where_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2})])
     workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
                                         str(tmp_path))
