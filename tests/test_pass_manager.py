@@ -36,8 +36,11 @@ def test_the_plan_decides_which_passes_run_and_the_contracts_their_order():
     assert names({"dp": 2}, 2) == ["grouped_experts", "data_parallel", "overlap", "fusion"]
     assert names({"dp": 1, "fuse": False}, 1) == ["grouped_experts", "data_parallel"]
     # (grouped_experts runs where the graph has experts routed by torch.where: ir.finds;
-    # expert parallelism runs them in slots instead, tensor parallelism splits each)
-    assert "grouped_experts" not in names({"dp": 2, "ep": 2}, 2)
+    # under ep too, before expert parallelism splits their stacks; tensor parallelism splits
+    # each expert instead)
+    assert names({"dp": 2, "ep": 2}, 2) == ["grouped_experts", "expert_parallel",
+                                             "data_parallel", "overlap", "fusion"]
+    assert "grouped_experts" not in names({"tp": 2}, 2)
 
 
 def test_a_pass_whose_required_key_nobody_provides_is_refused():
