@@ -306,17 +306,6 @@ def _stack_of(x, experts: int):
     return None
 
 
-def _param_root(x, module: str):
-    n = x
-    while n.op == "call_function" and n.target in _WEIGHT_PATH:
-        n = n.args[0]
-    if n.op != "placeholder" or n.meta.get(ir.ROLE) != "param":
-        raise PlanError(f"Plan.ep: {x.name} stacked into the experts' weights of {module!r} "
-                        f"is computed by {n.name} ({n.target}), not a parameter; expert "
-                        "parallelism splits parameters.")
-    return n
-
-
 def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int,
                   index: dict) -> list:
     """Listed experts run grouped: each stack of their matrices keeps its first E/ep, which
@@ -336,7 +325,7 @@ def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int
             raise PlanError(f"Plan.ep: the stacked expert weights {st.name} of {module!r} "
                             "are read by two MoE layers; report this model to fxpar.")
         for j, x in enumerate(elems):
-            held[j].setdefault(_param_root(x, module), None)
+            held[j].setdefault(_weight_of(x, st, module), None)
         st.args = (elems[:per_rank], *st.args[1:])
         gone.update(elems[per_rank:])
     roles = [list(h) for h in held]
@@ -368,6 +357,7 @@ def _tp_chunk(n) -> bool:
 
 
 def _weight_of(x, mm, module):
+    """The parameter `x` (an operand of grouped matmul or stack `mm`) views."""
     n = x
     while n.op == "call_function" and (n.target in _WEIGHT_PATH or _tp_chunk(n)):
         n = n.args[0]
