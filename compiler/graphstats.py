@@ -34,7 +34,8 @@ from fxpar.core import cost, ir
 from fxpar.core.graphs import grad_sum_trees, param_grads
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            *([aten._grouped_mm.default] if hasattr(aten, "_grouped_mm") else [])}
 
 
 def layer_key(module: str) -> str | None:

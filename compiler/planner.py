@@ -1860,11 +1860,16 @@ def expert_stats(stats: GraphStats, gm) -> None:
         counts.append(layer.offs.meta[ir.VAL].numel())
         seg.n_moe += 1
         seg.expert_params += sum(w.meta[ir.VAL].numel() for w in layer.weights)
+        # (split by tp where the tp probe splits every stack of the layer: expert tp)
+        split = all(stats.tp_roles.get(w.meta.get(ir.FQN), "replicated") != "replicated"
+                    for w in layer.weights)
         for m in layer.matmuls:
             if m.meta.get(ir.REGION) == ir.FORWARD:
                 seg.expert_flops_f += cost.node_flops(m)
+                seg.expert_flops_f_split += cost.node_flops(m) if split else 0.0
             else:
                 seg.expert_flops_b += cost.node_flops(m)
+                seg.expert_flops_b_split += cost.node_flops(m) if split else 0.0
         # what the rewrite adds: each entering row tensor gathered (read + write), each
         # leaving one gathered back and masked (4 passes), each grouped matmul's rows masked
         # (read + write)

@@ -17,7 +17,7 @@ into G); an index with pointers into x's order reads x's rows in the pointers' o
 index_put / scatter writes its source's rows to the pointers' positions; histograms and
 their cumulative sums are partial counts; a grouped matmul needs rows in a sort's order and
 counts from the same rank. Every other op must keep the rows where they are (pointwise,
-transpose, view, split or reduce along other dims). A value in a sort's order, or a
+transpose, view, split, select or reduce along other dims). A value in a sort's order, or a
 pointer, may reach only ops so typed; a dispatch (the values connected through them) whose
 ops all type, with at least one grouped matmul, is run locally by `rule`: rows split along
 their row dim, counts and weight gradients partial, factories sized to the local rows.
@@ -206,7 +206,7 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
             if u.target is operator.getitem:
                 users.remove(u)
                 users.extend(u.users)
-        if any(u not in local for u in users):
+        if any(u not in local and not _dtype_only(u, node) for u in users):
             bad.add(find(node))
     if outside:
         pl = placed(list(outside)) if placed is not None else {}
@@ -215,6 +215,12 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
                 bad.update(find(m) for m in readers)
     bad.update(find(x) for x, e in local.items() if not _splits(x, e, n))
     return {x: e for x, e in local.items() if find(x) in matmul_roots and find(x) not in bad}
+
+
+def _dtype_only(user, x) -> bool:
+    """`user` reads x for its dtype and device alone (new_zeros(x, size): a whole-size
+    factory, e.g. tp's zeros chunked over the features before a backward index_add)."""
+    return user.target in _FACTORIES and user.args[0] is x and x not in user.args[1:]
 
 
 def _splits(node, entry, n) -> bool:
@@ -303,6 +309,12 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         if dim % _val(args[0]).dim() == t.dim:
             raise _Untyped
         return Local(t, {})
+    if op is aten.select.int:  # (along another dim: tp's interleaved pieces of a row)
+        t = _only_rows(ts)
+        dim = args[1] % _val(args[0]).dim()
+        if dim == t.dim:
+            raise _Untyped
+        return Local(_moved(t, t.dim - (dim < t.dim)), {})
     if op is aten.cat.default:
         xs, dim = args[0], args[1] if len(args) > 1 else 0
         got = [tags.get(x) for x in xs]

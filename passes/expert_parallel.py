@@ -126,10 +126,14 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                            "dispatch": ("all-to-all" if all_to_all else "gathered rows")
                            + ", grouped slots"})
             continue
-        tp_split = [w.meta[ir.FQN] for w in layer.weights if layouts[index[w]]]
+        # (tp may split the stacks along their features, each expert's matrix alike: ep
+        # takes dim 0, runtime/trainer.splits_of applies both)
+        tp_split = [w.meta[ir.FQN] for w in layer.weights
+                    if layouts[index[w]] and 0 in (layouts[index[w]][0], layouts[index[w]][1])]
         if tp_split:
-            raise PlanError(f"Plan.ep={ep}: the expert weights {tp_split} are also split by "
-                            "tensor parallelism; one weight takes one split. Use ep=1 or tp=1.")
+            raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the expert weights "
+                            f"{tp_split} along their experts (dim 0), which ep splits; one dim "
+                            "takes one split. Use ep=1 or tp=1.")
         if all_to_all:
             _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
         else:

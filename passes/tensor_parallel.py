@@ -42,19 +42,27 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: one per matmul node
 class Linear:
-    mm: torch.fx.Node           # aten.mm / aten.addmm in the forward
+    """A matmul of activations by a parameter: nn.Linear's mm/addmm, or a grouped matmul
+    of rows sorted by expert by a [experts, ...] stack of expert matrices (Hugging Face's
+    and torchtitan's grouped experts: each expert's linear, split over tp alike)."""
+    mm: torch.fx.Node           # aten.mm / aten.addmm / aten._grouped_mm in the forward
     weight: torch.fx.Node       # the weight's parameter placeholder
     act: torch.fx.Node          # the activation (mat1)
     transposed: bool            # weight stored [out, in] and read through t() (nn.Linear)
     bias: torch.fx.Node | None  # addmm's bias, if a parameter placeholder
+    lead: int = 0               # 1 for a stack of expert matrices (dim 0: the expert)
 
     @property
     def out_dim(self) -> int:   # weight dim of the output features
-        return 0 if self.transposed else 1
+        return self.lead + (0 if self.transposed else 1)
 
     @property
     def in_dim(self) -> int:    # weight dim contracted with the activation
-        return 1 if self.transposed else 0
+        return self.lead + (1 if self.transposed else 0)
+
+    @property
+    def operand(self) -> torch.fx.Node:  # the matmul's weight argument
+        return self.mm.args[1] if self.lead else self.mm.args[-1]
 
 
 @dataclasses.dataclass
@@ -234,23 +242,42 @@ def _reason_lines(whole, reasons, most=10) -> str:
 # --- finding the linears ------------------------------------------------------------------
 
 def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
-    """Forward mm/addmm nodes whose weight is a 2-D parameter, in graph order."""
+    """Forward mm/addmm nodes whose weight is a 2-D parameter, and grouped matmuls of rows
+    by a 3-D parameter (a stack of expert matrices, read as is or through a transpose of
+    its last two dims), in graph order."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.meta.get(ir.REGION) != ir.FORWARD:
             continue
+        lead = 0
         if n.target is aten.mm.default:
             act, w, bias = n.args[0], n.args[1], None
         elif n.target is aten.addmm.default and not n.kwargs:
             bias, act, w = n.args[0], n.args[1], n.args[2]
+        elif n.target is _GROUPED_MM and len(n.args) == 3 and not n.kwargs and \
+                n.args[0].meta[ir.VAL].dim() == 2:  # (no bias, no out_dtype)
+            act, w, bias, lead = n.args[0], n.args[1], None, 1
         else:
             continue
-        transposed = isinstance(w, torch.fx.Node) and w.target is aten.t.default
+        transposed = isinstance(w, torch.fx.Node) and (
+            w.target is aten.t.default if not lead else _swaps_last_two(w))
         src = _uncast(w.args[0] if transposed else w)
         bias = _uncast(bias)
-        if src in params and src.meta[ir.VAL].dim() == 2:
-            out.append(Linear(n, src, act, transposed, bias if bias in params else None))
+        if src in params and src.meta[ir.VAL].dim() == 2 + lead:
+            out.append(Linear(n, src, act, transposed, bias if bias in params else None, lead))
     return out
+
+
+_GROUPED_MM = getattr(aten, "_grouped_mm", None)
+_GROUPED_MM = getattr(_GROUPED_MM, "default", None)
+
+
+def _swaps_last_two(node) -> bool:
+    """node is a transpose of its input's last two dims (of three)."""
+    if node.target is not aten.transpose.int:
+        return False
+    rank = node.args[0].meta[ir.VAL].dim()
+    return sorted(d % rank for d in node.args[1:3]) == [rank - 2, rank - 1]
 
 
 def _uncast(node):
@@ -264,9 +291,10 @@ def _uncast(node):
 
 def _root(node):
     """The value `node` is a chain of views/transposes/transfers (and mixed-precision dtype
-    casts) of."""
+    casts) of (a transpose: of a matrix, or of each matrix of a stack)."""
     while isinstance(node, torch.fx.Node) and (node.target in (*ir.RESHAPES, aten.t.default) or (
-            node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"})):
+            node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"}) or (
+            node.target is aten.transpose.int and _swaps_last_two(node))):
         node = node.args[0]
     return node
 
@@ -357,8 +385,8 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
 def _reads_weight(node, weight) -> bool:
     """node is (a view of) a matmul whose weight operand is (a transpose of) `weight`."""
     node = _root(node)
-    if not isinstance(node, torch.fx.Node) or node.target not in (aten.mm.default,
-                                                                   aten.addmm.default):
+    if not isinstance(node, torch.fx.Node) or node.target not in (
+            aten.mm.default, aten.addmm.default, _GROUPED_MM):
         return False
     return any(_root(a) is weight for a in node.args if isinstance(a, torch.fx.Node))
 
@@ -372,8 +400,8 @@ def _feeds(cat, grad) -> bool:
     if grad.target is aten.div.Tensor and isinstance(grad.args[1], torch.fx.Node) and \
             grad.args[1].meta[ir.VAL].dim() == 0:  # fp16: the gradient unscaled by the loss
         grad = grad.args[0]                      # scale (passes/precision.py)
-    mm = _root(grad)
-    return isinstance(mm, torch.fx.Node) and mm.target is aten.mm.default and any(
+    mm = _root(grad)  # (a grouped matmul's weight gradient: a grouped matmul too)
+    return isinstance(mm, torch.fx.Node) and mm.target in (aten.mm.default, _GROUPED_MM) and any(
         _root(a) is cat for a in mm.args if isinstance(a, torch.fx.Node))
 
 
@@ -597,7 +625,7 @@ def _weight_uses(gm, linears):
     for lin in linears:
         s = uses.setdefault(lin.weight, set())
         s.add(lin.mm)
-        w = lin.mm.args[-1]
+        w = lin.operand
         if lin.transposed:
             s.add(w)
             w = w.args[0]

@@ -173,14 +173,13 @@ def _full_shape(pm, i) -> torch.Size:
 
 
 def _to_full(pm, i, local):
-    split = pm.split_of(i)  # (a tp layout, an expert weight's ep split)
-    return rtp.full_param(local, split[0], split[1], split[3]) if split is not None \
-        else local.detach().clone()
+    splits = pm.splits_of(i)  # (a tp layout, an expert weight's ep split)
+    return rtp.full_of(local, splits) if splits else local.detach().clone()
 
 
 def _to_local(pm, i, full):
-    split = pm.split_of(i)
-    return rtp.local_param(full, *split[:3]) if split is not None else full
+    splits = pm.splits_of(i)
+    return rtp.local_of(full, splits) if splits else full
 
 
 def _slots(pm):

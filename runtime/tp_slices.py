@@ -4,6 +4,10 @@ A layout (from the tensor_parallel pass, Program.tp_layouts) is (shard_dim, inte
 the weight is split over the tp ranks along shard_dim (None: kept whole); k > 1 means its
 interleave_dim holds k fused pieces (a fused QKV projection) stored interleaved, so that
 each rank's contiguous slice holds its share of every piece: rank r gets [q_r; k_r; v_r].
+
+A parameter may be split more than once (an expert stack: along its experts over the ep
+group, then along its features over tp): `local_of` / `full_of` apply a chain of splits,
+each (layout, ranks, this rank's index, group), on dims the others leave whole.
 """
 from __future__ import annotations
 
@@ -41,3 +45,18 @@ def full_param(local: torch.Tensor, layout, tp: int, group) -> torch.Tensor:
     if k > 1:
         t = _interleave(t, il_dim, k, tp, inverse=True)
     return t.clone()
+
+
+def local_of(full: torch.Tensor, splits) -> torch.Tensor:
+    """This rank's tensor of the user's full weight, after each split in turn."""
+    for layout, ranks, rank, _ in splits:
+        full = local_param(full, layout, ranks, rank)
+    return full
+
+
+def full_of(local: torch.Tensor, splits) -> torch.Tensor:
+    """The user's full weight from every rank's tensor: the splits undone, last first
+    (collective over each split's group)."""
+    for layout, ranks, _, group in reversed(splits):
+        local = full_param(local, layout, ranks, group)
+    return local

@@ -131,7 +131,7 @@ class ParallelModel:
         self.param_shapes = [torch.Size(params[n].shape) for n in sig.param_names]
         self.tp_group = world.mesh.get_group("tp") if plan.tp > 1 else None
         self.ep_group = world.mesh.get_group("ep") if program.ep > 1 else None
-        # ep's expert weights: grouped experts' slices (split_of), and the slots of experts
+        # ep's expert weights: grouped experts' slices (splits_of), and the slots of experts
         # kept as an nn.ModuleList, each bound to this ep rank's expert (held_names); ZeRO
         # shards both over the ranks holding the same experts
         self._expert_slices = frozenset(program.expert_params)
@@ -139,8 +139,8 @@ class ParallelModel:
         self.held_names = held_names(program, world.coordinate("ep") if program.ep > 1 else 0)
         # each parameter's shape in this rank's program before ZeRO-3 (its tp slice, its
         # experts under ep; nothing for another rank's listed expert)
-        self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.local_runs(
-            shape, *(self.split_of(i) or (None, 1, 0))[:3])) if self.held_names[i] else
+        self.local_shapes = [torch.Size(rweights.run_length(x) for x in rweights.split_runs(
+            shape, self.splits_of(i))) if self.held_names[i] else
             torch.Size([0]) for i, shape in enumerate(self.param_shapes)]
         # a listed expert's index -> (the slot holding it, the ep rank whose slot it is)
         self._slot_of = {k: (s[0], r) for s in program.expert_slots for r, k in enumerate(s)}
@@ -181,9 +181,9 @@ class ParallelModel:
         if weights is None:
             with clock("shard parameters"), torch.no_grad():  # tp, ep: this rank's slices
                 for i, p in enumerate(self.params):
-                    split = self.split_of(i)
-                    if split is not None:
-                        p.data = rtp.local_param(p.data, *split[:3])
+                    splits = self.splits_of(i)
+                    if splits:
+                        p.data = rtp.local_of(p.data, splits)
         buffers = dict(model.named_buffers(remove_duplicate=False))
         t_opt = time.perf_counter()
         self.host_optimizer = None  # Plan.offload_optimizer: runtime/host_optimizer.py
@@ -323,7 +323,7 @@ class ParallelModel:
             if i not in need or name is None:
                 continue
             p = model_params[name]
-            runs = rweights.local_runs(tuple(p.shape), *(self.split_of(i) or (None, 1, 0))[:3])
+            runs = rweights.split_runs(tuple(p.shape), self.splits_of(i))
             src, key = weights.locate(name)
             if shards is not None:  # ZeRO-3: the rows covering this rank's flat slice only
                 rows, off, n, size = rweights.flat_shard_rows(runs, *self._zero_ranks(i))
@@ -889,25 +889,28 @@ class ParallelModel:
             return z.full_param(i)
         return self.params[i].data
 
-    def split_of(self, i: int):
-        """How this rank's program holds parameter i when it holds a slice of it: (layout,
-        ranks, this rank's index, group) for runtime/tp_slices (a tp layout, or the ep
-        group's split of an expert weight along its experts), None when whole (or held by
-        another ep rank: a listed expert's 0-element stand-in)."""
+    def splits_of(self, i: int) -> tuple:
+        """How this rank's program holds parameter i when it holds a slice of it: the
+        splits runtime/tp_slices.local_of applies, each (layout, ranks, this rank's index,
+        group): the ep group's split of an expert stack along its experts, then its tp
+        layout. () when whole (or held by another ep rank: a listed expert's 0-element
+        stand-in)."""
         if self.held_names[i] is None:
-            return None
+            return ()
+        out = []
+        if i in self._expert_slices:
+            out.append(((0, None, 1), self.program.ep, self.world.coordinate("ep"),
+                        self.ep_group))
         layout = self.program.tp_layouts[i]
         if layout is not None:
-            return layout, self.plan.tp, self.world.coordinate("tp"), self.tp_group
-        if i in self._expert_slices:
-            return (0, None, 1), self.program.ep, self.world.coordinate("ep"), self.ep_group
-        return None
+            out.append((layout, self.plan.tp, self.world.coordinate("tp"), self.tp_group))
+        return tuple(out)
 
     def _full_param(self, i: int) -> torch.Tensor:
         """The user's whole parameter i from this rank's shards (collective over the tp, ep
         and dp groups where it is sharded there)."""
-        split, local = self.split_of(i), self._program_param(i)
-        return rtp.full_param(local, split[0], split[1], split[3]) if split else local
+        splits, local = self.splits_of(i), self._program_param(i)
+        return rtp.full_of(local, splits) if splits else local
 
     @calls.collective
     def full_params(self, every_expert: bool = True) -> dict[int, torch.Tensor]:
@@ -924,8 +927,8 @@ class ParallelModel:
         named = dict(self.model.named_parameters(remove_duplicate=False))
         out = {}
         for i, p in enumerate(self.params):
-            split = self.split_of(i)
-            if i not in need or (split is None and not z3 and i not in slots):
+            split = self.splits_of(i)
+            if i not in need or (not split and not z3 and i not in slots):
                 continue
             full = self._full_param(i)
             if i in slots and not every_expert:  # (this rank's expert, under its own name)
@@ -937,7 +940,7 @@ class ParallelModel:
                 for k, part in zip(slots[i], parts):
                     out[id(named[self.program.signature.param_names[k]])] = part
                 continue
-            out[id(p)] = full if split is not None else full.clone()
+            out[id(p)] = full if split else full.clone()
         return out
 
     # --- state ------------------------------------------------------------------------------

@@ -55,24 +55,36 @@ Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of one dim, in l
 
 # --- which elements of the full tensor a rank holds ---------------------------------------
 
-def local_runs(shape, layout, tp: int, rank: int) -> list[Runs]:
+def local_runs(shape, layout, tp: int, rank: int, runs: list[Runs] | None = None
+               ) -> list[Runs]:
     """Per dim of the full tensor, the ranges whose concatenation is this tp rank's tensor
     (rtp.local_param's result, without making the full tensor). layout: (shard_dim,
-    interleave_dim, k) or None."""
-    runs: list[Runs] = [[(0, n)] for n in shape]
+    interleave_dim, k) or None. `runs`: an earlier split's (on other dims), to split
+    further."""
+    runs = [list(r) for r in runs] if runs is not None else [[(0, n)] for n in shape]
     if layout is None:
         return runs
     shard_dim, il_dim, k = layout
     if k > 1:  # fused pieces: rank r's chunk is [piece_0 share r; piece_1 share r; ...]
         n = shape[il_dim]
+        if runs[il_dim] != [(0, n)]:
+            raise ValueError(f"fxpar bug: dim {il_dim} interleaved after another split of it")
         c = n // (k * tp)
         runs[il_dim] = [(j * n // k + r * c, j * n // k + (r + 1) * c)
                         for r in range(tp) for j in range(k)]
     if shard_dim is not None:
-        n = shape[shard_dim]
+        n = run_length(runs[shard_dim])
         size = -(-n // tp)  # torch.chunk's sizes
         runs[shard_dim] = narrow(runs[shard_dim], min(n, rank * size), min(n, (rank + 1) * size))
     return runs
+
+
+def split_runs(shape, splits) -> list[Runs]:
+    """local_runs after each split in turn (runtime/tp_slices.local_of's chain)."""
+    runs = None
+    for layout, ranks, rank, _ in splits:
+        runs = local_runs(shape, layout, ranks, rank, runs)
+    return runs if runs is not None else [[(0, n)] for n in shape]
 
 
 def narrow(runs: Runs, start: int, stop: int) -> Runs:

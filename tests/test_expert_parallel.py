@@ -306,10 +306,14 @@ def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_nam
         fxpar.compile(llama, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
 
 
+def spec_shape(model, name):
+    return dict(model.named_parameters())[name].shape
+
+
 def test_tp_inside_the_experts_of_each_ep_rank():
     """ep=2 x tp=2 inside dp=2 splits each expert over tp on the rank holding it. Grouped
-    experts (DeepSeek-V3's: DTensor's grouped-matmul rule chunks their weight along its
-    features): each rank's E/ep slice, chunked as before, its rows by all-to-all. Listed
+    experts (DeepSeek-V3's): each rank's E/ep slice of each stack, stored split along its
+    features by the tp pass, its rows by all-to-all. Listed
     experts (where_moe: column -> row linears, the row's bias kept by one tp rank): each slot
     holds its ep rank's expert tp-split like the others of its slot, the partial sum
     all-reduced over tp inside the slot."""
@@ -319,12 +323,10 @@ def test_tp_inside_the_experts_of_each_ep_rank():
     assert (report["dispatch"], report["experts"], report["per_rank"]) == ("all-to-all", 4, 2)
     g, names = prog.graph.graph, prog.signature.param_names
     phs = [n for n in g.nodes if n.op == "placeholder"]
-    for i in prog.expert_params:  # (this rank's 2 of 4 experts, whole over tp)
-        assert prog.tp_layouts[i] is None and phs[i].meta[ir.VAL].shape[0] == 2
-    chunked = [n for n in g.nodes if n.target is torch.ops.fxpar.local_chunk.default
-               and n.args[3] == "fxpar.tp" and any(
-                   u.target is torch.ops.aten._grouped_mm.default for u in n.users)]
-    assert chunked and all(n.args[1] != 0 for n in chunked)
+    for i in prog.expert_params:  # (this rank's 2 of 4 experts, split over tp)
+        layout = prog.tp_layouts[i]
+        assert layout[0] not in (None, 0) and phs[i].meta[ir.VAL].shape[0] == 2
+        assert phs[i].meta[ir.VAL].shape[layout[0]] * 2 == spec_shape(ds, names[i])[layout[0]]
 
     prog = _where_moe_program({"dp": 2, "ep": 2, "tp": 2})
     names, layouts = prog.signature.param_names, prog.tp_layouts
