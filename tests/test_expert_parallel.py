@@ -800,3 +800,21 @@ def test_listed_experts_train_like_eager(tmp_path):
         assert all(torch.equal(saved[k], full[k]) and torch.equal(reloaded[k], full[k])
                    for k in full)
         assert loss == loss_again
+
+
+@pytest.mark.slow
+def test_grouped_experts_split_by_ep_and_tp_save_resume_and_reload(tmp_path):
+    """HF Mixtral at dp=2 x ep=2 x tp=2: each stack split along its experts (ep) and along
+    its features (tp, gate_up interleaved). save_pretrained writes the Hub's per-expert
+    tensors, a meta-device model built from them (weights=: each rank reads its ep x tp
+    block) holds the same weights and takes the same next step; the run's checkpoint
+    resumes bit for bit and loads into plain dp=4; clipping counts each element once."""
+    full, saved, reloaded, (loss, loss_again) = fxpar.launch(
+        workers.pretrained_round_trip_rank, 4, "mixtral", {"dp": 2, "ep": 2, "tp": 2},
+        str(tmp_path / "hf"))[0]
+    assert set(full) == set(reloaded) and all(torch.equal(reloaded[k], full[k]) for k in full)
+    assert any("experts.3.w1" in k for k in saved)  # (the Hub's layout: one per expert)
+    assert loss == loss_again
+    workers.check_resumed_and_resharded(4, "mixtral", {"dp": 2, "ep": 2, "tp": 2}, {"dp": 4},
+                                        str(tmp_path / "ck"))
+    check_clipping(4, [("mixtral", {"dp": 2, "ep": 2, "tp": 2})])
