@@ -16,12 +16,13 @@ from the same initial weights on the same batches with AdamW (lr 1e-3):
                                before its use forward and backward
     Plan(dp=world, ep=world)   each rank holds world-th of the experts; the routed rows go to
                                their experts' ranks and back by all-to-all
-    Plan(tp=world)             the attention and dense layers split; the experts replicated
+    Plan(tp=world)             the attention, dense layers and experts split (each expert's
+                               linears, Hugging Face's grouped stacks along their features)
     Plan(dp=world, zero=3,     ZeRO-3 with ep = world / 2 (2 at 2 ranks): an expert weight is
          ep=max(2, world/2))   1/ep of the experts, ZeRO-sharded over the dp / ep ranks holding
                                them (none more at ep = dp), the other weights over all ranks
     Plan(dp=world/2, ep=2,     (from 4 ranks) half the experts per rank, each split over tp
-         tp=2)                 where the tp pass splits it (litgpt's), else replicated over tp
+         tp=2)
 
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step, a barrier before each step, the sides' steps interleaved (the order rotating) so a

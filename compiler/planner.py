@@ -1136,15 +1136,18 @@ def _context_attentions(stats, cp: int, constraints) -> list[str]:
     return ["gather"] + ([] if stats.ring_refusal else ["ring"])
 
 
-def _grouped(segs, tf, tb, g, rate, bw, ep: int, saved: str) -> tuple[float, float]:
+def _grouped(segs, tf, tb, g, rate, bw, ep: int, saved: str, tp: int = 1
+             ) -> tuple[float, float]:
     """The forward and backward times with listed experts grouped (passes/grouped_experts),
-    each rank holding 1/ep of them: the FLOPs `saved` (the Segment fields' prefix) of their
-    traced matmuls less, the bytes grouping moves more (the stacks of the rank's experts'
-    weights; the rows, `g` x the traced rows)."""
-    stack = sum(s.grouped_stack_bytes for s in segs) / ep / bw
-    tf = max(tf - sum(getattr(s, f"{saved}_f") for s in segs) * g / ep / rate, 0.0) + sum(
+    each rank holding 1/ep of them (and 1/tp of each where tp splits their linears): the
+    FLOPs `saved` (the Segment fields' prefix) of their traced matmuls less, the bytes
+    grouping moves more (the stacks of the rank's experts' weights; the rows, `g` x the
+    traced rows, whole on each tp rank)."""
+    share = ep * (tp if any(s.expert_flops_f_split for s in segs) else 1)
+    stack = sum(s.grouped_stack_bytes for s in segs) / share / bw
+    tf = max(tf - sum(getattr(s, f"{saved}_f") for s in segs) * g / share / rate, 0.0) + sum(
         s.grouped_bytes_f for s in segs) * g / bw + stack
-    tb = max(tb - sum(getattr(s, f"{saved}_b") for s in segs) * g / ep / rate, 0.0) + sum(
+    tb = max(tb - sum(getattr(s, f"{saved}_b") for s in segs) * g / share / rate, 0.0) + sum(
         s.grouped_bytes_b for s in segs) * g / bw + stack
     return tf, tb
 
@@ -1389,18 +1392,18 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                      - (1 - 1 / ep) * _expert_flops(segs, "f", tp) * g / rate, 0.0)
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * _expert_flops(segs, "b", tp) * g / rate, 0.0)
-            if tp == 1 and (precision == "bf16" or hw.name == "cpu") and any(
+            if (precision == "bf16" or hw.name == "cpu") and any(
                     s.grouped_ep_saved_f for s in segs):  # listed experts grouped in
                 # slots (passes/grouped_experts): each rank's 1/ep of them over its rows
-                tf, tb = _grouped(segs, tf, tb, g, rate, bw, ep, "grouped_ep_saved")
+                tf, tb = _grouped(segs, tf, tb, g, rate, bw, ep, "grouped_ep_saved", tp)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
-        elif tp == 1 and (precision == "bf16" or hw.name == "cpu"):  # listed experts run
-            # grouped (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's
-            # rows, 1/E of their traced matmuls
+        elif precision == "bf16" or hw.name == "cpu":  # listed experts run grouped
+            # (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's rows, 1/E
+            # of their traced matmuls
             g = mbs * dp / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             bw = hw.mem_bandwidth / hw.roofline_scale
-            tf, tb = _grouped(segs, tf, tb, g, rate, bw, 1, "grouped_saved")
+            tf, tb = _grouped(segs, tf, tb, g, rate, bw, 1, "grouped_saved", tp)
         if cp > 1:  # every attention's keys and values gathered over the cp group
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
             # the rank's rows, whole (cp x its tokens in whole-sequence rows)

@@ -301,8 +301,8 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
 
 def _stack_of(x, experts: int):
     """The stack of one matrix per expert that `x` is (passes/grouped_experts: listed experts
-    run grouped), else None."""
-    while x.op == "call_function" and x.target in _WEIGHT_PATH:
+    run grouped), else None (through tp's chunk of it along the features, as _weight_of)."""
+    while x.op == "call_function" and (x.target in _WEIGHT_PATH or _tp_chunk(x)):
         x = x.args[0]
     if x.target is aten.stack.default and len(x.args[0]) == experts and \
             (len(x.args) < 2 or x.args[1] == 0):

@@ -1,4 +1,4 @@
-"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped (tp = 1).
+"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped.
 
 compiler/padded_nonzero.py traces each expert of such a list (litgpt's Mixtral, Mistral's
 and DeepSeek's reference code) over `mask.numel()` rows - every (token, k) position, the
@@ -20,9 +20,8 @@ that are not one index tensor compared with distinct experts, a region op it has
 grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), each reason
 logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism experts with
 parameters other than matrices (biases: passes/expert_parallel runs those in slots as
-traced; the others' stacks it splits by rank); and not under tensor parallelism
-(tensor_parallel splits each expert's linears; a grouped matmul over the stacked weights
-would hold every expert whole on each tp rank).
+traced; the others' stacks it splits by rank). Under tensor parallelism the tp pass
+splits each stack's experts' weights alike (passes/tensor_parallel.find_linears).
 """
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ _GROUPED_MM = getattr(aten, "_grouped_mm", None)
 class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     ep: int | None = 1
-    tp: int | None = 1
     precision: str = "fp32"
 
 
@@ -62,7 +60,7 @@ CONTRACT = ir.PassContract(
     # stages, recomputed, cast) as it sees Hugging Face's grouped experts
     before=frozenset({"pipeline_split", "precision", "remat", "tensor_parallel",
                       "expert_parallel", "data_parallel"}),
-    applies=lambda o: (o.tp or 1) == 1 and _GROUPED_MM is not None,
+    applies=lambda o: _GROUPED_MM is not None,
     finds=lambda gm: any(_is_padded_positions(n) is not None for n in gm.graph.nodes),
     values_fresh=True)
 

@@ -51,6 +51,13 @@ class Linear:
     transposed: bool            # weight stored [out, in] and read through t() (nn.Linear)
     bias: torch.fx.Node | None  # addmm's bias, if a parameter placeholder
     lead: int = 0               # 1 for a stack of expert matrices (dim 0: the expert)
+    # the experts' own 2-D weights where the grouped matmul stacks them (listed experts run
+    # grouped, passes/grouped_experts): each split alike; `weight` is the first
+    stacked: tuple = ()
+
+    @property
+    def params(self) -> tuple:  # every parameter this linear's role places
+        return self.stacked or (self.weight,)
 
     @property
     def out_dim(self) -> int:   # weight dim of the output features
@@ -62,7 +69,7 @@ class Linear:
 
     @property
     def operand(self) -> torch.fx.Node:  # the matmul's weight argument
-        return self.mm.args[1] if self.lead else self.mm.args[-1]
+        return self.mm.args[1] if self.lead or self.stacked else self.mm.args[-1]
 
 
 @dataclasses.dataclass
@@ -93,8 +100,8 @@ def _decide(gm, options, ctx):
     for lin in linears:
         reads[lin.weight] = reads.get(lin.weight, 0) + 1
     for lin in linears:
-        if reads[lin.weight] > 1:  # (an RNN's gates, read once per time step): as it is,
-            continue               # in the training and the evaluation graph alike
+        if reads[lin.weight] > 1 or lin.stacked:  # (an RNN's gates, read once per time
+            continue  # step: as it is, in the training and the evaluation graph alike)
         i = phs.index(lin.weight)
         k = _rewrite_fused_split(gm, lin, tp, grads[i] if i < len(grads) else None)
         if k:
@@ -142,7 +149,7 @@ def roles(gm: torch.fx.GraphModule, sig: ir.GraphSignature, tp: int = 2,
     copy = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     ctx = _DecideContext(sig, {"tp": "tp"}, device)
     _, params, _, _, _, found, _, _ = _decide(copy, Options(tp=tp, tp_style=tp_style), ctx)
-    return {params[lin.weight]: r for lin, r in found.items()}
+    return {params[p]: r for lin, r in found.items() for p in lin.params}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +221,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                                if r == "replicated"))
     reasons = {params[w]: text for w, text in why.items() if params[w] in whole}
     gm.meta[ir.TP_REPORT] = Decision(
-        tp, [params[lin.weight] for lin, r in roles.items() if r.startswith("column")],
-        [params[lin.weight] for lin, r in roles.items() if r == "row"], whole,
+        tp, [params[p] for lin, r in roles.items() if r.startswith("column") for p in lin.params],
+        [params[p] for lin, r in roles.items() if r == "row" for p in lin.params], whole,
         {params[n]: k for n, (_, k) in interleaved.items()},
         {params[n]: pl for n, pl in placements.items()},
         [params[lin.weight] for lin, r in roles.items() if r == "column+gather"], reasons)
@@ -257,6 +264,10 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
         elif n.target is _GROUPED_MM and len(n.args) == 3 and not n.kwargs and \
                 n.args[0].meta[ir.VAL].dim() == 2:  # (no bias, no out_dtype)
             act, w, bias, lead = n.args[0], n.args[1], None, 1
+            lin = _stacked_linear(n, act, params)
+            if lin is not None:
+                out.append(lin)
+                continue
         else:
             continue
         transposed = isinstance(w, torch.fx.Node) and (
@@ -270,6 +281,25 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
 
 _GROUPED_MM = getattr(aten, "_grouped_mm", None)
 _GROUPED_MM = getattr(_GROUPED_MM, "default", None)
+
+
+def _stacked_linear(mm, act, params) -> Linear | None:
+    """A grouped matmul by stack([t(w_0), t(w_1), ...]) of the experts' own 2-D weights (each
+    read through t(), or each as is), all of one shape: one Linear placing all of them."""
+    stack = mm.args[1]
+    if not isinstance(stack, torch.fx.Node) or stack.target is not aten.stack.default or \
+            (stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)) != 0:
+        return None
+    leaves = stack.args[0]
+    transposed = {isinstance(x, torch.fx.Node) and x.target is aten.t.default for x in leaves}
+    if len(transposed) != 1:
+        return None
+    t = transposed.pop()
+    ws = [_uncast(x.args[0] if t else x) for x in leaves]
+    if len(set(ws)) != len(ws) or not all(w in params and w.meta[ir.VAL].dim() == 2 for w in ws) \
+            or len({tuple(w.meta[ir.VAL].shape) for w in ws}) != 1:
+        return None
+    return Linear(mm, ws[0], act, t, None, 0, tuple(ws))
 
 
 def _swaps_last_two(node) -> bool:
@@ -458,8 +488,11 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                 pl = act.placements[0] if act is not None else Replicate()
                 last = lin.act.meta[ir.VAL].dim() - 1
                 role, w = "replicated", Replicate()
-                if lin.weight not in eligible:
-                    why[lin.weight] = _other_use(lin.weight, weight_uses[lin.weight])
+                if any(p in decided for p in lin.params):
+                    why[lin.weight] = "another matmul reads one of its experts' weights"
+                elif not all(p in eligible for p in lin.params):
+                    other = next(p for p in lin.params if p not in eligible)
+                    why[lin.weight] = _other_use(other, weight_uses[other])
                 elif isinstance(pl, Shard) and pl.dim == last:
                     if _splits(lin.weight, lin.in_dim, tp):
                         role, w = "row", Shard(lin.in_dim)
@@ -478,8 +511,9 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                     why[lin.weight] = f"its input arrives {pl} (not whole, nor split on the " \
                         "features it contracts)"
                 roles[lin] = role
-                decided[lin.weight] = (w,)
-                return {lin.weight.name: (w,)}
+                for p in lin.params:
+                    decided[p] = (w,)
+                return {p.name: (w,) for p in lin.params}
             # any other forward use of a still-undecided weight: it stays whole
             return {a.name: (Replicate(),) for a in node.all_input_nodes
                     if a in eligible and a not in decided and node not in weight_uses[a]}
@@ -560,7 +594,9 @@ def all_gather_placements(gm, linears, params, tp):
     uses = _weight_uses(gm, linears)
     for lin in linears:
         w = lin.weight
-        if not all(u in uses[w] for u in _forward_users(w)):
+        if lin.stacked:  # (experts' weights stacked for a grouped matmul: output gathered
+            why[w] = "its experts' weights are stacked for a grouped matmul"  # per expert
+        elif not all(u in uses[w] for u in _forward_users(w)):  # is not done here)
             why[w] = _other_use(w, uses[w])
         elif w.meta[ir.VAL].shape[lin.out_dim] % tp:
             why[w] = _indivisible(w, lin.out_dim, "output features", tp)
@@ -588,7 +624,7 @@ def _gather_where_cheaper(roles, placements, tp, ctx):
     c10d = torch.ops._c10d_functional
     for lin, r in list(roles.items()):
         w = lin.weight
-        if r != "replicated" or w in placements or \
+        if r != "replicated" or w in placements or lin.stacked or \
                 w.meta[ir.VAL].shape[lin.out_dim] % tp:
             continue
         if not _read_only_by(lin):
@@ -626,6 +662,15 @@ def _weight_uses(gm, linears):
         s = uses.setdefault(lin.weight, set())
         s.add(lin.mm)
         w = lin.operand
+        if lin.stacked:  # (each expert's weight: the stack, its t() and cast)
+            for leaf, p in zip(w.args[0], lin.stacked):
+                ps = uses.setdefault(p, set())
+                ps.update({lin.mm, w, leaf})
+                if lin.transposed and leaf.args[0] is not p:
+                    ps.add(leaf.args[0])
+                elif not lin.transposed and leaf is not p:
+                    ps.add(leaf)
+            continue
         if lin.transposed:
             s.add(w)
             w = w.args[0]

@@ -272,8 +272,8 @@ def test_the_planner_prices_grouped_experts_at_ep1():
 def test_grouped_experts_train_like_eager_under_plans():
     """where_moe and litgpt's Mixtral, experts grouped, trained against eager (evaluate()
     too): dp with ZeRO-3, remat and microbatches (each microbatch sorts its own positions),
-    a pipeline, context parallelism (the sort over every position of the split sequence);
-    under tp they stay as traced, each split over tp."""
+    a pipeline, context parallelism (the sort over every position of the split sequence),
+    and tp (each stack's experts split alike by the tp pass)."""
     from test_parity import _check_plans
     plans = [{"dp": 2, "zero": 3, "remat": "sqrt", "microbatches": 2},
              {"pp": 2, "microbatches": 2}, {"tp": 2}]

@@ -958,3 +958,31 @@ def test_grouped_experts_tp2_trains_like_eager():
     (the interleaved gate_up stacks gathered back by full_state_dict) equal eager AdamW."""
     from test_parity import _check_plans
     _check_plans(2, [("mixtral", "adamw", {"tp": 2})])
+
+
+def test_listed_experts_grouped_under_tp_split_each_expert_alike():
+    """litgpt's Mixtral (experts an nn.ModuleList) at tp=2: passes/grouped_experts still
+    stacks the experts' weights for grouped matmuls, and the tp pass places every expert's
+    weight of a stack alike (one role per stack, each expert's matrix split on the same
+    dim), so each rank's stacks hold 1/tp of every expert."""
+    import fxpar
+    import workers
+    model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
+                             plan={"tp": 2})
+    assert all(r["grouped"] for r in prog.graph.meta[ir.GROUPED_EXPERTS])
+    d, names, layouts = prog.graph.meta[ir.TP_REPORT], prog.signature.param_names, \
+        prog.tp_layouts
+    for w in ("fc_1", "fc_2", "proj"):
+        each = [f"transformer.h.0.mlp.experts.{j}.{w}.weight" for j in range(4)]
+        assert len({layouts[names.index(n)] for n in each}) == 1  # (alike)
+        split = sum(n in d.column or n in d.row for n in each)
+        assert split in (0, 4)
+    assert any(n.startswith("transformer.h.0.mlp.experts.") for n in d.row + d.column)
+    mms = [n for n in prog.graph.graph.nodes if n.target is torch.ops.aten._grouped_mm.default
+           and n.meta.get(ir.REGION) == ir.FORWARD]
+    assert len(mms) == 6  # (3 per MoE layer)
+    local = [tuple(n.args[1].meta[ir.VAL].shape) for n in mms]
+    assert (4, 16, 64) in local  # (a row split's stack: half of each expert's 32 inputs)
