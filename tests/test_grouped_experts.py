@@ -279,3 +279,23 @@ def test_grouped_experts_train_like_eager_under_plans():
              {"pp": 2, "microbatches": 2}, {"tp": 2}]
     _check_plans(2, [(name, "adamw", plan) for name in ("where_moe", "litgpt_mixtral")
                      for plan in plans] + [("litgpt_mixtral", "adamw", {"dp": 2, "cp": 2})])
+
+
+def test_grouping_under_tp_saves_one_tp_th_where_tp_splits_the_experts():
+    """planner._grouped: under tp each rank's stacks hold 1/tp of every expert where tp splits
+    their linears, so grouping saves 1/tp of the traced FLOPs it saves at tp = 1 (and moves
+    1/tp of the stacks); the rows it gathers are whole on every tp rank."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.graphstats import Segment
+    seg = Segment(name="h.0", grouped_saved_f=8e9, grouped_saved_b=16e9, grouped_bytes_f=1e6,
+                  grouped_bytes_b=2e6, grouped_stack_bytes=4e6, expert_flops_f_split=1e9)
+    whole = Segment(**{**seg.__dict__, "expert_flops_f_split": 0.0})
+    rate, bw = 1e12, 1e11
+
+    def saved(s, tp):
+        tf, tb = planner._grouped([s], 1.0, 1.0, 1.0, rate, bw, 1, "grouped_saved", tp)
+        return 2.0 - tf - tb
+    moved = (1e6 + 2e6) / bw
+    assert saved(seg, 1) == pytest.approx(24e9 / rate - moved - 2 * 4e6 / bw)
+    assert saved(seg, 2) == pytest.approx(12e9 / rate - moved - 2 * 2e6 / bw)
+    assert saved(whole, 2) == pytest.approx(saved(seg, 1))  # (experts whole on each rank)
