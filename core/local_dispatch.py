@@ -209,10 +209,22 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
         if any(u not in local and not _dtype_only(u, node) for u in users):
             bad.add(find(node))
     if outside:
-        pl = placed(list(outside)) if placed is not None else {}
+        parts = [x for a in outside if _stacked(a) for x in a.args[0]]
+        pl = placed(list(outside) + parts) if placed is not None else {}
+        partial = (Partial("sum"),)
         for a, readers in outside.items():
-            if tuple(pl.get(a) or ()) != (Partial("sum"),):
-                bad.update(find(m) for m in readers)
+            if tuple(pl.get(a) or ()) == partial:
+                continue
+            if _stacked(a) and all(tuple(pl.get(x) or ()) == partial for x in a.args[0]):
+                # per-expert counts summed apart and stacked (passes/grouped_experts'
+                # offs): each a partial sum, so their stack is this rank's counts
+                local[a] = Local(Tag("counts"), {x: "counts" for x in a.args[0]})
+                tags[a] = local[a].out
+                parent.setdefault(a, a)
+                for m in readers:
+                    union(m, a)
+                continue
+            bad.update(find(m) for m in readers)
     bad.update(find(x) for x, e in local.items() if not _splits(x, e, n))
     return {x: e for x, e in local.items() if find(x) in matmul_roots and find(x) not in bad}
 
@@ -258,6 +270,12 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         positional = op in (aten.sort.default, aten.argsort.default) and len(args) > 1
         dim = args[1] if positional else node.kwargs.get("dim", -1)
         t = tag(x)
+        if t is not None and _val(x).dim() == 1 and dim in (0, -1) and _inverts(node, x, t):
+            # a sort's permutation sorted again (ascending): its inverse, each position's
+            # place in the sorted order (passes/grouped_experts puts rows back with it)
+            inverse = Tag("rows", 0, G, t.order)
+            return Local(inverse if op in (aten.argsort.default, aten.argsort.stable)
+                         else (Tag("rows", 0, G, G), inverse), {})
         if _val(x).dim() != 1 or dim not in (0, -1) or (
                 t is not None and not (t.kind == "rows" and t.order == G and t.ptr is None)):
             return None
@@ -334,6 +352,8 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         return Local(_moved(t, d), {})
     if op is aten.index.Tensor:
         return _index(node, tags)
+    if op is aten.index_select.default:
+        return _read(node, tags, args[0], args[2], args[1])
     if op in _GATHERS:
         x, dim, idx = args[0], args[1], args[2]
         return _read(node, tags, x, idx, dim)
@@ -355,6 +375,24 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
                               and torch.Tag.pointwise in op.tags):
         return _pointwise(node, tags)
     raise _Untyped
+
+
+def _stacked(a) -> bool:
+    """`a` stacks values along a new dim 0."""
+    return a.target is aten.stack.default and (len(a.args) < 2 or a.args[1] == 0) and \
+        not a.kwargs
+
+
+def _inverts(node, x, t: Tag) -> bool:
+    """`node` sorts, ascending, the indices output of the sort that made order `t.order` (a
+    permutation of the batch's rows: each row's position once)."""
+    src = t.order
+    descending = node.kwargs.get("descending", False) or (
+        node.target in (aten.sort.default, aten.argsort.default) and len(node.args) > 2
+        and node.args[2])
+    return (t.kind == "rows" and t.ptr == G and isinstance(src, torch.fx.Node)
+            and src.target in (aten.sort.default, aten.sort.stable)
+            and x.target is operator.getitem and x.args == (src, 1) and not descending)
 
 
 def _only_rows(ts: dict) -> Tag:

@@ -426,8 +426,10 @@ def _only_group_sizes(node: torch.fx.Node) -> bool:
             if u.target is aten._grouped_mm.default:
                 if v in u.args[:2] or not (u.args[2:3] == (v,) or u.kwargs.get("offs") is v):
                     return False
-            elif u.target is torch.ops.fxpar.expert_window.default:
-                continue  # (ep's window of this rank's experts: their rows and group sizes)
+            elif u.target in (torch.ops.fxpar.expert_window.default,
+                              torch.ops.fxpar.ep_route.default):
+                continue  # (ep's window of this rank's experts, or its all-to-all's route:
+                # the rows each expert takes, group sizes)
             elif not (u.target in _SIZE_OPS and as_offsets(u)):
                 return False
         return bool(v.users)

@@ -113,6 +113,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                                 "stacked and stored expert weights; report it to fxpar.")
             mine, others = _split_stacks(gm, layer, e // ep, ep, index)
             unread |= others
+            _check_split_alike(mine, layouts, params, layer.module, ep)
             if all_to_all:
                 _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
             else:
@@ -165,13 +166,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                             f"{lst.module!r} (they span stages {stages}); a slot runs experts of "
                             "one stage. Use another pp, or ep=1.")
         mine = _rewrite_list(gm, lst, ep, group, index)
-        for slot in mine:  # (a slot's weight is each ep rank's expert, tp-split alike)
-            if len({layouts[k] for k in slot}) > 1:
-                names = [params[k].meta[ir.FQN] for k in slot]
-                raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the experts' weights "
-                                f"{names} of {lst.module!r} differently "
-                                f"({[layouts[k] for k in slot]}); a slot runs each ep rank's "
-                                "expert on the same split. Use ep=1 or tp=1.")
+        _check_split_alike(mine, layouts, params, lst.module, ep)
         slots += mine
         first = lst.experts[0]
         report.append({"module": lst.module, "experts": e, "per_rank": e // ep,
@@ -186,6 +181,17 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.EXPERT_SLOTS] = slots
     gm.meta[ir.EP_REPORT] = report
     return gm
+
+
+def _check_split_alike(slots, layouts, params, module, ep) -> None:
+    """A slot's weight is each ep rank's expert: tp must split them alike."""
+    for slot in slots:
+        if len({layouts[k] for k in slot}) > 1:
+            names = [params[k].meta[ir.FQN] for k in slot]
+            raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the experts' weights "
+                            f"{names} of {module!r} differently "
+                            f"({[layouts[k] for k in slot]}); a slot runs each ep rank's "
+                            "expert on the same split. Use ep=1 or tp=1.")
 
 
 # --- finding the layers ---------------------------------------------------------------------
@@ -329,7 +335,7 @@ def _split_stacks(gm: torch.fx.GraphModule, layer: Layer, per_rank: int, ep: int
             raise PlanError(f"Plan.ep: the stacked expert weights {st.name} of {module!r} "
                             "are read by two MoE layers; report this model to fxpar.")
         for j, x in enumerate(elems):
-            held[j].setdefault(_weight_of(x, st, module), None)
+            held[j].setdefault(_weight_of(x, st, module, leaf=True), None)
         st.args = (elems[:per_rank], *st.args[1:])
         gone.update(elems[per_rank:])
     roles = [list(h) for h in held]
@@ -360,10 +366,12 @@ def _tp_chunk(n) -> bool:
         n.args[1] % _val(n).dim() != 0
 
 
-def _weight_of(x, mm, module):
-    """The parameter `x` (an operand of grouped matmul or stack `mm`) views."""
+def _weight_of(x, mm, module, leaf: bool = False):
+    """The parameter `x` (an operand of grouped matmul or stack `mm`) views. `leaf`: x is one
+    expert's matrix in a stack (a tp chunk of it on any dim keeps the expert whole)."""
     n = x
-    while n.op == "call_function" and (n.target in _WEIGHT_PATH or _tp_chunk(n)):
+    while n.op == "call_function" and (n.target in _WEIGHT_PATH or _tp_chunk(n) or (
+            leaf and n.target is torch.ops.fxpar.local_chunk.default)):
         n = n.args[0]
     if n.op == "call_function" and n.target is torch.ops.fxpar.local_chunk.default:
         raise PlanError(f"Plan.ep: tensor parallelism splits the experts of {module!r} "

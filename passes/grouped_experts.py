@@ -21,7 +21,9 @@ grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), eac
 logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism experts with
 parameters other than matrices (biases: passes/expert_parallel runs those in slots as
 traced; the others' stacks it splits by rank). Under tensor parallelism the tp pass
-splits each stack's experts' weights alike (passes/tensor_parallel.find_linears).
+splits each stack's experts' weights alike (passes/tensor_parallel.find_linears); experts
+whose matmul output is split into pieces (a fused gate/up, stored interleaved per expert
+by the tp pass) run as traced there.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ _GROUPED_MM = getattr(aten, "_grouped_mm", None)
 class Options:
     """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
     ep: int | None = 1
+    tp: int | None = 1
     precision: str = "fp32"
 
 
@@ -82,6 +85,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     try:
         for lst in lists:
             why = ep_why(lst) if (options.ep or 1) > 1 else None
+            why = why or (tp_why(lst) if (options.tp or 1) > 1 else None)
             why = why or _rewrite(work.graph, lst)
             report.append({"module": lst.module, "experts": len(lst.experts),
                            "rows": lst.rows, "grouped": why is None, "why": why})
@@ -113,6 +117,24 @@ def ep_why(lst: ExpertList) -> str | None:
                if p.meta[ir.VAL].dim() != 2]
     return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) run in "
             "slots as traced") if vectors else None
+
+
+def tp_why(lst: ExpertList) -> str | None:
+    """Why `lst`'s experts do not run grouped under tensor parallelism (None: they do, each
+    stack's experts split alike by passes/tensor_parallel): an expert's matmul output split
+    into pieces (a fused gate/up) is stored interleaved per expert by the tp pass, which it
+    does for an expert's own linear only; such experts run as traced, each split over tp."""
+    x = lst.experts[0]
+    for n in x.region:
+        if n.meta.get(ir.REGION) == ir.FORWARD and n.target in (aten.mm.default,
+                                                                 aten.addmm.default) and \
+                any(u.target in (aten.split.Tensor, aten.split_with_sizes.default,
+                                 aten.chunk.default)
+                    for v in (n, *(u for u in n.users if u.target in ir.RESHAPES))
+                    for u in v.users):
+            return ("under tp, an expert's output split into pieces (a fused projection, "
+                    f"{n.meta.get(ir.MODULE, '')!r}) runs as traced, split over tp")
+    return None
 
 
 def _left(gm, module: str, why: str) -> torch.fx.GraphModule:

@@ -1,4 +1,5 @@
 """Tensor parallelism found on the graph: Megatron-style column -> row pairs, no module names.
+(An MoE's grouped matmul by a stack of expert matrices is a linear of each expert alike.)
 
 Why this way: peers need a plan per model (Megatron's layers, DTensor's `parallelize_module`
 keyed by module names, DeepSpeed AutoTP's name rules). Here the plan is read off the ATen
@@ -100,8 +101,11 @@ def _decide(gm, options, ctx):
     for lin in linears:
         reads[lin.weight] = reads.get(lin.weight, 0) + 1
     for lin in linears:
-        if reads[lin.weight] > 1 or lin.stacked:  # (an RNN's gates, read once per time
-            continue  # step: as it is, in the training and the evaluation graph alike)
+        # (an RNN's gates, read once per time step: as they are, in the training and the
+        # evaluation graph alike; a stack of experts' weights: passes/grouped_experts leaves
+        # experts with fused pieces as traced under tp)
+        if reads[lin.weight] > 1 or lin.stacked:
+            continue
         i = phs.index(lin.weight)
         k = _rewrite_fused_split(gm, lin, tp, grads[i] if i < len(grads) else None)
         if k:
@@ -217,16 +221,17 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         shard = next((p for p in placements.get(n, ()) if isinstance(p, Shard)), None)
         il_dim, k = interleaved.get(n, (None, 1))
         layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
-    whole = list(dict.fromkeys(params[lin.weight] for lin, r in roles.items()
-                               if r == "replicated"))
-    reasons = {params[w]: text for w, text in why.items() if params[w] in whole}
+    whole = list(dict.fromkeys(params[p] for lin, r in roles.items() if r == "replicated"
+                               for p in lin.params))
+    reasons = {params[p]: why[lin.weight] for lin in roles for p in lin.params
+               if lin.weight in why and params[p] in whole}
     gm.meta[ir.TP_REPORT] = Decision(
         tp, [params[p] for lin, r in roles.items() if r.startswith("column") for p in lin.params],
         [params[p] for lin, r in roles.items() if r == "row" for p in lin.params], whole,
         {params[n]: k for n, (_, k) in interleaved.items()},
         {params[n]: pl for n, pl in placements.items()},
         [params[lin.weight] for lin, r in roles.items() if r == "column+gather"], reasons)
-    n_weights = len({lin.weight for lin in roles})
+    n_weights = len({p for lin in roles for p in lin.params})
     if not roles or len(whole) == n_weights:
         warnings.warn(f"tp={tp}: no column->row linear pair was found in this model's graph, "
                       "so every tp rank computes the whole model (replication only)."
@@ -303,7 +308,7 @@ def _stacked_linear(mm, act, params) -> Linear | None:
 
 
 def _swaps_last_two(node) -> bool:
-    """node is a transpose of its input's last two dims (of three)."""
+    """node is a transpose of its input's last two dims."""
     if node.target is not aten.transpose.int:
         return False
     rank = node.args[0].meta[ir.VAL].dim()
@@ -511,9 +516,10 @@ def choose_placements(gm, linears, params, mesh, group, tp):
                     why[lin.weight] = f"its input arrives {pl} (not whole, nor split on the " \
                         "features it contracts)"
                 roles[lin] = role
-                for p in lin.params:
+                new = [p for p in lin.params if p not in decided]
+                for p in new:
                     decided[p] = (w,)
-                return {p.name: (w,) for p in lin.params}
+                return {p.name: (w,) for p in new}
             # any other forward use of a still-undecided weight: it stays whole
             return {a.name: (Replicate(),) for a in node.all_input_nodes
                     if a in eligible and a not in decided and node not in weight_uses[a]}

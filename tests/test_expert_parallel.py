@@ -391,7 +391,7 @@ def test_moe_models_on_four_ranks_train_like_eager():
     """ep carved out of dp=4: groups of 2 (two groups, each holding every expert once) on
     Mixtral, Qwen2-MoE (a gated shared expert) and DeepSeek-V3 (group-limited routing, a
     shared expert, a dense first layer); ep=4 (one expert per rank); and ep=2 inside dp=2 with
-    tp=2 (the experts replicated over tp) or a zero-bubble pipeline of 2 stages; and Mixtral
+    tp=2 (each expert split over tp) or a zero-bubble pipeline of 2 stages; and Mixtral
     with its router's load-balancing loss added to the loss (router_aux_loss_coef=0.02)."""
     cases = [(m, "adamw", {"dp": 4, "ep": 2}) for m in ("mixtral", "qwen2_moe", "deepseek_v3")]
     cases.append(("deepseek_v3", "adamw", {"dp": 2, "ep": 2, "tp": 2}))  # (tp in its experts)
@@ -697,15 +697,16 @@ def test_listed_experts_run_in_slots_on_their_ranks():
 def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     """litgpt's Mixtral at dp=2 x ep=2: its experts run grouped (passes/grouped_experts),
     each grouped matmul over a stack of this rank's 2 experts' matrices (slots: expert j on
-    ep rank 0, j+2 on rank 1), its rows in this rank's window of the sorted rows; no expert
-    is run as traced, experts 2 and 3 have no gradient and no reader. where_moe's experts
+    ep rank 0, j+2 on rank 1), the rows each rank routes (its own: core/local_dispatch)
+    sent to their experts' ranks by all-to-all; no expert is run as traced, experts 2 and 3
+    have no gradient and no reader. where_moe's experts
     (biases) run in slots as traced, the reason kept."""
     model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
     prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
                          plan={"dp": 2, "ep": 2})
     g, names = prog.graph.graph, prog.signature.param_names
     assert [(r["dispatch"], r["experts"], r["per_rank"]) for r in
-            prog.graph.meta[ir.EP_REPORT]] == [("gathered rows, grouped slots", 4, 2)] * 2
+            prog.graph.meta[ir.EP_REPORT]] == [("all-to-all, grouped slots", 4, 2)] * 2
     assert all(r["grouped"] for r in prog.graph.meta[ir.GROUPED_EXPERTS])
     stacks = [n for n in g.nodes if n.target is torch.ops.aten.stack.default
               and any(u.target is torch.ops.aten._grouped_mm.default for u in n.users)]
@@ -724,7 +725,7 @@ def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     assert not [n for n in g.nodes if n.target is torch.ops.aten.mm.default and any(
         a in expert_params or (a.args and a.args[0] in expert_params)
         for a in n.all_input_nodes)]  # (no expert as traced)
-    assert any(n.target is torch.ops.fxpar.expert_window.default for n in g.nodes)
+    assert any(n.target is torch.ops.fxpar.ep_dispatch.default for n in g.nodes)
     from fxpar.compiler.compile import planner_stats  # (ep priced with its experts grouped)
     model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
     segs = planner_stats(model, batch_fn(0), loss_fn=loss_fn).segments

@@ -175,3 +175,24 @@ def test_moe_models_dp4_train_like_eager():
     _check_plans(4, [("qwen2_moe", "adamw", {"dp": 4}), ("deepseek_v3", "adamw", {"dp": 4}),
                      ("mixtral_aux", "adamw", {"dp": 4}),
                      ("mixtral", "adamw", {"dp": 2, "tp": 2})])
+
+
+def test_grouped_listed_experts_run_on_each_ranks_own_positions():
+    """litgpt's Mixtral (experts an nn.ModuleList, grouped by passes/grouped_experts) at
+    dp=2: the grouped dispatch's stable sort of the positions by expert, the sort of that
+    permutation (its inverse, putting the rows back) and the per-expert counts summed apart
+    and stacked all type, so each rank's grouped matmuls run on its own 128 of the 256
+    positions and no count is all-reduced."""
+    import warnings
+    import workers
+    model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
+                             plan={"dp": 2})
+    g = prog.graph.graph
+    rows = {n.meta[ir.VAL].shape[0] for n in g.nodes
+            if n.target is torch.ops.aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2}
+    assert rows == {128}
+    assert not [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+                and n.meta.get(ir.MODULE, "").endswith("mlp.experts")]
