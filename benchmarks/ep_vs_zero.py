@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/ep_vs_zero.py [--steps 20] [--warmup 3] [--layers 2]
         [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
-        [--model hf|litgpt]
+        [--model hf|litgpt|deepseek]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
 top-2 routing; sizes from the flags), or with `--model litgpt` litgpt's Mixtral (its experts
 an nn.ModuleList, each run on the rows torch.where picks for it: every rank routes every
-token, and ep runs each rank's experts in slots), under five plans (six from 4 ranks), each
-from the same initial weights on the same batches with AdamW (lr 1e-3):
+token, and ep runs each rank's experts in slots), or with `--model deepseek` a Hugging Face
+DeepSeek-V3 (MLA attention, a shared expert beside the routed ones), under six plans (seven
+from 4 ranks), each from the same initial weights on the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
                                the expert gradients all-reduced
@@ -16,6 +17,8 @@ from the same initial weights on the same batches with AdamW (lr 1e-3):
                                before its use forward and backward
     Plan(dp=world, ep=world)   each rank holds world-th of the experts; the routed rows go to
                                their experts' ranks and back by all-to-all
+    Plan(dp=world, ep=world,   the same, each all-to-all waited on right where it is issued
+         overlap=False)        ("ep blocking": what the overlap pass's moves gain)
     Plan(tp=world)             the attention, dense layers and experts split (each expert's
                                linears, Hugging Face's grouped stacks along their features)
     Plan(dp=world, zero=3,     ZeRO-3 with ep = world / 2 (2 at 2 ranks): an expert weight is
@@ -54,6 +57,7 @@ from fxpar.runtime.memtrack import warm_steps_measured
 PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
          "zero=3": lambda w, cg: {"dp": w, "zero": 3, "codegen": cg},
          "ep": lambda w, cg: {"dp": w, "ep": w, "codegen": cg},
+         "ep blocking": lambda w, cg: {"dp": w, "ep": w, "overlap": False, "codegen": cg},
          "tp": lambda w, cg: {"tp": w, "codegen": cg},
          "ep+zero=3": lambda w, cg: {"dp": w, "ep": max(2, w // 2), "zero": 3, "codegen": cg},
          "ep x tp": lambda w, cg: {"dp": w // 2, "ep": 2, "tp": 2, "codegen": cg}}
@@ -74,6 +78,18 @@ def _model(args):
             n_query_groups=2, block_size=args.seq, vocab_size=512, padded_vocab_size=512,
             intermediate_size=2 * args.hidden, n_expert=args.experts, n_expert_per_token=2))
     import transformers
+    if args.model == "deepseek":
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+            moe_intermediate_size=args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=args.experts, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=args.seq,
+            rope_scaling=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return transformers.DeepseekV3ForCausalLM(cfg)
     cfg = transformers.MixtralConfig(
         vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
@@ -162,27 +178,28 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
-    ap.add_argument("--model", default="hf", choices=("hf", "litgpt"))
+    ap.add_argument("--model", default="hf", choices=("hf", "litgpt", "deepseek"))
     args = ap.parse_args()
     if args.batch % args.nprocs or args.experts % args.nprocs:
         ap.error("--batch and --experts must be multiples of --nprocs")
     res = fxpar.launch(bench, args.nprocs, args)
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
-    print(f"{'litgpt' if args.model == 'litgpt' else 'HF'} Mixtral {args.layers} layers x "
-          f"{args.hidden}, {args.experts} experts top-2 "
+    title = {"hf": "HF Mixtral", "litgpt": "litgpt Mixtral",
+             "deepseek": "HF DeepSeek-V3 (1 shared expert)"}[args.model]
+    print(f"{title} {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
           f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
-    print(f"{'plan':9s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
+    print(f"{'plan':11s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
           f"{'experts/rank MiB':>17s} {'last loss':>10s}")
     for kind in _plans(args.nprocs):
         r = [res[k][kind] for k in ranks]
-        print(f"{kind:9s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
+        print(f"{kind:11s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
               f"{_mib(max(x['peak'] for x in r)):9.1f} {_mib(max(x['experts'] for x in r)):17.2f}"
               f" {r[0]['losses'][-1]:10.5f}")
     print()
-    pairs = [("ep", "dp"), ("ep", "zero=3"), ("ep", "tp"), ("ep+zero=3", "zero=3"),
-             ("ep+zero=3", "ep")]
+    pairs = [("ep", "dp"), ("ep", "zero=3"), ("ep", "tp"), ("ep", "ep blocking"),
+             ("ep+zero=3", "zero=3"), ("ep+zero=3", "ep")]
     if "ep x tp" in _plans(args.nprocs):
         pairs += [("ep x tp", "tp"), ("ep x tp", "ep"), ("ep x tp", "zero=3")]
     for mine, kind in pairs:

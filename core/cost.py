@@ -27,7 +27,7 @@ from torch.fx.operator_schemas import normalize_function
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from fxpar.core import context_attention  # noqa: F401  (registers fxpar::flash_attention)
-from fxpar.core import ir
+from fxpar.core import experts, ir
 
 aten = torch.ops.aten
 
@@ -79,8 +79,9 @@ _ALIASING_NON_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wai
 c10d = torch.ops._c10d_functional
 # collectives that read their input asynchronously: it stays alive until their wait_tensor
 # (an all-reduce runs in place on a buffer it owns, or copies at start)
+# (expert parallelism's dispatch and combine too: all-to-alls whose splits are data)
 ASYNC_INPUT_COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-                           c10d.all_to_all_single.default}
+                           c10d.all_to_all_single.default, *experts.ASYNC}
 COLLECTIVES = {c10d.all_reduce.default, *ASYNC_INPUT_COLLECTIVES}
 
 

@@ -36,8 +36,14 @@ def _(offs, experts, group_name):
 # fake value is the most any rank could receive (every rank's rows: ep x its own), an upper
 # bound for shape propagation; the nodes between a dispatch and its combine are marked
 # (ir.DYNAMIC_ROWS, passes/expert_parallel.py) and run op by op on the rows there are
-# (compiler/codegen.py compiles no run over them). Not functional collectives: their split
-# sizes are data.
+# (compiler/codegen.py compiles no run over them).
+# ep_dispatch and ep_combine are used as functional collectives are: each is followed by a
+# `_c10d_functional.wait_tensor` of its result, so the overlap pass moves them as it moves
+# the others, and the runtime (runtime/comm.lower) issues each as an asynchronous
+# all-to-all (dispatch_splits / combine_send, then dispatched at the wait). Run as plain ops
+# (one process, a test) they communicate synchronously and the wait returns their result.
+# Not `_c10d_functional.all_to_all_single` itself: its split sizes are the graph's
+# integers, these are data.
 
 EMPTY_ROWS = 16  # what a rank that receives no rows holds instead (zeros past its offs)
 
@@ -66,24 +72,56 @@ def _(offs, experts, group_name):
     return offs.new_empty((2, offs.numel() // experts, experts), dtype=torch.int64)
 
 
-@torch.library.custom_op("fxpar::ep_dispatch", mutates_args=())
-def ep_dispatch(x: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.Tensor:
-    """x's rows (sorted by expert) sent to their experts' ranks: the rows this rank
-    receives (exactly those), sorted by its experts (each expert's rows from rank 0, 1,
-    ...)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    pg = _resolve_process_group(group_name)
-    send, recv = route[0], route[1]
+def dispatch_splits(route: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(rows received from each rank, rows sent to each rank) of ep_dispatch on `route`."""
+    return route[1].sum(1).tolist(), route[0].sum(1).tolist()
+
+
+def dispatched(got: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    """The rows the dispatch's all-to-all received (source by source), sorted by this rank's
+    experts (each expert's rows from rank 0, 1, ...)."""
+    recv = route[1]
     ep, experts = recv.shape
-    got = _a2a(x.new_empty((int(recv.sum()), *x.shape[1:])), x,
-               recv.sum(1).tolist(), send.sum(1).tolist(), pg)
     if not len(got):  # (nothing for this rank's experts: zero rows past the offs, as a
         # grouped matmul's weight gradient over no rows at all is refused on CUDA)
-        return x.new_zeros((EMPTY_ROWS, *x.shape[1:]))
+        return got.new_zeros((EMPTY_ROWS, *got.shape[1:]))
     if experts == 1:  # (already in expert order)
         return got
     pieces = got.split(recv.flatten().tolist())  # (source, expert) blocks
     return torch.cat([pieces[s * experts + e] for e in range(experts) for s in range(ep)])
+
+
+def combine_send(y: torch.Tensor, route: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """What ep_combine's all-to-all sends: the experts' results on the received rows back in
+    the order they came (source by source), and (rows received back from each rank, rows
+    sent to each rank)."""
+    send, recv = route[0], route[1]
+    ep, experts = recv.shape
+    n = int(recv.sum())
+    if n == 0 and y.shape[0] == EMPTY_ROWS:  # (dispatched's stand-in rows: none came)
+        y = y[:0]
+    if y.shape[0] != n:
+        raise RuntimeError(f"fxpar::ep_combine: {y.shape[0]} rows came back from the experts, "
+                           f"but this rank received {n}: a node between the dispatch and the "
+                           "combine changed the row count")
+    if experts == 1:
+        back = y
+    else:
+        pieces = y.split(recv.t().flatten().tolist())  # (expert, source)
+        back = torch.cat([pieces[e * ep + s] for s in range(ep) for e in range(experts)])
+    return back, send.sum(1).tolist(), recv.sum(1).tolist()
+
+
+@torch.library.custom_op("fxpar::ep_dispatch", mutates_args=())
+def ep_dispatch(x: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.Tensor:
+    """x's rows (sorted by expert) sent to their experts' ranks: the rows this rank
+    receives (exactly those), sorted by its experts."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    out_splits, in_splits = dispatch_splits(route)
+    got = _a2a(x.new_empty((sum(out_splits), *x.shape[1:])), x, out_splits, in_splits,
+               _resolve_process_group(group_name))
+    return dispatched(got, route)
 
 
 @ep_dispatch.register_fake
@@ -96,23 +134,9 @@ def ep_combine(y: torch.Tensor, route: torch.Tensor, group_name: str) -> torch.T
     """ep_dispatch's inverse: the received rows' results sent back to the ranks whose rows
     they are, in their order (ep_dispatch's x)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
-    pg = _resolve_process_group(group_name)
-    send, recv = route[0], route[1]
-    ep, experts = recv.shape
-    n = int(recv.sum())
-    if n == 0 and y.shape[0] == EMPTY_ROWS:  # (ep_dispatch's stand-in rows: none came)
-        y = y[:0]
-    if y.shape[0] != n:
-        raise RuntimeError(f"fxpar::ep_combine: {y.shape[0]} rows came back from the experts, "
-                           f"but this rank received {n}: a node between the dispatch and the "
-                           "combine changed the row count")
-    if experts == 1:
-        back = y
-    else:
-        pieces = y.split(recv.t().flatten().tolist())  # (expert, source)
-        back = torch.cat([pieces[e * ep + s] for s in range(ep) for e in range(experts)])
-    return _a2a(y.new_empty((int(send.sum()), *y.shape[1:])), back,
-                send.sum(1).tolist(), recv.sum(1).tolist(), pg)
+    back, out_splits, in_splits = combine_send(y, route)
+    return _a2a(y.new_empty((sum(out_splits), *y.shape[1:])), back, out_splits, in_splits,
+                _resolve_process_group(group_name))
 
 
 @ep_combine.register_fake
@@ -124,6 +148,8 @@ def _(y, route, group_name):
 # compiled run, which is checked on one rank alone)
 COMMUNICATING = frozenset({torch.ops.fxpar.ep_route.default, torch.ops.fxpar.ep_dispatch.default,
                            torch.ops.fxpar.ep_combine.default})
+# those each waited on by a wait_tensor, as functional collectives are (see above)
+ASYNC = frozenset({torch.ops.fxpar.ep_dispatch.default, torch.ops.fxpar.ep_combine.default})
 
 
 # --- experts written as nn.ModuleList: the ep group's ranks each run their own ------------

@@ -69,9 +69,7 @@ def train(out_dir: str, steps: int, global_batch: int, remat="sqrt", pp: int = 1
         if "overlap" in pm.stage_graphs:
             d = pm.stage_graphs["overlap"]["dp"].meta.get("overlap")
             if d is not None:
-                print(f"overlap: {len(d.hoisted)} collectives started earlier, {len(d.sunk)} "
-                      f"waits moved later (memory limit {d.slack / 2**10:.0f} KiB)"
-                      + (f"; nothing moved: {d.why}" if d.why else ""))
+                print("overlap: " + d.describe())
         if "fusion" in pm.stage_graphs:
             print("fusion: " + pm.stage_graphs["fusion"]["dp"].meta["fusion"].describe())
         elif pm.plan.fuse:

@@ -13,8 +13,10 @@ rank's E/ep slice along dim 0). Two rewrites, by how the dp pass will run the la
   region (the grouped matmuls and the activation between them, forward and backward) is
   sent to its experts' ranks (fxpar::ep_dispatch), the grouped matmuls run on the rows
   received with their counts, and each row tensor leaving the region comes back
-  (fxpar::ep_combine). The expert gradients are the ep group's rows' for this rank's
-  experts: partial over the groups, summed over "edp" by the dp pass.
+  (fxpar::ep_combine). Each all-to-all is followed by its `wait_tensor`, as a functional
+  collective is: the overlap pass moves them (the runtime issues them asynchronously). The
+  expert gradients are the ep group's rows' for this rank's experts: partial over the
+  groups, summed over "edp" by the dp pass.
 - gathered rows, where the dispatch reads every row (a capacity over the sorted rows) and
   the dp pass makes the rows whole on every dp rank: this rank's run of the sorted rows is
   moved to the front of each row tensor entering the region (a gather by `idx = arange(S)
@@ -517,15 +519,21 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
         users = [u for u in x.users if u in layer.region]
         first = min(users, key=order.__getitem__)
         with graph.inserting_before(first):
-            sent = _emit(graph, torch.ops.fxpar.ep_dispatch.default, (x, route, group), first)
-        sent.meta[ir.DYNAMIC_ROWS] = True
-        _in_first_part(sent, users)
+            sent = _emit(graph, torch.ops.fxpar.ep_dispatch.default, (x, route, group), first,
+                         region=ir.COMM)
+            got = _emit(graph, c10d.wait_tensor.default, (sent,), first, region=ir.COMM)
+        for n in (sent, got):
+            n.meta[ir.DYNAMIC_ROWS] = True
+            _in_first_part(n, users)
         for u in users:
-            u.replace_input_with(x, sent)
+            u.replace_input_with(x, got)
     for y in layer.leaving:
         users = [u for u in y.users if u not in layer.region]
         with graph.inserting_after(y):
-            back = _emit(graph, torch.ops.fxpar.ep_combine.default, (y, route, group), y)
+            sent = _emit(graph, torch.ops.fxpar.ep_combine.default, (y, route, group), y,
+                         region=ir.COMM)
+        with graph.inserting_after(sent):
+            back = _emit(graph, c10d.wait_tensor.default, (sent,), y, region=ir.COMM)
         for u in users:
             u.replace_input_with(y, back)
 

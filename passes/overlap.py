@@ -25,11 +25,12 @@ what makes communication and computation overlap. `gm.meta[ir.OVERLAP_REPORT]` r
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx
 
-from fxpar.core import cost, ir
+from fxpar.core import cost, experts, ir
 from fxpar.core.graphs import packing
 
 c10d = torch.ops._c10d_functional
@@ -42,6 +43,18 @@ class Decision:
     sunk: dict[str, int]              # wait node -> nodes it moved below
     limited: list[str]                # collectives the memory limit stopped short
     why: str = ""                     # nothing moved: the reason, for the report and console
+    # expert all-to-all wait -> compute nodes moved above its first reader
+    pulled: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for the console and the pass report."""
+        line = (f"{len(self.hoisted)} collectives started earlier, {len(self.sunk)} waits "
+                "moved later")
+        if self.pulled:
+            line += (f", {sum(self.pulled.values())} compute nodes run beside "
+                     f"{len(self.pulled)} expert all-to-alls")
+        line += f" (memory limit {self.slack / 1024:.0f} KiB)"
+        return line + (f". Nothing moved: {self.why}." if self.why else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +97,18 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     room = {n: slack + timeline.peak_total - timeline.during[i] for i, n in enumerate(order)}
     n_inputs = sum(1 for n in order if n.op == "placeholder")
     hoisted, sunk, limited = {}, {}, []
+
+    # 0. an expert all-to-all is waited on inside its layer's compute (the grouped matmuls
+    #    read the rows it brings): the layer's compute that does not need them (DeepSeek's
+    #    shared experts, the router's gradient) moves above the wait's first reader, so step 1
+    #    sinks the wait below it and the all-to-all travels while it runs (torchtitan orders
+    #    its shared experts by hand for the same)
+    pulled = {}
+    for start, wait in pairs:
+        if start.target in experts.ASYNC:
+            moved = _pull_independent(order, wait, extra, room)
+            if moved:
+                pulled[wait.name] = moved
 
     # 1. waits sink to their first use (latest collectives first: they have the least backward
     #    left to hide behind, and the memory they hold is the shortest). A collective that
@@ -157,9 +182,57 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:
             prev.append(n)
-    why = "" if hoisted or sunk else _why_nothing_moved(pairs, limited)
-    gm.meta[ir.OVERLAP_REPORT] = Decision(slack, hoisted, sunk, sorted(set(limited)), why)
+    why = "" if hoisted or sunk or pulled else _why_nothing_moved(pairs, limited)
+    gm.meta[ir.OVERLAP_REPORT] = Decision(slack, hoisted, sunk, sorted(set(limited)), why,
+                                          pulled)
     return gm
+
+
+def _pull_independent(order: list, wait: torch.fx.Node, extra: dict, room: dict) -> int:
+    """Move the compute of the wait's layer that follows its first reader but reads nothing
+    computed from the wait's result (nor from a node that stays) right above that reader,
+    within the memory room (each moved result is held from there to its old place); how
+    many nodes moved."""
+    first = min(order.index(u) for u in wait.users)
+    reader = order[first]
+    layer = ir.layer_of(reader.meta.get(ir.MODULE, ""))
+    place = (reader.meta.get(ir.REGION), reader.meta.get(ir.STAGE), reader.meta.get(ir.PHASE))
+    stay, moved = {wait}, []
+    for k in range(first, len(order)):
+        n = order[k]
+        if n.op != "call_function" or ir.layer_of(n.meta.get(ir.MODULE, "")) != layer or \
+                (n.meta.get(ir.REGION), n.meta.get(ir.STAGE), n.meta.get(ir.PHASE)) != place:
+            if n.meta.get(ir.MODULE) and ir.layer_of(n.meta[ir.MODULE]) != layer:
+                break  # (the layer's compute ends)
+            stay.add(n)
+            continue
+        size = cost.tensor_bytes(n.meta.get(ir.VAL))
+        if not _movable(n) or any(a in stay for a in n.all_input_nodes) or any(
+                extra[order[j]] + size > room[order[j]] for j in range(first, k)):
+            stay.add(n)
+            continue
+        for j in range(first, k):
+            extra[order[j]] += size
+        moved.append(n)
+    if not moved:
+        return 0
+    for n in moved:
+        order.remove(n)
+    at = order.index(reader)
+    order[at:at] = moved
+    return len(moved)
+
+
+def _movable(n: torch.fx.Node) -> bool:
+    """Compute the pass may run earlier: no communication, no random op (their order is the
+    random stream's), nothing impure, no gradient packing."""
+    t = n.target
+    if t is operator.getitem:
+        return True  # (goes with what it takes apart)
+    return isinstance(t, torch._ops.OpOverload) and \
+        t.namespace not in ("_c10d_functional", "c10d", "_dtensor", "fxpar") and \
+        torch.Tag.nondeterministic_seeded not in t.tags and not n.is_impure() and \
+        ir.PACK not in n.meta and ir.BUCKET not in n.meta
 
 
 def _why_nothing_moved(pairs, limited) -> str:

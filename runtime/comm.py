@@ -1,6 +1,7 @@
 """Collectives with real work handles, and the lowering that makes a Program's graph use them.
 
-Passes write communication as functional collectives (`_c10d_functional.all_reduce` ...)
+Passes write communication as functional collectives (`_c10d_functional.all_reduce` ...;
+expert parallelism's `fxpar::ep_dispatch` / `ep_combine`, all-to-alls whose splits are data)
 followed by `wait_tensor`, placed where passes/overlap.py wants them. `lower` turns each
 collective node into `start_*` (issues `torch.distributed.*(async_op=True)` and returns a
 `Pending` holding the work handle) and each `wait_tensor` into `wait` (blocks on the handle),
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxpar.core import cost, graphs, ir
+from fxpar.core import cost, experts, graphs, ir
 from fxpar.core.errors import FxparError, PlanError
 from fxpar.runtime import calls, trace
 from fxpar.runtime.trace import Recorder
@@ -74,11 +75,12 @@ def forget_group(name: str) -> None:
 
 class Pending:
     """An issued collective: its work handle, output buffer, and what must stay alive."""
-    __slots__ = ("work", "out", "keep", "divide", "name", "nbytes", "t_issue", "t_done")
+    __slots__ = ("work", "out", "keep", "divide", "finish", "name", "nbytes", "t_issue",
+                 "t_done")
 
     def __init__(self, name, nbytes):
         self.name, self.nbytes = name, nbytes
-        self.work = self.out = self.keep = self.divide = self.t_done = None
+        self.work = self.out = self.keep = self.divide = self.finish = self.t_done = None
         self.t_issue = time.perf_counter()
 
     def _finished(self, _fut):
@@ -215,13 +217,30 @@ def start_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: 
 
 def start_all_to_all(x: torch.Tensor, output_splits, input_splits, group_name: str,
                      name: str) -> Pending:
-    """All-to-all of a flat tensor (qgZ's quantized gradient parts): part r of `x` goes to
-    rank r; part k of the result came from rank k."""
+    """All-to-all of x's rows (qgZ's quantized gradient parts, an MoE layer's routed rows):
+    rows part r of `x` goes to rank r; part k of the result came from rank k."""
     x = x.contiguous()
     p = Pending(name, x.numel() * x.element_size())
-    p.keep, p.out = x, x.new_empty(sum(output_splits))
+    p.keep, p.out = x, x.new_empty((sum(output_splits), *x.shape[1:]))
     return _issued(p, dist.all_to_all_single(p.out, x, list(output_splits), list(input_splits),
                                              group=_group(group_name), async_op=True))
+
+
+def start_ep_dispatch(x: torch.Tensor, route: torch.Tensor, group_name: str,
+                      name: str) -> Pending:
+    """fxpar::ep_dispatch issued: x's rows to their experts' ranks (the splits read on the
+    host from the route); sorted by this rank's experts at the wait."""
+    out_splits, in_splits = experts.dispatch_splits(route)
+    p = start_all_to_all(x, out_splits, in_splits, group_name, name)
+    p.finish = lambda got: experts.dispatched(got, route)
+    return p
+
+
+def start_ep_combine(y: torch.Tensor, route: torch.Tensor, group_name: str,
+                     name: str) -> Pending:
+    """fxpar::ep_combine issued: the experts' results back to the ranks whose rows they are."""
+    back, out_splits, in_splits = experts.combine_send(y, route)
+    return start_all_to_all(back, out_splits, in_splits, group_name, name)
 
 
 def wait(p) -> torch.Tensor:
@@ -236,11 +255,13 @@ def wait(p) -> torch.Tensor:
         divide, out = divide[0], out.clone()
     if divide:
         out = out.div_(divide)
+    if p.finish is not None:
+        out = p.finish(out)
     rec = _recorder
     if rec is not None and rec.recording:
         rec.blocked(t0, t1, "wait " + p.name)
         rec.comm(p.name, p.t_issue, p.t_done or t1, p.nbytes)
-    p.keep = p.out = p.work = None
+    p.keep = p.out = p.work = p.finish = None
     return out
 
 
@@ -358,9 +379,12 @@ def measure_collectives(reps: int = 8) -> dict:
 _STARTS = {c10d.all_reduce.default: start_all_reduce,
            c10d.all_gather_into_tensor.default: start_all_gather,
            c10d.reduce_scatter_tensor.default: start_reduce_scatter,
-           c10d.all_to_all_single.default: start_all_to_all}
+           c10d.all_to_all_single.default: start_all_to_all,
+           torch.ops.fxpar.ep_dispatch.default: start_ep_dispatch,
+           torch.ops.fxpar.ep_combine.default: start_ep_combine}
 _SHORT = {start_all_reduce: "all_reduce", start_all_gather: "all_gather",
-          start_reduce_scatter: "reduce_scatter", start_all_to_all: "all_to_all"}
+          start_reduce_scatter: "reduce_scatter", start_all_to_all: "all_to_all",
+          start_ep_dispatch: "ep dispatch", start_ep_combine: "ep combine"}
 
 
 def is_start(target) -> bool:

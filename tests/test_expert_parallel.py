@@ -89,6 +89,9 @@ def test_rewrite_splits_the_experts_and_sends_rows_by_all_to_all():
                 assert m.meta[ir.VAL].shape[0] == 2 * 8 * 16 * 2 // 2
     count = {op: [n.meta[ir.MODULE] for n in g.nodes if n.target is op]
              for op in (fx.ep_route.default, fx.ep_dispatch.default, fx.ep_combine.default)}
+    for n in g.nodes:  # (each all-to-all waited on as a functional collective is)
+        if n.target in (fx.ep_dispatch.default, fx.ep_combine.default):
+            assert [u.target for u in n.users] == [c10d.wait_tensor.default], n.name
     layers = [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert sorted(count[fx.ep_route.default]) == layers
     assert sorted(count[fx.ep_dispatch.default]) == sorted(count[fx.ep_combine.default]) == \
@@ -620,8 +623,15 @@ def _all_to_all_rank():
     empty = (got2.shape[0] == experts.EMPTY_ROWS and not got2.any()) if rank == 0 else \
         got2.shape[0] == 8
     back2 = fx.ep_combine(got2 * 2, route2, group)
+    # as the runtime issues them (runtime/comm.lower): asynchronously, sorted at the wait
+    from fxpar.runtime import comm
+    issued = []
+    for r, rows in ((route, x), (route2, x2)):
+        sent = comm.wait(comm.start_ep_dispatch(rows, r, group, "dispatch"))
+        issued += [sent, comm.wait(comm.start_ep_combine(sent * 2, r, group, "combine"))]
+    same = [torch.equal(a, b) for a, b in zip(issued, [got, back, got2, back2])]
     return route.tolist(), got[:, 0].tolist(), torch.equal(back, 2 * x) and refused and \
-        empty and torch.equal(back2, 2 * x2)
+        empty and torch.equal(back2, 2 * x2) and all(same)
 
 
 def test_all_to_all_ops_send_rows_to_their_experts_and_back():
@@ -629,7 +639,8 @@ def test_all_to_all_ops_send_rows_to_their_experts_and_back():
     rank receives exactly its experts' rows (3 and 9 of the 12 routed), sorted by expert
     (rank 0's rows first within each); the combine returns every row to its own rank and
     place, and refuses rows that are not those received; a rank none of whose experts is
-    routed to holds zero stand-in rows, ignored by the combine."""
+    routed to holds zero stand-in rows, ignored by the combine. Issued asynchronously as the
+    runtime does (comm.start_ep_dispatch / start_ep_combine, then wait), the same rows."""
     out = fxpar.launch(_all_to_all_rank, 2)
     (route0, got0, ok0), (route1, got1, ok1) = out[0], out[1]
     assert route0 == [[[1, 0], [3, 2]], [[1, 0], [0, 2]]]

@@ -309,3 +309,32 @@ def test_overlap_says_why_nothing_moved():
     gm, _ = compile_plan(M.GPT(cfg), M.gpt_batch(cfg, 4), bucket_mb=0.001)
     d = gm.meta["overlap"]
     assert d.sunk and d.why == ""
+
+
+def test_expert_all_to_alls_travel_beside_the_layers_other_compute():
+    """Expert parallelism's dispatch and combine are each waited on as a functional
+    collective is, so the pass moves them: DeepSeek-V3's shared experts read none of the
+    dispatched rows, and run between the forward dispatch's start and its wait (moved above
+    the grouped matmul that reads the rows); every node still follows its inputs. A random
+    op never moves (the random stream's order), nor a collective."""
+    from fxpar.examples import zoo
+    model, spec = zoo.build("deepseek_v3")
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    d, g = prog.graph.meta[ir.OVERLAP_REPORT], prog.graph.graph
+    pos = _pos(prog.graph)
+    start = next(n for n in g.nodes if n.target is torch.ops.fxpar.ep_dispatch.default)
+    (wait,) = start.users
+    assert wait.target is c10d.wait_tensor.default and d.pulled.get(wait.name, 0) > 0
+    between = [n for n in g.nodes if pos[start] < pos[n] < pos[wait]]
+    assert any("shared_experts" in n.meta.get(ir.MODULE, "") for n in between)
+    reader = _first_compute_user(wait, pos)
+    assert reader.target is torch.ops.aten._grouped_mm.default and pos[reader] > pos[wait]
+    assert all(pos[a] < pos[n] for n in g.nodes for a in n.all_input_nodes)
+    assert "expert all-to-alls" in d.describe()
+
+    t = torch.fx.Graph()
+    x = t.placeholder("x")
+    assert not overlap._movable(t.call_function(torch.ops.aten.native_dropout.default,
+                                                (x, 0.1, True)))
+    assert not overlap._movable(t.call_function(c10d.all_reduce.default, (x, "sum", "g")))
+    assert overlap._movable(t.call_function(torch.ops.aten.relu.default, (x,)))

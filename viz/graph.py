@@ -211,12 +211,14 @@ def _what_moved(d) -> str:
     graph alone looks like the data-parallel one: the change is the collectives' places)."""
     if d is None:
         return ""
-    if not (d.hoisted or d.sunk):
+    if not (d.hoisted or d.sunk or d.pulled):
         return f": nothing moved ({d.why})" if d.why else ": nothing moved"
     parts = [f"{len(d.hoisted)} collectives started earlier (by up to "
              f"{max(d.hoisted.values())} nodes)" if d.hoisted else "",
              f"{len(d.sunk)} waits moved later (by up to {max(d.sunk.values())} nodes)"
-             if d.sunk else ""]
+             if d.sunk else "",
+             f"{sum(d.pulled.values())} compute nodes moved beside expert all-to-alls"
+             if d.pulled else ""]
     return ": " + ", ".join(p for p in parts if p) + "; green on the links below"
 
 

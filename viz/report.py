@@ -135,10 +135,7 @@ def _decision_line(name: str, gm) -> str:
         return (f"tp={d.tp}: {len(d.column)} column-split and {len(d.row)} row-split weights, "
                 f"{len(d.replicated)} replicated")
     if name == "overlap" and "overlap" in m:
-        d = m["overlap"]
-        line = (f"{len(d.hoisted)} collectives started earlier, {len(d.sunk)} waits moved "
-                f"later (memory limit {d.slack / 1024:.0f} KiB)")
-        return line + (f". Nothing moved: {d.why}." if getattr(d, "why", "") else "")
+        return m["overlap"].describe()
     if name == "data_parallel":
         return _data_parallel_line(gm)
     if name == "capture":
