@@ -36,8 +36,9 @@ holds (its slices, ZeRO's shards) and every storage the steps allocate (optimize
 included): held = live before a step, peak = the maximum during one. "experts/rank" = the
 bytes of expert weights plus their AdamW state this rank holds (parameters as its program
 holds them: its experts under ep, its flat shard under ZeRO-3; two AdamW moments each),
-from the tensors themselves. Ratios are ep (and ep with ZeRO-3) over the other plans, in this
-one run.
+from the tensors themselves. "exposed": the fraction of the step rank 0's compute thread
+waited on communication (the runtime's recorder, median). Ratios are ep (and ep with ZeRO-3)
+over the other plans, in this one run.
 """
 from __future__ import annotations
 
@@ -155,8 +156,10 @@ def bench(args):
             res["losses"].append(pm.step(batch).item())
             res["times"].append(time.perf_counter() - t)
     out = {}
-    for kind, _, res in sides:
+    for kind, pm, res in sides:
         res["time"] = statistics.median(res.pop("times"))
+        res["exposed"] = statistics.median(s.exposed_fraction
+                                           for s in pm.step_stats[-args.steps:])
         out[kind] = res
     del sides
     gc.collect()
@@ -191,12 +194,12 @@ def main():
           f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
     print(f"{'plan':11s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
-          f"{'experts/rank MiB':>17s} {'last loss':>10s}")
+          f"{'experts/rank MiB':>17s} {'last loss':>10s} {'exposed':>8s}")
     for kind in _plans(args.nprocs):
         r = [res[k][kind] for k in ranks]
         print(f"{kind:11s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
               f"{_mib(max(x['peak'] for x in r)):9.1f} {_mib(max(x['experts'] for x in r)):17.2f}"
-              f" {r[0]['losses'][-1]:10.5f}")
+              f" {r[0]['losses'][-1]:10.5f} {r[0]['exposed']:8.3f}")
     print()
     pairs = [("ep", "dp"), ("ep", "zero=3"), ("ep", "tp"), ("ep", "ep blocking"),
              ("ep+zero=3", "zero=3"), ("ep+zero=3", "ep")]
