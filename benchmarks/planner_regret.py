@@ -95,6 +95,13 @@ MODELS = {
                                 num_local_experts=4, num_experts_per_tok=2,
                                 max_position_embeddings=256),
                     lambda: _lm_batch(4096, 64)),
+    # the same MoE written with litgpt (its experts an nn.ModuleList, each run on the rows
+    # torch.where picks for it; the model returns logits: LOSSES)
+    "litgpt_moe": (lambda: _litgpt_mixtral(vocab_size=4096, padded_vocab_size=4096,
+                                           n_embd=256, intermediate_size=512, n_layer=4,
+                                           n_head=8, n_query_groups=2, n_expert=4,
+                                           n_expert_per_token=2, block_size=256),
+                   lambda: _lm_batch(4096, 64)),
     # one long sequence (fewer rows than ranks: dp cannot split it; tp, pp or cp can)
     "llama_long": (lambda: _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=4096,
                                hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -102,6 +109,21 @@ MODELS = {
                                max_position_embeddings=2048, attn_implementation="sdpa"),
                    lambda: _lm_batch(4096, 2048, rows=1)),
 }
+
+
+def _litgpt_mixtral(**kw):
+    from litgpt.config import Config
+    from litgpt.model import GPT
+    return GPT(Config.from_name("Mixtral-8x7B-v0.1", **kw))
+
+
+def _logits_loss(model, batch):
+    from fxpar.examples.external_zoo import logits_loss
+    return logits_loss(model, batch)
+
+
+# the models that return logits, not a loss: the loss function a user passes
+LOSSES = {"litgpt_moe": _logits_loss}
 
 
 def _pick(result, cap: int) -> list:
@@ -154,6 +176,7 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
     from fxpar.compiler import planner
     from fxpar.api import autoplan
     factory, batch = MODELS[name]
+    loss_fn = LOSSES.get(name)
     world = int(os.environ["WORLD_SIZE"])
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     data = batch()
@@ -165,22 +188,24 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
     with tempfile.TemporaryDirectory(prefix="fxpar-plan-") as fresh, mock.patch.dict(
             os.environ, FXPAR_CACHE_DIR=fresh, FXPAR_PLAN_CACHE="1"):
         t0 = time.perf_counter()
-        _, result, _ = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
+        _, result, _ = autoplan.for_parallelize(model, world, world, "auto", data, loss_fn,
+                                                opt)
         planning_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _, again, _ = autoplan.for_parallelize(model, world, world, "auto", data, None, opt)
+        _, again, _ = autoplan.for_parallelize(model, world, world, "auto", data, loss_fn,
+                                               opt)
         again_s = time.perf_counter() - t0
     cands = _pick(result, cap)
     models, compile_s, failed, pm = [], {}, [], None
     # the chosen plan's compile at a first launch: nothing compiled before (fresh fxpar and
     # Inductor caches), to set against the first launch's planning
-    first_compile_s = _first_compile(factory, world, data, opt, result.best.plan)
+    first_compile_s = _first_compile(factory, world, data, opt, result.best.plan, loss_fn)
     for c in cands:
         torch.manual_seed(0)
         t0 = time.perf_counter()
         try:
             pm = fxpar.parallelize(factory(), world, example_batch=data, optimizer=opt,
-                                   plan=c.plan)
+                                   plan=c.plan, loss_fn=loss_fn)
             for _ in range(2):  # the first compiles (Inductor) and checks
                 pm.step(data)
         except Exception as e:  # noqa: BLE001 - a plan that cannot run is reported, not timed
@@ -191,7 +216,8 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
     med, per_round = time_interleaved([pm for _, pm in models], data, rounds, every_round=True)
     timed = [c for c, _ in models]
     del models, pm  # the timed jobs' memory freed before the memory runs
-    mem = [step_memory(factory, data, opt, c) if memory else (None, None) for c in timed]
+    mem = [step_memory(factory, data, opt, c, loss_fn) if memory else (None, None)
+           for c in timed]
     rows = [{"plan": planner.plan_str(c.plan), "chosen": c is result.best,
              "predicted_s": c.step_s, "measured_s": float(med[i]),
              "predicted_mem": c.memory.total,
@@ -216,7 +242,7 @@ def worker(name: str, cap: int, rounds: int, memory: bool = True):
             "why": result._why() if len(result.table) > 1 else ""}
 
 
-def _first_compile(factory, world, data, opt, plan) -> float | None:
+def _first_compile(factory, world, data, opt, plan, loss_fn=None) -> float | None:
     """Seconds of parallelize + 2 steps of `plan` with empty compile caches (a job's first
     launch); None where it fails (the loop below reports why)."""
     with tempfile.TemporaryDirectory(prefix="fxpar-first-") as fresh, mock.patch.dict(
@@ -226,7 +252,7 @@ def _first_compile(factory, world, data, opt, plan) -> float | None:
             torch.manual_seed(0)
             t0 = time.perf_counter()
             pm = fxpar.parallelize(factory(), world, example_batch=data, optimizer=opt,
-                                   plan=plan)
+                                   plan=plan, loss_fn=loss_fn)
             for _ in range(2):
                 pm.step(data)
             return time.perf_counter() - t0
@@ -234,7 +260,7 @@ def _first_compile(factory, world, data, opt, plan) -> float | None:
             return None
 
 
-def step_memory(factory, data, opt, c) -> tuple[float, float]:
+def step_memory(factory, data, opt, c, loss_fn=None) -> tuple[float, float]:
     """(predicted, measured) bytes one step allocates on its busiest rank: the plan compiled
     op by op (codegen="eager": the dispatch tracker sees every allocation, which it does not
     inside Inductor's kernels), one step tracked after a first; predicted = the memory
@@ -244,7 +270,8 @@ def step_memory(factory, data, opt, c) -> tuple[float, float]:
     from fxpar.runtime.memtrack import measure
     torch.manual_seed(0)
     pm = fxpar.parallelize(factory(), int(os.environ["WORLD_SIZE"]), example_batch=data,
-                           optimizer=opt, plan=dataclasses.replace(c.plan, codegen="eager"))
+                           optimizer=opt, plan=dataclasses.replace(c.plan, codegen="eager"),
+                           loss_fn=loss_fn)
     pm.step(data)
     _, peak = measure(lambda: pm.step(data))
     est = (c.memory.per_stage[pm.world.coordinate("pp")] if c.memory.per_stage
