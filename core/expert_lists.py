@@ -19,13 +19,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxpar.core import ir
+from fxpar.core.experts import GROUPED_MM
 from fxpar.core import sharding as _sharding  # noqa: F401  (fxpar::partial_from_replicate)
 from fxpar.core.errors import PlanError
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-GROUPED_MM = getattr(aten, "_grouped_mm", None)
 TRANSPOSES = {aten.t.default, aten.transpose.int}
 # ops a weight passes through on its way to a matmul (a cast under bf16, a transpose for
 # W.T); the weight is the parameter they start from

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+# the grouped matmul of Hugging Face's and torchtitan's MoE experts (and of listed experts
+# that passes/grouped_experts groups): the one name every module matches it by
+GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+
 
 @torch.library.custom_op("fxpar::expert_window", mutates_args=())
 def expert_window(offs: torch.Tensor, experts: int, group_name: str) -> torch.Tensor:

@@ -36,8 +36,10 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxpar.core import experts as _experts  # noqa: F401  (registers fxpar::ep_*)
+from fxpar.core import experts as _experts  # (registers fxpar::ep_*)
 from fxpar.core import ir
+
+_GROUPED_MM = _experts.GROUPED_MM
 
 aten = torch.ops.aten
 G = "G"  # the batch's own row order
@@ -81,7 +83,6 @@ _SCATTERS = {aten.scatter_add.default, aten.scatter.src, aten.scatter_reduce.two
 _GATHERS = {aten.gather.default}
 # torchtitan's scatter_add along dim 0 (dst, index, src), registered when torchtitan loads
 _TITAN_SCATTER = "torchtitan::deterministic_scatter_add"
-_GROUPED_MM = getattr(aten, "_grouped_mm", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,22 +210,11 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
         if any(u not in local and not _dtype_only(u, node) for u in users):
             bad.add(find(node))
     if outside:
-        parts = [x for a in outside if _stacked(a) for x in a.args[0]]
-        pl = placed(list(outside) + parts) if placed is not None else {}
+        pl = placed(list(outside)) if placed is not None else {}
         partial = (Partial("sum"),)
         for a, readers in outside.items():
-            if tuple(pl.get(a) or ()) == partial:
-                continue
-            if _stacked(a) and all(tuple(pl.get(x) or ()) == partial for x in a.args[0]):
-                # per-expert counts summed apart and stacked (passes/grouped_experts'
-                # offs): each a partial sum, so their stack is this rank's counts
-                local[a] = Local(Tag("counts"), {x: "counts" for x in a.args[0]})
-                tags[a] = local[a].out
-                parent.setdefault(a, a)
-                for m in readers:
-                    union(m, a)
-                continue
-            bad.update(find(m) for m in readers)
+            if tuple(pl.get(a) or ()) != partial:
+                bad.update(find(m) for m in readers)
     bad.update(find(x) for x, e in local.items() if not _splits(x, e, n))
     return {x: e for x, e in local.items() if find(x) in matmul_roots and find(x) not in bad}
 
@@ -375,12 +365,6 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
                               and torch.Tag.pointwise in op.tags):
         return _pointwise(node, tags)
     raise _Untyped
-
-
-def _stacked(a) -> bool:
-    """`a` stacks values along a new dim 0."""
-    return a.target is aten.stack.default and (len(a.args) < 2 or a.args[1] == 0) and \
-        not a.kwargs
 
 
 def _inverts(node, x, t: Tag) -> bool:

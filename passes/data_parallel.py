@@ -413,7 +413,7 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
 
 
 _SIZE_OPS = {aten.cumsum.default, aten._to_copy.default, aten.view.default,
-             aten.clone.default, aten.stack.default}  # (stack: one count per expert)
+             aten.clone.default}
 
 
 def _only_group_sizes(node: torch.fx.Node) -> bool:

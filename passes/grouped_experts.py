@@ -39,12 +39,12 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
+from fxpar.core.experts import GROUPED_MM as _GROUPED_MM
 from fxpar.core.expert_lists import ExpertList, find_expert_lists
 from fxpar.core.graphs import copy_graph, fake_propagate
 
 aten = torch.ops.aten
 log = logging.getLogger("fxpar.grouped_experts")
-_GROUPED_MM = getattr(aten, "_grouped_mm", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,10 +423,11 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
     srt = emit(aten.sort.stable, key, stable=True)
     key_s, perm = emit(operator.getitem, srt, 0), emit(operator.getitem, srt, 1)
     inv = emit(operator.getitem, emit(aten.sort.stable, perm, stable=True), 1)
-    counts = [emit(aten.sum.default, f, dtype=torch.int64) for f in flat]
-    offs = emit(aten._to_copy.default,
-                emit(aten.cumsum.default, emit(aten.stack.default, counts), 0),
-                dtype=torch.int32)
+    # each expert's row count: a histogram of the key (a position no expert owns, key n_exp,
+    # falls outside it), as Hugging Face's grouped dispatch counts (exact below 2^24 rows)
+    counts = emit(aten.histc.default, emit(aten._to_copy.default, key, dtype=torch.float32),
+                  n_exp, 0, n_exp - 1)
+    offs = emit(aten._to_copy.default, emit(aten.cumsum.default, counts, 0), dtype=torch.int32)
     expert_of_row = emit(aten.clamp.default, key_s, None, n_exp - 1)
 
     def as_rows(j, x):  # expert j's flat mask, broadcast over x's other dims

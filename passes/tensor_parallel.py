@@ -34,11 +34,13 @@ import torch.fx
 
 from fxpar.core import cost, ir
 from fxpar.core.errors import PlanError, ShardingError
+from fxpar.core.experts import GROUPED_MM
 from fxpar.core.graphs import copy_graph, fake_propagate
 from fxpar.core.sharding import (Partial, Replicate, Shard, dry_run, is_split, make_mesh,
                                      redistribute, row_dims, shard_graph)
 
 aten = torch.ops.aten
+_GROUPED = getattr(GROUPED_MM, "default", None)  # (the overload a graph holds)
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: one per matmul node
@@ -266,7 +268,7 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
             act, w, bias = n.args[0], n.args[1], None
         elif n.target is aten.addmm.default and not n.kwargs:
             bias, act, w = n.args[0], n.args[1], n.args[2]
-        elif n.target is _GROUPED_MM and len(n.args) == 3 and not n.kwargs and \
+        elif n.target is _GROUPED and len(n.args) == 3 and not n.kwargs and \
                 n.args[0].meta[ir.VAL].dim() == 2:  # (no bias, no out_dtype)
             act, w, bias, lead = n.args[0], n.args[1], None, 1
             lin = _stacked_linear(n, act, params)
@@ -282,10 +284,6 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
         if src in params and src.meta[ir.VAL].dim() == 2 + lead:
             out.append(Linear(n, src, act, transposed, bias if bias in params else None, lead))
     return out
-
-
-_GROUPED_MM = getattr(aten, "_grouped_mm", None)
-_GROUPED_MM = getattr(_GROUPED_MM, "default", None)
 
 
 def _stacked_linear(mm, act, params) -> Linear | None:
@@ -421,7 +419,7 @@ def _reads_weight(node, weight) -> bool:
     """node is (a view of) a matmul whose weight operand is (a transpose of) `weight`."""
     node = _root(node)
     if not isinstance(node, torch.fx.Node) or node.target not in (
-            aten.mm.default, aten.addmm.default, _GROUPED_MM):
+            aten.mm.default, aten.addmm.default, _GROUPED):
         return False
     return any(_root(a) is weight for a in node.args if isinstance(a, torch.fx.Node))
 
@@ -436,7 +434,7 @@ def _feeds(cat, grad) -> bool:
             grad.args[1].meta[ir.VAL].dim() == 0:  # fp16: the gradient unscaled by the loss
         grad = grad.args[0]                      # scale (passes/precision.py)
     mm = _root(grad)  # (a grouped matmul's weight gradient: a grouped matmul too)
-    return isinstance(mm, torch.fx.Node) and mm.target in (aten.mm.default, _GROUPED_MM) and any(
+    return isinstance(mm, torch.fx.Node) and mm.target in (aten.mm.default, _GROUPED) and any(
         _root(a) is cat for a in mm.args if isinstance(a, torch.fx.Node))
 
 

@@ -41,7 +41,6 @@ import torch.fx
 from fxpar.core import context_attention, experts
 from fxpar.core.plan import replays_step
 
-_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)  # HF MoE experts' matmul
 WARMUP_STEPS = 2  # uncaptured steps before the capture (torch.compile uses 1, Megatron 3)
 
 
@@ -93,7 +92,7 @@ def uncapturable(graph: torch.fx.Graph, backend: str | None) -> list[str]:
                 torch.Tag.data_dependent_output in t.tags) and not _integer_index(n):
             why.append(f"{n.name} ({t}): its output's shape or value depends on the data (a "
                        "host sync each step; a graph replays fixed shapes)")
-        elif getattr(t, "overloadpacket", 0) is _GROUPED_MM and any(
+        elif getattr(t, "overloadpacket", 0) is experts.GROUPED_MM and any(
                 v.dtype != torch.bfloat16 for v in _tensors(n.args[:2])):
             why.append(f"{n.name} ({t}): torch runs a grouped matmul of other than bf16 "
                        "operands group by group, reading the group offsets on the host each "

@@ -180,9 +180,9 @@ def test_moe_models_dp4_train_like_eager():
 def test_grouped_listed_experts_run_on_each_ranks_own_positions():
     """litgpt's Mixtral (experts an nn.ModuleList, grouped by passes/grouped_experts) at
     dp=2: the grouped dispatch's stable sort of the positions by expert, the sort of that
-    permutation (its inverse, putting the rows back) and the per-expert counts summed apart
-    and stacked all type, so each rank's grouped matmuls run on its own 128 of the 256
-    positions and no count is all-reduced."""
+    permutation (its inverse, putting the rows back) and the per-expert counts (a histogram
+    of the positions' experts) all type, so each rank's grouped matmuls run on its own 128
+    of the 256 positions and no count is all-reduced."""
     import warnings
     import workers
     model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
@@ -194,5 +194,6 @@ def test_grouped_listed_experts_run_on_each_ranks_own_positions():
     rows = {n.meta[ir.VAL].shape[0] for n in g.nodes
             if n.target is torch.ops.aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2}
     assert rows == {128}
+    assert any(n.target is torch.ops.aten.histc.default for n in g.nodes)
     assert not [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
                 and n.meta.get(ir.MODULE, "").endswith("mlp.experts")]
