@@ -1601,6 +1601,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                                            esdp, s_span, calls=e_calls)
             # the loss (and the count of its targets), per microbatch
             dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
+            # the activations gathered to every rank (ops with no split rule), per
+            # microbatch: the whole microbatch's (mbs x dp of the example's rows)
+            dp_fixed += hw.comm("all_gather", stats.dp_gather_bytes * mbs * dp / stats.rows,
+                                dp, span, calls=m * stats.dp_gather_calls)
             # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
             # what arrives, and ~13 nodes each side of a collective
             if q_w:
@@ -2148,6 +2152,11 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                     (cost.tensor_bytes(x.args[0].meta[ir.VAL]) for x in calls(g)
                      if x.target is c10d.all_reduce.default and x.meta.get(ir.BUCKET)),
                     default=None)
+                gathers = [x for x in calls(g) if x.target is
+                           c10d.all_gather_into_tensor.default and not x.meta.get(ir.BUCKET)]
+                out["dp_gather_calls"] = len(gathers)
+                out["dp_gather_bytes"] = float(sum(cost.tensor_bytes(x.meta[ir.VAL])
+                                                   for x in gathers))
             except Exception as e:  # noqa: BLE001 - priced as halving, as before the probe
                 log.debug("planner: the dp graph's values could not be propagated: %s", e)
         else:  # one collective per layer (and direction, for the gathers)

@@ -4,6 +4,7 @@ activation formula, EleutherAI's Transformer Math), the search (fits, errors, co
 import dataclasses
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -101,6 +102,42 @@ def test_microbatched_data_parallelism_hides_its_reduction_behind_the_last_backw
     assert dp_comm(1) < 0.5 * dp_comm(1, overlap=False)
     assert dp_comm(2, overlap=False) == pytest.approx(dp_comm(1, overlap=False) + loss)
     assert (dp_comm(1) + loss) * (1 - 1e-6) <= dp_comm(2) < dp_comm(2, overlap=False)
+
+
+def test_activations_dp_gathers_are_priced_per_microbatch():
+    """The dp probe counts the activations the dp pass all-gathers (an op with no split
+    sharding rule reading the batch's rows: litgpt's experts loop's combine, 11 a layer);
+    each data-parallel plan pays them per microbatch as blocking calls, the whole
+    microbatch's bytes each."""
+    stats = G.gpt_stats("gpt-1.7b")
+    hw = cost.HARDWARE["a100"]
+
+    def dp_comm(st, m):
+        return planner.search(st, 8, hw, batch_rows=16, precision="bf16", executable=False,
+                              constraints={"dp": 8, "tp": 1, "pp": 1, "zero": 0,
+                                           "remat": "none", "microbatches": m}
+                              ).best.parts["dp communication"]
+    gathered = dataclasses.replace(stats, dp_gather_calls=10, dp_gather_bytes=2e6)
+    for m in (1, 2):  # (each microbatch's: 16 / m rows of the example's)
+        extra = hw.comm("all_gather", 2e6 * (16 // (8 * m)) * 8 / stats.rows, 8, 8,
+                        calls=10 * m)
+        assert dp_comm(gathered, m) == pytest.approx(dp_comm(stats, m) + extra)
+
+
+@pytest.mark.slow  # (a capture and the pass probes)
+def test_dp_probe_counts_the_gathers_of_an_experts_loop():
+    """litgpt's Mixtral under dp: its grouped experts run on each rank's own positions, the
+    combine after them (each expert's rows written back per position) gathers; the probe
+    counts those gathers, HF's Mixtral (its dispatch local end to end) has none."""
+    import workers
+    from fxpar.compiler.capture import capture_as_is
+    for name, gathers in (("litgpt_mixtral", True), ("mixtral", False)):
+        model, batch_fn, loss_fn = workers.build(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            st = planner.graph_stats(capture_as_is(model, batch_fn(0), loss_fn=loss_fn),
+                                     batch_fn(0)["input_ids"].shape[0], pass_extras=True)
+        assert (st.dp_gather_calls > 0 and st.dp_gather_bytes > 0) == gathers, name
 
 
 def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
@@ -598,6 +635,7 @@ def test_pass_extras_count_what_the_passes_emit():
     loss_calls = [n for n in dp_g.graph.nodes if n.target is c10d.all_reduce.default
                   and not n.meta.get(ir.BUCKET)]
     assert stats.dp_loss_calls == len(loss_calls) == 1
+    assert stats.dp_gather_calls == 0  # (every activation splits with the batch)
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):
