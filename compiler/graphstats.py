@@ -122,6 +122,11 @@ class Segment:
     # biases run in slots as traced there)
     grouped_ep_saved_f: float = 0.0
     grouped_ep_saved_b: float = 0.0
+    # the activations the dp pass all-gathers here (an op with no split sharding rule reading
+    # the batch's rows: an experts loop's combine), per microbatch: how many, and their
+    # bytes gathered at the traced rows (fp32)
+    dp_gathers: int = 0
+    dp_gather_bytes: float = 0.0
     # of expert_flops_*: the experts' whose weights tp splits (listed experts' linears), 1/tp
     # of them a rank's under tp
     expert_flops_f_split: float = 0.0
@@ -183,11 +188,6 @@ class GraphStats:
     # kernels they call, ops left outside), which a GPU's host prices instead of the nodes
     host_calls_compiled: int | None = None
     dp_loss_calls: int = 1  # data parallelism's all-reduces per microbatch besides gradients
-    # the activations the dp pass all-gathers (an op with no split sharding rule reading the
-    # batch's rows: an experts loop's combine), per microbatch: how many, and their bytes
-    # gathered at the example batch's rows
-    dp_gather_calls: int = 0
-    dp_gather_bytes: float = 0.0
     #                         (a mean over the targets not ignored: the loss and their count)
     # bytes of the largest gradient bucket the dp pass makes (its probe at dp=2), or None
     dp_bucket_bytes: float | None = None

@@ -398,7 +398,7 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "expert_flops_f_split": "f", "expert_flops_b_split": "b",
              "grouped_bytes_f": "bf", "grouped_bytes_b": "bb", "grouped_stack_bytes": "p",
              "grouped_ep_saved_f": "f", "grouped_ep_saved_b": "b",
-             "attn_flops_f": "f", "sdpa_flops_f": "f",
+             "dp_gathers": "f", "dp_gather_bytes": "bf", "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
 
@@ -1602,9 +1602,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # the loss (and the count of its targets), per microbatch
             dp_fixed = hw.comm("all_reduce", 4, dp, span, calls=m * stats.dp_loss_calls)
             # the activations gathered to every rank (ops with no split rule), per
-            # microbatch: the whole microbatch's (mbs x dp of the example's rows)
-            dp_fixed += hw.comm("all_gather", stats.dp_gather_bytes * mbs * dp / stats.rows,
-                                dp, span, calls=m * stats.dp_gather_calls)
+            # microbatch: the whole microbatch's (mbs x dp of the traced rows), in the
+            # activations' precision
+            scale = mbs * dp / stats.rows * min(DTYPE_BYTES[precision], 4) / 4
+            dp_fixed += m * hw.comm(
+                "all_gather", sum(s.dp_gather_bytes for s in rank_segs[w]) * scale, dp, span,
+                calls=round(sum(s.dp_gathers for s in rank_segs[w])))
             # quantizing: ~6 memory-bound passes over the fp32 values of what is sent and of
             # what arrives, and ~13 nodes each side of a collective
             if q_w:
@@ -2152,11 +2155,17 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                     (cost.tensor_bytes(x.args[0].meta[ir.VAL]) for x in calls(g)
                      if x.target is c10d.all_reduce.default and x.meta.get(ir.BUCKET)),
                     default=None)
-                gathers = [x for x in calls(g) if x.target is
-                           c10d.all_gather_into_tensor.default and not x.meta.get(ir.BUCKET)]
-                out["dp_gather_calls"] = len(gathers)
-                out["dp_gather_bytes"] = float(sum(cost.tensor_bytes(x.meta[ir.VAL])
-                                                   for x in gathers))
+                gathered: dict = {}  # segment -> [calls, bytes]
+                for x in calls(g):
+                    if x.target is c10d.all_gather_into_tensor.default and \
+                            not x.meta.get(ir.BUCKET):  # (in its first reader's segment)
+                        seg = next((stats.node_segment[u.name] for w in x.users
+                                    for u in (w, *w.users) if u.name in stats.node_segment),
+                                   stats.segments[-1].name)
+                        got = gathered.setdefault(seg, [0, 0.0])
+                        got[0] += 1
+                        got[1] += cost.tensor_bytes(x.meta[ir.VAL])
+                out["dp_gathers"] = gathered
             except Exception as e:  # noqa: BLE001 - priced as halving, as before the probe
                 log.debug("planner: the dp graph's values could not be propagated: %s", e)
         else:  # one collective per layer (and direction, for the gathers)
@@ -2187,6 +2196,9 @@ def count_pass_extras(stats: GraphStats, share=None) -> None:
                          seg.bytes_b_whole, seg.saved_whole) = v[seg.name]
             elif k == "dp_nodes_per_param":
                 stats.dp_nodes_per_param[v[0]] = v[1]
+            elif k == "dp_gathers":
+                for seg in stats.segments:
+                    seg.dp_gathers, seg.dp_gather_bytes = v.get(seg.name, (0, 0.0))
             else:
                 setattr(stats, k, v)
 

@@ -77,13 +77,16 @@ def _(offs, experts, group_name):
 
 
 def dispatch_splits(route: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(rows received from each rank, rows sent to each rank) of ep_dispatch on `route`."""
+    """(rows received from each rank, rows sent to each rank) of ep_dispatch on `route`: the
+    splits both the op and the runtime's asynchronous issue (runtime/comm) read, on the
+    host."""
     return route[1].sum(1).tolist(), route[0].sum(1).tolist()
 
 
 def dispatched(got: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
     """The rows the dispatch's all-to-all received (source by source), sorted by this rank's
-    experts (each expert's rows from rank 0, 1, ...)."""
+    experts (each expert's rows from rank 0, 1, ...): a grouped matmul takes each expert's
+    rows contiguous. After the exchange, so the runtime runs it at the wait."""
     recv = route[1]
     ep, experts = recv.shape
     if not len(got):  # (nothing for this rank's experts: zero rows past the offs, as a
@@ -98,8 +101,9 @@ def dispatched(got: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
 def combine_send(y: torch.Tensor, route: torch.Tensor
                  ) -> tuple[torch.Tensor, list[int], list[int]]:
     """What ep_combine's all-to-all sends: the experts' results on the received rows back in
-    the order they came (source by source), and (rows received back from each rank, rows
-    sent to each rank)."""
+    the order they came (source by source, the order each source expects them back in), and
+    (rows received back from each rank, rows sent to each rank). Before the exchange, so the
+    runtime runs it when it issues the combine."""
     send, recv = route[0], route[1]
     ep, experts = recv.shape
     n = int(recv.sum())

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.core import ir
 from fxpar.core.errors import FxparError
 
-FORMAT = 1
+FORMAT = 2
 _LAYERS_ABOVE = (b"fxpar.compiler", b"fxpar.passes", b"fxpar.api")
 
 

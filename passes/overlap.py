@@ -198,8 +198,13 @@ def _pull_independent(order: list, wait: torch.fx.Node, extra: dict, room: dict)
     layer = ir.layer_of(reader.meta.get(ir.MODULE, ""))
     place = (reader.meta.get(ir.REGION), reader.meta.get(ir.STAGE), reader.meta.get(ir.PHASE))
     stay, moved = {wait}, []
+    head = float("inf")  # the least room left over order[first:k] (a move holds its bytes
+    # over all of it)
     for k in range(first, len(order)):
         n = order[k]
+        if k > first:
+            prev = order[k - 1]
+            head = min(head, room[prev] - extra[prev])
         if n.op != "call_function" or ir.layer_of(n.meta.get(ir.MODULE, "")) != layer or \
                 (n.meta.get(ir.REGION), n.meta.get(ir.STAGE), n.meta.get(ir.PHASE)) != place:
             if n.meta.get(ir.MODULE) and ir.layer_of(n.meta[ir.MODULE]) != layer:
@@ -207,19 +212,18 @@ def _pull_independent(order: list, wait: torch.fx.Node, extra: dict, room: dict)
             stay.add(n)
             continue
         size = cost.tensor_bytes(n.meta.get(ir.VAL))
-        if not _movable(n) or any(a in stay for a in n.all_input_nodes) or any(
-                extra[order[j]] + size > room[order[j]] for j in range(first, k)):
+        if not _movable(n) or any(a in stay for a in n.all_input_nodes) or size > head:
             stay.add(n)
             continue
         for j in range(first, k):
             extra[order[j]] += size
+        head -= size
         moved.append(n)
+        n.meta[ir.MOVED] = f"run beside {wait.name}"
     if not moved:
         return 0
-    for n in moved:
-        order.remove(n)
-    at = order.index(reader)
-    order[at:at] = moved
+    gone = set(moved)
+    order[first:] = moved + [n for n in order[first:] if n not in gone]
     return len(moved)
 
 
@@ -282,6 +286,8 @@ def default_slack(pairs) -> int:
     all-reduce's buffer, a reduce-scatter's input), so one may overlap while the next fills."""
     if any(start.target is c10d.all_gather_into_tensor.default for start, _ in pairs):
         return 0
+    # (not expert all-to-alls': their graph values bound the rows a rank may receive, ep x
+    # its own, far above what they hold)
     return 2 * max((_input_bytes_held(start) if start.target in cost.ASYNC_INPUT_COLLECTIVES
-                    else cost.tensor_bytes(start.meta.get(ir.VAL)) for start, _ in pairs),
-                   default=0)
+                    else cost.tensor_bytes(start.meta.get(ir.VAL)) for start, _ in pairs
+                    if start.target not in experts.ASYNC), default=0)

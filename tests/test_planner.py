@@ -107,8 +107,8 @@ def test_microbatched_data_parallelism_hides_its_reduction_behind_the_last_backw
 def test_activations_dp_gathers_are_priced_per_microbatch():
     """The dp probe counts the activations the dp pass all-gathers (an op with no split
     sharding rule reading the batch's rows: litgpt's experts loop's combine, 11 a layer);
-    each data-parallel plan pays them per microbatch as blocking calls, the whole
-    microbatch's bytes each."""
+    each data-parallel plan pays its stages' per microbatch as blocking calls, the whole
+    microbatch's bytes each, in the activations' precision (traced in fp32)."""
     stats = G.gpt_stats("gpt-1.7b")
     hw = cost.HARDWARE["a100"]
 
@@ -117,10 +117,12 @@ def test_activations_dp_gathers_are_priced_per_microbatch():
                               constraints={"dp": 8, "tp": 1, "pp": 1, "zero": 0,
                                            "remat": "none", "microbatches": m}
                               ).best.parts["dp communication"]
-    gathered = dataclasses.replace(stats, dp_gather_calls=10, dp_gather_bytes=2e6)
-    for m in (1, 2):  # (each microbatch's: 16 / m rows of the example's)
-        extra = hw.comm("all_gather", 2e6 * (16 // (8 * m)) * 8 / stats.rows, 8, 8,
-                        calls=10 * m)
+    gathered = dataclasses.replace(stats, segments=[
+        dataclasses.replace(s, dp_gathers=10, dp_gather_bytes=2e6) if i == 1 else s
+        for i, s in enumerate(stats.segments)])
+    for m in (1, 2):  # (each microbatch's: 16 / m rows of the traced ones, bf16)
+        extra = m * hw.comm("all_gather", 2e6 * (16 / (8 * m)) * 8 / stats.rows / 2, 8, 8,
+                            calls=10)
         assert dp_comm(gathered, m) == pytest.approx(dp_comm(stats, m) + extra)
 
 
@@ -137,7 +139,8 @@ def test_dp_probe_counts_the_gathers_of_an_experts_loop():
             warnings.simplefilter("ignore")
             st = planner.graph_stats(capture_as_is(model, batch_fn(0), loss_fn=loss_fn),
                                      batch_fn(0)["input_ids"].shape[0], pass_extras=True)
-        assert (st.dp_gather_calls > 0 and st.dp_gather_bytes > 0) == gathers, name
+        assert (sum(s.dp_gathers for s in st.segments) > 0 and sum(
+            s.dp_gather_bytes for s in st.segments) > 0) == gathers, name
 
 
 def test_a_head_tp_does_not_divide_stays_whole_and_tp_stays_legal():
@@ -635,7 +638,7 @@ def test_pass_extras_count_what_the_passes_emit():
     loss_calls = [n for n in dp_g.graph.nodes if n.target is c10d.all_reduce.default
                   and not n.meta.get(ir.BUCKET)]
     assert stats.dp_loss_calls == len(loss_calls) == 1
-    assert stats.dp_gather_calls == 0  # (every activation splits with the batch)
+    assert not any(s.dp_gathers for s in stats.segments)  # (every activation splits)
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):

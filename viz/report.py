@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from fxpar.core import cost, ir
+from fxpar.core import cost, experts, ir
 from fxpar.core.plan import plan_dict
 from fxpar.viz.graph import is_collective, summary
 
@@ -50,8 +50,11 @@ def predict(gm: torch.fx.GraphModule, device, group_size: int,
         if n.target in cost.COLLECTIVES:
             size = next((sizes[a] for a in n.args if isinstance(a, str) and a in sizes),
                         group_size)
-            comm += cost.comm_time(n.target, cost.tensor_bytes(n.args[0].meta.get(ir.VAL)),
-                                   size, profile)
+            nbytes = cost.tensor_bytes(n.args[0].meta.get(ir.VAL))
+            if n.target in experts.ASYNC:  # (the rank's own rows: the smaller side; the
+                # other's graph value bounds what it may receive)
+                nbytes = min(nbytes, cost.tensor_bytes(n.meta.get(ir.VAL)))
+            comm += cost.comm_time(n.target, nbytes, size, profile)
         elif not is_collective(n):
             compute += cost.node_time(n, profile)
     tl = cost.simulate_liveness(gm, count_inputs=False)
@@ -159,7 +162,8 @@ def _data_parallel_line(gm) -> str:
     buckets = [n for n in gm.graph.nodes if n.op == "call_function" and is_collective(n)
                and n.meta.get(ir.BUCKET) and n.target in cost.COLLECTIVES]
     other = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in
-             cost.COLLECTIVES and not n.meta.get(ir.BUCKET)]
+             cost.COLLECTIVES and not n.meta.get(ir.BUCKET) and n.target not in experts.ASYNC]
+    routed = sum(1 for n in gm.graph.nodes if n.target in experts.ASYNC)
     kinds = sorted({str(n.target).split(".")[1] for n in buckets})
     size = sum(cost.tensor_bytes(n.args[0].meta.get(ir.VAL)) for n in buckets)
     line = (f"the batch split over dp; gradients reduced in {len(buckets)} bucket(s) "
@@ -167,6 +171,8 @@ def _data_parallel_line(gm) -> str:
     if other:
         line += (f"; {len(other)} more collective(s) for what couples samples (a mean loss's "
                  "count, batch statistics) or ZeRO-3 parameter gathers")
+    if routed:
+        line += f"; {routed} expert all-to-all(s) of routed rows"
     return line
 
 
