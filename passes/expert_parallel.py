@@ -176,6 +176,9 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                                                      for p in x.params.values()],
                        "region": len(first.region), "entering": len(first.entering),
                        "leaving": len(first.leaving), "dispatch": "expert slots"})
+    # (a dispatch sits before its rows' first reader, the route after the counts: where remat
+    # recomputes the counts after that reader, the dispatch and what reads it follow them)
+    stable_topological_sort(gm.graph)
     gm.graph.lint()
     gm.recompile()
     fake_propagate(gm, check=False)
