@@ -18,6 +18,15 @@ With `--dp-shard N` the launch runs HSDP instead: fxpar Plan(dp=world, zero=3, d
 (eager and inductor) vs FSDP2's HSDP, `fully_shard` of every block and the root over a 2-D
 DeviceMesh ("replicate" world/N x "shard" N; eager and torch.compile).
 
+Under torchrun (several "nodes" on one host or on many) the script runs in the ranks torchrun
+started instead of launching its own, and `--dp-shard node` makes each node one shard group:
+fxpar's Plan(dp_shard="node") and FSDP2's mesh both take the node's size from torchrun's
+LOCAL_WORLD_SIZE. Two "nodes" of 2 ranks on localhost:
+
+    for n in 0 1; do .venv/bin/python -m torch.distributed.run --nnodes 2 --node-rank $n \
+        --nproc-per-node 2 --master-addr localhost --master-port 29533 \
+        benchmarks/zero_vs_fsdp.py --dp-shard node & done; wait
+
 fxpar's `pm.step` takes the GLOBAL batch; FSDP2 and DDP get this rank's 1/world slice of it
 and report the all-reduced mean loss, so all sides report the mean loss of the same batch.
 
@@ -121,7 +130,8 @@ def _build(kind, cfg, data, world, rank, opt_factory, dp_shard=None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         # HSDP: a 2-D mesh (replicate, shard), the shard dim innermost as fxpar's
-        mesh = init_device_mesh("cpu", (world // dp_shard, dp_shard),
+        shard = int(os.environ["LOCAL_WORLD_SIZE"]) if dp_shard == "node" else dp_shard
+        mesh = init_device_mesh("cpu", (world // shard, shard),
                                 mesh_dim_names=("replicate", "shard")) \
             if kind.startswith("fsdp2h") else None
         for block in model.h:
@@ -216,21 +226,40 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--dp-shard", type=int, default=None,
-                    help="instead: HSDP with shard groups of this many ranks (fxpar "
-                    "Plan(zero=3, dp_shard=N) vs FSDP2's fully_shard over a 2-D mesh)")
+    ap.add_argument("--dp-shard", type=lambda v: v if v == "node" else int(v), default=None,
+                    help="instead: HSDP with shard groups of this many ranks, or 'node' "
+                    "under torchrun (fxpar Plan(zero=3, dp_shard=N) vs FSDP2's fully_shard "
+                    "over a 2-D mesh)")
     args = ap.parse_args()
-    if args.dp_shard and (args.nprocs % args.dp_shard or args.dp_shard >= args.nprocs):
-        ap.error(f"--dp-shard {args.dp_shard} must divide --nprocs {args.nprocs} and be less")
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # (ranks torchrun started: run in them)
+    if torchrun:
+        args.nprocs = int(os.environ["WORLD_SIZE"])
+    shard = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if args.dp_shard == "node" \
+        else args.dp_shard
+    if args.dp_shard == "node" and not torchrun:
+        ap.error("--dp-shard node takes the node's size from torchrun: run under torchrun")
+    if shard and (args.nprocs % shard or shard >= args.nprocs):
+        ap.error(f"--dp-shard {shard} must divide --nprocs {args.nprocs} and be less")
     if args.batch % args.nprocs:
         ap.error(f"--batch {args.batch} must be a multiple of --nprocs {args.nprocs}")
-    res = fxpar.launch(bench, args.nprocs, args)
+    if torchrun:
+        dist.init_process_group("gloo", timeout=rdist.timeout())
+        mine = bench(args)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if dist.get_rank():
+            return
+        res = dict(enumerate(every))
+        nodes = args.nprocs // int(os.environ["LOCAL_WORLD_SIZE"])
+        print(f"torchrun: {nodes} nodes of {os.environ['LOCAL_WORLD_SIZE']} ranks")
+    else:
+        res = fxpar.launch(bench, args.nprocs, args)
     ranks = sorted(res)
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     p_mib = _mib(4 * n_params)
     print(f"GPT {args.layers}x{args.embd} ({n_params / 1e6:.2f} M params = {p_mib:.1f} MiB fp32),"
           f" global batch {args.batch}, dp={args.nprocs}"
-          f"{f' (HSDP: shard groups of {args.dp_shard})' if args.dp_shard else ''}, "
+          f"{f' (HSDP: shard groups of {shard})' if args.dp_shard else ''}, "
           f"gloo/CPU, AdamW, {args.steps} timed "
           f"steps")
     print("memory per rank (max over ranks): held = live before a step (params, grads, "

@@ -26,6 +26,8 @@ def _real_storage(t: torch.Tensor):
     try:
         st = t.untyped_storage()
         st.nbytes()
+        st.data_ptr()  # (a traced weight's stand-in, under fxpar's capture: a storage
+        # without data, "invalid python storage")
     except (RuntimeError, NotImplementedError):
         return None
     return None if st.device.type == "meta" else st
