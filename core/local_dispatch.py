@@ -211,9 +211,8 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
             bad.add(find(node))
     if outside:
         pl = placed(list(outside)) if placed is not None else {}
-        partial = (Partial("sum"),)
         for a, readers in outside.items():
-            if tuple(pl.get(a) or ()) != partial:
+            if tuple(pl.get(a) or ()) != (Partial("sum"),):
                 bad.update(find(m) for m in readers)
     bad.update(find(x) for x, e in local.items() if not _splits(x, e, n))
     return {x: e for x, e in local.items() if find(x) in matmul_roots and find(x) not in bad}
