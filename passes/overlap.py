@@ -1,8 +1,10 @@
 """Communication/computation overlap: start each collective early, wait for it late.
 
-Earlier passes emit every collective as a start (`_c10d_functional.*`) immediately followed
-by its `wait_tensor`: correct, but the compute thread idles while the bytes move. This pass
-reorders the graph so that
+Earlier passes emit every collective as a start (`_c10d_functional.*`, expert parallelism's
+`fxpar::ep_dispatch` / `ep_combine`) immediately followed by its `wait_tensor`: correct,
+but the compute thread idles while the bytes move. This pass reorders the graph so that
+  - the compute of an expert all-to-all's layer that does not read its rows moves above
+    the all-to-all's first reader (DeepSeek's shared experts beside the dispatch),
   - each wait sinks to just before the first node that reads its result (gradient buckets:
     to the end of the backward, so they travel while the rest of the backward computes), and
   - each start rises to just after the nodes that produce its input (ZeRO-3 parameter
