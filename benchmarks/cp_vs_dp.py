@@ -20,6 +20,14 @@ initial weights on the same batches of `--rows` sequences of `--seq` tokens, und
                               all-reduced: it runs only on CUDA's attention kernels, and the
                               script reports its error where it does not run
 
+Under torchrun (several "nodes" on one host or on many) the script runs in the ranks torchrun
+started instead of launching its own (`--nprocs` is torchrun's world). Two "nodes" of 2 ranks
+on localhost:
+
+    for n in 0 1; do .venv/bin/python -m torch.distributed.run --nnodes 2 --node-rank $n \
+        --nproc-per-node 2 --master-addr localhost --master-port 29536 \
+        benchmarks/cp_vs_dp.py & done; wait
+
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step, a barrier before each, the sides' steps interleaved (the order rotating); rank 0's.
 Memory (max over ranks): runtime/memtrack.StepMemory from the weights the rank holds after
@@ -167,9 +175,17 @@ def main():
     ap.add_argument("--remat", default="none", help='Plan.remat of every fxpar plan ("sqrt": '
                     "cp gathers each attention's keys and values again in the backward)")
     args = ap.parse_args()
+    torchrun = rdist.under_torchrun()  # (then the script runs in the ranks torchrun started)
+    if torchrun:
+        args.nprocs = int(os.environ["WORLD_SIZE"])
     if args.seq % (2 * args.nprocs):
         ap.error("--seq must be a multiple of 2 x --nprocs")
-    res = fxpar.launch(bench, args.nprocs, args)
+    res = rdist.launch_or_join(bench, args.nprocs, args)
+    if res is None:  # (torchrun's other ranks: rank 0 prints)
+        return
+    if torchrun:
+        print(f"torchrun: {args.nprocs // int(os.environ['LOCAL_WORLD_SIZE'])} nodes of "
+              f"{os.environ['LOCAL_WORLD_SIZE']} ranks")
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
     print(f"HF Llama {args.layers} layers x {args.hidden} ({n / 1e6:.2f} M params), "

@@ -27,6 +27,14 @@ from 4 ranks), each from the same initial weights on the same batches with AdamW
     Plan(dp=world/2, ep=2,     (from 4 ranks) half the experts per rank, each split over tp
          tp=2)
 
+Under torchrun (several "nodes" on one host or on many) the script runs in the ranks torchrun
+started instead of launching its own (`--nprocs` is torchrun's world). Two "nodes" of 2 ranks
+on localhost:
+
+    for n in 0 1; do .venv/bin/python -m torch.distributed.run --nnodes 2 --node-rank $n \
+        --nproc-per-node 2 --master-addr localhost --master-port 29535 \
+        benchmarks/ep_vs_zero.py & done; wait
+
 Timing: median wall time of `--steps` steps after `--warmup` warm-up steps and one memory
 step, a barrier before each step, the sides' steps interleaved (the order rotating) so a
 change in the machine's load hits all alike; rank 0's times. Memory (max over ranks): the
@@ -183,9 +191,17 @@ def main():
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--model", default="hf", choices=("hf", "litgpt", "deepseek"))
     args = ap.parse_args()
+    torchrun = rdist.under_torchrun()  # (then the script runs in the ranks torchrun started)
+    if torchrun:
+        args.nprocs = int(os.environ["WORLD_SIZE"])
     if args.batch % args.nprocs or args.experts % args.nprocs:
         ap.error("--batch and --experts must be multiples of --nprocs")
-    res = fxpar.launch(bench, args.nprocs, args)
+    res = rdist.launch_or_join(bench, args.nprocs, args)
+    if res is None:  # (torchrun's other ranks: rank 0 prints)
+        return
+    if torchrun:
+        print(f"torchrun: {args.nprocs // int(os.environ['LOCAL_WORLD_SIZE'])} nodes of "
+              f"{os.environ['LOCAL_WORLD_SIZE']} ranks")
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
     title = {"hf": "HF Mixtral", "litgpt": "litgpt Mixtral",

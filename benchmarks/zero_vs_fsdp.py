@@ -231,7 +231,7 @@ def main():
                     "under torchrun (fxpar Plan(zero=3, dp_shard=N) vs FSDP2's fully_shard "
                     "over a 2-D mesh)")
     args = ap.parse_args()
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # (ranks torchrun started: run in them)
+    torchrun = rdist.under_torchrun()  # (then the script runs in the ranks torchrun started)
     if torchrun:
         args.nprocs = int(os.environ["WORLD_SIZE"])
     shard = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if args.dp_shard == "node" \
@@ -242,18 +242,12 @@ def main():
         ap.error(f"--dp-shard {shard} must divide --nprocs {args.nprocs} and be less")
     if args.batch % args.nprocs:
         ap.error(f"--batch {args.batch} must be a multiple of --nprocs {args.nprocs}")
+    res = rdist.launch_or_join(bench, args.nprocs, args)
+    if res is None:  # (torchrun's other ranks: rank 0 prints)
+        return
     if torchrun:
-        dist.init_process_group("gloo", timeout=rdist.timeout())
-        mine = bench(args)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        if dist.get_rank():
-            return
-        res = dict(enumerate(every))
         nodes = args.nprocs // int(os.environ["LOCAL_WORLD_SIZE"])
         print(f"torchrun: {nodes} nodes of {os.environ['LOCAL_WORLD_SIZE']} ranks")
-    else:
-        res = fxpar.launch(bench, args.nprocs, args)
     ranks = sorted(res)
     n_params = sum(p.numel() for p in M.GPT(_cfg(args)).parameters())
     p_mib = _mib(4 * n_params)

@@ -400,3 +400,30 @@ def launch(fn: Callable, nprocs: int, *args) -> dict[int, Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank torchrun (torch.distributed.run) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "FXPAR_LAUNCHED_RANK" not in os.environ
+
+
+def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
+    """Run fn(*args) on `nprocs` ranks: in the ranks torchrun started when the script runs
+    under torchrun (several nodes, on one host or many), else on ranks `launch` spawns.
+
+    A script written for `launch` then runs unchanged on torchrun's nodes. Returns
+    {rank: value} where `launch` would (under torchrun: on rank 0, the values gathered over
+    the default group) and None on torchrun's other ranks.
+    """
+    if not under_torchrun():
+        return launch(fn, nprocs, *args)
+    world = int(os.environ["WORLD_SIZE"])
+    if nprocs != world:
+        raise LaunchError(f"{nprocs} ranks were asked for, but torchrun started {world}: pass "
+                          f"{world} (torchrun's --nnodes x --nproc-per-node)")
+    if not dist.is_initialized():
+        _open_default_group("gloo")
+    mine = fn(*args)
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return dict(enumerate(every)) if dist.get_rank() == 0 else None

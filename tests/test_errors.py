@@ -406,6 +406,34 @@ def test_torchrun_ranks_exit_cleanly(tmp_path):
         assert "terminate called" not in out, out[-3000:]
 
 
+JOIN_SCRIPT = """
+import os
+from fxpar.runtime import dist as rdist
+try:
+    rdist.launch_or_join(os.getpid, 3)
+except rdist.LaunchError as e:
+    print("refused:", e, flush=True)
+res = rdist.launch_or_join(lambda: int(os.environ["RANK"]) * 10, 2)
+print("result", os.environ["RANK"], res, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_launch_or_join_runs_in_torchruns_ranks(tmp_path):
+    """A script written for fxpar.launch runs in the ranks torchrun started (the benchmarks'
+    way onto several nodes): the values gathered to rank 0, None on the others, and a rank
+    count other than torchrun's world refused by name instead of spawning more ranks."""
+    script = tmp_path / "join.py"
+    script.write_text(JOIN_SCRIPT)
+    env = dict(os.environ, FXPAR_DEVICE="cpu", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "result 0 {0: 0, 1: 10}" in out and "result 1 None" in out, out[-3000:]
+    assert out.count("refused: 3 ranks were asked for, but torchrun started 2") == 2, out[-3000:]
+
 def _retry_after_refusal():
     from fxpar.core.errors import PlanError
     from fxpar.examples import models as M
