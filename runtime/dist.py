@@ -423,6 +423,8 @@ def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
                           f"{world} (torchrun's --nnodes x --nproc-per-node)")
     if not dist.is_initialized():
         _open_default_group("gloo")
+        atexit.register(_destroy_at_exit)  # (as setup does: a gloo group left to the
+        # interpreter's teardown can abort the process after a correct run)
     mine = fn(*args)
     every = [None] * world
     dist.all_gather_object(every, mine)
