@@ -107,7 +107,7 @@ def _is_compute(n: torch.fx.Node, cpu: bool = False) -> bool:
             t in context_attention.RING or \
             n.meta.get(ir.DYNAMIC_ROWS):  # (a shape the graph's values only bound)
         return False
-    return t.namespace not in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+    return t.namespace not in ir.COMMUNICATION_NAMESPACES
 
 
 # Ops Inductor lowers to an indexed store with atomic adds. On CPU (torch 2.13) that store

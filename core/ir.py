@@ -17,6 +17,10 @@ from fxpar.core.errors import BatchError
 RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                       torch.ops.aten.reshape.default, torch.ops.aten.alias.default})
 
+# the op namespaces of collectives, their waits and DTensor's redistributions: an op from one
+# communicates (fxpar's own namespace holds both communicating ops and local kernels)
+COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+
 # node.meta keys (docs/design.md section 3)
 VAL = "val"              # fake tensor: shape, dtype, device
 REGION = "region"        # "forward" | "backward" | "optimizer" | "comm"

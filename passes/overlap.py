@@ -236,7 +236,7 @@ def _movable(n: torch.fx.Node) -> bool:
     if t is operator.getitem:
         return True  # (goes with what it takes apart)
     return isinstance(t, torch._ops.OpOverload) and \
-        t.namespace not in ("_c10d_functional", "c10d", "_dtensor", "fxpar") and \
+        t.namespace not in ir.COMMUNICATION_NAMESPACES and t.namespace != "fxpar" and \
         torch.Tag.nondeterministic_seeded not in t.tags and not n.is_impure() and \
         ir.PACK not in n.meta and ir.BUCKET not in n.meta
 

@@ -61,7 +61,6 @@ from fxpar.core.graphs import copy_graph
 aten = torch.ops.aten
 SAVED = "saved"  # node.meta key: forward value kept for the backward (set on remat'd graphs)
 _PIN = "remat_pinned"  # transient: never recompute this node (removed before the pass returns)
-_NO_RECOMPUTE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor", "fxpar")
 
 
 @dataclasses.dataclass
@@ -112,7 +111,10 @@ def _recomputable(n) -> bool:
         return False
     if _is_random(n) and _device_type(n) not in _RNG_REPLAY_DEVICES:
         return False  # torch's RNG replay ops exist for these devices only
-    return t.namespace not in _NO_RECOMPUTE_NAMESPACES
+    # (no collective, and none of fxpar's own ops: its all-to-alls and ring exchanges
+    # communicate, and the others - rank-dependent slices, dropout masks, fused kernels -
+    # are left where the passes put them)
+    return t.namespace not in ir.COMMUNICATION_NAMESPACES and t.namespace != "fxpar"
 
 
 _RNG_REPLAY_DEVICES = ("cpu", "cuda")
