@@ -1178,6 +1178,13 @@ class _Sharder:
         if isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) \
                 and len(orig) == len(want):
             return type(orig)(self.rewrite(node, o, w) for o, w in zip(orig, want))
+        if isinstance(orig, (list, tuple)) and isinstance(want, (list, tuple)) \
+                and len(orig) < len(want) and not any(
+                    isinstance(w, DTensorSpec) for w in want[len(orig):]):
+            # arguments DTensor's rule adds for the local op (squeeze()'s dims, read off the
+            # global shape: a local size of 1 is not always a global one)
+            return type(orig)([*(self.rewrite(node, o, w) for o, w in zip(orig, want)),
+                               *want[len(orig):]])
         return orig if isinstance(want, DTensorSpec) else want
 
 

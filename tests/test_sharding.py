@@ -55,6 +55,29 @@ def test_view_shapes_become_local_and_distinct_views_stay_distinct():
     assert (2, 4, 2, 4) in shapes and (2, 4, 8) in shapes and (8,) in shapes
 
 
+def test_squeeze_without_dims_takes_the_dims_of_the_global_shape():
+    """`x.squeeze()` (no dim: ERNIE 4.5 MoE's router bias) on a split value squeezes the
+    dims of size 1 in the global shape, which DTensor's rule names (an argument the op did
+    not have: it crashed the pass); a local size of 1 (2 rows over 2 ranks) is not one."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Parameter(torch.zeros(1, 4))
+
+        def forward(self, x):  # x [2, 1, 4]
+            return (self.fc(x).squeeze() + self.b.squeeze()).square().mean()
+
+    gm, _ = capture(M(), torch.randn(2, 1, 4))
+    batch = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "batch")
+    shard_graph(gm, make_mesh(2), {batch.name: (Shard(0),)}, ["g"])
+    squeezes = [n for n in gm.graph.nodes if n.target in (aten.squeeze.default, aten.squeeze.dims)
+                and n.meta.get(ir.REGION) == ir.FORWARD]
+    assert sorted(tuple(n.args[1]) for n in squeezes) == [(0,), (1,)]  # (the bias's, the rows')
+    bias, rows = sorted(squeezes, key=lambda n: tuple(n.args[1]))
+    assert bias.meta[ir.SHARD] == (Replicate(),) and rows.meta[ir.SHARD] == (Shard(0),)
+
+
 def test_custom_ops_lay_out_their_outputs_as_their_fakes_say(monkeypatch):
     """fxpar's rank-dependent ops on transposed inputs: real outputs match the fake kernels'
     shapes and strides (torch.library.opcheck). Compiled code trusts the fake's layout -
