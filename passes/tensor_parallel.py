@@ -13,10 +13,11 @@ column split is dropped and that weight stays replicated. On a transformer block
 QKV -> attention (heads split) -> output projection, and up/gate -> down projection: two
 all-reduces in the forward and two in the backward, as Megatron.
 
-A projection whose output is split into k equal pieces (nanoGPT's and GPT-2's fused QKV) is
-rewritten first so each rank's contiguous slice of the weight holds its share of every
-piece: the weight is stored interleaved (rank r holds rows [q_r; k_r; v_r]) and the split
-becomes view/select ops that DTensor's rules shard without communication. The runtime keeps
+A projection whose output is split into pieces (nanoGPT's and GPT-2's fused QKV, litgpt's
+grouped-query one with q wider than k and v) is rewritten first so each rank's contiguous
+slice of the weight holds its share of every piece: the weight is stored interleaved (rank
+r holds rows [q_r; k_r; v_r]) and the split becomes a split of each rank's block, which
+DTensor's rules shard without communication. The runtime keeps
 the weight in that layout (gm.meta[ir.TP_LAYOUTS]) and undoes it in full_state_dict().
 
 Then core/sharding.shard_graph propagates the chosen placements through the whole joint
@@ -82,7 +83,8 @@ class Decision:
     column: list[str]           # weight names split by output features
     row: list[str]              # weight names split by input features
     replicated: list[str]       # linear weights left whole (no row partner found)
-    interleaved: dict[str, int]  # weight/bias name -> pieces of its fused output
+    interleaved: dict[str, object]  # weight/bias name -> its fused output's pieces (k, or
+    #                                 their sizes where they differ)
     placements: dict[str, tuple]  # parameter name -> placements on the tp mesh
     gathered: list[str] = dataclasses.field(default_factory=list)  # column outputs all-gathered
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # whole weight -> why
@@ -96,7 +98,7 @@ def _decide(gm, options, ctx):
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {n: sig.param_names[i] for i, n in enumerate(phs[:sig.num_params])}
     linears = find_linears(gm, params)
-    interleaved = {}  # placeholder -> (dim holding the fused pieces, number of pieces)
+    interleaved = {}  # placeholder -> (dim holding the fused pieces, the layout's pieces)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grads = list(out.args[0])[1:1 + sig.num_params]  # empty in a forward-only graph
     reads = {}
@@ -335,10 +337,12 @@ def _root(node):
 # --- fused projections ----------------------------------------------------------------------
 
 def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
-    """If lin's output is split into k equal pieces along its features (a fused QKV),
-    rewrite the split (and remat's recomputed copies of it) and its backward cat (the one
-    the weight's gradient is computed from) for the interleaved layout; returns k (0: no).
-    The new nodes' meta["val"] is left to the caller's fake propagation."""
+    """If lin's output is split into pieces along its features (a fused QKV; a grouped-query
+    one's q wider than its k and v), each a multiple of tp, rewrite the split (and remat's
+    recomputed copies of it) and its backward cat (the one the weight's gradient is computed
+    from) for the interleaved layout; returns the layout's pieces (runtime/tp_slices: k
+    equal pieces, or their sizes) or 0. The new nodes' meta["val"] is left to the caller's
+    fake propagation."""
     graph = gm.graph
     splits = [u for v in _views_of(lin.mm) for u in v.users
               if u.target in (aten.split.Tensor, aten.split_with_sizes.default)
@@ -356,12 +360,13 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
         return 0
     if split.target is aten.split.Tensor:
         size = split.args[1]
-        k = shape[dim] // size if shape[dim] % size == 0 else 0
+        sizes = [size] * (shape[dim] // size) if shape[dim] % size == 0 else []
     else:
-        sizes = split.args[1]
-        size, k = sizes[0], len(sizes) if len(set(sizes)) == 1 else 0
-    if k < 2 or size % tp:
+        sizes = list(split.args[1])
+    if len(sizes) < 2 or any(s % tp for s in sizes):
         return 0
+    k = len(sizes)
+    shares = [s // tp for s in sizes]  # (each rank's share of each piece)
     lead = shape[:-1]
     # the split's backward: cat(grads of the pieces, dim) that the weight's gradient reads
     has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
@@ -391,13 +396,14 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
         if sp.meta.get(ir.RECOMPUTE):
             meta[ir.RECOMPUTE] = sp.meta[ir.RECOMPUTE]
         getitems = [u for u in sp.users if u.target is operator.getitem]
-        with graph.inserting_before(sp):
-            v = emit(aten.view.default, (sp.args[0], [*lead, tp, k, size // tp]), meta, None)
+        with graph.inserting_before(sp):  # [.., tp, q_r; k_r; v_r] -> each piece's shares
+            v = emit(aten.view.default, (sp.args[0], [*lead, tp, sum(shares)]), meta, None)
+            parts = emit(aten.split_with_sizes.default, (v, shares, -1), meta, None)
             for g in sorted(getitems, key=lambda n: n.args[1]):
-                sel = emit(aten.select.int, (v, -2, g.args[1]), meta, None)
+                sel = emit(operator.getitem, (parts, g.args[1]), meta, None)
                 cont = emit(aten.clone.default, (sel,), meta, None)
                 cont.kwargs = {"memory_format": torch.contiguous_format}
-                piece = emit(aten.view.default, (cont, [*lead, size]), meta, None)
+                piece = emit(aten.view.default, (cont, [*lead, sizes[g.args[1]]]), meta, None)
                 g.replace_all_uses_with(piece)
         for g in getitems:
             graph.erase_node(g)
@@ -406,13 +412,13 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
     if cat is not None:  # (a forward-only graph, evaluate's, has none)
         bmeta = {ir.MODULE: cat.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD}
         with graph.inserting_before(cat):
-            parts = [emit(aten.view.default, (p, [*lead, tp, 1, size // tp]), bmeta, None)
-                     for p in cat.args[0]]
-            joined = emit(aten.cat.default, (parts, len(lead) + 1), bmeta, None)
+            parts = [emit(aten.view.default, (p, [*lead, tp, c]), bmeta, None)
+                     for p, c in zip(cat.args[0], shares)]
+            joined = emit(aten.cat.default, (parts, -1), bmeta, None)
             flat = emit(aten.view.default, (joined, shape), bmeta, None)
         cat.replace_all_uses_with(flat)
         graph.erase_node(cat)
-    return k
+    return k if len(set(sizes)) == 1 else tuple(sizes)
 
 
 def _reads_weight(node, weight) -> bool:

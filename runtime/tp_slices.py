@@ -1,9 +1,10 @@
 """Tensor-parallel parameter layouts: a rank's shard of a full weight, and back.
 
-A layout (from the tensor_parallel pass, Program.tp_layouts) is (shard_dim, interleave_dim, k):
-the weight is split over the tp ranks along shard_dim (None: kept whole); k > 1 means its
-interleave_dim holds k fused pieces (a fused QKV projection) stored interleaved, so that
-each rank's contiguous slice holds its share of every piece: rank r gets [q_r; k_r; v_r].
+A layout (from the tensor_parallel pass, Program.tp_layouts) is (shard_dim, interleave_dim,
+pieces): the weight is split over the tp ranks along shard_dim (None: kept whole); pieces > 1
+(k equal pieces) or a tuple of piece sizes (a grouped-query QKV: q wider than k and v) means
+its interleave_dim holds fused pieces stored interleaved, so that each rank's contiguous
+slice holds its share of every piece: rank r gets [q_r; k_r; v_r].
 
 A parameter may be split more than once (an expert stack: along its experts over the ep
 group, then along its features over tp): `local_of` / `full_of` apply a chain of splits,
@@ -15,20 +16,37 @@ import torch
 import torch.distributed as dist
 
 
-def _interleave(t: torch.Tensor, dim: int, k: int, tp: int, inverse: bool = False):
+def piece_sizes(n: int, pieces) -> list[int]:
+    """The sizes of a layout's fused pieces along a dim of n elements ([n]: none)."""
+    if isinstance(pieces, (tuple, list)):
+        return list(pieces)
+    return [n // pieces] * pieces
+
+
+def _interleave(t: torch.Tensor, dim: int, pieces, tp: int, inverse: bool = False):
+    """t with its fused pieces along `dim` stored rank-major ([q_0; k_0; v_0; q_1; ...]),
+    or (inverse) back in the user's order ([q; k; v])."""
     t = t.movedim(dim, 0)
-    n, rest = t.shape[0], t.shape[1:]
-    a, b = (tp, k) if inverse else (k, tp)
-    t = t.reshape(a, b, n // (k * tp), *rest).transpose(0, 1).reshape(n, *rest)
+    shares = [s // tp for s in piece_sizes(t.shape[0], pieces)]
+    if inverse:  # rank blocks, each [q_r; k_r; v_r] -> piece j's shares of every rank
+        blocks = [b.split(shares) for b in t.split(sum(shares))]
+        t = torch.cat([blocks[r][j] for j in range(len(shares)) for r in range(tp)])
+    else:
+        parts = [p.split(c) for p, c in zip(t.split([c * tp for c in shares]), shares)]
+        t = torch.cat([parts[j][r] for r in range(tp) for j in range(len(shares))])
     return t.movedim(0, dim)
+
+
+def _fused(pieces) -> bool:
+    return isinstance(pieces, (tuple, list)) or pieces > 1
 
 
 def local_param(full: torch.Tensor, layout, tp: int, rank: int) -> torch.Tensor:
     """The tensor this tp rank's program reads for the user's full weight."""
-    shard_dim, il_dim, k = layout
+    shard_dim, il_dim, pieces = layout
     t = full
-    if k > 1:
-        t = _interleave(t, il_dim, k, tp)
+    if _fused(pieces):
+        t = _interleave(t, il_dim, pieces, tp)
     if shard_dim is not None:
         t = t.chunk(tp, shard_dim)[rank]
     return t.contiguous().clone()
@@ -36,14 +54,14 @@ def local_param(full: torch.Tensor, layout, tp: int, rank: int) -> torch.Tensor:
 
 def full_param(local: torch.Tensor, layout, tp: int, group) -> torch.Tensor:
     """The user's full weight from every tp rank's tensor (collective over `group`)."""
-    shard_dim, il_dim, k = layout
+    shard_dim, il_dim, pieces = layout
     t = local.detach()
     if shard_dim is not None:
         parts = [torch.empty_like(t) for _ in range(tp)]
         dist.all_gather(parts, t.contiguous(), group=group)
         t = torch.cat(parts, shard_dim)
-    if k > 1:
-        t = _interleave(t, il_dim, k, tp, inverse=True)
+    if _fused(pieces):
+        t = _interleave(t, il_dim, pieces, tp, inverse=True)
     return t.clone()
 
 

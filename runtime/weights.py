@@ -47,6 +47,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from fxpar.core.errors import CheckpointError
 from fxpar.runtime import checkpoint as ck
 from fxpar.runtime import model_state
+from fxpar.runtime import tp_slices as rtp
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,15 @@ def local_runs(shape, layout, tp: int, rank: int, runs: list[Runs] | None = None
     runs = [list(r) for r in runs] if runs is not None else [[(0, n)] for n in shape]
     if layout is None:
         return runs
-    shard_dim, il_dim, k = layout
-    if k > 1:  # fused pieces: rank r's chunk is [piece_0 share r; piece_1 share r; ...]
-        n = shape[il_dim]
+    shard_dim, il_dim, pieces = layout
+    if isinstance(pieces, (tuple, list)) or pieces > 1:  # fused pieces: rank r's chunk is
+        n = shape[il_dim]                                # [piece_0 share r; piece_1 share r; ...]
         if runs[il_dim] != [(0, n)]:
             raise ValueError(f"fxpar bug: dim {il_dim} interleaved after another split of it")
-        c = n // (k * tp)
-        runs[il_dim] = [(j * n // k + r * c, j * n // k + (r + 1) * c)
-                        for r in range(tp) for j in range(k)]
+        sizes = rtp.piece_sizes(n, pieces)
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        runs[il_dim] = [(a + r * (s // tp), a + (r + 1) * (s // tp))
+                        for r in range(tp) for a, s in zip(starts, sizes)]
     if shard_dim is not None:
         n = run_length(runs[shard_dim])
         size = -(-n // tp)  # torch.chunk's sizes

@@ -24,7 +24,8 @@ from workers import OPTIMIZERS, build, eager_reference
 
 transformers = pytest.importorskip("transformers")
 
-LAYOUTS = [None, (0, None, 1), (1, None, 1), (0, 0, 3), (1, 0, 3), (None, 0, 2)]
+LAYOUTS = [None, (0, None, 1), (1, None, 1), (0, 0, 3), (1, 0, 3), (None, 0, 2),
+           (0, 0, (12, 8, 4)), (1, 1, (8, 4))]  # (a grouped-query QKV's unequal pieces)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
