@@ -337,88 +337,174 @@ def _root(node):
 # --- fused projections ----------------------------------------------------------------------
 
 def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
-    """If lin's output is split into pieces along its features (a fused QKV; a grouped-query
-    one's q wider than its k and v), each a multiple of tp, rewrite the split (and remat's
-    recomputed copies of it) and its backward cat (the one the weight's gradient is computed
-    from) for the interleaved layout; returns the layout's pieces (runtime/tp_slices: k
-    equal pieces, or their sizes) or 0. The new nodes' meta["val"] is left to the caller's
-    fake propagation."""
+    """If lin's output is cut into pieces along its features (a fused QKV; a grouped-query
+    one's q wider than its k and v), each a multiple of tp, by one split or by slices that
+    partition the features (Phi-3's), rewrite the cut (and remat's recomputed copies of
+    it) and its backward (the cat, or the sum of slice_backwards, the weight's gradient is
+    computed from) for the interleaved layout; returns the layout's pieces
+    (runtime/tp_slices: k equal pieces, or their sizes) or 0. The new nodes' meta["val"] is
+    left to the caller's fake propagation."""
     graph = gm.graph
-    splits = [u for v in _views_of(lin.mm) for u in v.users
-              if u.target in (aten.split.Tensor, aten.split_with_sizes.default)
-              and u.meta.get(ir.REGION) == ir.FORWARD]
-    if len(splits) != 1:
+    found = _fused_pieces(lin)
+    if found is None:
         return 0
-    split = splits[0]
-    y = split.args[0]
-    shape = list(y.meta[ir.VAL].shape)
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    dim %= len(shape)
-    # along the projection's features, whole: a view that regroups them first (CodeGen's
-    # [B, T, groups, 3 * d], split in d within each group) splits something else
-    if dim != len(shape) - 1 or shape[-1] != lin.mm.meta[ir.VAL].shape[-1]:
-        return 0
-    if split.target is aten.split.Tensor:
-        size = split.args[1]
-        sizes = [size] * (shape[dim] // size) if shape[dim] % size == 0 else []
-    else:
-        sizes = list(split.args[1])
+    y, sizes, takers = found
     if len(sizes) < 2 or any(s % tp for s in sizes):
         return 0
-    k = len(sizes)
+    shape = list(y.meta[ir.VAL].shape)
     shares = [s // tp for s in sizes]  # (each rank's share of each piece)
-    lead = shape[:-1]
-    # the split's backward: cat(grads of the pieces, dim) that the weight's gradient reads
+    lead, k = shape[:-1], len(sizes)
+    # the cut's backward: cat(grads of the pieces) or a sum of each piece's slice_backward,
+    # which the weight's gradient reads
     has_backward = any(n.op == "call_function" and n.meta.get(ir.REGION) == ir.BACKWARD
                        for n in graph.nodes)
-    cat = next((n for n in graph.nodes if n.target is aten.cat.default
+    if takers[0].target is aten.slice.Tensor:
+        back = _slice_backwards(graph, shape, sizes, grad_of_weight)
+    else:
+        back = [n for n in graph.nodes if n.target is aten.cat.default
                 and n.meta.get(ir.REGION) == ir.BACKWARD and len(n.args[0]) == k
-                and (n.args[1] if len(n.args) > 1 else 0) % len(shape) == dim
-                and list(n.meta[ir.VAL].shape) == shape and _feeds(n, grad_of_weight)), None)
-    if cat is None and has_backward:
+                and (n.args[1] if len(n.args) > 1 else 0) % len(shape) == len(shape) - 1
+                and n.meta.get(ir.VAL) is not None and list(n.meta[ir.VAL].shape) == shape
+                and _feeds(n, grad_of_weight)][:1]
+    if not back and has_backward:
         # e.g. an RNN's gates, whose weight is read once per time step and whose gradient
         # is a sum, not one cat: the weight is left as it is (a plain linear, which the
         # column check then keeps whole if its split cannot stay split)
         return 0
 
-    def emit(target, args, region_meta, like):
+    def emit(target, args, region_meta, like=None):
         node = graph.call_function(target, args)
         node.meta.update(region_meta)
         node.meta[ir.VAL] = like
         return node
 
-    # remat may recompute the projection and its split in the backward: rewrite those too
-    copies = [n for n in graph.nodes if n.target is split.target and n is not split
-              and n.args[1:] == split.args[1:] and n.meta.get(ir.RECOMPUTE)
-              and _reads_weight(n.args[0], lin.weight)]
-    for sp in [split, *copies]:
-        meta = {ir.MODULE: sp.meta.get(ir.MODULE, ""), ir.REGION: sp.meta.get(ir.REGION)}
-        if sp.meta.get(ir.RECOMPUTE):
-            meta[ir.RECOMPUTE] = sp.meta[ir.RECOMPUTE]
-        getitems = [u for u in sp.users if u.target is operator.getitem]
-        with graph.inserting_before(sp):  # [.., tp, q_r; k_r; v_r] -> each piece's shares
-            v = emit(aten.view.default, (sp.args[0], [*lead, tp, sum(shares)]), meta, None)
-            parts = emit(aten.split_with_sizes.default, (v, shares, -1), meta, None)
-            for g in sorted(getitems, key=lambda n: n.args[1]):
-                sel = emit(operator.getitem, (parts, g.args[1]), meta, None)
-                cont = emit(aten.clone.default, (sel,), meta, None)
+    # each cut of the projection's output - remat may recompute it in the backward - as a
+    # split of each rank's block [.., tp, q_r; k_r; v_r] into the pieces' shares
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    cuts: dict = {}  # the value cut -> [(its cutting node, the piece it takes: None = all)]
+    for j, t in enumerate(takers):
+        for n in [t, *(c for c in graph.nodes if c.target is t.target and c is not t
+                       and c.args[1:] == t.args[1:] and c.meta.get(ir.RECOMPUTE)
+                       and _reads_weight(c.args[0], lin.weight))]:
+            cuts.setdefault(n.args[0], []).append((n, None if len(takers) == 1 else j))
+    for x, nodes in cuts.items():
+        first = min((n for n, _ in nodes), key=order.get)
+        meta = {ir.MODULE: first.meta.get(ir.MODULE, ""), ir.REGION: first.meta.get(ir.REGION)}
+        if first.meta.get(ir.RECOMPUTE):
+            meta[ir.RECOMPUTE] = first.meta[ir.RECOMPUTE]
+        with graph.inserting_before(first):
+            v = emit(aten.view.default, (x, [*lead, tp, sum(shares)]), meta)
+            parts = emit(aten.split_with_sizes.default, (v, shares, -1), meta)
+            pieces = []
+            for j in range(k):
+                cont = emit(aten.clone.default, (emit(operator.getitem, (parts, j), meta),), meta)
                 cont.kwargs = {"memory_format": torch.contiguous_format}
-                piece = emit(aten.view.default, (cont, [*lead, sizes[g.args[1]]]), meta, None)
-                g.replace_all_uses_with(piece)
-        for g in getitems:
-            graph.erase_node(g)
-        graph.erase_node(sp)
+                pieces.append(emit(aten.view.default, (cont, [*lead, sizes[j]]), meta))
+        for n, j in nodes:
+            if j is None:  # (a split: each getitem takes its piece)
+                for g in [u for u in n.users if u.target is operator.getitem]:
+                    g.replace_all_uses_with(pieces[g.args[1]])
+                    graph.erase_node(g)
+            else:
+                n.replace_all_uses_with(pieces[j])
+            graph.erase_node(n)
 
-    if cat is not None:  # (a forward-only graph, evaluate's, has none)
-        bmeta = {ir.MODULE: cat.meta.get(ir.MODULE, ""), ir.REGION: ir.BACKWARD}
+    bmeta = {ir.MODULE: back[0].meta.get(ir.MODULE, "") if back else "", ir.REGION: ir.BACKWARD}
+    if back and back[0].target is aten.cat.default:
+        cat = back[0]
         with graph.inserting_before(cat):
-            parts = [emit(aten.view.default, (p, [*lead, tp, c]), bmeta, None)
+            parts = [emit(aten.view.default, (p, [*lead, tp, c]), bmeta)
                      for p, c in zip(cat.args[0], shares)]
-            joined = emit(aten.cat.default, (parts, -1), bmeta, None)
-            flat = emit(aten.view.default, (joined, shape), bmeta, None)
+            flat = emit(aten.view.default, (emit(aten.cat.default, (parts, -1), bmeta),
+                                            shape), bmeta)
         cat.replace_all_uses_with(flat)
         graph.erase_node(cat)
+    elif back:  # each piece's gradient in its place of every rank's block, zeros elsewhere
+        offsets = [sum(shares[:j]) for j in range(k)]
+        for j, sb in enumerate(back):
+            with graph.inserting_before(sb):
+                g = emit(aten.view.default, (sb.args[0], [*lead, tp, shares[j]]), bmeta)
+                padded = emit(aten.constant_pad_nd.default, (g, [
+                    offsets[j], sum(shares) - offsets[j] - shares[j]], 0.0), bmeta)
+                flat = emit(aten.view.default, (padded, shape), bmeta)
+            sb.replace_all_uses_with(flat)
+            graph.erase_node(sb)
     return k if len(set(sizes)) == 1 else tuple(sizes)
+
+
+def _fused_pieces(lin: Linear):
+    """(y, piece sizes, [the cutting nodes]) where lin's output y (its matmul or a view of it)
+    is cut along its features, which it holds whole, by one split (one node) or by slices
+    that partition them (a node per piece, in order), and read by nothing else in the
+    forward; else None."""
+    views = _views_of(lin.mm)
+    readers = [u for v in views for u in v.users
+               if u not in views and u.meta.get(ir.REGION) == ir.FORWARD]
+    if not readers or any(not u.args or u.args[0] not in views for u in readers) or \
+            len({u.args[0] for u in readers}) != 1:
+        return None
+    y = readers[0].args[0]
+    shape = list(y.meta[ir.VAL].shape)
+    # along the projection's features, whole: a view that regroups them first (CodeGen's
+    # [B, T, groups, 3 * d], split in d within each group) cuts something else
+    if shape[-1] != lin.mm.meta[ir.VAL].shape[-1]:
+        return None
+    last, n = len(shape) - 1, shape[-1]
+    if len(readers) == 1 and readers[0].target in (aten.split.Tensor,
+                                                   aten.split_with_sizes.default):
+        split = readers[0]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if dim % len(shape) != last:
+            return None
+        if split.target is aten.split_with_sizes.default:
+            return y, list(split.args[1]), [split]
+        size = split.args[1]
+        return (y, [size] * (n // size), [split]) if n % size == 0 else None
+    cuts = []
+    for u in readers:
+        if u.target is not aten.slice.Tensor or u.kwargs:
+            return None
+        dim, start, end, step = (list(u.args[1:]) + [0, None, None, 1][len(u.args) - 1:])[:4]
+        start, end = start or 0, n if end is None else min(end, n)
+        if dim % len(shape) != last or step != 1 or start < 0 or end <= start:
+            return None
+        cuts.append((start, end, u))
+    cuts.sort(key=lambda c: c[:2])
+    if cuts[0][0] != 0 or cuts[-1][1] != n or any(
+            a[1] != b[0] for a, b in zip(cuts, cuts[1:])):
+        return None
+    return y, [e - s for s, e, _ in cuts], [u for _, _, u in cuts]
+
+
+def _slice_backwards(graph, shape, sizes, grad_of_weight) -> list:
+    """The slice_backward of each piece (in order) whose sum the weight's gradient reads
+    (the backward of slices that partition a projection's features), or []."""
+    ranges = [(sum(sizes[:j]), sum(sizes[:j + 1])) for j in range(len(sizes))]
+
+    def piece(n):  # the (start, end) n puts its gradient at, or None
+        if n.target is not aten.slice_backward.default or list(n.args[1]) != shape or \
+                n.args[2] % len(shape) != len(shape) - 1 or n.args[5] != 1:
+            return None
+        return n.args[3], min(n.args[4], shape[-1])
+    for first in graph.nodes:  # (every layer's look alike: the one this weight's reads)
+        if first.meta.get(ir.REGION) != ir.BACKWARD or piece(first) != ranges[0]:
+            continue
+        top = first  # up the sum's adds to the whole gradient
+        while len(top.users) == 1 and next(iter(top.users)).target is aten.add.Tensor:
+            top = next(iter(top.users))
+        if not _feeds(top, grad_of_weight):
+            continue
+        terms, todo = [], [top]  # and down them to the terms summed
+        while todo:
+            n = todo.pop()
+            if n.target is aten.add.Tensor and len(n.args) == 2:
+                todo.extend(a for a in n.args if isinstance(a, torch.fx.Node))
+            else:
+                terms.append(n)
+        by_piece = {piece(t): t for t in terms}
+        if len(terms) == len(ranges) and sorted(by_piece, key=str) == sorted(ranges, key=str):
+            return [by_piece[r] for r in ranges]
+    return []
 
 
 def _reads_weight(node, weight) -> bool:

@@ -19,6 +19,7 @@ from fxpar.examples import models as M
 from fxpar.runtime import tp_slices as rtp
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 
 
 def compile_tp(model, batch, tp, **plan):
@@ -212,10 +213,12 @@ def test_a_split_after_a_view_that_regroups_the_features_is_not_a_fused_qkv():
 
 class FusedGQA(nn.Module):
     """litgpt's attention: one fused projection split into q, k and v of unequal widths
-    (4 query heads over 2 key/value heads), each key/value head shared by two query heads."""
+    (4 query heads over 2 key/value heads), each key/value head shared by two query heads;
+    with `slices`, Phi-3's: q, k and v sliced off the projection's output."""
 
-    def __init__(self, dim=32, heads=4, kv_heads=2, vocab=64):
+    def __init__(self, dim=32, heads=4, kv_heads=2, vocab=64, slices=False):
         super().__init__()
+        self.slices = slices
         self.emb = nn.Embedding(vocab, dim)
         self.hd, self.heads, self.kv = dim // heads, heads, kv_heads
         self.qkv = nn.Linear(dim, dim + 2 * kv_heads * self.hd)
@@ -226,7 +229,9 @@ class FusedGQA(nn.Module):
         x = self.emb(ids)
         b, t, _ = x.shape
         kv = self.kv * self.hd
-        q, k, v = self.qkv(x).split((self.heads * self.hd, kv, kv), dim=-1)
+        qkv, d = self.qkv(x), self.heads * self.hd
+        q, k, v = (qkv[..., :d], qkv[..., d:d + kv], qkv[..., d + kv:]) if self.slices \
+            else qkv.split((d, kv, kv), dim=-1)
         q = q.view(b, t, -1, self.hd).transpose(1, 2)
         k, v = (z.view(b, t, -1, self.hd).transpose(1, 2).repeat_interleave(
             self.heads // self.kv, dim=1) for z in (k, v))
@@ -234,15 +239,18 @@ class FusedGQA(nn.Module):
         return F.mse_loss(x + self.out(a.transpose(1, 2).reshape(b, t, -1)), y)
 
 
-def test_a_grouped_query_fused_qkv_is_interleaved_by_its_piece_sizes():
+@pytest.mark.parametrize("slices", [False, True], ids=["split", "slices"])
+def test_a_grouped_query_fused_qkv_is_interleaved_by_its_piece_sizes(slices):
     """A fused QKV whose pieces differ (q 32 wide, k and v 16): each rank's slice of the
     weight (and bias) holds half of each piece, [q_r; k_r; v_r], so the projection is a
     column split whose heads stay local up to the output projection's row split, nothing
     gathered (it was left whole, or gathered, before)."""
     batch = (torch.randint(0, 64, (4, 8)), torch.randn(4, 8, 32))
-    gm, sig, ctx = compile_tp(FusedGQA(), batch, 2)
+    gm, sig, ctx = compile_tp(FusedGQA(slices=slices), batch, 2)
     d = gm.meta["tensor_parallel"]
     assert d.column == ["qkv.weight"] and d.row == ["out.weight"]
+    cuts = (aten.slice.Tensor, aten.slice_backward.default, aten.split_with_sizes.default)
+    assert [n.args[1] for n in gm.graph.nodes if n.target in cuts] == [[16, 8, 8]]  # (shares)
     assert d.placements["qkv.bias"] == (Shard(0),)
     assert d.interleaved == {"qkv.weight": (32, 16, 16), "qkv.bias": (32, 16, 16)}
     lay = gm.meta[ir.TP_LAYOUTS][sig.param_names.index("qkv.weight")]
@@ -257,10 +265,10 @@ def test_a_grouped_query_fused_qkv_is_interleaved_by_its_piece_sizes():
     assert torch.equal(rtp._interleave(torch.cat(shards), 0, lay[2], 2, inverse=True), w)
 
 
-def _fused_gqa_rank(steps):
+def _fused_gqa_rank(steps, slices):
     import fxpar
     torch.manual_seed(0)
-    model = FusedGQA()
+    model = FusedGQA(slices=slices)
     batches = [(torch.randint(0, 64, (4, 8)), torch.randn(4, 8, 32)) for _ in range(steps)]
     pm = fxpar.parallelize(model, 2, example_batch=batches[0], plan={"tp": 2},
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -268,14 +276,15 @@ def _fused_gqa_rank(steps):
 
 
 @pytest.mark.slow
-def test_a_grouped_query_fused_qkv_at_tp2_trains_as_one_process():
+@pytest.mark.parametrize("slices", [False, True], ids=["split", "slices"])
+def test_a_grouped_query_fused_qkv_at_tp2_trains_as_one_process(slices):
     """SGD: k's bias has a gradient of zero but for rounding (softmax ignores a shift of
     every score of a query), which Adam would normalise into lr-sized moves of its own."""
     import fxpar
     steps = 3
-    losses, state = fxpar.launch(_fused_gqa_rank, 2, steps)[0]
+    losses, state = fxpar.launch(_fused_gqa_rank, 2, steps, slices)[0]
     torch.manual_seed(0)
-    model = FusedGQA()
+    model = FusedGQA(slices=slices)
     batches = [(torch.randint(0, 64, (4, 8)), torch.randn(4, 8, 32)) for _ in range(steps)]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = []
