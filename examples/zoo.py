@@ -248,6 +248,7 @@ def _causal_lms() -> list[ZooModel]:
 
 def _moes() -> list[ZooModel]:
     d = _DENSE
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return [
         ZooModel("mixtral", "moe", _hf("MixtralConfig", "MixtralForCausalLM", **d,
                                        num_key_value_heads=2, num_local_experts=4,
@@ -278,6 +279,57 @@ def _moes() -> list[ZooModel]:
             num_experts_per_tok=2, router_aux_loss_coef=0.0, pad_token_id=0, bos_token_id=1,
             eos_token_id=2), lm_batch,
             note="q/k RMSNorm over all heads, top-2 of 4 experts"),
+        ZooModel("gpt_oss", "moe", _hf(
+            "GptOssConfig", "GptOssForCausalLM", **d, num_key_value_heads=2, head_dim=8,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            router_aux_loss_coef=0.0, attention_dropout=0.0, _eager_attn=True, **ids), lm_batch,
+            note="expert biases, clamped SwiGLU, attention sinks, sliding / full layers"),
+        ZooModel("glm4_moe", "moe", _hf(
+            "Glm4MoeConfig", "Glm4MoeForCausalLM", **d, num_key_value_heads=2,
+            moe_intermediate_size=HIDDEN, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            norm_topk_prob=True, use_qk_norm=True, attention_dropout=0.0, **ids), lm_batch,
+            note="sigmoid router with a correction bias, group-limited top-k, shared expert"),
+        ZooModel("granitemoe", "moe", _hf(
+            "GraniteMoeConfig", "GraniteMoeForCausalLM", **d, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+            attention_dropout=0.0, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.0625, logits_scaling=8.0, **ids), lm_batch,
+            note="experts as one parallel-experts linear, Granite's multipliers"),
+        ZooModel("phimoe", "moe", _hf(
+            "PhimoeConfig", "PhimoeForCausalLM", **d, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+            router_jitter_noise=0.0, input_jitter_noise=0.0, attention_dropout=0.0,
+            sliding_window=None, **ids), lm_batch,
+            note="sparsemixer routing, LayerNorm, biases"),
+        ZooModel("ernie4_5_moe", "moe", _hf(
+            "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", **d, num_key_value_heads=2,
+            moe_intermediate_size=HIDDEN, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+            moe_layer_start_index=0, moe_layer_interval=1, router_aux_loss_coef=0.0, **ids),
+            lm_batch, note="router bias correction (squeezed), shared expert"),
+        ZooModel("hunyuan_v1_moe", "moe", _hf(
+            "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", **d, num_key_value_heads=2,
+            head_dim=8, num_experts=4, moe_topk=2, attention_dropout=0.0, **ids), lm_batch,
+            note="q/k norm, a shared MLP beside the experts"),
+        ZooModel("dots1", "moe", _hf(
+            "Dots1Config", "Dots1ForCausalLM", **d, num_key_value_heads=2,
+            moe_intermediate_size=HIDDEN, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            norm_topk_prob=True, attention_dropout=0.0, **ids), lm_batch,
+            note="DeepSeek-V3's routing, q/k norm, a dense first layer"),
+        ZooModel("minimax", "moe", _hf(
+            "MiniMaxConfig", "MiniMaxForCausalLM", **d, num_key_value_heads=2, head_dim=8,
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+            router_jitter_noise=0.0, attention_dropout=0.0, block_size=8,
+            layer_types=["linear_attention", "full_attention"], **ids), lm_batch,
+            note="lightning (linear) attention and full attention layers"),
+        ZooModel("llama4", "moe", _hf(
+            "Llama4TextConfig", "Llama4ForCausalLM", **d, num_key_value_heads=2, head_dim=8,
+            intermediate_size_mlp=2 * HIDDEN, num_local_experts=4, num_experts_per_tok=2,
+            interleave_moe_layer_step=1, router_aux_loss_coef=0.0, router_jitter_noise=0.0,
+            attention_dropout=0.0, attention_chunk_size=8, **ids), lm_batch,
+            note="every expert on every token (batched matmuls), shared expert, chunked "
+                 "attention, no-RoPE layers"),
     ]
 
 
