@@ -104,7 +104,8 @@ class Local:
     out: object
     inputs: dict
     resize: bool = False
-    view_dim: int | None = None  # a view's / expand's size argument to make local there
+    view_dim: int | None = None  # a view's / expand's (slice_backward's) size argument to
+    #                              make local there
 
 
 class _Untyped(Exception):
@@ -316,6 +317,11 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         if dim % _val(args[0]).dim() == t.dim:
             raise _Untyped
         return Local(t, {})
+    if op is aten.slice_backward.default:  # (a slice's gradient along another dim: GPT-OSS's
+        t = _only_rows(ts)                   # gate and up, every other feature)
+        if args[2] % len(args[1]) == t.dim:
+            raise _Untyped
+        return Local(t, {}, view_dim=t.dim)  # (its whole size: the local rows')
     if op is aten.select.int:  # (along another dim: tp's interleaved pieces of a row)
         t = _only_rows(ts)
         dim = args[1] % _val(args[0]).dim()
@@ -466,11 +472,15 @@ def _index(node, tags) -> Local:
 
 
 def _read(node, tags, x, idx, dim) -> Local:
-    """x's rows read at the positions `idx` holds (index, gather along dim 0)."""
+    """x's rows read at the positions `idx` holds (index, gather along dim 0), or a
+    parameter's rows looked up by each row's key (GPT-OSS's expert biases by expert id)."""
     ti, tx = tags.get(idx), tags.get(x)
-    if dim % _val(x).dim() != 0 or ti is None or ti.kind != "rows" or ti.ptr is None \
-            or ti.dim != 0:
+    if dim % _val(x).dim() != 0 or ti is None or ti.kind != "rows" or ti.dim != 0:
         raise _Untyped
+    if ti.ptr is None:  # (keys, not row positions: the table whole, the rows the keys')
+        if tx is not None or not _is_param(x):
+            raise _Untyped
+        return Local(Tag("rows", 0, ti.order), {x: "whole"})
     ins = {}
     if tx is None:
         if ti.ptr != G:
@@ -482,10 +492,18 @@ def _read(node, tags, x, idx, dim) -> Local:
 
 
 def _write(node, tags, dst, idx, src) -> Local:
-    """src's rows written to the positions `idx` holds (index_put, scatter along dim 0)."""
+    """src's rows written to the positions `idx` holds (index_put, scatter along dim 0), or
+    summed into zeros by each row's key (a looked-up parameter's gradient: partial)."""
     ti = tags.get(idx) if isinstance(idx, torch.fx.Node) else None
-    if ti is None or ti.kind != "rows" or ti.ptr is None or ti.dim != 0:
+    if ti is None or ti.kind != "rows" or ti.dim != 0:
         raise _Untyped
+    if ti.ptr is None:  # (keys: each rank sums its own rows' into the zeros, as a weight's
+        ts = tags.get(src) if isinstance(src, torch.fx.Node) else None  # gradient is)
+        if not (node.target is aten.index_put.default and _accumulates(node) and
+                tags.get(dst) is None and _zeros(dst) and ts is not None and
+                ts.kind == "rows" and ts.dim == 0 and ts.order == ti.order and ts.ptr is None):
+            raise _Untyped
+        return Local(Tag("partial"), {dst: "whole"})
     ins = {}
     td = tags.get(dst)
     if td is None:
@@ -518,6 +536,27 @@ def _write(node, tags, dst, idx, src) -> Local:
         else:
             ptr = ts.ptr
     return Local(Tag("rows", 0, ti.ptr, ptr), ins)
+
+
+def _is_param(x) -> bool:
+    """A parameter or buffer of the model (the same whole tensor on every dp rank)."""
+    return isinstance(x, torch.fx.Node) and x.op == "placeholder" and \
+        x.meta.get(ir.ROLE) in ("param", "buffer")
+
+
+def _accumulates(node) -> bool:
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+
+
+def _zeros(n) -> bool:
+    """n is a factory of zeros."""
+    if not isinstance(n, torch.fx.Node):
+        return False
+    if n.target in (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default):
+        return True
+    fill = n.args[2] if n.target is aten.new_full.default else n.args[1] \
+        if n.target in (aten.full.default, aten.full_like.default) else None
+    return fill == 0 and fill is not None
 
 
 def _arange_from_zero(n) -> bool:

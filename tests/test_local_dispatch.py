@@ -90,6 +90,61 @@ def test_dp_runs_the_experts_on_each_ranks_rows():
                 c10d.all_gather_into_tensor.default and "experts" in n.meta.get(ir.MODULE, "")]
 
 
+def test_expert_biases_looked_up_by_expert_id_run_on_each_ranks_rows():
+    """GPT-OSS: each routed row adds its expert's bias (`bias[expert_ids]`, the ids being
+    keys, not row positions: the bias whole, the rows the ids'), its gate and up are every
+    other feature (a slice's gradient along the features, sized to the local rows), and
+    each bias's gradient is the rows' sum into zeros by expert id (partial, reduced over
+    dp like a weight's). The dispatch then runs locally: no routed row gathered under dp,
+    all-to-all under ep."""
+    model, spec = zoo.build("gpt_oss")
+    gm, sig = capture(model, spec.batch(0))
+    found = local_dispatch.analyze(gm, 2)
+    biases = {n for n in gm.graph.nodes if n.op == "placeholder"
+              and n.meta.get(ir.FQN, "").endswith("_bias") and ".experts." in n.meta[ir.FQN]}
+    lookups = [n for n in found if n.target is aten.index.Tensor and n.args[0] in biases]
+    assert len(lookups) == 4 and all(found[n].inputs == {n.args[0]: "whole"}
+                                     and found[n].out.kind == "rows" for n in lookups)
+    sums = [n for n in found if n.target is aten.index_put.default
+            and found[n].out.kind == "partial"]
+    assert len(sums) == 4 and all(found[n].inputs == {n.args[0]: "whole"} for n in sums)
+    sb = [n for n in found if n.target is aten.slice_backward.default]
+    assert len(sb) == 4 and all(found[n].view_dim == 0 for n in sb)
+    assert all(m in found for m in _grouped_mms(gm.graph))
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    assert [r["dispatch"] for r in prog.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
+
+
+def test_a_key_lookup_sums_only_into_zeros():
+    """A parameter's gradient summed by key is partial only written into zeros: summed into
+    another value (each rank would add that value once more) it is not run locally."""
+    g = torch.fx.Graph()
+    table = g.placeholder("table")
+    table.meta[ir.VAL], table.meta[ir.ROLE] = torch.empty(4, 3), "param"
+    keys = g.placeholder("keys")
+    keys.meta[ir.VAL] = torch.empty(8, dtype=torch.int64)
+    rows = g.placeholder("rows")
+    rows.meta[ir.VAL] = torch.empty(8, 3)
+    tags = {keys: Tag("rows", 0, "sort"), rows: Tag("rows", 0, "sort")}
+    zeros = g.call_function(aten.zeros.default, ([4, 3],))
+    ones = g.call_function(aten.ones.default, ([4, 3],))
+    for dst, ok in ((zeros, True), (ones, False), (table, False)):
+        put = g.call_function(aten.index_put.default, (dst, [keys], rows, True))
+        put.meta[ir.VAL] = torch.empty(4, 3)
+        if ok:
+            assert local_dispatch._type(put, tags).out == Tag("partial")
+        else:
+            with pytest.raises(local_dispatch._Untyped):
+                local_dispatch._type(put, tags)
+    lookup = g.call_function(aten.index.Tensor, (table, [keys]))
+    lookup.meta[ir.VAL] = torch.empty(8, 3)
+    assert local_dispatch._type(lookup, tags).out == Tag("rows", 0, "sort")
+    rows_lookup = g.call_function(aten.index.Tensor, (rows, [keys]))  # (not a parameter)
+    rows_lookup.meta[ir.VAL] = torch.empty(8, 3)
+    with pytest.raises(local_dispatch._Untyped):
+        local_dispatch._type(rows_lookup, tags)
+
+
 def reduced_over(v, group=ir.GROUPS["dp"]):
     """Whether gradient output `v` comes from an all-reduce over `group` (through waits,
     bucket views and splits)."""
