@@ -265,6 +265,19 @@ def test_a_grouped_query_fused_qkv_is_interleaved_by_its_piece_sizes(slices):
     assert torch.equal(rtp._interleave(torch.cat(shards), 0, lay[2], 2, inverse=True), w)
 
 
+def _sgd_losses(model, batches, lr):
+    """Plain single-process SGD training on `batches`: each step's loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = model(b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _fused_gqa_rank(steps, slices):
     import fxpar
     torch.manual_seed(0)
@@ -286,14 +299,7 @@ def test_a_grouped_query_fused_qkv_at_tp2_trains_as_one_process(slices):
     torch.manual_seed(0)
     model = FusedGQA(slices=slices)
     batches = [(torch.randint(0, 64, (4, 8)), torch.randn(4, 8, 32)) for _ in range(steps)]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = []
-    for b in batches:
-        opt.zero_grad()
-        loss = model(b)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = _sgd_losses(model, batches, lr=0.1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     for k, v in model.state_dict().items():  # (the user's layout, un-interleaved)
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5)
@@ -976,15 +982,8 @@ def test_hand_written_dropout_tp2_equals_one_process():
     torch.manual_seed(0)
     model = HandWrittenDropout()
     batches = [(torch.randn(8, 32), torch.randn(8, 32)) for _ in range(steps)]
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     torch.manual_seed(99)
-    ref = []
-    for b in batches:
-        opt.zero_grad()
-        loss = model(b)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = _sgd_losses(model, batches, lr=1e-3)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
