@@ -21,6 +21,12 @@ RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.d
 # communicates (fxpar's own namespace holds both communicating ops and local kernels)
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
 
+def fused_pieces(pieces) -> bool:
+    """A tp layout's pieces (Program.tp_layouts) name fused pieces stored interleaved: k > 1
+    equal ones, or their sizes."""
+    return isinstance(pieces, (tuple, list)) or pieces > 1
+
+
 # node.meta keys (docs/design.md section 3)
 VAL = "val"              # fake tensor: shape, dtype, device
 REGION = "region"        # "forward" | "backward" | "optimizer" | "comm"
@@ -248,8 +254,9 @@ class Program:
     virtual: int = 1
     offload: bool = False  # Plan.offload: waiting microbatches' saved values to host memory
     # Tensor parallelism (tp > 1): per parameter None (whole) or a layout (shard_dim,
-    # interleave_dim, k) saying which slice of the user's weight this tp rank's program reads
-    # (runtime/tp_slices.py); gradient outputs are placed the same way.
+    # interleave_dim, pieces) saying which slice of the user's weight this tp rank's program
+    # reads (runtime/tp_slices.py; pieces: 1, k equal fused pieces, or the fused pieces'
+    # sizes); gradient outputs are placed the same way.
     tp: int = 1
     tp_layouts: list = dataclasses.field(default_factory=list)
     # Expert parallelism (ep > 1): the parameters expert_params (indices) are split along

@@ -545,6 +545,7 @@ def _is_param(x) -> bool:
 
 
 def _accumulates(node) -> bool:
+    """An index_put that adds to its destination (accumulate=True)."""
     return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
 
 

@@ -110,7 +110,16 @@ def _decide(gm, options, ctx):
         # experts with fused pieces as traced under tp)
         if reads[lin.weight] > 1 or lin.stacked:
             continue
+        # a weight (or bias) something else reads too - a tied table's lookup - would be read
+        # in the interleaved layout there
+        if not _read_only_by(lin) or (lin.bias is not None and any(
+                u is not lin.mm for u in _forward_users(lin.bias))):
+            continue
         i = phs.index(lin.weight)
+        kept = ctx.tp_layouts[i] if ctx.tp_layouts is not None else None
+        if ctx.tp_layouts is not None and not (kept and ir.fused_pieces(kept[2])):
+            continue  # (evaluate's graph: what training interleaved - it may find no backward
+            #            to rewrite, a frozen weight's - and nothing else)
         k = _rewrite_fused_split(gm, lin, tp, grads[i] if i < len(grads) else None)
         if k:
             interleaved[lin.weight] = (lin.out_dim, k)
@@ -223,8 +232,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     layouts = gm.meta[ir.TP_LAYOUTS] = [None] * sig.num_params
     for n in set(placements) | set(interleaved):
         shard = next((p for p in placements.get(n, ()) if isinstance(p, Shard)), None)
-        il_dim, k = interleaved.get(n, (None, 1))
-        layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, k)
+        il_dim, pieces = interleaved.get(n, (None, 1))
+        layouts[phs.index(n)] = (None if shard is None else shard.dim, il_dim, pieces)
     whole = list(dict.fromkeys(params[p] for lin, r in roles.items() if r == "replicated"
                                for p in lin.params))
     reasons = {params[p]: why[lin.weight] for lin in roles for p in lin.params
@@ -365,6 +374,8 @@ def _rewrite_fused_split(gm, lin: Linear, tp: int, grad_of_weight) -> int:
                 and n.meta.get(ir.REGION) == ir.BACKWARD and len(n.args[0]) == k
                 and (n.args[1] if len(n.args) > 1 else 0) % len(shape) == len(shape) - 1
                 and n.meta.get(ir.VAL) is not None and list(n.meta[ir.VAL].shape) == shape
+                and all(p.meta.get(ir.VAL) is not None and p.meta[ir.VAL].shape[-1] == w
+                        for p, w in zip(n.args[0], sizes))
                 and _feeds(n, grad_of_weight)][:1]
     if not back and has_backward:
         # e.g. an RNN's gates, whose weight is read once per time step and whose gradient
@@ -497,7 +508,7 @@ def _slice_backwards(graph, shape, sizes, grad_of_weight) -> list:
         terms, todo = [], [top]  # and down them to the terms summed
         while todo:
             n = todo.pop()
-            if n.target is aten.add.Tensor and len(n.args) == 2:
+            if n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs:
                 todo.extend(a for a in n.args if isinstance(a, torch.fx.Node))
             else:
                 terms.append(n)

@@ -411,7 +411,8 @@ def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
     """Run fn(*args) on `nprocs` ranks: in the ranks torchrun started when the script runs
     under torchrun (several nodes, on one host or many), else on ranks `launch` spawns.
 
-    A script written for `launch` then runs unchanged on torchrun's nodes. Returns
+    A script written for `launch` then runs unchanged on torchrun's nodes (each rank set up
+    as `launch`'s are: FXPAR_DEVICE defaults to cpu). Returns
     {rank: value} where `launch` would (under torchrun: on rank 0, the values gathered over
     the default group) and None on torchrun's other ranks.
     """
@@ -421,6 +422,8 @@ def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
     if nprocs != world:
         raise LaunchError(f"{nprocs} ranks were asked for, but torchrun started {world}: pass "
                           f"{world} (torchrun's --nnodes x --nproc-per-node)")
+    os.environ.setdefault("FXPAR_DEVICE", "cpu")  # (as a launched rank: `_run`)
+    os.environ["FXPAR_LAUNCHED_RANK"] = os.environ["RANK"]
     if not dist.is_initialized():
         _open_default_group("gloo")
         atexit.register(_destroy_at_exit)  # (as setup does: a gloo group left to the
@@ -428,4 +431,5 @@ def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
     mine = fn(*args)
     every = [None] * world
     dist.all_gather_object(every, mine)
+    calls.end_of_program()
     return dict(enumerate(every)) if dist.get_rank() == 0 else None

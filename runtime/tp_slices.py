@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fxpar.core.ir import fused_pieces
+
 
 def piece_sizes(n: int, pieces) -> list[int]:
     """The sizes of a layout's fused pieces along a dim of n elements ([n]: none)."""
@@ -37,15 +39,11 @@ def _interleave(t: torch.Tensor, dim: int, pieces, tp: int, inverse: bool = Fals
     return t.movedim(0, dim)
 
 
-def _fused(pieces) -> bool:
-    return isinstance(pieces, (tuple, list)) or pieces > 1
-
-
 def local_param(full: torch.Tensor, layout, tp: int, rank: int) -> torch.Tensor:
     """The tensor this tp rank's program reads for the user's full weight."""
     shard_dim, il_dim, pieces = layout
     t = full
-    if _fused(pieces):
+    if fused_pieces(pieces):
         t = _interleave(t, il_dim, pieces, tp)
     if shard_dim is not None:
         t = t.chunk(tp, shard_dim)[rank]
@@ -60,7 +58,7 @@ def full_param(local: torch.Tensor, layout, tp: int, group) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(tp)]
         dist.all_gather(parts, t.contiguous(), group=group)
         t = torch.cat(parts, shard_dim)
-    if _fused(pieces):
+    if fused_pieces(pieces):
         t = _interleave(t, il_dim, pieces, tp, inverse=True)
     return t.clone()
 

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from fxpar.core.errors import CheckpointError
+from fxpar.core.ir import fused_pieces
 from fxpar.runtime import checkpoint as ck
 from fxpar.runtime import model_state
 from fxpar.runtime import tp_slices as rtp
@@ -66,8 +67,8 @@ def local_runs(shape, layout, tp: int, rank: int, runs: list[Runs] | None = None
     if layout is None:
         return runs
     shard_dim, il_dim, pieces = layout
-    if isinstance(pieces, (tuple, list)) or pieces > 1:  # fused pieces: rank r's chunk is
-        n = shape[il_dim]                                # [piece_0 share r; piece_1 share r; ...]
+    if fused_pieces(pieces):  # fused pieces: rank r's chunk is [piece_0 share r; piece_1 ...]
+        n = shape[il_dim]
         if runs[il_dim] != [(0, n)]:
             raise ValueError(f"fxpar bug: dim {il_dim} interleaved after another split of it")
         sizes = rtp.piece_sizes(n, pieces)

@@ -438,6 +438,7 @@ def test_launch_or_join_runs_in_torchruns_ranks(tmp_path):
         said, got = (tmp_path / f"result{rank}").read_text().split("\n")
         assert said.startswith(refused) and got == res, (said, got)
 
+
 def _retry_after_refusal():
     from fxpar.core.errors import PlanError
     from fxpar.examples import models as M

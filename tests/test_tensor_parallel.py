@@ -265,6 +265,56 @@ def test_a_grouped_query_fused_qkv_is_interleaved_by_its_piece_sizes(slices):
     assert torch.equal(rtp._interleave(torch.cat(shards), 0, lay[2], 2, inverse=True), w)
 
 
+class TiedSplitHead(nn.Module):
+    """An LM head tied to the embedding whose logits are cut into two vocabularies."""
+
+    def __init__(self, vocab=64, dim=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, batch):
+        ids, y = batch
+        x = self.emb(ids)
+        h = x + self.down(F.gelu(self.up(x)))
+        text, image = (h @ self.emb.weight.t()).split([48, 16], dim=-1)
+        return F.mse_loss(text.sum(-1) + image.sum(-1), y)
+
+
+def test_a_fused_output_whose_weight_is_read_elsewhere_is_not_interleaved():
+    """The head's logits are cut into pieces, but its weight is the embedding table too: laid
+    out interleaved, the lookup would read the wrong rows. It keeps the user's layout, in
+    the training program and in evaluate()'s (whose forward-only graph has no gradient
+    to tell it apart)."""
+    import fxpar
+    batch = (torch.randint(0, 64, (4, 8)), torch.randn(4, 8))
+    gm, sig, ctx = compile_tp(TiedSplitHead(), batch, 2)
+    assert "emb.weight" not in gm.meta["tensor_parallel"].interleaved
+    lay = gm.meta[ir.TP_LAYOUTS][sig.param_names.index("emb.weight")]
+    assert lay is None or not ir.fused_pieces(lay[2]), lay
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = fxpar.compile(TiedSplitHead(), 2, example_batch=batch, plan={"tp": 2})
+    assert prog.build_eval().tp_layouts == prog.tp_layouts
+
+
+def test_evaluate_interleaves_what_training_interleaved():
+    """A frozen fused QKV: the training graph has no gradient cat to rewrite, so the weight
+    keeps the user's layout; evaluate()'s forward-only graph, which would find its split
+    alone, keeps it too (the layouts differing failed the first evaluate)."""
+    import fxpar
+    model = FusedGQA()
+    model.qkv.weight.requires_grad_(False)
+    batch = (torch.randint(0, 64, (4, 8)), torch.randn(4, 8, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = fxpar.compile(model, 2, example_batch=batch, plan={"tp": 2})
+        ev = prog.build_eval()
+    i = prog.signature.param_names.index("qkv.weight")
+    assert not (prog.tp_layouts[i] and ir.fused_pieces(prog.tp_layouts[i][2]))
+    assert ev.tp_layouts == prog.tp_layouts
+
+
 def _sgd_losses(model, batches, lr):
     """Plain single-process SGD training on `batches`: each step's loss."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
