@@ -411,8 +411,8 @@ def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
     """Run fn(*args) on `nprocs` ranks: in the ranks torchrun started when the script runs
     under torchrun (several nodes, on one host or many), else on ranks `launch` spawns.
 
-    A script written for `launch` then runs unchanged on torchrun's nodes (each rank set up
-    as `launch`'s are: FXPAR_DEVICE defaults to cpu). Returns
+    A script written for `launch` then runs unchanged on torchrun's nodes (FXPAR_DEVICE
+    defaults to cpu there too). Returns
     {rank: value} where `launch` would (under torchrun: on rank 0, the values gathered over
     the default group) and None on torchrun's other ranks.
     """
@@ -423,7 +423,6 @@ def launch_or_join(fn: Callable, nprocs: int, *args) -> dict[int, Any] | None:
         raise LaunchError(f"{nprocs} ranks were asked for, but torchrun started {world}: pass "
                           f"{world} (torchrun's --nnodes x --nproc-per-node)")
     os.environ.setdefault("FXPAR_DEVICE", "cpu")  # (as a launched rank: `_run`)
-    os.environ["FXPAR_LAUNCHED_RANK"] = os.environ["RANK"]
     if not dist.is_initialized():
         _open_default_group("gloo")
         atexit.register(_destroy_at_exit)  # (as setup does: a gloo group left to the
