@@ -112,8 +112,7 @@ def _decide(gm, options, ctx):
             continue
         # a weight (or bias) something else reads too - a tied table's lookup - would be read
         # in the interleaved layout there
-        if not _read_only_by(lin) or (lin.bias is not None and any(
-                u is not lin.mm for u in _forward_users(lin.bias))):
+        if not _read_only_by(lin) or (lin.bias is not None and not _bias_read_only_by(lin)):
             continue
         i = phs.index(lin.weight)
         kept = ctx.tp_layouts[i] if ctx.tp_layouts is not None else None
@@ -759,6 +758,20 @@ def _read_only_by(lin) -> bool:
             if u is not lin.mm and u not in seen:
                 seen.add(u)
                 todo.append(u)
+    return True
+
+
+def _bias_read_only_by(lin) -> bool:
+    """Whether the forward reads lin's bias only as its addmm's (through a dtype cast: the
+    half-precision graph's)."""
+    todo = [lin.bias]
+    while todo:
+        for u in _forward_users(todo.pop()):
+            if u.target is aten._to_copy.default and set(u.kwargs) <= {"dtype", "layout",
+                                                                      "device"}:
+                todo.append(u)
+            elif u is not lin.mm:
+                return False
     return True
 
 
