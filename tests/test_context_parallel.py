@@ -315,6 +315,7 @@ def test_plans_and_batches_context_parallelism_refuses_by_name():
                       plan={"dp": 2, "cp": 2, "cp_attention": "ring"})
 
 
+@pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_llama_cp2_trains_like_eager():
     """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss): losses,
     evaluate() and every final weight equal eager AdamW. (Ring attention: the op against

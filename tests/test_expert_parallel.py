@@ -346,6 +346,7 @@ def test_tp_inside_the_experts_of_each_ep_rank():
     assert any(n.target is torch.ops.fxpar.partial_from_replicate.default for n in g.nodes)
 
 
+@pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_mixtral_ep2_trains_like_eager():
     """dp=2 x ep=2 on 2 ranks: losses, evaluate() and every final weight (gathered from the
     ranks' halves of the experts by full_state_dict) equal eager AdamW."""

@@ -1091,6 +1091,7 @@ def test_grouped_experts_split_like_each_experts_linears():
                            for m in mms for u in m.all_input_nodes)  # (stored split)
 
 
+@pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_grouped_experts_tp2_trains_like_eager():
     """Mixtral with its experts split over tp=2: losses, evaluate() and every final weight
     (the interleaved gate_up stacks gathered back by full_state_dict) equal eager AdamW."""
