@@ -25,6 +25,15 @@ Expert parallelism's all-to-all ops (core/experts.py) type too: the rows a dispa
 are in its route's own order, its combine's back in the order the dispatch read. Anything
 else (a capacity computed over the sorted rows, expert parallelism's windows)
 keeps DTensor's rules, and with them the gathered rows.
+
+Experts listed in an nn.ModuleList pick their rows with `torch.where(mask)`, which
+compiler/padded_nonzero traces at mask.numel() positions (-1 where the mask is false) and
+reads / writes through a copy with one zero row after the rows. Made from a rank's own
+mask rows, the positions along the mask's first dim are pointers into the rank's own rows
+(the arange counting them made local, the other columns plain keys): a -1 then reads the
+rank's own pad row, so such a pointer may only index a value padded so, of as many rows
+as the arange counted, and a write through it is cut back to the local rows. Such a
+routing types with or without a grouped matmul after it.
 """
 from __future__ import annotations
 
@@ -94,6 +103,10 @@ class Tag:
     dim: int = 0
     order: object = G
     ptr: object = None
+    pad: int = 0  # zero rows after the rows (compiler/padded_nonzero's: a -1 reads them)
+    neg: bool = False  # a pointer that may hold -1: it reads / writes padded values only
+    span: int | None = None  # a pointer from an arange: the (global) rows it points into
+    cols: tuple | None = None  # (rows, columns) of pointers: each column's ptr (or None)
 
 
 @dataclasses.dataclass
@@ -106,6 +119,7 @@ class Local:
     resize: bool = False
     view_dim: int | None = None  # a view's / expand's (slice_backward's) size argument to
     #                              make local there
+    slice_end: bool = False  # a slice back to the rows of a padded value: its end made local
 
 
 class _Untyped(Exception):
@@ -121,7 +135,8 @@ def _is_exit(t: Tag | None) -> bool:
     if isinstance(t, tuple):
         return False
     return t is None or t.kind == "partial" or (t.kind == "rows" and t.order == G
-                                                and t.ptr is None)
+                                                and t.ptr is None and t.pad == 0
+                                                and t.cols is None)
 
 
 def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node, Local]:
@@ -163,7 +178,8 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
             union(node, node.args[0])
             continue
         ins = [a for a in node.all_input_nodes if a in tags]
-        starts = node.target in _SORTS or node.target in _COUNTS or node.target is _EP_ROUTE
+        starts = node.target in _SORTS or node.target in _COUNTS or \
+            node.target is _EP_ROUTE or _position_grid(node) == 0
         if not starts and all(_is_exit(tags[a]) for a in ins):
             continue
         try:
@@ -181,13 +197,12 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
         parent.setdefault(node, node)
         for a in ins:
             union(node, a)
-        for a, how in entry.inputs.items():  # a factory the dispatch writes into
-            if how == "free":
-                local[a] = Local(Tag("free"), {}, resize=True)
-                tags[a] = local[a].out
-                parent.setdefault(a, a)
-                union(node, a)
-        if node.target is _GROUPED_MM.default:
+        for a, how in _made_local(entry):  # a factory the dispatch writes into, or a copy
+            local[a] = how                       # of rows padded for it
+            tags[a] = how.out
+            parent.setdefault(a, a)
+            union(node, a)
+        if node.target is _GROUPED_MM.default or _position_grid(node) == 0:
             matmul_roots.add(find(node))
         for a, how in entry.inputs.items():
             if how == "counts":  # offs made outside: its cumsum and casts run on local
@@ -219,6 +234,43 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
     return {x: e for x, e in local.items() if find(x) in matmul_roots and find(x) not in bad}
 
 
+def _made_local(entry: Local):
+    """The inputs `entry` takes as made for it: a factory ("free": sized to the local
+    rows), or a copy of rows with a zero row padded after them ("padded": the copy, and
+    its source's factory, placed here)."""
+    for a, how in entry.inputs.items():
+        if how == "free":
+            yield a, Local(Tag("free"), {}, resize=True)
+        elif how == "padded":
+            src = a.args[0]
+            if src.target in _FACTORIES and src.target not in _ARANGES:
+                yield src, Local(Tag("free"), {}, resize=True)
+                yield a, Local(Tag("free", 0, pad=1), {})
+            else:
+                yield a, Local(Tag("rows", 0, G, pad=1), {src: 0})
+
+
+def _position_grid(node) -> int | None:
+    """Which column of compiler/padded_nonzero's positions `node` is the arange of (the
+    mask's dim it counts along): arange -> view -> expand -> reshape -> stack(cols, 1) ->
+    where(mask, positions, -1); else None."""
+    if node.op != "call_function" or node.target is not aten.arange.default:
+        return None
+    chain = node
+    for op in (aten.view.default, aten.expand.default, aten.reshape.default):
+        users = list(chain.users)
+        if len(users) != 1 or users[0].target is not op:
+            return None
+        chain = users[0]
+    (stack,) = chain.users if len(chain.users) == 1 else (None,)
+    if stack is None or stack.target is not aten.stack.default or stack.args[1:] != (1,):
+        return None
+    if not any(u.target is aten.where.ScalarOther and u.args[1] is stack and u.args[2] == -1
+               for u in stack.users) or len(stack.users) != 1:
+        return None
+    return stack.args[0].index(chain)
+
+
 def _dtype_only(user, x) -> bool:
     """`user` reads x for its dtype and device alone (new_zeros(x, size): a whole-size
     factory, e.g. tp's zeros chunked over the features before a backward index_add)."""
@@ -231,7 +283,7 @@ def _splits(node, entry, n) -> bool:
     vals = _val(node) if isinstance(_val(node), (tuple, list)) else (_val(node),)
     for t, v in zip(outs, vals):
         if t.kind in ("rows", "free") and isinstance(v, torch.Tensor) and (
-                v.dim() <= t.dim or v.shape[t.dim] % n):
+                v.dim() <= t.dim or (v.shape[t.dim] - t.pad) % n):
             return False
     for a, how in entry.inputs.items():
         if isinstance(how, int) and _val(a).shape[how] % n:
@@ -279,6 +331,9 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         if _val(x).dim() != 1 or (t is not None and (t.kind != "rows" or t.ptr is not None)):
             return None
         return Local(Tag("counts"), {} if t is not None else {x: 0})
+    if op is aten.arange.default and _position_grid(node) == 0:
+        # padded_nonzero's positions along the mask's first dim: a rank's own positions
+        return Local(Tag("rows", 0, G, G, span=args[0]), {}, resize=True)
     if op in _FACTORIES:
         return None  # (reads a value for its dtype alone: typed by the op it feeds)
     ts = {a: tags[a] for a in node.all_input_nodes if a in tags}
@@ -294,6 +349,8 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         raise _Untyped
     if _GROUPED_MM is not None and op is _GROUPED_MM.default:
         return _grouped_mm(node, tags)
+    if op in _PADDED_OPS:
+        return _PADDED_OPS[op](node, tags)
     if op in _LIKE:
         t = _rows(tags, args[0])
         return Local(Tag("free", t.dim), {}) if t is not None else None
@@ -302,13 +359,16 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         return Local(_moved(t, _transposed_dim(node, t.dim, _val(args[0]).dim())), {})
     if op in _VIEWS:
         t = _only_rows(ts)
-        d = _view_dim(_val(args[0]).shape, t.dim, out.shape)
-        if d is None:
-            raise _Untyped
         sized = op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.expand.default)
+        d = _view_dim(_val(args[0]).shape, t.dim, out.shape,
+                      regroup=sized and op is not aten.expand.default)
+        if d is None:
+            raise _Untyped
         return Local(_moved(t, d), {}, view_dim=d if sized else None)
     chunk = getattr(op, "_name", None) == _LOCAL_CHUNK  # (a tp rank's features)
+    if op is aten.slice.Tensor and len(ts) == 1 and next(iter(ts.values())).pad:
+        return _cut(node, next(iter(ts.values())))
     if op in _SPLITS or chunk:
         t = _only_rows(ts)
         dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
@@ -331,7 +391,8 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
     if op is aten.cat.default:
         xs, dim = args[0], args[1] if len(args) > 1 else 0
         got = [tags.get(x) for x in xs]
-        if any(g is None or g.kind != "rows" or g.ptr is not None for g in got) or len(
+        if any(g is None or g.kind != "rows" or g.ptr is not None or g.pad or
+               g.cols is not None for g in got) or len(
                 {(g.order, g.dim) for g in got}) != 1 or dim % out.dim() == got[0].dim:
             raise _Untyped
         return Local(got[0], {})
@@ -354,12 +415,17 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
         return _read(node, tags, x, idx, dim)
     if op in _PUTS:
         dst, (idx, *more), src = args[0], args[1], args[2]
-        if more:
-            raise _Untyped
-        return _write(node, tags, dst, idx, src)
+        return _write(node, tags, dst, idx, src, more)
     if op in _SCATTERS:
         dst, dim, idx, src = args[:4]
         if dim % out.dim() != 0:
+            raise _Untyped
+        return _write(node, tags, dst, idx, src)
+    if op is aten.index_add.default:  # (rows summed into zeros by key: a bias's gradient)
+        dst, dim, idx, src = args[:4]
+        alpha = args[4] if len(args) > 4 else node.kwargs.get("alpha", 1)
+        ti = tags.get(idx)
+        if dim % out.dim() != 0 or alpha != 1 or ti is None or ti.ptr is not None:
             raise _Untyped
         return _write(node, tags, dst, idx, src)
     if getattr(op, "_name", None) == _TITAN_SCATTER:
@@ -370,6 +436,99 @@ def _type(node: torch.fx.Node, tags: dict) -> Local | None:
                               and torch.Tag.pointwise in op.tags):
         return _pointwise(node, tags)
     raise _Untyped
+
+
+# --- compiler/padded_nonzero's routing: `torch.where(mask)` at mask.numel() rows ----------
+# Its positions (each mask position's indices, -1 where the mask is false) made from a
+# rank's own mask rows point into that rank's own rows; the values they index carry one
+# zero row after the rows (a -1 reads or writes it), cut away after a write.
+
+def _stack(node, tags) -> Local:
+    """Columns stacked (1-D rows side by side): the rows kept; a pointer among them
+    (padded_nonzero's positions along the mask's first dim) remembered by column."""
+    xs, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    got = [tags.get(x) for x in xs]
+    typed = [t for t in got if t is not None]
+    if dim % 2 != 1 or any(_val(x).dim() != 1 for x in xs) or any(
+            t.kind != "rows" or t.pad or t.cols is not None or t.neg for t in typed) or \
+            len({t.order for t in typed}) != 1 or sum(t.ptr is not None for t in typed) > 1:
+        raise _Untyped
+    order = typed[0].order
+    if order != G and len(typed) < len(xs):
+        raise _Untyped  # (batch-ordered columns beside sorted ones)
+    ins = {x: 0 for x, t in zip(xs, got) if t is None}  # (a column of the rank's own rows)
+    cols = tuple(t.ptr if t is not None else None for t in got)
+    span = next((t.span for t in typed if t.ptr is not None), None)
+    return Local(Tag("rows", 0, order, cols=cols if any(cols) else None, span=span), ins)
+
+
+def _unbind(node, tags) -> Local:
+    """Columns taken apart: each a pointer (or not) as its column was; or rows unbound
+    along another dim."""
+    x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    t = tags.get(x)
+    ndim = _val(x).dim()
+    if t is None or t.kind != "rows" or t.pad or dim % ndim == t.dim:
+        raise _Untyped
+    if t.cols is not None:
+        return Local(tuple(Tag("rows", 0, t.order, c, neg=t.neg and c is not None,
+                               span=t.span if c is not None else None) for c in t.cols), {})
+    if t.ptr is not None:
+        raise _Untyped
+    return Local(tuple(_moved(t, t.dim - (dim % ndim < t.dim))
+                       for _ in range(_val(x).shape[dim])), {})
+
+
+def _padded_positions(node, tags) -> Local | None:
+    """where(mask, positions, -1): the pointers of the mask's true positions, -1 (a pad
+    row) at the others; the mask a rank's own rows."""
+    cond, x, other = node.args
+    t = tags.get(x)
+    if t is None or (t.ptr is None and t.cols is None):
+        return _pointwise(node, tags)
+    if other != -1 or t.kind != "rows" or t.pad or t.order != G:
+        raise _Untyped
+    tc = tags.get(cond)
+    if tc is not None:
+        if tc.kind != "rows" or tc.order != G or tc.ptr is not None or tc.pad or \
+                tc.cols is not None or tc.dim != t.dim:
+            raise _Untyped
+        return Local(dataclasses.replace(t, neg=True), {})
+    cv = _val(cond)
+    if cv.dim() != _val(x).dim() or cv.shape[t.dim] != _val(x).shape[t.dim]:
+        raise _Untyped
+    return Local(dataclasses.replace(t, neg=True), {cond: t.dim})
+
+
+def _pad(node, tags) -> Local:
+    """A zero row padded after the rows (or pads along other dims: the rows kept)."""
+    x, spec = node.args[0], list(node.args[1])
+    t = tags.get(x)
+    if t is None or t.kind not in ("rows", "free") or t.pad or t.cols is not None or \
+            t.ptr is not None:
+        raise _Untyped
+    ndim = _val(x).dim()
+    at = 2 * (ndim - 1 - t.dim)
+    row = spec[at:at + 2] if at < len(spec) else [0, 0]
+    if row == [0, 0]:
+        return Local(t, {})
+    if row != [0, 1] or t.dim != 0 or _row_pad(node) != 1:
+        raise _Untyped
+    return Local(dataclasses.replace(t, pad=1), {})
+
+
+def _cut(node, t: Tag) -> Local:
+    """A padded value sliced back to its rows (after a write through padded pointers)."""
+    x, dim, start, end = (list(node.args) + [None] * 4)[:4]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if dim % _val(x).dim() != t.dim or start not in (0, None) or step != 1 or \
+            end != _val(x).shape[t.dim] - t.pad:
+        raise _Untyped
+    return Local(dataclasses.replace(t, pad=0), {}, slice_end=True)
+
+
+_PADDED_OPS = {aten.stack.default: _stack, aten.unbind.int: _unbind,
+               aten.where.ScalarOther: _padded_positions, aten.constant_pad_nd.default: _pad}
 
 
 def _inverts(node, x, t: Tag) -> bool:
@@ -388,7 +547,7 @@ def _only_rows(ts: dict) -> Tag:
     if len(ts) != 1:
         raise _Untyped
     t = next(iter(ts.values()))
-    if t.kind not in ("rows", "free"):
+    if t.kind not in ("rows", "free") or t.pad or t.cols is not None:
         raise _Untyped
     return t
 
@@ -407,13 +566,20 @@ def _transposed_dim(node, d: int, ndim: int) -> int:
     return perm.index(d)
 
 
-def _view_dim(shape, d: int, out_shape) -> int | None:
+def _view_dim(shape, d: int, out_shape, regroup: bool = False) -> int | None:
     """The dim of `out_shape` holding dim d of `shape` whole, with the same elements
-    before it (a view that keeps the rows), else None."""
+    before it (a view that keeps the rows), else None. `regroup` (a view, not an expand):
+    also the dim the rows lead, merged with the dims after them or split into dims (each
+    rank's rows still one block of it)."""
     before = math.prod(shape[:d])
     acc = 1
     for e, size in enumerate(out_shape):
         if acc == before and size == shape[d]:
+            return e
+        if acc == before and regroup and (
+                any(size == math.prod(shape[d:j]) for j in range(d + 2, len(shape) + 1)) or
+                any(shape[d] == math.prod(out_shape[e:j])
+                    for j in range(e + 2, len(out_shape) + 1))):
             return e
         acc *= size
     return None
@@ -428,7 +594,8 @@ def _pointwise(node, tags) -> Local:
         v = _val(a)
         t = tags.get(a)
         if t is not None:
-            if t.kind not in ("rows", "free") or not isinstance(v, torch.Tensor):
+            if t.kind not in ("rows", "free") or not isinstance(v, torch.Tensor) or t.pad \
+                    or t.cols is not None:
                 raise _Untyped
             found.append((t, t.dim + out.dim() - v.dim()))
     if not found:
@@ -466,55 +633,89 @@ def _pointwise(node, tags) -> Local:
 
 def _index(node, tags) -> Local:
     x, indices = node.args[0], node.args[1]
-    if len(indices) != 1 or indices[0] is None:
+    if not indices or any(i is None for i in indices):
         raise _Untyped
-    return _read(node, tags, x, indices[0], 0)
+    return _read(node, tags, x, indices[0], 0, indices[1:])
 
 
-def _read(node, tags, x, idx, dim) -> Local:
-    """x's rows read at the positions `idx` holds (index, gather along dim 0), or a
-    parameter's rows looked up by each row's key (GPT-OSS's expert biases by expert id)."""
+def _read(node, tags, x, idx, dim, more=()) -> Local:
+    """x's rows read at the positions `idx` holds (index, gather along dim 0; `more`:
+    indices into x's next dims, one per row), or a parameter's rows looked up by each row's
+    key (GPT-OSS's expert biases by expert id)."""
     ti, tx = tags.get(idx), tags.get(x)
-    if dim % _val(x).dim() != 0 or ti is None or ti.kind != "rows" or ti.dim != 0:
+    if dim % _val(x).dim() != 0 or ti is None or ti.kind != "rows" or ti.dim != 0 or \
+            ti.cols is not None:
         raise _Untyped
     if ti.ptr is None:  # (keys, not row positions: the table whole, the rows the keys')
-        if tx is not None or not _is_param(x):
+        if tx is not None or not _is_param(x) or more:
             raise _Untyped
         return Local(Tag("rows", 0, ti.order), {x: "whole"})
-    ins = {}
-    if tx is None:
-        if ti.ptr != G:
-            raise _Untyped
-        ins[x] = 0
-    elif tx.kind != "rows" or tx.dim != 0 or tx.order != ti.ptr:
+    ins = _pointed(x, tx, ti, more, tags)
+    if more and tx is not None and tx.ptr is not None:
         raise _Untyped
     return Local(Tag("rows", 0, ti.order, tx.ptr if tx is not None else None), ins)
 
 
-def _write(node, tags, dst, idx, src) -> Local:
-    """src's rows written to the positions `idx` holds (index_put, scatter along dim 0), or
-    summed into zeros by each row's key (a looked-up parameter's gradient: partial)."""
+def _pointed(x, tx, ti: Tag, more, tags) -> dict:
+    """The inputs x takes as the value pointer `ti` indexes (with `more` indices into its
+    next dims): x's rows in the order ti points into, padded where ti holds -1, as many
+    as the rows ti was counted over. {} if x is typed already."""
+    ins = {}
+    pad = tx.pad if tx is not None else 0
+    if tx is None:
+        if ti.ptr != G:
+            raise _Untyped
+        pad = _row_pad(x)
+        ins[x] = "padded" if pad else 0
+    elif tx.kind == "free":
+        if tx.dim != 0:
+            raise _Untyped
+    elif tx.kind != "rows" or tx.dim != 0 or tx.order != ti.ptr or tx.cols is not None:
+        raise _Untyped
+    if (ti.neg and pad != 1) or (ti.span is not None and _val(x).shape[0] - pad != ti.span):
+        raise _Untyped  # (a -1 would read a row of the rank's own, or rows counted otherwise)
+    for k in more:  # (each row's index into a dim every rank holds whole)
+        tk = tags.get(k) if isinstance(k, torch.fx.Node) else None
+        if tk is None or tk.kind != "rows" or tk.dim != 0 or tk.order != ti.order or \
+                tk.ptr is not None or tk.pad or tk.cols is not None:
+            raise _Untyped
+    return ins
+
+
+def _row_pad(x) -> int:
+    """1 where x is compiler/padded_nonzero's copy of a value with one zero row after its
+    rows (constant_pad_nd padding dim 0 by (0, 1)), else 0."""
+    if not isinstance(x, torch.fx.Node) or x.target is not aten.constant_pad_nd.default:
+        return 0
+    spec, ndim = list(x.args[1]), _val(x).dim()
+    value = x.args[2] if len(x.args) > 2 else x.kwargs.get("value", 0)
+    return int(len(spec) == 2 * ndim and spec[-2:] == [0, 1] and value == 0)
+
+
+def _write(node, tags, dst, idx, src, more=()) -> Local:
+    """src's rows written to the positions `idx` holds (index_put, scatter along dim 0;
+    `more`: indices into dst's next dims), or summed into zeros by each row's key (a
+    looked-up parameter's gradient: partial)."""
     ti = tags.get(idx) if isinstance(idx, torch.fx.Node) else None
-    if ti is None or ti.kind != "rows" or ti.dim != 0:
+    if ti is None or ti.kind != "rows" or ti.dim != 0 or ti.cols is not None:
         raise _Untyped
     if ti.ptr is None:  # (keys: each rank sums its own rows' into the zeros, as a weight's
         ts = tags.get(src) if isinstance(src, torch.fx.Node) else None  # gradient is)
-        if not (node.target is aten.index_put.default and _accumulates(node) and
-                tags.get(dst) is None and _zeros(dst) and ts is not None and
-                ts.kind == "rows" and ts.dim == 0 and ts.order == ti.order and ts.ptr is None):
+        if more or not ((node.target is aten.index_add.default or
+                         node.target is aten.index_put.default and _accumulates(node)) and
+                        tags.get(dst) is None and _zeros(dst) and ts is not None and
+                        ts.kind == "rows" and ts.dim == 0 and ts.order == ti.order and
+                        ts.ptr is None):
             raise _Untyped
         return Local(Tag("partial"), {dst: "whole"})
-    ins = {}
     td = tags.get(dst)
-    if td is None:
-        if dst.target in _FACTORIES and dst.target not in _ARANGES:
-            ins[dst] = "free"
-        elif ti.ptr == G:
-            ins[dst] = 0
-        else:
+    if td is None and dst.target in _FACTORIES and dst.target not in _ARANGES:
+        if ti.neg:
             raise _Untyped
-    elif not (td.kind == "free" or (td.kind == "rows" and td.dim == 0 and td.order == ti.ptr)):
-        raise _Untyped
+        ins = {dst: "free"}
+    else:
+        ins = _pointed(dst, td, ti, more, tags)
+    pad = td.pad if td is not None else _row_pad(dst)
     ptr = None
     if isinstance(src, torch.fx.Node):
         ts, v = tags.get(src), _val(src)
@@ -531,15 +732,21 @@ def _write(node, tags, dst, idx, src) -> Local:
                 ins[src] = 0
             else:
                 raise _Untyped
-        elif ts.kind != "rows" or ts.dim != 0 or ts.order != ti.order:
+        elif ts.kind != "rows" or ts.dim != 0 or ts.order != ti.order or ts.pad or \
+                ts.cols is not None:
             raise _Untyped
         else:
             ptr = ts.ptr
-    return Local(Tag("rows", 0, ti.ptr, ptr), ins)
+    if more and ptr is not None:
+        raise _Untyped
+    return Local(Tag("rows", 0, ti.ptr, ptr, pad=pad), ins)
 
 
 def _is_param(x) -> bool:
-    """A parameter or buffer of the model (the same whole tensor on every dp rank)."""
+    """A parameter or buffer of the model, or a stack of them (passes/grouped_experts' of
+    the experts' biases): the same whole tensor on every dp rank."""
+    if isinstance(x, torch.fx.Node) and x.target is aten.stack.default:
+        return all(_is_param(a) for a in x.args[0])
     return isinstance(x, torch.fx.Node) and x.op == "placeholder" and \
         x.meta.get(ir.ROLE) in ("param", "buffer")
 
@@ -617,12 +824,14 @@ def rule(sh, node, entry: Local):
     output(s) as tagged, a factory sized to the local rows."""
     want = {}
     for a, how in entry.inputs.items():
-        if how in ("free", "counts"):  # (a factory: resized; counts: partial already)
-            continue
+        if how in ("free", "counts", "padded"):  # (a factory: resized, a padded copy: placed
+            continue                             # itself; counts: partial already)
         want[a] = (Replicate(),) if how == "whole" else (Shard(how),)
     sh.place(node, want)
     if entry.resize:
         _resize(node, sh.mesh_sizes[0])
+    if entry.slice_end:
+        node.args = (*node.args[:3], node.args[3] // sh.mesh_sizes[0], *node.args[4:])
     if entry.view_dim is not None and node.args[1][entry.view_dim] != -1:
         size = list(node.args[1])
         size[entry.view_dim] //= sh.mesh_sizes[0]

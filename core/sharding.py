@@ -26,6 +26,7 @@ from torch.fx.operator_schemas import normalize_function
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._ops import _pointwise_ops
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 
@@ -503,6 +504,15 @@ _WARNED_NO_RULE: set = set()  # ops without a DTensor rule, warned about once pe
 def _registered(prop, op) -> bool:
     return (op in prop.op_strategy_funcs or op in prop.op_to_rules
             or op in getattr(prop, "op_single_dim_strategy_funcs", {}))
+
+
+# `torch.where(mask, x, 0.0)` traces to where's scalar overloads, which lack ATen's pointwise
+# tag and so DTensor's rules (its where.self has one): without a rule each such op would run
+# on whole inputs (an MoE's listed experts: every routed row gathered). They are pointwise;
+# registered the way DTensor registers its own untagged pointwise ops (_extra_pointwise_ops).
+for _op in (aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar):
+    if not _registered(DTensor._op_dispatcher.sharding_propagator, _op):
+        _pointwise_ops._register_single_dim_pointwise(_op)
 
 
 def _placements(spec) -> tuple | None:

@@ -232,6 +232,52 @@ def test_moe_models_dp4_train_like_eager():
                      ("mixtral", "adamw", {"dp": 2, "tp": 2})])
 
 
+def _listed_graph(name):
+    """litgpt's Mixtral / where_moe captured with their experts grouped, before any split."""
+    import workers
+    from fxpar.passes import grouped_experts
+    model, batch_fn, loss_fn = workers.build(name)
+    gm, _ = capture(model, batch_fn(0), loss_fn)
+    return grouped_experts.run(gm, grouped_experts.Options(), None)
+
+
+def test_padded_positions_point_into_each_ranks_own_rows():
+    """litgpt's `y[idx] += w[idx, k] * expert(x[idx])` (compiler/padded_nonzero: positions
+    at mask.numel() rows, -1 reading one zero row after the rows) at 2 ranks: the arange
+    along the mask's token dim is a pointer into the batch's rows, made local (64 of 128);
+    the k column beside it a plain key; every read and write through the positions is of
+    a copy padded by one row after the rank's rows, each write cut back to them. A -1
+    reading rows with no pad row after them, or an arange counting other rows than those it
+    indexes, keeps that layer's routing whole."""
+    gm = _listed_graph("litgpt_mixtral")
+    g = gm.graph
+    found = local_dispatch.analyze(gm, 2)
+    grids = [n for n in g.nodes if n.target is aten.arange.default and n.args[0] == 128]
+    assert len(grids) == 8 and all(found[n].resize and found[n].out == Tag(
+        "rows", 0, G, G, span=128) for n in grids)  # (2 layers x 4 experts)
+    where = [n for n in g.nodes if n.target is aten.where.ScalarOther and n.args[2] == -1]
+    assert where and all(found[n].out.cols == (G, None) and found[n].out.neg for n in where)
+    reads = [n for n in g.nodes if n.target is aten.index.Tensor]
+    pads = [n.args[0] for n in reads + [n for n in g.nodes if n.target is aten.index_put.default]
+            if n.args[0].target is aten.constant_pad_nd.default]
+    assert pads and all(found[p].out.pad == 1 for p in pads)
+    assert all(found[n].out.order == G and not found[n].out.pad for n in reads)
+    cuts = [n for n in g.nodes if n.target is aten.slice.Tensor and n.args[0] in found
+            and found[n.args[0]].out.pad]
+    assert cuts and all(found[n].slice_end and not found[n].out.pad for n in cuts)
+
+    first = next(n for n in reads if n.args[0] in pads)  # a -1 read of the unpadded rows
+    pad = first.args[0]
+    first.update_arg(0, pad.args[0])
+    broken = local_dispatch.analyze(gm, 2)
+    assert first not in broken and len(broken) < len(found)
+    first.update_arg(0, pad)
+    assert local_dispatch.analyze(gm, 2).keys() == found.keys()
+    grids[0].args = (64,)  # (positions of 64 rows pointing into 128)
+    grids[0].meta[ir.VAL] = grids[0].meta[ir.VAL][:64]
+    assert grids[0] not in local_dispatch.analyze(gm, 2)
+
+
 def test_grouped_listed_experts_run_on_each_ranks_own_positions():
     """litgpt's Mixtral (experts an nn.ModuleList, grouped by passes/grouped_experts) at
     dp=2: the grouped dispatch's stable sort of the positions by expert, the sort of that
@@ -252,3 +298,14 @@ def test_grouped_listed_experts_run_on_each_ranks_own_positions():
     assert any(n.target is torch.ops.aten.histc.default for n in g.nodes)
     assert not [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
                 and n.meta.get(ir.MODULE, "").endswith("mlp.experts")]
+    # the routing around the grouped dispatch too (padded positions, where's scalar forms):
+    # no row of another rank is gathered, and each pad row follows the rank's 64 rows
+    assert not [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert {n.meta[ir.VAL].shape[0] for n in g.nodes
+            if n.target is aten.constant_pad_nd.default} == {65}
+    # where_moe's experts (biases: each looked up by expert id from their stack, their
+    # gradients summed into zeros by expert id: partial, reduced over dp as a weight's)
+    prog = fxpar.compile(*zoo.build("where_moe")[:1], 2,
+                         example_batch=zoo.build("where_moe")[1].batch(0), plan={"dp": 2})
+    assert not [n for n in prog.graph.graph.nodes
+                if n.target is c10d.all_gather_into_tensor.default]

@@ -128,17 +128,23 @@ def test_activations_dp_gathers_are_priced_per_microbatch():
 
 @pytest.mark.slow  # (a capture and the pass probes)
 def test_dp_probe_counts_the_gathers_of_an_experts_loop():
-    """litgpt's Mixtral under dp: its grouped experts run on each rank's own positions, the
-    combine after them (each expert's rows written back per position) gathers; the probe
-    counts those gathers, HF's Mixtral (its dispatch local end to end) has none."""
+    """A Switch-style MoE with an expert capacity under dp (each pair's place in its
+    expert's queue depends on the whole batch: its routed rows gathered) and litgpt's
+    Mixtral (its experts' loop local end to end: the grouped dispatch and the padded
+    positions around it): the probe counts the first's gathers, none of the second's."""
     import workers
     from fxpar.compiler.capture import capture_as_is
-    for name, gathers in (("litgpt_mixtral", True), ("mixtral", False)):
-        model, batch_fn, loss_fn = workers.build(name)
+    torch.manual_seed(0)
+    capacity = {"ids": torch.randint(0, 32, (8, 16)), "labels": torch.randint(0, 32, (8, 16))}
+    lit, lit_batch, lit_loss = workers.build("litgpt_mixtral")
+    for name, model, batch, loss_fn, gathers in (
+            ("capacity", workers.CapacityMoE(), capacity, workers.capacity_loss, True),
+            ("litgpt_mixtral", lit, lit_batch(0), lit_loss, False)):
+        rows = next(iter(batch.values())).shape[0]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            st = planner.graph_stats(capture_as_is(model, batch_fn(0), loss_fn=loss_fn),
-                                     batch_fn(0)["input_ids"].shape[0], pass_extras=True)
+            st = planner.graph_stats(capture_as_is(model, batch, loss_fn=loss_fn), rows,
+                                     pass_extras=True)
         assert (sum(s.dp_gathers for s in st.segments) > 0 and sum(
             s.dp_gather_bytes for s in st.segments) > 0) == gathers, name
 
