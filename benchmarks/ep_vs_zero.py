@@ -6,8 +6,8 @@
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
 top-2 routing; sizes from the flags), or with `--model litgpt` litgpt's Mixtral (its experts
-an nn.ModuleList, each run on the rows torch.where picks for it: every rank routes every
-token, and ep runs each rank's experts in slots), or with `--model deepseek` a Hugging Face
+an nn.ModuleList, each run on the rows torch.where picks for it: grouped, each rank
+routing its own tokens, and ep runs each rank's experts in slots), or with `--model deepseek` a Hugging Face
 DeepSeek-V3 (MLA attention, a shared expert beside the routed ones), under six plans (seven
 from 4 ranks), each from the same initial weights on the same batches with AdamW (lr 1e-3):
 

@@ -220,6 +220,9 @@ class GraphStats:
     # (core/local_dispatch): its expert work splits over dp and its expert gradients are
     # partial sums; else the routed rows are gathered to every dp rank
     moe_local: bool = False
+    # some experts kept as an nn.ModuleList run under Plan.ep in slots as traced (each rank's
+    # experts over every row picked for them, results all-gathered), not by all-to-all
+    ep_slots: bool = False
     # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
     # it can)
     seq: int | None = None

@@ -1289,8 +1289,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         rank's microbatches in flight (`rec`: the fraction of the forward remat recomputes).
         The remat pass runs before both and sizes its budget on the graph without them."""
         extra = 0.0
-        if ep > 1 and stats.moe_local:  # the rows a rank receives beyond the rows it
-            # routes (as many where the routing is balanced), priced at up to EP_RECEIVED x
+        if ep > 1 and stats.moe_local and not stats.ep_slots:  # the rows a rank receives
+            # beyond the rows it routes (as many where the routing is balanced), priced at
+            # up to EP_RECEIVED x
             # them (the routing's imbalance), of the MoE layers remat keeps (a layer it
             # recomputes sends its rows again and keeps none)
             extra += (min(ep, EP_RECEIVED) - 1) * (1 - rec) * sum(
@@ -1338,7 +1339,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     # (not ep's all-to-all dispatch: its counts are read on the host; nor ring attention:
     # its send/recv inside the op is not captured; runtime/cudagraph.uncapturable)
     graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m) \
-        and not (ep > 1 and stats.moe_local) and not (cp > 1 and cp_attention == "ring")
+        and not (ep > 1 and stats.moe_local and not stats.ep_slots) \
+        and not (cp > 1 and cp_attention == "ring")
     hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
     if not graphed and hw.async_launch and stats.host_calls_compiled and \
             codegen.decide(constraints.get("codegen", "auto"), "cuda")[0] == "inductor":
@@ -1364,10 +1366,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         tf, tb, tpc_f, tpc_b, share = timed[twins[r]]
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
-        if ep > 1 and stats.moe_local:  # the all-to-all dispatch: each rank's routed rows
-            # sent to their experts' ranks and back, forward and backward (two each way),
-            # its experts run on as many rows as under plain dp (routing balanced); the host
-            # reads each exchange's counts
+        if ep > 1 and stats.moe_local and not stats.ep_slots:  # the all-to-all dispatch:
+            # each rank's routed rows sent to their experts' ranks and back, forward and
+            # backward (two each way), its experts run on as many rows as under plain dp
+            # (routing balanced); the host reads each exchange's counts
             n_moe, f = sum(s.n_moe for s in segs), mbs / stats.rows
             calls = max(1, 2 * round(n_moe))
             epc_f = hw.comm("all_to_all", 2 * sum(s.ep_comm_f for s in segs) * f, ep,
@@ -1377,6 +1379,12 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             nodes = 8 * n_moe * hw_graph.node_overhead  # (route, counts, dispatches, combines)
             tf, tb = tf + nodes, tb + nodes
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b
+            if (precision == "bf16" or hw.name == "cpu") and any(
+                    s.grouped_ep_saved_f for s in segs):  # listed experts grouped: over the
+                # rows the rank receives, as many as it routes (passes/grouped_experts)
+                rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
+                tf, tb = _grouped(segs, tf, tb, f, rate, hw.mem_bandwidth / hw.roofline_scale,
+                                  1, "grouped_ep_saved", tp)
         elif ep > 1:  # the expert matmuls over every dp rank's rows: 1/ep of them; the rows
             # leaving each MoE layer all-reduced over the ep group (neighbouring dp ranks)
             g = mbs * dp / stats.rows
@@ -1398,9 +1406,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 tf, tb = _grouped(segs, tf, tb, g, rate, bw, ep, "grouped_ep_saved", tp)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         elif precision == "bf16" or hw.name == "cpu":  # listed experts run grouped
-            # (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's rows, 1/E
-            # of their traced matmuls
-            g = mbs * dp / stats.rows
+            # (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's rows (the
+            # rank's own where the routing runs on them), 1/E of their traced matmuls
+            g = mbs * (1 if stats.moe_local else dp) / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             bw = hw.mem_bandwidth / hw.roofline_scale
             tf, tb = _grouped(segs, tf, tb, g, rate, bw, 1, "grouped_saved", tp)
@@ -1580,7 +1588,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
                 dpc += m * (hw.comm("all_gather", wire_w, hpz, stride * hpz, calls=gathers)
                             if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
-            if ep > 1 and edp > 1 and (zero or stats.moe_local) and not onebit:
+            if ep > 1 and edp > 1 and (zero or stats.moe_local and not stats.ep_slots) \
+                    and not onebit:
                 # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered;
                 # HSDP: over a shard group's "edp" ranks, then across the replicas), ZeRO-1/2's
                 # gathers of their updated shards, ZeRO-3's of their weights
@@ -1823,6 +1832,7 @@ def expert_stats(stats: GraphStats, gm) -> None:
         try:
             saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
             ep_saved = 0.0 if grouped_experts.ep_why(lst) else saved
+            stats.ep_slots = stats.ep_slots or not ep_saved
         except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
             log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
             saved = ep_saved = 0.0
@@ -1905,7 +1915,7 @@ def expert_stats(stats: GraphStats, gm) -> None:
                 else:
                     seg.ep_bytes_b += passes * nbytes
     stats.expert_counts = tuple(counts)
-    stats.moe_local = bool(layers) and not lists and _dispatch_is_local(gm, layers)
+    stats.moe_local = bool(layers or lists) and _dispatch_is_local(gm, layers, lists)
     if stats.moe_local:
         return
     for seg in stats.segments:  # a dp rank runs the experts on every rank's rows (gathered):
@@ -1914,14 +1924,18 @@ def expert_stats(stats: GraphStats, gm) -> None:
         seg.flops_b_whole = max(seg.flops_b_whole, seg.expert_flops_b)
 
 
-def _dispatch_is_local(gm, layers) -> bool:
-    """Whether the dp pass runs every MoE layer's dispatch on each rank's own rows."""
+def _dispatch_is_local(gm, layers, lists=()) -> bool:
+    """Whether the dp pass runs every MoE layer's dispatch on each rank's own rows (for
+    experts kept as an nn.ModuleList: the rows each reads through its routing's padded
+    positions, compiler/padded_nonzero's)."""
     try:
         found = batch_local_dispatch(gm, 2)
     except Exception as e:  # noqa: BLE001 - priced as gathered, as the pass would fall back
         log.debug("planner: the MoE dispatch could not be analysed: %s", e)
         return False
-    return all(m in found for layer in layers for m in layer.matmuls)
+    return all(m in found for layer in layers for m in layer.matmuls) and all(
+        y in found for lst in lists for x in lst.experts for y in x.entering
+        if y.meta.get(ir.REGION) == ir.FORWARD)  # (the backward's: the same positions')
 
 
 def context_stats(stats: GraphStats, gm) -> None:

@@ -740,8 +740,11 @@ def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     assert any(n.target is torch.ops.fxpar.ep_dispatch.default for n in g.nodes)
     from fxpar.compiler.compile import planner_stats  # (ep priced with its experts grouped)
     model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
-    segs = planner_stats(model, batch_fn(0), loss_fn=loss_fn).segments
+    stats = planner_stats(model, batch_fn(0), loss_fn=loss_fn)
+    segs = stats.segments
     assert sum(s.grouped_ep_saved_f for s in segs) == sum(s.grouped_saved_f for s in segs) > 0
+    assert stats.moe_local and not stats.ep_slots  # (dp: each rank's own positions; ep:
+    #                                                 all-to-all, not slots)
 
     prog = _where_moe_program({"dp": 2, "ep": 2})
     (why,) = [r["why"] for r in prog.graph.meta[ir.GROUPED_EXPERTS]]

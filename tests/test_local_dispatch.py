@@ -197,13 +197,20 @@ def test_a_capacity_over_the_sorted_rows_keeps_the_rows_gathered():
 def test_planner_prices_local_experts_as_dp_work():
     """The planner's statistics say the dispatch is local (moe_local), so the dp probe's
     whole work holds no expert matmuls and a dp plan's gradient reduction counts the expert
-    gradients; ep plans still price the gathered rows' experts."""
+    gradients."""
     model, batch = _mixtral()
     stats = planner.graph_stats(capture(model, batch), 8, pass_extras=True)
     assert stats.moe_local
     expert_f = sum(s.expert_flops_f for s in stats.segments)
     whole_f = sum(s.flops_f_whole for s in stats.segments)
     assert expert_f > 0 and whole_f < 0.5 * expert_f
+    # experts in an nn.ModuleList routed by torch.where: local too (their padded positions),
+    # where_moe's (biases) run under ep in slots, not by all-to-all
+    model, spec = zoo.build("where_moe")
+    stats = planner.graph_stats(capture(model, spec.batch(0)), 8, pass_extras=True)
+    assert stats.moe_local and stats.ep_slots
+    assert sum(s.flops_f_whole for s in stats.segments) < 0.5 * sum(
+        s.expert_flops_f for s in stats.segments)
 
 
 @pytest.mark.slow  # (make test's 6 minutes; ep=2's parity, fast, runs the same dispatch)
