@@ -172,6 +172,7 @@ def _collectives_of(v, targets) -> set:
     return found
 
 
+@pytest.mark.slow  # (several compiles: make test's 6 minutes)
 def test_zero_shards_expert_weights_over_their_edp_group():
     """ep with ZeRO: an expert weight is shared by the dp / ep ranks holding the same experts
     ("edp") only, so its gradient is reduced there and ZeRO shards it there; the other weights
@@ -313,6 +314,7 @@ def spec_shape(model, name):
     return dict(model.named_parameters())[name].shape
 
 
+@pytest.mark.slow  # (several compiles: make test's 6 minutes)
 def test_tp_inside_the_experts_of_each_ep_rank():
     """ep=2 x tp=2 inside dp=2 splits each expert over tp on the rank holding it. Grouped
     experts (DeepSeek-V3's): each rank's E/ep slice of each stack, stored split along its
@@ -706,6 +708,7 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     assert _expert_flops(segs, "f", 2) == whole / 2 and _expert_flops(segs, "f", 1) == whole
 
 
+@pytest.mark.slow  # (several compiles: make test's 6 minutes)
 def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     """litgpt's Mixtral at dp=2 x ep=2: its experts run grouped (passes/grouped_experts),
     each grouped matmul over a stack of this rank's 2 experts' matrices (slots: expert j on
