@@ -1836,6 +1836,7 @@ def expert_stats(stats: GraphStats, gm) -> None:
         except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
             log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
             saved = ep_saved = 0.0
+            stats.ep_slots = True
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
             # (split by tp where the tp probe splits each of its matrices: tp=1 each a whole)
