@@ -1186,6 +1186,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     if quantization_misfit(quant, zero, dp):
         return None  # (Plan.validate refuses it: what-if searches do not validate)
     onebit = constraints.get("grad_compression", "none") == "1bit-adam"
+    # ep sends each rank's routed rows by all-to-all (not listed experts run in slots)
+    all_to_all = ep > 1 and stats.moe_local and not stats.ep_slots
     if onebit and (dp == 1 or zero or pp > 1 or m > 1):
         return None  # (compression_misfit: 1-bit Adam runs on plain dp only)
     held = in_flight(sched, pp, m, v)
@@ -1289,11 +1291,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         rank's microbatches in flight (`rec`: the fraction of the forward remat recomputes).
         The remat pass runs before both and sizes its budget on the graph without them."""
         extra = 0.0
-        if ep > 1 and stats.moe_local and not stats.ep_slots:  # the rows a rank receives
-            # beyond the rows it routes (as many where the routing is balanced), priced at
-            # up to EP_RECEIVED x
-            # them (the routing's imbalance), of the MoE layers remat keeps (a layer it
-            # recomputes sends its rows again and keeps none)
+        if all_to_all:  # the rows a rank receives beyond the rows it routes (as many
+            # where the routing is balanced), priced at up to EP_RECEIVED x them (the
+            # routing's imbalance), of the MoE layers remat keeps (a layer it recomputes
+            # sends its rows again and keeps none)
             extra += (min(ep, EP_RECEIVED) - 1) * (1 - rec) * sum(
                 s.ep_saved for s in rank_segs[r])
         if cp > 1 and remat == "none" and cp_attention != "ring":  # the gathered keys and
@@ -1339,8 +1340,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
     # (not ep's all-to-all dispatch: its counts are read on the host; nor ring attention:
     # its send/recv inside the op is not captured; runtime/cudagraph.uncapturable)
     graphed = hw.async_launch and replays_step(constraints.get("cuda_graphs", "auto"), pp, m) \
-        and not (ep > 1 and stats.moe_local and not stats.ep_slots) \
-        and not (cp > 1 and cp_attention == "ring")
+        and not all_to_all and not (cp > 1 and cp_attention == "ring")
     hw_graph = dataclasses.replace(hw, node_overhead=0.0) if graphed else hw
     if not graphed and hw.async_launch and stats.host_calls_compiled and \
             codegen.decide(constraints.get("codegen", "auto"), "cuda")[0] == "inductor":
@@ -1366,10 +1366,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         tf, tb, tpc_f, tpc_b, share = timed[twins[r]]
         tp_nodes = stats.tp_nodes_extra * share * hw_graph.node_overhead / 2 if tp > 1 \
             else 0.0
-        if ep > 1 and stats.moe_local and not stats.ep_slots:  # the all-to-all dispatch:
-            # each rank's routed rows sent to their experts' ranks and back, forward and
-            # backward (two each way), its experts run on as many rows as under plain dp
-            # (routing balanced); the host reads each exchange's counts
+        if all_to_all:  # each rank's routed rows sent to their experts' ranks and back,
+            # forward and backward (two each way), its experts run on as many rows as under
+            # plain dp (routing balanced); the host reads each exchange's counts
             n_moe, f = sum(s.n_moe for s in segs), mbs / stats.rows
             calls = max(1, 2 * round(n_moe))
             epc_f = hw.comm("all_to_all", 2 * sum(s.ep_comm_f for s in segs) * f, ep,
@@ -1588,8 +1587,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 dpc += m * hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers)
                 dpc += m * (hw.comm("all_gather", wire_w, hpz, stride * hpz, calls=gathers)
                             if hpz else hw.comm("all_gather", wire_w, sdp, s_span, calls=gathers))
-            if ep > 1 and edp > 1 and (zero or stats.moe_local and not stats.ep_slots) \
-                    and not onebit:
+            if ep > 1 and edp > 1 and (zero or all_to_all) and not onebit:
                 # the experts' gradients over "edp" (all-reduced; ZeRO-2/3: reduce-scattered;
                 # HSDP: over a shard group's "edp" ranks, then across the replicas), ZeRO-1/2's
                 # gathers of their updated shards, ZeRO-3's of their weights

@@ -202,8 +202,8 @@ def analyze(gm: torch.fx.GraphModule, n: int, placed=None) -> dict[torch.fx.Node
             tags[a] = how.out
             parent.setdefault(a, a)
             union(node, a)
-        if node.target is _GROUPED_MM.default or _position_grid(node) == 0:
-            matmul_roots.add(find(node))
+        if node.target in (_GROUPED_MM.default, aten.arange.default):  # (an arange typed:
+            matmul_roots.add(find(node))                                 # a routing's positions)
         for a, how in entry.inputs.items():
             if how == "counts":  # offs made outside: its cumsum and casts run on local
                 while a.target in _COUNT_CHAIN and a not in local:  # counts too
