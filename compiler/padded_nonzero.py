@@ -57,6 +57,21 @@ def _(mask):
     return mask.new_empty((mask.numel(), mask.dim()), dtype=torch.int64)
 
 
+@torch.library.custom_op("fxpar::loop_mark", mutates_args=())
+def loop_mark(x: torch.Tensor, step: int) -> None:
+    """Only a tracing marker: iteration `step` of a loop over a padded nonzero's rows starts
+    here (x: that row), or the loop ends (step -1, x: the rows). `rewrite` erases it."""
+
+
+@loop_mark.register_fake
+def _(x, step):
+    return None
+
+
+# kept by dead-code elimination until `rewrite` reads and erases it
+torch.fx.node._side_effectful_functions.add(torch.ops.fxpar.loop_mark.default)
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     grids = torch.meshgrid(*[torch.arange(s, device=mask.device) for s in mask.shape],
                            indexing="ij")
@@ -72,17 +87,88 @@ class PaddedNonzero(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        # the padded index tensors handed to the model, by identity (a tensor's == is not)
-        self.made: dict[int, weakref.ref] = {}
+        # the padded index tensors handed to the model, by identity (a tensor's == is not),
+        # with the shape of their mask
+        self.made: dict[int, tuple[weakref.ref, tuple]] = {}
+        # a row of a padded (M, k) nonzero the model iterates, or one of its entries: the
+        # position it holds where the mask is true (-1 where it is not)
+        self.rows: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+        # a comparison of such a row with a number: its answer where the row is present
+        self.decided: dict[int, tuple[weakref.ref, bool]] = {}
 
-    def _out(self, t):
+    def _out(self, t, mask_shape=()):
         for x in (t if isinstance(t, tuple) else (t,)):
-            self.made[id(x)] = weakref.ref(x)
+            self.made[id(x)] = (weakref.ref(x), tuple(mask_shape))
         return t
 
     def _handed(self, x) -> bool:
         r = self.made.get(id(x))
-        return r is not None and r() is x
+        return r is not None and r[0]() is x
+
+    @staticmethod
+    def _known(table, x):
+        r = table.get(id(x)) if isinstance(x, torch.Tensor) else None
+        return r[1] if r is not None and r[0]() is x else None
+
+    def _iterate(self, idx: torch.Tensor):
+        """`for e in nonzero(mask)`: every one of the mask's positions in turn, row p holding
+        position p where the mask is true and -1 where not (a loop over the experts some
+        token picked: HF's eager experts, DBRX). Control flow sees row p as present (its
+        position: `if e == E: continue`, `experts[e]`); its tensors read through -1 where it
+        is absent, and `rewrite` proves such an iteration changes nothing (`_loops`). Each
+        iteration is marked in the graph (`loop_mark`) for that proof."""
+        shape = self.made[id(idx)][1]
+        rows = idx.unbind(0)
+        for p, row in enumerate(rows):
+            coords, rest = [], p
+            for size in reversed(shape):
+                coords.insert(0, rest % size)
+                rest //= size
+            self.rows[id(row)] = (weakref.ref(row), tuple(coords))
+
+        def steps():
+            for p, row in enumerate(rows):
+                torch.ops.fxpar.loop_mark(row, p)
+                yield row
+            torch.ops.fxpar.loop_mark(idx, -1)
+        return _Rows(rows, steps())
+
+    def _row_use(self, func, args, kwargs):
+        """An iterated row (or its entry) used by Python control flow or as an index: as if
+        present (module lists, `if e == E`), and as a one-entry index in tensor indexing."""
+        x = args[0]
+        pos = self._known(self.rows, x)
+        if func is torch.Tensor.__getitem__ and pos is not None and isinstance(args[1], int):
+            out = func(*args, **kwargs)  # (an entry of the row: one coordinate)
+            self.rows[id(out)] = (weakref.ref(out), (pos[args[1]],))
+            return out
+        if func in (torch.Tensor.__eq__, torch.Tensor.__ne__, torch.Tensor.eq,
+                    torch.Tensor.ne) and pos is not None and len(pos) == 1 and \
+                isinstance(args[1], int) and not isinstance(args[1], bool):
+            out = func(*args, **kwargs)
+            same = pos[0] == args[1]
+            self.decided[id(out)] = (weakref.ref(out), same if func in (
+                torch.Tensor.__eq__, torch.Tensor.eq) else not same)
+            return out
+        if func in (torch.Tensor.__bool__, torch.Tensor.item) and \
+                self._known(self.decided, x) is not None:  # (a FunctionalTensor's bool: item)
+            return self._known(self.decided, x)
+        if func in (torch.Tensor.__index__, torch.Tensor.__int__, torch.Tensor.item) and \
+                pos is not None and len(pos) == 1:
+            return pos[0]
+        if func is torch.Tensor.__getitem__:
+            entries = args[1] if isinstance(args[1], tuple) else (args[1],)
+            at = [i for i, a in enumerate(entries) if a is not None and
+                  self._known(self.rows, a) is not None and a.dim() == 0]
+            if len(at) == 1 and all(isinstance(a, slice) and a == slice(None)
+                                    for a in entries[:at[0]]):
+                # x[e] with e 0-d: ATen would read e as a Python number; read it as a
+                # one-entry index instead (-1 then reads `rewrite`'s zero row)
+                k = at[0]
+                one = entries[k].reshape(1)
+                out = func(x, (*entries[:k], one, *entries[k + 1:]), **kwargs)
+                return out.squeeze(k)
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -99,17 +185,39 @@ class PaddedNonzero(TorchFunctionMode):
                 "that number would be the padded count, not the true one. Fix: count from "
                 "the mask (`mask.sum()`, a tensor), or drop the check (an empty expert "
                 "computes nothing that reaches the result).")
+        if func in (torch.Tensor.unbind, torch.unbind) and args and self._handed(args[0]) \
+                and args[0].dim() == 2 and (args[1:] or (kwargs.get("dim", 0),)) == (0,):
+            return self._iterate(args[0])
+        if args and isinstance(args[0], torch.Tensor) and (self.rows or self.decided):
+            out = self._row_use(func, args, kwargs)
+            if out is not None:
+                return out
         if not (args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1):
             return func(*args, **kwargs)  # (a 0-d mask: nonzero's own error)
+        shape = tuple(args[0].shape)
         if func is torch.where and len(args) == 1 and not kwargs:
-            return self._out(tuple(padded_nonzero(args[0]).unbind(1)))
+            return self._out(tuple(padded_nonzero(args[0]).unbind(1)), shape)
         if func in (torch.nonzero, torch.Tensor.nonzero) and len(args) == 1 \
                 and set(kwargs) <= {"as_tuple"}:
             out = padded_nonzero(args[0])
-            return self._out(tuple(out.unbind(1)) if kwargs.get("as_tuple") else out)
+            return self._out(tuple(out.unbind(1)) if kwargs.get("as_tuple") else out, shape)
         if func in (torch.argwhere, torch.Tensor.argwhere) and len(args) == 1 and not kwargs:
-            return self._out(padded_nonzero(args[0]))
+            return self._out(padded_nonzero(args[0]), shape)
         return func(*args, **kwargs)
+
+
+class _Rows(tuple):
+    """unbind(0) of a padded nonzero (what `for e in nonzero(mask)` iterates): its rows; a
+    loop over them marks each iteration in the graph as it starts (PaddedNonzero._iterate).
+    Rows taken by position are not marked: `rewrite` refuses their Python-level uses."""
+
+    def __new__(cls, rows, steps):
+        self = super().__new__(cls, rows)
+        self._steps = steps
+        return self
+
+    def __iter__(self):
+        return self._steps
 
 
 # padding rows' states, ordered: a row read through a padded index is exactly zero; ops that
@@ -144,12 +252,14 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
     if not markers:
         return 0
     fake_propagate(gm, check=False)  # (capture's clean-up left some nodes without values)
-    pads = _check(graph, markers)
+    pads, present = _check(graph, markers)
     shapes = {n: _shape(n.args[0]) for n in pads}  # (before earlier writes' cuts feed them)
     for n, dims in pads.items():
         _pad(graph, n, dims, shapes[n])
     for m in markers:
-        _emit_positions(graph, m)
+        _emit_positions(graph, m, every=m in present)
+    for n in [n for n in graph.nodes if n.target is torch.ops.fxpar.loop_mark.default]:
+        graph.erase_node(n)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -202,13 +312,21 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
     pads: dict[torch.fx.Node, list[int]] = {}
     counts = {m for m in index.values()}
     downstream: set[torch.fx.Node] = set(markers)
+    # a loop over a padded index's rows (PaddedNonzero._iterate): its rows and their entries
+    # (elements, by the row they come from), the values read through one (all zero where the
+    # row is absent), and the masks of nonzeros taken of such values (all false there)
+    row_tuples: set[torch.fx.Node] = set()
+    elems: dict[torch.fx.Node, torch.fx.Node] = {}
+    absent: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in graph.nodes:
         if n.op == "output":
             leaked = [a for a in n.all_input_nodes if a in rows or a in index]
             if leaked:
                 raise _refuse(leaked[0], "reaches the graph's outputs with its padding rows")
             continue
-        if n.op != "call_function" or n in index:
+        if n.op != "call_function" or n.target is torch.ops.fxpar.loop_mark.default:
+            continue
+        if n in index:
             continue
         ins = n.all_input_nodes
         if any(a in downstream for a in ins):
@@ -217,6 +335,18 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
                 _scalars_not_count(n, counts)
         if n.target is operator.getitem and n.args[0] in tuples:
             index[n], origin[n] = tuples[n.args[0]], origin[n.args[0]]
+            continue
+        if n.target is operator.getitem and n.args[0] in row_tuples:
+            elems[n], origin[n] = n, origin[n.args[0]]
+            if _shape(n) == (1,):
+                index[n] = 1
+            continue
+        if any(a in elems for a in ins):
+            if _element_op(n, elems, index, origin):
+                continue
+        if any(a in absent for a in ins) and not any(
+                a in index or a in rows or a in tuples or a in flipped for a in ins):
+            _absent_op(n, absent)
             continue
         if n.target is operator.getitem and n.args[0] in parts:
             rows[n], origin[n] = parts[n.args[0]], origin[n.args[0]]
@@ -229,15 +359,28 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
         if len(srcs) > 1:
             raise _refuse(n, "combines values routed by different masks (their rows pair up "
                              "by position here, by rank among the true elements in eager)")
+        if n.target is aten.index_add.default and n.args[2] in index and \
+                n.kwargs.get("alpha", 1) == 1 and len(n.args) == 4:
+            # index_add(x, d, idx, v) is index_put(x, [None] * d + [idx], v, accumulate):
+            # the form whose -1 writes `_pad` drops (index_add takes no -1)
+            x, d, i, v = n.args
+            n.target = aten.index_put.default
+            n.args = (x, [None] * (d % len(_shape(x))) + [i], v, True)
         if n.target in _READS or n.target in _WRITES or n.target is aten.index_select.default:
             _index_op(n, index, rows, pads)
+            if n in rows and any(i in elems for i in _indices(n)):
+                del rows[n]  # a read through a row of a loop: the row's own value, all of
+                absent[n] = (next(elems[i] for i in _indices(n) if i in elems), True,
+                             n.args[0] if _indices(n)[0] in elems else None)  # (all zero)
         elif idx_in:
             src = n.args[0]
             if row_in or len(idx_in) > 1 or src not in (*index, *flipped):
                 raise _refuse(n, "combines the indices with other values")
             dim = n.args[1] if len(n.args) > 1 else 0
             shape, out = _shape(src), _shape(n)
-            if src in flipped:  # columns are dim 0 of a transposed marker
+            if n.target is aten.unbind.int and dim == 0 and src in markers:
+                row_tuples.add(n)  # (the rows a loop over nonzero(mask) iterates)
+            elif src in flipped:  # columns are dim 0 of a transposed marker
                 if n.target is aten.unbind.int and dim == 0:
                     tuples[n] = flipped[src]
                 elif n.target is aten.select.int and dim == 0:
@@ -271,9 +414,134 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
             out = _row_op(n, rows)
             if out is not None:
                 rows[n] = out
-        if n in rows or n in index or n in tuples or n in flipped or n in parts:
+        if n in rows or n in index or n in tuples or n in flipped or n in parts or \
+                n in row_tuples:
             origin[n] = srcs.pop()
-    return pads
+    present = _loops(graph, elems, absent, origin, pads)
+    for n in [n for n, dims in pads.items() if all(
+            elems.get(_indices(n)[d]) is not None and _marker_of(elems[_indices(n)[d]]) in
+            present and _shape(n.args[0])[d] >= index[_marker_of(elems[_indices(n)[d]])]
+            for d in dims)]:
+        del pads[n]  # (through rows never -1, to rows that exist: a row past the tensor's
+        # end, e.g. a hit list's masking class, still reads the zero row its pad adds)
+    return pads, present
+
+
+def _indices(n: torch.fx.Node) -> list:
+    return list(n.args[1]) if n.target in _READS or n.target in _WRITES else [n.args[2]]
+
+
+def _element_op(n, elems, index, origin) -> bool:
+    """An op on a row of a loop over nonzero's rows: an entry of it, a view of it (both
+    still the row's), or a comparison Python control flow read (`if e == E`: PaddedNonzero
+    decided it, so the graph's copy is unused). False: an index op, handled as one."""
+    src = n.args[0]
+    if n.target in _READS or n.target in _WRITES or n.target in (
+            aten.index_select.default, aten.index_add.default):
+        return False
+    if not n.users:
+        return True
+    out = _shape(n)
+    if src in elems and (n.target is aten.select.int or n.target in _INDEX_VIEWS) and \
+            out in ((), (1,)) and len(n.all_input_nodes) == 1:
+        elems[n], origin[n] = elems[src], origin[src]
+        if out == (1,):
+            index[n] = 1
+        return True
+    raise _refuse(n, "computes with a row of the loop over nonzero's rows (only indexing "
+                     "with it, and comparing it in Python control flow, are exact)")
+
+
+_ZERO_KEEPING = _VIEWS | _ZERO_AT_ZERO | {
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.slice.Tensor,
+    aten.select.int, aten.squeeze.dim, aten.ne.Scalar, aten.gt.Scalar, aten.mul.Scalar}
+
+
+def _absent_op(n, absent) -> None:
+    """An op on values read through a row of a loop over nonzero's rows (no padded rows in
+    it): (the row, whether it is all zero where the row is absent - kept so by ops that map
+    zero to zero, so that a nonzero of it finds nothing there)."""
+    found = [absent[a] for a in n.all_input_nodes if a in absent]
+    roots = {root for root, _, _ in found}
+    if len(roots) != 1:
+        raise _refuse(n, "combines values read through the rows of two loops over nonzero's "
+                         "rows")
+    zero = n.target in _ZERO_KEEPING and len(n.all_input_nodes) == 1 and found[0][1] and (
+        n.target not in (aten.ne.Scalar, aten.gt.Scalar) or n.args[1] == 0) and (
+        n.target is not aten.mul.Scalar or math.isfinite(n.args[1]))
+    absent[n] = (roots.pop(), zero, found[0][2] if zero else None)
+
+
+def _loops(graph, elems, absent, origin, pads) -> None:
+    """A loop over nonzero(mask)'s rows runs every position of the mask (PaddedNonzero.
+    _iterate) where eager runs the true ones. Where row p is absent, its tensors read a zero
+    row, so every mask taken of them is all false and every index routed by such a mask is
+    -1: exact if the iteration changes nothing else - if everything it computes that is used
+    after it is an index write through those indices (dropped at -1). Raises otherwise."""
+    if not elems:
+        return set()
+    masks = {m: root for m, (root, zero, _) in absent.items() if zero}  # all false if absent
+    windows, current = [], None
+    for n in graph.nodes:
+        if n.target is torch.ops.fxpar.loop_mark.default:
+            current = None if n.args[1] == -1 else (n.args[0], [])
+            if current is not None:
+                windows.append(current)
+        elif current is not None and n.op == "call_function":
+            current[1].append(n)
+    looped = {root for root, _ in windows}
+    routes = {_marker_of(root): set() for root in looped}  # what each loop's writes route by
+    for e, root in elems.items():
+        if root not in looped and e.users:
+            raise _refuse(e, "is a row of nonzero's result used outside a loop over them")
+    for root, body in windows:
+        inside = set(body)
+        for n in body:
+            leaves = [u for u in n.users if u not in inside and (
+                u.op == "output" or u.meta.get(ir.REGION) != ir.BACKWARD)]
+            if not leaves:
+                continue
+            routed = n in pads and any(
+                elems.get(i) is root or masks.get(origin.get(i)) is root
+                for i in _indices(n) if i is not None)
+            if not routed or n.target not in _WRITES:
+                raise _refuse(n, "leaves an iteration of the loop over nonzero's rows other "
+                                 "than as an index write through the rows that iteration "
+                                 "routes by `torch.where` of a value read through its row "
+                                 "(where the row is absent, eager runs no iteration: fxpar "
+                                 "runs it on padding, which must change nothing)")
+            routes[_marker_of(root)].update(
+                absent[origin[i]][2] if origin.get(i) in masks else None
+                for i in _indices(n) if i is not None and i not in elems)
+            routes[_marker_of(root)].update(
+                None for i in _indices(n) if i is not None and i in elems)
+    return {m for m, srcs in routes.items() if len(srcs) == 1 and _hit_list_of(m, *srcs)}
+
+
+def _marker_of(row: torch.fx.Node) -> torch.fx.Node:
+    return row.args[0].args[0]  # (getitem of the marker's unbind)
+
+
+def _hit_list_of(marker: torch.fx.Node, x) -> bool:
+    """The marker iterated is nonzero(sum(x over all dims but the first) > 0), x counts of
+    picks (a one_hot), and each iteration routes by where(x[row]): where the row is absent
+    x[row] is all zero, so it runs on padding reading the true row as it does reading the
+    zero one - every row may be taken present, the positions constant (no -1 to pad for,
+    nothing computed from the whole batch's routing to iterate)."""
+    hit = marker.args[0]
+    if x is None or hit.target not in (aten.gt.Scalar, aten.ne.Scalar) or hit.args[1] != 0:
+        return False
+    total = hit.args[0]
+    if total.target is not aten.sum.dim_IntList or total.args[0] is not x:
+        return False
+    ndim = len(_shape(x))
+    if sorted(d % ndim for d in total.args[1]) != list(range(1, ndim)):
+        return False
+    src = x  # (non-negative: a one_hot, or a bool mask however stored)
+    while src.meta[ir.VAL].dtype is not torch.bool and (src.target in _INDEX_VIEWS or src.target in (
+            aten.permute.default, aten.t.default, aten.transpose.int)):
+        src = src.args[0]
+    return src.target is aten.one_hot.default or src.meta[ir.VAL].dtype is torch.bool
 
 
 def _scalars_not_count(n: torch.fx.Node, counts: set) -> None:
@@ -564,9 +832,10 @@ def _pad(graph: torch.fx.Graph, n: torch.fx.Node, dims: list[int], shape: tuple)
         u.replace_input_with(n, cut)
 
 
-def _emit_positions(graph: torch.fx.Graph, m: torch.fx.Node) -> None:
+def _emit_positions(graph: torch.fx.Graph, m: torch.fx.Node, every: bool = False) -> None:
     """The marker's value in ATen ops: each dim's arange broadcast over the mask's shape,
-    flattened and stacked, -1 where the mask is false."""
+    flattened and stacked, -1 where the mask is false (every: all positions, a loop's rows
+    `_hit_list_of` proved may all be present)."""
     mask = m.args[0]
     shape = _shape(mask)
     dev = mask.meta[ir.VAL].device
@@ -585,6 +854,10 @@ def _emit_positions(graph: torch.fx.Graph, m: torch.fx.Node) -> None:
             r = call(aten.expand.default, r, list(shape))
             cols.append(call(aten.reshape.default, r, [-1]))
         pos = call(aten.stack.default, cols, 1)
+        if every:
+            m.replace_all_uses_with(pos)
+            graph.erase_node(m)
+            return
         flat = call(aten.reshape.default, mask, [-1, 1])
         if mask.meta[ir.VAL].dtype != torch.bool:
             flat = call(aten.ne.Scalar, flat, 0)

@@ -90,7 +90,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
             "Face's experts by default, config._experts_implementation='grouped_mm'), or "
             "kept as an nn.ModuleList of identical experts each run on the rows routed to it; "
-            "'batched_mm' experts cannot be split. Use ep=1 (ZeRO or tp shard such experts "
+            "'batched_mm' experts, and stacked experts a loop reads one by one ('eager', "
+            "DBRX), cannot be split. Use ep=1 (ZeRO or tp shard such experts "
             "like any weight)." + (" Lists of identical modules that are not experts: " +
                                    "; ".join(skipped) + "." if skipped else ""))
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]

@@ -148,3 +148,146 @@ def test_the_positions_are_nonzeros_with_padding_last_in_each_row_major_slot():
     assert pos.shape == (6, 2)
     assert pos[(pos >= 0).all(1)].tolist() == torch.nonzero(mask).tolist()
     assert (pos[~mask.reshape(-1)] == -1).all()
+
+
+# --- a loop over the experts nonzero() found hit: HF's eager experts, DBRX, and the
+# ModuleList form Hugging Face's MoE models had before (and much hand-written MoE code has) --
+
+class _HitLoopMoE(nn.Module):
+    """`for e in expert_hit: expert = self.experts[e]; idx, top = torch.where(mask[e])`:
+    the experts run are those some token picked, a count set by the data. `body` adds
+    something to the loop (the refusal tests)."""
+
+    def __init__(self, body=None, experts=4, dim=8, route=lambda m: m, least=0):
+        super().__init__()
+        self.route, self.least = route, least
+        self.gate = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 16), nn.SiLU(),
+                                                   nn.Linear(16, dim)) for _ in range(experts))
+        self.body = body
+
+    def forward(self, x):
+        w, picked = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        y = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(picked, len(self.experts)).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), self.least).nonzero()
+        aux = x.new_zeros(())
+        for e in hit:
+            top, rows = torch.where(self.route(mask[e].squeeze(0)))
+            y.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, top, None])
+            if self.body is not None:
+                aux = aux + self.body(self, e, mask, x)
+        return (y.pow(2).sum() + aux,)
+
+
+def test_a_loop_over_the_experts_nonzero_found_runs_every_expert_exactly():
+    """Experts 0 and 1 always win: 2 and 3 are not in the hit list, so eager runs two
+    iterations. fxpar runs four, the last two on padding (their rows read -1), and proves
+    they change nothing: the same loss and gradients, 2 and 3 without gradient."""
+    torch.manual_seed(0)
+    model = _HitLoopMoE()
+    with torch.no_grad():
+        model.gate.weight.mul_(0.01)
+        model.gate.bias.copy_(torch.tensor([5.0, 4.0, 0.0, 0.0]))
+    x = torch.randn(16, 8)
+    gm, got, loss, grads, params = _run(model, x, lambda m, b: m(b)[0])
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.fxpar.loop_mark.default not in targets
+    assert torch.ops.fxpar.padded_nonzero.default not in targets
+    # each of the four iterations writes its rows through padded indices (index_add taken
+    # as an index_put that drops the -1 rows)
+    writes = [n for n in gm.graph.nodes if n.target is aten.index_put.default
+              and n.meta[ir.REGION] == ir.FORWARD]
+    assert len(writes) == 4
+    assert params["experts.3.0.weight"].grad is None and not grads["experts.3.0.weight"].any()
+    _assert_exact(gm, got, loss, grads, params)
+    # the hit list is a one_hot's sums > 0 and each iteration routes by that one_hot's row:
+    # every expert is taken present (an absent one routes nothing), the positions constant,
+    # the whole batch's hit list not computed
+    assert not any(n.target is aten.gt.Scalar for n in gm.graph.nodes)
+
+
+def test_a_hit_list_that_skips_experts_with_tokens_is_kept():
+    """`sum > 1`: an expert one token picked is skipped, as in eager; its row reads -1."""
+    torch.manual_seed(0)
+    model, x = _HitLoopMoE(), torch.randn(16, 8)
+    picks = torch.topk(model.gate(x), 2, dim=-1).indices.flatten().bincount(minlength=4)
+    model.least = int(picks.min())  # the least picked expert has tokens and is skipped
+    assert model.least > 0
+    gm, got, loss, grads, params = _run(model, x, lambda m, b: m(b)[0])
+    assert any(n.target is aten.gt.Scalar for n in gm.graph.nodes)
+    _assert_exact(gm, got, loss, grads, params)
+
+
+def _hf_moe(name):
+    from fxpar.examples import zoo
+    model, spec = zoo.build(name)
+    model.config._experts_implementation = "eager"
+    return model, spec.batch(0)
+
+
+def _run_dict(model, batch):
+    gm, sig = capture(model, batch, lambda m, b: m(**b).loss)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    args = [params[n].detach() for n in sig.param_names] + \
+        [buffers[n] for n in sig.buffer_names] + list(batch.values())
+    with torch.no_grad():
+        out = gm(*args)
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: g for n, g in zip(sig.param_names, out[1:1 + len(sig.param_names)])}
+    return gm, out[0], loss, grads, params
+
+
+def test_hugging_faces_eager_experts_and_dbrx_are_exact():
+    """transformers' eager experts (`config._experts_implementation = "eager"`: every HF MoE
+    model) and DBRX's experts loop over the experts hit, skip the masking class by
+    `if expert_idx == self.num_experts: continue` and read each expert's stacked weights by
+    a 0-d index tensor."""
+    pytest.importorskip("transformers")
+    import transformers
+    _assert_exact(*_run_dict(*_hf_moe("mixtral")))
+    cfg = transformers.DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+        tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (8, 16))
+    _assert_exact(*_run_dict(transformers.DbrxForCausalLM(cfg),
+                             {"input_ids": ids, "labels": ids}))
+
+
+@pytest.mark.parametrize("body,why", [
+    # found nowhere in the rows the iteration routes: eager adds it once per expert hit
+    (lambda m, e, mask, x: m.experts[e][0].weight.sum(), "leaves an iteration"),
+    (lambda m, e, mask, x: x.sum(), "leaves an iteration"),
+    # a mask true where the expert is absent would route real rows
+    (lambda m, e, mask, x: (lambda rows: torch.zeros_like(x).index_add(0, rows, x[rows]))(
+        torch.where(mask[e].squeeze(0) == 0)[1]).pow(2).sum(), "leaves an iteration"),
+    (lambda m, e, mask, x: (e * 2).sum().float(), "computes with a row"),
+], ids=["weights-only", "outside-value", "inverted-mask", "row-arithmetic"])
+def test_loop_bodies_an_absent_expert_would_change_are_refused(body, why):
+    with pytest.raises(TraceError, match=why) as e:
+        capture(_HitLoopMoE(body), torch.randn(16, 8), lambda m, b: m(b)[0])
+    assert "Fix:" in str(e.value)
+
+
+def test_an_iterations_rows_must_be_routed_by_a_mask_all_false_where_it_is_absent():
+    """`mask[e] != 0` is false where row e reads the zero row: exact; `mask[e] == 0` would be
+    true there and route real rows in an iteration eager does not run: refused."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    _assert_exact(*_run(_HitLoopMoE(route=lambda m: m != 0), x, lambda m, b: m(b)[0]))
+    with pytest.raises(TraceError, match="leaves an iteration"):
+        capture(_HitLoopMoE(route=lambda m: m == 0), x, lambda m, b: m(b)[0])
+
+
+def test_a_row_of_nonzero_taken_outside_a_loop_is_refused():
+    def use(h, idx):
+        first = torch.nonzero(h[:, 0] > 0).unbind(0)[0]
+        return torch.zeros_like(h).index_put((first,), h[first] * 2).sum()
+    with pytest.raises(TraceError, match="outside a loop"):
+        capture(_Route(use), torch.randn(16, 8))
