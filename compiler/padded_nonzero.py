@@ -23,6 +23,18 @@ routed rows read as a number is refused where it is read (`len(idx)`, `idx.numel
 as a scalar equal to the padded count, in the graph; read through `.shape` / `.size()` and
 used as a value (`x.new_ones(idx.shape[0]).sum()`) it is not seen.
 
+A loop over nonzero's rows - the experts some token picked, `for e in
+mask.sum((1, 2)).gt(0).nonzero()` (Hugging Face's eager experts, DBRX, the ModuleList form of
+transformers 4) - runs a number of iterations set by the data. fxpar runs one per position:
+Python sees row p as present (`if e == E: continue` and `experts[e]` decided as for p), its
+tensors hold -1 where p is absent (a read through it is the zero row). `rewrite` proves such an
+iteration changes nothing: each is marked in the graph, and all it computes that is used after
+it must be an index write through rows routed by `torch.where` of a value read through its
+row with zero kept zero (so all -1 where the row is absent). Where the hit list is a
+one_hot's sums > 0 and every iteration routes by that one_hot's row, an absent row routes
+nothing either way: the positions become constant (no hit list computed from the whole
+batch, no padding of what the rows read).
+
 Cost: each expert computes over `mask.numel()` rows where eager computes over its own tokens
 (top-k of E experts with a (tokens, k) mask per expert: E times eager's expert FLOPs), which
 passes/grouped_experts.py takes back to eager's where the masks partition the positions.
@@ -252,12 +264,14 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
     if not markers:
         return 0
     fake_propagate(gm, check=False)  # (capture's clean-up left some nodes without values)
-    pads, present = _check(graph, markers)
+    pads, present, rows_at = _check(graph, markers)
     shapes = {n: _shape(n.args[0]) for n in pads}  # (before earlier writes' cuts feed them)
     for n, dims in pads.items():
         _pad(graph, n, dims, shapes[n])
     for m in markers:
         _emit_positions(graph, m, every=m in present)
+    for n, p in rows_at.items():
+        _select_row(graph, n, p)
     for n in [n for n in graph.nodes if n.target is torch.ops.fxpar.loop_mark.default]:
         graph.erase_node(n)
     graph.eliminate_dead_code()
@@ -359,13 +373,6 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
         if len(srcs) > 1:
             raise _refuse(n, "combines values routed by different masks (their rows pair up "
                              "by position here, by rank among the true elements in eager)")
-        if n.target is aten.index_add.default and n.args[2] in index and \
-                n.kwargs.get("alpha", 1) == 1 and len(n.args) == 4:
-            # index_add(x, d, idx, v) is index_put(x, [None] * d + [idx], v, accumulate):
-            # the form whose -1 writes `_pad` drops (index_add takes no -1)
-            x, d, i, v = n.args
-            n.target = aten.index_put.default
-            n.args = (x, [None] * (d % len(_shape(x))) + [i], v, True)
         if n.target in _READS or n.target in _WRITES or n.target is aten.index_select.default:
             _index_op(n, index, rows, pads)
             if n in rows and any(i in elems for i in _indices(n)):
@@ -418,13 +425,35 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
                 n in row_tuples:
             origin[n] = srcs.pop()
     present = _loops(graph, elems, absent, origin, pads)
+    rows_at = {}  # reads through constant rows of one-dim hit lists -> the row
     for n in [n for n, dims in pads.items() if all(
             elems.get(_indices(n)[d]) is not None and _marker_of(elems[_indices(n)[d]]) in
             present and _shape(n.args[0])[d] >= index[_marker_of(elems[_indices(n)[d]])]
             for d in dims)]:
         del pads[n]  # (through rows never -1, to rows that exist: a row past the tensor's
         # end, e.g. a hit list's masking class, still reads the zero row its pad adds)
-    return pads, present
+        i = _indices(n)
+        if n.target in _READS and len(i) == 1 and _shape(_marker_of(elems[i[0]]))[1] == 1:
+            rows_at[n] = elems[i[0]].args[1]
+    return pads, present, rows_at
+
+
+def _select_row(graph: torch.fx.Graph, n: torch.fx.Node, p: int) -> None:
+    """x[e] for a loop's row e that is constant p (a one-dim hit list taken as present):
+    select(x, 0, p) - a view of one expert's weights rather than a copy, and a mask
+    passes/grouped_experts.py reads as the expert's comparison (a one_hot's row p)."""
+    meta = {k: n.meta[k] for k in (ir.REGION, ir.MODULE) if k in n.meta}
+    with graph.inserting_before(n):
+        row = graph.call_function(aten.select.int, (n.args[0], 0, p))
+        row.meta.update(meta)
+    for u in list(n.users):
+        if u.target is aten.squeeze.dim and u.args[1] in (0, -len(_shape(n))):
+            u.replace_all_uses_with(row)
+    if n.users:
+        with graph.inserting_before(n):
+            one = graph.call_function(aten.unsqueeze.default, (row, 0))
+            one.meta.update(meta)
+        n.replace_all_uses_with(one)
 
 
 def _indices(n: torch.fx.Node) -> list:
@@ -436,8 +465,7 @@ def _element_op(n, elems, index, origin) -> bool:
     still the row's), or a comparison Python control flow read (`if e == E`: PaddedNonzero
     decided it, so the graph's copy is unused). False: an index op, handled as one."""
     src = n.args[0]
-    if n.target in _READS or n.target in _WRITES or n.target in (
-            aten.index_select.default, aten.index_add.default):
+    if n.target in _READS or n.target in _WRITES or n.target is aten.index_select.default:
         return False
     if not n.users:
         return True
@@ -481,19 +509,29 @@ def _loops(graph, elems, absent, origin, pads) -> None:
     if not elems:
         return set()
     masks = {m: root for m, (root, zero, _) in absent.items() if zero}  # all false if absent
-    windows, current = [], None
+    windows, current, looping = [], None, None
     for n in graph.nodes:
         if n.target is torch.ops.fxpar.loop_mark.default:
+            marker = n.args[0] if n.args[1] == -1 else _marker_of(n.args[0])
+            if looping is not None and marker is not looping:
+                raise _refuse(n, "starts a loop over nonzero's rows inside another one")
             current = None if n.args[1] == -1 else (n.args[0], [])
+            looping = None if current is None else marker
             if current is not None:
                 windows.append(current)
         elif current is not None and n.op == "call_function":
             current[1].append(n)
-    looped = {root for root, _ in windows}
-    routes = {_marker_of(root): set() for root in looped}  # what each loop's writes route by
-    for e, root in elems.items():
-        if root not in looped and e.users:
-            raise _refuse(e, "is a row of nonzero's result used outside a loop over them")
+        elif current is not None and n.op == "output":
+            raise _refuse(current[0], "is a row of a loop over nonzero's rows left before its "
+                                      "end (a `break`: eager's first rows are the true ones)")
+    bodies = {root: set(body) for root, body in windows}
+    routes = {_marker_of(root): set() for root in bodies}  # what each loop's writes route by
+    for e, root in elems.items():  # (a row taken by position or unpacked is not eager's row)
+        if any(u not in bodies.get(root, ()) and u.target is not
+               torch.ops.fxpar.loop_mark.default and u.meta.get(ir.REGION) != ir.BACKWARD
+               for u in e.users):
+            raise _refuse(e, "is a row of nonzero's result used outside a loop over them "
+                             "(its rows in eager are the true positions only)")
     for root, body in windows:
         inside = set(body)
         for n in body:

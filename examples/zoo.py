@@ -631,6 +631,25 @@ class WhereRoutedMoE(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
+class HitLoopMoE(WhereRoutedMoE):
+    """Routed as Hugging Face's MoE models were before transformers 5 (and code copied from
+    them): a loop over the experts some token picked (a count set by the data), each looked
+    up in the ModuleList by a tensor, its tokens by torch.where over a one_hot's row
+    (compiler/padded_nonzero.py runs every expert, proving the absent ones change nothing)."""
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        weights, indices = self.gate(x).softmax(-1).topk(self.k, -1)
+        y = torch.zeros_like(x)
+        mask = F.one_hot(indices, len(self.experts)).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            top, idx = torch.where(mask[e].squeeze(0))
+            y.index_add_(0, idx, self.experts[e](x[idx]) * weights[idx, top, None])
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
 def _pytorch() -> list[ZooModel]:
     return [
         ZooModel("torch_vit", "pytorch", TorchViT, image_batch,
@@ -647,6 +666,8 @@ def _pytorch() -> list[ZooModel]:
                  note="BatchNorm without running buffers: batch statistics, nothing mutated"),
         ZooModel("where_moe", "pytorch", WhereRoutedMoE, tokens_batch,
                  note="MoE routed by torch.where over top-k ids (data-dependent shapes)"),
+        ZooModel("hit_loop_moe", "pytorch", HitLoopMoE, tokens_batch,
+                 note="MoE looping over the experts some token picked (a data-set count)"),
     ]
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from fxpar.compiler.capture import capture
 from fxpar.core import cost, ir
-from fxpar.examples.zoo import HIDDEN, VOCAB, WhereRoutedMoE, tokens_batch
+from fxpar.examples.zoo import HIDDEN, VOCAB, HitLoopMoE, WhereRoutedMoE, tokens_batch
 from fxpar.passes import grouped_experts
 
 aten = torch.ops.aten
@@ -121,8 +121,8 @@ def _matmuls(gm):
         aten.mm.default, aten.addmm.default, aten._grouped_mm.default)]
 
 
-@pytest.mark.parametrize("cls", [WhereRoutedMoE, ComparedMoE, OneHotMoE],
-                         ids=["eq", "arange", "one_hot"])
+@pytest.mark.parametrize("cls", [WhereRoutedMoE, ComparedMoE, OneHotMoE, HitLoopMoE],
+                         ids=["eq", "arange", "one_hot", "hit_loop"])
 def test_listed_experts_run_grouped_and_exact(cls):
     """Each expert's two linears, forward, input-gradient and weight-gradient, become one
     grouped matmul each over the sorted rows (6 for 4 experts, where 24 ran), the biases
