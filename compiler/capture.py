@@ -56,7 +56,7 @@ from torch._decomp import get_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.compiler import padded_nonzero, repeated_blocks
+from fxpar.compiler import padded_nonzero, repeated_blocks, split_by_counts
 from fxpar.compiler.target_attention import CudaAttention
 from fxpar.core import ir
 from fxpar.core.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
@@ -410,7 +410,8 @@ def capture(model: torch.nn.Module, example_batch: Any,
     tagger = _ModuleTagger(model)
     unused: list[torch.nn.Parameter] = []
     try:
-        with _transformers_sees_tracing(), padded_nonzero.PaddedNonzero():
+        with _transformers_sees_tracing(), padded_nonzero.PaddedNonzero(), \
+                split_by_counts.SplitByCounts():
             try:
                 gm, sig = _export(wrapper, tensor_leaves, joint, decompose_batch_norm)
             except AssertionError as e:  # AOTAutograd's check (its message, torch 2.5-2.13)
@@ -490,8 +491,9 @@ def _forward_on_fakes(model, example_batch, loss_fn, stand_ins, ctx) -> None:
     wrapper = _LossModule(model, loss_fn or default_loss_fn, spec,
                           {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)},
                           stand_ins)
-    with mode, ctx, padded_nonzero.PaddedNonzero():  # (grad mode as the trace: the model's
-        wrapper(*[t if is_fake(t) else mode.from_tensor(t) for t in tensors])  # switches show)
+    # (grad mode as the trace: the model's switches show)
+    with mode, ctx, padded_nonzero.PaddedNonzero(), split_by_counts.SplitByCounts():
+        wrapper(*[t if is_fake(t) else mode.from_tensor(t) for t in tensors])
 
 
 def _export(wrapper, tensor_leaves, joint, decompose_batch_norm=True):
