@@ -331,7 +331,7 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
     # row is absent), and the masks of nonzeros taken of such values (all false there)
     row_tuples: set[torch.fx.Node] = set()
     elems: dict[torch.fx.Node, torch.fx.Node] = {}
-    absent: dict[torch.fx.Node, torch.fx.Node] = {}
+    absent: dict[torch.fx.Node, tuple] = {}  # -> (row, all zero if absent, what it read)
     for n in graph.nodes:
         if n.op == "output":
             leaked = [a for a in n.all_input_nodes if a in rows or a in index]
@@ -500,12 +500,14 @@ def _absent_op(n, absent) -> None:
     absent[n] = (roots.pop(), zero, found[0][2] if zero else None)
 
 
-def _loops(graph, elems, absent, origin, pads) -> None:
+def _loops(graph, elems, absent, origin, pads) -> set:
     """A loop over nonzero(mask)'s rows runs every position of the mask (PaddedNonzero.
     _iterate) where eager runs the true ones. Where row p is absent, its tensors read a zero
     row, so every mask taken of them is all false and every index routed by such a mask is
     -1: exact if the iteration changes nothing else - if everything it computes that is used
-    after it is an index write through those indices (dropped at -1). Raises otherwise."""
+    after it is an index write through those indices (dropped at -1) into a value from
+    before it. Raises otherwise; returns the markers whose rows may all be taken present
+    (`_hit_list_of`)."""
     if not elems:
         return set()
     masks = {m: root for m, (root, zero, _) in absent.items() if zero}  # all false if absent
@@ -533,16 +535,19 @@ def _loops(graph, elems, absent, origin, pads) -> None:
             raise _refuse(e, "is a row of nonzero's result used outside a loop over them "
                              "(its rows in eager are the true positions only)")
     for root, body in windows:
-        inside = set(body)
+        inside, writes = set(body), set()
+        for n in body:
+            if n in pads and n.target in _WRITES and any(
+                    elems.get(i) is root or masks.get(origin.get(i)) is root
+                    for i in _indices(n) if i is not None) and (
+                    n.args[0] not in inside or n.args[0] in writes):
+                writes.add(n)  # (into a value from before the iteration, or such a write)
         for n in body:
             leaves = [u for u in n.users if u not in inside and (
                 u.op == "output" or u.meta.get(ir.REGION) != ir.BACKWARD)]
             if not leaves:
                 continue
-            routed = n in pads and any(
-                elems.get(i) is root or masks.get(origin.get(i)) is root
-                for i in _indices(n) if i is not None)
-            if not routed or n.target not in _WRITES:
+            if n not in writes:
                 raise _refuse(n, "leaves an iteration of the loop over nonzero's rows other "
                                  "than as an index write through the rows that iteration "
                                  "routes by `torch.where` of a value read through its row "

@@ -158,9 +158,9 @@ class _HitLoopMoE(nn.Module):
     the experts run are those some token picked, a count set by the data. `body` adds
     something to the loop (the refusal tests)."""
 
-    def __init__(self, body=None, experts=4, dim=8, route=lambda m: m, least=0):
+    def __init__(self, body=None, experts=4, dim=8, route=lambda m: m, least=0, bump=False):
         super().__init__()
-        self.route, self.least = route, least
+        self.route, self.least, self.bump = route, least, bump
         self.gate = nn.Linear(dim, experts)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 16), nn.SiLU(),
                                                    nn.Linear(16, dim)) for _ in range(experts))
@@ -174,6 +174,8 @@ class _HitLoopMoE(nn.Module):
         aux = x.new_zeros(())
         for e in hit:
             top, rows = torch.where(self.route(mask[e].squeeze(0)))
+            if self.bump:  # (a change an absent expert's iteration would make too)
+                y = y + 1
             y.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, top, None])
             if self.body is not None:
                 aux = aux + self.body(self, e, mask, x)
@@ -283,6 +285,13 @@ def test_an_iterations_rows_must_be_routed_by_a_mask_all_false_where_it_is_absen
     _assert_exact(*_run(_HitLoopMoE(route=lambda m: m != 0), x, lambda m, b: m(b)[0]))
     with pytest.raises(TraceError, match="leaves an iteration"):
         capture(_HitLoopMoE(route=lambda m: m == 0), x, lambda m, b: m(b)[0])
+
+
+def test_an_iterations_writes_must_go_into_a_value_from_before_it():
+    """`y = y + 1` then a write through the routed rows: the write drops its -1 rows, but
+    the + 1 an absent expert's iteration makes stays."""
+    with pytest.raises(TraceError, match="leaves an iteration"):
+        capture(_HitLoopMoE(bump=True), torch.randn(16, 8), lambda m, b: m(b)[0])
 
 
 def _first_of_a_loop(rows):
