@@ -76,6 +76,8 @@ class SplitByCounts(TorchFunctionMode):
         # (x, counts, i, w): by identity, the tensors handed to the model
         self.pieces: dict[int, tuple] = {}
         self.products: dict[int, tuple] = {}
+        # w[i] of a stack of expert weights read while pieces exist -> (w, i)
+        self.picked: dict[int, tuple] = {}
 
     def __enter__(self):
         # AOTAutograd hands the model FunctionalTensors, whose tolist() is a Python method
@@ -128,6 +130,11 @@ class SplitByCounts(TorchFunctionMode):
             out = x.new_empty((0, w.shape[0]))  # (a stand-in: only `cat` reads it)
             self.products[id(out)] = (weakref.ref(out), x, counts, i, w)
             return out
+        if func is torch.Tensor.__getitem__ and self.pieces and isinstance(args[1], int) and \
+                not isinstance(args[1], bool) and args[0].dim() == 3:
+            out = func(*args, **kwargs)
+            self.picked[id(out)] = (weakref.ref(out), args[0], args[1] % args[0].shape[0])
+            return out
         if func is torch.cat:
             tensors = args[0]
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
@@ -168,6 +175,11 @@ class SplitByCounts(TorchFunctionMode):
             raise _refuse("`cat` joins products of rows split by counts other than every "
                           "expert's, in order, along the rows")
         x = found[0][0]
-        weights = torch.stack([w.t() for *_, w in found])  # (experts, in, out)
+        picked = [self._known(self.picked, w) for *_, w in found]
+        if all(p is not None and p[0] is picked[0][0] and p[1] == i
+               for i, p in enumerate(picked)) and picked[0][0].shape[0] == len(found):
+            weights = picked[0][0].transpose(1, 2)  # (the stack itself: (experts, in, out))
+        else:
+            weights = torch.stack([w.t() for *_, w in found])
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, weights, offs=offs)

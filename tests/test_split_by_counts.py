@@ -51,6 +51,9 @@ def test_split_experts_run_as_one_grouped_matmul_each_and_exact():
     assert len(grouped) == 5
     assert not [n for n in gm.graph.nodes if n.target in (
         aten.split_with_sizes.default, aten._local_scalar_dense.default)]
+    # each piece's weight is w[i] of one stack: the grouped matmul reads the stack itself
+    # (transposed, a view; the form expert parallelism splits), not a copy of its rows
+    assert not [n for n in gm.graph.nodes if n.target is aten.stack.default]
     _assert_exact(gm, got, loss, grads, params)
 
 
