@@ -581,8 +581,9 @@ def _hit_list_of(marker: torch.fx.Node, x) -> bool:
     if sorted(d % ndim for d in total.args[1]) != list(range(1, ndim)):
         return False
     src = x  # (non-negative: a one_hot, or a bool mask however stored)
-    while src.meta[ir.VAL].dtype is not torch.bool and (src.target in _INDEX_VIEWS or src.target in (
-            aten.permute.default, aten.t.default, aten.transpose.int)):
+    while src.meta[ir.VAL].dtype is not torch.bool and (
+            src.target in _INDEX_VIEWS or src.target in (
+                aten.permute.default, aten.t.default, aten.transpose.int)):
         src = src.args[0]
     return src.target is aten.one_hot.default or src.meta[ir.VAL].dtype is torch.bool
 

@@ -330,6 +330,20 @@ def _moes() -> list[ZooModel]:
             attention_dropout=0.0, attention_chunk_size=8, **ids), lm_batch,
             note="every expert on every token (batched matmuls), shared expert, chunked "
                  "attention, no-RoPE layers"),
+        ZooModel("jetmoe", "moe", _hf(
+            "JetMoeConfig", "JetMoeForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_key_value_heads=2,
+            kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=64, aux_loss_coef=0.0, attention_dropout=0.0, **ids),
+            lm_batch, note="experts and attention experts split by counts.tolist(), a tied "
+                           "head"),
+        ZooModel("dbrx", "moe", _hf(
+            "DbrxConfig", "DbrxForCausalLM", d_model=HIDDEN, n_heads=4, n_layers=2,
+            max_seq_len=64, vocab_size=VOCAB, resid_pdrop=0.0, emb_pdrop=0.0,
+            attn_config=dict(kv_n_heads=2, clip_qkv=8.0, attn_pdrop=0.0, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=2 * HIDDEN, moe_num_experts=4, moe_top_k=2,
+                            moe_loss_weight=0.0), **ids), lm_batch,
+            note="a loop over the experts some token picked, QKV clipping"),
     ]
 
 

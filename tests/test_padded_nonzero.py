@@ -248,18 +248,10 @@ def test_hugging_faces_eager_experts_and_dbrx_are_exact():
     `if expert_idx == self.num_experts: continue` and read each expert's stacked weights by
     a 0-d index tensor."""
     pytest.importorskip("transformers")
-    import transformers
+    from fxpar.examples import zoo
     _assert_exact(*_run_dict(*_hf_moe("mixtral")))
-    cfg = transformers.DbrxConfig(
-        d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
-        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
-        tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    ids = torch.randint(3, 128, (8, 16))
-    _assert_exact(*_run_dict(transformers.DbrxForCausalLM(cfg),
-                             {"input_ids": ids, "labels": ids}))
+    model, spec = zoo.build("dbrx")
+    _assert_exact(*_run_dict(model, spec.batch(0)))
 
 
 @pytest.mark.parametrize("body,why", [

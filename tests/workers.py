@@ -55,24 +55,13 @@ def sized_zoo():
             # experts run in a loop over those nonzero() found hit: transformers' eager
             # experts (Mixtral's), DBRX's
             "mixtral_eager_experts": (_eager_experts, _lm(), None),
-            "dbrx": (_dbrx, _lm(), None)}
+            "dbrx": _zoo_entry("dbrx")}
 
 
 def _eager_experts():
     model = _zoo_model("mixtral")
     model.config._experts_implementation = "eager"
     return model
-
-
-def _dbrx():
-    import transformers
-    cfg = transformers.DbrxConfig(
-        d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
-        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
-        tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    return transformers.DbrxForCausalLM(cfg)
 
 
 def _zoo_entry(name):
