@@ -28,6 +28,7 @@ PLANS = {"dp=4 (no ep)": (4, {"dp": 4}),
          "ep=2 x tp=2 (dp=2)": (4, {"dp": 2, "ep": 2, "tp": 2})}
 MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
           "granitemoe", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax", "llama4",
+          "jetmoe", "dbrx",
           "titan_qwen3_moe", "titan_deepseek_v3", "titan_kimi_k2", "litgpt_mixtral", "where_moe",
           "hit_loop_moe")
 
