@@ -242,6 +242,7 @@ def _run_dict(model, batch):
     return gm, out[0], loss, grads, params
 
 
+@pytest.mark.slow  # (two Hugging Face models traced: make test's 6 minutes)
 def test_hugging_faces_eager_experts_and_dbrx_are_exact():
     """transformers' eager experts (`config._experts_implementation = "eager"`: every HF MoE
     model) and DBRX's experts loop over the experts hit, skip the masking class by

@@ -57,6 +57,7 @@ def test_split_experts_run_as_one_grouped_matmul_each_and_exact():
     _assert_exact(gm, got, loss, grads, params)
 
 
+@pytest.mark.slow  # (make test's 6 minutes: the plain module above is the fast case)
 def test_jetmoes_experts_and_attention_experts_are_exact():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.JetMoeConfig(
@@ -91,3 +92,14 @@ def test_other_uses_of_the_counts_or_the_pieces_are_refused(use, why):
     with pytest.raises(TraceError, match=why) as e:
         capture(_SplitExperts(use), torch.randn(16, 8), lambda m, b: m(b)[0])
     assert "Fix:" in str(e.value) and "test_split_by_counts.py" in str(e.value)
+
+
+@pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
+def test_jetmoe_trains_like_eager_under_ep_and_a_pipeline():
+    """JetMoE's grouped matmuls split over ep=2 (each rank's rows sent to its experts' rank
+    by all-to-all) and a 2-stage pipeline with microbatches: losses, evaluate() and final
+    weights equal eager AdamW."""
+    pytest.importorskip("transformers")
+    from test_parity import _check_plans
+    _check_plans(2, [("jetmoe", "adamw", {"dp": 2, "ep": 2}),
+                     ("jetmoe", "adamw", {"pp": 2, "microbatches": 2})])
