@@ -22,6 +22,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.overrides import TorchFunctionMode
 
 from fxpar.core.errors import TraceError
@@ -86,7 +87,7 @@ class SplitByCounts(TorchFunctionMode):
         self._tolist = FunctionalTensor.tolist
 
         def tolist(t):
-            return self._counts(t) if self._is_counts(t) else self._tolist(t)
+            return self._read(lambda: self._tolist(t), t)
         FunctionalTensor.tolist = tolist
         return super().__enter__()
 
@@ -100,9 +101,15 @@ class SplitByCounts(TorchFunctionMode):
         return t.dim() == 1 and not t.is_floating_point() and not t.is_complex() and \
             t.dtype is not torch.bool
 
-    @staticmethod
-    def _counts(t) -> _Counts:
-        return _Counts(_Count(t, i) for i in range(t.shape[0]))
+    def _read(self, tolist, t):
+        """tolist() where tracing knows the values (a constant); else, of a 1-D integer
+        tensor, counts only `split` takes."""
+        try:
+            return tolist()
+        except DataDependentOutputException:
+            if not self._is_counts(t):
+                raise
+            return _Counts(_Count(t, i) for i in range(t.shape[0]))
 
     def _known(self, table, t):
         r = table.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -110,8 +117,8 @@ class SplitByCounts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.tolist and self._is_counts(args[0]):
-            return self._counts(args[0])
+        if func is torch.Tensor.tolist:
+            return self._read(lambda: func(*args, **kwargs), args[0])
         if not (self.pieces or self.products) and not any(
                 isinstance(a, _Counts) for a in (*args, *kwargs.values())):
             return func(*args, **kwargs)
