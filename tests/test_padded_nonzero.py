@@ -184,8 +184,8 @@ class _HitLoopMoE(nn.Module):
 
 def test_a_loop_over_the_experts_nonzero_found_runs_every_expert_exactly():
     """Experts 0 and 1 always win: 2 and 3 are not in the hit list, so eager runs two
-    iterations. fxpar runs four, the last two on padding (their rows read -1), and proves
-    they change nothing: the same loss and gradients, 2 and 3 without gradient."""
+    iterations. fxpar runs four, proving the other two change nothing (their masks route no
+    row: every index -1): the same loss and gradients, 2 and 3 without gradient."""
     torch.manual_seed(0)
     model = _HitLoopMoE()
     with torch.no_grad():
