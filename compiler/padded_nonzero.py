@@ -784,10 +784,13 @@ def _pointwise(n, rows) -> tuple[int, int]:
                 raise _refuse(n, "combines routed rows with a tensor of as many rows that "
                                  "was not read through the indices")
             states.append(FINITE)
-    if n.target is aten.where.self and any(a not in rows for a in n.args[1:3]
-                                           if isinstance(a, torch.fx.Node)):
-        states.append(ANY)  # (padding rows take the other branch: it may be -inf)
     t = n.target
+    if t is aten.where.self:
+        # padding rows take either branch: the value is theirs, whatever the condition (a
+        # gradient masked by a clamp's backward: where(mask, grad, 0)); another tensor's
+        # value may be anything (-inf) unless it is a zero
+        return od, max(rows[a][1] if a in rows else ZERO if _is_zero(a) else ANY
+                       for a in n.args[1:3])
     first = n.args[0] if n.args else None
     first_st = rows[first][1] if first in rows else None
     if t is aten.pow.Tensor_Scalar:  # 0 ** -k is inf; a negative base ** 0.5 is nan
@@ -801,6 +804,8 @@ def _pointwise(n, rows) -> tuple[int, int]:
         st = max(max(states), FINITE)  # (hardtanh(0) is min_val where min_val > 0)
     elif t in _ZERO_AT_ZERO and states == [ZERO]:
         st = ZERO
+    elif t is aten.clamp.default and states == [ZERO] and _holds_zero(n):
+        st = ZERO  # (a clamp whose range holds 0 keeps zero rows zero)
     elif t in (aten.mul.Tensor, aten.mul.Scalar) and ZERO in states and max(states) < ANY:
         st = ZERO
     elif t in (aten.div.Tensor, aten.div.Scalar) and first_st == ZERO and len(states) == 1:
@@ -815,6 +820,26 @@ def _pointwise(n, rows) -> tuple[int, int]:
     else:
         st = ANY
     return od, st
+
+
+def _holds_zero(n: torch.fx.Node) -> bool:
+    """clamp(x, min, max) maps 0 to 0."""
+    lo = n.args[1] if len(n.args) > 1 else n.kwargs.get("min")
+    hi = n.args[2] if len(n.args) > 2 else n.kwargs.get("max")
+    return (lo is None or lo <= 0) and (hi is None or hi >= 0)
+
+
+def _is_zero(a) -> bool:
+    """A value that is exactly zero everywhere: a zero fill, or a view or cast of one."""
+    if not isinstance(a, torch.fx.Node):
+        return a == 0
+    while a.target in _INDEX_VIEWS:
+        a = a.args[0]
+    fill = {aten.scalar_tensor.default: 0, aten.full.default: 1, aten.full_like.default: 1,
+            aten.new_full.default: 2}
+    if a.target in fill:
+        return a.args[fill[a.target]] == 0
+    return a.target in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 
 
 def _matmul(n, rows):

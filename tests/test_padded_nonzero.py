@@ -105,8 +105,11 @@ class _Route(nn.Module):
     lambda h, idx: (lambda g, u: (torch.nn.functional.silu(g) * u).sum())(*h[idx].chunk(2, -1)),
     lambda h, idx: (torch.nn.functional.silu(h[idx][:, :4]) * h[idx][:, 4:]).sum(),
     lambda h, idx: (h[idx][:, 0] * h[idx][:, 1]).sum(),
+    # a clamp inside the expert: its backward masks the gradient by where(mask, grad, 0)
+    lambda h, idx: (h[idx].clamp(max=0.5) * 2).sum(),
+    lambda h, idx: torch.where(h[idx] > 0, h[idx], torch.zeros(())).sum(),
 ], ids=["sum", "index_put", "nonzero-column", "argwhere", "index_select", "nonzero-squeeze",
-        "nonzero-T", "chunk", "slices", "select-columns"])
+        "nonzero-T", "chunk", "slices", "select-columns", "clamp", "where-zero"])
 def test_uses_proved_exact(use):
     torch.manual_seed(1)
     model, x = _Route(use), torch.randn(16, 8)
@@ -129,11 +132,13 @@ def test_uses_proved_exact(use):
     (lambda h, idx: (h[idx] * h[idx].pow(2).sum(-1, keepdim=True).pow(-0.5)).sum(),
      "padding rows non-zero|reduces over"),
     (lambda h, idx: torch.nn.functional.hardtanh(h[idx], 0.1, 1.0).sum(), "reduces over"),
+    (lambda h, idx: h[idx].clamp(min=0.1).sum(), "reduces over"),
     (lambda h, idx: torch.where(h[idx] > 0, h[idx], float("-inf")).softmax(-1).sum(),
      "reduces over"),
     (lambda h, idx: (h[idx] @ h[idx].T).softmax(-1).sum(), "outer product"),
 ], ids=["mean", "exp-sum", "len", "numel", "index-arithmetic", "max", "routed-values-as-index",
         "two-masks", "arange-pairing", "arange-written", "pow-negative", "hardtanh-positive",
+        "clamp-positive",
         "where-inf", "outer-product"])
 def test_uses_that_padding_would_change_are_refused(use, why):
     with pytest.raises(TraceError, match=why) as e:
@@ -251,6 +256,7 @@ def test_hugging_faces_eager_experts_and_dbrx_are_exact():
     pytest.importorskip("transformers")
     from fxpar.examples import zoo
     _assert_exact(*_run_dict(*_hf_moe("mixtral")))
+    _assert_exact(*_run_dict(*_hf_moe("gpt_oss")))  # (biases, a clamped SwiGLU)
     model, spec = zoo.build("dbrx")
     _assert_exact(*_run_dict(model, spec.batch(0)))
 
