@@ -61,7 +61,7 @@ from fxpar.compiler.target_attention import CudaAttention
 from fxpar.core import ir
 from fxpar.core.ir import flatten_batch  # noqa: F401  (capture's contract, runtime's check)
 from fxpar.compiler import shape_rules  # noqa: F401  (fp32 grouped_mm shapes: MoE models)
-from fxpar.core.errors import OWN_CODE, TraceError
+from fxpar.core.errors import TraceError, user_line
 from fxpar.core.graphs import fake_like
 from fxpar.core.sharding import has_sharding_rule
 
@@ -330,15 +330,9 @@ class _ModuleTagger:
             h.remove()
 
 
-# torch's and fxpar's own code (core/errors.OWN_CODE)
-_NOT_USER = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, *OWN_CODE)
-
-
 def _user_line(exc: BaseException) -> str:
     """The innermost frame of user code (outside torch and fxpar) in exc's traceback."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not os.path.abspath(f.filename).startswith(_NOT_USER)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+    return user_line(traceback.extract_tb(exc.__traceback__)) or "?"
 
 
 def _trace_error(exc: BaseException, module_path: str) -> TraceError:

@@ -51,7 +51,7 @@ import torch.fx
 from torch.overrides import TorchFunctionMode
 
 from fxpar.core import ir
-from fxpar.core.errors import TraceError
+from fxpar.core.errors import TraceError, user_line
 from fxpar.core.graphs import fake_propagate
 
 aten = torch.ops.aten
@@ -186,10 +186,8 @@ class PaddedNonzero(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in (torch.Tensor.__len__, torch.Tensor.numel) and args and \
                 self._handed(args[0]):
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if "/torch/" not in f.filename and "/compiler/" not in f.filename]
-            at = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" \
-                if frames else ""
+            at = user_line(traceback.extract_stack())
+            at = f" at {at}" if at else ""
             raise TraceError(
                 f"the model reads how many rows `torch.where(mask)` / `nonzero` returned "
                 f"({'len()' if func is torch.Tensor.__len__ else 'numel()'}){at}. fxpar traces "

@@ -25,18 +25,13 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.overrides import TorchFunctionMode
 
-from fxpar.core.errors import TraceError
-
-
-def _where() -> str:
-    frames = [f for f in traceback.extract_stack()[:-2]
-              if "/torch/" not in f.filename and "/compiler/" not in f.filename]
-    return f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+from fxpar.core.errors import TraceError, user_line
 
 
 def _refuse(what: str) -> TraceError:
+    at = user_line(traceback.extract_stack())
     return TraceError(
-        f"{what}{_where()}. fxpar traces one static graph: counts read as Python numbers "
+        f"{what}{f' at {at}' if at else ''}. fxpar traces one static graph: counts read as Python numbers "
         "(`counts.tolist()`) are taken only as the sizes of `x.split(sizes)` whose pieces "
         "each go through one `F.linear` (no bias) and are joined by `torch.cat` in order - "
         "one grouped matmul. Fix: use the counts that way, or route with tensors (sort the "

@@ -10,6 +10,16 @@ OWN_CODE = (*(os.path.join(_ROOT, d) + os.sep for d in sorted(os.listdir(_ROOT))
             os.path.join(_ROOT, "__init__.py"), os.path.join(_ROOT, "__main__.py"))
 
 
+def user_line(frames) -> str:
+    """'file:line: code' of the innermost frame of user code (outside torch and fxpar) among
+    `frames` (traceback.FrameSummary, outermost first), '' if there is none: where an error
+    about the model's code points."""
+    import torch  # (core/errors is imported before anything needs torch)
+    not_user = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, *OWN_CODE)
+    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(not_user)]
+    return f"{mine[-1].filename}:{mine[-1].lineno}: {mine[-1].line}" if mine else ""
+
+
 
 class FxparError(Exception):
     """Base class of every error fxpar raises on bad input."""
