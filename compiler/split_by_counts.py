@@ -31,8 +31,8 @@ from fxpar.core.errors import TraceError, user_line
 def _refuse(what: str) -> TraceError:
     at = user_line(traceback.extract_stack())
     return TraceError(
-        f"{what}{f' at {at}' if at else ''}. fxpar traces one static graph: counts read as Python numbers "
-        "(`counts.tolist()`) are taken only as the sizes of `x.split(sizes)` whose pieces "
+        f"{what}{f' at {at}' if at else ''}. fxpar traces one static graph: counts read as "
+        "Python numbers (`counts.tolist()`) are taken only as the sizes of `x.split(sizes)` whose pieces "
         "each go through one `F.linear` (no bias) and are joined by `torch.cat` in order - "
         "one grouped matmul. Fix: use the counts that way, or route with tensors (sort the "
         "rows by expert and pass `torch.cumsum(counts, 0)` as `torch._grouped_mm`'s offs, or "
