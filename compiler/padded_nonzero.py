@@ -426,10 +426,11 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
     rows_at = {}  # reads through constant rows of one-dim hit lists -> the row
     for n in [n for n, dims in pads.items() if all(
             elems.get(_indices(n)[d]) is not None and _marker_of(elems[_indices(n)[d]]) in
-            present and _shape(n.args[0])[d] >= index[_marker_of(elems[_indices(n)[d]])]
+            present and _shape(n.args[0])[d] > elems[_indices(n)[d]].args[1]
             for d in dims)]:
-        del pads[n]  # (through rows never -1, to rows that exist: a row past the tensor's
-        # end, e.g. a hit list's masking class, still reads the zero row its pad adds)
+        del pads[n]  # (through a row that is its position p, never -1, to a row that
+        # exists: a read of row p past the tensor's end, e.g. a hit list's masking class,
+        # still reads the zero row its pad adds)
         i = _indices(n)
         if n.target in _READS and len(i) == 1 and _shape(_marker_of(elems[i[0]]))[1] == 1:
             rows_at[n] = elems[i[0]].args[1]
