@@ -432,7 +432,8 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
         # exists: a read of row p past the tensor's end, e.g. a hit list's masking class,
         # still reads the zero row its pad adds)
         i = _indices(n)
-        if n.target in _READS and len(i) == 1 and _shape(_marker_of(elems[i[0]]))[1] == 1:
+        if len(i) == 1 and _shape(_marker_of(elems[i[0]]))[1] == 1 and (
+                n.target in _READS or _is_zero(n.args[0])):
             rows_at[n] = elems[i[0]].args[1]
     return pads, present, rows_at
 
@@ -440,8 +441,22 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
 def _select_row(graph: torch.fx.Graph, n: torch.fx.Node, p: int) -> None:
     """x[e] for a loop's row e that is constant p (a one-dim hit list taken as present):
     select(x, 0, p) - a view of one expert's weights rather than a copy, and a mask
-    passes/grouped_experts.py reads as the expert's comparison (a one_hot's row p)."""
+    passes/grouped_experts.py reads as the expert's comparison (a one_hot's row p). Its
+    backward, an index write of the gradient into zeros, becomes select's own backward
+    (`select_backward(g, shape, 0, p)`), where p is known to the passes: a stack of experts'
+    weights read one by one has its gradient as a sum of them (passes/grouped_experts)."""
     meta = {k: n.meta[k] for k in (ir.REGION, ir.MODULE) if k in n.meta}
+    if n.target in _WRITES:
+        shape, v = list(_shape(n.args[0])), n.args[2]
+        if len(_shape(v)) == len(shape) and _shape(v)[0] == 1:
+            v = v.args[0] if v.target is aten.unsqueeze.default and v.args[1] == 0 else None
+        if v is None or list(_shape(v)) != shape[1:]:
+            return  # (a broadcast or squeezed value: the index write stays, exact)
+        with graph.inserting_before(n):
+            grad = graph.call_function(aten.select_backward.default, (v, shape, 0, p))
+            grad.meta.update(meta)
+        n.replace_all_uses_with(grad)
+        return
     with graph.inserting_before(n):
         row = graph.call_function(aten.select.int, (n.args[0], 0, p))
         row.meta.update(meta)
