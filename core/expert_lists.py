@@ -180,9 +180,14 @@ class Expert:
 
 @dataclasses.dataclass
 class ExpertList:
+    """`stacks`: where the experts are one stack of weights a loop reads expert by expert
+    (Hugging Face's eager experts, DBRX: compiler/padded_nonzero's `select(W, 0, j)`), each
+    weight's name -> (the stack [E, ...] the selects read, the node its gradient is the sum
+    of the experts' `select_backward`s at, or None); empty for an nn.ModuleList."""
     module: str
     rows: int
     experts: list
+    stacks: dict = dataclasses.field(default_factory=dict)
 
 
 def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
@@ -227,7 +232,103 @@ def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
                             "of their own besides their parameters); expert parallelism runs "
                             "one expert's graph for each. Use ep=1 for this model.")
         out.append(ExpertList(prefix, rows.pop(), experts))
+    out += _stacked_lists(gm, params, grads, order, skipped)
     return out
+
+
+def _stacked_lists(gm, params, grads: dict, order: dict, skipped: list | None) -> list:
+    """The lists of experts whose weights are stacks [E, ...] (a parameter, through views)
+    read only by `select(stack, 0, j)`, once for each expert j (a loop over the experts,
+    compiler/padded_nonzero), grouped by module: expert j's weights are the selects j."""
+    by_module: dict[str, dict] = {}
+    for p in params:
+        x = p
+        while len(x.users) == 1 and next(iter(x.users)).target in ir.RESHAPES:
+            x = next(iter(x.users))
+        sel = [u for u in x.users if u.target is aten.select.int and u.args[1] == 0]
+        n_exp = val(x).shape[0] if val(x).dim() else 0
+        if len(sel) < 2 or len(sel) != len(x.users) or \
+                sorted(u.args[2] for u in sel) != list(range(n_exp)):
+            continue
+        module, _, name = p.meta[ir.FQN].rpartition(".")
+        by_module.setdefault(module, {})[name] = (x, sorted(sel, key=lambda u: u.args[2]),
+                                                  _select_sum(grads.get(p), x, n_exp))
+    out = []
+    for module, found in by_module.items():
+        if len({len(sel) for _, sel, _ in found.values()}) != 1:
+            if skipped is not None:
+                skipped.append(f"{module!r}: its stacks hold different numbers of experts")
+            continue
+        why = next((f"the gradient of {name} is not a sum over its experts" for name, (
+            _, _, g) in found.items() if g is not None and isinstance(g, str)), None)
+        if why:
+            if skipped is not None:
+                skipped.append(f"{module!r}: {why}")
+            continue
+        n_exp = len(next(iter(found.values()))[1])
+        experts = []
+        for j in range(n_exp):
+            weights = {name: sel[j] for name, (_, sel, _) in found.items()}
+            parts = {sel[j]: g[1][j] for _, sel, g in found.values() if g is not None}
+            experts.append(_expert(f"{module}[{j}]", weights, parts, order, []))
+        rows = {e.rows for e in experts}
+        canon = [_canonical(e, order) for e in experts]
+        if any(c != canon[0] for c in canon[1:]) or len(rows) > 1 or \
+                len({(len(e.entering), len(e.leaving)) for e in experts}) > 1:
+            raise PlanError(f"Plan.ep: the experts of {module!r} do not run the same graph "
+                            "(their ops, arguments or row counts differ); expert parallelism "
+                            "runs one expert's graph for each. Use ep=1 for this model.")
+        why = _reads_another(gm, experts)
+        if why:
+            if skipped is not None:
+                skipped.append(f"{module!r}: {why}")
+            continue
+        out.append(ExpertList(module, rows.pop(), experts, {
+            name: (x, g[0] if g is not None else None) for name, (x, _, g) in found.items()}))
+    return out
+
+
+def _select_sum(g, x, n_exp: int):
+    """(the node summing the experts' `select_backward(g_j, shape, 0, j)`, [g_j by j]): the
+    gradient of stack `x` read only by its selects; None without gradients (a forward-only
+    graph); a string where the gradient is not that sum."""
+    if g is None:
+        return None
+    while isinstance(g, torch.fx.Node) and g.target in ir.RESHAPES and val(g).shape != \
+            val(x).shape:
+        g = g.args[0]  # (a stack viewed from a parameter: its gradient viewed back)
+    parts, todo = {}, [g]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node):
+            return "not a node"
+        if n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs:
+            todo.extend(n.args)
+        elif n.target is aten.select_backward.default and n.args[2] == 0 and \
+                n.args[3] not in parts:
+            parts[n.args[3]] = n.args[0]
+        else:
+            return f"{n.name} ({n.target})"
+    if sorted(parts) != list(range(n_exp)):
+        return "not one part per expert"
+    return g, [parts[j] for j in range(n_exp)]
+
+
+def _reads_another(gm, experts) -> str | None:
+    """Why the experts are not side by side (None: they are): the rows entering one in the
+    forward are computed from another's results (one sweep over the graph: what any
+    expert's forward region reaches)."""
+    regions = {n for e in experts for n in e.region if n.meta.get(ir.REGION) == ir.FORWARD}
+    reached = set()
+    for n in gm.graph.nodes:
+        if n in regions or any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    for e in experts:
+        x = next((x for x in e.entering if x.meta.get(ir.REGION) == ir.FORWARD and
+                  x in reached), None)
+        if x is not None:
+            return f"{x.name} entering {e.module!r} is computed from another expert's rows"
+    return None
 
 
 def _canonical(e: Expert, order: dict) -> list:
@@ -396,7 +497,7 @@ def _weight_grad_rows(g, rows: int, module: str, p) -> dict:
     if g.target is aten.sum.dim_IntList and list(g.args[1]) == [0] and \
             val(g.args[0]).shape[0] == rows:
         return {g.args[0]: 0}
-    raise PlanError(f"Plan.ep: the gradient of the expert weight {p.meta[ir.FQN]} of "
-                    f"{module!r} is made by {g.name} ({g.target}), not by a sum over the "
+    raise PlanError(f"Plan.ep: the gradient of the expert weight "
+                    f"{p.meta.get(ir.FQN, p.name)} of {module!r} is made by {g.name} ({g.target}), not by a sum over the "
                     "expert's rows; expert parallelism over nn.ModuleList experts needs each "
                     "weight read once per row. Use ep=1 for this model.")

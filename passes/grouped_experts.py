@@ -455,9 +455,12 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
                 u = emit(aten.where.self, as_rows(j, x), x, u, region=region)
         new[x0] = emit(aten.index_select.default, u, 0, perm, region=region)
 
-    def stacked(q, k):  # leaf k of position q's node, across experts, stacked
+    def stacked(q, k):  # leaf k of position q's node, across experts, stacked (where each
+        # is the same view of its expert's select of one stack: that view of the stack)
         leaves = [pytree.tree_leaves((ns[q].args, ns[q].kwargs))[k] for ns in nodes]
-        return emit(aten.stack.default, leaves, region=nodes[0][q].meta.get(ir.REGION))
+        region = nodes[0][q].meta.get(ir.REGION)
+        return _unstacked(leaves, lambda *a, **kw: emit(*a, region=region, **kw)) or \
+            emit(aten.stack.default, leaves, region=region)
 
     weights0 = _weights(experts[0])
     terminals = {}  # expert 0's weight-gradient node -> its grouped node [experts, ...]
@@ -468,6 +471,8 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
         mapped = [new.get(a, a) if isinstance(a, torch.fx.Node) else a for a in leaves]
         if experts[0].region[n0] is None and n0.target is aten.mm.default:  # rows^T x rows
             terminals[n0] = emit(_GROUPED_MM.default, *mapped, offs, region=region)
+            v = n0.meta[ir.VAL]  # (its value: a stack's gradient is a view of it)
+            terminals[n0].meta[ir.VAL] = v.new_empty((n_exp, *v.shape))
         elif experts[0].region[n0] is None:  # a bias's gradient: each expert's rows summed
             shape = list(n0.args[0].meta[ir.VAL].shape[1:])
             zeros = emit(aten.zeros.default, [n_exp + 1] + shape, dtype=n0.meta[ir.VAL].dtype,
@@ -509,4 +514,62 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
             for u in list(n.users):
                 if u not in regions[j]:
                     u.replace_input_with(n, repl)
+    for _, total in lst.stacks.values():  # a stack's gradient: the sum of its experts'
+        # select_backwards is their grouped gradient, viewed as each expert's was
+        if total is not None:
+            parts = [None] * n_exp
+            for leaf in _summands(total):
+                parts[leaf.args[3]] = leaf.args[0]
+            region = total.meta.get(ir.REGION)
+            total.replace_all_uses_with(
+                _unstacked(parts, lambda *a, **kw: emit(*a, region=region, **kw)) or
+                emit(aten.stack.default, parts, region=region))
     return None
+
+
+def _summands(total: torch.fx.Node) -> list:
+    """The select_backwards an add tree (core/expert_lists._select_sum) sums."""
+    if total.target is aten.add.Tensor:
+        return [leaf for a in total.args for leaf in _summands(a)]
+    return [total]
+
+
+_PER_EXPERT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default,
+                     aten._to_copy.default, aten.clone.default, aten.alias.default,
+                     aten.unsqueeze.default, aten.squeeze.dim, *ir.RESHAPES}
+
+
+def _unstacked(leaves: list, emit) -> torch.fx.Node | None:
+    """`stack(leaves)` as views of one tensor, where leaf j is the same chain of views and
+    casts of `select(x, 0, j)` for every j (a loop's read of a stack of experts' weights, or
+    of their grouped gradient): that chain over x, its dims past the experts' (None where
+    the leaves are not so)."""
+    chains = []
+    for j, a in enumerate(leaves):
+        chain = []
+        while isinstance(a, torch.fx.Node) and a.target in _PER_EXPERT_VIEWS:
+            chain.append(a)
+            a = a.args[0]
+        if not (isinstance(a, torch.fx.Node) and a.target is aten.select.int and
+                a.args[1] == 0 and a.args[2] == j):
+            return None
+        chains.append((a.args[0], [(n.target, n.args[1:], n.kwargs) for n in chain]))
+    x, chain = chains[0]
+    if any(c != (x, chain) for c in chains[1:]) or x.meta[ir.VAL].shape[0] != len(leaves):
+        return None
+    out, nd = x, x.meta[ir.VAL].dim() - 1  # (nd: an expert's dims, as the chain goes)
+    for target, args, kwargs in reversed(chain):
+        if target is aten.t.default:
+            target, args = aten.transpose.int, (1, 2)
+        elif target is aten.transpose.int:
+            args = tuple(d % nd + 1 for d in args)
+        elif target is aten.permute.default:
+            args = ([0] + [d % nd + 1 for d in args[0]],)
+        elif target is aten.unsqueeze.default:
+            args, nd = (args[0] % (nd + 1) + 1,), nd + 1
+        elif target is aten.squeeze.dim:
+            args, nd = (args[0] % nd + 1,), nd - 1
+        elif target in ir.RESHAPES:
+            args, nd = ([len(leaves), *args[0]],), len(args[0])
+        out = emit(target, out, *args, **kwargs)
+    return out
