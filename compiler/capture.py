@@ -716,11 +716,16 @@ def _to_contract(gm, sig, tensor_leaves, leaves, spec, tags, joint, wrapper):
             continue
         fwd.add(n)
         todo.extend(n.all_input_nodes)
+    before_loss = True
     for n in graph.nodes:
+        before_loss = before_loss and n is not loss
         if n.op == "call_function":
             # an element of a forward op's result (e.g. LayerNorm's saved mean) is forward too,
-            # even when only the backward reads it
-            is_fwd = n in fwd or (n.target is operator.getitem and n.args[0] in fwd)
+            # even when only the backward reads it; so are the forward's checks (an index's
+            # range assert), which nothing reads: every op of a forward-only graph, every op
+            # before the loss in a joint one (the backward starts from the loss)
+            is_fwd = n in fwd or (n.target is operator.getitem and n.args[0] in fwd) or \
+                not joint or before_loss
             n.meta[ir.REGION] = ir.FORWARD if is_fwd else ir.BACKWARD
             if is_fwd:
                 # the tagger hooks the user's model itself, so its paths are already those of

@@ -343,8 +343,9 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
         ins = n.all_input_nodes
         if any(a in downstream for a in ins):
             downstream.add(n)
-            if n.meta.get(ir.REGION) != ir.BACKWARD:  # (a backward's mean over real rows)
-                _scalars_not_count(n, counts)
+            if n.meta.get(ir.REGION) != ir.BACKWARD and not _checked_only(n):
+                _scalars_not_count(n, counts)  # (a backward's mean over real rows, an
+                # index's range check: not counts)
         if n.target is operator.getitem and n.args[0] in tuples:
             index[n], origin[n] = tuples[n.args[0]], origin[n.args[0]]
             continue
@@ -600,6 +601,16 @@ def _hit_list_of(marker: torch.fx.Node, x) -> bool:
                 aten.permute.default, aten.t.default, aten.transpose.int)):
         src = src.args[0]
     return src.target is aten.one_hot.default or src.meta[ir.VAL].dtype is torch.bool
+
+
+_CHECKS = {aten._assert_async.msg, aten._assert_async.default, aten.all.default,
+           aten.any.default}
+
+
+def _checked_only(n: torch.fx.Node) -> bool:
+    """n is read only by a runtime check (an index's range assert), through all / any."""
+    return bool(n.users) and all(u.target in _CHECKS and (
+        not u.users or _checked_only(u)) for u in n.users)
 
 
 def _scalars_not_count(n: torch.fx.Node, counts: set) -> None:

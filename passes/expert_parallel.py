@@ -30,8 +30,11 @@ Experts kept as an nn.ModuleList (an experts loop, each expert run on the rows r
 for it) run grouped where passes/grouped_experts could group them: each grouped matmul reads
 a stack of the experts' matrices, of which a rank keeps the first E/ep, slots bound to its
 own experts (`_split_stacks`), its rows moved as above; else they run in slots as traced
-(see "experts written as nn.ModuleList" below). Batched matmuls over gathered weights are
-refused by name: their experts are not one parameter to split.
+(see "experts written as nn.ModuleList" below). Experts stacked in one parameter and read
+one at a time by a loop (Hugging Face's eager experts) run grouped reading the parameter
+itself, split as Hugging Face's grouped experts are; where they could not be grouped they
+are refused by name, as are batched matmuls over gathered weights: their experts are not
+one parameter to split.
 """
 from __future__ import annotations
 
@@ -89,10 +92,10 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
             "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
             "Face's experts by default, config._experts_implementation='grouped_mm'), or "
-            "kept as an nn.ModuleList of identical experts each run on the rows routed to it; "
-            "'batched_mm' experts, and stacked experts a loop reads one by one ('eager', "
-            "DBRX), cannot be split. Use ep=1 (ZeRO or tp shard such experts "
-            "like any weight)." + (" Lists of identical modules that are not experts: " +
+            "kept as an nn.ModuleList of identical experts each run on the rows routed to it, "
+            "or stacked and read one expert at a time by a loop (Hugging Face's 'eager' "
+            "experts); 'batched_mm' experts cannot be split. Use ep=1 (ZeRO or tp shard such "
+            "experts like any weight)." + (" Lists of identical modules that are not experts: " +
                                    "; ".join(skipped) + "." if skipped else ""))
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
@@ -159,6 +162,16 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                         "rank only. Use ep=1 for this model.")
     for lst in lists:
         e = len(lst.experts)
+        if lst.stacks:  # (grouped by passes/grouped_experts where they can be: a layer above)
+            why = next((r["why"] for r in gm.meta.get(ir.GROUPED_EXPERTS) or ()
+                        if r["module"] == lst.module and r["why"]), None) or \
+                "they were not run grouped"
+            raise PlanError(f"Plan.ep={ep}: the experts of {lst.module!r} are stacked weights "
+                            "[experts, ...] a loop reads one expert at a time (Hugging Face's "
+                            "'eager' experts, DBRX); expert parallelism splits them where they "
+                            f"run as one grouped matmul, and here they do not: {why}. Use ep=1 "
+                            "(ZeRO or tp shard them like any weight), or "
+                            "config._experts_implementation='grouped_mm'.")
         if e % ep:
             raise PlanError(f"Plan.ep={ep}: {lst.module!r} has {e} experts, which do not "
                             f"split evenly over {ep} ranks. Use an ep that divides {e}.")

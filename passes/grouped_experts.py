@@ -113,7 +113,7 @@ def ep_why(lst: ExpertList) -> str | None:
     """Why `lst`'s experts do not run grouped under expert parallelism (None: they do, their
     stacked matrices split by rank into slots by passes/expert_parallel); experts with other
     parameters (biases) run in slots as traced (the planner asks too, to price ep)."""
-    vectors = [p.meta[ir.FQN] for p in lst.experts[0].params.values()
+    vectors = [p.meta.get(ir.FQN, name) for name, p in lst.experts[0].params.items()
                if p.meta[ir.VAL].dim() != 2]
     return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) run in "
             "slots as traced") if vectors else None
@@ -123,7 +123,11 @@ def tp_why(lst: ExpertList) -> str | None:
     """Why `lst`'s experts do not run grouped under tensor parallelism (None: they do, each
     stack's experts split alike by passes/tensor_parallel): an expert's matmul output split
     into pieces (a fused gate/up) is stored interleaved per expert by the tp pass, which it
-    does for an expert's own linear only; such experts run as traced, each split over tp."""
+    does for an expert's own linear only; such experts run as traced, each split over tp.
+    Experts stacked in one parameter run grouped reading it, as Hugging Face's grouped
+    experts do: the tp pass splits them as it splits those."""
+    if lst.stacks:
+        return None
     x = lst.experts[0]
     for n in x.region:
         if n.meta.get(ir.REGION) == ir.FORWARD and n.target in (aten.mm.default,
@@ -570,6 +574,7 @@ def _unstacked(leaves: list, emit) -> torch.fx.Node | None:
         elif target is aten.squeeze.dim:
             args, nd = (args[0] % nd + 1,), nd - 1
         elif target in ir.RESHAPES:
-            args, nd = ([len(leaves), *args[0]],), len(args[0])
+            # (-1: the experts a rank holds, where expert parallelism splits the stack)
+            args, nd = ([len(leaves) if -1 in args[0] else -1, *args[0]],), len(args[0])
         out = emit(target, out, *args, **kwargs)
     return out
