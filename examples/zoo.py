@@ -663,6 +663,51 @@ class HitLoopMoE(WhereRoutedMoE):
         h = self.norm(x + y).view(*ids.shape, -1)
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
+class StackedExperts(nn.Module):
+    """Hugging Face's eager experts (transformers 5's `_experts_implementation="eager"`, the
+    form every HF MoE model can run in): each projection of all experts stacked in one
+    parameter [experts, out, in], a loop over the experts some token picked reading each
+    expert's matrices by a 0-d tensor index."""
+
+    def __init__(self, dim=HIDDEN, experts=4):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 4 * dim, dim) * dim ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, dim, 2 * dim) * (2 * dim) ** -0.5)
+
+    def forward(self, x, indices, weights):
+        y = torch.zeros_like(x)
+        mask = F.one_hot(indices, len(self.gate_up_proj)).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            e = e[0]
+            top, idx = torch.where(mask[e])
+            gate, up = F.linear(x[idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y.index_add_(0, idx, h * weights[idx, top, None])
+        return y
+
+
+class StackedLoopMoE(nn.Module):
+    """An MoE language model whose experts are Hugging Face's eager experts (StackedExperts):
+    compiler/padded_nonzero runs the loop once per expert reading a view of the stack, and
+    passes/grouped_experts runs them as grouped matmuls over the stack itself."""
+
+    def __init__(self, dim=HIDDEN, experts=4, k=2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = StackedExperts(dim, experts)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+        self.k = k
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        weights, indices = self.gate(x).softmax(-1).topk(self.k, -1)
+        h = self.norm(x + self.experts(x, indices, weights)).view(*ids.shape, -1)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
 
 def _pytorch() -> list[ZooModel]:
     return [
@@ -682,6 +727,8 @@ def _pytorch() -> list[ZooModel]:
                  note="MoE routed by torch.where over top-k ids (data-dependent shapes)"),
         ZooModel("hit_loop_moe", "pytorch", HitLoopMoE, tokens_batch,
                  note="MoE looping over the experts some token picked (a data-set count)"),
+        ZooModel("stacked_loop_moe", "pytorch", StackedLoopMoE, tokens_batch,
+                 note="MoE with stacked experts a loop reads one by one (HF's eager experts)"),
     ]
 
 

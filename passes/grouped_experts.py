@@ -505,8 +505,9 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
             n0 = nodes[0][q]
             if n0 in terminals:
                 g = emit(aten.select.int, terminals[n0], 0, j, region=n.meta.get(ir.REGION))
-                repl = emit(aten.reshape.default, g, list(n.meta[ir.VAL].shape),
-                            region=n.meta.get(ir.REGION))  # (a bias's keepdim sum: [1, d])
+                repl = g if n0.target is aten.mm.default else emit(
+                    aten.reshape.default, g, list(n.meta[ir.VAL].shape),
+                    region=n.meta.get(ir.REGION))  # (a bias's keepdim sum: [1, d])
             elif n in e.leaving:
                 if n0 not in back:
                     back[n0] = emit(aten.index_select.default, new[n0], 0, inv,

@@ -9,7 +9,8 @@ from torch import nn
 
 from fxpar.compiler.capture import capture
 from fxpar.core import cost, ir
-from fxpar.examples.zoo import HIDDEN, VOCAB, HitLoopMoE, WhereRoutedMoE, tokens_batch
+from fxpar.examples.zoo import HIDDEN, VOCAB, HitLoopMoE, StackedLoopMoE, WhereRoutedMoE, \
+    tokens_batch
 from fxpar.passes import grouped_experts
 
 aten = torch.ops.aten
@@ -145,6 +146,44 @@ def test_listed_experts_run_grouped_and_exact(cls):
     assert not [n for n in _matmuls(gm) if n.target is not aten._grouped_mm.default and any(
         rows in a.meta[ir.VAL].shape for a in n.args if isinstance(a, torch.fx.Node))]
     expert_flops = 2 * 3 * 2 * rows * d * 2 * d  # two linears, three matmuls each, 2 x MACs
+    assert flops - sum(cost.node_flops(n) for n in gm.graph.nodes) == \
+        pytest.approx(3 * expert_flops, rel=0.01)
+    _assert_close(out, padded, eager)
+
+
+def test_stacked_experts_run_grouped_reading_the_stack_itself():
+    """Hugging Face's eager experts: each projection a parameter [experts, out, in] a loop
+    reads expert by expert. Each linear's forward, input gradient and weight gradient become
+    one grouped matmul (6), reading the parameter through a transpose (no stacked copy, no
+    select left); each parameter's gradient is the weight gradient's grouped matmul itself
+    (not a sum of one full-size tensor per expert); a quarter of the expert FLOPs."""
+    torch.manual_seed(0)
+    model = StackedLoopMoE()
+    padded, gm, out, flops, eager = _grouped(model)
+    rows = 2 * tokens_batch(0)[0].numel()
+    assert gm.meta[ir.GROUPED_EXPERTS] == [
+        {"module": "experts", "experts": 4, "rows": rows, "grouped": True, "why": None}]
+    grouped = [n for n in gm.graph.nodes if n.target is aten._grouped_mm.default]
+    assert len(grouped) == 6
+    params = {n.meta[ir.FQN]: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        readers, todo = set(), [params[name]]
+        while todo:  # (what reads the parameter, up to the grouped matmuls)
+            for u in todo.pop().users:
+                readers.add(u.target)
+                if u.target is not aten._grouped_mm.default:
+                    todo.append(u)
+        assert readers == {aten.transpose.int, aten._grouped_mm.default}
+    assert not any(n.target is aten.select_backward.default or (
+        n.target is aten.stack.default and not n.args[1:]) for n in gm.graph.nodes)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for g in out_node.args[0][1:1 + len(params)]:
+        while isinstance(g, torch.fx.Node) and g.target in ir.RESHAPES | {aten.transpose.int}:
+            g = g.args[0]
+        if isinstance(g, torch.fx.Node) and g.meta[ir.VAL].dim() == 3:
+            assert g.target is aten._grouped_mm.default
+    d = HIDDEN  # (gate/up: d -> 4d, down: 2d -> d; three matmuls each, 2 x MACs)
+    expert_flops = 2 * 3 * rows * (4 * d * d + 2 * d * d)
     assert flops - sum(cost.node_flops(n) for n in gm.graph.nodes) == \
         pytest.approx(3 * expert_flops, rel=0.01)
     _assert_close(out, padded, eager)

@@ -51,7 +51,8 @@ def sized_zoo():
             # an MoE whose dispatch reads every row (a capacity): its rows stay gathered
             "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss),
             # MoEs whose experts are an nn.ModuleList, routed by torch.where (ep's slots)
-            **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral")},
+            **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral",
+                                                     "stacked_loop_moe")},
             # experts run in a loop over those nonzero() found hit: transformers' eager
             # experts (Mixtral's), DBRX's
             "mixtral_eager_experts": (_eager_experts, _lm(), None),
