@@ -52,7 +52,7 @@ from fxpar.compiler.pass_manager import PassContext
 from fxpar.core.plan import (SEARCHED, Plan, cp_misfit, ep_misfit, hpz_misfit,  # noqa: F401
                              dp_stride, hsdp_misfit, node_shard, plan_dict, quantization_misfit,
                              replays_step, resolve)
-from fxpar.core.expert_lists import find_expert_lists
+from fxpar.core.expert_lists import find_expert_lists, weight_fqn
 from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
                           grouped_experts, pipeline_split, remat, tensor_parallel)
 from fxpar.passes import precision as precision_pass
@@ -1831,6 +1831,10 @@ def expert_stats(stats: GraphStats, gm) -> None:
             saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
             ep_saved = 0.0 if grouped_experts.ep_why(lst) else saved
             stats.ep_slots = stats.ep_slots or not ep_saved
+            if lst.stacks and not ep_saved:  # (passes/expert_parallel refuses them)
+                stats.ep_refusal = stats.ep_refusal or (
+                    f"the stacked experts of {lst.module!r} do not run grouped under ep: "
+                    f"{grouped_experts.why_not(lst) or grouped_experts.ep_why(lst)}")
         except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
             log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
             saved = ep_saved = 0.0
@@ -1838,7 +1842,7 @@ def expert_stats(stats: GraphStats, gm) -> None:
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
             # (split by tp where the tp probe splits each of its matrices: tp=1 each a whole)
-            split = all(stats.tp_roles.get(p.meta.get(ir.FQN), "replicated") != "replicated"
+            split = all(stats.tp_roles.get(weight_fqn(p), "replicated") != "replicated"
                         for p in x.params.values() if p.meta[ir.VAL].dim() == 2)
             for n in x.region:
                 if n.meta.get(ir.REGION) == ir.FORWARD:
@@ -1851,7 +1855,8 @@ def expert_stats(stats: GraphStats, gm) -> None:
                     seg.expert_flops_b_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_b += saved * cost.node_flops(n)
                     seg.grouped_ep_saved_b += ep_saved * cost.node_flops(n)
-            if saved:  # (grouped: each weight stacked forward and backward, read + written)
+            if saved and not lst.stacks:  # (grouped: each weight stacked forward and
+                # backward, read + written; a stacked list's are read as they are)
                 seg.grouped_stack_bytes += 2 * sum(cost.tensor_bytes(p.meta[ir.VAL])
                                                    for p in x.params.values())
             for y in x.leaving:

@@ -236,6 +236,14 @@ def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
     return out
 
 
+def weight_fqn(p: torch.fx.Node) -> str | None:
+    """The parameter name of an expert's weight: its placeholder's, or for a select of a
+    stack (an expert of a stacked list) the stack's parameter's."""
+    while p.op == "call_function" and p.args and isinstance(p.args[0], torch.fx.Node):
+        p = p.args[0]
+    return p.meta.get(ir.FQN)
+
+
 def _stacked_lists(gm, params, grads: dict, order: dict, skipped: list | None) -> list:
     """The lists of experts whose weights are stacks [E, ...] (a parameter, through views)
     read only by `select(stack, 0, j)`, once for each expert j (a loop over the experts,

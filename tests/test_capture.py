@@ -54,6 +54,20 @@ def test_mlp_regions_modules_and_signature():
         torch.testing.assert_close(g, p.grad, msg=name)
 
 
+def test_the_forwards_checks_are_forward():
+    """An index's range check (`_assert_async`, which nothing reads) is forward: in a
+    forward-only graph every op is, in a joint graph every op before the loss (passes that
+    tell a training graph by its backward ops saw one in evaluate()'s graph)."""
+    from fxpar.examples.zoo import StackedLoopMoE, tokens_batch
+    for joint in (False, True):
+        gm, _ = capture(StackedLoopMoE(), tokens_batch(0), joint=joint)
+        checks = [n for n in gm.graph.nodes if n.target is aten._assert_async.msg]
+        assert checks and all(n.meta[ir.REGION] == ir.FORWARD for n in checks)
+        if not joint:
+            assert {n.meta[ir.REGION] for n in gm.graph.nodes if n.op == "call_function"} \
+                == {ir.FORWARD}
+
+
 def test_batchnorm_running_stats_update_as_in_eager():
     torch.manual_seed(0)
     model = M.ConvBN()

@@ -708,6 +708,58 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     assert _expert_flops(segs, "f", 2) == whole / 2 and _expert_flops(segs, "f", 1) == whole
 
 
+def test_stacked_experts_a_loop_reads_split_like_grouped_experts():
+    """Hugging Face's eager experts (each projection one parameter [experts, ...], a loop
+    reading expert by expert: the zoo's stacked_loop_moe) at dp=2 x ep=2: grouped first
+    (passes/grouped_experts), each rank keeps its half of each parameter and its rows go to
+    their experts by all-to-all, as Hugging Face's grouped experts do; the planner prices
+    ep for them (grouped, no stacked copy)."""
+    model, spec = zoo.build("stacked_loop_moe")
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    (report,) = prog.graph.meta[ir.EP_REPORT]
+    assert (report["module"], report["dispatch"], report["experts"], report["per_rank"]) == \
+        ("experts", "all-to-all", 4, 2)
+    names = prog.signature.param_names
+    assert sorted(names[i] for i in prog.expert_params) == ["experts.down_proj",
+                                                            "experts.gate_up_proj"]
+    phs = [n for n in prog.graph.graph.nodes if n.op == "placeholder"]
+    assert all(phs[i].meta[ir.VAL].shape[0] == 2 for i in prog.expert_params)
+    assert prog.expert_slots == []
+    from fxpar.compiler.compile import planner_stats
+    stats = planner_stats(model, spec.batch(0))
+    seg = next(s for s in stats.segments if s.n_moe)
+    assert stats.expert_counts == (4,) and stats.ep_refusal is None and not stats.ep_slots
+    assert seg.grouped_stack_bytes == 0 and seg.grouped_ep_saved_f == seg.grouped_saved_f > 0
+
+
+def test_stacked_experts_that_cannot_run_grouped_are_refused_under_ep():
+    """Stacked experts with biases [experts, out] (GPT-OSS's form) run grouped at ep=1 but
+    not under ep (a bias is looked up by each row's expert on the rows this rank routes):
+    refused by name, and the planner prices no ep for them."""
+    class Biased(zoo.StackedExperts):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(4, zoo.HIDDEN))
+
+        def forward(self, x, indices, weights):
+            y = torch.zeros_like(x)
+            mask = torch.nn.functional.one_hot(indices, 4).permute(2, 1, 0)
+            for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+                e = e[0]
+                top, idx = torch.where(mask[e])
+                gate, up = torch.nn.functional.linear(x[idx], self.gate_up_proj[e]).chunk(2, -1)
+                h = torch.nn.functional.linear(gate.relu() * up, self.down_proj[e], self.bias[e])
+                y.index_add_(0, idx, h * weights[idx, top, None])
+            return y
+    model, spec = zoo.build("stacked_loop_moe")
+    model.experts = Biased()
+    with pytest.raises(PlanError, match="stacked weights .* a loop reads one expert at a "
+                       "time .* experts with parameters other than matrices"):
+        fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    from fxpar.compiler.compile import planner_stats
+    assert "do not run grouped under ep" in planner_stats(model, spec.batch(0)).ep_refusal
+
+
 @pytest.mark.slow  # (several compiles: make test's 6 minutes)
 def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     """litgpt's Mixtral at dp=2 x ep=2: its experts run grouped (passes/grouped_experts),
@@ -789,7 +841,8 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
 @pytest.mark.slow
 def test_listed_experts_train_like_eager(tmp_path):
     """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
-    torch.where; litgpt's grouped under ep, where_moe's with biases in slots as traced)
+    torch.where; litgpt's grouped under ep, where_moe's with biases in slots as traced), and
+    stacked_loop_moe (HF's eager experts, grouped: each rank its part of each stack)
     at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1 (and ZeRO-3 with remat), ep=4 with ZeRO-3, ep=2 on each
     stage of a zero-bubble pipeline of 2 (one MoE layer a stage) and ep=2 x tp=2 (each
     expert tp-split on its rank; with ZeRO-3): losses, evaluate() and every final weight
@@ -806,7 +859,9 @@ def test_listed_experts_train_like_eager(tmp_path):
                      ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "tp": 2, "zero": 3}),
                      ("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 3,
                                                   "remat": "sqrt"}),
-                     ("where_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2})])
+                     ("where_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2}),
+                     ("stacked_loop_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2}),
+                     ("stacked_loop_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3})])
     workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
                                         str(tmp_path))
     check_clipping(4, [("where_moe", {"dp": 4, "ep": 2, "zero": 2}),  # (each expert once)

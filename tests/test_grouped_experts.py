@@ -309,14 +309,16 @@ def test_the_planner_prices_grouped_experts_at_ep1():
 
 @pytest.mark.slow
 def test_grouped_experts_train_like_eager_under_plans():
-    """where_moe and litgpt's Mixtral, experts grouped, trained against eager (evaluate()
+    """where_moe, litgpt's Mixtral and stacked_loop_moe (HF's eager experts), experts
+    grouped, trained against eager (evaluate()
     too): dp with ZeRO-3, remat and microbatches (each microbatch sorts its own positions),
     a pipeline, context parallelism (the sort over every position of the split sequence),
     and tp (each stack's experts split alike by the tp pass)."""
     from test_parity import _check_plans
     plans = [{"dp": 2, "zero": 3, "remat": "sqrt", "microbatches": 2},
              {"pp": 2, "microbatches": 2}, {"tp": 2}]
-    _check_plans(2, [(name, "adamw", plan) for name in ("where_moe", "litgpt_mixtral")
+    _check_plans(2, [(name, "adamw", plan) for name in ("where_moe", "litgpt_mixtral",
+                                                         "stacked_loop_moe")
                      for plan in plans] + [("litgpt_mixtral", "adamw", {"dp": 2, "cp": 2})])
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from fxpar.core import ir
 from fxpar.compiler.capture import capture
 from fxpar.core.errors import TraceError
-from fxpar.examples.zoo import WhereRoutedMoE, tokens_batch
+from fxpar.examples.zoo import StackedLoopMoE, WhereRoutedMoE, tokens_batch
 
 aten = torch.ops.aten
 
@@ -247,6 +247,42 @@ def _run_dict(model, batch):
     return gm, out[0], loss, grads, params
 
 
+def test_a_stack_read_through_the_hit_lists_rows_is_read_as_views():
+    """Every row of the hit list is present (constant p): each iteration reads expert p's
+    matrices as `select(stack, 0, p)`, a view (no padded copy of the stack per iteration),
+    and the stack's gradient is the sum of those selects' own backward, each at its p
+    (no index write into a full-size zeros: passes/grouped_experts reads the p)."""
+    torch.manual_seed(0)
+    model, batch = StackedLoopMoE(), tokens_batch(0)
+    gm, sig = capture(model, batch)
+    phs = {n.meta[ir.FQN]: n for n in gm.graph.nodes if n.op == "placeholder"}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        users = phs[name].users
+        assert {u.target for u in users} == {aten.select.int}
+        assert sorted(u.args[1:] for u in users) == [(0, p) for p in range(4)]
+        todo, parts = [out.args[0][1 + sig.param_names.index(name)]], []
+        while todo:
+            n = todo.pop()
+            if n.target is aten.add.Tensor:
+                todo.extend(n.args)
+            else:
+                parts.append(n)
+        assert {n.target for n in parts} == {aten.select_backward.default}
+        assert sorted(n.args[3] for n in parts) == list(range(4))
+    assert not any(n.target in (aten.constant_pad_nd.default, aten.index_put.default) and
+                   n.args[0] in phs.values() for n in gm.graph.nodes)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        got = gm(*[params[n].detach() for n in sig.param_names], *batch)
+    loss = model(batch)
+    loss.backward()
+    torch.testing.assert_close(got[0], loss)
+    for name, g in zip(sig.param_names, got[1:]):
+        want = params[name].grad
+        torch.testing.assert_close(g, torch.zeros_like(g) if want is None else want)
+
+
 @pytest.mark.slow  # (two Hugging Face models traced: make test's 6 minutes)
 def test_hugging_faces_eager_experts_and_dbrx_are_exact():
     """transformers' eager experts (`config._experts_implementation = "eager"`: every HF MoE
@@ -311,11 +347,13 @@ def test_a_row_of_nonzero_taken_outside_a_loop_is_refused(pick):
 
 @pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_experts_looped_over_the_hit_list_train_like_eager():
-    """transformers' eager experts under dp=2 and a 2-stage pipeline with microbatches (each
-    microbatch runs every expert: no hit list of the whole batch is computed), DBRX under
-    tp=2: losses, evaluate() and final weights equal eager AdamW."""
+    """transformers' eager experts under dp=2, a 2-stage pipeline with microbatches (each
+    microbatch runs every expert: no hit list of the whole batch is computed) and dp=2 x
+    ep=2 (run grouped, each rank its half of each stack), DBRX under tp=2: losses,
+    evaluate() and final weights equal eager AdamW."""
     pytest.importorskip("transformers")
     from test_parity import _check_plans
     _check_plans(2, [("mixtral_eager_experts", "adamw", {"dp": 2}),
                      ("mixtral_eager_experts", "adamw", {"pp": 2, "microbatches": 2}),
+                     ("mixtral_eager_experts", "adamw", {"dp": 2, "ep": 2}),
                      ("dbrx", "adamw", {"tp": 2})])
