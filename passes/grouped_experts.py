@@ -115,8 +115,11 @@ def ep_why(lst: ExpertList) -> str | None:
     parameters (biases) run in slots as traced (the planner asks too, to price ep)."""
     vectors = [p.meta.get(ir.FQN, name) for name, p in lst.experts[0].params.items()
                if p.meta[ir.VAL].dim() != 2]
-    return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) run in "
-            "slots as traced") if vectors else None
+    if not vectors:
+        return None
+    return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) " + (
+        "do not run grouped (each row's would be looked up on the rows another rank routes)"
+        if lst.stacks else "run in slots as traced"))
 
 
 def tp_why(lst: ExpertList) -> str | None:
