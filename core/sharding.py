@@ -498,6 +498,7 @@ def has_sharding_rule(op) -> bool:
     return op in _BATCH_HEAD_OPS or _registered(DTensor._op_dispatcher.sharding_propagator, op)
 
 
+_RUNTIME_CHECKS = {aten._assert_async.msg, aten._assert_async.default}
 _WARNED_NO_RULE: set = set()  # ops without a DTensor rule, warned about once per process
 
 
@@ -930,6 +931,14 @@ class _Sharder:
             out = tuple(_spec(self.mesh, (p,), v) if isinstance(v, torch.Tensor) else None
                         for p, v in zip(out_pl, vals))
             return out if isinstance(val, (tuple, list)) else out[0]
+        if op in _RUNTIME_CHECKS and all(
+                not isinstance(p, Partial) or p.reduce_op in ("product", "min")
+                for a in self.inputs(node) if isinstance(self.specs.get(a), DTensorSpec)
+                for p in _placements(self.specs[a])):
+            # a run-time check (an index's range assert): each rank checks its own part, as
+            # exact as checking the whole for a split tensor or a partial `all` - no
+            # collective for it
+            return _out_spec(self.mesh, self.replicate, val)
         if not _registered(self.prop, op) or op._schema.is_mutable:
             ins = [a for a in self.inputs(node) if isinstance(self.specs.get(a), DTensorSpec)]
             split = {a: self.replicate for a in ins
