@@ -31,7 +31,7 @@ MODELS = ("gpt2", "llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma", "g
           "litgpt_pythia",
           # MoE causal LMs, mid sizes, the external zoo's other LMs, an LSTM
           "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe", "jetmoe", "dbrx", "where_moe",
-          "hit_loop_moe", "titan_qwen3_moe",
+          "hit_loop_moe", "stacked_loop_moe", "titan_qwen3_moe",
           "titan_deepseek_v3", "titan_kimi_k2", "litgpt_mixtral", "titan_qwen3_unfused",
           "litgpt_gemma2", "litgpt_gemma3", "gpt2_mid", "llama_mid", "mixtral_mid", "lstm",
           # encoders (bidirectional attention) and encoder-decoders

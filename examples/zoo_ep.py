@@ -30,7 +30,7 @@ MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe", "gpt_oss"
           "granitemoe", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax", "llama4",
           "jetmoe", "dbrx",
           "titan_qwen3_moe", "titan_deepseek_v3", "titan_kimi_k2", "litgpt_mixtral", "where_moe",
-          "hit_loop_moe")
+          "hit_loop_moe", "stacked_loop_moe")
 
 
 def main(names=MODELS, plans=tuple(PLANS)) -> None:
