@@ -262,7 +262,11 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
     if not markers:
         return 0
     fake_propagate(gm, check=False)  # (capture's clean-up left some nodes without values)
-    pads, present, rows_at = _check(graph, markers)
+    pads, present, rows_at, past_end = _check(graph, markers)
+    if _drop_iterations(graph, past_end):
+        alive = set(graph.nodes)
+        pads = {n: dims for n, dims in pads.items() if n in alive}
+        rows_at = {n: p for n, p in rows_at.items() if n in alive}
     shapes = {n: _shape(n.args[0]) for n in pads}  # (before earlier writes' cuts feed them)
     for n, dims in pads.items():
         _pad(graph, n, dims, shapes[n])
@@ -436,7 +440,86 @@ def _check(graph: torch.fx.Graph, markers) -> dict:
         if len(i) == 1 and _shape(_marker_of(elems[i[0]]))[1] == 1 and (
                 n.target in _READS or _is_zero(n.args[0])):
             rows_at[n] = elems[i[0]].args[1]
-    return pads, present, rows_at
+    past_end = {(_marker_of(e), e.args[1]) for n, dims in pads.items() if n.target in _READS
+                for d in dims if (e := elems.get(_indices(n)[d])) is not None and
+                _marker_of(e) in present and _shape(n.args[0])[d] <= e.args[1]}
+    return pads, present, rows_at, past_end
+
+
+def _drop_iterations(graph: torch.fx.Graph, past_end: set) -> bool:
+    """An iteration over a hit list whose row p reads a tensor past its end (DBRX's loop
+    also visits the one_hot's masking class E, and its stacked weights hold E experts)
+    raises IndexError in eager wherever row p is present: eager runs it only where row p
+    is absent, and then it changes nothing (`_loops`). Such an iteration is removed, its
+    forward and backward (each value it adds to a sum or writes into a tensor left out),
+    and a run-time check raises where row p is present, as eager does. Returns whether any
+    was removed (one whose effects are not such sums or writes is kept as traced)."""
+    bodies: dict = {}
+    current = None
+    for n in graph.nodes:
+        if n.target is torch.ops.fxpar.loop_mark.default:
+            key = (_marker_of(n.args[0]), n.args[1]) if n.args[1] != -1 else None
+            current = bodies.setdefault(key, []) if key in past_end else None
+        elif current is not None and n.op == "call_function":
+            current.append(n)
+    dropped = False
+    for (marker, p), body in bodies.items():
+        found = _removal(body)
+        if found is None:
+            continue
+        reach, plan = found
+        for n, (kind, write) in plan:  # (each value read as the graph is now: sums chain)
+            if kind == "base":
+                while write in reach:
+                    write = write.args[0]
+                n.replace_input_with(next(a for a in n.all_input_nodes if a in reach), write)
+            else:
+                n.replace_all_uses_with(n.args[0] if kind == "write" else
+                                        next(a for a in n.args if a not in reach))
+        for n in reversed(body):  # (its own checks go too: eager's IndexError is checked below)
+            if n.target in _CHECKS and not n.users:
+                graph.erase_node(n)
+        hit, meta = marker.args[0], {ir.REGION: ir.FORWARD,
+                                     ir.MODULE: marker.meta.get(ir.MODULE, "")}
+        with graph.inserting_before(marker.next):
+            row = graph.call_function(aten.select.int, (hit, 0, p))
+            absent = graph.call_function(aten.logical_not.default, (row,))
+            check = graph.call_function(aten._assert_async.msg, (absent, (
+                f"fxpar: row {p} of a loop over nonzero's rows in module "
+                f"'{meta[ir.MODULE]}' is present, and eager indexes past a tensor's end in "
+                "that iteration (IndexError)")))
+        for x in (row, absent, check):
+            x.meta.update(meta)
+        dropped = True
+    return dropped
+
+
+def _removal(body: list) -> tuple | None:
+    """How iteration `body` leaves the graph: (reach, [(node, kind)]) - what its values
+    reach (the body and backward ops), and each place they stop: a forward user of one of
+    its writes ("base": reads the value from before the iteration), a sum one of whose
+    terms they compute ("add": the other term), an index write of a value they compute
+    ("write": the tensor written into). None where anything else reads them."""
+    inside = set(body)
+    writes = {n for n in body if n.target in _WRITES}  # (into values from before: _loops)
+    reach, plan = set(inside), []
+    for n in body:
+        plan += [(u, ("base", n)) for u in n.users if u not in inside and n in writes
+                 and u.meta.get(ir.REGION) != ir.BACKWARD]
+    based = {u for u, _ in plan}
+    for n in body[0].graph.nodes:  # (in order: a node's inputs are decided before it)
+        if n in reach or n in based or not any(a in reach for a in n.all_input_nodes):
+            continue
+        if n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs and \
+                sum(a in reach for a in n.args) == 1:
+            plan.append((n, ("add", None)))
+        elif n.target in _WRITES and n.args[0] not in reach:
+            plan.append((n, ("write", None)))
+        elif n.meta.get(ir.REGION) == ir.BACKWARD and n.op == "call_function":
+            reach.add(n)
+        else:
+            return None
+    return reach, plan
 
 
 def _select_row(graph: torch.fx.Graph, n: torch.fx.Node, p: int) -> None:

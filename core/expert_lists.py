@@ -250,12 +250,16 @@ def _stacked_lists(gm, params, grads: dict, order: dict, skipped: list | None) -
     compiler/padded_nonzero), grouped by module: expert j's weights are the selects j."""
     by_module: dict[str, dict] = {}
     for p in params:
-        x = p
-        while len(x.users) == 1 and next(iter(x.users)).target in ir.RESHAPES:
-            x = next(iter(x.users))
-        sel = [u for u in x.users if u.target is aten.select.int and u.args[1] == 0]
+        views = [p]  # (the stack: the parameter, or one view of it - made once per
+        # iteration by a loop that views it there, DBRX's)
+        if p.users and all(u.target in ir.RESHAPES and u.args[1:] == next(iter(
+                p.users)).args[1:] for u in p.users):
+            views = list(p.users)
+        x = views[0]
+        sel = [u for v in views for u in v.users
+               if u.target is aten.select.int and u.args[1] == 0]
         n_exp = val(x).shape[0] if val(x).dim() else 0
-        if len(sel) < 2 or len(sel) != len(x.users) or \
+        if len(sel) < 2 or len(sel) != sum(len(v.users) for v in views) or \
                 sorted(u.args[2] for u in sel) != list(range(n_exp)):
             continue
         module, _, name = p.meta[ir.FQN].rpartition(".")
@@ -297,14 +301,12 @@ def _stacked_lists(gm, params, grads: dict, order: dict, skipped: list | None) -
 
 
 def _select_sum(g, x, n_exp: int):
-    """(the node summing the experts' `select_backward(g_j, shape, 0, j)`, [g_j by j]): the
-    gradient of stack `x` read only by its selects; None without gradients (a forward-only
-    graph); a string where the gradient is not that sum."""
+    """(the gradient of stack `x`'s parameter, [g_j by j]) where it is the sum of the
+    experts' `select_backward(g_j, shape, 0, j)` (each viewed as the parameter, where `x`
+    is a view of it); None without gradients (a forward-only graph); a string where the
+    gradient is not that sum."""
     if g is None:
         return None
-    while isinstance(g, torch.fx.Node) and g.target in ir.RESHAPES and val(g).shape != \
-            val(x).shape:
-        g = g.args[0]  # (a stack viewed from a parameter: its gradient viewed back)
     parts, todo = {}, [g]
     while todo:
         n = todo.pop()
@@ -312,8 +314,10 @@ def _select_sum(g, x, n_exp: int):
             return "not a node"
         if n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs:
             todo.extend(n.args)
+        elif n.target in ir.RESHAPES:  # (a stack viewed from a parameter: viewed back)
+            todo.append(n.args[0])
         elif n.target is aten.select_backward.default and n.args[2] == 0 and \
-                n.args[3] not in parts:
+                list(n.args[1]) == list(val(x).shape) and n.args[3] not in parts:
             parts[n.args[3]] = n.args[0]
         else:
             return f"{n.name} ({n.target})"
@@ -453,7 +457,7 @@ def _expert(module: str, weights: dict, grads: dict, order: dict, ops: list) -> 
     terminals, dead = {}, set(n for n in paths if n.op != "placeholder")
     for p in weights.values():
         g = grads.get(p)
-        while isinstance(g, torch.fx.Node) and g.target in WEIGHT_PATH:
+        while isinstance(g, torch.fx.Node) and g.target in _EXPERT_WEIGHT_PATH:
             dead.add(g)
             g = g.args[0]
         if g is None:

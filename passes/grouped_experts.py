@@ -522,16 +522,19 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
             for u in list(n.users):
                 if u not in regions[j]:
                     u.replace_input_with(n, repl)
-    for _, total in lst.stacks.values():  # a stack's gradient: the sum of its experts'
+    for stack, total in lst.stacks.values():  # a stack's gradient: the sum of its experts'
         # select_backwards is their grouped gradient, viewed as each expert's was
         if total is not None:
             parts = [None] * n_exp
             for leaf in _summands(total):
                 parts[leaf.args[3]] = leaf.args[0]
             region = total.meta.get(ir.REGION)
-            total.replace_all_uses_with(
-                _unstacked(parts, lambda *a, **kw: emit(*a, region=region, **kw)) or
-                emit(aten.stack.default, parts, region=region))
+            grad = _unstacked(parts, lambda *a, **kw: emit(*a, region=region, **kw)) or \
+                emit(aten.stack.default, parts, region=region)
+            shape = list(total.meta[ir.VAL].shape)
+            if shape != list(stack.meta[ir.VAL].shape):  # (a parameter viewed as the stack)
+                grad = emit(aten.reshape.default, grad, shape, region=region)
+            total.replace_all_uses_with(grad)
     return None
 
 
@@ -539,7 +542,16 @@ def _summands(total: torch.fx.Node) -> list:
     """The select_backwards an add tree (core/expert_lists._select_sum) sums."""
     if total.target is aten.add.Tensor:
         return [leaf for a in total.args for leaf in _summands(a)]
+    if total.target in ir.RESHAPES:
+        return _summands(total.args[0])
     return [total]
+
+
+def _same_view(x):
+    """x, or for a view the view it is (a loop views its stack once per iteration)."""
+    if x.op == "call_function" and x.target in ir.RESHAPES:
+        return (x.target, x.args[0], repr(x.args[1:]))
+    return x
 
 
 _PER_EXPERT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default,
@@ -563,7 +575,8 @@ def _unstacked(leaves: list, emit) -> torch.fx.Node | None:
             return None
         chains.append((a.args[0], [(n.target, n.args[1:], n.kwargs) for n in chain]))
     x, chain = chains[0]
-    if any(c != (x, chain) for c in chains[1:]) or x.meta[ir.VAL].shape[0] != len(leaves):
+    if any(c[1] != chain or _same_view(c[0]) != _same_view(x) for c in chains[1:]) or \
+            x.meta[ir.VAL].shape[0] != len(leaves):
         return None
     out, nd = x, x.meta[ir.VAL].dim() - 1  # (nd: an expert's dims, as the chain goes)
     for target, args, kwargs in reversed(chain):
