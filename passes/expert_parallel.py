@@ -300,7 +300,11 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
     rewritten with its layer's local offs), as their experts operand, through casts, views
     and transposes that keep dim 0 the experts; and dim 0 must be the experts: any other
     reader would compute on this rank's slice alone."""
-    if _val(w).dim() != 3 or _val(w).shape[0] != experts:
+    viewed = _val(w).dim() != 3 and _val(w).shape[0] % experts == 0 and all(
+        u.target in ir.RESHAPES and _val(u).dim() == 3 and _val(u).shape[0] == experts and
+        u.args[1][0] == -1 for u in w.users)  # (a parameter [E * out, in] viewed [-1, out, in]
+    # as DBRX's: split along dim 0 it holds this rank's experts, the view follows)
+    if not viewed and (_val(w).dim() != 3 or _val(w).shape[0] != experts):
         raise PlanError(f"Plan.ep: the weight {w.meta.get(ir.FQN, w.name)} of the MoE layer "
                         f"{module!r} is {tuple(_val(w).shape)}, not [{experts} experts, ...]; "
                         "expert parallelism splits a 3-D weight along its experts.")
@@ -311,7 +315,7 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
             if u in mms and u.args[1] is n:
                 continue
             v = _val(u)
-            keeps = (u.target in _WEIGHT_PATH or _tp_chunk(u)) and isinstance(v, torch.Tensor) and \
+            keeps = (_keeps_experts(u) or _tp_chunk(u)) and isinstance(v, torch.Tensor) and \
                 v.dim() == 3 and v.shape[0] == experts and not (
                     u.target is aten.transpose.int and 0 in {d % 3 for d in u.args[1:3]})
             if not keeps:
@@ -322,6 +326,13 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
                     "split over ep ranks, that op would see this rank's experts alone. Use "
                     "ep=1 for this model.")
             todo.append(u)
+
+
+def _keeps_experts(n) -> bool:
+    """A cast, view or transpose on a weight's way to a grouped matmul (a permute that keeps
+    dim 0 first: `W.T` of each expert's matrix)."""
+    return n.target in _WEIGHT_PATH or (n.target is aten.permute.default and
+                                        n.args[1][0] % len(n.args[1]) == 0)
 
 
 def _stack_of(x, experts: int):
@@ -389,7 +400,7 @@ def _weight_of(x, mm, module, leaf: bool = False):
     """The parameter `x` (an operand of grouped matmul or stack `mm`) views. `leaf`: x is one
     expert's matrix in a stack (a tp chunk of it on any dim keeps the expert whole)."""
     n = x
-    while n.op == "call_function" and (n.target in _WEIGHT_PATH or _tp_chunk(n) or (
+    while n.op == "call_function" and (_keeps_experts(n) or _tp_chunk(n) or (
             leaf and n.target is torch.ops.fxpar.local_chunk.default)):
         n = n.args[0]
     if n.op == "call_function" and n.target is torch.ops.fxpar.local_chunk.default:

@@ -532,8 +532,9 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
             grad = _unstacked(parts, lambda *a, **kw: emit(*a, region=region, **kw)) or \
                 emit(aten.stack.default, parts, region=region)
             shape = list(total.meta[ir.VAL].shape)
-            if shape != list(stack.meta[ir.VAL].shape):  # (a parameter viewed as the stack)
-                grad = emit(aten.reshape.default, grad, shape, region=region)
+            if shape != list(stack.meta[ir.VAL].shape):  # (a parameter viewed as the stack;
+                # -1: the experts a rank holds, where expert parallelism splits it)
+                grad = emit(aten.reshape.default, grad, [-1, *shape[1:]], region=region)
             total.replace_all_uses_with(grad)
     return None
 
