@@ -496,7 +496,7 @@ def _drop_iterations(graph: torch.fx.Graph, past_end: set) -> bool:
 
 def _removal(body: list) -> tuple | None:
     """How iteration `body` leaves the graph: (reach, [(node, kind)]) - what its values
-    reach (the body and backward ops), and each place they stop: a forward user of one of
+    reach (the body and backward ops), and each place they stop: a user of one of
     its writes ("base": reads the value from before the iteration), a sum one of whose
     terms they compute ("add": the other term), an index write of a value they compute
     ("write": the tensor written into). None where anything else reads them."""
@@ -504,8 +504,7 @@ def _removal(body: list) -> tuple | None:
     writes = {n for n in body if n.target in _WRITES}  # (into values from before: _loops)
     reach, plan = set(inside), []
     for n in body:
-        plan += [(u, ("base", n)) for u in n.users if u not in inside and n in writes
-                 and u.meta.get(ir.REGION) != ir.BACKWARD]
+        plan += [(u, ("base", n)) for u in n.users if u not in inside and n in writes]
     based = {u for u, _ in plan}
     for n in body[0].graph.nodes:  # (in order: a node's inputs are decided before it)
         if n in reach or n in based or not any(a in reach for a in n.all_input_nodes):

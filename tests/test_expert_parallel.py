@@ -732,6 +732,25 @@ def test_stacked_experts_a_loop_reads_split_like_grouped_experts():
     assert seg.grouped_stack_bytes == 0 and seg.grouped_ep_saved_f == seg.grouped_saved_f > 0
 
 
+def test_dbrx_experts_split_along_their_viewed_parameters():
+    """DBRX: each expert weight one parameter [E * ffn, hidden], viewed as the experts' stack
+    in every iteration of a loop that also visits a masking class (removed: eager cannot
+    run it). Grouped, then split along dim 0 at dp=2 x ep=2: each rank holds half of every
+    parameter's rows, its 2 experts'; the rows go by all-to-all."""
+    pytest.importorskip("transformers")
+    model, spec = zoo.build("dbrx")
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    reports = prog.graph.meta[ir.EP_REPORT]
+    assert [(r["dispatch"], r["experts"], r["per_rank"]) for r in reports] == \
+        [("all-to-all", 4, 2)] * 2
+    names = prog.signature.param_names
+    phs = [n for n in prog.graph.graph.nodes if n.op == "placeholder"]
+    full = dict(model.named_parameters())
+    split = {names[i]: tuple(phs[i].meta[ir.VAL].shape) for i in prog.expert_params}
+    assert sorted(split) == sorted(n for n in full if ".experts.mlp." in n)
+    assert all(s == (full[n].shape[0] // 2, full[n].shape[1]) for n, s in split.items())
+
+
 def test_stacked_experts_that_cannot_run_grouped_are_refused_under_ep():
     """Stacked experts with biases [experts, out] (GPT-OSS's form) run grouped at ep=1 but
     not under ep (a bias is looked up by each row's expert on the rows this rank routes):

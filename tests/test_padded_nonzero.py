@@ -5,6 +5,7 @@ the external zoo's `litgpt_mixtral`."""
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from fxpar.core import ir
 from fxpar.compiler.capture import capture
@@ -283,6 +284,66 @@ def test_a_stack_read_through_the_hit_lists_rows_is_read_as_views():
         torch.testing.assert_close(g, torch.zeros_like(g) if want is None else want)
 
 
+class _MaskingClassExperts(nn.Module):
+    """DBRX's experts in plain PyTorch: each weight one parameter [E * out, in] viewed as the
+    experts' stack in every iteration, `W.T`, and a one_hot over E + 1 classes (a masking
+    class) whose loop visits class E too, with no `continue`: eager would index the stack
+    past its end there, so it runs only where no token picked class E."""
+
+    def __init__(self, d=8, f=16, experts=4):
+        super().__init__()
+        self.d, self.f, self.e = d, f, experts
+        self.w1 = nn.Parameter(torch.randn(experts * f, d) / d ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(experts * f, d) / f ** 0.5)
+
+    def forward(self, batch):
+        x, indices = batch
+        mask = F.one_hot(indices, self.e + 1).permute(2, 1, 0)
+        y = torch.zeros_like(x)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            e = e[0]
+            top, idx = torch.where(mask[e])
+            w1 = self.w1.view(-1, self.f, self.d)[e]
+            w2 = self.w2.view(-1, self.f, self.d)[e]
+            y.index_add_(0, idx, F.gelu(x[idx] @ w1.T) @ w2)
+        return y.pow(2).mean()
+
+
+def test_an_iteration_eager_cannot_run_is_removed_and_checked():
+    """The masking class's iteration reads the stack past its end: removed, forward and
+    backward (the stack read only by the four experts' selects, no padded copy), exact;
+    where a token does pick class E, eager raises IndexError and the graph's check
+    raises too."""
+    torch.manual_seed(0)
+    model = _MaskingClassExperts()
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16, 2)))
+    gm, sig = capture(model, batch, lambda m, b: m(b))
+    phs = {n.meta[ir.FQN]: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for name in ("w1", "w2"):
+        sels = [u for v in phs[name].users for u in v.users]
+        assert {v.target for v in phs[name].users} == {aten.view.default}
+        assert sorted(u.args[1:] for u in sels) == [(0, p) for p in range(4)]
+    checks = [n for n in gm.graph.nodes if n.target is aten._assert_async.msg and
+              "past a tensor's end" in n.args[1]]
+    assert len(checks) == 1 and "row 4" in checks[0].args[1]
+    stacks = {phs["w1"], phs["w2"], *phs["w1"].users, *phs["w2"].users}
+    assert not any(n.target is aten.constant_pad_nd.default and n.args[0] in stacks
+                   for n in gm.graph.nodes)
+    params = dict(model.named_parameters())
+    args = [params[n].detach() for n in sig.param_names]
+    with torch.no_grad():
+        got = gm(*args, *batch)
+    model(batch).backward()
+    torch.testing.assert_close(got[0], model(batch))
+    for name, g in zip(sig.param_names, got[1:]):
+        torch.testing.assert_close(g, params[name].grad)
+    masked = (batch[0], batch[1].clone().index_fill_(0, torch.tensor([3]), 4))
+    with pytest.raises(IndexError):
+        model(masked)
+    with pytest.raises(RuntimeError, match="row 4 .* past a tensor's end"):
+        gm(*args, *masked)
+
+
 @pytest.mark.slow  # (two Hugging Face models traced: make test's 6 minutes)
 def test_hugging_faces_eager_experts_and_dbrx_are_exact():
     """transformers' eager experts (`config._experts_implementation = "eager"`: every HF MoE
@@ -349,11 +410,12 @@ def test_a_row_of_nonzero_taken_outside_a_loop_is_refused(pick):
 def test_experts_looped_over_the_hit_list_train_like_eager():
     """transformers' eager experts under dp=2, a 2-stage pipeline with microbatches (each
     microbatch runs every expert: no hit list of the whole batch is computed) and dp=2 x
-    ep=2 (run grouped, each rank its half of each stack), DBRX under tp=2: losses,
-    evaluate() and final weights equal eager AdamW."""
+    ep=2 (run grouped, each rank its half of each stack), DBRX under dp=2 x ep=2 and tp=2:
+    losses, evaluate() and final weights equal eager AdamW."""
     pytest.importorskip("transformers")
     from test_parity import _check_plans
     _check_plans(2, [("mixtral_eager_experts", "adamw", {"dp": 2}),
                      ("mixtral_eager_experts", "adamw", {"pp": 2, "microbatches": 2}),
                      ("mixtral_eager_experts", "adamw", {"dp": 2, "ep": 2}),
+                     ("dbrx", "adamw", {"dp": 2, "ep": 2}),
                      ("dbrx", "adamw", {"tp": 2})])
