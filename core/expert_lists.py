@@ -510,6 +510,7 @@ def _weight_grad_rows(g, rows: int, module: str, p) -> dict:
             val(g.args[0]).shape[0] == rows:
         return {g.args[0]: 0}
     raise PlanError(f"Plan.ep: the gradient of the expert weight "
-                    f"{p.meta.get(ir.FQN, p.name)} of {module!r} is made by {g.name} ({g.target}), not by a sum over the "
-                    "expert's rows; expert parallelism over nn.ModuleList experts needs each "
-                    "weight read once per row. Use ep=1 for this model.")
+                    f"{p.meta.get(ir.FQN, p.name)} of {module!r} is made by {g.name} "
+                    f"({g.target}), not by a sum over the expert's rows; expert parallelism "
+                    "over a list of experts needs each weight read once per row. Use ep=1 "
+                    "for this model.")

@@ -31,10 +31,10 @@ for it) run grouped where passes/grouped_experts could group them: each grouped 
 a stack of the experts' matrices, of which a rank keeps the first E/ep, slots bound to its
 own experts (`_split_stacks`), its rows moved as above; else they run in slots as traced
 (see "experts written as nn.ModuleList" below). Experts stacked in one parameter and read
-one at a time by a loop (Hugging Face's eager experts) run grouped reading the parameter
-itself, split as Hugging Face's grouped experts are; where they could not be grouped they
-are refused by name, as are batched matmuls over gathered weights: their experts are not
-one parameter to split.
+one at a time by a loop (Hugging Face's eager experts; DBRX's [E * out, in] viewed as the
+stack) run grouped reading the parameter itself, split along dim 0 as Hugging Face's
+grouped experts are; where they could not be grouped they are refused by name, as are
+batched matmuls over gathered weights: their experts are not one parameter to split.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                 "they were not run grouped"
             raise PlanError(f"Plan.ep={ep}: the experts of {lst.module!r} are stacked weights "
                             "[experts, ...] a loop reads one expert at a time (Hugging Face's "
-                            "'eager' experts, DBRX); expert parallelism splits them where they "
+                            "'eager' experts); expert parallelism splits them where they "
                             f"run as one grouped matmul, and here they do not: {why}. Use ep=1 "
                             "(ZeRO or tp shard them like any weight), or "
                             "config._experts_implementation='grouped_mm'.")

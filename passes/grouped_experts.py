@@ -1,29 +1,33 @@
-"""Experts kept as an nn.ModuleList and routed by torch.where, run once, grouped.
+"""Experts routed by torch.where and run one by one, run once, grouped.
 
-compiler/padded_nonzero.py traces each expert of such a list (litgpt's Mixtral, Mistral's
-and DeepSeek's reference code) over `mask.numel()` rows - every (token, k) position, the
-ones not routed to it as zero rows - so E experts compute E times the rows eager computes.
-Their masks partition the positions (each is `indices == j` of the same top-k indices, a
-fact read off the graph: `_partition`), so all experts' true rows together are exactly
-`mask.numel()`. This pass sorts the positions by expert once (a stable sort of each
-position's expert), gathers the rows entering the experts once (expert 0's gathers again
-with the positions any expert owns), runs the experts' row-wise region - forward and backward, as
-core/expert_lists finds it on the joint graph - once over the sorted rows, each matmul
-with an expert weight as `aten._grouped_mm` over the experts' weights stacked (`offs`: each
-expert's end row; a weight gradient grouped the same way), and hands each expert's readers
-its rows back in position order, zeros at the positions not routed to it (the padded
-trace only ever writes those to its dropped padding row). Each true row meets its expert's
-weights in one matmul, as in eager: eager's FLOPs.
+compiler/padded_nonzero.py traces each expert of a list - an nn.ModuleList (litgpt's
+Mixtral, Mistral's and DeepSeek's reference code), or parameters [E, ...] a loop reads
+expert by expert (transformers' eager experts, DBRX) - over `mask.numel()` rows - every
+(token, k) position, the ones not routed to it as zero rows - so E experts compute E times
+the rows eager computes. Their masks partition the positions (each is `indices == j` of
+the same top-k indices, a fact read off the graph: `_partition`), so all experts' true rows
+together are exactly `mask.numel()`. This pass sorts the positions by expert once (a stable
+sort of each position's expert), gathers the rows entering the experts once (expert 0's
+gathers again with the positions any expert owns), runs the experts' row-wise region -
+forward and backward, as core/expert_lists finds it on the joint graph - once over the
+sorted rows, each matmul with an expert weight as `aten._grouped_mm` over the experts'
+weights stacked (`offs`: each expert's end row; a weight gradient grouped the same way;
+parameters [E, ...] read as they are, their gradient the grouped one: Hugging Face's
+grouped experts' form, which tp and ep split), and hands each expert's readers its rows
+back in position order, zeros at the positions not routed to it (the padded trace only
+ever writes those to its dropped padding row). Each true row meets its expert's weights in
+one matmul, as in eager: eager's FLOPs.
 
 Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
 that are not one index tensor compared with distinct experts, a region op it has no
 grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), each reason
 logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism experts with
-parameters other than matrices (biases: passes/expert_parallel runs those in slots as
-traced; the others' stacks it splits by rank). Under tensor parallelism the tp pass
-splits each stack's experts' weights alike (passes/tensor_parallel.find_linears); experts
-whose matmul output is split into pieces (a fused gate/up, stored interleaved per expert
-by the tp pass) run as traced there.
+parameters other than matrices (biases: passes/expert_parallel runs a list's in slots as
+traced, and refuses stacked ones; the others' stacks it splits by rank). Under tensor
+parallelism the tp pass splits each stack's experts' weights alike
+(passes/tensor_parallel.find_linears); listed experts whose matmul output is split into
+pieces (a fused gate/up, stored interleaved per expert by the tp pass) run as traced
+there.
 """
 from __future__ import annotations
 
