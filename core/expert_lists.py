@@ -282,15 +282,20 @@ def _stacked_lists(gm, params, grads: dict, order: dict, skipped: list | None) -
         for j in range(n_exp):
             weights = {name: sel[j] for name, (_, sel, _) in found.items()}
             parts = {sel[j]: g[1][j] for _, sel, g in found.values() if g is not None}
-            experts.append(_expert(f"{module}[{j}]", weights, parts, order, []))
+            try:  # (a parameter read one slice at a time that is no expert: an RNN's)
+                experts.append(_expert(f"{module}[{j}]", weights, parts, order, []))
+            except PlanError as e:
+                if skipped is not None:
+                    skipped.append(f"{module!r}: {e}")
+                break
+        if len(experts) < n_exp:
+            continue
         rows = {e.rows for e in experts}
         canon = [_canonical(e, order) for e in experts]
-        if any(c != canon[0] for c in canon[1:]) or len(rows) > 1 or \
-                len({(len(e.entering), len(e.leaving)) for e in experts}) > 1:
-            raise PlanError(f"Plan.ep: the experts of {module!r} do not run the same graph "
-                            "(their ops, arguments or row counts differ); expert parallelism "
-                            "runs one expert's graph for each. Use ep=1 for this model.")
-        why = _reads_another(gm, experts)
+        why = "its slices do not run the same graph" if any(
+            c != canon[0] for c in canon[1:]) or len(rows) > 1 or len(
+            {(len(e.entering), len(e.leaving)) for e in experts}) > 1 else None
+        why = why or _reads_another(gm, experts, order)
         if why:
             if skipped is not None:
                 skipped.append(f"{module!r}: {why}")
@@ -326,18 +331,22 @@ def _select_sum(g, x, n_exp: int):
     return g, [parts[j] for j in range(n_exp)]
 
 
-def _reads_another(gm, experts) -> str | None:
+def _reads_another(gm, experts, order: dict) -> str | None:
     """Why the experts are not side by side (None: they are): the rows entering one in the
-    forward are computed from another's results (one sweep over the graph: what any
-    expert's forward region reaches)."""
+    forward are computed from another's results (one sweep over the nodes between the
+    first expert's region and the last entering rows: what any forward region reaches)."""
     regions = {n for e in experts for n in e.region if n.meta.get(ir.REGION) == ir.FORWARD}
-    reached = set()
-    for n in gm.graph.nodes:
+    entering = [x for e in experts for x in e.entering if x.meta.get(ir.REGION) == ir.FORWARD]
+    if not regions or not entering:
+        return None
+    first, last = min(order[n] for n in regions), max(order[x] for x in entering)
+    reached, n = set(), min(regions, key=order.get)
+    while n.op != "output" and order[n] <= last:
         if n in regions or any(a in reached for a in n.all_input_nodes):
             reached.add(n)
+        n = n.next
     for e in experts:
-        x = next((x for x in e.entering if x.meta.get(ir.REGION) == ir.FORWARD and
-                  x in reached), None)
+        x = next((x for x in e.entering if x in reached), None)
         if x is not None:
             return f"{x.name} entering {e.module!r} is computed from another expert's rows"
     return None
