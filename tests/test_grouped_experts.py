@@ -189,6 +189,37 @@ def test_stacked_experts_run_grouped_reading_the_stack_itself():
     _assert_close(out, padded, eager)
 
 
+class ChainedStackedExperts(StackedLoopMoE):
+    """Each expert reads the sum so far (the experts before it): not side by side, so not
+    a list to group: they run as traced, exact."""
+
+    def forward(self, batch):
+        ids, targets = batch
+        x = self.emb(ids).flatten(0, 1)
+        weights, indices = self.gate(x).softmax(-1).topk(self.k, -1)
+        w, y = self.experts, torch.zeros_like(x)
+        mask = nn.functional.one_hot(indices, len(w.gate_up_proj)).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            e = e[0]
+            top, idx = torch.where(mask[e])
+            gate, up = nn.functional.linear((x + y)[idx], w.gate_up_proj[e]).chunk(2, dim=-1)
+            h = nn.functional.linear(nn.functional.silu(gate) * up, w.down_proj[e])
+            y = y.index_add(0, idx, h * weights[idx, top, None])
+        h = self.norm(x + y).view(*ids.shape, -1)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def test_stacked_experts_reading_each_others_rows_are_not_grouped():
+    from fxpar.core.expert_lists import find_expert_lists
+    torch.manual_seed(0)
+    padded, gm, out, flops, eager = _grouped(ChainedStackedExperts())
+    assert not any(n.target is aten._grouped_mm.default for n in gm.graph.nodes)
+    skipped = []
+    assert find_expert_lists(gm, skipped) == []
+    assert any("computed from another expert's rows" in s for s in skipped)
+    _assert_close(out, padded, eager)
+
+
 def test_rows_each_expert_gathers_differently_are_picked_per_expert():
     """DenseScoreMoE's experts gather their backward's rows from their own score column:
     one gather for all would read expert 0's; each expert's rows are picked per position
