@@ -1,7 +1,9 @@
-"""Experts kept as an nn.ModuleList and routed by torch.where (litgpt's Mixtral), one device:
-eager vs torch.compile vs fxpar with its experts grouped (passes/grouped_experts, the
-default) and padded (each expert over every routed position: compiler/padded_nonzero as
-traced, the grouped pass turned off), in one run.
+"""Experts routed by torch.where and run one by one, one device: eager vs torch.compile vs
+fxpar with its experts grouped (passes/grouped_experts, the default) and padded (each expert
+over every routed position: compiler/padded_nonzero as traced, the grouped pass turned off),
+in one run. `--model litgpt`: litgpt's Mixtral (an nn.ModuleList of experts); `--model
+hf_eager`: Hugging Face's Mixtral with `config._experts_implementation = "eager"` (the
+experts' weights stacked, a loop over the experts hit reading each one's), the same sizes.
 
 Every variant trains its own copy of the same weights with AdamW on the same batches, timed
 interleaved (one step of each per round, the order reversed every other round); "x eager" is
@@ -10,6 +12,7 @@ the median of per-round ratios. GFLOP/step: eager's by torch's FlopCounterMode o
 
     .venv/bin/python benchmarks/listed_experts.py            # 2 layers x 256, 8 experts, top-2
     .venv/bin/python benchmarks/listed_experts.py --small    # 1 layer x 64, 4 experts
+    .venv/bin/python benchmarks/listed_experts.py --model hf_eager
 """
 from __future__ import annotations
 
@@ -46,8 +49,29 @@ def build(size):
     return model, batches
 
 
+def build_hf_eager(size):
+    """Hugging Face's Mixtral at litgpt's sizes, its experts in transformers' eager form."""
+    import transformers
+    kw = dict(size)
+    cfg = transformers.MixtralConfig(
+        vocab_size=kw["vocab"], hidden_size=kw["n_embd"], intermediate_size=kw[
+            "intermediate_size"], num_hidden_layers=kw["n_layer"], num_attention_heads=kw[
+            "n_head"], num_key_value_heads=kw["n_query_groups"], num_local_experts=kw[
+            "n_expert"], num_experts_per_tok=kw["n_expert_per_token"],
+        max_position_embeddings=kw["seq"], router_aux_loss_coef=0.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    model.config._experts_implementation = "eager"
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, kw["vocab"], (kw["rows"], kw["seq"] + 1), generator=g)
+               for _ in range(4)]
+    return model, batches
+
+
 def loss_fn(model, batch):
     logits = model(batch[:, :-1])
+    logits = getattr(logits, "logits", logits)  # (Hugging Face's output)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
@@ -70,9 +94,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--model", choices=("litgpt", "hf_eager"), default="litgpt")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    base, batches = build(SIZES[args.small])
+    base, batches = (build if args.model == "litgpt" else build_hf_eager)(SIZES[args.small])
 
     def eager(compiled):
         model = copy.deepcopy(base)
@@ -116,7 +141,7 @@ def main():
             losses[name].append(steps[name](b).item())
             times[name].append(time.perf_counter() - t)
     size = SIZES[args.small]
-    print(f"\nlitgpt Mixtral {size}, AdamW, {args.steps} timed steps, "
+    print(f"\n{args.model} Mixtral {size}, AdamW, {args.steps} timed steps, "
           f"{torch.get_num_threads()} threads")
     print(f"| variant | step ms | x eager | GFLOP/step | max abs dloss vs eager |")
     print("|---|---:|---:|---:|---:|")
