@@ -50,6 +50,7 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 
+from fxpar.core import experts as _experts  # noqa: F401  (fxpar::check_unrouted)
 from fxpar.core import ir
 from fxpar.core.errors import TraceError, user_line
 from fxpar.core.graphs import fake_propagate
@@ -479,16 +480,15 @@ def _drop_iterations(graph: torch.fx.Graph, past_end: set) -> bool:
         for n in reversed(body):  # (its own checks go too: eager's IndexError is checked below)
             if n.target in _CHECKS and not n.users:
                 graph.erase_node(n)
-        hit, meta = marker.args[0], {ir.REGION: ir.FORWARD,
-                                     ir.MODULE: marker.meta.get(ir.MODULE, "")}
+        picks = marker.args[0].args[0].args[0]  # (the one_hot its hit list sums: _hit_list_of)
+        meta = {ir.REGION: ir.FORWARD, ir.MODULE: marker.meta.get(ir.MODULE, "")}
         with graph.inserting_before(marker.next):
-            row = graph.call_function(aten.select.int, (hit, 0, p))
-            absent = graph.call_function(aten.logical_not.default, (row,))
-            check = graph.call_function(aten._assert_async.msg, (absent, (
+            row = graph.call_function(aten.select.int, (picks, 0, p))
+            check = graph.call_function(torch.ops.fxpar.check_unrouted.default, (row, (
                 f"fxpar: row {p} of a loop over nonzero's rows in module "
                 f"'{meta[ir.MODULE]}' is present, and eager indexes past a tensor's end in "
                 "that iteration (IndexError)")))
-        for x in (row, absent, check):
+        for x in (row, check):
             x.meta.update(meta)
         dropped = True
     return dropped

@@ -174,3 +174,22 @@ def expert_pick(xs: list[torch.Tensor], group_name: str) -> torch.Tensor:
 @expert_pick.register_fake
 def _(xs, group_name):
     return torch.empty_like(xs[0])
+
+
+# --- a row of a loop over the experts hit that eager could not run ------------------------
+
+@torch.library.custom_op("fxpar::check_unrouted", mutates_args=())
+def check_unrouted(picks: torch.Tensor, message: str) -> None:
+    """Raise where any of `picks` (one expert's row of a routing one_hot, non-negative) is
+    nonzero: compiler/padded_nonzero removes a loop's iteration eager runs only where no
+    token picked that expert (it indexes past a tensor's end otherwise). Each rank checks
+    its own rows (core/sharding): no collective."""
+    torch._assert_async(torch.logical_not(picks.any()), message)
+
+
+@check_unrouted.register_fake
+def _(picks, message):
+    return None
+
+
+torch.fx.node._side_effectful_functions.add(torch.ops.fxpar.check_unrouted.default)

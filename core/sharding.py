@@ -30,6 +30,7 @@ from torch.distributed.tensor._ops import _pointwise_ops
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 
+from fxpar.core import experts as _experts  # noqa: F401  (fxpar::check_unrouted)
 from fxpar.core import ir
 from fxpar.core.ir import ancestors
 from fxpar.core import local_dispatch as _local_dispatch
@@ -498,7 +499,8 @@ def has_sharding_rule(op) -> bool:
     return op in _BATCH_HEAD_OPS or _registered(DTensor._op_dispatcher.sharding_propagator, op)
 
 
-_RUNTIME_CHECKS = {aten._assert_async.msg, aten._assert_async.default}
+_RUNTIME_CHECKS = {aten._assert_async.msg, aten._assert_async.default,
+                   torch.ops.fxpar.check_unrouted.default}
 _WARNED_NO_RULE: set = set()  # ops without a DTensor rule, warned about once per process
 
 
