@@ -686,19 +686,14 @@ class StackedExperts(nn.Module):
         return y
 
 
-class StackedLoopMoE(nn.Module):
+class StackedLoopMoE(WhereRoutedMoE):
     """An MoE language model whose experts are Hugging Face's eager experts (StackedExperts):
     compiler/padded_nonzero runs the loop once per expert reading a view of the stack, and
     passes/grouped_experts runs them as grouped matmuls over the stack itself."""
 
     def __init__(self, dim=HIDDEN, experts=4, k=2):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, dim)
-        self.gate = nn.Linear(dim, experts, bias=False)
+        super().__init__(dim, experts, k)
         self.experts = StackedExperts(dim, experts)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, VOCAB)
-        self.k = k
 
     def forward(self, batch):
         ids, targets = batch
@@ -706,7 +701,6 @@ class StackedLoopMoE(nn.Module):
         weights, indices = self.gate(x).softmax(-1).topk(self.k, -1)
         h = self.norm(x + self.experts(x, indices, weights)).view(*ids.shape, -1)
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
-
 
 
 def _pytorch() -> list[ZooModel]:
