@@ -471,9 +471,10 @@ def _drop_iterations(graph: torch.fx.Graph, past_end: set) -> bool:
         reach, plan = found
         for n, (kind, write) in plan:  # (each value read as the graph is now: sums chain)
             if kind == "base":
-                while write in reach:
-                    write = write.args[0]
-                n.replace_input_with(next(a for a in n.all_input_nodes if a in reach), write)
+                base = write
+                while base in reach:
+                    base = base.args[0]
+                n.replace_input_with(write, base)
             else:
                 n.replace_all_uses_with(n.args[0] if kind == "write" else
                                         next(a for a in n.args if a not in reach))
@@ -507,6 +508,8 @@ def _removal(body: list) -> tuple | None:
         plan += [(u, ("base", n)) for u in n.users if u not in inside and n in writes]
     based = {u for u, _ in plan}
     for n in body[0].graph.nodes:  # (in order: a node's inputs are decided before it)
+        if n in based and any(a in reach and a not in writes for a in n.all_input_nodes):
+            return None  # (a reader of a write that reads the iteration's values too)
         if n in reach or n in based or not any(a in reach for a in n.all_input_nodes):
             continue
         if n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs and \

@@ -339,7 +339,7 @@ def _reads_another(gm, experts, order: dict) -> str | None:
     entering = [x for e in experts for x in e.entering if x.meta.get(ir.REGION) == ir.FORWARD]
     if not regions or not entering:
         return None
-    first, last = min(order[n] for n in regions), max(order[x] for x in entering)
+    last = max(order[x] for x in entering)
     reached, n = set(), min(regions, key=order.get)
     while n.op != "output" and order[n] <= last:
         if n in regions or any(a in reached for a in n.all_input_nodes):
@@ -466,7 +466,8 @@ def _expert(module: str, weights: dict, grads: dict, order: dict, ops: list) -> 
     terminals, dead = {}, set(n for n in paths if n.op != "placeholder")
     for p in weights.values():
         g = grads.get(p)
-        while isinstance(g, torch.fx.Node) and g.target in _EXPERT_WEIGHT_PATH:
+        while isinstance(g, torch.fx.Node) and (g.target in WEIGHT_PATH or
+                                                 g.target is aten.permute.default):  # (W.T)
             dead.add(g)
             g = g.args[0]
         if g is None:

@@ -585,6 +585,8 @@ def _unstacked(leaves: list, emit) -> torch.fx.Node | None:
         return None
     out, nd = x, x.meta[ir.VAL].dim() - 1  # (nd: an expert's dims, as the chain goes)
     for target, args, kwargs in reversed(chain):
+        if target is aten.t.default and nd < 2:
+            continue  # (t of a vector: itself)
         if target is aten.t.default:
             target, args = aten.transpose.int, (1, 2)
         elif target is aten.transpose.int:
