@@ -41,6 +41,7 @@ passes/grouped_experts.py takes back to eager's where the masks partition the po
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import traceback
@@ -507,7 +508,8 @@ def _removal(body: list) -> tuple | None:
     for n in body:
         plan += [(u, ("base", n)) for u in n.users if u not in inside and n in writes]
     based = {u for u, _ in plan}
-    for n in body[0].graph.nodes:  # (in order: a node's inputs are decided before it)
+    # (from the body on - nothing before it reads it - in order: inputs decided first)
+    for n in itertools.dropwhile(lambda x: x is not body[0], body[0].graph.nodes):
         if n in based and any(a in reach and a not in writes for a in n.all_input_nodes):
             return None  # (a reader of a write that reads the iteration's values too)
         if n in reach or n in based or not any(a in reach for a in n.all_input_nodes):

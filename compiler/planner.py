@@ -1828,13 +1828,15 @@ def expert_stats(stats: GraphStats, gm) -> None:
         counts.append(len(lst.experts))
         seg.n_moe += 1
         try:
-            saved = 0.0 if grouped_experts.why_not(lst) else 1 - 1 / len(lst.experts)
-            ep_saved = 0.0 if grouped_experts.ep_why(lst) else saved
+            why = grouped_experts.why_not(lst)
+            ep_why = why or grouped_experts.ep_why(lst)
+            saved = 0.0 if why else 1 - 1 / len(lst.experts)
+            ep_saved = 0.0 if ep_why else saved
             stats.ep_slots = stats.ep_slots or not ep_saved
-            if lst.stacks and not ep_saved:  # (passes/expert_parallel refuses them)
+            if lst.stacks and ep_why:  # (passes/expert_parallel refuses them)
                 stats.ep_refusal = stats.ep_refusal or (
                     f"the stacked experts of {lst.module!r} do not run grouped under ep: "
-                    f"{grouped_experts.why_not(lst) or grouped_experts.ep_why(lst)}")
+                    f"{ep_why}")
         except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
             log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
             saved = ep_saved = 0.0
