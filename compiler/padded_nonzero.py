@@ -5,8 +5,9 @@ Mixture-of-experts layers written by hand pick each expert's tokens with
 expert(x[token_idx])` (litgpt's, Mistral's and DeepSeek's reference code). `nonzero` returns
 as many rows as the mask has true elements: a shape that depends on values, which one static
 graph cannot have. While tracing (`PaddedNonzero`), fxpar computes it at its largest size
-instead - dropless: `mask.numel()` rows, every position in nonzero's row-major order, a false
-one as index -1 - and `rewrite` then gives every tensor indexed by such an index one zero row
+instead - dropless: `mask.numel()` rows, every position (in the mask's memory order, see
+`_enumeration_order`), a false one as index -1 - and `rewrite` then gives every tensor
+indexed by such an index one zero row
 at the end of each dim the index addresses: a -1 reads that zero row and a write to -1 lands
 in it, cut away after the write. The true rows compute exactly what they compute in eager; the
 padding rows compute on zeros and are written nowhere.
@@ -1013,10 +1014,32 @@ def _pad(graph: torch.fx.Graph, n: torch.fx.Node, dims: list[int], shape: tuple)
         u.replace_input_with(n, cut)
 
 
+def _enumeration_order(m: torch.fx.Node) -> list[int]:
+    """The mask's dims in the order its positions are listed: by stride, largest first (the
+    memory order), where no loop iterates the rows (a loop's row p is position p in
+    row-major order, as `PaddedNonzero._iterate` decided while tracing).
+
+    A routing mask that is a permuted view of a token-major tensor (Hugging Face's
+    `one_hot(picks, E).permute(2, 1, 0)[e]`: (k, tokens)) so lists its positions token by
+    token, and a data-parallel rank's tokens are one block of them: core/local_dispatch
+    then runs the dispatch on each rank's own rows instead of gathering them. Only the
+    order of the routed rows changes: the trace reads them pairwise and writes them by
+    their positions (`_check`), so each result is eager's up to the order of the sums over
+    rows (a weight's gradient), as any grouped matmul's."""
+    v = m.args[0].meta[ir.VAL]
+    dims = list(range(v.dim()))
+    if any(u.target is aten.unbind.int and (u.args[1] if len(u.args) > 1 else 0) == 0
+           for u in m.users):
+        return dims
+    moved = iter(sorted((d for d in dims if v.shape[d] > 1), key=lambda d: -v.stride(d)))
+    return [d if v.shape[d] == 1 else next(moved) for d in dims]  # (size-1 dims stay)
+
+
 def _emit_positions(graph: torch.fx.Graph, m: torch.fx.Node, every: bool = False) -> None:
-    """The marker's value in ATen ops: each dim's arange broadcast over the mask's shape,
-    flattened and stacked, -1 where the mask is false (every: all positions, a loop's rows
-    `_hit_list_of` proved may all be present)."""
+    """The marker's value in ATen ops: each dim's arange broadcast over the mask's shape
+    (listed in `_enumeration_order`), flattened and stacked in the mask's dim order, -1
+    where the mask is false (every: all positions, a loop's rows `_hit_list_of` proved may
+    all be present)."""
     mask = m.args[0]
     shape = _shape(mask)
     dev = mask.meta[ir.VAL].device
@@ -1027,19 +1050,22 @@ def _emit_positions(graph: torch.fx.Graph, m: torch.fx.Node, every: bool = False
         node.meta.update(meta)
         return node
 
+    order = _enumeration_order(m)
+    grid = [shape[d] for d in order]
     with graph.inserting_before(m):
-        cols = []
-        for j, size in enumerate(shape):
-            r = call(aten.arange.default, size, dtype=torch.int64, device=dev)
-            r = call(aten.view.default, r, [size if k == j else 1 for k in range(len(shape))])
-            r = call(aten.expand.default, r, list(shape))
-            cols.append(call(aten.reshape.default, r, [-1]))
+        cols = [None] * len(shape)
+        for j, d in enumerate(order):
+            r = call(aten.arange.default, shape[d], dtype=torch.int64, device=dev)
+            r = call(aten.view.default, r, [grid[j] if k == j else 1 for k in range(len(grid))])
+            r = call(aten.expand.default, r, grid)
+            cols[d] = call(aten.reshape.default, r, [-1])
         pos = call(aten.stack.default, cols, 1)
         if every:
             m.replace_all_uses_with(pos)
             graph.erase_node(m)
             return
-        flat = call(aten.reshape.default, mask, [-1, 1])
+        flat = mask if order == sorted(order) else call(aten.permute.default, mask, order)
+        flat = call(aten.reshape.default, flat, [-1, 1])
         if mask.meta[ir.VAL].dtype != torch.bool:
             flat = call(aten.ne.Scalar, flat, 0)
         out = call(aten.where.ScalarOther, flat, pos, -1)

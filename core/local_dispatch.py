@@ -28,12 +28,13 @@ keeps DTensor's rules, and with them the gathered rows.
 
 Experts listed in an nn.ModuleList pick their rows with `torch.where(mask)`, which
 compiler/padded_nonzero traces at mask.numel() positions (-1 where the mask is false) and
-reads / writes through a copy with one zero row after the rows. Made from a rank's own
-mask rows, the positions along the mask's first dim are pointers into the rank's own rows
-(the arange counting them made local, the other columns plain keys): a -1 then reads the
-rank's own pad row, so such a pointer may only index a value padded so, of as many rows
-as the arange counted, and a write through it is cut back to the local rows. Such a
-routing types with or without a grouped matmul after it.
+reads / writes through a copy with one zero row after the rows, listed in the mask's
+memory order (a (k, tokens) view of a token-major tensor token by token). Made from a
+rank's own mask rows, the positions along the listing's outermost dim are pointers into the
+rank's own rows (the arange counting them made local, the other columns plain keys): a -1
+then reads the rank's own pad row, so such a pointer may only index a value padded so, of as
+many rows as the arange counted, and a write through it is cut back to the local rows. Such
+a routing types with or without a grouped matmul after it.
 """
 from __future__ import annotations
 
@@ -251,24 +252,30 @@ def _made_local(entry: Local):
 
 
 def _position_grid(node) -> int | None:
-    """Which column of compiler/padded_nonzero's positions `node` is the arange of (the
-    mask's dim it counts along): arange -> view -> expand -> reshape -> stack(cols, 1) ->
-    where(mask, positions, -1); else None."""
+    """How slowly the positions `node` counts vary in compiler/padded_nonzero's listing
+    (0: the outermost dim of the mask's memory order, each value one block of positions),
+    `node` an arange -> view -> expand -> reshape -> stack(cols, 1) -> where(mask,
+    positions, -1) of a dim larger than 1; else None."""
     if node.op != "call_function" or node.target is not aten.arange.default:
         return None
-    chain = node
+    chain, shapes = node, []
     for op in (aten.view.default, aten.expand.default, aten.reshape.default):
         users = list(chain.users)
         if len(users) != 1 or users[0].target is not op:
             return None
         chain = users[0]
+        shapes.append(list(chain.args[1]))
+    own, grid = shapes[0], shapes[1]  # (the arange viewed along its dim; the whole grid)
+    if own.count(1) != len(own) - 1:
+        return None  # (a dim of size 1: no block of positions to own)
+    j = next(i for i, s in enumerate(own) if s != 1)
     (stack,) = chain.users if len(chain.users) == 1 else (None,)
     if stack is None or stack.target is not aten.stack.default or stack.args[1:] != (1,):
         return None
     if not any(u.target is aten.where.ScalarOther and u.args[1] is stack and u.args[2] == -1
                for u in stack.users) or len(stack.users) != 1:
         return None
-    return stack.args[0].index(chain)
+    return sum(1 for s in grid[:j] if s != 1)
 
 
 def _dtype_only(user, x) -> bool:

@@ -159,15 +159,28 @@ def _left(gm, module: str, why: str) -> torch.fx.GraphModule:
 # --- which positions each expert owns ----------------------------------------------------
 
 def _is_padded_positions(n) -> torch.fx.Node | None:
-    """The mask of compiler/padded_nonzero's `where(mask.reshape(-1, 1), positions, -1)`."""
+    """The mask of compiler/padded_nonzero's `where(mask.reshape(-1, 1), positions, -1)`
+    (the mask permuted first where its positions are listed in another dim order)."""
     if n.op != "call_function" or n.target is not aten.where.ScalarOther or n.args[2] != -1:
         return None
     flat = n.args[0]
     if flat.target is aten.ne.Scalar and flat.args[1] == 0:
         flat = flat.args[0]
     if flat.target is aten.reshape.default and list(flat.args[1]) == [-1, 1]:
-        return flat.args[0]
+        mask = flat.args[0]
+        return mask.args[0] if _listing(n) else mask
     return None
+
+
+def _listing(n) -> tuple:
+    """The dim order padded positions `n` list their mask's positions in (() for row-major):
+    the permute padded_nonzero put before flattening the mask."""
+    flat = n.args[0]
+    flat = flat.args[0] if flat.target is aten.ne.Scalar else flat
+    mask = flat.args[0]
+    if mask.target is aten.permute.default and len(mask.users) == 1:
+        return tuple(mask.args[1])
+    return ()
 
 
 _SAME_ROWS = {aten._to_copy.default, aten.clone.default, aten.expand.default}
@@ -357,6 +370,8 @@ def _routing(lst: ExpertList) -> tuple | str:
     masks = [m for m, _ in found]
     if any(m.meta[ir.VAL].numel() != rows for m in masks):
         return "the masks do not have one position per row"
+    if len({_listing(p) for _, ps in found for p in ps}) != 1:
+        return "the experts' positions are listed in different dim orders"
     why = _partition(masks) or _aligned(lst) or _op_why(experts[0], rows)
     return why or tuple(zip(*found))
 
@@ -424,9 +439,8 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
         return n
 
     # each position's expert (n_exp: none), the positions sorted by it, each expert's end row
-    flat = [emit(aten.reshape.default, m, [-1]) for m in masks]
-    if masks[0].meta[ir.VAL].dtype != torch.bool:  # (one_hot's int64, as padded_nonzero reads)
-        flat = [emit(aten.ne.Scalar, f, 0) for f in flat]
+    # (each mask as its positions list it, true where nonzero, as padded_nonzero reads it)
+    flat = [emit(aten.reshape.default, next(iter(p)).args[0], [-1]) for p in positions]
     key = emit(aten.full.default, [rows], n_exp, dtype=torch.int64,
                device=masks[0].meta[ir.VAL].device)
     for j in reversed(range(n_exp)):

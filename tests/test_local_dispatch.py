@@ -316,3 +316,26 @@ def test_grouped_listed_experts_run_on_each_ranks_own_positions():
                          example_batch=zoo.build("where_moe")[1].batch(0), plan={"dp": 2})
     assert not [n for n in prog.graph.graph.nodes
                 if n.target is c10d.all_gather_into_tensor.default]
+
+
+def test_experts_looped_over_a_k_by_tokens_mask_run_on_each_ranks_own_rows():
+    """Hugging Face's eager experts (and DBRX's, and stacked_loop_moe's) route by
+    `one_hot(picks, E).permute(2, 1, 0)[e]`, a (k, tokens) mask: its positions are listed
+    token by token (compiler/padded_nonzero), so at dp=2 each rank's grouped matmuls run on
+    its own 128 of the 256 (token, pick) rows and nothing of the dispatch is gathered: the
+    only collectives are the gradients' and the loss's all-reduces."""
+    import warnings
+    import workers
+    for name in ("stacked_loop_moe", "mixtral_eager_experts"):
+        model, batch_fn, loss_fn = workers.build(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
+                                 plan={"dp": 2})
+        g = prog.graph.graph
+        rows = {n.meta[ir.VAL].shape[0] for n in _grouped_mms(g) if n.meta[ir.VAL].dim() == 2}
+        assert rows == {128}, name
+        comms = {n.target for n in g.nodes if n.target in (
+            c10d.all_gather_into_tensor.default, c10d.all_reduce.default,
+            c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)}
+        assert comms == {c10d.all_reduce.default}, (name, comms)

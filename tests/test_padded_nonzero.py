@@ -156,6 +156,45 @@ def test_the_positions_are_nonzeros_with_padding_last_in_each_row_major_slot():
     assert (pos[~mask.reshape(-1)] == -1).all()
 
 
+def test_a_permuted_token_major_mask_lists_its_positions_token_by_token():
+    """`torch.where(one_hot(picked, E).permute(2, 1, 0)[e])` (a (k, tokens) view of a
+    token-major tensor): its positions are listed in the mask's memory order, token by
+    token, so a dp rank's tokens are one block of them (core/local_dispatch). Each true
+    position is still listed once, with nonzero's coordinates; the result is eager's."""
+    torch.manual_seed(0)
+    model = _HitLoopMoE()
+    x = torch.randn(16, 8)
+    gm, got, loss, grads, params = _run(model, x, lambda m, b: m(b)[0])
+    _assert_exact(gm, got, loss, grads, params)
+    where = [n for n in gm.graph.nodes if n.target is aten.where.ScalarOther
+             and n.args[2] == -1]
+    assert len(where) == 4
+    flats = [w.args[0].args[0] if w.args[0].target is aten.ne.Scalar else w.args[0]
+             for w in where]
+    assert all(f.args[0].target is aten.permute.default and f.args[0].args[1] == [1, 0]
+               for f in flats)
+
+    seen = {}
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n in where or n.target is aten.permute.default and n.args[1] == [2, 1, 0]:
+                seen[n] = out
+            return out
+
+    params_ = [p.detach() for p in model.parameters()]
+    with torch.no_grad():
+        Record(gm).run(*params_, x)
+    (onehot,) = [v for n, v in seen.items() if n not in where]
+    for e, w in enumerate(where):
+        pos = seen[w]
+        true = pos[(pos >= 0).all(1)]
+        assert sorted(true.tolist()) == torch.nonzero(onehot[e]).tolist()
+        assert true[:, 1].tolist() == sorted(true[:, 1].tolist())  # (token by token)
+        assert pos.shape == (2 * 16, 2)
+
+
 # --- a loop over the experts nonzero() found hit: HF's eager experts, DBRX, and the
 # ModuleList form Hugging Face's MoE models had before (and much hand-written MoE code has) --
 
