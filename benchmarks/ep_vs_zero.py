@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/ep_vs_zero.py [--steps 20] [--warmup 3] [--layers 2]
         [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
-        [--model hf|litgpt|deepseek]
+        [--model hf|hf_eager|litgpt|deepseek]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
-top-2 routing; sizes from the flags), or with `--model litgpt` litgpt's Mixtral (its experts
+top-2 routing; sizes from the flags; `--model hf_eager`: the same with
+`config._experts_implementation = "eager"`, a loop over the experts some token picked), or
+with `--model litgpt` litgpt's Mixtral (its experts
 an nn.ModuleList, each run on the rows torch.where picks for it: grouped, each rank
 routing its own tokens, and ep runs each rank's experts in slots), or with `--model deepseek` a Hugging Face
 DeepSeek-V3 (MLA attention, a shared expert beside the routed ones), under six plans (seven
@@ -105,6 +107,8 @@ def _model(args):
         num_local_experts=args.experts, num_experts_per_tok=2, router_aux_loss_coef=0.0,
         max_position_embeddings=args.seq)
     cfg._attn_implementation = "sdpa"
+    if args.model == "hf_eager":
+        cfg._experts_implementation = "eager"
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg)
 
@@ -189,7 +193,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
-    ap.add_argument("--model", default="hf", choices=("hf", "litgpt", "deepseek"))
+    ap.add_argument("--model", default="hf", choices=("hf", "hf_eager", "litgpt", "deepseek"))
     args = ap.parse_args()
     torchrun = rdist.under_torchrun()  # (then the script runs in the ranks torchrun started)
     if torchrun:

@@ -2038,11 +2038,27 @@ def tp_roles(gm, sig) -> tuple[dict | None, str | None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return tensor_parallel.roles(gm, sig), None
+            roles = tensor_parallel.roles(gm, sig)
+            roles.update(_grouped_stack_roles(gm, sig))
+            return roles, None
     except Exception as e:  # noqa: BLE001 - the pass's own reason, shown by the search
         log.debug("planner: tensor_parallel.roles failed on this graph: %s", e)
         return None, f"the tensor_parallel pass cannot split this graph ({type(e).__name__}: " \
             f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+
+
+def _grouped_stack_roles(gm, sig) -> dict:
+    """The tp roles of stacked experts read one by one (Hugging Face's eager experts, DBRX):
+    tp splits them in the grouped form passes/grouped_experts makes of them before it, so
+    their roles are decided on that form (on the traced one no linear reads the stack)."""
+    stacks = {weight_fqn(stack) for lst in find_expert_lists(gm)
+              for stack, _ in lst.stacks.values()}
+    if not stacks:
+        return {}
+    grouped = _on_copy(grouped_experts, gm, sig, {}, 1)
+    if grouped is None:
+        return {}
+    return {k: r for k, r in tensor_parallel.roles(grouped, sig).items() if k in stacks}
 
 
 def checkpoints_per_layer(gm) -> int:

@@ -353,6 +353,22 @@ def test_grouped_experts_train_like_eager_under_plans():
                      for plan in plans] + [("litgpt_mixtral", "adamw", {"dp": 2, "cp": 2})])
 
 
+def test_the_planner_prices_stacked_experts_split_by_tp_as_grouped():
+    """stacked_loop_moe (HF's eager experts): no linear reads its stacks in the traced form
+    (a select per expert), but the grouped form tp splits them (gate_up by columns, down by
+    rows): the planner's tp roles are decided on that form, so every expert FLOP is priced
+    split under tp, as it runs."""
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.examples import zoo
+    model, spec = zoo.build("stacked_loop_moe")
+    stats = planner_stats(model, spec.batch(0))
+    experts = {k: r for k, r in stats.tp_roles.items() if k.startswith("experts.")}
+    assert experts and set(experts.values()) == {"column", "row"}
+    segs = [s for s in stats.segments if s.expert_flops_f]
+    assert segs and all(s.expert_flops_f_split == s.expert_flops_f and
+                        s.expert_flops_b_split == s.expert_flops_b for s in segs)
+
+
 def test_grouping_under_tp_saves_one_tp_th_where_tp_splits_the_experts():
     """planner._grouped: under tp each rank's stacks hold 1/tp of every expert where tp splits
     their linears, so grouping saves 1/tp of the traced FLOPs it saves at tp = 1 (and moves
