@@ -93,6 +93,9 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
             return None
         ins = node.args[0] if op is aten.cat.default else [node.args[0]]
         return {x: row for x in ins}
+    if op is aten.slice_backward.default:  # (a slice's gradient along another dim: GPT-OSS's
+        # gate and up, every other feature)
+        return {node.args[0]: row} if node.args[2] % out.dim() != row else None
     if op in ir.RESHAPES:
         x = node.args[0]
         ok = row == 0 and val(x).dim() >= 1 and val(x).shape[0] == rows == out.shape[0]
@@ -373,9 +376,17 @@ def _canonical(e: Expert, order: dict) -> list:
             return ("weight", names[a])
         if a in e.dead:  # (a weight's way to the region: a transpose, a cast)
             return (a.target, pytree.tree_map(role, (a.args, a.kwargs)))
+        if _constant(a):  # (each expert's own copy of a constant: a where's scalar_tensor)
+            return ("constant", a.target, a.args, tuple(sorted(a.kwargs.items(), key=str)))
         return ("shared", a)
     return [(n.target, e.region[n], pytree.tree_map(role, (n.args, n.kwargs)), n in e.leaving)
             for n in nodes]
+
+
+def _constant(a: torch.fx.Node) -> bool:
+    """`a` is made from its arguments alone, the same every time (a factory, not random)."""
+    return a.op == "call_function" and not a.all_input_nodes and isinstance(
+        a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded not in a.target.tags
 
 
 def _ops_of(forward: dict, module: str) -> list:

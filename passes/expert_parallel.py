@@ -528,6 +528,9 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
     received = emit(aten.sum.dim_IntList, emit(aten.select.int, route, 0, 1), [0])
     local_offs = emit(aten._to_copy.default, emit(aten.cumsum.default, received, 0),
                       dtype=torch.int32)
+    for n in [n for n, r in layer.region.items()
+              if n.target is aten.slice_backward.default and r is not None]:
+        _unsized_slice_backward(graph, layer, n, layer.region[n])
     order = {n: i for i, n in enumerate(graph.nodes)}
     for m in layer.matmuls:
         m.replace_input_with(offs, local_offs)
@@ -564,6 +567,46 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
             back = _emit(graph, c10d.wait_tensor.default, (sent,), y, region=ir.COMM)
         for u in users:
             u.replace_input_with(y, back)
+
+
+def _unsized_slice_backward(graph, layer: Layer, n: torch.fx.Node, r: int) -> None:
+    """slice_backward(g, sizes, d, start, end, step) (a slice's gradient along a feature dim:
+    GPT-OSS's gate and up, every other feature) written without the rows' count, which its
+    `sizes` fixes and the received rows do not have: g padded with zeros along d, or for a
+    step, `g.unsqueeze(d + 1)` padded to [.., N / step, step, ..] and viewed [.., N, ..]."""
+    g, sizes, d, start, end, step = n.args
+    nd = len(sizes)
+    d, full = d % nd, sizes[d]
+    start = start + full if start < 0 else start
+    count = _val(g).shape[d]
+    if step == 1:
+        pad = [0] * (2 * nd)  # (constant_pad_nd's pairs run from the last dim)
+        pad[2 * (nd - 1 - d)], pad[2 * (nd - 1 - d) + 1] = start, full - start - count
+        with graph.inserting_before(n):
+            out = [_emit(graph, aten.constant_pad_nd.default, (g, pad, 0.0), n)]
+    elif full % step == 0 and 0 <= start < step and count <= full // step:
+        pad = [0] * (2 * (nd + 1))
+        pad[2 * (nd - 1 - d)], pad[2 * (nd - 1 - d) + 1] = start, step - 1 - start  # (d + 1)
+        pad[2 * (nd - d) + 1] = full // step - count  # (dim d: slots past the slice's end)
+        size = list(sizes)
+        size[r] = -1
+        with graph.inserting_before(n):
+            out = [_emit(graph, aten.unsqueeze.default, (g, d + 1), n)]
+            out.append(_emit(graph, aten.constant_pad_nd.default, (out[-1], pad, 0.0), n))
+            out.append(_emit(graph, aten.view.default, (out[-1], size), n))
+    else:
+        raise PlanError(f"Plan.ep: {n.name} in the MoE layer {layer.module!r} is the gradient "
+                        f"of a slice [{start}:{end}:{step}] of {full} features, which expert "
+                        "parallelism cannot size by the rows received. Use ep=1 for this "
+                        "model.")
+    for m in out:
+        m.meta[ir.DYNAMIC_ROWS] = True
+        layer.region[m] = r + (m.target is aten.unsqueeze.default and r > d)
+    n.replace_all_uses_with(out[-1])
+    if n in layer.leaving:
+        layer.leaving[layer.leaving.index(n)] = out[-1]
+    del layer.region[n]
+    graph.erase_node(n)
 
 
 # --- experts written as nn.ModuleList -------------------------------------------------------

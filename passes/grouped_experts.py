@@ -21,9 +21,10 @@ one matmul, as in eager: eager's FLOPs.
 Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
 that are not one index tensor compared with distinct experts, a region op it has no
 grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), each reason
-logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism experts with
-parameters other than matrices (biases: passes/expert_parallel runs a list's in slots as
-traced, and refuses stacked ones; the others' stacks it splits by rank). Under tensor
+logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism listed experts
+with parameters other than matrices (biases: passes/expert_parallel runs them in slots as
+traced; stacked experts' biases are looked up per row before the rows leave, the stacks of
+matrices split by rank). Under tensor
 parallelism the tp pass splits each stack's experts' weights alike
 (passes/tensor_parallel.find_linears); listed experts whose matmul output is split into
 pieces (a fused gate/up, stored interleaved per expert by the tp pass) run as traced
@@ -115,15 +116,16 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
 
 def ep_why(lst: ExpertList) -> str | None:
     """Why `lst`'s experts do not run grouped under expert parallelism (None: they do, their
-    stacked matrices split by rank into slots by passes/expert_parallel); experts with other
-    parameters (biases) run in slots as traced (the planner asks too, to price ep)."""
+    stacked matrices split by rank into slots by passes/expert_parallel); listed experts
+    with other parameters (biases) run in slots as traced (the planner asks too, to price
+    ep). Stacked experts' biases are looked up by each row's expert before the rows leave
+    for their experts' ranks (Hugging Face's grouped form): they run grouped."""
     vectors = [p.meta.get(ir.FQN, name) for name, p in lst.experts[0].params.items()
                if p.meta[ir.VAL].dim() != 2]
-    if not vectors:
+    if not vectors or lst.stacks:
         return None
-    return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) " + (
-        "do not run grouped (each row's would be looked up on the rows another rank routes)"
-        if lst.stacks else "run in slots as traced"))
+    return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) run in "
+            "slots as traced")
 
 
 def tp_why(lst: ExpertList) -> str | None:
@@ -504,6 +506,7 @@ def _rewrite(graph: torch.fx.Graph, lst: ExpertList) -> str | None:
                          device=n0.meta[ir.VAL].device, region=region)
             sums = emit(aten.index_add.default, zeros, 0, key_s, mapped[0], region=region)
             terminals[n0] = emit(aten.slice.Tensor, sums, 0, 0, n_exp, region=region)
+            terminals[n0].meta[ir.VAL] = n0.meta[ir.VAL].new_empty([n_exp] + shape)
         elif n0.target is aten.mm.default and wk:
             new[n0] = emit(_GROUPED_MM.default, mapped[0], stacked(q, 1), offs, region=region)
         elif n0.target is aten.addmm.default and wk:

@@ -751,10 +751,12 @@ def test_dbrx_experts_split_along_their_viewed_parameters():
     assert all(s == (full[n].shape[0] // 2, full[n].shape[1]) for n, s in split.items())
 
 
-def test_stacked_experts_that_cannot_run_grouped_are_refused_under_ep():
-    """Stacked experts with biases [experts, out] (GPT-OSS's form) run grouped at ep=1 but
-    not under ep (a bias is looked up by each row's expert on the rows this rank routes):
-    refused by name, and the planner prices no ep for them."""
+def test_stacked_experts_with_biases_run_grouped_under_ep():
+    """Stacked experts with biases [experts, out] (GPT-OSS's eager form): grouped, each row's
+    bias is looked up by its expert on the rank that routes it and travels with the rows,
+    so ep splits the matrices and keeps the biases whole (their gradients summed into
+    zeros by expert on that rank, partial over dp as any weight's); the planner prices ep.
+    Parity: test_padded_nonzero's GPT-OSS eager experts at dp=2 x ep=2."""
     class Biased(zoo.StackedExperts):
         def __init__(self):
             super().__init__()
@@ -772,11 +774,29 @@ def test_stacked_experts_that_cannot_run_grouped_are_refused_under_ep():
             return y
     model, spec = zoo.build("stacked_loop_moe")
     model.experts = Biased()
-    with pytest.raises(PlanError, match="stacked weights .* a loop reads one expert at a "
-                       "time .* experts with parameters other than matrices"):
-        fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    (layer,) = prog.graph.meta[ir.EP_REPORT]
+    assert layer["dispatch"] == "all-to-all" and layer["per_rank"] == 2
+    shapes = {p.meta[ir.FQN]: tuple(p.meta[ir.VAL].shape) for p in prog.graph.graph.nodes
+              if p.op == "placeholder" and str(p.meta.get(ir.FQN)).startswith("experts.")}
+    full = dict(model.experts.named_parameters())
+    assert shapes["experts.bias"] == tuple(full["bias"].shape)
+    assert shapes["experts.down_proj"][0] == 2 and shapes["experts.gate_up_proj"][0] == 2
     from fxpar.compiler.compile import planner_stats
-    assert "do not run grouped under ep" in planner_stats(model, spec.batch(0)).ep_refusal
+    assert planner_stats(model, spec.batch(0)).ep_refusal is None
+
+
+def test_a_stepped_slices_gradient_is_sized_by_the_rows_received():
+    """GPT-OSS's gate and up are every other feature of one matmul: their gradients
+    (slice_backward, sized by the rows) inside an ep region are written without the rows'
+    count (a pad between the features, viewed back), as the received rows vary."""
+    model, batch_fn, loss_fn = workers.build("gpt_oss_eager_experts")
+    prog = fxpar.compile(model, 2, example_batch=batch_fn(0), plan={"dp": 2, "ep": 2})
+    g = prog.graph.graph
+    dynamic = [n for n in g.nodes if n.meta.get(ir.DYNAMIC_ROWS)]
+    assert not [n for n in dynamic if n.target is aten.slice_backward.default]
+    pads = [n for n in dynamic if n.target is aten.constant_pad_nd.default]
+    assert pads and all(n.args[0].target is aten.unsqueeze.default for n in pads)
 
 
 @pytest.mark.slow  # (several compiles: make test's 6 minutes)

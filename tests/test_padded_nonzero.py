@@ -449,12 +449,15 @@ def test_a_row_of_nonzero_taken_outside_a_loop_is_refused(pick):
 def test_experts_looped_over_the_hit_list_train_like_eager():
     """transformers' eager experts under dp=2, a 2-stage pipeline with microbatches (each
     microbatch runs every expert: no hit list of the whole batch is computed) and dp=2 x
-    ep=2 (run grouped, each rank its half of each stack), DBRX under dp=2 x ep=2 and tp=2:
-    losses, evaluate() and final weights equal eager AdamW."""
+    ep=2 (run grouped, each rank its half of each stack), DBRX under dp=2 x ep=2 and tp=2,
+    GPT-OSS's (expert biases, gate and up interleaved) under dp=2 x ep=2 and tp=2: losses,
+    evaluate() and final weights equal eager AdamW."""
     pytest.importorskip("transformers")
     from test_parity import _check_plans
     _check_plans(2, [("mixtral_eager_experts", "adamw", {"dp": 2}),
                      ("mixtral_eager_experts", "adamw", {"pp": 2, "microbatches": 2}),
                      ("mixtral_eager_experts", "adamw", {"dp": 2, "ep": 2}),
                      ("dbrx", "adamw", {"dp": 2, "ep": 2}),
-                     ("dbrx", "adamw", {"tp": 2})])
+                     ("dbrx", "adamw", {"tp": 2}),
+                     ("gpt_oss_eager_experts", "adamw", {"dp": 2, "ep": 2}),
+                     ("gpt_oss_eager_experts", "adamw", {"tp": 2})])

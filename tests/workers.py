@@ -56,11 +56,13 @@ def sized_zoo():
             # experts run in a loop over those nonzero() found hit: transformers' eager
             # experts (Mixtral's), DBRX's
             "mixtral_eager_experts": (_eager_experts, _lm(), None),
+            # (GPT-OSS's: expert biases, gate and up interleaved feature by feature)
+            "gpt_oss_eager_experts": (lambda: _eager_experts("gpt_oss"), _lm(), None),
             "dbrx": _zoo_entry("dbrx")}
 
 
-def _eager_experts():
-    model = _zoo_model("mixtral")
+def _eager_experts(name="mixtral"):
+    model = _zoo_model(name)
     model.config._experts_implementation = "eager"
     return model
 
