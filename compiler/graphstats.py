@@ -51,7 +51,7 @@ FIELDS = ("flops_f", "flops_b", "bytes_f", "bytes_b", "nodes_f", "nodes_b", "sav
           "bytes_f_whole", "bytes_b_whole", "saved_whole", "expert_params", "expert_flops_f",
           "expert_flops_b", "ep_comm_f", "ep_comm_b", "ep_bytes_f", "ep_bytes_b", "ep_saved",
           "grouped_saved_f", "grouped_saved_b", "grouped_bytes_f", "grouped_bytes_b",
-          "grouped_stack_bytes", "grouped_ep_saved_f", "grouped_ep_saved_b",
+          "grouped_stack_bytes",
           "expert_flops_f_split", "expert_flops_b_split",
           "attn_flops_f", "attn_flops_b", "sdpa_flops_f", "sdpa_flops_b", "kv_bytes", "qo_bytes",
           "n_attn")
@@ -118,10 +118,6 @@ class Segment:
     grouped_bytes_f: float = 0.0
     grouped_bytes_b: float = 0.0
     grouped_stack_bytes: float = 0.0
-    # of grouped_saved_*: the lists that also run grouped under ep (matrices only: those with
-    # biases run in slots as traced there)
-    grouped_ep_saved_f: float = 0.0
-    grouped_ep_saved_b: float = 0.0
     # the activations the dp pass all-gathers here (an op with no split sharding rule reading
     # the batch's rows: an experts loop's combine), per microbatch: how many, and their
     # bytes gathered at the traced rows (fp32)

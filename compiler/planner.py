@@ -397,7 +397,6 @@ _SHARE_OF = {"flops_f": "f", "flops_f_split": "f", "flops_f_whole": "f", "tp_com
              "ep_saved": "saved", "n_moe": "f", "grouped_saved_f": "f", "grouped_saved_b": "b",
              "expert_flops_f_split": "f", "expert_flops_b_split": "b",
              "grouped_bytes_f": "bf", "grouped_bytes_b": "bb", "grouped_stack_bytes": "p",
-             "grouped_ep_saved_f": "f", "grouped_ep_saved_b": "b",
              "dp_gathers": "f", "dp_gather_bytes": "bf", "attn_flops_f": "f", "sdpa_flops_f": "f",
              "attn_flops_b": "b", "sdpa_flops_b": "b", "kv_bytes": "f", "qo_bytes": "f",
              "n_attn": "f"}
@@ -1379,11 +1378,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tf, tb = tf + nodes, tb + nodes
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b
             if (precision == "bf16" or hw.name == "cpu") and any(
-                    s.grouped_ep_saved_f for s in segs):  # listed experts grouped: over the
+                    s.grouped_saved_f for s in segs):  # listed experts grouped: over the
                 # rows the rank receives, as many as it routes (passes/grouped_experts)
                 rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
                 tf, tb = _grouped(segs, tf, tb, f, rate, hw.mem_bandwidth / hw.roofline_scale,
-                                  1, "grouped_ep_saved", tp)
+                                  1, "grouped_saved", tp)
         elif ep > 1:  # the expert matmuls over every dp rank's rows: 1/ep of them; the rows
             # leaving each MoE layer all-reduced over the ep group (neighbouring dp ranks)
             g = mbs * dp / stats.rows
@@ -1400,9 +1399,9 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tb = max(tb + sum(s.ep_bytes_b for s in segs) * g / bw + nodes
                      - (1 - 1 / ep) * _expert_flops(segs, "b", tp) * g / rate, 0.0)
             if (precision == "bf16" or hw.name == "cpu") and any(
-                    s.grouped_ep_saved_f for s in segs):  # listed experts grouped in
+                    s.grouped_saved_f for s in segs):  # listed experts grouped in
                 # slots (passes/grouped_experts): each rank's 1/ep of them over its rows
-                tf, tb = _grouped(segs, tf, tb, g, rate, bw, ep, "grouped_ep_saved", tp)
+                tf, tb = _grouped(segs, tf, tb, g, rate, bw, ep, "grouped_saved", tp)
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         elif precision == "bf16" or hw.name == "cpu":  # listed experts run grouped
             # (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's rows (the
@@ -1829,17 +1828,15 @@ def expert_stats(stats: GraphStats, gm) -> None:
         seg.n_moe += 1
         try:
             why = grouped_experts.why_not(lst)
-            ep_why = why or grouped_experts.ep_why(lst)
             saved = 0.0 if why else 1 - 1 / len(lst.experts)
-            ep_saved = 0.0 if ep_why else saved
-            stats.ep_slots = stats.ep_slots or not ep_saved
-            if lst.stacks and ep_why:  # (passes/expert_parallel refuses them)
+            stats.ep_slots = stats.ep_slots or not saved
+            if lst.stacks and why:  # (passes/expert_parallel refuses them)
                 stats.ep_refusal = stats.ep_refusal or (
                     f"the stacked experts of {lst.module!r} do not run grouped under ep: "
-                    f"{ep_why}")
+                    f"{why}")
         except Exception as e:  # noqa: BLE001 - priced as traced (the pass would fall back)
             log.debug("planner: could not tell whether %s runs grouped: %s", lst.module, e)
-            saved = ep_saved = 0.0
+            saved = 0.0
             stats.ep_slots = True
         for x in lst.experts:
             seg.expert_params += sum(p.meta[ir.VAL].numel() for p in x.params.values())
@@ -1851,12 +1848,10 @@ def expert_stats(stats: GraphStats, gm) -> None:
                     seg.expert_flops_f += cost.node_flops(n)
                     seg.expert_flops_f_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_f += saved * cost.node_flops(n)
-                    seg.grouped_ep_saved_f += ep_saved * cost.node_flops(n)
                 else:
                     seg.expert_flops_b += cost.node_flops(n)
                     seg.expert_flops_b_split += cost.node_flops(n) if split else 0.0
                     seg.grouped_saved_b += saved * cost.node_flops(n)
-                    seg.grouped_ep_saved_b += ep_saved * cost.node_flops(n)
             if saved and not lst.stacks:  # (grouped: each weight stacked forward and
                 # backward, read + written; a stacked list's are read as they are)
                 seg.grouped_stack_bytes += 2 * sum(cost.tensor_bytes(p.meta[ir.VAL])

@@ -21,10 +21,10 @@ one matmul, as in eager: eager's FLOPs.
 Not applied (the padded trace runs as it is) where it cannot be shown exact or run: masks
 that are not one index tensor compared with distinct experts, a region op it has no
 grouped form for, feature sizes `_grouped_mm` cannot take (16-byte strides), each reason
-logged and kept in gm.meta[ir.GROUPED_EXPERTS]; under expert parallelism listed experts
-with parameters other than matrices (biases: passes/expert_parallel runs them in slots as
-traced; stacked experts' biases are looked up per row before the rows leave, the stacks of
-matrices split by rank). Under tensor
+logged and kept in gm.meta[ir.GROUPED_EXPERTS]. Under expert parallelism the stacks of
+matrices are split by rank (passes/expert_parallel); the experts' biases are looked up by
+each row's expert before the rows leave for their experts' ranks (Hugging Face's grouped
+form), and stay whole. Under tensor
 parallelism the tp pass splits each stack's experts' weights alike
 (passes/tensor_parallel.find_linears); listed experts whose matmul output is split into
 pieces (a fused gate/up, stored interleaved per expert by the tp pass) run as traced
@@ -89,8 +89,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     report = []
     try:
         for lst in lists:
-            why = ep_why(lst) if (options.ep or 1) > 1 else None
-            why = why or (tp_why(lst) if (options.tp or 1) > 1 else None)
+            why = tp_why(lst) if (options.tp or 1) > 1 else None
             why = why or _rewrite(work.graph, lst)
             report.append({"module": lst.module, "experts": len(lst.experts),
                            "rows": lst.rows, "grouped": why is None, "why": why})
@@ -112,20 +111,6 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         return gm
     work.meta[ir.GROUPED_EXPERTS] = report
     return work
-
-
-def ep_why(lst: ExpertList) -> str | None:
-    """Why `lst`'s experts do not run grouped under expert parallelism (None: they do, their
-    stacked matrices split by rank into slots by passes/expert_parallel); listed experts
-    with other parameters (biases) run in slots as traced (the planner asks too, to price
-    ep). Stacked experts' biases are looked up by each row's expert before the rows leave
-    for their experts' ranks (Hugging Face's grouped form): they run grouped."""
-    vectors = [p.meta.get(ir.FQN, name) for name, p in lst.experts[0].params.items()
-               if p.meta[ir.VAL].dim() != 2]
-    if not vectors or lst.stacks:
-        return None
-    return (f"under ep, experts with parameters other than matrices ({vectors[:2]}) run in "
-            "slots as traced")
 
 
 def tp_why(lst: ExpertList) -> str | None:

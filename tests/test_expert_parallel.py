@@ -656,8 +656,10 @@ def test_all_to_all_ops_send_rows_to_their_experts_and_back():
 # --- experts kept as an nn.ModuleList (the zoo's where_moe, litgpt's Mixtral) --------------
 
 def _where_moe_program(plan):
-    model, spec = zoo.build("where_moe")
-    return fxpar.compile(model, plan["dp"] * plan.get("tp", 1), example_batch=spec.batch(0),
+    """where_moe with experts too narrow to run grouped (workers' where_moe_slots): under ep
+    they run in slots, as traced."""
+    model, batch_fn, _ = workers.build("where_moe_slots")
+    return fxpar.compile(model, plan["dp"] * plan.get("tp", 1), example_batch=batch_fn(0),
                          plan=plan)
 
 
@@ -694,10 +696,11 @@ def test_listed_experts_run_in_slots_on_their_ranks():
     # the expert weights' gradients are whole (every row's): no reduction over dp or edp
     reduced = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
     assert all(n.meta[ir.VAL].numel() < 9000 for n in reduced)
-    # the planner prices ep for it: one MoE layer of 4 experts, their weights
+    # the planner prices ep for it: one MoE layer of 4 experts, their weights, in slots
     from fxpar.compiler.compile import planner_stats
-    model, spec = zoo.build("where_moe")
-    stats = planner_stats(model, spec.batch(0))
+    model, batch_fn, _ = workers.build("where_moe_slots")
+    stats = planner_stats(model, batch_fn(0))
+    assert stats.ep_slots
     experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith("experts."))
     assert stats.expert_counts == (4,) and stats.ep_refusal is None
     assert [s.expert_params for s in stats.segments if s.n_moe] == [experts]
@@ -729,7 +732,7 @@ def test_stacked_experts_a_loop_reads_split_like_grouped_experts():
     stats = planner_stats(model, spec.batch(0))
     seg = next(s for s in stats.segments if s.n_moe)
     assert stats.expert_counts == (4,) and stats.ep_refusal is None and not stats.ep_slots
-    assert seg.grouped_stack_bytes == 0 and seg.grouped_ep_saved_f == seg.grouped_saved_f > 0
+    assert seg.grouped_stack_bytes == 0 and seg.grouped_saved_f > 0
 
 
 def test_dbrx_experts_split_along_their_viewed_parameters():
@@ -805,8 +808,9 @@ def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     each grouped matmul over a stack of this rank's 2 experts' matrices (slots: expert j on
     ep rank 0, j+2 on rank 1), the rows each rank routes (its own: core/local_dispatch)
     sent to their experts' ranks by all-to-all; no expert is run as traced, experts 2 and 3
-    have no gradient and no reader. where_moe's experts
-    (biases) run in slots as traced, the reason kept."""
+    have no gradient and no reader. where_moe's experts (biases: each row's looked up by
+    its expert before it leaves, the biases whole on every rank) run grouped too; experts
+    too narrow to group run in slots as traced, the reason kept."""
     model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
     prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
                          plan={"dp": 2, "ep": 2})
@@ -836,13 +840,20 @@ def test_grouped_listed_experts_split_as_slots_of_their_stacks():
     model, batch_fn, loss_fn = workers.build("litgpt_mixtral")
     stats = planner_stats(model, batch_fn(0), loss_fn=loss_fn)
     segs = stats.segments
-    assert sum(s.grouped_ep_saved_f for s in segs) == sum(s.grouped_saved_f for s in segs) > 0
+    assert sum(s.grouped_saved_f for s in segs) > 0
     assert stats.moe_local and not stats.ep_slots  # (dp: each rank's own positions; ep:
     #                                                 all-to-all, not slots)
 
+    model, spec = zoo.build("where_moe")
+    prog = fxpar.compile(model, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
+    assert prog.graph.meta[ir.EP_REPORT][0]["dispatch"] == "all-to-all, grouped slots"
+    names, phs = prog.signature.param_names, [n for n in prog.graph.graph.nodes
+                                              if n.op == "placeholder"]
+    biases = [i for i, n in enumerate(names) if n.startswith("experts.") and "bias" in n]
+    assert len(biases) == 16 and all(phs[i].users for i in biases)  # (every expert's, whole)
     prog = _where_moe_program({"dp": 2, "ep": 2})
     (why,) = [r["why"] for r in prog.graph.meta[ir.GROUPED_EXPERTS]]
-    assert "under ep, experts with parameters other than matrices" in why
+    assert "multiples of 8" in why
     assert prog.graph.meta[ir.EP_REPORT][0]["dispatch"] == "expert slots"
 
 
@@ -858,8 +869,10 @@ class _Scale(torch.nn.Module):
 def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
     """A loss reading an expert's weight outside the expert, a pipeline stage boundary among
     the experts (its one MoE layer cut in two), an expert count ep does not divide, and
-    experts of one graph but each with a constant of its own are refused by name."""
-    model, spec = zoo.build("where_moe")
+    experts of one graph but each with a constant of its own are refused by name (experts
+    too narrow to run grouped)."""
+    model, batch_fn, _ = workers.build("where_moe_slots")
+    spec = type("Spec", (), {"batch": staticmethod(batch_fn)})
 
     def regularised(m, b):
         return m(b) + 1e-3 * m.experts[1][0].weight.pow(2).sum()
@@ -880,7 +893,8 @@ def test_listed_experts_that_cannot_run_in_slots_are_refused_by_name():
 @pytest.mark.slow
 def test_listed_experts_train_like_eager(tmp_path):
     """where_moe and litgpt's Mixtral (4 experts each, an nn.ModuleList routed by
-    torch.where; litgpt's grouped under ep, where_moe's with biases in slots as traced), and
+    torch.where, grouped under ep; where_moe's biases whole on every rank), where_moe with
+    experts too narrow to group (in slots as traced), and
     stacked_loop_moe (HF's eager experts, grouped: each rank its part of each stack)
     at dp=2 x ep=2, dp=4 x ep=2 with ZeRO-1 (and ZeRO-3 with remat), ep=4 with ZeRO-3, ep=2 on each
     stage of a zero-bubble pipeline of 2 (one MoE layer a stage) and ep=2 x tp=2 (each
@@ -890,7 +904,8 @@ def test_listed_experts_train_like_eager(tmp_path):
     for bit and loads into plain dp; its save_pretrained writes every expert under its own
     name, and a meta-device model built from those files (weights=, tp slices of each rank's
     experts under ep x tp) holds the same weights and takes the same next step."""
-    _check_plans(2, [("where_moe", "adamw", {"dp": 2, "ep": 2})])
+    _check_plans(2, [("where_moe", "adamw", {"dp": 2, "ep": 2}),
+                     ("where_moe_slots", "adamw", {"dp": 2, "ep": 2})])
     _check_plans(4, [("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 1}),
                      ("where_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3}),
                      ("litgpt_mixtral", "adamw", {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2,
@@ -899,12 +914,14 @@ def test_listed_experts_train_like_eager(tmp_path):
                      ("litgpt_mixtral", "adamw", {"dp": 4, "ep": 2, "zero": 3,
                                                   "remat": "sqrt"}),
                      ("where_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2}),
+                     ("where_moe_slots", "adamw", {"dp": 2, "ep": 2, "tp": 2}),
                      ("stacked_loop_moe", "adamw", {"dp": 2, "ep": 2, "tp": 2}),
                      ("stacked_loop_moe", "adamw", {"dp": 4, "ep": 4, "zero": 3})])
     workers.check_resumed_and_resharded(2, "where_moe", {"dp": 2, "ep": 2}, {"dp": 2},
                                         str(tmp_path))
     check_clipping(4, [("where_moe", {"dp": 4, "ep": 2, "zero": 2}),  # (each expert once)
-                       ("where_moe", {"dp": 2, "ep": 2, "tp": 2})])
+                       ("where_moe", {"dp": 2, "ep": 2, "tp": 2}),
+                       ("where_moe_slots", {"dp": 4, "ep": 2, "zero": 2})])
     for world, plan in ((2, {"dp": 2, "ep": 2}), (4, {"dp": 2, "ep": 2, "tp": 2})):
         full, saved, reloaded, (loss, loss_again) = fxpar.launch(
             workers.pretrained_round_trip_rank, world, "where_moe", plan,

@@ -298,8 +298,8 @@ def test_the_planner_prices_grouped_experts_at_ep1():
     """Statistics of where_moe: the experts' traced FLOPs, of which grouping saves 3/4 (4
     experts) at ep=1, and the bytes it moves doing so (the weights stacked forward and
     backward, the rows gathered in expert order and put back); the planner's step
-    prediction is that much compute shorter and those bytes' time longer (ep=2 runs them in
-    slots, traced: neither there; nor on a GPU below bf16)."""
+    prediction is that much compute shorter and those bytes' time longer, at ep=2 too (the
+    experts grouped, their rows sent by all-to-all); on a GPU below bf16 neither."""
     import dataclasses
     from fxpar.compiler import planner
     from fxpar.compiler.compile import planner_stats
@@ -333,8 +333,8 @@ def test_the_planner_prices_grouped_experts_at_ep1():
         for s in stats.segments])
     assert 0 < step(traced, 1) - step(free, 1) <= saved / rate * 1.001
     # (at these 128 tokens the moves cost about what the FLOPs save on an H100)
-    assert step(free, 1) < step(stats, 1) and step(free, 2) == step(stats, 2)
-    assert step(traced, 2) == step(stats, 2)
+    assert step(free, 1) < step(stats, 1) and step(free, 2) < step(stats, 2)
+    assert step(free, 2) < step(traced, 2)
     assert step(traced, 1, "fp32") == step(stats, 1, "fp32")
 
 

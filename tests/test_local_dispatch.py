@@ -205,10 +205,10 @@ def test_planner_prices_local_experts_as_dp_work():
     whole_f = sum(s.flops_f_whole for s in stats.segments)
     assert expert_f > 0 and whole_f < 0.5 * expert_f
     # experts in an nn.ModuleList routed by torch.where: local too (their padded positions),
-    # where_moe's (biases) run under ep in slots, not by all-to-all
+    # where_moe's (biases looked up per row) run under ep by all-to-all, not in slots
     model, spec = zoo.build("where_moe")
     stats = planner.graph_stats(capture(model, spec.batch(0)), 8, pass_extras=True)
-    assert stats.moe_local and stats.ep_slots
+    assert stats.moe_local and not stats.ep_slots
     assert sum(s.flops_f_whole for s in stats.segments) < 0.5 * sum(
         s.expert_flops_f for s in stats.segments)
 

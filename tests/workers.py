@@ -50,15 +50,28 @@ def sized_zoo():
             "hf_llama_padded": (M.hf_llama, _padded_lm, None),
             # an MoE whose dispatch reads every row (a capacity): its rows stay gathered
             "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss),
-            # MoEs whose experts are an nn.ModuleList, routed by torch.where (ep's slots)
+            # MoEs whose experts are an nn.ModuleList, routed by torch.where
             **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral",
                                                      "stacked_loop_moe")},
+            "where_moe_slots": (_where_moe_slots, *_zoo_entry("where_moe")[1:]),
             # experts run in a loop over those nonzero() found hit: transformers' eager
             # experts (Mixtral's), DBRX's
             "mixtral_eager_experts": (_eager_experts, _lm(), None),
             # (GPT-OSS's: expert biases, gate and up interleaved feature by feature)
             "gpt_oss_eager_experts": (lambda: _eager_experts("gpt_oss"), _lm(), None),
             "dbrx": _zoo_entry("dbrx")}
+
+
+def _where_moe_slots():
+    """where_moe with experts 6 features wide, which aten._grouped_mm cannot take (16-byte
+    strides): they run as traced, and under ep in slots (passes/expert_parallel)."""
+    model = _zoo_model("where_moe")
+    d = model.emb.embedding_dim
+    torch.manual_seed(1)
+    model.experts = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(d, 6), torch.nn.GELU(), torch.nn.Linear(6, d))
+        for _ in model.experts)
+    return model
 
 
 def _eager_experts(name="mixtral"):
