@@ -425,13 +425,14 @@ def test_bubble_measured_from_traces(tmp_path):
     idle fraction of GPipe and 1F1B is near (p-1)/(m+p-1) = 0.2 and zero-bubble idles less
     than 1F1B. (The exact (p-1)/(m+p-1) with equal stage times is tests/test_schedules.py's.)
     On this 2-core VM two ranks computing at once slow each other's actions by ~10%, which
-    moves the bubble: measured 1F1B 0.22-0.26, GPipe 0.24-0.27 (0.274 once, in stop 20's CI
-    check), zero-bubble 0.12-0.18. So the exactness checked is the executor's: its idle time
-    is what its schedule gives with its own measured action durations (the schedule simulated
-    with them, within 0.07: usually within ~0.03, but stop 25 saw 0.0504 and 0.0532 in two of
-    four lone runs, on the code that had passed the whole slow suite too), and the ideal is
-    met within 10 points (the issue's 5 plus the VM's action-time noise; figures in
-    docs/benchmarks.md)."""
+    moves the bubble: measured 1F1B 0.22-0.26, GPipe 0.24-0.27 (0.274 once in CI),
+    zero-bubble 0.12-0.18. So the exactness checked is the executor's: its idle time is what
+    its schedule gives with its own measured action durations (the schedule simulated with
+    them, within 0.07: usually within ~0.03, 0.05 seen in lone runs), and the ideal is met
+    within 10 points (the issue's 5 plus the VM's action-time noise; figures in
+    docs/benchmarks.md). Every figure here is wall-clock on shared cores (another job on the
+    machine skews the durations, the simulated ones too): a run that misses is measured
+    again."""
     from workers import bubble_rank
     ideal = (2 - 1) / (4 + 2 - 1)
 
@@ -454,12 +455,17 @@ def test_bubble_measured_from_traces(tmp_path):
         if res["zero-bubble"]["measured"] >= res["1f1b"]["measured"] + 0.05:
             misses.append(("zero-bubble vs 1f1b", res["zero-bubble"]["measured"],
                            res["1f1b"]["measured"]))
+        # (with equal durations zero-bubble's simulated bubble is smaller exactly:
+        # tests/test_schedules.py; with measured ones, noise can swap them)
+        if res["zero-bubble"]["simulated"] >= res["1f1b"]["simulated"]:
+            misses.append(("zero-bubble vs 1f1b simulated", res["zero-bubble"]["simulated"],
+                           res["1f1b"]["simulated"]))
         return misses
 
     # What the executor ran is checked on every attempt, exactly. The idle fractions are
     # wall-clock figures of two ranks sharing two cores: CI saw zero-bubble at 0.270 against
-    # 0.113 + 0.15 once (stop 32). A run that misses a timing bound is measured again, up to
-    # three runs in all; the test fails only when every run misses.
+    # 0.113 + 0.15 once. A run that misses a timing bound is measured again, up to three
+    # runs in all; the test fails only when every run misses.
     attempts = []
     for _ in range(3):
         res = fxpar.launch(bubble_rank, 2, str(tmp_path))
@@ -469,7 +475,6 @@ def test_bubble_measured_from_traces(tmp_path):
         res = res[0]
         for schedule, r in res.items():  # 4 layers a stage; the last one's loss is extra
             assert r["imbalance"] <= 1.06
-        assert res["zero-bubble"]["simulated"] < res["1f1b"]["simulated"], res
         attempts.append(timing_misses(res))
         if not attempts[-1]:
             break
