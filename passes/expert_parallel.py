@@ -599,9 +599,9 @@ def _unsized_slice_backward(graph, layer: Layer, n: torch.fx.Node, r: int) -> No
                         f"of a slice [{start}:{end}:{step}] of {full} features, which expert "
                         "parallelism cannot size by the rows received. Use ep=1 for this "
                         "model.")
-    for m in out:
+    for m in out:  # (the row dim moves past the new dim until the view takes it away)
         m.meta[ir.DYNAMIC_ROWS] = True
-        layer.region[m] = r + (m.target is aten.unsqueeze.default and r > d)
+        layer.region[m] = r + (m.target is not aten.view.default and step > 1 and r > d)
     n.replace_all_uses_with(out[-1])
     if n in layer.leaving:
         layer.leaving[layer.leaving.index(n)] = out[-1]

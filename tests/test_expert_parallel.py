@@ -789,6 +789,39 @@ def test_stacked_experts_with_biases_run_grouped_under_ep():
     assert planner_stats(model, spec.batch(0)).ep_refusal is None
 
 
+@pytest.mark.parametrize("d, start, step, r", [(1, 0, 2, 0), (1, 1, 2, 0), (1, 3, 1, 0),
+                                                (0, 1, 2, 1), (1, 2, 4, 0)])
+def test_a_slices_gradient_written_without_the_rows_count(d, start, step, r):
+    """expert_parallel._unsized_slice_backward: slice_backward(g, sizes, d, start, end, step)
+    as a pad (and for a step, a view) whose only size is the features': equal to it at the
+    traced rows, and right at any other row count (the rows ep receives vary)."""
+    import types
+    from fxpar.passes import expert_parallel
+    full, rows = 8, 6
+    count = len(range(start, full, step)) if step > 1 else 4
+    shape = [rows, count] if d == 1 else [count, rows]
+    sizes = [rows, full] if d == 1 else [full, rows]
+    end = full if step > 1 else start + count
+    graph = torch.fx.Graph()
+    g = graph.placeholder("g")
+    g.meta[ir.VAL] = torch.empty(shape)
+    n = graph.call_function(aten.slice_backward.default, (g, sizes, d, start, end, step))
+    graph.output(n)
+    layer = types.SimpleNamespace(region={n: r}, leaving=[n], module="m")
+    expert_parallel._unsized_slice_backward(graph, layer, n, r)
+    gm = torch.fx.GraphModule({}, graph)
+    assert aten.slice_backward.default not in {x.target for x in graph.nodes}
+    for k in (rows, 3, 11):
+        x_shape = list(shape)
+        x_shape[r] = k
+        x = torch.randn(x_shape)
+        want_sizes = list(sizes)
+        want_sizes[r] = k
+        want = aten.slice_backward.default(x, want_sizes, d, start, end, step)
+        assert torch.equal(gm(x), want), k
+    assert layer.leaving == [layer.leaving[0]] and n not in layer.region
+
+
 def test_a_stepped_slices_gradient_is_sized_by_the_rows_received():
     """GPT-OSS's gate and up are every other feature of one matmul: their gradients
     (slice_backward, sized by the rows) inside an ep region are written without the rows'
