@@ -208,7 +208,8 @@ def main():
               f"{os.environ['LOCAL_WORLD_SIZE']} ranks")
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
-    title = {"hf": "HF Mixtral", "litgpt": "litgpt Mixtral",
+    title = {"hf": "HF Mixtral", "hf_eager": "HF Mixtral (eager experts)",
+             "litgpt": "litgpt Mixtral",
              "deepseek": "HF DeepSeek-V3 (1 shared expert)"}[args.model]
     print(f"{title} {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
           f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
