@@ -822,6 +822,8 @@ def test_a_slices_gradient_written_without_the_rows_count(d, start, step, r):
     assert layer.leaving == [layer.leaving[0]] and n not in layer.region
 
 
+@pytest.mark.slow  # (a compile of GPT-OSS at ep: make test's 6 minutes; the rewrite's own
+#                    unit test above is fast)
 def test_a_stepped_slices_gradient_is_sized_by_the_rows_received():
     """GPT-OSS's gate and up are every other feature of one matmul: their gradients
     (slice_backward, sized by the rows) inside an ep region are written without the rows'
