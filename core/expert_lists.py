@@ -230,12 +230,7 @@ def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
         canon = [_canonical(e, order) for e in experts]
         if any(c != canon[0] for c in canon[1:]) or len(rows) > 1 or \
                 len({(len(e.entering), len(e.leaving)) for e in experts}) > 1:
-            stages = sorted({n.meta[ir.STAGE] for e in experts for n in e.region
-                             if ir.STAGE in n.meta})
-            if len(stages) > 1:  # (a stage's transfer inside one expert: not the others')
-                raise PlanError(f"Plan.ep: a pipeline stage boundary falls among the experts "
-                                f"of {prefix!r} (they span stages {stages}); a slot runs "
-                                "experts of one stage. Use another pp, or ep=1.")
+            check_one_stage(prefix, experts)  # (a stage's transfer inside one expert)
             raise PlanError(f"Plan.ep: the experts of {prefix!r} do not run the same graph "
                             "(their ops, arguments or row counts differ, or they read tensors "
                             "of their own besides their parameters); expert parallelism runs "
@@ -243,6 +238,17 @@ def find_expert_lists(gm: torch.fx.GraphModule, skipped: list | None = None
         out.append(ExpertList(prefix, rows.pop(), experts))
     out += _stacked_lists(gm, params, grads, order, skipped)
     return out
+
+
+def check_one_stage(module: str, experts: list) -> None:
+    """Refuse experts that a pipeline stage boundary falls among (an ep slot runs experts of
+    one stage, after all their rows are picked)."""
+    stages = sorted({n.meta[ir.STAGE] for x in experts for n in (*x.region, *x.entering)
+                     if ir.STAGE in n.meta})
+    if len(stages) > 1:
+        raise PlanError(f"Plan.ep: a pipeline stage boundary falls among the experts of "
+                        f"{module!r} (they span stages {stages}); a slot runs experts of one "
+                        "stage. Use another pp, or ep=1.")
 
 
 def weight_fqn(p: torch.fx.Node) -> str | None:

@@ -51,7 +51,7 @@ from fxpar.core import ir
 from fxpar.core.errors import PlanError
 from fxpar.core.expert_lists import GROUPED_MM as _GROUPED_MM, TRANSPOSES as _TRANSPOSES
 from fxpar.core.expert_lists import WEIGHT_PATH as _WEIGHT_PATH, ExpertList, find_expert_lists
-from fxpar.core.expert_lists import between as _between, roles as _roles
+from fxpar.core.expert_lists import between as _between, check_one_stage, roles as _roles
 from fxpar.core.expert_lists import row_inputs as _row_inputs, val as _val
 from fxpar.core.graphs import fake_propagate
 from fxpar.core.sharding import batch_local_dispatch
@@ -175,12 +175,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         if e % ep:
             raise PlanError(f"Plan.ep={ep}: {lst.module!r} has {e} experts, which do not "
                             f"split evenly over {ep} ranks. Use an ep that divides {e}.")
-        stages = sorted({n.meta[ir.STAGE] for x in lst.experts for n in (*x.region, *x.entering)
-                         if ir.STAGE in n.meta})
-        if len(stages) > 1:  # (a slot runs after the rows of all its experts are picked)
-            raise PlanError(f"Plan.ep={ep}: a pipeline stage boundary falls among the experts of "
-                            f"{lst.module!r} (they span stages {stages}); a slot runs experts of "
-                            "one stage. Use another pp, or ep=1.")
+        check_one_stage(lst.module, lst.experts)
         mine = _rewrite_list(gm, lst, ep, group, index)
         _check_split_alike(mine, layouts, params, lst.module, ep)
         slots += mine
