@@ -27,8 +27,8 @@ from fxpar.core.graphs import snapshot, verify
 from fxpar.core.logs import announce, phase_done
 from fxpar.core.plan import pass_options
 from fxpar.kernels.jit import unavailable_reason
-from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
-                          grouped_experts, overlap, pipeline_split, precision, remat,
+from fxpar.passes import (batched_experts, context_parallel, data_parallel, expert_parallel,
+                          fusion, grouped_experts, overlap, pipeline_split, precision, remat,
                           tensor_parallel)
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,8 @@ class PassContext:
 
 
 # every pass fxpar has; which run, and in what order, follows from their contracts
-PASSES = (grouped_experts, precision, remat, pipeline_split, tensor_parallel, expert_parallel,
-          context_parallel, data_parallel, overlap, fusion)
+PASSES = (batched_experts, grouped_experts, precision, remat, pipeline_split, tensor_parallel,
+          expert_parallel, context_parallel, data_parallel, overlap, fusion)
 
 
 def order(contracts: list[ir.PassContract]) -> list[ir.PassContract]:

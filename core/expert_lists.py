@@ -100,6 +100,14 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
         x = node.args[0]
         ok = row == 0 and val(x).dim() >= 1 and val(x).shape[0] == rows == out.shape[0]
         return {x: 0} if ok else None
+    if op in _UNIT_DIMS:  # (a unit dim added or dropped elsewhere: the rows' dim shifts)
+        d = _unit_dim(node)
+        if d is None or d == row:
+            return None
+        x = node.args[0]
+        r = row + (1 if op is not aten.unsqueeze.default and d <= row else
+                   -1 if op is aten.unsqueeze.default and d < row else 0)
+        return {x: r} if val(x).shape[r] == rows else None
     if isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags:
         found = {}
         for x in node.all_input_nodes:
@@ -110,6 +118,23 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
                     found[x] = d
         return found
     return None
+
+
+_UNIT_DIMS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+
+
+def _unit_dim(n) -> int | None:
+    """The dim `n` (unsqueeze, squeeze) adds (in its output) or drops (in its input), or
+    None where a squeeze keeps a dim that is not of size 1."""
+    if n.target is aten.unsqueeze.default:
+        return n.args[1] % val(n).dim()
+    x, dims = val(n.args[0]), n.args[1]
+    if isinstance(dims, (list, tuple)):
+        if len(dims) != 1:
+            return None
+        dims = dims[0]
+    d = dims % x.dim()
+    return d if x.shape[d] == 1 else None
 
 
 def _out_row(user, node, row: int, rows: int) -> int | None:
@@ -128,6 +153,10 @@ def _out_row(user, node, row: int, rows: int) -> int | None:
             torch.Tag.pointwise in user.target.tags:
         cand = row + (out.dim() - val(node).dim()) if not isinstance(val(node), (
             tuple, list)) else row
+    elif user.target in _UNIT_DIMS:
+        d = _unit_dim(user)
+        cand = None if d is None else row + (1 if user.target is aten.unsqueeze.default and
+                                              d <= row else -1 if d < row else 0)
     else:
         cand = row
     if cand is None or not 0 <= cand < out.dim() or out.shape[cand] != rows:

@@ -121,6 +121,7 @@ TP_REPORT = "tensor_parallel"          # tensor_parallel: each weight's role, th
 CP_REPORT = "context_parallel"         # context_parallel: the split leaves, attention, comms
 EP_REPORT = "expert_parallel"          # expert_parallel: each MoE layer, its experts and rows
 GROUPED_EXPERTS = "grouped_experts"    # grouped_experts: each list of experts, grouped or why not
+BATCHED_EXPERTS = "batched_experts"    # batched_experts: each layer of per-row picks, grouped or why
 OVERLAP_REPORT = "overlap"             # overlap: what moved and what limited it
 FUSION_REPORT = "fusion"               # fusion: the fused groups and the unpaid ones
 

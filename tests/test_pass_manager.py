@@ -28,19 +28,23 @@ def _contract(name, **kw):
 def test_the_plan_decides_which_passes_run_and_the_contracts_their_order():
     names = lambda plan, world, **kw: [c.name for c, _, _ in _pass_list(  # noqa: E731
         resolve(plan, world), "cpu", "inductor", **kw)[0]]
-    full = ["grouped_experts", "precision", "remat", "pipeline_split", "tensor_parallel",
+    full = ["batched_experts", "grouped_experts", "precision", "remat", "pipeline_split", "tensor_parallel",
             "data_parallel", "overlap", "fusion"]
     assert names(FULL, 8) == full
     # the same list given backwards comes out in the order the contracts require
     assert names(FULL, 8, passes=PASSES[::-1]) == full
-    assert names({"dp": 2}, 2) == ["grouped_experts", "data_parallel", "overlap", "fusion"]
-    assert names({"dp": 1, "fuse": False}, 1) == ["grouped_experts", "data_parallel"]
-    # (grouped_experts runs where the graph has experts routed by torch.where: ir.finds;
-    # under ep too, before expert parallelism splits their stacks, and under tp, which
-    # splits each stack's experts alike)
-    assert names({"dp": 2, "ep": 2}, 2) == ["grouped_experts", "expert_parallel",
-                                             "data_parallel", "overlap", "fusion"]
-    assert names({"tp": 2}, 2)[:2] == ["grouped_experts", "tensor_parallel"]
+    assert names({"dp": 2}, 2) == ["batched_experts", "grouped_experts", "data_parallel",
+                                    "overlap", "fusion"]
+    assert names({"dp": 1, "fuse": False}, 1) == ["batched_experts", "grouped_experts",
+                                                  "data_parallel"]
+    # (batched_experts and grouped_experts run where the graph has experts picking their
+    # weights per row, or routed by torch.where: ir.finds; under ep too, before expert
+    # parallelism splits their stacks, and under tp, which splits each stack's experts alike)
+    assert names({"dp": 2, "ep": 2}, 2) == ["batched_experts", "grouped_experts",
+                                             "expert_parallel", "data_parallel", "overlap",
+                                             "fusion"]
+    assert names({"tp": 2}, 2)[:3] == ["batched_experts", "grouped_experts",
+                                       "tensor_parallel"]
 
 
 def test_a_pass_whose_required_key_nobody_provides_is_refused():

@@ -59,6 +59,11 @@ def sized_zoo():
             "mixtral_eager_experts": (_eager_experts, _lm(), None),
             # (GPT-OSS's: expert biases, gate and up interleaved feature by feature)
             "gpt_oss_eager_experts": (lambda: _eager_experts("gpt_oss"), _lm(), None),
+            # experts that pick a copy of their weights per row (transformers' batched_mm)
+            "mixtral_batched_experts": (lambda: _eager_experts("mixtral", "batched_mm"),
+                                        _lm(), None),
+            "gpt_oss_batched_experts": (lambda: _eager_experts("gpt_oss", "batched_mm"),
+                                        _lm(), None),
             "dbrx": _zoo_entry("dbrx")}
 
 
@@ -74,9 +79,9 @@ def _where_moe_slots():
     return model
 
 
-def _eager_experts(name="mixtral"):
+def _eager_experts(name="mixtral", implementation="eager"):
     model = _zoo_model(name)
-    model.config._experts_implementation = "eager"
+    model.config._experts_implementation = implementation
     return model
 
 

@@ -1,0 +1,327 @@
+"""Experts that pick a copy of their weights for every row, run as grouped matmuls.
+
+Hugging Face's 'batched_mm' experts (`config._experts_implementation = "batched_mm"`)
+multiply each routed (token, k) row by its expert's matrix picked for that row,
+`bmm(W[expert_ids], x.unsqueeze(-1))`: a copy of an expert's matrix per row, rows x out x in
+elements per projection, forward and backward (the backward sums one outer product per row
+into W's gradient with `index_put(..., accumulate=True)`). The same function as their
+grouped form. This pass finds those products on the joint graph - a 3-D weight indexed by
+one row's expert ids, read only by batched matrix-vector products and summed back by
+index_put - and writes each layer as Hugging Face's grouped experts compute it: the rows
+sorted by expert once (a stable sort of the ids; `offs`, each expert's end row, from their
+histogram), each product an `aten._grouped_mm` reading W itself, each weight gradient one
+grouped matmul over the sorted rows; the row-wise ops between the products run on the
+sorted rows, and the rows leave in their own order. The copies are gone; the FLOPs are the
+same. tp splits and ep distributes the experts as it does Hugging Face's grouped ones.
+Values: each row's products are the batched form's; an expert's weight gradient sums its
+rows in a matmul where index_put added them one by one (rounding only).
+
+Left as traced (the reason kept in gm.meta[ir.BATCHED_EXPERTS], logged): a picked weight
+read other than by a matrix-vector product, a weight gradient not summed back to W by its
+ids, feature sizes `_grouped_mm` cannot take, and on CUDA a precision other than bf16 (as
+passes/grouped_experts: torch runs other grouped matmuls group by group).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+import torch.fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from fxpar.core import ir
+from fxpar.core.expert_lists import WEIGHT_PATH, between, row_inputs, val
+from fxpar.core.experts import GROUPED_MM
+from fxpar.core.graphs import fake_propagate
+
+aten = torch.ops.aten
+log = logging.getLogger("fxpar.batched_experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Plan fields this pass reads (core/plan.pass_options fills them from a Plan)."""
+    precision: str = "fp32"
+
+
+CONTRACT = ir.PassContract(
+    "batched_experts", Options,
+    requires=frozenset({ir.VAL, ir.REGION, ir.ROLE}),
+    provides=frozenset({ir.BATCHED_EXPERTS}),
+    # on the graph as captured: every later pass sees Hugging Face's grouped form (and
+    # before grouped_experts, which rewrites other experts: one order for every plan)
+    before=frozenset({"grouped_experts", "pipeline_split", "precision", "remat",
+                      "tensor_parallel", "expert_parallel", "data_parallel"}),
+    applies=lambda o: GROUPED_MM is not None,
+    finds=lambda gm: bool(find(gm)),
+    values_fresh=True)
+
+
+@dataclasses.dataclass
+class Picked:
+    """One layer: the experts' ids of its rows, and the weights they pick ([E, a, b])."""
+    ids: torch.fx.Node
+    picks: list
+    module: str
+
+    @property
+    def rows(self) -> int:
+        return val(self.ids).shape[0]
+
+    @property
+    def experts(self) -> int:
+        return val(self.picks[0].args[0]).shape[0]
+
+
+def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
+    layers = find(gm)
+    device = getattr(ctx, "device", None)
+    if device is not None and torch.device(device).type == "cuda" and \
+            options.precision != "bf16":
+        why = f"on CUDA a grouped matmul runs in bf16 only (precision={options.precision})"
+        gm.meta[ir.BATCHED_EXPERTS] = [_entry(x, why) for x in layers]
+        log.info("batched_experts: experts left picked per row: %s", why)
+        return gm
+    report, folds = [], []
+    for layer in layers:
+        why = why_not(layer)
+        if why is None:
+            folds.append(_rewrite(gm.graph, layer))
+        else:
+            log.info("batched_experts: %r picks its experts' weights per row: %s",
+                     layer.module, why)
+        report.append(_entry(layer, why))
+    if folds:
+        _refresh(gm)  # (the fold follows the rows by their values' shapes)
+        for fold in folds:
+            _fold(gm.graph, *fold)
+        _refresh(gm)
+    gm.meta[ir.BATCHED_EXPERTS] = report
+    return gm
+
+
+def _refresh(gm: torch.fx.GraphModule) -> None:
+    stable_topological_sort(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    fake_propagate(gm, check=False)
+
+
+def _entry(layer: Picked, why: str | None) -> dict:
+    return {"module": layer.module, "experts": layer.experts, "rows": layer.rows,
+            "grouped": why is None, "why": why}
+
+
+# --- finding the layers ----------------------------------------------------------------
+
+def _param_of(w: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter placeholder `w` is (through casts and views), else None."""
+    while w.op == "call_function" and w.target in WEIGHT_PATH:
+        w = w.args[0]
+    return w if w.op == "placeholder" and w.meta.get(ir.ROLE) == "param" else None
+
+
+def find(gm: torch.fx.GraphModule) -> list[Picked]:
+    """Each set of 3-D parameters picked row by row with one index tensor, `W[ids]`."""
+    by_ids: dict = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.index.Tensor or \
+                len(n.args[1]) != 1 or not isinstance(n.args[1][0], torch.fx.Node):
+            continue
+        w, ids = n.args[0], n.args[1][0]
+        vw, vi = val(w), val(ids)
+        if isinstance(vw, torch.Tensor) and vw.dim() == 3 and isinstance(vi, torch.Tensor) \
+                and vi.dim() == 1 and vi.dtype in (torch.int64, torch.int32) and \
+                _param_of(w) is not None:
+            by_ids.setdefault(ids, []).append(n)
+    return [Picked(ids, picks, picks[0].meta.get(ir.MODULE, "")) for ids, picks in
+            by_ids.items()]
+
+
+def _vector(v: torch.fx.Node, rows: int) -> tuple[torch.fx.Node, int] | None:
+    """(`v` as rows x k, k) where `v` is [rows, k, 1] or [rows, 1, k] (one vector a row)."""
+    s = tuple(val(v).shape)
+    if len(s) != 3 or s[0] != rows or 1 not in s[1:]:
+        return None
+    return v, s[1] * s[2]
+
+
+def _products(layer: Picked) -> tuple[list, list] | str:
+    """([(bmm, matrix operand position, transposed?, pick)], [(index_put, bmm)]): the layer's
+    matrix-vector products and its weight gradients, or why it is not only those."""
+    products, grads = [], []
+    for p in layer.picks:
+        readers = [(u, False) for u in p.users]
+        for u, _ in list(readers):
+            if u.target is aten.transpose.int and {d % 3 for d in u.args[1:3]} == {1, 2}:
+                readers.remove((u, False))
+                readers += [(t, True) for t in u.users]
+        for u, t in readers:
+            mine = [a for a in u.args[:2] if a is p or a.target is aten.transpose.int
+                    and a.args[0] is p] if u.target is aten.bmm.default else []
+            if len(mine) != 1:
+                return (f"{u.name} ({u.target}) reads the weights {p.name} picks per row, not "
+                        "as a batched matrix-vector product")
+            at = list(u.args).index(mine[0])
+            if _vector(u.args[1 - at], layer.rows) is None:
+                return (f"{u.name} multiplies the picked weights by "
+                        f"{tuple(val(u.args[1 - at]).shape)}, not one vector a row")
+            products.append((u, at, t, p))
+    for u in layer.ids.users:
+        if u.target in (aten.index_put.default, aten._index_put_impl_.default) and \
+                list(u.args[1]) == [layer.ids]:
+            v = u.args[2]
+            if val(v).dim() == 2:  # (a bias's gradient: rows summed by expert as they are)
+                continue
+            if v.target is not aten.bmm.default or len(u.args) < 4 or not u.args[3] or \
+                    any(_vector(a, layer.rows) is None for a in v.args[:2]) or \
+                    val(v.args[0]).shape[2] != 1:
+                return (f"{u.name} sums {v.name} ({v.target}) into a weight gradient by "
+                        "expert, not one outer product a row")
+            grads.append((u, v))
+    return products, grads
+
+
+def why_not(layer: Picked) -> str | None:
+    """Why `layer` cannot run grouped (None: it can)."""
+    if len({tuple(val(p.args[0]).shape[:1]) for p in layer.picks}) != 1:
+        return "its picked weights have different expert counts"
+    found = _products(layer)
+    if isinstance(found, str):
+        return found
+    for p in layer.picks:  # (aten._grouped_mm reads strides of 16 bytes: sizes of 8 in bf16)
+        if any(s % 8 for s in val(p.args[0]).shape[1:]):
+            return (f"{p.args[0].name} is {tuple(val(p.args[0]).shape)}: a grouped matmul "
+                    "needs feature sizes that are multiples of 8 (16 bytes in bf16)")
+    return None
+
+
+# --- the rewrite -------------------------------------------------------------------------
+
+def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
+    """Each product as a grouped matmul over the rows sorted by expert, each between a sort
+    and an unsort of its own; what `_fold` takes to run the ops between one product's unsort
+    and the next one's sort on the sorted rows."""
+    products, grads = _products(layer)
+    rows, n_exp = layer.rows, layer.experts
+
+    def emit(target, *args, like=None, **kwargs):
+        n = graph.call_function(target, args, kwargs)
+        like = like or layer.ids
+        n.meta[ir.REGION] = like.meta.get(ir.REGION, ir.FORWARD)
+        n.meta[ir.MODULE] = like.meta.get(ir.MODULE, layer.module)
+        return n
+
+    with graph.inserting_after(layer.ids):
+        key = emit(aten._to_copy.default, layer.ids, dtype=torch.int64)
+    with graph.inserting_after(key):
+        srt = emit(aten.sort.stable, key, stable=True)
+    with graph.inserting_after(srt):
+        perm = emit(operator.getitem, srt, 1)
+    with graph.inserting_after(perm):
+        inv_srt = emit(aten.sort.stable, perm, stable=True)
+    with graph.inserting_after(inv_srt):
+        inv = emit(operator.getitem, inv_srt, 1)
+    with graph.inserting_after(inv):  # (exact below 2^24 rows, as Hugging Face's counts)
+        counts = emit(aten.histc.default, emit(aten._to_copy.default, key,
+                                               dtype=torch.float32), n_exp, 0, n_exp - 1)
+    with graph.inserting_after(counts):
+        offs = emit(aten._to_copy.default, emit(aten.cumsum.default, counts, 0),
+                    dtype=torch.int32)
+    sorts, unsorts = {}, []
+
+    def sorted_rows(v, like):  # (one sort per tensor: a product's and a gradient's alike)
+        v = _flat(v, rows)
+        if v not in sorts:
+            with graph.inserting_after(v):
+                x = v if val(v).dim() == 2 else emit(aten.reshape.default, v, [rows, -1],
+                                                     like=like)
+            with graph.inserting_after(x):
+                sorts[v] = emit(aten.index_select.default, x, 0, perm, like=like)
+        return sorts[v]
+
+    for mm, at, t, p in products:  # mm: [rows, a, 1] = M @ v, or [rows, 1, b] = v @ M
+        w = p.args[0]
+        with graph.inserting_before(mm):
+            x = sorted_rows(mm.args[1 - at], mm)
+            # (v @ M reads M = W[ids] or its transpose; M @ v reads M's transpose)
+            weight = w if t == (at == 0) else emit(aten.transpose.int, w, 1, 2, like=mm)
+            y = emit(GROUPED_MM.default, x, weight, offs, like=mm)
+            back = emit(aten.index_select.default, y, 0, inv, like=mm)
+            unsorts.append(back)
+            out = emit(aten.reshape.default, back, list(val(mm).shape), like=mm)
+        for u in list(mm.users):  # (its unit dim squeezed: the grouped matmul's rows as
+            # they are, so tp sees a fused projection's split on the matmul itself)
+            if u.target in (aten.squeeze.dim, aten.squeeze.dims) and \
+                    tuple(val(u).shape) == (rows, val(mm).numel() // rows):
+                u.replace_all_uses_with(back)
+        mm.replace_all_uses_with(out)
+    for put, mm in grads:  # [E, a, b] += A[s] (x) B[s] for each row s of each expert
+        with graph.inserting_before(put):
+            a = emit(aten.transpose.int, sorted_rows(mm.args[0], put), 0, 1, like=put)
+            g = emit(GROUPED_MM.default, a, sorted_rows(mm.args[1], put), offs, like=put)
+            zeros = put.args[0]
+            if not (zeros.target in (aten.new_zeros.default, aten.zeros.default,
+                                     aten.zeros_like.default)):
+                g = emit(aten.add.Tensor, zeros, g, like=put)
+        put.replace_all_uses_with(g)
+    return list(sorts.values()), unsorts, perm, inv, rows
+
+
+def _flat(v: torch.fx.Node, rows: int) -> torch.fx.Node:
+    """The tensor a row's vector `v` ([rows, k, 1] or [rows, 1, k]) views, through unit dims
+    added or swapped (the same elements in the same order)."""
+    while v.op == "call_function" and (
+            v.target is aten.unsqueeze.default or v.target is aten.transpose.int and
+            1 in val(v).shape[1:]) and val(v.args[0]).shape[0] == rows:
+        v = v.args[0]
+    return v
+
+
+def _fold(graph, sorts: list, unsorts: list, perm, inv, rows: int) -> None:
+    """Run the row-wise ops between an unsort and a sort on the sorted rows (a copy of each,
+    reading the sorted rows entering them), dropping those unsorts and sorts: the rows stay
+    sorted from the first product to the last, as in Hugging Face's grouped form."""
+    region = between([(u, 0) for u in unsorts], [(s.args[0], 0) for s in sorts], rows)
+    if not region:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    twin, entering = {u: u.args[0] for u in unsorts if u in region}, {}
+
+    def sorted_input(a, d, before):
+        if (a, d) not in entering:
+            with graph.inserting_before(before):
+                entering[(a, d)] = graph.call_function(aten.index_select.default, (a, d, perm))
+            entering[(a, d)].meta.update({k: a.meta[k] for k in (ir.REGION, ir.MODULE)
+                                          if k in a.meta})
+        return entering[(a, d)]
+
+    for n in sorted(region, key=order.__getitem__):
+        if n in twin:
+            continue
+        carried = row_inputs(n, region[n], rows) or {}
+        with graph.inserting_before(n):
+            copy = graph.node_copy(n, lambda a: twin[a] if a in twin else (
+                sorted_input(a, carried[a], n) if a in carried else a))
+        twin[n] = copy
+    for s in sorts:
+        x = s.args[0]
+        if x in region and region[x] == 0:
+            s.replace_all_uses_with(twin[x])
+    for n, r in region.items():  # what leaves the region: its rows back in their order
+        for u in list(n.users):
+            if u in region or u.target is aten.index_select.default and u.args[2] is perm:
+                continue
+            with graph.inserting_before(u):
+                src = twin[n]
+                if isinstance(val(n), (tuple, list)):  # (a split's piece read outside)
+                    src = graph.call_function(operator.getitem, (src, u.args[1]))
+                back = graph.call_function(aten.index_select.default, (src, r, inv))
+            back.meta.update({k: n.meta[k] for k in (ir.REGION, ir.MODULE) if k in n.meta})
+            if isinstance(val(n), (tuple, list)):
+                u.replace_all_uses_with(back)
+            else:
+                u.replace_input_with(n, back)
