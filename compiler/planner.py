@@ -27,6 +27,7 @@ import logging
 import math
 import operator
 import time
+import types
 import warnings
 from typing import NamedTuple
 
@@ -53,8 +54,8 @@ from fxpar.core.plan import (SEARCHED, Plan, cp_misfit, ep_misfit, hpz_misfit,  
                              dp_stride, hsdp_misfit, node_shard, plan_dict, quantization_misfit,
                              replays_step, resolve)
 from fxpar.core.expert_lists import find_expert_lists, weight_fqn
-from fxpar.passes import (context_parallel, data_parallel, expert_parallel, fusion,
-                          grouped_experts, pipeline_split, remat, tensor_parallel)
+from fxpar.passes import (batched_experts, context_parallel, data_parallel, expert_parallel,
+                          fusion, grouped_experts, pipeline_split, remat, tensor_parallel)
 from fxpar.passes import precision as precision_pass
 from fxpar.core import schedules
 
@@ -1780,6 +1781,7 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     on which the probes run. heads: the model's attention heads (its config's), where known.
     """
     gm, sig = graph
+    _as_every_plan_runs(gm, precision)
     roles, refusal = tp_roles(gm, sig)
     stats = analyze(gm, rows, roles)
     stats.tp_refusal = refusal
@@ -1799,6 +1801,17 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     if isinstance(heads, int):
         stats.heads = heads
     return stats
+
+
+def _as_every_plan_runs(gm, precision: str) -> None:
+    """Rewrite the captured graph in place as the first pass does on every plan: experts
+    that pick their weights per row run grouped (passes/batched_experts), and so are priced
+    (and found by expert parallelism) as they run."""
+    if batched_experts.CONTRACT.finds(gm):
+        device = next((n.meta[ir.VAL].device for n in gm.graph.nodes if n.op == "placeholder"
+                       and isinstance(n.meta.get(ir.VAL), torch.Tensor)), None)
+        batched_experts.run(gm, batched_experts.Options(precision),
+                            types.SimpleNamespace(device=device))
 
 
 def expert_stats(stats: GraphStats, gm) -> None:

@@ -150,39 +150,46 @@ def _vector(v: torch.fx.Node, rows: int) -> tuple[torch.fx.Node, int] | None:
 
 
 def _products(layer: Picked) -> tuple[list, list] | str:
-    """([(bmm, matrix operand position, transposed?, pick)], [(index_put, bmm)]): the layer's
-    matrix-vector products and its weight gradients, or why it is not only those."""
+    """([(bmm, matrix operand position, transposed?, pick)], [(index_put, a, b)]): the
+    layer's matrix-vector products, and its weight gradients (each row's outer product
+    a[s] b[s]^T summed by expert), or why it is not only those."""
     products, grads = [], []
     for p in layer.picks:
-        readers = [(u, False) for u in p.users]
-        for u, _ in list(readers):
-            if u.target is aten.transpose.int and {d % 3 for d in u.args[1:3]} == {1, 2}:
-                readers.remove((u, False))
-                readers += [(t, True) for t in u.users]
-        for u, t in readers:
-            mine = [a for a in u.args[:2] if a is p or a.target is aten.transpose.int
-                    and a.args[0] is p] if u.target is aten.bmm.default else []
-            if len(mine) != 1:
-                return (f"{u.name} ({u.target}) reads the weights {p.name} picks per row, not "
-                        "as a batched matrix-vector product")
-            at = list(u.args).index(mine[0])
-            if _vector(u.args[1 - at], layer.rows) is None:
-                return (f"{u.name} multiplies the picked weights by "
-                        f"{tuple(val(u.args[1 - at]).shape)}, not one vector a row")
-            products.append((u, at, t, p))
+        todo = [(p, False)]  # (a reader of the picks, through transposes of each matrix)
+        while todo:
+            x, t = todo.pop()
+            for u in x.users:
+                if _swaps_matrix(u):
+                    todo.append((u, not t))
+                    continue
+                if u.target is not aten.bmm.default or u.args[0] is u.args[1]:
+                    return (f"{u.name} ({u.target}) reads the weights {p.name} picks per "
+                            "row, not as a batched matrix-vector product")
+                at = list(u.args).index(x)
+                if _vector(u.args[1 - at], layer.rows) is None:
+                    return (f"{u.name} multiplies the picked weights by "
+                            f"{tuple(val(u.args[1 - at]).shape)}, not one vector a row")
+                products.append((u, at, t, p))
     for u in layer.ids.users:
         if u.target in (aten.index_put.default, aten._index_put_impl_.default) and \
                 list(u.args[1]) == [layer.ids]:
-            v = u.args[2]
+            v, t = u.args[2], False
             if val(v).dim() == 2:  # (a bias's gradient: rows summed by expert as they are)
                 continue
+            while _swaps_matrix(v):
+                v, t = v.args[0], not t
             if v.target is not aten.bmm.default or len(u.args) < 4 or not u.args[3] or \
                     any(_vector(a, layer.rows) is None for a in v.args[:2]) or \
                     val(v.args[0]).shape[2] != 1:
                 return (f"{u.name} sums {v.name} ({v.target}) into a weight gradient by "
                         "expert, not one outer product a row")
-            grads.append((u, v))
+            grads.append((u, v.args[1] if t else v.args[0], v.args[0] if t else v.args[1]))
     return products, grads
+
+
+def _swaps_matrix(n: torch.fx.Node) -> bool:
+    """`n` transposes each row's matrix ([rows, a, b] -> [rows, b, a])."""
+    return n.target is aten.transpose.int and {d % 3 for d in n.args[1:3]} == {1, 2}
 
 
 def why_not(layer: Picked) -> str | None:
@@ -259,10 +266,10 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
                     tuple(val(u).shape) == (rows, val(mm).numel() // rows):
                 u.replace_all_uses_with(back)
         mm.replace_all_uses_with(out)
-    for put, mm in grads:  # [E, a, b] += A[s] (x) B[s] for each row s of each expert
+    for put, a, b in grads:  # [E, a, b] += a[s] (x) b[s] for each row s of each expert
         with graph.inserting_before(put):
-            a = emit(aten.transpose.int, sorted_rows(mm.args[0], put), 0, 1, like=put)
-            g = emit(GROUPED_MM.default, a, sorted_rows(mm.args[1], put), offs, like=put)
+            at = emit(aten.transpose.int, sorted_rows(a, put), 0, 1, like=put)
+            g = emit(GROUPED_MM.default, at, sorted_rows(b, put), offs, like=put)
             zeros = put.args[0]
             if not (zeros.target in (aten.new_zeros.default, aten.zeros.default,
                                      aten.zeros_like.default)):

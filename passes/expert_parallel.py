@@ -88,15 +88,20 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     skipped: list[str] = []
     layers, lists = find_layers(gm), find_expert_lists(gm, skipped)
     if not layers and not lists:
+        batched = [f"{r['module']!r}: {r['why']}" for r in
+                   gm.meta.get(ir.BATCHED_EXPERTS) or () if not r["grouped"]]
         raise PlanError(
             f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
             "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
-            "Face's experts by default, config._experts_implementation='grouped_mm'), or "
+            "Face's experts by default, config._experts_implementation='grouped_mm', and its "
+            "'batched_mm' experts, which fxpar runs grouped), or "
             "kept as an nn.ModuleList of identical experts each run on the rows routed to it, "
             "or stacked and read one expert at a time by a loop (Hugging Face's 'eager' "
-            "experts); 'batched_mm' experts cannot be split. Use ep=1 (ZeRO or tp shard such "
+            "experts). Use ep=1 (ZeRO or tp shard such "
             "experts like any weight)." + (" Lists of identical modules that are not experts: " +
-                                   "; ".join(skipped) + "." if skipped else ""))
+                                   "; ".join(skipped) + "." if skipped else "") +
+            (" Experts picking their weights per row left as traced: " + "; ".join(batched) +
+             "." if batched else ""))
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
     layouts = gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params)
