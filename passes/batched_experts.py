@@ -179,6 +179,7 @@ def _products(layer: Picked) -> tuple[list, list] | str:
             while _swaps_matrix(v):
                 v, t = v.args[0], not t
             if v.target is not aten.bmm.default or len(u.args) < 4 or not u.args[3] or \
+                    val(u).shape[0] != layer.experts or \
                     any(_vector(a, layer.rows) is None for a in v.args[:2]) or \
                     val(v.args[0]).shape[2] != 1:
                 return (f"{u.name} sums {v.name} ({v.target}) into a weight gradient by "
