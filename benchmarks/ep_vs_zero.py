@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/ep_vs_zero.py [--steps 20] [--warmup 3] [--layers 2]
         [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
-        [--model hf|hf_eager|litgpt|deepseek]
+        [--model hf|hf_eager|hf_batched|litgpt|deepseek]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
 top-2 routing; sizes from the flags; `--model hf_eager`: the same with
-`config._experts_implementation = "eager"`, a loop over the experts some token picked), or
-with `--model litgpt` litgpt's Mixtral (its experts
+`config._experts_implementation = "eager"`, a loop over the experts some token picked;
+`--model hf_batched`: `"batched_mm"`, each routed row's expert matrices picked by index and
+multiplied by bmm, which fxpar runs grouped, plus a "dp picked" plan: dp with the rows'
+picked copies as traced, passes/batched_experts off), or with `--model litgpt` litgpt's Mixtral (its experts
 an nn.ModuleList, each run on the rows torch.where picks for it: grouped, each rank
 routing its own tokens, and ep runs each rank's experts in slots), or with `--model deepseek` a Hugging Face
 DeepSeek-V3 (MLA attention, a shared expert beside the routed ones), under six plans (seven
@@ -53,6 +55,7 @@ over the other plans, in this one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -74,9 +77,13 @@ PLANS = {"dp": lambda w, cg: {"dp": w, "codegen": cg},
          "ep x tp": lambda w, cg: {"dp": w // 2, "ep": 2, "tp": 2, "codegen": cg}}
 
 
-def _plans(world: int) -> list[str]:
-    """The plans run on `world` ranks (ep x tp from 4)."""
-    return [k for k in PLANS if k != "ep x tp" or world >= 4]
+PICKED = "dp picked"  # (--model hf_batched: dp, batched_mm's per-row copies as traced)
+
+
+def _plans(world: int, model: str = "hf") -> list[str]:
+    """The plans run on `world` ranks (ep x tp from 4; "dp picked" for batched_mm experts)."""
+    return [k for k in PLANS if k != "ep x tp" or world >= 4] + \
+        ([PICKED] if model == "hf_batched" else [])
 
 
 def _model(args):
@@ -107,8 +114,8 @@ def _model(args):
         num_local_experts=args.experts, num_experts_per_tok=2, router_aux_loss_coef=0.0,
         max_position_embeddings=args.seq)
     cfg._attn_implementation = "sdpa"
-    if args.model == "hf_eager":
-        cfg._experts_implementation = "eager"
+    if args.model in ("hf_eager", "hf_batched"):
+        cfg._experts_implementation = "eager" if args.model == "hf_eager" else "batched_mm"
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg)
 
@@ -136,11 +143,17 @@ def _expert_bytes(pm) -> int:
 
 def _prepare(kind, args, data, world):
     from fxpar.examples.external_zoo import logits_loss
+    from unittest import mock
+    from fxpar.passes import batched_experts
     model = _model(args)
-    pm = fxpar.parallelize(model, world, example_batch=data[0],
-                           loss_fn=logits_loss if args.model == "litgpt" else None,
-                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                           plan=PLANS[kind](world, args.codegen))
+    # (PICKED: the batched_mm experts left as traced, no layer found to group)
+    with mock.patch.object(batched_experts, "find", lambda gm: []) if kind == PICKED else \
+            contextlib.nullcontext():
+        pm = fxpar.parallelize(model, world, example_batch=data[0],
+                               loss_fn=logits_loss if args.model == "litgpt" else None,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                               plan=PLANS["dp" if kind == PICKED else kind](world,
+                                                                            args.codegen))
     # (tracking starts from what the rank holds after parallelize: its weights as its
     # program holds them; tracing HF's model under the tracker fails on fake storages)
     z = pm.sharded_optimizer
@@ -158,7 +171,7 @@ def bench(args):
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=rdist.timeout())
     data = _batches(args)
-    sides = [(k, *_prepare(k, args, data, world)) for k in _plans(world)]
+    sides = [(k, *_prepare(k, args, data, world)) for k in _plans(world, args.model)]
     for s in range(args.warmup + 1, args.warmup + 1 + args.steps):
         batch = data[s % len(data)]
         k = s % len(sides)
@@ -193,7 +206,8 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
-    ap.add_argument("--model", default="hf", choices=("hf", "hf_eager", "litgpt", "deepseek"))
+    ap.add_argument("--model", default="hf",
+                    choices=("hf", "hf_eager", "hf_batched", "litgpt", "deepseek"))
     args = ap.parse_args()
     torchrun = rdist.under_torchrun()  # (then the script runs in the ranks torchrun started)
     if torchrun:
@@ -209,6 +223,7 @@ def main():
     ranks = sorted(res)
     n = sum(p.numel() for p in _model(args).parameters())
     title = {"hf": "HF Mixtral", "hf_eager": "HF Mixtral (eager experts)",
+             "hf_batched": "HF Mixtral (batched_mm experts)",
              "litgpt": "litgpt Mixtral",
              "deepseek": "HF DeepSeek-V3 (1 shared expert)"}[args.model]
     print(f"{title} {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
@@ -216,7 +231,7 @@ def main():
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
     print(f"{'plan':11s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "
           f"{'experts/rank MiB':>17s} {'last loss':>10s} {'exposed':>8s}")
-    for kind in _plans(args.nprocs):
+    for kind in _plans(args.nprocs, args.model):
         r = [res[k][kind] for k in ranks]
         print(f"{kind:11s} {r[0]['time'] * 1e3:9.1f} ms {_mib(max(x['held'] for x in r)):9.1f} "
               f"{_mib(max(x['peak'] for x in r)):9.1f} {_mib(max(x['experts'] for x in r)):17.2f}"
@@ -226,6 +241,8 @@ def main():
              ("ep+zero=3", "zero=3"), ("ep+zero=3", "ep")]
     if "ep x tp" in _plans(args.nprocs):
         pairs += [("ep x tp", "tp"), ("ep x tp", "ep"), ("ep x tp", "zero=3")]
+    if args.model == "hf_batched":
+        pairs += [("dp", PICKED), ("ep", PICKED)]
     for mine, kind in pairs:
         diff = max(abs(a - b) for k in ranks
                    for a, b in zip(res[k][mine]["losses"], res[k][kind]["losses"]))

@@ -230,6 +230,8 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
     with graph.inserting_after(srt):
         perm = emit(operator.getitem, srt, 1)
     with graph.inserting_after(perm):
+        key_s = emit(operator.getitem, srt, 0)
+    with graph.inserting_after(perm):
         inv_srt = emit(aten.sort.stable, perm, stable=True)
     with graph.inserting_after(inv_srt):
         inv = emit(operator.getitem, inv_srt, 1)
@@ -259,7 +261,6 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
             weight = w if t == (at == 0) else emit(aten.transpose.int, w, 1, 2, like=mm)
             y = emit(GROUPED_MM.default, x, weight, offs, like=mm)
             back = emit(aten.index_select.default, y, 0, inv, like=mm)
-            unsorts.append(back)
             out = emit(aten.reshape.default, back, list(val(mm).shape), like=mm)
         for u in list(mm.users):  # (its unit dim squeezed: the grouped matmul's rows as
             # they are, so tp sees a fused projection's split on the matmul itself)
@@ -267,6 +268,7 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
                     tuple(val(u).shape) == (rows, val(mm).numel() // rows):
                 u.replace_all_uses_with(back)
         mm.replace_all_uses_with(out)
+        unsorts.append(_biased(graph, back, layer.ids, key_s, inv, emit) or back)
     for put, a, b in grads:  # [E, a, b] += a[s] (x) b[s] for each row s of each expert
         with graph.inserting_before(put):
             at = emit(aten.transpose.int, sorted_rows(a, put), 0, 1, like=put)
@@ -277,6 +279,27 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
                 g = emit(aten.add.Tensor, zeros, g, like=put)
         put.replace_all_uses_with(g)
     return list(sorts.values()), unsorts, perm, inv, rows
+
+
+def _biased(graph, back, ids, key_s, inv, emit) -> torch.fx.Node | None:
+    """A bias picked per row and added to a product's rows (`out.add_(b[ids])`), added on
+    the sorted rows instead, picked by the sorted ids (Hugging Face's grouped form: tp
+    splits such a linear with its bias); the rows put back after it (None: no such add)."""
+    y = back.args[0]
+    for u in back.users:
+        if u.target is not aten.add.Tensor or len(u.args) != 2 or u.kwargs:
+            continue
+        b = u.args[1] if u.args[0] is back else u.args[0]
+        if isinstance(b, torch.fx.Node) and b.target is aten.index.Tensor and \
+                list(b.args[1]) == [ids] and val(b).shape == val(u).shape:
+            with graph.inserting_before(u):
+                pick = emit(aten.index.Tensor, b.args[0], [key_s], like=b)
+                summed = emit(aten.add.Tensor, *((y, pick) if u.args[0] is back else
+                                                 (pick, y)), like=u)
+                out = emit(aten.index_select.default, summed, 0, inv, like=u)
+            u.replace_all_uses_with(out)
+            return out
+    return None
 
 
 def _flat(v: torch.fx.Node, rows: int) -> torch.fx.Node:
@@ -315,6 +338,12 @@ def _fold(graph, sorts: list, unsorts: list, perm, inv, rows: int) -> None:
             copy = graph.node_copy(n, lambda a: twin[a] if a in twin else (
                 sorted_input(a, carried[a], n) if a in carried else a))
         twin[n] = copy
+    for n in region:  # (a unit dim added and dropped again: the value itself, as the
+        # grouped form has it, so tp sees a fused projection's pieces on the matmul)
+        c = twin[n]
+        if c.target is aten.squeeze.dim and c.args[0].target is aten.unsqueeze.default and \
+                c.args[1] % val(n.args[0]).dim() == c.args[0].args[1] % val(n.args[0]).dim():
+            c.replace_all_uses_with(c.args[0].args[0])
     for s in sorts:
         x = s.args[0]
         if x in region and region[x] == 0:
