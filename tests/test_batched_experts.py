@@ -211,6 +211,24 @@ def test_the_planner_prices_picked_experts_as_they_run():
     assert got[0] == got[1] and any(s[0] for s in got[0])
 
 
+@pytest.mark.slow  # (four compiles: make test's 6 minutes)
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_tp_splits_picked_experts_as_it_splits_their_grouped_form(name):
+    """Under tp=2 the batched_mm experts' weights take the roles the same model's grouped_mm
+    experts take (Mixtral: gate_up by its output features, down by its input features;
+    GPT-OSS, biases added on the sorted rows, alike)."""
+    roles = []
+    for implementation in ("batched_mm", "grouped_mm"):
+        model, spec = zoo.build(name)
+        model.config._experts_implementation = implementation
+        prog = fxpar.compile(model, 2, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
+                             plan={"tp": 2})
+        rep = prog.graph.meta[ir.TP_REPORT]
+        roles.append(([w for w in rep.column if ".mlp." in w], [w for w in rep.row
+                                                                   if ".mlp." in w]))
+    assert roles[0] == roles[1] and roles[0][0] and roles[0][1]
+
+
 @pytest.mark.slow
 def test_picked_experts_train_like_eager_under_plans():
     """Mixtral's and GPT-OSS's batched_mm experts, grouped, trained against eager (evaluate()
