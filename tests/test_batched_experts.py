@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar.compiler.capture import _as_scalar_loss, capture, default_loss_fn
+from fxpar.compiler.capture import capture
 from fxpar.core import cost, ir
 from fxpar.core.errors import PlanError
 from fxpar.examples import zoo
@@ -18,6 +18,7 @@ from fxpar.examples.zoo import tokens_batch
 from fxpar.passes import batched_experts
 
 import workers
+from test_grouped_experts import _assert_close, _grouped as _run
 from test_parity import _check_plans
 
 aten = torch.ops.aten
@@ -48,37 +49,8 @@ class PickedMoE(nn.Module):
         return nn.functional.cross_entropy(self.head(x + y), targets.flatten())
 
 
-def _args(model, sig, batch):
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    leaves = [x for x in torch.utils._pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
-    return [params[n].detach() for n in sig.param_names] + \
-        [buffers[n] for n in sig.buffer_names] + leaves
-
-
-def _grouped(model, batch, loss_fn=None, ctx=None):
-    """(the traced graph's outputs, the pass's graph, its outputs, FLOPs before, eager loss
-    and gradients)."""
-    gm, sig = capture(model, batch, loss_fn)
-    args = _args(model, sig, batch)
-    with torch.no_grad():
-        traced = gm(*args)
-    flops = sum(cost.node_flops(n) for n in gm.graph.nodes)
-    gm = batched_experts.run(gm, batched_experts.Options(), ctx)
-    with torch.no_grad():
-        out = gm(*args)
-    model.zero_grad()
-    loss = _as_scalar_loss((loss_fn or default_loss_fn)(model, batch))
-    loss.backward()
-    grads = [p.grad for p in (dict(model.named_parameters())[n] for n in sig.param_names)]
-    return traced, gm, out, flops, (loss, grads)
-
-
-def _assert_close(out, ref, eager):
-    torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out[0], eager[0], rtol=1e-6, atol=1e-6)
-    for got, want, g in zip(out[1:], ref[1:], eager[1]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got, g, rtol=1e-5, atol=1e-6)
+def _grouped(model, batch, loss_fn=None):
+    return _run(model, batch, loss_fn, pass_=batched_experts)
 
 
 def _count(gm, target):

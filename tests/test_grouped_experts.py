@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxpar.compiler.capture import capture
+from fxpar.compiler.capture import _as_scalar_loss, capture, default_loss_fn
 from fxpar.core import cost, ir
 from fxpar.examples.zoo import HIDDEN, VOCAB, HitLoopMoE, StackedLoopMoE, WhereRoutedMoE, \
     tokens_batch
@@ -85,24 +85,27 @@ class ThresholdMoE(WhereRoutedMoE):
 
 
 def _args(model, sig, batch):
+    """The captured graph's inputs: the model's parameters and buffers, the batch's tensors."""
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    leaves = [x for x in torch.utils._pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     return [params[n].detach() for n in sig.param_names] + \
-        [buffers[n] for n in sig.buffer_names] + list(batch)
+        [buffers[n] for n in sig.buffer_names] + leaves
 
 
-def _grouped(model, batch=None):
-    """(the padded graph's outputs, the pass's graph, its outputs, eager loss and grads)."""
+def _grouped(model, batch=None, loss_fn=None, pass_=grouped_experts, ctx=None):
+    """(the traced graph's outputs, `pass_`'s graph, its outputs, the traced FLOPs, eager
+    loss and grads)."""
     batch = batch or tokens_batch(0)
-    gm, sig = capture(model, batch)
+    gm, sig = capture(model, batch, loss_fn)
     args = _args(model, sig, batch)
     with torch.no_grad():
         padded = gm(*args)
     flops = sum(cost.node_flops(n) for n in gm.graph.nodes)
-    gm = grouped_experts.run(gm, grouped_experts.Options(), None)
+    gm = pass_.run(gm, pass_.Options(), ctx)
     with torch.no_grad():
         out = gm(*args)
     model.zero_grad()
-    loss = model(batch)
+    loss = _as_scalar_loss((loss_fn or default_loss_fn)(model, batch))
     loss.backward()
     grads = [p.grad for p in (dict(model.named_parameters())[n] for n in sig.param_names)]
     return padded, gm, out, flops, (loss, grads)
