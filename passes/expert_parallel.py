@@ -90,6 +90,9 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     if not layers and not lists:
         batched = [f"{r['module']!r}: {r['why']}" for r in
                    gm.meta.get(ir.BATCHED_EXPERTS) or () if not r["grouped"]]
+        dense = sorted({n.meta.get(ir.MODULE, "") for n in gm.graph.nodes
+                        if n.target is aten.bmm.default and n.meta.get(ir.REGION) == ir.FORWARD
+                        and _param_behind(n.args[1]) is not None})
         raise PlanError(
             f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
             "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
@@ -101,7 +104,10 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             "experts like any weight)." + (" Lists of identical modules that are not experts: " +
                                    "; ".join(skipped) + "." if skipped else "") +
             (" Experts picking their weights per row left as traced: " + "; ".join(batched) +
-             "." if batched else ""))
+             "." if batched else "") +
+            (f" Experts that run every token ({', '.join(map(repr, dense))}: a batched matmul "
+             "of every expert's rows by a parameter [experts, ...], as Llama 4's) route no "
+             "rows to send." if dense else ""))
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
     layouts = gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params)
@@ -200,6 +206,14 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.EXPERT_SLOTS] = slots
     gm.meta[ir.EP_REPORT] = report
     return gm
+
+
+def _param_behind(x) -> torch.fx.Node | None:
+    """The 3-D parameter `x` is (through casts, views and transposes), else None."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _WEIGHT_PATH:
+        x = x.args[0]
+    return x if isinstance(x, torch.fx.Node) and x.op == "placeholder" and \
+        x.meta.get(ir.ROLE) == "param" and _val(x).dim() == 3 else None
 
 
 def _check_split_alike(slots, layouts, params, module, ep) -> None:
