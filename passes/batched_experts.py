@@ -243,20 +243,21 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
                     dtype=torch.int32)
     sorts, unsorts = {}, []
 
-    def sorted_rows(v, like):  # (one sort per tensor: a product's and a gradient's alike)
+    def sorted_rows(v):  # (one sort per tensor, a product's and a gradient's alike; in the
+        # tensor's own region: a forward value's sort is forward work wherever it is read)
         v = _flat(v, rows)
         if v not in sorts:
             with graph.inserting_after(v):
                 x = v if val(v).dim() == 2 else emit(aten.reshape.default, v, [rows, -1],
-                                                     like=like)
+                                                     like=v)
             with graph.inserting_after(x):
-                sorts[v] = emit(aten.index_select.default, x, 0, perm, like=like)
+                sorts[v] = emit(aten.index_select.default, x, 0, perm, like=v)
         return sorts[v]
 
     for mm, at, t, p in products:  # mm: [rows, a, 1] = M @ v, or [rows, 1, b] = v @ M
         w = p.args[0]
         with graph.inserting_before(mm):
-            x = sorted_rows(mm.args[1 - at], mm)
+            x = sorted_rows(mm.args[1 - at])
             # (v @ M reads M = W[ids] or its transpose; M @ v reads M's transpose)
             weight = w if t == (at == 0) else emit(aten.transpose.int, w, 1, 2, like=mm)
             y = emit(GROUPED_MM.default, x, weight, offs, like=mm)
@@ -271,8 +272,8 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
         unsorts.append(_biased(graph, back, layer.ids, key_s, inv, emit) or back)
     for put, a, b in grads:  # [E, a, b] += a[s] (x) b[s] for each row s of each expert
         with graph.inserting_before(put):
-            at = emit(aten.transpose.int, sorted_rows(a, put), 0, 1, like=put)
-            g = emit(GROUPED_MM.default, at, sorted_rows(b, put), offs, like=put)
+            at = emit(aten.transpose.int, sorted_rows(a), 0, 1, like=put)
+            g = emit(GROUPED_MM.default, at, sorted_rows(b), offs, like=put)
             zeros = put.args[0]
             if not (zeros.target in (aten.new_zeros.default, aten.zeros.default,
                                      aten.zeros_like.default)):

@@ -85,6 +85,9 @@ def test_picked_experts_run_grouped_and_exact():
     assert all(n.args[1].op == "placeholder" or n.args[1].args[0].op == "placeholder"
                for n in grouped if n.meta[ir.VAL].dim() == 2)  # (W itself, or W^T)
     assert _count(gm, aten.index_select.default) == 4
+    assert not [n for n in gm.graph.nodes if n.meta.get(ir.REGION) == ir.FORWARD and any(
+        a.meta.get(ir.REGION) == ir.BACKWARD for a in n.all_input_nodes)]  # (sorts in the
+    # region of the value they sort: the forward reads no backward node)
     assert sum(cost.node_flops(n) for n in gm.graph.nodes) == pytest.approx(flops, rel=0.02)
     _assert_close(out, traced, eager)
 
