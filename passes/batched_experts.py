@@ -11,10 +11,12 @@ index_put - and writes each layer as Hugging Face's grouped experts compute it: 
 sorted by expert once (a stable sort of the ids; `offs`, each expert's end row, from their
 histogram), each product an `aten._grouped_mm` reading W itself, each weight gradient one
 grouped matmul over the sorted rows; the row-wise ops between the products run on the
-sorted rows, and the rows leave in their own order. The copies are gone; the FLOPs are the
-same. tp splits and ep distributes the experts as it does Hugging Face's grouped ones.
-Values: each row's products are the batched form's; an expert's weight gradient sums its
-rows in a matmul where index_put added them one by one (rounding only).
+sorted rows (a bias picked per row added there, picked by the sorted ids), and the rows
+leave in their own order. The copies are gone; the FLOPs are the same. tp splits and ep
+distributes the experts as it does Hugging Face's grouped ones. Values: the batched form's
+up to the order of float sums (a grouped matmul's kernel for each row's products; an
+expert's weight gradient summed over its rows by a matmul where index_put added them one
+by one).
 
 Left as traced (the reason kept in gm.meta[ir.BATCHED_EXPERTS], logged): a picked weight
 read other than by a matrix-vector product, a weight gradient not summed back to W by its
