@@ -9,10 +9,10 @@ top-2 routing; sizes from the flags; `--model hf_eager`: the same with
 `config._experts_implementation = "eager"`, a loop over the experts some token picked;
 `--model hf_batched`: `"batched_mm"`, each routed row's expert matrices picked by index and
 multiplied by bmm, which fxpar runs grouped, plus a "dp picked" plan: dp with the rows'
-picked copies as traced, passes/batched_experts off), or with `--model litgpt` litgpt's Mixtral (its experts
-an nn.ModuleList, each run on the rows torch.where picks for it: grouped, each rank
-routing its own tokens, and ep runs each rank's experts in slots), or with `--model deepseek` a Hugging Face
-DeepSeek-V3 (MLA attention, a shared expert beside the routed ones), under six plans (seven
+picked copies as traced, passes/batched_experts off), or with `--model litgpt` litgpt's
+Mixtral (its experts an nn.ModuleList, each run on the rows torch.where picks for it:
+grouped, each rank routing its own tokens, and ep runs each rank's experts in slots), or
+with `--model deepseek` a Hugging Face DeepSeek-V3 (MLA attention, a shared expert beside the routed ones), under six plans (seven
 from 4 ranks), each from the same initial weights on the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
