@@ -13,7 +13,8 @@ picked copies as traced, passes/batched_experts off), or with `--model litgpt` l
 Mixtral (its experts an nn.ModuleList, each run on the rows torch.where picks for it:
 grouped, each rank routing its own tokens, and ep runs each rank's experts in slots), or
 with `--model deepseek` a Hugging Face DeepSeek-V3 (MLA attention, a shared expert beside
-the routed ones), under six plans (seven from 4 ranks; "dp picked" too with hf_batched), each from the same initial weights on the same batches with AdamW (lr 1e-3):
+the routed ones), under six plans (seven from 4 ranks; "dp picked" too with hf_batched),
+each from the same initial weights on the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
                                the expert gradients all-reduced
