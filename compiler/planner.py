@@ -1781,7 +1781,7 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     on which the probes run. heads: the model's attention heads (its config's), where known.
     """
     gm, sig = graph
-    _as_every_plan_runs(gm, precision)
+    gm = _as_every_plan_runs(gm, precision)
     roles, refusal = tp_roles(gm, sig)
     stats = analyze(gm, rows, roles)
     stats.tp_refusal = refusal
@@ -1803,15 +1803,17 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     return stats
 
 
-def _as_every_plan_runs(gm, precision: str) -> None:
-    """Rewrite the captured graph in place as the first pass does on every plan: experts
-    that pick their weights per row run grouped (passes/batched_experts), and so are priced
-    (and found by expert parallelism) as they run."""
-    if batched_experts.CONTRACT.finds(gm):
-        device = next((n.meta[ir.VAL].device for n in gm.graph.nodes if n.op == "placeholder"
-                       and isinstance(n.meta.get(ir.VAL), torch.Tensor)), None)
-        batched_experts.run(gm, batched_experts.Options(precision),
-                            types.SimpleNamespace(device=device))
+def _as_every_plan_runs(gm, precision: str):
+    """The captured graph as the first pass makes it on every plan: experts that pick their
+    weights per row run grouped (passes/batched_experts), and so are priced (and found by
+    expert parallelism) as they run; the compile reusing the capture has nothing left to
+    group."""
+    if not batched_experts.CONTRACT.finds(gm):
+        return gm
+    device = next((n.meta[ir.VAL].device for n in gm.graph.nodes if n.op == "placeholder"
+                   and isinstance(n.meta.get(ir.VAL), torch.Tensor)), None)
+    return batched_experts.run(gm, batched_experts.Options(precision),
+                               types.SimpleNamespace(device=device))
 
 
 def expert_stats(stats: GraphStats, gm) -> None:

@@ -36,7 +36,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from fxpar.core import ir
 from fxpar.core.expert_lists import WEIGHT_PATH, between, row_inputs, val
 from fxpar.core.experts import GROUPED_MM
-from fxpar.core.graphs import fake_propagate
+from fxpar.core.graphs import copy_graph, fake_propagate
 
 aten = torch.ops.aten
 log = logging.getLogger("fxpar.batched_experts")
@@ -86,22 +86,32 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
         gm.meta[ir.BATCHED_EXPERTS] = [_entry(x, why) for x in layers]
         log.info("batched_experts: experts left picked per row: %s", why)
         return gm
-    report, folds = [], []
-    for layer in layers:
-        why = why_not(layer)
-        if why is None:
-            folds.append(_rewrite(gm.graph, layer))
-        else:
+    report = [_entry(layer, why_not(layer)) for layer in layers]
+    for r in report:
+        if r["why"]:
             log.info("batched_experts: %r picks its experts' weights per row: %s",
-                     layer.module, why)
-        report.append(_entry(layer, why))
-    if folds:
-        _refresh(gm)  # (the fold follows the rows by their values' shapes)
+                     r["module"], r["why"])
+    if not any(r["grouped"] for r in report):
+        gm.meta[ir.BATCHED_EXPERTS] = report
+        return gm
+    work = torch.fx.GraphModule(gm, copy_graph(gm.graph))  # (gm stays whole if this fails)
+    work.meta = dict(gm.meta)
+    try:
+        mine = find(work)  # (the copy's nodes, in the same order)
+        folds = [_rewrite(work.graph, layer) for layer, r in zip(mine, report) if r["grouped"]]
+        _refresh(work)  # (the fold follows the rows by their values' shapes)
         for fold in folds:
-            _fold(gm.graph, *fold)
-        _refresh(gm)
-    gm.meta[ir.BATCHED_EXPERTS] = report
-    return gm
+            _fold(work.graph, *fold)
+        _refresh(work)
+    except Exception as e:  # noqa: BLE001 - fxpar's own rewrite failed: run as traced
+        log.warning("batched_experts: grouping the experts failed (%s: %s); they run as "
+                    "traced (a copy of an expert matrix per row). Please report this model "
+                    "to fxpar.", type(e).__name__, e)
+        gm.meta[ir.BATCHED_EXPERTS] = [{**r, "grouped": False, "why": r["why"] or
+                                        f"{type(e).__name__}: {e}"} for r in report]
+        return gm
+    work.meta[ir.BATCHED_EXPERTS] = report
+    return work
 
 
 def _refresh(gm: torch.fx.GraphModule) -> None:

@@ -152,6 +152,21 @@ def test_picks_that_cannot_run_grouped_are_left_as_traced_with_the_reason():
         fxpar.compile(Narrow(), 2, example_batch=batch, plan={"dp": 2, "ep": 2})
 
 
+def test_a_failed_rewrite_leaves_the_graph_as_traced(monkeypatch, caplog):
+    """fxpar's own rewrite raising (a bug) leaves the captured graph whole and runnable, the
+    experts picked per row as traced, with a warning and the error as the reason."""
+    gm, _ = capture(PickedMoE(), tokens_batch(0))
+    before = [n.target for n in gm.graph.nodes]
+
+    def broken(*a):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(batched_experts, "_fold", broken)
+    out = batched_experts.run(gm, batched_experts.Options(), None)
+    assert out is gm and [n.target for n in gm.graph.nodes] == before
+    assert gm.meta[ir.BATCHED_EXPERTS][0]["why"] == "RuntimeError: a bug"
+    assert "grouping the experts failed" in caplog.text
+
+
 def test_a_model_without_picked_experts_is_untouched():
     """An embedding gathers rows of a 2-D table; a 3-D parameter indexed by a constant
     picks no rows: nothing to group."""
