@@ -280,6 +280,14 @@ def check_one_stage(module: str, experts: list) -> None:
                         "stage. Use another pp, or ep=1.")
 
 
+def param_behind(x) -> torch.fx.Node | None:
+    """The parameter placeholder `x` is (through casts, views and transposes), else None."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in WEIGHT_PATH:
+        x = x.args[0]
+    return x if isinstance(x, torch.fx.Node) and x.op == "placeholder" and \
+        x.meta.get(ir.ROLE) == "param" else None
+
+
 def weight_fqn(p: torch.fx.Node) -> str | None:
     """The parameter name of an expert's weight: its placeholder's, or for a select of a
     stack (an expert of a stacked list) the stack's parameter's."""

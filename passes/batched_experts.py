@@ -34,9 +34,9 @@ import torch.fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fxpar.core import ir
-from fxpar.core.expert_lists import WEIGHT_PATH, between, row_inputs, val
+from fxpar.core.expert_lists import between, param_behind, row_inputs, val
 from fxpar.core.experts import GROUPED_MM
-from fxpar.core.graphs import copy_graph, fake_propagate
+from fxpar.core.graphs import copy_graph, fake_propagate, fake_run
 
 aten = torch.ops.aten
 log = logging.getLogger("fxpar.batched_experts")
@@ -99,10 +99,15 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     try:
         mine = find(work)  # (the copy's nodes, in the same order)
         folds = [_rewrite(work.graph, layer) for layer, r in zip(mine, report) if r["grouped"]]
-        _refresh(work)  # (the fold follows the rows by their values' shapes)
+        stable_topological_sort(work.graph)  # (each sort was put after what it sorts)
+        work.graph.eliminate_dead_code()  # (the products and picks replaced)
         for fold in folds:
             _fold(work.graph, *fold)
-        _refresh(work)
+        stable_topological_sort(work.graph)
+        work.graph.eliminate_dead_code()
+        work.graph.lint()
+        work.recompile()
+        fake_propagate(work, check=False)
     except Exception as e:  # noqa: BLE001 - fxpar's own rewrite failed: run as traced
         log.warning("batched_experts: grouping the experts failed (%s: %s); they run as "
                     "traced (a copy of an expert matrix per row). Please report this model "
@@ -114,27 +119,12 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     return work
 
 
-def _refresh(gm: torch.fx.GraphModule) -> None:
-    stable_topological_sort(gm.graph)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    fake_propagate(gm, check=False)
-
-
 def _entry(layer: Picked, why: str | None) -> dict:
     return {"module": layer.module, "experts": layer.experts, "rows": layer.rows,
             "grouped": why is None, "why": why}
 
 
 # --- finding the layers ----------------------------------------------------------------
-
-def _param_of(w: torch.fx.Node) -> torch.fx.Node | None:
-    """The parameter placeholder `w` is (through casts and views), else None."""
-    while w.op == "call_function" and w.target in WEIGHT_PATH:
-        w = w.args[0]
-    return w if w.op == "placeholder" and w.meta.get(ir.ROLE) == "param" else None
-
 
 def find(gm: torch.fx.GraphModule) -> list[Picked]:
     """Each set of 3-D parameters picked row by row with one index tensor, `W[ids]`."""
@@ -147,18 +137,16 @@ def find(gm: torch.fx.GraphModule) -> list[Picked]:
         vw, vi = val(w), val(ids)
         if isinstance(vw, torch.Tensor) and vw.dim() == 3 and isinstance(vi, torch.Tensor) \
                 and vi.dim() == 1 and vi.dtype in (torch.int64, torch.int32) and \
-                _param_of(w) is not None:
+                param_behind(w) is not None:
             by_ids.setdefault(ids, []).append(n)
     return [Picked(ids, picks, picks[0].meta.get(ir.MODULE, "")) for ids, picks in
             by_ids.items()]
 
 
-def _vector(v: torch.fx.Node, rows: int) -> tuple[torch.fx.Node, int] | None:
-    """(`v` as rows x k, k) where `v` is [rows, k, 1] or [rows, 1, k] (one vector a row)."""
+def _vector(v: torch.fx.Node, rows: int) -> bool:
+    """`v` is [rows, k, 1] or [rows, 1, k]: one vector a row."""
     s = tuple(val(v).shape)
-    if len(s) != 3 or s[0] != rows or 1 not in s[1:]:
-        return None
-    return v, s[1] * s[2]
+    return len(s) == 3 and s[0] == rows and 1 in s[1:]
 
 
 def _products(layer: Picked) -> tuple[list, list] | str:
@@ -178,7 +166,7 @@ def _products(layer: Picked) -> tuple[list, list] | str:
                     return (f"{u.name} ({u.target}) reads the weights {p.name} picks per "
                             "row, not as a batched matrix-vector product")
                 at = list(u.args).index(x)
-                if _vector(u.args[1 - at], layer.rows) is None:
+                if not _vector(u.args[1 - at], layer.rows):
                     return (f"{u.name} multiplies the picked weights by "
                             f"{tuple(val(u.args[1 - at]).shape)}, not one vector a row")
                 products.append((u, at, t, p))
@@ -192,7 +180,7 @@ def _products(layer: Picked) -> tuple[list, list] | str:
                 v, t = v.args[0], not t
             if v.target is not aten.bmm.default or len(u.args) < 4 or not u.args[3] or \
                     val(u).shape[0] != layer.experts or \
-                    any(_vector(a, layer.rows) is None for a in v.args[:2]) or \
+                    not all(_vector(a, layer.rows) for a in v.args[:2]) or \
                     val(v.args[0]).shape[2] != 1:
                 return (f"{u.name} sums {v.name} ({v.target}) into a weight gradient by "
                         "expert, not one outer product a row")
@@ -228,29 +216,22 @@ def _rewrite(graph: torch.fx.Graph, layer: Picked) -> tuple:
     products, grads = _products(layer)
     rows, n_exp = layer.rows, layer.experts
 
-    def emit(target, *args, like=None, **kwargs):
+    def emit(target, *args, like=None, **kwargs):  # (with its value: `_fold` reads shapes)
         n = graph.call_function(target, args, kwargs)
         like = like or layer.ids
         n.meta[ir.REGION] = like.meta.get(ir.REGION, ir.FORWARD)
         n.meta[ir.MODULE] = like.meta.get(ir.MODULE, layer.module)
+        fake_run(n)
         return n
 
-    with graph.inserting_after(layer.ids):
+    with graph.inserting_before(layer.ids.next):
         key = emit(aten._to_copy.default, layer.ids, dtype=torch.int64)
-    with graph.inserting_after(key):
         srt = emit(aten.sort.stable, key, stable=True)
-    with graph.inserting_after(srt):
-        perm = emit(operator.getitem, srt, 1)
-    with graph.inserting_after(perm):
-        key_s = emit(operator.getitem, srt, 0)
-    with graph.inserting_after(perm):
-        inv_srt = emit(aten.sort.stable, perm, stable=True)
-    with graph.inserting_after(inv_srt):
-        inv = emit(operator.getitem, inv_srt, 1)
-    with graph.inserting_after(inv):  # (exact below 2^24 rows, as Hugging Face's counts)
+        key_s, perm = emit(operator.getitem, srt, 0), emit(operator.getitem, srt, 1)
+        inv = emit(operator.getitem, emit(aten.sort.stable, perm, stable=True), 1)
+        # (exact below 2^24 rows, as Hugging Face's counts)
         counts = emit(aten.histc.default, emit(aten._to_copy.default, key,
                                                dtype=torch.float32), n_exp, 0, n_exp - 1)
-    with graph.inserting_after(counts):
         offs = emit(aten._to_copy.default, emit(aten.cumsum.default, counts, 0),
                     dtype=torch.int32)
     sorts, unsorts = {}, []

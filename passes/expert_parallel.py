@@ -51,7 +51,8 @@ from fxpar.core import ir
 from fxpar.core.errors import PlanError
 from fxpar.core.expert_lists import GROUPED_MM as _GROUPED_MM, TRANSPOSES as _TRANSPOSES
 from fxpar.core.expert_lists import WEIGHT_PATH as _WEIGHT_PATH, ExpertList, find_expert_lists
-from fxpar.core.expert_lists import between as _between, check_one_stage, roles as _roles
+from fxpar.core.expert_lists import between as _between, check_one_stage, param_behind
+from fxpar.core.expert_lists import roles as _roles
 from fxpar.core.expert_lists import row_inputs as _row_inputs, val as _val
 from fxpar.core.graphs import fake_propagate
 from fxpar.core.sharding import batch_local_dispatch
@@ -92,7 +93,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                    gm.meta.get(ir.BATCHED_EXPERTS) or () if not r["grouped"]]
         dense = sorted({n.meta.get(ir.MODULE, "") for n in gm.graph.nodes
                         if n.target is aten.bmm.default and n.meta.get(ir.REGION) == ir.FORWARD
-                        and _param_behind(n.args[1]) is not None})
+                        and (w := param_behind(n.args[1])) is not None
+                        and _val(w).dim() == 3})
         raise PlanError(
             f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
             "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
@@ -206,14 +208,6 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.EXPERT_SLOTS] = slots
     gm.meta[ir.EP_REPORT] = report
     return gm
-
-
-def _param_behind(x) -> torch.fx.Node | None:
-    """The 3-D parameter `x` is (through casts, views and transposes), else None."""
-    while isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _WEIGHT_PATH:
-        x = x.args[0]
-    return x if isinstance(x, torch.fx.Node) and x.op == "placeholder" and \
-        x.meta.get(ir.ROLE) == "param" and _val(x).dim() == 3 else None
 
 
 def _check_split_alike(slots, layouts, params, module, ep) -> None:
