@@ -60,6 +60,9 @@ COUNTER_DTYPE = "dtype"  # set by data_parallel on the microbatch loss counter (
 DYNAMIC_ROWS = "dynamic_rows"  # set by expert_parallel on the nodes between an all-to-all
 #                          dispatch and its combine: their rows are as many as the rank
 #                          receives (meta["val"]: the most it can), run op by op
+EP_TOKENS = "ep_tokens"  # set by expert_parallel on the all-to-alls of experts that run every
+#                          token: (the dim of their input holding each dp rank's own tokens,
+#                          "send" | "return"); data_parallel's sharding keeps that dim split
 
 FORWARD, BACKWARD, OPTIMIZER, COMM = "forward", "backward", "optimizer", "comm"
 

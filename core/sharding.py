@@ -854,6 +854,8 @@ class _Sharder:
             return self.propagate_rng_replay(node)
         if node in self.local:
             return _local_dispatch.rule(self, node, self.local[node])
+        if ir.EP_TOKENS in node.meta:
+            return self.propagate_expert_tokens(node, *node.meta[ir.EP_TOKENS])
         if node.target in _local_dispatch.RANK_ROWS_OPS and self.local_only:
             raise ShardingError(
                 f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
@@ -1064,6 +1066,26 @@ class _Sharder:
         return not any(_strided(p) for a in self.inputs(node)
                        if isinstance(self.specs.get(a), DTensorSpec)
                        for p in self.specs[a].placements)
+
+    def propagate_expert_tokens(self, node, dim: int, way: str):
+        """Expert parallelism's all-to-all of experts that run every token (Llama 4's,
+        passes/expert_parallel): each rank sends its own tokens (dim `dim` split over this
+        mesh) to the ranks of their experts and gets its tokens' results back; the values
+        between hold the ep group's tokens for this rank's experts, split the same way.
+        Tokens whole on every rank would be sent ep times over, so they are split first; on
+        the way back they must still be split (an op between that made them whole would
+        have mixed the group's tokens)."""
+        x, want = node.args[0], (Shard(dim),)
+        have = _placements(self.specs.get(x))
+        if len(self.mesh_sizes) != 1 or (way == "return" and have != want):
+            raise ShardingError(
+                f"expert parallelism's all-to-all {node.name} (module "
+                f"'{node.meta.get(ir.MODULE, '')}') returns the tokens of experts that run "
+                f"every token placed {have} over {self.group_names}, not split along dim "
+                f"{dim}: an op between its all-to-alls did not keep each rank's tokens apart. "
+                "Use ep=1 for this model, and report it to fxpar.")
+        self.place(node, {x: want})
+        return _out_spec(self.mesh, want, node.meta.get(ir.VAL))
 
     def propagate_other_axis(self, node):
         """Such an op acts independently on each of this mesh's shards (sums, gathers and

@@ -81,7 +81,7 @@ CONTRACT = ir.PassContract(
     # a pipeline's stages and parts, tensor parallelism's placements, expert parallelism's
     # experts: where present, the reductions follow them
     reads=frozenset({ir.STAGE, ir.PHASE, ir.SHARD, ir.LOSS_COUNT, ir.EXPERT_PARAMS,
-                     ir.EXPERT_SLOTS}),
+                     ir.EXPERT_SLOTS, ir.EP_TOKENS}),
     provides=frozenset({ir.BUCKET, ir.PACK, ir.BATCH_SHARD_DIMS, ir.ZERO_BUCKETS,
                         ir.PARAMS_SHARDED, ir.LOSS_COUNT, ir.COUNTER_DTYPE}),
     values_fresh=True)  # (its values propagated by the pass: not again by the manager)

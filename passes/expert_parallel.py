@@ -74,7 +74,8 @@ CONTRACT = ir.PassContract(
     # the nodes it adds join their neighbours' pipeline part; tp's layouts of the weights it
     # splits (a slot's experts split alike)
     reads=frozenset({ir.STAGE, ir.PHASE, ir.TP_LAYOUTS}),
-    provides=frozenset({ir.EXPERT_PARAMS, ir.EXPERT_SLOTS, ir.EP_REPORT, ir.DYNAMIC_ROWS}),
+    provides=frozenset({ir.EXPERT_PARAMS, ir.EXPERT_SLOTS, ir.EP_REPORT, ir.DYNAMIC_ROWS,
+                        ir.EP_TOKENS}),
     # the data-parallel pass shards the rewritten graph: its engine carries the ep group's
     # collectives as another mesh axis's
     before=frozenset({"data_parallel", "overlap", "fusion"}),
@@ -88,13 +89,10 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     group = ctx.group_names["ep"]
     skipped: list[str] = []
     layers, lists = find_layers(gm), find_expert_lists(gm, skipped)
-    if not layers and not lists:
+    dense = find_dense_layers(gm)
+    if not layers and not lists and not dense:
         batched = [f"{r['module']!r}: {r['why']}" for r in
                    gm.meta.get(ir.BATCHED_EXPERTS) or () if not r["grouped"]]
-        dense = sorted({n.meta.get(ir.MODULE, "") for n in gm.graph.nodes
-                        if n.target is aten.bmm.default and n.meta.get(ir.REGION) == ir.FORWARD
-                        and (w := param_behind(n.args[1])) is not None
-                        and _val(w).dim() == 3})
         raise PlanError(
             f"Plan.ep={ep}: no MoE layer found on the graph. Expert parallelism splits experts "
             "stored as one parameter [experts, ...] and run by aten._grouped_mm (Hugging "
@@ -102,14 +100,12 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             "'batched_mm' experts, which fxpar runs grouped), or "
             "kept as an nn.ModuleList of identical experts each run on the rows routed to it, "
             "or stacked and read one expert at a time by a loop (Hugging Face's 'eager' "
-            "experts). Use ep=1 (ZeRO or tp shard such "
+            "experts), or run on every token by batched matmuls with parameters [experts, "
+            "...] (Llama 4's). Use ep=1 (ZeRO or tp shard such "
             "experts like any weight)." + (" Lists of identical modules that are not experts: " +
                                    "; ".join(skipped) + "." if skipped else "") +
             (" Experts picking their weights per row left as traced: " + "; ".join(batched) +
-             "." if batched else "") +
-            (f" Experts that run every token ({', '.join(map(repr, dense))}: a batched matmul "
-             "of every expert's rows by a parameter [experts, ...], as Llama 4's) route no "
-             "rows to send." if dense else ""))
+             "." if batched else ""))
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[ir.ROLE] == "param"]
     index = {n: i for i, n in enumerate(params)}
     layouts = gm.meta.get(ir.TP_LAYOUTS) or [None] * len(params)
@@ -168,6 +164,31 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                        "region": len(layer.region), "entering": len(layer.entering),
                        "leaving": len(layer.leaving),
                        "dispatch": "all-to-all" if all_to_all else "gathered rows"})
+    every = {m for layer in dense for m in layer.matmuls}
+    for layer in dense:
+        e = layer.experts
+        if e % ep:
+            raise PlanError(f"Plan.ep={ep}: the MoE layer {layer.module!r} has {e} experts, "
+                            f"which do not split evenly over {ep} ranks. Use an ep that "
+                            f"divides {e}.")
+        tp_split = [w.meta[ir.FQN] for w in layer.weights
+                    if layouts[index[w]] and 0 in (layouts[index[w]][0], layouts[index[w]][1])]
+        if tp_split:
+            raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the expert weights "
+                            f"{tp_split} along their experts (dim 0), which ep splits; one dim "
+                            "takes one split. Use ep=1 or tp=1.")
+        for w in layer.weights:
+            _only_experts_read(w, every, e, layer.module)
+        _rewrite_dense(gm.graph, layer, ep, group)
+        for w in layer.weights:
+            if w not in split:
+                v = w.meta[ir.VAL]
+                w.meta[ir.VAL] = v.new_empty((v.shape[0] // ep, *v.shape[1:]))
+                split.add(w)
+        report.append({"module": layer.module, "experts": e, "per_rank": e // ep,
+                       "rows": layer.tokens, "weights": [w.meta[ir.FQN] for w in layer.weights],
+                       "region": len(layer.region), "entering": len(layer.entering),
+                       "leaving": len(layer.leaving), "dispatch": "all-to-all, every token"})
     read = sorted(p.meta[ir.FQN] for p in unread if p.users)
     if read:  # (after every layer's stacks are cut: a recomputed copy reads them too)
         raise PlanError(f"Plan.ep: the expert weights {read[:4]} are also read outside the "
@@ -320,7 +341,8 @@ def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u in mms and u.args[1] is n:
+            if u in mms and n in u.args[:2]:  # (an experts operand: grouped matmuls' second,
+                # either of a batched matmul's)
                 continue
             v = _val(u)
             keeps = (_keeps_experts(u) or _tp_chunk(u)) and isinstance(v, torch.Tensor) and \
@@ -421,6 +443,134 @@ def _weight_of(x, mm, module, leaf: bool = False):
                         f"(module {module!r}) is computed by {n.name} ({n.target}), not a "
                         "parameter; expert parallelism splits parameters [experts, ...].")
     return n
+
+
+# --- experts that run every token -----------------------------------------------------------
+
+@dataclasses.dataclass
+class DenseLayer:
+    """An MoE layer whose experts all run every token (Llama 4's: `bmm` of the routed inputs
+    viewed [experts, tokens, ...] by parameters [experts, ...], the routing scores zeroing
+    the rest), forward and backward. `region`: node -> its tokens dim (None: a weight
+    gradient, summed over the tokens); `entering` / `leaving`: (node, tokens dim) where the
+    tokens come in and go out."""
+    module: str
+    experts: int
+    tokens: int
+    matmuls: list
+    region: dict
+    weights: list
+    entering: list
+    leaving: list
+
+
+def _expert_weight(x, experts: int):
+    """The parameter [experts, ...] operand `x` of a batched matmul reads through casts,
+    views and transposes that keep dim 0 its experts, else None."""
+    while x.op == "call_function" and _keeps_experts(x):
+        v = _val(x)
+        if not isinstance(v, torch.Tensor) or v.dim() != 3 or v.shape[0] != experts or (
+                x.target is aten.transpose.int and 0 in {d % 3 for d in x.args[1:3]}):
+            return None
+        x = x.args[0]
+    w = param_behind(x)
+    return w if w is x and _val(w).dim() == 3 and _val(w).shape[0] == experts else None
+
+
+def find_dense_layers(gm: torch.fx.GraphModule) -> list[DenseLayer]:
+    """Every MoE layer whose experts run every token: batched matmuls by a parameter
+    [experts, ...] (a reader: the tokens its other operand's dim 1, or dim 2 where the
+    weight comes first), the weight gradients (`bmm` summing over the tokens) and the
+    token-wise ops between them; one layer per connected region."""
+    graph = gm.graph
+    params = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get(ir.ROLE) == "param"]
+    out = next(n for n in graph.nodes if n.op == "output")
+    n_grads = out.meta.get(ir.N_GRADS) or 0
+    grads = dict(zip(params, out.args[0][1:1 + n_grads])) if n_grads else {}
+    roles, weight = {}, {}  # matmul -> ({operand: tokens dim}, its own tokens dim)
+    for n in graph.nodes:
+        if n.target is not aten.bmm.default:
+            continue
+        a, b = n.args[:2]
+        e = _val(n).shape[0]
+        for w_arg, x, d in ((b, a, 1), (a, b, 2)):
+            w = _expert_weight(w_arg, e)
+            if w is not None:
+                roles[n], weight[n] = ({x: d}, d), w
+                break
+    for w in set(weight.values()):  # its gradient: bmm(x^T [E, K, tokens], g [E, tokens, N])
+        g = grads.get(w)
+        while isinstance(g, torch.fx.Node) and g.op == "call_function" and _keeps_experts(g):
+            g = g.args[0]
+        if isinstance(g, torch.fx.Node) and g.target is aten.bmm.default and g not in roles:
+            roles[g], weight[g] = ({g.args[0]: 2, g.args[1]: 1}, None), w
+    by_tokens: dict[int, list] = {}
+    for m, (ins, d) in roles.items():
+        if d is not None:
+            x, xd = next(iter(ins.items()))
+            by_tokens.setdefault(_val(x).shape[xd], []).append(m)
+    for m, (ins, d) in roles.items():  # (a weight gradient joins its readers' tokens)
+        if d is None:
+            t = _val(m.args[1]).shape[1]
+            by_tokens.setdefault(t, []).append(m)
+    layers = []
+    for tokens, mms in by_tokens.items():
+        given = {m: roles[m][0] for m in mms}
+        region = _between([(m, roles[m][1]) for m in mms if roles[m][1] is not None],
+                          [x for m in mms for x in roles[m][0].items()], tokens, given)
+        for m in mms:
+            region[m] = roles[m][1]
+            for a, d in roles[m][0].items():  # a transposed operand (x^T of a weight gradient)
+                if a.target in _TRANSPOSES and a not in region:
+                    region[a] = d
+        for n in list(region):  # a split's pieces go with it
+            if isinstance(_val(n), (tuple, list)):
+                for u in n.users:
+                    region.setdefault(u, region[n])
+        parts = networkx.Graph()
+        parts.add_nodes_from(region)
+        parts.add_edges_from((x, n) for n in region for x in n.all_input_nodes if x in region)
+        for nodes in networkx.connected_components(parts):
+            layers.append(_dense_layer({n: region[n] for n in region if n in nodes},
+                                       [m for m in mms if m in nodes], given, weight, tokens))
+    return sorted(layers, key=lambda layer: layer.module)
+
+
+def _dense_layer(region: dict, mms: list, given: dict, weight: dict, tokens: int) -> DenseLayer:
+    """One connected region, checked: each value's dim 0 its experts, no op moving values
+    between experts (a transpose, split or concatenation along dim 0)."""
+    module = next((m.meta.get(ir.MODULE, "") for m in mms if m.meta.get(ir.MODULE)), "")
+    experts = _val(mms[0]).shape[0]
+    for n in region:
+        v = _val(n)
+        v = v[0] if isinstance(v, (tuple, list)) else v
+        at = 2 if n.target in (aten.split.Tensor, aten.split_with_sizes.default) else \
+            1 if n.target in (aten.cat.default, aten.slice.Tensor) else None
+        dim = None if at is None else n.args[at] if len(n.args) > at else n.kwargs.get("dim", 0)
+        moves = (n.target is aten.transpose.int and 0 in {d % v.dim() for d in n.args[1:3]}) \
+            or n.target is aten.t.default or (n.target is aten.permute.default and
+                                              n.args[1][0] % v.dim() != 0)
+        if not isinstance(v, torch.Tensor) or v.dim() < 2 or v.shape[0] != experts or moves \
+                or (dim is not None and dim % v.dim() == 0):
+            raise PlanError(f"Plan.ep: {n.name} ({n.target}) in the MoE layer {module!r}, "
+                            "whose experts run every token, does not keep dim 0 its experts; "
+                            "expert parallelism splits that dim over the ep ranks. Use ep=1 "
+                            "for this model.")
+    entering: dict = {}
+    for n, r in region.items():
+        for x, d in (given[n] if n in given else _row_inputs(n, r, tokens) or {}).items():
+            if x in region:
+                continue
+            if entering.setdefault(x, d) != d or _val(x).shape[0] != experts:
+                raise PlanError(f"Plan.ep: {x.name} enters the MoE layer {module!r} (experts "
+                                "that run every token) with its tokens on two dims, or not "
+                                f"[{experts} experts, ...]; expert parallelism sends each "
+                                "expert's tokens to its rank. Use ep=1 for this model.")
+    leaving = [(n, r) for n, r in region.items() if r is not None and not isinstance(
+        _val(n), (tuple, list)) and any(u not in region for u in n.users)]
+    weights = list(dict.fromkeys(weight[m] for m in mms))
+    return DenseLayer(module, experts, tokens, mms, region, weights, list(entering.items()),
+                      leaving)
 
 
 # --- the rewrite ----------------------------------------------------------------------------
@@ -575,6 +725,72 @@ def _rewrite_all_to_all(graph: torch.fx.Graph, layer: Layer, per_rank: int, grou
             back = _emit(graph, c10d.wait_tensor.default, (sent,), y, region=ir.COMM)
         for u in users:
             u.replace_input_with(y, back)
+
+
+def _rewrite_dense(graph: torch.fx.Graph, layer: DenseLayer, ep: int, group: str) -> None:
+    """Each rank runs its E/ep experts on the ep group's tokens: every value entering the
+    layer [E, ..., tokens, ...] is sent by an all-to-all of equal parts (experts r E/ep ..
+    to rank r) and its parts laid side by side along the tokens ([E/ep, ..., tokens x ep,
+    ...], each token's ep parts together: data parallelism's split of the tokens stays a
+    plain shard); every value leaving goes back the same way. No sizes depend on data.
+    The weights' gradients are the group's tokens' for this rank's experts: partial over the
+    groups, summed over "edp" by the dp pass."""
+    per, tokens = layer.experts // ep, layer.tokens
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n, r in layer.region.items():  # a size argument of the node's own shape (a slice's
+        # gradient): this rank's experts, the group's tokens
+        shape = list(_val(n).shape) if isinstance(_val(n), torch.Tensor) else None
+        for i, a in enumerate(n.args):
+            if shape is not None and isinstance(a, (list, tuple)) and list(a) == shape:
+                a = [per, *shape[1:]]
+                if r is not None:
+                    a[r] = tokens * ep
+                n.update_arg(i, a)
+
+    def emit(target, args, like, region=None, kwargs=None):
+        return _emit(graph, target, args, like, region=region, kwargs=kwargs)
+
+    for x, d in layer.entering:
+        users = [u for u in x.users if u in layer.region]
+        shape = list(_val(x).shape)
+        with graph.inserting_before(min(users, key=order.__getitem__)):
+            sent = emit(c10d.all_to_all_single.default, (x, [per] * ep, [per] * ep, group),
+                        users[0], region=ir.COMM)
+            sent.meta[ir.EP_TOKENS] = (d, "send")
+            got = emit(c10d.wait_tensor.default, (sent,), users[0], region=ir.COMM)
+            parts = emit(aten.view.default, (got, [ep, per, *shape[1:]]), users[0])
+            side = emit(aten.permute.default, (parts, [*range(1, d + 2), 0,
+                                                       *range(d + 2, len(shape) + 1)]), users[0])
+            dense = emit(aten.clone.default, (side,), users[0],
+                         kwargs={"memory_format": torch.contiguous_format})
+            mine = emit(aten.view.default, (dense, [per, *shape[1:d], tokens * ep,
+                                                    *shape[d + 1:]]), users[0])
+        for n in (sent, got, parts, side, dense, mine):
+            _in_first_part(n, users)
+        for u in users:
+            u.replace_input_with(x, mine)
+    for y, r in layer.leaving:
+        users = [u for u in y.users if u not in layer.region]
+        shape = list(_val(y).shape)
+        with graph.inserting_after(y):
+            parts = emit(aten.view.default, (y, [per, *shape[1:r], tokens, ep, *shape[r + 1:]]),
+                         y)
+        with graph.inserting_after(parts):
+            ahead = emit(aten.permute.default, (parts, [r + 1, *range(r + 1),
+                                                        *range(r + 2, len(shape) + 1)]), y)
+        with graph.inserting_after(ahead):
+            dense = emit(aten.clone.default, (ahead,), y,
+                         kwargs={"memory_format": torch.contiguous_format})
+        with graph.inserting_after(dense):
+            sent = emit(c10d.all_to_all_single.default, (dense, [1] * ep, [1] * ep, group), y,
+                        region=ir.COMM)
+            sent.meta[ir.EP_TOKENS] = (r + 1, "return")
+        with graph.inserting_after(sent):
+            back = emit(c10d.wait_tensor.default, (sent,), y, region=ir.COMM)
+        with graph.inserting_after(back):
+            whole = emit(aten.view.default, (back, shape), y)
+        for u in users:
+            u.replace_input_with(y, whole)
 
 
 def _unsized_slice_backward(graph, layer: Layer, n: torch.fx.Node, r: int) -> None:
