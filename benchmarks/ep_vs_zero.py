@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/ep_vs_zero.py [--steps 20] [--warmup 3] [--layers 2]
         [--hidden 256] [--experts 8] [--batch 8] [--seq 64] [--nprocs 2] [--codegen eager]
-        [--model hf|hf_eager|hf_batched|litgpt|deepseek]
+        [--model hf|hf_eager|hf_batched|litgpt|deepseek|llama4]
 
 One launch of `--nprocs` gloo CPU ranks trains a Hugging Face Mixtral (grouped_mm experts,
 top-2 routing; sizes from the flags; `--model hf_eager`: the same with
@@ -13,7 +13,10 @@ picked copies as traced, passes/batched_experts off), or with `--model litgpt` l
 Mixtral (its experts an nn.ModuleList, each run on the rows torch.where picks for it:
 grouped, each rank routing its own tokens, and ep runs each rank's experts in slots), or
 with `--model deepseek` a Hugging Face DeepSeek-V3 (MLA attention, a shared expert beside
-the routed ones), under six plans (seven from 4 ranks; "dp picked" too with hf_batched),
+the routed ones), or with `--model llama4` a Hugging Face Llama 4 text model (every expert
+runs every token, the top-1 routing score zeroing the others' inputs, beside a shared
+expert: ep sends each rank's tokens to every expert's rank by equal all-to-alls), under six
+plans (seven from 4 ranks; "dp picked" too with hf_batched),
 each from the same initial weights on the same batches with AdamW (lr 1e-3):
 
     Plan(dp=world)             every rank holds every expert and computes its own routed rows;
@@ -97,6 +100,18 @@ def _model(args):
             n_query_groups=2, block_size=args.seq, vocab_size=512, padded_vocab_size=512,
             intermediate_size=2 * args.hidden, n_expert=args.experts, n_expert_per_token=2))
     import transformers
+    if args.model == "llama4":
+        cfg = transformers.Llama4TextConfig(
+            vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden,
+            intermediate_size_mlp=2 * args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
+            num_local_experts=args.experts, num_experts_per_tok=1,
+            interleave_moe_layer_step=1, router_aux_loss_coef=0.0, router_jitter_noise=0.0,
+            attention_chunk_size=args.seq, max_position_embeddings=args.seq,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return transformers.Llama4ForCausalLM(cfg)
     if args.model == "deepseek":
         cfg = transformers.DeepseekV3Config(
             vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -208,7 +223,7 @@ def main():
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--model", default="hf",
-                    choices=("hf", "hf_eager", "hf_batched", "litgpt", "deepseek"))
+                    choices=("hf", "hf_eager", "hf_batched", "litgpt", "deepseek", "llama4"))
     args = ap.parse_args()
     torchrun = rdist.under_torchrun()  # (then the script runs in the ranks torchrun started)
     if torchrun:
@@ -226,8 +241,10 @@ def main():
     title = {"hf": "HF Mixtral", "hf_eager": "HF Mixtral (eager experts)",
              "hf_batched": "HF Mixtral (batched_mm experts)",
              "litgpt": "litgpt Mixtral",
-             "deepseek": "HF DeepSeek-V3 (1 shared expert)"}[args.model]
-    print(f"{title} {args.layers} layers x {args.hidden}, {args.experts} experts top-2 "
+             "deepseek": "HF DeepSeek-V3 (1 shared expert)",
+             "llama4": "HF Llama 4 (every expert on every token, 1 shared expert)"}[args.model]
+    k = 1 if args.model == "llama4" else 2
+    print(f"{title} {args.layers} layers x {args.hidden}, {args.experts} experts top-{k} "
           f"({n / 1e6:.2f} M params), batch {args.batch} x {args.seq} tokens, "
           f"{args.nprocs} gloo CPU ranks, AdamW, codegen={args.codegen}, {args.steps} timed steps")
     print(f"{'plan':11s} {'median step':>12s} {'held MiB':>9s} {'peak MiB':>9s} "

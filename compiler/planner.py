@@ -1818,14 +1818,15 @@ def _as_every_plan_runs(gm, precision: str):
 
 def expert_stats(stats: GraphStats, gm) -> None:
     """What Plan.ep changes, per segment, from the MoE layers expert parallelism finds on the
-    captured graph (passes/expert_parallel.find_layers, and find_expert_lists for experts
-    kept as an nn.ModuleList): their expert weights, the FLOPs of their matmuls, the bytes
+    captured graph (passes/expert_parallel.find_layers, find_dense_layers for experts that
+    run every token, and find_expert_lists for experts kept as an nn.ModuleList): their expert weights, the FLOPs of their matmuls, the bytes
     of the rows moved over the ep group where they leave a layer; and each layer's expert
     count. A graph whose experts the pass cannot split
     gets the reason (no ep plan is priced)."""
     try:
         layers = expert_parallel.find_layers(gm)
         lists = find_expert_lists(gm)
+        dense = expert_parallel.find_dense_layers(gm)
     except Exception as e:  # noqa: BLE001 - no ep plan is priced; the reason is kept
         stats.ep_refusal = f"{type(e).__name__}: {e}"
         return
@@ -1930,8 +1931,32 @@ def expert_stats(stats: GraphStats, gm) -> None:
                     seg.ep_bytes_f += passes * nbytes
                 else:
                     seg.ep_bytes_b += passes * nbytes
+    for layer in dense:  # experts that run every token: each rank's tokens sent to the
+        # experts' ranks and back by equal all-to-alls (priced as the routed rows' are, none
+        # received beyond those sent), a rank running its E/ep experts on ep x its tokens
+        seg = by_name.get(stats.node_segment.get(layer.matmuls[0].name))
+        if seg is None:
+            continue
+        counts.append(layer.experts)
+        seg.n_moe += 1
+        seg.expert_params += sum(w.meta[ir.VAL].numel() for w in layer.weights)
+        split = all(stats.tp_roles.get(w.meta.get(ir.FQN), "replicated") != "replicated"
+                    for w in layer.weights)
+        for m in layer.matmuls:
+            part = "f" if m.meta.get(ir.REGION) == ir.FORWARD else "b"
+            setattr(seg, f"expert_flops_{part}",
+                    getattr(seg, f"expert_flops_{part}") + cost.node_flops(m))
+            if split:
+                setattr(seg, f"expert_flops_{part}_split",
+                        getattr(seg, f"expert_flops_{part}_split") + cost.node_flops(m))
+        for y, _ in layer.leaving:
+            if y.meta.get(ir.REGION) == ir.FORWARD:
+                seg.ep_comm_f += cost.tensor_bytes(y.meta[ir.VAL])
+            else:
+                seg.ep_comm_b += cost.tensor_bytes(y.meta[ir.VAL])
     stats.expert_counts = tuple(counts)
-    stats.moe_local = bool(layers or lists) and _dispatch_is_local(gm, layers, lists)
+    stats.moe_local = bool(layers or lists or dense) and (
+        not (layers or lists) or _dispatch_is_local(gm, layers, lists))
     if stats.moe_local:
         return
     for seg in stats.segments:  # a dp rank runs the experts on every rank's rows (gathered):

@@ -43,7 +43,7 @@ def sized_zoo():
                               lambda s: M.hf_lm_batch(256, 4, 16, seed=s), None),
             # Hugging Face MoE models (expert parallelism): the model zoo's configs
             **{name: (lambda name=name: _zoo_model(name), _lm(), None)
-               for name in ("mixtral", "qwen2_moe", "deepseek_v3", "jetmoe")},
+               for name in ("mixtral", "qwen2_moe", "deepseek_v3", "jetmoe", "llama4")},
             # with the router's load-balancing loss in the loss (outside the experts)
             "mixtral_aux": (_mixtral_aux, _lm(), None),
             # right-padded rows: an attention mask and ignored labels on the padding
