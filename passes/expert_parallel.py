@@ -539,7 +539,11 @@ def find_dense_layers(gm: torch.fx.GraphModule) -> list[DenseLayer]:
 def _dense_layer(region: dict, mms: list, given: dict, weight: dict, tokens: int) -> DenseLayer:
     """One connected region, checked: each value's dim 0 its experts, no op moving values
     between experts (a transpose, split or concatenation along dim 0)."""
-    module = next((m.meta.get(ir.MODULE, "") for m in mms if m.meta.get(ir.MODULE)), "")
+    weights = list(dict.fromkeys(weight[m] for m in mms))
+    names = [w.meta.get(ir.FQN, w.name) for w in weights]
+    module = ".".join(names[0].split(".")[:-1]) if all(
+        n.rsplit(".", 1)[0] == names[0].rsplit(".", 1)[0] and "." in n for n in names) \
+        else ", ".join(names)  # (the experts' module, else their weights)
     experts = _val(mms[0]).shape[0]
     for n in region:
         v = _val(n)
@@ -561,14 +565,18 @@ def _dense_layer(region: dict, mms: list, given: dict, weight: dict, tokens: int
         for x, d in (given[n] if n in given else _row_inputs(n, r, tokens) or {}).items():
             if x in region:
                 continue
-            if entering.setdefault(x, d) != d or _val(x).shape[0] != experts:
-                raise PlanError(f"Plan.ep: {x.name} enters the MoE layer {module!r} (experts "
-                                "that run every token) with its tokens on two dims, or not "
-                                f"[{experts} experts, ...]; expert parallelism sends each "
-                                "expert's tokens to its rank. Use ep=1 for this model.")
+            if _val(x).shape[0] != experts:
+                raise PlanError(f"Plan.ep: {x.name} ({x.target}) enters the MoE layer "
+                                f"{module!r}, whose experts run every token, as "
+                                f"{list(_val(x).shape)}, not [{experts} experts, ...]: a value "
+                                "made from every expert's, which expert parallelism holds on "
+                                "different ranks. Use ep=1 for this model.")
+            if entering.setdefault(x, d) != d:
+                raise PlanError(f"Plan.ep: {x.name} enters the MoE layer {module!r} with its "
+                                f"tokens on dims {entering[x]} and {d}; report this model to "
+                                "fxpar, and use ep=1 for it.")
     leaving = [(n, r) for n, r in region.items() if r is not None and not isinstance(
         _val(n), (tuple, list)) and any(u not in region for u in n.users)]
-    weights = list(dict.fromkeys(weight[m] for m in mms))
     return DenseLayer(module, experts, tokens, mms, region, weights, list(entering.items()),
                       leaving)
 

@@ -50,6 +50,8 @@ def sized_zoo():
             "hf_llama_padded": (M.hf_llama, _padded_lm, None),
             # an MoE whose dispatch reads every row (a capacity): its rows stay gathered
             "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss),
+            # every expert on every token (batched matmuls by [experts, ...] parameters)
+            "every_token_moe": (EveryTokenMoE, _capacity_batch, capacity_loss),
             # MoEs whose experts are an nn.ModuleList, routed by torch.where
             **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral",
                                                      "stacked_loop_moe")},
@@ -1162,6 +1164,27 @@ class CapacityMoE(torch.nn.Module):
         rows = x[perm] * (place < self.capacity).unsqueeze(-1)
         y = torch._grouped_mm(rows, self.w, offs) * score[perm].unsqueeze(-1)
         return self.head(x + torch.zeros_like(x).index_put((perm,), y, accumulate=True))
+
+
+class EveryTokenMoE(torch.nn.Module):
+    """Every expert on every token, each weighted by a softmax over the experts (Llama 4's
+    experts also run every token, its top-1 score zeroing the others' inputs), written by
+    other hands: the second matrix first (`W h^T`, the tokens on dim 2), a GELU between."""
+
+    def __init__(self, vocab=32, d=16, hidden=32, experts=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.gate = torch.nn.Linear(d, experts)
+        self.w_in = torch.nn.Parameter(torch.randn(experts, d, hidden) / d ** 0.5)
+        self.w_out = torch.nn.Parameter(torch.randn(experts, d, hidden) / hidden ** 0.5)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids).flatten(0, 1)
+        routed = x.unsqueeze(0) * self.gate(x).softmax(-1).t().unsqueeze(-1)  # [E, T, d]
+        h = F.gelu(torch.bmm(routed, self.w_in), approximate="tanh")
+        y = torch.bmm(self.w_out, h.transpose(1, 2))  # [E, d, T]
+        return self.head(x + y.sum(0).t())
 
 
 def capacity_loss(model, batch):
