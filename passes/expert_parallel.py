@@ -179,6 +179,8 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                             "takes one split. Use ep=1 or tp=1.")
         for w in layer.weights:
             _only_experts_read(w, every, e, layer.module)
+    for layer in dense:  # (after every check: a layer's recomputed copy reads its weights)
+        e = layer.experts
         _rewrite_dense(gm.graph, layer, ep, group)
         for w in layer.weights:
             if w not in split:
@@ -539,7 +541,8 @@ def find_dense_layers(gm: torch.fx.GraphModule) -> list[DenseLayer]:
 def _dense_layer(region: dict, mms: list, given: dict, weight: dict, tokens: int) -> DenseLayer:
     """One connected region, checked: each value's dim 0 its experts, no op moving values
     between experts (a transpose, split or concatenation along dim 0)."""
-    weights = list(dict.fromkeys(weight[m] for m in mms))
+    params = [n for n in mms[0].graph.nodes if n.op == "placeholder"]
+    weights = sorted({weight[m] for m in mms}, key=params.index)
     names = [w.meta.get(ir.FQN, w.name) for w in weights]
     module = ".".join(names[0].split(".")[:-1]) if all(
         n.rsplit(".", 1)[0] == names[0].rsplit(".", 1)[0] and "." in n for n in names) \

@@ -88,6 +88,21 @@ def test_each_rank_holds_its_experts_and_the_tokens_move_by_equal_all_to_alls():
             torch.distributed.tensor.Shard(d),)
 
 
+def test_a_recomputed_layer_is_split_too():
+    """Under remat the backward's recomputed copy of the forward is a layer of its own,
+    reading the same weights: both are rewritten, the weights split once."""
+    model, batch, loss_fn = _every_token()
+    prog = fxpar.compile(model, 2, example_batch=batch, loss_fn=loss_fn,
+                         plan={"dp": 2, "ep": 2, "remat": "sqrt"})
+    report = prog.graph.meta[ir.EP_REPORT]
+    assert [r["module"] for r in report] == ["w_in, w_out"] * 2
+    # (the forward's: its input in, its output out; the recomputed copy's and the
+    # backward's: the input again and the output's gradient in, the input's gradient out)
+    assert sorted((r["entering"], r["leaving"]) for r in report) == [(1, 1), (2, 1)]
+    assert all(p.meta[ir.VAL].shape[0] == 2 for p in prog.graph.graph.nodes
+               if p.op == "placeholder" and p.meta.get(ir.FQN) in ("w_in", "w_out"))
+
+
 def test_an_op_mixing_the_experts_or_a_weight_read_elsewhere_is_refused():
     """A value made from every expert's (a mean over them) re-entering the layer, or an
     expert weight also read by a regulariser, cannot be split over ep ranks."""
