@@ -92,6 +92,9 @@ _FP32_OPS = {
     aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
     aten.acos.default, aten.asin.default, aten.cosh.default, aten.sinh.default,
     aten.tan.default, aten.erfinv.default, aten.softplus.default,
+    # complex numbers have no bfloat16 (Llama 4's rotary embedding: `view_as_complex(x.float())`
+    # whose `.float()` of an fp32 trace records nothing)
+    aten.view_as_complex.default,
 }
 # ops that promote mixed dtypes themselves (TensorIterator): no explicit cast needed
 _PROMOTING = {

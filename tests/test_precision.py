@@ -357,6 +357,35 @@ def test_bf16_training_equals_torch_autocast_on_its_first_step_and_tracks_it():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
 
 
+def test_complex_numbers_stay_fp32_under_bf16():
+    """Llama 4's rotary embedding multiplies complex numbers, `view_as_complex(x.float())`:
+    the `.float()` records nothing in an fp32 trace, and complex numbers have no bfloat16,
+    so the pass casts view_as_complex's input up, as the model's code does under autocast.
+    Training then tracks autocast's (its norms' `type_as` casts, also absent from the trace,
+    leave fxpar's values fp32 where autocast rounds them to bf16)."""
+    model, batch_fn, loss_fn = build("llama4")
+    pm = fxpar.parallelize(model, 1, example_batch=batch_fn(0), loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS["adamw"], plan={"precision": "bf16"})
+    report = pm.stage_graphs["precision"]["dp"].meta[ir.PRECISION_REPORT]
+    graph = pm.stage_graphs["precision"]["dp"].graph
+    complex_in = [n.args[0] for n in graph.nodes
+                  if n.target is torch.ops.aten.view_as_complex.default]
+    assert complex_in and all(x.meta[ir.VAL].dtype == torch.float32 for x in complex_in)
+    assert report.half_nodes
+    got = [pm.step(batch_fn(s)).item() for s in range(2)]
+    model, batch_fn, loss_fn = build("llama4")
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    ref = []
+    for s in range(2):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(**batch_fn(s)).loss
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
+
+
 @pytest.mark.slow  # (make test's 6 minutes)
 def test_remat_on_the_bf16_graph_equals_no_remat():
     """remat runs after precision and sees the half-precision graph (its casts are cheap to
