@@ -1819,10 +1819,10 @@ def _as_every_plan_runs(gm, precision: str):
 def expert_stats(stats: GraphStats, gm) -> None:
     """What Plan.ep changes, per segment, from the MoE layers expert parallelism finds on the
     captured graph (passes/expert_parallel.find_layers, find_dense_layers for experts that
-    run every token, and find_expert_lists for experts kept as an nn.ModuleList): their expert weights, the FLOPs of their matmuls, the bytes
-    of the rows moved over the ep group where they leave a layer; and each layer's expert
-    count. A graph whose experts the pass cannot split
-    gets the reason (no ep plan is priced)."""
+    run every token, and find_expert_lists for experts kept as an nn.ModuleList): their
+    expert weights, the FLOPs of their matmuls, the bytes of the rows moved over the ep
+    group where they leave a layer; and each layer's expert count. A graph whose experts
+    the pass cannot split gets the reason (no ep plan is priced)."""
     try:
         layers = expert_parallel.find_layers(gm)
         lists = find_expert_lists(gm)
