@@ -71,9 +71,10 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
     if node.op != "call_function":
         return None
     if op is operator.getitem or op is c10d.wait_tensor.default or (
-            op is c10d.all_reduce.default and node.args[2] == ir.GROUPS["tp"]):
+            op is c10d.all_reduce.default and node.args[2] == ir.GROUPS["tp"]) or (
+            op in (aten._to_copy.default, aten.alias.default) and set(node.kwargs) <= {"dtype"}):
         # (tp's partial sums inside an expert: element by element over ranks holding the
-        # same rows)
+        # same rows; a cast to another dtype, element by element)
         return {node.args[0]: row}
     if GROUPED_MM is not None and op is GROUPED_MM.default:
         return dict(roles(node))
@@ -96,10 +97,12 @@ def row_inputs(node, row: int, rows: int) -> dict | None:
     if op is aten.slice_backward.default:  # (a slice's gradient along another dim: GPT-OSS's
         # gate and up, every other feature)
         return {node.args[0]: row} if node.args[2] % out.dim() != row else None
-    if op in ir.RESHAPES:
+    if op in ir.RESHAPES:  # (the dims up to the rows' kept: each row's elements stay its own)
         x = node.args[0]
-        ok = row == 0 and val(x).dim() >= 1 and val(x).shape[0] == rows == out.shape[0]
-        return {x: 0} if ok else None
+        shape = val(x).shape
+        ok = row < min(len(shape), out.dim()) and shape[row] == rows and \
+            shape[:row + 1] == out.shape[:row + 1]
+        return {x: row} if ok else None
     if op in _UNIT_DIMS:  # (a unit dim added or dropped elsewhere: the rows' dim shifts)
         d = _unit_dim(node)
         if d is None or d == row:

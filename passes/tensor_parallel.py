@@ -285,6 +285,9 @@ def find_linears(gm: torch.fx.GraphModule, params: dict) -> list[Linear]:
             if lin is not None:
                 out.append(lin)
                 continue
+        elif n.target is aten.bmm.default:  # every expert on every token (Llama 4's): the
+            # tokens [experts, tokens, in] by a stack [experts, in, out], each expert's linear
+            act, w, bias, lead = n.args[0], n.args[1], None, 1
         else:
             continue
         transposed = isinstance(w, torch.fx.Node) and (
@@ -521,7 +524,7 @@ def _reads_weight(node, weight) -> bool:
     """node is (a view of) a matmul whose weight operand is (a transpose of) `weight`."""
     node = _root(node)
     if not isinstance(node, torch.fx.Node) or node.target not in (
-            aten.mm.default, aten.addmm.default, _GROUPED):
+            aten.mm.default, aten.addmm.default, _GROUPED, aten.bmm.default):
         return False
     return any(_root(a) is weight for a in node.args if isinstance(a, torch.fx.Node))
 
@@ -536,7 +539,8 @@ def _feeds(cat, grad) -> bool:
             grad.args[1].meta[ir.VAL].dim() == 0:  # fp16: the gradient unscaled by the loss
         grad = grad.args[0]                      # scale (passes/precision.py)
     mm = _root(grad)  # (a grouped matmul's weight gradient: a grouped matmul too)
-    return isinstance(mm, torch.fx.Node) and mm.target in (aten.mm.default, _GROUPED) and any(
+    return isinstance(mm, torch.fx.Node) and mm.target in (
+        aten.mm.default, _GROUPED, aten.bmm.default) and any(
         _root(a) is cat for a in mm.args if isinstance(a, torch.fx.Node))
 
 

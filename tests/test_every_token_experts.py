@@ -128,6 +128,27 @@ def test_an_op_mixing_the_experts_or_a_weight_read_elsewhere_is_refused():
                       plan={"dp": 2, "ep": 2})
 
 
+def test_tensor_parallelism_splits_each_expert_inside_its_ep_rank():
+    """Llama 4 at dp=2 x ep=2 x tp=2: the tp pass splits the batched matmuls' stacks as
+    each expert's linears (gate_up by its output features, gate and up interleaved; down by
+    its input features), and ep splits their experts on top."""
+    llama4, spec = zoo.build("llama4")
+    prog = fxpar.compile(llama4, 4, example_batch=spec.batch(0),
+                         plan={"dp": 2, "ep": 2, "tp": 2})
+    rep = prog.graph.meta[ir.TP_REPORT]
+    experts = [f"model.layers.{i}.feed_forward.experts" for i in range(2)]
+    assert [w for w in rep.column if ".experts." in w] == [f"{e}.gate_up_proj" for e in experts]
+    assert [w for w in rep.row if ".experts." in w] == [f"{e}.down_proj" for e in experts]
+    assert {w: k for w, k in rep.interleaved.items() if ".experts." in w} == {
+        f"{e}.gate_up_proj": 2 for e in experts}
+    assert [(r["module"], r["per_rank"]) for r in prog.graph.meta[ir.EP_REPORT]] == [
+        (e, 2) for e in experts]
+    shapes = {p.meta[ir.FQN]: tuple(p.meta[ir.VAL].shape) for p in prog.graph.graph.nodes
+              if p.op == "placeholder" and p.meta.get(ir.ROLE) == "param"}
+    assert shapes[f"{experts[0]}.gate_up_proj"] == (2, 32, 64)  # ([4, 32, 128] split)
+    assert shapes[f"{experts[0]}.down_proj"] == (2, 32, 32)  # ([4, 64, 32])
+
+
 def test_the_planner_prices_expert_parallelism_for_them():
     """The planner finds the layers (two MoE layers, 4 experts each): ep=2 is searched, its
     expert weights half a rank's, the tokens' all-to-alls priced."""
