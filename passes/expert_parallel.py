@@ -179,6 +179,12 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                             "takes one split. Use ep=1 or tp=1.")
         for w in layer.weights:
             _only_experts_read(w, every, e, layer.module)
+        stages = sorted({n.meta[ir.STAGE] for n in layer.region if ir.STAGE in n.meta})
+        if len(stages) > 1:  # (a stage transfer inside would carry a value ep resizes)
+            raise PlanError(f"Plan.ep: a pipeline stage boundary falls inside the MoE layer "
+                            f"{layer.module!r} (its experts' values span stages {stages}); "
+                            "expert parallelism runs a layer's experts within one stage. Use "
+                            "another pp, or ep=1.")
     for layer in dense:  # (after every check: a layer's recomputed copy reads its weights)
         e = layer.experts
         _rewrite_dense(gm.graph, layer, ep, group)

@@ -103,6 +103,23 @@ def test_a_recomputed_layer_is_split_too():
                if p.op == "placeholder" and p.meta.get(ir.FQN) in ("w_in", "w_out"))
 
 
+def test_a_stage_boundary_inside_the_layer_is_refused():
+    """A pipeline transfer is sized by the graph's values, which ep resizes inside the
+    layer: a stage cut there (moved by hand: pipeline_split cuts between blocks) is refused
+    by name."""
+    from fxpar.compiler.pass_manager import PassContext
+    model, batch, loss_fn = _every_token()
+    gm, sig = capture(model, batch, loss_fn)
+    [layer] = expert_parallel.find_dense_layers(gm)
+    for n in gm.graph.nodes:
+        n.meta[ir.STAGE] = 0
+    layer.matmuls[1].meta[ir.STAGE] = 1
+    ctx = PassContext(signature=sig, group_names=dict(ir.GROUPS))
+    with pytest.raises(PlanError, match="stage boundary falls inside the MoE layer "
+                                        "'w_in, w_out'"):
+        expert_parallel.run(gm, expert_parallel.Options(ep=2, dp=2), ctx)
+
+
 def test_an_op_mixing_the_experts_or_a_weight_read_elsewhere_is_refused():
     """A value made from every expert's (a mean over them) re-entering the layer, or an
     expert weight also read by a regulariser, cannot be split over ep ranks."""
