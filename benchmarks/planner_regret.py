@@ -95,6 +95,17 @@ MODELS = {
                                 num_local_experts=4, num_experts_per_tok=2,
                                 max_position_embeddings=256),
                     lambda: _lm_batch(4096, 64)),
+    # an MoE whose experts run every token (Llama 4: batched matmuls by [experts, ...]
+    # parameters, the top-1 score zeroing the others' inputs; a shared expert beside them)
+    "llama4_moe": (lambda: _hf("Llama4TextConfig", "Llama4ForCausalLM", vocab_size=4096,
+                               hidden_size=256, intermediate_size=256,
+                               intermediate_size_mlp=512, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                               num_local_experts=4, num_experts_per_tok=1,
+                               interleave_moe_layer_step=1, attention_chunk_size=64,
+                               max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                               eos_token_id=2),
+                   lambda: _lm_batch(4096, 64)),
     # the same MoE written with litgpt (its experts an nn.ModuleList, each run on the rows
     # torch.where picks for it; the model returns logits: LOSSES)
     "litgpt_moe": (lambda: _litgpt_mixtral(vocab_size=4096, padded_vocab_size=4096,
