@@ -14,6 +14,15 @@ import torch
 GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 
 
+def why_not_grouped_on(device, precision: str) -> str | None:
+    """Why experts should not run as grouped matmuls on `device` at `precision`, or None: on
+    CUDA torch runs a grouped matmul of other than bf16 operands group by group, reading the
+    offsets on the host every step (no CUDA graph, a sync per matmul)."""
+    if device is not None and torch.device(device).type == "cuda" and precision != "bf16":
+        return f"on CUDA a grouped matmul runs in bf16 only (precision={precision})"
+    return None
+
+
 @torch.library.custom_op("fxpar::expert_window", mutates_args=())
 def expert_window(offs: torch.Tensor, experts: int, group_name: str) -> torch.Tensor:
     """[start, local offs...] (int64, experts + 1 values): the first sorted row of this rank's

@@ -35,7 +35,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fxpar.core import ir
 from fxpar.core.expert_lists import between, param_behind, row_inputs, val
-from fxpar.core.experts import GROUPED_MM
+from fxpar.core.experts import GROUPED_MM, why_not_grouped_on
 from fxpar.core.graphs import copy_graph, fake_propagate, fake_run
 
 aten = torch.ops.aten
@@ -79,10 +79,8 @@ class Picked:
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
     layers = find(gm)
-    device = getattr(ctx, "device", None)
-    if device is not None and torch.device(device).type == "cuda" and \
-            options.precision != "bf16":
-        why = f"on CUDA a grouped matmul runs in bf16 only (precision={options.precision})"
+    why = why_not_grouped_on(getattr(ctx, "device", None), options.precision)
+    if why:
         gm.meta[ir.BATCHED_EXPERTS] = [_entry(x, why) for x in layers]
         log.info("batched_experts: experts left picked per row: %s", why)
         return gm

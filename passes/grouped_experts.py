@@ -44,7 +44,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from fxpar.core import ir
 from fxpar.core.errors import PlanError
-from fxpar.core.experts import GROUPED_MM as _GROUPED_MM
+from fxpar.core.experts import GROUPED_MM as _GROUPED_MM, why_not_grouped_on
 from fxpar.core.expert_lists import ExpertList, find_expert_lists
 from fxpar.core.graphs import copy_graph, fake_propagate
 
@@ -74,13 +74,9 @@ CONTRACT = ir.PassContract(
 
 
 def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule:
-    device = getattr(ctx, "device", None)
-    if device is not None and torch.device(device).type == "cuda" and \
-            options.precision != "bf16":
-        # (torch runs a grouped matmul of other than bf16 operands group by group, reading
-        # the offsets on the host every step: no CUDA graph, a sync per matmul)
-        return _left(gm, "", f"on CUDA a grouped matmul runs in bf16 only (precision="
-                     f"{options.precision})")
+    why = why_not_grouped_on(getattr(ctx, "device", None), options.precision)
+    if why:
+        return _left(gm, "", why)
     work = torch.fx.GraphModule(gm, copy_graph(gm.graph))  # (gm stays whole if this fails)
     try:
         lists = find_expert_lists(work)
