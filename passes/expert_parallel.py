@@ -116,10 +116,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     slots, unread = [], set()  # (unread: the other ranks' experts' matrices)
     for layer in layers:
         e = layer.offs.meta[ir.VAL].numel()
-        if e % ep:
-            raise PlanError(f"Plan.ep={ep}: the MoE layer {layer.module!r} has {e} experts, "
-                            f"which do not split evenly over {ep} ranks. Use an ep that "
-                            f"divides {e}.")
+        _check_divides(layer.module, e, ep)
         all_to_all = all(m in local for m in layer.matmuls)
         if any(w.target is aten.stack.default for w in layer.weights):  # (listed experts,
             # grouped: passes/grouped_experts)
@@ -144,41 +141,20 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
             continue
         # (tp may split the stacks along their features, each expert's matrix alike: ep
         # takes dim 0, runtime/trainer.splits_of applies both)
-        tp_split = [w.meta[ir.FQN] for w in layer.weights
-                    if layouts[index[w]] and 0 in (layouts[index[w]][0], layouts[index[w]][1])]
-        if tp_split:
-            raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the expert weights "
-                            f"{tp_split} along their experts (dim 0), which ep splits; one dim "
-                            "takes one split. Use ep=1 or tp=1.")
+        _check_not_tp_split(layer.weights, layouts, index, ep)
         if all_to_all:
             _rewrite_all_to_all(gm.graph, layer, e // ep, group, ep)
         else:
             _rewrite(gm.graph, layer, e // ep, group)
-        for w in layer.weights:
-            if w not in split:
-                v = w.meta[ir.VAL]
-                w.meta[ir.VAL] = v.new_empty((v.shape[0] // ep, *v.shape[1:]))
-                split.add(w)
-        report.append({"module": layer.module, "experts": e, "per_rank": e // ep,
-                       "rows": layer.rows, "weights": [w.meta[ir.FQN] for w in layer.weights],
-                       "region": len(layer.region), "entering": len(layer.entering),
-                       "leaving": len(layer.leaving),
-                       "dispatch": "all-to-all" if all_to_all else "gathered rows"})
+        _split_along_experts(layer.weights, split, ep)
+        report.append(_entry(layer, e, ep, layer.rows,
+                             "all-to-all" if all_to_all else "gathered rows"))
     every = {m for layer in dense for m in layer.matmuls}
     for layer in dense:
-        e = layer.experts
-        if e % ep:
-            raise PlanError(f"Plan.ep={ep}: the MoE layer {layer.module!r} has {e} experts, "
-                            f"which do not split evenly over {ep} ranks. Use an ep that "
-                            f"divides {e}.")
-        tp_split = [w.meta[ir.FQN] for w in layer.weights
-                    if layouts[index[w]] and 0 in (layouts[index[w]][0], layouts[index[w]][1])]
-        if tp_split:
-            raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the expert weights "
-                            f"{tp_split} along their experts (dim 0), which ep splits; one dim "
-                            "takes one split. Use ep=1 or tp=1.")
+        _check_divides(layer.module, layer.experts, ep)
+        _check_not_tp_split(layer.weights, layouts, index, ep)
         for w in layer.weights:
-            _only_experts_read(w, every, e, layer.module)
+            _only_experts_read(w, every, layer.experts, layer.module)
         stages = sorted({n.meta[ir.STAGE] for n in layer.region if ir.STAGE in n.meta})
         if len(stages) > 1:  # (a stage transfer inside would carry a value ep resizes)
             raise PlanError(f"Plan.ep: a pipeline stage boundary falls inside the MoE layer "
@@ -186,17 +162,9 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                             "expert parallelism runs a layer's experts within one stage. Use "
                             "another pp, or ep=1.")
     for layer in dense:  # (after every check: a layer's recomputed copy reads its weights)
-        e = layer.experts
         _rewrite_dense(gm.graph, layer, ep, group)
-        for w in layer.weights:
-            if w not in split:
-                v = w.meta[ir.VAL]
-                w.meta[ir.VAL] = v.new_empty((v.shape[0] // ep, *v.shape[1:]))
-                split.add(w)
-        report.append({"module": layer.module, "experts": e, "per_rank": e // ep,
-                       "rows": layer.tokens, "weights": [w.meta[ir.FQN] for w in layer.weights],
-                       "region": len(layer.region), "entering": len(layer.entering),
-                       "leaving": len(layer.leaving), "dispatch": "all-to-all, every token"})
+        _split_along_experts(layer.weights, split, ep)
+        report.append(_entry(layer, layer.experts, ep, layer.tokens, "all-to-all, every token"))
     read = sorted(p.meta[ir.FQN] for p in unread if p.users)
     if read:  # (after every layer's stacks are cut: a recomputed copy reads them too)
         raise PlanError(f"Plan.ep: the expert weights {read[:4]} are also read outside the "
@@ -214,9 +182,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
                             f"run as one grouped matmul, and here they do not: {why}. Use ep=1 "
                             "(ZeRO or tp shard them like any weight), or "
                             "config._experts_implementation='grouped_mm'.")
-        if e % ep:
-            raise PlanError(f"Plan.ep={ep}: {lst.module!r} has {e} experts, which do not "
-                            f"split evenly over {ep} ranks. Use an ep that divides {e}.")
+        _check_divides(lst.module, e, ep)
         check_one_stage(lst.module, lst.experts)
         mine = _rewrite_list(gm, lst, ep, group, index)
         _check_split_alike(mine, layouts, params, lst.module, ep)
@@ -237,6 +203,40 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     gm.meta[ir.EXPERT_SLOTS] = slots
     gm.meta[ir.EP_REPORT] = report
     return gm
+
+
+def _check_divides(module: str, experts: int, ep: int) -> None:
+    if experts % ep:
+        raise PlanError(f"Plan.ep={ep}: the MoE layer {module!r} has {experts} experts, "
+                        f"which do not split evenly over {ep} ranks. Use an ep that divides "
+                        f"{experts}.")
+
+
+def _check_not_tp_split(weights, layouts, index, ep) -> None:
+    """ep splits the experts' weights along dim 0: tp must not split them there too."""
+    tp_split = [w.meta[ir.FQN] for w in weights
+                if layouts[index[w]] and 0 in (layouts[index[w]][0], layouts[index[w]][1])]
+    if tp_split:
+        raise PlanError(f"Plan.ep={ep}: tensor parallelism splits the expert weights "
+                        f"{tp_split} along their experts (dim 0), which ep splits; one dim "
+                        "takes one split. Use ep=1 or tp=1.")
+
+
+def _split_along_experts(weights, split: set, ep: int) -> None:
+    """Each weight's value becomes this rank's E/ep experts (once: layers share weights)."""
+    for w in weights:
+        if w not in split:
+            v = w.meta[ir.VAL]
+            w.meta[ir.VAL] = v.new_empty((v.shape[0] // ep, *v.shape[1:]))
+            split.add(w)
+
+
+def _entry(layer, experts: int, ep: int, rows: int, dispatch: str) -> dict:
+    """A layer's line of the ep report."""
+    return {"module": layer.module, "experts": experts, "per_rank": experts // ep,
+            "rows": rows, "weights": [w.meta[ir.FQN] for w in layer.weights],
+            "region": len(layer.region), "entering": len(layer.entering),
+            "leaving": len(layer.leaving), "dispatch": dispatch}
 
 
 def _check_split_alike(slots, layouts, params, module, ep) -> None:
