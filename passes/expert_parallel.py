@@ -294,15 +294,7 @@ def _layer(offs, mms, every: set) -> Layer:
     # row-wise ops: the region is what lies on both (the ops between grouped matmuls)
     region = _between([(m, 0) for m in mms if _val(m).dim() == 2],
                       [x for m in mms for x in _roles(m)], rows)
-    for m in mms:
-        region[m] = 0 if _val(m).dim() == 2 else None  # (a weight gradient: expert space)
-        for a, d in _roles(m):  # a transposed operand (rows^T of a weight gradient)
-            if a.target in _TRANSPOSES and a not in region:
-                region[a] = d
-    for n in list(region):  # a split's pieces go with it
-        if isinstance(_val(n), (tuple, list)):
-            for u in n.users:
-                region.setdefault(u, region[n])
+    _with_matmuls(region, {m: (0 if _val(m).dim() == 2 else None, _roles(m)) for m in mms})
     entering, leaving = {}, []
     for n, r in region.items():
         for x, d in (_roles(n) if r is None else (_row_inputs(n, r, rows) or {}).items()):
@@ -330,6 +322,21 @@ def _layer(offs, mms, every: set) -> Layer:
         if w.target is not aten.stack.default:
             _only_experts_read(w, every, experts, module)
     return Layer(offs, rows, mms, region, weights, list(entering), leaving, module)
+
+
+def _with_matmuls(region: dict, roles: dict) -> None:
+    """Adds to `region` its matmuls (matmul -> (its own rows dim, None for a weight gradient
+    in expert space; its (operand, rows dim) pairs)), their transposed operands (rows^T of a
+    weight gradient) and a split's pieces."""
+    for m, (r, operands) in roles.items():
+        region[m] = r
+        for a, d in operands:
+            if a.target in _TRANSPOSES and a not in region:
+                region[a] = d
+    for n in list(region):
+        if isinstance(_val(n), (tuple, list)):
+            for u in n.users:
+                region.setdefault(u, region[n])
 
 
 def _only_experts_read(w, mms: set, experts: int, module: str) -> None:
@@ -526,15 +533,7 @@ def find_dense_layers(gm: torch.fx.GraphModule) -> list[DenseLayer]:
         given = {m: roles[m][0] for m in mms}
         region = _between([(m, roles[m][1]) for m in mms if roles[m][1] is not None],
                           [x for m in mms for x in roles[m][0].items()], tokens, given)
-        for m in mms:
-            region[m] = roles[m][1]
-            for a, d in roles[m][0].items():  # a transposed operand (x^T of a weight gradient)
-                if a.target in _TRANSPOSES and a not in region:
-                    region[a] = d
-        for n in list(region):  # a split's pieces go with it
-            if isinstance(_val(n), (tuple, list)):
-                for u in n.users:
-                    region.setdefault(u, region[n])
+        _with_matmuls(region, {m: (roles[m][1], roles[m][0].items()) for m in mms})
         parts = networkx.Graph()
         parts.add_nodes_from(region)
         parts.add_edges_from((x, n) for n in region for x in n.all_input_nodes if x in region)
