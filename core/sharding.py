@@ -1077,7 +1077,13 @@ class _Sharder:
         have mixed the group's tokens)."""
         x, want = node.args[0], (Shard(dim),)
         have = _placements(self.specs.get(x))
-        if len(self.mesh_sizes) != 1 or (way == "return" and have != want):
+        if len(self.mesh_sizes) != 1:
+            raise ShardingError(
+                f"expert parallelism's all-to-all {node.name} (module "
+                f"'{node.meta.get(ir.MODULE, '')}') of experts that run every token meets a "
+                f"{len(self.mesh_sizes)}-D mesh; it composes with data parallelism's 1-D "
+                "split of the batch only. Use ep=1 for this model, and report it to fxpar.")
+        if way == "return" and have != want:
             raise ShardingError(
                 f"expert parallelism's all-to-all {node.name} (module "
                 f"'{node.meta.get(ir.MODULE, '')}') returns the tokens of experts that run "
