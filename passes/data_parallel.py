@@ -370,6 +370,11 @@ _LOSS_OPS = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
              aten.binary_cross_entropy_with_logits.default, aten.smooth_l1_loss.default,
              aten.huber_loss.default, aten.kl_div.default}
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+# ops that take values by their position along a dim: on the dim the batch's split lies
+# along, "the first half" of a microbatch is not the whole batch's
+_POSITION_PICKS = {aten.select.int, aten.unbind.int, aten.slice.Tensor, aten.narrow.default,
+                   aten.split.Tensor, aten.split_with_sizes.default,
+                   aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default}
 
 
 def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
@@ -379,10 +384,12 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
     forward with the batch split in two): a batch reduction feeding on into the computation
     (BatchNorm's statistics without running buffers, a mean over the batch) is a Partial value
     made whole; a matmul that turns the batch into a non-batch dimension (CLIP's [B, B]
-    image-text scores) needs a split operand made whole. Gathers of other ops (a view that
-    cannot stay split, MoE routing's sort over all tokens) are rows computed apart, as
-    before, and not refused; so are counts over the batch read only as a grouped matmul's
-    group offsets (`_only_group_sizes`)."""
+    image-text scores) needs a split operand made whole; so does a pick by position along
+    the dim the split lies on (Doge's router: its logits viewed [2, tokens, keys], the first
+    half of the tokens' values then unbound as every token's first key). Gathers of other
+    ops (a view that cannot stay split, MoE routing's sort over all tokens) are rows
+    computed apart, as before, and not refused; so are counts over the batch read only as a
+    grouped matmul's group offsets (`_only_group_sizes`)."""
     placements = {n.name: (Shard(0),) for n in gm.graph.nodes if n.op == "placeholder"
                   and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 0}
     if not placements:
@@ -400,16 +407,24 @@ def _refuse_row_coupling(gm: torch.fx.GraphModule) -> None:
             continue
         reduced = any(isinstance(p, Partial) for p in have) and \
             not any(isinstance(p, Partial) for p in need)
-        crossed = node.target in _MATMULS and any(isinstance(p, Shard) for p in have) and \
-            not any(isinstance(p, Shard) for p in need)
+        crossed = node.target in _MATMULS | _POSITION_PICKS and \
+            any(isinstance(p, Shard) for p in have) and not any(isinstance(p, Shard) for p in need)
         if reduced or crossed:
             raise PlanError(
                 f"microbatches > 1: rows of the batch are computed together in this model "
                 f"({node.target} at node {node.name}, module '{node.meta.get(ir.MODULE, '')}' "
-                f"reads {'a sum over the batch' if reduced else 'every row of the batch'}, "
-                "e.g. batch statistics or a contrastive score matrix), so running each "
+                f"reads {_coupling(node, reduced)}, e.g. batch statistics, a contrastive "
+                "score matrix or a view that moves rows into another dim), so running each "
                 "microbatch alone is not one step on the whole batch. Use microbatches=1 "
                 "(dp splits such a batch exactly: fxpar adds the collectives).")
+
+
+def _coupling(node: torch.fx.Node, reduced: bool) -> str:
+    if reduced:
+        return "a sum over the batch"
+    if node.target in _POSITION_PICKS:
+        return "rows of the batch by their position"
+    return "every row of the batch"
 
 
 _SIZE_OPS = {aten.cumsum.default, aten._to_copy.default, aten.view.default,

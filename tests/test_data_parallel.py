@@ -118,12 +118,29 @@ class _BatchStats(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.bn(self.lin(batch[0])), batch[1])
 
 
+class _RowsByPosition(torch.nn.Module):
+    """Doge's router: [rows, 2k] logits viewed [2, rows, k] and unbound, so each row's first
+    k scores are the first half of the rows' values, its last k the second half's."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.lin = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+
+    def forward(self, batch):
+        x, y = batch
+        first, second = self.router(x).view(2, x.shape[0], 4).unbind(0)
+        gate = torch.cat([first, second], -1).sigmoid()
+        return torch.nn.functional.mse_loss(self.lin(x) * gate, y)
+
+
 @pytest.mark.parametrize("model,what", [(_Contrastive, "every row of the batch"),
-                                        (_BatchStats, "a sum over the batch")])
+                                        (_BatchStats, "a sum over the batch"),
+                                        (_RowsByPosition, "rows of the batch by their position")])
 def test_microbatches_refused_where_rows_of_the_batch_are_computed_together(model, what):
     """Each microbatch runs alone: where one row reads another's values before the loss,
     that is not one step on the whole batch (a zoo sweep found CLIP's contrastive loss 30%
-    off and BatchNorm without running statistics 1e-3 off under pp=2, microbatches=2). Such
+    off, BatchNorm without running statistics 1e-3 off and Doge's router 3e-4 off under
+    pp=2, microbatches=2). Such
     a plan is refused, naming the op and module, and the planner never proposes it; dp=2
     of the same model is exact (collectives) and still allowed."""
     torch.manual_seed(0)
