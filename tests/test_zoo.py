@@ -403,6 +403,21 @@ def test_the_zoo_covers_what_it_promises():
     assert fams.count("vision") >= 4
 
 
+@pytest.mark.slow  # (make test's 6 minutes)
+def test_the_split_control_excuses_no_model_whose_rows_are_computed_together():
+    """zoo_sweep's second rounding control (each batch's halves run apart, as plain DDP or
+    gradient accumulation would) stands for a plan that splits the batch only where rows are
+    computed apart. On CLIP (a contrastive loss over the whole batch) the split is another
+    problem, and a plan computing it (microbatches taken apart) stays a mismatch; on Llama
+    the split's own result is rounding. (Eager itself stands in for the ulp controls.)"""
+    for name, status in (("clip", "mismatch"), ("llama", "rounding")):
+        eager = zoo_sweep.eager_reference(name)
+        losses, state = zoo_sweep.split_control(name)
+        got, _ = zoo_sweep._judged(name, "pp=2 m=2", "differs", losses, state, eager,
+                                   {"pp": 2, "microbatches": 2}, {False: [eager[:2]]})
+        assert got == status, name
+
+
 def test_the_ulp_control_is_tight_on_a_well_conditioned_model_and_rules_updates_out():
     """zoo_sweep's first rounding control: eager trained from weights one ulp apart. On a
     well-conditioned model it stays within the exact-match tolerance of eager, so an error
