@@ -1,7 +1,8 @@
 """The zoo's MoE models (and the external zoo's) under expert parallelism, against eager.
 
-    .venv/bin/python -m fxpar.examples.zoo_ep [--plans "NAME,..."] [MODEL ...]
-    (default: every plan below, every model of the list below)
+    .venv/bin/python -m fxpar.examples.zoo_ep [--plans "NAME,..."] [--more | MODEL ...]
+    (default: every plan below, every model of the list below; --more: the zoo's further
+    Hugging Face MoE architectures, zoo.more_moes())
 
 Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS (plain dp=4,
 the MoE dispatch on each rank's own rows; ep=2 on 2 ranks; ep=2 and ep=4 carved out of dp=4
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from fxpar.examples import zoo_sweep
+from fxpar.examples import zoo, zoo_sweep
 
 PLANS = {"dp=4 (no ep)": (4, {"dp": 4}),
          "ep=2 (dp=2)": (2, {"dp": 2, "ep": 2}),
@@ -45,4 +46,6 @@ if __name__ == "__main__":
         unknown = [p for p in plans if p not in PLANS]
         if unknown:
             sys.exit(f"unknown plans {unknown}; choose among {list(PLANS)}")
+    if args == ["--more"]:
+        args = [m.name for m in zoo.more_moes()]
     main(args or MODELS, plans)

@@ -508,6 +508,8 @@ def find_dense_layers(gm: torch.fx.GraphModule) -> list[DenseLayer]:
             continue
         a, b = n.args[:2]
         e = _val(n).shape[0]
+        if e < 2:  # (one expert, nothing to split: Inkling's one shared expert, stacked)
+            continue
         for w_arg, x, d in ((b, a, 1), (a, b, 2)):
             w = _expert_weight(w_arg, e)
             if w is not None:

@@ -50,6 +50,16 @@ def test_the_layer_its_tokens_and_weights_are_found():
         (ir.BACKWARD, 1), (ir.FORWARD, 2)]
 
 
+def test_one_stacked_expert_is_not_a_layer_to_split():
+    """A stack of one expert run on every token (Inkling's one shared expert beside its
+    routed ones) has nothing to split: it stays a weight like any other, and the routed
+    experts still split over ep."""
+    model = workers.EveryTokenMoE(experts=1)
+    gm, _ = capture(model, {"ids": torch.randint(0, 32, (8, 16)),
+                            "labels": torch.randint(0, 32, (8, 16))}, workers.capacity_loss)
+    assert expert_parallel.find_dense_layers(gm) == []
+
+
 def test_llama4_every_expert_on_every_token_is_a_layer_per_block():
     llama4, spec = zoo.build("llama4")
     gm, _ = capture(llama4, spec.batch(0), None)
