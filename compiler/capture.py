@@ -457,7 +457,7 @@ def capture(model: torch.nn.Module, example_batch: Any,
             f"{str(e).splitlines()[0] if str(e) else ''}. fxpar traces loss_fn(model, batch) with "
             "fake tensors into one ATen graph; the model must run on any tensor values of the "
             "example batch's shapes (no data-dependent control flow, no tensor-to-Python "
-            "conversions, no mutation of Python state).") from e
+            "conversions, no mutation of Python state)." + _kv_cache_hint(model)) from e
     finally:
         tagger.close()
         for p in unused:
@@ -571,6 +571,18 @@ def _export_joint(wrapper, args, decompositions):
         buffer_names=list(named_buffers), trace_joint=True, num_user_fw_outs=1,
         loss_index=0)
     return fx_g, sig
+
+
+def _kv_cache_hint(model: torch.nn.Module) -> str:
+    """A Hugging Face model built with use_cache=True (its config's default) builds a KV
+    cache in the forward it is trained by, which a trace may not copy (Inkling-2-Loop
+    deep-copies its cache's layers): the fix, where that is so."""
+    if any(getattr(getattr(m, "config", None), "use_cache", None) is True
+           for m in model.modules()):
+        return (" This model's config has use_cache=True: a training step needs no KV "
+                "cache, and building one may be what failed. Set model.config.use_cache = "
+                "False (as Hugging Face's Trainer does for training) and try again.")
+    return ""
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """Bad input gets a clear exception; a failing rank ends every rank, never a hang."""
+import copy
 import os
 import re
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -652,3 +654,27 @@ def test_out_of_memory_while_tracing_is_not_blamed_on_control_flow():
     said = "\n".join(getattr(e.value, "__notes__", []))
     assert "ran out of memory while tracing" in said and "meta device" in said
     assert "data-dependent" not in str(e.value) + said
+
+
+class _CopiesItsCache(torch.nn.Module):
+    """A Hugging Face-like model whose forward deep-copies the KV cache it builds
+    (Inkling-2-Loop's), with its config's use_cache=True."""
+
+    def __init__(self, use_cache=True):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.config = types.SimpleNamespace(use_cache=use_cache)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.config.use_cache:
+            copy.deepcopy([y.detach()])
+        return y.sum()
+
+
+def test_a_trace_failing_with_a_kv_cache_says_to_turn_it_off():
+    with pytest.raises(fxpar.TraceError, match="use_cache=True.*model.config.use_cache = False"):
+        fxpar.compile(_CopiesItsCache(), 1, example_batch=torch.randn(2, 4),
+                      loss_fn=lambda m, b: m(b))
+    fxpar.compile(_CopiesItsCache(use_cache=False), 1, example_batch=torch.randn(2, 4),
+                  loss_fn=lambda m, b: m(b))
