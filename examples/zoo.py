@@ -353,6 +353,14 @@ def more_moes() -> list[ZooModel]:
     layer: examples/zoo_ep.py runs them under ep (docs/zoo.md)."""
     d = _DENSE
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    inkling2 = dict(
+        vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=8, d_rel=4,
+        rel_extent=16, log_scaling_n_floor=16, layer_types=["hybrid_sliding", "hybrid"],
+        max_position_embeddings=64, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_layers_per_attn_res_block=1, attention_dropout=0.0,
+        _eager_attn=True, **ids)
     return [
         ZooModel("deepseek_v2", "moe", _hf(
             "DeepseekV2Config", "DeepseekV2ForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
@@ -650,15 +658,8 @@ def more_moes() -> list[ZooModel]:
             attention_dropout=0.0, **ids), lm_batch,
             note="Gemma 4 26B-A4B style: dense MLP + MoE block per layer, k=v global layers"),
         ZooModel("inkling2", "moe", _hf(
-            "Inkling2TextConfig", "Inkling2ForCausalLM", vocab_size=VOCAB,
-            unpadded_vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
-            sliding_window_size=8, d_rel=4, rel_extent=16, log_scaling_n_floor=16,
-            layer_types=["hybrid_sliding", "hybrid"], max_position_embeddings=64,
-            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-            n_layers_per_attn_res_block=1, attention_dropout=0.0, _eager_attn=True, **ids),
-            lm_batch, note="Inkling-2: relative-position hybrid attention, softcapped experts"),
+            "Inkling2TextConfig", "Inkling2ForCausalLM", **inkling2), lm_batch,
+            note="Inkling-2: relative-position hybrid attention, softcapped experts"),
         ZooModel("inkling", "moe", _hf(
             "InklingTextConfig", "InklingForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -671,19 +672,13 @@ def more_moes() -> list[ZooModel]:
             attention_dropout=0.0, _eager_attn=True, **ids), lm_batch,
             note="Inkling: shared experts scored by the router as a sink"),
         ZooModel("inkling2_loop", "moe", _hf(
-            "Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", vocab_size=VOCAB,
-            unpadded_vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
-            sliding_window_size=8, d_rel=4, rel_extent=16, log_scaling_n_floor=16,
-            layer_types=["hybrid_sliding", "hybrid"], max_position_embeddings=64,
-            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-            n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2,
-            loop_num_passes=2, loop_gate_rank=4, attention_dropout=0.0, use_cache=False,
-            _eager_attn=True, **ids), lm_batch,
+            "Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", **inkling2,
+            loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
+            loop_gate_rank=4, use_cache=False), lm_batch,
             note="a looped layer run twice (its MoE twice); use_cache=False: its forward "
                  "deep-copies the KV cache"),
     ]
+
 
 def _encoders() -> list[ZooModel]:
     enc = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
