@@ -361,6 +361,11 @@ def more_moes() -> list[ZooModel]:
         max_position_embeddings=64, moe_intermediate_size=16, n_routed_experts=4,
         num_experts_per_tok=2, n_layers_per_attn_res_block=1, attention_dropout=0.0,
         _eager_attn=True, **ids)
+    granite = dict(  # GraniteMoE's experts and scalings, a shared MLP beside them
+        **d, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=HIDDEN, router_aux_loss_coef=0.0, attention_dropout=0.0,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+        logits_scaling=8.0, **ids)
     mla = dict(  # DeepSeek-V3-like: multi-head latent attention, routed and shared experts
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
@@ -391,11 +396,7 @@ def more_moes() -> list[ZooModel]:
             attention_dropout=0.0, **ids), lm_batch,
             note="Qwen3.5 text: gated DeltaNet + full attention, experts + shared expert"),
         ZooModel("granitemoeshared", "moe", _hf(
-            "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", **d,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-            shared_intermediate_size=HIDDEN, router_aux_loss_coef=0.0, attention_dropout=0.0,
-            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
-            logits_scaling=8.0, **ids), lm_batch,
+            "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", **granite), lm_batch,
             note="GraniteMoe plus a shared MLP"),
         ZooModel("flex_olmo", "moe", _hf(
             "FlexOlmoConfig", "FlexOlmoForCausalLM", **d, num_key_value_heads=4, num_experts=4,
@@ -436,14 +437,10 @@ def more_moes() -> list[ZooModel]:
             router_aux_loss_coef=0.0, attention_dropout=0.0, **ids), lm_batch,
             note="Mamba + attention layers, top-2 of 4 experts in both"),
         ZooModel("granitemoehybrid", "moe", _hf(
-            "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", **d,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-            shared_intermediate_size=HIDDEN, router_aux_loss_coef=0.0, attention_dropout=0.0,
-            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
-            logits_scaling=8.0, position_embedding_type="rope",
-            layer_types=["linear_attention", "full_attention"], mamba_n_heads=8,
-            mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-            mamba_chunk_size=8, **ids), lm_batch,
+            "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", **granite,
+            position_embedding_type="rope", layer_types=["linear_attention", "full_attention"],
+            mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=8), lm_batch,
             note="Mamba-2 + attention layers, GraniteMoe experts + shared MLP"),
         ZooModel("afmoe", "moe", _hf(
             "AfmoeConfig", "AfmoeForCausalLM", **d, num_key_value_heads=2, head_dim=8,
@@ -560,12 +557,9 @@ def more_moes() -> list[ZooModel]:
             index_topk=8, index_head_dim=8, index_n_heads=2), lm_batch,
             note="GLM-5: MLA + DSA indexer, sigmoid routing"),
         ZooModel("granitemoe_swa", "moe", _hf(
-            "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", **d, num_key_value_heads=2,
-            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=HIDDEN,
-            router_aux_loss_coef=0.0, attention_dropout=0.0, embedding_multiplier=12.0,
-            residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0,
-            sliding_window=8, layer_types=["full_attention", "sliding_attention"],
-            _eager_attn=True, **ids), lm_batch, note="GraniteMoe with sliding / full attention"),
+            "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", **granite, sliding_window=8,
+            layer_types=["full_attention", "sliding_attention"], _eager_attn=True), lm_batch,
+            note="GraniteMoe with sliding / full attention"),
         ZooModel("hy_v3", "moe", _hf(
             "HYV3Config", "HYV3ForCausalLM", **d, num_key_value_heads=2, head_dim=8,
             num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
