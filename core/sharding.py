@@ -995,6 +995,18 @@ class _Sharder:
                 self.place(node, split)
             if split or out is None:
                 out = self.ask_dtensor(node)  # with nothing to gather: the rule's own error
+        if self.split_sequence and self._zigzag_misfits(node, out):
+            # a view cutting the split sequence into (chunks, chunk) (Mamba-2's chunked scan,
+            # a linear attention's blocks): DTensor keeps the split on the chunks dim, but
+            # cp's front-and-back layout cuts a split dim into 2 x cp pieces, which a dim
+            # that 2 x cp does not divide cannot hold: the op runs on whole inputs
+            log.debug("%s (node %s, module '%s'): a sequence split on a dim 2 x cp does not "
+                      "divide; run on whole inputs", op, node.name,
+                      node.meta.get(ir.MODULE, ""))
+            self.place(node, {a: self.replicate for a in self.inputs(node)
+                              if isinstance(self.specs[a], DTensorSpec)
+                              and _placements(self.specs[a]) != self.replicate})
+            out = self.ask_dtensor(node)
         resplit = self._resplits(node, out)
         if resplit:
             # Shard(a) -> Shard(b): redistribute carries a re-split out as a whole all-gather
@@ -1120,6 +1132,25 @@ class _Sharder:
                     "model to fxpar.")
         return _out_spec(self.mesh, pl, node.meta.get(ir.VAL))
 
+    def _zigzag_misfits(self, node, out) -> bool:
+        """Whether DTensor's answer splits (or asks to split) a dim that cp's layout cannot
+        cut into 2 x cp pieces."""
+        outs, vals = out.output_spec, node.meta.get(ir.VAL)
+        pairs = list(zip(outs, vals) if isinstance(outs, (tuple, list))
+                     and isinstance(vals, (tuple, list)) else [(outs, vals)])
+        if out.redistribute_schema is not None:
+            pairs += [(s, None) for s in torch.utils._pytree.tree_leaves(
+                (out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema))]
+        for spec, val in pairs:
+            if not isinstance(spec, DTensorSpec):
+                continue
+            shape = spec.tensor_meta.shape if spec.tensor_meta is not None else \
+                val.shape if isinstance(val, torch.Tensor) else None
+            if shape is not None and not all(_zigzag_fits(shape, p, n) for p, n in
+                                             zip(spec.placements, self.mesh_sizes)):
+                return True
+        return False
+
     def strided_view(self, node):
         """A view of a split value whose result is a strided shard (heads split, flattened
         with the batch), or of a strided shard: the output spec by _view_placement, the
@@ -1139,6 +1170,9 @@ class _Sharder:
         if new is None or (isinstance(new, Shard) and isinstance(pl, Shard)):
             if _strided(pl):
                 self.place(node, {x: self.replicate})
+            return None
+        if self.split_sequence and not _zigzag_fits(out_shape, new, n):
+            self.place(node, {x: self.replicate})  # (as in propagate: _zigzag_misfits)
             return None
         local = list(out_shape)
         local[new.dim] //= n
@@ -1235,6 +1269,15 @@ class _Sharder:
             return type(orig)([*(self.rewrite(node, o, w) for o, w in zip(orig, want)),
                                *want[len(orig):]])
         return orig if isinstance(want, DTensorSpec) else want
+
+
+def _zigzag_fits(shape, p, n: int) -> bool:
+    """Whether a split `p` of a value of `shape` over a cp group of n ranks can hold cp's
+    layout: its split part (of each block, for a strided shard) cut into 2n pieces."""
+    if not (isinstance(p, Shard) or _strided(p)):
+        return True
+    size = shape[p.dim] // (p.split_factor if _strided(p) else 1)
+    return size % (2 * n) == 0
 
 
 def _view_placement(in_shape, pl, out_shape, n):

@@ -1,7 +1,8 @@
 """The zoo's sequence models (and the external zoo's) under context parallelism, against eager.
 
-    .venv/bin/python -m fxpar.examples.zoo_cp [MODEL ...] [--plans KEY,...]
-        (default: the models below, every column)
+    .venv/bin/python -m fxpar.examples.zoo_cp [--more | MODEL ...] [--plans KEY,...]
+        (default: the models below, every column; --more: the zoo's further Hugging Face
+        MoE causal LMs, zoo.more_moes())
 
 The models: every causal LM, dense and MoE (RoPE, learned positions, ALiBi, sliding windows,
 soft-capping, a state-space scan, an LSTM), every encoder (BERT's family, DeBERTa's relative
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from fxpar.examples import zoo_sweep
+from fxpar.examples import zoo, zoo_sweep
 
 PLANS = {"cp=2 (dp=2)": (2, {"dp": 2, "cp": 2}),
          "cp=2 x dp=4": (4, {"dp": 4, "cp": 2}),
@@ -54,4 +55,6 @@ if __name__ == "__main__":
         unknown = [k for k in keys if k not in PLANS]
         if unknown:
             sys.exit(f"zoo_cp: unknown plan column(s) {unknown}; choose from {list(PLANS)}")
+    if args == ["--more"]:
+        args = [m.name for m in zoo.more_moes()]
     main(args or MODELS, keys)

@@ -315,12 +315,35 @@ def test_plans_and_batches_context_parallelism_refuses_by_name():
                       plan={"dp": 2, "cp": 2, "cp_attention": "ring"})
 
 
+def test_a_view_into_chunks_too_few_to_split_runs_on_the_whole_sequence():
+    """A scan within chunks of 8 of a 16-token sequence (the sequence viewed as [2, 8]):
+    DTensor's view rule keeps the split on the chunks dim, where cp=2's layout (a front and
+    a back quarter a rank) does not fit, and each rank would have scanned its quarters as if
+    they were the chunks (3 steps 1e-1 off eager). The view runs on the gathered sequence."""
+    model, batch_fn, loss_fn = workers.build("chunked_scan")
+    prog = fxpar.compile(model, 2, example_batch=batch_fn(0), loss_fn=loss_fn,
+                         plan={"dp": 2, "cp": 2, "fuse": False})
+    g = prog.graph.graph
+    scan = next(n for n in g.nodes if n.target is aten.cumsum.default)
+    assert tuple(scan.meta[ir.VAL].shape) == (workers.GLOBAL_BATCH, 2, 8, 16)
+    seen, todo = set(), [scan]  # the sequence was gathered over cp on the way to it
+    while todo:
+        todo += [a for a in todo.pop().all_input_nodes if a not in seen and not seen.add(a)]
+    assert [n for n in seen if n.target is c10d.all_gather_into_tensor.default
+            and _group_of(n) == ir.GROUPS["cp"]]
+    # the embedding still runs on the rank's half of the tokens
+    emb = next(n for n in g.nodes if n.target is aten.embedding.default)
+    assert tuple(emb.meta[ir.VAL].shape) == (workers.GLOBAL_BATCH, 8, 16)
+
+
 @pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_llama_cp2_trains_like_eager():
-    """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss): losses,
-    evaluate() and every final weight equal eager AdamW. (Ring attention: the op against
-    SDPA above; trained with tp, cp=4 and a pipeline in the slow composition test.)"""
-    _check_plans(2, [("hf_llama", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"})])
+    """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss; a scan within
+    chunks of the sequence, run whole): losses, evaluate() and every final weight equal
+    eager AdamW. (Ring attention: the op against SDPA above; trained with tp, cp=4 and a
+    pipeline in the slow composition test.)"""
+    _check_plans(2, [("hf_llama", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
+                     ("chunked_scan", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"})])
 
 
 @pytest.mark.slow

@@ -52,6 +52,8 @@ def sized_zoo():
             "capacity_moe": (CapacityMoE, _capacity_batch, capacity_loss),
             # every expert on every token (batched matmuls by [experts, ...] parameters)
             "every_token_moe": (EveryTokenMoE, _capacity_batch, capacity_loss),
+            # a scan within chunks of the sequence (context parallelism runs it whole)
+            "chunked_scan": (ChunkedScan, _capacity_batch, capacity_loss),
             # MoEs whose experts are an nn.ModuleList, routed by torch.where
             **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral",
                                                      "stacked_loop_moe")},
@@ -1185,6 +1187,22 @@ class EveryTokenMoE(torch.nn.Module):
         h = F.gelu(torch.bmm(routed, self.w_in), approximate="tanh")
         y = torch.bmm(self.w_out, h.transpose(1, 2))  # [E, d, T]
         return self.head(x + y.sum(0).t())
+
+
+class ChunkedScan(torch.nn.Module):
+    """A running sum within chunks of the sequence, the sequence viewed as (chunks, chunk)
+    (a linear attention's blocks, Mamba-2's chunked scan): under cp the chunks dim (2 of 8
+    tokens here) cannot hold a front and a back piece per rank, so the scan runs whole."""
+
+    def __init__(self, vocab=32, d=16, chunk=8):
+        super().__init__()
+        self.emb, self.head, self.chunk = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab), chunk
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, s, d = x.shape
+        h = x.view(b, s // self.chunk, self.chunk, d).cumsum(2).view(b, s, d)
+        return self.head(torch.tanh(h)).flatten(0, 1)
 
 
 def capacity_loss(model, batch):
