@@ -1196,7 +1196,8 @@ class ChunkedScan(torch.nn.Module):
 
     def __init__(self, vocab=32, d=16, chunk=8):
         super().__init__()
-        self.emb, self.head, self.chunk = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab), chunk
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        self.chunk = chunk
 
     def forward(self, ids):
         x = self.emb(ids)
