@@ -455,6 +455,41 @@ def test_planner_prices_context_parallelism():
         planner.search(flat, 4, hw, batch_rows=8, executable=False, constraints=fixed)
 
 
+def test_planner_prices_the_experts_cp_runs_whole():
+    """An MoE's dispatch sorts the tokens of the whole cp group, so under cp every rank of
+    the group runs the experts on all of them (the pass gathers the rows at the router:
+    twice the grouped matmuls' rows at cp=2). The planner prices that: a cp plan of Mixtral
+    costs its compute plus (cp - 1) x the experts' FLOPs at a rank's share of the rows."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    model, spec = zoo.build("mixtral")
+    batch = spec.batch(0)
+    B, S = batch["input_ids"].shape
+    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
+    rows = [n.meta[ir.VAL].shape[0] for n in prog.graph.graph.nodes
+            if n.target is aten._grouped_mm.default and n.meta[ir.REGION] == ir.FORWARD]
+    k = model.config.num_experts_per_tok
+    assert rows and all(r == B * S * k for r in rows)  # (every pair of the group's tokens)
+    stats = planner_stats(model, batch)
+    assert stats.moe_local and sum(s.expert_flops_f for s in stats.segments) > 0
+    hw = cost.HARDWARE["h100"]
+    fixed = {"cp": 2, "tp": 1, "pp": 1, "zero": 0, "dp": 2, "microbatches": 1,
+             "cp_attention": "gather"}
+    priced = planner.search(stats, 2, hw, batch_rows=B, executable=False,
+                            constraints=fixed).best
+    # the same statistics with no expert FLOPs to run whole
+    without = dataclasses.replace(stats, segments=[
+        dataclasses.replace(s, expert_flops_f=0.0, expert_flops_b=0.0, expert_flops_f_split=0.0,
+                            expert_flops_b_split=0.0) for s in stats.segments])
+    cheaper = planner.search(without, 2, hw, batch_rows=B, executable=False,
+                             constraints=fixed).best
+    assert priced.plan.precision == cheaper.plan.precision
+    rate = hw.flops(priced.plan.precision) * hw.matmul_efficiency / hw.roofline_scale
+    extra = sum(s.expert_flops_f + s.expert_flops_b for s in stats.segments) / 2 / rate
+    assert priced.step_s - cheaper.step_s == pytest.approx(extra, rel=0.05)
+
+
 def test_planner_searches_ring_attention():
     """Each cp plan is priced both ways, its attention's keys/values gathered and as ring
     attention: at remat "none" the ring plan holds fewer activations (no whole keys/values
