@@ -1450,13 +1450,6 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
                 qo = sum(s.qo_bytes for s in segs) * g
                 cpc_f += hw.comm("all_gather", qo / 2, cp, stride * cp, calls=calls // 2)
                 cpc_b += hw.comm("all_gather", qo / 2, cp, stride * cp, calls=calls // 2)
-            if stats.moe_local and any(s.expert_flops_f for s in segs):
-                # an MoE's dispatch (its sort over the tokens) reads the cp group's tokens
-                # whole: every rank of the group runs the experts on all of them, cp x its
-                # share (gathered at the router, as the pass does)
-                rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
-                tf += (cp - 1) * _expert_flops(segs, "f", tp) * mbs / stats.rows / rate
-                tb += (cp - 1) * _expert_flops(segs, "b", tp) * mbs / stats.rows / rate
             tpc_f, tpc_b = tpc_f + cpc_f, tpc_b + cpc_b
         fwd.append(tf + tpc_f + tp_nodes)
         # the recomputed forward runs its tp all-reduces again (remat runs before the tp

@@ -26,6 +26,12 @@ are in its route's own order, its combine's back in the order the dispatch read.
 else (a capacity computed over the sorted rows, expert parallelism's windows)
 keeps DTensor's rules, and with them the gathered rows.
 
+Under context parallelism the tokens a rank holds are its chunks of every sequence,
+flattened behind the batch: a strided shard of the token rows (DTensor's _StridedShard, one
+block per sequence). A dispatch whose tokens arrive so keeps them so (`_row_blocks`): its
+other row inputs are split the same way and its results leave in that layout, with no
+token gathered.
+
 Experts listed in an nn.ModuleList pick their rows with `torch.where(mask)`, which
 compiler/padded_nonzero traces at mask.numel() positions (-1 where the mask is false) and
 reads / writes through a copy with one zero row after the rows, listed in the mask's
@@ -42,9 +48,11 @@ import dataclasses
 import math
 import operator
 
+import networkx
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fxpar.core import experts as _experts  # (registers fxpar::ep_*)
 from fxpar.core import ir
@@ -821,8 +829,46 @@ def _grouped_mm(node, tags) -> Local:
 
 # --- the sharding rule ------------------------------------------------------------------
 
-def _placement(t: Tag):
-    return Partial("sum") if t.kind in ("counts", "partial") else Shard(t.dim)
+def _split(dim: int, blocks: int | None):
+    return Shard(dim) if blocks is None else _StridedShard(dim, split_factor=blocks)
+
+
+def _placement(t: Tag, blocks: int | None):
+    return Partial("sum") if t.kind in ("counts", "partial") else _split(t.dim, blocks)
+
+
+def components(local: dict) -> dict:
+    """{node: its dispatch's number}: the nodes `analyze` found, joined by the values they
+    pass each other (a forward and its backward are one dispatch: the backward reads the
+    forward's sort)."""
+    g = networkx.Graph()
+    g.add_nodes_from(local)
+    for n in local:
+        for a in n.all_input_nodes:
+            a = a.args[0] if a.target is operator.getitem else a
+            if a in local:
+                g.add_edge(n, a)
+    return {n: i for i, c in enumerate(networkx.connected_components(g)) for n in c}
+
+
+def _row_blocks(sh, node) -> int | None:
+    """How the dispatch's rows are split, one way for all of its nodes (fixed at its first):
+    plainly (None), or in blocks (context parallelism: the sequence split flattened behind
+    the batch, a strided shard of `blocks` blocks, each token's pairs inside its token's
+    place) where the row inputs from outside that arrive split so (the tokens it gathers)
+    agree, so that those stay where they are and its results leave in the layout they came
+    in. Every other row input is then split the same way (a whole one cut, a plain one
+    moved)."""
+    comp = sh.local_components.get(node)
+    if comp not in sh.row_blocks:
+        factors = {p.split_factor for n, c in sh.local_components.items() if c == comp
+                   for a, how in sh.local[n].inputs.items()
+                   if isinstance(how, int) and not isinstance(how, bool)
+                   and isinstance(p := getattr(sh.specs.get(a), "placements", (None,))[0],
+                                  _StridedShard) and p.dim == how}
+        # (rows in blocks of different sizes: all split plainly, as dp splits them)
+        sh.row_blocks[comp] = factors.pop() if len(factors) == 1 else None
+    return sh.row_blocks[comp]
 
 
 def rule(sh, node, entry: Local):
@@ -830,10 +876,11 @@ def rule(sh, node, entry: Local):
     inputs from outside the dispatch split on their row dim (whole for weights), its
     output(s) as tagged, a factory sized to the local rows."""
     want = {}
+    blocks = _row_blocks(sh, node)
     for a, how in entry.inputs.items():
         if how in ("free", "counts", "padded"):  # (a factory: resized, a padded copy: placed
             continue                             # itself; counts: partial already)
-        want[a] = (Replicate(),) if how == "whole" else (Shard(how),)
+        want[a] = (Replicate(),) if how == "whole" else (_split(how, blocks),)
     sh.place(node, want)
     if entry.resize:
         _resize(node, sh.mesh_sizes[0])
@@ -845,8 +892,8 @@ def rule(sh, node, entry: Local):
         node.args = (node.args[0], size, *node.args[2:])
     val = node.meta.get(ir.VAL)
     if isinstance(entry.out, tuple):
-        return tuple(sh.out_spec((_placement(t),), v) for t, v in zip(entry.out, val))
-    return sh.out_spec((_placement(entry.out),), val)
+        return tuple(sh.out_spec((_placement(t, blocks),), v) for t, v in zip(entry.out, val))
+    return sh.out_spec((_placement(entry.out, blocks),), val)
 
 
 def _resize(node, n: int) -> None:

@@ -370,7 +370,19 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.gelu_backward.default, aten.silu.default, aten.sigmoid.default,
                      aten.tanh.default, aten.pow.Tensor_Scalar, aten.where.self,
                      aten.ne.Scalar, aten.eq.Scalar, aten.gather.default,
-                     aten.scatter.value}
+                     aten.scatter.value,
+                     # an MoE router's, token by token over the experts
+                     aten._softmax.default, aten._softmax_backward_data.default,
+                     aten.sigmoid_backward.default}
+# ops along one dim (argument index, default), row by row over the others, whose DTensor
+# rules list plain shards only (a strided one would be gathered): _strided_rows carries it
+# (an MoE router's top-k, and its backward's scatter into zeros, under cp)
+_ALONG_ONE_DIM = {aten.topk.default: (2, -1), aten.sort.default: (1, -1),
+                  aten.scatter.src: (1, None), aten.scatter.value: (1, None),
+                  aten.gather.default: (1, None), aten.expand.default: (None, None)}
+# factories reading their input's dtype and device only
+_NEW_FACTORIES = {aten.new_zeros.default, aten.new_empty.default, aten.new_full.default,
+                  aten.new_ones.default}
 
 _BATCH_HEAD_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
                    torch.ops.fxpar.flash_attention.default, *_ATTENTION_BACKWARD}
@@ -467,6 +479,39 @@ def _sequence_rule(sh, node):
         pl = [split] * len(vals)
     return tuple(_spec(sh.mesh, p, v) if isinstance(v, torch.Tensor) else None
                  for p, v in zip(pl, vals))
+
+
+def _strided_rows(sh, node):
+    """An op along one dim (a sort, top-k, scatter or gather; an expand of other dims) of
+    values whose rows another dim holds as a strided shard (cp: an MoE router's scores, the
+    sequence split flattened behind the batch): each row by itself, so the results keep
+    the inputs' placement; None where it is not so (the rule then asks DTensor)."""
+    at, default = _ALONG_ONE_DIM[node.target]
+    val = node.meta.get(ir.VAL)
+    ins = [a for a in node.all_input_nodes if isinstance(a.meta.get(ir.VAL), torch.Tensor)]
+    pls = {a: tuple(getattr(sh.specs.get(a), "placements", ())) for a in ins}
+    split = {pl for pl in pls.values() if pl != sh.replicate}
+    if len(split) != 1 or not _strided(next(iter(split))[0]):
+        return None
+    (p,) = split.pop()
+    shape = next(a for a in ins if pls[a] == (p,)).meta[ir.VAL].shape
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    if any(a.meta[ir.VAL].dim() != len(shape) or a.meta[ir.VAL].shape[p.dim] != shape[p.dim]
+           for a in ins) or any(not isinstance(v, torch.Tensor) or v.dim() != len(shape)
+                                or v.shape[p.dim] != shape[p.dim] for v in outs):
+        return None  # (every operand and result holds the rows on that dim)
+    if at is not None:
+        dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", default)
+        if dim % len(shape) == p.dim:
+            return None
+    # (a whole operand - the zeros a scatter writes into - cut to the rank's rows)
+    sh.place(node, {a: (p,) for a in ins if pls[a] == sh.replicate})
+    if node.target is aten.expand.default and node.args[1][p.dim] != -1:
+        size = list(node.args[1])  # (the rank's rows)
+        size[p.dim] //= sh.mesh_sizes[0]
+        node.args = (node.args[0], size, *node.args[2:])
+    specs = tuple(_out_spec(sh.mesh, (p,), v) for v in outs)
+    return specs if isinstance(val, (tuple, list)) else specs[0]
 
 
 def _ring_rule(sh, node, a, bwd):
@@ -567,6 +612,7 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     sh.ring = ring
     if local_dispatch and len(sh.mesh_sizes) == 1:
         sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names)
+        sh.local_components = _local_dispatch.components(sh.local)
         sh.local_only = True
     for node in list(gm.graph.nodes):
         if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
@@ -753,6 +799,8 @@ class _Sharder:
         self.ring = None
         self.prefer: dict = {}
         self.local: dict = {}      # an MoE dispatch run on local rows: see local_dispatch
+        self.local_components: dict = {}  # ... node -> its dispatch, and how each
+        self.row_blocks: dict = {}         # dispatch's rows are split (local_dispatch.rule)
         self.local_only = False    # ... and expert parallelism's ops only there
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.rows: dict = {}       # value -> its dim another mesh axis splits (shard_graph)
@@ -866,6 +914,9 @@ class _Sharder:
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
                                 "shards only ATen graphs.")
+        if op in _NEW_FACTORIES and self.split_sequence:
+            # (reads its input's dtype and device only: whole, with nothing gathered)
+            return _out_spec(self.mesh, self.replicate, val)
         if self._sum_commutes(node):
             # (a partial sum over this mesh goes through as one: reduced before the gather, it
             # would be summed over this whole mesh where ep's expert gradients are summed
@@ -888,7 +939,8 @@ class _Sharder:
         # whole (gathered)
         strided = {a: tuple(Replicate() if _strided(p) else p for p in self.specs[a].placements)
                    for a in self.inputs(node) if op not in _STRIDED_OPS
-                   and not (self.split_sequence and op in _SEQUENCE_STRIDED)
+                   and not (self.split_sequence and (op in _SEQUENCE_STRIDED
+                                                     or op in _ALONG_ONE_DIM))
                    and isinstance(self.specs.get(a), DTensorSpec)
                    and any(_strided(p) for p in self.specs[a].placements)}
         if strided:
@@ -927,6 +979,9 @@ class _Sharder:
                                   and not isinstance(self.specs[a].placements[0], Shard)})
         if op in _BATCH_HEAD_OPS and self.split_sequence and (
                 spec := _sequence_rule(self, node)) is not None:
+            return spec
+        if op in _ALONG_ONE_DIM and self.split_sequence and (
+                spec := _strided_rows(self, node)) is not None:
             return spec
         if op in _BATCH_HEAD_OPS and len(self.mesh_sizes) == 1:
             wanted, out_pl = _batch_head_rule(node, self.specs, self.replicate)

@@ -7,8 +7,10 @@ core/context_attention.py; the runtime hands each rank of the group the same row
 fxpar::zigzag_chunk cuts them in the graph, cheap for token ids). The sharding engine
 propagates that split through the joint graph with DTensor's rules: every op that treats
 positions alike (embeddings, norms, linears, the MLP, the loss's log-softmax) runs on the
-rank's chunks, and a value computed whole (RoPE's cos/sin, learned positions, a causal mask)
-is cut to them where it meets the split one. Attention reads every key: q keeps its chunk, k
+rank's chunks, an MoE's router and its dispatch (sort, histogram, grouped matmuls:
+core/local_dispatch) on the rank's tokens as under dp on its rows, and a value computed
+whole (RoPE's cos/sin, learned positions, a causal mask) is cut to them where it meets the
+split one. Attention reads every key: q keeps its chunk, k
 and v are all-gathered over the cp group, a causal kernel is rewritten to
 fxpar::causal_chunk_attention (each chunk against the keys before it, unmasked, and its own,
 causal; keys after it never read), and in the backward the keys' and values' gradients are
@@ -96,7 +98,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     ring = _ring_choice(options.cp_attention, cp, ctx.profile or cost.DeviceProfile.for_device(
         ctx.device or "cpu"), regather)
     shard_graph(gm, make_mesh(cp), placements, [group], split_sequence=True, regather=regather,
-                ring=ring)
+                ring=ring, local_dispatch=True)
     if options.cp_attention == "ring":
         _check_ring(gm, next(n.meta[ir.VAL].shape[d] for n, d in zip(leaves, dims)
                              if d is not None))
