@@ -28,9 +28,10 @@ keeps DTensor's rules, and with them the gathered rows.
 
 Under context parallelism the tokens a rank holds are its chunks of every sequence,
 flattened behind the batch: a strided shard of the token rows (DTensor's _StridedShard, one
-block per sequence). A dispatch whose tokens arrive so keeps them so (`_row_blocks`): its
+block per sequence). A dispatch whose tokens arrive so keeps them so (`row_blocks`): its
 other row inputs are split the same way and its results leave in that layout, with no
-token gathered.
+token gathered. A dispatch whose tokens arrive otherwise under cp (whole, or split plainly
+on a dim the dp pass splits too) keeps DTensor's rules, as before it was found.
 
 Experts listed in an nn.ModuleList pick their rows with `torch.where(mask)`, which
 compiler/padded_nonzero traces at mask.numel() positions (-1 where the mask is false) and
@@ -851,14 +852,14 @@ def components(local: dict) -> dict:
     return {n: i for i, c in enumerate(networkx.connected_components(g)) for n in c}
 
 
-def _row_blocks(sh, node) -> int | None:
+def row_blocks(sh, node) -> int | None:
     """How the dispatch's rows are split, one way for all of its nodes (fixed at its first):
     plainly (None), or in blocks (context parallelism: the sequence split flattened behind
     the batch, a strided shard of `blocks` blocks, each token's pairs inside its token's
     place) where the row inputs from outside that arrive split so (the tokens it gathers)
     agree, so that those stay where they are and its results leave in the layout they came
     in. Every other row input is then split the same way (a whole one cut, a plain one
-    moved)."""
+    moved). Under cp a dispatch runs locally only so (core/sharding: else DTensor's rules)."""
     comp = sh.local_components.get(node)
     if comp not in sh.row_blocks:
         factors = {p.split_factor for n, c in sh.local_components.items() if c == comp
@@ -876,7 +877,7 @@ def rule(sh, node, entry: Local):
     inputs from outside the dispatch split on their row dim (whole for weights), its
     output(s) as tagged, a factory sized to the local rows."""
     want = {}
-    blocks = _row_blocks(sh, node)
+    blocks = row_blocks(sh, node)
     for a, how in entry.inputs.items():
         if how in ("free", "counts", "padded"):  # (a factory: resized, a padded copy: placed
             continue                             # itself; counts: partial already)

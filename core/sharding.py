@@ -900,7 +900,8 @@ class _Sharder:
     def propagate(self, node):
         if node.target in (run_and_save_rng_state, run_with_rng_state):
             return self.propagate_rng_replay(node)
-        if node in self.local:
+        if node in self.local and (not self.split_sequence
+                                   or _local_dispatch.row_blocks(self, node) is not None):
             return _local_dispatch.rule(self, node, self.local[node])
         if ir.EP_TOKENS in node.meta:
             return self.propagate_expert_tokens(node, *node.meta[ir.EP_TOKENS])

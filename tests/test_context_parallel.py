@@ -356,7 +356,8 @@ def test_context_parallelism_composes_on_four_ranks():
     cp=2 inside HSDP's shard groups of 2 with ZeRO-3; GPT-2 (learned positions) with ZeRO-3
     and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored labels,
     microbatches weighted by their target counts; inside dp=4, row groups counting different
-    targets); Inductor's code for the chunk kernels:
+    targets); Mixtral and listed experts (where_moe) inside dp=4; Inductor's code for the
+    chunk kernels:
     every one equal to eager. A pipeline's backward parts run ring attention as
     their forward parts do."""
     _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
@@ -367,7 +368,11 @@ def test_context_parallelism_composes_on_four_ranks():
         {"dp": 2, "cp": 2, "pp": 2, "microbatches": 4, "schedule": "zero-bubble"},
         {"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2})]
         # (row groups counting different targets: the mean over all of them)
-        + [("hf_llama_padded", "adamw", {"dp": 4, "cp": 2, "codegen": "eager"})])
+        + [("hf_llama_padded", "adamw", {"dp": 4, "cp": 2, "codegen": "eager"})]
+        # MoE dispatches inside row groups: Mixtral's on each rank's own tokens, listed
+        # experts' (routed by torch.where) on the cp group's, then split by dp's rows
+        + [(name, "adamw", {"dp": 4, "cp": 2, "codegen": "eager"})
+           for name in ("mixtral", "where_moe")])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
                                            "codegen": "eager"}),
                      ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
