@@ -839,9 +839,9 @@ def _placement(t: Tag, blocks: int | None):
 
 
 def components(local: dict) -> dict:
-    """{node: its dispatch's number}: the nodes `analyze` found, joined by the values they
-    pass each other (a forward and its backward are one dispatch: the backward reads the
-    forward's sort)."""
+    """{node: its dispatch (the frozenset of its nodes)}: the nodes `analyze` found, joined
+    by the values they pass each other (a forward and its backward are one dispatch: the
+    backward reads the forward's sort)."""
     g = networkx.Graph()
     g.add_nodes_from(local)
     for n in local:
@@ -849,7 +849,7 @@ def components(local: dict) -> dict:
             a = a.args[0] if a.target is operator.getitem else a
             if a in local:
                 g.add_edge(n, a)
-    return {n: i for i, c in enumerate(networkx.connected_components(g)) for n in c}
+    return {n: c for c in map(frozenset, networkx.connected_components(g)) for n in c}
 
 
 def row_blocks(sh, node) -> int | None:
@@ -862,8 +862,7 @@ def row_blocks(sh, node) -> int | None:
     moved). Under cp a dispatch runs locally only so (core/sharding: else DTensor's rules)."""
     comp = sh.local_components.get(node)
     if comp not in sh.row_blocks:
-        factors = {p.split_factor for n, c in sh.local_components.items() if c == comp
-                   for a, how in sh.local[n].inputs.items()
+        factors = {p.split_factor for n in comp for a, how in sh.local[n].inputs.items()
                    if isinstance(how, int) and not isinstance(how, bool)
                    and isinstance(p := getattr(sh.specs.get(a), "placements", (None,))[0],
                                   _StridedShard) and p.dim == how}

@@ -326,10 +326,8 @@ def test_a_view_into_chunks_too_few_to_split_runs_on_the_whole_sequence():
     g = prog.graph.graph
     scan = next(n for n in g.nodes if n.target is aten.cumsum.default)
     assert tuple(scan.meta[ir.VAL].shape) == (workers.GLOBAL_BATCH, 2, 8, 16)
-    seen, todo = set(), [scan]  # the sequence was gathered over cp on the way to it
-    while todo:
-        todo += [a for a in todo.pop().all_input_nodes if a not in seen and not seen.add(a)]
-    assert [n for n in seen if n.target is c10d.all_gather_into_tensor.default
+    # the sequence was gathered over cp on the way to it
+    assert [n for n in ir.ancestors([scan]) if n.target is c10d.all_gather_into_tensor.default
             and _group_of(n) == ir.GROUPS["cp"]]
     # the embedding still runs on the rank's half of the tokens
     emb = next(n for n in g.nodes if n.target is aten.embedding.default)
