@@ -221,7 +221,8 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
 
 
 # the mesh dims fxpar's dp group is made of (api/parallelize.mesh_dims)
-DP_DIMS = ("dp", "dp_rep", "dp_shard", "edp", "edp_shard", "ep", "cdp", "cdp_shard", "cp")
+DP_DIMS = ("dp", "dp_rep", "dp_shard", "edp", "edp_shard", "ep", "cdp", "cdp_shard", "cp",
+           "ecp", "cep")
 
 
 def _plan_of_mesh(plan, devices):
@@ -280,12 +281,18 @@ def mesh_dims(plan) -> list[tuple[str, int]]:
     sequence groups, sequence group). HSDP with ep: (replicas,
     the shard group's ranks holding the same experts, expert group), which runtime/dist.setup
     flattens into "dp_shard" (the last two) and "edp" (the first two); with cp likewise
-    ("cdp_shard", "cp"; "dp_shard" and "cdp")."""
+    ("cdp_shard", "cp"; "dp_shard" and "cdp"). ep with cp: (across the larger group, the
+    larger group's inner groups, the smaller group), which runtime/dist.setup flattens into
+    the larger group (the last two), the dp groups across each ("edp", "cdp") and dp."""
     s = plan.node_group  # (HSDP's shard group, hpZ's secondary partition)
     carved = ("ep", "edp", plan.ep) if plan.ep > 1 else ("cp", "cdp", plan.cp) \
         if plan.cp > 1 else None
-    dp = [("dp_rep", plan.dp // s), (f"{carved[1]}_shard", s // carved[2]),
-          (carved[0], carved[2])] if s and carved else \
+    inner, outer = sorted((plan.ep, plan.cp))  # (ep with cp: the smaller group inside)
+    dp = [("cdp" if plan.cp > plan.ep else "edp", plan.dp // outer),
+          ("cep" if plan.cp > plan.ep else "ecp", outer // inner),
+          ("ep" if plan.cp > plan.ep else "cp", inner)] if inner > 1 else \
+        [("dp_rep", plan.dp // s), (f"{carved[1]}_shard", s // carved[2]),
+         (carved[0], carved[2])] if s and carved else \
         [("dp_rep", plan.dp // s), ("dp_shard", s)] if s else \
         [("edp", plan.dp // plan.ep), ("ep", plan.ep)] if plan.ep > 1 else \
         [("cdp", plan.dp // plan.cp), ("cp", plan.cp)] if plan.cp > 1 else [("dp", plan.dp)]

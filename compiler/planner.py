@@ -796,10 +796,10 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         for z in zeros
                         for g in _node_groupings(dp, tp, pp, m, z, hw, constraints, o)
                         for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
-                        if cp == 1 or (e == 1 and not cp_misfit(Plan(
-                            dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp,
+                        if cp == 1 or not cp_misfit(Plan(
+                            dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp, ep=e,
                             ps=constraints.get("ps", 0), grad_compression=constraints.get(
-                                "grad_compression", "none"))))]:
+                                "grad_compression", "none")))]:
                     key = (pp, v, tp)
                     if key not in stage_cache:
                         aggs = _rank_aggregates(

@@ -52,16 +52,17 @@ class Plan:
                     dp (with HSDP, dp_shard: each expert group inside a shard group); composes
                     with tp, pp and ZeRO (an expert weight's gradients reduced and sharded over
                     the dp / ep ranks holding the same experts; with HSDP over those of its
-                    shard group, then across the replicas); not yet with ps, hpZ or gradient
-                    compression.
+                    shard group, then across the replicas) and cp (each rank's own tokens
+                    sent to their experts; one of ep and cp dividing the other, not with HSDP
+                    as well); not yet with ps, hpZ or gradient compression.
     cp:             context parallelism, carved out of dp: groups of cp neighbouring dp ranks
                     take the same rows of the batch and split their sequence, each rank
                     holding 1/cp of every activation but attention's keys and values, which
                     reach every rank (Plan.cp_attention; passes/context_parallel.py). 1
                     (default): off. Divides dp; the sequence splits into 2 x cp chunks (each
                     rank a front and a back one); composes with dp, tp, pp, microbatches,
-                    ZeRO and HSDP (cp dividing dp_shard: each cp group inside a shard
-                    group), not yet with ep, ps, hpZ or gradient compression.
+                    ZeRO, HSDP (cp dividing dp_shard: each cp group inside a shard group)
+                    and ep (Plan.ep), not yet with ps, hpZ or gradient compression.
     cp_attention:   how cp's attention reads the whole sequence's keys and values: "gather"
                     (all-gathered over the cp group, their gradients reduce-scattered),
                     "ring" (ring attention: each rank's blocks passed around the group by
@@ -428,7 +429,7 @@ def ep_misfit(plan: "Plan") -> str | None:
     ep, why = _carved_misfit(plan, "ep", "the experts", ())
     if why is None or why.startswith("Plan."):
         return why
-    return (f"Plan.ep={ep} runs with dp, tp, pp, ZeRO and HSDP, but not yet with ps, hpZ or "
+    return (f"Plan.ep={ep} runs with dp, tp, pp, ZeRO, HSDP and cp, but not yet with ps, hpZ or "
             f"gradient compression; {why}. Drop those fields, or use ep=1 (the experts are "
             "then ZeRO-sharded or replicated like any weight).")
 
@@ -436,12 +437,19 @@ def ep_misfit(plan: "Plan") -> str | None:
 def cp_misfit(plan: "Plan") -> str | None:
     """Why Plan.cp cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    cp, why = _carved_misfit(plan, "cp", "the sequence", (("ep", plan.ep, 1),))
+    cp, why = _carved_misfit(plan, "cp", "the sequence", ())
+    if why is None and cp > 1 and isinstance(plan.ep, int) and plan.ep > 1:
+        if max(cp, plan.ep) % min(cp, plan.ep):
+            return (f"Plan.cp={cp} with ep={plan.ep}: the smaller of the sequence's and the "
+                    "experts' groups lies inside the larger, so one must divide the other. "
+                    "Use degrees that nest (e.g. cp=2 with ep=2 or 4).")
+        if plan.hsdp:
+            why = f"this plan also has ep={plan.ep} and dp_shard={plan.dp_shard}"
     if why is None or why.startswith("Plan."):
         return why
-    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches, ZeRO and HSDP, but not yet "
-            f"with ep, ps, hpZ or gradient compression; {why}. Drop those fields, or use "
-            "cp=1.")
+    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches, ZeRO, HSDP and ep (HSDP and "
+            f"ep not all three), but not yet with ps, hpZ or gradient compression; {why}. "
+            "Drop those fields, or use cp=1.")
 
 
 def quantization_misfit(comm_quantization: str, zero: int, dp: int) -> str | None:

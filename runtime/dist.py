@@ -88,7 +88,9 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
     are also flattened into one "dp" dimension (the whole dp group: rank r of shard group g
     is dp rank g * dp_shard + r), and expert ("edp", "ep") and context parallelism's
     ("cdp", "cp") likewise; HSDP with either ("dp_rep", "edp_shard", "ep") also into
-    "dp_shard" and "edp" (with cp: "cdp_shard", "cdp").
+    "dp_shard" and "edp" (with cp: "cdp_shard", "cdp"); ep with cp ("edp", "ecp", "cp" or
+    "cdp", "cep", "ep": the smaller group inside the larger) into the larger group, the dp
+    groups across each and "dp".
     """
     size, dev_type = world_of(devices)
     if size == 1:
@@ -149,10 +151,18 @@ def setup(devices, dims: Sequence[tuple[str, int]] | None = None) -> World:
                                     backend_override=dict(over))  # (it empties the dict)
         inner = next((n for n in ("edp_shard", "cdp_shard") if n in names), None)
         axis = inner and names[names.index(inner) + 1]  # (HSDP with ep or cp)
-        flat = (("dp_shard", (inner, axis)), (inner.removesuffix("_shard"), ("dp_rep", inner)),
-                ("dp", ("dp_rep", inner, axis))) if inner else \
-            [("dp", d) for d in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp"))
-             if d[1] in names and "dp" not in names]
+        both = next((n for n in ("ecp", "cep") if n in names), None)  # (ep with cp)
+        if both:  # (the larger group, the dp groups across each, dp)
+            big, small, across = ("ep", "cp", "cdp") if both == "ecp" else ("cp", "ep", "edp")
+            flat = ((big, (both, small)), (across, (names[names.index(both) - 1], both)),
+                    ("dp", (names[names.index(both) - 1], both, small)))
+        elif inner:
+            flat = (("dp_shard", (inner, axis)), (inner.removesuffix("_shard"),
+                                                 ("dp_rep", inner)),
+                    ("dp", ("dp_rep", inner, axis)))
+        else:
+            flat = [("dp", d) for d in (("dp_rep", "dp_shard"), ("edp", "ep"), ("cdp", "cp"))
+                    if d[1] in names and "dp" not in names]
         for name, parts in flat:  # (HSDP with ep / cp: shard groups, "edp" / "cdp", dp)
             if name not in getattr(mesh, "_flatten_mapping", {}):
                 mesh[parts]._flatten(name, backend_override=over[parts[-1]])

@@ -287,7 +287,8 @@ def test_ring_attention_is_whole_sequence_attention(cp):
 
 def test_plans_and_batches_context_parallelism_refuses_by_name():
     """cp must divide dp (and HSDP's shard groups) and the sequence (into 2 x cp chunks);
-    not with ep or hpZ yet; a model fed no sequence (an MLP's [batch, features]) has
+    with ep, the smaller of the two groups inside the larger; not with hpZ, nor with ep and
+    HSDP at once yet; a model fed no sequence (an MLP's [batch, features]) has
     nothing to split; under "ring", an attention whose queries reach it whole (a decoder
     over a target sequence of another length) has nothing to pass around."""
     with pytest.raises(PlanError, match="must divide dp=3"):
@@ -296,8 +297,10 @@ def test_plans_and_batches_context_parallelism_refuses_by_name():
         resolve({"dp": 8, "cp": 4, "zero": 3, "dp_shard": 2}, 8)
     with pytest.raises(PlanError, match="hpz=2"):
         resolve({"dp": 4, "cp": 2, "zero": 3, "hpz": 2}, 4)
-    with pytest.raises(PlanError, match="ep=2"):
-        resolve({"dp": 4, "cp": 2, "ep": 2}, 4)
+    with pytest.raises(PlanError, match="one must divide the other"):
+        resolve({"dp": 12, "cp": 4, "ep": 6}, 12)
+    with pytest.raises(PlanError, match="ep=2 and dp_shard=4"):
+        resolve({"dp": 8, "cp": 2, "ep": 2, "zero": 3, "dp_shard": 4}, 8)
     with pytest.raises(PlanError, match="positive integer"):
         resolve({"dp": 2, "cp": 0}, 2)
     model, batch = _llama()

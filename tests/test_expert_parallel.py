@@ -310,6 +310,44 @@ def test_models_whose_experts_expert_parallelism_cannot_split_are_refused_by_nam
         fxpar.compile(llama, 2, example_batch=spec.batch(0), plan={"dp": 2, "ep": 2})
 
 
+def test_ep_with_cp_sends_each_ranks_own_tokens_to_their_experts():
+    """ep with cp: a cp group's ranks hold the same rows' sequence chunks, and the dispatch
+    runs on each rank's own tokens (its chunks' pairs), so the all-to-alls send those, over
+    the ep group, and nothing of the MoE layer is gathered over cp. dp=4 with cp=2 and ep=4
+    (an expert group spanning two sequence groups) and cp=4 with ep=2: the grouped matmuls
+    take ep x the rank's pairs (its rows' chunks, top-2); the mesh nests the smaller group
+    in the larger (dp=2 x cp=2 x ep=2: one group for both); the expert gradients complete
+    (ep = dp), the others summed over dp; the keys and values gathered over cp."""
+    model, batch = _mixtral()
+    fx = torch.ops.fxpar
+    assert mesh_dims(resolve({"dp": 2, "cp": 2, "ep": 2}, 2)) == [("edp", 1), ("ecp", 1),
+                                                                   ("cp", 2)]
+    for world, cp, ep, dims in ((4, 2, 4, [("edp", 1), ("ecp", 2), ("cp", 2)]),
+                                (4, 4, 2, [("cdp", 1), ("cep", 2), ("ep", 2)])):
+        prog = fxpar.compile(model, world, example_batch=batch,
+                             plan={"dp": world, "cp": cp, "ep": ep, "fuse": False})
+        sig, g = prog.signature, prog.graph.graph
+        assert (prog.ep, prog.cp) == (ep, cp) and mesh_dims(prog.plan) == dims
+        assert [r["dispatch"] for r in prog.graph.meta[ir.EP_REPORT]] == ["all-to-all"] * 2
+        own = 8 // (world // cp) * 16 // cp * 2  # (the rank's rows, its chunks, top-2)
+        rows = {n.meta[ir.VAL].shape[0] for n in g.nodes
+                if n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2}
+        assert rows == {ep * own}, rows
+        moved = [n for n in g.nodes if n.target in (fx.ep_dispatch.default,
+                                                     fx.ep_combine.default)]
+        assert len(moved) == 8 and {n.args[-1] for n in moved} == {ir.GROUPS["ep"]}
+        gathered = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default]
+        assert {n.args[-1] for n in gathered} == {ir.GROUPS["cp"]}
+        assert not [n for n in gathered if "experts" in n.meta.get(ir.MODULE, "")
+                    or "mlp" in n.meta.get(ir.MODULE, "")]
+        out = next(n for n in g.nodes if n.op == "output")
+        grads = out.args[0][1:1 + sig.num_params]
+        assert len(prog.expert_params) == 4
+        assert not any(reduced_over(grads[i]) for i in prog.expert_params)
+        assert all(reduced_over(grads[i]) for i in range(sig.num_params)
+                   if i not in prog.expert_params and grads[i] is not None)
+
+
 def spec_shape(model, name):
     return dict(model.named_parameters())[name].shape
 
