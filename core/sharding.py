@@ -611,7 +611,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
     sh.ring = ring
     if local_dispatch and len(sh.mesh_sizes) == 1:
-        sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names)
+        sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names,
+                                        split_sequence)
         sh.local_components = _local_dispatch.components(sh.local)
         sh.local_only = True
     for node in list(gm.graph.nodes):
@@ -644,16 +645,18 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     return {n: n.meta[ir.SHARD] for n in gm.graph.nodes if ir.SHARD in n.meta}
 
 
-def local_dispatch_nodes(gm, mesh, placeholder_placements, group_names) -> dict:
+def local_dispatch_nodes(gm, mesh, placeholder_placements, group_names,
+                         split_sequence: bool = False) -> dict:
     """core/local_dispatch.analyze on `gm` split over a 1-D `mesh`: the MoE dispatch nodes
     that run on each rank's own rows, with counts made outside a dispatch placed by a dry
-    run of DTensor's rules."""
+    run of DTensor's rules (and, splitting a sequence, context parallelism's: the tokens
+    flattened behind the batch stay split, so each rank's counts are its own)."""
     def placed(nodes):
         warned, level = set(_WARNED_NO_RULE), log.level
         log.setLevel(logging.ERROR)  # (the real run says what runs on whole inputs)
         try:
             specs, _ = dry_run(gm, mesh, placeholder_placements, group_names, region=None,
-                               only=ancestors(nodes))
+                               only=ancestors(nodes), split_sequence=split_sequence)
         finally:
             log.setLevel(level)
             _WARNED_NO_RULE.intersection_update(warned)
@@ -694,7 +697,7 @@ def _is_partial(placements) -> bool:
 def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tuple],
             group_names: Sequence[str], region: str | None = ir.FORWARD, decide=None,
             reduce_shared_partials: bool = False, split_random_ops: bool = False,
-            only: set | None = None):
+            only: set | None = None, split_sequence: bool = False):
     """What shard_graph would do, without changing `gm` (it shards a copy of the graph).
 
     Returns (specs, requests): the placements of every visited node of `gm`, and every
@@ -705,14 +708,14 @@ def dry_run(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str, tu
     a weight's placement chosen when its matmul sees how the activation arrives. A pending
     placeholder left undecided blocks the nodes that read it (they are not visited).
     split_random_ops: as shard_graph's (a dropout on a split value keeps it split). only: the
-    nodes of `gm` to visit (None: all)."""
+    nodes of `gm` to visit (None: all). split_sequence: as shard_graph's."""
     g2 = torch.fx.Graph()
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     g2.output(g2.graph_copy(gm.graph, val_map))
     back = {v: k for k, v in val_map.items()}
     gm2 = torch.fx.GraphModule(gm, g2)
     sh = _Sharder(g2, mesh, list(group_names))
-    sh.split_random = split_random_ops
+    sh.split_random, sh.split_sequence = split_random_ops, split_sequence
     phs = {n.name: n for n in g2.nodes if n.op == "placeholder"}
     pending = set()
     for n in phs.values():
@@ -905,6 +908,14 @@ class _Sharder:
             return _local_dispatch.rule(self, node, self.local[node])
         if ir.EP_TOKENS in node.meta:
             return self.propagate_expert_tokens(node, *node.meta[ir.EP_TOKENS])
+        if node.target in _local_dispatch.RANK_ROWS_OPS and self.split_sequence:
+            raise ShardingError(
+                f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
+                "expert parallelism with context parallelism sends each rank's own tokens to "
+                "their experts, but this MoE's dispatch does not run on a cp rank's tokens "
+                "(its tokens do not arrive as the rank's sequence chunks: core/local_dispatch"
+                ".row_blocks); cp runs it on the cp group's whole tokens. Use ep or cp alone "
+                "for this model (ep with dp, or cp with dp).")
         if node.target in _local_dispatch.RANK_ROWS_OPS and self.local_only:
             raise ShardingError(
                 f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
