@@ -219,6 +219,9 @@ class GraphStats:
     # some experts kept as an nn.ModuleList run under Plan.ep in slots as traced (each rank's
     # experts over every row picked for them, results all-gathered), not by all-to-all
     ep_slots: bool = False
+    # cp runs the experts on the cp group's whole tokens, not each rank's own
+    # (planner.experts_under_cp): cp splits none of their work, and ep with cp is refused
+    moe_cp_whole: bool = False
     # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
     # it can)
     seq: int | None = None

@@ -796,7 +796,7 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         for z in zeros
                         for g in _node_groupings(dp, tp, pp, m, z, hw, constraints, o)
                         for e in _expert_degrees(stats, dp, tp, pp, m, z, g, constraints)
-                        if cp == 1 or not cp_misfit(Plan(
+                        if cp == 1 or (e == 1 or not st.moe_cp_whole) and not cp_misfit(Plan(
                             dp=dp, tp=tp, pp=pp, zero=z, dp_shard=g[0], hpz=g[1], cp=cp, ep=e,
                             ps=constraints.get("ps", 0), grad_compression=constraints.get(
                                 "grad_compression", "none")))]:
@@ -1406,8 +1406,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             tpc_f, tpc_b = tpc_f + epc_f, tpc_b + epc_b  # (waiting, as tp's collectives)
         elif precision == "bf16" or hw.name == "cpu":  # listed experts run grouped
             # (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's rows (the
-            # rank's own where the routing runs on them), 1/E of their traced matmuls
-            g = mbs * (1 if stats.moe_local else dp) / stats.rows
+            # rank's own where the routing runs on them; under cp the cp group's where it
+            # runs them whole), 1/E of their traced matmuls
+            g = mbs * ((cp if stats.moe_cp_whole else 1) if stats.moe_local else dp) \
+                / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             bw = hw.mem_bandwidth / hw.roofline_scale
             tf, tb = _grouped(segs, tf, tb, g, rate, bw, 1, "grouped_saved", tp)
@@ -1415,6 +1417,11 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
             # the rank's rows, whole (cp x its tokens in whole-sequence rows)
             g = mbs * cp / stats.rows
+            if stats.moe_cp_whole and stats.moe_local:  # the experts run on the cp group's
+                # whole tokens (planner.experts_under_cp), not the rank's share priced above
+                rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
+                tf += (cp - 1) * _expert_flops(segs, "f", tp) * mbs / stats.rows / rate
+                tb += (cp - 1) * _expert_flops(segs, "b", tp) * mbs / stats.rows / rate
             calls = max(1, 2 * sum(s.n_attn for s in segs))
             kv = sum(s.kv_bytes for s in segs) * g
             if cp_attention == "ring":  # each block passed to the next rank beside the
@@ -1795,6 +1802,7 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     stats.host_calls_compiled = codegen.host_calls(gm.graph)
     expert_stats(stats, gm)
     context_stats(stats, gm)
+    experts_under_cp(stats, gm, sig)
     stats.graph = (gm, sig)  # for the probes and the calibration
     if pass_extras:
         count_pass_extras(stats)
@@ -2038,6 +2046,28 @@ def context_stats(stats: GraphStats, gm) -> None:
             seg.kv_bytes += cost.tensor_bytes(scores.args[-1].meta[ir.VAL]) + \
                 cost.tensor_bytes(probs.args[-1].meta[ir.VAL])
             seg.qo_bytes += 2 * cost.tensor_bytes(scores.args[-2].meta[ir.VAL])
+
+
+def experts_under_cp(stats: GraphStats, gm, sig) -> None:
+    """Whether cp runs the MoE layers' experts on each rank's own tokens (their forward
+    matmuls on fewer rows than traced, on the cp pass's own run on a copy of the graph,
+    listed experts grouped first as passes/grouped_experts runs them) or on the cp group's
+    whole tokens (listed experts, DBRX's, JetMoE's: a dispatch whose tokens do not arrive
+    as the rank's chunks): then cp splits none of their work and ep with cp is refused
+    (GraphStats.moe_cp_whole)."""
+    if not stats.expert_counts or stats.cp_refusal or not stats.seq or stats.seq % 4:
+        return
+    base = gm
+    if find_expert_lists(gm):
+        base = _on_copy(grouped_experts, gm, sig, {}, 1) or gm
+    lists = {n.name for lst in find_expert_lists(base) for x in lst.experts for n in x.region}
+    fwd = {n.name: n.meta[ir.VAL].shape[0] for n in base.graph.nodes
+           if n.meta.get(ir.REGION) == ir.FORWARD and (
+               n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2
+               or n.name in lists and n.target in (aten.mm.default, aten.addmm.default))}
+    split = _on_copy(context_parallel, base, sig, {"dp": 2, "cp": 2}, 2) if fwd else None
+    stats.moe_cp_whole = bool(fwd) and (split is None or any(
+        n.meta[ir.VAL].shape[0] >= fwd[n.name] for n in split.graph.nodes if n.name in fwd))
 
 
 _BMMS = {aten.bmm.default, aten.baddbmm.default}

@@ -369,6 +369,7 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.nll_loss_backward.default, aten.gelu.default,
                      aten.gelu_backward.default, aten.silu.default, aten.sigmoid.default,
                      aten.tanh.default, aten.pow.Tensor_Scalar, aten.where.self,
+                     aten.where.ScalarSelf, aten.where.ScalarOther,
                      aten.ne.Scalar, aten.eq.Scalar, aten.gather.default,
                      aten.scatter.value,
                      # an MoE router's, token by token over the experts
@@ -908,7 +909,8 @@ class _Sharder:
             return _local_dispatch.rule(self, node, self.local[node])
         if ir.EP_TOKENS in node.meta:
             return self.propagate_expert_tokens(node, *node.meta[ir.EP_TOKENS])
-        if node.target in _local_dispatch.RANK_ROWS_OPS and self.split_sequence:
+        if node.target in _local_dispatch.RANK_ROWS_OPS and self.local_only and \
+                self.split_sequence:
             raise ShardingError(
                 f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
                 "expert parallelism with context parallelism sends each rank's own tokens to "
@@ -1188,6 +1190,17 @@ class _Sharder:
         dim = _AXIS_DIM.get(node.target)
         if dim is not None:
             d = node.args[dim] if isinstance(dim, int) and dim > 0 else 0
+            if any(isinstance(p, Shard) and p.dim == d for p in pl) and \
+                    node.target in (torch.ops.fxpar.zigzag_chunk.default,
+                                    torch.ops.fxpar.zigzag_order.default):
+                raise ShardingError(
+                    f"{node.target} (node {node.name}, module "
+                    f"'{node.meta.get(ir.MODULE, '')}') cuts dim {d} into context "
+                    f"parallelism's chunks, a dim data parallelism splits too ({pl}): "
+                    "fxpar cannot compose these two splits of one dimension (expert "
+                    "parallelism's all-to-all of experts that run every token, Llama 4's, "
+                    "sends a cp rank's tokens in one dim with the rows). Use ep or cp alone "
+                    "for this model, or cp with dp = cp.")
             if any(isinstance(p, Shard) and p.dim == d for p in pl):
                 raise ShardingError(
                     f"{node.target} (node {node.name}, module "

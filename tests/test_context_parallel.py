@@ -340,13 +340,15 @@ def test_a_view_into_chunks_too_few_to_split_runs_on_the_whole_sequence():
 @pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_llama_cp2_trains_like_eager():
     """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss; a scan within
-    chunks of the sequence, run whole; HF Mixtral and DeepSeek-V3, their MoE dispatch on
-    each rank's own tokens - V3's group-limited routing gathers its top-k ids, which the
-    dispatch cuts back to the tokens' layout): losses, evaluate() and every final weight
-    equal eager AdamW. (Ring attention: the op against SDPA above; trained with tp, cp=4
-    and a pipeline in the slow composition test.)"""
-    _check_plans(2, [(name, "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}) for name in
-                     ("hf_llama", "chunked_scan", "mixtral", "deepseek_v3")])
+    chunks of the sequence, run whole; HF Mixtral and torchtitan's Qwen3-MoE, their MoE
+    dispatch on each rank's own tokens; HF DeepSeek-V3 with ep=2 as well, each rank's
+    tokens sent to their experts - V3's group-limited routing gathers its top-k ids, which
+    the dispatch cuts back to the tokens' layout): losses, evaluate() and every final
+    weight equal eager AdamW. (Ring attention: the op against SDPA above; trained with tp,
+    cp=4 and a pipeline in the slow composition test.)"""
+    _check_plans(2, [(name, "adamw", {"dp": 2, "cp": 2, "codegen": "eager", **more})
+                     for name, more in (("hf_llama", {}), ("chunked_scan", {}), ("mixtral", {}),
+                                        ("titan_qwen3_moe", {}), ("deepseek_v3", {"ep": 2}))])
 
 
 @pytest.mark.slow
@@ -357,8 +359,8 @@ def test_context_parallelism_composes_on_four_ranks():
     cp=2 inside HSDP's shard groups of 2 with ZeRO-3; GPT-2 (learned positions) with ZeRO-3
     and remat; fxpar's own GPT; right-padded rows (an attention mask, ignored labels,
     microbatches weighted by their target counts; inside dp=4, row groups counting different
-    targets); Mixtral and listed experts (where_moe) inside dp=4; Inductor's code for the
-    chunk kernels:
+    targets); Mixtral with ep=4 (an expert group spanning two cp groups) and listed
+    experts (where_moe) inside dp=4; Inductor's code for the chunk kernels:
     every one equal to eager. A pipeline's backward parts run ring attention as
     their forward parts do."""
     _check_plans(4, [("hf_llama", "adamw", {**p, "codegen": "eager"}) for p in (
@@ -370,10 +372,11 @@ def test_context_parallelism_composes_on_four_ranks():
         {"dp": 4, "cp": 2, "zero": 3, "dp_shard": 2})]
         # (row groups counting different targets: the mean over all of them)
         + [("hf_llama_padded", "adamw", {"dp": 4, "cp": 2, "codegen": "eager"})]
-        # MoE dispatches inside row groups: Mixtral's on each rank's own tokens, listed
-        # experts' (routed by torch.where) on the cp group's, then split by dp's rows
-        + [(name, "adamw", {"dp": 4, "cp": 2, "codegen": "eager"})
-           for name in ("mixtral", "where_moe")])
+        # MoE dispatches inside row groups: Mixtral's on each rank's own tokens, sent to
+        # their experts' ranks, listed experts' (routed by torch.where) on the cp group's,
+        # then split by dp's rows
+        + [(name, "adamw", {"dp": 4, "cp": 2, "codegen": "eager", **more})
+           for name, more in (("mixtral", {"ep": 4}), ("where_moe", {}))])
     _check_plans(2, [("hf_gpt2", "adamw", {"dp": 2, "cp": 2, "zero": 3, "remat": "sqrt",
                                            "codegen": "eager"}),
                      ("gpt", "adamw", {"dp": 2, "cp": 2, "codegen": "eager"}),
@@ -484,6 +487,19 @@ def test_an_moe_dispatch_runs_on_each_ranks_own_tokens():
                        and any(u.meta.get(ir.REGION) == ir.FORWARD
                                for w in n.users for u in w.users)}
     assert forward_gathers and all(m.endswith("self_attn") or m == "" for m in forward_gathers)
+    # torchtitan's MoE counts each expert's tokens outside its dispatch (a histogram over the
+    # routing): placed by cp's rules, they are the rank's own, and its grouped matmuls too
+    pytest.importorskip("torchtitan")
+    from fxpar.examples import external_zoo
+    titan, spec = external_zoo.build("titan_qwen3_moe")
+    batch = spec.batch(0)
+    prog = fxpar.compile(titan, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False},
+                         loss_fn=spec.loss_fn)
+    mms = [n for n in prog.graph.graph.nodes if n.target is aten._grouped_mm.default
+           and n.meta[ir.REGION] == ir.FORWARD]
+    B, S = batch["input_ids"].shape
+    k = titan.layers["0"].moe.router.top_k
+    assert mms and all(n.meta[ir.VAL].shape[0] == B * S * k // 2 for n in mms)
 
 
 def test_planner_searches_ring_attention():
@@ -528,3 +544,33 @@ def test_planner_searches_ring_attention():
     with pytest.raises(PlanError, match="cp_attention='ring': the attention .*written out"):
         planner.search(gpt2, 8, hw, batch_rows=4, executable=False,
                        constraints={"cp": 2, "tp": 1, "pp": 1, "cp_attention": "ring"})
+
+
+def test_planner_prices_experts_cp_runs_whole():
+    """The planner runs the cp pass on a copy to see where the experts run: Mixtral's on
+    each rank's tokens (cp x ep plans searched), listed experts' (where_moe, grouped first
+    as the job groups them) on the cp group's whole tokens - cp=2 then prices their work
+    twice a rank's share, and with ep no plan is searched (the pass refuses it)."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    hw = cost.HARDWARE["h100"]
+    fixed = {"dp": 4, "cp": 2, "tp": 1, "pp": 1, "zero": 0, "remat": "none",
+             "microbatches": 1, "cp_attention": "gather", "precision": "bf16"}
+    for name, whole in (("mixtral", False), ("where_moe", True)):
+        model, spec = zoo.build(name)
+        batch = spec.batch(0)
+        stats = planner_stats(model, batch, loss_fn=spec.loss_fn)
+        assert stats.moe_local and stats.moe_cp_whole == whole, name
+        B = torch.utils._pytree.tree_leaves(batch)[0].shape[0]
+        r = planner.search(stats, 4, hw, batch_rows=B, executable=False,
+                           constraints={**fixed, "ep": 1}, precision="bf16")
+        split = planner.search(dataclasses.replace(stats, moe_cp_whole=False), 4, hw,
+                               batch_rows=B, executable=False, constraints={**fixed, "ep": 1},
+                               precision="bf16")
+        assert (r.best.step_s > split.best.step_s) == whole, name
+        eps = {c.plan.ep for c in planner.search(stats, 4, hw, batch_rows=B, executable=False,
+                                                 constraints={k: v for k, v in fixed.items()
+                                                              if k != "dp"},
+                                                 precision="bf16").table}
+        assert eps == ({1} if whole else {1, 2, 4}), (name, eps)
