@@ -369,7 +369,9 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.nll_loss_backward.default, aten.gelu.default,
                      aten.gelu_backward.default, aten.silu.default, aten.sigmoid.default,
                      aten.tanh.default, aten.pow.Tensor_Scalar, aten.where.self,
-                     aten.where.ScalarSelf, aten.where.ScalarOther,
+                     aten.where.ScalarSelf, aten.where.ScalarOther, aten.eq.Tensor,
+                     aten.ge.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.lt.Scalar,
+                     aten.zeros_like.default, aten.unsqueeze.default, aten.select.int,
                      aten.ne.Scalar, aten.eq.Scalar, aten.gather.default,
                      aten.scatter.value,
                      # an MoE router's, token by token over the experts
@@ -480,6 +482,25 @@ def _sequence_rule(sh, node):
         pl = [split] * len(vals)
     return tuple(_spec(sh.mesh, p, v) if isinstance(v, torch.Tensor) else None
                  for p, v in zip(pl, vals))
+
+
+def _strided_dim_moved(sh, node):
+    """unsqueeze, or select along another dim, of a strided shard (a cp rank's tokens
+    flattened behind the batch): the same split on the dim it moves to (DTensor's rules
+    would gather it); a select along the split dim gets it whole."""
+    x, d = node.args[0], node.args[1]
+    pl = _placements(sh.specs.get(x))
+    if len(pl) != 1 or not _strided(pl[0]):
+        return None
+    nd = x.meta[ir.VAL].dim() + (node.target is aten.unsqueeze.default)
+    d = d + nd if d < 0 else d
+    if node.target is aten.select.int and d == pl[0].dim:
+        sh.place(node, {x: sh.replicate})
+        return None
+    dim = pl[0].dim + (d <= pl[0].dim if node.target is aten.unsqueeze.default
+                       else -(d < pl[0].dim))
+    return _out_spec(sh.mesh, (_StridedShard(dim, split_factor=pl[0].split_factor),),
+                     node.meta.get(ir.VAL))
 
 
 def _strided_rows(sh, node):
@@ -971,6 +992,9 @@ class _Sharder:
         spec = vocab_parallel.rule(self, node)
         if spec is None and op in _VIEW_OPS:
             spec = self.strided_view(node)
+        if spec is None and op in (aten.unsqueeze.default, aten.select.int) and \
+                self.split_sequence:
+            spec = _strided_dim_moved(self, node)
         if spec is None and self.split_random:
             spec = split_random.rule(self, node)
         if spec is not None:

@@ -471,7 +471,8 @@ def test_an_moe_dispatch_runs_on_each_ranks_own_tokens():
     cp runs on the rank's own tokens, as under dp on its own rows: Mixtral's router scores,
     their top-k and the token gathers keep the sequence split flattened behind the batch (a
     strided shard), so the grouped matmuls take half of the pairs at cp=2, and no token is
-    gathered over the cp group forward (only attention's keys and values are)."""
+    gathered over the cp group forward (only attention's keys and values are); torchtitan's
+    and listed experts' likewise."""
     model, spec = zoo.build("mixtral")
     batch = spec.batch(0)
     B, S = batch["input_ids"].shape
@@ -500,6 +501,17 @@ def test_an_moe_dispatch_runs_on_each_ranks_own_tokens():
     B, S = batch["input_ids"].shape
     k = titan.layers["0"].moe.router.top_k
     assert mms and all(n.meta[ir.VAL].shape[0] == B * S * k // 2 for n in mms)
+    # experts listed in an nn.ModuleList, routed by torch.where and grouped: their routing's
+    # masks and expert ids keep the tokens' split (where(mask, e, ids), unsqueeze, select),
+    # so the grouped matmuls take the rank's own rows, as many as under dp=2
+    listed, spec = zoo.build("where_moe")
+
+    def rows(plan):
+        prog = fxpar.compile(listed, 2, example_batch=spec.batch(0), loss_fn=spec.loss_fn,
+                             plan={**plan, "fuse": False})
+        return [n.meta[ir.VAL].shape[0] for n in prog.graph.graph.nodes
+                if n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2]
+    assert rows({"dp": 2, "cp": 2}) == rows({"dp": 2}) != []
 
 
 def test_planner_searches_ring_attention():
@@ -546,31 +558,35 @@ def test_planner_searches_ring_attention():
                        constraints={"cp": 2, "tp": 1, "pp": 1, "cp_attention": "ring"})
 
 
-def test_planner_prices_experts_cp_runs_whole():
-    """The planner runs the cp pass on a copy to see where the experts run: Mixtral's on
-    each rank's tokens (cp x ep plans searched), listed experts' (where_moe, grouped first
-    as the job groups them) on the cp group's whole tokens - cp=2 then prices their work
-    twice a rank's share, and with ep no plan is searched (the pass refuses it)."""
+def test_planner_prices_experts_cp_runs_whole(monkeypatch):
+    """The planner runs the cp pass on a copy to see where the experts run: Mixtral's and
+    listed experts' (where_moe, grouped first as the job groups them) on each rank's
+    tokens, so cp x ep plans are searched. Where the pass would run them on the cp group's
+    whole tokens (here: where_moe with its routing's where(mask, e, ids) left to DTensor's
+    rules, which gather the tokens), cp=2 prices their work at twice a rank's share and no
+    ep plan is searched with cp (the pass refuses it)."""
     from fxpar.compiler import planner
     from fxpar.compiler.compile import planner_stats
-    from fxpar.core import cost
+    from fxpar.core import cost, sharding
     hw = cost.HARDWARE["h100"]
-    fixed = {"dp": 4, "cp": 2, "tp": 1, "pp": 1, "zero": 0, "remat": "none",
-             "microbatches": 1, "cp_attention": "gather", "precision": "bf16"}
-    for name, whole in (("mixtral", False), ("where_moe", True)):
+    fixed = {"cp": 2, "tp": 1, "pp": 1, "zero": 0, "remat": "none", "microbatches": 1,
+             "cp_attention": "gather", "precision": "bf16"}
+    for name, whole in (("mixtral", False), ("where_moe", False), ("where_moe", True)):
+        if whole:
+            monkeypatch.setattr(sharding, "_SEQUENCE_STRIDED",
+                                sharding._SEQUENCE_STRIDED - {aten.where.ScalarSelf})
         model, spec = zoo.build(name)
         batch = spec.batch(0)
         stats = planner_stats(model, batch, loss_fn=spec.loss_fn)
         assert stats.moe_local and stats.moe_cp_whole == whole, name
         B = torch.utils._pytree.tree_leaves(batch)[0].shape[0]
-        r = planner.search(stats, 4, hw, batch_rows=B, executable=False,
-                           constraints={**fixed, "ep": 1}, precision="bf16")
+        at_dp4 = {**fixed, "dp": 4, "ep": 1}
+        r = planner.search(stats, 4, hw, batch_rows=B, executable=False, constraints=at_dp4,
+                           precision="bf16")
         split = planner.search(dataclasses.replace(stats, moe_cp_whole=False), 4, hw,
-                               batch_rows=B, executable=False, constraints={**fixed, "ep": 1},
+                               batch_rows=B, executable=False, constraints=at_dp4,
                                precision="bf16")
         assert (r.best.step_s > split.best.step_s) == whole, name
         eps = {c.plan.ep for c in planner.search(stats, 4, hw, batch_rows=B, executable=False,
-                                                 constraints={k: v for k, v in fixed.items()
-                                                              if k != "dp"},
-                                                 precision="bf16").table}
+                                                 constraints=fixed, precision="bf16").table}
         assert eps == ({1} if whole else {1, 2, 4}), (name, eps)
