@@ -7,7 +7,9 @@ inside, one 400 Gb/s NIC per GPU between; core/cost.HARDWARE["h100"]): for each 
 search picks over everything, and the best plan with the axis off and at each fixed degree.
 
 - A DeepSeek-V3 (671 B parameters, 256 routed experts top-8 and a shared one, MLA attention,
-  3 dense layers then 58 MoE ones) on 256 GPUs, 1024 sequences of 4096 tokens a step.
+  3 dense layers then 58 MoE ones) on 256 GPUs, 1024 sequences of 4096 tokens a step; and
+  64 sequences of 32k tokens (64 rows cannot feed 256 dp ranks: cp with ep, each rank's own
+  tokens sent to their experts).
 - A Llama-3-8B at 128k tokens a sequence on 64 GPUs, 8 sequences a step (dp alone cannot
   split 8 rows over 64 ranks).
 - The same Llama at 1M tokens on 64 GPUs, one sequence a step: context parallelism's
@@ -16,7 +18,7 @@ search picks over everything, and the best plan with the axis off and at each fi
   against HSDP's shard groups; and a 2-stage pipeline with the mesh's dp groups outermost
   (each spanning both stages' nodes) or the stages outermost (Plan.pp_outer).
 
-Run: python benchmarks/planner_axes_at_scale.py [--only ds3,llama_long,llama_1m,llama_hsdp]
+Run: python benchmarks/planner_axes_at_scale.py [--only ds3,ds3_long,llama_long,llama_1m,llama_hsdp]
 (CPU only, about 2-4 minutes)
 """
 from __future__ import annotations
@@ -62,6 +64,9 @@ CASES = [
     ("ds3", "DeepSeek-V3 671B", deepseek_v3, 6, 61, 3, 4096, 256, 1024, [
         ("everything", {}), ("ep off", {"ep": 1}), ("ep=8", {"ep": 8}),
         ("ep=32", {"ep": 32}), ("ep=64", {"ep": 64})]),
+    ("ds3_long", "DeepSeek-V3 671B, 32k tokens", deepseek_v3, 6, 61, 3, 32768, 256, 64, [
+        ("everything", {}), ("cp off", {"cp": 1}), ("ep off", {"ep": 1}),
+        ("cp=4, ep off", {"cp": 4, "ep": 1}), ("cp=4 x ep=8", {"cp": 4, "ep": 8})]),
     ("llama_long", "Llama-3-8B, 128k tokens", llama3_8b, 3, 32, 0, 131072, 64, 8, [
         ("everything", {}), ("cp off", {"cp": 1}), ("cp=2", {"cp": 2}), ("cp=4", {"cp": 4}),
         ("cp=8", {"cp": 8}), ("cp=8, gathered", {"cp": 8, "cp_attention": "gather"}),

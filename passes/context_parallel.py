@@ -327,17 +327,48 @@ def _flash_without_dropout(node) -> dict | None:
         else None
 
 
+_REORDERS = {fxpar_ops.zigzag_order.default, fxpar_ops.zigzag_chunk.default}
+
+
+def _reaches_attention(gathered, hops: int = 6) -> bool:
+    """Whether a gathered value feeds an attention within a few ops (views, a GQA repeat):
+    its keys or values."""
+    todo, seen = [(gathered, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if n.target in ATTENTION or n.target in ATTENTION_BACKWARD:
+            return True
+        if d < hops and n not in seen:
+            seen.add(n)
+            todo += [(u, d + 1) for u in n.users]
+    return False
+
+
 def report(gm, leaves, dims, cp) -> dict:
     """What the pass did: the split leaves, each attention (split, or left whole: its
-    sequence gathered), the collectives it added."""
+    sequence gathered), the other forward ops that read a value gathered over the group
+    (`gathered`: by module, or op where the module has no name: what runs on whole
+    sequences), the collectives it added."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     attn = [n for n in nodes if n.target in ATTENTION and n.meta.get(ir.REGION) == ir.FORWARD]
     comms: dict[str, int] = {}
+    gathered: dict[str, int] = {}
     for n in nodes:
         if n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                         c10d.all_reduce.default):
             name = n.target._opname
             comms[name] = comms.get(name, 0) + 1
+        if n.target is c10d.all_gather_into_tensor.default and \
+                not _reaches_attention(n):  # (attention's keys and values: counted apart)
+            readers, todo = set(), list(n.users)
+            while todo:  # (through the wait, the chunks' reorder and the views it adds)
+                u = todo.pop()
+                if u.meta.get(ir.REGION) == ir.COMM or u.target in _REORDERS:
+                    todo += list(u.users)
+                elif u.meta.get(ir.REGION) == ir.FORWARD:
+                    readers.add(u.meta.get(ir.MODULE) or "(outside the model's modules)")
+            for r in readers:
+                gathered[r] = gathered.get(r, 0) + 1
     split = [n for n in attn if n.meta[ir.SHARD][0] == (Shard(2),)]
     whole = [n for n in attn if n not in split]
     if whole:
@@ -350,6 +381,7 @@ def report(gm, leaves, dims, cp) -> dict:
             "split": [n.meta[ir.FQN] for n, d in zip(leaves, dims) if d is not None],
             "attention": [n.meta.get(ir.MODULE, "") for n in split],
             "whole_attention": [n.meta.get(ir.MODULE, "") for n in attn if n not in split],
+            "gathered": dict(sorted(gathered.items())),
             "causal": sum(n.target is fxpar_ops.causal_chunk_attention.default for n in split),
             # (their keys and values passed around the group, not gathered)
             "ring": sum(n.target is fxpar_ops.ring_attention.default for n in split),

@@ -14,6 +14,7 @@ from fxpar.core.errors import PlanError
 from fxpar.core.plan import resolve
 from fxpar.examples import zoo
 from fxpar.passes import expert_parallel
+from fxpar.viz.report import _decision_line
 
 import workers
 from test_local_dispatch import reduced_over
@@ -346,6 +347,15 @@ def test_ep_with_cp_sends_each_ranks_own_tokens_to_their_experts():
         assert not any(reduced_over(grads[i]) for i in prog.expert_params)
         assert all(reduced_over(grads[i]) for i in range(sig.num_params)
                    if i not in prog.expert_params and grads[i] is not None)
+        # the report's lines say so (the labels' shift reads the whole sequence)
+        assert _decision_line("expert_parallel", prog.graph) == (
+            f"2 MoE layer(s) split, {4 // ep} of 4 experts on each rank; rows moved by "
+            "all-to-all (2)")
+        line = _decision_line("context_parallel", prog.graph)
+        assert line.startswith(f"cp={cp}: the sequence of batch[0], batch[1] split; 2 "
+                               "attention(s) on the rank's chunks (2 causal chunk, 0 ring), "
+                               "0 whole; the sequence gathered for (outside the model's "
+                               "modules) (1); "), line
 
 
 def spec_shape(model, name):

@@ -13,6 +13,7 @@ result into `#selfcheck`, which tests/test_report_browser.py reads from headless
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import html
 import os
@@ -137,6 +138,21 @@ def _decision_line(name: str, gm) -> str:
         d = m["tensor_parallel"]
         return (f"tp={d.tp}: {len(d.column)} column-split and {len(d.row)} row-split weights, "
                 f"{len(d.replicated)} replicated")
+    if name == "context_parallel" and "context_parallel" in m:
+        d = m["context_parallel"]
+        line = (f"cp={d['cp']}: the sequence of {', '.join(d['split'])} split; "
+                f"{len(d['attention'])} attention(s) on the rank's chunks ({d['causal']} causal "
+                f"chunk, {d['ring']} ring), {len(d['whole_attention'])} whole")
+        if d.get("gathered"):
+            line += ("; the sequence gathered for " + ", ".join(
+                f"{k} ({v})" for k, v in d["gathered"].items()))
+        return line + "; " + ", ".join(f"{v} {k}" for k, v in d["collectives"].items())
+    if name == "expert_parallel" and "expert_parallel" in m:
+        layers = m["expert_parallel"]
+        held = sorted({f"{r['per_rank']} of {r['experts']}" for r in layers})
+        ways = collections.Counter(r.get("dispatch", "in slots") for r in layers)
+        return (f"{len(layers)} MoE layer(s) split, {', '.join(held)} experts on each rank; "
+                "rows moved by " + ", ".join(f"{k} ({v})" for k, v in sorted(ways.items())))
     if name == "overlap" and "overlap" in m:
         return m["overlap"].describe()
     if name == "data_parallel":
@@ -181,6 +197,8 @@ def _skipped_passes(plan, stage_graphs) -> list[tuple[str, str]]:
     ran = set(stage_graphs)
     why = [("remat", plan.remat in ("none", None, 0), 'Plan.remat="none"'),
            ("tensor_parallel", plan.tp == 1, "tp=1"),
+           ("expert_parallel", plan.ep == 1, "ep=1"),
+           ("context_parallel", plan.cp == 1, "cp=1"),
            ("precision", plan.precision == "fp32", 'precision="fp32"'),
            ("data_parallel", plan.dp == 1 and not plan.zero, "dp=1"),
            ("pipeline_split", plan.pp == 1 and plan.microbatches == 1,
