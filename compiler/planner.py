@@ -759,7 +759,8 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
     stage_cache = {}
     ticker = Ticker(log)
     for dp, tp, pp, cp, cpa in [(*f, c, a) for f in legal
-                                for c in _context_degrees(stats, *f, batch_rows, constraints)
+                                for c in _context_degrees(stats, *f, batch_rows, constraints,
+                                                          hw)
                                 for a in _context_attentions(stats, c, constraints)]:
         st = by_tp.get(tp, stats)  # (tp = 1: the statistics as traced)
         rows_dp = batch_rows // (dp // cp)  # (a cp group's ranks share their rows)
@@ -1093,12 +1094,14 @@ def _expert_degrees(stats, dp, tp, pp, m, zero, grouping, constraints) -> list[i
     return [e for e in eps if not ep_misfit(dataclasses.replace(probe, ep=e))]
 
 
-def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
+def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> list[int]:
     """Plan.cp degrees to price at this factorization: as the user fixed it (where it fits),
     else 1 where the batch's rows split over dp, and where they do not (more ranks than
     rows) the smallest cp dividing dp and the sequence whose dp/cp the rows split over.
     At as many tokens per rank cp costs more than dp (every attention's keys and values
-    gathered, and held whole for the backward), so it is searched where dp runs out of rows."""
+    gathered, and held whole for the backward), so it is searched where dp runs out of rows,
+    and at every degree where one sequence's activations are large on `hw` (a microbatch of
+    one row may not fit: cp's microbatches are a share of a row)."""
     if "cp" in constraints:
         cps = [constraints["cp"]]
         if cps[0] > 1 and stats.cp_refusal:
@@ -1108,12 +1111,16 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints) -> list[int]:
             raise PlanError(f"Plan.cp_attention={constraints['cp_attention']!r}: "
                             f"{stats.cp_refusal}")
         cps = [c for c in _divisors(dp) if c > 1]
-    elif batch_rows % dp == 0:
-        cps = [1]
     elif stats.cp_refusal or not stats.seq:
-        cps = []
+        cps = [1] if batch_rows % dp == 0 else []
     else:
-        cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0][:1]
+        cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0]
+        # one sequence's saved activations over an eighth of the device: a microbatch of one
+        # row may not fit, where cp's share of a row would (DeepSeek-V3 at 32k tokens)
+        long_rows = hw is not None and sum(s.saved for s in stats.segments) / max(
+            stats.rows, 1) > hw.memory / 8
+        cps = ([1] + cps if long_rows else [1]) if batch_rows % dp == 0 else \
+            cps if long_rows else cps[:1]
     probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=constraints.get("microbatches", 1),
                  ep=constraints.get("ep", 1), ps=constraints.get("ps", 0),
                  grad_compression=constraints.get("grad_compression", "none"))

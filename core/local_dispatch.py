@@ -831,7 +831,7 @@ def _grouped_mm(node, tags) -> Local:
 # --- the sharding rule ------------------------------------------------------------------
 
 def _split(dim: int, blocks: int | None):
-    return Shard(dim) if blocks is None else _StridedShard(dim, split_factor=blocks)
+    return Shard(dim) if blocks in (None, 1) else _StridedShard(dim, split_factor=blocks)
 
 
 def _placement(t: Tag, blocks: int | None):
@@ -859,13 +859,17 @@ def row_blocks(sh, node) -> int | None:
     place) where the row inputs from outside that arrive split so (the tokens it gathers)
     agree, so that those stay where they are and its results leave in the layout they came
     in. Every other row input is then split the same way (a whole one cut, a plain one
-    moved). Under cp a dispatch runs locally only so (core/sharding: else DTensor's rules)."""
+    moved). Under cp a dispatch runs locally only so (core/sharding: else DTensor's rules);
+    with one row in the batch (`sh.one_row`: a sequence flattened is a plain shard of its
+    tokens) a plain split is one block."""
     comp = sh.local_components.get(node)
     if comp not in sh.row_blocks:
-        factors = {p.split_factor for n in comp for a, how in sh.local[n].inputs.items()
+        kind = (_StridedShard, Shard) if sh.one_row else _StridedShard
+        factors = {getattr(p, "split_factor", 1) for n in comp
+                   for a, how in sh.local[n].inputs.items()
                    if isinstance(how, int) and not isinstance(how, bool)
                    and isinstance(p := getattr(sh.specs.get(a), "placements", (None,))[0],
-                                  _StridedShard) and p.dim == how}
+                                  kind) and p.dim == how}
         # (rows in blocks of different sizes: all split plainly, as dp splits them)
         sh.row_blocks[comp] = factors.pop() if len(factors) == 1 else None
     return sh.row_blocks[comp]

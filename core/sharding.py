@@ -632,6 +632,9 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
     sh.prefer_split, sh.prefer = bool(prefer), dict(prefer or {})
     sh.split_random, sh.split_sequence, sh.regather = split_random_ops, split_sequence, regather
     sh.ring = ring
+    sh.one_row = split_sequence and all(  # (its tokens flattened: a plain shard, not strided)
+        n.meta[ir.VAL].shape[0] == 1 for n in gm.graph.nodes if n.op == "placeholder"
+        and n.meta.get(ir.ROLE) == "batch" and n.meta[ir.VAL].dim() > 1)
     if local_dispatch and len(sh.mesh_sizes) == 1:
         sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names,
                                         split_sequence)
@@ -826,6 +829,7 @@ class _Sharder:
         self.local: dict = {}      # an MoE dispatch run on local rows: see local_dispatch
         self.local_components: dict = {}  # ... node -> its dispatch, and how each
         self.row_blocks: dict = {}         # dispatch's rows are split (local_dispatch.rule)
+        self.one_row = False  # splitting a sequence, the batch has one row
         self.local_only = False    # ... and expert parallelism's ops only there
         self.replay = None         # inside remat's RNG replay wrapper: see split_random.rule
         self.rows: dict = {}       # value -> its dim another mesh axis splits (shard_graph)

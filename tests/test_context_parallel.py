@@ -340,15 +340,16 @@ def test_a_view_into_chunks_too_few_to_split_runs_on_the_whole_sequence():
 @pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_llama_cp2_trains_like_eager():
     """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss; a scan within
-    chunks of the sequence, run whole; HF Mixtral and torchtitan's Qwen3-MoE, their MoE
-    dispatch on each rank's own tokens; HF DeepSeek-V3 with ep=2 as well, each rank's
+    chunks of the sequence, run whole; HF Mixtral (also with one sequence a step) and
+    torchtitan's Qwen3-MoE, their MoE dispatch on each rank's own tokens; HF DeepSeek-V3 with ep=2 as well, each rank's
     tokens sent to their experts - V3's group-limited routing gathers its top-k ids, which
     the dispatch cuts back to the tokens' layout): losses, evaluate() and every final
     weight equal eager AdamW. (Ring attention: the op against SDPA above; trained with tp,
     cp=4 and a pipeline in the slow composition test.)"""
     _check_plans(2, [(name, "adamw", {"dp": 2, "cp": 2, "codegen": "eager", **more})
                      for name, more in (("hf_llama", {}), ("chunked_scan", {}), ("mixtral", {}),
-                                        ("titan_qwen3_moe", {}), ("deepseek_v3", {"ep": 2}))])
+                                        ("mixtral_one_row", {}), ("titan_qwen3_moe", {}),
+                                        ("deepseek_v3", {"ep": 2}))])
 
 
 @pytest.mark.slow
@@ -488,6 +489,13 @@ def test_an_moe_dispatch_runs_on_each_ranks_own_tokens():
                        and any(u.meta.get(ir.REGION) == ir.FORWARD
                                for w in n.users for u in w.users)}
     assert forward_gathers and all(m.endswith("self_attn") or m == "" for m in forward_gathers)
+    # one sequence in the batch (cp's long-context case): its tokens flattened are a plain
+    # shard, one block, and the dispatch still runs on the rank's own
+    one = {name: v[:1] for name, v in batch.items()}
+    prog = fxpar.compile(model, 2, example_batch=one, plan={"dp": 2, "cp": 2, "fuse": False})
+    assert [n.meta[ir.VAL].shape[0] for n in prog.graph.graph.nodes
+            if n.target is aten._grouped_mm.default
+            and n.meta[ir.REGION] == ir.FORWARD] == [S * k // 2] * 4
     # torchtitan's MoE counts each expert's tokens outside its dispatch (a histogram over the
     # routing): placed by cp's rules, they are the rank's own, and its grouped matmuls too
     pytest.importorskip("torchtitan")

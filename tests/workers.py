@@ -46,6 +46,10 @@ def sized_zoo():
                for name in ("mixtral", "qwen2_moe", "deepseek_v3", "jetmoe", "llama4")},
             # with the router's load-balancing loss in the loss (outside the experts)
             "mixtral_aux": (_mixtral_aux, _lm(), None),
+            # one sequence a step (context parallelism's long-context case: its tokens
+            # flattened are a plain shard of the sequence)
+            "mixtral_one_row": (lambda: _zoo_model("mixtral"),
+                                lambda s: M.hf_lm_batch(128, 1, 16, seed=s), None),
             # right-padded rows: an attention mask and ignored labels on the padding
             "hf_llama_padded": (M.hf_llama, _padded_lm, None),
             # an MoE whose dispatch reads every row (a capacity): its rows stay gathered
