@@ -7,8 +7,9 @@
 Each model trains examples/zoo_sweep.STEPS AdamW steps under each plan of PLANS (plain dp=4,
 the MoE dispatch on each rank's own rows; ep=2 on 2 ranks; ep=2 and ep=4 carved out of dp=4
 on 4 ranks; ep=2 x dp=4 with ZeRO-3, alone and inside HSDP's shard groups of 2; ep=2 x
-tp=2, tp inside each rank's experts where the tp pass splits them), one
-`fxpar.launch` per plan, and
+tp=2, tp inside each rank's experts where the tp pass splits them; ep=2 with cp=2, each
+rank's own tokens of its sequence chunks sent to their experts, on 2 ranks and inside
+dp=4), one `fxpar.launch` per plan, and
 is compared with eager as the zoo sweep compares (`zoo_sweep.compare`, a difference judged
 by the same controls: "rounding" where eager from weights one ulp apart, or with each
 batch's halves run apart, moves as far, or where its first step passes Plan.verify). A
@@ -26,7 +27,9 @@ PLANS = {"dp=4 (no ep)": (4, {"dp": 4}),
          "ep=4 (dp=4)": (4, {"dp": 4, "ep": 4}),
          "ep=2 x dp=4, ZeRO-3": (4, {"dp": 4, "ep": 2, "zero": 3}),
          "ep=2 x HSDP 2 x 2, ZeRO-3": (4, {"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2}),
-         "ep=2 x tp=2 (dp=2)": (4, {"dp": 2, "ep": 2, "tp": 2})}
+         "ep=2 x tp=2 (dp=2)": (4, {"dp": 2, "ep": 2, "tp": 2}),
+         "cp=2 ep=2 (dp=2)": (2, {"dp": 2, "cp": 2, "ep": 2}),
+         "cp=2 ep=2 x dp=4": (4, {"dp": 4, "cp": 2, "ep": 2})}
 MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
           "granitemoe", "phimoe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax", "llama4",
           "jetmoe", "dbrx",
