@@ -1115,12 +1115,14 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
         cps = [1] if batch_rows % dp == 0 else []
     else:
         cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0]
-        # one sequence's saved activations over an eighth of the device: a microbatch of one
-        # row may not fit, where cp's share of a row would (DeepSeek-V3 at 32k tokens)
+        # a rank's share of one sequence's saved activations (its stage's, its tp slice) over
+        # an eighth of the device: a microbatch of one row may not fit where cp's share of a
+        # row would (DeepSeek-V3 at 32k tokens); the three smallest degrees (the search's
+        # time grows with each)
         long_rows = hw is not None and sum(s.saved for s in stats.segments) / max(
-            stats.rows, 1) > hw.memory / 8
-        cps = ([1] + cps if long_rows else [1]) if batch_rows % dp == 0 else \
-            cps if long_rows else cps[:1]
+            stats.rows, 1) / (pp * tp) > hw.memory / 8
+        cps = ([1] + cps[:3] if long_rows else [1]) if batch_rows % dp == 0 else \
+            cps[:3] if long_rows else cps[:1]
     probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=constraints.get("microbatches", 1),
                  ep=constraints.get("ep", 1), ps=constraints.get("ps", 0),
                  grad_compression=constraints.get("grad_compression", "none"))
@@ -2072,7 +2074,13 @@ def experts_under_cp(stats: GraphStats, gm, sig) -> None:
            if n.meta.get(ir.REGION) == ir.FORWARD and (
                n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2
                or n.name in lists and n.target in (aten.mm.default, aten.addmm.default))}
-    split = _on_copy(context_parallel, base, sig, {"dp": 2, "cp": 2}, 2) if fwd else None
+    quiet = logging.getLogger(context_parallel.__name__)  # (the job's own pass warns, not
+    level = quiet.level                                    # this probe)
+    quiet.setLevel(logging.ERROR)
+    try:
+        split = _on_copy(context_parallel, base, sig, {"dp": 2, "cp": 2}, 2) if fwd else None
+    finally:
+        quiet.setLevel(level)
     stats.moe_cp_whole = bool(fwd) and (split is None or any(
         n.meta[ir.VAL].shape[0] >= fwd[n.name] for n in split.graph.nodes if n.name in fwd))
 

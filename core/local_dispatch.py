@@ -852,6 +852,22 @@ def components(local: dict) -> dict:
     return {n: c for c in map(frozenset, networkx.connected_components(g)) for n in c}
 
 
+def defer_tokenless_nodes(graph: torch.fx.Graph, local: dict) -> None:
+    """Move each dispatch node that reads nothing made from the batch (an arange's positions,
+    a routing's column keys, their views and stacks) to just before its first user, so that
+    a dispatch's first node placed reads its tokens and `row_blocks` decides on them (litgpt's
+    Mixtral's second layer stacked its positions before its tokens arrived, and kept
+    DTensor's rules)."""
+    tokens: set = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.meta.get(ir.ROLE) == "batch" or \
+                any(a in tokens for a in n.all_input_nodes):
+            tokens.add(n)
+    for n in reversed(list(graph.nodes)):
+        if n in local and n not in tokens and n.users:
+            min(n.users, key=lambda u: u._sort_key).prepend(n)
+
+
 def row_blocks(sh, node) -> int | None:
     """How the dispatch's rows are split, one way for all of its nodes (fixed at its first):
     plainly (None), or in blocks (context parallelism: the sequence split flattened behind

@@ -372,6 +372,7 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.where.ScalarSelf, aten.where.ScalarOther, aten.eq.Tensor,
                      aten.ge.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.lt.Scalar,
                      aten.zeros_like.default, aten.unsqueeze.default, aten.select.int,
+                     aten.unbind.int,
                      aten.ne.Scalar, aten.eq.Scalar, aten.gather.default,
                      aten.scatter.value,
                      # an MoE router's, token by token over the experts
@@ -485,22 +486,26 @@ def _sequence_rule(sh, node):
 
 
 def _strided_dim_moved(sh, node):
-    """unsqueeze, or select along another dim, of a strided shard (a cp rank's tokens
-    flattened behind the batch): the same split on the dim it moves to (DTensor's rules
-    would gather it); a select along the split dim gets it whole."""
-    x, d = node.args[0], node.args[1]
+    """unsqueeze, or select / unbind along another dim, of a strided shard (a cp rank's
+    tokens flattened behind the batch): the same split on the dim it moves to (DTensor's
+    rules would gather it); a select or unbind along the split dim gets it whole."""
+    x = node.args[0]
+    d = node.args[1] if len(node.args) > 1 else 0  # (unbind's default dim)
     pl = _placements(sh.specs.get(x))
     if len(pl) != 1 or not _strided(pl[0]):
         return None
-    nd = x.meta[ir.VAL].dim() + (node.target is aten.unsqueeze.default)
+    grows = node.target is aten.unsqueeze.default
+    nd = x.meta[ir.VAL].dim() + grows
     d = d + nd if d < 0 else d
-    if node.target is aten.select.int and d == pl[0].dim:
+    if not grows and d == pl[0].dim:
         sh.place(node, {x: sh.replicate})
         return None
-    dim = pl[0].dim + (d <= pl[0].dim if node.target is aten.unsqueeze.default
-                       else -(d < pl[0].dim))
-    return _out_spec(sh.mesh, (_StridedShard(dim, split_factor=pl[0].split_factor),),
-                     node.meta.get(ir.VAL))
+    dim = pl[0].dim + (d <= pl[0].dim if grows else -(d < pl[0].dim))
+    moved = (_StridedShard(dim, split_factor=pl[0].split_factor),)
+    val = node.meta.get(ir.VAL)
+    if node.target is aten.unbind.int:
+        return tuple(_out_spec(sh.mesh, moved, v) for v in val)
+    return _out_spec(sh.mesh, moved, val)
 
 
 def _strided_rows(sh, node):
@@ -639,6 +644,8 @@ def shard_graph(gm: torch.fx.GraphModule, mesh, placeholder_placements: dict[str
         sh.local = local_dispatch_nodes(gm, mesh, placeholder_placements, group_names,
                                         split_sequence)
         sh.local_components = _local_dispatch.components(sh.local)
+        if split_sequence:
+            _local_dispatch.defer_tokenless_nodes(gm.graph, sh.local)
         sh.local_only = True
     for node in list(gm.graph.nodes):
         if node._erased:  # (split_random's rule drops the getitems of a replay wrapper)
@@ -996,8 +1003,8 @@ class _Sharder:
         spec = vocab_parallel.rule(self, node)
         if spec is None and op in _VIEW_OPS:
             spec = self.strided_view(node)
-        if spec is None and op in (aten.unsqueeze.default, aten.select.int) and \
-                self.split_sequence:
+        if spec is None and op in (aten.unsqueeze.default, aten.select.int,
+                                   aten.unbind.int) and self.split_sequence:
             spec = _strided_dim_moved(self, node)
         if spec is None and self.split_random:
             spec = split_random.rule(self, node)
