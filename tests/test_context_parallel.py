@@ -573,6 +573,7 @@ def test_planner_searches_ring_attention():
                        constraints={"cp": 2, "tp": 1, "pp": 1, "cp_attention": "ring"})
 
 
+@pytest.mark.slow  # (three models' planner statistics: make test's 6 minutes)
 def test_planner_prices_experts_cp_runs_whole(monkeypatch):
     """The planner runs the cp pass on a copy to see where the experts run: Mixtral's and
     listed experts' (where_moe, grouped first as the job groups them) on each rank's
