@@ -38,7 +38,7 @@ from torch.fx.operator_schemas import normalize_function
 from fxpar.compiler import codegen
 from fxpar.core import cost, ir
 from fxpar.core import quantized_comm as qcomm
-from fxpar.core.sharding import batch_local_dispatch
+from fxpar.core.sharding import batch_local_dispatch, quiet as quiet_probe
 from fxpar.core.errors import PlanError
 from fxpar.core.graphs import fake_propagate, param_grads, summed_buffer_updates
 from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
@@ -1106,6 +1106,16 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
         cps = [constraints["cp"]]
         if cps[0] > 1 and stats.cp_refusal:
             raise PlanError(f"Plan.cp={cps[0]}: {stats.cp_refusal}")
+        ep = constraints.get("ep", 1)
+        if cps[0] > 1 and isinstance(ep, int) and ep > 1:  # (both fixed: say why not here)
+            if max(cps[0], ep) % min(cps[0], ep):
+                raise PlanError(cp_misfit(Plan(dp=cps[0] * ep, cp=cps[0], ep=ep)))
+            if stats.moe_cp_whole:
+                raise PlanError(
+                    f"Plan.cp={cps[0]} with ep={ep}: this MoE's dispatch runs on the cp "
+                    "group's whole tokens under cp (its tokens do not arrive as each rank's "
+                    "sequence chunks: planner.experts_under_cp), so ep cannot send each "
+                    "rank's own tokens to their experts. Use ep or cp alone for this model.")
     elif constraints.get("cp_attention", "auto") != "auto":  # (it asks for cp: every degree)
         if stats.cp_refusal:
             raise PlanError(f"Plan.cp_attention={constraints['cp_attention']!r}: "
@@ -1121,6 +1131,7 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
         # time grows with each)
         long_rows = hw is not None and sum(s.saved for s in stats.segments) / max(
             stats.rows, 1) / (pp * tp) > hw.memory / 8
+        cps = [c for c in cps if stats.seq % (2 * c) == 0]  # (2 chunks a rank)
         cps = ([1] + cps[:3] if long_rows else [1]) if batch_rows % dp == 0 else \
             cps[:3] if long_rows else cps[:1]
     probe = Plan(dp=dp, tp=tp, pp=pp, microbatches=constraints.get("microbatches", 1),
@@ -2074,13 +2085,8 @@ def experts_under_cp(stats: GraphStats, gm, sig) -> None:
            if n.meta.get(ir.REGION) == ir.FORWARD and (
                n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2
                or n.name in lists and n.target in (aten.mm.default, aten.addmm.default))}
-    quiet = logging.getLogger(context_parallel.__name__)  # (the job's own pass warns, not
-    level = quiet.level                                    # this probe)
-    quiet.setLevel(logging.ERROR)
-    try:
+    with quiet_probe(context_parallel.__name__):  # (the job's own pass warns, not a probe)
         split = _on_copy(context_parallel, base, sig, {"dp": 2, "cp": 2}, 2) if fwd else None
-    finally:
-        quiet.setLevel(level)
     stats.moe_cp_whole = bool(fwd) and (split is None or any(
         n.meta[ir.VAL].shape[0] >= fwd[n.name] for n in split.graph.nodes if n.name in fwd))
 

@@ -864,7 +864,9 @@ def defer_tokenless_nodes(graph: torch.fx.Graph, local: dict) -> None:
                 any(a in tokens for a in n.all_input_nodes):
             tokens.add(n)
     for n in reversed(list(graph.nodes)):
-        if n in local and n not in tokens and n.users:
+        if n in local and n not in tokens and n.users and not n.is_impure() and not (
+                isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
+            # (fx keeps each node's _sort_key in graph order as nodes move)
             min(n.users, key=lambda u: u._sort_key).prepend(n)
 
 

@@ -397,12 +397,10 @@ def hpz_misfit(hpz, dp: int, zero: int, pp: int, microbatches: int,
     return None
 
 
-def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple
-                   ) -> tuple[int, str | None]:
+def _carved_misfit(plan: "Plan", axis: str, what: str) -> tuple[int, str | None]:
     """(degree, why not or None) of an axis carved out of dp (Plan.ep, Plan.cp): a positive
-    integer dividing dp and, with HSDP, its shard groups; `refused` = (field, value, off) it
-    does not run with, and ps, hpZ and gradient compression never. The why is then `...
-    this plan also has <fields>`."""
+    integer dividing dp and, with HSDP, its shard groups; never with ps, hpZ or gradient
+    compression. The why is then `... this plan also has <fields>`."""
     n = getattr(plan, axis)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return 1, f"Plan.{axis} must be a positive integer (1: off), got {n!r}."
@@ -415,7 +413,7 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple
         return n, (f"Plan.{axis}={n} with HSDP (dp_shard={plan.dp_shard}): each group of {axis} "
                    f"ranks lies inside a shard group, so {axis} must divide dp_shard. Use an "
                    f"{axis} that divides {plan.dp_shard}, or a larger dp_shard.")
-    others = [f"{k}={v}" for k, v, off in (*refused, ("ps", plan.ps, 0)) if v != off]
+    others = [f"ps={plan.ps}"] if plan.ps else []
     if plan.hpz:
         others.append(f"hpz={plan.hpz}")
     if plan.grad_compression != "none":
@@ -426,7 +424,7 @@ def _carved_misfit(plan: "Plan", axis: str, what: str, refused: tuple
 def ep_misfit(plan: "Plan") -> str | None:
     """Why Plan.ep cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    ep, why = _carved_misfit(plan, "ep", "the experts", ())
+    ep, why = _carved_misfit(plan, "ep", "the experts")
     if why is None or why.startswith("Plan."):
         return why
     return (f"Plan.ep={ep} runs with dp, tp, pp, ZeRO, HSDP and cp, but not yet with ps, hpZ or "
@@ -437,7 +435,7 @@ def ep_misfit(plan: "Plan") -> str | None:
 def cp_misfit(plan: "Plan") -> str | None:
     """Why Plan.cp cannot run with the plan's other fields, or None: the one rule Plan.validate
     and the planner's candidates share."""
-    cp, why = _carved_misfit(plan, "cp", "the sequence", ())
+    cp, why = _carved_misfit(plan, "cp", "the sequence")
     if why is None and cp > 1 and isinstance(plan.ep, int) and plan.ep > 1:
         if max(cp, plan.ep) % min(cp, plan.ep):
             return (f"Plan.cp={cp} with ep={plan.ep}: the smaller of the sequence's and the "
@@ -447,8 +445,8 @@ def cp_misfit(plan: "Plan") -> str | None:
             why = f"this plan also has ep={plan.ep} and dp_shard={plan.dp_shard}"
     if why is None or why.startswith("Plan."):
         return why
-    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches, ZeRO, HSDP and ep (HSDP and "
-            f"ep not all three), but not yet with ps, hpZ or gradient compression; {why}. "
+    return (f"Plan.cp={cp} runs with dp, tp, pp, microbatches, ZeRO, HSDP and ep (not HSDP "
+            f"and ep both at once), but not yet with ps, hpZ or gradient compression; {why}. "
             "Drop those fields, or use cp=1.")
 
 

@@ -14,6 +14,7 @@ without a process group (`_init_backend=False`): placement decisions need no com
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -491,7 +492,7 @@ def _strided_dim_moved(sh, node):
     rules would gather it); a select or unbind along the split dim gets it whole."""
     x = node.args[0]
     d = node.args[1] if len(node.args) > 1 else 0  # (unbind's default dim)
-    pl = _placements(sh.specs.get(x))
+    pl = _placements(sh.specs.get(x)) or ()
     if len(pl) != 1 or not _strided(pl[0]):
         return None
     grows = node.target is aten.unsqueeze.default
@@ -573,7 +574,24 @@ def has_sharding_rule(op) -> bool:
 
 _RUNTIME_CHECKS = {aten._assert_async.msg, aten._assert_async.default,
                    torch.ops.fxpar.check_unrouted.default}
+_REORDERS = {torch.ops.fxpar.zigzag_chunk.default, torch.ops.fxpar.zigzag_order.default}
 _WARNED_NO_RULE: set = set()  # ops without a DTensor rule, warned about once per process
+
+
+@contextlib.contextmanager
+def quiet(*loggers: str):
+    """A probe's run of the engine (a dry run, a pass on a copy): its warnings, and the ops it
+    found without a DTensor rule, are left to the job's own run to give."""
+    logs = [logging.getLogger(n) for n in (__name__, *loggers)]
+    levels, warned = [q.level for q in logs], set(_WARNED_NO_RULE)
+    for q in logs:
+        q.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for q, level in zip(logs, levels):
+            q.setLevel(level)
+        _WARNED_NO_RULE.intersection_update(warned)
 
 
 def _registered(prop, op) -> bool:
@@ -684,14 +702,9 @@ def local_dispatch_nodes(gm, mesh, placeholder_placements, group_names,
     run of DTensor's rules (and, splitting a sequence, context parallelism's: the tokens
     flattened behind the batch stay split, so each rank's counts are its own)."""
     def placed(nodes):
-        warned, level = set(_WARNED_NO_RULE), log.level
-        log.setLevel(logging.ERROR)  # (the real run says what runs on whole inputs)
-        try:
+        with quiet():  # (the real run says what runs on whole inputs)
             specs, _ = dry_run(gm, mesh, placeholder_placements, group_names, region=None,
                                only=ancestors(nodes), split_sequence=split_sequence)
-        finally:
-            log.setLevel(level)
-            _WARNED_NO_RULE.intersection_update(warned)
         return {a: _placements(specs[a]) for a in nodes if a in specs}
     return _local_dispatch.analyze(gm, mesh.mesh.shape[0], placed)
 
@@ -941,21 +954,18 @@ class _Sharder:
             return _local_dispatch.rule(self, node, self.local[node])
         if ir.EP_TOKENS in node.meta:
             return self.propagate_expert_tokens(node, *node.meta[ir.EP_TOKENS])
-        if node.target in _local_dispatch.RANK_ROWS_OPS and self.local_only and \
-                self.split_sequence:
-            raise ShardingError(
-                f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
-                "expert parallelism with context parallelism sends each rank's own tokens to "
-                "their experts, but this MoE's dispatch does not run on a cp rank's tokens "
-                "(its tokens do not arrive as the rank's sequence chunks: core/local_dispatch"
-                ".row_blocks); cp runs it on the cp group's whole tokens. Use ep or cp alone "
-                "for this model (ep with dp, or cp with dp).")
         if node.target in _local_dispatch.RANK_ROWS_OPS and self.local_only:
             raise ShardingError(
-                f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): "
-                "expert parallelism's all-to-all dispatch reads each dp rank's own rows, but "
-                "the MoE dispatch around it could not run on them (core/local_dispatch); "
-                "report the model to fxpar.")
+                f"{node.target} (node {node.name}, module '{node.meta.get(ir.MODULE, '')}'): " + (
+                    "expert parallelism with context parallelism sends each rank's own tokens "
+                    "to their experts, but this MoE's dispatch does not run on a cp rank's "
+                    "tokens (they do not arrive as the rank's sequence chunks: core/"
+                    "local_dispatch.row_blocks); cp runs it on the cp group's whole tokens. "
+                    "Use ep or cp alone for this model (ep with dp, or cp with dp)."
+                    if self.split_sequence else
+                    "expert parallelism's all-to-all dispatch reads each dp rank's own rows, "
+                    "but the MoE dispatch around it could not run on them (core/local_dispatch"
+                    "); report the model to fxpar."))
         op, val = node.target, node.meta.get(ir.VAL)
         if not isinstance(op, torch._ops.OpOverload):
             raise ShardingError(f"node {node.name} calls {op}, which is not an ATen op; fxpar "
@@ -1225,26 +1235,22 @@ class _Sharder:
         dim = _AXIS_DIM.get(node.target)
         if dim is not None:
             d = node.args[dim] if isinstance(dim, int) and dim > 0 else 0
-            if any(isinstance(p, Shard) and p.dim == d for p in pl) and \
-                    node.target in (torch.ops.fxpar.zigzag_chunk.default,
-                                    torch.ops.fxpar.zigzag_order.default):
-                raise ShardingError(
-                    f"{node.target} (node {node.name}, module "
-                    f"'{node.meta.get(ir.MODULE, '')}') cuts dim {d} into context "
-                    f"parallelism's chunks, a dim data parallelism splits too ({pl}): "
-                    "fxpar cannot compose these two splits of one dimension (expert "
-                    "parallelism's all-to-all of experts that run every token, Llama 4's, "
-                    "sends a cp rank's tokens in one dim with the rows). Use ep or cp alone "
-                    "for this model, or cp with dp = cp.")
             if any(isinstance(p, Shard) and p.dim == d for p in pl):
                 raise ShardingError(
                     f"{node.target} (node {node.name}, module "
-                    f"'{node.meta.get(ir.MODULE, '')}') gathers/splits dim {d} over another "
-                    f"mesh dimension, which this mesh also shards ({pl}); fxpar cannot "
-                    "compose these two shardings of one dimension (tensor parallelism "
-                    "splitting rows that data parallelism splits too). Use one of the two "
-                    "axes for this model (tp alone, or dp / ep without tp), and report the "
-                    "model to fxpar.")
+                    f"'{node.meta.get(ir.MODULE, '')}') " + (
+                        f"cuts dim {d} into context parallelism's chunks, a dim data "
+                        f"parallelism splits too ({pl}): fxpar cannot compose these two "
+                        "splits of one dimension (expert parallelism's all-to-all of experts "
+                        "that run every token, Llama 4's, sends a cp rank's tokens in one dim "
+                        "with the rows). Use ep or cp alone for this model, or ep with cp = dp "
+                        "(no rows split beside the sequence)."
+                        if node.target in _REORDERS else
+                        f"gathers/splits dim {d} over another mesh dimension, which this mesh "
+                        f"also shards ({pl}); fxpar cannot compose these two shardings of one "
+                        "dimension (tensor parallelism splitting rows that data parallelism "
+                        "splits too). Use one of the two axes for this model (tp alone, or "
+                        "dp / ep without tp), and report the model to fxpar."))
         return _out_spec(self.mesh, pl, node.meta.get(ir.VAL))
 
     def _zigzag_misfits(self, node, out) -> bool:

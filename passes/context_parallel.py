@@ -106,7 +106,7 @@ def run(gm: torch.fx.GraphModule, options: Options, ctx) -> torch.fx.GraphModule
     exact_mean_loss(gm.graph, group, cp)
     _chunk_leaves(gm.graph, leaves, dims, cp, group)
     gm.meta[ir.SEQUENCE_SPLIT] = dims
-    gm.meta[ir.CP_REPORT] = report(gm, leaves, dims, cp)
+    gm.meta[ir.CP_REPORT] = report(gm, leaves, dims, cp, group)
     gm.graph.lint()
     if ctx.fresh_values:
         fake_propagate(gm, check=False)
@@ -328,23 +328,23 @@ def _flash_without_dropout(node) -> dict | None:
 
 
 _REORDERS = {fxpar_ops.zigzag_order.default, fxpar_ops.zigzag_chunk.default}
+_COLLECTIVES = {c10d.all_gather_into_tensor.default: 2, c10d.reduce_scatter_tensor.default: 3,
+                c10d.all_reduce.default: 2}  # (-> the group's argument)
 
 
 def _reaches_attention(gathered, hops: int = 6) -> bool:
     """Whether a gathered value feeds an attention within a few ops (views, a GQA repeat):
     its keys or values."""
-    todo, seen = [(gathered, 0)], set()
-    while todo:
-        n, d = todo.pop()
-        if n.target in ATTENTION or n.target in ATTENTION_BACKWARD:
+    front, seen = {gathered}, {gathered}
+    for _ in range(hops + 1):
+        if any(n.target in ATTENTION or n.target in ATTENTION_BACKWARD for n in front):
             return True
-        if d < hops and n not in seen:
-            seen.add(n)
-            todo += [(u, d + 1) for u in n.users]
+        front = {u for n in front for u in n.users} - seen
+        seen |= front
     return False
 
 
-def report(gm, leaves, dims, cp) -> dict:
+def report(gm, leaves, dims, cp, group: str) -> dict:
     """What the pass did: the split leaves, each attention (split, or left whole: its
     sequence gathered), the other forward ops that read a value gathered over the group
     (`gathered`: by module, or op where the module has no name: what runs on whole
@@ -354,10 +354,9 @@ def report(gm, leaves, dims, cp) -> dict:
     comms: dict[str, int] = {}
     gathered: dict[str, int] = {}
     for n in nodes:
-        if n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-                        c10d.all_reduce.default):
-            name = n.target._opname
-            comms[name] = comms.get(name, 0) + 1
+        if n.target not in _COLLECTIVES or n.args[_COLLECTIVES[n.target]] != group:
+            continue  # (tp's and ep's collectives are their passes')
+        comms[n.target._opname] = comms.get(n.target._opname, 0) + 1
         if n.target is c10d.all_gather_into_tensor.default and \
                 not _reaches_attention(n):  # (attention's keys and values: counted apart)
             readers, todo = set(), list(n.users)

@@ -146,11 +146,12 @@ def _decision_line(name: str, gm) -> str:
         if d.get("gathered"):
             line += ("; the sequence gathered for " + ", ".join(
                 f"{k} ({v})" for k, v in d["gathered"].items()))
-        return line + "; " + ", ".join(f"{v} {k}" for k, v in d["collectives"].items())
+        comms = ", ".join(f"{v} {k}" for k, v in d["collectives"].items())
+        return line + (f"; over the cp group: {comms}" if comms else "")
     if name == "expert_parallel" and "expert_parallel" in m:
         layers = m["expert_parallel"]
         held = sorted({f"{r['per_rank']} of {r['experts']}" for r in layers})
-        ways = collections.Counter(r.get("dispatch", "in slots") for r in layers)
+        ways = collections.Counter(r["dispatch"] for r in layers)
         return (f"{len(layers)} MoE layer(s) split, {', '.join(held)} experts on each rank; "
                 "rows moved by " + ", ".join(f"{k} ({v})" for k, v in sorted(ways.items())))
     if name == "overlap" and "overlap" in m:
