@@ -806,11 +806,11 @@ def search(stats: GraphStats, world: int, hw: cost.Hardware, *, batch_rows: int,
                         aggs = _rank_aggregates(
                             stages_of(st, pp, v, "cpu" if hw.name == "cpu" else "cuda"), pp, v)
                         stage_cache[key] = (aggs, _twins(aggs))
-                    n_legal += 1
-                    ticker.tick("planner search: %d plans priced", n_legal)
                     for offload in offloads:  # (with the state on the host where it does
                         # not fit on the device, or fits only by recomputing: offloading
                         # may cost less than the recompute)
+                        n_legal += 1  # (each variant priced: the count of fits never passes it)
+                        ticker.tick("planner search: %d plans priced", n_legal)
                         c = _price(st, hw, *stage_cache[key], dp, tp, pp, v, m, mbs, sched,
                                    zero, precision, optimizer, constraints, budget, offload,
                                    shard, hpz, ep, cp, cpa, outer)
@@ -1125,12 +1125,12 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
         cps = [1] if batch_rows % dp == 0 else []
     else:
         cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0]
-        # a rank's share of one sequence's saved activations (its stage's, its tp slice) over
+        # what a stage keeps of one sequence under full recompute (each layer's input) over
         # an eighth of the device: a microbatch of one row may not fit where cp's share of a
-        # row would (DeepSeek-V3 at 32k tokens); the three smallest degrees (the search's
-        # time grows with each)
-        long_rows = hw is not None and sum(s.saved for s in stats.segments) / max(
-            stats.rows, 1) / (pp * tp) > hw.memory / 8
+        # row would (DeepSeek-V3 at 32k tokens: 28 GB); the three smallest degrees (the
+        # search's time grows with each)
+        long_rows = hw is not None and sum(s.boundary for s in stats.layers) / max(
+            stats.rows, 1) / pp > hw.memory / 8
         cps = [c for c in cps if stats.seq % (2 * c) == 0]  # (2 chunks a rank)
         cps = ([1] + cps[:3] if long_rows else [1]) if batch_rows % dp == 0 else \
             cps[:3] if long_rows else cps[:1]
