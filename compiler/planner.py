@@ -1125,12 +1125,13 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
         cps = [1] if batch_rows % dp == 0 else []
     else:
         cps = [c for c in _divisors(dp) if c > 1 and batch_rows % (dp // c) == 0]
-        # what a stage keeps of one sequence under full recompute (each layer's input) over
-        # an eighth of the device: a microbatch of one row may not fit where cp's share of a
-        # row would (DeepSeek-V3 at 32k tokens: 28 GB); the three smallest degrees (the
+        # what full recompute keeps of one sequence (each layer's input; a pipeline's first
+        # stage holds about as much, its share for each microbatch in flight) over a quarter
+        # of the device: a microbatch of one row may not fit where cp's share of a row would
+        # (DeepSeek-V3 at 32k tokens: 28 GB on 80); the three smallest degrees (the
         # search's time grows with each)
         long_rows = hw is not None and sum(s.boundary for s in stats.layers) / max(
-            stats.rows, 1) / pp > hw.memory / 8
+            stats.rows, 1) > hw.memory / 4
         cps = [c for c in cps if stats.seq % (2 * c) == 0]  # (2 chunks a rank)
         cps = ([1] + cps[:3] if long_rows else [1]) if batch_rows % dp == 0 else \
             cps[:3] if long_rows else cps[:1]
