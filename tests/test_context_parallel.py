@@ -479,8 +479,8 @@ def test_an_moe_dispatch_runs_on_each_ranks_own_tokens():
     cp runs on the rank's own tokens, as under dp on its own rows: Mixtral's router scores,
     their top-k and the token gathers keep the sequence split flattened behind the batch (a
     strided shard), so the grouped matmuls take half of the pairs at cp=2, and no token is
-    gathered over the cp group forward (only attention's keys and values are); torchtitan's
-    and listed experts' likewise."""
+    gathered over the cp group forward (only attention's keys and values are); with one
+    sequence in the batch too."""
     model, spec = zoo.build("mixtral")
     batch = spec.batch(0)
     B, S = batch["input_ids"].shape
@@ -503,6 +503,12 @@ def test_an_moe_dispatch_runs_on_each_ranks_own_tokens():
     assert [n.meta[ir.VAL].shape[0] for n in prog.graph.graph.nodes
             if n.target is aten._grouped_mm.default
             and n.meta[ir.REGION] == ir.FORWARD] == [S * k // 2] * 4
+
+
+@pytest.mark.slow  # (two more models compiled: make test's 6 minutes)
+def test_torchtitans_and_listed_experts_run_on_each_ranks_own_tokens():
+    """As Mixtral's (above): torchtitan's MoE, whose counts are made outside its dispatch,
+    and experts listed in an nn.ModuleList, routed by torch.where and grouped."""
     # torchtitan's MoE counts each expert's tokens outside its dispatch (a histogram over the
     # routing): placed by cp's rules, they are the rank's own, and its grouped matmuls too
     pytest.importorskip("torchtitan")
