@@ -1100,8 +1100,8 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
     rows) the smallest cp dividing dp and the sequence whose dp/cp the rows split over.
     At as many tokens per rank cp costs more than dp (every attention's keys and values
     gathered, and held whole for the backward), so it is searched where dp runs out of rows,
-    and at every degree where one sequence's activations are large on `hw` (a microbatch of
-    one row may not fit: cp's microbatches are a share of a row)."""
+    and at its three smallest degrees where one sequence's layer inputs are large on `hw` (a
+    microbatch of one row may not fit: cp's microbatches are a share of a row)."""
     if "cp" in constraints:
         cps = [constraints["cp"]]
         if cps[0] > 1 and stats.cp_refusal:
@@ -2078,10 +2078,10 @@ def experts_under_cp(stats: GraphStats, gm, sig) -> None:
     (GraphStats.moe_cp_whole)."""
     if not stats.expert_counts or stats.cp_refusal or not stats.seq or stats.seq % 4:
         return
-    base = gm
-    if find_expert_lists(gm):
-        base = _on_copy(grouped_experts, gm, sig, {}, 1) or gm
-    lists = {n.name for lst in find_expert_lists(base) for x in lst.experts for n in x.region}
+    lists = find_expert_lists(gm)
+    base = (_on_copy(grouped_experts, gm, sig, {}, 1) or gm) if lists else gm
+    lists = {n.name for lst in (find_expert_lists(base) if base is not gm else lists)
+             for x in lst.experts for n in x.region}
     fwd = {n.name: n.meta[ir.VAL].shape[0] for n in base.graph.nodes
            if n.meta.get(ir.REGION) == ir.FORWARD and (
                n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2

@@ -66,6 +66,11 @@ def _(x, dim, group_size, group_name, to_ranks):
     return x.new_empty(x.shape)
 
 
+# the ops that cut a whole value into a rank's chunks or reorder a gathered one
+REORDERS = frozenset({torch.ops.fxpar.zigzag_chunk.default,
+                      torch.ops.fxpar.zigzag_order.default})
+
+
 def _chunks(q, k, group_name):
     """[(query slice, first position)] of this rank's two chunks (q holds chunks r and
     2n-1-r of the 2n of k's length)."""

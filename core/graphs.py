@@ -6,7 +6,6 @@ imports every pass: that way no import cycle needs hiding inside a function.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -286,18 +285,12 @@ def _row_sums(gm: torch.fx.GraphModule, values: list[torch.fx.Node],
     g.output(tuple(env[v] for v in values))
     sub = torch.fx.GraphModule(gm, g)
     placements = {n.name: (Shard(0),) for n in rows if n in keep}
-    quiet = logging.getLogger(sharding.__name__)
-    level, warned = quiet.level, set(sharding._WARNED_NO_RULE)
-    quiet.setLevel(logging.ERROR)
     try:
-        specs, _ = sharding.dry_run(sub, sharding.make_mesh(2), placements, ["rows"],
-                                    region=None)
+        with sharding.quiet():
+            specs, _ = sharding.dry_run(sub, sharding.make_mesh(2), placements, ["rows"],
+                                        region=None)
     except ShardingError:  # (an op DTensor cannot place: not known to be a sum)
         return set()
-    finally:
-        quiet.setLevel(level)
-        sharding._WARNED_NO_RULE.clear()
-        sharding._WARNED_NO_RULE.update(warned)
     back = {env[v]: v for v in values}
     out = set()
     for n, spec in specs.items():

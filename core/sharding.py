@@ -304,7 +304,7 @@ def _reduce_scatter(emit, x, dim, n, group, meta):
 from fxpar.core import split_random  # noqa: E402  (registers fxpar::dropout_with_mask)
 from fxpar.core import vocab_parallel  # noqa: E402  (registers fxpar::localize)
 from fxpar.core import experts  # noqa: E402,F401  (registers fxpar::expert_window)
-from fxpar.core import context_attention  # noqa: E402,F401  (fxpar::causal_chunk_attention)
+from fxpar.core import context_attention  # noqa: E402  (fxpar::causal_chunk_attention)
 
 _POINTWISE_BINARY = {aten.add.Tensor, aten.sub.Tensor}
 
@@ -574,7 +574,6 @@ def has_sharding_rule(op) -> bool:
 
 _RUNTIME_CHECKS = {aten._assert_async.msg, aten._assert_async.default,
                    torch.ops.fxpar.check_unrouted.default}
-_REORDERS = {torch.ops.fxpar.zigzag_chunk.default, torch.ops.fxpar.zigzag_order.default}
 _WARNED_NO_RULE: set = set()  # ops without a DTensor rule, warned about once per process
 
 
@@ -1245,7 +1244,7 @@ class _Sharder:
                         "that run every token, Llama 4's, sends a cp rank's tokens in one dim "
                         "with the rows). Use ep or cp alone for this model, or ep with cp = dp "
                         "(no rows split beside the sequence)."
-                        if node.target in _REORDERS else
+                        if node.target in context_attention.REORDERS else
                         f"gathers/splits dim {d} over another mesh dimension, which this mesh "
                         f"also shards ({pl}); fxpar cannot compose these two shardings of one "
                         "dimension (tensor parallelism splitting rows that data parallelism "

@@ -327,7 +327,6 @@ def _flash_without_dropout(node) -> dict | None:
         else None
 
 
-_REORDERS = {fxpar_ops.zigzag_order.default, fxpar_ops.zigzag_chunk.default}
 _COLLECTIVES = {c10d.all_gather_into_tensor.default: 2, c10d.reduce_scatter_tensor.default: 3,
                 c10d.all_reduce.default: 2}  # (-> the group's argument)
 
@@ -362,7 +361,7 @@ def report(gm, leaves, dims, cp, group: str) -> dict:
             readers, todo = set(), list(n.users)
             while todo:  # (through the wait, the chunks' reorder and the views it adds)
                 u = todo.pop()
-                if u.meta.get(ir.REGION) == ir.COMM or u.target in _REORDERS:
+                if u.meta.get(ir.REGION) == ir.COMM or u.target in context_attention.REORDERS:
                     todo += list(u.users)
                 elif u.meta.get(ir.REGION) == ir.FORWARD:
                     readers.add(u.meta.get(ir.MODULE) or "(outside the model's modules)")
