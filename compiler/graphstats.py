@@ -25,7 +25,9 @@ value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -219,9 +221,12 @@ class GraphStats:
     # some experts kept as an nn.ModuleList run under Plan.ep in slots as traced (each rank's
     # experts over every row picked for them, results all-gathered), not by all-to-all
     ep_slots: bool = False
-    # cp runs the experts on the cp group's whole tokens, not each rank's own
-    # (planner.experts_under_cp): cp splits none of their work, and ep with cp is refused
-    moe_cp_whole: bool = False
+    # whether cp runs the experts on the cp group's whole tokens, not each rank's own
+    # (planner.experts_under_cp): cp splits none of their work, and ep with cp is refused.
+    # A probe run where the search first prices cp (it costs a cp pass on a copy of the
+    # graph), remembering its answer: read it as `moe_cp_whole`
+    experts_whole_under_cp: Callable[[], bool] = dataclasses.field(
+        default=lambda: False, repr=False, compare=False)
     # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
     # it can)
     seq: int | None = None
@@ -231,6 +236,10 @@ class GraphStats:
     # the gradient the backward makes last (elements) and how many parts are summed into it
     # (2 for an embedding tied to the LM head: the head's part waits for the embedding's)
     last_grad: tuple = (0, 1)
+
+    @property
+    def moe_cp_whole(self) -> bool:
+        return self.experts_whole_under_cp()
 
     @property
     def layers(self) -> list[Segment]:
@@ -283,6 +292,7 @@ class GraphStats:
             for i in range(n_layers - keep_first)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
+            experts_whole_under_cp=functools.partial(bool, self.moe_cp_whole),
             shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers - keep_first}"

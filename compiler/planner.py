@@ -1429,7 +1429,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # (passes/grouped_experts; on CUDA in bf16 only): over every dp rank's rows (the
             # rank's own where the routing runs on them; under cp the cp group's where it
             # runs them whole), 1/E of their traced matmuls
-            g = mbs * ((cp if stats.moe_cp_whole else 1) if stats.moe_local else dp) \
+            g = mbs * ((cp if cp > 1 and stats.moe_cp_whole else 1) if stats.moe_local else dp) \
                 / stats.rows
             rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
             bw = hw.mem_bandwidth / hw.roofline_scale
@@ -1438,7 +1438,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # (neighbouring dp ranks) forward, their gradients reduce-scattered backward: of
             # the rank's rows, whole (cp x its tokens in whole-sequence rows)
             g = mbs * cp / stats.rows
-            if stats.moe_cp_whole and stats.moe_local:  # the experts run on the cp group's
+            if stats.moe_local and stats.moe_cp_whole:  # the experts run on the cp group's
                 # whole tokens (planner.experts_under_cp), not the rank's share priced above
                 rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
                 tf += (cp - 1) * _expert_flops(segs, "f", tp) * mbs / stats.rows / rate
@@ -1823,7 +1823,8 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     stats.host_calls_compiled = codegen.host_calls(gm.graph)
     expert_stats(stats, gm)
     context_stats(stats, gm)
-    experts_under_cp(stats, gm, sig)
+    stats.experts_whole_under_cp = functools.cache(functools.partial(
+        experts_under_cp, stats, gm, sig))
     stats.graph = (gm, sig)  # for the probes and the calibration
     if pass_extras:
         count_pass_extras(stats)
@@ -2069,15 +2070,15 @@ def context_stats(stats: GraphStats, gm) -> None:
             seg.qo_bytes += 2 * cost.tensor_bytes(scores.args[-2].meta[ir.VAL])
 
 
-def experts_under_cp(stats: GraphStats, gm, sig) -> None:
+def experts_under_cp(stats: GraphStats, gm, sig) -> bool:
     """Whether cp runs the MoE layers' experts on each rank's own tokens (their forward
     matmuls on fewer rows than traced, on the cp pass's own run on a copy of the graph,
     listed experts grouped first as passes/grouped_experts runs them) or on the cp group's
     whole tokens (listed experts, DBRX's, JetMoE's: a dispatch whose tokens do not arrive
     as the rank's chunks): then cp splits none of their work and ep with cp is refused
-    (GraphStats.moe_cp_whole)."""
+    (GraphStats.moe_cp_whole; graph_stats defers this probe to the search's first cp)."""
     if not stats.expert_counts or stats.cp_refusal or not stats.seq or stats.seq % 4:
-        return
+        return False
     lists = find_expert_lists(gm)
     base = (_on_copy(grouped_experts, gm, sig, {}, 1) or gm) if lists else gm
     lists = {n.name for lst in (find_expert_lists(base) if base is not gm else lists)
@@ -2088,7 +2089,7 @@ def experts_under_cp(stats: GraphStats, gm, sig) -> None:
                or n.name in lists and n.target in (aten.mm.default, aten.addmm.default))}
     with quiet_probe(context_parallel.__name__):  # (the job's own pass warns, not a probe)
         split = _on_copy(context_parallel, base, sig, {"dp": 2, "cp": 2}, 2) if fwd else None
-    stats.moe_cp_whole = bool(fwd) and (split is None or any(
+    return bool(fwd) and (split is None or any(
         n.meta[ir.VAL].shape[0] >= fwd[n.name] for n in split.graph.nodes if n.name in fwd))
 
 

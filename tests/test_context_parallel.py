@@ -579,6 +579,33 @@ def test_planner_searches_ring_attention():
                        constraints={"cp": 2, "tp": 1, "pp": 1, "cp_attention": "ring"})
 
 
+def test_planner_probes_the_experts_under_cp_where_it_prices_cp(monkeypatch):
+    """Where cp runs the experts is found by a cp pass on a copy of the graph, run once
+    and only where the search prices a cp plan: statistics of an MoE planned without cp
+    (or planned again) pay nothing for it."""
+    from fxpar.compiler import planner
+    from fxpar.compiler.compile import planner_stats
+    from fxpar.core import cost
+    runs = []
+    probe = planner.experts_under_cp
+    monkeypatch.setattr(planner, "experts_under_cp",
+                        lambda *a: runs.append(1) or probe(*a))
+    model, spec = zoo.build("mixtral")
+    batch = spec.batch(0)
+    stats = planner_stats(model, batch, loss_fn=spec.loss_fn)
+    hw, rows = cost.HARDWARE["h100"], torch.utils._pytree.tree_leaves(batch)[0].shape[0]
+    fixed = {"tp": 1, "pp": 1, "zero": 0, "remat": "none", "microbatches": 1}
+    planner.search(stats, 2, hw, batch_rows=rows, executable=False,
+                   constraints={**fixed, "cp": 1})
+    assert not runs
+    for _ in range(2):
+        r = planner.search(stats, 4, hw, batch_rows=rows, executable=False,
+                           constraints={**fixed, "cp": 2, "dp": 4})
+        assert {c.plan.ep for c in r.table} == {1, 2, 4}  # (the experts split under cp)
+    assert runs == [1]
+    assert stats.with_depth(4).moe_cp_whole is False and runs == [1]
+
+
 @pytest.mark.slow  # (three models' planner statistics: make test's 6 minutes)
 def test_planner_prices_experts_cp_runs_whole(monkeypatch):
     """The planner runs the cp pass on a copy to see where the experts run: Mixtral's and
@@ -605,8 +632,8 @@ def test_planner_prices_experts_cp_runs_whole(monkeypatch):
         at_dp4 = {**fixed, "dp": 4, "ep": 1}
         r = planner.search(stats, 4, hw, batch_rows=B, executable=False, constraints=at_dp4,
                            precision="bf16")
-        split = planner.search(dataclasses.replace(stats, moe_cp_whole=False), 4, hw,
-                               batch_rows=B, executable=False, constraints=at_dp4,
+        split = planner.search(dataclasses.replace(stats, experts_whole_under_cp=lambda: False),
+                               4, hw, batch_rows=B, executable=False, constraints=at_dp4,
                                precision="bf16")
         assert (r.best.step_s > split.best.step_s) == whole, name
         eps = {c.plan.ep for c in planner.search(stats, 4, hw, batch_rows=B, executable=False,
