@@ -378,7 +378,13 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
                      aten.scatter.value,
                      # an MoE router's, token by token over the experts
                      aten._softmax.default, aten._softmax_backward_data.default,
-                     aten.sigmoid_backward.default}
+                     aten.sigmoid_backward.default,
+                     # a norm and an MLP on flattened tokens (OPT's decoder layer), token by
+                     # token: their weights' gradients partial sums over the rows
+                     aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
+                     aten.mean.dim, aten.rsqrt.default, aten.relu.default,
+                     aten.threshold_backward.default, aten.silu_backward.default,
+                     aten.tanh_backward.default}
 # ops along one dim (argument index, default), row by row over the others, whose DTensor
 # rules list plain shards only (a strided one would be gathered): _strided_rows carries it
 # (an MoE router's top-k, and its backward's scatter into zeros, under cp)

@@ -337,6 +337,29 @@ def test_a_view_into_chunks_too_few_to_split_runs_on_the_whole_sequence():
     assert tuple(emb.meta[ir.VAL].shape) == (workers.GLOBAL_BATCH, 8, 16)
 
 
+def test_a_norm_and_mlp_on_flattened_tokens_run_on_each_ranks_own():
+    """OPT's decoder layer flattens its tokens ([B, S, H] -> [B*S, H]) before its final layer
+    norm and MLP: under cp the rank's chunks flattened are a strided shard of the rows,
+    which the layer norm, fc1, ReLU and fc2 (and their backward) carry row by row - each
+    rank runs the MLP on its own tokens, and nothing but attention's keys and values and
+    the shifted labels is gathered over cp."""
+    model, spec = zoo.build("opt")
+    batch = spec.batch(0)
+    B, S = batch["input_ids"].shape
+    prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
+    g = prog.graph.graph
+    mlp = [n for n in g.nodes if n.target is aten.addmm.default
+           and n.meta.get(ir.MODULE, "").endswith(("fc1", "fc2"))]
+    assert len(mlp) == 2 * model.config.num_hidden_layers and all(
+        n.meta[ir.VAL].shape[0] == B * S // 2 for n in mlp)
+    assert prog.graph.meta["context_parallel"]["gathered"] == {
+        "(outside the model's modules)": 1}  # (the labels shifted for the loss)
+    # forward and backward: each layer's keys and values, the labels; nothing else
+    gathers = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default
+               and _group_of(n) == ir.GROUPS["cp"]]
+    assert len(gathers) == 2 * model.config.num_hidden_layers + 1
+
+
 @pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
 def test_llama_cp2_trains_like_eager():
     """cp=2 on 2 ranks (HF Llama: RoPE, causal SDPA, the shifted-label loss; a scan within
