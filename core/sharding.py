@@ -365,26 +365,29 @@ _STRIDED_OPS = {*_VIEW_OPS, *_STRIDED_DTENSOR, aten.clone.default}
 # a partial sum), so a sequence split carries it through them as well (not views other
 # than _VIEW_OPS: DTensor's view rules mislabel some strided results)
 _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
-                     aten.sum.dim_IntList, aten._to_copy.default, aten._log_softmax.default,
-                     aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
-                     aten.nll_loss_backward.default, aten.gelu.default,
-                     aten.gelu_backward.default, aten.silu.default, aten.sigmoid.default,
-                     aten.tanh.default, aten.pow.Tensor_Scalar, aten.where.self,
-                     aten.where.ScalarSelf, aten.where.ScalarOther, aten.eq.Tensor,
-                     aten.ge.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.lt.Scalar,
-                     aten.zeros_like.default, aten.unsqueeze.default, aten.select.int,
-                     aten.unbind.int,
-                     aten.ne.Scalar, aten.eq.Scalar, aten.gather.default,
-                     aten.scatter.value,
+                     aten.sum.dim_IntList, aten.mean.dim, aten._to_copy.default,
+                     aten._log_softmax.default, aten._log_softmax_backward_data.default,
+                     aten.nll_loss_forward.default, aten.nll_loss_backward.default,
+                     aten.where.ScalarSelf, aten.where.ScalarOther, aten.zeros_like.default,
+                     aten.unsqueeze.default, aten.select.int, aten.unbind.int,
+                     aten.gather.default, aten.scatter.value,
                      # an MoE router's, token by token over the experts
                      aten._softmax.default, aten._softmax_backward_data.default,
-                     aten.sigmoid_backward.default,
-                     # a norm and an MLP on flattened tokens (OPT's decoder layer), token by
-                     # token: their weights' gradients partial sums over the rows
-                     aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
-                     aten.mean.dim, aten.rsqrt.default, aten.relu.default,
-                     aten.threshold_backward.default, aten.silu_backward.default,
-                     aten.tanh_backward.default}
+                     # a norm on flattened tokens (OPT's decoder layer), token by token: its
+                     # weights' gradients partial sums over the rows
+                     aten.native_layer_norm.default, aten.native_layer_norm_backward.default}
+
+
+def _sequence_carried(op) -> bool:
+    """Whether a sequence split flattened behind the batch (a strided row shard) passes
+    through `op` as DTensor's rule places it: the ops above, and any elementwise op (ATen's
+    pointwise tag, DTensor's own list: each element by itself, broadcast operands placed to
+    match) that neither mutates nor draws random numbers (split_random places those)."""
+    return op in _SEQUENCE_STRIDED or isinstance(op, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in op.tags and torch.Tag.nondeterministic_seeded not in op.tags
+        and not op._schema.is_mutable)
+
+
 # ops along one dim (argument index, default), row by row over the others, whose DTensor
 # rules list plain shards only (a strided one would be gathered): _strided_rows carries it
 # (an MoE router's top-k, and its backward's scatter into zeros, under cp)
@@ -1000,7 +1003,7 @@ class _Sharder:
         # whole (gathered)
         strided = {a: tuple(Replicate() if _strided(p) else p for p in self.specs[a].placements)
                    for a in self.inputs(node) if op not in _STRIDED_OPS
-                   and not (self.split_sequence and (op in _SEQUENCE_STRIDED
+                   and not (self.split_sequence and (_sequence_carried(op)
                                                      or op in _ALONG_ONE_DIM))
                    and isinstance(self.specs.get(a), DTensorSpec)
                    and any(_strided(p) for p in self.specs[a].placements)}
@@ -1444,7 +1447,7 @@ def _unsupported_answer(out, op=None, sequence: bool = False) -> bool:
     if out.redistribute_schema is not None:
         specs += torch.utils._pytree.tree_leaves(
             (out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema))
-    carried = op in _STRIDED_DTENSOR or (sequence and op in _SEQUENCE_STRIDED)
+    carried = op in _STRIDED_DTENSOR or (sequence and _sequence_carried(op))
     bad = _MaskPartial if carried else (_StridedShard, _MaskPartial)
     return any(isinstance(p, bad)
                for spec in specs if isinstance(spec, DTensorSpec) for p in spec.placements)
