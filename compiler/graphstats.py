@@ -153,6 +153,20 @@ class Segment:
         return self.transient - self.transient_split * (1 - 1 / tp)
 
 
+@dataclasses.dataclass(frozen=True)
+class CpProbe:
+    """What the cp pass makes of a graph, from its runs at cp=2 on copies (planner.cp_probe).
+    moe_cp_whole: the experts run on the cp group's whole tokens, not each rank's own (cp
+    splits none of their work, and ep with cp is refused). gather / ring: what a cp rank
+    keeps for the backward beyond its share of the traced saved values (and, with the keys
+    and values gathered, beyond their whole copies), per byte of that share: the projection
+    a rank's own keys and values are views of (a fused q/k/v's output, alive for q), the
+    copies the attention kernels take."""
+    moe_cp_whole: bool = False
+    gather: float = 0.0
+    ring: float = 0.0
+
+
 @dataclasses.dataclass
 class GraphStats:
     """What the planner knows about a model. Per-row fields scale with the batch rows of a
@@ -221,12 +235,10 @@ class GraphStats:
     # some experts kept as an nn.ModuleList run under Plan.ep in slots as traced (each rank's
     # experts over every row picked for them, results all-gathered), not by all-to-all
     ep_slots: bool = False
-    # whether cp runs the experts on the cp group's whole tokens, not each rank's own
-    # (planner.experts_under_cp): cp splits none of their work, and ep with cp is refused.
-    # A probe run where the search first prices cp (it costs a cp pass on a copy of the
-    # graph), remembering its answer: read it as `moe_cp_whole`
-    experts_whole_under_cp: Callable[[], bool] = dataclasses.field(
-        default=lambda: False, repr=False, compare=False)
+    # what the cp pass makes of this graph (planner.cp_probe): run where the search first
+    # prices cp (it costs cp passes on copies of the graph), remembering its answer
+    cp_probe: Callable[[], CpProbe] = dataclasses.field(
+        default=lambda: CpProbe(), repr=False, compare=False)
     # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
     # it can)
     seq: int | None = None
@@ -239,7 +251,7 @@ class GraphStats:
 
     @property
     def moe_cp_whole(self) -> bool:
-        return self.experts_whole_under_cp()
+        return self.cp_probe().moe_cp_whole
 
     @property
     def layers(self) -> list[Segment]:
@@ -292,7 +304,7 @@ class GraphStats:
             for i in range(n_layers - keep_first)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
-            experts_whole_under_cp=functools.partial(bool, self.moe_cp_whole),
+            cp_probe=functools.partial(lambda known: known, self.cp_probe()),
             shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers - keep_first}"
@@ -308,14 +320,18 @@ def storage_base(n):
 
 def _storage(n):
     """(allocating node, element index or None) of the memory value n lives in; None for
-    inputs (parameters, batch)."""
+    inputs (parameters, batch). An element of a multi-output op is its own storage, unless
+    the op returns views (split, unbind: a fused q/k/v projection's pieces all keep its
+    output alive, as the liveness simulation counts them)."""
     idx = None
     while n.op == "call_function" and cost.is_view(n) and isinstance(n.args[0], torch.fx.Node):
-        if n.target is operator.getitem and isinstance(n.args[0].meta.get(ir.VAL), (tuple, list)):
+        src = n.args[0]
+        if n.target is operator.getitem and isinstance(src.meta.get(ir.VAL), (tuple, list)) \
+                and not cost.is_view(src):
             idx = n.args[1]
-            n = n.args[0]
+            n = src
             break
-        n = n.args[0]
+        n = src
     return (n, idx) if n.op == "call_function" else None
 
 

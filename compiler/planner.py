@@ -41,7 +41,7 @@ from fxpar.core import quantized_comm as qcomm
 from fxpar.core.sharding import batch_local_dispatch, quiet as quiet_probe
 from fxpar.core.errors import PlanError
 from fxpar.core.graphs import fake_propagate, param_grads, summed_buffer_updates
-from fxpar.compiler.graphstats import (FIELDS, GraphStats, Segment, analyze,
+from fxpar.compiler.graphstats import (FIELDS, CpProbe, GraphStats, Segment, analyze,
                                        layer_key, saved_bytes, saved_values,
                                        storage_base)
 from fxpar.core.logs import Clock, Ticker, phase_done
@@ -1114,7 +1114,7 @@ def _context_degrees(stats, dp, tp, pp, batch_rows, constraints, hw=None) -> lis
                 raise PlanError(
                     f"Plan.cp={cps[0]} with ep={ep}: this MoE's dispatch runs on the cp "
                     "group's whole tokens under cp (its tokens do not arrive as each rank's "
-                    "sequence chunks: planner.experts_under_cp), so ep cannot send each "
+                    "sequence chunks: planner.cp_probe), so ep cannot send each "
                     "rank's own tokens to their experts. Use ep or cp alone for this model.")
     elif constraints.get("cp_attention", "auto") != "auto":  # (it asks for cp: every degree)
         if stats.cp_refusal:
@@ -1323,6 +1323,10 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # tokens was priced (with remat on, the backward gathers them again instead;
             # ring attention never holds them whole)
             extra += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r])
+        if cp > 1:  # and what else the cp pass keeps (its probe at cp=2, per token), of the
+            # layers remat keeps
+            beyond = stats.cp_probe().ring if cp_attention == "ring" else stats.cp_probe().gather
+            extra += (1 - rec) * beyond * sum(s.saved for s in rank_segs[r])
         return extra * held[r] * mbs / stats.rows
 
     def remat_budget(r, room) -> float:
@@ -1439,7 +1443,7 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             # the rank's rows, whole (cp x its tokens in whole-sequence rows)
             g = mbs * cp / stats.rows
             if stats.moe_local and stats.moe_cp_whole:  # the experts run on the cp group's
-                # whole tokens (planner.experts_under_cp), not the rank's share priced above
+                # whole tokens (planner.cp_probe), not the rank's share priced above
                 rate = hw.flops(precision) * hw.matmul_efficiency / hw.roofline_scale
                 tf += (cp - 1) * _expert_flops(segs, "f", tp) * mbs / stats.rows / rate
                 tb += (cp - 1) * _expert_flops(segs, "b", tp) * mbs / stats.rows / rate
@@ -1823,8 +1827,7 @@ def graph_stats(graph: tuple, rows: int, pass_extras: bool = False, precision: s
     stats.host_calls_compiled = codegen.host_calls(gm.graph)
     expert_stats(stats, gm)
     context_stats(stats, gm)
-    stats.experts_whole_under_cp = functools.cache(functools.partial(
-        experts_under_cp, stats, gm, sig))
+    stats.cp_probe = functools.cache(functools.partial(cp_probe, stats, gm, sig))
     stats.graph = (gm, sig)  # for the probes and the calibration
     if pass_extras:
         count_pass_extras(stats)
@@ -2070,25 +2073,52 @@ def context_stats(stats: GraphStats, gm) -> None:
             seg.qo_bytes += 2 * cost.tensor_bytes(scores.args[-2].meta[ir.VAL])
 
 
-def experts_under_cp(stats: GraphStats, gm, sig) -> bool:
-    """Whether cp runs the MoE layers' experts on each rank's own tokens (their forward
-    matmuls on fewer rows than traced, on the cp pass's own run on a copy of the graph,
-    listed experts grouped first as passes/grouped_experts runs them) or on the cp group's
-    whole tokens (listed experts, DBRX's, JetMoE's: a dispatch whose tokens do not arrive
-    as the rank's chunks): then cp splits none of their work and ep with cp is refused
-    (GraphStats.moe_cp_whole; graph_stats defers this probe to the search's first cp)."""
-    if not stats.expert_counts or stats.cp_refusal or not stats.seq or stats.seq % 4:
-        return False
-    lists = find_expert_lists(gm)
+def cp_probe(stats: GraphStats, gm, sig) -> CpProbe:
+    """The cp pass run at cp=2 on copies of the graph (listed experts grouped first, as
+    passes/grouped_experts runs them), keys and values gathered and, where every attention
+    can, as ring attention: where it runs the MoE layers' experts (their forward matmuls on
+    fewer rows than traced: each rank's own tokens; else the cp group's whole tokens -
+    listed experts, DBRX's, JetMoE's before their dispatch was local: cp splits none of
+    their work), and what a rank keeps for the backward beyond its share of the saved
+    values (CpProbe; graph_stats defers this probe to the search's first cp plan). The
+    traced graph's saved values are the fp32 graph's here, as the probes' are (the ratio
+    applies to the statistics' saved values in any precision)."""
+    if stats.cp_refusal or not stats.seq or stats.seq % 4:
+        return CpProbe()
+    lists = find_expert_lists(gm) if stats.expert_counts else []
     base = (_on_copy(grouped_experts, gm, sig, {}, 1) or gm) if lists else gm
-    lists = {n.name for lst in (find_expert_lists(base) if base is not gm else lists)
-             for x in lst.experts for n in x.region}
+    own = stats.segments if base is gm and not stats.activations_precision else \
+        analyze(base, stats.rows).segments
+    kv = sum(s.kv_bytes for s in stats.segments)
+    runs = {}
+    with quiet_probe(context_parallel.__name__):  # (the job's own pass warns, not a probe)
+        for attention in ("gather",) + (() if stats.ring_refusal else ("ring",)):
+            runs[attention] = _on_copy(context_parallel, base, sig,
+                                       {"dp": 2, "cp": 2, "cp_attention": attention}, 2)
+    beyond = {}
+    for attention, g in runs.items():
+        # a rank holds half the tokens at cp=2: half the traced saved values, the keys and
+        # values whole where gathered (half of them beyond its share), and what is left
+        at2 = analyze(g, stats.rows).segments if g is not None else []
+        whole = sum(s.saved for s in own)
+        left = sum(x.saved for x in at2) - whole / 2 - (
+            kv / 2 if attention == "gather" else 0.0)
+        beyond[attention] = max(left, 0.0) * 2 / whole if at2 and whole else 0.0
+    return CpProbe(moe_cp_whole=_experts_whole(stats, base, lists, runs.get("gather")),
+                   **beyond)
+
+
+def _experts_whole(stats: GraphStats, base, lists, split) -> bool:
+    """Whether the cp pass's graph `split` runs some expert's forward matmuls on as many
+    rows as the traced graph `base` does (None: the pass cannot split this graph)."""
+    if not stats.expert_counts:
+        return False
+    mine = {n.name for lst in (find_expert_lists(base) if lists else ())
+            for x in lst.experts for n in x.region}
     fwd = {n.name: n.meta[ir.VAL].shape[0] for n in base.graph.nodes
            if n.meta.get(ir.REGION) == ir.FORWARD and (
                n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2
-               or n.name in lists and n.target in (aten.mm.default, aten.addmm.default))}
-    with quiet_probe(context_parallel.__name__):  # (the job's own pass warns, not a probe)
-        split = _on_copy(context_parallel, base, sig, {"dp": 2, "cp": 2}, 2) if fwd else None
+               or n.name in mine and n.target in (aten.mm.default, aten.addmm.default))}
     return bool(fwd) and (split is None or any(
         n.meta[ir.VAL].shape[0] >= fwd[n.name] for n in split.graph.nodes if n.name in fwd))
 

@@ -603,16 +603,15 @@ def test_planner_searches_ring_attention():
 
 
 def test_planner_probes_the_experts_under_cp_where_it_prices_cp(monkeypatch):
-    """Where cp runs the experts is found by a cp pass on a copy of the graph, run once
-    and only where the search prices a cp plan: statistics of an MoE planned without cp
-    (or planned again) pay nothing for it."""
+    """Where cp runs the experts (and what it keeps for the backward) is found by cp passes
+    on copies of the graph, run once and only where the search prices a cp plan:
+    statistics of an MoE planned without cp (or planned again) pay nothing for it."""
     from fxpar.compiler import planner
     from fxpar.compiler.compile import planner_stats
     from fxpar.core import cost
     runs = []
-    probe = planner.experts_under_cp
-    monkeypatch.setattr(planner, "experts_under_cp",
-                        lambda *a: runs.append(1) or probe(*a))
+    probe = planner.cp_probe
+    monkeypatch.setattr(planner, "cp_probe", lambda *a: runs.append(1) or probe(*a))
     model, spec = zoo.build("mixtral")
     batch = spec.batch(0)
     stats = planner_stats(model, batch, loss_fn=spec.loss_fn)
@@ -655,9 +654,9 @@ def test_planner_prices_experts_cp_runs_whole(monkeypatch):
         at_dp4 = {**fixed, "dp": 4, "ep": 1}
         r = planner.search(stats, 4, hw, batch_rows=B, executable=False, constraints=at_dp4,
                            precision="bf16")
-        split = planner.search(dataclasses.replace(stats, experts_whole_under_cp=lambda: False),
-                               4, hw, batch_rows=B, executable=False, constraints=at_dp4,
-                               precision="bf16")
+        split = planner.search(dataclasses.replace(stats, cp_probe=lambda: dataclasses.replace(
+            stats.cp_probe(), moe_cp_whole=False)), 4, hw, batch_rows=B, executable=False,
+            constraints=at_dp4, precision="bf16")
         assert (r.best.step_s > split.best.step_s) == whole, name
         eps = {c.plan.ep for c in planner.search(stats, 4, hw, batch_rows=B, executable=False,
                                                  constraints=fixed, precision="bf16").table}

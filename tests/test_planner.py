@@ -392,12 +392,17 @@ def test_memory_estimate_vs_tracker_on_cpu_ranks():
     what runs a chosen plan out of memory) and at most 15% over, for dp, pp, tp and ZeRO
     plans of a GPT whose activations dominate (its head tied to the embedding), and gradient
     accumulation without a pipeline (summed in place; priced with a second whole sum it was
-    1.45x; without the buckets the dp pass packs after the last microbatch, 0.81-0.88x).
+    1.45x; without the buckets the dp pass packs after the last microbatch, 0.81-0.88x),
+    and context parallelism, keys and values gathered or passed around a ring (what the
+    cp pass keeps beyond a rank's share, from its probe: priced as the gathered keys and
+    values alone, 0.85x).
     Over: a last pipeline stage's backward (+14% at m=2: its working memory priced on top
     of all of the microbatch's activations, which the boxed backward frees as it goes)."""
     import fxpar
     from planner_workers import memory_rank
-    plans = [dict(dp=2, tp=1, pp=1), dict(dp=1, tp=1, pp=2, microbatches=2, schedule="1f1b"),
+    plans = [dict(dp=2, tp=1, pp=1), dict(dp=2, tp=1, pp=1, cp=2, cp_attention="gather"),
+             dict(dp=2, tp=1, pp=1, cp=2, cp_attention="ring"),
+             dict(dp=1, tp=1, pp=2, microbatches=2, schedule="1f1b"),
              dict(dp=1, tp=1, pp=2, microbatches=4, schedule="1f1b"),
              dict(dp=1, tp=2, pp=1), dict(dp=2, tp=1, pp=1, zero=2),
              dict(dp=2, tp=1, pp=1, microbatches=2), dict(dp=2, tp=1, pp=1, microbatches=2, zero=2),
@@ -1579,6 +1584,27 @@ def test_tp_activations_are_priced_from_the_tp_pass_graph():
         assert seg.saved - seg.saved_split / 2 == pytest.approx(x.saved)
         assert seg.working(2) == pytest.approx(x.transient)
     assert stats.segments[-1].transient_split > 0  # (the loss's logits, split by vocab)
+
+
+def test_a_saved_piece_of_a_split_keeps_the_whole_projection():
+    """A fused q/k/v projection split into pieces (views of its output): where the backward
+    reads one piece, the whole output stays alive, and the statistics count it whole (as
+    the liveness simulation does). Counted as a piece, a cp rank's gathered attention
+    (which reads its own q, and k and v gathered) was priced 15% under what it holds."""
+    class Fused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split(16, dim=-1)
+            return (q.sin() + k + v).sum()  # (sin's backward reads q; k and v none)
+    from fxpar.compiler.capture import capture_as_is
+    gm, _ = capture_as_is(Fused(), (torch.randn(8, 16),), loss_fn=lambda m, b: m(*b))
+    saved = graphstats.saved_values(graphstats.forward_nodes(gm))
+    projection = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default)
+    assert [k for k in saved if k[0] is projection] == [(projection, None)]
+    assert graphstats.saved_bytes((projection, None)) == 8 * 48 * 4
 
 
 def test_the_optimizer_goes_to_the_host_where_a_plan_does_not_fit_or_recomputes_to_fit():
