@@ -14,7 +14,8 @@ layers keeping two different layer types where the default has them, sliding win
 (twice, to catch a forward that is not deterministic), and keeps those that work; the
 others are listed with the reason (`skipped()`).
 
---list prints the built models and the skipped ones with their reasons; otherwise the
+--list prints the built models and the skipped ones with their reasons (of the NAMEs given,
+else of every candidate) and runs nothing; otherwise the
 models named (default: every built one) run under PLANS (zoo_cp's "cp=2 (dp=2)" column and
 a plain dp=2 control) as zoo_sweep.plan_table runs them, one row per model (a row whose
 launch itself failed says so instead of ending the table).
@@ -405,19 +406,18 @@ def main(argv) -> None:
                      f"{list(PLANS)}")
     listing = "--list" in argv
     names = [a for a in argv if a != "--list"]
-    only = None if listing or not names else names
+    only = tuple(names) if names else None
     good = [m.name for m in more_causal_lms(only)]
-    if listing:
+    if listing:  # (of the names given, else of every candidate; runs nothing)
         print(f"{len(good)} built:")
         for m in more_causal_lms(only):
             extra, attn = _CHOSEN[m.name]
             print(f"  {m.name:28s} {m.note} [{attn}]")
-        bad = skipped()
+        bad = _built(only)[1]
         print(f"{len(bad)} skipped:")
         for n, why in bad:
             print(f"  {n:28s} {why}")
-        if not names:
-            return
+        return
     unknown = [n for n in names if n not in good]
     if unknown:
         sys.exit(f"hf_causal_lms: not built: {unknown} (see --list)")
