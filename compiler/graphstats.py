@@ -25,7 +25,6 @@ value.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections.abc import Callable
 
@@ -237,8 +236,8 @@ class GraphStats:
     ep_slots: bool = False
     # what the cp pass makes of this graph (planner.cp_probe): run where the search first
     # prices cp (it costs cp passes on copies of the graph), remembering its answer
-    cp_probe: Callable[[], CpProbe] = dataclasses.field(
-        default=lambda: CpProbe(), repr=False, compare=False)
+    cp_probe: Callable[[], CpProbe] = dataclasses.field(default=CpProbe, repr=False,
+                                                        compare=False)
     # the sequence length Plan.cp splits (None: no sequence input) and why it cannot (None:
     # it can)
     seq: int | None = None
@@ -304,11 +303,16 @@ class GraphStats:
             for i in range(n_layers - keep_first)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
-            cp_probe=functools.partial(lambda known: known, self.cp_probe()),
+            cp_probe=_answered(self.cp_probe()),
             shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers - keep_first}"
                  + (f" after the first {keep_first}" if keep_first else ""))
+
+
+def _answered(probe: CpProbe) -> Callable[[], CpProbe]:
+    """A probe already run: statistics scaled in depth keep its answer, not the graph."""
+    return lambda: probe
 
 
 def storage_base(n):
