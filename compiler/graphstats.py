@@ -157,10 +157,10 @@ class CpProbe:
     """What the cp pass makes of a graph, from its runs at cp=2 on copies (planner.cp_probe).
     moe_cp_whole: the experts run on the cp group's whole tokens, not each rank's own (cp
     splits none of their work, and ep with cp is refused). gather / ring: what a cp rank
-    keeps for the backward beyond its share of the traced saved values (and, with the keys
-    and values gathered, beyond their whole copies), per byte of that share: the projection
-    a rank's own keys and values are views of (a fused q/k/v's output, alive for q), the
-    copies the attention kernels take."""
+    keeps for the backward beyond its share of the layers' traced saved values (and, with
+    the keys and values gathered, beyond their whole copies), per byte of that share: the
+    projection a rank's own keys and values are views of (a fused q/k/v's output, alive
+    for q), the copies the attention kernels take."""
     moe_cp_whole: bool = False
     gather: float = 0.0
     ring: float = 0.0
@@ -303,16 +303,11 @@ class GraphStats:
             for i in range(n_layers - keep_first)] + [self.segments[-1]]
         return dataclasses.replace(
             self, segments=new, n_layers=n_layers, graph=None, transfers={},
-            cp_probe=_answered(self.cp_probe()),
+            cp_probe=self.cp_probe,  # (the traced graph's, run where cp is first priced)
             shared_weights={}, stage_saved={}, stage_shares={}, stage_wgrad={},
             note=f"traced {len(layers)} of {n_layers} repeated blocks; block '{mid.name}' "
                  f"stands for each of the {n_layers - keep_first}"
                  + (f" after the first {keep_first}" if keep_first else ""))
-
-
-def _answered(probe: CpProbe) -> Callable[[], CpProbe]:
-    """A probe already run: statistics scaled in depth keep its answer, not the graph."""
-    return lambda: probe
 
 
 def storage_base(n):

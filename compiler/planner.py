@@ -1326,7 +1326,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
         if cp > 1:  # and what else the cp pass keeps (its probe at cp=2, per token), of the
             # layers remat keeps
             beyond = stats.cp_probe().ring if cp_attention == "ring" else stats.cp_probe().gather
-            extra += (1 - rec) * beyond * sum(s.saved for s in rank_segs[r])
+            extra += (1 - rec) * beyond * sum(s.saved for s in rank_segs[r]
+                                              if s.name not in ("pre", "post"))
         return extra * held[r] * mbs / stats.rows
 
     def remat_budget(r, room) -> float:
@@ -2077,18 +2078,15 @@ def cp_probe(stats: GraphStats, gm, sig) -> CpProbe:
     """The cp pass run at cp=2 on copies of the graph (listed experts grouped first, as
     passes/grouped_experts runs them), keys and values gathered and, where every attention
     can, as ring attention: where it runs the MoE layers' experts (their forward matmuls on
-    fewer rows than traced: each rank's own tokens; else the cp group's whole tokens -
-    listed experts, DBRX's, JetMoE's before their dispatch was local: cp splits none of
-    their work), and what a rank keeps for the backward beyond its share of the saved
-    values (CpProbe; graph_stats defers this probe to the search's first cp plan). The
-    traced graph's saved values are the fp32 graph's here, as the probes' are (the ratio
-    applies to the statistics' saved values in any precision)."""
+    fewer rows than traced: each rank's own tokens; else the cp group's whole tokens: cp
+    splits none of their work), and what a rank keeps for the backward beyond its share
+    of the layers' saved values (CpProbe; graph_stats defers this probe to the search's
+    first cp plan). Both graphs are the fp32 capture's: in half precision the ratio prices
+    the copies at fp32's share of the saved values (over, not under)."""
     if stats.cp_refusal or not stats.seq or stats.seq % 4:
         return CpProbe()
     lists = find_expert_lists(gm) if stats.expert_counts else []
     base = (_on_copy(grouped_experts, gm, sig, {}, 1) or gm) if lists else gm
-    own = stats.segments if base is gm and not stats.activations_precision else \
-        analyze(base, stats.rows).segments
     kv = sum(s.kv_bytes for s in stats.segments)
     runs = {}
     with quiet_probe(context_parallel.__name__):  # (the job's own pass warns, not a probe)
@@ -2096,29 +2094,38 @@ def cp_probe(stats: GraphStats, gm, sig) -> CpProbe:
             runs[attention] = _on_copy(context_parallel, base, sig,
                                        {"dp": 2, "cp": 2, "cp_attention": attention}, 2)
     beyond = {}
-    for attention, g in runs.items():
-        # a rank holds half the tokens at cp=2: half the traced saved values, the keys and
-        # values whole where gathered (half of them beyond its share), and what is left
-        at2 = analyze(g, stats.rows).segments if g is not None else []
-        whole = sum(s.saved for s in own)
-        left = sum(x.saved for x in at2) - whole / 2 - (
-            kv / 2 if attention == "gather" else 0.0)
-        beyond[attention] = max(left, 0.0) * 2 / whole if at2 and whole else 0.0
-    return CpProbe(moe_cp_whole=_experts_whole(stats, base, lists, runs.get("gather")),
+    try:
+        whole = _layers_saved(analyze(base, stats.rows))
+        for attention, g in runs.items():
+            # a rank holds half the tokens at cp=2: half the traced saved values, the keys
+            # and values whole where gathered (half of them beyond its share), and what is
+            # left, per byte of its share (the layers' alone: an LM head's logits, a large
+            # part of a shallow trace's saved values, keep none)
+            left = (_layers_saved(analyze(g, stats.rows)) if g is not None else 0.0) \
+                - whole / 2 - (kv / 2 if attention == "gather" else 0.0)
+            beyond[attention] = max(left, 0.0) * 2 / whole if g is not None and whole else 0.0
+    except Exception as e:  # noqa: BLE001 - priced as the whole keys and values alone
+        log.debug("planner: the cp probe's statistics failed: %s", e)
+    names = {n.name for lst in (find_expert_lists(base) if lists else ())
+             for x in lst.experts for n in x.region}
+    return CpProbe(moe_cp_whole=_experts_whole(stats, base, names, runs.get("gather")),
                    **beyond)
 
 
-def _experts_whole(stats: GraphStats, base, lists, split) -> bool:
-    """Whether the cp pass's graph `split` runs some expert's forward matmuls on as many
-    rows as the traced graph `base` does (None: the pass cannot split this graph)."""
+def _layers_saved(stats: GraphStats) -> float:
+    return sum(s.saved for s in stats.layers)
+
+
+def _experts_whole(stats: GraphStats, base, listed: set, split) -> bool:
+    """Whether the cp pass's graph `split` runs some expert's forward matmuls (grouped, or
+    those of the `listed` experts' nodes) on as many rows as the traced graph `base` does
+    (None: the pass cannot split this graph)."""
     if not stats.expert_counts:
         return False
-    mine = {n.name for lst in (find_expert_lists(base) if lists else ())
-            for x in lst.experts for n in x.region}
     fwd = {n.name: n.meta[ir.VAL].shape[0] for n in base.graph.nodes
            if n.meta.get(ir.REGION) == ir.FORWARD and (
                n.target is aten._grouped_mm.default and n.meta[ir.VAL].dim() == 2
-               or n.name in mine and n.target in (aten.mm.default, aten.addmm.default))}
+               or n.name in listed and n.target in (aten.mm.default, aten.addmm.default))}
     return bool(fwd) and (split is None or any(
         n.meta[ir.VAL].shape[0] >= fwd[n.name] for n in split.graph.nodes if n.name in fwd))
 

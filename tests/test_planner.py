@@ -396,7 +396,7 @@ def test_memory_estimate_vs_tracker_on_cpu_ranks():
     and context parallelism, keys and values gathered or passed around a ring (what the
     cp pass keeps beyond a rank's share, from its probe: priced as the gathered keys and
     values alone, 0.85x).
-    Over: a last pipeline stage's backward (+14% at m=2: its working memory priced on top
+    Over: a last pipeline stage's backward (+5% at m=2: its working memory priced on top
     of all of the microbatch's activations, which the boxed backward frees as it goes)."""
     import fxpar
     from planner_workers import memory_rank
