@@ -366,13 +366,15 @@ def test_llama_cp2_trains_like_eager():
     chunks of the sequence, run whole; HF Mixtral (also with one sequence a step), its MoE
     dispatch on each rank's own tokens; HF DeepSeek-V3 with ep=2 as well, each rank's
     tokens sent to their experts - V3's group-limited routing gathers its top-k ids, which
-    the dispatch cuts back to the tokens' layout): losses, evaluate() and every final
-    weight equal eager AdamW. (Ring attention: the op against SDPA above; trained with tp,
+    the dispatch cuts back to the tokens' layout; HF OPT, its final norm and MLP on tokens
+    flattened behind the batch): losses, evaluate() and every final weight equal eager
+    AdamW. (Ring attention: the op against SDPA above; trained with tp,
     cp=4 and a pipeline in the slow composition test. torchtitan's MoE: within rounding,
     as under every plan, in docs/zoo.md.)"""
     _check_plans(2, [(name, "adamw", {"dp": 2, "cp": 2, "codegen": "eager", **more})
                      for name, more in (("hf_llama", {}), ("chunked_scan", {}), ("mixtral", {}),
-                                        ("mixtral_one_row", {}), ("deepseek_v3", {"ep": 2}))])
+                                        ("mixtral_one_row", {}), ("deepseek_v3", {"ep": 2}),
+                                        ("opt", {}))])
 
 
 @pytest.mark.slow

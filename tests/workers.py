@@ -61,6 +61,9 @@ def sized_zoo():
             # MoEs whose experts are an nn.ModuleList, routed by torch.where
             **{name: _zoo_entry(name) for name in ("where_moe", "litgpt_mixtral",
                                                      "stacked_loop_moe")},
+            # a norm and an MLP on tokens flattened behind the batch (context parallelism
+            # carries the sequence split through them)
+            "opt": _zoo_entry("opt"),
             "where_moe_slots": (_where_moe_slots, *_zoo_entry("where_moe")[1:]),
             # experts run in a loop over those nonzero() found hit: transformers' eager
             # experts (Mixtral's), DBRX's
