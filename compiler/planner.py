@@ -1325,7 +1325,8 @@ def _price(stats, hw, stages, twins, dp, tp, pp, v, m, mbs, sched, zero, precisi
             extra += (cp - 1) * sum(s.kv_bytes for s in rank_segs[r])
         if cp > 1:  # and what else the cp pass keeps (its probe at cp=2, per token), of the
             # layers remat keeps
-            beyond = stats.cp_probe().ring if cp_attention == "ring" else stats.cp_probe().gather
+            probe = stats.cp_probe()
+            beyond = probe.ring if cp_attention == "ring" else probe.gather
             extra += (1 - rec) * beyond * sum(s.saved for s in rank_segs[r]
                                               if s.name not in ("pre", "post"))
         return extra * held[r] * mbs / stats.rows
@@ -2106,7 +2107,7 @@ def cp_probe(stats: GraphStats, gm, sig) -> CpProbe:
             beyond[attention] = max(left, 0.0) * 2 / whole if g is not None and whole else 0.0
     except Exception as e:  # noqa: BLE001 - priced as the whole keys and values alone
         log.debug("planner: the cp probe's statistics failed: %s", e)
-    names = {n.name for lst in (find_expert_lists(base) if lists else ())
+    names = {n.name for lst in (lists if base is gm else find_expert_lists(base))
              for x in lst.experts for n in x.region}
     return CpProbe(moe_cp_whole=_experts_whole(stats, base, names, runs.get("gather")),
                    **beyond)
