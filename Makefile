@@ -11,15 +11,21 @@ setup:
 demo: setup
 	$(PY) -m fxpar demo --out out
 
-# every test not marked slow (unit tests of each pass, in-process parity), one line of
-# progress per file and the 10 slowest at the end: under 6 minutes on 2 quiet cores
+# every test not marked slow (unit tests of each pass, in-process parity) on TEST_WORKERS
+# pytest-xdist workers, whole files each: one line per file as it ends (tests/conftest.py)
+# and the 10 slowest at the end; about 4 minutes on 2 quiet cores
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -m "not slow" --durations=10 tests
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10 tests
 
 # the multi-process parity / timing / large-model tests (CI runs them after `make test`),
-# every zoo model under every plan
+# every zoo model under every plan: those in one process on TEST_WORKERS workers, then
+# those starting rank processes or asserting a wall-clock time one at a time (each rank
+# a core)
 test-slow: setup
-	$(PY) -m pytest -m "slow and not full" --durations=10 tests
+	$(PY) -m pytest -m "slow and not full and not multiprocess and not timing" \
+		-n $(TEST_WORKERS) --durations=10 tests
+	$(PY) -m pytest -m "slow and not full and (multiprocess or timing)" --durations=10 tests
 
 # what CI leaves out for time: the rest of the zoo compiled by Inductor and the planner's
 # choice measured against every plan on 8 ranks

@@ -233,6 +233,7 @@ def test_partition_balances_contiguous_parts():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_1t_on_3072_fake_devices_under_a_minute():
     """The largest configuration of Narayanan et al. 2021: 6959 legal plans (3072 = 2^10 x 3
     devices, pp up to 128); the search takes ~32 s on a 2-core VM."""
@@ -265,6 +266,7 @@ def test_a_pipelines_twin_ranks_are_priced_once_and_alike():
 
 
 @pytest.mark.slow  # (moved to keep make test under 6 minutes)
+@pytest.mark.timing
 def test_175b_on_1024_fake_devices_under_a_minute():
     t0 = time.perf_counter()
     stats = G.gpt_stats("gpt-175b")

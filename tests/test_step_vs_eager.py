@@ -13,6 +13,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_vs_ea
 # CI runs Llama in fp32 (each row compiles three programs by Inductor: about a minute on 2
 # cores); `make test-full` both models in both precisions
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize("models,precisions", [
     (["llama"], ["fp32"]),
     pytest.param(["gpt2", "llama"], ["fp32", "bf16"], marks=pytest.mark.full)],
