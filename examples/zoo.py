@@ -118,6 +118,7 @@ def _hf(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
         cfg = getattr(transformers, config_cls)(**kw)
         cfg._attn_implementation = "eager" if eager_attn else "sdpa"
         return getattr(transformers, model_cls)(cfg)
+    make.model_cls = model_cls
     if any(_is_dropout(k) for k in kw):
         make.with_default_dropout = _hf(config_cls, model_cls, _eager_attn=eager_attn, **{
             k: v for k, v in kw.items() if not _is_dropout(k)})
@@ -130,6 +131,7 @@ def _hf_eager(config_cls: str, model_cls: str, **kw) -> Callable[[], nn.Module]:
         import transformers
         cfg = getattr(transformers, config_cls)(**kw)
         return getattr(transformers, model_cls)(cfg)
+    make.model_cls = model_cls
     if any(_is_dropout(k) for k in kw):
         make.with_default_dropout = _hf_eager(config_cls, model_cls, **{
             k: v for k, v in kw.items() if not _is_dropout(k)})

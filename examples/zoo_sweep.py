@@ -42,7 +42,7 @@ import torch
 import fxpar
 from fxpar.compiler import planner
 from fxpar.core import ir
-from fxpar.examples import zoo
+from fxpar.examples import hf_causal_lms, zoo
 from fxpar.runtime.dist import LaunchError
 
 STEPS = 3
@@ -80,14 +80,17 @@ CONTROLS = 3  # runs from weights one ulp apart (three draws)
 
 
 def registry(name: str):
-    """The module whose `models()` has `name` (the zoo or the external zoo): it has
-    `models()`, `build(name)` and `loss_of(model, spec, batch)`."""
+    """The module whose `models()` has `name` (the zoo, Hugging Face's other causal LMs built
+    generically, or the external zoo): it has `models()`, `build(name)` and
+    `loss_of(model, spec, batch)`."""
     if name in zoo.models():
         return zoo
+    if name in hf_causal_lms.models():
+        return hf_causal_lms
     from fxpar.examples import external_zoo
     if name in external_zoo.models():
         return external_zoo
-    raise KeyError(f"{name!r} is in neither the zoo nor the external zoo")
+    raise KeyError(f"{name!r} is in neither the zoo, hf_causal_lms nor the external zoo")
 
 
 def optimizer(ps):

@@ -488,3 +488,21 @@ def test_a_mismatch_is_rounding_only_where_verify_passes_its_first_step(monkeypa
     assert ran == [None, {"tp": 2}]
     bad = zoo_sweep._verified("broken", [zoo_sweep.Cell("broken", "1 device", "mismatch", "w")])
     assert bad[0].status == "mismatch" and "VerifyError" in bad[0].detail
+
+
+def test_hugging_faces_other_causal_lms_are_built_generically_and_tiny():
+    """examples/hf_causal_lms.py: every causal LM class the zoo does not build, once, found
+    by the sweep's registry (in launched ranks too); one built at the zoo's size from its
+    config's defaults (a sliding window its default sets, shrunk) and trained by eager."""
+    from fxpar.examples import hf_causal_lms
+    built = {getattr(s.factory, "model_cls", None) for s in zoo.models().values()}
+    classes = [cls for _, _, cls in hf_causal_lms.candidates()]
+    assert len(classes) == len(set(classes)) > 60 and not built & set(classes)
+    assert zoo_sweep.registry("ministral") is hf_causal_lms
+    assert zoo_sweep.registry("llama") is zoo
+    model, spec = hf_causal_lms.build("ministral")
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.sliding_window) == (2, zoo.HIDDEN, 8)
+    assert cfg._attn_implementation == "sdpa"
+    assert sum(p.numel() for p in model.parameters()) < hf_causal_lms.MAX_PARAMS
+    assert hf_causal_lms.eager_check("ministral") == ""
