@@ -380,10 +380,13 @@ _SEQUENCE_STRIDED = {aten.mm.default, aten.addmm.default, aten.t.default,
 
 def _sequence_carried(op) -> bool:
     """Whether a sequence split flattened behind the batch (a strided row shard) passes
-    through `op` as DTensor's rule places it: the ops above, and any elementwise op (ATen's
+    through `op` as DTensor's rule places it: the ops above, any elementwise op (ATen's
     pointwise tag, DTensor's own list: each element by itself, broadcast operands placed to
-    match) that neither mutates nor draws random numbers (split_random places those)."""
-    return op in _SEQUENCE_STRIDED or isinstance(op, torch._ops.OpOverload) and (
+    match) that neither mutates nor draws random numbers (split_random places those under
+    tp), and dropout, whose mask each rank draws for its own tokens, as it does on a
+    sequence split not flattened (and as dp's ranks do for their rows)."""
+    return op in _SEQUENCE_STRIDED or op is aten.native_dropout.default or isinstance(
+        op, torch._ops.OpOverload) and (
         torch.Tag.pointwise in op.tags and torch.Tag.nondeterministic_seeded not in op.tags
         and not op._schema.is_mutable)
 

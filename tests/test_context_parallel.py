@@ -337,13 +337,15 @@ def test_a_view_into_chunks_too_few_to_split_runs_on_the_whole_sequence():
     assert tuple(emb.meta[ir.VAL].shape) == (workers.GLOBAL_BATCH, 8, 16)
 
 
-def test_a_norm_and_mlp_on_flattened_tokens_run_on_each_ranks_own():
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_norm_and_mlp_on_flattened_tokens_run_on_each_ranks_own(dropout):
     """OPT's decoder layer flattens its tokens ([B, S, H] -> [B*S, H]) before its final layer
     norm and MLP: under cp the rank's chunks flattened are a strided shard of the rows,
     which the layer norm, fc1, ReLU and fc2 (and their backward) carry row by row - each
     rank runs the MLP on its own tokens, and nothing but attention's keys and values and
-    the shifted labels is gathered over cp."""
-    model, spec = zoo.build("opt")
+    the shifted labels is gathered over cp. With OPT's default dropouts, the MLP's dropout
+    draws its mask for the rank's own tokens too (as on the sequence split not flattened)."""
+    model, spec = zoo.build("opt", dropout=dropout)
     batch = spec.batch(0)
     B, S = batch["input_ids"].shape
     prog = fxpar.compile(model, 2, example_batch=batch, plan={"dp": 2, "cp": 2, "fuse": False})
@@ -358,6 +360,10 @@ def test_a_norm_and_mlp_on_flattened_tokens_run_on_each_ranks_own():
     gathers = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default
                and _group_of(n) == ir.GROUPS["cp"]]
     assert len(gathers) == 2 * model.config.num_hidden_layers + 1
+    drops = [n for n in g.nodes if n.target is aten.native_dropout.default
+             and n.meta[ir.VAL][0].dim() == 2]
+    assert len(drops) == (model.config.num_hidden_layers if dropout else 0) and all(
+        n.meta[ir.VAL][0].shape[0] == B * S // 2 for n in drops)
 
 
 @pytest.mark.slow  # (two ranks launched: make test's 6 minutes)
