@@ -55,6 +55,8 @@ import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.compiler import padded_nonzero, repeated_blocks, split_by_counts
 from fxpar.compiler.target_attention import CudaAttention
@@ -452,6 +454,8 @@ def capture(model: torch.nn.Module, example_batch: Any,
             dynamic = dynamic.__cause__
         if dynamic is not None:
             raise _dynamic_shape_error(dynamic, tagger.stack[-1]) from e
+        if joint and "requires gradients, and received a mutation" in str(e):
+            raise _mutated_parameter_error(wrapper, tensor_leaves) from e
         raise TraceError(
             f"cannot trace module '{tagger.stack[-1] or '<root>'}': {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}. fxpar traces loss_fn(model, batch) with "
@@ -619,6 +623,60 @@ def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.
         trainable = [k for k, p in named.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [fake[k] for k in trainable], allow_unused=True)
     return [named[k] for k, g in zip(trainable, grads) if g is None]
+
+
+class _Mutations(TorchDispatchMode):
+    """Records the first in-place op writing into each storage of `storages` (storage ->
+    name)."""
+
+    def __init__(self, storages: dict):
+        super().__init__()
+        self.storages, self.hit = storages, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, a in enumerate(func._schema.arguments):
+                x = args[i] if i < len(args) else kwargs.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write and \
+                        isinstance(x, torch.Tensor):
+                    name = self.storages.get(StorageWeakRef(x.untyped_storage()))
+                    if name is not None:
+                        self.hit.setdefault(name, func)
+        return func(*args, **kwargs)
+
+
+def _mutated_parameter_error(wrapper: torch.nn.Module, tensor_leaves) -> TraceError:
+    """AOTAutograd's "a graph input that requires gradients received a mutation", with the
+    parameters the forward changes in place named (found by running the loss on fake
+    tensors, watching in-place ops write into their storages)."""
+    named = dict(wrapper.named_parameters())
+    state = {**named, **dict(wrapper.named_buffers())}
+    found: dict = {}
+    try:
+        mode = detect_fake_mode(tuple(state.values())) or \
+            FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fake = {k: mode.from_tensor(v, static_shapes=True) for k, v in state.items()}
+            for k in named:
+                fake[k].requires_grad_(named[k].requires_grad)
+            leaves = [mode.from_tensor(t, static_shapes=True) for t in tensor_leaves]
+            watch = _Mutations({StorageWeakRef(fake[k].untyped_storage()): k for k in named
+                                if named[k].requires_grad})
+            with watch:
+                torch.func.functional_call(wrapper, fake, tuple(leaves))
+        found = watch.hit
+    except Exception as e:  # noqa: BLE001 - the error below, without the names
+        log.debug("capture: looking for the parameters mutated in place failed: %s", e)
+    which = ", ".join(f"'{wrapper.model_name(k)}' ({op})" for k, op in found.items()) \
+        if found else "a trainable parameter (not found again on fake tensors)"
+    return TraceError(
+        f"the model's forward changes {which} in place, and the training step differentiates "
+        "it: one graph cannot do both (eager PyTorch lets it because a change "
+        "through `.data` or under torch.no_grad() is hidden from autograd; e.g. Gemma 3n's "
+        "AltUp clamps its coefficients with `weight.data.clamp_()` in forward). Fix: make the "
+        "change outside the forward (the same clamp applied to the weights after each step), "
+        "or freeze that parameter (requires_grad_(False)) if it should not train.")
 
 
 def fake_weights(model: torch.nn.Module, device, everything: bool = False,

@@ -221,6 +221,26 @@ def test_data_dependent_control_flow_raises_trace_error():
     assert "test_capture.py:" in msg and "if x.sum() > 0" in msg  # the user's line
 
 
+class _ClampsInForward(nn.Module):
+    """Gemma 3n's AltUp pattern: a trained weight clamped through .data in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.coefs = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        self.coefs.weight.data.clamp_(-0.1, 0.1)
+        return self.head(self.coefs(x)).mean()
+
+
+def test_a_parameter_changed_in_place_by_the_forward_is_named():
+    from fxpar.core.errors import TraceError
+    with pytest.raises(TraceError, match=r"changes 'coefs.weight' \(aten.clamp_.*in place.*"
+                       r"outside the forward"):
+        capture(_ClampsInForward(), torch.randn(4, 8), lambda m, x: m(x))
+
+
 def test_the_user_line_is_found_in_a_project_whose_path_names_fxpar(tmp_path, monkeypatch):
     """The user's code is told from torch's and fxpar's by their directories: a model file
     under a folder named fxpar (a user's project, a clone of this one) is still the user's."""
