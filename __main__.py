@@ -156,8 +156,9 @@ def cmd_zoo(args):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     known = list(zoo.models())
     if args.external or args.models:
-        from fxpar.examples import external_zoo
+        from fxpar.examples import external_zoo, hf_causal_lms
         known += list(external_zoo.models())
+        known += list(hf_causal_lms.models()) if args.models else []
     default = list(external_zoo.models()) if args.external else list(zoo.models())
     names = args.models.split(",") if args.models else default
     unknown = sorted(set(names) - set(known))
@@ -297,10 +298,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true", help="say why the best plan won")
     p.set_defaults(fn=cmd_plan, parser=p)
     z = sub.add_parser("zoo", formatter_class=fmt,
-                       help="train the model zoo (39 architectures) under every plan against "
+                       help="train the model zoo (examples/zoo.py) under every plan against "
                             "eager PyTorch and print the table")
     z.add_argument("--models", default=None,
-                   help="comma-separated zoo or external-zoo names (default: all of the zoo)")
+                   help="comma-separated names of the zoo, the external zoo or "
+                        "examples/hf_causal_lms.py (default: all of the zoo)")
     z.add_argument("--external", action="store_true",
                    help="the external zoo (torchtitan, timm, litgpt, nanoGPT model code; "
                         "examples/external_zoo.py) instead of the zoo")

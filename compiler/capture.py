@@ -454,6 +454,18 @@ def capture(model: torch.nn.Module, example_batch: Any,
             dynamic = dynamic.__cause__
         if dynamic is not None:
             raise _dynamic_shape_error(dynamic, tagger.stack[-1]) from e
+        if "Please convert all Tensors to FakeTensors" in str(e):
+            raise TraceError(
+                f"cannot trace module '{tagger.stack[-1] or '<root>'}': one of its operations "
+                "takes a real tensor beside the traced ones (fxpar traces with fake tensors "
+                "standing in for the batch and for every parameter and buffer, under the "
+                "names the forward reads them by). Either the model keeps a tensor as a "
+                "plain attribute (register it as a buffer), or it reads a module's weights "
+                "outside that module's forward - e.g. a custom autograd.Function whose "
+                "backward runs the layers again with their own weights, as reversible "
+                "layers (Reformer) do - which fxpar cannot trace (report the model to "
+                "fxpar)."
+                ) from e
         if joint and "requires gradients, and received a mutation" in str(e):
             raise _mutated_parameter_error(wrapper, tensor_leaves) from e
         raise TraceError(

@@ -241,6 +241,22 @@ def test_a_parameter_changed_in_place_by_the_forward_is_named():
         capture(_ClampsInForward(), torch.randn(4, 8), lambda m, x: m(x))
 
 
+class _PlainTensorAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = torch.ones(8)  # (not a buffer)
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale).mean()
+
+
+def test_a_tensor_kept_as_a_plain_attribute_is_refused_with_the_fix():
+    from fxpar.core.errors import TraceError
+    with pytest.raises(TraceError, match="takes a real tensor.*register it as a buffer"):
+        capture(_PlainTensorAttribute(), torch.randn(4, 8), lambda m, x: m(x))
+
+
 def test_the_user_line_is_found_in_a_project_whose_path_names_fxpar(tmp_path, monkeypatch):
     """The user's code is told from torch's and fxpar's by their directories: a model file
     under a folder named fxpar (a user's project, a clone of this one) is still the user's."""
