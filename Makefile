@@ -21,11 +21,14 @@ test: setup
 # the multi-process parity / timing / large-model tests (CI runs them after `make test`),
 # every zoo model under every plan: those in one process on TEST_WORKERS workers, then
 # those starting rank processes or asserting a wall-clock time one at a time (each rank
-# a core)
+# a core); the second part runs whatever the first's outcome
 test-slow: setup
+	status=0; \
 	$(PY) -m pytest -m "slow and not full and not multiprocess and not timing" \
-		-n $(TEST_WORKERS) --durations=10 tests
-	$(PY) -m pytest -m "slow and not full and (multiprocess or timing)" --durations=10 tests
+		-n $(TEST_WORKERS) --dist loadfile --durations=10 tests || status=$$?; \
+	$(PY) -m pytest -m "slow and not full and (multiprocess or timing)" --durations=10 tests \
+		|| status=$$?; \
+	exit $$status
 
 # what CI leaves out for time: the rest of the zoo compiled by Inductor and the planner's
 # choice measured against every plan on 8 ranks

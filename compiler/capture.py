@@ -464,8 +464,8 @@ def capture(model: torch.nn.Module, example_batch: Any,
                 "outside that module's forward - e.g. a custom autograd.Function whose "
                 "backward runs the layers again with their own weights, as reversible "
                 "layers (Reformer) do - which fxpar cannot trace (report the model to "
-                "fxpar)."
-                ) from e
+                "fxpar). " + next((line[:200] for line in str(e).splitlines()
+                                   if "Found in" in line), "")) from e
         if joint and "requires gradients, and received a mutation" in str(e):
             raise _mutated_parameter_error(wrapper, tensor_leaves) from e
         raise TraceError(
@@ -650,9 +650,11 @@ class _Mutations(TorchDispatchMode):
         if func._schema.is_mutable:
             for i, a in enumerate(func._schema.arguments):
                 x = args[i] if i < len(args) else kwargs.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write and \
-                        isinstance(x, torch.Tensor):
-                    name = self.storages.get(StorageWeakRef(x.untyped_storage()))
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                for t in pytree.tree_leaves(x):  # (a list argument: _foreach_*_)
+                    name = self.storages.get(StorageWeakRef(t.untyped_storage())) \
+                        if isinstance(t, torch.Tensor) else None
                     if name is not None:
                         self.hit.setdefault(name, func)
         return func(*args, **kwargs)
@@ -664,7 +666,7 @@ def _mutated_parameter_error(wrapper: torch.nn.Module, tensor_leaves) -> TraceEr
     tensors, watching in-place ops write into their storages)."""
     named = dict(wrapper.named_parameters())
     state = {**named, **dict(wrapper.named_buffers())}
-    found: dict = {}
+    watch = _Mutations({})
     try:
         mode = detect_fake_mode(tuple(state.values())) or \
             FakeTensorMode(allow_non_fake_inputs=True)
@@ -673,13 +675,13 @@ def _mutated_parameter_error(wrapper: torch.nn.Module, tensor_leaves) -> TraceEr
             for k in named:
                 fake[k].requires_grad_(named[k].requires_grad)
             leaves = [mode.from_tensor(t, static_shapes=True) for t in tensor_leaves]
-            watch = _Mutations({StorageWeakRef(fake[k].untyped_storage()): k for k in named
-                                if named[k].requires_grad})
+            watch.storages = {StorageWeakRef(fake[k].untyped_storage()): k for k in named
+                              if named[k].requires_grad}
             with watch:
                 torch.func.functional_call(wrapper, fake, tuple(leaves))
-        found = watch.hit
-    except Exception as e:  # noqa: BLE001 - the error below, without the names
+    except Exception as e:  # noqa: BLE001 - the error below, with the names found so far
         log.debug("capture: looking for the parameters mutated in place failed: %s", e)
+    found = watch.hit
     which = ", ".join(f"'{wrapper.model_name(k)}' ({op})" for k, op in found.items()) \
         if found else "a trainable parameter (not found again on fake tensors)"
     return TraceError(

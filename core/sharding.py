@@ -383,8 +383,9 @@ def _sequence_carried(op) -> bool:
     through `op` as DTensor's rule places it: the ops above, any elementwise op (ATen's
     pointwise tag, DTensor's own list: each element by itself, broadcast operands placed to
     match) that neither mutates nor draws random numbers (split_random places those under
-    tp), and dropout, whose mask each rank draws for its own tokens, as it does on a
-    sequence split not flattened (and as dp's ranks do for their rows)."""
+    tp), and dropout, whose mask each rank draws for its own tokens from its own random
+    state, as on a sequence split not flattened and as dp's ranks do for their rows (ranks
+    seeded alike draw the same pattern)."""
     return op in _SEQUENCE_STRIDED or op is aten.native_dropout.default or isinstance(
         op, torch._ops.OpOverload) and (
         torch.Tag.pointwise in op.tags and torch.Tag.nondeterministic_seeded not in op.tags

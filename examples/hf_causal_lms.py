@@ -40,7 +40,8 @@ _SIZES: list[tuple[tuple[str, ...], object]] = [
     (("hidden_size", "n_embd", "d_model", "n_embed", "model_dim"), zoo.HIDDEN),
     (("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
       "intermediate_size_mlp", "d_inner"), 2 * zoo.HIDDEN),
-    (("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
+    (_LAYERS := ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"),
+     2),
     (("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads"), 4),
     (("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_n_heads",
       "num_key_value_heads_per_layer"), 2),
@@ -142,7 +143,7 @@ def tiny_overrides(model_type: str, model_cls: str) -> dict:
     out.update({k: 0.0 for k, v in stored.items() if _is_dropout(k) and isinstance(v, float)})
     if "is_decoder" in stored:
         out["is_decoder"] = True  # (encoders built as causal LMs: BertLMHeadModel, ...)
-    layers = next((stored[r] for r in filter(None, map(real, _SIZES[3][0]))
+    layers = next((stored[r] for r in filter(None, map(real, _LAYERS))
                    if isinstance(stored[r], int)), None)
     for k, v in stored.items():
         if isinstance(v, list) and layers and layers > 2 and len(v) == layers \
@@ -173,8 +174,11 @@ def _zoo_classes() -> set[str]:
 @functools.cache
 def candidates() -> tuple[tuple[str, str, str], ...]:
     """(name, model_type, model class) of every causal LM the zoo does not build, one per
-    model class (several model types of one class: the first)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model class (several model types of one class: the first); none without transformers."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return ()
     skip, taken, out = _zoo_classes(), set(zoo.models()), []
     for mt, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         if cls in skip or "ForConditionalGeneration" in cls:

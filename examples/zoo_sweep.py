@@ -80,17 +80,17 @@ CONTROLS = 3  # runs from weights one ulp apart (three draws)
 
 
 def registry(name: str):
-    """The module whose `models()` has `name` (the zoo, Hugging Face's other causal LMs built
-    generically, or the external zoo): it has `models()`, `build(name)` and
+    """The module whose `models()` has `name` (the zoo, the external zoo, or Hugging Face's
+    other causal LMs built generically): it has `models()`, `build(name)` and
     `loss_of(model, spec, batch)`."""
     if name in zoo.models():
         return zoo
-    if name in hf_causal_lms.models():
-        return hf_causal_lms
     from fxpar.examples import external_zoo
     if name in external_zoo.models():
         return external_zoo
-    raise KeyError(f"{name!r} is in neither the zoo, hf_causal_lms nor the external zoo")
+    if name in hf_causal_lms.models():
+        return hf_causal_lms
+    raise KeyError(f"{name!r} is in neither the zoo, the external zoo nor hf_causal_lms")
 
 
 def optimizer(ps):

@@ -32,8 +32,8 @@ def pytest_runtest_logreport(report):
 
 class _FileProgress:
     """Under pytest-xdist (make test runs on 2 workers, whole files each), one line per test
-    file as its last test ends - its outcomes, worker and time - in place of the dots, which
-    name no file."""
+    file as its last test ends - its outcomes, the worker of its last test, the time from its
+    first test's start - in place of the dots, which name no file."""
 
     def __init__(self, reporter):
         self.reporter = reporter
@@ -55,16 +55,21 @@ class _FileProgress:
         self.letters |= report.when == "call" or not report.passed
         return None
 
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.started.setdefault(nodeid.split("::")[0], time.perf_counter())
+
     def pytest_runtest_logreport(self, report):
         path = report.nodeid.split("::")[0]
         self.started.setdefault(path, time.perf_counter())
-        if report.when == "call" or report.when == "setup" and not report.passed or \
+        if report.when == "???":  # (its worker crashed: no teardown follows)
+            self.outcomes[path]["crashed"] += 1
+        elif report.when == "call" or report.when == "setup" and not report.passed or \
                 report.when == "teardown" and report.failed:
             xfail = hasattr(report, "wasxfail")
             self.outcomes[path]["error" if report.failed and report.when != "call" else
                                 ("xfailed" if report.skipped else "xpassed") if xfail else
                                 report.outcome] += 1
-        if report.when != "teardown" or self.left is None:
+        if report.when not in ("teardown", "???") or self.left is None:
             return
         self.left[path] -= 1
         if self.left[path] == 0:
@@ -85,43 +90,88 @@ def pytest_configure(config):
             config.pluginmanager.register(_FileProgress(reporter), "fxpar-file-progress")
 
 
+def _launches(node, scripts: set) -> bool:
+    """Whether `node` starts ranks itself: fxpar.launch, torchrun (--nproc-per-node), raw
+    ranks (a WORLD_SIZE in their env) or a script of the file that calls fxpar.launch."""
+    import ast
+    return any(isinstance(n, ast.Call) and (isinstance(n.func, ast.Attribute) and n.func.attr
+                                            or getattr(n.func, "id", None)) == "launch"
+               or isinstance(n, ast.Constant) and n.value == "--nproc-per-node"
+               or isinstance(n, ast.keyword) and n.arg == "WORLD_SIZE"
+               or isinstance(n, ast.Name) and n.id in scripts for n in ast.walk(node))
+
+
+def _imports(nodes) -> tuple[dict, dict]:
+    """({name: (module, name)}, {alias: module}) the import statements among `nodes` bind
+    (`from pkg import x` binds both: x may be a module or a function)."""
+    import ast
+    names, modules = {}, {}
+    for n in nodes:
+        if isinstance(n, ast.ImportFrom):
+            for a in n.names:
+                modules[a.asname or a.name] = a.name
+                names[a.asname or a.name] = ((n.module or "").rpartition(".")[2], a.name)
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                modules[a.asname or a.name] = a.name.rpartition(".")[2]
+    return names, modules
+
+
 @functools.cache
 def _starting_ranks() -> frozenset[tuple[str, str]]:
     """(file, function) of every function of tests/ that starts rank processes, itself or
-    through another function of tests/ or examples/ (a helper imported from another file:
-    test_parity._check_plans, workers.check_resumed_and_resharded, zoo_sweep.plan_cells),
-    matched by name (a namesake of such a function marks a few tests that start none: they
-    only run in make test-slow's one-at-a-time part)."""
+    through the functions it calls in tests/ or examples/ (by the names it defines or
+    imports: test_parity._check_plans, workers.check_resumed_and_resharded,
+    zoo_sweep.plan_cells)."""
     import ast
-    funcs = {}
     here = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(glob.glob(os.path.join(here, "*.py"))
-                       + glob.glob(os.path.join(here, os.pardir, "examples", "*.py"))):
-        for f in ast.walk(ast.parse(open(path).read())):
+    paths = [p for p in sorted(glob.glob(os.path.join(here, "*.py")))
+             if os.path.basename(p) != "conftest.py"]
+    paths += sorted(glob.glob(os.path.join(here, os.pardir, "examples", "*.py")))
+    calls: dict[tuple[str, str], set] = {}  # (module, function) -> (module, function)s
+    roots: set[tuple[str, str]] = set()
+    files: dict[tuple[str, str], str] = {}
+    for path in paths:
+        mod = os.path.basename(path)[:-3]
+        tree = ast.parse(open(path).read())
+        defined = {f.name for f in tree.body
+                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        top = _imports(tree.body)
+        scripts = {t.id for n in tree.body if isinstance(n, ast.Assign)
+                   and isinstance(n.value, ast.Constant) and "fxpar.launch(" in str(n.value.value)
+                   for t in n.targets if isinstance(t, ast.Name)}
+        for f in ast.walk(tree):
             if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            called = {c.func.attr if isinstance(c.func, ast.Attribute) else c.func.id
-                      for c in ast.walk(f) if isinstance(c, ast.Call)
-                      and isinstance(c.func, (ast.Attribute, ast.Name))}
-            # fxpar.launch, torchrun (--nproc-per-node) or raw ranks (a WORLD_SIZE in
-            # their env)
-            if any(isinstance(n, ast.Constant) and n.value == "--nproc-per-node"
-                   or isinstance(n, ast.keyword) and n.arg == "WORLD_SIZE"
-                   for n in ast.walk(f)):
-                called.add("launch")
-            funcs[(path, f.name)] = called
-    found = {"launch"}
+            key = (mod, f.name)
+            files[key] = path
+            if _launches(f, scripts):
+                roots.add(key)
+            out = calls.setdefault(key, set())
+            inner = _imports(ast.walk(f))  # (a function's own imports first)
+            names, modules = {**top[0], **inner[0]}, {**top[1], **inner[1]}
+            for c in ast.walk(f):
+                if not isinstance(c, ast.Call):
+                    continue
+                if isinstance(c.func, ast.Name):
+                    if c.func.id in defined:
+                        out.add((mod, c.func.id))
+                    elif c.func.id in names:
+                        out.add(names[c.func.id])
+                elif isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name) \
+                        and c.func.value.id in modules:
+                    out.add((modules[c.func.value.id], c.func.attr))
+    found = set(roots)
     while True:
-        more = {name for (_, name), called in funcs.items() if called & found} - found
+        more = {k for k, out in calls.items() if out & found} - found
         if not more:
-            return frozenset(key for key, called in funcs.items() if called & found)
+            return frozenset((os.path.abspath(files[k]), k[1]) for k in found)
         found |= more
 
 
 def pytest_collection_modifyitems(config, items):
     """Markers that say what a test is, beside `slow` (the time tier): `multiprocess` on every
-    test that starts rank processes, found from its file's source."""
-    import pytest
+    test that starts rank processes, found from the sources of tests/ and examples/."""
     starting = _starting_ranks()
     for item in items:
         fn = getattr(item, "function", None)
