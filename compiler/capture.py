@@ -620,9 +620,10 @@ def _transformers_sees_tracing():
         iu.is_fake_tensor = original
 
 
-def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.nn.Parameter]:
-    """The trainable parameters that d loss / d params does not reach (unused heads, poolers,
-    a branch the batch never takes), found by running the loss on fake tensors."""
+@contextlib.contextmanager
+def _on_fakes(wrapper: torch.nn.Module, tensor_leaves):
+    """Inside a fake mode: (the wrapper's parameters and buffers as fakes by name, trainable
+    as theirs are; the batch's tensor leaves as fakes), for running the loss again."""
     named = dict(wrapper.named_parameters())
     state = {**named, **dict(wrapper.named_buffers())}
     mode = detect_fake_mode(tuple(state.values())) or FakeTensorMode(allow_non_fake_inputs=True)
@@ -630,8 +631,15 @@ def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.
         fake = {k: mode.from_tensor(v, static_shapes=True) for k, v in state.items()}
         for k in named:
             fake[k].requires_grad_(named[k].requires_grad)
-        leaves = [mode.from_tensor(t, static_shapes=True) for t in tensor_leaves]
-        (loss,) = torch.func.functional_call(wrapper, fake, tuple(leaves))
+        yield fake, tuple(mode.from_tensor(t, static_shapes=True) for t in tensor_leaves)
+
+
+def _params_without_grad(wrapper: torch.nn.Module, tensor_leaves) -> list[torch.nn.Parameter]:
+    """The trainable parameters that d loss / d params does not reach (unused heads, poolers,
+    a branch the batch never takes), found by running the loss on fake tensors."""
+    named = dict(wrapper.named_parameters())
+    with _on_fakes(wrapper, tensor_leaves) as (fake, leaves):
+        (loss,) = torch.func.functional_call(wrapper, fake, leaves)
         trainable = [k for k, p in named.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [fake[k] for k in trainable], allow_unused=True)
     return [named[k] for k, g in zip(trainable, grads) if g is None]
@@ -665,20 +673,13 @@ def _mutated_parameter_error(wrapper: torch.nn.Module, tensor_leaves) -> TraceEr
     parameters the forward changes in place named (found by running the loss on fake
     tensors, watching in-place ops write into their storages)."""
     named = dict(wrapper.named_parameters())
-    state = {**named, **dict(wrapper.named_buffers())}
     watch = _Mutations({})
     try:
-        mode = detect_fake_mode(tuple(state.values())) or \
-            FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            fake = {k: mode.from_tensor(v, static_shapes=True) for k, v in state.items()}
-            for k in named:
-                fake[k].requires_grad_(named[k].requires_grad)
-            leaves = [mode.from_tensor(t, static_shapes=True) for t in tensor_leaves]
+        with _on_fakes(wrapper, tensor_leaves) as (fake, leaves):
             watch.storages = {StorageWeakRef(fake[k].untyped_storage()): k for k in named
                               if named[k].requires_grad}
             with watch:
-                torch.func.functional_call(wrapper, fake, tuple(leaves))
+                torch.func.functional_call(wrapper, fake, leaves)
     except Exception as e:  # noqa: BLE001 - the error below, with the names found so far
         log.debug("capture: looking for the parameters mutated in place failed: %s", e)
     found = watch.hit
