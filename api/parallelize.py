@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 import traceback
 import warnings
 from typing import Any, Callable
@@ -26,6 +27,7 @@ from fxpar.compiler import capture, codegen, planner
 from fxpar.compiler.capture import meta_tensors
 from fxpar.compiler.compile import build, model_state_bytes, reusable
 from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
+from fxpar.core import ir, program_io
 from fxpar.core.cost import device_memory
 from fxpar.core.errors import OWN_CODE, PlanError
 from fxpar.core.logs import Clock, configure
@@ -198,11 +200,16 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
             dist.broadcast(seed, src=0)
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
-    captured = reusable(captured, resolved, world.device)  # (else let go of it here)
-    program = build(model, example_batch, loss_fn, resolved, world.device, captured=captured,
-                    plan_report=plan_report)  # planner.PlanResult (ranked plans) or None
+    captured = reusable(captured, resolved, world.device) if world.rank == 0 else None
+    program, shared_s = _compiled_once(  # plan_report: planner.PlanResult or None
+        world, lambda: build(model, example_batch, loss_fn, resolved, world.device,
+                             captured=captured, plan_report=plan_report),
+        plan_report, eval_group=world.mesh.get_group("dp") if resolved.ps and not server else None)
     del captured
     clock.extend(program.compile_times)
+    if world.size > 1:
+        clock.add("program to the ranks" if world.rank == 0 else "program from rank 0",
+                  shared_s)
     if server:
         pm = param_server.ServerRank(model, world, program, optimizer,
                                      list(range(resolved.dp)), ps_group, weights=source)
@@ -218,6 +225,52 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     clock.extend(pm.compile_times[len(program.compile_times):])  # the runtime's set-up
     pm.compile_times = clock.finish()
     return pm
+
+
+def _compiled_once(world, compile_program: Callable[[], ir.Program], plan_report, *,
+                   eval_group=None) -> tuple[ir.Program, float]:
+    """Rank 0 compiles; every other rank loads its Program (core/program_io, the passes'
+    reports kept), and evaluate()'s program likewise when first asked (over `eval_group`:
+    Plan.ps's workers). So every rank runs one Program, whatever in its process could make a
+    compile differ; the compile's CPU time and host memory are spent once per job, not once
+    per rank (eight times on an 8-GPU node's host); and a compile error is raised on every
+    rank. Returns the Program and the seconds spent sending or waiting for it."""
+    if world.size == 1:
+        return compile_program(), 0.0
+    t = time.perf_counter()
+    mine = []
+
+    def make():
+        mine.append(compile_program())
+        nonlocal t
+        t = time.perf_counter()  # (rank 0: the compile has its own rows)
+        return (program_io.dumps(mine[0], evaluate=False, reports=True),
+                mine[0].build_eval is not None)
+    data, has_eval = rdist.from_rank_0(make)
+    if mine:
+        program = mine[0]
+    else:  # (this rank's own planner report: a planned job's ranks all re-fit it)
+        program = program_io.loads(data, device=world.device, source="rank 0's Program")
+        program = dataclasses.replace(program, plan_report=plan_report, compile_times=[])
+    if has_eval:
+        program = dataclasses.replace(program, build_eval=_evaluate_compiled_once(
+            world, program.build_eval, eval_group))
+    return program, time.perf_counter() - t
+
+
+def _evaluate_compiled_once(world, build_eval, group) -> Callable[[], ir.Program]:
+    """build_eval on rank 0, its Program loaded on the others (evaluate() is collective: every
+    rank asks at once)."""
+    def shared():
+        mine = []
+
+        def make():
+            mine.append(build_eval())
+            return program_io.dumps(mine[0], evaluate=False, reports=True)
+        data = rdist.from_rank_0(make, group)
+        return mine[0] if mine else program_io.loads(data, device=world.device,
+                                                     source="rank 0's evaluate() Program")
+    return shared
 
 
 # the mesh dims fxpar's dp group is made of (api/parallelize.mesh_dims)

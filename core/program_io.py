@@ -74,43 +74,52 @@ def _resolve(spec):
     return pickle.loads(rest[0])
 
 
-def _pickled(value, what: str) -> bytes:
+def _pickled(value, what: str, reports: bool = False) -> bytes:
     try:
         data = pickle.dumps(value)
     except Exception as e:  # noqa: BLE001 - the reason goes into the message
         raise FxparError(f"cannot save this Program: {what}, which cannot be pickled "
                          f"({type(e).__name__}: {e})") from None
-    if any(layer in data for layer in _LAYERS_ABOVE):
+    if not reports and any(layer in data for layer in _LAYERS_ABOVE):
         raise FxparError(f"cannot save this Program: {what}, an object of the compiler's "
                          "(a loaded Program runs without it)")
     return data
 
 
-def _plain(value) -> bool:
-    """Whether a metadata value can go to disk and come back without the compiler."""
+def _plain(value, reports: bool = False) -> bool:
+    """Whether a metadata value can go to disk and come back without the compiler (with
+    `reports`: to a process that has it)."""
     try:
         data = pickle.dumps(value)
     except Exception:  # noqa: BLE001 - not picklable: left out (module docstring)
         return False
-    return not any(layer in data for layer in _LAYERS_ABOVE)
+    return reports or not any(layer in data for layer in _LAYERS_ABOVE)
 
 
-def _encode_val(v):
+def _encode_val(v, reports: bool = False):
     if isinstance(v, torch.Tensor):
         return _Spec(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype,
                      str(v.device))
     if isinstance(v, (list, tuple)):
-        return type(v)(_encode_val(x) for x in v)
-    return v if _plain(v) else None
+        return type(v)(_encode_val(x, reports) for x in v)
+    return v if _plain(v, reports) else None
 
 
-def _decode_val(v, mode: FakeTensorMode):
-    if isinstance(v, _Spec):
-        with mode:
-            return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=v.device
-                                       ).as_strided(v.shape, v.stride, v.storage_offset)
+def _on(device: torch.device, here: torch.device | None) -> torch.device:
+    """A saved device as the loading process has it: with `here` (cuda:3), a device of its
+    type (the compiling rank's cuda:0) becomes `here`."""
+    return here if here is not None and device.type == here.type else device
+
+
+def _decode_val(v, mode: FakeTensorMode, here: torch.device | None = None):
+    if isinstance(v, _Spec):  # (made on meta and wrapped: 5x faster than ops under the mode)
+        t = torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta")
+        if v.storage_offset:
+            t = t.as_strided(v.shape, v.stride, v.storage_offset)
+        return mode.fake_tensor_converter.from_meta_and_device(
+            mode, t, _on(torch.device(v.device), here))
     if isinstance(v, (list, tuple)):
-        return type(v)(_decode_val(x, mode) for x in v)
+        return type(v)(_decode_val(x, mode, here) for x in v)
     return v
 
 
@@ -119,115 +128,142 @@ def _encode_args(a):
         a, lambda x: _Ref(x.name) if isinstance(x, torch.fx.Node) else x)
 
 
-def encode_graph(gm: torch.fx.GraphModule) -> dict:
+def encode_graph(gm: torch.fx.GraphModule, reports: bool = False) -> dict:
     nodes = []
     for n in gm.graph.nodes:
-        meta = {k: (_encode_val(v) if k == ir.VAL else v) for k, v in n.meta.items()
-                if k == ir.VAL or _plain(v)}
+        meta = {k: (_encode_val(v, reports) if k == ir.VAL else v) for k, v in n.meta.items()
+                if k == ir.VAL or _plain(v, reports)}
         args = _encode_args((n.args, n.kwargs))
         nodes.append((n.op, n.name, _target(n.target), _pickled(args, f"node {n.name}'s "
                                                                       "arguments"), meta))
     attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    meta = {k: v for k, v in gm.meta.items() if _plain(v)}
+    meta = {k: v for k, v in gm.meta.items() if _plain(v, reports)}
     return {"nodes": nodes, "attrs": attrs, "meta": meta}
 
 
-def decode_graph(d: dict, mode: FakeTensorMode) -> torch.fx.GraphModule:
+def decode_graph(d: dict, mode: FakeTensorMode,
+                 here: torch.device | None = None) -> torch.fx.GraphModule:
     g = torch.fx.Graph()
     made: dict[str, torch.fx.Node] = {}
+
+    def arg(x):
+        if isinstance(x, _Ref):
+            return made[x.name]
+        return _on(x, here) if isinstance(x, torch.device) else x
     for op, name, target, args, meta in d["nodes"]:
-        args, kwargs = torch.fx.node.map_aggregate(
-            pickle.loads(args), lambda x: made[x.name] if isinstance(x, _Ref) else x)
+        args, kwargs = torch.fx.node.map_aggregate(pickle.loads(args), arg)
         node = g.create_node(op, _resolve(target), tuple(args), dict(kwargs), name=name)
-        node.meta = {k: (_decode_val(v, mode) if k == ir.VAL else v) for k, v in meta.items()}
+        node.meta = {k: (_decode_val(v, mode, here) if k == ir.VAL else v)
+                     for k, v in meta.items()}
         made[name] = node
     root = torch.nn.Module()
     for name, value in d["attrs"].items():
+        if isinstance(value, torch.Tensor):  # (a constant: where this process runs)
+            value = value.to(_on(value.device, here))
         setattr(root, name, value)
     gm = torch.fx.GraphModule(root, g)
     gm.meta.update(d["meta"])
     return gm
 
 
-def _encode(value):
+def _encode(value, reports: bool = False):
     """A Program field's value on disk: graphs node by node, pipeline parts likewise."""
     if isinstance(value, torch.fx.GraphModule):
-        return ("graph", encode_graph(value))
+        return ("graph", encode_graph(value, reports))
     if isinstance(value, ir.PipelineProgram):
         parts = {k: dataclasses.replace(p, graph=None) for k, p in value.parts.items()}
         return ("pipeline", dataclasses.replace(value, parts=parts),
-                {k: encode_graph(p.graph) for k, p in value.parts.items()})
+                {k: encode_graph(p.graph, reports) for k, p in value.parts.items()})
     if isinstance(value, dict) and value and all(
             isinstance(v, dict) and all(isinstance(g, torch.fx.GraphModule) for g in v.values())
             for v in value.values()):  # stage_graphs: {pass: {role: snapshot}}
-        return ("snapshots", {k: {r: encode_graph(g) for r, g in v.items()}
+        return ("snapshots", {k: {r: encode_graph(g, reports) for r, g in v.items()}
                               for k, v in value.items()})
     return ("value", value)
 
 
-def _decode(enc, mode: FakeTensorMode):
+def _decode(enc, mode: FakeTensorMode, here: torch.device | None):
     kind = enc[0]
     if kind == "graph":
-        return decode_graph(enc[1], mode)
+        return decode_graph(enc[1], mode, here)
     if kind == "pipeline":
         pipeline, graphs = enc[1], enc[2]
-        parts = {k: dataclasses.replace(p, graph=decode_graph(graphs[k], mode))
+        parts = {k: dataclasses.replace(p, graph=decode_graph(graphs[k], mode, here))
                  for k, p in pipeline.parts.items()}
         return dataclasses.replace(pipeline, parts=parts)
     if kind == "snapshots":
-        return {k: {r: decode_graph(g, mode) for r, g in v.items()} for k, v in enc[1].items()}
+        return {k: {r: decode_graph(g, mode, here) for r, g in v.items()}
+                for k, v in enc[1].items()}
     return enc[1]
 
 
 _NOT_SAVED = ("plan_report", "build_eval", "bound_groups")
 
 
-def _encode_program(program: ir.Program) -> dict:
+def _encode_program(program: ir.Program, reports: bool) -> dict:
     out = {}
     for f in dataclasses.fields(program):
         if f.name in _NOT_SAVED:
             continue
         value = getattr(program, f.name)
-        enc = _encode(value)
+        enc = _encode(value, reports)
         if enc[0] == "value":
-            _pickled(value, f"its field {f.name}")
+            _pickled(value, f"its field {f.name}", reports)
         out[f.name] = enc
     return out
 
 
-def save_program(program: ir.Program, path, *, evaluate: bool = True) -> None:
-    """Write `program` (as fxpar.compile returned it) to `path`. With `evaluate`, evaluate()'s
-    forward-only program is compiled now and saved beside it."""
+def dumps(program: ir.Program, *, evaluate: bool = True, reports: bool = False) -> bytes:
+    """`program` (as fxpar.compile returned it) as bytes. With `evaluate`, evaluate()'s
+    forward-only program is compiled now and saved beside it. With `reports`, the passes'
+    reports in the graphs' metadata are kept: for a process that has the compiler (another
+    rank of the same job), not for a file."""
     if program.bound_groups is not None:
         raise FxparError("cannot save a Program a runtime has bound to its process groups: "
                          "save the one fxpar.compile returns, before running it")
     eval_program = program.build_eval() if evaluate and program.build_eval is not None else None
     payload = {"format": FORMAT, "torch": torch.__version__,
-               "program": _encode_program(program),
-               "evaluate": None if eval_program is None else _encode_program(eval_program)}
-    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)  # (all of it, then the file)
-    with open(path, "wb") as f:
-        f.write(data)
+               "program": _encode_program(program, reports),
+               "evaluate": None if eval_program is None else
+               _encode_program(eval_program, reports)}
+    return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def load_program(path) -> ir.Program:
-    """The Program `save_program` wrote, its fake values rebuilt; evaluate()'s program (if
-    saved) is its build_eval. Imports nothing of the compiler."""
-    with open(path, "rb") as f, warnings.catch_warnings():
+def loads(data: bytes, *, device: torch.device | None = None, source: str = "a Program"
+          ) -> ir.Program:
+    """The Program `dumps` made, its fake values rebuilt; evaluate()'s program (if saved) is
+    its build_eval. `device`: this process's device; the saved graphs' devices of its type
+    (the compiling rank's cuda:0) become it. `source` names the bytes in errors."""
+    with warnings.catch_warnings():
         # (torch's own TreeSpec pickles warn about themselves: the batch's pytree spec)
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        payload = pickle.load(f)
+        payload = pickle.loads(data)
     if payload.get("format") != FORMAT:
-        raise FxparError(f"{path}: a Program file of format {payload.get('format')}, this fxpar "
+        raise FxparError(f"{source}: a Program of format {payload.get('format')}, this fxpar "
                          f"reads format {FORMAT}: compile the model again")
     if payload["torch"] != torch.__version__:
-        raise FxparError(f"{path}: saved by torch {payload['torch']}, this is torch "
+        raise FxparError(f"{source}: saved by torch {payload['torch']}, this is torch "
                          f"{torch.__version__}: the graphs' ops may differ; compile again")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    here = None if device is None else torch.device(device)
 
     def program_of(fields, **more):
-        return ir.Program(**{k: _decode(v, mode) for k, v in fields.items()}, **more)
+        return ir.Program(**{k: _decode(v, mode, here) for k, v in fields.items()}, **more)
     if payload["evaluate"] is None:
         return program_of(payload["program"])
     eval_program = program_of(payload["evaluate"])
     return program_of(payload["program"], build_eval=lambda: eval_program)
+
+
+def save_program(program: ir.Program, path, *, evaluate: bool = True) -> None:
+    """Write `program` (as fxpar.compile returned it) to `path`. With `evaluate`, evaluate()'s
+    forward-only program is compiled now and saved beside it."""
+    data = dumps(program, evaluate=evaluate)  # (all of it, then the file)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def load_program(path, *, device: torch.device | None = None) -> ir.Program:
+    """The Program `save_program` wrote (`loads`). Imports nothing of the compiler."""
+    with open(path, "rb") as f:
+        return loads(f.read(), device=device, source=str(path))

@@ -64,6 +64,59 @@ class World:
 
 
 _opened = 0  # process groups fxpar has opened in this process
+_from_rank_0 = 0  # from_rank_0 calls in this process (every rank counts alike): store keys
+
+
+def from_rank_0(make: Callable[[], Any], group=None) -> Any:
+    """make() run on rank 0 alone, its (picklable) value returned on every rank of `group`
+    (default: the job's); an exception it raises is raised on every rank.
+
+    The other ranks wait for rank 0 to begin within FXPAR_TIMEOUT, as for any collective,
+    then for make() however long it takes, up to an hour or FXPAR_TIMEOUT if longer: they
+    block on keys of the job's c10d store, whose waits take a timeout each (the groups'
+    collectives are bounded by FXPAR_TIMEOUT), then take the value by broadcast (a tree over
+    the ranks, not each one reading the store's single server)."""
+    global _from_rank_0
+    key = f"fxpar/from_rank_0/{_from_rank_0}"
+    _from_rank_0 += 1
+    store = dist.distributed_c10d._get_default_store()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        store.set(key + "/begun", "1")
+        try:
+            box[0] = ("value", make())
+        except Exception as e:
+            box[0] = ("error", _portable(e))
+            store.set(key, "error")
+            dist.broadcast_object_list(box, src=0, group=group)
+            raise
+        store.set(key, "value")
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0][1]
+    long = max(timeout(), datetime.timedelta(hours=1))
+    for k, limit, what in ((key + "/begun", timeout(), "to begin compiling the Program"),
+                           (key, long, "to compile the Program")):
+        try:
+            store.wait([k], limit)
+        except Exception as e:  # noqa: BLE001 - c10d's timeout error names no cause
+            raise FxparError(
+                f"rank {dist.get_rank()} waited {limit.total_seconds():.0f} s for rank 0 {what}"
+                f": rank 0 failed or is stuck before it, see its log ({type(e).__name__}: "
+                f"{e})") from None
+    dist.broadcast_object_list(box, src=0, group=group)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def _portable(e: BaseException) -> BaseException:
+    """e as it can be pickled to the other ranks: itself, or an FxparError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - an exception whose arguments do not pickle
+        return FxparError(f"{type(e).__name__}: {e}")
 
 
 def _open_default_group(backend: str) -> None:

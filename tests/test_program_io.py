@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -103,3 +105,113 @@ def test_a_loaded_program_runs_without_the_compiler_exactly_as_parallelize(tmp_p
     assert got["evaluate"] == pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
     with pytest.raises(FxparError, match="bound to its process groups"):
         save_program(pm.program, tmp_path / "bound.fxpar")
+
+
+def test_a_loaded_graph_is_put_on_the_loading_ranks_device():
+    """A graph compiled on rank 0 (cuda:0) loads on rank 3 with its fake values, device
+    arguments and constants of that type on cuda:3; other devices stay."""
+    from fxpar.core import program_io
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ones = g.call_function(torch.ops.aten.ones.default, ([4],),
+                           {"device": torch.device("cuda", 0)})
+    on_host = g.call_function(torch.ops.aten.ones.default, ([4],), {"device": torch.device("cpu")})
+    c = g.get_attr("_tensor_constant0")
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (x, ones)), on_host, c))
+    root = torch.nn.Module()
+    root._tensor_constant0 = torch.zeros(2)
+    gm = torch.fx.GraphModule(root, g)
+    with mode:
+        for n, dev in ((x, "cuda:0"), (ones, "cuda:0"), (on_host, "cpu")):
+            n.meta[ir.VAL] = torch.empty(4, device=dev)
+    back = program_io.decode_graph(program_io.encode_graph(gm), FakeTensorMode(),
+                                   torch.device("cuda", 3))
+    vals = {n.name: n.meta.get(ir.VAL) for n in back.graph.nodes}
+    assert str(vals[x.name].device) == str(vals[ones.name].device) == "cuda:3"
+    assert str(vals[on_host.name].device) == "cpu"
+    ones_node = next(n for n in back.graph.nodes if n.name == ones.name)
+    assert ones_node.kwargs["device"] == torch.device("cuda", 3)
+    assert back._tensor_constant0.device.type == "cpu"  # (a host constant stays there)
+
+
+def test_the_passes_reports_go_to_another_rank_not_to_a_file():
+    """dumps(reports=True), what parallelize sends rank 0's Program with, keeps every
+    snapshot's gm.meta (the passes' Decisions: their objects import on a rank that has the
+    compiler); a file keeps only what loads without the compiler."""
+    from fxpar.core import program_io
+    prog = fxpar.compile(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
+                         plan={"dp": 2, "remat": "sqrt"})
+    sent = program_io.loads(program_io.dumps(prog, evaluate=False, reports=True))
+    filed = program_io.loads(program_io.dumps(prog, evaluate=False))
+    dropped = 0
+    for name, roles in prog.stage_graphs.items():
+        for role, gm in roles.items():
+            assert sent.stage_graphs[name][role].meta.keys() == gm.meta.keys(), name
+            dropped += len(gm.meta.keys() - filed.stage_graphs[name][role].meta.keys())
+    assert sent.stage_graphs["remat"]["dp"].meta["remat"].recomputed == \
+        prog.stage_graphs["remat"]["dp"].meta["remat"].recomputed != []
+    assert dropped > 0
+
+
+def _compiled_once_rank():
+    """Rank 0 compiles; rank 1 loads: their compile rows, losses and evaluate(); then a model
+    that cannot be traced: the same error on both ranks."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                           plan={"dp": 2, "tp": 1})
+    rows = [name for name, *_ in pm.compile_times]
+    losses = [pm.step(M.gpt_batch(CFG, 8, seed=s)).item() for s in range(2)]
+    ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
+
+    class Untraceable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return (y * 2 if y.sum().item() > 0 else y).pow(2).mean()
+    try:
+        fxpar.parallelize(Untraceable(), 2, example_batch=torch.randn(4, 4),
+                          plan={"dp": 2}, batch="local")
+        error = None
+    except Exception as e:  # noqa: BLE001 - compared across the ranks below
+        error = (type(e).__name__, str(e))
+    return {"rank": rank, "rows": rows, "losses": losses, "eval": ev, "error": error}
+
+
+def test_a_job_compiles_on_rank_0_and_the_other_ranks_load_its_program():
+    """fxpar.parallelize on 2 ranks: rank 0 captures and runs the passes, rank 1 loads the
+    Program it sends (one "program from rank 0" row, no capture) and evaluate()'s program at
+    the first evaluate; both train alike. A model rank 0 cannot trace raises the same error
+    on both ranks, not a wait on rank 1."""
+    r0, r1 = fxpar.launch(_compiled_once_rank, 2).values()
+    assert "capture" in r0["rows"] and "program to the ranks" in r0["rows"]
+    assert "capture" not in r1["rows"] and "program from rank 0" in r1["rows"]
+    assert r0["losses"] == r1["losses"] and r0["eval"] == r1["eval"]
+    assert r0["error"] == r1["error"] and r0["error"][0] == "TraceError", r0["error"]
+    assert ".item()" in r0["error"][1]
+
+
+def _late_rank_0(delay):
+    from fxpar.runtime import dist as rdist
+    world = rdist.setup(2)
+    if world.rank == 0:
+        time.sleep(delay)
+    try:
+        return rdist.from_rank_0(lambda: "made")
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return f"{type(e).__name__}: {e}"
+
+
+def test_ranks_wait_for_rank_0_to_begin_within_the_timeout(monkeypatch):
+    """A rank 0 that never reaches the compile (failed or stuck before it) ends the other
+    ranks' wait after FXPAR_TIMEOUT, naming rank 0, not after the compile's hour."""
+    monkeypatch.setenv("FXPAR_TIMEOUT", "2")
+    got = fxpar.launch(_late_rank_0, 2, 6)
+    assert got[1].startswith("FxparError: rank 1 waited 2 s for rank 0 to begin compiling"), got
+    assert fxpar.launch(_late_rank_0, 2, 0) == {0: "made", 1: "made"}
