@@ -8,7 +8,12 @@ A meta or gm.meta entry that cannot be pickled, or whose classes live in the com
 passes (the passes' reports, torch's `original_aten`), is left out: the Program's own fields
 carry every decision the runtime reads. Left out too: the planner's report (`plan_report`,
 the compiler's objects) and `build_eval`, a closure - evaluate()'s program is compiled when
-the Program is saved and saved beside it, so a loaded Program never compiles.
+the Program is saved and saved beside it, so a loaded Program never compiles. A loaded
+Program's snapshots (`stage_graphs`, for pictures) are decoded when first read.
+
+`dumps`/`loads` carry a Program between the ranks of one job (`fxpar.parallelize` compiles
+on rank 0): the passes' reports kept, as the receiving rank has the compiler, and each graph
+put on the receiving rank's own device.
 
 Why not torch.save / pickle of the GraphModules: a GraphModule pickles as its generated
 Python code and drops node.meta, which the runtime reads (regions, buckets, stages). Why not
@@ -16,19 +21,22 @@ torch.export's serializer: it takes an ExportedProgram, not a graph with functio
 collectives and fxpar's metadata. The file is a pickle: load only files you trust."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import importlib
 import pickle
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fxpar.core import ir
 from fxpar.core.errors import FxparError
 
-FORMAT = 2
+FORMAT = 3
 _LAYERS_ABOVE = (b"fxpar.compiler", b"fxpar.passes", b"fxpar.api")
 
 
@@ -86,23 +94,52 @@ def _pickled(value, what: str, reports: bool = False) -> bytes:
     return data
 
 
-def _plain(value, reports: bool = False) -> bool:
-    """Whether a metadata value can go to disk and come back without the compiler (with
-    `reports`: to a process that has it)."""
-    try:
-        data = pickle.dumps(value)
-    except Exception:  # noqa: BLE001 - not picklable: left out (module docstring)
-        return False
-    return reports or not any(layer in data for layer in _LAYERS_ABOVE)
+_ATOMS = (str, int, float, bool, type(None))
 
 
-def _encode_val(v, reports: bool = False):
-    if isinstance(v, torch.Tensor):
-        return _Spec(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype,
-                     str(v.device))
-    if isinstance(v, (list, tuple)):
-        return type(v)(_encode_val(x, reports) for x in v)
-    return v if _plain(v, reports) else None
+class _Writer:
+    """Encodes a Program's graphs. `reports`: the passes' reports in the metadata kept, for a
+    process that has the compiler (another rank of the job), not for a file. What pickles is
+    remembered per object: the passes' snapshots share their metadata values with the graph."""
+
+    def __init__(self, reports: bool):
+        self.reports, self.seen = reports, {}
+
+    def plain(self, value) -> bool:
+        """Whether a metadata value can go where it is sent (module docstring)."""
+        if type(value) in _ATOMS:
+            return True
+        got = self.seen.get(id(value))
+        if got is None:
+            try:
+                data = pickle.dumps(value)
+                got = self.reports or not any(layer in data for layer in _LAYERS_ABOVE)
+            except Exception:  # noqa: BLE001 - not picklable: left out (module docstring)
+                got = False
+            self.seen[id(value)] = (got, value)  # (the value kept: its id stays its own)
+            return got
+        return got[0]
+
+    def val(self, v):
+        if isinstance(v, torch.Tensor):
+            return _Spec(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype,
+                         str(v.device))
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.val(x) for x in v)
+        return v if self.plain(v) else None
+
+    def graph(self, gm: torch.fx.GraphModule) -> dict:
+        nodes = []
+        for n in gm.graph.nodes:
+            meta = {k: (self.val(v) if k == ir.VAL else v) for k, v in n.meta.items()
+                    if k == ir.VAL or self.plain(v)}
+            args = _encode_args((n.args, n.kwargs))
+            if not self.reports:  # (a file: each node's arguments checked, to name it)
+                _pickled(args, f"node {n.name}'s arguments")
+            nodes.append((n.op, n.name, _target(n.target), args, meta))
+        attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        meta = {k: v for k, v in gm.meta.items() if self.plain(v)}
+        return {"nodes": nodes, "attrs": attrs, "meta": meta}
 
 
 def _on(device: torch.device, here: torch.device | None) -> torch.device:
@@ -116,8 +153,8 @@ def _decode_val(v, mode: FakeTensorMode, here: torch.device | None = None):
         t = torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta")
         if v.storage_offset:
             t = t.as_strided(v.shape, v.stride, v.storage_offset)
-        return mode.fake_tensor_converter.from_meta_and_device(
-            mode, t, _on(torch.device(v.device), here))
+        return FakeTensor(mode, t, _on(torch.device(v.device), here))  # (a fresh meta tensor:
+        # the converter's memo, which from_meta_and_device fills, is never asked of it)
     if isinstance(v, (list, tuple)):
         return type(v)(_decode_val(x, mode, here) for x in v)
     return v
@@ -129,16 +166,7 @@ def _encode_args(a):
 
 
 def encode_graph(gm: torch.fx.GraphModule, reports: bool = False) -> dict:
-    nodes = []
-    for n in gm.graph.nodes:
-        meta = {k: (_encode_val(v, reports) if k == ir.VAL else v) for k, v in n.meta.items()
-                if k == ir.VAL or _plain(v, reports)}
-        args = _encode_args((n.args, n.kwargs))
-        nodes.append((n.op, n.name, _target(n.target), _pickled(args, f"node {n.name}'s "
-                                                                      "arguments"), meta))
-    attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    meta = {k: v for k, v in gm.meta.items() if _plain(v, reports)}
-    return {"nodes": nodes, "attrs": attrs, "meta": meta}
+    return _Writer(reports).graph(gm)
 
 
 def decode_graph(d: dict, mode: FakeTensorMode,
@@ -151,7 +179,7 @@ def decode_graph(d: dict, mode: FakeTensorMode,
             return made[x.name]
         return _on(x, here) if isinstance(x, torch.device) else x
     for op, name, target, args, meta in d["nodes"]:
-        args, kwargs = torch.fx.node.map_aggregate(pickle.loads(args), arg)
+        args, kwargs = torch.fx.node.map_aggregate(args, arg)
         node = g.create_node(op, _resolve(target), tuple(args), dict(kwargs), name=name)
         node.meta = {k: (_decode_val(v, mode, here) if k == ir.VAL else v)
                      for k, v in meta.items()}
@@ -166,18 +194,19 @@ def decode_graph(d: dict, mode: FakeTensorMode,
     return gm
 
 
-def _encode(value, reports: bool = False):
+def _encode(value, w: _Writer):
     """A Program field's value on disk: graphs node by node, pipeline parts likewise."""
     if isinstance(value, torch.fx.GraphModule):
-        return ("graph", encode_graph(value, reports))
+        return ("graph", w.graph(value))
     if isinstance(value, ir.PipelineProgram):
         parts = {k: dataclasses.replace(p, graph=None) for k, p in value.parts.items()}
         return ("pipeline", dataclasses.replace(value, parts=parts),
-                {k: encode_graph(p.graph, reports) for k, p in value.parts.items()})
-    if isinstance(value, dict) and value and all(
-            isinstance(v, dict) and all(isinstance(g, torch.fx.GraphModule) for g in v.values())
+                {k: w.graph(p.graph) for k, p in value.parts.items()})
+    if isinstance(value, Mapping) and value and all(
+            isinstance(v, Mapping) and all(isinstance(g, torch.fx.GraphModule)
+                                           for g in v.values())
             for v in value.values()):  # stage_graphs: {pass: {role: snapshot}}
-        return ("snapshots", {k: {r: encode_graph(g, reports) for r, g in v.items()}
+        return ("snapshots", {k: {r: w.graph(g) for r, g in v.items()}
                               for k, v in value.items()})
     return ("value", value)
 
@@ -192,25 +221,57 @@ def _decode(enc, mode: FakeTensorMode, here: torch.device | None):
                  for k, p in pipeline.parts.items()}
         return dataclasses.replace(pipeline, parts=parts)
     if kind == "snapshots":
-        return {k: {r: decode_graph(g, mode, here) for r, g in v.items()}
-                for k, v in enc[1].items()}
+        return _Snapshots(enc[1], mode, here)
     return enc[1]
+
+
+class _Snapshots(Mapping):
+    """stage_graphs as loaded: a pass's snapshots are decoded when first read (for pictures
+    and tests; a job's other ranks mostly never read them, and they are most of the graphs)."""
+
+    def __init__(self, encoded: dict, mode: FakeTensorMode, here: torch.device | None):
+        self._encoded, self._mode, self._here, self._read = encoded, mode, here, {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self._read:
+            self._read[name] = {r: decode_graph(g, self._mode, self._here)
+                                for r, g in self._encoded[name].items()}
+        return self._read[name]
+
+    def __iter__(self):
+        return iter(self._encoded)
+
+    def __len__(self) -> int:
+        return len(self._encoded)
 
 
 _NOT_SAVED = ("plan_report", "build_eval", "bound_groups")
 
 
 def _encode_program(program: ir.Program, reports: bool) -> dict:
-    out = {}
+    out, w = {}, _Writer(reports)
     for f in dataclasses.fields(program):
         if f.name in _NOT_SAVED:
             continue
         value = getattr(program, f.name)
-        enc = _encode(value, reports)
+        enc = _encode(value, w)
         if enc[0] == "value":
             _pickled(value, f"its field {f.name}", reports)
         out[f.name] = enc
     return out
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """The cyclic garbage collector off: making a graph's many small objects triggers full
+    collections over the whole heap (2-3x the time of a dump or a load, measured)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def dumps(program: ir.Program, *, evaluate: bool = True, reports: bool = False) -> bytes:
@@ -222,11 +283,12 @@ def dumps(program: ir.Program, *, evaluate: bool = True, reports: bool = False) 
         raise FxparError("cannot save a Program a runtime has bound to its process groups: "
                          "save the one fxpar.compile returns, before running it")
     eval_program = program.build_eval() if evaluate and program.build_eval is not None else None
-    payload = {"format": FORMAT, "torch": torch.__version__,
-               "program": _encode_program(program, reports),
-               "evaluate": None if eval_program is None else
-               _encode_program(eval_program, reports)}
-    return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    with _no_collection():
+        payload = {"format": FORMAT, "torch": torch.__version__,
+                   "program": _encode_program(program, reports),
+                   "evaluate": None if eval_program is None else
+                   _encode_program(eval_program, reports)}
+        return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def loads(data: bytes, *, device: torch.device | None = None, source: str = "a Program"
@@ -234,7 +296,7 @@ def loads(data: bytes, *, device: torch.device | None = None, source: str = "a P
     """The Program `dumps` made, its fake values rebuilt; evaluate()'s program (if saved) is
     its build_eval. `device`: this process's device; the saved graphs' devices of its type
     (the compiling rank's cuda:0) become it. `source` names the bytes in errors."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _no_collection():
         # (torch's own TreeSpec pickles warn about themselves: the batch's pytree spec)
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         payload = pickle.loads(data)
@@ -249,10 +311,11 @@ def loads(data: bytes, *, device: torch.device | None = None, source: str = "a P
 
     def program_of(fields, **more):
         return ir.Program(**{k: _decode(v, mode, here) for k, v in fields.items()}, **more)
-    if payload["evaluate"] is None:
-        return program_of(payload["program"])
-    eval_program = program_of(payload["evaluate"])
-    return program_of(payload["program"], build_eval=lambda: eval_program)
+    with _no_collection():
+        if payload["evaluate"] is None:
+            return program_of(payload["program"])
+        eval_program = program_of(payload["evaluate"])
+        return program_of(payload["program"], build_eval=lambda: eval_program)
 
 
 def save_program(program: ir.Program, path, *, evaluate: bool = True) -> None:

@@ -8,6 +8,7 @@ pass and not the planner; fxpar.parallelize (api/parallelize.py) wires the two t
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -161,8 +162,8 @@ class ParallelModel:
             generated = self._codegen(program, parts, clock)
             self._generated[id(program)] = generated["joint"]
         if program.codegen == "inductor" and generated is not parts:
-            self.stage_graphs = {**program.stage_graphs,
-                                 "codegen": _marked_runs(parts, generated)}
+            self.stage_graphs = collections.ChainMap(  # (a loaded Program's snapshots
+                {"codegen": _marked_runs(parts, generated)}, program.stage_graphs)  # unread)
         zero3_shards = None
         if weights is not None:  # only this rank's part of each tensor is read and made
             with clock("materialise weights"):
