@@ -64,7 +64,7 @@ class World:
 
 
 _opened = 0  # process groups fxpar has opened in this process
-_from_rank_0 = 0  # from_rank_0 calls in this process (every rank counts alike): store keys
+_from_rank_0: dict[str, int] = {}  # from_rank_0 calls per group (its ranks count alike)
 
 
 def from_rank_0(make: Callable[[], Any], group=None) -> Any:
@@ -76,9 +76,9 @@ def from_rank_0(make: Callable[[], Any], group=None) -> Any:
     block on keys of the job's c10d store, whose waits take a timeout each (the groups'
     collectives are bounded by FXPAR_TIMEOUT), then take the value by broadcast (a tree over
     the ranks, not each one reading the store's single server)."""
-    global _from_rank_0
-    key = f"fxpar/from_rank_0/{_from_rank_0}"
-    _from_rank_0 += 1
+    name = "world" if group is None else group.group_name
+    n = _from_rank_0[name] = _from_rank_0.get(name, -1) + 1
+    key = f"fxpar/from_rank_0/{name}/{n}"
     store = dist.distributed_c10d._get_default_store()
     box: list[Any] = [None]
     if dist.get_rank() == 0:
