@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fxpar.api import autoplan
 from fxpar.compiler import capture, codegen, planner
 from fxpar.compiler.capture import meta_tensors
-from fxpar.compiler.compile import build, model_state_bytes, reusable
+from fxpar.compiler.compile import build, eval_builder, model_state_bytes, reusable
 from fxpar.compiler.memory_model import OPTIMIZER_STATES, optimizer_kind
 from fxpar.core import ir, program_io
 from fxpar.core.cost import device_memory
@@ -204,7 +204,9 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     program, shared_s = _compiled_once(  # plan_report: planner.PlanResult or None
         world, lambda: build(model, example_batch, loss_fn, resolved, world.device,
                              captured=captured, plan_report=plan_report),
-        plan_report, eval_group=world.mesh.get_group("dp") if resolved.ps and not server else None)
+        plan_report, lambda p: eval_builder(model, example_batch, loss_fn, resolved,
+                                            world.device, p.tp_layouts if p.tp > 1 else None),
+        eval_group=world.mesh.get_group("dp") if resolved.ps and not server else None)
     del captured
     clock.extend(program.compile_times)
     if world.size > 1:
@@ -227,14 +229,18 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     return pm
 
 
-def _compiled_once(world, compile_program: Callable[[], ir.Program], plan_report, *,
+def _compiled_once(world, compile_program: Callable[[], ir.Program], plan_report,
+                   local_eval: Callable[[ir.Program], Callable[[], ir.Program]], *,
                    eval_group=None) -> tuple[ir.Program, float]:
     """Rank 0 compiles; every other rank loads its Program (core/program_io, the passes'
     reports kept), and evaluate()'s program likewise when first asked (over `eval_group`:
     Plan.ps's workers). So every rank runs one Program, whatever in its process could make a
     compile differ; the compile's CPU time and host memory are spent once per job, not once
     per rank (eight times on an 8-GPU node's host); and a compile error is raised on every
-    rank. Returns the Program and the seconds spent sending or waiting for it."""
+    rank. A Program that does not pickle (a graph calling a function made at compile time)
+    is compiled by every rank, as rank 0 did. `local_eval(program)`: this rank's builder of
+    evaluate()'s program, for the same case. Returns the Program and the seconds spent
+    sending or waiting for it."""
     if world.size == 1:
         return compile_program(), 0.0
     t = time.perf_counter()
@@ -244,32 +250,46 @@ def _compiled_once(world, compile_program: Callable[[], ir.Program], plan_report
         mine.append(compile_program())
         nonlocal t
         t = time.perf_counter()  # (rank 0: the compile has its own rows)
-        return (program_io.dumps(mine[0], evaluate=False, reports=True),
-                mine[0].build_eval is not None)
+        return _sendable(mine[0]), mine[0].build_eval is not None
     data, has_eval = rdist.from_rank_0(make)
+    if data is None:  # (why: logged on rank 0) every rank compiles, evaluate()'s too
+        return (mine[0] if mine else compile_program()), time.perf_counter() - t
     if mine:
         program = mine[0]
     else:  # (this rank's own planner report: a planned job's ranks all re-fit it)
         program = program_io.loads(data, device=world.device, source="rank 0's Program")
-        program = dataclasses.replace(program, plan_report=plan_report, compile_times=[])
+        program = dataclasses.replace(program, plan_report=plan_report, compile_times=[],
+                                      build_eval=local_eval(program) if has_eval else None)
     if has_eval:
         program = dataclasses.replace(program, build_eval=_evaluate_compiled_once(
             world, program.build_eval, eval_group))
     return program, time.perf_counter() - t
 
 
+def _sendable(program: ir.Program) -> bytes | None:
+    """The Program as bytes for the other ranks, or None where it does not pickle."""
+    try:
+        return program_io.dumps(program, evaluate=False, reports=True)
+    except Exception as e:  # noqa: BLE001 - any reason: each rank compiles its own instead
+        log.info("the Program cannot be sent to the other ranks (%s: %s): each compiles its "
+                 "own", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
 def _evaluate_compiled_once(world, build_eval, group) -> Callable[[], ir.Program]:
     """build_eval on rank 0, its Program loaded on the others (evaluate() is collective: every
-    rank asks at once)."""
+    rank asks at once); where it does not pickle, each rank's own build_eval."""
     def shared():
         mine = []
 
         def make():
             mine.append(build_eval())
-            return program_io.dumps(mine[0], evaluate=False, reports=True)
+            return _sendable(mine[0])
         data = rdist.from_rank_0(make, group)
-        return mine[0] if mine else program_io.loads(data, device=world.device,
-                                                     source="rank 0's evaluate() Program")
+        if mine:
+            return mine[0]
+        return build_eval() if data is None else program_io.loads(
+            data, device=world.device, source="rank 0's evaluate() Program")
     return shared
 
 

@@ -102,6 +102,17 @@ def reusable(captured: tuple | None, plan: Plan, device: torch.device) -> tuple 
     return captured
 
 
+def eval_builder(model, example_batch, loss_fn, plan: Plan, device: torch.device,
+                 tp_layouts: list | None) -> Callable[[], ir.Program]:
+    """evaluate()'s forward-only program, compiled on first use from stand-ins made now (the
+    runtime shards the model's own tensors later), so it never needs the full weights back in
+    the model. It keeps the training program's tp layouts (`tp_layouts`; the forward-only
+    graph alone could decide other splits), whose shards the runtime holds."""
+    stand_ins = cap.fake_weights(model, device, everything=True)
+    return lambda: build(model, example_batch, loss_fn, plan, device, joint=False,
+                         stand_ins=stand_ins, tp_layouts=tp_layouts)
+
+
 def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
           joint: bool = True, stand_ins: dict | None = None,
           captured: tuple | None = None, plan_report=None,
@@ -186,16 +197,10 @@ def build(model, example_batch, loss_fn, plan: Plan, device: torch.device, *,
             verify(local_graph)
         snapshots["local gradients"] = {"joint": snapshot(local_graph)}
     build_eval = None
-    if joint:  # evaluate()'s forward-only program: compiled on first use, from the stand-ins
-        # made now (the runtime shards the model's own tensors later), so it never needs the
-        # full weights back in the model
+    if joint:
         with clock("evaluate stand-ins"):
-            eval_stand_ins = cap.fake_weights(model, device, everything=True)
-        # (the forward-only graph alone can decide other tp splits than the joint one did:
-        # it keeps the training program's, whose shards the runtime holds)
-        layouts = d.get(ir.TP_LAYOUTS)
-        build_eval = lambda: build(model, example_batch, loss_fn, plan, device,  # noqa: E731
-                                   joint=False, stand_ins=eval_stand_ins, tp_layouts=layouts)
+            build_eval = eval_builder(model, example_batch, loss_fn, plan, device,
+                                      d.get(ir.TP_LAYOUTS))
     piped = pipeline is not None
     return ir.Program(
         graph=gm, signature=sig, dp=plan.dp, batch_shard_dims=d[ir.BATCH_SHARD_DIMS],

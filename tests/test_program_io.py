@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -176,24 +177,46 @@ def _compiled_once_rank():
         def forward(self, x):
             y = self.lin(x)
             return (y * 2 if y.sum().item() > 0 else y).pow(2).mean()
+    # a Program that does not pickle (here: made so on rank 0): each rank compiles its own
+    from fxpar.core import program_io
+    dumps = program_io.dumps
+
+    def unpicklable(*args, **kwargs):
+        raise pickle.PicklingError("Can't pickle <function made at compile time>")
+    program_io.dumps = unpicklable if rank == 0 else dumps
+    try:
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                               plan={"dp": 2})
+        own_rows = [name for name, *_ in pm.compile_times]
+        own = [pm.step(M.gpt_batch(CFG, 8, seed=s)).item() for s in range(2)]
+        own_ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
+    finally:
+        program_io.dumps = dumps
     try:
         fxpar.parallelize(Untraceable(), 2, example_batch=torch.randn(4, 4),
                           plan={"dp": 2}, batch="local")
         error = None
     except Exception as e:  # noqa: BLE001 - compared across the ranks below
         error = (type(e).__name__, str(e))
-    return {"rank": rank, "rows": rows, "losses": losses, "eval": ev, "error": error}
+    return {"rank": rank, "rows": rows, "losses": losses, "eval": ev, "error": error,
+            "own": (own_rows, own, own_ev)}
 
 
 def test_a_job_compiles_on_rank_0_and_the_other_ranks_load_its_program():
     """fxpar.parallelize on 2 ranks: rank 0 captures and runs the passes, rank 1 loads the
     Program it sends (one "program from rank 0" row, no capture) and evaluate()'s program at
-    the first evaluate; both train alike. A model rank 0 cannot trace raises the same error
+    the first evaluate; both train alike. Where rank 0's Program does not pickle, each rank
+    compiles its own, with the same result. A model rank 0 cannot trace raises the same error
     on both ranks, not a wait on rank 1."""
     r0, r1 = fxpar.launch(_compiled_once_rank, 2).values()
     assert "capture" in r0["rows"] and "program to the ranks" in r0["rows"]
     assert "capture" not in r1["rows"] and "program from rank 0" in r1["rows"]
     assert r0["losses"] == r1["losses"] and r0["eval"] == r1["eval"]
+    for r in (r0, r1):  # (rank 0's Program did not pickle: each rank compiled its own)
+        rows, losses, ev = r["own"]
+        assert "capture" in rows and (losses, ev) == (r0["losses"], r0["eval"])
     assert r0["error"] == r1["error"] and r0["error"][0] == "TraceError", r0["error"]
     assert ".item()" in r0["error"][1]
 
