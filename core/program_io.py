@@ -160,9 +160,23 @@ def _decode_val(v, mode: FakeTensorMode, here: torch.device | None = None):
     return v
 
 
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """An op as a node argument on disk (RNG replay's wrapped op), by its qualified name: an
+    OpOverload does not pickle (its kernels are Python functions torch re-wraps)."""
+    spec: tuple
+
+
+def _encode_arg(x):
+    if isinstance(x, torch.fx.Node):
+        return _Ref(x.name)
+    if isinstance(x, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return _Op(_target(x))
+    return x
+
+
 def _encode_args(a):
-    return torch.fx.node.map_aggregate(
-        a, lambda x: _Ref(x.name) if isinstance(x, torch.fx.Node) else x)
+    return torch.fx.node.map_aggregate(a, _encode_arg)
 
 
 def encode_graph(gm: torch.fx.GraphModule, reports: bool = False) -> dict:
@@ -177,6 +191,8 @@ def decode_graph(d: dict, mode: FakeTensorMode,
     def arg(x):
         if isinstance(x, _Ref):
             return made[x.name]
+        if isinstance(x, _Op):
+            return _resolve(x.spec)
         return _on(x, here) if isinstance(x, torch.device) else x
     for op, name, target, args, meta in d["nodes"]:
         args, kwargs = torch.fx.node.map_aggregate(args, arg)

@@ -33,6 +33,7 @@ class KernelCall:
         self.fallback: str | None = None  # why this kernel runs as its ATen ops instead
         self.layouts: list | None = None  # set by for_node: the node's output layouts
         self._ran_on: str | None = None  # bound to a node (fixed shapes): it ran on this device
+        self.key: tuple | None = None  # where this module keeps it (`_kernel`), set below
 
     def supports(self, *args, **kwargs) -> str | None:
         args, kwargs = _vals(args, kwargs)
@@ -65,14 +66,24 @@ class KernelCall:
     def __repr__(self):
         return f"<kernel {self.name}>"
 
+    def __reduce__(self):
+        # (by where this module keeps it, and the layouts it is bound to: its functions
+        # include closures; the process loading it, a rank of the same job, has the same)
+        if self.key is None:
+            raise TypeError(f"{self!r} is not one of fxpar.kernels.library's kernels")
+        return _kernel, (self.key, self.layouts)
+
     def for_node(self, node: torch.fx.Node) -> "KernelCall":
         """A copy bound to one graph node: its tensor results are given the shapes and
         strides the node's meta["val"] promises (later views and transfers rely on them)."""
-        bound = KernelCall(self.name, self.kernel, self.reference, self._supports)
-        bound.launched, bound.layouts = self.launched, [
+        return self._bound([
             (tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else None
             for v in (node.meta["val"] if isinstance(node.meta["val"], (tuple, list))
-                      else [node.meta["val"]])]
+                      else [node.meta["val"]])])
+
+    def _bound(self, layouts: list) -> "KernelCall":
+        bound = KernelCall(self.name, self.kernel, self.reference, self._supports)
+        bound.launched, bound.layouts, bound.key = self.launched, layouts, self.key
         inner = bound.kernel
 
         def conformed(*args, **kwargs):
@@ -310,3 +321,16 @@ def _rms_reference(x, w, eps):
 rms_norm_forward = KernelCall(
     "rms_norm", rmsnorm.rms_norm_forward, _rms_reference,
     lambda x, w, eps: rmsnorm.supports(x, w))
+
+for _op, _k in SINGLE_OP.items():
+    _k.key = ("op", str(_op))
+for _name in ("cross_entropy_forward", "cross_entropy_backward", "rms_norm_forward"):
+    globals()[_name].key = ("attr", _name)
+
+
+def _kernel(key: tuple, layouts: list | None) -> KernelCall:
+    """The kernel `key` names (KernelCall.__reduce__), bound to `layouts` if it was."""
+    kind, name = key
+    base = next(k for op, k in SINGLE_OP.items() if str(op) == name) if kind == "op" \
+        else globals()[name]
+    return base if layouts is None else base._bound(layouts)

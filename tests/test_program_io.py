@@ -239,3 +239,56 @@ def test_ranks_wait_for_rank_0_to_begin_within_the_timeout(monkeypatch):
     got = fxpar.launch(_late_rank_0, 2, 6)
     assert got[1].startswith("FxparError: rank 1 waited 2 s for rank 0 to begin compiling"), got
     assert fxpar.launch(_late_rank_0, 2, 0) == {0: "made", 1: "made"}
+
+
+def test_remats_replayed_dropout_round_trips_with_its_op():
+    """Remat's RNG replay wraps a dropout: run_and_save_rng_state's first argument is the
+    op (aten.native_dropout), which pickle cannot take; it is saved by name and comes back
+    as the same op, and the loaded Program trains as the compiled one."""
+    from fxpar.core import program_io
+    cfg = dataclasses.replace(CFG, dropout=0.1)
+    plan = {"remat": "sqrt", "codegen": "eager"}
+    prog = fxpar.compile(M.GPT(cfg), 1, example_batch=M.gpt_batch(cfg, 8), plan=plan)
+    back = program_io.loads(program_io.dumps(prog, evaluate=False))
+    wrapped = [n.args[0] for n in back.graph.graph.nodes
+               if getattr(n.target, "__name__", "") == "run_and_save_rng_state"]
+    assert wrapped and all(op is torch.ops.aten.native_dropout.default for op in wrapped)
+    from fxpar.runtime import dist as rdist
+    from fxpar.runtime.trainer import ParallelModel
+    runs = []
+    for p in (prog, back):
+        torch.manual_seed(0)
+        pm = ParallelModel(M.GPT(cfg), rdist.setup(1), p,
+                           lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        torch.manual_seed(5)
+        runs.append([pm.step(M.gpt_batch(cfg, 8, seed=s)).item() for s in range(2)])
+    assert runs[0] == runs[1]
+
+
+def test_fused_kernels_round_trip_by_their_place_in_the_library():
+    """The fusion pass's kernels (bound to their nodes' layouts, under the Triton
+    interpreter on CPU) are node targets with closures; they are saved as the library's
+    kernel and layouts, and come back bound to the same."""
+    from fxpar.compiler.pass_manager import PassContext
+    from fxpar.core import program_io
+    from fxpar.kernels.jit import interpreter
+    from fxpar.kernels.library import KernelCall
+    from fxpar.passes import fusion
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(lambda x: torch.softmax(x, -1).sum(), tracing_mode="fake")(torch.randn(6, 10))
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[ir.REGION], n.meta[ir.MODULE] = ir.FORWARD, ""
+    with interpreter():
+        fusion.run(gm, fusion.Options(), PassContext(signature=None, device="cpu"))
+    kernels = [n for n in gm.graph.nodes if isinstance(n.target, KernelCall)]
+    assert kernels
+    back = program_io.decode_graph(program_io.encode_graph(gm), program_io.FakeTensorMode())
+    got = {n.name: n.target for n in back.graph.nodes}
+    for n in kernels:
+        k = got[n.name]
+        assert isinstance(k, KernelCall) and (k.name, k.key, k.layouts) == (
+            n.target.name, n.target.key, n.target.layouts)
+    x = torch.randn(6, 10)
+    with interpreter():
+        assert torch.allclose(back(x), torch.softmax(x, -1).sum())
