@@ -235,9 +235,9 @@ def _compiled_once(world, compile_program: Callable[[], ir.Program], plan_report
     """Rank 0 compiles; every other rank loads its Program (core/program_io, the passes'
     reports kept), and evaluate()'s program likewise when first asked (over `eval_group`:
     Plan.ps's workers). So every rank runs one Program, whatever in its process could make a
-    compile differ; the compile's CPU time and host memory are spent once per job, not once
-    per rank (eight times on an 8-GPU node's host); and a compile error is raised on every
-    rank. A Program that does not pickle (a graph calling a function made at compile time)
+    compile differ; the compile's CPU time is spent once per job, not once per rank (eight
+    times on an 8-GPU node's host, whose ranks share its cores); and a compile error is
+    raised on every rank. A Program that does not pickle (a graph calling a function made at compile time)
     is compiled by every rank, as rank 0 did. `local_eval(program)`: this rank's builder of
     evaluate()'s program, for the same case. Returns the Program and the seconds spent
     sending or waiting for it."""

@@ -31,6 +31,13 @@ What a user waits for: `parallelize` and the first step's extra time over a stea
 of benchmarks/first_steps.py; per depth a first job (each in a fresh process, an empty
 cache) and a later job (a fresh process, that cache), with the ratio to the first depth's.
 
+    python benchmarks/compile_time.py --ranks 4 [--layers 12]
+
+A job's compile on N CPU ranks (fxpar.launch, gloo): fxpar.parallelize, which compiles on
+rank 0 and sends the Program to the others, against every rank compiling it at once
+(fxpar.compile on each rank, the same plan), each run a fresh launch, interleaved, median
+of 3: the seconds until every rank holds the Program.
+
     python benchmarks/compile_time.py --codegen [--layers 12]
 
 Code generation (Plan.codegen="inductor", compiler/codegen.py) of the one-device joint
@@ -260,6 +267,57 @@ def zoo_stamped(depth: int) -> None:
     print(counts)
 
 
+def ranks_rank(variant: str, layers: int, seq: int, width: int) -> float:
+    """On each rank of a fresh launch: every rank compiling (fxpar.compile) or parallelize's
+    compile once; seconds until this rank holds the Program."""
+    import time
+
+    import torch.distributed as dist
+
+    import fxpar
+    from fxpar.runtime import dist as rdist
+    world = int(os.environ["WORLD_SIZE"])
+    rdist.setup(world)  # (the job's default group, for the barrier)
+    ids = torch.randint(0, 50257, (2 * world, seq))
+    batch = {"input_ids": ids, "labels": ids}
+    plan = {"dp": world, "codegen": "eager"}  # (the compile, not Inductor's code generation)
+    fxpar.compile(gpt2(1, seq, 96), world, example_batch=batch, plan=plan)  # warm: imports
+    torch.manual_seed(0)
+    model = gpt2(layers, seq, width)
+    dist.barrier()
+    t = time.perf_counter()
+    if variant == "every rank":
+        fxpar.compile(model, world, example_batch=batch, plan=plan)
+        return time.perf_counter() - t
+    pm = fxpar.parallelize(model, world, example_batch=batch, plan=plan)
+    names = ("program to the ranks", "program from rank 0")
+    upto = next(i for i, r in enumerate(pm.compile_times) if r[0] in names)
+    first = next((i for i, r in enumerate(pm.compile_times) if r[0] == "capture"),
+                 upto)  # (rank 0: from its capture; the others: their wait)
+    return sum(r[1] for r in pm.compile_times[first:upto + 1])
+
+
+def ranks_vs_every_rank(world: int, layers: int, seq: int, width: int, rounds: int = 3) -> None:
+    import statistics
+
+    import fxpar
+    got: dict = {"every rank": [], "rank 0, sent": []}
+    for _ in range(rounds):  # (interleaved, each a fresh launch: a fresh heap to measure)
+        for variant, runs in got.items():
+            runs.append(fxpar.launch(ranks_rank, world, variant, layers, seq, width))
+    print(f"GPT-2 {layers} layers x {width}, sequence {seq}, dp={world}, {world} ranks "
+          f"(median of {rounds}): seconds until each rank holds the Program")
+    print(f"{'variant':>14} {'slowest rank s':>15} " +
+          " ".join(f"{'rank ' + str(r) + ' s':>9}" for r in range(world)))
+    slowest = {}
+    for variant, runs in got.items():
+        slowest[variant] = statistics.median(max(run.values()) for run in runs)
+        each = [statistics.median(run[r] for run in runs) for r in range(world)]
+        print(f"{variant:>14} {slowest[variant]:>15.2f} " +
+              " ".join(f"{t:>9.2f}" for t in each))
+    print(f"rank 0, sent / every rank: {slowest['rank 0, sent'] / slowest['every rank']:.3f}")
+
+
 def main():
     import fxpar
     from fxpar.core import ir
@@ -277,12 +335,17 @@ def main():
     ap.add_argument("--to-first-step", action="store_true",
                     help="parallelize + the first step's check, first and later job")
     ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--ranks", type=int, metavar="N",
+                    help="parallelize's compile on rank 0, sent, vs every rank compiling")
     ap.add_argument("--first-step-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--codegen-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spanning", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.zoo_stamped:
         return zoo_stamped(args.zoo_stamped)
+    if args.ranks:
+        return ranks_vs_every_rank(args.ranks, int(args.layers.split(",")[0]), args.seq,
+                                   args.width)
     if args.first_step_child:
         return first_step_child(args.first_step_child)
     if args.to_first_step:
