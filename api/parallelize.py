@@ -111,6 +111,7 @@ _PHASES = (("compiler/capture", "while capturing the model"),
            ("compiler/codegen", "while generating code (Inductor)"),
            ("kernels/", "while compiling kernels"),
            ("runtime/weights", "while loading the weights"),
+           ("runtime/dist", "on rank 0, while compiling (its error sent to every rank)"),
            ("runtime/", "while setting up the runtime (parameters, optimizer state)"),
            ("passes/", "in pass"), ("compiler/pass_manager", "while running the passes"))
 
@@ -201,17 +202,23 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
             source.init.seed = int(seed)
     example_batch = to_device(example_batch, world.device)
     captured = reusable(captured, resolved, world.device) if world.rank == 0 else None
-    program, shared_s = _compiled_once(  # plan_report: planner.PlanResult or None
-        world, lambda: build(model, example_batch, loss_fn, resolved, world.device,
-                             captured=captured, plan_report=plan_report),
-        plan_report, lambda p: eval_builder(model, example_batch, loss_fn, resolved,
-                                            world.device, p.tp_layouts if p.tp > 1 else None),
+
+    def compile_here():  # plan_report: planner.PlanResult or None
+        return build(model, example_batch, loss_fn, resolved, world.device,
+                     captured=captured, plan_report=plan_report)
+
+    def evaluate_builder(p):  # (every rank: the training program's tp layouts kept)
+        return eval_builder(model, example_batch, loss_fn, resolved, world.device,
+                            p.tp_layouts if p.tp > 1 else None)
+    program, shared = _compiled_once(
+        world, compile_here, plan_report, evaluate_builder,
         eval_group=world.mesh.get_group("dp") if resolved.ps and not server else None)
     del captured
+    if shared is not None and world.rank != 0:
+        clock.add(*shared)  # (its wait for rank 0: before the rows of its own compile)
     clock.extend(program.compile_times)
-    if world.size > 1:
-        clock.add("program to the ranks" if world.rank == 0 else "program from rank 0",
-                  shared_s)
+    if shared is not None and world.rank == 0:
+        clock.add(*shared)
     if server:
         pm = param_server.ServerRank(model, world, program, optimizer,
                                      list(range(resolved.dp)), ps_group, weights=source)
@@ -229,41 +236,44 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
     return pm
 
 
-def _compiled_once(world, compile_program: Callable[[], ir.Program], plan_report,
-                   local_eval: Callable[[ir.Program], Callable[[], ir.Program]], *,
-                   eval_group=None) -> tuple[ir.Program, float]:
+def _compiled_once(world, compile_here: Callable[[], ir.Program], plan_report,
+                   evaluate_builder: Callable[[ir.Program], Callable[[], ir.Program]], *,
+                   eval_group=None) -> tuple[ir.Program, tuple[str, float] | None]:
     """Rank 0 compiles; every other rank loads its Program (core/program_io, the passes'
     reports kept), and evaluate()'s program likewise when first asked (over `eval_group`:
-    Plan.ps's workers). So every rank runs one Program, whatever in its process could make a
-    compile differ; the compile's CPU time is spent once per job, not once per rank (eight
+    Plan.ps's workers). So every rank runs one Program, whatever in its process could make
+    a compile differ; the compile's CPU time is spent once per job, not once per rank (eight
     times on an 8-GPU node's host, whose ranks share its cores); and a compile error is
-    raised on every rank. A Program that does not pickle (a graph calling a function made at compile time)
-    is compiled by every rank, as rank 0 did. `local_eval(program)`: this rank's builder of
-    evaluate()'s program, for the same case. Returns the Program and the seconds spent
-    sending or waiting for it."""
+    raised on every rank. A Program that does not pickle (a graph calling a function made at
+    compile time), or does not load, is compiled by every rank, as rank 0 did.
+    `evaluate_builder(program)`: a builder of evaluate()'s program, one expression on every
+    rank. Returns the Program and the compile_times row of its sending or of the wait for
+    it (None on one rank)."""
     if world.size == 1:
-        return compile_program(), 0.0
+        return compile_here(), None
     t = time.perf_counter()
     mine = []
 
     def make():
-        mine.append(compile_program())
         nonlocal t
+        mine.append(compile_here())
         t = time.perf_counter()  # (rank 0: the compile has its own rows)
         return _sendable(mine[0]), mine[0].build_eval is not None
     data, has_eval = rdist.from_rank_0(make)
+    row = ("program from rank 0" if not mine else "program to the ranks" if data is not None
+           else "program not sent", time.perf_counter() - t)
     if data is None:  # (why: logged on rank 0) every rank compiles, evaluate()'s too
-        return (mine[0] if mine else compile_program()), time.perf_counter() - t
+        return (mine[0] if mine else compile_here()), row
     if mine:
         program = mine[0]
     else:  # (this rank's own planner report: a planned job's ranks all re-fit it)
-        program = program_io.loads(data, device=world.device, source="rank 0's Program")
-        program = dataclasses.replace(program, plan_report=plan_report, compile_times=[],
-                                      build_eval=local_eval(program) if has_eval else None)
+        program = _loaded(data, world)
+        program = compile_here() if program is None else dataclasses.replace(
+            program, plan_report=plan_report, compile_times=[])
     if has_eval:
         program = dataclasses.replace(program, build_eval=_evaluate_compiled_once(
-            world, program.build_eval, eval_group))
-    return program, time.perf_counter() - t
+            world, evaluate_builder(program), eval_group))
+    return program, row
 
 
 def _sendable(program: ir.Program) -> bytes | None:
@@ -276,20 +286,30 @@ def _sendable(program: ir.Program) -> bytes | None:
         return None
 
 
+def _loaded(data: bytes, world) -> ir.Program | None:
+    """Rank 0's Program on this rank's device, or None where it does not load."""
+    try:
+        return program_io.loads(data, device=world.device, source="rank 0's Program")
+    except Exception as e:  # noqa: BLE001 - any reason: this rank compiles its own instead
+        log.warning("rank %d could not load rank 0's Program (%s: %s): it compiles its own",
+                    world.rank, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
 def _evaluate_compiled_once(world, build_eval, group) -> Callable[[], ir.Program]:
     """build_eval on rank 0, its Program loaded on the others (evaluate() is collective: every
-    rank asks at once); where it does not pickle, each rank's own build_eval."""
+    rank asks at once); where it does not pickle or load, each rank's own build_eval."""
     def shared():
         mine = []
 
-        def make():
+        def make():  # (no snapshots: no one draws evaluate()'s program)
             mine.append(build_eval())
-            return _sendable(mine[0])
+            return _sendable(dataclasses.replace(mine[0], stage_graphs={}))
         data = rdist.from_rank_0(make, group)
         if mine:
             return mine[0]
-        return build_eval() if data is None else program_io.loads(
-            data, device=world.device, source="rank 0's evaluate() Program")
+        got = _loaded(data, world) if data is not None else None
+        return build_eval() if got is None else got
     return shared
 
 

@@ -286,7 +286,7 @@ def ranks_rank(variant: str, layers: int, seq: int, width: int) -> float:
     model = gpt2(layers, seq, width)
     dist.barrier()
     t = time.perf_counter()
-    if variant == "every rank":
+    if variant == "every rank compiles":
         fxpar.compile(model, world, example_batch=batch, plan=plan)
         return time.perf_counter() - t
     pm = fxpar.parallelize(model, world, example_batch=batch, plan=plan)
@@ -301,21 +301,22 @@ def ranks_vs_every_rank(world: int, layers: int, seq: int, width: int, rounds: i
     import statistics
 
     import fxpar
-    got: dict = {"every rank": [], "rank 0, sent": []}
+    got: dict = {"every rank compiles": [], "rank 0 compiles, sends": []}
     for _ in range(rounds):  # (interleaved, each a fresh launch: a fresh heap to measure)
         for variant, runs in got.items():
             runs.append(fxpar.launch(ranks_rank, world, variant, layers, seq, width))
     print(f"GPT-2 {layers} layers x {width}, sequence {seq}, dp={world}, {world} ranks "
           f"(median of {rounds}): seconds until each rank holds the Program")
-    print(f"{'variant':>14} {'slowest rank s':>15} " +
+    print(f"{'variant':>23} {'slowest rank s':>15} " +
           " ".join(f"{'rank ' + str(r) + ' s':>9}" for r in range(world)))
     slowest = {}
     for variant, runs in got.items():
         slowest[variant] = statistics.median(max(run.values()) for run in runs)
         each = [statistics.median(run[r] for run in runs) for r in range(world)]
-        print(f"{variant:>14} {slowest[variant]:>15.2f} " +
+        print(f"{variant:>23} {slowest[variant]:>15.2f} " +
               " ".join(f"{t:>9.2f}" for t in each))
-    print(f"rank 0, sent / every rank: {slowest['rank 0, sent'] / slowest['every rank']:.3f}")
+    print("rank 0 compiles, sends / every rank compiles: "
+          f"{slowest['rank 0 compiles, sends'] / slowest['every rank compiles']:.3f}")
 
 
 def main():

@@ -7,8 +7,9 @@ each plan named below, timed over --steps steps (the first two, which compile an
 left out; median). Beside them, one process training the same model eagerly on the whole
 batch. Prints per plan the predicted and measured seconds and their ratio (what the planner
 gets wrong at this size: docs/benchmarks.md, "At a real model's size on CPU"), the largest
-difference of its losses from eager's, and each rank's peak resident memory (VmHWM above
-the rank's own before the model was built).
+difference of its losses from eager's, and for the first plan ("auto", in fresh processes)
+each rank's peak resident memory above its own before the model was built (VmHWM; the
+later plans reuse the heap the first grew, so theirs is not printed).
 
     .venv/bin/python benchmarks/planner_real_size.py [--model gpt2|qwen2.5-0.5b]
         [--steps 7] [--layers N]
@@ -143,11 +144,12 @@ def main():
           f"losses {', '.join(f'{x:.4f}' for x in e_losses)}")
     print(f"{'plan':40s} {'chosen':28s} {'predicted s':>11s} {'measured s':>10s} {'x':>6s} "
           f"{'/ eager':>7s} {'max |loss - eager|':>18s} {'peak GiB r0, r1':>15s}")
-    for name, (key, measured, losses, _) in out.items():
+    for i, (name, (key, measured, losses, _)) in enumerate(out.items()):
         pred = table.get(tuple(key)) if table else None
         chosen = "dp={} tp={} pp={} m={} {} zero={}".format(*key)
         diff = max(abs(a - b) for a, b in zip(losses, e_losses))
-        peak = ", ".join(f"{peaks[r][name] / 2**30:.2f}" for r in sorted(peaks))
+        peak = ", ".join(f"{peaks[r][name] / 2**30:.2f}" for r in sorted(peaks)) if i == 0 \
+            else "-"
         print(f"{name:40s} {chosen:28s} {pred or float('nan'):11.2f} {measured:10.2f} "
               f"{measured / pred if pred else float('nan'):6.2f} {measured / e_step:7.2f} "
               f"{diff:18.2e} {peak:>15s}")

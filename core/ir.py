@@ -6,6 +6,7 @@ through `Program`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -286,7 +287,7 @@ class Program:
     # forward-only program, built on first use by the compiler that made this one.
     plan: Any = None
     plan_report: Any = None
-    stage_graphs: dict = dataclasses.field(default_factory=dict)
+    stage_graphs: Mapping = dataclasses.field(default_factory=dict)  # (loaded: read-only)
     compile_times: list = dataclasses.field(default_factory=list)
     fusion_skipped: str | None = None
     # Plan.codegen resolved: "inductor" (the runtime compiles each graph it runs with

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fxpar.core import ir
 from fxpar.core.errors import FxparError
 
-FORMAT = 3
+FORMAT = 4
 _LAYERS_ABOVE = (b"fxpar.compiler", b"fxpar.passes", b"fxpar.api")
 
 
@@ -56,14 +56,14 @@ class _Ref:
     name: str
 
 
-def _target(t):
+def _target(t, reports: bool = False):
     if isinstance(t, str):
         return ("str", t)
     if isinstance(t, torch._ops.OpOverload):
         return ("op", t.namespace, t._schema.name.split("::", 1)[1], t._overloadname)
     if isinstance(t, torch._ops.HigherOrderOperator):
         return ("hop", t.name())
-    return ("pickled", _pickled(t, f"the graph calls {t!r}"))
+    return ("pickled", _pickled(t, f"the graph calls {t!r}", reports))
 
 
 def _resolve(spec):
@@ -109,16 +109,16 @@ class _Writer:
         """Whether a metadata value can go where it is sent (module docstring)."""
         if type(value) in _ATOMS:
             return True
-        got = self.seen.get(id(value))
-        if got is None:
-            try:
-                data = pickle.dumps(value)
-                got = self.reports or not any(layer in data for layer in _LAYERS_ABOVE)
-            except Exception:  # noqa: BLE001 - not picklable: left out (module docstring)
-                got = False
-            self.seen[id(value)] = (got, value)  # (the value kept: its id stays its own)
-            return got
-        return got[0]
+        seen = self.seen.get(id(value))
+        if seen is not None:
+            return seen[0]
+        try:
+            data = pickle.dumps(value)
+            ok = self.reports or not any(layer in data for layer in _LAYERS_ABOVE)
+        except Exception:  # noqa: BLE001 - not picklable: left out (module docstring)
+            ok = False
+        self.seen[id(value)] = (ok, value)  # (the value kept alive: its id stays its own)
+        return ok
 
     def val(self, v):
         if isinstance(v, torch.Tensor):
@@ -136,8 +136,9 @@ class _Writer:
             args = _encode_args((n.args, n.kwargs))
             if not self.reports:  # (a file: each node's arguments checked, to name it)
                 _pickled(args, f"node {n.name}'s arguments")
-            nodes.append((n.op, n.name, _target(n.target), args, meta))
-        attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+            nodes.append((n.op, n.name, _target(n.target, self.reports), args, meta))
+        attrs = {n.target: _host(getattr(gm, n.target)) for n in gm.graph.nodes
+                 if n.op == "get_attr"}
         meta = {k: v for k, v in gm.meta.items() if self.plain(v)}
         return {"nodes": nodes, "attrs": attrs, "meta": meta}
 
@@ -153,8 +154,9 @@ def _decode_val(v, mode: FakeTensorMode, here: torch.device | None = None):
         t = torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta")
         if v.storage_offset:
             t = t.as_strided(v.shape, v.stride, v.storage_offset)
-        return FakeTensor(mode, t, _on(torch.device(v.device), here))  # (a fresh meta tensor:
-        # the converter's memo, which from_meta_and_device fills, is never asked of it)
+        # (a fresh meta tensor: the converter's memo, which from_meta_and_device fills,
+        # is never asked of it)
+        return FakeTensor(mode, t, _on(torch.device(v.device), here))
     if isinstance(v, (list, tuple)):
         return type(v)(_decode_val(x, mode, here) for x in v)
     return v
@@ -173,6 +175,18 @@ def _encode_arg(x):
     if isinstance(x, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
         return _Op(_target(x))
     return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnHost:
+    """A graph constant on disk: its values on the host and the device it was on (a
+    CUDA tensor pickled as itself would load onto that same GPU in every process)."""
+    tensor: torch.Tensor
+    device: str
+
+
+def _host(v):
+    return _OnHost(v.detach().cpu(), str(v.device)) if isinstance(v, torch.Tensor) else v
 
 
 def _encode_args(a):
@@ -202,8 +216,8 @@ def decode_graph(d: dict, mode: FakeTensorMode,
         made[name] = node
     root = torch.nn.Module()
     for name, value in d["attrs"].items():
-        if isinstance(value, torch.Tensor):  # (a constant: where this process runs)
-            value = value.to(_on(value.device, here))
+        if isinstance(value, _OnHost):  # (a constant: where this process runs)
+            value = value.tensor.to(_on(torch.device(value.device), here))
         setattr(root, name, value)
     gm = torch.fx.GraphModule(root, g)
     gm.meta.update(d["meta"])

@@ -73,6 +73,12 @@ class KernelCall:
             raise TypeError(f"{self!r} is not one of fxpar.kernels.library's kernels")
         return _kernel, (self.key, self.layouts)
 
+    def __copy__(self):  # (one kernel, its caches shared: not a re-bound copy)
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     def for_node(self, node: torch.fx.Node) -> "KernelCall":
         """A copy bound to one graph node: its tensor results are given the shapes and
         strides the node's meta["val"] promises (later views and transfers rely on them)."""

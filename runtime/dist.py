@@ -35,6 +35,8 @@ from fxpar.core.errors import FxparError, PlanError
 from fxpar.core.plan import world_of
 from fxpar.runtime import calls
 
+log = logging.getLogger(__name__)
+
 
 def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("FXPAR_TIMEOUT", "600")))
@@ -69,7 +71,9 @@ _from_rank_0: dict[str, int] = {}  # from_rank_0 calls per group (its ranks coun
 
 def from_rank_0(make: Callable[[], Any], group=None) -> Any:
     """make() run on rank 0 alone, its (picklable) value returned on every rank of `group`
-    (default: the job's); an exception it raises is raised on every rank.
+    (default: the job's; it must hold global rank 0); an exception it raises is raised on
+    every rank. Every rank of `group` calls it as often as the others (the store's keys are
+    counted per group in each process).
 
     The other ranks wait for rank 0 to begin within FXPAR_TIMEOUT, as for any collective,
     then for make() however long it takes, up to an hour or FXPAR_TIMEOUT if longer: they
@@ -85,10 +89,13 @@ def from_rank_0(make: Callable[[], Any], group=None) -> Any:
         store.set(key + "/begun", "1")
         try:
             box[0] = ("value", make())
-        except Exception as e:
+        except BaseException as e:
             box[0] = ("error", _portable(e))
-            store.set(key, "error")
-            dist.broadcast_object_list(box, src=0, group=group)
+            try:
+                store.set(key, "error")
+                dist.broadcast_object_list(box, src=0, group=group)
+            except Exception as comm:  # noqa: BLE001 - make()'s error is the one to see
+                log.warning("rank 0 could not send its error to the other ranks: %s", comm)
             raise
         store.set(key, "value")
         dist.broadcast_object_list(box, src=0, group=group)
@@ -106,6 +113,7 @@ def from_rank_0(make: Callable[[], Any], group=None) -> Any:
     dist.broadcast_object_list(box, src=0, group=group)
     kind, value = box[0]
     if kind == "error":
+        value.add_note("(raised on rank 0, where the Program is compiled, and sent here)")
         raise value
     return value
 

@@ -162,8 +162,9 @@ class ParallelModel:
             generated = self._codegen(program, parts, clock)
             self._generated[id(program)] = generated["joint"]
         if program.codegen == "inductor" and generated is not parts:
-            self.stage_graphs = collections.ChainMap(  # (a loaded Program's snapshots
-                {"codegen": _marked_runs(parts, generated)}, program.stage_graphs)  # unread)
+            # (a ChainMap: a loaded Program's snapshots stay undecoded until read)
+            self.stage_graphs = collections.ChainMap(
+                {"codegen": _marked_runs(parts, generated)}, program.stage_graphs)
         zero3_shards = None
         if weights is not None:  # only this rank's part of each tensor is read and made
             with clock("materialise weights"):

@@ -194,6 +194,24 @@ def _compiled_once_rank():
         own_ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
     finally:
         program_io.dumps = dumps
+    # rank 0's Program does not load on rank 1: rank 1 compiles its own; evaluate()'s
+    # program still comes from rank 0 (both ranks ask for it at once)
+    loads = program_io.loads
+
+    def unloadable(*args, **kwargs):
+        raise ValueError("cannot load")
+    program_io.loads = unloadable if rank == 1 else loads
+    try:
+        torch.manual_seed(0)
+        pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                               plan={"dp": 2})
+        program_io.loads = loads  # (evaluate()'s program loads)
+        unloaded_rows = [name for name, *_ in pm.compile_times]
+        unloaded = [pm.step(M.gpt_batch(CFG, 8, seed=s)).item() for s in range(2)]
+        unloaded_ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
+    finally:
+        program_io.loads = loads
     try:
         fxpar.parallelize(Untraceable(), 2, example_batch=torch.randn(4, 4),
                           plan={"dp": 2}, batch="local")
@@ -201,7 +219,7 @@ def _compiled_once_rank():
     except Exception as e:  # noqa: BLE001 - compared across the ranks below
         error = (type(e).__name__, str(e))
     return {"rank": rank, "rows": rows, "losses": losses, "eval": ev, "error": error,
-            "own": (own_rows, own, own_ev)}
+            "own": (own_rows, own, own_ev), "unloaded": (unloaded_rows, unloaded, unloaded_ev)}
 
 
 def test_a_job_compiles_on_rank_0_and_the_other_ranks_load_its_program():
@@ -216,6 +234,9 @@ def test_a_job_compiles_on_rank_0_and_the_other_ranks_load_its_program():
     assert r0["losses"] == r1["losses"] and r0["eval"] == r1["eval"]
     for r in (r0, r1):  # (rank 0's Program did not pickle: each rank compiled its own)
         rows, losses, ev = r["own"]
+        assert "capture" in rows and (losses, ev) == (r0["losses"], r0["eval"])
+        assert "program not sent" in rows or "program from rank 0" in rows
+        rows, losses, ev = r["unloaded"]  # (rank 1 could not load it: compiled its own)
         assert "capture" in rows and (losses, ev) == (r0["losses"], r0["eval"])
     assert r0["error"] == r1["error"] and r0["error"][0] == "TraceError", r0["error"]
     assert ".item()" in r0["error"][1]
