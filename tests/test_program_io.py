@@ -157,17 +157,26 @@ def test_the_passes_reports_go_to_another_rank_not_to_a_file():
     assert dropped > 0
 
 
-def _compiled_once_rank():
-    """Rank 0 compiles; rank 1 loads: their compile rows, losses and evaluate(); then a model
-    that cannot be traced: the same error on both ranks."""
-    rank = int(os.environ["RANK"])
+def _train_gpt_on_2(after_compile=lambda: None):
+    """parallelize a GPT at dp=2, then (after_compile()) 2 steps and evaluate(): the compile
+    rows, losses and evaluate()'s loss."""
     torch.manual_seed(0)
     pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                           plan={"dp": 2, "tp": 1})
-    rows = [name for name, *_ in pm.compile_times]
+                           plan={"dp": 2})
+    after_compile()
     losses = [pm.step(M.gpt_batch(CFG, 8, seed=s)).item() for s in range(2)]
-    ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
+    return ([name for name, *_ in pm.compile_times], losses,
+            pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item())
+
+
+def _compiled_once_rank():
+    """Rank 0 compiles; rank 1 loads: their compile rows, losses and evaluate(); the same
+    where rank 0's Program does not pickle, and where rank 1 cannot load it; then a model
+    that cannot be traced: the same error on both ranks."""
+    from fxpar.core import program_io
+    rank = int(os.environ["RANK"])
+    rows, losses, ev = _train_gpt_on_2()
 
     class Untraceable(torch.nn.Module):
         def __init__(self):
@@ -178,38 +187,24 @@ def _compiled_once_rank():
             y = self.lin(x)
             return (y * 2 if y.sum().item() > 0 else y).pow(2).mean()
     # a Program that does not pickle (here: made so on rank 0): each rank compiles its own
-    from fxpar.core import program_io
-    dumps = program_io.dumps
+    dumps, loads = program_io.dumps, program_io.loads
 
     def unpicklable(*args, **kwargs):
         raise pickle.PicklingError("Can't pickle <function made at compile time>")
+
+    def unloadable(*args, **kwargs):
+        raise ValueError("cannot load")
     program_io.dumps = unpicklable if rank == 0 else dumps
     try:
-        torch.manual_seed(0)
-        pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
-                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                               plan={"dp": 2})
-        own_rows = [name for name, *_ in pm.compile_times]
-        own = [pm.step(M.gpt_batch(CFG, 8, seed=s)).item() for s in range(2)]
-        own_ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
+        own_rows, own, own_ev = _train_gpt_on_2()
     finally:
         program_io.dumps = dumps
     # rank 0's Program does not load on rank 1: rank 1 compiles its own; evaluate()'s
     # program still comes from rank 0 (both ranks ask for it at once)
-    loads = program_io.loads
-
-    def unloadable(*args, **kwargs):
-        raise ValueError("cannot load")
     program_io.loads = unloadable if rank == 1 else loads
     try:
-        torch.manual_seed(0)
-        pm = fxpar.parallelize(M.GPT(CFG), 2, example_batch=M.gpt_batch(CFG, 8),
-                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                               plan={"dp": 2})
-        program_io.loads = loads  # (evaluate()'s program loads)
-        unloaded_rows = [name for name, *_ in pm.compile_times]
-        unloaded = [pm.step(M.gpt_batch(CFG, 8, seed=s)).item() for s in range(2)]
-        unloaded_ev = pm.evaluate(M.gpt_batch(CFG, 8, seed=9)).item()
+        unloaded_rows, unloaded, unloaded_ev = _train_gpt_on_2(
+            after_compile=lambda: setattr(program_io, "loads", loads))
     finally:
         program_io.loads = loads
     try:
