@@ -207,7 +207,7 @@ def _parallelize(model, devices, example_batch, loss_fn, optimizer, plan, weight
         return build(model, example_batch, loss_fn, resolved, world.device,
                      captured=captured, plan_report=plan_report)
 
-    def evaluate_builder(p):  # (every rank: the training program's tp layouts kept)
+    def evaluate_builder(p):  # (as compile.build makes it: the training tp layouts kept)
         return eval_builder(model, example_batch, loss_fn, resolved, world.device,
                             p.tp_layouts if p.tp > 1 else None)
     program, shared = _compiled_once(
@@ -246,9 +246,10 @@ def _compiled_once(world, compile_here: Callable[[], ir.Program], plan_report,
     times on an 8-GPU node's host, whose ranks share its cores); and a compile error is
     raised on every rank. A Program that does not pickle (a graph calling a function made at
     compile time), or does not load, is compiled by every rank, as rank 0 did.
-    `evaluate_builder(program)`: a builder of evaluate()'s program, one expression on every
-    rank. Returns the Program and the compile_times row of its sending or of the wait for
-    it (None on one rank)."""
+    `evaluate_builder(program)`: a builder of evaluate()'s program like the compile's own
+    (its stand-ins, the training program's tp layouts), for a rank that loaded the Program
+    (in case evaluate()'s does not pickle). Returns the Program and the compile_times row of
+    its sending or of the wait for it (None on one rank)."""
     if world.size == 1:
         return compile_here(), None
     t = time.perf_counter()
@@ -270,9 +271,10 @@ def _compiled_once(world, compile_here: Callable[[], ir.Program], plan_report,
         program = _loaded(data, world)
         program = compile_here() if program is None else dataclasses.replace(
             program, plan_report=plan_report, compile_times=[])
-    if has_eval:
+    if has_eval:  # (a loaded Program has no builder: this rank makes its own)
+        build_eval = program.build_eval or evaluate_builder(program)
         program = dataclasses.replace(program, build_eval=_evaluate_compiled_once(
-            world, evaluate_builder(program), eval_group))
+            world, build_eval, eval_group))
     return program, row
 
 
